@@ -1,0 +1,29 @@
+"""pagedjax: a JAX/Pallas LLM inference engine built on PagedAttention.
+
+The engine's public names are imported lazily so that the host-side core (`pagedjax.core`, plain Python
+and numpy) can be used without importing JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLMEngine": "pagedjax.engine",
+    "SamplingParams": "pagedjax.core.request",
+    "RequestOutput": "pagedjax.core.request",
+    "ModelConfig": "pagedjax.config",
+    "CacheConfig": "pagedjax.config",
+    "SchedulerConfig": "pagedjax.config",
+    "kv_cache_bytes": "pagedjax.config",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedjax' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Device side of pagedjax: pure JAX functions over pytrees (KV cache, page state, attention, sampling)."""

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Sets up the test environments from scratch (idempotent) and runs the test suite:
+#   1. the whole default suite on python3 (JAX from pip, the [test,hf] extras: torch is the local CPU wheel),
+#   2. the kernel tests again on python3.12 with the newest JAX.
+# Extra arguments go to the first pytest run, e.g. scripts/test.sh -k block_pool.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python312() {
+  if python3.12 -c 'import sys' >/dev/null 2>&1; then command -v python3.12; return; fi
+  local root; root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+  for p in "$root"/versions/3.12*/bin/python3.12 /usr/bin/python3.12 /usr/local/bin/python3.12; do
+    [ -x "$p" ] && { echo "$p"; return; }
+  done
+  return 1
+}
+
+quiet_pip() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+
+if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+quiet_pip .venv/bin/pip install -q --upgrade pip
+# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+quiet_pip .venv/bin/pip install -q "torch==2.13.0"
+quiet_pip .venv/bin/pip install -q -e ".[test,hf]"
+
+echo "== pagedjax tests: $(.venv/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
+.venv/bin/python -m pytest -n 2 -q "$@"
+
+if PY312=$(find_python312); then
+  if [ ! -x .venv312/bin/python ]; then "$PY312" -m venv .venv312; fi
+  quiet_pip .venv312/bin/pip install -q --upgrade pip
+  quiet_pip .venv312/bin/pip install -q --upgrade jax jaxlib
+  quiet_pip .venv312/bin/pip install -q -e ".[test]"
+  echo "== kernel tests: $(.venv312/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
+  .venv312/bin/python -m pytest -n 2 -q tests/kernels
+else
+  echo "python3.12 not found: skipping the newest-JAX kernel run" >&2
+  exit 1
+fi
