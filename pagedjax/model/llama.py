@@ -1,0 +1,177 @@
+"""A Llama-family decoder in Flax NNX (Llama 2/3, Mistral, Qwen2 shapes): RMSNorm, RoPE, SwiGLU, GQA/MQA/MHA.
+
+Two forwards share the same weights:
+  `__call__`      the serving path: a ragged batch of tokens `[num_tokens]`, new K/V written into the paged
+                  cache by slot mapping, attention through the paged kernels.
+  `forward_dense` the ground truth: whole sequences `[batch, seq]`, causal attention, no cache at all.
+
+Conventions follow Hugging Face's Llama so that its checkpoints load without permuting weights: RoPE rotates
+halves (`rotate_half`), linear kernels are stored `[in, out]` (HF's weights transposed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pagedjax.config import ModelConfig
+from pagedjax.device.attention import AttentionMetadata, paged_attention
+from pagedjax.device.kv_cache import KVCache, write_kv
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies `[head_dim // 2]` (float32), with "linear" or "llama3" scaling if configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if not cfg.rope_scaling:
+        return inv_freq.astype(np.float32)
+    rs = dict(cfg.rope_scaling)
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        inv_freq = inv_freq / float(rs["factor"])
+    elif kind == "llama3":
+        factor = float(rs["factor"])
+        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old_len = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = np.where(medium, smoothed, scaled)
+    else:
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate `x [..., heads, head_dim]` by `positions [...]` (rotate-half convention)."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., 1, D]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+def _linear(n_in: int, n_out: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = _linear(h, cfg.num_q_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.k_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.v_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.o_proj = _linear(cfg.num_q_heads * d, h, False, dtype, rngs)
+        self.num_q_heads, self.num_kv_heads, self.head_dim = cfg.num_q_heads, cfg.num_kv_heads, d
+
+    def _qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray):
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, self.num_q_heads, self.head_dim)
+        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def __call__(self, x, positions, k_pages, v_pages, meta: AttentionMetadata, inv_freq, *, backend: str,
+                 decode_only: bool):
+        """x `[T, hidden]` -> (`[T, hidden]`, k_pages, v_pages) with this step's K/V written first."""
+        q, k, v = self._qkv(x, positions, inv_freq)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
+        o = paged_attention(q, k_pages, v_pages, meta, backend=backend, decode_only=decode_only)
+        return self.o_proj(o.reshape(x.shape[0], -1)), k_pages, v_pages
+
+    def dense(self, x: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+        """Causal attention over whole sequences, no cache. x `[B, S, hidden]` -> `[B, S, hidden]`."""
+        b, s, _ = x.shape
+        positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+        q, k, v = self._qkv(x, positions, inv_freq)
+        g = self.num_q_heads // self.num_kv_heads
+        qg = q.reshape(b, s, self.num_kv_heads, g, self.head_dim).astype(jnp.float32)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32)) / math.sqrt(self.head_dim)
+        causal = jnp.tril(jnp.ones((s, s), bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+        o = jnp.einsum("bkgqs,bskd->bqkgd", probs, v.astype(jnp.float32)).astype(x.dtype)
+        return self.o_proj(o.reshape(b, s, -1))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
+        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+
+class Llama(nnx.Module):
+    """Decoder-only transformer. Parameter names mirror Hugging Face's `LlamaForCausalLM`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.config = cfg
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype,
+                                                                     rngs)
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, meta: AttentionMetadata,
+                 *, backend: str, decode_only: bool = False) -> tuple[jax.Array, KVCache]:
+        """Serving forward. token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache)."""
+        inv_freq = rope_inv_freq(self.config)
+        x = self.embed_tokens(token_ids)
+        ks, vs = list(kv_cache.k), list(kv_cache.v)
+        for i, layer in enumerate(self.layers):
+            h, ks[i], vs[i] = layer.self_attn(layer.input_layernorm(x), positions, ks[i], vs[i], meta, inv_freq,
+                                              backend=backend, decode_only=decode_only)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x), KVCache(tuple(ks), tuple(vs))
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """`[..., hidden]` -> float32 logits `[..., vocab]`."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def forward_dense(self, token_ids: jax.Array) -> jax.Array:
+        """Ground truth: token_ids `[B, S]` -> float32 logits `[B, S, vocab]`, causal, no cache."""
+        inv_freq = rope_inv_freq(self.config)
+        x = self.embed_tokens(token_ids)
+        for layer in self.layers:
+            x = x + layer.self_attn.dense(layer.input_layernorm(x), inv_freq)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.compute_logits(self.norm(x))
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Llama:
+    """A randomly initialised model (deterministic in `seed`)."""
+    return Llama(cfg, rngs=nnx.Rngs(seed))

@@ -1,0 +1,78 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedjax.device.sampling import SamplingMetadata, filter_logits, sample
+
+
+def _meta(n, temperature=0.0, top_k=0, top_p=1.0, seeds=None, steps=None):
+    seeds = list(range(n)) if seeds is None else seeds
+    steps = [0] * n if steps is None else steps
+    return SamplingMetadata.from_lists([temperature] * n, [top_k] * n, [top_p] * n, seeds, steps)
+
+
+def test_greedy_is_argmax():
+    logits = jax.random.normal(jax.random.key(0), (5, 33))
+    np.testing.assert_array_equal(np.asarray(sample(logits, _meta(5))), np.argmax(np.asarray(logits), -1))
+
+
+def test_top_k_one_is_argmax_at_any_temperature():
+    logits = jax.random.normal(jax.random.key(1), (6, 40))
+    out = sample(logits, _meta(6, temperature=5.0, top_k=1))
+    np.testing.assert_array_equal(np.asarray(out), np.argmax(np.asarray(logits), -1))
+
+
+def test_same_seed_same_token_regardless_of_batch():
+    row = jax.random.normal(jax.random.key(2), (1, 50))
+    others = jax.random.normal(jax.random.key(3), (3, 50))
+    alone = sample(row, _meta(1, temperature=1.0, seeds=[1234], steps=[7]))
+    batch = jnp.concatenate([others[:2], row, others[2:]])
+    together = sample(batch, _meta(4, temperature=1.0, seeds=[5, 6, 1234, 8], steps=[0, 3, 7, 1]))
+    assert int(alone[0]) == int(together[2])
+
+
+def test_seed_and_step_change_the_draw():
+    logits = jnp.zeros((64, 1000))  # uniform: draws collide rarely
+    by_step = sample(logits, _meta(64, temperature=1.0, seeds=[9] * 64, steps=list(range(64))))
+    assert len(set(np.asarray(by_step).tolist())) > 50
+    by_seed = sample(logits, _meta(64, temperature=1.0, seeds=list(range(64)), steps=[0] * 64))
+    assert len(set(np.asarray(by_seed).tolist())) > 50
+
+
+def test_sampling_follows_the_distribution():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(probs, jnp.float32)), (n, 4))
+    draws = np.asarray(sample(logits, _meta(n, temperature=1.0, seeds=[42] * n, steps=list(range(n)))))
+    freq = np.bincount(draws, minlength=4) / n
+    # 4 sigma of a binomial at n=4000 is below 0.032.
+    np.testing.assert_allclose(freq, probs, atol=0.032)
+
+
+@given(st.data())
+def test_filter_logits_keeps_top_k_and_top_p_sets(data):
+    vocab = data.draw(st.integers(2, 30), label="vocab")
+    # Distinct logits on a 0.01 grid: exact ties (and subnormals, flushed to zero on CPU) have no defined order.
+    values = data.draw(st.lists(st.integers(-500, 500), min_size=vocab, max_size=vocab, unique=True), label="logits")
+    top_k = data.draw(st.integers(0, vocab + 2), label="top_k")
+    top_p = data.draw(st.floats(0.05, 1.0), label="top_p")
+    temperature = data.draw(st.sampled_from([0.5, 1.0, 2.0]), label="temperature")
+    logits = np.array(values, np.float32) / 100
+    out = np.asarray(filter_logits(jnp.asarray(logits[None]), jnp.array([temperature]), jnp.array([top_k]),
+                                   jnp.array([top_p], jnp.float32)))[0]
+    kept = set(np.flatnonzero(np.isfinite(out)).tolist())
+
+    order = np.argsort(-logits)
+    k = vocab if top_k <= 0 else min(top_k, vocab)
+    candidates = order[:k]
+    p = np.exp((logits[candidates] - logits[candidates].max()) / temperature)
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    expected = {int(c) for c, b in zip(candidates, before, strict=True) if b < top_p}
+    expected.add(int(order[0]))
+    # Tokens within float rounding of the top-p boundary may go either way.
+    boundary = {int(c) for c, b in zip(candidates, before, strict=True) if abs(b - top_p) < 1e-5}
+    assert kept - boundary == expected - boundary
+    np.testing.assert_allclose(out[sorted(kept)], logits[sorted(kept)] / temperature, rtol=1e-6)
