@@ -1,0 +1,199 @@
+"""The model runner: owns the device state (weights, paged KV cache) and executes step plans with jit.
+
+Shapes are bucketed to powers of two (tokens, sequences, blocks per sequence) so that a long run compiles a
+handful of times; each new bucket is logged and counted. The KV cache is donated to every call, so XLA
+updates it in place.
+
+Two entry points:
+  `execute(plan)`            one ragged step (prefill chunks and decodes together), returns sampled tokens.
+  `execute_multi_decode(..)` N decode steps in one `lax.while_loop` on device: forward, KV write, paged
+                             attention, sampling, stop checks and block allocation (`page_state`), no host
+                             round trip until the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pagedjax.device.attention import AttentionMetadata, resolve_backend
+from pagedjax.device.kv_cache import KVCache, init_kv_cache
+from pagedjax.device.page_state import PageState, append_tokens, init_page_state
+from pagedjax.device.sampling import SamplingMetadata, sample
+from pagedjax.model.llama import Llama
+
+logger = logging.getLogger(__name__)
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    n = max(int(n), minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A padded, device-ready step. Shapes: T tokens, S sequences, B blocks per sequence (all buckets)."""
+
+    token_ids: np.ndarray  # int32 [T]
+    positions: np.ndarray  # int32 [T]
+    meta: AttentionMetadata  # slot_mapping [T], block_tables [S, B], kv_lens [S], cu_q_lens [S + 1]
+    logits_indices: np.ndarray  # int32 [S]
+    sampling: SamplingMetadata  # [S] each
+    decode_only: bool
+
+
+def pad_step(token_ids, positions, slot_mapping, block_tables, kv_lens, cu_q_lens, sampling: SamplingMetadata,
+             ) -> StepInputs:
+    """Pad a ragged step to bucket sizes. Padding tokens write nowhere (slot -1); padding sequences have
+    q_len 0 and kv_len 0, so every kernel returns zeros for them."""
+    num_tokens, num_seqs = len(token_ids), len(kv_lens)
+    decode_only = num_tokens == num_seqs
+    s_b = bucket(num_seqs, 4)
+    t_b = s_b if decode_only else bucket(num_tokens, 16)
+    b_b = bucket(block_tables.shape[1], 2)
+
+    def pad(x, n, value, dtype=np.int32):
+        out = np.full((n,) + np.shape(x)[1:], value, dtype)
+        out[: len(x)] = x
+        return out
+
+    tables = np.zeros((s_b, b_b), np.int32)
+    tables[:num_seqs, : block_tables.shape[1]] = block_tables
+    cu = pad(cu_q_lens, s_b + 1, num_tokens)
+    sampling = SamplingMetadata(
+        temperature=pad(sampling.temperature, s_b, 0.0, np.float32),
+        top_k=pad(sampling.top_k, s_b, 0),
+        top_p=pad(sampling.top_p, s_b, 1.0, np.float32),
+        seed_hi=pad(sampling.seed_hi, s_b, 0, np.uint32),
+        seed_lo=pad(sampling.seed_lo, s_b, 0, np.uint32),
+        step=pad(sampling.step, s_b, 0),
+    )
+    return StepInputs(
+        token_ids=pad(token_ids, t_b, 0),
+        positions=pad(positions, t_b, 0),
+        meta=AttentionMetadata(pad(slot_mapping, t_b, -1), tables, pad(kv_lens, s_b, 0), cu),
+        logits_indices=pad(np.asarray(cu_q_lens[1:]) - 1, s_b, 0),
+        sampling=sampling,
+        decode_only=decode_only,
+    )
+
+
+def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,
+                  logits_indices, sampling: SamplingMetadata, *, backend: str, decode_only: bool,
+                  return_logits: bool):
+    model: Llama = nnx.merge(graphdef, params)
+    hidden, kv_cache = model(token_ids, positions, kv_cache, meta, backend=backend, decode_only=decode_only)
+    logits = model.compute_logits(hidden[logits_indices])
+    tokens = sample(logits, sampling)
+    return tokens, kv_cache, (logits if return_logits else None)
+
+
+def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, sampling: SamplingMetadata,
+                 stop_ids, max_new, *, num_steps: int, block_size: int, backend: str):
+    """Up to `num_steps` decode steps with no host round trip.
+
+    tokens int32 `[S]` (each sequence's last token, whose KV is not yet cached); stop_ids int32 `[S, K]`
+    (-1 = none); max_new int32 `[S]` tokens each sequence may still generate (0 = padding row).
+    Returns (sampled int32 `[num_steps, S]` with -1 after a sequence stopped, final PageState, cache).
+    """
+    model: Llama = nnx.merge(graphdef, params)
+    num_seqs = tokens.shape[0]
+    cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+
+    def cond(carry):
+        i, _, _, _, active, _, _ = carry
+        return (i < num_steps) & jnp.any(active)
+
+    def body(carry):
+        i, kv, ps, cur, active, generated, out = carry
+        positions = ps.seq_lens
+        ps, slots = append_tokens(ps, active, block_size)
+        meta = AttentionMetadata(slots, ps.block_tables, jnp.where(active, ps.seq_lens, 0), cu_q_lens)
+        hidden, kv = model(cur, positions, kv, meta, backend=backend, decode_only=True)
+        new = sample(model.compute_logits(hidden), sampling._replace(step=sampling.step + generated))
+        new = jnp.where(active, new, -1)
+        generated = generated + active.astype(jnp.int32)
+        stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (generated >= max_new)
+        return (i + 1, kv, ps, jnp.where(active, new, cur), active & ~stopped, generated, out.at[i].set(new))
+
+    active = max_new > 0
+    out = jnp.full((num_steps, num_seqs), -1, jnp.int32)
+    init = (jnp.int32(0), kv_cache, pages, tokens, active, jnp.zeros((num_seqs,), jnp.int32), out)
+    _, kv_cache, pages, _, _, _, out = jax.lax.while_loop(cond, body, init)
+    return out, pages, kv_cache
+
+
+# One jit wrapper per function, shared by every runner: engines of the same model shape reuse compilations.
+_forward_step_jit = jax.jit(_forward_step, static_argnums=(0,),
+                            static_argnames=("backend", "decode_only", "return_logits"), donate_argnums=(2,))
+_decode_loop_jit = jax.jit(_decode_loop, static_argnums=(0,),
+                           static_argnames=("num_steps", "block_size", "backend"), donate_argnums=(2,))
+
+
+class ModelRunner:
+    """Executes steps of one model over one paged KV cache of `num_blocks` x `block_size` tokens."""
+
+    def __init__(self, model: Llama, num_blocks: int, block_size: int, *, kv_dtype=None, backend: str = "auto"):
+        cfg = model.config
+        self.model_config = cfg
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.backend = resolve_backend(backend)
+        self.graphdef, self.params = nnx.split(model)
+        dtype = jnp.dtype(kv_dtype or cfg.dtype)
+        self.kv_cache = init_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, dtype)
+        self.compiled_shapes: set[tuple] = set()
+        self.device_seconds = 0.0  # wall time inside jitted calls, results read back
+        self._step = _forward_step_jit
+        self._loop = _decode_loop_jit
+        logger.info("pagedjax runner: backend=%s, KV cache %d blocks x %d tokens (%.1f MiB)", self.backend,
+                    num_blocks, block_size, self.kv_cache.nbytes / 2**20)
+
+    @property
+    def num_compilations(self) -> int:
+        return len(self.compiled_shapes)
+
+    def _note_shape(self, key: tuple) -> None:
+        if key not in self.compiled_shapes:
+            self.compiled_shapes.add(key)
+            logger.info("compiling %s (compilation #%d)", key, len(self.compiled_shapes))
+
+    def execute(self, inputs: StepInputs, *, return_logits: bool = False):
+        """Run one padded step. Returns sampled tokens `[S]` (numpy), and logits `[S, vocab]` if asked."""
+        m = inputs.meta
+        self._note_shape(("step", len(inputs.token_ids), m.block_tables.shape, inputs.decode_only, return_logits))
+        start = time.perf_counter()
+        tokens, self.kv_cache, logits = self._step(
+            self.graphdef, self.params, self.kv_cache, inputs.token_ids, inputs.positions, m,
+            inputs.logits_indices, inputs.sampling, backend=self.backend, decode_only=inputs.decode_only,
+            return_logits=return_logits)
+        tokens = np.asarray(tokens)
+        self.device_seconds += time.perf_counter() - start
+        return (tokens, np.asarray(logits)) if return_logits else tokens
+
+    def execute_multi_decode(self, tokens, block_tables, seq_lens, lent_blocks, sampling: SamplingMetadata,
+                             stop_ids, max_new, num_steps: int):
+        """Run up to `num_steps` decode steps of S sequences on device (inputs already padded).
+
+        tokens, seq_lens, max_new: `[S]`; block_tables `[S, B]`; lent_blocks `[F]`; stop_ids `[S, K]`.
+        Returns (sampled `[num_steps, S]`, block_tables `[S, B]`, number of lent blocks used), as numpy.
+        """
+        self._note_shape(("decode_loop", block_tables.shape, len(lent_blocks), stop_ids.shape[1], num_steps))
+        start = time.perf_counter()
+        pages = init_page_state(block_tables, seq_lens, lent_blocks)
+        out, pages, self.kv_cache = self._loop(
+            self.graphdef, self.params, self.kv_cache, pages, tokens, sampling, stop_ids, max_new,
+            num_steps=num_steps, block_size=self.block_size, backend=self.backend)
+        out, tables, used, overflow = jax.device_get((out, pages.block_tables, pages.num_popped, pages.overflow))
+        self.device_seconds += time.perf_counter() - start
+        if overflow:
+            raise RuntimeError("fused decode ran out of lent blocks or table columns: the host lent too few (a bug)")
+        return out, tables, int(used)
+

@@ -1,0 +1,211 @@
+"""The paged engine against the plain dense model (no cache, recompute everything each step).
+
+Invariant 4 of the design: greedy output is identical with prefix caching on or off, with or without
+preemption, for any block size, batch composition, fused decode steps, backend and block placement.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax.model.llama import init_model
+from pagedjax.runner import pad_step
+
+CFG = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                  intermediate_size=128)
+SEED = 7
+MAX_TOKENS = 12
+MAX_LEN = 96
+# Lengths: 1 token, exactly one block of 16, many blocks, and two prompts sharing a 40-token prefix.
+_rng = np.random.default_rng(1)
+_shared = _rng.integers(0, CFG.vocab_size, 40).tolist()
+PROMPTS = [
+    _rng.integers(0, CFG.vocab_size, 1).tolist(),
+    _rng.integers(0, CFG.vocab_size, 16).tolist(),
+    _rng.integers(0, CFG.vocab_size, 53).tolist(),
+    _shared + _rng.integers(0, CFG.vocab_size, 5).tolist(),
+    _shared + _rng.integers(0, CFG.vocab_size, 9).tolist(),
+    _rng.integers(0, CFG.vocab_size, 7).tolist(),
+]
+
+
+@functools.cache
+def _dense_fn():
+    graphdef, state = nnx.split(init_model(CFG, SEED))
+    return jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))
+
+
+def dense_greedy(prompts, max_tokens):
+    """Greedy continuation by full recompute; also returns the smallest top-1/top-2 logit margin seen."""
+    forward = _dense_fn()
+    seqs = [list(p) for p in prompts]
+    margin = np.inf
+    for _ in range(max_tokens):
+        batch = np.zeros((len(seqs), MAX_LEN), np.int32)  # causal: right padding changes nothing before it
+        for i, s in enumerate(seqs):
+            batch[i, : len(s)] = s
+        logits = np.asarray(forward(jnp.asarray(batch)))
+        for i, s in enumerate(seqs):
+            row = np.sort(logits[i, len(s) - 1])
+            margin = min(margin, row[-1] - row[-2])
+            s.append(int(np.argmax(logits[i, len(s) - 1])))
+    return [s[len(p):] for s, p in zip(seqs, prompts, strict=True)], margin
+
+
+@functools.cache
+def reference():
+    outputs, margin = dense_greedy(PROMPTS, MAX_TOKENS)
+    # A near tie would make "identical tokens" depend on rounding; this model and seed have none.
+    assert margin > 1e-3, margin
+    return outputs
+
+
+def make_engine(block_size=16, num_blocks=64, prefix=True, max_num_seqs=8, max_batched=64, **kw):
+    return LLMEngine(CFG, CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix),
+                     SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
+                                     max_model_len=MAX_LEN), seed=SEED, **kw)
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS)
+
+
+def assert_all_free(engine):
+    st = engine.stats()
+    assert st.blocks_used == 0
+    assert st.blocks_free + st.blocks_cached == st.num_blocks
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_greedy_matches_dense_recompute(block_size):
+    engine = make_engine(block_size=block_size, num_blocks=4 * MAX_LEN // block_size)
+    outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == reference()
+    assert all(o.finish_reason == "length" for o in outs)
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("variant", ["no-prefix-cache", "preemption", "one-at-a-time", "fused-8-steps",
+                                     "tiny-token-budget"])
+def test_greedy_is_invariant(variant):
+    if variant == "no-prefix-cache":
+        engine = make_engine(prefix=False)
+        outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    elif variant == "preemption":
+        # 11 blocks of 8 tokens: the longest request alone needs 9, so others must be preempted.
+        engine = make_engine(block_size=8, num_blocks=11)
+        outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert engine.stats().preemptions > 0
+    elif variant == "one-at-a-time":
+        engine = make_engine()
+        outs = [engine.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
+    elif variant == "fused-8-steps":
+        engine = make_engine(num_steps=8)
+        outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert engine.stats().fused_decode_calls > 0
+    else:
+        engine = make_engine(max_batched=8, max_num_seqs=3)  # chunked prefill, few sequences per step
+        outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == reference()
+    assert_all_free(engine)
+
+
+def test_logits_match_dense():
+    """One mixed step straight from the scheduler: each sequence's logits equal the dense model's."""
+    engine = make_engine(block_size=8)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, GREEDY)
+    plan = engine.scheduler.schedule()
+    requests = [engine.scheduler.get_request(r) for r in plan.request_ids]
+    inputs = pad_step(plan.token_ids, plan.positions, plan.slot_mapping, plan.block_tables, plan.kv_lens,
+                      plan.cu_q_lens, engine._sampling_metadata(requests))
+    _, logits = engine.runner.execute(inputs, return_logits=True)
+    dense = np.asarray(_dense_fn()(jnp.asarray(_pad([r.prompt_token_ids for r in requests]))))
+    for i, (_r, kv_len) in enumerate(zip(requests, plan.kv_lens, strict=True)):
+        np.testing.assert_allclose(logits[i], dense[i, kv_len - 1], rtol=1e-5, atol=1e-5)
+
+
+def _pad(seqs):
+    out = np.zeros((len(seqs), MAX_LEN), np.int32)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = s
+    return out
+
+
+def test_prefix_cache_hits_skip_prefill_work():
+    engine = make_engine(block_size=8)
+    first = engine.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0]
+    computed_before = engine.stats().prefill_tokens_computed
+    second = engine.generate([PROMPTS[4]], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 40  # the 5 full blocks of the shared 40-token prefix
+    assert engine.stats().prefill_tokens_computed - computed_before == len(PROMPTS[4]) - 40
+    assert engine.stats().prefix_cache_hit_rate > 0
+    assert second.output_token_ids == reference()[4]
+
+
+def test_abort_mid_generation_returns_every_block():
+    engine = make_engine(block_size=8)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=40))
+    for _ in range(3):
+        engine.step()
+    used = engine.stats().blocks_used
+    assert engine.abort("2")
+    assert not engine.abort("2")
+    assert engine.stats().blocks_used < used
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != "2"
+    assert_all_free(engine)
+
+
+def test_stop_tokens_end_requests_in_both_decode_modes():
+    target = reference()[2]
+    stop = target[5]
+    first = target.index(stop)
+    for num_steps in (1, 8):
+        engine = make_engine(num_steps=num_steps)
+        out = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(stop,)),
+                              use_tqdm=False)[0]
+        assert out.finish_reason == "stop"
+        assert out.output_token_ids == target[: first + 1]
+        assert_all_free(engine)
+
+
+def test_seeded_sampling_is_reproducible_across_batches_and_fused_steps():
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=1234)
+    alone = make_engine().generate([PROMPTS[1]], params, use_tqdm=False)[0].output_token_ids
+    batched = make_engine(num_steps=8).generate(PROMPTS, [SamplingParams(max_tokens=10, temperature=1.0)] +
+                                                 [params] * (len(PROMPTS) - 1), use_tqdm=False)
+    assert batched[1].output_token_ids == alone
+    other_seed = make_engine().generate([PROMPTS[1]], SamplingParams(
+        max_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=99), use_tqdm=False)[0].output_token_ids
+    assert other_seed != alone
+
+
+def test_bad_input_gives_clear_errors():
+    engine = make_engine()
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("a", [1, CFG.vocab_size], GREEDY)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("a", [-1], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("b", [1] * (MAX_LEN + 1), GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError):
+        engine.add_request("c", [], GREEDY)
+    engine.add_request("d", [1, 2], GREEDY)
+    with pytest.raises(ValueError, match="d"):
+        engine.add_request("d", [1, 2], GREEDY)
+    with pytest.raises(ValueError, match="backend"):
+        make_engine(backend="cuda")
+    with pytest.raises(ValueError, match="string prompts"):
+        engine.generate(["hello"], GREEDY, use_tqdm=False)
