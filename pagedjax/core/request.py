@@ -72,10 +72,28 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     arrival_index: int = 0
+    # Chained hashes of this request's full blocks (prompt + outputs), filled lazily by the KV cache
+    # manager that owns it; tokens only ever get appended, so computed hashes stay valid (also across a
+    # preemption, when they let the request find its own released blocks in the prefix cache).
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def get_token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + outputs, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def get_token_id(self, index: int) -> int:
+        """Token `index` (>= 0) of prompt + outputs."""
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < p else self.output_token_ids[index - p]
 
     @property
     def num_prompt_tokens(self) -> int:

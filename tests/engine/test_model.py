@@ -92,7 +92,8 @@ def test_paged_forward_matches_dense(name, block_size):
     meta2 = AttentionMetadata(slots, tables, kv_lens, np.arange(len(prompts) + 1, dtype=np.int32))
     logits, cache = serve(jnp.asarray(nxt), jnp.asarray(kv_lens - 1), cache, meta2, decode_only=True)
     logits = np.asarray(logits)
-    dense = np.asarray(dense_forward(jnp.asarray(_right_pad([np.append(p, t) for p, t in zip(prompts, nxt, strict=False)]))))
+    extended = [np.append(p, t) for p, t in zip(prompts, nxt, strict=True)]
+    dense = np.asarray(dense_forward(jnp.asarray(_right_pad(extended))))
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(logits[i], dense[i, len(p)], rtol=1e-5, atol=1e-5)
 
