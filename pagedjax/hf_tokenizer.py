@@ -1,0 +1,110 @@
+"""A thin wrapper over the `tokenizers` package for Hugging Face `tokenizer.json` files.
+
+    tok = HFTokenizer.from_pretrained("path/to/folder")   # or HFTokenizer.from_file(".../tokenizer.json")
+    ids = tok.encode("Hello")          # BOS added when the tokenizer's post-processor adds it (as in transformers)
+    text = tok.decode(ids)             # special tokens skipped by default
+
+No transformers or torch needed; the `tokenizers` package is imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _token_content(token: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+class HFTokenizer:
+    """Encode/decode with a `tokenizers.Tokenizer`.
+
+    eos_token_ids: the ids that end generation (e.g. the model config's, which come from
+    generation_config.json); when empty, the `eos_token` of tokenizer_config.json is used if present.
+    """
+
+    def __init__(self, tokenizer, eos_token_ids: Iterable[int] = (), bos_token_id: int | None = None):
+        self._tok = tokenizer
+        self.eos_token_ids: tuple[int, ...] = tuple(int(t) for t in eos_token_ids)
+        self.bos_token_id = bos_token_id
+
+    @classmethod
+    def from_file(cls, tokenizer_json: str | os.PathLike, eos_token_ids: Iterable[int] = (),
+                  bos_token_id: int | None = None) -> HFTokenizer:
+        """Load `tokenizer.json`; special token ids fall back to a sibling tokenizer_config.json."""
+        from tokenizers import Tokenizer
+
+        path = Path(tokenizer_json)
+        tok = Tokenizer.from_file(str(path))
+        eos = tuple(eos_token_ids)
+        config_path = path.parent / "tokenizer_config.json"
+        if config_path.is_file() and (not eos or bos_token_id is None):
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+            if not eos:
+                eos_tok = _token_content(config.get("eos_token"))
+                eos_id = tok.token_to_id(eos_tok) if eos_tok else None
+                eos = (eos_id,) if eos_id is not None else ()
+            if bos_token_id is None:
+                bos_tok = _token_content(config.get("bos_token"))
+                bos_token_id = tok.token_to_id(bos_tok) if bos_tok else None
+        return cls(tok, eos, bos_token_id)
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, eos_token_ids: Iterable[int] = (),
+                        bos_token_id: int | None = None) -> HFTokenizer:
+        """Load `folder/tokenizer.json`."""
+        path = Path(folder) / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {folder}")
+        return cls.from_file(path, eos_token_ids, bos_token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first EOS id (None if there is none)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def special_token_ids(self) -> tuple[int, ...]:
+        """Ids of the tokenizer's special added tokens (what `decode` skips)."""
+        return tuple(sorted(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special))
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def tokenizer(self):
+        """The underlying `tokenizers.Tokenizer`."""
+        return self._tok
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. With add_special_tokens, the post-processor runs (e.g. adds BOS for Llama),
+        as transformers' tokenizer call does."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids})"
