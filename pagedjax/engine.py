@@ -69,7 +69,8 @@ class LLMEngine:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
-        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.scheduler_config = scheduler_config or SchedulerConfig(
+            max_model_len=min(SchedulerConfig.max_model_len, model_config.max_position_embeddings))
         self.seed = seed
         self.num_steps = num_steps
         self.tokenizer = tokenizer
@@ -81,6 +82,10 @@ class LLMEngine:
             # Merge the given weights into the model's structure without materialising a random init.
             graphdef, _ = nnx.split(nnx.eval_shape(lambda: init_model(model_config, seed)))
             model = nnx.merge(graphdef, params)
+        if self.scheduler_config.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.scheduler_config.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({model_config.max_position_embeddings}); lower max_model_len")
         self.num_blocks = self.cache_config.resolve_num_blocks(model_config)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks)
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
