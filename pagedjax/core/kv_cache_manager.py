@@ -1,0 +1,249 @@
+"""The KV cache manager: which blocks each request holds, prefix-cache lookup, and block hashing.
+
+Plain Python, no JAX. It sits between the scheduler and the `BlockPool`:
+
+  - `get_computed_blocks(request)` walks the request's chain of full-block hashes from the first block and
+    stops at the first miss; at most `num_tokens - 1` tokens count as computed, so the last token is always
+    recomputed and a full hit still yields logits.
+  - `allocate_slots(request, num_new_tokens, new_computed_blocks)` makes the request's blocks cover
+    `num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens` tokens. All or nothing:
+    a failed allocation changes no reference count.
+  - `cache_blocks(request)` publishes the request's blocks that became full, once their KV is computed
+    (the scheduler calls it from `update`, after the step ran, so a hit never points at unwritten KV).
+  - `free(request)` releases its blocks tail-first (a prefix's later blocks are evicted before its earlier
+    ones).
+
+Invariants:
+  - a request holds blocks only between its admission and its preemption / finish / abort;
+  - outside a step, a running request holds exactly `cdiv(num_computed_tokens, block_size)` blocks; its
+    leading `num_computed_tokens // block_size` blocks are full, and hashed unless another block already
+    held the same hash when they filled;
+  - a block's ref_cnt == the number of requests holding it, plus 1 while it is lent to the device.
+
+Fused multi-step decode borrows blocks with `lend_blocks`; the device pops them as sequences cross block
+boundaries; the host then `adopt_blocks` the used ones and `return_lent_blocks` the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedjax.config import CacheConfig
+from pagedjax.core.block_pool import BlockHash, BlockPool, ExtraKeys
+from pagedjax.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
+                 hash_seed: int = 0) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching, hash_seed=hash_seed)
+        self._req_blocks: dict[str, list[int]] = {}
+        self._num_hashed_blocks: dict[str, int] = {}  # leading blocks of a request already published
+        self._lent: set[int] = set()
+        self.prefix_cache_queries = 0  # tokens looked up by first-time admissions
+        self.prefix_cache_hits = 0  # of those, tokens found in the cache
+
+    @classmethod
+    def from_config(cls, cache_config: CacheConfig, num_blocks: int) -> KVCacheManager:
+        return cls(num_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching,
+                   hash_seed=cache_config.hash_seed)
+
+    # -- queries ---------------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free and idle cached ones)."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def lent_block_ids(self) -> frozenset[int]:
+        return frozenset(self._lent)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The blocks `request_id` holds, in logical order (a live list: do not mutate)."""
+        return self._req_blocks.get(request_id, [])
+
+    def holders(self) -> dict[str, list[int]]:
+        """request id -> its blocks, for every request holding blocks (a view: do not mutate)."""
+        return self._req_blocks
+
+    def extra_keys(self, request: Request, block_index: int) -> ExtraKeys:
+        """Keys mixed into block `block_index`'s hash: the adapter in every block, the salt in the first."""
+        keys: list[tuple[str, str]] = []
+        if request.adapter_id is not None:
+            keys.append(("adapter", str(request.adapter_id)))
+        if block_index == 0 and request.cache_salt is not None:
+            keys.append(("salt", str(request.cache_salt)))
+        return tuple(keys)
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """Chained hashes of every full block of the request's tokens (computed once, then extended)."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        num_full = request.num_tokens // bs
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            tokens = request.get_token_ids(i * bs, (i + 1) * bs)
+            hashes.append(self.block_pool.hash_block(parent, tokens, self.extra_keys(request, i)))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest cached prefix of a request that holds no blocks: (its blocks, number of tokens).
+
+        Walks the hash chain from the first block and stops at the first miss; at most
+        `num_tokens - 1` tokens count, so the last token is recomputed. Changes nothing.
+        """
+        if not self.enable_caching or request.num_computed_tokens:
+            return [], 0
+        if request.request_id in self._req_blocks:
+            raise ValueError(f"request {request.request_id!r} already holds blocks")
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if max_blocks <= 0:
+            return [], 0
+        hashes = self.block_hashes(request)
+        lookup = self.block_pool.get_cached_block
+        blocks: list[int] = []
+        for h in hashes[:max_blocks]:
+            b = lookup(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one first-time admission's lookup (tokens recomputed after a preemption are not hits)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_query_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    # -- mutations -------------------------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
+        """Make the request's blocks cover its computed tokens, `new_computed_blocks` (prefix hits from
+        `get_computed_blocks`, only for a request holding no blocks yet) and `num_new_tokens` more.
+
+        Returns the freshly allocated blocks (possibly empty), or None when the free queue is too short:
+        then nothing at all has changed (no reference count, no queue position).
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        rid = request.request_id
+        held = self._req_blocks.get(rid)
+        if new_computed_blocks and (held or request.num_computed_tokens):
+            raise ValueError("prefix hits can only be added to a request holding no blocks")
+        pool = self.block_pool
+        bs = self.block_size
+        total = request.num_computed_tokens + len(new_computed_blocks) * bs + num_new_tokens
+        num_held = len(held) if held else 0
+        fresh = cdiv(total, bs) - num_held - len(new_computed_blocks)
+        if fresh <= 0 and not new_computed_blocks:
+            if held is None:
+                self._req_blocks[rid] = []
+                self._num_hashed_blocks[rid] = 0
+            return []
+        fresh = max(fresh, 0)
+        idle_hits = sum(1 for b in new_computed_blocks if pool.ref_cnt(b) == 0)
+        if fresh + idle_hits > pool.num_free_blocks:
+            return None
+        if held is None:
+            held = self._req_blocks[rid] = []
+            self._num_hashed_blocks[rid] = 0
+        if new_computed_blocks:
+            pool.touch(new_computed_blocks)  # before allocating, so the hits cannot be evicted
+            held.extend(new_computed_blocks)
+            self._num_hashed_blocks[rid] = len(held)  # hits are hashed already
+        new_blocks = pool.allocate(fresh)
+        assert new_blocks is not None
+        held.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request) -> int:
+        """Publish the request's blocks that are full of computed KV and not yet published.
+
+        Returns how many blocks got a hash (a block whose hash another block already holds stays unhashed).
+        """
+        rid = request.request_id
+        done = self._num_hashed_blocks.get(rid)
+        if done is None or not self.enable_caching:
+            return 0
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= done:
+            return 0
+        blocks = self._req_blocks[rid]
+        if num_full > len(blocks):
+            raise RuntimeError(f"request {rid!r} has {request.num_computed_tokens} computed tokens "
+                               f"but holds only {len(blocks)} blocks")
+        hashes = self.block_hashes(request)
+        pool = self.block_pool
+        n = 0
+        for i in range(done, num_full):
+            if pool.block_hash(blocks[i]) is None:
+                n += pool.cache_block(blocks[i], hashes[i])
+        self._num_hashed_blocks[rid] = num_full
+        return n
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds, tail-first. A no-op for a request holding none."""
+        blocks = self._req_blocks.pop(request.request_id, None)
+        self._num_hashed_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash; refused (False) while any block is in use or lent."""
+        return self.block_pool.reset_prefix_cache()
+
+    # -- fused multi-step decode -----------------------------------------------------------------------
+
+    def lend_blocks(self, n: int) -> list[int] | None:
+        """Lend `n` free blocks to the device (all or nothing; may evict cached blocks).
+
+        Each lent block has ref_cnt 1, held by the lender, and no hash. Returns None if fewer are free.
+        """
+        blocks = self.block_pool.allocate(n)
+        if blocks is not None:
+            self._lent.update(blocks)
+        return blocks
+
+    def return_lent_blocks(self, block_ids: Sequence[int]) -> None:
+        """Take back lent blocks the device did not use: they rejoin the free queue as unhashed blocks."""
+        ids = [int(b) for b in block_ids]
+        self._check_lent(ids)
+        self._lent.difference_update(ids)
+        self.block_pool.free(reversed(ids))
+
+    def adopt_blocks(self, request: Request, block_ids: Sequence[int]) -> None:
+        """Append lent blocks (in the order the device popped them) to the request's blocks; the
+        lender's reference becomes the request's."""
+        ids = [int(b) for b in block_ids]
+        self._check_lent(ids)
+        rid = request.request_id
+        if rid not in self._req_blocks:
+            raise ValueError(f"request {rid!r} holds no blocks; it cannot adopt any")
+        self._lent.difference_update(ids)
+        self._req_blocks[rid].extend(ids)
+
+    def _check_lent(self, ids: list[int]) -> None:
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate block ids in {ids}")
+        not_lent = [b for b in ids if b not in self._lent]
+        if not_lent:
+            raise ValueError(f"blocks {not_lent} are not lent")

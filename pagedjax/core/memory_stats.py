@@ -1,0 +1,148 @@
+"""Memory accounting: KV waste and fragmentation of the paged pool, and a contiguous baseline allocator.
+
+Plain Python + numpy, no JAX. Definitions (all in KV slots, one slot = one token's K and V in one layer
+stack):
+
+  reserved   slots in blocks held by requests (each physical block counted once, shared or not)
+  used       reserved slots holding a computed token's KV
+  wasted     reserved - used: the unfilled tail of each request's last block (internal fragmentation);
+             a paged pool has no other waste, since any free block serves any request
+  external   a paged pool has no external fragmentation by construction; `free_runs` /
+             `largest_free_run` show how scattered the free block ids are (harmless here, fatal for a
+             contiguous allocator, which `ContiguousAllocator` demonstrates)
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.request import Request
+
+
+@dataclass(frozen=True)
+class KVMemoryStats:
+    num_blocks: int
+    block_size: int
+    num_used_blocks: int  # ref_cnt > 0 (lent blocks included)
+    num_lent_blocks: int
+    slots_reserved: int  # held by requests (lent blocks excluded)
+    slots_used: int
+    num_partial_blocks: int  # requests whose last block is not full
+    free_runs: int  # maximal runs of consecutive zero-ref block ids (0 unless with_free_runs)
+    largest_free_run: int
+
+    @property
+    def slots_wasted(self) -> int:
+        return self.slots_reserved - self.slots_used
+
+    @property
+    def waste_fraction(self) -> float:
+        """Reserved-but-unused slots over reserved slots (0 when nothing is reserved)."""
+        return self.slots_wasted / self.slots_reserved if self.slots_reserved else 0.0
+
+    @property
+    def occupancy(self) -> float:
+        """Slots holding KV over all slots of the pool."""
+        return self.slots_used / (self.num_blocks * self.block_size)
+
+
+def kv_memory_stats(manager: KVCacheManager, requests: Iterable[Request], *,
+                    with_free_runs: bool = True) -> KVMemoryStats:
+    """Snapshot of the pool's memory use, given the requests holding blocks.
+
+    A request's used slots are its `num_computed_tokens` (between `schedule` and `update` the tokens being
+    computed in the step are not counted yet). Shared blocks are full, so counting per request is exact.
+    """
+    bs = manager.block_size
+    pool = manager.block_pool
+    holders = manager.holders()
+    blocks_held: set[int] = set()
+    wasted = 0
+    partial = 0
+    for r in requests:
+        blocks = holders.get(r.request_id)
+        if not blocks:
+            continue
+        blocks_held.update(blocks)
+        waste = max(0, len(blocks) * bs - r.num_computed_tokens)
+        wasted += waste
+        partial += waste > 0
+    reserved = len(blocks_held) * bs
+    used = reserved - wasted
+    free_runs = largest = 0
+    if with_free_runs:
+        free_mask = pool.ref_counts() == 0
+        if free_mask.any():
+            padded = np.concatenate([[False], free_mask, [False]]).astype(np.int8)
+            edges = np.diff(padded)
+            starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+            free_runs = len(starts)
+            largest = int((ends - starts).max())
+    return KVMemoryStats(
+        num_blocks=pool.num_blocks, block_size=bs, num_used_blocks=pool.num_used,
+        num_lent_blocks=len(manager.lent_block_ids), slots_reserved=reserved, slots_used=used,
+        num_partial_blocks=partial, free_runs=free_runs, largest_free_run=largest)
+
+
+class ContiguousAllocator:
+    """First-fit allocator of contiguous slot ranges in `[0, capacity)`: the pre-paging baseline.
+
+    Each request reserves one contiguous range up front (its maximum or its exact final length), so a
+    pool with enough free slots in total can still fail an allocation when no single hole is large enough
+    (external fragmentation): `num_failures_despite_free` counts exactly those.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._starts: list[int] = []  # sorted starts of allocated ranges
+        self._ranges: dict[int, int] = {}  # start -> length
+        self._owner: dict[str, int] = {}  # request id -> start
+        self.num_allocated = 0
+        self.num_failures = 0
+        self.num_failures_despite_free = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.capacity - self.num_allocated
+
+    def holes(self) -> list[tuple[int, int]]:
+        """Free ranges as (start, length), in address order."""
+        out, cursor = [], 0
+        for s in self._starts:
+            if s > cursor:
+                out.append((cursor, s - cursor))
+            cursor = s + self._ranges[s]
+        if cursor < self.capacity:
+            out.append((cursor, self.capacity - cursor))
+        return out
+
+    def allocate(self, owner: str, size: int) -> int | None:
+        """Reserve `size` contiguous slots for `owner` at the lowest address that fits; None if none does."""
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        if owner in self._owner:
+            raise ValueError(f"{owner!r} already holds a range")
+        for start, length in self.holes():
+            if length >= size:
+                bisect.insort(self._starts, start)
+                self._ranges[start] = size
+                self._owner[owner] = start
+                self.num_allocated += size
+                return start
+        self.num_failures += 1
+        if self.num_free >= size:
+            self.num_failures_despite_free += 1
+        return None
+
+    def free(self, owner: str) -> None:
+        start = self._owner.pop(owner)
+        self.num_allocated -= self._ranges.pop(start)
+        self._starts.pop(bisect.bisect_left(self._starts, start))
+
+    def largest_hole(self) -> int:
+        return max((length for _, length in self.holes()), default=0)

@@ -1,0 +1,269 @@
+"""Paged KV memory vs contiguous reservation, measured on a synthetic ShareGPT-like workload.
+
+Three allocators get the same KV budget (in token slots) and the same continuous-batching timeline
+(per step a token budget; decodes first, then prefill chunks; FIFO admission while memory allows):
+
+  paged        the real `pagedjax.core.Scheduler` (blocks of --block-size tokens, preemption by recompute)
+  max-length   a contiguous range of max_model_len slots per request (what pre-paging servers reserved)
+  exact        a contiguous range of the request's exact final length (an oracle that knows the output
+               length), first-fit, so external fragmentation shows
+
+Reported per allocator: concurrent requests (mean while requests were waiting, i.e. at capacity; and
+peak), KV slots wasted (reserved but not holding a computed token, summed over steps), allocation
+failures despite enough total free memory, and steps to finish the workload. A PNG plots pool occupancy
+over time. Then the scheduler is timed: microseconds per `schedule()` with 256 running requests.
+
+    python scripts/bench_memory.py                 # full run, plot in out/bench_memory.png
+    python scripts/bench_memory.py --quick         # seconds; used by the smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedjax.config import CacheConfig, SchedulerConfig  # noqa: E402
+from pagedjax.core.memory_stats import ContiguousAllocator, kv_memory_stats  # noqa: E402
+from pagedjax.core.request import Request, SamplingParams  # noqa: E402
+from pagedjax.core.scheduler import Scheduler  # noqa: E402
+
+
+@dataclass
+class Workload:
+    prompt_lens: np.ndarray
+    output_lens: np.ndarray
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompt_lens)
+
+
+def sharegpt_like(num_requests: int, seed: int, lo: int = 4, hi: int = 1024) -> Workload:
+    """Log-normal prompt and output lengths clipped to [lo, hi] (ShareGPT: inputs average ~160 tokens,
+    outputs ~340, both long-tailed)."""
+    rng = np.random.default_rng(seed)
+    prompts = np.clip(rng.lognormal(np.log(110), 1.0, num_requests), lo, hi).astype(int)
+    outputs = np.clip(rng.lognormal(np.log(220), 0.9, num_requests), lo, hi).astype(int)
+    return Workload(prompts, outputs)
+
+
+@dataclass
+class Trace:
+    """Per-step series of one allocator's run."""
+
+    name: str
+    running: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    reserved: list[int] = field(default_factory=list)
+    used: list[int] = field(default_factory=list)
+    failures_despite_free: int = 0
+    preemptions: int = 0
+
+    @property
+    def steps(self) -> int:
+        return len(self.running)
+
+    def summary(self, capacity: int) -> dict:
+        running = np.array(self.running)
+        at_capacity = running[np.array(self.waiting) > 0]
+        reserved, used = np.array(self.reserved), np.array(self.used)
+        return {
+            "allocator": self.name,
+            "mean_concurrency": float(at_capacity.mean()) if len(at_capacity) else float(running.mean()),
+            "peak_concurrency": int(running.max()),
+            "waste_pct": 100.0 * float((reserved - used).sum()) / max(1, int(reserved.sum())),
+            "mean_occupancy_pct": 100.0 * float(used.mean()) / capacity,
+            "failures_despite_free": self.failures_despite_free,
+            "preemptions": self.preemptions,
+            "steps": self.steps,
+        }
+
+
+def run_paged(w: Workload, kv_slots: int, block_size: int, max_model_len: int, max_num_seqs: int,
+              max_num_batched_tokens: int, seed: int) -> Trace:
+    num_blocks = kv_slots // block_size
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len),
+                      CacheConfig(block_size=block_size, enable_prefix_caching=False), num_blocks)
+    rng = np.random.default_rng(seed + 1)
+    for i in range(w.num_requests):
+        prompt = rng.integers(0, 32000, int(w.prompt_lens[i])).tolist()
+        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=int(w.output_lens[i]))))
+    trace = Trace(f"paged (block {block_size})")
+    while sched.has_unfinished_requests():
+        plan = sched.schedule()
+        sched.update(plan, np.ones(plan.num_seqs, np.int32))
+        mem = kv_memory_stats(sched.kv_cache_manager, sched.running, with_free_runs=False)
+        trace.running.append(len(sched.running))
+        trace.waiting.append(len(sched.waiting))
+        trace.reserved.append(mem.slots_reserved)
+        trace.used.append(mem.slots_used)
+    trace.preemptions = sched.num_preemptions
+    return trace
+
+
+def run_contiguous(w: Workload, kv_slots: int, max_model_len: int, max_num_seqs: int,
+                   max_num_batched_tokens: int, *, exact: bool) -> Trace:
+    """The scheduler's timeline (same budget rule, FIFO admission, same stop rule), but each request
+    reserves one contiguous range at admission: max_model_len slots, or exactly the most KV it will
+    ever hold (an oracle that knows its output length)."""
+    alloc = ContiguousAllocator(kv_slots)
+    waiting = deque(range(w.num_requests))
+    running: list[int] = []
+    num_tokens = w.prompt_lens.copy()
+    computed = np.zeros(w.num_requests, int)
+    outputs = np.zeros(w.num_requests, int)
+    final = np.minimum(w.prompt_lens + w.output_lens, max_model_len) - 1
+    size = np.maximum(final, w.prompt_lens) if exact else np.full(w.num_requests, max_model_len)
+    trace = Trace("exact, first-fit" if exact else "max-length")
+    while waiting or running:
+        budget = max_num_batched_tokens
+        scheduled = []
+        for i in running:  # running first, in admission order
+            if budget == 0:
+                break
+            n = min(num_tokens[i] - computed[i], budget)
+            computed[i] += n
+            budget -= n
+            scheduled.append(i)
+        while waiting and budget > 0 and len(running) < max_num_seqs:
+            i = waiting[0]
+            if alloc.allocate(str(i), int(size[i])) is None:
+                if alloc.num_free >= size[i]:
+                    trace.failures_despite_free += 1
+                break
+            waiting.popleft()
+            running.append(i)
+            n = min(num_tokens[i], budget)
+            computed[i] += n
+            budget -= n
+            scheduled.append(i)
+        for i in scheduled:  # a sequence whose tokens are all computed samples one more
+            if computed[i] == num_tokens[i]:
+                outputs[i] += 1
+                num_tokens[i] += 1
+                if outputs[i] >= w.output_lens[i] or num_tokens[i] >= max_model_len:
+                    running.remove(i)
+                    alloc.free(str(i))
+        trace.running.append(len(running))
+        trace.waiting.append(len(waiting))
+        trace.reserved.append(alloc.num_allocated)
+        trace.used.append(int(computed[running].sum()) if running else 0)
+    return trace
+
+
+def time_scheduler(num_running: int, iters: int, block_size: int, seed: int) -> dict:
+    """Microseconds per schedule() (and update()) with `num_running` requests decoding."""
+    max_model_len = 2048
+    sched = Scheduler(SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=max(4096, num_running),
+                                      max_model_len=max_model_len),
+                      CacheConfig(block_size=block_size),
+                      num_running * (max_model_len // block_size))
+    rng = np.random.default_rng(seed)
+    for i in range(num_running):
+        sched.add_request(Request(f"t{i}", rng.integers(0, 32000, int(rng.integers(16, 256))).tolist(),
+                                  SamplingParams(max_tokens=max_model_len - 256)))
+    while sched.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running):
+        plan = sched.schedule()
+        sched.update(plan, np.ones(plan.num_seqs, np.int32))
+    assert len(sched.running) == num_running
+    sched_us, update_us = [], []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        plan = sched.schedule()
+        t1 = time.perf_counter_ns()
+        sched.update(plan, np.ones(plan.num_seqs, np.int32))
+        t2 = time.perf_counter_ns()
+        assert plan.num_seqs == num_running
+        sched_us.append((t1 - t0) / 1e3)
+        update_us.append((t2 - t1) / 1e3)
+    return {"num_running": num_running, "schedule_us_median": statistics.median(sched_us),
+            "schedule_us_mean": statistics.fmean(sched_us), "update_us_median": statistics.median(update_us)}
+
+
+def plot(traces: list[Trace], capacity: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(9, 7), sharex=False)
+    for t in traces:
+        line, = ax0.plot(100 * np.array(t.used) / capacity, label=f"{t.name}: KV in use", lw=1.2)
+        ax0.plot(100 * np.array(t.reserved) / capacity, ls="--", color=line.get_color(), lw=0.8,
+                 label=f"{t.name}: reserved")
+        ax1.plot(t.running, color=line.get_color(), label=t.name, lw=1.2)
+    ax0.set_ylabel("pool occupancy (% of KV slots)")
+    ax0.set_title("KV pool occupancy over time (same budget, same workload)")
+    ax0.legend(fontsize=7, ncol=2)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("running requests")
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--kv-slots", type=int, default=65536, help="KV budget in token slots")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--timing-requests", type=int, default=256)
+    p.add_argument("--timing-iters", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", type=Path, default=Path("out/bench_memory.png"))
+    p.add_argument("--quick", action="store_true", help="small workload and few timing iterations")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.kv_slots, args.timing_iters = 120, 16384, 10
+
+    w = sharegpt_like(args.num_requests, args.seed)
+    print(f"workload: {w.num_requests} requests; prompt tokens mean {w.prompt_lens.mean():.0f} "
+          f"(p50 {np.median(w.prompt_lens):.0f}, max {w.prompt_lens.max()}), output tokens mean "
+          f"{w.output_lens.mean():.0f} (p50 {np.median(w.output_lens):.0f}, max {w.output_lens.max()})")
+    print(f"KV budget {args.kv_slots} slots, max_model_len {args.max_model_len}, "
+          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}\n")
+    common = (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens)
+    traces = [
+        run_paged(w, args.kv_slots, args.block_size, *common, seed=args.seed),
+        run_contiguous(w, args.kv_slots, *common, exact=False),
+        run_contiguous(w, args.kv_slots, *common, exact=True),
+    ]
+    rows = [t.summary(args.kv_slots) for t in traces]
+    header = f"{'allocator':<18}{'concurrency':>12}{'peak':>6}{'KV waste':>10}{'occupancy':>11}" \
+             f"{'fail|free':>10}{'preempt':>9}{'steps':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['allocator']:<18}{r['mean_concurrency']:>12.1f}{r['peak_concurrency']:>6}"
+              f"{r['waste_pct']:>9.2f}%{r['mean_occupancy_pct']:>10.1f}%{r['failures_despite_free']:>10}"
+              f"{r['preemptions']:>9}{r['steps']:>7}")
+    ratio = rows[0]["mean_concurrency"] / max(rows[1]["mean_concurrency"], 1e-9)
+    print(f"\npaged / max-length concurrency: {ratio:.1f}x   (targets: paged waste < 4%, "
+          f"ideally < 2% at block 16; >= 3x concurrency)")
+    plot(traces, args.kv_slots, args.plot)
+    print(f"occupancy plot: {args.plot}")
+
+    timing = time_scheduler(args.timing_requests, args.timing_iters, args.block_size, args.seed)
+    print(f"\nscheduler: {timing['schedule_us_median']:.0f} us median per schedule() "
+          f"(mean {timing['schedule_us_mean']:.0f}), {timing['update_us_median']:.0f} us per update(), "
+          f"with {timing['num_running']} running requests")
+    return {"rows": rows, "concurrency_ratio": ratio, "timing": timing}
+
+
+if __name__ == "__main__":
+    main()

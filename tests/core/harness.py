@@ -1,0 +1,274 @@
+"""Test harness for the host side: a fake model over a shadow KV cache, drivers and invariant checks.
+
+`FakeModel` stands in for the jitted step. It writes each scheduled token id into a shadow KV cache at
+the plan's slots, and "samples" the next token as a hash of the context it reads back through the plan's
+block tables. So any wrong slot, block table, prefix hit or block handed to two requests changes the
+output, and the output of a request depends only on its own tokens: greedy output must be identical with
+prefix caching on or off, with or without preemption, for any block size, budget or fused decode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+import numpy as np
+
+from pagedjax.core.kv_cache_manager import cdiv
+from pagedjax.core.request import Request, RequestStatus
+from pagedjax.core.scheduler import MultiStepPlan, Scheduler, StepPlan, device_pop_step
+
+VOCAB = 6
+
+
+def next_token(context: list[int] | np.ndarray) -> int:
+    """The fake model: a deterministic function of the whole context."""
+    data = np.asarray(context, dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=8).digest()[0] % VOCAB
+
+
+class FakeModel:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv = np.full((num_blocks * block_size,), -1, np.int64)
+
+    def read(self, table_row: np.ndarray, length: int) -> np.ndarray:
+        pos = np.arange(length)
+        slots = table_row[pos // self.block_size] * self.block_size + pos % self.block_size
+        ctx = self.kv[slots]
+        assert (ctx >= 0).all(), "attention would read a slot that was never written"
+        return ctx
+
+    def step(self, plan: StepPlan) -> np.ndarray:
+        """Write the plan's tokens, then sample one token per sequence (whether or not it is used)."""
+        slots = plan.slot_mapping
+        assert (slots >= 0).all()
+        assert len(np.unique(slots)) == len(slots), "two tokens of one step write the same slot"
+        self.kv[slots] = plan.token_ids
+        return np.array([next_token(self.read(plan.block_tables[s], int(plan.kv_lens[s])))
+                         for s in range(plan.num_seqs)], dtype=np.int32)
+
+    def multi_step(self, mplan: MultiStepPlan, stop_ids: list[frozenset[int]],
+                   stop_early: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The fused decode loop as the device runs it (mirrors runner._decode_loop): returns
+        (sampled [num_steps, num_seqs] with -1 after a sequence stopped, final block tables).
+        `stop_early[s]` (optional) stops sequence s after that many steps, as a stop id would."""
+        plan = mplan.plan
+        n = plan.num_seqs
+        tables = plan.block_tables.copy()
+        lens = mplan.seq_lens.astype(np.int64)
+        cur = plan.token_ids.astype(np.int64).copy()
+        limit = mplan.max_new_tokens.copy()
+        if stop_early is not None:
+            limit = np.minimum(limit, stop_early)
+        active = limit > 0
+        generated = np.zeros(n, np.int64)
+        out = np.full((mplan.num_steps, n), -1, np.int32)
+        popped = 0
+        for step in range(mplan.num_steps):
+            if not active.any():
+                break
+            slots, popped = device_pop_step(tables, lens, active, mplan.lent_block_ids, popped,
+                                            self.block_size)
+            # step 1's slots must agree with the host plan wherever the host knew them
+            if step == 0:
+                known = (plan.slot_mapping >= 0) & active
+                assert (plan.slot_mapping[known] == slots[known]).all()
+            written = slots[active]
+            assert len(np.unique(written)) == len(written)
+            self.kv[written] = cur[active]
+            for s in np.flatnonzero(active):
+                new = next_token(self.read(tables[s], int(lens[s])))
+                out[step, s] = new
+                cur[s] = new
+                generated[s] += 1
+                if new in stop_ids[s] or generated[s] >= limit[s]:
+                    active[s] = False
+        return out, tables
+
+
+class Checker:
+    """Checks every invariant of a scheduler (and, with a FakeModel, of the KV content it implies)."""
+
+    def __init__(self, scheduler: Scheduler, model: FakeModel | None = None) -> None:
+        self.sched = scheduler
+        self.model = model
+        self.hash_tokens: dict[bytes, tuple[int, ...]] = {}  # block hash -> the block's tokens
+
+    def check_plan(self, plan: StepPlan, running_before: list[str] | None = None) -> None:
+        """Check a fresh plan; `running_before` is the running queue's ids before `schedule()`."""
+        s = self.sched
+        cfg = s.scheduler_config
+        bs = s.block_size
+        kv = s.kv_cache_manager
+        assert plan.num_tokens <= cfg.max_num_batched_tokens
+        assert plan.num_seqs <= cfg.max_num_seqs
+        assert len(s.running) <= cfg.max_num_seqs
+        assert len(set(plan.request_ids)) == plan.num_seqs
+        assert not set(plan.request_ids) & set(plan.preempted_request_ids)
+        for rid in plan.preempted_request_ids:
+            r = s.get_request(rid)
+            assert r is not None and r.status is RequestStatus.PREEMPTED and r.num_computed_tokens == 0
+            assert not kv.get_block_ids(rid)
+        # victims are the most recently admitted, newest first; they sit at the front of the waiting queue
+        num_preempted = len(plan.preempted_request_ids)
+        front = [r.request_id for r in list(s.waiting)[:num_preempted]]
+        assert front == plan.preempted_request_ids[::-1]
+        if running_before is not None and num_preempted:
+            assert plan.preempted_request_ids == running_before[::-1][:num_preempted]
+        q_lens = plan.q_lens
+        assert (q_lens >= 1).all()
+        assert (q_lens[:plan.num_decodes] == 1).all() and (q_lens[plan.num_decodes:] > 1).all()
+        assert plan.cu_q_lens[0] == 0 and plan.cu_q_lens[-1] == plan.num_tokens
+        assert plan.token_ids.dtype == np.int32 and plan.slot_mapping.dtype == np.int32
+        assert plan.block_tables.dtype == np.int32 and plan.positions.dtype == np.int32
+        np.testing.assert_array_equal(plan.logits_indices, plan.cu_q_lens[1:] - 1)
+        for i, rid in enumerate(plan.request_ids):
+            r = s.get_request(rid)
+            assert r is not None and r.status is RequestStatus.RUNNING
+            a, b = plan.cu_q_lens[i], plan.cu_q_lens[i + 1]
+            start = r.num_computed_tokens
+            assert plan.kv_lens[i] == start + (b - a) <= r.num_tokens
+            np.testing.assert_array_equal(plan.token_ids[a:b], r.get_token_ids(start, int(plan.kv_lens[i])))
+            np.testing.assert_array_equal(plan.positions[a:b], np.arange(start, plan.kv_lens[i]))
+            assert plan.sample[i] == (plan.kv_lens[i] == r.num_tokens)
+            held = kv.get_block_ids(rid)
+            assert len(held) == cdiv(int(plan.kv_lens[i]), bs)
+            np.testing.assert_array_equal(plan.block_tables[i, :len(held)], held)
+            assert (plan.block_tables[i, len(held):] == 0).all()
+            for t in range(a, b):
+                block, off = divmod(int(plan.slot_mapping[t]), bs)
+                pos = int(plan.positions[t])
+                assert block == held[pos // bs] and off == pos % bs
+                # a step never writes into a block someone else also holds, or a hashed block
+                assert kv.block_pool.ref_cnt(block) == 1 and kv.block_pool.block_hash(block) is None
+        assert len(np.unique(plan.slot_mapping)) == plan.num_tokens
+
+    def check(self, *, mid_step: bool = False) -> None:
+        s = self.sched
+        kv = s.kv_cache_manager
+        pool = kv.block_pool
+        bs = s.block_size
+        pool.check_invariants()
+        assert pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks
+        st = s.stats(detailed=True)
+        assert st.num_free_blocks + st.num_used_blocks + st.num_cached_blocks == st.num_blocks
+        assert 0 <= st.kv_slots_wasted <= st.kv_slots_reserved
+        assert st.kv_slots_reserved == bs * (pool.num_used - len(kv.lent_block_ids))
+        assert st.free_block_runs <= pool.num_free_blocks and st.largest_free_run <= pool.num_free_blocks
+        assert (st.free_block_runs == 0) == (pool.num_free_blocks == 0)
+        # queues
+        running_ids = [r.request_id for r in s.running]
+        waiting_ids = [r.request_id for r in s.waiting]
+        assert len(set(running_ids)) == len(running_ids) and not set(running_ids) & set(waiting_ids)
+        assert set(running_ids) | set(waiting_ids) == set(s.requests)
+        for r in s.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.num_computed_tokens == 0 and not kv.get_block_ids(r.request_id)
+        holders = kv.holders()
+        assert set(holders) <= set(running_ids)
+        for r in s.running:
+            assert r.status is RequestStatus.RUNNING
+            assert 0 < r.num_computed_tokens < r.num_tokens or mid_step
+            assert r.num_tokens <= s.max_model_len or r.num_prompt_tokens == s.max_model_len
+            if not mid_step:
+                assert len(kv.get_block_ids(r.request_id)) == cdiv(r.num_computed_tokens, bs)
+        # refcount == number of holders (+1 while lent); lent blocks are held by no request
+        count = Counter(b for blocks in holders.values() for b in blocks)
+        lent = kv.lent_block_ids
+        assert not set(count) & lent
+        for b in range(pool.num_blocks):
+            assert pool.ref_cnt(b) == count.get(b, 0) + (b in lent), f"block {b}"
+        for blocks in holders.values():
+            assert len(set(blocks)) == len(blocks)
+        # hashes: a request's hashed blocks carry its own chained hashes; remember what each hash holds
+        by_id = {r.request_id: r for r in s.running}
+        for rid, blocks in holders.items():
+            r = by_id[rid]
+            hashes = kv.block_hashes(r) if kv.enable_caching else []
+            for i, b in enumerate(blocks):
+                h = pool.block_hash(b)
+                if h is not None:
+                    assert i < len(hashes) and h == hashes[i]
+                    assert (i + 1) * bs <= r.num_computed_tokens
+            for i, h in enumerate(hashes):
+                tokens = tuple(r.get_token_ids(i * bs, (i + 1) * bs))
+                assert self.hash_tokens.setdefault(h, tokens) == tokens
+        # blocks shared by two requests hold the same, computed tokens for both
+        seen: dict[int, tuple[int, ...]] = {}
+        for rid, blocks in holders.items():
+            r = by_id[rid]
+            for i, b in enumerate(blocks):
+                if count[b] > 1:
+                    assert (i + 1) * bs <= r.num_computed_tokens
+                    tokens = tuple(r.get_token_ids(i * bs, (i + 1) * bs))
+                    assert seen.setdefault(b, tokens) == tokens
+        if self.model is None:
+            return
+        # the shadow KV: every running request's computed tokens are where its blocks say
+        kvc = self.model.kv
+        for rid, blocks in holders.items():
+            r = by_id[rid]
+            n = r.num_computed_tokens
+            if n == 0:
+                continue
+            pos = np.arange(n)
+            slots = np.asarray(blocks)[pos // bs] * bs + pos % bs
+            np.testing.assert_array_equal(kvc[slots], r.get_token_ids(0, n), err_msg=f"KV of {rid}")
+        # every hashed block (used or idle) still holds the tokens its hash stands for
+        for b in range(pool.num_blocks):
+            h = pool.block_hash(b)
+            if h is not None and h in self.hash_tokens:
+                np.testing.assert_array_equal(kvc[b * bs:(b + 1) * bs], self.hash_tokens[h])
+
+
+def run_step(sched: Scheduler, model: FakeModel, checker: Checker | None = None,
+             multi_steps: int = 0) -> list[Request]:
+    """One engine iteration: a fused decode when possible (multi_steps > 1), else a plain step."""
+    if multi_steps > 1:
+        mplan = sched.schedule_multi_decode(multi_steps)
+        if mplan is not None:
+            if checker:
+                checker.check(mid_step=True)
+            stop_ids = [sched.get_request(rid).stop_ids for rid in mplan.plan.request_ids]
+            sampled, tables = model.multi_step(mplan, stop_ids)
+            finished = sched.update_multi_decode(mplan, sampled, tables)
+            if checker:
+                checker.check()
+            return finished
+    running_before = [r.request_id for r in sched.running]
+    plan = sched.schedule()
+    if checker:
+        checker.check_plan(plan, running_before)
+        checker.check(mid_step=True)
+    sampled = model.step(plan)
+    finished = sched.update(plan, sampled)
+    if checker:
+        checker.check()
+    return finished
+
+
+def run_to_completion(sched: Scheduler, model: FakeModel, *, checker: Checker | None = None,
+                      multi_steps: int = 0, max_steps: int = 100_000) -> tuple[dict[str, list[int]], int]:
+    """Step until every request finished; returns ({request id: outputs}, number of steps)."""
+    outputs: dict[str, list[int]] = {}
+    steps = 0
+    while sched.has_unfinished_requests():
+        assert steps < max_steps, f"not finished after {max_steps} steps"
+        for r in run_step(sched, model, checker, multi_steps):
+            outputs[r.request_id] = list(r.output_token_ids)
+        steps += 1
+    return outputs, steps
+
+
+def reference_outputs(request: Request, max_model_len: int) -> list[int]:
+    """What a request must produce under the fake model, computed without any cache."""
+    tokens = list(request.prompt_token_ids)
+    out: list[int] = []
+    stop = request.stop_ids
+    while True:
+        t = next_token(tokens)
+        out.append(t)
+        tokens.append(t)
+        if t in stop or len(out) >= request.sampling_params.max_tokens or len(tokens) >= max_model_len:
+            return out

@@ -1,0 +1,28 @@
+"""Smoke test of scripts/bench_memory.py --quick (no timing assertions; the memory numbers are seeded)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_memory.py"
+
+
+def test_bench_memory_quick(tmp_path, capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_memory", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_memory", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    plot = tmp_path / "occupancy.png"
+    result = bench.main(["--quick", "--plot", str(plot), "--timing-requests", "256", "--timing-iters", "3"])
+    out = capsys.readouterr().out
+    assert "paged (block 16)" in out and "max-length" in out and "exact, first-fit" in out
+    assert "per schedule()" in out
+    assert plot.exists() and plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+    paged, max_len, exact = result["rows"]
+    assert paged["waste_pct"] < 4.0
+    assert result["concurrency_ratio"] >= 3.0
+    assert paged["failures_despite_free"] == 0 and max_len["failures_despite_free"] == 0
+    assert exact["failures_despite_free"] > 0  # first-fit fragments
+    assert result["timing"]["num_running"] == 256

@@ -1,0 +1,243 @@
+"""The vLLM-style prefix-caching scenarios (block size 16, an 11-block pool), on the KV cache manager."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedjax.core.block_pool import hash_block_tokens
+from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.request import Request, SamplingParams
+
+BS = 16
+COMMON = [i for i in range(3) for _ in range(BS)]  # 3 full blocks
+
+
+def make_request(rid: str, tokens: list[int], *, salt: str | None = None, adapter: str | None = None,
+                 max_tokens: int = 16) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), cache_salt=salt,
+                   adapter_id=adapter)
+
+
+def prefill(manager: KVCacheManager, request: Request) -> list[int]:
+    """Look up, allocate the rest of the prompt, compute it, publish its full blocks."""
+    hits, num_hit = manager.get_computed_blocks(request)
+    new = manager.allocate_slots(request, request.num_tokens - num_hit, hits)
+    assert new is not None
+    request.num_computed_tokens = request.num_tokens
+    manager.cache_blocks(request)
+    return hits
+
+
+@pytest.fixture
+def manager() -> KVCacheManager:
+    return KVCacheManager(11, BS, hash_seed=0)
+
+
+def test_miss_then_hit_shares_three_full_blocks(manager):
+    pool = manager.block_pool
+    req0 = make_request("0", COMMON + [3] * 7)
+    hits, num_hit = manager.get_computed_blocks(req0)
+    assert (hits, num_hit) == ([], 0)
+    assert len(manager.block_hashes(req0)) == 3
+    assert manager.allocate_slots(req0, 55) == [0, 1, 2, 3]
+    req0.num_computed_tokens = 55
+    assert manager.cache_blocks(req0) == 3
+    parent = None
+    for b in (0, 1, 2):
+        expected = hash_block_tokens(parent, COMMON[b * BS:(b + 1) * BS], key=pool.hash_key)
+        assert pool.block_hash(b) == expected and pool.ref_cnt(b) == 1
+        parent = expected
+    assert pool.block_hash(3) is None and pool.ref_cnt(3) == 1  # the partial block is never hashed
+
+    req1 = make_request("1", COMMON + [3] * 5)
+    hits, num_hit = manager.get_computed_blocks(req1)
+    assert hits == [0, 1, 2] and num_hit == 3 * BS
+    assert manager.allocate_slots(req1, 53 - 3 * BS, hits) == [4]
+    assert [pool.ref_cnt(b) for b in (0, 1, 2)] == [2, 2, 2]
+    assert manager.num_free_blocks == 6
+    pool.check_invariants()
+
+    # freeing: partial blocks first (most recently freed first), then untouched blocks, then the shared
+    # prefix tail-first (its later blocks are evicted before its earlier ones)
+    manager.free(req0)
+    manager.free(req1)
+    assert manager.num_free_blocks == 11
+    assert pool.free_block_ids() == [4, 3, 5, 6, 7, 8, 9, 10, 2, 1, 0]
+    assert (pool.num_free, pool.num_cached, pool.num_used) == (8, 3, 0)
+    pool.check_invariants()
+
+
+def test_hit_on_idle_cached_block_removes_it_from_the_free_queue(manager):
+    pool = manager.block_pool
+    req0 = make_request("0", COMMON + [3] * 7)
+    prefill(manager, req0)
+    manager.free(req0)
+    assert pool.free_block_ids() == [3, 4, 5, 6, 7, 8, 9, 10, 2, 1, 0]
+    req2 = make_request("2", COMMON + [7] * 10)
+    hits, num_hit = manager.get_computed_blocks(req2)
+    assert hits == [0, 1, 2] and num_hit == 48
+    assert manager.allocate_slots(req2, 10, hits) == [3]
+    assert pool.free_block_ids() == [4, 5, 6, 7, 8, 9, 10]
+    assert [pool.ref_cnt(b) for b in (0, 1, 2, 3)] == [1, 1, 1, 1]
+    assert pool.num_cached == 0 and pool.num_evictions == 0
+    pool.check_invariants()
+
+
+def test_full_hit_still_recomputes_the_last_token(manager):
+    req0 = make_request("0", COMMON)
+    prefill(manager, req0)
+    manager.free(req0)
+    req1 = make_request("1", COMMON)
+    hits, num_hit = manager.get_computed_blocks(req1)
+    assert hits == [0, 1] and num_hit == 32  # not 48: the last token (in block 2) must be computed
+
+
+def test_decode_hashes_a_block_exactly_when_it_fills(manager):
+    pool = manager.block_pool
+    req = make_request("0", list(range(20)), max_tokens=40)
+    prefill(manager, req)
+    blocks = manager.get_block_ids("0")
+    assert blocks == [0, 1] and pool.block_hash(0) is not None and pool.block_hash(1) is None
+    tokens = list(range(20))
+    while req.num_computed_tokens < 33:
+        # sample one token, then compute it in the next step
+        t = 100 + req.num_tokens
+        req.output_token_ids.append(t)
+        tokens.append(t)
+        assert manager.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        manager.cache_blocks(req)
+        if req.num_computed_tokens < 32:
+            assert pool.block_hash(1) is None
+        else:
+            expected = hash_block_tokens(pool.block_hash(0), tokens[16:32], key=pool.hash_key)
+            assert pool.block_hash(1) == expected
+    assert manager.get_block_ids("0") == [0, 1, 2] and pool.block_hash(2) is None
+
+
+def test_failed_allocation_changes_no_refcount(manager):
+    pool = manager.block_pool
+    req0 = make_request("0", COMMON + [3] * 7)
+    prefill(manager, req0)
+    manager.free(req0)  # blocks 0-2 idle and cached
+    hog = make_request("hog", [9] * (6 * BS))
+    assert manager.allocate_slots(hog, 6 * BS) is not None  # leaves 5 idle: 3 cached + 2 free
+    queue_before = pool.free_block_ids()
+    refs_before = [pool.ref_cnt(b) for b in range(11)]
+    req1 = make_request("1", COMMON + [5] * (3 * BS))  # needs 3 hits + 3 fresh = 6 > 5
+    hits, num_hit = manager.get_computed_blocks(req1)
+    assert hits == [0, 1, 2]
+    assert manager.allocate_slots(req1, 3 * BS, hits) is None
+    assert [pool.ref_cnt(b) for b in range(11)] == refs_before
+    assert pool.free_block_ids() == queue_before
+    assert manager.get_block_ids("1") == [] and "1" not in manager.holders()
+    assert pool.num_evictions == 0
+    pool.check_invariants()
+    # with one block less it fits, and the hits were not evicted to make room for the fresh blocks
+    req2 = make_request("2", COMMON + [5] * (2 * BS))
+    hits, _ = manager.get_computed_blocks(req2)
+    assert manager.allocate_slots(req2, 2 * BS, hits) is not None
+    assert manager.get_block_ids("2")[:3] == [0, 1, 2]
+    pool.check_invariants()
+
+
+def test_lru_eviction_takes_a_prefix_tail_first(manager):
+    pool = manager.block_pool
+    req0 = make_request("0", COMMON + [3] * 7)
+    prefill(manager, req0)
+    manager.free(req0)
+    hog = make_request("hog", [9] * (9 * BS))  # 8 unhashed blocks, then one eviction
+    assert manager.allocate_slots(hog, 9 * BS) is not None
+    assert pool.num_evictions == 1 and pool.block_hash(2) is None
+    req1 = make_request("1", COMMON + [3])
+    hits, num_hit = manager.get_computed_blocks(req1)
+    assert hits == [0, 1] and num_hit == 32
+
+
+def test_different_salts_never_share_the_same_salt_does(manager):
+    req_a = make_request("a", COMMON + [3], salt="tenant-a")
+    prefill(manager, req_a)
+    req_b = make_request("b", COMMON + [3], salt="tenant-b")
+    assert manager.get_computed_blocks(req_b) == ([], 0)
+    req_none = make_request("n", COMMON + [3])
+    assert manager.get_computed_blocks(req_none) == ([], 0)
+    req_a2 = make_request("a2", COMMON + [3], salt="tenant-a")
+    assert manager.get_computed_blocks(req_a2) == ([0, 1, 2], 48)
+    # the salt enters the first block only, yet every later hash differs through the chain
+    assert all(x != y for x, y in zip(manager.block_hashes(req_a), manager.block_hashes(req_b), strict=True))
+
+
+def test_adapters_never_share(manager):
+    req_a = make_request("a", COMMON + [3], adapter="lora-1")
+    prefill(manager, req_a)
+    assert manager.get_computed_blocks(make_request("b", COMMON + [3], adapter="lora-2")) == ([], 0)
+    assert manager.get_computed_blocks(make_request("c", COMMON + [3])) == ([], 0)
+    assert manager.get_computed_blocks(make_request("d", COMMON + [3], adapter="lora-1"))[1] == 48
+
+
+def test_reset_fails_while_blocks_are_in_use(manager):
+    req0 = make_request("0", COMMON + [3])
+    prefill(manager, req0)
+    assert not manager.reset_prefix_cache()
+    manager.free(req0)
+    assert manager.block_pool.num_cached == 3
+    assert manager.reset_prefix_cache()
+    assert manager.get_computed_blocks(make_request("1", COMMON + [3])) == ([], 0)
+    assert manager.block_pool.num_cached == 0
+
+
+def test_hash_seed_separates_pools():
+    a = KVCacheManager(4, BS, hash_seed=1)
+    b = KVCacheManager(4, BS, hash_seed=2)
+    req = make_request("0", COMMON)
+    ha = a.block_hashes(req)
+    req.block_hashes = []
+    assert b.block_hashes(req) != ha
+
+
+def test_caching_disabled_gives_no_hits():
+    m = KVCacheManager(11, BS, enable_caching=False)
+    req0 = make_request("0", COMMON + [3])
+    prefill(m, req0)
+    assert m.block_pool.num_hashed == 0
+    m.free(req0)
+    assert m.get_computed_blocks(make_request("1", COMMON + [3])) == ([], 0)
+    assert m.block_pool.free_block_ids()[:4] == [0, 1, 2, 3]  # unhashed: reused first
+
+
+def test_duplicate_content_keeps_one_cached_copy(manager):
+    pool = manager.block_pool
+    req0, req1 = make_request("0", COMMON + [3]), make_request("1", COMMON + [3])
+    # both miss (neither computed yet), both compute the same blocks
+    for r in (req0, req1):
+        assert manager.get_computed_blocks(r) == ([], 0)
+        manager.allocate_slots(r, r.num_tokens)
+    for r in (req0, req1):
+        r.num_computed_tokens = r.num_tokens
+        manager.cache_blocks(r)
+    assert [pool.block_hash(b) is not None for b in manager.get_block_ids("1")] == [False] * 4
+    assert pool.num_hashed == 3
+    manager.free(req1)
+    assert pool.free_block_ids()[:4] == [4, 5, 6, 7]  # the duplicates are reused first
+    pool.check_invariants()
+
+
+def test_lend_adopt_and_return():
+    m = KVCacheManager(6, 4)
+    pool = m.block_pool
+    req = make_request("0", list(range(5)))
+    prefill(m, req)  # blocks 0, 1
+    lent = m.lend_blocks(3)
+    assert lent == [2, 3, 4] and all(pool.ref_cnt(b) == 1 for b in lent)
+    assert m.lent_block_ids == {2, 3, 4}
+    assert m.lend_blocks(2) is None and pool.num_free_blocks == 1
+    assert not m.reset_prefix_cache()
+    m.adopt_blocks(req, [2])
+    assert m.get_block_ids("0") == [0, 1, 2] and m.lent_block_ids == {3, 4}
+    with pytest.raises(ValueError, match="not lent"):
+        m.return_lent_blocks([2])
+    m.return_lent_blocks([3, 4])
+    assert not m.lent_block_ids and pool.free_block_ids()[:2] == [3, 4]
+    with pytest.raises(ValueError, match="holds no blocks"):
+        m.adopt_blocks(make_request("x", [1]), [])
+    pool.check_invariants()

@@ -1,0 +1,78 @@
+"""Property: for any small configuration and workload, every request finishes in bounded steps, every
+invariant holds after every step, the budgets hold, and each output equals the cache-free reference."""
+
+from __future__ import annotations
+
+from hypothesis import event, example, given, settings
+from hypothesis import strategies as st
+
+from pagedjax.config import CacheConfig, SchedulerConfig
+from pagedjax.core.kv_cache_manager import cdiv
+from pagedjax.core.request import Request, SamplingParams
+from pagedjax.core.scheduler import Scheduler
+from tests.core.harness import VOCAB, Checker, FakeModel, reference_outputs, run_to_completion
+
+PREFIXES = [[], [1, 2, 3, 1, 2, 3, 1, 2, 3], [0] * 7, [5, 4]]
+
+
+
+@st.composite
+def configs(draw):
+    """Small pools: between one max-length request's worth of blocks and a few more (or, sometimes,
+    fewer, so that some requests are rejected)."""
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    max_model_len = draw(st.integers(8, 32))
+    min_blocks = cdiv(max_model_len, block_size)
+    num_blocks = draw(st.one_of(st.integers(min_blocks, min_blocks + 8), st.integers(2, min_blocks + 8)))
+    return {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len,
+            "budget": draw(st.integers(1, 24)), "max_num_seqs": draw(st.integers(1, 6)),
+            "caching": draw(st.booleans()), "chunked": draw(st.booleans()),
+            "multi": draw(st.sampled_from([0, 0, 2, 3, 5]))}
+
+
+workloads = st.lists(st.tuples(st.sampled_from(range(len(PREFIXES))), st.lists(st.integers(0, VOCAB - 1),
+                                                                              max_size=12),
+                               st.integers(1, 12), st.booleans()), min_size=1, max_size=10)
+
+
+@settings(max_examples=4 * settings.default.max_examples)
+@given(configs(), workloads)
+@example({"block_size": 1, "num_blocks": 12, "budget": 5, "max_num_seqs": 4, "max_model_len": 12,
+          "caching": True, "chunked": True, "multi": 3},
+         [(1, [0], 8, False), (1, [1], 8, False), (2, [2, 3], 6, True), (0, [4, 4, 4], 9, False)])
+def test_any_workload_finishes_correctly(config, workload):
+    budget = config["budget"] if config["chunked"] else max(config["budget"], config["max_model_len"])
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=config["max_num_seqs"], max_num_batched_tokens=budget,
+                        max_model_len=config["max_model_len"], enable_chunked_prefill=config["chunked"]),
+        CacheConfig(block_size=config["block_size"], enable_prefix_caching=config["caching"]),
+        config["num_blocks"])
+    accepted = []
+    for i, (prefix, suffix, max_tokens, use_stop) in enumerate(workload):
+        prompt = PREFIXES[prefix] + suffix
+        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, stop_token_ids=(3,) if use_stop else ()))
+        valid = 0 < len(prompt) <= sched.max_model_len and \
+            cdiv(sched.max_kv_tokens(r), sched.block_size) <= config["num_blocks"]
+        try:
+            sched.add_request(r)
+        except ValueError:
+            assert not valid
+            continue
+        assert valid
+        accepted.append(r)
+    bound = sum(sched.max_kv_tokens(r) + 2 for r in accepted) + 2
+    model = FakeModel(config["num_blocks"], config["block_size"])
+    outputs, steps = run_to_completion(sched, model, checker=Checker(sched, model), multi_steps=config["multi"],
+                                       max_steps=bound)
+    for r in accepted:
+        assert outputs[r.request_id] == reference_outputs(r, sched.max_model_len), r.request_id
+    st_ = sched.stats()
+    assert st_.num_used_blocks == 0 and st_.num_lent_blocks == 0
+    if st_.num_preemptions:
+        event("preempted")
+    if st_.prefix_cache_hits:
+        event("prefix hit")
+    if st_.num_evictions:
+        event("evicted")
+    if config["multi"] and steps < sum(r.num_output_tokens for r in accepted) - len(accepted):
+        event("fused decode shortened the run")
