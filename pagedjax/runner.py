@@ -13,6 +13,7 @@ Two entry points:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -130,11 +131,18 @@ def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, 
     return out, pages, kv_cache
 
 
-# One jit wrapper per function, shared by every runner: engines of the same model shape reuse compilations.
-_forward_step_jit = jax.jit(_forward_step, static_argnums=(0,),
-                            static_argnames=("backend", "decode_only", "return_logits"), donate_argnums=(2,))
-_decode_loop_jit = jax.jit(_decode_loop, static_argnums=(0,),
-                           static_argnames=("num_steps", "block_size", "backend"), donate_argnums=(2,))
+@functools.cache
+def _jitted(graphdef) -> tuple:
+    """The jitted step and decode loop for one model structure, with the graphdef closed over.
+
+    Cached per graphdef (hashed once here, not on every call), so engines over the same model shape share
+    compilations. The KV cache argument is donated: XLA updates it in place.
+    """
+    step = jax.jit(functools.partial(_forward_step, graphdef),
+                   static_argnames=("backend", "decode_only", "return_logits"), donate_argnums=(1,))
+    loop = jax.jit(functools.partial(_decode_loop, graphdef),
+                   static_argnames=("num_steps", "block_size", "backend"), donate_argnums=(1,))
+    return step, loop
 
 
 class ModelRunner:
@@ -151,8 +159,7 @@ class ModelRunner:
         self.kv_cache = init_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, dtype)
         self.compiled_shapes: set[tuple] = set()
         self.device_seconds = 0.0  # wall time inside jitted calls, results read back
-        self._step = _forward_step_jit
-        self._loop = _decode_loop_jit
+        self._step, self._loop = _jitted(self.graphdef)
         logger.info("pagedjax runner: backend=%s, KV cache %d blocks x %d tokens (%.1f MiB)", self.backend,
                     num_blocks, block_size, self.kv_cache.nbytes / 2**20)
 
@@ -171,7 +178,7 @@ class ModelRunner:
         self._note_shape(("step", len(inputs.token_ids), m.block_tables.shape, inputs.decode_only, return_logits))
         start = time.perf_counter()
         tokens, self.kv_cache, logits = self._step(
-            self.graphdef, self.params, self.kv_cache, inputs.token_ids, inputs.positions, m,
+            self.params, self.kv_cache, inputs.token_ids, inputs.positions, m,
             inputs.logits_indices, inputs.sampling, backend=self.backend, decode_only=inputs.decode_only,
             return_logits=return_logits)
         tokens = np.asarray(tokens)
@@ -189,7 +196,7 @@ class ModelRunner:
         start = time.perf_counter()
         pages = init_page_state(block_tables, seq_lens, lent_blocks)
         out, pages, self.kv_cache = self._loop(
-            self.graphdef, self.params, self.kv_cache, pages, tokens, sampling, stop_ids, max_new,
+            self.params, self.kv_cache, pages, tokens, sampling, stop_ids, max_new,
             num_steps=num_steps, block_size=self.block_size, backend=self.backend)
         out, tables, used, overflow = jax.device_get((out, pages.block_tables, pages.num_popped, pages.overflow))
         self.device_seconds += time.perf_counter() - start

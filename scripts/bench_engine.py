@@ -1,0 +1,209 @@
+"""Engine throughput on the CPU: pagedjax (1-step and N-step decode) vs a plain contiguous-KV-cache loop.
+
+    python scripts/bench_engine.py                 # default workload
+    python scripts/bench_engine.py --quick         # seconds; used by the smoke test
+    python scripts/bench_engine.py --hf PATH       # also: pagedjax vs transformers' generate on a HF folder
+
+All rows come from one run on the same random model and batch (greedy, fixed lengths), timed after a
+warm-up run that compiles everything, so ratios between rows are meaningful even on a noisy machine.
+The baseline is what a user would write without paging: a `[layers, batch, kv_heads, max_len, head_dim]`
+cache, a jitted decode step called from Python per token (donated cache), and the same step fused into a
+`lax.fori_loop`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax.config import dtype_bytes, kv_cache_bytes
+from pagedjax.model.llama import Llama, apply_rope, init_model, rope_inv_freq
+
+
+# ------------------------------------------------------------------------------------- contiguous baseline
+def _contiguous_forward(model: Llama, tokens, positions, k_cache, v_cache, valid_len):
+    """tokens `[B, S]` at `positions [S]` (same for every row); caches `[L, B, Hkv, T, D]`."""
+    cfg = model.config
+    inv_freq = rope_inv_freq(cfg)
+    x = model.embed_tokens(tokens)
+    b, s, _ = x.shape
+    g = cfg.num_q_heads // cfg.num_kv_heads
+    t_max = k_cache.shape[3]
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).reshape(b, s, cfg.num_q_heads, cfg.head_dim)
+        k = attn.k_proj(h).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
+        v = attn.v_proj(h).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
+        q, k = apply_rope(q, positions[None, :], inv_freq), apply_rope(k, positions[None, :], inv_freq)
+        start = positions[0]
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3)[None].astype(k_cache.dtype),
+                                               (i, 0, 0, start, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3)[None].astype(v_cache.dtype),
+                                               (i, 0, 0, start, 0))
+        qg = q.reshape(b, s, cfg.num_kv_heads, g, cfg.head_dim).astype(jnp.float32)
+        scores = jnp.einsum("bskgd,bktd->bkgst", qg, k_cache[i].astype(jnp.float32)) * cfg.head_dim ** -0.5
+        keep = (jnp.arange(t_max)[None, :] <= positions[:, None]) & (jnp.arange(t_max)[None, :] < valid_len)
+        probs = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
+        o = jnp.einsum("bkgst,bktd->bskgd", probs, v_cache[i].astype(jnp.float32)).astype(x.dtype)
+        x = x + attn.o_proj(o.reshape(b, s, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    logits = model.compute_logits(model.norm(x[:, -1]))
+    return jnp.argmax(logits, -1).astype(jnp.int32), k_cache, v_cache
+
+
+class ContiguousBaseline:
+    def __init__(self, model: Llama, batch: int, max_len: int):
+        cfg = model.config
+        self.graphdef, self.state = nnx.split(model)
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.shape, self.dtype = shape, jnp.dtype(cfg.dtype)
+        gd = self.graphdef
+
+        @functools.partial(jax.jit, donate_argnums=(2, 3))
+        def prefill(state, tokens, k, v):
+            positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+            return _contiguous_forward(nnx.merge(gd, state), tokens, positions, k, v, tokens.shape[1])
+
+        @functools.partial(jax.jit, donate_argnums=(2, 3))
+        def decode(state, tokens, k, v, pos):
+            return _contiguous_forward(nnx.merge(gd, state), tokens[:, None], pos[None], k, v, pos + 1)
+
+        @functools.partial(jax.jit, donate_argnums=(2, 3), static_argnums=(5,))
+        def decode_loop(state, tokens, k, v, pos, n):
+            def body(i, carry):
+                tok, k, v, out = carry
+                tok, k, v = _contiguous_forward(nnx.merge(gd, state), tok[:, None], (pos + i)[None], k, v,
+                                                pos + i + 1)
+                return tok, k, v, out.at[:, i].set(tok)
+            out = jnp.zeros((tokens.shape[0], n), jnp.int32)
+            _, k, v, out = jax.lax.fori_loop(0, n, body, (tokens, k, v, out))
+            return out, k, v
+
+        self._prefill, self._decode, self._loop = prefill, decode, decode_loop
+
+    def generate(self, prompts: np.ndarray, max_tokens: int, fused: bool) -> np.ndarray:
+        k = jnp.zeros(self.shape, self.dtype)
+        v = jnp.zeros(self.shape, self.dtype)
+        tok, k, v = self._prefill(self.state, jnp.asarray(prompts), k, v)
+        pos = prompts.shape[1]
+        if fused:
+            out, k, v = self._loop(self.state, tok, k, v, jnp.int32(pos), max_tokens - 1)
+            return np.concatenate([np.asarray(tok)[:, None], np.asarray(out)], axis=1)
+        out = [tok]
+        for i in range(max_tokens - 1):
+            tok, k, v = self._decode(self.state, tok, k, v, jnp.int32(pos + i))
+            out.append(tok)
+        return np.asarray(jnp.stack(out, axis=1))
+
+
+# ------------------------------------------------------------------------------------------------ runner
+def _time(fn, repeats: int) -> float:
+    best = np.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run(cfg: ModelConfig, batch: int, prompt_len: int, max_tokens: int, block_size: int, repeats: int,
+        fused_steps: int) -> list[dict]:
+    model = init_model(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).astype(np.int32)
+    total = prompt_len + max_tokens
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    num_blocks = batch * -(-total // block_size) + 8
+    rows = []
+
+    def engine_row(num_steps: int):
+        engine = LLMEngine(cfg, CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                            enable_prefix_caching=False),
+                           SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
+                                           max_model_len=total), params=model, num_steps=num_steps)
+        outputs = {}
+
+        def go():
+            outs = engine.generate([p.tolist() for p in prompts], params, use_tqdm=False)
+            outputs["tokens"] = np.array([o.output_token_ids for o in outs])
+
+        go()  # compile
+        before = engine.stats()
+        t = _time(go, repeats)
+        after = engine.stats()
+        host = (after.elapsed_s - before.elapsed_s) - (after.device_s - before.device_s)
+        share = host / (after.elapsed_s - before.elapsed_s)
+        rows.append(dict(name=f"pagedjax engine, num_steps={num_steps}", seconds=t, host_share=share,
+                         tokens=outputs["tokens"]))
+
+    engine_row(1)
+    engine_row(fused_steps)
+    base = ContiguousBaseline(model, batch, total)
+    for fused in (False, True):
+        out = {}
+
+        def go(fused=fused, out=out):
+            out["tokens"] = base.generate(prompts, max_tokens, fused)
+
+        go()
+        t = _time(go, repeats)
+        rows.append(dict(name="contiguous cache, " + ("fori_loop decode" if fused else "python loop decode"),
+                         seconds=t, host_share=None, tokens=out["tokens"]))
+    return rows
+
+
+def print_table(rows: list[dict], batch: int, max_tokens: int, cfg: ModelConfig, total: int) -> None:
+    base = next(r for r in rows if r["name"].endswith("python loop decode"))
+    one = rows[0]
+    print(f"\nbatch {batch}, {max_tokens} new tokens each, model {cfg.num_layers}L h{cfg.hidden_size} "
+          f"q{cfg.num_q_heads}/kv{cfg.num_kv_heads}, backend {jax.default_backend()}")
+    print(f"{'implementation':42s} {'time s':>8s} {'tok/s':>9s} {'ms/token-step':>14s} {'vs 1-step':>10s} "
+          f"{'vs contiguous':>14s} {'host share':>11s} {'same tokens':>12s}")
+    for r in rows:
+        tps = batch * max_tokens / r["seconds"]
+        same = bool(np.array_equal(r["tokens"], base["tokens"]))
+        host = "-" if r["host_share"] is None else f"{100 * r['host_share']:.0f}%"
+        print(f"{r['name']:42s} {r['seconds']:8.3f} {tps:9.1f} {1000 * r['seconds'] / max_tokens:14.2f} "
+              f"{one['seconds'] / r['seconds']:9.2f}x {base['seconds'] / r['seconds']:13.2f}x {host:>11s} "
+              f"{str(same):>12s}")
+    per_token = kv_cache_bytes(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, dtype_bytes(cfg.dtype))
+    budget = 64 * 2**20
+    print(f"\nconcurrency in a {budget >> 20} MiB KV budget ({per_token} B/token): contiguous reserving "
+          f"max_model_len={4 * total} per request: {budget // (per_token * 4 * total)} requests; "
+          f"paged holding the {total} tokens actually used: {budget // (per_token * total)} requests")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-steps", type=int, default=8, help="fused decode steps for the multi-step row")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="tiny model and workload (seconds)")
+    ap.add_argument("--hf", metavar="PATH", help="also compare with transformers on this local HF folder")
+    args = ap.parse_args(argv)
+    cfg = ModelConfig()
+    if args.quick:
+        cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                          intermediate_size=64)
+        args.batch, args.prompt_len, args.max_tokens, args.repeats = 2, 8, 6, 1
+    rows = run(cfg, args.batch, args.prompt_len, args.max_tokens, args.block_size, args.repeats, args.num_steps)
+    print_table(rows, args.batch, args.max_tokens, cfg, args.prompt_len + args.max_tokens)
+    if args.hf:
+        from bench_hf import main as hf_main
+
+        hf_main(["--model", args.hf, "--batch", str(args.batch), "--max-tokens", str(args.max_tokens)])
+
+
+if __name__ == "__main__":
+    main()
