@@ -1,0 +1,46 @@
+"""Exact paged-attention kernels in Pallas (Triton on NVIDIA GPUs, the Pallas interpreter elsewhere).
+
+    paged_attention(q, k_pages, v_pages, block_tables, lengths)            decode: one query per sequence
+    ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
+                                                                            mixed prefill chunks + decode
+KV layout: `[num_kv_heads, num_blocks, block_size, head_dim]` (that of JAX's own Pallas paged-attention op).
+`reference` holds the dense float32 oracles and an XLA gather path; `merge` the exact (m, z, u) merge.
+This package imports nothing from pagedjax.
+
+Example (GQA, 8 query heads on 2 KV heads, a cache of 32 blocks of 16 tokens):
+
+    import jax, jax.numpy as jnp
+    from pallas_kernels import paged_attention
+
+    k_pages = jax.random.normal(jax.random.key(0), (2, 32, 16, 64), jnp.bfloat16)  # [Hkv, blocks, 16, D]
+    v_pages = jax.random.normal(jax.random.key(1), k_pages.shape, jnp.bfloat16)
+    block_tables = jnp.array([[3, 7, 0], [12, 5, 9]], jnp.int32)  # sequence -> physical blocks
+    lengths = jnp.array([20, 40], jnp.int32)                        # tokens cached per sequence
+    q = jax.random.normal(jax.random.key(2), (2, 8, 64), jnp.bfloat16)
+    out = jax.jit(paged_attention)(q, k_pages, v_pages, block_tables, lengths)  # [2, 8, 64] bfloat16
+"""
+
+from pallas_kernels.merge import Partial, finalize, merge_and_finalize, merge_partials, merge_two
+from pallas_kernels.paged_attention import default_num_splits, paged_attention
+from pallas_kernels.ragged_attention import ragged_paged_attention
+from pallas_kernels.reference import (
+    paged_attention_reference,
+    paged_attention_xla,
+    ragged_paged_attention_reference,
+    ragged_paged_attention_xla,
+)
+
+__all__ = [
+    "Partial",
+    "default_num_splits",
+    "finalize",
+    "merge_and_finalize",
+    "merge_partials",
+    "merge_two",
+    "paged_attention",
+    "paged_attention_reference",
+    "paged_attention_xla",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "ragged_paged_attention_xla",
+]

@@ -1,0 +1,189 @@
+"""Decode attention over a paged KV cache (one query token per sequence), in Pallas.
+
+Grid: (num_seqs, num_kv_heads, num_splits). Program (s, h, p)
+  * loads every query head of KV head h at once (GQA packing: each KV page is read once per KV head, not
+    once per query head; the group's rows are padded to >= 16 for tl.dot, padding rows are masked),
+  * walks its share of sequence s's pages, `pages_per_iter` pages per iteration, gathering them through
+    the block table with masked loads; the trip count is computed from lengths[s], so no page past the
+    sequence's length is touched,
+  * keeps an online softmax (m, z, u) in float32.
+With one split the program writes the normalised output. With several ("flash-decoding"), sequence s's
+pages are cut into `num_splits` contiguous ranges *sized from its own length* (every split of a sequence
+does about the same work, whatever the table width), each program writes its partial (m, z, u), and
+`merge.merge_and_finalize` combines them exactly in float32.
+
+Non-power-of-two sizes (head_dim 80 or 96, odd group sizes, any block_size) are padded to powers of two
+inside the kernel only, with masked loads and stores: the KV cache is never copied or padded.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _common as C
+from pallas_kernels.merge import merge_and_finalize
+
+TUNING_KEYS = ("num_splits", "pages_per_iter", "num_warps", "num_stages")
+# Split-K targets about this many programs in flight: a few waves on a 132-SM H100/H200.
+_TARGET_PROGRAMS = 512
+_MAX_SPLITS = 64
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, pages_per_iter: int) -> int:
+    """Number of KV splits per (sequence, KV head).
+
+    The grid must be static, so the count comes from static shapes: enough programs to fill the GPU
+    (num_seqs * num_kv_heads * splits ~ _TARGET_PROGRAMS), but never more splits than the longest possible
+    sequence has tiles. The split *boundaries* are then computed in the kernel from each sequence's actual
+    length, so short sequences in a wide table are split as evenly as long ones.
+    """
+    tiles = C.cdiv(max(1, max_blocks_per_seq), pages_per_iter)
+    want = C.cdiv(_TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
+    return int(max(1, min(want, tiles, _MAX_SPLITS)))
+
+
+def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, scale: float, group: int,
+                   rows: int, head_dim: int, block_size: int, pages_per_iter: int, num_splits: int,
+                   max_blocks_per_seq: int):
+    """q_ref [num_seqs, num_q_heads, head_dim]; k_ref/v_ref [num_kv_heads, num_blocks, block_size, head_dim];
+    table_ref [num_seqs, max_blocks_per_seq]; lengths_ref [num_seqs]. Outputs: o [num_seqs, num_q_heads,
+    head_dim] (one split) or m, z [num_splits, num_seqs, num_q_heads] and u [num_splits, num_seqs,
+    num_q_heads, head_dim] float32 (several)."""
+    seq = pl.program_id(0)
+    head = pl.program_id(1)
+    split = pl.program_id(2)
+    dim_pad = max(C.MIN_DOT_DIM, C.next_pow2(head_dim))
+
+    length = jnp.clip(lengths_ref[seq], 0, max_blocks_per_seq * block_size)
+    num_pages = C.cdiv(length, block_size)
+    # This split's page range, sized from this sequence's length and rounded to whole tiles.
+    pages_per_split = C.cdiv(C.cdiv(num_pages, num_splits), pages_per_iter) * pages_per_iter
+    page_lo = split * pages_per_split
+    page_hi = jnp.minimum(page_lo + pages_per_split, num_pages)
+    num_iters = C.cdiv(jnp.maximum(page_hi - page_lo, 0), pages_per_iter)
+
+    r = jnp.arange(rows, dtype=jnp.int32)
+    d = jnp.arange(dim_pad, dtype=jnp.int32)
+    q_heads = head * group + r
+    row_mask = (r < group)[:, None] & (d < head_dim)[None, :]
+    q = plgpu.load(q_ref.at[seq, q_heads[:, None], d[None, :]], mask=row_mask, other=0)
+
+    def body(i, carry):
+        k, v, valid, _ = C.gather_page_tile(
+            table_ref, k_ref, v_ref, seq=seq, head=head, first_page=page_lo + i * pages_per_iter,
+            page_end=page_hi, token_end=length, pages_per_iter=pages_per_iter, block_size=block_size,
+            head_dim=head_dim)
+        return C.online_softmax_step(q, k, v, valid[None, :], carry, scale=scale)
+
+    m, z, u = lax.fori_loop(0, num_iters, body, C.init_carry(rows, dim_pad))
+
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        o = C.normalize(z, u).astype(o_ref.dtype)
+        plgpu.store(o_ref.at[seq, q_heads[:, None], d[None, :]], o, mask=row_mask)
+    else:
+        m_ref, z_ref, u_ref = out_refs
+        plgpu.store(m_ref.at[split, seq, q_heads], m, mask=r < group)
+        plgpu.store(z_ref.at[split, seq, q_heads], z, mask=r < group)
+        plgpu.store(u_ref.at[split, seq, q_heads[:, None], d[None, :]], u, mask=row_mask)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "interpret", "num_splits", "pages_per_iter", "num_warps", "num_stages"))
+def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float, interpret: bool,
+                     num_splits: int, pages_per_iter: int, num_warps: int, num_stages: int):
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    max_blocks_per_seq = block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    kernel = functools.partial(
+        _decode_kernel, scale=scale, group=group, rows=max(C.MIN_DOT_DIM, C.next_pow2(group)),
+        head_dim=head_dim, block_size=block_size, pages_per_iter=pages_per_iter, num_splits=num_splits,
+        max_blocks_per_seq=max_blocks_per_seq)
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((num_splits, num_seqs, num_q_heads), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, num_seqs, num_q_heads), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, num_seqs, num_q_heads, head_dim), jnp.float32),
+        )
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_splits),
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=C.compiler_params(num_warps, num_stages),
+        name=f"paged_attention_decode_s{num_splits}_p{pages_per_iter}",
+    )(lengths, block_tables, q, k_pages, v_pages)
+    if num_splits == 1:
+        return out
+    m, z, u = out
+    return merge_and_finalize(m, z, u, axis=0, dtype=q.dtype)
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+    interpret: bool | None = None,
+    **tuning: Any,
+) -> jax.Array:
+    """Decode attention of one query token per sequence over a paged KV cache.
+
+    Args:
+      q: `[num_seqs, num_q_heads, head_dim]`, float32, bfloat16 or float16.
+      k_pages, v_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, q's dtype (the layout of JAX's
+        own Pallas paged-attention op). `num_q_heads % num_kv_heads == 0` (MHA, GQA, MQA); head_dim a
+        multiple of 16, at most 256; any block_size (powers of two are fastest).
+      block_tables: int32 `[num_seqs, max_blocks_per_seq]`: logical block j of sequence s lives in
+        physical block `block_tables[s, j]`. Entries past `cdiv(lengths[s], block_size)` are never read
+        and may hold anything.
+      lengths: int32 `[num_seqs]`: tokens in each sequence's cache (clipped to
+        `[0, max_blocks_per_seq * block_size]`). Slots at or past the length are never read.
+      scale: multiplies q.k; defaults to `1 / sqrt(head_dim)`. (JAX's op applies no scale.)
+      interpret: run the Pallas interpreter; `None` = compiled on GPU, interpreted elsewhere.
+      **tuning: `num_splits` (KV splits per sequence, default from the batch and table shape, see
+        `default_num_splits`), `pages_per_iter` (pages gathered per inner iteration, a power of two;
+        default about 128 tokens), `num_warps` (default 4), `num_stages` (default 2).
+
+    Returns:
+      `[num_seqs, num_q_heads, head_dim]` in q's dtype; zeros for sequences of length 0.
+    """
+    C.check_tuning("paged_attention", tuning, TUNING_KEYS)
+    num_seqs = q.shape[0] if getattr(q, "ndim", 0) == 3 else None
+    _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = C.validate_qkv(
+        q, k_pages, v_pages, block_tables, num_q_rows=num_seqs)
+    C.check_vector("lengths", lengths, num_seqs)
+    scale = C.resolve_scale(scale, head_dim)
+    pages_per_iter = tuning.get("pages_per_iter")
+    C.check_pow2_option("pages_per_iter", pages_per_iter)
+    if pages_per_iter is not None and pages_per_iter * C.next_pow2(block_size) < C.MIN_DOT_DIM:
+        raise ValueError(
+            f"pages_per_iter * block_size must be >= {C.MIN_DOT_DIM} (tl.dot), got {pages_per_iter} pages "
+            f"of {block_size} tokens")
+    for key in ("num_splits", "num_warps", "num_stages"):
+        C.check_positive_option(key, tuning.get(key))
+    if num_seqs == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    if pages_per_iter is None:
+        pages_per_iter = C.default_pages_per_iter(block_size, max_blocks_per_seq, head_dim, q.dtype)
+    num_splits = tuning.get("num_splits")
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_blocks_per_seq, pages_per_iter)
+    return _paged_attention(
+        q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=C.resolve_interpret(interpret),
+        num_splits=int(num_splits), pages_per_iter=int(pages_per_iter),
+        num_warps=int(tuning.get("num_warps") or 4), num_stages=int(tuning.get("num_stages") or 2))

@@ -1,0 +1,212 @@
+"""Ragged paged attention: chunked-prefill and decode tokens of many sequences in one call, in Pallas.
+
+The wrapper cuts each sequence's query rows into tiles of `block_q` tokens (a tile never spans two
+sequences) with a few cheap jnp ops on the `[num_seqs + 1]` metadata, and the rows past cu_q_lens[-1]
+(padding added by a caller that buckets shapes) into tiles of a virtual empty sequence, so every output
+row is written by exactly one program. The grid is (tile, KV head); the number of tiles is a static upper
+bound, and tiles beyond the real count do nothing.
+
+Program (t, h) loads its tile's `block_q` query tokens times all query heads of KV head h (GQA packing:
+`block_q * group` rows, padded to powers of two and >= 16 rows), then walks the sequence's pages from 0
+up to the last position any of its rows may see (a dynamic trip count: pages past that are never read),
+`pages_per_iter` pages per iteration through the block table, with a causal mask and an online softmax in
+float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _common as C
+
+TUNING_KEYS = ("block_q", "pages_per_iter", "num_warps", "num_stages")
+_MAX_ROWS = 128
+_MAX_ACC_ELEMENTS = 128 * 128
+
+
+def default_block_q(num_tokens: int, num_seqs: int, group: int, head_dim: int) -> int:
+    """Query tokens per tile: the mean query length rounded up to a power of two, so tiles fit the
+    sequences, with block_q * group between 16 and 128 rows (64 at head_dim 256: the float32 accumulator
+    rows x head_dim stays <= 64 KiB of registers)."""
+    group_pad = C.next_pow2(group)
+    dim_pad = max(C.MIN_DOT_DIM, C.next_pow2(head_dim))
+    lo = max(1, C.MIN_DOT_DIM // group_pad)
+    hi = max(1, min(_MAX_ROWS, _MAX_ACC_ELEMENTS // dim_pad) // group_pad)
+    mean = C.cdiv(max(1, num_tokens), max(1, num_seqs))
+    return int(min(max(C.next_pow2(mean), lo), max(lo, hi)))
+
+
+def max_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Upper bound on the tiles of num_seqs sequences plus one padding segment holding num_tokens rows:
+    sum_i cdiv(n_i, b) <= (sum_i n_i + segments * (b - 1)) / b."""
+    return max(1, (num_tokens + (num_seqs + 1) * (block_q - 1)) // block_q)
+
+
+def tile_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, num_tokens: int, block_q: int,
+                  max_context: int) -> jax.Array:
+    """int32 `[num_tiles, 5]`: for each tile (sequence for the block table, first row, number of rows,
+    position of its first row, kv length). Rows past cu_q_lens[-1] form a last segment with kv length 0
+    (its rows get zeros); tiles past the real count have 0 rows."""
+    num_seqs = kv_lens.shape[0]
+    num_tiles = max_tiles(num_tokens, num_seqs, block_q)
+    cu = jnp.clip(cu_q_lens.astype(jnp.int32), 0, num_tokens)
+    cu = jnp.concatenate([cu, jnp.full((1,), num_tokens, jnp.int32)])  # + padding segment
+    q_lens = jnp.maximum(cu[1:] - cu[:-1], 0)  # [num_seqs + 1]
+    kv = jnp.concatenate([jnp.clip(kv_lens, 0, max_context), jnp.zeros((1,), jnp.int32)])
+    tiles = C.cdiv(q_lens, block_q)
+    tile_cu = jnp.cumsum(tiles)  # tile_cu[s] = first tile after segment s
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    # seg[t] = #segments whose tiles end at or before t (a scatter-add and a cumsum: O(tiles + seqs)).
+    ends = jnp.zeros((num_tiles + 1,), jnp.int32).at[jnp.minimum(tile_cu, num_tiles)].add(1)
+    seg = jnp.cumsum(ends)[:num_tiles]
+    in_range = seg <= num_seqs
+    seg = jnp.minimum(seg, num_seqs)
+    j = t - (tile_cu[seg] - tiles[seg])  # tile index within its segment
+    row0 = cu[seg] + j * block_q
+    rows = jnp.where(in_range, jnp.clip(q_lens[seg] - j * block_q, 0, block_q), 0)
+    pos0 = kv[seg] - q_lens[seg] + j * block_q
+    table_row = jnp.minimum(seg, num_seqs - 1)
+    return jnp.stack([table_row, row0, rows, pos0, kv[seg]], axis=1).astype(jnp.int32)
+
+
+def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float, group: int,
+                   group_pad: int, block_q: int, head_dim: int, block_size: int, pages_per_iter: int):
+    """meta_ref [num_tiles, 5]; table_ref [num_seqs, max_blocks_per_seq]; q_ref/o_ref [total_q_tokens,
+    num_q_heads, head_dim]; k_ref/v_ref [num_kv_heads, num_blocks, block_size, head_dim]."""
+    tile = pl.program_id(0)
+    head = pl.program_id(1)
+    seq = meta_ref[tile, 0]
+    row0 = meta_ref[tile, 1]
+    num_rows = meta_ref[tile, 2]
+    pos0 = meta_ref[tile, 3]
+    kv_len = meta_ref[tile, 4]
+    dim_pad = max(C.MIN_DOT_DIM, C.next_pow2(head_dim))
+    rows = block_q * group_pad
+
+    r = jnp.arange(rows, dtype=jnp.int32)
+    token = r // group_pad  # query token of each row within the tile
+    g = r % group_pad  # query head within the group
+    d = jnp.arange(dim_pad, dtype=jnp.int32)
+    row_ok = (token < num_rows) & (g < group)
+    io_mask = row_ok[:, None] & (d < head_dim)[None, :]
+    io_idx = ((row0 + token)[:, None], (head * group + g)[:, None], d[None, :])
+    q = plgpu.load(q_ref.at[io_idx], mask=io_mask, other=0)
+    q_pos = pos0 + token
+
+    # Keys any row of this tile may see: positions [0, kv_end).
+    kv_end = jnp.where(num_rows > 0, jnp.clip(pos0 + num_rows, 0, kv_len), 0)
+    num_pages = C.cdiv(kv_end, block_size)
+    num_iters = C.cdiv(num_pages, pages_per_iter)
+
+    def body(i, carry):
+        k, v, valid, kv_pos = C.gather_page_tile(
+            table_ref, k_ref, v_ref, seq=seq, head=head, first_page=i * pages_per_iter, page_end=num_pages,
+            token_end=kv_end, pages_per_iter=pages_per_iter, block_size=block_size, head_dim=head_dim)
+        mask = valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        return C.online_softmax_step(q, k, v, mask, carry, scale=scale)
+
+    _, z, u = lax.fori_loop(0, num_iters, body, C.init_carry(rows, dim_pad))
+    plgpu.store(o_ref.at[io_idx], C.normalize(z, u).astype(o_ref.dtype), mask=io_mask)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_iter", "num_warps", "num_stages"))
+def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, scale: float,
+                            interpret: bool, block_q: int, pages_per_iter: int, num_warps: int,
+                            num_stages: int):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    meta = tile_metadata(kv_lens, cu_q_lens, num_tokens, block_q, block_tables.shape[1] * block_size)
+    kernel = functools.partial(
+        _ragged_kernel, scale=scale, group=group, group_pad=C.next_pow2(group), block_q=block_q,
+        head_dim=head_dim, block_size=block_size, pages_per_iter=pages_per_iter)
+    return pl.pallas_call(
+        kernel,
+        grid=(meta.shape[0], num_kv_heads),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=C.compiler_params(num_warps, num_stages),
+        name=f"ragged_paged_attention_q{block_q}_p{pages_per_iter}",
+    )(meta, block_tables, q, k_pages, v_pages)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    scale: float | None = None,
+    interpret: bool | None = None,
+    **tuning: Any,
+) -> jax.Array:
+    """Causal attention of ragged query chunks (prefill chunks and decode tokens) over a paged KV cache.
+
+    Args:
+      q: `[total_q_tokens, num_q_heads, head_dim]`, float32, bfloat16 or float16. Sequence s owns rows
+        `cu_q_lens[s]:cu_q_lens[s + 1]`; rows at or past `cu_q_lens[-1]` are padding and get zeros.
+      k_pages, v_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` in q's dtype, already holding
+        the K/V of the new tokens. `num_q_heads % num_kv_heads == 0`; head_dim a multiple of 16, <= 256.
+      block_tables: int32 `[num_seqs, max_blocks_per_seq]`.
+      kv_lens: int32 `[num_seqs]`: context length of each sequence *including* its query tokens (clipped
+        to `[0, max_blocks_per_seq * block_size]`). Query i of sequence s sits at position
+        `kv_lens[s] - q_len[s] + i` and attends to positions <= its own; earlier context (prefix-cached
+        blocks included) is read through the block table.
+      cu_q_lens: int32 `[num_seqs + 1]`, non-decreasing, cu_q_lens[0] = 0. Sequences with q_len 0
+        (padding) are allowed.
+      scale: multiplies q.k; defaults to `1 / sqrt(head_dim)`.
+      interpret: run the Pallas interpreter; `None` = compiled on GPU, interpreted elsewhere.
+      **tuning: `block_q` (query tokens per tile, a power of two; default from the mean query length),
+        `pages_per_iter` (a power of two; default about 64 tokens per iteration), `num_warps` (default 4, 8 for
+        tiles of 128 x 128 and more), `num_stages` (default 2).
+
+    Returns:
+      `[total_q_tokens, num_q_heads, head_dim]` in q's dtype.
+    """
+    C.check_tuning("ragged_paged_attention", tuning, TUNING_KEYS)
+    _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = C.validate_qkv(
+        q, k_pages, v_pages, block_tables)
+    num_tokens, num_q_heads, _ = q.shape
+    num_seqs = block_tables.shape[0]
+    C.check_vector("kv_lens", kv_lens, num_seqs)
+    C.check_vector("cu_q_lens", cu_q_lens, num_seqs + 1)
+    scale = C.resolve_scale(scale, head_dim)
+    group = num_q_heads // num_kv_heads
+    block_q = tuning.get("block_q")
+    pages_per_iter = tuning.get("pages_per_iter")
+    C.check_pow2_option("block_q", block_q)
+    C.check_pow2_option("pages_per_iter", pages_per_iter)
+    if block_q is not None and block_q * C.next_pow2(group) < C.MIN_DOT_DIM:
+        raise ValueError(f"block_q * next_pow2(group) must be >= {C.MIN_DOT_DIM} (tl.dot), got block_q="
+                         f"{block_q} with {group} query heads per KV head")
+    if pages_per_iter is not None and pages_per_iter * C.next_pow2(block_size) < C.MIN_DOT_DIM:
+        raise ValueError(
+            f"pages_per_iter * block_size must be >= {C.MIN_DOT_DIM} (tl.dot), got {pages_per_iter} pages "
+            f"of {block_size} tokens")
+    for key in ("num_warps", "num_stages"):
+        C.check_positive_option(key, tuning.get(key))
+    if num_tokens == 0 or num_seqs == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    if block_q is None:
+        block_q = default_block_q(num_tokens, num_seqs, group, head_dim)
+    if pages_per_iter is None:
+        pages_per_iter = C.default_pages_per_iter(block_size, max_blocks_per_seq, head_dim, q.dtype,
+                                                   max_tokens=64)
+    num_warps = tuning.get("num_warps")
+    if num_warps is None:  # big query tiles need more threads to hold the float32 accumulator
+        rows = block_q * C.next_pow2(group)
+        num_warps = 8 if rows * max(C.MIN_DOT_DIM, C.next_pow2(head_dim)) >= 128 * 128 else 4
+    return _ragged_paged_attention(
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
+        interpret=C.resolve_interpret(interpret), block_q=int(block_q), pages_per_iter=int(pages_per_iter),
+        num_warps=int(num_warps), num_stages=int(tuning.get("num_stages") or 2))

@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""Benchmark of the paged-attention kernels.
+
+Decode (batch x context grid) and ragged prefill, one run, one table each:
+  time per call, KV bytes read per second, that as % of the device copy bandwidth measured in the same
+  run, and speed-ups against JAX's own Pallas paged_attention op (decode) and the XLA gather path.
+
+On a GPU the defaults are the issue's grid: decode batch {1, 8, 64} x context {512, 4096, 32768}, bf16,
+32 query heads, 8 KV heads, head_dim 128, block size 16. Elsewhere (CPU) it runs small sizes, with the
+Pallas kernels in interpret mode (timings there say nothing about GPU speed). `--smoke` runs tiny sizes
+once, for tests.
+
+    python scripts/bench_kernels.py                 # full table on the default device
+    python scripts/bench_kernels.py --smoke         # seconds, any machine
+    python scripts/bench_kernels.py --json out.json # also write the rows as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels as pk  # noqa: E402
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+
+
+def _time(fn: Callable[..., jax.Array], *args, iters: int, warmup: int = 2) -> float:
+    """Median seconds per call of fn(*args) (calls are dispatched back to back, then waited for). Two
+    warm-up calls: JAX 0.12 retraces once after the first call of a process."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(3 if iters > 1 else 1):
+        start = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(num_bytes: int, iters: int) -> float:
+    """Device copy bandwidth in bytes/s: read + write of an array of num_bytes."""
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 2.0)
+    seconds = _time(f, x, iters=iters)
+    del x
+    return 2 * num_bytes / seconds
+
+
+def _pool(num_kv_heads, num_blocks, block_size, head_dim, dtype, salt):
+    """A cache filled on device without big temporaries (values only need to be finite)."""
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+
+    @jax.jit
+    def make():
+        i = jax.lax.broadcasted_iota(jnp.int32, shape, 1) * 7 + jax.lax.broadcasted_iota(jnp.int32, shape, 3)
+        return (((i + salt) % 17).astype(jnp.float32) * 0.1 - 0.8).astype(dtype)
+
+    return make()
+
+
+def _tables(rng, num_seqs, blocks_per_seq):
+    perm = rng.permutation(num_seqs * blocks_per_seq).astype(np.int32)
+    return jnp.asarray(perm.reshape(num_seqs, blocks_per_seq))
+
+
+def _free_bytes() -> int | None:
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    except Exception:  # CPU backends have no memory stats
+        return None
+
+
+def _jax_op():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import paged_attention as jax_op
+    return jax_op.paged_attention
+
+
+def _try(fn: Callable[..., jax.Array], *args, iters: int) -> float | None:
+    """`_time`, or None when this baseline cannot run at this size."""
+    try:
+        return _time(fn, *args, iters=iters)
+    except Exception as e:  # a baseline that cannot run at this size (memory, constraints): report n/a
+        print(f"  (skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]})", file=sys.stderr)
+        return None
+
+
+def bench_decode(args, copy_bw: float, interpret: bool, report: Callable[[dict], None]) -> None:
+    rng = np.random.default_rng(0)
+    dtype = DTYPES[args.dtype]
+    itemsize = jnp.dtype(dtype).itemsize
+    scale = 1 / math.sqrt(args.head_dim)
+    ours = jax.jit(functools.partial(pk.paged_attention, scale=scale, interpret=interpret))
+    xla = jax.jit(functools.partial(pk.paged_attention_xla, scale=scale))
+    ref = jax.jit(functools.partial(pk.paged_attention_reference, scale=scale))
+    for batch in args.batches:
+        for context in args.contexts:
+            blocks_per_seq = -(-context // args.block_size)
+            num_blocks = batch * blocks_per_seq
+            k = _pool(args.kv_heads, num_blocks, args.block_size, args.head_dim, dtype, 0)
+            v = _pool(args.kv_heads, num_blocks, args.block_size, args.head_dim, dtype, 5)
+            q = jax.random.normal(jax.random.key(1), (batch, args.q_heads, args.head_dim), dtype)
+            tables = _tables(rng, batch, blocks_per_seq)
+            lengths = jnp.full((batch,), context, jnp.int32)
+            kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * itemsize
+            t_ours = _time(ours, q, k, v, tables, lengths, iters=args.iters)
+            row = dict(kernel="decode", batch=batch, context=context, ms=t_ours * 1e3,
+                       gbps=kv_bytes / t_ours / 1e9, pct_copy=100 * kv_bytes / t_ours / copy_bw)
+            if not interpret and not args.no_jax_op:
+                op = jax.jit(functools.partial(_jax_op(), k_splits=args.jax_k_splits))
+                q_scaled = (q.astype(jnp.float32) * scale).astype(dtype)
+                t_op = _try(op, q_scaled, k, v, tables, lengths, iters=args.iters)
+                row["vs_jax_op"] = None if t_op is None else t_op / t_ours
+            free = _free_bytes()
+            gathered = kv_bytes * (3 if itemsize < 4 else 2)  # gathered K/V plus float32 scores and slack
+            if free is None or gathered < 0.5 * free:
+                t_xla = _try(xla, q, k, v, tables, lengths, iters=args.iters)
+                row["vs_xla"] = None if t_xla is None else t_xla / t_ours
+            else:
+                row["vs_xla"] = None
+            if args.reference:
+                t_ref = _try(ref, q, k, v, tables, lengths, iters=args.iters)
+                row["vs_reference"] = None if t_ref is None else t_ref / t_ours
+            report(row)
+            del k, v
+
+
+def _ragged_configs(smoke: bool, on_gpu: bool):
+    """(name, [(q_len, kv_len) per sequence])."""
+    if smoke:
+        return [("mixed", [(1, 40), (1, 17), (16, 48), (0, 0)])]
+    if not on_gpu:
+        return [("prompts 2x128", [(128, 128)] * 2), ("chunks 2x64 @ 256", [(64, 256)] * 2),
+                ("mixed 8 decode @ 256 + 64 prefill", [(1, 256)] * 8 + [(64, 64)])]
+    return [("prompts 4x1024", [(1024, 1024)] * 4),
+            ("chunks 8x256 @ 2048", [(256, 2048)] * 8),
+            ("mixed 32 decode @ 4096 + 2x512 prefill", [(1, 4096)] * 32 + [(512, 512)] * 2)]
+
+
+def bench_ragged(args, copy_bw: float, interpret: bool, on_gpu: bool,
+                 report: Callable[[dict], None]) -> None:
+    rng = np.random.default_rng(1)
+    dtype = DTYPES[args.dtype]
+    itemsize = jnp.dtype(dtype).itemsize
+    scale = 1 / math.sqrt(args.head_dim)
+    ours = jax.jit(functools.partial(pk.ragged_paged_attention, scale=scale, interpret=interpret))
+    xla = jax.jit(functools.partial(pk.ragged_paged_attention_xla, scale=scale))
+    for name, seqs in _ragged_configs(args.smoke, on_gpu):
+        max_kv = max(kv for _, kv in seqs)
+        blocks_per_seq = max(1, -(-max_kv // args.block_size))
+        num_blocks = len(seqs) * blocks_per_seq
+        k = _pool(args.kv_heads, num_blocks, args.block_size, args.head_dim, dtype, 0)
+        v = _pool(args.kv_heads, num_blocks, args.block_size, args.head_dim, dtype, 5)
+        cu = np.concatenate([[0], np.cumsum([q for q, _ in seqs])]).astype(np.int32)
+        q = jax.random.normal(jax.random.key(2), (int(cu[-1]), args.q_heads, args.head_dim), dtype)
+        tables = _tables(rng, len(seqs), blocks_per_seq)
+        kv_lens = jnp.asarray([kv for _, kv in seqs], jnp.int32)
+        cu = jnp.asarray(cu)
+        kv_bytes = 2 * sum(kv for _, kv in seqs) * args.kv_heads * args.head_dim * itemsize
+        # Attended (query, key) pairs, causal: 4 flops per pair per head-dim element (QK^T and PV).
+        pairs = sum(sum(kv - q_len + i + 1 for i in range(q_len)) for q_len, kv in seqs)
+        flops = 4 * pairs * args.q_heads * args.head_dim
+        t_ours = _time(ours, q, k, v, tables, kv_lens, cu, iters=args.iters)
+        row = dict(kernel="ragged", config=name, tokens=int(cu[-1]), ms=t_ours * 1e3,
+                   gbps=kv_bytes / t_ours / 1e9, pct_copy=100 * kv_bytes / t_ours / copy_bw,
+                   tflops=flops / t_ours / 1e12)
+        t_xla = _try(xla, q, k, v, tables, kv_lens, cu, iters=args.iters)
+        row["vs_xla"] = None if t_xla is None else t_xla / t_ours
+        report(row)
+        del k, v
+
+
+def _fmt(x, spec):
+    return "n/a" if x is None else format(x, spec)
+
+
+def _format_row(r: dict) -> str:
+    if r["kernel"] == "decode":
+        head = f"| decode | {r['batch']:>5} | {r['context']:>7} |"
+    else:
+        head = f"| ragged | {r['config']} ({r['tokens']} tokens) |"
+    cols = [_fmt(r["ms"], ".3f"), _fmt(r["gbps"], ".1f"), _fmt(r["pct_copy"], ".1f")]
+    for key in ("vs_jax_op", "vs_xla", "vs_reference", "tflops"):
+        if key in r:
+            cols.append(f"{key}={_fmt(r[key], '.2f')}")
+    return head + " " + " | ".join(cols) + " |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one iteration (for tests)")
+    ap.add_argument("--batches", type=int, nargs="+")
+    ap.add_argument("--contexts", type=int, nargs="+")
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    ap.add_argument("--iters", type=int)
+    ap.add_argument("--jax-k-splits", type=int, default=16, help="k_splits for JAX's op (must divide pages)")
+    ap.add_argument("--no-jax-op", action="store_true")
+    ap.add_argument("--no-ragged", action="store_true")
+    ap.add_argument("--reference", action="store_true", help="also time the float32 reference")
+    ap.add_argument("--interpret", action="store_true", help="force the Pallas interpreter")
+    ap.add_argument("--json", type=Path, help="write the rows here as JSON")
+    args = ap.parse_args(argv)
+
+    on_gpu = jax.default_backend() == "gpu"
+    interpret = args.interpret or not on_gpu
+    if args.smoke:
+        args.batches = args.batches or [2]
+        args.contexts = args.contexts or [40]
+        args.q_heads, args.kv_heads, args.head_dim = 4, 2, 64
+        args.iters = args.iters or 1
+        args.reference = True
+    elif not on_gpu:  # small sizes on CPU: the XLA path and the reference, the kernels interpreted
+        args.batches = args.batches or [1, 8]
+        args.contexts = args.contexts or [128, 512]
+        args.q_heads, args.kv_heads, args.head_dim = min(args.q_heads, 8), min(args.kv_heads, 2), 64
+        args.iters = args.iters or 2
+        args.reference = True
+    args.batches = args.batches or [1, 8, 64]
+    args.contexts = args.contexts or [512, 4096, 32768]
+    args.iters = args.iters or 20
+
+    device = jax.devices()[0]
+    copy_bytes = (1 << 30) if on_gpu else (1 << 24)
+    copy_bw = copy_bandwidth(copy_bytes, args.iters)
+    print(f"# device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+          f"{'interpreted' if interpret else 'compiled'} kernels")
+    print(f"# {args.dtype}, {args.q_heads} q heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, "
+          f"block {args.block_size}; device copy bandwidth {copy_bw / 1e9:.1f} GB/s")
+    print("# columns: ms per call | KV GB/s | % of copy bandwidth | speed-up (their time / ours)")
+    rows: list[dict] = []
+
+    def report(row: dict) -> None:  # print and save each row as it comes: a timeout still leaves a table
+        rows.append(row)
+        print(_format_row(row), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(dict(device=device.device_kind, jax=jax.__version__,
+                                                 copy_gbps=copy_bw / 1e9, interpret=interpret, rows=rows),
+                                            indent=1))
+
+    bench_decode(args, copy_bw, interpret, report)
+    if not args.no_ragged:
+        bench_ragged(args, copy_bw, interpret, on_gpu, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

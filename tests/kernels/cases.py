@@ -1,0 +1,136 @@
+"""Builders of paged-attention inputs for the kernel tests (numpy, then jnp).
+
+Every case scatters each sequence's logical blocks over a larger pool in random order, and can poison
+everything a kernel must not read with NaN: slots past a sequence's length, pool blocks no sequence uses,
+and block-table entries past the used pages (set to -1 or to a block id far out of range).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Tolerances against the float32 reference, by dtype.
+TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=2e-2, atol=2e-2),
+       "float16": dict(rtol=5e-3, atol=5e-3)}
+
+
+@dataclasses.dataclass
+class Case:
+    q: jax.Array
+    k_pages: jax.Array
+    v_pages: jax.Array
+    block_tables: jax.Array
+    lengths: jax.Array  # decode: lengths; ragged: kv_lens
+    cu_q_lens: jax.Array | None = None
+
+    def decode_args(self):
+        return self.q, self.k_pages, self.v_pages, self.block_tables, self.lengths
+
+    def ragged_args(self):
+        return self.q, self.k_pages, self.v_pages, self.block_tables, self.lengths, self.cu_q_lens
+
+
+def _pool(rng, num_kv_heads, num_blocks, block_size, head_dim):
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    return (rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32))
+
+
+def build(rng: np.random.Generator, *, num_q_rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+          block_size: int, max_blocks: int, kv_lens, extra_blocks: int = 2, dtype: str = "float32",
+          poison: bool = True, cu_q_lens=None) -> Case:
+    """A case whose sequence s holds kv_lens[s] tokens in a random subset of a pool of
+    num_seqs * max_blocks + extra_blocks blocks."""
+    kv_lens = np.asarray(kv_lens, np.int32)
+    num_seqs = len(kv_lens)
+    num_blocks = num_seqs * max_blocks + extra_blocks
+    k, v = _pool(rng, num_kv_heads, num_blocks, block_size, head_dim)
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    tables = perm[: num_seqs * max_blocks].reshape(num_seqs, max_blocks).copy()
+    if poison:
+        used = np.zeros((num_blocks, block_size), bool)
+        for s, n in enumerate(kv_lens):
+            for pos in range(int(n)):
+                used[tables[s, pos // block_size], pos % block_size] = True
+        k[:, ~used] = np.nan
+        v[:, ~used] = np.nan
+        for s, n in enumerate(kv_lens):  # table entries past the used pages: garbage
+            first_unused = -(-int(n) // block_size)
+            garbage = rng.choice(np.array([-1, num_blocks + 1000, 2**30], np.int32), max_blocks - first_unused)
+            tables[s, first_unused:] = garbage
+    q = rng.standard_normal((num_q_rows, num_q_heads, head_dim)).astype(np.float32)
+    dt = DTYPES[dtype]
+    return Case(jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray(tables),
+                jnp.asarray(kv_lens), None if cu_q_lens is None else jnp.asarray(cu_q_lens, jnp.int32))
+
+
+def relocate(rng: np.random.Generator, case: Case) -> Case:
+    """The same logical cache moved to other physical blocks (pool permuted, tables rewritten)."""
+    num_blocks = case.k_pages.shape[1]
+    new_of_old = rng.permutation(num_blocks).astype(np.int32)
+    old_of_new = np.argsort(new_of_old)
+    tables = np.asarray(case.block_tables)
+    in_range = (tables >= 0) & (tables < num_blocks)
+    new_tables = np.where(in_range, new_of_old[np.clip(tables, 0, num_blocks - 1)], tables)
+    return dataclasses.replace(case, k_pages=case.k_pages[:, old_of_new], v_pages=case.v_pages[:, old_of_new],
+                               block_tables=jnp.asarray(new_tables, jnp.int32))
+
+
+def assert_close(actual, expected, dtype: str):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32))
+    expected = np.asarray(jnp.asarray(expected, jnp.float32))
+    assert np.isfinite(actual).all(), "kernel output has NaN/inf"
+    np.testing.assert_allclose(actual, expected, **TOL[dtype])
+
+
+# ---- hypothesis strategies -------------------------------------------------------------------------------
+
+
+def examples(n: int) -> int:
+    """n examples under the default "ci" profile (25 examples), proportionally more under "dev" (200)."""
+    return max(1, n * settings.default.max_examples // 25)
+
+
+HEAD_DIMS = (16, 64, 80, 96, 128, 256)
+BLOCK_SIZES = (8, 16, 32)
+
+
+@st.composite
+def heads(draw):
+    """(num_q_heads, num_kv_heads): ratios 1, 2, 4, 8 (MHA, GQA) and MQA (one KV head)."""
+    num_kv_heads = draw(st.sampled_from([1, 2]))
+    ratio = draw(st.sampled_from([1, 2, 4, 8]))
+    if num_kv_heads == 2 and ratio == 8:
+        ratio = 4  # keep the interpreter fast
+    return num_kv_heads * ratio, num_kv_heads
+
+
+@st.composite
+def lengths_for(draw, num_seqs: int, block_size: int, max_blocks: int):
+    cap = block_size * max_blocks
+    special = [0, 1, block_size, block_size + 1, cap]
+    choice = st.one_of(st.sampled_from([x for x in special if x <= cap]), st.integers(0, cap))
+    return [draw(choice) for _ in range(num_seqs)]
+
+
+@contextlib.contextmanager
+def abstract_gpu():
+    """On JAX versions that need one (0.11+), an abstract H200 so Triton lowering works without a GPU."""
+    if hasattr(jax.sharding, "AbstractDevice") and hasattr(jax.sharding, "use_abstract_mesh"):
+        try:
+            device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+            mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+        except TypeError:  # an AbstractMesh without abstract_device: nothing to set
+            yield
+            return
+        with jax.sharding.use_abstract_mesh(mesh):
+            yield
+    else:
+        yield

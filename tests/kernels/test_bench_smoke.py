@@ -1,0 +1,29 @@
+"""scripts/bench_kernels.py runs end to end at tiny sizes (no timing assertions)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.kernels
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
+
+
+def test_bench_smoke(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--smoke", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    kinds = [row["kernel"] for row in result["rows"]]
+    assert "decode" in kinds and "ragged" in kinds
+    for row in result["rows"]:
+        assert math.isfinite(row["ms"]) and row["ms"] > 0
+        assert row.get("vs_xla") is not None
+    assert "| decode |" in capsys.readouterr().out

@@ -1,0 +1,78 @@
+"""Both kernels lower to Triton for NVIDIA GPUs, proven on a CPU-only machine with jax.export."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import paged_attention, ragged_paged_attention
+from tests.kernels.cases import abstract_gpu
+
+pytestmark = pytest.mark.kernels
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _export_cuda(fn, *shapes):
+    with warnings.catch_warnings():  # JAX 0.12 deprecates the Pallas Triton backend (still supported)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with abstract_gpu():
+            exported = jax.export.export(
+                jax.jit(fn), platforms=["cuda"],
+                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*shapes)
+    text = exported.mlir_module()
+    assert TRITON_CALL in text, "no Triton kernel in the exported module"
+    return exported
+
+
+def _shapes(dtype, num_q_heads, num_kv_heads, head_dim, num_seqs=4, num_tokens=37, num_blocks=64,
+            block_size=16, max_blocks=8):
+    f = jax.ShapeDtypeStruct
+    return dict(q=f((num_seqs, num_q_heads, head_dim), dtype),
+                q_ragged=f((num_tokens, num_q_heads, head_dim), dtype),
+                kv=f((num_kv_heads, num_blocks, block_size, head_dim), dtype),
+                tables=f((num_seqs, max_blocks), jnp.int32), lens=f((num_seqs,), jnp.int32),
+                cu=f((num_seqs + 1,), jnp.int32))
+
+
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
+# Every dtype x head_dim 64/80/128 with GQA 4:1, plus MHA and MQA (8 query heads on one KV head).
+CONFIGS = [(dtype, head_dim, (32, 8)) for dtype in DTYPES for head_dim in (64, 80, 128)] + [
+    (jnp.bfloat16, 128, (4, 4)), (jnp.float16, 80, (8, 1)), (jnp.float32, 64, (8, 1))]
+IDS = [f"{jnp.dtype(d).name}-d{h}-{q}q{kv}kv" for d, h, (q, kv) in CONFIGS]
+
+
+@pytest.mark.parametrize("dtype,head_dim,heads", CONFIGS, ids=IDS)
+def test_decode_lowers_to_triton(dtype, head_dim, heads):
+    s = _shapes(dtype, *heads, head_dim)
+    for num_splits in (1, 3):
+        fn = functools.partial(paged_attention, interpret=False, num_splits=num_splits)
+        _export_cuda(fn, s["q"], s["kv"], s["kv"], s["tables"], s["lens"])
+
+
+@pytest.mark.parametrize("dtype,head_dim,heads", CONFIGS, ids=IDS)
+def test_ragged_lowers_to_triton(dtype, head_dim, heads):
+    s = _shapes(dtype, *heads, head_dim)
+    fn = functools.partial(ragged_paged_attention, interpret=False)
+    _export_cuda(fn, s["q_ragged"], s["kv"], s["kv"], s["tables"], s["lens"], s["cu"])
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(96, 8), (256, 32), (16, 12), (112, 1)])
+def test_other_shapes_lower_to_triton(head_dim, block_size):
+    s = _shapes(jnp.bfloat16, 6, 2, head_dim, block_size=block_size)
+    _export_cuda(functools.partial(paged_attention, interpret=False), s["q"], s["kv"], s["kv"], s["tables"],
+                 s["lens"])
+    _export_cuda(functools.partial(ragged_paged_attention, interpret=False, block_q=16), s["q_ragged"], s["kv"],
+                 s["kv"], s["tables"], s["lens"], s["cu"])
+
+
+def test_interpret_none_is_interpreted_on_cpu():
+    s = _shapes(jnp.float32, 4, 2, 64)
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU interpret=None compiles")
+    text = jax.jit(paged_attention).lower(s["q"], s["kv"], s["kv"], s["tables"], s["lens"]).as_text()
+    assert TRITON_CALL not in text

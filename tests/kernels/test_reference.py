@@ -1,0 +1,88 @@
+"""The oracles themselves: the jnp references against a plain numpy loop, and the XLA gather paths
+against the references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import (
+    paged_attention_reference,
+    paged_attention_xla,
+    ragged_paged_attention_reference,
+    ragged_paged_attention_xla,
+)
+from tests.kernels.cases import assert_close, build, examples
+
+pytestmark = pytest.mark.kernels
+
+
+def _numpy_attention(q, keys, values, scale):
+    """q [Hq, D]; keys/values [n, Hkv, D] (float64) -> [Hq, D]."""
+    num_q_heads, _ = q.shape
+    out = np.zeros_like(q)
+    if len(keys) == 0:
+        return out
+    group = num_q_heads // keys.shape[1]
+    for h in range(num_q_heads):
+        s = keys[:, h // group] @ q[h] * scale
+        w = np.exp(s - s.max())
+        out[h] = (w / w.sum()) @ values[:, h // group]
+    return out
+
+
+def _tokens(k, tables, s, n):
+    """The first n tokens of sequence s, [n, Hkv, D]."""
+    block_size = k.shape[2]
+    return np.stack([k[:, tables[s, p // block_size], p % block_size] for p in range(n)]) if n else \
+        np.zeros((0, k.shape[0], k.shape[3]))
+
+
+@settings(max_examples=examples(15))
+@given(st.integers(0, 2**32 - 1), st.sampled_from([(2, 2), (4, 1), (8, 2)]), st.sampled_from([4, 8]),
+       st.lists(st.integers(0, 16), min_size=3, max_size=3))
+def test_decode_reference_matches_numpy_loop(seed, heads, block_size, lengths):
+    rng = np.random.default_rng(seed)
+    case = build(rng, num_q_rows=len(lengths), num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=16,
+                 block_size=block_size, max_blocks=16 // block_size, kv_lens=lengths)
+    q, k, v, tables = (np.asarray(x, np.float64) for x in case.decode_args()[:4])
+    tables = tables.astype(int)
+    want = np.stack([_numpy_attention(q[s], _tokens(k, tables, s, n), _tokens(v, tables, s, n), 0.25)
+                     for s, n in enumerate(lengths)])
+    assert_close(paged_attention_reference(*case.decode_args()), want, "float32")
+    assert_close(paged_attention_xla(*case.decode_args()), want, "float32")
+
+
+@settings(max_examples=examples(15))
+@given(st.integers(0, 2**32 - 1), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 11)), min_size=3,
+                                          max_size=3))
+def test_ragged_reference_matches_numpy_loop(seed, seqs):
+    seqs = [(min(q, kv), kv) for q, kv in seqs]  # q_len <= kv_len
+    padding_rows = 16 - sum(q for q, _ in seqs)  # one shape for every example: fast
+    rng = np.random.default_rng(seed)
+    cu = np.concatenate([[0], np.cumsum([q for q, _ in seqs])]).astype(np.int32)
+    case = build(rng, num_q_rows=int(cu[-1]) + padding_rows, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                 block_size=4, max_blocks=3, kv_lens=[kv for _, kv in seqs], cu_q_lens=cu)
+    q, k, v, tables = (np.asarray(x, np.float64) for x in case.ragged_args()[:4])
+    tables = tables.astype(int)
+    want = np.zeros_like(q)
+    for s, (q_len, kv_len) in enumerate(seqs):
+        for i in range(q_len):
+            n = kv_len - q_len + i + 1  # causal: positions <= its own
+            want[cu[s] + i] = _numpy_attention(q[cu[s] + i], _tokens(k, tables, s, n), _tokens(v, tables, s, n),
+                                               0.25)
+    assert_close(ragged_paged_attention_reference(*case.ragged_args()), want, "float32")
+    assert_close(ragged_paged_attention_xla(*case.ragged_args(), tokens_per_chunk=2), want, "float32")
+    assert_close(ragged_paged_attention_xla(*case.ragged_args(), tokens_per_chunk=None), want, "float32")
+
+
+def test_xla_paths_in_bfloat16():
+    rng = np.random.default_rng(0)
+    case = build(rng, num_q_rows=3, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=8, max_blocks=4,
+                 kv_lens=[0, 9, 32], dtype="bfloat16", cu_q_lens=[0, 0, 1, 3])
+    assert_close(paged_attention_xla(*case.decode_args()), paged_attention_reference(*case.decode_args()),
+                 "bfloat16")
+    assert_close(ragged_paged_attention_xla(*case.ragged_args()),
+                 ragged_paged_attention_reference(*case.ragged_args()), "bfloat16")
