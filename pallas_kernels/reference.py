@@ -6,8 +6,8 @@ take exactly the kernels' arguments and honour the same contract (length 0 gives
 length never influence the result, even if they hold NaN).
 
 `paged_attention_xla` and `ragged_paged_attention_xla` are the same math written for speed with XLA (K/V
-stay in their dtype, matmuls accumulate in float32): a fast path for CPUs and the baseline the benchmark
-compares against.
+stay in their dtype, matmuls accumulate in float32, ragged queries in tiles): the engine's CPU path and
+the baseline the kernel benchmark compares against.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
     return seq, pos, valid
 
 
-def _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale, compute_dtype, chunk):
+def _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale, compute_dtype):
     num_tokens = q.shape[0]
     block_size = k_pages.shape[2]
     max_len = block_tables.shape[1] * block_size
@@ -115,13 +115,7 @@ def _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale, comput
         v = _gather_pages(v_pages, tables)
         return _masked_attention(q_c, k, v, mask, scale, compute_dtype=compute_dtype, out_dtype=q.dtype)
 
-    if chunk is None or chunk >= num_tokens:
-        return attend(q, seq, pos, valid)
-    # Bound memory: gather K/V for `chunk` query rows at a time.
-    pad = -num_tokens % chunk
-    padded = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, seq, pos, valid)]
-    out = lax.map(lambda xs: attend(*xs), tuple(x.reshape(-1, chunk, *x.shape[1:]) for x in padded))
-    return out.reshape(-1, *q.shape[1:])[:num_tokens]
+    return attend(q, seq, pos, valid)
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
@@ -136,13 +130,70 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
     attends to positions <= its own (and < kv_lens[s]); rows past cu_q_lens[-1] give zeros.
     Memory: gathers `[total_q_tokens, max_blocks_per_seq * block_size]` keys per KV head.
     """
-    return _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale, jnp.float32, None)
+    return _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale, jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tokens_per_chunk"))
+def _query_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, q_tile: int):
+    """Cut each sequence's queries into tiles of `q_tile` consecutive rows.
+
+    Returns (tile_seq [NT], rows [NT, q_tile] query row of each tile slot, valid [NT, q_tile],
+    pos [NT, q_tile] position of each row, token_slot [num_tokens] flat tile slot of each query row).
+    NT = cdiv(num_tokens, q_tile) + num_seqs bounds sum(cdiv(q_len, q_tile)) statically.
+    """
+    num_seqs = kv_lens.shape[0]
+    num_tiles = -(-num_tokens // q_tile) + num_seqs
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    tiles_end = jnp.cumsum((q_lens + q_tile - 1) // q_tile)
+    tiles_start = jnp.concatenate([jnp.zeros((1,), tiles_end.dtype), tiles_end[:-1]])
+    j = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_seq = jnp.clip(jnp.searchsorted(tiles_end, j, side="right"), 0, num_seqs - 1).astype(jnp.int32)
+    rows = (cu_q_lens[tile_seq] + (j - tiles_start[tile_seq]) * q_tile)[:, None] + jnp.arange(q_tile)[None, :]
+    valid = (j < tiles_end[-1])[:, None] & (rows < cu_q_lens[tile_seq + 1][:, None])
+    pos = (kv_lens[tile_seq] - q_lens[tile_seq])[:, None] + rows - cu_q_lens[tile_seq][:, None]
+    seq, _, _ = _token_layout(cu_q_lens, kv_lens, num_tokens)
+    local = jnp.arange(num_tokens, dtype=jnp.int32) - cu_q_lens[seq]
+    token_slot = (tiles_start[seq] + local // q_tile) * q_tile + local % q_tile
+    return tile_seq, rows, valid, pos, token_slot
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "q_tile"))
 def ragged_paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                                kv_lens: jax.Array, cu_q_lens: jax.Array, *, scale: float | None = None,
-                               tokens_per_chunk: int | None = 64) -> jax.Array:
+                               q_tile: int = 16) -> jax.Array:
     """XLA gather path for ragged attention: same contract as `ragged_paged_attention`, K/V in their own
-    dtype, computed `tokens_per_chunk` query rows at a time to bound the gathered memory."""
-    return _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale, q.dtype, tokens_per_chunk)
+    dtype, float32 accumulation.
+
+    Each sequence's queries are cut into tiles of `q_tile` consecutive rows (a decode token is a tile of
+    its own) and each tile gathers its sequence's pages once: `[num_tiles, num_kv_heads, max_blocks_per_seq
+    * block_size, head_dim]` with num_tiles <= total_q_tokens / q_tile + num_seqs, not one copy per query.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    max_len = block_tables.shape[1] * block_size
+    scale = _scale(scale, head_dim)
+    tq = max(1, min(q_tile, num_tokens))
+    tile_seq, rows, valid, pos, token_slot = _query_tiles(cu_q_lens, kv_lens, num_tokens, tq)
+    num_tiles = tile_seq.shape[0]
+
+    kv_pos = jnp.arange(max_len, dtype=jnp.int32)
+    keep = valid[:, :, None] & (kv_pos <= pos[:, :, None]) & (kv_pos < kv_lens[tile_seq][:, None, None])
+    k = _gather_pages(k_pages, block_tables[tile_seq])  # [NT, Hkv, L, D]
+    v = _gather_pages(v_pages, block_tables[tile_seq])
+    # Slots no row of a tile reads may hold anything (NaN included): select them away.
+    v = jnp.where(jnp.any(keep, axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
+    qt = q[jnp.clip(rows, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, group, head_dim)
+    s = jnp.einsum("ntkgd,nkld->nkgtl", qt.astype(k.dtype), k, precision=HIGHEST,
+                   preferred_element_type=jnp.float32)
+    s = jnp.where(keep[:, None, None], s * scale, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
+    p = jnp.exp(s - m)
+    z = jnp.sum(p, axis=-1, keepdims=True)
+    u = jnp.einsum("nkgtl,nkld->nkgtd", p.astype(v.dtype), v, precision=HIGHEST,
+                   preferred_element_type=jnp.float32)
+    o = jnp.where(z > 0, u / jnp.where(z > 0, z, 1.0), 0.0)  # [NT, Hkv, G, tq, D]
+    o = o.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tq, num_q_heads, head_dim)
+    out = o[jnp.clip(token_slot, 0, num_tiles * tq - 1)]
+    in_batch = (jnp.arange(num_tokens) >= cu_q_lens[0]) & (jnp.arange(num_tokens) < cu_q_lens[-1])
+    return jnp.where(in_batch[:, None, None], out, 0.0).astype(q.dtype)

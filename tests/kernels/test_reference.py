@@ -74,8 +74,8 @@ def test_ragged_reference_matches_numpy_loop(seed, seqs):
             want[cu[s] + i] = _numpy_attention(q[cu[s] + i], _tokens(k, tables, s, n), _tokens(v, tables, s, n),
                                                0.25)
     assert_close(ragged_paged_attention_reference(*case.ragged_args()), want, "float32")
-    assert_close(ragged_paged_attention_xla(*case.ragged_args(), tokens_per_chunk=2), want, "float32")
-    assert_close(ragged_paged_attention_xla(*case.ragged_args(), tokens_per_chunk=None), want, "float32")
+    assert_close(ragged_paged_attention_xla(*case.ragged_args(), q_tile=2), want, "float32")
+    assert_close(ragged_paged_attention_xla(*case.ragged_args(), q_tile=16), want, "float32")
 
 
 def test_xla_paths_in_bfloat16():
