@@ -1,0 +1,259 @@
+"""pagedjax model folders: an orbax checkpoint of the parameters plus the model's config as JSON.
+
+    path/
+      pagedjax_config.json   {"format": "pagedjax", "format_version": 1, "model_config": {...}, "extra": {...}}
+      params/                orbax (StandardCheckpointer) of the `Llama` parameters as a plain nested dict
+
+Loading restores into explicit abstract targets built from the stored config, so every parameter's presence,
+shape and dtype is checked against the model the config describes (a mismatch is a ValueError naming the
+parameter), and arrays land on the local default device whatever machine wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from pagedjax.config import ModelConfig, dtype_bytes
+from pagedjax.model.llama import Llama, init_model
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "pagedjax_config.json"
+PARAMS_DIR = "params"
+FORMAT = "pagedjax"
+FORMAT_VERSION = 1
+
+
+def bundled_model_path() -> Path:
+    """The default model shipped inside the package (`pagedjax/assets/tiny/`)."""
+    return Path(__file__).resolve().parent.parent / "assets" / "tiny"
+
+
+def is_pagedjax_checkpoint(path: str | os.PathLike) -> bool:
+    """True if `path` is a folder written by `save_checkpoint` (config JSON + orbax params)."""
+    path = Path(path)
+    try:
+        if not ((path / CONFIG_FILE).is_file() and (path / PARAMS_DIR).is_dir()):
+            return False
+        meta = json.loads((path / CONFIG_FILE).read_text())
+        return isinstance(meta, dict) and meta.get("format") == FORMAT and "model_config" in meta
+    except (OSError, ValueError):
+        return False
+
+
+def read_checkpoint_metadata(path: str | os.PathLike) -> dict:
+    """The parsed `pagedjax_config.json` of a checkpoint folder (config, format version, extra info)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    cfg_file = path / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise ValueError(f"{path} is not a pagedjax checkpoint: {CONFIG_FILE} is missing")
+    try:
+        meta = json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "model_config" not in meta:
+        raise ValueError(f"{cfg_file} does not describe a pagedjax checkpoint")
+    version = meta.get("format_version", 1)
+    if version > FORMAT_VERSION:
+        raise ValueError(f"{path} has checkpoint format version {version}; this pagedjax reads up to "
+                         f"{FORMAT_VERSION} (upgrade pagedjax)")
+    return meta
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _state_to_pure_dict(state: nnx.State) -> dict:
+    fn = getattr(nnx, "to_pure_dict", None)  # newer flax; older flax has only the State method
+    return fn(state) if fn is not None else state.to_pure_dict()
+
+
+def _state_replace_by_pure_dict(state: nnx.State, pure: dict) -> None:
+    fn = getattr(nnx, "replace_by_pure_dict", None)
+    if fn is not None:
+        fn(state, pure)
+    else:
+        state.replace_by_pure_dict(pure)
+
+
+def _to_pure_dict(state: Any) -> dict:
+    """nnx.State / Llama module / nested dict -> a plain nested dict of arrays."""
+    if isinstance(state, nnx.Module):
+        state = nnx.state(state, nnx.Param)
+    if isinstance(state, nnx.State):
+        return _state_to_pure_dict(state)
+    if isinstance(state, dict):
+        return state
+    raise TypeError(f"expected an nnx.State, a Llama module or a dict of arrays, got {type(state).__name__}")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> {"layers.0.mlp.up_proj.kernel": leaf}; keys (ints too) become strings."""
+    if isinstance(tree, dict) or hasattr(tree, "items") and not hasattr(tree, "shape"):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _abstract_state(cfg: ModelConfig) -> nnx.State:
+    """The parameter state of `Llama(cfg)` with `jax.ShapeDtypeStruct` leaves; nothing is allocated."""
+    abstract_model = nnx.eval_shape(lambda: init_model(cfg, 0))
+    return nnx.state(abstract_model, nnx.Param)
+
+
+def _check_tree(expected: dict[str, Any], found: dict[str, Any], what: str) -> None:
+    """Same parameter names, shapes and (where known) dtypes, else a ValueError naming the differences."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"missing parameters {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        problems.append(f"unexpected parameters {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    for name in sorted(set(expected) & set(found)):
+        e, f = expected[name], found[name]
+        f_shape = getattr(f, "shape", None)
+        if f_shape is not None and tuple(f_shape) != tuple(e.shape):
+            problems.append(f"{name}: shape {tuple(f_shape)}, expected {tuple(e.shape)}")
+        f_dtype = getattr(f, "dtype", None)
+        if f_dtype is not None:
+            try:
+                same = jnp.dtype(f_dtype) == jnp.dtype(e.dtype)
+            except TypeError:
+                same = True  # an unrecognised metadata dtype: leave it to the restore
+            if not same:
+                problems.append(f"{name}: dtype {jnp.dtype(f_dtype).name}, expected {jnp.dtype(e.dtype).name}")
+    if problems:
+        shown = "; ".join(problems[:12]) + (" ..." if len(problems) > 12 else "")
+        raise ValueError(f"{what}: {shown}")
+
+
+def _stored_tree(ckptr: ocp.StandardCheckpointer, params_dir: Path) -> dict | None:
+    """The stored parameter metadata (names, shapes, dtypes) as a nested dict, or None if unavailable.
+
+    orbax's `metadata()` has returned the tree itself in older versions and a `StepMetadata` whose
+    `item_metadata(.tree)` holds it in newer ones; both are accepted.
+    """
+    try:
+        md = ckptr.metadata(params_dir)
+    except Exception as e:  # noqa: BLE001 - a best-effort check; the restore itself still validates shapes
+        logger.debug("no orbax metadata for %s: %s", params_dir, e)
+        return None
+    md = getattr(md, "item_metadata", md)
+    md = getattr(md, "tree", md)
+    return md if isinstance(md, dict) else None
+
+
+# ------------------------------------------------------------------------------------------- save / load
+def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, state: nnx.State | Llama | dict, *,
+                    extra: dict | None = None) -> Path:
+    """Write `cfg` and the parameters `state` to the folder `path` (created; an older checkpoint there is
+    replaced). `extra` is any JSON-serialisable information kept beside the config (training details...).
+
+    The parameters must be those of `Llama(cfg)`: names, shapes and dtypes are checked before writing.
+    """
+    path = Path(path).absolute()
+    pure = _to_pure_dict(state)
+    expected = _flatten(_state_to_pure_dict(_abstract_state(cfg)))
+    _check_tree(expected, _flatten(pure), f"parameters do not match the model config {cfg}")
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model_config": cfg.to_dict(),
+        "num_params": int(sum(int(np.prod(v.shape)) for v in expected.values())),
+        "extra": extra or {},
+    }
+    json.dumps(meta)  # fail before touching the folder if `extra` is not JSON-serialisable
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).unlink(missing_ok=True)  # the folder is no checkpoint until both parts are written
+    params_dir = path / PARAMS_DIR
+    if params_dir.exists():
+        shutil.rmtree(params_dir)
+    # Host copies: the caller's arrays stay untouched (and may be donated to a training step meanwhile).
+    host = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), pure)
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        ckptr.save(params_dir, host)
+        ckptr.wait_until_finished()
+    finally:
+        ckptr.close()
+    fd, tmp = tempfile.mkstemp(dir=path, prefix=".config-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path / CONFIG_FILE)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, nnx.State]:
+    """Read a folder written by `save_checkpoint`: `(ModelConfig, nnx.State of Llama's parameters)`.
+
+    `dtype` ("float32" | "bfloat16" | "float16") casts the parameters after loading and is recorded in
+    the returned config; None keeps the stored dtype. Raises FileNotFoundError for a missing folder and
+    ValueError for anything that is not a matching pagedjax checkpoint.
+    """
+    path = Path(path).absolute()
+    meta = read_checkpoint_metadata(path)
+    cfg = ModelConfig.from_dict(meta["model_config"])
+    params_dir = path / PARAMS_DIR
+    if not params_dir.is_dir():
+        raise ValueError(f"{path} is not a pagedjax checkpoint: {PARAMS_DIR}/ is missing")
+    if dtype is not None:
+        dtype_bytes(dtype)  # validates the name
+
+    abstract = _abstract_state(cfg)
+    device = jax.local_devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                          _state_to_pure_dict(abstract))
+    expected = _flatten(target)
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        stored = _stored_tree(ckptr, params_dir)
+        if stored is not None:
+            _check_tree(expected, _flatten(stored), f"checkpoint {path} does not match its config")
+        restored = ckptr.restore(params_dir, target)
+    finally:
+        ckptr.close()
+    _check_tree(expected, _flatten(restored), f"checkpoint {path} restored wrongly")
+
+    state = abstract
+    _state_replace_by_pure_dict(state, restored)
+    if dtype is not None and jnp.dtype(dtype) != jnp.dtype(cfg.dtype):
+        state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+        cfg = cfg.replace(dtype=dtype)
+    return cfg, state
+
+
+def load_model(path: str | os.PathLike | None = None, dtype: str | None = None) -> Llama:
+    """A ready `Llama` module from a checkpoint folder (None: the bundled model)."""
+    cfg, state = load_checkpoint(bundled_model_path() if path is None else path, dtype=dtype)
+    model = nnx.eval_shape(lambda: init_model(cfg, 0))
+    nnx.update(model, state)
+    return model
+
+
+__all__ = [
+    "CONFIG_FILE",
+    "PARAMS_DIR",
+    "bundled_model_path",
+    "is_pagedjax_checkpoint",
+    "load_checkpoint",
+    "load_model",
+    "read_checkpoint_metadata",
+    "save_checkpoint",
+]

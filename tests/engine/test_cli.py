@@ -1,0 +1,95 @@
+"""The `pagedjax-generate` / `python -m pagedjax` command line."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedjax import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "pagedjax", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_demo_end_to_end_prints_completions_and_statistics():
+    r = _run("--demo", "--max-tokens", "4", "--num-blocks", "64")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "Traceback" not in r.stderr
+    assert out.count("--- [") == len(cli.DEMO_SUFFIXES)
+    for row in ("prompt tokens", "generated tokens", "tokens/s", "KV blocks used", "KV waste",
+                "prefix-cache hit rate", "preemptions", "compilations"):
+        assert re.search(rf"^{re.escape(row)}\s", out, re.MULTILINE), f"no '{row}' row in:\n{out}"
+    assert re.search(r"^generated tokens\s+\d+$", out, re.MULTILINE), out
+    assert re.search(r"KV blocks used\s+\d+ of 64", out), out
+    hit = float(re.search(r"prefix-cache hit rate\s+([\d.]+) %", out).group(1))
+    assert hit > 30.0  # four of the five prompts reuse the shared prefix's full blocks
+    cached = [int(m) for m in re.findall(r"(\d+) of \d+ prompt tokens from the prefix cache", out)]
+    assert cached[0] == 0 and all(c >= 96 for c in cached[1:]), cached
+
+
+def test_single_prompt_json(capsys):
+    argv = ["--prompt", "def f(x):\n", "--max-tokens", "6", "--json", "--num-blocks", "16", "--ignore-eos"]
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    (c,) = result["completions"]
+    assert c["prompt"] == "def f(x):\n" and c["num_tokens"] == 6 and c["finish_reason"] == "length"
+    assert c["num_prompt_tokens"] == len("def f(x):\n") + 1  # + BOS
+    assert result["stats"]["generated tokens"] == "6"
+    assert 1 <= result["peak_blocks_used"] <= 2  # 11 prompt + 6 generated tokens, blocks of 16
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--max-tokens", "many"], "--max-tokens"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--top-k", "-2"], "--top-k"),
+    (["--backend", "cuda"], "--backend"),
+    (["--block-size", "0"], "--block-size"),
+    (["--kv-memory", "lots"], "--kv-memory"),
+    (["--num-blocks", "8", "--kv-memory", "1MiB"], "not allowed"),
+    (["--model", "/no/such/model"], "no such file"),
+    (["--prompts-file", "/no/such/prompts.txt"], "--prompts-file"),
+    (["--demo", "--prompt", "x"], "--demo"),
+    (["--no-such-flag"], "unrecognized"),
+])
+def test_bad_arguments_give_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: pagedjax-generate" in err and message in err
+
+
+def test_bad_arguments_in_a_subprocess_give_no_traceback():
+    r = _run("--model", "/no/such/model", timeout=120)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "no such file" in r.stderr
+
+
+def test_parse_size():
+    assert cli.parse_size("64MiB") == 64 * 2**20
+    assert cli.parse_size("64M") == 64 * 2**20
+    assert cli.parse_size("1.5GB") == 1_500_000_000
+    assert cli.parse_size("512k") == 512 * 1024
+    assert cli.parse_size("2kB") == 2000
+    assert cli.parse_size("1048576") == 1048576
+    for bad in ("", "MiB", "-1M", "1 parsec", "0"):
+        with pytest.raises(Exception):  # noqa: B017 - argparse.ArgumentTypeError
+            cli.parse_size(bad)
+
+
+def test_prompts_file(tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_text('import os\n\n"def f():\\n    return 1"\n"""docstring\n')
+    assert cli.read_prompts_file(f) == ["import os", "def f():\n    return 1", '"""docstring']
