@@ -104,6 +104,13 @@ class ContiguousBaseline:
         return np.asarray(jnp.stack(out, axis=1))
 
 
+SHAPES = {
+    "small": ModelConfig(),
+    "tiny": ModelConfig(hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                        intermediate_size=128),
+}
+
+
 # ------------------------------------------------------------------------------------------------ runner
 def _time(fn, repeats: int) -> float:
     best = np.inf
@@ -189,10 +196,12 @@ def main(argv=None) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-steps", type=int, default=8, help="fused decode steps for the multi-step row")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", choices=sorted(SHAPES), default="small",
+                    help="model shape: small = ModelConfig() (4 layers, hidden 256), tiny = 2 layers, hidden 64")
     ap.add_argument("--quick", action="store_true", help="tiny model and workload (seconds)")
     ap.add_argument("--hf", metavar="PATH", help="also compare with transformers on this local HF folder")
     args = ap.parse_args(argv)
-    cfg = ModelConfig()
+    cfg = SHAPES[args.model]
     if args.quick:
         cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
                           intermediate_size=64)
