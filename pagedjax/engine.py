@@ -91,6 +91,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
                                   kv_dtype=self.cache_config.dtype, backend=backend)
         self._arrivals = 0
+        self._empty_plans = 0
         self._steps = 0
         self._fused_calls = 0
         self._generated = 0
@@ -177,7 +178,14 @@ class LLMEngine:
 
     def _run_step(self, plan: StepPlan) -> list[Request]:
         if plan.num_seqs == 0:
+            # Legitimate once in a row (a request that preempted itself); never twice: the next plan admits
+            # the waiting queue's head into an idle pool. Fail loudly rather than spin.
+            self._empty_plans += 1
+            if self._empty_plans > 2 and self.scheduler.has_unfinished_requests():
+                raise RuntimeError(f"the scheduler made no progress for {self._empty_plans} steps with "
+                                   f"{self.scheduler.stats().num_waiting} requests waiting (a bug)")
             return []
+        self._empty_plans = 0
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
         inputs = pad_step(plan.token_ids, plan.positions, plan.slot_mapping, plan.block_tables, plan.kv_lens,
                           plan.cu_q_lens, self._sampling_metadata(requests))

@@ -18,7 +18,6 @@ find_python312() {
 quiet_pip() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
-quiet_pip .venv/bin/pip install -q --upgrade pip
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 quiet_pip .venv/bin/pip install -q "torch==2.13.0"
 quiet_pip .venv/bin/pip install -q -e ".[test,hf]"
@@ -28,7 +27,6 @@ echo "== pagedjax tests: $(.venv/bin/python -c 'import sys, jax; print("python",
 
 if PY312=$(find_python312); then
   if [ ! -x .venv312/bin/python ]; then "$PY312" -m venv .venv312; fi
-  quiet_pip .venv312/bin/pip install -q --upgrade pip
   quiet_pip .venv312/bin/pip install -q --upgrade jax jaxlib
   quiet_pip .venv312/bin/pip install -q -e ".[test]"
   echo "== kernel tests: $(.venv312/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
