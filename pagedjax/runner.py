@@ -132,16 +132,22 @@ def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, 
 
 
 @functools.cache
-def _jitted(graphdef) -> tuple:
-    """The jitted step and decode loop for one model structure, with the graphdef closed over.
+def _jitted(graphdef, params_treedef) -> tuple:
+    """The jitted step and decode loop for one model structure.
 
-    Cached per graphdef (hashed once here, not on every call), so engines over the same model shape share
-    compilations. The KV cache argument is donated: XLA updates it in place.
+    The graphdef and the parameters' tree structure are closed over (hashed once, here), so a call passes
+    only a flat list of arrays; cached so that engines over the same model shape share compilations. The
+    KV cache argument is donated: XLA updates it in place.
     """
-    step = jax.jit(functools.partial(_forward_step, graphdef),
-                   static_argnames=("backend", "decode_only", "return_logits"), donate_argnums=(1,))
-    loop = jax.jit(functools.partial(_decode_loop, graphdef),
-                   static_argnames=("num_steps", "block_size", "backend"), donate_argnums=(1,))
+    def model_fn(fn):
+        def call(param_leaves, *args, **kwargs):
+            return fn(graphdef, jax.tree.unflatten(params_treedef, param_leaves), *args, **kwargs)
+        return call
+
+    step = jax.jit(model_fn(_forward_step), static_argnames=("backend", "decode_only", "return_logits"),
+                   donate_argnums=(1,))
+    loop = jax.jit(model_fn(_decode_loop), static_argnames=("num_steps", "block_size", "backend"),
+                   donate_argnums=(1,))
     return step, loop
 
 
@@ -159,7 +165,8 @@ class ModelRunner:
         self.kv_cache = init_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, dtype)
         self.compiled_shapes: set[tuple] = set()
         self.device_seconds = 0.0  # wall time inside jitted calls, results read back
-        self._step, self._loop = _jitted(self.graphdef)
+        self._param_leaves, treedef = jax.tree.flatten(self.params)
+        self._step, self._loop = _jitted(self.graphdef, treedef)
         logger.info("pagedjax runner: backend=%s, KV cache %d blocks x %d tokens (%.1f MiB)", self.backend,
                     num_blocks, block_size, self.kv_cache.nbytes / 2**20)
 
@@ -178,7 +185,7 @@ class ModelRunner:
         self._note_shape(("step", len(inputs.token_ids), m.block_tables.shape, inputs.decode_only, return_logits))
         start = time.perf_counter()
         tokens, self.kv_cache, logits = self._step(
-            self.params, self.kv_cache, inputs.token_ids, inputs.positions, m,
+            self._param_leaves, self.kv_cache, inputs.token_ids, inputs.positions, m,
             inputs.logits_indices, inputs.sampling, backend=self.backend, decode_only=inputs.decode_only,
             return_logits=return_logits)
         tokens = np.asarray(tokens)
@@ -196,7 +203,7 @@ class ModelRunner:
         start = time.perf_counter()
         pages = init_page_state(block_tables, seq_lens, lent_blocks)
         out, pages, self.kv_cache = self._loop(
-            self.params, self.kv_cache, pages, tokens, sampling, stop_ids, max_new,
+            self._param_leaves, self.kv_cache, pages, tokens, sampling, stop_ids, max_new,
             num_steps=num_steps, block_size=self.block_size, backend=self.backend)
         out, tables, used, overflow = jax.device_get((out, pages.block_tables, pages.num_popped, pages.overflow))
         self.device_seconds += time.perf_counter() - start
