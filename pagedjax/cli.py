@@ -224,12 +224,13 @@ def stats_rows(stats, peak: Peak, wall_s: float, num_requests: int) -> list[tupl
         ("requests", f"{num_requests:,}"),
         ("prompt tokens", _fmt_int(g("prompt_tokens"))),
         ("generated tokens", _fmt_int(g("generated_tokens"))),
-        ("tokens/s", "n/a" if tps is None else f"{tps:,.1f} (generated, over {g('elapsed_s') or 0:.2f} s of steps)"),
+        ("tokens/s", "n/a" if tps is None else
+         f"{tps:,.1f} (generated, over {(g('elapsed_s') or 0) - (g('compile_s') or 0):.2f} s of steps)"),
         ("KV blocks used", used),
         ("KV waste", _fmt_pct(peak.kv_waste_pct) + " (unfilled slots of held blocks, at peak)"),
         ("prefix-cache hit rate", "n/a" if hit is None else f"{100.0 * hit:.1f} %"),
         ("preemptions", _fmt_int(g("preemptions"))),
-        ("compilations", _fmt_int(g("compilations"))),
+        ("compilations", f"{_fmt_int(g('compilations'))} ({g('compile_s') or 0:.2f} s)"),
         ("engine steps", _fmt_int(g("steps"))),
         ("wall time", f"{wall_s:.2f} s"),
     ]

@@ -40,8 +40,9 @@ class EngineStats:
     generated_tokens: int
     prefill_tokens_computed: int  # prompt/recompute tokens actually run through the model
     elapsed_s: float  # time spent inside step()
-    device_s: float  # of which waiting on jitted device calls (dispatch + compute + read back)
-    tokens_per_s: float  # generated tokens / elapsed_s
+    device_s: float  # of which in compiled device calls (dispatch + compute + read back)
+    compile_s: float  # of which tracing and compiling new step shapes
+    tokens_per_s: float  # generated tokens / (elapsed_s - compile_s)
     num_blocks: int
     blocks_used: int
     blocks_free: int
@@ -307,7 +308,8 @@ class LLMEngine:
             prefill_tokens_computed=self._prefill_computed,
             elapsed_s=self._elapsed,
             device_s=self.runner.device_seconds,
-            tokens_per_s=self._generated / self._elapsed if self._elapsed > 0 else 0.0,
+            compile_s=self.runner.compile_seconds,
+            tokens_per_s=self._generated / run_s if (run_s := self._elapsed - self.runner.compile_seconds) > 0 else 0.0,
             num_blocks=self.num_blocks,
             blocks_used=s.num_used_blocks,
             blocks_free=s.num_free_blocks,

@@ -17,6 +17,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -148,7 +149,8 @@ def _jitted(graphdef, params_treedef) -> tuple:
                    donate_argnums=(1,))
     loop = jax.jit(model_fn(_decode_loop), static_argnames=("num_steps", "block_size", "backend"),
                    donate_argnums=(1,))
-    return step, loop
+    executables: dict[tuple, Any] = {}  # compiled ahead of time, by input signature
+    return step, loop, executables
 
 
 class ModelRunner:
@@ -163,10 +165,12 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         dtype = jnp.dtype(kv_dtype or cfg.dtype)
         self.kv_cache = init_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, dtype)
-        self.compiled_shapes: set[tuple] = set()
-        self.device_seconds = 0.0  # wall time inside jitted calls, results read back
+        self.compiled_shapes: set[tuple] = set()  # input signatures this runner has run
+        self.device_seconds = 0.0  # wall time inside compiled calls, results read back
+        self.compile_seconds = 0.0  # wall time tracing and compiling new signatures
         self._param_leaves, treedef = jax.tree.flatten(self.params)
-        self._step, self._loop = _jitted(self.graphdef, treedef)
+        self._step, self._loop, self._executables = _jitted(self.graphdef, treedef)
+        self._cache_signature = (self.kv_cache.k[0].shape, str(self.kv_cache.k[0].dtype), self.backend)
         logger.info("pagedjax runner: backend=%s, KV cache %d blocks x %d tokens (%.1f MiB)", self.backend,
                     num_blocks, block_size, self.kv_cache.nbytes / 2**20)
 
@@ -174,20 +178,31 @@ class ModelRunner:
     def num_compilations(self) -> int:
         return len(self.compiled_shapes)
 
-    def _note_shape(self, key: tuple) -> None:
+    def _executable(self, jitted, key: tuple, args: tuple, static: dict):
+        """The compiled executable for this input signature, compiling it (timed, logged) if new."""
+        full_key = (key, self._cache_signature)
         if key not in self.compiled_shapes:
             self.compiled_shapes.add(key)
-            logger.info("compiling %s (compilation #%d)", key, len(self.compiled_shapes))
+            logger.info("new step shape %s (#%d for this runner)", key, len(self.compiled_shapes))
+        exe = self._executables.get(full_key)
+        if exe is None:
+            start = time.perf_counter()
+            exe = jitted.lower(*args, **static).compile()
+            self.compile_seconds += time.perf_counter() - start
+            self._executables[full_key] = exe
+            logger.info("compiled %s in %.2f s", key, time.perf_counter() - start)
+        return exe
 
     def execute(self, inputs: StepInputs, *, return_logits: bool = False):
         """Run one padded step. Returns sampled tokens `[S]` (numpy), and logits `[S, vocab]` if asked."""
         m = inputs.meta
-        self._note_shape(("step", len(inputs.token_ids), m.block_tables.shape, inputs.decode_only, return_logits))
+        args = (self._param_leaves, self.kv_cache, inputs.token_ids, inputs.positions, m, inputs.logits_indices,
+                inputs.sampling)
+        static = dict(backend=self.backend, decode_only=inputs.decode_only, return_logits=return_logits)
+        key = ("step", len(inputs.token_ids), m.block_tables.shape, inputs.decode_only, return_logits)
+        exe = self._executable(self._step, key, args, static)
         start = time.perf_counter()
-        tokens, self.kv_cache, logits = self._step(
-            self._param_leaves, self.kv_cache, inputs.token_ids, inputs.positions, m,
-            inputs.logits_indices, inputs.sampling, backend=self.backend, decode_only=inputs.decode_only,
-            return_logits=return_logits)
+        tokens, self.kv_cache, logits = exe(*args)
         tokens = np.asarray(tokens)
         self.device_seconds += time.perf_counter() - start
         return (tokens, np.asarray(logits)) if return_logits else tokens
@@ -199,12 +214,13 @@ class ModelRunner:
         tokens, seq_lens, max_new: `[S]`; block_tables `[S, B]`; lent_blocks `[F]`; stop_ids `[S, K]`.
         Returns (sampled `[num_steps, S]`, block_tables `[S, B]`, number of lent blocks used), as numpy.
         """
-        self._note_shape(("decode_loop", block_tables.shape, len(lent_blocks), stop_ids.shape[1], num_steps))
-        start = time.perf_counter()
         pages = init_page_state(block_tables, seq_lens, lent_blocks)
-        out, pages, self.kv_cache = self._loop(
-            self._param_leaves, self.kv_cache, pages, tokens, sampling, stop_ids, max_new,
-            num_steps=num_steps, block_size=self.block_size, backend=self.backend)
+        args = (self._param_leaves, self.kv_cache, pages, tokens, sampling, stop_ids, max_new)
+        static = dict(num_steps=num_steps, block_size=self.block_size, backend=self.backend)
+        key = ("decode_loop", block_tables.shape, len(lent_blocks), stop_ids.shape[1], num_steps)
+        exe = self._executable(self._loop, key, args, static)
+        start = time.perf_counter()
+        out, pages, self.kv_cache = exe(*args)
         out, tables, used, overflow = jax.device_get((out, pages.block_tables, pages.num_popped, pages.overflow))
         self.device_seconds += time.perf_counter() - start
         if overflow:
