@@ -26,7 +26,7 @@ from flax import nnx
 
 from pagedjax.device.attention import AttentionMetadata, resolve_backend
 from pagedjax.device.kv_cache import KVCache, init_kv_cache
-from pagedjax.device.page_state import PageState, append_tokens, init_page_state
+from pagedjax.device.page_state import PageState, append_tokens
 from pagedjax.device.sampling import SamplingMetadata, sample
 from pagedjax.model.llama import Llama
 
@@ -214,7 +214,8 @@ class ModelRunner:
         tokens, seq_lens, max_new: `[S]`; block_tables `[S, B]`; lent_blocks `[F]`; stop_ids `[S, K]`.
         Returns (sampled `[num_steps, S]`, block_tables `[S, B]`, number of lent blocks used), as numpy.
         """
-        pages = init_page_state(block_tables, seq_lens, lent_blocks)
+        pages = PageState(np.asarray(block_tables, np.int32), np.asarray(seq_lens, np.int32),
+                          np.asarray(lent_blocks, np.int32), np.zeros((), np.int32), np.zeros((), bool))
         args = (self._param_leaves, self.kv_cache, pages, tokens, sampling, stop_ids, max_new)
         static = dict(num_steps=num_steps, block_size=self.block_size, backend=self.backend)
         key = ("decode_loop", block_tables.shape, len(lent_blocks), stop_ids.shape[1], num_steps)
