@@ -57,13 +57,12 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: 
     With `decode_only`, token i is the single query of sequence i (num_tokens == num_seqs).
     Returns `[num_tokens, num_q_heads, head_dim]` in q's dtype.
     """
-    if backend == "pallas":
-        interpret = jax.default_backend() != "gpu"
+    if backend == "pallas":  # interpret=None: compiled through Triton on GPU, interpreted elsewhere
         if decode_only:
             return pallas_kernels.paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
-                                                  scale=scale, interpret=interpret)
+                                                  scale=scale, interpret=None)
         return pallas_kernels.ragged_paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
-                                                     meta.cu_q_lens, scale=scale, interpret=interpret)
+                                                     meta.cu_q_lens, scale=scale, interpret=None)
     if backend == "xla":
         if decode_only:
             return pallas_kernels.paged_attention_xla(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
