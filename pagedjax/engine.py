@@ -22,10 +22,10 @@ from flax import nnx
 
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedjax.core.request import Request, RequestOutput, SamplingParams
-from pagedjax.core.scheduler import Scheduler, StepPlan
+from pagedjax.core.scheduler import MultiStepPlan, Scheduler, StepPlan
 from pagedjax.device.sampling import SamplingMetadata
 from pagedjax.model.llama import Llama, init_model
-from pagedjax.runner import ModelRunner, bucket, pad_step
+from pagedjax.runner import ModelRunner, pad_multi_decode, pad_step
 
 logger = logging.getLogger(__name__)
 
@@ -200,35 +200,16 @@ class LLMEngine:
         self.scheduler.update(plan, tokens)
         return self._progressed(requests, before)
 
-    def _run_multi_decode(self, mplan) -> list[Request]:
+    def _run_multi_decode(self, mplan: MultiStepPlan) -> list[Request]:
         plan = mplan.plan
-        n, num_steps = plan.num_seqs, self.num_steps
+        n, width = plan.num_seqs, plan.block_tables.shape[1]
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
-        s_b = bucket(n, 4)
-        b_b = bucket(plan.block_tables.shape[1], 2)
-        tables = np.zeros((s_b, b_b), np.int32)
-        tables[:n, : plan.block_tables.shape[1]] = plan.block_tables
-        seq_lens = np.zeros(s_b, np.int32)
-        seq_lens[:n] = plan.kv_lens - 1  # KV cached before this step's token
-        tokens = np.zeros(s_b, np.int32)
-        tokens[:n] = plan.token_ids
-        max_new = np.zeros(s_b, np.int32)
-        max_new[:n] = mplan.max_new_tokens
-        stops = [sorted(r.stop_ids) for r in requests]
-        stop_ids = np.full((s_b, bucket(max((len(s) for s in stops), default=1), 1)), -1, np.int32)
-        for i, s in enumerate(stops):
-            stop_ids[i, : len(s)] = s
-        lent = np.asarray(mplan.lent_block_ids, np.int32)
-        lent_padded = np.zeros(bucket(len(lent), 4), np.int32)
-        lent_padded[: len(lent)] = lent
-        inputs = pad_step(plan.token_ids, plan.positions, plan.slot_mapping, plan.block_tables, plan.kv_lens,
-                          plan.cu_q_lens, self._sampling_metadata(requests))
-        sampled, new_tables, used = self.runner.execute_multi_decode(
-            tokens, tables, seq_lens, lent_padded, inputs.sampling, stop_ids, max_new, num_steps)
-        if used > len(lent):
-            raise RuntimeError(f"fused decode used {used} blocks but only {len(lent)} were lent")
+        inputs = pad_multi_decode(plan.token_ids, plan.block_tables, mplan.seq_lens, mplan.lent_block_ids,
+                                  self._sampling_metadata(requests), [sorted(r.stop_ids) for r in requests],
+                                  mplan.max_new_tokens, self.num_steps)
+        sampled, tables = self.runner.execute_multi_decode(inputs)
         before = [r.num_output_tokens for r in requests]
-        self.scheduler.update_multi_decode(mplan, sampled[:, :n], new_tables[:n, : plan.block_tables.shape[1]])
+        self.scheduler.update_multi_decode(mplan, sampled[:, :n], tables[:n, :width])
         self._fused_calls += 1
         return self._progressed(requests, before)
 

@@ -39,6 +39,31 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _pad(x, n: int, value, dtype=np.int32) -> np.ndarray:
+    """`x` along its first axis, padded with `value` to length n."""
+    out = np.full((n,) + np.shape(x)[1:], value, dtype)
+    out[: len(x)] = x
+    return out
+
+
+def _pad_table(table: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    out = np.zeros((rows, cols), np.int32)
+    out[: table.shape[0], : table.shape[1]] = table
+    return out
+
+
+def pad_sampling(sampling: SamplingMetadata, n: int) -> SamplingMetadata:
+    """Padding rows are greedy."""
+    return SamplingMetadata(
+        temperature=_pad(sampling.temperature, n, 0.0, np.float32),
+        top_k=_pad(sampling.top_k, n, 0),
+        top_p=_pad(sampling.top_p, n, 1.0, np.float32),
+        seed_hi=_pad(sampling.seed_hi, n, 0, np.uint32),
+        seed_lo=_pad(sampling.seed_lo, n, 0, np.uint32),
+        step=_pad(sampling.step, n, 0),
+    )
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """A padded, device-ready step. Shapes: T tokens, S sequences, B blocks per sequence (all buckets)."""
@@ -59,31 +84,48 @@ def pad_step(token_ids, positions, slot_mapping, block_tables, kv_lens, cu_q_len
     decode_only = num_tokens == num_seqs
     s_b = bucket(num_seqs, 4)
     t_b = s_b if decode_only else bucket(num_tokens, 16)
-    b_b = bucket(block_tables.shape[1], 2)
-
-    def pad(x, n, value, dtype=np.int32):
-        out = np.full((n,) + np.shape(x)[1:], value, dtype)
-        out[: len(x)] = x
-        return out
-
-    tables = np.zeros((s_b, b_b), np.int32)
-    tables[:num_seqs, : block_tables.shape[1]] = block_tables
-    cu = pad(cu_q_lens, s_b + 1, num_tokens)
-    sampling = SamplingMetadata(
-        temperature=pad(sampling.temperature, s_b, 0.0, np.float32),
-        top_k=pad(sampling.top_k, s_b, 0),
-        top_p=pad(sampling.top_p, s_b, 1.0, np.float32),
-        seed_hi=pad(sampling.seed_hi, s_b, 0, np.uint32),
-        seed_lo=pad(sampling.seed_lo, s_b, 0, np.uint32),
-        step=pad(sampling.step, s_b, 0),
-    )
+    tables = _pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2))
     return StepInputs(
-        token_ids=pad(token_ids, t_b, 0),
-        positions=pad(positions, t_b, 0),
-        meta=AttentionMetadata(pad(slot_mapping, t_b, -1), tables, pad(kv_lens, s_b, 0), cu),
-        logits_indices=pad(np.asarray(cu_q_lens[1:]) - 1, s_b, 0),
-        sampling=sampling,
+        token_ids=_pad(token_ids, t_b, 0),
+        positions=_pad(positions, t_b, 0),
+        meta=AttentionMetadata(_pad(slot_mapping, t_b, -1), tables, _pad(kv_lens, s_b, 0),
+                               _pad(cu_q_lens, s_b + 1, num_tokens)),
+        logits_indices=_pad(np.asarray(cu_q_lens[1:]) - 1, s_b, 0),
+        sampling=pad_sampling(sampling, s_b),
         decode_only=decode_only,
+    )
+
+
+@dataclass(frozen=True)
+class MultiDecodeInputs:
+    """A padded fused decode of S sequences (buckets; padding rows have max_new 0 and never run)."""
+
+    tokens: np.ndarray  # int32 [S]: each sequence's last token, whose KV is not cached yet
+    block_tables: np.ndarray  # int32 [S, B], wide enough for num_steps more tokens
+    seq_lens: np.ndarray  # int32 [S]: tokens in the cache before step 1
+    lent_blocks: np.ndarray  # int32 [F]: the stack the device pops from, front first
+    sampling: SamplingMetadata  # [S] each
+    stop_ids: np.ndarray  # int32 [S, K], -1 = none
+    max_new: np.ndarray  # int32 [S]: tokens each sequence may generate in this call
+    num_steps: int
+
+
+def pad_multi_decode(tokens, block_tables, seq_lens, lent_blocks, sampling: SamplingMetadata,
+                     stop_ids: list[list[int]], max_new, num_steps: int) -> MultiDecodeInputs:
+    n = len(tokens)
+    s_b = bucket(n, 4)
+    stops = np.full((s_b, bucket(max(map(len, stop_ids), default=1), 1)), -1, np.int32)
+    for i, ids in enumerate(stop_ids):
+        stops[i, : len(ids)] = ids
+    return MultiDecodeInputs(
+        tokens=_pad(tokens, s_b, 0),
+        block_tables=_pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2)),
+        seq_lens=_pad(seq_lens, s_b, 0),
+        lent_blocks=_pad(lent_blocks, bucket(len(lent_blocks), 4), 0),
+        sampling=pad_sampling(sampling, s_b),
+        stop_ids=stops,
+        max_new=_pad(max_new, s_b, 0),
+        num_steps=num_steps,
     )
 
 
@@ -207,24 +249,22 @@ class ModelRunner:
         self.device_seconds += time.perf_counter() - start
         return (tokens, np.asarray(logits)) if return_logits else tokens
 
-    def execute_multi_decode(self, tokens, block_tables, seq_lens, lent_blocks, sampling: SamplingMetadata,
-                             stop_ids, max_new, num_steps: int):
-        """Run up to `num_steps` decode steps of S sequences on device (inputs already padded).
+    def execute_multi_decode(self, inputs: MultiDecodeInputs):
+        """Run up to `inputs.num_steps` decode steps on device.
 
-        tokens, seq_lens, max_new: `[S]`; block_tables `[S, B]`; lent_blocks `[F]`; stop_ids `[S, K]`.
-        Returns (sampled `[num_steps, S]`, block_tables `[S, B]`, number of lent blocks used), as numpy.
+        Returns (sampled `[num_steps, S]` with -1 where a sequence did not run, block_tables `[S, B]` as the
+        device left them), as numpy.
         """
-        pages = PageState(np.asarray(block_tables, np.int32), np.asarray(seq_lens, np.int32),
-                          np.asarray(lent_blocks, np.int32), np.zeros((), np.int32), np.zeros((), bool))
-        args = (self._param_leaves, self.kv_cache, pages, tokens, sampling, stop_ids, max_new)
-        static = dict(num_steps=num_steps, block_size=self.block_size, backend=self.backend)
-        key = ("decode_loop", block_tables.shape, len(lent_blocks), stop_ids.shape[1], num_steps)
+        x = inputs
+        pages = PageState(x.block_tables, x.seq_lens, x.lent_blocks, np.zeros((), np.int32), np.zeros((), bool))
+        args = (self._param_leaves, self.kv_cache, pages, x.tokens, x.sampling, x.stop_ids, x.max_new)
+        static = dict(num_steps=x.num_steps, block_size=self.block_size, backend=self.backend)
+        key = ("decode_loop", x.block_tables.shape, len(x.lent_blocks), x.stop_ids.shape[1], x.num_steps)
         exe = self._executable(self._loop, key, args, static)
         start = time.perf_counter()
         out, pages, self.kv_cache = exe(*args)
-        out, tables, used, overflow = jax.device_get((out, pages.block_tables, pages.num_popped, pages.overflow))
+        out, tables, overflow = jax.device_get((out, pages.block_tables, pages.overflow))
         self.device_seconds += time.perf_counter() - start
         if overflow:
             raise RuntimeError("fused decode ran out of lent blocks or table columns: the host lent too few (a bug)")
-        return out, tables, int(used)
-
+        return out, tables
