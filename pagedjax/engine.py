@@ -18,13 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from flax import nnx
 
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedjax.core.request import Request, RequestOutput, SamplingParams
 from pagedjax.core.scheduler import MultiStepPlan, Scheduler, StepPlan
 from pagedjax.device.sampling import SamplingMetadata
-from pagedjax.model.llama import Llama, init_model
+from pagedjax.model.llama import Llama, init_model, model_from_state
 from pagedjax.runner import ModelRunner, pad_multi_decode, pad_step
 
 logger = logging.getLogger(__name__)
@@ -80,9 +79,7 @@ class LLMEngine:
         elif params is None:
             model = init_model(model_config, seed)
         else:
-            # Merge the given weights into the model's structure without materialising a random init.
-            graphdef, _ = nnx.split(nnx.eval_shape(lambda: init_model(model_config, seed)))
-            model = nnx.merge(graphdef, params)
+            model = model_from_state(model_config, params)  # no random init materialised
         if self.scheduler_config.max_model_len > model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.scheduler_config.max_model_len}) exceeds the model's "

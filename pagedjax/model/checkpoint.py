@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from pagedjax.config import ModelConfig, dtype_bytes
-from pagedjax.model.llama import Llama, init_model
+from pagedjax.model.llama import Llama, abstract_model, model_from_state
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,7 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def _abstract_state(cfg: ModelConfig) -> nnx.State:
     """The parameter state of `Llama(cfg)` with `jax.ShapeDtypeStruct` leaves; nothing is allocated."""
-    abstract_model = nnx.eval_shape(lambda: init_model(cfg, 0))
-    return nnx.state(abstract_model, nnx.Param)
+    return nnx.state(abstract_model(cfg), nnx.Param)
 
 
 def _check_tree(expected: dict[str, Any], found: dict[str, Any], what: str) -> None:
@@ -242,9 +241,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tuple[
 def load_model(path: str | os.PathLike | None = None, dtype: str | None = None) -> Llama:
     """A ready `Llama` module from a checkpoint folder (None: the bundled model)."""
     cfg, state = load_checkpoint(bundled_model_path() if path is None else path, dtype=dtype)
-    model = nnx.eval_shape(lambda: init_model(cfg, 0))
-    nnx.update(model, state)
-    return model
+    return model_from_state(cfg, state)
 
 
 __all__ = [

@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from pagedjax.config import ModelConfig
+from pagedjax.model.llama import abstract_model, model_from_state  # noqa: F401  (model_from_state: re-export)
 
 logger = logging.getLogger(__name__)
 
@@ -327,11 +328,9 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, verbose: bool =
     """
     from safetensors import safe_open
 
-    from pagedjax.model.llama import init_model
-
     start = time.perf_counter()
     files = safetensors_files(path)
-    _, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg)))
+    _, state = nnx.split(abstract_model(cfg))
     targets: dict[str, tuple[Any, bool]] = {}
     for p, var in nnx.to_flat_state(state):
         name, transpose = _hf_name(p)
@@ -397,15 +396,6 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, verbose: bool =
     if verbose:
         print(f"pagedjax: {msg}", file=sys.stderr)
     return state
-
-
-def model_from_state(cfg: ModelConfig, state: nnx.State):
-    """A `Llama` holding `state` (e.g. from `load_hf_params`) without first initialising random weights:
-    pass it as `LLMEngine(..., params=model)` so that no second copy of the weights is ever allocated."""
-    from pagedjax.model.llama import init_model
-
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: init_model(cfg)))
-    return nnx.merge(graphdef, state)
 
 
 def load_hf(path: str | os.PathLike, dtype: str | None = None, *, verbose: bool = True

@@ -175,3 +175,14 @@ class Llama(nnx.Module):
 def init_model(cfg: ModelConfig, seed: int = 0) -> Llama:
     """A randomly initialised model (deterministic in `seed`)."""
     return Llama(cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: ModelConfig) -> Llama:
+    """The model's structure with `jax.ShapeDtypeStruct` leaves: nothing is allocated."""
+    return nnx.eval_shape(lambda: init_model(cfg))
+
+
+def model_from_state(cfg: ModelConfig, state: nnx.State) -> Llama:
+    """A `Llama` holding `state` (e.g. loaded weights) without first initialising random weights."""
+    graphdef, _ = nnx.split(abstract_model(cfg))
+    return nnx.merge(graphdef, state)
