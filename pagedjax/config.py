@@ -6,6 +6,8 @@ Plain Python, no JAX: the host side (`pagedjax.core`) imports this too.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -24,9 +26,98 @@ def kv_cache_bytes(num_layers: int, num_tokens: int, num_kv_heads: int, head_dim
     return 2 * num_layers * num_tokens * num_kv_heads * head_dim * bytes_per_elem
 
 
+# RoPE scaling types pagedjax computes exactly, each with the parameters it needs (besides "rope_type"). This is
+# the one list: `ModelConfig` checks `rope_scaling` against it and the Hugging Face loader maps configs by it.
+ROPE_SCALING_PARAMS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+ROPE_TYPES: tuple[str, ...] = tuple(ROPE_SCALING_PARAMS)
+
+
+def _describe(value) -> str:
+    return "None" if value is None else f"{type(value).__name__} {value!r}"
+
+
+def _int_field(owner: str, name: str, value, *, lo: int | None = None, optional: bool = False) -> int | None:
+    """`value` as an int (numpy integers too; bools are not ints here), else TypeError/ValueError naming the field."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{owner}.{name} must be an int{' or None' if optional else ''}, got {_describe(value)}")
+    value = int(value)
+    if lo is not None and value < lo:
+        raise ValueError(f"{owner}.{name} must be >= {lo}, got {value}")
+    return value
+
+
+def _float_field(owner: str, name: str, value, *, positive: bool = False) -> float:
+    """`value` (an int or a float, not a bool) as a finite float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner}.{name} must be a number, got {_describe(value)}")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0) or value < 0:
+        raise ValueError(f"{owner}.{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value}")
+    return value
+
+
+def _bool_field(owner: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}.{name} must be true or false, got {_describe(value)}")
+    return value
+
+
+def _dtype_field(owner: str, name: str, value, *, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{owner}.{name} must be a dtype name such as 'float32', got {_describe(value)}")
+    if value not in _DTYPE_BYTES:
+        raise ValueError(f"{owner}.{name}: unsupported dtype {value!r}; expected one of {sorted(_DTYPE_BYTES)}")
+    return value
+
+
+def _rope_scaling_field(value) -> tuple[tuple[str, float | str], ...] | None:
+    """None, a dict or pairs -> a sorted tuple of pairs (hashable), checked against `ROPE_SCALING_PARAMS`."""
+    owner = "ModelConfig.rope_scaling"
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, tuple | list) and all(isinstance(p, tuple | list) and len(p) == 2 for p in value):
+        items = [tuple(p) for p in value]
+    else:
+        raise TypeError(f"{owner} must be None, a dict or (name, value) pairs, got {_describe(value)}")
+    if not items:
+        return None
+    params: dict[str, float | str] = {}
+    for key, v in items:
+        if not isinstance(key, str):
+            raise TypeError(f"{owner}: keys must be strings, got {_describe(key)}")
+        if key in ("rope_type", "type"):
+            if not isinstance(v, str):
+                raise TypeError(f"{owner}.{key} must be a string, got {_describe(v)}")
+        elif isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{owner}.{key} must be a number, got {_describe(v)}")
+        params[key] = v
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_SCALING_PARAMS:
+        raise ValueError(f"{owner}: rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    missing = [k for k in ROPE_SCALING_PARAMS[kind] if k not in params]
+    if missing:
+        raise ValueError(f"{owner}: rope type {kind!r} needs {', '.join(map(repr, missing))}")
+    return tuple(sorted(params.items()))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder (Llama 2/3, Mistral, Qwen2 shapes)."""
+    """A Llama-family decoder (Llama 2/3, Mistral, Qwen2 shapes).
+
+    Every field is type-checked on construction (a TypeError or ValueError names the field): ints are ints
+    (not bools), floats accept ints, `dtype` is one of "float32" | "bfloat16" | "float16", `eos_token_ids`
+    and `rope_scaling` accept lists and dicts and are stored as tuples so the config stays hashable.
+    """
 
     vocab_size: int = 259
     hidden_size: int = 256
@@ -36,7 +127,8 @@ class ModelConfig:
     head_dim: int = 32
     intermediate_size: int = 704
     rope_theta: float = 10000.0
-    # Llama-3 style RoPE scaling: None or a dict with factor, low_freq_factor, high_freq_factor,
+    # RoPE scaling: None or (name, value) pairs with "rope_type" (one of ROPE_TYPES) and the parameters that
+    # type needs (ROPE_SCALING_PARAMS), e.g. Llama 3's factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings (a tuple of pairs so the config stays hashable).
     rope_scaling: tuple[tuple[str, float], ...] | None = None
     rms_norm_eps: float = 1e-5
@@ -48,14 +140,25 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        owner = "ModelConfig"
+        fix = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: set through object
         for name in ("vocab_size", "hidden_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+            fix(name, _int_field(owner, name, getattr(self, name), lo=1))
+        fix("rope_theta", _float_field(owner, "rope_theta", self.rope_theta, positive=True))
+        fix("rms_norm_eps", _float_field(owner, "rms_norm_eps", self.rms_norm_eps))
+        fix("rope_scaling", _rope_scaling_field(self.rope_scaling))
+        _bool_field(owner, "tie_word_embeddings", self.tie_word_embeddings)
+        _bool_field(owner, "qkv_bias", self.qkv_bias)
+        _dtype_field(owner, "dtype", self.dtype)
+        fix("bos_token_id", _int_field(owner, "bos_token_id", self.bos_token_id, lo=0, optional=True))
+        eos = self.eos_token_ids
+        if isinstance(eos, str) or not isinstance(eos, tuple | list):
+            raise TypeError(f"{owner}.eos_token_ids must be a tuple of ints, got {_describe(eos)}")
+        fix("eos_token_ids", tuple(_int_field(owner, "eos_token_ids", t, lo=0) for t in eos))
         if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        dtype_bytes(self.dtype)
+            raise ValueError(f"ModelConfig.num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -68,15 +171,14 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        d = dict(d)
+        """The inverse of `to_dict` (e.g. parsed JSON). Unknown fields are a ValueError, wrong types a TypeError,
+        each naming the field."""
+        if not isinstance(d, dict):
+            raise TypeError(f"a model config must be a mapping of field names to values, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
-        if "eos_token_ids" in d:
-            d["eos_token_ids"] = tuple(d["eos_token_ids"])
-        if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = tuple(sorted(dict(d["rope_scaling"]).items()))
         return cls(**d)
 
 
@@ -96,16 +198,21 @@ class CacheConfig:
     hash_seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        owner = "CacheConfig"
+        fix = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: set through object
+        fix("block_size", _int_field(owner, "block_size", self.block_size, lo=1))
+        fix("num_blocks", _int_field(owner, "num_blocks", self.num_blocks, lo=1, optional=True))
+        fix("kv_memory_bytes", _int_field(owner, "kv_memory_bytes", self.kv_memory_bytes, lo=1, optional=True))
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
-            raise ValueError(f"kv_memory_bytes must be >= 1, got {self.kv_memory_bytes}")
-        if self.dtype is not None:
-            dtype_bytes(self.dtype)
+        _bool_field(owner, "enable_prefix_caching", self.enable_prefix_caching)
+        _dtype_field(owner, "dtype", self.dtype, optional=True)
+        fix("hash_seed", _int_field(owner, "hash_seed", self.hash_seed))
+
+    def block_bytes(self, model: ModelConfig) -> int:
+        """Bytes of one KV block (K and V, every layer) for `model`."""
+        return kv_cache_bytes(model.num_layers, self.block_size, model.num_kv_heads, model.head_dim,
+                              dtype_bytes(self.dtype or model.dtype))
 
     def resolve_num_blocks(self, model: ModelConfig) -> int:
         """Number of physical blocks: as given, or as many as fit in `kv_memory_bytes`."""
@@ -113,27 +220,50 @@ class CacheConfig:
             return self.num_blocks
         if self.kv_memory_bytes is None:
             return 512
-        per_block = kv_cache_bytes(model.num_layers, self.block_size, model.num_kv_heads, model.head_dim,
-                                   dtype_bytes(self.dtype or model.dtype))
+        per_block = self.block_bytes(model)
         n = self.kv_memory_bytes // per_block
         if n < 1:
             raise ValueError(f"kv_memory_bytes={self.kv_memory_bytes} holds no block of {per_block} bytes")
         return int(n)
 
+    def pool_bytes(self, model: ModelConfig) -> int:
+        """Bytes of the whole KV pool this config gives `model` (what the engine allocates on the device)."""
+        return self.resolve_num_blocks(model) * self.block_bytes(model)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching limits per step."""
+    """Continuous batching limits per step.
+
+    `max_model_len` (prompt + output tokens of one request) defaults to None: the model's
+    `max_position_embeddings`, filled in by `resolve` when the engine is built.
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
+    max_model_len: int | None = None
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            value = getattr(self, name)
+            if value is None and name == "max_model_len":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"SchedulerConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+            if value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {value}")
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len "
                              f"({self.max_num_batched_tokens} < {self.max_model_len})")
+
+    def resolve(self, max_position_embeddings: int) -> SchedulerConfig:
+        """This config with `max_model_len` filled in (the model's maximum when None); ValueError if it
+        exceeds what the model supports."""
+        if self.max_model_len is None:
+            return dataclasses.replace(self, max_model_len=max_position_embeddings)
+        if self.max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({max_position_embeddings}); lower max_model_len or leave it None")
+        return self

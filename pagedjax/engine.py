@@ -4,8 +4,8 @@
     outputs = engine.generate([[1, 2, 3], [1, 2, 4, 5]], SamplingParams(max_tokens=8))
 
 Each `step()` asks the scheduler for a plan, pads it to bucket sizes, runs it on device and hands the sampled
-tokens back to the scheduler. With `num_steps > 1`, steps where every running request is decoding run
-`num_steps` decode iterations in one device call (blocks lent by the host, reconciled afterwards).
+tokens back to the scheduler. With `decode_steps_per_call > 1`, steps where every running request is decoding
+run that many decode iterations in one device call (blocks lent by the host, reconciled afterwards).
 """
 
 from __future__ import annotations
@@ -13,89 +13,95 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
-from pagedjax.core.request import Request, RequestOutput, SamplingParams
-from pagedjax.core.scheduler import MultiStepPlan, Scheduler, StepPlan
+from pagedjax.core.request import Request, RequestOutput, SamplingParams, is_int
+from pagedjax.core.scheduler import Scheduler, SchedulerStats
+from pagedjax.core.step_plan import MultiStepPlan, StepPlan
 from pagedjax.device.sampling import SamplingMetadata
 from pagedjax.model.llama import Llama, init_model, model_from_state
-from pagedjax.runner import ModelRunner, pad_multi_decode, pad_step
+from pagedjax.runner import ModelRunner, StepInputs, pad_multi_decode, pad_step
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of the engine's counters."""
+    """A snapshot of the engine's counters; the scheduler's queues, prefix cache and memory are in
+    `scheduler` (and its `memory`)."""
 
-    steps: int
-    fused_decode_calls: int
-    prompt_tokens: int  # prompt tokens of finished or running requests
+    steps: int  # step() calls
+    fused_decode_calls: int  # of which ran several decode steps in one device call
+    failed_steps: int  # steps whose device call raised (see `LLMEngine.step`)
+    prompt_tokens: int  # prompt tokens of every request added
     generated_tokens: int
     prefill_tokens_computed: int  # prompt/recompute tokens actually run through the model
     elapsed_s: float  # time spent inside step()
     device_s: float  # of which in compiled device calls (dispatch + compute + read back)
     compile_s: float  # of which tracing and compiling new step shapes
-    tokens_per_s: float  # generated tokens / (elapsed_s - compile_s)
-    num_blocks: int
-    blocks_used: int
-    blocks_free: int
-    blocks_cached: int
-    prefix_cache_hit_rate: float
-    preemptions: int
-    kv_waste_pct: float
     compilations: int
-    num_waiting: int
-    num_running: int
+    scheduler: SchedulerStats
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of stepping, compilation excluded."""
+        run_s = self.elapsed_s - self.compile_s
+        return self.generated_tokens / run_s if run_s > 0 else 0.0
 
 
 class LLMEngine:
     """Continuous-batching generation over a paged KV cache.
 
     model_config: the model's shape; params: an `nnx.State` of `Llama` (e.g. from a checkpoint) or a `Llama`
-    module; None initialises random weights from `seed`. backend: "auto" | "pallas" | "xla".
-    num_steps: decode iterations per device call when the batch is decode-only.
+    module; None initialises random weights from `seed` (an int in [0, 2**32), which also seeds requests
+    without a seed of their own). backend: "auto" | "pallas" | "xla". decode_steps_per_call: decode
+    iterations per device call when the batch is decode-only (`num_steps` is its deprecated name).
+
+    A step whose device call raises never wedges the engine: see `step`.
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,
-                 backend: str = "auto", num_steps: int = 1, tokenizer=None):
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+                 backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
+                 tokenizer=None):
+        if num_steps is not None:
+            warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
+                          DeprecationWarning, stacklevel=2)
+            decode_steps_per_call = num_steps
+        if not is_int(decode_steps_per_call) or decode_steps_per_call < 1:
+            raise ValueError(f"decode_steps_per_call must be an int >= 1, got {decode_steps_per_call!r}")
+        if not is_int(seed) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
-        self.scheduler_config = scheduler_config or SchedulerConfig(
-            max_model_len=min(SchedulerConfig.max_model_len, model_config.max_position_embeddings))
-        self.seed = seed
-        self.num_steps = num_steps
+        self.scheduler_config = (scheduler_config or SchedulerConfig()).resolve(
+            model_config.max_position_embeddings)
+        self.seed = int(seed)
+        self.decode_steps_per_call = int(decode_steps_per_call)
         self.tokenizer = tokenizer
         if isinstance(params, Llama):
             model = params
         elif params is None:
-            model = init_model(model_config, seed)
+            model = init_model(model_config, self.seed)
         else:
             model = model_from_state(model_config, params)  # no random init materialised
-        if self.scheduler_config.max_model_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({self.scheduler_config.max_model_len}) exceeds the model's "
-                f"max_position_embeddings ({model_config.max_position_embeddings}); lower max_model_len")
         self.num_blocks = self.cache_config.resolve_num_blocks(model_config)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks)
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
                                   kv_dtype=self.cache_config.dtype, backend=backend)
-        self._arrivals = 0
+        self._generate_calls = 0
         self._empty_plans = 0
         self._steps = 0
         self._fused_calls = 0
+        self._failed_steps = 0
         self._generated = 0
         self._prefill_computed = 0
+        self._prompt_tokens = 0
         self._elapsed = 0.0
-        self._finished_prompt_tokens = 0
         logger.info("LLMEngine: %d KV blocks x %d tokens, attention backend %s", self.num_blocks,
                     self.cache_config.block_size, self.runner.backend)
 
@@ -111,16 +117,37 @@ class LLMEngine:
         return cls(cfg, cache_config, scheduler_config, params=state, **kwargs)
 
     @property
+    def num_steps(self) -> int:
+        """Deprecated name of `decode_steps_per_call`."""
+        warnings.warn("LLMEngine.num_steps is deprecated; use decode_steps_per_call", DeprecationWarning,
+                      stacklevel=2)
+        return self.decode_steps_per_call
+
+    @property
     def backend(self) -> str:
         return self.runner.backend
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None) -> None:
-        """Queue a request. Raises ValueError for ids outside the vocabulary, empty or too long prompts,
-        a duplicate id, or a request that could never fit in the KV pool."""
-        params = sampling_params or SamplingParams()
-        tokens = [int(t) for t in prompt_token_ids]
+        """Queue a request. Raises TypeError for a non-string id or salt, token ids that are not ints, or
+        sampling params of another type; ValueError for ids outside the vocabulary, empty or too long
+        prompts, a duplicate id, or a request that could never fit in the KV pool. Nothing is queued then."""
+        request = self._make_request(request_id, prompt_token_ids, sampling_params, cache_salt)
+        self.scheduler.add_request(request)
+        self._prompt_tokens += request.num_prompt_tokens
+
+    def _make_request(self, request_id, prompt_token_ids, sampling_params, cache_salt) -> Request:
+        """A validated request that the scheduler would accept (nothing is queued)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"request {request_id!r}: sampling_params must be SamplingParams, "
+                            f"got {type(params).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"request {request_id!r}: cache_salt must be a str, got {type(cache_salt).__name__}")
+        tokens = _token_list(request_id, prompt_token_ids)
         vocab = self.model_config.vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
@@ -128,16 +155,10 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise ValueError(f"request {request_id!r}: stop_token_ids {bad_stop[:5]} outside [0, {vocab})")
-        request = Request(
-            request_id=str(request_id),
-            prompt_token_ids=tokens,
-            sampling_params=params,
-            eos_token_ids=tuple(self.model_config.eos_token_ids),
-            cache_salt=cache_salt,
-            arrival_index=self._arrivals,
-        )
-        self.scheduler.add_request(request)
-        self._arrivals += 1
+        request = Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
+                          eos_token_ids=tuple(self.model_config.eos_token_ids), cache_salt=cache_salt)
+        self.scheduler.check_request(request)
+        return request
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free all its blocks. Returns False if no such unfinished request."""
@@ -148,15 +169,26 @@ class LLMEngine:
 
     # --------------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns outputs of the requests that got tokens or finished."""
+        """Run one scheduling step; returns outputs of the requests that got tokens or finished.
+
+        If the device call raises, the engine stays serving: a fused decode's lent blocks are returned;
+        if the KV cache was lost with the call (it is donated), a fresh one is made and every running
+        request is preempted and recomputed (exact); the failed step's requests are handled by
+        `Scheduler.fail_step` (alone: it finishes with finish_reason "error" and `error` set; with others:
+        each reruns alone, so only the request that breaks steps fails). Other requests lose nothing.
+        A KeyboardInterrupt (or other BaseException) is recovered from the same way, without blaming the
+        step's requests, and re-raised.
+        """
         start = time.perf_counter()
-        touched: list[Request]
-        if self.num_steps > 1 and (mplan := self.scheduler.schedule_multi_decode(self.num_steps)) is not None:
-            touched = self._run_multi_decode(mplan)
-        else:
-            touched = self._run_step(self.scheduler.schedule())
-        self._elapsed += time.perf_counter() - start
-        self._steps += 1
+        try:
+            if self.decode_steps_per_call > 1 and (
+                    mplan := self.scheduler.schedule_multi_decode(self.decode_steps_per_call)) is not None:
+                touched = self._run_multi_decode(mplan)
+            else:
+                touched = self._run_step(self.scheduler.schedule())
+        finally:
+            self._elapsed += time.perf_counter() - start
+            self._steps += 1
         return [self._output(r) for r in touched]
 
     def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
@@ -171,8 +203,15 @@ class LLMEngine:
     def _request_seed(self, r: Request) -> int:
         if r.sampling_params.seed is not None:
             return r.sampling_params.seed
-        # Unseeded requests: reproducible per engine seed and request id.
+        # Unseeded requests: reproducible per engine seed and request id (seed < 2**32: fits 64 bits).
         return (self.seed << 32) ^ zlib.crc32(r.request_id.encode())
+
+    def step_inputs(self, plan: StepPlan) -> StepInputs:
+        """The padded device inputs of a plan from `scheduler.schedule()`."""
+        requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
+        return pad_step(token_ids=plan.token_ids, positions=plan.positions, slot_mapping=plan.slot_mapping,
+                        block_tables=plan.block_tables, kv_lens=plan.kv_lens, cu_q_lens=plan.cu_q_lens,
+                        sampling=self._sampling_metadata(requests))
 
     def _run_step(self, plan: StepPlan) -> list[Request]:
         if plan.num_seqs == 0:
@@ -181,16 +220,16 @@ class LLMEngine:
             self._empty_plans += 1
             if self._empty_plans > 2 and self.scheduler.has_unfinished_requests():
                 raise RuntimeError(f"the scheduler made no progress for {self._empty_plans} steps with "
-                                   f"{self.scheduler.stats().num_waiting} requests waiting (a bug)")
+                                   f"{self.scheduler.num_unfinished_requests} requests unfinished (a bug)")
             return []
         self._empty_plans = 0
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
-        inputs = pad_step(plan.token_ids, plan.positions, plan.slot_mapping, plan.block_tables, plan.kv_lens,
-                          plan.cu_q_lens, self._sampling_metadata(requests))
-        tokens = self.runner.execute(inputs)[: plan.num_seqs]
+        try:
+            tokens = self.runner.execute(self.step_inputs(plan))[: plan.num_seqs]
+        except BaseException as exc:
+            return self._recover(plan.request_ids, exc)
         before = [r.num_output_tokens for r in requests]
-        q_lens = np.diff(plan.cu_q_lens)
-        for r, kv_len, q_len in zip(requests, plan.kv_lens, q_lens, strict=True):
+        for r, kv_len, q_len in zip(requests, plan.kv_lens, plan.q_lens, strict=True):
             # Every token run except a sampled token's own decode is prefill work (prompt or recompute).
             is_decode_token = r.num_output_tokens > 0 and int(kv_len) == r.num_tokens
             self._prefill_computed += int(q_len) - int(is_decode_token)
@@ -201,14 +240,40 @@ class LLMEngine:
         plan = mplan.plan
         n, width = plan.num_seqs, plan.block_tables.shape[1]
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
-        inputs = pad_multi_decode(plan.token_ids, plan.block_tables, mplan.seq_lens, mplan.lent_block_ids,
-                                  self._sampling_metadata(requests), [sorted(r.stop_ids) for r in requests],
-                                  mplan.max_new_tokens, self.num_steps)
-        sampled, tables = self.runner.execute_multi_decode(inputs)
+        try:
+            inputs = pad_multi_decode(tokens=plan.token_ids, block_tables=plan.block_tables,
+                                      seq_lens=mplan.seq_lens, lent_blocks=mplan.lent_block_ids,
+                                      sampling=self._sampling_metadata(requests),
+                                      stop_ids=[sorted(r.stop_ids) for r in requests],
+                                      max_new=mplan.max_new_tokens, num_steps=mplan.num_steps)
+            sampled, tables = self.runner.execute_multi_decode(inputs)
+        except BaseException as exc:
+            return self._recover(plan.request_ids, exc, mplan)
         before = [r.num_output_tokens for r in requests]
         self.scheduler.update_multi_decode(mplan, sampled[:, :n], tables[:n, :width])
         self._fused_calls += 1
         return self._progressed(requests, before)
+
+    def _recover(self, request_ids: list[str], exc: BaseException,
+                 mplan: MultiStepPlan | None = None) -> list[Request]:
+        """Bring the host and device back to a consistent state after a step's device call raised (see
+        `step`); returns the requests that failed. Re-raises anything that is not an `Exception`."""
+        self._failed_steps += 1
+        if mplan is not None:
+            self.scheduler.cancel_multi_decode(mplan)
+        if self.runner.kv_cache_lost:
+            logger.error("the KV cache was lost with a failed step: recomputing every running request")
+            self.runner.reset_kv_cache()
+            self.scheduler.drop_computed_kv()
+        if not isinstance(exc, Exception):
+            for rid in request_ids:
+                self.scheduler.preempt(rid)
+            raise exc
+        logger.error("step of %d request(s) failed: %s: %s", len(request_ids), type(exc).__name__, exc,
+                     exc_info=exc)
+        failed = self.scheduler.fail_step(request_ids, f"{type(exc).__name__}: {exc}")
+        self._progressed(failed, [r.num_output_tokens for r in failed])
+        return failed
 
     def _progressed(self, requests: list[Request], before: list[int]) -> list[Request]:
         out = []
@@ -216,8 +281,6 @@ class LLMEngine:
             self._generated += r.num_output_tokens - b
             if r.num_output_tokens > b or r.is_finished:
                 out.append(r)
-                if r.is_finished:
-                    self._finished_prompt_tokens += r.num_prompt_tokens
         return out
 
     def _output(self, r: Request) -> RequestOutput:
@@ -226,15 +289,17 @@ class LLMEngine:
             text = self.tokenizer.decode(r.output_token_ids)
         return RequestOutput(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
                              output_token_ids=list(r.output_token_ids), num_cached_tokens=max(r.num_cached_tokens, 0),
-                             finish_reason=r.finish_reason(), text=text)
+                             finish_reason=r.finish_reason(), text=text, error=r.error)
 
     # ----------------------------------------------------------------------------------------------- generate
-    def generate(self, prompts: Sequence[Sequence[int] | str],
+    def generate(self, prompts: Sequence[Sequence[int] | str | bytes],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; returns finished outputs in input order.
 
-        Prompts are token id lists, or strings when the engine has a tokenizer.
+        Prompts are token id lists, or strings (or bytes) when the engine has a tokenizer. The whole batch
+        is validated before any of it is queued: a bad prompt raises and queues nothing. Requests get ids
+        `gen-<call>-<index>` (skipping any id in use), so they never collide with the caller's own.
         """
         prompts = list(prompts)
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
@@ -243,11 +308,17 @@ class LLMEngine:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = []
-        for prompt, p in zip(prompts, params, strict=True):
-            rid = f"gen-{self._arrivals}"
-            self.add_request(rid, self._encode(prompt), p)
-            ids.append(rid)
+        self._generate_calls += 1
+        requests: list[Request] = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            rid = f"gen-{self._generate_calls}-{i}"
+            while self.scheduler.get_request(rid) is not None:
+                rid += "'"
+            requests.append(self._make_request(rid, self._encode(rid, prompt), p, None))
+        for r in requests:
+            self.scheduler.add_request(r)
+            self._prompt_tokens += r.num_prompt_tokens
+        ids = [r.request_id for r in requests]
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -255,50 +326,66 @@ class LLMEngine:
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         pending = set(ids)
-        while pending:
-            if not self.scheduler.has_unfinished_requests():
-                raise RuntimeError(f"requests {sorted(pending)[:5]} vanished without finishing")
-            for out in self.step():
-                if out.finished and out.request_id in pending:
-                    results[out.request_id] = out
-                    pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while pending:
+                if not self.scheduler.has_unfinished_requests():
+                    raise RuntimeError(f"requests {sorted(pending)[:5]} vanished without finishing")
+                for out in self.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in pending:  # an interrupted generate() leaves nothing running behind the caller's back
+                self.scheduler.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[i] for i in ids]
 
-    def _encode(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
+    def _encode(self, request_id: str, prompt) -> list[int]:
+        if isinstance(prompt, (str, bytes)):
             if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer; pass token ids or give the engine a tokenizer")
+                raise ValueError(f"request {request_id!r}: string prompts need a tokenizer; pass token ids or "
+                                 "give the engine a tokenizer")
             return list(self.tokenizer.encode(prompt))
-        return [int(t) for t in prompt]
+        return _token_list(request_id, prompt)
 
     # -------------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats()
         return EngineStats(
             steps=self._steps,
             fused_decode_calls=self._fused_calls,
-            prompt_tokens=self._finished_prompt_tokens,
+            failed_steps=self._failed_steps,
+            prompt_tokens=self._prompt_tokens,
             generated_tokens=self._generated,
             prefill_tokens_computed=self._prefill_computed,
             elapsed_s=self._elapsed,
             device_s=self.runner.device_seconds,
             compile_s=self.runner.compile_seconds,
-            tokens_per_s=self._generated / run_s if (run_s := self._elapsed - self.runner.compile_seconds) > 0 else 0.0,
-            num_blocks=self.num_blocks,
-            blocks_used=s.num_used_blocks,
-            blocks_free=s.num_free_blocks,
-            blocks_cached=s.num_cached_blocks,
-            prefix_cache_hit_rate=s.prefix_cache_hit_rate,
-            preemptions=s.num_preemptions,
-            kv_waste_pct=100.0 * s.kv_waste_fraction,
             compilations=self.runner.num_compilations,
-            num_waiting=s.num_waiting,
-            num_running=s.num_running,
+            scheduler=self.scheduler.stats(),
         )
 
     def stats_dict(self) -> dict:
-        return dataclasses.asdict(self.stats())
+        """`stats()` as nested plain data (JSON-ready), derived rates included."""
+        s = self.stats()
+        d = dataclasses.asdict(s)
+        d["tokens_per_s"] = s.tokens_per_s
+        d["scheduler"]["prefix_cache_hit_rate"] = s.scheduler.prefix_cache_hit_rate
+        d["scheduler"]["memory"]["waste_fraction"] = s.scheduler.memory.waste_fraction
+        return d
+
+
+def _token_list(request_id: str, prompt_token_ids) -> list[int]:
+    """Token ids as Python ints; TypeError for anything that is not an integer (floats, bools, strings)."""
+    if isinstance(prompt_token_ids, (str, bytes)):
+        raise TypeError(f"request {request_id!r}: prompt_token_ids must be a sequence of ints, got "
+                        f"{type(prompt_token_ids).__name__}")
+    tokens = list(prompt_token_ids)
+    bad = [t for t in tokens if not is_int(t)]
+    if bad:
+        raise TypeError(f"request {request_id!r}: prompt_token_ids must be ints, got {bad[:3]!r}")
+    return [int(t) for t in tokens]

@@ -13,11 +13,10 @@ Two entry points:
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ from flax import nnx
 
 from pagedjax.device.attention import AttentionMetadata, resolve_backend
 from pagedjax.device.kv_cache import KVCache, init_kv_cache
-from pagedjax.device.page_state import PageState, append_tokens
+from pagedjax.device.page_state import PageState, append_tokens, init_page_state
 from pagedjax.device.sampling import SamplingMetadata, sample
 from pagedjax.model.llama import Llama
 
@@ -76,13 +75,20 @@ class StepInputs:
     decode_only: bool
 
 
-def pad_step(token_ids, positions, slot_mapping, block_tables, kv_lens, cu_q_lens, sampling: SamplingMetadata,
+def pad_step(*, token_ids: np.ndarray,  # i32[T]
+             positions: np.ndarray,  # i32[T]
+             slot_mapping: np.ndarray,  # i32[T]
+             block_tables: np.ndarray,  # i32[S, B]
+             kv_lens: np.ndarray,  # i32[S]
+             cu_q_lens: np.ndarray,  # i32[S + 1]
+             sampling: SamplingMetadata,  # [S] each
              ) -> StepInputs:
     """Pad a ragged step to bucket sizes. Padding tokens write nowhere (slot -1); padding sequences have
-    q_len 0 and kv_len 0, so every kernel returns zeros for them."""
+    q_len 0 and kv_len 0, so every kernel returns zeros for them. Sequences are bucketed from 1 (a batch
+    of one runs as one row: on a CPU a padded row costs nearly as much as a real one)."""
     num_tokens, num_seqs = len(token_ids), len(kv_lens)
     decode_only = num_tokens == num_seqs
-    s_b = bucket(num_seqs, 4)
+    s_b = bucket(num_seqs)
     t_b = s_b if decode_only else bucket(num_tokens, 16)
     tables = _pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2))
     return StepInputs(
@@ -103,17 +109,25 @@ class MultiDecodeInputs:
     tokens: np.ndarray  # int32 [S]: each sequence's last token, whose KV is not cached yet
     block_tables: np.ndarray  # int32 [S, B], wide enough for num_steps more tokens
     seq_lens: np.ndarray  # int32 [S]: tokens in the cache before step 1
-    lent_blocks: np.ndarray  # int32 [F]: the stack the device pops from, front first
+    lent_blocks: np.ndarray  # int32 [F]: the stack the device pops from, front first, padded with -1
     sampling: SamplingMetadata  # [S] each
     stop_ids: np.ndarray  # int32 [S, K], -1 = none
     max_new: np.ndarray  # int32 [S]: tokens each sequence may generate in this call
     num_steps: int
 
 
-def pad_multi_decode(tokens, block_tables, seq_lens, lent_blocks, sampling: SamplingMetadata,
-                     stop_ids: list[list[int]], max_new, num_steps: int) -> MultiDecodeInputs:
+def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
+                     block_tables: np.ndarray,  # i32[S, B]
+                     seq_lens: np.ndarray,  # i32[S]
+                     lent_blocks: np.ndarray,  # i32[F]
+                     sampling: SamplingMetadata,  # [S] each
+                     stop_ids: list[list[int]],  # S lists
+                     max_new: np.ndarray,  # i32[S]
+                     num_steps: int) -> MultiDecodeInputs:
+    """Pad a fused decode to bucket sizes. The lent stack is padded with -1, which the device never pops
+    (a short stack raises `overflow` instead of writing into block 0)."""
     n = len(tokens)
-    s_b = bucket(n, 4)
+    s_b = bucket(n)
     stops = np.full((s_b, bucket(max(map(len, stop_ids), default=1), 1)), -1, np.int32)
     for i, ids in enumerate(stop_ids):
         stops[i, : len(ids)] = ids
@@ -121,7 +135,7 @@ def pad_multi_decode(tokens, block_tables, seq_lens, lent_blocks, sampling: Samp
         tokens=_pad(tokens, s_b, 0),
         block_tables=_pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2)),
         seq_lens=_pad(seq_lens, s_b, 0),
-        lent_blocks=_pad(lent_blocks, bucket(len(lent_blocks), 4), 0),
+        lent_blocks=_pad(lent_blocks, bucket(len(lent_blocks), 4), -1),
         sampling=pad_sampling(sampling, s_b),
         stop_ids=stops,
         max_new=_pad(max_new, s_b, 0),
@@ -139,6 +153,18 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
     return tokens, kv_cache, (logits if return_logits else None)
 
 
+class DecodeLoopState(NamedTuple):
+    """The fused decode loop's carry."""
+
+    step: jax.Array  # i32[]: iterations run so far
+    kv_cache: KVCache
+    pages: PageState
+    last_tokens: jax.Array  # i32[S]: each sequence's newest token (its KV not cached yet)
+    active: jax.Array  # bool[S]: still generating
+    num_generated: jax.Array  # i32[S]: tokens generated in this call
+    sampled: jax.Array  # i32[num_steps, S]: -1 where a sequence did not run
+
+
 def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, sampling: SamplingMetadata,
                  stop_ids, max_new, *, num_steps: int, block_size: int, backend: str):
     """Up to `num_steps` decode steps with no host round trip.
@@ -151,36 +177,36 @@ def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, 
     num_seqs = tokens.shape[0]
     cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32)
 
-    def cond(carry):
-        i, _, _, _, active, _, _ = carry
-        return (i < num_steps) & jnp.any(active)
+    def cond(s: DecodeLoopState):
+        return (s.step < num_steps) & jnp.any(s.active)
 
-    def body(carry):
-        i, kv, ps, cur, active, generated, out = carry
-        positions = ps.seq_lens
-        ps, slots = append_tokens(ps, active, block_size)
-        meta = AttentionMetadata(slots, ps.block_tables, jnp.where(active, ps.seq_lens, 0), cu_q_lens)
-        hidden, kv = model(cur, positions, kv, meta, backend=backend, decode_only=True)
-        new = sample(model.compute_logits(hidden), sampling._replace(step=sampling.step + generated))
-        new = jnp.where(active, new, -1)
-        generated = generated + active.astype(jnp.int32)
-        stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (generated >= max_new)
-        return (i + 1, kv, ps, jnp.where(active, new, cur), active & ~stopped, generated, out.at[i].set(new))
+    def body(s: DecodeLoopState) -> DecodeLoopState:
+        positions = s.pages.seq_lens
+        pages, slots = append_tokens(s.pages, s.active, block_size)
+        meta = AttentionMetadata(slots, pages.block_tables, jnp.where(s.active, pages.seq_lens, 0), cu_q_lens)
+        hidden, kv_cache = model(s.last_tokens, positions, s.kv_cache, meta, backend=backend, decode_only=True)
+        new = sample(model.compute_logits(hidden), sampling._replace(step=sampling.step + s.num_generated))
+        new = jnp.where(s.active, new, -1)
+        num_generated = s.num_generated + s.active.astype(jnp.int32)
+        stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (num_generated >= max_new)
+        return DecodeLoopState(step=s.step + 1, kv_cache=kv_cache, pages=pages,
+                               last_tokens=jnp.where(s.active, new, s.last_tokens), active=s.active & ~stopped,
+                               num_generated=num_generated, sampled=s.sampled.at[s.step].set(new))
 
-    active = max_new > 0
-    out = jnp.full((num_steps, num_seqs), -1, jnp.int32)
-    init = (jnp.int32(0), kv_cache, pages, tokens, active, jnp.zeros((num_seqs,), jnp.int32), out)
-    _, kv_cache, pages, _, _, _, out = jax.lax.while_loop(cond, body, init)
-    return out, pages, kv_cache
+    init = DecodeLoopState(step=jnp.int32(0), kv_cache=kv_cache, pages=pages, last_tokens=tokens,
+                           active=max_new > 0, num_generated=jnp.zeros((num_seqs,), jnp.int32),
+                           sampled=jnp.full((num_steps, num_seqs), -1, jnp.int32))
+    final = jax.lax.while_loop(cond, body, init)
+    return final.sampled, final.pages, final.kv_cache
 
 
-@functools.cache
 def _jitted(graphdef, params_treedef) -> tuple:
     """The jitted step and decode loop for one model structure.
 
     The graphdef and the parameters' tree structure are closed over (hashed once, here), so a call passes
-    only a flat list of arrays; cached so that engines over the same model shape share compilations. The
-    KV cache argument is donated: XLA updates it in place.
+    only a flat list of arrays. The KV cache argument is donated: XLA updates it in place. Each runner
+    makes its own, so compiled programs live as long as their engine (JAX's persistent compilation cache
+    is what makes a second engine of the same shape start fast).
     """
     def model_fn(fn):
         def call(param_leaves, *args, **kwargs):
@@ -191,8 +217,7 @@ def _jitted(graphdef, params_treedef) -> tuple:
                    donate_argnums=(1,))
     loop = jax.jit(model_fn(_decode_loop), static_argnames=("num_steps", "block_size", "backend"),
                    donate_argnums=(1,))
-    executables: dict[tuple, Any] = {}  # compiled ahead of time, by input signature
-    return step, loop, executables
+    return step, loop
 
 
 class ModelRunner:
@@ -205,33 +230,42 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.backend = resolve_backend(backend)
         self.graphdef, self.params = nnx.split(model)
-        dtype = jnp.dtype(kv_dtype or cfg.dtype)
-        self.kv_cache = init_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, dtype)
-        self.compiled_shapes: set[tuple] = set()  # input signatures this runner has run
+        self.kv_dtype = jnp.dtype(kv_dtype or cfg.dtype)
+        self.kv_cache = self._new_kv_cache()
         self.device_seconds = 0.0  # wall time inside compiled calls, results read back
         self.compile_seconds = 0.0  # wall time tracing and compiling new signatures
         self._param_leaves, treedef = jax.tree.flatten(self.params)
-        self._step, self._loop, self._executables = _jitted(self.graphdef, treedef)
-        self._cache_signature = (self.kv_cache.k[0].shape, str(self.kv_cache.k[0].dtype), self.backend)
+        self._step, self._loop = _jitted(self.graphdef, treedef)
+        self._executables: dict[tuple, Any] = {}  # compiled ahead of time, by input signature
         logger.info("pagedjax runner: backend=%s, KV cache %d blocks x %d tokens (%.1f MiB)", self.backend,
                     num_blocks, block_size, self.kv_cache.nbytes / 2**20)
 
+    def _new_kv_cache(self) -> KVCache:
+        cfg = self.model_config
+        return init_kv_cache(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim,
+                             self.kv_dtype)
+
+    @property
+    def kv_cache_lost(self) -> bool:
+        """True when the KV cache was donated to a call that then failed: its buffers are gone."""
+        return any(x.is_deleted() for x in jax.tree.leaves(self.kv_cache))
+
+    def reset_kv_cache(self) -> None:
+        """A fresh (zero) KV cache: after `kv_cache_lost`, the host must treat every block as unwritten."""
+        self.kv_cache = self._new_kv_cache()
+
     @property
     def num_compilations(self) -> int:
-        return len(self.compiled_shapes)
+        return len(self._executables)
 
     def _executable(self, jitted, key: tuple, args: tuple, static: dict):
         """The compiled executable for this input signature, compiling it (timed, logged) if new."""
-        full_key = (key, self._cache_signature)
-        if key not in self.compiled_shapes:
-            self.compiled_shapes.add(key)
-            logger.info("new step shape %s (#%d for this runner)", key, len(self.compiled_shapes))
-        exe = self._executables.get(full_key)
+        exe = self._executables.get(key)
         if exe is None:
             start = time.perf_counter()
             exe = jitted.lower(*args, **static).compile()
             self.compile_seconds += time.perf_counter() - start
-            self._executables[full_key] = exe
+            self._executables[key] = exe
             logger.info("compiled %s in %.2f s", key, time.perf_counter() - start)
         return exe
 
@@ -256,7 +290,7 @@ class ModelRunner:
         device left them), as numpy.
         """
         x = inputs
-        pages = PageState(x.block_tables, x.seq_lens, x.lent_blocks, np.zeros((), np.int32), np.zeros((), bool))
+        pages = init_page_state(x.block_tables, x.seq_lens, x.lent_blocks)
         args = (self._param_leaves, self.kv_cache, pages, x.tokens, x.sampling, x.stop_ids, x.max_new)
         static = dict(num_steps=x.num_steps, block_size=self.block_size, backend=self.backend)
         key = ("decode_loop", x.block_tables.shape, len(x.lent_blocks), x.stop_ids.shape[1], x.num_steps)

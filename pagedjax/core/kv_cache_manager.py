@@ -75,13 +75,17 @@ class KVCacheManager:
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The blocks `request_id` holds, in logical order (a live list: do not mutate)."""
-        return self._req_blocks.get(request_id, [])
+    def get_block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The blocks `request_id` holds, in logical order (a snapshot; empty if it holds none)."""
+        return tuple(self._req_blocks.get(request_id, ()))
 
-    def holders(self) -> dict[str, list[int]]:
-        """request id -> its blocks, for every request holding blocks (a view: do not mutate)."""
-        return self._req_blocks
+    def holders(self) -> dict[str, tuple[int, ...]]:
+        """request id -> the blocks it holds, for every request holding blocks (a snapshot)."""
+        return {rid: tuple(blocks) for rid, blocks in self._req_blocks.items()}
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """How many blocks `request_id` holds."""
+        return len(self._req_blocks.get(request_id, ()))
 
     def extra_keys(self, request: Request, block_index: int) -> ExtraKeys:
         """Keys mixed into block `block_index`'s hash: the adapter in every block, the salt in the first."""

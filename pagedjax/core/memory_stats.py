@@ -26,24 +26,36 @@ from pagedjax.core.request import Request
 
 @dataclass(frozen=True)
 class KVMemoryStats:
+    """The pool's memory at one moment. Blocks: free + used + cached == num_blocks."""
+
     num_blocks: int
     block_size: int
     num_used_blocks: int  # ref_cnt > 0 (lent blocks included)
-    num_lent_blocks: int
-    slots_reserved: int  # held by requests (lent blocks excluded)
-    slots_used: int
+    num_free_blocks: int  # idle, no hash
+    num_cached_blocks: int  # idle, still hashed (reusable by a prefix hit until evicted)
+    num_lent_blocks: int  # lent to a fused decode in flight
+    slots_reserved: int  # in blocks held by requests (lent blocks excluded)
+    slots_used: int  # reserved slots holding computed KV
     num_partial_blocks: int  # requests whose last block is not full
-    free_runs: int  # maximal runs of consecutive zero-ref block ids (0 unless with_free_runs)
-    largest_free_run: int
+    # Maximal runs of consecutive idle block ids (how scattered free memory is: harmless when paged).
+    # None unless computed (`with_free_runs`: O(num_blocks)).
+    free_runs: int | None
+    largest_free_run: int | None
 
     @property
     def slots_wasted(self) -> int:
+        """Reserved but unused: the unfilled tails of partially filled blocks."""
         return self.slots_reserved - self.slots_used
 
     @property
     def waste_fraction(self) -> float:
         """Reserved-but-unused slots over reserved slots (0 when nothing is reserved)."""
         return self.slots_wasted / self.slots_reserved if self.slots_reserved else 0.0
+
+    @property
+    def block_usage(self) -> float:
+        """Used blocks over all blocks."""
+        return self.num_used_blocks / self.num_blocks
 
     @property
     def occupancy(self) -> float:
@@ -60,12 +72,11 @@ def kv_memory_stats(manager: KVCacheManager, requests: Iterable[Request], *,
     """
     bs = manager.block_size
     pool = manager.block_pool
-    holders = manager.holders()
     blocks_held: set[int] = set()
     wasted = 0
     partial = 0
     for r in requests:
-        blocks = holders.get(r.request_id)
+        blocks = manager.get_block_ids(r.request_id)
         if not blocks:
             continue
         blocks_held.update(blocks)
@@ -74,8 +85,9 @@ def kv_memory_stats(manager: KVCacheManager, requests: Iterable[Request], *,
         partial += waste > 0
     reserved = len(blocks_held) * bs
     used = reserved - wasted
-    free_runs = largest = 0
+    free_runs = largest = None
     if with_free_runs:
+        free_runs = largest = 0
         free_mask = pool.ref_counts() == 0
         if free_mask.any():
             padded = np.concatenate([[False], free_mask, [False]]).astype(np.int8)
@@ -84,9 +96,9 @@ def kv_memory_stats(manager: KVCacheManager, requests: Iterable[Request], *,
             free_runs = len(starts)
             largest = int((ends - starts).max())
     return KVMemoryStats(
-        num_blocks=pool.num_blocks, block_size=bs, num_used_blocks=pool.num_used,
-        num_lent_blocks=len(manager.lent_block_ids), slots_reserved=reserved, slots_used=used,
-        num_partial_blocks=partial, free_runs=free_runs, largest_free_run=largest)
+        num_blocks=pool.num_blocks, block_size=bs, num_used_blocks=pool.num_used, num_free_blocks=pool.num_free,
+        num_cached_blocks=pool.num_cached, num_lent_blocks=len(manager.lent_block_ids), slots_reserved=reserved,
+        slots_used=used, num_partial_blocks=partial, free_runs=free_runs, largest_free_run=largest)
 
 
 class ContiguousAllocator:

@@ -3,14 +3,42 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
+
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1  # seeds travel to the device as two uint32 halves
+
+
+def is_int(value) -> bool:
+    """A true integer (Python or numpy), not a bool, float or string."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, *, lo: int | None, hi: int | None) -> None:
+    if not is_int(value):
+        raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__} {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"SamplingParams.{name} must be in [{lo if lo is not None else '-inf'}, "
+                         f"{hi if hi is not None else 'inf'}], got {value}")
+
+
+def _check_float(name: str, value, *, lo: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"SamplingParams.{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"SamplingParams.{name} must be finite, got {value}")
+    if lo is not None and value < lo:
+        raise ValueError(f"SamplingParams.{name} must be >= {lo}, got {value}")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token, and when to stop (vLLM's spirit).
 
-    temperature == 0 means greedy. top_k <= 0 and top_p >= 1 disable those filters.
+    temperature == 0 means greedy. top_k 0 (or -1) and top_p == 1 disable those filters. Every field is validated
+    at construction (types too: no silent coercion); a bad one raises TypeError/ValueError naming it.
     `seed` makes a request's samples reproducible regardless of what it is batched with.
     """
 
@@ -23,15 +51,25 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # Every field is checked here, types included, so that a bad value fails at construction with
+        # the field's name instead of on device, inside a step that also carries other requests.
+        _check_int("max_tokens", self.max_tokens, lo=1, hi=INT32_MAX)
+        _check_float("temperature", self.temperature, lo=0.0)
+        _check_int("top_k", self.top_k, lo=-1, hi=INT32_MAX)
+        _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be a non-negative 63-bit integer, got {self.seed}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=0, hi=SEED_MAX)
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise TypeError("SamplingParams.stop_token_ids must be a sequence of ints, "
+                            f"got {type(self.stop_token_ids).__name__}")
+        stops = tuple(self.stop_token_ids)
+        for t in stops:
+            _check_int("stop_token_ids", t, lo=0, hi=INT32_MAX)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
@@ -45,11 +83,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a step that ran it alone failed; `Request.error` says how
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 @dataclass(eq=False)
@@ -71,7 +110,10 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hits when first scheduled; -1 until then
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    arrival_index: int = 0
+    # A step that ran it with other requests failed: it runs alone in its next step, which clears the flag
+    # on success and fails the request (FINISHED_ERROR) otherwise. See `Scheduler.fail_step`.
+    suspect: bool = False
+    error: str | None = None  # why it finished with FINISHED_ERROR
     # Chained hashes of this request's full blocks (prompt + outputs), filled lazily by the KV cache
     # manager that owns it; tokens only ever get appended, so computed hashes stay valid (also across a
     # preemption, when they let the request find its own released blocks in the prefix cache).
@@ -131,8 +173,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     num_cached_tokens: int
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     text: str | None = None
+    error: str | None = None  # with finish_reason "error": what failed
 
     @property
     def finished(self) -> bool:

@@ -19,7 +19,9 @@ import jax.numpy as jnp
 
 class PageState(NamedTuple):
     """block_tables: int32 `[num_seqs, max_blocks]`; seq_lens: int32 `[num_seqs]` tokens in the cache;
-    free_blocks: int32 `[num_lent]` the lent stack; num_popped: int32 `[]` blocks taken from it so far;
+    free_blocks: int32 `[stack_size]` the lent stack, front first, padded at the end with -1 (an id no pop
+    accepts, so a host that lends too few blocks gets `overflow`, never a write into another request's
+    block); num_popped: int32 `[]` blocks taken from it so far;
     overflow: bool `[]` set if an active sequence got no slot (the stack ran dry or its table row is full:
     the host lent too few blocks or too narrow a table; never expected)."""
 
@@ -50,9 +52,9 @@ def append_tokens(state: PageState, active: jax.Array, block_size: int) -> tuple
     active = active & room
     needs = active & (lens % block_size == 0)
     stack_index = state.num_popped + jnp.cumsum(needs.astype(jnp.int32)) - 1
-    got = needs & (stack_index < num_lent)
     new_block = state.free_blocks[jnp.clip(stack_index, 0, max(num_lent - 1, 0))] if num_lent else \
-        jnp.zeros((num_seqs,), jnp.int32)
+        jnp.full((num_seqs,), -1, jnp.int32)
+    got = needs & (stack_index < num_lent) & (new_block >= 0)
     rows = jnp.arange(num_seqs)
     col = jnp.minimum(logical, max_blocks - 1)
     tables = state.block_tables.at[rows, col].set(jnp.where(got, new_block, state.block_tables[rows, col]))

@@ -96,7 +96,10 @@ class Attention(nnx.Module):
         """x `[T, hidden]` -> (`[T, hidden]`, k_pages, v_pages) with this step's K/V written first."""
         q, k, v = self._qkv(x, positions, inv_freq)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
-        o = paged_attention(q, k_pages, v_pages, meta, backend=backend, decode_only=decode_only)
+        # The KV cache may be stored in another dtype than the model computes in (e.g. bf16 pages under an
+        # f32 model): the kernels take one dtype, so q meets the pages in theirs and o comes back in x's.
+        o = paged_attention(q.astype(k_pages.dtype), k_pages, v_pages, meta, backend=backend,
+                            decode_only=decode_only).astype(x.dtype)
         return self.o_proj(o.reshape(x.shape[0], -1)), k_pages, v_pages
 
     def dense(self, x: jax.Array, inv_freq: np.ndarray) -> jax.Array:

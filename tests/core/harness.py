@@ -16,7 +16,8 @@ import numpy as np
 
 from pagedjax.core.kv_cache_manager import cdiv
 from pagedjax.core.request import Request, RequestStatus
-from pagedjax.core.scheduler import MultiStepPlan, Scheduler, StepPlan, device_pop_step
+from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.step_plan import MultiStepPlan, StepPlan, device_pop_step
 
 VOCAB = 6
 
@@ -131,7 +132,7 @@ class Checker:
             assert plan.kv_lens[i] == start + (b - a) <= r.num_tokens
             np.testing.assert_array_equal(plan.token_ids[a:b], r.get_token_ids(start, int(plan.kv_lens[i])))
             np.testing.assert_array_equal(plan.positions[a:b], np.arange(start, plan.kv_lens[i]))
-            assert plan.sample[i] == (plan.kv_lens[i] == r.num_tokens)
+            assert plan.emits_token[i] == (plan.kv_lens[i] == r.num_tokens)
             held = kv.get_block_ids(rid)
             assert len(held) == cdiv(int(plan.kv_lens[i]), bs)
             np.testing.assert_array_equal(plan.block_tables[i, :len(held)], held)
@@ -152,11 +153,11 @@ class Checker:
         pool.check_invariants()
         assert pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks
         st = s.stats(detailed=True)
-        assert st.num_free_blocks + st.num_used_blocks + st.num_cached_blocks == st.num_blocks
-        assert 0 <= st.kv_slots_wasted <= st.kv_slots_reserved
-        assert st.kv_slots_reserved == bs * (pool.num_used - len(kv.lent_block_ids))
-        assert st.free_block_runs <= pool.num_free_blocks and st.largest_free_run <= pool.num_free_blocks
-        assert (st.free_block_runs == 0) == (pool.num_free_blocks == 0)
+        assert st.memory.num_free_blocks + st.memory.num_used_blocks + st.memory.num_cached_blocks == st.memory.num_blocks
+        assert 0 <= st.memory.slots_wasted <= st.memory.slots_reserved
+        assert st.memory.slots_reserved == bs * (pool.num_used - len(kv.lent_block_ids))
+        assert st.memory.free_runs <= pool.num_free_blocks and st.memory.largest_free_run <= pool.num_free_blocks
+        assert (st.memory.free_runs == 0) == (pool.num_free_blocks == 0)
         # queues
         running_ids = [r.request_id for r in s.running]
         waiting_ids = [r.request_id for r in s.waiting]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedjax.core.scheduler import simulate_device_pops
+from pagedjax.core.step_plan import simulate_device_pops
 from tests.core.test_scheduler import make_scheduler, req
 
 jnp = pytest.importorskip("jax.numpy")

@@ -97,7 +97,7 @@ def test_decode_hashes_a_block_exactly_when_it_fills(manager):
     req = make_request("0", list(range(20)), max_tokens=40)
     prefill(manager, req)
     blocks = manager.get_block_ids("0")
-    assert blocks == [0, 1] and pool.block_hash(0) is not None and pool.block_hash(1) is None
+    assert blocks == (0, 1) and pool.block_hash(0) is not None and pool.block_hash(1) is None
     tokens = list(range(20))
     while req.num_computed_tokens < 33:
         # sample one token, then compute it in the next step
@@ -112,7 +112,7 @@ def test_decode_hashes_a_block_exactly_when_it_fills(manager):
         else:
             expected = hash_block_tokens(pool.block_hash(0), tokens[16:32], key=pool.hash_key)
             assert pool.block_hash(1) == expected
-    assert manager.get_block_ids("0") == [0, 1, 2] and pool.block_hash(2) is None
+    assert manager.get_block_ids("0") == (0, 1, 2) and pool.block_hash(2) is None
 
 
 def test_failed_allocation_changes_no_refcount(manager):
@@ -130,14 +130,14 @@ def test_failed_allocation_changes_no_refcount(manager):
     assert manager.allocate_slots(req1, 3 * BS, hits) is None
     assert [pool.ref_cnt(b) for b in range(11)] == refs_before
     assert pool.free_block_ids() == queue_before
-    assert manager.get_block_ids("1") == [] and "1" not in manager.holders()
+    assert manager.get_block_ids("1") == () and "1" not in manager.holders()
     assert pool.num_evictions == 0
     pool.check_invariants()
     # with one block less it fits, and the hits were not evicted to make room for the fresh blocks
     req2 = make_request("2", COMMON + [5] * (2 * BS))
     hits, _ = manager.get_computed_blocks(req2)
     assert manager.allocate_slots(req2, 2 * BS, hits) is not None
-    assert manager.get_block_ids("2")[:3] == [0, 1, 2]
+    assert manager.get_block_ids("2")[:3] == (0, 1, 2)
     pool.check_invariants()
 
 
@@ -233,7 +233,7 @@ def test_lend_adopt_and_return():
     assert m.lend_blocks(2) is None and pool.num_free_blocks == 1
     assert not m.reset_prefix_cache()
     m.adopt_blocks(req, [2])
-    assert m.get_block_ids("0") == [0, 1, 2] and m.lent_block_ids == {3, 4}
+    assert m.get_block_ids("0") == (0, 1, 2) and m.lent_block_ids == {3, 4}
     with pytest.raises(ValueError, match="not lent"):
         m.return_lent_blocks([2])
     m.return_lent_blocks([3, 4])

@@ -7,7 +7,7 @@ import pytest
 
 from pagedjax.core.kv_cache_manager import cdiv
 from pagedjax.core.request import RequestStatus
-from pagedjax.core.scheduler import simulate_device_pops
+from pagedjax.core.step_plan import simulate_device_pops
 from tests.core.harness import Checker, FakeModel, reference_outputs
 from tests.core.test_scheduler import make_scheduler, req
 

@@ -81,7 +81,7 @@ def test_prefill_then_decode_plan_contents():
     np.testing.assert_array_equal(plan.kv_lens, [6])
     np.testing.assert_array_equal(plan.block_tables, [[0, 1]])
     np.testing.assert_array_equal(plan.slot_mapping, [0, 1, 2, 3, 4, 5])
-    np.testing.assert_array_equal(plan.sample, [True])
+    np.testing.assert_array_equal(plan.emits_token, [True])
     np.testing.assert_array_equal(plan.logits_indices, [5])
     assert not plan.is_empty and plan.preempted_request_ids == []
     assert s.update(plan, np.array([42])) == []
@@ -113,7 +113,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_samples_only_at_the_end():
     chunks = []
     while True:
         plan = s.schedule()
-        chunks.append((plan.num_tokens, bool(plan.sample[0]), int(plan.positions[0])))
+        chunks.append((plan.num_tokens, bool(plan.emits_token[0]), int(plan.positions[0])))
         s.update(plan, np.array([7]))
         if s.get_request("a").num_output_tokens:
             break
@@ -132,7 +132,7 @@ def test_decodes_come_first_and_budgets_hold():
     # decodes of a and b first, then a chunk of c: 10 - 2 = 8 tokens; d, e wait (max_num_seqs = 3)
     assert plan.request_ids == ["a", "b", "c"] and plan.num_decodes == 2
     np.testing.assert_array_equal(plan.q_lens, [1, 1, 8])
-    np.testing.assert_array_equal(plan.sample, [True, True, False])
+    np.testing.assert_array_equal(plan.emits_token, [True, True, False])
     assert plan.num_tokens == 10 and len(s.running) == 3
     assert [r.request_id for r in s.waiting] == ["d", "e"]
 
@@ -216,7 +216,7 @@ def test_preempted_request_recomputes_prompt_and_outputs_and_hits_its_own_blocks
     plan = s.schedule()
     # 3 full blocks are still cached: 12 tokens hit; tokens 12, 13 are recomputed
     np.testing.assert_array_equal(plan.token_ids, a.all_token_ids[12:14])
-    assert plan.sample[0] and a.status is RequestStatus.RUNNING and a.num_computed_tokens == 12
+    assert plan.emits_token[0] and a.status is RequestStatus.RUNNING and a.num_computed_tokens == 12
     assert a.num_cached_tokens == 0, "set once, at the first admission"
     assert s.stats().prefix_cache_queries == queries_before, "recompute after preemption is not a lookup"
     s.update(plan, np.array([6]))
@@ -246,12 +246,12 @@ def test_abort_anywhere_frees_everything():
     assert s.abort("zzz") is None and s.abort("b") is None
     finished = s.update(plan, np.zeros(plan.num_seqs))  # skips the aborted b
     assert finished == [] and s.get_request("b") is None
-    assert s.kv_cache_manager.get_block_ids("b") == []
+    assert s.kv_cache_manager.get_block_ids("b") == ()
     Checker(s).check()
     s.abort("a")
     s.abort("c")
     st = s.stats()
-    assert st.num_used_blocks == 0 and st.num_running == st.num_waiting == 0
+    assert st.memory.num_used_blocks == 0 and st.num_running == st.num_waiting == 0
     assert not s.has_unfinished_requests()
     # aborted ids can be reused
     s.add_request(req("a", 3))
@@ -307,15 +307,15 @@ def test_stats_account_for_every_block_and_the_waste():
     s.add_request(req("b", 8, max_tokens=8))  # 8 computed -> 2 blocks, none wasted
     step(s)
     st = s.stats()
-    assert st.num_free_blocks + st.num_used_blocks + st.num_cached_blocks == 20
-    assert st.num_used_blocks == 4 and st.num_running == 2 and st.num_waiting == 0
-    assert st.kv_slots_reserved == 16 and st.kv_slots_used == 13 and st.kv_slots_wasted == 3
-    assert st.kv_waste_fraction == pytest.approx(3 / 16)
-    assert st.num_partial_blocks == 1
-    assert st.free_block_runs is None
+    assert st.memory.num_free_blocks + st.memory.num_used_blocks + st.memory.num_cached_blocks == 20
+    assert st.memory.num_used_blocks == 4 and st.num_running == 2 and st.num_waiting == 0
+    assert st.memory.slots_reserved == 16 and st.memory.slots_used == 13 and st.memory.slots_wasted == 3
+    assert st.memory.waste_fraction == pytest.approx(3 / 16)
+    assert st.memory.num_partial_blocks == 1
+    assert st.memory.free_runs is None
     detailed = s.stats(detailed=True)
-    assert detailed.free_block_runs == 1 and detailed.largest_free_run == 16
-    assert st.block_usage == pytest.approx(4 / 20)
+    assert detailed.memory.free_runs == 1 and detailed.memory.largest_free_run == 16
+    assert st.memory.block_usage == pytest.approx(4 / 20)
 
 
 # -- end to end with the fake model -----------------------------------------------------------------
@@ -352,7 +352,7 @@ def test_outputs_match_the_reference_under_any_configuration(block_size, num_blo
     expected = {r.request_id: reference_outputs(r, 64) for r in _workload()}
     assert outputs == expected
     st = s.stats()
-    assert st.num_used_blocks == 0 and st.num_lent_blocks == 0
+    assert st.memory.num_used_blocks == 0 and st.memory.num_lent_blocks == 0
     if num_blocks <= 9:
         assert st.num_preemptions > 0
 

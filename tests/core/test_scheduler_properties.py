@@ -67,7 +67,7 @@ def test_any_workload_finishes_correctly(config, workload):
     for r in accepted:
         assert outputs[r.request_id] == reference_outputs(r, sched.max_model_len), r.request_id
     st_ = sched.stats()
-    assert st_.num_used_blocks == 0 and st_.num_lent_blocks == 0
+    assert st_.memory.num_used_blocks == 0 and st_.memory.num_lent_blocks == 0
     if st_.num_preemptions:
         event("preempted")
     if st_.prefix_cache_hits:

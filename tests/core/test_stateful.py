@@ -179,7 +179,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert steps <= bound
         assert all(r.is_finished for r in left)
         st_ = s.stats()
-        assert st_.num_used_blocks == 0 and st_.num_running == st_.num_waiting == 0
+        assert st_.memory.num_used_blocks == 0 and st_.num_running == st_.num_waiting == 0
 
 
 SchedulerMachine.TestCase.settings = settings(settings.default, stateful_step_count=30,

@@ -16,7 +16,6 @@ from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from pagedjax.model.llama import init_model
-from pagedjax.runner import pad_step
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=128)
@@ -77,9 +76,9 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS)
 
 
 def assert_all_free(engine):
-    st = engine.stats()
-    assert st.blocks_used == 0
-    assert st.blocks_free + st.blocks_cached == st.num_blocks
+    mem = engine.stats().scheduler.memory
+    assert mem.num_used_blocks == 0
+    assert mem.num_free_blocks + mem.num_cached_blocks == mem.num_blocks
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
@@ -101,12 +100,12 @@ def test_greedy_is_invariant(variant):
         # 11 blocks of 8 tokens: the longest request alone needs 9, so others must be preempted.
         engine = make_engine(block_size=8, num_blocks=11)
         outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert engine.stats().preemptions > 0
+        assert engine.stats().scheduler.num_preemptions > 0
     elif variant == "one-at-a-time":
         engine = make_engine()
         outs = [engine.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
     elif variant == "fused-8-steps":
-        engine = make_engine(num_steps=8)
+        engine = make_engine(decode_steps_per_call=8)
         outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert engine.stats().fused_decode_calls > 0
     else:
@@ -135,9 +134,7 @@ def test_logits_match_dense(dtype):
     plan = engine.scheduler.schedule()
     assert plan.num_seqs == len(PROMPTS)
     requests = [engine.scheduler.get_request(r) for r in plan.request_ids]
-    inputs = pad_step(plan.token_ids, plan.positions, plan.slot_mapping, plan.block_tables, plan.kv_lens,
-                      plan.cu_q_lens, engine._sampling_metadata(requests))
-    _, logits = engine.runner.execute(inputs, return_logits=True)
+    _, logits = engine.runner.execute(engine.step_inputs(plan), return_logits=True)
     dense = np.asarray(_dense_fn_for(dtype)(jnp.asarray(_pad([r.prompt_token_ids for r in requests]))))
     for i, kv_len in enumerate(plan.kv_lens):
         want = dense[i, kv_len - 1]
@@ -162,7 +159,7 @@ def test_prefix_cache_hits_skip_prefill_work():
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == 40  # the 5 full blocks of the shared 40-token prefix
     assert engine.stats().prefill_tokens_computed - computed_before == len(PROMPTS[4]) - 40
-    assert engine.stats().prefix_cache_hit_rate > 0
+    assert engine.stats().scheduler.prefix_cache_hit_rate > 0
     assert second.output_token_ids == reference()[4]
 
 
@@ -172,10 +169,10 @@ def test_abort_mid_generation_returns_every_block():
         engine.add_request(str(i), p, SamplingParams(max_tokens=40))
     for _ in range(3):
         engine.step()
-    used = engine.stats().blocks_used
+    used = engine.stats().scheduler.memory.num_used_blocks
     assert engine.abort("2")
     assert not engine.abort("2")
-    assert engine.stats().blocks_used < used
+    assert engine.stats().scheduler.memory.num_used_blocks < used
     while engine.has_unfinished_requests():
         for out in engine.step():
             assert out.request_id != "2"
@@ -187,7 +184,7 @@ def test_stop_tokens_end_requests_in_both_decode_modes():
     stop = target[5]
     first = target.index(stop)
     for num_steps in (1, 8):
-        engine = make_engine(num_steps=num_steps)
+        engine = make_engine(decode_steps_per_call=num_steps)
         out = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(stop,)),
                               use_tqdm=False)[0]
         assert out.finish_reason == "stop"
@@ -198,7 +195,7 @@ def test_stop_tokens_end_requests_in_both_decode_modes():
 def test_seeded_sampling_is_reproducible_across_batches_and_fused_steps():
     params = SamplingParams(max_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=1234)
     alone = make_engine().generate([PROMPTS[1]], params, use_tqdm=False)[0].output_token_ids
-    batched = make_engine(num_steps=8).generate(PROMPTS, [SamplingParams(max_tokens=10, temperature=1.0)] +
+    batched = make_engine(decode_steps_per_call=8).generate(PROMPTS, [SamplingParams(max_tokens=10, temperature=1.0)] +
                                                  [params] * (len(PROMPTS) - 1), use_tqdm=False)
     assert batched[1].output_token_ids == alone
     other_seed = make_engine().generate([PROMPTS[1]], SamplingParams(
@@ -231,7 +228,7 @@ def test_bad_input_gives_clear_errors():
 def test_pallas_backend_matches_xla(num_steps):
     """The engine on the Pallas kernels (interpret mode on CPU) gives the same greedy tokens."""
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
-    engine = make_engine(block_size=16, backend="pallas", num_steps=num_steps)
+    engine = make_engine(block_size=16, backend="pallas", decode_steps_per_call=num_steps)
     assert engine.backend == "pallas"
     outs = engine.generate(prompts, SamplingParams(max_tokens=5), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == [reference()[i][:5] for i in (0, 2, 3)]

@@ -50,8 +50,9 @@ def test_engine_matches_dense_on_random_workloads(w):
     engine = LLMEngine(CFG, CacheConfig(block_size=w["block_size"], num_blocks=w["num_blocks"],
                                         enable_prefix_caching=w["prefix"]),
                        SchedulerConfig(max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
-                                       max_model_len=MAX_LEN), seed=SEED, num_steps=w["num_steps"])
+                                       max_model_len=MAX_LEN), seed=SEED, decode_steps_per_call=w["num_steps"])
     outs = engine.generate(w["prompts"], SamplingParams(max_tokens=w["max_tokens"]), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     st_ = engine.stats()
-    assert st_.blocks_used == 0 and st_.blocks_free + st_.blocks_cached == st_.num_blocks
+    mem = st_.scheduler.memory
+    assert mem.num_used_blocks == 0 and mem.num_free_blocks + mem.num_cached_blocks == mem.num_blocks

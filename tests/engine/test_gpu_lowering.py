@@ -49,7 +49,7 @@ def model_parts(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(CFG)))
     leaves, treedef = jax.tree.flatten(params)
-    step, loop, _ = _jitted(graphdef, treedef)
+    step, loop = _jitted(graphdef, treedef)
     cache = jax.eval_shape(lambda: init_kv_cache(CFG.num_layers, CFG.num_kv_heads, 64, 16, CFG.head_dim,
                                                  jnp.bfloat16))
     return leaves, step, loop, cache
@@ -85,7 +85,7 @@ def test_fused_decode_loop_lowers_for_cuda(model_parts):
 def test_without_a_gpu_the_pallas_backend_is_interpreted():
     graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(CFG)))
     leaves, treedef = jax.tree.flatten(params)
-    step, _, _ = _jitted(graphdef, treedef)
+    step, _ = _jitted(graphdef, treedef)
     cache = jax.eval_shape(lambda: init_kv_cache(CFG.num_layers, CFG.num_kv_heads, 64, 16, CFG.head_dim,
                                                  jnp.bfloat16))
     s = 4

@@ -1,0 +1,223 @@
+"""What one step runs, as plain numpy arrays: `StepPlan`, `MultiStepPlan`, and the pure functions that
+build them and mirror the device's block pops.
+
+Plain Python + numpy, no JAX. The scheduler decides *which* requests advance by how many tokens; this module
+turns that decision into the ragged arrays a jitted step consumes (token ids, positions, block tables, slot
+mapping), the way nano-vllm's model runner `prepare_*` does, but on the host and in numpy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedjax.core.request import Request
+
+_EMPTY_I32 = np.zeros((0,), np.int32)
+
+
+@dataclass
+class StepPlan:
+    """One step's work as plain numpy arrays, ready for a jitted step.
+
+    Sequences: running decodes first (q_len 1), then prefills / prefill chunks. Tokens are laid out seq
+    after seq (ragged): sequence s owns `token_ids[cu_q_lens[s]:cu_q_lens[s+1]]`, at positions
+    `kv_lens[s] - q_len[s] ... kv_lens[s] - 1`, and attends to its first `kv_lens[s]` tokens through
+    `block_tables[s]`. `slot_mapping[t] = block_id * block_size + offset` is where token t's K/V goes
+    (-1 = padding / not written; in a plain step every token has a slot).
+    """
+
+    request_ids: list[str]
+    token_ids: np.ndarray  # int32 [num_tokens]
+    positions: np.ndarray  # int32 [num_tokens]
+    cu_q_lens: np.ndarray  # int32 [num_seqs + 1]
+    kv_lens: np.ndarray  # int32 [num_seqs]: context length including this step's tokens
+    block_tables: np.ndarray  # int32 [num_seqs, max_blocks_per_seq], padded with 0
+    slot_mapping: np.ndarray  # int32 [num_tokens]
+    emits_token: np.ndarray  # bool [num_seqs]: the seq's last scheduled token is its last known token, so
+    #                          the token sampled from its logits is its next output (False mid-prefill)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    num_decodes: int = 0  # the first num_decodes seqs have q_len == 1
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def q_lens(self) -> np.ndarray:
+        return np.diff(self.cu_q_lens).astype(np.int32)
+
+    @property
+    def logits_indices(self) -> np.ndarray:
+        """Index of each sequence's last scheduled token: where its logits come from."""
+        return (self.cu_q_lens[1:] - 1).astype(np.int32)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_seqs == 0
+
+    @classmethod
+    def empty(cls, preempted_request_ids: Sequence[str] = ()) -> StepPlan:
+        return cls(request_ids=[], token_ids=_EMPTY_I32.copy(), positions=_EMPTY_I32.copy(),
+                   cu_q_lens=np.zeros((1,), np.int32), kv_lens=_EMPTY_I32.copy(),
+                   block_tables=np.zeros((0, 0), np.int32), slot_mapping=_EMPTY_I32.copy(),
+                   emits_token=np.zeros((0,), bool), preempted_request_ids=list(preempted_request_ids))
+
+
+@dataclass
+class MultiStepPlan:
+    """Up to `num_steps` fused decode steps of every running request, run on device with no host round trip.
+
+    `plan` is step 1 as a `StepPlan` (decodes only). Its `block_tables` hold each request's current blocks
+    and are wide enough for `num_steps` more tokens (`max ceil((kv_len + num_steps - 1) / block_size)`
+    columns). The host allocates no block for the step's tokens: a sequence whose token starts a new block
+    (`(kv_len - 1) % block_size == 0`) pops it from the lent stack on device, in step 1 as in every later
+    step, and its `plan.slot_mapping` entry is -1 (the device computes it; see `simulate_device_pops`).
+
+    `lent_block_ids` is the stack of lent blocks, popped front to back, exactly enough for every sequence
+    to write `max_new_tokens[s]` tokens. `max_new_tokens[s] = min(num_steps, remaining max_tokens,
+    max_model_len - num_tokens)` (at least 1; see `Scheduler.max_new_tokens_left`): the device stops
+    sequence s after that many steps (or at a stop id).
+    """
+
+    plan: StepPlan
+    lent_block_ids: np.ndarray  # int32 [num_lent]
+    max_new_tokens: np.ndarray  # int32 [num_seqs]
+    num_steps: int
+    block_size: int
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """Tokens each sequence has in the cache before step 1 (the device's starting lengths)."""
+        return (self.plan.kv_lens - 1).astype(np.int32)
+
+
+def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping[str, Sequence[int]],
+                    block_size: int, *, preempted_request_ids: Sequence[str] = (), min_width: int = 0,
+                    allow_missing_blocks: bool = False) -> StepPlan:
+    """The step that advances each `(request, num_tokens)` of `scheduled` by `num_tokens` tokens from its
+    `num_computed_tokens`, through the blocks `block_ids[request_id]` it holds (in logical order).
+
+    Decodes (num_tokens == 1) come first, then prefills, each group in the given order. `min_width` widens
+    the block tables (a fused decode's tables must fit its later steps). Unless `allow_missing_blocks`
+    (a fused decode's step 1 may pop its block on device), every token must have a block.
+    """
+    if not scheduled:
+        return StepPlan.empty(preempted_request_ids)
+    order = [x for x in scheduled if x[1] == 1]
+    num_decodes = len(order)
+    if num_decodes < len(scheduled):
+        order += [x for x in scheduled if x[1] != 1]
+    n = len(order)
+    bs = block_size
+
+    request_ids: list[str] = []
+    q_list: list[int] = []
+    start_list: list[int] = []
+    known_list: list[int] = []
+    tokens: list[int] = []
+    rows: list[Sequence[int]] = []
+    for r, k in order:
+        s = r.num_computed_tokens
+        request_ids.append(r.request_id)
+        q_list.append(k)
+        start_list.append(s)
+        known_list.append(r.num_tokens)
+        if k == 1:
+            tokens.append(r.get_token_id(s))
+        else:
+            tokens.extend(r.get_token_ids(s, s + k))
+        rows.append(block_ids[r.request_id])
+    q_lens = np.array(q_list, np.int32)
+    starts = np.array(start_list, np.int32)
+    kv_lens = starts + q_lens
+    cu_q_lens = np.zeros(n + 1, np.int32)
+    np.cumsum(q_lens, out=cu_q_lens[1:])
+    total = int(cu_q_lens[-1])
+    token_ids = np.array(tokens, dtype=np.int32)
+
+    row_lens = np.fromiter(map(len, rows), np.int32, n)
+    width = max(int(row_lens.max()), min_width, 1)
+    block_tables = np.zeros((n, width), np.int32)
+    num_held = int(row_lens.sum())
+    if num_held:
+        flat = np.fromiter(itertools.chain.from_iterable(rows), np.int32, num_held)
+        block_tables[np.arange(width) < row_lens[:, None]] = flat  # row-major fill of each prefix
+
+    seq_of_token = np.repeat(np.arange(n), q_lens)
+    positions = (np.arange(total, dtype=np.int32) - np.repeat(cu_q_lens[:-1], q_lens)
+                 + np.repeat(starts, q_lens)).astype(np.int32)
+    logical = positions // bs
+    has_block = logical < row_lens[seq_of_token]
+    if not allow_missing_blocks and not has_block.all():
+        raise ValueError("a scheduled token has no block")
+    slot_mapping = block_tables[seq_of_token, np.minimum(logical, width - 1)] * bs + positions % bs
+    slot_mapping = np.where(has_block, slot_mapping, -1).astype(np.int32)
+
+    return StepPlan(
+        request_ids=request_ids, token_ids=token_ids, positions=positions,
+        cu_q_lens=cu_q_lens, kv_lens=kv_lens, block_tables=block_tables,
+        slot_mapping=slot_mapping, emits_token=kv_lens == np.array(known_list, np.int32),
+        preempted_request_ids=list(preempted_request_ids), num_decodes=num_decodes)
+
+
+def device_pop_step(block_tables: np.ndarray, seq_lens: np.ndarray, active: np.ndarray,
+                    lent_block_ids: np.ndarray, num_popped: int, block_size: int) -> tuple[np.ndarray, int]:
+    """One step of the device's block pops, in numpy (mutates `block_tables` and `seq_lens` in place).
+
+    Every active sequence whose length (tokens in the cache) is a multiple of `block_size` needs a new
+    block for the token it is about to write: it pops the next lent block, in sequence order, into column
+    `length // block_size`. Then every active sequence writes its token at slot
+    `table[s, length // block_size] * block_size + length % block_size` and its length grows by one.
+
+    Returns (slot_mapping int32 [num_seqs], -1 where inactive; the new number of popped blocks).
+    Raises ValueError if the stack runs dry or a row has no column left (the host lent too little).
+    """
+    num_seqs, width = block_tables.shape
+    slots = np.full((num_seqs,), -1, np.int32)
+    for s in range(num_seqs):
+        if not active[s]:
+            continue
+        length = int(seq_lens[s])
+        col = length // block_size
+        if col >= width:
+            raise ValueError(f"seq {s}: its block table row of {width} columns is full")
+        if length % block_size == 0:
+            if num_popped >= len(lent_block_ids):
+                raise ValueError("the lent block stack ran dry")
+            block_tables[s, col] = lent_block_ids[num_popped]
+            num_popped += 1
+        slots[s] = block_tables[s, col] * block_size + length % block_size
+        seq_lens[s] = length + 1
+    return slots, num_popped
+
+
+def simulate_device_pops(block_tables: np.ndarray, seq_lens: np.ndarray, lent_block_ids: np.ndarray,
+                         num_active_steps: np.ndarray, block_size: int,
+                         ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Host (numpy) mirror of a whole fused decode's block pops: the reconciliation contract.
+
+    Starts from `seq_lens[s]` cached tokens (`MultiStepPlan.seq_lens`, i.e. `plan.kv_lens - 1`); sequence
+    s is active for its first `num_active_steps[s]` steps (its `max_new_tokens`, or fewer if it stopped
+    early); each step applies `device_pop_step`.
+
+    Returns (block tables after the loop, slot_mapping int32 [num_steps, num_seqs] with -1 where inactive,
+    number of blocks popped). Raises ValueError if the stack runs dry or a row has no column left.
+    """
+    tables = np.array(block_tables, dtype=np.int32, copy=True)
+    lens = np.array(seq_lens, dtype=np.int64, copy=True)
+    active_steps = np.asarray(num_active_steps)
+    num_steps = int(active_steps.max()) if active_steps.size else 0
+    slots = np.full((num_steps, tables.shape[0]), -1, np.int32)
+    popped = 0
+    for step in range(num_steps):
+        slots[step], popped = device_pop_step(tables, lens, active_steps > step, lent_block_ids, popped,
+                                              block_size)
+    return tables, slots, popped
