@@ -18,6 +18,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedjax.compile_cache import enable_compile_cache
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedjax.core.request import Request, RequestOutput, SamplingParams, is_int
 from pagedjax.core.scheduler import Scheduler, SchedulerStats
@@ -60,6 +61,8 @@ class LLMEngine:
     module; None initialises random weights from `seed` (an int in [0, 2**32), which also seeds requests
     without a seed of their own). backend: "auto" | "pallas" | "xla". decode_steps_per_call: decode
     iterations per device call when the batch is decode-only (`num_steps` is its deprecated name).
+    compile_cache: True (JAX's persistent compilation cache in the default folder, see
+    `pagedjax.compile_cache`), a folder, or False.
 
     A step whose device call raises never wedges the engine: see `step`.
     """
@@ -67,7 +70,7 @@ class LLMEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,
                  backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
-                 tokenizer=None):
+                 tokenizer=None, compile_cache: bool | str = True):
         if num_steps is not None:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
                           DeprecationWarning, stacklevel=2)
@@ -76,6 +79,7 @@ class LLMEngine:
             raise ValueError(f"decode_steps_per_call must be an int >= 1, got {decode_steps_per_call!r}")
         if not is_int(seed) or not 0 <= seed < 2**32:
             raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+        enable_compile_cache(compile_cache if isinstance(compile_cache, str) else None, enabled=bool(compile_cache))
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = (scheduler_config or SchedulerConfig()).resolve(

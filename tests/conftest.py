@@ -8,6 +8,10 @@ Profiles (select with HYPOTHESIS_PROFILE=...):
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Engines share compiled programs through JAX's persistent cache (each engine compiles its own steps; this
+# makes the second engine of a shape load them from disk). Kept between local runs; CI starts empty.
+os.environ.setdefault("PAGEDJAX_COMPILE_CACHE",
+                      os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax-compile-cache"))
 
 import jax  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
