@@ -32,9 +32,15 @@ class ByteTokenizer:
 
     def encode(self, text: str | bytes | bytearray | memoryview, add_bos: bool = True,
                add_eos: bool = False) -> list[int]:
-        """Text (encoded as UTF-8) or raw bytes -> token ids, with BOS first unless `add_bos=False`."""
+        """Text (encoded as UTF-8) or raw bytes -> token ids, with BOS first unless `add_bos=False`.
+
+        A string that carries raw bytes as lone surrogates U+DC80..U+DCFF (Python's `surrogateescape`, as
+        in file names and `open(..., errors="surrogateescape")`) encodes back to exactly those bytes."""
         if isinstance(text, str):
-            data = text.encode("utf-8", errors="surrogatepass")
+            try:
+                data = text.encode("utf-8", errors="surrogateescape")
+            except UnicodeEncodeError:  # other lone surrogates: kept as their 3-byte forms
+                data = text.encode("utf-8", errors="surrogatepass")
         elif isinstance(text, bytes | bytearray | memoryview):
             data = bytes(text)
         else:

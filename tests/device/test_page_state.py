@@ -67,3 +67,28 @@ def test_overflow_when_table_row_is_full():
     state = init_page_state(np.array([[3]], np.int32), np.array([2], np.int32), np.array([7], np.int32))
     state, slots = append_tokens(state, jnp.array([True]), 2)
     assert list(np.asarray(slots)) == [-1] and bool(state.overflow)
+
+
+def test_short_lent_stack_as_the_runner_pads_it_overflows_instead_of_writing_block_0():
+    """The runner pads the lent stack to a bucket size. Padding used to be block id 0, which the device popped
+    as if it were lent (writing into whatever block 0 held, with `overflow` False); it is -1 now."""
+    from pagedjax.device.sampling import SamplingMetadata
+    from pagedjax.runner import pad_multi_decode
+
+    block_size = 4
+    # Three sequences, each at a block boundary, so each pops a block; the host lends only one.
+    inputs = pad_multi_decode(
+        tokens=np.array([1, 2, 3], np.int32), block_tables=np.array([[7, 0], [8, 0], [9, 0]], np.int32),
+        seq_lens=np.array([4, 4, 4], np.int32), lent_blocks=np.array([5], np.int32),
+        sampling=SamplingMetadata.from_lists([0.0] * 3, [0] * 3, [1.0] * 3, [0] * 3, [0] * 3),
+        stop_ids=[[], [], []], max_new=np.array([1, 1, 1], np.int32), num_steps=1)
+    assert inputs.lent_blocks.shape[0] > 1 and (inputs.lent_blocks[1:] == -1).all()
+    state = init_page_state(inputs.block_tables, inputs.seq_lens, inputs.lent_blocks)
+    active = jnp.asarray(inputs.max_new > 0)
+    state, slots = jax.jit(append_tokens, static_argnums=2)(state, active, block_size)
+    assert bool(state.overflow)
+    slots = np.asarray(slots)
+    assert slots[0] == 5 * block_size + 0  # the one real lent block
+    assert (slots[1:3] == -1).all()  # no slot at all, least of all in block 0
+    assert int(state.num_popped) == 1
+    np.testing.assert_array_equal(np.asarray(state.block_tables)[:3, 1], [5, 0, 0])

@@ -1,0 +1,139 @@
+"""Bad input fails at the door, with the request and field named; nothing is coerced silently and nothing
+half-queued. Also: a KV cache dtype other than the model's, on every backend."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax.tokenizer import ByteTokenizer
+from tests.engine.test_engine import CFG, MAX_LEN, PROMPTS, SEED, _dense_fn_for, _pad, make_engine
+
+
+@pytest.mark.parametrize("seed", [2**32, -1, 1.5, True, "3"])
+def test_engine_seed_outside_32_bits_is_refused(seed):
+    """Seeds of 2**32 or -1 used to pass and then overflow on the first step."""
+    with pytest.raises(ValueError, match="seed"):
+        LLMEngine(CFG, CacheConfig(num_blocks=16), seed=seed)
+
+
+@pytest.mark.parametrize("field,value,error", [
+    ("seed", 2**63, ValueError), ("seed", -1, ValueError), ("seed", 1.0, TypeError),
+    ("top_k", 2**31, ValueError), ("top_k", -5, ValueError), ("top_k", 3.0, TypeError),
+    ("temperature", math.nan, ValueError), ("temperature", math.inf, ValueError), ("temperature", "1", TypeError),
+    ("top_p", math.nan, ValueError), ("top_p", 0.0, ValueError), ("top_p", True, TypeError),
+    ("max_tokens", 2.5, TypeError), ("max_tokens", "5", TypeError), ("max_tokens", True, TypeError),
+    ("max_tokens", 0, ValueError), ("max_tokens", 2**31, ValueError),
+    ("stop_token_ids", ["5"], TypeError), ("stop_token_ids", [1.0], TypeError), ("stop_token_ids", [True], TypeError),
+    ("stop_token_ids", 5, TypeError), ("stop_token_ids", [-1], ValueError),
+    ("ignore_eos", 1, TypeError),
+])
+def test_sampling_params_validate_every_field(field, value, error):
+    with pytest.raises(error, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_accept_numpy_integers():
+    p = SamplingParams(max_tokens=np.int64(4), top_k=np.int32(3), seed=np.uint32(7), stop_token_ids=np.arange(3))
+    assert p.stop_token_ids == (0, 1, 2) and all(type(t) is int for t in p.stop_token_ids)
+
+
+@pytest.mark.parametrize("prompt,error", [
+    ([1.0, 2.0], TypeError), ([1, "5"], TypeError), ([True, 2], TypeError), ("12", TypeError),
+    (np.array([1.5]), TypeError), ([1, CFG.vocab_size], ValueError), ([], ValueError),
+])
+def test_prompt_token_ids_are_checked_not_coerced(prompt, error):
+    engine = make_engine()
+    with pytest.raises(error, match="'r'"):
+        engine.add_request("r", prompt, SamplingParams())
+    assert not engine.has_unfinished_requests()
+
+
+def test_request_ids_and_params_are_checked():
+    engine = make_engine()
+    with pytest.raises(TypeError, match="request_id"):
+        engine.add_request(5, [1, 2])
+    with pytest.raises(TypeError, match="sampling_params"):
+        engine.add_request("a", [1, 2], {"max_tokens": 3})
+    with pytest.raises(TypeError, match="cache_salt"):
+        engine.add_request("a", [1, 2], cache_salt=3)
+    engine.add_request("a", np.array([1, 2], np.int64))  # numpy integers are integers
+    assert engine.scheduler.get_request("a").prompt_token_ids == [1, 2]
+
+
+def test_unknown_device_overflow_request_is_refused_at_construction():
+    """top_k > 2**31 - 1 used to pass validation and then make every step raise for everyone."""
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=2**31)
+
+
+def test_generate_validates_the_whole_batch_before_queueing_any():
+    engine = make_engine()
+    with pytest.raises(TypeError):
+        engine.generate([PROMPTS[0], PROMPTS[1], [1.5]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not engine.has_unfinished_requests()  # prompts 1-2 used to stay queued and run unseen later
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate([PROMPTS[0], [1] * (MAX_LEN + 1)], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+
+
+def test_generate_ids_never_collide_with_the_callers():
+    engine = make_engine()
+    for rid in ("gen-0", "gen-1", "gen-1-0", "gen-1-1"):
+        engine.add_request(rid, PROMPTS[0], SamplingParams(max_tokens=2))
+    outs = engine.generate([PROMPTS[1], PROMPTS[2]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert [len(o.output_token_ids) for o in outs] == [2, 2]
+    assert len({o.request_id for o in outs} | {"gen-0", "gen-1", "gen-1-0", "gen-1-1"}) == 6
+    while engine.has_unfinished_requests():  # the caller's own requests are still there, untouched
+        engine.step()
+
+
+def test_scheduler_config_defaults_to_the_models_length():
+    """SchedulerConfig() used to default max_model_len to 2048, refused for a 512-position model."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                      intermediate_size=32, max_position_embeddings=512)
+    engine = LLMEngine(cfg, CacheConfig(num_blocks=64), SchedulerConfig(max_num_seqs=16))
+    assert engine.scheduler_config.max_model_len == 512
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLMEngine(cfg, CacheConfig(num_blocks=64), SchedulerConfig(max_model_len=1024))
+    with pytest.raises(TypeError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=2.0)
+
+
+def test_num_steps_is_a_deprecated_alias():
+    with pytest.warns(DeprecationWarning, match="decode_steps_per_call"):
+        engine = make_engine(num_steps=3)
+    assert engine.decode_steps_per_call == 3
+
+
+def test_bytes_prompts_round_trip_exactly():
+    """Non-UTF-8 prompt bytes reach the model as those bytes (not re-encoded surrogates)."""
+    tok = ByteTokenizer()
+    raw = b"caf\xe9 \xff\x00ok"
+    assert tok.decode_bytes(tok.encode(raw)) == raw
+    assert tok.decode_bytes(tok.encode(raw.decode("utf-8", errors="surrogateescape"))) == raw
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_kv_cache_dtype_may_differ_from_the_models(backend):
+    """bfloat16 pages under a float32 model (what `auto` picks on a GPU) used to crash the Pallas backend."""
+    engine = LLMEngine(CFG, CacheConfig(block_size=8, num_blocks=64, dtype="bfloat16"),
+                       SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=MAX_LEN),
+                       seed=SEED, backend=backend)
+    assert engine.runner.kv_cache.k[0].dtype == jnp.bfloat16
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=1))
+    plan = engine.scheduler.schedule()
+    _, logits = engine.runner.execute(engine.step_inputs(plan), return_logits=True)
+    dense = np.asarray(_dense_fn_for("float32")(jnp.asarray(_pad(prompts))))
+    for i, kv_len in enumerate(plan.kv_lens):
+        want = dense[i, kv_len - 1]
+        # K/V rounded to bf16: ~1e-2 of the logits' scale
+        np.testing.assert_allclose(logits[i], want, rtol=0, atol=2e-2 * np.abs(want).max())
+    outs = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(outs[0].output_token_ids) == 3
