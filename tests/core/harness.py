@@ -150,38 +150,18 @@ class Checker:
         kv = s.kv_cache_manager
         pool = kv.block_pool
         bs = s.block_size
-        pool.check_invariants()
-        assert pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks
+        s.check_invariants(mid_step=mid_step)
         st = s.stats(detailed=True)
-        assert st.memory.num_free_blocks + st.memory.num_used_blocks + st.memory.num_cached_blocks == st.memory.num_blocks
-        assert 0 <= st.memory.slots_wasted <= st.memory.slots_reserved
-        assert st.memory.slots_reserved == bs * (pool.num_used - len(kv.lent_block_ids))
-        assert st.memory.free_runs <= pool.num_free_blocks and st.memory.largest_free_run <= pool.num_free_blocks
-        assert (st.memory.free_runs == 0) == (pool.num_free_blocks == 0)
-        # queues
-        running_ids = [r.request_id for r in s.running]
-        waiting_ids = [r.request_id for r in s.waiting]
-        assert len(set(running_ids)) == len(running_ids) and not set(running_ids) & set(waiting_ids)
-        assert set(running_ids) | set(waiting_ids) == set(s.requests)
-        for r in s.waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert r.num_computed_tokens == 0 and not kv.get_block_ids(r.request_id)
-        holders = kv.holders()
-        assert set(holders) <= set(running_ids)
+        mem = st.memory
+        assert 0 <= mem.slots_wasted <= mem.slots_reserved
+        assert mem.slots_reserved == bs * (pool.num_used - len(kv.lent_block_ids))
+        assert mem.free_runs <= pool.num_free_blocks and mem.largest_free_run <= pool.num_free_blocks
+        assert (mem.free_runs == 0) == (pool.num_free_blocks == 0)
         for r in s.running:
-            assert r.status is RequestStatus.RUNNING
             assert 0 < r.num_computed_tokens < r.num_tokens or mid_step
             assert r.num_tokens <= s.max_model_len or r.num_prompt_tokens == s.max_model_len
-            if not mid_step:
-                assert len(kv.get_block_ids(r.request_id)) == cdiv(r.num_computed_tokens, bs)
-        # refcount == number of holders (+1 while lent); lent blocks are held by no request
+        holders = kv.holders()
         count = Counter(b for blocks in holders.values() for b in blocks)
-        lent = kv.lent_block_ids
-        assert not set(count) & lent
-        for b in range(pool.num_blocks):
-            assert pool.ref_cnt(b) == count.get(b, 0) + (b in lent), f"block {b}"
-        for blocks in holders.values():
-            assert len(set(blocks)) == len(blocks)
         # hashes: a request's hashed blocks carry its own chained hashes; remember what each hash holds
         by_id = {r.request_id: r for r in s.running}
         for rid, blocks in holders.items():

@@ -379,3 +379,63 @@ def test_run_step_with_checker_smoke():
     model = FakeModel(32, BS)
     run_step(s, model, Checker(s, model))
     assert s.get_request("a").num_output_tokens == 1
+
+
+def test_check_invariants_catches_a_leaked_or_doubly_owned_block():
+    s = make_scheduler(num_blocks=8)
+    s.add_request(req("a", 6))
+    s.add_request(req("b", 5))
+    step(s)
+    s.check_invariants()
+    pool = s.kv_cache_manager.block_pool
+    held = s.kv_cache_manager.get_block_ids("a")
+    pool.touch([held[0]])  # one more reference than holders: a leak
+    with pytest.raises(RuntimeError, match=f"block {held[0]}"):
+        s.check_invariants()
+
+
+def test_fail_step_fails_a_lone_request_and_isolates_a_batch():
+    """A failed step of several requests reruns each alone (suspects); a failed step of one fails it."""
+    s = make_scheduler()
+    for rid in "abc":
+        s.add_request(req(rid, 6, max_tokens=3))
+    plan = s.schedule()
+    assert s.fail_step(plan.request_ids, "boom") == []
+    assert all(s.get_request(r).suspect and s.get_request(r).status is RequestStatus.PREEMPTED for r in "abc")
+    s.check_invariants()
+    alone = s.schedule()
+    assert alone.num_seqs == 1
+    failed = s.fail_step(alone.request_ids, "boom again")
+    assert [r.request_id for r in failed] == alone.request_ids
+    assert failed[0].status is RequestStatus.FINISHED_ERROR and failed[0].error == "boom again"
+    s.check_invariants()
+    second = s.schedule()  # the next suspect, alone too; success clears its flag
+    assert second.num_seqs == 1
+    s.update(second, np.zeros(1, np.int32))
+    assert not s.get_request(second.request_ids[0]).suspect
+    run_to_completion_plain(s)
+    s.check_invariants()
+    assert s.kv_cache_manager.block_pool.num_used == 0
+
+
+def test_drop_computed_kv_preempts_everything_and_forgets_the_prefix_cache():
+    s = make_scheduler()
+    s.add_request(req("a", 9, max_tokens=8))
+    s.add_request(req("b", 5, max_tokens=8))
+    step(s)
+    step(s)
+    assert s.kv_cache_manager.block_pool.num_hashed > 0
+    s.drop_computed_kv()
+    s.check_invariants()
+    assert not s.running and [r.request_id for r in s.waiting] == ["a", "b"]
+    assert s.kv_cache_manager.block_pool.num_hashed == 0
+    run_to_completion_plain(s)
+
+
+def run_to_completion_plain(s: Scheduler) -> None:
+    for _ in range(200):
+        if not s.has_unfinished_requests():
+            return
+        step(s)
+        s.check_invariants()
+    raise AssertionError("did not finish")
