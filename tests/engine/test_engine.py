@@ -233,3 +233,28 @@ def test_pallas_backend_matches_xla(num_steps):
     outs = engine.generate(prompts, SamplingParams(max_tokens=5), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == [reference()[i][:5] for i in (0, 2, 3)]
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("scenario", ["prefix-cache", "preemption", "seeded-sampling"])
+def test_pallas_backend_scenarios(scenario):
+    """The Pallas kernels (interpreted on CPU) through the engine's harder paths, small shapes."""
+    tokens = 4
+    if scenario == "prefix-cache":
+        engine = make_engine(block_size=8, backend="pallas")
+        first = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=tokens), use_tqdm=False)[0]
+        second = engine.generate([PROMPTS[4]], SamplingParams(max_tokens=tokens), use_tqdm=False)[0]
+        assert second.num_cached_tokens == 40
+        assert [first.output_token_ids, second.output_token_ids] == [reference()[3][:tokens], reference()[4][:tokens]]
+    elif scenario == "preemption":
+        # 53 + 7 prompt tokens fill all 8 blocks of 8; the second request's next block preempts it.
+        engine = make_engine(block_size=8, num_blocks=8, backend="pallas", decode_steps_per_call=4)
+        outs = engine.generate([PROMPTS[2], PROMPTS[5]], SamplingParams(max_tokens=tokens), use_tqdm=False)
+        assert engine.stats().scheduler.num_preemptions > 0
+        assert [o.output_token_ids for o in outs] == [reference()[i][:tokens] for i in (2, 5)]
+    else:
+        params = [SamplingParams(max_tokens=tokens, temperature=0.9, top_k=20, top_p=0.9, seed=s) for s in (1, 2)]
+        prompts = [PROMPTS[1], PROMPTS[3]]
+        want = [o.output_token_ids for o in make_engine().generate(prompts, params, use_tqdm=False)]
+        engine = make_engine(backend="pallas", decode_steps_per_call=4)
+        assert [o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)] == want
+    assert_all_free(engine)
