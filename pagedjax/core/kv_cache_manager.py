@@ -131,6 +131,21 @@ class KVCacheManager:
             blocks.append(b)
         return blocks, len(blocks) * self.block_size
 
+    def next_block_hash(self, request: Request, num_hit_blocks: int) -> BlockHash | None:
+        """The hash of the block where `get_computed_blocks` stopped (its first miss), or None if the
+        lookup stopped at its cap (the last token is always recomputed) or caching is off."""
+        if not self.enable_caching or num_hit_blocks >= (request.num_tokens - 1) // self.block_size:
+            return None
+        return self.block_hashes(request)[num_hit_blocks]
+
+    def unpublished_block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the full blocks of a request holding blocks that are not published yet: the blocks
+        of its known tokens it is computing now or will compute (empty when caching is off)."""
+        done = self._num_hashed_blocks.get(request.request_id)
+        if done is None or not self.enable_caching:
+            return []
+        return self.block_hashes(request)[done:]
+
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one first-time admission's lookup (tokens recomputed after a preemption are not hits)."""
         if self.enable_caching:

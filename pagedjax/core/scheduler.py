@@ -266,16 +266,27 @@ class Scheduler:
             i += 1
 
         if not preempted:
-            while self.waiting and budget > 0 and len(running) < cfg.max_num_seqs:
-                request = self.waiting[0]
+            # Full blocks that running requests are computing, not yet published: a waiting request whose
+            # next missing block is one of them waits a step and then hits it, rather than computing the
+            # same prefix again in this step (requests sharing a prefix that arrive together).
+            in_flight = ({h for r in running for h in kv.unpublished_block_hashes(r)}
+                         if kv.enable_caching and self.waiting else set())
+            admitted: set[str] = set()
+            skipped = False
+            for request in self.waiting:
+                if budget <= 0 or len(running) >= cfg.max_num_seqs or request.suspect:
+                    break
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+                if in_flight and kv.next_block_hash(request, len(hit_blocks)) in in_flight:
+                    skipped = True
+                    continue
                 gap = request.num_tokens - num_hit_tokens
                 n = min(gap, budget)
                 if n < gap and not chunked:
                     break
                 if kv.allocate_slots(request, n, hit_blocks) is None:
                     break
-                self.waiting.popleft()
+                admitted.add(request.request_id)
                 request.num_computed_tokens = num_hit_tokens
                 if request.num_cached_tokens < 0:  # first admission: the only one counted as a lookup
                     request.num_cached_tokens = num_hit_tokens
@@ -284,6 +295,13 @@ class Scheduler:
                 running.append(request)
                 scheduled.append((request, n))
                 budget -= n
+                if kv.enable_caching:
+                    in_flight.update(kv.unpublished_block_hashes(request))
+            if skipped:
+                self.waiting = deque(r for r in self.waiting if r.request_id not in admitted)
+            else:  # the admitted requests are a prefix of the queue
+                for _ in range(len(admitted)):
+                    self.waiting.popleft()
 
         self.num_steps += 1
         return self._plan(scheduled, preempted_request_ids=[r.request_id for r in preempted])

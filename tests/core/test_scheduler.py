@@ -183,7 +183,7 @@ def test_stop_wins_over_length_on_the_same_token():
 def test_preemption_takes_the_newest_and_requeues_it_at_the_front():
     s = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
     s.add_request(req("old", 8, max_tokens=16))
-    s.add_request(req("new", 8, max_tokens=16))
+    s.add_request(req("new", list(range(11, 19)), max_tokens=16))  # no prefix shared with "old"
     s.add_request(req("later", 4, max_tokens=1))
     plan, _ = step(s, 5)  # old and new: 2 blocks each; later: 1 block; 1 block free
     assert plan.request_ids == ["old", "new", "later"]
@@ -304,7 +304,7 @@ def test_reset_prefix_cache_refused_while_running():
 def test_stats_account_for_every_block_and_the_waste():
     s = make_scheduler(num_blocks=20, block_size=4)
     s.add_request(req("a", 5, max_tokens=8))  # 5 computed -> 2 blocks, 3 slots wasted
-    s.add_request(req("b", 8, max_tokens=8))  # 8 computed -> 2 blocks, none wasted
+    s.add_request(req("b", list(range(20, 28)), max_tokens=8))  # 8 computed -> 2 blocks, none wasted
     step(s)
     st = s.stats()
     assert st.memory.num_free_blocks + st.memory.num_used_blocks + st.memory.num_cached_blocks == 20
@@ -397,8 +397,8 @@ def test_check_invariants_catches_a_leaked_or_doubly_owned_block():
 def test_fail_step_fails_a_lone_request_and_isolates_a_batch():
     """A failed step of several requests reruns each alone (suspects); a failed step of one fails it."""
     s = make_scheduler()
-    for rid in "abc":
-        s.add_request(req(rid, 6, max_tokens=3))
+    for i, rid in enumerate("abc"):
+        s.add_request(req(rid, [10 * i + t for t in range(1, 7)], max_tokens=3))
     plan = s.schedule()
     assert s.fail_step(plan.request_ids, "boom") == []
     assert all(s.get_request(r).suspect and s.get_request(r).status is RequestStatus.PREEMPTED for r in "abc")
@@ -439,3 +439,35 @@ def run_to_completion_plain(s: Scheduler) -> None:
         step(s)
         s.check_invariants()
     raise AssertionError("did not finish")
+
+
+@pytest.mark.parametrize("budget", [64, 512, 4096])
+def test_requests_sharing_a_prefix_that_arrive_together_compute_it_once(budget):
+    """64 requests with a common 96-token prefix, queued at once: the prefix is computed by one request and
+    hit by the other 63 (they wait for it a step), whatever the token budget; outputs are unchanged."""
+    bs, prefix_len, suffix_len, n = 16, 96, 32, 64
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, 1000, prefix_len).tolist()
+    prompts = [prefix + rng.integers(0, 1000, suffix_len).tolist() for _ in range(n)]
+    computed = {}
+    for caching in (True, False):
+        s = make_scheduler(num_blocks=n * 10, block_size=bs, max_num_seqs=n, max_num_batched_tokens=budget,
+                           max_model_len=256, caching=caching)
+        for i, p in enumerate(prompts):
+            s.add_request(req(str(i), p, max_tokens=3))
+        model = FakeModel(n * 10, bs)
+        checker = Checker(s, model)
+        tokens_run = 0
+        outputs: dict[str, list[int]] = {}
+        while s.has_unfinished_requests():
+            plan = s.schedule()
+            checker.check_plan(plan)
+            tokens_run += plan.num_tokens
+            for r in s.update(plan, model.step(plan)):
+                outputs[r.request_id] = r.output_token_ids
+            checker.check()
+        assert s.num_preemptions == 0
+        computed[caching] = (tokens_run - n * 2, outputs)  # each request feeds back 2 of its 3 outputs
+    assert computed[True][1] == computed[False][1]
+    assert computed[False][0] == n * (prefix_len + suffix_len)
+    assert computed[True][0] == prefix_len + n * suffix_len  # the prefix once, every suffix
