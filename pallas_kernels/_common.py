@@ -6,7 +6,6 @@ Nothing here is public API; `paged_attention.py` and `ragged_attention.py` are t
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,12 +45,6 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
         raise ValueError(f"scale must be a Python float (a static constant), got {scale!r}") from e
 
 
-def check_tuning(name: str, tuning: dict[str, Any], allowed: tuple[str, ...]) -> None:
-    unknown = sorted(set(tuning) - set(allowed))
-    if unknown:
-        raise TypeError(f"{name}() got unexpected tuning argument(s) {unknown}; allowed: {list(allowed)}")
-
-
 def check_pow2_option(name: str, value: int | None) -> None:
     if value is None:
         return
@@ -59,11 +52,31 @@ def check_pow2_option(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be a positive power of two, got {value!r}")
 
 
-def check_positive_option(name: str, value: int | None) -> None:
-    if value is None:
-        return
+def check_positive_int(name: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_positive_option(name: str, value: int | None) -> None:
+    """`None` (pick a default) or a positive int."""
+    if value is not None:
+        check_positive_int(name, value)
+
+
+def check_pages_per_iter(pages_per_iter: int | None, block_size: int) -> None:
+    """`None` (the default) or a power of two whose tile of `pages_per_iter` (padded) blocks has at least
+    MIN_DOT_DIM rows (tl.dot)."""
+    check_pow2_option("pages_per_iter", pages_per_iter)
+    if pages_per_iter is not None and pages_per_iter * next_pow2(block_size) < MIN_DOT_DIM:
+        raise ValueError(
+            f"pages_per_iter * block_size must be >= {MIN_DOT_DIM} (tl.dot), got {pages_per_iter} pages "
+            f"of {block_size} tokens")
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """head_dim as the kernels hold it in registers: a power of two, >= MIN_DOT_DIM (tl.dot). Columns past
+    head_dim are masked on load and store."""
+    return max(MIN_DOT_DIM, next_pow2(head_dim))
 
 
 def _check_int32(name: str, x: jax.Array, ndim: int) -> None:
@@ -130,7 +143,7 @@ def default_pages_per_iter(block_size: int, max_blocks_per_seq: int, head_dim: i
     at least 16 tokens (tl.dot), and never more pages than a sequence can have (rounded up).
     """
     block_pad = next_pow2(block_size)
-    dim_pad = max(MIN_DOT_DIM, next_pow2(head_dim))
+    dim_pad = padded_head_dim(head_dim)
     tokens = max(MIN_DOT_DIM, min(max_tokens, tile_bytes // (dim_pad * jnp.dtype(dtype).itemsize)))
     pages = max(1, tokens // block_pad)
     pages = min(pages, next_pow2(max(1, max_blocks_per_seq)))
@@ -154,7 +167,7 @@ def gather_page_tile(table_ref, k_ref, v_ref, *, seq, head, first_page, page_end
     from memory (masked loads), so a NaN there cannot leak in.
     """
     block_pad = next_pow2(block_size)
-    dim_pad = max(MIN_DOT_DIM, next_pow2(head_dim))
+    dim_pad = padded_head_dim(head_dim)
     t = jnp.arange(pages_per_iter * block_pad, dtype=jnp.int32)
     page = first_page + t // block_pad  # logical page of each tile row
     offset = t % block_pad
@@ -199,12 +212,6 @@ def online_softmax_step(q, k, v, mask, carry, *, scale: float):
 def init_carry(rows: int, dim_pad: int):
     return (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, dim_pad), jnp.float32))
-
-
-def normalize(z, u):
-    """o = u / z, and 0 where nothing was attended (z == 0): never NaN."""
-    has = z > 0
-    return jnp.where(has[:, None], u / jnp.where(has, z, 1.0)[:, None], 0.0)
 
 
 def compiler_params(num_warps: int | None, num_stages: int | None):

@@ -19,7 +19,6 @@ inside the kernel only, with masked loads and stores: the KV cache is never copi
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _common as C
-from pallas_kernels.merge import merge_and_finalize
+from pallas_kernels.merge import finalize, merge_and_finalize
 
-TUNING_KEYS = ("num_splits", "pages_per_iter", "num_warps", "num_stages")
 # Split-K targets about this many programs in flight: a few waves on a 132-SM H100/H200.
 _TARGET_PROGRAMS = 512
 _MAX_SPLITS = 64
@@ -59,7 +57,7 @@ def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, scale
     seq = pl.program_id(0)
     head = pl.program_id(1)
     split = pl.program_id(2)
-    dim_pad = max(C.MIN_DOT_DIM, C.next_pow2(head_dim))
+    dim_pad = C.padded_head_dim(head_dim)
 
     length = jnp.clip(lengths_ref[seq], 0, max_blocks_per_seq * block_size)
     num_pages = C.cdiv(length, block_size)
@@ -86,7 +84,7 @@ def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, scale
 
     if num_splits == 1:
         (o_ref,) = out_refs
-        o = C.normalize(z, u).astype(o_ref.dtype)
+        o = finalize(z, u, o_ref.dtype)
         plgpu.store(o_ref.at[seq, q_heads[:, None], d[None, :]], o, mask=row_mask)
     else:
         m_ref, z_ref, u_ref = out_refs
@@ -139,7 +137,10 @@ def paged_attention(
     *,
     scale: float | None = None,
     interpret: bool | None = None,
-    **tuning: Any,
+    num_splits: int | None = None,
+    pages_per_iter: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> jax.Array:
     """Decode attention of one query token per sequence over a paged KV cache.
 
@@ -155,35 +156,37 @@ def paged_attention(
         `[0, max_blocks_per_seq * block_size]`). Slots at or past the length are never read.
       scale: multiplies q.k; defaults to `1 / sqrt(head_dim)`. (JAX's op applies no scale.)
       interpret: run the Pallas interpreter; `None` = compiled on GPU, interpreted elsewhere.
-      **tuning: `num_splits` (KV splits per sequence, default from the batch and table shape, see
-        `default_num_splits`), `pages_per_iter` (pages gathered per inner iteration, a power of two;
-        default about 128 tokens), `num_warps` (default 4), `num_stages` (default 2).
+      num_splits: KV splits per sequence (flash-decoding), a positive int; `None` picks one from the batch
+        and table shape (see `default_num_splits`). Any count works: no divisibility constraints.
+      pages_per_iter: pages gathered per inner-loop iteration, a power of two with
+        `pages_per_iter * next_pow2(block_size) >= 16`; `None` = about 128 tokens per iteration (see
+        `_common.default_pages_per_iter`).
+      num_warps: Triton warps per program (compiled mode only).
+      num_stages: Triton software-pipelining stages (compiled mode only).
 
     Returns:
       `[num_seqs, num_q_heads, head_dim]` in q's dtype; zeros for sequences of length 0.
+
+    Raises:
+      ValueError: on malformed arguments or tuning values (shapes, dtypes, non-power-of-two tiles).
+      TypeError: on an unknown keyword argument.
     """
-    C.check_tuning("paged_attention", tuning, TUNING_KEYS)
     num_seqs = q.shape[0] if getattr(q, "ndim", 0) == 3 else None
     _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = C.validate_qkv(
         q, k_pages, v_pages, block_tables, num_q_rows=num_seqs)
     C.check_vector("lengths", lengths, num_seqs)
     scale = C.resolve_scale(scale, head_dim)
-    pages_per_iter = tuning.get("pages_per_iter")
-    C.check_pow2_option("pages_per_iter", pages_per_iter)
-    if pages_per_iter is not None and pages_per_iter * C.next_pow2(block_size) < C.MIN_DOT_DIM:
-        raise ValueError(
-            f"pages_per_iter * block_size must be >= {C.MIN_DOT_DIM} (tl.dot), got {pages_per_iter} pages "
-            f"of {block_size} tokens")
-    for key in ("num_splits", "num_warps", "num_stages"):
-        C.check_positive_option(key, tuning.get(key))
+    C.check_pages_per_iter(pages_per_iter, block_size)
+    C.check_positive_option("num_splits", num_splits)
+    C.check_positive_int("num_warps", num_warps)
+    C.check_positive_int("num_stages", num_stages)
     if num_seqs == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
         return jnp.zeros(q.shape, q.dtype)
     if pages_per_iter is None:
         pages_per_iter = C.default_pages_per_iter(block_size, max_blocks_per_seq, head_dim, q.dtype)
-    num_splits = tuning.get("num_splits")
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, max_blocks_per_seq, pages_per_iter)
     return _paged_attention(
         q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=C.resolve_interpret(interpret),
-        num_splits=int(num_splits), pages_per_iter=int(pages_per_iter),
-        num_warps=int(tuning.get("num_warps") or 4), num_stages=int(tuning.get("num_stages") or 2))
+        num_splits=int(num_splits), pages_per_iter=int(pages_per_iter), num_warps=int(num_warps),
+        num_stages=int(num_stages))

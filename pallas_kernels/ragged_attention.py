@@ -16,7 +16,6 @@ float32.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _common as C
+from pallas_kernels.merge import finalize
 
-TUNING_KEYS = ("block_q", "pages_per_iter", "num_warps", "num_stages")
 _MAX_ROWS = 128
 _MAX_ACC_ELEMENTS = 128 * 128
 
@@ -36,7 +35,7 @@ def default_block_q(num_tokens: int, num_seqs: int, group: int, head_dim: int) -
     sequences, with block_q * group between 16 and 128 rows (64 at head_dim 256: the float32 accumulator
     rows x head_dim stays <= 64 KiB of registers)."""
     group_pad = C.next_pow2(group)
-    dim_pad = max(C.MIN_DOT_DIM, C.next_pow2(head_dim))
+    dim_pad = C.padded_head_dim(head_dim)
     lo = max(1, C.MIN_DOT_DIM // group_pad)
     hi = max(1, min(_MAX_ROWS, _MAX_ACC_ELEMENTS // dim_pad) // group_pad)
     mean = C.cdiv(max(1, num_tokens), max(1, num_seqs))
@@ -87,7 +86,7 @@ def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, scale: fl
     num_rows = meta_ref[tile, 2]
     pos0 = meta_ref[tile, 3]
     kv_len = meta_ref[tile, 4]
-    dim_pad = max(C.MIN_DOT_DIM, C.next_pow2(head_dim))
+    dim_pad = C.padded_head_dim(head_dim)
     rows = block_q * group_pad
 
     r = jnp.arange(rows, dtype=jnp.int32)
@@ -113,7 +112,7 @@ def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, scale: fl
         return C.online_softmax_step(q, k, v, mask, carry, scale=scale)
 
     _, z, u = lax.fori_loop(0, num_iters, body, C.init_carry(rows, dim_pad))
-    plgpu.store(o_ref.at[io_idx], C.normalize(z, u).astype(o_ref.dtype), mask=io_mask)
+    plgpu.store(o_ref.at[io_idx], finalize(z, u, o_ref.dtype), mask=io_mask)
 
 
 @functools.partial(
@@ -138,6 +137,13 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
     )(meta, block_tables, q, k_pages, v_pages)
 
 
+def default_num_warps(block_q: int, group: int, head_dim: int) -> int:
+    """Triton warps per program: 4, or 8 for query tiles of 128 x 128 float32 accumulator elements and
+    more (big tiles need more threads to hold the accumulator)."""
+    rows = block_q * C.next_pow2(group)
+    return 8 if rows * C.padded_head_dim(head_dim) >= 128 * 128 else 4
+
+
 def ragged_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -148,7 +154,10 @@ def ragged_paged_attention(
     *,
     scale: float | None = None,
     interpret: bool | None = None,
-    **tuning: Any,
+    block_q: int | None = None,
+    pages_per_iter: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
 ) -> jax.Array:
     """Causal attention of ragged query chunks (prefill chunks and decode tokens) over a paged KV cache.
 
@@ -166,14 +175,21 @@ def ragged_paged_attention(
         (padding) are allowed.
       scale: multiplies q.k; defaults to `1 / sqrt(head_dim)`.
       interpret: run the Pallas interpreter; `None` = compiled on GPU, interpreted elsewhere.
-      **tuning: `block_q` (query tokens per tile, a power of two; default from the mean query length),
-        `pages_per_iter` (a power of two; default about 64 tokens per iteration), `num_warps` (default 4, 8 for
-        tiles of 128 x 128 and more), `num_stages` (default 2).
+      block_q: query tokens per tile, a power of two with `block_q * next_pow2(group) >= 16` (group =
+        num_q_heads // num_kv_heads); `None` picks one from the mean query length (see `default_block_q`).
+      pages_per_iter: pages gathered per inner-loop iteration, a power of two with
+        `pages_per_iter * next_pow2(block_size) >= 16`; `None` = about 64 tokens per iteration.
+      num_warps: Triton warps per program (compiled mode only); `None` = 4, or 8 for tiles of 128 x 128
+        accumulator elements and more (see `default_num_warps`).
+      num_stages: Triton software-pipelining stages (compiled mode only).
 
     Returns:
       `[total_q_tokens, num_q_heads, head_dim]` in q's dtype.
+
+    Raises:
+      ValueError: on malformed arguments or tuning values (shapes, dtypes, non-power-of-two tiles).
+      TypeError: on an unknown keyword argument.
     """
-    C.check_tuning("ragged_paged_attention", tuning, TUNING_KEYS)
     _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = C.validate_qkv(
         q, k_pages, v_pages, block_tables)
     num_tokens, num_q_heads, _ = q.shape
@@ -182,19 +198,13 @@ def ragged_paged_attention(
     C.check_vector("cu_q_lens", cu_q_lens, num_seqs + 1)
     scale = C.resolve_scale(scale, head_dim)
     group = num_q_heads // num_kv_heads
-    block_q = tuning.get("block_q")
-    pages_per_iter = tuning.get("pages_per_iter")
     C.check_pow2_option("block_q", block_q)
-    C.check_pow2_option("pages_per_iter", pages_per_iter)
     if block_q is not None and block_q * C.next_pow2(group) < C.MIN_DOT_DIM:
         raise ValueError(f"block_q * next_pow2(group) must be >= {C.MIN_DOT_DIM} (tl.dot), got block_q="
                          f"{block_q} with {group} query heads per KV head")
-    if pages_per_iter is not None and pages_per_iter * C.next_pow2(block_size) < C.MIN_DOT_DIM:
-        raise ValueError(
-            f"pages_per_iter * block_size must be >= {C.MIN_DOT_DIM} (tl.dot), got {pages_per_iter} pages "
-            f"of {block_size} tokens")
-    for key in ("num_warps", "num_stages"):
-        C.check_positive_option(key, tuning.get(key))
+    C.check_pages_per_iter(pages_per_iter, block_size)
+    C.check_positive_option("num_warps", num_warps)
+    C.check_positive_int("num_stages", num_stages)
     if num_tokens == 0 or num_seqs == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
         return jnp.zeros(q.shape, q.dtype)
     if block_q is None:
@@ -202,11 +212,9 @@ def ragged_paged_attention(
     if pages_per_iter is None:
         pages_per_iter = C.default_pages_per_iter(block_size, max_blocks_per_seq, head_dim, q.dtype,
                                                    max_tokens=64)
-    num_warps = tuning.get("num_warps")
-    if num_warps is None:  # big query tiles need more threads to hold the float32 accumulator
-        rows = block_q * C.next_pow2(group)
-        num_warps = 8 if rows * max(C.MIN_DOT_DIM, C.next_pow2(head_dim)) >= 128 * 128 else 4
+    if num_warps is None:
+        num_warps = default_num_warps(block_q, group, head_dim)
     return _ragged_paged_attention(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
         interpret=C.resolve_interpret(interpret), block_q=int(block_q), pages_per_iter=int(pages_per_iter),
-        num_warps=int(num_warps), num_stages=int(tuning.get("num_stages") or 2))
+        num_warps=int(num_warps), num_stages=int(num_stages))

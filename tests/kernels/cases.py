@@ -99,25 +99,44 @@ def examples(n: int) -> int:
 
 
 HEAD_DIMS = (16, 64, 80, 96, 128, 256)
-BLOCK_SIZES = (8, 16, 32)
+
+
+# Weighted choices (repeated entries) for strategies that must reach the interesting cases in the few
+# draws of the "ci" profile. sampled_from tries (and shrinks towards) its first entry, so that one is
+# interesting too.
+KV_HEADS = (2, 4, 2, 3, 4, 2, 3, 1)  # 7 in 8 several KV heads
+GROUPS = (3, 2, 7, 4, 5, 1, 8, 3)  # query heads per KV head: half of them 3, 5 or 7 (Qwen2-7B: 7)
 
 
 @st.composite
-def heads(draw):
-    """(num_q_heads, num_kv_heads): ratios 1, 2, 4, 8 (MHA, GQA) and MQA (one KV head)."""
-    num_kv_heads = draw(st.sampled_from([1, 2]))
-    ratio = draw(st.sampled_from([1, 2, 4, 8]))
-    if num_kv_heads == 2 and ratio == 8:
-        ratio = 4  # keep the interpreter fast
-    return num_kv_heads * ratio, num_kv_heads
+def gqa_heads(draw, max_q_heads: int = 28):
+    """(num_q_heads, num_kv_heads): MHA, MQA and GQA, mostly on several KV heads and with groups of
+    3, 5 or 7 query heads (padded inside the kernels)."""
+    num_kv_heads = draw(st.sampled_from(KV_HEADS))
+    group = draw(st.sampled_from(GROUPS))
+    while num_kv_heads > 1 and num_kv_heads * group > max_q_heads:  # keep the interpreter fast
+        num_kv_heads -= 1
+    return num_kv_heads * group, num_kv_heads
 
 
 @st.composite
-def lengths_for(draw, num_seqs: int, block_size: int, max_blocks: int):
+def boundary_lengths(draw, num_seqs: int, block_size: int, max_blocks: int):
+    """Sequence lengths, four in five at or next to a block boundary (k * block_size + {-1, 0, 1}:
+    0, 1, bs - 1, bs, bs + 1, ..., the table's capacity), the rest anywhere in [0, capacity]."""
     cap = block_size * max_blocks
-    special = [0, 1, block_size, block_size + 1, cap]
-    choice = st.one_of(st.sampled_from([x for x in special if x <= cap]), st.integers(0, cap))
-    return [draw(choice) for _ in range(num_seqs)]
+    lengths = []
+    for _ in range(num_seqs):
+        if draw(st.sampled_from(("edge", "edge", "any", "edge", "edge"))) == "edge":
+            k = draw(st.sampled_from(range(max_blocks, -1, -1)))  # full tables first: several pages
+            lengths.append(min(cap, max(0, k * block_size + draw(st.sampled_from((1, -1, 0))))))
+        else:
+            lengths.append(draw(st.integers(0, cap)))
+    return lengths
+
+
+def is_near_block_edge(length: int, block_size: int) -> bool:
+    """length > 0 and within one token of a multiple of block_size."""
+    return length > 0 and min(length % block_size, -length % block_size) <= 1
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 
@@ -13,17 +14,36 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import default_num_splits, paged_attention, paged_attention_reference
-from tests.kernels.cases import BLOCK_SIZES, HEAD_DIMS, assert_close, build, examples, heads, lengths_for, relocate
+from pallas_kernels._common import MIN_DOT_DIM, cdiv, default_pages_per_iter, next_pow2
+from tests.kernels.cases import (
+    HEAD_DIMS,
+    assert_close,
+    boundary_lengths,
+    build,
+    examples,
+    gqa_heads,
+    is_near_block_edge,
+    relocate,
+)
 
 pytestmark = pytest.mark.kernels
+
+# Weighted (repeated entries): the few "ci" draws should mostly have several blocks per sequence, split
+# the KV range several ways and walk it in small tiles (see test_ci_draws_cover_gqa_block_edges_and_splits).
+DECODE_BLOCK_SIZES = (8, 12, 16, 5, 4, 24, 32)
+MAX_BLOCKS = (4, 2, 6, 3, 5, 2, 4, 1)
+NUM_SEQS = (3, 2, 4, 1)
+NUM_SPLITS = (2, 3, 2, 5, None, 3, 1)
+PAGES_PER_ITER = ("min", None, "min", "min")  # "min": the smallest legal tile, so a sequence spans several tiles
 
 
 @st.composite
 def decode_params(draw, dtypes=("float32", "bfloat16")):
-    block_size = draw(st.sampled_from(BLOCK_SIZES))
-    max_blocks = draw(st.integers(1, 5))
-    num_seqs = draw(st.integers(1, 4))
-    num_q_heads, num_kv_heads = draw(heads())
+    block_size = draw(st.sampled_from(DECODE_BLOCK_SIZES))
+    max_blocks = draw(st.sampled_from(MAX_BLOCKS))
+    num_seqs = draw(st.sampled_from(NUM_SEQS))
+    num_q_heads, num_kv_heads = draw(gqa_heads())
+    pages_per_iter = draw(st.sampled_from(PAGES_PER_ITER))
     return dict(
         seed=draw(st.integers(0, 2**32 - 1)),
         num_q_heads=num_q_heads,
@@ -31,9 +51,10 @@ def decode_params(draw, dtypes=("float32", "bfloat16")):
         head_dim=draw(st.sampled_from(HEAD_DIMS)),
         block_size=block_size,
         max_blocks=max_blocks,
-        lengths=draw(lengths_for(num_seqs, block_size, max_blocks)),
+        lengths=draw(boundary_lengths(num_seqs, block_size, max_blocks)),
         dtype=draw(st.sampled_from(dtypes)),
-        num_splits=draw(st.sampled_from([None, 1, 2, 3])),
+        num_splits=draw(st.sampled_from(NUM_SPLITS)),
+        pages_per_iter=None if pages_per_iter is None else max(1, MIN_DOT_DIM // next_pow2(block_size)),
     )
 
 
@@ -45,24 +66,102 @@ def _case(p, poison=True):
 
 
 def _tuning(p):
-    return {} if p["num_splits"] is None else {"num_splits": p["num_splits"]}
+    return {key: p[key] for key in ("num_splits", "pages_per_iter") if p.get(key) is not None}
+
+
+def _resolved_tuning(p) -> tuple[int, int]:
+    """(num_splits, pages_per_iter) as the kernel resolves them for p (defaults filled in)."""
+    pages_per_iter = p.get("pages_per_iter") or default_pages_per_iter(
+        p["block_size"], p["max_blocks"], p["head_dim"], p["dtype"])
+    num_splits = p["num_splits"] or default_num_splits(len(p["lengths"]), p["num_kv_heads"], p["max_blocks"],
+                                                       pages_per_iter)
+    return num_splits, pages_per_iter
+
+
+def _splits_with_work(p) -> int:
+    """The most splits that get pages of one sequence of p (the kernel's split arithmetic)."""
+    num_splits, pages_per_iter = _resolved_tuning(p)
+    most = 0
+    for length in p["lengths"]:
+        pages = cdiv(min(length, p["max_blocks"] * p["block_size"]), p["block_size"])
+        if pages:
+            per_split = cdiv(cdiv(pages, num_splits), pages_per_iter) * pages_per_iter
+            most = max(most, cdiv(pages, per_split))
+    return most
 
 
 EDGE = dict(seed=0, num_q_heads=8, num_kv_heads=1, head_dim=80, block_size=8, max_blocks=3, dtype="float32",
             num_splits=2)
 
+DECODE_EXAMPLES = (
+    dict(EDGE, lengths=[0, 1, 8, 9, 24]),
+    dict(EDGE, lengths=[0, 0], dtype="bfloat16", num_splits=None),
+    dict(EDGE, num_q_heads=6, num_kv_heads=2, head_dim=96, block_size=32, max_blocks=5, lengths=[160, 33, 32],
+         num_splits=3),
+    # Qwen2-7B's 28 query heads on 4 KV heads, lengths around block multiples, 3 splits of 2-page tiles.
+    dict(EDGE, num_q_heads=28, num_kv_heads=4, head_dim=48, max_blocks=5, lengths=[7, 8, 9, 39, 40, 1],
+         num_splits=3, pages_per_iter=2),
+    # Group 5 on 3 KV heads, non-power-of-two blocks of 12 (tiles of one padded block).
+    dict(EDGE, num_q_heads=15, num_kv_heads=3, head_dim=16, block_size=12, max_blocks=4,
+         lengths=[11, 12, 13, 48, 0, 25], pages_per_iter=1),
+    # Group 3, tiny blocks of 4, bfloat16, more splits than some sequences have tiles.
+    dict(EDGE, num_q_heads=6, num_kv_heads=2, head_dim=32, block_size=4, max_blocks=6,
+         lengths=[3, 4, 5, 23, 24, 0], dtype="bfloat16", num_splits=5, pages_per_iter=4),
+)
 
-@settings(max_examples=examples(16))
-@given(decode_params())
-@example(dict(EDGE, lengths=[0, 1, 8, 9, 24]))
-@example(dict(EDGE, lengths=[0, 0], dtype="bfloat16", num_splits=None))
-@example(dict(EDGE, num_q_heads=6, num_kv_heads=2, head_dim=96, block_size=32, max_blocks=5,
-              lengths=[160, 33, 32], num_splits=3))
-def test_matches_reference_with_nan_poisoned_unused_slots(p):
+
+def _decode_property_test(check):
+    """The decode property test: `check(p)` on every explicit example, then on examples(16) draws.
+
+    Under the derandomized "ci" profile hypothesis seeds a test from its function's source; both tests
+    built here share this source, so test_ci_draws_cover_gqa_block_edges_and_splits sees exactly the draws
+    test_matches_reference_with_nan_poisoned_unused_slots runs on.
+    """
+
+    @settings(max_examples=examples(16))
+    @given(decode_params())
+    def decode_property(p):
+        check(p)
+
+    for p in reversed(DECODE_EXAMPLES):
+        decode_property = example(p)(decode_property)
+    return decode_property
+
+
+def _check_matches_reference(p):
     case = _case(p)
     out = paged_attention(*case.decode_args(), **_tuning(p))
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert_close(out, paged_attention_reference(*case.decode_args()), p["dtype"])
+
+
+test_matches_reference_with_nan_poisoned_unused_slots = _decode_property_test(_check_matches_reference)
+
+
+def test_ci_draws_cover_gqa_block_edges_and_splits():
+    """The property test's generated draws (no kernel runs) mostly reach multi-KV-head GQA, odd groups,
+    several blocks with lengths at a block boundary +- 1, and sequences split over several programs."""
+    drawn = []
+    _decode_property_test(drawn.append)()
+    assert drawn[:len(DECODE_EXAMPLES)] == list(DECODE_EXAMPLES)  # explicit examples run first
+    draws = drawn[len(DECODE_EXAMPLES):]
+    n = len(draws)
+    assert n >= examples(16) // 2, n
+
+    def share(pred):
+        return sum(map(pred, draws)) / n
+
+    # Measured on the "ci" draws (16): 11 with several KV heads, 7 with groups of 3/5/7, 12 with several
+    # blocks and a length at a boundary +- 1, 14 with >= 2 splits, 3 where a sequence's pages really go to
+    # several splits, 6 with non-power-of-two blocks. The strategy's means (1000 random draws) are higher:
+    # 0.89, 0.56, 0.81, 0.83, 0.43, 0.43; the bounds below hold for about 88% of other 16-draw seeds.
+    assert share(lambda p: p["num_kv_heads"] > 1) >= 0.6
+    assert share(lambda p: p["num_q_heads"] // p["num_kv_heads"] in (3, 5, 7)) >= 0.25
+    assert share(lambda p: p["max_blocks"] >= 2
+                 and any(is_near_block_edge(length, p["block_size"]) for length in p["lengths"])) >= 0.5
+    assert share(lambda p: _resolved_tuning(p)[0] >= 2) >= 0.5
+    assert share(lambda p: _splits_with_work(p) >= 2) >= 0.15
+    assert share(lambda p: p["block_size"] & (p["block_size"] - 1) != 0) >= 0.1  # non-power-of-two blocks
 
 
 @settings(max_examples=examples(4))
@@ -222,16 +321,28 @@ def test_validation_errors(over, match):
 
 
 def test_tuning_validation():
-    with pytest.raises(TypeError, match="unexpected tuning"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'block_h'"):
         paged_attention(**_args(), block_h=16)
     with pytest.raises(ValueError, match="power of two"):
         paged_attention(**_args(), pages_per_iter=3)
     with pytest.raises(ValueError, match=">= 16"):
         paged_attention(**_args(), pages_per_iter=1)
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="num_splits must be a positive int"):
         paged_attention(**_args(), num_splits=0)
+    with pytest.raises(ValueError, match="num_warps must be a positive int"):
+        paged_attention(**_args(), num_warps=0)
+    with pytest.raises(ValueError, match="num_stages must be a positive int"):
+        paged_attention(**_args(), num_stages=None)
     with pytest.raises(ValueError, match="scale"):
         jax.jit(lambda s: paged_attention(**_args(), scale=s))(1.0)
+
+
+def test_tuning_keywords_show_in_the_signature():
+    params = inspect.signature(paged_attention).parameters
+    tuning = dict(num_splits=None, pages_per_iter=None, num_warps=4, num_stages=2)
+    assert {name: params[name].default for name in tuning} == tuning
+    assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in tuning)
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def test_empty_batch():

@@ -3,6 +3,8 @@ dense reference (interpret mode on CPU, compiled on a GPU)."""
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,21 +19,22 @@ from pallas_kernels import (
     ragged_paged_attention_reference,
 )
 from pallas_kernels._common import next_pow2
-from pallas_kernels.ragged_attention import max_tiles, tile_metadata
-from tests.kernels.cases import BLOCK_SIZES, HEAD_DIMS, assert_close, build, examples, heads, relocate
+from pallas_kernels.ragged_attention import default_num_warps, max_tiles, tile_metadata
+from tests.kernels.cases import HEAD_DIMS, assert_close, build, examples, gqa_heads, relocate
 from tests.kernels.test_paged_attention import _worked_example
 
 pytestmark = pytest.mark.kernels
 
 KINDS = ("decode", "chunk", "prompt", "padding", "idle")
+RAGGED_BLOCK_SIZES = (8, 16, 12, 32, 5)
 
 
 @st.composite
 def ragged_params(draw, dtypes=("float32", "bfloat16")):
-    block_size = draw(st.sampled_from(BLOCK_SIZES))
+    block_size = draw(st.sampled_from(RAGGED_BLOCK_SIZES))
     max_blocks = draw(st.integers(1, 4))
     cap = block_size * max_blocks
-    num_q_heads, num_kv_heads = draw(heads())
+    num_q_heads, num_kv_heads = draw(gqa_heads())
     seqs = []  # (q_len, kv_len)
     for _ in range(draw(st.integers(1, 4))):
         kind = draw(st.sampled_from(KINDS))
@@ -134,6 +137,45 @@ def test_tilings_agree(block_q, pages_per_iter):
     assert_close(out, ragged_paged_attention_reference(*case.ragged_args()), "float32")
 
 
+def _boundary_seqs(block_size):
+    """(seqs, max_blocks): a decode token, a chunk and a prompt ending at a block boundary +- 1, a padding
+    and an idle sequence. Lengths in units of u = block_size tokens (6 for blocks of one token)."""
+    u = block_size if block_size > 1 else 6
+    seqs = [(1, 2 * u + 1), (u + 1, 3 * u), (2 * u - 1, 2 * u - 1), (0, 0), (0, u), (1, u - 1)]
+    return seqs, 3 * u // block_size
+
+
+# Non-power-of-two GQA groups (Qwen2-7B: 28 query heads on 4 KV heads) on block sizes other than 8/16/32.
+# tiling: None (defaults) or (block_q, pages_per_iter), the smallest legal tiles (16 query rows; 16 padded
+# tokens, or one block of 24), so sequences span several query tiles and several KV iterations.
+ODD_SHAPES = [
+    # dtype, num_q_heads, num_kv_heads, head_dim, block_size, tiling
+    ("float32", 28, 4, 16, 5, None),
+    ("bfloat16", 28, 4, 32, 12, None),
+    ("float32", 6, 2, 48, 1, (4, 16)),
+    ("bfloat16", 15, 3, 16, 4, (2, 4)),
+    ("float32", 15, 3, 32, 24, (2, 1)),
+    ("bfloat16", 9, 3, 48, 5, (4, 2)),
+]
+
+
+ODD_IDS = [f"{d}-{q}q{kv}kv-d{h}-bs{bs}-" + ("default" if t is None else f"q{t[0]}p{t[1]}")
+           for d, q, kv, h, bs, t in ODD_SHAPES]
+
+
+@pytest.mark.parametrize("dtype,num_q_heads,num_kv_heads,head_dim,block_size,tiling", ODD_SHAPES, ids=ODD_IDS)
+def test_odd_groups_and_block_sizes(dtype, num_q_heads, num_kv_heads, head_dim, block_size, tiling):
+    seqs, max_blocks = _boundary_seqs(block_size)
+    p = dict(seed=4, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+             block_size=block_size, max_blocks=max_blocks, seqs=seqs, padding_rows=3, dtype=dtype)
+    case = _case(p)
+    tuning = {} if tiling is None else dict(zip(("block_q", "pages_per_iter"), tiling, strict=True))
+    out = ragged_paged_attention(*case.ragged_args(), **tuning)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    assert_close(out, ragged_paged_attention_reference(*case.ragged_args()), dtype)
+    np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0.0)  # padding rows
+
+
 def test_worked_example_as_last_token_of_a_prompt():
     """The PagedAttention example's query as the 4th token of a 4-token prompt: it sees all 4 keys."""
     q, k, v, tables, _ = _worked_example()
@@ -189,12 +231,28 @@ def test_validation_errors(over, match):
 
 
 def test_tuning_validation():
-    with pytest.raises(TypeError, match="unexpected tuning"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_splits'"):
         ragged_paged_attention(**_args(), num_splits=2)
     with pytest.raises(ValueError, match="power of two"):
         ragged_paged_attention(**_args(), block_q=3)
     with pytest.raises(ValueError, match=">= 16"):
         ragged_paged_attention(**_args(), block_q=4)  # 4 tokens x 2 heads per group < 16 rows
+    with pytest.raises(ValueError, match=">= 16"):
+        ragged_paged_attention(**_args(), pages_per_iter=1)  # 1 page of 8 tokens < 16 rows
+    with pytest.raises(ValueError, match="num_warps must be a positive int"):
+        ragged_paged_attention(**_args(), num_warps=0)
+    with pytest.raises(ValueError, match="num_stages must be a positive int"):
+        ragged_paged_attention(**_args(), num_stages=0)
+
+
+def test_tuning_keywords_show_in_the_signature():
+    params = inspect.signature(ragged_paged_attention).parameters
+    tuning = dict(block_q=None, pages_per_iter=None, num_warps=None, num_stages=2)
+    assert {name: params[name].default for name in tuning} == tuning
+    assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in tuning)
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    assert default_num_warps(block_q=16, group=7, head_dim=80) == 8  # 16 x 8 rows x 128 padded columns
+    assert default_num_warps(block_q=8, group=8, head_dim=128) == 4  # 64 rows x 128
 
 
 def test_no_tokens():
