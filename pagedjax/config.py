@@ -56,7 +56,10 @@ def _float_field(owner: str, name: str, value, *, positive: bool = False) -> flo
     """`value` (an int or a float, not a bool) as a finite float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{owner}.{name} must be a number, got {_describe(value)}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float's range
+        value = math.inf
     if not math.isfinite(value) or (positive and value <= 0) or value < 0:
         raise ValueError(f"{owner}.{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value}")
     return value

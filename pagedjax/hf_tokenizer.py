@@ -4,7 +4,8 @@
     ids = tok.encode("Hello")          # BOS added when the tokenizer's post-processor adds it (as in transformers)
     text = tok.decode(ids)             # special tokens skipped by default
 
-No transformers or torch needed; the `tokenizers` package is imported lazily.
+No transformers or torch needed; the `tokenizers` package is imported lazily. An unreadable or invalid
+tokenizer.json / tokenizer_config.json is a `ModelLoadError` (a ValueError) naming the file.
 """
 
 from __future__ import annotations
@@ -14,6 +15,19 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from pagedjax.model.loader import ModelLoadError
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ModelLoadError(path, f"invalid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(path, f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _token_content(token: Any) -> str | None:
@@ -42,12 +56,16 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         path = Path(tokenizer_json)
-        tok = Tokenizer.from_file(str(path))
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer file at {path}")
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the tokenizers package raises bare Exceptions
+            raise ModelLoadError(path, f"not a valid tokenizer file: {e}") from e
         eos = tuple(eos_token_ids)
         config_path = path.parent / "tokenizer_config.json"
         if config_path.is_file() and (not eos or bos_token_id is None):
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
+            config = _read_json_object(config_path)
             if not eos:
                 eos_tok = _token_content(config.get("eos_token"))
                 eos_id = tok.token_to_id(eos_tok) if eos_tok else None

@@ -3,7 +3,8 @@
 #   1. the whole default suite on python3 (JAX from pip, the [test,hf] extras: torch is the local CPU wheel),
 #   2. everything but the Hugging Face comparisons again on python3.12 with the newest JAX (the kernel tests
 #      above all: the GPU machines run Python 3.12 with newer JAX than python3 here gets).
-# Extra arguments go to the first pytest run, e.g. scripts/test.sh -k block_pool.
+# Extra arguments go to the first pytest run, e.g. scripts/test.sh -k block_pool. Both runs end with the 15
+# slowest tests (--durations=15), to keep the suite inside CI's budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,14 +25,14 @@ quiet_pip .venv/bin/pip install -q "torch==2.13.0"
 quiet_pip .venv/bin/pip install -q -e ".[test,hf]"
 
 echo "== pagedjax tests: $(.venv/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
-.venv/bin/python -m pytest -n 2 -q "$@"
+.venv/bin/python -m pytest -n 2 -q --durations=15 "$@"
 
 if PY312=$(find_python312); then
   if [ ! -x .venv312/bin/python ]; then "$PY312" -m venv .venv312; fi
   quiet_pip .venv312/bin/pip install -q --upgrade jax jaxlib flax
   quiet_pip .venv312/bin/pip install -q -e ".[test]"
   echo "== newest JAX: $(.venv312/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
-  .venv312/bin/python -m pytest -n 2 -q tests/kernels tests/core tests/device tests/engine
+  .venv312/bin/python -m pytest -n 2 -q --durations=15 tests/kernels tests/core tests/device tests/engine
 else
   echo "python3.12 not found: the newest-JAX run cannot happen" >&2
   exit 1

@@ -35,3 +35,12 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # pytest-xdist interrupts a worker still busy 5 s after the run; pytest's last gc.collect() over a
+    # worker's millions of JAX tracing objects could take that long, so the interrupt landed in a gc
+    # callback (a "KeyboardInterrupt" traceback at the end of every run). Frozen objects are not scanned.
+    import gc
+
+    gc.freeze()

@@ -5,17 +5,25 @@
       params/                orbax (StandardCheckpointer) of the `Llama` parameters as a plain nested dict
 
 Loading restores into explicit abstract targets built from the stored config, so every parameter's presence,
-shape and dtype is checked against the model the config describes (a mismatch is a ValueError naming the
-parameter), and arrays land on the local default device whatever machine wrote them.
+shape and dtype is checked against the model the config describes, and arrays land on the local default device
+whatever machine wrote them. Anything wrong with the folder's contents (invalid JSON, a config field of the
+wrong type, a truncated or corrupted params file, parameters that do not match the config) is a
+`ModelLoadError` (a ValueError) whose one-line message names the file and the field or parameter.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import time
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +35,7 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig, dtype_bytes
 from pagedjax.model.llama import Llama, abstract_model, model_from_state
+from pagedjax.model.loader import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -54,24 +63,95 @@ def is_pagedjax_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def read_checkpoint_metadata(path: str | os.PathLike) -> dict:
-    """The parsed `pagedjax_config.json` of a checkpoint folder (config, format version, extra info)."""
+    """The parsed `pagedjax_config.json` of a checkpoint folder (config, format version, extra info).
+
+    Raises FileNotFoundError for a missing folder and ModelLoadError naming the file for anything else."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
-        raise ValueError(f"{path} is not a pagedjax checkpoint: {CONFIG_FILE} is missing")
+        raise ModelLoadError(path, f"not a pagedjax checkpoint: {CONFIG_FILE} is missing")
     try:
-        meta = json.loads(cfg_file.read_text())
+        meta = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(cfg_file, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
     except ValueError as e:
-        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "model_config" not in meta:
-        raise ValueError(f"{cfg_file} does not describe a pagedjax checkpoint")
+        raise ModelLoadError(cfg_file, f"invalid JSON: {e}") from None
+    except OSError as e:
+        raise ModelLoadError(cfg_file, f"cannot read: {e.strerror or e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ModelLoadError(cfg_file, f"does not describe a pagedjax checkpoint (no \"format\": \"{FORMAT}\")")
+    if not isinstance(meta.get("model_config"), dict):
+        raise ModelLoadError(cfg_file, f"field 'model_config': expected an object, got {meta.get('model_config')!r}")
     version = meta.get("format_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ModelLoadError(cfg_file, f"field 'format_version': expected an int, got {version!r}")
     if version > FORMAT_VERSION:
-        raise ValueError(f"{path} has checkpoint format version {version}; this pagedjax reads up to "
-                         f"{FORMAT_VERSION} (upgrade pagedjax)")
+        raise ModelLoadError(path, f"checkpoint format version {version}; this pagedjax reads up to "
+                                   f"{FORMAT_VERSION} (upgrade pagedjax)")
     return meta
+
+
+def _model_config(meta: dict, cfg_file: Path) -> ModelConfig:
+    """`ModelConfig` from the metadata's "model_config", errors naming the file and field."""
+    try:
+        return ModelConfig.from_dict(meta["model_config"])
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(cfg_file, f"field 'model_config': {e}") from None
+
+
+def _is_orbax_leftover(unraisable) -> bool:
+    obj, exc = unraisable.object, unraisable.exc_value
+    if isinstance(obj, types.CoroutineType):
+        return "orbax" in obj.cr_code.co_filename
+    return isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+
+
+def _orbax_coroutines_alive() -> bool:
+    return any(isinstance(o, types.CoroutineType) and "orbax" in o.cr_code.co_filename for o in gc.get_objects())
+
+
+@contextmanager
+def _orbax_failure_noise_suppressed(max_wait_s: float = 5.0) -> Iterator[list]:
+    """Around an orbax restore: if it fails (the body appends to the yielded list), keep quiet what it leaves.
+
+    When one array cannot be read, orbax abandons the other reads: their tensorstore futures complete later
+    (then calling into a closed asyncio loop: "Event loop is closed") and their coroutines, once collected,
+    turn GeneratorExit into an Exception (orbax catches BaseException). Python reports each as an
+    "Exception ignored in ..." traceback on stderr, after the real error has been reported (at the latest
+    when the interpreter exits). On failure this waits (at most `max_wait_s`) until the abandoned reads have
+    finished and been collected, and logs those reports at debug level instead of printing them."""
+    failed: list = []
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if _is_orbax_leftover(unraisable):
+            logger.debug("after a failed restore: %s in %r", unraisable.exc_type.__name__, unraisable.object)
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield failed
+        if failed:
+            deadline = time.monotonic() + max_wait_s
+            gc.collect()
+            while _orbax_coroutines_alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+                gc.collect()
+    finally:
+        sys.unraisablehook = previous
+
+
+def _innermost_message(e: BaseException) -> str:
+    """The message of the deepest cause of `e` (tensorstore wraps the useful line in pages of spec)."""
+    seen = set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 400 else text[:400] + " ..."
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -114,8 +194,8 @@ def _abstract_state(cfg: ModelConfig) -> nnx.State:
     return nnx.state(abstract_model(cfg), nnx.Param)
 
 
-def _check_tree(expected: dict[str, Any], found: dict[str, Any], what: str) -> None:
-    """Same parameter names, shapes and (where known) dtypes, else a ValueError naming the differences."""
+def _check_tree(expected: dict[str, Any], found: dict[str, Any], where: Path, what: str) -> None:
+    """Same parameter names, shapes and (where known) dtypes, else a ModelLoadError naming the differences."""
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     problems = []
@@ -138,7 +218,7 @@ def _check_tree(expected: dict[str, Any], found: dict[str, Any], what: str) -> N
                 problems.append(f"{name}: dtype {jnp.dtype(f_dtype).name}, expected {jnp.dtype(e.dtype).name}")
     if problems:
         shown = "; ".join(problems[:12]) + (" ..." if len(problems) > 12 else "")
-        raise ValueError(f"{what}: {shown}")
+        raise ModelLoadError(where, f"{what}: {shown}")
 
 
 def _stored_tree(ckptr: ocp.StandardCheckpointer, params_dir: Path) -> dict | None:
@@ -168,7 +248,7 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, state: nnx.State 
     path = Path(path).absolute()
     pure = _to_pure_dict(state)
     expected = _flatten(_state_to_pure_dict(_abstract_state(cfg)))
-    _check_tree(expected, _flatten(pure), f"parameters do not match the model config {cfg}")
+    _check_tree(expected, _flatten(pure), path, f"parameters do not match the model config {cfg}")
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -203,14 +283,14 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tuple[
 
     `dtype` ("float32" | "bfloat16" | "float16") casts the parameters after loading and is recorded in
     the returned config; None keeps the stored dtype. Raises FileNotFoundError for a missing folder and
-    ValueError for anything that is not a matching pagedjax checkpoint.
+    ModelLoadError (a ValueError) for anything that is not a matching, readable pagedjax checkpoint.
     """
     path = Path(path).absolute()
     meta = read_checkpoint_metadata(path)
-    cfg = ModelConfig.from_dict(meta["model_config"])
+    cfg = _model_config(meta, path / CONFIG_FILE)
     params_dir = path / PARAMS_DIR
     if not params_dir.is_dir():
-        raise ValueError(f"{path} is not a pagedjax checkpoint: {PARAMS_DIR}/ is missing")
+        raise ModelLoadError(path, f"not a pagedjax checkpoint: {PARAMS_DIR}/ is missing")
     if dtype is not None:
         dtype_bytes(dtype)  # validates the name
 
@@ -221,14 +301,23 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tuple[
                           _state_to_pure_dict(abstract))
     expected = _flatten(target)
     ckptr = ocp.StandardCheckpointer()
+    problem = None
     try:
         stored = _stored_tree(ckptr, params_dir)
         if stored is not None:
-            _check_tree(expected, _flatten(stored), f"checkpoint {path} does not match its config")
-        restored = ckptr.restore(params_dir, target)
+            _check_tree(expected, _flatten(stored), params_dir, f"parameters do not match {CONFIG_FILE}")
+        with _orbax_failure_noise_suppressed() as failed:
+            try:
+                restored = ckptr.restore(params_dir, target)
+            except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise bare Exceptions for unreadable data
+                problem = _innermost_message(e)  # not chained: the exception holds orbax's abandoned reads
+                failed.append(problem)
     finally:
         ckptr.close()
-    _check_tree(expected, _flatten(restored), f"checkpoint {path} restored wrongly")
+    if problem is not None:
+        raise ModelLoadError(params_dir, f"cannot read the parameters (truncated or corrupted checkpoint?): "
+                                         f"{problem}")
+    _check_tree(expected, _flatten(restored), params_dir, "parameters restored wrongly")
 
     state = abstract
     _state_replace_by_pure_dict(state, restored)

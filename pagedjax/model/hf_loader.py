@@ -5,15 +5,17 @@
 
 - `load_hf_config(path)` maps `config.json` (+ `generation_config.json` for EOS/BOS ids) to a `ModelConfig`.
   Anything pagedjax cannot compute exactly (unknown `model_type`, `hidden_act` other than silu, `mlp_bias`,
-  Llama's `attention_bias` (it also biases o_proj), rope scaling other than default/linear/llama3, partial
-  rotary, quantized weights, ...) raises a `ValueError` naming the field: never silently wrong output.
+  Llama's `attention_bias` (it also biases o_proj), rope scaling other than `pagedjax.config.ROPE_TYPES`,
+  partial rotary, quantized weights, ...) and any field of the wrong type (`"hidden_size": "256"`, `2.0`) or
+  invalid JSON raises a `ModelLoadError` (a ValueError) naming the file and field: never silently wrong output.
   A sliding window is exact for sequences no longer than the window, so when one is in effect
   `max_position_embeddings` is capped to the window (with a warning) instead of refusing the model.
 - `load_hf_params(path, cfg)` reads the safetensors (one file, or shards listed in
   `model.safetensors.index.json`) tensor by tensor with the numpy API (no torch), transposes linear weights
   to pagedjax's `[in, out]` kernels, casts to `cfg.dtype` and fills an abstract `nnx.State` leaf by leaf, so
   that the host never holds a second full copy of the weights. Names and shapes are checked against the
-  model before any tensor is read; missing, unexpected and mis-shaped tensors are errors naming the tensor.
+  model before any tensor is read; missing, unexpected and mis-shaped tensors are errors naming the tensor, and
+  a truncated or corrupted file is an error naming the file.
 
 Parameter names of `pagedjax.model.llama.Llama` mirror `LlamaForCausalLM` (minus the `model.` prefix), so the
 name mapping is mechanical; RoPE uses the same rotate-half convention, so q/k need no permutation.
@@ -23,8 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,8 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pagedjax.config import ModelConfig
+from pagedjax.config import ROPE_SCALING_PARAMS, ROPE_TYPES, ModelConfig
 from pagedjax.model.llama import abstract_model, model_from_state  # noqa: F401  (model_from_state: re-export)
+from pagedjax.model.loader import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -51,27 +54,46 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
               "tie_word_embeddings": False},
 }
-_ROPE_KEYS = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
 # Non-parameter tensors that some checkpoints carry and that pagedjax recomputes.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def _read_json(path: Path) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """A JSON object from `path`; ModelLoadError naming the file if it is unreadable, invalid or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(path, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:
+        raise ModelLoadError(path, f"invalid JSON: {e}") from None
+    except OSError as e:
+        raise ModelLoadError(path, f"cannot read: {e.strerror or e}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(path, f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
-def _id_list(value: Any, field: str) -> tuple[int, ...]:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _id_list(value: Any, key: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
+    if _is_int(value) and value >= 0:
         return (value,)
-    if isinstance(value, list | tuple) and all(isinstance(v, int) for v in value):
+    if isinstance(value, list) and all(_is_int(v) and v >= 0 for v in value):
         return tuple(value)
-    raise ValueError(f"config field {field!r}: expected an int or a list of ints, got {value!r}")
+    raise ValueError(f"field {key!r}: expected a token id or a list of token ids, got {value!r}")
+
+
+def _optional_id(value: Any, key: str) -> int | None:
+    if isinstance(value, list):  # some configs list several; the first is the one prepended
+        value = value[0] if value else None
+    if value is not None and not (_is_int(value) and value >= 0):
+        raise ValueError(f"field {key!r}: expected a token id or null, got {value!r}")
+    return value
 
 
 def _positive_int(hf: dict, key: str, default: Any = None) -> int:
@@ -79,9 +101,35 @@ def _positive_int(hf: dict, key: str, default: Any = None) -> int:
     if value is None:  # absent or null: transformers falls back to the default too
         value = default
     if value is None:
-        raise ValueError(f"config.json: required field {key!r} is missing")
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"config.json field {key!r}: expected a positive int, got {value!r}")
+        raise ValueError(f"required field {key!r} is missing (or null)")
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"field {key!r}: expected a positive int, got {value!r}")
+    return value
+
+
+def _number(hf: dict, key: str, default: float | None = None) -> float:
+    """A float field (JSON ints accepted); absent or null gives `default`."""
+    value = hf.get(key)
+    if value is None:
+        value = default
+    if value is None:
+        raise ValueError(f"required field {key!r} is missing (or null)")
+    if not isinstance(value, bool) and isinstance(value, int | float):
+        try:
+            if math.isfinite(value):
+                return float(value)
+        except OverflowError:  # an int beyond float's range
+            pass
+    raise ValueError(f"field {key!r}: expected a finite number, got {value!r}")
+
+
+def _flag(hf: dict, key: str, default: bool) -> bool:
+    """A boolean field; absent or null gives `default`."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"field {key!r}: expected true or false, got {value!r}")
     return value
 
 
@@ -92,32 +140,39 @@ def _rope(hf: dict, model_type: str) -> tuple[float, tuple[tuple[str, Any], ...]
     field = "rope_parameters"
     if params is None:
         params, field = hf.get("rope_scaling"), "rope_scaling"
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"field {field!r}: expected an object or null, got {params!r}")
     params = dict(params or {})
     if isinstance(params.get("full_attention"), dict):  # per-layer-type rope parameters
-        raise ValueError(f"config.json field {field!r}: per-layer-type rope parameters are not supported")
-    theta = params.pop("rope_theta", None)
-    if theta is None:
-        theta = hf.get("rope_theta", _DEFAULTS[model_type]["rope_theta"])
-    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
-        raise ValueError(f"config.json field 'partial_rotary_factor' = {partial!r}: only full rotary embeddings "
-                         "are supported")
+        raise ValueError(f"field {field!r}: per-layer-type rope parameters are not supported")
+    # transformers 5 keeps rope_theta (and partial_rotary_factor) inside rope_parameters, 4 at the top level.
+    theta = _number(params if params.get("rope_theta") is not None else hf, "rope_theta",
+                    _DEFAULTS[model_type]["rope_theta"])
+    partial = _number(params if params.get("partial_rotary_factor") is not None else hf, "partial_rotary_factor",
+                      1.0)
+    if partial != 1.0:
+        raise ValueError(f"field 'partial_rotary_factor' = {partial!r}: only full rotary embeddings are supported")
     kind = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(kind, str):
+        raise ValueError(f"field {field!r}: expected a string rope type, got {kind!r}")
     if kind == "default":
-        return float(theta), None
-    if kind not in _ROPE_KEYS:
-        raise ValueError(f"config.json field {field!r}: rope type {kind!r} is not supported "
-                         f"(supported: default, {', '.join(_ROPE_KEYS)})")
+        return theta, None
+    if kind not in ROPE_SCALING_PARAMS:
+        raise ValueError(f"field {field!r}: rope type {kind!r} is not supported "
+                         f"(supported: {', '.join(ROPE_TYPES)})")
     scaling: dict[str, Any] = {"rope_type": kind}
-    for key in _ROPE_KEYS[kind]:
+    for key in ROPE_SCALING_PARAMS[kind]:
         if params.get(key) is None:
-            raise ValueError(f"config.json field {field!r}: rope type {kind!r} needs {key!r}")
-        scaling[key] = float(params[key])
+            raise ValueError(f"field {field!r}: rope type {kind!r} needs {key!r}")
+        try:
+            scaling[key] = _number(params, key)
+        except ValueError as e:
+            raise ValueError(f"field {field!r}: {e}") from None
     if kind == "linear" and scaling["factor"] <= 0:
-        raise ValueError(f"config.json field {field!r}: factor must be > 0, got {scaling['factor']}")
+        raise ValueError(f"field {field!r}: factor must be > 0, got {scaling['factor']}")
     if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise ValueError(f"config.json field {field!r}: high_freq_factor must exceed low_freq_factor")
-    return float(theta), tuple(sorted(scaling.items()))
+        raise ValueError(f"field {field!r}: high_freq_factor must exceed low_freq_factor")
+    return theta, tuple(sorted(scaling.items()))
 
 
 def _sliding_window(hf: dict, model_type: str, num_layers: int) -> int | None:
@@ -127,18 +182,25 @@ def _sliding_window(hf: dict, model_type: str, num_layers: int) -> int | None:
         return None
     layer_types = hf.get("layer_types")
     if layer_types is not None:
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+            raise ValueError(f"field 'layer_types': expected a list of strings, got {layer_types!r}")
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unknown:
-            raise ValueError(f"config.json field 'layer_types': unsupported attention types {unknown}")
+            raise ValueError(f"field 'layer_types': unsupported attention types {unknown}")
         if "sliding_attention" not in layer_types:
             return None
     elif model_type == "qwen2":
-        if not hf.get("use_sliding_window", False):
+        if not _flag(hf, "use_sliding_window", False):
             return None
-        if hf.get("max_window_layers", num_layers) >= num_layers:
+        max_window_layers = hf.get("max_window_layers")
+        if max_window_layers is None:
+            return None  # every layer is below the cut-off: full attention
+        if not _is_int(max_window_layers) or max_window_layers < 0:
+            raise ValueError(f"field 'max_window_layers': expected an int >= 0, got {max_window_layers!r}")
+        if max_window_layers >= num_layers:
             return None
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"config.json field 'sliding_window': expected a positive int or null, got {window!r}")
+    if not _is_int(window) or window < 1:
+        raise ValueError(f"field 'sliding_window': expected a positive int or null, got {window!r}")
     return window
 
 
@@ -146,33 +208,49 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
     """Map a Hugging Face folder's `config.json` (and `generation_config.json`) to a `ModelConfig`.
 
     dtype: parameter/activation dtype ("float32" | "bfloat16" | "float16"); None takes the checkpoint's
-    `torch_dtype`/`dtype`, float32 when absent. Raises ValueError naming the field for anything unsupported.
+    `torch_dtype`/`dtype`, float32 when absent. Raises FileNotFoundError without config.json and
+    ModelLoadError (a ValueError) naming the file and field for invalid JSON, a field of the wrong type or
+    anything unsupported.
     """
     folder = Path(path)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}")
     hf = _read_json(config_path)
+    gen_path = folder / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    try:
+        bos = _optional_id(gen.get("bos_token_id"), "bos_token_id")
+        eos = _id_list(gen.get("eos_token_id"), "eos_token_id")  # what transformers' generate stops on
+    except ValueError as e:
+        raise ModelLoadError(gen_path, str(e)) from None
+    try:
+        return _config_from_hf(hf, dtype, bos, eos)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(config_path, str(e)) from None
+
+
+def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: tuple[int, ...]) -> ModelConfig:
+    """`load_hf_config` on parsed JSON; ValueErrors name the field (the caller adds the file)."""
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"config.json field 'model_type' = {model_type!r} is not supported "
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"field 'model_type' = {model_type!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     defaults = _DEFAULTS[model_type]
 
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise ValueError(f"config.json field 'hidden_act' = {act!r} is not supported (only silu)")
-    if hf.get("mlp_bias", False):
-        raise ValueError("config.json field 'mlp_bias' = true is not supported (MLP projections have no bias)")
+        raise ValueError(f"field 'hidden_act' = {act!r} is not supported (only silu)")
+    if _flag(hf, "mlp_bias", False):
+        raise ValueError("field 'mlp_bias' = true is not supported (MLP projections have no bias)")
     if hf.get("quantization_config") is not None:
-        raise ValueError("config.json field 'quantization_config': quantized checkpoints are not supported")
+        raise ValueError("field 'quantization_config': quantized checkpoints are not supported")
     if model_type == "qwen2":
         qkv_bias = True  # Qwen2 always biases q/k/v (and never o_proj)
     elif model_type == "llama":
-        if hf.get("attention_bias", False):
+        if _flag(hf, "attention_bias", False):
             # HF's Llama puts the bias on o_proj too, which pagedjax's attention does not have.
-            raise ValueError("config.json field 'attention_bias' = true is not supported for llama "
-                             "(it also biases o_proj)")
+            raise ValueError("field 'attention_bias' = true is not supported for llama (it also biases o_proj)")
         qkv_bias = False
     else:
         qkv_bias = False
@@ -181,18 +259,15 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
     num_heads = _positive_int(hf, "num_attention_heads")
     num_kv = _positive_int(hf, "num_key_value_heads", num_heads)
     num_layers = _positive_int(hf, "num_hidden_layers")
-    head_dim = hf.get("head_dim")
-    if head_dim is None:
+    if hf.get("head_dim") is None:
         if hidden % num_heads:
-            raise ValueError(f"config.json: 'hidden_size' ({hidden}) is not a multiple of 'num_attention_heads' "
-                             f"({num_heads}) and there is no 'head_dim'")
-        head_dim = hidden // num_heads
-    head_dim = _positive_int({"head_dim": head_dim}, "head_dim")
+            raise ValueError(f"'hidden_size' ({hidden}) is not a multiple of 'num_attention_heads' ({num_heads}) "
+                             "and there is no 'head_dim'")
+    head_dim = _positive_int(hf, "head_dim", hidden // num_heads)
     if head_dim % 2:
-        raise ValueError(f"config.json field 'head_dim' = {head_dim}: RoPE needs an even head dim")
+        raise ValueError(f"field 'head_dim' = {head_dim}: RoPE needs an even head dim")
     if num_heads % num_kv:
-        raise ValueError(f"config.json: 'num_attention_heads' ({num_heads}) is not a multiple of "
-                         f"'num_key_value_heads' ({num_kv})")
+        raise ValueError(f"'num_attention_heads' ({num_heads}) is not a multiple of 'num_key_value_heads' ({num_kv})")
     rope_theta, rope_scaling = _rope(hf, model_type)
 
     max_pos = _positive_int(hf, "max_position_embeddings", defaults["max_position_embeddings"])
@@ -203,26 +278,16 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
         max_pos = window
 
     if dtype is None:
-        dtype = hf.get("torch_dtype", hf.get("dtype")) or "float32"
+        key = "torch_dtype" if hf.get("torch_dtype") is not None else "dtype"
+        dtype = hf.get(key) or "float32"
         if dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"config.json field 'torch_dtype' = {dtype!r} is not supported "
+            raise ValueError(f"field {key!r} = {dtype!r} is not supported "
                              f"(supported: {', '.join(_SUPPORTED_DTYPES)}); pass dtype= to override")
     elif dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(_SUPPORTED_DTYPES)})")
 
-    bos = hf.get("bos_token_id")
-    eos = _id_list(hf.get("eos_token_id"), "eos_token_id")
-    gen_path = folder / "generation_config.json"
-    if gen_path.is_file():
-        gen = _read_json(gen_path)
-        if gen.get("eos_token_id") is not None:  # what transformers' generate stops on
-            eos = _id_list(gen["eos_token_id"], "generation_config.json eos_token_id")
-        if gen.get("bos_token_id") is not None:
-            bos = gen["bos_token_id"]
-    if isinstance(bos, list):
-        bos = bos[0] if bos else None
-
-    tie = hf.get("tie_word_embeddings", defaults["tie_word_embeddings"])
+    bos = gen_bos if gen_bos is not None else _optional_id(hf.get("bos_token_id"), "bos_token_id")
+    eos = gen_eos or _id_list(hf.get("eos_token_id"), "eos_token_id")
     return ModelConfig(
         vocab_size=_positive_int(hf, "vocab_size"),
         hidden_size=hidden,
@@ -233,8 +298,8 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
         intermediate_size=_positive_int(hf, "intermediate_size"),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
-        tie_word_embeddings=bool(tie),
+        rms_norm_eps=_number(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
+        tie_word_embeddings=_flag(hf, "tie_word_embeddings", defaults["tie_word_embeddings"]),
         qkv_bias=qkv_bias,
         max_position_embeddings=max_pos,
         dtype=dtype,
@@ -267,7 +332,9 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index}: no 'weight_map'")
+            raise ModelLoadError(index, "no 'weight_map' object")
+        if not all(isinstance(f, str) for f in weight_map.values()):
+            raise ModelLoadError(index, "field 'weight_map': file names must be strings")
         files = [folder / f for f in dict.fromkeys(weight_map.values())]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -310,21 +377,29 @@ def _read_raw(file: Path, name: str) -> np.ndarray:
 
 
 def _headers(files: list[Path]) -> Iterator[tuple[Path, str, tuple[int, ...], str]]:
+    """(file, tensor name, shape, safetensors dtype) of every tensor; ModelLoadError naming a file whose header
+    cannot be read (safetensors checks there that the header covers the whole file: truncation shows here)."""
     from safetensors import safe_open
 
     for file in files:
-        with safe_open(str(file), framework="numpy") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                yield file, name, tuple(sl.get_shape()), sl.get_dtype()
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                entries = []
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    entries.append((file, name, tuple(sl.get_shape()), sl.get_dtype()))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (an Exception)
+            raise ModelLoadError(file, f"not a readable safetensors file (truncated or corrupted?): {e}") from e
+        yield from entries
 
 
-def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, verbose: bool = True) -> nnx.State:
+def load_hf_params(path: str | os.PathLike, cfg: ModelConfig) -> nnx.State:
     """Weights of a Hugging Face folder as an `nnx.State` with the structure of `nnx.split(init_model(cfg))[1]`.
 
     Streams tensor by tensor: each is read, transposed if it is a linear weight, cast to `cfg.dtype` and put
-    on the device before the next is read. Raises ValueError for missing, unexpected or mis-shaped tensors
-    (naming them) before reading any data. verbose: print the load time to stderr (it is logged either way).
+    on the device before the next is read. Raises ModelLoadError (a ValueError) for missing, unexpected or
+    mis-shaped tensors (naming them) before reading any data, and naming the file for unreadable data. The load
+    time is logged (logger `pagedjax.model.hf_loader`, level INFO).
     """
     from safetensors import safe_open
 
@@ -348,15 +423,15 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, verbose: bool =
             unexpected.append(name)
             continue
         if name in seen:
-            raise ValueError(f"tensor {name!r} appears in both {seen[name].name} and {file.name}")
+            raise ModelLoadError(file, f"tensor {name!r} also appears in {seen[name].name}")
         var, transpose = targets[name]
         want = tuple(var.get_value().shape)
         want = want[::-1] if transpose else want
         if shape != want:
             misshaped.append(f"{name}: checkpoint {list(shape)}, model expects {list(want)}")
         if st_dtype not in _ST_DTYPES:
-            raise ValueError(f"tensor {name!r} in {file.name}: dtype {st_dtype} is not supported "
-                             f"(supported: {', '.join(_ST_DTYPES)})")
+            raise ModelLoadError(file, f"tensor {name!r}: dtype {st_dtype} is not supported "
+                                       f"(supported: {', '.join(_ST_DTYPES)})")
         seen[name] = file
         plan[file].append(name)
     missing = sorted(set(targets) - set(seen))
@@ -368,7 +443,7 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, verbose: bool =
     if misshaped:
         problems.append("mis-shaped tensors: " + "; ".join(misshaped))
     if problems:
-        raise ValueError(f"checkpoint {path} does not match the model config: " + ". ".join(problems))
+        raise ModelLoadError(path, "the weights do not match the model config: " + ". ".join(problems))
     if skipped:
         logger.debug("ignored tensors: %s", skipped)
 
@@ -381,7 +456,10 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, verbose: bool =
         with safe_open(str(file), framework="numpy") as f:
             for name in names:
                 var, transpose = targets[name]
-                array = _read_tensor(f, file, name)
+                try:
+                    array = _read_tensor(f, file, name)
+                except Exception as e:  # noqa: BLE001 - whatever the reader raised, name the file and tensor
+                    raise ModelLoadError(file, f"cannot read tensor {name!r} (truncated or corrupted?): {e}") from e
                 num_bytes += array.nbytes
                 if transpose:
                     array = array.T
@@ -393,20 +471,17 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, verbose: bool =
     msg = (f"loaded {len(seen)} tensors ({num_bytes / 2**20:.1f} MiB) from {len(files)} safetensors file(s) "
            f"in {elapsed:.2f}s as {cfg.dtype}")
     logger.info("%s: %s", path, msg)
-    if verbose:
-        print(f"pagedjax: {msg}", file=sys.stderr)
     return state
 
 
-def load_hf(path: str | os.PathLike, dtype: str | None = None, *, verbose: bool = True
-            ) -> tuple[ModelConfig, nnx.State, Any]:
+def load_hf(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, nnx.State, Any]:
     """(ModelConfig, params, tokenizer or None) of a local Hugging Face folder.
 
     The tokenizer is an `HFTokenizer` when the folder has `tokenizer.json` and the `tokenizers` package is
     installed, else None.
     """
     cfg = load_hf_config(path, dtype=dtype)
-    params = load_hf_params(path, cfg, verbose=verbose)
+    params = load_hf_params(path, cfg)
     tokenizer = None
     if (Path(path) / "tokenizer.json").is_file():
         try:

@@ -1,14 +1,29 @@
-"""One entry point for weights: a pagedjax orbax checkpoint folder or a local Hugging Face model folder."""
+"""One entry point for weights: a pagedjax orbax checkpoint folder or a local Hugging Face model folder.
+
+Every problem with the folder's contents (invalid JSON, a config field of the wrong type, a truncated or
+corrupted weights file, weights that do not match the config) is a `ModelLoadError` whose message is one line
+naming the file and, where there is one, the field or tensor. A missing path is a `FileNotFoundError`.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
 from pagedjax.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(ValueError):
+    """A model folder that cannot be loaded; `str(e)` is one line naming the file (and field or tensor)."""
+
+    def __init__(self, path: str | os.PathLike, problem: str):
+        self.path = Path(path)
+        self.problem = " ".join(str(problem).split())  # one line, whatever the underlying library said
+        super().__init__(f"{self.path}: {self.problem}")
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -19,8 +34,9 @@ def is_hf_folder(path: Path) -> bool:
 def load_pretrained(path: str | Path | None = None, dtype: str | None = None):
     """Load `(ModelConfig, nnx.State, tokenizer)` from a folder; None means the bundled model.
 
-    Accepts pagedjax's own orbax checkpoints and Hugging Face folders (config.json + *.safetensors).
-    `dtype` ("float32" | "bfloat16" | "float16") overrides the stored one.
+    Accepts pagedjax's own orbax checkpoints (a folder with `pagedjax_config.json`) and Hugging Face folders
+    (`config.json` + *.safetensors). `dtype` ("float32" | "bfloat16" | "float16") overrides the stored one.
+    Raises FileNotFoundError for a missing path and ModelLoadError for a folder that cannot be loaded.
     """
     from pagedjax.model import checkpoint
 
@@ -28,20 +44,22 @@ def load_pretrained(path: str | Path | None = None, dtype: str | None = None):
     if not path.exists():
         raise FileNotFoundError(f"no model at {path}")
     start = time.perf_counter()
-    if checkpoint.is_pagedjax_checkpoint(path):
+    # Decided by which config file is present, not by whether it parses: a broken pagedjax_config.json is
+    # reported as such, not as "not a model folder".
+    if (path / checkpoint.CONFIG_FILE).is_file():
         from pagedjax.tokenizer import ByteTokenizer
 
         cfg, state = checkpoint.load_checkpoint(path, dtype=dtype)
         tokenizer = ByteTokenizer() if cfg.vocab_size == ByteTokenizer.vocab_size else None
-    elif is_hf_folder(path):
+    elif (path / "config.json").is_file():
         from pagedjax.model import hf_loader
 
         cfg, state, tokenizer = hf_loader.load_hf(path, dtype=dtype)
     else:
-        raise ValueError(f"{path} is neither a pagedjax checkpoint nor a Hugging Face model folder "
-                         "(config.json + *.safetensors)")
+        raise ModelLoadError(path, f"neither a pagedjax checkpoint ({checkpoint.CONFIG_FILE} + params/) nor a "
+                                   "Hugging Face model folder (config.json + *.safetensors)")
     logger.info("loaded %s in %.2f s", path, time.perf_counter() - start)
     return cfg, state, tokenizer
 
 
-__all__ = ["ModelConfig", "is_hf_folder", "load_pretrained"]
+__all__ = ["ModelConfig", "ModelLoadError", "is_hf_folder", "load_pretrained"]

@@ -44,8 +44,31 @@ def test_single_prompt_json(capsys):
     (c,) = result["completions"]
     assert c["prompt"] == "def f(x):\n" and c["num_tokens"] == 6 and c["finish_reason"] == "length"
     assert c["num_prompt_tokens"] == len("def f(x):\n") + 1  # + BOS
-    assert result["stats"]["generated tokens"] == "6"
-    assert 1 <= result["peak_blocks_used"] <= 2  # 11 prompt + 6 generated tokens, blocks of 16
+    stats = result["stats"]
+    # Numbers, not text; units in the key names.
+    assert all(isinstance(v, int | float) and not isinstance(v, bool) for v in stats.values()), stats
+    assert stats["generated_tokens"] == 6 and stats["prompt_tokens"] == 11 and stats["requests"] == 1
+    assert stats["kv_blocks"] == 16
+    assert 1 <= stats["kv_blocks_used_peak"] <= 2  # 11 prompt + 6 generated tokens, blocks of 16
+    assert stats["tokens_per_s"] > 0 and stats["elapsed_s"] >= stats["compile_s"] >= 0 and stats["wall_s"] > 0
+    assert 0 <= stats["kv_waste_pct"] < 100 and 0 <= stats["prefix_cache_hit_pct"] <= 100
+    assert stats["compilations"] >= 1 and stats["engine_steps"] >= 6
+
+
+def test_help_shows_each_default_once(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "(default: None)" not in text and "(default: False)" not in text
+    # One chunk per option ("  --name ..." up to the next option), whitespace folded.
+    chunks = [" ".join(c.split()) for c in re.split(r"\n(?=\s{2}-)", text)]
+    for chunk in chunks:
+        assert chunk.count("default") <= 1, chunk
+    by_flag = {c.split()[0]: c for c in chunks if c.startswith("-")}
+    assert "(default: 64)" in by_flag["--max-tokens"]
+    assert "(default: 512)" in by_flag["--num-blocks"]
+    assert "default" not in by_flag["--kv-memory"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -75,6 +98,44 @@ def test_bad_arguments_in_a_subprocess_give_no_traceback():
     r = _run("--model", "/no/such/model", timeout=120)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "no such file" in r.stderr
+
+
+def _one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pagedjax-generate: error: "), err
+    assert "usage:" not in err and "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "x" * 100, "--max-model-len", "64"], "longer than max_model_len=64"),  # prompt too long
+    (["--prompt", "def f():", "--num-blocks", "2", "--max-tokens", "64"], "more than the whole pool"),
+    (["--kv-memory", "1B"], "holds no block"),
+    (["--kv-memory", "1000000000000T"], "does not fit"),  # an OverflowError once
+])
+def test_runtime_errors_are_one_line_without_usage(argv, message, capsys):
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert message in _one_line_error(captured.err)
+    assert captured.out == ""  # not even the echo of a streamed prompt
+
+
+def test_kv_pool_bigger_than_memory_is_refused_before_allocating(capsys):
+    import jax
+
+    free, _ = cli.memory_available(jax.local_devices()[0])
+    if free >= 300 * 2**30:
+        pytest.skip("this machine has 300 GiB free")
+    assert cli.main(["--kv-memory", "300GiB"]) == 2  # RESOURCE_EXHAUSTED (or the OOM killer) once
+    line = _one_line_error(capsys.readouterr().err)
+    assert "300.0 GiB does not fit" in line and "--kv-memory" in line
+
+
+def test_parse_size_any_number_of_digits():
+    assert cli.parse_size("1000000000000T") == 10**12 * 2**40
+    assert cli.parse_size("9" * 400) == int("9" * 400)  # float() would overflow
+    assert cli.parse_size("0.5KiB") == 512
 
 
 def test_parse_size():

@@ -170,7 +170,7 @@ def test_config_maps_fields(hf_models, kind):
 def test_state_matches_init_model_structure(hf_models, kind):
     _, path = hf_models[kind]
     cfg = load_hf_config(path)
-    state = load_hf_params(path, cfg, verbose=False)
+    state = load_hf_params(path, cfg)
     want = nnx.split(init_model(cfg))[1]
     assert jax.tree.structure(state) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
@@ -180,7 +180,7 @@ def test_state_matches_init_model_structure(hf_models, kind):
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_logits_match_transformers(hf_models, kind):
     model, path = hf_models[kind]
-    cfg, state, tok = load_hf(path, verbose=False)
+    cfg, state, tok = load_hf(path)
     assert tok is None  # no tokenizer.json saved
     ours = dense_logits(cfg, state, PROMPTS)
     ref = hf_logits(model, PROMPTS)
@@ -195,7 +195,7 @@ def test_linear_rope_scaling_logits(tmp_path):
     config._attn_implementation = "eager"
     torch.manual_seed(1)
     model = transformers.LlamaForCausalLM(config).eval()
-    cfg, state, _ = load_hf(_save(model, tmp_path / "linear"), verbose=False)
+    cfg, state, _ = load_hf(_save(model, tmp_path / "linear"))
     assert dict(cfg.rope_scaling) == {"rope_type": "linear", "factor": 3.0}
     for a, b in zip(dense_logits(cfg, state, PROMPTS), hf_logits(model, PROMPTS), strict=True):
         np.testing.assert_allclose(a, b, atol=TOL, rtol=TOL)
@@ -207,7 +207,7 @@ def test_engine_greedy_matches_transformers_generate(hf_models, kind):
     expected, margins = zip(*(hf_greedy(model, p, MAX_NEW) for p in PROMPTS), strict=True)
     # A near tie would make "identical tokens" depend on rounding: these seeds have none.
     assert min(margins) > MIN_MARGIN, min(margins)
-    cfg, state, _ = load_hf(path, verbose=False)
+    cfg, state, _ = load_hf(path)
     engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=32),
                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
                        params=model_from_state(cfg, state))
@@ -224,7 +224,7 @@ def test_engine_string_prompts_with_tokenizer(hf_models, tmp_path):
     for f in path.iterdir():
         (folder / f.name).write_bytes(f.read_bytes())
     word_tokenizer().save(str(folder / "tokenizer.json"))
-    cfg, state, tok = load_hf(folder, verbose=False)
+    cfg, state, tok = load_hf(folder)
     assert isinstance(tok, HFTokenizer) and tok.eos_token_ids == (2,)
     texts = ["the cat sat on a mat", "sun in the house", "a big red house"]
     ids = [tok.encode(t) for t in texts]
@@ -249,8 +249,8 @@ def test_sharded_checkpoint_loads_identically(hf_models, tmp_path):
     assert len(set(index["weight_map"].values())) > 1
     assert not (sharded / "model.safetensors").exists()
     cfg = load_hf_config(path)
-    single = load_hf_params(path, cfg, verbose=False)
-    shards = load_hf_params(sharded, cfg, verbose=False)
+    single = load_hf_params(path, cfg)
+    shards = load_hf_params(sharded, cfg)
     assert jax.tree.structure(single) == jax.tree.structure(shards)
     for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(shards), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -265,14 +265,14 @@ def test_half_precision_checkpoint(hf_models, tmp_path, dtype):
     path = _save(half, tmp_path / dtype)
     cfg = load_hf_config(path)
     assert cfg.dtype == dtype  # the checkpoint's dtype is the default
-    state = load_hf_params(path, cfg, verbose=False)
+    state = load_hf_params(path, cfg)
     q = state["layers"][0]["self_attn"]["q_proj"]["kernel"].get_value()
     assert q.dtype == jax.numpy.dtype(dtype)
     want = half.model.layers[0].self_attn.q_proj.weight.detach().float().numpy().T
     np.testing.assert_array_equal(np.asarray(q, np.float32), want)
 
     cfg32 = load_hf_config(path, dtype="float32")
-    state32 = load_hf_params(path, cfg32, verbose=False)
+    state32 = load_hf_params(path, cfg32)
     ours = dense_logits(cfg32, state32, PROMPTS[1:3])
     # The float32 reference: the rounded weights in a float32 model (casting the half model itself back would
     # also round transformers' RoPE inv_freq buffer, which is not part of the checkpoint).
@@ -327,7 +327,7 @@ def test_checkpoint_mismatch_names_the_tensor(hf_models, tmp_path, problem):
     else:
         _rewrite_tensors(path, lambda t: t.update({name: t[name][:-1]}))
     with pytest.raises(ValueError, match=problem.replace("misshaped", "mis-shaped")) as e:
-        load_hf_params(path, load_hf_config(path), verbose=False)
+        load_hf_params(path, load_hf_config(path))
     assert name in str(e.value)
 
 

@@ -1,0 +1,78 @@
+"""scripts/run.sh and scripts/test.sh, run against stub tools in a copy of the repository's layout (no pip,
+no JAX: each run takes milliseconds)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _stub(path: Path, body: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def _repo(tmp_path: Path, script: str) -> tuple[Path, Path]:
+    """(a repo root holding scripts/<script> and pyproject.toml, the log the stubs write to)."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / script, root / "scripts" / script)
+    (root / "pyproject.toml").write_text('[project]\nname = "pagedjax"\nversion = "0.1.0"\n')
+    return root, tmp_path / "log"
+
+
+def _log(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_run_sh_installs_only_when_the_project_changed(tmp_path):
+    root, log = _repo(tmp_path, "run.sh")
+    bin_dir = root / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    # pip "installs" the console script, as `pip install -e .` does.
+    _stub(bin_dir / "pip", f'echo "pip $*" >> {log}\n'
+                           f'printf \'#!/bin/sh\\necho "generate $*" >> {log}\\n\' > {bin_dir}/pagedjax-generate\n'
+                           f'chmod +x {bin_dir}/pagedjax-generate')
+
+    def run(*args: str) -> list[str]:
+        before = len(_log(log))
+        r = subprocess.run(["bash", str(root / "scripts" / "run.sh"), *args], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        return _log(log)[before:]
+
+    assert run() == ["pip install -q -e .", "generate --demo"]  # a fresh checkout installs
+    assert run("--prompt", "x") == ["generate --prompt x"]  # nothing changed: no pip
+    assert run() == ["generate --demo"]
+    with open(root / "pyproject.toml", "a") as f:
+        f.write('dependencies = ["numpy"]\n')
+    assert run() == ["pip install -q -e .", "generate --demo"]  # the project changed
+    assert run() == ["generate --demo"]
+    (bin_dir / "pagedjax-generate").unlink()
+    assert run() == ["pip install -q -e .", "generate --demo"]  # the console script went missing
+
+
+def test_test_sh_reports_the_slowest_tests(tmp_path):
+    root, log = _repo(tmp_path, "test.sh")
+    for venv in (".venv", ".venv312"):
+        _stub(root / venv / "bin" / "python", f'echo "{venv} python $*" >> {log}\necho stub')
+        _stub(root / venv / "bin" / "pip", "true")
+    path_dir = tmp_path / "path"
+    _stub(path_dir / "python3.12", "true")
+    env = dict(os.environ, PATH=f"{path_dir}{os.pathsep}{os.environ['PATH']}")
+    r = subprocess.run(["bash", str(root / "scripts" / "test.sh"), "-k", "block_pool"], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    pytest_runs = [line for line in _log(log) if " -m pytest " in line]
+    assert len(pytest_runs) == 2, _log(log)
+    assert all("--durations=15" in line for line in pytest_runs), pytest_runs
+    assert pytest_runs[0].endswith("-k block_pool")
