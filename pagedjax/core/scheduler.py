@@ -37,10 +37,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedjax.config import CacheConfig, SchedulerConfig
+from pagedjax.core.invariants import check_scheduler_invariants
 from pagedjax.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedjax.core.memory_stats import KVMemoryStats, kv_memory_stats
 from pagedjax.core.request import Request, RequestStatus
-from pagedjax.core.step_plan import MultiStepPlan, StepPlan, build_step_plan
+from pagedjax.core.step_plan import MultiStepPlan, StepPlan, build_step_plan, reconcile_fused_decode
 
 
 @dataclass(frozen=True)
@@ -59,16 +60,6 @@ class SchedulerStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
-@dataclass
-class _DecodeOutcome:
-    """What `update_multi_decode` will apply to one sequence (computed before anything is mutated)."""
-
-    request: Request
-    tokens: list[int]
-    status: RequestStatus | None
-    new_blocks: list[int]
 
 
 class Scheduler:
@@ -470,46 +461,11 @@ class Scheduler:
         if tables.ndim != 2 or tables.shape[0] < n:
             raise ValueError(f"block_tables must be [>= {n}, max_blocks], got {tables.shape}")
         kv = self.kv_cache_manager
-        bs = self.block_size
-        lent = set(plan.lent_block_ids.tolist())
-        claimed: set[int] = set()
-        outcomes: list[_DecodeOutcome] = []
-        max_new = plan.max_new_tokens.tolist()
-        kv_lens = step.kv_lens.tolist()
-        columns = sampled[:, :n].T.tolist()
-        for i, rid in enumerate(step.request_ids):
-            request = self.requests.get(rid)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted meanwhile: whatever it popped is returned below
-            if request.num_computed_tokens + 1 != kv_lens[i]:
-                raise RuntimeError(f"stale multi-step plan for request {rid!r}")
-            consumed: list[int] = []
-            status = None
-            num_out, num_tok = request.num_output_tokens, request.num_tokens
-            for token in columns[i][:max_new[i]]:
-                if token < 0:
-                    break
-                consumed.append(int(token))
-                status = self._finish_status(request, int(token), num_out + len(consumed),
-                                             num_tok + len(consumed))
-                if status is not None:
-                    break
-            held = list(kv.get_block_ids(rid))
-            need = cdiv(request.num_computed_tokens + len(consumed), bs)
-            row = tables[i]
-            if row[:len(held)].tolist() != held:
-                raise RuntimeError(f"request {rid!r}: the device changed blocks the host had placed "
-                                   f"({row[:len(held)].tolist()} != {held})")
-            new_blocks = row[len(held):need].tolist()
-            bad = [b for b in new_blocks if b not in lent or b in claimed]
-            if bad:
-                raise RuntimeError(f"request {rid!r}: table row holds blocks {bad} that were not lent "
-                                   "or are claimed twice")
-            if len(new_blocks) != max(0, need - len(held)):
-                raise RuntimeError(f"request {rid!r}: table row too narrow for {need} blocks")
-            claimed.update(new_blocks)
-            outcomes.append(_DecodeOutcome(request, consumed, status, new_blocks))
-
+        live = [r if r is not None and r.status is RequestStatus.RUNNING else None  # aborted/preempted: skip
+                for r in map(self.requests.get, step.request_ids)]
+        outcomes = reconcile_fused_decode(plan, sampled, tables, live, [kv.get_block_ids(rid) for rid in
+                                                                         step.request_ids], self._finish_status)
+        claimed = {b for o in outcomes for b in o.new_blocks}
         finished: list[Request] = []
         for o in outcomes:
             r = o.request
@@ -530,59 +486,8 @@ class Scheduler:
     # -- invariants ------------------------------------------------------------------------------------
 
     def check_invariants(self, *, mid_step: bool = False) -> None:
-        """Raise RuntimeError naming the first broken invariant (O(num_blocks + held blocks); for tests and
-        soak runs): each request is in exactly one queue; waiting ones hold nothing; between steps a running
-        request holds exactly `cdiv(num_computed_tokens, block_size)` blocks (`mid_step`: at least); every
-        block's ref_cnt is the number of requests holding it (+1 while lent), so none is lost or doubly
-        owned; a block shared by two requests is full of computed tokens, the same ones for both."""
-        kv = self.kv_cache_manager
-        pool = kv.block_pool
-        bs = self.block_size
-
-        def require(ok: bool, what: str) -> None:
-            if not ok:
-                raise RuntimeError(f"scheduler invariant violated: {what}")
-
-        pool.check_invariants()
-        require(pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks, "block counts")
-        running_ids = [r.request_id for r in self.running]
-        waiting_ids = [r.request_id for r in self.waiting]
-        require(len(set(running_ids)) == len(running_ids) and not set(running_ids) & set(waiting_ids),
-                "a request is queued twice")
-        require(set(running_ids) | set(waiting_ids) == set(self.requests), "queues and the request table differ")
-        require(len(self.running) <= self.scheduler_config.max_num_seqs, "more running than max_num_seqs")
-        for r in self.waiting:
-            require(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.request_id} waits as "
-                    f"{r.status}")
-            require(r.num_computed_tokens == 0 and not kv.num_held_blocks(r.request_id),
-                    f"waiting {r.request_id} holds KV")
-        holders = kv.holders()
-        require(set(holders) <= set(running_ids), "a request that is not running holds blocks")
-        for r in self.running:
-            require(r.status is RequestStatus.RUNNING, f"{r.request_id} runs as {r.status}")
-            held, need = kv.num_held_blocks(r.request_id), cdiv(r.num_computed_tokens, bs)
-            require(held >= need if mid_step else held == need,
-                    f"{r.request_id} holds {held} blocks for {r.num_computed_tokens} tokens")
-        count: dict[int, int] = {}
-        for blocks in holders.values():
-            require(len(set(blocks)) == len(blocks), "a request holds a block twice")
-            for b in blocks:
-                count[b] = count.get(b, 0) + 1
-        lent = kv.lent_block_ids
-        require(not set(count) & lent, "a lent block is held by a request")
-        ref = pool.ref_counts()
-        for b in range(pool.num_blocks):
-            require(int(ref[b]) == count.get(b, 0) + (b in lent), f"block {b}: ref_cnt {int(ref[b])}, "
-                    f"{count.get(b, 0)} holders, lent {b in lent}")
-        by_id = {r.request_id: r for r in self.running}
-        seen: dict[int, tuple[int, ...]] = {}
-        for rid, blocks in holders.items():
-            r = by_id[rid]
-            for i, b in enumerate(blocks):
-                if count[b] > 1:
-                    require((i + 1) * bs <= r.num_computed_tokens, f"shared block {b} is not full in {rid}")
-                    tokens = tuple(r.get_token_ids(i * bs, (i + 1) * bs))
-                    require(seen.setdefault(b, tokens) == tokens, f"shared block {b} differs between holders")
+        """Raise RuntimeError naming the first broken invariant (see `pagedjax.core.invariants`)."""
+        check_scheduler_invariants(self, mid_step=mid_step)
 
     # -- stats -----------------------------------------------------------------------------------------
 

@@ -9,12 +9,12 @@ mapping), the way nano-vllm's model runner `prepare_*` does, but on the host and
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedjax.core.request import Request
+from pagedjax.core.request import Request, RequestStatus
 
 _EMPTY_I32 = np.zeros((0,), np.int32)
 
@@ -221,3 +221,68 @@ def simulate_device_pops(block_tables: np.ndarray, seq_lens: np.ndarray, lent_bl
         slots[step], popped = device_pop_step(tables, lens, active_steps > step, lent_block_ids, popped,
                                               block_size)
     return tables, slots, popped
+
+
+@dataclass(frozen=True)
+class FusedDecodeOutcome:
+    """What a fused decode did for one live sequence, validated, not yet applied."""
+
+    request: Request
+    tokens: list[int]  # the outputs it consumed, in order
+    status: RequestStatus | None  # the finished status it reached with the last of them, if any
+    new_blocks: list[int]  # lent blocks it adopts, in the order the device popped them
+
+
+def reconcile_fused_decode(plan: MultiStepPlan, sampled: np.ndarray, block_tables: np.ndarray,
+                           requests: Sequence[Request | None], held_block_ids: Sequence[Sequence[int]],
+                           finish_status: Callable[[Request, int, int, int], RequestStatus | None],
+                           ) -> list[FusedDecodeOutcome]:
+    """What a fused decode did, checked against the host's view; changes nothing.
+
+    sampled int `[num_steps, >= num_seqs]` (negative: the sequence did not run that step); block_tables int
+    `[>= num_seqs, max_blocks]` as the device left them; `requests[i]` is sequence i's request, or None if
+    it was aborted or preempted meanwhile (skipped: whatever it popped goes back); `held_block_ids[i]` the
+    blocks it holds. Sequence i consumes its tokens until `finish_status(request, token, num_outputs,
+    num_tokens)` says it finished, its tokens run out, or it reaches `max_new_tokens[i]`; it adopts the
+    blocks its table row gained, up to what its new length needs. RuntimeError if the device changed a
+    block the host placed, kept a block that was not lent, or took one twice.
+    """
+    step = plan.plan
+    bs = plan.block_size
+    lent = set(plan.lent_block_ids.tolist())
+    claimed: set[int] = set()
+    outcomes: list[FusedDecodeOutcome] = []
+    max_new = plan.max_new_tokens.tolist()
+    kv_lens = step.kv_lens.tolist()
+    columns = np.asarray(sampled)[:, :step.num_seqs].T.tolist()
+    for i, (rid, request) in enumerate(zip(step.request_ids, requests, strict=True)):
+        if request is None:
+            continue
+        if request.num_computed_tokens + 1 != kv_lens[i]:
+            raise RuntimeError(f"stale multi-step plan for request {rid!r}")
+        consumed: list[int] = []
+        status = None
+        num_out, num_tok = request.num_output_tokens, request.num_tokens
+        for token in columns[i][:max_new[i]]:
+            if token < 0:
+                break
+            consumed.append(int(token))
+            status = finish_status(request, int(token), num_out + len(consumed), num_tok + len(consumed))
+            if status is not None:
+                break
+        held = list(held_block_ids[i])
+        need = -(-(request.num_computed_tokens + len(consumed)) // bs)
+        row = block_tables[i]
+        if row[:len(held)].tolist() != held:
+            raise RuntimeError(f"request {rid!r}: the device changed blocks the host had placed "
+                               f"({row[:len(held)].tolist()} != {held})")
+        new_blocks = row[len(held):need].tolist()
+        bad = [b for b in new_blocks if b not in lent or b in claimed]
+        if bad:
+            raise RuntimeError(f"request {rid!r}: table row holds blocks {bad} that were not lent "
+                               "or are claimed twice")
+        if len(new_blocks) != max(0, need - len(held)):
+            raise RuntimeError(f"request {rid!r}: table row too narrow for {need} blocks")
+        claimed.update(new_blocks)
+        outcomes.append(FusedDecodeOutcome(request, consumed, status, new_blocks))
+    return outcomes

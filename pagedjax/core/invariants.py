@@ -1,0 +1,71 @@
+"""The scheduler's invariants as one check, for tests and soak runs (O(num_blocks + held blocks)).
+
+Plain Python, no JAX.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedjax.core.kv_cache_manager import cdiv
+from pagedjax.core.request import RequestStatus
+
+if TYPE_CHECKING:
+    from pagedjax.core.scheduler import Scheduler
+
+
+def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) -> None:
+    """Raise RuntimeError naming the first broken invariant (O(num_blocks + held blocks); for tests and
+    soak runs): each request is in exactly one queue; waiting ones hold nothing; between steps a running
+    request holds exactly `cdiv(num_computed_tokens, block_size)` blocks (`mid_step`: at least); every
+    block's ref_cnt is the number of requests holding it (+1 while lent), so none is lost or doubly
+    owned; a block shared by two requests is full of computed tokens, the same ones for both."""
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    bs = scheduler.block_size
+
+    def require(ok: bool, what: str) -> None:
+        if not ok:
+            raise RuntimeError(f"scheduler invariant violated: {what}")
+
+    pool.check_invariants()
+    require(pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks, "block counts")
+    running_ids = [r.request_id for r in scheduler.running]
+    waiting_ids = [r.request_id for r in scheduler.waiting]
+    require(len(set(running_ids)) == len(running_ids) and not set(running_ids) & set(waiting_ids),
+            "a request is queued twice")
+    require(set(running_ids) | set(waiting_ids) == set(scheduler.requests), "queues and the request table differ")
+    require(len(scheduler.running) <= scheduler.scheduler_config.max_num_seqs, "more running than max_num_seqs")
+    for r in scheduler.waiting:
+        require(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.request_id} waits as "
+                f"{r.status}")
+        require(r.num_computed_tokens == 0 and not kv.num_held_blocks(r.request_id),
+                f"waiting {r.request_id} holds KV")
+    holders = kv.holders()
+    require(set(holders) <= set(running_ids), "a request that is not running holds blocks")
+    for r in scheduler.running:
+        require(r.status is RequestStatus.RUNNING, f"{r.request_id} runs as {r.status}")
+        held, need = kv.num_held_blocks(r.request_id), cdiv(r.num_computed_tokens, bs)
+        require(held >= need if mid_step else held == need,
+                f"{r.request_id} holds {held} blocks for {r.num_computed_tokens} tokens")
+    count: dict[int, int] = {}
+    for blocks in holders.values():
+        require(len(set(blocks)) == len(blocks), "a request holds a block twice")
+        for b in blocks:
+            count[b] = count.get(b, 0) + 1
+    lent = kv.lent_block_ids
+    require(not set(count) & lent, "a lent block is held by a request")
+    ref = pool.ref_counts()
+    for b in range(pool.num_blocks):
+        require(int(ref[b]) == count.get(b, 0) + (b in lent), f"block {b}: ref_cnt {int(ref[b])}, "
+                f"{count.get(b, 0)} holders, lent {b in lent}")
+    by_id = {r.request_id: r for r in scheduler.running}
+    seen: dict[int, tuple[int, ...]] = {}
+    for rid, blocks in holders.items():
+        r = by_id[rid]
+        for i, b in enumerate(blocks):
+            if count[b] > 1:
+                require((i + 1) * bs <= r.num_computed_tokens, f"shared block {b} is not full in {rid}")
+                tokens = tuple(r.get_token_ids(i * bs, (i + 1) * bs))
+                require(seen.setdefault(b, tokens) == tokens, f"shared block {b} differs between holders")
+
