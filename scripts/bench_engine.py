@@ -3,6 +3,7 @@
     python scripts/bench_engine.py                 # default workload
     python scripts/bench_engine.py --quick         # seconds; used by the smoke test
     python scripts/bench_engine.py --hf PATH       # also: pagedjax vs transformers' generate on a HF folder
+    python scripts/bench_engine.py --model 156m --batch 1 --prompt-len 32 --max-tokens 128 --hlo-stats
 
 All rows come from one run on the same random model and batch (greedy, fixed lengths), timed after a
 warm-up run that compiles everything, so ratios between rows are meaningful even on a noisy machine.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import time
 
 import jax
@@ -108,7 +110,41 @@ SHAPES = {
     "small": ModelConfig(),
     "tiny": ModelConfig(hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
                         intermediate_size=128),
+    # The real-size shape of the peer comparison: 156M parameters, 623 MB of float32 weights.
+    "156m": ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_q_heads=16, num_kv_heads=4,
+                        head_dim=64, intermediate_size=2816, tie_word_embeddings=False),
 }
+
+
+def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """The machine's memory bandwidth in bytes/s, measured now: a large numpy copy moves 2x its size
+    (read + write); best of `repeats`."""
+    src = np.ones(nbytes // 8)
+    dst = np.empty_like(src)
+    return 2 * nbytes / _time(lambda: np.copyto(dst, src), repeats)
+
+
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\([^=]*?\)|\S+)\s+([a-z][\w\-]*)\(")
+
+
+def hlo_stats(hlo_text: str) -> dict[str, int]:
+    """Instruction counts by opcode over every computation of an optimized HLO module."""
+    counts: dict[str, int] = {}
+    for line in hlo_text.splitlines():
+        if m := _HLO_INSTRUCTION.match(line):
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
+
+def print_hlo_stats(engine: LLMEngine) -> None:
+    """The compiled programs of an engine's 1-step decode (and fused decode), by opcode."""
+    print("\nHLO of the compiled steps (all computations):")
+    print(f"{'program':54s} {'instructions':>12s} {'fusion':>7s} {'dot':>5s} {'copy':>5s} {'scatter':>8s} "
+          f"{'gather':>7s} {'transpose':>10s}")
+    for key, exe in engine.runner._executables.items():
+        c = hlo_stats(exe.as_text())
+        print(f"{str(key)[:54]:54s} {sum(c.values()):12d} {c.get('fusion', 0):7d} {c.get('dot', 0):5d} "
+              f"{c.get('copy', 0):5d} {c.get('scatter', 0):8d} {c.get('gather', 0):7d} {c.get('transpose', 0):10d}")
 
 
 # ------------------------------------------------------------------------------------------------ runner
@@ -122,7 +158,7 @@ def _time(fn, repeats: int) -> float:
 
 
 def run(cfg: ModelConfig, batch: int, prompt_len: int, max_tokens: int, block_size: int, repeats: int,
-        fused_steps: int) -> list[dict]:
+        fused_steps: int, hlo: bool = False) -> list[dict]:
     model = init_model(cfg, seed=0)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).astype(np.int32)
@@ -135,7 +171,7 @@ def run(cfg: ModelConfig, batch: int, prompt_len: int, max_tokens: int, block_si
         engine = LLMEngine(cfg, CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                             enable_prefix_caching=False),
                            SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
-                                           max_model_len=total), params=model, num_steps=num_steps)
+                                           max_model_len=total), params=model, decode_steps_per_call=num_steps)
         outputs = {}
 
         def go():
@@ -150,6 +186,8 @@ def run(cfg: ModelConfig, batch: int, prompt_len: int, max_tokens: int, block_si
         share = host / (after.elapsed_s - before.elapsed_s)
         rows.append(dict(name=f"pagedjax engine, num_steps={num_steps}", seconds=t, host_share=share,
                          tokens=outputs["tokens"]))
+        if hlo:
+            print_hlo_stats(engine)
 
     engine_row(1)
     engine_row(fused_steps)
@@ -167,7 +205,8 @@ def run(cfg: ModelConfig, batch: int, prompt_len: int, max_tokens: int, block_si
     return rows
 
 
-def print_table(rows: list[dict], batch: int, max_tokens: int, cfg: ModelConfig, total: int) -> None:
+def print_table(rows: list[dict], batch: int, max_tokens: int, cfg: ModelConfig, total: int,
+                bandwidth: float, weight_bytes: int) -> None:
     base = next(r for r in rows if r["name"].endswith("python loop decode"))
     one = rows[0]
     print(f"\nbatch {batch}, {max_tokens} new tokens each, model {cfg.num_layers}L h{cfg.hidden_size} "
@@ -181,6 +220,12 @@ def print_table(rows: list[dict], batch: int, max_tokens: int, cfg: ModelConfig,
         print(f"{r['name']:42s} {r['seconds']:8.3f} {tps:9.1f} {1000 * r['seconds'] / max_tokens:14.2f} "
               f"{one['seconds'] / r['seconds']:9.2f}x {base['seconds'] / r['seconds']:13.2f}x {host:>11s} "
               f"{str(same):>12s}")
+    print(f"\nmemory bandwidth (numpy copy of 256 MiB, read + write, this run): {bandwidth / 1e9:.1f} GB/s; weights "
+          f"{weight_bytes / 1e6:.0f} MB. Each decode step reads every weight once, so at batch {batch} the weight-read "
+          f"rate (weights / ms per token-step, prefill included) is:")
+    for r in rows:
+        rate = weight_bytes * max_tokens / r["seconds"]
+        print(f"  {r['name']:42s} {rate / 1e9:6.1f} GB/s = {100 * rate / bandwidth:5.1f}% of the bandwidth")
     per_token = kv_cache_bytes(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, dtype_bytes(cfg.dtype))
     budget = 64 * 2**20
     print(f"\nconcurrency in a {budget >> 20} MiB KV budget ({per_token} B/token): contiguous reserving "
@@ -197,7 +242,10 @@ def main(argv=None) -> None:
     ap.add_argument("--num-steps", type=int, default=8, help="fused decode steps for the multi-step row")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", choices=sorted(SHAPES), default="small",
-                    help="model shape: small = ModelConfig() (4 layers, hidden 256), tiny = 2 layers, hidden 64")
+                    help="model shape: small = ModelConfig() (4 layers, hidden 256), tiny = 2 layers, hidden 64, "
+                         "156m = hidden 1024, 8 layers, vocab 32000")
+    ap.add_argument("--hlo-stats", action="store_true",
+                    help="print the compiled steps' HLO instruction counts (fusions, dots, copies, ...)")
     ap.add_argument("--quick", action="store_true", help="tiny model and workload (seconds)")
     ap.add_argument("--hf", metavar="PATH", help="also compare with transformers on this local HF folder")
     args = ap.parse_args(argv)
@@ -206,8 +254,11 @@ def main(argv=None) -> None:
         cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
                           intermediate_size=64)
         args.batch, args.prompt_len, args.max_tokens, args.repeats = 2, 8, 6, 1
-    rows = run(cfg, args.batch, args.prompt_len, args.max_tokens, args.block_size, args.repeats, args.num_steps)
-    print_table(rows, args.batch, args.max_tokens, cfg, args.prompt_len + args.max_tokens)
+    bandwidth = copy_bandwidth()
+    rows = run(cfg, args.batch, args.prompt_len, args.max_tokens, args.block_size, args.repeats, args.num_steps,
+               hlo=args.hlo_stats)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(init_model(cfg, seed=0), nnx.Param)))
+    print_table(rows, args.batch, args.max_tokens, cfg, args.prompt_len + args.max_tokens, bandwidth, weight_bytes)
     if args.hf:
         from bench_hf import main as hf_main
 
