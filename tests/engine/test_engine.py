@@ -259,3 +259,17 @@ def test_pallas_backend_scenarios(scenario):
         engine = make_engine(backend="pallas", decode_steps_per_call=4)
         assert [o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)] == want
     assert_all_free(engine)
+
+
+def test_decode_batches_bucket_from_one_and_outputs_do_not_depend_on_the_bucket():
+    """Batch sizes 1..6 decode in buckets 1, 2, 4, 8 (a lone sequence is not padded to 4 rows); each
+    prompt's greedy output is the same whatever it is batched with."""
+    engine = make_engine(prefix=False)
+    for k in range(1, len(PROMPTS) + 1):
+        outs = engine.generate(PROMPTS[:k], GREEDY, use_tqdm=False)
+        assert [o.output_token_ids for o in outs] == reference()[:k]
+    decode_rows = {key[2][0] for key in engine.runner._executables if key[0] == "step" and key[3]}
+    assert 1 in decode_rows and decode_rows <= {1, 2, 4, 8}
+    compiled = engine.stats().compilations
+    engine.generate(PROMPTS[:3], GREEDY, use_tqdm=False)  # batch 3 again: its bucket (4) is compiled
+    assert engine.stats().compilations == compiled
