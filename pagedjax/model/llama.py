@@ -60,6 +60,22 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
+def _apply(fn, x: jax.Array) -> jax.Array:
+    """`fn(x)` for a linear map `fn` over x `[..., in]`, rounded to x's dtype.
+
+    XLA:CPU lowers a one-row dot with 16-bit float operands to a scalar loop that reads weights at ~1 GB/s
+    (two or more rows go to YNNPACK at ~15-25 GB/s; float32 one-row dots are fast either way), so on the CPU
+    a single 16-bit row runs as two (the second zero) and keeps the first: batch-1 decode of a bf16 model
+    10x faster on the 156M shape (`scripts/bench_engine.py`).
+    """
+    lead = x.shape[:-1]
+    if math.prod(lead) == 1 and x.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu":
+        x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+        y = fn(x2)[:1].astype(x.dtype)
+        return y.reshape(*lead, y.shape[-1])
+    return fn(x).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
@@ -71,8 +87,19 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * y.astype(x.dtype)
 
 
-def _linear(n_in: int, n_out: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+class Linear(nnx.Linear):
+    """`nnx.Linear` whose output is rounded to the input's dtype through `_apply` (16-bit layers accumulate in
+    float32, and a single 16-bit row runs as two on the CPU)."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _apply(super().__call__, x)
+
+
+def _linear(n_in: int, n_out: int, bias: bool, dtype, rngs: nnx.Rngs) -> Linear:
+    # 16-bit layers accumulate in float32 and round once (`_apply`): a bf16 x bf16 -> bf16 dot makes XLA:CPU
+    # convert the whole weight to float32 on every call.
+    acc = jnp.float32 if jnp.dtype(dtype).itemsize == 2 else None
+    return Linear(n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype, preferred_element_type=acc, rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -162,7 +189,7 @@ class Llama(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """`[..., hidden]` -> float32 logits `[..., vocab]`."""
         if self.lm_head is None:
-            return self.embed_tokens.attend(hidden).astype(jnp.float32)
+            return _apply(self.embed_tokens.attend, hidden).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)
 
     def forward_dense(self, token_ids: jax.Array) -> jax.Array:

@@ -107,3 +107,21 @@ def test_rope_llama3_scaling_changes_only_low_frequencies():
     assert np.allclose(f1[-4:], f0[-4:] / 8.0)  # lowest frequencies divided by the factor
     with pytest.raises(ValueError, match="rope_scaling"):
         rope_inv_freq(base.replace(rope_scaling=(("rope_type", "yarn"), ("factor", 2.0))))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_linear_one_row_equals_its_row_in_a_batch(dtype):
+    """A single 16-bit row runs as two rows on the CPU (XLA:CPU's one-row 16-bit dot is ~10x slower); the
+    result is that row of a batched call, exactly, and within 16-bit rounding of the float32 product."""
+    from pagedjax.model.llama import _linear
+
+    layer = _linear(64, 48, True, jnp.dtype(dtype), nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (3, 64), jnp.float32).astype(dtype)
+    one = jax.jit(layer)(x[:1])
+    batch = jax.jit(layer)(x)
+    assert one.dtype == x.dtype and one.shape == (1, 48)
+    np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(batch[:1], np.float32))
+    exact = np.asarray(x, np.float32) @ np.asarray(layer.kernel[...], np.float32) + np.asarray(layer.bias[...],
+                                                                                                   np.float32)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(batch, np.float32), exact, rtol=tol, atol=tol * np.abs(exact).max())
