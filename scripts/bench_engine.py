@@ -159,50 +159,62 @@ def _time(fn, repeats: int) -> float:
 
 def run(cfg: ModelConfig, batch: int, prompt_len: int, max_tokens: int, block_size: int, repeats: int,
         fused_steps: int, hlo: bool = False) -> list[dict]:
+    """Every implementation is warmed up (compiled) first, then timed in interleaved rounds (one run of
+    each per round, so machine noise hits all rows alike); a row's time is its best round."""
     model = init_model(cfg, seed=0)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).astype(np.int32)
     total = prompt_len + max_tokens
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     num_blocks = batch * -(-total // block_size) + 8
-    rows = []
+    rows: list[dict] = []
+    engines: dict[str, LLMEngine] = {}
 
-    def engine_row(num_steps: int):
-        engine = LLMEngine(cfg, CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                            enable_prefix_caching=False),
-                           SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
-                                           max_model_len=total), params=model, decode_steps_per_call=num_steps)
-        outputs = {}
+    def engine_row(num_steps: int) -> None:
+        name = f"pagedjax engine, num_steps={num_steps}"
+        engine = engines[name] = LLMEngine(
+            cfg, CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False),
+            SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len, max_model_len=total),
+            params=model, decode_steps_per_call=num_steps)
+        row = dict(name=name, host_share=None)
 
         def go():
             outs = engine.generate([p.tolist() for p in prompts], params, use_tqdm=False)
-            outputs["tokens"] = np.array([o.output_token_ids for o in outs])
+            row["tokens"] = np.array([o.output_token_ids for o in outs])
 
-        go()  # compile
-        before = engine.stats()
-        t = _time(go, repeats)
-        after = engine.stats()
-        host = (after.elapsed_s - before.elapsed_s) - (after.device_s - before.device_s)
-        share = host / (after.elapsed_s - before.elapsed_s)
-        rows.append(dict(name=f"pagedjax engine, num_steps={num_steps}", seconds=t, host_share=share,
-                         tokens=outputs["tokens"]))
-        if hlo:
-            print_hlo_stats(engine)
+        rows.append(dict(row, go=go, row=row))
 
     engine_row(1)
     engine_row(fused_steps)
     base = ContiguousBaseline(model, batch, total)
     for fused in (False, True):
-        out = {}
+        row = dict(name="contiguous cache, " + ("fori_loop decode" if fused else "python loop decode"),
+                   host_share=None)
 
-        def go(fused=fused, out=out):
-            out["tokens"] = base.generate(prompts, max_tokens, fused)
+        def go(fused=fused, row=row):
+            row["tokens"] = base.generate(prompts, max_tokens, fused)
 
-        go()
-        t = _time(go, repeats)
-        rows.append(dict(name="contiguous cache, " + ("fori_loop decode" if fused else "python loop decode"),
-                         seconds=t, host_share=None, tokens=out["tokens"]))
-    return rows
+        rows.append(dict(row, go=go, row=row))
+    for r in rows:
+        r["go"]()  # warm-up: compiles every shape
+    before = {name: e.stats() for name, e in engines.items()}
+    times: dict[str, list[float]] = {r["name"]: [] for r in rows}
+    for _ in range(repeats):
+        for r in rows:
+            start = time.perf_counter()
+            r["go"]()
+            times[r["name"]].append(time.perf_counter() - start)
+    out = []
+    for r in rows:
+        share = None
+        if r["name"] in engines:
+            after, b = engines[r["name"]].stats(), before[r["name"]]
+            share = ((after.elapsed_s - b.elapsed_s) - (after.device_s - b.device_s)) / (after.elapsed_s - b.elapsed_s)
+            if hlo:
+                print(f"\n{r['name']}:", end="")
+                print_hlo_stats(engines[r["name"]])
+        out.append(dict(name=r["name"], seconds=min(times[r["name"]]), host_share=share, tokens=r["row"]["tokens"]))
+    return out
 
 
 def print_table(rows: list[dict], batch: int, max_tokens: int, cfg: ModelConfig, total: int,
