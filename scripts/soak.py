@@ -137,6 +137,7 @@ def main(argv=None) -> int:
         stats["rounds"] += 1
         rss.append(rss_mib())
     warm = rss[min(len(rss) - 1, max(1, len(rss) // 5))]  # after compilation and warm-up
+    quarters = " / ".join(f"{rss[min(len(rss) - 1, len(rss) * q // 4)]:.0f}" for q in (1, 2, 3, 4))
     s = engine.stats()
     ok = not (stats["mismatches"] or stats["leaks"])
     print(f"soak: {'OK' if ok else 'FAILED'} in {args.minutes:g} min: {stats['requests']} requests, "
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
           f"faults ({s.failed_steps} failed steps, {stats['errors']} requests failed alone), "
           f"{s.scheduler.num_preemptions} preemptions, {s.compilations} compilations, invariants checked after "
           f"every step; {stats['mismatches']} outputs differ from fault-free, {stats['leaks']} rounds leaked blocks; "
-          f"RSS {warm:.0f} MiB after warm-up -> {rss[-1]:.0f} MiB at the end (max {max(rss):.0f})")
+          f"RSS {warm:.0f} MiB after warm-up -> {rss[-1]:.0f} MiB at the end (max {max(rss):.0f}; at each quarter "
+          f"of the rounds {quarters} MiB)")
     return 0 if ok else 1
 
 

@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 from pagedjax import cli
+from pagedjax.cli.engine_setup import memory_available
+from pagedjax.cli.prompts import DEMO_SUFFIXES, read_prompts_file
+from pagedjax.cli.sizes import parse_size
+from pagedjax.cli.warm_start import CompileCache
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,9 +29,9 @@ def test_demo_end_to_end_prints_completions_and_statistics():
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     assert "Traceback" not in r.stderr
-    assert out.count("--- [") == len(cli.DEMO_SUFFIXES)
+    assert out.count("--- [") == len(DEMO_SUFFIXES)
     for row in ("prompt tokens", "generated tokens", "tokens/s", "KV blocks used", "KV waste",
-                "prefix-cache hit rate", "preemptions", "compilations"):
+                "prefix-cache hit rate", "preemptions", "compilations", "compile cache"):
         assert re.search(rf"^{re.escape(row)}\s", out, re.MULTILINE), f"no '{row}' row in:\n{out}"
     assert re.search(r"^generated tokens\s+\d+$", out, re.MULTILINE), out
     assert re.search(r"KV blocks used\s+\d+ of 64", out), out
@@ -53,6 +57,8 @@ def test_single_prompt_json(capsys):
     assert stats["tokens_per_s"] > 0 and stats["elapsed_s"] >= stats["compile_s"] >= 0 and stats["wall_s"] > 0
     assert 0 <= stats["kv_waste_pct"] < 100 and 0 <= stats["prefix_cache_hit_pct"] <= 100
     assert stats["compilations"] >= 1 and stats["engine_steps"] >= 6
+    assert stats["compile_cache_hits"] >= 0 and stats["compile_cache_misses"] >= 0
+    assert "compile_cache_dir" in result  # a folder, or null when off; see test_cli_compile_cache.py
 
 
 def test_help_shows_each_default_once(capsys):
@@ -69,6 +75,8 @@ def test_help_shows_each_default_once(capsys):
     assert "(default: 64)" in by_flag["--max-tokens"]
     assert "(default: 512)" in by_flag["--num-blocks"]
     assert "default" not in by_flag["--kv-memory"]
+    assert "(default: $PAGEDJAX_COMPILE_CACHE" in by_flag["--compile-cache"]
+    assert "default" not in by_flag["--no-compile-cache"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -84,6 +92,7 @@ def test_help_shows_each_default_once(capsys):
     (["--model", "/no/such/model"], "no such file"),
     (["--prompts-file", "/no/such/prompts.txt"], "--prompts-file"),
     (["--demo", "--prompt", "x"], "--demo"),
+    (["--compile-cache", "/tmp/x", "--no-compile-cache"], "not allowed"),
     (["--no-such-flag"], "unrecognized"),
 ])
 def test_bad_arguments_give_a_usage_error(argv, message, capsys):
@@ -124,7 +133,7 @@ def test_runtime_errors_are_one_line_without_usage(argv, message, capsys):
 def test_kv_pool_bigger_than_memory_is_refused_before_allocating(capsys):
     import jax
 
-    free, _ = cli.memory_available(jax.local_devices()[0])
+    free, _ = memory_available(jax.local_devices()[0])
     if free >= 300 * 2**30:
         pytest.skip("this machine has 300 GiB free")
     assert cli.main(["--kv-memory", "300GiB"]) == 2  # RESOURCE_EXHAUSTED (or the OOM killer) once
@@ -133,24 +142,80 @@ def test_kv_pool_bigger_than_memory_is_refused_before_allocating(capsys):
 
 
 def test_parse_size_any_number_of_digits():
-    assert cli.parse_size("1000000000000T") == 10**12 * 2**40
-    assert cli.parse_size("9" * 400) == int("9" * 400)  # float() would overflow
-    assert cli.parse_size("0.5KiB") == 512
+    assert parse_size("1000000000000T") == 10**12 * 2**40
+    assert parse_size("9" * 400) == int("9" * 400)  # float() would overflow
+    assert parse_size("0.5KiB") == 512
 
 
 def test_parse_size():
-    assert cli.parse_size("64MiB") == 64 * 2**20
-    assert cli.parse_size("64M") == 64 * 2**20
-    assert cli.parse_size("1.5GB") == 1_500_000_000
-    assert cli.parse_size("512k") == 512 * 1024
-    assert cli.parse_size("2kB") == 2000
-    assert cli.parse_size("1048576") == 1048576
+    assert parse_size("64MiB") == 64 * 2**20
+    assert parse_size("64M") == 64 * 2**20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("512k") == 512 * 1024
+    assert parse_size("2kB") == 2000
+    assert parse_size("1048576") == 1048576
     for bad in ("", "MiB", "-1M", "1 parsec", "0"):
         with pytest.raises(Exception):  # noqa: B017 - argparse.ArgumentTypeError
-            cli.parse_size(bad)
+            parse_size(bad)
 
 
 def test_prompts_file(tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_text('import os\n\n"def f():\\n    return 1"\n"""docstring\n')
-    assert cli.read_prompts_file(f) == ["import os", "def f():\n    return 1", '"""docstring']
+    assert read_prompts_file(f) == ["import os", "def f():\n    return 1", '"""docstring']
+
+
+# ----------------------------------------------------- compile cache: each run a subprocess (one setting per process)
+CACHE_ARGS = ["--prompt", "def f(x):\n", "--max-tokens", "2", "--ignore-eos", "--num-blocks", "16", "--json"]
+
+
+def _run_json(*args: str, **env: str) -> dict:
+    environ = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "PAGEDJAX_COMPILE_CACHE")}
+    environ.update(JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), PYTHONWARNINGS="ignore", **env)
+    r = subprocess.run([sys.executable, "-m", "pagedjax", *CACHE_ARGS, *args], capture_output=True, text=True,
+                       timeout=240, cwd=ROOT, env=environ)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def _files(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file()] if folder.exists() else []
+
+
+def test_second_run_loads_what_the_first_compiled(tmp_path):
+    cache, elsewhere = tmp_path / "cache", tmp_path / "env-cache"
+    # --compile-cache wins over $PAGEDJAX_COMPILE_CACHE.
+    cold = _run_json("--compile-cache", str(cache), PAGEDJAX_COMPILE_CACHE=str(elsewhere))
+    assert _files(cache) and not _files(elsewhere)
+    assert cold["compile_cache_dir"] == str(cache)
+    assert cold["stats"]["compile_cache_hits"] == 0 and cold["stats"]["compile_cache_misses"] > 0
+    assert cold["stats"]["compile_s"] > 0
+
+    warm = _run_json("--compile-cache", str(cache))
+    assert warm["compile_cache_dir"] == str(cache)
+    assert warm["stats"]["compile_cache_hits"] > 0 and warm["stats"]["compile_cache_misses"] == 0
+    assert [(c["text"], c["num_tokens"]) for c in warm["completions"]] == \
+        [(c["text"], c["num_tokens"]) for c in cold["completions"]]
+    assert warm["completions"][0]["num_tokens"] == 2
+
+
+def test_no_compile_cache_writes_nothing(tmp_path):
+    # Off even where the environment names a folder: pagedjax's variable and JAX's own.
+    ours, jaxs = tmp_path / "pagedjax-cache", tmp_path / "jax-cache"
+    result = _run_json("--no-compile-cache", PAGEDJAX_COMPILE_CACHE=str(ours), JAX_COMPILATION_CACHE_DIR=str(jaxs))
+    assert not _files(ours) and not _files(jaxs)
+    assert result["compile_cache_dir"] is None
+    assert result["stats"]["compile_cache_hits"] == result["stats"]["compile_cache_misses"] == 0
+    assert result["completions"][0]["num_tokens"] == 2
+
+
+def test_compile_cache_description():
+    assert CompileCache(None).describe() == "off: every program compiled"
+    assert CompileCache(None, lookups=3).start == "off"
+    folder = Path("/tmp/c")
+    assert CompileCache(folder, lookups=4, hits=4).describe() == "warm start: 4 of 4 programs loaded from /tmp/c"
+    assert CompileCache(folder, lookups=4).describe() == "cold start: 0 of 4 programs loaded from /tmp/c"
+    assert CompileCache(folder, lookups=4, hits=1).start == "partly warm"
+    assert CompileCache(folder, lookups=4, hits=1).misses == 3
+    assert CompileCache(folder).start == "no compilation"
+    assert CompileCache(folder).engine_arg == "/tmp/c" and CompileCache(None).engine_arg is False

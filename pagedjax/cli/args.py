@@ -1,0 +1,107 @@
+"""The command line of `pagedjax-generate`: its options, their types and ranges, and `--help`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pagedjax.cli.sizes import parse_size
+
+PROG = "pagedjax-generate"
+DEFAULT_NUM_BLOCKS = 512  # CacheConfig's default when neither --num-blocks nor --kv-memory is given
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+        if not (lo < v if lo_open else lo <= v) or not v <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+        return v
+
+    parse.__name__ = "float"
+    return parse
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" once: not to flags or options without a default, nor where the help says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False \
+                or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Generate text with pagedjax's paged-attention engine (default model: the bundled "
+                    "byte-level model trained on Python's standard library).",
+        formatter_class=_HelpFormatter)
+    g = p.add_argument_group("prompts")
+    g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="a prompt (repeatable); without any, a few built-in prompts are used")
+    g.add_argument("--prompts-file", type=Path, default=None, metavar="FILE",
+                   help="one prompt per line ('-' reads stdin); a line that is a JSON string is decoded, so "
+                        "\"def f():\\n\" gives a multi-line prompt")
+    g.add_argument("--demo", action="store_true",
+                   help="several prompts sharing a long prefix: shows prefix-cache hits")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=_int_at_least(1), default=64, help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=_float_in(0.0, 100.0), default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=_int_at_least(0), default=0, help="0 = off")
+    g.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=0.95, help="1 = off")
+    g.add_argument("--seed", type=_int_at_least(0), default=0,
+                   help="sampling seed: prompt i uses seed + i, so runs are reproducible")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None, metavar="PATH",
+                   help="a pagedjax checkpoint folder or a Hugging Face folder (config.json + *.safetensors); "
+                        "default: the bundled model")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="parameter dtype (default: the checkpoint's)")
+    g.add_argument("--backend", choices=["auto", "pallas", "xla"], default="auto",
+                   help="attention backend: auto = Pallas on GPU, XLA elsewhere")
+    g.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per KV block")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument("--num-blocks", type=_int_at_least(1), default=None,
+                    help=f"KV blocks in the pool (default: {DEFAULT_NUM_BLOCKS})")
+    kv.add_argument("--kv-memory", type=parse_size, default=None, metavar="SIZE",
+                    help="size the KV pool by memory instead, e.g. 64MiB")
+    g.add_argument("--num-steps", type=_int_at_least(1), default=1,
+                   help="decode iterations per device call when every sequence is decoding")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    cc = g.add_mutually_exclusive_group()
+    cc.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
+                    help="keep compiled programs in DIR, so that the next run loads them instead of compiling "
+                         "(a warm start) (default: $PAGEDJAX_COMPILE_CACHE, else ${XDG_CACHE_HOME:-~/.cache}"
+                         "/pagedjax/jax)")
+    cc.add_argument("--no-compile-cache", action="store_true",
+                    help="compile every program afresh and save none (JAX's persistent compilation cache off)")
+    g.add_argument("--max-num-seqs", type=_int_at_least(1), default=64, help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=512, help="tokens per step")
+    g.add_argument("--max-model-len", type=_int_at_least(1), default=None,
+                   help="longest prompt + completion (default: min(2048, the model's max positions))")
+    g = p.add_argument_group("output")
+    g.add_argument("--no-stream", action="store_true", help="print a single prompt's completion at the end")
+    g.add_argument("--json", action="store_true",
+                   help="print completions and statistics as one JSON object (units in the key names)")
+    return p

@@ -1,0 +1,100 @@
+"""The model and the engine a run uses, and the check that the KV pool fits in memory before it is allocated."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pagedjax.cli.errors import CLIError
+from pagedjax.cli.sizes import format_size
+
+
+def load_pretrained_for_cli(path: str | None, dtype: str | None):
+    """(ModelConfig, params, tokenizer) through the project's loader; CLIError (one line naming the file) if
+    the model cannot be loaded or has no tokenizer for text prompts."""
+    from pagedjax.model.loader import ModelLoadError, load_pretrained
+
+    where = path or "the bundled model"
+    try:
+        cfg, params, tokenizer = load_pretrained(path, dtype=dtype)
+    except ModelLoadError as e:
+        raise CLIError(f"cannot load the model: {e}") from None
+    except OSError as e:
+        raise CLIError(f"cannot load {where}: {e.strerror or e}" + (f": {e.filename}" if e.filename else "")) \
+            from None
+    except (TypeError, ValueError) as e:
+        raise CLIError(f"cannot load {where}: {' '.join(str(e).split())}") from None
+    if tokenizer is None:
+        raise CLIError(f"{where} has no tokenizer pagedjax can use for text prompts (tokenizer.json, or the "
+                       "byte-level vocabulary)")
+    return cfg, params, tokenizer
+
+
+def memory_available(device) -> tuple[int, str] | None:
+    """(bytes free for new arrays on `device`, what that is) or None when unknown. Accelerators report their
+    allocator's limit through `memory_stats()`; on the CPU it is the machine's available memory."""
+    try:
+        mem = device.memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        mem = None
+    if mem and mem.get("bytes_limit"):
+        limit = int(mem["bytes_limit"])
+        return limit - int(mem.get("bytes_in_use", 0)), f"{device.platform} device memory ({format_size(limit)})"
+    if device.platform != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024, "available host memory"
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_kv_pool_fits(cache_config, model_config, device) -> None:
+    """CLIError if the KV pool the cache config asks for is bigger than the device's free memory (checked
+    before allocating: allocating it would fail with RESOURCE_EXHAUSTED, or get the process killed)."""
+    try:
+        num_blocks = cache_config.resolve_num_blocks(model_config)
+    except ValueError as e:
+        raise CLIError(f"--kv-memory: {e}") from None
+    block_bytes = cache_config.block_bytes(model_config)
+    need = num_blocks * block_bytes
+    available = memory_available(device)
+    if available is not None and need > available[0]:
+        free, what = available
+        raise CLIError(f"a KV pool of {num_blocks:,} blocks x {format_size(block_bytes)} = {format_size(need)} "
+                       f"does not fit in the {what}: {format_size(max(free, 0))} free; lower --kv-memory or "
+                       "--num-blocks")
+
+
+def build_engine(args: argparse.Namespace, cfg, params, tokenizer, compile_cache: bool | str = True):
+    """The engine the arguments describe, its KV pool checked against the device's memory first.
+    compile_cache: `LLMEngine`'s (the CLI sets JAX's cache up before loading: see `pagedjax.cli.warm_start`)."""
+    import jax
+
+    from pagedjax.config import CacheConfig, SchedulerConfig
+    from pagedjax.engine import LLMEngine
+
+    try:
+        cache_config = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                                   kv_memory_bytes=args.kv_memory, enable_prefix_caching=not args.no_prefix_caching)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len or min(2048, cfg.max_position_embeddings))
+    except (TypeError, ValueError) as e:
+        raise CLIError(str(e)) from None
+    check_kv_pool_fits(cache_config, cfg, jax.local_devices()[0])
+    try:
+        return LLMEngine(cfg, cache_config, scheduler_config, params=params, seed=args.seed, backend=args.backend,
+                         decode_steps_per_call=args.num_steps, tokenizer=tokenizer, compile_cache=compile_cache)
+    except (TypeError, ValueError) as e:
+        raise CLIError(str(e)) from None
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise CLIError(f"out of device memory building the engine (KV pool of {cache_config.pool_bytes(cfg):,} "
+                       "bytes); lower --kv-memory or --num-blocks") from None

@@ -1,0 +1,148 @@
+"""The generation loop: prompts into the engine, steps until every completion is done, completions printed
+(streamed for a single prompt) as they come."""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import time
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from pagedjax.cli.ctrl_c import CtrlC, Interrupted
+from pagedjax.cli.errors import CLIError
+from pagedjax.cli.prompts import Prompts
+
+
+@dataclass
+class Peak:
+    """The fullest moment of the KV pool during the run (stats at the end show an idle pool)."""
+
+    blocks_used: int = 0
+    kv_waste_pct: float = 0.0
+    running: int = 0
+
+    def observe(self, stats) -> None:
+        memory = stats.scheduler.memory
+        self.running = max(self.running, stats.scheduler.num_running)
+        if memory.num_used_blocks >= self.blocks_used:
+            self.blocks_used = memory.num_used_blocks
+            self.kv_waste_pct = 100.0 * memory.waste_fraction
+
+
+@dataclass
+class Completion:
+    index: int
+    prompt: str
+    text: str = ""
+    num_prompt_tokens: int = 0
+    num_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    _decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"), repr=False)
+
+
+class Generation:
+    """Feeds prompts to the engine and steps it, printing completions as they come (streaming one prompt).
+
+    While it runs, Ctrl-C only sets `ctrl_c.requested`; it is checked between engine steps (raising
+    Interrupted), so a step is never cut off half-way."""
+
+    def __init__(self, engine, tokenizer, prompts: Prompts, args: argparse.Namespace, out: TextIO,
+                 ctrl_c: CtrlC | None = None):
+        from pagedjax.core.request import SamplingParams
+
+        self.engine, self.tokenizer, self.prompts, self.args, self.out = engine, tokenizer, prompts, args, out
+        self.ctrl_c = ctrl_c if ctrl_c is not None else CtrlC(exit_process=False)
+        self.completions = [Completion(i, p) for i, p in enumerate(prompts.texts)]
+        self.by_id: dict[str, Completion] = {}
+        self.peak = Peak()
+        self.stream = len(prompts.texts) == 1 and not args.no_stream and not args.json
+        self._start = time.perf_counter()
+        self._later: list[int] = []  # the demo's prompts queued once the first is done
+        self._sampling = lambda i: SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            seed=args.seed + i, ignore_eos=args.ignore_eos)
+
+    def start(self) -> None:
+        """Queue the prompts that go first, before anything is printed: a prompt the engine refuses (too
+        long, bigger than the pool) is a CLIError. The demo queues its first prompt alone: it computes (and
+        caches) the shared prefix, and the others, queued once it is done, find it in the cache."""
+        self._start = time.perf_counter()
+        everything = list(range(len(self.completions)))
+        first = everything[:1] if self.args.demo and not self.args.no_prefix_caching else everything
+        self._later = everything[len(first):]
+        self.submit(first)
+
+    def run(self) -> float:
+        """Generate every completion (after `start`); returns the wall time since `start` in seconds."""
+        with self.ctrl_c.stopping_between_steps():
+            if self._later and not self.args.json:
+                prefix = self.prompts.shared_prefix
+                print(f"demo: the first prompt fills the prefix cache, the other {len(self._later)} share its "
+                      f"{len(self.tokenizer.encode(prefix))}-token prefix\n", file=self.out)
+                print("shared prefix:\n" + prefix, file=self.out)
+            if self.stream:
+                self.out.write(self.completions[0].prompt)
+                self.out.flush()
+            self.drain()
+            if self._later:
+                self.submit(self._later)
+                self.drain()
+        return time.perf_counter() - self._start
+
+    def submit(self, indices: list[int]) -> None:
+        for i in indices:
+            c = self.completions[i]
+            ids = self.tokenizer.encode(c.prompt)
+            c.num_prompt_tokens = len(ids)
+            rid = f"prompt-{i}"
+            try:
+                self.engine.add_request(rid, ids, self._sampling(i))
+            except (TypeError, ValueError) as e:
+                raise CLIError(f"prompt {i + 1}: {e}") from None
+            self.by_id[rid] = c
+
+    def drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            if self.ctrl_c.requested:
+                raise Interrupted
+            for o in self.engine.step():
+                self._take(o)
+            self.peak.observe(self.engine.stats())
+        if self.ctrl_c.requested:
+            raise Interrupted
+
+    def _take(self, o) -> None:
+        c = self.by_id[o.request_id]
+        ids = o.output_token_ids
+        if hasattr(self.tokenizer, "decode_bytes"):
+            piece = c._decoder.decode(self.tokenizer.decode_bytes(ids[c.num_tokens:]), final=o.finished)
+        else:
+            piece = self.tokenizer.decode(ids)[len(c.text):]
+        c.text += piece
+        c.num_tokens = len(ids)
+        c.num_cached_tokens = o.num_cached_tokens
+        if self.stream and piece:
+            self.out.write(piece)
+            self.out.flush()
+        if o.finished:
+            c.finish_reason, c.error = o.finish_reason, o.error
+            self._show_finished(c)
+
+    def _show_finished(self, c: Completion) -> None:
+        if self.args.json:
+            return
+        out, prefix = self.out, self.prompts.shared_prefix
+        if self.stream:
+            print(file=out)
+        else:
+            label = f"[{c.index + 1}] " + ("(shared prefix) + " if prefix else "")
+            print(f"{label}{c.prompt[len(prefix):]}{c.text}", file=out)
+        finish = c.finish_reason + (f" ({c.error})" if c.error else "")
+        cached = f", {c.num_cached_tokens} of {c.num_prompt_tokens} prompt tokens from the prefix cache"
+        print(f"--- [{c.index + 1}] {c.num_tokens} tokens, finish: {finish}{cached}", file=out)
+        print(file=out)
+        out.flush()

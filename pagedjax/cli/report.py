@@ -1,0 +1,96 @@
+"""What a run prints besides completions: the header (model and engine), and the statistics table or `--json`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TextIO
+
+from pagedjax.cli.generation import Generation, Peak
+from pagedjax.cli.warm_start import CompileCache
+
+
+def stats_summary(stats, peak: Peak, wall_s: float, num_requests: int,
+                  compile_cache: CompileCache) -> dict[str, int | float]:
+    """The run's statistics as numbers, each key naming its unit (`_s` seconds, `_pct` percent, ...)."""
+    num_blocks = stats.scheduler.memory.num_blocks
+    return {
+        "requests": num_requests,
+        "prompt_tokens": stats.prompt_tokens,
+        "generated_tokens": stats.generated_tokens,
+        "tokens_per_s": stats.tokens_per_s,  # generated tokens over step time, compilation excluded
+        "step_time_s": stats.elapsed_s - stats.compile_s,
+        "elapsed_s": stats.elapsed_s,  # inside engine steps, compilation included
+        "compile_s": stats.compile_s,
+        "compilations": stats.compilations,
+        "compile_cache_hits": compile_cache.hits,  # programs loaded from the persistent compilation cache
+        "compile_cache_misses": compile_cache.misses,  # programs compiled with the cache on (and saved to it)
+        "engine_steps": stats.steps,
+        "kv_blocks": num_blocks,
+        "kv_blocks_used_peak": peak.blocks_used,
+        "kv_blocks_used_peak_pct": 100.0 * peak.blocks_used / num_blocks if num_blocks else 0.0,
+        "kv_waste_pct": peak.kv_waste_pct,  # unfilled slots of held blocks, at the peak
+        "prefix_cache_hit_pct": 100.0 * stats.scheduler.prefix_cache_hit_rate,
+        "preemptions": stats.scheduler.num_preemptions,
+        "running_peak": peak.running,
+        "wall_s": wall_s,
+    }
+
+
+def stats_rows(s: dict[str, int | float], compile_cache: CompileCache) -> list[tuple[str, str]]:
+    """`stats_summary` as the table's (label, text) rows."""
+    return [
+        ("requests", f"{s['requests']:,}"),
+        ("prompt tokens", f"{s['prompt_tokens']:,}"),
+        ("generated tokens", f"{s['generated_tokens']:,}"),
+        ("tokens/s", f"{s['tokens_per_s']:,.1f} (generated, over {s['step_time_s']:.2f} s of steps)"),
+        ("KV blocks used", f"{s['kv_blocks_used_peak']:,} of {s['kv_blocks']:,} (peak), "
+                           f"{s['kv_blocks_used_peak_pct']:.1f} %"),
+        ("KV waste", f"{s['kv_waste_pct']:.1f} % (unfilled slots of held blocks, at peak)"),
+        ("prefix-cache hit rate", f"{s['prefix_cache_hit_pct']:.1f} %"),
+        ("preemptions", f"{s['preemptions']:,}"),
+        ("compilations", f"{s['compilations']:,} ({s['compile_s']:.2f} s)"),
+        ("compile cache", compile_cache.describe()),
+        ("engine steps", f"{s['engine_steps']:,}"),
+        ("wall time", f"{s['wall_s']:.2f} s"),
+    ]
+
+
+def print_table(rows: list[tuple[str, str]], out: TextIO, title: str = "statistics") -> None:
+    width = max(len(k) for k, _ in rows)
+    rule = "-" * (width + 40)
+    print(rule, file=out)
+    print(title, file=out)
+    print(rule, file=out)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}", file=out)
+    print(rule, file=out)
+
+
+def print_header(args: argparse.Namespace, cfg, params, engine, load_s: float, out: TextIO) -> None:
+    import jax
+
+    n_params = sum(int(x.size) for x in jax.tree.leaves(params))
+    print(f"model: {args.model or 'bundled tiny model'} ({n_params / 1e6:.2f} M params, {cfg.num_layers} layers, "
+          f"{cfg.num_q_heads}q/{cfg.num_kv_heads}kv heads, {cfg.dtype}; loaded in {load_s:.2f} s)", file=out)
+    print(f"engine: {engine.backend} attention on {jax.default_backend()}, {engine.num_blocks} KV blocks x "
+          f"{args.block_size} tokens, prefix caching {'off' if args.no_prefix_caching else 'on'}, "
+          f"{args.num_steps} decode step(s) per call", file=out)
+    print(file=out)
+
+
+def report(gen: Generation, wall_s: float, compile_cache: CompileCache, json_output: bool, out: TextIO) -> None:
+    """The statistics table, or (`json_output`) the completions and statistics as one JSON object: `stats` holds
+    numbers only (units in the key names), `compile_cache_dir` the compile cache's folder (null: off)."""
+    stats = gen.engine.stats()
+    gen.peak.observe(stats)
+    summary = stats_summary(stats, gen.peak, wall_s, len(gen.completions), compile_cache)
+    if json_output:
+        completions = [{"prompt": c.prompt, "text": c.text, "num_prompt_tokens": c.num_prompt_tokens,
+                        "num_tokens": c.num_tokens, "num_cached_tokens": c.num_cached_tokens,
+                        "finish_reason": c.finish_reason, "error": c.error} for c in gen.completions]
+        folder = None if compile_cache.folder is None else str(compile_cache.folder)
+        print(json.dumps({"completions": completions, "stats": summary, "compile_cache_dir": folder}, indent=2),
+              file=out)
+    else:
+        print_table(stats_rows(summary, compile_cache), out)
