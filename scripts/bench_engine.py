@@ -256,12 +256,15 @@ def main(argv=None) -> None:
     ap.add_argument("--model", choices=sorted(SHAPES), default="small",
                     help="model shape: small = ModelConfig() (4 layers, hidden 256), tiny = 2 layers, hidden 64, "
                          "156m = hidden 1024, 8 layers, vocab 32000")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="the model's dtype (default: float32)")
     ap.add_argument("--hlo-stats", action="store_true",
                     help="print the compiled steps' HLO instruction counts (fusions, dots, copies, ...)")
     ap.add_argument("--quick", action="store_true", help="tiny model and workload (seconds)")
     ap.add_argument("--hf", metavar="PATH", help="also compare with transformers on this local HF folder")
     args = ap.parse_args(argv)
     cfg = SHAPES[args.model]
+    if args.dtype:
+        cfg = cfg.replace(dtype=args.dtype)
     if args.quick:
         cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
                           intermediate_size=64)

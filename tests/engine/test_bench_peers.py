@@ -1,0 +1,77 @@
+"""Smoke test: the peer benchmark runs end to end on a micro model (pagedjax + transformers), and its
+subprocess-peer plumbing (used for vLLM) works against a stand-in driver. No timing assertions."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import bench_peers  # noqa: E402
+
+FAKE_DRIVER = r'''
+import json, sys
+MARK = "@@BENCH_PEERS@@ "
+cfg = json.loads(sys.argv[1])
+print("some log line a peer prints on stdout", flush=True)
+print(MARK + json.dumps({"ready": True, "version": "9.9"}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    if req.get("quit"):
+        break
+    if req["max_tokens"] == 13:
+        sys.exit(3)  # a peer that dies mid-run
+    tokens = [[p[-1] + cfg["offset"]] * req["max_tokens"] for p in req["prompts"]]
+    print(MARK + json.dumps({"seconds": 0.5, "tokens": tokens}), flush=True)
+'''
+
+
+@pytest.mark.hf
+def test_bench_peers_micro_runs(tmp_path, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    res = bench_peers.main(["--model", "micro", "--rounds", "1", "--torch-threads", "1",
+                            "--folder", str(tmp_path / "micro")])
+    out = capsys.readouterr().out
+    assert "| workload | system | median s | tok/s | vs pagedjax | same tokens |" in out
+    assert "warm-up run" in out and "GB/s" in out and "Versions: pagedjax" in out
+    table = [line for line in out.splitlines() if line.startswith("| b2")]
+    assert len(table) == 2 * 3  # 2 workloads x (pagedjax 8-step, 1-step, transformers)
+    assert {r["system"] for r in res["rows"]} == {"pagedjax, 8-step decode", "pagedjax, 1-step decode",
+                                                  "transformers, 1 torch thread"}
+    # Greedy decoding of the same weights from the same token ids: every system emits pagedjax's tokens.
+    assert all(r["agreement"] == 1.0 for r in res["rows"]), res["rows"]
+    assert all(line.rstrip().endswith("| 1.000 |") for line in table)
+    assert res["bandwidth_gbs"] > 0 and res["weight_bytes"] > 0
+
+
+def test_subprocess_peer_protocol(tmp_path):
+    peer = bench_peers.Subprocess("fake peer", sys.executable, FAKE_DRIVER, {"offset": 1}, {}, 60, 60)
+    try:
+        peer.wait_ready()
+        assert peer.version == "9.9"
+        seconds, tokens = peer.run(np.array([[5, 6, 7], [8, 9, 10]]), 4)
+        assert seconds == 0.5 and tokens.tolist() == [[8] * 4, [11] * 4]
+        with pytest.raises(RuntimeError, match="driver exited"):
+            peer.run(np.array([[1, 2]]), 13)
+    finally:
+        peer.close()
+    assert "some log line" in peer.log_path.read_text()
+
+
+def test_missing_peer_is_reported_not_fatal():
+    version, why = bench_peers.peer_version(sys.executable, "no_such_module_for_bench_peers")
+    assert version is None and "no_such_module_for_bench_peers" in why
+
+
+def test_prompts_share_prefix_and_differ_per_round():
+    w = bench_peers.PREFIX
+    a, b = bench_peers.make_prompts(w, 1024, 0, 0), bench_peers.make_prompts(w, 1024, 0, 1)
+    assert a.shape == (64, 128) and (a >= 3).all() and (a < 1024).all()
+    assert (a[:, :96] == a[0, :96]).all() and len({tuple(r[96:]) for r in a}) == 64
+    assert not np.array_equal(a, b)
+    # The prefill probe never finds the full batch-1 workload's prompt in a prefix cache.
+    assert not np.array_equal(bench_peers.make_prompts(bench_peers.B1, 1024, 0, 0),
+                              bench_peers.make_prompts(bench_peers.B1_PROBE, 1024, 0, 0))
