@@ -249,7 +249,8 @@ class LLMEngine:
                                       seq_lens=mplan.seq_lens, lent_blocks=mplan.lent_block_ids,
                                       sampling=self._sampling_metadata(requests),
                                       stop_ids=[sorted(r.stop_ids) for r in requests],
-                                      max_new=mplan.max_new_tokens, num_steps=mplan.num_steps)
+                                      max_new=mplan.max_new_tokens, num_steps=mplan.num_steps,
+                                      block_size=mplan.block_size)
             sampled, tables = self.runner.execute_multi_decode(inputs)
         except BaseException as exc:
             return self._recover(plan.request_ids, exc, mplan)

@@ -123,11 +123,18 @@ def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
                      sampling: SamplingMetadata,  # [S] each
                      stop_ids: list[list[int]],  # S lists
                      max_new: np.ndarray,  # i32[S]
-                     num_steps: int) -> MultiDecodeInputs:
+                     num_steps: int,
+                     block_size: int) -> MultiDecodeInputs:
     """Pad a fused decode to bucket sizes. The lent stack is padded with -1, which the device never pops
-    (a short stack raises `overflow` instead of writing into block 0)."""
+    (a short stack raises `overflow` instead of writing into block 0), to a length fixed by the batch bucket
+    and `num_steps`: one sequence pops at most `cdiv(num_steps, block_size)` blocks in `num_steps` steps, so
+    the stack's length adds no shape of its own to compile."""
     n = len(tokens)
     s_b = bucket(n)
+    stack = s_b * -(-num_steps // block_size)
+    if len(lent_blocks) > stack:
+        raise ValueError(f"{len(lent_blocks)} lent blocks for {n} sequences and {num_steps} steps of block size "
+                         f"{block_size}: at most {stack} can be popped")
     stops = np.full((s_b, bucket(max(map(len, stop_ids), default=1), 1)), -1, np.int32)
     for i, ids in enumerate(stop_ids):
         stops[i, : len(ids)] = ids
@@ -135,7 +142,7 @@ def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
         tokens=_pad(tokens, s_b, 0),
         block_tables=_pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2)),
         seq_lens=_pad(seq_lens, s_b, 0),
-        lent_blocks=_pad(lent_blocks, bucket(len(lent_blocks), 4), -1),
+        lent_blocks=_pad(lent_blocks, bucket(stack), -1),
         sampling=pad_sampling(sampling, s_b),
         stop_ids=stops,
         max_new=_pad(max_new, s_b, 0),

@@ -81,7 +81,7 @@ def test_short_lent_stack_as_the_runner_pads_it_overflows_instead_of_writing_blo
         tokens=np.array([1, 2, 3], np.int32), block_tables=np.array([[7, 0], [8, 0], [9, 0]], np.int32),
         seq_lens=np.array([4, 4, 4], np.int32), lent_blocks=np.array([5], np.int32),
         sampling=SamplingMetadata.from_lists([0.0] * 3, [0] * 3, [1.0] * 3, [0] * 3, [0] * 3),
-        stop_ids=[[], [], []], max_new=np.array([1, 1, 1], np.int32), num_steps=1)
+        stop_ids=[[], [], []], max_new=np.array([1, 1, 1], np.int32), num_steps=1, block_size=block_size)
     assert inputs.lent_blocks.shape[0] > 1 and (inputs.lent_blocks[1:] == -1).all()
     state = init_page_state(inputs.block_tables, inputs.seq_lens, inputs.lent_blocks)
     active = jnp.asarray(inputs.max_new > 0)
