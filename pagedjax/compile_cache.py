@@ -3,7 +3,8 @@
 Compiling a step dominates a short run on a CPU (seconds per step shape); a compiled program written to disk
 loads in milliseconds the next time the same program is built, in this process or a later one. The folder
 is, in order: the `path` given, `$PAGEDJAX_COMPILE_CACHE`, or `$XDG_CACHE_HOME/pagedjax/jax` (default
-`~/.cache/pagedjax/jax`). Setting `PAGEDJAX_COMPILE_CACHE=off` (or passing `enabled=False`) turns it off.
+`~/.cache/pagedjax/jax`), kept under 2 GiB (least recently used programs go first). Setting
+`PAGEDJAX_COMPILE_CACHE=off` (or passing `enabled=False`) turns it off.
 
 JAX's cache is one setting per process: if the application already chose a folder
 (`jax_compilation_cache_dir`), that choice is kept.
@@ -20,6 +21,7 @@ import jax
 logger = logging.getLogger(__name__)
 
 ENV = "PAGEDJAX_COMPILE_CACHE"
+MAX_BYTES = 2 * 2**30  # least recently used programs are evicted past this (JAX's own LRU)
 _OFF = {"0", "off", "false", "no", "none", ""}
 
 
@@ -46,5 +48,6 @@ def enable_compile_cache(path: str | os.PathLike | None = None, *, enabled: bool
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     logger.info("JAX compilation cache: %s", folder)
     return folder
