@@ -10,24 +10,12 @@ tokenizer.json / tokenizer_config.json is a `ModelLoadError` (a ValueError) nami
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pagedjax.model.loader import ModelLoadError
-
-
-def _read_json_object(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise ModelLoadError(path, f"invalid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ModelLoadError(path, f"expected a JSON object, got {type(value).__name__}")
-    return value
+from pagedjax.model.loader import ModelLoadError, read_json
 
 
 def _token_content(token: Any) -> str | None:
@@ -65,7 +53,7 @@ class HFTokenizer:
         eos = tuple(eos_token_ids)
         config_path = path.parent / "tokenizer_config.json"
         if config_path.is_file() and (not eos or bos_token_id is None):
-            config = _read_json_object(config_path)
+            config = read_json(config_path)
             if not eos:
                 eos_tok = _token_content(config.get("eos_token"))
                 eos_id = tok.token_to_id(eos_tok) if eos_tok else None

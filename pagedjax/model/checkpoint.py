@@ -35,7 +35,7 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig, dtype_bytes
 from pagedjax.model.llama import Llama, abstract_model, model_from_state
-from pagedjax.model.loader import ModelLoadError
+from pagedjax.model.loader import ModelLoadError, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +72,8 @@ def read_checkpoint_metadata(path: str | os.PathLike) -> dict:
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
         raise ModelLoadError(path, f"not a pagedjax checkpoint: {CONFIG_FILE} is missing")
-    try:
-        meta = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise ModelLoadError(cfg_file, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except ValueError as e:
-        raise ModelLoadError(cfg_file, f"invalid JSON: {e}") from None
-    except OSError as e:
-        raise ModelLoadError(cfg_file, f"cannot read: {e.strerror or e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    meta = read_json(cfg_file)
+    if meta.get("format") != FORMAT:
         raise ModelLoadError(cfg_file, f"does not describe a pagedjax checkpoint (no \"format\": \"{FORMAT}\")")
     if not isinstance(meta.get("model_config"), dict):
         raise ModelLoadError(cfg_file, f"field 'model_config': expected an object, got {meta.get('model_config')!r}")

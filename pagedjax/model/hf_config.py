@@ -14,7 +14,6 @@ The weights are read by `pagedjax.model.hf_loader`.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -22,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedjax.config import ROPE_SCALING_PARAMS, ROPE_TYPES, ModelConfig
-from pagedjax.model.loader import ModelLoadError
+from pagedjax.core.request import is_int
+from pagedjax.model.loader import ModelLoadError, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -39,32 +39,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def read_json(path: Path) -> dict:
-    """A JSON object from `path`; ModelLoadError naming the file if it is unreadable, invalid or not an object."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except UnicodeDecodeError as e:
-        raise ModelLoadError(path, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except ValueError as e:
-        raise ModelLoadError(path, f"invalid JSON: {e}") from None
-    except OSError as e:
-        raise ModelLoadError(path, f"cannot read: {e.strerror or e}") from None
-    if not isinstance(value, dict):
-        raise ModelLoadError(path, f"expected a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _id_list(value: Any, key: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    if _is_int(value) and value >= 0:
+    if is_int(value) and value >= 0:
         return (value,)
-    if isinstance(value, list) and all(_is_int(v) and v >= 0 for v in value):
+    if isinstance(value, list) and all(is_int(v) and v >= 0 for v in value):
         return tuple(value)
     raise ValueError(f"field {key!r}: expected a token id or a list of token ids, got {value!r}")
 
@@ -72,7 +52,7 @@ def _id_list(value: Any, key: str) -> tuple[int, ...]:
 def _optional_id(value: Any, key: str) -> int | None:
     if isinstance(value, list):  # some configs list several; the first is the one prepended
         value = value[0] if value else None
-    if value is not None and not (_is_int(value) and value >= 0):
+    if value is not None and not (is_int(value) and value >= 0):
         raise ValueError(f"field {key!r}: expected a token id or null, got {value!r}")
     return value
 
@@ -83,7 +63,7 @@ def _positive_int(hf: dict, key: str, default: Any = None) -> int:
         value = default
     if value is None:
         raise ValueError(f"required field {key!r} is missing (or null)")
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"field {key!r}: expected a positive int, got {value!r}")
     return value
 
@@ -176,11 +156,11 @@ def _sliding_window(hf: dict, model_type: str, num_layers: int) -> int | None:
         max_window_layers = hf.get("max_window_layers")
         if max_window_layers is None:
             return None  # every layer is below the cut-off: full attention
-        if not _is_int(max_window_layers) or max_window_layers < 0:
+        if not is_int(max_window_layers) or max_window_layers < 0:
             raise ValueError(f"field 'max_window_layers': expected an int >= 0, got {max_window_layers!r}")
         if max_window_layers >= num_layers:
             return None
-    if not _is_int(window) or window < 1:
+    if not is_int(window) or window < 1:
         raise ValueError(f"field 'sliding_window': expected a positive int or null, got {window!r}")
     return window
 

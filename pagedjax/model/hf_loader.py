@@ -33,9 +33,9 @@ import numpy as np
 from flax import nnx
 
 from pagedjax.config import ModelConfig
-from pagedjax.model.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config, read_json  # noqa: F401  (re-exports)
+from pagedjax.model.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config  # noqa: F401  (re-exports)
 from pagedjax.model.llama import abstract_model, model_from_state  # noqa: F401  (model_from_state: re-export)
-from pagedjax.model.loader import ModelLoadError
+from pagedjax.model.loader import ModelLoadError, read_json
 
 logger = logging.getLogger(__name__)
 
