@@ -276,9 +276,7 @@ class LLMEngine:
             raise exc
         logger.error("step of %d request(s) failed: %s: %s", len(request_ids), type(exc).__name__, exc,
                      exc_info=exc)
-        failed = self.scheduler.fail_step(request_ids, f"{type(exc).__name__}: {exc}")
-        self._progressed(failed, [r.num_output_tokens for r in failed])
-        return failed
+        return self.scheduler.fail_step(request_ids, f"{type(exc).__name__}: {exc}")
 
     def _progressed(self, requests: list[Request], before: list[int]) -> list[Request]:
         out = []

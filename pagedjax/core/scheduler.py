@@ -278,12 +278,7 @@ class Scheduler:
                 if kv.allocate_slots(request, n, hit_blocks) is None:
                     break
                 admitted.add(request.request_id)
-                request.num_computed_tokens = num_hit_tokens
-                if request.num_cached_tokens < 0:  # first admission: the only one counted as a lookup
-                    request.num_cached_tokens = num_hit_tokens
-                    kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-                request.status = RequestStatus.RUNNING
-                running.append(request)
+                self._admit(request, num_hit_tokens)
                 scheduled.append((request, n))
                 budget -= n
                 if kv.enable_caching:
@@ -296,6 +291,15 @@ class Scheduler:
 
         self.num_steps += 1
         return self._plan(scheduled, preempted_request_ids=[r.request_id for r in preempted])
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        """A waiting request (its blocks allocated) starts running after its `num_hit_tokens` cached tokens."""
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:  # first admission: the only one counted as a lookup
+            request.num_cached_tokens = num_hit_tokens
+            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _schedule_alone(self, request: Request) -> StepPlan:
         """A step of `request` alone (a suspect, see `fail_step`): running requests wait one step, and the
@@ -313,12 +317,7 @@ class Scheduler:
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim)
-        request.num_computed_tokens = num_hit_tokens
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit_tokens
-            kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._admit(request, num_hit_tokens)
         self.num_steps += 1
         return self._plan([(request, n)], preempted_request_ids=[r.request_id for r in preempted])
 

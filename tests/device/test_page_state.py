@@ -92,3 +92,17 @@ def test_short_lent_stack_as_the_runner_pads_it_overflows_instead_of_writing_blo
     assert (slots[1:3] == -1).all()  # no slot at all, least of all in block 0
     assert int(state.num_popped) == 1
     np.testing.assert_array_equal(np.asarray(state.block_tables)[:3, 1], [5, 0, 0])
+
+
+def test_pad_multi_decode_refuses_more_lent_blocks_than_can_be_popped():
+    """One sequence pops at most cdiv(num_steps, block_size) blocks: lending more is a host bug, said loudly."""
+    import pytest
+
+    from pagedjax.device.sampling import SamplingMetadata
+    from pagedjax.runner import pad_multi_decode
+
+    with pytest.raises(ValueError, match="at most 1"):
+        pad_multi_decode(tokens=np.array([1], np.int32), block_tables=np.zeros((1, 2), np.int32),
+                         seq_lens=np.array([4], np.int32), lent_blocks=np.array([5, 6], np.int32),
+                         sampling=SamplingMetadata.from_lists([0.0], [0], [1.0], [0], [0]), stop_ids=[[]],
+                         max_new=np.array([4], np.int32), num_steps=4, block_size=4)

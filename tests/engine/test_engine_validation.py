@@ -79,6 +79,10 @@ def test_generate_validates_the_whole_batch_before_queueing_any():
     with pytest.raises(ValueError, match="max_model_len"):
         engine.generate([PROMPTS[0], [1] * (MAX_LEN + 1)], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not engine.has_unfinished_requests()
+    # still serving, nothing held
+    assert len(engine.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)[0].output_token_ids) == 2
+    mem = engine.stats().scheduler.memory
+    assert mem.num_used_blocks == 0 and mem.num_free_blocks + mem.num_cached_blocks == mem.num_blocks
 
 
 def test_generate_ids_never_collide_with_the_callers():
