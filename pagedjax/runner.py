@@ -24,9 +24,16 @@ import numpy as np
 from flax import nnx
 
 from pagedjax.device.attention import AttentionMetadata, resolve_backend
-from pagedjax.device.kv_cache import KVCache, init_kv_cache
+from pagedjax.device.kv_cache import KVCache, copy_blocks, init_kv_cache
 from pagedjax.device.page_state import PageState, append_tokens, init_page_state
-from pagedjax.device.sampling import SamplingMetadata, sample
+from pagedjax.device.sampling import (
+    PenaltyMetadata,
+    SamplingMetadata,
+    TokenLogprobs,
+    count_tokens,
+    sample,
+    token_logprobs,
+)
 from pagedjax.model.llama import Llama
 
 logger = logging.getLogger(__name__)
@@ -57,10 +64,44 @@ def pad_sampling(sampling: SamplingMetadata, n: int) -> SamplingMetadata:
         temperature=_pad(sampling.temperature, n, 0.0, np.float32),
         top_k=_pad(sampling.top_k, n, 0),
         top_p=_pad(sampling.top_p, n, 1.0, np.float32),
+        min_p=_pad(sampling.min_p, n, 0.0, np.float32),
         seed_hi=_pad(sampling.seed_hi, n, 0, np.uint32),
         seed_lo=_pad(sampling.seed_lo, n, 0, np.uint32),
         step=_pad(sampling.step, n, 0),
     )
+
+
+def pad_penalties(pen: PenaltyMetadata | None, n: int) -> PenaltyMetadata | None:
+    """Padding rows have no penalty."""
+    if pen is None:
+        return None
+    return PenaltyMetadata(
+        presence=_pad(pen.presence, n, 0.0, np.float32), frequency=_pad(pen.frequency, n, 0.0, np.float32),
+        repetition=_pad(pen.repetition, n, 1.0, np.float32), min_tokens=_pad(pen.min_tokens, n, 0),
+        output_counts=_pad(pen.output_counts, n, 0), prompt_mask=_pad(pen.prompt_mask, n, False, bool),
+        stop_ids=_pad(pen.stop_ids, n, -1))
+
+
+class StepExtras(NamedTuple):
+    """The optional parts of a step (None when no request in it needs them: they cost nothing then)."""
+
+    block_copies: np.ndarray | None = None  # i32[C, 2] (src, dst) blocks copied before the KV write; dst -1 = pad
+    penalties: PenaltyMetadata | None = None  # [S] rows
+    prompt_targets: np.ndarray | None = None  # i32[T]: the prompt token after each position whose log-probability
+    #                                           is wanted, -1 elsewhere
+
+
+NO_EXTRAS = StepExtras()
+
+
+class StepOutputs(NamedTuple):
+    """What a step returns: sampled tokens i32 `[S]`, their log-probabilities (and top alternatives), the
+    prompt log-probabilities at every position `[T]` when asked, and the logits `[S, vocab]` when asked."""
+
+    tokens: Any
+    logprobs: TokenLogprobs
+    prompt_logprobs: TokenLogprobs | None
+    logits: Any
 
 
 @dataclass(frozen=True)
@@ -73,6 +114,9 @@ class StepInputs:
     logits_indices: np.ndarray  # int32 [S]
     sampling: SamplingMetadata  # [S] each
     decode_only: bool
+    extras: StepExtras = NO_EXTRAS
+    num_top_logprobs: int = 0  # top alternatives returned per sampled token (a bucket)
+    num_prompt_top_logprobs: int = 0  # per prompt position, when extras.prompt_targets is set
 
 
 def pad_step(*, token_ids: np.ndarray,  # i32[T]
@@ -82,16 +126,32 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
              kv_lens: np.ndarray,  # i32[S]
              cu_q_lens: np.ndarray,  # i32[S + 1]
              sampling: SamplingMetadata,  # [S] each
+             block_copies: np.ndarray | None = None,  # i32[C, 2]
+             penalties: PenaltyMetadata | None = None,  # [S] rows
+             prompt_targets: np.ndarray | None = None,  # i32[T]
+             num_top_logprobs: int = 0,
+             num_prompt_top_logprobs: int = 0,
              ) -> StepInputs:
     """Pad a ragged step to bucket sizes. Padding tokens write nowhere (slot -1); padding sequences have
     q_len 0 and kv_len 0, so every kernel returns zeros for them. Sequences are bucketed from 1 (a batch
-    of one runs as one row: on a CPU a padded row costs nearly as much as a real one)."""
+    of one runs as one row: on a CPU a padded row costs nearly as much as a real one). Top-logprob counts are
+    bucketed too (the host keeps what each request asked for)."""
     num_tokens, num_seqs = len(token_ids), len(kv_lens)
     decode_only = num_tokens == num_seqs
     s_b = bucket(num_seqs)
     t_b = s_b if decode_only else bucket(num_tokens, 16)
     tables = _pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2))
+    copies = None
+    if block_copies is not None and len(block_copies):
+        copies = np.full((bucket(len(block_copies)), 2), -1, np.int32)
+        copies[:, 0] = 0
+        copies[: len(block_copies)] = block_copies
+    extras = StepExtras(block_copies=copies, penalties=pad_penalties(penalties, s_b),
+                        prompt_targets=None if prompt_targets is None else _pad(prompt_targets, t_b, -1))
     return StepInputs(
+        extras=extras,
+        num_top_logprobs=bucket(num_top_logprobs) if num_top_logprobs else 0,
+        num_prompt_top_logprobs=bucket(num_prompt_top_logprobs) if num_prompt_top_logprobs else 0,
         token_ids=_pad(token_ids, t_b, 0),
         positions=_pad(positions, t_b, 0),
         meta=AttentionMetadata(_pad(slot_mapping, t_b, -1), tables, _pad(kv_lens, s_b, 0),
@@ -114,6 +174,8 @@ class MultiDecodeInputs:
     stop_ids: np.ndarray  # int32 [S, K], -1 = none
     max_new: np.ndarray  # int32 [S]: tokens each sequence may generate in this call
     num_steps: int
+    penalties: PenaltyMetadata | None = None  # [S] rows; output_counts are updated on device each step
+    num_top_logprobs: int = 0
 
 
 def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
@@ -124,7 +186,9 @@ def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
                      stop_ids: list[list[int]],  # S lists
                      max_new: np.ndarray,  # i32[S]
                      num_steps: int,
-                     block_size: int) -> MultiDecodeInputs:
+                     block_size: int,
+                     penalties: PenaltyMetadata | None = None,  # [S] rows
+                     num_top_logprobs: int = 0) -> MultiDecodeInputs:
     """Pad a fused decode to bucket sizes. The lent stack is padded with -1, which the device never pops
     (a short stack raises `overflow` instead of writing into block 0), to a length fixed by the batch bucket
     and `num_steps`: one sequence pops at most `cdiv(num_steps, block_size)` blocks in `num_steps` steps, so
@@ -147,17 +211,30 @@ def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
         stop_ids=stops,
         max_new=_pad(max_new, s_b, 0),
         num_steps=num_steps,
+        penalties=pad_penalties(penalties, s_b),
+        num_top_logprobs=bucket(num_top_logprobs) if num_top_logprobs else 0,
     )
 
 
 def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,
-                  logits_indices, sampling: SamplingMetadata, *, backend: str, decode_only: bool,
-                  return_logits: bool):
+                  logits_indices, sampling: SamplingMetadata, extras: StepExtras = NO_EXTRAS, *, backend: str,
+                  decode_only: bool, return_logits: bool = False, num_top_logprobs: int = 0,
+                  num_prompt_top_logprobs: int = 0) -> tuple[StepOutputs, KVCache]:
     model: Llama = nnx.merge(graphdef, params)
+    if extras.block_copies is not None:
+        kv_cache = copy_blocks(kv_cache, extras.block_copies)  # before this step's KV is written
     hidden, kv_cache = model(token_ids, positions, kv_cache, meta, backend=backend, decode_only=decode_only)
-    logits = model.compute_logits(hidden[logits_indices])
-    tokens = sample(logits, sampling)
-    return tokens, kv_cache, (logits if return_logits else None)
+    prompt_logprobs = None
+    if extras.prompt_targets is not None:  # logits at every position, once
+        all_logits = model.compute_logits(hidden)
+        prompt_logprobs = token_logprobs(all_logits, extras.prompt_targets, num_prompt_top_logprobs)
+        logits = all_logits[logits_indices]
+    else:
+        logits = model.compute_logits(hidden[logits_indices])
+    tokens = sample(logits, sampling, extras.penalties)
+    outputs = StepOutputs(tokens, token_logprobs(logits, tokens, num_top_logprobs), prompt_logprobs,
+                          logits if return_logits else None)
+    return outputs, kv_cache
 
 
 class DecodeLoopState(NamedTuple):
@@ -170,15 +247,19 @@ class DecodeLoopState(NamedTuple):
     active: jax.Array  # bool[S]: still generating
     num_generated: jax.Array  # i32[S]: tokens generated in this call
     sampled: jax.Array  # i32[num_steps, S]: -1 where a sequence did not run
+    logprobs: TokenLogprobs  # [num_steps, S] (and top alternatives [num_steps, S, K])
+    penalties: PenaltyMetadata | None  # output_counts follow the sampled tokens
 
 
 def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, sampling: SamplingMetadata,
-                 stop_ids, max_new, *, num_steps: int, block_size: int, backend: str):
+                 stop_ids, max_new, penalties: PenaltyMetadata | None = None, *, num_steps: int, block_size: int,
+                 backend: str, num_top_logprobs: int = 0):
     """Up to `num_steps` decode steps with no host round trip.
 
     tokens int32 `[S]` (each sequence's last token, whose KV is not yet cached); stop_ids int32 `[S, K]`
     (-1 = none); max_new int32 `[S]` tokens each sequence may still generate (0 = padding row).
-    Returns (sampled int32 `[num_steps, S]` with -1 after a sequence stopped, final PageState, cache).
+    Returns (sampled int32 `[num_steps, S]` with -1 after a sequence stopped, their `TokenLogprobs`
+    `[num_steps, S]`, final PageState, cache).
     """
     model: Llama = nnx.merge(graphdef, params)
     num_seqs = tokens.shape[0]
@@ -192,19 +273,30 @@ def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, 
         pages, slots = append_tokens(s.pages, s.active, block_size)
         meta = AttentionMetadata(slots, pages.block_tables, jnp.where(s.active, pages.seq_lens, 0), cu_q_lens)
         hidden, kv_cache = model(s.last_tokens, positions, s.kv_cache, meta, backend=backend, decode_only=True)
-        new = sample(model.compute_logits(hidden), sampling._replace(step=sampling.step + s.num_generated))
+        logits = model.compute_logits(hidden)
+        new = sample(logits, sampling._replace(step=sampling.step + s.num_generated), s.penalties)
+        lp = token_logprobs(logits, new, num_top_logprobs)
         new = jnp.where(s.active, new, -1)
         num_generated = s.num_generated + s.active.astype(jnp.int32)
         stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (num_generated >= max_new)
+        pen = s.penalties
+        if pen is not None:
+            pen = pen._replace(output_counts=count_tokens(pen.output_counts, new, s.active))
+        logprobs = jax.tree.map(lambda acc, x: acc.at[s.step].set(x), s.logprobs, lp)
         return DecodeLoopState(step=s.step + 1, kv_cache=kv_cache, pages=pages,
                                last_tokens=jnp.where(s.active, new, s.last_tokens), active=s.active & ~stopped,
-                               num_generated=num_generated, sampled=s.sampled.at[s.step].set(new))
+                               num_generated=num_generated, sampled=s.sampled.at[s.step].set(new),
+                               logprobs=logprobs, penalties=pen)
 
     init = DecodeLoopState(step=jnp.int32(0), kv_cache=kv_cache, pages=pages, last_tokens=tokens,
                            active=max_new > 0, num_generated=jnp.zeros((num_seqs,), jnp.int32),
-                           sampled=jnp.full((num_steps, num_seqs), -1, jnp.int32))
+                           sampled=jnp.full((num_steps, num_seqs), -1, jnp.int32),
+                           logprobs=TokenLogprobs(jnp.zeros((num_steps, num_seqs), jnp.float32),
+                                                  jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.int32),
+                                                  jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.float32)),
+                           penalties=penalties)
     final = jax.lax.while_loop(cond, body, init)
-    return final.sampled, final.pages, final.kv_cache
+    return final.sampled, final.logprobs, final.pages, final.kv_cache
 
 
 def _jitted(graphdef, params_treedef) -> tuple:
@@ -220,9 +312,11 @@ def _jitted(graphdef, params_treedef) -> tuple:
             return fn(graphdef, jax.tree.unflatten(params_treedef, param_leaves), *args, **kwargs)
         return call
 
-    step = jax.jit(model_fn(_forward_step), static_argnames=("backend", "decode_only", "return_logits"),
+    step = jax.jit(model_fn(_forward_step), static_argnames=("backend", "decode_only", "return_logits",
+                                                            "num_top_logprobs", "num_prompt_top_logprobs"),
                    donate_argnums=(1,))
-    loop = jax.jit(model_fn(_decode_loop), static_argnames=("num_steps", "block_size", "backend"),
+    loop = jax.jit(model_fn(_decode_loop), static_argnames=("num_steps", "block_size", "backend",
+                                                           "num_top_logprobs"),
                    donate_argnums=(1,))
     return step, loop
 
@@ -276,36 +370,44 @@ class ModelRunner:
             logger.info("compiled %s in %.2f s", key, time.perf_counter() - start)
         return exe
 
-    def execute(self, inputs: StepInputs, *, return_logits: bool = False):
-        """Run one padded step. Returns sampled tokens `[S]` (numpy), and logits `[S, vocab]` if asked."""
+    def execute(self, inputs: StepInputs, *, return_logits: bool = False) -> StepOutputs:
+        """Run one padded step. Returns its `StepOutputs` as numpy (logits `[S, vocab]` only if asked)."""
         m = inputs.meta
+        x = inputs.extras
         args = (self._param_leaves, self.kv_cache, inputs.token_ids, inputs.positions, m, inputs.logits_indices,
-                inputs.sampling)
-        static = dict(backend=self.backend, decode_only=inputs.decode_only, return_logits=return_logits)
-        key = ("step", len(inputs.token_ids), m.block_tables.shape, inputs.decode_only, return_logits)
+                inputs.sampling, x)
+        static = dict(backend=self.backend, decode_only=inputs.decode_only, return_logits=return_logits,
+                      num_top_logprobs=inputs.num_top_logprobs,
+                      num_prompt_top_logprobs=inputs.num_prompt_top_logprobs)
+        key = ("step", len(inputs.token_ids), m.block_tables.shape, inputs.decode_only, return_logits,
+               None if x.block_copies is None else x.block_copies.shape[0],
+               None if x.penalties is None else x.penalties.stop_ids.shape[1], x.prompt_targets is not None,
+               inputs.num_top_logprobs, inputs.num_prompt_top_logprobs)
         exe = self._executable(self._step, key, args, static)
         start = time.perf_counter()
-        tokens, self.kv_cache, logits = exe(*args)
-        tokens = np.asarray(tokens)
+        outputs, self.kv_cache = exe(*args)
+        outputs = jax.device_get(outputs)
         self.device_seconds += time.perf_counter() - start
-        return (tokens, np.asarray(logits)) if return_logits else tokens
+        return outputs
 
     def execute_multi_decode(self, inputs: MultiDecodeInputs):
         """Run up to `inputs.num_steps` decode steps on device.
 
-        Returns (sampled `[num_steps, S]` with -1 where a sequence did not run, block_tables `[S, B]` as the
-        device left them), as numpy.
+        Returns (sampled `[num_steps, S]` with -1 where a sequence did not run, their `TokenLogprobs`
+        `[num_steps, S]`, block_tables `[S, B]` as the device left them), as numpy.
         """
         x = inputs
         pages = init_page_state(x.block_tables, x.seq_lens, x.lent_blocks)
-        args = (self._param_leaves, self.kv_cache, pages, x.tokens, x.sampling, x.stop_ids, x.max_new)
-        static = dict(num_steps=x.num_steps, block_size=self.block_size, backend=self.backend)
-        key = ("decode_loop", x.block_tables.shape, len(x.lent_blocks), x.stop_ids.shape[1], x.num_steps)
+        args = (self._param_leaves, self.kv_cache, pages, x.tokens, x.sampling, x.stop_ids, x.max_new, x.penalties)
+        static = dict(num_steps=x.num_steps, block_size=self.block_size, backend=self.backend,
+                      num_top_logprobs=x.num_top_logprobs)
+        key = ("decode_loop", x.block_tables.shape, len(x.lent_blocks), x.stop_ids.shape[1], x.num_steps,
+               x.penalties is not None, x.num_top_logprobs)
         exe = self._executable(self._loop, key, args, static)
         start = time.perf_counter()
-        out, pages, self.kv_cache = exe(*args)
-        out, tables, overflow = jax.device_get((out, pages.block_tables, pages.overflow))
+        out, logprobs, pages, self.kv_cache = exe(*args)
+        out, logprobs, tables, overflow = jax.device_get((out, logprobs, pages.block_tables, pages.overflow))
         self.device_seconds += time.perf_counter() - start
         if overflow:
             raise RuntimeError("fused decode ran out of lent blocks or table columns: the host lent too few (a bug)")
-        return out, tables
+        return out, logprobs, tables

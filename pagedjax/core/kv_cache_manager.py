@@ -20,6 +20,13 @@ Invariants:
     held the same hash when they filled;
   - a block's ref_cnt == the number of requests holding it, plus 1 while it is lent to the device.
 
+Forking (several samples of one prompt, beam search): `fork(source, child)` gives the child every block the
+source holds, the partially filled last block included, with each block's ref_cnt raised. A request that is
+about to write into a block it shares (ref_cnt > 1) first gets a private copy (copy-on-write):
+`allocate_slots` replaces the shared block by a fresh one and records `(src, dst)`; the step copies those
+blocks (every layer, K and V) on device before it writes its new KV (`take_block_copies`). Full shared
+blocks are never written, so never copied.
+
 Fused multi-step decode borrows blocks with `lend_blocks`; the device pops them as sequences cross block
 boundaries; the host then `adopt_blocks` the used ones and `return_lent_blocks` the rest.
 """
@@ -48,6 +55,7 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[int]] = {}
         self._num_hashed_blocks: dict[str, int] = {}  # leading blocks of a request already published
         self._lent: set[int] = set()
+        self._copies: dict[str, tuple[int, int]] = {}  # request id -> its pending (src, dst) block copy
         self.prefix_cache_queries = 0  # tokens looked up by first-time admissions
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
 
@@ -114,7 +122,7 @@ class KVCacheManager:
         Walks the hash chain from the first block and stops at the first miss; at most
         `num_tokens - 1` tokens count, so the last token is recomputed. Changes nothing.
         """
-        if not self.enable_caching or request.num_computed_tokens:
+        if not self.enable_caching or request.num_computed_tokens or _recomputes_prompt(request):
             return [], 0
         if request.request_id in self._req_blocks:
             raise ValueError(f"request {request.request_id!r} already holds blocks")
@@ -134,7 +142,8 @@ class KVCacheManager:
     def next_block_hash(self, request: Request, num_hit_blocks: int) -> BlockHash | None:
         """The hash of the block where `get_computed_blocks` stopped (its first miss), or None if the
         lookup stopped at its cap (the last token is always recomputed) or caching is off."""
-        if not self.enable_caching or num_hit_blocks >= (request.num_tokens - 1) // self.block_size:
+        if (not self.enable_caching or _recomputes_prompt(request)
+                or num_hit_blocks >= (request.num_tokens - 1) // self.block_size):
             return None
         return self.block_hashes(request)[num_hit_blocks]
 
@@ -145,6 +154,13 @@ class KVCacheManager:
         if done is None or not self.enable_caching:
             return []
         return self.block_hashes(request)[done:]
+
+    def needs_copy(self, request: Request) -> bool:
+        """True when the request's next token lands in a block it shares with another request (a fork):
+        writing it needs a copy-on-write first."""
+        held = self._req_blocks.get(request.request_id)
+        return bool(held) and request.num_computed_tokens % self.block_size != 0 and \
+            self.block_pool.ref_cnt(held[-1]) > 1
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one first-time admission's lookup (tokens recomputed after a preemption are not hits)."""
@@ -173,6 +189,8 @@ class KVCacheManager:
         total = request.num_computed_tokens + len(new_computed_blocks) * bs + num_new_tokens
         num_held = len(held) if held else 0
         fresh = cdiv(total, bs) - num_held - len(new_computed_blocks)
+        if num_new_tokens and self.needs_copy(request):
+            return self._allocate_with_copy(request, max(fresh, 0))
         if fresh <= 0 and not new_computed_blocks:
             if held is None:
                 self._req_blocks[rid] = []
@@ -193,6 +211,50 @@ class KVCacheManager:
         assert new_blocks is not None
         held.extend(new_blocks)
         return new_blocks
+
+    def _allocate_with_copy(self, request: Request, fresh: int) -> list[int] | None:
+        """`allocate_slots` for a request whose next write lands in its shared last block: one more fresh
+        block replaces that block (its content copied on device before the step writes), all or nothing."""
+        pool = self.block_pool
+        new_blocks = pool.allocate(fresh + 1)
+        if new_blocks is None:
+            return None
+        rid = request.request_id
+        held = self._req_blocks[rid]
+        src, dst = held[-1], new_blocks[0]
+        held[-1] = dst
+        pool.free([src])  # the other holders keep it
+        self._copies[rid] = (src, dst)
+        held.extend(new_blocks[1:])
+        return new_blocks
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies the next step must make before it writes KV (and forget them)."""
+        copies = list(self._copies.values())
+        self._copies.clear()
+        return copies
+
+    def fork(self, source: Request, child: Request) -> None:
+        """Let `child` (holding no blocks) share every block `source` holds: the child continues from the
+        source's `num_computed_tokens` tokens, which must be the child's first tokens too. Each block gains a
+        reference; the first write into a shared block copies it (see `allocate_slots`)."""
+        blocks = self._req_blocks.get(source.request_id)
+        if blocks is None:
+            raise ValueError(f"request {source.request_id!r} holds no blocks; it cannot be forked")
+        if child.request_id in self._req_blocks:
+            raise ValueError(f"request {child.request_id!r} already holds blocks")
+        if source.request_id in self._copies:
+            raise ValueError(f"request {source.request_id!r} has a block copy pending; fork it between steps")
+        n = source.num_computed_tokens
+        if child.num_tokens < n or child.get_token_ids(0, n) != source.get_token_ids(0, n):
+            raise ValueError(f"request {child.request_id!r} does not start with the {n} computed tokens of "
+                             f"{source.request_id!r}")
+        shared = blocks[:cdiv(n, self.block_size)]
+        self.block_pool.touch(shared)
+        self._req_blocks[child.request_id] = list(shared)
+        full = n // self.block_size
+        self._num_hashed_blocks[child.request_id] = min(self._num_hashed_blocks[source.request_id], full)
+        child.block_hashes = list(source.block_hashes[:full])  # same tokens, same chained hashes
 
     def cache_blocks(self, request: Request) -> int:
         """Publish the request's blocks that are full of computed KV and not yet published.
@@ -223,6 +285,7 @@ class KVCacheManager:
         """Release every block the request holds, tail-first. A no-op for a request holding none."""
         blocks = self._req_blocks.pop(request.request_id, None)
         self._num_hashed_blocks.pop(request.request_id, None)
+        self._copies.pop(request.request_id, None)  # its step will not run: nothing to copy for it
         if blocks:
             self.block_pool.free(reversed(blocks))
 
@@ -266,3 +329,10 @@ class KVCacheManager:
         not_lent = [b for b in ids if b not in self._lent]
         if not_lent:
             raise ValueError(f"blocks {not_lent} are not lent")
+
+
+def _recomputes_prompt(request: Request) -> bool:
+    """A request collecting prompt log-probabilities takes no prefix-cache hits until it has them all:
+    every prompt position must go through the model to have logits."""
+    lps = request.prompt_logprobs
+    return lps is not None and len(lps) < request.num_prompt_tokens

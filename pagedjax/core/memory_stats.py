@@ -68,23 +68,22 @@ def kv_memory_stats(manager: KVCacheManager, requests: Iterable[Request], *,
     """Snapshot of the pool's memory use, given the requests holding blocks.
 
     A request's used slots are its `num_computed_tokens` (between `schedule` and `update` the tokens being
-    computed in the step are not counted yet). Shared blocks are full, so counting per request is exact.
+    computed in the step are not counted yet). A block shared by several requests (a prefix hit, or forks
+    sharing their partial last block) holds the same tokens for all of them and is counted once.
     """
     bs = manager.block_size
     pool = manager.block_pool
-    blocks_held: set[int] = set()
-    wasted = 0
+    filled: dict[int, int] = {}  # held block -> slots of it holding computed KV
     partial = 0
     for r in requests:
         blocks = manager.get_block_ids(r.request_id)
         if not blocks:
             continue
-        blocks_held.update(blocks)
-        waste = max(0, len(blocks) * bs - r.num_computed_tokens)
-        wasted += waste
-        partial += waste > 0
-    reserved = len(blocks_held) * bs
-    used = reserved - wasted
+        for i, b in enumerate(blocks):
+            filled[b] = max(filled.get(b, 0), min(bs, max(0, r.num_computed_tokens - i * bs)))
+        partial += len(blocks) * bs > r.num_computed_tokens
+    reserved = len(filled) * bs
+    used = sum(filled.values())
     free_runs = largest = None
     if with_free_runs:
         free_runs = largest = 0

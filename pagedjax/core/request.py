@@ -33,22 +33,55 @@ def _check_float(name: str, value, *, lo: float | None = None) -> None:
         raise ValueError(f"SamplingParams.{name} must be >= {lo}, got {value}")
 
 
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's API allows
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token, and when to stop (vLLM's spirit).
+    """How to pick each next token, and when to stop (vLLM's / OpenAI's semantics).
 
-    temperature == 0 means greedy. top_k 0 (or -1) and top_p == 1 disable those filters. Every field is validated
-    at construction (types too: no silent coercion); a bad one raises TypeError/ValueError naming it.
+    temperature == 0 means greedy. top_k 0 (or -1), top_p == 1 and min_p == 0 disable those filters.
     `seed` makes a request's samples reproducible regardless of what it is batched with.
+
+    Several samples: `best_of` samples (default `n`) are drawn from one prefill of the prompt (the KV cache is
+    forked, see `Scheduler`); sample i uses seed `seed + i`, so it equals a single request with that seed. The
+    output holds the `n` samples with the highest cumulative log-probability (all of them, in index order,
+    when best_of == n).
+
+    Log-probabilities are log-softmax (float32) of the model's raw logits, before temperature, filters or
+    penalties: `logprobs=k` returns, for each generated token, its log-probability and the k most likely
+    alternatives; `prompt_logprobs=k` the same for every prompt token after the first (such a request does not
+    take prefix-cache hits: its prompt is recomputed so that every position has logits).
+
+    Penalties (OpenAI semantics, applied to the logits before sampling, greedy included): `presence_penalty`
+    is subtracted once from every token that occurs in the output so far, `frequency_penalty` once per
+    occurrence; `repetition_penalty` (CTRL / Hugging Face) divides positive logits and multiplies negative ones of
+    every token seen in the prompt or the output. `min_tokens`: stop ids and EOS cannot be sampled before that
+    many outputs. `stop`: strings that end the output (host-side, on the detokenized text; needs a tokenizer):
+    the text is cut before the stop string unless `include_stop_str_in_output`.
+
+    Every field is validated at construction (types too: no silent coercion); a bad one raises
+    TypeError/ValueError naming it.
     """
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    best_of: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Every field is checked here, types included, so that a bad value fails at construction with
@@ -59,21 +92,75 @@ class SamplingParams:
         _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        _check_int("n", self.n, lo=1, hi=INT32_MAX)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, lo=self.n, hi=INT32_MAX)
         if self.seed is not None:
-            _check_int("seed", self.seed, lo=0, hi=SEED_MAX)
-        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
-            raise TypeError("SamplingParams.stop_token_ids must be a sequence of ints, "
-                            f"got {type(self.stop_token_ids).__name__}")
-        stops = tuple(self.stop_token_ids)
-        for t in stops:
-            _check_int("stop_token_ids", t, lo=0, hi=INT32_MAX)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+            _check_int("seed", self.seed, lo=0, hi=SEED_MAX - (self.num_samples - 1))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), lo=0, hi=MAX_LOGPROBS)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)
+        object.__setattr__(self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "stop", _str_tuple("stop", self.stop))
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_samples(self) -> int:
+        """Samples drawn: best_of (default n)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_tokens > 0)
+
+
+def _int_tuple(name: str, value) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"SamplingParams.{name} must be a sequence of ints, got {type(value).__name__}")
+    out = tuple(value)
+    for t in out:
+        _check_int(name, t, lo=0, hi=INT32_MAX)
+    return tuple(int(t) for t in out)
+
+
+def _str_tuple(name: str, value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if isinstance(value, bytes) or not hasattr(value, "__iter__"):
+        raise TypeError(f"SamplingParams.{name} must be a string or a sequence of strings, got "
+                        f"{type(value).__name__}")
+    out = tuple(value)
+    for s in out:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"SamplingParams.{name} must hold non-empty strings, got {s!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log-probabilities: the token there and the `top` most likely tokens, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class RequestStatus(enum.Enum):
@@ -118,6 +205,24 @@ class Request:
     # manager that owns it; tokens only ever get appended, so computed hashes stay valid (also across a
     # preemption, when they let the request find its own released blocks in the prefix cache).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # Several samples of one prompt (SamplingParams.best_of / n) and beam search run as requests that fork
+    # from one another; see `Scheduler.fork`. A `prefill_only` request computes its tokens, samples nothing
+    # and is then forked into its group's samples.
+    group_id: str | None = None  # the caller's request id, for a sample of a multi-sample request
+    sample_index: int = 0  # which sample of its group (its seed is the group's seed + sample_index)
+    prefill_only: bool = False
+    hold: bool = False  # pause after each sampled token until `Scheduler.resume` (beam search)
+    paused: bool = False  # held: running with its blocks, not scheduled
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first)
+    group: SampleGroup | None = field(default=None, repr=False)  # its multi-sample request, if any
+    output_logprobs: list[float] = field(default_factory=list, repr=False)  # per output token
+    stop_str: str | None = None  # the stop string that finished it, if any
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """Sum of the log-probabilities of its output tokens."""
+        return float(sum(self.output_logprobs))
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -165,9 +270,56 @@ class Request:
         return self.status.value if self.status.finished else None
 
 
+@dataclass(eq=False)
+class SampleGroup:
+    """The samples of one multi-sample request (SamplingParams.best_of / n > 1).
+
+    `request` is the caller's request: it is never scheduled itself. Its prompt but the last token is prefilled
+    once by a `prefill_only` request (same id); then `samples` (index order) fork from it and each computes the
+    last prompt token and its outputs like a single request.
+    """
+
+    request: Request
+    samples: list[Request] = field(default_factory=list)  # empty until the prefill is done
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [sample_id(self.request.request_id, i) for i in range(self.request.sampling_params.num_samples)]
+
+    @property
+    def finished(self) -> bool:
+        """Every sample finished, or the request ended before it had samples (aborted, or its prefill failed:
+        `request.status` says which)."""
+        return self.request.is_finished or (bool(self.samples) and all(s.is_finished for s in self.samples))
+
+
+def sample_id(request_id: str, index: int) -> str:
+    """The id of sample `index` of a multi-sample request."""
+    return f"{request_id}[{index}]"
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request."""
+
+    index: int  # the sample's index (its seed is the request's seed + index)
+    token_ids: list[int]
+    text: str | None
+    cumulative_logprob: float
+    logprobs: list[TokenLogprobs] | None  # per token, when SamplingParams.logprobs is set
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
 @dataclass
 class RequestOutput:
-    """What a caller sees of a request after a step (or at the end of `generate`)."""
+    """What a caller sees of a request after a step (or at the end of `generate`).
+
+    `outputs` holds one `CompletionOutput` per sample (the n best when best_of > n, best first; otherwise in
+    index order). The single-sample fields (`output_token_ids`, `text`, `finish_reason`) describe `outputs[0]`;
+    `finish_reason` is None until every sample finished.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -176,6 +328,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     text: str | None = None
     error: str | None = None  # with finish_reason "error": what failed
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,12 @@ rejects a request that could not fit in the whole pool; so it advances by >= 1 t
 finishes, after which the next oldest takes its place. An idle waiting queue head is admitted as soon as
 nothing runs.
 
+Several samples of one prompt (best_of / n > 1): the prompt but its last token is prefilled once by a
+`prefill_only` request; when that is done it is forked into the samples (`KVCacheManager.fork`: shared blocks,
+copy-on-write of the partial last one), each of which then computes the last prompt token and samples with
+its own seed. Samples beyond `max_num_seqs` wait (and recompute, through the prefix cache). Beam search forks
+running requests itself (`fork`, with `hold`: a held request pauses after each token until `resume`).
+
 A step that fails on device (`fail_step`) fails its request if it ran alone; otherwise its requests are
 preempted and marked suspect, and each suspect runs alone in its next step, so a request that breaks
 steps fails by itself and the others lose nothing (recompute is exact).
@@ -30,6 +36,7 @@ device -> `update_multi_decode(...)`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,7 +47,7 @@ from pagedjax.config import CacheConfig, SchedulerConfig
 from pagedjax.core.invariants import check_scheduler_invariants
 from pagedjax.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedjax.core.memory_stats import KVMemoryStats, kv_memory_stats
-from pagedjax.core.request import Request, RequestStatus
+from pagedjax.core.request import Request, RequestStatus, SampleGroup, sample_id
 from pagedjax.core.step_plan import MultiStepPlan, StepPlan, build_step_plan, reconcile_fused_decode
 
 
@@ -83,6 +90,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, SampleGroup] = {}  # multi-sample requests by the caller's id
         self._stop_ids: dict[str, frozenset[int]] = {}
         self.num_preemptions = 0
         self.num_steps = 0
@@ -108,8 +116,13 @@ class Scheduler:
         max_model_len, a duplicate request id, a request that is not fresh, or one that could not fit even
         in an empty pool. Changes nothing."""
         rid = request.request_id
-        if rid in self.requests:
+        if rid in self.requests or rid in self.groups or any(rid in g.sample_ids for g in self.groups.values()):
             raise ValueError(f"duplicate request id {rid!r}")
+        if request.sampling_params.num_samples > 1:
+            taken = [i for i in (sample_id(rid, j) for j in range(request.sampling_params.num_samples))
+                     if i in self.requests]
+            if taken:
+                raise ValueError(f"request {rid!r}: the ids of its samples {taken[:3]} are in use")
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {rid!r} has an empty prompt")
         if request.num_prompt_tokens > self.max_model_len:
@@ -125,11 +138,105 @@ class Scheduler:
                              f"the whole pool of {self.kv_cache_manager.num_blocks} blocks")
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request (ValueError if `check_request` refuses it)."""
+        """Queue a new request (ValueError if `check_request` refuses it). A multi-sample request is queued
+        as its prefill (or, for a one-token prompt, as its samples); see the module docstring."""
         self.check_request(request)
+        k = request.sampling_params.num_samples
+        if k == 1:
+            self._register(request)
+            self.waiting.append(request)
+            return
+        group = self.groups[request.request_id] = SampleGroup(request)
+        if request.num_prompt_tokens == 1:
+            group.samples = [self._make_sample(group, i) for i in range(k)]
+            for sample in group.samples:
+                self._register(sample)
+                self.waiting.append(sample)
+            return
+        params = request.sampling_params
+        prefill = Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids[:-1],
+                          sampling_params=params, eos_token_ids=request.eos_token_ids,
+                          cache_salt=request.cache_salt, adapter_id=request.adapter_id, group=group,
+                          prefill_only=True, prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+        self._register(prefill)
+        self.waiting.append(prefill)
+
+    def _register(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self._stop_ids[request.request_id] = request.stop_ids
-        self.waiting.append(request)
+
+    def _make_sample(self, group: SampleGroup, index: int) -> Request:
+        """Sample `index` of a multi-sample request: a single request of the same prompt with seed + index."""
+        r = group.request
+        p = r.sampling_params
+        params = dataclasses.replace(p, n=1, best_of=None, prompt_logprobs=None,
+                                     seed=None if p.seed is None else p.seed + index)
+        return Request(request_id=sample_id(r.request_id, index), prompt_token_ids=r.prompt_token_ids,
+                       sampling_params=params, eos_token_ids=r.eos_token_ids, cache_salt=r.cache_salt,
+                       adapter_id=r.adapter_id, group=group, sample_index=index,
+                       logprobs=[] if params.logprobs is not None else None)
+
+    def _spawn_samples(self, prefill: Request) -> None:
+        """A multi-sample request's prefill is done: fork it into its samples, which take its place in the
+        running queue (those beyond max_num_seqs wait, at the front of the queue), and drop it."""
+        group = prefill.group
+        assert group is not None
+        kv = self.kv_cache_manager
+        group.samples = [self._make_sample(group, i) for i in range(group.request.sampling_params.num_samples)]
+        group.prompt_logprobs = prefill.prompt_logprobs
+        room = self.scheduler_config.max_num_seqs - len(self.running) + 1
+        placed = group.samples[:room]
+        for sample in placed:
+            kv.fork(prefill, sample)
+            sample.num_computed_tokens = prefill.num_computed_tokens
+            sample.num_cached_tokens = prefill.num_cached_tokens
+            sample.status = RequestStatus.RUNNING
+        i = self.running.index(prefill)
+        self.running[i:i + 1] = placed
+        self.waiting.extendleft(reversed(group.samples[room:]))
+        kv.free(prefill)
+        del self.requests[prefill.request_id]
+        del self._stop_ids[prefill.request_id]
+        prefill.status = RequestStatus.FINISHED_STOPPED  # done; never reported (the group is)
+        for sample in group.samples:
+            self._register(sample)
+
+    def fork(self, source_id: str, child: Request) -> None:
+        """Start `child` (fresh, same prompt) as a fork of the running request `source_id` between steps (beam
+        search): it shares the source's blocks and continues from its computed tokens, which must be the
+        child's first tokens. ValueError if the source is not running or max_num_seqs is reached."""
+        self._check_no_pending_multi()
+        source = self.requests.get(source_id)
+        if source is None or source.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {source_id!r} is not running; only a running request can be forked")
+        if len(self.running) >= self.scheduler_config.max_num_seqs:
+            raise ValueError(f"cannot fork {source_id!r}: max_num_seqs={self.scheduler_config.max_num_seqs} "
+                             "requests are running")
+        if child.request_id in self.requests or child.request_id in self.groups:
+            raise ValueError(f"duplicate request id {child.request_id!r}")
+        self.kv_cache_manager.fork(source, child)
+        child.num_computed_tokens = source.num_computed_tokens
+        child.num_cached_tokens = max(source.num_cached_tokens, 0)
+        child.status = RequestStatus.RUNNING
+        self._register(child)
+        self.running.append(child)
+
+    def resume(self, request_id: str) -> None:
+        """Let a paused (held) request be scheduled again."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"unknown request {request_id!r}")
+        request.paused = False
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a waiting or running request now with `status` (e.g. a stop string was found), freeing its
+        blocks. Returns it, or None if it is not unfinished."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish_early(request, status)
+        return request
 
     def get_request(self, request_id: str) -> Request | None:
         """A waiting or running request (finished and aborted ones are forgotten)."""
@@ -143,7 +250,16 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def abort(self, request_id: str) -> Request | None:
-        """Stop a request at any point, freeing everything it holds. Returns it, or None if unknown."""
+        """Stop a request at any point, freeing everything it holds (for a multi-sample request, every
+        sample). Returns it, or None if unknown."""
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            group.request.status = RequestStatus.FINISHED_ABORTED
+            members = [self.requests.get(request_id)] + [self.requests.get(i) for i in group.sample_ids]
+            for member in members:
+                if member is not None and member.group is group:
+                    self._finish_early(member, RequestStatus.FINISHED_ABORTED)
+            return group.request
         request = self.requests.get(request_id)
         if request is not None:
             self._finish_early(request, RequestStatus.FINISHED_ABORTED)
@@ -159,6 +275,19 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._stop_ids[request.request_id]
         request.status = status
+        self._forget_finished_group(request)
+
+    def _forget_finished_group(self, request: Request) -> None:
+        """A member of a multi-sample request left: the group ends when its prefill fails or is aborted (with
+        that status), or when its last sample finishes."""
+        group = request.group
+        if group is None or self.groups.get(group.request.request_id) is not group:
+            return
+        if request.prefill_only:
+            group.request.status, group.request.error = request.status, request.error
+        elif not group.finished:
+            return
+        del self.groups[group.request.request_id]
 
     # -- failures --------------------------------------------------------------------------------------
 
@@ -177,8 +306,8 @@ class Scheduler:
         live = [self.requests[rid] for rid in request_ids if rid in self.requests]
         if len(request_ids) == 1 and live:
             request = live[0]
-            self._finish_early(request, RequestStatus.FINISHED_ERROR)
             request.error = error
+            self._finish_early(request, RequestStatus.FINISHED_ERROR)
             return [request]
         for request in live:
             if request.status is RequestStatus.RUNNING:
@@ -236,6 +365,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            if request.paused:
+                i += 1
+                continue
             gap = request.num_tokens - request.num_computed_tokens
             assert gap > 0, f"running request {request.request_id!r} has nothing to compute"
             n = min(gap, budget)
@@ -267,6 +399,9 @@ class Scheduler:
             for request in self.waiting:
                 if budget <= 0 or len(running) >= cfg.max_num_seqs or request.suspect:
                     break
+                if request.paused:  # a held request preempted while paused waits for `resume`
+                    skipped = True
+                    continue
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
                 if in_flight and kv.next_block_hash(request, len(hit_blocks)) in in_flight:
                     skipped = True
@@ -324,7 +459,8 @@ class Scheduler:
     def _plan(self, scheduled: list[tuple[Request, int]], **kwargs) -> StepPlan:
         kv = self.kv_cache_manager
         block_ids = {r.request_id: kv.get_block_ids(r.request_id) for r, _ in scheduled}
-        return build_step_plan(scheduled, block_ids, self.block_size, **kwargs)
+        return build_step_plan(scheduled, block_ids, self.block_size, block_copies=kv.take_block_copies(),
+                               **kwargs)
 
     # -- results ---------------------------------------------------------------------------------------
 
@@ -354,6 +490,7 @@ class Scheduler:
         emits_token = plan.emits_token.tolist()
         tokens = sampled[:n].tolist()
         finished: list[Request] = []
+        prefilled: list[Request] = []
         for i, rid in enumerate(plan.request_ids):
             request = self.requests.get(rid)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -364,9 +501,12 @@ class Scheduler:
             request.num_computed_tokens = kv_lens[i]
             request.suspect = False
             status = None
-            if emits_token[i]:
+            if emits_token[i] and request.prefill_only:
+                prefilled.append(request)
+            elif emits_token[i]:
                 token = int(tokens[i])
                 request.output_token_ids.append(token)
+                request.paused = request.hold
                 status = self._finish_status(request, token, request.num_output_tokens, request.num_tokens)
             kv.cache_blocks(request)
             if status is not None:
@@ -374,6 +514,8 @@ class Scheduler:
                 finished.append(request)
         if finished:
             self._remove_finished(finished)
+        for request in prefilled:
+            self._spawn_samples(request)
         return finished
 
     def _remove_finished(self, finished: list[Request]) -> None:
@@ -382,6 +524,7 @@ class Scheduler:
             self.kv_cache_manager.free(request)
             del self.requests[request.request_id]
             del self._stop_ids[request.request_id]
+            self._forget_finished_group(request)
 
     # -- fused multi-step decode -----------------------------------------------------------------------
 
@@ -403,7 +546,9 @@ class Scheduler:
         num_to_lend = 0
         width = 0
         for r in self.running:
-            if r.num_tokens - r.num_computed_tokens != 1:
+            # A held request (beam search) runs one token at a time; a fork's first write into its shared
+            # block needs a copy-on-write, which only a plain step makes (one step, then fused again).
+            if r.num_tokens - r.num_computed_tokens != 1 or r.hold or r.prefill_only or kv.needs_copy(r):
                 return None
             m = min(num_steps, self.max_new_tokens_left(r))
             max_new.append(m)

@@ -41,6 +41,9 @@ class StepPlan:
     #                          the token sampled from its logits is its next output (False mid-prefill)
     preempted_request_ids: list[str] = field(default_factory=list)
     num_decodes: int = 0  # the first num_decodes seqs have q_len == 1
+    # int32 [num_copies, 2]: (src, dst) blocks to copy, every layer's K and V, before the step writes its KV
+    # (copy-on-write of blocks shared by forks; see `KVCacheManager.fork`)
+    block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))
 
     @property
     def num_seqs(self) -> int:
@@ -101,7 +104,8 @@ class MultiStepPlan:
 
 def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping[str, Sequence[int]],
                     block_size: int, *, preempted_request_ids: Sequence[str] = (), min_width: int = 0,
-                    allow_missing_blocks: bool = False) -> StepPlan:
+                    allow_missing_blocks: bool = False,
+                    block_copies: Sequence[tuple[int, int]] = ()) -> StepPlan:
     """The step that advances each `(request, num_tokens)` of `scheduled` by `num_tokens` tokens from its
     `num_computed_tokens`, through the blocks `block_ids[request_id]` it holds (in logical order).
 
@@ -110,6 +114,8 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
     (a fused decode's step 1 may pop its block on device), every token must have a block.
     """
     if not scheduled:
+        if block_copies:
+            raise ValueError("block copies without a scheduled request")
         return StepPlan.empty(preempted_request_ids)
     order = [x for x in scheduled if x[1] == 1]
     num_decodes = len(order)
@@ -165,7 +171,8 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
         request_ids=request_ids, token_ids=token_ids, positions=positions,
         cu_q_lens=cu_q_lens, kv_lens=kv_lens, block_tables=block_tables,
         slot_mapping=slot_mapping, emits_token=kv_lens == np.array(known_list, np.int32),
-        preempted_request_ids=list(preempted_request_ids), num_decodes=num_decodes)
+        preempted_request_ids=list(preempted_request_ids), num_decodes=num_decodes,
+        block_copies=np.array(block_copies, np.int32).reshape(-1, 2))
 
 
 def device_pop_step(block_tables: np.ndarray, seq_lens: np.ndarray, active: np.ndarray,

@@ -1,10 +1,10 @@
 """Attention over the paged KV cache: backend dispatch between the Pallas kernels and an XLA gather path.
 
-backend "pallas": the kernels in `pallas_kernels` (compiled through Triton on GPU; interpret mode on CPU,
-                  which is for tests only: it is far too slow to serve).
+backend "pallas": the kernels in `pallas_kernels` (compiled through Triton on GPU, Mosaic on TPU; interpret
+                  mode on CPU, which is for tests only: it is far too slow to serve).
 backend "xla":    `pallas_kernels`' XLA gather paths: pages gathered with jnp (once per sequence, or per tile
                   of prefill queries), masked softmax accumulated in float32.
-backend "auto":   "pallas" on GPU, "xla" elsewhere. The engine logs which one it picked.
+backend "auto":   "pallas" on GPU and TPU, "xla" elsewhere. The engine logs which one it picked.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ class AttentionMetadata(NamedTuple):
 def resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-    on_gpu = jax.default_backend() == "gpu"
+    compiled = jax.default_backend() in ("gpu", "tpu")  # the kernels compile there (Triton, Mosaic)
     if backend == "auto":
-        backend = "pallas" if on_gpu else "xla"
+        backend = "pallas" if compiled else "xla"
         logger.info("attention backend auto -> %s (JAX backend %s)", backend, jax.default_backend())
-    elif backend == "pallas" and not on_gpu:
-        logger.warning("attention backend 'pallas' without a GPU runs the kernels in interpret mode: exact but "
+    elif backend == "pallas" and not compiled:
+        logger.warning("attention backend 'pallas' without a GPU or TPU runs the kernels in interpret mode: exact but "
                        "slow, meant for tests; use 'xla' (or 'auto') to serve on %s", jax.default_backend())
     return backend
 
@@ -57,7 +57,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: 
     With `decode_only`, token i is the single query of sequence i (num_tokens == num_seqs).
     Returns `[num_tokens, num_q_heads, head_dim]` in q's dtype.
     """
-    if backend == "pallas":  # interpret=None: compiled through Triton on GPU, interpreted elsewhere
+    if backend == "pallas":  # target "auto", interpret=None: Triton on GPU, Mosaic on TPU, interpreted elsewhere
         if decode_only:
             return pallas_kernels.paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
                                                   scale=scale, interpret=None)

@@ -73,3 +73,15 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: ja
     k_pages = k_pages.at[:, block, offset].set(k_new.astype(k_pages.dtype).transpose(1, 0, 2), mode="drop")
     v_pages = v_pages.at[:, block, offset].set(v_new.astype(v_pages.dtype).transpose(1, 0, 2), mode="drop")
     return k_pages, v_pages
+
+
+def copy_blocks(kv_cache: KVCache, block_copies: jax.Array) -> KVCache:
+    """Copy whole blocks, every layer's K and V: `block_copies` int32 `[C, 2]` rows (src, dst); dst -1 = padding.
+
+    All sources are read before any destination is written, so a block may be a source and, for another row,
+    a destination in the same call (copy-on-write of blocks shared by forks; see `KVCacheManager.fork`)."""
+    src, dst = block_copies[:, 0], block_copies[:, 1]
+    dst = jnp.where(dst < 0, kv_cache.num_blocks, dst)  # out of bounds: dropped
+    k = tuple(x.at[:, dst].set(x[:, src], mode="drop") for x in kv_cache.k)
+    v = tuple(x.at[:, dst].set(x[:, src], mode="drop") for x in kv_cache.v)
+    return KVCache(k, v)

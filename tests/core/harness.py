@@ -22,16 +22,18 @@ from pagedjax.core.step_plan import MultiStepPlan, StepPlan, device_pop_step
 VOCAB = 6
 
 
-def next_token(context: list[int] | np.ndarray) -> int:
-    """The fake model: a deterministic function of the whole context."""
-    data = np.asarray(context, dtype=np.int64).tobytes()
+def next_token(context: list[int] | np.ndarray, salt: int = 0) -> int:
+    """The fake model: a deterministic function of the whole context (and of a per-request salt, which makes
+    the samples of one prompt differ, as their seeds do)."""
+    data = np.asarray(context, dtype=np.int64).tobytes() + (salt.to_bytes(8, "little") if salt else b"")
     return hashlib.blake2b(data, digest_size=8).digest()[0] % VOCAB
 
 
 class FakeModel:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, salts: dict[str, int] | None = None) -> None:
         self.block_size = block_size
         self.kv = np.full((num_blocks * block_size,), -1, np.int64)
+        self.salts = salts if salts is not None else {}  # request id -> salt (0 if absent)
 
     def read(self, table_row: np.ndarray, length: int) -> np.ndarray:
         pos = np.arange(length)
@@ -42,11 +44,16 @@ class FakeModel:
 
     def step(self, plan: StepPlan) -> np.ndarray:
         """Write the plan's tokens, then sample one token per sequence (whether or not it is used)."""
+        bs = self.block_size
+        blocks = self.kv.reshape(-1, bs)
+        if len(plan.block_copies):  # all reads before any write, as on device
+            blocks[plan.block_copies[:, 1]] = blocks[plan.block_copies[:, 0]].copy()
         slots = plan.slot_mapping
         assert (slots >= 0).all()
         assert len(np.unique(slots)) == len(slots), "two tokens of one step write the same slot"
         self.kv[slots] = plan.token_ids
-        return np.array([next_token(self.read(plan.block_tables[s], int(plan.kv_lens[s])))
+        return np.array([next_token(self.read(plan.block_tables[s], int(plan.kv_lens[s])),
+                                    self.salts.get(plan.request_ids[s], 0))
                          for s in range(plan.num_seqs)], dtype=np.int32)
 
     def multi_step(self, mplan: MultiStepPlan, stop_ids: list[frozenset[int]],
@@ -79,7 +86,7 @@ class FakeModel:
             assert len(np.unique(written)) == len(written)
             self.kv[written] = cur[active]
             for s in np.flatnonzero(active):
-                new = next_token(self.read(tables[s], int(lens[s])))
+                new = next_token(self.read(tables[s], int(lens[s])), self.salts.get(plan.request_ids[s], 0))
                 out[step, s] = new
                 cur[s] = new
                 generated[s] += 1
@@ -96,8 +103,11 @@ class Checker:
         self.model = model
         self.hash_tokens: dict[bytes, tuple[int, ...]] = {}  # block hash -> the block's tokens
 
-    def check_plan(self, plan: StepPlan, running_before: list[str] | None = None) -> None:
-        """Check a fresh plan; `running_before` is the running queue's ids before `schedule()`."""
+    def check_plan(self, plan: StepPlan, running_before: list[str] | None = None,
+                   shared_before: dict[str, int] | None = None) -> None:
+        """Check a fresh plan; `running_before` is the running queue's ids before `schedule()`, `shared_before`
+        the running requests whose next write needed a copy then (id -> the shared block)."""
+        shared_before = shared_before or {}
         s = self.sched
         cfg = s.scheduler_config
         bs = s.block_size
@@ -124,6 +134,7 @@ class Checker:
         assert plan.token_ids.dtype == np.int32 and plan.slot_mapping.dtype == np.int32
         assert plan.block_tables.dtype == np.int32 and plan.positions.dtype == np.int32
         np.testing.assert_array_equal(plan.logits_indices, plan.cu_q_lens[1:] - 1)
+        num_copies = 0
         for i, rid in enumerate(plan.request_ids):
             r = s.get_request(rid)
             assert r is not None and r.status is RequestStatus.RUNNING
@@ -143,9 +154,22 @@ class Checker:
                 assert block == held[pos // bs] and off == pos % bs
                 # a step never writes into a block someone else also holds, or a hashed block
                 assert kv.block_pool.ref_cnt(block) == 1 and kv.block_pool.block_hash(block) is None
+            # copy-on-write only when its first write lands in a block it shared before the step: then it
+            # either copied that block, or kept it because the others had copied it first (it is the only
+            # holder now: the written blocks' ref_cnt == 1 above)
+            copies = [tuple(c) for c in plan.block_copies.tolist() if start % bs and c[1] == held[start // bs]]
+            if rid in shared_before:
+                assert copies in ([(shared_before[rid], held[start // bs])], []), (rid, copies)
+                assert copies or held[start // bs] == shared_before[rid]
+            else:
+                assert not copies, (rid, copies)
+            num_copies += len(copies)
         assert len(np.unique(plan.slot_mapping)) == plan.num_tokens
+        assert len(plan.block_copies) == num_copies
 
-    def check(self, *, mid_step: bool = False) -> None:
+    def check(self, *, mid_step: bool = False, pending_copies: np.ndarray | None = None) -> None:
+        """`pending_copies` [C, 2]: (src, dst) copies the planned step will make first (mid-step: dst still
+        holds nothing, so a request's KV is read from src there)."""
         s = self.sched
         kv = s.kv_cache_manager
         pool = kv.block_pool
@@ -175,14 +199,16 @@ class Checker:
             for i, h in enumerate(hashes):
                 tokens = tuple(r.get_token_ids(i * bs, (i + 1) * bs))
                 assert self.hash_tokens.setdefault(h, tokens) == tokens
-        # blocks shared by two requests hold the same, computed tokens for both
+        # blocks shared by two requests hold the same computed tokens for both (a partial one only between
+        # forks, which copy it before writing more)
         seen: dict[int, tuple[int, ...]] = {}
         for rid, blocks in holders.items():
             r = by_id[rid]
             for i, b in enumerate(blocks):
                 if count[b] > 1:
-                    assert (i + 1) * bs <= r.num_computed_tokens
-                    tokens = tuple(r.get_token_ids(i * bs, (i + 1) * bs))
+                    filled = min(bs, r.num_computed_tokens - i * bs)
+                    assert filled > 0
+                    tokens = tuple(r.get_token_ids(i * bs, i * bs + filled))
                     assert seen.setdefault(b, tokens) == tokens
         if self.model is None:
             return
@@ -194,6 +220,9 @@ class Checker:
             if n == 0:
                 continue
             pos = np.arange(n)
+            if pending_copies is not None and len(pending_copies):
+                remap = dict(pending_copies[:, ::-1].tolist())
+                blocks = [remap.get(b, b) for b in blocks]
             slots = np.asarray(blocks)[pos // bs] * bs + pos % bs
             np.testing.assert_array_equal(kvc[slots], r.get_token_ids(0, n), err_msg=f"KV of {rid}")
         # every hashed block (used or idle) still holds the tokens its hash stands for
@@ -218,10 +247,12 @@ def run_step(sched: Scheduler, model: FakeModel, checker: Checker | None = None,
                 checker.check()
             return finished
     running_before = [r.request_id for r in sched.running]
+    kv = sched.kv_cache_manager
+    shared_before = {r.request_id: kv.get_block_ids(r.request_id)[-1] for r in sched.running if kv.needs_copy(r)}
     plan = sched.schedule()
     if checker:
-        checker.check_plan(plan, running_before)
-        checker.check(mid_step=True)
+        checker.check_plan(plan, running_before, shared_before)
+        checker.check(mid_step=True, pending_copies=plan.block_copies)
     sampled = model.step(plan)
     finished = sched.update(plan, sampled)
     if checker:
@@ -242,13 +273,15 @@ def run_to_completion(sched: Scheduler, model: FakeModel, *, checker: Checker | 
     return outputs, steps
 
 
-def reference_outputs(request: Request, max_model_len: int) -> list[int]:
-    """What a request must produce under the fake model, computed without any cache."""
-    tokens = list(request.prompt_token_ids)
-    out: list[int] = []
+def reference_outputs(request: Request, max_model_len: int, salt: int = 0,
+                      outputs: list[int] | None = None) -> list[int]:
+    """What a request must produce under the fake model, computed without any cache (continuing from
+    `outputs` it already has, if given)."""
+    out: list[int] = list(outputs or [])
+    tokens = list(request.prompt_token_ids) + out
     stop = request.stop_ids
     while True:
-        t = next_token(tokens)
+        t = next_token(tokens, salt)
         out.append(t)
         tokens.append(t)
         if t in stop or len(out) >= request.sampling_params.max_tokens or len(tokens) >= max_model_len:

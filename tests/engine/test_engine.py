@@ -135,7 +135,7 @@ def test_logits_match_dense(dtype):
     plan = engine.scheduler.schedule()
     assert plan.num_seqs == len(PROMPTS)
     requests = [engine.scheduler.get_request(r) for r in plan.request_ids]
-    _, logits = engine.runner.execute(engine.step_inputs(plan), return_logits=True)
+    logits = engine.runner.execute(engine.step_inputs(plan), return_logits=True).logits
     dense = np.asarray(_dense_fn_for(dtype)(jnp.asarray(_pad([r.prompt_token_ids for r in requests]))))
     for i, kv_len in enumerate(plan.kv_lens):
         want = dense[i, kv_len - 1]

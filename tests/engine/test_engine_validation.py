@@ -133,7 +133,7 @@ def test_kv_cache_dtype_may_differ_from_the_models(backend):
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=1))
     plan = engine.scheduler.schedule()
-    _, logits = engine.runner.execute(engine.step_inputs(plan), return_logits=True)
+    logits = engine.runner.execute(engine.step_inputs(plan), return_logits=True).logits
     dense = np.asarray(_dense_fn_for("float32")(jnp.asarray(_pad(prompts))))
     for i, kv_len in enumerate(plan.kv_lens):
         want = dense[i, kv_len - 1]
