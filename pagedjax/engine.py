@@ -179,6 +179,33 @@ class LLMEngine:
         self.scheduler.check_request(request)
         return request
 
+    def make_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> Request:
+        """A validated, not yet queued request of a prompt (token ids, or text with a tokenizer)."""
+        return self._make_request(request_id, self._encode(request_id, prompt), sampling_params, None)
+
+    def add_prepared_request(self, request: Request) -> None:
+        """Queue a request made by `make_request` (ValueError if the scheduler refuses it)."""
+        self.scheduler.add_request(request)
+        self._prompt_tokens += request.num_prompt_tokens
+
+    def fresh_request_ids(self, prefix: str, n: int) -> list[str]:
+        """`n` ids `<prefix>-<call>-<i>` that no live request uses."""
+        self._generate_calls += 1
+        ids = []
+        for i in range(n):
+            rid = f"{prefix}-{self._generate_calls}-{i}"
+            while self.scheduler.get_request(rid) is not None or rid in self.scheduler.groups:
+                rid += "'"
+            ids.append(rid)
+        return ids
+
+    def beam_search(self, prompts, params):
+        """Beam search for each prompt (token ids, or text with a tokenizer); see `pagedjax.beam_search`.
+        Returns one `BeamSearchOutput` per prompt, its `beam_width` best sequences first."""
+        from pagedjax.beam_search import beam_search
+
+        return beam_search(self, prompts, params)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free all its blocks. Returns False if no such unfinished request."""
         return self.scheduler.abort(str(request_id)) is not None
@@ -464,16 +491,10 @@ class LLMEngine:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        self._generate_calls += 1
-        requests: list[Request] = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            rid = f"gen-{self._generate_calls}-{i}"
-            while self.scheduler.get_request(rid) is not None:
-                rid += "'"
-            requests.append(self._make_request(rid, self._encode(rid, prompt), p, None))
+        ids = self.fresh_request_ids("gen", len(prompts))
+        requests = [self.make_request(rid, prompt, p) for rid, prompt, p in zip(ids, prompts, params, strict=True)]
         for r in requests:
-            self.scheduler.add_request(r)
-            self._prompt_tokens += r.num_prompt_tokens
+            self.add_prepared_request(r)
         ids = [r.request_id for r in requests]
         results: dict[str, RequestOutput] = {}
         bar = None

@@ -221,6 +221,16 @@ class Scheduler:
         self._register(child)
         self.running.append(child)
 
+    def replace_last_token(self, request_id: str, token: int) -> None:
+        """Replace the last output token of a paused request whose KV is not computed yet (beam search keeps the
+        beam but continues it with another token)."""
+        request = self.requests.get(request_id)
+        if request is None or not request.paused or not request.output_token_ids:
+            raise ValueError(f"request {request_id!r} is not a paused request with outputs")
+        assert request.num_computed_tokens < request.num_tokens  # a paused request's last token is never computed
+        request.output_token_ids[-1] = int(token)
+        del request.block_hashes[(request.num_tokens - 1) // self.block_size:]  # a hash over the old token
+
     def resume(self, request_id: str) -> None:
         """Let a paused (held) request be scheduled again."""
         request = self.requests.get(request_id)

@@ -4,6 +4,7 @@ stop strings, against single requests and the dense model.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -198,3 +199,47 @@ def test_stop_strings_need_a_tokenizer():
     engine = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), seed=SEED, compile_cache=False)
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request("x", [1, 2], SamplingParams(stop=["a"]))
+
+
+def _dense_beam_search(prompt, width, max_tokens, length_penalty, eos):
+    """Beam search over the dense model (no cache), written independently of the engine's: the reference.
+    Returns [(tokens, cumulative logprob)] best first by cum / len ** length_penalty."""
+    live, complete = [([], 0.0)], []
+    while live:
+        candidates = []
+        for bi, (tokens, cum) in enumerate(live):
+            row = _dense_logprobs(prompt + tokens)[-1]
+            for rank, t in enumerate(np.argsort(-row, kind="stable")[:2 * width]):
+                candidates.append((-(cum + float(row[t])), bi, rank, int(t)))
+        candidates.sort()
+        survivors = []
+        for neg, bi, _, t in candidates[:width]:
+            beam = (live[bi][0] + [t], -neg)
+            (complete if t in eos or len(beam[0]) >= max_tokens else survivors).append(beam)
+        live = survivors
+    complete.sort(key=lambda b: -b[1] / len(b[0]) ** length_penalty)
+    return complete[:width]
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_beam_search_equals_a_brute_force_beam_search_of_the_dense_model(width):
+    from pagedjax.beam_search import BeamSearchParams
+
+    engine = _engine(True, 1, 64)
+    greedy = engine.generate([PROMPT_PARTIAL], SamplingParams(max_tokens=6), use_tqdm=False)[0].output_token_ids
+    eos = (greedy[2],)  # an EOS the search meets
+    engine.model_config = dataclasses.replace(engine.model_config, eos_token_ids=eos)
+    try:
+        out = engine.beam_search([PROMPT_PARTIAL, PROMPT_FULL],
+                                 BeamSearchParams(beam_width=width, max_tokens=6, length_penalty=0.7))
+    finally:
+        engine.model_config = CFG
+    for prompt, result in zip([PROMPT_PARTIAL, PROMPT_FULL], out, strict=True):
+        ref = _dense_beam_search(prompt, width, 6, 0.7, set(eos))
+        assert [s.token_ids for s in result.sequences] == [t for t, _ in ref]
+        np.testing.assert_allclose([s.cumulative_logprob for s in result.sequences], [c for _, c in ref],
+                                   rtol=1e-4, atol=1e-4)
+    if width == 1:  # greedy until EOS
+        assert out[0].sequences[0].token_ids == greedy[:greedy.index(eos[0]) + 1]
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.kv_cache_manager.block_pool.num_used == 0

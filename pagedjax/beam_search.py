@@ -1,0 +1,175 @@
+"""Beam search on the paged cache: beams are forks of one another.
+
+Each beam is a request that pauses after every token (`Request.hold`). After a step, every beam's top
+`2 * beam_width` next-token log-probabilities (log-softmax of the raw logits, float32) give the candidates
+`(beam, token)`, scored by the beam's cumulative log-probability plus the token's; the best `beam_width` are
+kept. A kept candidate whose token is the one its beam sampled (greedy) continues that beam's request; any
+other forks the beam's request with the token replaced (`Scheduler.fork`: the new token's KV is not computed
+yet, so the fork shares every block, the partial last one too, and copies it on its first write). Beams
+left without a kept candidate are aborted and release their blocks. Two beams with a common history share its
+blocks for as long as both live.
+
+A candidate ending in EOS (unless `ignore_eos`) or reaching `max_tokens` (or the model's length) is complete.
+The search ends when no beam is live; the result is the `beam_width` best of the complete ones by
+`cumulative_logprob / len(token_ids) ** length_penalty`, where `len(token_ids)` counts the generated tokens,
+a final EOS included.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedjax.core.request import MAX_LOGPROBS, Request, SamplingParams, is_int
+
+if TYPE_CHECKING:
+    from pagedjax.engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
+            raise ValueError(f"BeamSearchParams.beam_width must be an int in [1, {MAX_LOGPROBS // 2}], "
+                             f"got {self.beam_width!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"BeamSearchParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, int | float):
+            raise ValueError(f"BeamSearchParams.length_penalty must be a number, got {self.length_penalty!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"BeamSearchParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+
+@dataclass
+class BeamSequence:
+    """One finished beam: its generated tokens, their summed log-probability, and its score."""
+
+    token_ids: list[int]
+    cumulative_logprob: float
+    score: float
+    text: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best `beam_width` beams of one prompt, best first."""
+
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence] = field(default_factory=list)
+
+
+@dataclass
+class _Beam:
+    tokens: list[int]
+    cumulative_logprob: float
+    request: Request | None  # None once complete
+
+
+def beam_score(token_ids: Sequence[int], cumulative_logprob: float, length_penalty: float) -> float:
+    """cumulative_logprob / len(token_ids) ** length_penalty (generated tokens, a final EOS included)."""
+    return cumulative_logprob / max(1, len(token_ids)) ** length_penalty
+
+
+def beam_search(engine: LLMEngine, prompts: Sequence[Sequence[int] | str], params: BeamSearchParams,
+                ) -> list[BeamSearchOutput]:
+    """Beam search for every prompt (see the module docstring); prompts run in batches that fit max_num_seqs."""
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+    width = params.beam_width
+    max_seqs = engine.scheduler_config.max_num_seqs
+    if width > max_seqs:
+        raise ValueError(f"beam_width={width} is more than max_num_seqs={max_seqs}")
+    sampling = SamplingParams(max_tokens=params.max_tokens, logprobs=2 * width, ignore_eos=True)
+    ids = engine.fresh_request_ids("beam", len(prompts))
+    requests = [engine.make_request(rid, p, sampling) for rid, p in zip(ids, prompts, strict=True)]
+    per_batch = max(1, max_seqs // width)
+    outputs: list[BeamSearchOutput] = []
+    for start in range(0, len(requests), per_batch):
+        outputs += _search_batch(engine, requests[start:start + per_batch], params)
+    return outputs
+
+
+def _search_batch(engine: LLMEngine, requests: list[Request], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    sched = engine.scheduler
+    width = params.beam_width
+    eos = set(engine.model_config.eos_token_ids)
+    fork_ids = itertools.count()
+    live: list[list[_Beam]] = []
+    complete: list[list[_Beam]] = [[] for _ in requests]
+    for r in requests:
+        r.hold = True
+        engine.add_prepared_request(r)
+        live.append([_Beam([], 0.0, r)])
+    try:
+        while any(live):
+            while any(not b.request.is_finished and not b.request.paused for beams in live for b in beams):
+                engine.step()
+            for i, beams in enumerate(live):
+                live[i] = _advance(engine, beams, complete[i], params, eos, fork_ids)
+    except BaseException:
+        for beams in live:
+            for b in beams:
+                sched.abort(b.request.request_id)
+        raise
+    results = []
+    for r, done in zip(requests, complete, strict=True):
+        done.sort(key=lambda b: -beam_score(b.tokens, b.cumulative_logprob, params.length_penalty))
+        seqs = [BeamSequence(b.tokens, b.cumulative_logprob, beam_score(b.tokens, b.cumulative_logprob,
+                                                                          params.length_penalty),
+                             engine.tokenizer.decode(b.tokens) if engine.tokenizer is not None else None)
+                for b in done[:width]]
+        results.append(BeamSearchOutput(list(r.prompt_token_ids), seqs))
+    return results
+
+
+def _advance(engine: LLMEngine, beams: list[_Beam], complete: list[_Beam], params: BeamSearchParams,
+             eos: set[int], fork_ids) -> list[_Beam]:
+    """One beam step of one prompt: candidates from every beam's last log-probabilities, the best kept.
+
+    A beam's request carries on its first kept candidate (its sampled last token replaced if the candidate's
+    differs: that token's KV is not computed yet); further candidates of the same beam fork it. Beams without a
+    kept candidate are aborted first, so a prompt never holds more than beam_width requests."""
+    sched = engine.scheduler
+    width = params.beam_width
+    candidates = []
+    for bi, b in enumerate(beams):
+        for rank, (token, logprob) in enumerate(b.request.logprobs[-1].top):
+            candidates.append((-(b.cumulative_logprob + logprob), bi, rank, token))
+    candidates.sort()
+    chosen = []
+    for neg_score, bi, _, token in candidates[:width]:
+        beam = _Beam(beams[bi].tokens + [token], -neg_score, None)
+        r = beams[bi].request
+        if (token in eos and not params.ignore_eos) or len(beam.tokens) >= params.max_tokens or r.is_finished:
+            complete.append(beam)
+        else:
+            chosen.append((bi, beam))
+    sources = {bi for bi, _ in chosen}
+    for bi, b in enumerate(beams):
+        if bi not in sources and not b.request.is_finished:
+            sched.abort(b.request.request_id)
+    claimed: set[int] = set()
+    for bi, beam in chosen:
+        r = beams[bi].request
+        if bi not in claimed:
+            claimed.add(bi)
+            if r.output_token_ids[-1] != beam.tokens[-1]:
+                sched.replace_last_token(r.request_id, beam.tokens[-1])
+            beam.request = r
+        else:
+            child = Request(request_id=f"{r.request_id}.{next(fork_ids)}", prompt_token_ids=r.prompt_token_ids,
+                            sampling_params=r.sampling_params, eos_token_ids=r.eos_token_ids,
+                            output_token_ids=list(beam.tokens), hold=True, logprobs=[])
+            sched.fork(r.request_id, child)
+            beam.request = child
+    kept = [beam for _, beam in chosen]
+    for beam in kept:
+        sched.resume(beam.request.request_id)
+    return kept
