@@ -25,6 +25,16 @@ def _int_at_least(lo: int):
     return parse
 
 
+def _int_in(lo: int, hi: int):
+    def parse(text: str) -> int:
+        value = _int_at_least(lo)(text)
+        if value > hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {text}")
+        return value
+
+    return parse
+
+
 def _float_in(lo: float, hi: float, lo_open: bool = False):
     def parse(text: str) -> float:
         try:
@@ -54,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Generate text with pagedjax's paged-attention engine (default model: the bundled "
-                    "byte-level model trained on Python's standard library).",
+                    "2.4M-parameter model trained on Python's standard library).",
         formatter_class=_HelpFormatter)
     g = p.add_argument_group("prompts")
     g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
@@ -72,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_int_at_least(0), default=0,
                    help="sampling seed: prompt i uses seed + i, so runs are reproducible")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    g.add_argument("--n", type=_int_at_least(1), default=1,
+                   help="samples per prompt (one prefill; the samples share its KV blocks)")
+    g.add_argument("--logprobs", type=_int_in(0, 20), default=None, metavar="K",
+                   help="show each generated token's log-probability (its K most likely alternatives in --json)")
+    g.add_argument("--beam-width", type=_int_at_least(1), default=None, metavar="W",
+                   help="beam search with W beams (greedy scores; ignores the sampling flags)")
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=None, metavar="PATH",
                    help="a pagedjax checkpoint folder or a Hugging Face folder (config.json + *.safetensors); "

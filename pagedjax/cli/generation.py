@@ -40,6 +40,7 @@ class Completion:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    samples: list = field(default_factory=list)  # CompletionOutput (or beams) at the end, when there are several
     _decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"), repr=False)
 
@@ -59,12 +60,13 @@ class Generation:
         self.completions = [Completion(i, p) for i, p in enumerate(prompts.texts)]
         self.by_id: dict[str, Completion] = {}
         self.peak = Peak()
-        self.stream = len(prompts.texts) == 1 and not args.no_stream and not args.json
+        self.stream = (len(prompts.texts) == 1 and not args.no_stream and not args.json and args.n == 1
+                       and args.beam_width is None)
         self._start = time.perf_counter()
         self._later: list[int] = []  # the demo's prompts queued once the first is done
         self._sampling = lambda i: SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            seed=args.seed + i, ignore_eos=args.ignore_eos)
+            seed=args.seed + i * args.n, ignore_eos=args.ignore_eos, n=args.n, logprobs=args.logprobs)
 
     def start(self) -> None:
         """Queue the prompts that go first, before anything is printed: a prompt the engine refuses (too
@@ -78,6 +80,8 @@ class Generation:
 
     def run(self) -> float:
         """Generate every completion (after `start`); returns the wall time since `start` in seconds."""
+        if self.args.beam_width is not None:
+            return self._run_beam_search()
         with self.ctrl_c.stopping_between_steps():
             if self._later and not self.args.json:
                 prefix = self.prompts.shared_prefix
@@ -91,6 +95,23 @@ class Generation:
             if self._later:
                 self.submit(self._later)
                 self.drain()
+        return time.perf_counter() - self._start
+
+    def _run_beam_search(self) -> float:
+        from pagedjax.beam_search import BeamSearchParams
+
+        params = BeamSearchParams(beam_width=self.args.beam_width, max_tokens=self.args.max_tokens,
+                                  ignore_eos=self.args.ignore_eos)
+        with self.ctrl_c.stopping_between_steps():
+            try:
+                results = self.engine.beam_search([c.prompt for c in self.completions], params)
+            except (TypeError, ValueError) as e:
+                raise CLIError(f"beam search: {e}") from None
+        for c, result in zip(self.completions, results, strict=True):
+            best = result.sequences[0]
+            c.num_prompt_tokens = len(result.prompt_token_ids)
+            c.text, c.num_tokens, c.finish_reason, c.samples = best.text, len(best.token_ids), "beam", result.sequences
+            self._show_finished(c)
         return time.perf_counter() - self._start
 
     def submit(self, indices: list[int]) -> None:
@@ -130,6 +151,8 @@ class Generation:
             self.out.flush()
         if o.finished:
             c.finish_reason, c.error = o.finish_reason, o.error
+            if len(o.outputs) > 1 or self.args.logprobs is not None:
+                c.samples = o.outputs
             self._show_finished(c)
 
     def _show_finished(self, c: Completion) -> None:
@@ -141,6 +164,15 @@ class Generation:
         else:
             label = f"[{c.index + 1}] " + ("(shared prefix) + " if prefix else "")
             print(f"{label}{c.prompt[len(prefix):]}{c.text}", file=out)
+        for s in c.samples if len(c.samples) > 1 else ():
+            which = f"beam {c.samples.index(s) + 1}, score {s.score:.3f}" if hasattr(s, "score") else \
+                f"sample {s.index}"
+            print(f"  [{c.index + 1}.{which}, cumulative logprob {s.cumulative_logprob:.3f}] {s.text!r}", file=out)
+        for s in c.samples:
+            if getattr(s, "logprobs", None):
+                decode = self.tokenizer.decode
+                shown = " ".join(f"{decode([t.token_id])!r}:{t.logprob:.2f}" for t in s.logprobs)
+                print(f"  logprobs [{c.index + 1}.{s.index}]: {shown}", file=out)
         finish = c.finish_reason + (f" ({c.error})" if c.error else "")
         cached = f", {c.num_cached_tokens} of {c.num_prompt_tokens} prompt tokens from the prefix cache"
         print(f"--- [{c.index + 1}] {c.num_tokens} tokens, finish: {finish}{cached}", file=out)

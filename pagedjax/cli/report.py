@@ -88,9 +88,23 @@ def report(gen: Generation, wall_s: float, compile_cache: CompileCache, json_out
     if json_output:
         completions = [{"prompt": c.prompt, "text": c.text, "num_prompt_tokens": c.num_prompt_tokens,
                         "num_tokens": c.num_tokens, "num_cached_tokens": c.num_cached_tokens,
-                        "finish_reason": c.finish_reason, "error": c.error} for c in gen.completions]
+                        "finish_reason": c.finish_reason, "error": c.error,
+                        "samples": [_sample_json(s) for s in c.samples]} for c in gen.completions]
         folder = None if compile_cache.folder is None else str(compile_cache.folder)
         print(json.dumps({"completions": completions, "stats": summary, "compile_cache_dir": folder}, indent=2),
               file=out)
     else:
         print_table(stats_rows(summary, compile_cache), out)
+
+
+def _sample_json(s) -> dict:
+    """One sample (CompletionOutput) or beam (BeamSequence) of a completion, JSON-ready."""
+    d = {"text": s.text, "token_ids": list(s.token_ids), "cumulative_logprob": s.cumulative_logprob}
+    if hasattr(s, "score"):
+        d["score"] = s.score
+    else:
+        d.update(index=s.index, finish_reason=s.finish_reason)
+        if s.logprobs is not None:
+            d["logprobs"] = [{"token_id": t.token_id, "logprob": t.logprob,
+                              "top": [{"token_id": i, "logprob": v} for i, v in t.top]} for t in s.logprobs]
+    return d
