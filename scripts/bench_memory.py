@@ -13,6 +13,13 @@ peak), KV slots wasted (reserved but not holding a computed token, summed over s
 failures despite enough total free memory, and steps to finish the workload. A PNG plots pool occupancy
 over time. Then the scheduler is timed: microseconds per `schedule()` with 256 running requests.
 
+Then sharing: KV blocks held by parallel sampling (n = 2, 4, 6) and beam search (width 2, 4, 6) on the real
+scheduler, with forks sharing blocks, against each fork holding a private copy of its history (the sum of every
+request's block count, which is what the same requests would hold without sharing), on a ShareGPT-like and an
+Alpaca-like (short prompts and outputs) length spread; the vLLM paper's savings printed beside ours. Beam
+search picks its surviving candidates at random (the real search picks the most likely ones): the sharing
+depends only on which beams survive, not why.
+
     python scripts/bench_memory.py                 # full run, plot in out/bench_memory.png
     python scripts/bench_memory.py --quick         # seconds; used by the smoke test
 """
@@ -214,6 +221,114 @@ def plot(traces: list[Trace], capacity: int, path: Path) -> None:
     plt.close(fig)
 
 
+def alpaca_like(num_requests: int, seed: int) -> Workload:
+    """Short instructions and answers (Alpaca: inputs average ~19 tokens, outputs ~58)."""
+    rng = np.random.default_rng(seed)
+    prompts = np.clip(rng.lognormal(np.log(16), 0.6, num_requests), 4, 256).astype(int)
+    outputs = np.clip(rng.lognormal(np.log(45), 0.7, num_requests), 4, 512).astype(int)
+    return Workload(prompts, outputs)
+
+
+def _sharing_scheduler(block_size: int, max_num_seqs: int) -> Scheduler:
+    # A pool big enough that nothing is preempted: the comparison is of what the same requests hold.
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=4096),
+                     CacheConfig(block_size=block_size, enable_prefix_caching=False), 1 << 16)
+
+
+def _held(sched: Scheduler) -> tuple[int, int]:
+    """(physical blocks held, blocks the same requests would hold with private copies)."""
+    kv = sched.kv_cache_manager
+    return kv.block_pool.num_used, sum(kv.num_held_blocks(r.request_id) for r in sched.running)
+
+
+def sharing_parallel(w: Workload, n: int, block_size: int, seed: int) -> dict:
+    """Every request asks for n samples (one prefill, forked); blocks held summed over the steps."""
+    sched = _sharing_scheduler(block_size, 256)
+    rng = np.random.default_rng(seed)
+    for i in range(w.num_requests):
+        prompt = rng.integers(0, 32000, int(w.prompt_lens[i])).tolist()
+        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=int(w.output_lens[i]), n=n)))
+    shared = private = 0
+    while sched.has_unfinished_requests():
+        plan = sched.schedule()
+        sched.update(plan, rng.integers(0, 32000, plan.num_seqs).astype(np.int32))
+        used, alone = _held(sched)
+        shared, private = shared + used, private + alone
+    return {"shared": shared, "private": private}
+
+
+def sharing_beam(w: Workload, width: int, block_size: int, seed: int) -> dict:
+    """Every request runs a beam search of `width` beams for its output length: each step keeps `width`
+    candidates drawn at random from the live beams (a beam carries on with its first candidate, forks for the
+    others, and is dropped without one), as `pagedjax.beam_search` does with the most likely ones."""
+    sched = _sharing_scheduler(block_size, 256)
+    rng = np.random.default_rng(seed)
+    live: dict[str, list[Request]] = {}
+    for i in range(w.num_requests):
+        prompt = rng.integers(0, 32000, int(w.prompt_lens[i])).tolist()
+        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=int(w.output_lens[i])), hold=True)
+        sched.add_request(r)
+        live[r.request_id] = [r]
+    shared = private = 0
+    forks = 0
+    while sched.has_unfinished_requests():
+        plan = sched.schedule()
+        sched.update(plan, rng.integers(0, 32000, plan.num_seqs).astype(np.int32))
+        used, alone = _held(sched)
+        shared, private = shared + used, private + alone
+        for key, beams in live.items():
+            if not beams or any(not b.paused and not b.is_finished for b in beams):
+                continue  # still computing (or done)
+            if beams[0].is_finished:
+                live[key] = []
+                continue
+            picks = sorted(rng.integers(0, len(beams), width).tolist())
+            for i, b in enumerate(beams):
+                if i not in picks:
+                    sched.abort(b.request_id)
+            kept, seen = [], set()
+            for i in picks:
+                b = beams[i]
+                if i in seen:
+                    forks += 1
+                    child = Request(f"{b.request_id}.{forks}", b.prompt_token_ids, b.sampling_params,
+                                    output_token_ids=b.output_token_ids[:-1] + [int(rng.integers(0, 32000))],
+                                    hold=True)
+                    sched.fork(b.request_id, child)
+                    b = child
+                seen.add(i)
+                kept.append(b)
+            for b in kept:
+                sched.resume(b.request_id)
+            live[key] = kept
+    return {"shared": shared, "private": private}
+
+
+# Memory saving of sharing reported by the vLLM paper (Kwon et al., SOSP 2023, section 6.3, Alpaca).
+VLLM_PAPER_SAVING = {"parallel sampling": "6.1-9.8%", "beam search": "37.6-55.2%"}
+
+
+def sharing_table(num_requests: int, block_size: int, seed: int) -> list[dict]:
+    rows = []
+    workloads = (("ShareGPT-like", sharegpt_like(num_requests, seed)), ("Alpaca-like", alpaca_like(num_requests, seed)))
+    for name, w in workloads:
+        for kind, run, sizes in (("parallel sampling", sharing_parallel, (2, 4, 6)),
+                                 ("beam search", sharing_beam, (2, 4, 6))):
+            for k in sizes:
+                r = run(w, k, block_size, seed)
+                saving = 1.0 - r["shared"] / r["private"]
+                rows.append({"workload": name, "kind": kind, "k": k, "saving_pct": 100.0 * saving,
+                             "capacity_gain": r["private"] / r["shared"]})
+    print(f"\n{'workload':<15}{'sharing':<19}{'n/width':>8}{'KV saved':>10}{'fits x':>8}   vLLM paper (Alpaca)")
+    for r in rows:
+        print(f"{r['workload']:<15}{r['kind']:<19}{r['k']:>8}{r['saving_pct']:>9.1f}%{r['capacity_gain']:>8.2f}"
+              f"   {VLLM_PAPER_SAVING[r['kind']]}")
+    print("KV saved: 1 - blocks held with sharing / blocks the same requests hold with private copies, summed "
+          "over steps;\nfits x: how many more such requests the same pool holds at once (an estimate of the "
+          "throughput gain where KV memory is the limit)")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=int, default=1000)
@@ -227,9 +342,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", type=Path, default=Path("out/bench_memory.png"))
     p.add_argument("--quick", action="store_true", help="small workload and few timing iterations")
+    p.add_argument("--sharing-requests", type=int, default=200, help="requests per sharing workload")
     args = p.parse_args(argv)
     if args.quick:
-        args.num_requests, args.kv_slots, args.timing_iters = 120, 16384, 10
+        args.num_requests, args.kv_slots, args.timing_iters, args.sharing_requests = 120, 16384, 10, 12
 
     w = sharegpt_like(args.num_requests, args.seed)
     print(f"workload: {w.num_requests} requests; prompt tokens mean {w.prompt_lens.mean():.0f} "
@@ -262,7 +378,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nscheduler: {timing['schedule_us_median']:.0f} us median per schedule() "
           f"(mean {timing['schedule_us_mean']:.0f}), {timing['update_us_median']:.0f} us per update(), "
           f"with {timing['num_running']} running requests")
-    return {"rows": rows, "concurrency_ratio": ratio, "timing": timing}
+    sharing = sharing_table(args.sharing_requests, args.block_size, args.seed)
+    return {"rows": rows, "concurrency_ratio": ratio, "timing": timing, "sharing": sharing}
 
 
 if __name__ == "__main__":

@@ -26,3 +26,8 @@ def test_bench_memory_quick(tmp_path, capsys, monkeypatch):
     assert paged["failures_despite_free"] == 0 and max_len["failures_despite_free"] == 0
     assert exact["failures_despite_free"] > 0  # first-fit fragments
     assert result["timing"]["num_running"] == 256
+    sharing = {(r["workload"], r["kind"], r["k"]): r["saving_pct"] for r in result["sharing"]}
+    assert len(sharing) == 12 and all(0.0 < v < 100.0 for v in sharing.values())
+    for w in ("ShareGPT-like", "Alpaca-like"):  # wider forks share more; beams share more than samples
+        assert sharing[(w, "parallel sampling", 2)] < sharing[(w, "parallel sampling", 6)]
+        assert sharing[(w, "parallel sampling", 4)] < sharing[(w, "beam search", 4)]
