@@ -245,6 +245,71 @@ def print_table(rows: list[dict], batch: int, max_tokens: int, cfg: ModelConfig,
           f"paged holding the {total} tokens actually used: {budget // (per_token * total)} requests")
 
 
+def run_parallel_sampling(cfg: ModelConfig, n: int, prompt_len: int, max_tokens: int, block_size: int,
+                          repeats: int, fused_steps: int) -> list[dict]:
+    """One prompt, n samples (temperature 1, seeds s..s+n-1): one request with `SamplingParams(n=n)` (one
+    prefill, forked KV) against n single requests (prefix caching off, then on). Interleaved rounds; a row's
+    time is its best round. The samples must equal the single requests token for token."""
+    model = init_model(cfg, seed=0)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len).tolist()
+    total = prompt_len + max_tokens
+    num_blocks = n * -(-total // block_size) + 8
+    sampled = dict(max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
+
+    def engine(caching: bool) -> LLMEngine:
+        return LLMEngine(cfg, CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                          enable_prefix_caching=caching),
+                         SchedulerConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=max(n, prompt_len),
+                                         max_model_len=total),
+                         params=model, decode_steps_per_call=fused_steps)
+
+    rows = []
+    for name, caching, forked in ((f"1 request, n={n} (forked KV)", False, True),
+                                  (f"{n} requests, prefix caching off", False, False),
+                                  (f"{n} requests, prefix caching on", True, False)):
+        e = engine(caching)
+        row = dict(name=name, engine=e, peak=0)
+
+        def go(e=e, forked=forked, row=row):
+            e.scheduler.reset_prefix_cache()
+            if forked:
+                e.add_request("r", prompt, SamplingParams(n=n, seed=1, **sampled))
+            else:
+                for i in range(n):
+                    e.add_request(f"r{i}", prompt, SamplingParams(seed=1 + i, **sampled))
+            done = {}
+            before = e.stats().prefill_tokens_computed
+            while e.has_unfinished_requests():
+                for o in e.step():
+                    if o.finished:
+                        done[o.request_id] = o
+                row["peak"] = max(row["peak"], e.scheduler.kv_cache_manager.block_pool.num_used)
+            row["prefill"] = e.stats().prefill_tokens_computed - before
+            row["tokens"] = ([c.token_ids for c in done["r"].outputs] if forked
+                             else [done[f"r{i}"].output_token_ids for i in range(n)])
+
+        row["go"] = go
+        rows.append(row)
+    for r in rows:
+        r["go"]()  # warm-up: compiles every shape
+    times: dict[str, list[float]] = {r["name"]: [] for r in rows}
+    for _ in range(repeats):
+        for r in rows:
+            start = time.perf_counter()
+            r["go"]()
+            times[r["name"]].append(time.perf_counter() - start)
+    print(f"\nparallel sampling: prompt {prompt_len} tokens, n={n} samples x {max_tokens} tokens, "
+          f"{fused_steps} fused decode steps, model {cfg.num_layers}L h{cfg.hidden_size}")
+    print(f"{'run':36s} {'time s':>8s} {'tok/s':>8s} {'vs n requests':>14s} {'prefill tokens':>15s} "
+          f"{'peak KV blocks':>15s} {'same tokens':>12s}")
+    base = min(times[rows[1]["name"]])
+    for r in rows:
+        t = min(times[r["name"]])
+        print(f"{r['name']:36s} {t:8.3f} {n * max_tokens / t:8.1f} {base / t:13.2f}x {r['prefill']:15d} "
+              f"{r['peak']:15d} {str(r['tokens'] == rows[1]['tokens']):>12s}")
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
@@ -261,6 +326,9 @@ def main(argv=None) -> None:
                     help="print the compiled steps' HLO instruction counts (fusions, dots, copies, ...)")
     ap.add_argument("--quick", action="store_true", help="tiny model and workload (seconds)")
     ap.add_argument("--hf", metavar="PATH", help="also compare with transformers on this local HF folder")
+    ap.add_argument("--n", type=int, default=None,
+                    help="parallel sampling instead: one prompt of --prompt-len tokens, N samples, forked KV vs N "
+                         "separate requests")
     args = ap.parse_args(argv)
     cfg = SHAPES[args.model]
     if args.dtype:
@@ -269,6 +337,10 @@ def main(argv=None) -> None:
         cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
                           intermediate_size=64)
         args.batch, args.prompt_len, args.max_tokens, args.repeats = 2, 8, 6, 1
+    if args.n is not None:
+        run_parallel_sampling(cfg, args.n, args.prompt_len, args.max_tokens, args.block_size, args.repeats,
+                              args.num_steps)
+        return
     bandwidth = copy_bandwidth()
     rows = run(cfg, args.batch, args.prompt_len, args.max_tokens, args.block_size, args.repeats, args.num_steps,
                hlo=args.hlo_stats)
