@@ -18,9 +18,9 @@ def test_bench_engine_quick_runs(capsys):
 
 
 def test_bench_engine_parallel_sampling_quick(capsys):
-    bench_engine.main(["--quick", "--n", "3", "--prompt-len", "12"])
+    bench_engine.main(["--quick", "--n", "3"])  # --quick: 8-token prompts
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith(("1 request", "3 requests"))]
     assert len(rows) == 3 and all(r[-1] == "True" for r in rows)  # the samples equal the single requests
     forked, alone = int(rows[0][-3]), int(rows[1][-3])
-    assert forked == 12 - 1 + 3 and alone == 3 * 12  # prefill tokens: once (+ each sample's last token) vs 3x
+    assert forked == 8 - 1 + 3 and alone == 3 * 8  # prefill tokens: once (+ each sample's last token) vs 3x
