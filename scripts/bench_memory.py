@@ -230,9 +230,10 @@ def alpaca_like(num_requests: int, seed: int) -> Workload:
 
 
 def _sharing_scheduler(block_size: int, max_num_seqs: int) -> Scheduler:
-    # A pool big enough that nothing is preempted: the comparison is of what the same requests hold.
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=4096),
-                     CacheConfig(block_size=block_size, enable_prefix_caching=False), 1 << 16)
+    # Room for every fork at once, and a pool big enough that nothing is preempted: the comparison is of what
+    # the same requests hold.
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=1 << 16, max_model_len=4096),
+                     CacheConfig(block_size=block_size, enable_prefix_caching=False), 1 << 18)
 
 
 def _held(sched: Scheduler) -> tuple[int, int]:
@@ -243,7 +244,7 @@ def _held(sched: Scheduler) -> tuple[int, int]:
 
 def sharing_parallel(w: Workload, n: int, block_size: int, seed: int) -> dict:
     """Every request asks for n samples (one prefill, forked); blocks held summed over the steps."""
-    sched = _sharing_scheduler(block_size, 256)
+    sched = _sharing_scheduler(block_size, w.num_requests * n)
     rng = np.random.default_rng(seed)
     for i in range(w.num_requests):
         prompt = rng.integers(0, 32000, int(w.prompt_lens[i])).tolist()
@@ -261,7 +262,7 @@ def sharing_beam(w: Workload, width: int, block_size: int, seed: int) -> dict:
     """Every request runs a beam search of `width` beams for its output length: each step keeps `width`
     candidates drawn at random from the live beams (a beam carries on with its first candidate, forks for the
     others, and is dropped without one), as `pagedjax.beam_search` does with the most likely ones."""
-    sched = _sharing_scheduler(block_size, 256)
+    sched = _sharing_scheduler(block_size, w.num_requests * width)
     rng = np.random.default_rng(seed)
     live: dict[str, list[Request]] = {}
     for i in range(w.num_requests):
