@@ -79,3 +79,38 @@ def test_filter_logits_keeps_top_k_and_top_p_sets(data):
     boundary = {int(c) for c, b in zip(candidates, before, strict=True) if abs(b - top_p) < 1e-5}
     assert kept - boundary == expected - boundary
     np.testing.assert_allclose(out[sorted(kept)], logits[sorted(kept)] / temperature, rtol=1e-6)
+
+
+@given(st.data())
+def test_min_p_keeps_tokens_at_least_min_p_times_the_most_likely(data):
+    vocab = data.draw(st.sampled_from([5, 17]), label="vocab")
+    values = data.draw(st.lists(st.integers(-500, 500), min_size=vocab, max_size=vocab, unique=True), label="logits")
+    min_p = data.draw(st.floats(0.0, 1.0), label="min_p")
+    temperature = data.draw(st.sampled_from([0.5, 1.0, 2.0]), label="temperature")
+    logits = np.array(values, np.float32) / 100
+    out = np.asarray(_filter_jit(jnp.asarray(logits[None]), jnp.array([temperature]), jnp.array([0]),
+                                 jnp.array([1.0], jnp.float32), jnp.array([min_p], jnp.float32)))[0]
+    kept = set(np.flatnonzero(np.isfinite(out)).tolist())
+    p = np.exp((logits - logits.max()) / temperature)
+    p /= p.sum()
+    ratio = p / p.max()
+    expected = {int(i) for i in np.flatnonzero(ratio >= min_p)}
+    boundary = {int(i) for i in np.flatnonzero(np.abs(ratio - min_p) < 1e-5)}
+    assert kept - boundary == expected - boundary and int(np.argmax(logits)) in kept
+
+
+def test_penalties_match_the_formulas():
+    from pagedjax.device.sampling import PenaltyMetadata, apply_penalties
+
+    logits = np.array([[2.0, -1.0, 0.5, 3.0, -2.0]], np.float32)
+    pen = PenaltyMetadata(presence=np.array([0.5], np.float32), frequency=np.array([0.25], np.float32),
+                          repetition=np.array([2.0], np.float32), min_tokens=np.array([3], np.int32),
+                          output_counts=np.array([[0, 2, 1, 0, 0]], np.int32),
+                          prompt_mask=np.array([[True, False, False, False, True]]),
+                          stop_ids=np.array([[3, -1]], np.int32))
+    out = np.asarray(jax.jit(apply_penalties)(logits, pen, np.array([2], np.int32)))[0]
+    # token 0: prompt, positive -> /2; 1: output x2, negative -> *2, -0.25*2, -0.5; 2: output x1, positive -> /2,
+    # -0.25, -0.5; 3: a stop id before min_tokens -> -inf; 4: prompt, negative -> *2
+    np.testing.assert_allclose(out, [1.0, -2.0 - 0.5 - 0.5, 0.25 - 0.25 - 0.5, -np.inf, -4.0], rtol=1e-6)
+    out = np.asarray(jax.jit(apply_penalties)(logits, pen, np.array([3], np.int32)))[0]
+    assert out[3] == 3.0  # min_tokens reached: the stop id may be sampled
