@@ -1,8 +1,11 @@
-"""Exact paged-attention kernels in Pallas (Triton on NVIDIA GPUs, the Pallas interpreter elsewhere).
+"""Exact paged-attention kernels in Pallas (Triton on NVIDIA GPUs, Mosaic on TPUs, interpreters elsewhere).
 
     paged_attention(q, k_pages, v_pages, block_tables, lengths)            decode: one query per sequence
     ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
                                                                             mixed prefill chunks + decode
+Both take `target="auto" | "gpu" | "tpu"`: the GPU kernels (this package's modules) or the TPU kernels
+(`pallas_kernels.tpu`); "auto" is "tpu" on a TPU backend and "gpu" otherwise. With `interpret=True` (the
+default off their platform) the TPU kernels run in Pallas's TPU interpret mode, on any machine.
 KV layout: `[num_kv_heads, num_blocks, block_size, head_dim]` (that of JAX's own Pallas paged-attention op).
 `reference` holds the dense float32 oracles and an XLA gather path; `merge` the exact (m, z, u) merge.
 This package imports nothing from pagedjax.

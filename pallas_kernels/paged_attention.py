@@ -28,6 +28,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _common as C
 from pallas_kernels.merge import finalize, merge_and_finalize
+from pallas_kernels.tpu._common import resolve_target
+from pallas_kernels.tpu.paged_attention import paged_attention_tpu
 
 # Split-K targets about this many programs in flight: a few waves on a 132-SM H100/H200.
 _TARGET_PROGRAMS = 512
@@ -141,6 +143,7 @@ def paged_attention(
     pages_per_iter: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    target: str = "auto",
 ) -> jax.Array:
     """Decode attention of one query token per sequence over a paged KV cache.
 
@@ -155,14 +158,19 @@ def paged_attention(
       lengths: int32 `[num_seqs]`: tokens in each sequence's cache (clipped to
         `[0, max_blocks_per_seq * block_size]`). Slots at or past the length are never read.
       scale: multiplies q.k; defaults to `1 / sqrt(head_dim)`. (JAX's op applies no scale.)
-      interpret: run the Pallas interpreter; `None` = compiled on GPU, interpreted elsewhere.
+      interpret: run the Pallas interpreter; `None` = compiled on the target's own platform (GPU for "gpu",
+        TPU for "tpu"), interpreted elsewhere. With target "tpu" it is Pallas's TPU interpret mode (DMAs
+        and semaphores simulated); a `pltpu.InterpretParams` sets its options.
       num_splits: KV splits per sequence (flash-decoding), a positive int; `None` picks one from the batch
-        and table shape (see `default_num_splits`). Any count works: no divisibility constraints.
-      pages_per_iter: pages gathered per inner-loop iteration, a power of two with
+        and table shape (see `default_num_splits`; 1 on TPU). Any count works: no divisibility constraints.
+      pages_per_iter: pages gathered per inner-loop iteration. GPU: a power of two with
         `pages_per_iter * next_pow2(block_size) >= 16`; `None` = about 128 tokens per iteration (see
-        `_common.default_pages_per_iter`).
-      num_warps: Triton warps per program (compiled mode only).
-      num_stages: Triton software-pipelining stages (compiled mode only).
+        `_common.default_pages_per_iter`). TPU: pages per double-buffered DMA chunk, any positive int;
+        `None` = about 64 KiB of K per chunk (see `tpu._common.default_pages_per_iter`).
+      num_warps: Triton warps per program (compiled GPU mode only).
+      num_stages: Triton software-pipelining stages (compiled GPU mode only).
+      target: "gpu" (Triton kernels), "tpu" (Mosaic kernels: float32 or bfloat16, block_size a multiple
+        of 8 for float32 and of 16 for bfloat16), or "auto": "tpu" on a TPU backend, "gpu" otherwise.
 
     Returns:
       `[num_seqs, num_q_heads, head_dim]` in q's dtype; zeros for sequences of length 0.
@@ -171,15 +179,19 @@ def paged_attention(
       ValueError: on malformed arguments or tuning values (shapes, dtypes, non-power-of-two tiles).
       TypeError: on an unknown keyword argument.
     """
+    target = resolve_target(target, interpret)
     num_seqs = q.shape[0] if getattr(q, "ndim", 0) == 3 else None
     _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = C.validate_qkv(
         q, k_pages, v_pages, block_tables, num_q_rows=num_seqs)
     C.check_vector("lengths", lengths, num_seqs)
     scale = C.resolve_scale(scale, head_dim)
-    C.check_pages_per_iter(pages_per_iter, block_size)
     C.check_positive_option("num_splits", num_splits)
     C.check_positive_int("num_warps", num_warps)
     C.check_positive_int("num_stages", num_stages)
+    if target == "tpu":
+        return paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=interpret,
+                                   num_splits=num_splits, pages_per_iter=pages_per_iter)
+    C.check_pages_per_iter(pages_per_iter, block_size)
     if num_seqs == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
         return jnp.zeros(q.shape, q.dtype)
     if pages_per_iter is None:

@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _common as C
 from pallas_kernels.merge import finalize
+from pallas_kernels.tpu._common import resolve_target
 
 _MAX_ROWS = 128
 _MAX_ACC_ELEMENTS = 128 * 128
@@ -158,6 +159,7 @@ def ragged_paged_attention(
     pages_per_iter: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    target: str = "auto",
 ) -> jax.Array:
     """Causal attention of ragged query chunks (prefill chunks and decode tokens) over a paged KV cache.
 
@@ -174,14 +176,19 @@ def ragged_paged_attention(
       cu_q_lens: int32 `[num_seqs + 1]`, non-decreasing, cu_q_lens[0] = 0. Sequences with q_len 0
         (padding) are allowed.
       scale: multiplies q.k; defaults to `1 / sqrt(head_dim)`.
-      interpret: run the Pallas interpreter; `None` = compiled on GPU, interpreted elsewhere.
-      block_q: query tokens per tile, a power of two with `block_q * next_pow2(group) >= 16` (group =
+      interpret: run the Pallas interpreter; `None` = compiled on the target's own platform (GPU for "gpu",
+        TPU for "tpu"), interpreted elsewhere. With target "tpu" it is Pallas's TPU interpret mode (DMAs
+        and semaphores simulated); a `pltpu.InterpretParams` sets its options.
+      block_q: query tokens per tile, a power of two; on GPU also `block_q * next_pow2(group) >= 16` (group =
         num_q_heads // num_kv_heads); `None` picks one from the mean query length (see `default_block_q`).
-      pages_per_iter: pages gathered per inner-loop iteration, a power of two with
-        `pages_per_iter * next_pow2(block_size) >= 16`; `None` = about 64 tokens per iteration.
-      num_warps: Triton warps per program (compiled mode only); `None` = 4, or 8 for tiles of 128 x 128
+      pages_per_iter: pages gathered per inner-loop iteration. GPU: a power of two with
+        `pages_per_iter * next_pow2(block_size) >= 16`; `None` = about 64 tokens per iteration. TPU: pages
+        per double-buffered DMA chunk, any positive int; `None` = about 64 KiB of K per chunk.
+      num_warps: Triton warps per program (compiled GPU mode only); `None` = 4, or 8 for tiles of 128 x 128
         accumulator elements and more (see `default_num_warps`).
-      num_stages: Triton software-pipelining stages (compiled mode only).
+      num_stages: Triton software-pipelining stages (compiled GPU mode only).
+      target: "gpu" (Triton kernels), "tpu" (Mosaic kernels: float32 or bfloat16, block_size a multiple
+        of 8 for float32 and of 16 for bfloat16), or "auto": "tpu" on a TPU backend, "gpu" otherwise.
 
     Returns:
       `[total_q_tokens, num_q_heads, head_dim]` in q's dtype.
@@ -190,6 +197,7 @@ def ragged_paged_attention(
       ValueError: on malformed arguments or tuning values (shapes, dtypes, non-power-of-two tiles).
       TypeError: on an unknown keyword argument.
     """
+    target = resolve_target(target, interpret)
     _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = C.validate_qkv(
         q, k_pages, v_pages, block_tables)
     num_tokens, num_q_heads, _ = q.shape
@@ -197,14 +205,20 @@ def ragged_paged_attention(
     C.check_vector("kv_lens", kv_lens, num_seqs)
     C.check_vector("cu_q_lens", cu_q_lens, num_seqs + 1)
     scale = C.resolve_scale(scale, head_dim)
+    C.check_positive_option("num_warps", num_warps)
+    C.check_positive_int("num_stages", num_stages)
+    if target == "tpu":
+        # Imported here: the TPU module reuses this module's tile_metadata and default_block_q.
+        from pallas_kernels.tpu.ragged_attention import ragged_paged_attention_tpu
+
+        return ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
+                                          interpret=interpret, block_q=block_q, pages_per_iter=pages_per_iter)
     group = num_q_heads // num_kv_heads
     C.check_pow2_option("block_q", block_q)
     if block_q is not None and block_q * C.next_pow2(group) < C.MIN_DOT_DIM:
         raise ValueError(f"block_q * next_pow2(group) must be >= {C.MIN_DOT_DIM} (tl.dot), got block_q="
                          f"{block_q} with {group} query heads per KV head")
     C.check_pages_per_iter(pages_per_iter, block_size)
-    C.check_positive_option("num_warps", num_warps)
-    C.check_positive_int("num_stages", num_stages)
     if num_tokens == 0 or num_seqs == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
         return jnp.zeros(q.shape, q.dtype)
     if block_q is None:

@@ -10,9 +10,19 @@ On a GPU the defaults are the issue's grid: decode batch {1, 8, 64} x context {5
 Pallas kernels in interpret mode (timings there say nothing about GPU speed). `--smoke` runs tiny sizes
 once, for tests.
 
+`--target tpu` benchmarks the TPU (Mosaic) kernels. On a TPU it times the same grid and columns, the
+baseline op being JAX's own TPU paged_attention (`--jax-pages-per-block` pages per compute block); the
+number to watch is decode's KV read rate as a fraction of HBM bandwidth at batch 64 x 4k context (the
+ragged-paged-attention paper reports 86% on TPU7x). The knobs: `pages_per_iter` (pages per double-buffered
+DMA chunk: bigger chunks mean fewer, larger DMAs in flight; default about 64 KiB of K), `num_splits`
+(1 by default; more only helps a two-core chip at tiny batch), the block size (a multiple of 16 for
+bfloat16) and, for ragged, `block_q`. Without a TPU it checks the TPU kernels in Pallas's TPU interpret mode
+against the dense reference and prints the errors only: interpret-mode timings say nothing about a TPU.
+
     python scripts/bench_kernels.py                 # full table on the default device
     python scripts/bench_kernels.py --smoke         # seconds, any machine
     python scripts/bench_kernels.py --json out.json # also write the rows as JSON
+    python scripts/bench_kernels.py --target tpu    # TPU kernels: timed on a TPU, checked elsewhere
 """
 
 from __future__ import annotations
@@ -96,6 +106,17 @@ def _jax_op():
     return jax_op.paged_attention
 
 
+def _jax_op_for(target: str, args) -> Callable[..., jax.Array]:
+    """JAX's own Pallas paged_attention for the target, called with our argument order (q, k, v, tables,
+    lengths). It applies no scale: callers pass a pre-scaled q."""
+    if target == "gpu":
+        return jax.jit(functools.partial(_jax_op(), k_splits=args.jax_k_splits))
+    from jax.experimental.pallas.ops.tpu import paged_attention as tpu_op
+
+    op = functools.partial(tpu_op, pages_per_compute_block=args.jax_pages_per_block)
+    return jax.jit(lambda q, k, v, tables, lengths: op(q, k, v, lengths, tables))
+
+
 def _try(fn: Callable[..., jax.Array], *args, iters: int) -> float | None:
     """`_time`, or None when this baseline cannot run at this size."""
     try:
@@ -110,7 +131,7 @@ def bench_decode(args, copy_bw: float, interpret: bool, report: Callable[[dict],
     dtype = DTYPES[args.dtype]
     itemsize = jnp.dtype(dtype).itemsize
     scale = 1 / math.sqrt(args.head_dim)
-    ours = jax.jit(functools.partial(pk.paged_attention, scale=scale, interpret=interpret))
+    ours = jax.jit(functools.partial(pk.paged_attention, scale=scale, interpret=interpret, target=args.target))
     xla = jax.jit(functools.partial(pk.paged_attention_xla, scale=scale))
     ref = jax.jit(functools.partial(pk.paged_attention_reference, scale=scale))
     for batch in args.batches:
@@ -127,7 +148,7 @@ def bench_decode(args, copy_bw: float, interpret: bool, report: Callable[[dict],
             row = dict(kernel="decode", batch=batch, context=context, ms=t_ours * 1e3,
                        gbps=kv_bytes / t_ours / 1e9, pct_copy=100 * kv_bytes / t_ours / copy_bw)
             if not interpret and not args.no_jax_op:
-                op = jax.jit(functools.partial(_jax_op(), k_splits=args.jax_k_splits))
+                op = _jax_op_for(args.target, args)
                 q_scaled = (q.astype(jnp.float32) * scale).astype(dtype)
                 t_op = _try(op, q_scaled, k, v, tables, lengths, iters=args.iters)
                 row["vs_jax_op"] = None if t_op is None else t_op / t_ours
@@ -163,7 +184,8 @@ def bench_ragged(args, copy_bw: float, interpret: bool, on_gpu: bool,
     dtype = DTYPES[args.dtype]
     itemsize = jnp.dtype(dtype).itemsize
     scale = 1 / math.sqrt(args.head_dim)
-    ours = jax.jit(functools.partial(pk.ragged_paged_attention, scale=scale, interpret=interpret))
+    ours = jax.jit(functools.partial(pk.ragged_paged_attention, scale=scale, interpret=interpret,
+                                     target=args.target))
     xla = jax.jit(functools.partial(pk.ragged_paged_attention_xla, scale=scale))
     for name, seqs in _ragged_configs(args.smoke, on_gpu):
         max_kv = max(kv for _, kv in seqs)
@@ -190,11 +212,55 @@ def bench_ragged(args, copy_bw: float, interpret: bool, on_gpu: bool,
         del k, v
 
 
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
+
+
+def check_tpu_interpret(args, report: Callable[[dict], None]) -> bool:
+    """The TPU kernels in Pallas's TPU interpret mode against the dense float32 reference: max abs error per
+    case (decode at a few lengths, one mixed ragged batch). No timings: the interpreter simulates every
+    DMA and semaphore on the CPU, so its speed says nothing about a TPU."""
+    rng = np.random.default_rng(3)
+    dtype = DTYPES[args.dtype]
+    bs = args.block_size
+    contexts = [3 * bs + 1] if args.smoke else [bs - 1, 3 * bs + 1, 10 * bs]
+    ok = True
+    for context in contexts:
+        blocks = -(-context // bs)
+        k = _pool(args.kv_heads, 2 * blocks, bs, args.head_dim, dtype, 0)
+        v = _pool(args.kv_heads, 2 * blocks, bs, args.head_dim, dtype, 5)
+        q = jax.random.normal(jax.random.key(4), (2, args.q_heads, args.head_dim), dtype)
+        tables, lengths = _tables(rng, 2, blocks), jnp.asarray([context, context // 2], jnp.int32)
+        out = pk.paged_attention(q, k, v, tables, lengths, target="tpu", interpret=True, pages_per_iter=2,
+                                 num_splits=2)
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - pk.paged_attention_reference(
+            q, k, v, tables, lengths).astype(jnp.float32))))
+        ok &= err <= TOLERANCE[args.dtype]
+        report(dict(kernel="decode", batch=2, context=context, max_err=err, ok=err <= TOLERANCE[args.dtype]))
+    seqs = [(1, 3 * bs + 1), (bs + 3, 2 * bs + 5), (0, 0), (5, 5)]
+    blocks = max(-(-kv // bs) for _, kv in seqs)
+    k = _pool(args.kv_heads, len(seqs) * blocks, bs, args.head_dim, dtype, 0)
+    v = _pool(args.kv_heads, len(seqs) * blocks, bs, args.head_dim, dtype, 5)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum([q for q, _ in seqs])]), jnp.int32)
+    q = jax.random.normal(jax.random.key(5), (int(cu[-1]), args.q_heads, args.head_dim), dtype)
+    tables, kv_lens = _tables(rng, len(seqs), blocks), jnp.asarray([kv for _, kv in seqs], jnp.int32)
+    out = pk.ragged_paged_attention(q, k, v, tables, kv_lens, cu, target="tpu", interpret=True, block_q=4,
+                                    pages_per_iter=1)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - pk.ragged_paged_attention_reference(
+        q, k, v, tables, kv_lens, cu).astype(jnp.float32))))
+    ok &= err <= TOLERANCE[args.dtype]
+    report(dict(kernel="ragged", config="mixed decode + chunk + prompt", tokens=int(cu[-1]), max_err=err,
+                ok=err <= TOLERANCE[args.dtype]))
+    return ok
+
+
 def _fmt(x, spec):
     return "n/a" if x is None else format(x, spec)
 
 
 def _format_row(r: dict) -> str:
+    if "max_err" in r:  # an interpret-mode correctness row
+        what = f"batch {r['batch']}, context {r['context']}" if r["kernel"] == "decode" else r["config"]
+        return f"| {r['kernel']} | {what} | max abs error {r['max_err']:.2e} | {'ok' if r['ok'] else 'FAIL'} |"
     if r["kernel"] == "decode":
         head = f"| decode | {r['batch']:>5} | {r['context']:>7} |"
     else:
@@ -217,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     ap.add_argument("--iters", type=int)
+    ap.add_argument("--target", choices=("auto", "gpu", "tpu"), default="auto",
+                    help="kernel family: gpu (Triton) or tpu (Mosaic); auto = tpu on a TPU, gpu otherwise")
     ap.add_argument("--jax-k-splits", type=int, default=16, help="k_splits for JAX's op (must divide pages)")
+    ap.add_argument("--jax-pages-per-block", type=int, default=8,
+                    help="pages_per_compute_block for JAX's TPU op (must divide pages)")
     ap.add_argument("--no-jax-op", action="store_true")
     ap.add_argument("--no-ragged", action="store_true")
     ap.add_argument("--reference", action="store_true", help="also time the float32 reference")
@@ -225,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the rows here as JSON")
     args = ap.parse_args(argv)
 
-    on_gpu = jax.default_backend() == "gpu"
+    if args.target == "auto":
+        args.target = "tpu" if jax.default_backend() == "tpu" else "gpu"
+    on_gpu = jax.default_backend() == args.target  # the target's own device: compiled kernels
     interpret = args.interpret or not on_gpu
     if args.smoke:
         args.batches = args.batches or [2]
@@ -244,6 +316,21 @@ def main(argv: list[str] | None = None) -> int:
     args.iters = args.iters or 20
 
     device = jax.devices()[0]
+    if args.target == "tpu" and interpret:
+        print(f"# TPU kernels in Pallas's TPU interpret mode on {device.device_kind} ({jax.default_backend()}), "
+              f"jax {jax.__version__}: correctness against the dense reference only; interpret-mode timings say "
+              f"nothing about a TPU")
+        rows_: list[dict] = []
+
+        def report_check(row: dict) -> None:
+            rows_.append(row)
+            print(_format_row(row), flush=True)
+
+        ok = check_tpu_interpret(args, report_check)
+        if args.json:
+            args.json.write_text(json.dumps(dict(device=device.device_kind, jax=jax.__version__, target="tpu",
+                                                 interpret=True, rows=rows_), indent=1))
+        return 0 if ok else 1
     copy_bytes = (1 << 30) if on_gpu else (1 << 24)
     copy_bw = copy_bandwidth(copy_bytes, args.iters)
     print(f"# device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
@@ -258,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_format_row(row), flush=True)
         if args.json:
             args.json.write_text(json.dumps(dict(device=device.device_kind, jax=jax.__version__,
-                                                 copy_gbps=copy_bw / 1e9, interpret=interpret, rows=rows),
+                                                 copy_gbps=copy_bw / 1e9, interpret=interpret,
+                                                 target=args.target, rows=rows),
                                             indent=1))
 
     bench_decode(args, copy_bw, interpret, report)

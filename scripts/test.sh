@@ -37,7 +37,7 @@ if PY312=$(find_python312); then
   # the engine's core paths, checkpoints and the README's examples. The host-side core is plain Python, and the
   # engine's long property, fault and CLI suites exercise that same core over these same device paths.
   .venv312/bin/python -m pytest -n 2 -q --durations=15 tests/kernels tests/device tests/engine/test_model.py \
-    tests/engine/test_engine.py tests/engine/test_gpu_lowering.py tests/engine/test_checkpoint_train.py \
+    tests/engine/test_engine.py tests/engine/test_gpu_lowering.py tests/engine/test_tpu_lowering.py tests/engine/test_checkpoint_train.py \
     tests/engine/test_readme.py tests/engine/test_engine_validation.py
 else
   echo "python3.12 not found: the newest-JAX run cannot happen" >&2

@@ -1,0 +1,15 @@
+"""Paged-attention kernels for TPUs in Pallas Mosaic: the GPU kernels' TPU counterparts, kept in their own
+package because their programming model differs (explicit HBM -> VMEM DMAs, scalar prefetch into SMEM,
+(8, 128) tiling, a sequential grid per TensorCore); they share the GPU side's validation, tile metadata,
+reference and exact merge.
+
+Reached through `pallas_kernels.paged_attention(..., target="tpu")` and
+`pallas_kernels.ragged_paged_attention(..., target="tpu")` (target "auto" picks them on a TPU backend);
+`interpret=True` runs them on any machine in Pallas's TPU interpret mode, which simulates HBM, VMEM, SMEM,
+DMAs and semaphores. `_common` states the layout rules, `page_chunks` the double-buffered DMAs.
+
+Limits: float32 and bfloat16 only; block_size a multiple of 8 (float32) or 16 (bfloat16); the block tables
+are scalar-prefetched into SMEM whole (flattened, num_seqs * max_blocks_per_seq int32 entries), and SMEM is
+far smaller than VMEM. Tested in interpret mode and by exporting for platform "tpu"; not yet compiled or
+timed on a TPU.
+"""

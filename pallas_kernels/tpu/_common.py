@@ -1,0 +1,152 @@
+"""Pieces shared by the TPU (Mosaic) decode and ragged kernels: the target and interpret-mode switches, the
+layout rules and defaults, and the online-softmax step (`page_chunks` holds the double-buffered page DMAs).
+
+Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_attention` with target="tpu"
+are the entry points.
+
+Layout rules (a TPU vector register is 8 sublanes x 128 lanes of 32 bits; 16-bit values pack two rows per
+sublane, so their native tile is 16 x 128):
+  * a page `[block_size, head_dim]` is DMA'd HBM -> VMEM into rows i * block_size ... of its chunk's
+    `[pages * block_size, head_dim]` matrix, a window of whole tiles (no relayout, no reshape) only if
+    block_size is a multiple of the tile's rows: 8 for float32, 16 for bfloat16 (`check_block_size`);
+  * matrix-unit operands in 16-bit types need whole tiles of rows too, so the query rows of a program
+    (GQA group x query tokens) are padded with zero rows to `sublane_rows(dtype)` in the wrapper (q is
+    small; the KV cache is never copied or padded);
+  * head_dim stays as it is in HBM; in VMEM every row occupies whole 128-lane tiles (a head_dim of 64 is
+    padded to 128 lanes there), and Mosaic masks those padding lanes out of the contraction.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _common as C
+
+TARGETS = ("auto", "gpu", "tpu")
+NEG_INF = float("-inf")
+LANES = 128
+SUBLANES = 8
+TPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# Default chunk: about this many bytes of K per DMA chunk (K and V, double-buffered: 4x in VMEM), and at
+# least this many tokens, so the score matrix of a chunk fills the 128 lanes of a vector register.
+CHUNK_BYTES = 64 * 1024
+MIN_CHUNK_TOKENS = 128
+
+
+def resolve_target(target: str, interpret) -> str:
+    """The kernel family a public entry point runs: "tpu" (Mosaic) or "gpu" (Triton). "auto" is "tpu" on a
+    TPU backend and "gpu" everywhere else (compiled on a GPU, the Pallas interpreter on a CPU)."""
+    if not isinstance(target, str) or target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if target == "auto":
+        target = "tpu" if jax.default_backend() == "tpu" else "gpu"
+    if target == "gpu" and isinstance(interpret, pltpu.InterpretParams):
+        raise ValueError("interpret=InterpretParams(...) configures the TPU interpret mode; it needs target='tpu'")
+    return target
+
+
+def sublane_rows(dtype) -> int:
+    """Rows of one native VMEM tile: 8 for 32-bit types, 16 for 16-bit (packed) types."""
+    return SUBLANES * (4 // jnp.dtype(dtype).itemsize)
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def cdiv(a, b: int):
+    """Ceiling division of a non-negative traced int32 scalar by a positive static int. lax.div truncates,
+    which equals floor division here; jnp's `//` would add sign corrections to the scalar code."""
+    return lax.div(a + (b - 1), b)
+
+
+def check_dtype(dtype) -> None:
+    if jnp.dtype(dtype) not in TPU_DTYPES:
+        raise ValueError(f"target 'tpu' supports float32 and bfloat16 (TPU matrix units have no float16), "
+                         f"got {jnp.dtype(dtype).name}")
+
+
+def check_block_size(block_size: int, dtype) -> None:
+    """The TPU block-size rule: a multiple of the native tile's rows (8 for float32, 16 for bfloat16)."""
+    rows = sublane_rows(dtype)
+    if block_size % rows:
+        raise ValueError(
+            f"target 'tpu' needs block_size to be a multiple of {rows} for {jnp.dtype(dtype).name} (pages are "
+            f"DMA'd as whole {rows} x 128 VMEM tiles and stacked into one matrix per chunk), got {block_size}")
+
+
+def check_pages_per_iter(pages_per_iter: int | None) -> None:
+    C.check_positive_option("pages_per_iter", pages_per_iter)
+
+
+def default_pages_per_iter(block_size: int, max_blocks_per_seq: int, head_dim: int, dtype) -> int:
+    """Pages per DMA chunk: about CHUNK_BYTES of K (at least MIN_CHUNK_TOKENS tokens), at most the table's
+    width. 256 tokens for bfloat16 at head_dim 128, 128 for float32 or head_dim 256."""
+    row_bytes = round_up(head_dim, LANES) * jnp.dtype(dtype).itemsize  # VMEM rows are whole lane tiles
+    tokens = max(MIN_CHUNK_TOKENS, CHUNK_BYTES // row_bytes)
+    return int(max(1, min(tokens // block_size, max_blocks_per_seq)))
+
+
+def resolve_interpret(interpret) -> pltpu.InterpretParams | bool:
+    """`None`: compiled Mosaic on a TPU, Pallas's TPU interpret mode elsewhere. `True` is the interpret mode
+    with its defaults (DMAs land only when waited on, out-of-bounds reads raise, fresh VMEM is NaN: a
+    kernel that reads a page it did not copy or forgets a wait fails its tests). An `InterpretParams`
+    instance is used as given (e.g. `detect_races=True`)."""
+    if isinstance(interpret, pltpu.InterpretParams):
+        return interpret
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    return pltpu.InterpretParams() if interpret else False
+
+
+def compiler_params(num_grid_dims: int) -> pltpu.CompilerParams:
+    # Every program starts and waits for its own DMAs (no state crosses grid points), so all grid dimensions
+    # are parallel: a two-TensorCore chip (megacore) may split any of them.
+    return pltpu.CompilerParams(dimension_semantics=("parallel",) * num_grid_dims)
+
+
+def dot_precision(dtype) -> lax.Precision | None:
+    # The TPU matrix unit's default for float32 is a single bfloat16 pass (about 1e-3 relative error).
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def online_softmax_step(q, k, v, score_ok, value_ok, carry, *, scale: float):
+    """One exact float32 flash-attention step over a chunk.
+
+    q `[rows, head_dim]`, k/v `[tokens, head_dim]` (the cache dtype); score_ok bool `[rows, tokens]`: which
+    (query, key) pairs attend; value_ok bool `[tokens, head_dim]`: which V rows are real tokens (rows of
+    stale or past-the-length slots are zeroed before the P @ V product, so a NaN there never reaches the
+    arithmetic: 0 * NaN would). carry (m, z, u): m, z `[rows, 1]` (2-D: a TPU vector is sublanes x lanes),
+    u `[rows, head_dim]`, float32; m is the running max (-inf while nothing was seen), z the running sum
+    of exp(s - m), u the running sum of exp(s - m) * v.
+    """
+    m_prev, z_prev, u_prev = carry
+    precision = dot_precision(q.dtype)
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32) * scale  # [rows, tokens]
+    s = jnp.where(score_ok, s, NEG_INF)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    # Rows that have seen nothing yet keep m = -inf; exponentiate against 0 there, so no (-inf) - (-inf).
+    m_safe = jnp.where(m_next == NEG_INF, 0.0, m_next)
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(s - m_safe)
+    z_next = alpha * z_prev + jnp.sum(p, axis=1, keepdims=True)
+    v = jnp.where(value_ok, v, jnp.zeros((), v.dtype))
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+    return m_next, z_next, alpha * u_prev + pv
+
+
+def init_carry(rows: int, head_dim: int):
+    return (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+
+
+def finalize_rows(z, u, dtype):
+    """o = u / z per row, zeros where nothing was attended (z == 0); z `[rows, 1]`, u `[rows, head_dim]`.
+    `merge.finalize` in the kernel's 2-D shapes."""
+    has = z > 0
+    return jnp.where(has, u / jnp.where(has, z, 1.0), 0.0).astype(dtype)

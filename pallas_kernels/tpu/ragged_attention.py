@@ -1,0 +1,142 @@
+"""Ragged paged attention on TPU (Pallas Mosaic): chunked-prefill and decode tokens of many sequences in one
+call.
+
+Tiles as on GPU (`ragged_attention.tile_metadata`): each sequence's query rows are cut into tiles of
+`block_q` tokens, the rows past cu_q_lens[-1] into tiles of an empty padding segment, every row in exactly
+one tile. A TPU block must start at a multiple of its own size, and a tile starts anywhere, so the wrapper
+gathers each tile's rows into a tile-aligned array (`[num_tiles, num_kv_heads, rows, head_dim]`, rows =
+group x block_q head-major, zero-padded to a whole native tile) and scatters the results back: both are
+q-sized (the KV cache is never copied), and the kernel's q and o blocks are plain pipelined VMEM blocks.
+
+Grid (tile, KV head), both parallel. Program (t, h) reads its tile's (sequence, row count, first position,
+kv length) from SMEM (scalar prefetch, with the block tables), then walks the sequence's pages from 0 up to
+the last position any of its rows may see, `pages_per_iter` pages per double-buffered DMA chunk
+(`PageChunks`: pages past that are never copied), with a causal mask and an exact float32 online softmax.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _common as C
+from pallas_kernels.ragged_attention import default_block_q, tile_metadata
+from pallas_kernels.tpu import _common as T
+from pallas_kernels.tpu.page_chunks import PageChunks
+
+_META = 5  # tile_metadata's columns: table row, first query row, rows, first position, kv length
+
+
+def _ragged_kernel(meta_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, *, scale: float,
+                   block_q: int, max_blocks_per_seq: int):
+    """meta_ref i32[num_tiles * 5] and tables_ref i32[num_seqs * max_blocks_per_seq] (SMEM); q_ref/o_ref
+    [rows, head_dim] (VMEM blocks; row r is query head r // block_q of the group, token r % block_q of the
+    tile); k_hbm/v_hbm [num_kv_heads, num_blocks, block_size, head_dim] (HBM). Scratch: k_buf/v_buf
+    [2, pages_per_iter * block_size, head_dim], sems DMA [2, 2]."""
+    tile, head = pl.program_id(0), pl.program_id(1)
+    block_size = k_hbm.shape[2]
+    tokens = k_buf.shape[1]  # per chunk
+    seq = meta_ref[tile * _META]
+    num_rows = meta_ref[tile * _META + 2]
+    pos0 = meta_ref[tile * _META + 3]
+    kv_len = meta_ref[tile * _META + 4]
+    # Keys any row of this tile may see: positions [0, kv_end).
+    kv_end = jnp.where(num_rows > 0, jnp.clip(pos0 + num_rows, 0, kv_len), 0)
+    num_pages = T.cdiv(kv_end, block_size)
+    num_chunks = T.cdiv(num_pages, tokens // block_size)
+
+    q = q_ref[...]
+    rows, head_dim = q.shape
+    # block_q is a power of two: the token of row r is r & (block_q - 1), no vector division.
+    q_pos = pos0 + (lax.broadcasted_iota(jnp.int32, (rows, tokens), 0) & (block_q - 1))
+
+    def step(k, v, first_pos, carry):
+        key_pos = first_pos + lax.broadcasted_iota(jnp.int32, (rows, tokens), 1)
+        value_pos = first_pos + lax.broadcasted_iota(jnp.int32, (tokens, head_dim), 0)
+        score_ok = (key_pos < kv_end) & (key_pos <= q_pos)
+        return T.online_softmax_step(q, k, v, score_ok, value_pos < kv_end, carry, scale=scale)
+
+    chunks = PageChunks(tables_ref, k_hbm, v_hbm, k_buf, v_buf, sems, table_row=seq * max_blocks_per_seq,
+                        head=head, first_page=0, page_end=num_pages, block_size=block_size)
+    _, z, u = chunks.fold(num_chunks, step, T.init_carry(rows, head_dim))
+    o_ref[...] = T.finalize_rows(z, u, o_ref.dtype)
+
+
+def _tile_rows(meta, num_tokens: int, block_q: int):
+    """(rows [num_tiles, block_q]: the query row of each tile slot, clipped into range; slot_of_token
+    [num_tokens]: the flat tile slot holding each query row)."""
+    t = jnp.arange(block_q, dtype=jnp.int32)
+    rows = meta[:, 1:2] + t[None, :]
+    real = t[None, :] < meta[:, 2:3]
+    # tile_metadata covers every row exactly once, so every token gets its slot; the rest are dropped.
+    dest = jnp.where(real, rows, num_tokens).reshape(-1)
+    slots = jnp.arange(dest.shape[0], dtype=jnp.int32)
+    slot_of_token = jnp.zeros((num_tokens,), jnp.int32).at[dest].set(slots, mode="drop")
+    return jnp.clip(rows, 0, num_tokens - 1), slot_of_token
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_iter"))
+def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, scale: float, interpret,
+                            block_q: int, pages_per_iter: int):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    max_blocks_per_seq = block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    meta = tile_metadata(kv_lens, cu_q_lens, num_tokens, block_q, max_blocks_per_seq * block_size)
+    num_tiles = meta.shape[0]
+    used = group * block_q
+    rows = T.round_up(used, T.sublane_rows(q.dtype))
+    tile_rows, slot_of_token = _tile_rows(meta, num_tokens, block_q)
+    q_tiles = q[tile_rows].reshape(num_tiles, block_q, num_kv_heads, group, head_dim)
+    q_tiles = q_tiles.transpose(0, 2, 3, 1, 4).reshape(num_tiles, num_kv_heads, used, head_dim)
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, rows - used), (0, 0)))  # [num_tiles, Hkv, rows, D]
+
+    block = pl.BlockSpec((None, None, rows, head_dim), lambda t, h, *_: (t, h, 0, 0))
+    buf = pltpu.VMEM((2, pages_per_iter * block_size, head_dim), k_pages.dtype)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(num_tiles, num_kv_heads),
+        in_specs=[block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=block,
+        scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+    )
+    kernel = functools.partial(_ragged_kernel, scale=scale, block_q=block_q, max_blocks_per_seq=max_blocks_per_seq)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=T.compiler_params(2),
+        name=f"ragged_paged_attention_tpu_q{block_q}_p{pages_per_iter}",
+    )(meta.reshape(-1), block_tables.reshape(-1), q_tiles, k_pages, v_pages)
+    out = out[:, :, :used].reshape(num_tiles, num_kv_heads, group, block_q, head_dim)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * block_q, num_q_heads, head_dim)
+    return out[slot_of_token]
+
+
+def ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, scale: float, interpret,
+                               block_q: int | None, pages_per_iter: int | None) -> jax.Array:
+    """The TPU ragged kernel behind `pallas_kernels.ragged_paged_attention(..., target="tpu")`, which has
+    already validated shapes, dtypes and scale. Checks the TPU rules (dtype, block size, tuning), fills
+    in the defaults (`default_block_q`, `default_pages_per_iter`) and runs the kernel."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+    num_seqs, max_blocks_per_seq = block_tables.shape
+    T.check_dtype(q.dtype)
+    T.check_block_size(block_size, q.dtype)
+    C.check_pow2_option("block_q", block_q)
+    T.check_pages_per_iter(pages_per_iter)
+    if num_tokens == 0 or num_seqs == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    if block_q is None:
+        block_q = default_block_q(num_tokens, num_seqs, num_q_heads // num_kv_heads, head_dim)
+    if pages_per_iter is None:
+        pages_per_iter = T.default_pages_per_iter(block_size, max_blocks_per_seq, head_dim, q.dtype)
+    return _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
+                                   interpret=T.resolve_interpret(interpret), block_q=int(block_q),
+                                   pages_per_iter=int(pages_per_iter))
