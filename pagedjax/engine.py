@@ -276,8 +276,11 @@ class LLMEngine:
             output_counts=counts, prompt_mask=prompt_mask, stop_ids=stop_ids)
 
     @staticmethod
-    def _num_top_logprobs(requests: list[Request]) -> int:
-        return max((r.sampling_params.logprobs or 0 for r in requests if r.logprobs is not None), default=0)
+    def _num_top_logprobs(requests: list[Request]) -> int | None:
+        """Top alternatives the step must return per sampled token; None when no request of it needs
+        log-probabilities (the step then computes none)."""
+        wanted = [r.sampling_params.logprobs or 0 for r in requests if _wants_logprobs(r)]
+        return max(wanted) if wanted else None
 
     @staticmethod
     def _prompt_targets(plan: StepPlan, requests: list[Request]) -> tuple[np.ndarray | None, int]:
@@ -340,7 +343,7 @@ class LLMEngine:
             # Every token run except a sampled token's own decode is prefill work (prompt or recompute).
             is_decode_token = r.num_output_tokens > 0 and int(kv_len) == r.num_tokens
             self._prefill_computed += int(q_len) - int(is_decode_token)
-            if plan.emits_token[i] and not r.prefill_only:
+            if plan.emits_token[i] and _wants_logprobs(r):
                 _record_logprob(r, int(tokens[i]), out.logprobs, (i,))
         if out.prompt_logprobs is not None:
             self._record_prompt_logprobs(plan, requests, inputs.extras.prompt_targets, out.prompt_logprobs)
@@ -378,7 +381,7 @@ class LLMEngine:
         before = [r.num_output_tokens for r in requests]
         self.scheduler.update_multi_decode(mplan, sampled[:, :n], tables[:n, :width])
         for i, (r, b) in enumerate(zip(requests, before, strict=True)):
-            for step in range(r.num_output_tokens - b):
+            for step in range(r.num_output_tokens - b if _wants_logprobs(r) else 0):
                 _record_logprob(r, int(sampled[step, i]), logprobs, (step, i))
         self._fused_calls += 1
         return self._progressed(requests, before)
@@ -441,7 +444,7 @@ class LLMEngine:
         if stop_reason is None and r.status is RequestStatus.FINISHED_STOPPED and r.output_token_ids:
             stop_reason = r.output_token_ids[-1]
         return CompletionOutput(index=index, token_ids=list(r.output_token_ids), text=text,
-                                cumulative_logprob=r.cumulative_logprob,
+                                cumulative_logprob=r.cumulative_logprob if _wants_logprobs(r) else None,
                                 logprobs=None if r.logprobs is None else list(r.logprobs),
                                 finish_reason=r.finish_reason(), stop_reason=stop_reason)
 
@@ -577,3 +580,15 @@ def _record_logprob(r: Request, token: int, logprobs, at: tuple[int, ...]) -> No
         r.logprobs.append(TokenLogprobs(token, float(logprobs.logprob[at]),
                                         tuple(zip(logprobs.top_ids[at][:k].tolist(),
                                                   logprobs.top_logprobs[at][:k].tolist(), strict=True))))
+
+
+def _wants_logprobs(r: Request) -> bool:
+    """Whether a request's sampled tokens need their log-probabilities: it asked for them, or it is a sample of a
+    request that keeps the best n of best_of by cumulative log-probability. Steps with no such request compute
+    none (the decode step stays lean)."""
+    if r.prefill_only:
+        return False
+    if r.logprobs is not None:
+        return True
+    params = r.group.request.sampling_params if r.group is not None else r.sampling_params
+    return params.num_samples > params.n

@@ -95,11 +95,11 @@ NO_EXTRAS = StepExtras()
 
 
 class StepOutputs(NamedTuple):
-    """What a step returns: sampled tokens i32 `[S]`, their log-probabilities (and top alternatives), the
-    prompt log-probabilities at every position `[T]` when asked, and the logits `[S, vocab]` when asked."""
+    """What a step returns: sampled tokens i32 `[S]`, their log-probabilities (and top alternatives) when asked,
+    the prompt log-probabilities at every position `[T]` when asked, and the logits `[S, vocab]` when asked."""
 
     tokens: Any
-    logprobs: TokenLogprobs
+    logprobs: TokenLogprobs | None
     prompt_logprobs: TokenLogprobs | None
     logits: Any
 
@@ -115,7 +115,7 @@ class StepInputs:
     sampling: SamplingMetadata  # [S] each
     decode_only: bool
     extras: StepExtras = NO_EXTRAS
-    num_top_logprobs: int = 0  # top alternatives returned per sampled token (a bucket)
+    num_top_logprobs: int | None = None  # top alternatives per sampled token (a bucket); None: no log-probabilities
     num_prompt_top_logprobs: int = 0  # per prompt position, when extras.prompt_targets is set
 
 
@@ -129,7 +129,7 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
              block_copies: np.ndarray | None = None,  # i32[C, 2]
              penalties: PenaltyMetadata | None = None,  # [S] rows
              prompt_targets: np.ndarray | None = None,  # i32[T]
-             num_top_logprobs: int = 0,
+             num_top_logprobs: int | None = None,
              num_prompt_top_logprobs: int = 0,
              ) -> StepInputs:
     """Pad a ragged step to bucket sizes. Padding tokens write nowhere (slot -1); padding sequences have
@@ -150,7 +150,7 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
                         prompt_targets=None if prompt_targets is None else _pad(prompt_targets, t_b, -1))
     return StepInputs(
         extras=extras,
-        num_top_logprobs=bucket(num_top_logprobs) if num_top_logprobs else 0,
+        num_top_logprobs=_bucket_top(num_top_logprobs),
         num_prompt_top_logprobs=bucket(num_prompt_top_logprobs) if num_prompt_top_logprobs else 0,
         token_ids=_pad(token_ids, t_b, 0),
         positions=_pad(positions, t_b, 0),
@@ -175,7 +175,7 @@ class MultiDecodeInputs:
     max_new: np.ndarray  # int32 [S]: tokens each sequence may generate in this call
     num_steps: int
     penalties: PenaltyMetadata | None = None  # [S] rows; output_counts are updated on device each step
-    num_top_logprobs: int = 0
+    num_top_logprobs: int | None = None
 
 
 def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
@@ -188,7 +188,7 @@ def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
                      num_steps: int,
                      block_size: int,
                      penalties: PenaltyMetadata | None = None,  # [S] rows
-                     num_top_logprobs: int = 0) -> MultiDecodeInputs:
+                     num_top_logprobs: int | None = None) -> MultiDecodeInputs:
     """Pad a fused decode to bucket sizes. The lent stack is padded with -1, which the device never pops
     (a short stack raises `overflow` instead of writing into block 0), to a length fixed by the batch bucket
     and `num_steps`: one sequence pops at most `cdiv(num_steps, block_size)` blocks in `num_steps` steps, so
@@ -212,13 +212,18 @@ def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
         max_new=_pad(max_new, s_b, 0),
         num_steps=num_steps,
         penalties=pad_penalties(penalties, s_b),
-        num_top_logprobs=bucket(num_top_logprobs) if num_top_logprobs else 0,
+        num_top_logprobs=_bucket_top(num_top_logprobs),
     )
+
+
+def _bucket_top(num_top: int | None) -> int | None:
+    """None stays None (no log-probabilities computed: the lean step); 0 stays 0; k > 0 to a power of two."""
+    return num_top if not num_top else bucket(num_top)
 
 
 def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,
                   logits_indices, sampling: SamplingMetadata, extras: StepExtras = NO_EXTRAS, *, backend: str,
-                  decode_only: bool, return_logits: bool = False, num_top_logprobs: int = 0,
+                  decode_only: bool, return_logits: bool = False, num_top_logprobs: int | None = None,
                   num_prompt_top_logprobs: int = 0) -> tuple[StepOutputs, KVCache]:
     model: Llama = nnx.merge(graphdef, params)
     if extras.block_copies is not None:
@@ -232,8 +237,8 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
     else:
         logits = model.compute_logits(hidden[logits_indices])
     tokens = sample(logits, sampling, extras.penalties)
-    outputs = StepOutputs(tokens, token_logprobs(logits, tokens, num_top_logprobs), prompt_logprobs,
-                          logits if return_logits else None)
+    logprobs = None if num_top_logprobs is None else token_logprobs(logits, tokens, num_top_logprobs)
+    outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None)
     return outputs, kv_cache
 
 
@@ -247,13 +252,13 @@ class DecodeLoopState(NamedTuple):
     active: jax.Array  # bool[S]: still generating
     num_generated: jax.Array  # i32[S]: tokens generated in this call
     sampled: jax.Array  # i32[num_steps, S]: -1 where a sequence did not run
-    logprobs: TokenLogprobs  # [num_steps, S] (and top alternatives [num_steps, S, K])
+    logprobs: TokenLogprobs | None  # [num_steps, S] (and top alternatives [num_steps, S, K]) when asked
     penalties: PenaltyMetadata | None  # output_counts follow the sampled tokens
 
 
 def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, sampling: SamplingMetadata,
                  stop_ids, max_new, penalties: PenaltyMetadata | None = None, *, num_steps: int, block_size: int,
-                 backend: str, num_top_logprobs: int = 0):
+                 backend: str, num_top_logprobs: int | None = None):
     """Up to `num_steps` decode steps with no host round trip.
 
     tokens int32 `[S]` (each sequence's last token, whose KV is not yet cached); stop_ids int32 `[S, K]`
@@ -275,14 +280,16 @@ def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, 
         hidden, kv_cache = model(s.last_tokens, positions, s.kv_cache, meta, backend=backend, decode_only=True)
         logits = model.compute_logits(hidden)
         new = sample(logits, sampling._replace(step=sampling.step + s.num_generated), s.penalties)
-        lp = token_logprobs(logits, new, num_top_logprobs)
+        logprobs = s.logprobs
+        if logprobs is not None:
+            lp = token_logprobs(logits, new, num_top_logprobs)
+            logprobs = jax.tree.map(lambda acc, x: acc.at[s.step].set(x), logprobs, lp)
         new = jnp.where(s.active, new, -1)
         num_generated = s.num_generated + s.active.astype(jnp.int32)
         stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (num_generated >= max_new)
         pen = s.penalties
         if pen is not None:
             pen = pen._replace(output_counts=count_tokens(pen.output_counts, new, s.active))
-        logprobs = jax.tree.map(lambda acc, x: acc.at[s.step].set(x), s.logprobs, lp)
         return DecodeLoopState(step=s.step + 1, kv_cache=kv_cache, pages=pages,
                                last_tokens=jnp.where(s.active, new, s.last_tokens), active=s.active & ~stopped,
                                num_generated=num_generated, sampled=s.sampled.at[s.step].set(new),
@@ -291,9 +298,10 @@ def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, 
     init = DecodeLoopState(step=jnp.int32(0), kv_cache=kv_cache, pages=pages, last_tokens=tokens,
                            active=max_new > 0, num_generated=jnp.zeros((num_seqs,), jnp.int32),
                            sampled=jnp.full((num_steps, num_seqs), -1, jnp.int32),
-                           logprobs=TokenLogprobs(jnp.zeros((num_steps, num_seqs), jnp.float32),
-                                                  jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.int32),
-                                                  jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.float32)),
+                           logprobs=None if num_top_logprobs is None else TokenLogprobs(
+                               jnp.zeros((num_steps, num_seqs), jnp.float32),
+                               jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.int32),
+                               jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.float32)),
                            penalties=penalties)
     final = jax.lax.while_loop(cond, body, init)
     return final.sampled, final.logprobs, final.pages, final.kv_cache

@@ -167,7 +167,8 @@ class Generation:
         for s in c.samples if len(c.samples) > 1 else ():
             which = f"beam {c.samples.index(s) + 1}, score {s.score:.3f}" if hasattr(s, "score") else \
                 f"sample {s.index}"
-            print(f"  [{c.index + 1}.{which}, cumulative logprob {s.cumulative_logprob:.3f}] {s.text!r}", file=out)
+            logprob = "" if s.cumulative_logprob is None else f", cumulative logprob {s.cumulative_logprob:.3f}"
+            print(f"  [{c.index + 1}.{which}{logprob}] {s.text!r}", file=out)
         for s in c.samples:
             if getattr(s, "logprobs", None):
                 decode = self.tokenizer.decode

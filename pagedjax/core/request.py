@@ -306,7 +306,7 @@ class CompletionOutput:
     index: int  # the sample's index (its seed is the request's seed + index)
     token_ids: list[int]
     text: str | None
-    cumulative_logprob: float
+    cumulative_logprob: float | None  # None unless log-probabilities were computed (logprobs set, or best_of > n)
     logprobs: list[TokenLogprobs] | None  # per token, when SamplingParams.logprobs is set
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
