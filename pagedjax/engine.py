@@ -455,6 +455,7 @@ class LLMEngine:
             return RequestOutput(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
                                  output_token_ids=c.token_ids, num_cached_tokens=max(r.num_cached_tokens, 0),
                                  finish_reason=c.finish_reason, text=c.text, error=r.error, outputs=[c],
+                                 num_generated_tokens=len(c.token_ids),
                                  prompt_logprobs=None if r.prompt_logprobs is None else list(r.prompt_logprobs))
         request, params = group.request, group.request.sampling_params
         outputs = [self._completion(s, s.sample_index) for s in group.samples]
@@ -475,7 +476,8 @@ class LLMEngine:
                              num_cached_tokens=max(cached, 0), finish_reason=reason,
                              text=first.text if first else None, error=errors[0] if errors else None,
                              outputs=outputs,
-                             prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs))
+                             prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs),
+                             num_generated_tokens=sum(s.num_output_tokens for s in group.samples))
 
     # ----------------------------------------------------------------------------------------------- generate
     def generate(self, prompts: Sequence[Sequence[int] | str | bytes],

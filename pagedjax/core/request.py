@@ -330,6 +330,7 @@ class RequestOutput:
     error: str | None = None  # with finish_reason "error": what failed
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_generated_tokens: int = 0  # by every sample, those best_of drops included (what the request cost)
 
     @property
     def finished(self) -> bool:

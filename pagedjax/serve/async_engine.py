@@ -1,0 +1,340 @@
+"""AsyncLLMEngine: an `LLMEngine` driven by one background thread, for asyncio servers.
+
+    engine = AsyncLLMEngine(LLMEngine.from_pretrained(), max_pending=256)
+    engine.start()
+    async for out in engine.generate(prompt_ids, SamplingParams(max_tokens=32)):
+        ...                                     # RequestOutput snapshots (cumulative token ids and text)
+    await engine.shutdown(timeout=10)
+
+The engine is not thread-safe, so exactly one thread touches it: the engine thread. It takes commands (add,
+abort, stop) from a queue, runs `step()` while any request is unfinished and sleeps on the queue otherwise.
+Each step's outputs go back to the event loop that asked for them with `loop.call_soon_threadsafe`, so the
+event loop never waits for device work.
+
+`add_request` returns a `RequestStream` once the engine has accepted the request (its validation errors,
+TypeError / ValueError naming the field, are raised there). Iterating the stream yields one `RequestOutput` per
+step that advanced the request (when the consumer falls behind, only the newest snapshot: they are
+cumulative), the last one finished. Closing the stream early (`async with`, `aclose()`, or cancelling the
+task that iterates it, e.g. when an HTTP client goes away) aborts the request; the engine frees its blocks
+before its next step.
+
+Failures: a request the engine finished with finish_reason "error" comes out like any other finished output
+(`RequestOutput.error` says why). If `step()` itself raises, every request in flight is aborted and its stream
+raises `EngineStepError`; the engine keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from pagedjax.core.request import RequestOutput, SamplingParams
+from pagedjax.engine import EngineStats, LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """The engine's step raised while this request was in flight; the request was aborted."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down (or stopped) and takes no new requests; in-flight ones get it when aborted."""
+
+
+class QueueFullError(RuntimeError):
+    """`max_pending` requests are already in the engine."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    done: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class RequestStream:
+    """The outputs of one request, in the event loop that added it; see the module docstring."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False  # the last output was yielded, or it failed or was aborted
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # in the event loop
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled (e.g. the client went away): nobody will read the rest
+            self.abort()
+            raise
+        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+            item = self._queue.get_nowait()  # snapshots are cumulative: only the newest matters
+        if isinstance(item, BaseException):
+            self._end()
+            raise item
+        if item.finished:
+            self._end()
+        return item
+
+    def _end(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine._release(self)
+
+    def abort(self) -> None:
+        """Stop the request (no-op once finished); the engine frees its blocks before its next step."""
+        if not self.finished:
+            self._end()
+            self._engine._send(_Abort(self.request_id))
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.abort()
+
+
+class AsyncLLMEngine:
+    """An `LLMEngine` owned by a background thread; see the module docstring.
+
+    max_pending: the most requests in the engine at once (added and not yet finished, waiting ones included);
+    `add_request` raises QueueFullError beyond it. None: no limit.
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_pending: int | None = None):
+        if max_pending is not None and (not isinstance(max_pending, int) or max_pending < 1):
+            raise ValueError(f"max_pending must be None or an int >= 1, got {max_pending!r}")
+        self.engine = engine
+        self.max_pending = max_pending
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread: the requests it has accepted
+        self._num_pending = 0  # event loop side: streams created and not yet finished
+        self._idle = threading.Event()  # set while no stream is pending
+        self._idle.set()
+        self._accepting = True
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None  # the engine thread ended on this unexpected error
+        self._stats: EngineStats = engine.stats()
+        self._ids = itertools.count()
+        self._id_prefix = uuid.uuid4().hex[:8]
+
+    # ------------------------------------------------------------------------------------------ public side
+    @property
+    def num_pending(self) -> int:
+        """Requests added (or being added) and not yet finished."""
+        return self._num_pending
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self._dead is None
+
+    def stats(self) -> EngineStats:
+        """The engine's statistics after the engine thread's latest step or command."""
+        return self._stats
+
+    def start(self) -> None:
+        """Start the engine thread (once)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
+        self._thread.start()
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{self._id_prefix}-{next(self._ids)}"
+
+    async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                          request_id: str | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it. Raises what `LLMEngine.add_request`
+        raises for a bad request (TypeError / ValueError, nothing queued), QueueFullError at `max_pending`, and
+        EngineStoppedError while shutting down."""
+        if not self.accepting:
+            raise EngineStoppedError("the engine is shutting down" if self._dead is None
+                                     else f"the engine thread died: {self._dead!r}")
+        if self._thread is None:
+            raise EngineStoppedError("the engine is not started: call start()")
+        if self.max_pending is not None and self._num_pending >= self.max_pending:
+            raise QueueFullError(f"{self._num_pending} requests are already queued or running "
+                                 f"(the limit is {self.max_pending}); retry later")
+        stream = RequestStream(self, request_id or self.new_request_id(), asyncio.get_running_loop())
+        self._num_pending += 1
+        self._idle.clear()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_Add(stream, list(prompt_token_ids), params, done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:  # the caller left while the engine was busy: undo the add
+            stream.abort()
+            raise
+        except BaseException:
+            stream.finished = True
+            self._release(stream)
+            raise
+        return stream
+
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """`add_request` and iterate its stream. Leaving the loop early aborts the request once the generator
+        is closed: at once under `contextlib.aclosing(...)` or when the iterating task is cancelled, else when
+        the generator is garbage-collected (Python closes async generators lazily)."""
+        async with await self.add_request(prompt_token_ids, params, request_id=request_id) as stream:
+            async for out in stream:
+                yield out
+
+    async def shutdown(self, timeout: float = 0.0) -> None:
+        """Take no new requests, let those in flight finish for up to `timeout` seconds, abort the rest (their
+        streams raise EngineStoppedError) and stop the engine thread."""
+        self._accepting = False
+        if self._num_pending and timeout > 0:
+            await asyncio.get_running_loop().run_in_executor(None, self._idle.wait, timeout)
+        self._send(_STOP)
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    def stop(self) -> None:
+        """Synchronous `shutdown(timeout=0)` (from outside the event loop)."""
+        self._accepting = False
+        self._send(_STOP)
+        if self._thread is not None:
+            self._thread.join()
+
+    def _send(self, command) -> None:
+        self._commands.put(command)
+
+    def _release(self, stream: RequestStream) -> None:  # event loop: a stream ended
+        self._num_pending -= 1
+        if self._num_pending == 0:
+            self._idle.set()
+
+    # ----------------------------------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                commands = [self._commands.get()] if idle else []
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                for command in commands:
+                    if command is _STOP:
+                        failed = self._fail_all(EngineStoppedError("the server shut down before the request "
+                                                                   "finished"), drain=True)
+                        self._publish(failed)
+                        return
+                    self._apply(command)
+                self._publish(self._step() if self.engine.has_unfinished_requests() else [])
+        except BaseException as e:  # a bug outside step(): fail everything, take no more requests
+            logger.exception("the engine thread died")
+            self._dead = e
+            self._accepting = False
+            self._publish(self._fail_all(EngineStoppedError(f"the engine thread died: {e!r}"), drain=True))
+        finally:
+            self._accepting = False
+
+    def _apply(self, command) -> None:
+        if isinstance(command, _Abort):
+            if self._streams.pop(command.request_id, None) is not None:
+                self.engine.abort(command.request_id)
+            return
+        stream = command.stream
+        if stream.finished:  # aborted before the engine got to it
+            command.done.cancel()
+            return
+        try:
+            self.engine.add_request(stream.request_id, command.prompt_token_ids, command.params)
+        except Exception as e:  # noqa: BLE001 - the caller's to handle (a bad request)
+            command.done.set_exception(e)
+            return
+        self._streams[stream.request_id] = stream
+        command.done.set_result(None)
+
+    def _publish(self, items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+        """Take the statistics snapshot, then hand the items to their streams' event loops: whoever sees an
+        output also sees statistics at least as new as it."""
+        self._stats = self.engine.stats()
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in items:
+            batches.setdefault(stream._loop, []).append((stream, item))
+        for loop, batch in batches.items():
+            _deliver_soon(loop, batch)
+
+    def _step(self) -> list[tuple[RequestStream, RequestOutput | BaseException]]:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - the engine could not recover: fail what was in flight
+            logger.exception("engine step failed; aborting %d requests", len(self._streams))
+            return self._fail_all(EngineStepError(f"the engine step failed: {type(e).__name__}: {e}"))
+        items = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            items.append((stream, out))
+        return items
+
+    def _fail_all(self, error: BaseException, *, drain: bool = False) -> list[tuple[RequestStream, BaseException]]:
+        """Abort every accepted request; their streams are to raise `error`. `drain`: also fail the adds still
+        queued (when the thread is about to end)."""
+        items = []
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - keep failing the others
+                logger.exception("aborting %s failed", request_id)
+            items.append((stream, error))
+        self._streams.clear()
+        while drain:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add) and not command.done.done():
+                command.done.set_exception(error)
+        return items
+
+
+def _deliver_soon(loop: asyncio.AbstractEventLoop, batch: list) -> None:
+    def deliver() -> None:
+        for stream, item in batch:
+            stream._put(item)
+
+    try:
+        loop.call_soon_threadsafe(deliver)
+    except RuntimeError:  # that event loop is closed: nobody is listening any more
+        logger.debug("dropped %d outputs for a closed event loop", len(batch))

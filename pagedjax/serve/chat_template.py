@@ -1,0 +1,109 @@
+"""Chat prompts: a list of messages rendered into one prompt with the model's chat template.
+
+A Hugging Face folder's template is `chat_template` in its `tokenizer_config.json` (a string, or a list of
+`{"name", "template"}` from which "default" is used), or a sibling `chat_template.jinja`. It is rendered with
+jinja2 the way transformers renders it: a sandboxed environment with `trim_blocks` and `lstrip_blocks`, loop
+controls, `raise_exception(msg)`, `strftime_now(fmt)` and a `tojson` that keeps non-ASCII text, and the variables
+`messages` (`role` / `content` dicts), `add_generation_prompt`, `bos_token` and `eos_token`; the text is
+tokenized without adding special tokens again (the template writes them).
+
+A model without one (the bundled model, trained on Python sources) gets `DEFAULT_TEMPLATE`: each message as a
+`# <role>:` comment line followed by its content, then `# assistant:` when a reply is wanted; that text is
+tokenized like a completion prompt (BOS added). `--chat-template FILE` replaces either.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}"
+    "# {{ message['role'] }}:\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}# assistant:\n{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The template failed to render these messages (e.g. it called raise_exception)."""
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(message)
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False) -> str:
+    # transformers' tojson: plain JSON, non-ASCII kept (jinja2's own escapes HTML characters)
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=False)
+
+
+def _token_text(token) -> str:
+    if isinstance(token, dict):
+        return str(token.get("content", ""))
+    return token if isinstance(token, str) else ""
+
+
+class ChatTemplate:
+    """A compiled chat template. `from_model` finds a model folder's own; `source` says where it came from."""
+
+    def __init__(self, template: str, *, source: str = "built-in default", model_template: bool = False,
+                 bos_token: str = "", eos_token: str = ""):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.text = template
+        self.source = source
+        self.model_template = model_template  # the model's own: it writes special tokens itself
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._template = env.from_string(template)
+
+    @classmethod
+    def from_model(cls, folder: str | Path | None, override: str | Path | None = None) -> ChatTemplate:
+        """The template for a model folder: `override` (a file) if given, else the folder's own, else the
+        built-in default."""
+        from pagedjax.model.loader import read_json
+
+        config = {}
+        if folder is not None and (Path(folder) / "tokenizer_config.json").is_file():
+            config = read_json(Path(folder) / "tokenizer_config.json")  # ModelLoadError naming the file
+        tokens = {"bos_token": _token_text(config.get("bos_token")), "eos_token": _token_text(config.get("eos_token"))}
+        if override is not None:
+            return cls(Path(override).read_text(encoding="utf-8"), source=str(override), model_template=True,
+                       **tokens)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if isinstance(template, str):
+            return cls(template, source=f"{folder}/tokenizer_config.json", model_template=True, **tokens)
+        if folder is not None and (Path(folder) / "chat_template.jinja").is_file():
+            return cls((Path(folder) / "chat_template.jinja").read_text(encoding="utf-8"),
+                       source=f"{folder}/chat_template.jinja", model_template=True, **tokens)
+        return cls(DEFAULT_TEMPLATE, **tokens)
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` (dicts with "role" and "content"); ChatTemplateError if it fails."""
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # noqa: BLE001 - jinja2's errors (undefined names, sandbox violations, ...)
+            raise ChatTemplateError(f"the chat template ({self.source}) failed: {type(e).__name__}: {e}") from e
+
+    def encode(self, tokenizer, text: str) -> list[int]:
+        """Token ids of a rendered prompt: the model's own template wrote its special tokens, so none are added;
+        the default template's prompt is tokenized like a completion prompt."""
+        if not self.model_template:
+            return list(tokenizer.encode(text))
+        from pagedjax.tokenizer import ByteTokenizer
+
+        if isinstance(tokenizer, ByteTokenizer):
+            return tokenizer.encode(text, add_bos=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,98 @@
+"""From the engine's cumulative `RequestOutput` snapshots to the text deltas of each choice of a response.
+
+A request has one choice per sample (`RequestOutput.outputs`, by sample index). Each choice has its own
+`IncrementalDetokenizer`; its last delta comes from the engine's final text, which is cut at a stop string, so
+the deltas of a choice always concatenate to its final text, streamed or not. Log-probabilities, when asked for,
+travel with the delta of the snapshot that brought their tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedjax.core.request import RequestOutput, TokenLogprobs
+from pagedjax.serve.detokenizer import IncrementalDetokenizer
+
+
+class RequestFailed(RuntimeError):
+    """The engine finished the request with an error (or aborted it)."""
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    index: int
+    text: str
+    finish_reason: str | None  # "stop" | "length" once the choice is done
+    logprobs: list[TokenLogprobs] | None = None  # of the tokens new in this snapshot, when asked for
+
+
+@dataclass(frozen=True)
+class _Sample:
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None
+
+
+def _samples(out: RequestOutput) -> list[_Sample]:
+    if out.outputs:
+        return [_Sample(c.index, list(c.token_ids), c.text, c.finish_reason, c.logprobs) for c in out.outputs]
+    return [_Sample(0, list(out.output_token_ids), out.text, out.finish_reason, None)]
+
+
+class ChoiceTracker:
+    """Turns each snapshot of one request into the new text of each of its choices."""
+
+    def __init__(self, tokenizer, *, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self.finish_reasons: dict[int, str] = {}
+        self.num_tokens: dict[int, int] = {}  # generated tokens per sample
+        self.logprobs: dict[int, list[TokenLogprobs]] = {}  # per sample, when asked for
+        self._final_order: list[int] | None = None  # the finished output's samples, in its order
+        self._generated = 0  # the engine's count over every sample (best_of's dropped ones included)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated for the request: by every sample, also those best_of does not return."""
+        return max(self._generated, sum(self.num_tokens.values()))
+
+    def final_choices(self) -> list[tuple[int, str, str | None, list[TokenLogprobs] | None]]:
+        """(choice index, whole text, finish reason, log-probabilities or None) of the finished request, in the
+        engine's final order (the n best first when it drew more samples than it returns)."""
+        order = self._final_order if self._final_order is not None else sorted(self._detok)
+        return [(position, self._detok[i].sent, self.finish_reasons.get(i), self.logprobs.get(i))
+                for position, i in enumerate(order)]
+
+    def update(self, out: RequestOutput) -> list[ChoiceDelta]:
+        """The choices' new text in this snapshot (one delta per choice that changed or finished). Raises
+        RequestFailed if the engine failed or aborted the request."""
+        if out.finish_reason in ("error", "abort"):
+            raise RequestFailed(out.error or f"the engine ended the request ({out.finish_reason})")
+        deltas = []
+        self._generated = max(self._generated, getattr(out, "num_generated_tokens", 0))
+        samples = _samples(out)
+        if out.finished:
+            self._final_order = [s.index for s in samples]
+        for s in samples:
+            if s.index in self.finish_reasons:
+                continue
+            detok = self._detok.setdefault(s.index, IncrementalDetokenizer(self.tokenizer, stop=self.stop))
+            self.num_tokens[s.index] = len(s.token_ids)
+            # The engine decoded the ids already: while running, its text is their plain decode.
+            text = detok.update(s.token_ids, s.text if s.finish_reason is None else None)
+            if s.finish_reason is not None:
+                if s.finish_reason in ("error", "abort"):
+                    raise RequestFailed(out.error or f"the engine ended the request ({s.finish_reason})")
+                text += detok.finish(s.text if s.text is not None else self.tokenizer.decode(s.token_ids))
+                self.finish_reasons[s.index] = s.finish_reason
+            new_logprobs = None
+            if s.logprobs is not None:
+                sent = self.logprobs.setdefault(s.index, [])
+                new_logprobs = s.logprobs[len(sent):]
+                sent.extend(new_logprobs)
+            if text or s.finish_reason is not None or new_logprobs:
+                deltas.append(ChoiceDelta(s.index, text, s.finish_reason, new_logprobs))
+        return deltas

@@ -1,0 +1,174 @@
+"""`pagedjax-serve` (also `python -m pagedjax.serve`): the OpenAI-compatible server on uvicorn.
+
+    pagedjax-serve                                   # the bundled model on http://127.0.0.1:8000
+    pagedjax-serve --model path/to/hf-folder --port 8001 --kv-memory 1GiB --api-key "$KEY"
+
+The model and engine options are `pagedjax-generate`'s own (`--model`, `--dtype`, `--backend`, `--block-size`,
+`--num-blocks` / `--kv-memory`, `--num-steps`, `--max-num-seqs`, ...: copied from its parser, so the two
+commands always agree), and the model and engine are built by the same code (`pagedjax.cli.engine_setup`).
+
+SIGINT / SIGTERM shut down gracefully: stop accepting connections, let requests in flight finish for up to
+`--shutdown-timeout` seconds, abort the rest, exit 0. A second SIGINT exits at once. Exit status 2 for a usage
+error or a model / engine that cannot be set up (one line `pagedjax-serve: error: ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+from pagedjax.cli import args as generate_args
+from pagedjax.cli.errors import EXIT_ERROR, EXIT_OK, CLIError
+
+PROG = "pagedjax-serve"
+BUNDLED_MODEL_NAME = "pagedjax-tiny"
+SERVE_EXTRA = ("fastapi", "uvicorn", "starlette", "prometheus_client", "jinja2", "pydantic")  # pyproject's `serve`
+ENGINE_GROUP = "model and engine"  # the group of pagedjax-generate's parser whose options serve takes over
+
+
+def _copy_engine_options(parser: argparse.ArgumentParser) -> None:
+    """Add pagedjax-generate's model and engine options (mutually exclusive pairs included) to `parser`."""
+    source = generate_args.build_parser()
+    group = next(g for g in source._action_groups if g.title == ENGINE_GROUP)
+    target = parser.add_argument_group(f"{ENGINE_GROUP} (as in pagedjax-generate)")
+    exclusive = {}
+    for action in group._group_actions:
+        owner = next((m for m in source._mutually_exclusive_groups if action in m._group_actions), None)
+        if owner is None:
+            target._add_action(action)
+        else:
+            if id(owner) not in exclusive:
+                exclusive[id(owner)] = target.add_mutually_exclusive_group()
+            exclusive[id(owner)]._add_action(action)
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Serve a model over HTTP with OpenAI's API (completions, chat completions, models), "
+                    "streaming included; /health and /metrics (Prometheus) too.",
+        formatter_class=generate_args._HelpFormatter)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=generate_args._int_at_least(0), default=8000, help="port (0: any free port)")
+    g.add_argument("--api-key", default=os.environ.get("PAGEDJAX_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: $PAGEDJAX_API_KEY; "
+                        "none: open)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help=f"the model id clients ask for (default: {BUNDLED_MODEL_NAME} for the bundled model, "
+                        "else --model as given)")
+    g.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="a jinja2 chat template (default: the model's tokenizer_config.json chat_template, else "
+                        "the built-in '# role:' template)")
+    g.add_argument("--max-queue", type=generate_args._int_at_least(0), default=256,
+                   help="requests that may wait beyond --max-num-seqs; more get 503 (queue_full)")
+    g.add_argument("--shutdown-timeout", type=_non_negative_float, default=10.0, metavar="SECONDS",
+                   help="on SIGINT/SIGTERM, how long requests in flight may finish before they are aborted")
+    g.add_argument("--seed", type=generate_args._int_at_least(0), default=0,
+                   help="engine seed: requests without a seed of their own are reproducible per seed and id")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    _copy_engine_options(p)
+    return p
+
+
+class _Server:
+    """uvicorn's server, whose graceful shutdown on SIGINT / SIGTERM ends in exit status 0: uvicorn itself
+    re-raises the signal once it has shut down, so that the process dies of it."""
+
+    def __init__(self, config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                signals = (signal.SIGINT, signal.SIGTERM)
+                previous = {s: signal.signal(s, self.handle_exit) for s in signals}
+                try:
+                    yield
+                finally:
+                    for s, handler in previous.items():
+                        signal.signal(s, handler)
+
+        self.server = Server(config)
+
+    def run(self) -> bool:
+        self.server.run()
+        return self.server.started
+
+
+def _quiet_libraries() -> None:
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    for name in ("absl", "orbax", "jax._src.xla_bridge"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model, build the engine and the app, and serve until a signal; CLIError for setup problems."""
+    import uvicorn
+
+    from pagedjax.cli.engine_setup import build_engine, load_pretrained_for_cli
+    from pagedjax.cli.warm_start import compile_cache
+    from pagedjax.model.checkpoint import bundled_model_path
+    from pagedjax.model.loader import ModelLoadError
+    from pagedjax.serve.app import build_app
+    from pagedjax.serve.async_engine import AsyncLLMEngine
+    from pagedjax.serve.chat_template import ChatTemplate
+
+    with compile_cache(args) as cache:
+        cfg, params, tokenizer = load_pretrained_for_cli(args.model, args.dtype)
+        engine = build_engine(args, cfg, params, tokenizer, compile_cache=cache.engine_arg)
+        folder = Path(args.model) if args.model is not None else bundled_model_path()
+        try:
+            template = ChatTemplate.from_model(folder, args.chat_template)
+        except (OSError, ModelLoadError) as e:
+            raise CLIError(f"cannot read the chat template: {e}") from None
+        name = args.served_model_name or (args.model if args.model is not None else BUNDLED_MODEL_NAME)
+        app = build_app(AsyncLLMEngine(engine, max_pending=args.max_num_seqs + args.max_queue), model_name=name,
+                        chat_template=template, api_key=args.api_key)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+        started = _Server(config).run()
+    return EXIT_OK if started else EXIT_ERROR
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model is not None and not Path(args.model).exists():
+        parser.error(f"--model: no such file or directory: {args.model}")
+    if args.chat_template is not None and not args.chat_template.is_file():
+        parser.error(f"--chat-template: no such file: {args.chat_template}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_libraries()
+    try:
+        return serve(args)
+    except ModuleNotFoundError as e:
+        if e.name not in SERVE_EXTRA:
+            raise
+        print(f"{PROG}: error: {e.name} is not installed; pagedjax-serve needs the serve extra: "
+              "pip install 'pagedjax[serve]'", file=sys.stderr)
+        return EXIT_ERROR
+    except CLIError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR

@@ -1,0 +1,108 @@
+"""Errors as OpenAI's API reports them: `{"error": {"message", "type", "param", "code"}}` with an HTTP status.
+
+  400 invalid_request_error  malformed JSON; a field of the wrong type, out of range or unknown; a prompt over
+                             the context length (code `context_length_exceeded`); a parameter not supported yet
+  401 authentication_error   `--api-key` is set and `Authorization: Bearer <key>` is missing or wrong
+                             (code `invalid_api_key`)
+  404 invalid_request_error  an unknown model (code `model_not_found`) or path
+  500 server_error           the engine failed the request (code `engine_error`)
+  503 server_error           the queue is full (`--max-queue`, code `queue_full`) or the server is shutting down
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedjax.serve.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          429: "rate_limit_error"}
+
+
+class APIError(Exception):
+    """An error response; `param` names the request field at fault."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> ErrorResponse:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=message, type=_TYPES.get(status, "server_error"), param=param,
+                                         code=code))
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _response(status: int, body: ErrorResponse, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """A message naming the fields at fault, and the first of them (pydantic's errors, a leading "body"
+    location dropped). A field of a union type (e.g. `prompt`) gets one error per alternative: one line each."""
+    by_field: dict[str, list[dict]] = {}
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if e.get("type") == "json_invalid":
+            return f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+        by_field.setdefault(loc[0] if loc else "", []).append({**e, "loc": loc})
+    parts = []
+    for field, errs in list(by_field.items())[:3]:
+        e = errs[0]
+        if e.get("type") == "extra_forbidden":
+            parts.append(f"unknown field {'.'.join(e['loc'])!r}")
+            continue
+        where = ".".join(e["loc"]) if len(errs) == 1 else field
+        msg = e.get("msg") if len(errs) == 1 else "no allowed form of the field matches"
+        got = e.get("input") if len(errs) == 1 else None
+        text = f"{where or 'body'}: {msg}"
+        if got is not None and not isinstance(got, dict | list | bytes):
+            text += f" (got {got!r})"
+        parts.append(text)
+    more = f" (and {len(by_field) - 3} more fields)" if len(by_field) > 3 else ""
+    param = next((f for f in by_field if f), None)
+    return "; ".join(parts) + more, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app returns, its own and the framework's, in OpenAI's format."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _response(exc.status, exc.body(), exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return _response(400, error_body(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        return _response(exc.status_code, error_body(exc.status_code, message), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return _response(500, error_body(500, f"internal server error: {type(exc).__name__}: {exc}"))

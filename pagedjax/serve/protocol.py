@@ -1,0 +1,200 @@
+"""The OpenAI API's request and response bodies (the subset pagedjax serves), as pydantic models.
+
+Field names and defaults are OpenAI's (`temperature` defaults to 1, completions' `max_tokens` to 16), plus
+vLLM's common extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+`include_stop_str_in_output`). Requests are strict: unknown fields and values of the wrong JSON type (a string
+for a number, a float for an integer) are rejected with a message naming the field, never coerced.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+SEED_LIMIT = 2**63  # seeds travel to the device as two uint32 halves (see SamplingParams)
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+Probability = Annotated[float, Field(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Stop = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)]
+
+
+class _SamplingFields(_Request):
+    """Fields completions and chat share."""
+
+    model: str
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None  # None: OpenAI's default, 1
+    top_p: Probability | None = None
+    seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
+    stop: Stop | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextContent(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContent] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Request):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: up to the context length
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's turn header
+
+
+# ------------------------------------------------------------------------------------------------ responses
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Any = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: Any = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """A streamed piece of the assistant's message: only the keys that are set appear (as in OpenAI's)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Any = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedjax"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,84 @@
+"""From an OpenAI request to the engine's `SamplingParams`: the one place where request fields become engine
+parameters.
+
+A field is passed to `SamplingParams` only when the request sets it, under the engine's name for it; a field
+the engine's `SamplingParams` does not have is a 400 "... is not supported yet" rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pagedjax.core.request import SamplingParams
+from pagedjax.serve.errors import APIError, bad_request
+from pagedjax.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: up to the context length)
+
+
+
+def engine_fields(request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int) -> dict:
+    """The `SamplingParams` keyword arguments a request asks for (`max_tokens` already resolved)."""
+    fields: dict = {
+        "max_tokens": max_tokens,
+        "temperature": DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
+    }
+    if request.stop is not None:
+        fields["stop"] = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop)
+    if request.stop_token_ids:
+        fields["stop_token_ids"] = tuple(request.stop_token_ids)
+    for name in ("top_p", "seed", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty",
+                 "min_tokens"):
+        if getattr(request, name) is not None:
+            fields[name] = getattr(request, name)
+    if request.top_k is not None:
+        fields["top_k"] = max(request.top_k, 0)  # vLLM's -1 and 0 both mean "off"
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        if getattr(request, name):
+            fields[name] = True
+    # Several samples (one prefill, forked KV) and log-probabilities.
+    if request.n != 1:
+        fields["n"] = request.n
+    if getattr(request, "best_of", None) is not None:
+        fields["best_of"] = request.best_of
+    if isinstance(request, CompletionRequest):
+        if request.logprobs is not None:
+            fields["logprobs"] = request.logprobs
+    elif request.logprobs:
+        fields["logprobs"] = request.top_logprobs or 0
+    return fields
+
+
+def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """400 for request fields this server does not serve (yet), or that contradict each other."""
+    if isinstance(request, ChatCompletionRequest) and request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    best_of = getattr(request, "best_of", None)
+    if best_of is not None and best_of < request.n:
+        raise bad_request(f"best_of ({best_of}) must be >= n ({request.n})", "best_of")
+    if request.stream and best_of is not None and best_of > request.n:
+        raise bad_request("best_of > n cannot be streamed: the n best are known only at the end", "best_of")
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported yet by pagedjax-serve", "logit_bias")
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            raise bad_request("echo is not supported yet by pagedjax-serve", "echo")
+        if request.suffix is not None:
+            raise bad_request("suffix is not supported by pagedjax-serve", "suffix")
+
+
+def sampling_params(request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int) -> SamplingParams:
+    """The engine's parameters for `request`; APIError 400 naming the field for anything the engine refuses."""
+    check_supported(request)
+    fields = engine_fields(request, max_tokens=max_tokens)
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    for name in fields:
+        if name not in known:
+            raise bad_request(f"{name} is not supported yet by this engine", name)
+    try:
+        return SamplingParams(**fields)
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        param = next((n for n in fields if f"SamplingParams.{n} " in message), None)
+        raise APIError(400, message.replace("SamplingParams.", ""), param=param) from None

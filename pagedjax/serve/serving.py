@@ -1,0 +1,268 @@
+"""The completions and chat endpoints' work: request -> prompt token ids and `SamplingParams` -> the engine ->
+an OpenAI response, whole or as server-sent events.
+
+Both endpoints share it: they differ only in how the prompt is made (text or token ids; messages through the
+chat template) and in the shape of their response objects.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedjax.core.request import SamplingParams
+from pagedjax.serve.async_engine import (
+    AsyncLLMEngine,
+    EngineStepError,
+    EngineStoppedError,
+    QueueFullError,
+    RequestStream,
+)
+from pagedjax.serve.chat_template import ChatTemplate, ChatTemplateError
+from pagedjax.serve.choices import ChoiceTracker, RequestFailed
+from pagedjax.serve.errors import APIError, bad_request, error_body
+from pagedjax.serve.logprobs import chat_logprobs, completion_logprobs, text_length
+from pagedjax.serve.metrics import RequestTimer, ServerMetrics
+from pagedjax.serve.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    UsageInfo,
+)
+from pagedjax.serve.sampling import DEFAULT_COMPLETION_MAX_TOKENS, sampling_params
+
+logger = logging.getLogger(__name__)
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload) -> str:
+    """One server-sent event carrying a pydantic model or a JSON-ready object."""
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    created: int
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(getattr(self.params, "stop", ()))
+
+    @property
+    def num_choices(self) -> int:
+        return getattr(self.params, "n", 1)
+
+
+class OpenAIServing:
+    """The endpoints' logic over one async engine; see the module docstring."""
+
+    def __init__(self, engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTemplate,
+                 metrics: ServerMetrics):
+        if engine.engine.tokenizer is None:
+            raise ValueError("pagedjax-serve needs an engine with a tokenizer (text in, text out)")
+        self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.metrics = metrics
+        self.max_model_len = int(engine.engine.scheduler_config.max_model_len)
+
+    # ---------------------------------------------------------------------------------------------- prepare
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def _max_tokens(self, requested: int | None, default: int | None, num_prompt: int, what: str) -> int:
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your {what} has "
+                              f"{num_prompt} tokens, which leaves no room for a completion. Please shorten it.",
+                              "messages" if what == "messages" else "prompt", "context_length_exceeded")
+        room = limit - num_prompt
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{num_prompt + requested} tokens ({num_prompt} in the {what}, {requested} in the "
+                              "completion). Please reduce the length of the prompt or the completion.",
+                              "max_tokens", "context_length_exceeded")
+        return requested
+
+    def _prepare(self, request, prompt_token_ids: list[int], max_tokens: int, prefix: str) -> Prepared:
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        params = sampling_params(request, max_tokens=max_tokens)
+        return Prepared(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids=prompt_token_ids,
+                        params=params, stream=request.stream,
+                        include_usage=bool(request.stream_options and request.stream_options.include_usage),
+                        created=int(time.time()))
+
+    def prepare_completion(self, request: CompletionRequest) -> Prepared:
+        self.check_model(request.model)
+        prompt = request.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise bad_request(f"prompt: a batch of {len(prompt)} prompts is not supported; send one prompt "
+                                  "per request", "prompt")
+            prompt = prompt[0]
+        ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise bad_request("prompt: must not be empty", "prompt")
+        explicit = request.max_tokens if "max_tokens" in request.model_fields_set else None
+        max_tokens = self._max_tokens(explicit, request.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, len(ids),
+                                      "prompt")
+        return self._prepare(request, ids, max_tokens, "cmpl")
+
+    def prepare_chat(self, request: ChatCompletionRequest) -> Prepared:
+        self.check_model(request.model)
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in request.messages]
+        try:
+            text = self.chat_template.render(messages, add_generation_prompt=request.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise bad_request(f"messages: {e}", "messages") from None
+        ids = self.chat_template.encode(self.tokenizer, text)
+        requested = request.max_completion_tokens or request.max_tokens
+        return self._prepare(request, ids, self._max_tokens(requested, None, len(ids), "messages"), "chatcmpl")
+
+    # ------------------------------------------------------------------------------------------------ engine
+    async def start(self, prepared: Prepared) -> RequestStream:
+        """Hand the request to the engine (400 for what the engine refuses, 503 when it cannot take more)."""
+        try:
+            return await self.engine.add_request(prepared.prompt_token_ids, prepared.params,
+                                                 request_id=prepared.request_id)
+        except (TypeError, ValueError) as e:
+            raise bad_request(str(e).replace(f"request {prepared.request_id!r}: ", "")) from None
+        except QueueFullError as e:
+            raise APIError(503, f"The server is overloaded: {e}", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        except EngineStoppedError as e:
+            raise APIError(503, f"The server is not taking requests: {e}", code="unavailable") from None
+
+    async def _run(self, stream: RequestStream, tracker: ChoiceTracker, timer: RequestTimer):
+        """Yield each snapshot's choice deltas until the request finishes (the stream is closed either way)."""
+        reason = None
+        try:
+            async with stream:
+                async for out in stream:
+                    timer.tokens(len(out.output_token_ids))
+                    deltas = tracker.update(out)
+                    if out.finished:
+                        reason = out.finish_reason
+                    yield deltas
+        except (RequestFailed, EngineStepError, EngineStoppedError):
+            reason = "error"
+            raise
+        finally:
+            timer.finish(reason)
+
+    def _usage(self, prepared: Prepared, tracker: ChoiceTracker) -> UsageInfo:
+        n_prompt = len(prepared.prompt_token_ids)
+        return UsageInfo(prompt_tokens=n_prompt, completion_tokens=tracker.completion_tokens,
+                         total_tokens=n_prompt + tracker.completion_tokens)
+
+    async def _collect(self, prepared: Prepared, stream: RequestStream) -> ChoiceTracker:
+        tracker = ChoiceTracker(self.tokenizer, stop=prepared.stop_strings)
+        try:
+            async for _ in self._run(stream, tracker, self.metrics.timer()):
+                pass
+        except RequestFailed as e:
+            raise APIError(500, f"The engine failed the request: {e}", code="engine_error") from None
+        except EngineStepError as e:
+            raise APIError(500, str(e), code="engine_error") from None
+        except EngineStoppedError as e:
+            raise APIError(503, str(e), code="unavailable") from None
+        return tracker
+
+    # ---------------------------------------------------------------------------------------------- respond
+    async def completion(self, prepared: Prepared, stream: RequestStream) -> CompletionResponse:
+        tracker = await self._collect(prepared, stream)
+        tok = self.tokenizer
+        choices = [CompletionChoice(index=i, text=text, finish_reason=reason,
+                                    logprobs=None if lps is None else completion_logprobs(tok, lps))
+                   for i, text, reason, lps in tracker.final_choices()]
+        return CompletionResponse(id=prepared.request_id, created=prepared.created, model=self.model_name,
+                                  choices=choices, usage=self._usage(prepared, tracker))
+
+    async def chat(self, prepared: Prepared, stream: RequestStream) -> ChatCompletionResponse:
+        tracker = await self._collect(prepared, stream)
+        tok = self.tokenizer
+        choices = [ChatChoice(index=i, message=ChatMessageOut(content=text), finish_reason=reason,
+                              logprobs=None if lps is None else chat_logprobs(tok, lps))
+                   for i, text, reason, lps in tracker.final_choices()]
+        return ChatCompletionResponse(id=prepared.request_id, created=prepared.created, model=self.model_name,
+                                      choices=choices, usage=self._usage(prepared, tracker))
+
+    async def completion_events(self, prepared: Prepared, stream: RequestStream) -> AsyncIterator[str]:
+        def chunk(choices, usage=None):
+            return CompletionChunk(id=prepared.request_id, created=prepared.created, model=self.model_name,
+                                   choices=choices, usage=usage)
+
+        offsets: dict[int, int] = {}  # per choice: characters its streamed tokens' decodes add up to
+
+        def choice(d):
+            logprobs = None
+            if d.logprobs is not None:
+                logprobs = completion_logprobs(self.tokenizer, d.logprobs, offsets.get(d.index, 0))
+                offsets[d.index] = offsets.get(d.index, 0) + text_length(self.tokenizer, d.logprobs)
+            return CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs)
+
+        async for event in self._events(prepared, stream, chunk, choice, first=None):
+            yield event
+
+    async def chat_events(self, prepared: Prepared, stream: RequestStream) -> AsyncIterator[str]:
+        def chunk(choices, usage=None):
+            return ChatCompletionChunk(id=prepared.request_id, created=prepared.created, model=self.model_name,
+                                       choices=choices, usage=usage)
+
+        def choice(d):
+            return ChatChunkChoice(index=d.index, delta=DeltaMessage(content=d.text or None),
+                                   finish_reason=d.finish_reason,
+                                   logprobs=None if d.logprobs is None else chat_logprobs(self.tokenizer, d.logprobs))
+
+        first = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                 for i in range(prepared.num_choices)]
+        async for event in self._events(prepared, stream, chunk, choice, first=first):
+            yield event
+
+    async def _events(self, prepared: Prepared, stream: RequestStream, chunk, choice, first) -> AsyncIterator[str]:
+        """The response's events: chunks of new text per choice, usage if asked, then [DONE]; a failure mid-way
+        is an error event (OpenAI's error object) before [DONE]."""
+        tracker = ChoiceTracker(self.tokenizer, stop=prepared.stop_strings)
+        try:
+            if first:
+                yield sse(chunk(first))
+            async for deltas in self._run(stream, tracker, self.metrics.timer()):
+                if deltas:
+                    yield sse(chunk([choice(d) for d in deltas]))
+            if prepared.include_usage:
+                yield sse(chunk([], usage=self._usage(prepared, tracker)))
+        except RequestFailed as e:
+            yield sse(error_body(500, f"The engine failed the request: {e}", code="engine_error").model_dump())
+        except EngineStepError as e:
+            yield sse(error_body(500, str(e), code="engine_error").model_dump())
+        except EngineStoppedError as e:
+            yield sse(error_body(503, str(e), code="unavailable").model_dump())
+        yield DONE

@@ -1,0 +1,207 @@
+"""AsyncLLMEngine without HTTP: its outputs equal the engine's own, leaving a stream early aborts the request
+and frees its blocks, a failing step fails only what was in flight, and shutdown ends every stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+import pytest
+
+from pagedjax import SamplingParams
+from pagedjax.serve.async_engine import AsyncLLMEngine, EngineStepError, EngineStoppedError, QueueFullError
+from tests.serve.server_utils import make_engine
+
+PROMPTS = [[256, 1, 2, 3], [256, 40, 41, 42, 43, 44, 45], [256, *range(60, 90)]]
+PARAMS = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=9, temperature=0.8, seed=3),
+          SamplingParams(max_tokens=7, temperature=1.0, top_k=20, seed=4)]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return [o.output_token_ids for o in make_engine().generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture
+def engine():
+    e = AsyncLLMEngine(make_engine())
+    e.start()
+    yield e
+    e.stop()
+
+
+async def _collect(engine, prompt, params) -> list:
+    return [out async for out in engine.generate(prompt, params)]
+
+
+def test_concurrent_outputs_equal_the_engines(engine, expected):
+    async def main():
+        return await asyncio.gather(*(_collect(engine, p, s) for p, s in zip(PROMPTS, PARAMS, strict=True)))
+
+    for outs, tokens in zip(asyncio.run(main()), expected, strict=True):
+        assert outs[-1].finished and outs[-1].output_token_ids == tokens
+        assert all(not o.finished for o in outs[:-1])
+        # Snapshots are cumulative: each extends the one before.
+        for a, b in zip(outs, outs[1:], strict=False):
+            assert b.output_token_ids[:len(a.output_token_ids)] == a.output_token_ids
+    assert engine.num_pending == 0
+
+
+def test_leaving_a_stream_aborts_and_frees_blocks(engine, expected):
+    async def main():
+        seen = 0
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        async with contextlib.aclosing(engine.generate(PROMPTS[2], params)) as outputs:
+            async for out in outputs:
+                seen = len(out.output_token_ids)
+                if seen >= 2:
+                    break  # aclosing closes the generator: the request is aborted
+        async with await engine.add_request(PROMPTS[1], params) as stream:  # the same with a stream
+            async for _ in stream:
+                break
+        # Commands are applied in order: once a later request is done, the abort was applied before it.
+        later = await _collect(engine, PROMPTS[0], PARAMS[0])
+        return seen, later
+
+    seen, later = asyncio.run(main())
+    assert 2 <= seen < 200
+    assert later[-1].output_token_ids == expected[0]
+    stats = engine.stats()
+    assert stats.scheduler.num_running == stats.scheduler.num_waiting == 0
+    assert stats.scheduler.memory.num_used_blocks == 0
+    assert stats.generated_tokens < 400
+    assert engine.num_pending == 0
+
+
+def test_cancelling_the_consumer_task_aborts(engine):
+    async def main():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate(PROMPTS[1], SamplingParams(max_tokens=200, ignore_eos=True)):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _collect(engine, PROMPTS[0], PARAMS[0])
+
+    asyncio.run(main())
+    assert engine.stats().scheduler.memory.num_used_blocks == 0
+    assert engine.stats().generated_tokens < 200 + 12
+
+
+def test_bad_request_raises_at_add_and_queues_nothing(engine):
+    async def main():
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await engine.add_request([256, 999], SamplingParams())
+        with pytest.raises(ValueError, match="empty"):
+            await engine.add_request([], SamplingParams())
+
+    asyncio.run(main())
+    assert engine.num_pending == 0
+    assert engine.stats().scheduler.num_waiting == 0
+
+
+def test_max_pending():
+    engine = AsyncLLMEngine(make_engine(), max_pending=1)
+    engine.start()
+
+    async def main():
+        async with await engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2)) as stream:
+            with pytest.raises(QueueFullError, match="limit is 1"):
+                await engine.add_request(PROMPTS[1], SamplingParams())
+            outs = [o async for o in stream]
+        assert outs[-1].finished
+        second = await _collect(engine, PROMPTS[1], SamplingParams(max_tokens=2))  # room again
+        assert second[-1].finished
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    with pytest.raises(ValueError, match="max_pending"):
+        AsyncLLMEngine(make_engine(), max_pending=0)
+
+
+def test_a_failing_step_fails_what_is_in_flight_and_serves_on(engine, expected):
+    llm = engine.engine
+    step = llm.step
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return step()
+
+    llm.step = failing_step
+
+    async def main():
+        with pytest.raises(EngineStepError, match="RuntimeError: boom"):
+            await _collect(engine, PROMPTS[2], SamplingParams(max_tokens=50, ignore_eos=True))
+        return await _collect(engine, PROMPTS[0], PARAMS[0])
+
+    try:
+        later = asyncio.run(main())
+    finally:
+        llm.step = step
+    assert later[-1].output_token_ids == expected[0]
+    assert engine.stats().scheduler.memory.num_used_blocks == 0
+    assert engine.is_running
+
+
+def test_shutdown_ends_streams_and_refuses_new_requests():
+    engine = AsyncLLMEngine(make_engine())
+    engine.start()
+    gate = threading.Event()
+    llm = engine.engine
+    step = llm.step
+    llm.step = lambda: (gate.wait(timeout=60), step())[1]
+
+    async def main():
+        stream = await engine.add_request(PROMPTS[0], SamplingParams(max_tokens=100, ignore_eos=True))
+        shutdown = asyncio.create_task(engine.shutdown(timeout=0))
+        await asyncio.sleep(0)  # shutdown has stopped taking requests
+        with pytest.raises(EngineStoppedError, match="shutting down"):
+            await engine.add_request(PROMPTS[1], SamplingParams())
+        gate.set()
+        with pytest.raises(EngineStoppedError, match="shut down before the request finished"):
+            async for _ in stream:
+                pass
+        await shutdown
+
+    asyncio.run(main())
+    assert not engine.is_running
+    assert llm.stats().scheduler.memory.num_used_blocks == 0
+
+
+def test_shutdown_lets_requests_finish_within_the_timeout():
+    engine = AsyncLLMEngine(make_engine())
+    engine.start()
+
+    async def main():
+        stream = await engine.add_request(PROMPTS[0], SamplingParams(max_tokens=5, ignore_eos=True))
+
+        async def consume():
+            return [o async for o in stream]
+
+        consumer = asyncio.create_task(consume())
+        await engine.shutdown(timeout=60)
+        return await consumer
+
+    outs = asyncio.run(main())
+    assert outs[-1].finish_reason == "length" and len(outs[-1].output_token_ids) == 5
+
+
+def test_add_before_start_is_refused():
+    engine = AsyncLLMEngine(make_engine())
+
+    async def main():
+        with pytest.raises(EngineStoppedError, match="not started"):
+            await engine.add_request(PROMPTS[0], SamplingParams())
+
+    asyncio.run(main())

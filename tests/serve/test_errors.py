@@ -1,0 +1,284 @@
+"""Bad requests, missing or wrong API keys, a full queue and failed requests: each gets its documented status and
+an OpenAI-style error object, and the server keeps serving afterwards."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.serve.server_utils import (
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    make_engine,
+    metric,
+    running_server,
+    sse_events,
+    wait_for_metrics,
+)
+
+API_KEY = "sekret-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_PENDING = 2
+POISON = (7, 7, 7, 7)  # a prompt holding this run of token ids makes the device call fail
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(make_engine(), api_key=API_KEY, max_pending=MAX_PENDING) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as client:
+        yield client
+
+
+def good(**overrides) -> dict:
+    return {"model": MODEL_NAME, "prompt": "x = ", "max_tokens": 4, "temperature": 0, **overrides}
+
+
+def assert_error(response: httpx.Response, status: int, *, type_: str, param: str | None = None,
+                 code: str | None = None, says: str = "") -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == type_
+    assert error["param"] == param
+    assert error["code"] == code
+    assert says.lower() in error["message"].lower(), error["message"]
+    return error
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    response = http.post("/v1/completions", json=good())
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"model": "pagedjax-tiny", "prompt": "x",', b"", b"\xff\xfe"])
+def test_malformed_json(http, content):
+    response = http.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    assert_error(response, 400, type_="invalid_request_error", says="not valid JSON")
+    assert_still_serving(http)
+
+
+def test_body_not_an_object(http):
+    response = http.post("/v1/completions", json=[1, 2])
+    assert_error(response, 400, type_="invalid_request_error", says="object")
+
+
+def test_json_without_content_type_is_parsed(http):  # curl -d sends application/x-www-form-urlencoded
+    response = http.post("/v1/completions", content=json.dumps(good()).encode(),
+                         headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("max_tokens", "ten", "valid integer"),
+    ("max_tokens", 4.0, "valid integer"),
+    ("max_tokens", -1, "greater than or equal to 1"),
+    ("max_tokens", 0, "greater than or equal to 1"),
+    ("temperature", -0.5, "greater than or equal to 0"),
+    ("temperature", "hot", "valid number"),
+    ("top_p", 0, "greater than 0"),
+    ("top_p", 1.5, "less than or equal to 1"),
+    ("seed", -3, "greater than or equal to 0"),
+    ("seed", 2**63, "less than"),
+    ("presence_penalty", 3.0, "less than or equal to 2"),
+    ("stream", "yes", "valid boolean"),
+    ("stop", 5, "no allowed form"),
+    ("prompt", [1, 2.5], "no allowed form"),
+    ("prompt", None, "no allowed form"),
+    ("n", 0, "greater than or equal to 1"),
+])
+def test_invalid_field(http, field, value, says):
+    response = http.post("/v1/completions", json=good(**{field: value}))
+    assert_error(response, 400, type_="invalid_request_error", param=field, says=f"{field}")
+    assert says in response.json()["error"]["message"]
+
+
+def test_missing_field(http):
+    body = good()
+    del body["prompt"]
+    assert_error(http.post("/v1/completions", json=body), 400, type_="invalid_request_error", param="prompt",
+                 says="prompt: Field required")
+
+
+def test_unknown_field(http):
+    response = http.post("/v1/completions", json=good(temprature=0.5))
+    assert_error(response, 400, type_="invalid_request_error", param="temprature", says="unknown field 'temprature'")
+    response = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": [
+        {"role": "user", "content": "hi", "mood": "happy"}]})
+    assert_error(response, 400, type_="invalid_request_error", param="messages", says="messages.0.mood")
+
+
+def test_token_ids_outside_the_vocabulary(http):
+    response = http.post("/v1/completions", json=good(prompt=[1, 2, 100000]))
+    assert_error(response, 400, type_="invalid_request_error", says="outside the vocabulary")
+
+
+def test_prompt_too_long(http):
+    response = http.post("/v1/completions", json=good(prompt="y" * MAX_MODEL_LEN))
+    assert_error(response, 400, type_="invalid_request_error", param="prompt", code="context_length_exceeded",
+                 says=f"maximum context length is {MAX_MODEL_LEN} tokens")
+    response = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": [
+        {"role": "user", "content": "y" * MAX_MODEL_LEN}]})
+    assert_error(response, 400, type_="invalid_request_error", param="messages", code="context_length_exceeded",
+                 says="maximum context length")
+
+
+def test_max_tokens_past_the_context(http):
+    response = http.post("/v1/completions", json=good(max_tokens=MAX_MODEL_LEN))
+    assert_error(response, 400, type_="invalid_request_error", param="max_tokens", code="context_length_exceeded",
+                 says="in the completion")
+
+
+def test_unknown_model(http):
+    response = http.post("/v1/completions", json=good(model="gpt-5"))
+    assert_error(response, 404, type_="invalid_request_error", param="model", code="model_not_found", says="gpt-5")
+    assert_error(http.get("/v1/models/gpt-5"), 404, type_="invalid_request_error", param="model",
+                 code="model_not_found")
+
+
+def test_unknown_path_and_method(http):
+    assert_error(http.get("/v1/nothing"), 404, type_="invalid_request_error", says="no such endpoint")
+    assert_error(http.get("/v1/completions"), 405, type_="invalid_request_error")
+
+
+def test_stream_options_without_stream(http):
+    response = http.post("/v1/completions", json=good(stream_options={"include_usage": True}))
+    assert_error(response, 400, type_="invalid_request_error", param="stream_options", says="stream: true")
+
+
+def test_no_messages(http):
+    response = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": []})
+    assert_error(response, 400, type_="invalid_request_error", param="messages", says="at least 1")
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                                     {"Authorization": f"Basic {API_KEY}"}])
+def test_api_key_required(server, headers):
+    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                         ("GET", "/metrics")):
+        response = httpx.request(method, server.url + path, headers=headers, json=good())
+        assert_error(response, 401, type_="authentication_error", code="invalid_api_key", says="API key")
+    assert httpx.get(f"{server.url}/health").status_code == 200  # for load balancers: no key
+
+
+def _poison_device_calls(llm):
+    """Make the engine's device calls raise when their input holds POISON (as tests/engine's fault injection)."""
+    runner = llm.runner
+    original = runner.execute
+
+    def execute(inputs, *args, **kwargs):
+        tokens = np.asarray(inputs.token_ids).tolist()
+        if any(tuple(tokens[i:i + len(POISON)]) == POISON for i in range(len(tokens))):
+            raise RuntimeError("injected device fault")
+        return original(inputs, *args, **kwargs)
+
+    runner.execute = execute
+    return lambda: setattr(runner, "execute", original)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_failed_request_is_an_engine_error(server, http, stream):
+    restore = _poison_device_calls(server.llm)
+    try:
+        body = good(prompt=[256, *POISON, 10], stream=stream)
+        if not stream:
+            response = http.post("/v1/completions", json=body)
+            assert_error(response, 500, type_="server_error", code="engine_error", says="injected device fault")
+        else:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200  # the failure comes after the stream started
+                events = list(sse_events(response.iter_lines()))
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["code"] == "engine_error" and "injected device fault" in error["message"]
+        assert_still_serving(http)
+    finally:
+        restore()
+
+
+def test_full_queue_is_503_and_then_serves(server, http):
+    """With the engine thread held inside a step, MAX_PENDING requests fill the server; the next gets 503."""
+    gate = threading.Event()
+    llm = server.llm
+    step = llm.step
+
+    def held_step():
+        gate.wait(timeout=60)
+        return step()
+
+    llm.step = held_step
+    try:
+        with ThreadPoolExecutor(MAX_PENDING) as pool:
+            waiting = [pool.submit(http.post, "/v1/completions", json=good()) for _ in range(MAX_PENDING)]
+            metrics_text = ""
+            for _ in range(2000):  # until both are in the server (not a timing assertion: it only waits)
+                metrics_text = http.get("/metrics").text
+                if metric(metrics_text, "pagedjax_num_requests_pending") == MAX_PENDING:
+                    break
+                gate.wait(0.01)
+            assert metric(metrics_text, "pagedjax_num_requests_pending") == MAX_PENDING
+            response = http.post("/v1/completions", json=good())
+            assert_error(response, 503, type_="server_error", code="queue_full", says="overloaded")
+            assert response.headers["retry-after"] == "1"
+            gate.set()
+            assert [f.result().status_code for f in waiting] == [200] * MAX_PENDING
+    finally:
+        llm.step = step
+        gate.set()
+    assert_still_serving(http)
+
+
+def test_client_leaving_a_non_streaming_request_aborts_it(server, http):
+    """The engine thread is held inside a step, so the request cannot finish before its client leaves."""
+    gate = threading.Event()
+    llm = server.llm
+    step = llm.step
+
+    def held_step():
+        gate.wait(timeout=60)
+        return step()
+
+    def aborted(text: str) -> float:
+        label = 'finish_reason="abort"'
+        return metric(text, "pagedjax_request_success_total", label) if label in text else 0.0
+
+    before = aborted(http.get("/metrics").text)
+    llm.step = held_step
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=good(max_tokens=100), headers=AUTH, timeout=1.0)
+    finally:
+        llm.step = step
+        gate.set()
+    text = wait_for_metrics(server.url, lambda t: aborted(t) > before, headers=AUTH)
+    assert aborted(text) == before + 1
+    text = wait_for_metrics(server.url, lambda t: metric(t, "pagedjax_num_requests_running") == 0, headers=AUTH)
+    assert metric(text, "pagedjax_kv_blocks_used") == 0
+    assert metric(text, "pagedjax_num_requests_pending") == 0
+    assert_still_serving(http)
+
+
+def test_health_and_requests_once_the_engine_stopped():
+    from fastapi.testclient import TestClient
+
+    from pagedjax.serve.app import build_app
+    from pagedjax.serve.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(make_engine())
+    with TestClient(build_app(engine, model_name=MODEL_NAME)) as client:
+        assert client.get("/health").json() == {"status": "ok"}
+        engine.stop()
+        response = client.get("/health")
+        assert (response.status_code, response.json()) == (503, {"status": "unavailable"})
+        assert_error(client.post("/v1/completions", json=good()), 503, type_="server_error", code="unavailable",
+                     says="not taking requests")

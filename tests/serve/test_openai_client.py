@@ -1,0 +1,198 @@
+"""The official `openai` client against pagedjax-serve: completions and chat, streamed and not, stop strings,
+usage, models; the stream concatenates to the non-streamed text for the same seed, and both equal the offline
+engine's output for the same prompt and parameters."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from pagedjax import SamplingParams
+from pagedjax.serve.chat_template import ChatTemplate
+from pagedjax.tokenizer import ByteTokenizer
+from tests.serve.server_utils import MAX_MODEL_LEN, MODEL_NAME, make_engine, running_server
+
+PROMPT = "def parse(text):\n    "
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(make_engine()) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _stream_completion(client, **kwargs) -> tuple[str, str | None, list]:
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return text, (reasons[-1] if reasons else None), chunks
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """An engine with the server's weights (same shape and seed), run directly with `generate`."""
+    engine = make_engine()
+
+    def run(prompt_ids, **params):
+        return engine.generate([prompt_ids], SamplingParams(**params), use_tqdm=False)[0]
+
+    return run
+
+
+def test_models_list(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+
+
+def test_completion_stream_equals_non_stream_equals_offline(offline, client):
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0.9, top_p=0.95, seed=11)
+    whole = client.completions.create(**kwargs)
+    streamed, reason, chunks = _stream_completion(client, **kwargs)
+    assert streamed == whole.choices[0].text
+    assert reason == whole.choices[0].finish_reason
+    assert all(c.id == chunks[0].id for c in chunks)
+    ids = ByteTokenizer().encode(PROMPT)
+    expected = offline(ids, max_tokens=24, temperature=0.9, top_p=0.95, seed=11)
+    assert whole.choices[0].text == expected.text
+    assert whole.usage.prompt_tokens == len(ids)
+    assert whole.usage.completion_tokens == len(expected.output_token_ids)
+    assert whole.usage.total_tokens == len(ids) + len(expected.output_token_ids)
+
+
+def test_completion_token_id_prompt(offline, client):
+    ids = [256, 100, 101, 102, 32]
+    out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8, temperature=0)
+    assert out.choices[0].text == offline(ids, max_tokens=8).text
+    assert out.usage.prompt_tokens == len(ids)
+
+
+def test_stream_include_usage(client):
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_stream_equals_non_stream_equals_offline(offline, client):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A parser, please."}]
+    kwargs = dict(model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0.7, seed=5)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    template = ChatTemplate.from_model(None)
+    ids = template.encode(ByteTokenizer(), template.render(messages))
+    assert whole.usage.prompt_tokens == len(ids)
+    assert whole.choices[0].message.content == offline(ids, max_tokens=20, temperature=0.7, seed=5).text
+
+
+def test_chat_default_max_tokens_fills_the_context(client):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.total_tokens == MAX_MODEL_LEN
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string(client, stream):
+    base = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**base).choices[0].text
+    stop = full[10:12]
+    expected = full[:full.find(stop)]
+    if stream:
+        text, reason, _ = _stream_completion(client, stop=[stop], **base)
+    else:
+        out = client.completions.create(stop=stop, **base).choices[0]
+        text, reason = out.text, out.finish_reason
+    assert (text, reason) == (expected, "stop")
+
+
+def test_stop_string_included_on_request(client):
+    base = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=40, temperature=0)
+    full = client.completions.create(extra_body={"ignore_eos": True}, **base).choices[0].text
+    stop = full[10:12]
+    text, reason, _ = _stream_completion(client, stop=stop, extra_body={"ignore_eos": True,
+                                                                        "include_stop_str_in_output": True}, **base)
+    assert (text, reason) == (full[:full.find(stop) + len(stop)], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_equal_single_requests_with_seeds(offline, client, stream):
+    """n = 2 with seed s: choice i is what one request with seed s + i generates (one prefill, forked KV)."""
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=21, n=2)
+    if stream:
+        texts = ["", ""]
+        for chunk in client.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+    else:
+        texts = [c.text for c in sorted(client.completions.create(**kwargs).choices, key=lambda c: c.index)]
+    ids = ByteTokenizer().encode(PROMPT)
+    assert texts == [offline(ids, max_tokens=12, temperature=1.0, seed=21 + i).text for i in range(2)]
+
+
+def test_best_of_returns_the_n_most_likely(offline, client):
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3, n=1,
+                                    best_of=3, logprobs=0)
+    ids = ByteTokenizer().encode(PROMPT)
+    singles = [offline(ids, max_tokens=8, temperature=1.0, seed=3 + i, logprobs=0) for i in range(3)]
+    best = max(singles, key=lambda o: o.outputs[0].cumulative_logprob)
+    assert [c.text for c in out.choices] == [best.text]
+    assert out.usage.completion_tokens == sum(len(o.output_token_ids) for o in singles)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs(offline, client, stream):
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    if stream:
+        parts = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kwargs)
+                 if c.choices and c.choices[0].logprobs]
+    else:
+        parts = [client.completions.create(**kwargs).choices[0].logprobs]
+    tokens = [x for p in parts for x in p.tokens]
+    token_logprobs = [x for p in parts for x in p.token_logprobs]
+    offsets = [x for p in parts for x in p.text_offset]
+    tops = [x for p in parts for x in p.top_logprobs]
+    expected = offline(ByteTokenizer().encode(PROMPT), max_tokens=6, logprobs=2, ignore_eos=True).outputs[0]
+    assert token_logprobs == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-6)
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(6)]
+    for top, token, lp, exp in zip(tops, tokens, token_logprobs, expected.logprobs, strict=True):
+        assert len(top) == 2 and top[token] == pytest.approx(lp, abs=1e-6)  # greedy: the chosen token is the top
+        assert sorted(top.values(), reverse=True) == pytest.approx([v for _, v in exp.top], abs=1e-6)
+
+
+def test_chat_logprobs(client):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                         temperature=0, logprobs=True, top_logprobs=3, n=2,
+                                         extra_body={"ignore_eos": True})
+    assert len(out.choices) == 2 and out.choices[0].message.content == out.choices[1].message.content  # greedy
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
+    assert bytes(b for c in content for b in c.bytes).decode("utf-8", "replace") == out.choices[0].message.content
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+
+
+@pytest.mark.parametrize("kwargs, param", [({"n": 2, "best_of": 1}, "best_of"),
+                                            ({"best_of": 3, "stream": True}, "best_of"),
+                                            ({"logprobs": 21}, "logprobs")])
+def test_completion_parameters_refused(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, **kwargs)
+    assert e.value.body["param"] == param
+
+
+def test_chat_top_logprobs_needs_logprobs(client):
+    with pytest.raises(openai.BadRequestError, match="needs logprobs"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       top_logprobs=2)

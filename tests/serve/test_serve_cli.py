@@ -1,0 +1,133 @@
+"""`pagedjax-serve` as a process: its options are pagedjax-generate's engine options plus the server's, and a
+SIGTERM lets the request in flight finish, then exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from pagedjax.cli.args import build_parser as generate_parser
+from pagedjax.serve.cli import BUNDLED_MODEL_NAME, ENGINE_GROUP, build_parser, main
+
+
+def _options(parser, group_title=None) -> set[str]:
+    groups = [g for g in parser._action_groups if group_title is None or g.title == group_title]
+    return {o for g in groups for a in g._group_actions for o in a.option_strings}
+
+
+def test_engine_options_are_pagedjax_generates():
+    engine_options = _options(generate_parser(), ENGINE_GROUP)
+    assert {"--model", "--block-size", "--kv-memory", "--num-steps", "--backend"} <= engine_options
+    assert engine_options <= _options(build_parser())
+    args = build_parser().parse_args(["--kv-memory", "64MiB", "--port", "9001", "--api-key", "k"])
+    assert (args.kv_memory, args.port, args.api_key, args.host) == (64 * 2**20, 9001, "k", "127.0.0.1")
+    with pytest.raises(SystemExit):  # still mutually exclusive
+        build_parser().parse_args(["--kv-memory", "64MiB", "--num-blocks", "8"])
+
+
+@pytest.mark.parametrize("argv", [["--model", "/no/such/model"], ["--chat-template", "/no/such/file"],
+                                  ["--max-queue", "-1"], ["--shutdown-timeout", "soon"]])
+def test_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "pagedjax-serve: error:" in capsys.readouterr().err
+
+
+def test_missing_serve_extra_is_explained(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # `import uvicorn` fails as if not installed
+    assert main([]) == 2
+    assert "uvicorn is not installed" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(port: int, *extra: str) -> subprocess.Popen:
+    """The bundled model, as `pagedjax-serve` serves it by default; a small engine (two step shapes to compile
+    for the requests below: one prefill, one decode)."""
+    cmd = [sys.executable, "-m", "pagedjax.serve", "--port", str(port), "--block-size", "64", "--num-blocks", "16",
+           "--max-num-seqs", "4", "--max-model-len", "256", "--log-level", "warning", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the server did not become healthy")
+
+
+def _stream_then_signal(url: str, proc: subprocess.Popen, sig: int, max_tokens: int) -> tuple[list[dict], bool]:
+    """Start a streaming completion, send `sig` once its first chunk arrived, read the rest."""
+    body = {"model": BUNDLED_MODEL_NAME, "prompt": "def main():\n", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    chunks, done = [], False
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        try:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunks.append(json.loads(line[len("data: "):]))
+                if len(chunks) == 1:
+                    proc.send_signal(sig)
+        except httpx.RemoteProtocolError:  # the server closed the connection mid-stream
+            pass
+    return chunks, done
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_0():
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _start(port, "--shutdown-timeout", "60")
+    try:
+        _wait_healthy(proc, url)
+        chunks, done = _stream_then_signal(url, proc, signal.SIGTERM, max_tokens=48)
+        assert done
+        assert chunks[-1]["usage"]["completion_tokens"] == 48
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        assert proc.wait(timeout=60) == 0, proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_sigint_past_the_shutdown_timeout_aborts_and_exits_0():
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _start(port, "--shutdown-timeout", "0.5")
+    try:
+        _wait_healthy(proc, url)
+        chunks, done = _stream_then_signal(url, proc, signal.SIGINT, max_tokens=180)
+        assert not any(c.get("usage") for c in chunks)  # it never got to the end
+        assert proc.wait(timeout=60) == 0, proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
