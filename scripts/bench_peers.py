@@ -3,6 +3,8 @@
     python scripts/bench_peers.py --model tiny                       # pagedjax + transformers
     python scripts/bench_peers.py --model 156m --rounds 2
     python scripts/bench_peers.py --model tiny --vllm-python /tmp/vllm-venv/bin/python  # + vLLM's CPU build
+    python scripts/bench_peers.py --model 156m --llama-python /tmp/llama-venv/bin/python \
+        --llama-cpp-dir llama_cpp_python-0.3.36/vendor/llama.cpp --llama-pythonpath /tmp/sentencepiece  # + llama.cpp
     python scripts/bench_peers.py --model micro --rounds 1           # seconds; used by the smoke test
 
 The script writes a random Hugging Face Llama checkpoint with transformers' own classes (`LlamaConfig` +
@@ -60,14 +62,21 @@ Systems:
 
   Its engine starts in 1-2+ minutes (not timed); prompts go in as token ids (`skip_tokenizer_init`), so no
   tokenizer is needed.
-- llama.cpp is not included. llama-cpp-python has no binary wheel on PyPI: installing it compiles llama.cpp
-  from source (`CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" pip install --no-binary llama-cpp-python
-  llama-cpp-python`, 10-30 minutes on 2 cores; `--no-binary :all:` stalls building every build dependency),
-  and the model must then be converted with the sdist's `vendor/llama.cpp/convert_hf_to_gguf.py --outtype
-  f32` (in a venv with `gguf`), which needs a byte-fallback BPE `tokenizer.json` in the folder (built with
-  `tokenizers`). Batched decoding works through its low-level API (`llama_batch` with one sequence id per
-  prompt, one `llama_decode` per step). Without a way to test that path here it is left out rather than
-  shipped untested.
+- llama.cpp through llama-cpp-python, when `--llama-python PATH` names a Python in whose venv `import llama_cpp`
+  works and `--llama-cpp-dir DIR` the llama.cpp source it was built from (the sdist's `vendor/llama.cpp`): the
+  checkpoint is converted with that source's `convert_hf_to_gguf.py --outtype f32` (run by this script's Python,
+  with the source's `gguf-py` on the path; it needs `sentencepiece` importable, e.g. `pip install --target DIR
+  sentencepiece` and `--llama-pythonpath DIR`), after a byte-fallback BPE `tokenizer.json` of the model's vocabulary
+  is written beside the weights (the converter needs one; token ids go in directly, so its content does not
+  matter). The driver decodes through the low-level API: one context holding every sequence, one `llama_decode`
+  per step (the prefill in chunks of --max-batched-tokens, then one token per sequence), greedy argmax in numpy;
+  one row per --llama-threads value. Install (10-30 minutes on 2 cores: it compiles llama.cpp):
+
+      python3 -m venv /tmp/llama-venv
+      CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" /tmp/llama-venv/bin/pip install --no-binary \
+          llama-cpp-python llama-cpp-python numpy
+      pip download --no-deps --no-binary :all: llama-cpp-python==VERSION && tar xzf llama_cpp_python-*.tar.gz
+      # --llama-cpp-dir llama_cpp_python-VERSION/vendor/llama.cpp
 
 Nothing is downloaded: the model is random and local.
 """
@@ -337,6 +346,113 @@ if __name__ == "__main__":
 '''
 
 
+LLAMA_DRIVER = r'''
+"""bench_peers' llama.cpp driver (llama-cpp-python's low-level API): every sequence of a batch in one context,
+one llama_decode per step, greedy argmax in numpy; one JSON request per stdin line, one JSON reply."""
+import json
+import sys
+import time
+
+import numpy as np
+
+MARK = "@@BENCH_PEERS@@ "
+
+
+def reply(obj):
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    import llama_cpp as L
+
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(cfg["gguf"].encode(), L.llama_model_default_params())
+    params = L.llama_context_default_params()
+    params.n_seq_max = cfg["max_num_seqs"]
+    params.n_ctx = cfg["max_num_seqs"] * cfg["max_model_len"]  # each sequence gets max_model_len
+    params.n_batch = params.n_ubatch = cfg["max_num_batched_tokens"]
+    params.n_threads = params.n_threads_batch = cfg["threads"]
+    ctx = L.llama_init_from_model(model, params)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    memory = L.llama_get_memory(ctx)
+    batch = L.llama_batch_init(cfg["max_num_batched_tokens"], 0, cfg["max_num_seqs"])
+    reply({"ready": True, "version": L.__version__})
+
+    def decode(entries):
+        """entries: (token, position, sequence, wants logits); returns the rows' argmax where wanted."""
+        batch.n_tokens = len(entries)
+        for i, (token, pos, seq, wants) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, wants
+            batch.seq_id[i][0] = seq
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return {seq: int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,))))
+                for i, (_, _, seq, wants) in enumerate(entries) if wants}
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("quit"):
+            break
+        prompts, n = req["prompts"], req["max_tokens"]
+        L.llama_memory_clear(memory, True)
+        start = time.perf_counter()
+        entries = [(t, p, s, p == len(pr) - 1) for s, pr in enumerate(prompts) for p, t in enumerate(pr)]
+        out = {}
+        for c in range(0, len(entries), cfg["max_num_batched_tokens"]):
+            out.update({s: [t] for s, t in decode(entries[c:c + cfg["max_num_batched_tokens"]]).items()})
+        for step in range(n - 1):
+            new = decode([(out[s][-1], len(pr) + step, s, True) for s, pr in enumerate(prompts)])
+            for s, t in new.items():
+                out[s].append(t)
+        seconds = time.perf_counter() - start
+        reply({"seconds": seconds, "tokens": [out[s] for s in range(len(prompts))]})
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def write_byte_fallback_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A Llama-style byte-fallback BPE tokenizer.json (+ tokenizer_config.json) of exactly `vocab_size` tokens:
+    <unk> <s> </s>, the 256 byte tokens, the word-boundary mark, then fillers. llama.cpp's converter reads it;
+    no text goes through it."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    if vocab_size < 260:
+        raise ValueError(f"a byte-fallback vocabulary needs >= 260 tokens, the model has {vocab_size}")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    vocab["\u2581"] = len(vocab)  # the word-boundary mark, a token of its own as in Llama's vocabulary
+    while len(vocab) < vocab_size:
+        vocab[f"\u2581t{len(vocab)}"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+
+
+def convert_to_gguf(folder: Path, llama_cpp_dir: Path, vocab_size: int, pythonpath: str | None) -> Path:
+    """`folder`'s checkpoint as an f32 GGUF (reused when present), converted by llama.cpp's own script."""
+    out = folder / "model-f32.gguf"
+    if out.is_file():
+        return out
+    write_byte_fallback_tokenizer(folder, vocab_size)
+    paths = [str(llama_cpp_dir / "gguf-py")] + ([pythonpath] if pythonpath else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(llama_cpp_dir / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
+                        "--outfile", str(out)], capture_output=True, text=True, env=env, timeout=1800)
+    if r.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"convert_hf_to_gguf failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    return out
+
+
 class Subprocess:
     """A peer in its own venv: `python driver.py CONFIG_JSON`, requests on stdin, `MARK`-prefixed JSON replies
     on stdout (everything else it prints goes to a log file)."""
@@ -425,7 +541,8 @@ def run_bench(model: str, *, rounds: int = 3, folder: str | Path | None = None, 
               torch_threads: tuple[int, ...] = (1, 2), vllm_python: str | None = None,
               vllm_binds: tuple[str, ...] = ("0-1", "0"), vllm_env: dict[str, str] | None = None, block_size: int = 16,
               max_batched_tokens: int = 1024, startup_timeout: float = 900.0, workloads=None,
-              log=print) -> dict:
+              llama_python: str | None = None, llama_cpp_dir: str | Path | None = None,
+              llama_threads: tuple[int, ...] = (2, 1), llama_pythonpath: str | None = None, log=print) -> dict:
     """Build the checkpoint, run every system and return the results (see `format_report`)."""
     llama_kwargs, all_workloads = MODELS[model]
     workloads = tuple(all_workloads if workloads is None else workloads)
@@ -470,6 +587,34 @@ def run_bench(model: str, *, rounds: int = 3, folder: str | Path | None = None, 
                 notes.append(f"vLLM engine startup {time.perf_counter() - start:.0f} s (not timed)")
             if vllm_env:
                 notes.append("vLLM environment: " + " ".join(f"{k}={v}" for k, v in vllm_env.items()))
+
+    if llama_python:
+        v, why = peer_version(llama_python, "llama_cpp")
+        if v is None or llama_cpp_dir is None:
+            notes.append("llama.cpp skipped: " + (f"`import llama_cpp` fails under {llama_python}: {why}" if v is None
+                                                    else "no --llama-cpp-dir to convert the checkpoint with"))
+            log(notes[-1])
+        else:
+            try:
+                gguf = convert_to_gguf(folder, Path(llama_cpp_dir), vocab, llama_pythonpath)
+            except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
+                notes.append(f"llama.cpp skipped: {e}")
+                log(notes[-1])
+            else:
+                for threads in dict.fromkeys(llama_threads):
+                    config = dict(gguf=str(gguf), threads=threads, max_model_len=max(w.total_len for w in workloads),
+                                  max_num_seqs=max(w.batch for w in workloads),
+                                  max_num_batched_tokens=max_batched_tokens)
+                    peer = Subprocess(f"llama.cpp, {threads} thread(s)", llama_python, LLAMA_DRIVER, config, {},
+                                      startup_timeout, request_timeout=startup_timeout)
+                    try:
+                        peer.wait_ready()
+                    except RuntimeError as e:
+                        notes.append(f"{peer.name} skipped: {e}")
+                        log(notes[-1])
+                        continue
+                    versions["llama-cpp-python"] = peer.version
+                    systems.append(peer)
 
     times = {(s.name, w.name): [] for s in systems for w in workloads}
     outputs = {(s.name, w.name): [] for s in systems for w in workloads}
@@ -609,6 +754,11 @@ def main(argv: list[str] | None = None) -> dict:
                     help="vLLM rows, one per VLLM_CPU_OMP_THREADS_BIND value (default: 0-1 = both cores, and 0)")
     ap.add_argument("--vllm-env", nargs="+", default=[], metavar="KEY=VALUE",
                     help="extra environment for vLLM, e.g. LD_PRELOAD=...")
+    ap.add_argument("--llama-python", metavar="PATH", help="Python of a venv with llama-cpp-python")
+    ap.add_argument("--llama-cpp-dir", metavar="DIR",
+                    help="the llama.cpp source llama-cpp-python was built from (its convert_hf_to_gguf.py)")
+    ap.add_argument("--llama-pythonpath", metavar="DIR", help="extra path for the converter (e.g. sentencepiece)")
+    ap.add_argument("--llama-threads", type=int, nargs="+", default=[2, 1], help="llama.cpp rows, one per count")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=1024, help="tokens per engine step (pagedjax, vLLM)")
     ap.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a peer's engine")
@@ -622,7 +772,9 @@ def main(argv: list[str] | None = None) -> dict:
                     torch_threads=tuple(args.torch_threads), vllm_python=args.vllm_python,
                     vllm_binds=tuple(args.vllm_bind), vllm_env=dict(kv.split("=", 1) for kv in args.vllm_env),
                     block_size=args.block_size, max_batched_tokens=args.max_batched_tokens,
-                    startup_timeout=args.startup_timeout, log=lambda m: print(m, file=sys.stderr, flush=True))
+                    startup_timeout=args.startup_timeout, llama_python=args.llama_python,
+                    llama_cpp_dir=args.llama_cpp_dir, llama_threads=tuple(args.llama_threads),
+                    llama_pythonpath=args.llama_pythonpath, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_report(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=float))

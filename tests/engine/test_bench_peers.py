@@ -75,3 +75,18 @@ def test_prompts_share_prefix_and_differ_per_round():
     # The prefill probe never finds the full batch-1 workload's prompt in a prefix cache.
     assert not np.array_equal(bench_peers.make_prompts(bench_peers.B1, 1024, 0, 0),
                               bench_peers.make_prompts(bench_peers.B1_PROBE, 1024, 0, 0))
+
+
+def test_byte_fallback_tokenizer_for_llama_cpp_conversion(tmp_path):
+    """The tokenizer.json written for llama.cpp's converter has exactly the model's vocabulary, Llama's special
+    tokens first and a byte-fallback token for each byte, and round-trips any text through its bytes."""
+    from tokenizers import Tokenizer
+
+    bench_peers.write_byte_fallback_tokenizer(tmp_path, 300)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() == 300
+    assert [tok.token_to_id(t) for t in ("<unk>", "<s>", "</s>", "<0x00>", "<0xFF>")] == [0, 1, 2, 3, 258]
+    text = "héllo wörld"
+    assert tok.decode(tok.encode(text).ids) == text
+    with pytest.raises(ValueError, match="260"):
+        bench_peers.write_byte_fallback_tokenizer(tmp_path, 256)
