@@ -95,9 +95,18 @@ class HFTokenizer:
         """The underlying `tokenizers.Tokenizer`."""
         return self._tok
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str | bytes, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. With add_special_tokens, the post-processor runs (e.g. adds BOS for Llama),
-        as transformers' tokenizer call does."""
+        as transformers' tokenizer call does. Bytes must be UTF-8 (a ValueError says where they are not): the
+        engine accepts bytes prompts, and for the byte tokenizer any bytes are text."""
+        if isinstance(text, bytes | bytearray | memoryview):
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"this tokenizer encodes text: the prompt's bytes are not UTF-8 ({e.reason} at "
+                                 f"byte {e.start})") from None
+        elif not isinstance(text, str):
+            raise TypeError(f"encode takes str or bytes, got {type(text).__name__}")
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:

@@ -1,7 +1,8 @@
 """A byte-level tokenizer: token i < 256 is the byte i; then BOS, EOS and PAD.
 
-Every string (and every byte string, valid UTF-8 or not) encodes losslessly, so the bundled model needs no
-vocabulary file and nothing downloaded.
+Every string (and every byte string, valid UTF-8 or not) encodes losslessly, and a model over it needs no
+vocabulary file: a pagedjax checkpoint whose vocab_size is 259 and that has no tokenizer.json loads with it
+(`scripts/train_tiny.py --tokenizer byte` trains one; the bundled model uses a BPE vocabulary instead).
 
     tok = ByteTokenizer()
     ids = tok.encode("héllo")          # [256, 104, 195, 169, 108, 108, 111]

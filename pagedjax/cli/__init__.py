@@ -1,6 +1,6 @@
 """`pagedjax-generate` (also `python -m pagedjax`): decode text with the paged engine and show its statistics.
 
-    pagedjax-generate                                  # a few prompts on the bundled byte-level model
+    pagedjax-generate                                  # a few prompts on the bundled model
     pagedjax-generate --demo                           # prompts sharing a long prefix: prefix-cache hits
     pagedjax-generate --prompt "def parse(" --prompt "import os" --max-tokens 64 --temperature 0.8 --top-p 0.95
     pagedjax-generate --model path/to/checkpoint --prompts-file prompts.txt --kv-memory 64MiB

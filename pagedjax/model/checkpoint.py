@@ -3,6 +3,8 @@
     path/
       pagedjax_config.json   {"format": "pagedjax", "format_version": 1, "model_config": {...}, "extra": {...}}
       params/                orbax (StandardCheckpointer) of the `Llama` parameters as a plain nested dict
+      tokenizer.json         optional: the model's `tokenizers` vocabulary (without it, a model whose vocab_size
+                             is 259 uses pagedjax's ByteTokenizer)
 
 Loading restores into explicit abstract targets built from the stored config, so every parameter's presence,
 shape and dtype is checked against the model the config describes, and arrays land on the local default device
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "pagedjax_config.json"
 PARAMS_DIR = "params"
+TOKENIZER_FILE = "tokenizer.json"
 FORMAT = "pagedjax"
 FORMAT_VERSION = 1
 
@@ -320,6 +323,26 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tuple[
     return cfg, state
 
 
+def load_checkpoint_tokenizer(path: str | os.PathLike, cfg: ModelConfig):
+    """The tokenizer of a checkpoint folder: an `HFTokenizer` over its tokenizer.json (BOS and EOS from `cfg`),
+    else the `ByteTokenizer` when `cfg.vocab_size` is the byte vocabulary's, else None.
+
+    A tokenizer.json that cannot be read, or whose ids do not fit the model, is a ModelLoadError naming it.
+    """
+    from pagedjax.tokenizer import ByteTokenizer
+
+    file = Path(path) / TOKENIZER_FILE
+    if not file.is_file():
+        return ByteTokenizer() if cfg.vocab_size == ByteTokenizer.vocab_size else None
+    from pagedjax.hf_tokenizer import HFTokenizer
+
+    tok = HFTokenizer.from_file(file, eos_token_ids=cfg.eos_token_ids, bos_token_id=cfg.bos_token_id)
+    if tok.vocab_size > cfg.vocab_size:
+        raise ModelLoadError(file, f"a vocabulary of {tok.vocab_size} tokens does not fit the model's vocab_size "
+                                   f"{cfg.vocab_size} ({CONFIG_FILE})")
+    return tok
+
+
 def load_model(path: str | os.PathLike | None = None, dtype: str | None = None) -> Llama:
     """A ready `Llama` module from a checkpoint folder (None: the bundled model)."""
     cfg, state = load_checkpoint(bundled_model_path() if path is None else path, dtype=dtype)
@@ -329,9 +352,11 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | None = None) 
 __all__ = [
     "CONFIG_FILE",
     "PARAMS_DIR",
+    "TOKENIZER_FILE",
     "bundled_model_path",
     "is_pagedjax_checkpoint",
     "load_checkpoint",
+    "load_checkpoint_tokenizer",
     "load_model",
     "read_checkpoint_metadata",
     "save_checkpoint",

@@ -52,8 +52,9 @@ def is_hf_folder(path: Path) -> bool:
 def load_pretrained(path: str | Path | None = None, dtype: str | None = None):
     """Load `(ModelConfig, nnx.State, tokenizer)` from a folder; None means the bundled model.
 
-    Accepts pagedjax's own orbax checkpoints (a folder with `pagedjax_config.json`) and Hugging Face folders
-    (`config.json` + *.safetensors). `dtype` ("float32" | "bfloat16" | "float16") overrides the stored one.
+    Accepts pagedjax's own orbax checkpoints (a folder with `pagedjax_config.json`, and `tokenizer.json` or a
+    byte-level vocabulary) and Hugging Face folders (`config.json` + *.safetensors [+ tokenizer.json]).
+    `dtype` ("float32" | "bfloat16" | "float16") overrides the stored one.
     Raises FileNotFoundError for a missing path and ModelLoadError for a folder that cannot be loaded.
     """
     from pagedjax.model import checkpoint
@@ -65,10 +66,8 @@ def load_pretrained(path: str | Path | None = None, dtype: str | None = None):
     # Decided by which config file is present, not by whether it parses: a broken pagedjax_config.json is
     # reported as such, not as "not a model folder".
     if (path / checkpoint.CONFIG_FILE).is_file():
-        from pagedjax.tokenizer import ByteTokenizer
-
         cfg, state = checkpoint.load_checkpoint(path, dtype=dtype)
-        tokenizer = ByteTokenizer() if cfg.vocab_size == ByteTokenizer.vocab_size else None
+        tokenizer = checkpoint.load_checkpoint_tokenizer(path, cfg)
     elif (path / "config.json").is_file():
         from pagedjax.model import hf_loader
 

@@ -2,6 +2,8 @@
 
 import importlib.util
 import json
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from flax import nnx
 
 from pagedjax.config import ModelConfig
+from pagedjax.hf_tokenizer import HFTokenizer
 from pagedjax.model.checkpoint import (
     CONFIG_FILE,
     bundled_model_path,
@@ -22,17 +25,21 @@ from pagedjax.model.checkpoint import (
     save_checkpoint,
 )
 from pagedjax.model.llama import init_model
+from pagedjax.model.loader import load_pretrained
 from pagedjax.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # Held-out bits per byte of the bundled model on the slice used below (16 windows from the first 40 held-out
-# files): measured 2.00 on Python 3.11.7 (1.99 on the full held-out split, see pagedjax/assets/tiny/TRAINING.md).
-# The margin covers other Python versions, whose stdlib (and so this slice) differs. A uniform guess costs 8.
-BUNDLED_HELDOUT_BPB_MAX = 2.4
+# files): measured 1.35 on Python 3.11.7 (1.40 on the whole held-out split, see pagedjax/assets/tiny/TRAINING.md;
+# the byte-level model it replaced measured 2.00 here). The margin covers other Python versions, whose stdlib
+# (and so this slice) differs. A uniform guess costs 8.
+BUNDLED_HELDOUT_BPB_MAX = 1.65
 TINY_CFG = ModelConfig(hidden_size=32, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8,
                        intermediate_size=64, bos_token_id=256, eos_token_ids=(257,))
-TINY_ARGS = ["--steps", "6", "--batch-size", "4", "--seq-len", "32", "--hidden-size", "32", "--num-layers", "1",
+# The byte tokenizer first (TINY_ARGS[2:] drops it).
+TINY_ARGS = ["--tokenizer", "byte",
+             "--steps", "6", "--batch-size", "4", "--seq-len", "32", "--hidden-size", "32", "--num-layers", "1",
              "--num-q-heads", "2", "--num-kv-heads", "1", "--head-dim", "16", "--intermediate-size", "64",
              "--lr", "1e-2", "--warmup", "2", "--log-every", "2", "--eval-every", "0", "--ckpt-every", "2",
              "--eval-windows", "4", "--final-eval-windows", "4", "--no-progress"]
@@ -76,7 +83,7 @@ def test_a_few_steps_lower_the_loss(tiny_corpus):
     opt_state = tx.init(params)
     step = train_tiny.make_train_step(graphdef, tx)
     fixed = jnp.asarray(train_tiny.train_batch(tokens, 8, 32, seed=0, step=999))
-    loss_fn = jax.jit(lambda p, b: jnp.mean(train_tiny.token_losses(nnx.merge(graphdef, p), b)[0]))
+    loss_fn = jax.jit(lambda p, b: jnp.mean(train_tiny.token_losses(nnx.merge(graphdef, p), b)))
     before = float(loss_fn(params, fixed))
     for i in range(25):
         params, opt_state, metrics = step(params, opt_state, jnp.asarray(train_tiny.train_batch(tokens, 8, 32, 0, i)))
@@ -101,8 +108,10 @@ def test_corpus_split_and_batches_are_deterministic(tiny_corpus):
 
 def test_train_export_and_resume(tiny_corpus, tmp_path, capsys):
     common = TINY_ARGS + ["--corpus-dir", str(tiny_corpus)]
-    # An uninterrupted run, exported as a model folder.
+    # An uninterrupted run, exported as a model folder over an older BPE export (whose vocabulary must go).
     out = tmp_path / "model"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
     assert train_tiny.main(common + ["--ckpt-dir", str(tmp_path / "straight"), "--out", str(out)]) == 0
     assert is_pagedjax_checkpoint(out)
     meta = read_checkpoint_metadata(out)
@@ -110,6 +119,8 @@ def test_train_export_and_resume(tiny_corpus, tmp_path, capsys):
     assert "held-out bits per byte" in (out / "TRAINING.md").read_text()
     cfg, _ = load_checkpoint(out)
     assert cfg.hidden_size == 32 and cfg.eos_token_ids == (257,) and cfg.bos_token_id == 256
+    assert not (out / "tokenizer.json").exists()  # the byte tokenizer needs no vocabulary file
+    assert isinstance(load_pretrained(out)[2], ByteTokenizer)
     straight = train_tiny.TrainingCheckpoints(tmp_path / "straight")
     assert straight.latest_step() == 6
 
@@ -140,6 +151,39 @@ def test_train_export_and_resume(tiny_corpus, tmp_path, capsys):
     straight.close()
     for a, b in zip(jax.tree.leaves((p_resumed, o_resumed)), jax.tree.leaves((p_straight, o_straight)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_train_bpe_export_resume_and_evaluate(tiny_corpus, tmp_path, capsys):
+    """The BPE path end to end: the vocabulary is trained on the train split and kept with the run's
+    checkpoints (a resumed run reads it back), exported as tokenizer.json and loaded with the model; --evaluate
+    measures a saved model as training's final evaluation did."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(tiny_corpus, corpus)
+    shutil.copy(tiny_corpus / "mod1.py", corpus / "x_w.py")  # crc32("x_w.py") % 100 < 5: held out
+    common = TINY_ARGS[2:] + ["--tokenizer", "bpe", "--vocab-size", "300", "--steps", "2",
+                              "--corpus-dir", str(corpus)]
+    run, out = tmp_path / "run", tmp_path / "model"
+    assert train_tiny.main(common + ["--ckpt-dir", str(run), "--stop-after", "1", "--no-export"]) == 0
+    assert (run / "tokenizer.json").is_file()
+    capsys.readouterr()
+    assert train_tiny.main(common + ["--ckpt-dir", str(run), "--resume", "--out", str(out)]) == 0
+    assert f"BPE vocabulary from {run / 'tokenizer.json'}" in capsys.readouterr().out
+    cfg, _, tok = load_pretrained(out)
+    assert isinstance(tok, HFTokenizer) and read_checkpoint_metadata(out)["extra"]["tokenizer"] == "bpe"
+    assert ByteTokenizer.vocab_size < cfg.vocab_size == tok.vocab_size <= 300
+    text = "def add_1(x, y):\n"
+    ids = tok.encode(text)
+    assert ids[0] == cfg.bos_token_id == tok.token_to_id(train_tiny.BOS)
+    assert cfg.eos_token_ids == (tok.token_to_id(train_tiny.EOS),)
+    assert len(ids) < len(text) and tok.decode(ids) == text  # merges learnt from the corpus; exact round trip
+    assert "byte-level BPE" in (out / "TRAINING.md").read_text()
+
+    capsys.readouterr()
+    assert train_tiny.main(["--evaluate", str(out), "--corpus-dir", str(corpus), "--seq-len", "32"]) == 0
+    measured = float(re.search(r"held-out ([0-9.]+) bits/byte over 1 files", capsys.readouterr().out).group(1))
+    assert measured == pytest.approx(read_checkpoint_metadata(out)["extra"]["heldout_bpb"], abs=1e-4)
+    with pytest.raises(SystemExit, match="no held-out files"):
+        train_tiny.main(["--evaluate", str(out), "--corpus-dir", str(tiny_corpus)])
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
@@ -194,31 +238,35 @@ def test_checkpoint_errors(tmp_path):
 def bundled():
     if not is_pagedjax_checkpoint(bundled_model_path()):
         pytest.fail(f"the bundled model is missing at {bundled_model_path()}")
-    cfg, state = load_checkpoint(bundled_model_path())
+    cfg, state, tok = load_pretrained()
     model = init_model(cfg, 0)
     nnx.update(model, state)
-    return cfg, state, model
+    return cfg, state, model, tok
 
 
-def test_bundled_model_is_small_and_byte_level(bundled):
-    cfg, state, _ = bundled
-    assert cfg.vocab_size == ByteTokenizer.vocab_size and cfg.dtype == "float32"
+def test_bundled_model_is_small_and_has_its_bpe_vocabulary(bundled):
+    cfg, state, _, tok = bundled
+    assert isinstance(tok, HFTokenizer) and cfg.vocab_size == tok.vocab_size and cfg.dtype == "float32"
     assert cfg.num_q_heads > cfg.num_kv_heads  # GQA
-    assert cfg.eos_token_ids == (ByteTokenizer.eos_token_id,)
+    assert cfg.bos_token_id == tok.token_to_id(train_tiny.BOS)
+    assert cfg.eos_token_ids == (tok.token_to_id(train_tiny.EOS),)
+    text = "def f(x):\n\treturn {'ключ': x}  # ☃ \r\n"
+    assert tok.decode(tok.encode(text)) == text
     n = sum(int(x.size) for x in jax.tree.leaves(state))
     assert 1_000_000 < n < 3_000_000
     size = sum(f.stat().st_size for f in bundled_model_path().rglob("*") if f.is_file())
-    assert size < 11 * 2**20
+    assert size <= 10 * 10**6  # the budget: 10 MB, vocabulary included
     assert (bundled_model_path() / "TRAINING.md").is_file()
 
 
 def test_bundled_model_heldout_bits_per_byte(bundled):
-    _, _, model = bundled
+    _, _, model, tok = bundled
     root = train_tiny.stdlib_root()
     files = [p for p in train_tiny.corpus_files(root) if train_tiny.is_heldout(p.relative_to(root).as_posix())]
-    tokens = np.concatenate([train_tiny.TOKENIZER.encode(p.read_bytes(), add_eos=True) for p in files[:40]])
-    windows = train_tiny.eval_windows(tokens.astype(np.uint16), 16, 256)
-    bpb = train_tiny.evaluate_bpb(model, windows)
+    corpus_tok = train_tiny.bpe_corpus_tokenizer(tok.tokenizer)
+    tokens = corpus_tok.encode_files([p.read_bytes() for p in files[:40]])
+    windows = train_tiny.eval_windows(tokens, 16, 256)
+    bpb = train_tiny.evaluate_bpb(model, windows, corpus_tok.token_bytes)
     assert 0.5 < bpb < BUNDLED_HELDOUT_BPB_MAX, bpb
 
 
@@ -227,26 +275,28 @@ def test_bundled_model_greedy_decodes_deterministically(bundled):
     from pagedjax.core.request import SamplingParams
     from pagedjax.engine import LLMEngine
 
-    cfg, state, model = bundled
-    tok = ByteTokenizer()
+    cfg, state, model, tok = bundled
     prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\n"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     runs = []
     for _ in range(2):
         engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=64), params=state, tokenizer=tok)
-        runs.append([o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)])
-    assert runs[0] == runs[1]
+        runs.append(engine.generate(prompts, params, use_tqdm=False))
+    assert [o.output_token_ids for o in runs[0]] == [o.output_token_ids for o in runs[1]]
     # The same tokens as greedy decoding with the dense (no cache) forward. Causal: padding after the last
     # token does not change its logits, so one compiled shape serves every length.
     graphdef, weights = nnx.split(model)
     dense = jax.jit(lambda w, ids: nnx.merge(graphdef, w).forward_dense(ids))
+    pad = tok.token_to_id(train_tiny.PAD)
     for prompt, out in zip(prompts, runs[0], strict=True):
         ids = tok.encode(prompt)
-        for _ in range(len(out)):
-            padded = np.full((1, 64), tok.pad_token_id, np.int32)
+        for _ in range(len(out.output_token_ids)):
+            padded = np.full((1, 64), pad, np.int32)
             padded[0, :len(ids)] = ids
             ids.append(int(np.argmax(np.asarray(dense(weights, padded))[0, len(ids) - 1])))
-        assert ids[len(tok.encode(prompt)):] == out
-    # A trained model writes mostly printable text, not uniform bytes.
-    text = tok.decode(runs[0][0])
-    assert sum(c.isprintable() or c in "\n\t" for c in text) >= 0.9 * len(text)
+        assert ids[len(tok.encode(prompt)):] == out.output_token_ids
+        # A trained model writes code, not blank lines: printable, and mostly names and symbols.
+        text = out.text
+        assert text == tok.decode(out.output_token_ids)
+        assert sum(c.isprintable() or c in "\n\t" for c in text) == len(text)
+        assert sum(not c.isspace() for c in text) >= 0.5 * len(text), repr(text)

@@ -19,3 +19,8 @@ def test_readme_example_runs(index, capsys):
     exec(compile(BLOCKS[index], f"README.md python block {index}", "exec"), namespace)
     if "out" in namespace and hasattr(namespace["out"], "shape"):
         assert namespace["out"].shape == (2, 8, 64)
+    printed = capsys.readouterr().out
+    assert printed.strip(), "an example prints what it computes"
+    if "outs" in namespace:  # the engine example: the bundled model's greedy continuation of Python prompts
+        text = namespace["outs"][0].text
+        assert text in printed and sum(not c.isspace() for c in text) >= 0.5 * len(text) > 0, repr(text)
