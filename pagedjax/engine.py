@@ -56,6 +56,8 @@ class EngineStats:
     compile_s: float  # of which tracing and compiling new step shapes
     compilations: int
     scheduler: SchedulerStats
+    tensor_parallel_size: int = 1  # devices the model and its KV pool are sharded over
+    kv_cache_bytes_per_device: int = 0  # the KV pool's bytes on each of those devices
 
     @property
     def tokens_per_s(self) -> float:
@@ -72,15 +74,26 @@ class LLMEngine:
     without a seed of their own). backend: "auto" | "pallas" | "xla". decode_steps_per_call: decode
     iterations per device call when the batch is decode-only (`num_steps` is its deprecated name).
     compile_cache: True (JAX's persistent compilation cache in the default folder, see
-    `pagedjax.compile_cache`), a folder, or False.
+    `pagedjax.compile_cache`), a folder, or False. parallel_config: a `pagedjax.parallel.ParallelConfig`
+    (None: one device, the plain single-device program); with `tensor_parallel_size` > 1 the weights and the
+    KV cache are sharded over that many of `devices` (default `jax.devices()`) and the KV pool is sized per
+    device; with `data_parallel_size` > 1, `LLMEngine(...)` builds a `DataParallelEngine` of that many
+    replicas instead (same methods).
 
     A step whose device call raises never wedges the engine: see `step`.
     """
 
+    def __new__(cls, *args, parallel_config=None, **kwargs):
+        if cls is LLMEngine and parallel_config is not None and getattr(parallel_config, "data_parallel_size", 1) > 1:
+            from pagedjax.parallel.data_parallel import DataParallelEngine
+
+            return DataParallelEngine(*args, parallel_config=parallel_config, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,
                  backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
-                 tokenizer=None, compile_cache: bool | str = True):
+                 tokenizer=None, compile_cache: bool | str = True, parallel_config=None, devices=None):
         if num_steps is not None:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
                           DeprecationWarning, stacklevel=2)
@@ -103,10 +116,20 @@ class LLMEngine:
             model = init_model(model_config, self.seed)
         else:
             model = model_from_state(model_config, params)  # no random init materialised
-        self.num_blocks = self.cache_config.resolve_num_blocks(model_config)
+        mesh = None
+        self.parallel_config = parallel_config
+        if parallel_config is not None:
+            from pagedjax.parallel.mesh import engine_mesh
+            from pagedjax.parallel.sharding import per_device_model
+
+            mesh = engine_mesh(parallel_config, model_config, devices)
+            # kv_memory_bytes is a per-device budget: blocks are counted by the KV heads one device holds.
+            self.num_blocks = self.cache_config.resolve_num_blocks(per_device_model(model_config, mesh.size))
+        else:
+            self.num_blocks = self.cache_config.resolve_num_blocks(model_config)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks)
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
-                                  kv_dtype=self.cache_config.dtype, backend=backend)
+                                  kv_dtype=self.cache_config.dtype, backend=backend, mesh=mesh)
         self._generate_calls = 0
         self._empty_plans = 0
         self._steps = 0
@@ -121,14 +144,22 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(cls, path=None, *, dtype: str | None = None, cache_config: CacheConfig | None = None,
-                        scheduler_config: SchedulerConfig | None = None, **kwargs) -> LLMEngine:
+                        scheduler_config: SchedulerConfig | None = None, parallel_config=None,
+                        devices=None, **kwargs) -> LLMEngine:
         """An engine over a saved model: a pagedjax orbax checkpoint folder, a local Hugging Face folder
-        (config.json + *.safetensors [+ tokenizer.json]), or None for the bundled model."""
+        (config.json + *.safetensors [+ tokenizer.json]), or None for the bundled model. With a
+        `parallel_config`, weights are read straight into their shards on the (first replica's) mesh."""
         from pagedjax.model.loader import load_pretrained
 
-        cfg, state, tokenizer = load_pretrained(path, dtype=dtype)
+        mesh = None
+        if parallel_config is not None:
+            from pagedjax.parallel.mesh import replica_meshes
+
+            mesh = replica_meshes(parallel_config, devices)[0]
+        cfg, state, tokenizer = load_pretrained(path, dtype=dtype, mesh=mesh)
         kwargs.setdefault("tokenizer", tokenizer)
-        return cls(cfg, cache_config, scheduler_config, params=state, **kwargs)
+        return cls(cfg, cache_config, scheduler_config, params=state, parallel_config=parallel_config,
+                   devices=devices, **kwargs)
 
     @property
     def num_steps(self) -> int:
@@ -549,6 +580,8 @@ class LLMEngine:
             compile_s=self.runner.compile_seconds,
             compilations=self.runner.num_compilations,
             scheduler=self.scheduler.stats(),
+            tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
+            kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,
         )
 
     def stats_dict(self) -> dict:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pagedjax.device.attention import AttentionMetadata, resolve_backend
 from pagedjax.device.kv_cache import KVCache, copy_blocks, init_kv_cache
@@ -224,22 +225,31 @@ def _bucket_top(num_top: int | None) -> int | None:
 def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,
                   logits_indices, sampling: SamplingMetadata, extras: StepExtras = NO_EXTRAS, *, backend: str,
                   decode_only: bool, return_logits: bool = False, num_top_logprobs: int | None = None,
-                  num_prompt_top_logprobs: int = 0) -> tuple[StepOutputs, KVCache]:
+                  num_prompt_top_logprobs: int = 0, mesh=None) -> tuple[StepOutputs, KVCache]:
     model: Llama = nnx.merge(graphdef, params)
     if extras.block_copies is not None:
         kv_cache = copy_blocks(kv_cache, extras.block_copies)  # before this step's KV is written
-    hidden, kv_cache = model(token_ids, positions, kv_cache, meta, backend=backend, decode_only=decode_only)
+    hidden, kv_cache = model(token_ids, positions, kv_cache, meta, backend=backend, decode_only=decode_only,
+                             mesh=mesh)
     prompt_logprobs = None
     if extras.prompt_targets is not None:  # logits at every position, once
-        all_logits = model.compute_logits(hidden)
+        all_logits = _gathered(model.compute_logits(hidden), mesh)
         prompt_logprobs = token_logprobs(all_logits, extras.prompt_targets, num_prompt_top_logprobs)
         logits = all_logits[logits_indices]
     else:
-        logits = model.compute_logits(hidden[logits_indices])
+        logits = _gathered(model.compute_logits(hidden[logits_indices]), mesh)
     tokens = sample(logits, sampling, extras.penalties)
     logprobs = None if num_top_logprobs is None else token_logprobs(logits, tokens, num_top_logprobs)
     outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None)
     return outputs, kv_cache
+
+
+def _gathered(logits, mesh):
+    """Logits `[..., vocab]` replicated on every device of a tensor-parallel mesh (the LM head shards them by
+    vocabulary): sampling's top-k / top-p sort whole rows. A no-op (no op at all) on one device."""
+    if mesh is None:
+        return logits
+    return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec()))
 
 
 class DecodeLoopState(NamedTuple):
@@ -258,7 +268,7 @@ class DecodeLoopState(NamedTuple):
 
 def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, sampling: SamplingMetadata,
                  stop_ids, max_new, penalties: PenaltyMetadata | None = None, *, num_steps: int, block_size: int,
-                 backend: str, num_top_logprobs: int | None = None):
+                 backend: str, num_top_logprobs: int | None = None, mesh=None):
     """Up to `num_steps` decode steps with no host round trip.
 
     tokens int32 `[S]` (each sequence's last token, whose KV is not yet cached); stop_ids int32 `[S, K]`
@@ -277,8 +287,9 @@ def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, 
         positions = s.pages.seq_lens
         pages, slots = append_tokens(s.pages, s.active, block_size)
         meta = AttentionMetadata(slots, pages.block_tables, jnp.where(s.active, pages.seq_lens, 0), cu_q_lens)
-        hidden, kv_cache = model(s.last_tokens, positions, s.kv_cache, meta, backend=backend, decode_only=True)
-        logits = model.compute_logits(hidden)
+        hidden, kv_cache = model(s.last_tokens, positions, s.kv_cache, meta, backend=backend, decode_only=True,
+                                 mesh=mesh)
+        logits = _gathered(model.compute_logits(hidden), mesh)
         new = sample(logits, sampling._replace(step=sampling.step + s.num_generated), s.penalties)
         logprobs = s.logprobs
         if logprobs is not None:
@@ -307,8 +318,9 @@ def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, 
     return final.sampled, final.logprobs, final.pages, final.kv_cache
 
 
-def _jitted(graphdef, params_treedef) -> tuple:
-    """The jitted step and decode loop for one model structure.
+def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
+    """The jitted step and decode loop for one model structure (over a tensor-parallel `mesh` of two or more
+    devices, or None: one device).
 
     The graphdef and the parameters' tree structure are closed over (hashed once, here), so a call passes
     only a flat list of arrays. The KV cache argument is donated: XLA updates it in place. Each runner
@@ -317,6 +329,8 @@ def _jitted(graphdef, params_treedef) -> tuple:
     """
     def model_fn(fn):
         def call(param_leaves, *args, **kwargs):
+            if mesh is not None:
+                kwargs["mesh"] = mesh
             return fn(graphdef, jax.tree.unflatten(params_treedef, param_leaves), *args, **kwargs)
         return call
 
@@ -330,29 +344,47 @@ def _jitted(graphdef, params_treedef) -> tuple:
 
 
 class ModelRunner:
-    """Executes steps of one model over one paged KV cache of `num_blocks` x `block_size` tokens."""
+    """Executes steps of one model over one paged KV cache of `num_blocks` x `block_size` tokens.
 
-    def __init__(self, model: Llama, num_blocks: int, block_size: int, *, kv_dtype=None, backend: str = "auto"):
+    With a `mesh` (a 1-D `tp` mesh, see `pagedjax.parallel`), the weights and the KV cache are placed sharded
+    over it and the steps run SPMD on its devices; without one, everything is on the default device and the
+    steps carry no sharding at all."""
+
+    def __init__(self, model: Llama, num_blocks: int, block_size: int, *, kv_dtype=None, backend: str = "auto",
+                 mesh: Mesh | None = None):
         cfg = model.config
         self.model_config = cfg
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = resolve_backend(backend)
+        self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
+        if mesh is not None:
+            from pagedjax.parallel.sharding import shard_params
+
+            self.params = shard_params(self.params, cfg, mesh)
         self.kv_dtype = jnp.dtype(kv_dtype or cfg.dtype)
         self.kv_cache = self._new_kv_cache()
         self.device_seconds = 0.0  # wall time inside compiled calls, results read back
         self.compile_seconds = 0.0  # wall time tracing and compiling new signatures
         self._param_leaves, treedef = jax.tree.flatten(self.params)
-        self._step, self._loop = _jitted(self.graphdef, treedef)
+        # A one-device mesh (a data-parallel replica with tp 1) runs the plain single-device program there.
+        self._step, self._loop = _jitted(self.graphdef, treedef, mesh if mesh is not None and mesh.size > 1 else None)
         self._executables: dict[tuple, Any] = {}  # compiled ahead of time, by input signature
-        logger.info("pagedjax runner: backend=%s, KV cache %d blocks x %d tokens (%.1f MiB)", self.backend,
-                    num_blocks, block_size, self.kv_cache.nbytes / 2**20)
+        logger.info("pagedjax runner: backend=%s, KV cache %d blocks x %d tokens (%.1f MiB, %.1f MiB per device)",
+                    self.backend, num_blocks, block_size, self.kv_cache.nbytes / 2**20,
+                    self.kv_cache.nbytes_per_device / 2**20)
 
     def _new_kv_cache(self) -> KVCache:
         cfg = self.model_config
-        return init_kv_cache(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim,
-                             self.kv_dtype)
+        if self.mesh is None:
+            return init_kv_cache(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim,
+                                 self.kv_dtype)
+        from pagedjax.parallel.sharding import kv_sharding
+
+        heads = max(cfg.num_kv_heads, self.mesh.size)  # tp > Hkv: each KV head repeated (see parallel.attention)
+        return init_kv_cache(cfg.num_layers, heads, self.num_blocks, self.block_size, cfg.head_dim, self.kv_dtype,
+                             sharding=kv_sharding(self.mesh))
 
     @property
     def kv_cache_lost(self) -> bool:

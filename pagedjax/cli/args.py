@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "/pagedjax/jax)")
     cc.add_argument("--no-compile-cache", action="store_true",
                     help="compile every program afresh and save none (JAX's persistent compilation cache off)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_int_at_least(1), default=1, metavar="N",
+                   help="shard the model and its KV cache over N devices (on CPU: XLA_FLAGS="
+                        "--xla_force_host_platform_device_count=N); --kv-memory is then per device")
     g.add_argument("--max-num-seqs", type=_int_at_least(1), default=64, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=512, help="tokens per step")
     g.add_argument("--max-model-len", type=_int_at_least(1), default=None,

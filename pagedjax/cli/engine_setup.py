@@ -54,9 +54,14 @@ def memory_available(device) -> tuple[int, str] | None:
         return None
 
 
-def check_kv_pool_fits(cache_config, model_config, device) -> None:
+def check_kv_pool_fits(cache_config, model_config, device, tensor_parallel_size: int = 1) -> None:
     """CLIError if the KV pool the cache config asks for is bigger than the device's free memory (checked
-    before allocating: allocating it would fail with RESOURCE_EXHAUSTED, or get the process killed)."""
+    before allocating: allocating it would fail with RESOURCE_EXHAUSTED, or get the process killed). With
+    tensor parallelism the pool is counted per device: the KV heads one device holds."""
+    if tensor_parallel_size > 1:
+        from pagedjax.parallel.sharding import per_device_model
+
+        model_config = per_device_model(model_config, tensor_parallel_size)
     try:
         num_blocks = cache_config.resolve_num_blocks(model_config)
     except ValueError as e:
@@ -79,6 +84,15 @@ def build_engine(args: argparse.Namespace, cfg, params, tokenizer, compile_cache
     from pagedjax.config import CacheConfig, SchedulerConfig
     from pagedjax.engine import LLMEngine
 
+    tp = getattr(args, "tensor_parallel_size", 1)  # other front ends (pagedjax-serve) may not have the option
+    parallel_config = None
+    if tp > 1:
+        from pagedjax.parallel import ParallelConfig
+
+        parallel_config = ParallelConfig(tensor_parallel_size=tp)
+        if len(jax.devices()) < tp:
+            raise CLIError(f"--tensor-parallel-size {tp}: only {len(jax.devices())} {jax.default_backend()} "
+                           "device(s); on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N")
     try:
         cache_config = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                                    kv_memory_bytes=args.kv_memory, enable_prefix_caching=not args.no_prefix_caching)
@@ -87,10 +101,11 @@ def build_engine(args: argparse.Namespace, cfg, params, tokenizer, compile_cache
             max_model_len=args.max_model_len or min(2048, cfg.max_position_embeddings))
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
-    check_kv_pool_fits(cache_config, cfg, jax.local_devices()[0])
+    check_kv_pool_fits(cache_config, cfg, jax.local_devices()[0], tp)
     try:
         return LLMEngine(cfg, cache_config, scheduler_config, params=params, seed=args.seed, backend=args.backend,
-                         decode_steps_per_call=args.num_steps, tokenizer=tokenizer, compile_cache=compile_cache)
+                         decode_steps_per_call=args.num_steps, tokenizer=tokenizer, compile_cache=compile_cache,
+                         parallel_config=parallel_config)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
     except jax.errors.JaxRuntimeError as e:

@@ -11,6 +11,7 @@ A slot is `block_id * block_size + offset`; slot -1 marks padding and is never w
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -41,17 +42,28 @@ class KVCache(NamedTuple):
     def nbytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in self.k + self.v)
 
+    @property
+    def nbytes_per_device(self) -> int:
+        """Bytes of the cache on each device it is spread over (`nbytes` on one device; nbytes / tp when
+        sharded by KV heads over tp devices)."""
+        return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in self.k + self.v)
+
     def stacked(self) -> tuple[jax.Array, jax.Array]:
         """`(k, v)` as `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]` arrays (a copy)."""
         return jnp.stack(self.k), jnp.stack(self.v)
 
 
 def init_kv_cache(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
-                  dtype=jnp.float32) -> KVCache:
-    """A zero-filled cache of `num_blocks` blocks per layer."""
+                  dtype=jnp.float32, *, sharding: jax.sharding.Sharding | None = None) -> KVCache:
+    """A zero-filled cache of `num_blocks` blocks per layer; with `sharding` (e.g. by KV heads over a mesh),
+    each device allocates only its own shard."""
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-    v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+    if sharding is None:
+        zeros = lambda: jnp.zeros(shape, dtype)
+    else:
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    k = tuple(zeros() for _ in range(num_layers))
+    v = tuple(zeros() for _ in range(num_layers))
     expected = kv_cache_bytes(num_layers, num_blocks * block_size, num_kv_heads, head_dim, jnp.dtype(dtype).itemsize)
     assert sum(a.nbytes for a in k + v) == expected
     return KVCache(k, v)

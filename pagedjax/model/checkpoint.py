@@ -274,8 +274,13 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, state: nnx.State 
     return path
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, nnx.State]:
+def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, *,
+                    mesh: jax.sharding.Mesh | None = None) -> tuple[ModelConfig, nnx.State]:
     """Read a folder written by `save_checkpoint`: `(ModelConfig, nnx.State of Llama's parameters)`.
+
+    With a tensor-parallel `mesh` (`pagedjax.parallel`), each parameter is restored straight into its shards:
+    orbax reads each device's slice onto that device (no device, and no host buffer, holds a whole sharded
+    tensor).
 
     `dtype` ("float32" | "bfloat16" | "float16") casts the parameters after loading and is recorded in
     the returned config; None keeps the stored dtype. Raises FileNotFoundError for a missing folder and
@@ -291,10 +296,17 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> tuple[
         dtype_bytes(dtype)  # validates the name
 
     abstract = _abstract_state(cfg)
-    device = jax.local_devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                          _state_to_pure_dict(abstract))
+    if mesh is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                              _state_to_pure_dict(abstract))
+    else:
+        from pagedjax.parallel.sharding import key_names, param_sharding_fn
+
+        where = param_sharding_fn(cfg, mesh)
+        target = jax.tree_util.tree_map_with_path(
+            lambda kp, s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where(key_names(kp))),
+            _state_to_pure_dict(abstract))
     expected = _flatten(target)
     ckptr = ocp.StandardCheckpointer()
     problem = None

@@ -127,11 +127,13 @@ def _headers(files: list[Path]) -> Iterator[tuple[Path, str, tuple[int, ...], st
         yield from entries
 
 
-def load_hf_params(path: str | os.PathLike, cfg: ModelConfig) -> nnx.State:
+def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> nnx.State:
     """Weights of a Hugging Face folder as an `nnx.State` with the structure of `nnx.split(init_model(cfg))[1]`.
 
     Streams tensor by tensor: each is read, transposed if it is a linear weight, cast to `cfg.dtype` and put
-    on the device before the next is read. Raises ModelLoadError (a ValueError) for missing, unexpected or
+    on the device before the next is read. With a tensor-parallel `mesh` (`pagedjax.parallel`), each device
+    receives only its slice of the tensor (`jax.make_array_from_callback`; on several hosts, each process
+    places only its own devices' slices). Raises ModelLoadError (a ValueError) for missing, unexpected or
     mis-shaped tensors (naming them) before reading any data, and naming the file for unreadable data. The load
     time is logged (logger `pagedjax.model.hf_loader`, level INFO).
     """
@@ -141,9 +143,17 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig) -> nnx.State:
     files = safetensors_files(path)
     _, state = nnx.split(abstract_model(cfg))
     targets: dict[str, tuple[Any, bool]] = {}
+    place = {}  # HF name -> sharding, with a mesh
+    where = None
+    if mesh is not None:
+        from pagedjax.parallel.sharding import param_sharding_fn
+
+        where = param_sharding_fn(cfg, mesh)
     for p, var in nnx.to_flat_state(state):
         name, transpose = _hf_name(p)
         targets[name] = (var, transpose)
+        if where is not None:
+            place[name] = where(tuple(p))
 
     # Pass 1: headers only. Check names and shapes; decide which file each tensor comes from.
     plan: dict[Path, list[str]] = {f: [] for f in files}
@@ -197,7 +207,11 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig) -> nnx.State:
                 num_bytes += array.nbytes
                 if transpose:
                     array = array.T
-                value = jax.device_put(np.ascontiguousarray(array, dtype=target_dtype))
+                array = np.ascontiguousarray(array, dtype=target_dtype)
+                if name in place:  # each device gets its slice only
+                    value = jax.make_array_from_callback(array.shape, place[name], lambda idx, a=array: a[idx])
+                else:
+                    value = jax.device_put(array)
                 del array
                 var.set_value(value)
 
@@ -208,14 +222,14 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig) -> nnx.State:
     return state
 
 
-def load_hf(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, nnx.State, Any]:
+def load_hf(path: str | os.PathLike, dtype: str | None = None, *, mesh=None) -> tuple[ModelConfig, nnx.State, Any]:
     """(ModelConfig, params, tokenizer or None) of a local Hugging Face folder.
 
     The tokenizer is an `HFTokenizer` when the folder has `tokenizer.json` and the `tokenizers` package is
     installed, else None.
     """
     cfg = load_hf_config(path, dtype=dtype)
-    params = load_hf_params(path, cfg)
+    params = load_hf_params(path, cfg, mesh=mesh)
     tokenizer = None
     if (Path(path) / "tokenizer.json").is_file():
         try:

@@ -21,6 +21,7 @@ from flax import nnx
 from pagedjax.config import ModelConfig
 from pagedjax.device.attention import AttentionMetadata, paged_attention
 from pagedjax.device.kv_cache import KVCache, write_kv
+from pagedjax.parallel.attention import sharded_write_and_attend
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -119,9 +120,14 @@ class Attention(nnx.Module):
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def __call__(self, x, positions, k_pages, v_pages, meta: AttentionMetadata, inv_freq, *, backend: str,
-                 decode_only: bool):
-        """x `[T, hidden]` -> (`[T, hidden]`, k_pages, v_pages) with this step's K/V written first."""
+                 decode_only: bool, mesh=None):
+        """x `[T, hidden]` -> (`[T, hidden]`, k_pages, v_pages) with this step's K/V written first. With a
+        tensor-parallel `mesh`, each device writes and attends over its own heads (`pagedjax.parallel`)."""
         q, k, v = self._qkv(x, positions, inv_freq)
+        if mesh is not None:
+            o, k_pages, v_pages = sharded_write_and_attend(q, k, v, k_pages, v_pages, meta, mesh=mesh,
+                                                           backend=backend, decode_only=decode_only)
+            return self.o_proj(o.astype(x.dtype).reshape(x.shape[0], -1)), k_pages, v_pages
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
         # The KV cache may be stored in another dtype than the model computes in (e.g. bf16 pages under an
         # f32 model): the kernels take one dtype, so q meets the pages in theirs and o comes back in x's.
@@ -174,14 +180,15 @@ class Llama(nnx.Module):
                                                                      rngs)
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, meta: AttentionMetadata,
-                 *, backend: str, decode_only: bool = False) -> tuple[jax.Array, KVCache]:
-        """Serving forward. token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache)."""
+                 *, backend: str, decode_only: bool = False, mesh=None) -> tuple[jax.Array, KVCache]:
+        """Serving forward. token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache).
+        `mesh`: a tensor-parallel `tp` mesh (weights and cache sharded over it), None on one device."""
         inv_freq = rope_inv_freq(self.config)
         x = self.embed_tokens(token_ids)
         ks, vs = list(kv_cache.k), list(kv_cache.v)
         for i, layer in enumerate(self.layers):
             h, ks[i], vs[i] = layer.self_attn(layer.input_layernorm(x), positions, ks[i], vs[i], meta, inv_freq,
-                                              backend=backend, decode_only=decode_only)
+                                              backend=backend, decode_only=decode_only, mesh=mesh)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x), KVCache(tuple(ks), tuple(vs))

@@ -49,8 +49,9 @@ def is_hf_folder(path: Path) -> bool:
         any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file())
 
 
-def load_pretrained(path: str | Path | None = None, dtype: str | None = None):
-    """Load `(ModelConfig, nnx.State, tokenizer)` from a folder; None means the bundled model.
+def load_pretrained(path: str | Path | None = None, dtype: str | None = None, *, mesh=None):
+    """Load `(ModelConfig, nnx.State, tokenizer)` from a folder; None means the bundled model. With a
+    tensor-parallel `mesh` (`pagedjax.parallel`), each device receives only its slice of each parameter.
 
     Accepts pagedjax's own orbax checkpoints (a folder with `pagedjax_config.json`, and `tokenizer.json` or a
     byte-level vocabulary) and Hugging Face folders (`config.json` + *.safetensors [+ tokenizer.json]).
@@ -66,12 +67,12 @@ def load_pretrained(path: str | Path | None = None, dtype: str | None = None):
     # Decided by which config file is present, not by whether it parses: a broken pagedjax_config.json is
     # reported as such, not as "not a model folder".
     if (path / checkpoint.CONFIG_FILE).is_file():
-        cfg, state = checkpoint.load_checkpoint(path, dtype=dtype)
+        cfg, state = checkpoint.load_checkpoint(path, dtype=dtype, mesh=mesh)
         tokenizer = checkpoint.load_checkpoint_tokenizer(path, cfg)
     elif (path / "config.json").is_file():
         from pagedjax.model import hf_loader
 
-        cfg, state, tokenizer = hf_loader.load_hf(path, dtype=dtype)
+        cfg, state, tokenizer = hf_loader.load_hf(path, dtype=dtype, mesh=mesh)
     else:
         raise ModelLoadError(path, f"neither a pagedjax checkpoint ({checkpoint.CONFIG_FILE} + params/) nor a "
                                    "Hugging Face model folder (config.json + *.safetensors)")

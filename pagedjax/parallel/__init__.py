@@ -1,0 +1,34 @@
+"""Many devices: tensor parallelism over a `tp` mesh axis and data-parallel replicas (see README, "Many devices").
+
+    from pagedjax.parallel import ParallelConfig
+    engine = LLMEngine(cfg, cache, sched, parallel_config=ParallelConfig(tensor_parallel_size=4))
+
+  config.py         ParallelConfig (plain Python)
+  mesh.py           one `tp` mesh per replica, over disjoint devices
+  sharding.py       PartitionSpecs of the parameters (by name) and of the KV cache (by KV heads)
+  attention.py      the KV write and paged attention under `shard_map`, per device over its own heads
+  data_parallel.py  DataParallelEngine: replicas behind one LLMEngine-shaped front
+  distributed.py    multi-host start-up (`jax.distributed.initialize`)
+
+Names are imported lazily: `pagedjax.model.llama` imports `pagedjax.parallel.attention`, and the engine-level
+modules here import the model.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "ParallelConfig": "pagedjax.parallel.config",
+    "DataParallelEngine": "pagedjax.parallel.data_parallel",
+    "replica_meshes": "pagedjax.parallel.mesh",
+    "tp_mesh": "pagedjax.parallel.mesh",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedjax.parallel' has no attribute {name!r}")

@@ -1,0 +1,119 @@
+"""Where every array lives on a `tp` mesh: PartitionSpecs for the model's parameters (by name) and the KV cache.
+
+Megatron-style tensor parallelism, expressed only as shardings (XLA inserts the collectives):
+  q_proj, k_proj, v_proj, gate_proj, up_proj  kernels `[in, out]` sharded by output columns (by heads), biases
+                                              likewise: each device computes its own heads / MLP columns.
+  o_proj, down_proj                           kernels sharded by input rows: each device's partial product is
+                                              summed by one all-reduce per attention block and per MLP.
+  embed_tokens, lm_head                       sharded over the vocabulary; the logits are gathered (replicated)
+                                              before sampling, since top-k / top-p need whole rows.
+  norms                                       replicated.
+  KV cache `[kv_heads, blocks, block_size, head_dim]` per layer: sharded by KV heads (axis 0).
+When tp > num_kv_heads the k/v projections stay replicated and the cache stores `tp` heads, each KV head
+repeated on the tp / num_kv_heads devices whose query heads use it (as vLLM does). A dimension that tp does not
+divide (an odd vocabulary, an MLP width) is replicated instead, with a log line: correct, only less spread.
+Block tables, slot mappings and page state are small int arrays: replicated (one host scheduler drives all).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pagedjax.config import ModelConfig
+from pagedjax.parallel.mesh import TP
+
+logger = logging.getLogger(__name__)
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")  # sharded by outputs
+ROW = ("o_proj", "down_proj")  # sharded by inputs (their products all-reduced)
+
+
+def key_names(keypath) -> tuple:
+    """A jax key path of an `nnx.State` leaf as plain names: ('layers', 0, 'self_attn', 'q_proj', 'kernel')."""
+    names = []
+    for k in keypath:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        names.append(name)
+    if names and names[-1] == "value":  # nnx.Variable's own attribute
+        names.pop()
+    return tuple(names)
+
+
+def _divides(cfg: ModelConfig, module: str, tp: int) -> bool:
+    """Whether tp divides the dimension this module's weights would be sharded along."""
+    if module in ("q_proj", "o_proj"):
+        return cfg.num_q_heads % tp == 0
+    if module in ("k_proj", "v_proj"):
+        return cfg.num_kv_heads % tp == 0
+    if module in ("gate_proj", "up_proj", "down_proj"):
+        return cfg.intermediate_size % tp == 0
+    if module in ("lm_head", "embed_tokens"):
+        return cfg.vocab_size % tp == 0
+    return False
+
+
+def param_spec(names: tuple, cfg: ModelConfig, tp: int) -> P:
+    """The PartitionSpec of the parameter at `names` (see the module docstring)."""
+    if tp == 1 or len(names) < 2:
+        return P()
+    module, leaf = str(names[-2]), str(names[-1])
+    if not _divides(cfg, module, tp):
+        return P()
+    if module in COLUMN:
+        return P(None, TP) if leaf == "kernel" else P(TP)
+    if module in ROW:
+        return P(TP, None) if leaf == "kernel" else P()
+    if module == "embed_tokens" and leaf == "embedding":
+        return P(TP, None)
+    return P()
+
+
+def log_replicated(cfg: ModelConfig, tp: int) -> None:
+    """Say which weights stay replicated because tp does not divide their dimension."""
+    if tp == 1:
+        return
+    for what, n in (("vocabulary", cfg.vocab_size), ("MLP width", cfg.intermediate_size)):
+        if n % tp:
+            logger.info("tensor_parallel_size %d does not divide the %s (%d): those weights are replicated", tp,
+                        what, n)
+    if cfg.num_kv_heads % tp:
+        logger.info("tensor_parallel_size %d > %d KV heads: k/v projections replicated, each KV head cached on %d "
+                    "devices", tp, cfg.num_kv_heads, tp // cfg.num_kv_heads)
+
+
+def param_sharding_fn(cfg: ModelConfig, mesh: Mesh) -> Callable[[tuple], NamedSharding]:
+    """names -> NamedSharding of that parameter on `mesh` (what the loaders place each tensor with)."""
+    tp = mesh.shape[TP]
+    return lambda names: NamedSharding(mesh, param_spec(names, cfg, tp))
+
+
+def param_shardings(state, cfg: ModelConfig, mesh: Mesh):
+    """A tree like `state` (an `nnx.State` or its leaves' tree) of NamedShardings."""
+    fn = param_sharding_fn(cfg, mesh)
+    return jax.tree_util.tree_map_with_path(lambda kp, _: fn(key_names(kp)), state)
+
+
+def shard_params(state, cfg: ModelConfig, mesh: Mesh):
+    """`state` with every leaf placed by its sharding (a no-op for leaves already placed so). A leaf moves
+    device to device, or host to devices slice by slice: no device receives more than its slice."""
+    return jax.device_put(state, param_shardings(state, cfg, mesh))
+
+
+def kv_sharding(mesh: Mesh) -> NamedSharding:
+    """One layer's K or V pages, sharded by KV heads (axis 0)."""
+    return NamedSharding(mesh, P(TP))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def per_device_model(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """`cfg` with the KV heads one device holds (num_kv_heads / tp, at least 1): what KV bytes per block are
+    counted with when a per-device memory budget sizes the pool."""
+    return cfg.replace(num_kv_heads=max(cfg.num_kv_heads // tp, 1))

@@ -1,0 +1,113 @@
+"""ParallelConfig, the sharding rules and the failure paths, in this process (one CPU device is enough)."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from pagedjax import CacheConfig, LLMEngine, ModelConfig
+from pagedjax.parallel import ParallelConfig, replica_meshes
+from pagedjax.parallel.sharding import param_spec, per_device_model
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=16,
+                  intermediate_size=64, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("field", ["tensor_parallel_size", "data_parallel_size"])
+def test_sizes_are_checked(field):
+    with pytest.raises(ValueError, match=f"{field} must be >= 1"):
+        ParallelConfig(**{field: 0})
+    with pytest.raises(TypeError, match=f"{field} must be an int"):
+        ParallelConfig(**{field: True})
+    assert ParallelConfig(tensor_parallel_size=4, data_parallel_size=2).world_size == 8
+
+
+def test_heads_must_split():
+    with pytest.raises(ValueError, match="must divide the model's 8 query heads"):
+        ParallelConfig(tensor_parallel_size=3).check_model(8, 2)
+    with pytest.raises(ValueError, match="one must divide the other"):
+        ParallelConfig(tensor_parallel_size=2).check_model(6, 3)
+    ParallelConfig(tensor_parallel_size=8).check_model(8, 2)  # replicated KV heads: fine
+    assert ParallelConfig(tensor_parallel_size=8).kv_heads_per_device(2) == 1
+    assert ParallelConfig(tensor_parallel_size=8).kv_heads_stored(2) == 8
+    assert ParallelConfig(tensor_parallel_size=2).kv_heads_per_device(8) == 4
+
+
+def test_too_few_devices():
+    n = len(jax.devices())
+    with pytest.raises(ValueError, match=f"needs {2 * n} devices; {n} available"):
+        replica_meshes(ParallelConfig(tensor_parallel_size=n, data_parallel_size=2))
+    with pytest.raises(ValueError, match="needs"):
+        LLMEngine(CFG, CacheConfig(num_blocks=4), parallel_config=ParallelConfig(tensor_parallel_size=8 * n))
+
+
+def test_engine_refuses_bad_parallel_configs():
+    with pytest.raises(TypeError, match="parallel_config must be a ParallelConfig"):
+        LLMEngine(CFG, CacheConfig(num_blocks=4), parallel_config={"tensor_parallel_size": 1})
+    with pytest.raises(ValueError, match="query heads"):
+        LLMEngine(CFG, CacheConfig(num_blocks=4), parallel_config=ParallelConfig(tensor_parallel_size=3))
+
+
+def test_param_specs():
+    """Column-parallel by outputs, row-parallel by inputs, vocabulary-sharded embedding and head; replicated
+    where tp does not divide (k/v with tp > KV heads, an MLP width of 64 at tp 128), norms replicated."""
+    spec = lambda *names, tp=4: param_spec(names, CFG, tp)  # noqa: E731
+    assert spec("layers", 0, "self_attn", "q_proj", "kernel") == P(None, "tp")
+    assert spec("layers", 0, "self_attn", "q_proj", "bias") == P("tp")
+    assert spec("layers", 0, "self_attn", "k_proj", "kernel", tp=2) == P(None, "tp")
+    assert spec("layers", 0, "self_attn", "k_proj", "kernel", tp=4) == P()  # 2 KV heads: replicated
+    assert spec("layers", 0, "self_attn", "o_proj", "kernel") == P("tp", None)
+    assert spec("layers", 0, "mlp", "gate_proj", "kernel") == P(None, "tp")
+    assert spec("layers", 0, "mlp", "down_proj", "kernel") == P("tp", None)
+    assert spec("layers", 0, "mlp", "down_proj", "kernel", tp=128) == P()
+    assert spec("embed_tokens", "embedding") == P("tp", None)
+    assert spec("lm_head", "kernel") == P(None, "tp")
+    assert spec("layers", 0, "input_layernorm", "weight") == P()
+    assert spec("layers", 0, "self_attn", "q_proj", "kernel", tp=1) == P()
+    odd = CFG.replace(vocab_size=259)
+    assert param_spec(("embed_tokens", "embedding"), odd, 2) == P()  # 259 rows do not split in two
+
+
+def test_per_device_model_counts_kv_heads_one_device_holds():
+    assert per_device_model(CFG, 2).num_kv_heads == 1
+    assert per_device_model(CFG, 8).num_kv_heads == 1
+    assert CacheConfig(kv_memory_bytes=1 << 20).resolve_num_blocks(per_device_model(CFG, 2)) == \
+        2 * CacheConfig(kv_memory_bytes=1 << 20).resolve_num_blocks(CFG)
+
+
+def test_one_device_engine_is_unchanged():
+    """Without a parallel config the runner has no mesh and the KV cache sits on one device."""
+    e = LLMEngine(CFG, CacheConfig(num_blocks=4), compile_cache=False)
+    assert e.runner.mesh is None and e.parallel_config is None
+    assert e.stats().tensor_parallel_size == 1
+    assert e.stats().kv_cache_bytes_per_device == e.runner.kv_cache.nbytes
+
+
+def test_cli_tensor_parallel_size_needs_the_devices(capsys):
+    from pagedjax import cli
+
+    n = len(jax.devices())
+    assert cli.main(["--tensor-parallel-size", str(8 * n), "--prompt", "x", "--max-tokens", "1",
+                     "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err
+    assert f"--tensor-parallel-size {8 * n}: only {n} cpu device(s)" in err
+    assert "xla_force_host_platform_device_count" in err
+
+
+def test_bench_projection_for_llama3_70b():
+    """scripts/bench_parallel.py's projection: 70B bf16 weights split 8 ways leave ~109 GB of KV per H200; a
+    token's KV is 40 KiB per GPU at tp 8 (one of 8 KV heads), so paging fits two 4k requests per 8k reservation."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_parallel.py"
+    spec = importlib.util.spec_from_file_location("bench_parallel", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tp8 = bench.projection()[0]
+    assert tp8["layout"] == "dp 1 x tp 8"
+    assert 17 < tp8["weights_gb"] < 18 and tp8["kv_per_token_kb"] == 40
+    assert tp8["paged"] == tp8["tokens"] // 4096
+    assert tp8["paged"] in (2 * tp8["reserve_8192"], 2 * tp8["reserve_8192"] + 1)
+    assert tp8["reserve_131072"] < tp8["paged"] // 30

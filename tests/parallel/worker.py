@@ -1,0 +1,366 @@
+"""The tensor/data-parallel checks, run in one process that JAX starts with 8 CPU devices.
+
+`tests/parallel/test_parallel.py` runs `python -m tests.parallel.worker OUT.json` once, with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` set before JAX starts, and turns each check's result into
+its own pytest test. Each check raises (an AssertionError saying what differs) or returns. Tiny models and few
+tokens: every engine compiles its own sharded steps, and compiling is what costs time here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax.model.llama import init_model, model_from_state
+from pagedjax.parallel import ParallelConfig, tp_mesh
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+HEADS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}
+MAX_LEN = 40
+MAX_TOKENS = 8
+_rng = np.random.default_rng(5)
+_shared = _rng.integers(0, 64, 19).tolist()
+# A 1-token prompt, two sharing a 19-token prefix (prefix cache hits), and a 13-token one.
+PROMPTS = [[7], _shared + [1, 2], _shared + [3, 4, 5], _rng.integers(0, 64, 13).tolist()]
+CHECKS = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def config(kind: str) -> ModelConfig:
+    hq, hkv = HEADS[kind]
+    return ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=16,
+                       intermediate_size=64, tie_word_embeddings=kind != "gqa", qkv_bias=kind == "mqa")
+
+
+@functools.cache
+def params(kind: str):
+    # Weights scaled up from the default init: a random model of this size otherwise repeats one token, which
+    # would hide attention bugs from a token comparison.
+    state = nnx.split(init_model(config(kind), seed=3))[1]
+    return jax.tree.map(lambda x: x * 3, state)
+
+
+@functools.cache
+def reference(kind: str) -> list[list[int]]:
+    """Greedy continuations by full recompute with the dense model (no cache, one device)."""
+    model = model_from_state(config(kind), params(kind))
+    forward = jax.jit(lambda t: model.forward_dense(t))
+    seqs = [list(p) for p in PROMPTS]
+    margin = np.inf
+    for _ in range(MAX_TOKENS):
+        batch = np.zeros((len(seqs), MAX_LEN), np.int32)
+        for i, s in enumerate(seqs):
+            batch[i, :len(s)] = s
+        logits = np.asarray(forward(jnp.asarray(batch)))
+        for i, s in enumerate(seqs):
+            row = np.sort(logits[i, len(s) - 1])
+            margin = min(margin, row[-1] - row[-2])
+            s.append(int(np.argmax(logits[i, len(s) - 1])))
+    assert margin > 1e-3, f"{kind}: a near tie ({margin}) would make token equality depend on rounding"
+    return [s[len(p):] for s, p in zip(seqs, PROMPTS, strict=True)]
+
+
+def engine(kind: str, tp: int | None, *, block_size: int = 8, num_blocks: int = 8, dp: int = 1, **kw):
+    pc = None if tp is None else ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp)
+    return LLMEngine(config(kind), CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                     SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                     params=params(kind), parallel_config=pc, compile_cache=False, **kw)
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS)
+
+
+def _greedy(kind: str, tp: int, block_size: int) -> None:
+    """Prefix caching, preemption (a pool too small for all four), chunked prefill (16-token budget) and fused
+    decode (4 steps per call) in one run; tokens must equal the dense model's."""
+    e = engine(kind, tp, block_size=block_size, num_blocks=8 if block_size == 8 else 4, decode_steps_per_call=4)
+    outs = e.generate(PROMPTS, GREEDY, use_tqdm=False)
+    got = [o.output_token_ids for o in outs]
+    assert got == reference(kind), f"{kind} tp={tp} block_size={block_size}: {got} != {reference(kind)}"
+    s = e.stats()
+    assert s.scheduler.num_preemptions > 0 and s.fused_decode_calls > 0, s
+    assert s.scheduler.prefix_cache_hit_rate > 0, s.scheduler
+    assert s.tensor_parallel_size == tp
+
+
+# Every head layout at several tp, both block sizes; tp 1 through a one-device mesh; tp > num_kv_heads replicates.
+for _kind, _tp, _bs in [("gqa", 1, 8), ("gqa", 2, 16), ("gqa", 2, 8), ("gqa", 4, 8), ("gqa", 8, 16), ("mha", 2, 8),
+                        ("mha", 4, 8), ("mha", 8, 16), ("mqa", 2, 8), ("mqa", 4, 8), ("mqa", 8, 8), ("mqa", 8, 16)]:
+    def _check(kind=_kind, tp=_tp, bs=_bs):
+        _greedy(kind, tp, bs)
+    _check.__name__ = f"greedy_{_kind}_tp{_tp}_block{_bs}"
+    check(_check)
+
+
+def _step_logits(e) -> np.ndarray:
+    """One mixed step (every prompt's prefill) straight from the scheduler, its logits `[S, vocab]`."""
+    for i, p in enumerate(PROMPTS):
+        e.add_request(str(i), p, GREEDY)
+    plan = e.scheduler.schedule()
+    return np.asarray(e.runner.execute(e.step_inputs(plan), return_logits=True).logits[:plan.num_seqs])
+
+
+def _assert_sharded(e, kind: str, tp: int) -> None:
+    """Every weight and the KV cache carry the intended sharding; the pool's bytes per device."""
+    cfg = config(kind)
+    st = e.runner.params
+    layer = st["layers"][0]
+    kv_split = cfg.num_kv_heads % tp == 0
+    want = {
+        "q_proj": P(None, "tp"), "o_proj": P("tp", None), "gate_proj": P(None, "tp"), "up_proj": P(None, "tp"),
+        "down_proj": P("tp", None), "k_proj": P(None, "tp") if kv_split else P(), "v_proj": P(None, "tp")
+        if kv_split else P()}
+    attn, mlp = layer["self_attn"], layer["mlp"]
+    for name, spec in want.items():
+        arr = (attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else mlp)[name]["kernel"][...]
+        assert arr.sharding.spec == spec, f"{kind} tp={tp} {name}: {arr.sharding.spec} != {spec}"
+        assert arr.sharding.mesh.size == tp
+    if cfg.qkv_bias:
+        assert attn["q_proj"]["bias"][...].sharding.spec == P("tp")
+    assert st["embed_tokens"]["embedding"][...].sharding.spec == P("tp", None)
+    assert layer["input_layernorm"]["weight"][...].sharding.spec == P()
+    if not cfg.tie_word_embeddings:
+        assert st["lm_head"]["kernel"][...].sharding.spec == P(None, "tp")
+    cache = e.runner.kv_cache
+    for a in cache.k + cache.v:
+        assert a.sharding.spec == P("tp") and a.shape[0] == max(cfg.num_kv_heads, tp), (a.shape, a.sharding)
+    one_device = 2 * cfg.num_layers * e.num_blocks * e.cache_config.block_size * cfg.num_kv_heads * cfg.head_dim * 4
+    per_device = e.stats().kv_cache_bytes_per_device
+    if kv_split:
+        assert per_device * tp == one_device, (per_device, one_device)
+    else:  # each device holds one (replicated) KV head
+        assert per_device * cfg.num_kv_heads == one_device, (per_device, one_device)
+
+
+@check
+def logits_and_shardings():
+    """For each head layout and tp 2/4/8: weights and cache sharded as intended, and one mixed step's logits
+    within float32 1e-5 (of the logits' scale) of the single-device engine's."""
+    for kind in HEADS:
+        want = _step_logits(engine(kind, None, num_blocks=16))
+        scale = np.abs(want).max()
+        for tp in (2, 4, 8):
+            e = engine(kind, tp, num_blocks=16)
+            _assert_sharded(e, kind, tp)
+            got = _step_logits(e)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{kind} tp={tp}")
+
+
+@check
+def kv_pool_sized_per_device():
+    """kv_memory_bytes is each device's budget: tp 2 over 8/2 heads holds twice the blocks of one device."""
+    budget = 64 * 1024
+    one = LLMEngine(config("gqa"), CacheConfig(block_size=8, kv_memory_bytes=budget), params=params("gqa"),
+                    compile_cache=False)
+    two = LLMEngine(config("gqa"), CacheConfig(block_size=8, kv_memory_bytes=budget), params=params("gqa"),
+                    compile_cache=False, parallel_config=ParallelConfig(tensor_parallel_size=2))
+    assert two.num_blocks == 2 * one.num_blocks, (one.num_blocks, two.num_blocks)
+    assert two.stats().kv_cache_bytes_per_device == one.stats().kv_cache_bytes_per_device <= budget
+    assert two.stats().scheduler.memory.num_blocks == two.num_blocks
+
+
+@check
+def data_parallel_2x2():
+    """dp 2 x tp 2 on 4 devices: the same tokens as one device, requests spread over both replicas, each
+    replica on its own two devices."""
+    e = engine("gqa", 2, dp=2, num_blocks=16)
+    from pagedjax.parallel import DataParallelEngine
+
+    assert isinstance(e, DataParallelEngine) and len(e.replicas) == 2
+    devices = [{d.id for d in r.runner.mesh.devices.flat} for r in e.replicas]
+    assert devices == [{0, 1}, {2, 3}], devices
+    outs = e.generate(PROMPTS, GREEDY)
+    assert [o.output_token_ids for o in outs] == reference("gqa")
+    assert all(n > 0 for n in e.stats().requests_per_replica), e.stats().requests_per_replica
+    assert sum(e.stats().requests_per_replica) == len(PROMPTS)
+    assert e.stats().generated_tokens == len(PROMPTS) * MAX_TOKENS
+    assert not e.has_unfinished_requests()
+    # Requests by id too, and an abort frees its replica's load.
+    e.add_request("a", PROMPTS[1], GREEDY)
+    assert e.abort("a") and not e.abort("a") and not e.has_unfinished_requests()
+    e.close()
+
+
+@check
+def pallas_under_shard_map():
+    """The Pallas kernels (interpreted on CPU) under shard_map give the XLA backend's (the dense model's) tokens."""
+    e = engine("gqa", 2, num_blocks=16, backend="pallas")
+    outs = e.generate(PROMPTS[:2], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == [r[:3] for r in reference("gqa")[:2]]
+
+
+@check
+def steps_export_for_cuda_on_4_devices():
+    """The sharded ragged step and fused decode loop, Pallas backend, export for "cuda" over a 4-device mesh
+    (Triton calls inside the shard_map; the all-reduces of the row-sharded projections present)."""
+    from pagedjax.device.attention import AttentionMetadata
+    from pagedjax.device.kv_cache import init_kv_cache
+    from pagedjax.device.page_state import PageState
+    from pagedjax.device.sampling import SamplingMetadata
+    from pagedjax.parallel.sharding import kv_sharding, param_shardings, replicated
+    from pagedjax.runner import _jitted
+
+    triton = "__gpu$xla.gpu.triton"
+    cfg = ModelConfig(vocab_size=128, hidden_size=128, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=64,
+                      intermediate_size=256, dtype="bfloat16")
+    mesh = tp_mesh(4)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: init_model(cfg)))
+    shardings = param_shardings(abstract, cfg, mesh)
+    leaves, treedef = jax.tree.flatten(jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings))
+    rep = replicated(mesh)
+    spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=rep)  # noqa: E731
+    cache = jax.eval_shape(lambda: init_kv_cache(cfg.num_layers, cfg.num_kv_heads, 64, 16, cfg.head_dim,
+                                                 jnp.bfloat16))
+    cache = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=kv_sharding(mesh)), cache)
+    s = 4
+    sampling = SamplingMetadata.from_lists([0.0] * s, [0] * s, [1.0] * s, [0] * s, [0] * s)
+    real_backend = jax.default_backend
+    jax.default_backend = lambda: "gpu"  # trace as on a GPU: interpret=None picks the Triton kernels
+    try:
+        step, loop = _jitted(graphdef, treedef, mesh)
+        texts = []
+        for decode_only in (False, True):
+            t = s if decode_only else 32
+            meta = AttentionMetadata(np.zeros(t, np.int32), np.zeros((s, 8), np.int32), np.zeros(s, np.int32),
+                                     np.zeros(s + 1, np.int32))
+            args = (np.zeros(t, np.int32), np.zeros(t, np.int32), meta, np.zeros(s, np.int32), sampling)
+            texts.append(_export(step, (leaves, cache, *jax.tree.map(spec, args)), dict(
+                backend="pallas", decode_only=decode_only, return_logits=False), triton))
+        pages = PageState(np.zeros((s, 8), np.int32), np.zeros(s, np.int32), np.zeros(8, np.int32),
+                          np.zeros((), np.int32), np.zeros((), bool))
+        args = (pages, np.zeros(s, np.int32), sampling, np.full((s, 1), -1, np.int32), np.zeros(s, np.int32))
+        texts.append(_export(loop, (leaves, cache, *jax.tree.map(spec, args)), dict(
+            num_steps=8, block_size=16, backend="pallas"), triton))
+    finally:
+        jax.default_backend = real_backend
+    for text in texts:  # Triton kernels inside the shard_map; the operands' shardings in the exported module
+        assert triton in text and "sharding" in text
+
+
+def _export(fn, specs, static, triton):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call(triton)])(*specs, **static)
+    assert exported.nr_devices == 4, exported.nr_devices
+    return exported.mlir_module()
+
+
+@check
+def orbax_checkpoint_loads_into_shards():
+    """A pagedjax checkpoint restored with a tp 4 mesh: each parameter arrives sharded, values exact."""
+    from pagedjax.model.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = config("gqa")
+    with tempfile.TemporaryDirectory() as d:
+        save_checkpoint(Path(d) / "ckpt", cfg, params("gqa"))
+        _, state = load_checkpoint(Path(d) / "ckpt", mesh=tp_mesh(4))
+    got = state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+    assert got.sharding.spec == P(None, "tp") and got.sharding.mesh.size == 4
+    assert {s.data.shape for s in got.addressable_shards} == {(32, 32)}  # each device: 32 of 128 columns
+    assert state["layers"][0]["mlp"]["down_proj"]["kernel"][...].sharding.spec == P("tp", None)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(params("gqa")), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@check
+def hf_checkpoint_loads_into_shards():
+    """A tiny transformers Llama (GQA 4/2, untied) saved as safetensors, loaded with tp 2: weights sharded,
+    logits equal transformers' (float32, 1e-4) and the engine's greedy tokens equal transformers' generate."""
+    try:
+        from tests.engine import test_hf as hf
+    except BaseException as e:  # noqa: BLE001 - pytest.importorskip raises Skipped (a BaseException)
+        raise SkipCheck(f"needs torch and transformers: {e}") from None
+    with tempfile.TemporaryDirectory() as d:
+        for kind in HF_KINDS:
+            model = hf.build_hf_model(kind)
+            path = hf._save(model, Path(d) / kind)
+            e = LLMEngine.from_pretrained(path, parallel_config=ParallelConfig(tensor_parallel_size=2),
+                                          cache_config=CacheConfig(block_size=8, num_blocks=32), compile_cache=False)
+            q = e.runner.params["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+            assert q.sharding.spec == P(None, "tp") and len({s.device for s in q.addressable_shards}) == 2
+            prompts = hf.PROMPTS[:3]
+            for i, p in enumerate(prompts):
+                e.add_request(str(i), p, SamplingParams(max_tokens=hf.MAX_NEW, ignore_eos=True))
+            plan = e.scheduler.schedule()
+            assert plan.num_seqs == len(prompts)
+            logits = e.runner.execute(e.step_inputs(plan), return_logits=True).logits
+            ref = hf.hf_logits(model, prompts)
+            for i, p in enumerate(prompts):
+                np.testing.assert_allclose(logits[i], ref[i][len(p) - 1], atol=hf.TOL, rtol=hf.TOL,
+                                           err_msg=f"{kind}, prompt {i}")
+            e.scheduler.update(plan, np.argmax(logits[:plan.num_seqs], axis=-1))
+            while e.has_unfinished_requests():
+                for o in e.step():
+                    if o.finished:
+                        want, _ = hf.hf_greedy(model, prompts[int(o.request_id)], hf.MAX_NEW)
+                        assert o.output_token_ids == want, (kind, o.request_id, o.output_token_ids, want)
+
+
+HF_KINDS = ("llama",)  # GQA, untied; biases and tied embeddings are covered by the "mqa" and "mha" models
+
+
+@check
+def cli_tensor_parallel():
+    """`pagedjax-generate --tensor-parallel-size 2` on the bundled model (vocabulary 259: embedding replicated)
+    prints the greedy completion of the one-device run."""
+    import contextlib
+    import io
+
+    from pagedjax import cli
+
+    texts = []
+    for tp in ("1", "2"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = cli.main(["--tensor-parallel-size", tp, "--prompt", "def f(x):", "--max-tokens", "6",
+                             "--temperature", "0", "--json", "--no-compile-cache", "--num-blocks", "16"])
+        assert code == 0, out.getvalue()
+        texts.append(json.loads(out.getvalue())["completions"][0]["text"])
+    assert texts[0] == texts[1] and texts[0], texts
+
+
+class SkipCheck(Exception):
+    """A check that cannot run here (e.g. torch missing); reported as skipped."""
+
+
+def main(argv: list[str]) -> int:
+    out, names = Path(argv[0]), argv[1:] or list(CHECKS)
+    assert len(jax.devices()) >= 8, f"needs 8 devices, got {jax.devices()}"
+    results = {}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            CHECKS[name]()
+            status, detail = "passed", ""
+        except SkipCheck as e:
+            status, detail = "skipped", str(e)
+        except Exception:  # noqa: BLE001 - reported to pytest, which fails that check's test
+            status, detail = "failed", traceback.format_exc()
+        results[name] = {"status": status, "detail": detail, "seconds": round(time.perf_counter() - start, 2)}
+        print(f"{name}: {status} ({results[name]['seconds']} s)", file=sys.stderr, flush=True)
+        out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,18 @@
+"""Which checks of `tests/parallel/worker.py` run by default (CI budget) and which only with `-m slow`."""
+
+FAST = [
+    "greedy_gqa_tp1_block8",  # tp 1 through a one-device mesh
+    "greedy_gqa_tp2_block16",  # KV heads split
+    "greedy_gqa_tp4_block8",  # tp > num_kv_heads: KV heads replicated
+    "greedy_mqa_tp2_block8",
+    "greedy_mqa_tp8_block16",
+    "logits_and_shardings",
+    "kv_pool_sized_per_device",
+    "data_parallel_2x2",
+    "pallas_under_shard_map",
+    "steps_export_for_cuda_on_4_devices",
+    "orbax_checkpoint_loads_into_shards",
+    "hf_checkpoint_loads_into_shards",
+]
+SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16", "greedy_mha_tp2_block8",
+        "greedy_mqa_tp4_block8", "greedy_mha_tp4_block8", "greedy_gqa_tp2_block8", "greedy_mqa_tp8_block8"]
