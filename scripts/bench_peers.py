@@ -68,7 +68,8 @@ Systems:
   with the source's `gguf-py` on the path; it needs `sentencepiece` importable, e.g. `pip install --target DIR
   sentencepiece` and `--llama-pythonpath DIR`), after a byte-fallback BPE `tokenizer.json` of the model's vocabulary
   is written beside the weights (the converter needs one; token ids go in directly, so its content does not
-  matter). The driver decodes through the low-level API: one context holding every sequence, one `llama_decode`
+  matter). The driver decodes through the low-level API (float32 KV cache, as the other systems keep it; llama.cpp's
+  default is float16): one context holding every sequence, one `llama_decode`
   per step (the prefill in chunks of --max-batched-tokens, then one token per sequence), greedy argmax in numpy;
   one row per --llama-threads value. Install (10-30 minutes on 2 cores: it compiles llama.cpp):
 
@@ -374,6 +375,7 @@ def main():
     params.n_ctx = cfg["max_num_seqs"] * cfg["max_model_len"]  # each sequence gets max_model_len
     params.n_batch = params.n_ubatch = cfg["max_num_batched_tokens"]
     params.n_threads = params.n_threads_batch = cfg["threads"]
+    params.type_k = params.type_v = L.GGML_TYPE_F32  # float32 KV like every other system here (default: f16)
     ctx = L.llama_init_from_model(model, params)
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     memory = L.llama_get_memory(ctx)

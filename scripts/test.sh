@@ -34,11 +34,11 @@ if PY312=$(find_python312); then
   quiet_pip .venv312/bin/pip install -q -e ".[test]"
   echo "== newest JAX: $(.venv312/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
   # Only what can differ by JAX version: the kernels (and their lowering), the device functions, the model and
-  # the engine's core paths, checkpoints and the README's examples. The host-side core is plain Python, and the
+  # the engine's core paths, checkpoints, the README's examples and sharding (meshes, shard_map). The host-side core is plain Python, and the
   # engine's long property, fault and CLI suites exercise that same core over these same device paths.
   .venv312/bin/python -m pytest -n 2 -q --durations=15 tests/kernels tests/device tests/engine/test_model.py \
     tests/engine/test_engine.py tests/engine/test_gpu_lowering.py tests/engine/test_tpu_lowering.py tests/engine/test_checkpoint_train.py \
-    tests/engine/test_readme.py tests/engine/test_engine_validation.py
+    tests/engine/test_readme.py tests/engine/test_engine_validation.py tests/parallel
 else
   echo "python3.12 not found: the newest-JAX run cannot happen" >&2
   exit 1
