@@ -111,3 +111,21 @@ def test_bench_projection_for_llama3_70b():
     assert tp8["paged"] == tp8["tokens"] // 4096
     assert tp8["paged"] in (2 * tp8["reserve_8192"], 2 * tp8["reserve_8192"] + 1)
     assert tp8["reserve_131072"] < tp8["paged"] // 30
+
+
+@pytest.mark.slow
+def test_bench_parallel_quick_runs():
+    """scripts/bench_parallel.py --quick end to end (its own process: it asks for 8 CPU devices); every mix's
+    greedy tokens equal the one-device run's. Slow (compiles an engine per mix), so out of the default run."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "scripts/bench_parallel.py", "--quick"], cwd=root, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines()
+            if line.startswith("| ") and re.fullmatch(r"\s*\d+ x \d+\s*", line.split("|")[1])]
+    assert len(rows) >= 3 and all(line.split("|")[6].strip() == "1.000" for line in rows), r.stdout
