@@ -31,7 +31,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO |
 
     with compile_cache(args) as cache:  # before anything is loaded: loading compiles too
         t0 = time.perf_counter()
-        cfg, params, tokenizer = load_pretrained_for_cli(args.model, args.dtype)
+        cfg, params, tokenizer = load_pretrained_for_cli(args.model, args.dtype, args.tensor_parallel_size)
         load_s = time.perf_counter() - t0
         engine = build_engine(args, cfg, params, tokenizer, compile_cache=cache.engine_arg)
         gen = Generation(engine, tokenizer, prompts, args, out, ctrl_c)

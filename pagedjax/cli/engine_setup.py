@@ -9,14 +9,23 @@ from pagedjax.cli.errors import CLIError
 from pagedjax.cli.sizes import format_size
 
 
-def load_pretrained_for_cli(path: str | None, dtype: str | None):
+def load_pretrained_for_cli(path: str | None, dtype: str | None, tensor_parallel_size: int = 1):
     """(ModelConfig, params, tokenizer) through the project's loader; CLIError (one line naming the file) if
-    the model cannot be loaded or has no tokenizer for text prompts."""
+    the model cannot be loaded or has no tokenizer for text prompts. With `tensor_parallel_size` > 1 the weights
+    are read straight into their shards (each device receives only its slice)."""
     from pagedjax.model.loader import ModelLoadError, load_pretrained
 
     where = path or "the bundled model"
+    mesh = None
+    if tensor_parallel_size > 1:
+        import jax
+
+        from pagedjax.parallel import ParallelConfig, replica_meshes
+
+        check_device_count(tensor_parallel_size)
+        mesh = replica_meshes(ParallelConfig(tensor_parallel_size=tensor_parallel_size), jax.devices())[0]
     try:
-        cfg, params, tokenizer = load_pretrained(path, dtype=dtype)
+        cfg, params, tokenizer = load_pretrained(path, dtype=dtype, mesh=mesh)
     except ModelLoadError as e:
         raise CLIError(f"cannot load the model: {e}") from None
     except OSError as e:
@@ -28,6 +37,16 @@ def load_pretrained_for_cli(path: str | None, dtype: str | None):
         raise CLIError(f"{where} has no tokenizer pagedjax can use for text prompts (tokenizer.json, or the "
                        "byte-level vocabulary)")
     return cfg, params, tokenizer
+
+
+def check_device_count(tensor_parallel_size: int) -> None:
+    """CLIError unless there are `tensor_parallel_size` devices."""
+    import jax
+
+    if len(jax.devices()) < tensor_parallel_size:
+        raise CLIError(f"--tensor-parallel-size {tensor_parallel_size}: only {len(jax.devices())} "
+                       f"{jax.default_backend()} device(s); on CPU set "
+                       "XLA_FLAGS=--xla_force_host_platform_device_count=N")
 
 
 def memory_available(device) -> tuple[int, str] | None:
@@ -90,9 +109,7 @@ def build_engine(args: argparse.Namespace, cfg, params, tokenizer, compile_cache
         from pagedjax.parallel import ParallelConfig
 
         parallel_config = ParallelConfig(tensor_parallel_size=tp)
-        if len(jax.devices()) < tp:
-            raise CLIError(f"--tensor-parallel-size {tp}: only {len(jax.devices())} {jax.default_backend()} "
-                           "device(s); on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N")
+        check_device_count(tp)
     try:
         cache_config = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                                    kv_memory_bytes=args.kv_memory, enable_prefix_caching=not args.no_prefix_caching)

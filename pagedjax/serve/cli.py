@@ -136,7 +136,8 @@ def serve(args: argparse.Namespace) -> int:
     from pagedjax.serve.chat_template import ChatTemplate
 
     with compile_cache(args) as cache:
-        cfg, params, tokenizer = load_pretrained_for_cli(args.model, args.dtype)
+        cfg, params, tokenizer = load_pretrained_for_cli(args.model, args.dtype,
+                                                         getattr(args, "tensor_parallel_size", 1))
         engine = build_engine(args, cfg, params, tokenizer, compile_cache=cache.engine_arg)
         folder = Path(args.model) if args.model is not None else bundled_model_path()
         try:
