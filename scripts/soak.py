@@ -74,8 +74,10 @@ def random_request(rng: random.Random, prefixes: list[list[int]]) -> tuple[list[
     max_tokens = rng.randint(1, MAX_LEN - len(prompt))
     if rng.random() < 0.5:
         return prompt, SamplingParams(max_tokens=max_tokens)
+    # a third of the sampled requests draw several samples from one prefill (forked KV, copy-on-write)
     return prompt, SamplingParams(max_tokens=max_tokens, temperature=rng.choice([0.7, 1.0]),
-                                  top_k=rng.choice([0, 8]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**31))
+                                  top_k=rng.choice([0, 8]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**31),
+                                  n=rng.choice([1, 1, 2, 3]))
 
 
 def run_round(engine: LLMEngine, requests: dict, rng: random.Random, abort_rate: float, stats: dict) -> dict:
@@ -89,8 +91,9 @@ def run_round(engine: LLMEngine, requests: dict, rng: random.Random, abort_rate:
                 outs[o.request_id] = o
         engine.scheduler.check_invariants()
         stats["steps"] += 1
-        if rng.random() < abort_rate:
-            live = list(engine.scheduler.requests)
+        if rng.random() < abort_rate:  # a caller's request: all the samples of a multi-sample one
+            live = sorted({r.group.request.request_id if r.group is not None else rid
+                           for rid, r in engine.scheduler.requests.items()})
             if live and engine.abort(victim := rng.choice(live)):
                 stats["aborts"] += 1
                 outs[victim] = None
@@ -126,11 +129,18 @@ def main(argv=None) -> int:
         for rid, out in outs.items():
             if out is None:
                 continue
-            if out.finish_reason == "error":
-                stats["errors"] += 1
-            elif out.output_token_ids != expected[rid].output_token_ids:
-                stats["mismatches"] += 1
-                logger.critical("mismatch in %s: %s != %s", rid, out.output_token_ids, expected[rid].output_token_ids)
+            # A sample that broke a step on its own fails alone (finish_reason "error"); the others must match. A
+            # multi-sample request whose prefill failed ends with no samples.
+            if not out.outputs:
+                stats["errors" if out.finish_reason == "error" else "mismatches"] += 1
+                continue
+            for got, want in zip(out.outputs, expected[rid].outputs, strict=True):
+                if got.finish_reason == "error":
+                    stats["errors"] += 1
+                elif got.token_ids != want.token_ids:
+                    stats["mismatches"] += 1
+                    logger.critical("mismatch in %s[%d]: %s != %s (%s)", rid, got.index, got.token_ids,
+                                    want.token_ids, got.finish_reason)
         mem = engine.stats().scheduler.memory
         if mem.num_used_blocks or mem.num_lent_blocks or len(outs) != len(batch):
             stats["leaks"] += 1
