@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedjax.core.request import Request, RequestOutput, SamplingParams
-from pagedjax.engine import EngineStats, LLMEngine
+from pagedjax.engine import EngineStats, LLMEngine, generate_batch
 from pagedjax.parallel.config import ParallelConfig
 from pagedjax.parallel.mesh import replica_meshes
 
@@ -155,32 +155,7 @@ class DataParallelEngine:
     def generate(self, prompts: Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """As `LLMEngine.generate`: the batch validated first, spread over the replicas, outputs in input order."""
-        prompts = list(prompts)
-        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = self.fresh_request_ids("gen", len(prompts))
-        requests = [self.make_request(rid, p, sp) for rid, p, sp in zip(ids, prompts, params, strict=True)]
-        for r in requests:
-            self.add_prepared_request(r)
-        results: dict[str, RequestOutput] = {}
-        pending = set(ids)
-        try:
-            while pending:
-                if not self.has_unfinished_requests():
-                    raise RuntimeError(f"requests {sorted(pending)[:5]} vanished without finishing")
-                for out in self.step():
-                    if out.finished and out.request_id in pending:
-                        results[out.request_id] = out
-                        pending.discard(out.request_id)
-        except BaseException:
-            for rid in pending:
-                self.abort(rid)
-            raise
-        return [results[i] for i in ids]
+        return generate_batch(self, prompts, sampling_params, use_tqdm)
 
     # -------------------------------------------------------------------------------------------------- stats
     def stats(self) -> DataParallelStats:
