@@ -306,8 +306,8 @@ class Transformers:
 
 MARK = "@@BENCH_PEERS@@ "
 
-VLLM_DRIVER = r'''
-"""bench_peers' vLLM driver: load the model once, then one JSON request per stdin line, one JSON reply."""
+# What every peer driver starts with: the reply protocol (one MARK-prefixed JSON line per request on stdout).
+DRIVER_PRELUDE = r'''
 import json
 import sys
 import time
@@ -318,7 +318,11 @@ MARK = "@@BENCH_PEERS@@ "
 def reply(obj):
     sys.stdout.write(MARK + json.dumps(obj) + "\n")
     sys.stdout.flush()
+'''
 
+VLLM_DRIVER = r'''
+"""bench_peers' vLLM driver: load the model once, then one JSON request per stdin line, one JSON reply."""
+''' + DRIVER_PRELUDE + r'''
 
 def main():
     cfg = json.loads(sys.argv[1])
@@ -350,19 +354,8 @@ if __name__ == "__main__":
 LLAMA_DRIVER = r'''
 """bench_peers' llama.cpp driver (llama-cpp-python's low-level API): every sequence of a batch in one context,
 one llama_decode per step, greedy argmax in numpy; one JSON request per stdin line, one JSON reply."""
-import json
-import sys
-import time
-
 import numpy as np
-
-MARK = "@@BENCH_PEERS@@ "
-
-
-def reply(obj):
-    sys.stdout.write(MARK + json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
+''' + DRIVER_PRELUDE + r'''
 
 def main():
     cfg = json.loads(sys.argv[1])
