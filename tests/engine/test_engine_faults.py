@@ -221,3 +221,27 @@ def test_compiled_steps_live_and_die_with_their_engine():
     del engine
     gc.collect()
     assert runner() is None and executables() is None
+
+
+@pytest.mark.parametrize("fail_at, mode", [(1, "after"), (1, "lose_cache"), (2, "before")])
+def test_failed_step_of_forked_samples_does_not_wedge_the_engine(fail_at, mode):
+    """Multi-sample requests (forked KV): call 1 is the samples' first step, the one that copies their shared
+    partial block; a fault there or later fails only what ran alone, every other sample equals the fault-free
+    run's, nothing stays held, and the engine serves on."""
+    prompts = [PROMPTS[2][:13], PROMPTS[2][:17]]  # forked inside a block (copy-on-write) / at a block boundary
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3)
+    config = dict(block_size=8, num_blocks=64, budget=64, steps=4)
+    expected = fault_free(config, prompts, [params] * 2)
+    engine = make_engine(**config)
+    faults = Faults(engine, fail_at=[fail_at], mode=mode)
+    outs = run(engine, prompts, [params] * 2)
+    assert faults.raised
+    for o, want in zip(outs, expected, strict=True):
+        for got, w in zip(o.outputs, want.outputs, strict=True):
+            if got.finish_reason != "error":
+                assert got.token_ids == w.token_ids
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.kv_cache_manager.block_pool.num_used == 0
+    engine.scheduler.check_invariants()
+    again = run(engine, prompts, [params] * 2)  # still serving, exactly
+    assert [[c.token_ids for c in o.outputs] for o in again] == [[c.token_ids for c in o.outputs] for o in expected]
