@@ -10,7 +10,8 @@ left without a kept candidate are aborted and release their blocks. Two beams wi
 blocks for as long as both live.
 
 A candidate ending in EOS (unless `ignore_eos`) or reaching `max_tokens` (or the model's length) is complete.
-The search ends when no beam is live; the result is the `beam_width` best of the complete ones by
+A beam whose request fails a step on its own (see `LLMEngine.step`) ends the search with a RuntimeError, every
+beam aborted. The search ends when no beam is live; the result is the `beam_width` best of the complete ones by
 `cumulative_logprob / len(token_ids) ** length_penalty`, where `len(token_ids)` counts the generated tokens,
 a final EOS included.
 """
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedjax.core.request import MAX_LOGPROBS, Request, SamplingParams, is_int
+from pagedjax.core.request import MAX_LOGPROBS, Request, RequestStatus, SamplingParams, is_int
 
 if TYPE_CHECKING:
     from pagedjax.engine import LLMEngine
@@ -111,6 +112,9 @@ def _search_batch(engine: LLMEngine, requests: list[Request], params: BeamSearch
         while any(live):
             while any(not b.request.is_finished and not b.request.paused for beams in live for b in beams):
                 engine.step()
+            failed = [b.request for beams in live for b in beams if b.request.status is RequestStatus.FINISHED_ERROR]
+            if failed:  # a beam that broke a step on its own: its scores are unknown, so the search cannot go on
+                raise RuntimeError(f"beam search: request {failed[0].request_id!r} failed: {failed[0].error}")
             for i, beams in enumerate(live):
                 live[i] = _advance(engine, beams, complete[i], params, eos, fork_ids)
     except BaseException:

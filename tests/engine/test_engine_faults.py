@@ -245,3 +245,26 @@ def test_failed_step_of_forked_samples_does_not_wedge_the_engine(fail_at, mode):
     engine.scheduler.check_invariants()
     again = run(engine, prompts, [params] * 2)  # still serving, exactly
     assert [[c.token_ids for c in o.outputs] for o in again] == [[c.token_ids for c in o.outputs] for o in expected]
+
+
+def test_beam_search_survives_a_failed_step_and_fails_cleanly_on_a_request_that_breaks_steps():
+    """A transient fault in a step of several beams: they rerun alone and the search gives the fault-free
+    beams. A beam that breaks every step it is in: RuntimeError naming it, every beam aborted, nothing held,
+    and the engine serves on."""
+    from pagedjax.beam_search import BeamSearchParams
+
+    prompts = [PROMPTS[2][:13], PROMPTS[1]]
+    params = BeamSearchParams(beam_width=2, max_tokens=5)
+    expected = make_engine().beam_search(prompts, params)
+    engine = make_engine()
+    faults = Faults(engine, fail_at=[3])
+    got = engine.beam_search(prompts, params)
+    assert faults.raised
+    assert [[s.token_ids for s in o.sequences] for o in got] == [[s.token_ids for s in o.sequences] for o in expected]
+    broken = make_engine()
+    Faults(broken, poison=tuple(PROMPTS[1][:4]))  # every call carrying this prompt's start fails
+    with pytest.raises(RuntimeError, match="beam search: request .* failed"):
+        broken.beam_search(prompts, params)
+    assert not broken.has_unfinished_requests()
+    assert broken.scheduler.kv_cache_manager.block_pool.num_used == 0
+    assert broken.generate([PROMPTS[2][:13]], SamplingParams(max_tokens=3), use_tqdm=False)[0].finish_reason == "length"
