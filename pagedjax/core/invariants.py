@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedjax.core.kv_cache_manager import cdiv
+from pagedjax.core.kv_cache_manager import RELEASED, cdiv
 from pagedjax.core.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -50,9 +50,12 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
         require(held >= need if mid_step else held == need,
                 f"{r.request_id} holds {held} blocks for {r.num_computed_tokens} tokens")
     count: dict[int, int] = {}
-    for blocks in holders.values():
-        require(len(set(blocks)) == len(blocks), "a request holds a block twice")
-        for b in blocks:
+    for rid, blocks in holders.items():
+        live = [b for b in blocks if b != RELEASED]
+        require(len(set(live)) == len(live), "a request holds a block twice")
+        require(len(live) == len(blocks) - kv.num_released_blocks(rid), f"{rid} released a block that is not "
+                "a leading one")
+        for b in live:
             count[b] = count.get(b, 0) + 1
     lent = kv.lent_block_ids
     require(not set(count) & lent, "a lent block is held by a request")
@@ -65,7 +68,7 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
     for rid, blocks in holders.items():
         r = by_id[rid]
         for i, b in enumerate(blocks):
-            if count[b] > 1:
+            if b != RELEASED and count[b] > 1:
                 # Shared blocks come from prefix hits (full) or forks (the last one may be partial: then
                 # every holder has the same computed tokens in it, and copies it before writing more).
                 filled = min(bs, r.num_computed_tokens - i * bs)

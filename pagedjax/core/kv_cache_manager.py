@@ -27,6 +27,14 @@ about to write into a block it shares (ref_cnt > 1) first gets a private copy (c
 blocks (every layer, K and V) on device before it writes its new KV (`take_block_copies`). Full shared
 blocks are never written, so never copied.
 
+Sliding windows: when every layer of the model attends only to its last `sliding_window` positions, a
+running request's leading blocks that no future query can see are released (`release_out_of_window`, called
+after each step, once their hashes are published). Their entries stay in the request's block list as
+`RELEASED` (-1), so logical block j is still entry j: block tables carry -1 there, which the kernels never
+read (a window skips whole pages before it). A released block that was published keeps its hash in the
+free queue like any cached block; a prefix lookup walks the hash chain from the first block and stops at the
+first miss, so a hit still always covers a prefix whose every block is present.
+
 Fused multi-step decode borrows blocks with `lend_blocks`; the device pops them as sequences cross block
 boundaries; the host then `adopt_blocks` the used ones and `return_lent_blocks` the rest.
 """
@@ -40,16 +48,25 @@ from pagedjax.core.block_pool import BlockHash, BlockPool, ExtraKeys
 from pagedjax.core.request import Request
 
 
+# A request's block-list entry for a logical block released out of the sliding window (see the module doc).
+RELEASED = -1
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
-                 hash_seed: int = 0) -> None:
+                 hash_seed: int = 0, sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
         self.block_size = block_size
+        # Positions older than `p - sliding_window` are read by no query at position >= p (None: all are read).
+        self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching, hash_seed=hash_seed)
         self._req_blocks: dict[str, list[int]] = {}
@@ -60,9 +77,10 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
 
     @classmethod
-    def from_config(cls, cache_config: CacheConfig, num_blocks: int) -> KVCacheManager:
+    def from_config(cls, cache_config: CacheConfig, num_blocks: int, *,
+                    sliding_window: int | None = None) -> KVCacheManager:
         return cls(num_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching,
-                   hash_seed=cache_config.hash_seed)
+                   hash_seed=cache_config.hash_seed, sliding_window=sliding_window)
 
     # -- queries ---------------------------------------------------------------------------------------
 
@@ -84,7 +102,8 @@ class KVCacheManager:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def get_block_ids(self, request_id: str) -> tuple[int, ...]:
-        """The blocks `request_id` holds, in logical order (a snapshot; empty if it holds none)."""
+        """The blocks `request_id` holds, in logical order (a snapshot; empty if it holds none); `RELEASED`
+        for leading blocks released out of the sliding window."""
         return tuple(self._req_blocks.get(request_id, ()))
 
     def holders(self) -> dict[str, tuple[int, ...]]:
@@ -92,8 +111,16 @@ class KVCacheManager:
         return {rid: tuple(blocks) for rid, blocks in self._req_blocks.items()}
 
     def num_held_blocks(self, request_id: str) -> int:
-        """How many blocks `request_id` holds."""
+        """How many logical blocks `request_id` covers (those released out of the window included)."""
         return len(self._req_blocks.get(request_id, ()))
+
+    def num_released_blocks(self, request_id: str) -> int:
+        """How many of `request_id`'s leading blocks were released out of the sliding window."""
+        blocks = self._req_blocks.get(request_id, ())
+        n = 0
+        while n < len(blocks) and blocks[n] == RELEASED:
+            n += 1
+        return n
 
     def extra_keys(self, request: Request, block_index: int) -> ExtraKeys:
         """Keys mixed into block `block_index`'s hash: the adapter in every block, the salt in the first."""
@@ -250,7 +277,7 @@ class KVCacheManager:
             raise ValueError(f"request {child.request_id!r} does not start with the {n} computed tokens of "
                              f"{source.request_id!r}")
         shared = blocks[:cdiv(n, self.block_size)]
-        self.block_pool.touch(shared)
+        self.block_pool.touch([b for b in shared if b != RELEASED])
         self._req_blocks[child.request_id] = list(shared)
         full = n // self.block_size
         self._num_hashed_blocks[child.request_id] = min(self._num_hashed_blocks[source.request_id], full)
@@ -276,7 +303,7 @@ class KVCacheManager:
         pool = self.block_pool
         n = 0
         for i in range(done, num_full):
-            if pool.block_hash(blocks[i]) is None:
+            if blocks[i] != RELEASED and pool.block_hash(blocks[i]) is None:
                 n += pool.cache_block(blocks[i], hashes[i])
         self._num_hashed_blocks[rid] = num_full
         return n
@@ -287,7 +314,30 @@ class KVCacheManager:
         self._num_hashed_blocks.pop(request.request_id, None)
         self._copies.pop(request.request_id, None)  # its step will not run: nothing to copy for it
         if blocks:
-            self.block_pool.free(reversed(blocks))
+            self.block_pool.free([b for b in reversed(blocks) if b != RELEASED])
+
+    def release_out_of_window(self, request: Request) -> int:
+        """Release the request's leading blocks that no query from its next position on can read (all of
+        their positions < num_computed_tokens - sliding_window + 1); their hashes, once published, stay with
+        them. Returns how many blocks were released now (0 without a sliding window)."""
+        window = self.sliding_window
+        blocks = self._req_blocks.get(request.request_id)
+        if window is None or not blocks:
+            return 0
+        # The next query sits at position p = num_computed_tokens and reads positions > p - window; block j
+        # ends at position (j + 1) * block_size - 1, so blocks j < (p - window + 1) // block_size are unread.
+        # (Publish first: cache_blocks hashes a block only while the request still holds it.)
+        end = min(max(0, (request.num_computed_tokens - window + 1) // self.block_size),
+                  request.num_computed_tokens // self.block_size, len(blocks))
+        done = self._num_hashed_blocks.get(request.request_id, 0)
+        if self.enable_caching and end > done:
+            raise RuntimeError(f"request {request.request_id!r}: publish its full blocks (cache_blocks) before "
+                               "releasing them")
+        released = [b for b in blocks[:end] if b != RELEASED]
+        if released:
+            blocks[:end] = [RELEASED] * end
+            self.block_pool.free(reversed(released))
+        return len(released)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash; refused (False) while any block is in use or lent."""

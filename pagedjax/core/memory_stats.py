@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.kv_cache_manager import RELEASED, KVCacheManager
 from pagedjax.core.request import Request
 
 
@@ -80,6 +80,8 @@ def kv_memory_stats(manager: KVCacheManager, requests: Iterable[Request], *,
         if not blocks:
             continue
         for i, b in enumerate(blocks):
+            if b == RELEASED:  # out of the sliding window: back in the pool
+                continue
             filled[b] = max(filled.get(b, 0), min(bs, max(0, r.num_computed_tokens - i * bs)))
         partial += len(blocks) * bs > r.num_computed_tokens
     reserved = len(filled) * bs

@@ -78,7 +78,11 @@ class Scheduler:
     `max_num_batched_tokens` tokens.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, *,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: the model's `kv_window` (no layer reads positions older than p - window from
+        position p; None when some layer attends globally): running requests release blocks that fell out of
+        it after each step."""
         if scheduler_config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len is None: resolve it first "
                              "(SchedulerConfig.resolve(max_position_embeddings))")
@@ -86,7 +90,7 @@ class Scheduler:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
-        self.kv_cache_manager = KVCacheManager.from_config(cache_config, num_blocks)
+        self.kv_cache_manager = KVCacheManager.from_config(cache_config, num_blocks, sliding_window=sliding_window)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -522,6 +526,8 @@ class Scheduler:
             if status is not None:
                 request.status = status
                 finished.append(request)
+            else:
+                kv.release_out_of_window(request)
         if finished:
             self._remove_finished(finished)
         for request in prefilled:
@@ -631,6 +637,8 @@ class Scheduler:
             if o.status is not None:
                 r.status = o.status
                 finished.append(r)
+            else:
+                kv.release_out_of_window(r)
         kv.return_lent_blocks([b for b in plan.lent_block_ids.tolist() if b not in claimed])
         self._pending_multi = None
         if finished:

@@ -14,7 +14,7 @@ from collections import Counter
 
 import numpy as np
 
-from pagedjax.core.kv_cache_manager import cdiv
+from pagedjax.core.kv_cache_manager import RELEASED, cdiv
 from pagedjax.core.request import Request, RequestStatus
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import MultiStepPlan, StepPlan, device_pop_step
@@ -30,13 +30,27 @@ def next_token(context: list[int] | np.ndarray, salt: int = 0) -> int:
 
 
 class FakeModel:
-    def __init__(self, num_blocks: int, block_size: int, salts: dict[str, int] | None = None) -> None:
+    """`window`: a sliding-window model: the token after position p depends on positions (p - window, p] only,
+    and a step's query at position q may read positions > q - window only (asserted: blocks released out of the
+    window must never be needed again)."""
+
+    def __init__(self, num_blocks: int, block_size: int, salts: dict[str, int] | None = None,
+                 window: int | None = None) -> None:
         self.block_size = block_size
         self.kv = np.full((num_blocks * block_size,), -1, np.int64)
         self.salts = salts if salts is not None else {}  # request id -> salt (0 if absent)
+        self.window = window
 
-    def read(self, table_row: np.ndarray, length: int) -> np.ndarray:
-        pos = np.arange(length)
+    def read(self, table_row: np.ndarray, length: int, first_query: int | None = None) -> np.ndarray:
+        """The context of the query at position length - 1 (its window's positions). `first_query`: the
+        step's first query position: every block any of the step's queries may read must be present."""
+        first = 0 if self.window is None else max(0, length - self.window)
+        if self.window is not None and first_query is not None:
+            lo = max(0, first_query - self.window + 1)
+            needed = table_row[lo // self.block_size:cdiv(length, self.block_size)]
+            assert (needed >= 0).all(), "a block a query of this step can see was released"
+        pos = np.arange(first, length)
+        assert (table_row[pos // self.block_size] >= 0).all(), "attention would read a released block"
         slots = table_row[pos // self.block_size] * self.block_size + pos % self.block_size
         ctx = self.kv[slots]
         assert (ctx >= 0).all(), "attention would read a slot that was never written"
@@ -52,7 +66,8 @@ class FakeModel:
         assert (slots >= 0).all()
         assert len(np.unique(slots)) == len(slots), "two tokens of one step write the same slot"
         self.kv[slots] = plan.token_ids
-        return np.array([next_token(self.read(plan.block_tables[s], int(plan.kv_lens[s])),
+        first_query = plan.kv_lens - plan.q_lens
+        return np.array([next_token(self.read(plan.block_tables[s], int(plan.kv_lens[s]), int(first_query[s])),
                                     self.salts.get(plan.request_ids[s], 0))
                          for s in range(plan.num_seqs)], dtype=np.int32)
 
@@ -86,7 +101,8 @@ class FakeModel:
             assert len(np.unique(written)) == len(written)
             self.kv[written] = cur[active]
             for s in np.flatnonzero(active):
-                new = next_token(self.read(tables[s], int(lens[s])), self.salts.get(plan.request_ids[s], 0))
+                new = next_token(self.read(tables[s], int(lens[s]), int(lens[s]) - 1),
+                                 self.salts.get(plan.request_ids[s], 0))
                 out[step, s] = new
                 cur[s] = new
                 generated[s] += 1
@@ -185,13 +201,22 @@ class Checker:
             assert 0 < r.num_computed_tokens < r.num_tokens or mid_step
             assert r.num_tokens <= s.max_model_len or r.num_prompt_tokens == s.max_model_len
         holders = kv.holders()
-        count = Counter(b for blocks in holders.values() for b in blocks)
+        count = Counter(b for blocks in holders.values() for b in blocks if b != RELEASED)
+        window = kv.sliding_window
+        for r in s.running:
+            # exactly the leading blocks no query from the next position on can read are released (between
+            # steps; a request admitted in this step has not released yet)
+            p = r.num_computed_tokens
+            expected = 0 if window is None else min(max(0, (p - window + 1) // bs), p // bs)
+            assert kv.num_released_blocks(r.request_id) == expected or mid_step, (r.request_id, expected)
         # hashes: a request's hashed blocks carry its own chained hashes; remember what each hash holds
         by_id = {r.request_id: r for r in s.running}
         for rid, blocks in holders.items():
             r = by_id[rid]
             hashes = kv.block_hashes(r) if kv.enable_caching else []
             for i, b in enumerate(blocks):
+                if b == RELEASED:
+                    continue
                 h = pool.block_hash(b)
                 if h is not None:
                     assert i < len(hashes) and h == hashes[i]
@@ -205,7 +230,7 @@ class Checker:
         for rid, blocks in holders.items():
             r = by_id[rid]
             for i, b in enumerate(blocks):
-                if count[b] > 1:
+                if b != RELEASED and count[b] > 1:
                     filled = min(bs, r.num_computed_tokens - i * bs)
                     assert filled > 0
                     tokens = tuple(r.get_token_ids(i * bs, i * bs + filled))
@@ -219,12 +244,13 @@ class Checker:
             n = r.num_computed_tokens
             if n == 0:
                 continue
-            pos = np.arange(n)
+            pos = np.arange(kv.num_released_blocks(rid) * bs, n)
             if pending_copies is not None and len(pending_copies):
                 remap = dict(pending_copies[:, ::-1].tolist())
                 blocks = [remap.get(b, b) for b in blocks]
             slots = np.asarray(blocks)[pos // bs] * bs + pos % bs
-            np.testing.assert_array_equal(kvc[slots], r.get_token_ids(0, n), err_msg=f"KV of {rid}")
+            np.testing.assert_array_equal(kvc[slots], r.get_token_ids(int(pos[0]) if len(pos) else n, n),
+                                          err_msg=f"KV of {rid}")
         # every hashed block (used or idle) still holds the tokens its hash stands for
         for b in range(pool.num_blocks):
             h = pool.block_hash(b)
@@ -274,14 +300,14 @@ def run_to_completion(sched: Scheduler, model: FakeModel, *, checker: Checker | 
 
 
 def reference_outputs(request: Request, max_model_len: int, salt: int = 0,
-                      outputs: list[int] | None = None) -> list[int]:
-    """What a request must produce under the fake model, computed without any cache (continuing from
-    `outputs` it already has, if given)."""
+                      outputs: list[int] | None = None, window: int | None = None) -> list[int]:
+    """What a request must produce under the fake model (with `window`, a sliding-window one), computed
+    without any cache (continuing from `outputs` it already has, if given)."""
     out: list[int] = list(outputs or [])
     tokens = list(request.prompt_token_ids) + out
     stop = request.stop_ids
     while True:
-        t = next_token(tokens, salt)
+        t = next_token(tokens if window is None else tokens[-window:], salt)
         out.append(t)
         tokens.append(t)
         if t in stop or len(out) >= request.sampling_params.max_tokens or len(tokens) >= max_model_len:

@@ -241,3 +241,60 @@ def test_lend_adopt_and_return():
     with pytest.raises(ValueError, match="holds no blocks"):
         m.adopt_blocks(make_request("x", [1]), [])
     pool.check_invariants()
+
+
+# -- sliding windows: blocks out of every layer's window go back to the pool while the request runs -------
+
+def test_release_out_of_window_frees_exactly_the_unreadable_leading_blocks():
+    kv = KVCacheManager(11, 4, sliding_window=5)
+    r = make_request("w", list(range(13)))
+    assert kv.allocate_slots(r, 13) is not None
+    blocks = kv.get_block_ids("w")  # 4 blocks: positions 0-3, 4-7, 8-11, 12
+    r.num_computed_tokens = 13
+    kv.cache_blocks(r)
+    free_before = kv.num_free_blocks
+    # The next query sits at position 13 and reads positions 9..13: blocks 0 and 1 (positions < 8) are unread;
+    # block 2 (8-11) is still read.
+    assert kv.release_out_of_window(r) == 2
+    assert kv.get_block_ids("w") == (-1, -1) + blocks[2:]
+    assert kv.num_released_blocks("w") == 2 and kv.num_held_blocks("w") == 4
+    assert kv.num_free_blocks == free_before + 2
+    assert kv.release_out_of_window(r) == 0  # idempotent
+    # the released, published blocks stay cached: the same prompt hits the whole prefix while they are present
+    twin = make_request("twin", list(range(13)))
+    hits, num_hit = kv.get_computed_blocks(twin)
+    assert hits == list(blocks[:3]) and num_hit == 12
+    kv.free(r)
+    assert kv.num_free_blocks == 11
+
+
+def test_release_needs_published_blocks_and_a_valid_window():
+    kv = KVCacheManager(8, 2, sliding_window=1)
+    r = make_request("w", list(range(6)))
+    assert kv.allocate_slots(r, 6) is not None
+    r.num_computed_tokens = 6
+    with pytest.raises(RuntimeError, match="publish"):
+        kv.release_out_of_window(r)
+    kv.cache_blocks(r)
+    # window 1: the next query (position 6) reads only itself; every computed block is released
+    assert kv.release_out_of_window(r) == 3 and kv.num_released_blocks("w") == 3
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="sliding_window"):
+            KVCacheManager(8, 2, sliding_window=bad)
+    assert KVCacheManager(8, 2).release_out_of_window(r) == 0  # no window: nothing is ever released
+
+
+def test_evicting_a_released_block_cuts_the_prefix_chain_there():
+    kv = KVCacheManager(4, 4, sliding_window=4)
+    r = make_request("w", list(range(12)))
+    assert kv.allocate_slots(r, 12) is not None
+    r.num_computed_tokens = 12
+    kv.cache_blocks(r)
+    first, second = kv.get_block_ids("w")[:2]
+    assert kv.release_out_of_window(r) == 2  # next query at 12 reads 9..12
+    other = make_request("o", [50] * 4)  # takes the one free block, then evicts the oldest idle cached one
+    assert kv.allocate_slots(other, 8) is not None
+    # released blocks are freed tail-first (like `free`), so a prefix's later block is evicted before its first
+    assert second in kv.get_block_ids("o") and first not in kv.get_block_ids("o")
+    twin = make_request("twin", list(range(12)) + [7])
+    assert kv.get_computed_blocks(twin) == ([first], 4)  # the chain stops at the evicted block

@@ -27,7 +27,9 @@ def configs(draw):
     return {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len,
             "budget": draw(st.integers(1, 24)), "max_num_seqs": draw(st.integers(1, 6)),
             "caching": draw(st.booleans()), "chunked": draw(st.booleans()),
-            "multi": draw(st.sampled_from([0, 0, 2, 3, 5]))}
+            "multi": draw(st.sampled_from([0, 0, 2, 3, 5])),
+            # a sliding-window model: blocks out of the window are released while requests run
+            "window": draw(st.sampled_from([None, None, None, 1, 2, 3, 5, 9]))}
 
 
 workloads = st.lists(st.tuples(st.sampled_from(range(len(PREFIXES))), st.lists(st.integers(0, VOCAB - 1),
@@ -38,7 +40,7 @@ workloads = st.lists(st.tuples(st.sampled_from(range(len(PREFIXES))), st.lists(s
 @settings(max_examples=4 * settings.default.max_examples)
 @given(configs(), workloads)
 @example({"block_size": 1, "num_blocks": 12, "budget": 5, "max_num_seqs": 4, "max_model_len": 12,
-          "caching": True, "chunked": True, "multi": 3},
+          "caching": True, "chunked": True, "multi": 3, "window": None},
          [(1, [0], 8, False), (1, [1], 8, False), (2, [2, 3], 6, True), (0, [4, 4, 4], 9, False)])
 def test_any_workload_finishes_correctly(config, workload):
     budget = config["budget"] if config["chunked"] else max(config["budget"], config["max_model_len"])
@@ -46,7 +48,7 @@ def test_any_workload_finishes_correctly(config, workload):
         SchedulerConfig(max_num_seqs=config["max_num_seqs"], max_num_batched_tokens=budget,
                         max_model_len=config["max_model_len"], enable_chunked_prefill=config["chunked"]),
         CacheConfig(block_size=config["block_size"], enable_prefix_caching=config["caching"]),
-        config["num_blocks"])
+        config["num_blocks"], sliding_window=config["window"])
     accepted = []
     for i, (prefix, suffix, max_tokens, use_stop) in enumerate(workload):
         prompt = PREFIXES[prefix] + suffix
@@ -61,11 +63,12 @@ def test_any_workload_finishes_correctly(config, workload):
         assert valid
         accepted.append(r)
     bound = sum(sched.max_kv_tokens(r) + 2 for r in accepted) + 2
-    model = FakeModel(config["num_blocks"], config["block_size"])
+    model = FakeModel(config["num_blocks"], config["block_size"], window=config["window"])
     outputs, steps = run_to_completion(sched, model, checker=Checker(sched, model), multi_steps=config["multi"],
                                        max_steps=bound)
     for r in accepted:
-        assert outputs[r.request_id] == reference_outputs(r, sched.max_model_len), r.request_id
+        assert outputs[r.request_id] == reference_outputs(r, sched.max_model_len, window=config["window"]), \
+            r.request_id
     st_ = sched.stats()
     assert st_.memory.num_used_blocks == 0 and st_.memory.num_lent_blocks == 0
     if st_.num_preemptions:
@@ -74,5 +77,7 @@ def test_any_workload_finishes_correctly(config, workload):
         event("prefix hit")
     if st_.num_evictions:
         event("evicted")
+    if config["window"] is not None and config["window"] < sched.max_model_len - config["block_size"]:
+        event("window smaller than a request")
     if config["multi"] and steps < sum(r.num_output_tokens for r in accepted) - len(accepted):
         event("fused decode shortened the run")
