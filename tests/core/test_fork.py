@@ -23,14 +23,17 @@ from tests.core.harness import VOCAB, Checker, FakeModel, reference_outputs, run
 
 class ForkMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(12, 40),
-                budget=st.sampled_from([3, 8, 64]), caching=st.booleans())
-    def setup(self, block_size, num_blocks, budget, caching):
+                budget=st.sampled_from([3, 8, 64]), caching=st.booleans(),
+                window=st.sampled_from([None, None, 2, 5]))
+    def setup(self, block_size, num_blocks, budget, caching, window):
         self.max_model_len = 24
         self.sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget,
                                                max_model_len=self.max_model_len),
-                               CacheConfig(block_size=block_size, enable_prefix_caching=caching), num_blocks)
+                               CacheConfig(block_size=block_size, enable_prefix_caching=caching), num_blocks,
+                               sliding_window=window)
         self.salts: dict[str, int] = {}
-        self.model = FakeModel(num_blocks, block_size, self.salts)
+        self.model = FakeModel(num_blocks, block_size, self.salts, window=window)
+        self.window = window
         self.checker = Checker(self.sched, self.model)
         self.expected_prefix: dict[str, list[int]] = {}  # forked child -> the outputs it started with
         self.finished: list[Request] = []
@@ -128,7 +131,8 @@ class ForkMachine(RuleBasedStateMachine):
             if r.request_id in self.aborted or (r.group is not None and r.group.request.request_id in self.aborted):
                 continue
             prefix = self.expected_prefix.get(r.request_id)
-            expected = reference_outputs(r, self.max_model_len, self.salts.get(r.request_id, 0), prefix)
+            expected = reference_outputs(r, self.max_model_len, self.salts.get(r.request_id, 0), prefix,
+                                         window=self.window)
             assert r.output_token_ids == expected, r.request_id
 
 
