@@ -1,4 +1,5 @@
-"""Pieces shared by the decode and ragged kernels: validation, tiling arithmetic, the online-softmax step.
+"""Pieces shared by the decode and ragged kernels: validation (of the variants too: sliding window, soft cap,
+8-bit pages with their scales), tiling arithmetic, the page-tile gather and the online-softmax step.
 
 Nothing here is public API; `paged_attention.py` and `ragged_attention.py` are the entry points.
 """
@@ -6,11 +7,14 @@ Nothing here is public API; `paged_attention.py` and `ragged_attention.py` are t
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.quant import QUANTIZED_DTYPES, SCALE_DTYPES, is_quantized
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 256
@@ -100,12 +104,21 @@ def validate_qkv(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tab
             f"k_pages must be 4-D [num_kv_heads, num_blocks, block_size, head_dim], got shape {k_pages.shape}")
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"k_pages and v_pages must have the same shape, got {k_pages.shape} and {v_pages.shape}")
-    dtypes = {jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), jnp.dtype(v_pages.dtype)}
-    if len(dtypes) != 1:
-        raise ValueError(
-            f"q, k_pages and v_pages must share one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
-    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {q.dtype}")
+    if is_quantized(k_pages.dtype) or is_quantized(v_pages.dtype):
+        # 8-bit pages are dequantized inside the kernel; q keeps its own float dtype (and sets the output's).
+        if jnp.dtype(k_pages.dtype) != jnp.dtype(v_pages.dtype):
+            raise ValueError(f"k_pages and v_pages must share one dtype, got {k_pages.dtype} and {v_pages.dtype}")
+        if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"q's dtype must be one of float32, bfloat16, float16 (with {k_pages.dtype} pages); "
+                             f"got {q.dtype}")
+    else:
+        dtypes = {jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), jnp.dtype(v_pages.dtype)}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"q, k_pages and v_pages must share one dtype (or the pages be int8 / float8_e4m3fn), got "
+                f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+        if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {q.dtype}")
     _, num_q_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, head_dim_kv = k_pages.shape
     if head_dim_kv != head_dim:
@@ -126,6 +139,57 @@ def validate_qkv(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tab
     return num_q_heads, head_dim, num_kv_heads, num_blocks, block_size, block_tables.shape[1]
 
 
+def check_sliding_window(sliding_window) -> int | None:
+    """`None` (no window) or a Python int >= 1 (a static constant: it sizes the kernels' page ranges)."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or an int >= 1 (a static constant), got {sliding_window!r}")
+    return int(sliding_window)
+
+
+def check_soft_cap(logits_soft_cap) -> float | None:
+    """`None` (no cap) or a finite Python float > 0 (a static constant)."""
+    if logits_soft_cap is None:
+        return None
+    if (isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real)
+            or not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0):
+        raise ValueError(
+            f"logits_soft_cap must be None or a finite float > 0 (a static constant), got {logits_soft_cap!r}")
+    return float(logits_soft_cap)
+
+
+def check_scales(k_pages: jax.Array, v_pages: jax.Array, k_scales, v_scales) -> bool:
+    """Scales come with 8-bit pages and only with them: both k_scales and v_scales, each
+    `[num_kv_heads, num_blocks, block_size]` float32 or bfloat16. Returns whether the pages are quantized."""
+    quantized = is_quantized(k_pages.dtype)
+    if quantized != is_quantized(v_pages.dtype) or (quantized and k_pages.dtype != v_pages.dtype):
+        raise ValueError(f"k_pages and v_pages must share one dtype, got {k_pages.dtype} and {v_pages.dtype}")
+    names = ", ".join(jnp.dtype(d).name for d in QUANTIZED_DTYPES)
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if not quantized:
+            if scales is not None:
+                raise ValueError(f"{name} is only for 8-bit pages ({names}); k_pages/v_pages are {k_pages.dtype}")
+            continue
+        if scales is None:
+            raise ValueError(f"{name} is required with {k_pages.dtype} pages (one scale per token and KV head)")
+        if not hasattr(scales, "shape") or not hasattr(scales, "dtype"):
+            raise ValueError(f"{name} must be an array, got {type(scales).__name__}")
+        if tuple(scales.shape) != tuple(k_pages.shape[:3]):
+            raise ValueError(f"{name} must have shape [num_kv_heads, num_blocks, block_size] = "
+                             f"{tuple(k_pages.shape[:3])}, got {tuple(scales.shape)}")
+        if jnp.dtype(scales.dtype) not in SCALE_DTYPES:
+            raise ValueError(f"{name} must be float32 or bfloat16, got {scales.dtype}")
+    return quantized
+
+
+def validate_variants(k_pages: jax.Array, v_pages: jax.Array, *, sliding_window, logits_soft_cap, k_scales,
+                      v_scales) -> tuple[int | None, float | None, bool]:
+    """Checks the variant arguments; returns (sliding_window, logits_soft_cap, quantized) normalised."""
+    return (check_sliding_window(sliding_window), check_soft_cap(logits_soft_cap),
+            check_scales(k_pages, v_pages, k_scales, v_scales))
+
+
 def check_vector(name: str, x: jax.Array, length: int) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"{name} must be an int32 array, got {type(x).__name__}")
@@ -138,9 +202,12 @@ def default_pages_per_iter(block_size: int, max_blocks_per_seq: int, head_dim: i
                            max_tokens: int = 128, tile_bytes: int = 32 * 1024) -> int:
     """Pages gathered per inner-loop iteration (a power of two).
 
-    About `tile_bytes` of K per tile (so K and V tiles, double-buffered, stay well inside shared memory:
-    128 tokens for bf16 at head_dim 128, 64 for float32 or head_dim 256), at most `max_tokens` tokens,
-    at least 16 tokens (tl.dot), and never more pages than a sequence can have (rounded up).
+    About `tile_bytes` of K per tile in `dtype`, the dtype the tile is computed in (q's): 128 tokens for bf16
+    at head_dim 128, 64 for float32 or head_dim 256; at most `max_tokens` tokens, at least 16 (tl.dot), and
+    never more pages than a program walks (rounded up; with a sliding window, the window's page count).
+    8-bit pages are dequantized into q's dtype in registers, so their tile is sized by that register
+    footprint as well (callers pass q's dtype): their 1-byte loads only shrink the shared memory the
+    software pipeline stages, which this bound already keeps small.
     """
     block_pad = next_pow2(block_size)
     dim_pad = padded_head_dim(head_dim)
@@ -152,19 +219,34 @@ def default_pages_per_iter(block_size: int, max_blocks_per_seq: int, head_dim: i
     return pages
 
 
+def window_pages(sliding_window: int | None, span: int, max_blocks_per_seq: int, block_size: int) -> int:
+    """Static bound on the pages one program walks: all of a table's `max_blocks_per_seq`, or with a window
+    the pages that can hold `span` consecutive query positions' windows (`span + W - 1` consecutive
+    positions starting anywhere in a page)."""
+    if sliding_window is None:
+        return max_blocks_per_seq
+    return min(max_blocks_per_seq, cdiv(span + sliding_window - 2, block_size) + 1)
+
+
 def dot_precision(dtype) -> lax.Precision | None:
     # Triton would otherwise run float32 matmuls in TF32 (about 1e-3 relative error).
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def gather_page_tile(table_ref, k_ref, v_ref, *, seq, head, first_page, page_end, token_end,
-                     pages_per_iter: int, block_size: int, head_dim: int):
+                     pages_per_iter: int, block_size: int, head_dim: int, token_start=None, scale_refs=None,
+                     dtype=None):
     """Loads one KV tile of `pages_per_iter` pages through the block table.
 
     Returns (k, v, valid, pos): k and v are `[pages_per_iter * block_pad, dim_pad]` (zeros where masked),
-    valid `[tile]` says which tile rows are real tokens (logical page < page_end and position < token_end),
-    pos `[tile]` their positions in the sequence. Padded rows and padded head_dim columns are never read
-    from memory (masked loads), so a NaN there cannot leak in.
+    valid `[tile]` says which tile rows are real tokens (logical page < page_end, position < token_end and,
+    with a `token_start`, position >= token_start), pos `[tile]` their positions in the sequence. Padded
+    rows, padded head_dim columns and rows outside [token_start, token_end) are never read from memory
+    (masked loads), so a NaN there cannot leak in. Table entries of pages before `first_page` are never read.
+
+    8-bit pages come with `scale_refs` = (k_scales_ref, v_scales_ref) `[num_kv_heads, num_blocks, block_size]`:
+    the tile is loaded as 8-bit (a quarter of float32's bytes), its per-token scales with the same mask, and
+    dequantized in registers, `(values.astype(float32) * scales)` cast to `dtype` (q's).
     """
     block_pad = next_pow2(block_size)
     dim_pad = padded_head_dim(head_dim)
@@ -174,6 +256,8 @@ def gather_page_tile(table_ref, k_ref, v_ref, *, seq, head, first_page, page_end
     page_ok = page < page_end
     pos = page * block_size + offset
     valid = page_ok & (pos < token_end)
+    if token_start is not None:
+        valid = valid & (pos >= token_start)
     if block_pad != block_size:  # static: only padded blocks need the slot test
         valid = valid & (offset < block_size)
     physical = plgpu.load(table_ref.at[seq, page], mask=page_ok, other=0)
@@ -182,21 +266,33 @@ def gather_page_tile(table_ref, k_ref, v_ref, *, seq, head, first_page, page_end
     if dim_pad != head_dim:  # static: only padded head_dims need the column test
         kv_mask = kv_mask & (d < head_dim)[None, :]
     idx = (head, physical[:, None], offset[:, None], d[None, :])
-    k = plgpu.load(k_ref.at[idx], mask=kv_mask, other=0)
-    v = plgpu.load(v_ref.at[idx], mask=kv_mask, other=0)
+    # A float fill for float pages: Triton casts the fill to the page dtype, and has no int -> fp8 cast.
+    fill = 0.0 if jnp.issubdtype(k_ref.dtype, jnp.floating) else 0
+    k = plgpu.load(k_ref.at[idx], mask=kv_mask, other=fill)
+    v = plgpu.load(v_ref.at[idx], mask=kv_mask, other=fill)
+    if scale_refs is not None:
+        k_scales_ref, v_scales_ref = scale_refs
+        scale_idx = (head, physical, offset)
+        k_scales = plgpu.load(k_scales_ref.at[scale_idx], mask=valid, other=0).astype(jnp.float32)
+        v_scales = plgpu.load(v_scales_ref.at[scale_idx], mask=valid, other=0).astype(jnp.float32)
+        k = (k.astype(jnp.float32) * k_scales[:, None]).astype(dtype)
+        v = (v.astype(jnp.float32) * v_scales[:, None]).astype(dtype)
     return k, v, valid, pos
 
 
-def online_softmax_step(q, k, v, mask, carry, *, scale: float):
+def online_softmax_step(q, k, v, mask, carry, *, scale: float, logits_soft_cap: float | None = None):
     """One flash-attention step over a KV tile, exact in float32.
 
-    q `[rows, dim]`, k/v `[tile, dim]`, mask `[rows, tile]` (or broadcastable); carry = (m, z, u) with
-    m, z `[rows]` and u `[rows, dim]`, all float32. m is the running max (-inf while nothing was seen),
-    z the running sum of exp(s - m), u the running sum of exp(s - m) * v.
+    q `[rows, dim]`, k/v `[tile, dim]` (q's dtype), mask `[rows, tile]` (or broadcastable); carry = (m, z, u)
+    with m, z `[rows]` and u `[rows, dim]`, all float32. m is the running max (-inf while nothing was seen),
+    z the running sum of exp(s - m), u the running sum of exp(s - m) * v. With `logits_soft_cap` c the
+    scaled scores pass through c * tanh(s / c) first (bounded scores: the merge is unchanged).
     """
     m_prev, z_prev, u_prev = carry
     precision = dot_precision(q.dtype)
     s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
     s = jnp.where(mask, s, NEG_INF)
     m_next = jnp.maximum(m_prev, s.max(axis=-1))
     # Rows that have seen nothing yet keep m = -inf; exponentiate against 0 there so no (-inf) - (-inf).
@@ -212,6 +308,14 @@ def online_softmax_step(q, k, v, mask, carry, *, scale: float):
 def init_carry(rows: int, dim_pad: int):
     return (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, dim_pad), jnp.float32))
+
+
+def variant_suffix(sliding_window: int | None, logits_soft_cap: float | None, page_dtype) -> str:
+    """Kernel-name suffix naming the variants in use (profiles tell the variants apart)."""
+    parts = ["window"] if sliding_window is not None else []
+    parts += ["softcap"] if logits_soft_cap is not None else []
+    parts += [jnp.dtype(page_dtype).name] if is_quantized(page_dtype) else []
+    return "".join(f"_{part}" for part in parts)
 
 
 def compiler_params(num_warps: int | None, num_stages: int | None):

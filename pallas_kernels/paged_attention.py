@@ -14,6 +14,17 @@ does about the same work, whatever the table width), each program writes its par
 
 Non-power-of-two sizes (head_dim 80 or 96, odd group sizes, any block_size) are padded to powers of two
 inside the kernel only, with masked loads and stores: the KV cache is never copied or padded.
+
+Variants (static, one compiled kernel per combination):
+  * sliding window W: the query (position lengths[s] - 1) sees positions [lengths[s] - W, lengths[s]). The
+    splits are cut over the pages from the one holding lengths[s] - W on (sized from that range, and the
+    default split count and tile from the window's page count), so pages wholly before the window are never
+    loaded and their block-table entries never read; slots of the first page before the window are masked
+    on load;
+  * soft cap c: scores become c * tanh(s / c) inside the online-softmax step (bounded scores; the exact
+    (m, z, u) merge is unchanged);
+  * 8-bit pages: K/V tiles are loaded as int8 / float8_e4m3fn with their per-token scales (the same masked
+    loads) and dequantized in registers into q's dtype before the matmuls.
 """
 
 from __future__ import annotations
@@ -49,13 +60,16 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int
     return int(max(1, min(want, tiles, _MAX_SPLITS)))
 
 
-def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, scale: float, group: int,
+def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float, group: int,
                    rows: int, head_dim: int, block_size: int, pages_per_iter: int, num_splits: int,
-                   max_blocks_per_seq: int):
+                   max_blocks_per_seq: int, sliding_window: int | None, logits_soft_cap: float | None,
+                   quantized: bool):
     """q_ref [num_seqs, num_q_heads, head_dim]; k_ref/v_ref [num_kv_heads, num_blocks, block_size, head_dim];
-    table_ref [num_seqs, max_blocks_per_seq]; lengths_ref [num_seqs]. Outputs: o [num_seqs, num_q_heads,
-    head_dim] (one split) or m, z [num_splits, num_seqs, num_q_heads] and u [num_splits, num_seqs,
-    num_q_heads, head_dim] float32 (several)."""
+    table_ref [num_seqs, max_blocks_per_seq]; lengths_ref [num_seqs]; with 8-bit pages refs starts with
+    k_scales/v_scales [num_kv_heads, num_blocks, block_size]. Outputs: o [num_seqs, num_q_heads, head_dim]
+    (one split) or m, z [num_splits, num_seqs, num_q_heads] and u [num_splits, num_seqs, num_q_heads,
+    head_dim] float32 (several)."""
+    scale_refs, out_refs = (refs[:2], refs[2:]) if quantized else (None, refs)
     seq = pl.program_id(0)
     head = pl.program_id(1)
     split = pl.program_id(2)
@@ -63,9 +77,13 @@ def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, scale
 
     length = jnp.clip(lengths_ref[seq], 0, max_blocks_per_seq * block_size)
     num_pages = C.cdiv(length, block_size)
-    # This split's page range, sized from this sequence's length and rounded to whole tiles.
-    pages_per_split = C.cdiv(C.cdiv(num_pages, num_splits), pages_per_iter) * pages_per_iter
-    page_lo = split * pages_per_split
+    # The query sits at position length - 1: a window keeps positions [length - W, length), and pages wholly
+    # before it are no split's (never loaded, their table entries never read).
+    window_start = None if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+    first_page = 0 if sliding_window is None else window_start // block_size
+    # This split's page range, sized from this sequence's (window's) page count and rounded to whole tiles.
+    pages_per_split = C.cdiv(C.cdiv(num_pages - first_page, num_splits), pages_per_iter) * pages_per_iter
+    page_lo = first_page + split * pages_per_split
     page_hi = jnp.minimum(page_lo + pages_per_split, num_pages)
     num_iters = C.cdiv(jnp.maximum(page_hi - page_lo, 0), pages_per_iter)
 
@@ -79,8 +97,8 @@ def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, scale
         k, v, valid, _ = C.gather_page_tile(
             table_ref, k_ref, v_ref, seq=seq, head=head, first_page=page_lo + i * pages_per_iter,
             page_end=page_hi, token_end=length, pages_per_iter=pages_per_iter, block_size=block_size,
-            head_dim=head_dim)
-        return C.online_softmax_step(q, k, v, valid[None, :], carry, scale=scale)
+            head_dim=head_dim, token_start=window_start, scale_refs=scale_refs, dtype=q.dtype)
+        return C.online_softmax_step(q, k, v, valid[None, :], carry, scale=scale, logits_soft_cap=logits_soft_cap)
 
     m, z, u = lax.fori_loop(0, num_iters, body, C.init_carry(rows, dim_pad))
 
@@ -97,9 +115,11 @@ def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, scale
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "interpret", "num_splits", "pages_per_iter", "num_warps", "num_stages"))
-def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float, interpret: bool,
-                     num_splits: int, pages_per_iter: int, num_warps: int, num_stages: int):
+    static_argnames=("scale", "interpret", "num_splits", "pages_per_iter", "num_warps", "num_stages",
+                     "sliding_window", "logits_soft_cap"))
+def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, scale: float,
+                     interpret: bool, num_splits: int, pages_per_iter: int, num_warps: int, num_stages: int,
+                     sliding_window: int | None, logits_soft_cap: float | None):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     max_blocks_per_seq = block_tables.shape[1]
@@ -107,7 +127,8 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float
     kernel = functools.partial(
         _decode_kernel, scale=scale, group=group, rows=max(C.MIN_DOT_DIM, C.next_pow2(group)),
         head_dim=head_dim, block_size=block_size, pages_per_iter=pages_per_iter, num_splits=num_splits,
-        max_blocks_per_seq=max_blocks_per_seq)
+        max_blocks_per_seq=max_blocks_per_seq, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        quantized=k_scales is not None)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     else:
@@ -122,8 +143,9 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=C.compiler_params(num_warps, num_stages),
-        name=f"paged_attention_decode_s{num_splits}_p{pages_per_iter}",
-    )(lengths, block_tables, q, k_pages, v_pages)
+        name=f"paged_attention_decode_s{num_splits}_p{pages_per_iter}"
+             + C.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
+    )(lengths, block_tables, q, k_pages, v_pages, *(() if k_scales is None else (k_scales, v_scales)))
     if num_splits == 1:
         return out
     m, z, u = out
@@ -144,17 +166,22 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     target: str = "auto",
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention of one query token per sequence over a paged KV cache.
 
     Args:
       q: `[num_seqs, num_q_heads, head_dim]`, float32, bfloat16 or float16.
       k_pages, v_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, q's dtype (the layout of JAX's
-        own Pallas paged-attention op). `num_q_heads % num_kv_heads == 0` (MHA, GQA, MQA); head_dim a
-        multiple of 16, at most 256; any block_size (powers of two are fastest).
+        own Pallas paged-attention op), or both int8 or both float8_e4m3fn with `k_scales`/`v_scales`.
+        `num_q_heads % num_kv_heads == 0` (MHA, GQA, MQA); head_dim a multiple of 16, at most 256; any
+        block_size (powers of two are fastest).
       block_tables: int32 `[num_seqs, max_blocks_per_seq]`: logical block j of sequence s lives in
         physical block `block_tables[s, j]`. Entries past `cdiv(lengths[s], block_size)` are never read
-        and may hold anything.
+        and may hold anything; so are those of pages wholly before a sliding window.
       lengths: int32 `[num_seqs]`: tokens in each sequence's cache (clipped to
         `[0, max_blocks_per_seq * block_size]`). Slots at or past the length are never read.
       scale: multiplies q.k; defaults to `1 / sqrt(head_dim)`. (JAX's op applies no scale.)
@@ -171,6 +198,12 @@ def paged_attention(
       num_stages: Triton software-pipelining stages (compiled GPU mode only).
       target: "gpu" (Triton kernels), "tpu" (Mosaic kernels: float32 or bfloat16, block_size a multiple
         of 8 for float32 and of 16 for bfloat16), or "auto": "tpu" on a TPU backend, "gpu" otherwise.
+      sliding_window: W, an int >= 1: the query (at position lengths[s] - 1) attends to the last W positions
+        only. Each sequence's splits are cut over the window's pages; pages before it are never loaded.
+      logits_soft_cap: c, a finite float > 0: scaled scores s become c * tanh(s / c) before the softmax.
+      k_scales, v_scales: with 8-bit pages (and only then), `[num_kv_heads, num_blocks, block_size]` float32
+        or bfloat16: the attended K/V are `pages.astype(float32) * scales[..., None]`, dequantized in
+        registers after 8-bit loads (see `pallas_kernels.quant`).
 
     Returns:
       `[num_seqs, num_q_heads, head_dim]` in q's dtype; zeros for sequences of length 0.
@@ -184,21 +217,28 @@ def paged_attention(
     _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = C.validate_qkv(
         q, k_pages, v_pages, block_tables, num_q_rows=num_seqs)
     C.check_vector("lengths", lengths, num_seqs)
+    sliding_window, logits_soft_cap, _ = C.validate_variants(
+        k_pages, v_pages, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scales=k_scales,
+        v_scales=v_scales)
     scale = C.resolve_scale(scale, head_dim)
     C.check_positive_option("num_splits", num_splits)
     C.check_positive_int("num_warps", num_warps)
     C.check_positive_int("num_stages", num_stages)
     if target == "tpu":
         return paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=interpret,
-                                   num_splits=num_splits, pages_per_iter=pages_per_iter)
+                                   num_splits=num_splits, pages_per_iter=pages_per_iter,
+                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     C.check_pages_per_iter(pages_per_iter, block_size)
     if num_seqs == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
         return jnp.zeros(q.shape, q.dtype)
+    # A program walks at most the window's pages: tiles and splits are sized from that, not the table.
+    walked_pages = C.window_pages(sliding_window, 1, max_blocks_per_seq, block_size)
     if pages_per_iter is None:
-        pages_per_iter = C.default_pages_per_iter(block_size, max_blocks_per_seq, head_dim, q.dtype)
+        pages_per_iter = C.default_pages_per_iter(block_size, walked_pages, head_dim, q.dtype)
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_blocks_per_seq, pages_per_iter)
+        num_splits = default_num_splits(num_seqs, num_kv_heads, walked_pages, pages_per_iter)
     return _paged_attention(
-        q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=C.resolve_interpret(interpret),
-        num_splits=int(num_splits), pages_per_iter=int(pages_per_iter), num_warps=int(num_warps),
-        num_stages=int(num_stages))
+        q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, scale=scale,
+        interpret=C.resolve_interpret(interpret), num_splits=int(num_splits), pages_per_iter=int(pages_per_iter),
+        num_warps=int(num_warps), num_stages=int(num_stages), sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap)

@@ -11,6 +11,12 @@ Program (t, h) loads its tile's `block_q` query tokens times all query heads of 
 up to the last position any of its rows may see (a dynamic trip count: pages past that are never read),
 `pages_per_iter` pages per iteration through the block table, with a causal mask and an online softmax in
 float32.
+
+Variants (static): with a sliding window W a tile's walk starts at the page holding pos0 - W + 1 (pos0: its
+first row's position; no row sees anything earlier), so pages wholly before every row's window are never
+loaded nor their table entries read, and each row masks keys at or before its own position - W; a soft cap
+c turns scores into c * tanh(s / c) in the online-softmax step; 8-bit pages are loaded as 8-bit with their
+per-token scales and dequantized in registers into q's dtype.
 """
 
 from __future__ import annotations
@@ -76,10 +82,13 @@ def tile_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, num_tokens: int, blo
     return jnp.stack([table_row, row0, rows, pos0, kv[seg]], axis=1).astype(jnp.int32)
 
 
-def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float, group: int,
-                   group_pad: int, block_q: int, head_dim: int, block_size: int, pages_per_iter: int):
+def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float, group: int,
+                   group_pad: int, block_q: int, head_dim: int, block_size: int, pages_per_iter: int,
+                   sliding_window: int | None, logits_soft_cap: float | None, quantized: bool):
     """meta_ref [num_tiles, 5]; table_ref [num_seqs, max_blocks_per_seq]; q_ref/o_ref [total_q_tokens,
-    num_q_heads, head_dim]; k_ref/v_ref [num_kv_heads, num_blocks, block_size, head_dim]."""
+    num_q_heads, head_dim]; k_ref/v_ref [num_kv_heads, num_blocks, block_size, head_dim]; with 8-bit pages
+    refs = (k_scales, v_scales [num_kv_heads, num_blocks, block_size], o_ref), else (o_ref,)."""
+    scale_refs, (o_ref,) = (refs[:2], refs[2:]) if quantized else (None, refs)
     tile = pl.program_id(0)
     head = pl.program_id(1)
     seq = meta_ref[tile, 0]
@@ -100,42 +109,52 @@ def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, scale: fl
     q = plgpu.load(q_ref.at[io_idx], mask=io_mask, other=0)
     q_pos = pos0 + token
 
-    # Keys any row of this tile may see: positions [0, kv_end).
+    # Keys any row of this tile may see: positions [kv_start, kv_end); with a window W the first row (at pos0)
+    # sees nothing before pos0 - W + 1, so the walk starts at that position's page: pages wholly before every
+    # row's window are never loaded and their table entries never read.
     kv_end = jnp.where(num_rows > 0, jnp.clip(pos0 + num_rows, 0, kv_len), 0)
     num_pages = C.cdiv(kv_end, block_size)
-    num_iters = C.cdiv(num_pages, pages_per_iter)
+    kv_start = None if sliding_window is None else jnp.clip(pos0 - sliding_window + 1, 0, kv_end)
+    first_page = 0 if sliding_window is None else kv_start // block_size
+    num_iters = C.cdiv(num_pages - first_page, pages_per_iter)
 
     def body(i, carry):
         k, v, valid, kv_pos = C.gather_page_tile(
-            table_ref, k_ref, v_ref, seq=seq, head=head, first_page=i * pages_per_iter, page_end=num_pages,
-            token_end=kv_end, pages_per_iter=pages_per_iter, block_size=block_size, head_dim=head_dim)
+            table_ref, k_ref, v_ref, seq=seq, head=head, first_page=first_page + i * pages_per_iter,
+            page_end=num_pages, token_end=kv_end, pages_per_iter=pages_per_iter, block_size=block_size,
+            head_dim=head_dim, token_start=kv_start, scale_refs=scale_refs, dtype=q.dtype)
         mask = valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
-        return C.online_softmax_step(q, k, v, mask, carry, scale=scale)
+        if sliding_window is not None:
+            mask = mask & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
+        return C.online_softmax_step(q, k, v, mask, carry, scale=scale, logits_soft_cap=logits_soft_cap)
 
     _, z, u = lax.fori_loop(0, num_iters, body, C.init_carry(rows, dim_pad))
     plgpu.store(o_ref.at[io_idx], finalize(z, u, o_ref.dtype), mask=io_mask)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_iter", "num_warps", "num_stages"))
-def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, scale: float,
-                            interpret: bool, block_q: int, pages_per_iter: int, num_warps: int,
-                            num_stages: int):
+    jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_iter", "num_warps", "num_stages",
+                              "sliding_window", "logits_soft_cap"))
+def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, *,
+                            scale: float, interpret: bool, block_q: int, pages_per_iter: int, num_warps: int,
+                            num_stages: int, sliding_window: int | None, logits_soft_cap: float | None):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     meta = tile_metadata(kv_lens, cu_q_lens, num_tokens, block_q, block_tables.shape[1] * block_size)
     kernel = functools.partial(
         _ragged_kernel, scale=scale, group=group, group_pad=C.next_pow2(group), block_q=block_q,
-        head_dim=head_dim, block_size=block_size, pages_per_iter=pages_per_iter)
+        head_dim=head_dim, block_size=block_size, pages_per_iter=pages_per_iter, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, quantized=k_scales is not None)
     return pl.pallas_call(
         kernel,
         grid=(meta.shape[0], num_kv_heads),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=interpret,
         compiler_params=C.compiler_params(num_warps, num_stages),
-        name=f"ragged_paged_attention_q{block_q}_p{pages_per_iter}",
-    )(meta, block_tables, q, k_pages, v_pages)
+        name=f"ragged_paged_attention_q{block_q}_p{pages_per_iter}"
+             + C.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
+    )(meta, block_tables, q, k_pages, v_pages, *(() if k_scales is None else (k_scales, v_scales)))
 
 
 def default_num_warps(block_q: int, group: int, head_dim: int) -> int:
@@ -160,14 +179,19 @@ def ragged_paged_attention(
     num_warps: int | None = None,
     num_stages: int = 2,
     target: str = "auto",
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query chunks (prefill chunks and decode tokens) over a paged KV cache.
 
     Args:
       q: `[total_q_tokens, num_q_heads, head_dim]`, float32, bfloat16 or float16. Sequence s owns rows
         `cu_q_lens[s]:cu_q_lens[s + 1]`; rows at or past `cu_q_lens[-1]` are padding and get zeros.
-      k_pages, v_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` in q's dtype, already holding
-        the K/V of the new tokens. `num_q_heads % num_kv_heads == 0`; head_dim a multiple of 16, <= 256.
+      k_pages, v_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` in q's dtype (or both int8 or
+        both float8_e4m3fn with `k_scales`/`v_scales`), already holding the K/V of the new tokens.
+        `num_q_heads % num_kv_heads == 0`; head_dim a multiple of 16, <= 256.
       block_tables: int32 `[num_seqs, max_blocks_per_seq]`.
       kv_lens: int32 `[num_seqs]`: context length of each sequence *including* its query tokens (clipped
         to `[0, max_blocks_per_seq * block_size]`). Query i of sequence s sits at position
@@ -189,6 +213,13 @@ def ragged_paged_attention(
       num_stages: Triton software-pipelining stages (compiled GPU mode only).
       target: "gpu" (Triton kernels), "tpu" (Mosaic kernels: float32 or bfloat16, block_size a multiple
         of 8 for float32 and of 16 for bfloat16), or "auto": "tpu" on a TPU backend, "gpu" otherwise.
+      sliding_window: W, an int >= 1: a query at position p attends to positions p - W < j <= p only. A
+        tile starts its walk at the page of its first row's first visible position: pages before it are
+        never loaded and their block-table entries never read (they may hold anything).
+      logits_soft_cap: c, a finite float > 0: scaled scores s become c * tanh(s / c) before the softmax.
+      k_scales, v_scales: with 8-bit pages (and only then), `[num_kv_heads, num_blocks, block_size]` float32
+        or bfloat16: the attended K/V are `pages.astype(float32) * scales[..., None]`, dequantized in
+        registers after 8-bit loads (see `pallas_kernels.quant`).
 
     Returns:
       `[total_q_tokens, num_q_heads, head_dim]` in q's dtype.
@@ -204,6 +235,9 @@ def ragged_paged_attention(
     num_seqs = block_tables.shape[0]
     C.check_vector("kv_lens", kv_lens, num_seqs)
     C.check_vector("cu_q_lens", cu_q_lens, num_seqs + 1)
+    sliding_window, logits_soft_cap, _ = C.validate_variants(
+        k_pages, v_pages, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scales=k_scales,
+        v_scales=v_scales)
     scale = C.resolve_scale(scale, head_dim)
     C.check_positive_option("num_warps", num_warps)
     C.check_positive_int("num_stages", num_stages)
@@ -212,7 +246,8 @@ def ragged_paged_attention(
         from pallas_kernels.tpu.ragged_attention import ragged_paged_attention_tpu
 
         return ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
-                                          interpret=interpret, block_q=block_q, pages_per_iter=pages_per_iter)
+                                          interpret=interpret, block_q=block_q, pages_per_iter=pages_per_iter,
+                                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     group = num_q_heads // num_kv_heads
     C.check_pow2_option("block_q", block_q)
     if block_q is not None and block_q * C.next_pow2(group) < C.MIN_DOT_DIM:
@@ -224,11 +259,12 @@ def ragged_paged_attention(
     if block_q is None:
         block_q = default_block_q(num_tokens, num_seqs, group, head_dim)
     if pages_per_iter is None:
-        pages_per_iter = C.default_pages_per_iter(block_size, max_blocks_per_seq, head_dim, q.dtype,
-                                                   max_tokens=64)
+        walked_pages = C.window_pages(sliding_window, block_q, max_blocks_per_seq, block_size)
+        pages_per_iter = C.default_pages_per_iter(block_size, walked_pages, head_dim, q.dtype, max_tokens=64)
     if num_warps is None:
         num_warps = default_num_warps(block_q, group, head_dim)
     return _ragged_paged_attention(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, scale=scale,
         interpret=C.resolve_interpret(interpret), block_q=int(block_q), pages_per_iter=int(pages_per_iter),
-        num_warps=int(num_warps), num_stages=int(num_stages))
+        num_warps=int(num_warps), num_stages=int(num_stages), sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap)

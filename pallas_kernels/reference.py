@@ -1,13 +1,22 @@
-"""Dense references for the paged-attention kernels, in plain jax.numpy.
+"""Dense references for the paged-attention kernels, in plain jax.numpy, and the XLA gather paths.
 
 `paged_attention_reference` and `ragged_paged_attention_reference` gather each sequence's pages into
 contiguous K/V, mask, and take a float32 softmax: the oracle every kernel test compares against. They
 take exactly the kernels' arguments and honour the same contract (length 0 gives zeros, slots past the
-length never influence the result, even if they hold NaN).
+length or before a query's window never influence the result, even if they hold NaN).
 
 `paged_attention_xla` and `ragged_paged_attention_xla` are the same math written for speed with XLA (K/V
 stay in their dtype, matmuls accumulate in float32, ragged queries in tiles): the engine's CPU path and
-the baseline the kernel benchmark compares against.
+the baseline the kernel benchmark compares against. With a sliding window both gather only the pages that
+can hold window positions (a static count bounded by the window, not the context), so block-table entries
+of pages wholly before the window are never read.
+
+Variants, shared by all four (and by the kernels):
+  * `sliding_window=W`: a query at position p attends to key positions j with p - W < j <= p;
+  * `logits_soft_cap=c`: scaled scores s become c * tanh(s / c) before masking and softmax;
+  * 8-bit pages (int8 or float8_e4m3fn) with `k_scales`/`v_scales` `[num_kv_heads, num_blocks, block_size]`
+    (float32 or bfloat16): the attended values are `pages.astype(float32) * scales[..., None]`, computed
+    right after the gather (only gathered pages are dequantized, never the pool).
 """
 
 from __future__ import annotations
@@ -19,6 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import _common as C
+from pallas_kernels.quant import dequantize_kv
+
 HIGHEST = lax.Precision.HIGHEST
 
 
@@ -26,26 +38,52 @@ def _scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
+def soft_cap(s: jax.Array, logits_soft_cap: float | None) -> jax.Array:
+    """c * tanh(s / c) (Gemma 2's attention soft-capping), or s unchanged without a cap."""
+    return s if logits_soft_cap is None else logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+
+
 def _gather_pages(pages: jax.Array, tables: jax.Array) -> jax.Array:
-    """pages `[Hkv, num_blocks, block_size, D]`, tables int32 `[N, max_blocks]` -> `[N, Hkv, L, D]`,
-    L = max_blocks * block_size. Out-of-range table entries are clipped (they are masked anyway)."""
-    num_kv_heads, num_blocks, block_size, head_dim = pages.shape
-    n, max_blocks = tables.shape
-    g = pages[:, jnp.clip(tables, 0, num_blocks - 1)]  # [Hkv, N, max_blocks, block_size, D]
-    return jnp.swapaxes(g.reshape(num_kv_heads, n, max_blocks * block_size, head_dim), 0, 1)
+    """pages `[Hkv, num_blocks, block_size, *rest]`, tables int32 `[N, P]` -> `[N, Hkv, P * block_size, *rest]`.
+    Out-of-range table entries are clipped (their slots are masked anyway)."""
+    num_kv_heads, num_blocks, block_size, *rest = pages.shape
+    n, num_pages = tables.shape
+    g = pages[:, jnp.clip(tables, 0, num_blocks - 1)]  # [Hkv, N, P, block_size, *rest]
+    return jnp.swapaxes(g.reshape(num_kv_heads, n, num_pages * block_size, *rest), 0, 1)
 
 
-def _masked_attention(q, k, v, mask, scale: float, *, compute_dtype, out_dtype):
-    """q `[N, Hq, D]`, k/v `[N, Hkv, L, D]`, mask bool `[N, L]` -> `[N, Hq, D]` in out_dtype."""
+def _gather_kv(pages: jax.Array, scales: jax.Array | None, tables: jax.Array, dtype) -> jax.Array:
+    """The K or V rows of `tables` ([N, P]) as `[N, Hkv, P * block_size, D]` in `dtype`; 8-bit pages are
+    dequantized after the gather, so only the gathered pages are ever widened."""
+    g = _gather_pages(pages, tables)
+    if scales is None:
+        return g.astype(dtype)
+    return dequantize_kv(g, _gather_pages(scales, tables), dtype)
+
+
+def _window_tables(block_tables: jax.Array,  # i32[N, max_blocks]
+                   first_pos: jax.Array,  # i32[N], first key position any query of the row may see
+                   num_pages: int, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """The `num_pages` table entries from the page holding first_pos on, and the positions of their slots:
+    (tables i32[N, num_pages], positions i32[N, num_pages * block_size]). Table indices past the row are
+    clipped to its last entry; their positions are past the capacity, so the caller's mask drops them."""
+    max_blocks = block_tables.shape[1]
+    logical = (jnp.maximum(first_pos, 0) // block_size)[:, None] + jnp.arange(num_pages, dtype=jnp.int32)
+    tables = jnp.take_along_axis(block_tables, jnp.minimum(logical, max_blocks - 1), axis=1)
+    pos = logical[:, :, None] * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    return tables, pos.reshape(-1, num_pages * block_size)
+
+
+def _masked_attention(q, k, v, mask, scale: float, logits_soft_cap: float | None, *, compute_dtype, out_dtype):
+    """q `[N, Hq, D]`, k/v `[N, Hkv, L, D]` in compute_dtype, mask bool `[N, L]` -> `[N, Hq, D]` in out_dtype."""
     n, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_q_heads // num_kv_heads
     qg = q.reshape(n, num_kv_heads, group, head_dim).astype(compute_dtype)
-    k = k.astype(compute_dtype)
     # Masked slots may hold anything (NaN included): select them away, never multiply them by zero.
-    v = jnp.where(mask[:, None, :, None], v.astype(compute_dtype), jnp.zeros((), compute_dtype))
+    v = jnp.where(mask[:, None, :, None], v, jnp.zeros((), compute_dtype))
     s = jnp.einsum("nkgd,nkld->nkgl", qg, k, precision=HIGHEST, preferred_element_type=jnp.float32)
-    s = jnp.where(mask[:, None, None, :], s * scale, -jnp.inf)
+    s = jnp.where(mask[:, None, None, :], soft_cap(s * scale, logits_soft_cap), -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isneginf(m), 0.0, m)
     p = jnp.exp(s - m)
@@ -56,35 +94,79 @@ def _masked_attention(q, k, v, mask, scale: float, *, compute_dtype, out_dtype):
     return o.reshape(n, num_q_heads, head_dim).astype(out_dtype)
 
 
-def _decode(q, k_pages, v_pages, block_tables, lengths, scale, compute_dtype):
+def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, scale, sliding_window,
+            logits_soft_cap, compute_dtype, bounded: bool):
+    """bounded: with a window, gather only the pages that can hold window positions."""
     block_size = k_pages.shape[2]
-    k = _gather_pages(k_pages, block_tables)
-    v = _gather_pages(v_pages, block_tables)
-    pos = jnp.arange(block_tables.shape[1] * block_size, dtype=jnp.int32)
-    mask = pos[None, :] < lengths[:, None]
-    return _masked_attention(q, k, v, mask, _scale(scale, q.shape[-1]), compute_dtype=compute_dtype,
-                             out_dtype=q.dtype)
+    num_seqs, max_blocks = block_tables.shape
+    lengths = jnp.clip(lengths, 0, max_blocks * block_size)
+    num_pages = C.window_pages(sliding_window if bounded else None, 1, max_blocks, block_size)
+    if num_pages < max_blocks:
+        tables, pos = _window_tables(block_tables, lengths - sliding_window, num_pages, block_size)
+    else:
+        tables = block_tables
+        pos = jnp.broadcast_to(jnp.arange(max_blocks * block_size, dtype=jnp.int32),
+                               (num_seqs, max_blocks * block_size))
+    mask = pos < lengths[:, None]
+    if sliding_window is not None:  # the query sits at position length - 1
+        mask = mask & (pos >= (lengths - sliding_window)[:, None])
+    k = _gather_kv(k_pages, k_scales, tables, compute_dtype)
+    v = _gather_kv(v_pages, v_scales, tables, compute_dtype)
+    return _masked_attention(q, k, v, mask, _scale(scale, q.shape[-1]), logits_soft_cap,
+                             compute_dtype=compute_dtype, out_dtype=q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-                              lengths: jax.Array, *, scale: float | None = None) -> jax.Array:
-    """Dense float32 reference of `pallas_kernels.paged_attention`.
+def _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales):
+    window, cap, _ = C.validate_variants(k_pages, v_pages, sliding_window=sliding_window,
+                                         logits_soft_cap=logits_soft_cap, k_scales=k_scales, v_scales=v_scales)
+    return dict(sliding_window=window, logits_soft_cap=cap)
 
-    q `[num_seqs, num_q_heads, head_dim]`; k_pages/v_pages `[num_kv_heads, num_blocks, block_size, head_dim]`;
-    block_tables int32 `[num_seqs, max_blocks_per_seq]`; lengths int32 `[num_seqs]`.
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logits_soft_cap", "compute_dtype",
+                                             "bounded"))
+def _decode_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, **static):
+    return _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, **static)
+
+
+def paged_attention_reference(q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
+                              k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+                              v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+                              block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                              lengths: jax.Array,  # i32[num_seqs]
+                              *, scale: float | None = None, sliding_window: int | None = None,
+                              logits_soft_cap: float | None = None,
+                              k_scales: jax.Array | None = None,  # [num_kv_heads, num_blocks, block_size]
+                              v_scales: jax.Array | None = None) -> jax.Array:
+    """Dense float32 reference of `pallas_kernels.paged_attention` (gathers the whole table, then masks).
+
+    The query of sequence s sits at position lengths[s] - 1 (lengths clipped to the table's capacity).
     Returns `[num_seqs, num_q_heads, head_dim]` in q's dtype.
     """
-    return _decode(q, k_pages, v_pages, block_tables, lengths, scale, jnp.float32)
+    variants = _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales)
+    return _decode_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, scale=scale,
+                       compute_dtype=jnp.float32, bounded=False, **variants)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-                        lengths: jax.Array, *, scale: float | None = None) -> jax.Array:
-    """XLA gather path for decode: same contract as `paged_attention`, K/V gathered in their own dtype
-    (`[num_seqs, num_kv_heads, max_blocks_per_seq * block_size, head_dim]` materialised), float32
-    accumulation."""
-    return _decode(q, k_pages, v_pages, block_tables, lengths, scale, q.dtype)
+def paged_attention_xla(q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
+                        k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+                        v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+                        block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                        lengths: jax.Array,  # i32[num_seqs]
+                        *, scale: float | None = None, sliding_window: int | None = None,
+                        logits_soft_cap: float | None = None,
+                        k_scales: jax.Array | None = None,  # [num_kv_heads, num_blocks, block_size]
+                        v_scales: jax.Array | None = None) -> jax.Array:
+    """XLA gather path for decode: same contract as `paged_attention`, K/V gathered and computed on in q's
+    dtype (8-bit pages dequantized into it right after the gather), float32 accumulation.
+
+    Without a window it materialises `[num_seqs, num_kv_heads, max_blocks_per_seq * block_size, head_dim]`.
+    With a window W each sequence gathers only `min(max_blocks_per_seq, cdiv(W - 1, block_size) + 1)` pages
+    from the one holding position lengths[s] - W: decode cost is bounded by the window, and table entries of
+    pages before it are never read (they may hold anything).
+    """
+    variants = _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales)
+    return _decode_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, scale=scale,
+                       compute_dtype=jnp.dtype(q.dtype), bounded=True, **variants)
 
 
 def _token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
@@ -99,38 +181,49 @@ def _token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
     return seq, pos, valid
 
 
-def _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale, compute_dtype):
+def _visible(kv_pos, pos, kv_len, sliding_window: int | None):
+    """Which keys a query at `pos` sees: causal, inside the context, and inside its window."""
+    keep = (kv_pos <= pos) & (kv_pos < kv_len)
+    if sliding_window is not None:
+        keep = keep & (kv_pos > pos - sliding_window)
+    return keep
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logits_soft_cap"))
+def _ragged_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, *, scale,
+                      sliding_window, logits_soft_cap):
     num_tokens = q.shape[0]
     block_size = k_pages.shape[2]
     max_len = block_tables.shape[1] * block_size
-    scale = _scale(scale, q.shape[-1])
     seq, pos, valid = _token_layout(cu_q_lens, kv_lens, num_tokens)
     kv_pos = jnp.arange(max_len, dtype=jnp.int32)
-
-    def attend(q_c, seq_c, pos_c, valid_c):
-        tables = block_tables[seq_c]
-        mask = (valid_c[:, None] & (kv_pos[None, :] < kv_lens[seq_c][:, None])
-                & (kv_pos[None, :] <= pos_c[:, None]))
-        k = _gather_pages(k_pages, tables)
-        v = _gather_pages(v_pages, tables)
-        return _masked_attention(q_c, k, v, mask, scale, compute_dtype=compute_dtype, out_dtype=q.dtype)
-
-    return attend(q, seq, pos, valid)
+    tables = block_tables[seq]
+    mask = valid[:, None] & _visible(kv_pos[None, :], pos[:, None], kv_lens[seq][:, None], sliding_window)
+    k = _gather_kv(k_pages, k_scales, tables, jnp.float32)
+    v = _gather_kv(v_pages, v_scales, tables, jnp.float32)
+    return _masked_attention(q, k, v, mask, _scale(scale, q.shape[-1]), logits_soft_cap,
+                             compute_dtype=jnp.float32, out_dtype=q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                                     block_tables: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array, *,
-                                     scale: float | None = None) -> jax.Array:
+def ragged_paged_attention_reference(q: jax.Array,  # [total_q_tokens, num_q_heads, head_dim]
+                                     k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+                                     v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+                                     block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                                     kv_lens: jax.Array,  # i32[num_seqs]
+                                     cu_q_lens: jax.Array,  # i32[num_seqs + 1]
+                                     *, scale: float | None = None, sliding_window: int | None = None,
+                                     logits_soft_cap: float | None = None,
+                                     k_scales: jax.Array | None = None,  # [num_kv_heads, num_blocks, block_size]
+                                     v_scales: jax.Array | None = None) -> jax.Array:
     """Dense float32 reference of `pallas_kernels.ragged_paged_attention`.
 
-    q `[total_q_tokens, num_q_heads, head_dim]`; k_pages/v_pages `[num_kv_heads, num_blocks, block_size,
-    head_dim]`; block_tables int32 `[num_seqs, max_blocks_per_seq]`; kv_lens int32 `[num_seqs]`;
-    cu_q_lens int32 `[num_seqs + 1]`. Query i of sequence s sits at position kv_lens[s] - q_len[s] + i and
-    attends to positions <= its own (and < kv_lens[s]); rows past cu_q_lens[-1] give zeros.
+    Query i of sequence s sits at position kv_lens[s] - q_len[s] + i and attends to positions <= its own
+    (and < kv_lens[s], and inside its window); rows past cu_q_lens[-1] give zeros.
     Memory: gathers `[total_q_tokens, max_blocks_per_seq * block_size]` keys per KV head.
     """
-    return _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale, jnp.float32)
+    variants = _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales)
+    return _ragged_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales,
+                             scale=scale, **variants)
 
 
 def _query_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, q_tile: int):
@@ -156,36 +249,38 @@ def _query_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, q_ti
     return tile_seq, rows, valid, pos, token_slot
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "q_tile"))
-def ragged_paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-                               kv_lens: jax.Array, cu_q_lens: jax.Array, *, scale: float | None = None,
-                               q_tile: int = 16) -> jax.Array:
-    """XLA gather path for ragged attention: same contract as `ragged_paged_attention`, K/V in their own
-    dtype, float32 accumulation.
-
-    Each sequence's queries are cut into tiles of `q_tile` consecutive rows (a decode token is a tile of
-    its own) and each tile gathers its sequence's pages once: `[num_tiles, num_kv_heads, max_blocks_per_seq
-    * block_size, head_dim]` with num_tiles <= total_q_tokens / q_tile + num_seqs, not one copy per query.
-    """
+@functools.partial(jax.jit, static_argnames=("scale", "q_tile", "sliding_window", "logits_soft_cap"))
+def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, *, scale, q_tile,
+                sliding_window, logits_soft_cap):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    max_len = block_tables.shape[1] * block_size
+    max_blocks = block_tables.shape[1]
     scale = _scale(scale, head_dim)
     tq = max(1, min(q_tile, num_tokens))
     tile_seq, rows, valid, pos, token_slot = _query_tiles(cu_q_lens, kv_lens, num_tokens, tq)
     num_tiles = tile_seq.shape[0]
+    compute_dtype = jnp.dtype(q.dtype)
 
-    kv_pos = jnp.arange(max_len, dtype=jnp.int32)
-    keep = valid[:, :, None] & (kv_pos <= pos[:, :, None]) & (kv_pos < kv_lens[tile_seq][:, None, None])
-    k = _gather_pages(k_pages, block_tables[tile_seq])  # [NT, Hkv, L, D]
-    v = _gather_pages(v_pages, block_tables[tile_seq])
+    # With a window a tile's rows see positions pos[0] - W + 1 ... pos[0] + tq - 1 at most.
+    num_pages = C.window_pages(sliding_window, tq, max_blocks, block_size)
+    if num_pages < max_blocks:
+        tables, kv_pos = _window_tables(block_tables[tile_seq], pos[:, 0] - sliding_window + 1, num_pages,
+                                        block_size)
+        kv_pos = kv_pos[:, None, :]  # [NT, 1, L]
+    else:
+        tables = block_tables[tile_seq]
+        kv_pos = jnp.arange(max_blocks * block_size, dtype=jnp.int32)
+    keep = valid[:, :, None] & _visible(kv_pos, pos[:, :, None], kv_lens[tile_seq][:, None, None],
+                                        sliding_window)  # [NT, tq, L]
+    k = _gather_kv(k_pages, k_scales, tables, compute_dtype)  # [NT, Hkv, L, D]
+    v = _gather_kv(v_pages, v_scales, tables, compute_dtype)
     # Slots no row of a tile reads may hold anything (NaN included): select them away.
     v = jnp.where(jnp.any(keep, axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
     qt = q[jnp.clip(rows, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, group, head_dim)
-    s = jnp.einsum("ntkgd,nkld->nkgtl", qt.astype(k.dtype), k, precision=HIGHEST,
+    s = jnp.einsum("ntkgd,nkld->nkgtl", qt.astype(compute_dtype), k, precision=HIGHEST,
                    preferred_element_type=jnp.float32)
-    s = jnp.where(keep[:, None, None], s * scale, -jnp.inf)
+    s = jnp.where(keep[:, None, None], soft_cap(s * scale, logits_soft_cap), -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isneginf(m), 0.0, m)
     p = jnp.exp(s - m)
@@ -197,3 +292,29 @@ def ragged_paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     out = o[jnp.clip(token_slot, 0, num_tiles * tq - 1)]
     in_batch = (jnp.arange(num_tokens) >= cu_q_lens[0]) & (jnp.arange(num_tokens) < cu_q_lens[-1])
     return jnp.where(in_batch[:, None, None], out, 0.0).astype(q.dtype)
+
+
+def ragged_paged_attention_xla(q: jax.Array,  # [total_q_tokens, num_q_heads, head_dim]
+                               k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+                               v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+                               block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                               kv_lens: jax.Array,  # i32[num_seqs]
+                               cu_q_lens: jax.Array,  # i32[num_seqs + 1]
+                               *, scale: float | None = None, sliding_window: int | None = None,
+                               logits_soft_cap: float | None = None,
+                               k_scales: jax.Array | None = None,  # [num_kv_heads, num_blocks, block_size]
+                               v_scales: jax.Array | None = None, q_tile: int = 16) -> jax.Array:
+    """XLA gather path for ragged attention: same contract as `ragged_paged_attention`, K/V in q's dtype
+    (8-bit pages dequantized into it right after the gather), float32 accumulation.
+
+    Each sequence's queries are cut into tiles of `q_tile` consecutive rows (a decode token is a tile of
+    its own) and each tile gathers its sequence's pages once: `[num_tiles, num_kv_heads, max_blocks_per_seq
+    * block_size, head_dim]` with num_tiles <= total_q_tokens / q_tile + num_seqs, not one copy per query.
+    With a window W a tile gathers only `min(max_blocks_per_seq, cdiv(q_tile + W - 2, block_size) + 1)`
+    pages, from the one holding its first row's first visible position: table entries of pages before
+    every row's window are never read.
+    """
+    C.check_positive_int("q_tile", q_tile)
+    variants = _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales)
+    return _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, scale=scale,
+                       q_tile=q_tile, **variants)

@@ -23,6 +23,12 @@ against the dense reference and prints the errors only: interpret-mode timings s
     python scripts/bench_kernels.py --smoke         # seconds, any machine
     python scripts/bench_kernels.py --json out.json # also write the rows as JSON
     python scripts/bench_kernels.py --target tpu    # TPU kernels: timed on a TPU, checked elsewhere
+
+A third table times decode with the attention variants against the plain kernel in the same run (on a GPU
+the Pallas kernels, elsewhere the XLA path the engine runs on CPU): a sliding window (`--window`, default
+4096 on a `--variant-context` of 32k tokens: a window bounds the pages read, so it should be about
+context / window times faster), logit soft-capping (a tanh per score: should cost ~nothing), int8 and fp8
+pages (half the bytes of bf16 pages: up to 2x faster when bandwidth-bound) and window + int8.
 """
 
 from __future__ import annotations
@@ -212,6 +218,47 @@ def bench_ragged(args, copy_bw: float, interpret: bool, on_gpu: bool,
         del k, v
 
 
+def _variant_configs(window: int) -> list[tuple[str, str | None, dict]]:
+    """(name, 8-bit page dtype or None, keyword arguments) of each variant row."""
+    return [("plain", None, {}), (f"window {window}", None, dict(sliding_window=window)),
+            ("soft cap 50", None, dict(logits_soft_cap=50.0)), ("int8 pages", "int8", {}),
+            ("fp8 pages", "float8_e4m3fn", {}), (f"window {window} + int8", "int8", dict(sliding_window=window))]
+
+
+def bench_variants(args, on_gpu: bool, report: Callable[[dict], None]) -> None:
+    """Decode time of each variant, and the plain kernel's time over it (> 1: the variant is faster)."""
+    rng = np.random.default_rng(2)
+    dtype = DTYPES[args.dtype]
+    scale = 1 / math.sqrt(args.head_dim)
+    batch, context = args.variant_batch, args.variant_context
+    blocks_per_seq = -(-context // args.block_size)
+    shape = (args.kv_heads, batch * blocks_per_seq, args.block_size, args.head_dim)
+    k = _pool(*shape, dtype, 0)
+    v = _pool(*shape, dtype, 5)
+    q = jax.random.normal(jax.random.key(3), (batch, args.q_heads, args.head_dim), dtype)
+    tables = _tables(rng, batch, blocks_per_seq)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    quantize = jax.jit(pk.quantize_kv, static_argnums=1)
+    path = "pallas" if on_gpu else "xla"
+    plain_ms = None
+    for name, page_dtype, variants in _variant_configs(args.window):
+        if page_dtype is None:
+            kv = (k, v)
+        else:
+            (kq, ks), (vq, vs) = quantize(k, jnp.dtype(page_dtype)), quantize(v, jnp.dtype(page_dtype))
+            kv = (kq, vq)
+            variants = dict(variants, k_scales=ks, v_scales=vs)
+        if on_gpu:
+            fn = functools.partial(pk.paged_attention, scale=scale, interpret=False, **variants)
+        else:
+            fn = functools.partial(pk.paged_attention_xla, scale=scale, **variants)
+        ms = _time(jax.jit(fn), q, *kv, tables, lengths, iters=args.iters) * 1e3
+        plain_ms = plain_ms or ms
+        report(dict(kernel="variant", variant=name, path=path, batch=batch, context=context, ms=ms,
+                    vs_plain=plain_ms / ms))
+        del kv
+
+
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 
 
@@ -261,6 +308,9 @@ def _format_row(r: dict) -> str:
     if "max_err" in r:  # an interpret-mode correctness row
         what = f"batch {r['batch']}, context {r['context']}" if r["kernel"] == "decode" else r["config"]
         return f"| {r['kernel']} | {what} | max abs error {r['max_err']:.2e} | {'ok' if r['ok'] else 'FAIL'} |"
+    if r["kernel"] == "variant":
+        return (f"| variant | {r['variant']} ({r['path']}) | {r['batch']} x {r['context']} | {r['ms']:.3f} ms | "
+                f"vs_plain={r['vs_plain']:.2f} |")
     if r["kernel"] == "decode":
         head = f"| decode | {r['batch']:>5} | {r['context']:>7} |"
     else:
@@ -290,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="pages_per_compute_block for JAX's TPU op (must divide pages)")
     ap.add_argument("--no-jax-op", action="store_true")
     ap.add_argument("--no-ragged", action="store_true")
+    ap.add_argument("--no-variants", action="store_true", help="skip the variants table")
+    ap.add_argument("--window", type=int, help="sliding window of the variants table (default 4096)")
+    ap.add_argument("--variant-batch", type=int, help="decode batch of the variants table (default 8)")
+    ap.add_argument("--variant-context", type=int, help="context of the variants table (default 32768)")
     ap.add_argument("--reference", action="store_true", help="also time the float32 reference")
     ap.add_argument("--interpret", action="store_true", help="force the Pallas interpreter")
     ap.add_argument("--json", type=Path, help="write the rows here as JSON")
@@ -305,12 +359,18 @@ def main(argv: list[str] | None = None) -> int:
         args.q_heads, args.kv_heads, args.head_dim = 4, 2, 64
         args.iters = args.iters or 1
         args.reference = True
+        args.window, args.variant_batch, args.variant_context = args.window or 16, args.variant_batch or 2, \
+            args.variant_context or 64
     elif not on_gpu:  # small sizes on CPU: the XLA path and the reference, the kernels interpreted
         args.batches = args.batches or [1, 8]
         args.contexts = args.contexts or [128, 512]
         args.q_heads, args.kv_heads, args.head_dim = min(args.q_heads, 8), min(args.kv_heads, 2), 64
         args.iters = args.iters or 2
         args.reference = True
+        args.window, args.variant_context = args.window or 512, args.variant_context or 4096
+    args.window = args.window or 4096
+    args.variant_batch = args.variant_batch or 8
+    args.variant_context = args.variant_context or 32768
     args.batches = args.batches or [1, 8, 64]
     args.contexts = args.contexts or [512, 4096, 32768]
     args.iters = args.iters or 20
@@ -352,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_decode(args, copy_bw, interpret, report)
     if not args.no_ragged:
         bench_ragged(args, copy_bw, interpret, on_gpu, report)
+    if not args.no_variants:
+        bench_variants(args, on_gpu and not interpret, report)
     return 0
 
 

@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _common as C
+from pallas_kernels.quant import is_quantized
 
 TARGETS = ("auto", "gpu", "tpu")
 NEG_INF = float("-inf")
@@ -113,7 +114,15 @@ def dot_precision(dtype) -> lax.Precision | None:
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def online_softmax_step(q, k, v, score_ok, value_ok, carry, *, scale: float):
+def check_variants(k_pages) -> None:
+    """Target 'tpu' runs sliding windows and soft caps; 8-bit pages it does not (their per-token scales would
+    need a lane-to-sublane relayout per chunk and int8/fp8 VMEM tiles of 32 rows): a clear error, no fallback."""
+    if is_quantized(k_pages.dtype):
+        raise ValueError(f"target 'tpu' does not support quantized ({jnp.dtype(k_pages.dtype).name}) KV pages "
+                         f"(k_scales/v_scales); use target 'gpu' or float32/bfloat16 pages")
+
+
+def online_softmax_step(q, k, v, score_ok, value_ok, carry, *, scale: float, logits_soft_cap: float | None = None):
     """One exact float32 flash-attention step over a chunk.
 
     q `[rows, head_dim]`, k/v `[tokens, head_dim]` (the cache dtype); score_ok bool `[rows, tokens]`: which
@@ -121,12 +130,15 @@ def online_softmax_step(q, k, v, score_ok, value_ok, carry, *, scale: float):
     stale or past-the-length slots are zeroed before the P @ V product, so a NaN there never reaches the
     arithmetic: 0 * NaN would). carry (m, z, u): m, z `[rows, 1]` (2-D: a TPU vector is sublanes x lanes),
     u `[rows, head_dim]`, float32; m is the running max (-inf while nothing was seen), z the running sum
-    of exp(s - m), u the running sum of exp(s - m) * v.
+    of exp(s - m), u the running sum of exp(s - m) * v. With `logits_soft_cap` c the scaled scores pass
+    through c * tanh(s / c) first.
     """
     m_prev, z_prev, u_prev = carry
     precision = dot_precision(q.dtype)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * scale  # [rows, tokens]
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
     s = jnp.where(score_ok, s, NEG_INF)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     # Rows that have seen nothing yet keep m = -inf; exponentiate against 0 there, so no (-inf) - (-inf).

@@ -11,7 +11,9 @@ Grid (num_seqs, num_kv_heads, num_splits), every dimension parallel. Program (s,
     chunk's DMAs started before the current chunk is computed on; pages at or past the split's end are
     never copied,
   * keeps an exact float32 online softmax (m, z, u).
-Split p of sequence s covers a page range sized from lengths[s] (as on GPU). With one split the program
+Split p of sequence s covers a page range sized from lengths[s] (as on GPU); with a sliding window W the
+ranges cover only the pages from the one holding lengths[s] - W on, and a soft cap c turns scores into
+c * tanh(s / c). With one split the program
 writes the normalised output; with several it writes its partial (m, z, u) and `merge.merge_and_finalize`
 combines them exactly in float32. On a TPU the grid runs sequentially on each TensorCore, so one split is
 the default: splits only help a two-core (megacore) chip when num_seqs * num_kv_heads is tiny.
@@ -34,7 +36,7 @@ from pallas_kernels.tpu.page_chunks import PageChunks
 
 
 def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *refs, scale: float, num_splits: int,
-                   max_blocks_per_seq: int):
+                   max_blocks_per_seq: int, sliding_window: int | None, logits_soft_cap: float | None):
     """lengths_ref i32[num_seqs] and tables_ref i32[num_seqs * max_blocks_per_seq] (SMEM); q_ref
     [rows, head_dim] (VMEM block); k_hbm/v_hbm [num_kv_heads, num_blocks, block_size, head_dim] (HBM).
     Outputs (VMEM blocks): o [rows, head_dim] (one split) or m, z [rows, 1] and u [rows, head_dim] float32.
@@ -47,9 +49,13 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *refs, scale: f
 
     length = jnp.clip(lengths_ref[seq], 0, max_blocks_per_seq * block_size)
     num_pages = T.cdiv(length, block_size)
-    # This split's page range, sized from this sequence's length and rounded to whole chunks.
-    pages_per_split = T.cdiv(T.cdiv(num_pages, num_splits), pages_per_iter) * pages_per_iter
-    page_lo = split * pages_per_split
+    # The query sits at position length - 1: a window keeps positions [length - W, length); pages wholly
+    # before it are no split's (never copied, their table entries never read).
+    token_start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+    first_page = 0 if sliding_window is None else lax.div(token_start, block_size)
+    # This split's page range, sized from this sequence's (window's) page count and rounded to whole chunks.
+    pages_per_split = T.cdiv(T.cdiv(num_pages - first_page, num_splits), pages_per_iter) * pages_per_iter
+    page_lo = first_page + split * pages_per_split
     page_hi = jnp.minimum(page_lo + pages_per_split, num_pages)
     num_chunks = T.cdiv(jnp.maximum(page_hi - page_lo, 0), pages_per_iter)
     token_end = jnp.minimum(length, page_hi * block_size)  # tokens past it are not this split's
@@ -60,7 +66,13 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *refs, scale: f
     def step(k, v, first_pos, carry):
         score_pos = first_pos + lax.broadcasted_iota(jnp.int32, (rows, tokens), 1)
         value_pos = first_pos + lax.broadcasted_iota(jnp.int32, (tokens, head_dim), 0)
-        return T.online_softmax_step(q, k, v, score_pos < token_end, value_pos < token_end, carry, scale=scale)
+        score_ok = score_pos < token_end
+        value_ok = value_pos < token_end
+        if sliding_window is not None:
+            score_ok = score_ok & (score_pos >= token_start)
+            value_ok = value_ok & (value_pos >= token_start)
+        return T.online_softmax_step(q, k, v, score_ok, value_ok, carry, scale=scale,
+                                     logits_soft_cap=logits_soft_cap)
 
     chunks = PageChunks(tables_ref, k_hbm, v_hbm, k_buf, v_buf, sems, table_row=seq * max_blocks_per_seq,
                         head=head, first_page=page_lo, page_end=page_hi, block_size=block_size)
@@ -75,9 +87,10 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *refs, scale: f
         u_ref[...] = u
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "pages_per_iter"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "pages_per_iter", "sliding_window",
+                                             "logits_soft_cap"))
 def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float, interpret, num_splits: int,
-                     pages_per_iter: int):
+                     pages_per_iter: int, sliding_window: int | None, logits_soft_cap: float | None):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     max_blocks_per_seq = block_tables.shape[1]
@@ -109,14 +122,16 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float
         scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
     )
     kernel = functools.partial(_decode_kernel, scale=scale, num_splits=num_splits,
-                               max_blocks_per_seq=max_blocks_per_seq)
+                               max_blocks_per_seq=max_blocks_per_seq, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap)
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=T.compiler_params(3),
-        name=f"paged_attention_tpu_decode_s{num_splits}_p{pages_per_iter}",
+        name=f"paged_attention_tpu_decode_s{num_splits}_p{pages_per_iter}"
+             + C.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
     )(lengths, block_tables.reshape(-1), q_rows, k_pages, v_pages)
     if num_splits == 1:
         return out[:, :, :group].reshape(q.shape)
@@ -128,12 +143,15 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float
 
 
 def paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, *, scale: float, interpret,
-                        num_splits: int | None, pages_per_iter: int | None) -> jax.Array:
+                        num_splits: int | None, pages_per_iter: int | None, sliding_window: int | None = None,
+                        logits_soft_cap: float | None = None) -> jax.Array:
     """The TPU decode kernel behind `pallas_kernels.paged_attention(..., target="tpu")`, which has already
-    validated shapes, dtypes and scale. Checks the TPU rules (dtype, block size, tuning), fills in the
-    defaults (one split; `default_pages_per_iter`) and runs the kernel."""
+    validated shapes, dtypes, scale and variants. Checks the TPU rules (dtype, block size, tuning, no 8-bit
+    pages), fills in the defaults (one split; `default_pages_per_iter`, over the window's pages with a window)
+    and runs the kernel."""
     num_kv_heads, num_blocks, block_size, head_dim = k_pages.shape
     max_blocks_per_seq = block_tables.shape[1]
+    T.check_variants(k_pages)
     T.check_dtype(q.dtype)
     T.check_block_size(block_size, q.dtype)
     T.check_pages_per_iter(pages_per_iter)
@@ -141,7 +159,9 @@ def paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, *, scale: fl
     if q.shape[0] == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
         return jnp.zeros(q.shape, q.dtype)
     if pages_per_iter is None:
-        pages_per_iter = T.default_pages_per_iter(block_size, max_blocks_per_seq, head_dim, q.dtype)
+        walked_pages = C.window_pages(sliding_window, 1, max_blocks_per_seq, block_size)
+        pages_per_iter = T.default_pages_per_iter(block_size, walked_pages, head_dim, q.dtype)
     return _paged_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                             interpret=T.resolve_interpret(interpret), num_splits=int(num_splits or 1),
-                            pages_per_iter=int(pages_per_iter))
+                            pages_per_iter=int(pages_per_iter), sliding_window=sliding_window,
+                            logits_soft_cap=logits_soft_cap)

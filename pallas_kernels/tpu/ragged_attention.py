@@ -9,8 +9,9 @@ group x block_q head-major, zero-padded to a whole native tile) and scatters the
 q-sized (the KV cache is never copied), and the kernel's q and o blocks are plain pipelined VMEM blocks.
 
 Grid (tile, KV head), both parallel. Program (t, h) reads its tile's (sequence, row count, first position,
-kv length) from SMEM (scalar prefetch, with the block tables), then walks the sequence's pages from 0 up to
-the last position any of its rows may see, `pages_per_iter` pages per double-buffered DMA chunk
+kv length) from SMEM (scalar prefetch, with the block tables), then walks the sequence's pages from 0 (with a
+sliding window W: from the page of its first row's position - W + 1) up to the last position any of its rows
+may see, `pages_per_iter` pages per double-buffered DMA chunk
 (`PageChunks`: pages past that are never copied), with a causal mask and an exact float32 online softmax.
 """
 
@@ -33,7 +34,8 @@ _META = 5  # tile_metadata's columns: table row, first query row, rows, first po
 
 
 def _ragged_kernel(meta_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, *, scale: float,
-                   block_q: int, max_blocks_per_seq: int):
+                   block_q: int, max_blocks_per_seq: int, sliding_window: int | None,
+                   logits_soft_cap: float | None):
     """meta_ref i32[num_tiles * 5] and tables_ref i32[num_seqs * max_blocks_per_seq] (SMEM); q_ref/o_ref
     [rows, head_dim] (VMEM blocks; row r is query head r // block_q of the group, token r % block_q of the
     tile); k_hbm/v_hbm [num_kv_heads, num_blocks, block_size, head_dim] (HBM). Scratch: k_buf/v_buf
@@ -45,10 +47,13 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_bu
     num_rows = meta_ref[tile * _META + 2]
     pos0 = meta_ref[tile * _META + 3]
     kv_len = meta_ref[tile * _META + 4]
-    # Keys any row of this tile may see: positions [0, kv_end).
+    # Keys any row of this tile may see: positions [kv_start, kv_end); with a window W the first row (at pos0)
+    # sees nothing before pos0 - W + 1, so pages wholly before that are never copied.
     kv_end = jnp.where(num_rows > 0, jnp.clip(pos0 + num_rows, 0, kv_len), 0)
     num_pages = T.cdiv(kv_end, block_size)
-    num_chunks = T.cdiv(num_pages, tokens // block_size)
+    kv_start = 0 if sliding_window is None else jnp.clip(pos0 - sliding_window + 1, 0, kv_end)
+    first_page = 0 if sliding_window is None else lax.div(kv_start, block_size)
+    num_chunks = T.cdiv(num_pages - first_page, tokens // block_size)
 
     q = q_ref[...]
     rows, head_dim = q.shape
@@ -59,10 +64,15 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_bu
         key_pos = first_pos + lax.broadcasted_iota(jnp.int32, (rows, tokens), 1)
         value_pos = first_pos + lax.broadcasted_iota(jnp.int32, (tokens, head_dim), 0)
         score_ok = (key_pos < kv_end) & (key_pos <= q_pos)
-        return T.online_softmax_step(q, k, v, score_ok, value_pos < kv_end, carry, scale=scale)
+        value_ok = value_pos < kv_end
+        if sliding_window is not None:
+            score_ok = score_ok & (key_pos > q_pos - sliding_window)
+            value_ok = value_ok & (value_pos >= kv_start)
+        return T.online_softmax_step(q, k, v, score_ok, value_ok, carry, scale=scale,
+                                     logits_soft_cap=logits_soft_cap)
 
     chunks = PageChunks(tables_ref, k_hbm, v_hbm, k_buf, v_buf, sems, table_row=seq * max_blocks_per_seq,
-                        head=head, first_page=0, page_end=num_pages, block_size=block_size)
+                        head=head, first_page=first_page, page_end=num_pages, block_size=block_size)
     _, z, u = chunks.fold(num_chunks, step, T.init_carry(rows, head_dim))
     o_ref[...] = T.finalize_rows(z, u, o_ref.dtype)
 
@@ -80,9 +90,11 @@ def _tile_rows(meta, num_tokens: int, block_q: int):
     return jnp.clip(rows, 0, num_tokens - 1), slot_of_token
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_iter"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_iter", "sliding_window",
+                                             "logits_soft_cap"))
 def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, scale: float, interpret,
-                            block_q: int, pages_per_iter: int):
+                            block_q: int, pages_per_iter: int, sliding_window: int | None,
+                            logits_soft_cap: float | None):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     max_blocks_per_seq = block_tables.shape[1]
@@ -105,14 +117,16 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
         out_specs=block,
         scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
     )
-    kernel = functools.partial(_ragged_kernel, scale=scale, block_q=block_q, max_blocks_per_seq=max_blocks_per_seq)
+    kernel = functools.partial(_ragged_kernel, scale=scale, block_q=block_q, max_blocks_per_seq=max_blocks_per_seq,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
         interpret=interpret,
         compiler_params=T.compiler_params(2),
-        name=f"ragged_paged_attention_tpu_q{block_q}_p{pages_per_iter}",
+        name=f"ragged_paged_attention_tpu_q{block_q}_p{pages_per_iter}"
+             + C.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
     )(meta.reshape(-1), block_tables.reshape(-1), q_tiles, k_pages, v_pages)
     out = out[:, :, :used].reshape(num_tiles, num_kv_heads, group, block_q, head_dim)
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * block_q, num_q_heads, head_dim)
@@ -120,13 +134,15 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
 
 
 def ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, scale: float, interpret,
-                               block_q: int | None, pages_per_iter: int | None) -> jax.Array:
+                               block_q: int | None, pages_per_iter: int | None, sliding_window: int | None = None,
+                               logits_soft_cap: float | None = None) -> jax.Array:
     """The TPU ragged kernel behind `pallas_kernels.ragged_paged_attention(..., target="tpu")`, which has
-    already validated shapes, dtypes and scale. Checks the TPU rules (dtype, block size, tuning), fills
-    in the defaults (`default_block_q`, `default_pages_per_iter`) and runs the kernel."""
+    already validated shapes, dtypes, scale and variants. Checks the TPU rules (dtype, block size, tuning, no
+    8-bit pages), fills in the defaults (`default_block_q`, `default_pages_per_iter`) and runs the kernel."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_pages.shape
     num_seqs, max_blocks_per_seq = block_tables.shape
+    T.check_variants(k_pages)
     T.check_dtype(q.dtype)
     T.check_block_size(block_size, q.dtype)
     C.check_pow2_option("block_q", block_q)
@@ -136,7 +152,9 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_
     if block_q is None:
         block_q = default_block_q(num_tokens, num_seqs, num_q_heads // num_kv_heads, head_dim)
     if pages_per_iter is None:
-        pages_per_iter = T.default_pages_per_iter(block_size, max_blocks_per_seq, head_dim, q.dtype)
+        walked_pages = C.window_pages(sliding_window, block_q, max_blocks_per_seq, block_size)
+        pages_per_iter = T.default_pages_per_iter(block_size, walked_pages, head_dim, q.dtype)
     return _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
                                    interpret=T.resolve_interpret(interpret), block_q=int(block_q),
-                                   pages_per_iter=int(pages_per_iter))
+                                   pages_per_iter=int(pages_per_iter), sliding_window=sliding_window,
+                                   logits_soft_cap=logits_soft_cap)

@@ -2,7 +2,9 @@
 
 Every case scatters each sequence's logical blocks over a larger pool in random order, and can poison
 everything a kernel must not read with NaN: slots past a sequence's length, pool blocks no sequence uses,
-and block-table entries past the used pages (set to -1 or to a block id far out of range).
+and block-table entries past the used pages (set to -1 or to a block id far out of range). With a sliding
+window the slots before every query's window are NaN too, and the table entries of pages wholly before it
+garbage. `quantized` turns a case's pages into 8-bit pages with scales, keeping the poison (NaN scales).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
+
+from pallas_kernels.quant import quantize_kv
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Tolerances against the float32 reference, by dtype.
@@ -30,6 +34,12 @@ class Case:
     block_tables: jax.Array
     lengths: jax.Array  # decode: lengths; ragged: kv_lens
     cu_q_lens: jax.Array | None = None
+    k_scales: jax.Array | None = None  # with 8-bit pages
+    v_scales: jax.Array | None = None
+
+    def scales(self) -> dict:
+        """The scale keywords of a kernel call: empty for float pages."""
+        return {} if self.k_scales is None else dict(k_scales=self.k_scales, v_scales=self.v_scales)
 
     def decode_args(self):
         return self.q, self.k_pages, self.v_pages, self.block_tables, self.lengths
@@ -45,11 +55,17 @@ def _pool(rng, num_kv_heads, num_blocks, block_size, head_dim):
 
 def build(rng: np.random.Generator, *, num_q_rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
           block_size: int, max_blocks: int, kv_lens, extra_blocks: int = 2, dtype: str = "float32",
-          poison: bool = True, cu_q_lens=None) -> Case:
+          poison: bool = True, cu_q_lens=None, sliding_window: int | None = None) -> Case:
     """A case whose sequence s holds kv_lens[s] tokens in a random subset of a pool of
-    num_seqs * max_blocks + extra_blocks blocks."""
+    num_seqs * max_blocks + extra_blocks blocks. With a `sliding_window` W, the slots before position
+    kv_len - q_len - W + 1 (the first any query of the sequence sees; q_len 1 without cu_q_lens) are poisoned
+    too, and the table entries of pages wholly before it are garbage."""
     kv_lens = np.asarray(kv_lens, np.int32)
     num_seqs = len(kv_lens)
+    q_lens = np.ones(num_seqs, np.int64) if cu_q_lens is None else np.diff(np.asarray(cu_q_lens, np.int64))
+    first_seen = np.zeros(num_seqs, np.int64)
+    if sliding_window is not None:
+        first_seen = np.maximum(kv_lens - q_lens - sliding_window + 1, 0)
     num_blocks = num_seqs * max_blocks + extra_blocks
     k, v = _pool(rng, num_kv_heads, num_blocks, block_size, head_dim)
     perm = rng.permutation(num_blocks).astype(np.int32)
@@ -57,18 +73,35 @@ def build(rng: np.random.Generator, *, num_q_rows: int, num_q_heads: int, num_kv
     if poison:
         used = np.zeros((num_blocks, block_size), bool)
         for s, n in enumerate(kv_lens):
-            for pos in range(int(n)):
+            for pos in range(int(first_seen[s]), int(n)):
                 used[tables[s, pos // block_size], pos % block_size] = True
         k[:, ~used] = np.nan
         v[:, ~used] = np.nan
-        for s, n in enumerate(kv_lens):  # table entries past the used pages: garbage
+        bad_ids = np.array([-1, num_blocks + 1000, 2**30], np.int32)
+        for s, n in enumerate(kv_lens):  # table entries past the used pages (and before the window): garbage
             first_unused = -(-int(n) // block_size)
-            garbage = rng.choice(np.array([-1, num_blocks + 1000, 2**30], np.int32), max_blocks - first_unused)
-            tables[s, first_unused:] = garbage
+            tables[s, first_unused:] = rng.choice(bad_ids, max_blocks - first_unused)
+            first_used = int(first_seen[s]) // block_size
+            tables[s, :first_used] = rng.choice(bad_ids, first_used)
     q = rng.standard_normal((num_q_rows, num_q_heads, head_dim)).astype(np.float32)
     dt = DTYPES[dtype]
     return Case(jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray(tables),
                 jnp.asarray(kv_lens), None if cu_q_lens is None else jnp.asarray(cu_q_lens, jnp.int32))
+
+
+def quantized(case: Case, dtype, scale_dtype=jnp.float32, q_dtype: str = "float32") -> Case:
+    """The case with 8-bit pages (`quantize_kv` of its float pages) and `scale_dtype` scales, q in q_dtype.
+    Poisoned (NaN) slots keep poison: a NaN scale, and NaN (fp8) or -128 (int8: outside the symmetric
+    range quantize_kv writes) values."""
+    out = {}
+    for name in ("k", "v"):
+        pages = np.asarray(getattr(case, f"{name}_pages"), np.float32)
+        bad = np.isnan(pages).any(axis=-1)  # [Hkv, num_blocks, block_size]
+        values, scales = quantize_kv(jnp.asarray(np.where(bad[..., None], 0.0, pages)), dtype)
+        poison_value = np.nan if jnp.dtype(dtype) == jnp.float8_e4m3fn else -128
+        out[f"{name}_pages"] = jnp.where(bad[..., None], jnp.asarray(poison_value, values.dtype), values)
+        out[f"{name}_scales"] = jnp.where(bad, jnp.nan, scales).astype(scale_dtype)
+    return dataclasses.replace(case, q=case.q.astype(DTYPES[q_dtype]), **out)
 
 
 def relocate(rng: np.random.Generator, case: Case) -> Case:
@@ -79,8 +112,10 @@ def relocate(rng: np.random.Generator, case: Case) -> Case:
     tables = np.asarray(case.block_tables)
     in_range = (tables >= 0) & (tables < num_blocks)
     new_tables = np.where(in_range, new_of_old[np.clip(tables, 0, num_blocks - 1)], tables)
+    scales = {name: getattr(case, name)[:, old_of_new] for name in ("k_scales", "v_scales")
+              if getattr(case, name) is not None}
     return dataclasses.replace(case, k_pages=case.k_pages[:, old_of_new], v_pages=case.v_pages[:, old_of_new],
-                               block_tables=jnp.asarray(new_tables, jnp.int32))
+                               block_tables=jnp.asarray(new_tables, jnp.int32), **scales)
 
 
 def assert_close(actual, expected, dtype: str):

@@ -25,5 +25,12 @@ def test_bench_smoke(tmp_path, capsys):
     assert "decode" in kinds and "ragged" in kinds
     for row in result["rows"]:
         assert math.isfinite(row["ms"]) and row["ms"] > 0
-        assert row.get("vs_xla") is not None
-    assert "| decode |" in capsys.readouterr().out
+        if row["kernel"] == "variant":  # the variants table: each variant against the plain kernel
+            assert math.isfinite(row["vs_plain"]) and row["vs_plain"] > 0
+        else:
+            assert row.get("vs_xla") is not None
+    variants = [row["variant"] for row in result["rows"] if row["kernel"] == "variant"]
+    assert variants[0] == "plain" and {"int8 pages", "fp8 pages", "soft cap 50"} <= set(variants)
+    assert any(name.startswith("window") for name in variants)
+    out = capsys.readouterr().out
+    assert "| decode |" in out and "| variant |" in out

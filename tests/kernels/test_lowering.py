@@ -70,6 +70,37 @@ def test_other_shapes_lower_to_triton(head_dim, block_size):
                  s["kv"], s["tables"], s["lens"], s["cu"])
 
 
+# The variants (issue 15): window + soft cap in float pages, and 8-bit pages (both formats, both scale dtypes).
+VARIANTS = [
+    (jnp.bfloat16, jnp.bfloat16, jnp.float32, dict(sliding_window=100, logits_soft_cap=50.0)),
+    (jnp.float32, jnp.float32, jnp.float32, dict(sliding_window=40, logits_soft_cap=30.0)),
+    (jnp.bfloat16, jnp.int8, jnp.float32, dict(sliding_window=100)),
+    (jnp.bfloat16, jnp.float8_e4m3fn, jnp.bfloat16, dict(logits_soft_cap=50.0, sliding_window=7)),
+    (jnp.float32, jnp.int8, jnp.bfloat16, {}),
+]
+VARIANT_IDS = [f"q-{jnp.dtype(q).name}-kv-{jnp.dtype(kv).name}-{'-'.join(v) or 'plain'}" for q, kv, _, v in VARIANTS]
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype,scale_dtype,variants", VARIANTS, ids=VARIANT_IDS)
+def test_variants_lower_to_triton(q_dtype, kv_dtype, scale_dtype, variants):
+    s = _shapes(q_dtype, 32, 8, 128)
+    kv = jax.ShapeDtypeStruct(s["kv"].shape, kv_dtype)
+    scales = jax.ShapeDtypeStruct(s["kv"].shape[:3], scale_dtype)
+    kw = dict(variants, interpret=False)
+    if kv_dtype in (jnp.int8, jnp.float8_e4m3fn):
+        decode = lambda q, k, v, t, n, ks, vs, **o: paged_attention(q, k, v, t, n, k_scales=ks, v_scales=vs, **kw, **o)
+        ragged = lambda q, k, v, t, n, cu, ks, vs: ragged_paged_attention(q, k, v, t, n, cu, k_scales=ks,
+                                                                          v_scales=vs, **kw)
+        extra = (scales, scales)
+    else:
+        decode = lambda q, k, v, t, n, **o: paged_attention(q, k, v, t, n, **kw, **o)
+        ragged = lambda q, k, v, t, n, cu: ragged_paged_attention(q, k, v, t, n, cu, **kw)
+        extra = ()
+    for num_splits in (1, 3):
+        _export_cuda(functools.partial(decode, num_splits=num_splits), s["q"], kv, kv, s["tables"], s["lens"], *extra)
+    _export_cuda(ragged, s["q_ragged"], kv, kv, s["tables"], s["lens"], s["cu"], *extra)
+
+
 def test_interpret_none_is_interpreted_on_cpu():
     s = _shapes(jnp.float32, 4, 2, 64)
     if jax.default_backend() == "gpu":

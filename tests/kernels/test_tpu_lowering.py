@@ -75,6 +75,21 @@ def test_both_kernels_lower_to_mosaic(dtype, head_dim, heads):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_window_and_soft_cap_lower_to_mosaic(dtype):
+    """The variants the TPU kernels run (sliding window, soft cap) export for platform "tpu" too, the soft cap
+    as a tanh in the Mosaic module."""
+    s = _shapes(dtype, 32, 8, 128)
+    variants = dict(target="tpu", interpret=False, sliding_window=40, logits_soft_cap=50.0)
+    for num_splits in (1, 3):
+        exported = export_tpu(functools.partial(paged_attention, num_splits=num_splits, **variants), s["q"],
+                              s["kv"], s["kv"], s["tables"], s["lens"])
+        assert all("math.tanh" in text for text in mosaic_modules(exported))
+    exported = export_tpu(functools.partial(ragged_paged_attention, **variants), s["q_ragged"], s["kv"], s["kv"],
+                          s["tables"], s["lens"], s["cu"])
+    assert all("math.tanh" in text for text in mosaic_modules(exported))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_mosaic_module_structure(dtype):
     s = _shapes(dtype, 8, 2, 64)  # 4 sequences x 8 blocks of 16 tokens: tables of 32 entries
     fn = functools.partial(paged_attention, target="tpu", interpret=False, pages_per_iter=2)
