@@ -47,7 +47,6 @@ from pagedjax.config import CacheConfig
 from pagedjax.core.block_pool import BlockHash, BlockPool, ExtraKeys
 from pagedjax.core.request import Request
 
-
 # A request's block-list entry for a logical block released out of the sliding window (see the module doc).
 RELEASED = -1
 
