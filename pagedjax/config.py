@@ -21,9 +21,18 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPE_BYTES)}") from None
 
 
-def kv_cache_bytes(num_layers: int, num_tokens: int, num_kv_heads: int, head_dim: int, bytes_per_elem: int) -> int:
-    """Bytes of KV cache for `num_tokens` tokens: 2 (K and V) * L * T * Hkv * D * bytes."""
-    return 2 * num_layers * num_tokens * num_kv_heads * head_dim * bytes_per_elem
+def kv_cache_bytes(num_layers: int, num_tokens: int, num_kv_heads: int, head_dim: int, bytes_per_elem: int,
+                   scale_bytes: int = 0) -> int:
+    """Bytes of KV cache for `num_tokens` tokens: 2 (K and V) * L * T * Hkv * (D * bytes + scale_bytes), where
+    `scale_bytes` is the size of the one scale per token and KV head that 8-bit pages carry (0 for float pages)."""
+    return 2 * num_layers * num_tokens * num_kv_heads * (head_dim * bytes_per_elem + scale_bytes)
+
+
+# KV cache dtypes (`CacheConfig.kv_dtype`): "auto" (the model's dtype), a float dtype, or an 8-bit format whose
+# pages carry one float32 scale per token and KV head (`pallas_kernels.quant`). "fp8" is float8_e4m3fn.
+KV_DTYPES: tuple[str, ...] = ("auto", *_DTYPE_BYTES, "int8", "fp8")
+QUANTIZED_KV_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn"}  # name -> the pages' array dtype
+KV_SCALE_BYTES = 4  # float32 scales
 
 
 # RoPE scaling types pagedjax computes exactly, each with the parameters it needs (besides "rope_type"). This is
@@ -113,13 +122,48 @@ def _rope_scaling_field(value) -> tuple[tuple[str, float | str], ...] | None:
     return tuple(sorted(params.items()))
 
 
+# Decoder architectures `pagedjax.model.llama` computes. "llama": RMSNorm scaled by w, SwiGLU, pre-norm blocks
+# (Llama 2/3, Mistral, Qwen2). "gemma2": RMSNorm scaled by (1 + w) in float32, GeGLU (tanh gelu), a norm after
+# attention and around the MLP too ("sandwich" norms), embeddings scaled by sqrt(hidden_size).
+ARCHITECTURES: tuple[str, ...] = ("llama", "gemma2")
+
+
+def _optional_positive_float(owner: str, name: str, value) -> float | None:
+    return None if value is None else _float_field(owner, name, value, positive=True)
+
+
+def _sliding_windows_field(value, num_layers: int) -> tuple[int | None, ...] | None:
+    """None, or one window (an int >= 1, or None for a global layer) per layer, as a tuple. A list of only
+    Nones is stored as None: "no window anywhere" has one spelling, so such a config compiles the plain step."""
+    owner = "ModelConfig.sliding_windows"
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, tuple | list):
+        raise TypeError(f"{owner} must be None or one window (int or None) per layer, got {_describe(value)}")
+    if len(value) != num_layers:
+        raise ValueError(f"{owner} must have one entry per layer ({num_layers}), got {len(value)}")
+    windows = tuple(_int_field("ModelConfig", f"sliding_windows[{i}]", w, lo=1, optional=True)
+                    for i, w in enumerate(value))
+    return None if all(w is None for w in windows) else windows
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder (Llama 2/3, Mistral, Qwen2 shapes).
+    """A Llama-family decoder (Llama 2/3, Mistral, Qwen2 shapes) or a Gemma 2 one (`architecture="gemma2"`).
 
     Every field is type-checked on construction (a TypeError or ValueError names the field): ints are ints
-    (not bools), floats accept ints, `dtype` is one of "float32" | "bfloat16" | "float16", `eos_token_ids`
-    and `rope_scaling` accept lists and dicts and are stored as tuples so the config stays hashable.
+    (not bools), floats accept ints, `dtype` is one of "float32" | "bfloat16" | "float16", `eos_token_ids`,
+    `rope_scaling` and `sliding_windows` accept lists and dicts and are stored as tuples so the config stays
+    hashable.
+
+    Attention variants (any architecture; None = not used, and the compiled step is the plain one):
+      sliding_windows         one entry per layer: W (the query at position p attends to keys in (p - W, p])
+                              or None (that layer attends to everything before it). `kv_window` is what the
+                              cache must keep.
+      attn_logit_softcapping  c: attention scores (after scaling) become c * tanh(s / c).
+      final_logit_softcapping c: output logits become c * tanh(logits / c).
+      query_pre_attn_scalar   attention scores are scaled by query_pre_attn_scalar ** -0.5 instead of
+                              head_dim ** -0.5.
     """
 
     vocab_size: int = 259
@@ -141,6 +185,11 @@ class ModelConfig:
     dtype: str = "float32"  # parameter and activation dtype
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"  # one of ARCHITECTURES
+    sliding_windows: tuple[int | None, ...] | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self) -> None:
         owner = "ModelConfig"
@@ -162,6 +211,27 @@ class ModelConfig:
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig.num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
+        if not isinstance(self.architecture, str):
+            raise TypeError(f"{owner}.architecture must be a string, got {_describe(self.architecture)}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"{owner}.architecture {self.architecture!r} is not supported "
+                             f"(supported: {', '.join(ARCHITECTURES)})")
+        fix("sliding_windows", _sliding_windows_field(self.sliding_windows, self.num_layers))
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            fix(name, _optional_positive_float(owner, name, getattr(self, name)))
+
+    @property
+    def kv_window(self) -> int | None:
+        """How far back any layer reads: positions before `p - kv_window` (p the newest) are read by no layer,
+        so their KV blocks may be freed. None when some layer attends globally (or none has a window)."""
+        if self.sliding_windows is None or None in self.sliding_windows:
+            return None
+        return max(self.sliding_windows)
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The attention score scale when it is not head_dim ** -0.5 (`query_pre_attn_scalar`), else None."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -170,6 +240,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        d["sliding_windows"] = None if self.sliding_windows is None else list(self.sliding_windows)
         return d
 
     @classmethod
@@ -190,14 +261,16 @@ class CacheConfig:
     """The paged KV cache: `num_blocks` physical blocks of `block_size` tokens each.
 
     Give either `num_blocks` or `kv_memory_bytes` (the pool is then sized from the model's shape);
-    with neither, `num_blocks` defaults to 512.
+    with neither, `num_blocks` defaults to 512. `kv_dtype` (one of KV_DTYPES) is what K and V are stored in:
+    "auto" = the model's dtype; "int8" and "fp8" (float8_e4m3fn) quantize each token's K and V per KV head
+    when written, with a float32 scale beside them that `block_bytes` counts.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
-    dtype: str | None = None  # KV dtype; None = the model's dtype
+    kv_dtype: str = "auto"  # one of KV_DTYPES: "auto" = the model's dtype; "int8" / "fp8" quantize K/V when written
     hash_seed: int = 0
 
     def __post_init__(self) -> None:
@@ -209,13 +282,32 @@ class CacheConfig:
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
         _bool_field(owner, "enable_prefix_caching", self.enable_prefix_caching)
-        _dtype_field(owner, "dtype", self.dtype, optional=True)
+        if not isinstance(self.kv_dtype, str):
+            raise TypeError(f"{owner}.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {_describe(self.kv_dtype)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"{owner}.kv_dtype: unsupported KV cache dtype {self.kv_dtype!r}; expected one of "
+                             f"{', '.join(KV_DTYPES)}")
         fix("hash_seed", _int_field(owner, "hash_seed", self.hash_seed))
 
+    def resolve_kv_dtype(self, model: ModelConfig) -> str:
+        """The KV dtype's name for `model` ("auto" resolved to the model's dtype)."""
+        return model.dtype if self.kv_dtype == "auto" else self.kv_dtype
+
+    def kv_array_dtype(self, model: ModelConfig) -> str:
+        """The pages' array dtype name for `model` (as JAX/numpy spell it: "fp8" is "float8_e4m3fn")."""
+        name = self.resolve_kv_dtype(model)
+        return QUANTIZED_KV_DTYPES.get(name, name)
+
+    def kv_bytes_per_token(self, model: ModelConfig) -> int:
+        """KV cache bytes one token takes in `model` (K and V of every layer and KV head, scales included)."""
+        name = self.resolve_kv_dtype(model)
+        if name in QUANTIZED_KV_DTYPES:
+            return kv_cache_bytes(model.num_layers, 1, model.num_kv_heads, model.head_dim, 1, KV_SCALE_BYTES)
+        return kv_cache_bytes(model.num_layers, 1, model.num_kv_heads, model.head_dim, dtype_bytes(name))
+
     def block_bytes(self, model: ModelConfig) -> int:
-        """Bytes of one KV block (K and V, every layer) for `model`."""
-        return kv_cache_bytes(model.num_layers, self.block_size, model.num_kv_heads, model.head_dim,
-                              dtype_bytes(self.dtype or model.dtype))
+        """Bytes of one KV block (K and V, every layer, with 8-bit pages their scales too) for `model`."""
+        return self.block_size * self.kv_bytes_per_token(model)
 
     def resolve_num_blocks(self, model: ModelConfig) -> int:
         """Number of physical blocks: as given, or as many as fit in `kv_memory_bytes`."""

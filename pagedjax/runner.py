@@ -13,6 +13,7 @@ Two entry points:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pagedjax.device.attention import AttentionMetadata, resolve_backend
+from pagedjax.device.attention import AttentionMetadata, paged_attention, resolve_backend
 from pagedjax.device.kv_cache import KVCache, copy_blocks, init_kv_cache
 from pagedjax.device.page_state import PageState, append_tokens, init_page_state
 from pagedjax.device.sampling import (
@@ -365,14 +366,15 @@ class ModelRunner:
             self.params = shard_params(self.params, cfg, mesh)
         self.kv_dtype = jnp.dtype(kv_dtype or cfg.dtype)
         self.kv_cache = self._new_kv_cache()
+        self._check_attention_serves()
         self.device_seconds = 0.0  # wall time inside compiled calls, results read back
         self.compile_seconds = 0.0  # wall time tracing and compiling new signatures
         self._param_leaves, treedef = jax.tree.flatten(self.params)
         # A one-device mesh (a data-parallel replica with tp 1) runs the plain single-device program there.
         self._step, self._loop = _jitted(self.graphdef, treedef, mesh if mesh is not None and mesh.size > 1 else None)
         self._executables: dict[tuple, Any] = {}  # compiled ahead of time, by input signature
-        logger.info("pagedjax runner: backend=%s, KV cache %d blocks x %d tokens (%.1f MiB, %.1f MiB per device)",
-                    self.backend, num_blocks, block_size, self.kv_cache.nbytes / 2**20,
+        logger.info("pagedjax runner: backend=%s, KV cache %d blocks x %d tokens of %s (%.1f MiB, %.1f MiB per "
+                    "device)", self.backend, num_blocks, block_size, self.kv_dtype.name, self.kv_cache.nbytes / 2**20,
                     self.kv_cache.nbytes_per_device / 2**20)
 
     def _new_kv_cache(self) -> KVCache:
@@ -385,6 +387,28 @@ class ModelRunner:
         heads = max(cfg.num_kv_heads, self.mesh.size)  # tp > Hkv: each KV head repeated (see parallel.attention)
         return init_kv_cache(cfg.num_layers, heads, self.num_blocks, self.block_size, cfg.head_dim, self.kv_dtype,
                              sharding=kv_sharding(self.mesh))
+
+    def _check_attention_serves(self) -> None:
+        """Trace (no compile, no run) a decode and a ragged attention call of one device's shapes over this
+        cache's pages, so that a combination the Pallas kernels reject (8-bit pages on the TPU kernels, a
+        dtype or block size the target lacks) fails here with the kernels' own reason, not at the first step."""
+        if self.backend != "pallas":
+            return  # the XLA gather paths take every dtype and block size
+        cfg = self.model_config
+        tp = 1 if self.mesh is None else self.mesh.size
+        local = lambda a: jax.ShapeDtypeStruct((a.shape[0] // tp, *a.shape[1:]), a.dtype)
+        layer = jax.tree.map(local, self.kv_cache.layers[0])
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        for decode_only, tokens in ((True, 1), (False, 16)):
+            q = jax.ShapeDtypeStruct((tokens, max(cfg.num_q_heads // tp, 1), cfg.head_dim), jnp.dtype(cfg.dtype))
+            meta = AttentionMetadata(i32(tokens), i32(1, 2), i32(1), i32(2))
+            try:
+                jax.eval_shape(functools.partial(paged_attention, backend=self.backend, decode_only=decode_only),
+                               q, layer, meta)
+            except (ValueError, TypeError, NotImplementedError) as e:
+                raise ValueError(f"the {self.backend!r} attention backend on {jax.default_backend()} cannot serve "
+                                 f"{self.kv_dtype.name} KV pages of block size {self.block_size} for this model: {e}"
+                                 ) from None
 
     @property
     def kv_cache_lost(self) -> bool:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from pagedjax.cli.sizes import parse_size
+from pagedjax.config import KV_DTYPES
 
 PROG = "pagedjax-generate"
 DEFAULT_NUM_BLOCKS = 512  # CacheConfig's default when neither --num-blocks nor --kv-memory is given
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"KV blocks in the pool (default: {DEFAULT_NUM_BLOCKS})")
     kv.add_argument("--kv-memory", type=parse_size, default=None, metavar="SIZE",
                     help="size the KV pool by memory instead, e.g. 64MiB")
+    g.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                   help="KV cache dtype: auto = the model's; int8 / fp8 (float8_e4m3fn) store K/V in 8 bits with "
+                        "a float32 scale per token and KV head, about half the bytes per token of bfloat16")
     g.add_argument("--num-steps", type=_int_at_least(1), default=1,
                    help="decode iterations per device call when every sequence is decoding")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")

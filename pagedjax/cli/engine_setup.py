@@ -112,7 +112,8 @@ def build_engine(args: argparse.Namespace, cfg, params, tokenizer, compile_cache
         check_device_count(tp)
     try:
         cache_config = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                                   kv_memory_bytes=args.kv_memory, enable_prefix_caching=not args.no_prefix_caching)
+                                   kv_memory_bytes=args.kv_memory, enable_prefix_caching=not args.no_prefix_caching,
+                                   kv_dtype=args.kv_dtype)
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len or min(2048, cfg.max_position_embeddings))

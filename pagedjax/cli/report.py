@@ -30,6 +30,7 @@ def stats_summary(stats, peak: Peak, wall_s: float, num_requests: int,
         "kv_blocks_used_peak": peak.blocks_used,
         "kv_blocks_used_peak_pct": 100.0 * peak.blocks_used / num_blocks if num_blocks else 0.0,
         "kv_waste_pct": peak.kv_waste_pct,  # unfilled slots of held blocks, at the peak
+        "kv_bytes_per_token": stats.kv_bytes_per_token,  # per device, 8-bit pages' scales included
         "prefix_cache_hit_pct": 100.0 * stats.scheduler.prefix_cache_hit_rate,
         "preemptions": stats.scheduler.num_preemptions,
         "running_peak": peak.running,
@@ -47,6 +48,7 @@ def stats_rows(s: dict[str, int | float], compile_cache: CompileCache) -> list[t
         ("KV blocks used", f"{s['kv_blocks_used_peak']:,} of {s['kv_blocks']:,} (peak), "
                            f"{s['kv_blocks_used_peak_pct']:.1f} %"),
         ("KV waste", f"{s['kv_waste_pct']:.1f} % (unfilled slots of held blocks, at peak)"),
+        ("KV bytes per token", f"{s['kv_bytes_per_token']:,}"),
         ("prefix-cache hit rate", f"{s['prefix_cache_hit_pct']:.1f} %"),
         ("preemptions", f"{s['preemptions']:,}"),
         ("compilations", f"{s['compilations']:,} ({s['compile_s']:.2f} s)"),
@@ -73,15 +75,18 @@ def print_header(args: argparse.Namespace, cfg, params, engine, load_s: float, o
     n_params = sum(int(x.size) for x in jax.tree.leaves(params))
     print(f"model: {args.model or 'bundled tiny model'} ({n_params / 1e6:.2f} M params, {cfg.num_layers} layers, "
           f"{cfg.num_q_heads}q/{cfg.num_kv_heads}kv heads, {cfg.dtype}; loaded in {load_s:.2f} s)", file=out)
+    kv = engine.stats()
     print(f"engine: {engine.backend} attention on {jax.default_backend()}, {engine.num_blocks} KV blocks x "
-          f"{args.block_size} tokens, prefix caching {'off' if args.no_prefix_caching else 'on'}, "
+          f"{args.block_size} tokens ({kv.kv_dtype}, {kv.kv_bytes_per_token:,} bytes per token), prefix caching "
+          f"{'off' if args.no_prefix_caching else 'on'}, "
           f"{args.num_steps} decode step(s) per call", file=out)
     print(file=out)
 
 
 def report(gen: Generation, wall_s: float, compile_cache: CompileCache, json_output: bool, out: TextIO) -> None:
     """The statistics table, or (`json_output`) the completions and statistics as one JSON object: `stats` holds
-    numbers only (units in the key names), `compile_cache_dir` the compile cache's folder (null: off)."""
+    numbers only (units in the key names), `kv_dtype` the KV cache's dtype, `compile_cache_dir` the compile
+    cache's folder (null: off)."""
     stats = gen.engine.stats()
     gen.peak.observe(stats)
     summary = stats_summary(stats, gen.peak, wall_s, len(gen.completions), compile_cache)
@@ -91,8 +96,8 @@ def report(gen: Generation, wall_s: float, compile_cache: CompileCache, json_out
                         "finish_reason": c.finish_reason, "error": c.error,
                         "samples": [_sample_json(s) for s in c.samples]} for c in gen.completions]
         folder = None if compile_cache.folder is None else str(compile_cache.folder)
-        print(json.dumps({"completions": completions, "stats": summary, "compile_cache_dir": folder}, indent=2),
-              file=out)
+        print(json.dumps({"completions": completions, "stats": summary, "kv_dtype": stats.kv_dtype,
+                          "compile_cache_dir": folder}, indent=2), file=out)
     else:
         print_table(stats_rows(summary, compile_cache), out)
 

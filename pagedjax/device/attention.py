@@ -15,6 +15,8 @@ from typing import NamedTuple
 import jax
 
 import pallas_kernels
+from pagedjax.device.kv_cache import LayerKV
+from pallas_kernels.quant import is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -49,24 +51,33 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata, *,
-                    backend: str, decode_only: bool, scale: float | None = None) -> jax.Array:
-    """Attention of a step's queries over the paged cache (the new K/V already written).
+def paged_attention(q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
+                    layer: LayerKV,  # this layer's pages, this step's K/V already written
+                    meta: AttentionMetadata, *, backend: str, decode_only: bool, scale: float | None = None,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> jax.Array:
+    """Attention of a step's queries over one layer's paged cache.
 
-    q: `[num_tokens, num_q_heads, head_dim]`; k_pages, v_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`.
-    With `decode_only`, token i is the single query of sequence i (num_tokens == num_seqs).
-    Returns `[num_tokens, num_q_heads, head_dim]` in q's dtype.
+    With `decode_only`, token i is the single query of sequence i (num_tokens == num_seqs). `sliding_window`
+    W: a query at position p attends to positions (p - W, p]; `logits_soft_cap` c: scores pass through
+    c * tanh(s / c). Float pages meet q in their own dtype; 8-bit pages are dequantized by their scales inside
+    the kernel (q keeps its dtype). Returns `[num_tokens, num_q_heads, head_dim]` in the dtype q was cast to.
     """
+    if not is_quantized(layer.k.dtype):
+        q = q.astype(layer.k.dtype)
+    # Variant arguments travel only when in use, so a kernel entry is called exactly as before without them.
+    variants = {name: value for name, value in (
+        ("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap),
+        ("k_scales", layer.k_scales), ("v_scales", layer.v_scales)) if value is not None}
     if backend == "pallas":  # target "auto", interpret=None: Triton on GPU, Mosaic on TPU, interpreted elsewhere
         if decode_only:
-            return pallas_kernels.paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
-                                                  scale=scale, interpret=None)
-        return pallas_kernels.ragged_paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
-                                                     meta.cu_q_lens, scale=scale, interpret=None)
+            return pallas_kernels.paged_attention(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
+                                                  scale=scale, interpret=None, **variants)
+        return pallas_kernels.ragged_paged_attention(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
+                                                     meta.cu_q_lens, scale=scale, interpret=None, **variants)
     if backend == "xla":
         if decode_only:
-            return pallas_kernels.paged_attention_xla(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
-                                                      scale=scale)
-        return pallas_kernels.ragged_paged_attention_xla(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
-                                                         meta.cu_q_lens, scale=scale)
+            return pallas_kernels.paged_attention_xla(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
+                                                      scale=scale, **variants)
+        return pallas_kernels.ragged_paged_attention_xla(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
+                                                         meta.cu_q_lens, scale=scale, **variants)
     raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")

@@ -13,34 +13,34 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.device.attention import AttentionMetadata, paged_attention
-from pagedjax.device.kv_cache import write_kv
+from pagedjax.device.kv_cache import LayerKV, write_kv
 from pagedjax.parallel.mesh import TP
 
 _HEADS = P(None, TP, None)  # [tokens, heads, head_dim] split by heads
-_PAGES = P(TP)  # [kv_heads, blocks, block_size, head_dim] split by KV heads
+_PAGES = P(TP)  # [kv_heads, blocks, block_size(, head_dim)] split by KV heads
 
 
 def sharded_write_and_attend(q: jax.Array,  # [T, Hq, D], any sharding (columns of q_proj: by heads)
                              k: jax.Array,  # [T, Hkv, D]
                              v: jax.Array,  # [T, Hkv, D]
-                             k_pages: jax.Array,  # [Hs, N, block_size, D] sharded by heads, Hs = max(Hkv, tp)
-                             v_pages: jax.Array,  # [Hs, N, block_size, D]
+                             layer: LayerKV,  # pages [Hs, N, block_size, D] (scales [Hs, N, block_size]) by heads
                              meta: AttentionMetadata,  # replicated
-                             *, mesh: Mesh, backend: str, decode_only: bool):
-    """Write this step's K/V and attend, per device over its heads. Returns (o `[T, Hq, D]` in the pages'
-    dtype, sharded by heads; k_pages; v_pages)."""
-    stored = k_pages.shape[0]
+                             *, mesh: Mesh, backend: str, decode_only: bool, **attention_options):
+    """Write this step's K/V and attend, per device over its heads (Hs = max(Hkv, tp) stored heads).
+    `attention_options` go to `device.attention.paged_attention` (scale, window, soft cap). Returns (o
+    `[T, Hq, D]`, sharded by heads; the layer's pages)."""
+    stored = layer.k.shape[0]
     if k.shape[1] != stored:  # tp > Hkv: KV head h is cached on the tp / Hkv devices that hold its query heads
         k = jnp.repeat(k, stored // k.shape[1], axis=1)
         v = jnp.repeat(v, stored // v.shape[1], axis=1)
 
-    def local(q, k, v, k_pages, v_pages, meta):
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
-        o = paged_attention(q.astype(k_pages.dtype), k_pages, v_pages, meta, backend=backend,
-                            decode_only=decode_only)
-        return o, k_pages, v_pages
+    def local(q, k, v, layer, meta):
+        layer = write_kv(layer, k, v, meta.slot_mapping)
+        o = paged_attention(q, layer, meta, backend=backend, decode_only=decode_only, **attention_options)
+        return o, layer
 
+    pages = jax.tree.map(lambda _: _PAGES, layer)  # every array of the layer is split by KV heads (axis 0)
     # check_vma off: pallas_call has no replication typing; every operand's spec is stated explicitly here.
-    run = jax.shard_map(local, mesh=mesh, in_specs=(_HEADS, _HEADS, _HEADS, _PAGES, _PAGES, P()),
-                        out_specs=(_HEADS, _PAGES, _PAGES), check_vma=False)
-    return run(q, k, v, k_pages, v_pages, meta)
+    run = jax.shard_map(local, mesh=mesh, in_specs=(_HEADS, _HEADS, _HEADS, pages, P()),
+                        out_specs=(_HEADS, pages), check_vma=False)
+    return run(q, k, v, layer, meta)

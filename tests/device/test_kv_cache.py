@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -5,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedjax.config import kv_cache_bytes
-from pagedjax.device.kv_cache import init_kv_cache, write_kv
+from pagedjax.device.kv_cache import KVCache, LayerKV, copy_blocks, init_kv_cache, write_kv
+from pallas_kernels.quant import is_quantized, quantize_kv
 
 
 def test_kv_cache_bytes_formula():
@@ -22,8 +24,20 @@ def test_init_kv_cache_layout_and_size():
     assert cache.nbytes == kv_cache_bytes(3, 5 * 4, 2, 16, 2)
 
 
+def _random_pages(rng, shape, dtype) -> np.ndarray:
+    """Random contents of a pool (quantized ones too), so that a write that touches a wrong slot shows."""
+    x = rng.normal(size=shape).astype(np.float32)
+    if dtype == jnp.int8:
+        return np.clip(np.round(x * 40), -127, 127).astype(np.int8)
+    return np.asarray(jnp.asarray(x, dtype))
+
+
 @given(st.data())
 def test_write_kv_by_slot_mapping(data):
+    """Each token's K/V (8-bit: its values and scales from `quantize_kv`) land in its slot; padding (-1) and
+    every other slot are left alone."""
+    # Drawn, not parametrized: the examples share one budget (each is a few eager scatters).
+    dtype = data.draw(st.sampled_from([jnp.float32, jnp.int8, jnp.float8_e4m3fn]), label="dtype")
     num_blocks = data.draw(st.integers(1, 6), label="num_blocks")
     block_size = data.draw(st.sampled_from([1, 2, 4, 8]), label="block_size")
     heads, dim = 2, 4
@@ -34,27 +48,73 @@ def test_write_kv_by_slot_mapping(data):
     pad = data.draw(st.lists(st.booleans(), min_size=num_tokens, max_size=num_tokens), label="pad")
     slots = np.array([-1 if p else s for s, p in zip(slots, pad, strict=True)], np.int32)
     rng = np.random.default_rng(num_tokens)
-    k_pages = rng.normal(size=(heads, num_blocks, block_size, dim)).astype(np.float32)
-    v_pages = rng.normal(size=(heads, num_blocks, block_size, dim)).astype(np.float32)
+    quantized = is_quantized(dtype)
+    k_pages, v_pages = (_random_pages(rng, (heads, num_blocks, block_size, dim), dtype) for _ in range(2))
+    k_scales, v_scales = (rng.uniform(0.1, 1, size=(heads, num_blocks, block_size)).astype(np.float32)
+                          if quantized else None for _ in range(2))
     k_new = rng.normal(size=(num_tokens, heads, dim)).astype(np.float32)
     v_new = rng.normal(size=(num_tokens, heads, dim)).astype(np.float32)
+    k_new[:1, :1] = 0  # an all-zero vector: scale 0, values 0
 
-    k_out, v_out = write_kv(jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(k_new), jnp.asarray(v_new),
-                            jnp.asarray(slots))
+    layer = LayerKV(*(None if a is None else jnp.asarray(a) for a in (k_pages, v_pages, k_scales, v_scales)))
+    out = write_kv(layer, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(slots))
 
-    k_exp, v_exp = k_pages.copy(), v_pages.copy()
+    expected = [k_pages.copy(), v_pages.copy()] + ([k_scales.copy(), v_scales.copy()] if quantized else [])
+    if quantized:
+        (k_q, k_s), (v_q, v_s) = (jax.device_get(quantize_kv(jnp.asarray(x), dtype)) for x in (k_new, v_new))
+        new = [k_q, v_q, k_s, v_s]
+    else:
+        new = [k_new, v_new]
     for t, s in enumerate(slots):
         if s >= 0:
-            k_exp[:, s // block_size, s % block_size] = k_new[t]
-            v_exp[:, s // block_size, s % block_size] = v_new[t]
-    np.testing.assert_array_equal(np.asarray(k_out), k_exp)
-    np.testing.assert_array_equal(np.asarray(v_out), v_exp)
+            for exp, x in zip(expected, new, strict=True):
+                exp[:, s // block_size, s % block_size] = x[t]
+    assert len(out) == 4 and (out.k_scales is None) == (not quantized)
+    for got, exp in zip(out, expected, strict=False):
+        assert got.dtype == exp.dtype
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), exp.view(np.uint8))  # bit for bit
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_write_kv_casts_to_cache_dtype(dtype):
     cache = init_kv_cache(1, 1, 2, 2, 4, dtype)
-    k, v = write_kv(cache.k[0], cache.v[0], jnp.ones((1, 1, 4), jnp.float32), jnp.ones((1, 1, 4), jnp.float32),
-                    jnp.array([3], jnp.int32))
+    k, v, _, _ = write_kv(cache.layers[0], jnp.ones((1, 1, 4), jnp.float32), jnp.ones((1, 1, 4), jnp.float32),
+                          jnp.array([3], jnp.int32))
     assert k.dtype == dtype
     assert float(k[0, 1, 1, 0]) == 1.0 and float(k[0, 0, 0, 0]) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_init_quantized_kv_cache_adds_float32_scales(dtype):
+    cache = init_kv_cache(num_layers=2, num_kv_heads=2, num_blocks=5, block_size=4, head_dim=16, dtype=dtype)
+    for layer in cache.layers:
+        assert layer.k.dtype == layer.v.dtype == dtype and layer.k.shape == (2, 5, 4, 16)
+        assert layer.k_scales.dtype == layer.v_scales.dtype == jnp.float32
+        assert layer.k_scales.shape == layer.v_scales.shape == (2, 5, 4)
+        assert not any(np.asarray(a).astype(np.float32).any() for a in layer)
+    # 1 byte per element plus a 4-byte scale per token, KV head, K and V.
+    assert cache.nbytes == kv_cache_bytes(2, 5 * 4, 2, 16, 1, 4) == 2 * 2 * 20 * 2 * (16 + 4)
+
+
+def test_write_kv_rejects_8bit_pages_without_scales():
+    cache = init_kv_cache(1, 1, 2, 2, 4, jnp.int8)
+    new = jnp.ones((1, 1, 4), jnp.float32)
+    with pytest.raises(ValueError, match="k_scales and v_scales"):
+        write_kv(cache.layers[0]._replace(v_scales=None), new, new, jnp.array([0], jnp.int32))
+    with pytest.raises(ValueError, match="k_scales and v_scales"):
+        layer = init_kv_cache(1, 1, 2, 2, 4, jnp.float32).layers[0]
+        write_kv(layer._replace(k_scales=cache.layers[0].k_scales, v_scales=cache.layers[0].v_scales), new, new,
+                 jnp.array([0], jnp.int32))
+
+
+def test_copy_blocks_copies_scales_with_their_values():
+    rng = np.random.default_rng(0)
+    layer = LayerKV(*(jnp.asarray(_random_pages(rng, (2, 4, 2, 3), jnp.int8)) for _ in range(2)),
+                    *(jnp.asarray(rng.uniform(size=(2, 4, 2)).astype(np.float32)) for _ in range(2)))
+    # Block 1 -> 3 and 3 -> 0 in one call (sources read before any write); a padding row.
+    out = copy_blocks(KVCache((layer,)), jnp.array([[1, 3], [3, 0], [2, -1]], jnp.int32)).layers[0]
+    for got, before in zip(out, layer, strict=True):
+        got, before = np.asarray(got), np.asarray(before)
+        np.testing.assert_array_equal(got[:, 3], before[:, 1])
+        np.testing.assert_array_equal(got[:, 0], before[:, 3])
+        np.testing.assert_array_equal(got[:, 1:3], before[:, 1:3])

@@ -125,7 +125,7 @@ def test_bytes_prompts_round_trip_exactly():
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_kv_cache_dtype_may_differ_from_the_models(backend):
     """bfloat16 pages under a float32 model (what `auto` picks on a GPU) used to crash the Pallas backend."""
-    engine = LLMEngine(CFG, CacheConfig(block_size=8, num_blocks=64, dtype="bfloat16"),
+    engine = LLMEngine(CFG, CacheConfig(block_size=8, num_blocks=64, kv_dtype="bfloat16"),
                        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=MAX_LEN),
                        seed=SEED, backend=backend)
     assert engine.runner.kv_cache.k[0].dtype == jnp.bfloat16

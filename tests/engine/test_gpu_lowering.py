@@ -43,15 +43,17 @@ def _export_cuda(fn, args, static):
     return exported.mlir_module()
 
 
-@pytest.fixture
-def model_parts(monkeypatch):
+@pytest.fixture(params=[jnp.bfloat16, jnp.int8], ids=["bf16-pages", "int8-pages"])
+def model_parts(monkeypatch, request):
+    """The jitted step and loop, and a cache of bfloat16 pages or of int8 pages with scales (quantized on write,
+    dequantized inside the Triton kernels)."""
     # Trace as if on a GPU so that interpret=None picks the compiled Triton kernels.
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(CFG)))
     leaves, treedef = jax.tree.flatten(params)
     step, loop = _jitted(graphdef, treedef)
     cache = jax.eval_shape(lambda: init_kv_cache(CFG.num_layers, CFG.num_kv_heads, 64, 16, CFG.head_dim,
-                                                 jnp.bfloat16))
+                                                 request.param))
     return leaves, step, loop, cache
 
 

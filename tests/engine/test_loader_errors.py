@@ -98,7 +98,7 @@ def test_model_config_normalises_what_it_accepts():
     ({"num_blocks": 8.0}, "num_blocks", TypeError),
     ({"kv_memory_bytes": True}, "kv_memory_bytes", TypeError),
     ({"enable_prefix_caching": 1}, "enable_prefix_caching", TypeError),
-    ({"dtype": "int4"}, "dtype", ValueError),
+    ({"kv_dtype": "int4"}, "kv_dtype", ValueError),
 ])
 def test_cache_config_checks_types(kwargs, field, error):
     with pytest.raises(error, match=f"CacheConfig.{field}"):

@@ -178,6 +178,47 @@ def kv_pool_sized_per_device():
     assert two.stats().scheduler.memory.num_blocks == two.num_blocks
 
 
+def _int8_engine(tp: int | None, **kw) -> LLMEngine:
+    """A gqa engine on int8 KV pages; with `tp`, its pages and their scales checked to be sharded by KV heads."""
+    e = LLMEngine(config("gqa"), CacheConfig(block_size=8, kv_dtype="int8", **{"num_blocks": 8, **kw}),
+                  SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                  params=params("gqa"), compile_cache=False, decode_steps_per_call=4,
+                  parallel_config=None if tp is None else ParallelConfig(tensor_parallel_size=tp))
+    for layer in e.runner.kv_cache.layers:
+        assert layer.k.dtype == jnp.int8 and layer.k_scales.dtype == jnp.float32
+        for a in layer if tp is not None else ():
+            assert a.sharding.spec == P("tp") and a.shape[0] == max(2, tp), (tp, a.shape, a.sharding)
+    return e
+
+
+@check
+def int8_kv_tensor_parallel():
+    """int8 KV pages over tp 2 (KV heads split) and tp 4 (> num_kv_heads: replicated): pages and scales sharded
+    by KV heads, a per-device budget counts the scales; at tp 2 one mixed step's logits within float32 1e-5 of
+    the one-device int8 engine's."""
+    budget = 64 * 1024
+    one, two = _int8_engine(None, num_blocks=None, kv_memory_bytes=budget), _int8_engine(2, num_blocks=None,
+                                                                                        kv_memory_bytes=budget)
+    # 1 KV head per device of 16 dims: 2 (K, V) x (16 + 4) bytes per token and layer, blocks of 8.
+    assert two.num_blocks == budget // (8 * 2 * 20) == 2 * one.num_blocks, (one.num_blocks, two.num_blocks)
+    assert two.stats().kv_bytes_per_token == 2 * 20 and one.stats().kv_bytes_per_token == 2 * 2 * 20
+    _int8_engine(4)
+    want = _step_logits(_int8_engine(None))
+    got = _step_logits(_int8_engine(2))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg="int8 tp=2")
+
+
+@check
+def int8_kv_greedy_tp4():
+    """int8 KV pages at tp 4 (each KV head on two devices): the one-device int8 engine's greedy tokens through
+    prefix caching, preemption and fused decode."""
+    one = _int8_engine(None)
+    want = [o.output_token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert one.stats().scheduler.num_preemptions > 0
+    got = [o.output_token_ids for o in _int8_engine(4).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == want, f"int8 tp=4: {got} != {want}"
+
+
 @check
 def data_parallel_2x2():
     """dp 2 x tp 2 on 4 devices: the same tokens as one device, requests spread over both replicas, each

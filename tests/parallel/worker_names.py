@@ -8,6 +8,7 @@ FAST = [
     "greedy_mqa_tp8_block16",
     "logits_and_shardings",
     "kv_pool_sized_per_device",
+    "int8_kv_tensor_parallel",
     "data_parallel_2x2",
     "pallas_under_shard_map",
     "steps_export_for_cuda_on_4_devices",
@@ -15,4 +16,5 @@ FAST = [
     "hf_checkpoint_loads_into_shards",
 ]
 SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16", "greedy_mha_tp2_block8",
-        "greedy_mqa_tp4_block8", "greedy_mha_tp4_block8", "greedy_gqa_tp2_block8", "greedy_mqa_tp8_block8"]
+        "greedy_mqa_tp4_block8", "greedy_mha_tp4_block8", "greedy_gqa_tp2_block8", "greedy_mqa_tp8_block8",
+        "int8_kv_greedy_tp4"]
