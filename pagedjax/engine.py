@@ -58,6 +58,8 @@ class EngineStats:
     scheduler: SchedulerStats
     tensor_parallel_size: int = 1  # devices the model and its KV pool are sharded over
     kv_cache_bytes_per_device: int = 0  # the KV pool's bytes on each of those devices
+    kv_dtype: str = ""  # the KV cache's dtype ("int8", "fp8": 8-bit pages with scales; see CacheConfig.kv_dtype)
+    kv_bytes_per_token: int = 0  # KV bytes one cached token takes on each device (its KV heads, scales included)
 
     @property
     def tokens_per_s(self) -> float:
@@ -127,9 +129,12 @@ class LLMEngine:
             self.num_blocks = self.cache_config.resolve_num_blocks(per_device_model(model_config, mesh.size))
         else:
             self.num_blocks = self.cache_config.resolve_num_blocks(model_config)
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks)
+        # Blocks out of every layer's sliding window go back to the pool while requests run.
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
+                                   sliding_window=model_config.kv_window)
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
-                                  kv_dtype=self.cache_config.dtype, backend=backend, mesh=mesh)
+                                  kv_dtype=self.cache_config.kv_array_dtype(model_config), backend=backend,
+                                  mesh=mesh)
         self._generate_calls = 0
         self._empty_plans = 0
         self._steps = 0
@@ -546,6 +551,9 @@ class LLMEngine:
             scheduler=self.scheduler.stats(),
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,
+            kv_dtype=self.cache_config.resolve_kv_dtype(self.model_config),
+            kv_bytes_per_token=self.runner.kv_cache.nbytes_per_device // (self.num_blocks
+                                                                          * self.cache_config.block_size),
         )
 
     def stats_dict(self) -> dict:

@@ -2,19 +2,24 @@
 
     cfg = load_hf_config("path/to/folder")                       # or pagedjax.model.hf_loader.load_hf_config
 
-Anything pagedjax cannot compute exactly (unknown `model_type`, `hidden_act` other than silu, `mlp_bias`,
-Llama's `attention_bias` (it also biases o_proj), rope scaling other than `pagedjax.config.ROPE_TYPES`, partial
-rotary, quantized weights, ...) and any field of the wrong type (`"hidden_size": "256"`, `2.0`) or invalid JSON
-raises a `ModelLoadError` (a ValueError) naming the file and field: never silently wrong output. A sliding
-window is exact for sequences no longer than the window, so when one is in effect `max_position_embeddings` is
-capped to the window (with a warning) instead of refusing the model.
+Supported `model_type`s: llama, mistral, qwen2 (`ModelConfig.architecture` "llama") and gemma2 ("gemma2":
+soft-capped attention and final logits, `query_pre_attn_scalar`, GeGLU, sandwich norms, scaled embeddings).
+Sliding windows map to `ModelConfig.sliding_windows`, one entry per layer, as transformers applies them:
+Mistral's `sliding_window` on every layer; Qwen2's with `use_sliding_window` on the layers `layer_types` marks
+"sliding_attention" (else those from `max_window_layers` on); Gemma 2's on the layers `layer_types` marks (else
+the even ones: 0, 2, ...).
+
+Anything pagedjax cannot compute exactly (unknown `model_type`, `hidden_act` other than silu (Gemma 2:
+`hidden_activation` other than gelu_pytorch_tanh), `mlp_bias`, `attention_bias` for Llama and Gemma 2 (it also
+biases o_proj), rope scaling other than `pagedjax.config.ROPE_TYPES`, partial rotary, quantized weights,
+bidirectional attention, ...) and any field of the wrong type (`"hidden_size": "256"`, `2.0`) or invalid JSON
+raises a `ModelLoadError` (a ValueError) naming the file and field: never silently wrong output.
 
 The weights are read by `pagedjax.model.hf_loader`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from pathlib import Path
@@ -24,19 +29,21 @@ from pagedjax.config import ROPE_SCALING_PARAMS, ROPE_TYPES, ModelConfig
 from pagedjax.core.request import is_int
 from pagedjax.model.loader import ModelLoadError, read_json
 
-logger = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
 _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # Hugging Face's per-architecture defaults for fields a config.json may leave out.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
               "tie_word_embeddings": False},
     "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-                "tie_word_embeddings": False},
+                "tie_word_embeddings": False, "sliding_window": 4096},
     "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-              "tie_word_embeddings": False},
+              "tie_word_embeddings": False, "max_window_layers": 28, "sliding_window": 4096},
+    "gemma2": {"max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+               "tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256.0,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4096},
 }
+_GEMMA2_ACTIVATION = "gelu_pytorch_tanh"
 
 
 def _id_list(value: Any, key: str) -> tuple[int, ...]:
@@ -136,33 +143,65 @@ def _rope(hf: dict, model_type: str) -> tuple[float, tuple[tuple[str, Any], ...]
     return theta, tuple(sorted(scaling.items()))
 
 
-def _sliding_window(hf: dict, model_type: str, num_layers: int) -> int | None:
-    """The attention window if one is in effect on some layer, else None."""
-    window = hf.get("sliding_window")
-    if model_type == "llama" or window is None:
+def _defaulted(hf: dict, key: str, model_type: str) -> Any:
+    """The field's value; transformers' default for this model type when absent (an explicit null stays None:
+    for a window or a soft cap, null switches it off)."""
+    return hf[key] if key in hf else _DEFAULTS[model_type].get(key)
+
+
+def _optional_positive_number(hf: dict, key: str, model_type: str) -> float | None:
+    value = _defaulted(hf, key, model_type)
+    if value is None:
         return None
+    value = _number({key: value}, key)
+    if value <= 0:
+        raise ValueError(f"field {key!r}: expected a number > 0 or null, got {value!r}")
+    return value
+
+
+def _layer_types(hf: dict, num_layers: int) -> list[str] | None:
     layer_types = hf.get("layer_types")
-    if layer_types is not None:
-        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
-            raise ValueError(f"field 'layer_types': expected a list of strings, got {layer_types!r}")
-        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise ValueError(f"field 'layer_types': unsupported attention types {unknown}")
-        if "sliding_attention" not in layer_types:
-            return None
-    elif model_type == "qwen2":
-        if not _flag(hf, "use_sliding_window", False):
-            return None
-        max_window_layers = hf.get("max_window_layers")
-        if max_window_layers is None:
-            return None  # every layer is below the cut-off: full attention
-        if not is_int(max_window_layers) or max_window_layers < 0:
-            raise ValueError(f"field 'max_window_layers': expected an int >= 0, got {max_window_layers!r}")
-        if max_window_layers >= num_layers:
-            return None
+    if layer_types is None:
+        return None
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        raise ValueError(f"field 'layer_types': expected a list of strings, got {layer_types!r}")
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"field 'layer_types': unsupported attention types {unknown}")
+    if len(layer_types) != num_layers:
+        raise ValueError(f"field 'layer_types': {len(layer_types)} entries for {num_layers} layers")
+    return layer_types
+
+
+def _sliding_windows(hf: dict, model_type: str, num_layers: int) -> tuple[int | None, ...] | None:
+    """Each layer's attention window (None: global), as transformers applies them; None if no layer has one."""
+    if model_type == "llama":
+        return None
+    if model_type == "qwen2" and not _flag(hf, "use_sliding_window", False):
+        return None  # transformers drops Qwen2's window unless use_sliding_window is set
+    window = _defaulted(hf, "sliding_window", model_type)
+    if window is None:
+        return None
     if not is_int(window) or window < 1:
         raise ValueError(f"field 'sliding_window': expected a positive int or null, got {window!r}")
-    return window
+    layer_types = _layer_types(hf, num_layers)
+    if model_type == "mistral":
+        # transformers' Mistral windows every layer whatever layer_types says; a checkpoint that says otherwise
+        # was probably written for another architecture, so refuse rather than guess.
+        if layer_types is not None and "full_attention" in layer_types:
+            raise ValueError("field 'layer_types': Mistral windows every layer (transformers ignores "
+                             "'full_attention' entries here); load this checkpoint as its own architecture")
+        return (window,) * num_layers
+    if layer_types is None:
+        if model_type == "qwen2":
+            cut = _defaulted(hf, "max_window_layers", model_type)
+            if not is_int(cut) or cut < 0:
+                raise ValueError(f"field 'max_window_layers': expected an int >= 0, got {cut!r}")
+            layer_types = ["sliding_attention" if i >= cut else "full_attention" for i in range(num_layers)]
+        else:  # gemma2: local and global layers alternate, starting with a local one
+            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return None if all(w is None for w in windows) else windows
 
 
 def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfig:
@@ -199,19 +238,29 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     defaults = _DEFAULTS[model_type]
 
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"field 'hidden_act' = {act!r} is not supported (only silu)")
+    if model_type == "gemma2":
+        # transformers' Gemma 2 reads hidden_activation (older configs also carry a hidden_act it ignores).
+        act = hf.get("hidden_activation") or _GEMMA2_ACTIVATION
+        if act != _GEMMA2_ACTIVATION:
+            raise ValueError(f"field 'hidden_activation' = {act!r} is not supported for gemma2 "
+                             f"(only {_GEMMA2_ACTIVATION})")
+        if _flag(hf, "use_bidirectional_attention", False):
+            raise ValueError("field 'use_bidirectional_attention' = true is not supported (attention is causal)")
+    else:
+        act = hf.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"field 'hidden_act' = {act!r} is not supported (only silu)")
     if _flag(hf, "mlp_bias", False):
         raise ValueError("field 'mlp_bias' = true is not supported (MLP projections have no bias)")
     if hf.get("quantization_config") is not None:
         raise ValueError("field 'quantization_config': quantized checkpoints are not supported")
     if model_type == "qwen2":
         qkv_bias = True  # Qwen2 always biases q/k/v (and never o_proj)
-    elif model_type == "llama":
+    elif model_type in ("llama", "gemma2"):
         if _flag(hf, "attention_bias", False):
-            # HF's Llama puts the bias on o_proj too, which pagedjax's attention does not have.
-            raise ValueError("field 'attention_bias' = true is not supported for llama (it also biases o_proj)")
+            # HF's Llama and Gemma 2 put the bias on o_proj too, which pagedjax's attention does not have.
+            raise ValueError(f"field 'attention_bias' = true is not supported for {model_type} "
+                             "(it also biases o_proj)")
         qkv_bias = False
     else:
         qkv_bias = False
@@ -220,11 +269,11 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
     num_heads = _positive_int(hf, "num_attention_heads")
     num_kv = _positive_int(hf, "num_key_value_heads", num_heads)
     num_layers = _positive_int(hf, "num_hidden_layers")
-    if hf.get("head_dim") is None:
+    if hf.get("head_dim") is None and "head_dim" not in defaults:
         if hidden % num_heads:
             raise ValueError(f"'hidden_size' ({hidden}) is not a multiple of 'num_attention_heads' ({num_heads}) "
                              "and there is no 'head_dim'")
-    head_dim = _positive_int(hf, "head_dim", hidden // num_heads)
+    head_dim = _positive_int(hf, "head_dim", defaults.get("head_dim", hidden // num_heads))
     if head_dim % 2:
         raise ValueError(f"field 'head_dim' = {head_dim}: RoPE needs an even head dim")
     if num_heads % num_kv:
@@ -232,11 +281,16 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
     rope_theta, rope_scaling = _rope(hf, model_type)
 
     max_pos = _positive_int(hf, "max_position_embeddings", defaults["max_position_embeddings"])
-    window = _sliding_window(hf, model_type, num_layers)
-    if window is not None and window < max_pos:
-        logger.warning("config.json field 'sliding_window' = %d is in effect: attention is exact only up to the "
-                       "window, so max_position_embeddings is capped from %d to %d", window, max_pos, window)
-        max_pos = window
+    sliding_windows = _sliding_windows(hf, model_type, num_layers)
+    if model_type == "gemma2":
+        gemma = dict(architecture="gemma2",
+                     attn_logit_softcapping=_optional_positive_number(hf, "attn_logit_softcapping", model_type),
+                     final_logit_softcapping=_optional_positive_number(hf, "final_logit_softcapping", model_type),
+                     query_pre_attn_scalar=_optional_positive_number(hf, "query_pre_attn_scalar", model_type))
+        if gemma["query_pre_attn_scalar"] is None:
+            raise ValueError("required field 'query_pre_attn_scalar' is null")
+    else:
+        gemma = {}
 
     if dtype is None:
         key = "torch_dtype" if hf.get("torch_dtype") is not None else "dtype"
@@ -266,4 +320,6 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
         dtype=dtype,
         bos_token_id=bos,
         eos_token_ids=tuple(dict.fromkeys(eos)),
+        sliding_windows=sliding_windows,
+        **gemma,
     )

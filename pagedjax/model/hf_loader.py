@@ -1,4 +1,4 @@
-"""Load a local Hugging Face model folder (Llama / Mistral / Qwen2) into pagedjax.
+"""Load a local Hugging Face model folder (Llama / Mistral / Qwen2 / Gemma 2) into pagedjax.
 
     cfg, params, tokenizer = load_hf("path/to/folder")           # config.json, *.safetensors, tokenizer.json
     engine = LLMEngine(cfg, CacheConfig(...), SchedulerConfig(...), params=params, tokenizer=tokenizer)
@@ -13,8 +13,9 @@
   model before any tensor is read; missing, unexpected and mis-shaped tensors are errors naming the tensor, and
   a truncated or corrupted file is an error naming the file.
 
-Parameter names of `pagedjax.model.llama.Llama` mirror `LlamaForCausalLM` (minus the `model.` prefix), so the
-name mapping is mechanical; RoPE uses the same rotate-half convention, so q/k need no permutation.
+Parameter names of `pagedjax.model.llama.Llama` mirror `LlamaForCausalLM` (minus the `model.` prefix; with
+Gemma 2's extra norms, `Gemma2ForCausalLM`), so the name mapping is mechanical; RoPE uses the same rotate-half
+convention, so q/k need no permutation, and Gemma's norm weights are stored as offsets from 1 on both sides.
 """
 
 from __future__ import annotations

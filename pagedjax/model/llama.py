@@ -1,4 +1,6 @@
-"""A Llama-family decoder in Flax NNX (Llama 2/3, Mistral, Qwen2 shapes): RMSNorm, RoPE, SwiGLU, GQA/MQA/MHA.
+"""A Llama-family decoder in Flax NNX (Llama 2/3, Mistral, Qwen2 shapes): RMSNorm, RoPE, SwiGLU, GQA/MQA/MHA;
+and its Gemma 2 variant (`ModelConfig.architecture == "gemma2"`): (1 + w) RMSNorm, GeGLU, sandwich norms, scaled
+embeddings. Either may use per-layer sliding windows and soft-capped attention and output logits.
 
 Two forwards share the same weights:
   `__call__`      the serving path: a ragged batch of tokens `[num_tokens]`, new K/V written into the paged
@@ -11,6 +13,7 @@ halves (`rotate_half`), linear kernels are stored `[in, out]` (HF's weights tran
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -20,7 +23,7 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig
 from pagedjax.device.attention import AttentionMetadata, paged_attention
-from pagedjax.device.kv_cache import KVCache, write_kv
+from pagedjax.device.kv_cache import KVCache, LayerKV, write_kv
 from pagedjax.parallel.attention import sharded_write_and_attend
 
 
@@ -78,13 +81,19 @@ def _apply(fn, x: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    """Llama's RMSNorm (`w * normed`, rounded to x's dtype before the product) or, with `offset`, Gemma's:
+    `(1 + w) * normed` in float32, rounded once (w is stored as the offset from 1, as in Gemma checkpoints)."""
+
+    def __init__(self, dim: int, eps: float, dtype, *, offset: bool = False):
+        self.weight = nnx.Param((jnp.zeros if offset else jnp.ones)((dim,), dtype))
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * y.astype(x.dtype)
 
 
@@ -104,13 +113,17 @@ def _linear(n_in: int, n_out: int, bias: bool, dtype, rngs: nnx.Rngs) -> Linear:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layer_index: int, dtype, rngs: nnx.Rngs):
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_proj = _linear(h, cfg.num_q_heads * d, cfg.qkv_bias, dtype, rngs)
         self.k_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
         self.v_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
         self.o_proj = _linear(cfg.num_q_heads * d, h, False, dtype, rngs)
         self.num_q_heads, self.num_kv_heads, self.head_dim = cfg.num_q_heads, cfg.num_kv_heads, d
+        # Static per-layer variants (None = unused: the kernels are then called exactly as without them).
+        self.sliding_window = None if cfg.sliding_windows is None else cfg.sliding_windows[layer_index]
+        self.logits_soft_cap = cfg.attn_logit_softcapping
+        self.scale = cfg.attention_scale
 
     def _qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray):
         lead = x.shape[:-1]
@@ -119,63 +132,97 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def __call__(self, x, positions, k_pages, v_pages, meta: AttentionMetadata, inv_freq, *, backend: str,
+    def __call__(self, x, positions, layer: LayerKV, meta: AttentionMetadata, inv_freq, *, backend: str,
                  decode_only: bool, mesh=None):
-        """x `[T, hidden]` -> (`[T, hidden]`, k_pages, v_pages) with this step's K/V written first. With a
+        """x `[T, hidden]` -> (`[T, hidden]`, the layer's pages) with this step's K/V written first. With a
         tensor-parallel `mesh`, each device writes and attends over its own heads (`pagedjax.parallel`)."""
         q, k, v = self._qkv(x, positions, inv_freq)
+        options = dict(scale=self.scale, sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         if mesh is not None:
-            o, k_pages, v_pages = sharded_write_and_attend(q, k, v, k_pages, v_pages, meta, mesh=mesh,
-                                                           backend=backend, decode_only=decode_only)
-            return self.o_proj(o.astype(x.dtype).reshape(x.shape[0], -1)), k_pages, v_pages
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
-        # The KV cache may be stored in another dtype than the model computes in (e.g. bf16 pages under an
-        # f32 model): the kernels take one dtype, so q meets the pages in theirs and o comes back in x's.
-        o = paged_attention(q.astype(k_pages.dtype), k_pages, v_pages, meta, backend=backend,
-                            decode_only=decode_only).astype(x.dtype)
-        return self.o_proj(o.reshape(x.shape[0], -1)), k_pages, v_pages
+            o, layer = sharded_write_and_attend(q, k, v, layer, meta, mesh=mesh, backend=backend,
+                                                decode_only=decode_only, **options)
+        else:
+            layer = write_kv(layer, k, v, meta.slot_mapping)
+            # The KV cache may be stored in another dtype than the model computes in (e.g. bf16 or int8 pages
+            # under an f32 model): o comes back in the pages' dtype and is cast to x's.
+            o = paged_attention(q, layer, meta, backend=backend, decode_only=decode_only, **options)
+        return self.o_proj(o.astype(x.dtype).reshape(x.shape[0], -1)), layer
 
     def dense(self, x: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-        """Causal attention over whole sequences, no cache. x `[B, S, hidden]` -> `[B, S, hidden]`."""
+        """Causal attention over whole sequences (within the layer's window, soft-capped if configured), no
+        cache. x `[B, S, hidden]` -> `[B, S, hidden]`."""
         b, s, _ = x.shape
         positions = jnp.broadcast_to(jnp.arange(s), (b, s))
         q, k, v = self._qkv(x, positions, inv_freq)
         g = self.num_q_heads // self.num_kv_heads
         qg = q.reshape(b, s, self.num_kv_heads, g, self.head_dim).astype(jnp.float32)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32)) / math.sqrt(self.head_dim)
-        causal = jnp.tril(jnp.ones((s, s), bool))
-        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32))
+        scores = scores / math.sqrt(self.head_dim) if self.scale is None else scores * self.scale
+        if self.logits_soft_cap is not None:
+            scores = self.logits_soft_cap * jnp.tanh(scores / self.logits_soft_cap)
+        query, key = np.arange(s)[:, None], np.arange(s)[None, :]
+        visible = key <= query
+        if self.sliding_window is not None:
+            visible &= key > query - self.sliding_window
+        probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
         o = jnp.einsum("bkgqs,bskd->bqkgd", probs, v.astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(o.reshape(b, s, -1))
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    """SwiGLU (Llama) or, with `gelu`, GeGLU with the tanh approximation of gelu (Gemma 2)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, *, gelu: bool = False):
         self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
         self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, rngs)
+        self.gelu = gelu
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+    """Llama: x += attn(norm(x)); x += mlp(norm(x)). Gemma 2 also normalizes each sub-block's output
+    ("sandwich" norms): x += norm(attn(norm(x))); x += norm(mlp(norm(x))). The parameter names are Hugging
+    Face's for either (Gemma 2's post_attention_layernorm is the norm after attention, not the one before the
+    MLP)."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int, dtype, rngs: nnx.Rngs):
+        gemma = cfg.architecture == "gemma2"
+        norm = functools.partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, dtype, offset=gemma)
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg, layer_index, dtype, rngs)
+        self.post_attention_layernorm = norm()
+        self.mlp = MLP(cfg, dtype, rngs, gelu=gemma)
+        self.sandwich = gemma
+        if gemma:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+
+    def __call__(self, x: jax.Array, attend) -> tuple[jax.Array, object]:
+        """One block around `attend`, the paged or dense attention: normalized x -> (attention output, what
+        else it returns: the written pages). Returns (x, that)."""
+        h, extra = attend(self.input_layernorm(x))
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), extra
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), extra
 
 
 class Llama(nnx.Module):
-    """Decoder-only transformer. Parameter names mirror Hugging Face's `LlamaForCausalLM`."""
+    """Decoder-only transformer. Parameter names mirror Hugging Face's `LlamaForCausalLM` (`Gemma2ForCausalLM`
+    for `architecture="gemma2"`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.config = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset=cfg.architecture == "gemma2")
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype,
                                                                      rngs)
 
@@ -184,28 +231,39 @@ class Llama(nnx.Module):
         """Serving forward. token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache).
         `mesh`: a tensor-parallel `tp` mesh (weights and cache sharded over it), None on one device."""
         inv_freq = rope_inv_freq(self.config)
+        x = self.embed(token_ids)
+        pages = []
+        for layer, layer_kv in zip(self.layers, kv_cache.layers, strict=True):
+            x, layer_kv = layer(x, functools.partial(layer.self_attn, positions=positions, layer=layer_kv, meta=meta,
+                                                     inv_freq=inv_freq, backend=backend, decode_only=decode_only,
+                                                     mesh=mesh))
+            pages.append(layer_kv)
+        return self.norm(x), KVCache(tuple(pages))
+
+    def embed(self, token_ids: jax.Array) -> jax.Array:
+        """Token embeddings; Gemma 2 scales them by sqrt(hidden_size) rounded to the model's dtype first, as
+        transformers does (in bf16 the factor is then not exactly the square root)."""
         x = self.embed_tokens(token_ids)
-        ks, vs = list(kv_cache.k), list(kv_cache.v)
-        for i, layer in enumerate(self.layers):
-            h, ks[i], vs[i] = layer.self_attn(layer.input_layernorm(x), positions, ks[i], vs[i], meta, inv_freq,
-                                              backend=backend, decode_only=decode_only, mesh=mesh)
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x), KVCache(tuple(ks), tuple(vs))
+        if self.config.architecture == "gemma2":
+            x = x * jnp.asarray(np.float32(math.sqrt(self.config.hidden_size)), x.dtype)
+        return x
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """`[..., hidden]` -> float32 logits `[..., vocab]`."""
+        """`[..., hidden]` -> float32 logits `[..., vocab]` (soft-capped if `final_logit_softcapping`)."""
         if self.lm_head is None:
-            return _apply(self.embed_tokens.attend, hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+            logits = _apply(self.embed_tokens.attend, hidden).astype(jnp.float32)
+        else:
+            logits = self.lm_head(hidden).astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def forward_dense(self, token_ids: jax.Array) -> jax.Array:
-        """Ground truth: token_ids `[B, S]` -> float32 logits `[B, S, vocab]`, causal, no cache."""
+        """Ground truth: token_ids `[B, S]` -> float32 logits `[B, S, vocab]`, causal (within each layer's
+        window), no cache."""
         inv_freq = rope_inv_freq(self.config)
-        x = self.embed_tokens(token_ids)
+        x = self.embed(token_ids)
         for layer in self.layers:
-            x = x + layer.self_attn.dense(layer.input_layernorm(x), inv_freq)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x, _ = layer(x, lambda h, layer=layer: (layer.self_attn.dense(h, inv_freq), None))
         return self.compute_logits(self.norm(x))
 
 

@@ -163,7 +163,10 @@ def test_config_maps_fields(hf_models, kind):
     else:
         assert cfg.rope_scaling is None
     if kind == "mistral":
-        assert cfg.max_position_embeddings == 128  # capped to the sliding window
+        assert cfg.max_position_embeddings == 256  # a window is served as such: no cap to it
+        assert cfg.sliding_windows == (128, 128)
+    else:
+        assert cfg.sliding_windows is None
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
@@ -365,6 +368,17 @@ def _write_config(tmp_path: Path, changes: dict, generation: dict | None = None)
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0,
       "layer_types": ["full_attention"], "num_hidden_layers": 1, "hidden_act": "relu"}, "hidden_act"),
     ({"model_type": "mistral", "layer_types": ["chunked_attention"], "sliding_window": 8}, "layer_types"),
+    ({"model_type": "mistral", "layer_types": ["full_attention"], "sliding_window": 8}, "layer_types"),
+    ({"model_type": "mistral", "layer_types": ["sliding_attention"] * 2, "sliding_window": 8}, "layer_types"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": -1},
+     "max_window_layers"),
+    ({"model_type": "gemma2", "hidden_activation": "gelu"}, "hidden_activation"),
+    ({"model_type": "gemma2", "attention_bias": True}, "attention_bias"),
+    ({"model_type": "gemma2", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"model_type": "gemma2", "attn_logit_softcapping": 0}, "attn_logit_softcapping"),
+    ({"model_type": "gemma2", "final_logit_softcapping": "30"}, "final_logit_softcapping"),
+    ({"model_type": "gemma2", "query_pre_attn_scalar": None}, "query_pre_attn_scalar"),
 ])
 def test_unsupported_config_names_the_field(tmp_path, changes, field):
     with pytest.raises(ValueError, match=field):
@@ -387,18 +401,26 @@ def test_config_variants(tmp_path):
     assert cfg.eos_token_ids == (2, 7) and cfg.bos_token_id == 1
 
 
-def test_sliding_window_caps_max_positions(tmp_path):
-    cfg = load_hf_config(_write_config(tmp_path, {"model_type": "mistral", "sliding_window": 16}))
-    assert cfg.max_position_embeddings == 16
-    cfg = load_hf_config(_write_config(tmp_path, {"model_type": "mistral", "sliding_window": None}))
-    assert cfg.max_position_embeddings == 64
-    # Qwen2 with use_sliding_window off: the window is not in effect.
-    cfg = load_hf_config(_write_config(tmp_path, {"model_type": "qwen2", "sliding_window": 16,
-                                                  "use_sliding_window": False}))
-    assert cfg.max_position_embeddings == 64 and cfg.qkv_bias
-    cfg = load_hf_config(_write_config(tmp_path, {"model_type": "qwen2", "sliding_window": 16,
-                                                  "use_sliding_window": True, "max_window_layers": 0}))
-    assert cfg.max_position_embeddings == 16
+@pytest.mark.parametrize("changes, windows", [
+    ({"model_type": "mistral", "sliding_window": 16}, (16, 16)),
+    ({"model_type": "mistral", "sliding_window": None}, None),  # an explicit null: no window
+    ({"model_type": "mistral"}, (4096, 4096)),  # absent: transformers' default window
+    ({"model_type": "mistral", "sliding_window": 16, "layer_types": ["sliding_attention"] * 2}, (16, 16)),
+    # Qwen2: the window only with use_sliding_window, on layers from max_window_layers on (default 28) ...
+    ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": False}, None),
+    ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True, "max_window_layers": 0}, (16, 16)),
+    ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1},
+     (None, 16)),
+    ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True}, None),
+    # ... or on the layers layer_types marks.
+    ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True, "max_window_layers": 0,
+      "layer_types": ["sliding_attention", "full_attention"]}, (16, None)),
+    ({"model_type": "llama", "sliding_window": 16}, None),
+])
+def test_sliding_windows_per_layer(tmp_path, changes, windows):
+    cfg = load_hf_config(_write_config(tmp_path, {"num_hidden_layers": 2, **changes}))
+    assert cfg.sliding_windows == windows
+    assert cfg.max_position_embeddings == 64  # never capped to the window
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer

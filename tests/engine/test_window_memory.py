@@ -1,0 +1,80 @@
+"""A sliding-window model's requests hold KV blocks for their window only, however long they run, and still
+produce the dense model's tokens (the host releases blocks out of every layer's window after each step)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax.core.kv_cache_manager import cdiv
+from pagedjax.model.llama import init_model
+
+BS = 4
+WINDOWS = (6, 10)  # per layer; no layer reads further back than 10 positions: kv_window 10
+CFG = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                  intermediate_size=128, sliding_windows=WINDOWS)
+PROMPT_LEN, MAX_TOKENS, MAX_LEN = 9, 40, 64
+SEED = 3
+
+
+def dense_greedy(cfg: ModelConfig, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    graphdef, state = nnx.split(init_model(cfg, SEED))
+    forward = jax.jit(lambda ids: nnx.merge(graphdef, state).forward_dense(ids))
+    seqs = [list(p) for p in prompts]
+    for _ in range(max_tokens):
+        batch = np.zeros((len(seqs), MAX_LEN), np.int32)  # causal: right padding changes nothing before it
+        for i, seq in enumerate(seqs):
+            batch[i, :len(seq)] = seq
+        logits = np.asarray(forward(jnp.asarray(batch)))
+        for i, seq in enumerate(seqs):
+            seq.append(int(np.argmax(logits[i, len(seq) - 1])))
+    return [seq[len(p):] for seq, p in zip(seqs, prompts, strict=True)]
+
+
+def run(cfg: ModelConfig, prompts, *, decode_steps_per_call: int, prefix: bool = True):
+    """Greedy outputs and the most blocks in use after any step."""
+    engine = LLMEngine(cfg, CacheConfig(block_size=BS, num_blocks=64, enable_prefix_caching=prefix),
+                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=MAX_LEN), seed=SEED,
+                       decode_steps_per_call=decode_steps_per_call)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=MAX_TOKENS))
+    outputs, peak = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.output_token_ids
+        engine.scheduler.check_invariants()
+        peak = max(peak, engine.stats().scheduler.memory.num_used_blocks)
+    assert engine.stats().scheduler.memory.num_used_blocks == 0
+    return [outputs[str(i)] for i in range(len(prompts))], peak
+
+
+@pytest.mark.parametrize("decode_steps_per_call", [1, 4])
+def test_long_generation_holds_only_its_window_and_matches_dense(decode_steps_per_call):
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, CFG.vocab_size, PROMPT_LEN).tolist()
+    # The same prompt twice (a prefix hit on blocks the first request may already have released) and a third.
+    prompts = [prompt, prompt, rng.integers(0, CFG.vocab_size, 5).tolist()]
+    outputs, peak = run(CFG, prompts, decode_steps_per_call=decode_steps_per_call)
+    assert outputs == dense_greedy(CFG, prompts, MAX_TOKENS)
+    assert outputs != dense_greedy(CFG.replace(sliding_windows=None), prompts, MAX_TOKENS)  # windows matter here
+    # Between steps a request holds the blocks of positions >= p - window + 1 and its newest block: at most
+    # cdiv(window - 1, BS) + 1 blocks each (a fused call lends one more per request while it runs).
+    per_request = cdiv(CFG.kv_window - 1, BS) + 1
+    assert peak <= len(prompts) * per_request
+    # Without windows the same requests end up holding every block of their PROMPT_LEN + MAX_TOKENS tokens.
+    _, full_peak = run(CFG.replace(sliding_windows=None), prompts, decode_steps_per_call=decode_steps_per_call)
+    assert full_peak >= 2 * cdiv(PROMPT_LEN + MAX_TOKENS - 1, BS)
+
+
+def test_a_global_layer_keeps_every_block():
+    cfg = CFG.replace(sliding_windows=(6, None))  # Gemma-style local/global: the global layer reads everything
+    assert cfg.kv_window is None
+    prompt = list(range(PROMPT_LEN))
+    outputs, peak = run(cfg, [prompt], decode_steps_per_call=1)
+    assert outputs == dense_greedy(cfg, [prompt], MAX_TOKENS)
+    assert peak == cdiv(PROMPT_LEN + MAX_TOKENS - 1, BS)
