@@ -20,6 +20,11 @@ Alpaca-like (short prompts and outputs) length spread; the vLLM paper's savings 
 search picks its surviving candidates at random (the real search picks the most likely ones): the sharing
 depends only on which beams survive, not why.
 
+Then KV dtypes: one KV memory budget (by default what --kv-slots tokens take in bfloat16) split into blocks of
+float32, bfloat16, int8 and fp8 pages (8-bit pages carry a float32 scale per token and KV head, counted) for a
+Llama-3-8B-shaped model (32 layers, 8 KV heads of 128), and the same workload on the real scheduler: KV bytes
+per token, token slots, concurrency and waste per dtype.
+
     python scripts/bench_memory.py                 # full run, plot in out/bench_memory.png
     python scripts/bench_memory.py --quick         # seconds; used by the smoke test
 """
@@ -38,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedjax.config import CacheConfig, SchedulerConfig  # noqa: E402
+from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from pagedjax.core.memory_stats import ContiguousAllocator, kv_memory_stats  # noqa: E402
 from pagedjax.core.request import Request, SamplingParams  # noqa: E402
 from pagedjax.core.scheduler import Scheduler  # noqa: E402
@@ -96,11 +101,13 @@ class Trace:
 
 
 def run_paged(w: Workload, kv_slots: int, block_size: int, max_model_len: int, max_num_seqs: int,
-              max_num_batched_tokens: int, seed: int) -> Trace:
+              max_num_batched_tokens: int, seed: int, sliding_window: int | None = None) -> Trace:
+    """`sliding_window`: the model's `kv_window` (requests release blocks that fell out of it while running)."""
     num_blocks = kv_slots // block_size
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
-                      CacheConfig(block_size=block_size, enable_prefix_caching=False), num_blocks)
+                      CacheConfig(block_size=block_size, enable_prefix_caching=False), num_blocks,
+                      sliding_window=sliding_window)
     rng = np.random.default_rng(seed + 1)
     for i in range(w.num_requests):
         prompt = rng.integers(0, 32000, int(w.prompt_lens[i])).tolist()
@@ -330,6 +337,78 @@ def sharing_table(num_requests: int, block_size: int, seed: int) -> list[dict]:
     return rows
 
 
+# The model shape the KV dtype table sizes pages for: Llama 3 8B (GQA, 32 layers x 8 KV heads x 128 dims).
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_q_heads=32, num_kv_heads=8,
+                        head_dim=128, intermediate_size=14336, dtype="bfloat16")
+KV_DTYPES = ("float32", "bfloat16", "int8", "fp8")
+
+
+def kv_dtype_table(w: Workload, kv_memory_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int,
+                   max_num_batched_tokens: int, seed: int, model: ModelConfig = LLAMA3_8B) -> list[dict]:
+    """The same KV memory budget in each KV dtype: how many token slots it holds, and what the scheduler runs
+    concurrently on it (the workload and timeline of `run_paged`)."""
+    rows = []
+    for kv_dtype in KV_DTYPES:
+        cache = CacheConfig(block_size=block_size, kv_memory_bytes=kv_memory_bytes, kv_dtype=kv_dtype)
+        num_blocks = cache.resolve_num_blocks(model)
+        r = run_paged(w, num_blocks * block_size, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
+                      seed).summary(num_blocks * block_size)
+        rows.append({"kv_dtype": kv_dtype, "bytes_per_token": cache.kv_bytes_per_token(model),
+                     "kv_slots": num_blocks * block_size, "mean_concurrency": r["mean_concurrency"],
+                     "peak_concurrency": r["peak_concurrency"], "waste_pct": r["waste_pct"],
+                     "preemptions": r["preemptions"], "steps": r["steps"]})
+    base = next(r for r in rows if r["kv_dtype"] == "bfloat16")
+    print(f"\nKV dtypes: {kv_memory_bytes / 2**30:.2f} GiB of KV for a Llama-3-8B shape ({model.num_layers} layers x "
+          f"{model.num_kv_heads} KV heads x {model.head_dim}), block {block_size}, the workload above")
+    header = f"{'kv_dtype':<10}{'bytes/token':>12}{'token slots':>13}{'concurrency':>13}{'vs bf16':>9}{'peak':>6}" \
+             f"{'KV waste':>10}{'preempt':>9}{'steps':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        r["concurrency_vs_bf16"] = r["mean_concurrency"] / base["mean_concurrency"]
+        print(f"{r['kv_dtype']:<10}{r['bytes_per_token']:>12,}{r['kv_slots']:>13,}{r['mean_concurrency']:>13.1f}"
+              f"{r['concurrency_vs_bf16']:>8.2f}x{r['peak_concurrency']:>6}{r['waste_pct']:>9.2f}%"
+              f"{r['preemptions']:>9}{r['steps']:>7}")
+    print("concurrency: mean running requests while others waited (the pool full); 8-bit bytes/token include "
+          "the float32 scales")
+    return rows
+
+
+MISTRAL_7B = ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=32, num_q_heads=32, num_kv_heads=8,
+                         head_dim=128, intermediate_size=14336, dtype="bfloat16", max_position_embeddings=32768,
+                         sliding_windows=[4096] * 32)
+
+
+def window_table(num_requests: int, prompt_len: int, output_len: int, kv_slots: int, block_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, seed: int, window: int = 4096) -> list[dict]:
+    """Long generations on a sliding-window model (a Mistral-7B shape with `window` on every layer): the
+    scheduler with and without releasing the blocks that fell out of every layer's window, on the same KV budget
+    and workload."""
+    model = MISTRAL_7B.replace(sliding_windows=[window] * MISTRAL_7B.num_layers)
+    w = Workload(np.full(num_requests, prompt_len), np.full(num_requests, output_len))
+    max_model_len = prompt_len + output_len
+    bytes_per_token = CacheConfig(kv_dtype="bfloat16").kv_bytes_per_token(model)
+    rows = []
+    for name, window in (("keep every block", None), (f"release out of window {model.kv_window}", model.kv_window)):
+        t = run_paged(w, kv_slots, block_size, max_model_len, max_num_seqs, max_num_batched_tokens, seed,
+                      sliding_window=window)
+        r = t.summary(kv_slots)
+        rows.append({"policy": name, "mean_concurrency": r["mean_concurrency"], "peak_concurrency": r["peak_concurrency"],
+                     "peak_kv_tokens_per_request": max(u / max(n, 1) for u, n in zip(t.used, t.running, strict=True)),
+                     "preemptions": r["preemptions"], "steps": r["steps"]})
+    print(f"\nsliding window: {num_requests} requests of {prompt_len} + {output_len} tokens on a Mistral-7B shape "
+          f"(window {model.kv_window}), {kv_slots} KV slots ({kv_slots * bytes_per_token / 2**30:.1f} GiB of bf16 KV), "
+          f"block {block_size}")
+    header = f"{'policy':<30}{'concurrency':>12}{'peak':>6}{'KV tokens/request':>19}{'preempt':>9}{'steps':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['policy']:<30}{r['mean_concurrency']:>12.1f}{r['peak_concurrency']:>6}"
+              f"{r['peak_kv_tokens_per_request']:>19.0f}{r['preemptions']:>9}{r['steps']:>7}")
+    print("KV tokens/request: the most cached tokens per running request at any step")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=int, default=1000)
@@ -344,9 +423,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--plot", type=Path, default=Path("out/bench_memory.png"))
     p.add_argument("--quick", action="store_true", help="small workload and few timing iterations")
     p.add_argument("--sharing-requests", type=int, default=200, help="requests per sharing workload")
+    p.add_argument("--window-requests", type=int, default=64, help="requests of the sliding-window table")
+    p.add_argument("--window-output-len", type=int, default=12288, help="tokens each of them generates")
+    p.add_argument("--window", type=int, default=4096, help="the sliding window of the window table's model")
+    p.add_argument("--kv-memory", type=int, default=None, metavar="BYTES",
+                   help="KV budget of the KV dtype table (default: --kv-slots tokens of bfloat16 KV)")
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests, args.kv_slots, args.timing_iters, args.sharing_requests = 120, 16384, 10, 12
+        args.window_requests, args.window_output_len, args.window = 6, 1500, 512
 
     w = sharegpt_like(args.num_requests, args.seed)
     print(f"workload: {w.num_requests} requests; prompt tokens mean {w.prompt_lens.mean():.0f} "
@@ -380,7 +465,13 @@ def main(argv: list[str] | None = None) -> dict:
           f"(mean {timing['schedule_us_mean']:.0f}), {timing['update_us_median']:.0f} us per update(), "
           f"with {timing['num_running']} running requests")
     sharing = sharing_table(args.sharing_requests, args.block_size, args.seed)
-    return {"rows": rows, "concurrency_ratio": ratio, "timing": timing, "sharing": sharing}
+    kv_memory = args.kv_memory or args.kv_slots * CacheConfig(kv_dtype="bfloat16").kv_bytes_per_token(LLAMA3_8B)
+    kv_dtypes = kv_dtype_table(w, kv_memory, args.block_size, *common, seed=args.seed)
+    windows = window_table(args.window_requests, 256 if args.quick else 1024, args.window_output_len,
+                           4096 if args.quick else args.kv_slots, args.block_size,
+                           args.max_num_seqs, args.max_num_batched_tokens, args.seed, args.window)
+    return {"rows": rows, "concurrency_ratio": ratio, "timing": timing, "sharing": sharing, "kv_dtypes": kv_dtypes,
+            "windows": windows}
 
 
 if __name__ == "__main__":

@@ -31,3 +31,17 @@ def test_bench_memory_quick(tmp_path, capsys, monkeypatch):
     for w in ("ShareGPT-like", "Alpaca-like"):  # wider forks share more; beams share more than samples
         assert sharing[(w, "parallel sampling", 2)] < sharing[(w, "parallel sampling", 6)]
         assert sharing[(w, "parallel sampling", 4)] < sharing[(w, "beam search", 4)]
+    # KV dtypes, one budget: 8-bit pages (1 byte + a 4-byte scale per 128 values) hold ~1.94x bfloat16's tokens.
+    kv = {r["kv_dtype"]: r for r in result["kv_dtypes"]}
+    assert [kv[d]["bytes_per_token"] for d in ("float32", "bfloat16", "int8", "fp8")] == [
+        2 * 32 * 8 * 128 * 4, 2 * 32 * 8 * 128 * 2, 2 * 32 * 8 * 132, 2 * 32 * 8 * 132]
+    assert kv["bfloat16"]["kv_slots"] == 16384 and kv["float32"]["kv_slots"] == 8192
+    assert kv["int8"]["kv_slots"] == kv["fp8"]["kv_slots"] == 16384 * 256 // (132 * 16) * 16 == 31760
+    assert kv["float32"]["mean_concurrency"] < kv["bfloat16"]["mean_concurrency"] < kv["int8"]["mean_concurrency"]
+    assert kv["int8"]["preemptions"] <= kv["bfloat16"]["preemptions"] <= kv["float32"]["preemptions"]
+    # Sliding window (512, quick): releasing out-of-window blocks bounds each request's KV by the window (plus
+    # the block being filled) instead of its whole length, so more of the same requests run at once.
+    keep, release = result["windows"]
+    assert keep["peak_kv_tokens_per_request"] == 256 + 1500 - 2  # its last sampled token is never fed back
+    assert release["peak_kv_tokens_per_request"] <= 512 + 16
+    assert release["mean_concurrency"] > keep["mean_concurrency"] and release["preemptions"] <= keep["preemptions"]
