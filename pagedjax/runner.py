@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pagedjax.config import ModelConfig
 from pagedjax.device.attention import AttentionMetadata, paged_attention, resolve_backend
 from pagedjax.device.kv_cache import KVCache, copy_blocks, init_kv_cache
 from pagedjax.device.page_state import PageState, append_tokens, init_page_state
@@ -344,6 +345,21 @@ def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
     return step, loop
 
 
+# XLA:CPU hands dots to YNNPACK by default. Measured with scripts/bench_engine.py (interleaved, same machine):
+# on a float32 model of hidden size 1024 (the 156M shape), its dots of 1-16 rows are slower than XLA's own (Eigen)
+# ones (decode at batch 16: 503 vs 468 tokens/s, batch 1: 75 vs 71), while from 32 rows on (prefill, big
+# batches) YNNPACK is 15-20% faster, 16-bit dots need it (Eigen's bf16 decode ran at half the speed), and on
+# small float32 models the two are within noise. So only small-row steps of large float32 models opt out.
+_EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}  # no YNNPACK fusion: dots stay XLA's
+
+
+def cpu_compiler_options(cfg: ModelConfig, rows: int) -> dict[str, str] | None:
+    """XLA compile options for a step of `rows` tokens of model `cfg` (None: XLA's defaults)."""
+    if jax.default_backend() == "cpu" and cfg.dtype == "float32" and cfg.hidden_size >= 1024 and rows <= 16:
+        return _EIGEN_DOTS
+    return None
+
+
 class ModelRunner:
     """Executes steps of one model over one paged KV cache of `num_blocks` x `block_size` tokens.
 
@@ -423,12 +439,14 @@ class ModelRunner:
     def num_compilations(self) -> int:
         return len(self._executables)
 
-    def _executable(self, jitted, key: tuple, args: tuple, static: dict):
-        """The compiled executable for this input signature, compiling it (timed, logged) if new."""
+    def _executable(self, jitted, key: tuple, args: tuple, static: dict, *, rows: int):
+        """The compiled executable for this input signature (`rows`: the tokens a step runs), compiling it
+        (timed, logged) if new."""
         exe = self._executables.get(key)
         if exe is None:
             start = time.perf_counter()
-            exe = jitted.lower(*args, **static).compile()
+            exe = jitted.lower(*args, **static).compile(compiler_options=cpu_compiler_options(self.model_config,
+                                                                                              rows))
             self.compile_seconds += time.perf_counter() - start
             self._executables[key] = exe
             logger.info("compiled %s in %.2f s", key, time.perf_counter() - start)
@@ -447,7 +465,7 @@ class ModelRunner:
                None if x.block_copies is None else x.block_copies.shape[0],
                None if x.penalties is None else x.penalties.stop_ids.shape[1], x.prompt_targets is not None,
                inputs.num_top_logprobs, inputs.num_prompt_top_logprobs)
-        exe = self._executable(self._step, key, args, static)
+        exe = self._executable(self._step, key, args, static, rows=len(inputs.token_ids))
         start = time.perf_counter()
         outputs, self.kv_cache = exe(*args)
         outputs = jax.device_get(outputs)
@@ -467,7 +485,7 @@ class ModelRunner:
                       num_top_logprobs=x.num_top_logprobs)
         key = ("decode_loop", x.block_tables.shape, len(x.lent_blocks), x.stop_ids.shape[1], x.num_steps,
                x.penalties is not None, x.num_top_logprobs)
-        exe = self._executable(self._loop, key, args, static)
+        exe = self._executable(self._loop, key, args, static, rows=len(x.tokens))
         start = time.perf_counter()
         out, logprobs, pages, self.kv_cache = exe(*args)
         out, logprobs, tables, overflow = jax.device_get((out, logprobs, pages.block_tables, pages.overflow))
