@@ -393,7 +393,8 @@ def window_table(num_requests: int, prompt_len: int, output_len: int, kv_slots: 
         t = run_paged(w, kv_slots, block_size, max_model_len, max_num_seqs, max_num_batched_tokens, seed,
                       sliding_window=window)
         r = t.summary(kv_slots)
-        rows.append({"policy": name, "mean_concurrency": r["mean_concurrency"], "peak_concurrency": r["peak_concurrency"],
+        rows.append({"policy": name, "mean_concurrency": r["mean_concurrency"],
+                     "peak_concurrency": r["peak_concurrency"],
                      "peak_kv_tokens_per_request": max(u / max(n, 1) for u, n in zip(t.used, t.running, strict=True)),
                      "preemptions": r["preemptions"], "steps": r["steps"]})
     print(f"\nsliding window: {num_requests} requests of {prompt_len} + {output_len} tokens on a Mistral-7B shape "

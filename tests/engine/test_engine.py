@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
-from pagedjax.model.llama import init_model
+from tests.engine import dense
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=128)
@@ -35,27 +33,9 @@ PROMPTS = [
 ]
 
 
-@functools.cache
-def _dense_fn():
-    graphdef, state = nnx.split(init_model(CFG, SEED))
-    return jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))
-
-
 def dense_greedy(prompts, max_tokens):
     """Greedy continuation by full recompute; also returns the smallest top-1/top-2 logit margin seen."""
-    forward = _dense_fn()
-    seqs = [list(p) for p in prompts]
-    margin = np.inf
-    for _ in range(max_tokens):
-        batch = np.zeros((len(seqs), MAX_LEN), np.int32)  # causal: right padding changes nothing before it
-        for i, s in enumerate(seqs):
-            batch[i, : len(s)] = s
-        logits = np.asarray(forward(jnp.asarray(batch)))
-        for i, s in enumerate(seqs):
-            row = np.sort(logits[i, len(s) - 1])
-            margin = min(margin, row[-1] - row[-2])
-            s.append(int(np.argmax(logits[i, len(s) - 1])))
-    return [s[len(p):] for s, p in zip(seqs, prompts, strict=True)], margin
+    return dense.dense_greedy(CFG, SEED, prompts, max_tokens, MAX_LEN)
 
 
 @functools.cache
@@ -115,14 +95,6 @@ def test_greedy_is_invariant(variant):
     assert_all_free(engine)
 
 
-@functools.cache
-def _dense_fn_for(dtype: str):
-    if dtype == CFG.dtype:
-        return _dense_fn()
-    graphdef, state = nnx.split(init_model(CFG.replace(dtype=dtype), SEED))
-    return jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logits_match_dense(dtype):
     """One mixed step straight from the scheduler (no prefix cache: the two prompts sharing a prefix would
@@ -136,9 +108,10 @@ def test_logits_match_dense(dtype):
     assert plan.num_seqs == len(PROMPTS)
     requests = [engine.scheduler.get_request(r) for r in plan.request_ids]
     logits = engine.runner.execute(engine.step_inputs(plan), return_logits=True).logits
-    dense = np.asarray(_dense_fn_for(dtype)(jnp.asarray(_pad([r.prompt_token_ids for r in requests]))))
+    dense_logits = np.asarray(dense.dense_forward(CFG.replace(dtype=dtype), SEED)(
+        jnp.asarray(_pad([r.prompt_token_ids for r in requests]))))
     for i, kv_len in enumerate(plan.kv_lens):
-        want = dense[i, kv_len - 1]
+        want = dense_logits[i, kv_len - 1]
         if dtype == "float32":
             np.testing.assert_allclose(logits[i], want, rtol=1e-5, atol=1e-5)
         else:  # bf16 weights, activations and KV: ~1e-2 of the logits' scale

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from pagedjax.model.llama import init_model
+from tests.engine import dense
 
 BLOCK = 4
 MAX_TOKENS = 8
@@ -104,21 +103,9 @@ def test_gemma2_parameters_follow_transformers_names():
 @functools.cache
 def dense_greedy(name: str) -> list[list[int]]:
     """Greedy continuations by full recompute with the dense model (the same windows and caps)."""
-    graphdef, state = nnx.split(init_model(CONFIGS[name], SEED))
-    forward = jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))
-    seqs = [list(p) for p in PROMPTS]
-    margin = np.inf
-    for _ in range(MAX_TOKENS):
-        batch = np.zeros((len(seqs), MAX_LEN), np.int32)  # causal: right padding changes nothing before it
-        for i, s in enumerate(seqs):
-            batch[i, : len(s)] = s
-        logits = np.asarray(forward(jnp.asarray(batch)))
-        for i, s in enumerate(seqs):
-            row = np.sort(logits[i, len(s) - 1])
-            margin = min(margin, row[-1] - row[-2])
-            s.append(int(np.argmax(logits[i, len(s) - 1])))
+    outputs, margin = dense.dense_greedy(CONFIGS[name], SEED, PROMPTS, MAX_TOKENS, MAX_LEN)
     assert margin > 1e-3, margin  # no near tie: identical tokens do not hang on rounding
-    return [s[len(p):] for s, p in zip(seqs, PROMPTS, strict=True)]
+    return outputs
 
 
 def _engine(name: str, backend: str, **scheduler) -> LLMEngine:

@@ -1,0 +1,42 @@
+"""The ground truth the engine tests compare against: greedy decoding by full recompute with the dense model
+(`Llama.forward_dense`: no cache, every step recomputes the whole sequence)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pagedjax import ModelConfig
+from pagedjax.model.llama import init_model
+
+
+@functools.cache
+def dense_forward(cfg: ModelConfig, seed: int):
+    """jitted token ids `[B, S]` -> float32 logits `[B, S, vocab]` of `init_model(cfg, seed)`."""
+    graphdef, state = nnx.split(init_model(cfg, seed))
+    return jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))
+
+
+def dense_greedy(cfg: ModelConfig, seed: int, prompts, max_tokens: int, max_len: int
+                 ) -> tuple[list[list[int]], float]:
+    """Each prompt's greedy continuation of `max_tokens` tokens, and the smallest top-1 / top-2 logit margin
+    seen (a near tie would make "identical tokens" depend on rounding). Sequences are right-padded to `max_len`
+    (causal attention: padding changes nothing before it), so one compilation serves every step."""
+    forward = dense_forward(cfg, seed)
+    seqs = [list(p) for p in prompts]
+    margin = np.inf
+    for _ in range(max_tokens):
+        batch = np.zeros((len(seqs), max_len), np.int32)
+        for i, s in enumerate(seqs):
+            batch[i, : len(s)] = s
+        logits = np.asarray(forward(jnp.asarray(batch)))
+        for i, s in enumerate(seqs):
+            row = logits[i, len(s) - 1]
+            top2 = np.sort(row)[-2:]
+            margin = min(margin, float(top2[1] - top2[0]))
+            s.append(int(np.argmax(row)))
+    return [s[len(p):] for s, p in zip(seqs, prompts, strict=True)], margin
