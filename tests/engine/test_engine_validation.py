@@ -11,7 +11,8 @@ import pytest
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from pagedjax.tokenizer import ByteTokenizer
-from tests.engine.test_engine import CFG, MAX_LEN, PROMPTS, SEED, _dense_fn_for, _pad, make_engine
+from tests.engine.dense import dense_forward
+from tests.engine.test_engine import CFG, MAX_LEN, PROMPTS, SEED, _pad, make_engine
 
 
 @pytest.mark.parametrize("seed", [2**32, -1, 1.5, True, "3"])
@@ -134,7 +135,7 @@ def test_kv_cache_dtype_may_differ_from_the_models(backend):
         engine.add_request(str(i), p, SamplingParams(max_tokens=1))
     plan = engine.scheduler.schedule()
     logits = engine.runner.execute(engine.step_inputs(plan), return_logits=True).logits
-    dense = np.asarray(_dense_fn_for("float32")(jnp.asarray(_pad(prompts))))
+    dense = np.asarray(dense_forward(CFG, SEED)(jnp.asarray(_pad(prompts))))
     for i, kv_len in enumerate(plan.kv_lens):
         want = dense[i, kv_len - 1]
         # K/V rounded to bf16: ~1e-2 of the logits' scale

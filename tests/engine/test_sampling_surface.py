@@ -14,7 +14,8 @@ import pytest
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.tokenizer import ByteTokenizer
-from tests.engine.test_engine import CFG, MAX_LEN, SEED, _dense_fn
+from tests.engine.dense import dense_forward
+from tests.engine.test_engine import CFG, MAX_LEN, SEED
 
 BLOCK = 8
 _rng = np.random.default_rng(5)
@@ -82,7 +83,7 @@ def test_best_of_keeps_the_n_most_likely_samples_best_first():
 def _dense_logprobs(tokens: list[int]) -> np.ndarray:
     batch = np.zeros((1, MAX_LEN), np.int32)
     batch[0, : len(tokens)] = tokens
-    logits = np.asarray(_dense_fn()(jnp.asarray(batch)))[0, : len(tokens)]
+    logits = np.asarray(dense_forward(CFG, SEED)(jnp.asarray(batch)))[0, : len(tokens)]
     return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
 
 
@@ -135,7 +136,7 @@ def test_penalties_and_min_tokens_match_a_numpy_reference(steps):
     out = engine.generate([PROMPT_FULL], params, use_tqdm=False)[0].output_token_ids
     tokens, expected = list(PROMPT_FULL), []
     while len(expected) < params.max_tokens:
-        logits = np.asarray(_dense_fn()(jnp.asarray(np.pad(tokens, (0, MAX_LEN - len(tokens)))[None])))[0]
+        logits = np.asarray(dense_forward(CFG, SEED)(jnp.asarray(np.pad(tokens, (0, MAX_LEN - len(tokens)))[None])))[0]
         t = int(np.argmax(_penalized(logits[len(tokens) - 1], PROMPT_FULL, expected, params)))
         expected.append(t)
         tokens.append(t)
