@@ -41,8 +41,14 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def make_engine(block_size: int, num_blocks: int, steps: int) -> LLMEngine:
-    return LLMEngine(CFG, CacheConfig(block_size=block_size, num_blocks=num_blocks),
+# --variant: the model and KV cache the soak runs. "window": every layer has a sliding window (blocks out of it
+# are released while requests run); "int8": 8-bit KV pages (the fault-free reference uses them too).
+VARIANTS = {"plain": (CFG, "auto"), "window": (CFG.replace(sliding_windows=(6, 10)), "auto"), "int8": (CFG, "int8")}
+
+
+def make_engine(block_size: int, num_blocks: int, steps: int, variant: str = "plain") -> LLMEngine:
+    cfg, kv_dtype = VARIANTS[variant]
+    return LLMEngine(cfg, CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_dtype=kv_dtype),
                      SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48, max_model_len=MAX_LEN),
                      seed=3, decode_steps_per_call=steps)
 
@@ -110,11 +116,13 @@ def main(argv=None) -> int:
     parser.add_argument("--num-blocks", type=int, default=40, help="small, so preemption happens")
     parser.add_argument("--steps", type=int, default=4, help="decode steps per call")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="plain",
+                        help="window: sliding-window model; int8: 8-bit KV pages")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.CRITICAL)  # injected faults log errors by design
     rng = random.Random(args.seed)
-    engine = make_engine(args.block_size, args.num_blocks, args.steps)
-    reference = make_engine(args.block_size, 4 * args.num_blocks, 1)  # roomy, fault-free, 1 step per call
+    engine = make_engine(args.block_size, args.num_blocks, args.steps, args.variant)
+    reference = make_engine(args.block_size, 4 * args.num_blocks, 1, args.variant)  # roomy, fault-free, 1 step
     stats = dict(requests=0, rounds=0, steps=0, aborts=0, faults=0, errors=0, mismatches=0, leaks=0)
     inject_faults(engine, rng, args.fault_rate, stats)
     prefixes = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(4, 40))] for _ in range(4)]
