@@ -23,10 +23,15 @@ def dense_forward(cfg: ModelConfig, seed: int):
 
 def dense_greedy(cfg: ModelConfig, seed: int, prompts, max_tokens: int, max_len: int
                  ) -> tuple[list[list[int]], float]:
-    """Each prompt's greedy continuation of `max_tokens` tokens, and the smallest top-1 / top-2 logit margin
-    seen (a near tie would make "identical tokens" depend on rounding). Sequences are right-padded to `max_len`
-    (causal attention: padding changes nothing before it), so one compilation serves every step."""
-    forward = dense_forward(cfg, seed)
+    """`greedy_by_recompute` with the dense model `init_model(cfg, seed)`."""
+    return greedy_by_recompute(dense_forward(cfg, seed), prompts, max_tokens, max_len)
+
+
+def greedy_by_recompute(forward, prompts, max_tokens: int, max_len: int) -> tuple[list[list[int]], float]:
+    """Each prompt's greedy continuation of `max_tokens` tokens under `forward` (token ids `[B, max_len]` ->
+    logits `[B, max_len, vocab]`), and the smallest top-1 / top-2 logit margin seen (a near tie would make
+    "identical tokens" depend on rounding). Sequences are right-padded to `max_len` (causal attention: padding
+    changes nothing before it), so one compilation serves every step."""
     seqs = [list(p) for p in prompts]
     margin = np.inf
     for _ in range(max_tokens):

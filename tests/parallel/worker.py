@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from pagedjax.model.llama import init_model, model_from_state
 from pagedjax.parallel import ParallelConfig, tp_mesh
+from tests.engine.dense import greedy_by_recompute
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -63,20 +64,9 @@ def params(kind: str):
 def reference(kind: str) -> list[list[int]]:
     """Greedy continuations by full recompute with the dense model (no cache, one device)."""
     model = model_from_state(config(kind), params(kind))
-    forward = jax.jit(lambda t: model.forward_dense(t))
-    seqs = [list(p) for p in PROMPTS]
-    margin = np.inf
-    for _ in range(MAX_TOKENS):
-        batch = np.zeros((len(seqs), MAX_LEN), np.int32)
-        for i, s in enumerate(seqs):
-            batch[i, :len(s)] = s
-        logits = np.asarray(forward(jnp.asarray(batch)))
-        for i, s in enumerate(seqs):
-            row = np.sort(logits[i, len(s) - 1])
-            margin = min(margin, row[-1] - row[-2])
-            s.append(int(np.argmax(logits[i, len(s) - 1])))
+    outputs, margin = greedy_by_recompute(jax.jit(lambda t: model.forward_dense(t)), PROMPTS, MAX_TOKENS, MAX_LEN)
     assert margin > 1e-3, f"{kind}: a near tie ({margin}) would make token equality depend on rounding"
-    return [s[len(p):] for s, p in zip(seqs, PROMPTS, strict=True)]
+    return outputs
 
 
 def engine(kind: str, tp: int | None, *, block_size: int = 8, num_blocks: int = 8, dp: int = 1, **kw):
