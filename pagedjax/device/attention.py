@@ -64,20 +64,18 @@ def paged_attention(q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
     """
     if not is_quantized(layer.k.dtype):
         q = q.astype(layer.k.dtype)
-    # Variant arguments travel only when in use, so a kernel entry is called exactly as before without them.
-    variants = {name: value for name, value in (
-        ("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap),
-        ("k_scales", layer.k_scales), ("v_scales", layer.v_scales)) if value is not None}
+    variants = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                    k_scales=layer.k_scales, v_scales=layer.v_scales)
     if backend == "pallas":  # target "auto", interpret=None: Triton on GPU, Mosaic on TPU, interpreted elsewhere
         if decode_only:
             return pallas_kernels.paged_attention(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
-                                                  scale=scale, interpret=None, **variants)
+                                                  interpret=None, **variants)
         return pallas_kernels.ragged_paged_attention(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
-                                                     meta.cu_q_lens, scale=scale, interpret=None, **variants)
+                                                     meta.cu_q_lens, interpret=None, **variants)
     if backend == "xla":
         if decode_only:
             return pallas_kernels.paged_attention_xla(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
-                                                      scale=scale, **variants)
+                                                      **variants)
         return pallas_kernels.ragged_paged_attention_xla(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
-                                                         meta.cu_q_lens, scale=scale, **variants)
+                                                         meta.cu_q_lens, **variants)
     raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")

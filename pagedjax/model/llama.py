@@ -120,7 +120,7 @@ class Attention(nnx.Module):
         self.v_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
         self.o_proj = _linear(cfg.num_q_heads * d, h, False, dtype, rngs)
         self.num_q_heads, self.num_kv_heads, self.head_dim = cfg.num_q_heads, cfg.num_kv_heads, d
-        # Static per-layer variants (None = unused: the kernels are then called exactly as without them).
+        # Static per-layer variants (None = unused: the kernels then compile their plain path).
         self.sliding_window = None if cfg.sliding_windows is None else cfg.sliding_windows[layer_index]
         self.logits_soft_cap = cfg.attn_logit_softcapping
         self.scale = cfg.attention_scale
