@@ -62,8 +62,10 @@ def _contains(tokens: list[int], run: tuple[int, ...]) -> bool:
     return any(tuple(tokens[i:i + len(run)]) == run for i in range(len(tokens) - len(run) + 1))
 
 
-def make_engine(*, block_size=8, num_blocks=64, budget=64, max_num_seqs=8, steps=1, prefix=True):
-    return LLMEngine(CFG, CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix),
+def make_engine(*, block_size=8, num_blocks=64, budget=64, max_num_seqs=8, steps=1, prefix=True, cfg=CFG,
+                kv_dtype="auto"):
+    return LLMEngine(cfg, CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix,
+                                      kv_dtype=kv_dtype),
                      SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                      max_model_len=MAX_LEN), seed=SEED, decode_steps_per_call=steps)
 
@@ -162,6 +164,34 @@ def test_failed_fused_decode_does_not_wedge_the_engine(mode):
     assert faults.raised and faults.raised[0][1] == "fused"
     assert engine.scheduler.kv_cache_manager.lent_block_ids == frozenset()
     assert [outs[str(i)].output_token_ids for i in range(3)] == [o.output_token_ids for o in expected]
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_failed_steps_of_a_windowed_int8_model_lose_nothing(mode):
+    """Sliding windows (blocks released while requests run) and int8 pages (scales beside the values): a plain
+    step and a fused decode that fail after blocks were released neither leak a block nor change an output."""
+    cfg = CFG.replace(sliding_windows=(6, 10))
+    config = dict(block_size=4, steps=4, cfg=cfg, kv_dtype="int8")
+    params = SamplingParams(max_tokens=24)
+    expected = run(make_engine(**config), PROMPTS[2:5], params)
+    engine = make_engine(**config)
+    faults = Faults(engine, mode=mode)
+    for i, p in enumerate(PROMPTS[2:5]):
+        engine.add_request(str(i), p, params)
+    kv = engine.scheduler.kv_cache_manager
+    while not (engine.stats().fused_decode_calls
+               and any(kv.num_released_blocks(r.request_id) for r in engine.scheduler.running)):
+        engine.step()
+    faults.fail_at = {faults.calls, faults.calls + 2}  # the next fused decode, then a step of the recovery
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert len(faults.raised) == 2 and faults.raised[0][1] == "fused"
+    check_against_fault_free([outs[str(i)] for i in range(3)], expected, faults)
+    assert kv.lent_block_ids == frozenset()
     assert_all_free(engine)
 
 
