@@ -21,9 +21,9 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 import types
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -266,8 +266,10 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, state: nnx.State 
         ckptr.wait_until_finished()
     finally:
         ckptr.close()
-    fd, tmp = tempfile.mkstemp(dir=path, prefix=".config-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
+    # Written beside, then renamed over: a reader never sees half a config. Created with open(), not mkstemp
+    # (0600): the config gets the mode the user's umask gives new files, like the weights orbax wrote.
+    tmp = path / f".config-{uuid.uuid4().hex}.json"
+    with open(tmp, "x") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
         f.write("\n")
     os.replace(tmp, path / CONFIG_FILE)

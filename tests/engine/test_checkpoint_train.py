@@ -17,6 +17,7 @@ from pagedjax.config import ModelConfig
 from pagedjax.hf_tokenizer import HFTokenizer
 from pagedjax.model.checkpoint import (
     CONFIG_FILE,
+    PARAMS_DIR,
     bundled_model_path,
     is_pagedjax_checkpoint,
     load_checkpoint,
@@ -187,6 +188,16 @@ def test_train_bpe_export_resume_and_evaluate(tiny_corpus, tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
+def test_saved_config_gets_the_mode_of_any_new_file(tmp_path):
+    """The config is not private (mkstemp's 0600) while the weights beside it are readable: both get the mode
+    the umask gives new files, and no temporary file is left behind."""
+    path = save_checkpoint(tmp_path / "ckpt", TINY_CFG, nnx.state(init_model(TINY_CFG, 7), nnx.Param))
+    probe = tmp_path / "probe"
+    probe.write_text("")
+    assert (path / CONFIG_FILE).stat().st_mode & 0o777 == probe.stat().st_mode & 0o777
+    assert sorted(p.name for p in path.iterdir()) == sorted([CONFIG_FILE, PARAMS_DIR])
+
+
 def test_save_load_gives_identical_logits(tmp_path):
     model = init_model(TINY_CFG, 7)
     path = save_checkpoint(tmp_path / "ckpt", TINY_CFG, nnx.state(model, nnx.Param), extra={"note": "test"})
