@@ -106,8 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
                    help="KV cache dtype: auto = the model's; int8 / fp8 (float8_e4m3fn) store K/V in 8 bits with "
                         "a float32 scale per token and KV head, about half the bytes per token of bfloat16")
-    g.add_argument("--num-steps", type=_int_at_least(1), default=1,
-                   help="decode iterations per device call when every sequence is decoding")
+    # 8: on the bundled model the fused loop decodes 1.2x faster (634 vs 519 tokens/s for --demo) and compiles
+    # fewer programs (4 vs 6: 6.5 s vs 8.6 s cold) than one step per call; tokens stream in bursts of up to 8.
+    g.add_argument("--num-steps", type=_int_at_least(1), default=8,
+                   help="decode iterations per device call when every sequence is decoding (fused decode: one "
+                        "host round trip per call; tokens stream in bursts of up to N)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     cc = g.add_mutually_exclusive_group()
     cc.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine seed: requests without a seed of their own are reproducible per seed and id")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     _copy_engine_options(p)
+    # A server admits new requests between device calls: a fused decode of N steps would hold a new request's
+    # prefill (its first token) back by up to N decode steps, so here one step per call is the default.
+    p.set_defaults(num_steps=1)
     return p
 
 

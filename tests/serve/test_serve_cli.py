@@ -33,6 +33,14 @@ def test_engine_options_are_pagedjax_generates():
         build_parser().parse_args(["--kv-memory", "64MiB", "--num-blocks", "8"])
 
 
+def test_fused_decode_is_generates_default_and_not_the_servers():
+    # A server admits requests between device calls, so it decodes one step per call unless told otherwise;
+    # pagedjax-generate fuses 8. Overriding the copy leaves pagedjax-generate's own parser untouched.
+    assert build_parser().parse_args([]).num_steps == 1
+    assert build_parser().parse_args(["--num-steps", "4"]).num_steps == 4
+    assert generate_parser().parse_args([]).num_steps == 8
+
+
 @pytest.mark.parametrize("argv", [["--model", "/no/such/model"], ["--chat-template", "/no/such/file"],
                                   ["--max-queue", "-1"], ["--shutdown-timeout", "soon"]])
 def test_usage_errors(argv, capsys):
