@@ -269,10 +269,13 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, state: nnx.State 
     # Written beside, then renamed over: a reader never sees half a config. Created with open(), not mkstemp
     # (0600): the config gets the mode the user's umask gives new files, like the weights orbax wrote.
     tmp = path / f".config-{uuid.uuid4().hex}.json"
-    with open(tmp, "x") as f:
-        json.dump(meta, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path / CONFIG_FILE)
+    try:
+        with open(tmp, "x") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path / CONFIG_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write leaves no stray file (after the rename it is gone already)
     return path
 
 

@@ -198,6 +198,17 @@ def test_saved_config_gets_the_mode_of_any_new_file(tmp_path):
     assert sorted(p.name for p in path.iterdir()) == sorted([CONFIG_FILE, PARAMS_DIR])
 
 
+def test_a_failed_config_write_leaves_no_checkpoint_and_no_stray_file(tmp_path, monkeypatch):
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("pagedjax.model.checkpoint.os.replace", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(tmp_path / "ckpt", TINY_CFG, nnx.state(init_model(TINY_CFG, 7), nnx.Param))
+    assert not is_pagedjax_checkpoint(tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [PARAMS_DIR]
+
+
 def test_save_load_gives_identical_logits(tmp_path):
     model = init_model(TINY_CFG, 7)
     path = save_checkpoint(tmp_path / "ckpt", TINY_CFG, nnx.state(model, nnx.Param), extra={"note": "test"})
