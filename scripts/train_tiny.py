@@ -53,7 +53,7 @@ from flax import nnx
 from pagedjax.config import ModelConfig
 from pagedjax.model.checkpoint import TOKENIZER_FILE, bundled_model_path, save_checkpoint
 from pagedjax.model.llama import init_model
-from pagedjax.tokenizer import ByteTokenizer
+from pagedjax.model.tokenizer import ByteTokenizer
 
 LN2 = math.log(2.0)
 HELDOUT_MOD, HELDOUT_BELOW = 100, 5

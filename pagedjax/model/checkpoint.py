@@ -36,8 +36,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from pagedjax.config import ModelConfig, dtype_bytes
+from pagedjax.model.errors import ModelLoadError, read_json
 from pagedjax.model.llama import Llama, abstract_model, model_from_state
-from pagedjax.model.loader import ModelLoadError, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -346,12 +346,12 @@ def load_checkpoint_tokenizer(path: str | os.PathLike, cfg: ModelConfig):
 
     A tokenizer.json that cannot be read, or whose ids do not fit the model, is a ModelLoadError naming it.
     """
-    from pagedjax.tokenizer import ByteTokenizer
+    from pagedjax.model.tokenizer import ByteTokenizer
 
     file = Path(path) / TOKENIZER_FILE
     if not file.is_file():
         return ByteTokenizer() if cfg.vocab_size == ByteTokenizer.vocab_size else None
-    from pagedjax.hf_tokenizer import HFTokenizer
+    from pagedjax.model.hf_tokenizer import HFTokenizer
 
     tok = HFTokenizer.from_file(file, eos_token_ids=cfg.eos_token_ids, bos_token_id=cfg.bos_token_id)
     if tok.vocab_size > cfg.vocab_size:

@@ -27,7 +27,7 @@ from typing import Any
 
 from pagedjax.config import ROPE_SCALING_PARAMS, ROPE_TYPES, ModelConfig
 from pagedjax.core.request import is_int
-from pagedjax.model.loader import ModelLoadError, read_json
+from pagedjax.model.errors import ModelLoadError, read_json
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
 _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")

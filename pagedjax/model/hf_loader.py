@@ -34,9 +34,9 @@ import numpy as np
 from flax import nnx
 
 from pagedjax.config import ModelConfig
+from pagedjax.model.errors import ModelLoadError, read_json
 from pagedjax.model.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config  # noqa: F401  (re-exports)
 from pagedjax.model.llama import abstract_model, model_from_state  # noqa: F401  (model_from_state: re-export)
-from pagedjax.model.loader import ModelLoadError, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *, mesh=None) -> 
     tokenizer = None
     if (Path(path) / "tokenizer.json").is_file():
         try:
-            from pagedjax.hf_tokenizer import HFTokenizer
+            from pagedjax.model.hf_tokenizer import HFTokenizer
 
             tokenizer = HFTokenizer.from_pretrained(path, eos_token_ids=cfg.eos_token_ids,
                                                     bos_token_id=cfg.bos_token_id)

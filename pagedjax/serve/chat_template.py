@@ -68,7 +68,7 @@ class ChatTemplate:
     def from_model(cls, folder: str | Path | None, override: str | Path | None = None) -> ChatTemplate:
         """The template for a model folder: `override` (a file) if given, else the folder's own, else the
         built-in default."""
-        from pagedjax.model.loader import read_json
+        from pagedjax.model.errors import read_json
 
         config = {}
         if folder is not None and (Path(folder) / "tokenizer_config.json").is_file():
@@ -102,7 +102,7 @@ class ChatTemplate:
         the default template's prompt is tokenized like a completion prompt."""
         if not self.model_template:
             return list(tokenizer.encode(text))
-        from pagedjax.tokenizer import ByteTokenizer
+        from pagedjax.model.tokenizer import ByteTokenizer
 
         if isinstance(tokenizer, ByteTokenizer):
             return tokenizer.encode(text, add_bos=False)

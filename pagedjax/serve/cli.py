@@ -133,7 +133,7 @@ def serve(args: argparse.Namespace) -> int:
     from pagedjax.cli.engine_setup import build_engine, load_pretrained_for_cli
     from pagedjax.cli.warm_start import compile_cache
     from pagedjax.model.checkpoint import bundled_model_path
-    from pagedjax.model.loader import ModelLoadError
+    from pagedjax.model.errors import ModelLoadError
     from pagedjax.serve.app import build_app
     from pagedjax.serve.async_engine import AsyncLLMEngine
     from pagedjax.serve.chat_template import ChatTemplate

@@ -14,7 +14,6 @@ import pytest
 from flax import nnx
 
 from pagedjax.config import ModelConfig
-from pagedjax.hf_tokenizer import HFTokenizer
 from pagedjax.model.checkpoint import (
     CONFIG_FILE,
     PARAMS_DIR,
@@ -25,9 +24,10 @@ from pagedjax.model.checkpoint import (
     read_checkpoint_metadata,
     save_checkpoint,
 )
+from pagedjax.model.hf_tokenizer import HFTokenizer
 from pagedjax.model.llama import init_model
 from pagedjax.model.loader import load_pretrained
-from pagedjax.tokenizer import ByteTokenizer
+from pagedjax.model.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

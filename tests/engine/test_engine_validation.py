@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
-from pagedjax.tokenizer import ByteTokenizer
+from pagedjax.model.tokenizer import ByteTokenizer
 from tests.engine.dense import dense_forward
 from tests.engine.test_engine import CFG, MAX_LEN, PROMPTS, SEED, _pad, make_engine
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from pagedjax.tokenizer import ByteTokenizer
+from pagedjax.model.tokenizer import ByteTokenizer
 from tests.engine.dense import dense_forward
 from tests.engine.test_engine import CFG, MAX_LEN, SEED
 

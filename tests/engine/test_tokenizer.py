@@ -5,7 +5,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pagedjax.config import ModelConfig
-from pagedjax.tokenizer import ByteTokenizer
+from pagedjax.model.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -15,9 +15,9 @@ import httpx
 import uvicorn
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SchedulerConfig
+from pagedjax.model.tokenizer import ByteTokenizer
 from pagedjax.serve.app import build_app
 from pagedjax.serve.async_engine import AsyncLLMEngine
-from pagedjax.tokenizer import ByteTokenizer
 
 MODEL_NAME = "pagedjax-tiny"
 # A byte-level model (the bundled model's tokenizer) of one small layer: random weights emit random bytes,

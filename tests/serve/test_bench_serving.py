@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedjax.tokenizer import ByteTokenizer
+from pagedjax.model.tokenizer import ByteTokenizer
 from tests.serve.server_utils import MAX_MODEL_LEN, MODEL_NAME, make_engine, running_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))

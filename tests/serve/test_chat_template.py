@@ -8,9 +8,9 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from pagedjax.model.loader import ModelLoadError
+from pagedjax.model.errors import ModelLoadError
+from pagedjax.model.tokenizer import ByteTokenizer
 from pagedjax.serve.chat_template import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError
-from pagedjax.tokenizer import ByteTokenizer
 from tests.serve.server_utils import MODEL_NAME, make_engine
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

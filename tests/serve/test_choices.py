@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from pagedjax.core.request import RequestOutput
+from pagedjax.model.tokenizer import ByteTokenizer
 from pagedjax.serve.choices import ChoiceDelta, ChoiceTracker, RequestFailed
-from pagedjax.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pagedjax import SamplingParams
-from pagedjax.tokenizer import ByteTokenizer
+from pagedjax.model.tokenizer import ByteTokenizer
 from tests.serve.server_utils import MAX_MODEL_LEN, MODEL_NAME, make_engine, metric, running_server
 
 NUM_CLIENTS = 64

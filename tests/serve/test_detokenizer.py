@@ -8,8 +8,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from pagedjax.model.tokenizer import ByteTokenizer
 from pagedjax.serve.detokenizer import IncrementalDetokenizer, stop_prefix_len
-from pagedjax.tokenizer import ByteTokenizer
 
 BYTE = ByteTokenizer()
 CORPUS = ["héllo wörld, naïve café", "日本語のテキストと中文文本", "emoji 🙂🚀👩‍💻 and ✓ marks",
@@ -19,7 +19,7 @@ CORPUS = ["héllo wörld, naïve café", "日本語のテキストと中文文�
 @pytest.fixture(scope="module")
 def bpe():
     tokenizers = pytest.importorskip("tokenizers")
-    from pagedjax.hf_tokenizer import HFTokenizer
+    from pagedjax.model.hf_tokenizer import HFTokenizer
 
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -8,8 +8,8 @@ import openai
 import pytest
 
 from pagedjax import SamplingParams
+from pagedjax.model.tokenizer import ByteTokenizer
 from pagedjax.serve.chat_template import ChatTemplate
-from pagedjax.tokenizer import ByteTokenizer
 from tests.serve.server_utils import MAX_MODEL_LEN, MODEL_NAME, make_engine, running_server
 
 PROMPT = "def parse(text):\n    "

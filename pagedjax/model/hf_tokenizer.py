@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pagedjax.model.loader import ModelLoadError, read_json
+from pagedjax.model.errors import ModelLoadError, read_json
 
 
 def _token_content(token: Any) -> str | None:
