@@ -11,12 +11,12 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLMEngine": "pagedjax.engine",
+    "LLMEngine": "pagedjax.engine.llm_engine",
     "SamplingParams": "pagedjax.core.request",
     "RequestOutput": "pagedjax.core.request",
     "CompletionOutput": "pagedjax.core.request",
     "TokenLogprobs": "pagedjax.core.request",
-    "BeamSearchParams": "pagedjax.beam_search",
+    "BeamSearchParams": "pagedjax.engine.beam_search",
     "ModelConfig": "pagedjax.config",
     "CacheConfig": "pagedjax.config",
     "SchedulerConfig": "pagedjax.config",

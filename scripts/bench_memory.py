@@ -268,7 +268,7 @@ def sharing_parallel(w: Workload, n: int, block_size: int, seed: int) -> dict:
 def sharing_beam(w: Workload, width: int, block_size: int, seed: int) -> dict:
     """Every request runs a beam search of `width` beams for its output length: each step keeps `width`
     candidates drawn at random from the live beams (a beam carries on with its first candidate, forks for the
-    others, and is dropped without one), as `pagedjax.beam_search` does with the most likely ones."""
+    others, and is dropped without one), as `pagedjax.engine.beam_search` does with the most likely ones."""
     sched = _sharing_scheduler(block_size, w.num_requests * width)
     rng = np.random.default_rng(seed)
     live: dict[str, list[Request]] = {}

@@ -98,7 +98,7 @@ class Generation:
         return time.perf_counter() - self._start
 
     def _run_beam_search(self) -> float:
-        from pagedjax.beam_search import BeamSearchParams
+        from pagedjax.engine.beam_search import BeamSearchParams
 
         params = BeamSearchParams(beam_width=self.args.beam_width, max_tokens=self.args.max_tokens,
                                   ignore_eos=self.args.ignore_eos)

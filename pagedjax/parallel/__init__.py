@@ -7,11 +7,10 @@
   mesh.py           one `tp` mesh per replica, over disjoint devices
   sharding.py       PartitionSpecs of the parameters (by name) and of the KV cache (by KV heads)
   attention.py      the KV write and paged attention under `shard_map`, per device over its own heads
-  data_parallel.py  DataParallelEngine: replicas behind one LLMEngine-shaped front
   distributed.py    multi-host start-up (`jax.distributed.initialize`)
 
-Names are imported lazily: `pagedjax.model.llama` imports `pagedjax.parallel.attention`, and the engine-level
-modules here import the model.
+SPMD only: nothing here imports the engine (data-parallel replicas are `pagedjax.engine.DataParallelEngine`).
+Names are imported lazily, so `import pagedjax.parallel.config` stays free of JAX.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import importlib
 
 _LAZY = {
     "ParallelConfig": "pagedjax.parallel.config",
-    "DataParallelEngine": "pagedjax.parallel.data_parallel",
     "replica_meshes": "pagedjax.parallel.mesh",
     "tp_mesh": "pagedjax.parallel.mesh",
 }

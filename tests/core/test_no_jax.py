@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pagedjax.core
 
-FORBIDDEN = ("jax", "jaxlib", "flax", "optax", "orbax", "pagedjax.device", "pagedjax.model", "pagedjax.runner",
+FORBIDDEN = ("jax", "jaxlib", "flax", "optax", "orbax", "pagedjax.device", "pagedjax.model", "pagedjax.engine",
              "pallas_kernels")
 
 

@@ -214,7 +214,7 @@ def data_parallel_2x2():
     """dp 2 x tp 2 on 4 devices: the same tokens as one device, requests spread over both replicas, each
     replica on its own two devices."""
     e = engine("gqa", 2, dp=2, num_blocks=16)
-    from pagedjax.parallel import DataParallelEngine
+    from pagedjax.engine import DataParallelEngine
 
     assert isinstance(e, DataParallelEngine) and len(e.replicas) == 2
     devices = [{d.id for d in r.runner.mesh.devices.flat} for r in e.replicas]
@@ -247,8 +247,8 @@ def steps_export_for_cuda_on_4_devices():
     from pagedjax.device.kv_cache import init_kv_cache
     from pagedjax.device.page_state import PageState
     from pagedjax.device.sampling import SamplingMetadata
+    from pagedjax.engine.runner import _jitted
     from pagedjax.parallel.sharding import kv_sharding, param_shardings, replicated
-    from pagedjax.runner import _jitted
 
     triton = "__gpu$xla.gpu.triton"
     cfg = ModelConfig(vocab_size=128, hidden_size=128, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=64,

@@ -34,8 +34,8 @@ from pagedjax.core.request import (
 from pagedjax.core.scheduler import Scheduler, SchedulerStats
 from pagedjax.core.step_plan import MultiStepPlan, StepPlan
 from pagedjax.device.sampling import PenaltyMetadata, SamplingMetadata
+from pagedjax.engine.runner import ModelRunner, StepInputs, pad_multi_decode, pad_step
 from pagedjax.model.llama import Llama, init_model, model_from_state
-from pagedjax.runner import ModelRunner, StepInputs, pad_multi_decode, pad_step
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class LLMEngine:
 
     def __new__(cls, *args, parallel_config=None, **kwargs):
         if cls is LLMEngine and parallel_config is not None and getattr(parallel_config, "data_parallel_size", 1) > 1:
-            from pagedjax.parallel.data_parallel import DataParallelEngine
+            from pagedjax.engine.data_parallel import DataParallelEngine
 
             return DataParallelEngine(*args, parallel_config=parallel_config, **kwargs)
         return super().__new__(cls)
@@ -236,9 +236,9 @@ class LLMEngine:
         return ids
 
     def beam_search(self, prompts, params):
-        """Beam search for each prompt (token ids, or text with a tokenizer); see `pagedjax.beam_search`.
+        """Beam search for each prompt (token ids, or text with a tokenizer); see `pagedjax.engine.beam_search`.
         Returns one `BeamSearchOutput` per prompt, its `beam_width` best sequences first."""
-        from pagedjax.beam_search import beam_search
+        from pagedjax.engine.beam_search import beam_search
 
         return beam_search(self, prompts, params)
 

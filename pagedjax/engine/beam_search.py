@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from pagedjax.core.request import MAX_LOGPROBS, Request, RequestStatus, SamplingParams, is_int
 
 if TYPE_CHECKING:
-    from pagedjax.engine import LLMEngine
+    from pagedjax.engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
