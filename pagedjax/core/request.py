@@ -6,6 +6,7 @@ import enum
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # seeds travel to the device as two uint32 halves
@@ -218,11 +219,26 @@ class Request:
     group: SampleGroup | None = field(default=None, repr=False)  # its multi-sample request, if any
     output_logprobs: list[float] = field(default_factory=list, repr=False)  # per output token
     stop_str: str | None = None  # the stop string that finished it, if any
+    # The engine's incremental text of its outputs (`pagedjax.engine.outputs`); opaque here, and it lives and
+    # dies with the request, so nothing of a forgotten request stays behind.
+    text_state: Any = field(default=None, repr=False, compare=False)
 
     @property
     def cumulative_logprob(self) -> float:
         """Sum of the log-probabilities of its output tokens."""
         return float(sum(self.output_logprobs))
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether its sampled tokens need their log-probabilities: it asked for them, or it is a sample of a
+        request that keeps the best n of best_of by cumulative log-probability. Steps with no such request
+        compute none (the decode step stays lean)."""
+        if self.prefill_only:
+            return False
+        if self.logprobs is not None:
+            return True
+        params = self.group.request.sampling_params if self.group is not None else self.sampling_params
+        return params.num_samples > params.n
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -242,15 +242,18 @@ class Scheduler:
             raise ValueError(f"unknown request {request_id!r}")
         request.paused = False
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a waiting or running request now with `status` (e.g. a stop string was found), freeing its
-        blocks. Returns it, or None if it is not unfinished."""
-        if not status.finished:
-            raise ValueError(f"{status} is not a finished status")
-        request = self.requests.get(request_id)
-        if request is not None:
-            self._finish_early(request, status)
-        return request
+    def stop_at(self, request: Request, num_output_tokens: int, stop_str: str) -> None:
+        """End `request` (one the last step advanced) at a stop string whose text its `num_output_tokens`-th
+        output token completed (the engine's output layer finds it): later tokens and their log-probabilities
+        are dropped, and an unfinished request is finished now, freeing its blocks. One the same step finished
+        (max_tokens, EOS) gets the stop string as its reason: it came first."""
+        del request.output_token_ids[num_output_tokens:], request.output_logprobs[num_output_tokens:]
+        if request.logprobs is not None:
+            del request.logprobs[num_output_tokens:]
+        request.stop_str = stop_str
+        if self.requests.get(request.request_id) is request:
+            self._finish_early(request, RequestStatus.FINISHED_STOPPED)
+        request.status = RequestStatus.FINISHED_STOPPED
 
     def get_request(self, request_id: str) -> Request | None:
         """A waiting or running request (finished and aborted ones are forgotten)."""

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedjax.core.request import Request, RequestOutput, SamplingParams
-from pagedjax.engine.llm_engine import EngineStats, LLMEngine, generate_batch
+from pagedjax.engine.generate import generate_batch
+from pagedjax.engine.llm_engine import EngineStats, LLMEngine
 from pagedjax.parallel.config import ParallelConfig
 from pagedjax.parallel.mesh import replica_meshes
 

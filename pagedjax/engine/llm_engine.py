@@ -14,27 +14,23 @@ import dataclasses
 import logging
 import time
 import warnings
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from pagedjax.compile_cache import enable_compile_cache
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedjax.core.request import (
-    CompletionOutput,
     Request,
     RequestOutput,
-    RequestStatus,
     SamplingParams,
-    TokenLogprobs,
     is_int,
 )
 from pagedjax.core.scheduler import Scheduler, SchedulerStats
 from pagedjax.core.step_plan import MultiStepPlan, StepPlan
-from pagedjax.device.sampling import PenaltyMetadata, SamplingMetadata
-from pagedjax.engine.runner import ModelRunner, StepInputs, pad_multi_decode, pad_step
+from pagedjax.engine.generate import generate_batch
+from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
+from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, record_token_logprob
+from pagedjax.engine.runner import ModelRunner
 from pagedjax.model.llama import Llama, init_model, model_from_state
 
 logger = logging.getLogger(__name__)
@@ -132,6 +128,7 @@ class LLMEngine:
         # Blocks out of every layer's sliding window go back to the pool while requests run.
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
                                    sliding_window=model_config.kv_window)
+        self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
                                   kv_dtype=self.cache_config.kv_array_dtype(model_config), backend=backend,
                                   mesh=mesh)
@@ -271,90 +268,12 @@ class LLMEngine:
         finally:
             self._elapsed += time.perf_counter() - start
             self._steps += 1
-        outputs: dict[str, RequestOutput] = {}  # one per caller's request (samples of one request merge)
-        for r in touched:
-            key = r.group.request.request_id if r.group is not None else r.request_id
-            if key not in outputs:
-                outputs[key] = self._output(r)
-        return list(outputs.values())
-
-    def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
-        return SamplingMetadata.from_lists(
-            [r.sampling_params.temperature for r in requests],
-            [r.sampling_params.top_k for r in requests],
-            [r.sampling_params.top_p for r in requests],
-            [self._request_seed(r) for r in requests],
-            [r.num_output_tokens for r in requests],
-            min_p=[r.sampling_params.min_p for r in requests],
-        )
-
-    def _penalty_metadata(self, requests: list[Request]) -> PenaltyMetadata | None:
-        """Penalty inputs when a request of the step uses penalties or min_tokens (None otherwise)."""
-        if not any(r.sampling_params.has_penalties for r in requests):
-            return None
-        vocab = self.model_config.vocab_size
-        n = len(requests)
-        counts = np.zeros((n, vocab), np.int32)
-        prompt_mask = np.zeros((n, vocab), bool)
-        stops = [sorted(r.stop_ids) for r in requests]
-        stop_ids = np.full((n, max(1, max(map(len, stops)))), -1, np.int32)
-        for i, r in enumerate(requests):
-            if r.output_token_ids:
-                counts[i] = np.bincount(r.output_token_ids, minlength=vocab)
-            prompt_mask[i, r.prompt_token_ids] = True
-            stop_ids[i, : len(stops[i])] = stops[i]
-        sp = [r.sampling_params for r in requests]
-        return PenaltyMetadata(
-            presence=np.array([p.presence_penalty for p in sp], np.float32),
-            frequency=np.array([p.frequency_penalty for p in sp], np.float32),
-            repetition=np.array([p.repetition_penalty for p in sp], np.float32),
-            min_tokens=np.array([p.min_tokens for p in sp], np.int32),
-            output_counts=counts, prompt_mask=prompt_mask, stop_ids=stop_ids)
-
-    @staticmethod
-    def _num_top_logprobs(requests: list[Request]) -> int | None:
-        """Top alternatives the step must return per sampled token; None when no request of it needs
-        log-probabilities (the step then computes none)."""
-        wanted = [r.sampling_params.logprobs or 0 for r in requests if _wants_logprobs(r)]
-        return max(wanted) if wanted else None
-
-    @staticmethod
-    def _prompt_targets(plan: StepPlan, requests: list[Request]) -> tuple[np.ndarray | None, int]:
-        """For requests collecting prompt log-probabilities: the prompt token after each position of this step
-        whose log-probability is still missing (-1 elsewhere), and the top count wanted."""
-        targets = None
-        num_top = 0
-        starts = (plan.kv_lens - plan.q_lens).tolist()
-        for i, r in enumerate(requests):
-            lps = r.prompt_logprobs
-            prompt = r.group.request.prompt_token_ids if r.prefill_only else r.prompt_token_ids
-            if lps is None or len(lps) >= len(prompt):
-                continue
-            if targets is None:
-                targets = np.full((plan.num_tokens,), -1, np.int32)
-            first, last = max(starts[i], len(lps) - 1), min(int(plan.kv_lens[i]), len(prompt) - 1)
-            if first < last:
-                at = int(plan.cu_q_lens[i]) + first - starts[i]
-                targets[at:at + last - first] = prompt[first + 1:last + 1]
-            num_top = max(num_top, r.sampling_params.prompt_logprobs or 0)
-        return targets, num_top
-
-    def _request_seed(self, r: Request) -> int:
-        if r.sampling_params.seed is not None:
-            return r.sampling_params.seed
-        # Unseeded requests: reproducible per engine seed and request id (seed < 2**32: fits 64 bits).
-        return (self.seed << 32) ^ zlib.crc32(r.request_id.encode())
+        return self.output_processor.outputs(touched)
 
     def step_inputs(self, plan: StepPlan) -> StepInputs:
-        """The padded device inputs of a plan from `scheduler.schedule()`."""
-        requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
-        prompt_targets, num_prompt_top = self._prompt_targets(plan, requests)
-        return pad_step(token_ids=plan.token_ids, positions=plan.positions, slot_mapping=plan.slot_mapping,
-                        block_tables=plan.block_tables, kv_lens=plan.kv_lens, cu_q_lens=plan.cu_q_lens,
-                        sampling=self._sampling_metadata(requests), block_copies=plan.block_copies,
-                        penalties=self._penalty_metadata(requests), prompt_targets=prompt_targets,
-                        num_top_logprobs=self._num_top_logprobs(requests),
-                        num_prompt_top_logprobs=num_prompt_top)
+        """The padded device inputs of a plan from `scheduler.schedule()` (see `pagedjax.engine.inputs`)."""
+        return step_inputs(plan, [self.scheduler.get_request(rid) for rid in plan.request_ids],
+                           vocab_size=self.model_config.vocab_size, engine_seed=self.seed)
 
     def _run_step(self, plan: StepPlan) -> list[Request]:
         if plan.num_seqs == 0:
@@ -367,7 +286,6 @@ class LLMEngine:
             return []
         self._empty_plans = 0
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
-        inputs = None
         try:
             inputs = self.step_inputs(plan)
             out = self.runner.execute(inputs)
@@ -379,46 +297,28 @@ class LLMEngine:
             # Every token run except a sampled token's own decode is prefill work (prompt or recompute).
             is_decode_token = r.num_output_tokens > 0 and int(kv_len) == r.num_tokens
             self._prefill_computed += int(q_len) - int(is_decode_token)
-            if plan.emits_token[i] and _wants_logprobs(r):
-                _record_logprob(r, int(tokens[i]), out.logprobs, (i,))
+            if plan.emits_token[i] and r.wants_logprobs:
+                record_token_logprob(r, int(tokens[i]), out.logprobs, (i,))
         if out.prompt_logprobs is not None:
-            self._record_prompt_logprobs(plan, requests, inputs.extras.prompt_targets, out.prompt_logprobs)
+            record_prompt_logprobs(plan, requests, inputs.extras.prompt_targets, out.prompt_logprobs)
         self.scheduler.update(plan, tokens)
         return self._progressed(requests, before)
-
-    @staticmethod
-    def _record_prompt_logprobs(plan: StepPlan, requests: list[Request], targets: np.ndarray,
-                                lps) -> None:
-        for i, r in enumerate(requests):
-            if r.prompt_logprobs is None:
-                continue
-            k = r.sampling_params.prompt_logprobs or 0
-            for t in range(int(plan.cu_q_lens[i]), int(plan.cu_q_lens[i + 1])):
-                if targets[t] >= 0:
-                    r.prompt_logprobs.append(TokenLogprobs(
-                        int(targets[t]), float(lps.logprob[t]),
-                        tuple(zip(lps.top_ids[t, :k].tolist(), lps.top_logprobs[t, :k].tolist(), strict=True))))
 
     def _run_multi_decode(self, mplan: MultiStepPlan) -> list[Request]:
         plan = mplan.plan
         n, width = plan.num_seqs, plan.block_tables.shape[1]
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
         try:
-            inputs = pad_multi_decode(tokens=plan.token_ids, block_tables=plan.block_tables,
-                                      seq_lens=mplan.seq_lens, lent_blocks=mplan.lent_block_ids,
-                                      sampling=self._sampling_metadata(requests),
-                                      stop_ids=[sorted(r.stop_ids) for r in requests],
-                                      max_new=mplan.max_new_tokens, num_steps=mplan.num_steps,
-                                      block_size=mplan.block_size, penalties=self._penalty_metadata(requests),
-                                      num_top_logprobs=self._num_top_logprobs(requests))
+            inputs = fused_decode_inputs(mplan, requests, vocab_size=self.model_config.vocab_size,
+                                         engine_seed=self.seed)
             sampled, logprobs, tables = self.runner.execute_multi_decode(inputs)
         except BaseException as exc:
             return self._recover(plan.request_ids, exc, mplan)
         before = [r.num_output_tokens for r in requests]
         self.scheduler.update_multi_decode(mplan, sampled[:, :n], tables[:n, :width])
         for i, (r, b) in enumerate(zip(requests, before, strict=True)):
-            for step in range(r.num_output_tokens - b if _wants_logprobs(r) else 0):
-                _record_logprob(r, int(sampled[step, i]), logprobs, (step, i))
+            for step in range(r.num_output_tokens - b if r.wants_logprobs else 0):
+                record_token_logprob(r, int(sampled[step, i]), logprobs, (step, i))
         self._fused_calls += 1
         return self._progressed(requests, before)
 
@@ -442,78 +342,10 @@ class LLMEngine:
         return self.scheduler.fail_step(request_ids, f"{type(exc).__name__}: {exc}")
 
     def _progressed(self, requests: list[Request], before: list[int]) -> list[Request]:
-        """The requests that got tokens or finished (stop strings applied first)."""
-        out = []
-        for r, b in zip(requests, before, strict=True):
-            if r.sampling_params.stop and r.num_output_tokens > b:
-                self._apply_stop_strings(r, b)
-            self._generated += r.num_output_tokens - b
-            if r.num_output_tokens > b or r.is_finished:
-                out.append(r)
-        return out
-
-    def _apply_stop_strings(self, r: Request, before: int) -> None:
-        """End `r` at the first of its new tokens whose text completes a stop string (its later tokens are
-        dropped); the text had no stop string with its first `before` tokens."""
-        decode = self.tokenizer.decode
-        for m in range(before + 1, r.num_output_tokens + 1):
-            text = decode(r.output_token_ids[:m])
-            hits = [(text.find(stop), stop) for stop in r.sampling_params.stop if stop in text]
-            if hits:
-                r.stop_str = min(hits)[1]
-                del r.output_token_ids[m:], r.output_logprobs[m:]
-                if r.logprobs is not None:
-                    del r.logprobs[m:]
-                if not r.is_finished:
-                    self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
-                r.status = RequestStatus.FINISHED_STOPPED
-                return
-
-    def _completion(self, r: Request, index: int) -> CompletionOutput:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(r.output_token_ids)
-            if r.stop_str is not None:
-                end = text.find(r.stop_str)
-                text = text[:end + len(r.stop_str) if r.sampling_params.include_stop_str_in_output else end]
-        stop_reason = r.stop_str
-        if stop_reason is None and r.status is RequestStatus.FINISHED_STOPPED and r.output_token_ids:
-            stop_reason = r.output_token_ids[-1]
-        return CompletionOutput(index=index, token_ids=list(r.output_token_ids), text=text,
-                                cumulative_logprob=r.cumulative_logprob if _wants_logprobs(r) else None,
-                                logprobs=None if r.logprobs is None else list(r.logprobs),
-                                finish_reason=r.finish_reason(), stop_reason=stop_reason)
-
-    def _output(self, r: Request) -> RequestOutput:
-        group = r.group
-        if group is None:
-            c = self._completion(r, 0)
-            return RequestOutput(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
-                                 output_token_ids=c.token_ids, num_cached_tokens=max(r.num_cached_tokens, 0),
-                                 finish_reason=c.finish_reason, text=c.text, error=r.error, outputs=[c],
-                                 num_generated_tokens=len(c.token_ids),
-                                 prompt_logprobs=None if r.prompt_logprobs is None else list(r.prompt_logprobs))
-        request, params = group.request, group.request.sampling_params
-        outputs = [self._completion(s, s.sample_index) for s in group.samples]
-        finished = group.finished
-        if finished and params.num_samples > params.n:  # the n best, best first
-            outputs = sorted(outputs, key=lambda c: -c.cumulative_logprob)[:params.n]
-        first = outputs[0] if outputs else None
-        if not finished:
-            reason = None
-        elif request.is_finished:  # ended before its samples existed (aborted, or its prefill failed)
-            reason = request.status.value
-        else:
-            reason = first.finish_reason
-        errors = [s.error for s in group.samples if s.error] + ([request.error] if request.error else [])
-        cached = group.samples[0].num_cached_tokens if group.samples else r.num_cached_tokens
-        return RequestOutput(request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-                             output_token_ids=list(first.token_ids) if first else [],
-                             num_cached_tokens=max(cached, 0), finish_reason=reason,
-                             text=first.text if first else None, error=errors[0] if errors else None,
-                             outputs=outputs,
-                             prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs),
-                             num_generated_tokens=sum(s.num_output_tokens for s in group.samples))
+        """The requests that got tokens or finished (their text decoded and stop strings applied first)."""
+        progressed, generated = self.output_processor.advance(requests, before)
+        self._generated += generated
+        return progressed
 
     # ----------------------------------------------------------------------------------------------- generate
     def generate(self, prompts: Sequence[Sequence[int] | str | bytes],
@@ -576,68 +408,3 @@ def _token_list(request_id: str, prompt_token_ids) -> list[int]:
     if bad:
         raise TypeError(f"request {request_id!r}: prompt_token_ids must be ints, got {bad[:3]!r}")
     return [int(t) for t in tokens]
-
-
-def _record_logprob(r: Request, token: int, logprobs, at: tuple[int, ...]) -> None:
-    """Append output token `token`'s log-probability (and its top alternatives, if the request wants them)
-    from row `at` of a step's `TokenLogprobs`."""
-    r.output_logprobs.append(float(logprobs.logprob[at]))
-    if r.logprobs is not None:
-        k = r.sampling_params.logprobs or 0
-        r.logprobs.append(TokenLogprobs(token, float(logprobs.logprob[at]),
-                                        tuple(zip(logprobs.top_ids[at][:k].tolist(),
-                                                  logprobs.top_logprobs[at][:k].tolist(), strict=True))))
-
-
-def _wants_logprobs(r: Request) -> bool:
-    """Whether a request's sampled tokens need their log-probabilities: it asked for them, or it is a sample of a
-    request that keeps the best n of best_of by cumulative log-probability. Steps with no such request compute
-    none (the decode step stays lean)."""
-    if r.prefill_only:
-        return False
-    if r.logprobs is not None:
-        return True
-    params = r.group.request.sampling_params if r.group is not None else r.sampling_params
-    return params.num_samples > params.n
-
-
-def generate_batch(engine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-    """`generate` over any engine-shaped object (`LLMEngine`, `DataParallelEngine`): validate the whole batch,
-    queue it under fresh ids, step until every request finished, outputs in input order. An interrupted call
-    aborts what it queued, so nothing keeps running behind the caller's back."""
-    prompts = list(prompts)
-    if isinstance(sampling_params, SamplingParams) or sampling_params is None:
-        params = [sampling_params or SamplingParams()] * len(prompts)
-    else:
-        params = list(sampling_params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-    ids = engine.fresh_request_ids("gen", len(prompts))
-    requests = [engine.make_request(rid, prompt, p) for rid, prompt, p in zip(ids, prompts, params, strict=True)]
-    for r in requests:
-        engine.add_prepared_request(r)
-    results: dict[str, RequestOutput] = {}
-    bar = None
-    if use_tqdm:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(ids), desc="generate", unit="req")
-    pending = set(ids)
-    try:
-        while pending:
-            if not engine.has_unfinished_requests():
-                raise RuntimeError(f"requests {sorted(pending)[:5]} vanished without finishing")
-            for out in engine.step():
-                if out.finished and out.request_id in pending:
-                    results[out.request_id] = out
-                    pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
-    except BaseException:
-        for rid in pending:
-            engine.abort(rid)
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-    return [results[i] for i in ids]

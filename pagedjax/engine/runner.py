@@ -1,14 +1,14 @@
-"""The model runner: owns the device state (weights, paged KV cache) and executes step plans with jit.
+"""The model runner: owns the device state (weights, paged KV cache) and executes padded steps with jit.
 
-Shapes are bucketed to powers of two (tokens, sequences, blocks per sequence) so that a long run compiles a
-handful of times; each new bucket is logged and counted. The KV cache is donated to every call, so XLA
-updates it in place.
+Inputs come padded to bucket sizes (`pagedjax.engine.inputs`), so a long run compiles a handful of programs;
+each new signature is compiled ahead of time, logged and counted. The KV cache is donated to every call, so
+XLA updates it in place.
 
 Two entry points:
-  `execute(plan)`            one ragged step (prefill chunks and decodes together), returns sampled tokens.
-  `execute_multi_decode(..)` N decode steps in one `lax.while_loop` on device: forward, KV write, paged
-                             attention, sampling, stop checks and block allocation (`page_state`), no host
-                             round trip until the end.
+  `execute(inputs)`              one ragged step (prefill chunks and decodes together), returns sampled tokens.
+  `execute_fused_decode(inputs)` N decode steps in one `lax.while_loop` on device: forward, KV write, paged
+                                 attention, sampling, stop checks and block allocation (`page_state`), no host
+                                 round trip until the end.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -37,64 +36,10 @@ from pagedjax.device.sampling import (
     sample,
     token_logprobs,
 )
+from pagedjax.engine.inputs import NO_EXTRAS, MultiDecodeInputs, StepExtras, StepInputs
 from pagedjax.model.llama import Llama
 
 logger = logging.getLogger(__name__)
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """The smallest power of two >= max(n, minimum)."""
-    n = max(int(n), minimum, 1)
-    return 1 << (n - 1).bit_length()
-
-
-def _pad(x, n: int, value, dtype=np.int32) -> np.ndarray:
-    """`x` along its first axis, padded with `value` to length n."""
-    out = np.full((n,) + np.shape(x)[1:], value, dtype)
-    out[: len(x)] = x
-    return out
-
-
-def _pad_table(table: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    out = np.zeros((rows, cols), np.int32)
-    out[: table.shape[0], : table.shape[1]] = table
-    return out
-
-
-def pad_sampling(sampling: SamplingMetadata, n: int) -> SamplingMetadata:
-    """Padding rows are greedy."""
-    return SamplingMetadata(
-        temperature=_pad(sampling.temperature, n, 0.0, np.float32),
-        top_k=_pad(sampling.top_k, n, 0),
-        top_p=_pad(sampling.top_p, n, 1.0, np.float32),
-        min_p=_pad(sampling.min_p, n, 0.0, np.float32),
-        seed_hi=_pad(sampling.seed_hi, n, 0, np.uint32),
-        seed_lo=_pad(sampling.seed_lo, n, 0, np.uint32),
-        step=_pad(sampling.step, n, 0),
-    )
-
-
-def pad_penalties(pen: PenaltyMetadata | None, n: int) -> PenaltyMetadata | None:
-    """Padding rows have no penalty."""
-    if pen is None:
-        return None
-    return PenaltyMetadata(
-        presence=_pad(pen.presence, n, 0.0, np.float32), frequency=_pad(pen.frequency, n, 0.0, np.float32),
-        repetition=_pad(pen.repetition, n, 1.0, np.float32), min_tokens=_pad(pen.min_tokens, n, 0),
-        output_counts=_pad(pen.output_counts, n, 0), prompt_mask=_pad(pen.prompt_mask, n, False, bool),
-        stop_ids=_pad(pen.stop_ids, n, -1))
-
-
-class StepExtras(NamedTuple):
-    """The optional parts of a step (None when no request in it needs them: they cost nothing then)."""
-
-    block_copies: np.ndarray | None = None  # i32[C, 2] (src, dst) blocks copied before the KV write; dst -1 = pad
-    penalties: PenaltyMetadata | None = None  # [S] rows
-    prompt_targets: np.ndarray | None = None  # i32[T]: the prompt token after each position whose log-probability
-    #                                           is wanted, -1 elsewhere
-
-
-NO_EXTRAS = StepExtras()
 
 
 class StepOutputs(NamedTuple):
@@ -105,123 +50,6 @@ class StepOutputs(NamedTuple):
     logprobs: TokenLogprobs | None
     prompt_logprobs: TokenLogprobs | None
     logits: Any
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """A padded, device-ready step. Shapes: T tokens, S sequences, B blocks per sequence (all buckets)."""
-
-    token_ids: np.ndarray  # int32 [T]
-    positions: np.ndarray  # int32 [T]
-    meta: AttentionMetadata  # slot_mapping [T], block_tables [S, B], kv_lens [S], cu_q_lens [S + 1]
-    logits_indices: np.ndarray  # int32 [S]
-    sampling: SamplingMetadata  # [S] each
-    decode_only: bool
-    extras: StepExtras = NO_EXTRAS
-    num_top_logprobs: int | None = None  # top alternatives per sampled token (a bucket); None: no log-probabilities
-    num_prompt_top_logprobs: int = 0  # per prompt position, when extras.prompt_targets is set
-
-
-def pad_step(*, token_ids: np.ndarray,  # i32[T]
-             positions: np.ndarray,  # i32[T]
-             slot_mapping: np.ndarray,  # i32[T]
-             block_tables: np.ndarray,  # i32[S, B]
-             kv_lens: np.ndarray,  # i32[S]
-             cu_q_lens: np.ndarray,  # i32[S + 1]
-             sampling: SamplingMetadata,  # [S] each
-             block_copies: np.ndarray | None = None,  # i32[C, 2]
-             penalties: PenaltyMetadata | None = None,  # [S] rows
-             prompt_targets: np.ndarray | None = None,  # i32[T]
-             num_top_logprobs: int | None = None,
-             num_prompt_top_logprobs: int = 0,
-             ) -> StepInputs:
-    """Pad a ragged step to bucket sizes. Padding tokens write nowhere (slot -1); padding sequences have
-    q_len 0 and kv_len 0, so every kernel returns zeros for them. Sequences are bucketed from 1 (a batch
-    of one runs as one row: on a CPU a padded row costs nearly as much as a real one). Top-logprob counts are
-    bucketed too (the host keeps what each request asked for)."""
-    num_tokens, num_seqs = len(token_ids), len(kv_lens)
-    decode_only = num_tokens == num_seqs
-    s_b = bucket(num_seqs)
-    t_b = s_b if decode_only else bucket(num_tokens, 16)
-    tables = _pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2))
-    copies = None
-    if block_copies is not None and len(block_copies):
-        copies = np.full((bucket(len(block_copies)), 2), -1, np.int32)
-        copies[:, 0] = 0
-        copies[: len(block_copies)] = block_copies
-    extras = StepExtras(block_copies=copies, penalties=pad_penalties(penalties, s_b),
-                        prompt_targets=None if prompt_targets is None else _pad(prompt_targets, t_b, -1))
-    return StepInputs(
-        extras=extras,
-        num_top_logprobs=_bucket_top(num_top_logprobs),
-        num_prompt_top_logprobs=bucket(num_prompt_top_logprobs) if num_prompt_top_logprobs else 0,
-        token_ids=_pad(token_ids, t_b, 0),
-        positions=_pad(positions, t_b, 0),
-        meta=AttentionMetadata(_pad(slot_mapping, t_b, -1), tables, _pad(kv_lens, s_b, 0),
-                               _pad(cu_q_lens, s_b + 1, num_tokens)),
-        logits_indices=_pad(np.asarray(cu_q_lens[1:]) - 1, s_b, 0),
-        sampling=pad_sampling(sampling, s_b),
-        decode_only=decode_only,
-    )
-
-
-@dataclass(frozen=True)
-class MultiDecodeInputs:
-    """A padded fused decode of S sequences (buckets; padding rows have max_new 0 and never run)."""
-
-    tokens: np.ndarray  # int32 [S]: each sequence's last token, whose KV is not cached yet
-    block_tables: np.ndarray  # int32 [S, B], wide enough for num_steps more tokens
-    seq_lens: np.ndarray  # int32 [S]: tokens in the cache before step 1
-    lent_blocks: np.ndarray  # int32 [F]: the stack the device pops from, front first, padded with -1
-    sampling: SamplingMetadata  # [S] each
-    stop_ids: np.ndarray  # int32 [S, K], -1 = none
-    max_new: np.ndarray  # int32 [S]: tokens each sequence may generate in this call
-    num_steps: int
-    penalties: PenaltyMetadata | None = None  # [S] rows; output_counts are updated on device each step
-    num_top_logprobs: int | None = None
-
-
-def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
-                     block_tables: np.ndarray,  # i32[S, B]
-                     seq_lens: np.ndarray,  # i32[S]
-                     lent_blocks: np.ndarray,  # i32[F]
-                     sampling: SamplingMetadata,  # [S] each
-                     stop_ids: list[list[int]],  # S lists
-                     max_new: np.ndarray,  # i32[S]
-                     num_steps: int,
-                     block_size: int,
-                     penalties: PenaltyMetadata | None = None,  # [S] rows
-                     num_top_logprobs: int | None = None) -> MultiDecodeInputs:
-    """Pad a fused decode to bucket sizes. The lent stack is padded with -1, which the device never pops
-    (a short stack raises `overflow` instead of writing into block 0), to a length fixed by the batch bucket
-    and `num_steps`: one sequence pops at most `cdiv(num_steps, block_size)` blocks in `num_steps` steps, so
-    the stack's length adds no shape of its own to compile."""
-    n = len(tokens)
-    s_b = bucket(n)
-    stack = s_b * -(-num_steps // block_size)
-    if len(lent_blocks) > stack:
-        raise ValueError(f"{len(lent_blocks)} lent blocks for {n} sequences and {num_steps} steps of block size "
-                         f"{block_size}: at most {stack} can be popped")
-    stops = np.full((s_b, bucket(max(map(len, stop_ids), default=1), 1)), -1, np.int32)
-    for i, ids in enumerate(stop_ids):
-        stops[i, : len(ids)] = ids
-    return MultiDecodeInputs(
-        tokens=_pad(tokens, s_b, 0),
-        block_tables=_pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2)),
-        seq_lens=_pad(seq_lens, s_b, 0),
-        lent_blocks=_pad(lent_blocks, bucket(stack), -1),
-        sampling=pad_sampling(sampling, s_b),
-        stop_ids=stops,
-        max_new=_pad(max_new, s_b, 0),
-        num_steps=num_steps,
-        penalties=pad_penalties(penalties, s_b),
-        num_top_logprobs=_bucket_top(num_top_logprobs),
-    )
-
-
-def _bucket_top(num_top: int | None) -> int | None:
-    """None stays None (no log-probabilities computed: the lean step); 0 stays 0; k > 0 to a power of two."""
-    return num_top if not num_top else bucket(num_top)
 
 
 def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,

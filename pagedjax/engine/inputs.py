@@ -1,0 +1,291 @@
+"""A step's inputs, in one place: scheduled requests -> padded, device-ready arrays.
+
+The scheduler's plans (`core.step_plan`) say which tokens run where in the paged cache; this module adds what
+the requests ask of the step (sampling, penalties, log-probabilities, prompt log-probabilities) and pads the
+whole to bucket sizes, so that a long run compiles a handful of programs. Plain numpy: nothing here runs on a
+device, and nothing reads the model.
+
+  step_inputs(plan, requests, ...)          a ragged step (prefill chunks and decodes together)
+  fused_decode_inputs(mplan, requests, ...) several decode steps in one device call
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from pagedjax.core.request import Request
+from pagedjax.core.step_plan import MultiStepPlan, StepPlan
+from pagedjax.device.attention import AttentionMetadata
+from pagedjax.device.sampling import PenaltyMetadata, SamplingMetadata
+
+
+# ------------------------------------------------------------------------------- what the requests ask of a step
+def request_seed(r: Request, engine_seed: int) -> int:
+    """The request's own seed, or for an unseeded request one reproducible per engine seed and request id
+    (engine_seed < 2**32: the result fits 64 bits)."""
+    if r.sampling_params.seed is not None:
+        return r.sampling_params.seed
+    return (engine_seed << 32) ^ zlib.crc32(r.request_id.encode())
+
+
+def sampling_metadata(requests: list[Request], engine_seed: int) -> SamplingMetadata:
+    """One row per request: temperature, top-k/p, min-p, its seed and how many tokens it has sampled."""
+    return SamplingMetadata.from_lists(
+        [r.sampling_params.temperature for r in requests],
+        [r.sampling_params.top_k for r in requests],
+        [r.sampling_params.top_p for r in requests],
+        [request_seed(r, engine_seed) for r in requests],
+        [r.num_output_tokens for r in requests],
+        min_p=[r.sampling_params.min_p for r in requests],
+    )
+
+
+def penalty_metadata(requests: list[Request], vocab_size: int) -> PenaltyMetadata | None:
+    """Penalty inputs when a request of the step uses penalties or min_tokens (None otherwise)."""
+    if not any(r.sampling_params.has_penalties for r in requests):
+        return None
+    n = len(requests)
+    counts = np.zeros((n, vocab_size), np.int32)
+    prompt_mask = np.zeros((n, vocab_size), bool)
+    stops = [sorted(r.stop_ids) for r in requests]
+    stop_ids = np.full((n, max(1, max(map(len, stops)))), -1, np.int32)
+    for i, r in enumerate(requests):
+        if r.output_token_ids:
+            counts[i] = np.bincount(r.output_token_ids, minlength=vocab_size)
+        prompt_mask[i, r.prompt_token_ids] = True
+        stop_ids[i, : len(stops[i])] = stops[i]
+    sp = [r.sampling_params for r in requests]
+    return PenaltyMetadata(
+        presence=np.array([p.presence_penalty for p in sp], np.float32),
+        frequency=np.array([p.frequency_penalty for p in sp], np.float32),
+        repetition=np.array([p.repetition_penalty for p in sp], np.float32),
+        min_tokens=np.array([p.min_tokens for p in sp], np.int32),
+        output_counts=counts, prompt_mask=prompt_mask, stop_ids=stop_ids)
+
+
+def num_top_logprobs(requests: list[Request]) -> int | None:
+    """Top alternatives the step must return per sampled token; None when no request of it needs
+    log-probabilities (the step then computes none)."""
+    wanted = [r.sampling_params.logprobs or 0 for r in requests if r.wants_logprobs]
+    return max(wanted) if wanted else None
+
+
+def prompt_targets(plan: StepPlan, requests: list[Request]) -> tuple[np.ndarray | None, int]:
+    """For requests collecting prompt log-probabilities: the prompt token after each position of this step
+    whose log-probability is still missing (-1 elsewhere), and the top count wanted."""
+    targets = None
+    num_top = 0
+    starts = (plan.kv_lens - plan.q_lens).tolist()
+    for i, r in enumerate(requests):
+        lps = r.prompt_logprobs
+        prompt = r.group.request.prompt_token_ids if r.prefill_only else r.prompt_token_ids
+        if lps is None or len(lps) >= len(prompt):
+            continue
+        if targets is None:
+            targets = np.full((plan.num_tokens,), -1, np.int32)
+        first, last = max(starts[i], len(lps) - 1), min(int(plan.kv_lens[i]), len(prompt) - 1)
+        if first < last:
+            at = int(plan.cu_q_lens[i]) + first - starts[i]
+            targets[at:at + last - first] = prompt[first + 1:last + 1]
+        num_top = max(num_top, r.sampling_params.prompt_logprobs or 0)
+    return targets, num_top
+
+
+def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, engine_seed: int) -> StepInputs:
+    """The padded device inputs of a plan from `Scheduler.schedule()`; `requests` in the plan's order."""
+    targets, num_prompt_top = prompt_targets(plan, requests)
+    return pad_step(token_ids=plan.token_ids, positions=plan.positions, slot_mapping=plan.slot_mapping,
+                    block_tables=plan.block_tables, kv_lens=plan.kv_lens, cu_q_lens=plan.cu_q_lens,
+                    sampling=sampling_metadata(requests, engine_seed), block_copies=plan.block_copies,
+                    penalties=penalty_metadata(requests, vocab_size), prompt_targets=targets,
+                    num_top_logprobs=num_top_logprobs(requests), num_prompt_top_logprobs=num_prompt_top)
+
+
+def fused_decode_inputs(mplan: MultiStepPlan, requests: list[Request], *, vocab_size: int,
+                        engine_seed: int) -> MultiDecodeInputs:
+    """The padded device inputs of a plan from `Scheduler.schedule_multi_decode()`; `requests` in its order."""
+    plan = mplan.plan
+    return pad_multi_decode(tokens=plan.token_ids, block_tables=plan.block_tables, seq_lens=mplan.seq_lens,
+                            lent_blocks=mplan.lent_block_ids, sampling=sampling_metadata(requests, engine_seed),
+                            stop_ids=[sorted(r.stop_ids) for r in requests], max_new=mplan.max_new_tokens,
+                            num_steps=mplan.num_steps, block_size=mplan.block_size,
+                            penalties=penalty_metadata(requests, vocab_size),
+                            num_top_logprobs=num_top_logprobs(requests))
+
+
+# ------------------------------------------------------------------------------------------------ padding
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    n = max(int(n), minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def _pad(x, n: int, value, dtype=np.int32) -> np.ndarray:
+    """`x` along its first axis, padded with `value` to length n."""
+    out = np.full((n,) + np.shape(x)[1:], value, dtype)
+    out[: len(x)] = x
+    return out
+
+
+def _pad_table(table: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    out = np.zeros((rows, cols), np.int32)
+    out[: table.shape[0], : table.shape[1]] = table
+    return out
+
+
+def pad_sampling(sampling: SamplingMetadata, n: int) -> SamplingMetadata:
+    """Padding rows are greedy."""
+    return SamplingMetadata(
+        temperature=_pad(sampling.temperature, n, 0.0, np.float32),
+        top_k=_pad(sampling.top_k, n, 0),
+        top_p=_pad(sampling.top_p, n, 1.0, np.float32),
+        min_p=_pad(sampling.min_p, n, 0.0, np.float32),
+        seed_hi=_pad(sampling.seed_hi, n, 0, np.uint32),
+        seed_lo=_pad(sampling.seed_lo, n, 0, np.uint32),
+        step=_pad(sampling.step, n, 0),
+    )
+
+
+def pad_penalties(pen: PenaltyMetadata | None, n: int) -> PenaltyMetadata | None:
+    """Padding rows have no penalty."""
+    if pen is None:
+        return None
+    return PenaltyMetadata(
+        presence=_pad(pen.presence, n, 0.0, np.float32), frequency=_pad(pen.frequency, n, 0.0, np.float32),
+        repetition=_pad(pen.repetition, n, 1.0, np.float32), min_tokens=_pad(pen.min_tokens, n, 0),
+        output_counts=_pad(pen.output_counts, n, 0), prompt_mask=_pad(pen.prompt_mask, n, False, bool),
+        stop_ids=_pad(pen.stop_ids, n, -1))
+
+
+class StepExtras(NamedTuple):
+    """The optional parts of a step (None when no request in it needs them: they cost nothing then)."""
+
+    block_copies: np.ndarray | None = None  # i32[C, 2] (src, dst) blocks copied before the KV write; dst -1 = pad
+    penalties: PenaltyMetadata | None = None  # [S] rows
+    prompt_targets: np.ndarray | None = None  # i32[T]: the prompt token after each position whose log-probability
+    #                                           is wanted, -1 elsewhere
+
+
+NO_EXTRAS = StepExtras()
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A padded, device-ready step. Shapes: T tokens, S sequences, B blocks per sequence (all buckets)."""
+
+    token_ids: np.ndarray  # int32 [T]
+    positions: np.ndarray  # int32 [T]
+    meta: AttentionMetadata  # slot_mapping [T], block_tables [S, B], kv_lens [S], cu_q_lens [S + 1]
+    logits_indices: np.ndarray  # int32 [S]
+    sampling: SamplingMetadata  # [S] each
+    decode_only: bool
+    extras: StepExtras = NO_EXTRAS
+    num_top_logprobs: int | None = None  # top alternatives per sampled token (a bucket); None: no log-probabilities
+    num_prompt_top_logprobs: int = 0  # per prompt position, when extras.prompt_targets is set
+
+
+def pad_step(*, token_ids: np.ndarray,  # i32[T]
+             positions: np.ndarray,  # i32[T]
+             slot_mapping: np.ndarray,  # i32[T]
+             block_tables: np.ndarray,  # i32[S, B]
+             kv_lens: np.ndarray,  # i32[S]
+             cu_q_lens: np.ndarray,  # i32[S + 1]
+             sampling: SamplingMetadata,  # [S] each
+             block_copies: np.ndarray | None = None,  # i32[C, 2]
+             penalties: PenaltyMetadata | None = None,  # [S] rows
+             prompt_targets: np.ndarray | None = None,  # i32[T]
+             num_top_logprobs: int | None = None,
+             num_prompt_top_logprobs: int = 0,
+             ) -> StepInputs:
+    """Pad a ragged step to bucket sizes. Padding tokens write nowhere (slot -1); padding sequences have
+    q_len 0 and kv_len 0, so every kernel returns zeros for them. Sequences are bucketed from 1 (a batch
+    of one runs as one row: on a CPU a padded row costs nearly as much as a real one). Top-logprob counts are
+    bucketed too (the host keeps what each request asked for)."""
+    num_tokens, num_seqs = len(token_ids), len(kv_lens)
+    decode_only = num_tokens == num_seqs
+    s_b = bucket(num_seqs)
+    t_b = s_b if decode_only else bucket(num_tokens, 16)
+    tables = _pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2))
+    copies = None
+    if block_copies is not None and len(block_copies):
+        copies = np.full((bucket(len(block_copies)), 2), -1, np.int32)
+        copies[:, 0] = 0
+        copies[: len(block_copies)] = block_copies
+    extras = StepExtras(block_copies=copies, penalties=pad_penalties(penalties, s_b),
+                        prompt_targets=None if prompt_targets is None else _pad(prompt_targets, t_b, -1))
+    return StepInputs(
+        extras=extras,
+        num_top_logprobs=_bucket_top(num_top_logprobs),
+        num_prompt_top_logprobs=bucket(num_prompt_top_logprobs) if num_prompt_top_logprobs else 0,
+        token_ids=_pad(token_ids, t_b, 0),
+        positions=_pad(positions, t_b, 0),
+        meta=AttentionMetadata(_pad(slot_mapping, t_b, -1), tables, _pad(kv_lens, s_b, 0),
+                               _pad(cu_q_lens, s_b + 1, num_tokens)),
+        logits_indices=_pad(np.asarray(cu_q_lens[1:]) - 1, s_b, 0),
+        sampling=pad_sampling(sampling, s_b),
+        decode_only=decode_only,
+    )
+
+
+@dataclass(frozen=True)
+class MultiDecodeInputs:
+    """A padded fused decode of S sequences (buckets; padding rows have max_new 0 and never run)."""
+
+    tokens: np.ndarray  # int32 [S]: each sequence's last token, whose KV is not cached yet
+    block_tables: np.ndarray  # int32 [S, B], wide enough for num_steps more tokens
+    seq_lens: np.ndarray  # int32 [S]: tokens in the cache before step 1
+    lent_blocks: np.ndarray  # int32 [F]: the stack the device pops from, front first, padded with -1
+    sampling: SamplingMetadata  # [S] each
+    stop_ids: np.ndarray  # int32 [S, K], -1 = none
+    max_new: np.ndarray  # int32 [S]: tokens each sequence may generate in this call
+    num_steps: int
+    penalties: PenaltyMetadata | None = None  # [S] rows; output_counts are updated on device each step
+    num_top_logprobs: int | None = None
+
+
+def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
+                     block_tables: np.ndarray,  # i32[S, B]
+                     seq_lens: np.ndarray,  # i32[S]
+                     lent_blocks: np.ndarray,  # i32[F]
+                     sampling: SamplingMetadata,  # [S] each
+                     stop_ids: list[list[int]],  # S lists
+                     max_new: np.ndarray,  # i32[S]
+                     num_steps: int,
+                     block_size: int,
+                     penalties: PenaltyMetadata | None = None,  # [S] rows
+                     num_top_logprobs: int | None = None) -> MultiDecodeInputs:
+    """Pad a fused decode to bucket sizes. The lent stack is padded with -1, which the device never pops
+    (a short stack raises `overflow` instead of writing into block 0), to a length fixed by the batch bucket
+    and `num_steps`: one sequence pops at most `cdiv(num_steps, block_size)` blocks in `num_steps` steps, so
+    the stack's length adds no shape of its own to compile."""
+    n = len(tokens)
+    s_b = bucket(n)
+    stack = s_b * -(-num_steps // block_size)
+    if len(lent_blocks) > stack:
+        raise ValueError(f"{len(lent_blocks)} lent blocks for {n} sequences and {num_steps} steps of block size "
+                         f"{block_size}: at most {stack} can be popped")
+    stops = np.full((s_b, bucket(max(map(len, stop_ids), default=1), 1)), -1, np.int32)
+    for i, ids in enumerate(stop_ids):
+        stops[i, : len(ids)] = ids
+    return MultiDecodeInputs(
+        tokens=_pad(tokens, s_b, 0),
+        block_tables=_pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2)),
+        seq_lens=_pad(seq_lens, s_b, 0),
+        lent_blocks=_pad(lent_blocks, bucket(stack), -1),
+        sampling=pad_sampling(sampling, s_b),
+        stop_ids=stops,
+        max_new=_pad(max_new, s_b, 0),
+        num_steps=num_steps,
+        penalties=pad_penalties(penalties, s_b),
+        num_top_logprobs=_bucket_top(num_top_logprobs),
+    )
+
+
+def _bucket_top(num_top: int | None) -> int | None:
+    """None stays None (no log-probabilities computed: the lean step); 0 stays 0; k > 0 to a power of two."""
+    return num_top if not num_top else bucket(num_top)
