@@ -79,7 +79,7 @@ def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
     return best
 
 
-class _SequenceText:
+class SequenceText:
     """One sequence's text and its stop-string state."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
@@ -115,14 +115,14 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
 
-    def _text_of(self, r: Request, num_known: int) -> _SequenceText:
+    def _text_of(self, r: Request, num_known: int) -> SequenceText:
         """Its text state over its first `num_known` output tokens, made (or remade) when it has none or one
         over other tokens (a beam's last token replaced)."""
         state = r.text_state
         ids = r.output_token_ids
         if state is None or len(state.decoded.token_ids) != num_known or (
                 num_known and state.decoded.token_ids[-1] != ids[num_known - 1]):
-            state = r.text_state = _SequenceText(self.tokenizer, r.sampling_params.stop)
+            state = r.text_state = SequenceText(self.tokenizer, r.sampling_params.stop)
             for t in ids[:num_known]:  # no stop string in them: they were checked when they were new
                 state.decoded.append(t)
         return state

@@ -1,17 +1,20 @@
 """From the engine's cumulative `RequestOutput` snapshots to the text deltas of each choice of a response.
 
-A request has one choice per sample (`RequestOutput.outputs`, by sample index). Each choice has its own
-`IncrementalDetokenizer`; its last delta comes from the engine's final text, which is cut at a stop string, so
-the deltas of a choice always concatenate to its final text, streamed or not. Log-probabilities, when asked for,
-travel with the delta of the snapshot that brought their tokens.
+A request has one choice per sample (`RequestOutput.outputs`, by sample index). The engine decodes text
+incrementally and, while a sample runs, shows only text that can no longer change (`pagedjax.engine.outputs`):
+so a choice's delta is simply what its text gained since the last snapshot, and the deltas of a choice
+concatenate to its final text (cut at a stop string), streamed or not. Nothing is decoded here.
+Log-probabilities, when asked for, travel with the delta of the snapshot that brought their tokens.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from pagedjax.core.request import RequestOutput, TokenLogprobs
-from pagedjax.serve.detokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class RequestFailed(RuntimeError):
@@ -29,7 +32,7 @@ class ChoiceDelta:
 @dataclass(frozen=True)
 class _Sample:
     index: int
-    token_ids: list[int]
+    num_tokens: int
     text: str | None
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None
@@ -37,17 +40,15 @@ class _Sample:
 
 def _samples(out: RequestOutput) -> list[_Sample]:
     if out.outputs:
-        return [_Sample(c.index, list(c.token_ids), c.text, c.finish_reason, c.logprobs) for c in out.outputs]
-    return [_Sample(0, list(out.output_token_ids), out.text, out.finish_reason, None)]
+        return [_Sample(c.index, len(c.token_ids), c.text, c.finish_reason, c.logprobs) for c in out.outputs]
+    return [_Sample(0, len(out.output_token_ids), out.text, out.finish_reason, None)]
 
 
 class ChoiceTracker:
     """Turns each snapshot of one request into the new text of each of its choices."""
 
-    def __init__(self, tokenizer, *, stop: tuple[str, ...] = ()):
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self._detok: dict[int, IncrementalDetokenizer] = {}
+    def __init__(self):
+        self._sent: dict[int, str] = {}  # per sample: the text sent so far
         self.finish_reasons: dict[int, str] = {}
         self.num_tokens: dict[int, int] = {}  # generated tokens per sample
         self.logprobs: dict[int, list[TokenLogprobs]] = {}  # per sample, when asked for
@@ -62,8 +63,8 @@ class ChoiceTracker:
     def final_choices(self) -> list[tuple[int, str, str | None, list[TokenLogprobs] | None]]:
         """(choice index, whole text, finish reason, log-probabilities or None) of the finished request, in the
         engine's final order (the n best first when it drew more samples than it returns)."""
-        order = self._final_order if self._final_order is not None else sorted(self._detok)
-        return [(position, self._detok[i].sent, self.finish_reasons.get(i), self.logprobs.get(i))
+        order = self._final_order if self._final_order is not None else sorted(self._sent)
+        return [(position, self._sent[i], self.finish_reasons.get(i), self.logprobs.get(i))
                 for position, i in enumerate(order)]
 
     def update(self, out: RequestOutput) -> list[ChoiceDelta]:
@@ -79,14 +80,11 @@ class ChoiceTracker:
         for s in samples:
             if s.index in self.finish_reasons:
                 continue
-            detok = self._detok.setdefault(s.index, IncrementalDetokenizer(self.tokenizer, stop=self.stop))
-            self.num_tokens[s.index] = len(s.token_ids)
-            # The engine decoded the ids already: while running, its text is their plain decode.
-            text = detok.update(s.token_ids, s.text if s.finish_reason is None else None)
+            self.num_tokens[s.index] = s.num_tokens
+            if s.finish_reason in ("error", "abort"):
+                raise RequestFailed(out.error or f"the engine ended the request ({s.finish_reason})")
+            text = self._delta(s.index, s.text or "")
             if s.finish_reason is not None:
-                if s.finish_reason in ("error", "abort"):
-                    raise RequestFailed(out.error or f"the engine ended the request ({s.finish_reason})")
-                text += detok.finish(s.text if s.text is not None else self.tokenizer.decode(s.token_ids))
                 self.finish_reasons[s.index] = s.finish_reason
             new_logprobs = None
             if s.logprobs is not None:
@@ -96,3 +94,13 @@ class ChoiceTracker:
             if text or s.finish_reason is not None or new_logprobs:
                 deltas.append(ChoiceDelta(s.index, text, s.finish_reason, new_logprobs))
         return deltas
+
+    def _delta(self, index: int, text: str) -> str:
+        """What `text` adds to the text sent for sample `index` (the engine never takes text back)."""
+        sent = self._sent.setdefault(index, "")
+        if not text.startswith(sent):  # cannot happen for the engine's text; never resend what was sent
+            logger.warning("choice %d: the engine's text no longer starts with the %d characters sent", index,
+                           len(sent))
+            return ""
+        self._sent[index] = text
+        return text[len(sent):]

@@ -184,7 +184,7 @@ class OpenAIServing:
                          total_tokens=n_prompt + tracker.completion_tokens)
 
     async def _collect(self, prepared: Prepared, stream: RequestStream) -> ChoiceTracker:
-        tracker = ChoiceTracker(self.tokenizer, stop=prepared.stop_strings)
+        tracker = ChoiceTracker()
         try:
             async for _ in self._run(stream, tracker, self.metrics.timer()):
                 pass
@@ -250,7 +250,7 @@ class OpenAIServing:
     async def _events(self, prepared: Prepared, stream: RequestStream, chunk, choice, first) -> AsyncIterator[str]:
         """The response's events: chunks of new text per choice, usage if asked, then [DONE]; a failure mid-way
         is an error event (OpenAI's error object) before [DONE]."""
-        tracker = ChoiceTracker(self.tokenizer, stop=prepared.stop_strings)
+        tracker = ChoiceTracker()
         try:
             if first:
                 yield sse(chunk(first))

@@ -1,4 +1,6 @@
-"""ChoiceTracker: engine snapshots -> text deltas per choice, with the final choices in the engine's order."""
+"""ChoiceTracker: engine snapshots -> text deltas per choice, with the final choices in the engine's order. The
+engine's text is what it shows (`pagedjax.engine.outputs`: nothing that can still change); the tracker decodes
+nothing itself."""
 
 from __future__ import annotations
 
@@ -29,10 +31,10 @@ def _multi(samples, finished: bool):
 
 
 def test_single_sample_deltas_and_final_text():
-    tracker = ChoiceTracker(TOK)
+    tracker = ChoiceTracker()
     euro = list("€".encode())
-    assert tracker.update(_out([104, euro[0]])) == [ChoiceDelta(0, "h", None)]
-    assert tracker.update(_out([104, *euro[:2]])) == []  # nothing new that is safe to send
+    assert tracker.update(_out([104, euro[0]], text="h")) == [ChoiceDelta(0, "h", None)]
+    assert tracker.update(_out([104, *euro[:2]], text="h")) == []  # the engine shows nothing new yet
     final = [104, *euro, 105]
     assert tracker.update(_out(final, "length", TOK.decode(final))) == [ChoiceDelta(0, "€i", "length")]
     assert tracker.final_choices() == [(0, "h€i", "length", None)]
@@ -40,17 +42,17 @@ def test_single_sample_deltas_and_final_text():
 
 
 def test_stop_string_cut_comes_from_the_engines_final_text():
-    tracker = ChoiceTracker(TOK, stop=("XY",))
-    assert tracker.update(_out(TOK.encode("abX", add_bos=False))) == [ChoiceDelta(0, "ab", None)]
+    tracker = ChoiceTracker()
+    assert tracker.update(_out(TOK.encode("abX", add_bos=False), text="ab")) == [ChoiceDelta(0, "ab", None)]
     done = tracker.update(_out(TOK.encode("abXYZ", add_bos=False), "stop", "ab"))
     assert done == [ChoiceDelta(0, "", "stop")]
     assert tracker.final_choices() == [(0, "ab", "stop", None)]
 
 
 def test_several_samples_and_the_final_order():
-    tracker = ChoiceTracker(TOK)
+    tracker = ChoiceTracker()
     a, b, c = (TOK.encode(t, add_bos=False) for t in ("aa", "bbb", "c"))
-    deltas = tracker.update(_multi([(0, a[:1], None, None), (1, b[:2], None, None), (2, c, "stop", "c")], False))
+    deltas = tracker.update(_multi([(0, a[:1], None, "a"), (1, b[:2], None, "bb"), (2, c, "stop", "c")], False))
     assert deltas == [ChoiceDelta(0, "a", None), ChoiceDelta(1, "bb", None), ChoiceDelta(2, "c", "stop")]
     # best_of 3, n 2: the engine returns the two best, best first, under their sample indices.
     tracker.update(_multi([(1, b, "length", "bbb"), (0, a, "length", "aa")], True))
@@ -59,6 +61,6 @@ def test_several_samples_and_the_final_order():
 
 @pytest.mark.parametrize("reason", ["error", "abort"])
 def test_a_failed_request_raises(reason):
-    tracker = ChoiceTracker(TOK)
+    tracker = ChoiceTracker()
     with pytest.raises(RequestFailed, match="device fault" if reason == "error" else "abort"):
         tracker.update(_out([104], reason, "h", error="device fault" if reason == "error" else None))

@@ -1,5 +1,6 @@
-"""Incremental detokenization: any token sequence, fed in any growing snapshots, streams as valid UTF-8 deltas
-whose concatenation is the full decode (or the text cut at a stop string); for the byte tokenizer and for a small
+"""The engine's incremental text (`pagedjax.engine.outputs`): any token sequence, fed a token at a time and read
+at any points, shows only valid UTF-8 text that is never taken back, ending as the full decode (or the text cut
+at the first stop string, found at the token whose text completes it); for the byte tokenizer and for a small
 byte-level BPE trained here with `tokenizers`."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from pagedjax.engine.outputs import IncrementalText, SequenceText, stop_prefix_len
 from pagedjax.model.tokenizer import ByteTokenizer
-from pagedjax.serve.detokenizer import IncrementalDetokenizer, stop_prefix_len
 
 BYTE = ByteTokenizer()
 CORPUS = ["héllo wörld, naïve café", "日本語のテキストと中文文本", "emoji 🙂🚀👩‍💻 and ✓ marks",
@@ -31,25 +32,36 @@ def bpe():
 
 
 def _stream(tokenizer, ids: list[int], cuts: list[int], stop: tuple[str, ...] = ()) -> tuple[list[str], str]:
-    """Feed growing prefixes of `ids` (snapshot sizes from `cuts`) as the server does; returns the deltas and
-    the final text, cut as the engine cuts it at the first token whose text holds a stop string."""
-    end = len(ids)
-    final = tokenizer.decode(ids)
+    """Feed `ids` a token at a time as the engine does, reading the shown text after the tokens at `cuts`
+    (sizes of the steps between reads); returns the text's growth at each read and the final text. Checks the
+    stop against the reference: the first token m whose whole decode `ids[:m]` holds a stop string."""
+    end, final = len(ids), tokenizer.decode(ids)
     for m in range(1, len(ids) + 1):
         text = tokenizer.decode(ids[:m])
         hits = [(text.find(s), s) for s in stop if s in text]
         if hits:
             end, final = m, text[:min(hits)[0]]
             break
-    detok = IncrementalDetokenizer(tokenizer, stop=stop)
-    deltas, pos = [], 0
-    for cut in cuts:
-        pos = min(pos + cut, end - 1)  # the snapshots the server sees before the finished one
-        if pos <= 0:
-            continue
-        deltas.append(detok.update(ids[:pos]))
-    deltas.append(detok.update(ids[:end]))  # the finished snapshot (stop string included, if one was hit)
-    deltas.append(detok.finish(final))
+    seq = SequenceText(tokenizer, stop)
+    reads, shown, hit, at = set(), [], None, 0
+    for c in cuts:
+        at += c
+        reads.add(at)
+    for m, token in enumerate(ids, 1):
+        hit = seq.add(token)
+        if hit is not None:
+            assert m == end, (m, end)
+            break
+        if m in reads:
+            shown.append(seq.safe_text())
+    text = seq.decoded.text
+    engine_final = text[:text.find(hit[1])] if hit is not None else text + seq.decoded.pending()
+    assert engine_final == final
+    deltas, sent = [], ""
+    for t in [*shown, engine_final]:
+        assert t.startswith(sent)  # nothing shown is ever taken back
+        deltas.append(t[len(sent):])
+        sent = t
     return deltas, final
 
 
@@ -77,19 +89,33 @@ def test_byte_tokenizer_streams_valid_utf8_that_concatenates_to_the_decode(ids, 
 
 
 def test_split_character_is_held_back():
-    detok = IncrementalDetokenizer(BYTE)
+    text = IncrementalText(BYTE)
     euro = list("€".encode())  # 3 bytes, 3 tokens
-    assert detok.update([0x61, euro[0]]) == "a"
-    assert detok.update([0x61, *euro[:2]]) == ""
-    assert detok.update([0x61, *euro]) == "€"
-    assert detok.finish("a€") == ""
+    assert [text.append(t) for t in [0x61, *euro]] == ["a", "", "", "€"]
+    assert text.text == "a€" and text.pending() == ""
 
 
-def test_invalid_bytes_followed_by_text_are_sent_as_replacement_characters():
-    detok = IncrementalDetokenizer(BYTE)
-    assert detok.update([0xFF]) == ""  # could still be an incomplete character, as far as it knows
-    assert detok.update([0xFF, 0x62]) == "\ufffdb"
-    assert detok.finish(BYTE.decode([0xFF, 0x62, 0xC3])) == "\ufffd"  # a truncated character at the end
+def test_invalid_bytes_followed_by_text_are_shown_as_replacement_characters():
+    text = IncrementalText(BYTE)
+    assert text.append(0xFF) == ""  # could still be an incomplete character, as far as it knows
+    assert text.append(0x62) == "\ufffdb"
+    assert text.append(0xC3) == "" and text.pending() == "\ufffd"  # a truncated character at the end
+
+
+def test_decoding_cost_does_not_grow_with_the_output():
+    """Each token decodes a window of a few tokens, never the whole output."""
+    decoded = []
+
+    class Counting:
+        def decode(self, ids):
+            decoded.append(len(ids))
+            return BYTE.decode(ids)
+
+    text = IncrementalText(Counting())
+    for t in BYTE.encode("abcé" * 300, add_bos=False):
+        text.append(t)
+    assert text.text == "abcé" * 300
+    assert max(decoded) <= 4
 
 
 @given(data=st.data(), cuts=cuts)
@@ -126,11 +152,11 @@ def test_bpe_stop_strings(bpe, data, cuts):
     _check(deltas, final)
 
 
-def test_complete_stop_string_is_held_back():
-    detok = IncrementalDetokenizer(BYTE, stop=("STOP",))
-    assert detok.update(BYTE.encode("abcSTO", add_bos=False)) == "abc"
-    assert detok.update(BYTE.encode("abcSTOPxyz", add_bos=False)) == ""
-    assert detok.finish("abc") == ""
+def test_a_stop_prefix_is_held_back_and_a_complete_stop_string_ends_the_text():
+    seq = SequenceText(BYTE, ("STOP",))
+    assert [seq.add(t) for t in BYTE.encode("abcSTO", add_bos=False)] == [None] * 6
+    assert seq.safe_text() == "abc"
+    assert seq.add(ord("P")) == (3, "STOP")
 
 
 def test_stop_prefix_len():
@@ -139,3 +165,5 @@ def test_stop_prefix_len():
     assert stop_prefix_len("abab", ("abc", "bab")) == 2  # "ab" starts "abc"; "bab" is complete, not a prefix
     assert stop_prefix_len("xa", ("a",)) == 0  # a one-character stop has no proper prefix
     assert stop_prefix_len("", ("ab",)) == 0
+    assert stop_prefix_len("x" * 10_000 + "wo", ("w" + "x" * 5000,)) == 0
+    assert stop_prefix_len("aXaXa", ("aXaXaY",)) == 5
