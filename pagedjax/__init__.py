@@ -12,6 +12,11 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLMEngine": "pagedjax.engine.llm_engine",
+    "DataParallelEngine": "pagedjax.engine.data_parallel",
+    "Engine": "pagedjax.engine.protocol",
+    "make_engine": "pagedjax.engine.factory",
+    "load_engine": "pagedjax.engine.factory",
+    "ParallelConfig": "pagedjax.parallel.config",
     "SamplingParams": "pagedjax.core.request",
     "RequestOutput": "pagedjax.core.request",
     "CompletionOutput": "pagedjax.core.request",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from pagedjax.cli.sizes import parse_size
@@ -61,6 +62,63 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+ENGINE_GROUP = "model and engine"
+
+
+class _Deprecated(argparse.Action):
+    """A deprecated spelling of another option: stores into its `dest`, with a warning naming the new one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        replacement = "--" + self.dest.replace("_", "-")
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {replacement}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call: int) -> None:
+    """The model and engine options, shared by `pagedjax-generate` and `pagedjax-serve` (each with its own
+    default for `--decode-steps-per-call`): what `engine_setup.build_engine` reads."""
+    g = parser.add_argument_group(ENGINE_GROUP)
+    g.add_argument("--model", default=None, metavar="PATH",
+                   help="a pagedjax checkpoint folder or a Hugging Face folder (config.json + *.safetensors); "
+                        "default: the bundled model")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="parameter dtype (default: the checkpoint's)")
+    g.add_argument("--backend", choices=["auto", "pallas", "xla"], default="auto",
+                   help="attention backend: auto = Pallas on GPU, XLA elsewhere")
+    g.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per KV block")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument("--num-blocks", type=_int_at_least(1), default=None,
+                    help=f"KV blocks in the pool (default: {DEFAULT_NUM_BLOCKS})")
+    kv.add_argument("--kv-memory", type=parse_size, default=None, metavar="SIZE",
+                    help="size the KV pool by memory instead, e.g. 64MiB")
+    g.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                   help="KV cache dtype: auto = the model's; int8 / fp8 (float8_e4m3fn) store K/V in 8 bits with "
+                        "a float32 scale per token and KV head, about half the bytes per token of bfloat16")
+    g.add_argument("--decode-steps-per-call", type=_int_at_least(1), default=decode_steps_per_call, metavar="N",
+                   help="decode iterations per device call when every sequence is decoding (fused decode: one "
+                        "host round trip per call; tokens stream in bursts of up to N)")
+    g.add_argument("--num-steps", type=_int_at_least(1), dest="decode_steps_per_call", action=_Deprecated,
+                   help=argparse.SUPPRESS)
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    cc = g.add_mutually_exclusive_group()
+    cc.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
+                    help="keep compiled programs in DIR, so that the next run loads them instead of compiling "
+                         "(a warm start) (default: $PAGEDJAX_COMPILE_CACHE, else ${XDG_CACHE_HOME:-~/.cache}"
+                         "/pagedjax/jax)")
+    cc.add_argument("--no-compile-cache", action="store_true",
+                    help="compile every program afresh and save none (JAX's persistent compilation cache off)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_int_at_least(1), default=1, metavar="N",
+                   help="shard the model and its KV cache over N devices (on CPU: XLA_FLAGS="
+                        "--xla_force_host_platform_device_count=N); --kv-memory is then per device")
+    g.add_argument("--data-parallel-size", "-dp", type=_int_at_least(1), default=1, metavar="N",
+                   help="N independent replicas (each --tensor-parallel-size devices, its own KV pool of "
+                        "--num-blocks / --kv-memory); requests go to the least loaded")
+    g.add_argument("--max-num-seqs", type=_int_at_least(1), default=64, help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=512, help="tokens per step")
+    g.add_argument("--max-model-len", type=_int_at_least(1), default=None,
+                   help="longest prompt + completion (default: min(2048, the model's max positions))")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
@@ -89,43 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show each generated token's log-probability (its K most likely alternatives in --json)")
     g.add_argument("--beam-width", type=_int_at_least(1), default=None, metavar="W",
                    help="beam search with W beams (greedy scores; ignores the sampling flags)")
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=None, metavar="PATH",
-                   help="a pagedjax checkpoint folder or a Hugging Face folder (config.json + *.safetensors); "
-                        "default: the bundled model")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="parameter dtype (default: the checkpoint's)")
-    g.add_argument("--backend", choices=["auto", "pallas", "xla"], default="auto",
-                   help="attention backend: auto = Pallas on GPU, XLA elsewhere")
-    g.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per KV block")
-    kv = g.add_mutually_exclusive_group()
-    kv.add_argument("--num-blocks", type=_int_at_least(1), default=None,
-                    help=f"KV blocks in the pool (default: {DEFAULT_NUM_BLOCKS})")
-    kv.add_argument("--kv-memory", type=parse_size, default=None, metavar="SIZE",
-                    help="size the KV pool by memory instead, e.g. 64MiB")
-    g.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
-                   help="KV cache dtype: auto = the model's; int8 / fp8 (float8_e4m3fn) store K/V in 8 bits with "
-                        "a float32 scale per token and KV head, about half the bytes per token of bfloat16")
     # 8: on the bundled model the fused loop decodes 1.2x faster (634 vs 519 tokens/s for --demo) and compiles
     # fewer programs (4 vs 6: 6.5 s vs 8.6 s cold) than one step per call; tokens stream in bursts of up to 8.
-    g.add_argument("--num-steps", type=_int_at_least(1), default=8,
-                   help="decode iterations per device call when every sequence is decoding (fused decode: one "
-                        "host round trip per call; tokens stream in bursts of up to N)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    cc = g.add_mutually_exclusive_group()
-    cc.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
-                    help="keep compiled programs in DIR, so that the next run loads them instead of compiling "
-                         "(a warm start) (default: $PAGEDJAX_COMPILE_CACHE, else ${XDG_CACHE_HOME:-~/.cache}"
-                         "/pagedjax/jax)")
-    cc.add_argument("--no-compile-cache", action="store_true",
-                    help="compile every program afresh and save none (JAX's persistent compilation cache off)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=_int_at_least(1), default=1, metavar="N",
-                   help="shard the model and its KV cache over N devices (on CPU: XLA_FLAGS="
-                        "--xla_force_host_platform_device_count=N); --kv-memory is then per device")
-    g.add_argument("--max-num-seqs", type=_int_at_least(1), default=64, help="sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=512, help="tokens per step")
-    g.add_argument("--max-model-len", type=_int_at_least(1), default=None,
-                   help="longest prompt + completion (default: min(2048, the model's max positions))")
+    add_engine_options(p, decode_steps_per_call=8)
     g = p.add_argument_group("output")
     g.add_argument("--no-stream", action="store_true", help="print a single prompt's completion at the end")
     g.add_argument("--json", action="store_true",

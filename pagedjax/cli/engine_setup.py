@@ -39,14 +39,15 @@ def load_pretrained_for_cli(path: str | None, dtype: str | None, tensor_parallel
     return cfg, params, tokenizer
 
 
-def check_device_count(tensor_parallel_size: int) -> None:
-    """CLIError unless there are `tensor_parallel_size` devices."""
+def check_device_count(tensor_parallel_size: int, data_parallel_size: int = 1) -> None:
+    """CLIError unless there are `tensor_parallel_size` x `data_parallel_size` devices."""
     import jax
 
-    if len(jax.devices()) < tensor_parallel_size:
-        raise CLIError(f"--tensor-parallel-size {tensor_parallel_size}: only {len(jax.devices())} "
-                       f"{jax.default_backend()} device(s); on CPU set "
-                       "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+    need = tensor_parallel_size * data_parallel_size
+    if len(jax.devices()) < need:
+        raise CLIError(f"--tensor-parallel-size {tensor_parallel_size} x --data-parallel-size {data_parallel_size}"
+                       f" needs {need} devices: only {len(jax.devices())} {jax.default_backend()} device(s); on CPU "
+                       "set XLA_FLAGS=--xla_force_host_platform_device_count=N")
 
 
 def memory_available(device) -> tuple[int, str] | None:
@@ -96,20 +97,19 @@ def check_kv_pool_fits(cache_config, model_config, device, tensor_parallel_size:
 
 
 def build_engine(args: argparse.Namespace, cfg, params, tokenizer, compile_cache: bool | str = True):
-    """The engine the arguments describe, its KV pool checked against the device's memory first.
+    """The engine the arguments describe (a `DataParallelEngine` with --data-parallel-size > 1), its KV pool
+    checked against the device's memory first.
     compile_cache: `LLMEngine`'s (the CLI sets JAX's cache up before loading: see `pagedjax.cli.warm_start`)."""
     import jax
 
     from pagedjax.config import CacheConfig, SchedulerConfig
-    from pagedjax.engine import LLMEngine
+    from pagedjax.engine import make_engine
+    from pagedjax.parallel.config import parallel_layout
 
-    tp = getattr(args, "tensor_parallel_size", 1)  # other front ends (pagedjax-serve) may not have the option
-    parallel_config = None
-    if tp > 1:
-        from pagedjax.parallel import ParallelConfig
-
-        parallel_config = ParallelConfig(tensor_parallel_size=tp)
-        check_device_count(tp)
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    parallel_config = parallel_layout(None, tp, dp)
+    if parallel_config is not None:
+        check_device_count(tp, dp)
     try:
         cache_config = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                                    kv_memory_bytes=args.kv_memory, enable_prefix_caching=not args.no_prefix_caching,
@@ -121,9 +121,9 @@ def build_engine(args: argparse.Namespace, cfg, params, tokenizer, compile_cache
         raise CLIError(str(e)) from None
     check_kv_pool_fits(cache_config, cfg, jax.local_devices()[0], tp)
     try:
-        return LLMEngine(cfg, cache_config, scheduler_config, params=params, seed=args.seed, backend=args.backend,
-                         decode_steps_per_call=args.num_steps, tokenizer=tokenizer, compile_cache=compile_cache,
-                         parallel_config=parallel_config)
+        return make_engine(cfg, cache_config, scheduler_config, params=params, seed=args.seed,
+                           backend=args.backend, decode_steps_per_call=args.decode_steps_per_call,
+                           tokenizer=tokenizer, compile_cache=compile_cache, parallel_config=parallel_config)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
     except jax.errors.JaxRuntimeError as e:

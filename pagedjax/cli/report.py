@@ -79,7 +79,7 @@ def print_header(args: argparse.Namespace, cfg, params, engine, load_s: float, o
     print(f"engine: {engine.backend} attention on {jax.default_backend()}, {engine.num_blocks} KV blocks x "
           f"{args.block_size} tokens ({kv.kv_dtype}, {kv.kv_bytes_per_token:,} bytes per token), prefix caching "
           f"{'off' if args.no_prefix_caching else 'on'}, "
-          f"{args.num_steps} decode step(s) per call", file=out)
+          f"{args.decode_steps_per_call} decode step(s) per call", file=out)
     print(file=out)
 
 

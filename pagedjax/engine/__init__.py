@@ -3,12 +3,20 @@
   llm_engine.py     LLMEngine: requests in, one step at a time, RequestOutputs out; recovery from failed steps
   runner.py         ModelRunner: the device state (weights, KV cache) and the jitted step and fused decode
   beam_search.py    beam search over forked requests
+  inputs.py         requests -> a step's padded device inputs (sampling, penalties, log-probability targets)
+  outputs.py        sampled tokens -> RequestOutputs: incremental text, stop strings, log-probabilities
+  generate.py       a whole batch through any engine
   data_parallel.py  DataParallelEngine: replicas behind one LLMEngine-shaped front
+  protocol.py       Engine: what every engine-shaped class offers
+  factory.py        make_engine / load_engine: one LLMEngine, or a DataParallelEngine, from a parallel layout
 """
 
 from pagedjax.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSequence
-from pagedjax.engine.data_parallel import DataParallelEngine, DataParallelStats
+from pagedjax.engine.data_parallel import DataParallelEngine
+from pagedjax.engine.factory import load_engine, make_engine
 from pagedjax.engine.llm_engine import EngineStats, LLMEngine
+from pagedjax.engine.protocol import Engine
 
-__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSequence", "DataParallelEngine", "DataParallelStats",
-           "EngineStats", "LLMEngine"]
+__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSequence", "DataParallelEngine", "Engine",
+           "EngineStats", "LLMEngine", "load_engine",
+           "make_engine"]

@@ -14,45 +14,68 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedjax.core.request import Request, RequestOutput, SamplingParams
 from pagedjax.engine.generate import generate_batch
-from pagedjax.engine.llm_engine import EngineStats, LLMEngine
+from pagedjax.engine.llm_engine import EngineStats, LLMEngine, load_for, stats_dict
 from pagedjax.parallel.config import ParallelConfig
 from pagedjax.parallel.mesh import replica_meshes
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DataParallelStats:
-    """Each replica's `EngineStats`, and how many requests each was given."""
+def combined_stats(replicas: Sequence[EngineStats], requests_per_replica: Sequence[int]) -> EngineStats:
+    """One `EngineStats` over replicas that step concurrently: counts add up, times are the slowest replica's
+    (so `tokens_per_s` is the whole engine's), the pool is every replica's blocks; `replicas` keeps each one's
+    own stats."""
+    first = replicas[0]
+    total = lambda name: sum(getattr(r, name) for r in replicas)
+    slowest = lambda name: max(getattr(r, name) for r in replicas)
+    scheduler = _summed(r.scheduler for r in replicas)
+    return dataclasses.replace(
+        first, steps=slowest("steps"), fused_decode_calls=total("fused_decode_calls"),
+        failed_steps=total("failed_steps"), prompt_tokens=total("prompt_tokens"),
+        generated_tokens=total("generated_tokens"), prefill_tokens_computed=total("prefill_tokens_computed"),
+        elapsed_s=slowest("elapsed_s"), device_s=slowest("device_s"), compile_s=slowest("compile_s"),
+        compilations=total("compilations"), scheduler=scheduler, replicas=tuple(replicas),
+        requests_per_replica=tuple(requests_per_replica))
 
-    replicas: tuple[EngineStats, ...]
-    requests_per_replica: tuple[int, ...]
 
-    @property
-    def generated_tokens(self) -> int:
-        return sum(r.generated_tokens for r in self.replicas)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(r.prompt_tokens for r in self.replicas)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second of the slowest replica's stepping (they step concurrently)."""
-        run_s = max((r.elapsed_s - r.compile_s for r in self.replicas), default=0.0)
-        return self.generated_tokens / run_s if run_s > 0 else 0.0
+def _summed(stats):
+    """Dataclass snapshots of the same type, their int fields added up (a `largest_*` one: the largest; nested
+    snapshots likewise); other fields (a block size, None for an uncomputed count) are the first one's unless
+    they differ (then None)."""
+    stats = list(stats)
+    values = {}
+    for f in dataclasses.fields(stats[0]):
+        vals = [getattr(x, f.name) for x in stats]
+        if dataclasses.is_dataclass(vals[0]):
+            values[f.name] = _summed(vals)
+        elif f.name == "block_size" or not all(isinstance(v, int) for v in vals):
+            values[f.name] = vals[0] if all(v == vals[0] for v in vals) else None
+        elif f.name.startswith("largest"):
+            values[f.name] = max(vals)
+        else:
+            values[f.name] = sum(vals)
+    return dataclasses.replace(stats[0], **values)
 
 
 class DataParallelEngine:
-    """`data_parallel_size` `LLMEngine` replicas of `tensor_parallel_size` devices each (`LLMEngine(...,
-    parallel_config=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp))` builds one). Arguments
-    are `LLMEngine`'s; `params` (an `nnx.State`, e.g. loaded sharded onto the first replica's mesh) is copied
-    device to device onto each replica's mesh."""
+    """`data_parallel_size` `LLMEngine` replicas of `tensor_parallel_size` devices each, with `LLMEngine`'s
+    methods (`pagedjax.make_engine` / `load_engine` build one from a `ParallelConfig` with
+    `data_parallel_size` > 1). Arguments are `LLMEngine`'s; `params` (an `nnx.State`, e.g. loaded sharded onto
+    the first replica's mesh) is copied device to device onto each replica's mesh. `close()` ends its threads."""
+
+    @classmethod
+    def from_pretrained(cls, path=None, *, dtype: str | None = None, cache_config: CacheConfig | None = None,
+                        scheduler_config: SchedulerConfig | None = None, parallel_config: ParallelConfig,
+                        devices=None, **kwargs) -> DataParallelEngine:
+        """As `LLMEngine.from_pretrained`: the weights read into the first replica's shards, then copied."""
+        cfg, state, tokenizer = load_for(path, dtype, parallel_config, devices)
+        kwargs.setdefault("tokenizer", tokenizer)
+        return cls(cfg, cache_config, scheduler_config, params=state, parallel_config=parallel_config,
+                   devices=devices, **kwargs)
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,
@@ -79,6 +102,19 @@ class DataParallelEngine:
         self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="pagedjax-dp")
         logger.info("DataParallelEngine: %d replicas x %d devices", len(self.replicas),
                     parallel_config.tensor_parallel_size)
+
+    @property
+    def backend(self) -> str:
+        return self.replicas[0].backend
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks of every replica's pool together."""
+        return sum(r.num_blocks for r in self.replicas)
+
+    @property
+    def decode_steps_per_call(self) -> int:
+        return self.replicas[0].decode_steps_per_call
 
     # ----------------------------------------------------------------------------------------------- requests
     def _choose(self, request: Request) -> int:
@@ -153,20 +189,32 @@ class DataParallelEngine:
                 self._load[i] -= cost
         return outputs
 
+    def beam_search(self, prompts, params) -> list:
+        """`LLMEngine.beam_search`, the prompts spread over the replicas (each searches its share concurrently);
+        one `BeamSearchOutput` per prompt, in order."""
+        prompts = list(prompts)
+        shares = [list(range(i, len(prompts), len(self.replicas))) for i in range(len(self.replicas))]
+        jobs = [(r, idx) for r, idx in zip(self.replicas, shares, strict=True) if idx]
+        futures = [self._pool.submit(r.beam_search, [prompts[i] for i in idx], params) for r, idx in jobs]
+        results: list = [None] * len(prompts)
+        for (_, idx), future in zip(jobs, futures, strict=True):
+            for i, out in zip(idx, future.result(), strict=True):
+                results[i] = out
+        return results
+
     def generate(self, prompts: Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """As `LLMEngine.generate`: the batch validated first, spread over the replicas, outputs in input order."""
         return generate_batch(self, prompts, sampling_params, use_tqdm)
 
     # -------------------------------------------------------------------------------------------------- stats
-    def stats(self) -> DataParallelStats:
-        return DataParallelStats(tuple(r.stats() for r in self.replicas), tuple(self._assigned))
+    def stats(self) -> EngineStats:
+        """The replicas' stats combined (see `combined_stats`); each replica's in `replicas`."""
+        return combined_stats([r.stats() for r in self.replicas], self._assigned)
 
     def stats_dict(self) -> dict:
-        s = self.stats()
-        return {"replicas": [r.stats_dict() for r in self.replicas],
-                "requests_per_replica": list(s.requests_per_replica), "generated_tokens": s.generated_tokens,
-                "tokens_per_s": s.tokens_per_s, "parallel": dataclasses.asdict(self.parallel_config)}
+        """`stats()` as nested plain data, as `LLMEngine.stats_dict`, with the parallel layout."""
+        return {**stats_dict(self.stats()), "parallel": dataclasses.asdict(self.parallel_config)}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

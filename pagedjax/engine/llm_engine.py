@@ -32,6 +32,7 @@ from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
 from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, record_token_logprob
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.model.llama import Llama, init_model, model_from_state
+from pagedjax.parallel.config import parallel_layout
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class EngineStats:
     kv_cache_bytes_per_device: int = 0  # the KV pool's bytes on each of those devices
     kv_dtype: str = ""  # the KV cache's dtype ("int8", "fp8": 8-bit pages with scales; see CacheConfig.kv_dtype)
     kv_bytes_per_token: int = 0  # KV bytes one cached token takes on each device (its KV heads, scales included)
+    # A DataParallelEngine's stats combine its replicas': each replica's own, and the requests each was given.
+    replicas: tuple[EngineStats, ...] = ()
+    requests_per_replica: tuple[int, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,23 +79,19 @@ class LLMEngine:
     `pagedjax.compile_cache`), a folder, or False. parallel_config: a `pagedjax.parallel.ParallelConfig`
     (None: one device, the plain single-device program); with `tensor_parallel_size` > 1 the weights and the
     KV cache are sharded over that many of `devices` (default `jax.devices()`) and the KV pool is sized per
-    device; with `data_parallel_size` > 1, `LLMEngine(...)` builds a `DataParallelEngine` of that many
-    replicas instead (same methods).
+    device. `tensor_parallel_size=N` is short for `parallel_config=ParallelConfig(tensor_parallel_size=N)`.
+    One `LLMEngine` is one replica: several (`data_parallel_size` > 1) are a `DataParallelEngine`, which
+    `pagedjax.make_engine` / `pagedjax.load_engine` build from a `ParallelConfig` (the same methods).
 
     A step whose device call raises never wedges the engine: see `step`.
     """
 
-    def __new__(cls, *args, parallel_config=None, **kwargs):
-        if cls is LLMEngine and parallel_config is not None and getattr(parallel_config, "data_parallel_size", 1) > 1:
-            from pagedjax.engine.data_parallel import DataParallelEngine
-
-            return DataParallelEngine(*args, parallel_config=parallel_config, **kwargs)
-        return super().__new__(cls)
-
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,
                  backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
-                 tokenizer=None, compile_cache: bool | str = True, parallel_config=None, devices=None):
+                 tokenizer=None, compile_cache: bool | str = True, parallel_config=None,
+                 tensor_parallel_size: int | None = None, devices=None):
+        parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
         if num_steps is not None:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
                           DeprecationWarning, stacklevel=2)
@@ -147,18 +147,12 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, path=None, *, dtype: str | None = None, cache_config: CacheConfig | None = None,
                         scheduler_config: SchedulerConfig | None = None, parallel_config=None,
-                        devices=None, **kwargs) -> LLMEngine:
+                        tensor_parallel_size: int | None = None, devices=None, **kwargs) -> LLMEngine:
         """An engine over a saved model: a pagedjax orbax checkpoint folder, a local Hugging Face folder
         (config.json + *.safetensors [+ tokenizer.json]), or None for the bundled model. With a
         `parallel_config`, weights are read straight into their shards on the (first replica's) mesh."""
-        from pagedjax.model.loader import load_pretrained
-
-        mesh = None
-        if parallel_config is not None:
-            from pagedjax.parallel.mesh import replica_meshes
-
-            mesh = replica_meshes(parallel_config, devices)[0]
-        cfg, state, tokenizer = load_pretrained(path, dtype=dtype, mesh=mesh)
+        parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
+        cfg, state, tokenizer = load_for(path, dtype, parallel_config, devices)
         kwargs.setdefault("tokenizer", tokenizer)
         return cls(cfg, cache_config, scheduler_config, params=state, parallel_config=parallel_config,
                    devices=devices, **kwargs)
@@ -390,12 +384,7 @@ class LLMEngine:
 
     def stats_dict(self) -> dict:
         """`stats()` as nested plain data (JSON-ready), derived rates included."""
-        s = self.stats()
-        d = dataclasses.asdict(s)
-        d["tokens_per_s"] = s.tokens_per_s
-        d["scheduler"]["prefix_cache_hit_rate"] = s.scheduler.prefix_cache_hit_rate
-        d["scheduler"]["memory"]["waste_fraction"] = s.scheduler.memory.waste_fraction
-        return d
+        return stats_dict(self.stats())
 
 
 def _token_list(request_id: str, prompt_token_ids) -> list[int]:
@@ -408,3 +397,26 @@ def _token_list(request_id: str, prompt_token_ids) -> list[int]:
     if bad:
         raise TypeError(f"request {request_id!r}: prompt_token_ids must be ints, got {bad[:3]!r}")
     return [int(t) for t in tokens]
+
+
+def load_for(path, dtype: str | None, parallel_config, devices):
+    """`(ModelConfig, params, tokenizer)` of a saved model (see `pagedjax.model.loader.load_pretrained`), with a
+    `parallel_config` read straight into their shards on the first replica's mesh."""
+    from pagedjax.model.loader import load_pretrained
+
+    mesh = None
+    if parallel_config is not None:
+        from pagedjax.parallel.mesh import replica_meshes
+
+        mesh = replica_meshes(parallel_config, devices)[0]
+    return load_pretrained(path, dtype=dtype, mesh=mesh)
+
+
+def stats_dict(s: EngineStats) -> dict:
+    """`EngineStats` as nested plain data (JSON-ready), derived rates included (replicas' too)."""
+    d = dataclasses.asdict(s)
+    d["tokens_per_s"] = s.tokens_per_s
+    d["scheduler"]["prefix_cache_hit_rate"] = s.scheduler.prefix_cache_hit_rate
+    d["scheduler"]["memory"]["waste_fraction"] = s.scheduler.memory.waste_fraction
+    d["replicas"] = [stats_dict(r) for r in s.replicas]
+    return d

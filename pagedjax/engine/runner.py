@@ -226,9 +226,10 @@ class ModelRunner:
         if self.mesh is None:
             return init_kv_cache(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim,
                                  self.kv_dtype)
+        from pagedjax.parallel.config import kv_heads_stored
         from pagedjax.parallel.sharding import kv_sharding
 
-        heads = max(cfg.num_kv_heads, self.mesh.size)  # tp > Hkv: each KV head repeated (see parallel.attention)
+        heads = kv_heads_stored(cfg.num_kv_heads, self.mesh.size)  # tp > Hkv: each KV head repeated
         return init_kv_cache(cfg.num_layers, heads, self.num_blocks, self.block_size, cfg.head_dim, self.kv_dtype,
                              sharding=kv_sharding(self.mesh))
 

@@ -11,6 +11,19 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+TP = "tp"  # the mesh axis that weights and the KV cache are sharded over
+
+
+def kv_heads_per_device(num_kv_heads: int, tp: int) -> int:
+    """KV heads each of `tp` devices holds: num_kv_heads / tp, or 1 (a replica) when tp > num_kv_heads."""
+    return max(num_kv_heads // tp, 1)
+
+
+def kv_heads_stored(num_kv_heads: int, tp: int) -> int:
+    """KV heads in the cache's global array (dim 0) over `tp` devices: num_kv_heads, or tp when each KV head is
+    replicated (tp > num_kv_heads)."""
+    return max(num_kv_heads, tp)
+
 
 def _size(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -48,9 +61,21 @@ class ParallelConfig:
                              "the other (KV heads are split evenly, or replicated when tp > num_kv_heads)")
 
     def kv_heads_per_device(self, num_kv_heads: int) -> int:
-        """KV heads each device holds: num_kv_heads / tp, or 1 (a replica) when tp > num_kv_heads."""
-        return max(num_kv_heads // self.tensor_parallel_size, 1)
+        """KV heads each device holds (see the module-level function)."""
+        return kv_heads_per_device(num_kv_heads, self.tensor_parallel_size)
 
     def kv_heads_stored(self, num_kv_heads: int) -> int:
-        """KV heads in the cache's global array (dim 0): num_kv_heads, or tp when heads are replicated."""
-        return max(num_kv_heads, self.tensor_parallel_size)
+        """KV heads in the cache's global array (see the module-level function)."""
+        return kv_heads_stored(num_kv_heads, self.tensor_parallel_size)
+
+
+def parallel_layout(parallel_config: ParallelConfig | None, tensor_parallel_size: int | None,
+                    data_parallel_size: int | None) -> ParallelConfig | None:
+    """`parallel_config`, or one made of the two sizes (None: one device). ValueError when both are given."""
+    if tensor_parallel_size is None and data_parallel_size is None:
+        return parallel_config
+    if parallel_config is not None:
+        raise ValueError("give parallel_config or tensor_parallel_size / data_parallel_size, not both")
+    config = ParallelConfig(tensor_parallel_size=1 if tensor_parallel_size is None else tensor_parallel_size,
+                            data_parallel_size=1 if data_parallel_size is None else data_parallel_size)
+    return None if config.world_size == 1 else config

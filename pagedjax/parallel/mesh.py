@@ -13,9 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from pagedjax.parallel.config import ParallelConfig
-
-TP = "tp"  # the mesh axis weights and the KV cache are sharded over
+from pagedjax.parallel.config import TP, ParallelConfig
+from pagedjax.parallel.sharding import log_replicated
 
 
 def replica_meshes(config: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> list[Mesh]:
@@ -45,10 +44,8 @@ def engine_mesh(config: ParallelConfig, model_config, devices: Sequence[jax.Devi
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"parallel_config must be a ParallelConfig, got {type(config).__name__}")
     if config.data_parallel_size != 1:
-        raise ValueError("one LLMEngine is one replica: build data_parallel_size > 1 through LLMEngine(...) or "
-                         "DataParallelEngine, which give each replica its own devices")
+        raise ValueError("one LLMEngine is one replica: build data_parallel_size > 1 with pagedjax.make_engine / "
+                         "pagedjax.load_engine or DataParallelEngine, which give each replica its own devices")
     config.check_model(model_config.num_q_heads, model_config.num_kv_heads)
-    from pagedjax.parallel.sharding import log_replicated
-
     log_replicated(model_config, config.tensor_parallel_size)
     return replica_meshes(config, devices)[0]

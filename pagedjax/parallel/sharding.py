@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.config import ModelConfig
-from pagedjax.parallel.mesh import TP
+from pagedjax.parallel.config import TP, kv_heads_per_device
 
 logger = logging.getLogger(__name__)
 
@@ -116,4 +116,4 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def per_device_model(cfg: ModelConfig, tp: int) -> ModelConfig:
     """`cfg` with the KV heads one device holds (num_kv_heads / tp, at least 1): what KV bytes per block are
     counted with when a per-device memory budget sizes the pool."""
-    return cfg.replace(num_kv_heads=max(cfg.num_kv_heads // tp, 1))
+    return cfg.replace(num_kv_heads=kv_heads_per_device(cfg.num_kv_heads, tp))

@@ -4,8 +4,9 @@
     pagedjax-serve --model path/to/hf-folder --port 8001 --kv-memory 1GiB --api-key "$KEY"
 
 The model and engine options are `pagedjax-generate`'s own (`--model`, `--dtype`, `--backend`, `--block-size`,
-`--num-blocks` / `--kv-memory`, `--num-steps`, `--max-num-seqs`, ...: copied from its parser, so the two
-commands always agree), and the model and engine are built by the same code (`pagedjax.cli.engine_setup`).
+`--num-blocks` / `--kv-memory`, `--decode-steps-per-call`, `--max-num-seqs`, ...: added by the same function,
+`pagedjax.cli.args.add_engine_options`), and the model and engine are built by the same code
+(`pagedjax.cli.engine_setup`).
 
 SIGINT / SIGTERM shut down gracefully: stop accepting connections, let requests in flight finish for up to
 `--shutdown-timeout` seconds, abort the rest, exit 0. A second SIGINT exits at once. Exit status 2 for a usage
@@ -30,23 +31,6 @@ from pagedjax.cli.errors import EXIT_ERROR, EXIT_OK, CLIError
 PROG = "pagedjax-serve"
 BUNDLED_MODEL_NAME = "pagedjax-tiny"
 SERVE_EXTRA = ("fastapi", "uvicorn", "starlette", "prometheus_client", "jinja2", "pydantic")  # pyproject's `serve`
-ENGINE_GROUP = "model and engine"  # the group of pagedjax-generate's parser whose options serve takes over
-
-
-def _copy_engine_options(parser: argparse.ArgumentParser) -> None:
-    """Add pagedjax-generate's model and engine options (mutually exclusive pairs included) to `parser`."""
-    source = generate_args.build_parser()
-    group = next(g for g in source._action_groups if g.title == ENGINE_GROUP)
-    target = parser.add_argument_group(f"{ENGINE_GROUP} (as in pagedjax-generate)")
-    exclusive = {}
-    for action in group._group_actions:
-        owner = next((m for m in source._mutually_exclusive_groups if action in m._group_actions), None)
-        if owner is None:
-            target._add_action(action)
-        else:
-            if id(owner) not in exclusive:
-                exclusive[id(owner)] = target.add_mutually_exclusive_group()
-            exclusive[id(owner)]._add_action(action)
 
 
 def _non_negative_float(text: str) -> float:
@@ -84,10 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=generate_args._int_at_least(0), default=0,
                    help="engine seed: requests without a seed of their own are reproducible per seed and id")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
-    _copy_engine_options(p)
     # A server admits new requests between device calls: a fused decode of N steps would hold a new request's
     # prefill (its first token) back by up to N decode steps, so here one step per call is the default.
-    p.set_defaults(num_steps=1)
+    generate_args.add_engine_options(p, decode_steps_per_call=1)
     return p
 
 

@@ -115,6 +115,32 @@ def test_num_steps_is_a_deprecated_alias():
     assert engine.decode_steps_per_call == 3
 
 
+def test_engine_signature_shows_every_argument():
+    """`help(LLMEngine)` and IDEs see the real arguments (a `__new__(*args, **kwargs)` used to hide them)."""
+    import inspect
+
+    params = inspect.signature(LLMEngine).parameters
+    assert {"model_config", "cache_config", "scheduler_config", "params", "seed", "backend",
+            "decode_steps_per_call", "tokenizer", "parallel_config", "tensor_parallel_size"} <= set(params)
+    assert not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values())
+
+
+def test_data_parallel_layouts_are_built_by_the_factory_not_by_llm_engine():
+    from pagedjax import DataParallelEngine, Engine, ParallelConfig
+    from pagedjax import make_engine as build
+
+    with pytest.raises(ValueError, match="make_engine"):
+        LLMEngine(CFG, CacheConfig(num_blocks=16), parallel_config=ParallelConfig(data_parallel_size=2))
+    with pytest.raises(ValueError, match="not both"):
+        LLMEngine(CFG, CacheConfig(num_blocks=16), parallel_config=ParallelConfig(), tensor_parallel_size=1)
+    one = build(CFG, CacheConfig(num_blocks=16), tensor_parallel_size=1, data_parallel_size=1)
+    assert type(one) is LLMEngine and one.parallel_config is None and isinstance(one, Engine)
+    # Every engine-shaped class offers the whole protocol (DataParallelEngine used to lack beam_search).
+    members = [m for m in dir(Engine) if not m.startswith("_")]
+    assert all(hasattr(DataParallelEngine, m) or m in ("tokenizer", "model_config") for m in members)
+    assert {"beam_search", "generate", "step", "abort", "stats", "add_request"} <= set(members)
+
+
 def test_bytes_prompts_round_trip_exactly():
     """Non-UTF-8 prompt bytes reach the model as those bytes (not re-encoded surrogates)."""
     tok = ByteTokenizer()

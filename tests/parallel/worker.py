@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig, make_engine
 from pagedjax.model.llama import init_model, model_from_state
 from pagedjax.parallel import ParallelConfig, tp_mesh
 from tests.engine.dense import greedy_by_recompute
@@ -71,9 +71,9 @@ def reference(kind: str) -> list[list[int]]:
 
 def engine(kind: str, tp: int | None, *, block_size: int = 8, num_blocks: int = 8, dp: int = 1, **kw):
     pc = None if tp is None else ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp)
-    return LLMEngine(config(kind), CacheConfig(block_size=block_size, num_blocks=num_blocks),
-                     SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
-                     params=params(kind), parallel_config=pc, compile_cache=False, **kw)
+    return make_engine(config(kind), CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                       params=params(kind), parallel_config=pc, compile_cache=False, **kw)
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS)
@@ -221,9 +221,18 @@ def data_parallel_2x2():
     assert devices == [{0, 1}, {2, 3}], devices
     outs = e.generate(PROMPTS, GREEDY)
     assert [o.output_token_ids for o in outs] == reference("gqa")
-    assert all(n > 0 for n in e.stats().requests_per_replica), e.stats().requests_per_replica
-    assert sum(e.stats().requests_per_replica) == len(PROMPTS)
-    assert e.stats().generated_tokens == len(PROMPTS) * MAX_TOKENS
+    stats = e.stats()
+    assert all(n > 0 for n in stats.requests_per_replica), stats.requests_per_replica
+    assert sum(stats.requests_per_replica) == len(PROMPTS)
+    assert stats.generated_tokens == len(PROMPTS) * MAX_TOKENS == sum(r.generated_tokens for r in stats.replicas)
+    assert stats.scheduler.memory.num_blocks == 2 * 16 and stats.scheduler.memory.num_used_blocks == 0
+    # Beam search spread over the replicas gives each prompt's search as one engine does.
+    from pagedjax.engine import BeamSearchParams
+
+    beams = BeamSearchParams(beam_width=2, max_tokens=3)
+    one = engine("gqa", 2, num_blocks=16)
+    assert [[b.token_ids for b in o.sequences] for o in e.beam_search(PROMPTS[:3], beams)] == \
+        [[b.token_ids for b in o.sequences] for o in one.beam_search(PROMPTS[:3], beams)]
     assert not e.has_unfinished_requests()
     # Requests by id too, and an abort frees its replica's load.
     e.add_request("a", PROMPTS[1], GREEDY)
@@ -377,6 +386,29 @@ def cli_tensor_parallel():
         assert code == 0, out.getvalue()
         texts.append(json.loads(out.getvalue())["completions"][0]["text"])
     assert texts[0] == texts[1] and texts[0], texts
+
+
+@check
+def cli_data_parallel():
+    """`pagedjax-generate --data-parallel-size 2` (two replicas of one device) on the bundled model prints the
+    greedy completions of the one-device run, and its statistics count both replicas' pools and requests."""
+    import io
+
+    from pagedjax import cli
+
+    runs = []
+    for dp in ("1", "2"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = cli.main(["--data-parallel-size", dp, "--prompt", "def f(x):", "--prompt", "import os",
+                             "--max-tokens", "6", "--temperature", "0", "--json", "--no-compile-cache",
+                             "--num-blocks", "16"])
+        assert code == 0, out.getvalue()
+        runs.append(json.loads(out.getvalue()))
+    texts = [[c["text"] for c in run["completions"]] for run in runs]
+    assert texts[0] == texts[1] and all(texts[0]), texts
+    assert [run["stats"]["kv_blocks"] for run in runs] == [16, 32]
+    assert runs[1]["stats"]["generated_tokens"] == runs[0]["stats"]["generated_tokens"] == 12
 
 
 class SkipCheck(Exception):

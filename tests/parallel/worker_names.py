@@ -10,6 +10,7 @@ FAST = [
     "kv_pool_sized_per_device",
     "int8_kv_tensor_parallel",
     "data_parallel_2x2",
+    "cli_data_parallel",
     "pallas_under_shard_map",
     "steps_export_for_cuda_on_4_devices",
     "orbax_checkpoint_loads_into_shards",

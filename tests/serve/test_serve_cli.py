@@ -14,8 +14,9 @@ import time
 import httpx
 import pytest
 
+from pagedjax.cli.args import ENGINE_GROUP
 from pagedjax.cli.args import build_parser as generate_parser
-from pagedjax.serve.cli import BUNDLED_MODEL_NAME, ENGINE_GROUP, build_parser, main
+from pagedjax.serve.cli import BUNDLED_MODEL_NAME, build_parser, main
 
 
 def _options(parser, group_title=None) -> set[str]:
@@ -25,7 +26,8 @@ def _options(parser, group_title=None) -> set[str]:
 
 def test_engine_options_are_pagedjax_generates():
     engine_options = _options(generate_parser(), ENGINE_GROUP)
-    assert {"--model", "--block-size", "--kv-memory", "--num-steps", "--backend"} <= engine_options
+    assert {"--model", "--block-size", "--kv-memory", "--decode-steps-per-call", "--num-steps", "--backend",
+            "--tensor-parallel-size", "--data-parallel-size"} <= engine_options
     assert engine_options <= _options(build_parser())
     args = build_parser().parse_args(["--kv-memory", "64MiB", "--port", "9001", "--api-key", "k"])
     assert (args.kv_memory, args.port, args.api_key, args.host) == (64 * 2**20, 9001, "k", "127.0.0.1")
@@ -33,12 +35,16 @@ def test_engine_options_are_pagedjax_generates():
         build_parser().parse_args(["--kv-memory", "64MiB", "--num-blocks", "8"])
 
 
-def test_fused_decode_is_generates_default_and_not_the_servers():
+def test_fused_decode_is_generates_default_and_not_the_servers(capsys):
     # A server admits requests between device calls, so it decodes one step per call unless told otherwise;
-    # pagedjax-generate fuses 8. Overriding the copy leaves pagedjax-generate's own parser untouched.
-    assert build_parser().parse_args([]).num_steps == 1
-    assert build_parser().parse_args(["--num-steps", "4"]).num_steps == 4
-    assert generate_parser().parse_args([]).num_steps == 8
+    # pagedjax-generate fuses 8.
+    assert build_parser().parse_args([]).decode_steps_per_call == 1
+    assert build_parser().parse_args(["--decode-steps-per-call", "4"]).decode_steps_per_call == 4
+    assert generate_parser().parse_args([]).decode_steps_per_call == 8
+    assert capsys.readouterr().err == ""
+    # The old spelling still works, and says it is deprecated.
+    assert generate_parser().parse_args(["--num-steps", "3"]).decode_steps_per_call == 3
+    assert "--num-steps is deprecated; use --decode-steps-per-call" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--model", "/no/such/model"], ["--chat-template", "/no/such/file"],

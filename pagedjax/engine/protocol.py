@@ -1,0 +1,44 @@
+"""`Engine`: what every engine-shaped class offers (`LLMEngine`, `DataParallelEngine`), and what the front ends
+(`generate_batch`, the CLI, `pagedjax-serve`) rely on and nothing more."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from pagedjax.core.request import Request, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedjax.engine.beam_search import BeamSearchOutput, BeamSearchParams
+    from pagedjax.engine.llm_engine import EngineStats
+
+
+@runtime_checkable
+class Engine(Protocol):
+    tokenizer: Any  # anything with encode / decode, or None (token ids only)
+    model_config: Any
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def generate(self, prompts: Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = ...) -> list[RequestOutput]: ...
+
+    def beam_search(self, prompts: Sequence, params: BeamSearchParams) -> list[BeamSearchOutput]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def stats_dict(self) -> dict: ...
+
+    # What `generate_batch` builds a batch with: validate everything first, then queue.
+    def make_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> Request: ...
+
+    def add_prepared_request(self, request: Request) -> None: ...
+
+    def fresh_request_ids(self, prefix: str, n: int) -> list[str]: ...
