@@ -49,15 +49,23 @@ def _describe(value) -> str:
     return "None" if value is None else f"{type(value).__name__} {value!r}"
 
 
-def _int_field(owner: str, name: str, value, *, lo: int | None = None, optional: bool = False) -> int | None:
-    """`value` as an int (numpy integers too; bools are not ints here), else TypeError/ValueError naming the field."""
+def is_int(value) -> bool:
+    """A true integer (Python or numpy), not a bool, float or string."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(owner: str, name: str, value, *, lo: int | None = None, hi: int | None = None,
+              optional: bool = False) -> int | None:
+    """`value` as an int (numpy integers too; bools are not ints here) within [lo, hi], else TypeError or
+    ValueError naming `owner.name`: the one integer check of every config and parameter class."""
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise TypeError(f"{owner}.{name} must be an int{' or None' if optional else ''}, got {_describe(value)}")
     value = int(value)
-    if lo is not None and value < lo:
-        raise ValueError(f"{owner}.{name} must be >= {lo}, got {value}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{'-inf' if lo is None else lo}, {hi}]"
+        raise ValueError(f"{owner}.{name} must be {bound}, got {value}")
     return value
 
 
@@ -142,7 +150,7 @@ def _sliding_windows_field(value, num_layers: int) -> tuple[int | None, ...] | N
         raise TypeError(f"{owner} must be None or one window (int or None) per layer, got {_describe(value)}")
     if len(value) != num_layers:
         raise ValueError(f"{owner} must have one entry per layer ({num_layers}), got {len(value)}")
-    windows = tuple(_int_field("ModelConfig", f"sliding_windows[{i}]", w, lo=1, optional=True)
+    windows = tuple(check_int("ModelConfig", f"sliding_windows[{i}]", w, lo=1, optional=True)
                     for i, w in enumerate(value))
     return None if all(w is None for w in windows) else windows
 
@@ -196,18 +204,18 @@ class ModelConfig:
         fix = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: set through object
         for name in ("vocab_size", "hidden_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_position_embeddings"):
-            fix(name, _int_field(owner, name, getattr(self, name), lo=1))
+            fix(name, check_int(owner, name, getattr(self, name), lo=1))
         fix("rope_theta", _float_field(owner, "rope_theta", self.rope_theta, positive=True))
         fix("rms_norm_eps", _float_field(owner, "rms_norm_eps", self.rms_norm_eps))
         fix("rope_scaling", _rope_scaling_field(self.rope_scaling))
         _bool_field(owner, "tie_word_embeddings", self.tie_word_embeddings)
         _bool_field(owner, "qkv_bias", self.qkv_bias)
         _dtype_field(owner, "dtype", self.dtype)
-        fix("bos_token_id", _int_field(owner, "bos_token_id", self.bos_token_id, lo=0, optional=True))
+        fix("bos_token_id", check_int(owner, "bos_token_id", self.bos_token_id, lo=0, optional=True))
         eos = self.eos_token_ids
         if isinstance(eos, str) or not isinstance(eos, tuple | list):
             raise TypeError(f"{owner}.eos_token_ids must be a tuple of ints, got {_describe(eos)}")
-        fix("eos_token_ids", tuple(_int_field(owner, "eos_token_ids", t, lo=0) for t in eos))
+        fix("eos_token_ids", tuple(check_int(owner, "eos_token_ids", t, lo=0) for t in eos))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig.num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
@@ -276,9 +284,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         owner = "CacheConfig"
         fix = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: set through object
-        fix("block_size", _int_field(owner, "block_size", self.block_size, lo=1))
-        fix("num_blocks", _int_field(owner, "num_blocks", self.num_blocks, lo=1, optional=True))
-        fix("kv_memory_bytes", _int_field(owner, "kv_memory_bytes", self.kv_memory_bytes, lo=1, optional=True))
+        fix("block_size", check_int(owner, "block_size", self.block_size, lo=1))
+        fix("num_blocks", check_int(owner, "num_blocks", self.num_blocks, lo=1, optional=True))
+        fix("kv_memory_bytes", check_int(owner, "kv_memory_bytes", self.kv_memory_bytes, lo=1, optional=True))
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
         _bool_field(owner, "enable_prefix_caching", self.enable_prefix_caching)
@@ -287,7 +295,7 @@ class CacheConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"{owner}.kv_dtype: unsupported KV cache dtype {self.kv_dtype!r}; expected one of "
                              f"{', '.join(KV_DTYPES)}")
-        fix("hash_seed", _int_field(owner, "hash_seed", self.hash_seed))
+        fix("hash_seed", check_int(owner, "hash_seed", self.hash_seed))
 
     def resolve_kv_dtype(self, model: ModelConfig) -> str:
         """The KV dtype's name for `model` ("auto" resolved to the model's dtype)."""
@@ -344,10 +352,7 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value is None and name == "max_model_len":
                 continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"SchedulerConfig.{name} must be an int, got {type(value).__name__} {value!r}")
-            if value < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {value}")
+            object.__setattr__(self, name, check_int("SchedulerConfig", name, value, lo=1))
         if (not self.enable_chunked_prefill and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len "

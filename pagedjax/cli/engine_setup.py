@@ -45,9 +45,11 @@ def check_device_count(tensor_parallel_size: int, data_parallel_size: int = 1) -
 
     need = tensor_parallel_size * data_parallel_size
     if len(jax.devices()) < need:
-        raise CLIError(f"--tensor-parallel-size {tensor_parallel_size} x --data-parallel-size {data_parallel_size}"
-                       f" needs {need} devices: only {len(jax.devices())} {jax.default_backend()} device(s); on CPU "
-                       "set XLA_FLAGS=--xla_force_host_platform_device_count=N")
+        asked = f"--tensor-parallel-size {tensor_parallel_size}"
+        if data_parallel_size > 1:
+            asked = f"{asked} x --data-parallel-size {data_parallel_size} = {need} devices"
+        raise CLIError(f"{asked}: only {len(jax.devices())} {jax.default_backend()} device(s); on CPU set "
+                       "XLA_FLAGS=--xla_force_host_platform_device_count=N")
 
 
 def memory_available(device) -> tuple[int, str] | None:

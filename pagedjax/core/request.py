@@ -8,21 +8,14 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedjax.config import check_int
+
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # seeds travel to the device as two uint32 halves
 
 
-def is_int(value) -> bool:
-    """A true integer (Python or numpy), not a bool, float or string."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _check_int(name: str, value, *, lo: int | None, hi: int | None) -> None:
-    if not is_int(value):
-        raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__} {value!r}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"SamplingParams.{name} must be in [{lo if lo is not None else '-inf'}, "
-                         f"{hi if hi is not None else 'inf'}], got {value}")
+    check_int("SamplingParams", name, value, lo=lo, hi=hi)
 
 
 def _check_float(name: str, value, *, lo: float | None = None) -> None:

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedjax.core.request import MAX_LOGPROBS, Request, RequestStatus, SamplingParams, is_int
+from pagedjax.config import check_int
+from pagedjax.core.request import MAX_LOGPROBS, Request, RequestStatus, SamplingParams
 
 if TYPE_CHECKING:
     from pagedjax.engine.llm_engine import LLMEngine
@@ -37,11 +38,8 @@ class BeamSearchParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
-            raise ValueError(f"BeamSearchParams.beam_width must be an int in [1, {MAX_LOGPROBS // 2}], "
-                             f"got {self.beam_width!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"BeamSearchParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        check_int("BeamSearchParams", "beam_width", self.beam_width, lo=1, hi=MAX_LOGPROBS // 2)
+        check_int("BeamSearchParams", "max_tokens", self.max_tokens, lo=1)
         if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, int | float):
             raise ValueError(f"BeamSearchParams.length_penalty must be a number, got {self.length_penalty!r}")
         if not isinstance(self.ignore_eos, bool):

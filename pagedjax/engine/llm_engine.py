@@ -18,12 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedjax.compile_cache import enable_compile_cache
-from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig, check_int, is_int
 from pagedjax.core.request import (
     Request,
     RequestOutput,
     SamplingParams,
-    is_int,
 )
 from pagedjax.core.scheduler import Scheduler, SchedulerStats
 from pagedjax.core.step_plan import MultiStepPlan, StepPlan
@@ -96,10 +95,8 @@ class LLMEngine:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
                           DeprecationWarning, stacklevel=2)
             decode_steps_per_call = num_steps
-        if not is_int(decode_steps_per_call) or decode_steps_per_call < 1:
-            raise ValueError(f"decode_steps_per_call must be an int >= 1, got {decode_steps_per_call!r}")
-        if not is_int(seed) or not 0 <= seed < 2**32:
-            raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+        check_int("LLMEngine", "decode_steps_per_call", decode_steps_per_call, lo=1)
+        check_int("LLMEngine", "seed", seed, lo=0, hi=2**32 - 1)
         enable_compile_cache(compile_cache if isinstance(compile_cache, str) else None, enabled=bool(compile_cache))
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()

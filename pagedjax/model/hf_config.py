@@ -25,8 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pagedjax.config import ROPE_SCALING_PARAMS, ROPE_TYPES, ModelConfig
-from pagedjax.core.request import is_int
+from pagedjax.config import ROPE_SCALING_PARAMS, ROPE_TYPES, ModelConfig, is_int
 from pagedjax.model.errors import ModelLoadError, read_json
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")

@@ -8,8 +8,9 @@ replicas, to size the KV pool per device and to pick which weights shard; a user
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
+
+from pagedjax.config import check_int
 
 TP = "tp"  # the mesh axis that weights and the KV cache are sharded over
 
@@ -25,14 +26,6 @@ def kv_heads_stored(num_kv_heads: int, tp: int) -> int:
     return max(num_kv_heads, tp)
 
 
-def _size(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"ParallelConfig.{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"ParallelConfig.{name} must be >= 1, got {value}")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class ParallelConfig:
     """`tensor_parallel_size` devices hold one model (weights and KV cache sharded over a `tp` mesh axis);
@@ -42,8 +35,8 @@ class ParallelConfig:
     data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tensor_parallel_size", _size("tensor_parallel_size", self.tensor_parallel_size))
-        object.__setattr__(self, "data_parallel_size", _size("data_parallel_size", self.data_parallel_size))
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            object.__setattr__(self, name, check_int("ParallelConfig", name, getattr(self, name), lo=1))
 
     @property
     def world_size(self) -> int:

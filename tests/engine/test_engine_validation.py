@@ -15,11 +15,28 @@ from tests.engine.dense import dense_forward
 from tests.engine.test_engine import CFG, MAX_LEN, PROMPTS, SEED, _pad, make_engine
 
 
-@pytest.mark.parametrize("seed", [2**32, -1, 1.5, True, "3"])
-def test_engine_seed_outside_32_bits_is_refused(seed):
+@pytest.mark.parametrize("seed,error", [(2**32, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError),
+                                        ("3", TypeError)])
+def test_engine_seed_outside_32_bits_is_refused(seed, error):
     """Seeds of 2**32 or -1 used to pass and then overflow on the first step."""
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(error, match="LLMEngine.seed"):
         LLMEngine(CFG, CacheConfig(num_blocks=16), seed=seed)
+
+
+@pytest.mark.parametrize("kwargs,error,field", [
+    (dict(beam_width=0, max_tokens=4), ValueError, "beam_width"), (dict(beam_width=11, max_tokens=4), ValueError,
+                                                                   "beam_width"),
+    (dict(beam_width=2.0, max_tokens=4), TypeError, "beam_width"), (dict(beam_width=2, max_tokens=0), ValueError,
+                                                                    "max_tokens"),
+    (dict(beam_width=2, max_tokens="4"), TypeError, "max_tokens"),
+    (dict(beam_width=2, max_tokens=4, length_penalty="1"), ValueError, "length_penalty"),
+    (dict(beam_width=2, max_tokens=4, ignore_eos=1), ValueError, "ignore_eos"),
+])
+def test_beam_search_params_validate_every_field(kwargs, error, field):
+    from pagedjax import BeamSearchParams
+
+    with pytest.raises(error, match=f"BeamSearchParams.{field}"):
+        BeamSearchParams(**kwargs)
 
 
 @pytest.mark.parametrize("field,value,error", [

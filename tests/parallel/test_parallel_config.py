@@ -129,3 +129,13 @@ def test_bench_parallel_quick_runs():
     rows = [line for line in r.stdout.splitlines()
             if line.startswith("| ") and re.fullmatch(r"\s*\d+ x \d+\s*", line.split("|")[1])]
     assert len(rows) >= 3 and all(line.split("|")[6].strip() == "1.000" for line in rows), r.stdout
+
+
+def test_cli_data_parallel_size_needs_the_devices(capsys):
+    from pagedjax import cli
+
+    n = len(jax.devices())
+    assert cli.main(["--data-parallel-size", str(2 * n), "--prompt", "x", "--max-tokens", "1",
+                     "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err
+    assert f"--tensor-parallel-size 1 x --data-parallel-size {2 * n} = {2 * n} devices: only {n} cpu" in err
