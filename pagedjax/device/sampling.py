@@ -132,16 +132,17 @@ def sample(logits: jax.Array, meta: SamplingMetadata, penalties: PenaltyMetadata
     return jax.lax.cond(jnp.any(meta.temperature > 0), draw, lambda: greedy)
 
 
-class TokenLogprobs(NamedTuple):
+class LogprobArrays(NamedTuple):
     """Log-probabilities (log-softmax in float32 of the raw logits) at `[N]` positions: of the chosen token,
-    and the `num_top` most likely tokens, best first."""
+    and the `num_top` most likely tokens, best first. Device arrays of a whole step; the host turns each row
+    into the public per-token `pagedjax.TokenLogprobs` (`pagedjax.engine.outputs`)."""
 
     logprob: jax.Array  # f32[N]
     top_ids: jax.Array  # i32[N, num_top]
     top_logprobs: jax.Array  # f32[N, num_top]
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> TokenLogprobs:
+def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> LogprobArrays:
     """logits `[N, vocab]`, tokens i32 `[N]` (negative: any; its logprob is then meaningless)."""
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logprobs, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
@@ -151,4 +152,4 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> TokenL
     else:
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    return TokenLogprobs(chosen, top_ids.astype(jnp.int32), top_logprobs)
+    return LogprobArrays(chosen, top_ids.astype(jnp.int32), top_logprobs)

@@ -29,9 +29,9 @@ from pagedjax.device.attention import AttentionMetadata, paged_attention, resolv
 from pagedjax.device.kv_cache import KVCache, copy_blocks, init_kv_cache
 from pagedjax.device.page_state import PageState, append_tokens
 from pagedjax.device.sampling import (
+    LogprobArrays,
     PenaltyMetadata,
     SamplingMetadata,
-    TokenLogprobs,
     count_tokens,
     sample,
     token_logprobs,
@@ -47,8 +47,8 @@ class StepOutputs(NamedTuple):
     the prompt log-probabilities at every position `[T]` when asked, and the logits `[S, vocab]` when asked."""
 
     tokens: Any
-    logprobs: TokenLogprobs | None
-    prompt_logprobs: TokenLogprobs | None
+    logprobs: LogprobArrays | None
+    prompt_logprobs: LogprobArrays | None
     logits: Any
 
 
@@ -92,7 +92,7 @@ class DecodeLoopState(NamedTuple):
     active: jax.Array  # bool[S]: still generating
     num_generated: jax.Array  # i32[S]: tokens generated in this call
     sampled: jax.Array  # i32[num_steps, S]: -1 where a sequence did not run
-    logprobs: TokenLogprobs | None  # [num_steps, S] (and top alternatives [num_steps, S, K]) when asked
+    logprobs: LogprobArrays | None  # [num_steps, S] (and top alternatives [num_steps, S, K]) when asked
     penalties: PenaltyMetadata | None  # output_counts follow the sampled tokens
 
 
@@ -103,7 +103,7 @@ def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, 
 
     tokens int32 `[S]` (each sequence's last token, whose KV is not yet cached); stop_ids int32 `[S, K]`
     (-1 = none); max_new int32 `[S]` tokens each sequence may still generate (0 = padding row).
-    Returns (sampled int32 `[num_steps, S]` with -1 after a sequence stopped, their `TokenLogprobs`
+    Returns (sampled int32 `[num_steps, S]` with -1 after a sequence stopped, their `LogprobArrays`
     `[num_steps, S]`, final PageState, cache).
     """
     model: Llama = nnx.merge(graphdef, params)
@@ -139,7 +139,7 @@ def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, 
     init = DecodeLoopState(step=jnp.int32(0), kv_cache=kv_cache, pages=pages, last_tokens=tokens,
                            active=max_new > 0, num_generated=jnp.zeros((num_seqs,), jnp.int32),
                            sampled=jnp.full((num_steps, num_seqs), -1, jnp.int32),
-                           logprobs=None if num_top_logprobs is None else TokenLogprobs(
+                           logprobs=None if num_top_logprobs is None else LogprobArrays(
                                jnp.zeros((num_steps, num_seqs), jnp.float32),
                                jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.int32),
                                jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.float32)),
@@ -304,7 +304,7 @@ class ModelRunner:
     def execute_multi_decode(self, inputs: MultiDecodeInputs):
         """Run up to `inputs.num_steps` decode steps on device.
 
-        Returns (sampled `[num_steps, S]` with -1 where a sequence did not run, their `TokenLogprobs`
+        Returns (sampled `[num_steps, S]` with -1 where a sequence did not run, their `LogprobArrays`
         `[num_steps, S]`, block_tables `[S, B]` as the device left them), as numpy.
         """
         x = inputs
