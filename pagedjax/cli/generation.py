@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import codecs
 import time
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -41,8 +40,6 @@ class Completion:
     finish_reason: str | None = None
     error: str | None = None
     samples: list = field(default_factory=list)  # CompletionOutput (or beams) at the end, when there are several
-    _decoder: codecs.IncrementalDecoder = field(
-        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"), repr=False)
 
 
 class Generation:
@@ -115,11 +112,10 @@ class Generation:
         return time.perf_counter() - self._start
 
     def submit(self, indices: list[int]) -> None:
-        for i in indices:
+        for i, rid in zip(indices, self.engine.fresh_request_ids("prompt", len(indices)), strict=True):
             c = self.completions[i]
             ids = self.tokenizer.encode(c.prompt)
             c.num_prompt_tokens = len(ids)
-            rid = f"prompt-{i}"
             try:
                 self.engine.add_request(rid, ids, self._sampling(i))
             except (TypeError, ValueError) as e:
@@ -138,13 +134,10 @@ class Generation:
 
     def _take(self, o) -> None:
         c = self.by_id[o.request_id]
-        ids = o.output_token_ids
-        if hasattr(self.tokenizer, "decode_bytes"):
-            piece = c._decoder.decode(self.tokenizer.decode_bytes(ids[c.num_tokens:]), final=o.finished)
-        else:
-            piece = self.tokenizer.decode(ids)[len(c.text):]
-        c.text += piece
-        c.num_tokens = len(ids)
+        # The engine decodes incrementally and never takes text back: what is new is what it added.
+        piece = o.text[len(c.text):]
+        c.text = o.text
+        c.num_tokens = len(o.output_token_ids)
         c.num_cached_tokens = o.num_cached_tokens
         if self.stream and piece:
             self.out.write(piece)

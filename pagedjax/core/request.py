@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -301,6 +302,27 @@ class SampleGroup:
         """Every sample finished, or the request ended before it had samples (aborted, or its prefill failed:
         `request.status` says which)."""
         return self.request.is_finished or (bool(self.samples) and all(s.is_finished for s in self.samples))
+
+
+class RequestIds:
+    """The one scheme of the ids an engine makes for its own requests (`generate`, beam search, the CLI's
+    prompts): `<prefix>-<batch>-<i>`, `batch` counting the batches asked for, skipping any id `in_use` says is
+    taken (a `'` is appended). Deterministic, because an unseeded request's seed derives from its id. A
+    server's response ids are random instead (`pagedjax.serve`), and a sample's id derives from its request's
+    (`sample_id`)."""
+
+    def __init__(self):
+        self._batches = 0
+
+    def fresh(self, prefix: str, n: int, in_use: Callable[[str], bool]) -> list[str]:
+        self._batches += 1
+        ids = []
+        for i in range(n):
+            rid = f"{prefix}-{self._batches}-{i}"
+            while in_use(rid):
+                rid += "'"
+            ids.append(rid)
+        return ids
 
 
 def sample_id(request_id: str, index: int) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
-from pagedjax.core.request import Request, RequestOutput, SamplingParams
+from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams
 from pagedjax.engine.generate import generate_batch
 from pagedjax.engine.llm_engine import EngineStats, LLMEngine, load_for, stats_dict
 from pagedjax.parallel.config import ParallelConfig
@@ -98,7 +98,7 @@ class DataParallelEngine:
         self._load = [0] * len(self.replicas)
         self._assigned = [0] * len(self.replicas)
         self._prefix_home: dict[tuple, int] = {}  # (salt, first block's tokens) -> replica that computed it
-        self._calls = 0
+        self._request_ids = RequestIds()
         self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="pagedjax-dp")
         logger.info("DataParallelEngine: %d replicas x %d devices", len(self.replicas),
                     parallel_config.tensor_parallel_size)
@@ -153,15 +153,8 @@ class DataParallelEngine:
         self.add_prepared_request(request)
 
     def fresh_request_ids(self, prefix: str, n: int) -> list[str]:
-        """`n` ids `<prefix>-dp<call>-<i>` that no live request uses."""
-        self._calls += 1
-        ids = []
-        for i in range(n):
-            rid = f"{prefix}-dp{self._calls}-{i}"
-            while rid in self._owner:
-                rid += "'"
-            ids.append(rid)
-        return ids
+        """`n` ids that no live request of any replica uses (`pagedjax.core.request.RequestIds`)."""
+        return self._request_ids.fresh(prefix, n, lambda rid: rid in self._owner)
 
     def abort(self, request_id: str) -> bool:
         owner = self._owner.pop(str(request_id), None)

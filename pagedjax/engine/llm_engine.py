@@ -19,11 +19,7 @@ from dataclasses import dataclass
 
 from pagedjax.compile_cache import enable_compile_cache
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig, check_int, is_int
-from pagedjax.core.request import (
-    Request,
-    RequestOutput,
-    SamplingParams,
-)
+from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams
 from pagedjax.core.scheduler import Scheduler, SchedulerStats
 from pagedjax.core.step_plan import MultiStepPlan, StepPlan
 from pagedjax.engine.generate import generate_batch
@@ -129,7 +125,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
                                   kv_dtype=self.cache_config.kv_array_dtype(model_config), backend=backend,
                                   mesh=mesh)
-        self._generate_calls = 0
+        self._request_ids = RequestIds()
         self._empty_plans = 0
         self._steps = 0
         self._fused_calls = 0
@@ -213,15 +209,9 @@ class LLMEngine:
         self._prompt_tokens += request.num_prompt_tokens
 
     def fresh_request_ids(self, prefix: str, n: int) -> list[str]:
-        """`n` ids `<prefix>-<call>-<i>` that no live request uses."""
-        self._generate_calls += 1
-        ids = []
-        for i in range(n):
-            rid = f"{prefix}-{self._generate_calls}-{i}"
-            while self.scheduler.get_request(rid) is not None or rid in self.scheduler.groups:
-                rid += "'"
-            ids.append(rid)
-        return ids
+        """`n` ids that no live request uses (`pagedjax.core.request.RequestIds`)."""
+        return self._request_ids.fresh(
+            prefix, n, lambda rid: self.scheduler.get_request(rid) is not None or rid in self.scheduler.groups)
 
     def beam_search(self, prompts, params):
         """Beam search for each prompt (token ids, or text with a tokenizer); see `pagedjax.engine.beam_search`.

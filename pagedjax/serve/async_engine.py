@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import queue
 import threading
@@ -123,6 +122,12 @@ class RequestStream:
         self.abort()
 
 
+def random_request_id(prefix: str) -> str:
+    """`<prefix>-<32 hex digits>`: the server's request (and response) ids, unique across requests and restarts
+    (an engine's own ids are deterministic instead: `pagedjax.core.request.RequestIds`)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
 class AsyncLLMEngine:
     """An `LLMEngine` owned by a background thread; see the module docstring.
 
@@ -144,8 +149,6 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None  # the engine thread ended on this unexpected error
         self._stats: EngineStats = engine.stats()
-        self._ids = itertools.count()
-        self._id_prefix = uuid.uuid4().hex[:8]
 
     # ------------------------------------------------------------------------------------------ public side
     @property
@@ -172,9 +175,6 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
         self._thread.start()
 
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{self._id_prefix}-{next(self._ids)}"
-
     async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                           request_id: str | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises what `LLMEngine.add_request`
@@ -188,7 +188,7 @@ class AsyncLLMEngine:
         if self.max_pending is not None and self._num_pending >= self.max_pending:
             raise QueueFullError(f"{self._num_pending} requests are already queued or running "
                                  f"(the limit is {self.max_pending}); retry later")
-        stream = RequestStream(self, request_id or self.new_request_id(), asyncio.get_running_loop())
+        stream = RequestStream(self, request_id or random_request_id("req"), asyncio.get_running_loop())
         self._num_pending += 1
         self._idle.clear()
         done: concurrent.futures.Future = concurrent.futures.Future()

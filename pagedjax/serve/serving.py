@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from pagedjax.serve.async_engine import (
     EngineStoppedError,
     QueueFullError,
     RequestStream,
+    random_request_id,
 )
 from pagedjax.serve.chat_template import ChatTemplate, ChatTemplateError
 from pagedjax.serve.choices import ChoiceTracker, RequestFailed
@@ -114,7 +114,7 @@ class OpenAIServing:
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         params = sampling_params(request, max_tokens=max_tokens)
-        return Prepared(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids=prompt_token_ids,
+        return Prepared(request_id=random_request_id(prefix), prompt_token_ids=prompt_token_ids,
                         params=params, stream=request.stream,
                         include_usage=bool(request.stream_options and request.stream_options.include_usage),
                         created=int(time.time()))
