@@ -44,11 +44,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedjax.config import CacheConfig, SchedulerConfig
+from pagedjax.core import fused_decode
 from pagedjax.core.invariants import check_scheduler_invariants
 from pagedjax.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedjax.core.memory_stats import KVMemoryStats, kv_memory_stats
 from pagedjax.core.request import Request, RequestStatus, SampleGroup, sample_id
-from pagedjax.core.step_plan import MultiStepPlan, StepPlan, build_step_plan, reconcile_fused_decode
+from pagedjax.core.step_plan import MultiStepPlan, StepPlan, build_step_plan
 
 
 @dataclass(frozen=True)
@@ -554,52 +555,16 @@ class Scheduler:
         1) and they fit the token budget; and only if the pool can lend enough blocks. Otherwise returns
         None and changes nothing (the engine then falls back to `schedule()`).
         """
-        self._check_no_pending_multi()
-        if num_steps < 2 or self.waiting or not self.running:
-            return None
-        if len(self.running) > self.scheduler_config.max_num_batched_tokens:
-            return None
-        kv = self.kv_cache_manager
-        bs = self.block_size
-        max_new: list[int] = []
-        num_to_lend = 0
-        width = 0
-        for r in self.running:
-            # A held request (beam search) runs one token at a time; a fork's first write into its shared
-            # block needs a copy-on-write, which only a plain step makes (one step, then fused again).
-            if r.num_tokens - r.num_computed_tokens != 1 or r.hold or r.prefill_only or kv.needs_copy(r):
-                return None
-            m = min(num_steps, self.max_new_tokens_left(r))
-            max_new.append(m)
-            num_to_lend += cdiv(r.num_computed_tokens + m, bs) - kv.num_held_blocks(r.request_id)
-            width = max(width, cdiv(r.num_tokens + num_steps - 1, bs))
-        lent = kv.lend_blocks(num_to_lend)
-        if lent is None:
-            return None
-        plan = self._plan([(r, 1) for r in self.running], min_width=width, allow_missing_blocks=True)
-        assert plan.request_ids == [r.request_id for r in self.running]
-        self.num_steps += 1
-        self._pending_multi = MultiStepPlan(plan=plan, lent_block_ids=np.array(lent, dtype=np.int32),
-                                            max_new_tokens=np.array(max_new, dtype=np.int32),
-                                            num_steps=num_steps, block_size=bs)
-        return self._pending_multi
+        return fused_decode.schedule_multi_decode(self, num_steps)
 
     def _check_no_pending_multi(self) -> None:
-        if self._pending_multi is not None:
-            raise RuntimeError("a fused decode is in flight: call update_multi_decode (or "
-                               "cancel_multi_decode) before scheduling again")
-
-    def _check_pending_multi(self, plan: MultiStepPlan) -> None:
-        if plan is not self._pending_multi:
-            raise RuntimeError("this multi-step plan is not the one in flight")
+        fused_decode.check_no_pending_multi(self)
 
     def cancel_multi_decode(self, plan: MultiStepPlan) -> None:
         """Forget a fused decode that did not run (e.g. the device step failed): the lent blocks come
         back and no request changes. Only valid if the device wrote nothing the host relies on: it writes
         only into lent blocks and the unfilled tails of blocks the requests hold."""
-        self._check_pending_multi(plan)
-        self.kv_cache_manager.return_lent_blocks(plan.lent_block_ids.tolist())
-        self._pending_multi = None
+        fused_decode.cancel_multi_decode(self, plan)
 
     def update_multi_decode(self, plan: MultiStepPlan, sampled_token_ids: np.ndarray,
                             block_tables: np.ndarray) -> list[Request]:
@@ -614,39 +579,7 @@ class Scheduler:
         anything changes (RuntimeError if the device's tables disagree with the host's).
         Returns the requests that finished.
         """
-        self._check_pending_multi(plan)
-        step = plan.plan
-        n = step.num_seqs
-        sampled = np.asarray(sampled_token_ids)
-        tables = np.asarray(block_tables)
-        if sampled.ndim != 2 or sampled.shape[1] < n:
-            raise ValueError(f"sampled_token_ids must be [num_steps, >= {n}], got {sampled.shape}")
-        if tables.ndim != 2 or tables.shape[0] < n:
-            raise ValueError(f"block_tables must be [>= {n}, max_blocks], got {tables.shape}")
-        kv = self.kv_cache_manager
-        live = [r if r is not None and r.status is RequestStatus.RUNNING else None  # aborted/preempted: skip
-                for r in map(self.requests.get, step.request_ids)]
-        outcomes = reconcile_fused_decode(plan, sampled, tables, live, [kv.get_block_ids(rid) for rid in
-                                                                         step.request_ids], self._finish_status)
-        claimed = {b for o in outcomes for b in o.new_blocks}
-        finished: list[Request] = []
-        for o in outcomes:
-            r = o.request
-            r.output_token_ids.extend(o.tokens)
-            r.num_computed_tokens += len(o.tokens)
-            if o.new_blocks:
-                kv.adopt_blocks(r, o.new_blocks)
-            kv.cache_blocks(r)
-            if o.status is not None:
-                r.status = o.status
-                finished.append(r)
-            else:
-                kv.release_out_of_window(r)
-        kv.return_lent_blocks([b for b in plan.lent_block_ids.tolist() if b not in claimed])
-        self._pending_multi = None
-        if finished:
-            self._remove_finished(finished)
-        return finished
+        return fused_decode.update_multi_decode(self, plan, sampled_token_ids, block_tables)
 
     # -- invariants ------------------------------------------------------------------------------------
 
