@@ -36,7 +36,6 @@ device -> `update_multi_decode(...)`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedjax.config import CacheConfig, SchedulerConfig
-from pagedjax.core import fused_decode
+from pagedjax.core import forking, fused_decode
 from pagedjax.core.invariants import check_scheduler_invariants
 from pagedjax.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedjax.core.memory_stats import KVMemoryStats, kv_memory_stats
@@ -144,104 +143,33 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (ValueError if `check_request` refuses it). A multi-sample request is queued
-        as its prefill (or, for a one-token prompt, as its samples); see the module docstring."""
+        as its prefill (or, for a one-token prompt, as its samples); see `pagedjax.core.forking`."""
         self.check_request(request)
         k = request.sampling_params.num_samples
         if k == 1:
             self._register(request)
             self.waiting.append(request)
             return
-        group = self.groups[request.request_id] = SampleGroup(request)
-        if request.num_prompt_tokens == 1:
-            group.samples = [self._make_sample(group, i) for i in range(k)]
-            for sample in group.samples:
-                self._register(sample)
-                self.waiting.append(sample)
-            return
-        params = request.sampling_params
-        prefill = Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids[:-1],
-                          sampling_params=params, eos_token_ids=request.eos_token_ids,
-                          cache_salt=request.cache_salt, adapter_id=request.adapter_id, group=group,
-                          prefill_only=True, prompt_logprobs=[] if params.prompt_logprobs is not None else None)
-        self._register(prefill)
-        self.waiting.append(prefill)
+        forking.add_multi_sample(self, request)
 
     def _register(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self._stop_ids[request.request_id] = request.stop_ids
 
-    def _make_sample(self, group: SampleGroup, index: int) -> Request:
-        """Sample `index` of a multi-sample request: a single request of the same prompt with seed + index."""
-        r = group.request
-        p = r.sampling_params
-        params = dataclasses.replace(p, n=1, best_of=None, prompt_logprobs=None,
-                                     seed=None if p.seed is None else p.seed + index)
-        return Request(request_id=sample_id(r.request_id, index), prompt_token_ids=r.prompt_token_ids,
-                       sampling_params=params, eos_token_ids=r.eos_token_ids, cache_salt=r.cache_salt,
-                       adapter_id=r.adapter_id, group=group, sample_index=index,
-                       logprobs=[] if params.logprobs is not None else None)
-
-    def _spawn_samples(self, prefill: Request) -> None:
-        """A multi-sample request's prefill is done: fork it into its samples, which take its place in the
-        running queue (those beyond max_num_seqs wait, at the front of the queue), and drop it."""
-        group = prefill.group
-        assert group is not None
-        kv = self.kv_cache_manager
-        group.samples = [self._make_sample(group, i) for i in range(group.request.sampling_params.num_samples)]
-        group.prompt_logprobs = prefill.prompt_logprobs
-        room = self.scheduler_config.max_num_seqs - len(self.running) + 1
-        placed = group.samples[:room]
-        for sample in placed:
-            kv.fork(prefill, sample)
-            sample.num_computed_tokens = prefill.num_computed_tokens
-            sample.num_cached_tokens = prefill.num_cached_tokens
-            sample.status = RequestStatus.RUNNING
-        i = self.running.index(prefill)
-        self.running[i:i + 1] = placed
-        self.waiting.extendleft(reversed(group.samples[room:]))
-        kv.free(prefill)
-        del self.requests[prefill.request_id]
-        del self._stop_ids[prefill.request_id]
-        prefill.status = RequestStatus.FINISHED_STOPPED  # done; never reported (the group is)
-        for sample in group.samples:
-            self._register(sample)
-
     def fork(self, source_id: str, child: Request) -> None:
         """Start `child` (fresh, same prompt) as a fork of the running request `source_id` between steps (beam
         search): it shares the source's blocks and continues from its computed tokens, which must be the
         child's first tokens. ValueError if the source is not running or max_num_seqs is reached."""
-        self._check_no_pending_multi()
-        source = self.requests.get(source_id)
-        if source is None or source.status is not RequestStatus.RUNNING:
-            raise ValueError(f"request {source_id!r} is not running; only a running request can be forked")
-        if len(self.running) >= self.scheduler_config.max_num_seqs:
-            raise ValueError(f"cannot fork {source_id!r}: max_num_seqs={self.scheduler_config.max_num_seqs} "
-                             "requests are running")
-        if child.request_id in self.requests or child.request_id in self.groups:
-            raise ValueError(f"duplicate request id {child.request_id!r}")
-        self.kv_cache_manager.fork(source, child)
-        child.num_computed_tokens = source.num_computed_tokens
-        child.num_cached_tokens = max(source.num_cached_tokens, 0)
-        child.status = RequestStatus.RUNNING
-        self._register(child)
-        self.running.append(child)
+        forking.fork(self, source_id, child)
 
     def replace_last_token(self, request_id: str, token: int) -> None:
         """Replace the last output token of a paused request whose KV is not computed yet (beam search keeps the
         beam but continues it with another token)."""
-        request = self.requests.get(request_id)
-        if request is None or not request.paused or not request.output_token_ids:
-            raise ValueError(f"request {request_id!r} is not a paused request with outputs")
-        assert request.num_computed_tokens < request.num_tokens  # a paused request's last token is never computed
-        request.output_token_ids[-1] = int(token)
-        del request.block_hashes[(request.num_tokens - 1) // self.block_size:]  # a hash over the old token
+        forking.replace_last_token(self, request_id, token)
 
     def resume(self, request_id: str) -> None:
         """Let a paused (held) request be scheduled again."""
-        request = self.requests.get(request_id)
-        if request is None:
-            raise ValueError(f"unknown request {request_id!r}")
-        request.paused = False
+        forking.resume(self, request_id)
 
     def stop_at(self, request: Request, num_output_tokens: int, stop_str: str) -> None:
         """End `request` (one the last step advanced) at a stop string whose text its `num_output_tokens`-th
@@ -272,12 +200,7 @@ class Scheduler:
         sample). Returns it, or None if unknown."""
         group = self.groups.pop(request_id, None)
         if group is not None:
-            group.request.status = RequestStatus.FINISHED_ABORTED
-            members = [self.requests.get(request_id)] + [self.requests.get(i) for i in group.sample_ids]
-            for member in members:
-                if member is not None and member.group is group:
-                    self._finish_early(member, RequestStatus.FINISHED_ABORTED)
-            return group.request
+            return forking.abort_group(self, group)
         request = self.requests.get(request_id)
         if request is not None:
             self._finish_early(request, RequestStatus.FINISHED_ABORTED)
@@ -293,19 +216,7 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._stop_ids[request.request_id]
         request.status = status
-        self._forget_finished_group(request)
-
-    def _forget_finished_group(self, request: Request) -> None:
-        """A member of a multi-sample request left: the group ends when its prefill fails or is aborted (with
-        that status), or when its last sample finishes."""
-        group = request.group
-        if group is None or self.groups.get(group.request.request_id) is not group:
-            return
-        if request.prefill_only:
-            group.request.status, group.request.error = request.status, request.error
-        elif not group.finished:
-            return
-        del self.groups[group.request.request_id]
+        forking.forget_finished_group(self, request)
 
     # -- failures --------------------------------------------------------------------------------------
 
@@ -535,7 +446,7 @@ class Scheduler:
         if finished:
             self._remove_finished(finished)
         for request in prefilled:
-            self._spawn_samples(request)
+            forking.spawn_samples(self, request)
         return finished
 
     def _remove_finished(self, finished: list[Request]) -> None:
@@ -544,7 +455,7 @@ class Scheduler:
             self.kv_cache_manager.free(request)
             del self.requests[request.request_id]
             del self._stop_ids[request.request_id]
-            self._forget_finished_group(request)
+            forking.forget_finished_group(self, request)
 
     # -- fused multi-step decode -----------------------------------------------------------------------
 
