@@ -31,7 +31,7 @@ steps fails by itself and the others lose nothing (recompute is exact).
 
 Life of a step: `plan = schedule()` -> the engine runs `plan` -> `update(plan, sampled)`; or, when every
 running request is a pure decode, `schedule_multi_decode(n)` -> the engine runs up to n decode steps on
-device -> `update_multi_decode(...)`.
+device -> `update_multi_decode(...)`
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedjax.config import CacheConfig, SchedulerConfig
-from pagedjax.core import forking, fused_decode
+from pagedjax.core import failures, forking, fused_decode
 from pagedjax.core.invariants import check_scheduler_invariants
 from pagedjax.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedjax.core.memory_stats import KVMemoryStats, kv_memory_stats
@@ -231,28 +231,12 @@ class Scheduler:
 
         Requests aborted or finished since are skipped. Returns the requests that failed.
         """
-        self._check_no_pending_multi()
-        live = [self.requests[rid] for rid in request_ids if rid in self.requests]
-        if len(request_ids) == 1 and live:
-            request = live[0]
-            request.error = error
-            self._finish_early(request, RequestStatus.FINISHED_ERROR)
-            return [request]
-        for request in live:
-            if request.status is RequestStatus.RUNNING:
-                self.running.remove(request)
-                self._preempt(request)
-            request.suspect = True
-        return []
+        return failures.fail_step(self, request_ids, error)
 
     def drop_computed_kv(self) -> None:
         """The device lost the KV cache (e.g. a failed step after the cache was donated): every running
         request is preempted (recomputed later) and the prefix cache forgets every block."""
-        self._check_no_pending_multi()
-        while self.running:
-            self._preempt(self.running.pop())  # newest first: the oldest ends at the front of the queue
-        if not self.kv_cache_manager.reset_prefix_cache():
-            raise RuntimeError("blocks are still in use after preempting every request (a bug)")
+        failures.drop_computed_kv(self)
 
     def preempt(self, request_id: str) -> bool:
         """Preempt a running request now (by recompute). Returns False if it is not running."""
@@ -282,7 +266,7 @@ class Scheduler:
         waiting ones while the token budget, max_num_seqs and the pool allow."""
         self._check_no_pending_multi()
         if self.waiting and self.waiting[0].suspect:
-            return self._schedule_alone(self.waiting.popleft())
+            return failures.schedule_alone(self, self.waiting.popleft())
         cfg = self.scheduler_config
         kv = self.kv_cache_manager
         chunked = cfg.enable_chunked_prefill
@@ -364,26 +348,6 @@ class Scheduler:
             self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-
-    def _schedule_alone(self, request: Request) -> StepPlan:
-        """A step of `request` alone (a suspect, see `fail_step`): running requests wait one step, and the
-        newest are preempted if the pool cannot hold its next chunk otherwise."""
-        kv = self.kv_cache_manager
-        hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-        n = min(request.num_tokens - num_hit_tokens, self.scheduler_config.max_num_batched_tokens)
-        preempted: list[Request] = []
-        while len(self.running) >= self.scheduler_config.max_num_seqs:
-            preempted.append(self.running.pop())
-            self._preempt(preempted[-1])
-        while kv.allocate_slots(request, n, hit_blocks) is None:
-            if not self.running:
-                raise RuntimeError(f"request {request.request_id!r} does not fit an idle pool (a bug)")
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim)
-        self._admit(request, num_hit_tokens)
-        self.num_steps += 1
-        return self._plan([(request, n)], preempted_request_ids=[r.request_id for r in preempted])
 
     def _plan(self, scheduled: list[tuple[Request, int]], **kwargs) -> StepPlan:
         kv = self.kv_cache_manager
