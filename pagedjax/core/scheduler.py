@@ -23,15 +23,16 @@ Several samples of one prompt (best_of / n > 1): the prompt but its last token i
 `prefill_only` request; when that is done it is forked into the samples (`KVCacheManager.fork`: shared blocks,
 copy-on-write of the partial last one), each of which then computes the last prompt token and samples with
 its own seed. Samples beyond `max_num_seqs` wait (and recompute, through the prefix cache). Beam search forks
-running requests itself (`fork`, with `hold`: a held request pauses after each token until `resume`).
+running requests itself (`fork`, with `hold`: a held request pauses after each token until `resume`). All
+of this lives in `pagedjax.core.forking`.
 
 A step that fails on device (`fail_step`) fails its request if it ran alone; otherwise its requests are
 preempted and marked suspect, and each suspect runs alone in its next step, so a request that breaks
-steps fails by itself and the others lose nothing (recompute is exact).
+steps fails by itself and the others lose nothing (recompute is exact). See `pagedjax.core.failures`.
 
 Life of a step: `plan = schedule()` -> the engine runs `plan` -> `update(plan, sampled)`; or, when every
 running request is a pure decode, `schedule_multi_decode(n)` -> the engine runs up to n decode steps on
-device -> `update_multi_decode(...)`
+device -> `update_multi_decode(...)` (see `pagedjax.core.fused_decode`).
 """
 
 from __future__ import annotations
