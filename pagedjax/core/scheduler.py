@@ -23,20 +23,20 @@ Several samples of one prompt (best_of / n > 1): the prompt but its last token i
 `prefill_only` request; when that is done it is forked into the samples (`KVCacheManager.fork`: shared blocks,
 copy-on-write of the partial last one), each of which then computes the last prompt token and samples with
 its own seed. Samples beyond `max_num_seqs` wait (and recompute, through the prefix cache). Beam search forks
-running requests itself (`fork`, with `hold`: a held request pauses after each token until `resume`).
+running requests itself (`fork`, with `hold`: a held request pauses after each token until `resume`). All
+of this lives in `pagedjax.core.forking`.
 
 A step that fails on device (`fail_step`) fails its request if it ran alone; otherwise its requests are
 preempted and marked suspect, and each suspect runs alone in its next step, so a request that breaks
-steps fails by itself and the others lose nothing (recompute is exact).
+steps fails by itself and the others lose nothing (recompute is exact). See `pagedjax.core.failures`.
 
 Life of a step: `plan = schedule()` -> the engine runs `plan` -> `update(plan, sampled)`; or, when every
 running request is a pure decode, `schedule_multi_decode(n)` -> the engine runs up to n decode steps on
-device -> `update_multi_decode(...)`.
+device -> `update_multi_decode(...)` (see `pagedjax.core.fused_decode`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,11 +44,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedjax.config import CacheConfig, SchedulerConfig
+from pagedjax.core import failures, forking, fused_decode
 from pagedjax.core.invariants import check_scheduler_invariants
 from pagedjax.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedjax.core.memory_stats import KVMemoryStats, kv_memory_stats
 from pagedjax.core.request import Request, RequestStatus, SampleGroup, sample_id
-from pagedjax.core.step_plan import MultiStepPlan, StepPlan, build_step_plan, reconcile_fused_decode
+from pagedjax.core.step_plan import MultiStepPlan, StepPlan, build_step_plan
 
 
 @dataclass(frozen=True)
@@ -143,104 +144,33 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (ValueError if `check_request` refuses it). A multi-sample request is queued
-        as its prefill (or, for a one-token prompt, as its samples); see the module docstring."""
+        as its prefill (or, for a one-token prompt, as its samples); see `pagedjax.core.forking`."""
         self.check_request(request)
         k = request.sampling_params.num_samples
         if k == 1:
             self._register(request)
             self.waiting.append(request)
             return
-        group = self.groups[request.request_id] = SampleGroup(request)
-        if request.num_prompt_tokens == 1:
-            group.samples = [self._make_sample(group, i) for i in range(k)]
-            for sample in group.samples:
-                self._register(sample)
-                self.waiting.append(sample)
-            return
-        params = request.sampling_params
-        prefill = Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids[:-1],
-                          sampling_params=params, eos_token_ids=request.eos_token_ids,
-                          cache_salt=request.cache_salt, adapter_id=request.adapter_id, group=group,
-                          prefill_only=True, prompt_logprobs=[] if params.prompt_logprobs is not None else None)
-        self._register(prefill)
-        self.waiting.append(prefill)
+        forking.add_multi_sample(self, request)
 
     def _register(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self._stop_ids[request.request_id] = request.stop_ids
 
-    def _make_sample(self, group: SampleGroup, index: int) -> Request:
-        """Sample `index` of a multi-sample request: a single request of the same prompt with seed + index."""
-        r = group.request
-        p = r.sampling_params
-        params = dataclasses.replace(p, n=1, best_of=None, prompt_logprobs=None,
-                                     seed=None if p.seed is None else p.seed + index)
-        return Request(request_id=sample_id(r.request_id, index), prompt_token_ids=r.prompt_token_ids,
-                       sampling_params=params, eos_token_ids=r.eos_token_ids, cache_salt=r.cache_salt,
-                       adapter_id=r.adapter_id, group=group, sample_index=index,
-                       logprobs=[] if params.logprobs is not None else None)
-
-    def _spawn_samples(self, prefill: Request) -> None:
-        """A multi-sample request's prefill is done: fork it into its samples, which take its place in the
-        running queue (those beyond max_num_seqs wait, at the front of the queue), and drop it."""
-        group = prefill.group
-        assert group is not None
-        kv = self.kv_cache_manager
-        group.samples = [self._make_sample(group, i) for i in range(group.request.sampling_params.num_samples)]
-        group.prompt_logprobs = prefill.prompt_logprobs
-        room = self.scheduler_config.max_num_seqs - len(self.running) + 1
-        placed = group.samples[:room]
-        for sample in placed:
-            kv.fork(prefill, sample)
-            sample.num_computed_tokens = prefill.num_computed_tokens
-            sample.num_cached_tokens = prefill.num_cached_tokens
-            sample.status = RequestStatus.RUNNING
-        i = self.running.index(prefill)
-        self.running[i:i + 1] = placed
-        self.waiting.extendleft(reversed(group.samples[room:]))
-        kv.free(prefill)
-        del self.requests[prefill.request_id]
-        del self._stop_ids[prefill.request_id]
-        prefill.status = RequestStatus.FINISHED_STOPPED  # done; never reported (the group is)
-        for sample in group.samples:
-            self._register(sample)
-
     def fork(self, source_id: str, child: Request) -> None:
         """Start `child` (fresh, same prompt) as a fork of the running request `source_id` between steps (beam
         search): it shares the source's blocks and continues from its computed tokens, which must be the
         child's first tokens. ValueError if the source is not running or max_num_seqs is reached."""
-        self._check_no_pending_multi()
-        source = self.requests.get(source_id)
-        if source is None or source.status is not RequestStatus.RUNNING:
-            raise ValueError(f"request {source_id!r} is not running; only a running request can be forked")
-        if len(self.running) >= self.scheduler_config.max_num_seqs:
-            raise ValueError(f"cannot fork {source_id!r}: max_num_seqs={self.scheduler_config.max_num_seqs} "
-                             "requests are running")
-        if child.request_id in self.requests or child.request_id in self.groups:
-            raise ValueError(f"duplicate request id {child.request_id!r}")
-        self.kv_cache_manager.fork(source, child)
-        child.num_computed_tokens = source.num_computed_tokens
-        child.num_cached_tokens = max(source.num_cached_tokens, 0)
-        child.status = RequestStatus.RUNNING
-        self._register(child)
-        self.running.append(child)
+        forking.fork(self, source_id, child)
 
     def replace_last_token(self, request_id: str, token: int) -> None:
         """Replace the last output token of a paused request whose KV is not computed yet (beam search keeps the
         beam but continues it with another token)."""
-        request = self.requests.get(request_id)
-        if request is None or not request.paused or not request.output_token_ids:
-            raise ValueError(f"request {request_id!r} is not a paused request with outputs")
-        assert request.num_computed_tokens < request.num_tokens  # a paused request's last token is never computed
-        request.output_token_ids[-1] = int(token)
-        del request.block_hashes[(request.num_tokens - 1) // self.block_size:]  # a hash over the old token
+        forking.replace_last_token(self, request_id, token)
 
     def resume(self, request_id: str) -> None:
         """Let a paused (held) request be scheduled again."""
-        request = self.requests.get(request_id)
-        if request is None:
-            raise ValueError(f"unknown request {request_id!r}")
-        request.paused = False
+        forking.resume(self, request_id)
 
     def stop_at(self, request: Request, num_output_tokens: int, stop_str: str) -> None:
         """End `request` (one the last step advanced) at a stop string whose text its `num_output_tokens`-th
@@ -271,12 +201,7 @@ class Scheduler:
         sample). Returns it, or None if unknown."""
         group = self.groups.pop(request_id, None)
         if group is not None:
-            group.request.status = RequestStatus.FINISHED_ABORTED
-            members = [self.requests.get(request_id)] + [self.requests.get(i) for i in group.sample_ids]
-            for member in members:
-                if member is not None and member.group is group:
-                    self._finish_early(member, RequestStatus.FINISHED_ABORTED)
-            return group.request
+            return forking.abort_group(self, group)
         request = self.requests.get(request_id)
         if request is not None:
             self._finish_early(request, RequestStatus.FINISHED_ABORTED)
@@ -292,19 +217,7 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._stop_ids[request.request_id]
         request.status = status
-        self._forget_finished_group(request)
-
-    def _forget_finished_group(self, request: Request) -> None:
-        """A member of a multi-sample request left: the group ends when its prefill fails or is aborted (with
-        that status), or when its last sample finishes."""
-        group = request.group
-        if group is None or self.groups.get(group.request.request_id) is not group:
-            return
-        if request.prefill_only:
-            group.request.status, group.request.error = request.status, request.error
-        elif not group.finished:
-            return
-        del self.groups[group.request.request_id]
+        forking.forget_finished_group(self, request)
 
     # -- failures --------------------------------------------------------------------------------------
 
@@ -319,28 +232,12 @@ class Scheduler:
 
         Requests aborted or finished since are skipped. Returns the requests that failed.
         """
-        self._check_no_pending_multi()
-        live = [self.requests[rid] for rid in request_ids if rid in self.requests]
-        if len(request_ids) == 1 and live:
-            request = live[0]
-            request.error = error
-            self._finish_early(request, RequestStatus.FINISHED_ERROR)
-            return [request]
-        for request in live:
-            if request.status is RequestStatus.RUNNING:
-                self.running.remove(request)
-                self._preempt(request)
-            request.suspect = True
-        return []
+        return failures.fail_step(self, request_ids, error)
 
     def drop_computed_kv(self) -> None:
         """The device lost the KV cache (e.g. a failed step after the cache was donated): every running
         request is preempted (recomputed later) and the prefix cache forgets every block."""
-        self._check_no_pending_multi()
-        while self.running:
-            self._preempt(self.running.pop())  # newest first: the oldest ends at the front of the queue
-        if not self.kv_cache_manager.reset_prefix_cache():
-            raise RuntimeError("blocks are still in use after preempting every request (a bug)")
+        failures.drop_computed_kv(self)
 
     def preempt(self, request_id: str) -> bool:
         """Preempt a running request now (by recompute). Returns False if it is not running."""
@@ -370,7 +267,7 @@ class Scheduler:
         waiting ones while the token budget, max_num_seqs and the pool allow."""
         self._check_no_pending_multi()
         if self.waiting and self.waiting[0].suspect:
-            return self._schedule_alone(self.waiting.popleft())
+            return failures.schedule_alone(self, self.waiting.popleft())
         cfg = self.scheduler_config
         kv = self.kv_cache_manager
         chunked = cfg.enable_chunked_prefill
@@ -453,26 +350,6 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
-    def _schedule_alone(self, request: Request) -> StepPlan:
-        """A step of `request` alone (a suspect, see `fail_step`): running requests wait one step, and the
-        newest are preempted if the pool cannot hold its next chunk otherwise."""
-        kv = self.kv_cache_manager
-        hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-        n = min(request.num_tokens - num_hit_tokens, self.scheduler_config.max_num_batched_tokens)
-        preempted: list[Request] = []
-        while len(self.running) >= self.scheduler_config.max_num_seqs:
-            preempted.append(self.running.pop())
-            self._preempt(preempted[-1])
-        while kv.allocate_slots(request, n, hit_blocks) is None:
-            if not self.running:
-                raise RuntimeError(f"request {request.request_id!r} does not fit an idle pool (a bug)")
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim)
-        self._admit(request, num_hit_tokens)
-        self.num_steps += 1
-        return self._plan([(request, n)], preempted_request_ids=[r.request_id for r in preempted])
-
     def _plan(self, scheduled: list[tuple[Request, int]], **kwargs) -> StepPlan:
         kv = self.kv_cache_manager
         block_ids = {r.request_id: kv.get_block_ids(r.request_id) for r, _ in scheduled}
@@ -534,7 +411,7 @@ class Scheduler:
         if finished:
             self._remove_finished(finished)
         for request in prefilled:
-            self._spawn_samples(request)
+            forking.spawn_samples(self, request)
         return finished
 
     def _remove_finished(self, finished: list[Request]) -> None:
@@ -543,7 +420,7 @@ class Scheduler:
             self.kv_cache_manager.free(request)
             del self.requests[request.request_id]
             del self._stop_ids[request.request_id]
-            self._forget_finished_group(request)
+            forking.forget_finished_group(self, request)
 
     # -- fused multi-step decode -----------------------------------------------------------------------
 
@@ -554,52 +431,16 @@ class Scheduler:
         1) and they fit the token budget; and only if the pool can lend enough blocks. Otherwise returns
         None and changes nothing (the engine then falls back to `schedule()`).
         """
-        self._check_no_pending_multi()
-        if num_steps < 2 or self.waiting or not self.running:
-            return None
-        if len(self.running) > self.scheduler_config.max_num_batched_tokens:
-            return None
-        kv = self.kv_cache_manager
-        bs = self.block_size
-        max_new: list[int] = []
-        num_to_lend = 0
-        width = 0
-        for r in self.running:
-            # A held request (beam search) runs one token at a time; a fork's first write into its shared
-            # block needs a copy-on-write, which only a plain step makes (one step, then fused again).
-            if r.num_tokens - r.num_computed_tokens != 1 or r.hold or r.prefill_only or kv.needs_copy(r):
-                return None
-            m = min(num_steps, self.max_new_tokens_left(r))
-            max_new.append(m)
-            num_to_lend += cdiv(r.num_computed_tokens + m, bs) - kv.num_held_blocks(r.request_id)
-            width = max(width, cdiv(r.num_tokens + num_steps - 1, bs))
-        lent = kv.lend_blocks(num_to_lend)
-        if lent is None:
-            return None
-        plan = self._plan([(r, 1) for r in self.running], min_width=width, allow_missing_blocks=True)
-        assert plan.request_ids == [r.request_id for r in self.running]
-        self.num_steps += 1
-        self._pending_multi = MultiStepPlan(plan=plan, lent_block_ids=np.array(lent, dtype=np.int32),
-                                            max_new_tokens=np.array(max_new, dtype=np.int32),
-                                            num_steps=num_steps, block_size=bs)
-        return self._pending_multi
+        return fused_decode.schedule_multi_decode(self, num_steps)
 
     def _check_no_pending_multi(self) -> None:
-        if self._pending_multi is not None:
-            raise RuntimeError("a fused decode is in flight: call update_multi_decode (or "
-                               "cancel_multi_decode) before scheduling again")
-
-    def _check_pending_multi(self, plan: MultiStepPlan) -> None:
-        if plan is not self._pending_multi:
-            raise RuntimeError("this multi-step plan is not the one in flight")
+        fused_decode.check_no_pending_multi(self)
 
     def cancel_multi_decode(self, plan: MultiStepPlan) -> None:
         """Forget a fused decode that did not run (e.g. the device step failed): the lent blocks come
         back and no request changes. Only valid if the device wrote nothing the host relies on: it writes
         only into lent blocks and the unfilled tails of blocks the requests hold."""
-        self._check_pending_multi(plan)
-        self.kv_cache_manager.return_lent_blocks(plan.lent_block_ids.tolist())
-        self._pending_multi = None
+        fused_decode.cancel_multi_decode(self, plan)
 
     def update_multi_decode(self, plan: MultiStepPlan, sampled_token_ids: np.ndarray,
                             block_tables: np.ndarray) -> list[Request]:
@@ -614,39 +455,7 @@ class Scheduler:
         anything changes (RuntimeError if the device's tables disagree with the host's).
         Returns the requests that finished.
         """
-        self._check_pending_multi(plan)
-        step = plan.plan
-        n = step.num_seqs
-        sampled = np.asarray(sampled_token_ids)
-        tables = np.asarray(block_tables)
-        if sampled.ndim != 2 or sampled.shape[1] < n:
-            raise ValueError(f"sampled_token_ids must be [num_steps, >= {n}], got {sampled.shape}")
-        if tables.ndim != 2 or tables.shape[0] < n:
-            raise ValueError(f"block_tables must be [>= {n}, max_blocks], got {tables.shape}")
-        kv = self.kv_cache_manager
-        live = [r if r is not None and r.status is RequestStatus.RUNNING else None  # aborted/preempted: skip
-                for r in map(self.requests.get, step.request_ids)]
-        outcomes = reconcile_fused_decode(plan, sampled, tables, live, [kv.get_block_ids(rid) for rid in
-                                                                         step.request_ids], self._finish_status)
-        claimed = {b for o in outcomes for b in o.new_blocks}
-        finished: list[Request] = []
-        for o in outcomes:
-            r = o.request
-            r.output_token_ids.extend(o.tokens)
-            r.num_computed_tokens += len(o.tokens)
-            if o.new_blocks:
-                kv.adopt_blocks(r, o.new_blocks)
-            kv.cache_blocks(r)
-            if o.status is not None:
-                r.status = o.status
-                finished.append(r)
-            else:
-                kv.release_out_of_window(r)
-        kv.return_lent_blocks([b for b in plan.lent_block_ids.tolist() if b not in claimed])
-        self._pending_multi = None
-        if finished:
-            self._remove_finished(finished)
-        return finished
+        return fused_decode.update_multi_decode(self, plan, sampled_token_ids, block_tables)
 
     # -- invariants ------------------------------------------------------------------------------------
 
