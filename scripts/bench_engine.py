@@ -323,7 +323,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-steps", type=int, default=8, help="fused decode steps for the multi-step row")
+    ap.add_argument("--num-steps", type=int, default=8, help="fused decode steps for the fused-decode row")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", choices=sorted(SHAPES), default="small",
                     help="model shape: small = ModelConfig() (4 layers, hidden 256), tiny = 2 layers, hidden 64, "

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--num-steps", type=int, default=8, help="fused decode steps for the multi-step row")
+    ap.add_argument("--num-steps", type=int, default=8, help="fused decode steps for the fused-decode row")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--torch-threads", type=int, nargs="+", help="torch thread counts to time (default: 1 and "

@@ -71,7 +71,7 @@ def inject_faults(engine: LLMEngine, rng: random.Random, rate: float, counters: 
         return call
 
     runner.execute = wrap(runner.execute)
-    runner.execute_multi_decode = wrap(runner.execute_multi_decode)
+    runner.execute_fused_decode = wrap(runner.execute_fused_decode)
 
 
 def random_request(rng: random.Random, prefixes: list[list[int]]) -> tuple[list[int], SamplingParams]:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 def fail_step(scheduler: Scheduler, request_ids: Sequence[str], error: str) -> list[Request]:
     """See `Scheduler.fail_step`."""
-    scheduler._check_no_pending_multi()
+    scheduler._check_no_pending_fused()
     live = [scheduler.requests[rid] for rid in request_ids if rid in scheduler.requests]
     if len(request_ids) == 1 and live:
         request = live[0]
@@ -44,7 +44,7 @@ def fail_step(scheduler: Scheduler, request_ids: Sequence[str], error: str) -> l
 
 def drop_computed_kv(scheduler: Scheduler) -> None:
     """See `Scheduler.drop_computed_kv`."""
-    scheduler._check_no_pending_multi()
+    scheduler._check_no_pending_fused()
     while scheduler.running:
         scheduler._preempt(scheduler.running.pop())  # newest first: the oldest ends at the front of the queue
     if not scheduler.kv_cache_manager.reset_prefix_cache():

@@ -85,7 +85,7 @@ def spawn_samples(scheduler: Scheduler, prefill: Request) -> None:
 
 def fork(scheduler: Scheduler, source_id: str, child: Request) -> None:
     """See `Scheduler.fork`."""
-    scheduler._check_no_pending_multi()
+    scheduler._check_no_pending_fused()
     source = scheduler.requests.get(source_id)
     if source is None or source.status is not RequestStatus.RUNNING:
         raise ValueError(f"request {source_id!r} is not running; only a running request can be forked")

@@ -1,13 +1,13 @@
-"""Fused multi-step decode on the host: when every running request is a pure decode, the scheduler plans up
+"""Fused decode on the host: when every running request is a pure decode, the scheduler plans up
 to n decode steps that the device runs in one go, lending it the blocks they may need, and reconciles the
-host with what the device did afterwards (`Scheduler.schedule_multi_decode`, `update_multi_decode`,
-`cancel_multi_decode`).
+host with what the device did afterwards (`Scheduler.schedule_fused_decode`, `update_fused_decode`,
+`cancel_fused_decode`).
 
 Plain Python + numpy, no JAX. The arrays are built and the device's results validated by
-`pagedjax.core.step_plan` (`MultiStepPlan`, `reconcile_fused_decode`); this module owns the policy and the
+`pagedjax.core.step_plan` (`FusedDecodePlan`, `reconcile_fused_decode`); this module owns the policy and the
 bookkeeping around them.
 
-Invariant: at most one fused decode is in flight (`Scheduler._pending_multi`), and while one is, nothing
+Invariant: at most one fused decode is in flight (`Scheduler._pending_fused`), and while one is, nothing
 else plans a step, forks or fails requests (each such entry point calls `check_no_pending_multi` first), so
 the requests and blocks the device works on are the ones the plan saw. The blocks lent to it are held by no
 request until the in-flight plan is either reconciled (each request adopts the blocks its table row took, up
@@ -23,14 +23,14 @@ import numpy as np
 
 from pagedjax.core.kv_cache_manager import cdiv
 from pagedjax.core.request import Request, RequestStatus
-from pagedjax.core.step_plan import MultiStepPlan, reconcile_fused_decode
+from pagedjax.core.step_plan import FusedDecodePlan, reconcile_fused_decode
 
 if TYPE_CHECKING:
     from pagedjax.core.scheduler import Scheduler
 
 
-def schedule_multi_decode(scheduler: Scheduler, num_steps: int) -> MultiStepPlan | None:
-    """See `Scheduler.schedule_multi_decode`."""
+def schedule_fused_decode(scheduler: Scheduler, num_steps: int) -> FusedDecodePlan | None:
+    """See `Scheduler.schedule_fused_decode`."""
     check_no_pending_multi(scheduler)
     if num_steps < 2 or scheduler.waiting or not scheduler.running:
         return None
@@ -56,34 +56,34 @@ def schedule_multi_decode(scheduler: Scheduler, num_steps: int) -> MultiStepPlan
     plan = scheduler._plan([(r, 1) for r in scheduler.running], min_width=width, allow_missing_blocks=True)
     assert plan.request_ids == [r.request_id for r in scheduler.running]
     scheduler.num_steps += 1
-    scheduler._pending_multi = MultiStepPlan(plan=plan, lent_block_ids=np.array(lent, dtype=np.int32),
+    scheduler._pending_fused = FusedDecodePlan(plan=plan, lent_block_ids=np.array(lent, dtype=np.int32),
                                              max_new_tokens=np.array(max_new, dtype=np.int32),
                                              num_steps=num_steps, block_size=bs)
-    return scheduler._pending_multi
+    return scheduler._pending_fused
 
 
 def check_no_pending_multi(scheduler: Scheduler) -> None:
     """RuntimeError while a fused decode is in flight (called by everything that changes the queues)."""
-    if scheduler._pending_multi is not None:
-        raise RuntimeError("a fused decode is in flight: call update_multi_decode (or "
-                           "cancel_multi_decode) before scheduling again")
+    if scheduler._pending_fused is not None:
+        raise RuntimeError("a fused decode is in flight: call update_fused_decode (or "
+                           "cancel_fused_decode) before scheduling again")
 
 
-def check_pending_multi(scheduler: Scheduler, plan: MultiStepPlan) -> None:
-    if plan is not scheduler._pending_multi:
-        raise RuntimeError("this multi-step plan is not the one in flight")
+def check_pending_multi(scheduler: Scheduler, plan: FusedDecodePlan) -> None:
+    if plan is not scheduler._pending_fused:
+        raise RuntimeError("this fused decode plan is not the one in flight")
 
 
-def cancel_multi_decode(scheduler: Scheduler, plan: MultiStepPlan) -> None:
-    """See `Scheduler.cancel_multi_decode`."""
+def cancel_fused_decode(scheduler: Scheduler, plan: FusedDecodePlan) -> None:
+    """See `Scheduler.cancel_fused_decode`."""
     check_pending_multi(scheduler, plan)
     scheduler.kv_cache_manager.return_lent_blocks(plan.lent_block_ids.tolist())
-    scheduler._pending_multi = None
+    scheduler._pending_fused = None
 
 
-def update_multi_decode(scheduler: Scheduler, plan: MultiStepPlan, sampled_token_ids: np.ndarray,
+def update_fused_decode(scheduler: Scheduler, plan: FusedDecodePlan, sampled_token_ids: np.ndarray,
                         block_tables: np.ndarray) -> list[Request]:
-    """See `Scheduler.update_multi_decode`."""
+    """See `Scheduler.update_fused_decode`."""
     check_pending_multi(scheduler, plan)
     step = plan.plan
     n = step.num_seqs
@@ -113,7 +113,7 @@ def update_multi_decode(scheduler: Scheduler, plan: MultiStepPlan, sampled_token
         else:
             kv.release_out_of_window(r)
     kv.return_lent_blocks([b for b in plan.lent_block_ids.tolist() if b not in claimed])
-    scheduler._pending_multi = None
+    scheduler._pending_fused = None
     if finished:
         scheduler._remove_finished(finished)
     return finished

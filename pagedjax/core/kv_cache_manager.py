@@ -35,7 +35,7 @@ read (a window skips whole pages before it). A released block that was published
 free queue like any cached block; a prefix lookup walks the hash chain from the first block and stops at the
 first miss, so a hit still always covers a prefix whose every block is present.
 
-Fused multi-step decode borrows blocks with `lend_blocks`; the device pops them as sequences cross block
+Fused decode borrows blocks with `lend_blocks`; the device pops them as sequences cross block
 boundaries; the host then `adopt_blocks` the used ones and `return_lent_blocks` the rest.
 """
 
@@ -342,7 +342,7 @@ class KVCacheManager:
         """Forget every cached block hash; refused (False) while any block is in use or lent."""
         return self.block_pool.reset_prefix_cache()
 
-    # -- fused multi-step decode -----------------------------------------------------------------------
+    # -- fused decode -----------------------------------------------------------------------
 
     def lend_blocks(self, n: int) -> list[int] | None:
         """Lend `n` free blocks to the device (all or nothing; may evict cached blocks).

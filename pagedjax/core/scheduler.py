@@ -31,8 +31,8 @@ preempted and marked suspect, and each suspect runs alone in its next step, so a
 steps fails by itself and the others lose nothing (recompute is exact). See `pagedjax.core.failures`.
 
 Life of a step: `plan = schedule()` -> the engine runs `plan` -> `update(plan, sampled)`; or, when every
-running request is a pure decode, `schedule_multi_decode(n)` -> the engine runs up to n decode steps on
-device -> `update_multi_decode(...)` (see `pagedjax.core.fused_decode`).
+running request is a pure decode, `schedule_fused_decode(n)` -> the engine runs up to n decode steps on
+device -> `update_fused_decode(...)` (see `pagedjax.core.fused_decode`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from pagedjax.core.invariants import check_scheduler_invariants
 from pagedjax.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedjax.core.memory_stats import KVMemoryStats, kv_memory_stats
 from pagedjax.core.request import Request, RequestStatus, SampleGroup, sample_id
-from pagedjax.core.step_plan import MultiStepPlan, StepPlan, build_step_plan
+from pagedjax.core.step_plan import FusedDecodePlan, StepPlan, build_step_plan
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class SchedulerStats:
     prefix_cache_hits: int  # of those, tokens found in the cache
     num_evictions: int  # cached blocks reused for other content
     num_preemptions: int
-    num_steps: int  # schedule() calls plus fused multi-step decodes
+    num_steps: int  # plans made: schedule() calls plus fused decodes
     memory: KVMemoryStats
 
     @property
@@ -99,7 +99,7 @@ class Scheduler:
         self._stop_ids: dict[str, frozenset[int]] = {}
         self.num_preemptions = 0
         self.num_steps = 0
-        self._pending_multi: MultiStepPlan | None = None  # a fused decode not yet reconciled
+        self._pending_fused: FusedDecodePlan | None = None  # a fused decode not yet reconciled
 
     # -- requests --------------------------------------------------------------------------------------
 
@@ -265,7 +265,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan one step: running requests first (preempting the newest when blocks run out), then
         waiting ones while the token budget, max_num_seqs and the pool allow."""
-        self._check_no_pending_multi()
+        self._check_no_pending_fused()
         if self.waiting and self.waiting[0].suspect:
             return failures.schedule_alone(self, self.waiting.popleft())
         cfg = self.scheduler_config
@@ -422,27 +422,27 @@ class Scheduler:
             del self._stop_ids[request.request_id]
             forking.forget_finished_group(self, request)
 
-    # -- fused multi-step decode -----------------------------------------------------------------------
+    # -- fused decode -----------------------------------------------------------------------
 
-    def schedule_multi_decode(self, num_steps: int) -> MultiStepPlan | None:
+    def schedule_fused_decode(self, num_steps: int) -> FusedDecodePlan | None:
         """Plan up to `num_steps` decode steps of every running request, run on device in one go.
 
         Only when num_steps > 1, nothing waits, every running request is a pure decode (a gap of exactly
         1) and they fit the token budget; and only if the pool can lend enough blocks. Otherwise returns
         None and changes nothing (the engine then falls back to `schedule()`).
         """
-        return fused_decode.schedule_multi_decode(self, num_steps)
+        return fused_decode.schedule_fused_decode(self, num_steps)
 
-    def _check_no_pending_multi(self) -> None:
+    def _check_no_pending_fused(self) -> None:
         fused_decode.check_no_pending_multi(self)
 
-    def cancel_multi_decode(self, plan: MultiStepPlan) -> None:
+    def cancel_fused_decode(self, plan: FusedDecodePlan) -> None:
         """Forget a fused decode that did not run (e.g. the device step failed): the lent blocks come
         back and no request changes. Only valid if the device wrote nothing the host relies on: it writes
         only into lent blocks and the unfilled tails of blocks the requests hold."""
-        fused_decode.cancel_multi_decode(self, plan)
+        fused_decode.cancel_fused_decode(self, plan)
 
-    def update_multi_decode(self, plan: MultiStepPlan, sampled_token_ids: np.ndarray,
+    def update_fused_decode(self, plan: FusedDecodePlan, sampled_token_ids: np.ndarray,
                             block_tables: np.ndarray) -> list[Request]:
         """Reconcile after a fused decode.
 
@@ -455,7 +455,7 @@ class Scheduler:
         anything changes (RuntimeError if the device's tables disagree with the host's).
         Returns the requests that finished.
         """
-        return fused_decode.update_multi_decode(self, plan, sampled_token_ids, block_tables)
+        return fused_decode.update_fused_decode(self, plan, sampled_token_ids, block_tables)
 
     # -- invariants ------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""What one step runs, as plain numpy arrays: `StepPlan`, `MultiStepPlan`, and the pure functions that
+"""What one step runs, as plain numpy arrays: `StepPlan`, `FusedDecodePlan`, and the pure functions that
 build them and mirror the device's block pops.
 
 Plain Python + numpy, no JAX. The scheduler decides *which* requests advance by how many tokens; this module
@@ -75,7 +75,7 @@ class StepPlan:
 
 
 @dataclass
-class MultiStepPlan:
+class FusedDecodePlan:
     """Up to `num_steps` fused decode steps of every running request, run on device with no host round trip.
 
     `plan` is step 1 as a `StepPlan` (decodes only). Its `block_tables` hold each request's current blocks
@@ -211,7 +211,7 @@ def simulate_device_pops(block_tables: np.ndarray, seq_lens: np.ndarray, lent_bl
                          ) -> tuple[np.ndarray, np.ndarray, int]:
     """Host (numpy) mirror of a whole fused decode's block pops: the reconciliation contract.
 
-    Starts from `seq_lens[s]` cached tokens (`MultiStepPlan.seq_lens`, i.e. `plan.kv_lens - 1`); sequence
+    Starts from `seq_lens[s]` cached tokens (`FusedDecodePlan.seq_lens`, i.e. `plan.kv_lens - 1`); sequence
     s is active for its first `num_active_steps[s]` steps (its `max_new_tokens`, or fewer if it stopped
     early); each step applies `device_pop_step`.
 
@@ -240,7 +240,7 @@ class FusedDecodeOutcome:
     new_blocks: list[int]  # lent blocks it adopts, in the order the device popped them
 
 
-def reconcile_fused_decode(plan: MultiStepPlan, sampled: np.ndarray, block_tables: np.ndarray,
+def reconcile_fused_decode(plan: FusedDecodePlan, sampled: np.ndarray, block_tables: np.ndarray,
                            requests: Sequence[Request | None], held_block_ids: Sequence[Sequence[int]],
                            finish_status: Callable[[Request, int, int, int], RequestStatus | None],
                            ) -> list[FusedDecodeOutcome]:
@@ -266,7 +266,7 @@ def reconcile_fused_decode(plan: MultiStepPlan, sampled: np.ndarray, block_table
         if request is None:
             continue
         if request.num_computed_tokens + 1 != kv_lens[i]:
-            raise RuntimeError(f"stale multi-step plan for request {rid!r}")
+            raise RuntimeError(f"stale fused decode plan for request {rid!r}")
         consumed: list[int] = []
         status = None
         num_out, num_tok = request.num_output_tokens, request.num_tokens

@@ -6,7 +6,7 @@ whole to bucket sizes, so that a long run compiles a handful of programs. Plain 
 device, and nothing reads the model.
 
   step_inputs(plan, requests, ...)          a ragged step (prefill chunks and decodes together)
-  fused_decode_inputs(mplan, requests, ...) several decode steps in one device call
+  fused_decode_inputs(fused_plan, requests, ...) several decode steps in one device call
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pagedjax.core.request import Request
-from pagedjax.core.step_plan import MultiStepPlan, StepPlan
+from pagedjax.core.step_plan import FusedDecodePlan, StepPlan
 from pagedjax.device.attention import AttentionMetadata
 from pagedjax.device.sampling import PenaltyMetadata, SamplingMetadata
 
@@ -105,14 +105,14 @@ def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, eng
                     num_top_logprobs=num_top_logprobs(requests), num_prompt_top_logprobs=num_prompt_top)
 
 
-def fused_decode_inputs(mplan: MultiStepPlan, requests: list[Request], *, vocab_size: int,
-                        engine_seed: int) -> MultiDecodeInputs:
-    """The padded device inputs of a plan from `Scheduler.schedule_multi_decode()`; `requests` in its order."""
-    plan = mplan.plan
-    return pad_multi_decode(tokens=plan.token_ids, block_tables=plan.block_tables, seq_lens=mplan.seq_lens,
-                            lent_blocks=mplan.lent_block_ids, sampling=sampling_metadata(requests, engine_seed),
-                            stop_ids=[sorted(r.stop_ids) for r in requests], max_new=mplan.max_new_tokens,
-                            num_steps=mplan.num_steps, block_size=mplan.block_size,
+def fused_decode_inputs(fused_plan: FusedDecodePlan, requests: list[Request], *, vocab_size: int,
+                        engine_seed: int) -> FusedDecodeInputs:
+    """The padded device inputs of a plan from `Scheduler.schedule_fused_decode()`; `requests` in its order."""
+    plan = fused_plan.plan
+    return pad_fused_decode(tokens=plan.token_ids, block_tables=plan.block_tables, seq_lens=fused_plan.seq_lens,
+                            lent_blocks=fused_plan.lent_block_ids, sampling=sampling_metadata(requests, engine_seed),
+                            stop_ids=[sorted(r.stop_ids) for r in requests], max_new=fused_plan.max_new_tokens,
+                            num_steps=fused_plan.num_steps, block_size=fused_plan.block_size,
                             penalties=penalty_metadata(requests, vocab_size),
                             num_top_logprobs=num_top_logprobs(requests))
 
@@ -233,7 +233,7 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
 
 
 @dataclass(frozen=True)
-class MultiDecodeInputs:
+class FusedDecodeInputs:
     """A padded fused decode of S sequences (buckets; padding rows have max_new 0 and never run)."""
 
     tokens: np.ndarray  # int32 [S]: each sequence's last token, whose KV is not cached yet
@@ -248,7 +248,7 @@ class MultiDecodeInputs:
     num_top_logprobs: int | None = None
 
 
-def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
+def pad_fused_decode(*, tokens: np.ndarray,  # i32[S]
                      block_tables: np.ndarray,  # i32[S, B]
                      seq_lens: np.ndarray,  # i32[S]
                      lent_blocks: np.ndarray,  # i32[F]
@@ -258,7 +258,7 @@ def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
                      num_steps: int,
                      block_size: int,
                      penalties: PenaltyMetadata | None = None,  # [S] rows
-                     num_top_logprobs: int | None = None) -> MultiDecodeInputs:
+                     num_top_logprobs: int | None = None) -> FusedDecodeInputs:
     """Pad a fused decode to bucket sizes. The lent stack is padded with -1, which the device never pops
     (a short stack raises `overflow` instead of writing into block 0), to a length fixed by the batch bucket
     and `num_steps`: one sequence pops at most `cdiv(num_steps, block_size)` blocks in `num_steps` steps, so
@@ -272,7 +272,7 @@ def pad_multi_decode(*, tokens: np.ndarray,  # i32[S]
     stops = np.full((s_b, bucket(max(map(len, stop_ids), default=1), 1)), -1, np.int32)
     for i, ids in enumerate(stop_ids):
         stops[i, : len(ids)] = ids
-    return MultiDecodeInputs(
+    return FusedDecodeInputs(
         tokens=_pad(tokens, s_b, 0),
         block_tables=_pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2)),
         seq_lens=_pad(seq_lens, s_b, 0),

@@ -21,7 +21,7 @@ from pagedjax.compile_cache import enable_compile_cache
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig, check_int, is_int
 from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams
 from pagedjax.core.scheduler import Scheduler, SchedulerStats
-from pagedjax.core.step_plan import MultiStepPlan, StepPlan
+from pagedjax.core.step_plan import FusedDecodePlan, StepPlan
 from pagedjax.engine.generate import generate_batch
 from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
 from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, record_token_logprob
@@ -242,8 +242,8 @@ class LLMEngine:
         start = time.perf_counter()
         try:
             if self.decode_steps_per_call > 1 and (
-                    mplan := self.scheduler.schedule_multi_decode(self.decode_steps_per_call)) is not None:
-                touched = self._run_multi_decode(mplan)
+                    fused_plan := self.scheduler.schedule_fused_decode(self.decode_steps_per_call)) is not None:
+                touched = self._run_fused_decode(fused_plan)
             else:
                 touched = self._run_step(self.scheduler.schedule())
         finally:
@@ -285,18 +285,18 @@ class LLMEngine:
         self.scheduler.update(plan, tokens)
         return self._progressed(requests, before)
 
-    def _run_multi_decode(self, mplan: MultiStepPlan) -> list[Request]:
-        plan = mplan.plan
+    def _run_fused_decode(self, fused_plan: FusedDecodePlan) -> list[Request]:
+        plan = fused_plan.plan
         n, width = plan.num_seqs, plan.block_tables.shape[1]
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
         try:
-            inputs = fused_decode_inputs(mplan, requests, vocab_size=self.model_config.vocab_size,
+            inputs = fused_decode_inputs(fused_plan, requests, vocab_size=self.model_config.vocab_size,
                                          engine_seed=self.seed)
-            sampled, logprobs, tables = self.runner.execute_multi_decode(inputs)
+            sampled, logprobs, tables = self.runner.execute_fused_decode(inputs)
         except BaseException as exc:
-            return self._recover(plan.request_ids, exc, mplan)
+            return self._recover(plan.request_ids, exc, fused_plan)
         before = [r.num_output_tokens for r in requests]
-        self.scheduler.update_multi_decode(mplan, sampled[:, :n], tables[:n, :width])
+        self.scheduler.update_fused_decode(fused_plan, sampled[:, :n], tables[:n, :width])
         for i, (r, b) in enumerate(zip(requests, before, strict=True)):
             for step in range(r.num_output_tokens - b if r.wants_logprobs else 0):
                 record_token_logprob(r, int(sampled[step, i]), logprobs, (step, i))
@@ -304,12 +304,12 @@ class LLMEngine:
         return self._progressed(requests, before)
 
     def _recover(self, request_ids: list[str], exc: BaseException,
-                 mplan: MultiStepPlan | None = None) -> list[Request]:
+                 fused_plan: FusedDecodePlan | None = None) -> list[Request]:
         """Bring the host and device back to a consistent state after a step's device call raised (see
         `step`); returns the requests that failed. Re-raises anything that is not an `Exception`."""
         self._failed_steps += 1
-        if mplan is not None:
-            self.scheduler.cancel_multi_decode(mplan)
+        if fused_plan is not None:
+            self.scheduler.cancel_fused_decode(fused_plan)
         if self.runner.kv_cache_lost:
             logger.error("the KV cache was lost with a failed step: recomputing every running request")
             self.runner.reset_kv_cache()

@@ -36,7 +36,7 @@ from pagedjax.device.sampling import (
     sample,
     token_logprobs,
 )
-from pagedjax.engine.inputs import NO_EXTRAS, MultiDecodeInputs, StepExtras, StepInputs
+from pagedjax.engine.inputs import NO_EXTRAS, FusedDecodeInputs, StepExtras, StepInputs
 from pagedjax.model.llama import Llama
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def _gathered(logits, mesh):
     return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec()))
 
 
-class DecodeLoopState(NamedTuple):
+class FusedDecodeState(NamedTuple):
     """The fused decode loop's carry."""
 
     step: jax.Array  # i32[]: iterations run so far
@@ -96,7 +96,7 @@ class DecodeLoopState(NamedTuple):
     penalties: PenaltyMetadata | None  # output_counts follow the sampled tokens
 
 
-def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, sampling: SamplingMetadata,
+def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, sampling: SamplingMetadata,
                  stop_ids, max_new, penalties: PenaltyMetadata | None = None, *, num_steps: int, block_size: int,
                  backend: str, num_top_logprobs: int | None = None, mesh=None):
     """Up to `num_steps` decode steps with no host round trip.
@@ -110,10 +110,10 @@ def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, 
     num_seqs = tokens.shape[0]
     cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32)
 
-    def cond(s: DecodeLoopState):
+    def cond(s: FusedDecodeState):
         return (s.step < num_steps) & jnp.any(s.active)
 
-    def body(s: DecodeLoopState) -> DecodeLoopState:
+    def body(s: FusedDecodeState) -> FusedDecodeState:
         positions = s.pages.seq_lens
         pages, slots = append_tokens(s.pages, s.active, block_size)
         meta = AttentionMetadata(slots, pages.block_tables, jnp.where(s.active, pages.seq_lens, 0), cu_q_lens)
@@ -131,12 +131,12 @@ def _decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, 
         pen = s.penalties
         if pen is not None:
             pen = pen._replace(output_counts=count_tokens(pen.output_counts, new, s.active))
-        return DecodeLoopState(step=s.step + 1, kv_cache=kv_cache, pages=pages,
+        return FusedDecodeState(step=s.step + 1, kv_cache=kv_cache, pages=pages,
                                last_tokens=jnp.where(s.active, new, s.last_tokens), active=s.active & ~stopped,
                                num_generated=num_generated, sampled=s.sampled.at[s.step].set(new),
                                logprobs=logprobs, penalties=pen)
 
-    init = DecodeLoopState(step=jnp.int32(0), kv_cache=kv_cache, pages=pages, last_tokens=tokens,
+    init = FusedDecodeState(step=jnp.int32(0), kv_cache=kv_cache, pages=pages, last_tokens=tokens,
                            active=max_new > 0, num_generated=jnp.zeros((num_seqs,), jnp.int32),
                            sampled=jnp.full((num_steps, num_seqs), -1, jnp.int32),
                            logprobs=None if num_top_logprobs is None else LogprobArrays(
@@ -167,7 +167,7 @@ def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
     step = jax.jit(model_fn(_forward_step), static_argnames=("backend", "decode_only", "return_logits",
                                                             "num_top_logprobs", "num_prompt_top_logprobs"),
                    donate_argnums=(1,))
-    loop = jax.jit(model_fn(_decode_loop), static_argnames=("num_steps", "block_size", "backend",
+    loop = jax.jit(model_fn(_fused_decode_loop), static_argnames=("num_steps", "block_size", "backend",
                                                            "num_top_logprobs"),
                    donate_argnums=(1,))
     return step, loop
@@ -301,7 +301,7 @@ class ModelRunner:
         self.device_seconds += time.perf_counter() - start
         return outputs
 
-    def execute_multi_decode(self, inputs: MultiDecodeInputs):
+    def execute_fused_decode(self, inputs: FusedDecodeInputs):
         """Run up to `inputs.num_steps` decode steps on device.
 
         Returns (sampled `[num_steps, S]` with -1 where a sequence did not run, their `LogprobArrays`

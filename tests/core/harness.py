@@ -17,7 +17,7 @@ import numpy as np
 from pagedjax.core.kv_cache_manager import RELEASED, cdiv
 from pagedjax.core.request import Request, RequestStatus
 from pagedjax.core.scheduler import Scheduler
-from pagedjax.core.step_plan import MultiStepPlan, StepPlan, device_pop_step
+from pagedjax.core.step_plan import FusedDecodePlan, StepPlan, device_pop_step
 
 VOCAB = 6
 
@@ -71,27 +71,27 @@ class FakeModel:
                                     self.salts.get(plan.request_ids[s], 0))
                          for s in range(plan.num_seqs)], dtype=np.int32)
 
-    def multi_step(self, mplan: MultiStepPlan, stop_ids: list[frozenset[int]],
+    def fused_decode(self, fused_plan: FusedDecodePlan, stop_ids: list[frozenset[int]],
                    stop_early: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """The fused decode loop as the device runs it (mirrors runner._decode_loop): returns
+        """The fused decode loop as the device runs it (mirrors runner._fused_decode_loop): returns
         (sampled [num_steps, num_seqs] with -1 after a sequence stopped, final block tables).
         `stop_early[s]` (optional) stops sequence s after that many steps, as a stop id would."""
-        plan = mplan.plan
+        plan = fused_plan.plan
         n = plan.num_seqs
         tables = plan.block_tables.copy()
-        lens = mplan.seq_lens.astype(np.int64)
+        lens = fused_plan.seq_lens.astype(np.int64)
         cur = plan.token_ids.astype(np.int64).copy()
-        limit = mplan.max_new_tokens.copy()
+        limit = fused_plan.max_new_tokens.copy()
         if stop_early is not None:
             limit = np.minimum(limit, stop_early)
         active = limit > 0
         generated = np.zeros(n, np.int64)
-        out = np.full((mplan.num_steps, n), -1, np.int32)
+        out = np.full((fused_plan.num_steps, n), -1, np.int32)
         popped = 0
-        for step in range(mplan.num_steps):
+        for step in range(fused_plan.num_steps):
             if not active.any():
                 break
-            slots, popped = device_pop_step(tables, lens, active, mplan.lent_block_ids, popped,
+            slots, popped = device_pop_step(tables, lens, active, fused_plan.lent_block_ids, popped,
                                             self.block_size)
             # step 1's slots must agree with the host plan wherever the host knew them
             if step == 0:
@@ -259,16 +259,16 @@ class Checker:
 
 
 def run_step(sched: Scheduler, model: FakeModel, checker: Checker | None = None,
-             multi_steps: int = 0) -> list[Request]:
-    """One engine iteration: a fused decode when possible (multi_steps > 1), else a plain step."""
-    if multi_steps > 1:
-        mplan = sched.schedule_multi_decode(multi_steps)
-        if mplan is not None:
+             fused_steps: int = 0) -> list[Request]:
+    """One engine iteration: a fused decode when possible (fused_steps > 1), else a plain step."""
+    if fused_steps > 1:
+        fused_plan = sched.schedule_fused_decode(fused_steps)
+        if fused_plan is not None:
             if checker:
                 checker.check(mid_step=True)
-            stop_ids = [sched.get_request(rid).stop_ids for rid in mplan.plan.request_ids]
-            sampled, tables = model.multi_step(mplan, stop_ids)
-            finished = sched.update_multi_decode(mplan, sampled, tables)
+            stop_ids = [sched.get_request(rid).stop_ids for rid in fused_plan.plan.request_ids]
+            sampled, tables = model.fused_decode(fused_plan, stop_ids)
+            finished = sched.update_fused_decode(fused_plan, sampled, tables)
             if checker:
                 checker.check()
             return finished
@@ -287,13 +287,13 @@ def run_step(sched: Scheduler, model: FakeModel, checker: Checker | None = None,
 
 
 def run_to_completion(sched: Scheduler, model: FakeModel, *, checker: Checker | None = None,
-                      multi_steps: int = 0, max_steps: int = 100_000) -> tuple[dict[str, list[int]], int]:
+                      fused_steps: int = 0, max_steps: int = 100_000) -> tuple[dict[str, list[int]], int]:
     """Step until every request finished; returns ({request id: outputs}, number of steps)."""
     outputs: dict[str, list[int]] = {}
     steps = 0
     while sched.has_unfinished_requests():
         assert steps < max_steps, f"not finished after {max_steps} steps"
-        for r in run_step(sched, model, checker, multi_steps):
+        for r in run_step(sched, model, checker, fused_steps):
             outputs[r.request_id] = list(r.output_token_ids)
         steps += 1
     return outputs, steps

@@ -1,5 +1,5 @@
 """The host's mirror of the device pop rule (`simulate_device_pops`) agrees with the device's own
-`pagedjax.device.page_state.append_tokens`, on the very plans `schedule_multi_decode` makes."""
+`pagedjax.device.page_state.append_tokens`, on the very plans `schedule_fused_decode` makes."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_host_mirror_matches_device_append_tokens(block_size, prompts, num_steps
         s.add_request(req(f"r{i}", [i + 1] * p, max_tokens=20))
     plan = s.schedule()
     s.update(plan, np.zeros(plan.num_seqs))
-    m = s.schedule_multi_decode(num_steps)
+    m = s.schedule_fused_decode(num_steps)
     assert m is not None
     n = m.plan.num_seqs
     active_steps = np.array(data.draw(st.lists(st.integers(0, num_steps), min_size=n, max_size=n)))
@@ -40,6 +40,6 @@ def test_host_mirror_matches_device_append_tokens(block_size, prompts, num_steps
     assert int(state.num_popped) == host_popped
     np.testing.assert_array_equal(np.asarray(state.block_tables), host_tables)
     ran = np.arange(num_steps)[:, None] < active_steps[None, :]
-    s.update_multi_decode(m, np.where(ran, 0, -1), host_tables)
+    s.update_fused_decode(m, np.where(ran, 0, -1), host_tables)
     assert [r.num_output_tokens for r in s.running] == (1 + active_steps).tolist()
     assert not s.kv_cache_manager.lent_block_ids

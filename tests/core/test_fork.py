@@ -72,7 +72,7 @@ class ForkMachine(RuleBasedStateMachine):
 
     @rule(num_steps=st.integers(2, 5))
     def fused_decode(self, num_steps):
-        self.finished += run_step(self.sched, self.model, self.checker, multi_steps=num_steps)
+        self.finished += run_step(self.sched, self.model, self.checker, fused_steps=num_steps)
 
     @precondition(lambda self: any(r.paused for r in self.sched.running))
     @rule(data=st.data())
@@ -161,13 +161,13 @@ def test_samples_of_a_prompt_share_its_blocks_and_copy_the_partial_one():
     assert all(kv.get_block_ids(s.request_id) == shared for s in samples)
     assert [kv.block_pool.ref_cnt(b) for b in shared] == [3, 3]
     checker.check()
-    assert sched.schedule_multi_decode(4) is None  # a pending copy-on-write takes a plain step
+    assert sched.schedule_fused_decode(4) is None  # a pending copy-on-write takes a plain step
     finished = run_step(sched, model, checker)
     assert kv.get_block_ids("a[2]") == shared  # the last holder kept the original
     assert kv.get_block_ids("a[0]")[0] == kv.get_block_ids("a[1]")[0] == shared[0]  # full block still shared
     assert len({kv.get_block_ids(s.request_id)[1] for s in samples}) == 3
     while sched.has_unfinished_requests():
-        finished += run_step(sched, model, checker, multi_steps=4)
+        finished += run_step(sched, model, checker, fused_steps=4)
     assert kv.block_pool.num_used == 0
     for s in samples:
         assert s.output_token_ids == reference_outputs(dataclasses.replace(s), 32, s.sample_index + 1)

@@ -348,7 +348,7 @@ def test_outputs_match_the_reference_under_any_configuration(block_size, num_blo
     for r in reqs:
         s.add_request(r)
     model = FakeModel(num_blocks, block_size)
-    outputs, _ = run_to_completion(s, model, checker=Checker(s, model), multi_steps=multi)
+    outputs, _ = run_to_completion(s, model, checker=Checker(s, model), fused_steps=multi)
     expected = {r.request_id: reference_outputs(r, 64) for r in _workload()}
     assert outputs == expected
     st = s.stats()

@@ -64,7 +64,7 @@ def test_any_workload_finishes_correctly(config, workload):
         accepted.append(r)
     bound = sum(sched.max_kv_tokens(r) + 2 for r in accepted) + 2
     model = FakeModel(config["num_blocks"], config["block_size"], window=config["window"])
-    outputs, steps = run_to_completion(sched, model, checker=Checker(sched, model), multi_steps=config["multi"],
+    outputs, steps = run_to_completion(sched, model, checker=Checker(sched, model), fused_steps=config["multi"],
                                        max_steps=bound)
     for r in accepted:
         assert outputs[r.request_id] == reference_outputs(r, sched.max_model_len, window=config["window"]), \

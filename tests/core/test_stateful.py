@@ -128,24 +128,24 @@ class SchedulerMachine(RuleBasedStateMachine):
                         max(1, s.max_model_len - r.num_tokens))  # a max_model_len prompt still gets 1
                 need += cdiv(r.num_computed_tokens + m, s.block_size) - len(kv.get_block_ids(r.request_id))
         free_before = kv.num_free_blocks
-        mplan = s.schedule_multi_decode(num_steps)
+        fused_plan = s.schedule_fused_decode(num_steps)
         if not eligible or need > free_before:
-            assert mplan is None
+            assert fused_plan is None
             return
-        assert mplan is not None and len(mplan.lent_block_ids) == need
+        assert fused_plan is not None and len(fused_plan.lent_block_ids) == need
         event("fused decode ran")
         self.checker.check(mid_step=True)
-        n = mplan.plan.num_seqs
+        n = fused_plan.plan.num_seqs
         stop_early = np.array(data.draw(st.lists(st.integers(0, num_steps), min_size=n, max_size=n)))
-        sampled, tables = self.model.multi_step(mplan, [frozenset()] * n, stop_early)
+        sampled, tables = self.model.fused_decode(fused_plan, [frozenset()] * n, stop_early)
         # a stop token where a sequence stopped early, as the device would have sampled it
         for i in range(n):
-            k = int(min(stop_early[i], mplan.max_new_tokens[i]))
-            if 0 < k < mplan.max_new_tokens[i] and data.draw(st.booleans()):
+            k = int(min(stop_early[i], fused_plan.max_new_tokens[i]))
+            if 0 < k < fused_plan.max_new_tokens[i] and data.draw(st.booleans()):
                 sampled[k - 1, i] = STOP
         if n and data.draw(st.booleans()):  # abort one while the device runs
-            self.sched.abort(data.draw(st.sampled_from(mplan.plan.request_ids)))
-        for r in s.update_multi_decode(mplan, sampled, tables):
+            self.sched.abort(data.draw(st.sampled_from(fused_plan.plan.request_ids)))
+        for r in s.update_fused_decode(fused_plan, sampled, tables):
             self.finished[r.request_id] = r
         assert not kv.lent_block_ids
 

@@ -73,11 +73,11 @@ def test_short_lent_stack_as_the_runner_pads_it_overflows_instead_of_writing_blo
     """The runner pads the lent stack to a bucket size. Padding used to be block id 0, which the device popped
     as if it were lent (writing into whatever block 0 held, with `overflow` False); it is -1 now."""
     from pagedjax.device.sampling import SamplingMetadata
-    from pagedjax.engine.runner import pad_multi_decode
+    from pagedjax.engine.inputs import pad_fused_decode
 
     block_size = 4
     # Three sequences, each at a block boundary, so each pops a block; the host lends only one.
-    inputs = pad_multi_decode(
+    inputs = pad_fused_decode(
         tokens=np.array([1, 2, 3], np.int32), block_tables=np.array([[7, 0], [8, 0], [9, 0]], np.int32),
         seq_lens=np.array([4, 4, 4], np.int32), lent_blocks=np.array([5], np.int32),
         sampling=SamplingMetadata.from_lists([0.0] * 3, [0] * 3, [1.0] * 3, [0] * 3, [0] * 3),
@@ -94,15 +94,15 @@ def test_short_lent_stack_as_the_runner_pads_it_overflows_instead_of_writing_blo
     np.testing.assert_array_equal(np.asarray(state.block_tables)[:3, 1], [5, 0, 0])
 
 
-def test_pad_multi_decode_refuses_more_lent_blocks_than_can_be_popped():
+def test_pad_fused_decode_refuses_more_lent_blocks_than_can_be_popped():
     """One sequence pops at most cdiv(num_steps, block_size) blocks: lending more is a host bug, said loudly."""
     import pytest
 
     from pagedjax.device.sampling import SamplingMetadata
-    from pagedjax.engine.runner import pad_multi_decode
+    from pagedjax.engine.inputs import pad_fused_decode
 
     with pytest.raises(ValueError, match="at most 1"):
-        pad_multi_decode(tokens=np.array([1], np.int32), block_tables=np.zeros((1, 2), np.int32),
+        pad_fused_decode(tokens=np.array([1], np.int32), block_tables=np.zeros((1, 2), np.int32),
                          seq_lens=np.array([4], np.int32), lent_blocks=np.array([5, 6], np.int32),
                          sampling=SamplingMetadata.from_lists([0.0], [0], [1.0], [0], [0]), stop_ids=[[]],
                          max_new=np.array([4], np.int32), num_steps=4, block_size=4)

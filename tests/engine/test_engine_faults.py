@@ -39,7 +39,7 @@ class Faults:
         self.raised: list[tuple[int, str]] = []
         runner = engine.runner
         runner.execute = self._wrap(runner.execute, "step", lambda x: x.token_ids)
-        runner.execute_multi_decode = self._wrap(runner.execute_multi_decode, "fused", lambda x: x.tokens)
+        runner.execute_fused_decode = self._wrap(runner.execute_fused_decode, "fused", lambda x: x.tokens)
 
     def _wrap(self, fn, kind, tokens_of):
         def call(inputs, *args, **kwargs):

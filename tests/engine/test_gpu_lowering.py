@@ -1,7 +1,7 @@
 """The engine's whole jitted steps, on the Pallas backend, lower for NVIDIA GPUs (proven without a GPU).
 
 The kernel tests prove each kernel lowers to Triton; this proves the engine's ragged step and its fused
-multi-step decode loop (model, KV writes, kernels, sampling, page state) export for platform "cuda".
+fused decode loop (model, KV writes, kernels, sampling, page state) export for platform "cuda".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The engine's whole jitted steps, on the Pallas backend, lower for TPUs (proven without a TPU).
 
 tests/kernels/test_tpu_lowering.py proves each TPU kernel lowers to Mosaic; this proves the engine's ragged
-step and its fused multi-step decode loop (model, KV writes, kernels, sampling, page state) export for
+step and its fused decode loop (model, KV writes, kernels, sampling, page state) export for
 platform "tpu" with the kernels the engine picks there, and that the engine's backend "auto" is "pallas"
 on a TPU.
 """

@@ -1,4 +1,4 @@
-"""Fused multi-step decode: lending, the device pop rule, and reconciliation."""
+"""Fused decode: lending, the device pop rule, and reconciliation."""
 
 from __future__ import annotations
 
@@ -30,32 +30,32 @@ def snapshot(s):
             {r.request_id: (r.num_computed_tokens, list(r.output_token_ids)) for r in s.running})
 
 
-def test_multi_decode_refuses_unless_every_request_is_a_pure_decode():
+def test_fused_decode_refuses_unless_every_request_is_a_pure_decode():
     s = make_scheduler(max_num_batched_tokens=4)
-    assert s.schedule_multi_decode(4) is None  # nothing running
+    assert s.schedule_fused_decode(4) is None  # nothing running
     s.add_request(req("a", 10, max_tokens=8))
     s.update(s.schedule(), np.zeros(1))  # a 4-token chunk: a is mid-prefill
-    assert s.schedule_multi_decode(4) is None
+    assert s.schedule_fused_decode(4) is None
     s = decoding_scheduler()
-    assert s.schedule_multi_decode(1) is None
+    assert s.schedule_fused_decode(1) is None
     s.add_request(req("w", 3))
-    assert s.schedule_multi_decode(4) is None  # someone is waiting
+    assert s.schedule_fused_decode(4) is None  # someone is waiting
     s.abort("w")
     before = snapshot(s)
-    m = s.schedule_multi_decode(4)
+    m = s.schedule_fused_decode(4)
     assert m is not None
-    s.update_multi_decode(m, np.zeros((4, 3), np.int32),
+    s.update_fused_decode(m, np.zeros((4, 3), np.int32),
                           simulate_device_pops(m.plan.block_tables, m.seq_lens, m.lent_block_ids,
                                                m.max_new_tokens, 4)[0])
     assert snapshot(s) != before
 
 
-def test_multi_decode_refuses_when_lending_fails_and_changes_nothing():
+def test_fused_decode_refuses_when_lending_fails_and_changes_nothing():
     s = decoding_scheduler(prompts=(4, 4), max_tokens=(9, 9), num_blocks=5)  # 2 held, 3 free
     before = snapshot(s)
-    assert s.schedule_multi_decode(8) is None  # 8 more tokens each: 2 new blocks each, 4 > 3
+    assert s.schedule_fused_decode(8) is None  # 8 more tokens each: 2 new blocks each, 4 > 3
     assert snapshot(s) == before
-    m = s.schedule_multi_decode(4)  # 4 tokens each: one new block each
+    m = s.schedule_fused_decode(4)  # 4 tokens each: one new block each
     assert m is not None and len(m.lent_block_ids) == 2
 
 
@@ -65,10 +65,10 @@ def test_last_chunk_of_a_max_model_len_prompt_fuses_and_generates_one_token():
     s = make_scheduler(3, block_size=4, max_num_seqs=1, max_num_batched_tokens=8, max_model_len=9)
     s.add_request(req("a", [1, 2, 3, 1, 2, 3, 1, 2, 0], max_tokens=1))
     s.update(s.schedule(), np.zeros(1))  # 8 of 9 prompt tokens
-    m = s.schedule_multi_decode(2)
+    m = s.schedule_fused_decode(2)
     assert m is not None and m.max_new_tokens.tolist() == [1] and len(m.lent_block_ids) == 1
     tables, _, _ = simulate_device_pops(m.plan.block_tables, m.seq_lens, m.lent_block_ids, m.max_new_tokens, 4)
-    finished = s.update_multi_decode(m, np.array([[7], [-1]]), tables)
+    finished = s.update_fused_decode(m, np.array([[7], [-1]]), tables)
     assert finished[0].output_token_ids == [7] and finished[0].finish_reason() == "length"
     assert s.kv_cache_manager.block_pool.num_used == 0
 
@@ -76,7 +76,7 @@ def test_last_chunk_of_a_max_model_len_prompt_fuses_and_generates_one_token():
 def test_plan_shape_lent_stack_and_max_new_tokens():
     s = decoding_scheduler(prompts=(5, 8, 3), max_tokens=(20, 2, 20), max_model_len=12)
     # computed 5, 8, 3; tokens 6, 9, 4; the second has 1 token left (max_tokens 2), the first 6 (room)
-    m = s.schedule_multi_decode(8)
+    m = s.schedule_fused_decode(8)
     plan = m.plan
     assert plan.request_ids == ["r0", "r1", "r2"] and plan.num_decodes == 3
     np.testing.assert_array_equal(m.max_new_tokens, [6, 1, 8])
@@ -103,11 +103,11 @@ def test_reconcile_adopts_used_blocks_returns_the_rest_and_hashes_full_blocks():
     model = FakeModel(32, 4)
     s = decoding_scheduler(prompts=(5, 8, 3), max_tokens=(20, 20, 20), model=model)
     free_before = s.kv_cache_manager.num_free_blocks
-    m = s.schedule_multi_decode(6)
+    m = s.schedule_fused_decode(6)
     # r1 stops after 2 steps (as at a stop id), r2 did not run at all in the last 3 steps
-    sampled, tables = model.multi_step(m, [frozenset()] * 3, stop_early=np.array([6, 2, 3]))
+    sampled, tables = model.fused_decode(m, [frozenset()] * 3, stop_early=np.array([6, 2, 3]))
     lent = m.lent_block_ids.tolist()
-    finished = s.update_multi_decode(m, sampled, tables)
+    finished = s.update_fused_decode(m, sampled, tables)
     assert finished == []
     r0, r1, r2 = (s.get_request(f"r{i}") for i in range(3))
     assert (r0.num_computed_tokens, r1.num_computed_tokens, r2.num_computed_tokens) == (11, 10, 6)
@@ -125,13 +125,13 @@ def test_reconcile_adopts_used_blocks_returns_the_rest_and_hashes_full_blocks():
 
 def test_reconcile_finishes_requests_on_stop_and_length_and_skips_aborted_ones():
     s = decoding_scheduler(prompts=(5, 8, 3), max_tokens=(20, 3, 20), stops=[(9,), (), ()])
-    m = s.schedule_multi_decode(5)
+    m = s.schedule_fused_decode(5)
     np.testing.assert_array_equal(m.max_new_tokens, [5, 2, 5])
     tables, _, _ = simulate_device_pops(m.plan.block_tables, m.seq_lens, m.lent_block_ids,
                                         np.array([2, 2, 5]), 4)
     sampled = np.array([[1, 1, 1], [9, 1, 1], [-1, -1, 1], [-1, -1, 1], [-1, -1, 1]])
     aborted = s.abort("r2")
-    finished = s.update_multi_decode(m, sampled, tables)
+    finished = s.update_fused_decode(m, sampled, tables)
     assert {r.request_id: r.status for r in finished} == {
         "r0": RequestStatus.FINISHED_STOPPED, "r1": RequestStatus.FINISHED_LENGTH}
     assert finished[0].output_token_ids == [0, 1, 9] and finished[1].output_token_ids == [0, 1, 1]
@@ -144,7 +144,7 @@ def test_reconcile_finishes_requests_on_stop_and_length_and_skips_aborted_ones()
 
 def test_reconcile_rejects_a_device_that_broke_the_contract_and_changes_nothing():
     s = decoding_scheduler(prompts=(4, 8), max_tokens=(20, 20))
-    m = s.schedule_multi_decode(4)
+    m = s.schedule_fused_decode(4)
     tables, _, _ = simulate_device_pops(m.plan.block_tables, m.seq_lens, m.lent_block_ids,
                                         m.max_new_tokens, 4)
     sampled = np.zeros((4, 2), np.int32)
@@ -152,15 +152,15 @@ def test_reconcile_rejects_a_device_that_broke_the_contract_and_changes_nothing(
     bad = tables.copy()
     bad[0, 0] = m.lent_block_ids[0]  # overwrote a block the host had placed
     with pytest.raises(RuntimeError, match="changed blocks"):
-        s.update_multi_decode(m, sampled, bad)
+        s.update_fused_decode(m, sampled, bad)
     bad = tables.copy()
     bad[1, 2] = bad[0, 1]  # the same lent block claimed twice
     with pytest.raises(RuntimeError, match="not lent or are claimed twice"):
-        s.update_multi_decode(m, sampled, bad)
+        s.update_fused_decode(m, sampled, bad)
     with pytest.raises(ValueError):
-        s.update_multi_decode(m, sampled[:, :1], tables)
+        s.update_fused_decode(m, sampled[:, :1], tables)
     assert snapshot(s) == before and s.kv_cache_manager.lent_block_ids == set(m.lent_block_ids.tolist())
-    s.update_multi_decode(m, sampled, tables)
+    s.update_fused_decode(m, sampled, tables)
     assert not s.kv_cache_manager.lent_block_ids
 
 
@@ -175,14 +175,14 @@ def test_fused_decode_outputs_equal_single_steps():
         checker = Checker(s, model)
         outputs = {}
         while s.has_unfinished_requests():
-            m = s.schedule_multi_decode(multi) if multi else None
+            m = s.schedule_fused_decode(multi) if multi else None
             if m is None:
                 plan = s.schedule()
                 checker.check_plan(plan)
                 finished = s.update(plan, model.step(plan))
             else:
                 stops = [s.get_request(rid).stop_ids for rid in m.plan.request_ids]
-                finished = s.update_multi_decode(m, *model.multi_step(m, stops))
+                finished = s.update_fused_decode(m, *model.fused_decode(m, stops))
             checker.check()
             outputs.update({r.request_id: r.output_token_ids for r in finished})
         results.append(outputs)
@@ -208,16 +208,16 @@ def test_simulate_device_pops_rule():
 def test_one_fused_decode_in_flight_at_a_time_and_cancel_returns_the_loan():
     s = decoding_scheduler()
     before = snapshot(s)
-    m = s.schedule_multi_decode(4)
+    m = s.schedule_fused_decode(4)
     with pytest.raises(RuntimeError, match="in flight"):
         s.schedule()
     with pytest.raises(RuntimeError, match="in flight"):
-        s.schedule_multi_decode(4)
-    s.cancel_multi_decode(m)
+        s.schedule_fused_decode(4)
+    s.cancel_fused_decode(m)
     assert snapshot(s) == before and not s.kv_cache_manager.lent_block_ids
     with pytest.raises(RuntimeError, match="not the one in flight"):
-        s.update_multi_decode(m, np.zeros((4, 3), np.int32), m.plan.block_tables)
-    m2 = s.schedule_multi_decode(4)
+        s.update_fused_decode(m, np.zeros((4, 3), np.int32), m.plan.block_tables)
+    m2 = s.schedule_fused_decode(4)
     tables, _, _ = simulate_device_pops(m2.plan.block_tables, m2.seq_lens, m2.lent_block_ids, m2.max_new_tokens, 4)
-    s.update_multi_decode(m2, np.zeros((4, 3), np.int32), tables)
+    s.update_fused_decode(m2, np.zeros((4, 3), np.int32), tables)
     s.schedule()
