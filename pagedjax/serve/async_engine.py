@@ -14,7 +14,7 @@ event loop never waits for device work.
 `add_request` returns a `RequestStream` once the engine has accepted the request (its validation errors,
 TypeError / ValueError naming the field, are raised there). Iterating the stream yields one `RequestOutput` per
 step that advanced the request (when the consumer falls behind, only the newest snapshot: they are
-cumulative), the last one finished. Closing the stream early (`async with`, `aclose()`, or cancelling the
+cumulative, so a stream holds at most one), the last one finished. Closing the stream early (`async with`, `aclose()`, or cancelling the
 task that iterates it, e.g. when an HTTP client goes away) aborts the request; the engine frees its blocks
 before its next step.
 
@@ -69,17 +69,31 @@ _STOP = object()
 
 
 class RequestStream:
-    """The outputs of one request, in the event loop that added it; see the module docstring."""
+    """The outputs of one request, in the event loop that added it; see the module docstring.
+
+    Holds at most one undelivered item, the newest: outputs are cumulative snapshots, so a consumer that falls
+    behind (a client that stopped reading) costs one snapshot, never a backlog that grows with every step. An
+    error or the finished output, once held, is never replaced."""
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._latest: RequestOutput | BaseException | None = None  # undelivered, newest
+        self._ready = asyncio.Event()
         self.finished = False  # the last output was yielded, or it failed or was aborted
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # in the event loop
-        self._queue.put_nowait(item)
+        held = self._latest
+        if isinstance(held, BaseException) or (held is not None and held.finished):
+            return  # the end is already waiting to be read
+        self._latest = item
+        self._ready.set()
+
+    @property
+    def num_undelivered(self) -> int:
+        """Items waiting for the consumer: 0 or 1."""
+        return int(self._latest is not None)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -88,12 +102,12 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         try:
-            item = await self._queue.get()
+            await self._ready.wait()
         except BaseException:  # cancelled (e.g. the client went away): nobody will read the rest
             self.abort()
             raise
-        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
-            item = self._queue.get_nowait()  # snapshots are cumulative: only the newest matters
+        item, self._latest = self._latest, None
+        self._ready.clear()
         if isinstance(item, BaseException):
             self._end()
             raise item

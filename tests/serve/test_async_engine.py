@@ -205,3 +205,24 @@ def test_add_before_start_is_refused():
             await engine.add_request(PROMPTS[0], SamplingParams())
 
     asyncio.run(main())
+
+
+def test_a_consumer_that_stops_reading_holds_one_snapshot(engine):
+    """A stalled client used to grow its stream's queue by a cumulative snapshot every step (memory quadratic in
+    the output length); now a stream holds only the newest snapshot, and the finished one is never replaced."""
+    async def main():
+        params = SamplingParams(max_tokens=150, ignore_eos=True)
+        async with await engine.add_request(PROMPTS[0], params) as stream:
+            held = []
+            while engine.stats().generated_tokens < 150:  # the engine runs on; nobody reads
+                await asyncio.sleep(0.01)
+                held.append(stream.num_undelivered)
+            await asyncio.sleep(0.05)
+            out = await stream.__anext__()  # the newest snapshot: the finished one
+            assert out.finished and len(out.output_token_ids) == 150
+            assert stream.num_undelivered == 0
+            return held
+
+    held = asyncio.run(main())
+    assert max(held) == 1
+    assert engine.num_pending == 0
