@@ -10,9 +10,16 @@
 | `GET /health` | 200 while the engine takes requests, 503 otherwise |
 | `GET /metrics` | Prometheus text (see `pagedjax.serve.metrics`) |
 
-With `api_key`, the `/v1` routes and `/metrics` need `Authorization: Bearer <key>` (401 otherwise; compared in
-constant time); `/health` stays open for load balancers. The app starts the engine thread on startup and stops
-it on shutdown (requests still in flight by then are aborted).
+With `api_key`, the `/v1` routes and `/metrics` need `Authorization: Bearer <key>` (401 otherwise; the scheme
+in any case, the key compared in constant time); `/health` stays open for load balancers. The app starts the
+engine thread on startup and stops it on shutdown (requests still in flight by then are aborted).
+
+A web page must not be able to drive the server from a visitor's browser (a keyless server on 127.0.0.1 would
+otherwise generate for any page, and DNS rebinding could read the answers): a request that carries an `Origin`
+header (browsers send one with every cross-site or scripted POST; curl and API clients send none) is refused
+(403) unless that origin is in `allowed_origins`, and with `allowed_hosts` a request whose `Host` is not one of
+them is refused too (the CLI sets loopback names when it listens on loopback). The interactive docs
+(`/docs`, `/redoc`, `/openapi.json`) are off unless `docs=True`.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated
 
@@ -30,7 +38,7 @@ from pydantic import BaseModel, ValidationError
 from pagedjax.serve.async_engine import AsyncLLMEngine
 from pagedjax.serve.chat_template import ChatTemplate
 from pagedjax.serve.disconnect import ClientDisconnected, EventStreamResponse, until_disconnect
-from pagedjax.serve.errors import APIError, bad_request, install_error_handlers, validation_message
+from pagedjax.serve.errors import APIError, bad_request, error_body, install_error_handlers, validation_message
 from pagedjax.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pagedjax.serve.protocol import (
     ChatCompletionRequest,
@@ -48,23 +56,56 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody rea
 
 
 def _api_key_check(api_key: str | None):
-    expected = f"Bearer {api_key}".encode() if api_key is not None else None
+    if api_key is not None and not api_key:
+        raise ValueError("the API key is empty: no client could ever match it")
+    expected = api_key.encode() if api_key is not None else None
 
     async def check(request: Request) -> None:
         if expected is None:
             return
-        given = request.headers.get("authorization", "").encode("latin-1", errors="replace")
-        if not hmac.compare_digest(given, expected):
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        given = token.strip().encode("latin-1", errors="replace")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, expected):
             raise APIError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'.",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     return check
 
 
+def host_name(host_header: str) -> str:
+    """The host of a `Host` header, without its port ("[::1]:8000" -> "::1"), lower case."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _cross_site_guard(allowed_origins: Sequence[str], allowed_hosts: Sequence[str] | None):
+    origins = {o.rstrip("/").lower() for o in allowed_origins}
+    hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
+
+    async def guard(request: Request, call_next):
+        origin = request.headers.get("origin")
+        if origin is not None and origin.rstrip("/").lower() not in origins:
+            return JSONResponse(error_body(403, f"cross-origin requests are refused (Origin {origin[:100]!r}); "
+                                                "allow an origin with --allowed-origin", code="origin_not_allowed"
+                                           ).model_dump(), status_code=403)
+        if hosts is not None and host_name(request.headers.get("host", "")) not in hosts:
+            return JSONResponse(error_body(403, f"Host {request.headers.get('host', '')[:100]!r} is not served "
+                                                "here; allow it with --allowed-host", code="host_not_allowed"
+                                           ).model_dump(), status_code=403)
+        return await call_next(request)
+
+    return guard
+
+
 def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTemplate | None = None,
-              api_key: str | None = None, shutdown_timeout: float = 0.0) -> FastAPI:
+              api_key: str | None = None, shutdown_timeout: float = 0.0, allowed_origins: Sequence[str] = (),
+              allowed_hosts: Sequence[str] | None = None, docs: bool = False) -> FastAPI:
     """The server's app over `engine` (started on startup, stopped on shutdown, after letting requests in
-    flight finish for `shutdown_timeout` seconds). `api_key`: see the module docstring."""
+    flight finish for `shutdown_timeout` seconds). `api_key`, `allowed_origins`, `allowed_hosts`, `docs`: see
+    the module docstring."""
+    check_key = _api_key_check(api_key)
     metrics = ServerMetrics(engine.stats, lambda: engine.num_pending)
     serving = OpenAIServing(engine, model_name=model_name, chat_template=chat_template or ChatTemplate.from_model(None),
                             metrics=metrics)
@@ -77,12 +118,14 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
         yield
         await engine.shutdown(timeout=shutdown_timeout)
 
-    app = FastAPI(title="pagedjax-serve", lifespan=lifespan)
+    app = FastAPI(title="pagedjax-serve", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
+    app.middleware("http")(_cross_site_guard(allowed_origins, allowed_hosts))
     app.state.serving = serving
     app.state.metrics = metrics
     install_error_handlers(app)
     created = int(time.time())
-    protected = APIRouter(dependencies=[Depends(_api_key_check(api_key))])
+    protected = APIRouter(dependencies=[Depends(check_key)])
 
     @app.get("/health")
     async def health() -> Response:

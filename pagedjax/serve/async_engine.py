@@ -13,10 +13,10 @@ event loop never waits for device work.
 
 `add_request` returns a `RequestStream` once the engine has accepted the request (its validation errors,
 TypeError / ValueError naming the field, are raised there). Iterating the stream yields one `RequestOutput` per
-step that advanced the request (when the consumer falls behind, only the newest snapshot: they are
-cumulative, so a stream holds at most one), the last one finished. Closing the stream early (`async with`, `aclose()`, or cancelling the
-task that iterates it, e.g. when an HTTP client goes away) aborts the request; the engine frees its blocks
-before its next step.
+step that advanced the request (when the consumer falls behind, only the newest snapshot: they are cumulative,
+so a stream holds at most one), the last one finished. Closing the stream early (`async with`, `aclose()`, or
+cancelling the task that iterates it, e.g. when an HTTP client goes away) aborts the request; the engine frees
+its blocks before its next step.
 
 Failures: a request the engine finished with finish_reason "error" comes out like any other finished output
 (`RequestOutput.error` says why). If `step()` itself raises, every request in flight is aborted and its stream

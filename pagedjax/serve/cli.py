@@ -1,7 +1,7 @@
 """`pagedjax-serve` (also `python -m pagedjax.serve`): the OpenAI-compatible server on uvicorn.
 
     pagedjax-serve                                   # the bundled model on http://127.0.0.1:8000
-    pagedjax-serve --model path/to/hf-folder --port 8001 --kv-memory 1GiB --api-key "$KEY"
+    pagedjax-serve --model path/to/hf-folder --port 8001 --kv-memory 1GiB --api-key-file key.txt
 
 The model and engine options are `pagedjax-generate`'s own (`--model`, `--dtype`, `--backend`, `--block-size`,
 `--num-blocks` / `--kv-memory`, `--decode-steps-per-call`, `--max-num-seqs`, ...: added by the same function,
@@ -52,9 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=generate_args._int_at_least(0), default=8000, help="port (0: any free port)")
-    g.add_argument("--api-key", default=os.environ.get("PAGEDJAX_API_KEY"), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: $PAGEDJAX_API_KEY; "
-                        "none: open)")
+    key = g.add_mutually_exclusive_group()
+    key.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                     help="require 'Authorization: Bearer KEY' on /v1 and /metrics, KEY being FILE's first line "
+                          "(default: $PAGEDJAX_API_KEY; neither: open)")
+    key.add_argument("--api-key", default=None, metavar="KEY",
+                     help="the key itself (visible to every user in `ps`: prefer --api-key-file or "
+                          "$PAGEDJAX_API_KEY)")
+    g.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web origin (e.g. https://app.example) whose pages may call the server from a browser "
+                        "(repeatable); requests from any other Origin are refused")
+    g.add_argument("--allowed-host", action="append", default=None, metavar="HOST",
+                   help="a Host header the server answers (repeatable; default when listening on loopback: "
+                        "localhost, 127.0.0.1, ::1, against DNS rebinding; otherwise any)")
+    g.add_argument("--enable-docs", action="store_true",
+                   help="serve the interactive API docs (/docs, /redoc, /openapi.json; open to anyone who can "
+                        "reach the server)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help=f"the model id clients ask for (default: {BUNDLED_MODEL_NAME} for the bundled model, "
                         "else --model as given)")
@@ -109,6 +122,37 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key clients must send, or None (open); CLIError for an empty one (it would lock every client out)."""
+    if args.api_key_file is not None:
+        try:
+            key, where = args.api_key_file.read_text().splitlines()[0].strip(), f"--api-key-file {args.api_key_file}"
+        except (OSError, IndexError, UnicodeDecodeError) as e:
+            raise CLIError(f"--api-key-file: cannot read a key from {args.api_key_file}: {e or 'empty file'}") \
+                from None
+    elif args.api_key is not None:
+        key, where = args.api_key, "--api-key"
+    elif "PAGEDJAX_API_KEY" in os.environ:
+        key, where = os.environ["PAGEDJAX_API_KEY"].strip(), "PAGEDJAX_API_KEY"
+    else:
+        return None
+    if not key:
+        raise CLIError(f"{where} gives an empty API key (no client could match it); unset it to serve openly")
+    return key
+
+
+def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    """The Host headers to answer: --allowed-host, else the loopback names when listening on loopback."""
+    if args.allowed_host:
+        return list(args.allowed_host)
+    if args.host in LOOPBACK_HOSTS or args.host.startswith("127."):
+        return [*LOOPBACK_HOSTS, args.host]
+    return None
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the model, build the engine and the app, and serve until a signal; CLIError for setup problems."""
     import uvicorn
@@ -132,7 +176,8 @@ def serve(args: argparse.Namespace) -> int:
             raise CLIError(f"cannot read the chat template: {e}") from None
         name = args.served_model_name or (args.model if args.model is not None else BUNDLED_MODEL_NAME)
         app = build_app(AsyncLLMEngine(engine, max_pending=args.max_num_seqs + args.max_queue), model_name=name,
-                        chat_template=template, api_key=args.api_key)
+                        chat_template=template, api_key=api_key(args), allowed_origins=args.allowed_origin,
+                        allowed_hosts=allowed_hosts(args), docs=args.enable_docs)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
         started = _Server(config).run()

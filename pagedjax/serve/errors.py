@@ -22,9 +22,9 @@ from pagedjax.serve.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-          429: "rate_limit_error"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class APIError(Exception):

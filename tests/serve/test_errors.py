@@ -171,6 +171,52 @@ def test_api_key_required(server, headers):
     assert httpx.get(f"{server.url}/health").status_code == 200  # for load balancers: no key
 
 
+@pytest.mark.parametrize("authorization", [f"bearer {API_KEY}", f"BEARER  {API_KEY}", f"Bearer {API_KEY}"])
+def test_the_bearer_scheme_is_case_insensitive(server, authorization):
+    response = httpx.post(server.url + "/v1/completions", headers={"Authorization": authorization}, json=good())
+    assert response.status_code == 200, response.text
+
+
+def test_an_empty_api_key_is_refused_at_build_time():
+    from pagedjax.serve.app import build_app
+    from pagedjax.serve.async_engine import AsyncLLMEngine
+
+    with pytest.raises(ValueError, match="empty"):
+        build_app(AsyncLLMEngine(make_engine()), model_name=MODEL_NAME, api_key="")
+
+
+@pytest.mark.parametrize("origin", ["https://evil.example", "null", "http://127.0.0.1:1"])
+def test_a_browser_page_cannot_drive_the_server(server, http, origin):
+    """A web page's fetch carries its Origin (a text/plain POST needs no CORS preflight): refused, whatever the
+    content type, before any work; a client without an Origin (curl, SDKs) is served."""
+    for content_type in ("text/plain", "application/json"):
+        response = http.post("/v1/completions", content=json.dumps(good()),
+                             headers={"Origin": origin, "Content-Type": content_type})
+        assert_error(response, 403, type_="permission_error", code="origin_not_allowed", says="cross-origin")
+    assert http.post("/v1/completions", content=json.dumps(good()),
+                     headers={"Content-Type": "text/plain"}).status_code == 200
+
+
+def test_allowed_origins_and_hosts():
+    """DNS rebinding makes a page's requests carry the attacker's Host: on loopback only loopback names are
+    answered (the CLI's default); an allowed origin is served."""
+    with running_server(make_engine(), allowed_origins=["https://app.example"],
+                        allowed_hosts=["localhost", "127.0.0.1", "::1"]) as s:
+        ok = httpx.post(s.url + "/v1/completions", json=good(), headers={"Origin": "https://app.example"})
+        assert ok.status_code == 200, ok.text
+        rebound = httpx.post(s.url + "/v1/completions", json=good(), headers={"Host": "attacker.example:8000"})
+        assert_error(rebound, 403, type_="permission_error", code="host_not_allowed", says="attacker.example")
+        assert httpx.get(s.url + "/docs").status_code == 404  # interactive docs are off by default
+        assert httpx.get(s.url + "/openapi.json").status_code == 404
+
+
+def test_host_name_strips_ports_and_brackets():
+    from pagedjax.serve.app import host_name
+
+    assert [host_name(h) for h in ("127.0.0.1:8000", "[::1]:80", "LocalHost", "::1", "[::1]")] == \
+        ["127.0.0.1", "::1", "localhost", "::1", "::1"]
+
+
 def _poison_device_calls(llm):
     """Make the engine's device calls raise when their input holds POISON (as tests/engine's fault injection)."""
     runner = llm.runner

@@ -145,3 +145,25 @@ def test_sigint_past_the_shutdown_timeout_aborts_and_exits_0():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_api_key_sources_and_an_empty_key(tmp_path, monkeypatch):
+    from pagedjax.cli.errors import CLIError
+    from pagedjax.serve.cli import allowed_hosts, api_key
+
+    monkeypatch.delenv("PAGEDJAX_API_KEY", raising=False)
+    assert api_key(build_parser().parse_args([])) is None  # open
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    assert api_key(build_parser().parse_args(["--api-key-file", str(key_file)])) == "s3cret"
+    monkeypatch.setenv("PAGEDJAX_API_KEY", "from-env")
+    assert api_key(build_parser().parse_args([])) == "from-env"
+    monkeypatch.setenv("PAGEDJAX_API_KEY", "")  # set but empty used to lock every client out, silently
+    with pytest.raises(CLIError, match="PAGEDJAX_API_KEY gives an empty API key"):
+        api_key(build_parser().parse_args([]))
+    key_file.write_text("")
+    with pytest.raises(CLIError, match="--api-key-file"):
+        api_key(build_parser().parse_args(["--api-key-file", str(key_file)]))
+    assert allowed_hosts(build_parser().parse_args([])) == ["localhost", "127.0.0.1", "::1", "127.0.0.1"]
+    assert allowed_hosts(build_parser().parse_args(["--host", "0.0.0.0"])) is None
+    assert allowed_hosts(build_parser().parse_args(["--allowed-host", "llm.internal"])) == ["llm.internal"]
