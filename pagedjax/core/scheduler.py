@@ -129,18 +129,18 @@ class Scheduler:
             if taken:
                 raise ValueError(f"request {rid!r}: the ids of its samples {taken[:3]} are in use")
         if request.num_prompt_tokens == 0:
-            raise ValueError(f"request {rid!r} has an empty prompt")
+            raise ValueError(f"request {rid!r}: empty prompt")
         if request.num_prompt_tokens > self.max_model_len:
             raise ValueError(f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
                              f"max_model_len={self.max_model_len}")
         if (request.status is not RequestStatus.WAITING or request.num_computed_tokens
                 or request.output_token_ids):
-            raise ValueError(f"request {rid!r} is not a fresh request (status {request.status.value}, "
+            raise ValueError(f"request {rid!r}: not a fresh request (status {request.status.value}, "
                              f"{request.num_computed_tokens} computed, {request.num_output_tokens} outputs)")
         need = cdiv(self.max_kv_tokens(request), self.block_size)
         if need > self.kv_cache_manager.num_blocks:
-            raise ValueError(f"request {rid!r} may need {need} blocks of {self.block_size} tokens, more than "
-                             f"the whole pool of {self.kv_cache_manager.num_blocks} blocks")
+            raise ValueError(f"request {rid!r}: its prompt and max_tokens may need {need} blocks of {self.block_size}"
+                             f" tokens, more than the whole pool of {self.kv_cache_manager.num_blocks} blocks")
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (ValueError if `check_request` refuses it). A multi-sample request is queued

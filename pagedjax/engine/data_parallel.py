@@ -113,6 +113,11 @@ class DataParallelEngine:
         return sum(r.num_blocks for r in self.replicas)
 
     @property
+    def max_request_tokens(self) -> int:
+        """As `LLMEngine.max_request_tokens`: a request runs on one replica."""
+        return min(r.max_request_tokens for r in self.replicas)
+
+    @property
     def decode_steps_per_call(self) -> int:
         return self.replicas[0].decode_steps_per_call
 

@@ -161,6 +161,12 @@ class LLMEngine:
     def backend(self) -> str:
         return self.runner.backend
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + output) one request can hold: `max_model_len`, or fewer when the KV pool
+        could not hold them (its last sampled token needs no KV)."""
+        return min(self.scheduler_config.max_model_len, self.num_blocks * self.cache_config.block_size + 1)
+
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None) -> None:

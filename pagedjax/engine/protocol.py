@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 class Engine(Protocol):
     tokenizer: Any  # anything with encode / decode, or None (token ids only)
     model_config: Any
+    max_request_tokens: int  # the most tokens (prompt + output) one request can hold
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None) -> None: ...

@@ -56,9 +56,54 @@ def _response(status: int, body: ErrorResponse, headers: dict[str, str] | None =
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+def _short(value) -> str:
+    """`repr(value)`, at most 80 characters (a 1 MB string is not sent back)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text):,} characters)"
+
+
+_NOUNS = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
+
+
+def _plural(tag: str) -> str:
+    if tag.startswith("list[") and tag.endswith("]"):
+        return f"lists of {_plural(tag[5:-1])}"
+    return f"{_NOUNS.get(tag, tag)}s"
+
+
+def _form(tag: str) -> str:
+    """A pydantic union branch tag in words: 'list[constrained-str]' -> 'a list of strings'."""
+    tag = tag.replace("constrained-", "")
+    if tag.startswith("list[") and tag.endswith("]"):
+        return f"a list of {_plural(tag[5:-1])}"
+    noun = _NOUNS.get(tag, tag)
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+
+
+def _union_error(field: str, errs: list[dict]) -> tuple[str, dict | None]:
+    """One message for a field of a union type (pydantic gives one error per alternative, `loc[1]` naming it):
+    the error inside the one alternative the value had the shape of (a list too long, a string too long),
+    else the forms the field takes."""
+    def shape_error(e):
+        return len(e["loc"]) == 2 and e.get("type", "").endswith("_type")
+
+    inside = {}
+    for e in errs:
+        if not shape_error(e):
+            inside.setdefault(e["loc"][1], e)
+    if len(inside) == 1:
+        e = next(iter(inside.values()))
+        where = ".".join([field, *e["loc"][2:]])
+        return f"{where}: {e.get('msg')}", e
+    forms = list(dict.fromkeys(_form(e["loc"][1]) for e in errs if len(e["loc"]) > 1))
+    text = f"{', '.join(forms[:-1])} or {forms[-1]}" if len(forms) > 1 else (forms or ["of another form"])[0]
+    whole = next((e for e in errs if len(e["loc"]) == 2), None)  # its input is the field's whole value
+    return f"{field}: must be {text}", whole
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """A message naming the fields at fault, and the first of them (pydantic's errors, a leading "body"
-    location dropped). A field of a union type (e.g. `prompt`) gets one error per alternative: one line each."""
+    location dropped). A field of a union type (e.g. `prompt`) gets one error per alternative, made one."""
     by_field: dict[str, list[dict]] = {}
     for e in errors:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
@@ -71,12 +116,13 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         if e.get("type") == "extra_forbidden":
             parts.append(f"unknown field {'.'.join(e['loc'])!r}")
             continue
-        where = ".".join(e["loc"]) if len(errs) == 1 else field
-        msg = e.get("msg") if len(errs) == 1 else "no allowed form of the field matches"
-        got = e.get("input") if len(errs) == 1 else None
-        text = f"{where or 'body'}: {msg}"
+        if len(errs) == 1:
+            text, shown = f"{'.'.join(e['loc']) or 'body'}: {e.get('msg')}", e
+        else:
+            text, shown = _union_error(field, errs)
+        got = None if shown is None else shown.get("input")
         if got is not None and not isinstance(got, dict | list | bytes):
-            text += f" (got {got!r})"
+            text += f" (got {_short(got)})"
         parts.append(text)
     more = f" (and {len(by_field) - 3} more fields)" if len(by_field) > 3 else ""
     param = next((f for f in by_field if f), None)

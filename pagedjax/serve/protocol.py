@@ -3,22 +3,36 @@
 Field names and defaults are OpenAI's (`temperature` defaults to 1, completions' `max_tokens` to 16), plus
 vLLM's common extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
 `include_stop_str_in_output`). Requests are strict: unknown fields and values of the wrong JSON type (a string
-for a number, a float for an integer) are rejected with a message naming the field, never coerced.
+for a number, a float for an integer) are rejected with a message naming the field, never coerced. A `null`
+is the field's default, as OpenAI's API takes it (its SDKs send `"n": null`, `"stream": null`, ...); a required
+field cannot be null.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 SEED_LIMIT = 2**63  # seeds travel to the device as two uint32 halves (see SamplingParams)
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1024  # characters per stop string
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """Drop `null` for fields that have a default other than None (they take it); required fields keep
+        theirs, and fail as missing values."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not fields[k].is_required() and fields[k].default is not None)}
 
 
 class StreamOptions(_Request):
@@ -27,7 +41,8 @@ class StreamOptions(_Request):
 
 Probability = Annotated[float, Field(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-Stop = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 
 
 class _SamplingFields(_Request):
@@ -73,6 +88,10 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContent] | None = None
     name: str | None = None
+    # An assistant turn that called tools, and a tool's answer to a call: accepted as OpenAI clients replay
+    # them; their text (content) goes through the chat template like any message's.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:

@@ -74,6 +74,15 @@ class Prepared:
         return getattr(self.params, "n", 1)
 
 
+def engine_error_param(message: str) -> str | None:
+    """The request field an engine's refusal is about, from its message."""
+    for says, param in (("stop_token_ids", "stop_token_ids"), ("vocabulary", "prompt"), ("prompt", "prompt"),
+                        ("max_tokens", "max_tokens")):
+        if says in message:
+            return param
+    return None
+
+
 class OpenAIServing:
     """The endpoints' logic over one async engine; see the module docstring."""
 
@@ -86,7 +95,9 @@ class OpenAIServing:
         self.model_name = model_name
         self.chat_template = chat_template
         self.metrics = metrics
-        self.max_model_len = int(engine.engine.scheduler_config.max_model_len)
+        # What one request can hold: max_model_len, or less when the KV pool is smaller (a default max_tokens is
+        # clipped to it, and /v1/models advertises it).
+        self.max_model_len = int(engine.engine.max_request_tokens)
 
     # ---------------------------------------------------------------------------------------------- prepare
     def check_model(self, model: str) -> None:
@@ -154,7 +165,8 @@ class OpenAIServing:
             return await self.engine.add_request(prepared.prompt_token_ids, prepared.params,
                                                  request_id=prepared.request_id)
         except (TypeError, ValueError) as e:
-            raise bad_request(str(e).replace(f"request {prepared.request_id!r}: ", "")) from None
+            message = str(e).replace(f"request {prepared.request_id!r}: ", "")
+            raise bad_request(message, engine_error_param(message)) from None
         except QueueFullError as e:
             raise APIError(503, f"The server is overloaded: {e}", code="queue_full",
                            headers={"Retry-After": "1"}) from None

@@ -92,15 +92,40 @@ def test_json_without_content_type_is_parsed(http):  # curl -d sends application
     ("seed", 2**63, "less than"),
     ("presence_penalty", 3.0, "less than or equal to 2"),
     ("stream", "yes", "valid boolean"),
-    ("stop", 5, "no allowed form"),
-    ("prompt", [1, 2.5], "no allowed form"),
-    ("prompt", None, "no allowed form"),
+    ("stop", 5, "stop: must be a string or a list of strings (got 5)"),
+    ("stop", ["a"] * 17, "at most 16 items"),  # the limit is named
+    ("stop", "s" * 1025, "at most 1024 characters"),
+    ("prompt", [1, 2.5], "prompt: must be a string, a list of integers, a list of strings or a list of lists of "
+                         "integers"),
+    ("prompt", None, "prompt: must be a string"),
     ("n", 0, "greater than or equal to 1"),
 ])
 def test_invalid_field(http, field, value, says):
     response = http.post("/v1/completions", json=good(**{field: value}))
     assert_error(response, 400, type_="invalid_request_error", param=field, says=f"{field}")
     assert says in response.json()["error"]["message"]
+
+
+def test_a_huge_value_is_not_sent_back(http):
+    response = http.post("/v1/completions", json=good(temperature="x" * 1_000_000))
+    assert_error(response, 400, type_="invalid_request_error", param="temperature", says="1,000,002 characters")
+    assert len(response.content) < 1000
+
+
+def test_null_is_the_default_as_openai_clients_send_it(http):
+    body = good(n=None, stream=None, stop=None, echo=None, best_of=None, logprobs=None, max_tokens=None)
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1
+    chat = {"model": MODEL_NAME, "n": None, "stream": None, "logprobs": None, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"}], "max_tokens": 3}
+    response = http.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 200, response.text
+    required = http.post("/v1/completions", json=good(model=None))
+    assert_error(required, 400, type_="invalid_request_error", param="model", says="model")
 
 
 def test_missing_field(http):
@@ -120,7 +145,34 @@ def test_unknown_field(http):
 
 def test_token_ids_outside_the_vocabulary(http):
     response = http.post("/v1/completions", json=good(prompt=[1, 2, 100000]))
-    assert_error(response, 400, type_="invalid_request_error", says="outside the vocabulary")
+    assert_error(response, 400, type_="invalid_request_error", param="prompt", says="outside the vocabulary")
+    assert "cmpl-" not in response.json()["error"]["message"]  # no internal request id
+    response = http.post("/v1/completions", json=good(stop_token_ids=[100000]))
+    assert_error(response, 400, type_="invalid_request_error", param="stop_token_ids", says="stop_token_ids")
+
+
+def test_a_pool_smaller_than_the_context_clips_the_default_max_tokens():
+    """A pool of one 128-token block: a chat request without max_tokens used to be refused ("may need ...
+    blocks, more than the whole pool") while /v1/models advertised the whole context; now the default is what
+    the pool holds, and so is the advertised length."""
+    from pagedjax import CacheConfig, LLMEngine, SchedulerConfig
+    from pagedjax.model.tokenizer import ByteTokenizer
+    from tests.serve.server_utils import BLOCK_SIZE, CFG, MAX_MODEL_LEN, SEED
+
+    llm = LLMEngine(CFG, CacheConfig(block_size=BLOCK_SIZE, num_blocks=1),
+                    SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN),
+                    seed=SEED, tokenizer=ByteTokenizer())
+    assert llm.max_request_tokens == BLOCK_SIZE + 1
+    with running_server(llm) as s:
+        assert httpx.get(s.url + "/v1/models").json()["data"][0]["max_model_len"] == BLOCK_SIZE + 1
+        chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+        response = httpx.post(s.url + "/v1/chat/completions", json=chat, timeout=120)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        assert usage["total_tokens"] == BLOCK_SIZE + 1
+        too_many = httpx.post(s.url + "/v1/chat/completions", json={**chat, "max_tokens": BLOCK_SIZE})
+        assert_error(too_many, 400, type_="invalid_request_error", param="max_tokens",
+                     code="context_length_exceeded", says=f"maximum context length is {BLOCK_SIZE + 1}")
 
 
 def test_prompt_too_long(http):
