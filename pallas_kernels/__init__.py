@@ -3,7 +3,7 @@
     paged_attention(q, k_pages, v_pages, block_tables, lengths)            decode: one query per sequence
     ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
                                                                             mixed prefill chunks + decode
-Both take `target="auto" | "gpu" | "tpu"`: the GPU kernels (this package's modules) or the TPU kernels
+Both take `target="auto" | "gpu" | "tpu"`: the GPU kernels (`pallas_kernels.gpu`) or the TPU kernels
 (`pallas_kernels.tpu`); "auto" is "tpu" on a TPU backend and "gpu" otherwise. With `interpret=True` (the
 default off their platform) the TPU kernels run in Pallas's TPU interpret mode, on any machine.
 KV layout: `[num_kv_heads, num_blocks, block_size, head_dim]` (that of JAX's own Pallas paged-attention op).
@@ -32,10 +32,10 @@ Example (GQA, 8 query heads on 2 KV heads, a cache of 32 blocks of 16 tokens):
     out = jax.jit(paged_attention)(q, k_pages, v_pages, block_tables, lengths)  # [2, 8, 64] bfloat16
 """
 
+from pallas_kernels.gpu.paged_attention import default_num_splits, paged_attention
+from pallas_kernels.gpu.ragged_attention import ragged_paged_attention
 from pallas_kernels.merge import Partial, finalize, merge_and_finalize, merge_partials, merge_two
-from pallas_kernels.paged_attention import default_num_splits, paged_attention
 from pallas_kernels.quant import dequantize_kv, quantize_kv
-from pallas_kernels.ragged_attention import ragged_paged_attention
 from pallas_kernels.reference import (
     paged_attention_reference,
     paged_attention_xla,

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _common as C
+from pallas_kernels.gpu import _common as C
 from pallas_kernels.quant import dequantize_kv
 
 HIGHEST = lax.Precision.HIGHEST

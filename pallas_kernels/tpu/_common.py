@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _common as C
+from pallas_kernels.gpu import _common as C
 from pallas_kernels.quant import is_quantized
 
 TARGETS = ("auto", "gpu", "tpu")

@@ -25,8 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _common as C
-from pallas_kernels.ragged_attention import default_block_q, tile_metadata
+from pallas_kernels.gpu import _common as C
+from pallas_kernels.gpu.ragged_attention import default_block_q, tile_metadata
 from pallas_kernels.tpu import _common as T
 from pallas_kernels.tpu.page_chunks import PageChunks
 

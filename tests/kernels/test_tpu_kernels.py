@@ -36,8 +36,8 @@ from tests.kernels.cases import HEAD_DIMS, assert_close, boundary_lengths, build
 pytestmark = pytest.mark.kernels
 
 # The modules (the package rebinds their names to the functions).
-gpu_decode = importlib.import_module("pallas_kernels.paged_attention")
-gpu_ragged = importlib.import_module("pallas_kernels.ragged_attention")
+gpu_decode = importlib.import_module("pallas_kernels.gpu.paged_attention")
+gpu_ragged = importlib.import_module("pallas_kernels.gpu.ragged_attention")
 
 TPU = dict(target="tpu", interpret=True)
 # The TPU block-size rule: multiples of 8 rows for float32 and of 16 for bfloat16 (weighted: repeated entries).

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common as C
+from pallas_kernels.gpu import _common as C
 from pallas_kernels.merge import finalize, merge_and_finalize
 from pallas_kernels.tpu._common import resolve_target
 from pallas_kernels.tpu.paged_attention import paged_attention_tpu

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common as C
+from pallas_kernels.gpu import _common as C
 from pallas_kernels.merge import finalize
 from pallas_kernels.tpu._common import resolve_target
 
