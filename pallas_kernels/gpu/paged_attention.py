@@ -37,6 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import _validate as V
+from pallas_kernels import tiles
 from pallas_kernels.gpu import _common as C
 from pallas_kernels.merge import finalize, merge_and_finalize
 from pallas_kernels.tpu._common import resolve_target
@@ -55,9 +57,9 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int
     sequence has tiles. The split *boundaries* are then computed in the kernel from each sequence's actual
     length, so short sequences in a wide table are split as evenly as long ones.
     """
-    tiles = C.cdiv(max(1, max_blocks_per_seq), pages_per_iter)
-    want = C.cdiv(_TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
-    return int(max(1, min(want, tiles, _MAX_SPLITS)))
+    num_tiles = tiles.cdiv(max(1, max_blocks_per_seq), pages_per_iter)
+    want = tiles.cdiv(_TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
+    return int(max(1, min(want, num_tiles, _MAX_SPLITS)))
 
 
 def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float, group: int,
@@ -73,19 +75,19 @@ def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: fl
     seq = pl.program_id(0)
     head = pl.program_id(1)
     split = pl.program_id(2)
-    dim_pad = C.padded_head_dim(head_dim)
+    dim_pad = tiles.padded_head_dim(head_dim)
 
     length = jnp.clip(lengths_ref[seq], 0, max_blocks_per_seq * block_size)
-    num_pages = C.cdiv(length, block_size)
+    num_pages = tiles.cdiv(length, block_size)
     # The query sits at position length - 1: a window keeps positions [length - W, length), and pages wholly
     # before it are no split's (never loaded, their table entries never read).
     window_start = None if sliding_window is None else jnp.maximum(length - sliding_window, 0)
     first_page = 0 if sliding_window is None else window_start // block_size
     # This split's page range, sized from this sequence's (window's) page count and rounded to whole tiles.
-    pages_per_split = C.cdiv(C.cdiv(num_pages - first_page, num_splits), pages_per_iter) * pages_per_iter
+    pages_per_split = tiles.cdiv(tiles.cdiv(num_pages - first_page, num_splits), pages_per_iter) * pages_per_iter
     page_lo = first_page + split * pages_per_split
     page_hi = jnp.minimum(page_lo + pages_per_split, num_pages)
-    num_iters = C.cdiv(jnp.maximum(page_hi - page_lo, 0), pages_per_iter)
+    num_iters = tiles.cdiv(jnp.maximum(page_hi - page_lo, 0), pages_per_iter)
 
     r = jnp.arange(rows, dtype=jnp.int32)
     d = jnp.arange(dim_pad, dtype=jnp.int32)
@@ -125,7 +127,7 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_sca
     max_blocks_per_seq = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     kernel = functools.partial(
-        _decode_kernel, scale=scale, group=group, rows=max(C.MIN_DOT_DIM, C.next_pow2(group)),
+        _decode_kernel, scale=scale, group=group, rows=max(tiles.MIN_DOT_DIM, tiles.next_pow2(group)),
         head_dim=head_dim, block_size=block_size, pages_per_iter=pages_per_iter, num_splits=num_splits,
         max_blocks_per_seq=max_blocks_per_seq, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         quantized=k_scales is not None)
@@ -144,7 +146,7 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_sca
         interpret=interpret,
         compiler_params=C.compiler_params(num_warps, num_stages),
         name=f"paged_attention_decode_s{num_splits}_p{pages_per_iter}"
-             + C.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
+             + tiles.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
     )(lengths, block_tables, q, k_pages, v_pages, *(() if k_scales is None else (k_scales, v_scales)))
     if num_splits == 1:
         return out
@@ -214,16 +216,16 @@ def paged_attention(
     """
     target = resolve_target(target, interpret)
     num_seqs = q.shape[0] if getattr(q, "ndim", 0) == 3 else None
-    _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = C.validate_qkv(
+    _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = V.validate_qkv(
         q, k_pages, v_pages, block_tables, num_q_rows=num_seqs)
-    C.check_vector("lengths", lengths, num_seqs)
-    sliding_window, logits_soft_cap, _ = C.validate_variants(
+    V.check_vector("lengths", lengths, num_seqs)
+    sliding_window, logits_soft_cap, _ = V.validate_variants(
         k_pages, v_pages, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scales=k_scales,
         v_scales=v_scales)
-    scale = C.resolve_scale(scale, head_dim)
-    C.check_positive_option("num_splits", num_splits)
-    C.check_positive_int("num_warps", num_warps)
-    C.check_positive_int("num_stages", num_stages)
+    scale = V.resolve_scale(scale, head_dim)
+    V.check_positive_option("num_splits", num_splits)
+    V.check_positive_int("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
     if target == "tpu":
         return paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=interpret,
                                    num_splits=num_splits, pages_per_iter=pages_per_iter,
@@ -232,7 +234,7 @@ def paged_attention(
     if num_seqs == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
         return jnp.zeros(q.shape, q.dtype)
     # A program walks at most the window's pages: tiles and splits are sized from that, not the table.
-    walked_pages = C.window_pages(sliding_window, 1, max_blocks_per_seq, block_size)
+    walked_pages = tiles.window_pages(sliding_window, 1, max_blocks_per_seq, block_size)
     if pages_per_iter is None:
         pages_per_iter = C.default_pages_per_iter(block_size, walked_pages, head_dim, q.dtype)
     if num_splits is None:

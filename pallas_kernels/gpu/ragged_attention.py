@@ -29,57 +29,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import _validate as V
+from pallas_kernels import tiles
 from pallas_kernels.gpu import _common as C
 from pallas_kernels.merge import finalize
 from pallas_kernels.tpu._common import resolve_target
-
-_MAX_ROWS = 128
-_MAX_ACC_ELEMENTS = 128 * 128
-
-
-def default_block_q(num_tokens: int, num_seqs: int, group: int, head_dim: int) -> int:
-    """Query tokens per tile: the mean query length rounded up to a power of two, so tiles fit the
-    sequences, with block_q * group between 16 and 128 rows (64 at head_dim 256: the float32 accumulator
-    rows x head_dim stays <= 64 KiB of registers)."""
-    group_pad = C.next_pow2(group)
-    dim_pad = C.padded_head_dim(head_dim)
-    lo = max(1, C.MIN_DOT_DIM // group_pad)
-    hi = max(1, min(_MAX_ROWS, _MAX_ACC_ELEMENTS // dim_pad) // group_pad)
-    mean = C.cdiv(max(1, num_tokens), max(1, num_seqs))
-    return int(min(max(C.next_pow2(mean), lo), max(lo, hi)))
-
-
-def max_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
-    """Upper bound on the tiles of num_seqs sequences plus one padding segment holding num_tokens rows:
-    sum_i cdiv(n_i, b) <= (sum_i n_i + segments * (b - 1)) / b."""
-    return max(1, (num_tokens + (num_seqs + 1) * (block_q - 1)) // block_q)
-
-
-def tile_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, num_tokens: int, block_q: int,
-                  max_context: int) -> jax.Array:
-    """int32 `[num_tiles, 5]`: for each tile (sequence for the block table, first row, number of rows,
-    position of its first row, kv length). Rows past cu_q_lens[-1] form a last segment with kv length 0
-    (its rows get zeros); tiles past the real count have 0 rows."""
-    num_seqs = kv_lens.shape[0]
-    num_tiles = max_tiles(num_tokens, num_seqs, block_q)
-    cu = jnp.clip(cu_q_lens.astype(jnp.int32), 0, num_tokens)
-    cu = jnp.concatenate([cu, jnp.full((1,), num_tokens, jnp.int32)])  # + padding segment
-    q_lens = jnp.maximum(cu[1:] - cu[:-1], 0)  # [num_seqs + 1]
-    kv = jnp.concatenate([jnp.clip(kv_lens, 0, max_context), jnp.zeros((1,), jnp.int32)])
-    tiles = C.cdiv(q_lens, block_q)
-    tile_cu = jnp.cumsum(tiles)  # tile_cu[s] = first tile after segment s
-    t = jnp.arange(num_tiles, dtype=jnp.int32)
-    # seg[t] = #segments whose tiles end at or before t (a scatter-add and a cumsum: O(tiles + seqs)).
-    ends = jnp.zeros((num_tiles + 1,), jnp.int32).at[jnp.minimum(tile_cu, num_tiles)].add(1)
-    seg = jnp.cumsum(ends)[:num_tiles]
-    in_range = seg <= num_seqs
-    seg = jnp.minimum(seg, num_seqs)
-    j = t - (tile_cu[seg] - tiles[seg])  # tile index within its segment
-    row0 = cu[seg] + j * block_q
-    rows = jnp.where(in_range, jnp.clip(q_lens[seg] - j * block_q, 0, block_q), 0)
-    pos0 = kv[seg] - q_lens[seg] + j * block_q
-    table_row = jnp.minimum(seg, num_seqs - 1)
-    return jnp.stack([table_row, row0, rows, pos0, kv[seg]], axis=1).astype(jnp.int32)
+from pallas_kernels.tpu.ragged_attention import ragged_paged_attention_tpu
 
 
 def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float, group: int,
@@ -96,7 +51,7 @@ def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float
     num_rows = meta_ref[tile, 2]
     pos0 = meta_ref[tile, 3]
     kv_len = meta_ref[tile, 4]
-    dim_pad = C.padded_head_dim(head_dim)
+    dim_pad = tiles.padded_head_dim(head_dim)
     rows = block_q * group_pad
 
     r = jnp.arange(rows, dtype=jnp.int32)
@@ -113,10 +68,10 @@ def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float
     # sees nothing before pos0 - W + 1, so the walk starts at that position's page: pages wholly before every
     # row's window are never loaded and their table entries never read.
     kv_end = jnp.where(num_rows > 0, jnp.clip(pos0 + num_rows, 0, kv_len), 0)
-    num_pages = C.cdiv(kv_end, block_size)
+    num_pages = tiles.cdiv(kv_end, block_size)
     kv_start = None if sliding_window is None else jnp.clip(pos0 - sliding_window + 1, 0, kv_end)
     first_page = 0 if sliding_window is None else kv_start // block_size
-    num_iters = C.cdiv(num_pages - first_page, pages_per_iter)
+    num_iters = tiles.cdiv(num_pages - first_page, pages_per_iter)
 
     def body(i, carry):
         k, v, valid, kv_pos = C.gather_page_tile(
@@ -141,9 +96,9 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    meta = tile_metadata(kv_lens, cu_q_lens, num_tokens, block_q, block_tables.shape[1] * block_size)
+    meta = tiles.tile_metadata(kv_lens, cu_q_lens, num_tokens, block_q, block_tables.shape[1] * block_size)
     kernel = functools.partial(
-        _ragged_kernel, scale=scale, group=group, group_pad=C.next_pow2(group), block_q=block_q,
+        _ragged_kernel, scale=scale, group=group, group_pad=tiles.next_pow2(group), block_q=block_q,
         head_dim=head_dim, block_size=block_size, pages_per_iter=pages_per_iter, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, quantized=k_scales is not None)
     return pl.pallas_call(
@@ -153,15 +108,15 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
         interpret=interpret,
         compiler_params=C.compiler_params(num_warps, num_stages),
         name=f"ragged_paged_attention_q{block_q}_p{pages_per_iter}"
-             + C.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
+             + tiles.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
     )(meta, block_tables, q, k_pages, v_pages, *(() if k_scales is None else (k_scales, v_scales)))
 
 
 def default_num_warps(block_q: int, group: int, head_dim: int) -> int:
     """Triton warps per program: 4, or 8 for query tiles of 128 x 128 float32 accumulator elements and
     more (big tiles need more threads to hold the accumulator)."""
-    rows = block_q * C.next_pow2(group)
-    return 8 if rows * C.padded_head_dim(head_dim) >= 128 * 128 else 4
+    rows = block_q * tiles.next_pow2(group)
+    return 8 if rows * tiles.padded_head_dim(head_dim) >= 128 * 128 else 4
 
 
 def ragged_paged_attention(
@@ -204,7 +159,7 @@ def ragged_paged_attention(
         TPU for "tpu"), interpreted elsewhere. With target "tpu" it is Pallas's TPU interpret mode (DMAs
         and semaphores simulated); a `pltpu.InterpretParams` sets its options.
       block_q: query tokens per tile, a power of two; on GPU also `block_q * next_pow2(group) >= 16` (group =
-        num_q_heads // num_kv_heads); `None` picks one from the mean query length (see `default_block_q`).
+        num_q_heads // num_kv_heads); `None` picks one from the mean query length (see `tiles.default_block_q`).
       pages_per_iter: pages gathered per inner-loop iteration. GPU: a power of two with
         `pages_per_iter * next_pow2(block_size) >= 16`; `None` = about 64 tokens per iteration. TPU: pages
         per double-buffered DMA chunk, any positive int; `None` = about 64 KiB of K per chunk.
@@ -229,37 +184,34 @@ def ragged_paged_attention(
       TypeError: on an unknown keyword argument.
     """
     target = resolve_target(target, interpret)
-    _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = C.validate_qkv(
+    _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = V.validate_qkv(
         q, k_pages, v_pages, block_tables)
     num_tokens, num_q_heads, _ = q.shape
     num_seqs = block_tables.shape[0]
-    C.check_vector("kv_lens", kv_lens, num_seqs)
-    C.check_vector("cu_q_lens", cu_q_lens, num_seqs + 1)
-    sliding_window, logits_soft_cap, _ = C.validate_variants(
+    V.check_vector("kv_lens", kv_lens, num_seqs)
+    V.check_vector("cu_q_lens", cu_q_lens, num_seqs + 1)
+    sliding_window, logits_soft_cap, _ = V.validate_variants(
         k_pages, v_pages, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scales=k_scales,
         v_scales=v_scales)
-    scale = C.resolve_scale(scale, head_dim)
-    C.check_positive_option("num_warps", num_warps)
-    C.check_positive_int("num_stages", num_stages)
+    scale = V.resolve_scale(scale, head_dim)
+    V.check_positive_option("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
     if target == "tpu":
-        # Imported here: the TPU module reuses this module's tile_metadata and default_block_q.
-        from pallas_kernels.tpu.ragged_attention import ragged_paged_attention_tpu
-
         return ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
                                           interpret=interpret, block_q=block_q, pages_per_iter=pages_per_iter,
                                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     group = num_q_heads // num_kv_heads
-    C.check_pow2_option("block_q", block_q)
-    if block_q is not None and block_q * C.next_pow2(group) < C.MIN_DOT_DIM:
-        raise ValueError(f"block_q * next_pow2(group) must be >= {C.MIN_DOT_DIM} (tl.dot), got block_q="
+    V.check_pow2_option("block_q", block_q)
+    if block_q is not None and block_q * tiles.next_pow2(group) < tiles.MIN_DOT_DIM:
+        raise ValueError(f"block_q * next_pow2(group) must be >= {tiles.MIN_DOT_DIM} (tl.dot), got block_q="
                          f"{block_q} with {group} query heads per KV head")
     C.check_pages_per_iter(pages_per_iter, block_size)
     if num_tokens == 0 or num_seqs == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
         return jnp.zeros(q.shape, q.dtype)
     if block_q is None:
-        block_q = default_block_q(num_tokens, num_seqs, group, head_dim)
+        block_q = tiles.default_block_q(num_tokens, num_seqs, group, head_dim)
     if pages_per_iter is None:
-        walked_pages = C.window_pages(sliding_window, block_q, max_blocks_per_seq, block_size)
+        walked_pages = tiles.window_pages(sliding_window, block_q, max_blocks_per_seq, block_size)
         pages_per_iter = C.default_pages_per_iter(block_size, walked_pages, head_dim, q.dtype, max_tokens=64)
     if num_warps is None:
         num_warps = default_num_warps(block_q, group, head_dim)

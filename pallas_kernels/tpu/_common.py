@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.gpu import _common as C
+from pallas_kernels import _validate as V
 from pallas_kernels.quant import is_quantized
 
 TARGETS = ("auto", "gpu", "tpu")
@@ -80,7 +80,7 @@ def check_block_size(block_size: int, dtype) -> None:
 
 
 def check_pages_per_iter(pages_per_iter: int | None) -> None:
-    C.check_positive_option("pages_per_iter", pages_per_iter)
+    V.check_positive_option("pages_per_iter", pages_per_iter)
 
 
 def default_pages_per_iter(block_size: int, max_blocks_per_seq: int, head_dim: int, dtype) -> int:

@@ -29,7 +29,6 @@ from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from pallas_kernels.tpu import ragged_attention as tpu_ragged
 from pallas_kernels.tpu._common import default_pages_per_iter
 from tests.kernels.cases import HEAD_DIMS, assert_close, boundary_lengths, build, examples, gqa_heads, relocate
 
@@ -314,7 +313,7 @@ def test_auto_target_follows_the_backend(monkeypatch):
     monkeypatch.setattr(gpu_decode, "_paged_attention", recorder("gpu decode"))
     monkeypatch.setattr(gpu_ragged, "_ragged_paged_attention", recorder("gpu ragged"))
     monkeypatch.setattr(gpu_decode, "paged_attention_tpu", recorder("tpu decode"))
-    monkeypatch.setattr(tpu_ragged, "ragged_paged_attention_tpu", recorder("tpu ragged"))
+    monkeypatch.setattr(gpu_ragged, "ragged_paged_attention_tpu", recorder("tpu ragged"))
     for backend in ("cpu", "gpu", "tpu"):
         monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
         paged_attention(**_decode_args())
