@@ -37,12 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _validate as V
 from pallas_kernels import tiles
 from pallas_kernels.gpu import _common as C
 from pallas_kernels.merge import finalize, merge_and_finalize
-from pallas_kernels.tpu._common import resolve_target
-from pallas_kernels.tpu.paged_attention import paged_attention_tpu
 
 # Split-K targets about this many programs in flight: a few waves on a 132-SM H100/H200.
 _TARGET_PROGRAMS = 512
@@ -154,82 +151,17 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_sca
     return merge_and_finalize(m, z, u, axis=0, dtype=q.dtype)
 
 
-def paged_attention(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    block_tables: jax.Array,
-    lengths: jax.Array,
-    *,
-    scale: float | None = None,
-    interpret: bool | None = None,
-    num_splits: int | None = None,
-    pages_per_iter: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    target: str = "auto",
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-) -> jax.Array:
-    """Decode attention of one query token per sequence over a paged KV cache.
-
-    Args:
-      q: `[num_seqs, num_q_heads, head_dim]`, float32, bfloat16 or float16.
-      k_pages, v_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, q's dtype (the layout of JAX's
-        own Pallas paged-attention op), or both int8 or both float8_e4m3fn with `k_scales`/`v_scales`.
-        `num_q_heads % num_kv_heads == 0` (MHA, GQA, MQA); head_dim a multiple of 16, at most 256; any
-        block_size (powers of two are fastest).
-      block_tables: int32 `[num_seqs, max_blocks_per_seq]`: logical block j of sequence s lives in
-        physical block `block_tables[s, j]`. Entries past `cdiv(lengths[s], block_size)` are never read
-        and may hold anything; so are those of pages wholly before a sliding window.
-      lengths: int32 `[num_seqs]`: tokens in each sequence's cache (clipped to
-        `[0, max_blocks_per_seq * block_size]`). Slots at or past the length are never read.
-      scale: multiplies q.k; defaults to `1 / sqrt(head_dim)`. (JAX's op applies no scale.)
-      interpret: run the Pallas interpreter; `None` = compiled on the target's own platform (GPU for "gpu",
-        TPU for "tpu"), interpreted elsewhere. With target "tpu" it is Pallas's TPU interpret mode (DMAs
-        and semaphores simulated); a `pltpu.InterpretParams` sets its options.
-      num_splits: KV splits per sequence (flash-decoding), a positive int; `None` picks one from the batch
-        and table shape (see `default_num_splits`; 1 on TPU). Any count works: no divisibility constraints.
-      pages_per_iter: pages gathered per inner-loop iteration. GPU: a power of two with
-        `pages_per_iter * next_pow2(block_size) >= 16`; `None` = about 128 tokens per iteration (see
-        `_common.default_pages_per_iter`). TPU: pages per double-buffered DMA chunk, any positive int;
-        `None` = about 64 KiB of K per chunk (see `tpu._common.default_pages_per_iter`).
-      num_warps: Triton warps per program (compiled GPU mode only).
-      num_stages: Triton software-pipelining stages (compiled GPU mode only).
-      target: "gpu" (Triton kernels), "tpu" (Mosaic kernels: float32 or bfloat16, block_size a multiple
-        of 8 for float32 and of 16 for bfloat16), or "auto": "tpu" on a TPU backend, "gpu" otherwise.
-      sliding_window: W, an int >= 1: the query (at position lengths[s] - 1) attends to the last W positions
-        only. Each sequence's splits are cut over the window's pages; pages before it are never loaded.
-      logits_soft_cap: c, a finite float > 0: scaled scores s become c * tanh(s / c) before the softmax.
-      k_scales, v_scales: with 8-bit pages (and only then), `[num_kv_heads, num_blocks, block_size]` float32
-        or bfloat16: the attended K/V are `pages.astype(float32) * scales[..., None]`, dequantized in
-        registers after 8-bit loads (see `pallas_kernels.quant`).
-
-    Returns:
-      `[num_seqs, num_q_heads, head_dim]` in q's dtype; zeros for sequences of length 0.
-
-    Raises:
-      ValueError: on malformed arguments or tuning values (shapes, dtypes, non-power-of-two tiles).
-      TypeError: on an unknown keyword argument.
-    """
-    target = resolve_target(target, interpret)
-    num_seqs = q.shape[0] if getattr(q, "ndim", 0) == 3 else None
-    _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = V.validate_qkv(
-        q, k_pages, v_pages, block_tables, num_q_rows=num_seqs)
-    V.check_vector("lengths", lengths, num_seqs)
-    sliding_window, logits_soft_cap, _ = V.validate_variants(
-        k_pages, v_pages, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scales=k_scales,
-        v_scales=v_scales)
-    scale = V.resolve_scale(scale, head_dim)
-    V.check_positive_option("num_splits", num_splits)
-    V.check_positive_int("num_warps", num_warps)
-    V.check_positive_int("num_stages", num_stages)
-    if target == "tpu":
-        return paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=interpret,
-                                   num_splits=num_splits, pages_per_iter=pages_per_iter,
-                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+def paged_attention_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale: float, interpret: bool | None,
+                        num_splits: int | None, pages_per_iter: int | None, num_warps: int, num_stages: int,
+                        sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                        k_scales: jax.Array | None = None, v_scales: jax.Array | None = None) -> jax.Array:
+    """The GPU decode kernel behind `pallas_kernels.paged_attention(..., target="gpu")`, which has already
+    validated shapes, dtypes, scale, variants and the tuning ints. Checks the GPU tile rule (pages_per_iter),
+    fills in the defaults (`default_pages_per_iter`, `default_num_splits`, over the window's pages with a
+    window) and runs the kernel."""
+    num_seqs = q.shape[0]
+    num_kv_heads, num_blocks, block_size, head_dim = k_pages.shape
+    max_blocks_per_seq = block_tables.shape[1]
     C.check_pages_per_iter(pages_per_iter, block_size)
     if num_seqs == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
         return jnp.zeros(q.shape, q.dtype)

@@ -33,8 +33,6 @@ from pallas_kernels import _validate as V
 from pallas_kernels import tiles
 from pallas_kernels.gpu import _common as C
 from pallas_kernels.merge import finalize
-from pallas_kernels.tpu._common import resolve_target
-from pallas_kernels.tpu.ragged_attention import ragged_paged_attention_tpu
 
 
 def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float, group: int,
@@ -119,87 +117,18 @@ def default_num_warps(block_q: int, group: int, head_dim: int) -> int:
     return 8 if rows * tiles.padded_head_dim(head_dim) >= 128 * 128 else 4
 
 
-def ragged_paged_attention(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    block_tables: jax.Array,
-    kv_lens: jax.Array,
-    cu_q_lens: jax.Array,
-    *,
-    scale: float | None = None,
-    interpret: bool | None = None,
-    block_q: int | None = None,
-    pages_per_iter: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int = 2,
-    target: str = "auto",
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-) -> jax.Array:
-    """Causal attention of ragged query chunks (prefill chunks and decode tokens) over a paged KV cache.
-
-    Args:
-      q: `[total_q_tokens, num_q_heads, head_dim]`, float32, bfloat16 or float16. Sequence s owns rows
-        `cu_q_lens[s]:cu_q_lens[s + 1]`; rows at or past `cu_q_lens[-1]` are padding and get zeros.
-      k_pages, v_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` in q's dtype (or both int8 or
-        both float8_e4m3fn with `k_scales`/`v_scales`), already holding the K/V of the new tokens.
-        `num_q_heads % num_kv_heads == 0`; head_dim a multiple of 16, <= 256.
-      block_tables: int32 `[num_seqs, max_blocks_per_seq]`.
-      kv_lens: int32 `[num_seqs]`: context length of each sequence *including* its query tokens (clipped
-        to `[0, max_blocks_per_seq * block_size]`). Query i of sequence s sits at position
-        `kv_lens[s] - q_len[s] + i` and attends to positions <= its own; earlier context (prefix-cached
-        blocks included) is read through the block table.
-      cu_q_lens: int32 `[num_seqs + 1]`, non-decreasing, cu_q_lens[0] = 0. Sequences with q_len 0
-        (padding) are allowed.
-      scale: multiplies q.k; defaults to `1 / sqrt(head_dim)`.
-      interpret: run the Pallas interpreter; `None` = compiled on the target's own platform (GPU for "gpu",
-        TPU for "tpu"), interpreted elsewhere. With target "tpu" it is Pallas's TPU interpret mode (DMAs
-        and semaphores simulated); a `pltpu.InterpretParams` sets its options.
-      block_q: query tokens per tile, a power of two; on GPU also `block_q * next_pow2(group) >= 16` (group =
-        num_q_heads // num_kv_heads); `None` picks one from the mean query length (see `tiles.default_block_q`).
-      pages_per_iter: pages gathered per inner-loop iteration. GPU: a power of two with
-        `pages_per_iter * next_pow2(block_size) >= 16`; `None` = about 64 tokens per iteration. TPU: pages
-        per double-buffered DMA chunk, any positive int; `None` = about 64 KiB of K per chunk.
-      num_warps: Triton warps per program (compiled GPU mode only); `None` = 4, or 8 for tiles of 128 x 128
-        accumulator elements and more (see `default_num_warps`).
-      num_stages: Triton software-pipelining stages (compiled GPU mode only).
-      target: "gpu" (Triton kernels), "tpu" (Mosaic kernels: float32 or bfloat16, block_size a multiple
-        of 8 for float32 and of 16 for bfloat16), or "auto": "tpu" on a TPU backend, "gpu" otherwise.
-      sliding_window: W, an int >= 1: a query at position p attends to positions p - W < j <= p only. A
-        tile starts its walk at the page of its first row's first visible position: pages before it are
-        never loaded and their block-table entries never read (they may hold anything).
-      logits_soft_cap: c, a finite float > 0: scaled scores s become c * tanh(s / c) before the softmax.
-      k_scales, v_scales: with 8-bit pages (and only then), `[num_kv_heads, num_blocks, block_size]` float32
-        or bfloat16: the attended K/V are `pages.astype(float32) * scales[..., None]`, dequantized in
-        registers after 8-bit loads (see `pallas_kernels.quant`).
-
-    Returns:
-      `[total_q_tokens, num_q_heads, head_dim]` in q's dtype.
-
-    Raises:
-      ValueError: on malformed arguments or tuning values (shapes, dtypes, non-power-of-two tiles).
-      TypeError: on an unknown keyword argument.
-    """
-    target = resolve_target(target, interpret)
-    _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = V.validate_qkv(
-        q, k_pages, v_pages, block_tables)
-    num_tokens, num_q_heads, _ = q.shape
-    num_seqs = block_tables.shape[0]
-    V.check_vector("kv_lens", kv_lens, num_seqs)
-    V.check_vector("cu_q_lens", cu_q_lens, num_seqs + 1)
-    sliding_window, logits_soft_cap, _ = V.validate_variants(
-        k_pages, v_pages, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scales=k_scales,
-        v_scales=v_scales)
-    scale = V.resolve_scale(scale, head_dim)
-    V.check_positive_option("num_warps", num_warps)
-    V.check_positive_int("num_stages", num_stages)
-    if target == "tpu":
-        return ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
-                                          interpret=interpret, block_q=block_q, pages_per_iter=pages_per_iter,
-                                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+def ragged_paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, scale: float,
+                               interpret: bool | None, block_q: int | None, pages_per_iter: int | None,
+                               num_warps: int | None, num_stages: int, sliding_window: int | None = None,
+                               logits_soft_cap: float | None = None, k_scales: jax.Array | None = None,
+                               v_scales: jax.Array | None = None) -> jax.Array:
+    """The GPU ragged kernel behind `pallas_kernels.ragged_paged_attention(..., target="gpu")`, which has
+    already validated shapes, dtypes, scale, variants and the tuning ints. Checks the GPU tile rules (block_q,
+    pages_per_iter), fills in the defaults (`tiles.default_block_q`, `default_pages_per_iter`,
+    `default_num_warps`) and runs the kernel."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+    num_seqs, max_blocks_per_seq = block_tables.shape
     group = num_q_heads // num_kv_heads
     V.check_pow2_option("block_q", block_q)
     if block_q is not None and block_q * tiles.next_pow2(group) < tiles.MIN_DOT_DIM:
