@@ -1,6 +1,7 @@
 """Tiling arithmetic and ragged tile metadata shared by the GPU (Triton) and TPU (Mosaic) kernels and the XLA
 paths: powers of two and ceiling division, the page span a program walks under a sliding window, the query
-tiles of a ragged batch (`tile_metadata`, `default_block_q`) and the kernel-name suffix of the variants.
+tiles of a ragged batch (`tile_metadata`, `default_block_q`), the kernel-name suffix of the variants, and the
+float32 matmul precision and -inf of both kernels' online softmax.
 
 Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_attention` are the entry points.
 """
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.quant import is_quantized
 
+NEG_INF = float("-inf")
 # tl.dot on NVIDIA GPUs needs every matmul dimension >= 16.
 MIN_DOT_DIM = 16
 _MAX_ROWS = 128
@@ -32,6 +35,12 @@ def padded_head_dim(head_dim: int) -> int:
     """head_dim as the kernels hold it in registers: a power of two, >= MIN_DOT_DIM (tl.dot). Columns past
     head_dim are masked on load and store."""
     return max(MIN_DOT_DIM, next_pow2(head_dim))
+
+
+def dot_precision(dtype) -> lax.Precision | None:
+    # Both kernel families would otherwise run float32 matmuls at about 1e-3 relative error: Triton in TF32,
+    # the TPU matrix unit in a single bfloat16 pass.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def window_pages(sliding_window: int | None, span: int, max_blocks_per_seq: int, block_size: int) -> int:

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._validate import check_pow2_option
-from pallas_kernels.tiles import MIN_DOT_DIM, next_pow2, padded_head_dim
-
-NEG_INF = float("-inf")
+from pallas_kernels.tiles import MIN_DOT_DIM, NEG_INF, dot_precision, next_pow2, padded_head_dim
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
@@ -55,11 +52,6 @@ def default_pages_per_iter(block_size: int, max_blocks_per_seq: int, head_dim: i
     while pages * block_pad < MIN_DOT_DIM:
         pages *= 2
     return pages
-
-
-def dot_precision(dtype) -> lax.Precision | None:
-    # Triton would otherwise run float32 matmuls in TF32 (about 1e-3 relative error).
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def gather_page_tile(table_ref, k_ref, v_ref, *, seq, head, first_page, page_end, token_end,

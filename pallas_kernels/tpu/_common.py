@@ -25,8 +25,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _validate as V
 from pallas_kernels.quant import is_quantized
+from pallas_kernels.tiles import NEG_INF, dot_precision
 
-NEG_INF = float("-inf")
 LANES = 128
 SUBLANES = 8
 TPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -94,11 +94,6 @@ def compiler_params(num_grid_dims: int) -> pltpu.CompilerParams:
     # Every program starts and waits for its own DMAs (no state crosses grid points), so all grid dimensions
     # are parallel: a two-TensorCore chip (megacore) may split any of them.
     return pltpu.CompilerParams(dimension_semantics=("parallel",) * num_grid_dims)
-
-
-def dot_precision(dtype) -> lax.Precision | None:
-    # The TPU matrix unit's default for float32 is a single bfloat16 pass (about 1e-3 relative error).
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def check_variants(k_pages) -> None:
