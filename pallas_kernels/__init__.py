@@ -3,7 +3,7 @@
     paged_attention(q, k_pages, v_pages, block_tables, lengths)            decode: one query per sequence
     ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
                                                                             mixed prefill chunks + decode
-Both take `target="auto" | "gpu" | "tpu"`: the GPU kernels (this package's modules) or the TPU kernels
+Both take `target="auto" | "gpu" | "tpu"`: the GPU kernels (`pallas_kernels.gpu`) or the TPU kernels
 (`pallas_kernels.tpu`); "auto" is "tpu" on a TPU backend and "gpu" otherwise. With `interpret=True` (the
 default off their platform) the TPU kernels run in Pallas's TPU interpret mode, on any machine.
 KV layout: `[num_kv_heads, num_blocks, block_size, head_dim]` (that of JAX's own Pallas paged-attention op).
@@ -17,7 +17,9 @@ Variants (keyword-only, on both kernels, their references and XLA paths):
     inside the kernel as `pages.astype(float32) * scales[..., None]`; q may then be float32, bfloat16 or
     float16 and sets the output dtype. `quantize_kv` / `dequantize_kv` (module `quant`) make and read them.
 `reference` holds the dense float32 oracles and an XLA gather path; `merge` the exact (m, z, u) merge.
-This package imports nothing from pagedjax.
+The two entry points are defined here, above both kernel families: they check the arguments common to both
+targets once (`_validate`) and dispatch to `gpu` or `tpu`, which check their own tile rules and share the tile
+arithmetic in `tiles` (and never import each other). This package imports nothing from pagedjax.
 
 Example (GQA, 8 query heads on 2 KV heads, a cache of 32 blocks of 16 tokens):
 
@@ -32,16 +34,24 @@ Example (GQA, 8 query heads on 2 KV heads, a cache of 32 blocks of 16 tokens):
     out = jax.jit(paged_attention)(q, k_pages, v_pages, block_tables, lengths)  # [2, 8, 64] bfloat16
 """
 
+from __future__ import annotations
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _validate as V
+from pallas_kernels.gpu.paged_attention import default_num_splits, paged_attention_gpu
+from pallas_kernels.gpu.ragged_attention import ragged_paged_attention_gpu
 from pallas_kernels.merge import Partial, finalize, merge_and_finalize, merge_partials, merge_two
-from pallas_kernels.paged_attention import default_num_splits, paged_attention
 from pallas_kernels.quant import dequantize_kv, quantize_kv
-from pallas_kernels.ragged_attention import ragged_paged_attention
 from pallas_kernels.reference import (
     paged_attention_reference,
     paged_attention_xla,
     ragged_paged_attention_reference,
     ragged_paged_attention_xla,
 )
+from pallas_kernels.tpu.paged_attention import paged_attention_tpu
+from pallas_kernels.tpu.ragged_attention import ragged_paged_attention_tpu
 
 __all__ = [
     "Partial",
@@ -59,3 +69,183 @@ __all__ = [
     "ragged_paged_attention_reference",
     "ragged_paged_attention_xla",
 ]
+
+_TARGETS = ("auto", "gpu", "tpu")
+
+
+def _resolve_target(target: str, interpret) -> str:
+    """The kernel family a public entry point runs: "tpu" (Mosaic) or "gpu" (Triton). "auto" is "tpu" on a
+    TPU backend and "gpu" everywhere else (compiled on a GPU, the Pallas interpreter on a CPU)."""
+    if not isinstance(target, str) or target not in _TARGETS:
+        raise ValueError(f"target must be one of {_TARGETS}, got {target!r}")
+    if target == "auto":
+        target = "tpu" if jax.default_backend() == "tpu" else "gpu"
+    if target == "gpu" and isinstance(interpret, pltpu.InterpretParams):
+        raise ValueError("interpret=InterpretParams(...) configures the TPU interpret mode; it needs target='tpu'")
+    return target
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+    interpret: bool | None = None,
+    num_splits: int | None = None,
+    pages_per_iter: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    target: str = "auto",
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+) -> jax.Array:
+    """Decode attention of one query token per sequence over a paged KV cache.
+
+    Args:
+      q: `[num_seqs, num_q_heads, head_dim]`, float32, bfloat16 or float16.
+      k_pages, v_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, q's dtype (the layout of JAX's
+        own Pallas paged-attention op), or both int8 or both float8_e4m3fn with `k_scales`/`v_scales`.
+        `num_q_heads % num_kv_heads == 0` (MHA, GQA, MQA); head_dim a multiple of 16, at most 256; any
+        block_size (powers of two are fastest).
+      block_tables: int32 `[num_seqs, max_blocks_per_seq]`: logical block j of sequence s lives in
+        physical block `block_tables[s, j]`. Entries past `cdiv(lengths[s], block_size)` are never read
+        and may hold anything; so are those of pages wholly before a sliding window.
+      lengths: int32 `[num_seqs]`: tokens in each sequence's cache (clipped to
+        `[0, max_blocks_per_seq * block_size]`). Slots at or past the length are never read.
+      scale: multiplies q.k; defaults to `1 / sqrt(head_dim)`. (JAX's op applies no scale.)
+      interpret: run the Pallas interpreter; `None` = compiled on the target's own platform (GPU for "gpu",
+        TPU for "tpu"), interpreted elsewhere. With target "tpu" it is Pallas's TPU interpret mode (DMAs
+        and semaphores simulated); a `pltpu.InterpretParams` sets its options.
+      num_splits: KV splits per sequence (flash-decoding), a positive int; `None` picks one from the batch
+        and table shape (see `default_num_splits`; 1 on TPU). Any count works: no divisibility constraints.
+      pages_per_iter: pages gathered per inner-loop iteration. GPU: a power of two with
+        `pages_per_iter * next_pow2(block_size) >= 16`; `None` = about 128 tokens per iteration (see
+        `gpu._common.default_pages_per_iter`). TPU: pages per double-buffered DMA chunk, any positive int;
+        `None` = about 64 KiB of K per chunk (see `tpu._common.default_pages_per_iter`).
+      num_warps: Triton warps per program (compiled GPU mode only).
+      num_stages: Triton software-pipelining stages (compiled GPU mode only).
+      target: "gpu" (Triton kernels), "tpu" (Mosaic kernels: float32 or bfloat16, block_size a multiple
+        of 8 for float32 and of 16 for bfloat16), or "auto": "tpu" on a TPU backend, "gpu" otherwise.
+      sliding_window: W, an int >= 1: the query (at position lengths[s] - 1) attends to the last W positions
+        only. Each sequence's splits are cut over the window's pages; pages before it are never loaded.
+      logits_soft_cap: c, a finite float > 0: scaled scores s become c * tanh(s / c) before the softmax.
+      k_scales, v_scales: with 8-bit pages (and only then), `[num_kv_heads, num_blocks, block_size]` float32
+        or bfloat16: the attended K/V are `pages.astype(float32) * scales[..., None]`, dequantized in
+        registers after 8-bit loads (see `pallas_kernels.quant`).
+
+    Returns:
+      `[num_seqs, num_q_heads, head_dim]` in q's dtype; zeros for sequences of length 0.
+
+    Raises:
+      ValueError: on malformed arguments or tuning values (shapes, dtypes, non-power-of-two tiles).
+      TypeError: on an unknown keyword argument.
+    """
+    target = _resolve_target(target, interpret)
+    num_seqs = q.shape[0] if getattr(q, "ndim", 0) == 3 else None
+    _, head_dim, _, _, _, _ = V.validate_qkv(q, k_pages, v_pages, block_tables, num_q_rows=num_seqs)
+    V.check_vector("lengths", lengths, num_seqs)
+    sliding_window, logits_soft_cap, _ = V.validate_variants(
+        k_pages, v_pages, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scales=k_scales,
+        v_scales=v_scales)
+    scale = V.resolve_scale(scale, head_dim)
+    V.check_positive_option("num_splits", num_splits)
+    V.check_positive_int("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
+    if target == "tpu":
+        return paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=interpret,
+                                   num_splits=num_splits, pages_per_iter=pages_per_iter,
+                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    return paged_attention_gpu(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=interpret,
+                               num_splits=num_splits, pages_per_iter=pages_per_iter, num_warps=num_warps,
+                               num_stages=num_stages, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap, k_scales=k_scales, v_scales=v_scales)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    scale: float | None = None,
+    interpret: bool | None = None,
+    block_q: int | None = None,
+    pages_per_iter: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    target: str = "auto",
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+) -> jax.Array:
+    """Causal attention of ragged query chunks (prefill chunks and decode tokens) over a paged KV cache.
+
+    Args:
+      q: `[total_q_tokens, num_q_heads, head_dim]`, float32, bfloat16 or float16. Sequence s owns rows
+        `cu_q_lens[s]:cu_q_lens[s + 1]`; rows at or past `cu_q_lens[-1]` are padding and get zeros.
+      k_pages, v_pages: `[num_kv_heads, num_blocks, block_size, head_dim]` in q's dtype (or both int8 or
+        both float8_e4m3fn with `k_scales`/`v_scales`), already holding the K/V of the new tokens.
+        `num_q_heads % num_kv_heads == 0`; head_dim a multiple of 16, <= 256.
+      block_tables: int32 `[num_seqs, max_blocks_per_seq]`.
+      kv_lens: int32 `[num_seqs]`: context length of each sequence *including* its query tokens (clipped
+        to `[0, max_blocks_per_seq * block_size]`). Query i of sequence s sits at position
+        `kv_lens[s] - q_len[s] + i` and attends to positions <= its own; earlier context (prefix-cached
+        blocks included) is read through the block table.
+      cu_q_lens: int32 `[num_seqs + 1]`, non-decreasing, cu_q_lens[0] = 0. Sequences with q_len 0
+        (padding) are allowed.
+      scale: multiplies q.k; defaults to `1 / sqrt(head_dim)`.
+      interpret: run the Pallas interpreter; `None` = compiled on the target's own platform (GPU for "gpu",
+        TPU for "tpu"), interpreted elsewhere. With target "tpu" it is Pallas's TPU interpret mode (DMAs
+        and semaphores simulated); a `pltpu.InterpretParams` sets its options.
+      block_q: query tokens per tile, a power of two; on GPU also `block_q * next_pow2(group) >= 16` (group =
+        num_q_heads // num_kv_heads); `None` picks one from the mean query length (see `tiles.default_block_q`).
+      pages_per_iter: pages gathered per inner-loop iteration. GPU: a power of two with
+        `pages_per_iter * next_pow2(block_size) >= 16`; `None` = about 64 tokens per iteration. TPU: pages
+        per double-buffered DMA chunk, any positive int; `None` = about 64 KiB of K per chunk.
+      num_warps: Triton warps per program (compiled GPU mode only); `None` = 4, or 8 for tiles of 128 x 128
+        accumulator elements and more (see `gpu.ragged_attention.default_num_warps`).
+      num_stages: Triton software-pipelining stages (compiled GPU mode only).
+      target: "gpu" (Triton kernels), "tpu" (Mosaic kernels: float32 or bfloat16, block_size a multiple
+        of 8 for float32 and of 16 for bfloat16), or "auto": "tpu" on a TPU backend, "gpu" otherwise.
+      sliding_window: W, an int >= 1: a query at position p attends to positions p - W < j <= p only. A
+        tile starts its walk at the page of its first row's first visible position: pages before it are
+        never loaded and their block-table entries never read (they may hold anything).
+      logits_soft_cap: c, a finite float > 0: scaled scores s become c * tanh(s / c) before the softmax.
+      k_scales, v_scales: with 8-bit pages (and only then), `[num_kv_heads, num_blocks, block_size]` float32
+        or bfloat16: the attended K/V are `pages.astype(float32) * scales[..., None]`, dequantized in
+        registers after 8-bit loads (see `pallas_kernels.quant`).
+
+    Returns:
+      `[total_q_tokens, num_q_heads, head_dim]` in q's dtype.
+
+    Raises:
+      ValueError: on malformed arguments or tuning values (shapes, dtypes, non-power-of-two tiles).
+      TypeError: on an unknown keyword argument.
+    """
+    target = _resolve_target(target, interpret)
+    _, head_dim, _, _, _, _ = V.validate_qkv(q, k_pages, v_pages, block_tables)
+    num_seqs = block_tables.shape[0]
+    V.check_vector("kv_lens", kv_lens, num_seqs)
+    V.check_vector("cu_q_lens", cu_q_lens, num_seqs + 1)
+    sliding_window, logits_soft_cap, _ = V.validate_variants(
+        k_pages, v_pages, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scales=k_scales,
+        v_scales=v_scales)
+    scale = V.resolve_scale(scale, head_dim)
+    V.check_positive_option("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
+    if target == "tpu":
+        return ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
+                                          interpret=interpret, block_q=block_q, pages_per_iter=pages_per_iter,
+                                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    return ragged_paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
+                                      interpret=interpret, block_q=block_q, pages_per_iter=pages_per_iter,
+                                      num_warps=num_warps, num_stages=num_stages, sliding_window=sliding_window,
+                                      logits_soft_cap=logits_soft_cap, k_scales=k_scales, v_scales=v_scales)

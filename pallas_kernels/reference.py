@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _common as C
+from pallas_kernels import _validate as V
+from pallas_kernels import tiles
 from pallas_kernels.quant import dequantize_kv
 
 HIGHEST = lax.Precision.HIGHEST
@@ -100,7 +101,7 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, s
     block_size = k_pages.shape[2]
     num_seqs, max_blocks = block_tables.shape
     lengths = jnp.clip(lengths, 0, max_blocks * block_size)
-    num_pages = C.window_pages(sliding_window if bounded else None, 1, max_blocks, block_size)
+    num_pages = tiles.window_pages(sliding_window if bounded else None, 1, max_blocks, block_size)
     if num_pages < max_blocks:
         tables, pos = _window_tables(block_tables, lengths - sliding_window, num_pages, block_size)
     else:
@@ -117,7 +118,7 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, s
 
 
 def _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales):
-    window, cap, _ = C.validate_variants(k_pages, v_pages, sliding_window=sliding_window,
+    window, cap, _ = V.validate_variants(k_pages, v_pages, sliding_window=sliding_window,
                                          logits_soft_cap=logits_soft_cap, k_scales=k_scales, v_scales=v_scales)
     return dict(sliding_window=window, logits_soft_cap=cap)
 
@@ -263,7 +264,7 @@ def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales,
     compute_dtype = jnp.dtype(q.dtype)
 
     # With a window a tile's rows see positions pos[0] - W + 1 ... pos[0] + tq - 1 at most.
-    num_pages = C.window_pages(sliding_window, tq, max_blocks, block_size)
+    num_pages = tiles.window_pages(sliding_window, tq, max_blocks, block_size)
     if num_pages < max_blocks:
         tables, kv_pos = _window_tables(block_tables[tile_seq], pos[:, 0] - sliding_window + 1, num_pages,
                                         block_size)
@@ -314,7 +315,7 @@ def ragged_paged_attention_xla(q: jax.Array,  # [total_q_tokens, num_q_heads, he
     pages, from the one holding its first row's first visible position: table entries of pages before
     every row's window are never read.
     """
-    C.check_positive_int("q_tile", q_tile)
+    V.check_positive_int("q_tile", q_tile)
     variants = _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales)
     return _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, scale=scale,
                        q_tile=q_tile, **variants)

@@ -1,7 +1,7 @@
 """Paged-attention kernels for TPUs in Pallas Mosaic: the GPU kernels' TPU counterparts, kept in their own
 package because their programming model differs (explicit HBM -> VMEM DMAs, scalar prefetch into SMEM,
-(8, 128) tiling, a sequential grid per TensorCore); they share the GPU side's validation, tile metadata,
-reference and exact merge.
+(8, 128) tiling, a sequential grid per TensorCore); they share the platform-free validation (`_validate`),
+tile metadata (`tiles`), reference and exact merge with the GPU kernels, and import nothing from `gpu`.
 
 Reached through `pallas_kernels.paged_attention(..., target="tpu")` and
 `pallas_kernels.ragged_paged_attention(..., target="tpu")` (target "auto" picks them on a TPU backend);

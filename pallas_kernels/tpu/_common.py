@@ -1,5 +1,5 @@
-"""Pieces shared by the TPU (Mosaic) decode and ragged kernels: the target and interpret-mode switches, the
-layout rules and defaults, and the online-softmax step (`page_chunks` holds the double-buffered page DMAs).
+"""Pieces shared by the TPU (Mosaic) decode and ragged kernels: the interpret-mode switch, the layout rules
+and defaults, and the online-softmax step (`page_chunks` holds the double-buffered page DMAs).
 
 Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_attention` with target="tpu"
 are the entry points.
@@ -23,11 +23,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _common as C
+from pallas_kernels import _validate as V
 from pallas_kernels.quant import is_quantized
+from pallas_kernels.tiles import NEG_INF, dot_precision
 
-TARGETS = ("auto", "gpu", "tpu")
-NEG_INF = float("-inf")
 LANES = 128
 SUBLANES = 8
 TPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -35,18 +34,6 @@ TPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # least this many tokens, so the score matrix of a chunk fills the 128 lanes of a vector register.
 CHUNK_BYTES = 64 * 1024
 MIN_CHUNK_TOKENS = 128
-
-
-def resolve_target(target: str, interpret) -> str:
-    """The kernel family a public entry point runs: "tpu" (Mosaic) or "gpu" (Triton). "auto" is "tpu" on a
-    TPU backend and "gpu" everywhere else (compiled on a GPU, the Pallas interpreter on a CPU)."""
-    if not isinstance(target, str) or target not in TARGETS:
-        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
-    if target == "auto":
-        target = "tpu" if jax.default_backend() == "tpu" else "gpu"
-    if target == "gpu" and isinstance(interpret, pltpu.InterpretParams):
-        raise ValueError("interpret=InterpretParams(...) configures the TPU interpret mode; it needs target='tpu'")
-    return target
 
 
 def sublane_rows(dtype) -> int:
@@ -80,7 +67,7 @@ def check_block_size(block_size: int, dtype) -> None:
 
 
 def check_pages_per_iter(pages_per_iter: int | None) -> None:
-    C.check_positive_option("pages_per_iter", pages_per_iter)
+    V.check_positive_option("pages_per_iter", pages_per_iter)
 
 
 def default_pages_per_iter(block_size: int, max_blocks_per_seq: int, head_dim: int, dtype) -> int:
@@ -107,11 +94,6 @@ def compiler_params(num_grid_dims: int) -> pltpu.CompilerParams:
     # Every program starts and waits for its own DMAs (no state crosses grid points), so all grid dimensions
     # are parallel: a two-TensorCore chip (megacore) may split any of them.
     return pltpu.CompilerParams(dimension_semantics=("parallel",) * num_grid_dims)
-
-
-def dot_precision(dtype) -> lax.Precision | None:
-    # The TPU matrix unit's default for float32 is a single bfloat16 pass (about 1e-3 relative error).
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def check_variants(k_pages) -> None:

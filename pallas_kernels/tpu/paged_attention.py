@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _common as C
+from pallas_kernels import _validate as V
+from pallas_kernels import tiles
 from pallas_kernels.merge import merge_and_finalize
 from pallas_kernels.tpu import _common as T
 from pallas_kernels.tpu.page_chunks import PageChunks
@@ -131,7 +132,7 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float
         interpret=interpret,
         compiler_params=T.compiler_params(3),
         name=f"paged_attention_tpu_decode_s{num_splits}_p{pages_per_iter}"
-             + C.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
+             + tiles.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
     )(lengths, block_tables.reshape(-1), q_rows, k_pages, v_pages)
     if num_splits == 1:
         return out[:, :, :group].reshape(q.shape)
@@ -155,11 +156,11 @@ def paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, *, scale: fl
     T.check_dtype(q.dtype)
     T.check_block_size(block_size, q.dtype)
     T.check_pages_per_iter(pages_per_iter)
-    C.check_positive_option("num_splits", num_splits)
+    V.check_positive_option("num_splits", num_splits)
     if q.shape[0] == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
         return jnp.zeros(q.shape, q.dtype)
     if pages_per_iter is None:
-        walked_pages = C.window_pages(sliding_window, 1, max_blocks_per_seq, block_size)
+        walked_pages = tiles.window_pages(sliding_window, 1, max_blocks_per_seq, block_size)
         pages_per_iter = T.default_pages_per_iter(block_size, walked_pages, head_dim, q.dtype)
     return _paged_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                             interpret=T.resolve_interpret(interpret), num_splits=int(num_splits or 1),

@@ -1,7 +1,7 @@
 """Ragged paged attention on TPU (Pallas Mosaic): chunked-prefill and decode tokens of many sequences in one
 call.
 
-Tiles as on GPU (`ragged_attention.tile_metadata`): each sequence's query rows are cut into tiles of
+Tiles as on GPU (`tiles.tile_metadata`): each sequence's query rows are cut into tiles of
 `block_q` tokens, the rows past cu_q_lens[-1] into tiles of an empty padding segment, every row in exactly
 one tile. A TPU block must start at a multiple of its own size, and a tile starts anywhere, so the wrapper
 gathers each tile's rows into a tile-aligned array (`[num_tiles, num_kv_heads, rows, head_dim]`, rows =
@@ -25,8 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _common as C
-from pallas_kernels.ragged_attention import default_block_q, tile_metadata
+from pallas_kernels import _validate as V
+from pallas_kernels import tiles
 from pallas_kernels.tpu import _common as T
 from pallas_kernels.tpu.page_chunks import PageChunks
 
@@ -99,7 +99,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
     num_kv_heads, _, block_size, _ = k_pages.shape
     max_blocks_per_seq = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
-    meta = tile_metadata(kv_lens, cu_q_lens, num_tokens, block_q, max_blocks_per_seq * block_size)
+    meta = tiles.tile_metadata(kv_lens, cu_q_lens, num_tokens, block_q, max_blocks_per_seq * block_size)
     num_tiles = meta.shape[0]
     used = group * block_q
     rows = T.round_up(used, T.sublane_rows(q.dtype))
@@ -126,7 +126,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
         interpret=interpret,
         compiler_params=T.compiler_params(2),
         name=f"ragged_paged_attention_tpu_q{block_q}_p{pages_per_iter}"
-             + C.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
+             + tiles.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
     )(meta.reshape(-1), block_tables.reshape(-1), q_tiles, k_pages, v_pages)
     out = out[:, :, :used].reshape(num_tiles, num_kv_heads, group, block_q, head_dim)
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * block_q, num_q_heads, head_dim)
@@ -145,14 +145,14 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_
     T.check_variants(k_pages)
     T.check_dtype(q.dtype)
     T.check_block_size(block_size, q.dtype)
-    C.check_pow2_option("block_q", block_q)
+    V.check_pow2_option("block_q", block_q)
     T.check_pages_per_iter(pages_per_iter)
     if num_tokens == 0 or num_seqs == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
         return jnp.zeros(q.shape, q.dtype)
     if block_q is None:
-        block_q = default_block_q(num_tokens, num_seqs, num_q_heads // num_kv_heads, head_dim)
+        block_q = tiles.default_block_q(num_tokens, num_seqs, num_q_heads // num_kv_heads, head_dim)
     if pages_per_iter is None:
-        walked_pages = C.window_pages(sliding_window, block_q, max_blocks_per_seq, block_size)
+        walked_pages = tiles.window_pages(sliding_window, block_q, max_blocks_per_seq, block_size)
         pages_per_iter = T.default_pages_per_iter(block_size, walked_pages, head_dim, q.dtype)
     return _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
                                    interpret=T.resolve_interpret(interpret), block_q=int(block_q),

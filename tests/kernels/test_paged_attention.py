@@ -14,7 +14,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import default_num_splits, paged_attention, paged_attention_reference
-from pallas_kernels._common import MIN_DOT_DIM, cdiv, default_pages_per_iter, next_pow2
+from pallas_kernels.gpu._common import default_pages_per_iter
+from pallas_kernels.tiles import MIN_DOT_DIM, cdiv, next_pow2
 from tests.kernels.cases import (
     HEAD_DIMS,
     assert_close,

@@ -18,8 +18,8 @@ from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from pallas_kernels._common import next_pow2
-from pallas_kernels.ragged_attention import default_num_warps, max_tiles, tile_metadata
+from pallas_kernels.gpu.ragged_attention import default_num_warps
+from pallas_kernels.tiles import max_tiles, next_pow2, tile_metadata
 from tests.kernels.cases import HEAD_DIMS, assert_close, build, examples, gqa_heads, relocate
 from tests.kernels.test_paged_attention import _worked_example
 

@@ -10,7 +10,6 @@ forgets a wait or computes on a buffer slot still in flight fails here.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 from pathlib import Path
@@ -23,21 +22,19 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
+import pallas_kernels
 from pallas_kernels import (
     paged_attention,
     paged_attention_reference,
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from pallas_kernels.tpu import ragged_attention as tpu_ragged
+from pallas_kernels.gpu import paged_attention as gpu_decode
+from pallas_kernels.gpu import ragged_attention as gpu_ragged
 from pallas_kernels.tpu._common import default_pages_per_iter
 from tests.kernels.cases import HEAD_DIMS, assert_close, boundary_lengths, build, examples, gqa_heads, relocate
 
 pytestmark = pytest.mark.kernels
-
-# The modules (the package rebinds their names to the functions).
-gpu_decode = importlib.import_module("pallas_kernels.paged_attention")
-gpu_ragged = importlib.import_module("pallas_kernels.ragged_attention")
 
 TPU = dict(target="tpu", interpret=True)
 # The TPU block-size rule: multiples of 8 rows for float32 and of 16 for bfloat16 (weighted: repeated entries).
@@ -313,8 +310,8 @@ def test_auto_target_follows_the_backend(monkeypatch):
 
     monkeypatch.setattr(gpu_decode, "_paged_attention", recorder("gpu decode"))
     monkeypatch.setattr(gpu_ragged, "_ragged_paged_attention", recorder("gpu ragged"))
-    monkeypatch.setattr(gpu_decode, "paged_attention_tpu", recorder("tpu decode"))
-    monkeypatch.setattr(tpu_ragged, "ragged_paged_attention_tpu", recorder("tpu ragged"))
+    monkeypatch.setattr(pallas_kernels, "paged_attention_tpu", recorder("tpu decode"))
+    monkeypatch.setattr(pallas_kernels, "ragged_paged_attention_tpu", recorder("tpu ragged"))
     for backend in ("cpu", "gpu", "tpu"):
         monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
         paged_attention(**_decode_args())

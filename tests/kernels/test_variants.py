@@ -27,8 +27,8 @@ from pallas_kernels import (
     ragged_paged_attention_reference,
     ragged_paged_attention_xla,
 )
-from pallas_kernels._common import MIN_DOT_DIM, next_pow2
 from pallas_kernels.quant import QMAX
+from pallas_kernels.tiles import MIN_DOT_DIM, next_pow2
 from tests.kernels.cases import assert_close, boundary_lengths, build, examples, gqa_heads, quantized
 from tests.kernels.test_paged_attention import _worked_example
 

@@ -37,10 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common as C
+from pallas_kernels import tiles
+from pallas_kernels.gpu import _common as C
 from pallas_kernels.merge import finalize, merge_and_finalize
-from pallas_kernels.tpu._common import resolve_target
-from pallas_kernels.tpu.paged_attention import paged_attention_tpu
 
 # Split-K targets about this many programs in flight: a few waves on a 132-SM H100/H200.
 _TARGET_PROGRAMS = 512
@@ -55,9 +54,9 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int
     sequence has tiles. The split *boundaries* are then computed in the kernel from each sequence's actual
     length, so short sequences in a wide table are split as evenly as long ones.
     """
-    tiles = C.cdiv(max(1, max_blocks_per_seq), pages_per_iter)
-    want = C.cdiv(_TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
-    return int(max(1, min(want, tiles, _MAX_SPLITS)))
+    num_tiles = tiles.cdiv(max(1, max_blocks_per_seq), pages_per_iter)
+    want = tiles.cdiv(_TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
+    return int(max(1, min(want, num_tiles, _MAX_SPLITS)))
 
 
 def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float, group: int,
@@ -73,19 +72,19 @@ def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: fl
     seq = pl.program_id(0)
     head = pl.program_id(1)
     split = pl.program_id(2)
-    dim_pad = C.padded_head_dim(head_dim)
+    dim_pad = tiles.padded_head_dim(head_dim)
 
     length = jnp.clip(lengths_ref[seq], 0, max_blocks_per_seq * block_size)
-    num_pages = C.cdiv(length, block_size)
+    num_pages = tiles.cdiv(length, block_size)
     # The query sits at position length - 1: a window keeps positions [length - W, length), and pages wholly
     # before it are no split's (never loaded, their table entries never read).
     window_start = None if sliding_window is None else jnp.maximum(length - sliding_window, 0)
     first_page = 0 if sliding_window is None else window_start // block_size
     # This split's page range, sized from this sequence's (window's) page count and rounded to whole tiles.
-    pages_per_split = C.cdiv(C.cdiv(num_pages - first_page, num_splits), pages_per_iter) * pages_per_iter
+    pages_per_split = tiles.cdiv(tiles.cdiv(num_pages - first_page, num_splits), pages_per_iter) * pages_per_iter
     page_lo = first_page + split * pages_per_split
     page_hi = jnp.minimum(page_lo + pages_per_split, num_pages)
-    num_iters = C.cdiv(jnp.maximum(page_hi - page_lo, 0), pages_per_iter)
+    num_iters = tiles.cdiv(jnp.maximum(page_hi - page_lo, 0), pages_per_iter)
 
     r = jnp.arange(rows, dtype=jnp.int32)
     d = jnp.arange(dim_pad, dtype=jnp.int32)
@@ -125,7 +124,7 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_sca
     max_blocks_per_seq = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     kernel = functools.partial(
-        _decode_kernel, scale=scale, group=group, rows=max(C.MIN_DOT_DIM, C.next_pow2(group)),
+        _decode_kernel, scale=scale, group=group, rows=max(tiles.MIN_DOT_DIM, tiles.next_pow2(group)),
         head_dim=head_dim, block_size=block_size, pages_per_iter=pages_per_iter, num_splits=num_splits,
         max_blocks_per_seq=max_blocks_per_seq, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         quantized=k_scales is not None)
@@ -144,7 +143,7 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_sca
         interpret=interpret,
         compiler_params=C.compiler_params(num_warps, num_stages),
         name=f"paged_attention_decode_s{num_splits}_p{pages_per_iter}"
-             + C.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
+             + tiles.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
     )(lengths, block_tables, q, k_pages, v_pages, *(() if k_scales is None else (k_scales, v_scales)))
     if num_splits == 1:
         return out
@@ -152,87 +151,22 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_sca
     return merge_and_finalize(m, z, u, axis=0, dtype=q.dtype)
 
 
-def paged_attention(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    block_tables: jax.Array,
-    lengths: jax.Array,
-    *,
-    scale: float | None = None,
-    interpret: bool | None = None,
-    num_splits: int | None = None,
-    pages_per_iter: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    target: str = "auto",
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-) -> jax.Array:
-    """Decode attention of one query token per sequence over a paged KV cache.
-
-    Args:
-      q: `[num_seqs, num_q_heads, head_dim]`, float32, bfloat16 or float16.
-      k_pages, v_pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, q's dtype (the layout of JAX's
-        own Pallas paged-attention op), or both int8 or both float8_e4m3fn with `k_scales`/`v_scales`.
-        `num_q_heads % num_kv_heads == 0` (MHA, GQA, MQA); head_dim a multiple of 16, at most 256; any
-        block_size (powers of two are fastest).
-      block_tables: int32 `[num_seqs, max_blocks_per_seq]`: logical block j of sequence s lives in
-        physical block `block_tables[s, j]`. Entries past `cdiv(lengths[s], block_size)` are never read
-        and may hold anything; so are those of pages wholly before a sliding window.
-      lengths: int32 `[num_seqs]`: tokens in each sequence's cache (clipped to
-        `[0, max_blocks_per_seq * block_size]`). Slots at or past the length are never read.
-      scale: multiplies q.k; defaults to `1 / sqrt(head_dim)`. (JAX's op applies no scale.)
-      interpret: run the Pallas interpreter; `None` = compiled on the target's own platform (GPU for "gpu",
-        TPU for "tpu"), interpreted elsewhere. With target "tpu" it is Pallas's TPU interpret mode (DMAs
-        and semaphores simulated); a `pltpu.InterpretParams` sets its options.
-      num_splits: KV splits per sequence (flash-decoding), a positive int; `None` picks one from the batch
-        and table shape (see `default_num_splits`; 1 on TPU). Any count works: no divisibility constraints.
-      pages_per_iter: pages gathered per inner-loop iteration. GPU: a power of two with
-        `pages_per_iter * next_pow2(block_size) >= 16`; `None` = about 128 tokens per iteration (see
-        `_common.default_pages_per_iter`). TPU: pages per double-buffered DMA chunk, any positive int;
-        `None` = about 64 KiB of K per chunk (see `tpu._common.default_pages_per_iter`).
-      num_warps: Triton warps per program (compiled GPU mode only).
-      num_stages: Triton software-pipelining stages (compiled GPU mode only).
-      target: "gpu" (Triton kernels), "tpu" (Mosaic kernels: float32 or bfloat16, block_size a multiple
-        of 8 for float32 and of 16 for bfloat16), or "auto": "tpu" on a TPU backend, "gpu" otherwise.
-      sliding_window: W, an int >= 1: the query (at position lengths[s] - 1) attends to the last W positions
-        only. Each sequence's splits are cut over the window's pages; pages before it are never loaded.
-      logits_soft_cap: c, a finite float > 0: scaled scores s become c * tanh(s / c) before the softmax.
-      k_scales, v_scales: with 8-bit pages (and only then), `[num_kv_heads, num_blocks, block_size]` float32
-        or bfloat16: the attended K/V are `pages.astype(float32) * scales[..., None]`, dequantized in
-        registers after 8-bit loads (see `pallas_kernels.quant`).
-
-    Returns:
-      `[num_seqs, num_q_heads, head_dim]` in q's dtype; zeros for sequences of length 0.
-
-    Raises:
-      ValueError: on malformed arguments or tuning values (shapes, dtypes, non-power-of-two tiles).
-      TypeError: on an unknown keyword argument.
-    """
-    target = resolve_target(target, interpret)
-    num_seqs = q.shape[0] if getattr(q, "ndim", 0) == 3 else None
-    _, head_dim, num_kv_heads, num_blocks, block_size, max_blocks_per_seq = C.validate_qkv(
-        q, k_pages, v_pages, block_tables, num_q_rows=num_seqs)
-    C.check_vector("lengths", lengths, num_seqs)
-    sliding_window, logits_soft_cap, _ = C.validate_variants(
-        k_pages, v_pages, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scales=k_scales,
-        v_scales=v_scales)
-    scale = C.resolve_scale(scale, head_dim)
-    C.check_positive_option("num_splits", num_splits)
-    C.check_positive_int("num_warps", num_warps)
-    C.check_positive_int("num_stages", num_stages)
-    if target == "tpu":
-        return paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=interpret,
-                                   num_splits=num_splits, pages_per_iter=pages_per_iter,
-                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+def paged_attention_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale: float, interpret: bool | None,
+                        num_splits: int | None, pages_per_iter: int | None, num_warps: int, num_stages: int,
+                        sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                        k_scales: jax.Array | None = None, v_scales: jax.Array | None = None) -> jax.Array:
+    """The GPU decode kernel behind `pallas_kernels.paged_attention(..., target="gpu")`, which has already
+    validated shapes, dtypes, scale, variants and the tuning ints. Checks the GPU tile rule (pages_per_iter),
+    fills in the defaults (`default_pages_per_iter`, `default_num_splits`, over the window's pages with a
+    window) and runs the kernel."""
+    num_seqs = q.shape[0]
+    num_kv_heads, num_blocks, block_size, head_dim = k_pages.shape
+    max_blocks_per_seq = block_tables.shape[1]
     C.check_pages_per_iter(pages_per_iter, block_size)
     if num_seqs == 0 or max_blocks_per_seq == 0 or num_blocks == 0:
         return jnp.zeros(q.shape, q.dtype)
     # A program walks at most the window's pages: tiles and splits are sized from that, not the table.
-    walked_pages = C.window_pages(sliding_window, 1, max_blocks_per_seq, block_size)
+    walked_pages = tiles.window_pages(sliding_window, 1, max_blocks_per_seq, block_size)
     if pages_per_iter is None:
         pages_per_iter = C.default_pages_per_iter(block_size, walked_pages, head_dim, q.dtype)
     if num_splits is None:

@@ -1,0 +1,161 @@
+"""Argument checks shared by every entry point, platform-free (no Triton, no Mosaic): the common arguments
+(shapes, dtypes, head_dim, int32 tables and vectors), the variants (sliding window, soft cap, 8-bit pages with
+their scales), the scale and the tuning options' ints.
+
+Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_attention` are the entry points.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.quant import QUANTIZED_DTYPES, SCALE_DTYPES, is_quantized
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_HEAD_DIM = 256
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        return float(scale)
+    except TypeError as e:  # a traced value cannot be a static kernel constant
+        raise ValueError(f"scale must be a Python float (a static constant), got {scale!r}") from e
+
+
+def check_pow2_option(name: str, value: int | None) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a positive power of two, got {value!r}")
+
+
+def check_positive_int(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_positive_option(name: str, value: int | None) -> None:
+    """`None` (pick a default) or a positive int."""
+    if value is not None:
+        check_positive_int(name, value)
+
+
+def _check_int32(name: str, x: jax.Array, ndim: int) -> None:
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {x.shape}")
+    if x.dtype != jnp.int32:
+        raise ValueError(f"{name} must be int32, got {x.dtype}")
+
+
+def validate_qkv(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                 num_q_rows: int | None = None) -> tuple[int, int, int, int, int, int]:
+    """Checks the common arguments; returns (num_q_heads, head_dim, num_kv_heads, num_blocks, block_size,
+    max_blocks_per_seq)."""
+    for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("block_tables", block_tables)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    if q.ndim != 3:
+        raise ValueError(f"q must be 3-D [tokens, num_q_heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(
+            f"k_pages must be 4-D [num_kv_heads, num_blocks, block_size, head_dim], got shape {k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"k_pages and v_pages must have the same shape, got {k_pages.shape} and {v_pages.shape}")
+    if is_quantized(k_pages.dtype) or is_quantized(v_pages.dtype):
+        # 8-bit pages are dequantized inside the kernel; q keeps its own float dtype (and sets the output's).
+        if jnp.dtype(k_pages.dtype) != jnp.dtype(v_pages.dtype):
+            raise ValueError(f"k_pages and v_pages must share one dtype, got {k_pages.dtype} and {v_pages.dtype}")
+        if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"q's dtype must be one of float32, bfloat16, float16 (with {k_pages.dtype} pages); "
+                             f"got {q.dtype}")
+    else:
+        dtypes = {jnp.dtype(q.dtype), jnp.dtype(k_pages.dtype), jnp.dtype(v_pages.dtype)}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"q, k_pages and v_pages must share one dtype (or the pages be int8 / float8_e4m3fn), got "
+                f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+        if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {q.dtype}")
+    _, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, head_dim_kv = k_pages.shape
+    if head_dim_kv != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) and of k_pages/v_pages ({head_dim_kv}) differ")
+    if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}], got {head_dim}")
+    if num_kv_heads < 1 or num_q_heads < 1:
+        raise ValueError(f"need at least one head, got num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    _check_int32("block_tables", block_tables, 2)
+    if num_q_rows is not None and block_tables.shape[0] != num_q_rows:
+        raise ValueError(
+            f"block_tables has {block_tables.shape[0]} rows but there are {num_q_rows} sequences")
+    return num_q_heads, head_dim, num_kv_heads, num_blocks, block_size, block_tables.shape[1]
+
+
+def check_sliding_window(sliding_window) -> int | None:
+    """`None` (no window) or a Python int >= 1 (a static constant: it sizes the kernels' page ranges)."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or an int >= 1 (a static constant), got {sliding_window!r}")
+    return int(sliding_window)
+
+
+def check_soft_cap(logits_soft_cap) -> float | None:
+    """`None` (no cap) or a finite Python float > 0 (a static constant)."""
+    if logits_soft_cap is None:
+        return None
+    if (isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real)
+            or not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0):
+        raise ValueError(
+            f"logits_soft_cap must be None or a finite float > 0 (a static constant), got {logits_soft_cap!r}")
+    return float(logits_soft_cap)
+
+
+def check_scales(k_pages: jax.Array, v_pages: jax.Array, k_scales, v_scales) -> bool:
+    """Scales come with 8-bit pages and only with them: both k_scales and v_scales, each
+    `[num_kv_heads, num_blocks, block_size]` float32 or bfloat16. Returns whether the pages are quantized."""
+    quantized = is_quantized(k_pages.dtype)
+    if quantized != is_quantized(v_pages.dtype) or (quantized and k_pages.dtype != v_pages.dtype):
+        raise ValueError(f"k_pages and v_pages must share one dtype, got {k_pages.dtype} and {v_pages.dtype}")
+    names = ", ".join(jnp.dtype(d).name for d in QUANTIZED_DTYPES)
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if not quantized:
+            if scales is not None:
+                raise ValueError(f"{name} is only for 8-bit pages ({names}); k_pages/v_pages are {k_pages.dtype}")
+            continue
+        if scales is None:
+            raise ValueError(f"{name} is required with {k_pages.dtype} pages (one scale per token and KV head)")
+        if not hasattr(scales, "shape") or not hasattr(scales, "dtype"):
+            raise ValueError(f"{name} must be an array, got {type(scales).__name__}")
+        if tuple(scales.shape) != tuple(k_pages.shape[:3]):
+            raise ValueError(f"{name} must have shape [num_kv_heads, num_blocks, block_size] = "
+                             f"{tuple(k_pages.shape[:3])}, got {tuple(scales.shape)}")
+        if jnp.dtype(scales.dtype) not in SCALE_DTYPES:
+            raise ValueError(f"{name} must be float32 or bfloat16, got {scales.dtype}")
+    return quantized
+
+
+def validate_variants(k_pages: jax.Array, v_pages: jax.Array, *, sliding_window, logits_soft_cap, k_scales,
+                      v_scales) -> tuple[int | None, float | None, bool]:
+    """Checks the variant arguments; returns (sliding_window, logits_soft_cap, quantized) normalised."""
+    return (check_sliding_window(sliding_window), check_soft_cap(logits_soft_cap),
+            check_scales(k_pages, v_pages, k_scales, v_scales))
+
+
+def check_vector(name: str, x: jax.Array, length: int) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an int32 array, got {type(x).__name__}")
+    _check_int32(name, x, 1)
+    if x.shape[0] != length:
+        raise ValueError(f"{name} must have shape ({length},), got {x.shape}")

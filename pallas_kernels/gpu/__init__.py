@@ -1,0 +1,8 @@
+"""Paged-attention kernels for NVIDIA GPUs in Pallas, compiled through Triton: the decode kernel
+(`paged_attention`) and the ragged prefill/decode kernel (`ragged_attention`), with their private helpers
+(`_common`: masked page-tile gathers through the block table, the online-softmax step).
+
+Reached through `pallas_kernels.paged_attention(..., target="gpu")` and
+`pallas_kernels.ragged_paged_attention(..., target="gpu")` (target "auto" picks them on any backend but a
+TPU); with `interpret=True` (the default off a GPU) they run in the Pallas interpreter, on any machine.
+"""

@@ -1,0 +1,105 @@
+"""Tiling arithmetic and ragged tile metadata shared by the GPU (Triton) and TPU (Mosaic) kernels and the XLA
+paths: powers of two and ceiling division, the page span a program walks under a sliding window, the query
+tiles of a ragged batch (`tile_metadata`, `default_block_q`), the kernel-name suffix of the variants, and the
+float32 matmul precision and -inf of both kernels' online softmax.
+
+Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_attention` are the entry points.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.quant import is_quantized
+
+NEG_INF = float("-inf")
+# tl.dot on NVIDIA GPUs needs every matmul dimension >= 16.
+MIN_DOT_DIM = 16
+_MAX_ROWS = 128
+_MAX_ACC_ELEMENTS = 128 * 128
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (and >= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a, b):
+    """Ceiling division for Python ints and non-negative traced integers alike."""
+    return (a + b - 1) // b
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """head_dim as the kernels hold it in registers: a power of two, >= MIN_DOT_DIM (tl.dot). Columns past
+    head_dim are masked on load and store."""
+    return max(MIN_DOT_DIM, next_pow2(head_dim))
+
+
+def dot_precision(dtype) -> lax.Precision | None:
+    # Both kernel families would otherwise run float32 matmuls at about 1e-3 relative error: Triton in TF32,
+    # the TPU matrix unit in a single bfloat16 pass.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def window_pages(sliding_window: int | None, span: int, max_blocks_per_seq: int, block_size: int) -> int:
+    """Static bound on the pages one program walks: all of a table's `max_blocks_per_seq`, or with a window
+    the pages that can hold `span` consecutive query positions' windows (`span + W - 1` consecutive
+    positions starting anywhere in a page)."""
+    if sliding_window is None:
+        return max_blocks_per_seq
+    return min(max_blocks_per_seq, cdiv(span + sliding_window - 2, block_size) + 1)
+
+
+def variant_suffix(sliding_window: int | None, logits_soft_cap: float | None, page_dtype) -> str:
+    """Kernel-name suffix naming the variants in use (profiles tell the variants apart)."""
+    parts = ["window"] if sliding_window is not None else []
+    parts += ["softcap"] if logits_soft_cap is not None else []
+    parts += [jnp.dtype(page_dtype).name] if is_quantized(page_dtype) else []
+    return "".join(f"_{part}" for part in parts)
+
+
+def default_block_q(num_tokens: int, num_seqs: int, group: int, head_dim: int) -> int:
+    """Query tokens per tile: the mean query length rounded up to a power of two, so tiles fit the
+    sequences, with block_q * group between 16 and 128 rows (64 at head_dim 256: the float32 accumulator
+    rows x head_dim stays <= 64 KiB of registers)."""
+    group_pad = next_pow2(group)
+    dim_pad = padded_head_dim(head_dim)
+    lo = max(1, MIN_DOT_DIM // group_pad)
+    hi = max(1, min(_MAX_ROWS, _MAX_ACC_ELEMENTS // dim_pad) // group_pad)
+    mean = cdiv(max(1, num_tokens), max(1, num_seqs))
+    return int(min(max(next_pow2(mean), lo), max(lo, hi)))
+
+
+def max_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Upper bound on the tiles of num_seqs sequences plus one padding segment holding num_tokens rows:
+    sum_i cdiv(n_i, b) <= (sum_i n_i + segments * (b - 1)) / b."""
+    return max(1, (num_tokens + (num_seqs + 1) * (block_q - 1)) // block_q)
+
+
+def tile_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, num_tokens: int, block_q: int,
+                  max_context: int) -> jax.Array:
+    """int32 `[num_tiles, 5]`: for each tile (sequence for the block table, first row, number of rows,
+    position of its first row, kv length). Rows past cu_q_lens[-1] form a last segment with kv length 0
+    (its rows get zeros); tiles past the real count have 0 rows."""
+    num_seqs = kv_lens.shape[0]
+    num_tiles = max_tiles(num_tokens, num_seqs, block_q)
+    cu = jnp.clip(cu_q_lens.astype(jnp.int32), 0, num_tokens)
+    cu = jnp.concatenate([cu, jnp.full((1,), num_tokens, jnp.int32)])  # + padding segment
+    q_lens = jnp.maximum(cu[1:] - cu[:-1], 0)  # [num_seqs + 1]
+    kv = jnp.concatenate([jnp.clip(kv_lens, 0, max_context), jnp.zeros((1,), jnp.int32)])
+    tiles = cdiv(q_lens, block_q)
+    tile_cu = jnp.cumsum(tiles)  # tile_cu[s] = first tile after segment s
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    # seg[t] = #segments whose tiles end at or before t (a scatter-add and a cumsum: O(tiles + seqs)).
+    ends = jnp.zeros((num_tiles + 1,), jnp.int32).at[jnp.minimum(tile_cu, num_tiles)].add(1)
+    seg = jnp.cumsum(ends)[:num_tiles]
+    in_range = seg <= num_seqs
+    seg = jnp.minimum(seg, num_seqs)
+    j = t - (tile_cu[seg] - tiles[seg])  # tile index within its segment
+    row0 = cu[seg] + j * block_q
+    rows = jnp.where(in_range, jnp.clip(q_lens[seg] - j * block_q, 0, block_q), 0)
+    pos0 = kv[seg] - q_lens[seg] + j * block_q
+    table_row = jnp.minimum(seg, num_seqs - 1)
+    return jnp.stack([table_row, row0, rows, pos0, kv[seg]], axis=1).astype(jnp.int32)
