@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
-from tests.engine import dense
+from tests import dense
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=128)

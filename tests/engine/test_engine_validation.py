@@ -11,7 +11,7 @@ import pytest
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from pagedjax.model.tokenizer import ByteTokenizer
-from tests.engine.dense import dense_forward
+from tests.dense import dense_forward
 from tests.engine.test_engine import CFG, MAX_LEN, PROMPTS, SEED, _pad, make_engine
 
 

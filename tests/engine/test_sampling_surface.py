@@ -14,7 +14,7 @@ import pytest
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.model.tokenizer import ByteTokenizer
-from tests.engine.dense import dense_forward
+from tests.dense import dense_forward
 from tests.engine.test_engine import CFG, MAX_LEN, SEED
 
 BLOCK = 8

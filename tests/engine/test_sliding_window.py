@@ -15,7 +15,7 @@ from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from pagedjax.model.llama import init_model
-from tests.engine import dense
+from tests import dense
 
 BLOCK = 4
 MAX_TOKENS = 8

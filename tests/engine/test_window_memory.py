@@ -8,7 +8,7 @@ import pytest
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from pagedjax.core.kv_cache_manager import cdiv
-from tests.engine import dense
+from tests import dense
 
 BS = 4
 WINDOWS = (6, 10)  # per layer; no layer reads further back than 10 positions: kv_window 10

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig, make_engine
 from pagedjax.model.llama import init_model, model_from_state
 from pagedjax.parallel import ParallelConfig, tp_mesh
-from tests.engine.dense import greedy_by_recompute
+from tests.dense import greedy_by_recompute
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -337,7 +337,7 @@ def hf_checkpoint_loads_into_shards():
     """A tiny transformers Llama (GQA 4/2, untied) saved as safetensors, loaded with tp 2: weights sharded,
     logits equal transformers' (float32, 1e-4) and the engine's greedy tokens equal transformers' generate."""
     try:
-        from tests.engine import test_hf as hf
+        from tests.model import test_hf as hf
     except BaseException as e:  # noqa: BLE001 - pytest.importorskip raises Skipped (a BaseException)
         raise SkipCheck(f"needs torch and transformers: {e}") from None
     with tempfile.TemporaryDirectory() as d:

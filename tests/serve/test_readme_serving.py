@@ -1,5 +1,5 @@
 """The README's Serving section runs as written, against a live server: its launch command parses, its `curl`
-example and its `openai` client example (a ```py block: tests/engine/test_readme.py runs the ```python blocks
+example and its `openai` client example (a ```py block: tests/test_readme.py runs the ```python blocks
 on their own, and this one needs a server) work, with the server's address put in place of port 8000."""
 
 from __future__ import annotations

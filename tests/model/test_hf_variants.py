@@ -20,7 +20,7 @@ from pagedjax.config import CacheConfig, SchedulerConfig  # noqa: E402
 from pagedjax.core.request import SamplingParams  # noqa: E402
 from pagedjax.engine import LLMEngine  # noqa: E402
 from pagedjax.model.hf_loader import load_hf, model_from_state  # noqa: E402
-from tests.engine.test_hf import MIN_MARGIN, TOL, dense_logits, hf_greedy, hf_logits  # noqa: E402
+from tests.model.test_hf import MIN_MARGIN, TOL, dense_logits, hf_greedy, hf_logits  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
