@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Sets up the test environments from scratch (idempotent) and runs the test suite:
 #   1. the whole default suite on python3 (JAX from pip, the [test,hf] extras: torch is the local CPU wheel),
-#   2. what can differ by JAX version again on python3.12 with the newest JAX: kernels, device functions,
-#      model, the engine's core paths, checkpoints, README examples (the GPU machines run Python 3.12 with
-#      newer JAX than python3 here gets).
+#      then the tests of a property of XLA's default optimisation level (the suite itself runs at -O0: see
+#      tests/conftest.py);
+#   2. what can differ by JAX version again on python3.12 with the newest JAX (the GPU machines run Python 3.12
+#      with newer JAX than python3 here gets): the kernels and their lowering, the device functions, shardings
+#      and shard_map, the model, checkpoints, the engine's compiled steps, the README's examples; with a fifth of
+#      the hypothesis examples (the first pass covers the properties).
 # Extra arguments go to the first pytest run, e.g. scripts/test.sh -k block_pool. Both runs end with the 15
-# slowest tests (--durations=15), to keep the suite inside CI's budget.
+# slowest tests (--durations=15). Budget: the whole script within 15 minutes on an idle 2-core machine; the
+# long end-to-end runs are marked `slow` (pytest -m slow runs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,18 +31,17 @@ quiet_pip .venv/bin/pip install -q -e ".[test,hf]"
 
 echo "== pagedjax tests: $(.venv/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
 .venv/bin/python -m pytest -n 2 -q --durations=15 "$@"
+PAGEDJAX_TEST_XLA_OPT=default .venv/bin/python -m pytest -q -m xla_default
 
 if PY312=$(find_python312); then
   if [ ! -x .venv312/bin/python ]; then "$PY312" -m venv .venv312; fi
   quiet_pip .venv312/bin/pip install -q --upgrade jax jaxlib flax
   quiet_pip .venv312/bin/pip install -q -e ".[test]"
   echo "== newest JAX: $(.venv312/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
-  # Only what can differ by JAX version: the kernels (and their lowering), the device functions, the model and
-  # the engine's core paths, checkpoints, the README's examples and sharding (meshes, shard_map). The host-side core is plain Python, and the
-  # engine's long property, fault and CLI suites exercise that same core over these same device paths.
-  .venv312/bin/python -m pytest -n 2 -q --durations=15 tests/kernels tests/device tests/engine/test_model.py \
-    tests/engine/test_engine.py tests/engine/test_gpu_lowering.py tests/engine/test_tpu_lowering.py tests/engine/test_checkpoint_train.py \
-    tests/engine/test_readme.py tests/engine/test_engine_validation.py tests/parallel
+  HYPOTHESIS_PROFILE=smoke PAGEDJAX_PARALLEL_CHECKS=newest .venv312/bin/python -m pytest -n 2 -q --durations=15 \
+    tests/kernels tests/device tests/parallel tests/model/test_model.py tests/model/test_checkpoint_train.py \
+    tests/engine/test_gpu_lowering.py tests/engine/test_tpu_lowering.py tests/engine/test_cpu_dots.py \
+    tests/engine/test_engine_validation.py tests/test_readme.py
 else
   echo "python3.12 not found: the newest-JAX run cannot happen" >&2
   exit 1

@@ -20,7 +20,8 @@ import pytest
 from tests.parallel import worker_names
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = worker_names.FAST
+# The default checks, or (PAGEDJAX_PARALLEL_CHECKS=newest: CI's newest-JAX pass) those that differ by JAX version.
+FAST = worker_names.NEWEST if os.environ.get("PAGEDJAX_PARALLEL_CHECKS") == "newest" else worker_names.FAST
 SLOW = worker_names.SLOW
 
 
