@@ -227,7 +227,14 @@ class LLMEngine:
         return beam_search(self, prompts, params)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free all its blocks. Returns False if no such unfinished request."""
+        """Stop a request (every sample of a multi-sample one) and free all its blocks. Returns False if no such
+        unfinished request; ValueError for the id of one of a request's samples, which end only together (one
+        aborted alone used to leave its request without a finished output, or rank a truncated sample)."""
+        request = self.scheduler.get_request(str(request_id))
+        group = None if request is None else request.group
+        if group is not None and request.request_id != group.request.request_id:
+            raise ValueError(f"{request_id!r} is sample {request.sample_index} of request "
+                             f"{group.request.request_id!r}: abort that request")
         return self.scheduler.abort(str(request_id)) is not None
 
     def has_unfinished_requests(self) -> bool:

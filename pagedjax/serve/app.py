@@ -24,12 +24,12 @@ them is refused too (the CLI sets loopback names when it listens on loopback). T
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
-from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -99,12 +99,18 @@ def _cross_site_guard(allowed_origins: Sequence[str], allowed_hosts: Sequence[st
     return guard
 
 
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+
+
 def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTemplate | None = None,
               api_key: str | None = None, shutdown_timeout: float = 0.0, allowed_origins: Sequence[str] = (),
-              allowed_hosts: Sequence[str] | None = None, docs: bool = False) -> FastAPI:
+              allowed_hosts: Sequence[str] | None = None, docs: bool = False,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The server's app over `engine` (started on startup, stopped on shutdown, after letting requests in
     flight finish for `shutdown_timeout` seconds). `api_key`, `allowed_origins`, `allowed_hosts`, `docs`: see
-    the module docstring."""
+    the module docstring. A body over `max_request_bytes` is refused (413) as soon as it is known to be, before
+    it is read whole; prompts are tokenized (and chat templates rendered) in a worker thread, never on the
+    event loop."""
     check_key = _api_key_check(api_key)
     metrics = ServerMetrics(engine.stats, lambda: engine.num_pending)
     serving = OpenAIServing(engine, model_name=model_name, chat_template=chat_template or ChatTemplate.from_model(None),
@@ -125,6 +131,10 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     app.state.metrics = metrics
     install_error_handlers(app)
     created = int(time.time())
+    # (closures: the body limit is this app's; as defaults, not `Annotated[...]`, because annotations are strings
+    # here, resolved in the module's globals)
+    completion_body = json_body(CompletionRequest, max_request_bytes)
+    chat_body = json_body(ChatCompletionRequest, max_request_bytes)
     protected = APIRouter(dependencies=[Depends(check_key)])
 
     @app.get("/health")
@@ -151,8 +161,8 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
 
     @protected.post("/v1/completions", response_model=CompletionResponse,
                     openapi_extra=_body_schema(CompletionRequest))
-    async def completions(request: Request, body: Annotated[CompletionRequest, Depends(_completion_body)]):
-        prepared = serving.prepare_completion(body)
+    async def completions(request: Request, body: CompletionRequest = Depends(completion_body)):  # noqa: B008
+        prepared = await asyncio.to_thread(serving.prepare_completion, body)
         stream = await serving.start(prepared)
         if prepared.stream:
             return EventStreamResponse(serving.completion_events(prepared, stream))
@@ -160,9 +170,8 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
 
     @protected.post("/v1/chat/completions", response_model=ChatCompletionResponse,
                     openapi_extra=_body_schema(ChatCompletionRequest))
-    async def chat_completions(request: Request,
-                               body: Annotated[ChatCompletionRequest, Depends(_chat_body)]):
-        prepared = serving.prepare_chat(body)
+    async def chat_completions(request: Request, body: ChatCompletionRequest = Depends(chat_body)):  # noqa: B008
+        prepared = await asyncio.to_thread(serving.prepare_chat, body)
         stream = await serving.start(prepared)
         if prepared.stream:
             return EventStreamResponse(serving.chat_events(prepared, stream))
@@ -172,23 +181,31 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     return app
 
 
-def json_body(model: type[BaseModel]):
-    """A dependency that parses the body as JSON whatever its Content-Type says (curl's `-d` sends
+def json_body(model: type[BaseModel], max_bytes: int):
+    """A dependency that reads the body (413 past `max_bytes`: by its Content-Length before reading, or as soon
+    as that many bytes came) and parses it as JSON whatever its Content-Type says (curl's `-d` sends
     form-encoded), validated by `model`; 400 naming the field otherwise."""
 
+    def too_large(size: str) -> APIError:
+        return APIError(413, f"the request body is {size}, more than the {max_bytes:,} bytes this server takes "
+                             "(--max-request-bytes)", code="request_too_large")
+
     async def parse(request: Request) -> BaseModel:
-        raw = await request.body()
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_bytes:
+            raise too_large(f"{int(declared):,} bytes")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > max_bytes:
+                raise too_large(f"over {max_bytes:,} bytes")
         try:
-            return model.model_validate_json(raw)
+            return model.model_validate_json(bytes(raw))
         except ValidationError as e:
             message, param = validation_message(e.errors(include_url=False))
             raise bad_request(message, param) from None
 
     return parse
-
-
-_completion_body = json_body(CompletionRequest)
-_chat_body = json_body(ChatCompletionRequest)
 
 
 def _body_schema(model: type[BaseModel]) -> dict:

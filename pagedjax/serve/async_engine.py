@@ -65,6 +65,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _FailAll:
+    error: BaseException
+
+
 _STOP = object()
 
 
@@ -237,6 +242,18 @@ class AsyncLLMEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
+    async def drain(self, timeout: float) -> None:
+        """Take no new requests, let those in flight finish for up to `timeout` seconds, then end the rest: their
+        streams raise EngineStoppedError (a server answers each with an error, and a stream with its error event
+        and [DONE]). The engine thread keeps running until `shutdown` / `stop`."""
+        self._accepting = False
+        loop = asyncio.get_running_loop()
+        if self._num_pending and timeout > 0:
+            await loop.run_in_executor(None, self._idle.wait, timeout)
+        if self._num_pending:
+            logger.warning("shutting down: ending %d requests still in flight", self._num_pending)
+            self._send(_FailAll(EngineStoppedError("the server shut down before the request finished")))
+
     def stop(self) -> None:
         """Synchronous `shutdown(timeout=0)` (from outside the event loop)."""
         self._accepting = False
@@ -264,6 +281,9 @@ class AsyncLLMEngine:
                     except queue.Empty:
                         break
                 for command in commands:
+                    if isinstance(command, _FailAll):
+                        self._publish(self._fail_all(command.error, drain=True))
+                        continue
                     if command is _STOP:
                         failed = self._fail_all(EngineStoppedError("the server shut down before the request "
                                                                    "finished"), drain=True)

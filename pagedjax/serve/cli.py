@@ -16,6 +16,7 @@ error or a model / engine that cannot be set up (one line `pagedjax-serve: error
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -27,8 +28,10 @@ from pathlib import Path
 
 from pagedjax.cli import args as generate_args
 from pagedjax.cli.errors import EXIT_ERROR, EXIT_OK, CLIError
+from pagedjax.cli.sizes import parse_size
 
 PROG = "pagedjax-serve"
+SHUTDOWN_GRACE_S = 5.0  # after the drain, for the last answers and error events to reach their clients
 BUNDLED_MODEL_NAME = "pagedjax-tiny"
 SERVE_EXTRA = ("fastapi", "uvicorn", "starlette", "prometheus_client", "jinja2", "pydantic")  # pyproject's `serve`
 
@@ -65,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allowed-host", action="append", default=None, metavar="HOST",
                    help="a Host header the server answers (repeatable; default when listening on loopback: "
                         "localhost, 127.0.0.1, ::1, against DNS rebinding; otherwise any)")
+    g.add_argument("--max-request-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="the largest request body taken (e.g. 8MiB; default: 4 MiB); larger ones get 413 before "
+                        "they are read")
     g.add_argument("--enable-docs", action="store_true",
                    help="serve the interactive API docs (/docs, /redoc, /openapi.json; open to anyone who can "
                         "reach the server)")
@@ -88,13 +94,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _Server:
-    """uvicorn's server, whose graceful shutdown on SIGINT / SIGTERM ends in exit status 0: uvicorn itself
-    re-raises the signal once it has shut down, so that the process dies of it."""
+    """uvicorn's server, whose shutdown on SIGINT / SIGTERM ends every request cleanly and exits 0 (uvicorn
+    itself re-raises the signal once it has shut down, so that the process dies of it).
 
-    def __init__(self, config):
+    The first signal runs `drain(timeout)` in the event loop (requests in flight may finish for `timeout`
+    seconds; the rest end with an error, a stream with its error event and [DONE]) while uvicorn stops accepting
+    and waits for the connections. A second one ends every request now (`drain(0)`) instead of uvicorn's forced
+    exit, which would cut responses mid-body; only a third forces it."""
+
+    def __init__(self, config, drain, timeout: float):
         import uvicorn
 
         class Server(uvicorn.Server):
+            def __init__(self, config):
+                super().__init__(config)
+                self.signals = 0
+                self.drains: list[asyncio.Task] = []  # referenced until done
+
+            def handle_exit(self, sig, frame):
+                self.signals += 1
+                if self.signals <= 2:
+                    loop = asyncio.get_event_loop()
+                    self.drains.append(loop.create_task(drain(timeout if self.signals == 1 else 0.0)))
+                if self.signals != 2:
+                    super().handle_exit(sig, frame)
+
             @contextlib.contextmanager
             def capture_signals(self):
                 if threading.current_thread() is not threading.main_thread():
@@ -175,12 +199,19 @@ def serve(args: argparse.Namespace) -> int:
         except (OSError, ModelLoadError) as e:
             raise CLIError(f"cannot read the chat template: {e}") from None
         name = args.served_model_name or (args.model if args.model is not None else BUNDLED_MODEL_NAME)
-        app = build_app(AsyncLLMEngine(engine, max_pending=args.max_num_seqs + args.max_queue), model_name=name,
+        async_engine = AsyncLLMEngine(engine, max_pending=args.max_num_seqs + args.max_queue)
+        app = build_app(async_engine, model_name=name,
                         chat_template=template, api_key=api_key(args), allowed_origins=args.allowed_origin,
-                        allowed_hosts=allowed_hosts(args), docs=args.enable_docs)
+                        allowed_hosts=allowed_hosts(args), docs=args.enable_docs,
+                        **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
+        # uvicorn waits for the connections a little past the drain: by then every request got its answer
+        # (finished, or an error), so it never has to cancel one mid-response.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
-        started = _Server(config).run()
+                                timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, access_log=False)
+        try:
+            started = _Server(config, async_engine.drain, args.shutdown_timeout).run()
+        finally:
+            async_engine.stop()  # a second signal skips the app's shutdown: never exit with a device call running
     return EXIT_OK if started else EXIT_ERROR
 
 

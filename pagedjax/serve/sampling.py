@@ -15,6 +15,10 @@ from pagedjax.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: up to the context length)
+# Log-probability entries one request may ask for: samples x tokens x (1 + top alternatives). Each is a few dozen
+# bytes of response and host memory; 500,000 (about 30 MB of JSON) allows 8 samples of 2,048 tokens with 20
+# alternatives each; n=128 x 2,047 tokens x 21 would be 5.5 million.
+MAX_LOGPROB_ENTRIES = 500_000
 
 
 
@@ -72,6 +76,14 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, *, max_t
     """The engine's parameters for `request`; APIError 400 naming the field for anything the engine refuses."""
     check_supported(request)
     fields = engine_fields(request, max_tokens=max_tokens)
+    if fields.get("logprobs") is not None:
+        samples = fields.get("best_of", fields.get("n", 1))
+        entries = samples * max_tokens * (fields["logprobs"] + 1)
+        if entries > MAX_LOGPROB_ENTRIES:
+            name = "logprobs" if isinstance(request, CompletionRequest) else "top_logprobs"
+            raise bad_request(f"{name}: {samples} samples x {max_tokens} tokens x {fields['logprobs'] + 1} "
+                              f"log-probabilities = {entries:,}, more than the {MAX_LOGPROB_ENTRIES:,} one request "
+                              "may ask for; lower n, max_tokens or the alternatives", name)
     known = {f.name for f in dataclasses.fields(SamplingParams)}
     for name in fields:
         if name not in known:

@@ -185,3 +185,17 @@ def test_kv_cache_dtype_may_differ_from_the_models(backend):
         np.testing.assert_allclose(logits[i], want, rtol=0, atol=2e-2 * np.abs(want).max())
     outs = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=3), use_tqdm=False)
     assert len(outs[0].output_token_ids) == 3
+
+
+def test_a_sample_is_not_aborted_alone():
+    """Aborting every sample of a request by its internal id used to leave the request with no finished output
+    (a caller waited forever); aborting one could rank a truncated sample best. Samples end with their request."""
+    engine = make_engine()
+    engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=4, n=2, best_of=3, temperature=1.0, seed=1))
+    engine.step()  # the shared prefill; the samples exist now
+    samples = [rid for rid in engine.scheduler.requests if rid != "r"]
+    assert len(samples) == 3
+    for rid in samples:
+        with pytest.raises(ValueError, match="sample .* of request 'r': abort that request"):
+            engine.abort(rid)
+    assert engine.abort("r") and not engine.has_unfinished_requests()

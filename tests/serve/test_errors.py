@@ -380,3 +380,28 @@ def test_health_and_requests_once_the_engine_stopped():
         assert (response.status_code, response.json()) == (503, {"status": "unavailable"})
         assert_error(client.post("/v1/completions", json=good()), 503, type_="server_error", code="unavailable",
                      says="not taking requests")
+
+
+def test_log_probability_work_per_request_is_bounded(http):
+    """n=32 x 500 tokens x 20 alternatives used to build a 20 MB response (5.6 GB at the allowed maximum)."""
+    response = http.post("/v1/completions", json=good(n=32, max_tokens=1000, logprobs=20))
+    assert_error(response, 400, type_="invalid_request_error", param="logprobs", says="672,000")
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "n": 64, "max_tokens": 200,
+            "logprobs": True, "top_logprobs": 20}
+    assert_error(http.post("/v1/chat/completions", json=chat), 400, type_="invalid_request_error",
+                 param="top_logprobs", says="500,000")
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(server, http):
+    """A 16 MiB prompt used to be read whole and tokenized on the event loop (17 s, /health stalled, 3 GB kept)."""
+    big = json.dumps(good(prompt="x" * (5 * 2**20)))
+    response = http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+    assert_error(response, 413, type_="invalid_request_error", code="request_too_large", says="5,242,")
+
+    def chunks():  # no Content-Length: refused once the limit is passed
+        for i in range(0, len(big), 2**16):
+            yield big[i:i + 2**16].encode()
+
+    response = http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert_error(response, 413, type_="invalid_request_error", code="request_too_large", says="over 4,194,304")
+    assert http.get("/health").status_code == 200
