@@ -384,9 +384,9 @@ def test_health_and_requests_once_the_engine_stopped():
 
 def test_log_probability_work_per_request_is_bounded(http):
     """n=32 x 500 tokens x 20 alternatives used to build a 20 MB response (5.6 GB at the allowed maximum)."""
-    response = http.post("/v1/completions", json=good(n=32, max_tokens=1000, logprobs=20))
-    assert_error(response, 400, type_="invalid_request_error", param="logprobs", says="672,000")
-    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "n": 64, "max_tokens": 200,
+    response = http.post("/v1/completions", json=good(n=128, max_tokens=200, logprobs=20))
+    assert_error(response, 400, type_="invalid_request_error", param="logprobs", says="537,600")
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "n": 128, "max_tokens": 200,
             "logprobs": True, "top_logprobs": 20}
     assert_error(http.post("/v1/chat/completions", json=chat), 400, type_="invalid_request_error",
                  param="top_logprobs", says="500,000")
