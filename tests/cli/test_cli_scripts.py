@@ -73,6 +73,10 @@ def test_test_sh_reports_the_slowest_tests(tmp_path):
                        text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     pytest_runs = [line for line in _log(log) if " -m pytest " in line]
-    assert len(pytest_runs) == 2, _log(log)
-    assert all("--durations=15" in line for line in pytest_runs), pytest_runs
-    assert pytest_runs[0].endswith("-k block_pool")
+    assert len(pytest_runs) == 3, _log(log)
+    suites, default_level = [r for r in pytest_runs if "xla_default" not in r], \
+        [r for r in pytest_runs if "xla_default" in r]
+    assert [r.split()[0] for r in suites] == [".venv", ".venv312"], pytest_runs  # both Pythons
+    assert all("--durations=15" in line for line in suites), pytest_runs
+    assert suites[0].endswith("-k block_pool")
+    assert default_level[0].startswith(".venv python -m pytest -q -m xla_default"), default_level
