@@ -281,7 +281,7 @@ class LLMEngine:
         self._empty_plans = 0
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
         try:
-            inputs = self.step_inputs(plan)
+            inputs = step_inputs(plan, requests, vocab_size=self.model_config.vocab_size, engine_seed=self.seed)
             out = self.runner.execute(inputs)
         except BaseException as exc:
             return self._recover(plan.request_ids, exc)
