@@ -52,7 +52,9 @@ def penalty_metadata(requests: list[Request], vocab_size: int) -> PenaltyMetadat
     counts = np.zeros((n, vocab_size), np.int32)
     prompt_mask = np.zeros((n, vocab_size), bool)
     stops = [sorted(r.stop_ids) for r in requests]
-    stop_ids = np.full((n, max(1, max(map(len, stops)))), -1, np.int32)
+    # Columns to a power of two: each distinct width is a program to compile (a request with 1..1,024 stop ids
+    # used to compile one per length, stalling every running request), now log2 of them.
+    stop_ids = np.full((n, bucket(max(map(len, stops), default=1))), -1, np.int32)
     for i, r in enumerate(requests):
         if r.output_token_ids:
             counts[i] = np.bincount(r.output_token_ids, minlength=vocab_size)

@@ -18,6 +18,7 @@ SEED_LIMIT = 2**63  # seeds travel to the device as two uint32 halves (see Sampl
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 256
 
 
 class _Request(BaseModel):
@@ -66,7 +67,7 @@ class _SamplingFields(_Request):
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
 
 
