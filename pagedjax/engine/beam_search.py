@@ -9,6 +9,11 @@ yet, so the fork shares every block, the partial last one too, and copies it on 
 left without a kept candidate are aborted and release their blocks. Two beams with a common history share its
 blocks for as long as both live.
 
+Beam search runs alone (ValueError if other requests are in flight: its steps would advance them and drop their
+outputs), and only when every beam of a batch fits the pool at its longest (held beams keep their blocks, and
+nothing preempts them): prompts are batched so that they do, and a search that could never fit is refused at
+the start. A failure aborts every request the search made, forks included.
+
 A candidate ending in EOS (unless `ignore_eos`) or reaching `max_tokens` (or the model's length) is complete.
 A beam whose request fails a step on its own (see `LLMEngine.step`) ends the search with a RuntimeError, every
 beam aborted. The search ends when no beam is live; the result is the `beam_width` best of the complete ones by
@@ -85,10 +90,22 @@ def beam_search(engine: LLMEngine, prompts: Sequence[Sequence[int] | str], param
     max_seqs = engine.scheduler_config.max_num_seqs
     if width > max_seqs:
         raise ValueError(f"beam_width={width} is more than max_num_seqs={max_seqs}")
+    if engine.has_unfinished_requests():  # its steps would advance them and drop their outputs
+        raise ValueError(f"beam search runs alone: {engine.scheduler.num_unfinished_requests} requests are in "
+                         "flight; let them finish or abort them first")
     sampling = SamplingParams(max_tokens=params.max_tokens, logprobs=2 * width, ignore_eos=True)
     ids = engine.fresh_request_ids("beam", len(prompts))
     requests = [engine.make_request(rid, p, sampling) for rid, p in zip(ids, prompts, strict=True)]
-    per_batch = max(1, max_seqs // width)
+    # Held beams keep their blocks between steps and nothing preempts them, so a batch runs only if every beam of
+    # it fits at its longest at once (its last block copied on a fork's first write: one more).
+    bs = engine.cache_config.block_size
+    longest = max((r.num_prompt_tokens for r in requests), default=0)
+    per_beam = -(-min(longest + params.max_tokens, engine.scheduler_config.max_model_len) // bs) + 1
+    if width * per_beam > engine.num_blocks:
+        raise ValueError(f"beam search of width {width} over {longest} prompt + {params.max_tokens} new tokens may "
+                         f"hold {width} x {per_beam} blocks of {bs} tokens, more than the pool's {engine.num_blocks}; "
+                         "use a larger pool, a smaller beam_width or fewer max_tokens")
+    per_batch = max(1, min(max_seqs // width, engine.num_blocks // (width * per_beam)))
     outputs: list[BeamSearchOutput] = []
     for start in range(0, len(requests), per_batch):
         outputs += _search_batch(engine, requests[start:start + per_batch], params)
@@ -102,11 +119,13 @@ def _search_batch(engine: LLMEngine, requests: list[Request], params: BeamSearch
     fork_ids = itertools.count()
     live: list[list[_Beam]] = []
     complete: list[list[_Beam]] = [[] for _ in requests]
-    for r in requests:
-        r.hold = True
-        engine.add_prepared_request(r)
-        live.append([_Beam([], 0.0, r)])
+    owned: list[Request] = []  # every request of this search, forks included: all aborted if it fails
     try:
+        for r in requests:
+            r.hold = True
+            owned.append(r)
+            engine.add_prepared_request(r)
+            live.append([_Beam([], 0.0, r)])
         while any(live):
             while any(not b.request.is_finished and not b.request.paused for beams in live for b in beams):
                 engine.step()
@@ -114,11 +133,10 @@ def _search_batch(engine: LLMEngine, requests: list[Request], params: BeamSearch
             if failed:  # a beam that broke a step on its own: its scores are unknown, so the search cannot go on
                 raise RuntimeError(f"beam search: request {failed[0].request_id!r} failed: {failed[0].error}")
             for i, beams in enumerate(live):
-                live[i] = _advance(engine, beams, complete[i], params, eos, fork_ids)
+                live[i] = _advance(engine, beams, complete[i], params, eos, fork_ids, owned)
     except BaseException:
-        for beams in live:
-            for b in beams:
-                sched.abort(b.request.request_id)
+        for r in owned:
+            sched.abort(r.request_id)  # None for one that already finished
         raise
     results = []
     for r, done in zip(requests, complete, strict=True):
@@ -132,7 +150,7 @@ def _search_batch(engine: LLMEngine, requests: list[Request], params: BeamSearch
 
 
 def _advance(engine: LLMEngine, beams: list[_Beam], complete: list[_Beam], params: BeamSearchParams,
-             eos: set[int], fork_ids) -> list[_Beam]:
+             eos: set[int], fork_ids, owned: list[Request]) -> list[_Beam]:
     """One beam step of one prompt: candidates from every beam's last log-probabilities, the best kept.
 
     A beam's request carries on its first kept candidate (its sampled last token replaced if the candidate's
@@ -169,6 +187,7 @@ def _advance(engine: LLMEngine, beams: list[_Beam], complete: list[_Beam], param
             child = Request(request_id=f"{r.request_id}.{next(fork_ids)}", prompt_token_ids=r.prompt_token_ids,
                             sampling_params=r.sampling_params, eos_token_ids=r.eos_token_ids,
                             output_token_ids=list(beam.tokens), hold=True, logprobs=[])
+            owned.append(child)
             sched.fork(r.request_id, child)
             beam.request = child
     kept = [beam for _, beam in chosen]

@@ -199,3 +199,52 @@ def test_a_sample_is_not_aborted_alone():
         with pytest.raises(ValueError, match="sample .* of request 'r': abort that request"):
             engine.abort(rid)
     assert engine.abort("r") and not engine.has_unfinished_requests()
+
+
+def test_stop_token_id_counts_compile_a_logarithmic_number_of_programs():
+    """Each distinct count of stop token ids (with penalties on) used to compile its own step program: a server
+    driven with counts 1..1,024 compiled one per count and stalled every running stream meanwhile. Counts are
+    bucketed to powers of two now: counts 1..40 compile at most one program per bucket (1, 2, 4, ..., 64)."""
+    engine = make_engine()
+    engine.generate([PROMPTS[0]], SamplingParams(max_tokens=2, presence_penalty=0.5), use_tqdm=False)
+    base = engine.stats().compilations
+    for k in range(1, 41):
+        params = SamplingParams(max_tokens=1, presence_penalty=0.5, stop_token_ids=list(range(k)), ignore_eos=True)
+        engine.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert engine.stats().compilations - base <= 7  # widths 1, 2, 4, 8, 16, 32, 64
+
+
+def test_beam_search_refuses_what_could_deadlock_and_leaves_nothing_behind(monkeypatch):
+    """On a pool too small for its held beams, beam search used to stop with "the scheduler made no progress";
+    beside running requests it advanced them and dropped their outputs, or failed a fork on max_num_seqs and
+    left the fork held in the scheduler forever."""
+    from pagedjax import BeamSearchParams
+    from tests.engine.test_engine import assert_all_free
+
+    params = BeamSearchParams(beam_width=4, max_tokens=20)
+    small = make_engine(block_size=4, num_blocks=10)
+    with pytest.raises(ValueError, match="more than the pool's 10"):
+        small.beam_search([PROMPTS[0]], params)
+    assert not small.has_unfinished_requests()
+
+    engine = make_engine()
+    engine.add_request("other", PROMPTS[1], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="runs alone: 1 requests are in flight"):
+        engine.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    forks = []
+    original = engine.scheduler.fork
+
+    def fork(source_id, child):
+        forks.append(child.request_id)
+        if len(forks) == 2:
+            raise ValueError("cannot fork: injected")
+        return original(source_id, child)
+
+    monkeypatch.setattr(engine.scheduler, "fork", fork)
+    with pytest.raises(ValueError, match="injected"):
+        engine.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=3, max_tokens=4))
+    assert len(forks) == 2 and not engine.has_unfinished_requests()
+    assert_all_free(engine)
