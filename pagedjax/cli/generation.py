@@ -70,6 +70,8 @@ class Generation:
         long, bigger than the pool) is a CLIError. The demo queues its first prompt alone: it computes (and
         caches) the shared prefix, and the others, queued once it is done, find it in the cache."""
         self._start = time.perf_counter()
+        if self.args.beam_width is not None:  # beam search validates its prompts itself, and runs alone
+            return
         everything = list(range(len(self.completions)))
         first = everything[:1] if self.args.demo and not self.args.no_prefix_caching else everything
         self._later = everything[len(first):]
