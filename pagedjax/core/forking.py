@@ -40,7 +40,7 @@ def add_multi_sample(scheduler: Scheduler, request: Request) -> None:
     prefill = Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids[:-1],
                       sampling_params=params, eos_token_ids=request.eos_token_ids,
                       cache_salt=request.cache_salt, adapter_id=request.adapter_id, group=group,
-                      prefill_only=True, prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+                      prefill_only=True, prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
     scheduler._register(prefill)
     scheduler.waiting.append(prefill)
 

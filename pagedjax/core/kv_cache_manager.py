@@ -384,4 +384,6 @@ def _recomputes_prompt(request: Request) -> bool:
     """A request collecting prompt log-probabilities takes no prefix-cache hits until it has them all:
     every prompt position must go through the model to have logits."""
     lps = request.prompt_logprobs
-    return lps is not None and len(lps) < request.num_prompt_tokens
+    # A multi-sample request's prefill computes all but the last prompt token, for the whole prompt's entries.
+    prompt = request.group.request if request.prefill_only else request
+    return lps is not None and len(lps) < prompt.num_prompt_tokens

@@ -114,6 +114,20 @@ def test_logprobs_and_prompt_logprobs_match_the_dense_model(caching):
         np.testing.assert_allclose(comp.cumulative_logprob, sum(lp.logprob for lp in comp.logprobs), rtol=1e-5)
 
 
+def test_prompt_logprobs_of_several_samples_equal_a_single_requests():
+    """n=3 used to return one entry fewer than the prompt (19 for 20 tokens, no leading None): the shared
+    prefill's list started empty."""
+    engine = _engine(True, 4, 64)
+    single = engine.generate([PROMPT_PARTIAL], SamplingParams(max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    several = engine.generate([PROMPT_PARTIAL], SamplingParams(max_tokens=2, prompt_logprobs=2, n=3,
+                                                               temperature=1.0, seed=5), use_tqdm=False)[0]
+    assert len(several.prompt_logprobs) == len(single.prompt_logprobs) == len(PROMPT_PARTIAL)
+    assert several.prompt_logprobs[0] is None
+    for a, b in zip(several.prompt_logprobs[1:], single.prompt_logprobs[1:], strict=True):
+        assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+        np.testing.assert_allclose(a.logprob, b.logprob, rtol=1e-5, atol=1e-5)
+
+
 def _penalized(logits, prompt, out, p: SamplingParams) -> np.ndarray:
     """The numpy reference of the penalty formulas."""
     logits = logits.astype(np.float64).copy()
