@@ -14,8 +14,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # compile time than they save: at -O0 the whole suite takes 40% less CPU time. The HLO (what is computed) is the
 # same; the machine code may round differently (no fused multiply-adds, other summation orders), which every
 # tolerance covers. What it changes is a bit-level property of the optimised code: a test of one
-# (`@pytest.mark.xla_default`) is skipped at -O0, and CI's newest-JAX pass runs at XLA's default level
-# (PAGEDJAX_TEST_XLA_OPT=default), where it runs. Set before JAX starts; subprocesses (the 8-device worker, the
+# (`@pytest.mark.xla_default`) is skipped at -O0; scripts/test.sh runs those tests at XLA's default level
+# (PAGEDJAX_TEST_XLA_OPT=default) after the suite. Set before JAX starts; subprocesses (the 8-device worker, the
 # CLI runs) inherit it.
 XLA_DEFAULT = os.environ.get("PAGEDJAX_TEST_XLA_OPT") == "default"
 if not XLA_DEFAULT:
@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(config, items):
     if XLA_DEFAULT:
         return
     skip = pytest.mark.skip(reason="a property of XLA's default optimisation level: run with "
-                                   "PAGEDJAX_TEST_XLA_OPT=default (CI's newest-JAX pass does)")
+                                   "PAGEDJAX_TEST_XLA_OPT=default (scripts/test.sh does, after the suite)")
     for item in items:
         if "xla_default" in item.keywords:
             item.add_marker(skip)

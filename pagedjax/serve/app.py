@@ -34,6 +34,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from pagedjax.serve.async_engine import AsyncLLMEngine
 from pagedjax.serve.chat_template import ChatTemplate
@@ -100,17 +101,20 @@ def _cross_site_guard(allowed_origins: Sequence[str], allowed_hosts: Sequence[st
 
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTemplate | None = None,
               api_key: str | None = None, shutdown_timeout: float = 0.0, allowed_origins: Sequence[str] = (),
               allowed_hosts: Sequence[str] | None = None, docs: bool = False,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """The server's app over `engine` (started on startup, stopped on shutdown, after letting requests in
     flight finish for `shutdown_timeout` seconds). `api_key`, `allowed_origins`, `allowed_hosts`, `docs`: see
     the module docstring. A body over `max_request_bytes` is refused (413) as soon as it is known to be, before
-    it is read whole; prompts are tokenized (and chat templates rendered) in a worker thread, never on the
-    event loop."""
+    it is read whole, and one not received within `body_timeout` seconds is a 408 (a client trickling its body
+    holds no connection for ever); prompts are tokenized (and chat templates rendered) in a worker thread, never
+    on the event loop."""
     check_key = _api_key_check(api_key)
     metrics = ServerMetrics(engine.stats, lambda: engine.num_pending)
     serving = OpenAIServing(engine, model_name=model_name, chat_template=chat_template or ChatTemplate.from_model(None),
@@ -133,8 +137,8 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     created = int(time.time())
     # (closures: the body limit is this app's; as defaults, not `Annotated[...]`, because annotations are strings
     # here, resolved in the module's globals)
-    completion_body = json_body(CompletionRequest, max_request_bytes)
-    chat_body = json_body(ChatCompletionRequest, max_request_bytes)
+    completion_body = json_body(CompletionRequest, max_request_bytes, body_timeout)
+    chat_body = json_body(ChatCompletionRequest, max_request_bytes, body_timeout)
     protected = APIRouter(dependencies=[Depends(check_key)])
 
     @app.get("/health")
@@ -181,9 +185,10 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     return app
 
 
-def json_body(model: type[BaseModel], max_bytes: int):
+def json_body(model: type[BaseModel], max_bytes: int, timeout: float = DEFAULT_BODY_TIMEOUT_S):
     """A dependency that reads the body (413 past `max_bytes`: by its Content-Length before reading, or as soon
-    as that many bytes came) and parses it as JSON whatever its Content-Type says (curl's `-d` sends
+    as that many bytes came; 408 when it takes longer than `timeout` seconds; a client gone meanwhile ends the
+    request without a log line) and parses it as JSON whatever its Content-Type says (curl's `-d` sends
     form-encoded), validated by `model`; 400 naming the field otherwise."""
 
     def too_large(size: str) -> APIError:
@@ -195,10 +200,17 @@ def json_body(model: type[BaseModel], max_bytes: int):
         if declared.isdigit() and int(declared) > max_bytes:
             raise too_large(f"{int(declared):,} bytes")
         raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > max_bytes:
-                raise too_large(f"over {max_bytes:,} bytes")
+        try:
+            async with asyncio.timeout(timeout):
+                async for chunk in request.stream():
+                    raw += chunk
+                    if len(raw) > max_bytes:
+                        raise too_large(f"over {max_bytes:,} bytes")
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s",
+                           code="request_timeout") from None
+        except ClientDisconnect:
+            raise APIError(CLIENT_CLOSED_REQUEST, "the client left while sending the body") from None
         try:
             return model.model_validate_json(bytes(raw))
         except ValidationError as e:

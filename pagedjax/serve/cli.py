@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-request-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="the largest request body taken (e.g. 8MiB; default: 4 MiB); larger ones get 413 before "
                         "they are read")
+    g.add_argument("--body-timeout", type=generate_args._float_in(0.0, 86400.0, lo_open=True), default=30.0,
+                   metavar="SECONDS",
+                   help="a request body not received within this time gets 408 (a client trickling its body "
+                        "would hold its connection for ever)")
+    g.add_argument("--max-connections", type=generate_args._int_at_least(1), default=1024, metavar="N",
+                   help="open connections (and requests) at once; more get 503 at once")
     g.add_argument("--enable-docs", action="store_true",
                    help="serve the interactive API docs (/docs, /redoc, /openapi.json; open to anyone who can "
                         "reach the server)")
@@ -202,12 +208,13 @@ def serve(args: argparse.Namespace) -> int:
         async_engine = AsyncLLMEngine(engine, max_pending=args.max_num_seqs + args.max_queue)
         app = build_app(async_engine, model_name=name,
                         chat_template=template, api_key=api_key(args), allowed_origins=args.allowed_origin,
-                        allowed_hosts=allowed_hosts(args), docs=args.enable_docs,
+                        allowed_hosts=allowed_hosts(args), docs=args.enable_docs, body_timeout=args.body_timeout,
                         **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
         # uvicorn waits for the connections a little past the drain: by then every request got its answer
         # (finished, or an error), so it never has to cancel one mid-response.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, access_log=False)
+                                timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, access_log=False,
+                                limit_concurrency=args.max_connections)
         try:
             started = _Server(config, async_engine.drain, args.shutdown_timeout).run()
         finally:

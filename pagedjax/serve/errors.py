@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          415: "invalid_request_error", 429: "rate_limit_error"}
+          408: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class APIError(Exception):

@@ -405,3 +405,29 @@ def test_an_oversized_body_is_refused_before_it_is_read(server, http):
     response = http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
     assert_error(response, 413, type_="invalid_request_error", code="request_too_large", says="over 4,194,304")
     assert http.get("/health").status_code == 200
+
+
+def test_a_body_that_trickles_in_times_out_and_a_client_that_leaves_mid_body_logs_nothing(caplog):
+    """A client sending its body a byte at a time (or never finishing it) used to hold its connection and task
+    for ever; one that disconnected mid-body logged a whole traceback (23,000 log lines for 200 of them)."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    with running_server(make_engine(), body_timeout=0.5) as s:
+        host, port = urlparse(s.url).hostname, urlparse(s.url).port
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                "Content-Length: 100\r\n\r\n{").encode()
+        with socket.create_connection((host, port), timeout=10) as slow:
+            slow.sendall(head)  # and nothing more
+            start = time.monotonic()
+            reply = slow.recv(4096).decode()
+            assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply, reply
+            assert time.monotonic() - start < 5
+        with caplog.at_level("ERROR"):
+            for _ in range(20):
+                with socket.create_connection((host, port), timeout=10) as gone:
+                    gone.sendall(head)
+            time.sleep(1.0)
+            assert httpx.get(s.url + "/health").status_code == 200
+        assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text[-2000:]
