@@ -25,6 +25,24 @@ def _token_content(token: Any) -> str | None:
     return token if isinstance(token, str) else None
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): the character each byte is stored as in the vocabulary -> the byte.
+    Printable Latin-1 bytes stand for themselves; the others, in byte order, for chr(256), chr(257), ..."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)}
+    alphabet, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            alphabet[chr(b)] = b
+        else:
+            alphabet[chr(256 + shifted)] = b
+            shifted += 1
+    return alphabet
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
 class HFTokenizer:
     """Encode/decode with a `tokenizers.Tokenizer`.
 
@@ -36,6 +54,8 @@ class HFTokenizer:
         self._tok = tokenizer
         self.eos_token_ids: tuple[int, ...] = tuple(int(t) for t in eos_token_ids)
         self.bos_token_id = bos_token_id
+        self._added = {i: t for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self._byte_level = type(tokenizer.decoder).__name__ == "ByteLevel"
 
     @classmethod
     def from_file(cls, tokenizer_json: str | os.PathLike, eos_token_ids: Iterable[int] = (),
@@ -114,6 +134,29 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        """The raw bytes the tokens stand for, special tokens dropped: a token holding part of a character gives
+        its bytes (`decode` would give U+FFFD). Exact for byte-level BPE and for byte-fallback tokens (`<0xE2>`);
+        other tokens give their decode's UTF-8."""
+        out = bytearray()
+        for i in ids:
+            i = int(i)
+            added = self._added.get(i)
+            if added is not None:
+                if not added.special:
+                    out += added.content.encode()
+                continue
+            piece = self._tok.id_to_token(i)
+            if piece is None:
+                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+            if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+                out += bytes(_BYTE_LEVEL[c] for c in piece)
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                out.append(int(piece[3:5], 16))
+            else:
+                out += self._tok.decode([i], skip_special_tokens=True).encode()
+        return bytes(out)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -25,7 +25,7 @@ from pagedjax.serve.async_engine import (
 from pagedjax.serve.chat_template import ChatTemplate, ChatTemplateError
 from pagedjax.serve.choices import ChoiceTracker, RequestFailed
 from pagedjax.serve.errors import APIError, bad_request, error_body
-from pagedjax.serve.logprobs import chat_logprobs, completion_logprobs, text_length
+from pagedjax.serve.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from pagedjax.serve.metrics import RequestTimer, ServerMetrics
 from pagedjax.serve.protocol import (
     ChatChoice,
@@ -232,13 +232,13 @@ class OpenAIServing:
             return CompletionChunk(id=prepared.request_id, created=prepared.created, model=self.model_name,
                                    choices=choices, usage=usage)
 
-        offsets: dict[int, int] = {}  # per choice: characters its streamed tokens' decodes add up to
+        offsets: dict[int, TextOffsets] = {}  # per choice: where its next token starts in its text
 
         def choice(d):
             logprobs = None
             if d.logprobs is not None:
-                logprobs = completion_logprobs(self.tokenizer, d.logprobs, offsets.get(d.index, 0))
-                offsets[d.index] = offsets.get(d.index, 0) + text_length(self.tokenizer, d.logprobs)
+                offset = offsets.setdefault(d.index, TextOffsets())
+                logprobs = completion_logprobs(self.tokenizer, d.logprobs, offset)
             return CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs)
 
         async for event in self._events(prepared, stream, chunk, choice, first=None):

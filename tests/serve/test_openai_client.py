@@ -4,6 +4,8 @@ engine's output for the same prompt and parameters."""
 
 from __future__ import annotations
 
+import codecs
+
 import openai
 import pytest
 
@@ -166,7 +168,11 @@ def test_completion_logprobs(offline, client, stream):
     tops = [x for p in parts for x in p.top_logprobs]
     expected = offline(ByteTokenizer().encode(PROMPT), max_tokens=6, logprobs=2, ignore_eos=True).outputs[0]
     assert token_logprobs == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-6)
-    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(6)]
+    # Offsets count characters of the text before each token (they used to add up the token strings' lengths,
+    # "bytes:\\xe2" counting 10 for a third of a character).
+    raw = ByteTokenizer().decode_bytes
+    ids = [t.token_id for t in expected.logprobs]
+    assert offsets == [len(codecs.getincrementaldecoder("utf-8")("replace").decode(raw(ids[:i]))) for i in range(6)]
     for top, token, lp, exp in zip(tops, tokens, token_logprobs, expected.logprobs, strict=True):
         assert len(top) == 2 and top[token] == pytest.approx(lp, abs=1e-6)  # greedy: the chosen token is the top
         assert sorted(top.values(), reverse=True) == pytest.approx([v for _, v in exp.top], abs=1e-6)
