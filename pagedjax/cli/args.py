@@ -100,6 +100,9 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
     g.add_argument("--num-steps", type=_int_at_least(1), dest="decode_steps_per_call", action=_Deprecated,
                    help=argparse.SUPPRESS)
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--max-compiled-programs", type=_int_at_least(1), default=64, metavar="N",
+                   help="compiled step programs kept; past N the least recently used is dropped (and compiled "
+                        "again, or loaded from the compile cache, if needed again): bounds memory")
     cc = g.add_mutually_exclusive_group()
     cc.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
                     help="keep compiled programs in DIR, so that the next run loads them instead of compiling "

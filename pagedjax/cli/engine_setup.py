@@ -125,7 +125,8 @@ def build_engine(args: argparse.Namespace, cfg, params, tokenizer, compile_cache
     try:
         return make_engine(cfg, cache_config, scheduler_config, params=params, seed=args.seed,
                            backend=args.backend, decode_steps_per_call=args.decode_steps_per_call,
-                           tokenizer=tokenizer, compile_cache=compile_cache, parallel_config=parallel_config)
+                           tokenizer=tokenizer, compile_cache=compile_cache, parallel_config=parallel_config,
+                           max_compiled_programs=args.max_compiled_programs)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
     except jax.errors.JaxRuntimeError as e:

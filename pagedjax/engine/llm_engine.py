@@ -46,12 +46,13 @@ class EngineStats:
     elapsed_s: float  # time spent inside step()
     device_s: float  # of which in compiled device calls (dispatch + compute + read back)
     compile_s: float  # of which tracing and compiling new step shapes
-    compilations: int
+    compilations: int  # programs compiled (or loaded from JAX's persistent cache), dropped ones included
     scheduler: SchedulerStats
     tensor_parallel_size: int = 1  # devices the model and its KV pool are sharded over
     kv_cache_bytes_per_device: int = 0  # the KV pool's bytes on each of those devices
     kv_dtype: str = ""  # the KV cache's dtype ("int8", "fp8": 8-bit pages with scales; see CacheConfig.kv_dtype)
     kv_bytes_per_token: int = 0  # KV bytes one cached token takes on each device (its KV heads, scales included)
+    compiled_programs: int = 0  # held now: at most LLMEngine's max_compiled_programs (the least recently used go)
     # A DataParallelEngine's stats combine its replicas': each replica's own, and the requests each was given.
     replicas: tuple[EngineStats, ...] = ()
     requests_per_replica: tuple[int, ...] = ()
@@ -77,6 +78,10 @@ class LLMEngine:
     device. `tensor_parallel_size=N` is short for `parallel_config=ParallelConfig(tensor_parallel_size=N)`.
     One `LLMEngine` is one replica: several (`data_parallel_size` > 1) are a `DataParallelEngine`, which
     `pagedjax.make_engine` / `pagedjax.load_engine` build from a `ParallelConfig` (the same methods).
+    max_compiled_programs: the compiled step programs kept (each holds its machine code: about 12 MiB for the
+    bundled model); past it the least recently used is dropped, and compiled again (or loaded from the
+    persistent compilation cache) if it is needed again, so that requests of ever new shapes cannot grow the
+    process's memory without bound.
 
     A step whose device call raises never wedges the engine: see `step`.
     """
@@ -85,7 +90,7 @@ class LLMEngine:
                  scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,
                  backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
                  tokenizer=None, compile_cache: bool | str = True, parallel_config=None,
-                 tensor_parallel_size: int | None = None, devices=None):
+                 tensor_parallel_size: int | None = None, devices=None, max_compiled_programs: int = 64):
         parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
         if num_steps is not None:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
@@ -93,6 +98,7 @@ class LLMEngine:
             decode_steps_per_call = num_steps
         check_int("LLMEngine", "decode_steps_per_call", decode_steps_per_call, lo=1)
         check_int("LLMEngine", "seed", seed, lo=0, hi=2**32 - 1)
+        check_int("LLMEngine", "max_compiled_programs", max_compiled_programs, lo=1)
         enable_compile_cache(compile_cache if isinstance(compile_cache, str) else None, enabled=bool(compile_cache))
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
@@ -124,7 +130,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
                                   kv_dtype=self.cache_config.kv_array_dtype(model_config), backend=backend,
-                                  mesh=mesh)
+                                  mesh=mesh, max_programs=int(max_compiled_programs))
         self._request_ids = RequestIds()
         self._empty_plans = 0
         self._steps = 0
@@ -374,6 +380,7 @@ class LLMEngine:
             device_s=self.runner.device_seconds,
             compile_s=self.runner.compile_seconds,
             compilations=self.runner.num_compilations,
+            compiled_programs=self.runner.num_programs,
             scheduler=self.scheduler.stats(),
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import jax
@@ -196,7 +197,7 @@ class ModelRunner:
     steps carry no sharding at all."""
 
     def __init__(self, model: Llama, num_blocks: int, block_size: int, *, kv_dtype=None, backend: str = "auto",
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, max_programs: int = 64):
         cfg = model.config
         self.model_config = cfg
         self.block_size = block_size
@@ -216,7 +217,12 @@ class ModelRunner:
         self._param_leaves, treedef = jax.tree.flatten(self.params)
         # A one-device mesh (a data-parallel replica with tp 1) runs the plain single-device program there.
         self._step, self._loop = _jitted(self.graphdef, treedef, mesh if mesh is not None and mesh.size > 1 else None)
-        self._executables: dict[tuple, Any] = {}  # compiled ahead of time, by input signature
+        # Compiled ahead of time, by input signature, least recently used first: at most `max_programs` are kept
+        # (each holds its machine code and buffers: about 12 MiB for the bundled model's steps), the least recently
+        # used dropped. One needed again is compiled again, or loaded from JAX's persistent compilation cache.
+        self.max_programs = max_programs
+        self._executables: OrderedDict[tuple, Any] = OrderedDict()
+        self.num_compilations = 0  # programs compiled (or loaded) so far, dropped ones included
         logger.info("pagedjax runner: backend=%s, KV cache %d blocks x %d tokens of %s (%.1f MiB, %.1f MiB per "
                     "device)", self.backend, num_blocks, block_size, self.kv_dtype.name, self.kv_cache.nbytes / 2**20,
                     self.kv_cache.nbytes_per_device / 2**20)
@@ -265,20 +271,27 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
 
     @property
-    def num_compilations(self) -> int:
+    def num_programs(self) -> int:
+        """Compiled programs held now (at most `max_programs`)."""
         return len(self._executables)
 
     def _executable(self, jitted, key: tuple, args: tuple, static: dict, *, rows: int):
         """The compiled executable for this input signature (`rows`: the tokens a step runs), compiling it
         (timed, logged) if new."""
         exe = self._executables.get(key)
-        if exe is None:
-            start = time.perf_counter()
-            exe = jitted.lower(*args, **static).compile(compiler_options=cpu_compiler_options(self.model_config,
-                                                                                              rows))
-            self.compile_seconds += time.perf_counter() - start
-            self._executables[key] = exe
-            logger.info("compiled %s in %.2f s", key, time.perf_counter() - start)
+        if exe is not None:
+            self._executables.move_to_end(key)
+            return exe
+        start = time.perf_counter()
+        exe = jitted.lower(*args, **static).compile(compiler_options=cpu_compiler_options(self.model_config, rows))
+        self.compile_seconds += time.perf_counter() - start
+        self.num_compilations += 1
+        self._executables[key] = exe
+        logger.info("compiled %s in %.2f s", key, time.perf_counter() - start)
+        while len(self._executables) > self.max_programs:
+            dropped, _ = self._executables.popitem(last=False)
+            logger.info("dropped the least recently used program %s (at most %d are kept)", dropped,
+                        self.max_programs)
         return exe
 
     def execute(self, inputs: StepInputs, *, return_logits: bool = False) -> StepOutputs:

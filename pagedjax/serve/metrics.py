@@ -8,6 +8,7 @@ every step and command), so a scrape never touches the engine itself:
   pagedjax_kv_blocks_used / _free / _cached / _total   the KV pool (cached: idle, reusable by a prefix hit)
   pagedjax_kv_cache_usage                         used blocks / all blocks
   pagedjax_prefix_cache_hit_rate                  prompt tokens found in the prefix cache / looked up
+  pagedjax_compiled_programs                      compiled step programs held (at most --max-compiled-programs)
   pagedjax_prefix_cache_queries_total / _hits_total
   pagedjax_preemptions_total, pagedjax_prompt_tokens_total, pagedjax_generation_tokens_total,
   pagedjax_engine_steps_total, pagedjax_engine_failed_steps_total, pagedjax_compilations_total
@@ -60,6 +61,8 @@ class _EngineCollector(Collector):
             "kv_cache_usage": ("Used KV blocks over all KV blocks.", mem.block_usage),
             "prefix_cache_hit_rate": ("Prompt tokens found in the prefix cache over those looked up.",
                                       sched.prefix_cache_hit_rate),
+            "compiled_programs": ("Compiled step programs held (the least recently used go past the limit).",
+                                  s.compiled_programs),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"pagedjax_{name}", doc, value=value)

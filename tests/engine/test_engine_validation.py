@@ -248,3 +248,20 @@ def test_beam_search_refuses_what_could_deadlock_and_leaves_nothing_behind(monke
         engine.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=3, max_tokens=4))
     assert len(forks) == 2 and not engine.has_unfinished_requests()
     assert_all_free(engine)
+
+
+def test_compiled_programs_are_bounded_and_outputs_stay_exact():
+    """Compiled programs used to be kept for the engine's life (a server compiling ever new shapes grew by each
+    one's memory, never freed). At most max_compiled_programs are held; one dropped and needed again is compiled
+    again, and the tokens are those of an engine that keeps everything."""
+    batches = [PROMPTS[:1], PROMPTS[:2], PROMPTS[:3], PROMPTS[:1], PROMPTS[:2]]  # batch buckets 1, 2, 4, 1, 2
+    capped, uncapped = make_engine(max_compiled_programs=2), make_engine()
+    for prompts in batches:
+        got = capped.generate(prompts, SamplingParams(max_tokens=3), use_tqdm=False)
+        want = uncapped.generate(prompts, SamplingParams(max_tokens=3), use_tqdm=False)
+        assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+        assert capped.stats().compiled_programs <= 2
+    assert capped.stats().compilations > uncapped.stats().compilations  # dropped programs were compiled again
+    assert uncapped.stats().compiled_programs == uncapped.stats().compilations
+    with pytest.raises(ValueError, match="max_compiled_programs"):
+        make_engine(max_compiled_programs=0)
