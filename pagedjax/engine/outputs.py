@@ -32,9 +32,9 @@ REPLACEMENT = "\ufffd"  # what a decoder puts where a character's bytes are inco
 class IncrementalText:
     """The text of one growing token sequence, decoding only a window of its newest tokens per token.
 
-    `text` is the decode of the first `read` ids less nothing: the window `[prefix, read)` is the last
-    piece already in `text`, decoded again with the new ids so that a tokenizer whose decode depends on the
-    previous token (leading-space handling) gives the same characters it gives in a whole decode. New text is
+    `text` is the decode of the first `read` ids. The window `[prefix, read)` is the last piece already in
+    `text`, decoded again with the new ids so that a tokenizer whose decode depends on the previous token
+    (leading-space handling) gives the same characters it gives in a whole decode. New text is
     taken only once it does not end in U+FFFD (the next token may complete the character). For a prefix-stable
     decode (byte-level and byte-level BPE tokenizers), `text + pending()` equals `decode(token_ids)`.
     """
