@@ -140,19 +140,78 @@ def _optional_positive_float(owner: str, name: str, value) -> float | None:
     return None if value is None else _float_field(owner, name, value, positive=True)
 
 
-def _sliding_windows_field(value, num_layers: int) -> tuple[int | None, ...] | None:
+def _sliding_windows_field(value, num_layers: int, owner: str = "ModelConfig") -> tuple[int | None, ...] | None:
     """None, or one window (an int >= 1, or None for a global layer) per layer, as a tuple. A list of only
     Nones is stored as None: "no window anywhere" has one spelling, so such a config compiles the plain step."""
-    owner = "ModelConfig.sliding_windows"
+    owner = f"{owner}.sliding_windows"
     if value is None:
         return None
     if isinstance(value, str) or not isinstance(value, tuple | list):
         raise TypeError(f"{owner} must be None or one window (int or None) per layer, got {_describe(value)}")
     if len(value) != num_layers:
         raise ValueError(f"{owner} must have one entry per layer ({num_layers}), got {len(value)}")
-    windows = tuple(check_int("ModelConfig", f"sliding_windows[{i}]", w, lo=1, optional=True)
+    windows = tuple(check_int(owner.split(".")[0], f"sliding_windows[{i}]", w, lo=1, optional=True)
                     for i, w in enumerate(value))
     return None if all(w is None for w in windows) else windows
+
+
+def _kv_window(sliding_windows: tuple[int | None, ...] | None) -> int | None:
+    if sliding_windows is None or None in sliding_windows:
+        return None
+    return max(sliding_windows)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine must know of a model to serve it (`pagedjax.model.api`): its vocabulary, the layout of
+    its paged KV cache, its context length and stop tokens. The engine sizes the KV pool, the prefix cache and
+    the release of blocks out of sliding windows from this declaration alone, never from the model's code.
+
+    KV layout: `num_layers` attention layers, each caching `num_kv_heads` heads of `head_dim` in the model's
+    `dtype` (or `CacheConfig.kv_dtype`), read by `num_q_heads` query heads; `sliding_windows`: None, or one entry
+    per layer, W (the query at p reads keys in (p - W, p]) or None (that layer reads everything). Every field is
+    checked on construction (TypeError / ValueError naming it). `hidden_size` only tunes CPU compile options.
+    """
+
+    vocab_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+    max_position_embeddings: int = 4096
+    sliding_windows: tuple[int | None, ...] | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    hidden_size: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "ModelSpec"
+        fix = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: set through object
+        for name in ("vocab_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings"):
+            fix(name, check_int(owner, name, getattr(self, name), lo=1))
+        fix("hidden_size", check_int(owner, "hidden_size", self.hidden_size, lo=1, optional=True))
+        _dtype_field(owner, "dtype", self.dtype)
+        fix("bos_token_id", check_int(owner, "bos_token_id", self.bos_token_id, lo=0, optional=True))
+        eos = self.eos_token_ids
+        if isinstance(eos, str) or not isinstance(eos, tuple | list):
+            raise TypeError(f"{owner}.eos_token_ids must be a tuple of ints, got {_describe(eos)}")
+        fix("eos_token_ids", tuple(check_int(owner, "eos_token_ids", t, lo=0, hi=self.vocab_size - 1)
+                                   for t in eos))
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"{owner}.num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        fix("sliding_windows", _sliding_windows_field(self.sliding_windows, self.num_layers, owner))
+
+    @property
+    def kv_window(self) -> int | None:
+        """How far back any layer reads: positions before `p - kv_window` (p the newest) are read by no layer,
+        so their KV blocks may be freed. None when some layer attends globally (or none has a window)."""
+        return _kv_window(self.sliding_windows)
+
+    def replace(self, **changes) -> ModelSpec:
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -230,11 +289,17 @@ class ModelConfig:
 
     @property
     def kv_window(self) -> int | None:
-        """How far back any layer reads: positions before `p - kv_window` (p the newest) are read by no layer,
-        so their KV blocks may be freed. None when some layer attends globally (or none has a window)."""
-        if self.sliding_windows is None or None in self.sliding_windows:
-            return None
-        return max(self.sliding_windows)
+        """How far back any layer reads (`ModelSpec.kv_window`)."""
+        return _kv_window(self.sliding_windows)
+
+    @property
+    def spec(self) -> ModelSpec:
+        """What the engine needs to know of a model of this config (`ModelSpec`)."""
+        return ModelSpec(vocab_size=self.vocab_size, num_layers=self.num_layers, num_q_heads=self.num_q_heads,
+                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
+                         max_position_embeddings=self.max_position_embeddings, sliding_windows=self.sliding_windows,
+                         eos_token_ids=self.eos_token_ids, bos_token_id=self.bos_token_id,
+                         hidden_size=self.hidden_size)
 
     @property
     def attention_scale(self) -> float | None:
@@ -297,27 +362,28 @@ class CacheConfig:
                              f"{', '.join(KV_DTYPES)}")
         fix("hash_seed", check_int(owner, "hash_seed", self.hash_seed))
 
-    def resolve_kv_dtype(self, model: ModelConfig) -> str:
+    # `model` below: a ModelSpec (or a ModelConfig, which has the same KV fields).
+    def resolve_kv_dtype(self, model: ModelSpec) -> str:
         """The KV dtype's name for `model` ("auto" resolved to the model's dtype)."""
         return model.dtype if self.kv_dtype == "auto" else self.kv_dtype
 
-    def kv_array_dtype(self, model: ModelConfig) -> str:
+    def kv_array_dtype(self, model: ModelSpec) -> str:
         """The pages' array dtype name for `model` (as JAX/numpy spell it: "fp8" is "float8_e4m3fn")."""
         name = self.resolve_kv_dtype(model)
         return QUANTIZED_KV_DTYPES.get(name, name)
 
-    def kv_bytes_per_token(self, model: ModelConfig) -> int:
+    def kv_bytes_per_token(self, model: ModelSpec) -> int:
         """KV cache bytes one token takes in `model` (K and V of every layer and KV head, scales included)."""
         name = self.resolve_kv_dtype(model)
         if name in QUANTIZED_KV_DTYPES:
             return kv_cache_bytes(model.num_layers, 1, model.num_kv_heads, model.head_dim, 1, KV_SCALE_BYTES)
         return kv_cache_bytes(model.num_layers, 1, model.num_kv_heads, model.head_dim, dtype_bytes(name))
 
-    def block_bytes(self, model: ModelConfig) -> int:
+    def block_bytes(self, model: ModelSpec) -> int:
         """Bytes of one KV block (K and V, every layer, with 8-bit pages their scales too) for `model`."""
         return self.block_size * self.kv_bytes_per_token(model)
 
-    def resolve_num_blocks(self, model: ModelConfig) -> int:
+    def resolve_num_blocks(self, model: ModelSpec) -> int:
         """Number of physical blocks: as given, or as many as fit in `kv_memory_bytes`."""
         if self.num_blocks is not None:
             return self.num_blocks
@@ -329,7 +395,7 @@ class CacheConfig:
             raise ValueError(f"kv_memory_bytes={self.kv_memory_bytes} holds no block of {per_block} bytes")
         return int(n)
 
-    def pool_bytes(self, model: ModelConfig) -> int:
+    def pool_bytes(self, model: ModelSpec) -> int:
         """Bytes of the whole KV pool this config gives `model` (what the engine allocates on the device)."""
         return self.resolve_num_blocks(model) * self.block_bytes(model)
 

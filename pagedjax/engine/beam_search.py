@@ -115,7 +115,7 @@ def beam_search(engine: LLMEngine, prompts: Sequence[Sequence[int] | str], param
 def _search_batch(engine: LLMEngine, requests: list[Request], params: BeamSearchParams) -> list[BeamSearchOutput]:
     sched = engine.scheduler
     width = params.beam_width
-    eos = set(engine.model_config.eos_token_ids)
+    eos = set(engine.model_spec.eos_token_ids)
     fork_ids = itertools.count()
     live: list[list[_Beam]] = []
     complete: list[list[_Beam]] = [[] for _ in requests]

@@ -78,14 +78,16 @@ class DataParallelEngine:
         return cls(cfg, cache_config, scheduler_config, params=state, parallel_config=parallel_config,
                    devices=devices, **kwargs)
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
+    def __init__(self, model_config: ModelConfig | None = None, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,
                  parallel_config: ParallelConfig, devices=None, **engine_kwargs):
         if not isinstance(parallel_config, ParallelConfig):
             raise TypeError(f"parallel_config must be a ParallelConfig, got {type(parallel_config).__name__}")
-        parallel_config.check_model(model_config.num_q_heads, model_config.num_kv_heads)
+        model = engine_kwargs.get("model")
+        spec = model_config if model is None or model_config is not None else getattr(model, "spec", None)
+        if spec is not None:  # else LLMEngine says what is missing
+            parallel_config.check_model(spec.num_q_heads, spec.num_kv_heads)
         self.parallel_config = parallel_config
-        self.model_config = model_config
         per_replica = ParallelConfig(tensor_parallel_size=parallel_config.tensor_parallel_size)
         self.replicas: list[LLMEngine] = []
         for mesh in replica_meshes(parallel_config, devices):
@@ -93,6 +95,7 @@ class DataParallelEngine:
                                            parallel_config=per_replica, devices=list(mesh.devices.flat),
                                            **engine_kwargs))
         first = self.replicas[0]
+        self.model_config, self.model_spec = first.model_config, first.model_spec
         self.tokenizer = first.tokenizer
         self.cache_config, self.scheduler_config = first.cache_config, first.scheduler_config
         self._owner: dict[str, tuple[int, int]] = {}  # unfinished request id -> (replica, outstanding tokens)

@@ -11,7 +11,7 @@ from pagedjax.engine.protocol import Engine
 from pagedjax.parallel.config import ParallelConfig, parallel_layout
 
 
-def make_engine(model_config, cache_config=None, scheduler_config=None, params=None, seed: int = 0, *,
+def make_engine(model_config=None, cache_config=None, scheduler_config=None, params=None, seed: int = 0, *,
                 parallel_config: ParallelConfig | None = None, tensor_parallel_size: int | None = None,
                 data_parallel_size: int | None = None, **kwargs) -> Engine:
     """`LLMEngine(...)`, or a `DataParallelEngine` when the layout has `data_parallel_size` > 1; every other

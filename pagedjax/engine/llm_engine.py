@@ -26,6 +26,7 @@ from pagedjax.engine.generate import generate_batch
 from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
 from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, record_token_logprob
 from pagedjax.engine.runner import ModelRunner
+from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama, init_model, model_from_state
 from pagedjax.parallel.config import parallel_layout
 
@@ -67,10 +68,13 @@ class EngineStats:
 class LLMEngine:
     """Continuous-batching generation over a paged KV cache.
 
-    model_config: the model's shape; params: an `nnx.State` of `Llama` (e.g. from a checkpoint) or a `Llama`
-    module; None initialises random weights from `seed` (an int in [0, 2**32), which also seeds requests
-    without a seed of their own). backend: "auto" | "pallas" | "xla". decode_steps_per_call: decode
-    iterations per device call when the batch is decode-only (`num_steps` is its deprecated name).
+    model_config: a built-in model's shape (`pagedjax.model.llama`); params: an `nnx.State` of `Llama` (e.g.
+    from a checkpoint) or a `Llama` module; None initialises random weights from `seed` (an int in
+    [0, 2**32), which also seeds requests without a seed of their own). model: instead of those two, any model
+    of the public contract (`pagedjax.model.api`: an `nnx.Module` with a `ModelSpec`, its weights in it),
+    checked on construction (`check_model`: a model breaking the contract is refused here, named).
+    backend: "auto" | "pallas" | "xla". decode_steps_per_call: decode iterations per device call when the batch
+    is decode-only (`num_steps` is its deprecated name).
     compile_cache: True (JAX's persistent compilation cache in the default folder, see
     `pagedjax.compile_cache`), a folder, or False. parallel_config: a `pagedjax.parallel.ParallelConfig`
     (None: one device, the plain single-device program); with `tensor_parallel_size` > 1 the weights and the
@@ -86,9 +90,9 @@ class LLMEngine:
     A step whose device call raises never wedges the engine: see `step`.
     """
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
+    def __init__(self, model_config: ModelConfig | None = None, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,
-                 backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
+                 model=None, backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
                  tokenizer=None, compile_cache: bool | str = True, parallel_config=None,
                  tensor_parallel_size: int | None = None, devices=None, max_compiled_programs: int = 64):
         parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
@@ -100,36 +104,33 @@ class LLMEngine:
         check_int("LLMEngine", "seed", seed, lo=0, hi=2**32 - 1)
         check_int("LLMEngine", "max_compiled_programs", max_compiled_programs, lo=1)
         enable_compile_cache(compile_cache if isinstance(compile_cache, str) else None, enabled=bool(compile_cache))
-        self.model_config = model_config
-        self.cache_config = cache_config or CacheConfig()
-        self.scheduler_config = (scheduler_config or SchedulerConfig()).resolve(
-            model_config.max_position_embeddings)
         self.seed = int(seed)
+        model = _model(model_config, params, model, self.seed)
+        # What the engine knows of the model: its spec (a built-in model's ModelConfig too, None for others).
+        self.model_config: ModelConfig | None = model.config if isinstance(model, Llama) else None
+        self.cache_config = cache_config or CacheConfig()
+        self.model_spec = check_model(model, kv_dtype=self.cache_config.kv_dtype)
+        spec = self.model_spec
+        self.scheduler_config = (scheduler_config or SchedulerConfig()).resolve(spec.max_position_embeddings)
         self.decode_steps_per_call = int(decode_steps_per_call)
         self.tokenizer = tokenizer
-        if isinstance(params, Llama):
-            model = params
-        elif params is None:
-            model = init_model(model_config, self.seed)
-        else:
-            model = model_from_state(model_config, params)  # no random init materialised
         mesh = None
         self.parallel_config = parallel_config
         if parallel_config is not None:
             from pagedjax.parallel.mesh import engine_mesh
             from pagedjax.parallel.sharding import per_device_model
 
-            mesh = engine_mesh(parallel_config, model_config, devices)
+            mesh = engine_mesh(parallel_config, self.model_config or spec, devices)
             # kv_memory_bytes is a per-device budget: blocks are counted by the KV heads one device holds.
-            self.num_blocks = self.cache_config.resolve_num_blocks(per_device_model(model_config, mesh.size))
+            self.num_blocks = self.cache_config.resolve_num_blocks(per_device_model(spec, mesh.size))
         else:
-            self.num_blocks = self.cache_config.resolve_num_blocks(model_config)
+            self.num_blocks = self.cache_config.resolve_num_blocks(spec)
         # Blocks out of every layer's sliding window go back to the pool while requests run.
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
-                                   sliding_window=model_config.kv_window)
+                                   sliding_window=spec.kv_window)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
-                                  kv_dtype=self.cache_config.kv_array_dtype(model_config), backend=backend,
+                                  kv_dtype=self.cache_config.kv_array_dtype(spec), backend=backend,
                                   mesh=mesh, max_programs=int(max_compiled_programs))
         self._request_ids = RequestIds()
         self._empty_plans = 0
@@ -194,7 +195,7 @@ class LLMEngine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"request {request_id!r}: cache_salt must be a str, got {type(cache_salt).__name__}")
         tokens = _token_list(request_id, prompt_token_ids)
-        vocab = self.model_config.vocab_size
+        vocab = self.model_spec.vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
@@ -205,7 +206,7 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: SamplingParams.stop needs an engine with a tokenizer "
                              "(stop strings are matched on the detokenized text); use stop_token_ids")
         request = Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
-                          eos_token_ids=tuple(self.model_config.eos_token_ids), cache_salt=cache_salt,
+                          eos_token_ids=self.model_spec.eos_token_ids, cache_salt=cache_salt,
                           logprobs=[] if params.logprobs is not None else None,
                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self.scheduler.check_request(request)
@@ -273,7 +274,7 @@ class LLMEngine:
     def step_inputs(self, plan: StepPlan) -> StepInputs:
         """The padded device inputs of a plan from `scheduler.schedule()` (see `pagedjax.engine.inputs`)."""
         return step_inputs(plan, [self.scheduler.get_request(rid) for rid in plan.request_ids],
-                           vocab_size=self.model_config.vocab_size, engine_seed=self.seed)
+                           vocab_size=self.model_spec.vocab_size, engine_seed=self.seed)
 
     def _run_step(self, plan: StepPlan) -> list[Request]:
         if plan.num_seqs == 0:
@@ -287,7 +288,7 @@ class LLMEngine:
         self._empty_plans = 0
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
         try:
-            inputs = step_inputs(plan, requests, vocab_size=self.model_config.vocab_size, engine_seed=self.seed)
+            inputs = step_inputs(plan, requests, vocab_size=self.model_spec.vocab_size, engine_seed=self.seed)
             out = self.runner.execute(inputs)
         except BaseException as exc:
             return self._recover(plan.request_ids, exc)
@@ -309,7 +310,7 @@ class LLMEngine:
         n, width = plan.num_seqs, plan.block_tables.shape[1]
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
         try:
-            inputs = fused_decode_inputs(fused_plan, requests, vocab_size=self.model_config.vocab_size,
+            inputs = fused_decode_inputs(fused_plan, requests, vocab_size=self.model_spec.vocab_size,
                                          engine_seed=self.seed)
             sampled, logprobs, tables = self.runner.execute_fused_decode(inputs)
         except BaseException as exc:
@@ -384,7 +385,7 @@ class LLMEngine:
             scheduler=self.scheduler.stats(),
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,
-            kv_dtype=self.cache_config.resolve_kv_dtype(self.model_config),
+            kv_dtype=self.cache_config.resolve_kv_dtype(self.model_spec),
             kv_bytes_per_token=self.runner.kv_cache.nbytes_per_device // (self.num_blocks
                                                                           * self.cache_config.block_size),
         )
@@ -392,6 +393,27 @@ class LLMEngine:
     def stats_dict(self) -> dict:
         """`stats()` as nested plain data (JSON-ready), derived rates included."""
         return stats_dict(self.stats())
+
+
+def _model(model_config: ModelConfig | None, params, model, seed: int):
+    """The module an engine serves: `model` as given, or a built-in one of `model_config` holding `params`
+    (random weights from `seed` when None)."""
+    if model is not None:
+        if model_config is not None or params is not None:
+            raise ValueError("LLMEngine: give model=... (a model of the public contract) or model_config (and "
+                             "params) for a built-in model, not both")
+        return model
+    if model_config is None:
+        raise TypeError("LLMEngine needs a model: model_config (and params) for a built-in model, or model=... "
+                        "(see pagedjax.model.api)")
+    if not isinstance(model_config, ModelConfig):
+        raise TypeError(f"LLMEngine: model_config must be a pagedjax.ModelConfig, got {type(model_config).__name__}"
+                        " (a model of your own goes in model=...)")
+    if isinstance(params, Llama):
+        return params
+    if params is None:
+        return init_model(model_config, seed)
+    return model_from_state(model_config, params)  # no random init materialised
 
 
 def _token_list(request_id: str, prompt_token_ids) -> list[int]:

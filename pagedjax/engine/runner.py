@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pagedjax.config import ModelConfig
+from pagedjax.config import ModelSpec
 from pagedjax.device.attention import AttentionMetadata, paged_attention, resolve_backend
 from pagedjax.device.kv_cache import KVCache, copy_blocks, init_kv_cache
 from pagedjax.device.page_state import PageState, append_tokens
@@ -38,7 +38,7 @@ from pagedjax.device.sampling import (
     token_logprobs,
 )
 from pagedjax.engine.inputs import NO_EXTRAS, FusedDecodeInputs, StepExtras, StepInputs
-from pagedjax.model.llama import Llama
+from pagedjax.model.api import PagedKVCache, PagedModel, param_partition_fn
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +57,11 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
                   logits_indices, sampling: SamplingMetadata, extras: StepExtras = NO_EXTRAS, *, backend: str,
                   decode_only: bool, return_logits: bool = False, num_top_logprobs: int | None = None,
                   num_prompt_top_logprobs: int = 0, mesh=None) -> tuple[StepOutputs, KVCache]:
-    model: Llama = nnx.merge(graphdef, params)
+    model: PagedModel = nnx.merge(graphdef, params)
     if extras.block_copies is not None:
         kv_cache = copy_blocks(kv_cache, extras.block_copies)  # before this step's KV is written
-    hidden, kv_cache = model(token_ids, positions, kv_cache, meta, backend=backend, decode_only=decode_only,
-                             mesh=mesh)
+    hidden, kv_cache = _model_forward(model, token_ids, positions, kv_cache, meta, backend=backend,
+                                      decode_only=decode_only, mesh=mesh)
     prompt_logprobs = None
     if extras.prompt_targets is not None:  # logits at every position, once
         all_logits = _gathered(model.compute_logits(hidden), mesh)
@@ -73,6 +73,15 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
     logprobs = None if num_top_logprobs is None else token_logprobs(logits, tokens, num_top_logprobs)
     outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None)
     return outputs, kv_cache
+
+
+def _model_forward(model: PagedModel, token_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, *,
+                   backend: str, decode_only: bool, mesh) -> tuple[jax.Array, KVCache]:
+    """The model's forward over the cache as the contract gives it (`pagedjax.model.api.PagedKVCache`)."""
+    cache = PagedKVCache(kv_cache.layers, meta, backend=backend, decode_only=decode_only, mesh=mesh,
+                         spec=model.spec)
+    hidden, cache = model(token_ids, positions, cache)
+    return hidden, KVCache(cache.layers)
 
 
 def _gathered(logits, mesh):
@@ -107,7 +116,7 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, to
     Returns (sampled int32 `[num_steps, S]` with -1 after a sequence stopped, their `LogprobArrays`
     `[num_steps, S]`, final PageState, cache).
     """
-    model: Llama = nnx.merge(graphdef, params)
+    model: PagedModel = nnx.merge(graphdef, params)
     num_seqs = tokens.shape[0]
     cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32)
 
@@ -118,8 +127,8 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, to
         positions = s.pages.seq_lens
         pages, slots = append_tokens(s.pages, s.active, block_size)
         meta = AttentionMetadata(slots, pages.block_tables, jnp.where(s.active, pages.seq_lens, 0), cu_q_lens)
-        hidden, kv_cache = model(s.last_tokens, positions, s.kv_cache, meta, backend=backend, decode_only=True,
-                                 mesh=mesh)
+        hidden, kv_cache = _model_forward(model, s.last_tokens, positions, s.kv_cache, meta, backend=backend,
+                                          decode_only=True, mesh=mesh)
         logits = _gathered(model.compute_logits(hidden), mesh)
         new = sample(logits, sampling._replace(step=sampling.step + s.num_generated), s.penalties)
         logprobs = s.logprobs
@@ -182,9 +191,10 @@ def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
 _EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}  # no YNNPACK fusion: dots stay XLA's
 
 
-def cpu_compiler_options(cfg: ModelConfig, rows: int) -> dict[str, str] | None:
-    """XLA compile options for a step of `rows` tokens of model `cfg` (None: XLA's defaults)."""
-    if jax.default_backend() == "cpu" and cfg.dtype == "float32" and cfg.hidden_size >= 1024 and rows <= 16:
+def cpu_compiler_options(spec: ModelSpec, rows: int) -> dict[str, str] | None:
+    """XLA compile options for a step of `rows` tokens of a model of `spec` (None: XLA's defaults)."""
+    if (jax.default_backend() == "cpu" and spec.dtype == "float32" and (spec.hidden_size or 0) >= 1024
+            and rows <= 16):
         return _EIGEN_DOTS
     return None
 
@@ -196,20 +206,20 @@ class ModelRunner:
     over it and the steps run SPMD on its devices; without one, everything is on the default device and the
     steps carry no sharding at all."""
 
-    def __init__(self, model: Llama, num_blocks: int, block_size: int, *, kv_dtype=None, backend: str = "auto",
-                 mesh: Mesh | None = None, max_programs: int = 64):
-        cfg = model.config
-        self.model_config = cfg
+    def __init__(self, model: PagedModel, num_blocks: int, block_size: int, *, kv_dtype=None,
+                 backend: str = "auto", mesh: Mesh | None = None, max_programs: int = 64):
+        spec = model.spec  # `check_model(model)` passed (the engine checks it)
+        self.model_spec = spec
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = resolve_backend(backend)
         self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
         if mesh is not None:
-            from pagedjax.parallel.sharding import shard_params
+            from pagedjax.parallel.sharding import shard_state
 
-            self.params = shard_params(self.params, cfg, mesh)
-        self.kv_dtype = jnp.dtype(kv_dtype or cfg.dtype)
+            self.params = shard_state(self.params, param_partition_fn(model, mesh.size), mesh)
+        self.kv_dtype = jnp.dtype(kv_dtype or spec.dtype)
         self.kv_cache = self._new_kv_cache()
         self._check_attention_serves()
         self.device_seconds = 0.0  # wall time inside compiled calls, results read back
@@ -228,7 +238,7 @@ class ModelRunner:
                     self.kv_cache.nbytes_per_device / 2**20)
 
     def _new_kv_cache(self) -> KVCache:
-        cfg = self.model_config
+        cfg = self.model_spec
         if self.mesh is None:
             return init_kv_cache(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim,
                                  self.kv_dtype)
@@ -245,7 +255,7 @@ class ModelRunner:
         dtype or block size the target lacks) fails here with the kernels' own reason, not at the first step."""
         if self.backend != "pallas":
             return  # the XLA gather paths take every dtype and block size
-        cfg = self.model_config
+        cfg = self.model_spec
         tp = 1 if self.mesh is None else self.mesh.size
         local = lambda a: jax.ShapeDtypeStruct((a.shape[0] // tp, *a.shape[1:]), a.dtype)
         layer = jax.tree.map(local, self.kv_cache.layers[0])
@@ -283,7 +293,7 @@ class ModelRunner:
             self._executables.move_to_end(key)
             return exe
         start = time.perf_counter()
-        exe = jitted.lower(*args, **static).compile(compiler_options=cpu_compiler_options(self.model_config, rows))
+        exe = jitted.lower(*args, **static).compile(compiler_options=cpu_compiler_options(self.model_spec, rows))
         self.compile_seconds += time.perf_counter() - start
         self.num_compilations += 1
         self._executables[key] = exe

@@ -21,10 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pagedjax.config import ModelConfig
-from pagedjax.device.attention import AttentionMetadata, paged_attention
-from pagedjax.device.kv_cache import KVCache, LayerKV, write_kv
-from pagedjax.parallel.attention import sharded_write_and_attend
+from pagedjax.config import ModelConfig, ModelSpec
+from pagedjax.model.api import PagedAttention, PagedKVCache
+from pagedjax.parallel.sharding import param_spec
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -124,6 +123,9 @@ class Attention(nnx.Module):
         self.sliding_window = None if cfg.sliding_windows is None else cfg.sliding_windows[layer_index]
         self.logits_soft_cap = cfg.attn_logit_softcapping
         self.scale = cfg.attention_scale
+        self.paged = PagedAttention(layer_index, num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
+                                    head_dim=d, scale=self.scale, sliding_window=self.sliding_window,
+                                    logits_soft_cap=self.logits_soft_cap)
 
     def _qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray):
         lead = x.shape[:-1]
@@ -132,21 +134,12 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def __call__(self, x, positions, layer: LayerKV, meta: AttentionMetadata, inv_freq, *, backend: str,
-                 decode_only: bool, mesh=None):
-        """x `[T, hidden]` -> (`[T, hidden]`, the layer's pages) with this step's K/V written first. With a
-        tensor-parallel `mesh`, each device writes and attends over its own heads (`pagedjax.parallel`)."""
+    def __call__(self, x, positions, cache: PagedKVCache, inv_freq) -> tuple[jax.Array, PagedKVCache]:
+        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's K/V written): the projections, RoPE,
+        one paged attention call (`pagedjax.model.api.PagedAttention`), the output projection."""
         q, k, v = self._qkv(x, positions, inv_freq)
-        options = dict(scale=self.scale, sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
-        if mesh is not None:
-            o, layer = sharded_write_and_attend(q, k, v, layer, meta, mesh=mesh, backend=backend,
-                                                decode_only=decode_only, **options)
-        else:
-            layer = write_kv(layer, k, v, meta.slot_mapping)
-            # The KV cache may be stored in another dtype than the model computes in (e.g. bf16 or int8 pages
-            # under an f32 model): o comes back in the pages' dtype and is cast to x's.
-            o = paged_attention(q, layer, meta, backend=backend, decode_only=decode_only, **options)
-        return self.o_proj(o.astype(x.dtype).reshape(x.shape[0], -1)), layer
+        o, cache = self.paged(q, k, v, cache)
+        return self.o_proj(o.reshape(x.shape[0], -1)), cache
 
     def dense(self, x: jax.Array, inv_freq: np.ndarray) -> jax.Array:
         """Causal attention over whole sequences (within the layer's window, soft-capped if configured), no
@@ -204,7 +197,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, attend) -> tuple[jax.Array, object]:
         """One block around `attend`, the paged or dense attention: normalized x -> (attention output, what
-        else it returns: the written pages). Returns (x, that)."""
+        else it returns: the cache). Returns (x, that)."""
         h, extra = attend(self.input_layernorm(x))
         if self.sandwich:
             x = x + self.post_attention_layernorm(h)
@@ -215,7 +208,7 @@ class DecoderLayer(nnx.Module):
 
 class Llama(nnx.Module):
     """Decoder-only transformer. Parameter names mirror Hugging Face's `LlamaForCausalLM` (`Gemma2ForCausalLM`
-    for `architecture="gemma2"`)."""
+    for `architecture="gemma2"`). A model of the public contract (`pagedjax.model.api`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
@@ -226,19 +219,22 @@ class Llama(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype,
                                                                      rngs)
 
-    def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, meta: AttentionMetadata,
-                 *, backend: str, decode_only: bool = False, mesh=None) -> tuple[jax.Array, KVCache]:
-        """Serving forward. token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache).
-        `mesh`: a tensor-parallel `tp` mesh (weights and cache sharded over it), None on one device."""
+    @property
+    def spec(self) -> ModelSpec:
+        return self.config.spec
+
+    def param_partition(self, names: tuple, tp: int):
+        """Megatron-style shardings by Hugging Face parameter name (`pagedjax.parallel.sharding`)."""
+        return param_spec(names, self.config, tp)
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array,
+                 cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+        """Serving forward. token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache)."""
         inv_freq = rope_inv_freq(self.config)
         x = self.embed(token_ids)
-        pages = []
-        for layer, layer_kv in zip(self.layers, kv_cache.layers, strict=True):
-            x, layer_kv = layer(x, functools.partial(layer.self_attn, positions=positions, layer=layer_kv, meta=meta,
-                                                     inv_freq=inv_freq, backend=backend, decode_only=decode_only,
-                                                     mesh=mesh))
-            pages.append(layer_kv)
-        return self.norm(x), KVCache(tuple(pages))
+        for layer in self.layers:
+            x, cache = layer(x, lambda h, layer=layer, cache=cache: layer.self_attn(h, positions, cache, inv_freq))
+        return self.norm(x), cache
 
     def embed(self, token_ids: jax.Array) -> jax.Array:
         """Token embeddings; Gemma 2 scales them by sqrt(hidden_size) rounded to the model's dtype first, as

@@ -38,14 +38,15 @@ def tp_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = No
     return replica_meshes(ParallelConfig(tensor_parallel_size=tensor_parallel_size), devices)[0]
 
 
-def engine_mesh(config: ParallelConfig, model_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The `tp` mesh of one engine (one replica): ValueError if the model's heads do not split over it, or
+def engine_mesh(config: ParallelConfig, spec, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The `tp` mesh of one engine (one replica; `spec`: the model's ModelSpec or ModelConfig): ValueError if
+    the model's heads do not split over it, or
     if `config` asks for several replicas (those are `DataParallelEngine`'s, each with its own engine)."""
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"parallel_config must be a ParallelConfig, got {type(config).__name__}")
     if config.data_parallel_size != 1:
         raise ValueError("one LLMEngine is one replica: build data_parallel_size > 1 with pagedjax.make_engine / "
                          "pagedjax.load_engine or DataParallelEngine, which give each replica its own devices")
-    config.check_model(model_config.num_q_heads, model_config.num_kv_heads)
-    log_replicated(model_config, config.tensor_parallel_size)
+    config.check_model(spec.num_q_heads, spec.num_kv_heads)
+    log_replicated(spec, config.tensor_parallel_size)
     return replica_meshes(config, devices)[0]

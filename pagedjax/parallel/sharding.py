@@ -58,11 +58,27 @@ def _divides(cfg: ModelConfig, module: str, tp: int) -> bool:
 
 
 def param_spec(names: tuple, cfg: ModelConfig, tp: int) -> P:
-    """The PartitionSpec of the parameter at `names` (see the module docstring)."""
+    """The PartitionSpec of the built-in models' parameter at `names` (see the module docstring)."""
     if tp == 1 or len(names) < 2:
         return P()
+    return _by_name(str(names[-2]), str(names[-1]), _divides(cfg, str(names[-2]), tp))
+
+
+def default_param_partition(names: tuple, shape: tuple, *, head_dim: int, tp: int) -> P:
+    """The PartitionSpec of a parameter of any model by its name and shape: the rules of the module docstring
+    for modules named like Hugging Face's Llama (q_proj, ..., down_proj, embed_tokens, lm_head), when `tp`
+    divides the split dimension (in whole heads of `head_dim` for attention projections); anything else is
+    replicated (always correct: the step's shardings only decide where XLA computes, never what)."""
+    if tp == 1 or len(names) < 2 or not shape:
+        return P()
     module, leaf = str(names[-2]), str(names[-1])
-    if not _divides(cfg, module, tp):
+    unit = head_dim if module in ("q_proj", "k_proj", "v_proj", "o_proj") else 1
+    split = shape[0] if module in ROW or module == "embed_tokens" else shape[-1]
+    return _by_name(module, leaf, split % (tp * unit) == 0)
+
+
+def _by_name(module: str, leaf: str, divides: bool) -> P:
+    if not divides:
         return P()
     if module in COLUMN:
         return P(None, TP) if leaf == "kernel" else P(TP)
@@ -73,12 +89,13 @@ def param_spec(names: tuple, cfg: ModelConfig, tp: int) -> P:
     return P()
 
 
-def log_replicated(cfg: ModelConfig, tp: int) -> None:
-    """Say which weights stay replicated because tp does not divide their dimension."""
+def log_replicated(cfg, tp: int) -> None:
+    """Say which weights stay replicated because tp does not divide their dimension (`cfg`: a ModelSpec, or a
+    ModelConfig, whose MLP width is known too)."""
     if tp == 1:
         return
-    for what, n in (("vocabulary", cfg.vocab_size), ("MLP width", cfg.intermediate_size)):
-        if n % tp:
+    for what, n in (("vocabulary", cfg.vocab_size), ("MLP width", getattr(cfg, "intermediate_size", None))):
+        if n is not None and n % tp:
             logger.info("tensor_parallel_size %d does not divide the %s (%d): those weights are replicated", tp,
                         what, n)
     if cfg.num_kv_heads % tp:
@@ -98,10 +115,12 @@ def param_shardings(state, cfg: ModelConfig, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(lambda kp, _: fn(key_names(kp)), state)
 
 
-def shard_params(state, cfg: ModelConfig, mesh: Mesh):
-    """`state` with every leaf placed by its sharding (a no-op for leaves already placed so). A leaf moves
-    device to device, or host to devices slice by slice: no device receives more than its slice."""
-    return jax.device_put(state, param_shardings(state, cfg, mesh))
+def shard_state(state, partition: Callable[[tuple, tuple], P], mesh: Mesh):
+    """`state` with every leaf placed by `partition(names, shape)` (a no-op for leaves already placed so). A leaf
+    moves device to device, or host to devices slice by slice: no device receives more than its slice."""
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda kp, x: NamedSharding(mesh, partition(key_names(kp), tuple(x.shape))), state)
+    return jax.device_put(state, shardings)
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:
@@ -113,7 +132,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def per_device_model(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """`cfg` with the KV heads one device holds (num_kv_heads / tp, at least 1): what KV bytes per block are
-    counted with when a per-device memory budget sizes the pool."""
+def per_device_model(cfg, tp: int):
+    """`cfg` (a ModelSpec or ModelConfig) with the KV heads one device holds (num_kv_heads / tp, at least 1):
+    what KV bytes per block are counted with when a per-device memory budget sizes the pool."""
     return cfg.replace(num_kv_heads=kv_heads_per_device(cfg.num_kv_heads, tp))

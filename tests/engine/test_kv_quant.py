@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pagedjax.model.llama
+import pagedjax.model.api
 import pagedjax.parallel.attention
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.config import KV_DTYPES
@@ -89,7 +89,7 @@ def _dequantized_writes(monkeypatch, dtype) -> None:
         fake = lambda x: dequantize_kv(*quantize_kv(x, dtype), jnp.float32)
         return real(layer, fake(k_new), fake(v_new), slot_mapping)
 
-    monkeypatch.setattr(pagedjax.model.llama, "write_kv", write)
+    monkeypatch.setattr(pagedjax.model.api, "write_kv", write)
     monkeypatch.setattr(pagedjax.parallel.attention, "write_kv", write)
 
 

@@ -10,7 +10,8 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig
 from pagedjax.device.attention import AttentionMetadata
-from pagedjax.device.kv_cache import init_kv_cache
+from pagedjax.device.kv_cache import KVCache, init_kv_cache
+from pagedjax.model.api import PagedKVCache
 from pagedjax.model.llama import init_model, rope_inv_freq
 
 CONFIGS = {
@@ -54,8 +55,8 @@ def _jitted(model):
     @functools.partial(jax.jit, static_argnames=("decode_only",))
     def serve(state, tokens, positions, cache, meta, decode_only=False):
         m = nnx.merge(graphdef, state)
-        hidden, cache = m(tokens, positions, cache, meta, backend="xla", decode_only=decode_only)
-        return m.compute_logits(hidden), cache
+        hidden, paged = m(tokens, positions, PagedKVCache(cache.layers, meta, backend="xla", decode_only=decode_only))
+        return m.compute_logits(hidden), KVCache(paged.layers)
 
     @jax.jit
     def dense(state, tokens):

@@ -1,0 +1,243 @@
+"""The public model contract: how a JAX model of your own runs behind pagedjax's paged KV cache, scheduler,
+forking, fused decode, tensor parallelism and server. The built-in models (`pagedjax.model.llama`) use exactly
+this surface.
+
+A model is an `nnx.Module` with:
+
+    spec: ModelSpec                  what the engine sizes the KV pool, the prefix cache and window release by:
+                                     vocabulary, KV layout (layers, KV heads, head_dim, dtype, sliding windows),
+                                     context length, stop tokens. Declared, never inferred from the code.
+    __call__(token_ids, positions, cache) -> (hidden, cache)
+                                     token_ids, positions: int32 `[T]`, a ragged batch (prefill chunks and
+                                     decode tokens of many sequences, padded); cache: `PagedKVCache`. Returns
+                                     hidden states `[T, hidden]` and the cache as the attention layers left it.
+    compute_logits(hidden) -> logits hidden `[..., hidden]` -> float32 logits `[..., vocab_size]`.
+    param_partition(names, tp)       optional, for tensor parallelism: the `PartitionSpec` of the parameter at
+                                     `names` (e.g. ('blocks', 0, 'attn', 'qkv', 'kernel')) over the mesh axis
+                                     `TP` of `tp` devices, or None for the default rule
+                                     (`default_param_partition`). Shardings decide where XLA computes, never
+                                     what: any valid one gives the same tokens.
+
+Each attention block calls its `PagedAttention` layer once per step, after its projections and positional
+encoding:
+
+    o, cache = self.attn(q, k, v, cache)   # q [T, Hq, D], k and v [T, Hkv, D] -> o [T, Hq, D]
+
+which writes this step's K/V into the layer's pages (any `kv_dtype`, 8-bit scales included) and attends over
+the paged cache with the engine's backend (the Pallas kernels on GPU / TPU, the XLA path on CPU), with the
+layer's sliding window and soft cap, over its own heads on each device under tensor parallelism. Positions
+index the sequence (RoPE or learned embeddings alike); padding tokens (slot -1) are written nowhere.
+
+`check_model(model)` traces one small step (nothing is compiled or run) and raises a ValueError / TypeError
+naming what is wrong: a missing or malformed spec, a layer writing K/V of another shape than declared, a layer
+attended twice or never, a wrong return structure, logits of the wrong shape. The engine calls it on
+construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from pagedjax.config import CacheConfig, ModelSpec
+from pagedjax.device.attention import AttentionMetadata, paged_attention
+from pagedjax.device.kv_cache import LayerKV, write_kv
+from pagedjax.parallel.attention import sharded_write_and_attend
+from pagedjax.parallel.config import TP
+from pagedjax.parallel.sharding import default_param_partition
+
+__all__ = ["TP", "AttentionMetadata", "ModelSpec", "PagedAttention", "PagedKVCache", "PagedModel", "check_model",
+           "default_param_partition", "param_partition_fn"]
+
+
+@runtime_checkable
+class PagedModel(Protocol):
+    """What the engine serves (see the module docstring)."""
+
+    spec: ModelSpec
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array,
+                 cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]: ...
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array: ...
+
+
+@dataclass(frozen=True)
+class PagedKVCache:
+    """One step's view of the paged KV cache, threaded through a model's forward: every layer's pages, where
+    this step's tokens go (`meta`), and how to attend (static: backend, decode-only, tensor-parallel mesh).
+
+    Invariant: `written` names the layers whose `PagedAttention` ran in this step; each layer is written at
+    most once (a second write would attend over the first's K/V at the same slots)."""
+
+    layers: tuple[LayerKV, ...]
+    meta: AttentionMetadata
+    backend: str = "xla"
+    decode_only: bool = False
+    mesh: Mesh | None = None
+    spec: ModelSpec | None = None
+    written: frozenset[int] = frozenset()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def with_layer(self, index: int, layer: LayerKV) -> PagedKVCache:
+        """This cache with layer `index`'s pages replaced (and marked written)."""
+        layers = self.layers[:index] + (layer,) + self.layers[index + 1:]
+        return dataclasses.replace(self, layers=layers, written=self.written | {index})
+
+
+jax.tree_util.register_dataclass(PagedKVCache, data_fields=["layers", "meta"],
+                                 meta_fields=["backend", "decode_only", "mesh", "spec", "written"])
+
+
+class PagedAttention(nnx.Module):
+    """Layer `layer_index`'s paged attention: write this step's K/V, attend over the cache. No parameters.
+
+    scale: of the scores (default head_dim ** -0.5); sliding_window W: the query at p reads keys in (p - W, p]
+    (it must be the one the model's spec declares for this layer: the engine frees blocks by the spec);
+    logits_soft_cap c: scores pass through c * tanh(s / c)."""
+
+    def __init__(self, layer_index: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float | None = None, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None):
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"PagedAttention: num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        self.layer_index = layer_index
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.scale, self.sliding_window, self.logits_soft_cap = scale, sliding_window, logits_soft_cap
+
+    def __call__(self, q: jax.Array,  # [T, Hq, D]
+                 k: jax.Array,  # [T, Hkv, D]
+                 v: jax.Array,  # [T, Hkv, D]
+                 cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+        """Returns (o `[T, Hq, D]` in q's dtype, the cache with this layer written)."""
+        i = self.layer_index
+        self._check(q, k, v, cache)
+        options = dict(scale=self.scale, sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+        layer = cache.layers[i]
+        if cache.mesh is not None:
+            o, layer = sharded_write_and_attend(q, k, v, layer, cache.meta, mesh=cache.mesh, backend=cache.backend,
+                                                decode_only=cache.decode_only, **options)
+        else:
+            layer = write_kv(layer, k, v, cache.meta.slot_mapping)
+            o = paged_attention(q, layer, cache.meta, backend=cache.backend, decode_only=cache.decode_only,
+                                **options)
+        # Pages may be stored in another dtype than the model computes in (bf16 or 8-bit pages under an f32
+        # model): o comes back in the pages' dtype.
+        return o.astype(q.dtype), cache.with_layer(i, layer)
+
+    def _check(self, q, k, v, cache: PagedKVCache) -> None:
+        i, where = self.layer_index, f"PagedAttention(layer_index={self.layer_index})"
+        if not 0 <= i < cache.num_layers:
+            raise ValueError(f"{where}: the cache has {cache.num_layers} layers (ModelSpec.num_layers)")
+        if i in cache.written:
+            raise ValueError(f"{where} ran twice in one step: each layer's attention must be called once")
+        t = q.shape[0] if q.ndim else None
+        want = {"q": (t, self.num_q_heads, self.head_dim), "k": (t, self.num_kv_heads, self.head_dim),
+                "v": (t, self.num_kv_heads, self.head_dim)}
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if tuple(x.shape) != want[name]:
+                raise ValueError(f"{where}: {name} has shape {tuple(x.shape)}, expected [tokens, heads, head_dim] "
+                                 f"= {want[name]}")
+        spec = cache.spec
+        if spec is None:
+            return
+        declared = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim)
+        if (self.num_q_heads, self.num_kv_heads, self.head_dim) != declared:
+            raise ValueError(f"{where}: {self.num_q_heads} query heads, {self.num_kv_heads} KV heads of "
+                             f"{self.head_dim}, but the model's ModelSpec declares {declared[0]}, {declared[1]} of "
+                             f"{declared[2]}")
+        window = None if spec.sliding_windows is None else spec.sliding_windows[i]
+        if self.sliding_window != window:
+            raise ValueError(f"{where}: sliding_window={self.sliding_window}, but ModelSpec.sliding_windows "
+                             f"declares {window} for this layer (the engine frees blocks by the declaration)")
+
+
+def param_partition_fn(model, tp: int) -> Callable[[tuple, tuple], P]:
+    """(names, shape) -> PartitionSpec of a parameter of `model` on `tp` devices: the model's own
+    `param_partition(names, tp)` where it returns one, else `default_param_partition`. ValueError when a
+    PartitionSpec does not split the parameter's shape evenly."""
+    own = getattr(model, "param_partition", None)
+    head_dim = model.spec.head_dim
+
+    def partition(names: tuple, shape: tuple) -> P:
+        spec = own(names, tp) if own is not None else None
+        if spec is None:
+            return default_param_partition(names, shape, head_dim=head_dim, tp=tp)
+        if not isinstance(spec, P):
+            raise TypeError(f"{type(model).__name__}.param_partition{names!r} returned {type(spec).__name__}, "
+                            "expected a jax.sharding.PartitionSpec or None")
+        for axis, name in enumerate(spec):
+            if name is not None and (axis >= len(shape) or shape[axis] % tp):
+                raise ValueError(f"{type(model).__name__}.param_partition: {spec} splits parameter "
+                                 f"{'.'.join(map(str, names))} of shape {tuple(shape)} over {tp} devices unevenly")
+        return spec
+
+    return partition
+
+
+def check_model(model, *, kv_dtype: str = "auto") -> ModelSpec:
+    """Check that `model` keeps the contract (see the module docstring) by tracing one two-token step over a
+    two-block cache of `kv_dtype` pages (`CacheConfig.kv_dtype`; abstractly: nothing is compiled or run).
+    Returns its spec; TypeError / ValueError naming what is wrong."""
+    name = type(model).__name__
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"a model must be a flax.nnx.Module, got {name}")
+    spec = getattr(model, "spec", None)
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"{name}.spec must be a pagedjax.ModelSpec (the KV layout the engine sizes the cache by), "
+                        f"got {type(spec).__name__}")
+    if not callable(getattr(model, "compute_logits", None)):
+        raise TypeError(f"{name} has no compute_logits(hidden) -> logits method")
+    tokens, block_size = 2, 4
+    kv = jnp.dtype(CacheConfig(kv_dtype=kv_dtype).kv_array_dtype(spec))
+    pages = jax.ShapeDtypeStruct((spec.num_kv_heads, 2, block_size, spec.head_dim), kv)
+    scales = jax.ShapeDtypeStruct(pages.shape[:3], jnp.float32) if kv.itemsize == 1 else None
+    layers = tuple(LayerKV(pages, pages, scales, scales) for _ in range(spec.num_layers))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    meta = AttentionMetadata(i32(tokens), i32(1, 2), i32(1), i32(2))
+    graphdef, state = nnx.split(model)
+
+    def step(state, layers, meta, token_ids, positions):
+        m = nnx.merge(graphdef, state)
+        out = m(token_ids, positions, PagedKVCache(layers, meta, spec=spec))
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], PagedKVCache)):
+            raise TypeError(f"{name}.__call__ must return (hidden, cache) with the PagedKVCache it was given, as "
+                            f"the attention layers left it; got {_structure(out)}")
+        hidden, cache = out
+        missing = sorted(set(range(spec.num_layers)) - cache.written)
+        if missing:
+            raise ValueError(f"{name}: ModelSpec declares {spec.num_layers} layers, but no PagedAttention ran for "
+                             f"layers {missing[:8]} (each layer's attention must run once per step)")
+        if not hasattr(hidden, "shape") or hidden.ndim < 1 or hidden.shape[0] != tokens:
+            raise ValueError(f"{name}.__call__ must return hidden states [tokens, ...], got {_structure(hidden)} "
+                             f"for {tokens} tokens")
+        return m.compute_logits(hidden), cache.layers
+
+    logits, out_layers = jax.eval_shape(step, state, layers, meta, i32(tokens), i32(tokens))
+    if tuple(logits.shape) != (tokens, spec.vocab_size) or logits.dtype != jnp.float32:
+        raise ValueError(f"{name}.compute_logits must return float32 logits [tokens, vocab_size] = "
+                         f"[{tokens}, {spec.vocab_size}], got {logits.dtype}{list(logits.shape)}")
+    if jax.tree.structure(out_layers) != jax.tree.structure(layers) or any(
+            (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(jax.tree.leaves(out_layers),
+                                                                      jax.tree.leaves(layers), strict=True)):
+        raise ValueError(f"{name}: the cache came back with other pages than it was given (a model must change the "
+                         "cache only through PagedAttention)")
+    return spec
+
+
+def _structure(x: Any) -> str:
+    if isinstance(x, tuple):
+        return f"a tuple of {len(x)} ({', '.join(type(e).__name__ for e in x)})"
+    return type(x).__name__
