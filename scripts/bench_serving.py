@@ -209,14 +209,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = p.parse_args(argv)
 
-    from pagedjax.cli.engine_setup import build_engine, load_pretrained_for_cli
+    from pagedjax.cli.engine_setup import build_engine, load_model_for_cli
     from pagedjax.serve.cli import build_parser as serve_parser
 
     server_args = shlex.split(args.server_args)
     sargs = serve_parser().parse_args(server_args)
-    cfg, params, tokenizer = load_pretrained_for_cli(sargs.model, sargs.dtype)
-    max_model_len = sargs.max_model_len or min(2048, cfg.max_position_embeddings)
-    requests = make_workload(tokenizer, num_prompts=args.num_prompts, prompt_median=args.prompt_median,
+    loaded = load_model_for_cli(sargs)
+    max_model_len = sargs.max_model_len or min(2048, loaded.spec.max_position_embeddings)
+    requests = make_workload(loaded.tokenizer, num_prompts=args.num_prompts, prompt_median=args.prompt_median,
                              output_median=args.output_median, max_model_len=max_model_len, seed=args.seed)
     rates = [float(r) for r in args.rates.split(",")]
 
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
 
     offline = None
     if not args.no_offline:
-        engine = build_engine(sargs, cfg, params, tokenizer)
+        engine = build_engine(sargs, loaded)
         offline = run_offline(engine, requests, args.max_runs)
 
     print()

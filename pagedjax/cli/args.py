@@ -81,6 +81,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
     g.add_argument("--model", default=None, metavar="PATH",
                    help="a pagedjax checkpoint folder or a Hugging Face folder (config.json + *.safetensors); "
                         "default: the bundled model")
+    g.add_argument("--model-class", default=None, metavar="MODULE:FACTORY",
+                   help="serve a model of your own (pagedjax.model.api): FACTORY(path) is called with --model "
+                        "(or None) and returns the model, or (model, tokenizer); the module must be importable "
+                        "(installed, or on PYTHONPATH)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="parameter dtype (default: the checkpoint's)")
     g.add_argument("--backend", choices=["auto", "pallas", "xla"], default="auto",

@@ -13,7 +13,7 @@ from typing import TextIO
 
 from pagedjax.cli.args import build_parser
 from pagedjax.cli.ctrl_c import CtrlC, Interrupted, exit_interrupted, flush_quietly
-from pagedjax.cli.engine_setup import build_engine, load_pretrained_for_cli
+from pagedjax.cli.engine_setup import build_engine, load_model_for_cli
 from pagedjax.cli.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_REQUEST_FAILED, CLIError
 from pagedjax.cli.generation import Generation
 from pagedjax.cli.prompts import collect_prompts
@@ -31,13 +31,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO |
 
     with compile_cache(args) as cache:  # before anything is loaded: loading compiles too
         t0 = time.perf_counter()
-        cfg, params, tokenizer = load_pretrained_for_cli(args.model, args.dtype, args.tensor_parallel_size)
+        loaded = load_model_for_cli(args)
         load_s = time.perf_counter() - t0
-        engine = build_engine(args, cfg, params, tokenizer, compile_cache=cache.engine_arg)
-        gen = Generation(engine, tokenizer, prompts, args, out, ctrl_c)
+        engine = build_engine(args, loaded, compile_cache=cache.engine_arg)
+        gen = Generation(engine, loaded.tokenizer, prompts, args, out, ctrl_c)
         gen.start()
         if not args.json:
-            print_header(args, cfg, params, engine, load_s, out)
+            print_header(args, loaded, engine, load_s, out)
         wall_s = gen.run()
     report(gen, wall_s, cache, args.json, out)
     return EXIT_REQUEST_FAILED if any(c.finish_reason == "error" for c in gen.completions) else EXIT_OK

@@ -3,10 +3,89 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+from dataclasses import dataclass
+from typing import Any
 
 from pagedjax.cli.errors import CLIError
 from pagedjax.cli.sizes import format_size
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CLIModel:
+    """The model a run serves: a built-in one (`model_config` and its `params`) or one of `--model-class`
+    (`model`); its `spec` and the tokenizer either way."""
+
+    spec: Any  # pagedjax.ModelSpec
+    tokenizer: Any
+    model_config: Any = None  # ModelConfig of a built-in model
+    params: Any = None  # its nnx.State
+    model: Any = None  # a --model-class model (pagedjax.model.api)
+
+    def engine_args(self) -> dict:
+        """`LLMEngine`'s model arguments."""
+        if self.model is not None:
+            return {"model": self.model}
+        return {"model_config": self.model_config, "params": self.params}
+
+    @property
+    def num_params(self) -> int:
+        import jax
+        from flax import nnx
+
+        state = self.params if self.model is None else nnx.state(self.model, nnx.Param)
+        return sum(int(x.size) for x in jax.tree.leaves(state))
+
+
+def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
+    """The model `--model` / `--model-class` / `--dtype` name: `load_pretrained_for_cli`, or the factory's."""
+    if getattr(args, "model_class", None) is None:
+        cfg, params, tokenizer = load_pretrained_for_cli(args.model, args.dtype,
+                                                         getattr(args, "tensor_parallel_size", 1))
+        return CLIModel(cfg.spec, tokenizer, model_config=cfg, params=params)
+    if args.dtype is not None:
+        raise CLIError("--dtype applies to the built-in models; a --model-class factory chooses its own dtype")
+    model, tokenizer = load_model_class(args.model_class, args.model)
+    from pagedjax.model.api import check_model
+
+    try:
+        spec = check_model(model)
+    except (TypeError, ValueError) as e:
+        raise CLIError(f"--model-class {args.model_class}: {e}") from None
+    if tokenizer is None:
+        raise CLIError(f"--model-class {args.model_class} gave no tokenizer: return (model, tokenizer) from the "
+                       "factory for text prompts")
+    return CLIModel(spec, tokenizer, model=model)
+
+
+def load_model_class(target: str, path: str | None):
+    """`MODULE:FACTORY` (the module importable: installed, or on PYTHONPATH) called with `path` (--model, or
+    None) -> (model, tokenizer or None). CLIError naming what is wrong."""
+    import importlib
+
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise CLIError(f"--model-class must be MODULE:FACTORY (e.g. mypkg.gpt2:load), got {target!r}")
+    try:
+        factory = importlib.import_module(module_name)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+    except ModuleNotFoundError as e:
+        raise CLIError(f"--model-class {target}: no module {e.name!r} (install it, or put it on PYTHONPATH)") \
+            from None
+    except AttributeError:
+        raise CLIError(f"--model-class {target}: module {module_name!r} has no {attr!r}") from None
+    if not callable(factory):
+        raise CLIError(f"--model-class {target}: {attr!r} is not callable")
+    try:
+        result = factory(path)
+    except Exception as e:  # noqa: BLE001 - the user's code: its failure is reported, its traceback logged
+        logger.debug("--model-class %s failed", target, exc_info=True)
+        raise CLIError(f"--model-class {target}({path!r}) raised {type(e).__name__}: {e}") from None
+    return result if isinstance(result, tuple) and len(result) == 2 else (result, None)
 
 
 def load_pretrained_for_cli(path: str | None, dtype: str | None, tensor_parallel_size: int = 1):
@@ -76,19 +155,19 @@ def memory_available(device) -> tuple[int, str] | None:
         return None
 
 
-def check_kv_pool_fits(cache_config, model_config, device, tensor_parallel_size: int = 1) -> None:
+def check_kv_pool_fits(cache_config, spec, device, tensor_parallel_size: int = 1) -> None:
     """CLIError if the KV pool the cache config asks for is bigger than the device's free memory (checked
     before allocating: allocating it would fail with RESOURCE_EXHAUSTED, or get the process killed). With
     tensor parallelism the pool is counted per device: the KV heads one device holds."""
     if tensor_parallel_size > 1:
         from pagedjax.parallel.sharding import per_device_model
 
-        model_config = per_device_model(model_config, tensor_parallel_size)
+        spec = per_device_model(spec, tensor_parallel_size)
     try:
-        num_blocks = cache_config.resolve_num_blocks(model_config)
+        num_blocks = cache_config.resolve_num_blocks(spec)
     except ValueError as e:
         raise CLIError(f"--kv-memory: {e}") from None
-    block_bytes = cache_config.block_bytes(model_config)
+    block_bytes = cache_config.block_bytes(spec)
     need = num_blocks * block_bytes
     available = memory_available(device)
     if available is not None and need > available[0]:
@@ -98,7 +177,7 @@ def check_kv_pool_fits(cache_config, model_config, device, tensor_parallel_size:
                        "--num-blocks")
 
 
-def build_engine(args: argparse.Namespace, cfg, params, tokenizer, compile_cache: bool | str = True):
+def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool | str = True):
     """The engine the arguments describe (a `DataParallelEngine` with --data-parallel-size > 1), its KV pool
     checked against the device's memory first.
     compile_cache: `LLMEngine`'s (the CLI sets JAX's cache up before loading: see `pagedjax.cli.warm_start`)."""
@@ -118,19 +197,20 @@ def build_engine(args: argparse.Namespace, cfg, params, tokenizer, compile_cache
                                    kv_dtype=args.kv_dtype)
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len or min(2048, cfg.max_position_embeddings))
+            max_model_len=args.max_model_len or min(2048, loaded.spec.max_position_embeddings))
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
-    check_kv_pool_fits(cache_config, cfg, jax.local_devices()[0], tp)
+    check_kv_pool_fits(cache_config, loaded.spec, jax.local_devices()[0], tp)
     try:
-        return make_engine(cfg, cache_config, scheduler_config, params=params, seed=args.seed,
+        return make_engine(cache_config=cache_config, scheduler_config=scheduler_config, seed=args.seed,
+                           **loaded.engine_args(),
                            backend=args.backend, decode_steps_per_call=args.decode_steps_per_call,
-                           tokenizer=tokenizer, compile_cache=compile_cache, parallel_config=parallel_config,
+                           tokenizer=loaded.tokenizer, compile_cache=compile_cache, parallel_config=parallel_config,
                            max_compiled_programs=args.max_compiled_programs)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        raise CLIError(f"out of device memory building the engine (KV pool of {cache_config.pool_bytes(cfg):,} "
+        raise CLIError(f"out of device memory building the engine (KV pool of {cache_config.pool_bytes(loaded.spec):,} "
                        "bytes); lower --kv-memory or --num-blocks") from None

@@ -69,11 +69,12 @@ def print_table(rows: list[tuple[str, str]], out: TextIO, title: str = "statisti
     print(rule, file=out)
 
 
-def print_header(args: argparse.Namespace, cfg, params, engine, load_s: float, out: TextIO) -> None:
+def print_header(args: argparse.Namespace, loaded, engine, load_s: float, out: TextIO) -> None:
     import jax
 
-    n_params = sum(int(x.size) for x in jax.tree.leaves(params))
-    print(f"model: {args.model or 'bundled tiny model'} ({n_params / 1e6:.2f} M params, {cfg.num_layers} layers, "
+    cfg = loaded.spec
+    name = args.model_class if getattr(args, "model_class", None) else (args.model or "bundled tiny model")
+    print(f"model: {name} ({loaded.num_params / 1e6:.2f} M params, {cfg.num_layers} layers, "
           f"{cfg.num_q_heads}q/{cfg.num_kv_heads}kv heads, {cfg.dtype}; loaded in {load_s:.2f} s)", file=out)
     kv = engine.stats()
     print(f"engine: {engine.backend} attention on {jax.default_backend()}, {engine.num_blocks} KV blocks x "

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "reach the server)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help=f"the model id clients ask for (default: {BUNDLED_MODEL_NAME} for the bundled model, "
-                        "else --model as given)")
+                        "else --model as given, else --model-class)")
     g.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="a jinja2 chat template (default: the model's tokenizer_config.json chat_template, else "
                         "the built-in '# role:' template)")
@@ -187,7 +187,7 @@ def serve(args: argparse.Namespace) -> int:
     """Load the model, build the engine and the app, and serve until a signal; CLIError for setup problems."""
     import uvicorn
 
-    from pagedjax.cli.engine_setup import build_engine, load_pretrained_for_cli
+    from pagedjax.cli.engine_setup import build_engine, load_model_for_cli
     from pagedjax.cli.warm_start import compile_cache
     from pagedjax.model.checkpoint import bundled_model_path
     from pagedjax.model.errors import ModelLoadError
@@ -196,15 +196,14 @@ def serve(args: argparse.Namespace) -> int:
     from pagedjax.serve.chat_template import ChatTemplate
 
     with compile_cache(args) as cache:
-        cfg, params, tokenizer = load_pretrained_for_cli(args.model, args.dtype,
-                                                         getattr(args, "tensor_parallel_size", 1))
-        engine = build_engine(args, cfg, params, tokenizer, compile_cache=cache.engine_arg)
-        folder = Path(args.model) if args.model is not None else bundled_model_path()
+        engine = build_engine(args, load_model_for_cli(args), compile_cache=cache.engine_arg)
+        # A --model-class model without --model has no folder: the built-in template, unless --chat-template.
+        folder = Path(args.model) if args.model is not None else (None if args.model_class else bundled_model_path())
         try:
             template = ChatTemplate.from_model(folder, args.chat_template)
         except (OSError, ModelLoadError) as e:
             raise CLIError(f"cannot read the chat template: {e}") from None
-        name = args.served_model_name or (args.model if args.model is not None else BUNDLED_MODEL_NAME)
+        name = args.served_model_name or args.model or args.model_class or BUNDLED_MODEL_NAME
         async_engine = AsyncLLMEngine(engine, max_pending=args.max_num_seqs + args.max_queue)
         app = build_app(async_engine, model_name=name,
                         chat_template=template, api_key=api_key(args), allowed_origins=args.allowed_origin,
