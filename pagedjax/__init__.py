@@ -23,6 +23,7 @@ _LAZY = {
     "TokenLogprobs": "pagedjax.core.request",
     "BeamSearchParams": "pagedjax.engine.beam_search",
     "ModelConfig": "pagedjax.config",
+    "ModelSpec": "pagedjax.config",
     "CacheConfig": "pagedjax.config",
     "SchedulerConfig": "pagedjax.config",
     "kv_cache_bytes": "pagedjax.config",

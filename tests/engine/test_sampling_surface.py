@@ -236,12 +236,12 @@ def test_beam_search_equals_a_brute_force_beam_search_of_the_dense_model(width):
     engine = _engine(True, 1, 64)
     greedy = engine.generate([PROMPT_PARTIAL], SamplingParams(max_tokens=6), use_tqdm=False)[0].output_token_ids
     eos = (greedy[2],)  # an EOS the search meets
-    engine.model_config = dataclasses.replace(engine.model_config, eos_token_ids=eos)
+    engine.model_spec = dataclasses.replace(engine.model_spec, eos_token_ids=eos)
     try:
         out = engine.beam_search([PROMPT_PARTIAL, PROMPT_FULL],
                                  BeamSearchParams(beam_width=width, max_tokens=6, length_penalty=0.7))
     finally:
-        engine.model_config = CFG
+        engine.model_spec = CFG.spec
     for prompt, result in zip([PROMPT_PARTIAL, PROMPT_FULL], out, strict=True):
         ref = _dense_beam_search(prompt, width, 6, 0.7, set(eos))
         assert [s.token_ids for s in result.sequences] == [t for t, _ in ref]

@@ -35,10 +35,11 @@ def gpt2(seed: int = 0) -> GPT2:
     return GPT2(CFG, rngs=nnx.Rngs(seed))
 
 
-def engine(model=None, *, num_blocks: int = 64, kv_dtype: str = "auto", **kwargs) -> LLMEngine:
+def engine(model=None, *, num_blocks: int = 64, kv_dtype: str = "auto", token_budget: int = 32,
+           **kwargs) -> LLMEngine:
     return LLMEngine(model=model or gpt2(), cache_config=CacheConfig(block_size=4, num_blocks=num_blocks,
                                                                       kv_dtype=kv_dtype),
-                     scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32,
+                     scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=token_budget,
                                                       max_model_len=MAX_LEN), **kwargs)
 
 
@@ -55,11 +56,13 @@ def _tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_greedy_equals_its_dense_forward_with_prefix_hits_preemption_and_fused_decode(dense_greedy):
+def test_greedy_equals_its_dense_forward_with_prefix_hits_chunks_preemption_and_fused_decode(dense_greedy):
     e = engine()
     assert _tokens(e.generate(PROMPTS, GREEDY, use_tqdm=False)) == dense_greedy
     assert e.stats().scheduler.prefix_cache_hit_rate > 0
-    small = engine(num_blocks=8)  # four requests of up to 19 tokens in 8 blocks of 4: some are preempted
+    # Four requests of up to 19 tokens in 8 blocks of 4: some are preempted; prompts of 10 and 11 tokens run
+    # in chunks of at most 8.
+    small = engine(num_blocks=8, token_budget=8)
     assert _tokens(small.generate(PROMPTS, GREEDY, use_tqdm=False)) == dense_greedy
     assert small.stats().scheduler.num_preemptions > 0
     fused = engine(decode_steps_per_call=4)
