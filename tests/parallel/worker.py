@@ -155,34 +155,48 @@ def logits_and_shardings():
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{kind} tp={tp}")
 
 
-@check
-def bring_your_own_model_tp2():
-    """The GPT-2-style example model (tests/model/gpt2_example.py), which pagedjax has never seen, at tp 2 with
-    prefix hits, preemption and fused decode: its own param_partition splits the MLP Megatron-style (the rest
-    replicated), the attention runs over each device's heads, and the greedy tokens equal one device's; and
-    over two data-parallel replicas."""
+def _byom_run(tp, dp=None):
+    """The GPT-2-style example model (tests/model/gpt2_example.py) through an engine of `tp` x `dp` devices:
+    (engine, greedy tokens of PROMPTS) with prefix hits, preemption and fused decode."""
     from tests.model.gpt2_example import GPT2, GPT2Config
 
-    def run(tp, dp=None):
-        model = GPT2(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4), rngs=nnx.Rngs(0))
-        e = make_engine(model=model, cache_config=CacheConfig(block_size=8, num_blocks=8),
-                        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
-                                                         max_model_len=MAX_LEN),
-                        compile_cache=False, tensor_parallel_size=tp, data_parallel_size=dp, decode_steps_per_call=4)
-        tokens = [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
-        return e, tokens
+    model = GPT2(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4), rngs=nnx.Rngs(0))
+    e = make_engine(model=model, cache_config=CacheConfig(block_size=8, num_blocks=8),
+                    scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                    compile_cache=False, tensor_parallel_size=tp, data_parallel_size=dp, decode_steps_per_call=4)
+    return e, [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
-    one, want = run(None)
-    two, got = run(2)
-    assert got == want, f"tp=2: {got} != {want}"
-    replicas, got = run(1, 2)
-    assert got == want and all(s > 0 for s in replicas.stats().requests_per_replica), got
+
+@functools.cache
+def _byom_dense_greedy():
+    from tests.model.gpt2_example import GPT2, GPT2Config
+
+    model = GPT2(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4), rngs=nnx.Rngs(0))
+    want, margin = greedy_by_recompute(jax.jit(model.forward_dense), PROMPTS, MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-4, margin
+    return want
+
+
+@check
+def bring_your_own_model_tp2():
+    """A model pagedjax has never seen (the GPT-2-style example) at tp 2 with prefix hits, preemption and fused
+    decode: its own param_partition splits the MLP Megatron-style (the rest replicated), the attention runs over
+    each device's heads, and the greedy tokens equal its dense forward's."""
+    two, got = _byom_run(2)
+    assert got == _byom_dense_greedy(), f"tp=2: {got} != {_byom_dense_greedy()}"
     assert two.stats().scheduler.num_preemptions > 0 and two.stats().scheduler.prefix_cache_hit_rate > 0
     mlp, attn = two.runner.params["h"][0]["mlp"], two.runner.params["h"][0]["attn"]
     assert mlp["c_fc"]["kernel"][...].sharding.spec == P(None, "tp")
     assert mlp["c_proj"]["kernel"][...].sharding.spec == P("tp", None)
     assert attn["c_attn"]["kernel"][...].sharding.spec == P()
     assert two.runner.kv_cache.layers[0].k.sharding.spec == P("tp")
+
+
+@check
+def bring_your_own_model_dp2():
+    """The same model over two data-parallel replicas: both get requests, the tokens are the dense ones."""
+    replicas, got = _byom_run(1, 2)
+    assert got == _byom_dense_greedy() and all(n > 0 for n in replicas.stats().requests_per_replica), got
 
 
 @check
