@@ -55,13 +55,17 @@ class Server:
 
 @contextlib.contextmanager
 def running_server(llm: LLMEngine, *, max_pending: int | None = None, header_timeout: float | None = None,
-                   **app_kwargs) -> Iterator[Server]:
+                   send_buffer: int | None = None, **app_kwargs) -> Iterator[Server]:
     """A server over `llm` on a free port of 127.0.0.1, in a thread, stopped (and its engine) on exit;
-    `header_timeout`: as pagedjax-serve's --header-timeout (None: uvicorn's own protocol, no head deadline)."""
+    `header_timeout`: as pagedjax-serve's --header-timeout (None: uvicorn's own protocol, no head deadline);
+    `send_buffer`: the kernel's send buffer of each connection, in bytes (a small one makes a client that stops
+    reading block the server's writes within kilobytes; the default, autotuned on loopback, takes megabytes)."""
     engine = AsyncLLMEngine(llm, max_pending=max_pending)
     app = build_app(engine, model_name=MODEL_NAME, **app_kwargs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:  # accepted connections inherit it from the listening socket
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     http = "auto" if header_timeout is None else head_timeout_protocol(header_timeout)
