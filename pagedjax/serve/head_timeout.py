@@ -9,8 +9,9 @@ its head is complete.
 `head_timeout_protocol(seconds)` is uvicorn's h11 protocol with one timer per head: armed when the connection
 opens and when the first bytes of a next head arrive on a kept-alive connection, cancelled as soon as h11 has
 parsed the whole head. When it fires the client gets a 408 (OpenAI's error JSON, as the app's errors) and the
-connection is closed. A kept-alive connection waiting for its next request has no head timer, only uvicorn's
-keep-alive one, so the two limits stay independent.
+connection is closed (the server's side at once, the rest after `LINGER_S`, the bytes still coming discarded so
+that they do not reset it). A kept-alive connection waiting for its next request has no head timer, only
+uvicorn's keep-alive one, so the two limits stay independent.
 
 Why h11 and not httptools (uvicorn's "auto" takes httptools when it is installed): the hooks used here are
 uvicorn's h11 protocol's, and h11's parser state says exactly when a head is complete; h11 is a dependency of
@@ -29,6 +30,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)
 
+# After a 408 the client may still be sending its head: closing with bytes arriving makes the kernel reset the
+# connection, which can destroy the 408 before the client reads it. So the server ends its side (FIN), discards
+# what still comes for this long, then closes.
+LINGER_S = 1.0
+
 
 class HeadTimeoutProtocol(H11Protocol):
     """uvicorn's h11 protocol; a request head not complete within `head_timeout` seconds of its start (the
@@ -42,12 +48,15 @@ class HeadTimeoutProtocol(H11Protocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._timed_out = False  # answered 408: what still comes is discarded until the connection closes
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer = self.loop.call_later(self.head_timeout, self._head_timed_out)
 
     def data_received(self, data: bytes) -> None:
+        if self._timed_out:
+            return
         super().data_received(data)
         # IDLE after parsing what came: a head has begun (bytes are buffered) but is not complete.
         waiting_for_head = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
@@ -81,8 +90,14 @@ class HeadTimeoutProtocol(H11Protocol):
                           h11.Data(data=body), h11.EndOfMessage()):
                 self.transport.write(self.conn.send(event))
         except h11.LocalProtocolError:  # a response already begun on this connection: closing is all there is
-            pass
-        self.transport.close()
+            self.transport.close()
+            return
+        self._timed_out = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+        else:  # TLS cannot half-close
+            self.transport.close()
 
 
 def head_timeout_protocol(seconds: float) -> type[HeadTimeoutProtocol]:

@@ -101,6 +101,22 @@ def test_a_head_that_trickles_in_is_cut_off_while_others_are_served(server):
     assert _timely(outcome["seconds"]), outcome
 
 
+def test_a_client_still_sending_when_its_head_times_out_gets_the_408(server):
+    """Bytes arriving at a closed socket make the kernel reset the connection, which could destroy the 408
+    before the client read it (a soak saw it); the server half-closes, and discards the rest for a while."""
+    port = urlparse(server.url).port
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+        start = time.monotonic()
+        while time.monotonic() - start < HEADER_TIMEOUT + 0.5:  # writing on past the timeout, reading nothing
+            sock.sendall(b"a")
+            time.sleep(0.01)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408 "), reply
+
+
 def test_a_silent_connection_is_closed(server):
     with socket.create_connection(("127.0.0.1", urlparse(server.url).port), timeout=10) as sock:
         reply, seconds = _read_until_closed(sock)
