@@ -364,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0, help="how long the clients run")
-    p.add_argument("--warmup-minutes", type=float, default=None, help="default: a fifth of --minutes")
+    p.add_argument("--warmup-minutes", type=float, default=None,
+                   help="default: a third of --minutes (most step shapes compile then, and the allocator settles "
+                        "once programs start being replaced)")
     p.add_argument("--sample-seconds", type=float, default=None, help="default: a tenth of the run, 1-30 s")
     p.add_argument("--port", type=int, default=0, help="the server's port on 127.0.0.1 (0: a free one)")
     p.add_argument("--server-args", default="", help="more pagedjax-serve options (model, engine), quoted")
@@ -388,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     seconds = args.minutes * 60
-    warmup_s = (args.warmup_minutes * 60) if args.warmup_minutes is not None else seconds / 5
+    warmup_s = (args.warmup_minutes * 60) if args.warmup_minutes is not None else seconds / 3
     every = args.sample_seconds or max(1.0, min(30.0, seconds / 10))
 
     log_path = args.server_log or Path(tempfile.mkdtemp(prefix="soak_serve-")) / "server.log"
