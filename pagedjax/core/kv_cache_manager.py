@@ -146,7 +146,9 @@ class KVCacheManager:
         """The longest cached prefix of a request that holds no blocks: (its blocks, number of tokens).
 
         Walks the hash chain from the first block and stops at the first miss; at most
-        `num_tokens - 1` tokens count, so the last token is recomputed. Changes nothing.
+        `num_tokens - 1` tokens count, so the last token is recomputed. With a sliding window, the leading
+        hits that no query from the hit's end on can read are `RELEASED` entries (as `release_out_of_window`
+        leaves them): only the rest are taken by `allocate_slots`. Changes nothing.
         """
         if not self.enable_caching or request.num_computed_tokens or _recomputes_prompt(request):
             return [], 0
@@ -163,7 +165,10 @@ class KVCacheManager:
             if b is None:
                 break
             blocks.append(b)
-        return blocks, len(blocks) * self.block_size
+        # With a sliding window the first query (at the hit's end) reads nothing before its window: those hits
+        # are not taken at all, so a long cached prefix costs no more blocks than computing it would.
+        skip = self._num_unread_blocks(len(blocks) * self.block_size)
+        return [RELEASED] * skip + blocks[skip:], len(blocks) * self.block_size
 
     def next_block_hash(self, request: Request, num_hit_blocks: int) -> BlockHash | None:
         """The hash of the block where `get_computed_blocks` stopped (its first miss), or None if the
@@ -199,7 +204,8 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
         """Make the request's blocks cover its computed tokens, `new_computed_blocks` (prefix hits from
-        `get_computed_blocks`, only for a request holding no blocks yet) and `num_new_tokens` more.
+        `get_computed_blocks`, only for a request holding no blocks yet; its leading `RELEASED` entries are
+        kept as such, not taken) and `num_new_tokens` more.
 
         Returns the freshly allocated blocks (possibly empty), or None when the free queue is too short:
         then nothing at all has changed (no reference count, no queue position).
@@ -223,14 +229,17 @@ class KVCacheManager:
                 self._num_hashed_blocks[rid] = 0
             return []
         fresh = max(fresh, 0)
-        idle_hits = sum(1 for b in new_computed_blocks if pool.ref_cnt(b) == 0)
+        taken = [b for b in new_computed_blocks if b != RELEASED]
+        if RELEASED in new_computed_blocks[len(new_computed_blocks) - len(taken):]:
+            raise ValueError("only leading prefix hits can be RELEASED")
+        idle_hits = sum(1 for b in taken if pool.ref_cnt(b) == 0)
         if fresh + idle_hits > pool.num_free_blocks:
             return None
         if held is None:
             held = self._req_blocks[rid] = []
             self._num_hashed_blocks[rid] = 0
         if new_computed_blocks:
-            pool.touch(new_computed_blocks)  # before allocating, so the hits cannot be evicted
+            pool.touch(taken)  # before allocating, so the hits cannot be evicted
             held.extend(new_computed_blocks)
             self._num_hashed_blocks[rid] = len(held)  # hits are hashed already
         new_blocks = pool.allocate(fresh)
@@ -319,15 +328,11 @@ class KVCacheManager:
         """Release the request's leading blocks that no query from its next position on can read (all of
         their positions < num_computed_tokens - sliding_window + 1); their hashes, once published, stay with
         them. Returns how many blocks were released now (0 without a sliding window)."""
-        window = self.sliding_window
         blocks = self._req_blocks.get(request.request_id)
-        if window is None or not blocks:
+        if self.sliding_window is None or not blocks:
             return 0
-        # The next query sits at position p = num_computed_tokens and reads positions > p - window; block j
-        # ends at position (j + 1) * block_size - 1, so blocks j < (p - window + 1) // block_size are unread.
         # (Publish first: cache_blocks hashes a block only while the request still holds it.)
-        end = min(max(0, (request.num_computed_tokens - window + 1) // self.block_size),
-                  request.num_computed_tokens // self.block_size, len(blocks))
+        end = min(self._num_unread_blocks(request.num_computed_tokens), len(blocks))
         done = self._num_hashed_blocks.get(request.request_id, 0)
         if self.enable_caching and end > done:
             raise RuntimeError(f"request {request.request_id!r}: publish its full blocks (cache_blocks) before "
@@ -337,6 +342,48 @@ class KVCacheManager:
             blocks[:end] = [RELEASED] * end
             self.block_pool.free(reversed(released))
         return len(released)
+
+    def _num_unread_blocks(self, num_computed_tokens: int) -> int:
+        """How many leading blocks no query from position `num_computed_tokens` on reads (0 without a window)."""
+        window = self.sliding_window
+        if window is None:
+            return 0
+        # The query at position p reads positions > p - window; block j ends at position (j + 1) * block_size - 1,
+        # so blocks j < (p - window + 1) // block_size are unread (all of them full, since window >= 1).
+        return max(0, (num_computed_tokens - window + 1) // self.block_size)
+
+    def max_blocks_held(self, num_kv_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request holds at once (lent blocks aside) on its way to `num_kv_tokens` tokens of
+        KV, when a step computes at most `max_chunk` of its tokens and allocates their blocks before it runs.
+
+        A step from p computed tokens computing n = min(max_chunk, num_kv_tokens - p) tokens holds
+        cdiv(p + n, block_size) blocks less the leading ones unread from p on: released after the previous step,
+        or never taken from a prefix hit ending at p (`get_computed_blocks`). Any p can start a step of that
+        size (a preempted request recomputes everything in chunks), so this is the maximum over p; without a
+        window it is cdiv(num_kv_tokens, block_size).
+        """
+        T, B, C, W = num_kv_tokens, self.block_size, max_chunk, self.sliding_window
+        if W is None or T <= C:  # (with T <= C, p = 0 computes everything at once: nothing is released yet)
+            return cdiv(T, B)
+        # Past p = T - C the step ends at T and more is released: no larger. Before p = W - 1 nothing is
+        # released and the count grows with p; from there on it repeats with period B. So a few p suffice.
+        last = T - C
+        starts = {min(W - 2, last), *range(max(W - 1, last - B + 1), last + 1)}
+        return max(cdiv(p + C, B) - self._num_unread_blocks(p) for p in starts if p >= 0)
+
+    def max_kv_tokens_held(self, max_chunk: int, limit: int) -> int:
+        """The most tokens of KV (at most `limit`) one request can reach in this pool: the largest T whose
+        `max_blocks_held(T, max_chunk)` fits `num_blocks` (that count never falls as T grows)."""
+        if self.max_blocks_held(limit, max_chunk) <= self.num_blocks:
+            return limit
+        lo, hi = 0, limit  # fits(lo), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.max_blocks_held(mid, max_chunk) <= self.num_blocks:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash; refused (False) while any block is in use or lent."""

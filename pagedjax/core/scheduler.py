@@ -46,7 +46,7 @@ import numpy as np
 from pagedjax.config import CacheConfig, SchedulerConfig
 from pagedjax.core import failures, forking, fused_decode
 from pagedjax.core.invariants import check_scheduler_invariants
-from pagedjax.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedjax.core.kv_cache_manager import KVCacheManager
 from pagedjax.core.memory_stats import KVMemoryStats, kv_memory_stats
 from pagedjax.core.request import Request, RequestStatus, SampleGroup, sample_id
 from pagedjax.core.step_plan import FusedDecodePlan, StepPlan, build_step_plan
@@ -119,7 +119,8 @@ class Scheduler:
     def check_request(self, request: Request) -> None:
         """Raise ValueError if `add_request` would refuse `request`: an empty prompt, a prompt longer than
         max_model_len, a duplicate request id, a request that is not fresh, or one that could not fit even
-        in an empty pool. Changes nothing."""
+        in an empty pool (`KVCacheManager.max_blocks_held`: with a sliding window, what its window and one
+        step's chunk hold at once). Changes nothing."""
         rid = request.request_id
         if rid in self.requests or rid in self.groups or any(rid in g.sample_ids for g in self.groups.values()):
             raise ValueError(f"duplicate request id {rid!r}")
@@ -137,10 +138,22 @@ class Scheduler:
                 or request.output_token_ids):
             raise ValueError(f"request {rid!r}: not a fresh request (status {request.status.value}, "
                              f"{request.num_computed_tokens} computed, {request.num_output_tokens} outputs)")
-        need = cdiv(self.max_kv_tokens(request), self.block_size)
-        if need > self.kv_cache_manager.num_blocks:
+        kv = self.kv_cache_manager
+        chunk = self.scheduler_config.max_num_batched_tokens
+        need = kv.max_blocks_held(self.max_kv_tokens(request), chunk)
+        if need > kv.num_blocks:
+            why = "" if kv.sliding_window is None else \
+                f" at once (its {kv.sliding_window}-token sliding window and a step of up to {chunk} tokens)"
             raise ValueError(f"request {rid!r}: its prompt and max_tokens may need {need} blocks of {self.block_size}"
-                             f" tokens, more than the whole pool of {self.kv_cache_manager.num_blocks} blocks")
+                             f" tokens{why}, more than the whole pool of {kv.num_blocks} blocks")
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + output) one request can hold: `max_model_len`, or fewer when the pool could
+        not hold their KV (its last sampled token needs none; a windowed model needs only its window's)."""
+        tokens = self.kv_cache_manager.max_kv_tokens_held(self.scheduler_config.max_num_batched_tokens,
+                                                          self.max_model_len - 1)
+        return min(self.max_model_len, tokens + 1)
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (ValueError if `check_request` refuses it). A multi-sample request is queued

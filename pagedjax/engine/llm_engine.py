@@ -171,8 +171,8 @@ class LLMEngine:
     @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + output) one request can hold: `max_model_len`, or fewer when the KV pool
-        could not hold them (its last sampled token needs no KV)."""
-        return min(self.scheduler_config.max_model_len, self.num_blocks * self.cache_config.block_size + 1)
+        could not hold them (`Scheduler.max_request_tokens`: a sliding-window model needs its window's KV only)."""
+        return self.scheduler.max_request_tokens
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],

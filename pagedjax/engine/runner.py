@@ -298,10 +298,16 @@ class ModelRunner:
         self.num_compilations += 1
         self._executables[key] = exe
         logger.info("compiled %s in %.2f s", key, time.perf_counter() - start)
-        while len(self._executables) > self.max_programs:
-            dropped, _ = self._executables.popitem(last=False)
-            logger.info("dropped the least recently used program %s (at most %d are kept)", dropped,
-                        self.max_programs)
+        if len(self._executables) > self.max_programs:
+            while len(self._executables) > self.max_programs:
+                dropped, _ = self._executables.popitem(last=False)
+                logger.info("dropped the least recently used program %s (at most %d are kept)", dropped,
+                            self.max_programs)
+            # JAX's own caches (traces and lowerings, by signature) keep every program compiled through a jitted
+            # function alive: without clearing them a dropped program's memory is never freed. The programs
+            # held here stay alive through this dict; only a new signature is traced again, as it would be anyway.
+            self._step.clear_cache()
+            self._loop.clear_cache()
         return exe
 
     def execute(self, inputs: StepInputs, *, return_logits: bool = False) -> StepOutputs:

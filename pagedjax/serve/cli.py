@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECONDS",
                    help="a request body not received within this time gets 408 (a client trickling its body "
                         "would hold its connection for ever)")
+    g.add_argument("--header-timeout", type=generate_args._float_in(0.0, 86400.0, lo_open=True), default=10.0,
+                   metavar="SECONDS",
+                   help="a request's head (request line and headers) not received within this time of its start "
+                        "gets 408 and its connection is closed (a client trickling its headers, or sending none, "
+                        "would hold its connection for ever)")
     g.add_argument("--max-connections", type=generate_args._int_at_least(1), default=1024, metavar="N",
                    help="open connections (and requests) at once; more get 503 at once")
     g.add_argument("--enable-docs", action="store_true",
@@ -194,6 +199,7 @@ def serve(args: argparse.Namespace) -> int:
     from pagedjax.serve.app import build_app
     from pagedjax.serve.async_engine import AsyncLLMEngine
     from pagedjax.serve.chat_template import ChatTemplate
+    from pagedjax.serve.head_timeout import head_timeout_protocol
 
     with compile_cache(args) as cache:
         engine = build_engine(args, load_model_for_cli(args), compile_cache=cache.engine_arg)
@@ -213,7 +219,7 @@ def serve(args: argparse.Namespace) -> int:
         # (finished, or an error), so it never has to cancel one mid-response.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, access_log=False,
-                                limit_concurrency=args.max_connections)
+                                limit_concurrency=args.max_connections, http=head_timeout_protocol(args.header_timeout))
         try:
             started = _Server(config, async_engine.drain, args.shutdown_timeout).run()
         finally:

@@ -299,6 +299,17 @@ def run_to_completion(sched: Scheduler, model: FakeModel, *, checker: Checker | 
     return outputs, steps
 
 
+def max_blocks_held(num_kv_tokens: int, block_size: int, window: int | None, max_chunk: int) -> int:
+    """The most blocks one request holds at once on its way to `num_kv_tokens` tokens of KV, counted step by step
+    (the oracle for `KVCacheManager.max_blocks_held`): a step from any p computes n = min(max_chunk, T - p) tokens
+    and holds cdiv(p + n, block_size) blocks, less the leading ones no query from p on reads."""
+    most = 0
+    for p in range(num_kv_tokens):
+        unread = 0 if window is None else min(max(0, (p - window + 1) // block_size), p // block_size)
+        most = max(most, cdiv(p + min(max_chunk, num_kv_tokens - p), block_size) - unread)
+    return most
+
+
 def reference_outputs(request: Request, max_model_len: int, salt: int = 0,
                       outputs: list[int] | None = None, window: int | None = None) -> list[int]:
     """What a request must produce under the fake model (with `window`, a sliding-window one), computed

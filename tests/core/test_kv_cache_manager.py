@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedjax.core.block_pool import hash_block_tokens
-from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.kv_cache_manager import RELEASED, KVCacheManager
 from pagedjax.core.request import Request, SamplingParams
 
 BS = 16
@@ -260,10 +260,11 @@ def test_release_out_of_window_frees_exactly_the_unreadable_leading_blocks():
     assert kv.num_released_blocks("w") == 2 and kv.num_held_blocks("w") == 4
     assert kv.num_free_blocks == free_before + 2
     assert kv.release_out_of_window(r) == 0  # idempotent
-    # the released, published blocks stay cached: the same prompt hits the whole prefix while they are present
+    # the released, published blocks stay cached: the same prompt hits the whole prefix while they are present,
+    # and takes only the blocks its first query (position 12, reading 8..12) sees
     twin = make_request("twin", list(range(13)))
     hits, num_hit = kv.get_computed_blocks(twin)
-    assert hits == list(blocks[:3]) and num_hit == 12
+    assert hits == [RELEASED, RELEASED, blocks[2]] and num_hit == 12
     kv.free(r)
     assert kv.num_free_blocks == 11
 

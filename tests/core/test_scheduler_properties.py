@@ -10,7 +10,7 @@ from pagedjax.config import CacheConfig, SchedulerConfig
 from pagedjax.core.kv_cache_manager import cdiv
 from pagedjax.core.request import Request, SamplingParams
 from pagedjax.core.scheduler import Scheduler
-from tests.core.harness import VOCAB, Checker, FakeModel, reference_outputs, run_to_completion
+from tests.core.harness import VOCAB, Checker, FakeModel, max_blocks_held, reference_outputs, run_to_completion
 
 PREFIXES = [[], [1, 2, 3, 1, 2, 3, 1, 2, 3], [0] * 7, [5, 4]]
 
@@ -53,8 +53,8 @@ def test_any_workload_finishes_correctly(config, workload):
     for i, (prefix, suffix, max_tokens, use_stop) in enumerate(workload):
         prompt = PREFIXES[prefix] + suffix
         r = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, stop_token_ids=(3,) if use_stop else ()))
-        valid = 0 < len(prompt) <= sched.max_model_len and \
-            cdiv(sched.max_kv_tokens(r), sched.block_size) <= config["num_blocks"]
+        valid = 0 < len(prompt) <= sched.max_model_len and max_blocks_held(
+            sched.max_kv_tokens(r), sched.block_size, config["window"], budget) <= config["num_blocks"]
         try:
             sched.add_request(r)
         except ValueError:

@@ -3,7 +3,9 @@ half-queued. Also: a KV cache dtype other than the model's, on every backend."""
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import jax.numpy as jnp
 import numpy as np
@@ -256,6 +258,16 @@ def test_compiled_programs_are_bounded_and_outputs_stay_exact():
     again, and the tokens are those of an engine that keeps everything."""
     batches = [PROMPTS[:1], PROMPTS[:2], PROMPTS[:3], PROMPTS[:1], PROMPTS[:2]]  # batch buckets 1, 2, 4, 1, 2
     capped, uncapped = make_engine(max_compiled_programs=2), make_engine()
+    compiled = []  # a weak reference to every program the capped engine compiled (JAX's executable in it)
+    executable = capped.runner._executable
+
+    def recording(jitted, key, *args, **kwargs):
+        exe = executable(jitted, key, *args, **kwargs)
+        if not any(ref() is exe._executable for ref in compiled):
+            compiled.append(weakref.ref(exe._executable))
+        return exe
+
+    capped.runner._executable = recording
     for prompts in batches:
         got = capped.generate(prompts, SamplingParams(max_tokens=3), use_tqdm=False)
         want = uncapped.generate(prompts, SamplingParams(max_tokens=3), use_tqdm=False)
@@ -263,5 +275,11 @@ def test_compiled_programs_are_bounded_and_outputs_stay_exact():
         assert capped.stats().compiled_programs <= 2
     assert capped.stats().compilations > uncapped.stats().compilations  # dropped programs were compiled again
     assert uncapped.stats().compiled_programs == uncapped.stats().compilations
+    # A dropped program is freed: JAX's own trace and lowering caches held every program ever compiled (the
+    # server's memory grew ~10 MiB per compilation with the cap reached, scripts/soak_serve.py).
+    gc.collect()
+    held = {id(exe._executable) for exe in capped.runner._executables.values()}
+    assert len(compiled) == capped.stats().compilations
+    assert [ref() is not None for ref in compiled] == [id(ref()) in held for ref in compiled]
     with pytest.raises(ValueError, match="max_compiled_programs"):
         make_engine(max_compiled_programs=0)

@@ -67,3 +67,47 @@ def test_a_global_layer_keeps_every_block():
     outputs, peak = run(cfg, [prompt], decode_steps_per_call=1)
     assert outputs == dense_greedy(cfg, [prompt], MAX_TOKENS)
     assert peak == cdiv(PROMPT_LEN + MAX_TOKENS - 1, BS)
+
+
+# ---------------------------------------------------------------------------------------- window-aware admission
+LONG_LEN, CHUNK = 128, 8  # chunked prefill: a step computes at most 8 tokens of a request
+
+
+def serve_one(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
+    """Greedy outputs of one request run alone, and the most blocks in use after any step."""
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    outputs, peak = None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs = out.output_token_ids
+        engine.scheduler.check_invariants()
+        peak = max(peak, engine.stats().scheduler.memory.num_used_blocks)
+    return outputs, peak
+
+
+def test_a_pool_sized_for_the_window_serves_requests_far_longer_than_itself():
+    """The pool holds what one request holds at once (its window and one chunk), 5 blocks of 4 tokens: it serves
+    ~100-token requests, with and without a prefix hit covering the whole pool, with the tokens of a pool of 64."""
+    def engine(num_blocks: int) -> LLMEngine:
+        return LLMEngine(CFG, CacheConfig(block_size=BS, num_blocks=num_blocks),
+                         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=CHUNK, max_model_len=LONG_LEN),
+                         seed=SEED)
+
+    big = engine(64)
+    bound = big.scheduler.kv_cache_manager.max_blocks_held(LONG_LEN - 1, CHUNK)
+    assert bound == 5
+    small = engine(bound)
+    assert small.max_request_tokens == LONG_LEN  # what the server advertises and defaults max_tokens to
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, CFG.vocab_size, bound * BS).tolist()  # as many tokens as the whole pool holds
+    jobs = [("long", rng.integers(0, CFG.vocab_size, 30).tolist(), 70),  # 99 tokens, chunked prefill of 30
+            ("prefix", prefix, 1),  # leaves the whole pool cached as one prefix
+            ("hit", prefix + rng.integers(0, CFG.vocab_size, 3).tolist(), 80)]  # hits all of it, then 83 more
+    for rid, prompt, max_tokens in jobs:
+        tokens, peak = serve_one(small, rid, prompt, max_tokens)
+        assert tokens == serve_one(big, rid, prompt, max_tokens)[0] and len(tokens) == max_tokens, rid
+        assert peak <= bound
+    assert small.stats().scheduler.prefix_cache_hits == big.stats().scheduler.prefix_cache_hits == bound * BS
+    with pytest.raises(ValueError, match=f"more than the whole pool of {bound - 1} blocks"):
+        engine(bound - 1).add_request("long", jobs[0][1], SamplingParams(max_tokens=70))

@@ -18,6 +18,7 @@ from pagedjax import CacheConfig, LLMEngine, ModelConfig, SchedulerConfig
 from pagedjax.model.tokenizer import ByteTokenizer
 from pagedjax.serve.app import build_app
 from pagedjax.serve.async_engine import AsyncLLMEngine
+from pagedjax.serve.head_timeout import head_timeout_protocol
 
 MODEL_NAME = "pagedjax-tiny"
 # A byte-level model (the bundled model's tokenizer) of one small layer: random weights emit random bytes,
@@ -53,15 +54,23 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(llm: LLMEngine, *, max_pending: int | None = None, **app_kwargs) -> Iterator[Server]:
-    """A server over `llm` on a free port of 127.0.0.1, in a thread, stopped (and its engine) on exit."""
+def running_server(llm: LLMEngine, *, max_pending: int | None = None, header_timeout: float | None = None,
+                   send_buffer: int | None = None, **app_kwargs) -> Iterator[Server]:
+    """A server over `llm` on a free port of 127.0.0.1, in a thread, stopped (and its engine) on exit;
+    `header_timeout`: as pagedjax-serve's --header-timeout (None: uvicorn's own protocol, no head deadline);
+    `send_buffer`: the kernel's send buffer of each connection, in bytes (a small one makes a client that stops
+    reading block the server's writes within kilobytes; the default, autotuned on loopback, takes megabytes)."""
     engine = AsyncLLMEngine(llm, max_pending=max_pending)
     app = build_app(engine, model_name=MODEL_NAME, **app_kwargs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:  # accepted connections inherit it from the listening socket
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
+    http = "auto" if header_timeout is None else head_timeout_protocol(header_timeout)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1,
+                                           http=http))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

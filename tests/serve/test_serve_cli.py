@@ -49,7 +49,7 @@ def test_fused_decode_is_generates_default_and_not_the_servers(capsys):
 
 
 @pytest.mark.parametrize("argv", [["--model", "/no/such/model"], ["--chat-template", "/no/such/file"],
-                                  ["--max-queue", "-1"], ["--shutdown-timeout", "soon"]])
+                                  ["--max-queue", "-1"], ["--shutdown-timeout", "soon"], ["--header-timeout", "0"]])
 def test_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -118,9 +118,12 @@ def _stream_then_signal(url: str, proc: subprocess.Popen, sig: int, max_tokens: 
 def test_sigterm_finishes_the_request_in_flight_and_exits_0():
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _start(port, "--shutdown-timeout", "60")
+    proc = _start(port, "--shutdown-timeout", "60", "--header-timeout", "0.5")
     try:
         _wait_healthy(proc, url)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:  # --header-timeout reached uvicorn
+            assert silent.recv(4096).startswith(b"HTTP/1.1 408 ")
+        assert build_parser().parse_args([]).header_timeout == 10.0
         chunks, done = _stream_then_signal(url, proc, signal.SIGTERM, max_tokens=48)
         assert done
         assert chunks[-1]["usage"]["completion_tokens"] == 48
