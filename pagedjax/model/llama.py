@@ -147,7 +147,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU (Llama) or, with `gelu`, GeGLU with the tanh approximation of gelu (Gemma 2)."""
+    """SwiGLU (Llama) or, with `gelu`, GeGLU with the tanh approximation of gelu (Gemma)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, *, gelu: bool = False):
         self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
