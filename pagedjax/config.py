@@ -37,12 +37,18 @@ KV_SCALE_BYTES = 4  # float32 scales
 
 # RoPE scaling types pagedjax computes exactly, each with the parameters it needs (besides "rope_type"). This is
 # the one list: `ModelConfig` checks `rope_scaling` against it and the Hugging Face loader maps configs by it.
+# "longrope" is LongRoPE (Phi-3) within its original context: frequencies divided by the per-frequency
+# `short_factor`, cos and sin scaled by `attention_factor`. Its long factors, which transformers switches to once a
+# sequence outgrows `original_max_position_embeddings`, are not implemented, so `ModelConfig` requires
+# max_position_embeddings <= original_max_position_embeddings: no position pagedjax serves would need them.
 ROPE_SCALING_PARAMS: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "attention_factor", "original_max_position_embeddings"),
 }
 ROPE_TYPES: tuple[str, ...] = tuple(ROPE_SCALING_PARAMS)
+_ROPE_VECTOR_PARAMS = ("short_factor",)  # one number per rotated frequency; every other parameter is one number
 
 
 def _describe(value) -> str:
@@ -118,6 +124,10 @@ def _rope_scaling_field(value) -> tuple[tuple[str, float | str], ...] | None:
         if key in ("rope_type", "type"):
             if not isinstance(v, str):
                 raise TypeError(f"{owner}.{key} must be a string, got {_describe(v)}")
+        elif key in _ROPE_VECTOR_PARAMS:
+            if isinstance(v, str) or not isinstance(v, tuple | list) or not v:
+                raise TypeError(f"{owner}.{key} must be a non-empty list of numbers, got {_describe(v)}")
+            v = tuple(_float_field(owner, f"{key}[{i}]", x, positive=True) for i, x in enumerate(v))
         elif isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{owner}.{key} must be a number, got {_describe(v)}")
         params[key] = v
@@ -131,13 +141,32 @@ def _rope_scaling_field(value) -> tuple[tuple[str, float | str], ...] | None:
 
 
 # Decoder architectures `pagedjax.model.llama` computes. "llama": RMSNorm scaled by w, SwiGLU, pre-norm blocks
-# (Llama 2/3, Mistral, Qwen2). "gemma2": RMSNorm scaled by (1 + w) in float32, GeGLU (tanh gelu), a norm after
-# attention and around the MLP too ("sandwich" norms), embeddings scaled by sqrt(hidden_size).
+# (Llama 2/3, Mistral, Qwen2/3, Phi-3, OLMo 2). "gemma2": RMSNorm scaled by (1 + w) in float32, GeGLU (tanh gelu),
+# a norm after attention and around the MLP too ("sandwich" norms), embeddings scaled by sqrt(hidden_size)
+# (Gemma 2 and 3).
 ARCHITECTURES: tuple[str, ...] = ("llama", "gemma2")
+# Where a decoder block normalizes (`ModelConfig.norm_placement`; `pagedjax.model.llama.DecoderLayer` has the
+# formulas): before each sub-block (Llama), before and after each (Gemma 2 and 3), after each (OLMo 2).
+NORM_PLACEMENTS: tuple[str, ...] = ("pre", "sandwich", "post")
+_ARCHITECTURE_NORMS = {"llama": "pre", "gemma2": "sandwich"}
+# RMSNorm of queries and keys before RoPE (`ModelConfig.qk_norm`): "head" over each head's head_dim (Qwen3,
+# Gemma 3), "full" over the whole projection, num_heads * head_dim (OLMo 2).
+QK_NORMS: tuple[str, ...] = ("head", "full")
 
 
 def _optional_positive_float(owner: str, name: str, value) -> float | None:
     return None if value is None else _float_field(owner, name, value, positive=True)
+
+
+def _choice_field(owner: str, name: str, value, choices: tuple[str, ...], *, optional: bool = True) -> str | None:
+    """One of `choices` (or None when optional)."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{owner}.{name} must be {'None or ' if optional else ''}a string, got {_describe(value)}")
+    if value not in choices:
+        raise ValueError(f"{owner}.{name} {value!r} is not supported (supported: {', '.join(choices)})")
+    return value
 
 
 def _sliding_windows_field(value, num_layers: int, owner: str = "ModelConfig") -> tuple[int | None, ...] | None:
@@ -216,7 +245,8 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder (Llama 2/3, Mistral, Qwen2 shapes) or a Gemma 2 one (`architecture="gemma2"`).
+    """A Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, OLMo 2 shapes) or a Gemma one
+    (`architecture="gemma2"`: Gemma 2 and 3).
 
     Every field is type-checked on construction (a TypeError or ValueError names the field): ints are ints
     (not bools), floats accept ints, `dtype` is one of "float32" | "bfloat16" | "float16", `eos_token_ids`,
@@ -231,6 +261,14 @@ class ModelConfig:
       final_logit_softcapping c: output logits become c * tanh(logits / c).
       query_pre_attn_scalar   attention scores are scaled by query_pre_attn_scalar ** -0.5 instead of
                               head_dim ** -0.5.
+      qk_norm                 "head" | "full" (`QK_NORMS`): RMSNorm of q and k (parameters q_norm, k_norm, of
+                              the architecture's norm kind) after the projections, before RoPE.
+      rope_local_theta        the RoPE base of the layers with a sliding window, which then rotate without
+                              `rope_scaling` (Gemma 3's local layers); the other layers keep rope_theta and
+                              rope_scaling. None: every layer uses rope_theta and rope_scaling.
+
+    Block layout: `norm_placement` (one of `NORM_PLACEMENTS`; None = the architecture's own, "pre" for llama,
+    "sandwich" for gemma2: what configs saved before the field existed mean), resolved by `block_norms`.
     """
 
     vocab_size: int = 259
@@ -243,8 +281,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # RoPE scaling: None or (name, value) pairs with "rope_type" (one of ROPE_TYPES) and the parameters that
     # type needs (ROPE_SCALING_PARAMS), e.g. Llama 3's factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings (a tuple of pairs so the config stays hashable).
-    rope_scaling: tuple[tuple[str, float], ...] | None = None
+    # original_max_position_embeddings (a tuple of pairs so the config stays hashable; LongRoPE's short_factor is
+    # a tuple of floats).
+    rope_scaling: tuple[tuple[str, float | str | tuple[float, ...]], ...] | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
     qkv_bias: bool = False
@@ -257,6 +296,9 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
+    qk_norm: str | None = None  # one of QK_NORMS
+    norm_placement: str | None = None  # one of NORM_PLACEMENTS; None: the architecture's own
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
         owner = "ModelConfig"
@@ -278,14 +320,28 @@ class ModelConfig:
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig.num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
-        if not isinstance(self.architecture, str):
-            raise TypeError(f"{owner}.architecture must be a string, got {_describe(self.architecture)}")
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"{owner}.architecture {self.architecture!r} is not supported "
-                             f"(supported: {', '.join(ARCHITECTURES)})")
+        _choice_field(owner, "architecture", self.architecture, ARCHITECTURES, optional=False)
         fix("sliding_windows", _sliding_windows_field(self.sliding_windows, self.num_layers))
-        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                     "rope_local_theta"):
             fix(name, _optional_positive_float(owner, name, getattr(self, name)))
+        fix("qk_norm", _choice_field(owner, "qk_norm", self.qk_norm, QK_NORMS))
+        fix("norm_placement", _choice_field(owner, "norm_placement", self.norm_placement, NORM_PLACEMENTS))
+        self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        """What `_rope_scaling_field` cannot check alone: LongRoPE's factors against head_dim and its context."""
+        rs = dict(self.rope_scaling or ())
+        if rs.get("rope_type", rs.get("type")) != "longrope":
+            return
+        _float_field("ModelConfig.rope_scaling", "attention_factor", rs["attention_factor"], positive=True)
+        if len(rs["short_factor"]) != self.head_dim // 2:
+            raise ValueError(f"ModelConfig.rope_scaling.short_factor must have head_dim // 2 = {self.head_dim // 2} "
+                             f"entries, got {len(rs['short_factor'])}")
+        if self.max_position_embeddings > rs["original_max_position_embeddings"]:
+            raise ValueError(f"ModelConfig.rope_scaling: longrope's long factors are not implemented, so "
+                             f"max_position_embeddings ({self.max_position_embeddings}) must not exceed "
+                             f"original_max_position_embeddings ({rs['original_max_position_embeddings']:g})")
 
     @property
     def kv_window(self) -> int | None:
@@ -302,6 +358,11 @@ class ModelConfig:
                          hidden_size=self.hidden_size)
 
     @property
+    def block_norms(self) -> str:
+        """`norm_placement`, or the architecture's own when None (one of `NORM_PLACEMENTS`)."""
+        return self.norm_placement or _ARCHITECTURE_NORMS[self.architecture]
+
+    @property
     def attention_scale(self) -> float | None:
         """The attention score scale when it is not head_dim ** -0.5 (`query_pre_attn_scalar`), else None."""
         return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
@@ -312,7 +373,8 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
-        d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        d["rope_scaling"] = ({k: list(v) if isinstance(v, tuple) else v for k, v in self.rope_scaling}
+                             if self.rope_scaling else None)
         d["sliding_windows"] = None if self.sliding_windows is None else list(self.sliding_windows)
         return d
 

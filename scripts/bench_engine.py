@@ -26,14 +26,13 @@ from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from pagedjax.config import dtype_bytes, kv_cache_bytes
-from pagedjax.model.llama import Llama, apply_rope, init_model, rope_inv_freq
+from pagedjax.model.llama import Llama, init_model
 
 
 # ------------------------------------------------------------------------------------- contiguous baseline
 def _contiguous_forward(model: Llama, tokens, positions, k_cache, v_cache, valid_len):
     """tokens `[B, S]` at `positions [S]` (same for every row); caches `[L, B, Hkv, T, D]`."""
     cfg = model.config
-    inv_freq = rope_inv_freq(cfg)
     x = model.embed_tokens(tokens)
     b, s, _ = x.shape
     g = cfg.num_q_heads // cfg.num_kv_heads
@@ -44,7 +43,7 @@ def _contiguous_forward(model: Llama, tokens, positions, k_cache, v_cache, valid
         q = attn.q_proj(h).reshape(b, s, cfg.num_q_heads, cfg.head_dim)
         k = attn.k_proj(h).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
         v = attn.v_proj(h).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
-        q, k = apply_rope(q, positions[None, :], inv_freq), apply_rope(k, positions[None, :], inv_freq)
+        q, k = attn.rope(q, positions[None, :]), attn.rope(k, positions[None, :])
         start = positions[0]
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3)[None].astype(k_cache.dtype),
                                                (i, 0, 0, start, 0))

@@ -2,24 +2,32 @@
 
     cfg = load_hf_config("path/to/folder")                       # or pagedjax.model.hf_loader.load_hf_config
 
-Supported `model_type`s: llama, mistral, qwen2 (`ModelConfig.architecture` "llama") and gemma2 ("gemma2":
-soft-capped attention and final logits, `query_pre_attn_scalar`, GeGLU, sandwich norms, scaled embeddings).
-Sliding windows map to `ModelConfig.sliding_windows`, one entry per layer, as transformers applies them:
-Mistral's `sliding_window` on every layer; Qwen2's with `use_sliding_window` on the layers `layer_types` marks
-"sliding_attention" (else those from `max_window_layers` on); Gemma 2's on the layers `layer_types` marks (else
-the even ones: 0, 2, ...).
+Supported `model_type`s (`SUPPORTED_MODEL_TYPES`), each as a few `ModelConfig` fields (`_FAMILIES`):
+llama, mistral, qwen2, phi3 (`architecture` "llama"; Phi-3's fused qkv_proj / gate_up_proj are split by the
+weight loader), qwen3 (`qk_norm` "head"), olmo2 (`qk_norm` "full", `norm_placement` "post"), gemma2 and
+gemma3_text ("gemma2": soft-capped attention and final logits, `query_pre_attn_scalar`, GeGLU, sandwich norms,
+scaled embeddings; Gemma 3 adds `qk_norm` "head" and `rope_local_theta` for its local layers).
+Sliding windows map to `ModelConfig.sliding_windows`, one entry per layer, as transformers applies them (the
+query at p sees keys in (p - W, p] in transformers' masks as in pagedjax, so W is taken as is): Mistral's and
+Phi-3's `sliding_window` on every layer; Qwen2's and Qwen3's with `use_sliding_window` on the layers `layer_types`
+marks "sliding_attention" (else those from `max_window_layers` on); Gemma's on the layers `layer_types` marks
+(else every layer but each `sliding_window_pattern`-th: Gemma 2 alternates, Gemma 3 defaults to 6).
 
-Anything pagedjax cannot compute exactly (unknown `model_type`, `hidden_act` other than silu (Gemma 2:
-`hidden_activation` other than gelu_pytorch_tanh), `mlp_bias`, `attention_bias` for Llama and Gemma 2 (it also
-biases o_proj), rope scaling other than `pagedjax.config.ROPE_TYPES`, partial rotary, quantized weights,
-bidirectional attention, ...) and any field of the wrong type (`"hidden_size": "256"`, `2.0`) or invalid JSON
-raises a `ModelLoadError` (a ValueError) naming the file and field: never silently wrong output.
+Anything pagedjax cannot compute exactly (unknown `model_type`, `hidden_act` other than silu (Gemma:
+`hidden_activation` other than gelu_pytorch_tanh), `mlp_bias`, `attention_bias` where it also biases o_proj,
+rope scaling other than `pagedjax.config.ROPE_TYPES`, partial rotary, quantized weights, bidirectional attention,
+Gemma 3's `attn_logit_softcapping` (which transformers does not apply), ...) and any field of the wrong type
+(`"hidden_size": "256"`, `2.0`) or invalid JSON raises a `ModelLoadError` (a ValueError) naming the file and
+field: never silently wrong output. Phi-3's LongRoPE ("longrope", "su") is computed exactly within
+`original_max_position_embeddings`, to which the context is capped (with a warning): its long factors are not
+implemented.
 
 The weights are read by `pagedjax.model.hf_loader`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
@@ -28,7 +36,22 @@ from typing import Any
 from pagedjax.config import ROPE_SCALING_PARAMS, ROPE_TYPES, ModelConfig, is_int
 from pagedjax.model.errors import ModelLoadError, read_json
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
+logger = logging.getLogger(__name__)
+
+# model_type -> the ModelConfig fields its family fixes (everything else comes from config.json).
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {}, "mistral": {}, "phi3": {},
+    "qwen2": {"qkv_bias": True},  # Qwen2 always biases q/k/v (and never o_proj)
+    "qwen3": {"qk_norm": "head"},
+    "olmo2": {"qk_norm": "full", "norm_placement": "post"},
+    "gemma2": {"architecture": "gemma2"},
+    "gemma3_text": {"architecture": "gemma2", "qk_norm": "head"},
+}
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+_GEMMA = ("gemma2", "gemma3_text")
+# Families whose `attention_bias` biases o_proj too, which pagedjax's attention does not have. (Qwen2 biases q/k/v
+# whatever it says; Mistral and Phi-3 have no such field in transformers, which ignores it.)
+_O_PROJ_BIAS = ("llama", "qwen3", "olmo2", "gemma2", "gemma3_text")
 _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # Hugging Face's per-architecture defaults for fields a config.json may leave out.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -38,11 +61,21 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                 "tie_word_embeddings": False, "sliding_window": 4096},
     "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
               "tie_word_embeddings": False, "max_window_layers": 28, "sliding_window": 4096},
+    "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "tie_word_embeddings": False, "head_dim": 128, "max_window_layers": 28, "sliding_window": 4096},
+    "phi3": {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+             "rope_theta": 10000.0, "tie_word_embeddings": False, "sliding_window": None},
+    "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": False},
     "gemma2": {"max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                "tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256.0,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4096},
+    "gemma3_text": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+                    "rope_local_base_freq": 10000.0, "tie_word_embeddings": True, "head_dim": 256,
+                    "query_pre_attn_scalar": 256.0, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                    "sliding_window": 4096, "sliding_window_pattern": 6},
 }
-_GEMMA2_ACTIVATION = "gelu_pytorch_tanh"
+_GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 
 
 def _id_list(value: Any, key: str) -> tuple[int, ...]:
@@ -100,21 +133,24 @@ def _flag(hf: dict, key: str, default: bool) -> bool:
     return value
 
 
-def _rope(hf: dict, model_type: str) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
-    """(rope_theta, ModelConfig.rope_scaling) from `rope_theta`/`rope_scaling` (transformers 4) or
-    `rope_parameters` (transformers 5)."""
-    params = hf.get("rope_parameters")
-    field = "rope_parameters"
+def _rope_source(hf: dict) -> tuple[dict, str]:
+    """(the rope parameters, the field they are in): `rope_parameters` (transformers 5) or `rope_scaling` (4)."""
+    params, field = hf.get("rope_parameters"), "rope_parameters"
     if params is None:
         params, field = hf.get("rope_scaling"), "rope_scaling"
     if params is not None and not isinstance(params, dict):
         raise ValueError(f"field {field!r}: expected an object or null, got {params!r}")
-    params = dict(params or {})
-    if isinstance(params.get("full_attention"), dict):  # per-layer-type rope parameters
-        raise ValueError(f"field {field!r}: per-layer-type rope parameters are not supported")
+    return dict(params or {}), field
+
+
+def _rope(hf: dict, model_type: str, params: dict, field: str, top_theta: float, head_dim: int,
+          max_pos: int) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """(rope_theta, ModelConfig.rope_scaling) of one set of rope parameters (`params`, from `field`);
+    `top_theta`: the base when they have none (config.json's top-level one, or the family's default)."""
+    if any(isinstance(params.get(t), dict) for t in ("full_attention", "sliding_attention")):
+        raise ValueError(f"field {field!r}: per-layer-type rope parameters are not supported for {model_type}")
     # transformers 5 keeps rope_theta (and partial_rotary_factor) inside rope_parameters, 4 at the top level.
-    theta = _number(params if params.get("rope_theta") is not None else hf, "rope_theta",
-                    _DEFAULTS[model_type]["rope_theta"])
+    theta = _number(params, "rope_theta", top_theta)
     partial = _number(params if params.get("partial_rotary_factor") is not None else hf, "partial_rotary_factor",
                       1.0)
     if partial != 1.0:
@@ -122,11 +158,17 @@ def _rope(hf: dict, model_type: str) -> tuple[float, tuple[tuple[str, Any], ...]
     kind = params.get("rope_type", params.get("type", "default"))
     if not isinstance(kind, str):
         raise ValueError(f"field {field!r}: expected a string rope type, got {kind!r}")
+    if model_type == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"  # transformers' Phi-3 reads both older names as LongRoPE
     if kind == "default":
         return theta, None
     if kind not in ROPE_SCALING_PARAMS:
         raise ValueError(f"field {field!r}: rope type {kind!r} is not supported "
                          f"(supported: {', '.join(ROPE_TYPES)})")
+    if kind == "longrope":
+        if model_type != "phi3":
+            raise ValueError(f"field {field!r}: rope type 'longrope' is supported for phi3 only")
+        return theta, _longrope(hf, params, field, head_dim, max_pos)
     scaling: dict[str, Any] = {"rope_type": kind}
     for key in ROPE_SCALING_PARAMS[kind]:
         if params.get(key) is None:
@@ -140,6 +182,55 @@ def _rope(hf: dict, model_type: str) -> tuple[float, tuple[tuple[str, Any], ...]
     if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ValueError(f"field {field!r}: high_freq_factor must exceed low_freq_factor")
     return theta, tuple(sorted(scaling.items()))
+
+
+def _longrope(hf: dict, params: dict, field: str, head_dim: int, max_pos: int) -> tuple[tuple[str, Any], ...]:
+    """Phi-3's LongRoPE as transformers computes it for sequences within the original context: the short
+    factors, and the attention factor (given, or from the context extension max_position_embeddings / original)."""
+    # Phi3Config always has a top-level original_max_position_embeddings (default 4096), and transformers gives
+    # it priority over the one inside the rope parameters.
+    original = _positive_int(hf, "original_max_position_embeddings",
+                             _DEFAULTS["phi3"]["original_max_position_embeddings"])
+    short = params.get("short_factor")
+    if not isinstance(short, list) or len(short) != head_dim // 2 or not all(
+            is_int(x) or isinstance(x, float) for x in short):
+        raise ValueError(f"field {field!r}: longrope needs 'short_factor', a list of head_dim // 2 = {head_dim // 2} "
+                         f"numbers, got {short!r}")
+    factor = _number(params, "factor", max_pos / original)
+    default_attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    attention = _number(params, "attention_factor", default_attention)
+    return (("attention_factor", attention), ("original_max_position_embeddings", float(original)),
+            ("rope_type", "longrope"), ("short_factor", tuple(float(x) for x in short)))
+
+
+def _rope_fields(hf: dict, model_type: str, head_dim: int, max_pos: int) -> dict[str, Any]:
+    """ModelConfig's rope_theta, rope_scaling, max_position_embeddings (capped to LongRoPE's original context)
+    and (Gemma 3) rope_local_theta."""
+    params, field = _rope_source(hf)
+    top_theta = _number(hf, "rope_theta", _DEFAULTS[model_type]["rope_theta"])
+    if model_type != "gemma3_text":
+        theta, scaling = _rope(hf, model_type, params, field, top_theta, head_dim, max_pos)
+        original = dict(scaling or ()).get("original_max_position_embeddings")
+        if dict(scaling or ()).get("rope_type") == "longrope" and max_pos > original:
+            logger.warning("%s: serving at most original_max_position_embeddings = %d positions, not %d: beyond "
+                           "them LongRoPE switches to its long factors, which pagedjax does not implement",
+                           model_type, original, max_pos)
+            max_pos = int(original)
+        return dict(rope_theta=theta, rope_scaling=scaling, max_position_embeddings=max_pos)
+    # Gemma 3: the global layers rotate by rope_theta with rope_scaling, the local ones by their own base. In
+    # transformers 5 each layer type has its parameters; in 4, rope_local_base_freq is the local base.
+    local_theta = _number(hf, "rope_local_base_freq", _DEFAULTS[model_type]["rope_local_base_freq"])
+    if field == "rope_parameters" and any(isinstance(params.get(t), dict)
+                                          for t in ("full_attention", "sliding_attention")):
+        glob, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        theta, scaling = _rope(hf, model_type, glob, f"{field}.full_attention", top_theta, head_dim, max_pos)
+        local_theta, local_scaling = _rope(hf, model_type, local, f"{field}.sliding_attention", local_theta,
+                                           head_dim, max_pos)
+        if local_scaling is not None:
+            raise ValueError(f"field '{field}.sliding_attention': rope scaling on the local layers is not supported")
+    else:
+        theta, scaling = _rope(hf, model_type, params, field, top_theta, head_dim, max_pos)
+    return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta, max_position_embeddings=max_pos)
 
 
 def _defaulted(hf: dict, key: str, model_type: str) -> Any:
@@ -174,31 +265,35 @@ def _layer_types(hf: dict, num_layers: int) -> list[str] | None:
 
 def _sliding_windows(hf: dict, model_type: str, num_layers: int) -> tuple[int | None, ...] | None:
     """Each layer's attention window (None: global), as transformers applies them; None if no layer has one."""
-    if model_type == "llama":
+    if model_type in ("llama", "olmo2"):
         return None
-    if model_type == "qwen2" and not _flag(hf, "use_sliding_window", False):
-        return None  # transformers drops Qwen2's window unless use_sliding_window is set
+    if model_type in ("qwen2", "qwen3") and not _flag(hf, "use_sliding_window", False):
+        return None  # transformers drops Qwen's window unless use_sliding_window is set
     window = _defaulted(hf, "sliding_window", model_type)
     if window is None:
+        if model_type == "gemma3_text":
+            # Its local layers would still rotate by their own base: not a plain window-less model.
+            raise ValueError("field 'sliding_window': null is not supported for gemma3_text")
         return None
     if not is_int(window) or window < 1:
         raise ValueError(f"field 'sliding_window': expected a positive int or null, got {window!r}")
     layer_types = _layer_types(hf, num_layers)
-    if model_type == "mistral":
-        # transformers' Mistral windows every layer whatever layer_types says; a checkpoint that says otherwise
+    if model_type in ("mistral", "phi3"):
+        # transformers windows every layer of these whatever layer_types says; a checkpoint that says otherwise
         # was probably written for another architecture, so refuse rather than guess.
         if layer_types is not None and "full_attention" in layer_types:
-            raise ValueError("field 'layer_types': Mistral windows every layer (transformers ignores "
+            raise ValueError(f"field 'layer_types': {model_type} windows every layer (transformers ignores "
                              "'full_attention' entries here); load this checkpoint as its own architecture")
         return (window,) * num_layers
     if layer_types is None:
-        if model_type == "qwen2":
+        if model_type in ("qwen2", "qwen3"):
             cut = _defaulted(hf, "max_window_layers", model_type)
             if not is_int(cut) or cut < 0:
                 raise ValueError(f"field 'max_window_layers': expected an int >= 0, got {cut!r}")
             layer_types = ["sliding_attention" if i >= cut else "full_attention" for i in range(num_layers)]
-        else:  # gemma2: local and global layers alternate, starting with a local one
-            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        else:  # Gemma: every pattern-th layer is global, the others local (Gemma 2 alternates)
+            pattern = _positive_int(hf, "sliding_window_pattern", 6) if model_type == "gemma3_text" else 2
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
     return None if all(w is None for w in windows) else windows
 
@@ -233,36 +328,11 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
     """`load_hf_config` on parsed JSON; ValueErrors name the field (the caller adds the file)."""
     model_type = hf.get("model_type")
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
+        hint = "; of Gemma 3 only the text model (gemma3_text) loads" if model_type == "gemma3" else ""
         raise ValueError(f"field 'model_type' = {model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}")
     defaults = _DEFAULTS[model_type]
-
-    if model_type == "gemma2":
-        # transformers' Gemma 2 reads hidden_activation (older configs also carry a hidden_act it ignores).
-        act = hf.get("hidden_activation") or _GEMMA2_ACTIVATION
-        if act != _GEMMA2_ACTIVATION:
-            raise ValueError(f"field 'hidden_activation' = {act!r} is not supported for gemma2 "
-                             f"(only {_GEMMA2_ACTIVATION})")
-        if _flag(hf, "use_bidirectional_attention", False):
-            raise ValueError("field 'use_bidirectional_attention' = true is not supported (attention is causal)")
-    else:
-        act = hf.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"field 'hidden_act' = {act!r} is not supported (only silu)")
-    if _flag(hf, "mlp_bias", False):
-        raise ValueError("field 'mlp_bias' = true is not supported (MLP projections have no bias)")
-    if hf.get("quantization_config") is not None:
-        raise ValueError("field 'quantization_config': quantized checkpoints are not supported")
-    if model_type == "qwen2":
-        qkv_bias = True  # Qwen2 always biases q/k/v (and never o_proj)
-    elif model_type in ("llama", "gemma2"):
-        if _flag(hf, "attention_bias", False):
-            # HF's Llama and Gemma 2 put the bias on o_proj too, which pagedjax's attention does not have.
-            raise ValueError(f"field 'attention_bias' = true is not supported for {model_type} "
-                             "(it also biases o_proj)")
-        qkv_bias = False
-    else:
-        qkv_bias = False
+    _check_unsupported(hf, model_type)
 
     hidden = _positive_int(hf, "hidden_size")
     num_heads = _positive_int(hf, "num_attention_heads")
@@ -277,13 +347,11 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
         raise ValueError(f"field 'head_dim' = {head_dim}: RoPE needs an even head dim")
     if num_heads % num_kv:
         raise ValueError(f"'num_attention_heads' ({num_heads}) is not a multiple of 'num_key_value_heads' ({num_kv})")
-    rope_theta, rope_scaling = _rope(hf, model_type)
-
     max_pos = _positive_int(hf, "max_position_embeddings", defaults["max_position_embeddings"])
+    rope = _rope_fields(hf, model_type, head_dim, max_pos)  # with max_position_embeddings (LongRoPE caps it)
     sliding_windows = _sliding_windows(hf, model_type, num_layers)
-    if model_type == "gemma2":
-        gemma = dict(architecture="gemma2",
-                     attn_logit_softcapping=_optional_positive_number(hf, "attn_logit_softcapping", model_type),
+    if model_type in _GEMMA:
+        gemma = dict(attn_logit_softcapping=_optional_positive_number(hf, "attn_logit_softcapping", model_type),
                      final_logit_softcapping=_optional_positive_number(hf, "final_logit_softcapping", model_type),
                      query_pre_attn_scalar=_optional_positive_number(hf, "query_pre_attn_scalar", model_type))
         if gemma["query_pre_attn_scalar"] is None:
@@ -310,15 +378,41 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
         num_kv_heads=num_kv,
         head_dim=head_dim,
         intermediate_size=_positive_int(hf, "intermediate_size"),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
         rms_norm_eps=_number(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
         tie_word_embeddings=_flag(hf, "tie_word_embeddings", defaults["tie_word_embeddings"]),
-        qkv_bias=qkv_bias,
-        max_position_embeddings=max_pos,
         dtype=dtype,
         bos_token_id=bos,
         eos_token_ids=tuple(dict.fromkeys(eos)),
         sliding_windows=sliding_windows,
+        **rope,
         **gemma,
+        **_FAMILIES[model_type],
     )
+
+
+def _check_unsupported(hf: dict, model_type: str) -> None:
+    """ValueError naming the first field whose value pagedjax cannot compute exactly for this family."""
+    if model_type in _GEMMA:
+        # transformers' Gemma reads hidden_activation (older configs also carry a hidden_act it ignores).
+        act = hf.get("hidden_activation") or _GEMMA_ACTIVATION
+        if act != _GEMMA_ACTIVATION:
+            raise ValueError(f"field 'hidden_activation' = {act!r} is not supported for {model_type} "
+                             f"(only {_GEMMA_ACTIVATION})")
+        if _flag(hf, "use_bidirectional_attention", False):
+            raise ValueError("field 'use_bidirectional_attention' = true is not supported (attention is causal)")
+    else:
+        act = hf.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"field 'hidden_act' = {act!r} is not supported (only silu)")
+    if model_type == "gemma3_text" and hf.get("attn_logit_softcapping") is not None:
+        # transformers' Gemma 3 never applies it: computing it would disagree with transformers, ignoring it
+        # with the checkpoint's intent.
+        raise ValueError(f"field 'attn_logit_softcapping' = {hf['attn_logit_softcapping']!r} is not supported for "
+                         "gemma3_text (transformers does not apply it)")
+    if _flag(hf, "mlp_bias", False):
+        raise ValueError("field 'mlp_bias' = true is not supported (MLP projections have no bias)")
+    if hf.get("quantization_config") is not None:
+        raise ValueError("field 'quantization_config': quantized checkpoints are not supported")
+    if model_type in _O_PROJ_BIAS and _flag(hf, "attention_bias", False):
+        raise ValueError(f"field 'attention_bias' = true is not supported for {model_type} "
+                         "(it also biases o_proj)")

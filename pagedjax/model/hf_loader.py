@@ -1,4 +1,5 @@
-"""Load a local Hugging Face model folder (Llama / Mistral / Qwen2 / Gemma 2) into pagedjax.
+"""Load a local Hugging Face model folder (Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / OLMo 2 / Gemma 2 / Gemma 3
+text) into pagedjax.
 
     cfg, params, tokenizer = load_hf("path/to/folder")           # config.json, *.safetensors, tokenizer.json
     engine = LLMEngine(cfg, CacheConfig(...), SchedulerConfig(...), params=params, tokenizer=tokenizer)
@@ -14,8 +15,10 @@
   a truncated or corrupted file is an error naming the file.
 
 Parameter names of `pagedjax.model.llama.Llama` mirror `LlamaForCausalLM` (minus the `model.` prefix; with
-Gemma 2's extra norms, `Gemma2ForCausalLM`), so the name mapping is mechanical; RoPE uses the same rotate-half
-convention, so q/k need no permutation, and Gemma's norm weights are stored as offsets from 1 on both sides.
+the other families' norms, e.g. `Gemma2ForCausalLM`'s, under their names), so the name mapping is mechanical;
+RoPE uses the same rotate-half convention, so q/k need no permutation, and Gemma's norm weights are stored as
+offsets from 1 on both sides. Fused projections (Phi-3's `qkv_proj` and `gate_up_proj`, `_FUSED`) are split
+along their output rows into the separate ones the model keeps.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 # Non-parameter tensors that some checkpoints carry and that pagedjax recomputes.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Fused Hugging Face projections -> the model's separate ones, stacked in this order along the output rows.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def _hf_name(path: tuple) -> tuple[str, bool]:
@@ -57,6 +62,15 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
         raise ValueError(f"no Hugging Face name for model parameter {'.'.join(mods + [leaf])}")
     prefix = "" if mods[0] == "lm_head" else "model."
     return prefix + ".".join(mods + [name]), transpose
+
+
+def _unfused(name: str, targets: dict) -> list[str] | None:
+    """The model parameters a fused checkpoint tensor holds (`_FUSED`: "...self_attn.qkv_proj.weight" ->
+    q_proj, k_proj, v_proj), in row order; None if `name` is not one whose parts the model has."""
+    module_path, _, leaf = name.rpartition(".")
+    prefix, _, module = module_path.rpartition(".")
+    parts = [f"{prefix}.{p}.{leaf}" for p in _FUSED.get(module, ())]
+    return parts if parts and all(p in targets for p in parts) else None
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
@@ -156,29 +170,38 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
         if where is not None:
             place[name] = where(tuple(p))
 
-    # Pass 1: headers only. Check names and shapes; decide which file each tensor comes from.
-    plan: dict[Path, list[str]] = {f: [] for f in files}
+    # Pass 1: headers only. Check names and shapes; decide which file each tensor comes from, and into which
+    # model parameters it goes: (target, first row, last row) with rows None for a whole tensor.
+    plan: dict[Path, list[tuple[str, list[tuple[str, int | None, int | None]]]]] = {f: [] for f in files}
     seen: dict[str, Path] = {}
     unexpected, misshaped, skipped = [], [], []
     for file, name, shape, st_dtype in _headers(files):
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             skipped.append(name)  # tied: the embedding is the head, as in transformers
             continue
-        if name not in targets:
+        parts = [name] if name in targets else _unfused(name, targets)
+        if parts is None:
             unexpected.append(name)
             continue
-        if name in seen:
-            raise ModelLoadError(file, f"tensor {name!r} also appears in {seen[name].name}")
-        var, transpose = targets[name]
-        want = tuple(var.get_value().shape)
-        want = want[::-1] if transpose else want
+        fused = parts != [name]
+        pieces, row = [], 0
+        for part in parts:
+            if part in seen:
+                raise ModelLoadError(file, f"tensor {part!r} also appears in {seen[part].name}"
+                                           + (f" (in {name!r} here)" if fused else ""))
+            var, transpose = targets[part]
+            part_shape = tuple(var.get_value().shape)
+            part_shape = part_shape[::-1] if transpose else part_shape  # HF's [out, in]: fused parts stack rows
+            pieces.append((part, row, row + part_shape[0]) if fused else (part, None, None))
+            row += part_shape[0]
+            seen[part] = file
+        want = (row, *part_shape[1:])  # a whole tensor's shape too: its only part's
         if shape != want:
             misshaped.append(f"{name}: checkpoint {list(shape)}, model expects {list(want)}")
         if st_dtype not in _ST_DTYPES:
             raise ModelLoadError(file, f"tensor {name!r}: dtype {st_dtype} is not supported "
                                        f"(supported: {', '.join(_ST_DTYPES)})")
-        seen[name] = file
-        plan[file].append(name)
+        plan[file].append((name, pieces))
     missing = sorted(set(targets) - set(seen))
     problems = []
     if missing:
@@ -195,26 +218,29 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
     # Pass 2: data, one tensor at a time.
     target_dtype = jnp.dtype(cfg.dtype)
     num_bytes = 0
-    for file, names in plan.items():
-        if not names:
+    for file, tensors in plan.items():
+        if not tensors:
             continue
         with safe_open(str(file), framework="numpy") as f:
-            for name in names:
-                var, transpose = targets[name]
+            for name, pieces in tensors:
                 try:
-                    array = _read_tensor(f, file, name)
+                    whole = _read_tensor(f, file, name)
                 except Exception as e:  # noqa: BLE001 - whatever the reader raised, name the file and tensor
                     raise ModelLoadError(file, f"cannot read tensor {name!r} (truncated or corrupted?): {e}") from e
-                num_bytes += array.nbytes
-                if transpose:
-                    array = array.T
-                array = np.ascontiguousarray(array, dtype=target_dtype)
-                if name in place:  # each device gets its slice only
-                    value = jax.make_array_from_callback(array.shape, place[name], lambda idx, a=array: a[idx])
-                else:
-                    value = jax.device_put(array)
-                del array
-                var.set_value(value)
+                num_bytes += whole.nbytes
+                for part, first, last in pieces:
+                    var, transpose = targets[part]
+                    array = whole if first is None else whole[first:last]
+                    if transpose:
+                        array = array.T
+                    array = np.ascontiguousarray(array, dtype=target_dtype)
+                    if part in place:  # each device gets its slice only
+                        value = jax.make_array_from_callback(array.shape, place[part], lambda idx, a=array: a[idx])
+                    else:
+                        value = jax.device_put(array)
+                    del array
+                    var.set_value(value)
+                del whole
 
     elapsed = time.perf_counter() - start
     msg = (f"loaded {len(seen)} tensors ({num_bytes / 2**20:.1f} MiB) from {len(files)} safetensors file(s) "

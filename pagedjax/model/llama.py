@@ -1,14 +1,17 @@
-"""A Llama-family decoder in Flax NNX (Llama 2/3, Mistral, Qwen2 shapes): RMSNorm, RoPE, SwiGLU, GQA/MQA/MHA;
-and its Gemma 2 variant (`ModelConfig.architecture == "gemma2"`): (1 + w) RMSNorm, GeGLU, sandwich norms, scaled
-embeddings. Either may use per-layer sliding windows and soft-capped attention and output logits.
+"""A Llama-family decoder in Flax NNX (Llama 2/3, Mistral, Qwen2/3, Phi-3, OLMo 2 shapes): RMSNorm, RoPE,
+SwiGLU, GQA/MQA/MHA; and its Gemma variant (`ModelConfig.architecture == "gemma2"`, Gemma 2 and 3): (1 + w)
+RMSNorm, GeGLU, sandwich norms, scaled embeddings. Orthogonal options (`ModelConfig`): per-layer sliding windows,
+soft-capped attention and output logits, q/k norms (per head or over the whole projection), where the block
+normalizes (before, around or after each sub-block), a separate RoPE base for windowed layers.
 
 Two forwards share the same weights:
   `__call__`      the serving path: a ragged batch of tokens `[num_tokens]`, new K/V written into the paged
                   cache by slot mapping, attention through the paged kernels.
   `forward_dense` the ground truth: whole sequences `[batch, seq]`, causal attention, no cache at all.
 
-Conventions follow Hugging Face's Llama so that its checkpoints load without permuting weights: RoPE rotates
-halves (`rotate_half`), linear kernels are stored `[in, out]` (HF's weights transposed).
+Conventions follow Hugging Face's so that its checkpoints load by name without permuting weights: RoPE rotates
+halves (`pagedjax.model.rope`), linear kernels are stored `[in, out]` (HF's weights transposed), q/k/v and
+gate/up are separate projections (fused checkpoints are split by the loader).
 """
 
 from __future__ import annotations
@@ -23,44 +26,8 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig, ModelSpec
 from pagedjax.model.api import PagedAttention, PagedKVCache
+from pagedjax.model.rope import layer_rope
 from pagedjax.parallel.sharding import param_spec
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """RoPE inverse frequencies `[head_dim // 2]` (float32), with "linear" or "llama3" scaling if configured."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    if not cfg.rope_scaling:
-        return inv_freq.astype(np.float32)
-    rs = dict(cfg.rope_scaling)
-    kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind == "default":
-        pass
-    elif kind == "linear":
-        inv_freq = inv_freq / float(rs["factor"])
-    elif kind == "llama3":
-        factor = float(rs["factor"])
-        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
-        old_len = float(rs["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        inv_freq = np.where(medium, smoothed, scaled)
-    else:
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
-    return inv_freq.astype(np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate `x [..., heads, head_dim]` by `positions [...]` (rotate-half convention)."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., 1, D]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
 
 
 def _apply(fn, x: jax.Array) -> jax.Array:
@@ -111,6 +78,11 @@ def _linear(n_in: int, n_out: int, bias: bool, dtype, rngs: nnx.Rngs) -> Linear:
     return Linear(n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype, preferred_element_type=acc, rngs=rngs)
 
 
+def _norm_factory(cfg: ModelConfig, dtype):
+    """dim -> an RMSNorm of the architecture's kind (Gemma's (1 + w) for "gemma2")."""
+    return functools.partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=dtype, offset=cfg.architecture == "gemma2")
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int, dtype, rngs: nnx.Rngs):
         h, d = cfg.hidden_size, cfg.head_dim
@@ -119,7 +91,14 @@ class Attention(nnx.Module):
         self.v_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
         self.o_proj = _linear(cfg.num_q_heads * d, h, False, dtype, rngs)
         self.num_q_heads, self.num_kv_heads, self.head_dim = cfg.num_q_heads, cfg.num_kv_heads, d
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm is not None:
+            norm = _norm_factory(cfg, dtype)
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = norm(d if per_head else cfg.num_q_heads * d)
+            self.k_norm = norm(d if per_head else cfg.num_kv_heads * d)
         # Static per-layer variants (None = unused: the kernels then compile their plain path).
+        self.rope = layer_rope(cfg, layer_index)
         self.sliding_window = None if cfg.sliding_windows is None else cfg.sliding_windows[layer_index]
         self.logits_soft_cap = cfg.attn_logit_softcapping
         self.scale = cfg.attention_scale
@@ -127,26 +106,31 @@ class Attention(nnx.Module):
                                     head_dim=d, scale=self.scale, sliding_window=self.sliding_window,
                                     logits_soft_cap=self.logits_soft_cap)
 
-    def _qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray):
+    def _qkv(self, x: jax.Array, positions: jax.Array):
         lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(*lead, self.num_q_heads, self.head_dim)
-        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(*lead, self.num_q_heads, self.head_dim)
+        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rope(q, positions), self.rope(k, positions), v
 
-    def __call__(self, x, positions, cache: PagedKVCache, inv_freq) -> tuple[jax.Array, PagedKVCache]:
-        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's K/V written): the projections, RoPE,
-        one paged attention call (`pagedjax.model.api.PagedAttention`), the output projection."""
-        q, k, v = self._qkv(x, positions, inv_freq)
+    def __call__(self, x, positions, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's K/V written): the projections, q/k
+        norms, RoPE, one paged attention call (`pagedjax.model.api.PagedAttention`), the output projection."""
+        q, k, v = self._qkv(x, positions)
         o, cache = self.paged(q, k, v, cache)
         return self.o_proj(o.reshape(x.shape[0], -1)), cache
 
-    def dense(self, x: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    def dense(self, x: jax.Array) -> jax.Array:
         """Causal attention over whole sequences (within the layer's window, soft-capped if configured), no
         cache. x `[B, S, hidden]` -> `[B, S, hidden]`."""
         b, s, _ = x.shape
         positions = jnp.broadcast_to(jnp.arange(s), (b, s))
-        q, k, v = self._qkv(x, positions, inv_freq)
+        q, k, v = self._qkv(x, positions)
         g = self.num_q_heads // self.num_kv_heads
         qg = q.reshape(b, s, self.num_kv_heads, g, self.head_dim).astype(jnp.float32)
         scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32))
@@ -163,7 +147,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU (Llama) or, with `gelu`, GeGLU with the tanh approximation of gelu (Gemma 2)."""
+    """SwiGLU (Llama) or, with `gelu`, GeGLU with the tanh approximation of gelu (Gemma)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, *, gelu: bool = False):
         self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
@@ -178,44 +162,51 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Llama: x += attn(norm(x)); x += mlp(norm(x)). Gemma 2 also normalizes each sub-block's output
-    ("sandwich" norms): x += norm(attn(norm(x))); x += norm(mlp(norm(x))). The parameter names are Hugging
-    Face's for either (Gemma 2's post_attention_layernorm is the norm after attention, not the one before the
-    MLP)."""
+    """Attention and MLP sub-blocks on the residual stream, normalized as `ModelConfig.block_norms` says; only
+    that placement's norms exist, under Hugging Face's names:
+      "pre"       x += attn(input_layernorm(x)); x += mlp(post_attention_layernorm(x))          (Llama)
+      "sandwich"  x += post_attention_layernorm(attn(input_layernorm(x)));
+                  x += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))            (Gemma 2, 3)
+      "post"      x += post_attention_layernorm(attn(x)); x += post_feedforward_layernorm(mlp(x))  (OLMo 2)
+    """
 
     def __init__(self, cfg: ModelConfig, layer_index: int, dtype, rngs: nnx.Rngs):
-        gemma = cfg.architecture == "gemma2"
-        norm = functools.partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, dtype, offset=gemma)
-        self.input_layernorm = norm()
+        norm = functools.partial(_norm_factory(cfg, dtype), cfg.hidden_size)
+        self.placement = cfg.block_norms
+        if self.placement != "post":
+            self.input_layernorm = norm()
         self.self_attn = Attention(cfg, layer_index, dtype, rngs)
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(cfg, dtype, rngs, gelu=gemma)
-        self.sandwich = gemma
-        if gemma:
+        self.mlp = MLP(cfg, dtype, rngs, gelu=cfg.architecture == "gemma2")
+        if self.placement == "sandwich":
             self.pre_feedforward_layernorm = norm()
+        if self.placement != "pre":
             self.post_feedforward_layernorm = norm()
 
     def __call__(self, x: jax.Array, attend) -> tuple[jax.Array, object]:
-        """One block around `attend`, the paged or dense attention: normalized x -> (attention output, what
-        else it returns: the cache). Returns (x, that)."""
-        h, extra = attend(self.input_layernorm(x))
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(h)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), extra
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), extra
+        """One block around `attend`, the paged or dense attention: its input -> (attention output, what else
+        it returns: the cache). Returns (x, that)."""
+        if self.placement == "pre":
+            h, extra = attend(self.input_layernorm(x))
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x)), extra
+        h, extra = attend(x if self.placement == "post" else self.input_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(x if self.placement == "post" else self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h), extra
 
 
 class Llama(nnx.Module):
-    """Decoder-only transformer. Parameter names mirror Hugging Face's `LlamaForCausalLM` (`Gemma2ForCausalLM`
-    for `architecture="gemma2"`). A model of the public contract (`pagedjax.model.api`)."""
+    """Decoder-only transformer. Parameter names mirror Hugging Face's `LlamaForCausalLM` (and the other
+    families' own: `Gemma2ForCausalLM`'s extra norms, Qwen3's q_norm / k_norm, ...). A model of the public
+    contract (`pagedjax.model.api`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.config = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset=cfg.architecture == "gemma2")
+        self.norm = _norm_factory(cfg, dtype)(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype,
                                                                      rngs)
 
@@ -230,14 +221,13 @@ class Llama(nnx.Module):
     def __call__(self, token_ids: jax.Array, positions: jax.Array,
                  cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
         """Serving forward. token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache)."""
-        inv_freq = rope_inv_freq(self.config)
         x = self.embed(token_ids)
         for layer in self.layers:
-            x, cache = layer(x, lambda h, layer=layer, cache=cache: layer.self_attn(h, positions, cache, inv_freq))
+            x, cache = layer(x, lambda h, layer=layer, cache=cache: layer.self_attn(h, positions, cache))
         return self.norm(x), cache
 
     def embed(self, token_ids: jax.Array) -> jax.Array:
-        """Token embeddings; Gemma 2 scales them by sqrt(hidden_size) rounded to the model's dtype first, as
+        """Token embeddings; Gemma scales them by sqrt(hidden_size) rounded to the model's dtype first, as
         transformers does (in bf16 the factor is then not exactly the square root)."""
         x = self.embed_tokens(token_ids)
         if self.config.architecture == "gemma2":
@@ -256,10 +246,9 @@ class Llama(nnx.Module):
     def forward_dense(self, token_ids: jax.Array) -> jax.Array:
         """Ground truth: token_ids `[B, S]` -> float32 logits `[B, S, vocab]`, causal (within each layer's
         window), no cache."""
-        inv_freq = rope_inv_freq(self.config)
         x = self.embed(token_ids)
         for layer in self.layers:
-            x, _ = layer(x, lambda h, layer=layer: (layer.self_attn.dense(h, inv_freq), None))
+            x, _ = layer(x, lambda h, layer=layer: (layer.self_attn.dense(h), None))
         return self.compute_logits(self.norm(x))
 
 

@@ -1,6 +1,7 @@
 """The paged serving forward equals the dense no-cache forward of the same weights."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,8 @@ from pagedjax.config import ModelConfig
 from pagedjax.device.attention import AttentionMetadata
 from pagedjax.device.kv_cache import KVCache, init_kv_cache
 from pagedjax.model.api import PagedKVCache
-from pagedjax.model.llama import init_model, rope_inv_freq
+from pagedjax.model.llama import init_model
+from pagedjax.model.rope import RoPE, layer_rope
 
 CONFIGS = {
     "gqa": ModelConfig(vocab_size=61, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
@@ -103,11 +105,85 @@ def test_rope_llama3_scaling_changes_only_low_frequencies():
     base = ModelConfig(head_dim=64, rope_theta=500000.0)
     scaled = base.replace(rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
                                         ("original_max_position_embeddings", 8192), ("rope_type", "llama3")))
-    f0, f1 = rope_inv_freq(base), rope_inv_freq(scaled)
+    f0, f1 = layer_rope(base, 0).inv_freq(), layer_rope(scaled, 0).inv_freq()
     assert np.allclose(f0[:8], f1[:8])  # high frequencies untouched
     assert np.allclose(f1[-4:], f0[-4:] / 8.0)  # lowest frequencies divided by the factor
     with pytest.raises(ValueError, match="rope_scaling"):
-        rope_inv_freq(base.replace(rope_scaling=(("rope_type", "yarn"), ("factor", 2.0))))
+        layer_rope(base.replace(rope_scaling=(("rope_type", "yarn"), ("factor", 2.0))), 0)
+
+
+def test_rope_per_layer_and_longrope():
+    """rope_local_theta: windowed layers rotate by it, unscaled; the others keep rope_theta and its scaling.
+    LongRoPE within its context: frequencies divided by the short factors, cos and sin scaled."""
+    linear = (("factor", 2.0), ("rope_type", "linear"))
+    cfg = ModelConfig(num_layers=3, head_dim=8, rope_theta=1e6, rope_scaling=linear, rope_local_theta=100.0,
+                      sliding_windows=(4, None, 4))
+    assert [layer_rope(cfg, i) for i in range(3)] == [RoPE(8, 100.0), RoPE(8, 1e6, linear), RoPE(8, 100.0)]
+    assert layer_rope(cfg.replace(rope_local_theta=None), 0) == RoPE(8, 1e6, linear)
+    np.testing.assert_allclose(layer_rope(cfg, 1).inv_freq(), 1e6 ** (-np.arange(0, 8, 2) / 8) / 2, rtol=1e-6)
+
+    longrope = {"rope_type": "longrope", "short_factor": [1.0, 2.0, 3.0, 4.0], "attention_factor": 1.5,
+                "original_max_position_embeddings": 64}
+    rope = layer_rope(ModelConfig(head_dim=8, max_position_embeddings=64, rope_scaling=longrope), 0)
+    np.testing.assert_allclose(rope.inv_freq(), 1e4 ** (-np.arange(0, 8, 2) / 8) / [1, 2, 3, 4], rtol=1e-6)
+    x = jnp.ones((1, 1, 8), jnp.float32)
+    np.testing.assert_allclose(np.asarray(rope(x, jnp.zeros((1,), jnp.int32))), 1.5 * np.ones((1, 1, 8)))
+
+
+_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 16, "attention_factor": 1.2,
+             "original_max_position_embeddings": 4096}
+
+
+def test_new_fields_round_trip_and_default_to_todays_model():
+    cfg = ModelConfig(architecture="gemma2", qk_norm="head", norm_placement="post", rope_local_theta=1e4,
+                      sliding_windows=(8, None, 8, None), rope_scaling=_LONGROPE)
+    d = json.loads(json.dumps(cfg.to_dict()))  # JSON-ready, as pagedjax checkpoints store it
+    assert ModelConfig.from_dict(d) == cfg and d["rope_scaling"]["short_factor"] == [1.0] * 16
+    assert dict(cfg.rope_scaling)["short_factor"] == (1.0,) * 16  # hashable
+    old = {k: v for k, v in ModelConfig().to_dict().items()
+           if k not in ("qk_norm", "norm_placement", "rope_local_theta")}
+    assert ModelConfig.from_dict(old) == ModelConfig()
+    assert (ModelConfig().block_norms, ModelConfig(architecture="gemma2").block_norms) == ("pre", "sandwich")
+    assert cfg.block_norms == "post"
+
+
+@pytest.mark.parametrize("changes, error, field", [
+    ({"qk_norm": "per_head"}, ValueError, "qk_norm"),
+    ({"qk_norm": 1}, TypeError, "qk_norm"),
+    ({"norm_placement": "middle"}, ValueError, "norm_placement"),
+    ({"norm_placement": True}, TypeError, "norm_placement"),
+    ({"rope_local_theta": 0}, ValueError, "rope_local_theta"),
+    ({"rope_local_theta": "1e4"}, TypeError, "rope_local_theta"),
+    ({"rope_scaling": {**_LONGROPE, "short_factor": [1.0] * 15}}, ValueError, "short_factor"),
+    ({"rope_scaling": {**_LONGROPE, "short_factor": [1.0] * 15 + ["2"]}}, TypeError, r"short_factor\[15\]"),
+    ({"rope_scaling": {**_LONGROPE, "short_factor": 1.0}}, TypeError, "short_factor"),
+    ({"rope_scaling": {**_LONGROPE, "attention_factor": 0.0}}, ValueError, "attention_factor"),
+    ({"rope_scaling": {k: v for k, v in _LONGROPE.items() if k != "attention_factor"}}, ValueError,
+     "attention_factor"),
+    ({"rope_scaling": {**_LONGROPE, "original_max_position_embeddings": 1024}}, ValueError,
+     "original_max_position_embeddings"),
+])
+def test_new_fields_validation_names_the_field(changes, error, field):
+    with pytest.raises(error, match=field):
+        ModelConfig(**changes)
+
+
+@pytest.mark.parametrize("placement, qk_norm, norms, qk_dims", [
+    (None, None, {"input_layernorm", "post_attention_layernorm"}, None),
+    ("sandwich", "head", {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                          "post_feedforward_layernorm"}, (32, 32)),  # per head: head_dim
+    ("post", "full", {"post_attention_layernorm", "post_feedforward_layernorm"}, (8 * 32, 2 * 32)),  # heads * D
+])
+def test_block_parameters_follow_transformers_names(placement, qk_norm, norms, qk_dims):
+    cfg = ModelConfig(num_layers=1, norm_placement=placement, qk_norm=qk_norm)
+    layer = nnx.state(nnx.eval_shape(lambda: init_model(cfg)))["layers"][0]
+    assert set(layer) == norms | {"self_attn", "mlp"}
+    attn = layer["self_attn"]
+    if qk_dims is None:
+        assert "q_norm" not in attn and "k_norm" not in attn
+    else:
+        assert (attn["q_norm"]["weight"].get_value().shape, attn["k_norm"]["weight"].get_value().shape) == (
+            (qk_dims[0],), (qk_dims[1],))
 
 
 @pytest.mark.xla_default  # -O0 code computes the one-row and the batched float32 dot in different orders

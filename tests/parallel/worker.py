@@ -155,6 +155,30 @@ def logits_and_shardings():
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{kind} tp={tp}")
 
 
+@check
+def qk_norms_tensor_parallel():
+    """q/k norms over the whole projection (an OLMo 2-style post-norm block: the norm reduces across the heads
+    tp splits) and per head (a Gemma 3-style block with a window and its own RoPE base), at tp 2 and 4 (4 > 2 KV
+    heads: k/v replicated): one mixed step's logits within float32 1e-5 of the single-device engine's."""
+    variants = {"olmo2": dict(qk_norm="full", norm_placement="post"),
+                "gemma3": dict(architecture="gemma2", qk_norm="head", sliding_windows=(5,), rope_local_theta=100.0)}
+    for name, fields in variants.items():
+        cfg = config("gqa").replace(**fields)
+        state = jax.tree.map(lambda x: x * 3, nnx.split(init_model(cfg, seed=3))[1])
+
+        def run(tp, cfg=cfg, state=state):
+            pc = None if tp is None else ParallelConfig(tensor_parallel_size=tp)
+            return _step_logits(make_engine(cfg, CacheConfig(block_size=8, num_blocks=16),
+                                            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                            max_model_len=MAX_LEN),
+                                            params=state, parallel_config=pc, compile_cache=False))
+
+        want = run(None)
+        for tp in (2, 4):
+            np.testing.assert_allclose(run(tp), want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                       err_msg=f"{name} tp={tp}")
+
+
 def _byom_run(tp, dp=None):
     """The GPT-2-style example model (tests/model/gpt2_example.py) through an engine of `tp` x `dp` devices:
     (engine, greedy tokens of PROMPTS) with prefix hits, preemption and fused decode."""
