@@ -167,7 +167,8 @@ def test_completion_logprobs(offline, client, stream):
     offsets = [x for p in parts for x in p.text_offset]
     tops = [x for p in parts for x in p.top_logprobs]
     expected = offline(ByteTokenizer().encode(PROMPT), max_tokens=6, logprobs=2, ignore_eos=True).outputs[0]
-    assert token_logprobs == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-6)
+    # To float32 rounding: either engine may run a step on a bigger program while its own compiles.
+    assert token_logprobs == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-5)
     # Offsets count characters of the text before each token (they used to add up the token strings' lengths,
     # "bytes:\\xe2" counting 10 for a third of a character).
     raw = ByteTokenizer().decode_bytes
@@ -175,7 +176,7 @@ def test_completion_logprobs(offline, client, stream):
     assert offsets == [len(codecs.getincrementaldecoder("utf-8")("replace").decode(raw(ids[:i]))) for i in range(6)]
     for top, token, lp, exp in zip(tops, tokens, token_logprobs, expected.logprobs, strict=True):
         assert len(top) == 2 and top[token] == pytest.approx(lp, abs=1e-6)  # greedy: the chosen token is the top
-        assert sorted(top.values(), reverse=True) == pytest.approx([v for _, v in exp.top], abs=1e-6)
+        assert sorted(top.values(), reverse=True) == pytest.approx([v for _, v in exp.top], abs=1e-5)
 
 
 def test_chat_logprobs(client):
