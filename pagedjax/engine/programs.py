@@ -4,14 +4,16 @@ without stalling a step that a program already held can run.
 `lookup(shape, prepare)` gives the program a step runs on:
   - its own, when held;
   - else, when a held program dominates the step (`shapes.dominates`) and a run of it takes at most
-    `STAND_IN_BUDGET` of a compile (the median compile time seen), the fastest such: the step runs there now (a
-    *stand-in* step, counted in `stand_in_steps`) while its own program compiles in a background thread, to be
-    used from the first lookup after it finished;
+    `STAND_IN_BUDGET` of a compile (the slowest of the latest 16: the stall a miss may cost, loads from the
+    persistent compilation cache being quicker), the fastest such: the step runs there now (a *stand-in* step,
+    counted in `stand_in_steps`) while its own program compiles in a background thread, to be used from the
+    first lookup after it finished;
   - else its own, compiled now on the caller's thread (and timed in `compile_seconds`).
 Run times are what the caller reports (`record_run`: the fastest run of each program). The budget keeps a
 stand-in from costing what it saves: on the XLA (CPU) path a step's attention reads its table's full width, so a
-step of a few short sequences on the warm-up's widest program can take as long as compiling its own, and it would
-slow that compile down too (measured: `LLMEngine.warmup`).
+step of a few short sequences on the warm-up's widest program can take as long as compiling its own (the bundled
+model's widest, T 512 x S 64 x B 128: about 1 s a step against 3.5 s to compile, on a loaded 2-core CPU), and it
+would slow that compile down too.
 Only the caller's (the engine's) thread touches the held programs: a background compile hands back a future,
 which the next lookup installs. A background compile that fails is logged, and its shape is compiled on the
 caller's thread the next time it is needed (where a compile error fails the step, as ever). At most
@@ -26,7 +28,6 @@ one just compiled, so a cap below the pinned programs holds them and one more.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 import weakref
 from collections import OrderedDict, deque
@@ -40,7 +41,11 @@ from pagedjax.engine.shapes import dominates
 logger = logging.getLogger(__name__)
 
 MAX_PENDING = 2  # one compiling, one waiting: a burst of new shapes is compiled by the latest need, not its order
-STAND_IN_BUDGET = 0.25  # of a compile's time: the most a step on a stand-in may take
+# The most a step on a stand-in may take, as a share of a compile: the longest a stream then waits for a token
+# instead of the whole compile, while the stand-in's extra work (and its contention with the compile, on a CPU)
+# stays small. On an accelerator the widest program's step is far below it; on the XLA (CPU) path the warm-up's
+# narrower program is (`shapes.warmup_shapes`), the widest not.
+STAND_IN_BUDGET = 1 / 8
 
 # A compile job: runs on any thread, so it holds abstract arguments and compile options, never live arrays (the
 # KV cache is donated to every step) nor the runner (it may outlive it).
@@ -69,7 +74,7 @@ class ProgramCache:
         self._executor: ThreadPoolExecutor | None = None
         self._shutdown: weakref.finalize | None = None
         self._run_seconds: dict[Hashable, float] = {}  # the fastest run of each held program
-        self._compile_seconds: deque[float] = deque(maxlen=64)  # the latest compiles' times, background's too
+        self._compile_seconds: deque[float] = deque(maxlen=16)  # the latest compiles' times, background's too
 
     def __len__(self) -> int:
         return len(self.executables)
@@ -142,7 +147,7 @@ class ProgramCache:
     def _stand_in(self, shape: Hashable) -> Hashable | None:
         if not self._background or shape in self._failed or not self._compile_seconds:
             return None
-        budget = STAND_IN_BUDGET * statistics.median(self._compile_seconds)
+        budget = STAND_IN_BUDGET * max(self._compile_seconds)
         fits = [(seconds, held) for held, seconds in self._run_seconds.items()
                 if seconds <= budget and dominates(held, shape)]
         return min(fits, key=lambda fit: fit[0])[1] if fits else None
