@@ -100,7 +100,7 @@ def check_kv_pool_fits(cache_config, model_config, device, tensor_parallel_size:
 
 def build_engine(args: argparse.Namespace, cfg, params, tokenizer, compile_cache: bool | str = True):
     """The engine the arguments describe (a `DataParallelEngine` with --data-parallel-size > 1), its KV pool
-    checked against the device's memory first.
+    checked against the device's memory first, warmed up with --warmup (`LLMEngine.warmup`).
     compile_cache: `LLMEngine`'s (the CLI sets JAX's cache up before loading: see `pagedjax.cli.warm_start`)."""
     import jax
 
@@ -123,10 +123,13 @@ def build_engine(args: argparse.Namespace, cfg, params, tokenizer, compile_cache
         raise CLIError(str(e)) from None
     check_kv_pool_fits(cache_config, cfg, jax.local_devices()[0], tp)
     try:
-        return make_engine(cfg, cache_config, scheduler_config, params=params, seed=args.seed,
-                           backend=args.backend, decode_steps_per_call=args.decode_steps_per_call,
-                           tokenizer=tokenizer, compile_cache=compile_cache, parallel_config=parallel_config,
-                           max_compiled_programs=args.max_compiled_programs)
+        engine = make_engine(cfg, cache_config, scheduler_config, params=params, seed=args.seed,
+                             backend=args.backend, decode_steps_per_call=args.decode_steps_per_call,
+                             tokenizer=tokenizer, compile_cache=compile_cache, parallel_config=parallel_config,
+                             max_compiled_programs=args.max_compiled_programs)
+        if args.warmup:
+            engine.warmup()
+        return engine
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
     except jax.errors.JaxRuntimeError as e:

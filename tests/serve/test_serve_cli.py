@@ -48,6 +48,13 @@ def test_fused_decode_is_generates_default_and_not_the_servers(capsys):
     assert "--num-steps is deprecated; use --decode-steps-per-call" in capsys.readouterr().err
 
 
+def test_warmup_is_the_servers_default_and_not_generates():
+    # A server's running streams must not stall while a new request's step compiles; a one-off generate run
+    # compiles what its prompts need.
+    assert build_parser().parse_args([]).warmup and not build_parser().parse_args(["--no-warmup"]).warmup
+    assert not generate_parser().parse_args([]).warmup and generate_parser().parse_args(["--warmup"]).warmup
+
+
 @pytest.mark.parametrize("argv", [["--model", "/no/such/model"], ["--chat-template", "/no/such/file"],
                                   ["--max-queue", "-1"], ["--shutdown-timeout", "soon"]])
 def test_usage_errors(argv, capsys):
