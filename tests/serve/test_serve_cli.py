@@ -125,7 +125,7 @@ def _stream_then_signal(url: str, proc: subprocess.Popen, sig: int, max_tokens: 
 def test_sigterm_finishes_the_request_in_flight_and_exits_0():
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _start(port, "--shutdown-timeout", "60")
+    proc = _start(port, "--shutdown-timeout", "60")  # warmed up, as served by default
     try:
         _wait_healthy(proc, url)
         chunks, done = _stream_then_signal(url, proc, signal.SIGTERM, max_tokens=48)
@@ -171,7 +171,7 @@ def test_shutdown_past_the_timeout_ends_every_request_cleanly_and_exits_0(signal
     the process: status -6)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _start(port, "--shutdown-timeout", "0.5")
+    proc = _start(port, "--shutdown-timeout", "0.5", "--no-warmup")  # the test above starts the default way
     try:
         _wait_healthy(proc, url)
         results: dict = {}
