@@ -18,10 +18,10 @@ from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.engine import programs
 from pagedjax.engine.inputs import STOP_ID_WIDTHS, TOP_LOGPROBS_SIZES
 from pagedjax.engine.programs import MAX_PENDING, ProgramCache
-from pagedjax.engine.shapes import StepShape, dominates, variants_bound
+from pagedjax.engine.shapes import LoopShape, StepShape, dominates, variants_bound, warmup_shapes
 from tests.serve.server_utils import CFG  # vocabulary 259: room for 256 stop ids
 
-MAX_NUM_SEQS, MAX_BATCHED, MAX_LEN, BLOCK_SIZE = 4, 32, 64, 16
+MAX_NUM_SEQS, MAX_BATCHED, MAX_LEN, BLOCK_SIZE = 4, 32, 60, 16  # tables of at most 4 blocks
 
 
 def make_engine(**kwargs) -> LLMEngine:
@@ -125,6 +125,27 @@ def test_after_warmup_a_new_combination_runs_on_a_stand_in_with_its_own_programs
         assert [x.token_id for x in lps_a] == [x.token_id for x in lps_b]
         np.testing.assert_allclose([x.logprob for x in lps_a], [x.logprob for x in lps_b], rtol=1e-5, atol=1e-5)
         assert [[t for t, _ in x.top] for x in lps_a] == [[t for t, _ in x.top] for x in lps_b]
+
+
+def test_the_warmup_shapes_dominate_every_step_within_the_limits():
+    """Every ragged step and fused decode an engine of these limits makes (but those asking for logits) has a
+    warm-up program to run on; on the XLA path a narrower one serves the shorter sequences too."""
+    warm = warmup_shapes(max_tokens=512, max_seqs=64, max_blocks=128, block_size=16, decode_steps=8, narrow=True)
+    assert [(w.kind, w.tables) for w in warm] == [("step", (64, 128))] * 2 + [("step", (64, 32)),
+                                                                             ("decode_loop", (64, 128))]
+    tops, stops = (None, *TOP_LOGPROBS_SIZES), (None, *STOP_ID_WIDTHS)
+    for t, s, b, top, stop, prompt in itertools.product([1, 4, 16, 64, 512], [1, 8, 64], [2, 32, 128], tops,
+                                                        stops, (None, 5, 20)):
+        if s > t:
+            continue
+        step = StepShape("step", t, (s, b), t == s, False, s if stop else None, stop, prompt is not None, top,
+                         prompt or 0)
+        serving = [w for w in warm if dominates(w, step)]
+        assert serving and (b > 32 or prompt or warm[2] in serving), step
+        loop = LoopShape("decode_loop", (s, b), s, stop or 8, 8, stop is not None, top)
+        assert dominates(warm[-1], loop)
+    assert len(warmup_shapes(max_tokens=32, max_seqs=4, max_blocks=4, block_size=16, decode_steps=1,
+                             narrow=True)) == 2  # nothing narrower than 2 blocks a quarter as wide
 
 
 # ------------------------------------------------------------------------------------- the cache, alone
