@@ -140,7 +140,7 @@ def print_hlo_stats(engine: LLMEngine) -> None:
     print("\nHLO of the compiled steps (all computations):")
     print(f"{'program':54s} {'instructions':>12s} {'fusion':>7s} {'dot':>5s} {'copy':>5s} {'scatter':>8s} "
           f"{'gather':>7s} {'transpose':>10s}")
-    for key, exe in engine.runner._executables.items():
+    for key, exe in engine.runner.programs.executables.items():
         c = hlo_stats(exe.as_text())
         print(f"{str(key)[:54]:54s} {sum(c.values()):12d} {c.get('fusion', 0):7d} {c.get('dot', 0):5d} "
               f"{c.get('copy', 0):5d} {c.get('scatter', 0):8d} {c.get('gather', 0):7d} {c.get('transpose', 0):10d}")

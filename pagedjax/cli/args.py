@@ -74,9 +74,9 @@ class _Deprecated(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call: int) -> None:
+def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call: int, warmup: bool) -> None:
     """The model and engine options, shared by `pagedjax-generate` and `pagedjax-serve` (each with its own
-    default for `--decode-steps-per-call`): what `engine_setup.build_engine` reads."""
+    defaults for `--decode-steps-per-call` and `--warmup`): what `engine_setup.build_engine` reads."""
     g = parser.add_argument_group(ENGINE_GROUP)
     g.add_argument("--model", default=None, metavar="PATH",
                    help="a pagedjax checkpoint folder or a Hugging Face folder (config.json + *.safetensors); "
@@ -107,6 +107,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
     g.add_argument("--max-compiled-programs", type=_int_at_least(1), default=64, metavar="N",
                    help="compiled step programs kept; past N the least recently used is dropped (and compiled "
                         "again, or loaded from the compile cache, if needed again): bounds memory")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=warmup,
+                   help="compile, before the first request, programs that can run every step: a step whose own "
+                        "program is new then runs on one of them while its own compiles in the background, instead "
+                        f"of waiting for it (default: {'on' if warmup else 'off'})")
     cc = g.add_mutually_exclusive_group()
     cc.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
                     help="keep compiled programs in DIR, so that the next run loads them instead of compiling "
@@ -156,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="beam search with W beams (greedy scores; ignores the sampling flags)")
     # 8: on the bundled model the fused loop decodes 1.2x faster (634 vs 519 tokens/s for --demo) and compiles
     # fewer programs (4 vs 6: 6.5 s vs 8.6 s cold) than one step per call; tokens stream in bursts of up to 8.
-    add_engine_options(p, decode_steps_per_call=8)
+    # No warm-up: a one-off run compiles what its prompts need, and no stream waits on another's compile.
+    add_engine_options(p, decode_steps_per_call=8, warmup=False)
     g = p.add_argument_group("output")
     g.add_argument("--no-stream", action="store_true", help="print a single prompt's completion at the end")
     g.add_argument("--json", action="store_true",

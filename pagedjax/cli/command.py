@@ -34,11 +34,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO |
         loaded = load_model_for_cli(args)
         load_s = time.perf_counter() - t0
         engine = build_engine(args, loaded, compile_cache=cache.engine_arg)
-        gen = Generation(engine, loaded.tokenizer, prompts, args, out, ctrl_c)
-        gen.start()
-        if not args.json:
-            print_header(args, loaded, engine, load_s, out)
-        wall_s = gen.run()
+        try:
+            gen = Generation(engine, loaded.tokenizer, prompts, args, out, ctrl_c)
+            gen.start()
+            if not args.json:
+                print_header(args, loaded, engine, load_s, out)
+            wall_s = gen.run()
+        finally:
+            engine.close()  # a compile still queued in the background would hold the exit back
     report(gen, wall_s, cache, args.json, out)
     return EXIT_REQUEST_FAILED if any(c.finish_reason == "error" for c in gen.completions) else EXIT_OK
 

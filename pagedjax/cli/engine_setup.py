@@ -179,7 +179,7 @@ def check_kv_pool_fits(cache_config, spec, device, tensor_parallel_size: int = 1
 
 def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool | str = True):
     """The engine the arguments describe (a `DataParallelEngine` with --data-parallel-size > 1), its KV pool
-    checked against the device's memory first.
+    checked against the device's memory first, warmed up with --warmup (`LLMEngine.warmup`).
     compile_cache: `LLMEngine`'s (the CLI sets JAX's cache up before loading: see `pagedjax.cli.warm_start`)."""
     import jax
 
@@ -202,11 +202,17 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
         raise CLIError(str(e)) from None
     check_kv_pool_fits(cache_config, loaded.spec, jax.local_devices()[0], tp)
     try:
-        return make_engine(cache_config=cache_config, scheduler_config=scheduler_config, seed=args.seed,
-                           **loaded.engine_args(),
-                           backend=args.backend, decode_steps_per_call=args.decode_steps_per_call,
-                           tokenizer=loaded.tokenizer, compile_cache=compile_cache, parallel_config=parallel_config,
-                           max_compiled_programs=args.max_compiled_programs)
+        engine = make_engine(cache_config=cache_config, scheduler_config=scheduler_config, seed=args.seed,
+                             **loaded.engine_args(),
+                             backend=args.backend, decode_steps_per_call=args.decode_steps_per_call,
+                             tokenizer=loaded.tokenizer, compile_cache=compile_cache,
+                             parallel_config=parallel_config, max_compiled_programs=args.max_compiled_programs,
+                             # Warmed-up programs stand in while a step's own compiles (the server's way): no
+                             # stream stalls on a compile; without warm-up, each step waits for its own program.
+                             compile_in_background=args.warmup)
+        if args.warmup:
+            engine.warmup()
+        return engine
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
     except jax.errors.JaxRuntimeError as e:

@@ -39,6 +39,7 @@ def combined_stats(replicas: Sequence[EngineStats], requests_per_replica: Sequen
         generated_tokens=total("generated_tokens"), prefill_tokens_computed=total("prefill_tokens_computed"),
         elapsed_s=slowest("elapsed_s"), device_s=slowest("device_s"), compile_s=slowest("compile_s"),
         compilations=total("compilations"), compiled_programs=total("compiled_programs"),
+        stand_in_steps=total("stand_in_steps"), warmup_s=slowest("warmup_s"),
         scheduler=scheduler, replicas=tuple(replicas),
         requests_per_replica=tuple(requests_per_replica))
 
@@ -218,5 +219,12 @@ class DataParallelEngine:
         """`stats()` as nested plain data, as `LLMEngine.stats_dict`, with the parallel layout."""
         return {**stats_dict(self.stats()), "parallel": dataclasses.asdict(self.parallel_config)}
 
+    def warmup(self) -> float:
+        """`LLMEngine.warmup` of every replica, concurrently; the seconds it took."""
+        return max(f.result() for f in [self._pool.submit(r.warmup) for r in self.replicas])
+
     def close(self) -> None:
+        """End the replicas' threads and their waiting background compiles."""
+        for r in self.replicas:
+            r.close()
         self._pool.shutdown(wait=True)

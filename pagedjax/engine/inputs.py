@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pagedjax.core.request import Request
+from pagedjax.core.request import MAX_LOGPROBS, Request
 from pagedjax.core.step_plan import FusedDecodePlan, StepPlan
 from pagedjax.device.attention import AttentionMetadata
 from pagedjax.device.sampling import PenaltyMetadata, SamplingMetadata
@@ -52,9 +52,7 @@ def penalty_metadata(requests: list[Request], vocab_size: int) -> PenaltyMetadat
     counts = np.zeros((n, vocab_size), np.int32)
     prompt_mask = np.zeros((n, vocab_size), bool)
     stops = [sorted(r.stop_ids) for r in requests]
-    # Columns to a power of two: each distinct width is a program to compile (a request with 1..1,024 stop ids
-    # used to compile one per length, stalling every running request), now log2 of them.
-    stop_ids = np.full((n, bucket(max(map(len, stops), default=1))), -1, np.int32)
+    stop_ids = np.full((n, stop_id_width(max(map(len, stops), default=1))), -1, np.int32)
     for i, r in enumerate(requests):
         if r.output_token_ids:
             counts[i] = np.bincount(r.output_token_ids, minlength=vocab_size)
@@ -120,6 +118,14 @@ def fused_decode_inputs(fused_plan: FusedDecodePlan, requests: list[Request], *,
 
 
 # ------------------------------------------------------------------------------------------------ padding
+# Each size of a step's optional parts is a program to compile (and a stall, if compiled when first needed), so
+# they come in few sizes (`shapes` derives the bound on programs from these): top log-probabilities 0-5 -> 5
+# (OpenAI's completions API allows 5), 6-20 -> 20 (`MAX_LOGPROBS`); stop-id columns (EOS and stop ids) 1-8 -> 8,
+# 9-512 -> 512 (the server's 256 stop_token_ids plus EOS ids), more (the Python API has no limit) to a power of
+# two. A few more columns or alternatives cost next to nothing beside the vocabulary-wide work around them.
+TOP_LOGPROBS_SIZES = (5, MAX_LOGPROBS)
+STOP_ID_WIDTHS = (8, 512)
+
 
 def bucket(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum)."""
@@ -127,14 +133,15 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _pad(x, n: int, value, dtype=np.int32) -> np.ndarray:
+def pad_rows(x, n: int, value, dtype=np.int32) -> np.ndarray:
     """`x` along its first axis, padded with `value` to length n."""
     out = np.full((n,) + np.shape(x)[1:], value, dtype)
     out[: len(x)] = x
     return out
 
 
-def _pad_table(table: np.ndarray, rows: int, cols: int) -> np.ndarray:
+def pad_table(table: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """A block table padded with block 0 (never read: past every sequence's length)."""
     out = np.zeros((rows, cols), np.int32)
     out[: table.shape[0], : table.shape[1]] = table
     return out
@@ -143,13 +150,13 @@ def _pad_table(table: np.ndarray, rows: int, cols: int) -> np.ndarray:
 def pad_sampling(sampling: SamplingMetadata, n: int) -> SamplingMetadata:
     """Padding rows are greedy."""
     return SamplingMetadata(
-        temperature=_pad(sampling.temperature, n, 0.0, np.float32),
-        top_k=_pad(sampling.top_k, n, 0),
-        top_p=_pad(sampling.top_p, n, 1.0, np.float32),
-        min_p=_pad(sampling.min_p, n, 0.0, np.float32),
-        seed_hi=_pad(sampling.seed_hi, n, 0, np.uint32),
-        seed_lo=_pad(sampling.seed_lo, n, 0, np.uint32),
-        step=_pad(sampling.step, n, 0),
+        temperature=pad_rows(sampling.temperature, n, 0.0, np.float32),
+        top_k=pad_rows(sampling.top_k, n, 0),
+        top_p=pad_rows(sampling.top_p, n, 1.0, np.float32),
+        min_p=pad_rows(sampling.min_p, n, 0.0, np.float32),
+        seed_hi=pad_rows(sampling.seed_hi, n, 0, np.uint32),
+        seed_lo=pad_rows(sampling.seed_lo, n, 0, np.uint32),
+        step=pad_rows(sampling.step, n, 0),
     )
 
 
@@ -158,10 +165,10 @@ def pad_penalties(pen: PenaltyMetadata | None, n: int) -> PenaltyMetadata | None
     if pen is None:
         return None
     return PenaltyMetadata(
-        presence=_pad(pen.presence, n, 0.0, np.float32), frequency=_pad(pen.frequency, n, 0.0, np.float32),
-        repetition=_pad(pen.repetition, n, 1.0, np.float32), min_tokens=_pad(pen.min_tokens, n, 0),
-        output_counts=_pad(pen.output_counts, n, 0), prompt_mask=_pad(pen.prompt_mask, n, False, bool),
-        stop_ids=_pad(pen.stop_ids, n, -1))
+        presence=pad_rows(pen.presence, n, 0.0, np.float32), frequency=pad_rows(pen.frequency, n, 0.0, np.float32),
+        repetition=pad_rows(pen.repetition, n, 1.0, np.float32), min_tokens=pad_rows(pen.min_tokens, n, 0),
+        output_counts=pad_rows(pen.output_counts, n, 0), prompt_mask=pad_rows(pen.prompt_mask, n, False, bool),
+        stop_ids=pad_rows(pen.stop_ids, n, -1))
 
 
 class StepExtras(NamedTuple):
@@ -206,29 +213,32 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
              ) -> StepInputs:
     """Pad a ragged step to bucket sizes. Padding tokens write nowhere (slot -1); padding sequences have
     q_len 0 and kv_len 0, so every kernel returns zeros for them. Sequences are bucketed from 1 (a batch
-    of one runs as one row: on a CPU a padded row costs nearly as much as a real one). Top-logprob counts are
-    bucketed too (the host keeps what each request asked for)."""
+    of one runs as one row: on a CPU a padded row costs nearly as much as a real one). Block copies take the
+    sequence bucket's rows (dst -1 = padding); top-logprob counts and stop-id columns come in
+    `TOP_LOGPROBS_SIZES` and `STOP_ID_WIDTHS` (the host keeps what each request asked for)."""
     num_tokens, num_seqs = len(token_ids), len(kv_lens)
     decode_only = num_tokens == num_seqs
     s_b = bucket(num_seqs)
     t_b = s_b if decode_only else bucket(num_tokens, 16)
-    tables = _pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2))
+    tables = pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2))
     copies = None
     if block_copies is not None and len(block_copies):
-        copies = np.full((bucket(len(block_copies)), 2), -1, np.int32)
+        # A request has at most one copy pending (its shared last block), so rows of the sequence bucket make
+        # copies on or off, not a size of their own.
+        copies = np.full((max(s_b, bucket(len(block_copies))), 2), -1, np.int32)
         copies[:, 0] = 0
         copies[: len(block_copies)] = block_copies
     extras = StepExtras(block_copies=copies, penalties=pad_penalties(penalties, s_b),
-                        prompt_targets=None if prompt_targets is None else _pad(prompt_targets, t_b, -1))
+                        prompt_targets=None if prompt_targets is None else pad_rows(prompt_targets, t_b, -1))
     return StepInputs(
         extras=extras,
         num_top_logprobs=_bucket_top(num_top_logprobs),
-        num_prompt_top_logprobs=bucket(num_prompt_top_logprobs) if num_prompt_top_logprobs else 0,
-        token_ids=_pad(token_ids, t_b, 0),
-        positions=_pad(positions, t_b, 0),
-        meta=AttentionMetadata(_pad(slot_mapping, t_b, -1), tables, _pad(kv_lens, s_b, 0),
-                               _pad(cu_q_lens, s_b + 1, num_tokens)),
-        logits_indices=_pad(np.asarray(cu_q_lens[1:]) - 1, s_b, 0),
+        num_prompt_top_logprobs=0 if prompt_targets is None else _bucket_top(num_prompt_top_logprobs),
+        token_ids=pad_rows(token_ids, t_b, 0),
+        positions=pad_rows(positions, t_b, 0),
+        meta=AttentionMetadata(pad_rows(slot_mapping, t_b, -1), tables, pad_rows(kv_lens, s_b, 0),
+                               pad_rows(cu_q_lens, s_b + 1, num_tokens)),
+        logits_indices=pad_rows(np.asarray(cu_q_lens[1:]) - 1, s_b, 0),
         sampling=pad_sampling(sampling, s_b),
         decode_only=decode_only,
     )
@@ -271,17 +281,17 @@ def pad_fused_decode(*, tokens: np.ndarray,  # i32[S]
     if len(lent_blocks) > stack:
         raise ValueError(f"{len(lent_blocks)} lent blocks for {n} sequences and {num_steps} steps of block size "
                          f"{block_size}: at most {stack} can be popped")
-    stops = np.full((s_b, bucket(max(map(len, stop_ids), default=1), 1)), -1, np.int32)
+    stops = np.full((s_b, stop_id_width(max(map(len, stop_ids), default=1))), -1, np.int32)
     for i, ids in enumerate(stop_ids):
         stops[i, : len(ids)] = ids
     return FusedDecodeInputs(
-        tokens=_pad(tokens, s_b, 0),
-        block_tables=_pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2)),
-        seq_lens=_pad(seq_lens, s_b, 0),
-        lent_blocks=_pad(lent_blocks, bucket(stack), -1),
+        tokens=pad_rows(tokens, s_b, 0),
+        block_tables=pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2)),
+        seq_lens=pad_rows(seq_lens, s_b, 0),
+        lent_blocks=pad_rows(lent_blocks, bucket(stack), -1),
         sampling=pad_sampling(sampling, s_b),
         stop_ids=stops,
-        max_new=_pad(max_new, s_b, 0),
+        max_new=pad_rows(max_new, s_b, 0),
         num_steps=num_steps,
         penalties=pad_penalties(penalties, s_b),
         num_top_logprobs=_bucket_top(num_top_logprobs),
@@ -289,5 +299,13 @@ def pad_fused_decode(*, tokens: np.ndarray,  # i32[S]
 
 
 def _bucket_top(num_top: int | None) -> int | None:
-    """None stays None (no log-probabilities computed: the lean step); 0 stays 0; k > 0 to a power of two."""
-    return num_top if not num_top else bucket(num_top)
+    """None stays None (no log-probabilities computed: the lean step); 0..20 to the next of
+    `TOP_LOGPROBS_SIZES`."""
+    if num_top is None:
+        return None
+    return next((size for size in TOP_LOGPROBS_SIZES if num_top <= size), bucket(num_top))
+
+
+def stop_id_width(n: int) -> int:
+    """Stop-id columns for `n` ids: the next of `STOP_ID_WIDTHS`, past them a power of two."""
+    return next((width for width in STOP_ID_WIDTHS if n <= width), bucket(n))

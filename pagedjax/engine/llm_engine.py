@@ -26,6 +26,7 @@ from pagedjax.engine.generate import generate_batch
 from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
 from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, record_token_logprob
 from pagedjax.engine.runner import ModelRunner
+from pagedjax.engine.shapes import warmup_shapes
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama, init_model, model_from_state
 from pagedjax.parallel.config import parallel_layout
@@ -46,14 +47,17 @@ class EngineStats:
     prefill_tokens_computed: int  # prompt/recompute tokens actually run through the model
     elapsed_s: float  # time spent inside step()
     device_s: float  # of which in compiled device calls (dispatch + compute + read back)
-    compile_s: float  # of which tracing and compiling new step shapes
-    compilations: int  # programs compiled (or loaded from JAX's persistent cache), dropped ones included
+    compile_s: float  # of which waiting for new step shapes to be traced and compiled
+    compilations: int  # programs compiled (or loaded from JAX's persistent cache), dropped ones and the background's
+    #                    included
     scheduler: SchedulerStats
     tensor_parallel_size: int = 1  # devices the model and its KV pool are sharded over
     kv_cache_bytes_per_device: int = 0  # the KV pool's bytes on each of those devices
     kv_dtype: str = ""  # the KV cache's dtype ("int8", "fp8": 8-bit pages with scales; see CacheConfig.kv_dtype)
     kv_bytes_per_token: int = 0  # KV bytes one cached token takes on each device (its KV heads, scales included)
     compiled_programs: int = 0  # held now: at most LLMEngine's max_compiled_programs (the least recently used go)
+    stand_in_steps: int = 0  # steps run on a bigger compiled program while their own compiled in the background
+    warmup_s: float = 0.0  # `LLMEngine.warmup`'s time (not in elapsed_s)
     # A DataParallelEngine's stats combine its replicas': each replica's own, and the requests each was given.
     replicas: tuple[EngineStats, ...] = ()
     requests_per_replica: tuple[int, ...] = ()
@@ -85,7 +89,13 @@ class LLMEngine:
     max_compiled_programs: the compiled step programs kept (each holds its machine code: about 12 MiB for the
     bundled model); past it the least recently used is dropped, and compiled again (or loaded from the
     persistent compilation cache) if it is needed again, so that requests of ever new shapes cannot grow the
-    process's memory without bound.
+    process's memory without bound. compile_in_background=True (the server's choice, with `warmup()`): a step
+    whose program is not compiled yet runs on a bigger one already compiled, if there is one, while its own
+    compiles in a background thread (`pagedjax.engine.programs`); `warmup()` compiles programs that can stand in
+    for every step, so that no step waits for a compile, and `close()` cancels the background compiles still
+    waiting. By default (False) every step waits for its own program, so that results never depend on compile
+    timing: a stand-in computes the same tokens up to the last-bit rounding a change of shape may bring
+    (`pagedjax.engine.shapes`), which could tip a near tie.
 
     A step whose device call raises never wedges the engine: see `step`.
     """
@@ -94,7 +104,8 @@ class LLMEngine:
                  scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,
                  model=None, backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
                  tokenizer=None, compile_cache: bool | str = True, parallel_config=None,
-                 tensor_parallel_size: int | None = None, devices=None, max_compiled_programs: int = 64):
+                 tensor_parallel_size: int | None = None, devices=None, max_compiled_programs: int = 64,
+                 compile_in_background: bool = False):
         parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
         if num_steps is not None:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
@@ -131,7 +142,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=backend,
-                                  mesh=mesh, max_programs=int(max_compiled_programs))
+                                  mesh=mesh, max_programs=int(max_compiled_programs),
+                                  compile_in_background=bool(compile_in_background))
         self._request_ids = RequestIds()
         self._empty_plans = 0
         self._steps = 0
@@ -141,6 +153,7 @@ class LLMEngine:
         self._prefill_computed = 0
         self._prompt_tokens = 0
         self._elapsed = 0.0
+        self._warmup_s = 0.0
         logger.info("LLMEngine: %d KV blocks x %d tokens, attention backend %s", self.num_blocks,
                     self.cache_config.block_size, self.runner.backend)
 
@@ -173,6 +186,35 @@ class LLMEngine:
         """The most tokens (prompt + output) one request can hold: `max_model_len`, or fewer when the KV pool
         could not hold them (`Scheduler.max_request_tokens`: a sliding-window model needs its window's KV only)."""
         return self.scheduler.max_request_tokens
+
+    def warmup(self) -> float:
+        """Compile the programs that dominate every step this engine can make (`shapes.warmup_shapes`: the
+        ragged step at the largest token, sequence and block-table buckets with every optional part on, with and
+        without prompt log-probabilities, on the XLA path a quarter as wide too, and the fused decode's when
+        `decode_steps_per_call` > 1) and run each
+        once on padding. From then on a step whose own program is not compiled runs on one of them while its own
+        compiles in the background (`pagedjax.engine.programs`), instead of waiting for it: every step but those
+        asking for logits or more than 512 stop ids, as long as a run of that program takes at most
+        `programs.STAND_IN_BUDGET` of a compile (on the XLA path, where attention reads every block-table column,
+        the widest programs of a long `max_model_len` may not). The KV cache's contents and the scheduler are left
+        as they were, and these programs are never dropped. Returns the seconds it took (also logged, and in
+        `stats().warmup_s`)."""
+        start = time.perf_counter()
+        sc, bs, steps = self.scheduler_config, self.cache_config.block_size, self.decode_steps_per_call
+        # A fused decode's tables have room for its steps past the sequence's tokens.
+        max_blocks = -(-(self.max_request_tokens + steps - 1) // bs)
+        shapes = warmup_shapes(max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs, max_blocks=max_blocks,
+                               block_size=bs, decode_steps=steps, narrow=self.runner.backend == "xla")
+        self.runner.warmup(shapes)
+        seconds = time.perf_counter() - start
+        self._warmup_s += seconds
+        logger.info("warm-up: compiled and ran %d programs in %.1f s", len(shapes), seconds)
+        return seconds
+
+    def close(self) -> None:
+        """Cancel the background compiles still waiting (the engine still serves: later programs compile when
+        needed)."""
+        self.runner.close()
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -379,9 +421,11 @@ class LLMEngine:
             prefill_tokens_computed=self._prefill_computed,
             elapsed_s=self._elapsed,
             device_s=self.runner.device_seconds,
-            compile_s=self.runner.compile_seconds,
-            compilations=self.runner.num_compilations,
+            compile_s=self.runner.programs.compile_seconds,
+            compilations=self.runner.programs.num_compilations,
             compiled_programs=self.runner.num_programs,
+            stand_in_steps=self.runner.programs.stand_in_steps,
+            warmup_s=self._warmup_s,
             scheduler=self.scheduler.stats(),
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,

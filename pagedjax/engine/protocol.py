@@ -37,6 +37,10 @@ class Engine(Protocol):
 
     def stats_dict(self) -> dict: ...
 
+    def warmup(self) -> float: ...  # compile the programs that stand in for every step; its seconds
+
+    def close(self) -> None: ...  # ends its background threads (waiting compiles): call when done with it
+
     # What `generate_batch` builds a batch with: validate everything first, then queue.
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> Request: ...
 

@@ -1,8 +1,9 @@
 """The model runner: owns the device state (weights, paged KV cache) and executes padded steps with jit.
 
 Inputs come padded to bucket sizes (`pagedjax.engine.inputs`), so a long run compiles a handful of programs;
-each new signature is compiled ahead of time, logged and counted. The KV cache is donated to every call, so
-XLA updates it in place.
+each new shape (`pagedjax.engine.shapes`) is compiled ahead of time, logged and counted, in the background while
+a bigger program already compiled runs its steps, if there is one (`pagedjax.engine.programs`). The KV cache is
+donated to every call, so XLA updates it in place.
 
 Two entry points:
   `execute(inputs)`              one ragged step (prefill chunks and decodes together), returns sampled tokens.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import jax
@@ -38,6 +38,17 @@ from pagedjax.device.sampling import (
     token_logprobs,
 )
 from pagedjax.engine.inputs import NO_EXTRAS, FusedDecodeInputs, StepExtras, StepInputs
+from pagedjax.engine.programs import ProgramCache
+from pagedjax.engine.shapes import (
+    LoopShape,
+    StepShape,
+    loop_shape,
+    padding_fused_decode,
+    padding_step,
+    repad_fused_decode,
+    repad_step,
+    step_shape,
+)
 from pagedjax.model.api import PagedKVCache, PagedModel, param_partition_fn
 
 logger = logging.getLogger(__name__)
@@ -207,7 +218,8 @@ class ModelRunner:
     steps carry no sharding at all."""
 
     def __init__(self, model: PagedModel, num_blocks: int, block_size: int, *, kv_dtype=None,
-                 backend: str = "auto", mesh: Mesh | None = None, max_programs: int = 64):
+                 backend: str = "auto", mesh: Mesh | None = None, max_programs: int = 64,
+                 compile_in_background: bool = True):
         spec = model.spec  # `check_model(model)` passed (the engine checks it)
         self.model_spec = spec
         self.block_size = block_size
@@ -223,19 +235,23 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
         self._check_attention_serves()
         self.device_seconds = 0.0  # wall time inside compiled calls, results read back
-        self.compile_seconds = 0.0  # wall time tracing and compiling new signatures
         self._param_leaves, treedef = jax.tree.flatten(self.params)
         # A one-device mesh (a data-parallel replica with tp 1) runs the plain single-device program there.
         self._step, self._loop = _jitted(self.graphdef, treedef, mesh if mesh is not None and mesh.size > 1 else None)
-        # Compiled ahead of time, by input signature, least recently used first: at most `max_programs` are kept
-        # (each holds its machine code and buffers: about 12 MiB for the bundled model's steps), the least recently
-        # used dropped. One needed again is compiled again, or loaded from JAX's persistent compilation cache.
-        self.max_programs = max_programs
-        self._executables: OrderedDict[tuple, Any] = OrderedDict()
-        self.num_compilations = 0  # programs compiled (or loaded) so far, dropped ones included
+        # Compiled ahead of time, by shape: at most `max_programs` are kept (each holds its machine code and
+        # buffers: about 12 MiB for the bundled model's steps), the least recently used dropped. One needed again is
+        # compiled again, or loaded from JAX's persistent compilation cache.
+        self.programs = ProgramCache(max_programs, background=compile_in_background, on_drop=self._forget_traces)
         logger.info("pagedjax runner: backend=%s, KV cache %d blocks x %d tokens of %s (%.1f MiB, %.1f MiB per "
                     "device)", self.backend, num_blocks, block_size, self.kv_dtype.name, self.kv_cache.nbytes / 2**20,
                     self.kv_cache.nbytes_per_device / 2**20)
+
+    def _forget_traces(self) -> None:
+        """JAX's own caches (traces and lowerings, by signature) keep every program compiled through a jitted
+        function alive: without clearing them a dropped program's memory is never freed. The programs held
+        stay alive through `programs`; only a new signature is traced again, as it would be anyway."""
+        self._step.clear_cache()
+        self._loop.clear_cache()
 
     def _new_kv_cache(self) -> KVCache:
         cfg = self.model_spec
@@ -282,75 +298,124 @@ class ModelRunner:
 
     @property
     def num_programs(self) -> int:
-        """Compiled programs held now (at most `max_programs`)."""
-        return len(self._executables)
+        """Compiled programs held now (see `ProgramCache` for the cap)."""
+        return len(self.programs)
 
-    def _executable(self, jitted, key: tuple, args: tuple, static: dict, *, rows: int):
-        """The compiled executable for this input signature (`rows`: the tokens a step runs), compiling it
-        (timed, logged) if new."""
-        exe = self._executables.get(key)
-        if exe is not None:
-            self._executables.move_to_end(key)
-            return exe
-        start = time.perf_counter()
-        exe = jitted.lower(*args, **static).compile(compiler_options=cpu_compiler_options(self.model_spec, rows))
-        self.compile_seconds += time.perf_counter() - start
-        self.num_compilations += 1
-        self._executables[key] = exe
-        logger.info("compiled %s in %.2f s", key, time.perf_counter() - start)
-        if len(self._executables) > self.max_programs:
-            while len(self._executables) > self.max_programs:
-                dropped, _ = self._executables.popitem(last=False)
-                logger.info("dropped the least recently used program %s (at most %d are kept)", dropped,
-                            self.max_programs)
-            # JAX's own caches (traces and lowerings, by signature) keep every program compiled through a jitted
-            # function alive: without clearing them a dropped program's memory is never freed. The programs
-            # held here stay alive through this dict; only a new signature is traced again, as it would be anyway.
-            self._step.clear_cache()
-            self._loop.clear_cache()
-        return exe
+    def close(self) -> None:
+        """Cancel the background compiles still waiting; later misses compile at once."""
+        self.programs.close()
 
-    def execute(self, inputs: StepInputs, *, return_logits: bool = False) -> StepOutputs:
-        """Run one padded step. Returns its `StepOutputs` as numpy (logits `[S, vocab]` only if asked)."""
-        m = inputs.meta
-        x = inputs.extras
-        args = (self._param_leaves, self.kv_cache, inputs.token_ids, inputs.positions, m, inputs.logits_indices,
-                inputs.sampling, x)
-        static = dict(backend=self.backend, decode_only=inputs.decode_only, return_logits=return_logits,
-                      num_top_logprobs=inputs.num_top_logprobs,
-                      num_prompt_top_logprobs=inputs.num_prompt_top_logprobs)
-        key = ("step", len(inputs.token_ids), m.block_tables.shape, inputs.decode_only, return_logits,
-               None if x.block_copies is None else x.block_copies.shape[0],
-               None if x.penalties is None else x.penalties.stop_ids.shape[1], x.prompt_targets is not None,
-               inputs.num_top_logprobs, inputs.num_prompt_top_logprobs)
-        exe = self._executable(self._step, key, args, static, rows=len(inputs.token_ids))
-        start = time.perf_counter()
-        outputs, self.kv_cache = exe(*args)
-        outputs = jax.device_get(outputs)
-        self.device_seconds += time.perf_counter() - start
-        return outputs
+    def _prepare(self, jitted, args: tuple, static: dict, rows: int):
+        """The job that compiles `jitted` for these arguments' shapes (`rows`: the tokens a step runs): abstract
+        arguments only, so it may run on another thread after the KV cache it saw was donated."""
+        abstract = jax.tree.map(_abstract, args)
+        return functools.partial(_compile, jitted, abstract, static, cpu_compiler_options(self.model_spec, rows))
 
-    def execute_fused_decode(self, inputs: FusedDecodeInputs):
-        """Run up to `inputs.num_steps` decode steps on device.
+    def _step_call(self, inputs: StepInputs, shape: StepShape) -> tuple[tuple, dict]:
+        args = (self._param_leaves, self.kv_cache, inputs.token_ids, inputs.positions, inputs.meta,
+                inputs.logits_indices, inputs.sampling, inputs.extras)
+        static = dict(backend=self.backend, decode_only=shape.decode_only, return_logits=shape.return_logits,
+                      num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs)
+        return args, static
 
-        Returns (sampled `[num_steps, S]` with -1 where a sequence did not run, their `LogprobArrays`
-        `[num_steps, S]`, block_tables `[S, B]` as the device left them), as numpy.
-        """
-        x = inputs
+    def _loop_call(self, inputs: FusedDecodeInputs) -> tuple[tuple, dict]:
         # Host numpy arrays straight into the compiled call: `init_page_state`'s jnp conversions would run eagerly
         # here, five small device ops per call (~0.6 ms, a third of a small model's 8-step batch-1 call).
+        x = inputs
         pages = PageState(block_tables=x.block_tables, seq_lens=x.seq_lens, free_blocks=x.lent_blocks,
                           num_popped=np.zeros((), np.int32), overflow=np.zeros((), np.bool_))
         args = (self._param_leaves, self.kv_cache, pages, x.tokens, x.sampling, x.stop_ids, x.max_new, x.penalties)
         static = dict(num_steps=x.num_steps, block_size=self.block_size, backend=self.backend,
                       num_top_logprobs=x.num_top_logprobs)
-        key = ("decode_loop", x.block_tables.shape, len(x.lent_blocks), x.stop_ids.shape[1], x.num_steps,
-               x.penalties is not None, x.num_top_logprobs)
-        exe = self._executable(self._loop, key, args, static, rows=len(x.tokens))
+        return args, static
+
+    def execute(self, inputs: StepInputs, *, return_logits: bool = False) -> StepOutputs:
+        """Run one padded step (on a bigger compiled program while its own compiles: `ProgramCache`). Returns
+        its `StepOutputs` as numpy (logits `[S, vocab]` only if asked), shaped as its own program returns them."""
+        shape = step_shape(inputs, return_logits)
+        args, static = self._step_call(inputs, shape)
+        run_shape, exe = self.programs.lookup(
+            shape, lambda: self._prepare(self._step, args, static, rows=shape.tokens))
+        if run_shape != shape:
+            args, _ = self._step_call(repad_step(inputs, run_shape, self.model_spec.vocab_size), run_shape)
+        start = time.perf_counter()
+        outputs, self.kv_cache = exe(*args)
+        outputs = jax.device_get(outputs)
+        self._ran(run_shape, time.perf_counter() - start)
+        return outputs if run_shape == shape else _cut_step(outputs, shape)
+
+    def execute_fused_decode(self, inputs: FusedDecodeInputs):
+        """Run up to `inputs.num_steps` decode steps on device (on a bigger compiled loop while its own compiles).
+
+        Returns (sampled `[num_steps, S]` with -1 where a sequence did not run, their `LogprobArrays`
+        `[num_steps, S]`, block_tables `[S, B]` as the device left them), as numpy.
+        """
+        shape = loop_shape(inputs)
+        args, static = self._loop_call(inputs)
+        run_shape, exe = self.programs.lookup(
+            shape, lambda: self._prepare(self._loop, args, static, rows=shape.tables[0]))
+        if run_shape != shape:
+            args, _ = self._loop_call(repad_fused_decode(inputs, run_shape, self.model_spec.vocab_size))
         start = time.perf_counter()
         out, logprobs, pages, self.kv_cache = exe(*args)
         out, logprobs, tables, overflow = jax.device_get((out, logprobs, pages.block_tables, pages.overflow))
-        self.device_seconds += time.perf_counter() - start
+        self._ran(run_shape, time.perf_counter() - start)
         if overflow:
             raise RuntimeError("fused decode ran out of lent blocks or table columns: the host lent too few (a bug)")
+        if run_shape != shape:
+            s, b = shape.tables
+            out, logprobs, tables = out[:, :s], _cut(logprobs, (slice(None), slice(s)), shape.num_top_logprobs), \
+                tables[:s, :b]
         return out, logprobs, tables
+
+    def _ran(self, shape: StepShape | LoopShape, seconds: float) -> None:
+        self.device_seconds += seconds
+        self.programs.record_run(shape, seconds)
+
+    def warmup(self, shapes: list[StepShape | LoopShape]) -> None:
+        """Compile the programs of `shapes` now, hold them for good (stand-ins for every step they dominate), and
+        run each once on padding only (no KV written or read: the cache's contents stay as they are)."""
+        vocab = self.model_spec.vocab_size
+        for shape in shapes:
+            if isinstance(shape, LoopShape):
+                args, static = self._loop_call(padding_fused_decode(shape, vocab))
+                jitted, rows = self._loop, shape.tables[0]
+            else:
+                args, static = self._step_call(padding_step(shape, vocab), shape)
+                jitted, rows = self._step, shape.tokens
+            exe = self.programs.compile(shape, functools.partial(self._prepare, jitted, args, static, rows),
+                                        pinned=True)
+            start = time.perf_counter()
+            *outputs, self.kv_cache = exe(*args)
+            jax.block_until_ready(outputs)
+            self.programs.record_run(shape, time.perf_counter() - start)  # not the steps' device time
+
+
+def _compile(jitted, args: tuple, static: dict, options: dict[str, str] | None):
+    return jitted.lower(*args, **static).compile(compiler_options=options)
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    """An argument's shape, dtype (and a device array's sharding): all that compiling for it needs."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+    x = np.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _cut(lps: LogprobArrays | None, rows: tuple, num_top: int | None) -> LogprobArrays | None:
+    """Log-probabilities of a bigger program's rows and alternatives, cut to `rows` and `num_top` (None: the
+    step asked for none)."""
+    if num_top is None:
+        return None
+    cols = (*rows, slice(num_top))
+    return LogprobArrays(lps.logprob[rows], lps.top_ids[cols], lps.top_logprobs[cols])
+
+
+def _cut_step(out: StepOutputs, shape: StepShape) -> StepOutputs:
+    """A step's outputs from a bigger program, as its own program (`shape`) returns them."""
+    s = shape.tables[0]
+    return StepOutputs(out.tokens[:s], _cut(out.logprobs, (slice(s),), shape.num_top_logprobs),
+                       _cut(out.prompt_logprobs, (slice(shape.tokens),),
+                            shape.num_prompt_top_logprobs if shape.prompt_targets else None),
+                       out.logits[:s] if shape.return_logits else None)

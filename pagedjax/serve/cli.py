@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     # A server admits new requests between device calls: a fused decode of N steps would hold a new request's
     # prefill (its first token) back by up to N decode steps, so here one step per call is the default.
-    generate_args.add_engine_options(p, decode_steps_per_call=1)
+    # Warm-up: a request's new parameters (log-probabilities, penalties, a batch size not seen yet) never stall
+    # the running streams for a compile.
+    generate_args.add_engine_options(p, decode_steps_per_call=1, warmup=True)
     return p
 
 
@@ -224,6 +226,7 @@ def serve(args: argparse.Namespace) -> int:
             started = _Server(config, async_engine.drain, args.shutdown_timeout).run()
         finally:
             async_engine.stop()  # a second signal skips the app's shutdown: never exit with a device call running
+            engine.close()  # and no background compile queued
     return EXIT_OK if started else EXIT_ERROR
 
 

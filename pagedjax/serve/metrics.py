@@ -11,7 +11,8 @@ every step and command), so a scrape never touches the engine itself:
   pagedjax_compiled_programs                      compiled step programs held (at most --max-compiled-programs)
   pagedjax_prefix_cache_queries_total / _hits_total
   pagedjax_preemptions_total, pagedjax_prompt_tokens_total, pagedjax_generation_tokens_total,
-  pagedjax_engine_steps_total, pagedjax_engine_failed_steps_total, pagedjax_compilations_total
+  pagedjax_engine_steps_total, pagedjax_engine_failed_steps_total, pagedjax_compilations_total,
+  pagedjax_stand_in_steps_total                   steps run on a bigger compiled program while their own compiled
 
 Measured by the server per request (histograms):
 
@@ -75,6 +76,8 @@ class _EngineCollector(Collector):
             "engine_steps": ("Engine steps.", s.steps),
             "engine_failed_steps": ("Engine steps whose device call raised.", s.failed_steps),
             "compilations": ("Step shapes compiled (or loaded from the compilation cache).", s.compilations),
+            "stand_in_steps": ("Steps run on a bigger compiled program while their own compiled in the background.",
+                               s.stand_in_steps),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"pagedjax_{name}", doc, value=value)

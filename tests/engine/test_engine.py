@@ -241,7 +241,7 @@ def test_decode_batches_bucket_from_one_and_outputs_do_not_depend_on_the_bucket(
     for k in range(1, len(PROMPTS) + 1):
         outs = engine.generate(PROMPTS[:k], GREEDY, use_tqdm=False)
         assert [o.output_token_ids for o in outs] == reference()[:k]
-    decode_rows = {key[2][0] for key in engine.runner._executables if key[0] == "step" and key[3]}
+    decode_rows = {key[2][0] for key in engine.runner.programs.executables if key[0] == "step" and key[3]}
     assert 1 in decode_rows and decode_rows <= {1, 2, 4, 8}
     compiled = engine.stats().compilations
     engine.generate(PROMPTS[:3], GREEDY, use_tqdm=False)  # batch 3 again: its bucket (4) is compiled

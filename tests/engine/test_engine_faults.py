@@ -247,7 +247,7 @@ def test_compiled_steps_live_and_die_with_their_engine():
     run(engine, [PROMPTS[0]], SamplingParams(max_tokens=2))
     assert engine.stats().compilations > 0
     runner = weakref.ref(engine.runner)
-    executables = weakref.ref(next(iter(engine.runner._executables.values())))
+    executables = weakref.ref(next(iter(engine.runner.programs.executables.values())))
     del engine
     gc.collect()
     assert runner() is None and executables() is None

@@ -287,6 +287,8 @@ def data_parallel_2x2():
     assert isinstance(e, DataParallelEngine) and len(e.replicas) == 2
     devices = [{d.id for d in r.runner.mesh.devices.flat} for r in e.replicas]
     assert devices == [{0, 1}, {2, 3}], devices
+    # Every replica compiles its warm-up programs, which may then stand in for its sharded steps.
+    assert e.warmup() == e.stats().warmup_s > 0
     outs = e.generate(PROMPTS, GREEDY)
     assert [o.output_token_ids for o in outs] == reference("gqa")
     stats = e.stats()

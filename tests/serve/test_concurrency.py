@@ -84,3 +84,4 @@ def test_64_streaming_clients_a_quarter_leaving(server):
     assert metric(text, "pagedjax_request_success_total", 'finish_reason="length"') == NUM_CLIENTS * 3 // 4
     assert server.llm.stats().scheduler.memory.num_used_blocks == 0
     assert 0 < metric(text, "pagedjax_compiled_programs") == server.llm.stats().compiled_programs
+    assert metric(text, "pagedjax_stand_in_steps_total") == server.llm.stats().stand_in_steps

@@ -48,6 +48,13 @@ def test_fused_decode_is_generates_default_and_not_the_servers(capsys):
     assert "--num-steps is deprecated; use --decode-steps-per-call" in capsys.readouterr().err
 
 
+def test_warmup_is_the_servers_default_and_not_generates():
+    # A server's running streams must not stall while a new request's step compiles; a one-off generate run
+    # compiles what its prompts need.
+    assert build_parser().parse_args([]).warmup and not build_parser().parse_args(["--no-warmup"]).warmup
+    assert not generate_parser().parse_args([]).warmup and generate_parser().parse_args(["--warmup"]).warmup
+
+
 @pytest.mark.parametrize("argv", [["--model", "/no/such/model"], ["--chat-template", "/no/such/file"],
                                   ["--max-queue", "-1"], ["--shutdown-timeout", "soon"], ["--header-timeout", "0"]])
 def test_usage_errors(argv, capsys):
@@ -118,7 +125,7 @@ def _stream_then_signal(url: str, proc: subprocess.Popen, sig: int, max_tokens: 
 def test_sigterm_finishes_the_request_in_flight_and_exits_0():
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _start(port, "--shutdown-timeout", "60", "--header-timeout", "0.5")
+    proc = _start(port, "--shutdown-timeout", "60", "--header-timeout", "0.5")  # warmed up, as served by default
     try:
         _wait_healthy(proc, url)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:  # --header-timeout reached uvicorn
@@ -167,7 +174,7 @@ def test_shutdown_past_the_timeout_ends_every_request_cleanly_and_exits_0(signal
     the process: status -6)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _start(port, "--shutdown-timeout", "0.5")
+    proc = _start(port, "--shutdown-timeout", "0.5", "--no-warmup")  # the test above starts the default way
     try:
         _wait_healthy(proc, url)
         results: dict = {}

@@ -1,0 +1,249 @@
+"""Compiled programs (issue 32, item 3): request parameters come in few sizes, so the programs an engine compiles
+are bounded (`pagedjax.engine.shapes`); and a step whose program is new runs on a bigger one already compiled
+while its own compiles in the background (`pagedjax.engine.programs`), so after `warmup()` no step waits for a
+compile, with the tokens of its own program."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+
+import jax
+import numpy as np
+
+from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from pagedjax.engine import programs
+from pagedjax.engine.inputs import STOP_ID_WIDTHS, TOP_LOGPROBS_SIZES
+from pagedjax.engine.programs import MAX_PENDING, ProgramCache
+from pagedjax.engine.shapes import LoopShape, StepShape, dominates, variants_bound, warmup_shapes
+from tests.serve.server_utils import CFG  # vocabulary 259: room for 256 stop ids
+
+MAX_NUM_SEQS, MAX_BATCHED, MAX_LEN, BLOCK_SIZE = 4, 32, 60, 16  # tables of at most 4 blocks
+
+
+def make_engine(**kwargs) -> LLMEngine:
+    kwargs.setdefault("compile_in_background", True)
+    return LLMEngine(CFG, CacheConfig(block_size=BLOCK_SIZE, num_blocks=64),
+                     SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED,
+                                     max_model_len=MAX_LEN), seed=3, **kwargs)
+
+
+def _no_compile(*args, **kwargs):
+    raise AssertionError("a step waited for a compile on the engine thread")
+
+
+def _recording_lookups(monkeypatch, engine: LLMEngine) -> list[tuple]:
+    """(step shape, shape of the program it ran on) of every program lookup from now on."""
+    seen = []
+    programs = engine.runner.programs
+    lookup = programs.lookup
+
+    def record(shape, prepare):
+        ran, exe = lookup(shape, prepare)
+        seen.append((shape, ran))
+        return ran, exe
+
+    monkeypatch.setattr(programs, "lookup", record)
+    return seen
+
+
+# -------------------------------------------------------------------------------------------- the bound
+def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatch):
+    """Requests with log-probabilities 0..20, 1..256 stop ids, penalties, prompt log-probabilities and forks (n=2:
+    block copies) used to compile a program per power of two of each (up to 2 x 10 x 7 x 7 variants of a step's
+    optional parts). Each part now takes off or one of its documented sizes: per (T, S, B) at most
+    `variants_bound()` = 2 (copies) x 3 (stop ids: off, 8, 512) x 3 (top log-probabilities: off, 5, 20)
+    x 3 (prompt's) x 2 (logits) programs; with T, S, B powers of two up to this engine's limits, the
+    engine's bound is their count times that. After warm-up, not one of these steps waited for a compile."""
+    monkeypatch.setattr(programs, "STAND_IN_BUDGET", math.inf)  # whatever this machine's load: see the budget's test
+    engine = make_engine()
+    engine.warmup()
+    seen = _recording_lookups(monkeypatch, engine)
+    monkeypatch.setattr(engine.runner.programs, "compile", _no_compile)
+    rng = np.random.default_rng(0)
+    knobs = zip(range(36), itertools.cycle([None, 0, 1, 5, 6, 13, 20]), itertools.cycle([1, 8, 9, 100, 255]),
+                itertools.cycle([0.0, 0.5, -1.0]), itertools.cycle([None, None, 0, 7, 20]), itertools.cycle([1, 2]))
+    for i, logprobs, num_stops, presence, prompt_logprobs, n in knobs:
+        params = SamplingParams(max_tokens=2, logprobs=logprobs, stop_token_ids=range(num_stops),
+                                presence_penalty=presence, prompt_logprobs=prompt_logprobs, n=n, ignore_eos=i % 2 == 0)
+        engine.add_request(f"r{i}", rng.integers(0, 256, 3 + i % 11).tolist(), params)
+        if i % 3 == 2:  # three requests at a time: batches of 1-6 sequences
+            while engine.has_unfinished_requests():
+                engine.step()
+    engine.close()
+
+    ts, ss, bs = {16, 32}, {1, 2, 4}, {2, 4}  # ragged tokens, sequences and blocks per sequence: the buckets
+    shapes = {shape for shape, _ in seen}
+    for shape in shapes:
+        assert shape.copies in (None, shape.tables[0]) and shape.stop_width in (None, *STOP_ID_WIDTHS)
+        assert shape.num_top_logprobs in (None, *TOP_LOGPROBS_SIZES)
+        assert (shape.prompt_targets, shape.num_prompt_top_logprobs) in {(False, 0)} | {
+            (True, k) for k in TOP_LOGPROBS_SIZES}
+        assert shape.tables[0] in ss and shape.tables[1] in bs and shape.tokens in (ts | ss)
+    per_size = {}
+    for shape in shapes:
+        per_size.setdefault(shape[1:3], set()).add(shape)
+    assert max(map(len, per_size.values())) <= variants_bound() == 108
+    bound = (len(ts) + 1) * len(ss) * len(bs) * variants_bound()  # ragged T's, and decode-only steps (T = S)
+    assert len(shapes) <= bound and engine.stats().compiled_programs <= bound
+    assert {s.stop_width for s in shapes} >= {8, 512} and {s.num_top_logprobs for s in shapes} >= {5, 20}
+    assert any(s.copies for s in shapes) and any(s.prompt_targets for s in shapes)
+    assert engine.stats().stand_in_steps > 0
+
+
+# ------------------------------------------------------------------------------------- stand-ins, exactly
+def test_after_warmup_a_new_combination_runs_on_a_stand_in_with_its_own_programs_tokens(monkeypatch):
+    """A never-seen parameter combination (forks, penalties, stop ids, log-probabilities of the samples and the
+    prompt, fused decode) runs its first step on a warm-up program, not waiting for a compile, and its tokens
+    are those of an engine that compiled each step's own program (log-probabilities within rounding)."""
+    params = SamplingParams(max_tokens=7, n=2, temperature=0.8, seed=5, logprobs=3, prompt_logprobs=2,
+                            presence_penalty=0.4, stop_token_ids=[7, 8, 9], ignore_eos=True)
+    prompt = list(range(40, 61))
+    monkeypatch.setattr(programs, "STAND_IN_BUDGET", math.inf)  # whatever this machine's load: see the budget's test
+    exact = make_engine(decode_steps_per_call=4, compile_in_background=False)
+    want = exact.generate([prompt], params, use_tqdm=False)[0]
+    assert exact.stats().stand_in_steps == 0
+
+    warm = make_engine(decode_steps_per_call=4)
+    scheduler_before = warm.stats().scheduler
+    warm.warmup()
+    assert warm.stats().scheduler == scheduler_before
+    assert not any(np.any(x) for x in jax.tree.leaves(jax.device_get(warm.runner.kv_cache)))  # nothing written
+    seen = _recording_lookups(monkeypatch, warm)
+    monkeypatch.setattr(warm.runner.programs, "compile", _no_compile)
+    got = warm.generate([prompt], params, use_tqdm=False)[0]
+    warm.close()
+
+    assert seen[0][0] != seen[0][1]  # the first step ran on a stand-in
+    assert {s.kind for s, ran in seen if s != ran} == {"step", "decode_loop"}
+    assert warm.stats().stand_in_steps > 0 and warm.stats().fused_decode_calls > 0
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    pairs = [(a.logprobs, b.logprobs) for a, b in zip(got.outputs, want.outputs, strict=True)]
+    for lps_a, lps_b in [*pairs, (got.prompt_logprobs[1:], want.prompt_logprobs[1:])]:
+        assert [x.token_id for x in lps_a] == [x.token_id for x in lps_b]
+        np.testing.assert_allclose([x.logprob for x in lps_a], [x.logprob for x in lps_b], rtol=1e-5, atol=1e-5)
+        assert [[t for t, _ in x.top] for x in lps_a] == [[t for t, _ in x.top] for x in lps_b]
+
+
+def test_the_warmup_shapes_dominate_every_step_within_the_limits():
+    """Every ragged step and fused decode an engine of these limits makes (but those asking for logits) has a
+    warm-up program to run on; on the XLA path a narrower one serves the shorter sequences too."""
+    warm = warmup_shapes(max_tokens=512, max_seqs=64, max_blocks=128, block_size=16, decode_steps=8, narrow=True)
+    assert [(w.kind, w.tables) for w in warm] == [("step", (64, 128))] * 2 + [("step", (64, 32)),
+                                                                             ("decode_loop", (64, 128))]
+    tops, stops = (None, *TOP_LOGPROBS_SIZES), (None, *STOP_ID_WIDTHS)
+    for t, s, b, top, stop, prompt in itertools.product([1, 4, 16, 64, 512], [1, 8, 64], [2, 32, 128], tops,
+                                                        stops, (None, 5, 20)):
+        if s > t:
+            continue
+        step = StepShape("step", t, (s, b), t == s, False, s if stop else None, stop, prompt is not None, top,
+                         prompt or 0)
+        serving = [w for w in warm if dominates(w, step)]
+        assert serving and (b > 32 or prompt or warm[2] in serving), step
+        loop = LoopShape("decode_loop", (s, b), s, stop or 8, 8, stop is not None, top)
+        assert dominates(warm[-1], loop)
+    assert len(warmup_shapes(max_tokens=32, max_seqs=4, max_blocks=4, block_size=16, decode_steps=1,
+                             narrow=True)) == 2  # nothing narrower than 2 blocks a quarter as wide
+
+
+# ------------------------------------------------------------------------------------- the cache, alone
+def _step(tokens: int, seqs: int, blocks: int = 2, **parts) -> StepShape:
+    shape = StepShape("step", tokens, (seqs, blocks), False, False, None, None, False, None, 0)
+    return shape._replace(**parts)
+
+
+def _job(shape, calls: list, block: threading.Event | None = None, fail: bool = False, sleep: float = 0.0):
+    """A `prepare` for `ProgramCache` whose program is a string; it records the thread that compiles it."""
+    def run():
+        calls.append((shape, threading.current_thread() is threading.main_thread()))
+        time.sleep(sleep)
+        if block is not None:
+            block.wait(10)
+        if fail:
+            raise RuntimeError("injected compile failure")
+        return f"exe{shape.tokens}x{shape.tables[0]}"
+    return lambda: run
+
+
+def test_a_miss_runs_on_the_fastest_dominating_program_while_its_own_compiles_in_the_background(monkeypatch):
+    monkeypatch.setattr(programs, "STAND_IN_BUDGET", 1e9)  # the fake compiles below take no time
+    cache, calls = ProgramCache(8), []
+    big, bigger, small = _step(64, 8), _step(128, 8), _step(16, 2)
+    for shape, seconds in ((bigger, 0.001), (big, 0.002)):
+        cache.compile(shape, _job(shape, calls))
+        cache.record_run(shape, seconds)
+    assert dominates(big, small) and not dominates(small, big)
+    assert cache.lookup(small, _job(small, calls)) == (bigger, "exe128x8")  # the faster of the two
+    assert cache.stand_in_steps == 1
+    cache.wait()
+    assert calls[-1] == (small, False)  # compiled off the engine thread
+    assert cache.lookup(small, _job(small, calls)) == (small, "exe16x2") and cache.stand_in_steps == 1
+    # Nothing dominates a step that needs a part no program has: it compiles at once, on this thread.
+    logits = _step(16, 2, num_top_logprobs=5)
+    assert cache.lookup(logits, _job(logits, calls)) == (logits, "exe16x2") and calls[-1] == (logits, True)
+    assert cache.num_compilations == 4
+    cache.close()
+
+
+def test_a_stand_in_slower_than_its_budget_of_a_compile_is_not_used():
+    """On the XLA path a step on the warm-up's widest program can take as long as compiling its own program:
+    waiting for the compile is then no worse."""
+    cache, calls = ProgramCache(8), []
+    big, small = _step(64, 8), _step(16, 2)
+    cache.compile(big, _job(big, calls, sleep=0.01))
+    cache.record_run(big, 60.0)  # a minute a step, against a compile of 10 ms
+    assert cache.lookup(small, _job(small, calls, sleep=0.01)) == (small, "exe16x2") and calls[-1] == (small, True)
+    cache.record_run(big, 0.0)
+    tiny = _step(16, 1)
+    assert cache.lookup(tiny, _job(tiny, calls))[0] == big and cache.stand_in_steps == 1
+    cache.close()
+
+
+def test_a_failed_background_compile_is_logged_and_compiles_on_the_engine_thread_next_time(caplog):
+    cache, calls = ProgramCache(8), []
+    cache.compile(_step(64, 8), _job(_step(64, 8), calls))
+    cache.record_run(_step(64, 8), 0.0)
+    small = _step(16, 2)
+    assert cache.lookup(small, _job(small, calls, fail=True))[0] == _step(64, 8)
+    with caplog.at_level(logging.ERROR, logger="pagedjax.engine.programs"):
+        cache.wait()
+    assert "background compile" in caplog.text and "injected compile failure" in caplog.text
+    assert small not in cache.executables
+    assert cache.lookup(small, _job(small, calls)) == (small, "exe16x2")  # not a stand-in again: compiled now
+    assert calls[-1] == (small, True) and cache.stand_in_steps == 1
+    cache.close()
+
+
+def test_background_compiles_are_capped_and_cancelled_on_close():
+    cache, calls, gate = ProgramCache(8), [], threading.Event()
+    cache.compile(_step(128, 8), _job(_step(128, 8), calls))
+    cache.record_run(_step(128, 8), 0.0)
+    misses = [_step(16, s) for s in (1, 2, 4, 8)]
+    for shape in misses:  # every one runs on the stand-in; MAX_PENDING compiles are queued, no more
+        assert cache.lookup(shape, _job(shape, calls, block=gate))[0] == _step(128, 8)
+        deadline = time.monotonic() + 10
+        while len(calls) < 2 and time.monotonic() < deadline:  # the first has begun (and waits at the gate)
+            time.sleep(0.01)
+    assert cache.num_pending == MAX_PENDING and cache.num_compilations == 1 + MAX_PENDING
+    cache.close()  # the waiting one is cancelled; the running one ends unused
+    gate.set()
+    assert cache.num_pending == 0 and cache.num_compilations == 2  # the warm one and the one that ran
+    assert cache.lookup(misses[-1], _job(misses[-1], calls)) == (misses[-1], "exe16x8")  # closed: compiled now
+    assert calls[-1] == (misses[-1], True)
+
+
+def test_pinned_programs_are_never_dropped():
+    cache, calls = ProgramCache(2), []
+    warm = _step(128, 8)
+    cache.compile(warm, _job(warm, calls), pinned=True)
+    shapes = [_step(16, s) for s in (1, 2, 4)]
+    for shape in shapes:
+        cache.compile(shape, _job(shape, calls))
+    assert list(cache.executables) == [warm, shapes[-1]]  # the least recently used unpinned ones went
+    tiny = ProgramCache(1)  # a cap below the pinned programs holds them and the latest
+    for shape in (warm, *shapes):
+        tiny.compile(shape, _job(shape, calls), pinned=shape == warm)
+    assert list(tiny.executables) == [warm, shapes[-1]]
