@@ -54,7 +54,8 @@ def make_sample(group: SampleGroup, index: int) -> Request:
     return Request(request_id=sample_id(r.request_id, index), prompt_token_ids=r.prompt_token_ids,
                    sampling_params=params, eos_token_ids=r.eos_token_ids, cache_salt=r.cache_salt,
                    adapter_id=r.adapter_id, group=group, sample_index=index,
-                   logprobs=[] if params.logprobs is not None else None)
+                   logprobs=[] if params.logprobs is not None else None,
+                   constraint=None if r.constraint is None else r.constraint.copy())  # each its own state
 
 
 def spawn_samples(scheduler: Scheduler, prefill: Request) -> None:

@@ -43,8 +43,10 @@ def schedule_fused_decode(scheduler: Scheduler, num_steps: int) -> FusedDecodePl
     width = 0
     for r in scheduler.running:
         # A held request (beam search) runs one token at a time; a fork's first write into its shared
-        # block needs a copy-on-write, which only a plain step makes (one step, then fused again).
-        if r.num_tokens - r.num_computed_tokens != 1 or r.hold or r.prefill_only or kv.needs_copy(r):
+        # block needs a copy-on-write, which only a plain step makes (one step, then fused again); a
+        # constrained request (structured output) needs its token mask from the host before every token.
+        if (r.num_tokens - r.num_computed_tokens != 1 or r.hold or r.prefill_only or kv.needs_copy(r)
+                or r.constraint is not None):
             return None
         m = min(num_steps, scheduler.max_new_tokens_left(r))
         max_new.append(m)

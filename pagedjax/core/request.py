@@ -29,6 +29,65 @@ def _check_float(name: str, value, *, lo: float | None = None) -> None:
 
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's API allows
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output text; exactly one kind is given:
+
+    json         a JSON schema (a dict, or its JSON text): the output is one JSON value valid under it
+    json_object  True: the output is any JSON object
+    regex        the output matches this regular expression (whole)
+    choice       the output is one of these strings
+    grammar      the output is a sentence of this Lark-syntax grammar (llguidance's dialect; `start` rule)
+
+    Each generated token is sampled from the tokens that keep the output a prefix of something the constraint
+    allows (EOS only where it is complete). The schema is stored as canonical JSON text (hashable)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        owner = "StructuredOutput"
+        if self.json is not None:
+            import json as jsonlib
+
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = jsonlib.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"{owner}.json is not valid JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise TypeError(f"{owner}.json must be a JSON schema (a dict or its JSON text), got "
+                                f"{type(schema).__name__}")
+            object.__setattr__(self, "json", jsonlib.dumps(schema, sort_keys=True, separators=(",", ":")))
+        if not isinstance(self.json_object, bool):
+            raise TypeError(f"{owner}.json_object must be a bool, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"{owner}.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            choice = (self.choice,) if isinstance(self.choice, str) else self.choice
+            if not hasattr(choice, "__iter__") or isinstance(choice, bytes):
+                raise TypeError(f"{owner}.choice must be a sequence of strings, got {type(choice).__name__}")
+            choice = tuple(choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError(f"{owner}.choice must hold one or more non-empty strings, got {choice!r}")
+            object.__setattr__(self, "choice", choice)
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"{owner}: give exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                             f"{', '.join(given) or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass(frozen=True)
@@ -53,7 +112,9 @@ class SamplingParams:
     occurrence; `repetition_penalty` (CTRL / Hugging Face) divides positive logits and multiplies negative ones of
     every token seen in the prompt or the output. `min_tokens`: stop ids and EOS cannot be sampled before that
     many outputs. `stop`: strings that end the output (host-side, on the detokenized text; needs a tokenizer):
-    the text is cut before the stop string unless `include_stop_str_in_output`.
+    the text is cut before the stop string unless `include_stop_str_in_output`. `structured`: a
+    `StructuredOutput` (JSON schema, regex, choice, grammar; needs a tokenizer): tokens the constraint does not
+    allow next are masked out of the logits before anything else, so log-probabilities reflect it too.
 
     Every field is validated at construction (types too: no silent coercion); a bad one raises
     TypeError/ValueError naming it.
@@ -77,6 +138,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Every field is checked here, types included, so that a bad value fails at construction with
@@ -111,6 +173,9 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise TypeError(f"SamplingParams.structured must be a StructuredOutput, got "
+                            f"{type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -216,6 +281,9 @@ class Request:
     # The engine's incremental text of its outputs (`pagedjax.engine.outputs`); opaque here, and it lives and
     # dies with the request, so nothing of a forgotten request stays behind.
     text_state: Any = field(default=None, repr=False, compare=False)
+    # The engine's matcher of SamplingParams.structured (`pagedjax.engine.structured`), at the state after its
+    # outputs so far; opaque here: a fork gets `constraint.copy()`.
+    constraint: Any = field(default=None, repr=False, compare=False)
 
     @property
     def cumulative_logprob(self) -> float:

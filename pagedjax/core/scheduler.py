@@ -234,6 +234,13 @@ class Scheduler:
 
     # -- failures --------------------------------------------------------------------------------------
 
+    def fail_request(self, request: Request, error: str) -> None:
+        """End an unfinished request (one the last step advanced) with FINISHED_ERROR and `error`: its own
+        failure, found by the engine after the step (its structured-output constraint refused a token)."""
+        request.error = error
+        if self.requests.get(request.request_id) is request:
+            self._finish_early(request, RequestStatus.FINISHED_ERROR)
+
     def fail_step(self, request_ids: Sequence[str], error: str) -> list[Request]:
         """The step that ran `request_ids` failed before its results reached `update` (a fused decode in
         flight must be cancelled first). Nothing the step computed is trusted:

@@ -78,6 +78,15 @@ def apply_penalties(logits: jax.Array, pen: PenaltyMetadata, num_outputs: jax.Ar
     return jnp.where(is_stop & (num_outputs < pen.min_tokens)[:, None], -jnp.inf, logits)
 
 
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """logits f32 `[S, vocab]` with every token `mask` disallows set to -inf: mask i32 `[S, cdiv(vocab, 32)]`,
+    token t allowed where bit t % 32 of word t // 32 is set (an all-ones row allows everything; structured
+    output, `pagedjax.engine.structured`)."""
+    t = jnp.arange(logits.shape[-1])
+    allowed = (mask[:, t // 32] >> (t % 32)) & 1
+    return jnp.where(allowed != 0, logits, -jnp.inf)
+
+
 def count_tokens(counts: jax.Array, tokens: jax.Array, active: jax.Array) -> jax.Array:
     """counts i32 `[S, vocab]` plus one occurrence of `tokens[s]` where `active[s]`."""
     rows = jnp.arange(counts.shape[0])

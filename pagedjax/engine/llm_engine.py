@@ -27,6 +27,7 @@ from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
 from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, record_token_logprob
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.shapes import warmup_shapes
+from pagedjax.engine.structured import ConstraintCompiler
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama, init_model, model_from_state
 from pagedjax.parallel.config import parallel_layout
@@ -140,6 +141,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
                                    sliding_window=spec.kv_window)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
+        self._constraints = ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids)
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=backend,
                                   mesh=mesh, max_programs=int(max_compiled_programs),
@@ -247,10 +249,20 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: SamplingParams.stop needs an engine with a tokenizer "
                              "(stop strings are matched on the detokenized text); use stop_token_ids")
+        constraint = None
+        if params.structured is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"request {request_id!r}: SamplingParams.structured needs an engine with a "
+                                 "tokenizer (the constraint is on the text)")
+            try:
+                constraint = self._constraints.compile(params.structured)
+            except ValueError as e:
+                raise ValueError(f"request {request_id!r}: SamplingParams.{e}") from None
         request = Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
                           eos_token_ids=self.model_spec.eos_token_ids, cache_salt=cache_salt,
                           logprobs=[] if params.logprobs is not None else None,
-                          prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                          prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                          constraint=constraint)
         self.scheduler.check_request(request)
         return request
 

@@ -13,6 +13,7 @@ there if it does). A streaming front end sends `text[len(sent):]` and never take
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -129,8 +130,8 @@ class OutputProcessor:
 
     def advance(self, requests: list[Request], before: list[int]) -> tuple[list[Request], int]:
         """Decode the tokens each request got in this step (`before`: its output length before the step), end
-        it at a stop string, and return the requests that got tokens or finished, and how many tokens they
-        kept."""
+        it at a stop string, advance its structured-output constraint over them, and return the requests that
+        got tokens or finished, and how many tokens they kept."""
         progressed, generated = [], 0
         for r, b in zip(requests, before, strict=True):
             if self.tokenizer is not None and not r.prefill_only:
@@ -140,6 +141,10 @@ class OutputProcessor:
                     if hit is not None:
                         self.scheduler.stop_at(r, m + 1, hit[1])
                         break
+            if r.constraint is not None and not r.is_finished:
+                refused = r.constraint.advance(r.output_token_ids)
+                if refused is not None:
+                    self.scheduler.fail_request(r, refused)
             generated += r.num_output_tokens - b
             if r.num_output_tokens > b or r.is_finished:
                 progressed.append(r)
@@ -216,9 +221,10 @@ def record_token_logprob(r: Request, token: int, logprobs, at: tuple[int, ...]) 
     r.output_logprobs.append(float(logprobs.logprob[at]))
     if r.logprobs is not None:
         k = r.sampling_params.logprobs or 0
-        r.logprobs.append(TokenLogprobs(token, float(logprobs.logprob[at]),
-                                        tuple(zip(logprobs.top_ids[at][:k].tolist(),
-                                                  logprobs.top_logprobs[at][:k].tolist(), strict=True))))
+        # Tokens a structured-output constraint forbade have log-probability -inf: they are no alternatives.
+        top = tuple((t, lp) for t, lp in zip(logprobs.top_ids[at][:k].tolist(), logprobs.top_logprobs[at][:k].tolist(),
+                                             strict=True) if lp != -math.inf)
+        r.logprobs.append(TokenLogprobs(token, float(logprobs.logprob[at]), top))
 
 
 def record_prompt_logprobs(plan: StepPlan, requests: list[Request], targets: np.ndarray, lps) -> None:

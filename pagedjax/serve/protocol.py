@@ -44,6 +44,7 @@ Probability = Annotated[float, Field(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+NonEmpty = Annotated[str, Field(min_length=1)]
 
 
 class _SamplingFields(_Request):
@@ -69,6 +70,11 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
+    # vLLM's structured output extensions (one at most; chat's response_format is OpenAI's way)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: NonEmpty | None = None
+    guided_choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
+    guided_grammar: NonEmpty | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -102,8 +108,16 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # `schema` would shadow BaseModel's
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagedjax.core.request import SamplingParams
+from pagedjax.core.request import SamplingParams, StructuredOutput
 from pagedjax.serve.errors import APIError, bad_request
 from pagedjax.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -51,7 +51,40 @@ def engine_fields(request: CompletionRequest | ChatCompletionRequest, *, max_tok
             fields["logprobs"] = request.logprobs
     elif request.logprobs:
         fields["logprobs"] = request.top_logprobs or 0
+    structured = structured_output(request)
+    if structured is not None:
+        fields["structured"] = structured[0]
     return fields
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_output(request: CompletionRequest | ChatCompletionRequest) -> tuple[StructuredOutput, str] | None:
+    """The request's output constraint and the field that gave it (chat's `response_format` json_object /
+    json_schema, or one of vLLM's guided_* fields), or None; 400 naming the fields when several are given."""
+    given = [name for name in GUIDED if getattr(request, name) is not None]
+    fmt = getattr(request, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        given.append("response_format")
+    if len(given) > 1:
+        raise bad_request(f"give one output constraint at most, got {', '.join(given)}", given[1])
+    if not given:
+        return None
+    name = given[0]
+    try:
+        if name != "response_format":
+            value = getattr(request, name)
+            return StructuredOutput(**{GUIDED[name]: tuple(value) if name == "guided_choice" else value}), name
+        if fmt.type == "json_object":
+            if fmt.json_schema is not None:
+                raise bad_request("response_format.json_schema is for type json_schema", "response_format")
+            return StructuredOutput(json_object=True), name
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema", "response_format")
+        return StructuredOutput(json=fmt.json_schema.schema_), name
+    except (TypeError, ValueError) as e:
+        raise bad_request(f"{name}: {str(e).replace('StructuredOutput.', '')}", name) from None
 
 
 def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:

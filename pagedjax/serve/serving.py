@@ -41,7 +41,7 @@ from pagedjax.serve.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from pagedjax.serve.sampling import DEFAULT_COMPLETION_MAX_TOKENS, sampling_params
+from pagedjax.serve.sampling import DEFAULT_COMPLETION_MAX_TOKENS, sampling_params, structured_output
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     created: int
+    structured_field: str | None = None  # the request field its output constraint came from
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -125,10 +126,11 @@ class OpenAIServing:
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         params = sampling_params(request, max_tokens=max_tokens)
+        structured = structured_output(request)
         return Prepared(request_id=random_request_id(prefix), prompt_token_ids=prompt_token_ids,
                         params=params, stream=request.stream,
                         include_usage=bool(request.stream_options and request.stream_options.include_usage),
-                        created=int(time.time()))
+                        created=int(time.time()), structured_field=None if structured is None else structured[1])
 
     def prepare_completion(self, request: CompletionRequest) -> Prepared:
         self.check_model(request.model)
@@ -166,6 +168,9 @@ class OpenAIServing:
                                                  request_id=prepared.request_id)
         except (TypeError, ValueError) as e:
             message = str(e).replace(f"request {prepared.request_id!r}: ", "")
+            if message.startswith("SamplingParams.structured"):  # the constraint did not compile
+                field = prepared.structured_field
+                raise bad_request(f"{field}: {message.split(': ', 1)[-1]}", field) from None
             raise bad_request(message, engine_error_param(message)) from None
         except QueueFullError as e:
             raise APIError(503, f"The server is overloaded: {e}", code="queue_full",

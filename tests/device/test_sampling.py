@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -114,3 +115,26 @@ def test_penalties_match_the_formulas():
     np.testing.assert_allclose(out, [1.0, -2.0 - 0.5 - 0.5, 0.25 - 0.25 - 0.5, -np.inf, -4.0], rtol=1e-6)
     out = np.asarray(jax.jit(apply_penalties)(logits, pen, np.array([3], np.int32)))[0]
     assert out[3] == 3.0  # min_tokens reached: the stop id may be sampled
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 259])
+def test_token_mask_keeps_exactly_the_allowed_tokens(vocab):
+    """Bit t % 32 of word t // 32 allows token t (the sign bit included); everything else becomes -inf, and
+    greedy and sampled tokens come only from the allowed set."""
+    from pagedjax.device.sampling import apply_token_mask
+
+    rng = np.random.default_rng(vocab)
+    words = -(-vocab // 32)
+    allowed = rng.random((3, vocab)) < 0.3
+    allowed[:, vocab - 1] = True  # the last token (a sign bit when vocab % 32 == 0) at least
+    allowed[2] = True  # an all-allowed row
+    bits = np.zeros((3, words * 32), np.uint32)
+    bits[:, :vocab] = allowed
+    mask = (bits.reshape(3, words, 32) << np.arange(32, dtype=np.uint32)).sum(-1).astype(np.uint32).view(np.int32)
+    logits = jnp.asarray(rng.normal(size=(3, vocab)), jnp.float32)
+    out = np.asarray(apply_token_mask(logits, jnp.asarray(mask)))
+    np.testing.assert_array_equal(np.isfinite(out), allowed)
+    np.testing.assert_array_equal(out[allowed], np.asarray(logits)[allowed])
+    meta = SamplingMetadata.from_lists([0.0, 1.0, 1.0], [0] * 3, [1.0] * 3, [1, 2, 3], [0] * 3)
+    tokens = np.asarray(sample(jnp.asarray(out), meta))
+    assert all(allowed[i, t] for i, t in enumerate(tokens))

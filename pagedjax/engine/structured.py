@@ -1,0 +1,149 @@
+"""Structured output: a request's constraint (`SamplingParams.structured`) as a grammar matcher on the host, and
+the token masks a step's sampler applies on device.
+
+The grammar work is llguidance's (a Rust library with a numpy API and no torch at run time; it compiles JSON
+schemas, regexes, choices and Lark grammars to one matcher and computes a next-token bitmask in tens of
+microseconds: `scripts/bench_structured.py`). Per step, each constrained request that samples a token gets a row
+of the bitmask (bit t of word t // 32 set = token t allowed; unconstrained rows are all ones), and the sampler
+sets the logits of disallowed tokens to -inf before anything else (penalties, temperature, top-k / top-p /
+min-p, log-probabilities), as vLLM does. The matcher then consumes the sampled token (`Constraint.advance`,
+called by the output layer). A sample of a multi-sample request starts from a copy of its prefill's matcher.
+
+    compiler = ConstraintCompiler(tokenizer, vocab_size)
+    request.constraint = compiler.compile(params.structured)   # ValueError naming the field if invalid
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from pagedjax.core.request import Request, StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+MASK_BITS = 32  # tokens per int32 word of a mask row
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words per mask row."""
+    return -(-vocab_size // MASK_BITS)
+
+
+class Constraint:
+    """A request's matcher at the state after the first `consumed` output tokens."""
+
+    def __init__(self, matcher, consumed: int = 0):
+        self.matcher = matcher
+        self.consumed = consumed
+
+    def copy(self) -> Constraint:
+        return Constraint(self.matcher.deep_copy(), self.consumed)
+
+    def advance(self, output_token_ids: list[int]) -> str | None:
+        """Consume the outputs not consumed yet; None, or why the grammar refused one (the request must fail:
+        its mask allowed the token, so this is the library refusing mid-generation)."""
+        new = output_token_ids[self.consumed:]
+        for token in new:
+            if not self.matcher.consume_token(int(token)):
+                return f"structured output: the constraint refused token {token}: {self.matcher.get_error()}"
+            self.consumed += 1
+        return None
+
+    def fill(self, row: np.ndarray) -> None:
+        """Write the allowed next tokens into `row` (int32 `[mask_words]`, C-contiguous)."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.matcher, row.reshape(1, -1))
+
+
+class ConstraintCompiler:
+    """Compiles `StructuredOutput`s for one tokenizer (its vocabulary built once, on first use)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._ll_tokenizer = None
+
+    def _llg_tokenizer(self):
+        if self._ll_tokenizer is None:
+            import llguidance
+
+            eos = list(self.eos_token_ids) or None
+            inner = getattr(self.tokenizer, "tokenizer", None)
+            if inner is not None and hasattr(inner, "to_str"):  # a Hugging Face tokenizers.Tokenizer
+                self._ll_tokenizer = llguidance.LLTokenizer(inner.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+            else:
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    llguidance.TokenizerWrapper(_Vocabulary(self.tokenizer, self.vocab_size, self.eos_token_ids)),
+                    n_vocab=self.vocab_size, eos_token=eos)
+        return self._ll_tokenizer
+
+    def compile(self, structured: StructuredOutput) -> Constraint:
+        """A fresh matcher for `structured`; ValueError naming the field when the library rejects it."""
+        import llguidance
+
+        kind = structured.kind
+        try:
+            if kind == "json":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(structured.json)
+            elif kind == "json_object":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+            elif kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(structured.regex)
+            elif kind == "choice":
+                grammar = llguidance.LLMatcher.grammar_from_lark(
+                    "start: " + " | ".join(_lark_string(c) for c in structured.choice))
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_lark(structured.grammar)
+        except (ValueError, RuntimeError, TypeError) as e:
+            raise ValueError(f"structured.{kind}: {e}") from None
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
+        if matcher.is_error():
+            raise ValueError(f"structured.{kind}: {matcher.get_error()}")
+        return Constraint(matcher)
+
+
+def token_masks(requests: list[Request], emits_token, vocab_size: int) -> np.ndarray | None:
+    """The step's allowed-token bitmask int32 `[S, mask_words]` (all ones for unconstrained rows and rows that
+    sample nothing), or None when no row that samples is constrained (the step then has no mask at all)."""
+    rows = [i for i, r in enumerate(requests) if r.constraint is not None and emits_token[i]]
+    if not rows:
+        return None
+    masks = np.full((len(requests), mask_words(vocab_size)), -1, np.int32)
+    for i in rows:
+        requests[i].constraint.fill(masks[i])
+    return masks
+
+
+def _lark_string(text: str) -> str:
+    """A Lark string literal matching `text` exactly."""
+    import json
+
+    return json.dumps(text)
+
+
+class _Vocabulary:
+    """A byte-level pagedjax tokenizer (`ByteTokenizer`: `decode_bytes`, `encode(text, add_bos=False)`) as
+    llguidance's `TokenizerWrapper` wants it: each token's bytes (special tokens as 0xff + a name, which no text
+    can produce), and an encoder without special tokens."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        if not hasattr(tokenizer, "decode_bytes"):
+            raise ValueError(f"structured output needs a Hugging Face or byte-level tokenizer, got "
+                             f"{type(tokenizer).__name__}")
+        special = set(getattr(tokenizer, "special_token_ids", ()) or ())
+        self.tokens = []
+        for i in range(vocab_size):
+            piece = tokenizer.decode_bytes([i]) if i not in special else b""
+            self.tokens.append(b"\xff" + f"<special_{i}>".encode() if i in special or not piece else piece)
+        self.special_token_ids = sorted(special)
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(self._tokenizer.encode(text, add_bos=False))
