@@ -21,6 +21,7 @@ from pagedjax.core.request import MAX_LOGPROBS, Request
 from pagedjax.core.step_plan import FusedDecodePlan, StepPlan
 from pagedjax.device.attention import AttentionMetadata
 from pagedjax.device.sampling import PenaltyMetadata, SamplingMetadata
+from pagedjax.engine.structured import token_masks
 
 
 # ------------------------------------------------------------------------------- what the requests ask of a step
@@ -102,7 +103,8 @@ def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, eng
                     block_tables=plan.block_tables, kv_lens=plan.kv_lens, cu_q_lens=plan.cu_q_lens,
                     sampling=sampling_metadata(requests, engine_seed), block_copies=plan.block_copies,
                     penalties=penalty_metadata(requests, vocab_size), prompt_targets=targets,
-                    num_top_logprobs=num_top_logprobs(requests), num_prompt_top_logprobs=num_prompt_top)
+                    num_top_logprobs=num_top_logprobs(requests), num_prompt_top_logprobs=num_prompt_top,
+                    token_mask=token_masks(requests, plan.emits_token, vocab_size))
 
 
 def fused_decode_inputs(fused_plan: FusedDecodePlan, requests: list[Request], *, vocab_size: int,
@@ -178,6 +180,8 @@ class StepExtras(NamedTuple):
     penalties: PenaltyMetadata | None = None  # [S] rows
     prompt_targets: np.ndarray | None = None  # i32[T]: the prompt token after each position whose log-probability
     #                                           is wanted, -1 elsewhere
+    token_mask: np.ndarray | None = None  # i32[S, cdiv(vocab, 32)] allowed-token bits (structured output; all
+    #                                       ones = unconstrained)
 
 
 NO_EXTRAS = StepExtras()
@@ -210,6 +214,7 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
              prompt_targets: np.ndarray | None = None,  # i32[T]
              num_top_logprobs: int | None = None,
              num_prompt_top_logprobs: int = 0,
+             token_mask: np.ndarray | None = None,  # i32[S, W]
              ) -> StepInputs:
     """Pad a ragged step to bucket sizes. Padding tokens write nowhere (slot -1); padding sequences have
     q_len 0 and kv_len 0, so every kernel returns zeros for them. Sequences are bucketed from 1 (a batch
@@ -229,7 +234,8 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
         copies[:, 0] = 0
         copies[: len(block_copies)] = block_copies
     extras = StepExtras(block_copies=copies, penalties=pad_penalties(penalties, s_b),
-                        prompt_targets=None if prompt_targets is None else pad_rows(prompt_targets, t_b, -1))
+                        prompt_targets=None if prompt_targets is None else pad_rows(prompt_targets, t_b, -1),
+                        token_mask=None if token_mask is None else pad_rows(token_mask, s_b, -1))
     return StepInputs(
         extras=extras,
         num_top_logprobs=_bucket_top(num_top_logprobs),

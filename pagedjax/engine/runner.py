@@ -33,6 +33,7 @@ from pagedjax.device.sampling import (
     LogprobArrays,
     PenaltyMetadata,
     SamplingMetadata,
+    apply_token_mask,
     count_tokens,
     sample,
     token_logprobs,
@@ -80,6 +81,8 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
         logits = all_logits[logits_indices]
     else:
         logits = _gathered(model.compute_logits(hidden[logits_indices]), mesh)
+    if extras.token_mask is not None:  # structured output: disallowed tokens out before anything else
+        logits = apply_token_mask(logits, extras.token_mask)
     tokens = sample(logits, sampling, extras.penalties)
     logprobs = None if num_top_logprobs is None else token_logprobs(logits, tokens, num_top_logprobs)
     outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None)

@@ -11,8 +11,8 @@ padding is inert:
   - more block-table columns: no kernel reads a sequence's blocks past its length;
   - optional parts the step does not need: block copies with dst -1 (dropped), penalties with neutral rows
     (presence 0, frequency 0, repetition 1, min_tokens 0, stop ids -1: the logits pass unchanged), log-
-    probabilities and prompt log-probabilities (targets -1) computed and ignored; more top alternatives or
-    stop-id columns than the step's are cut or never match;
+    probabilities and prompt log-probabilities (targets -1) computed and ignored, token masks of all ones
+    (every token allowed); more top alternatives or stop-id columns than the step's are cut or never match;
   - a decode-only step (one token per sequence) may run on a ragged program: ragged attention takes one-token
     sequences too.
 "The same results" up to the last-bit rounding any change of shape may bring (as between two bucket sizes of a
@@ -20,9 +20,10 @@ step): the tokens of the tests' models are identical, log-probabilities equal to
 
 The bound on programs (`variants_bound`): per (T, S, B), at most 2 (block copies off / on) x 3 (penalties off,
 8 or 512 stop-id columns) x 3 (log-probabilities off, 5 or 20 alternatives) x 3 (prompt log-probabilities off, 5
-or 20) = 54 variants of the optional parts, and `return_logits` (which only tests and tools ask for) doubles
-that; T is a power of two from 16 to the token budget's bucket (or S, for a decode-only step), S one up to
-max_num_seqs' bucket, B one from 2 up to max_model_len / block_size's bucket. (Before, every power of two of
+or 20) x 2 (structured output's token mask off / on) = 108 variants of the optional parts, and `return_logits`
+(which only tests and tools ask for) doubles that; T is a power of two from 16 to the token budget's bucket
+(or S, for a decode-only step), S one up to max_num_seqs' bucket, B one from 2 up to max_model_len /
+block_size's bucket. (Before, every power of two of
 copies, stop ids and alternatives was a program of its own.) A fused decode has 12 variants per (S, B): stop ids
 8 or 512, penalties off / on, log-probabilities off, 5 or 20. The runner also holds at most `max_programs`.
 Stop-id lists longer than 511 (the Python API has no limit; the server's is 256) add a power of two each.
@@ -48,6 +49,7 @@ from pagedjax.engine.inputs import (
     pad_sampling,
     pad_table,
 )
+from pagedjax.engine.structured import mask_words
 
 
 class StepShape(NamedTuple):
@@ -63,6 +65,7 @@ class StepShape(NamedTuple):
     prompt_targets: bool
     num_top_logprobs: int | None
     num_prompt_top_logprobs: int
+    token_mask: bool = False  # structured output's allowed-token bits
 
 
 class LoopShape(NamedTuple):
@@ -82,7 +85,7 @@ def step_shape(inputs: StepInputs, return_logits: bool = False) -> StepShape:
     return StepShape("step", len(inputs.token_ids), inputs.meta.block_tables.shape, inputs.decode_only,
                      return_logits, None if x.block_copies is None else x.block_copies.shape[0],
                      None if x.penalties is None else x.penalties.stop_ids.shape[1], x.prompt_targets is not None,
-                     inputs.num_top_logprobs, inputs.num_prompt_top_logprobs)
+                     inputs.num_top_logprobs, inputs.num_prompt_top_logprobs, x.token_mask is not None)
 
 
 def loop_shape(inputs: FusedDecodeInputs) -> LoopShape:
@@ -110,15 +113,16 @@ def dominates(program: StepShape | LoopShape, step: StepShape | LoopShape) -> bo
     prompt_ok = not step.prompt_targets or (
         program.prompt_targets and program.num_prompt_top_logprobs >= step.num_prompt_top_logprobs)
     return (program.tokens >= step.tokens and program.return_logits >= step.return_logits and prompt_ok
-            and _at_least(program.copies, step.copies) and _at_least(program.stop_width, step.stop_width))
+            and _at_least(program.copies, step.copies) and _at_least(program.stop_width, step.stop_width)
+            and program.token_mask >= step.token_mask)
 
 
 def variants_bound() -> int:
     """The most programs one (T, S, B) of ragged steps compiles (see the module's docstring): each optional part
     off or in one of its sizes."""
-    copies, stops, logprobs, prompt_logprobs, logits = 2, 1 + len(STOP_ID_WIDTHS), 1 + len(TOP_LOGPROBS_SIZES), \
-        1 + len(TOP_LOGPROBS_SIZES), 2
-    return copies * stops * logprobs * prompt_logprobs * logits
+    copies, stops, logprobs, prompt_logprobs, masks, logits = 2, 1 + len(STOP_ID_WIDTHS), \
+        1 + len(TOP_LOGPROBS_SIZES), 1 + len(TOP_LOGPROBS_SIZES), 2, 2
+    return copies * stops * logprobs * prompt_logprobs * masks * logits
 
 
 def neutral_penalties(num_seqs: int, vocab_size: int, width: int) -> PenaltyMetadata:
@@ -154,6 +158,10 @@ def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int) -> StepInp
     targets = None
     if shape.prompt_targets:
         targets = pad_rows(np.zeros(0, np.int32) if x.prompt_targets is None else x.prompt_targets, t, -1)
+    mask = None
+    if shape.token_mask:  # all ones: every token allowed in rows without a constraint
+        mask = pad_rows(np.zeros((0, mask_words(vocab_size)), np.int32) if x.token_mask is None else x.token_mask,
+                        s, -1)
     return StepInputs(
         token_ids=pad_rows(inputs.token_ids, t, 0), positions=pad_rows(inputs.positions, t, 0),
         meta=AttentionMetadata(pad_rows(m.slot_mapping, t, -1), pad_table(m.block_tables, s, b),
@@ -161,7 +169,7 @@ def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int) -> StepInp
         logits_indices=pad_rows(inputs.logits_indices, s, 0), sampling=pad_sampling(inputs.sampling, s),
         decode_only=shape.decode_only,
         extras=StepExtras(block_copies=copies, penalties=_widen(x.penalties, s, vocab_size, shape.stop_width),
-                          prompt_targets=targets),
+                          prompt_targets=targets, token_mask=mask),
         num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs)
 
 
@@ -191,7 +199,7 @@ def warmup_shapes(*, max_tokens: int, max_seqs: int, max_blocks: int, block_size
     one a quarter as wide, a cheaper stand-in for the steps of shorter sequences."""
     t, s, b = bucket(max_tokens, 16), bucket(min(max_seqs, max_tokens)), bucket(max_blocks, 2)
     top, stops = TOP_LOGPROBS_SIZES[-1], STOP_ID_WIDTHS[-1]
-    plain = StepShape("step", t, (s, b), False, False, s, stops, False, top, 0)
+    plain = StepShape("step", t, (s, b), False, False, s, stops, False, top, 0, True)
     shapes: list[StepShape | LoopShape] = [plain, plain._replace(prompt_targets=True, num_prompt_top_logprobs=top)]
     if narrow and b >= 8:
         shapes.append(plain._replace(tables=(s, b // 4)))

@@ -25,6 +25,10 @@ from pagedjax.core.request import Request, StructuredOutput
 logger = logging.getLogger(__name__)
 
 MASK_BITS = 32  # tokens per int32 word of a mask row
+# JSON is written as `json.dumps` writes it: ", " and ": ", no other whitespace. Free whitespace (llguidance's
+# default) lets a model pad forever between tokens of structure (a known failure of constrained decoding); a
+# schema may still ask for it with its own "x-guidance": {"whitespace_flexible": true}.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def mask_words(vocab_size: int) -> int:
@@ -89,9 +93,9 @@ class ConstraintCompiler:
         kind = structured.kind
         try:
             if kind == "json":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(structured.json)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(structured.json, defaults=JSON_STYLE)
             elif kind == "json_object":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+                grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_STYLE)
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(structured.regex)
             elif kind == "choice":

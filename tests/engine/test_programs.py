@@ -15,10 +15,12 @@ import jax
 import numpy as np
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from pagedjax.core.request import StructuredOutput
 from pagedjax.engine import programs
 from pagedjax.engine.inputs import STOP_ID_WIDTHS, TOP_LOGPROBS_SIZES
 from pagedjax.engine.programs import MAX_PENDING, ProgramCache
 from pagedjax.engine.shapes import LoopShape, StepShape, dominates, variants_bound, warmup_shapes
+from pagedjax.model.tokenizer import ByteTokenizer
 from tests.serve.server_utils import CFG  # vocabulary 259: room for 256 stop ids
 
 MAX_NUM_SEQS, MAX_BATCHED, MAX_LEN, BLOCK_SIZE = 4, 32, 60, 16  # tables of at most 4 blocks
@@ -26,6 +28,7 @@ MAX_NUM_SEQS, MAX_BATCHED, MAX_LEN, BLOCK_SIZE = 4, 32, 60, 16  # tables of at m
 
 def make_engine(**kwargs) -> LLMEngine:
     kwargs.setdefault("compile_in_background", True)
+    kwargs.setdefault("tokenizer", ByteTokenizer())
     return LLMEngine(CFG, CacheConfig(block_size=BLOCK_SIZE, num_blocks=64),
                      SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED,
                                      max_model_len=MAX_LEN), seed=3, **kwargs)
@@ -56,7 +59,8 @@ def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatc
     block copies) used to compile a program per power of two of each (up to 2 x 10 x 7 x 7 variants of a step's
     optional parts). Each part now takes off or one of its documented sizes: per (T, S, B) at most
     `variants_bound()` = 2 (copies) x 3 (stop ids: off, 8, 512) x 3 (top log-probabilities: off, 5, 20)
-    x 3 (prompt's) x 2 (logits) programs; with T, S, B powers of two up to this engine's limits, the
+    x 3 (prompt's) x 2 (structured output's token mask) x 2 (logits) programs; with T, S, B powers of two up to
+    this engine's limits, the
     engine's bound is their count times that. After warm-up, not one of these steps waited for a compile."""
     monkeypatch.setattr(programs, "STAND_IN_BUDGET", math.inf)  # whatever this machine's load: see the budget's test
     engine = make_engine()
@@ -68,7 +72,8 @@ def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatc
                 itertools.cycle([0.0, 0.5, -1.0]), itertools.cycle([None, None, 0, 7, 20]), itertools.cycle([1, 2]))
     for i, logprobs, num_stops, presence, prompt_logprobs, n in knobs:
         params = SamplingParams(max_tokens=2, logprobs=logprobs, stop_token_ids=range(num_stops),
-                                presence_penalty=presence, prompt_logprobs=prompt_logprobs, n=n, ignore_eos=i % 2 == 0)
+                                presence_penalty=presence, prompt_logprobs=prompt_logprobs, n=n, ignore_eos=i % 2 == 0,
+                                structured=StructuredOutput(regex="[a-z]{1,4}") if i % 4 == 1 else None)
         engine.add_request(f"r{i}", rng.integers(0, 256, 3 + i % 11).tolist(), params)
         if i % 3 == 2:  # three requests at a time: batches of 1-6 sequences
             while engine.has_unfinished_requests():
@@ -86,11 +91,11 @@ def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatc
     per_size = {}
     for shape in shapes:
         per_size.setdefault(shape[1:3], set()).add(shape)
-    assert max(map(len, per_size.values())) <= variants_bound() == 108
+    assert max(map(len, per_size.values())) <= variants_bound() == 216
     bound = (len(ts) + 1) * len(ss) * len(bs) * variants_bound()  # ragged T's, and decode-only steps (T = S)
     assert len(shapes) <= bound and engine.stats().compiled_programs <= bound
     assert {s.stop_width for s in shapes} >= {8, 512} and {s.num_top_logprobs for s in shapes} >= {5, 20}
-    assert any(s.copies for s in shapes) and any(s.prompt_targets for s in shapes)
+    assert any(s.copies for s in shapes) and any(s.prompt_targets for s in shapes) and any(s.token_mask for s in shapes)
     assert engine.stats().stand_in_steps > 0
 
 
