@@ -278,6 +278,9 @@ class ModelConfig:
         fix("qk_norm", check_choice(owner, "qk_norm", self.qk_norm, QK_NORMS))
         fix("norm_placement", check_choice(owner, "norm_placement", self.norm_placement, NORM_PLACEMENTS))
         fix("moe", MoEConfig.coerce(self.moe))
+        if self.moe is not None and self.architecture != "llama":
+            raise ValueError(f"ModelConfig.moe: the experts are SwiGLU MLPs, for architecture 'llama' only, not "
+                             f"{self.architecture!r}")
         self._check_rope_scaling()
 
     def _check_rope_scaling(self) -> None:
