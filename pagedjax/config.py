@@ -6,9 +6,12 @@ Plain Python, no JAX: the host side (`pagedjax.core`) imports this too.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from dataclasses import dataclass
+
+# check_int and is_int are re-exported: the rest of the package has imported them from here.
+from pagedjax.fields import check_bool, check_choice, check_float, check_int, describe, is_int  # noqa: F401
+from pagedjax.moe_config import MoEConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -51,54 +54,11 @@ ROPE_TYPES: tuple[str, ...] = tuple(ROPE_SCALING_PARAMS)
 _ROPE_VECTOR_PARAMS = ("short_factor",)  # one number per rotated frequency; every other parameter is one number
 
 
-def _describe(value) -> str:
-    return "None" if value is None else f"{type(value).__name__} {value!r}"
-
-
-def is_int(value) -> bool:
-    """A true integer (Python or numpy), not a bool, float or string."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_int(owner: str, name: str, value, *, lo: int | None = None, hi: int | None = None,
-              optional: bool = False) -> int | None:
-    """`value` as an int (numpy integers too; bools are not ints here) within [lo, hi], else TypeError or
-    ValueError naming `owner.name`: the one integer check of every config and parameter class."""
-    if value is None and optional:
-        return None
-    if not is_int(value):
-        raise TypeError(f"{owner}.{name} must be an int{' or None' if optional else ''}, got {_describe(value)}")
-    value = int(value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{'-inf' if lo is None else lo}, {hi}]"
-        raise ValueError(f"{owner}.{name} must be {bound}, got {value}")
-    return value
-
-
-def _float_field(owner: str, name: str, value, *, positive: bool = False) -> float:
-    """`value` (an int or a float, not a bool) as a finite float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{owner}.{name} must be a number, got {_describe(value)}")
-    try:
-        value = float(value)
-    except OverflowError:  # an int beyond float's range
-        value = math.inf
-    if not math.isfinite(value) or (positive and value <= 0) or value < 0:
-        raise ValueError(f"{owner}.{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value}")
-    return value
-
-
-def _bool_field(owner: str, name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{owner}.{name} must be true or false, got {_describe(value)}")
-    return value
-
-
 def _dtype_field(owner: str, name: str, value, *, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
     if not isinstance(value, str):
-        raise TypeError(f"{owner}.{name} must be a dtype name such as 'float32', got {_describe(value)}")
+        raise TypeError(f"{owner}.{name} must be a dtype name such as 'float32', got {describe(value)}")
     if value not in _DTYPE_BYTES:
         raise ValueError(f"{owner}.{name}: unsupported dtype {value!r}; expected one of {sorted(_DTYPE_BYTES)}")
     return value
@@ -114,22 +74,22 @@ def _rope_scaling_field(value) -> tuple[tuple[str, float | str], ...] | None:
     elif isinstance(value, tuple | list) and all(isinstance(p, tuple | list) and len(p) == 2 for p in value):
         items = [tuple(p) for p in value]
     else:
-        raise TypeError(f"{owner} must be None, a dict or (name, value) pairs, got {_describe(value)}")
+        raise TypeError(f"{owner} must be None, a dict or (name, value) pairs, got {describe(value)}")
     if not items:
         return None
     params: dict[str, float | str] = {}
     for key, v in items:
         if not isinstance(key, str):
-            raise TypeError(f"{owner}: keys must be strings, got {_describe(key)}")
+            raise TypeError(f"{owner}: keys must be strings, got {describe(key)}")
         if key in ("rope_type", "type"):
             if not isinstance(v, str):
-                raise TypeError(f"{owner}.{key} must be a string, got {_describe(v)}")
+                raise TypeError(f"{owner}.{key} must be a string, got {describe(v)}")
         elif key in _ROPE_VECTOR_PARAMS:
             if isinstance(v, str) or not isinstance(v, tuple | list) or not v:
-                raise TypeError(f"{owner}.{key} must be a non-empty list of numbers, got {_describe(v)}")
-            v = tuple(_float_field(owner, f"{key}[{i}]", x, positive=True) for i, x in enumerate(v))
+                raise TypeError(f"{owner}.{key} must be a non-empty list of numbers, got {describe(v)}")
+            v = tuple(check_float(owner, f"{key}[{i}]", x, positive=True) for i, x in enumerate(v))
         elif isinstance(v, bool) or not isinstance(v, numbers.Real):
-            raise TypeError(f"{owner}.{key} must be a number, got {_describe(v)}")
+            raise TypeError(f"{owner}.{key} must be a number, got {describe(v)}")
         params[key] = v
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_SCALING_PARAMS:
@@ -154,21 +114,6 @@ _ARCHITECTURE_NORMS = {"llama": "pre", "gemma2": "sandwich"}
 QK_NORMS: tuple[str, ...] = ("head", "full")
 
 
-def _optional_positive_float(owner: str, name: str, value) -> float | None:
-    return None if value is None else _float_field(owner, name, value, positive=True)
-
-
-def _choice_field(owner: str, name: str, value, choices: tuple[str, ...], *, optional: bool = True) -> str | None:
-    """One of `choices` (or None when optional)."""
-    if value is None and optional:
-        return None
-    if not isinstance(value, str):
-        raise TypeError(f"{owner}.{name} must be {'None or ' if optional else ''}a string, got {_describe(value)}")
-    if value not in choices:
-        raise ValueError(f"{owner}.{name} {value!r} is not supported (supported: {', '.join(choices)})")
-    return value
-
-
 def _sliding_windows_field(value, num_layers: int, owner: str = "ModelConfig") -> tuple[int | None, ...] | None:
     """None, or one window (an int >= 1, or None for a global layer) per layer, as a tuple. A list of only
     Nones is stored as None: "no window anywhere" has one spelling, so such a config compiles the plain step."""
@@ -176,7 +121,7 @@ def _sliding_windows_field(value, num_layers: int, owner: str = "ModelConfig") -
     if value is None:
         return None
     if isinstance(value, str) or not isinstance(value, tuple | list):
-        raise TypeError(f"{owner} must be None or one window (int or None) per layer, got {_describe(value)}")
+        raise TypeError(f"{owner} must be None or one window (int or None) per layer, got {describe(value)}")
     if len(value) != num_layers:
         raise ValueError(f"{owner} must have one entry per layer ({num_layers}), got {len(value)}")
     windows = tuple(check_int(owner.split(".")[0], f"sliding_windows[{i}]", w, lo=1, optional=True)
@@ -225,7 +170,7 @@ class ModelSpec:
         fix("bos_token_id", check_int(owner, "bos_token_id", self.bos_token_id, lo=0, optional=True))
         eos = self.eos_token_ids
         if isinstance(eos, str) or not isinstance(eos, tuple | list):
-            raise TypeError(f"{owner}.eos_token_ids must be a tuple of ints, got {_describe(eos)}")
+            raise TypeError(f"{owner}.eos_token_ids must be a tuple of ints, got {describe(eos)}")
         fix("eos_token_ids", tuple(check_int(owner, "eos_token_ids", t, lo=0, hi=self.vocab_size - 1)
                                    for t in eos))
         if self.num_q_heads % self.num_kv_heads:
@@ -267,6 +212,9 @@ class ModelConfig:
                               `rope_scaling` (Gemma 3's local layers); the other layers keep rope_theta and
                               rope_scaling. None: every layer uses rope_theta and rope_scaling.
 
+    Mixture of experts: `moe` (a `pagedjax.moe_config.MoEConfig`, or its fields as a dict): every layer's MLP is
+    routed over experts of width `moe.intermediate_size` (`intermediate_size` is then unused). None: dense MLPs.
+
     Block layout: `norm_placement` (one of `NORM_PLACEMENTS`; None = the architecture's own, "pre" for llama,
     "sandwich" for gemma2: what configs saved before the field existed mean), resolved by `block_norms`.
     """
@@ -299,6 +247,7 @@ class ModelConfig:
     qk_norm: str | None = None  # one of QK_NORMS
     norm_placement: str | None = None  # one of NORM_PLACEMENTS; None: the architecture's own
     rope_local_theta: float | None = None
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         owner = "ModelConfig"
@@ -306,27 +255,32 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_position_embeddings"):
             fix(name, check_int(owner, name, getattr(self, name), lo=1))
-        fix("rope_theta", _float_field(owner, "rope_theta", self.rope_theta, positive=True))
-        fix("rms_norm_eps", _float_field(owner, "rms_norm_eps", self.rms_norm_eps))
+        fix("rope_theta", check_float(owner, "rope_theta", self.rope_theta, positive=True))
+        fix("rms_norm_eps", check_float(owner, "rms_norm_eps", self.rms_norm_eps))
         fix("rope_scaling", _rope_scaling_field(self.rope_scaling))
-        _bool_field(owner, "tie_word_embeddings", self.tie_word_embeddings)
-        _bool_field(owner, "qkv_bias", self.qkv_bias)
+        check_bool(owner, "tie_word_embeddings", self.tie_word_embeddings)
+        check_bool(owner, "qkv_bias", self.qkv_bias)
         _dtype_field(owner, "dtype", self.dtype)
         fix("bos_token_id", check_int(owner, "bos_token_id", self.bos_token_id, lo=0, optional=True))
         eos = self.eos_token_ids
         if isinstance(eos, str) or not isinstance(eos, tuple | list):
-            raise TypeError(f"{owner}.eos_token_ids must be a tuple of ints, got {_describe(eos)}")
+            raise TypeError(f"{owner}.eos_token_ids must be a tuple of ints, got {describe(eos)}")
         fix("eos_token_ids", tuple(check_int(owner, "eos_token_ids", t, lo=0) for t in eos))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig.num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
-        _choice_field(owner, "architecture", self.architecture, ARCHITECTURES, optional=False)
+        check_choice(owner, "architecture", self.architecture, ARCHITECTURES, optional=False)
         fix("sliding_windows", _sliding_windows_field(self.sliding_windows, self.num_layers))
         for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
                      "rope_local_theta"):
-            fix(name, _optional_positive_float(owner, name, getattr(self, name)))
-        fix("qk_norm", _choice_field(owner, "qk_norm", self.qk_norm, QK_NORMS))
-        fix("norm_placement", _choice_field(owner, "norm_placement", self.norm_placement, NORM_PLACEMENTS))
+            value = getattr(self, name)
+            fix(name, None if value is None else check_float(owner, name, value, positive=True))
+        fix("qk_norm", check_choice(owner, "qk_norm", self.qk_norm, QK_NORMS))
+        fix("norm_placement", check_choice(owner, "norm_placement", self.norm_placement, NORM_PLACEMENTS))
+        fix("moe", MoEConfig.coerce(self.moe))
+        if self.moe is not None and self.architecture != "llama":
+            raise ValueError(f"ModelConfig.moe: the experts are SwiGLU MLPs, for architecture 'llama' only, not "
+                             f"{self.architecture!r}")
         self._check_rope_scaling()
 
     def _check_rope_scaling(self) -> None:
@@ -334,7 +288,7 @@ class ModelConfig:
         rs = dict(self.rope_scaling or ())
         if rs.get("rope_type", rs.get("type")) != "longrope":
             return
-        _float_field("ModelConfig.rope_scaling", "attention_factor", rs["attention_factor"], positive=True)
+        check_float("ModelConfig.rope_scaling", "attention_factor", rs["attention_factor"], positive=True)
         if len(rs["short_factor"]) != self.head_dim // 2:
             raise ValueError(f"ModelConfig.rope_scaling.short_factor must have head_dim // 2 = {self.head_dim // 2} "
                              f"entries, got {len(rs['short_factor'])}")
@@ -416,9 +370,9 @@ class CacheConfig:
         fix("kv_memory_bytes", check_int(owner, "kv_memory_bytes", self.kv_memory_bytes, lo=1, optional=True))
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
-        _bool_field(owner, "enable_prefix_caching", self.enable_prefix_caching)
+        check_bool(owner, "enable_prefix_caching", self.enable_prefix_caching)
         if not isinstance(self.kv_dtype, str):
-            raise TypeError(f"{owner}.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {_describe(self.kv_dtype)}")
+            raise TypeError(f"{owner}.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {describe(self.kv_dtype)}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"{owner}.kv_dtype: unsupported KV cache dtype {self.kv_dtype!r}; expected one of "
                              f"{', '.join(KV_DTYPES)}")

@@ -26,6 +26,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedjax.parallel",),  # SPMD: meshes, shardings, sharded attention
     ("pagedjax.device", "pagedjax.core"),  # pure JAX functions | host state without JAX
     ("pagedjax.config", "pagedjax.compile_cache"),
+    ("pagedjax.moe_config",),  # ModelConfig.moe's dataclass
+    ("pagedjax.fields",),  # the field checks every config class uses
     ("pallas_kernels",),  # kernels: import nothing of pagedjax
 ]
 MAX_LINES = 500

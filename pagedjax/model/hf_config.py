@@ -6,12 +6,14 @@ Supported `model_type`s (`SUPPORTED_MODEL_TYPES`), each as a few `ModelConfig` f
 llama, mistral, qwen2, phi3 (`architecture` "llama"; Phi-3's fused qkv_proj / gate_up_proj are split by the
 weight loader), qwen3 (`qk_norm` "head"), olmo2 (`qk_norm` "full", `norm_placement` "post"), gemma2 and
 gemma3_text ("gemma2": soft-capped attention and final logits, `query_pre_attn_scalar`, GeGLU, sandwich norms,
-scaled embeddings; Gemma 3 adds `qk_norm` "head" and `rope_local_theta` for its local layers).
+scaled embeddings; Gemma 3 adds `qk_norm` "head" and `rope_local_theta` for its local layers), mixtral and
+qwen3_moe (`ModelConfig.moe`, `_moe`: every layer's MLP a mixture of experts; Qwen3-MoE with `qk_norm` "head").
 Sliding windows map to `ModelConfig.sliding_windows`, one entry per layer, as transformers applies them (the
-query at p sees keys in (p - W, p] in transformers' masks as in pagedjax, so W is taken as is): Mistral's and
-Phi-3's `sliding_window` on every layer; Qwen2's and Qwen3's with `use_sliding_window` on the layers `layer_types`
-marks "sliding_attention" (else those from `max_window_layers` on); Gemma's on the layers `layer_types` marks
-(else every layer but each `sliding_window_pattern`-th: Gemma 2 alternates, Gemma 3 defaults to 6).
+query at p sees keys in (p - W, p] in transformers' masks as in pagedjax, so W is taken as is): Mistral's,
+Mixtral's and Phi-3's `sliding_window` on every layer, Qwen3-MoE's too with `use_sliding_window`; Qwen2's and
+Qwen3's with `use_sliding_window` on the layers `layer_types` marks "sliding_attention" (else those from
+`max_window_layers` on); Gemma's on the layers `layer_types` marks (else every layer but each
+`sliding_window_pattern`-th: Gemma 2 alternates, Gemma 3 defaults to 6).
 
 Anything pagedjax cannot compute exactly (unknown `model_type`, `hidden_act` other than silu (Gemma:
 `hidden_activation` other than gelu_pytorch_tanh), `mlp_bias`, `attention_bias` where it also biases o_proj,
@@ -35,6 +37,7 @@ from typing import Any
 
 from pagedjax.config import ROPE_SCALING_PARAMS, ROPE_TYPES, ModelConfig, is_int
 from pagedjax.model.errors import ModelLoadError, read_json
+from pagedjax.moe_config import MoEConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +49,14 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "olmo2": {"qk_norm": "full", "norm_placement": "post"},
     "gemma2": {"architecture": "gemma2"},
     "gemma3_text": {"architecture": "gemma2", "qk_norm": "head"},
+    "mixtral": {},  # + ModelConfig.moe (`_moe`)
+    "qwen3_moe": {"qk_norm": "head"},
 }
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 _GEMMA = ("gemma2", "gemma3_text")
 # Families whose `attention_bias` biases o_proj too, which pagedjax's attention does not have. (Qwen2 biases q/k/v
 # whatever it says; Mistral and Phi-3 have no such field in transformers, which ignores it.)
-_O_PROJ_BIAS = ("llama", "qwen3", "olmo2", "gemma2", "gemma3_text")
+_O_PROJ_BIAS = ("llama", "qwen3", "qwen3_moe", "olmo2", "gemma2", "gemma3_text")
 _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # Hugging Face's per-architecture defaults for fields a config.json may leave out.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -70,6 +75,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma2": {"max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                "tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256.0,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4096},
+    "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
+                "tie_word_embeddings": False, "sliding_window": None, "num_local_experts": 8,
+                "num_experts_per_tok": 2},
+    "qwen3_moe": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                  "tie_word_embeddings": False, "sliding_window": 4096, "num_local_experts": 128,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False},
     "gemma3_text": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
                     "rope_local_base_freq": 10000.0, "tie_word_embeddings": True, "head_dim": 256,
                     "query_pre_attn_scalar": 256.0, "attn_logit_softcapping": None, "final_logit_softcapping": None,
@@ -267,7 +278,7 @@ def _sliding_windows(hf: dict, model_type: str, num_layers: int) -> tuple[int | 
     """Each layer's attention window (None: global), as transformers applies them; None if no layer has one."""
     if model_type in ("llama", "olmo2"):
         return None
-    if model_type in ("qwen2", "qwen3") and not _flag(hf, "use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not _flag(hf, "use_sliding_window", False):
         return None  # transformers drops Qwen's window unless use_sliding_window is set
     window = _defaulted(hf, "sliding_window", model_type)
     if window is None:
@@ -278,7 +289,7 @@ def _sliding_windows(hf: dict, model_type: str, num_layers: int) -> tuple[int | 
     if not is_int(window) or window < 1:
         raise ValueError(f"field 'sliding_window': expected a positive int or null, got {window!r}")
     layer_types = _layer_types(hf, num_layers)
-    if model_type in ("mistral", "phi3"):
+    if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         # transformers windows every layer of these whatever layer_types says; a checkpoint that says otherwise
         # was probably written for another architecture, so refuse rather than guess.
         if layer_types is not None and "full_attention" in layer_types:
@@ -385,9 +396,41 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
         eos_token_ids=tuple(dict.fromkeys(eos)),
         sliding_windows=sliding_windows,
         **rope,
+        moe=_moe(hf, model_type, num_layers),
         **gemma,
         **_FAMILIES[model_type],
     )
+
+
+def _moe(hf: dict, model_type: str, num_layers: int) -> MoEConfig | None:
+    """ModelConfig.moe of a Mixtral or Qwen3-MoE config (None for the dense families). Mixtral's experts are
+    `intermediate_size` wide and its router takes the top-k logits, then their softmax; Qwen3-MoE's are
+    `moe_intermediate_size` wide, its router a softmax over every expert, then the top k (renormalized with
+    `norm_topk_prob`). Qwen3-MoE's dense layers (`decoder_sparse_step` > 1, `mlp_only_layers`) are refused."""
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return None
+    defaults = _DEFAULTS[model_type]
+    # transformers 5 writes num_local_experts for both (Qwen3-MoE's num_experts is an alias of it); 4 wrote
+    # Qwen3-MoE's as num_experts.
+    key = "num_experts" if hf.get("num_local_experts") is None and hf.get("num_experts") is not None else \
+        "num_local_experts"
+    num_experts = _positive_int(hf, key, defaults["num_local_experts"])
+    top_k = _positive_int(hf, "num_experts_per_tok", defaults["num_experts_per_tok"])
+    if top_k > num_experts:
+        raise ValueError(f"field 'num_experts_per_tok' = {top_k} exceeds the {num_experts} experts ({key!r})")
+    if model_type == "mixtral":
+        return MoEConfig(num_experts, top_k, _positive_int(hf, "intermediate_size"), router="topk_softmax")
+    step = _positive_int(hf, "decoder_sparse_step", 1)
+    if step != 1:
+        raise ValueError(f"field 'decoder_sparse_step' = {step} is not supported (only 1: every layer sparse)")
+    dense_layers = hf.get("mlp_only_layers") or []
+    if not isinstance(dense_layers, list) or any(not is_int(i) or not 0 <= i < num_layers for i in dense_layers):
+        raise ValueError(f"field 'mlp_only_layers': expected a list of layer indices, got {dense_layers!r}")
+    if dense_layers:
+        raise ValueError(f"field 'mlp_only_layers' = {dense_layers} is not supported (dense MLP layers between "
+                         "sparse ones)")
+    return MoEConfig(num_experts, top_k, _positive_int(hf, "moe_intermediate_size", defaults["moe_intermediate_size"]),
+                     router="softmax_topk", norm_topk_prob=_flag(hf, "norm_topk_prob", defaults["norm_topk_prob"]))
 
 
 def _check_unsupported(hf: dict, model_type: str) -> None:

@@ -1,5 +1,5 @@
 """Load a local Hugging Face model folder (Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / OLMo 2 / Gemma 2 / Gemma 3
-text) into pagedjax.
+text / Mixtral / Qwen3-MoE) into pagedjax.
 
     cfg, params, tokenizer = load_hf("path/to/folder")           # config.json, *.safetensors, tokenizer.json
     engine = LLMEngine(cfg, CacheConfig(...), SchedulerConfig(...), params=params, tokenizer=tokenizer)
@@ -18,7 +18,11 @@ Parameter names of `pagedjax.model.llama.Llama` mirror `LlamaForCausalLM` (minus
 the other families' norms, e.g. `Gemma2ForCausalLM`'s, under their names), so the name mapping is mechanical;
 RoPE uses the same rotate-half convention, so q/k need no permutation, and Gemma's norm weights are stored as
 offsets from 1 on both sides. Fused projections (Phi-3's `qkv_proj` and `gate_up_proj`, `_FUSED`) are split
-along their output rows into the separate ones the model keeps.
+along their output rows into the separate ones the model keeps. Mixture-of-experts checkpoints hold one tensor per
+expert and projection (Qwen3-MoE's `mlp.experts.{e}.gate_proj.weight`, ...; Mixtral's
+`block_sparse_moe.experts.{e}.w1/w3/w2.weight` and `block_sparse_moe.gate.weight`, read as aliases of those,
+`_canonical`), as transformers' `save_pretrained` writes them: each is transposed into slice e of the model's
+stacked `[E, in, out]` parameter, which goes to the device once all E slices are read.
 """
 
 from __future__ import annotations
@@ -47,6 +51,33 @@ logger = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 # Fused Hugging Face projections -> the model's separate ones, stacked in this order along the output rows.
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Mixtral's expert projections under the names of Qwen3-MoE's (and of the model's parameters).
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _canonical(name: str) -> str:
+    """A checkpoint tensor's name as the model's parameters spell it: Mixtral's `block_sparse_moe` is `mlp`, its
+    experts' w1 / w3 / w2 are gate_proj / up_proj / down_proj; every other name is unchanged."""
+    parts = name.split(".")
+    if "block_sparse_moe" not in parts:
+        return name
+    i = parts.index("block_sparse_moe")
+    parts[i] = "mlp"
+    if len(parts) == i + 5 and parts[i + 1] == "experts" and parts[i + 3] in _MIXTRAL_EXPERT:
+        parts[i + 3] = _MIXTRAL_EXPERT[parts[i + 3]]
+    return ".".join(parts)
+
+
+def _hf_names(path: tuple, shape: tuple) -> list[tuple[str, bool, int | None]]:
+    """pagedjax state path -> the Hugging Face tensors it is read from: (name, whether the tensor is transposed,
+    the expert whose slice it fills or None for the whole parameter). A stacked expert projection
+    (..., 'experts', 'gate_proj') of shape `[E, in, out]` is E tensors `experts.{e}.gate_proj.weight`."""
+    *mods, leaf = (str(p) for p in path)
+    if mods and mods[-1] == "experts":
+        prefix = "model." + ".".join(mods)
+        return [(f"{prefix}.{e}.{leaf}.weight", True, e) for e in range(shape[0])]
+    name, transpose = _hf_name(path)
+    return [(name, transpose, None)]
 
 
 def _hf_name(path: tuple) -> tuple[str, bool]:
@@ -157,18 +188,19 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
     start = time.perf_counter()
     files = safetensors_files(path)
     _, state = nnx.split(abstract_model(cfg))
-    targets: dict[str, tuple[Any, bool]] = {}
-    place = {}  # HF name -> sharding, with a mesh
+    # HF name -> (the model's parameter, transposed?, the expert slice it fills or None: the whole parameter).
+    targets: dict[str, tuple[Any, bool, int | None]] = {}
+    place = {}  # id of a parameter -> its sharding, with a mesh
     where = None
     if mesh is not None:
         from pagedjax.parallel.sharding import param_sharding_fn
 
         where = param_sharding_fn(cfg, mesh)
     for p, var in nnx.to_flat_state(state):
-        name, transpose = _hf_name(p)
-        targets[name] = (var, transpose)
+        for name, transpose, expert in _hf_names(tuple(p), tuple(var.get_value().shape)):
+            targets[name] = (var, transpose, expert)
         if where is not None:
-            place[name] = where(tuple(p))
+            place[id(var)] = where(tuple(p))
 
     # Pass 1: headers only. Check names and shapes; decide which file each tensor comes from, and into which
     # model parameters it goes: (target, first row, last row) with rows None for a whole tensor.
@@ -179,18 +211,19 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             skipped.append(name)  # tied: the embedding is the head, as in transformers
             continue
-        parts = [name] if name in targets else _unfused(name, targets)
+        canonical = _canonical(name)
+        parts = [canonical] if canonical in targets else _unfused(canonical, targets)
         if parts is None:
             unexpected.append(name)
             continue
-        fused = parts != [name]
+        fused = parts != [canonical]
         pieces, row = [], 0
         for part in parts:
             if part in seen:
                 raise ModelLoadError(file, f"tensor {part!r} also appears in {seen[part].name}"
-                                           + (f" (in {name!r} here)" if fused else ""))
-            var, transpose = targets[part]
-            part_shape = tuple(var.get_value().shape)
+                                           + (f" (in {name!r} here)" if fused or part != name else ""))
+            var, transpose, expert = targets[part]
+            part_shape = tuple(var.get_value().shape)[0 if expert is None else 1:]  # an expert: its slice
             part_shape = part_shape[::-1] if transpose else part_shape  # HF's [out, in]: fused parts stack rows
             pieces.append((part, row, row + part_shape[0]) if fused else (part, None, None))
             row += part_shape[0]
@@ -215,9 +248,11 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
     if skipped:
         logger.debug("ignored tensors: %s", skipped)
 
-    # Pass 2: data, one tensor at a time.
+    # Pass 2: data, one tensor at a time. A stacked expert parameter is assembled on the host and placed once its
+    # last expert's slice is read (the experts of one layer are usually adjacent in a checkpoint).
     target_dtype = jnp.dtype(cfg.dtype)
     num_bytes = 0
+    stacks: dict[int, tuple[np.ndarray, set[int]]] = {}  # id of a parameter -> (its host array, experts read)
     for file, tensors in plan.items():
         if not tensors:
             continue
@@ -229,13 +264,18 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
                     raise ModelLoadError(file, f"cannot read tensor {name!r} (truncated or corrupted?): {e}") from e
                 num_bytes += whole.nbytes
                 for part, first, last in pieces:
-                    var, transpose = targets[part]
+                    var, transpose, expert = targets[part]
                     array = whole if first is None else whole[first:last]
                     if transpose:
                         array = array.T
+                    if expert is not None:
+                        array = _stack_expert(stacks, var, expert, array, target_dtype)
+                        if array is None:  # more experts to come
+                            continue
                     array = np.ascontiguousarray(array, dtype=target_dtype)
-                    if part in place:  # each device gets its slice only
-                        value = jax.make_array_from_callback(array.shape, place[part], lambda idx, a=array: a[idx])
+                    if id(var) in place:  # each device gets its slice only
+                        value = jax.make_array_from_callback(array.shape, place[id(var)],
+                                                             lambda idx, a=array: a[idx])
                     else:
                         value = jax.device_put(array)
                     del array
@@ -247,6 +287,19 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
            f"in {elapsed:.2f}s as {cfg.dtype}")
     logger.info("%s: %s", path, msg)
     return state
+
+
+def _stack_expert(stacks: dict, var, expert: int, array: np.ndarray, dtype) -> np.ndarray | None:
+    """Write one expert's `array` into slice `expert` of `var`'s host array (allocated on its first expert);
+    the whole array once every expert is in, else None."""
+    shape = tuple(var.get_value().shape)
+    stack, done = stacks.setdefault(id(var), (np.empty(shape, dtype), set()))
+    stack[expert] = array
+    done.add(expert)
+    if len(done) < shape[0]:
+        return None
+    del stacks[id(var)]
+    return stack
 
 
 def load_hf(path: str | os.PathLike, dtype: str | None = None, *, mesh=None) -> tuple[ModelConfig, nnx.State, Any]:

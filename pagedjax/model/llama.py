@@ -2,7 +2,8 @@
 SwiGLU, GQA/MQA/MHA; and its Gemma variant (`ModelConfig.architecture == "gemma2"`, Gemma 2 and 3): (1 + w)
 RMSNorm, GeGLU, sandwich norms, scaled embeddings. Orthogonal options (`ModelConfig`): per-layer sliding windows,
 soft-capped attention and output logits, q/k norms (per head or over the whole projection), where the block
-normalizes (before, around or after each sub-block), a separate RoPE base for windowed layers.
+normalizes (before, around or after each sub-block), a separate RoPE base for windowed layers, mixture-of-experts
+MLPs (`ModelConfig.moe`: Mixtral, Qwen3-MoE; `pagedjax.model.moe`).
 
 Two forwards share the same weights:
   `__call__`      the serving path: a ragged batch of tokens `[num_tokens]`, new K/V written into the paged
@@ -26,6 +27,7 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig, ModelSpec
 from pagedjax.model.api import PagedAttention, PagedKVCache
+from pagedjax.model.moe import MoEMLP
 from pagedjax.model.rope import layer_rope
 from pagedjax.parallel.sharding import param_spec
 
@@ -177,22 +179,27 @@ class DecoderLayer(nnx.Module):
             self.input_layernorm = norm()
         self.self_attn = Attention(cfg, layer_index, dtype, rngs)
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(cfg, dtype, rngs, gelu=cfg.architecture == "gemma2")
+        if cfg.moe is None:
+            self.mlp = MLP(cfg, dtype, rngs, gelu=cfg.architecture == "gemma2")
+        else:
+            self.mlp = MoEMLP(cfg, dtype, rngs)
         if self.placement == "sandwich":
             self.pre_feedforward_layernorm = norm()
         if self.placement != "pre":
             self.post_feedforward_layernorm = norm()
 
-    def __call__(self, x: jax.Array, attend) -> tuple[jax.Array, object]:
+    def __call__(self, x: jax.Array, attend, mlp=None) -> tuple[jax.Array, object]:
         """One block around `attend`, the paged or dense attention: its input -> (attention output, what else
-        it returns: the cache). Returns (x, that)."""
+        it returns: the cache). Returns (x, that). `mlp`: what computes the MLP sub-block instead of `self.mlp`
+        (the dense path's reference for mixture-of-experts layers)."""
+        mlp = self.mlp if mlp is None else mlp
         if self.placement == "pre":
             h, extra = attend(self.input_layernorm(x))
             x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x)), extra
+            return x + mlp(self.post_attention_layernorm(x)), extra
         h, extra = attend(x if self.placement == "post" else self.input_layernorm(x))
         x = x + self.post_attention_layernorm(h)
-        h = self.mlp(x if self.placement == "post" else self.pre_feedforward_layernorm(x))
+        h = mlp(x if self.placement == "post" else self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(h), extra
 
 
@@ -245,10 +252,24 @@ class Llama(nnx.Module):
 
     def forward_dense(self, token_ids: jax.Array) -> jax.Array:
         """Ground truth: token_ids `[B, S]` -> float32 logits `[B, S, vocab]`, causal (within each layer's
-        window), no cache."""
+        window), no cache; mixture-of-experts layers by their reference computation (`MoEMLP.dense`)."""
+        return self._dense(token_ids, None)
+
+    def tokens_per_expert(self, token_ids: jax.Array) -> jax.Array:
+        """Router statistics of a mixture-of-experts model: how many of `token_ids` `[B, S]` (each counted k
+        times, once per slot) each layer routes to each expert, int32 `[num_layers, num_experts]`. A dense
+        forward (`forward_dense`) that records the routing: for benchmarks and analysis, not the serving path."""
+        if self.config.moe is None:
+            raise ValueError("tokens_per_expert: this model has no mixture-of-experts layers (ModelConfig.moe)")
+        counts: list[jax.Array] = []
+        self._dense(token_ids, counts)
+        return jnp.stack(counts)
+
+    def _dense(self, token_ids: jax.Array, counts: list | None) -> jax.Array:
         x = self.embed(token_ids)
         for layer in self.layers:
-            x, _ = layer(x, lambda h, layer=layer: (layer.self_attn.dense(h), None))
+            mlp = None if self.config.moe is None else functools.partial(layer.mlp.dense, counts=counts)
+            x, _ = layer(x, lambda h, layer=layer: (layer.self_attn.dense(h), None), mlp)
         return self.compute_logits(self.norm(x))
 
 

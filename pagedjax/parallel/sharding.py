@@ -7,11 +7,17 @@ Megatron-style tensor parallelism, expressed only as shardings (XLA inserts the 
                                               summed by one all-reduce per attention block and per MLP.
   embed_tokens, lm_head                       sharded over the vocabulary; the logits are gathered (replicated)
                                               before sampling, since top-k / top-p need whole rows.
-  norms                                       replicated.
+  norms, the MoE router (`gate`)              replicated.
+  experts (MoE gate_proj, up_proj, down_proj) stacked `[E, in, out]`, sharded by expert (axis 0): expert
+                                              parallelism over the same axis. Tokens stay replicated; XLA's SPMD
+                                              partitioner turns the grouped matmul over the local experts into a
+                                              partial sum per device and one all-reduce per MoE layer (README,
+                                              "Mixture of experts").
   KV cache `[kv_heads, blocks, block_size, head_dim]` per layer: sharded by KV heads (axis 0).
 When tp > num_kv_heads the k/v projections stay replicated and the cache stores `tp` heads, each KV head
 repeated on the tp / num_kv_heads devices whose query heads use it (as vLLM does). A dimension that tp does not
-divide (an odd vocabulary, an MLP width) is replicated instead, with a log line: correct, only less spread.
+divide (an odd vocabulary, an MLP width, a number of experts) is replicated instead, with a log line: correct,
+only less spread.
 Block tables, slot mappings and page state are small int arrays: replicated (one host scheduler drives all).
 """
 
@@ -31,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")  # sharded by outputs
 ROW = ("o_proj", "down_proj")  # sharded by inputs (their products all-reduced)
+EXPERTS = "experts"  # the module of stacked expert weights `[E, in, out]`: sharded by expert
 
 
 def key_names(keypath) -> tuple:
@@ -54,6 +61,8 @@ def _divides(cfg: ModelConfig, module: str, tp: int) -> bool:
         return cfg.intermediate_size % tp == 0
     if module in ("lm_head", "embed_tokens"):
         return cfg.vocab_size % tp == 0
+    if module == EXPERTS:
+        return cfg.moe is not None and cfg.moe.num_experts % tp == 0
     return False
 
 
@@ -66,14 +75,15 @@ def param_spec(names: tuple, cfg: ModelConfig, tp: int) -> P:
 
 def default_param_partition(names: tuple, shape: tuple, *, head_dim: int, tp: int) -> P:
     """The PartitionSpec of a parameter of any model by its name and shape: the rules of the module docstring
-    for modules named like Hugging Face's Llama (q_proj, ..., down_proj, embed_tokens, lm_head), when `tp`
+    for modules named like Hugging Face's Llama (q_proj, ..., down_proj, embed_tokens, lm_head) and for stacked
+    expert weights (any parameter of a module named `experts`, split along axis 0), when `tp`
     divides the split dimension (in whole heads of `head_dim` for attention projections); anything else is
     replicated (always correct: the step's shardings only decide where XLA computes, never what)."""
     if tp == 1 or len(names) < 2 or not shape:
         return P()
     module, leaf = str(names[-2]), str(names[-1])
     unit = head_dim if module in ("q_proj", "k_proj", "v_proj", "o_proj") else 1
-    split = shape[0] if module in ROW or module == "embed_tokens" else shape[-1]
+    split = shape[0] if module in ROW or module in ("embed_tokens", EXPERTS) else shape[-1]
     return _by_name(module, leaf, split % (tp * unit) == 0)
 
 
@@ -86,6 +96,8 @@ def _by_name(module: str, leaf: str, divides: bool) -> P:
         return P(TP, None) if leaf == "kernel" else P()
     if module == "embed_tokens" and leaf == "embedding":
         return P(TP, None)
+    if module == EXPERTS:
+        return P(TP, None, None)
     return P()
 
 
@@ -98,6 +110,10 @@ def log_replicated(cfg, tp: int) -> None:
         if n is not None and n % tp:
             logger.info("tensor_parallel_size %d does not divide the %s (%d): those weights are replicated", tp,
                         what, n)
+    moe = getattr(cfg, "moe", None)
+    if moe is not None and moe.num_experts % tp:
+        logger.info("tensor_parallel_size %d does not divide the %d experts: the expert weights are replicated",
+                    tp, moe.num_experts)
     if cfg.num_kv_heads % tp:
         logger.info("tensor_parallel_size %d > %d KV heads: k/v projections replicated, each KV head cached on %d "
                     "devices", tp, cfg.num_kv_heads, tp // cfg.num_kv_heads)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig
+from pagedjax.moe_config import MoEConfig
 from pagedjax.parallel import ParallelConfig, replica_meshes
-from pagedjax.parallel.sharding import param_spec, per_device_model
+from pagedjax.parallel.sharding import default_param_partition, log_replicated, param_spec, per_device_model
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=16,
                   intermediate_size=64, tie_word_embeddings=False)
@@ -67,6 +70,22 @@ def test_param_specs():
     assert spec("layers", 0, "self_attn", "q_proj", "kernel", tp=1) == P()
     odd = CFG.replace(vocab_size=259)
     assert param_spec(("embed_tokens", "embedding"), odd, 2) == P()  # 259 rows do not split in two
+
+
+def test_expert_param_specs(caplog):
+    """Stacked expert weights `[E, in, out]` split by expert where tp divides E (else replicated, and said);
+    the router replicated; the default rule of other models' `experts` parameters alike."""
+    moe = CFG.replace(moe=MoEConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=16))
+    for leaf in ("gate_proj", "up_proj", "down_proj"):
+        assert param_spec(("layers", 0, "mlp", "experts", leaf), moe, 4) == P("tp", None, None)
+        assert param_spec(("layers", 0, "mlp", "experts", leaf), moe, 8) == P()
+    assert param_spec(("layers", 0, "mlp", "gate", "kernel"), moe, 2) == P()
+    names = ("blocks", 0, "ffn", "experts", "w_in")
+    assert default_param_partition(names, (4, 32, 16), head_dim=16, tp=2) == P("tp", None, None)
+    assert default_param_partition(names, (6, 32, 16), head_dim=16, tp=4) == P()
+    with caplog.at_level(logging.INFO, logger="pagedjax.parallel.sharding"):
+        log_replicated(moe, 8)
+    assert "does not divide the 4 experts" in caplog.text
 
 
 def test_per_device_model_counts_kv_heads_one_device_holds():

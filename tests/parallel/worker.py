@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig, make_engine
 from pagedjax.model.llama import init_model, model_from_state
+from pagedjax.moe_config import MoEConfig
 from pagedjax.parallel import ParallelConfig, tp_mesh
 from tests.dense import greedy_by_recompute
 
@@ -177,6 +178,35 @@ def qk_norms_tensor_parallel():
         for tp in (2, 4):
             np.testing.assert_allclose(run(tp), want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
                                        err_msg=f"{name} tp={tp}")
+
+
+@check
+def moe_expert_parallel():
+    """A mixture-of-experts decoder (4 experts, top 2) at tp 2 and 4: the stacked expert weights sharded by
+    expert (axis 0: each device holds 4 / tp experts), the router replicated, and greedy tokens (prefill and
+    decode through the grouped matmul under SPMD) equal to the dense model's on one device (which the
+    single-device engine's equal: tests/model/test_moe.py)."""
+    cfg = config("gqa").replace(moe=MoEConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=32))
+    state = jax.tree.map(lambda x: x * 3, nnx.split(init_model(cfg, seed=3))[1])
+    model = model_from_state(cfg, state)
+    want, margin = greedy_by_recompute(jax.jit(lambda t: model.forward_dense(t)), PROMPTS, MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, f"a near tie ({margin}) would make token equality depend on rounding"
+
+    def run(tp):
+        e = make_engine(cfg, CacheConfig(block_size=8, num_blocks=16),
+                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                        params=state, parallel_config=ParallelConfig(tensor_parallel_size=tp), compile_cache=False)
+        return e, [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+    for tp in (2, 4):
+        e, got = run(tp)
+        mlp = e.runner.params["layers"][0]["mlp"]
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            arr = mlp["experts"][name][...]
+            assert arr.sharding.spec == P("tp", None, None), f"tp={tp} {name}: {arr.sharding.spec}"
+            assert {s.data.shape[0] for s in arr.addressable_shards} == {4 // tp}, (tp, name)
+        assert mlp["gate"]["kernel"][...].sharding.spec == P()
+        assert got == want, f"tp={tp}: {got} != {want}"
 
 
 def _byom_run(tp, dp=None):

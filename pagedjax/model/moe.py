@@ -1,0 +1,118 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's k experts, each expert is a
+SwiGLU MLP, and a token's output is its experts' outputs summed with the router's weights.
+
+Two computations of the same function:
+  `MoEMLP.__call__`  the serving path: the (token, expert) pairs sorted by expert, and each projection one
+                     grouped matmul over the sorted rows (`jax.lax.ragged_dot`: group e is the rows routed to
+                     expert e, multiplied by expert e's weights). Exact: every token gets all its k experts (no
+                     capacity factor drops any).
+  `MoEMLP.dense`     the reference: every expert on every token, the outputs weighted by a `[tokens, experts]`
+                     matrix that is zero outside each token's k experts. E / k times the work; for tests and
+                     `forward_dense`.
+
+Expert weights are stacked `[num_experts, in, out]` (gate_proj and up_proj `[E, hidden, width]`, down_proj
+`[E, width, hidden]`): axis 0 is what expert parallelism shards (`pagedjax.parallel.sharding`). The router
+(`gate`, `[hidden, E]`) is a plain linear layer, replicated.
+
+On the CPU, XLA lowers `ragged_dot` to a masked dense product over all experts (the grouped matmul instruction is
+lowered natively on GPU and TPU only): the result is the same, the work is that of every expert on every row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pagedjax.config import ModelConfig
+
+_INIT = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
+
+
+def route(logits: jax.Array, k: int, router: str, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """Router logits `[T, E]` (float32) -> (weights float32 `[T, k]`, experts int32 `[T, k]`), by the family's
+    convention (`pagedjax.moe_config.ROUTERS`): "topk_softmax" (Mixtral) takes the k largest logits and a softmax
+    over them; "softmax_topk" (Qwen3-MoE) a softmax over all experts and its k largest probabilities,
+    renormalized to sum to 1 when `norm_topk_prob`. Ties go to the lower expert index."""
+    if router == "topk_softmax":
+        top, experts = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), experts
+    if router != "softmax_topk":
+        raise ValueError(f"unknown MoE router {router!r}")
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def tokens_per_expert(experts: jax.Array, num_experts: int) -> jax.Array:
+    """How many (token, slot) pairs `experts` `[T, k]` routes to each expert: int32 `[num_experts]`."""
+    return jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)
+
+
+class Experts(nnx.Module):
+    """`num_experts` SwiGLU MLPs, their weights stacked along axis 0 (`[E, in, out]`)."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int, dtype, rngs: nnx.Rngs):
+        self.gate_proj = nnx.Param(_INIT(rngs.params(), (num_experts, hidden, width), dtype))
+        self.up_proj = nnx.Param(_INIT(rngs.params(), (num_experts, hidden, width), dtype))
+        self.down_proj = nnx.Param(_INIT(rngs.params(), (num_experts, width, hidden), dtype))
+
+    def grouped(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """Rows `x` `[N, hidden]` sorted by expert, `group_sizes[e]` of them expert e's (summing to N) ->
+        each row through its expert `[N, hidden]`."""
+        # 16-bit weights accumulate in float32 and each projection rounds once, as the dense layers do.
+        mm = lambda a, w: jax.lax.ragged_dot(a, w[...], group_sizes,
+                                             preferred_element_type=jnp.float32).astype(x.dtype)
+        return mm(jax.nn.silu(mm(x, self.gate_proj)) * mm(x, self.up_proj), self.down_proj)
+
+    def every(self, x: jax.Array) -> jax.Array:
+        """Every row `x` `[N, hidden]` through every expert: `[E, N, hidden]`."""
+        mm = lambda eq, a, w: jnp.einsum(eq, a, w[...], preferred_element_type=jnp.float32).astype(x.dtype)
+        h = jax.nn.silu(mm("nh,ehw->enw", x, self.gate_proj)) * mm("nh,ehw->enw", x, self.up_proj)
+        return mm("enw,ewh->enh", h, self.down_proj)
+
+
+class MoEMLP(nnx.Module):
+    """A decoder layer's MLP as a mixture of experts (`ModelConfig.moe`; see the module docstring). Parameters:
+    `gate` (the router, a linear layer `[hidden, E]`) and `experts` (`Experts`)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        moe = cfg.moe
+        self.num_experts, self.top_k = moe.num_experts, moe.num_experts_per_tok
+        self.router, self.norm_topk_prob = moe.router, moe.norm_topk_prob
+        self.gate = nnx.Linear(cfg.hidden_size, moe.num_experts, use_bias=False, dtype=dtype, param_dtype=dtype,
+                               preferred_element_type=jnp.float32, rngs=rngs)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, dtype, rngs)
+
+    def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Rows x `[N, hidden]` -> (weights float32 `[N, k]`, experts int32 `[N, k]`)."""
+        # The logits are rounded to the model's dtype before the softmax, as transformers computes them.
+        logits = self.gate(x).astype(x.dtype).astype(jnp.float32)
+        return route(logits, self.top_k, self.router, self.norm_topk_prob)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x `[..., hidden]` -> `[..., hidden]` by grouped matmuls over the rows sorted by expert."""
+        lead, hidden = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, hidden)
+        weights, experts = self.routing(rows)
+        flat = experts.reshape(-1)  # [N * k]: slot j of token t is pair t * k + j
+        order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
+        group_sizes = tokens_per_expert(experts, self.num_experts)
+        out = self.experts.grouped(rows[order // self.top_k], group_sizes)
+        out = jnp.zeros_like(out).at[order].set(out).reshape(-1, self.top_k, hidden)  # back in pair order
+        y = jnp.einsum("nk,nkh->nh", weights, out.astype(jnp.float32))
+        return y.astype(x.dtype).reshape(*lead, hidden)
+
+    def dense(self, x: jax.Array, counts: list | None = None) -> jax.Array:
+        """The reference: like `__call__`, with every expert computed on every row and weighted by zero unless
+        routed to. `counts`: a list to which this layer's tokens per expert (int32 `[E]`) are appended."""
+        lead, hidden = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, hidden)
+        weights, experts = self.routing(rows)
+        if counts is not None:
+            counts.append(tokens_per_expert(experts, self.num_experts))
+        combine = jnp.zeros((rows.shape[0], self.num_experts), jnp.float32)
+        combine = combine.at[jnp.arange(rows.shape[0])[:, None], experts].add(weights)
+        y = jnp.einsum("ne,enh->nh", combine, self.experts.every(rows).astype(jnp.float32))
+        return y.astype(x.dtype).reshape(*lead, hidden)
