@@ -14,8 +14,9 @@
 from pagedjax.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSequence
 from pagedjax.engine.data_parallel import DataParallelEngine
 from pagedjax.engine.factory import load_engine, make_engine
-from pagedjax.engine.llm_engine import EngineStats, LLMEngine
+from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.protocol import Engine
+from pagedjax.engine.stats import EngineStats
 
 __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSequence", "DataParallelEngine", "Engine",
            "EngineStats", "LLMEngine", "load_engine",

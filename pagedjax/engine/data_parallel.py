@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams
 from pagedjax.engine.generate import generate_batch
-from pagedjax.engine.llm_engine import EngineStats, LLMEngine, load_for, stats_dict
+from pagedjax.engine.llm_engine import LLMEngine, load_for
+from pagedjax.engine.stats import EngineStats, stats_dict
 from pagedjax.parallel.config import ParallelConfig
 from pagedjax.parallel.mesh import replica_meshes
 

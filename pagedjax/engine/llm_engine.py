@@ -10,64 +10,28 @@ run that many decode iterations in one device call (blocks lent by the host, rec
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from pagedjax.compile_cache import enable_compile_cache
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig, check_int, is_int
 from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams
-from pagedjax.core.scheduler import Scheduler, SchedulerStats
+from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import FusedDecodePlan, StepPlan
 from pagedjax.engine.generate import generate_batch
 from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
 from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, record_token_logprob
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.shapes import warmup_shapes
+from pagedjax.engine.stats import EngineStats, stats_dict
 from pagedjax.engine.structured import ConstraintCompiler
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama, init_model, model_from_state
 from pagedjax.parallel.config import parallel_layout
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's counters; the scheduler's queues, prefix cache and memory are in
-    `scheduler` (and its `memory`)."""
-
-    steps: int  # step() calls
-    fused_decode_calls: int  # of which ran several decode steps in one device call
-    failed_steps: int  # steps whose device call raised (see `LLMEngine.step`)
-    prompt_tokens: int  # prompt tokens of every request added
-    generated_tokens: int
-    prefill_tokens_computed: int  # prompt/recompute tokens actually run through the model
-    elapsed_s: float  # time spent inside step()
-    device_s: float  # of which in compiled device calls (dispatch + compute + read back)
-    compile_s: float  # of which waiting for new step shapes to be traced and compiled
-    compilations: int  # programs compiled (or loaded from JAX's persistent cache), dropped ones and the background's
-    #                    included
-    scheduler: SchedulerStats
-    tensor_parallel_size: int = 1  # devices the model and its KV pool are sharded over
-    kv_cache_bytes_per_device: int = 0  # the KV pool's bytes on each of those devices
-    kv_dtype: str = ""  # the KV cache's dtype ("int8", "fp8": 8-bit pages with scales; see CacheConfig.kv_dtype)
-    kv_bytes_per_token: int = 0  # KV bytes one cached token takes on each device (its KV heads, scales included)
-    compiled_programs: int = 0  # held now: at most LLMEngine's max_compiled_programs (the least recently used go)
-    stand_in_steps: int = 0  # steps run on a bigger compiled program while their own compiled in the background
-    warmup_s: float = 0.0  # `LLMEngine.warmup`'s time (not in elapsed_s)
-    # A DataParallelEngine's stats combine its replicas': each replica's own, and the requests each was given.
-    replicas: tuple[EngineStats, ...] = ()
-    requests_per_replica: tuple[int, ...] = ()
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second of stepping, compilation excluded."""
-        run_s = self.elapsed_s - self.compile_s
-        return self.generated_tokens / run_s if run_s > 0 else 0.0
 
 
 class LLMEngine:
@@ -495,13 +459,3 @@ def load_for(path, dtype: str | None, parallel_config, devices):
 
         mesh = replica_meshes(parallel_config, devices)[0]
     return load_pretrained(path, dtype=dtype, mesh=mesh)
-
-
-def stats_dict(s: EngineStats) -> dict:
-    """`EngineStats` as nested plain data (JSON-ready), derived rates included (replicas' too)."""
-    d = dataclasses.asdict(s)
-    d["tokens_per_s"] = s.tokens_per_s
-    d["scheduler"]["prefix_cache_hit_rate"] = s.scheduler.prefix_cache_hit_rate
-    d["scheduler"]["memory"]["waste_fraction"] = s.scheduler.memory.waste_fraction
-    d["replicas"] = [stats_dict(r) for r in s.replicas]
-    return d

@@ -10,7 +10,7 @@ from pagedjax.core.request import Request, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from pagedjax.engine.beam_search import BeamSearchOutput, BeamSearchParams
-    from pagedjax.engine.llm_engine import EngineStats
+    from pagedjax.engine.stats import EngineStats
 
 
 @runtime_checkable
