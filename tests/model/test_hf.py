@@ -81,11 +81,13 @@ def _save(model, path: Path, **kw) -> Path:
 
 def dense_logits(cfg: ModelConfig, state: nnx.State, prompts) -> list[np.ndarray]:
     """pagedjax's no-cache forward on right-padded prompts (causal: padding changes nothing before it)."""
-    model = model_from_state(cfg, state)
+    graphdef, params = nnx.split(model_from_state(cfg, state))
     batch = np.zeros((len(prompts), max(len(p) for p in prompts)), np.int32)
     for i, p in enumerate(prompts):
         batch[i, : len(p)] = p
-    logits = np.asarray(model.forward_dense(jax.numpy.asarray(batch)))
+    # Jitted: run op by op, a forward dispatches (and at -O0 compiles) every primitive on its own, several times
+    # slower than compiling it once.
+    logits = np.asarray(jax.jit(lambda b: nnx.merge(graphdef, params).forward_dense(b))(batch))
     return [logits[i, : len(p)] for i, p in enumerate(prompts)]
 
 

@@ -4,8 +4,10 @@ greedy continuations token for token through the engine."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,12 +34,16 @@ def folder(tmp_path_factory):
 
 def test_logits_match_transformers(folder):
     path, hf = folder
-    ours = load_hf_gpt2(path)
-    for prompt in PROMPTS:
+    graphdef, state = nnx.split(load_hf_gpt2(path))
+    forward = jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))
+    batch = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int32)  # right-padded: causal, nothing leaks back
+    for i, prompt in enumerate(PROMPTS):
+        batch[i, :len(prompt)] = prompt
+    logits = np.asarray(forward(batch))
+    for i, prompt in enumerate(PROMPTS):
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).logits[0].numpy()
-        got = np.asarray(ours.forward_dense(np.asarray([prompt], np.int32))[0])
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        np.testing.assert_allclose(logits[i, :len(prompt)], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_engine_greedy_equals_transformers_generate(folder):

@@ -159,7 +159,7 @@ def logits_and_shardings():
 @check
 def qk_norms_tensor_parallel():
     """q/k norms over the whole projection (an OLMo 2-style post-norm block: the norm reduces across the heads
-    tp splits) and per head (a Gemma 3-style block with a window and its own RoPE base), at tp 2 and 4 (4 > 2 KV
+    tp splits) at tp 2, and per head (a Gemma 3-style block with a window and its own RoPE base) at tp 4 (4 > 2 KV
     heads: k/v replicated): one mixed step's logits within float32 1e-5 of the single-device engine's."""
     variants = {"olmo2": dict(qk_norm="full", norm_placement="post"),
                 "gemma3": dict(architecture="gemma2", qk_norm="head", sliding_windows=(5,), rope_local_theta=100.0)}
@@ -175,14 +175,14 @@ def qk_norms_tensor_parallel():
                                             params=state, parallel_config=pc, compile_cache=False))
 
         want = run(None)
-        for tp in (2, 4):
-            np.testing.assert_allclose(run(tp), want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
-                                       err_msg=f"{name} tp={tp}")
+        tp = 2 if name == "olmo2" else 4  # (CI time: one each) the norm across split heads; replicated KV heads
+        np.testing.assert_allclose(run(tp), want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=f"{name} tp={tp}")
 
 
 @check
 def moe_expert_parallel():
-    """A mixture-of-experts decoder (4 experts, top 2) at tp 2 and 4: the stacked expert weights sharded by
+    """A mixture-of-experts decoder (4 experts, top 2) at tp 4: the stacked expert weights sharded by
     expert (axis 0: each device holds 4 / tp experts), the router replicated, and greedy tokens (prefill and
     decode through the grouped matmul under SPMD) equal to the dense model's on one device (which the
     single-device engine's equal: tests/model/test_moe.py)."""
@@ -198,7 +198,7 @@ def moe_expert_parallel():
                         params=state, parallel_config=ParallelConfig(tensor_parallel_size=tp), compile_cache=False)
         return e, [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
-    for tp in (2, 4):
+    for tp in (4,):  # (tp 2 is a slow check's: CI time) one expert per device, and tp > the 2 KV heads
         e, got = run(tp)
         mlp = e.runner.params["layers"][0]["mlp"]
         for name in ("gate_proj", "up_proj", "down_proj"):

@@ -4,11 +4,14 @@ assertions): both grammar libraries walk the document, and the engine rows exist
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import bench_structured  # noqa: E402
 
 
+@pytest.mark.slow  # ~20 s (a tokenizer trained, four programs compiled): CI's budget
 def test_bench_structured_quick_runs(capsys):
     assert bench_structured.main(["--quick"]) == 0
     out = capsys.readouterr().out

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
@@ -44,6 +46,7 @@ def test_the_rss_baseline_waits_for_the_program_cache_to_fill():
     assert soak_serve.baseline(rows, 40, 4) is None
 
 
+@pytest.mark.slow  # ~25 s (a server start with warm-up, then every client kind): CI's budget
 def test_a_few_seconds_of_soak_report_every_client_kind_and_pass(tmp_path):
     cmd = [sys.executable, str(SCRIPTS / "soak_serve.py"), "--minutes", "0.05", "--warmup-minutes", "0",
            "--server-log", str(tmp_path / "server.log"),

@@ -138,9 +138,10 @@ def test_a_kept_alive_connection_idles_past_the_head_timeout_but_its_next_head_i
     assert reply.startswith(b"HTTP/1.1 408 ") and _timely(seconds), (reply, seconds)
 
 
-def _live_snapshots() -> tuple[int, int]:
-    """RequestOutput snapshots alive in this process (the server runs in it), and the output tokens they hold."""
-    outs = [o for o in gc.get_objects() if type(o) is RequestOutput]
+def _live_snapshots(request_ids: set[str]) -> tuple[int, int]:
+    """RequestOutput snapshots of these requests alive in this process (the server runs in it; other tests of the
+    same process may keep outputs of their own), and the output tokens they hold."""
+    outs = [o for o in gc.get_objects() if type(o) is RequestOutput and o.request_id in request_ids]
     return len(outs), sum(len(c.token_ids) for o in outs for c in o.outputs)
 
 
@@ -183,10 +184,10 @@ def test_stalled_streaming_clients_cost_one_snapshot_each_however_long_the_outpu
         deadline = time.monotonic() + 60
         while engine.stats().generated_tokens < generated_before + clients * n * max_tokens:
             assert time.monotonic() < deadline, "the requests did not finish generating"
-            samples.append((max(s.num_undelivered for s in streams), *_live_snapshots()))
+            samples.append((max(s.num_undelivered for s in streams), *_live_snapshots({s.request_id for s in streams})))
             time.sleep(0.2)
         time.sleep(0.3)  # the last outputs reach their streams
-        samples.append((max(s.num_undelivered for s in streams), *_live_snapshots()))
+        samples.append((max(s.num_undelivered for s in streams), *_live_snapshots({s.request_id for s in streams})))
         assert len(streams) == clients
         # Every handler is stuck writing (the clients stopped reading long before the end), its stream holding
         # the finished snapshot: the stall was real.
