@@ -106,11 +106,11 @@ def test_samples_equal_singles_and_unconstrained_requests_are_untouched(llm):
     assert mixed[0].outputs[0].token_ids == want.token_ids and mixed[0].outputs[0].logprobs == want.logprobs
 
 
-def test_preemption_and_fused_decode_keep_the_constraint():
+def test_preemption_and_fused_decode_keep_the_constraint(llm):
     structured = StructuredOutput(json={"type": "object", "required": ["a"], "additionalProperties": False,
                                         "properties": {"a": {"type": "string", "pattern": "^[a-z ]{0,20}$"}}})
     prompts = [PROMPT + str(i) for i in range(5)]
-    want, _ = _texts(engine(), structured, prompts=prompts, temperature=1.0, seed=0, max_tokens=30)
+    want, _ = _texts(llm, structured, prompts=prompts, temperature=1.0, seed=0, max_tokens=30)
     small = engine(num_blocks=8)  # five requests of up to 39 tokens in 8 blocks of 16: preempted and recomputed
     got, _ = _texts(small, structured, prompts=prompts, temperature=1.0, seed=0, max_tokens=30)
     assert got == want and small.stats().scheduler.num_preemptions > 0

@@ -17,6 +17,7 @@ from tests.serve.server_utils import MODEL_NAME, running_server
 FACTORY = "tests.model.gpt2_example:load"
 ENGINE_ARGS = ["--block-size", "16", "--num-blocks", "32", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                "--max-model-len", "128"]
+SERVE_ARGS = [*ENGINE_ARGS, "--no-warmup"]  # the warm-up's programs are another test's (CI time)
 
 
 def model_only(path):
@@ -25,7 +26,7 @@ def model_only(path):
 
 
 def test_serve_answers_an_openai_client_with_the_offline_engines_text():
-    args = build_parser().parse_args(["--model-class", FACTORY, *ENGINE_ARGS])
+    args = build_parser().parse_args(["--model-class", FACTORY, *SERVE_ARGS])
     loaded = load_model_for_cli(args)
     assert loaded.model_config is None and loaded.spec.num_layers == 2
     with running_server(build_engine(args, loaded)) as server:

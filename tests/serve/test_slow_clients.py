@@ -150,7 +150,7 @@ def test_stalled_streaming_clients_cost_one_snapshot_each_however_long_the_outpu
     sockets open, while their requests generate to the end: the server holds, per stream, at most one pending
     snapshot (a queue of every step's cumulative snapshot grew quadratically with the output), and the clients
     that read again get the whole response."""
-    clients, n, max_tokens = 4, 4, 200
+    clients, n, max_tokens = 4, 4, 120
     streams = []
     engine = server.engine
     add_request = engine.add_request
