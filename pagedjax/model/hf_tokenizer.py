@@ -138,7 +138,8 @@ class HFTokenizer:
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         """The raw bytes the tokens stand for, special tokens dropped: a token holding part of a character gives
         its bytes (`decode` would give U+FFFD). Exact for byte-level BPE and for byte-fallback tokens (`<0xE2>`);
-        other tokens give their decode's UTF-8."""
+        other tokens give their decode's UTF-8. An id past the tokenizer's vocabulary (models pad theirs, e.g.
+        Phi-3's 32,064 rows over 32,011 tokens) stands for no text, as in `decode`."""
         out = bytearray()
         for i in ids:
             i = int(i)
@@ -149,7 +150,7 @@ class HFTokenizer:
                 continue
             piece = self._tok.id_to_token(i)
             if piece is None:
-                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+                continue
             if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
                 out += bytes(_BYTE_LEVEL[c] for c in piece)
             elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):

@@ -44,3 +44,14 @@ def test_text_offsets_count_characters_of_the_text(bpe):  # noqa: F811
     for start in range(0, len(ids), 2):
         streamed += completion_logprobs(bpe, _entries(ids[start:start + 2]), carried)["text_offset"]
     assert streamed == offsets
+
+
+def test_an_id_past_the_tokenizers_vocabulary_is_a_token_with_no_text(bpe):  # noqa: F811
+    """Models pad their vocabulary past the tokenizer's (Phi-3: 32,064 rows, 32,011 tokens), and a model may
+    sample a padding id: its log-probability entry is an empty token (it was a 500), as its text is nothing."""
+    past = bpe.vocab_size + 3
+    ids = [*bpe.encode("ok", add_special_tokens=False), past]
+    assert bpe.decode_bytes([past]) == b"" and bpe.decode(ids) == bpe.decode(ids[:-1])
+    chat = chat_logprobs(bpe, _entries(ids))["content"]
+    assert chat[-1]["token"] == "" and chat[-1]["bytes"] == []
+    assert completion_logprobs(bpe, _entries(ids))["tokens"][-1] == ""
