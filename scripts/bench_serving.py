@@ -159,23 +159,33 @@ def compilations(url: str) -> int:
     raise SystemExit(f"{url}/metrics has no pagedjax_compilations_total: not a pagedjax-serve?")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_server(server_args: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(server_args: list[str], *, port: int | None = None,
+                 log_path: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """`python -m pagedjax.serve` on 127.0.0.1 (`port`, default a free one) with `server_args`, its output to
+    `log_path` (default: ours); returns (process, url) once /health answers. SystemExit if it exits or does not
+    come up within 10 minutes (a cold start compiles)."""
     import httpx
 
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pagedjax.serve", "--port", str(port), "--log-level", "warning",
-                             *server_args])
+    port = free_port() if port is None else port
     url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "pagedjax.serve", "--host", "127.0.0.1", "--port", str(port), "--log-level",
+               "warning", *server_args]
+    if log_path is None:
+        proc = subprocess.Popen(command)
+    else:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"pagedjax-serve exited with {proc.returncode}")
+            tail = "" if log_path is None else ":\n" + log_path.read_text()[-2000:]
+            raise SystemExit(f"pagedjax-serve exited with {proc.returncode}{tail}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url

@@ -37,7 +37,6 @@ import logging
 import random
 import shlex
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_serving import start_server  # noqa: E402  (its server start-up, shared)
 
 logger = logging.getLogger("soak_serve")
 
@@ -333,33 +335,6 @@ def _row(r: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ main
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int, server_args: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pagedjax.serve", "--host", "127.0.0.1", "--port", str(port),
-                                 "--log-level", "warning", *server_args], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"pagedjax-serve exited with {proc.returncode}:\n{log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("pagedjax-serve did not start")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -396,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     log_path = args.server_log or Path(tempfile.mkdtemp(prefix="soak_serve-")) / "server.log"
     server_args = ["--header-timeout", str(args.header_timeout), "--max-request-bytes", str(args.max_request_bytes),
                    "--max-compiled-programs", str(args.max_compiled_programs), *shlex.split(args.server_args)]
-    proc, url = start_server(args.port or _free_port(), server_args, log_path)
+    proc, url = start_server(server_args, port=args.port or None, log_path=log_path)
     try:
         import httpx
 
