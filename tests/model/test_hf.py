@@ -58,20 +58,45 @@ _rng = np.random.default_rng(0)
 PROMPTS = [_rng.integers(3, VOCAB, n).tolist() for n in (1, 6, 13, 22)]
 
 
-def build_hf_model(kind: str):
-    """A tiny random transformers model with every parameter (norms and biases too) random."""
-    cls_name, seed, extra = MODELS[kind]
-    config = getattr(transformers, cls_name)(**_COMMON, **extra)
-    config._attn_implementation = "eager"
+def random_hf_model(cls_name: str, seed: int, config: dict, *, norm_center: float = 1.0,
+                    random_biases: bool = True):
+    """A tiny random transformers model of config class `cls_name`, eager attention (Gemma's soft caps need it;
+    one attention code for all), its norms random around `norm_center` (1, or 0 for Gemma's, which scale by
+    1 + w) and its biases random too: every parameter a weight-loading mistake could hide behind."""
+    hf_config = getattr(transformers, cls_name)(**config)
+    hf_config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
+                p.copy_(norm_center + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias") and random_biases:
                 p.copy_(0.5 * torch.randn_like(p))
     return model
+
+
+def saved_and_loaded(model, folder: str):
+    """`model` saved under `folder` and loaded by pagedjax: (cfg, state)."""
+    model.save_pretrained(folder, safe_serialization=True)
+    cfg, state, _ = load_hf(folder)
+    return cfg, state
+
+
+def paged_last_logits(engine: LLMEngine, prompts) -> list[tuple[list[int], np.ndarray]]:
+    """Every prompt's prefill as one step of the engine's paged path: (prompt, its last position's logits) in
+    the step's order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=1))
+    plan = engine.scheduler.schedule()
+    assert plan.num_seqs == len(prompts)
+    logits = engine.runner.execute(engine.step_inputs(plan), return_logits=True).logits
+    return [(engine.scheduler.get_request(r).prompt_token_ids, logits[i]) for i, r in enumerate(plan.request_ids)]
+
+
+def build_hf_model(kind: str):
+    cls_name, seed, extra = MODELS[kind]
+    return random_hf_model(cls_name, seed, {**_COMMON, **extra})
 
 
 def _save(model, path: Path, **kw) -> Path:

@@ -23,10 +23,20 @@ transformers = pytest.importorskip("transformers")
 from pagedjax.config import CacheConfig, SchedulerConfig  # noqa: E402
 from pagedjax.core.request import SamplingParams  # noqa: E402
 from pagedjax.engine import LLMEngine  # noqa: E402
-from pagedjax.model.hf_loader import load_hf, load_hf_config, load_hf_params, model_from_state  # noqa: E402
+from pagedjax.model.hf_loader import load_hf_config, load_hf_params, model_from_state  # noqa: E402
 from pagedjax.moe_config import MoEConfig  # noqa: E402
 from tests.dense import greedy_by_recompute  # noqa: E402
-from tests.model.test_hf import MIN_MARGIN, TOL, _base_config, dense_logits, hf_greedy, hf_logits  # noqa: E402
+from tests.model.test_hf import (  # noqa: E402
+    MIN_MARGIN,
+    TOL,
+    _base_config,
+    dense_logits,
+    hf_greedy,
+    hf_logits,
+    paged_last_logits,
+    random_hf_model,
+    saved_and_loaded,
+)
 
 pytestmark = pytest.mark.hf
 
@@ -53,22 +63,13 @@ PROMPTS = [_rng.integers(3, VOCAB, n).tolist() for n in (1, 6, 13, 22)]
 
 def build_hf_model(kind: str):
     cls_name, seed, extra = MODELS[kind]
-    config = getattr(transformers, cls_name)(**_COMMON, **extra)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-    return model
+    return random_hf_model(cls_name, seed, {**_COMMON, **extra}, random_biases=False)
 
 
 @functools.cache
 def hf_model(kind: str, folder: str):
     model = build_hf_model(kind)
-    model.save_pretrained(folder, safe_serialization=True)
-    cfg, state, _ = load_hf(folder)
+    cfg, state = saved_and_loaded(model, folder)
     return model, folder, cfg, state
 
 
@@ -120,15 +121,9 @@ def _engine(cfg, state):
 def test_paged_logits_match_transformers(models, kind):
     """One prefill step of every prompt through the engine's paged path and grouped matmuls."""
     model, _, cfg, state = models[kind]
-    engine = _engine(cfg, state)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=1))
-    plan = engine.scheduler.schedule()
-    assert plan.num_seqs == len(PROMPTS)
-    prompts = [engine.scheduler.get_request(r).prompt_token_ids for r in plan.request_ids]
-    logits = engine.runner.execute(engine.step_inputs(plan), return_logits=True).logits
-    for i, (p, ref) in enumerate(zip(prompts, hf_logits(model, prompts), strict=True)):
-        np.testing.assert_allclose(logits[i], ref[-1], atol=TOL, rtol=TOL, err_msg=f"{kind}, {len(p)} tokens")
+    last = paged_last_logits(_engine(cfg, state), PROMPTS)
+    for (p, got), ref in zip(last, hf_logits(model, [p for p, _ in last]), strict=True):
+        np.testing.assert_allclose(got, ref[-1], atol=TOL, rtol=TOL, err_msg=f"{kind}, {len(p)} tokens")
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
