@@ -55,7 +55,7 @@ from pagedjax.parallel.config import TP
 from pagedjax.parallel.sharding import default_param_partition
 
 __all__ = ["TP", "AttentionMetadata", "ModelSpec", "PagedAttention", "PagedKVCache", "PagedModel", "check_model",
-           "default_param_partition", "param_partition_fn"]
+           "default_param_partition", "model_spec", "param_partition_fn"]
 
 
 @runtime_checkable
@@ -187,10 +187,9 @@ def param_partition_fn(model, tp: int) -> Callable[[tuple, tuple], P]:
     return partition
 
 
-def check_model(model, *, kv_dtype: str = "auto") -> ModelSpec:
-    """Check that `model` keeps the contract (see the module docstring) by tracing one two-token step over a
-    two-block cache of `kv_dtype` pages (`CacheConfig.kv_dtype`; abstractly: nothing is compiled or run).
-    Returns its spec; TypeError / ValueError naming what is wrong."""
+def model_spec(model) -> ModelSpec:
+    """The spec of a model of the contract, its types checked (TypeError naming what is wrong); `check_model`
+    checks the rest."""
     name = type(model).__name__
     if not isinstance(model, nnx.Module):
         raise TypeError(f"a model must be a flax.nnx.Module, got {name}")
@@ -200,6 +199,15 @@ def check_model(model, *, kv_dtype: str = "auto") -> ModelSpec:
                         f"got {type(spec).__name__}")
     if not callable(getattr(model, "compute_logits", None)):
         raise TypeError(f"{name} has no compute_logits(hidden) -> logits method")
+    return spec
+
+
+def check_model(model, *, kv_dtype: str = "auto") -> ModelSpec:
+    """Check that `model` keeps the contract (see the module docstring) by tracing one two-token step over a
+    two-block cache of `kv_dtype` pages (`CacheConfig.kv_dtype`; abstractly: nothing is compiled or run).
+    Returns its spec; TypeError / ValueError naming what is wrong."""
+    spec = model_spec(model)
+    name = type(model).__name__
     tokens, block_size = 2, 4
     kv = jnp.dtype(CacheConfig(kv_dtype=kv_dtype).kv_array_dtype(spec))
     pages = jax.ShapeDtypeStruct((spec.num_kv_heads, 2, block_size, spec.head_dim), kv)
