@@ -12,6 +12,7 @@ from dataclasses import dataclass
 # check_int and is_int are re-exported: the rest of the package has imported them from here.
 from pagedjax.fields import check_bool, check_choice, check_float, check_int, describe, is_int  # noqa: F401
 from pagedjax.moe_config import MoEConfig
+from pagedjax.quant_config import QuantConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -215,6 +216,9 @@ class ModelConfig:
     Mixture of experts: `moe` (a `pagedjax.moe_config.MoEConfig`, or its fields as a dict): every layer's MLP is
     routed over experts of width `moe.intermediate_size` (`intermediate_size` is then unused). None: dense MLPs.
 
+    Quantized weights: `quantization` (a `pagedjax.quant_config.QuantConfig`, its name such as "int8", or its
+    fields as a dict): the linear layers hold weight-only quantized kernels (`pagedjax.model.quant`). None: float.
+
     Block layout: `norm_placement` (one of `NORM_PLACEMENTS`; None = the architecture's own, "pre" for llama,
     "sandwich" for gemma2: what configs saved before the field existed mean), resolved by `block_norms`.
     """
@@ -248,6 +252,7 @@ class ModelConfig:
     norm_placement: str | None = None  # one of NORM_PLACEMENTS; None: the architecture's own
     rope_local_theta: float | None = None
     moe: MoEConfig | None = None
+    quantization: QuantConfig | None = None
 
     def __post_init__(self) -> None:
         owner = "ModelConfig"
@@ -278,6 +283,7 @@ class ModelConfig:
         fix("qk_norm", check_choice(owner, "qk_norm", self.qk_norm, QK_NORMS))
         fix("norm_placement", check_choice(owner, "norm_placement", self.norm_placement, NORM_PLACEMENTS))
         fix("moe", MoEConfig.coerce(self.moe))
+        fix("quantization", QuantConfig.coerce(self.quantization))
         if self.moe is not None and self.architecture != "llama":
             raise ValueError(f"ModelConfig.moe: the experts are SwiGLU MLPs, for architecture 'llama' only, not "
                              f"{self.architecture!r}")

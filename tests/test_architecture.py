@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedjax.parallel",),  # SPMD: meshes, shardings, sharded attention
     ("pagedjax.device", "pagedjax.core"),  # pure JAX functions | host state without JAX
     ("pagedjax.config", "pagedjax.compile_cache"),
-    ("pagedjax.moe_config",),  # ModelConfig.moe's dataclass
+    ("pagedjax.moe_config", "pagedjax.quant_config"),  # ModelConfig.moe's and .quantization's dataclasses
     ("pagedjax.fields",),  # the field checks every config class uses
     ("pallas_kernels",),  # kernels: import nothing of pagedjax
 ]

@@ -87,6 +87,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
                         "(installed, or on PYTHONPATH)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="parameter dtype (default: the checkpoint's)")
+    g.add_argument("--quantization", type=_quantization, default=None, metavar="SCHEME",
+                   help="weight-only quantized linear layers, quantized at load: int8 (per channel), int4 (groups "
+                        "of 128 inputs; int4:32 for groups of 32) or fp8 (e4m3, per channel); activations stay in "
+                        "the model's dtype. Default: the checkpoint's weights as stored")
     g.add_argument("--backend", choices=["auto", "pallas", "xla"], default="auto",
                    help="attention backend: auto = Pallas on GPU, XLA elsewhere")
     g.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per KV block")
@@ -167,3 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true",
                    help="print completions and statistics as one JSON object (units in the key names)")
     return p
+
+
+def _quantization(text: str):
+    """--quantization's value as a `QuantConfig` (argparse reports the ValueError's message)."""
+    from pagedjax.quant_config import QuantConfig
+
+    try:
+        return QuantConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

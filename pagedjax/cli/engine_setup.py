@@ -44,11 +44,19 @@ def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
     """The model `--model` / `--model-class` / `--dtype` name: `load_pretrained_for_cli`, or the factory's."""
     if getattr(args, "model_class", None) is None:
         cfg, params, tokenizer = load_pretrained_for_cli(args.model, args.dtype,
-                                                         getattr(args, "tensor_parallel_size", 1))
+                                                         getattr(args, "tensor_parallel_size", 1),
+                                                         getattr(args, "quantization", None))
         return CLIModel(cfg.spec, tokenizer, model_config=cfg, params=params)
     if args.dtype is not None:
         raise CLIError("--dtype applies to the built-in models; a --model-class factory chooses its own dtype")
     model, tokenizer = load_model_class(args.model_class, args.model)
+    if getattr(args, "quantization", None) is not None:  # the factory's nnx.Linear layers
+        from pagedjax.model.quant import quantize_model
+
+        try:
+            quantize_model(model, args.quantization)
+        except ValueError as e:
+            raise CLIError(f"--quantization {args.quantization.name}: {e}") from None
     from pagedjax.model.api import model_spec
 
     try:  # the spec's types only: the engine traces the whole contract (check_model) when it is built
@@ -88,7 +96,8 @@ def load_model_class(target: str, path: str | None):
     return result if isinstance(result, tuple) and len(result) == 2 else (result, None)
 
 
-def load_pretrained_for_cli(path: str | None, dtype: str | None, tensor_parallel_size: int = 1):
+def load_pretrained_for_cli(path: str | None, dtype: str | None, tensor_parallel_size: int = 1,
+                            quantization=None):
     """(ModelConfig, params, tokenizer) through the project's loader; CLIError (one line naming the file) if
     the model cannot be loaded or has no tokenizer for text prompts. With `tensor_parallel_size` > 1 the weights
     are read straight into their shards (each device receives only its slice)."""
@@ -104,7 +113,7 @@ def load_pretrained_for_cli(path: str | None, dtype: str | None, tensor_parallel
         check_device_count(tensor_parallel_size)
         mesh = replica_meshes(ParallelConfig(tensor_parallel_size=tensor_parallel_size), jax.devices())[0]
     try:
-        cfg, params, tokenizer = load_pretrained(path, dtype=dtype, mesh=mesh)
+        cfg, params, tokenizer = load_pretrained(path, dtype=dtype, mesh=mesh, quantization=quantization)
     except ModelLoadError as e:
         raise CLIError(f"cannot load the model: {e}") from None
     except OSError as e:

@@ -126,12 +126,15 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, path=None, *, dtype: str | None = None, cache_config: CacheConfig | None = None,
                         scheduler_config: SchedulerConfig | None = None, parallel_config=None,
-                        tensor_parallel_size: int | None = None, devices=None, **kwargs) -> LLMEngine:
+                        tensor_parallel_size: int | None = None, devices=None, quantization=None,
+                        **kwargs) -> LLMEngine:
         """An engine over a saved model: a pagedjax orbax checkpoint folder, a local Hugging Face folder
         (config.json + *.safetensors [+ tokenizer.json]), or None for the bundled model. With a
-        `parallel_config`, weights are read straight into their shards on the (first replica's) mesh."""
+        `parallel_config`, weights are read straight into their shards on the (first replica's) mesh.
+        `quantization` ("int8" | "int4" | "int4:32" | "fp8" or a `QuantConfig`): weight-only quantized linear
+        layers, quantized at load (`pagedjax.model.quant`)."""
         parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
-        cfg, state, tokenizer = load_for(path, dtype, parallel_config, devices)
+        cfg, state, tokenizer = load_for(path, dtype, parallel_config, devices, quantization)
         kwargs.setdefault("tokenizer", tokenizer)
         return cls(cfg, cache_config, scheduler_config, params=state, parallel_config=parallel_config,
                    devices=devices, **kwargs)
@@ -448,7 +451,7 @@ def _token_list(request_id: str, prompt_token_ids) -> list[int]:
     return [int(t) for t in tokens]
 
 
-def load_for(path, dtype: str | None, parallel_config, devices):
+def load_for(path, dtype: str | None, parallel_config, devices, quantization=None):
     """`(ModelConfig, params, tokenizer)` of a saved model (see `pagedjax.model.loader.load_pretrained`), with a
     `parallel_config` read straight into their shards on the first replica's mesh."""
     from pagedjax.model.loader import load_pretrained
@@ -458,4 +461,4 @@ def load_for(path, dtype: str | None, parallel_config, devices):
         from pagedjax.parallel.mesh import replica_meshes
 
         mesh = replica_meshes(parallel_config, devices)[0]
-    return load_pretrained(path, dtype=dtype, mesh=mesh)
+    return load_pretrained(path, dtype=dtype, mesh=mesh, quantization=quantization)

@@ -335,9 +335,17 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, *,
     state = abstract
     _state_replace_by_pure_dict(state, restored)
     if dtype is not None and jnp.dtype(dtype) != jnp.dtype(cfg.dtype):
-        state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+        # Quantized weights and their scales keep their storage dtypes (`pagedjax.model.quant`).
+        state = jax.tree_util.tree_map_with_path(
+            lambda kp, x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and not _is_quantized(kp) else x,
+            state)
         cfg = cfg.replace(dtype=dtype)
     return cfg, state
+
+
+def _is_quantized(keypath) -> bool:
+    """Whether a state leaf is a `QuantizedLinear`'s stored weight or scale."""
+    return any(getattr(k, "key", None) in ("qweight", "scale") for k in keypath)
 
 
 def load_checkpoint_tokenizer(path: str | os.PathLike, cfg: ModelConfig):

@@ -27,25 +27,13 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig, ModelSpec
 from pagedjax.model.api import PagedAttention, PagedKVCache
+from pagedjax.model.linear import apply_linear as _apply
 from pagedjax.model.moe import MoEMLP
+from pagedjax.model.quant import QuantizedLinear, quantize_model
+from pagedjax.model.quant import shapes as quant_shapes
 from pagedjax.model.rope import layer_rope
 from pagedjax.parallel.sharding import param_spec
-
-
-def _apply(fn, x: jax.Array) -> jax.Array:
-    """`fn(x)` for a linear map `fn` over x `[..., in]`, rounded to x's dtype.
-
-    XLA:CPU lowers a one-row dot with 16-bit float operands to a scalar loop that reads weights at ~1 GB/s
-    (two or more rows go to YNNPACK at ~15-25 GB/s; float32 one-row dots are fast either way), so on the CPU
-    a single 16-bit row runs as two (the second zero) and keeps the first: batch-1 decode of a bf16 model
-    10x faster on the 156M shape (`scripts/bench_engine.py`).
-    """
-    lead = x.shape[:-1]
-    if math.prod(lead) == 1 and x.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu":
-        x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-        y = fn(x2)[:1].astype(x.dtype)
-        return y.reshape(*lead, y.shape[-1])
-    return fn(x).astype(x.dtype)
+from pagedjax.quant_config import QuantConfig
 
 
 class RMSNorm(nnx.Module):
@@ -73,7 +61,14 @@ class Linear(nnx.Linear):
         return _apply(super().__call__, x)
 
 
-def _linear(n_in: int, n_out: int, bias: bool, dtype, rngs: nnx.Rngs) -> Linear:
+def _linear(n_in: int, n_out: int, bias: bool, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None,
+            name: str = "") -> Linear | QuantizedLinear:
+    """A float `Linear`, or with `quant` (`ModelConfig.quantization`) unless it keeps module `name` in float, a
+    `QuantizedLinear` of a random float kernel."""
+    if quant is not None and name not in quant.keep_float:
+        kernel = nnx.initializers.lecun_normal()(rngs.params(), (n_in, n_out), jnp.float32)
+        return QuantizedLinear(kernel, jnp.zeros((n_out,), dtype) if bias else None, quant=quant, dtype=dtype,
+                               name=name)
     # 16-bit layers accumulate in float32 and round once (`_apply`): a bf16 x bf16 -> bf16 dot makes XLA:CPU
     # convert the whole weight to float32 on every call.
     acc = jnp.float32 if jnp.dtype(dtype).itemsize == 2 else None
@@ -88,10 +83,11 @@ def _norm_factory(cfg: ModelConfig, dtype):
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int, dtype, rngs: nnx.Rngs):
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = _linear(h, cfg.num_q_heads * d, cfg.qkv_bias, dtype, rngs)
-        self.k_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
-        self.v_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
-        self.o_proj = _linear(cfg.num_q_heads * d, h, False, dtype, rngs)
+        q = cfg.quantization
+        self.q_proj = _linear(h, cfg.num_q_heads * d, cfg.qkv_bias, dtype, rngs, q, "q_proj")
+        self.k_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs, q, "k_proj")
+        self.v_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs, q, "v_proj")
+        self.o_proj = _linear(cfg.num_q_heads * d, h, False, dtype, rngs, q, "o_proj")
         self.num_q_heads, self.num_kv_heads, self.head_dim = cfg.num_q_heads, cfg.num_kv_heads, d
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm is not None:
@@ -152,9 +148,10 @@ class MLP(nnx.Module):
     """SwiGLU (Llama) or, with `gelu`, GeGLU with the tanh approximation of gelu (Gemma)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, *, gelu: bool = False):
-        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
-        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, rngs)
+        h, w, q = cfg.hidden_size, cfg.intermediate_size, cfg.quantization
+        self.gate_proj = _linear(h, w, False, dtype, rngs, q, "gate_proj")
+        self.up_proj = _linear(h, w, False, dtype, rngs, q, "up_proj")
+        self.down_proj = _linear(w, h, False, dtype, rngs, q, "down_proj")
         self.gelu = gelu
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -215,7 +212,7 @@ class Llama(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
         self.norm = _norm_factory(cfg, dtype)(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype,
-                                                                     rngs)
+                                                                     rngs, cfg.quantization, "lm_head")
 
     @property
     def spec(self) -> ModelSpec:
@@ -287,3 +284,19 @@ def model_from_state(cfg: ModelConfig, state: nnx.State) -> Llama:
     """A `Llama` holding `state` (e.g. loaded weights) without first initialising random weights."""
     graphdef, _ = nnx.split(abstract_model(cfg))
     return nnx.merge(graphdef, state)
+
+
+def quantize_params(cfg: ModelConfig, state: nnx.State, quant) -> tuple[ModelConfig, nnx.State]:
+    """Float parameters of `Llama(cfg)` -> (the config with `quantization=quant`, the parameters of that model):
+    each linear layer the quantized model holds as a `QuantizedLinear` quantized from its float kernel (the MoE
+    router and experts, the embeddings and the `keep_float` layers are kept as they are)."""
+    if cfg.quantization is not None:
+        raise ValueError(f"quantize_params: the model is quantized already ({cfg.quantization.name})")
+    qcfg = cfg.replace(quantization=quant)
+    model = model_from_state(cfg, state)
+    for path, node in nnx.iter_graph(model):  # errors name the whole path, not just the module
+        if isinstance(node, nnx.Linear) and str(path[-1]) not in qcfg.quantization.keep_float:
+            quant_shapes(qcfg.quantization, node.in_features, node.out_features, ".".join(map(str, path)))
+    paths = {tuple(p) for p, node in nnx.iter_graph(abstract_model(qcfg)) if isinstance(node, QuantizedLinear)}
+    model = quantize_model(model, qcfg.quantization, paths)
+    return qcfg, nnx.state(model, nnx.Param)

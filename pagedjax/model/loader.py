@@ -21,9 +21,12 @@ def is_hf_folder(path: Path) -> bool:
         any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file())
 
 
-def load_pretrained(path: str | Path | None = None, dtype: str | None = None, *, mesh=None):
+def load_pretrained(path: str | Path | None = None, dtype: str | None = None, *, mesh=None, quantization=None):
     """Load `(ModelConfig, nnx.State, tokenizer)` from a folder; None means the bundled model. With a
     tensor-parallel `mesh` (`pagedjax.parallel`), each device receives only its slice of each parameter.
+    `quantization` (a `pagedjax.quant_config.QuantConfig` or its name, e.g. "int8", "int4:32", "fp8") quantizes
+    the linear layers' weights once loaded (`pagedjax.model.llama.quantize_params`); a checkpoint saved quantized
+    loads as it was saved (asking for another scheme then is a ValueError).
 
     Accepts pagedjax's own orbax checkpoints (a folder with `pagedjax_config.json`, and `tokenizer.json` or a
     byte-level vocabulary) and Hugging Face folders (`config.json` + *.safetensors [+ tokenizer.json]).
@@ -48,8 +51,23 @@ def load_pretrained(path: str | Path | None = None, dtype: str | None = None, *,
     else:
         raise ModelLoadError(path, f"neither a pagedjax checkpoint ({checkpoint.CONFIG_FILE} + params/) nor a "
                                    "Hugging Face model folder (config.json + *.safetensors)")
+    if quantization is not None:
+        cfg, state = _quantized(cfg, state, quantization)
     logger.info("loaded %s in %.2f s", path, time.perf_counter() - start)
     return cfg, state, tokenizer
+
+
+def _quantized(cfg, state, quantization):
+    from pagedjax.model.llama import quantize_params
+    from pagedjax.quant_config import QuantConfig
+
+    quantization = QuantConfig.coerce(quantization)
+    if cfg.quantization is None:
+        return quantize_params(cfg, state, quantization)
+    if cfg.quantization != quantization:
+        raise ValueError(f"quantization {quantization.name!r}: the checkpoint holds {cfg.quantization.name!r} "
+                         "weights already")
+    return cfg, state
 
 
 __all__ = ["ModelLoadError", "is_hf_folder", "load_pretrained"]

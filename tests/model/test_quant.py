@@ -1,0 +1,216 @@
+"""Weight-only quantization (`pagedjax.model.quant`): int4 packing and the quantize / dequantize round trip
+(hypothesis: shapes, group sizes, signs, extremes, all-zero channels), and the exactness proof: a quantized
+model's logits through the paged engine equal those of the float model whose kernels hold the dequantized values
+(float32, 1e-5). Then loading with `quantization=`, user models (`quantize_model`), and the errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedjax import CacheConfig, LLMEngine, SchedulerConfig
+from pagedjax.config import ModelConfig
+from pagedjax.model.llama import init_model, model_from_state, quantize_params
+from pagedjax.model.quant import (
+    QuantizedLinear,
+    dequantize_kernel,
+    pack_int4,
+    quantize_kernel,
+    quantize_model,
+    unpack_int4,
+)
+from pagedjax.quant_config import QuantConfig
+from tests.model.test_hf import paged_last_logits
+
+# The tests' tiny shape: every input dimension (64, 128) a multiple of int4's group of 32.
+CFG = ModelConfig(vocab_size=96, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                  intermediate_size=128, tie_word_embeddings=False, qkv_bias=True)
+PROMPTS = [[5], [7, 1, 2, 3, 4, 9], list(range(10, 23))]
+# Each case compiles two engines' steps: the default run proves int8 and int4, `-m slow` the rest.
+_slow = pytest.mark.slow
+SCHEMES = [QuantConfig("int8"), QuantConfig("int4", group_size=32), pytest.param(QuantConfig("fp8"), marks=_slow),
+           # the LM head quantized too, scales in bf16
+           pytest.param(QuantConfig("int8", scale_dtype="bfloat16", keep_float=()), marks=_slow)]
+
+
+def _engine(cfg: ModelConfig, params) -> LLMEngine:
+    return LLMEngine(cfg, CacheConfig(block_size=4, num_blocks=32), SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32), params=params)
+
+
+def _dequantized(cfg: ModelConfig, state, qcfg: ModelConfig, qstate) -> nnx.State:
+    """The float model's parameters with each quantized layer's kernel replaced by its dequantized values."""
+    model, qmodel = model_from_state(cfg, state), model_from_state(qcfg, qstate)
+    for path, node in nnx.iter_graph(qmodel):
+        if isinstance(node, QuantizedLinear):
+            target = model
+            for key in path:
+                target = target[key] if isinstance(key, int) else getattr(target, key)
+            target.kernel.set_value(node.kernel().astype(target.kernel[...].dtype))
+    return nnx.state(model, nnx.Param)
+
+
+# --------------------------------------------------------------------------------------------- int4 packing
+# Jitted, and over few shapes: eager ops would compile each primitive for every new shape.
+_pack, _unpack = jax.jit(pack_int4), jax.jit(unpack_int4)
+_quantize = jax.jit(quantize_kernel, static_argnums=1)
+_dequantize = jax.jit(dequantize_kernel, static_argnums=2)
+
+
+@given(st.data())
+def test_int4_pack_round_trip_and_byte_layout(data):
+    rows, cols = data.draw(st.sampled_from([(2, 1), (8, 3)]))
+    q = np.array(data.draw(st.lists(st.integers(-8, 7), min_size=rows * cols, max_size=rows * cols)),
+                 np.int8).reshape(rows, cols)
+    packed = np.asarray(_pack(jnp.asarray(q)))
+    assert packed.dtype == np.uint8 and packed.shape == (rows // 2, cols)
+    nibble = q.view(np.uint8) & 0xF
+    np.testing.assert_array_equal(packed, nibble[0::2] | (nibble[1::2] << 4))
+    np.testing.assert_array_equal(np.asarray(_unpack(jnp.asarray(packed))), q)
+
+
+def test_int4_extremes_by_hand():
+    q = np.array([[-8, 7, -1, 0], [7, -8, -1, 1]], np.int8).T  # [in=4, out=2]
+    packed = np.asarray(pack_int4(jnp.asarray(q)))
+    # Low nibble: the even row. -8 = 0x8, 7 = 0x7, -1 = 0xF.
+    np.testing.assert_array_equal(packed, np.array([[0x78, 0x87], [0x0F, 0x1F]], np.uint8))
+    np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(packed))), q)
+
+
+# --------------------------------------------------------------------------------------- quantize round trip
+_VALUES = st.one_of(st.just(0.0), st.floats(-1e4, 1e4, width=32), st.floats(-2.0 ** -10, 2.0 ** -10, width=32))
+
+
+@given(st.data())
+def test_quantize_round_trip_is_within_half_a_step(data):
+    scheme = data.draw(st.sampled_from(["int8", "int4", "fp8"]))
+    group = data.draw(st.sampled_from([2, 8])) if scheme == "int4" else None
+    quant = QuantConfig(scheme, group_size=group, scale_dtype=data.draw(st.sampled_from(["float32", "bfloat16"])))
+    n_in, n_out = 16, data.draw(st.sampled_from([1, 3]))
+    w = np.array(data.draw(st.lists(_VALUES, min_size=n_in * n_out, max_size=n_in * n_out)),
+                 np.float32).reshape(n_in, n_out)
+    w[:, 0] = 0.0 if data.draw(st.booleans()) else w[:, 0]  # an all-zero channel (and int4 groups): scale 0
+    qweight, scale = _quantize(jnp.asarray(w), quant)
+    back = np.asarray(_dequantize(qweight, scale, quant))
+    assert np.isfinite(back).all()
+    s = np.asarray(scale.astype(jnp.float32))
+    s = np.repeat(s, group, axis=0) if scheme == "int4" else np.broadcast_to(s, w.shape)  # each element's scale
+    if scheme == "fp8":  # 3 mantissa bits: half an ulp is 2^-4 relative; subnormals' step is 2^-9 of the scale
+        bound = 2.0 ** -4 * np.abs(w) + 2.0 ** -10 * s
+    else:
+        bound = 0.5 * s
+    assert (np.abs(back - w) <= bound * (1 + 1e-5) + 1e-30).all()
+    zero = ~w.any(axis=0)
+    assert (back[:, zero] == 0).all()
+
+
+def test_quantize_uses_the_whole_range():
+    w = jnp.asarray(np.linspace(-3.0, 2.0, 64, dtype=np.float32).reshape(32, 2))
+    q, s = quantize_kernel(w, QuantConfig("int8"))
+    assert np.abs(np.asarray(q)).max(axis=0).tolist() == [127, 127]
+    q4, _ = quantize_kernel(w, QuantConfig("int4", group_size=32))
+    assert {int(np.asarray(unpack_int4(q4)).min()), int(np.asarray(unpack_int4(q4)).max())} <= set(range(-7, 8))
+    assert int(np.abs(np.asarray(unpack_int4(q4))).max()) == 7
+
+
+# ------------------------------------------------------------------------------------------ exactness proof
+@pytest.mark.parametrize("quant", SCHEMES, ids=lambda q: f"{q.name}-{q.scale_dtype}-{len(q.keep_float)}")
+def test_paged_logits_equal_the_float_model_of_the_dequantized_weights(quant):
+    state = nnx.state(init_model(CFG, seed=1), nnx.Param)
+    qcfg, qstate = quantize_params(CFG, state, quant)
+    assert qcfg.quantization == quant
+    ref = _dequantized(CFG, state, qcfg, qstate)
+    got = paged_last_logits(_engine(qcfg, qstate), PROMPTS)
+    want = dict((tuple(p), lg) for p, lg in paged_last_logits(_engine(CFG, ref), PROMPTS))
+    for prompt, logits in got:
+        np.testing.assert_allclose(logits, want[tuple(prompt)], rtol=1e-5, atol=1e-5)
+    lm_head = model_from_state(qcfg, qstate).lm_head
+    assert isinstance(lm_head, QuantizedLinear) == ("lm_head" not in quant.keep_float)
+
+
+@pytest.mark.slow
+def test_bfloat16_model_matches_its_dequantized_float_model():
+    cfg = CFG.replace(dtype="bfloat16")
+    state = nnx.state(init_model(cfg, seed=1), nnx.Param)
+    qcfg, qstate = quantize_params(cfg, state, "int4:32")
+    ref = _dequantized(cfg, state, qcfg, qstate)
+    want = dict((tuple(p), lg) for p, lg in paged_last_logits(_engine(cfg, ref), PROMPTS))
+    for prompt, logits in paged_last_logits(_engine(qcfg, qstate), PROMPTS):
+        np.testing.assert_allclose(logits, want[tuple(prompt)], rtol=1e-2, atol=1e-2)
+
+
+# ------------------------------------------------------------------------------------------ loading, users
+def test_from_pretrained_quantizes_the_bundled_model():
+    engine = LLMEngine.from_pretrained(None, quantization="int8", cache_config=CacheConfig(block_size=4,
+                                       num_blocks=16), scheduler_config=SchedulerConfig(max_num_seqs=2,
+                                       max_num_batched_tokens=16, max_model_len=16))
+    attn = nnx.merge(engine.runner.graphdef, engine.runner.params).layers[0].self_attn
+    assert engine.model_config.quantization == QuantConfig("int8")
+    assert isinstance(attn.q_proj, QuantizedLinear) and attn.q_proj.qweight[...].dtype == jnp.int8
+
+
+def test_a_user_models_quantized_linears_through_the_paged_engine():
+    """`quantize_model` on the GPT-2 of the bring-your-own-model example: its paged logits equal its float twin's
+    dense forward with the dequantized kernels."""
+    from tests.model.gpt2_example import GPT2, GPT2Config
+
+    cfg = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=4)
+    model, twin = GPT2(cfg, rngs=nnx.Rngs(0)), GPT2(cfg, rngs=nnx.Rngs(0))
+    quantize_model(model, "int4:32")
+    linears = {tuple(path): node for path, node in nnx.iter_graph(twin) if isinstance(node, nnx.Linear)}
+    quantized = {tuple(path): node for path, node in nnx.iter_graph(model) if isinstance(node, QuantizedLinear)}
+    assert quantized.keys() == linears.keys()
+    for path, layer in quantized.items():
+        linears[path].kernel.set_value(layer.kernel())
+    engine = LLMEngine(model=model, cache_config=CacheConfig(block_size=4, num_blocks=32),
+                       scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32))
+    prompts = [[p % 64 for p in prompt] for prompt in PROMPTS]
+    graphdef, state = nnx.split(twin)
+    dense = jax.jit(lambda s, t: nnx.merge(graphdef, s).forward_dense(t))
+    for prompt, logits in paged_last_logits(engine, prompts):
+        want = dense(state, jnp.asarray([prompt], jnp.int32))[0, -1]
+        np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("value, error, match", [
+    ("int3", ValueError, "QuantConfig.scheme 'int3' is not supported"),
+    ("int4:33", ValueError, "group_size must be even"),
+    ("int8:32", ValueError, "a group size is written 'int4:<int>'"),
+    (dict(scheme="int8", group_size=32), ValueError, "group_size applies to scheme 'int4' only"),
+    (dict(scheme="int8", scale_dtype="float16"), ValueError, "QuantConfig.scale_dtype"),
+    (dict(scheme="int8", bits=8), ValueError, r"unknown QuantConfig fields: \['bits'\]"),
+    (dict(scheme="int8", keep_float="lm_head"), TypeError, "keep_float must be a tuple"),
+    (8, TypeError, "quantization must be None, a QuantConfig"),
+])
+def test_bad_quantization_names_the_field(value, error, match):
+    with pytest.raises(error, match=match):
+        CFG.replace(quantization=value)
+
+
+def test_group_size_must_divide_the_input_dimension_naming_the_tensor():
+    with pytest.raises(ValueError, match=r"layers.0.mlp.down_proj: int4 group size 256 does not divide its "
+                                         r"input dimension 128"):
+        quantize_params(CFG, nnx.state(init_model(CFG), nnx.Param), "int4:256")
+    with pytest.raises(ValueError, match="layer.w: a linear kernel"):
+        quantize_kernel(jnp.ones((2, 2, 2)), QuantConfig("int8"), "layer.w")
+
+
+def test_config_round_trips_and_quantizing_twice_is_refused():
+    cfg = CFG.replace(quantization="int4:32")
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert QuantConfig.parse("int4").group_size == 128 and QuantConfig.parse("int4:32").name == "int4:32"
+    with pytest.raises(ValueError, match="quantized already"):
+        quantize_params(cfg, nnx.state(init_model(cfg), nnx.Param), "int8")
+
+
+def test_quantized_forward_runs_under_jit():
+    cfg = CFG.replace(quantization="fp8")
+    graphdef, state = nnx.split(init_model(cfg))
+    logits = jax.jit(lambda s, t: nnx.merge(graphdef, s).forward_dense(t))(state, jnp.ones((1, 4), jnp.int32))
+    assert logits.shape == (1, 4, CFG.vocab_size) and bool(jnp.isfinite(logits).all())
