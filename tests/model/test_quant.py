@@ -214,3 +214,17 @@ def test_quantized_forward_runs_under_jit():
     graphdef, state = nnx.split(init_model(cfg))
     logits = jax.jit(lambda s, t: nnx.merge(graphdef, s).forward_dense(t))(state, jnp.ones((1, 4), jnp.int32))
     assert logits.shape == (1, 4, CFG.vocab_size) and bool(jnp.isfinite(logits).all())
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def test_cli_quantization_flag(capsys):
+    from pagedjax import cli
+    from pagedjax.cli.args import build_parser
+    from pagedjax.cli.engine_setup import load_model_for_cli
+
+    args = build_parser().parse_args(["--quantization", "int4:32"])
+    assert args.quantization == QuantConfig("int4", group_size=32)
+    assert load_model_for_cli(args).model_config.quantization == QuantConfig("int4", group_size=32)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--quantization", "int3"])
+    assert e.value.code == 2 and "--quantization: QuantConfig.scheme 'int3' is not supported" in capsys.readouterr().err
