@@ -228,3 +228,25 @@ def test_cli_quantization_flag(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--quantization", "int3"])
     assert e.value.code == 2 and "--quantization: QuantConfig.scheme 'int3' is not supported" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------- orbax
+@pytest.mark.parametrize("quant", ["int4:32", pytest.param("fp8", marks=_slow)])
+def test_a_quantized_checkpoint_saves_and_restores_as_stored(tmp_path, quant):
+    from pagedjax.model.checkpoint import save_checkpoint
+    from pagedjax.model.loader import load_pretrained
+
+    qcfg, qstate = quantize_params(CFG, nnx.state(init_model(CFG, seed=1), nnx.Param), quant)
+    save_checkpoint(tmp_path, qcfg, qstate)
+    cfg, state, _ = load_pretrained(tmp_path, quantization=quant)  # the scheme it holds: nothing to do
+    assert cfg == qcfg
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(qstate), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    # A dtype override casts the float parameters, never the stored weights and scales.
+    cfg16, state16, _ = load_pretrained(tmp_path, dtype="bfloat16")
+    q_proj = model_from_state(cfg16, state16).layers[0].self_attn.q_proj
+    assert q_proj.qweight[...].dtype == qstate["layers"][0]["self_attn"]["q_proj"]["qweight"][...].dtype
+    assert q_proj.scale[...].dtype == jnp.float32 and q_proj.bias[...].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="the checkpoint holds 'int4:32' weights already|holds 'fp8'"):
+        load_pretrained(tmp_path, quantization="int8")
