@@ -335,6 +335,18 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
         raise ModelLoadError(config_path, str(e)) from None
 
 
+def _quantization(hf: dict):
+    """A pre-quantized checkpoint's scheme (`pagedjax.model.hf_quant`), or None for a float one."""
+    if hf.get("quantization_config") is None:
+        return None
+    from pagedjax.model.hf_quant import quant_config
+
+    try:
+        return quant_config(hf["quantization_config"])
+    except ValueError as e:
+        raise ValueError(f"field 'quantization_config': {e}") from None
+
+
 def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: tuple[int, ...]) -> ModelConfig:
     """`load_hf_config` on parsed JSON; ValueErrors name the field (the caller adds the file)."""
     model_type = hf.get("model_type")
@@ -397,6 +409,7 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
         sliding_windows=sliding_windows,
         **rope,
         moe=_moe(hf, model_type, num_layers),
+        quantization=_quantization(hf),
         **gemma,
         **_FAMILIES[model_type],
     )
@@ -454,8 +467,6 @@ def _check_unsupported(hf: dict, model_type: str) -> None:
                          "gemma3_text (transformers does not apply it)")
     if _flag(hf, "mlp_bias", False):
         raise ValueError("field 'mlp_bias' = true is not supported (MLP projections have no bias)")
-    if hf.get("quantization_config") is not None:
-        raise ValueError("field 'quantization_config': quantized checkpoints are not supported")
     if model_type in _O_PROJ_BIAS and _flag(hf, "attention_bias", False):
         raise ValueError(f"field 'attention_bias' = true is not supported for {model_type} "
                          "(it also biases o_proj)")

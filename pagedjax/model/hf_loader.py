@@ -41,8 +41,10 @@ import numpy as np
 from flax import nnx
 
 from pagedjax.config import ModelConfig
+from pagedjax.model import hf_quant
 from pagedjax.model.errors import ModelLoadError, read_json
 from pagedjax.model.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config  # noqa: F401  (re-exports)
+from pagedjax.model.hf_quant import Codec
 from pagedjax.model.llama import abstract_model, model_from_state  # noqa: F401  (model_from_state: re-export)
 
 logger = logging.getLogger(__name__)
@@ -68,11 +70,15 @@ def _canonical(name: str) -> str:
     return ".".join(parts)
 
 
-def _hf_names(path: tuple, shape: tuple) -> list[tuple[str, bool, int | None]]:
-    """pagedjax state path -> the Hugging Face tensors it is read from: (name, whether the tensor is transposed,
-    the expert whose slice it fills or None for the whole parameter). A stacked expert projection
-    (..., 'experts', 'gate_proj') of shape `[E, in, out]` is E tensors `experts.{e}.gate_proj.weight`."""
+def _hf_names(path: tuple, shape: tuple, quant=None) -> list[tuple[str, bool | Codec, int | None]]:
+    """pagedjax state path -> the Hugging Face tensors it is read from: (name, whether the tensor is transposed
+    or the `Codec` of a pre-quantized one, the expert whose slice it fills or None for the whole parameter). A
+    stacked expert projection (..., 'experts', 'gate_proj') of shape `[E, in, out]` is E tensors
+    `experts.{e}.gate_proj.weight`."""
     *mods, leaf = (str(p) for p in path)
+    if leaf in ("qweight", "scale"):  # a QuantizedLinear of a compressed-tensors checkpoint (`hf_quant`)
+        name, codec = hf_quant.tensor(_hf_name((*mods, "kernel"))[0].removesuffix(".weight"), leaf, quant)
+        return [(name, codec, None)]
     if mods and mods[-1] == "experts":
         prefix = "model." + ".".join(mods)
         return [(f"{prefix}.{e}.{leaf}.weight", True, e) for e in range(shape[0])]
@@ -197,7 +203,7 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
 
         where = param_sharding_fn(cfg, mesh)
     for p, var in nnx.to_flat_state(state):
-        for name, transpose, expert in _hf_names(tuple(p), tuple(var.get_value().shape)):
+        for name, transpose, expert in _hf_names(tuple(p), tuple(var.get_value().shape), cfg.quantization):
             targets[name] = (var, transpose, expert)
         if where is not None:
             place[id(var)] = where(tuple(p))
@@ -208,7 +214,8 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
     seen: dict[str, Path] = {}
     unexpected, misshaped, skipped = [], [], []
     for file, name, shape, st_dtype in _headers(files):
-        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
+                cfg.quantization is not None and name.endswith(".weight_shape")):  # `hf_quant`: redundant
             skipped.append(name)  # tied: the embedding is the head, as in transformers
             continue
         canonical = _canonical(name)
@@ -224,16 +231,21 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
                                            + (f" (in {name!r} here)" if fused or part != name else ""))
             var, transpose, expert = targets[part]
             part_shape = tuple(var.get_value().shape)[0 if expert is None else 1:]  # an expert: its slice
-            part_shape = part_shape[::-1] if transpose else part_shape  # HF's [out, in]: fused parts stack rows
+            if isinstance(transpose, Codec):
+                part_shape = transpose.hf_shape(part_shape)
+            else:
+                part_shape = part_shape[::-1] if transpose else part_shape  # HF's [out, in]: fused parts stack rows
             pieces.append((part, row, row + part_shape[0]) if fused else (part, None, None))
             row += part_shape[0]
             seen[part] = file
         want = (row, *part_shape[1:])  # a whole tensor's shape too: its only part's
         if shape != want:
             misshaped.append(f"{name}: checkpoint {list(shape)}, model expects {list(want)}")
-        if st_dtype not in _ST_DTYPES:
+        codec = targets[parts[0]][1]
+        allowed = codec.dtypes if isinstance(codec, Codec) else _ST_DTYPES
+        if st_dtype not in allowed:
             raise ModelLoadError(file, f"tensor {name!r}: dtype {st_dtype} is not supported "
-                                       f"(supported: {', '.join(_ST_DTYPES)})")
+                                       f"(supported: {', '.join(allowed)})")
         plan[file].append((name, pieces))
     missing = sorted(set(targets) - set(seen))
     problems = []
@@ -266,13 +278,16 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
                 for part, first, last in pieces:
                     var, transpose, expert = targets[part]
                     array = whole if first is None else whole[first:last]
-                    if transpose:
+                    if isinstance(transpose, Codec):
+                        array = transpose.convert(array)
+                    elif transpose:
                         array = array.T
                     if expert is not None:
                         array = _stack_expert(stacks, var, expert, array, target_dtype)
                         if array is None:  # more experts to come
                             continue
-                    array = np.ascontiguousarray(array, dtype=target_dtype)
+                    array = np.ascontiguousarray(
+                        array, dtype=transpose.dtype if isinstance(transpose, Codec) else target_dtype)
                     if id(var) in place:  # each device gets its slice only
                         value = jax.make_array_from_callback(array.shape, place[id(var)],
                                                              lambda idx, a=array: a[idx])

@@ -1,0 +1,105 @@
+"""Pre-quantized Hugging Face checkpoints in the compressed-tensors format, as vLLM reads them: the weight-only
+schemes whose stored values are exactly pagedjax's (`pagedjax.model.quant`).
+
+    config.json "quantization_config": {"quant_method": "compressed-tensors", "format": F,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": B, "type": "int",
+                          "symmetric": true, "strategy": S, "group_size": G}, "input_activations": null}},
+        "ignore": ["lm_head"]}
+    F = "pack-quantized", B = 4, S = "group" (W4A16)   -> QuantConfig("int4", group_size=G)
+        <layer>.weight_packed  int32 [out, in / 8]: word w of a row holds inputs 8w .. 8w + 7, input 8w + j in
+                               bits 4j .. 4j + 3 as q + 8 (q in [-8, 7])
+        <layer>.weight_scale   [out, in / G]          <layer>.weight_shape  [out, in] (redundant: not read)
+    F = "int-quantized" (or "naive-quantized"), B = 8, S = "channel" (W8A16)   -> QuantConfig("int8")
+        <layer>.weight         int8 [out, in]         <layer>.weight_scale  [out, 1]
+Each tensor becomes the model's `qweight` / `scale` (transposed to `[in, out]`, int4 re-packed two per byte
+along the input dimension, scales in float32: a 16-bit scale converts exactly). Anything else (asymmetric
+zero points, activation ordering, quantized activations, other bit widths or strategies, layers other than the
+LM head left in float) is a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedjax.model.quant import pack_int4
+from pagedjax.quant_config import QuantConfig
+
+_INT8_FORMATS = ("int-quantized", "naive-quantized")
+_FLOAT_SCALES = ("F32", "F16", "BF16")
+
+
+def quant_config(qc) -> QuantConfig:
+    """config.json's "quantization_config" -> the QuantConfig of its scheme; ValueError naming the field that
+    pagedjax cannot load exactly."""
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise ValueError(f"quant_method {method!r} is not supported (only compressed-tensors pack-quantized W4A16 "
+                         "and int-quantized W8A16)")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise ValueError("config_groups: exactly one quantization group is supported")
+    (group,) = groups.values()
+    if not isinstance(group, dict) or group.get("targets") != ["Linear"]:
+        raise ValueError("config_groups: the group must target [\"Linear\"]")
+    if group.get("input_activations") is not None or group.get("output_activations") is not None:
+        raise ValueError("config_groups: quantized activations are not supported (weight-only A16 schemes)")
+    w = group.get("weights")
+    if not isinstance(w, dict) or w.get("type") != "int" or w.get("symmetric") is not True:
+        raise ValueError("config_groups.weights: only symmetric int weights are supported")
+    if w.get("actorder") not in (None, False) or w.get("dynamic") not in (None, False):
+        raise ValueError("config_groups.weights: activation ordering and dynamic scales are not supported")
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or set(ignore) - {"lm_head"}:
+        raise ValueError(f"ignore {ignore!r}: only lm_head may be left unquantized")
+    keep = ("lm_head",) if "lm_head" in ignore else ()
+    fmt, bits, strategy = qc.get("format"), w.get("num_bits"), w.get("strategy")
+    if fmt == "pack-quantized" and bits == 4 and strategy == "group":
+        return QuantConfig("int4", group_size=w.get("group_size"), keep_float=keep)
+    if fmt in _INT8_FORMATS and bits == 8 and strategy == "channel":
+        return QuantConfig("int8", keep_float=keep)
+    raise ValueError(f"format {fmt!r} with {bits}-bit {strategy!r} weights is not supported (only pack-quantized "
+                     "4-bit 'group' and int-quantized 8-bit 'channel')")
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How one checkpoint tensor becomes a model leaf: its shape in the checkpoint for the leaf's shape, the
+    safetensors dtypes it may have, the conversion and the leaf's dtype."""
+
+    kind: str  # "int4", "int4_scale", "int8", "int8_scale"
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        if self.kind == "int4":  # [in / 2, out] <- [out, in / 8]
+            return shape[1], shape[0] * 2 // 8
+        if self.kind == "int8_scale":  # [out] <- [out, 1]
+            return shape[0], 1
+        return shape[::-1]  # [in, out] <- [out, in]; [groups, out] <- [out, groups]
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return {"int4": ("I32",), "int8": ("I8",)}.get(self.kind, _FLOAT_SCALES)
+
+    @property
+    def dtype(self):
+        return {"int4": np.uint8, "int8": np.int8}.get(self.kind, np.float32)
+
+    def convert(self, array: np.ndarray) -> np.ndarray:
+        if self.kind == "int4":
+            words = np.ascontiguousarray(array).view(np.uint32)  # [out, in / 8]
+            nibbles = (words[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF  # [out, in / 8, 8]
+            q = nibbles.reshape(words.shape[0], -1).astype(np.int8) - 8  # [out, in]
+            return np.asarray(pack_int4(q.T))
+        if self.kind == "int8_scale":
+            return array.reshape(-1).astype(np.float32)
+        return array.T.astype(np.float32) if self.kind == "int4_scale" else array.T
+
+
+def tensor(prefix: str, leaf: str, quant: QuantConfig) -> tuple[str, Codec]:
+    """The checkpoint tensor of a `QuantizedLinear`'s leaf ("qweight" | "scale") under `prefix` (the layer's
+    Hugging Face name, e.g. "model.layers.0.self_attn.q_proj"), and its codec."""
+    if leaf == "qweight":
+        return (f"{prefix}.weight_packed", Codec("int4")) if quant.scheme == "int4" else (f"{prefix}.weight",
+                                                                                         Codec("int8"))
+    return f"{prefix}.weight_scale", Codec("int4_scale" if quant.scheme == "int4" else "int8_scale")
