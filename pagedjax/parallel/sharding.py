@@ -13,6 +13,10 @@ Megatron-style tensor parallelism, expressed only as shardings (XLA inserts the 
                                               partitioner turns the grouped matmul over the local experts into a
                                               partial sum per device and one all-reduce per MoE layer (README,
                                               "Mixture of experts").
+  quantized linears (`pagedjax.model.quant`)  `qweight` as the kernel it stands for; `scale` along the same
+                                              output columns (per channel `[out]`: replicated for a row-sharded
+                                              layer) or, int4's `[in // g, out]`, along the kernel's own split
+                                              axis (tp must divide the groups too, else the layer is replicated).
   KV cache `[kv_heads, blocks, block_size, head_dim]` per layer: sharded by KV heads (axis 0).
 When tp > num_kv_heads the k/v projections stay replicated and the cache stores `tp` heads, each KV head
 repeated on the tp / num_kv_heads devices whose query heads use it (as vLLM does). A dimension that tp does not
@@ -52,7 +56,13 @@ def key_names(keypath) -> tuple:
 
 
 def _divides(cfg: ModelConfig, module: str, tp: int) -> bool:
-    """Whether tp divides the dimension this module's weights would be sharded along."""
+    """Whether tp divides the dimension this module's weights would be sharded along (and, for int4 weights of a
+    row-sharded module, its number of groups)."""
+    quant = cfg.quantization
+    if module in ROW and quant is not None and quant.scheme == "int4" and module not in quant.keep_float:
+        n_in = cfg.num_q_heads * cfg.head_dim if module == "o_proj" else cfg.intermediate_size
+        if (n_in // quant.group_size) % tp:
+            return False
     if module in ("q_proj", "o_proj"):
         return cfg.num_q_heads % tp == 0
     if module in ("k_proj", "v_proj"):
@@ -70,7 +80,8 @@ def param_spec(names: tuple, cfg: ModelConfig, tp: int) -> P:
     """The PartitionSpec of the built-in models' parameter at `names` (see the module docstring)."""
     if tp == 1 or len(names) < 2:
         return P()
-    return _by_name(str(names[-2]), str(names[-1]), _divides(cfg, str(names[-2]), tp))
+    grouped = cfg.quantization is not None and cfg.quantization.scheme == "int4"
+    return _by_name(str(names[-2]), str(names[-1]), _divides(cfg, str(names[-2]), tp), grouped)
 
 
 def default_param_partition(names: tuple, shape: tuple, *, head_dim: int, tp: int) -> P:
@@ -84,16 +95,18 @@ def default_param_partition(names: tuple, shape: tuple, *, head_dim: int, tp: in
     module, leaf = str(names[-2]), str(names[-1])
     unit = head_dim if module in ("q_proj", "k_proj", "v_proj", "o_proj") else 1
     split = shape[0] if module in ROW or module in ("embed_tokens", EXPERTS) else shape[-1]
-    return _by_name(module, leaf, split % (tp * unit) == 0)
+    return _by_name(module, leaf, split % (tp * unit) == 0, leaf == "scale" and len(shape) == 2)
 
 
-def _by_name(module: str, leaf: str, divides: bool) -> P:
+def _by_name(module: str, leaf: str, divides: bool, grouped: bool = False) -> P:
+    """`grouped`: a `scale` leaf is int4's `[in // g, out]` (split like its kernel), not a per-channel `[out]`."""
     if not divides:
         return P()
+    whole = leaf in ("kernel", "qweight") or (leaf == "scale" and grouped)  # split along the kernel's own axis
     if module in COLUMN:
-        return P(None, TP) if leaf == "kernel" else P(TP)
+        return P(None, TP) if whole else P(TP)
     if module in ROW:
-        return P(TP, None) if leaf == "kernel" else P()
+        return P(TP, None) if whole else P()
     if module == "embed_tokens" and leaf == "embedding":
         return P(TP, None)
     if module == EXPERTS:
