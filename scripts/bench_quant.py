@@ -4,6 +4,7 @@ int8 vs int4 vs fp8, all in one run.
     python scripts/bench_quant.py                   # the 156M shape, batch 1 and 16
     python scripts/bench_quant.py --quick           # a tiny model (seconds): the smoke test
     python scripts/bench_quant.py --schemes float32,int8,int4:32,int8-head,int4-head
+    python scripts/bench_quant.py --formulations    # one layer, each way XLA could compute it, and its HLO
 
 Speed: one engine per scheme over the same random model (`bench_engine.SHAPES`), greedy, fixed lengths; every
 engine is warmed up (compiled) first, then timed in interleaved rounds (one run of each per round, so machine
@@ -99,6 +100,52 @@ def accuracy(schemes: list[str]) -> list[dict]:
     return out
 
 
+def formulations(n_in: int, n_out: int, batches: list[int], repeats: int = 20) -> None:
+    """One linear layer `[n_in, n_out]`, each way of computing it timed (best of `repeats` after a compile) and
+    its optimized HLO searched for a float `[n_in, n_out]` buffer (the kernel converted every call)."""
+    from pagedjax.model.quant import dequantize_kernel, quantize_kernel, unpack_int4
+
+    rng = np.random.default_rng(0)
+    kernel = jnp.asarray(rng.standard_normal((n_in, n_out)), jnp.float32)
+    q8, s8 = quantize_kernel(kernel, QuantConfig("int8"))
+    int4 = QuantConfig("int4", group_size=128)
+    q4, s4 = quantize_kernel(kernel, int4)
+    groups = n_in // 128
+
+    def int4_batched(x, q, s):  # a dot per group, then scale and sum: never a float [in, out]
+        w = unpack_int4(q).reshape(groups, 128, n_out).astype(x.dtype)
+        part = jnp.einsum("bgk,gko->bgo", x.reshape(x.shape[0], groups, 128), w)
+        return jnp.einsum("bgo,go->bo", part, s)
+
+    ways = {
+        "float32 kernel": (lambda x, w: x @ w, kernel),
+        "int8: convert, dot, scale": (lambda x, q, s: (x @ q.astype(x.dtype)) * s, q8, s8),
+        "int8: dot(preferred f32)": (lambda x, q, s: jax.lax.dot_general(
+            x, q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32) * s, q8, s8),
+        "int8: multiply-reduce": (lambda x, q, s: jnp.sum(x[:, :, None] * q.astype(x.dtype), axis=1) * s, q8, s8),
+        "int4: dequantize, dot": (lambda x, q, s: x @ dequantize_kernel(q, s, int4), q4, s4),
+        "int4: group dots, sum": (int4_batched, q4, s4),
+    }
+    print(f"\none layer [{n_in}, {n_out}], {jax.default_backend()}: microseconds per call (best of {repeats})")
+    print(f"{'formulation':<28}" + "".join(f"{f'batch {b}':>10}" for b in batches) + f"{'float [in, out] in HLO':>24}")
+    float_buffer = f"f32[{n_in},{n_out}]"
+    for name, (fn, *weights) in ways.items():
+        fn = jax.jit(fn)
+        cells = []
+        for b in batches:
+            x = jnp.asarray(rng.standard_normal((b, n_in)), jnp.float32)
+            fn(x, *weights).block_until_ready()
+            best = np.inf
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn(x, *weights).block_until_ready()
+                best = min(best, time.perf_counter() - start)
+            cells.append(f"{best * 1e6:>10.0f}")
+        hlo = fn.lower(x, *weights).compile().as_text()
+        converted = name != "float32 kernel" and float_buffer in hlo
+        print(f"{name:<28}" + "".join(cells) + f"{'yes' if converted else 'no':>24}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(SHAPES), default="156m", help="the speed rows' model shape")
@@ -108,7 +155,12 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="tiny model and workload (seconds)")
+    ap.add_argument("--formulations", action="store_true",
+                    help="only time the ways of computing one quantized layer of the 156M MLP ([1024, 2816])")
     args = ap.parse_args(argv)
+    if args.formulations:
+        formulations(1024, 2816, [int(b) for b in args.batches.split(",")])
+        return
     schemes = args.schemes.split(",")
     if schemes[0] != "float32":
         ap.error("--schemes must start with float32 (the baseline of every ratio)")

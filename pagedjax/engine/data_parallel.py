@@ -73,9 +73,10 @@ class DataParallelEngine:
     @classmethod
     def from_pretrained(cls, path=None, *, dtype: str | None = None, cache_config: CacheConfig | None = None,
                         scheduler_config: SchedulerConfig | None = None, parallel_config: ParallelConfig,
-                        devices=None, **kwargs) -> DataParallelEngine:
-        """As `LLMEngine.from_pretrained`: the weights read into the first replica's shards, then copied."""
-        cfg, state, tokenizer = load_for(path, dtype, parallel_config, devices)
+                        devices=None, quantization=None, **kwargs) -> DataParallelEngine:
+        """As `LLMEngine.from_pretrained`: the weights read into the first replica's shards (and quantized, with
+        a `quantization`), then copied."""
+        cfg, state, tokenizer = load_for(path, dtype, parallel_config, devices, quantization)
         kwargs.setdefault("tokenizer", tokenizer)
         return cls(cfg, cache_config, scheduler_config, params=state, parallel_config=parallel_config,
                    devices=devices, **kwargs)

@@ -14,10 +14,13 @@ q = 0, never a NaN.
 `dequantize_kernel` is the reference: a `QuantizedLinear`'s output equals a float `Linear` holding the
 dequantized kernel (up to float rounding; tests/model/test_quant.py proves it through the paged engine).
 
-XLA:CPU does not fuse the int8 -> float conversion into its dot: each step converts the whole kernel to the
-activations' dtype before the product (measured in `scripts/bench_quant.py`). The per-channel schemes still
-apply their scale to the output (`[out]` multiplies instead of `[in, out]`), which XLA:GPU folds into the
-matmul's operand.
+XLA:CPU does not fuse the int8 -> float conversion into its dot: the optimized HLO converts the whole kernel
+to a float `[in, out]` buffer every step before the product, whichever formulation (`python
+scripts/bench_quant.py --formulations` times them and checks the HLO): a dot of x with the int8 kernel under
+`preferred_element_type` lowers to the same convert; a multiply-and-reduce is far slower (hundreds of
+times at batch 1); int4 as a batched dot over `[groups, g, out]` then a scale-and-sum, which never builds the
+float kernel, is slower than dequantize-then-dot. So the layer converts, then dots; the per-channel schemes apply their scale to the
+output (`[..., out]` multiplies, not `[in, out]`). Whether XLA:GPU fuses the conversion is not measured here.
 """
 
 from __future__ import annotations
