@@ -19,8 +19,9 @@ to a float `[in, out]` buffer every step before the product, whichever formulati
 scripts/bench_quant.py --formulations` times them and checks the HLO): a dot of x with the int8 kernel under
 `preferred_element_type` lowers to the same convert; a multiply-and-reduce is far slower (hundreds of
 times at batch 1); int4 as a batched dot over `[groups, g, out]` then a scale-and-sum, which never builds the
-float kernel, is slower than dequantize-then-dot. So the layer converts, then dots; the per-channel schemes apply their scale to the
-output (`[..., out]` multiplies, not `[in, out]`). Whether XLA:GPU fuses the conversion is not measured here.
+float kernel, is slower than dequantize-then-dot. So the layer converts, then dots; the per-channel schemes
+apply their scale to the output (`[..., out]` multiplies, not `[in, out]`). Whether XLA:GPU fuses the
+conversion is not measured here.
 """
 
 from __future__ import annotations

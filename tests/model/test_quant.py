@@ -250,3 +250,17 @@ def test_a_quantized_checkpoint_saves_and_restores_as_stored(tmp_path, quant):
     assert q_proj.scale[...].dtype == jnp.float32 and q_proj.bias[...].dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="the checkpoint holds 'int4:32' weights already|holds 'fp8'"):
         load_pretrained(tmp_path, quantization="int8")
+
+
+def test_cli_quantizes_a_model_class_factorys_linears():
+    from pagedjax.cli.args import build_parser
+    from pagedjax.cli.engine_setup import load_model_for_cli
+    from pagedjax.cli.errors import CLIError
+
+    factory = ["--model-class", "tests.model.gpt2_example:load"]
+    model = load_model_for_cli(build_parser().parse_args([*factory, "--quantization", "int8"])).model
+    layers = [n for _, n in nnx.iter_graph(model) if isinstance(n, nnx.Linear | QuantizedLinear)]
+    assert len(layers) == 8 and all(isinstance(n, QuantizedLinear) for n in layers)  # 2 blocks x 4 linears
+    with pytest.raises(CLIError, match=r"--quantization int4:256: h.0.attn.c_attn: int4 group size 256 does not "
+                                       r"divide its input dimension 64"):
+        load_model_for_cli(build_parser().parse_args([*factory, "--quantization", "int4:256"]))
