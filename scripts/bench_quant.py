@@ -176,14 +176,14 @@ def main(argv=None) -> None:
           f"{args.max_tokens} new tokens, best of {args.repeats}")
     rows = speed(cfg, schemes, batches, args.prompt_len, args.max_tokens, args.repeats)
     base = {r["batch"]: r for r in rows if r["scheme"] == "float32"}
-    print(f"{'scheme':<12}{'batch':>6}{'tokens/s':>11}{'x float32':>11}{'weight MB/step':>16}{'x fewer bytes':>15}")
+    print(f"{'scheme':<12}{'batch':>6}{'tokens/s':>11}{'x float32':>11}{'weight MiB/step':>16}{'x fewer bytes':>15}")
     for r in rows:
         b = base[r["batch"]]
         speedup = r["tokens_per_s"] / b["tokens_per_s"]
         print(f"{r['scheme']:<12}{r['batch']:>6}{r['tokens_per_s']:>11.1f}{speedup:>11.2f}"
               f"{r['weight_bytes'] / 2**20:>16.1f}{b['weight_bytes'] / r['weight_bytes']:>15.2f}")
     print("\nbundled model, teacher-forced top-1 agreement with float32")
-    print(f"{'scheme':<12}{'agreement':>10}{'positions':>10}{'params MB':>11}")
+    print(f"{'scheme':<12}{'agreement':>10}{'positions':>10}{'params MiB':>11}")
     for r in accuracy(schemes):
         print(f"{r['scheme']:<12}{r['agreement']:>10.3f}{r['positions']:>10}{r['param_bytes'] / 2**20:>11.2f}")
 
