@@ -185,7 +185,8 @@ def quantized_tensor_parallel():
     """Weight-only quantized linears (`pagedjax.model.quant`) at tp 2: int4 in groups of 16 (weights and their
     group scales split along the same axis as the float kernels) and int8 per channel with a quantized LM head
     (column scales split with their columns, row-sharded layers' scales replicated); one mixed step's logits
-    within float32 1e-5 of the single-device engine's."""
+    within float32 1e-5 of the single-device engine's. And a checkpoint read into tp 2 shards and quantized at load
+    holds the values quantizing it on one device gives."""
     from pagedjax.model.llama import quantize_params
     from pagedjax.quant_config import QuantConfig
 
@@ -211,6 +212,18 @@ def quantized_tensor_parallel():
             assert got == spec, f"{quant.name} {module}.{leaf}: {got} != {spec}"
         np.testing.assert_allclose(_step_logits(e), want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
                                    err_msg=f"{quant.name} tp=2")
+    # Quantized at load from weights read into their shards: the same values as quantized on one device.
+    from pagedjax.model.checkpoint import save_checkpoint
+    from pagedjax.model.loader import load_pretrained
+
+    quant = QuantConfig("int4", group_size=16)
+    with tempfile.TemporaryDirectory() as d:
+        save_checkpoint(Path(d) / "ckpt", config("mha"), params("mha"))
+        cfg, state, _ = load_pretrained(Path(d) / "ckpt", mesh=tp_mesh(2), quantization=quant)
+    _, want_state = quantize_params(config("mha"), params("mha"), quant)
+    assert cfg.quantization == quant
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @check
