@@ -27,6 +27,7 @@ _LAZY = {
     "CacheConfig": "pagedjax.config",
     "SchedulerConfig": "pagedjax.config",
     "kv_cache_bytes": "pagedjax.config",
+    "QuantConfig": "pagedjax.quant_config",
 }
 
 __all__ = sorted(_LAZY)
