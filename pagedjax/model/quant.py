@@ -37,7 +37,6 @@ __all__ = ["QuantizedLinear", "dequantize_kernel", "pack_int4", "quantize_kernel
 
 # The largest |q| the quantizer produces for each scheme (int4 stores -8 too, which it never produces).
 QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
-STORAGE = {"int8": jnp.int8, "int4": jnp.uint8, "fp8": jnp.float8_e4m3fn}
 
 
 def shapes(quant: QuantConfig, n_in: int, n_out: int, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
