@@ -221,9 +221,11 @@ def test_cli_quantization_flag(capsys):
     from pagedjax import cli
     from pagedjax.cli.args import build_parser
     from pagedjax.cli.engine_setup import load_model_for_cli
+    from pagedjax.serve.cli import build_parser as build_serve_parser
 
     args = build_parser().parse_args(["--quantization", "int4:32"])
     assert args.quantization == QuantConfig("int4", group_size=32)
+    assert build_serve_parser().parse_args(["--quantization", "fp8"]).quantization == QuantConfig("fp8")
     assert load_model_for_cli(args).model_config.quantization == QuantConfig("int4", group_size=32)
     with pytest.raises(SystemExit) as e:
         cli.main(["--quantization", "int3"])
