@@ -266,3 +266,15 @@ def test_cli_quantizes_a_model_class_factorys_linears():
     with pytest.raises(CLIError, match=r"--quantization int4:256: h.0.attn.c_attn: int4 group size 256 does not "
                                        r"divide its input dimension 64"):
         load_model_for_cli(build_parser().parse_args([*factory, "--quantization", "int4:256"]))
+
+
+def test_each_kernel_is_converted_just_before_its_dot():
+    """XLA:CPU converts a quantized kernel to a float buffer before the dot; the layer's `tie` makes that happen
+    layer by layer (buffers reused), not all at the start of the step (every float copy alive at once: 4x slower
+    at batch 1 on the 156M shape, `scripts/bench_quant.py`). Read from the compiled step's memory, not timed."""
+    cfg = CFG.replace(num_layers=4, quantization="int8")
+    graphdef, state = nnx.split(init_model(cfg))
+    step = jax.jit(lambda s, t: nnx.merge(graphdef, s).forward_dense(t))
+    temp = step.lower(state, jnp.ones((1, 1), jnp.int32)).compile().memory_analysis().temp_size_in_bytes
+    float_copies = sum(4 * x.size for p, x in nnx.to_flat_state(state) if p[-1] == "qweight")
+    assert temp < float_copies / 2, (temp, float_copies)
