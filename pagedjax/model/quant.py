@@ -124,8 +124,10 @@ class QuantizedLinear(nnx.Module):
         # A zero that depends on x, added to the converted kernel: XLA then converts each kernel just before its
         # dot (into a buffer the next layer reuses) instead of converting every layer's kernel at the start of
         # the step into buffers all alive at once (344 MiB of float copies for the 156M model: 4x slower than
-        # float32 at batch 1; with the tie, 0.9x at batch 1 and faster at 16: README). w + 0 == w for finite x[0].
-        tie = jnp.zeros((), x.dtype) * x.reshape(-1)[0]
+        # float32 at batch 1; with the tie, 0.9x at batch 1 and faster at 16: README). The zero multiplies 0 or 1
+        # (whether x[0] is NaN), never x itself: a non-finite x[0] must not reach the other rows' products.
+        first = x.reshape(-1)[0]
+        tie = jnp.zeros((), x.dtype) * (first != first).astype(x.dtype)
         if self.quant.scheme == "int4":
             # Groups scale rows of the kernel, not output columns: dequantize, then one dot.
             w = dequantize_kernel(qweight, self.scale[...], self.quant)

@@ -278,3 +278,12 @@ def test_each_kernel_is_converted_just_before_its_dot():
     temp = step.lower(state, jnp.ones((1, 1), jnp.int32)).compile().memory_analysis().temp_size_in_bytes
     float_copies = sum(4 * x.size for p, x in nnx.to_flat_state(state) if p[-1] == "qweight")
     assert temp < float_copies / 2, (temp, float_copies)
+
+
+def test_a_non_finite_row_stays_in_its_row():
+    layer = QuantizedLinear(jnp.asarray(np.random.default_rng(0).standard_normal((32, 8)), jnp.float32),
+                            quant=QuantConfig("int8"))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 32)), jnp.float32).at[0, 0].set(jnp.inf)
+    y = np.asarray(layer(x))
+    assert not np.isfinite(y[0]).all()
+    np.testing.assert_allclose(y[1:], np.asarray(x[1:] @ layer.kernel()), rtol=1e-5, atol=1e-5)
