@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Sequence
 
 from pagedjax.compile_cache import enable_compile_cache
-from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig, check_int, is_int
+from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, check_int, is_int
 from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import FusedDecodePlan, StepPlan
@@ -25,6 +25,7 @@ from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
 from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, record_token_logprob
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.shapes import warmup_shapes
+from pagedjax.engine.speculative import Speculator, speculative_step_inputs
 from pagedjax.engine.stats import EngineStats, stats_dict
 from pagedjax.engine.structured import ConstraintCompiler
 from pagedjax.model.api import check_model
@@ -63,6 +64,9 @@ class LLMEngine:
     (`pagedjax.engine.shapes`), which could tip a near tie.
 
     A step whose device call raises never wedges the engine: see `step`.
+
+    speculative_config: a `SpeculativeConfig` turns on speculative decoding (`pagedjax.engine.speculative`): decoding
+    requests verify proposed tokens, several per step; the output is the non-speculative one, token for token.
     """
 
     def __init__(self, model_config: ModelConfig | None = None, cache_config: CacheConfig | None = None,
@@ -70,7 +74,7 @@ class LLMEngine:
                  model=None, backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
                  tokenizer=None, compile_cache: bool | str = True, parallel_config=None,
                  tensor_parallel_size: int | None = None, devices=None, max_compiled_programs: int = 64,
-                 compile_in_background: bool = False):
+                 compile_in_background: bool = False, speculative_config: SpeculativeConfig | None = None):
         parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
         if num_steps is not None:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
@@ -110,6 +114,7 @@ class LLMEngine:
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=backend,
                                   mesh=mesh, max_programs=int(max_compiled_programs),
                                   compile_in_background=bool(compile_in_background))
+        self.speculator = None if speculative_config is None else Speculator(speculative_config)
         self._request_ids = RequestIds()
         self._empty_plans = 0
         self._steps = 0
@@ -279,9 +284,12 @@ class LLMEngine:
         """
         start = time.perf_counter()
         try:
-            if self.decode_steps_per_call > 1 and (
-                    fused_plan := self.scheduler.schedule_fused_decode(self.decode_steps_per_call)) is not None:
+            if self.decode_steps_per_call > 1 and (self.speculator is None or not self.speculator.has_proposals(
+                    self.scheduler)) and (fused_plan := self.scheduler.schedule_fused_decode(
+                        self.decode_steps_per_call)) is not None:
                 touched = self._run_fused_decode(fused_plan)
+            elif self.speculator is not None:
+                touched = self._run_step(self.speculator.schedule(self.scheduler))
             else:
                 touched = self._run_step(self.scheduler.schedule())
         finally:
@@ -305,22 +313,28 @@ class LLMEngine:
             return []
         self._empty_plans = 0
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
+        speculative = plan.num_drafts is not None  # one sampled row per verified position (see Speculator)
         try:
-            inputs = step_inputs(plan, requests, vocab_size=self.model_spec.vocab_size, engine_seed=self.seed)
+            inputs = (speculative_step_inputs if speculative else step_inputs)(
+                plan, requests, vocab_size=self.model_spec.vocab_size, engine_seed=self.seed)
             out = self.runner.execute(inputs)
         except BaseException as exc:
             return self._recover(plan.request_ids, exc)
         tokens = out.tokens[: plan.num_seqs]
         before = [r.num_output_tokens for r in requests]
+        drafts = plan.num_drafts.tolist() if speculative else [0] * plan.num_seqs
         for i, (r, kv_len, q_len) in enumerate(zip(requests, plan.kv_lens, plan.q_lens, strict=True)):
-            # Every token run except a sampled token's own decode is prefill work (prompt or recompute).
-            is_decode_token = r.num_output_tokens > 0 and int(kv_len) == r.num_tokens
-            self._prefill_computed += int(q_len) - int(is_decode_token)
-            if plan.emits_token[i] and r.wants_logprobs:
+            # Every token run except a sampled token's own decode and proposals is prefill work (prompt or recompute).
+            is_decode_token = r.num_output_tokens > 0 and int(kv_len) - drafts[i] == r.num_tokens
+            self._prefill_computed += int(q_len) - int(is_decode_token) - drafts[i]
+            if plan.emits_token[i] and r.wants_logprobs and not speculative:
                 record_token_logprob(r, int(tokens[i]), out.logprobs, (i,))
         if out.prompt_logprobs is not None:
             record_prompt_logprobs(plan, requests, inputs.extras.prompt_targets, out.prompt_logprobs)
-        self.scheduler.update(plan, tokens)
+        if speculative:
+            self.speculator.finish_step(self.scheduler, plan, requests, out, before)
+        else:
+            self.scheduler.update(plan, tokens)
         return self._progressed(requests, before)
 
     def _run_fused_decode(self, fused_plan: FusedDecodePlan) -> list[Request]:
@@ -402,6 +416,7 @@ class LLMEngine:
             compiled_programs=self.runner.num_programs,
             stand_in_steps=self.runner.programs.stand_in_steps,
             warmup_s=self._warmup_s,
+            **({} if self.speculator is None else self.speculator.stats()),
             scheduler=self.scheduler.stats(),
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,
