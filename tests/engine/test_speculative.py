@@ -1,0 +1,139 @@
+"""Speculative decoding through the whole engine (`pagedjax.engine.speculative`): the output is the
+non-speculative one, greedy (against the dense model) and seeded-sampled (against the engine without
+speculation, log-probabilities included); the sampled path's acceptance is rejection sampling (a chi-square test
+on the device's sampler); the n-gram proposer; the configuration's errors.
+
+The tiny random model of `test_engine` loops in its greedy output (a token repeated, or a short cycle), so the
+n-gram proposer has both right and wrong proposals to verify; the tests assert that both happened."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.scipy.special import gammaincc
+
+from pagedjax import SamplingParams
+from pagedjax.config import SpeculativeConfig
+from pagedjax.core.request import Request
+from pagedjax.core.speculation import accepted_tokens
+from pagedjax.device.sampling import SamplingMetadata, filter_logits, sample
+from pagedjax.engine.speculative import NgramProposer
+from tests.engine.test_engine import PROMPTS, assert_all_free, dense_greedy, make_engine
+
+NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+# The test prompts, and two that repeat themselves (a copy-heavy text's shape).
+SPEC_PROMPTS = PROMPTS[:4] + [[5, 6, 7, 8] * 4, [9, 9, 1, 9, 9, 1, 9]]
+
+
+def test_greedy_speculation_gives_the_dense_tokens_and_returns_every_block():
+    expected, margin = dense_greedy(SPEC_PROMPTS, 20)
+    assert margin > 1e-3, margin
+    engine = make_engine(block_size=8, speculative_config=NGRAM)
+    outs = engine.generate(SPEC_PROMPTS, SamplingParams(max_tokens=20), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == expected
+    s = engine.stats()
+    # both paths ran: proposals accepted and proposals rejected
+    assert 0 < s.spec_accepted_tokens < s.spec_proposed_tokens and s.spec_sequences > 0
+    assert s.steps < sum(len(o) for o in expected)
+    assert_all_free(engine)
+
+
+def test_seeded_sampling_logprobs_stops_and_samples_equal_non_speculative():
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.95, seed=3, logprobs=2),
+              SamplingParams(max_tokens=16, temperature=0.0, logprobs=1),
+              SamplingParams(max_tokens=7, temperature=1.0, seed=11, n=2, best_of=3),
+              SamplingParams(max_tokens=16, stop_token_ids=(13,))]
+    prompts = [SPEC_PROMPTS[4], SPEC_PROMPTS[5], SPEC_PROMPTS[4], PROMPTS[0]]
+    runs = []
+    for config in (None, NGRAM):
+        engine = make_engine(block_size=4, speculative_config=config)
+        runs.append(engine.generate(prompts, params, use_tqdm=False))
+        assert_all_free(engine)
+    assert engine.stats().spec_accepted_tokens > 0
+    for plain, spec in zip(*runs, strict=True):
+        assert [c.token_ids for c in spec.outputs] == [c.token_ids for c in plain.outputs]
+        assert spec.finish_reason == plain.finish_reason
+        for a, b in zip(plain.outputs, spec.outputs, strict=True):
+            if a.logprobs is not None:
+                np.testing.assert_allclose([t.logprob for t in b.logprobs], [t.logprob for t in a.logprobs],
+                                           rtol=1e-5, atol=1e-5)
+                assert [[i for i, _ in t.top] for t in b.logprobs] == [[i for i, _ in t.top] for t in a.logprobs]
+            if a.cumulative_logprob is not None:
+                assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(1.0, 0, 1.0, 0.0), (0.7, 4, 0.9, 0.05)])
+def test_rejection_sampling_of_a_one_hot_proposal_follows_the_target(temperature, top_k, top_p, min_p):
+    """A proposal x that is not p's most likely token, verified at many seeds: x is accepted with probability p(x),
+    and the token emitted (x, or the target's own draw when x is rejected) follows p, with p the request's
+    temperature / top-k / top-p / min-p distribution; rejected, it follows p without x, renormalised."""
+    vocab, n = 8, 20000
+    logits = np.log(np.array([0.3, 0.05, 0.2, 0.1, 0.15, 0.02, 0.08, 0.1], np.float32))
+    x = 2
+    rows = np.tile(logits, (n, 1))
+    meta = SamplingMetadata.from_lists([temperature] * n, [top_k] * n, [top_p] * n, np.arange(n) * 7919 + 1,
+                                       [0] * n, min_p=[min_p] * n)
+    drawn = np.asarray(sample(rows, meta))  # row 0 of each verifying sequence: the target's draw
+    verdicts = [accepted_tokens([x], [int(t), -1]) for t in drawn]  # -1: the bonus row, not looked at here
+    emitted = np.array([v[0] for v in verdicts])
+    accepted = np.array([len(v) == 2 for v in verdicts])
+    p = np.asarray(jax.nn.softmax(filter_logits(logits[None], np.float32([temperature]), np.int32([top_k]),
+                                                np.float32([top_p]), np.float32([min_p])), axis=-1))[0]
+    assert p[x] < p.max()
+    z = (accepted.sum() - n * p[x]) / np.sqrt(n * p[x] * (1 - p[x]))
+    assert abs(z) < 4, z
+    counts = np.bincount(emitted, minlength=vocab)
+    assert (counts[p == 0] == 0).all()
+    assert chi_square_pvalue(counts, p) > 1e-3
+    residual = np.where(np.arange(vocab) == x, 0.0, p)
+    rejected = np.bincount(emitted[~accepted], minlength=vocab)
+    assert rejected[x] == 0
+    assert chi_square_pvalue(rejected, residual / residual.sum()) > 1e-3
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's chi-square goodness of fit of `counts` to `probs` over the support of `probs`."""
+    support = probs > 0
+    expected = counts.sum() * probs[support]
+    statistic = float((((counts[support] - expected) ** 2) / expected).sum())
+    return float(gammaincc((support.sum() - 1) / 2, statistic / 2))  # the chi-square distribution's tail
+
+
+def _request(tokens: list[int]) -> Request:
+    return Request("r", tokens[:1], output_token_ids=tokens[1:])
+
+
+@pytest.mark.parametrize("tokens, cap, proposal", [
+    ([1, 2, 3, 9, 1, 2, 3], 4, [9, 1, 2, 3]),  # the longest suffix (1 2 3) found: what followed it
+    ([1, 2, 3, 9, 1, 2, 3], 2, [9, 1]),  # capped
+    ([5, 1, 7, 0, 5, 1, 8, 5, 1], 4, [8, 5, 1]),  # the most recent occurrence, up to the end
+    ([4, 4, 4, 4], 4, [4]),
+    ([1, 2, 3, 4, 5], 4, []),  # nothing repeats: no proposal
+    ([7], 4, []),
+])
+def test_ngram_proposer(tokens, cap, proposal):
+    assert NgramProposer(k=4, min_n=1, max_n=3).propose(_request(tokens), cap) == proposal
+
+
+def test_ngram_proposer_backs_off_below_its_min_n():
+    # only a 1-gram (3) repeats: a min_n of 2 proposes nothing
+    assert NgramProposer(k=4, min_n=2, max_n=3).propose(_request([3, 1, 2, 3]), 4) == []
+    assert NgramProposer(k=4, min_n=1, max_n=3).propose(_request([3, 1, 2, 3]), 4) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(num_speculative_tokens=0), ValueError, "SpeculativeConfig.num_speculative_tokens must be in"),
+    (dict(num_speculative_tokens=2.0), TypeError, "SpeculativeConfig.num_speculative_tokens must be an int"),
+    (dict(method="draft"), ValueError, "SpeculativeConfig.method 'draft' is not supported"),
+    (dict(prompt_lookup_min=0), ValueError, "SpeculativeConfig.prompt_lookup_min must be >= 1"),
+    (dict(prompt_lookup_min=3, prompt_lookup_max=2), ValueError, "SpeculativeConfig.prompt_lookup_max must be >= 3"),
+])
+def test_bad_speculative_config(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SpeculativeConfig(**kwargs)
+
+
+def test_engine_refuses_a_speculative_config_of_another_type():
+    with pytest.raises(TypeError, match="speculative_config must be a SpeculativeConfig, got dict"):
+        make_engine(speculative_config={"num_speculative_tokens": 2})
