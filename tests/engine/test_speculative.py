@@ -19,7 +19,9 @@ from pagedjax.core.request import Request
 from pagedjax.core.speculation import accepted_tokens
 from pagedjax.device.sampling import SamplingMetadata, filter_logits, sample
 from pagedjax.engine.speculative import NgramProposer
+from pagedjax.serve.metrics import ServerMetrics
 from tests.engine.test_engine import PROMPTS, assert_all_free, dense_greedy, make_engine
+from tests.serve.server_utils import metric
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
 # The test prompts, and two that repeat themselves (a copy-heavy text's shape).
@@ -37,6 +39,12 @@ def test_greedy_speculation_gives_the_dense_tokens_and_returns_every_block():
     assert 0 < s.spec_accepted_tokens < s.spec_proposed_tokens and s.spec_sequences > 0
     assert s.steps < sum(len(o) for o in expected)
     assert_all_free(engine)
+    text = ServerMetrics(engine.stats, lambda: 0).render().decode()
+    assert metric(text, "pagedjax_spec_decode_num_draft_tokens_total") == s.spec_proposed_tokens
+    assert metric(text, "pagedjax_spec_decode_num_accepted_tokens_total") == s.spec_accepted_tokens
+    assert metric(text, "pagedjax_spec_decode_mean_accepted_length") == pytest.approx(
+        s.spec_accepted_tokens / s.spec_sequences)
+    assert engine.stats_dict()["spec_acceptance_rate"] == pytest.approx(s.spec_accepted_tokens / s.spec_proposed_tokens)
 
 
 def test_seeded_sampling_logprobs_stops_and_samples_equal_non_speculative():

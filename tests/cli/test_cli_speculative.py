@@ -1,0 +1,45 @@
+"""The --speculative-* flags (both CLIs share them: `pagedjax.cli.args.add_engine_options`) -> SpeculativeConfig."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedjax.cli.args import build_parser
+from pagedjax.cli.engine_setup import speculative_config_of
+from pagedjax.cli.errors import CLIError
+from pagedjax.config import SpeculativeConfig
+
+
+def _config(*argv: str):
+    return speculative_config_of(build_parser().parse_args(list(argv)))
+
+
+def test_speculation_is_off_without_a_method():
+    assert _config() is None
+
+
+def test_flags_make_the_config():
+    assert _config("--speculative-method", "ngram") == SpeculativeConfig()
+    assert _config("--speculative-method", "ngram", "--speculative-num-tokens", "7", "--speculative-prompt-lookup-min",
+                   "1", "--speculative-prompt-lookup-max", "5") == SpeculativeConfig("ngram", 7, 1, 5)
+
+
+def test_a_speculative_flag_without_a_method_is_an_error():
+    with pytest.raises(CLIError, match="--speculative-prompt-lookup-max needs --speculative-method"):
+        _config("--speculative-prompt-lookup-max", "3")
+
+
+def test_a_bad_combination_names_the_field():
+    with pytest.raises(ValueError, match="SpeculativeConfig.prompt_lookup_max must be >= 4"):
+        _config("--speculative-method", "ngram", "--speculative-prompt-lookup-min", "4",
+                "--speculative-prompt-lookup-max", "2")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-method", "draft"], "--speculative-method"),
+    (["--speculative-num-tokens", "0"], "--speculative-num-tokens"),
+])
+def test_bad_values_give_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
