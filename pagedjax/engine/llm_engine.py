@@ -176,6 +176,8 @@ class LLMEngine:
         max_blocks = -(-(self.max_request_tokens + steps - 1) // bs)
         shapes = warmup_shapes(max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs, max_blocks=max_blocks,
                                block_size=bs, decode_steps=steps, narrow=self.runner.backend == "xla")
+        if self.speculator is not None:
+            shapes += self.speculator.warmup_shapes(shapes, sc)
         self.runner.warmup(shapes)
         seconds = time.perf_counter() - start
         self._warmup_s += seconds

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pagedjax.config import SpeculativeConfig
+from pagedjax.config import SchedulerConfig, SpeculativeConfig
 from pagedjax.core.request import Request
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.speculation import VerifyOutcome, first_rows, schedule_speculative, speculates, update_speculative
@@ -29,6 +29,7 @@ from pagedjax.core.step_plan import StepPlan
 from pagedjax.device.sampling import PenaltyMetadata, SamplingMetadata
 from pagedjax.engine.inputs import (
     StepInputs,
+    bucket,
     num_top_logprobs,
     pad_step,
     penalty_metadata,
@@ -36,6 +37,7 @@ from pagedjax.engine.inputs import (
     sampling_metadata,
 )
 from pagedjax.engine.outputs import record_token_logprob
+from pagedjax.engine.shapes import LoopShape, StepShape
 from pagedjax.engine.structured import token_masks
 
 
@@ -91,6 +93,15 @@ class Speculator:
         """The counters, as `EngineStats` fields."""
         return dict(spec_sequences=self.num_sequences, spec_proposed_tokens=self.num_proposed,
                     spec_accepted_tokens=self.num_accepted)
+
+    def warmup_shapes(self, shapes: list[StepShape | LoopShape], config: SchedulerConfig) -> list[StepShape]:
+        """The ragged steps of `shapes` (`LLMEngine.warmup`'s) with as many rows as a step that verifies proposals
+        may sample (1 + k per sequence, within the token budget; `pad_step` pads the sequences, and the block-copy
+        rows, to them), so that they stand in for those steps too."""
+        rows = bucket(min(config.max_num_seqs * (1 + self.config.num_speculative_tokens),
+                          config.max_num_batched_tokens))
+        return [s._replace(tables=(rows, s.tables[1]), copies=None if s.copies is None else max(s.copies, rows))
+                for s in shapes if isinstance(s, StepShape) and s.tables[0] < rows]
 
     def has_proposals(self, scheduler: Scheduler) -> bool:
         """Whether some running request that decodes would get a proposal (a step that then cannot be a fused

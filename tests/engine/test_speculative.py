@@ -14,11 +14,12 @@ import pytest
 from jax.scipy.special import gammaincc
 
 from pagedjax import SamplingParams
-from pagedjax.config import SpeculativeConfig
+from pagedjax.config import SchedulerConfig, SpeculativeConfig
 from pagedjax.core.request import Request
 from pagedjax.core.speculation import accepted_tokens
 from pagedjax.device.sampling import SamplingMetadata, filter_logits, sample
-from pagedjax.engine.speculative import NgramProposer
+from pagedjax.engine.shapes import StepShape, dominates, warmup_shapes
+from pagedjax.engine.speculative import NgramProposer, Speculator
 from pagedjax.serve.metrics import ServerMetrics
 from tests.engine.test_engine import PROMPTS, assert_all_free, dense_greedy, make_engine
 from tests.serve.server_utils import metric
@@ -145,3 +146,16 @@ def test_bad_speculative_config(kwargs, error, match):
 def test_engine_refuses_a_speculative_config_of_another_type():
     with pytest.raises(TypeError, match="speculative_config must be a SpeculativeConfig, got dict"):
         make_engine(speculative_config={"num_speculative_tokens": 2})
+
+
+def test_warmup_adds_programs_wide_enough_for_every_verified_row():
+    """A step that verifies proposals samples up to 1 + k rows per sequence (its sequences padded to as many):
+    `LLMEngine.warmup` then also compiles the ragged steps that wide, so they stand in for it."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96)
+    shapes = warmup_shapes(max_tokens=64, max_seqs=4, max_blocks=6, block_size=16, decode_steps=4, narrow=True)
+    extra = Speculator(NGRAM).warmup_shapes(shapes, config)
+    assert [s.tables for s in extra] == [(16, 8), (16, 8), (16, 2)]  # 4 sequences x (1 + 3) rows, each program
+    widest = StepShape("step", 64, (16, 8), False, False, 16, 512, False, 20, 0, True)
+    assert not any(dominates(s, widest) for s in shapes) and dominates(extra[0], widest)
+    budget_bound = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=96)
+    assert [s.tables[0] for s in Speculator(NGRAM).warmup_shapes(shapes, budget_bound)] == [8, 8, 8]
