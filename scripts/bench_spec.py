@@ -4,11 +4,13 @@
     python scripts/bench_spec.py --model tiny --quick  # seconds: checks the script
 
 Workloads (both honest about what they are; the model has random weights, so nothing here is natural text):
-  copy-heavy  greedy decoding of random prompts: this model's greedy output falls into loops (a repeated token or a
-              short cycle), which prompt lookup predicts once the loop has started;
-  no-repeat   sampling at temperature 1 (seeded): the output is near-uniform over the 32,000-token vocabulary and
-              never repeats a 2-gram, so prompt lookup finds nothing and backs off (the fused decode then runs as
-              without speculation).
+  copy-heavy  greedy decoding of a prompt that holds a passage and ends by starting it again: a random prefix P,
+              the model's own greedy continuation O of P, then P once more (P + O + P), so the output that copies
+              O is the expected one. A random-weights model copies only as far as its next token depends on the
+              recent tokens rather than on the whole context: the acceptance rate says how far that is;
+  no-repeat   sampling at temperature 1 (seeded) after a random prompt: the output is near-uniform over the
+              vocabulary and never repeats a 2-gram, so prompt lookup finds nothing and backs off (the fused decode
+              then runs as without speculation).
 
 Rows: plain decoding with 1 and with N decode steps per device call, and speculation (k proposals, N steps per
 call where no request has a proposal). Each engine is warmed up (every shape compiled) by one run, then timed in
@@ -38,18 +40,32 @@ WORKLOADS = {
 }
 
 
+def make_prompts(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int) -> list[list[int]]:
+    """`batch` random prompts of `prompt_len` tokens; for copy-heavy, each P becomes P + O + P (see the module's
+    docstring), O its greedy continuation of `max_tokens` tokens."""
+    prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+    if workload == "no-repeat":
+        return prompts
+    engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 8),
+                       SchedulerConfig(max_num_seqs=batch, max_model_len=prompt_len + max_tokens), params=model,
+                       decode_steps_per_call=8)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return [p + o.output_token_ids + p for p, o in zip(prompts, outs, strict=True)]
+
+
 def run(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int, k: int, fused: int,
         repeats: int) -> list[dict]:
-    prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+    prompts = make_prompts(model, cfg, workload, batch, prompt_len, max_tokens)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **WORKLOADS[workload])
-    total = prompt_len + max_tokens
+    total = max(map(len, prompts)) + max_tokens
     variants = [("plain, 1 step/call", 1, None), (f"plain, {fused} steps/call", fused, None),
                 (f"ngram k={k}, {fused} steps/call", fused, SpeculativeConfig(num_speculative_tokens=k))]
     rows = []
+    budget = max(batch * (total - max_tokens), 64)
     for name, steps, spec in variants:
         engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=batch * -(-(total + k) // 16) + 8,
                                             enable_prefix_caching=False),
-                           SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(batch * prompt_len, 64),
+                           SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget,
                                            max_model_len=total + k),
                            params=model, decode_steps_per_call=steps, speculative_config=spec)
         engine.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every shape of this workload
@@ -86,7 +102,7 @@ def main() -> None:
     p.add_argument("--model", choices=sorted(SHAPES), default="156m")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--workload", choices=sorted(WORKLOADS), nargs="+", default=list(WORKLOADS))
-    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=16, help="random tokens per prompt (P)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4, help="proposals per request per step")
     p.add_argument("--fused", type=int, default=8, help="decode steps per call (N)")
