@@ -29,6 +29,29 @@ NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_
 SPEC_PROMPTS = PROMPTS[:4] + [[5, 6, 7, 8] * 4, [9, 9, 1, 9, 9, 1, 9]]
 
 
+def test_greedy_speculation_of_a_small_batch_gives_the_dense_tokens():
+    """The default run's check (a few compiled programs): two requests, one copying its prompt, with
+    log-probabilities."""
+    prompts = SPEC_PROMPTS[4:6]
+    expected, margin = dense_greedy(prompts, 10)
+    assert margin > 1e-3, margin
+    engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=NGRAM)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10, logprobs=1), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == expected
+    s = engine.stats()
+    assert 0 < s.spec_accepted_tokens < s.spec_proposed_tokens
+    for o in outs:  # each token's log-probability is its own, and the best
+        assert all(t.top[0][0] == t.token_id and t.top[0][1] == t.logprob for t in o.outputs[0].logprobs)
+    assert_all_free(engine)
+    text = ServerMetrics(engine.stats, lambda: 0).render().decode()
+    assert metric(text, "pagedjax_spec_decode_num_draft_tokens_total") == s.spec_proposed_tokens
+    assert metric(text, "pagedjax_spec_decode_num_accepted_tokens_total") == s.spec_accepted_tokens
+    assert metric(text, "pagedjax_spec_decode_mean_accepted_length") == pytest.approx(
+        s.spec_accepted_tokens / s.spec_sequences)
+    assert engine.stats_dict()["spec_acceptance_rate"] == pytest.approx(s.spec_accepted_tokens / s.spec_proposed_tokens)
+
+
+@pytest.mark.slow
 def test_greedy_speculation_gives_the_dense_tokens_and_returns_every_block():
     expected, margin = dense_greedy(SPEC_PROMPTS, 20)
     assert margin > 1e-3, margin
@@ -40,14 +63,9 @@ def test_greedy_speculation_gives_the_dense_tokens_and_returns_every_block():
     assert 0 < s.spec_accepted_tokens < s.spec_proposed_tokens and s.spec_sequences > 0
     assert s.steps < sum(len(o) for o in expected)
     assert_all_free(engine)
-    text = ServerMetrics(engine.stats, lambda: 0).render().decode()
-    assert metric(text, "pagedjax_spec_decode_num_draft_tokens_total") == s.spec_proposed_tokens
-    assert metric(text, "pagedjax_spec_decode_num_accepted_tokens_total") == s.spec_accepted_tokens
-    assert metric(text, "pagedjax_spec_decode_mean_accepted_length") == pytest.approx(
-        s.spec_accepted_tokens / s.spec_sequences)
-    assert engine.stats_dict()["spec_acceptance_rate"] == pytest.approx(s.spec_accepted_tokens / s.spec_proposed_tokens)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_logprobs_stops_and_samples_equal_non_speculative():
     params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.95, seed=3, logprobs=2),
               SamplingParams(max_tokens=16, temperature=0.0, logprobs=1),
@@ -159,3 +177,23 @@ def test_warmup_adds_programs_wide_enough_for_every_verified_row():
     assert not any(dominates(s, widest) for s in shapes) and dominates(extra[0], widest)
     budget_bound = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=96)
     assert [s.tables[0] for s in Speculator(NGRAM).warmup_shapes(shapes, budget_bound)] == [8, 8, 8]
+
+
+def test_a_failing_verifying_step_fails_its_request_alone_and_frees_every_block(monkeypatch):
+    engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=NGRAM)
+    engine.add_request("a", SPEC_PROMPTS[4], SamplingParams(max_tokens=10))
+    engine.step()  # the prompt
+    monkeypatch.setattr(engine.speculator.proposer, "propose", lambda request, cap: [1] * min(2, cap))
+    plans = []
+    schedule = engine.speculator.schedule
+    monkeypatch.setattr(engine.speculator, "schedule", lambda sched: plans.append(schedule(sched)) or plans[-1])
+
+    def broken(inputs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    (out,) = engine.step()
+    assert plans[0].num_drafts is not None and plans[0].num_drafts.sum() > 0  # it was verifying proposals
+    assert out.finish_reason == "error" and "device lost" in out.error
+    assert engine.stats().failed_steps == 1 and not engine.has_unfinished_requests()
+    assert_all_free(engine)
