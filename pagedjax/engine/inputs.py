@@ -228,10 +228,16 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
     sequences are padded to R's bucket too, so that a step's programs keep one row count."""
     num_tokens, num_seqs = len(token_ids), len(kv_lens)
     decode_only = num_tokens == num_seqs
+    # Ragged steps pad their tokens to a power of two from 16 (prefill chunks: few programs); a step that samples
+    # rows of its own (verifying proposals: a few tokens per sequence, batch 1 most of all) from 1, so that it does
+    # not compute three times the tokens it has.
+    min_tokens = 16
     if logits_indices is None:
         logits_indices = np.asarray(cu_q_lens[1:]) - 1
+    else:
+        min_tokens = 1
     s_b = bucket(max(num_seqs, len(logits_indices)))
-    t_b = s_b if decode_only else bucket(num_tokens, 16)
+    t_b = s_b if decode_only else bucket(num_tokens, min_tokens)
     tables = pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2))
     copies = None
     if block_copies is not None and len(block_copies):

@@ -11,9 +11,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.scipy.special import gammaincc
 
-from pagedjax import SamplingParams
+from pagedjax import CacheConfig, LLMEngine, SamplingParams
 from pagedjax.config import SchedulerConfig, SpeculativeConfig
 from pagedjax.core.request import Request
 from pagedjax.core.speculation import accepted_tokens
@@ -21,7 +23,8 @@ from pagedjax.device.sampling import SamplingMetadata, filter_logits, sample
 from pagedjax.engine.shapes import StepShape, dominates, warmup_shapes
 from pagedjax.engine.speculative import NgramProposer, Speculator
 from pagedjax.serve.metrics import ServerMetrics
-from tests.engine.test_engine import PROMPTS, assert_all_free, dense_greedy, make_engine
+from tests.engine.test_engine import CFG, MAX_LEN, PROMPTS, SEED, assert_all_free, dense_greedy, make_engine
+from tests.engine.test_engine_properties import workloads
 from tests.serve.server_utils import metric
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -62,6 +65,30 @@ def test_greedy_speculation_gives_the_dense_tokens_and_returns_every_block():
     # both paths ran: proposals accepted and proposals rejected
     assert 0 < s.spec_accepted_tokens < s.spec_proposed_tokens and s.spec_sequences > 0
     assert s.steps < sum(len(o) for o in expected)
+    assert_all_free(engine)
+
+
+@pytest.mark.slow
+@settings(max_examples=6)
+@given(w=workloads(), k=st.integers(1, 5))
+def test_speculation_matches_dense_on_random_workloads(w, k):
+    """`test_engine_properties`' random workloads (block sizes, pools down to preemption, budgets down to chunked
+    prefill, batch limits, fused decode, prefix caching), each prompt followed by a copy of itself so that
+    proposals are right as well as wrong: the dense model's greedy tokens."""
+    half = (MAX_LEN - w["max_tokens"]) // 2
+    prompts = [p[:half] + p[:half] for p in w["prompts"]]
+    expected, margin = dense_greedy(prompts, w["max_tokens"])
+    if margin < 1e-3:
+        return
+    longest = max(map(len, prompts)) + w["max_tokens"]
+    engine = LLMEngine(CFG, CacheConfig(block_size=w["block_size"], num_blocks=max(w["num_blocks"],
+                                                                                   -(-longest // w["block_size"])),
+                                        enable_prefix_caching=w["prefix"]),
+                       SchedulerConfig(max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
+                                       max_model_len=MAX_LEN), seed=SEED, decode_steps_per_call=w["num_steps"],
+                       speculative_config=SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=w["max_tokens"]), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == expected
     assert_all_free(engine)
 
 
