@@ -2,8 +2,10 @@
 
     python scripts/bench_spec.py                       # the 156M random-weights model, batch 1 and 8
     python scripts/bench_spec.py --model tiny --quick  # seconds: checks the script
+    python scripts/bench_spec.py --model bundled       # the bundled trained model (2.4M parameters)
 
-Workloads (both honest about what they are; the model has random weights, so nothing here is natural text):
+Workloads (both honest about what they are; with random weights nothing here is natural text, and the bundled model
+sees random token ids too):
   copy-heavy  greedy decoding of a prompt that holds a passage and ends by starting it again: a random prefix P,
               the model's own greedy continuation O of P, then P once more (P + O + P), so the output that copies
               O is the expected one. A random-weights model copies only as far as its next token depends on the
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
 from pagedjax.config import SpeculativeConfig  # noqa: E402
+from pagedjax.engine.llm_engine import load_for  # noqa: E402
 from pagedjax.model.llama import init_model  # noqa: E402
 from scripts.bench_engine import SHAPES  # noqa: E402
 
@@ -99,7 +102,7 @@ def print_table(rows: list[dict], workload: str, batch: int, max_tokens: int) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(SHAPES), default="156m")
+    p.add_argument("--model", choices=[*sorted(SHAPES), "bundled"], default="156m")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--workload", choices=sorted(WORKLOADS), nargs="+", default=list(WORKLOADS))
     p.add_argument("--prompt-len", type=int, default=16, help="random tokens per prompt (P)")
@@ -111,8 +114,11 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.max_tokens, args.repeats = 16, 1
-    cfg = SHAPES[args.model]
-    model = init_model(cfg, seed=0)
+    if args.model == "bundled":  # the trained 2.4M-parameter model (pagedjax/assets/tiny)
+        cfg, model, _ = load_for(None, None, None, None)
+    else:
+        cfg = SHAPES[args.model]
+        model = init_model(cfg, seed=0)
     for workload in args.workload:
         for batch in args.batch:
             rows = run(model, cfg, workload, batch, args.prompt_len, args.max_tokens, args.k, args.fused,
