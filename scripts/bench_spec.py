@@ -12,7 +12,9 @@ sees random token ids too):
               recent tokens rather than on the whole context: the acceptance rate says how far that is;
   no-repeat   sampling at temperature 1 (seeded) after a random prompt: the output is near-uniform over the
               vocabulary and never repeats a 2-gram, so prompt lookup finds nothing and backs off (the fused decode
-              then runs as without speculation).
+              then runs as without speculation);
+  all-rejected  no-repeat with a proposer that always proposes k copies of token 0 (so nearly every proposal is
+              rejected): the cost of verifying k tokens per step for nothing, the worst case (not prompt lookup).
 
 Rows: plain decoding with 1 and with N decode steps per device call, and speculation (k proposals, N steps per
 call where no request has a proposal). Each engine is warmed up (every shape compiled) by one run, then timed in
@@ -40,14 +42,25 @@ from scripts.bench_engine import SHAPES  # noqa: E402
 WORKLOADS = {
     "copy-heavy": dict(temperature=0.0),
     "no-repeat": dict(temperature=1.0, seed=1),
+    "all-rejected": dict(temperature=1.0, seed=1),
 }
+
+
+class AlwaysZero:
+    """The all-rejected workload's proposer: k copies of token 0, whatever the request."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def propose(self, request, cap: int) -> list[int]:
+        return [0] * min(self.k, cap)
 
 
 def make_prompts(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int) -> list[list[int]]:
     """`batch` random prompts of `prompt_len` tokens; for copy-heavy, each P becomes P + O + P (see the module's
     docstring), O its greedy continuation of `max_tokens` tokens."""
     prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
-    if workload == "no-repeat":
+    if workload != "copy-heavy":
         return prompts
     engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 8),
                        SchedulerConfig(max_num_seqs=batch, max_model_len=prompt_len + max_tokens), params=model,
@@ -71,6 +84,8 @@ def run(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int,
                            SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget,
                                            max_model_len=total + k),
                            params=model, decode_steps_per_call=steps, speculative_config=spec)
+        if spec is not None and workload == "all-rejected":
+            engine.speculator.proposer = AlwaysZero(k)
         engine.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every shape of this workload
         rows.append(dict(name=name, engine=engine, times=[]))
     for _ in range(repeats):
