@@ -207,7 +207,7 @@ class SpeculationMachine(RuleBasedStateMachine):
             assert r.output_token_ids == expected, r.request_id
 
 
-SpeculationMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None,
+SpeculationMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None,
                                                 suppress_health_check=[HealthCheck.too_slow])
 TestSpeculation = SpeculationMachine.TestCase
 
