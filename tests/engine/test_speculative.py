@@ -19,9 +19,10 @@ from pagedjax import CacheConfig, LLMEngine, SamplingParams
 from pagedjax.config import SchedulerConfig, SpeculativeConfig
 from pagedjax.core.request import Request
 from pagedjax.core.speculation import accepted_tokens
+from pagedjax.core.step_plan import build_step_plan
 from pagedjax.device.sampling import SamplingMetadata, filter_logits, sample
 from pagedjax.engine.shapes import StepShape, dominates, warmup_shapes
-from pagedjax.engine.speculative import NgramProposer, Speculator
+from pagedjax.engine.speculative import NgramProposer, Speculator, speculative_step_inputs
 from pagedjax.serve.metrics import ServerMetrics
 from tests.engine.test_engine import CFG, MAX_LEN, PROMPTS, SEED, assert_all_free, dense_greedy, make_engine
 from tests.engine.test_engine_properties import workloads
@@ -97,8 +98,10 @@ def test_seeded_sampling_logprobs_stops_and_samples_equal_non_speculative():
     params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.95, seed=3, logprobs=2),
               SamplingParams(max_tokens=16, temperature=0.0, logprobs=1),
               SamplingParams(max_tokens=7, temperature=1.0, seed=11, n=2, best_of=3),
-              SamplingParams(max_tokens=16, stop_token_ids=(13,))]
-    prompts = [SPEC_PROMPTS[4], SPEC_PROMPTS[5], SPEC_PROMPTS[4], PROMPTS[0]]
+              SamplingParams(max_tokens=16, stop_token_ids=(13,)),
+              # not speculated, in the same steps as the others (penalty rows per sampled row)
+              SamplingParams(max_tokens=12, presence_penalty=0.5, frequency_penalty=0.3, temperature=0.9, seed=2)]
+    prompts = [SPEC_PROMPTS[4], SPEC_PROMPTS[5], SPEC_PROMPTS[4], PROMPTS[0], SPEC_PROMPTS[5]]
     runs = []
     for config in (None, NGRAM):
         engine = make_engine(block_size=4, speculative_config=config)
@@ -224,3 +227,34 @@ def test_a_failing_verifying_step_fails_its_request_alone_and_frees_every_block(
     assert out.finish_reason == "error" and "device lost" in out.error
     assert engine.stats().failed_steps == 1 and not engine.has_unfinished_requests()
     assert_all_free(engine)
+
+
+class _AllowFive:
+    """A stand-in structured-output matcher: allows tokens 0 and 2 of every 32 (mask word 5)."""
+
+    def fill(self, row: np.ndarray) -> None:
+        row[:] = 5
+
+
+def test_speculative_step_inputs_give_each_verified_position_its_own_row():
+    """Beside a request verifying two proposals: a constrained decode and a prefill with penalties. Each sequence's
+    rows carry its own sampling parameters, penalties and mask; a verified position j samples as output number
+    `num_output_tokens + j`; the sequences are padded to the rows' bucket."""
+    a = Request("a", [1, 2, 3], SamplingParams(temperature=0.5, seed=4), output_token_ids=[7], num_computed_tokens=3)
+    b = Request("b", [4, 5], SamplingParams(presence_penalty=0.5))
+    c = Request("c", [6], SamplingParams(), output_token_ids=[2], num_computed_tokens=1, constraint=_AllowFive())
+    plan = build_step_plan([(a, 3), (b, 2), (c, 1)], {"a": [0], "b": [1], "c": [2]}, 16,
+                           draft_token_ids={"a": [8, 9]})
+    assert plan.request_ids == ["c", "a", "b"] and plan.num_drafts.tolist() == [0, 2, 0]
+    np.testing.assert_array_equal(plan.token_ids, [2, 7, 8, 9, 4, 5])
+    np.testing.assert_array_equal(plan.logits_indices, [0, 1, 2, 3, 5])
+    inputs = speculative_step_inputs(plan, [c, a, b], vocab_size=40, engine_seed=0)
+    assert not inputs.decode_only and len(inputs.token_ids) == 8  # 6 tokens to a power of two from 1
+    assert inputs.meta.block_tables.shape[0] == inputs.meta.kv_lens.shape[0] == len(inputs.logits_indices) == 8
+    np.testing.assert_array_equal(inputs.logits_indices[:5], plan.logits_indices)
+    np.testing.assert_array_equal(inputs.sampling.step[:5], [1, 1, 2, 3, 0])
+    np.testing.assert_allclose(inputs.sampling.temperature[:5], [0, 0.5, 0.5, 0.5, 0])
+    assert inputs.sampling.seed_lo[1] == inputs.sampling.seed_lo[3] == 4
+    np.testing.assert_allclose(inputs.extras.penalties.presence[:5], [0, 0, 0, 0, 0.5])
+    np.testing.assert_array_equal(inputs.extras.token_mask[:5], [[5, 5], [-1, -1], [-1, -1], [-1, -1], [-1, -1]])
+    np.testing.assert_array_equal(inputs.meta.kv_lens[:4], [2, 6, 2, 0])  # a padding sequence: nothing attended
