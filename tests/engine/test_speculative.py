@@ -35,15 +35,15 @@ SPEC_PROMPTS = PROMPTS[:4] + [[5, 6, 7, 8] * 4, [9, 9, 1, 9, 9, 1, 9]]
 
 def test_greedy_speculation_of_a_small_batch_gives_the_dense_tokens():
     """The default run's check (a few compiled programs): two requests, one copying its prompt, with
-    log-probabilities."""
+    log-probabilities; steps without a proposal run the fused decode."""
     prompts = SPEC_PROMPTS[4:6]
-    expected, margin = dense_greedy(prompts, 10)
+    expected, margin = dense_greedy(prompts, 14)
     assert margin > 1e-3, margin
-    engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=NGRAM)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=10, logprobs=1), use_tqdm=False)
+    engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=NGRAM, decode_steps_per_call=4)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=14, logprobs=1), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     s = engine.stats()
-    assert 0 < s.spec_accepted_tokens < s.spec_proposed_tokens
+    assert 0 < s.spec_accepted_tokens < s.spec_proposed_tokens and s.fused_decode_calls > 0
     for o in outs:  # each token's log-probability is its own, and the best
         assert all(t.top[0][0] == t.token_id and t.top[0][1] == t.logprob for t in o.outputs[0].logprobs)
     assert_all_free(engine)
