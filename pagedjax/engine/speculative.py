@@ -17,6 +17,7 @@ so a step with proposals runs as one ragged step of 1 + k tokens per speculating
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -47,16 +48,53 @@ class Proposer(Protocol):
         has no guess."""
 
 
+@dataclass
+class _Backoff:
+    """A request's record of its last proposal and how long it holds back after proposals that all failed."""
+
+    start: int = -1  # num_tokens when the last proposal was made (-1: none pending)
+    proposal: tuple[int, ...] = ()
+    wait: int = 0  # tokens it holds back after the next failure (doubles per failure, 0 after a success)
+    until: int = 0  # no proposal before the request has this many tokens
+
+
 class NgramProposer:
     """Prompt lookup: find the most recent earlier occurrence of the request's last n tokens in its prompt and
     outputs, longest n first (from `max_n` down to `min_n`), and propose the up to `k` tokens that followed it.
     No occurrence: no proposal, so the request decodes one token at a time (text that does not repeat itself
-    costs nothing but the search)."""
+    costs nothing but the search).
+
+    Back-off: when none of a request's last proposal was accepted (its next output differs from the proposal's
+    first token), it proposes nothing for its next 1, 2, 4, ... up to `MAX_BACKOFF` tokens, doubling with each
+    failure in a row and reset by a proposal that got a token accepted: a verifying step costs more than a decode
+    step (see README's measurements), so a request whose text has stopped repeating stops paying for it. This
+    only changes what is proposed, never the output."""
+
+    MAX_BACKOFF = 16
 
     def __init__(self, k: int, min_n: int, max_n: int):
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
     def propose(self, request: Request, cap: int) -> list[int]:
+        state = request.proposer_state
+        if state is None:
+            state = request.proposer_state = _Backoff()
+        n = request.num_tokens
+        if 0 <= state.start < n:  # a step ran since the last proposal: was its first token accepted?
+            if request.get_token_id(state.start) == state.proposal[0]:
+                state.wait = 0
+            else:
+                state.until = n + max(state.wait, 1)
+                state.wait = min(2 * max(state.wait, 1), self.MAX_BACKOFF)
+            state.start = -1
+        if n < state.until:
+            return []
+        proposal = self._lookup(request, cap)
+        if proposal:
+            state.start, state.proposal = n, tuple(proposal)
+        return proposal
+
+    def _lookup(self, request: Request, cap: int) -> list[int]:
         tokens = np.asarray(request.all_token_ids, np.int32)
         size = len(tokens)
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):

@@ -258,3 +258,22 @@ def test_speculative_step_inputs_give_each_verified_position_its_own_row():
     np.testing.assert_allclose(inputs.extras.penalties.presence[:5], [0, 0, 0, 0, 0.5])
     np.testing.assert_array_equal(inputs.extras.token_mask[:5], [[5, 5], [-1, -1], [-1, -1], [-1, -1], [-1, -1]])
     np.testing.assert_array_equal(inputs.meta.kv_lens[:4], [2, 6, 2, 0])  # a padding sequence: nothing attended
+
+
+def test_ngram_proposer_backs_off_after_failed_proposals_and_recovers_after_an_accepted_one():
+    proposer = NgramProposer(k=2, min_n=1, max_n=1)
+    r = _request([5, 6, 5])
+    assert proposer.propose(r, 2) == [6, 5]
+    r.output_token_ids.append(9)  # not the proposal's first token: hold back for 1 token
+    assert proposer.propose(r, 2) == []
+    r.output_token_ids.append(5)
+    assert proposer.propose(r, 2) == [9, 5]  # proposing again: what followed the most recent 5
+    r.output_token_ids.append(7)  # failed again: hold back for 2 tokens
+    assert proposer.propose(r, 2) == []
+    r.output_token_ids.append(5)
+    assert proposer.propose(r, 2) == []
+    r.output_token_ids.append(5)
+    proposal = proposer.propose(r, 2)
+    assert proposal == [5]  # the most recent 5 is followed by the last token only
+    r.output_token_ids.append(5)  # accepted: no more holding back
+    assert proposer.propose(r, 2) == [5] and r.proposer_state.wait == 0
