@@ -461,7 +461,8 @@ class SpeculativeConfig:
 
     method "ngram" (prompt lookup): the proposal is what followed the most recent earlier occurrence of the
     request's last n tokens in its prompt and output, for the longest n in [prompt_lookup_min, prompt_lookup_max]
-    that occurs; no occurrence, no proposal (the request decodes as usual).
+    that occurs; no occurrence, no proposal (the request decodes as usual), and a request whose last proposal
+    failed holds back for a few tokens (`pagedjax.engine.speculative.NgramProposer`).
     """
 
     method: str = "ngram"
