@@ -8,6 +8,7 @@ from pagedjax.cli.args import build_parser
 from pagedjax.cli.engine_setup import speculative_config_of
 from pagedjax.cli.errors import CLIError
 from pagedjax.config import SpeculativeConfig
+from pagedjax.serve.cli import build_parser as serve_parser
 
 
 def _config(*argv: str):
@@ -16,6 +17,11 @@ def _config(*argv: str):
 
 def test_speculation_is_off_without_a_method():
     assert _config() is None
+
+
+def test_the_server_takes_the_same_flags():
+    args = serve_parser().parse_args(["--speculative-method", "ngram", "--speculative-num-tokens", "3"])
+    assert speculative_config_of(args) == SpeculativeConfig(num_speculative_tokens=3)
 
 
 def test_flags_make_the_config():
