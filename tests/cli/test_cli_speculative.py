@@ -7,6 +7,8 @@ import pytest
 from pagedjax.cli.args import build_parser
 from pagedjax.cli.engine_setup import speculative_config_of
 from pagedjax.cli.errors import CLIError
+from pagedjax.cli.report import stats_rows
+from pagedjax.cli.warm_start import CompileCache
 from pagedjax.config import SpeculativeConfig
 from pagedjax.serve.cli import build_parser as serve_parser
 
@@ -49,3 +51,14 @@ def test_bad_values_give_a_usage_error(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_statistics_table_shows_the_proposals_when_there_were_some():
+    summary = dict.fromkeys(("requests", "prompt_tokens", "generated_tokens", "tokens_per_s", "step_time_s",
+                             "kv_blocks_used_peak", "kv_blocks", "kv_blocks_used_peak_pct", "kv_waste_pct",
+                             "kv_bytes_per_token", "prefix_cache_hit_pct", "preemptions", "compilations",
+                             "compile_s", "engine_steps", "wall_s", "spec_proposed_tokens", "spec_accepted_tokens"), 0)
+    off = CompileCache(None)
+    assert "speculative proposals" not in dict(stats_rows(summary, off))
+    rows = dict(stats_rows(summary | dict(spec_proposed_tokens=1200, spec_accepted_tokens=900), off))
+    assert rows["speculative proposals"] == "900 of 1,200 accepted"
