@@ -111,6 +111,19 @@ class ConstraintCompiler:
         return Constraint(matcher)
 
 
+def json_schema_error(schema: dict) -> str | None:
+    """Why llguidance cannot compile `schema` (a JSON schema dict), or None if it can; no tokenizer needed."""
+    import json
+
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)
+    except (ValueError, RuntimeError, TypeError) as e:
+        return str(e)
+    return llguidance.LLMatcher.validate_grammar(grammar) or None
+
+
 def token_masks(requests: list[Request], emits_token, vocab_size: int) -> np.ndarray | None:
     """The step's allowed-token bitmask int32 `[S, mask_words]` (all ones for unconstrained rows and rows that
     sample nothing), or None when no row that samples is constrained (the step then has no mask at all)."""
