@@ -56,6 +56,13 @@ class Constraint:
             self.consumed += 1
         return None
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` consumed tokens (beam search continues a beam with another last token)."""
+        if not 0 <= num_tokens <= self.consumed or not self.matcher.rollback(num_tokens):
+            raise RuntimeError(f"structured output: cannot roll back {num_tokens} of {self.consumed} tokens: "
+                               f"{self.matcher.get_error()}")
+        self.consumed -= num_tokens
+
     def fill(self, row: np.ndarray) -> None:
         """Write the allowed next tokens into `row` (int32 `[mask_words]`, C-contiguous)."""
         from llguidance.numpy import fill_next_token_bitmask
