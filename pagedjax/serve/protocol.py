@@ -190,9 +190,16 @@ class ToolCall(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
+    """The assistant's reply: `content` is null when it only called tools; `tool_calls` appears when it called
+    any (as in OpenAI's)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):
+        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
 
 
 class ChatChoice(BaseModel):
