@@ -6,8 +6,8 @@ The call format is Hermes / Qwen's, one call per tag, the JSON written as `json.
 
 - `tool_choice` "none": the tools are not shown to the model and nothing is parsed (as if none were given).
 - "auto" (the default when tools are given): the model is not constrained; it answers in text, and the tagged
-  calls it writes become `message.tool_calls` (the text around them stays `content`). A tag whose head is not
-  `{"name": "...", "arguments": ` stays in `content`; the arguments are passed on as the model wrote them.
+  calls it writes become `message.tool_calls` (the text around them stays `content`). A tag not followed by
+  `{"name": "...", "arguments": ` is text; the arguments are passed on as the model wrote them.
 - "required" or a named function: the output is constrained (an llguidance Lark grammar, through
   `SamplingParams.structured`) to one tagged call (or several in a row, with "required" and
   `parallel_tool_calls`) of the offered functions, whose `arguments` validate against the function's
@@ -51,8 +51,23 @@ TOOLS_PREAMBLE = (
     'To call a function, reply with <tool_call>{{"name": <function name>, "arguments": <arguments object>}}'
     "</tool_call>, one tag per call."
 )
-# A call's head, up to its arguments' first character (any JSON whitespace, as an unconstrained model writes it).
+# A call's head, up to its arguments' first character (any JSON whitespace, as an unconstrained model writes it),
+# and every prefix of one (a tag whose text stops being one is text, decided as soon as it is known).
+_HEAD_PARTS = [r"\s*", r"\{", r"\s*", *'"name"', r"\s*", ":", r"\s*", '"', r'(?:[^"\\]|\\.)*\\?', '"', r"\s*",
+               ",", r"\s*", *'"arguments"', r"\s*", ":", r"\s*"]
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _prefixes_of(parts: list[str]) -> re.Pattern:
+    """A pattern whose full matches are the prefixes of the concatenation of `parts` (each a regex matching a
+    piece that may itself stop anywhere: one character, or a starred class)."""
+    nested = ""
+    for part in reversed(parts):
+        nested = f"(?:{part}{nested})?"
+    return re.compile(nested)
+
+
+_HEAD_PREFIX = _prefixes_of(_HEAD_PARTS)
 
 
 @dataclass(frozen=True)
@@ -223,12 +238,10 @@ class ToolCallParser:
                                                 function=DeltaFunctionCall(name=name)))
             self._buf, self._sent, self._state = self._buf[m.end():], 0, "args"
             return True
-        end = self._buf.find(CALL_END)
-        if end >= 0 or final:  # not a call after all: the tag is text
-            cut = len(self._buf) if end < 0 else end + len(CALL_END)
-            out.content += CALL_START + self._buf[:cut]
-            self._buf, self._state = self._buf[cut:], "text"
-            return end >= 0
+        if final or not _HEAD_PREFIX.fullmatch(self._buf):  # not a call after all: the tag is text (and what
+            out.content += CALL_START                           # follows it is read as text again)
+            self._state = "text"
+            return True
         return False
 
     def _args(self, out: ParsedDelta, final: bool) -> bool:

@@ -10,6 +10,8 @@ import json
 import jsonschema
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pagedjax.serve.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from pagedjax.serve.protocol import ChatCompletionRequest
@@ -167,30 +169,64 @@ def test_bad_tools_are_a_400_naming_the_field(server, client, body, param, says)
 CALL = '<tool_call>{"name": "search", "arguments": {"query": "a}b</tool", "limit": 2}}</tool_call>'
 
 
+def _streamed(text: str, cuts: list[int]) -> tuple[str, list[tuple[int, str | None, str]]]:
+    """The content and call deltas (index, name, arguments piece) of `text` fed in pieces ending at `cuts`."""
+    parser, content, deltas = ToolCallParser(), "", []
+    bounds = sorted({c for c in cuts if 0 < c < len(text)} | {len(text)})
+    start = 0
+    for end in bounds:
+        parsed = parser.feed(text[start:end], final=end == len(text))
+        content += parsed.content
+        deltas += [(d.index, d.function.name, d.function.arguments) for d in parsed.tool_calls]
+        start = end
+    return content, deltas
+
+
+def _check_pieces_reassemble(text: str, cuts: list[int]) -> None:
+    content, calls = parse_message(text)
+    streamed, deltas = _streamed(text, cuts)
+    assert (streamed or None if calls else streamed) == content
+    names = [name for _, name, _ in deltas if name is not None]
+    assert names == [c.function.name for c in calls]
+    args = ["".join(a for i, _, a in deltas if i == k) for k in range(len(calls))]
+    assert args == [c.function.arguments for c in calls]
+
+
 @pytest.mark.parametrize("text", [
     "Sure: " + CALL + " done",
     CALL + CALL,
     'x <tool_call>{ "name":"search" ,"arguments" : {"query": "q"} }\n</tool_call>',
     "<tool_call>not a call</tool_call> and <tool_c",  # a tag that is no call, and a partial one, stay text
+    "<tool_call>oops " + CALL,  # a tag that is no call is text, and a call after it still a call
     'cut <tool_call>{"name": "search", "arguments": {"query": "abc',  # cut short by max_tokens
 ])
 def test_parser_pieces_reassemble_to_the_whole_parse(text):
-    content, calls = parse_message(text)
     for step in (1, 3):
-        parser, got, args = ToolCallParser(), "", {}
-        for at in range(0, len(text), step):
-            piece = text[at:at + step]
-            parsed = parser.feed(piece, final=at + step >= len(text))
-            got += parsed.content
-            for d in parsed.tool_calls:
-                args[d.index] = args.get(d.index, "") + d.function.arguments
-        assert (got or None if calls else got) == content
-        assert [c.function.arguments for c in calls] == [args[i] for i in range(len(calls))]
+        _check_pieces_reassemble(text, list(range(step, len(text), step)))
+    content, calls = parse_message(text)
     if text.startswith("Sure"):
         assert content == "Sure:  done" and json.loads(calls[0].function.arguments) == {"query": "a}b</tool",
                                                                                         "limit": 2}
     if text.startswith("<tool_call>not"):
         assert content == text and not calls
+    if text.startswith("<tool_call>oops"):
+        assert content == "<tool_call>oops " and [c.function.name for c in calls] == ["search"]
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", '{"name": "f", "arguments": ', "{", "}", " ", "a", '"', "<", "\\"]
+
+
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=12), st.lists(st.integers(1, 80), max_size=6))
+def test_any_text_in_any_pieces_parses_as_a_whole(fragments, cuts):
+    _check_pieces_reassemble("".join(fragments), cuts)
+
+
+def test_a_tag_that_cannot_be_a_call_is_released_at_once():
+    parser = ToolCallParser()
+    assert parser.feed("Hi <tool_").content == "Hi "
+    assert parser.feed('call>{"name": "f"').content == ""  # may still be a call: held
+    assert parser.feed(" and more").content == '<tool_call>{"name": "f" and more'
+    assert not parser.calls
 
 
 def _request(**kwargs) -> ChatCompletionRequest:
