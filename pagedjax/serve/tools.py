@@ -72,9 +72,8 @@ _HEAD_PREFIX = _prefixes_of(_HEAD_PARTS)
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """A request's validated tools: `choice` is "auto", "required" or "named" ("none" has no plan)."""
+    """A request's validated tools ("none" has no plan)."""
 
-    choice: str
     tools: list[dict]  # OpenAI's tool dicts, as the chat template sees them
     constraint: StructuredOutput | None  # the forced call's grammar ("required", "named"); None for "auto"
 
@@ -103,14 +102,14 @@ def tool_plan(request: ChatCompletionRequest) -> ToolPlan | None:
         return None
     tools = [t.model_dump(exclude_none=True) for t in request.tools]
     if choice is None or choice == "auto":
-        return ToolPlan("auto", tools, None)
+        return ToolPlan(tools, None)
     if choice == "required":
-        return ToolPlan("required", tools, call_grammar(request.tools, parallel=request.parallel_tool_calls))
+        return ToolPlan(tools, call_grammar(request.tools, parallel=request.parallel_tool_calls))
     named = [t for t in request.tools if t.function.name == choice.function.name]
     if not named:
         raise bad_request(f"tool_choice.function.name: no tool is named {choice.function.name!r} (tools: "
                           f"{', '.join(sorted(seen))})", "tool_choice")
-    return ToolPlan("named", tools, call_grammar(named, parallel=False))
+    return ToolPlan(tools, call_grammar(named, parallel=False))
 
 
 def _choice_name(choice) -> str:
