@@ -65,21 +65,23 @@ def _valid(call) -> dict:
     return args
 
 
-def _stream(client, **kwargs):
-    """(content or None, [(id, name, arguments)], finish reason, argument pieces per call) of a streamed choice."""
-    content, calls, pieces, reason = [], {}, {}, None
+def _stream(client, **kwargs) -> dict[int, tuple]:
+    """Per choice: (content or None, [(id, name, arguments)], finish reason, argument pieces per call), streamed."""
+    content, calls, pieces, reason = {}, {}, {}, {}
     for chunk in client.chat.completions.create(stream=True, **kwargs):
-        choice = chunk.choices[0]
-        reason = choice.finish_reason or reason
-        if choice.delta.content:
-            content.append(choice.delta.content)
-        for d in choice.delta.tool_calls or ():
-            if d.id is not None:  # a call's first delta: its id and name
-                assert d.index == len(calls) and d.type == "function" and d.function.name
-                calls[d.index] = [d.id, d.function.name, ""]
-            calls[d.index][2] += d.function.arguments or ""
-            pieces.setdefault(d.index, []).append(d.function.arguments or "")
-    return ("".join(content) or None), [tuple(c) for c in calls.values()], reason, pieces
+        for choice in chunk.choices:
+            i = choice.index
+            reason[i] = choice.finish_reason or reason.get(i)
+            content[i] = content.get(i, "") + (choice.delta.content or "")
+            for d in choice.delta.tool_calls or ():
+                mine = calls.setdefault(i, {})
+                if d.id is not None:  # a call's first delta: its id and name
+                    assert d.index == len(mine) and d.type == "function" and d.function.name
+                    mine[d.index] = [d.id, d.function.name, ""]
+                mine[d.index][2] += d.function.arguments or ""
+                pieces.setdefault(i, {}).setdefault(d.index, []).append(d.function.arguments or "")
+    return {i: (content[i] or None, [tuple(c) for c in calls.get(i, {}).values()], reason[i], pieces.get(i, {}))
+            for i in content}
 
 
 def test_required_calls_validate(client):
@@ -108,18 +110,22 @@ def test_required_with_parallel_calls(client):
             _valid(call)
 
 
-def test_a_named_call_validates_and_its_stream_reassembles_to_it(client):
-    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=5,
+def test_named_calls_validate_and_their_streams_reassemble_to_them(client):
+    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=5, n=2,
                   tool_choice={"type": "function", "function": {"name": "search"}})
-    whole = client.chat.completions.create(**kwargs).choices[0]
-    assert whole.finish_reason == "tool_calls" and whole.message.content is None
-    assert [c.function.name for c in whole.message.tool_calls] == ["search"]
-    _valid(whole.message.tool_calls[0])
-    content, calls, reason, pieces = _stream(client, **kwargs)
-    assert (content, reason) == (None, "tool_calls")
-    assert [(name, args) for _, name, args in calls] == [(c.function.name, c.function.arguments)
-                                                         for c in whole.message.tool_calls]
-    assert len([p for p in pieces[0] if p]) > 1  # the arguments came in pieces, as they were generated
+    whole = client.chat.completions.create(**kwargs).choices
+    streamed = _stream(client, **kwargs)
+    assert sorted(streamed) == [0, 1]
+    for choice in whole:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [c.function.name for c in choice.message.tool_calls] == ["search"]
+        _valid(choice.message.tool_calls[0])
+        content, calls, reason, pieces = streamed[choice.index]
+        assert (content, reason) == (None, "tool_calls")
+        assert [(name, args) for _, name, args in calls] == [(c.function.name, c.function.arguments)
+                                                             for c in choice.message.tool_calls]
+        assert len([p for p in pieces[0] if p]) > 1  # the arguments came in pieces, as they were generated
+    assert whole[0].message.tool_calls[0].function.arguments != whole[1].message.tool_calls[0].function.arguments
 
 
 def test_auto_parses_a_tagged_call_out_of_the_text(client):
@@ -133,7 +139,7 @@ def test_auto_parses_a_tagged_call_out_of_the_text(client):
     assert whole.finish_reason == "tool_calls" and whole.message.content == "Let me check. "
     [call] = whole.message.tool_calls
     assert call.function.name == "get_weather" and _valid(call) == {"city": "rome", "unit": "c"}
-    content, calls, reason, _ = _stream(client, **kwargs)
+    content, calls, reason, _ = _stream(client, **kwargs)[0]
     assert (content, reason) == ("Let me check. ", "tool_calls")
     assert [(n, a) for _, n, a in calls] == [("get_weather", call.function.arguments)]
     # Without a call, "auto" is plain text; "none" does not parse at all.
