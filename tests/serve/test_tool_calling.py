@@ -161,6 +161,10 @@ def test_auto_parses_a_tagged_call_out_of_the_text(client):
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "given twice"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "one output constraint"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}]},
+     "messages", "needs a name"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{"}}]}]},
+     "messages", "are not JSON"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(server, client, body, param, says):
     before = server.llm.stats().prompt_tokens  # of every request the engine took
