@@ -277,6 +277,8 @@ class OpenAIServing:
                 parsed = parser.feed(d.text, final=d.finish_reason is not None)
                 delta = DeltaMessage(content=parsed.content or None, tool_calls=parsed.tool_calls or None)
                 reason = finish_reason(reason, bool(parser.calls))
+                if delta.content is None and delta.tool_calls is None and reason is None and d.logprobs is None:
+                    return None  # all of it held back (a tag being read): no empty chunk
             return ChatChunkChoice(index=d.index, delta=delta, finish_reason=reason,
                                    logprobs=None if d.logprobs is None else chat_logprobs(self.tokenizer, d.logprobs))
 
@@ -293,8 +295,9 @@ class OpenAIServing:
             if first:
                 yield sse(chunk(first))
             async for deltas in self._run(stream, tracker, self.metrics.timer()):
-                if deltas:
-                    yield sse(chunk([choice(d) for d in deltas]))
+                choices = [c for c in map(choice, deltas) if c is not None]  # None: nothing to send for it
+                if choices:
+                    yield sse(chunk(choices))
             if prepared.include_usage:
                 yield sse(chunk([], usage=self._usage(prepared, tracker)))
         except RequestFailed as e:

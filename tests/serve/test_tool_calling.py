@@ -71,6 +71,8 @@ def _stream(client, **kwargs) -> dict[int, tuple]:
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
             i = choice.index
+            delta = choice.delta
+            assert delta.role or delta.content or delta.tool_calls or choice.finish_reason  # no empty chunks
             reason[i] = choice.finish_reason or reason.get(i)
             content[i] = content.get(i, "") + (choice.delta.content or "")
             for d in choice.delta.tool_calls or ():
