@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
-from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams
+from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams, StructuredOutput
 from pagedjax.engine.generate import generate_batch
 from pagedjax.engine.llm_engine import LLMEngine, load_for
 from pagedjax.engine.stats import EngineStats, stats_dict
+from pagedjax.engine.structured import Constraint
 from pagedjax.parallel.config import ParallelConfig
 from pagedjax.parallel.mesh import replica_meshes
 
@@ -140,6 +141,11 @@ class DataParallelEngine:
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> Request:
         """A validated, not yet queued request (see `LLMEngine.make_request`)."""
         return self.replicas[0].make_request(request_id, prompt, sampling_params)
+
+    def compile_constraint(self, structured: StructuredOutput) -> Constraint:
+        """A fresh matcher of a constraint (see `LLMEngine.compile_constraint`): the first replica's compiler
+        compiles every request's, as its `make_request` validates every request."""
+        return self.replicas[0].compile_constraint(structured)
 
     def add_prepared_request(self, request: Request) -> None:
         """Queue a request from `make_request` on the replica `_choose` picks (ValueError for a duplicate id)."""

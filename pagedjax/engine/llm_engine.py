@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from pagedjax.compile_cache import enable_compile_cache
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig, check_int, is_int
-from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams
+from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams, StructuredOutput
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import FusedDecodePlan, StepPlan
 from pagedjax.engine.generate import generate_batch
@@ -26,7 +26,7 @@ from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, rec
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.shapes import warmup_shapes
 from pagedjax.engine.stats import EngineStats, stats_dict
-from pagedjax.engine.structured import ConstraintCompiler
+from pagedjax.engine.structured import Constraint, ConstraintCompiler
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama, init_model, model_from_state
 from pagedjax.parallel.config import parallel_layout
@@ -213,15 +213,10 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: SamplingParams.stop needs an engine with a tokenizer "
                              "(stop strings are matched on the detokenized text); use stop_token_ids")
-        constraint = None
-        if params.structured is not None:
-            if self.tokenizer is None:
-                raise ValueError(f"request {request_id!r}: SamplingParams.structured needs an engine with a "
-                                 "tokenizer (the constraint is on the text)")
-            try:
-                constraint = self._constraints.compile(params.structured)
-            except ValueError as e:
-                raise ValueError(f"request {request_id!r}: SamplingParams.{e}") from None
+        try:
+            constraint = None if params.structured is None else self.compile_constraint(params.structured)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
         request = Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
                           eos_token_ids=self.model_spec.eos_token_ids, cache_salt=cache_salt,
                           logprobs=[] if params.logprobs is not None else None,
@@ -229,6 +224,18 @@ class LLMEngine:
                           constraint=constraint)
         self.scheduler.check_request(request)
         return request
+
+    def compile_constraint(self, structured: StructuredOutput) -> Constraint:
+        """A fresh matcher of a structured-output constraint. Compiled once per engine and copied after: the
+        server calls this in its prepare stage, off the engine thread, so that adding the request only copies.
+        ValueError ("SamplingParams.structured...") when the library rejects it or the engine has no tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.structured needs an engine with a tokenizer (the constraint is on the "
+                             "text)")
+        try:
+            return self._constraints.compile(structured)
+        except ValueError as e:
+            raise ValueError(f"SamplingParams.{e}") from None
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> Request:
         """A validated, not yet queued request of a prompt (token ids, or text with a tokenizer)."""

@@ -131,6 +131,11 @@ class OpenAIServing:
         forced_call = None if tools is None else tools.constraint
         params = sampling_params(request, max_tokens=max_tokens, forced_call=forced_call)
         structured = structured_output(request, forced_call)
+        if structured is not None:  # compiled here, in a worker thread: the engine thread then only copies it
+            try:
+                self.engine.engine.compile_constraint(structured[0])
+            except ValueError as e:
+                raise bad_request(f"{structured[1]}: {str(e).split(': ', 1)[-1]}", structured[1]) from None
         return Prepared(request_id=random_request_id(prefix), prompt_token_ids=prompt_token_ids,
                         params=params, stream=request.stream,
                         include_usage=bool(request.stream_options and request.stream_options.include_usage),
