@@ -115,6 +115,8 @@ def test_the_parallel_fill_equals_the_row_by_row_fill():
     rows = [_Row(shared.compile(CONSTRAINTS[i % len(CONSTRAINTS)])) for i in range(7)] + [_Row(None)]
     for i, row in enumerate(rows[:-1]):  # each matcher at its own state
         walk(row.constraint, [i * 7 + j for j in range(i % 4)])
+    broken = rows[1].constraint.matcher  # a matcher the library put in its error state fills as a lone one would
+    assert not broken.consume_token(ord("z")) and broken.is_error()
     emits = [True] * len(rows)
     emits[2] = False  # a row that samples nothing (a prefill chunk) gets all ones, as an unconstrained one
     masks = token_masks(rows, emits, VOCAB)
