@@ -214,7 +214,7 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: SamplingParams.stop needs an engine with a tokenizer "
                              "(stop strings are matched on the detokenized text); use stop_token_ids")
         try:
-            constraint = None if params.structured is None else self.compile_constraint(params.structured)
+            constraint = None if params.structured is None else self._constraints.compile(params.structured)
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
         request = Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
@@ -226,16 +226,9 @@ class LLMEngine:
         return request
 
     def compile_constraint(self, structured: StructuredOutput) -> Constraint:
-        """A fresh matcher of a structured-output constraint. Compiled once per engine and copied after: the
-        server calls this in its prepare stage, off the engine thread, so that adding the request only copies.
-        ValueError ("SamplingParams.structured...") when the library rejects it or the engine has no tokenizer."""
-        if self.tokenizer is None:
-            raise ValueError("SamplingParams.structured needs an engine with a tokenizer (the constraint is on the "
-                             "text)")
-        try:
-            return self._constraints.compile(structured)
-        except ValueError as e:
-            raise ValueError(f"SamplingParams.{e}") from None
+        """A fresh matcher of a constraint, compiled once per engine and copied after (`ConstraintCompiler`: the
+        server compiles in its prepare stage, off the engine thread); ValueError as `add_request` raises."""
+        return self._constraints.compile(structured)
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> Request:
         """A validated, not yet queued request of a prompt (token ids, or text with a tokenizer)."""

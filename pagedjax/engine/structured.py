@@ -118,7 +118,11 @@ class ConstraintCompiler:
             n_vocab=self.vocab_size, eos_token=eos)
 
     def compile(self, structured: StructuredOutput) -> Constraint:
-        """A fresh matcher for `structured`; ValueError naming the field when the library rejects it."""
+        """A fresh matcher for `structured`; ValueError naming the field when the library rejects it, or when
+        there is no tokenizer (the constraint is on the text)."""
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.structured needs an engine with a tokenizer (the constraint is on the "
+                             "text)")
         with self._lock:
             kept = self._compiled.get(structured)
             if kept is not None:
@@ -153,10 +157,10 @@ class ConstraintCompiler:
             else:
                 grammar = llguidance.LLMatcher.grammar_from_lark(structured.grammar)
         except (ValueError, RuntimeError, TypeError) as e:
-            raise ValueError(f"structured.{kind}: {e}") from None
+            raise ValueError(f"SamplingParams.structured.{kind}: {e}") from None
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
         if matcher.is_error():
-            raise ValueError(f"structured.{kind}: {matcher.get_error()}")
+            raise ValueError(f"SamplingParams.structured.{kind}: {matcher.get_error()}")
         return matcher
 
 
