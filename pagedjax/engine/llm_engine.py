@@ -20,6 +20,7 @@ from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig, check_int
 from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import FusedDecodePlan, StepPlan
+from pagedjax.engine import weights
 from pagedjax.engine.generate import generate_batch
 from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
 from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, record_token_logprob
@@ -277,6 +278,7 @@ class LLMEngine:
         A KeyboardInterrupt (or other BaseException) is recovered from the same way, without blaming the
         step's requests, and re-raised.
         """
+        self.runner.check_awake()  # before anything is scheduled: a refused step changes nothing
         start = time.perf_counter()
         try:
             if self.decode_steps_per_call > 1 and (
@@ -385,6 +387,26 @@ class LLMEngine:
                                  "give the engine a tokenizer")
             return list(self.tokenizer.encode(prompt))
         return _token_list(request_id, prompt)
+
+    # ------------------------------------------------------------------------------------------ training loop
+    def update_weights(self, params) -> None:
+        """Serve `params` (an `nnx.State` or module of the model's structure, shapes, dtypes and shardings) from
+        the next step on: no recompilation, no copy; running requests recompute (`pagedjax.engine.weights`)."""
+        weights.update_weights(self.runner, self.scheduler, params)
+
+    def sleep(self) -> int:
+        """Release the KV pool's device memory (running requests recompute after `wake`); returns bytes freed
+        per device. Steps raise RuntimeError until `wake()`."""
+        return weights.sleep(self.runner, self.scheduler)
+
+    def wake(self) -> float:
+        """Re-create the KV pool after `sleep` (nothing recompiled); returns the seconds it took."""
+        return weights.wake(self.runner)
+
+    def score(self, prompts, completions):
+        """Per-token log-probabilities (float32 arrays) of each completion after its prompt, by this engine's
+        compiled step (`pagedjax.engine.weights.completion_logprobs`)."""
+        return weights.completion_logprobs(self, prompts, completions)
 
     # -------------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:

@@ -236,6 +236,7 @@ class ModelRunner:
             self.params = shard_state(self.params, param_partition_fn(model, mesh.size), mesh)
         self.kv_dtype = jnp.dtype(kv_dtype or spec.dtype)
         self.kv_cache = self._new_kv_cache()
+        self.asleep = False  # the KV cache's arrays were deleted (`pagedjax.engine.weights.sleep`)
         self._check_attention_serves()
         self.device_seconds = 0.0  # wall time inside compiled calls, results read back
         self._param_leaves, treedef = jax.tree.flatten(self.params)
@@ -298,6 +299,17 @@ class ModelRunner:
     def reset_kv_cache(self) -> None:
         """A fresh (zero) KV cache: after `kv_cache_lost`, the host must treat every block as unwritten."""
         self.kv_cache = self._new_kv_cache()
+
+    def set_params(self, leaves: list[jax.Array]) -> None:
+        """Run every later step on these weights: `self.params`' leaves in order, each of the same shape, dtype
+        and sharding (`pagedjax.engine.weights.checked_leaves`), so every compiled program takes them as is."""
+        self.params = jax.tree.unflatten(jax.tree.structure(self.params), leaves)
+        self._param_leaves = list(leaves)
+
+    def check_awake(self) -> None:
+        """RuntimeError while the KV cache is released (`pagedjax.engine.weights.sleep`)."""
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (its KV pool was released by sleep()): call wake() first")
 
     @property
     def num_programs(self) -> int:
@@ -378,6 +390,7 @@ class ModelRunner:
     def warmup(self, shapes: list[StepShape | LoopShape]) -> None:
         """Compile the programs of `shapes` now, hold them for good (stand-ins for every step they dominate), and
         run each once on padding only (no KV written or read: the cache's contents stay as they are)."""
+        self.check_awake()
         vocab = self.model_spec.vocab_size
         for shape in shapes:
             if isinstance(shape, LoopShape):
