@@ -170,14 +170,14 @@ def plot(rewards: list[float], speeds: list[float], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(rewards, marker="o", label="mean reward")
+    lines = ax.plot(rewards, marker="o", label="mean reward")
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(0, 1)
     ax2 = ax.twinx()
-    ax2.plot(speeds, color="gray", alpha=0.5, label="rollout tokens/s")
+    lines += ax2.plot(speeds, color="gray", alpha=0.5, label="rollout tokens/s")
     ax2.set_ylabel("rollout tokens/s")
-    fig.legend(loc="lower right")
+    ax.legend(handles=lines, loc="center right")
     ax.set_title("REINFORCE on pagedjax's bundled model")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
