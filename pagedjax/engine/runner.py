@@ -43,6 +43,7 @@ from pagedjax.engine.programs import ProgramCache
 from pagedjax.engine.shapes import (
     LoopShape,
     StepShape,
+    dominates,
     loop_shape,
     padding_fused_decode,
     padding_step,
@@ -237,6 +238,7 @@ class ModelRunner:
         self.kv_dtype = jnp.dtype(kv_dtype or spec.dtype)
         self.kv_cache = self._new_kv_cache()
         self.asleep = False  # the KV cache's arrays were deleted (`pagedjax.engine.weights.sleep`)
+        self.fixed_shape: StepShape | None = None  # batch-invariant mode: every step's program (`engine.invariant`)
         self._check_attention_serves()
         self.device_seconds = 0.0  # wall time inside compiled calls, results read back
         self._param_leaves, treedef = jax.tree.flatten(self.params)
@@ -349,8 +351,11 @@ class ModelRunner:
         its `StepOutputs` as numpy (logits `[S, vocab]` only if asked), shaped as its own program returns them."""
         shape = step_shape(inputs, return_logits)
         args, static = self._step_call(inputs, shape)
-        run_shape, exe = self.programs.lookup(
-            shape, lambda: self._prepare(self._step, args, static, rows=shape.tokens))
+        if self.fixed_shape is not None:
+            run_shape, exe = self._fixed_program(shape)
+        else:
+            run_shape, exe = self.programs.lookup(
+                shape, lambda: self._prepare(self._step, args, static, rows=shape.tokens))
         if run_shape != shape:
             args, _ = self._step_call(repad_step(inputs, run_shape, self.model_spec.vocab_size), run_shape)
         start = time.perf_counter()
@@ -358,6 +363,16 @@ class ModelRunner:
         outputs = jax.device_get(outputs)
         self._ran(run_shape, time.perf_counter() - start)
         return outputs if run_shape == shape else _cut_step(outputs, shape)
+
+    def _fixed_program(self, shape: StepShape):
+        """Batch-invariant mode's one program (`pagedjax.engine.invariant`), compiled on first use; ValueError for
+        a step it cannot run (one asking for logits, or more stop ids than it has columns)."""
+        fixed = self.fixed_shape
+        if not dominates(fixed, shape):
+            raise ValueError(f"batch-invariant mode runs every step on one program, {fixed}, which cannot run this "
+                             f"step ({shape}: logits, or more stop ids than it has columns)")
+        return self.programs.lookup(fixed, lambda: self._prepare(
+            self._step, *self._step_call(padding_step(fixed, self.model_spec.vocab_size), fixed), rows=fixed.tokens))
 
     def execute_fused_decode(self, inputs: FusedDecodeInputs):
         """Run up to `inputs.num_steps` decode steps on device (on a bigger compiled loop while its own compiles).
