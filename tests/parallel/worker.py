@@ -511,6 +511,31 @@ def cli_data_parallel():
     assert runs[1]["stats"]["generated_tokens"] == runs[0]["stats"]["generated_tokens"] == 12
 
 
+@check
+def update_weights_tp2():
+    """`update_weights` on a tp 2 engine: weights placed with the engine's shardings are served as they are (the
+    dense model's greedy tokens of the new weights, nothing recompiled); one left on one device is refused by
+    name."""
+    e = engine("gqa", 2)
+    e.generate(PROMPTS, GREEDY, use_tqdm=False)
+    compilations = e.stats().compilations
+    new = jax.tree.map(lambda x: -x, params("gqa"))  # other weights, the same shapes
+    placed = jax.tree.map(lambda ref, x: jax.device_put(x, ref.sharding), e.runner.params, new)
+    e.update_weights(placed)
+    model = model_from_state(config("gqa"), new)
+    want, margin = greedy_by_recompute(jax.jit(lambda t: model.forward_dense(t)), PROMPTS, MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, margin
+    got = [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == want, (got, want)
+    assert e.stats().compilations == compilations, "update_weights recompiled"
+    try:
+        e.update_weights(new)  # on the default device, unsharded
+    except ValueError as err:
+        assert "leaf 'embed_tokens.embedding' has sharding" in str(err), err
+    else:
+        raise AssertionError("unsharded weights were accepted")
+
+
 class SkipCheck(Exception):
     """A check that cannot run here (e.g. torch missing); reported as skipped."""
 
