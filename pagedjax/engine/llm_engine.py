@@ -26,6 +26,7 @@ from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
 from pagedjax.engine.invariant import invariant_shape
 from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, record_token_logprob
 from pagedjax.engine.runner import ModelRunner
+from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.shapes import warmup_shapes
 from pagedjax.engine.stats import EngineStats, stats_dict
 from pagedjax.engine.structured import ConstraintCompiler
@@ -418,8 +419,8 @@ class LLMEngine:
 
     def score(self, prompts, completions):
         """Per-token log-probabilities (float32 arrays) of each completion after its prompt, by this engine's
-        compiled step (`pagedjax.engine.weights.completion_logprobs`)."""
-        return weights.completion_logprobs(self, prompts, completions)
+        compiled step (`pagedjax.engine.scoring.completion_logprobs`)."""
+        return completion_logprobs(self, prompts, completions)
 
     # -------------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:

@@ -8,7 +8,7 @@ refused before the engine changes, naming the first leaf that differs (its path 
 `sleep(runner, scheduler)` deletes the KV pool's device arrays (the trainer can use that memory); `wake(runner)`
 allocates a zero pool of the same shapes, dtype and sharding, which the compiled programs take as they are.
 
-Policy for requests in flight (one, for all three): nothing computed under the old state is read again. Every
+Policy for requests in flight (one, for both): nothing computed under the old state is read again. Every
 running request is preempted by recompute (`Scheduler.drop_computed_kv`, the path a lost KV cache takes), and
 the prefix cache forgets every block, since cached KV was computed by the old weights (or is gone). Tokens
 already generated stay; a request's later tokens attend to KV recomputed by the new weights over its whole
@@ -23,7 +23,6 @@ import time
 from typing import TYPE_CHECKING
 
 import jax
-import numpy as np
 from flax import nnx
 
 if TYPE_CHECKING:
@@ -111,22 +110,3 @@ def wake(runner: ModelRunner) -> float:
     seconds = time.perf_counter() - start
     logger.info("wake: re-created the KV pool in %.3f s", seconds)
     return seconds
-
-
-def completion_logprobs(engine, prompts, completions) -> list[np.ndarray]:
-    """For each (prompt, completion) pair of token id lists, the log-probability (float32 `[len(completion)]`)
-    of each completion token after the prompt and the completion tokens before it, from the engine's own
-    compiled step over prompt + completion (`SamplingParams.prompt_logprobs`: every position recomputed, no
-    prefix-cache hits; one throwaway token is sampled). Log-softmax of the raw logits, as rollouts' `logprobs`."""
-    from pagedjax.core.request import SamplingParams
-
-    prompts, completions = list(prompts), list(completions)
-    if len(prompts) != len(completions):
-        raise ValueError(f"score: {len(prompts)} prompts for {len(completions)} completions")
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        if len(p) == 0 or len(c) == 0:
-            raise ValueError(f"score: pair {i} has an empty {'prompt' if len(p) == 0 else 'completion'}")
-    outs = engine.generate([list(p) + list(c) for p, c in zip(prompts, completions, strict=True)],
-                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    return [np.array([lp.logprob for lp in out.prompt_logprobs[len(p):]], np.float32)
-            for out, p in zip(outs, prompts, strict=True)]
