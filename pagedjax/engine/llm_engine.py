@@ -123,7 +123,8 @@ class LLMEngine:
                                  f"{self.decode_steps_per_call}")
             self.runner.fixed_shape = invariant_shape(
                 max_tokens=self.scheduler_config.max_num_batched_tokens, max_seqs=self.scheduler_config.max_num_seqs,
-                max_request_tokens=self.max_request_tokens, block_size=self.cache_config.block_size)
+                max_request_tokens=self.max_request_tokens, block_size=self.cache_config.block_size,
+                backend=self.runner.backend)
         self._request_ids = RequestIds()
         self._empty_plans = 0
         self._steps = 0

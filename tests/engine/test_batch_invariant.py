@@ -87,3 +87,10 @@ def test_batch_invariant_refuses_fused_decode_and_a_step_asking_for_logits():
     engine, _ = engine_and_alone()
     with pytest.raises(ValueError, match="runs every step on one program, .* which cannot run this step"):
         engine.runner.execute(padding_step(engine.runner.fixed_shape, CFG.vocab_size), return_logits=True)
+
+
+def test_batch_invariant_on_the_pallas_backend_warns_that_it_was_checked_on_xla_only(caplog):
+    make_engine(backend="xla")
+    assert "measured on the XLA path only" not in caplog.text
+    make_engine(backend="pallas")
+    assert "measured on the XLA path only" in caplog.text
