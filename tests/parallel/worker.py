@@ -536,6 +536,33 @@ def update_weights_tp2():
         raise AssertionError("unsharded weights were accepted")
 
 
+@check
+def update_weights_dp2():
+    """`update_weights`, `sleep` / `wake` and `score` of a data-parallel engine (2 replicas x tp 2): every
+    replica serves the new weights (the dense model's greedy tokens, nothing recompiled)."""
+    e = engine("gqa", 2, dp=2, num_blocks=16)
+    e.generate(PROMPTS, GREEDY, use_tqdm=False)
+    compilations = e.stats().compilations
+    new = jax.tree.map(lambda x: -x, params("gqa"))
+    e.update_weights(jax.tree.map(lambda ref, x: jax.device_put(x, ref.sharding), e.replicas[0].runner.params, new))
+    assert e.sleep() > 0 and all(r.runner.asleep for r in e.replicas)
+    e.wake()
+    model = model_from_state(config("gqa"), new)
+    dense = jax.jit(lambda t: model.forward_dense(t))
+    want, margin = greedy_by_recompute(dense, PROMPTS, MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, margin
+    outs = e.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == want
+    assert e.stats().requests_per_replica[1] > 0, "one replica served everything"
+    assert e.stats().compilations == compilations, "update_weights or wake recompiled"
+    scored = e.score(PROMPTS, want)
+    for p, c, s in zip(PROMPTS, want, scored, strict=True):
+        seq = np.zeros((1, MAX_LEN), np.int32)
+        seq[0, :len(p) + len(c)] = p + c
+        ref = np.asarray(jax.nn.log_softmax(dense(jnp.asarray(seq))[0], axis=-1))
+        np.testing.assert_allclose(s, ref[np.arange(len(p) - 1, len(p) + len(c) - 1), c], rtol=0, atol=2e-5)
+
+
 class SkipCheck(Exception):
     """A check that cannot run here (e.g. torch missing); reported as skipped."""
 

@@ -21,7 +21,8 @@ FAST = [
 ]
 SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16", "greedy_mha_tp2_block8",
         "greedy_mqa_tp4_block8", "greedy_mha_tp4_block8", "greedy_gqa_tp2_block8", "greedy_mqa_tp8_block8",
-        "int8_kv_greedy_tp4", "bring_your_own_model_dp2", "update_weights_tp2"]
+        "int8_kv_greedy_tp4", "bring_your_own_model_dp2", "update_weights_tp2",
+        "update_weights_dp2"]
 # CI's newest-JAX pass (PAGEDJAX_PARALLEL_CHECKS=newest): what differs by JAX version (shard_map, shardings of
 # every kind of weight and of 8-bit pages, Pallas under shard_map, export, orbax's sharded restore), once each.
 NEWEST = ["greedy_gqa_tp2_block16", "greedy_mqa_tp8_block16", "logits_and_shardings", "int8_kv_tensor_parallel",
