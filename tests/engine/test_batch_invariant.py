@@ -94,3 +94,10 @@ def test_batch_invariant_on_the_pallas_backend_warns_that_it_was_checked_on_xla_
     assert "measured on the XLA path only" not in caplog.text
     make_engine(backend="pallas")
     assert "measured on the XLA path only" in caplog.text
+
+
+def test_warmup_compiles_the_one_program_every_step_runs():
+    engine = make_engine()
+    engine.warmup()
+    assert result(engine.generate([PROMPT], SAMPLED, use_tqdm=False)[0]) == engine_and_alone()[1]
+    assert engine.stats().compilations == 1
