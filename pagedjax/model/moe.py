@@ -73,17 +73,22 @@ class Experts(nnx.Module):
 
     def by_pair(self, x: jax.Array, experts: jax.Array) -> jax.Array:
         """Row p of `x` `[P, hidden]` through expert `experts[p]` (int32 `[P]`): `[P, hidden]`, one `lax.switch`
-        per row whose branch e multiplies by expert e's weights alone (static slices: no gathered copy of a
-        weight, no product with an expert the row is not routed to). For few rows on the CPU (module docstring).
+        per row whose branch e multiplies by expert e's weights alone (no product with an expert the row is not
+        routed to). For few rows on the CPU (module docstring).
+
+        The stacked weights are operands of the switch and each branch slices its own expert: with the weights
+        captured from outside instead, XLA:CPU slices every expert before the switch (all E experts' bytes copied
+        per row: 4x slower measured on the bench_moe expert shape).
         """
         mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
-        def expert(e: int, row: jax.Array) -> jax.Array:
-            h = jax.nn.silu(mm(row, self.gate_proj[e])) * mm(row, self.up_proj[e])
-            return mm(h, self.down_proj[e])
+        def expert(e: int, row: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+            return mm(jax.nn.silu(mm(row, gate[e])) * mm(row, up[e]), down[e])
 
         branches = [functools.partial(expert, e) for e in range(self.gate_proj.shape[0])]
-        return jnp.concatenate([jax.lax.switch(experts[p], branches, x[p:p + 1]) for p in range(x.shape[0])])
+        weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        return jnp.concatenate([jax.lax.switch(experts[p], branches, x[p:p + 1], *weights)
+                                for p in range(x.shape[0])])
 
     def every(self, x: jax.Array) -> jax.Array:
         """Every row `x` `[N, hidden]` through every expert: `[E, N, hidden]`."""
