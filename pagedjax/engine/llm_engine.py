@@ -16,14 +16,17 @@ import warnings
 from collections.abc import Sequence
 
 from pagedjax.compile_cache import enable_compile_cache
-from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig, check_int, is_int
+from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig, check_bool, check_int, is_int
 from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams, StructuredOutput
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import FusedDecodePlan, StepPlan
+from pagedjax.engine import weights
 from pagedjax.engine.generate import generate_batch
 from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
+from pagedjax.engine.invariant import invariant_shape
 from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, record_token_logprob
 from pagedjax.engine.runner import ModelRunner
+from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.shapes import warmup_shapes
 from pagedjax.engine.stats import EngineStats, stats_dict
 from pagedjax.engine.structured import Constraint, ConstraintCompiler
@@ -62,6 +65,10 @@ class LLMEngine:
     timing: a stand-in computes the same tokens up to the last-bit rounding a change of shape may bring
     (`pagedjax.engine.shapes`), which could tip a near tie.
 
+    batch_invariant=True: every step runs on one program of the engine's largest shape, so a request's tokens and
+    log-probabilities are bitwise the same whatever shares its steps (`pagedjax.engine.invariant`; needs
+    `decode_steps_per_call` 1).
+
     A step whose device call raises never wedges the engine: see `step`.
     """
 
@@ -70,7 +77,7 @@ class LLMEngine:
                  model=None, backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
                  tokenizer=None, compile_cache: bool | str = True, parallel_config=None,
                  tensor_parallel_size: int | None = None, devices=None, max_compiled_programs: int = 64,
-                 compile_in_background: bool = False):
+                 compile_in_background: bool = False, batch_invariant: bool = False):
         parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
         if num_steps is not None:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
@@ -110,6 +117,14 @@ class LLMEngine:
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=backend,
                                   mesh=mesh, max_programs=int(max_compiled_programs),
                                   compile_in_background=bool(compile_in_background))
+        if check_bool("LLMEngine", "batch_invariant", batch_invariant):  # see pagedjax.engine.invariant
+            if self.decode_steps_per_call != 1:  # a fused decode is a program of its own
+                raise ValueError("LLMEngine: batch_invariant=True needs decode_steps_per_call=1, got "
+                                 f"{self.decode_steps_per_call}")
+            self.runner.fixed_shape = invariant_shape(
+                max_tokens=self.scheduler_config.max_num_batched_tokens, max_seqs=self.scheduler_config.max_num_seqs,
+                max_request_tokens=self.max_request_tokens, block_size=self.cache_config.block_size,
+                backend=self.runner.backend)
         self._request_ids = RequestIds()
         self._empty_plans = 0
         self._steps = 0
@@ -169,8 +184,9 @@ class LLMEngine:
         sc, bs, steps = self.scheduler_config, self.cache_config.block_size, self.decode_steps_per_call
         # A fused decode's tables have room for its steps past the sequence's tokens.
         max_blocks = -(-(self.max_request_tokens + steps - 1) // bs)
-        shapes = warmup_shapes(max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs, max_blocks=max_blocks,
-                               block_size=bs, decode_steps=steps, narrow=self.runner.backend == "xla")
+        shapes = [self.runner.fixed_shape] if self.runner.fixed_shape is not None else warmup_shapes(
+            max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs, max_blocks=max_blocks, block_size=bs,
+            decode_steps=steps, narrow=self.runner.backend == "xla")
         self.runner.warmup(shapes)
         seconds = time.perf_counter() - start
         self._warmup_s += seconds
@@ -277,6 +293,7 @@ class LLMEngine:
         A KeyboardInterrupt (or other BaseException) is recovered from the same way, without blaming the
         step's requests, and re-raised.
         """
+        self.runner.check_awake()  # before anything is scheduled: a refused step changes nothing
         start = time.perf_counter()
         try:
             if self.decode_steps_per_call > 1 and (
@@ -385,6 +402,26 @@ class LLMEngine:
                                  "give the engine a tokenizer")
             return list(self.tokenizer.encode(prompt))
         return _token_list(request_id, prompt)
+
+    # ------------------------------------------------------------------------------------------ training loop
+    def update_weights(self, params) -> None:
+        """Serve `params` (an `nnx.State` or module of the model's structure, shapes, dtypes and shardings) from
+        the next step on: no recompilation, no copy; running requests recompute (`pagedjax.engine.weights`)."""
+        weights.update_weights(self.runner, self.scheduler, params)
+
+    def sleep(self) -> int:
+        """Release the KV pool's device memory (running requests recompute after `wake`); returns bytes freed
+        per device. Steps raise RuntimeError until `wake()`."""
+        return weights.sleep(self.runner, self.scheduler)
+
+    def wake(self) -> float:
+        """Re-create the KV pool after `sleep` (nothing recompiled); returns the seconds it took."""
+        return weights.wake(self.runner)
+
+    def score(self, prompts, completions):
+        """Per-token log-probabilities (float32 arrays) of each completion after its prompt, by this engine's
+        compiled step (`pagedjax.engine.scoring.completion_logprobs`)."""
+        return completion_logprobs(self, prompts, completions)
 
     # -------------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
