@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
 from pagedjax.config import SpeculativeConfig  # noqa: E402
-from pagedjax.engine.llm_engine import load_for  # noqa: E402
+from pagedjax.engine.loading import load_for  # noqa: E402
 from pagedjax.model.llama import init_model  # noqa: E402
 from scripts.bench_engine import SHAPES  # noqa: E402
 
