@@ -26,6 +26,8 @@ _LAZY = {
     "ModelSpec": "pagedjax.config",
     "CacheConfig": "pagedjax.config",
     "SchedulerConfig": "pagedjax.config",
+    "SpeculativeConfig": "pagedjax.config",
+    "StructuredOutput": "pagedjax.core.request",
     "kv_cache_bytes": "pagedjax.config",
     "QuantConfig": "pagedjax.quant_config",
 }

@@ -1,16 +1,21 @@
 """Structured output: which grammar library, and what a constraint costs the engine.
 
-    python scripts/bench_structured.py           # both tables (a few minutes on 2 CPU cores)
+    python scripts/bench_structured.py           # all tables (several minutes on 2 CPU cores)
     python scripts/bench_structured.py --quick   # seconds: a small vocabulary and model (the smoke test)
 
 Table 1 compares the grammar libraries pagedjax could use, on a 32k-token byte-level BPE vocabulary (trained
 here on Python's own library sources) and a nested JSON schema: the time to compile the schema for that
 vocabulary, and the time per token to compute the next-token mask while walking a valid document's tokens.
-Table 2 runs the engine (a random model of the 156M shape over that vocabulary) at batch 1 and 16, the same
-number of tokens per request unconstrained and under a JSON schema that cannot complete within them, one step
-per device call for both (constrained batches are never fused), and reports tokens/s, their ratio, and the
-host time spent on masks per step. xgrammar is not measured: its wheel requires torch, transformers and triton
-at run time.
+Table 2 is the engine thread's share, before and after in one run: a batch of 16 masks filled row by row
+(`Constraint.fill`, as steps did) against one parallel call (`token_masks`), and a request's constraint compiled
+afresh against copied from the compiler's kept matcher (`ConstraintCompiler`). Table 3 runs the engine (a random
+model of the 156M shape over that vocabulary) at batch 1 and 16, the same number of tokens per request
+unconstrained and under a JSON schema that cannot complete within them, in interleaved rounds (the machine may be
+shared): unconstrained with the fused decode (8 steps per device call, the server's default), unconstrained one
+step per call, and constrained (always one step per call: its masks come from the host before each token). It
+reports the median tokens/s of each, the median of the rounds' constrained / unconstrained ratios, and the host
+time spent on masks per step. xgrammar is not measured: its wheel requires torch, transformers and triton at run
+time.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -101,8 +107,7 @@ def bench_outlines_core(tok, tokens: list[int]) -> tuple[float, list[float]]:
                                   lambda t: guide.advance(t, return_tokens=False), tokens)
 
 
-def library_table(vocab_size: int) -> list[dict]:
-    tok = train_tokenizer(vocab_size)
+def library_table(tok) -> list[dict]:
     tokens = tok.encode(json.dumps(DOCUMENT)).ids
     rows = []
     for name, fn in (("llguidance", bench_llguidance), ("outlines-core", bench_outlines_core)):
@@ -117,7 +122,59 @@ def library_table(vocab_size: int) -> list[dict]:
     return rows
 
 
-def engine_table(vocab_size: int, shape: str, max_tokens: int, batches: list[int]) -> list[dict]:
+def engine_share(tok, batch: int) -> dict:
+    """Median ms of the engine thread's structured-output work (table 2). Masks: two batches of `batch` matchers
+    of the nested schema (each batch its own compile), row i at token i * len / (2 * batch) of the document,
+    walk the document's first half in step; at each step one batch is filled row by row and the other in one
+    call (who goes first alternates), so that every fill is of a state not filled before, as in an engine.
+    Compiles: afresh (a new compiler's, over the vocabulary built beforehand, as an engine builds it once)
+    against a kept matcher's copy."""
+    from pagedjax.core.request import StructuredOutput
+    from pagedjax.engine.structured import ConstraintCompiler, mask_words, token_masks
+    from pagedjax.model.hf_tokenizer import HFTokenizer
+
+    hf = HFTokenizer(tok, eos_token_ids=(0,))
+    structured = StructuredOutput(json=SCHEMA)
+    kept = ConstraintCompiler(hf, tok.get_vocab_size(), (0,))
+    # StructuredOutput keeps the schema as canonical JSON (sorted keys): properties come in that order.
+    document = tok.encode(json.dumps(DOCUMENT, sort_keys=True)).ids
+    offsets = [i * len(document) // (2 * batch) for i in range(batch)]
+
+    def fresh():
+        compiler = ConstraintCompiler(hf, tok.get_vocab_size(), (0,))
+        compiler._ll_tokenizer = kept._llg_tokenizer()
+        return compiler.compile(structured)
+
+    by_rows, by_call = [fresh() for _ in range(batch)], [fresh() for _ in range(batch)]
+    rows = [SimpleNamespace(constraint=c) for c in by_call]
+    masks = np.zeros((batch, mask_words(tok.get_vocab_size())), np.int32)
+
+    def row_by_row():
+        for i, constraint in enumerate(by_rows):
+            constraint.fill(masks[i])
+
+    times: dict[str, list[float]] = {"fill_rows": [], "fill_par": [], "compile_fresh": [], "compile_kept": []}
+    fills = (("fill_rows", row_by_row), ("fill_par", lambda: token_masks(rows, [True] * batch, tok.get_vocab_size())))
+    for step in range(len(document) // 2):
+        for i, offset in enumerate(offsets):  # each matcher at token offset + step of the document
+            for constraint in (by_rows[i], by_call[i]):
+                assert constraint.advance(document[:offset + step]) is None
+        for name, fn in fills if step % 2 == 0 else fills[::-1]:
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    for name, fn in (("compile_fresh", fresh), ("compile_kept", lambda: kept.compile(structured))) * 20:
+        start = time.perf_counter()
+        fn()
+        times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
+
+
+# The engine table's workloads: (name, constrained, decode steps per device call).
+WORKLOADS = (("free, fused", False, 8), ("free", False, 1), ("constrained", True, 1))
+
+
+def engine_table(tok, shape: str, max_tokens: int, batches: list[int], rounds: int) -> list[dict]:
     import pagedjax.engine.inputs as inputs
     from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
     from pagedjax.core.request import StructuredOutput
@@ -126,9 +183,9 @@ def engine_table(vocab_size: int, shape: str, max_tokens: int, batches: list[int
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_engine import SHAPES
 
-    tok = train_tokenizer(vocab_size)
     cfg = SHAPES[shape].replace(vocab_size=tok.get_vocab_size(), eos_token_ids=(0,))
     # No prefix caching: every run of a workload is the same steps, so a run after the first compiles nothing.
+    # One engine serves every workload: its decode_steps_per_call is set per run (fused, or one step per call).
     engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=max(batches) * (max_tokens // 16 + 4),
                                         enable_prefix_caching=False),
                        SchedulerConfig(max_num_seqs=max(batches), max_model_len=max_tokens + 64),
@@ -146,25 +203,33 @@ def engine_table(vocab_size: int, shape: str, max_tokens: int, batches: list[int
             mask_s.append(time.perf_counter() - start)
         return out
 
+    def run(batch: int, constrained: bool, steps: int) -> float:
+        """Tokens/s of one generate call."""
+        engine.decode_steps_per_call = steps
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=0, ignore_eos=True,
+                                structured=long if constrained else None)
+        start = time.perf_counter()
+        outs = engine.generate(["def main(argv):\n    "] * batch, params, use_tqdm=False)
+        return sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - start)
+
     inputs.token_masks = timed
     rows = []
-    prompt = "def main(argv):\n    "
     for batch in batches:
-        for constrained in (False, True):
-            params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=0, ignore_eos=True,
-                                    structured=long if constrained else None)
-            for _ in range(4):  # until a run compiles nothing: that one is timed
+        for _, constrained, steps in WORKLOADS:
+            for _ in range(4):  # until a run compiles nothing
                 compiled = engine.stats().compilations
-                mask_s.clear()
-                start = time.perf_counter()
-                outs = engine.generate([prompt] * batch, params, use_tqdm=False)
-                wall = time.perf_counter() - start
+                run(batch, constrained, steps)
                 if engine.stats().compilations == compiled:
                     break
-            generated = sum(len(o.output_token_ids) for o in outs)
-            rows.append({"batch": batch, "constrained": constrained, "tokens": generated,
-                         "tokens_per_s": generated / wall,
-                         "mask_ms_per_step": 1e3 * statistics.mean(mask_s) if mask_s else 0.0})
+        mask_s.clear()
+        runs: dict[str, list[float]] = {name: [] for name, _, _ in WORKLOADS}
+        for r in range(rounds):  # interleaved, every other round reversed: a change of load hits every workload
+            for name, constrained, steps in WORKLOADS if r % 2 == 0 else WORKLOADS[::-1]:
+                runs[name].append(run(batch, constrained, steps))
+        ratio = statistics.median(c / f for c, f in zip(runs["constrained"], runs["free"], strict=True))
+        ratio_fused = statistics.median(c / f for c, f in zip(runs["constrained"], runs["free, fused"], strict=True))
+        rows.append({"batch": batch, **{name: statistics.median(v) for name, v in runs.items()}, "ratio": ratio,
+                     "ratio_fused": ratio_fused, "mask_ms_per_step": 1e3 * statistics.mean(mask_s)})
     inputs.token_masks = real
     return rows
 
@@ -172,23 +237,31 @@ def engine_table(vocab_size: int, shape: str, max_tokens: int, batches: list[int
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small vocabulary and model, few tokens")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the engine table (default 3)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    vocab, shape, max_tokens, batches = (2048, "tiny", 8, [1]) if args.quick else (32000, "156m", 64, [1, 16])
-    libs = library_table(vocab)
+    vocab, shape, max_tokens, batches = (2048, "tiny", 8, [1, 4]) if args.quick else (32000, "156m", 64, [1, 16])
+    tok = train_tokenizer(vocab)
+    libs = library_table(tok)
     print(f"grammar libraries: nested JSON schema, {libs[0]['vocab']}-token BPE, a {libs[0]['tokens']}-token "
           "document")
     print(f"{'library':<14} {'compile ms':>11} {'mask us (median)':>17} {'mask us (p99)':>14}")
     for r in libs:
         print(f"{r['library']:<14} {r['compile_ms']:>11.1f} {r['mask_us_median']:>17.1f} {r['mask_us_p99']:>14.1f}")
-    rows = engine_table(vocab, shape, max_tokens, batches)
-    print(f"\nengine ({shape} model, {max_tokens} tokens per request, one step per device call)")
-    print(f"{'batch':>5} {'unconstrained tok/s':>20} {'constrained tok/s':>18} {'ratio':>6} {'mask ms/step':>13}")
-    for b in batches:
-        free = next(r for r in rows if r["batch"] == b and not r["constrained"])
-        con = next(r for r in rows if r["batch"] == b and r["constrained"])
-        print(f"{b:>5} {free['tokens_per_s']:>20.1f} {con['tokens_per_s']:>18.1f} "
-              f"{con['tokens_per_s'] / free['tokens_per_s']:>6.2f} {con['mask_ms_per_step']:>13.2f}")
+    share = engine_share(tok, max(batches))
+    print(f"\nengine thread, ms (median): {max(batches)} masks filled row by row / in one parallel call; a "
+          "constraint compiled afresh / copied from the kept one")
+    print(f"{'fill rows':>10} {'fill par':>9} {'ratio':>6} {'compile':>8} {'copy':>7}")
+    print(f"{share['fill_rows']:>10.3f} {share['fill_par']:>9.3f} {share['fill_rows'] / share['fill_par']:>6.1f} "
+          f"{share['compile_fresh']:>8.3f} {share['compile_kept']:>7.3f}")
+    rows = engine_table(tok, shape, max_tokens, batches, args.rounds)
+    print(f"\nengine ({shape} model, {max_tokens} tokens per request, medians of {args.rounds} interleaved rounds; "
+          "ratio = constrained / unconstrained one step per call, vs fused = / unconstrained fused)")
+    print(f"{'batch':>5} {'free fused tok/s':>17} {'free tok/s':>11} {'constrained tok/s':>18} {'ratio':>6} "
+          f"{'vs fused':>9} {'mask ms/step':>13}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['free, fused']:>17.1f} {r['free']:>11.1f} {r['constrained']:>18.1f} "
+              f"{r['ratio']:>6.2f} {r['ratio_fused']:>9.2f} {r['mask_ms_per_step']:>13.2f}")
     return 0
 
 

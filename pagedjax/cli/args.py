@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from pagedjax.cli.sizes import parse_size
-from pagedjax.config import KV_DTYPES
+from pagedjax.config import KV_DTYPES, SPECULATIVE_METHODS
 
 PROG = "pagedjax-generate"
 DEFAULT_NUM_BLOCKS = 512  # CacheConfig's default when neither --num-blocks nor --kv-memory is given
@@ -132,6 +132,15 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
     g.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=512, help="tokens per step")
     g.add_argument("--max-model-len", type=_int_at_least(1), default=None,
                    help="longest prompt + completion (default: min(2048, the model's max positions))")
+    g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+                   help="speculative decoding (exact: the same output): 'ngram' proposes what followed the last "
+                        "tokens' earlier occurrence in the prompt and output (default: off)")
+    g.add_argument("--speculative-num-tokens", type=_int_in(1, 64), default=None, metavar="K",
+                   help="tokens proposed and verified per request per step (default 4)")
+    g.add_argument("--speculative-prompt-lookup-min", type=_int_at_least(1), default=None, metavar="N",
+                   help="ngram: the shortest suffix looked up (default 2)")
+    g.add_argument("--speculative-prompt-lookup-max", type=_int_at_least(1), default=None, metavar="N",
+                   help="ngram: the longest suffix looked up, tried first (default 4)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -186,6 +186,25 @@ def check_kv_pool_fits(cache_config, spec, device, tensor_parallel_size: int = 1
                        "--num-blocks")
 
 
+_SPECULATIVE_FLAGS = {"speculative_num_tokens": "num_speculative_tokens", "speculative_prompt_lookup_min":
+                      "prompt_lookup_min", "speculative_prompt_lookup_max": "prompt_lookup_max"}
+
+
+def speculative_config_of(args: argparse.Namespace):
+    """The `SpeculativeConfig` of the --speculative-* flags (None without --speculative-method; CLIError for a
+    --speculative-* flag given without it)."""
+    given = {field: getattr(args, flag) for flag, field in _SPECULATIVE_FLAGS.items()
+             if getattr(args, flag) is not None}
+    if args.speculative_method is None:
+        if given:
+            flag = next(f for f, field in _SPECULATIVE_FLAGS.items() if field in given)
+            raise CLIError(f"--{flag.replace('_', '-')} needs --speculative-method")
+        return None
+    from pagedjax.config import SpeculativeConfig
+
+    return SpeculativeConfig(method=args.speculative_method, **given)
+
+
 def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool | str = True):
     """The engine the arguments describe (a `DataParallelEngine` with --data-parallel-size > 1), its KV pool
     checked against the device's memory first, warmed up with --warmup (`LLMEngine.warmup`).
@@ -207,6 +226,7 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len or min(2048, loaded.spec.max_position_embeddings))
+        speculative_config = speculative_config_of(args)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
     check_kv_pool_fits(cache_config, loaded.spec, jax.local_devices()[0], tp)
@@ -218,7 +238,7 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
                              parallel_config=parallel_config, max_compiled_programs=args.max_compiled_programs,
                              # Warmed-up programs stand in while a step's own compiles (the server's way): no
                              # stream stalls on a compile; without warm-up, each step waits for its own program.
-                             compile_in_background=args.warmup)
+                             compile_in_background=args.warmup, speculative_config=speculative_config)
         if args.warmup:
             engine.warmup()
         return engine

@@ -35,11 +35,15 @@ def stats_summary(stats, peak: Peak, wall_s: float, num_requests: int,
         "preemptions": stats.scheduler.num_preemptions,
         "running_peak": peak.running,
         "wall_s": wall_s,
+        "spec_proposed_tokens": stats.spec_proposed_tokens,  # speculative proposals verified (0: speculation off)
+        "spec_accepted_tokens": stats.spec_accepted_tokens,
     }
 
 
 def stats_rows(s: dict[str, int | float], compile_cache: CompileCache) -> list[tuple[str, str]]:
     """`stats_summary` as the table's (label, text) rows."""
+    spec = [("speculative proposals", f"{s['spec_accepted_tokens']:,} of {s['spec_proposed_tokens']:,} accepted")
+            ] if s["spec_proposed_tokens"] else []
     return [
         ("requests", f"{s['requests']:,}"),
         ("prompt tokens", f"{s['prompt_tokens']:,}"),
@@ -54,6 +58,7 @@ def stats_rows(s: dict[str, int | float], compile_cache: CompileCache) -> list[t
         ("compilations", f"{s['compilations']:,} ({s['compile_s']:.2f} s)"),
         ("compile cache", compile_cache.describe()),
         ("engine steps", f"{s['engine_steps']:,}"),
+        *spec,
         ("wall time", f"{s['wall_s']:.2f} s"),
     ]
 

@@ -324,6 +324,19 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free([b for b in reversed(blocks) if b != RELEASED])
 
+    def release_past_computed(self, request: Request) -> int:
+        """Release the request's trailing blocks past `cdiv(num_computed_tokens, block_size)`: a speculative step
+        allocated them for proposals that were rejected (`pagedjax.core.speculation`). They hold no computed KV,
+        so they are unhashed, and were freshly allocated, so no one else holds them. Returns how many."""
+        held = self._req_blocks.get(request.request_id)
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if not held or len(held) <= keep:
+            return 0
+        extra = held[keep:]
+        del held[keep:]
+        self.block_pool.free(extra[::-1])
+        return len(extra)
+
     def release_out_of_window(self, request: Request) -> int:
         """Release the request's leading blocks that no query from its next position on can read (all of
         their positions < num_computed_tokens - sliding_window + 1); their hashes, once published, stay with

@@ -284,6 +284,9 @@ class Request:
     # The engine's matcher of SamplingParams.structured (`pagedjax.engine.structured`), at the state after its
     # outputs so far; opaque here: a fork gets `constraint.copy()`.
     constraint: Any = field(default=None, repr=False, compare=False)
+    # The speculative proposer's state for this request (`pagedjax.engine.speculative`); opaque here, and a fork
+    # starts without one.
+    proposer_state: Any = field(default=None, repr=False, compare=False)
 
     @property
     def cumulative_logprob(self) -> float:

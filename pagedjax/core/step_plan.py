@@ -44,6 +44,9 @@ class StepPlan:
     # int32 [num_copies, 2]: (src, dst) blocks to copy, every layer's K and V, before the step writes its KV
     # (copy-on-write of blocks shared by forks; see `KVCacheManager.fork`)
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))
+    # int32 [num_seqs]: speculative decoding's proposed tokens at the end of each sequence's query, verified by
+    # this step (`pagedjax.core.speculation`); None in a step that verifies none
+    num_drafts: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -59,8 +62,14 @@ class StepPlan:
 
     @property
     def logits_indices(self) -> np.ndarray:
-        """Index of each sequence's last scheduled token: where its logits come from."""
-        return (self.cu_q_lens[1:] - 1).astype(np.int32)
+        """Where the sampled logits come from, sequence after sequence: each sequence's last scheduled token, or,
+        for one verifying `num_drafts[s]` proposals, its last `1 + num_drafts[s]` tokens in order."""
+        ends = self.cu_q_lens[1:]
+        if self.num_drafts is None:
+            return (ends - 1).astype(np.int32)
+        rows = self.num_drafts + 1
+        first = np.cumsum(rows) - rows  # each sequence's first row
+        return (np.repeat(ends - rows - first, rows) + np.arange(int(rows.sum()))).astype(np.int32)
 
     @property
     def is_empty(self) -> bool:
@@ -105,13 +114,17 @@ class FusedDecodePlan:
 def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping[str, Sequence[int]],
                     block_size: int, *, preempted_request_ids: Sequence[str] = (), min_width: int = 0,
                     allow_missing_blocks: bool = False,
-                    block_copies: Sequence[tuple[int, int]] = ()) -> StepPlan:
+                    block_copies: Sequence[tuple[int, int]] = (),
+                    draft_token_ids: Mapping[str, Sequence[int]] | None = None) -> StepPlan:
     """The step that advances each `(request, num_tokens)` of `scheduled` by `num_tokens` tokens from its
     `num_computed_tokens`, through the blocks `block_ids[request_id]` it holds (in logical order).
 
     Decodes (num_tokens == 1) come first, then prefills, each group in the given order. `min_width` widens
     the block tables (a fused decode's tables must fit its later steps). Unless `allow_missing_blocks`
     (a fused decode's step 1 may pop its block on device), every token must have a block.
+    `draft_token_ids[request_id]`: proposed tokens that follow a decoding request's last known token in its query
+    (`num_tokens` counts them: a request scheduled with `1 + len(drafts)` tokens); the plan's `num_drafts` says how
+    many each sequence carries.
     """
     if not scheduled:
         if block_copies:
@@ -130,16 +143,20 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
     known_list: list[int] = []
     tokens: list[int] = []
     rows: list[Sequence[int]] = []
+    drafts_list: list[int] = []
     for r, k in order:
         s = r.num_computed_tokens
+        drafts = draft_token_ids.get(r.request_id, ()) if draft_token_ids else ()
         request_ids.append(r.request_id)
         q_list.append(k)
         start_list.append(s)
-        known_list.append(r.num_tokens)
+        known_list.append(r.num_tokens + len(drafts))
+        drafts_list.append(len(drafts))
         if k == 1:
             tokens.append(r.get_token_id(s))
         else:
-            tokens.extend(r.get_token_ids(s, s + k))
+            tokens.extend(r.get_token_ids(s, s + k - len(drafts)))
+            tokens.extend(drafts)
         rows.append(block_ids[r.request_id])
     q_lens = np.array(q_list, np.int32)
     starts = np.array(start_list, np.int32)
@@ -172,7 +189,8 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
         cu_q_lens=cu_q_lens, kv_lens=kv_lens, block_tables=block_tables,
         slot_mapping=slot_mapping, emits_token=kv_lens == np.array(known_list, np.int32),
         preempted_request_ids=list(preempted_request_ids), num_decodes=num_decodes,
-        block_copies=np.array(block_copies, np.int32).reshape(-1, 2))
+        block_copies=np.array(block_copies, np.int32).reshape(-1, 2),
+        num_drafts=np.array(drafts_list, np.int32) if draft_token_ids else None)
 
 
 def device_pop_step(block_tables: np.ndarray, seq_lens: np.ndarray, active: np.ndarray,

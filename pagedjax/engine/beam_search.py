@@ -14,6 +14,13 @@ outputs), and only when every beam of a batch fits the pool at its longest (held
 nothing preempts them): prompts are batched so that they do, and a search that could never fit is refused at
 the start. A failure aborts every request the search made, forks included.
 
+With `structured` (a `StructuredOutput`), every beam keeps its own matcher: the step masks each beam's logits
+with it, so its candidates (and their log-probabilities, those of the constrained distribution) are allowed
+tokens only; a beam continued with another token than the one it sampled rolls its matcher back one token and
+consumes the new one, and a fork starts from a copy of its source's matcher, rolled back and advanced the same
+way. EOS is allowed only where the constraint is complete (so `ignore_eos` is refused with it), and a beam cut
+by `max_tokens` may be an unfinished sentence, as a sampled request's is.
+
 A candidate ending in EOS (unless `ignore_eos`) or reaching `max_tokens` (or the model's length) is complete.
 A beam whose request fails a step on its own (see `LLMEngine.step`) ends the search with a RuntimeError, every
 beam aborted. The search ends when no beam is live; the result is the `beam_width` best of the complete ones by
@@ -29,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedjax.config import check_int
-from pagedjax.core.request import MAX_LOGPROBS, Request, RequestStatus, SamplingParams
+from pagedjax.core.request import MAX_LOGPROBS, Request, RequestStatus, SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from pagedjax.engine.llm_engine import LLMEngine
@@ -41,6 +48,7 @@ class BeamSearchParams:
     max_tokens: int
     length_penalty: float = 1.0
     ignore_eos: bool = False
+    structured: StructuredOutput | None = None  # a constraint every beam keeps (see the module docstring)
 
     def __post_init__(self) -> None:
         check_int("BeamSearchParams", "beam_width", self.beam_width, lo=1, hi=MAX_LOGPROBS // 2)
@@ -49,6 +57,13 @@ class BeamSearchParams:
             raise ValueError(f"BeamSearchParams.length_penalty must be a number, got {self.length_penalty!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"BeamSearchParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise TypeError(f"BeamSearchParams.structured must be a StructuredOutput, got "
+                                f"{type(self.structured).__name__}")
+            if self.ignore_eos:
+                raise ValueError("BeamSearchParams.ignore_eos cannot be combined with structured: the constraint "
+                                 "ends the text with EOS")
 
 
 @dataclass
@@ -93,7 +108,8 @@ def beam_search(engine: LLMEngine, prompts: Sequence[Sequence[int] | str], param
     if engine.has_unfinished_requests():  # its steps would advance them and drop their outputs
         raise ValueError(f"beam search runs alone: {engine.scheduler.num_unfinished_requests} requests are in "
                          "flight; let them finish or abort them first")
-    sampling = SamplingParams(max_tokens=params.max_tokens, logprobs=2 * width, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=params.max_tokens, logprobs=2 * width, ignore_eos=True,
+                              structured=params.structured)
     ids = engine.fresh_request_ids("beam", len(prompts))
     requests = [engine.make_request(rid, p, sampling) for rid, p in zip(ids, prompts, strict=True)]
     # Held beams keep their blocks between steps and nothing preempts them, so a batch runs only if every beam of
@@ -182,11 +198,17 @@ def _advance(engine: LLMEngine, beams: list[_Beam], complete: list[_Beam], param
             claimed.add(bi)
             if r.output_token_ids[-1] != beam.tokens[-1]:
                 sched.replace_last_token(r.request_id, beam.tokens[-1])
+                if r.constraint is not None:
+                    _retarget(r.constraint, r.output_token_ids)
             beam.request = r
         else:
+            constraint = None
+            if r.constraint is not None:  # r's matcher is at r's tokens: same history, another last token
+                constraint = r.constraint.copy()
+                _retarget(constraint, beam.tokens)
             child = Request(request_id=f"{r.request_id}.{next(fork_ids)}", prompt_token_ids=r.prompt_token_ids,
                             sampling_params=r.sampling_params, eos_token_ids=r.eos_token_ids,
-                            output_token_ids=list(beam.tokens), hold=True, logprobs=[])
+                            output_token_ids=list(beam.tokens), hold=True, logprobs=[], constraint=constraint)
             owned.append(child)
             sched.fork(r.request_id, child)
             beam.request = child
@@ -194,3 +216,12 @@ def _advance(engine: LLMEngine, beams: list[_Beam], complete: list[_Beam], param
     for beam in kept:
         sched.resume(beam.request.request_id)
     return kept
+
+
+def _retarget(constraint, tokens: list[int]) -> None:
+    """Move a matcher that consumed `tokens` but with another last token to `tokens` (its last token is one the
+    beam's mask allowed, so the matcher takes it; a refusal is the library's failure and ends the search)."""
+    constraint.rollback(1)
+    refused = constraint.advance(tokens)
+    if refused is not None:
+        raise RuntimeError(f"beam search: {refused}")

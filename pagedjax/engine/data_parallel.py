@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
+
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
-from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams
+from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams, StructuredOutput
 from pagedjax.engine.generate import generate_batch
-from pagedjax.engine.llm_engine import LLMEngine, load_for
+from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.engine.loading import load_for
+from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
+from pagedjax.engine.structured import Constraint
+from pagedjax.engine.weights import checked_leaves
 from pagedjax.parallel.config import ParallelConfig
 from pagedjax.parallel.mesh import replica_meshes
 
@@ -142,6 +149,11 @@ class DataParallelEngine:
         """A validated, not yet queued request (see `LLMEngine.make_request`)."""
         return self.replicas[0].make_request(request_id, prompt, sampling_params)
 
+    def compile_constraint(self, structured: StructuredOutput) -> Constraint:
+        """A fresh matcher of a constraint (see `LLMEngine.compile_constraint`): the first replica's compiler
+        compiles every request's, as its `make_request` validates every request."""
+        return self.replicas[0].compile_constraint(structured)
+
     def add_prepared_request(self, request: Request) -> None:
         """Queue a request from `make_request` on the replica `_choose` picks (ValueError for a duplicate id)."""
         if request.request_id in self._owner:
@@ -213,6 +225,32 @@ class DataParallelEngine:
         return generate_batch(self, prompts, sampling_params, use_tqdm)
 
     # -------------------------------------------------------------------------------------------------- stats
+    # ------------------------------------------------------------------------------------------ training loop
+    def update_weights(self, params) -> None:
+        """`LLMEngine.update_weights` of every replica: `params` must match the first replica's weights (its devices
+        and shardings: served there without a copy) and are copied device to device onto each other replica's mesh.
+        Checked before any replica changes."""
+        first = self.replicas[0].runner.params
+        state = jax.tree.unflatten(jax.tree.structure(first), checked_leaves(first, params))
+        for r in self.replicas:
+            r.update_weights(state if r is self.replicas[0] else
+                             jax.tree.map(lambda ref, x: jax.device_put(x, ref.sharding), r.runner.params, state))
+
+    def sleep(self) -> int:
+        """`LLMEngine.sleep` of every replica; the bytes freed on each device (every replica's pool is alike)."""
+        return max(r.sleep() for r in self.replicas)
+
+    def wake(self) -> float:
+        """`LLMEngine.wake` of every replica; the seconds it took."""
+        start = time.perf_counter()
+        for r in self.replicas:
+            r.wake()
+        return time.perf_counter() - start
+
+    def score(self, prompts, completions):
+        """As `LLMEngine.score` (the pairs spread over the replicas)."""
+        return completion_logprobs(self, prompts, completions)
+
     def stats(self) -> EngineStats:
         """The replicas' stats combined (see `combined_stats`); each replica's in `replicas`."""
         return combined_stats([r.stats() for r in self.replicas], self._assigned)

@@ -194,7 +194,8 @@ class StepInputs:
     token_ids: np.ndarray  # int32 [T]
     positions: np.ndarray  # int32 [T]
     meta: AttentionMetadata  # slot_mapping [T], block_tables [S, B], kv_lens [S], cu_q_lens [S + 1]
-    logits_indices: np.ndarray  # int32 [S]
+    logits_indices: np.ndarray  # int32 [S]: the tokens whose logits are sampled (S rows: a step that samples
+    #                             more than one token of a sequence pads its sequences to as many rows)
     sampling: SamplingMetadata  # [S] each
     decode_only: bool
     extras: StepExtras = NO_EXTRAS
@@ -208,23 +209,35 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
              block_tables: np.ndarray,  # i32[S, B]
              kv_lens: np.ndarray,  # i32[S]
              cu_q_lens: np.ndarray,  # i32[S + 1]
-             sampling: SamplingMetadata,  # [S] each
+             sampling: SamplingMetadata,  # [R] each (R = S unless logits_indices)
              block_copies: np.ndarray | None = None,  # i32[C, 2]
-             penalties: PenaltyMetadata | None = None,  # [S] rows
+             penalties: PenaltyMetadata | None = None,  # [R] rows
              prompt_targets: np.ndarray | None = None,  # i32[T]
              num_top_logprobs: int | None = None,
              num_prompt_top_logprobs: int = 0,
-             token_mask: np.ndarray | None = None,  # i32[S, W]
+             token_mask: np.ndarray | None = None,  # i32[R, W]
+             logits_indices: np.ndarray | None = None,  # i32[R]
              ) -> StepInputs:
     """Pad a ragged step to bucket sizes. Padding tokens write nowhere (slot -1); padding sequences have
     q_len 0 and kv_len 0, so every kernel returns zeros for them. Sequences are bucketed from 1 (a batch
     of one runs as one row: on a CPU a padded row costs nearly as much as a real one). Block copies take the
     sequence bucket's rows (dst -1 = padding); top-logprob counts and stop-id columns come in
-    `TOP_LOGPROBS_SIZES` and `STOP_ID_WIDTHS` (the host keeps what each request asked for)."""
+    `TOP_LOGPROBS_SIZES` and `STOP_ID_WIDTHS` (the host keeps what each request asked for).
+    `logits_indices`: the R tokens whose logits are sampled, when not one per sequence (its last token; speculative
+    decoding samples every verified position): sampling, penalties and token masks then have R rows, and the
+    sequences are padded to R's bucket too, so that a step's programs keep one row count."""
     num_tokens, num_seqs = len(token_ids), len(kv_lens)
     decode_only = num_tokens == num_seqs
-    s_b = bucket(num_seqs)
-    t_b = s_b if decode_only else bucket(num_tokens, 16)
+    # Ragged steps pad their tokens to a power of two from 16 (prefill chunks: few programs); a step that samples
+    # rows of its own (verifying proposals: a few tokens per sequence, batch 1 most of all) from 1, so that it does
+    # not compute three times the tokens it has.
+    min_tokens = 16
+    if logits_indices is None:
+        logits_indices = np.asarray(cu_q_lens[1:]) - 1
+    else:
+        min_tokens = 1
+    s_b = bucket(max(num_seqs, len(logits_indices)))
+    t_b = s_b if decode_only else bucket(num_tokens, min_tokens)
     tables = pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2))
     copies = None
     if block_copies is not None and len(block_copies):
@@ -244,7 +257,7 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
         positions=pad_rows(positions, t_b, 0),
         meta=AttentionMetadata(pad_rows(slot_mapping, t_b, -1), tables, pad_rows(kv_lens, s_b, 0),
                                pad_rows(cu_q_lens, s_b + 1, num_tokens)),
-        logits_indices=pad_rows(np.asarray(cu_q_lens[1:]) - 1, s_b, 0),
+        logits_indices=pad_rows(logits_indices, s_b, 0),
         sampling=pad_sampling(sampling, s_b),
         decode_only=decode_only,
     )

@@ -16,19 +16,24 @@ import warnings
 from collections.abc import Sequence
 
 from pagedjax.compile_cache import enable_compile_cache
-from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig, check_int, is_int
-from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams
+from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, check_bool, check_int, is_int
+from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams, StructuredOutput
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import FusedDecodePlan, StepPlan
+from pagedjax.engine import weights
 from pagedjax.engine.generate import generate_batch
 from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
+from pagedjax.engine.invariant import invariant_shape
+from pagedjax.engine.loading import engine_model, load_for
 from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, record_token_logprob
 from pagedjax.engine.runner import ModelRunner
+from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.shapes import warmup_shapes
+from pagedjax.engine.speculative import Speculator, speculative_step_inputs
 from pagedjax.engine.stats import EngineStats, stats_dict
-from pagedjax.engine.structured import ConstraintCompiler
+from pagedjax.engine.structured import Constraint, ConstraintCompiler
 from pagedjax.model.api import check_model
-from pagedjax.model.llama import Llama, init_model, model_from_state
+from pagedjax.model.llama import Llama
 from pagedjax.parallel.config import parallel_layout
 
 logger = logging.getLogger(__name__)
@@ -62,7 +67,14 @@ class LLMEngine:
     timing: a stand-in computes the same tokens up to the last-bit rounding a change of shape may bring
     (`pagedjax.engine.shapes`), which could tip a near tie.
 
+    batch_invariant=True: every step runs on one program of the engine's largest shape, so a request's tokens and
+    log-probabilities are bitwise the same whatever shares its steps (`pagedjax.engine.invariant`; needs
+    `decode_steps_per_call` 1).
+
     A step whose device call raises never wedges the engine: see `step`.
+
+    speculative_config: a `SpeculativeConfig` turns on speculative decoding (`pagedjax.engine.speculative`): decoding
+    requests verify proposed tokens, several per step; the output is the non-speculative one, token for token.
     """
 
     def __init__(self, model_config: ModelConfig | None = None, cache_config: CacheConfig | None = None,
@@ -70,7 +82,8 @@ class LLMEngine:
                  model=None, backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
                  tokenizer=None, compile_cache: bool | str = True, parallel_config=None,
                  tensor_parallel_size: int | None = None, devices=None, max_compiled_programs: int = 64,
-                 compile_in_background: bool = False):
+                 compile_in_background: bool = False, batch_invariant: bool = False,
+                 speculative_config: SpeculativeConfig | None = None):
         parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
         if num_steps is not None:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
@@ -81,7 +94,7 @@ class LLMEngine:
         check_int("LLMEngine", "max_compiled_programs", max_compiled_programs, lo=1)
         enable_compile_cache(compile_cache if isinstance(compile_cache, str) else None, enabled=bool(compile_cache))
         self.seed = int(seed)
-        model = _model(model_config, params, model, self.seed)
+        model = engine_model(model_config, params, model, self.seed)
         # What the engine knows of the model: its spec (a built-in model's ModelConfig too, None for others).
         self.model_config: ModelConfig | None = model.config if isinstance(model, Llama) else None
         self.cache_config = cache_config or CacheConfig()
@@ -110,6 +123,17 @@ class LLMEngine:
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=backend,
                                   mesh=mesh, max_programs=int(max_compiled_programs),
                                   compile_in_background=bool(compile_in_background))
+        self.speculator = None if speculative_config is None else Speculator(speculative_config)
+        if check_bool("LLMEngine", "batch_invariant", batch_invariant):  # see pagedjax.engine.invariant
+            if self.decode_steps_per_call != 1:  # a fused decode is a program of its own
+                raise ValueError("LLMEngine: batch_invariant=True needs decode_steps_per_call=1, got "
+                                 f"{self.decode_steps_per_call}")
+            if self.speculator is not None:  # verifying steps sample more rows than the one program has
+                raise ValueError("LLMEngine: batch_invariant=True cannot be combined with speculative_config")
+            self.runner.fixed_shape = invariant_shape(
+                max_tokens=self.scheduler_config.max_num_batched_tokens, max_seqs=self.scheduler_config.max_num_seqs,
+                max_request_tokens=self.max_request_tokens, block_size=self.cache_config.block_size,
+                backend=self.runner.backend)
         self._request_ids = RequestIds()
         self._empty_plans = 0
         self._steps = 0
@@ -172,8 +196,11 @@ class LLMEngine:
         sc, bs, steps = self.scheduler_config, self.cache_config.block_size, self.decode_steps_per_call
         # A fused decode's tables have room for its steps past the sequence's tokens.
         max_blocks = -(-(self.max_request_tokens + steps - 1) // bs)
-        shapes = warmup_shapes(max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs, max_blocks=max_blocks,
-                               block_size=bs, decode_steps=steps, narrow=self.runner.backend == "xla")
+        shapes = [self.runner.fixed_shape] if self.runner.fixed_shape is not None else warmup_shapes(
+            max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs, max_blocks=max_blocks, block_size=bs,
+            decode_steps=steps, narrow=self.runner.backend == "xla")
+        if self.speculator is not None:
+            shapes += self.speculator.warmup_shapes(shapes, sc)
         self.runner.warmup(shapes)
         seconds = time.perf_counter() - start
         self._warmup_s += seconds
@@ -216,15 +243,10 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: SamplingParams.stop needs an engine with a tokenizer "
                              "(stop strings are matched on the detokenized text); use stop_token_ids")
-        constraint = None
-        if params.structured is not None:
-            if self.tokenizer is None:
-                raise ValueError(f"request {request_id!r}: SamplingParams.structured needs an engine with a "
-                                 "tokenizer (the constraint is on the text)")
-            try:
-                constraint = self._constraints.compile(params.structured)
-            except ValueError as e:
-                raise ValueError(f"request {request_id!r}: SamplingParams.{e}") from None
+        try:
+            constraint = None if params.structured is None else self._constraints.compile(params.structured)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
         request = Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
                           eos_token_ids=self.model_spec.eos_token_ids, cache_salt=cache_salt,
                           logprobs=[] if params.logprobs is not None else None,
@@ -232,6 +254,11 @@ class LLMEngine:
                           constraint=constraint)
         self.scheduler.check_request(request)
         return request
+
+    def compile_constraint(self, structured: StructuredOutput) -> Constraint:
+        """A fresh matcher of a constraint, compiled once per engine and copied after (`ConstraintCompiler`: the
+        server compiles in its prepare stage, off the engine thread); ValueError as `add_request` raises."""
+        return self._constraints.compile(structured)
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> Request:
         """A validated, not yet queued request of a prompt (token ids, or text with a tokenizer)."""
@@ -280,11 +307,15 @@ class LLMEngine:
         A KeyboardInterrupt (or other BaseException) is recovered from the same way, without blaming the
         step's requests, and re-raised.
         """
+        self.runner.check_awake()  # before anything is scheduled: a refused step changes nothing
         start = time.perf_counter()
         try:
-            if self.decode_steps_per_call > 1 and (
-                    fused_plan := self.scheduler.schedule_fused_decode(self.decode_steps_per_call)) is not None:
+            if self.decode_steps_per_call > 1 and (self.speculator is None or not self.speculator.has_proposals(
+                    self.scheduler)) and (fused_plan := self.scheduler.schedule_fused_decode(
+                        self.decode_steps_per_call)) is not None:
                 touched = self._run_fused_decode(fused_plan)
+            elif self.speculator is not None:
+                touched = self._run_step(self.speculator.schedule(self.scheduler))
             else:
                 touched = self._run_step(self.scheduler.schedule())
         finally:
@@ -308,22 +339,28 @@ class LLMEngine:
             return []
         self._empty_plans = 0
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
+        speculative = plan.num_drafts is not None  # one sampled row per verified position (see Speculator)
         try:
-            inputs = step_inputs(plan, requests, vocab_size=self.model_spec.vocab_size, engine_seed=self.seed)
+            inputs = (speculative_step_inputs if speculative else step_inputs)(
+                plan, requests, vocab_size=self.model_spec.vocab_size, engine_seed=self.seed)
             out = self.runner.execute(inputs)
         except BaseException as exc:
             return self._recover(plan.request_ids, exc)
         tokens = out.tokens[: plan.num_seqs]
         before = [r.num_output_tokens for r in requests]
+        drafts = plan.num_drafts.tolist() if speculative else [0] * plan.num_seqs
         for i, (r, kv_len, q_len) in enumerate(zip(requests, plan.kv_lens, plan.q_lens, strict=True)):
-            # Every token run except a sampled token's own decode is prefill work (prompt or recompute).
-            is_decode_token = r.num_output_tokens > 0 and int(kv_len) == r.num_tokens
-            self._prefill_computed += int(q_len) - int(is_decode_token)
-            if plan.emits_token[i] and r.wants_logprobs:
+            # Every token run except a sampled token's own decode and proposals is prefill work (prompt or recompute).
+            is_decode_token = r.num_output_tokens > 0 and int(kv_len) - drafts[i] == r.num_tokens
+            self._prefill_computed += int(q_len) - int(is_decode_token) - drafts[i]
+            if plan.emits_token[i] and r.wants_logprobs and not speculative:
                 record_token_logprob(r, int(tokens[i]), out.logprobs, (i,))
         if out.prompt_logprobs is not None:
             record_prompt_logprobs(plan, requests, inputs.extras.prompt_targets, out.prompt_logprobs)
-        self.scheduler.update(plan, tokens)
+        if speculative:
+            self.speculator.finish_step(self.scheduler, plan, requests, out, before)
+        else:
+            self.scheduler.update(plan, tokens)
         return self._progressed(requests, before)
 
     def _run_fused_decode(self, fused_plan: FusedDecodePlan) -> list[Request]:
@@ -389,6 +426,26 @@ class LLMEngine:
             return list(self.tokenizer.encode(prompt))
         return _token_list(request_id, prompt)
 
+    # ------------------------------------------------------------------------------------------ training loop
+    def update_weights(self, params) -> None:
+        """Serve `params` (an `nnx.State` or module of the model's structure, shapes, dtypes and shardings) from
+        the next step on: no recompilation, no copy; running requests recompute (`pagedjax.engine.weights`)."""
+        weights.update_weights(self.runner, self.scheduler, params)
+
+    def sleep(self) -> int:
+        """Release the KV pool's device memory (running requests recompute after `wake`); returns bytes freed
+        per device. Steps raise RuntimeError until `wake()`."""
+        return weights.sleep(self.runner, self.scheduler)
+
+    def wake(self) -> float:
+        """Re-create the KV pool after `sleep` (nothing recompiled); returns the seconds it took."""
+        return weights.wake(self.runner)
+
+    def score(self, prompts, completions):
+        """Per-token log-probabilities (float32 arrays) of each completion after its prompt, by this engine's
+        compiled step (`pagedjax.engine.scoring.completion_logprobs`)."""
+        return completion_logprobs(self, prompts, completions)
+
     # -------------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -405,6 +462,7 @@ class LLMEngine:
             compiled_programs=self.runner.num_programs,
             stand_in_steps=self.runner.programs.stand_in_steps,
             warmup_s=self._warmup_s,
+            **({} if self.speculator is None else self.speculator.stats()),
             scheduler=self.scheduler.stats(),
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,
@@ -418,27 +476,6 @@ class LLMEngine:
         return stats_dict(self.stats())
 
 
-def _model(model_config: ModelConfig | None, params, model, seed: int):
-    """The module an engine serves: `model` as given, or a built-in one of `model_config` holding `params`
-    (random weights from `seed` when None)."""
-    if model is not None:
-        if model_config is not None or params is not None:
-            raise ValueError("LLMEngine: give model=... (a model of the public contract) or model_config (and "
-                             "params) for a built-in model, not both")
-        return model
-    if model_config is None:
-        raise TypeError("LLMEngine needs a model: model_config (and params) for a built-in model, or model=... "
-                        "(see pagedjax.model.api)")
-    if not isinstance(model_config, ModelConfig):
-        raise TypeError(f"LLMEngine: model_config must be a pagedjax.ModelConfig, got {type(model_config).__name__}"
-                        " (a model of your own goes in model=...)")
-    if isinstance(params, Llama):
-        return params
-    if params is None:
-        return init_model(model_config, seed)
-    return model_from_state(model_config, params)  # no random init materialised
-
-
 def _token_list(request_id: str, prompt_token_ids) -> list[int]:
     """Token ids as Python ints; TypeError for anything that is not an integer (floats, bools, strings)."""
     if isinstance(prompt_token_ids, (str, bytes)):
@@ -449,16 +486,3 @@ def _token_list(request_id: str, prompt_token_ids) -> list[int]:
     if bad:
         raise TypeError(f"request {request_id!r}: prompt_token_ids must be ints, got {bad[:3]!r}")
     return [int(t) for t in tokens]
-
-
-def load_for(path, dtype: str | None, parallel_config, devices, quantization=None):
-    """`(ModelConfig, params, tokenizer)` of a saved model (see `pagedjax.model.loader.load_pretrained`), with a
-    `parallel_config` read straight into their shards on the first replica's mesh."""
-    from pagedjax.model.loader import load_pretrained
-
-    mesh = None
-    if parallel_config is not None:
-        from pagedjax.parallel.mesh import replica_meshes
-
-        mesh = replica_meshes(parallel_config, devices)[0]
-    return load_pretrained(path, dtype=dtype, mesh=mesh, quantization=quantization)

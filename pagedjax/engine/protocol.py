@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from pagedjax.core.request import Request, RequestOutput, SamplingParams
+from pagedjax.core.request import Request, RequestOutput, SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from pagedjax.engine.beam_search import BeamSearchOutput, BeamSearchParams
     from pagedjax.engine.stats import EngineStats
+    from pagedjax.engine.structured import Constraint
 
 
 @runtime_checkable
@@ -45,5 +46,8 @@ class Engine(Protocol):
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> Request: ...
 
     def add_prepared_request(self, request: Request) -> None: ...
+
+    # What the server's prepare stage compiles a request's constraint with, off the engine thread.
+    def compile_constraint(self, structured: StructuredOutput) -> Constraint: ...
 
     def fresh_request_ids(self, prefix: str, n: int) -> list[str]: ...

@@ -43,6 +43,7 @@ from pagedjax.engine.programs import ProgramCache
 from pagedjax.engine.shapes import (
     LoopShape,
     StepShape,
+    dominates,
     loop_shape,
     padding_fused_decode,
     padding_step,
@@ -236,6 +237,8 @@ class ModelRunner:
             self.params = shard_state(self.params, param_partition_fn(model, mesh.size), mesh)
         self.kv_dtype = jnp.dtype(kv_dtype or spec.dtype)
         self.kv_cache = self._new_kv_cache()
+        self.asleep = False  # the KV cache's arrays were deleted (`pagedjax.engine.weights.sleep`)
+        self.fixed_shape: StepShape | None = None  # batch-invariant mode: every step's program (`engine.invariant`)
         self._check_attention_serves()
         self.device_seconds = 0.0  # wall time inside compiled calls, results read back
         self._param_leaves, treedef = jax.tree.flatten(self.params)
@@ -299,6 +302,17 @@ class ModelRunner:
         """A fresh (zero) KV cache: after `kv_cache_lost`, the host must treat every block as unwritten."""
         self.kv_cache = self._new_kv_cache()
 
+    def set_params(self, leaves: list[jax.Array]) -> None:
+        """Run every later step on these weights: `self.params`' leaves in order, each of the same shape, dtype
+        and sharding (`pagedjax.engine.weights.checked_leaves`), so every compiled program takes them as is."""
+        self.params = jax.tree.unflatten(jax.tree.structure(self.params), leaves)
+        self._param_leaves = list(leaves)
+
+    def check_awake(self) -> None:
+        """RuntimeError while the KV cache is released (`pagedjax.engine.weights.sleep`)."""
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (its KV pool was released by sleep()): call wake() first")
+
     @property
     def num_programs(self) -> int:
         """Compiled programs held now (see `ProgramCache` for the cap)."""
@@ -337,8 +351,11 @@ class ModelRunner:
         its `StepOutputs` as numpy (logits `[S, vocab]` only if asked), shaped as its own program returns them."""
         shape = step_shape(inputs, return_logits)
         args, static = self._step_call(inputs, shape)
-        run_shape, exe = self.programs.lookup(
-            shape, lambda: self._prepare(self._step, args, static, rows=shape.tokens))
+        if self.fixed_shape is not None:
+            run_shape, exe = self._fixed_program(shape)
+        else:
+            run_shape, exe = self.programs.lookup(
+                shape, lambda: self._prepare(self._step, args, static, rows=shape.tokens))
         if run_shape != shape:
             args, _ = self._step_call(repad_step(inputs, run_shape, self.model_spec.vocab_size), run_shape)
         start = time.perf_counter()
@@ -346,6 +363,16 @@ class ModelRunner:
         outputs = jax.device_get(outputs)
         self._ran(run_shape, time.perf_counter() - start)
         return outputs if run_shape == shape else _cut_step(outputs, shape)
+
+    def _fixed_program(self, shape: StepShape):
+        """Batch-invariant mode's one program (`pagedjax.engine.invariant`), compiled on first use; ValueError for
+        a step it cannot run (one asking for logits, or more stop ids than it has columns)."""
+        fixed = self.fixed_shape
+        if not dominates(fixed, shape):
+            raise ValueError(f"batch-invariant mode runs every step on one program, {fixed}, which cannot run this "
+                             f"step ({shape}: logits, or more stop ids than it has columns)")
+        return self.programs.lookup(fixed, lambda: self._prepare(
+            self._step, *self._step_call(padding_step(fixed, self.model_spec.vocab_size), fixed), rows=fixed.tokens))
 
     def execute_fused_decode(self, inputs: FusedDecodeInputs):
         """Run up to `inputs.num_steps` decode steps on device (on a bigger compiled loop while its own compiles).
@@ -378,6 +405,7 @@ class ModelRunner:
     def warmup(self, shapes: list[StepShape | LoopShape]) -> None:
         """Compile the programs of `shapes` now, hold them for good (stand-ins for every step they dominate), and
         run each once on padding only (no KV written or read: the cache's contents stay as they are)."""
+        self.check_awake()
         vocab = self.model_spec.vocab_size
         for shape in shapes:
             if isinstance(shape, LoopShape):

@@ -32,6 +32,11 @@ class EngineStats:
     compiled_programs: int = 0  # held now: at most LLMEngine's max_compiled_programs (the least recently used go)
     stand_in_steps: int = 0  # steps run on a bigger compiled program while their own compiled in the background
     warmup_s: float = 0.0  # `LLMEngine.warmup`'s time (not in elapsed_s)
+    # Speculative decoding (`LLMEngine(speculative_config=...)`): sequence-steps that verified proposals, the
+    # proposals verified, and those accepted.
+    spec_sequences: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # A DataParallelEngine's stats combine its replicas': each replica's own, and the requests each was given.
     replicas: tuple[EngineStats, ...] = ()
     requests_per_replica: tuple[int, ...] = ()
@@ -43,10 +48,23 @@ class EngineStats:
         return self.generated_tokens / run_s if run_s > 0 else 0.0
 
 
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted proposals per proposal verified."""
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Proposals accepted per sequence per verifying step (it emits one more token than that)."""
+        return self.spec_accepted_tokens / self.spec_sequences if self.spec_sequences else 0.0
+
+
 def stats_dict(s: EngineStats) -> dict:
     """`EngineStats` as nested plain data (JSON-ready), derived rates included (replicas' too)."""
     d = dataclasses.asdict(s)
     d["tokens_per_s"] = s.tokens_per_s
+    d["spec_acceptance_rate"] = s.spec_acceptance_rate
+    d["spec_mean_accepted_length"] = s.spec_mean_accepted_length
     d["scheduler"]["prefix_cache_hit_rate"] = s.scheduler.prefix_cache_hit_rate
     d["scheduler"]["memory"]["waste_fraction"] = s.scheduler.memory.waste_fraction
     d["replicas"] = [stats_dict(r) for r in s.replicas]

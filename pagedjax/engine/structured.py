@@ -9,13 +9,21 @@ sets the logits of disallowed tokens to -inf before anything else (penalties, te
 min-p, log-probabilities), as vLLM does. The matcher then consumes the sampled token (`Constraint.advance`,
 called by the output layer). A sample of a multi-sample request starts from a copy of its prefill's matcher.
 
-    compiler = ConstraintCompiler(tokenizer, vocab_size)
+What this costs the engine thread is kept small (`scripts/bench_structured.py`): a step's rows are filled in one
+call of llguidance's executor (`token_masks`: its threads, without the GIL), and a constraint is compiled once
+per compiler and then copied (`ConstraintCompiler`: the server compiles it in its prepare stage, off the engine
+thread, so a new constrained request never stalls the running ones on its compile).
+
+    compiler = ConstraintCompiler(tokenizer, vocab_size, eos_token_ids)
     request.constraint = compiler.compile(params.structured)   # ValueError naming the field if invalid
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -29,6 +37,9 @@ MASK_BITS = 32  # tokens per int32 word of a mask row
 # default) lets a model pad forever between tokens of structure (a known failure of constrained decoding); a
 # schema may still ask for it with its own "x-guidance": {"whitespace_flexible": true}.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Distinct constraints a compiler keeps compiled (least recently used dropped first): a server's requests mostly
+# repeat a few schemas, and a fresh matcher holds little beside its grammar.
+COMPILED_CONSTRAINTS = 64
 
 
 def mask_words(vocab_size: int) -> int:
@@ -56,6 +67,13 @@ class Constraint:
             self.consumed += 1
         return None
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` consumed tokens (beam search continues a beam with another last token)."""
+        if not 0 <= num_tokens <= self.consumed or not self.matcher.rollback(num_tokens):
+            raise RuntimeError(f"structured output: cannot roll back {num_tokens} of {self.consumed} tokens: "
+                               f"{self.matcher.get_error()}")
+        self.consumed -= num_tokens
+
     def fill(self, row: np.ndarray) -> None:
         """Write the allowed next tokens into `row` (int32 `[mask_words]`, C-contiguous)."""
         from llguidance.numpy import fill_next_token_bitmask
@@ -64,30 +82,65 @@ class Constraint:
 
 
 class ConstraintCompiler:
-    """Compiles `StructuredOutput`s for one tokenizer (its vocabulary built once, on first use)."""
+    """Compiles `StructuredOutput`s for one tokenizer (its vocabulary built once, on first use).
+
+    Each distinct constraint is compiled once (`num_compiled` counts those compiles) into a fresh matcher that is
+    kept, never advanced, for the last `COMPILED_CONSTRAINTS` of them; every `compile` returns a deep copy of it:
+    a fresh matcher's equal (same grammar, same start state) in microseconds instead of milliseconds. Thread-safe:
+    the server calls `compile` from its prepare stage (`LLMEngine.compile_constraint`), so the engine thread's
+    own call for that request only copies. A constraint the library rejects raises each time and is not kept."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.num_compiled = 0
         self._ll_tokenizer = None
+        self._tokenizer_lock = threading.Lock()  # the vocabulary is built once, however many threads ask
+        self._lock = threading.Lock()  # guards _compiled, num_compiled, and the copying of a kept matcher
+        self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()  # constraint -> fresh matcher
 
     def _llg_tokenizer(self):
-        if self._ll_tokenizer is None:
-            import llguidance
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = self._build_llg_tokenizer()
+            return self._ll_tokenizer
 
-            eos = list(self.eos_token_ids) or None
-            inner = getattr(self.tokenizer, "tokenizer", None)
-            if inner is not None and hasattr(inner, "to_str"):  # a Hugging Face tokenizers.Tokenizer
-                self._ll_tokenizer = llguidance.LLTokenizer(inner.to_str(), n_vocab=self.vocab_size, eos_token=eos)
-            else:
-                self._ll_tokenizer = llguidance.LLTokenizer(
-                    llguidance.TokenizerWrapper(_Vocabulary(self.tokenizer, self.vocab_size, self.eos_token_ids)),
-                    n_vocab=self.vocab_size, eos_token=eos)
-        return self._ll_tokenizer
+    def _build_llg_tokenizer(self):
+        import llguidance
+
+        eos = list(self.eos_token_ids) or None
+        inner = getattr(self.tokenizer, "tokenizer", None)
+        if inner is not None and hasattr(inner, "to_str"):  # a Hugging Face tokenizers.Tokenizer
+            return llguidance.LLTokenizer(inner.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+        return llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_Vocabulary(self.tokenizer, self.vocab_size, self.eos_token_ids)),
+            n_vocab=self.vocab_size, eos_token=eos)
 
     def compile(self, structured: StructuredOutput) -> Constraint:
-        """A fresh matcher for `structured`; ValueError naming the field when the library rejects it."""
+        """A fresh matcher for `structured`; ValueError naming the field when the library rejects it, or when
+        there is no tokenizer (the constraint is on the text)."""
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.structured needs an engine with a tokenizer (the constraint is on the "
+                             "text)")
+        with self._lock:
+            kept = self._compiled.get(structured)
+            if kept is not None:
+                self._compiled.move_to_end(structured)
+                return Constraint(kept.deep_copy())
+        # Outside the lock: a compile takes milliseconds (up to a second for a huge grammar), and another
+        # thread's copy of a kept matcher must not wait for it. Two threads may compile one constraint at once;
+        # both matchers are equal, and the later one is kept.
+        kept = self._matcher(structured)
+        with self._lock:
+            self._compiled[structured] = kept
+            self._compiled.move_to_end(structured)
+            while len(self._compiled) > COMPILED_CONSTRAINTS:
+                self._compiled.popitem(last=False)
+            self.num_compiled += 1
+            return Constraint(kept.deep_copy())
+
+    def _matcher(self, structured: StructuredOutput):
         import llguidance
 
         kind = structured.kind
@@ -104,23 +157,48 @@ class ConstraintCompiler:
             else:
                 grammar = llguidance.LLMatcher.grammar_from_lark(structured.grammar)
         except (ValueError, RuntimeError, TypeError) as e:
-            raise ValueError(f"structured.{kind}: {e}") from None
+            raise ValueError(f"SamplingParams.structured.{kind}: {e}") from None
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
         if matcher.is_error():
-            raise ValueError(f"structured.{kind}: {matcher.get_error()}")
-        return Constraint(matcher)
+            raise ValueError(f"SamplingParams.structured.{kind}: {matcher.get_error()}")
+        return matcher
+
+
+def json_schema_error(schema: dict) -> str | None:
+    """Why llguidance cannot compile `schema` (a JSON schema dict), or None if it can; no tokenizer needed."""
+    import json
+
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)
+    except (ValueError, RuntimeError, TypeError) as e:
+        return str(e)
+    return llguidance.LLMatcher.validate_grammar(grammar) or None
 
 
 def token_masks(requests: list[Request], emits_token, vocab_size: int) -> np.ndarray | None:
     """The step's allowed-token bitmask int32 `[S, mask_words]` (all ones for unconstrained rows and rows that
-    sample nothing), or None when no row that samples is constrained (the step then has no mask at all)."""
-    rows = [i for i, r in enumerate(requests) if r.constraint is not None and emits_token[i]]
+    sample nothing), or None when no row that samples is constrained (the step then has no mask at all).
+
+    The constrained rows are filled in one call (llguidance's executor: a thread pool, the GIL released), each
+    row exactly as `Constraint.fill` would fill it; the requests' matchers are distinct (a fork copies its own)."""
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    rows = [(r.constraint.matcher, i) for i, r in enumerate(requests) if r.constraint is not None and emits_token[i]]
     if not rows:
         return None
     masks = np.full((len(requests), mask_words(vocab_size)), -1, np.int32)
-    for i in rows:
-        requests[i].constraint.fill(masks[i])
+    fill_next_token_bitmask_par(_executor(), rows, masks)
     return masks
+
+
+@functools.cache
+def _executor():
+    """The process's llguidance executor (threads: 80 % of the CPUs, up to 32), made on first use."""
+    import llguidance
+
+    return llguidance.LLExecutor()
 
 
 def _lark_string(text: str) -> str:

@@ -15,10 +15,15 @@ Expert weights are stacked `[num_experts, in, out]` (gate_proj and up_proj `[E, 
 (`gate`, `[hidden, E]`) is a plain linear layer, replicated.
 
 On the CPU, XLA lowers `ragged_dot` to a masked dense product over all experts (the grouped matmul instruction is
-lowered natively on GPU and TPU only): the result is the same, the work is that of every expert on every row.
+lowered natively on GPU and TPU only): the result is the same, the work is that of every expert on every row. So
+on the CPU a step with fewer (token, expert) pairs than experts (batch-1 decode: k pairs) runs each pair through
+its expert by `lax.switch` over the experts (`Experts.by_pair`), reading only the routed experts' weights: the
+bytes of a dense MLP of k experts' width instead of all E (`scripts/bench_moe.py`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +71,25 @@ class Experts(nnx.Module):
                                              preferred_element_type=jnp.float32).astype(x.dtype)
         return mm(jax.nn.silu(mm(x, self.gate_proj)) * mm(x, self.up_proj), self.down_proj)
 
+    def by_pair(self, x: jax.Array, experts: jax.Array) -> jax.Array:
+        """Row p of `x` `[P, hidden]` through expert `experts[p]` (int32 `[P]`): `[P, hidden]`, one `lax.switch`
+        per row whose branch e multiplies by expert e's weights alone (no product with an expert the row is not
+        routed to). For few rows on the CPU (module docstring).
+
+        The stacked weights are operands of the switch and each branch slices its own expert: with the weights
+        captured from outside instead, XLA:CPU slices every expert before the switch (all E experts' bytes copied
+        per row: 4x slower measured on the bench_moe expert shape).
+        """
+        mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+        def expert(e: int, row: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+            return mm(jax.nn.silu(mm(row, gate[e])) * mm(row, up[e]), down[e])
+
+        branches = [functools.partial(expert, e) for e in range(self.gate_proj.shape[0])]
+        weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        return jnp.concatenate([jax.lax.switch(experts[p], branches, x[p:p + 1], *weights)
+                                for p in range(x.shape[0])])
+
     def every(self, x: jax.Array) -> jax.Array:
         """Every row `x` `[N, hidden]` through every expert: `[E, N, hidden]`."""
         mm = lambda eq, a, w: jnp.einsum(eq, a, w[...], preferred_element_type=jnp.float32).astype(x.dtype)
@@ -92,16 +116,20 @@ class MoEMLP(nnx.Module):
         return route(logits, self.top_k, self.router, self.norm_topk_prob)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x `[..., hidden]` -> `[..., hidden]` by grouped matmuls over the rows sorted by expert."""
+        """x `[..., hidden]` -> `[..., hidden]` by grouped matmuls over the rows sorted by expert (or, for fewer
+        (token, expert) pairs than experts on the CPU, each pair by its expert alone: module docstring)."""
         lead, hidden = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, hidden)
         weights, experts = self.routing(rows)
         flat = experts.reshape(-1)  # [N * k]: slot j of token t is pair t * k + j
-        order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
-        group_sizes = tokens_per_expert(experts, self.num_experts)
-        out = self.experts.grouped(rows[order // self.top_k], group_sizes)
-        out = jnp.zeros_like(out).at[order].set(out).reshape(-1, self.top_k, hidden)  # back in pair order
-        y = jnp.einsum("nk,nkh->nh", weights, out.astype(jnp.float32))
+        if flat.shape[0] < self.num_experts and jax.default_backend() == "cpu":
+            out = self.experts.by_pair(jnp.repeat(rows, self.top_k, axis=0), flat)
+        else:
+            order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
+            group_sizes = tokens_per_expert(experts, self.num_experts)
+            out = self.experts.grouped(rows[order // self.top_k], group_sizes)
+            out = jnp.zeros_like(out).at[order].set(out)  # back in pair order
+        y = jnp.einsum("nk,nkh->nh", weights, out.reshape(-1, self.top_k, hidden).astype(jnp.float32))
         return y.astype(x.dtype).reshape(*lead, hidden)
 
     def dense(self, x: jax.Array, counts: list | None = None) -> jax.Array:

@@ -4,7 +4,9 @@ A Hugging Face folder's template is `chat_template` in its `tokenizer_config.jso
 `{"name", "template"}` from which "default" is used), or a sibling `chat_template.jinja`. It is rendered with
 jinja2 the way transformers renders it: a sandboxed environment with `trim_blocks` and `lstrip_blocks`, loop
 controls, `raise_exception(msg)`, `strftime_now(fmt)` and a `tojson` that keeps non-ASCII text, and the variables
-`messages` (`role` / `content` dicts), `add_generation_prompt`, `bos_token` and `eos_token`; the text is
+`messages` (`role` / `content` dicts), `add_generation_prompt`, `bos_token` and `eos_token`, and `tools` (OpenAI's
+tool dicts) when the request offers tools and the template uses that variable (`supports_tools`; a template
+that does not gets the tools as a system-prompt preamble instead: `pagedjax.serve.tools`); the text is
 tokenized without adding special tokens again (the template writes them).
 
 A model without one (the bundled model, trained on Python sources) gets `DEFAULT_TEMPLATE`: each message as a
@@ -50,6 +52,7 @@ class ChatTemplate:
 
     def __init__(self, template: str, *, source: str = "built-in default", model_template: bool = False,
                  bos_token: str = "", eos_token: str = ""):
+        from jinja2 import meta
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -63,6 +66,8 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self._template = env.from_string(template)
+        # A template that reads `tools` renders them itself (transformers passes them the same way).
+        self.supports_tools = "tools" in meta.find_undeclared_variables(env.parse(template))
 
     @classmethod
     def from_model(cls, folder: str | Path | None, override: str | Path | None = None) -> ChatTemplate:
@@ -87,11 +92,14 @@ class ChatTemplate:
                        source=f"{folder}/chat_template.jinja", model_template=True, **tokens)
         return cls(DEFAULT_TEMPLATE, **tokens)
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` (dicts with "role" and "content"); ChatTemplateError if it fails."""
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               ) -> str:
+        """The prompt text for `messages` (dicts with "role" and "content"); `tools` (OpenAI's tool dicts) are
+        passed only when given, so a template's `tools is defined` tests hold; ChatTemplateError if it fails."""
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except ChatTemplateError:
             raise
         except Exception as e:  # noqa: BLE001 - jinja2's errors (undefined names, sandbox violations, ...)

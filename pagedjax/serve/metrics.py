@@ -64,6 +64,8 @@ class _EngineCollector(Collector):
                                       sched.prefix_cache_hit_rate),
             "compiled_programs": ("Compiled step programs held (the least recently used go past the limit).",
                                   s.compiled_programs),
+            "spec_decode_mean_accepted_length": ("Speculative proposals accepted per sequence per verifying step.",
+                                                 s.spec_mean_accepted_length),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"pagedjax_{name}", doc, value=value)
@@ -78,6 +80,8 @@ class _EngineCollector(Collector):
             "compilations": ("Step shapes compiled (or loaded from the compilation cache).", s.compilations),
             "stand_in_steps": ("Steps run on a bigger compiled program while their own compiled in the background.",
                                s.stand_in_steps),
+            "spec_decode_num_draft_tokens": ("Speculative proposals verified.", s.spec_proposed_tokens),
+            "spec_decode_num_accepted_tokens": ("Speculative proposals accepted.", s.spec_accepted_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"pagedjax_{name}", doc, value=value)

@@ -22,8 +22,10 @@ MAX_LOGPROB_ENTRIES = 500_000
 
 
 
-def engine_fields(request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int) -> dict:
-    """The `SamplingParams` keyword arguments a request asks for (`max_tokens` already resolved)."""
+def engine_fields(request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
+                  forced_call: StructuredOutput | None = None) -> dict:
+    """The `SamplingParams` keyword arguments a request asks for (`max_tokens` already resolved; `forced_call`:
+    the grammar of the tool call that `tool_choice` forces, `pagedjax.serve.tools`)."""
     fields: dict = {
         "max_tokens": max_tokens,
         "temperature": DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
@@ -51,7 +53,7 @@ def engine_fields(request: CompletionRequest | ChatCompletionRequest, *, max_tok
             fields["logprobs"] = request.logprobs
     elif request.logprobs:
         fields["logprobs"] = request.top_logprobs or 0
-    structured = structured_output(request)
+    structured = structured_output(request, forced_call)
     if structured is not None:
         fields["structured"] = structured[0]
     return fields
@@ -60,18 +62,24 @@ def engine_fields(request: CompletionRequest | ChatCompletionRequest, *, max_tok
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def structured_output(request: CompletionRequest | ChatCompletionRequest) -> tuple[StructuredOutput, str] | None:
+def structured_output(request: CompletionRequest | ChatCompletionRequest,
+                      forced_call: StructuredOutput | None = None) -> tuple[StructuredOutput, str] | None:
     """The request's output constraint and the field that gave it (chat's `response_format` json_object /
-    json_schema, or one of vLLM's guided_* fields), or None; 400 naming the fields when several are given."""
+    json_schema, one of vLLM's guided_* fields, or `tool_choice` forcing a call), or None; 400 naming the fields
+    when several are given."""
     given = [name for name in GUIDED if getattr(request, name) is not None]
     fmt = getattr(request, "response_format", None)
     if fmt is not None and fmt.type != "text":
         given.append("response_format")
+    if forced_call is not None:
+        given.append("tool_choice")
     if len(given) > 1:
         raise bad_request(f"give one output constraint at most, got {', '.join(given)}", given[1])
     if not given:
         return None
     name = given[0]
+    if name == "tool_choice":
+        return forced_call, name
     try:
         if name != "response_format":
             value = getattr(request, name)
@@ -105,10 +113,11 @@ def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
             raise bad_request("suffix is not supported by pagedjax-serve", "suffix")
 
 
-def sampling_params(request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int) -> SamplingParams:
+def sampling_params(request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
+                    forced_call: StructuredOutput | None = None) -> SamplingParams:
     """The engine's parameters for `request`; APIError 400 naming the field for anything the engine refuses."""
     check_supported(request)
-    fields = engine_fields(request, max_tokens=max_tokens)
+    fields = engine_fields(request, max_tokens=max_tokens, forced_call=forced_call)
     if fields.get("logprobs") is not None:
         samples = fields.get("best_of", fields.get("n", 1))
         entries = samples * max_tokens * (fields["logprobs"] + 1)

@@ -42,6 +42,7 @@ from pagedjax.serve.protocol import (
     UsageInfo,
 )
 from pagedjax.serve.sampling import DEFAULT_COMPLETION_MAX_TOKENS, sampling_params, structured_output
+from pagedjax.serve.tools import ToolCallParser, ToolPlan, finish_reason, parse_message, template_messages, tool_plan
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Prepared:
     include_usage: bool
     created: int
     structured_field: str | None = None  # the request field its output constraint came from
+    tools: ToolPlan | None = None  # the tools it offers the model: its choices' text is parsed for calls
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -122,15 +124,23 @@ class OpenAIServing:
                               "max_tokens", "context_length_exceeded")
         return requested
 
-    def _prepare(self, request, prompt_token_ids: list[int], max_tokens: int, prefix: str) -> Prepared:
+    def _prepare(self, request, prompt_token_ids: list[int], max_tokens: int, prefix: str,
+                 tools: ToolPlan | None = None) -> Prepared:
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-        params = sampling_params(request, max_tokens=max_tokens)
-        structured = structured_output(request)
+        forced_call = None if tools is None else tools.constraint
+        params = sampling_params(request, max_tokens=max_tokens, forced_call=forced_call)
+        structured = structured_output(request, forced_call)
+        if structured is not None:  # compiled here, in a worker thread: the engine thread then only copies it
+            try:
+                self.engine.engine.compile_constraint(structured[0])
+            except ValueError as e:
+                raise bad_request(f"{structured[1]}: {str(e).split(': ', 1)[-1]}", structured[1]) from None
         return Prepared(request_id=random_request_id(prefix), prompt_token_ids=prompt_token_ids,
                         params=params, stream=request.stream,
                         include_usage=bool(request.stream_options and request.stream_options.include_usage),
-                        created=int(time.time()), structured_field=None if structured is None else structured[1])
+                        created=int(time.time()), structured_field=None if structured is None else structured[1],
+                        tools=tools)
 
     def prepare_completion(self, request: CompletionRequest) -> Prepared:
         self.check_model(request.model)
@@ -150,15 +160,18 @@ class OpenAIServing:
 
     def prepare_chat(self, request: ChatCompletionRequest) -> Prepared:
         self.check_model(request.model)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in request.messages]
+        tools = tool_plan(request)
+        native = self.chat_template.supports_tools
+        messages = template_messages(request.messages, tools, supports_tools=native)
         try:
-            text = self.chat_template.render(messages, add_generation_prompt=request.add_generation_prompt)
+            text = self.chat_template.render(messages, add_generation_prompt=request.add_generation_prompt,
+                                             tools=tools.tools if tools is not None and native else None)
         except ChatTemplateError as e:
             raise bad_request(f"messages: {e}", "messages") from None
         ids = self.chat_template.encode(self.tokenizer, text)
         requested = request.max_completion_tokens or request.max_tokens
-        return self._prepare(request, ids, self._max_tokens(requested, None, len(ids), "messages"), "chatcmpl")
+        return self._prepare(request, ids, self._max_tokens(requested, None, len(ids), "messages"), "chatcmpl",
+                             tools)
 
     # ------------------------------------------------------------------------------------------------ engine
     async def start(self, prepared: Prepared) -> RequestStream:
@@ -226,9 +239,15 @@ class OpenAIServing:
     async def chat(self, prepared: Prepared, stream: RequestStream) -> ChatCompletionResponse:
         tracker = await self._collect(prepared, stream)
         tok = self.tokenizer
-        choices = [ChatChoice(index=i, message=ChatMessageOut(content=text), finish_reason=reason,
-                              logprobs=None if lps is None else chat_logprobs(tok, lps))
-                   for i, text, reason, lps in tracker.final_choices()]
+        choices = []
+        for i, text, reason, lps in tracker.final_choices():
+            message = ChatMessageOut(content=text)
+            if prepared.tools is not None:
+                content, calls = parse_message(text)
+                message = ChatMessageOut(content=content, tool_calls=calls or None)
+                reason = finish_reason(reason, bool(calls))
+            choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
+                                      logprobs=None if lps is None else chat_logprobs(tok, lps)))
         return ChatCompletionResponse(id=prepared.request_id, created=prepared.created, model=self.model_name,
                                       choices=choices, usage=self._usage(prepared, tracker))
 
@@ -254,9 +273,18 @@ class OpenAIServing:
             return ChatCompletionChunk(id=prepared.request_id, created=prepared.created, model=self.model_name,
                                        choices=choices, usage=usage)
 
+        parsers: dict[int, ToolCallParser] = {}  # per choice, when the request offers tools
+
         def choice(d):
-            return ChatChunkChoice(index=d.index, delta=DeltaMessage(content=d.text or None),
-                                   finish_reason=d.finish_reason,
+            delta, reason = DeltaMessage(content=d.text or None), d.finish_reason
+            if prepared.tools is not None:
+                parser = parsers.setdefault(d.index, ToolCallParser())
+                parsed = parser.feed(d.text, final=d.finish_reason is not None)
+                delta = DeltaMessage(content=parsed.content or None, tool_calls=parsed.tool_calls or None)
+                reason = finish_reason(reason, bool(parser.calls))
+                if delta.content is None and delta.tool_calls is None and reason is None and d.logprobs is None:
+                    return None  # all of it held back (a tag being read): no empty chunk
+            return ChatChunkChoice(index=d.index, delta=delta, finish_reason=reason,
                                    logprobs=None if d.logprobs is None else chat_logprobs(self.tokenizer, d.logprobs))
 
         first = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -272,8 +300,9 @@ class OpenAIServing:
             if first:
                 yield sse(chunk(first))
             async for deltas in self._run(stream, tracker, self.metrics.timer()):
-                if deltas:
-                    yield sse(chunk([choice(d) for d in deltas]))
+                choices = [c for c in map(choice, deltas) if c is not None]  # None: nothing to send for it
+                if choices:
+                    yield sse(chunk(choices))
             if prepared.include_usage:
                 yield sse(chunk([], usage=self._usage(prepared, tracker)))
         except RequestFailed as e:

@@ -81,6 +81,28 @@ def test_grouped_matmul_equals_the_reference_and_a_per_token_loop(router, norm):
     np.testing.assert_allclose(grouped, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_few_pairs_run_by_their_experts_alone_with_the_same_result(num_tokens):
+    """Fewer (token, expert) pairs than experts (batch-1 decode) take `Experts.by_pair` on the CPU: the same
+    function as the grouped matmul, the reference and the per-token loop, in float32 and bfloat16."""
+    assert num_tokens * K < E and jax.default_backend() == "cpu"
+    mlp = MoEMLP(_cfg("softmax_topk", True), jnp.float32, nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(4), (num_tokens, HIDDEN))
+    weights, experts = mlp.routing(x)
+    grouped = mlp.experts.grouped(x[jnp.argsort(experts.reshape(-1), stable=True) // K],
+                                  jnp.bincount(experts.reshape(-1), length=E))
+    by_pair = mlp.experts.by_pair(jnp.repeat(x, K, axis=0), experts.reshape(-1))
+    order = np.argsort(np.asarray(experts).reshape(-1), kind="stable")
+    np.testing.assert_allclose(np.asarray(by_pair)[order], np.asarray(grouped), rtol=1e-5, atol=1e-6)
+    got = np.asarray(mlp(x))
+    np.testing.assert_allclose(got, np.asarray(mlp.dense(x)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, _per_token_loop(mlp, np.asarray(x, np.float64)), rtol=1e-4, atol=1e-5)
+    graphdef, state = nnx.split(mlp)
+    half = nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.bfloat16), state))
+    np.testing.assert_allclose(np.asarray(half(x.astype(jnp.bfloat16)), np.float32),
+                               np.asarray(half.dense(x.astype(jnp.bfloat16)), np.float32), rtol=2e-2, atol=2e-2)
+
+
 def test_no_token_is_dropped_when_every_token_picks_the_same_experts():
     """A router biased so that all 21 tokens choose experts 4 and 1: no capacity limit, each gets both."""
     mlp = MoEMLP(_cfg(), jnp.float32, nnx.Rngs(0))

@@ -557,6 +557,58 @@ def cli_data_parallel():
     assert runs[1]["stats"]["generated_tokens"] == runs[0]["stats"]["generated_tokens"] == 12
 
 
+@check
+def update_weights_tp2():
+    """`update_weights` on a tp 2 engine: weights placed with the engine's shardings are served as they are (the
+    dense model's greedy tokens of the new weights, nothing recompiled); one left on one device is refused by
+    name."""
+    e = engine("gqa", 2)
+    e.generate(PROMPTS, GREEDY, use_tqdm=False)
+    compilations = e.stats().compilations
+    new = jax.tree.map(lambda x: -x, params("gqa"))  # other weights, the same shapes
+    placed = jax.tree.map(lambda ref, x: jax.device_put(x, ref.sharding), e.runner.params, new)
+    e.update_weights(placed)
+    model = model_from_state(config("gqa"), new)
+    want, margin = greedy_by_recompute(jax.jit(lambda t: model.forward_dense(t)), PROMPTS, MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, margin
+    got = [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == want, (got, want)
+    assert e.stats().compilations == compilations, "update_weights recompiled"
+    try:
+        e.update_weights(new)  # on the default device, unsharded
+    except ValueError as err:
+        assert "leaf 'embed_tokens.embedding' has sharding" in str(err), err
+    else:
+        raise AssertionError("unsharded weights were accepted")
+
+
+@check
+def update_weights_dp2():
+    """`update_weights`, `sleep` / `wake` and `score` of a data-parallel engine (2 replicas x tp 2): every
+    replica serves the new weights (the dense model's greedy tokens, nothing recompiled)."""
+    e = engine("gqa", 2, dp=2, num_blocks=16)
+    e.generate(PROMPTS, GREEDY, use_tqdm=False)
+    compilations = e.stats().compilations
+    new = jax.tree.map(lambda x: -x, params("gqa"))
+    e.update_weights(jax.tree.map(lambda ref, x: jax.device_put(x, ref.sharding), e.replicas[0].runner.params, new))
+    assert e.sleep() > 0 and all(r.runner.asleep for r in e.replicas)
+    e.wake()
+    model = model_from_state(config("gqa"), new)
+    dense = jax.jit(lambda t: model.forward_dense(t))
+    want, margin = greedy_by_recompute(dense, PROMPTS, MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, margin
+    outs = e.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == want
+    assert e.stats().requests_per_replica[1] > 0, "one replica served everything"
+    assert e.stats().compilations == compilations, "update_weights or wake recompiled"
+    scored = e.score(PROMPTS, want)
+    for p, c, s in zip(PROMPTS, want, scored, strict=True):
+        seq = np.zeros((1, MAX_LEN), np.int32)
+        seq[0, :len(p) + len(c)] = p + c
+        ref = np.asarray(jax.nn.log_softmax(dense(jnp.asarray(seq))[0], axis=-1))
+        np.testing.assert_allclose(s, ref[np.arange(len(p) - 1, len(p) + len(c) - 1), c], rtol=0, atol=2e-5)
+
+
 class SkipCheck(Exception):
     """A check that cannot run here (e.g. torch missing); reported as skipped."""
 

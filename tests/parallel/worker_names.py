@@ -1,10 +1,8 @@
 """Which checks of `tests/parallel/worker.py` run by default (CI budget) and which only with `-m slow`."""
 
 FAST = [
-    "greedy_gqa_tp1_block8",  # tp 1 through a one-device mesh
     "greedy_gqa_tp2_block16",  # KV heads split
     "greedy_gqa_tp4_block8",  # tp > num_kv_heads: KV heads replicated
-    "greedy_mqa_tp2_block8",
     "greedy_mqa_tp8_block16",
     "logits_and_shardings",
     "kv_pool_sized_per_device",
@@ -21,7 +19,10 @@ FAST = [
 ]
 SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16", "greedy_mha_tp2_block8",
         "greedy_mqa_tp4_block8", "greedy_mha_tp4_block8", "greedy_gqa_tp2_block8", "greedy_mqa_tp8_block8",
-        "int8_kv_greedy_tp4", "bring_your_own_model_dp2", "quantized_tensor_parallel"]
+        "int8_kv_greedy_tp4", "bring_your_own_model_dp2", "update_weights_tp2", "update_weights_dp2",
+        "quantized_tensor_parallel",
+        "greedy_gqa_tp1_block8",  # tp 1 through a one-device mesh
+        "greedy_mqa_tp2_block8"]  # (CI time) MQA runs at tp 8, tp 2 with GQA
 # CI's newest-JAX pass (PAGEDJAX_PARALLEL_CHECKS=newest): what differs by JAX version (shard_map, shardings of
 # every kind of weight and of 8-bit pages, Pallas under shard_map, export, orbax's sharded restore), once each.
 NEWEST = ["greedy_gqa_tp2_block16", "greedy_mqa_tp8_block16", "logits_and_shardings", "int8_kv_tensor_parallel",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import openai
@@ -70,3 +71,34 @@ def test_a_bad_constraint_is_a_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, extra_body=body)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_constraints_compile_in_the_prepare_stage_and_a_bad_one_leaves_running_requests_alone(client,
+                                                                                                monkeypatch):
+    from pagedjax.engine.structured import ConstraintCompiler
+
+    threads = []
+    real = ConstraintCompiler._matcher
+
+    def matcher(self, structured):
+        threads.append(threading.current_thread().name)
+        return real(self, structured)
+
+    monkeypatch.setattr(ConstraintCompiler, "_matcher", matcher)
+    body = {"guided_regex": "[a-f]{3}-[0-9]{2}-prepared"}
+    for seed in (5, 6):  # the second request of the same constraint copies the first's compiled matcher
+        out = client.completions.create(model=MODEL_NAME, prompt="Id: ", max_tokens=20, temperature=1.0, seed=seed,
+                                        extra_body=body)
+        assert re.fullmatch("[a-f]{3}-[0-9]{2}-prepared", out.choices[0].text)
+    assert len(threads) == 1 and threads[0] != "pagedjax-engine", threads
+
+    free = {"model": MODEL_NAME, "prompt": "Go: ", "max_tokens": 40, "temperature": 1.0, "seed": 9,
+            "extra_body": {"ignore_eos": True}}
+    want = client.completions.create(**free).choices[0].text
+    stream = client.completions.create(stream=True, **free)
+    text = next(iter(stream)).choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:  # while the free request runs
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4, extra_body={"guided_grammar": "start: ("})
+    assert e.value.body["param"] == "guided_grammar" and "guided_grammar: " in e.value.body["message"]
+    text += "".join(c.choices[0].text for c in stream if c.choices)
+    assert text == want

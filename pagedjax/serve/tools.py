@@ -1,0 +1,291 @@
+"""Tool calling in `/v1/chat/completions`: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`.
+
+The call format is Hermes / Qwen's, one call per tag, the JSON written as `json.dumps` writes it:
+
+    <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
+
+- `tool_choice` "none": the tools are not shown to the model and nothing is parsed (as if none were given).
+- "auto" (the default when tools are given): the model is not constrained; it answers in text, and the tagged
+  calls it writes become `message.tool_calls` (the text around them stays `content`). A tag not followed by
+  `{"name": "...", "arguments": ` is text; the arguments are passed on as the model wrote them.
+- "required" or a named function: the output is constrained (an llguidance Lark grammar, through
+  `SamplingParams.structured`) to one tagged call (or several in a row, with "required" and
+  `parallel_tool_calls`) of the offered functions, whose `arguments` validate against the function's
+  `parameters` schema: even a random model writes a valid call.
+
+A chat template that reads `tools` (as Hugging Face templates with tool support do) gets OpenAI's tool dicts,
+and assistant messages' `tool_calls` with their arguments as objects (transformers' convention). Any other
+template gets `TOOLS_PREAMBLE` as (the start of) the system message, and assistant calls written in the tagged
+format into their content. A finished choice with a call has `finish_reason` "tool_calls" (unless cut by length).
+
+`ToolCallParser` reads a choice's text as it grows: the content, then each call's id and name as soon as its
+head is complete, then its arguments in pieces; a whole response is the same parser fed once, so a stream's
+deltas always reassemble to the non-streamed message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+
+from pagedjax.core.request import StructuredOutput
+from pagedjax.engine.structured import JSON_STYLE, json_schema_error
+from pagedjax.serve.errors import bad_request
+from pagedjax.serve.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+
+CALL_START = "<tool_call>"
+CALL_END = "</tool_call>"
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+TOOLS_PREAMBLE = (
+    "You may call these functions (OpenAI tool definitions; `parameters` is the JSON schema of the arguments):\n"
+    "{tools}\n"
+    'To call a function, reply with <tool_call>{{"name": <function name>, "arguments": <arguments object>}}'
+    "</tool_call>, one tag per call."
+)
+# A call's head, up to its arguments' first character (any JSON whitespace, as an unconstrained model writes it),
+# and every prefix of one (a tag whose text stops being one is text, decided as soon as it is known).
+_HEAD_PARTS = [r"\s*", r"\{", r"\s*", *'"name"', r"\s*", ":", r"\s*", '"', r'(?:[^"\\]|\\.)*\\?', '"', r"\s*",
+               ",", r"\s*", *'"arguments"', r"\s*", ":", r"\s*"]
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _prefixes_of(parts: list[str]) -> re.Pattern:
+    """A pattern whose full matches are the prefixes of the concatenation of `parts` (each a regex matching a
+    piece that may itself stop anywhere: one character, or a starred class)."""
+    nested = ""
+    for part in reversed(parts):
+        nested = f"(?:{part}{nested})?"
+    return re.compile(nested)
+
+
+_HEAD_PREFIX = _prefixes_of(_HEAD_PARTS)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A request's validated tools ("none" has no plan)."""
+
+    tools: list[dict]  # OpenAI's tool dicts, as the chat template sees them
+    constraint: StructuredOutput | None  # the forced call's grammar ("required", "named"); None for "auto"
+
+
+def tool_plan(request: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tools, checked (400 naming `tools` or `tool_choice`), or None when it offers none to call."""
+    choice = request.tool_choice
+    if not request.tools:
+        if choice is not None and choice != "none":
+            raise bad_request(f"tool_choice {_choice_name(choice)!r} needs tools", "tool_choice")
+        return None
+    seen: set[str] = set()
+    for i, tool in enumerate(request.tools):
+        fn = tool.function
+        if fn.name in seen:
+            raise bad_request(f"tools[{i}].function.name: {fn.name!r} is given twice", "tools")
+        seen.add(fn.name)
+        if fn.parameters is not None:
+            if fn.parameters.get("type", "object") != "object":
+                raise bad_request(f"tools[{i}].function.parameters: the arguments must be an object (type "
+                                  f"\"object\"), got type {fn.parameters.get('type')!r}", "tools")
+            error = json_schema_error(fn.parameters)
+            if error is not None:
+                raise bad_request(f"tools[{i}].function.parameters is not a valid JSON schema: {error}", "tools")
+    if choice == "none":
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in request.tools]
+    if choice is None or choice == "auto":
+        return ToolPlan(tools, None)
+    if choice == "required":
+        return ToolPlan(tools, call_grammar(request.tools, parallel=request.parallel_tool_calls))
+    named = [t for t in request.tools if t.function.name == choice.function.name]
+    if not named:
+        raise bad_request(f"tool_choice.function.name: no tool is named {choice.function.name!r} (tools: "
+                          f"{', '.join(sorted(seen))})", "tool_choice")
+    return ToolPlan(tools, call_grammar(named, parallel=False))
+
+
+def _choice_name(choice) -> str:
+    return choice if isinstance(choice, str) else f"function {choice.function.name}"
+
+
+def call_grammar(tools, *, parallel: bool) -> StructuredOutput:
+    """A Lark grammar (llguidance's dialect) of one tagged call of one of `tools` (ChatTool models), or of several
+    in a row when `parallel`: each call's JSON is a `%json` schema with the name as a constant and the
+    arguments under the function's parameters."""
+    rules = []
+    for i, tool in enumerate(tools):
+        schema = {"type": "object", "properties": {"name": {"const": tool.function.name},
+                                                   "arguments": tool.function.parameters or NO_PARAMETERS},
+                  "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_STYLE}
+        rules.append(f"fn_{i}: %json {json.dumps(schema)}")
+    start = "start: call+" if parallel else "start: call"
+    call = f'call: "{CALL_START}" ({" | ".join(f"fn_{i}" for i in range(len(tools)))}) "{CALL_END}"'
+    return StructuredOutput(grammar="\n".join([start, call, *rules]))
+
+
+# ---------------------------------------------------------------------------------------------- the prompt
+def template_messages(messages: list[ChatMessage], plan: ToolPlan | None, *, supports_tools: bool) -> list[dict]:
+    """The messages as the chat template gets them (see the module docstring for the two kinds of template)."""
+    out = []
+    for m in messages:
+        d = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = [_replayed_call(c) for c in m.tool_calls]
+            if supports_tools:
+                d["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                                    "function": {"name": name, "arguments": args}} for c, (name, args) in
+                                   zip(m.tool_calls, calls, strict=True)]
+            else:
+                d["content"] += "".join(f"{CALL_START}{json.dumps({'name': n, 'arguments': a})}{CALL_END}"
+                                        for n, a in calls)
+        out.append(d)
+    if plan is not None and not supports_tools:
+        preamble = TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t) for t in plan.tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{preamble}\n\n{out[0]['content']}"}
+        else:
+            out.insert(0, {"role": "system", "content": preamble})
+    return out
+
+
+def _replayed_call(call: dict) -> tuple[str, object]:
+    """(name, arguments) of an assistant message's earlier call; its arguments (JSON text) as an object."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request("messages: an assistant message's tool_calls[].function needs a name", "messages")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise bad_request(f"messages: the arguments of tool call {fn['name']!r} are not JSON: {args[:80]!r}",
+                              "messages") from None
+    return fn["name"], args
+
+
+# ------------------------------------------------------------------------------------------------- output
+@dataclass
+class ParsedDelta:
+    """What a choice's new text adds to its message: content, and pieces of tool calls (by call index)."""
+
+    content: str = ""
+    tool_calls: list[DeltaToolCall] = field(default_factory=list)
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (it may become the tag)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolCallParser:
+    """One choice's text -> content and tool calls, incrementally (see the module docstring).
+
+    Invariants: the content and each call's argument pieces emitted so far are prefixes of what the whole text
+    gives; text that may still turn out to be part of a tag (a partial `<tool_call>`, a call's head, a closing
+    `}` + `</tool_call>`) is held until it is decided or the text ends (`final`)."""
+
+    def __init__(self):
+        self.calls: list[ToolCall] = []
+        self._state = "text"  # "text" | "head" (inside a tag, before the arguments) | "args"
+        self._buf = ""  # text not emitted yet ("args": the arguments' text since the head)
+        self._sent = 0  # "args": characters of _buf already emitted
+
+    def feed(self, text: str, *, final: bool = False) -> ParsedDelta:
+        """The message's new parts given `text`, the choice's next piece; `final` when the text is complete."""
+        self._buf += text
+        out = ParsedDelta()
+        while getattr(self, f"_{self._state}")(out, final):
+            pass
+        return out
+
+    def _text(self, out: ParsedDelta, final: bool) -> bool:
+        at = self._buf.find(CALL_START)
+        if at >= 0:
+            out.content += self._buf[:at]
+            self._buf, self._state = self._buf[at + len(CALL_START):], "head"
+            return True
+        keep = 0 if final else _partial_tag(self._buf, CALL_START)
+        out.content += self._buf[:len(self._buf) - keep]
+        self._buf = self._buf[len(self._buf) - keep:]
+        return False
+
+    def _head(self, out: ParsedDelta, final: bool) -> bool:
+        m = _HEAD.match(self._buf)
+        name = None
+        if m is not None and m.end() < len(self._buf):  # the arguments have begun
+            try:
+                name = json.loads(f'"{m.group(1)}"')
+            except ValueError:
+                name = None
+        if name is not None:
+            call = ToolCall(id=f"call_{secrets.token_hex(12)}", function=FunctionCall(name=name, arguments=""))
+            self.calls.append(call)
+            out.tool_calls.append(DeltaToolCall(index=len(self.calls) - 1, id=call.id, type="function",
+                                                function=DeltaFunctionCall(name=name)))
+            self._buf, self._sent, self._state = self._buf[m.end():], 0, "args"
+            return True
+        if final or not _HEAD_PREFIX.fullmatch(self._buf):  # not a call after all: the tag is text (and what
+            out.content += CALL_START                           # follows it is read as text again)
+            self._state = "text"
+            return True
+        return False
+
+    def _args(self, out: ParsedDelta, final: bool) -> bool:
+        end = self._buf.find(CALL_END)
+        if end >= 0:
+            region = self._buf[:end].rstrip()
+            args = region[:-1].rstrip() if region.endswith("}") else region  # the call object's own "}"
+            done = True
+        elif final:  # cut short (by length): the arguments as far as they go
+            args, done = self._buf.rstrip(), True
+        else:  # hold a possible closing "}" + "</tool_call>" and trailing whitespace
+            brace = self._buf.rfind("}")
+            if brace >= 0 and CALL_END.startswith(self._buf[brace + 1:].lstrip()):
+                args = self._buf[:brace]
+            else:
+                args = self._buf[:len(self._buf) - _partial_tag(self._buf, CALL_END)]
+            args, done = args.rstrip(), False
+        piece = args[self._sent:]
+        if piece:
+            self._append(out, piece)
+            self._sent = len(args)
+        if not done:
+            return False
+        self._buf = self._buf[end + len(CALL_END):] if end >= 0 else ""
+        self._state = "text"
+        return end >= 0
+
+    def _append(self, out: ParsedDelta, piece: str) -> None:
+        index = len(self.calls) - 1
+        call = self.calls[index]
+        call.function.arguments += piece
+        if out.tool_calls and out.tool_calls[-1].index == index:  # the call's head came in this same delta
+            out.tool_calls[-1].function.arguments += piece
+        else:
+            out.tool_calls.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=piece)))
+
+
+def parse_message(text: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole choice's content (None when it only called tools: what its stream's content deltas join to) and
+    tool calls."""
+    parser = ToolCallParser()
+    content = parser.feed(text, final=True).content
+    return (None if parser.calls and not content else content), parser.calls
+
+
+def finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's finish reason of a choice that called tools: "tool_calls" when it ended on its own."""
+    return "tool_calls" if has_calls and reason == "stop" else reason

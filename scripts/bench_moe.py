@@ -1,0 +1,96 @@
+"""Mixture-of-experts decode on the CPU: a Mixtral-shaped random model against dense models of equal active and of
+equal total parameters, through the same engine, at batch 1 and 16.
+
+    python scripts/bench_moe.py                   # 8 experts, top 2: ~330M parameters, ~120M active
+    python scripts/bench_moe.py --quick           # a small shape, seconds
+
+The ideal MoE decode step costs what a dense model of its *active* parameters costs (each token reads its k
+experts' weights); a MoE that runs every expert costs what the dense model of its *total* parameters costs. The
+table puts the MoE model between the two. All rows come from one run, timed in interleaved rounds after a
+warm-up that compiles every shape (best round per row), so the ratios hold on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax.model.llama import init_model
+from pagedjax.moe_config import MoEConfig
+
+SHAPES = {
+    # Mixtral's proportions scaled to this CPU: 8 experts, top 2, MLP width 2048 per expert.
+    "mixtral-small": dict(base=ModelConfig(vocab_size=32000, hidden_size=768, num_layers=8, num_q_heads=12,
+                                           num_kv_heads=4, head_dim=64, intermediate_size=2048,
+                                           tie_word_embeddings=False), experts=8, top_k=2),
+    "quick": dict(base=ModelConfig(vocab_size=512, hidden_size=128, num_layers=2, num_q_heads=4, num_kv_heads=2,
+                                   head_dim=32, intermediate_size=256), experts=8, top_k=2),
+}
+
+
+def param_count(cfg: ModelConfig) -> int:
+    model = init_model(cfg, seed=0)
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def models(shape: str) -> dict[str, ModelConfig]:
+    """The MoE model and its two dense yardsticks (the same attention, embeddings and LM head)."""
+    s = SHAPES[shape]
+    base, e, k = s["base"], s["experts"], s["top_k"]
+    moe = MoEConfig(num_experts=e, num_experts_per_tok=k, intermediate_size=base.intermediate_size)
+    return {
+        f"MoE {e} experts, top {k}": dataclasses.replace(base, moe=moe),
+        f"dense, active size (MLP width {k}x)": dataclasses.replace(base, intermediate_size=k * base.intermediate_size),
+        f"dense, total size (MLP width {e}x)": dataclasses.replace(base, intermediate_size=e * base.intermediate_size),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a small shape and few tokens (seconds)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    shape = "quick" if args.quick else "mixtral-small"
+    max_tokens = 8 if args.quick else args.max_tokens
+    cfgs = models(shape)
+    counts = {name: param_count(cfg) for name, cfg in cfgs.items()}
+    rng = np.random.default_rng(0)
+    total = args.prompt_len + max_tokens
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    print(f"shape {shape}, {args.prompt_len}-token prompts, {max_tokens} new tokens each, float32, "
+          f"decode_steps_per_call 1, best of {args.repeats} interleaved rounds")
+    print(f"{'model':36s} {'params':>8s} {'batch':>5s} {'tokens/s':>9s} {'MoE/this':>8s}")
+    for batch in args.batch:
+        prompts = rng.integers(0, 512, (batch, args.prompt_len)).tolist()
+        engines = {}
+        for name, cfg in cfgs.items():
+            engines[name] = LLMEngine(
+                cfg, CacheConfig(block_size=16, num_blocks=batch * -(-total // 16) + 8, enable_prefix_caching=False),
+                SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(batch * args.prompt_len, 16),
+                                max_model_len=total), params=init_model(cfg, seed=0), backend="xla")
+            engines[name].generate(prompts, params, use_tqdm=False)  # warm-up: compiles every shape
+        best = dict.fromkeys(engines, np.inf)
+        for _ in range(args.repeats):
+            for name, engine in engines.items():
+                start = time.perf_counter()
+                engine.generate(prompts, params, use_tqdm=False)
+                best[name] = min(best[name], time.perf_counter() - start)
+        moe_time = best[next(iter(engines))]
+        for name in engines:
+            print(f"{name:36s} {counts[name] / 1e6:7.0f}M {batch:5d} {batch * max_tokens / best[name]:9.1f} "
+                  f"{moe_time / best[name]:8.2f}")
+        for engine in engines.values():
+            engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, on the same engine, model and prompts.
+
+    python scripts/bench_spec.py                       # the 156M random-weights model, batch 1 and 8
+    python scripts/bench_spec.py --model tiny --quick  # seconds: checks the script
+    python scripts/bench_spec.py --model bundled       # the bundled trained model (2.4M parameters)
+
+Workloads (both honest about what they are; with random weights nothing here is natural text, and the bundled model
+sees random token ids too):
+  copy-heavy  greedy decoding of a prompt that holds a passage and ends by starting it again: a random prefix P,
+              the model's own greedy continuation O of P, then P once more (P + O + P), so the output that copies
+              O is the expected one. A random-weights model copies only as far as its next token depends on the
+              recent tokens rather than on the whole context: the acceptance rate says how far that is;
+  no-repeat   sampling at temperature 1 (seeded) after a random prompt: the output is near-uniform over the
+              vocabulary and never repeats a 2-gram, so prompt lookup finds nothing and backs off (the fused decode
+              then runs as without speculation);
+  all-rejected  no-repeat with a proposer that always proposes k copies of token 0 (so nearly every proposal is
+              rejected): the cost of verifying k tokens per step for nothing, the worst case (not prompt lookup).
+
+Rows: plain decoding with 1 and with N decode steps per device call, and speculation (k proposals, N steps per
+call where no request has a proposal). Each engine is warmed up (every shape compiled) by one run, then timed in
+interleaved rounds (one run of each per round); a row's time is its best round. Every row's tokens must equal the
+first row's (exactness: greedy tokens, and the seeded samples too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
+from pagedjax.config import SpeculativeConfig  # noqa: E402
+from pagedjax.engine.loading import load_for  # noqa: E402
+from pagedjax.model.llama import init_model  # noqa: E402
+from scripts.bench_engine import SHAPES  # noqa: E402
+
+WORKLOADS = {
+    "copy-heavy": dict(temperature=0.0),
+    "no-repeat": dict(temperature=1.0, seed=1),
+    "all-rejected": dict(temperature=1.0, seed=1),
+}
+
+
+class AlwaysZero:
+    """The all-rejected workload's proposer: k copies of token 0, whatever the request."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def propose(self, request, cap: int) -> list[int]:
+        return [0] * min(self.k, cap)
+
+
+def make_prompts(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int) -> list[list[int]]:
+    """`batch` random prompts of `prompt_len` tokens; for copy-heavy, each P becomes P + O + P (see the module's
+    docstring), O its greedy continuation of `max_tokens` tokens."""
+    prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+    if workload != "copy-heavy":
+        return prompts
+    engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 8),
+                       SchedulerConfig(max_num_seqs=batch, max_model_len=prompt_len + max_tokens), params=model,
+                       decode_steps_per_call=8)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return [p + o.output_token_ids + p for p, o in zip(prompts, outs, strict=True)]
+
+
+def run(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int, k: int, fused: int,
+        repeats: int) -> list[dict]:
+    prompts = make_prompts(model, cfg, workload, batch, prompt_len, max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **WORKLOADS[workload])
+    total = max(map(len, prompts)) + max_tokens
+    variants = [("plain, 1 step/call", 1, None), (f"plain, {fused} steps/call", fused, None),
+                (f"ngram k={k}, {fused} steps/call", fused, SpeculativeConfig(num_speculative_tokens=k))]
+    rows = []
+    budget = max(batch * (total - max_tokens), 64)
+    for name, steps, spec in variants:
+        engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=batch * -(-(total + k) // 16) + 8,
+                                            enable_prefix_caching=False),
+                           SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget,
+                                           max_model_len=total + k),
+                           params=model, decode_steps_per_call=steps, speculative_config=spec)
+        if spec is not None and workload == "all-rejected":
+            engine.speculator.proposer = AlwaysZero(k)
+        engine.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every shape of this workload
+        rows.append(dict(name=name, engine=engine, times=[]))
+    for _ in range(repeats):
+        for row in rows:
+            before = row["engine"].stats()
+            start = time.perf_counter()
+            outs = row["engine"].generate(prompts, params, use_tqdm=False)
+            row["times"].append(time.perf_counter() - start)
+            after = row["engine"].stats()
+            row["tokens"] = [o.output_token_ids for o in outs]
+            row["proposed"] = after.spec_proposed_tokens - before.spec_proposed_tokens
+            row["accepted"] = after.spec_accepted_tokens - before.spec_accepted_tokens
+            row["steps"] = after.steps - before.steps
+    return rows
+
+
+def print_table(rows: list[dict], workload: str, batch: int, max_tokens: int) -> None:
+    print(f"\n{workload}, batch {batch}, {max_tokens} new tokens each")
+    print(f"{'engine':28s} {'time s':>8s} {'tok/s':>8s} {'vs plain 1':>11s} {'vs plain N':>11s} {'steps':>6s} "
+          f"{'proposed':>9s} {'accepted':>9s} {'same tokens':>12s}")
+    base1, base_n = rows[0], rows[1]
+    for r in rows:
+        t = min(r["times"])
+        rate = f"{100 * r['accepted'] / r['proposed']:.0f}%" if r["proposed"] else "-"
+        print(f"{r['name']:28s} {t:8.3f} {batch * max_tokens / t:8.1f} {min(base1['times']) / t:10.2f}x "
+              f"{min(base_n['times']) / t:10.2f}x {r['steps']:6d} {r['proposed']:9d} {rate:>9s} "
+              f"{str(r['tokens'] == base1['tokens']):>12s}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=[*sorted(SHAPES), "bundled"], default="156m")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), nargs="+", default=list(WORKLOADS))
+    p.add_argument("--prompt-len", type=int, default=16, help="random tokens per prompt (P)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=4, help="proposals per request per step")
+    p.add_argument("--fused", type=int, default=8, help="decode steps per call (N)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="16 tokens, one round")
+    args = p.parse_args()
+    if args.quick:
+        args.max_tokens, args.repeats = 16, 1
+    if args.model == "bundled":  # the trained 2.4M-parameter model (pagedjax/assets/tiny)
+        cfg, model, _ = load_for(None, None, None, None)
+    else:
+        cfg = SHAPES[args.model]
+        model = init_model(cfg, seed=0)
+    for workload in args.workload:
+        for batch in args.batch:
+            rows = run(model, cfg, workload, batch, args.prompt_len, args.max_tokens, args.k, args.fused,
+                       args.repeats)
+            print_table(rows, workload, batch, args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()

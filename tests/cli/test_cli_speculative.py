@@ -1,0 +1,64 @@
+"""The --speculative-* flags (both CLIs share them: `pagedjax.cli.args.add_engine_options`) -> SpeculativeConfig."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedjax.cli.args import build_parser
+from pagedjax.cli.engine_setup import speculative_config_of
+from pagedjax.cli.errors import CLIError
+from pagedjax.cli.report import stats_rows
+from pagedjax.cli.warm_start import CompileCache
+from pagedjax.config import SpeculativeConfig
+from pagedjax.serve.cli import build_parser as serve_parser
+
+
+def _config(*argv: str):
+    return speculative_config_of(build_parser().parse_args(list(argv)))
+
+
+def test_speculation_is_off_without_a_method():
+    assert _config() is None
+
+
+def test_the_server_takes_the_same_flags():
+    args = serve_parser().parse_args(["--speculative-method", "ngram", "--speculative-num-tokens", "3"])
+    assert speculative_config_of(args) == SpeculativeConfig(num_speculative_tokens=3)
+
+
+def test_flags_make_the_config():
+    assert _config("--speculative-method", "ngram") == SpeculativeConfig()
+    assert _config("--speculative-method", "ngram", "--speculative-num-tokens", "7", "--speculative-prompt-lookup-min",
+                   "1", "--speculative-prompt-lookup-max", "5") == SpeculativeConfig("ngram", 7, 1, 5)
+
+
+def test_a_speculative_flag_without_a_method_is_an_error():
+    with pytest.raises(CLIError, match="--speculative-prompt-lookup-max needs --speculative-method"):
+        _config("--speculative-prompt-lookup-max", "3")
+
+
+def test_a_bad_combination_names_the_field():
+    with pytest.raises(ValueError, match="SpeculativeConfig.prompt_lookup_max must be >= 4"):
+        _config("--speculative-method", "ngram", "--speculative-prompt-lookup-min", "4",
+                "--speculative-prompt-lookup-max", "2")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-method", "draft"], "--speculative-method"),
+    (["--speculative-num-tokens", "0"], "--speculative-num-tokens"),
+])
+def test_bad_values_give_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_statistics_table_shows_the_proposals_when_there_were_some():
+    summary = dict.fromkeys(("requests", "prompt_tokens", "generated_tokens", "tokens_per_s", "step_time_s",
+                             "kv_blocks_used_peak", "kv_blocks", "kv_blocks_used_peak_pct", "kv_waste_pct",
+                             "kv_bytes_per_token", "prefix_cache_hit_pct", "preemptions", "compilations",
+                             "compile_s", "engine_steps", "wall_s", "spec_proposed_tokens", "spec_accepted_tokens"), 0)
+    off = CompileCache(None)
+    assert "speculative proposals" not in dict(stats_rows(summary, off))
+    rows = dict(stats_rows(summary | dict(spec_proposed_tokens=1200, spec_accepted_tokens=900), off))
+    assert rows["speculative proposals"] == "900 of 1,200 accepted"
