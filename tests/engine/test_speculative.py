@@ -21,6 +21,7 @@ from pagedjax.core.request import Request
 from pagedjax.core.speculation import accepted_tokens
 from pagedjax.core.step_plan import build_step_plan
 from pagedjax.device.sampling import SamplingMetadata, filter_logits, sample
+from pagedjax.engine import speculative
 from pagedjax.engine.shapes import StepShape, dominates, warmup_shapes
 from pagedjax.engine.speculative import NgramProposer, Speculator, speculative_step_inputs
 from pagedjax.serve.metrics import ServerMetrics
@@ -236,10 +237,22 @@ class _AllowFive:
         row[:] = 5
 
 
-def test_speculative_step_inputs_give_each_verified_position_its_own_row():
+def _masks_row_by_row(requests, emits_token, vocab_size):
+    """`structured.token_masks` through each constraint's own `fill` (the stand-in has no llguidance matcher)."""
+    if not any(r.constraint is not None and e for r, e in zip(requests, emits_token, strict=True)):
+        return None
+    masks = np.full((len(requests), -(-vocab_size // 32)), -1, np.int32)
+    for i, r in enumerate(requests):
+        if r.constraint is not None and emits_token[i]:
+            r.constraint.fill(masks[i])
+    return masks
+
+
+def test_speculative_step_inputs_give_each_verified_position_its_own_row(monkeypatch):
     """Beside a request verifying two proposals: a constrained decode and a prefill with penalties. Each sequence's
     rows carry its own sampling parameters, penalties and mask; a verified position j samples as output number
     `num_output_tokens + j`; the sequences are padded to the rows' bucket."""
+    monkeypatch.setattr(speculative, "token_masks", _masks_row_by_row)
     a = Request("a", [1, 2, 3], SamplingParams(temperature=0.5, seed=4), output_token_ids=[7], num_computed_tokens=3)
     b = Request("b", [4, 5], SamplingParams(presence_penalty=0.5))
     c = Request("c", [6], SamplingParams(), output_token_ids=[2], num_computed_tokens=1, constraint=_AllowFive())
