@@ -82,6 +82,24 @@ def test_filter_logits_keeps_top_k_and_top_p_sets(data):
     np.testing.assert_allclose(out[sorted(kept)], logits[sorted(kept)] / temperature, rtol=1e-6)
 
 
+def test_rows_without_filters_keep_every_token_whatever_the_batch():
+    """top_k 0, top_p 1, min_p 0 leave a row's scaled logits as they are, bit for bit, alone or beside rows that
+    filter; a tail whose mass rounds to zero in float32 (one logit 30 above 31,999 others) is kept too (the
+    cumulative sum reached 1.0 before it)."""
+    logits = np.zeros((3, 32000), np.float32)
+    logits[:, 7] = 30.0
+    logits[2] = np.random.default_rng(0).normal(size=32000)
+    temperature = jnp.array([1.0, 0.7, 1.0])
+    alone = np.asarray(_filter_jit(jnp.asarray(logits[:1]), temperature[:1], jnp.array([0]),
+                                   jnp.array([1.0], jnp.float32), jnp.array([0.0], jnp.float32)))
+    np.testing.assert_array_equal(alone[0], logits[0])
+    mixed = np.asarray(_filter_jit(jnp.asarray(logits), temperature, jnp.array([0, 0, 5]),
+                                   jnp.array([1.0, 1.0, 1.0], jnp.float32), jnp.array([0.0, 0.0, 0.0], jnp.float32)))
+    np.testing.assert_array_equal(mixed[0], alone[0])
+    np.testing.assert_array_equal(mixed[1], logits[1] / np.float32(0.7))
+    assert np.isfinite(mixed[2]).sum() == 5  # the filtering row is cut
+
+
 @given(st.data())
 def test_min_p_keeps_tokens_at_least_min_p_times_the_most_likely(data):
     vocab = data.draw(st.sampled_from([5, 17]), label="vocab")
