@@ -15,10 +15,14 @@ Expert weights are stacked `[num_experts, in, out]` (gate_proj and up_proj `[E, 
 (`gate`, `[hidden, E]`) is a plain linear layer, replicated.
 
 On the CPU, XLA lowers `ragged_dot` to a masked dense product over all experts (the grouped matmul instruction is
-lowered natively on GPU and TPU only): the result is the same, the work is that of every expert on every row. So
-on the CPU a step with fewer (token, expert) pairs than experts (batch-1 decode: k pairs) runs each pair through
-its expert by `lax.switch` over the experts (`Experts.by_pair`), reading only the routed experts' weights: the
-bytes of a dense MLP of k experts' width instead of all E (`scripts/bench_moe.py`).
+lowered natively on GPU and TPU only): the same result at many times the work (at batch 16 on the bench_moe shape
+3-4x slower than computing every expert on every row with plain dots). So on the CPU the MLP takes one of two
+other computations of the same function, by the step's static number of (token, expert) pairs:
+  - fewer pairs than experts (batch-1 decode: k pairs): each pair through its expert alone by `lax.switch` over
+    the experts (`Experts.by_pair`), reading only the routed experts' weights;
+  - otherwise the reference's: every expert on every row by plain dots, weighted by zero unless routed to
+    (E / k times the arithmetic of the routed rows, every expert's weights read once).
+`scripts/bench_moe.py` measures both against dense models of the MoE's active and total size.
 """
 
 from __future__ import annotations
@@ -115,32 +119,45 @@ class MoEMLP(nnx.Module):
         logits = self.gate(x).astype(x.dtype).astype(jnp.float32)
         return route(logits, self.top_k, self.router, self.norm_topk_prob)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x `[..., hidden]` -> `[..., hidden]` by grouped matmuls over the rows sorted by expert (or, for fewer
-        (token, expert) pairs than experts on the CPU, each pair by its expert alone: module docstring)."""
+    def __call__(self, x: jax.Array, method: str | None = None) -> jax.Array:
+        """x `[..., hidden]` -> `[..., hidden]`. `method` (static): "grouped" (grouped matmuls over the rows sorted
+        by expert), "by_pair" (each (token, expert) pair by its expert alone) or "every" (every expert on every
+        row); None picks "grouped" on GPU / TPU and, on the CPU, "by_pair" for fewer pairs than experts, else
+        "every" (module docstring). All three compute the same function."""
         lead, hidden = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, hidden)
         weights, experts = self.routing(rows)
         flat = experts.reshape(-1)  # [N * k]: slot j of token t is pair t * k + j
-        if flat.shape[0] < self.num_experts and jax.default_backend() == "cpu":
+        if method is None:
+            method = "grouped" if jax.default_backend() != "cpu" else (
+                "by_pair" if flat.shape[0] < self.num_experts else "every")
+        if method == "every":
+            return self._every_expert(x, rows, weights, experts)
+        if method == "by_pair":
             out = self.experts.by_pair(jnp.repeat(rows, self.top_k, axis=0), flat)
-        else:
+        elif method == "grouped":
             order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
             group_sizes = tokens_per_expert(experts, self.num_experts)
             out = self.experts.grouped(rows[order // self.top_k], group_sizes)
             out = jnp.zeros_like(out).at[order].set(out)  # back in pair order
+        else:
+            raise ValueError(f"MoEMLP: unknown method {method!r} (grouped, by_pair, every)")
         y = jnp.einsum("nk,nkh->nh", weights, out.reshape(-1, self.top_k, hidden).astype(jnp.float32))
         return y.astype(x.dtype).reshape(*lead, hidden)
 
     def dense(self, x: jax.Array, counts: list | None = None) -> jax.Array:
         """The reference: like `__call__`, with every expert computed on every row and weighted by zero unless
         routed to. `counts`: a list to which this layer's tokens per expert (int32 `[E]`) are appended."""
-        lead, hidden = x.shape[:-1], x.shape[-1]
-        rows = x.reshape(-1, hidden)
+        rows = x.reshape(-1, x.shape[-1])
         weights, experts = self.routing(rows)
         if counts is not None:
             counts.append(tokens_per_expert(experts, self.num_experts))
+        return self._every_expert(x, rows, weights, experts)
+
+    def _every_expert(self, x: jax.Array, rows: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """Every expert on every row of `rows` `[N, hidden]` (x reshaped), combined by the routing `weights`,
+        `experts` `[N, k]`: `[..., hidden]` in x's shape and dtype."""
         combine = jnp.zeros((rows.shape[0], self.num_experts), jnp.float32)
         combine = combine.at[jnp.arange(rows.shape[0])[:, None], experts].add(weights)
         y = jnp.einsum("ne,enh->nh", combine, self.experts.every(rows).astype(jnp.float32))
-        return y.astype(x.dtype).reshape(*lead, hidden)
+        return y.astype(x.dtype).reshape(x.shape)
