@@ -5,8 +5,9 @@
 #      tests/conftest.py);
 #   2. what can differ by JAX version again on python3.12 with the newest JAX (the GPU machines run Python 3.12
 #      with newer JAX than python3 here gets): the kernels and their lowering, the device functions, shardings
-#      and shard_map, the model, checkpoints, the engine's compiled steps, the README's examples; with a fifth of
-#      the hypothesis examples (the first pass covers the properties).
+#      and shard_map, the model, checkpoints, the engine's compiled steps and its program cache (JAX's own caches
+#      cleared); with a fifth of the hypothesis examples (the first pass covers the properties, and the README's
+#      examples, which go through the same engine).
 # Extra arguments go to the first pytest run, e.g. scripts/test.sh -k block_pool. Both runs end with the 15
 # slowest tests (--durations=15). Budget: the whole script within 15 minutes on an idle 2-core machine; the
 # long end-to-end runs are marked `slow` (pytest -m slow runs them).
@@ -41,7 +42,7 @@ if PY312=$(find_python312); then
   HYPOTHESIS_PROFILE=smoke PAGEDJAX_PARALLEL_CHECKS=newest .venv312/bin/python -m pytest -n 2 -q --durations=15 \
     tests/kernels tests/device tests/parallel tests/model/test_model.py tests/model/test_checkpoint_train.py \
     tests/engine/test_gpu_lowering.py tests/engine/test_tpu_lowering.py tests/engine/test_cpu_dots.py \
-    tests/engine/test_engine_validation.py tests/test_readme.py
+    tests/engine/test_engine_validation.py::test_compiled_programs_are_bounded_and_outputs_stay_exact
 else
   echo "python3.12 not found: the newest-JAX run cannot happen" >&2
   exit 1

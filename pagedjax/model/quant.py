@@ -26,6 +26,8 @@ multiplies, not `[in, out]`). Whether XLA:GPU fuses the conversion is not measur
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -70,9 +72,16 @@ def quantize_kernel(kernel: jax.Array, quant: QuantConfig, name: str = "kernel")
     `name` for a kernel that is not 2-D or whose input dimension int4's group size does not divide."""
     if kernel.ndim != 2:
         raise ValueError(f"{name}: a linear kernel [in, out] is 2-D, got shape {tuple(kernel.shape)}")
+    shapes(quant, *kernel.shape, name)
+    return _quantize(jnp.asarray(kernel), quant)
+
+
+@functools.partial(jax.jit, static_argnames="quant")
+def _quantize(kernel: jax.Array, quant: QuantConfig) -> tuple[jax.Array, jax.Array]:
+    """`quantize_kernel` past its checks, one compiled program per kernel shape (a model's load quantizes many
+    kernels of few shapes; op by op, every kernel ran a dozen small programs)."""
     n_in, n_out = kernel.shape
-    shapes(quant, n_in, n_out, name)
-    w = jnp.asarray(kernel, jnp.float32)
+    w = kernel.astype(jnp.float32)
     if quant.scheme == "int4":
         w = w.reshape(n_in // quant.group_size, quant.group_size, n_out)  # [groups, g, out]
     amax = jnp.max(jnp.abs(w), axis=-2)  # [out] or [groups, out]

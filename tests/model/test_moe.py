@@ -90,7 +90,7 @@ def test_every_method_equals_the_reference_and_a_per_token_loop(router, norm):
 
 def test_few_pairs_run_by_their_experts_alone_with_the_same_result():
     """Fewer (token, expert) pairs than experts (batch-1 decode) take `Experts.by_pair` on the CPU: the same
-    function as the grouped matmul, the reference and the per-token loop, in float32 and bfloat16."""
+    function as the grouped matmul, the reference and the per-token loop (bfloat16: the next test)."""
     assert 2 * K < E and jax.default_backend() == "cpu"
     mlp = MoEMLP(_cfg("softmax_topk", True), jnp.float32, nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(4), (2, HIDDEN))
@@ -99,10 +99,6 @@ def test_few_pairs_run_by_their_experts_alone_with_the_same_result():
     np.testing.assert_allclose(got, np.asarray(mlp(x, "grouped")), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, np.asarray(mlp.dense(x)), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, _per_token_loop(mlp, np.asarray(x, np.float64)), rtol=1e-4, atol=1e-5)
-    graphdef, state = nnx.split(mlp)
-    half = nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.bfloat16), state))
-    np.testing.assert_allclose(np.asarray(half(x.astype(jnp.bfloat16)), np.float32),
-                               np.asarray(half.dense(x.astype(jnp.bfloat16)), np.float32), rtol=2e-2, atol=2e-2)
 
 
 def test_no_token_is_dropped_when_every_token_picks_the_same_experts():
@@ -125,9 +121,9 @@ def test_bfloat16_experts_stay_close_to_float32():
     graphdef, state = nnx.split(mlp)
     half = nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.bfloat16), state))
     for got in (half(x.astype(jnp.bfloat16), "grouped"), half(x.astype(jnp.bfloat16)),
-                half.dense(x.astype(jnp.bfloat16))):
+                half(x[:2].astype(jnp.bfloat16), "by_pair"), half.dense(x.astype(jnp.bfloat16))):
         assert got.dtype == jnp.bfloat16
-        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=0.05 * np.abs(want).max())
+        np.testing.assert_allclose(np.asarray(got, np.float32), want[:got.shape[0]], atol=0.05 * np.abs(want).max())
 
 
 def test_moe_decoder_engine_greedy_equals_the_dense_model():

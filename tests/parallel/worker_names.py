@@ -8,11 +8,9 @@ FAST = [
     "kv_pool_sized_per_device",
     "int8_kv_tensor_parallel",
     "data_parallel_2x2",
-    "cli_data_parallel",
     "pallas_under_shard_map",
     "steps_export_for_cuda_on_4_devices",
     "orbax_checkpoint_loads_into_shards",
-    "hf_checkpoint_loads_into_shards",
     "bring_your_own_model_tp2",
     "qk_norms_tensor_parallel",
     "moe_expert_parallel",  # expert weights sharded by expert over tp
@@ -22,7 +20,9 @@ SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16
         "int8_kv_greedy_tp4", "bring_your_own_model_dp2", "update_weights_tp2", "update_weights_dp2",
         "quantized_tensor_parallel",
         "greedy_gqa_tp1_block8",  # tp 1 through a one-device mesh
-        "greedy_mqa_tp2_block8"]  # (CI time) MQA runs at tp 8, tp 2 with GQA
+        "greedy_mqa_tp2_block8",  # (CI time) MQA runs at tp 8, tp 2 with GQA
+        "cli_data_parallel",  # (CI time) data_parallel_2x2 runs the engine's
+        "hf_checkpoint_loads_into_shards"]  # (CI time) orbax_checkpoint_loads_into_shards runs the sharded restore
 # CI's newest-JAX pass (PAGEDJAX_PARALLEL_CHECKS=newest): what differs by JAX version (shard_map, shardings of
 # every kind of weight and of 8-bit pages, Pallas under shard_map, export, orbax's sharded restore), once each.
 NEWEST = ["greedy_gqa_tp2_block16", "greedy_mqa_tp8_block16", "logits_and_shardings", "int8_kv_tensor_parallel",

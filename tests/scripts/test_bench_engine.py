@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import bench_engine  # noqa: E402
@@ -17,6 +19,7 @@ def test_bench_engine_quick_runs(capsys):
     assert len(rows) == 4 and all(line.rstrip().endswith("True") for line in rows)
 
 
+@pytest.mark.slow  # (CI time) a script's smoke run; bench_engine's quick run stays in the default run
 def test_bench_engine_parallel_sampling_quick(capsys):
     bench_engine.main(["--quick", "--n", "3"])  # --quick: 8-token prompts
     out = capsys.readouterr().out

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.kernels
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
 
 
+@pytest.mark.slow  # (CI time) a script's smoke run; bench_engine's quick run stays in the default run
 def test_bench_smoke(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
     bench = importlib.util.module_from_spec(spec)

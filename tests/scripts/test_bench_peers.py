@@ -29,6 +29,7 @@ for line in sys.stdin:
 
 
 @pytest.mark.hf
+@pytest.mark.slow  # (CI time) a script's smoke run; bench_engine's quick run stays in the default run
 def test_bench_peers_micro_runs(tmp_path, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
