@@ -31,7 +31,7 @@ quiet_pip .venv/bin/pip install -q "torch==2.13.0"
 quiet_pip .venv/bin/pip install -q -e ".[test,hf]"
 
 echo "== pagedjax tests: $(.venv/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
-.venv/bin/python -m pytest -n 2 --dist loadgroup -q --durations=15 "$@"
+.venv/bin/python -m pytest -n 2 -q --durations=15 "$@"
 PAGEDJAX_TEST_XLA_OPT=default .venv/bin/python -m pytest -q -m xla_default
 
 if PY312=$(find_python312); then
@@ -39,7 +39,7 @@ if PY312=$(find_python312); then
   quiet_pip .venv312/bin/pip install -q --upgrade jax jaxlib flax
   quiet_pip .venv312/bin/pip install -q -e ".[test]"
   echo "== newest JAX: $(.venv312/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
-  HYPOTHESIS_PROFILE=smoke PAGEDJAX_PARALLEL_CHECKS=newest .venv312/bin/python -m pytest -n 2 --dist loadgroup -q --durations=15 \
+  HYPOTHESIS_PROFILE=smoke PAGEDJAX_PARALLEL_CHECKS=newest .venv312/bin/python -m pytest -n 2 -q --durations=15 \
     tests/kernels tests/device tests/parallel tests/model/test_model.py tests/model/test_checkpoint_train.py \
     tests/engine/test_gpu_lowering.py tests/engine/test_tpu_lowering.py tests/engine/test_cpu_dots.py \
     tests/engine/test_engine_validation.py::test_compiled_programs_are_bounded_and_outputs_stay_exact

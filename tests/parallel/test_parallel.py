@@ -60,9 +60,6 @@ def _report(result: dict | None, name: str) -> None:
     assert result["status"] == "passed", f"check {name} failed in the 8-device worker:\n{result['detail']}"
 
 
-# One xdist worker takes them all (scripts/test.sh runs `--dist loadgroup`): the other keeps running the rest of
-# the suite instead of waiting on the file lock while the subprocess runs (19 s idle in a CI run).
-@pytest.mark.xdist_group("parallel_worker")
 @pytest.mark.parametrize("name", FAST)
 def test_parallel(fast_results, name):
     _report(fast_results.get(name), name)
