@@ -45,3 +45,27 @@ def greedy_by_recompute(forward, prompts, max_tokens: int, max_len: int) -> tupl
             margin = min(margin, float(top2[1] - top2[0]))
             s.append(int(np.argmax(row)))
     return [s[len(p):] for s, p in zip(seqs, prompts, strict=True)], margin
+
+
+def dense_beam_search(next_logprobs, width: int, max_tokens: int, eos, length_penalty: float = 1.0):
+    """Beam search written independently of the engine's: the reference. `next_logprobs(tokens)` gives the
+    log-probabilities `[vocab]` of the token after the prompt + `tokens` (-inf: not allowed). Each live beam
+    offers its 2 * width best allowed tokens; the width best candidates by cumulative logprob go on; one ending
+    in an `eos` id or reaching `max_tokens` is complete. Returns [(tokens, cumulative logprob)] best first by
+    cum / len ** length_penalty."""
+    live, complete = [([], 0.0)], []
+    while live:
+        candidates = []
+        for bi, (tokens, cum) in enumerate(live):
+            row = next_logprobs(tokens)
+            for rank, t in enumerate(np.argsort(-row, kind="stable")[:2 * width]):
+                if np.isfinite(row[t]):
+                    candidates.append((-(cum + float(row[t])), bi, rank, int(t)))
+        candidates.sort()
+        survivors = []
+        for neg, bi, _, t in candidates[:width]:
+            beam = (live[bi][0] + [t], -neg)
+            (complete if t in eos or len(beam[0]) >= max_tokens else survivors).append(beam)
+        live = survivors
+    complete.sort(key=lambda b: -b[1] / len(b[0]) ** length_penalty)
+    return complete[:width]

@@ -22,7 +22,7 @@ from pagedjax.engine import beam_search as beam_module
 from pagedjax.engine.beam_search import BeamSearchParams
 from pagedjax.engine.structured import ConstraintCompiler
 from pagedjax.model.tokenizer import ByteTokenizer
-from tests.dense import dense_forward
+from tests.dense import dense_beam_search, dense_forward
 from tests.engine.test_structured_output import CFG, engine
 
 SEED = 0  # test_structured_output's engine's
@@ -55,22 +55,7 @@ def _dense_constrained_beam_search(prompt, width, max_tokens, structured):
         allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:CFG.vocab_size].astype(bool)
         return np.asarray(jax.nn.log_softmax(jnp.asarray(np.where(allowed, logits, -np.inf))))
 
-    live, complete = [([], 0.0)], []
-    while live:
-        candidates = []
-        for bi, (tokens, cum) in enumerate(live):
-            row = logprobs(tokens)
-            for rank, t in enumerate(np.argsort(-row, kind="stable")[:2 * width]):
-                if np.isfinite(row[t]):
-                    candidates.append((-(cum + float(row[t])), bi, rank, int(t)))
-        candidates.sort()
-        survivors = []
-        for neg, bi, _, t in candidates[:width]:
-            beam = (live[bi][0] + [t], -neg)
-            (complete if t in eos or len(beam[0]) >= max_tokens else survivors).append(beam)
-        live = survivors
-    complete.sort(key=lambda b: -b[1] / len(b[0]))
-    return complete[:width]
+    return dense_beam_search(logprobs, width, max_tokens, eos)
 
 
 @functools.cache

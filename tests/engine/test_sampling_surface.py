@@ -14,7 +14,7 @@ import pytest
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.model.tokenizer import ByteTokenizer
-from tests.dense import dense_forward
+from tests.dense import dense_beam_search, dense_forward
 from tests.engine.test_engine import CFG, MAX_LEN, SEED
 
 BLOCK = 8
@@ -210,23 +210,9 @@ def test_stop_strings_need_a_tokenizer():
 
 
 def _dense_beam_search(prompt, width, max_tokens, length_penalty, eos):
-    """Beam search over the dense model (no cache), written independently of the engine's: the reference.
-    Returns [(tokens, cumulative logprob)] best first by cum / len ** length_penalty."""
-    live, complete = [([], 0.0)], []
-    while live:
-        candidates = []
-        for bi, (tokens, cum) in enumerate(live):
-            row = _dense_logprobs(prompt + tokens)[-1]
-            for rank, t in enumerate(np.argsort(-row, kind="stable")[:2 * width]):
-                candidates.append((-(cum + float(row[t])), bi, rank, int(t)))
-        candidates.sort()
-        survivors = []
-        for neg, bi, _, t in candidates[:width]:
-            beam = (live[bi][0] + [t], -neg)
-            (complete if t in eos or len(beam[0]) >= max_tokens else survivors).append(beam)
-        live = survivors
-    complete.sort(key=lambda b: -b[1] / len(b[0]) ** length_penalty)
-    return complete[:width]
+    """Beam search over the dense model (no cache): the reference (`tests.dense.dense_beam_search`)."""
+    return dense_beam_search(lambda tokens: _dense_logprobs(prompt + tokens)[-1], width, max_tokens, eos,
+                             length_penalty)
 
 
 @pytest.mark.parametrize("width", [1, 2, 4])
