@@ -13,6 +13,8 @@ import hashlib
 from collections import Counter
 
 import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from pagedjax.core.kv_cache_manager import RELEASED, cdiv
 from pagedjax.core.request import Request, RequestStatus
@@ -323,3 +325,27 @@ def reference_outputs(request: Request, max_model_len: int, salt: int = 0,
         tokens.append(t)
         if t in stop or len(out) >= request.sampling_params.max_tokens or len(tokens) >= max_model_len:
             return out
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Rules every scheduler state machine shares: abort any request or sample group, preempt any running
+    request, and the `Checker`'s invariants after every step. A subclass's `initialize` sets `sched`, `checker`
+    and `aborted` (the ids aborted)."""
+
+    @rule(data=st.data())
+    def abort(self, data):
+        ids = sorted(set(self.sched.requests) | set(self.sched.groups))
+        if ids:
+            rid = data.draw(st.sampled_from(ids))
+            self.sched.abort(rid)
+            self.aborted.add(rid)
+
+    @rule(data=st.data())
+    def preempt(self, data):
+        if self.sched.running:
+            self.sched.preempt(data.draw(st.sampled_from([r.request_id for r in self.sched.running])))
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "sched"):
+            self.checker.check()

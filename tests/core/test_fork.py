@@ -13,15 +13,15 @@ import dataclasses
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, precondition, rule
 
 from pagedjax.config import CacheConfig, SchedulerConfig
 from pagedjax.core.request import Request, RequestStatus, SamplingParams, sample_id
 from pagedjax.core.scheduler import Scheduler
-from tests.core.harness import VOCAB, Checker, FakeModel, reference_outputs, run_step
+from tests.core.harness import VOCAB, Checker, FakeModel, SchedulerMachine, reference_outputs, run_step
 
 
-class ForkMachine(RuleBasedStateMachine):
+class ForkMachine(SchedulerMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(12, 40),
                 budget=st.sampled_from([3, 8, 64]), caching=st.booleans(),
                 window=st.sampled_from([None, None, 2, 5]))
@@ -94,24 +94,6 @@ class ForkMachine(RuleBasedStateMachine):
             self.sched.abort(source.request_id)
             self.aborted.add(source.request_id)
         self.checker.check()
-
-    @rule(data=st.data())
-    def abort(self, data):
-        ids = sorted(set(self.sched.requests) | set(self.sched.groups))
-        if ids:
-            rid = data.draw(st.sampled_from(ids))
-            self.sched.abort(rid)
-            self.aborted.add(rid)
-
-    @rule(data=st.data())
-    def preempt(self, data):
-        if self.sched.running:
-            self.sched.preempt(data.draw(st.sampled_from([r.request_id for r in self.sched.running])))
-
-    @invariant()
-    def consistent(self):
-        if hasattr(self, "sched"):
-            self.checker.check()
 
     def teardown(self):
         if not hasattr(self, "sched"):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import initialize, rule
 
 from pagedjax.config import CacheConfig, SchedulerConfig
 from pagedjax.core.kv_cache_manager import cdiv
@@ -29,7 +29,7 @@ from pagedjax.core.speculation import (
     speculates,
     update_speculative,
 )
-from tests.core.harness import VOCAB, Checker, FakeModel, next_token, reference_outputs, run_step
+from tests.core.harness import VOCAB, Checker, FakeModel, SchedulerMachine, next_token, reference_outputs, run_step
 
 
 def spec_sample(model: FakeModel, plan) -> np.ndarray:
@@ -104,7 +104,7 @@ def check_spec_plan(sched: Scheduler, plan, proposer: TruthProposer, budget: int
             assert pool.ref_cnt(block) == 1 and pool.block_hash(block) is None
 
 
-class SpeculationMachine(RuleBasedStateMachine):
+class SpeculationMachine(SchedulerMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 30),
                 budget=st.sampled_from([2, 5, 64]), caching=st.booleans(), window=st.sampled_from([None, None, 3]),
                 k=st.integers(1, 5), seed=st.integers(0, 2**16))
@@ -169,24 +169,6 @@ class SpeculationMachine(RuleBasedStateMachine):
             r.paused = False
         if self.sched.has_unfinished_requests():
             self.finished += run_step(self.sched, self.model, self.checker, fused_steps=num_steps)
-
-    @rule(data=st.data())
-    def abort(self, data):
-        ids = sorted(set(self.sched.requests) | set(self.sched.groups))
-        if ids:
-            rid = data.draw(st.sampled_from(ids))
-            self.sched.abort(rid)
-            self.aborted.add(rid)
-
-    @rule(data=st.data())
-    def preempt(self, data):
-        if self.sched.running:
-            self.sched.preempt(data.draw(st.sampled_from([r.request_id for r in self.sched.running])))
-
-    @invariant()
-    def consistent(self):
-        if hasattr(self, "sched"):
-            self.checker.check()
 
     def teardown(self):
         if not hasattr(self, "sched"):
