@@ -7,6 +7,7 @@ Plain Python, no JAX, and nothing of pagedjax: the bottom of the import layers (
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -64,3 +65,14 @@ def check_choice(owner: str, name: str, value, choices: tuple[str, ...], *, opti
     if value not in choices:
         raise ValueError(f"{owner}.{name} {value!r} is not supported (supported: {', '.join(choices)})")
     return value
+
+
+def from_fields(cls, value, what: str):
+    """A dataclass `cls` from `value`, a mapping of its fields (a parsed `to_dict`): TypeError for anything that
+    is not a mapping, ValueError naming unknown fields; `what` names the value in both (e.g. "ModelConfig.moe")."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} must be None, a {cls.__name__} or a mapping of its fields, got {describe(value)}")
+    unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {what} fields: {sorted(unknown)}")
+    return cls(**value)

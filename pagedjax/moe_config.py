@@ -6,10 +6,9 @@ Plain Python, no JAX (`pagedjax.config` imports it, and the host side imports th
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from pagedjax.fields import check_bool, check_choice, check_int, describe
+from pagedjax.fields import check_bool, check_choice, check_int, from_fields
 
 # How router logits become each token's experts and their weights (`pagedjax.model.moe.route`):
 #   "topk_softmax"  the k largest logits, softmax over those k (Mixtral): the weights sum to 1.
@@ -55,10 +54,4 @@ class MoEConfig:
         Unknown fields are a ValueError naming them."""
         if value is None or isinstance(value, cls):
             return value
-        if not isinstance(value, dict):
-            raise TypeError(f"ModelConfig.moe must be None, a MoEConfig or a mapping of its fields, got "
-                            f"{describe(value)}")
-        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown ModelConfig.moe fields: {sorted(unknown)}")
-        return cls(**value)
+        return from_fields(cls, value, "ModelConfig.moe")

@@ -7,10 +7,9 @@ Plain Python, no JAX (`pagedjax.config` imports it, and the host side imports th
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from pagedjax.fields import check_choice, check_int, describe
+from pagedjax.fields import check_choice, check_int, describe, from_fields
 
 # What a linear kernel `[in, out]` is stored as (`pagedjax.model.quant`):
 #   "int8"  int8 per output channel, symmetric: w ~= q * scale[out], q in [-127, 127].
@@ -88,7 +87,4 @@ class QuantConfig:
         if not isinstance(value, dict):
             raise TypeError(f"quantization must be None, a QuantConfig, a name such as 'int8' or a mapping of its "
                             f"fields, got {describe(value)}")
-        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown QuantConfig fields: {sorted(unknown)}")
-        return cls(**value)
+        return from_fields(cls, value, "QuantConfig")
