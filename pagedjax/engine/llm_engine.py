@@ -183,15 +183,12 @@ class LLMEngine:
     def warmup(self) -> float:
         """Compile the programs that dominate every step this engine can make (`shapes.warmup_shapes`: the
         ragged step at the largest token, sequence and block-table buckets with every optional part on, with and
-        without prompt log-probabilities, on the XLA path a quarter as wide too, and the fused decode's when
-        `decode_steps_per_call` > 1) and run each
-        once on padding. From then on a step whose own program is not compiled runs on one of them while its own
-        compiles in the background (`pagedjax.engine.programs`), instead of waiting for it: every step but those
-        asking for logits or more than 512 stop ids, as long as a run of that program takes at most
-        `programs.STAND_IN_BUDGET` of a compile (on the XLA path, where attention reads every block-table column,
-        the widest programs of a long `max_model_len` may not). The KV cache's contents and the scheduler are left
-        as they were, and these programs are never dropped. Returns the seconds it took (also logged, and in
-        `stats().warmup_s`)."""
+        without prompt log-probabilities; on the XLA path a ladder of narrower and smaller ones too; and the fused
+        decode's when `decode_steps_per_call` > 1) and run each once on padding. From then on a step whose own
+        program is not compiled runs on the fastest of them that dominates it while its own compiles in the
+        background (`pagedjax.engine.programs`), instead of waiting for it: every step but those asking for
+        logits or more than 512 stop ids. The KV cache's contents and the scheduler are left as they were, and
+        these programs are never dropped. Returns the seconds it took (also logged, and in `stats().warmup_s`)."""
         start = time.perf_counter()
         sc, bs, steps = self.scheduler_config, self.cache_config.block_size, self.decode_steps_per_call
         # A fused decode's tables have room for its steps past the sequence's tokens.

@@ -3,17 +3,19 @@ without stalling a step that a program already held can run.
 
 `lookup(shape, prepare)` gives the program a step runs on:
   - its own, when held;
-  - else, when a held program dominates the step (`shapes.dominates`) and a run of it takes at most
-    `STAND_IN_BUDGET` of a compile (the slowest of the latest 16: the stall a miss may cost, loads from the
-    persistent compilation cache being quicker), the fastest such: the step runs there now (a *stand-in* step,
-    counted in `stand_in_steps`) while its own program compiles in a background thread, to be used from the
-    first lookup after it finished;
+  - else, when held programs dominate the step (`shapes.dominates`), the one whose runs were fastest: the
+    step runs there now (a *stand-in* step, counted in `stand_in_steps`) while its own program compiles in a
+    background thread, to be used from the first lookup after it finished;
   - else its own, compiled now on the caller's thread (and timed in `compile_seconds`).
-Run times are what the caller reports (`record_run`: the fastest run of each program). The budget keeps a
-stand-in from costing what it saves: on the XLA (CPU) path a step's attention reads its table's full width, so a
-step of a few short sequences on the warm-up's widest program can take as long as compiling its own (the bundled
-model's widest, T 512 x S 64 x B 128: about 1 s a step against 3.5 s to compile, on a loaded 2-core CPU), and it
-would slow that compile down too.
+Run times are what the caller reports (`record_run`: the fastest run of each program). A stand-in is used however
+slow it is: a step on it stalls the streams for one run of it, a compile on the caller's thread for the whole
+compile, which is longer (the bundled model on a 2-core CPU: warm-up stand-ins 14-250 ms a step, the widest
+1.1 s; compiles 0.5-5 s). (An earlier rule refused stand-ins slower than an
+eighth of the recent compiles; after a warm-up loaded from the persistent compilation cache, whose compiles took
+0.5-0.9 s, it refused the bundled model's 126 ms stand-in, and the step compiled its own program for 4.9 s.)
+The warm-up gives the XLA path a ladder of stand-ins of growing size (`shapes.warmup_shapes`), so a step's is
+near its own size. The background compile thread runs at a lower scheduling priority (Linux: the thread's nice
+value, `COMPILE_NICENESS`), so that on a CPU backend the steps it shares the cores with go first.
 Only the caller's (the engine's) thread touches the held programs: a background compile hands back a future,
 which the next lookup installs. A background compile that fails is logged, and its shape is compiled on the
 caller's thread the next time it is needed (where a compile error fails the step, as ever). At most
@@ -28,9 +30,12 @@ one just compiled, so a cap below the pinned programs holds them and one more.
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 import time
 import weakref
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,15 +46,19 @@ from pagedjax.engine.shapes import dominates
 logger = logging.getLogger(__name__)
 
 MAX_PENDING = 2  # one compiling, one waiting: a burst of new shapes is compiled by the latest need, not its order
-# The most a step on a stand-in may take, as a share of a compile: the longest a stream then waits for a token
-# instead of the whole compile, while the stand-in's extra work (and its contention with the compile, on a CPU)
-# stays small. On an accelerator the widest program's step is far below it; on the XLA (CPU) path the warm-up's
-# narrower program is (`shapes.warmup_shapes`), the widest not.
-STAND_IN_BUDGET = 1 / 8
+COMPILE_NICENESS = 10  # added to the background compile thread's nice value (Linux), see the module's docstring
 
 # A compile job: runs on any thread, so it holds abstract arguments and compile options, never live arrays (the
 # KV cache is donated to every step) nor the runner (it may outlive it).
 Job = Callable[[], Any]
+
+
+def _lower_priority() -> None:
+    """Lower the calling thread's scheduling priority (a thread's nice value is its own on Linux, and the threads
+    it starts inherit it); elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS)
 
 
 def _timed(job: Job) -> tuple[Any, float]:
@@ -75,7 +84,6 @@ class ProgramCache:
         self._executor: ThreadPoolExecutor | None = None
         self._shutdown: weakref.finalize | None = None
         self._run_seconds: dict[Hashable, float] = {}  # the fastest run of each held program
-        self._compile_seconds: deque[float] = deque(maxlen=16)  # the latest compiles' times, background's too
 
     def __len__(self) -> int:
         return len(self.executables)
@@ -120,7 +128,6 @@ class ProgramCache:
             exe, seconds = _timed(prepare())
             self.num_compilations += 1
             logger.info("compiled %s in %.2f s", shape, seconds)
-        self._compile_seconds.append(seconds)
         self._install(shape, exe, pinned)
         return exe
 
@@ -146,18 +153,17 @@ class ProgramCache:
 
     # --------------------------------------------------------------------------------------------- internals
     def _stand_in(self, shape: Hashable) -> Hashable | None:
-        if not self._background or shape in self._failed or not self._compile_seconds:
+        if not self._background or shape in self._failed:
             return None
-        budget = STAND_IN_BUDGET * max(self._compile_seconds)
-        fits = [(seconds, held) for held, seconds in self._run_seconds.items()
-                if seconds <= budget and dominates(held, shape)]
+        fits = [(seconds, held) for held, seconds in self._run_seconds.items() if dominates(held, shape)]
         return min(fits, key=lambda fit: fit[0])[1] if fits else None
 
     def _compile_in_background(self, shape: Hashable, prepare: Callable[[], Job]) -> None:
         if shape in self._pending or len(self._pending) >= MAX_PENDING:
             return
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedjax-compile")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedjax-compile",
+                                                initializer=_lower_priority)
             # An engine dropped without close() must not leave compiles queued behind it.
             self._shutdown = weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
         self._pending[shape] = self._executor.submit(_timed, prepare())
@@ -176,7 +182,6 @@ class ProgramCache:
                 continue
             exe, seconds = future.result()
             logger.info("compiled %s in %.2f s (in the background)", shape, seconds)
-            self._compile_seconds.append(seconds)
             self._install(shape, exe, pinned=False)
 
     def _install(self, shape: Hashable, exe: Any, pinned: bool) -> None:

@@ -195,15 +195,27 @@ def warmup_shapes(*, max_tokens: int, max_seqs: int, max_blocks: int, block_size
     blocks per sequence) but those that ask for logits, for more than `STOP_ID_WIDTHS[-1]` stop ids, or (for a
     fused decode) more: the ragged step with every optional part on, without prompt log-probabilities (the cheaper
     stand-in for most steps) and with them; and with `decode_steps` > 1 the fused decode with every part on.
-    `narrow` (for the XLA attention path, whose cost grows with the block table's width: the bundled model's step
-    of T 512, S 64 took 1,043 ms at 128 blocks per sequence, 143 ms at 32, on a loaded 2-core CPU) adds the first
-    one a quarter as wide, a cheaper stand-in for the steps of shorter sequences."""
+    `narrow` (for the XLA attention path, whose cost grows with the block table's width and whose step cost grows
+    with its tokens: the bundled model's step of T 512, S 64 took 1,043 ms at 128 blocks per sequence, 143 ms at
+    32, on a loaded 2-core CPU) adds a ladder of cheaper stand-ins for the steps of fewer tokens and shorter
+    sequences: the first one a quarter as wide (when it has 8 blocks or more), at T, T / 4, T / 16, ... down to 16
+    tokens (its sequences capped by its tokens). A decode step of a few sequences then has a stand-in of at most
+    4x its tokens (16 at least) instead of the largest step's (measured: stand-in steps of 0.6-2.5 s without it)."""
     t, s, b = bucket(max_tokens, 16), bucket(min(max_seqs, max_tokens)), bucket(max_blocks, 2)
     top, stops = TOP_LOGPROBS_SIZES[-1], STOP_ID_WIDTHS[-1]
     plain = StepShape("step", t, (s, b), False, False, s, stops, False, top, 0, True)
     shapes: list[StepShape | LoopShape] = [plain, plain._replace(prompt_targets=True, num_prompt_top_logprobs=top)]
-    if narrow and b >= 8:
-        shapes.append(plain._replace(tables=(s, b // 4)))
+    if narrow:
+        width = b // 4 if b >= 8 else b
+        tokens = t
+        while True:
+            rows = min(s, bucket(tokens))
+            shape = plain._replace(tokens=tokens, tables=(rows, width), copies=rows)
+            if shape != plain:
+                shapes.append(shape)
+            if tokens <= 16:
+                break
+            tokens = max(16, tokens // 4)
     if decode_steps > 1:
         shapes.append(LoopShape("decode_loop", (s, b), bucket(s * -(-decode_steps // block_size)), stops,
                                 decode_steps, True, top))

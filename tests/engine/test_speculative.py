@@ -203,11 +203,11 @@ def test_warmup_adds_programs_wide_enough_for_every_verified_row():
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96)
     shapes = warmup_shapes(max_tokens=64, max_seqs=4, max_blocks=6, block_size=16, decode_steps=4, narrow=True)
     extra = Speculator(NGRAM).warmup_shapes(shapes, config)
-    assert [s.tables for s in extra] == [(16, 8), (16, 8), (16, 2)]  # 4 sequences x (1 + 3) rows, each program
+    assert [s.tables for s in extra] == [(16, 8), (16, 8), (16, 2), (16, 2)]  # 4 sequences x (1 + 3) rows each
     widest = StepShape("step", 64, (16, 8), False, False, 16, 512, False, 20, 0, True)
     assert not any(dominates(s, widest) for s in shapes) and dominates(extra[0], widest)
     budget_bound = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=96)
-    assert [s.tables[0] for s in Speculator(NGRAM).warmup_shapes(shapes, budget_bound)] == [8, 8, 8]
+    assert [s.tables[0] for s in Speculator(NGRAM).warmup_shapes(shapes, budget_bound)] == [8] * 4
 
 
 def test_a_failing_verifying_step_fails_its_request_alone_and_frees_every_block(monkeypatch):
