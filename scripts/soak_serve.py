@@ -254,24 +254,44 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def server_metrics(url: str) -> dict[str, float]:
+def server_metrics(url: str) -> dict:
+    """The compiled programs, compilations and the step-time histogram's cumulative counts by upper edge."""
     import httpx
 
     text = httpx.get(f"{url}/metrics", timeout=30).text
     wanted = {"pagedjax_compiled_programs": "compiled_programs", "pagedjax_compilations_total": "compilations"}
-    return {wanted[name]: float(value) for name, value in (line.split() for line in text.splitlines()
-                                                          if line.split()[:1] and line.split()[0] in wanted)}
+    out: dict = {"steps_le": {}}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in wanted:
+            out[wanted[name]] = float(value)
+        elif name.startswith('pagedjax_engine_step_seconds_bucket{le="'):
+            out["steps_le"][float(name.split('"')[1])] = float(value)
+    return out
+
+
+def longest_step_s(before: dict[float, float], after: dict[float, float]) -> float:
+    """An upper bound of the longest step between two scrapes of the step-time histogram: the upper edge of the
+    highest bucket that gained steps (0 if none ran; inf if one ran past every edge)."""
+    gained = [edge for edge, count in after.items() if count - before.get(edge, 0.0) > 0]
+    if not gained:
+        return 0.0
+    # cumulative counts: the highest bucket with a step of its own is where the gain stops growing
+    top = max(after[edge] - before.get(edge, 0.0) for edge in gained)
+    return min(edge for edge in gained if after[edge] - before.get(edge, 0.0) == top)
 
 
 async def sampler(soak: Soak, pid: int, start: float, every: float, rows: list[dict], workers) -> None:
     """A row every `every` seconds until the workers are done, and one at the end (times from `start`)."""
-    last = start
+    last, steps_le = start, (await asyncio.to_thread(server_metrics, soak.url))["steps_le"]
     while True:
         _, running = await asyncio.wait(workers, timeout=max(0.0, last + every - time.monotonic()))
         now = time.monotonic()
         metrics = await asyncio.to_thread(server_metrics, soak.url)
         gaps = [g for t, g in soak.gaps if last <= t < now]
-        row = {"t_s": now - start, "rss_mib": rss_mib(pid), **metrics,
+        step_max_s = longest_step_s(steps_le, metrics["steps_le"])
+        steps_le = metrics.pop("steps_le")
+        row = {"t_s": now - start, "rss_mib": rss_mib(pid), **metrics, "step_max_ms": step_max_s * 1e3,
                "requests_ok": sum(o["ok"] for o in soak.outcomes.values()),
                "requests_failed": sum(o["failed"] for o in soak.outcomes.values()),
                "gap_p50_ms": percentile_ms(gaps, 50), "gap_p99_ms": percentile_ms(gaps, 99),
@@ -305,10 +325,12 @@ def baseline(rows: list[dict], warmup_s: float, max_programs: int) -> int | None
 
 
 def verdict(rows: list[dict], gaps_after_warmup: list[float], outcomes: dict, *, warmup_s: float, max_programs: int,
-            rss_tolerance_mib: float, max_gap_s: float, tracebacks: int, server_exit: int | None) -> list[str]:
+            rss_tolerance_mib: float, max_gap_s: float, tracebacks: int, server_exit: int | None,
+            gap_over_step_s: float = float("inf")) -> list[str]:
     """What failed (empty: the soak passed): RSS growth from the `baseline` row on, a chunk gap over the bound, a
-    client that got another answer than expected, a traceback in the server's log, a server that died
-    (`server_exit` not None)."""
+    row (after the warm-up) whose longest chunk gap exceeds its longest engine step by more than
+    `gap_over_step_s`, a client that got another answer than expected, a traceback in the server's log, a server
+    that died (`server_exit` not None)."""
     problems = []
     start = baseline(rows, warmup_s, max_programs)
     if start is not None:
@@ -318,6 +340,10 @@ def verdict(rows: list[dict], gaps_after_warmup: list[float], outcomes: dict, *,
                             f"{rss_tolerance_mib:g} MiB)")
     if gaps_after_warmup and max(gaps_after_warmup) > max_gap_s:
         problems.append(f"a chunk gap of {max(gaps_after_warmup):.2f} s after the warm-up (bound {max_gap_s:g} s)")
+    for r in rows:
+        if r["t_s"] >= warmup_s and "step_max_ms" in r and r["gap_max_ms"] > r["step_max_ms"] + gap_over_step_s * 1e3:
+            problems.append(f"a chunk gap of {r['gap_max_ms']:.0f} ms up to t={r['t_s']:.0f} s, whose longest step "
+                            f"took at most {r['step_max_ms']:.0f} ms (bound: + {gap_over_step_s * 1e3:.0f} ms)")
     for kind, o in sorted(outcomes.items()):
         if o["failed"]:
             problems.append(f"{kind}: {o['failed']} of {o['ok'] + o['failed']} failed, e.g. {o['errors'][0]}")
@@ -331,7 +357,7 @@ def verdict(rows: list[dict], gaps_after_warmup: list[float], outcomes: dict, *,
 def _row(r: dict) -> str:
     return (f"| {r['t_s']:.0f} | {r['rss_mib']:.1f} | {r.get('compiled_programs', 0):.0f} | "
             f"{r.get('compilations', 0):.0f} | {r['requests_ok']} / {r['requests_failed']} | "
-            f"{r['gap_p50_ms']:.1f} / {r['gap_p99_ms']:.1f} / {r['gap_max_ms']:.1f} |")
+            f"{r['gap_p50_ms']:.1f} / {r['gap_p99_ms']:.1f} / {r['gap_max_ms']:.1f} | {r['step_max_ms']:.0f} |")
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -357,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-gap-seconds", type=float, default=10.0,
                    help="the longest gap between two chunks of a stream after the warm-up (a new step shape stalls "
                         "every stream while it compiles: seconds on a CPU)")
+    p.add_argument("--gap-over-step-seconds", type=float, default=0.1,
+                   help="the most a sample's longest chunk gap (after the warm-up) may exceed its longest engine "
+                        "step (pagedjax_engine_step_seconds: the upper edge of its bucket)")
     p.add_argument("--server-log", type=Path, default=None,
                    help="where the server's output goes (default: a new temporary folder's server.log, kept)")
     p.add_argument("--seed", type=int, default=0)
@@ -383,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("soaking pagedjax-serve (pid %d, %s, log %s) for %.1f min, warm-up %.1f min", proc.pid, url,
                     log_path, seconds / 60, warmup_s / 60)
         print("| t (s) | RSS MiB | compiled programs | compilations | requests ok / failed "
-              "| chunk gap ms p50 / p99 / max |\n|---|---|---|---|---|---|", flush=True)
+              "| chunk gap ms p50 / p99 / max | longest step ms (at most) |\n|---|---|---|---|---|---|---|", flush=True)
         rows = asyncio.run(soak_run(soak, proc.pid, start, every))
         server_exit = proc.poll()
     finally:
@@ -393,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     tracebacks = log_path.read_text().count("Traceback")
     problems = verdict(rows, gaps, soak.outcomes, warmup_s=warmup_s, max_programs=args.max_compiled_programs,
                        rss_tolerance_mib=args.rss_tolerance_mib, max_gap_s=args.max_gap_seconds,
-                       tracebacks=tracebacks, server_exit=server_exit)
+                       tracebacks=tracebacks, server_exit=server_exit, gap_over_step_s=args.gap_over_step_seconds)
     start_row = baseline(rows, warmup_s, args.max_compiled_programs)
     after = rows[start_row:] if start_row is not None else rows[-1:]
     report = {"rows": rows, "clients": soak.outcomes, "warmup_s": warmup_s, "rss_baseline_t_s": after[0]["t_s"],

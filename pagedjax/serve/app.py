@@ -116,7 +116,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     holds no connection for ever); prompts are tokenized (and chat templates rendered) in a worker thread, never
     on the event loop."""
     check_key = _api_key_check(api_key)
-    metrics = ServerMetrics(engine.stats, lambda: engine.num_pending)
+    metrics = ServerMetrics(engine.stats, lambda: engine.num_pending, engine.step_durations)
     serving = OpenAIServing(engine, model_name=model_name, chat_template=chat_template or ChatTemplate.from_model(None),
                             metrics=metrics)
 

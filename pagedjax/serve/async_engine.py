@@ -30,12 +30,14 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from pagedjax.core.request import RequestOutput, SamplingParams
 from pagedjax.engine import EngineStats, LLMEngine
+from pagedjax.serve.metrics import DurationHistogram
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +170,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None  # the engine thread ended on this unexpected error
         self._stats: EngineStats = engine.stats()
+        self.step_durations = DurationHistogram()  # of every `step()` call (the engine thread's)
 
     # ------------------------------------------------------------------------------------------ public side
     @property
@@ -327,11 +330,13 @@ class AsyncLLMEngine:
             _deliver_soon(loop, batch)
 
     def _step(self) -> list[tuple[RequestStream, RequestOutput | BaseException]]:
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the engine could not recover: fail what was in flight
             logger.exception("engine step failed; aborting %d requests", len(self._streams))
             return self._fail_all(EngineStepError(f"the engine step failed: {type(e).__name__}: {e}"))
+        self.step_durations.observe(time.perf_counter() - start)
         items = []
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -13,6 +13,8 @@ every step and command), so a scrape never touches the engine itself:
   pagedjax_preemptions_total, pagedjax_prompt_tokens_total, pagedjax_generation_tokens_total,
   pagedjax_engine_steps_total, pagedjax_engine_failed_steps_total, pagedjax_compilations_total,
   pagedjax_stand_in_steps_total                   steps run on a bigger compiled program while their own compiled
+  pagedjax_engine_step_seconds                    histogram: the engine thread's `step()` calls (a chunk gap of a
+                                                  stream is at least the step that ended it)
 
 Measured by the server per request (histograms):
 
@@ -27,11 +29,12 @@ Every server has its own registry, so several servers live in one process (tests
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedjax.engine import EngineStats
@@ -41,12 +44,42 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+STEP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 10.0)
+
+
+class DurationHistogram:
+    """Durations counted in `STEP_BUCKETS`, observed by one thread and read by another (the engine thread's steps,
+    read at scrape time without a registry, so that the engine side needs no server)."""
+
+    def __init__(self, edges: tuple[float, ...] = STEP_BUCKETS):
+        self.edges = edges
+        self._counts = [0] * (len(edges) + 1)  # the last: over every edge
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        i = next((i for i, edge in enumerate(self.edges) if seconds <= edge), len(self.edges))
+        with self._lock:
+            self._counts[i] += 1
+            self._sum += seconds
+
+    def cumulative(self) -> tuple[list[tuple[str, int]], float]:
+        """([(upper edge, count of durations <= it), ..., ("+Inf", all)], sum of the durations)."""
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        running, buckets = 0, []
+        for edge, count in zip([*map(str, self.edges), "+Inf"], counts, strict=True):
+            running += count
+            buckets.append((edge, running))
+        return buckets, total
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], pending: Callable[[], int]):
+    def __init__(self, stats: Callable[[], EngineStats], pending: Callable[[], int], steps: DurationHistogram):
         self._stats = stats
         self._pending = pending
+        self._steps = steps
 
     def collect(self):
         s = self._stats()
@@ -85,14 +118,17 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"pagedjax_{name}", doc, value=value)
+        buckets, total = self._steps.cumulative()
+        yield HistogramMetricFamily("pagedjax_engine_step_seconds", "The engine thread's steps.", buckets=buckets,
+                                    sum_value=total)
 
 
 class ServerMetrics:
     """The registry of one server: engine gauges read at scrape time, and per-request histograms."""
 
-    def __init__(self, stats: Callable[[], EngineStats], pending: Callable[[], int]):
+    def __init__(self, stats: Callable[[], EngineStats], pending: Callable[[], int], steps: DurationHistogram):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats, pending))
+        self.registry.register(_EngineCollector(stats, pending, steps))
         self.ttft = Histogram("pagedjax_time_to_first_token_seconds", "Time to the first generated token.",
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram("pagedjax_inter_token_latency_seconds", "Time between consecutive generated tokens.",

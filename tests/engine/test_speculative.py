@@ -24,7 +24,7 @@ from pagedjax.device.sampling import SamplingMetadata, filter_logits, sample
 from pagedjax.engine import speculative
 from pagedjax.engine.shapes import StepShape, dominates, warmup_shapes
 from pagedjax.engine.speculative import NgramProposer, Speculator, speculative_step_inputs
-from pagedjax.serve.metrics import ServerMetrics
+from pagedjax.serve.metrics import DurationHistogram, ServerMetrics
 from tests.engine.test_engine import CFG, MAX_LEN, PROMPTS, SEED, assert_all_free, dense_greedy, make_engine
 from tests.engine.test_engine_properties import workloads
 from tests.serve.server_utils import metric
@@ -48,7 +48,7 @@ def test_greedy_speculation_of_a_small_batch_gives_the_dense_tokens():
     for o in outs:  # each token's log-probability is its own, and the best
         assert all(t.top[0][0] == t.token_id and t.top[0][1] == t.logprob for t in o.outputs[0].logprobs)
     assert_all_free(engine)
-    text = ServerMetrics(engine.stats, lambda: 0).render().decode()
+    text = ServerMetrics(engine.stats, lambda: 0, DurationHistogram()).render().decode()
     assert metric(text, "pagedjax_spec_decode_num_draft_tokens_total") == s.spec_proposed_tokens
     assert metric(text, "pagedjax_spec_decode_num_accepted_tokens_total") == s.spec_accepted_tokens
     assert metric(text, "pagedjax_spec_decode_mean_accepted_length") == pytest.approx(

@@ -226,3 +226,13 @@ def test_a_consumer_that_stops_reading_holds_one_snapshot(engine):
     held = asyncio.run(main())
     assert max(held) == 1
     assert engine.num_pending == 0
+
+
+def test_step_durations_count_each_duration_in_its_bucket():
+    from pagedjax.serve.metrics import DurationHistogram
+
+    h = DurationHistogram((0.01, 0.1))
+    for seconds in (0.0, 0.01, 0.05, 0.1, 0.2, 30.0):  # an edge counts in its own bucket (Prometheus' `le`)
+        h.observe(seconds)
+    buckets, total = h.cumulative()
+    assert buckets == [("0.01", 2), ("0.1", 4), ("+Inf", 6)] and total == pytest.approx(30.36)

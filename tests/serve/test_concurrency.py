@@ -85,3 +85,6 @@ def test_64_streaming_clients_a_quarter_leaving(server):
     assert server.llm.stats().scheduler.memory.num_used_blocks == 0
     assert 0 < metric(text, "pagedjax_compiled_programs") == server.llm.stats().compiled_programs
     assert metric(text, "pagedjax_stand_in_steps_total") == server.llm.stats().stand_in_steps
+    # Every step the engine thread ran is in the step-time histogram (the soak compares chunk gaps with it).
+    assert metric(text, "pagedjax_engine_step_seconds_count") == server.llm.stats().steps > 0
+    assert metric(text, "pagedjax_engine_step_seconds_bucket", 'le="+Inf"') == server.llm.stats().steps
