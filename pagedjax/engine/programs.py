@@ -113,7 +113,13 @@ class ProgramCache:
 
     def compile(self, shape: Hashable, prepare: Callable[[], Job], *, pinned: bool = False) -> Any:
         """Compile `shape`'s program now on this thread (or take it from its background compile, if that has
-        begun), hold it (`pinned`: for good) and return it."""
+        begun), hold it (`pinned`: for good) and return it. A program already held is returned as it is."""
+        held = self.executables.get(shape)
+        if held is not None:
+            self.executables.move_to_end(shape)
+            if pinned:
+                self._pinned.add(shape)
+            return held
         future = self._pending.pop(shape, None)
         exe = None
         if future is not None and future.cancel():

@@ -218,6 +218,17 @@ def test_a_stand_in_is_used_however_slow_and_the_compile_thread_yields_the_cpu()
     cache.close()
 
 
+def test_compiling_a_held_program_returns_it_and_may_pin_it():
+    """`warmup()` after steps had compiled the held programs again."""
+    cache, calls = ProgramCache(1), []
+    a, b = _step(16, 1), _step(32, 2)
+    assert cache.compile(a, _job(a, calls)) == cache.compile(a, _job(a, calls), pinned=True) == "exe16x1"
+    assert len(calls) == 1 and cache.num_compilations == 1
+    cache.compile(b, _job(b, calls))  # over the cap: `a`, now pinned, stays
+    assert a in cache.executables and b in cache.executables
+    cache.close()
+
+
 def test_a_failed_background_compile_is_logged_and_compiles_on_the_engine_thread_next_time(caplog):
     cache, calls = ProgramCache(8), []
     cache.compile(_step(64, 8), _job(_step(64, 8), calls))
