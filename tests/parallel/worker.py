@@ -102,6 +102,23 @@ for _kind, _tp, _bs in [("gqa", 1, 8), ("gqa", 2, 16), ("gqa", 2, 8), ("gqa", 4,
     check(_check)
 
 
+@check
+def speculative_ngram_tp2() -> None:
+    """n-gram speculation on a tp 2 mesh: the verifying steps (query chunks of proposals, sampled at several
+    positions per sequence) give the dense model's greedy tokens, and proposals were verified."""
+    from pagedjax import SpeculativeConfig
+
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [9]]  # repeated n-grams: proposals from the first step
+    model = model_from_state(config("gqa"), params("gqa"))
+    want, margin = greedy_by_recompute(jax.jit(lambda t: model.forward_dense(t)), prompts, MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, margin
+    e = engine("gqa", 2, num_blocks=16, speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    got = [o.output_token_ids for o in e.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want, f"{got} != {want}"
+    s = e.stats()
+    assert s.spec_proposed_tokens > 0 and s.tensor_parallel_size == 2, s
+
+
 def _step_logits(e) -> np.ndarray:
     """One mixed step (every prompt's prefill) straight from the scheduler, its logits `[S, vocab]`."""
     for i, p in enumerate(PROMPTS):
