@@ -35,7 +35,9 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig
 
-_INIT = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
+# Each expert's matrices are `[width, hidden]`: gate/up as (out, in), down as (in, out) (`Experts`).
+_INIT_OUT_IN = nnx.initializers.lecun_normal(in_axis=2, out_axis=1, batch_axis=(0,))
+_INIT_IN_OUT = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
 
 
 def route(logits: jax.Array, k: int, router: str, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -60,20 +62,35 @@ def tokens_per_expert(experts: jax.Array, num_experts: int) -> jax.Array:
 
 
 class Experts(nnx.Module):
-    """`num_experts` SwiGLU MLPs, their weights stacked along axis 0 (`[E, in, out]`)."""
+    """`num_experts` SwiGLU MLPs, their weights stacked along axis 0 (the axis expert parallelism shards), each
+    expert's three matrices `[width, hidden]`: gate_proj and up_proj `[E, width, hidden]` as (out, in), the layout
+    of a torch Linear weight, and down_proj `[E, width, hidden]` as (in, out).
+
+    Why this layout: all experts' gate (or up) rows then form one `[E * width, hidden]` matrix and all their down
+    rows one `[E * width, hidden]` matrix, both mere reshapes (no copy), so every expert on every row (`every`)
+    is three plain dots of the dense model's shapes at E times its width. With `[E, hidden, width]` gate / up
+    weights that product is a dot batched over experts or needs a transposed copy of every expert's weights:
+    3-4x slower at 16 rows on the bench_moe shape (scripts/bench_moe_layer.py).
+    """
 
     def __init__(self, num_experts: int, hidden: int, width: int, dtype, rngs: nnx.Rngs):
-        self.gate_proj = nnx.Param(_INIT(rngs.params(), (num_experts, hidden, width), dtype))
-        self.up_proj = nnx.Param(_INIT(rngs.params(), (num_experts, hidden, width), dtype))
-        self.down_proj = nnx.Param(_INIT(rngs.params(), (num_experts, width, hidden), dtype))
+        self.gate_proj = nnx.Param(_INIT_OUT_IN(rngs.params(), (num_experts, width, hidden), dtype))
+        self.up_proj = nnx.Param(_INIT_OUT_IN(rngs.params(), (num_experts, width, hidden), dtype))
+        self.down_proj = nnx.Param(_INIT_IN_OUT(rngs.params(), (num_experts, width, hidden), dtype))
 
     def grouped(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """Rows `x` `[N, hidden]` sorted by expert, `group_sizes[e]` of them expert e's (summing to N) ->
         each row through its expert `[N, hidden]`."""
         # 16-bit weights accumulate in float32 and each projection rounds once, as the dense layers do.
-        mm = lambda a, w: jax.lax.ragged_dot(a, w[...], group_sizes,
-                                             preferred_element_type=jnp.float32).astype(x.dtype)
-        return mm(jax.nn.silu(mm(x, self.gate_proj)) * mm(x, self.up_proj), self.down_proj)
+        # gate / up contract the rows' hidden axis (1) with the weights' last axis (2), grouped along axis 0;
+        # down contracts the width with the weights' axis 1 (plain `ragged_dot`'s [E, in, out]).
+        out_in = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
+                                                   lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        mm = lambda a, w: jax.lax.ragged_dot_general(a, w[...], group_sizes, out_in,
+                                                     preferred_element_type=jnp.float32).astype(x.dtype)
+        h = jax.nn.silu(mm(x, self.gate_proj)) * mm(x, self.up_proj)
+        return jax.lax.ragged_dot(h, self.down_proj[...], group_sizes,
+                                  preferred_element_type=jnp.float32).astype(x.dtype)
 
     def by_pair(self, x: jax.Array, experts: jax.Array) -> jax.Array:
         """Row p of `x` `[P, hidden]` through expert `experts[p]` (int32 `[P]`): `[P, hidden]`, one `lax.switch`
@@ -82,23 +99,31 @@ class Experts(nnx.Module):
 
         The stacked weights are operands of the switch and each branch slices its own expert: with the weights
         captured from outside instead, XLA:CPU slices every expert before the switch (all E experts' bytes copied
-        per row: 4x slower measured on the bench_moe expert shape).
+        per row: 4x slower measured on the bench_moe expert shape). Each branch still copies its expert's slice
+        before the dots (XLA:CPU's dots read whole buffers): the MoE's remaining cost over the dense model of
+        its active size at batch 1 (module docstring).
         """
         mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
         def expert(e: int, row: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-            return mm(jax.nn.silu(mm(row, gate[e])) * mm(row, up[e]), down[e])
+            return mm(jax.nn.silu(mm(row, gate[e].T)) * mm(row, up[e].T), down[e])
 
         branches = [functools.partial(expert, e) for e in range(self.gate_proj.shape[0])]
         weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         return jnp.concatenate([jax.lax.switch(experts[p], branches, x[p:p + 1], *weights)
                                 for p in range(x.shape[0])])
 
-    def every(self, x: jax.Array) -> jax.Array:
-        """Every row `x` `[N, hidden]` through every expert: `[E, N, hidden]`."""
-        mm = lambda eq, a, w: jnp.einsum(eq, a, w[...], preferred_element_type=jnp.float32).astype(x.dtype)
-        h = jax.nn.silu(mm("nh,ehw->enw", x, self.gate_proj)) * mm("nh,ehw->enw", x, self.up_proj)
-        return mm("enw,ewh->enh", h, self.down_proj)
+    def every(self, x: jax.Array, combine: jax.Array) -> jax.Array:
+        """Every row `x` `[N, hidden]` through every expert, expert e's output weighted by `combine[:, e]`
+        (float32 `[N, E]`) and summed: `[N, hidden]`. Three dots over all experts at once (class docstring)."""
+        num_experts, width, hidden = self.gate_proj.shape
+        flat = lambda w: w[...].reshape(num_experts * width, hidden)  # a bitcast: the stacking is row-major
+        mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        h = jax.nn.silu(mm(x, flat(self.gate_proj).T)) * mm(x, flat(self.up_proj).T)  # [N, E * width]
+        # The routing weights scale each expert's hidden activations before down_proj (linear, so the same as
+        # scaling its output), which lets one dot sum over experts and width together.
+        h = (h.reshape(-1, num_experts, width) * combine[:, :, None]).astype(x.dtype)
+        return mm(h.reshape(-1, num_experts * width), flat(self.down_proj))
 
 
 class MoEMLP(nnx.Module):
@@ -159,5 +184,4 @@ class MoEMLP(nnx.Module):
         `experts` `[N, k]`: `[..., hidden]` in x's shape and dtype."""
         combine = jnp.zeros((rows.shape[0], self.num_experts), jnp.float32)
         combine = combine.at[jnp.arange(rows.shape[0])[:, None], experts].add(weights)
-        y = jnp.einsum("ne,enh->nh", combine, self.experts.every(rows).astype(jnp.float32))
-        return y.astype(x.dtype).reshape(x.shape)
+        return self.experts.every(rows, combine).reshape(x.shape)

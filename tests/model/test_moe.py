@@ -65,8 +65,8 @@ def _per_token_loop(mlp: MoEMLP, x: np.ndarray) -> np.ndarray:
     out = np.zeros_like(x)
     for t in range(x.shape[0]):
         for w, e in zip(weights[t], experts[t], strict=True):
-            g = x[t] @ gate_w[e]
-            out[t] += w * ((g / (1 + np.exp(-g)) * (x[t] @ up_w[e])) @ down_w[e])
+            g = gate_w[e] @ x[t]  # gate / up are (out, in), down (in, out): `Experts`
+            out[t] += w * ((g / (1 + np.exp(-g)) * (up_w[e] @ x[t])) @ down_w[e])
     return out
 
 
