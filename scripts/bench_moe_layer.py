@@ -7,19 +7,17 @@ total size: where `scripts/bench_moe.py`'s decode time goes, one layer at a time
 Rows (float32, each jitted alone, timed in interleaved rounds after a warm-up; a row's time is its best round
 and its ratio is against the dense MLP of the MoE's active size in the same run):
   dense, active size / total size   `pagedjax.model.llama.MLP` of width k x / E x the expert width
-  MoE "by_pair" / "every"           `MoEMLP(x, method)`: routing included (`pagedjax.model.moe`)
+  MoE "by_pair" / "every", stacked  `MoEMLP(x, method)` (routing included) on the stacked expert weights, the
+                                    form checkpoints and expert parallelism use (`pagedjax.model.moe`)
+  ... per-expert                    the same on the experts as separate arrays (`per_expert_params`), the form
+                                    the engine's runner gives a single-device CPU step
   probe: every, [E, hidden, width]  every expert on every row with gate / up stacked (in, out) per expert, the
                                     layout `Experts` had before: einsums batched over the experts
-  probe: per-expert arrays, switch  each (token, expert) pair by `lax.switch` over E separate weight arrays (not
-                                    slices of one stacked array): what `by_pair` costs when no branch copies
-                                    its expert's weights; not a path of the library (expert parallelism shards
-                                    the stacked array by expert)
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 
 import jax
@@ -29,14 +27,16 @@ from bench_moe import SHAPES
 from flax import nnx
 
 from pagedjax.model.llama import MLP
-from pagedjax.model.moe import MoEMLP, route
+from pagedjax.model.moe import MoEMLP, per_expert_params, route
 from pagedjax.moe_config import MoEConfig
 
 
-def _module_fn(module: nnx.Module, **kwargs):
+def _module_fn(module: nnx.Module, per_expert: bool = False, **kwargs):
     """A jitted call of `module` with its weights as arguments (closed over, XLA would fold them into
-    constants: per-expert constants that no branch needs to slice)."""
+    constants: per-expert constants that no branch needs to slice); `per_expert`: the experts as the engine
+    holds them on one CPU device (`per_expert_params`)."""
     graphdef, state = nnx.split(module)
+    state = per_expert_params(state) if per_expert else state
     run = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, **kwargs))
     return lambda x: run(state, x)
 
@@ -55,25 +55,6 @@ def _stacked_in_out_every(mlp: MoEMLP):
     return lambda x: run(x, *weights)
 
 
-def _separate_arrays_by_pair(mlp: MoEMLP):
-    """Each pair by a switch over E separate arrays per projection (copies of the stacked slices, made here)."""
-    per_expert = [tuple(w[...][e] for w in (mlp.experts.gate_proj, mlp.experts.up_proj, mlp.experts.down_proj))
-                  for e in range(mlp.num_experts)]
-
-    def branch(e, row, weights):
-        gate, up, down = weights[e]
-        return (jax.nn.silu(row @ gate.T) * (row @ up.T)) @ down
-
-    @jax.jit
-    def run(x, weights, router):
-        w, experts = route(x @ router, mlp.top_k, mlp.router, mlp.norm_topk_prob)
-        branches = [functools.partial(branch, e) for e in range(mlp.num_experts)]
-        out = [jax.lax.switch(experts[t, j], branches, x[t:t + 1], weights)[0] * w[t, j]
-               for t in range(x.shape[0]) for j in range(mlp.top_k)]
-        return jnp.stack(out).reshape(x.shape[0], mlp.top_k, -1).sum(1)
-    return lambda x: run(x, per_expert, mlp.gate.kernel[...])
-
-
 def rows(shape: str, batch: int) -> tuple[dict, MoEMLP]:
     """(name -> a function of x `[batch, hidden]` or None where it does not apply, the MoE layer)."""
     s = SHAPES[shape]
@@ -83,10 +64,10 @@ def rows(shape: str, batch: int) -> tuple[dict, MoEMLP]:
     dense = {f"dense, active size (width {k}x)": k, f"dense, total size (width {e}x)": e}
     out = {name: _module_fn(MLP(base.replace(intermediate_size=m * base.intermediate_size), jnp.float32,
                                 nnx.Rngs(1))) for name, m in dense.items()}
-    out['MoE "by_pair"'] = _module_fn(mlp, method="by_pair") if batch * k < e else None
-    out['MoE "every"'] = _module_fn(mlp, method="every")
+    for form, per_expert in (("stacked", False), ("per-expert", True)):
+        out[f'MoE "by_pair", {form}'] = _module_fn(mlp, per_expert, method="by_pair") if batch * k < e else None
+        out[f'MoE "every", {form}'] = _module_fn(mlp, per_expert, method="every")
     out["probe: every, [E, hidden, width]"] = _stacked_in_out_every(mlp)
-    out["probe: per-expert arrays, switch"] = _separate_arrays_by_pair(mlp) if batch * k < e else None
     return out, mlp
 
 

@@ -61,6 +61,28 @@ def tokens_per_expert(experts: jax.Array, num_experts: int) -> jax.Array:
     return jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)
 
 
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def per_expert_params(state: nnx.State) -> nnx.State:
+    """`state` (a model's parameters) with every stacked expert parameter (`experts.gate_proj`, `.up_proj`,
+    `.down_proj`: `[E, width, hidden]`) as a tuple of its E slices `[width, hidden]`, each its own array (copied
+    once, here); every other leaf the same array. `Experts` computes the same function from either form; from
+    this one a single-device CPU step reads a routed expert's weights in place (`Experts.by_pair`).
+
+    The stacked form is the canonical one: checkpoints, loading and expert parallelism (which shards axis 0)
+    use it. This form is for one device: its arrays are not sharded."""
+    def split(path, leaf):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if names[-1] == "value":  # an nnx.Variable's own attribute
+            names.pop()
+        if (len(names) >= 2 and names[-2] == "experts" and names[-1] in _PROJECTIONS
+                and len(getattr(leaf, "shape", ())) == 3):
+            return tuple(leaf[e] for e in range(leaf.shape[0]))
+        return leaf
+    return jax.tree_util.tree_map_with_path(split, state)
+
+
 class Experts(nnx.Module):
     """`num_experts` SwiGLU MLPs, their weights stacked along axis 0 (the axis expert parallelism shards), each
     expert's three matrices `[width, hidden]`: gate_proj and up_proj `[E, width, hidden]` as (out, in), the layout
@@ -86,44 +108,63 @@ class Experts(nnx.Module):
         # down contracts the width with the weights' axis 1 (plain `ragged_dot`'s [E, in, out]).
         out_in = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
                                                    lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-        mm = lambda a, w: jax.lax.ragged_dot_general(a, w[...], group_sizes, out_in,
+        # The per-expert form is stacked back here (a copy of every expert per call): it is the CPU's form, where
+        # `MoEMLP` never picks this method by itself.
+        gate, up, down = (jnp.stack(w) if isinstance(w, tuple) else w for w in self.weights())
+        mm = lambda a, w: jax.lax.ragged_dot_general(a, w, group_sizes, out_in,
                                                      preferred_element_type=jnp.float32).astype(x.dtype)
-        h = jax.nn.silu(mm(x, self.gate_proj)) * mm(x, self.up_proj)
-        return jax.lax.ragged_dot(h, self.down_proj[...], group_sizes,
-                                  preferred_element_type=jnp.float32).astype(x.dtype)
+        h = jax.nn.silu(mm(x, gate)) * mm(x, up)
+        return jax.lax.ragged_dot(h, down, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def by_pair(self, x: jax.Array, experts: jax.Array) -> jax.Array:
         """Row p of `x` `[P, hidden]` through expert `experts[p]` (int32 `[P]`): `[P, hidden]`, one `lax.switch`
         per row whose branch e multiplies by expert e's weights alone (no product with an expert the row is not
         routed to). For few rows on the CPU (module docstring).
 
-        The stacked weights are operands of the switch and each branch slices its own expert: with the weights
-        captured from outside instead, XLA:CPU slices every expert before the switch (all E experts' bytes copied
-        per row: 4x slower measured on the bench_moe expert shape). Each branch still copies its expert's slice
-        before the dots (XLA:CPU's dots read whole buffers): the MoE's remaining cost over the dense model of
-        its active size at batch 1 (module docstring).
+        The weights are operands of the switch and branch e takes expert e's: with the weights captured from
+        outside instead, XLA:CPU slices every expert before the switch (all E experts' bytes copied per row: 4x
+        slower measured on the bench_moe expert shape). From the stacked form a branch still copies its expert's
+        slice before the dots (an XLA:CPU dot reads whole buffers: 2-3x the dense model's time at one row); from
+        the per-expert form (`per_expert_params`) it reads the expert's own arrays in place.
         """
         mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
-        def expert(e: int, row: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+        def expert(e: int, row: jax.Array, gate, up, down) -> jax.Array:
             return mm(jax.nn.silu(mm(row, gate[e].T)) * mm(row, up[e].T), down[e])
 
-        branches = [functools.partial(expert, e) for e in range(self.gate_proj.shape[0])]
-        weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        branches = [functools.partial(expert, e) for e in range(self.num_experts)]
+        weights = self.weights()
         return jnp.concatenate([jax.lax.switch(experts[p], branches, x[p:p + 1], *weights)
                                 for p in range(x.shape[0])])
 
     def every(self, x: jax.Array, combine: jax.Array) -> jax.Array:
         """Every row `x` `[N, hidden]` through every expert, expert e's output weighted by `combine[:, e]`
-        (float32 `[N, E]`) and summed: `[N, hidden]`. Three dots over all experts at once (class docstring)."""
-        num_experts, width, hidden = self.gate_proj.shape
-        flat = lambda w: w[...].reshape(num_experts * width, hidden)  # a bitcast: the stacking is row-major
-        mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(x.dtype)
-        h = jax.nn.silu(mm(x, flat(self.gate_proj).T)) * mm(x, flat(self.up_proj).T)  # [N, E * width]
+        (float32 `[N, E]`) and summed: `[N, hidden]`. Stacked: three dots over all experts at once (class
+        docstring); per-expert form: three dots per expert."""
         # The routing weights scale each expert's hidden activations before down_proj (linear, so the same as
-        # scaling its output), which lets one dot sum over experts and width together.
+        # scaling its output), which lets the down dots sum over experts and width together.
+        mm = lambda a, w, dtype=x.dtype: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(dtype)
+        gate, up, down = self.weights()
+        if isinstance(gate, tuple):
+            y = jnp.zeros((x.shape[0], down[0].shape[1]), jnp.float32)
+            for e in range(self.num_experts):
+                h = jax.nn.silu(mm(x, gate[e].T)) * mm(x, up[e].T)
+                y += mm((h * combine[:, e:e + 1]).astype(x.dtype), down[e], jnp.float32)
+            return y.astype(x.dtype)
+        num_experts, width, hidden = gate.shape
+        flat = lambda w: w.reshape(num_experts * width, hidden)  # a bitcast: the stacking is row-major
+        h = jax.nn.silu(mm(x, flat(gate).T)) * mm(x, flat(up).T)  # [N, E * width]
         h = (h.reshape(-1, num_experts, width) * combine[:, :, None]).astype(x.dtype)
-        return mm(h.reshape(-1, num_experts * width), flat(self.down_proj))
+        return mm(h.reshape(-1, num_experts * width), flat(down))
+
+    def weights(self) -> tuple:
+        """(gate_proj, up_proj, down_proj): each the stacked array `[E, width, hidden]` or, in the per-expert form
+        (`per_expert_params`), a tuple of E arrays `[width, hidden]`."""
+        return self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value()
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_proj.get_value())
 
 
 class MoEMLP(nnx.Module):
