@@ -10,19 +10,27 @@ Two computations of the same function:
                      matrix that is zero outside each token's k experts. E / k times the work; for tests and
                      `forward_dense`.
 
-Expert weights are stacked `[num_experts, in, out]` (gate_proj and up_proj `[E, hidden, width]`, down_proj
-`[E, width, hidden]`): axis 0 is what expert parallelism shards (`pagedjax.parallel.sharding`). The router
-(`gate`, `[hidden, E]`) is a plain linear layer, replicated.
+Expert weights are stacked `[num_experts, width, hidden]` (gate_proj and up_proj as (out, in), down_proj as
+(in, out): `Experts` says why): axis 0 is what expert parallelism shards (`pagedjax.parallel.sharding`). That
+stacked form is the canonical one (checkpoints, loading, sharding); on one CPU device the engine's runner holds
+the experts as E separate arrays instead (`per_expert_params`, `Llama.single_device_params`), the same function.
+The router (`gate`, `[hidden, E]`) is a plain linear layer, replicated.
 
 On the CPU, XLA lowers `ragged_dot` to a masked dense product over all experts (the grouped matmul instruction is
-lowered natively on GPU and TPU only): the same result at many times the work (at batch 16 on the bench_moe shape
-3-4x slower than computing every expert on every row with plain dots). So on the CPU the MLP takes one of two
-other computations of the same function, by the step's static number of (token, expert) pairs:
+lowered natively on GPU and TPU only): the same result at many times the work. So on the CPU the MLP takes one
+of two other computations of the same function, by the step's static number of (token, expert) pairs:
   - fewer pairs than experts (batch-1 decode: k pairs): each pair through its expert alone by `lax.switch` over
-    the experts (`Experts.by_pair`), reading only the routed experts' weights;
-  - otherwise the reference's: every expert on every row by plain dots, weighted by zero unless routed to
-    (E / k times the arithmetic of the routed rows, every expert's weights read once).
-`scripts/bench_moe.py` measures both against dense models of the MoE's active and total size.
+    the experts (`Experts.by_pair`), reading only the routed experts' weights. From the per-expert form a branch
+    reads its expert's arrays in place; from the stacked form XLA:CPU first copies the expert's slice (a dot
+    reads whole buffers), which made batch-1 decode 2x slower than the dense model of the active size;
+  - otherwise the reference's: every expert on every row, weighted by zero unless routed to (E / k times the
+    arithmetic of the routed rows, every expert's weights read once), as three plain dots over the flattened
+    experts (`Experts.every`): the cost of the dense model of the MoE's total size.
+`scripts/bench_moe.py` measures decode against dense models of the MoE's active and total size, and
+`scripts/bench_moe_layer.py` one layer each way. `python scripts/bench_moe.py --max-tokens 32` (the 2-core CPU
+shared with other jobs, load average 4-5): batch 1 18.8 tokens/s against 17.7 for the dense model of the active
+size (target: within 1.3x; 2.12x before these two changes, measured the same way), batch 16 114.6 against 270.9
+for the active size and 92.6 for the total size (8.0x and 2.8x slower before).
 """
 
 from __future__ import annotations
