@@ -100,7 +100,7 @@ class Experts(nnx.Module):
     rows one `[E * width, hidden]` matrix, both mere reshapes (no copy), so every expert on every row (`every`)
     is three plain dots of the dense model's shapes at E times its width. With `[E, hidden, width]` gate / up
     weights that product is a dot batched over experts or needs a transposed copy of every expert's weights:
-    3-4x slower at 16 rows on the bench_moe shape (scripts/bench_moe_layer.py).
+    4-5x slower at 16 rows on the bench_moe shape (scripts/bench_moe_layer.py).
     """
 
     def __init__(self, num_experts: int, hidden: int, width: int, dtype, rngs: nnx.Rngs):
