@@ -231,10 +231,13 @@ class ModelRunner:
         self.backend = resolve_backend(backend)
         self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
+        # Without a mesh a model may take its weights in a single-device form (`served_params`).
+        self._single_device = getattr(model, "single_device_params", None) if mesh is None else None
         if mesh is not None:
             from pagedjax.parallel.sharding import shard_state
 
             self.params = shard_state(self.params, param_partition_fn(model, mesh.size), mesh)
+        self.params = self.served_params(self.params)
         self.kv_dtype = jnp.dtype(kv_dtype or spec.dtype)
         self.kv_cache = self._new_kv_cache()
         self.asleep = False  # the KV cache's arrays were deleted (`pagedjax.engine.weights.sleep`)
@@ -301,6 +304,12 @@ class ModelRunner:
     def reset_kv_cache(self) -> None:
         """A fresh (zero) KV cache: after `kv_cache_lost`, the host must treat every block as unwritten."""
         self.kv_cache = self._new_kv_cache()
+
+    def served_params(self, params: nnx.State) -> nnx.State:
+        """The model's parameters `params` in the form the steps take them: the model's `single_device_params`
+        without a mesh where it has one (mixture-of-experts layers: the experts as separate arrays), else as
+        given."""
+        return params if self._single_device is None else self._single_device(params)
 
     def set_params(self, leaves: list[jax.Array]) -> None:
         """Run every later step on these weights: `self.params`' leaves in order, each of the same shape, dtype

@@ -79,8 +79,9 @@ def checked_leaves(expected: nnx.State, params) -> list[jax.Array]:
 
 def update_weights(runner: ModelRunner, scheduler: Scheduler, params) -> None:
     """Serve `params` from the next step on (see the module's docstring); nothing changes if they are
-    refused. The runner keeps the arrays given: do not donate or delete them while the engine serves them."""
-    runner.set_params(checked_leaves(runner.params, params))
+    refused. The runner keeps the arrays given: do not donate or delete them while the engine serves them
+    (except what `ModelRunner.served_params` copies: a mixture-of-experts model's experts on one CPU device)."""
+    runner.set_params(checked_leaves(runner.params, runner.served_params(_state(params))))
     scheduler.drop_computed_kv()
 
 

@@ -17,6 +17,10 @@ A model is an `nnx.Module` with:
                                      `TP` of `tp` devices, or None for the default rule
                                      (`default_param_partition`). Shardings decide where XLA computes, never
                                      what: any valid one gives the same tokens.
+    single_device_params(state)      optional: the parameters `nnx.State` as the model's steps take them on one
+                                     device without a mesh (the runner converts once, and each
+                                     `update_weights`); same function, e.g. `Llama`'s MoE experts as separate
+                                     arrays on the CPU.
 
 Each attention block calls its `PagedAttention` layer once per step, after its projections and positional
 encoding:

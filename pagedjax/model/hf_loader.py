@@ -21,8 +21,8 @@ offsets from 1 on both sides. Fused projections (Phi-3's `qkv_proj` and `gate_up
 along their output rows into the separate ones the model keeps. Mixture-of-experts checkpoints hold one tensor per
 expert and projection (Qwen3-MoE's `mlp.experts.{e}.gate_proj.weight`, ...; Mixtral's
 `block_sparse_moe.experts.{e}.w1/w3/w2.weight` and `block_sparse_moe.gate.weight`, read as aliases of those,
-`_canonical`), as transformers' `save_pretrained` writes them: each is transposed into slice e of the model's
-stacked `[E, in, out]` parameter, which goes to the device once all E slices are read.
+`_canonical`), as transformers' `save_pretrained` writes them: each goes into slice e of the model's stacked
+`[E, width, hidden]` parameter (down_proj transposed, gate / up as stored), placed once all E slices are read.
 """
 
 from __future__ import annotations
@@ -73,15 +73,16 @@ def _canonical(name: str) -> str:
 def _hf_names(path: tuple, shape: tuple, quant=None) -> list[tuple[str, bool | Codec, int | None]]:
     """pagedjax state path -> the Hugging Face tensors it is read from: (name, whether the tensor is transposed
     or the `Codec` of a pre-quantized one, the expert whose slice it fills or None for the whole parameter). A
-    stacked expert projection (..., 'experts', 'gate_proj') of shape `[E, in, out]` is E tensors
-    `experts.{e}.gate_proj.weight`."""
+    stacked expert projection (..., 'experts', 'gate_proj') of shape `[E, width, hidden]` is E tensors
+    `experts.{e}.gate_proj.weight` (gate / up kept as HF's [out, in], down transposed to [in, out]:
+    `pagedjax.model.moe.Experts`)."""
     *mods, leaf = (str(p) for p in path)
     if leaf in ("qweight", "scale"):  # a QuantizedLinear of a compressed-tensors checkpoint (`hf_quant`)
         name, codec = hf_quant.tensor(_hf_name((*mods, "kernel"))[0].removesuffix(".weight"), leaf, quant)
         return [(name, codec, None)]
     if mods and mods[-1] == "experts":
         prefix = "model." + ".".join(mods)
-        return [(f"{prefix}.{e}.{leaf}.weight", True, e) for e in range(shape[0])]
+        return [(f"{prefix}.{e}.{leaf}.weight", leaf == "down_proj", e) for e in range(shape[0])]
     name, transpose = _hf_name(path)
     return [(name, transpose, None)]
 

@@ -28,7 +28,7 @@ from flax import nnx
 from pagedjax.config import ModelConfig, ModelSpec
 from pagedjax.model.api import PagedAttention, PagedKVCache
 from pagedjax.model.linear import apply_linear as _apply
-from pagedjax.model.moe import MoEMLP
+from pagedjax.model.moe import MoEMLP, per_expert_params
 from pagedjax.model.quant import QuantizedLinear, quantize_model
 from pagedjax.model.quant import shapes as quant_shapes
 from pagedjax.model.rope import layer_rope
@@ -217,6 +217,14 @@ class Llama(nnx.Module):
     @property
     def spec(self) -> ModelSpec:
         return self.config.spec
+
+    def single_device_params(self, state: nnx.State) -> nnx.State:
+        """The parameters `state` as this model's steps on one CPU device take them: each mixture-of-experts
+        layer's experts as separate arrays (`pagedjax.model.moe.per_expert_params`: from the stacked ones XLA:CPU
+        copies each routed expert's weights every decode step); `state` itself for a dense model or off the CPU."""
+        if self.config.moe is None or jax.default_backend() != "cpu":
+            return state
+        return per_expert_params(state)
 
     def param_partition(self, names: tuple, tp: int):
         """Megatron-style shardings by Hugging Face parameter name (`pagedjax.parallel.sharding`)."""

@@ -10,19 +10,27 @@ Two computations of the same function:
                      matrix that is zero outside each token's k experts. E / k times the work; for tests and
                      `forward_dense`.
 
-Expert weights are stacked `[num_experts, in, out]` (gate_proj and up_proj `[E, hidden, width]`, down_proj
-`[E, width, hidden]`): axis 0 is what expert parallelism shards (`pagedjax.parallel.sharding`). The router
-(`gate`, `[hidden, E]`) is a plain linear layer, replicated.
+Expert weights are stacked `[num_experts, width, hidden]` (gate_proj and up_proj as (out, in), down_proj as
+(in, out): `Experts` says why): axis 0 is what expert parallelism shards (`pagedjax.parallel.sharding`). That
+stacked form is the canonical one (checkpoints, loading, sharding); on one CPU device the engine's runner holds
+the experts as E separate arrays instead (`per_expert_params`, `Llama.single_device_params`), the same function.
+The router (`gate`, `[hidden, E]`) is a plain linear layer, replicated.
 
 On the CPU, XLA lowers `ragged_dot` to a masked dense product over all experts (the grouped matmul instruction is
-lowered natively on GPU and TPU only): the same result at many times the work (at batch 16 on the bench_moe shape
-3-4x slower than computing every expert on every row with plain dots). So on the CPU the MLP takes one of two
-other computations of the same function, by the step's static number of (token, expert) pairs:
+lowered natively on GPU and TPU only): the same result at many times the work. So on the CPU the MLP takes one
+of two other computations of the same function, by the step's static number of (token, expert) pairs:
   - fewer pairs than experts (batch-1 decode: k pairs): each pair through its expert alone by `lax.switch` over
-    the experts (`Experts.by_pair`), reading only the routed experts' weights;
-  - otherwise the reference's: every expert on every row by plain dots, weighted by zero unless routed to
-    (E / k times the arithmetic of the routed rows, every expert's weights read once).
-`scripts/bench_moe.py` measures both against dense models of the MoE's active and total size.
+    the experts (`Experts.by_pair`), reading only the routed experts' weights. From the per-expert form a branch
+    reads its expert's arrays in place; from the stacked form XLA:CPU first copies the expert's slice (a dot
+    reads whole buffers), which made batch-1 decode 2x slower than the dense model of the active size;
+  - otherwise the reference's: every expert on every row, weighted by zero unless routed to (E / k times the
+    arithmetic of the routed rows, every expert's weights read once), as three plain dots over the flattened
+    experts (`Experts.every`): the cost of the dense model of the MoE's total size.
+`scripts/bench_moe.py` measures decode against dense models of the MoE's active and total size, and
+`scripts/bench_moe_layer.py` one layer each way. `python scripts/bench_moe.py --max-tokens 32` (the 2-core CPU
+shared with other jobs, load average 4-5): batch 1 18.8 tokens/s against 17.7 for the dense model of the active
+size (target: within 1.3x; 2.12x before these two changes, measured the same way), batch 16 114.6 against 270.9
+for the active size and 92.6 for the total size (8.0x and 2.8x slower before).
 """
 
 from __future__ import annotations
@@ -35,7 +43,9 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig
 
-_INIT = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
+# Each expert's matrices are `[width, hidden]`: gate/up as (out, in), down as (in, out) (`Experts`).
+_INIT_OUT_IN = nnx.initializers.lecun_normal(in_axis=2, out_axis=1, batch_axis=(0,))
+_INIT_IN_OUT = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
 
 
 def route(logits: jax.Array, k: int, router: str, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -59,46 +69,110 @@ def tokens_per_expert(experts: jax.Array, num_experts: int) -> jax.Array:
     return jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)
 
 
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def per_expert_params(state: nnx.State) -> nnx.State:
+    """`state` (a model's parameters) with every stacked expert parameter (`experts.gate_proj`, `.up_proj`,
+    `.down_proj`: `[E, width, hidden]`) as a tuple of its E slices `[width, hidden]`, each its own array (copied
+    once, here); every other leaf the same array. `Experts` computes the same function from either form; from
+    this one a single-device CPU step reads a routed expert's weights in place (`Experts.by_pair`).
+
+    The stacked form is the canonical one: checkpoints, loading and expert parallelism (which shards axis 0)
+    use it. This form is for one device: its arrays are not sharded."""
+    def split(path, leaf):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if names[-1] == "value":  # an nnx.Variable's own attribute
+            names.pop()
+        if (len(names) >= 2 and names[-2] == "experts" and names[-1] in _PROJECTIONS
+                and len(getattr(leaf, "shape", ())) == 3):
+            return tuple(leaf[e] for e in range(leaf.shape[0]))
+        return leaf
+    return jax.tree_util.tree_map_with_path(split, state)
+
+
 class Experts(nnx.Module):
-    """`num_experts` SwiGLU MLPs, their weights stacked along axis 0 (`[E, in, out]`)."""
+    """`num_experts` SwiGLU MLPs, their weights stacked along axis 0 (the axis expert parallelism shards), each
+    expert's three matrices `[width, hidden]`: gate_proj and up_proj `[E, width, hidden]` as (out, in), the layout
+    of a torch Linear weight, and down_proj `[E, width, hidden]` as (in, out).
+
+    Why this layout: all experts' gate (or up) rows then form one `[E * width, hidden]` matrix and all their down
+    rows one `[E * width, hidden]` matrix, both mere reshapes (no copy), so every expert on every row (`every`)
+    is three plain dots of the dense model's shapes at E times its width. With `[E, hidden, width]` gate / up
+    weights that product is a dot batched over experts or needs a transposed copy of every expert's weights:
+    4-5x slower at 16 rows on the bench_moe shape (scripts/bench_moe_layer.py).
+    """
 
     def __init__(self, num_experts: int, hidden: int, width: int, dtype, rngs: nnx.Rngs):
-        self.gate_proj = nnx.Param(_INIT(rngs.params(), (num_experts, hidden, width), dtype))
-        self.up_proj = nnx.Param(_INIT(rngs.params(), (num_experts, hidden, width), dtype))
-        self.down_proj = nnx.Param(_INIT(rngs.params(), (num_experts, width, hidden), dtype))
+        self.gate_proj = nnx.Param(_INIT_OUT_IN(rngs.params(), (num_experts, width, hidden), dtype))
+        self.up_proj = nnx.Param(_INIT_OUT_IN(rngs.params(), (num_experts, width, hidden), dtype))
+        self.down_proj = nnx.Param(_INIT_IN_OUT(rngs.params(), (num_experts, width, hidden), dtype))
 
     def grouped(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """Rows `x` `[N, hidden]` sorted by expert, `group_sizes[e]` of them expert e's (summing to N) ->
         each row through its expert `[N, hidden]`."""
         # 16-bit weights accumulate in float32 and each projection rounds once, as the dense layers do.
-        mm = lambda a, w: jax.lax.ragged_dot(a, w[...], group_sizes,
-                                             preferred_element_type=jnp.float32).astype(x.dtype)
-        return mm(jax.nn.silu(mm(x, self.gate_proj)) * mm(x, self.up_proj), self.down_proj)
+        # gate / up contract the rows' hidden axis (1) with the weights' last axis (2), grouped along axis 0;
+        # down contracts the width with the weights' axis 1 (plain `ragged_dot`'s [E, in, out]).
+        out_in = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
+                                                   lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        # The per-expert form is stacked back here (a copy of every expert per call): it is the CPU's form, where
+        # `MoEMLP` never picks this method by itself.
+        gate, up, down = (jnp.stack(w) if isinstance(w, tuple) else w for w in self.weights())
+        mm = lambda a, w: jax.lax.ragged_dot_general(a, w, group_sizes, out_in,
+                                                     preferred_element_type=jnp.float32).astype(x.dtype)
+        h = jax.nn.silu(mm(x, gate)) * mm(x, up)
+        return jax.lax.ragged_dot(h, down, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def by_pair(self, x: jax.Array, experts: jax.Array) -> jax.Array:
         """Row p of `x` `[P, hidden]` through expert `experts[p]` (int32 `[P]`): `[P, hidden]`, one `lax.switch`
         per row whose branch e multiplies by expert e's weights alone (no product with an expert the row is not
         routed to). For few rows on the CPU (module docstring).
 
-        The stacked weights are operands of the switch and each branch slices its own expert: with the weights
-        captured from outside instead, XLA:CPU slices every expert before the switch (all E experts' bytes copied
-        per row: 4x slower measured on the bench_moe expert shape).
+        The weights are operands of the switch and branch e takes expert e's: with the weights captured from
+        outside instead, XLA:CPU slices every expert before the switch (all E experts' bytes copied per row: 4x
+        slower measured on the bench_moe expert shape). From the stacked form a branch still copies its expert's
+        slice before the dots (an XLA:CPU dot reads whole buffers: 2-3x the dense model's time at one row); from
+        the per-expert form (`per_expert_params`) it reads the expert's own arrays in place.
         """
         mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
-        def expert(e: int, row: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-            return mm(jax.nn.silu(mm(row, gate[e])) * mm(row, up[e]), down[e])
+        def expert(e: int, row: jax.Array, gate, up, down) -> jax.Array:
+            return mm(jax.nn.silu(mm(row, gate[e].T)) * mm(row, up[e].T), down[e])
 
-        branches = [functools.partial(expert, e) for e in range(self.gate_proj.shape[0])]
-        weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        branches = [functools.partial(expert, e) for e in range(self.num_experts)]
+        weights = self.weights()
         return jnp.concatenate([jax.lax.switch(experts[p], branches, x[p:p + 1], *weights)
                                 for p in range(x.shape[0])])
 
-    def every(self, x: jax.Array) -> jax.Array:
-        """Every row `x` `[N, hidden]` through every expert: `[E, N, hidden]`."""
-        mm = lambda eq, a, w: jnp.einsum(eq, a, w[...], preferred_element_type=jnp.float32).astype(x.dtype)
-        h = jax.nn.silu(mm("nh,ehw->enw", x, self.gate_proj)) * mm("nh,ehw->enw", x, self.up_proj)
-        return mm("enw,ewh->enh", h, self.down_proj)
+    def every(self, x: jax.Array, combine: jax.Array) -> jax.Array:
+        """Every row `x` `[N, hidden]` through every expert, expert e's output weighted by `combine[:, e]`
+        (float32 `[N, E]`) and summed: `[N, hidden]`. Stacked: three dots over all experts at once (class
+        docstring); per-expert form: three dots per expert."""
+        # The routing weights scale each expert's hidden activations before down_proj (linear, so the same as
+        # scaling its output), which lets the down dots sum over experts and width together.
+        mm = lambda a, w, dtype=x.dtype: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(dtype)
+        gate, up, down = self.weights()
+        if isinstance(gate, tuple):
+            y = jnp.zeros((x.shape[0], down[0].shape[1]), jnp.float32)
+            for e in range(self.num_experts):
+                h = jax.nn.silu(mm(x, gate[e].T)) * mm(x, up[e].T)
+                y += mm((h * combine[:, e:e + 1]).astype(x.dtype), down[e], jnp.float32)
+            return y.astype(x.dtype)
+        num_experts, width, hidden = gate.shape
+        flat = lambda w: w.reshape(num_experts * width, hidden)  # a bitcast: the stacking is row-major
+        h = jax.nn.silu(mm(x, flat(gate).T)) * mm(x, flat(up).T)  # [N, E * width]
+        h = (h.reshape(-1, num_experts, width) * combine[:, :, None]).astype(x.dtype)
+        return mm(h.reshape(-1, num_experts * width), flat(down))
+
+    def weights(self) -> tuple:
+        """(gate_proj, up_proj, down_proj): each the stacked array `[E, width, hidden]` or, in the per-expert form
+        (`per_expert_params`), a tuple of E arrays `[width, hidden]`."""
+        return self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value()
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_proj.get_value())
 
 
 class MoEMLP(nnx.Module):
@@ -159,5 +233,4 @@ class MoEMLP(nnx.Module):
         `experts` `[N, k]`: `[..., hidden]` in x's shape and dtype."""
         combine = jnp.zeros((rows.shape[0], self.num_experts), jnp.float32)
         combine = combine.at[jnp.arange(rows.shape[0])[:, None], experts].add(weights)
-        y = jnp.einsum("ne,enh->nh", combine, self.experts.every(rows).astype(jnp.float32))
-        return y.astype(x.dtype).reshape(x.shape)
+        return self.experts.every(rows, combine).reshape(x.shape)

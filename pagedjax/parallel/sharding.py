@@ -8,7 +8,7 @@ Megatron-style tensor parallelism, expressed only as shardings (XLA inserts the 
   embed_tokens, lm_head                       sharded over the vocabulary; the logits are gathered (replicated)
                                               before sampling, since top-k / top-p need whole rows.
   norms, the MoE router (`gate`)              replicated.
-  experts (MoE gate_proj, up_proj, down_proj) stacked `[E, in, out]`, sharded by expert (axis 0): expert
+  experts (MoE gate_proj, up_proj, down_proj) stacked `[E, width, hidden]`, sharded by expert (axis 0): expert
                                               parallelism over the same axis. Tokens stay replicated; XLA's SPMD
                                               partitioner turns the grouped matmul over the local experts into a
                                               partial sum per device and one all-reduce per MoE layer (README,
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")  # sharded by outputs
 ROW = ("o_proj", "down_proj")  # sharded by inputs (their products all-reduced)
-EXPERTS = "experts"  # the module of stacked expert weights `[E, in, out]`: sharded by expert
+EXPERTS = "experts"  # the module of stacked expert weights `[E, ...]`: sharded by expert
 
 
 def key_names(keypath) -> tuple:

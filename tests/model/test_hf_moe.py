@@ -87,7 +87,8 @@ def test_config_maps_moe_families(models, kind):
 
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_per_expert_tensors_are_stacked(models, kind):
-    """transformers saves one tensor per expert and projection; the model holds them stacked `[E, in, out]`."""
+    """transformers saves one tensor per expert and projection `[out, in]`; the model holds them stacked
+    `[E, width, hidden]`: gate / up as saved, down transposed."""
     from safetensors.numpy import load_file
 
     _, folder, cfg, state = models[kind]
@@ -99,7 +100,8 @@ def test_per_expert_tensors_are_stacked(models, kind):
         stacked = np.asarray(experts[ours].get_value())
         assert stacked.shape[0] == cfg.moe.num_experts
         for e in range(cfg.moe.num_experts):
-            np.testing.assert_array_equal(stacked[e], tensors[f"model.layers.1.{prefix}.experts.{e}.{hf}.weight"].T)
+            saved = tensors[f"model.layers.1.{prefix}.experts.{e}.{hf}.weight"]
+            np.testing.assert_array_equal(stacked[e], saved.T if ours == "down_proj" else saved)
     np.testing.assert_array_equal(np.asarray(state["layers"][1]["mlp"]["gate"]["kernel"].get_value()),
                                   tensors[f"model.layers.1.{prefix}.gate.weight"].T)
 

@@ -16,7 +16,7 @@ from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.config import ModelConfig
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import init_model
-from pagedjax.model.moe import MoEMLP, route
+from pagedjax.model.moe import MoEMLP, per_expert_params, route
 from pagedjax.moe_config import MoEConfig
 from tests.dense import greedy_by_recompute
 
@@ -65,8 +65,8 @@ def _per_token_loop(mlp: MoEMLP, x: np.ndarray) -> np.ndarray:
     out = np.zeros_like(x)
     for t in range(x.shape[0]):
         for w, e in zip(weights[t], experts[t], strict=True):
-            g = x[t] @ gate_w[e]
-            out[t] += w * ((g / (1 + np.exp(-g)) * (x[t] @ up_w[e])) @ down_w[e])
+            g = gate_w[e] @ x[t]  # gate / up are (out, in), down (in, out): `Experts`
+            out[t] += w * ((g / (1 + np.exp(-g)) * (up_w[e] @ x[t])) @ down_w[e])
     return out
 
 
@@ -126,6 +126,33 @@ def test_bfloat16_experts_stay_close_to_float32():
         np.testing.assert_allclose(np.asarray(got, np.float32), want[:got.shape[0]], atol=0.05 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("rows, dtype, methods", [
+    (1, jnp.float32, ("by_pair", "every", "grouped")), (4, jnp.float32, ("by_pair", "every")),
+    (1, jnp.bfloat16, ("by_pair",)), (4, jnp.bfloat16, ("every",))])
+def test_the_per_expert_form_computes_the_same_function(rows, dtype, methods):
+    """`per_expert_params` (the experts as E separate arrays, the single-device CPU form) through each method
+    gives the stacked form's reference: float32 to 1e-5, bfloat16 to 1e-2 of the float32 reference (in 16 bits
+    the two methods the CPU picks, by_pair for 1 row and every for 4: 8 pairs > 6 experts; grouped, never picked
+    on the CPU, at 1 row)."""
+    mlp = MoEMLP(_cfg("softmax_topk", True), jnp.float32, nnx.Rngs(0))
+    graphdef, state = nnx.split(mlp)
+    x = jax.random.normal(jax.random.key(5), (rows, HIDDEN))
+    want = np.asarray(jax.jit(lambda s, x: nnx.merge(graphdef, s).dense(x))(state, x))
+    state = jax.tree.map(lambda a: a.astype(dtype), state)
+    split = per_expert_params(state)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        stacked, parts = state["experts"][name].get_value(), split["experts"][name].get_value()
+        assert isinstance(parts, tuple) and len(parts) == E
+        for e, part in enumerate(parts):
+            np.testing.assert_array_equal(np.asarray(part), np.asarray(stacked[e]))
+    assert split["gate"]["kernel"].get_value() is state["gate"]["kernel"].get_value()  # other leaves: as they are
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    for method in methods:
+        got = jax.jit(lambda x, s, method=method: nnx.merge(graphdef, s)(x, method))(x.astype(dtype), split)
+        assert got.dtype == dtype and got.shape == x.shape
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, **tol, err_msg=method)
+
+
 def test_moe_decoder_engine_greedy_equals_the_dense_model():
     """A two-layer MoE decoder through the engine (paged attention, chunked prefill, the CPU's MoE methods) gives
     the dense model's greedy tokens (reference MoE, no cache); the router statistics count every token k times."""
@@ -146,6 +173,15 @@ def test_moe_decoder_engine_greedy_equals_the_dense_model():
                        backend="xla")
     outs = engine.generate(prompts, SamplingParams(max_tokens=6), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == want
+    # One CPU device: the runner holds the experts as separate arrays (`Llama.single_device_params`), and takes
+    # new weights in the model's stacked form.
+    assert isinstance(engine.runner.params["layers"][0]["mlp"]["experts"]["down_proj"].get_value(), tuple)
+    state2 = jax.tree.map(lambda a: a * 1.25, state)
+    want2, _ = greedy_by_recompute(jax.jit(lambda t: nnx.merge(graphdef, state2).forward_dense(t)), prompts, 6, 24)
+    assert want2 != want
+    engine.update_weights(state2)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == want2
     counts = np.asarray(jax.jit(lambda t: nnx.merge(graphdef, state).tokens_per_expert(t))(jnp.asarray([prompts[2]])))
     assert counts.shape == (2, E) and (counts.sum(-1) == 11 * K).all()
 

@@ -73,7 +73,7 @@ def test_param_specs():
 
 
 def test_expert_param_specs(caplog):
-    """Stacked expert weights `[E, in, out]` split by expert where tp divides E (else replicated, and said);
+    """Stacked expert weights `[E, ...]` split by expert where tp divides E (else replicated, and said);
     the router replicated; the default rule of other models' `experts` parameters alike."""
     moe = CFG.replace(moe=MoEConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=16))
     for leaf in ("gate_proj", "up_proj", "down_proj"):
