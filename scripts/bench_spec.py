@@ -52,8 +52,11 @@ class AlwaysZero:
     def __init__(self, k: int):
         self.k = k
 
-    def propose(self, request, cap: int) -> list[int]:
-        return [0] * min(self.k, cap)
+    def propose(self, asks) -> list[list[int]]:
+        return [[0] * min(self.k, ask.cap) for ask in asks]
+
+    def would_propose(self, request) -> bool:
+        return True
 
 
 def make_prompts(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int) -> list[list[int]]:

@@ -21,6 +21,7 @@ from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingPa
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import FusedDecodePlan, StepPlan
 from pagedjax.engine import weights
+from pagedjax.engine.draft import DraftProposer, load_draft
 from pagedjax.engine.generate import generate_batch
 from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
 from pagedjax.engine.invariant import invariant_shape
@@ -100,6 +101,7 @@ class LLMEngine:
         self.cache_config = cache_config or CacheConfig()
         self.model_spec = check_model(model, kv_dtype=self.cache_config.kv_dtype)
         spec = self.model_spec
+        draft = load_draft(speculative_config, spec, self.cache_config, self.seed, parallel_config)
         self.scheduler_config = (scheduler_config or SchedulerConfig()).resolve(spec.max_position_embeddings)
         self.decode_steps_per_call = int(decode_steps_per_call)
         self.tokenizer = tokenizer
@@ -113,7 +115,7 @@ class LLMEngine:
             # kv_memory_bytes is a per-device budget: blocks are counted by the KV heads one device holds.
             self.num_blocks = self.cache_config.resolve_num_blocks(per_device_model(spec, mesh.size))
         else:
-            self.num_blocks = self.cache_config.resolve_num_blocks(spec)
+            self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if draft is None else draft.spec)
         # Blocks out of every layer's sliding window go back to the pool while requests run.
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
                                    sliding_window=spec.kv_window)
@@ -123,7 +125,9 @@ class LLMEngine:
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=backend,
                                   mesh=mesh, max_programs=int(max_compiled_programs),
                                   compile_in_background=bool(compile_in_background))
-        self.speculator = None if speculative_config is None else Speculator(speculative_config)
+        self.speculator = None if speculative_config is None else Speculator(speculative_config, None if draft is None
+            else DraftProposer(draft, self.num_blocks, self.cache_config, self.scheduler_config.max_num_batched_tokens,
+                               backend=backend, max_programs=int(max_compiled_programs)))
         if check_bool("LLMEngine", "batch_invariant", batch_invariant):  # see pagedjax.engine.invariant
             if self.decode_steps_per_call != 1:  # a fused decode is a program of its own
                 raise ValueError("LLMEngine: batch_invariant=True needs decode_steps_per_call=1, got "

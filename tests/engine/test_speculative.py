@@ -171,19 +171,22 @@ def _request(tokens: list[int]) -> Request:
     ([7], 4, []),
 ])
 def test_ngram_proposer(tokens, cap, proposal):
-    assert NgramProposer(k=4, min_n=1, max_n=3).propose(_request(tokens), cap) == proposal
+    assert NgramProposer(k=4, min_n=1, max_n=3).propose_for(_request(tokens), cap) == proposal
 
 
 def test_ngram_proposer_backs_off_below_its_min_n():
     # only a 1-gram (3) repeats: a min_n of 2 proposes nothing
-    assert NgramProposer(k=4, min_n=2, max_n=3).propose(_request([3, 1, 2, 3]), 4) == []
-    assert NgramProposer(k=4, min_n=1, max_n=3).propose(_request([3, 1, 2, 3]), 4) == [1, 2, 3]
+    assert NgramProposer(k=4, min_n=2, max_n=3).propose_for(_request([3, 1, 2, 3]), 4) == []
+    assert NgramProposer(k=4, min_n=1, max_n=3).propose_for(_request([3, 1, 2, 3]), 4) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(num_speculative_tokens=0), ValueError, "SpeculativeConfig.num_speculative_tokens must be in"),
     (dict(num_speculative_tokens=2.0), TypeError, "SpeculativeConfig.num_speculative_tokens must be an int"),
-    (dict(method="draft"), ValueError, "SpeculativeConfig.method 'draft' is not supported"),
+    (dict(method="eagle"), ValueError, "SpeculativeConfig.method 'eagle' is not supported"),
+    (dict(method="draft"), ValueError, "SpeculativeConfig.draft_model is needed by method 'draft' and only by it, "
+                                       "got None with method 'draft'"),
+    (dict(draft_model="some/folder"), ValueError, "draft_model is needed by method 'draft' and only by it, got str"),
     (dict(prompt_lookup_min=0), ValueError, "SpeculativeConfig.prompt_lookup_min must be >= 1"),
     (dict(prompt_lookup_min=3, prompt_lookup_max=2), ValueError, "SpeculativeConfig.prompt_lookup_max must be >= 3"),
 ])
@@ -214,7 +217,7 @@ def test_a_failing_verifying_step_fails_its_request_alone_and_frees_every_block(
     engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=NGRAM)
     engine.add_request("a", SPEC_PROMPTS[4], SamplingParams(max_tokens=10))
     engine.step()  # the prompt
-    monkeypatch.setattr(engine.speculator.proposer, "propose", lambda request, cap: [1] * min(2, cap))
+    monkeypatch.setattr(engine.speculator.proposer, "propose", lambda asks: [[1] * min(2, a.cap) for a in asks])
     plans = []
     schedule = engine.speculator.schedule
     monkeypatch.setattr(engine.speculator, "schedule", lambda sched: plans.append(schedule(sched)) or plans[-1])
@@ -276,17 +279,17 @@ def test_speculative_step_inputs_give_each_verified_position_its_own_row(monkeyp
 def test_ngram_proposer_backs_off_after_failed_proposals_and_recovers_after_an_accepted_one():
     proposer = NgramProposer(k=2, min_n=1, max_n=1)
     r = _request([5, 6, 5])
-    assert proposer.propose(r, 2) == [6, 5]
+    assert proposer.propose_for(r, 2) == [6, 5]
     r.output_token_ids.append(9)  # not the proposal's first token: hold back for 1 token
-    assert proposer.propose(r, 2) == []
+    assert proposer.propose_for(r, 2) == []
     r.output_token_ids.append(5)
-    assert proposer.propose(r, 2) == [9, 5]  # proposing again: what followed the most recent 5
+    assert proposer.propose_for(r, 2) == [9, 5]  # proposing again: what followed the most recent 5
     r.output_token_ids.append(7)  # failed again: hold back for 2 tokens
-    assert proposer.propose(r, 2) == []
+    assert proposer.propose_for(r, 2) == []
     r.output_token_ids.append(5)
-    assert proposer.propose(r, 2) == []
+    assert proposer.propose_for(r, 2) == []
     r.output_token_ids.append(5)
-    proposal = proposer.propose(r, 2)
+    proposal = proposer.propose_for(r, 2)
     assert proposal == [5]  # the most recent 5 is followed by the last token only
     r.output_token_ids.append(5)  # accepted: no more holding back
-    assert proposer.propose(r, 2) == [5] and r.proposer_state.wait == 0
+    assert proposer.propose_for(r, 2) == [5] and r.proposer_state.wait == 0
