@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, on the same engine, model and prompts.
+"""Speculative decoding (n-gram prompt lookup, a draft model) against plain decoding, on the same engine, model and
+prompts.
 
     python scripts/bench_spec.py                       # the 156M random-weights model, batch 1 and 8
     python scripts/bench_spec.py --model tiny --quick  # seconds: checks the script
@@ -14,7 +15,12 @@ sees random token ids too):
               vocabulary and never repeats a 2-gram, so prompt lookup finds nothing and backs off (the fused decode
               then runs as without speculation);
   all-rejected  no-repeat with a proposer that always proposes k copies of token 0 (so nearly every proposal is
-              rejected): the cost of verifying k tokens per step for nothing, the worst case (not prompt lookup).
+              rejected): the cost of verifying k tokens per step for nothing, the worst case (not prompt lookup);
+  draft       greedy decoding after a random prompt, proposals from a draft model (`SpeculativeConfig(method=
+              "draft")`): a small random model of the target's vocabulary (the bundled model's shape, "small"), which
+              does not agree with a random target (its acceptance rate says how little), and the upper bounds: the
+              target's own first 2 layers (embedding, norm and head shared) and the target itself (acceptance 1:
+              what a perfect draft of the target's cost would give).
 
 Rows: plain decoding with 1 and with N decode steps per device call, and speculation (k proposals, N steps per
 call where no request has a proposal). Each engine is warmed up (every shape compiled) by one run, then timed in
@@ -43,6 +49,7 @@ WORKLOADS = {
     "copy-heavy": dict(temperature=0.0),
     "no-repeat": dict(temperature=1.0, seed=1),
     "all-rejected": dict(temperature=1.0, seed=1),
+    "draft": dict(temperature=0.0),
 }
 
 
@@ -57,6 +64,16 @@ class AlwaysZero:
 
     def would_propose(self, request) -> bool:
         return True
+
+
+def draft_models(target, cfg) -> dict:
+    """The draft workload's drafts for `target` (see the module's docstring)."""
+    small = init_model(SHAPES["small"].replace(vocab_size=cfg.vocab_size, dtype=cfg.dtype), seed=1)
+    truncated = init_model(cfg.replace(num_layers=min(2, cfg.num_layers)), seed=1)
+    for i in range(truncated.config.num_layers):
+        truncated.layers[i] = target.layers[i]
+    truncated.embed_tokens, truncated.norm, truncated.lm_head = target.embed_tokens, target.norm, target.lm_head
+    return {"small": small, "2 layers": truncated, "= target": target}
 
 
 def make_prompts(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int) -> list[list[int]]:
@@ -77,8 +94,13 @@ def run(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int,
     prompts = make_prompts(model, cfg, workload, batch, prompt_len, max_tokens)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **WORKLOADS[workload])
     total = max(map(len, prompts)) + max_tokens
-    variants = [("plain, 1 step/call", 1, None), (f"plain, {fused} steps/call", fused, None),
-                (f"ngram k={k}, {fused} steps/call", fused, SpeculativeConfig(num_speculative_tokens=k))]
+    variants = [("plain, 1 step/call", 1, None), (f"plain, {fused} steps/call", fused, None)]
+    if workload == "draft":
+        variants += [(f"draft {name} k={k}", fused, SpeculativeConfig(method="draft", draft_model=draft,
+                                                                       num_speculative_tokens=k))
+                     for name, draft in draft_models(model, cfg).items()]
+    else:
+        variants.append((f"ngram k={k}, {fused} steps/call", fused, SpeculativeConfig(num_speculative_tokens=k)))
     rows = []
     budget = max(batch * (total - max_tokens), 64)
     for name, steps, spec in variants:

@@ -135,9 +135,10 @@ def _decoding(tokens: list[int], computed: int, blocks: tuple[int, ...], preempt
 @pytest.mark.parametrize("state, ask, start", [
     (None, _decoding([1, 2, 3, 4, 5], 4, (7, 8, 9)), 0),  # nothing computed yet
     (DraftKV(4, (), (7, 8), 0, 0), _decoding([1, 2, 3, 4, 5], 4, (7, 8, 9)), 4),
-    (DraftKV(6, (3, 4, 9), (7, 8, 9), 0, 0), _decoding([1, 2, 3, 4, 5], 4, (7, 8, 9)), 5),  # 9 was rejected
-    (DraftKV(5, (4, 9), (7, 8, 9), 0, 0), _decoding([1, 2, 3, 4, 5, 6], 5, (7, 8, 9)), 4),  # ... though computed
-    (DraftKV(6, (3, 4, 5), (7, 8, 9), 0, 0), _decoding([1, 2, 3, 4, 5, 6], 5, (7, 8, 9)), 6),  # all accepted
+    (DraftKV(6, (4, 9, 9), (7, 8, 9), 0, 0), _decoding([1, 2, 3, 4, 5], 4, (7, 8, 9)), 4),  # 9 was rejected at 4
+    (DraftKV(5, (4, 9), (7, 8, 9), 0, 0), _decoding([1, 2, 3, 4, 5, 6], 5, (7, 8, 9)), 4),  # ... computed since
+    (DraftKV(5, (4, 5), (7, 8, 9), 0, 0), _decoding([1, 2, 3, 4, 5, 6], 5, (7, 8, 9)), 5),  # all accepted
+    (DraftKV(6, (4, 5, 6), (7, 8, 9), 0, 0), _decoding([1, 2, 3, 4, 5], 4, (7, 8, 9)), 5),  # 6 not verified yet
     (DraftKV(4, (), (7, 8), 0, 0), _decoding([1, 2, 3, 4, 5], 4, (7, 5, 9)), 2),  # block 1 was copied on write
     (DraftKV(4, (), (7, 8), 0, 0), _decoding([1, 2, 3, 4, 5], 4, (7, 8, 9), preemptions=1), 0),
     (DraftKV(4, (), (7, 8), 0, 1), _decoding([1, 2, 3, 4, 5], 4, (7, 8, 9)), 0),  # another epoch: KV lost

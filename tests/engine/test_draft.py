@@ -31,22 +31,21 @@ def same_draft(k: int = 3) -> SpeculativeConfig:
 
 
 def test_a_draft_identical_to_the_target_accepts_every_proposal_and_gives_the_dense_tokens(monkeypatch, caplog):
-    """Two prompts sharing a 40-token prefix (the second one's prefix-cache hit is a prefix the draft recomputes),
-    with log-probabilities. Then a draft call that raises: that step verifies nothing, the tokens stay the dense
-    ones, and the draft's KV is recomputed afterwards (every proposal accepted again)."""
+    """Two prompts sharing a 40-token prefix (the second run's prefix-cache hits are blocks the draft recomputes).
+    Then a draft call that raises: that step verifies nothing, the tokens stay the dense ones, and the draft's KV is
+    recomputed afterwards (every proposal accepted again). (Log-probabilities of verified rows: test_speculative.)"""
     prompts = PROMPTS[3:5]
     expected, margin = dense_greedy(prompts, 10)
     assert margin > 1e-3, margin
     engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=same_draft())
-    engine.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # the prefix goes to the cache
-    outs = engine.generate(prompts, SamplingParams(max_tokens=10, logprobs=1), use_tqdm=False)
+    params = SamplingParams(max_tokens=10)
+    assert engine.generate(prompts[:1], params, use_tqdm=False)[0].output_token_ids == expected[0]
+    outs = engine.generate(prompts, params, use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     s = engine.stats()
     assert s.scheduler.prefix_cache_hits > 0
     assert s.spec_proposed_tokens > 0 and s.spec_accepted_tokens == s.spec_proposed_tokens  # acceptance 1
-    assert s.steps < 2 + sum(map(len, expected))  # several tokens per step
-    for o in outs:
-        assert all(t.top[0][0] == t.token_id and t.top[0][1] == t.logprob for t in o.outputs[0].logprobs)
+    assert s.steps < 3 + sum(map(len, expected)) // 2  # several tokens per step
     assert_all_free(engine)
 
     proposer = engine.speculator.proposer
@@ -60,7 +59,7 @@ def test_a_draft_identical_to_the_target_accepts_every_proposal_and_gives_the_de
 
     monkeypatch.setattr(proposer.runner, "execute", fails_once)
     with caplog.at_level(logging.ERROR, logger="pagedjax.engine.draft"):
-        outs = engine.generate(prompts, SamplingParams(max_tokens=10), use_tqdm=False)
+        outs = engine.generate(prompts, params, use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     assert proposer.num_failed_calls == 1 and proposer.epoch == 1 and "draft device lost" in caplog.text
     after = engine.stats()
