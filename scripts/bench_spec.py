@@ -20,7 +20,8 @@ sees random token ids too):
               "draft")`): a small random model of the target's vocabulary (the bundled model's shape, "small"), which
               does not agree with a random target (its acceptance rate says how little), and the upper bounds: the
               target's own first 2 layers (embedding, norm and head shared) and the target itself (acceptance 1:
-              what a perfect draft of the target's cost would give).
+              what a perfect draft of the target's cost would give); and "oracle", proposals that are the plain
+              run's own tokens at no cost (not a draft model: what verification alone allows).
 
 Rows: plain decoding with 1 and with N decode steps per device call, and speculation (k proposals, N steps per
 call where no request has a proposal). Each engine is warmed up (every shape compiled) by one run, then timed in
@@ -66,6 +67,21 @@ class AlwaysZero:
         return True
 
 
+class Oracle:
+    """The draft workload's bound: a perfect proposer that costs nothing (the plain run's tokens of each prompt)."""
+
+    def __init__(self, k: int, prompts, outputs):
+        self.k = k
+        self.known = {tuple(p): list(o) for p, o in zip(prompts, outputs, strict=True)}
+
+    def propose(self, asks) -> list[list[int]]:
+        return [self.known[tuple(a.request.prompt_token_ids)][a.request.num_output_tokens:][:min(self.k, a.cap)]
+                for a in asks]
+
+    def would_propose(self, request) -> bool:
+        return True
+
+
 def draft_models(target, cfg) -> dict:
     """The draft workload's drafts for `target` (see the module's docstring)."""
     small = init_model(SHAPES["small"].replace(vocab_size=cfg.vocab_size, dtype=cfg.dtype), seed=1)
@@ -99,9 +115,10 @@ def run(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int,
         variants += [(f"draft {name} k={k}", fused, SpeculativeConfig(method="draft", draft_model=draft,
                                                                        num_speculative_tokens=k))
                      for name, draft in draft_models(model, cfg).items()]
+        variants.append((f"oracle k={k}", fused, SpeculativeConfig(num_speculative_tokens=k)))
     else:
         variants.append((f"ngram k={k}, {fused} steps/call", fused, SpeculativeConfig(num_speculative_tokens=k)))
-    rows = []
+    rows, plain = [], None  # plain: the first row's tokens (the oracle's proposals)
     budget = max(batch * (total - max_tokens), 64)
     for name, steps, spec in variants:
         engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=batch * -(-(total + k) // 16) + 8,
@@ -111,7 +128,10 @@ def run(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int,
                            params=model, decode_steps_per_call=steps, speculative_config=spec)
         if spec is not None and workload == "all-rejected":
             engine.speculator.proposer = AlwaysZero(k)
-        engine.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every shape of this workload
+        if name.startswith("oracle"):
+            engine.speculator.proposer = Oracle(k, prompts, plain)
+        outs = engine.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every shape of this workload
+        plain = plain or [o.output_token_ids for o in outs]
         rows.append(dict(name=name, engine=engine, times=[]))
     for _ in range(repeats):
         for row in rows:

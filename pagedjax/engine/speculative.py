@@ -159,12 +159,10 @@ class Speculator:
 
     def warmup_shapes(self, shapes: list[StepShape | LoopShape], config: SchedulerConfig) -> list[StepShape]:
         """The ragged steps of `shapes` (`LLMEngine.warmup`'s) with as many rows as a step that verifies proposals
-        may sample (1 + k per sequence, within the token budget; `pad_step` pads the sequences, and the block-copy
-        rows, to them), so that they stand in for those steps too."""
+        may sample (1 + k per sequence, within the token budget), so that they stand in for those steps too."""
         rows = bucket(min(config.max_num_seqs * (1 + self.config.num_speculative_tokens),
                           config.max_num_batched_tokens))
-        return [s._replace(tables=(rows, s.tables[1]), copies=None if s.copies is None else max(s.copies, rows))
-                for s in shapes if isinstance(s, StepShape) and s.tables[0] < rows]
+        return [s._replace(rows=rows) for s in shapes if isinstance(s, StepShape) and s.num_rows < rows]
 
     def has_proposals(self, scheduler: Scheduler) -> bool:
         """Whether some running request that decodes would get a proposal (a step that then cannot be a fused

@@ -201,16 +201,16 @@ def test_engine_refuses_a_speculative_config_of_another_type():
 
 
 def test_warmup_adds_programs_wide_enough_for_every_verified_row():
-    """A step that verifies proposals samples up to 1 + k rows per sequence (its sequences padded to as many):
-    `LLMEngine.warmup` then also compiles the ragged steps that wide, so they stand in for it."""
+    """A step that verifies proposals samples up to 1 + k rows per sequence: `LLMEngine.warmup` then also compiles
+    the ragged steps with that many rows, so they stand in for it."""
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96)
     shapes = warmup_shapes(max_tokens=64, max_seqs=4, max_blocks=6, block_size=16, decode_steps=4, narrow=True)
     extra = Speculator(NGRAM).warmup_shapes(shapes, config)
-    assert [s.tables for s in extra] == [(16, 8), (16, 8), (16, 2)]  # 4 sequences x (1 + 3) rows, each program
-    widest = StepShape("step", 64, (16, 8), False, False, 16, 512, False, 20, 0, True)
+    assert [(s.tables, s.rows) for s in extra] == [((4, 8), 16), ((4, 8), 16), ((4, 2), 16)]  # 4 x (1 + 3) rows
+    widest = StepShape("step", 64, (4, 8), False, False, 4, 512, False, 20, 0, True, 16)
     assert not any(dominates(s, widest) for s in shapes) and dominates(extra[0], widest)
     budget_bound = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=96)
-    assert [s.tables[0] for s in Speculator(NGRAM).warmup_shapes(shapes, budget_bound)] == [8, 8, 8]
+    assert [s.rows for s in Speculator(NGRAM).warmup_shapes(shapes, budget_bound)] == [8, 8, 8]
 
 
 def test_a_failing_verifying_step_fails_its_request_alone_and_frees_every_block(monkeypatch):
@@ -254,7 +254,7 @@ def _masks_row_by_row(requests, emits_token, vocab_size):
 def test_speculative_step_inputs_give_each_verified_position_its_own_row(monkeypatch):
     """Beside a request verifying two proposals: a constrained decode and a prefill with penalties. Each sequence's
     rows carry its own sampling parameters, penalties and mask; a verified position j samples as output number
-    `num_output_tokens + j`; the sequences are padded to the rows' bucket."""
+    `num_output_tokens + j`; the rows are padded to their bucket, the sequences to theirs."""
     monkeypatch.setattr(speculative, "token_masks", _masks_row_by_row)
     a = Request("a", [1, 2, 3], SamplingParams(temperature=0.5, seed=4), output_token_ids=[7], num_computed_tokens=3)
     b = Request("b", [4, 5], SamplingParams(presence_penalty=0.5))
@@ -266,7 +266,7 @@ def test_speculative_step_inputs_give_each_verified_position_its_own_row(monkeyp
     np.testing.assert_array_equal(plan.logits_indices, [0, 1, 2, 3, 5])
     inputs = speculative_step_inputs(plan, [c, a, b], vocab_size=40, engine_seed=0)
     assert not inputs.decode_only and len(inputs.token_ids) == 8  # 6 tokens to a power of two from 1
-    assert inputs.meta.block_tables.shape[0] == inputs.meta.kv_lens.shape[0] == len(inputs.logits_indices) == 8
+    assert inputs.meta.block_tables.shape[0] == inputs.meta.kv_lens.shape[0] == 4 and len(inputs.logits_indices) == 8
     np.testing.assert_array_equal(inputs.logits_indices[:5], plan.logits_indices)
     np.testing.assert_array_equal(inputs.sampling.step[:5], [1, 1, 2, 3, 0])
     np.testing.assert_allclose(inputs.sampling.temperature[:5], [0, 0.5, 0.5, 0.5, 0])
