@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from pagedjax.core.scheduler import Scheduler
 
 
-
 class ProposalAsk(NamedTuple):
     """One request a proposer is asked for at most `cap` (>= 1) tokens to follow its known tokens."""
 

@@ -65,10 +65,12 @@ class DraftCaller:
                                     epoch=self.epoch)
         plans = self.draft.plans[calls:]
         longest = max(ask.cap for ask in asks)
-        # batched: the catch-up calls, then one decode call per further proposal, whatever the number of requests
-        assert all(p.num_tokens == p.num_seqs for p in plans[len(plans) - longest + 1:])
-        assert sum(p.num_tokens for p in plans[:len(plans) - longest + 1]) <= self.max_tokens * (
-            len(plans) - longest + 1)
+        # batched: the catch-up calls (each within max_tokens), then one decode call per further proposal, each for
+        # every request that has a token in it
+        catch_up = plans[:len(plans) - (longest - 1)]
+        assert catch_up and all(p.num_tokens <= self.max_tokens for p in catch_up)
+        for j, p in enumerate(plans[len(catch_up):], start=1):
+            assert p.num_tokens == p.num_seqs == sum(ask.cap > j for ask in asks)
         assert [len(p) for p in proposals] == [ask.cap for ask in asks]
         return proposals
 

@@ -272,6 +272,12 @@ def test_a_proposer_that_returns_more_than_asked_is_an_error():
         schedule_speculative(sched, each(lambda req, cap: [0] * 9), 64)
 
 
+def test_a_proposer_that_answers_another_number_of_requests_is_an_error():
+    sched, _, _ = _decoding_scheduler()
+    with pytest.raises(ValueError, match="the proposer returned 2 proposals for 1 requests"):
+        schedule_speculative(sched, lambda asks: [[1], [2]], 64)
+
+
 def test_no_proposal_leaves_the_plan_as_the_scheduler_made_it():
     sched, model, r = _decoding_scheduler()
     plan = schedule_speculative(sched, each(lambda req, cap: []), 64)
