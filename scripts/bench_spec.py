@@ -4,6 +4,7 @@ prompts.
     python scripts/bench_spec.py                       # the 156M random-weights model, batch 1 and 8
     python scripts/bench_spec.py --model tiny --quick  # seconds: checks the script
     python scripts/bench_spec.py --model bundled       # the bundled trained model (2.4M parameters)
+    python scripts/bench_spec.py --workload draft --max-tokens 32   # the draft model's rows (README)
 
 Workloads (both honest about what they are; with random weights nothing here is natural text, and the bundled model
 sees random token ids too):
@@ -160,7 +161,7 @@ def print_table(rows: list[dict], workload: str, batch: int, max_tokens: int) ->
               f"{str(r['tokens'] == base1['tokens']):>12s}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=[*sorted(SHAPES), "bundled"], default="156m")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -171,7 +172,7 @@ def main() -> None:
     p.add_argument("--fused", type=int, default=8, help="decode steps per call (N)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="16 tokens, one round")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.max_tokens, args.repeats = 16, 1
     if args.model == "bundled":  # the trained 2.4M-parameter model (pagedjax/assets/tiny)

@@ -74,14 +74,14 @@ def step(seqs: int, q_len: int, context: int, *, rows: str, temperature: float =
     return inputs
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(SHAPES), default="156m")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--context", type=int, default=96, help="cached tokens per sequence")
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cfg = SHAPES[args.model]
     model = init_model(cfg, seed=0)
     q, ctx = 1 + args.k, args.context
