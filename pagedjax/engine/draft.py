@@ -31,9 +31,10 @@ from pagedjax.core.request import Request
 from pagedjax.core.speculation import ProposalAsk
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.device.sampling import SamplingMetadata
-from pagedjax.engine.inputs import pad_step
+from pagedjax.engine.inputs import bucket, pad_step
 from pagedjax.engine.loading import engine_model, load_for
 from pagedjax.engine.runner import ModelRunner
+from pagedjax.engine.shapes import StepShape
 from pagedjax.engine.speculative import check_speculative_config
 from pagedjax.model.api import check_model
 
@@ -80,10 +81,10 @@ class DraftProposer:
     (logged, counted in `num_failed_calls`; the draft's KV is then considered lost: `epoch`)."""
 
     def __init__(self, model, num_blocks: int, cache_config: CacheConfig, max_tokens: int, *, backend: str,
-                 max_programs: int):
+                 max_programs: int, compile_in_background: bool):
         self.runner = ModelRunner(model, num_blocks, cache_config.block_size,
                                   kv_dtype=cache_config.kv_array_dtype(model.spec), backend=backend,
-                                  max_programs=max_programs, compile_in_background=False)
+                                  max_programs=max_programs, compile_in_background=compile_in_background)
         self.block_size = cache_config.block_size
         self.max_tokens = max_tokens  # tokens per draft call (the engine's max_num_batched_tokens)
         self.epoch = 0  # bumped when the draft's KV arrays are lost: every request's draft KV is recomputed
@@ -91,6 +92,14 @@ class DraftProposer:
 
     def would_propose(self, request: Request) -> bool:
         return True  # a draft always has a guess
+
+    def warmup(self, max_seqs: int, max_blocks: int) -> None:
+        """Compile and hold the draft's ragged step at the largest token, sequence and block-table buckets its calls
+        reach (`max_tokens`, `max_seqs`, `max_blocks` per sequence), with no optional part (a draft step has none):
+        with `compile_in_background` it stands in for every draft call whose own program is not compiled yet
+        (`LLMEngine.warmup`)."""
+        self.runner.warmup([StepShape("step", bucket(self.max_tokens, 16), (bucket(max_seqs), bucket(max_blocks, 2)),
+                                      False, False, None, None, False, None, 0)])
 
     def propose(self, asks: list[ProposalAsk]) -> list[list[int]]:
         try:

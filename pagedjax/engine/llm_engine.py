@@ -127,7 +127,8 @@ class LLMEngine:
                                   compile_in_background=bool(compile_in_background))
         self.speculator = None if speculative_config is None else Speculator(speculative_config, None if draft is None
             else DraftProposer(draft, self.num_blocks, self.cache_config, self.scheduler_config.max_num_batched_tokens,
-                               backend=backend, max_programs=int(max_compiled_programs)))
+                               backend=self.runner.backend, max_programs=int(max_compiled_programs),
+                               compile_in_background=bool(compile_in_background)))
         if check_bool("LLMEngine", "batch_invariant", batch_invariant):  # see pagedjax.engine.invariant
             if self.decode_steps_per_call != 1:  # a fused decode is a program of its own
                 raise ValueError("LLMEngine: batch_invariant=True needs decode_steps_per_call=1, got "
@@ -188,8 +189,8 @@ class LLMEngine:
         """Compile the programs that dominate every step this engine can make (`shapes.warmup_shapes`: the
         ragged step at the largest token, sequence and block-table buckets with every optional part on, with and
         without prompt log-probabilities, on the XLA path a quarter as wide too, and the fused decode's when
-        `decode_steps_per_call` > 1) and run each
-        once on padding. From then on a step whose own program is not compiled runs on one of them while its own
+        `decode_steps_per_call` > 1; a draft model's widest step: `DraftProposer.warmup`) and run each once on
+        padding. From then on a step whose own program is not compiled runs on one of them while its own
         compiles in the background (`pagedjax.engine.programs`), instead of waiting for it: every step but those
         asking for logits or more than 512 stop ids, as long as a run of that program takes at most
         `programs.STAND_IN_BUDGET` of a compile (on the XLA path, where attention reads every block-table column,
@@ -206,6 +207,8 @@ class LLMEngine:
         if self.speculator is not None:
             shapes += self.speculator.warmup_shapes(shapes, sc)
         self.runner.warmup(shapes)
+        if self.speculator is not None and self.speculator.draft is not None:  # the draft model's stand-in
+            self.speculator.draft.warmup(sc.max_num_seqs, max_blocks)
         seconds = time.perf_counter() - start
         self._warmup_s += seconds
         logger.info("warm-up: compiled and ran %d programs in %.1f s", len(shapes), seconds)

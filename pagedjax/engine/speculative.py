@@ -147,6 +147,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, draft: Proposer | None = None):
         check_speculative_config(config)
         self.config = config
+        self.draft = draft  # the draft model's proposer (method "draft"), None otherwise
         self.proposer = make_proposer(config, draft)
         self.num_sequences = 0  # sequence-steps that verified proposals
         self.num_proposed = 0

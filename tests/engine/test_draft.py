@@ -127,6 +127,21 @@ def test_draft_speculation_matches_dense_on_random_workloads(w, k, same):
     assert_all_free(engine)
 
 
+@pytest.mark.slow
+def test_after_warmup_draft_calls_run_on_a_stand_in_while_their_own_programs_compile():
+    """`warmup()` compiles the draft's widest step too; with compile_in_background a draft call whose program is not
+    compiled runs on it (the server's way): the proposals, and so the acceptance, are the same."""
+    prompts, expected = PROMPTS[3:5], reference()[3:5]
+    engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=same_draft(), compile_in_background=True)
+    engine.warmup()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == expected
+    s = engine.stats()
+    assert s.spec_proposed_tokens > 0 and s.spec_accepted_tokens == s.spec_proposed_tokens
+    assert engine.speculator.draft.runner.programs.stand_in_steps > 0
+    engine.close()
+
+
 def test_kv_memory_holds_the_draft_models_blocks_too():
     cache = CacheConfig(block_size=8, kv_memory_bytes=10 * CacheConfig(block_size=8).block_bytes(CFG))
     plain = LLMEngine(CFG, cache, SchedulerConfig(max_model_len=MAX_LEN), seed=SEED)
