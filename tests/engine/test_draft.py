@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams
 from pagedjax.config import SchedulerConfig, SpeculativeConfig
+from pagedjax.model.checkpoint import bundled_model_path
 from pagedjax.model.llama import init_model
 from pagedjax.parallel import ParallelConfig
 from tests.engine.test_engine import (
@@ -142,6 +143,23 @@ def test_after_warmup_draft_calls_run_on_a_stand_in_while_their_own_programs_com
     engine.close()
 
 
+@pytest.mark.slow
+def test_a_draft_read_from_a_folder_the_bundled_model_as_its_own_draft():
+    """`draft_model` a folder (the bundled trained model's), the target the same model: its greedy text, every
+    proposal accepted."""
+    cache, sched = CacheConfig(block_size=16, num_blocks=32), SchedulerConfig(max_num_seqs=2, max_model_len=256)
+    prompts, params = ["def fibonacci(n):", "import os\n"], SamplingParams(max_tokens=24)
+    plain = LLMEngine.from_pretrained(None, cache_config=cache, scheduler_config=sched).generate(prompts, params,
+                                                                                                 use_tqdm=False)
+    config = SpeculativeConfig(method="draft", draft_model=str(bundled_model_path()), num_speculative_tokens=3)
+    engine = LLMEngine.from_pretrained(None, cache_config=cache, scheduler_config=sched, speculative_config=config)
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in plain]
+    s = engine.stats()
+    assert s.spec_proposed_tokens > 0 and s.spec_accepted_tokens == s.spec_proposed_tokens
+    assert_all_free(engine)
+
+
 def test_kv_memory_holds_the_draft_models_blocks_too():
     cache = CacheConfig(block_size=8, kv_memory_bytes=10 * CacheConfig(block_size=8).block_bytes(CFG))
     plain = LLMEngine(CFG, cache, SchedulerConfig(max_model_len=MAX_LEN), seed=SEED)
@@ -158,6 +176,8 @@ def test_kv_memory_holds_the_draft_models_blocks_too():
      "SpeculativeConfig.draft_model has vocab_size 50, the target model 97"),
     (CFG, dict(draft_model=object()), TypeError, "SpeculativeConfig.draft_model: "),
     (CFG.replace(sliding_windows=(8, 8)), dict(draft_model=SMALL), ValueError, "sliding window"),
+    # a folder, read as from_pretrained reads one: the bundled model (vocabulary 2048)
+    (CFG, dict(draft_model=str(bundled_model_path())), ValueError, "vocab_size 2048, the target model 97"),
 ])
 def test_bad_draft_models_are_refused_at_construction(model, kwargs, error, match):
     with pytest.raises(error, match=match):
