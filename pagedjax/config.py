@@ -405,16 +405,18 @@ class CacheConfig:
         """Bytes of one KV block (K and V, every layer, with 8-bit pages their scales too) for `model`."""
         return self.block_size * self.kv_bytes_per_token(model)
 
-    def resolve_num_blocks(self, model: ModelSpec) -> int:
-        """Number of physical blocks: as given, or as many as fit in `kv_memory_bytes`."""
+    def resolve_num_blocks(self, model: ModelSpec, draft: ModelSpec | None = None) -> int:
+        """Number of physical blocks: as given, or as many as fit in `kv_memory_bytes` (a block holds a `draft`
+        model's KV too, if given: speculative decoding's, `pagedjax.core.draft_kv`)."""
         if self.num_blocks is not None:
             return self.num_blocks
         if self.kv_memory_bytes is None:
             return 512
-        per_block = self.block_bytes(model)
+        per_block = self.block_bytes(model) + (0 if draft is None else self.block_bytes(draft))
         n = self.kv_memory_bytes // per_block
         if n < 1:
-            raise ValueError(f"kv_memory_bytes={self.kv_memory_bytes} holds no block of {per_block} bytes")
+            raise ValueError(f"kv_memory_bytes={self.kv_memory_bytes} holds no block of {per_block} bytes"
+                             + ("" if draft is None else f" (the draft model's {self.block_bytes(draft)} included)"))
         return int(n)
 
     def pool_bytes(self, model: ModelSpec) -> int:
@@ -457,7 +459,7 @@ class SchedulerConfig:
         return self
 
 
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -469,12 +471,15 @@ class SpeculativeConfig:
     request's last n tokens in its prompt and output, for the longest n in [prompt_lookup_min, prompt_lookup_max]
     that occurs; no occurrence, no proposal (the request decodes as usual), and a request whose last proposal
     failed holds back for a few tokens (`pagedjax.engine.speculative.NgramProposer`).
+    method "draft": `draft_model` (a model folder, a `ModelConfig` (random weights) or a model module, with the
+    target's vocabulary) proposes its greedy tokens (`pagedjax.engine.draft`).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    draft_model: object = None  # method "draft" only
 
     def __post_init__(self) -> None:
         check_choice("SpeculativeConfig", "method", self.method, SPECULATIVE_METHODS, optional=False)
@@ -486,3 +491,6 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_max",
                            check_int("SpeculativeConfig", "prompt_lookup_max", self.prompt_lookup_max,
                                      lo=self.prompt_lookup_min))
+        if (self.draft_model is None) == (self.method == "draft"):
+            raise ValueError(f"SpeculativeConfig.draft_model is needed by method 'draft' and only by it, got "
+                             f"{describe(self.draft_model)} with method {self.method!r}")

@@ -1,8 +1,10 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, on the same engine, model and prompts.
+"""Speculative decoding (n-gram prompt lookup, a draft model) against plain decoding, on the same engine, model and
+prompts.
 
     python scripts/bench_spec.py                       # the 156M random-weights model, batch 1 and 8
     python scripts/bench_spec.py --model tiny --quick  # seconds: checks the script
     python scripts/bench_spec.py --model bundled       # the bundled trained model (2.4M parameters)
+    python scripts/bench_spec.py --workload draft --max-tokens 32   # the draft model's rows (README)
 
 Workloads (both honest about what they are; with random weights nothing here is natural text, and the bundled model
 sees random token ids too):
@@ -14,7 +16,13 @@ sees random token ids too):
               vocabulary and never repeats a 2-gram, so prompt lookup finds nothing and backs off (the fused decode
               then runs as without speculation);
   all-rejected  no-repeat with a proposer that always proposes k copies of token 0 (so nearly every proposal is
-              rejected): the cost of verifying k tokens per step for nothing, the worst case (not prompt lookup).
+              rejected): the cost of verifying k tokens per step for nothing, the worst case (not prompt lookup);
+  draft       greedy decoding after a random prompt, proposals from a draft model (`SpeculativeConfig(method=
+              "draft")`): a small random model of the target's vocabulary (the bundled model's shape, "small"), which
+              does not agree with a random target (its acceptance rate says how little), and the upper bounds: the
+              target's own first 2 layers (embedding, norm and head shared) and the target itself (acceptance 1:
+              what a perfect draft of the target's cost would give); and "oracle", proposals that are the plain
+              run's own tokens at no cost (not a draft model: what verification alone allows).
 
 Rows: plain decoding with 1 and with N decode steps per device call, and speculation (k proposals, N steps per
 call where no request has a proposal). Each engine is warmed up (every shape compiled) by one run, then timed in
@@ -43,6 +51,7 @@ WORKLOADS = {
     "copy-heavy": dict(temperature=0.0),
     "no-repeat": dict(temperature=1.0, seed=1),
     "all-rejected": dict(temperature=1.0, seed=1),
+    "draft": dict(temperature=0.0),
 }
 
 
@@ -52,8 +61,36 @@ class AlwaysZero:
     def __init__(self, k: int):
         self.k = k
 
-    def propose(self, request, cap: int) -> list[int]:
-        return [0] * min(self.k, cap)
+    def propose(self, asks) -> list[list[int]]:
+        return [[0] * min(self.k, ask.cap) for ask in asks]
+
+    def would_propose(self, request) -> bool:
+        return True
+
+
+class Oracle:
+    """The draft workload's bound: a perfect proposer that costs nothing (the plain run's tokens of each prompt)."""
+
+    def __init__(self, k: int, prompts, outputs):
+        self.k = k
+        self.known = {tuple(p): list(o) for p, o in zip(prompts, outputs, strict=True)}
+
+    def propose(self, asks) -> list[list[int]]:
+        return [self.known[tuple(a.request.prompt_token_ids)][a.request.num_output_tokens:][:min(self.k, a.cap)]
+                for a in asks]
+
+    def would_propose(self, request) -> bool:
+        return True
+
+
+def draft_models(target, cfg) -> dict:
+    """The draft workload's drafts for `target` (see the module's docstring)."""
+    small = init_model(SHAPES["small"].replace(vocab_size=cfg.vocab_size, dtype=cfg.dtype), seed=1)
+    truncated = init_model(cfg.replace(num_layers=min(2, cfg.num_layers)), seed=1)
+    for i in range(truncated.config.num_layers):
+        truncated.layers[i] = target.layers[i]
+    truncated.embed_tokens, truncated.norm, truncated.lm_head = target.embed_tokens, target.norm, target.lm_head
+    return {"small": small, "2 layers": truncated, "= target": target}
 
 
 def make_prompts(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int) -> list[list[int]]:
@@ -74,9 +111,15 @@ def run(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int,
     prompts = make_prompts(model, cfg, workload, batch, prompt_len, max_tokens)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **WORKLOADS[workload])
     total = max(map(len, prompts)) + max_tokens
-    variants = [("plain, 1 step/call", 1, None), (f"plain, {fused} steps/call", fused, None),
-                (f"ngram k={k}, {fused} steps/call", fused, SpeculativeConfig(num_speculative_tokens=k))]
-    rows = []
+    variants = [("plain, 1 step/call", 1, None), (f"plain, {fused} steps/call", fused, None)]
+    if workload == "draft":
+        variants += [(f"draft {name} k={k}", fused, SpeculativeConfig(method="draft", draft_model=draft,
+                                                                       num_speculative_tokens=k))
+                     for name, draft in draft_models(model, cfg).items()]
+        variants.append((f"oracle k={k}", fused, SpeculativeConfig(num_speculative_tokens=k)))
+    else:
+        variants.append((f"ngram k={k}, {fused} steps/call", fused, SpeculativeConfig(num_speculative_tokens=k)))
+    rows, plain = [], None  # plain: the first row's tokens (the oracle's proposals)
     budget = max(batch * (total - max_tokens), 64)
     for name, steps, spec in variants:
         engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=batch * -(-(total + k) // 16) + 8,
@@ -86,7 +129,10 @@ def run(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int,
                            params=model, decode_steps_per_call=steps, speculative_config=spec)
         if spec is not None and workload == "all-rejected":
             engine.speculator.proposer = AlwaysZero(k)
-        engine.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every shape of this workload
+        if name.startswith("oracle"):
+            engine.speculator.proposer = Oracle(k, prompts, plain)
+        outs = engine.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every shape of this workload
+        plain = plain or [o.output_token_ids for o in outs]
         rows.append(dict(name=name, engine=engine, times=[]))
     for _ in range(repeats):
         for row in rows:
@@ -115,7 +161,7 @@ def print_table(rows: list[dict], workload: str, batch: int, max_tokens: int) ->
               f"{str(r['tokens'] == base1['tokens']):>12s}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=[*sorted(SHAPES), "bundled"], default="156m")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -126,7 +172,7 @@ def main() -> None:
     p.add_argument("--fused", type=int, default=8, help="decode steps per call (N)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="16 tokens, one round")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.max_tokens, args.repeats = 16, 1
     if args.model == "bundled":  # the trained 2.4M-parameter model (pagedjax/assets/tiny)

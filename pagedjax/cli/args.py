@@ -134,13 +134,16 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
                    help="longest prompt + completion (default: min(2048, the model's max positions))")
     g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                    help="speculative decoding (exact: the same output): 'ngram' proposes what followed the last "
-                        "tokens' earlier occurrence in the prompt and output (default: off)")
+                        "tokens' earlier occurrence in the prompt and output, 'draft' a draft model's greedy tokens "
+                        "(--speculative-draft-model; default: off)")
     g.add_argument("--speculative-num-tokens", type=_int_in(1, 64), default=None, metavar="K",
                    help="tokens proposed and verified per request per step (default 4)")
     g.add_argument("--speculative-prompt-lookup-min", type=_int_at_least(1), default=None, metavar="N",
                    help="ngram: the shortest suffix looked up (default 2)")
     g.add_argument("--speculative-prompt-lookup-max", type=_int_at_least(1), default=None, metavar="N",
                    help="ngram: the longest suffix looked up, tried first (default 4)")
+    g.add_argument("--speculative-draft-model", default=None, metavar="PATH",
+                   help="draft: the draft model's folder (as --model reads it), of the model's vocabulary")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -187,7 +187,8 @@ def check_kv_pool_fits(cache_config, spec, device, tensor_parallel_size: int = 1
 
 
 _SPECULATIVE_FLAGS = {"speculative_num_tokens": "num_speculative_tokens", "speculative_prompt_lookup_min":
-                      "prompt_lookup_min", "speculative_prompt_lookup_max": "prompt_lookup_max"}
+                      "prompt_lookup_min", "speculative_prompt_lookup_max": "prompt_lookup_max",
+                      "speculative_draft_model": "draft_model"}
 
 
 def speculative_config_of(args: argparse.Namespace):

@@ -324,12 +324,13 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free([b for b in reversed(blocks) if b != RELEASED])
 
-    def release_past_computed(self, request: Request) -> int:
-        """Release the request's trailing blocks past `cdiv(num_computed_tokens, block_size)`: a speculative step
-        allocated them for proposals that were rejected (`pagedjax.core.speculation`). They hold no computed KV,
-        so they are unhashed, and were freshly allocated, so no one else holds them. Returns how many."""
+    def release_past_computed(self, request: Request, num_new_tokens: int = 0) -> int:
+        """Release the request's trailing blocks past `cdiv(num_computed_tokens + num_new_tokens, block_size)`: a
+        speculative step allocated them for proposals that were rejected, or not made (`pagedjax.core.speculation`).
+        They hold no computed KV, so they are unhashed, and were freshly allocated, so no one else holds them.
+        Returns how many."""
         held = self._req_blocks.get(request.request_id)
-        keep = cdiv(request.num_computed_tokens, self.block_size)
+        keep = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
         if not held or len(held) <= keep:
             return 0
         extra = held[keep:]

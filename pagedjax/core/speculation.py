@@ -34,9 +34,13 @@ Paged KV rollback, the rule:
 Which requests speculate (`speculates`): a decoding request that is not a multi-sample prefill, not held (beam
 search takes one token per step), has no structured-output constraint (its matcher would have to walk every
 proposal) and no penalties (they count output tokens, which would differ from row to row of the chunk). Its
-proposals are capped so that it never computes past max_tokens or max_model_len, and by the token budget the plan
-left. Speculation never preempts: proposals get blocks only where the pool has free ones after the plan, and shrink
-otherwise.
+proposals are capped so that it never computes past max_tokens or max_model_len, by the proposer's own maximum and
+by the token budget the plan left. Speculation never preempts: a request's cap shrinks to what the pool's free
+blocks cover after the plan.
+
+The proposer is asked once per step for every speculating request (`Propose`: a draft model batches its device
+calls), after their blocks cover `1 + cap` more tokens: a draft model writes its own KV at the proposals'
+positions into them. Blocks past what the proposal then needs go back at once.
 """
 
 from __future__ import annotations
@@ -53,8 +57,17 @@ from pagedjax.core.step_plan import StepPlan, build_step_plan
 if TYPE_CHECKING:
     from pagedjax.core.scheduler import Scheduler
 
-# A proposer: (request, cap) -> at most `cap` (>= 1) proposed tokens to follow the request's known tokens.
-Propose = Callable[[Request, int], Sequence[int]]
+
+class ProposalAsk(NamedTuple):
+    """One request a proposer is asked for at most `cap` (>= 1) tokens to follow its known tokens."""
+
+    request: Request
+    cap: int
+    block_ids: tuple[int, ...]  # the request's blocks (logical order): they cover its tokens and `cap` more
+
+
+# A proposer: one proposal (at most `cap` tokens, maybe none) per ask, in order; called once per step.
+Propose = Callable[[list[ProposalAsk]], Sequence[Sequence[int]]]
 
 
 class VerifyOutcome(NamedTuple):
@@ -72,35 +85,43 @@ def speculates(request: Request) -> bool:
             and not request.sampling_params.has_penalties)
 
 
-def schedule_speculative(scheduler: Scheduler, propose: Propose) -> StepPlan:
-    """`scheduler.schedule()`, with the proposals of `propose` added to its decoding requests that `speculates`
-    allows, as far as the token budget and the free blocks allow. The plan is the scheduler's own (`num_drafts`
-    None) when no request got a proposal."""
+def schedule_speculative(scheduler: Scheduler, propose: Propose, max_proposal: int) -> StepPlan:
+    """`scheduler.schedule()`, with the proposals of `propose` (at most `max_proposal` per request) added to its
+    decoding requests that `speculates` allows, as far as the token budget and the free blocks allow. The plan is
+    the scheduler's own (`num_drafts` None) when no request got a proposal."""
     plan = scheduler.schedule()
     if plan.is_empty:
         return plan
     kv = scheduler.kv_cache_manager
     budget = scheduler.scheduler_config.max_num_batched_tokens - plan.num_tokens
-    scheduled: list[tuple[Request, int]] = []
-    drafts: dict[str, list[int]] = {}
+    asks: list[ProposalAsk] = []
     for rid, q_len, emits in zip(plan.request_ids, plan.q_lens.tolist(), plan.emits_token.tolist(), strict=True):
         request = scheduler.get_request(rid)
-        n = q_len
-        cap = min(budget, scheduler.max_new_tokens_left(request) - 1)
+        cap = min(budget, scheduler.max_new_tokens_left(request) - 1, max_proposal)
         if q_len == 1 and emits and cap > 0 and speculates(request):
-            proposal = [int(t) for t in propose(request, cap)]
-            if len(proposal) > cap:
-                raise ValueError(f"the proposer returned {len(proposal)} tokens for request {rid!r}, at most {cap} "
-                                 "were asked for")
-            while proposal and kv.allocate_slots(request, 1 + len(proposal)) is None:
-                proposal.pop()  # never preempt or wait for a proposal: fewer fit in the free blocks
-            if proposal:
-                drafts[rid] = proposal
-                n += len(proposal)
-                budget -= len(proposal)
-        scheduled.append((request, n))
+            while cap and kv.allocate_slots(request, 1 + cap) is None:
+                cap -= 1  # never preempt or wait for a proposal: fewer fit in the free blocks
+            if cap:
+                asks.append(ProposalAsk(request, cap, kv.get_block_ids(rid)))
+                budget -= cap
+    if not asks:
+        return plan
+    proposals = propose(asks)
+    if len(proposals) != len(asks):
+        raise ValueError(f"the proposer returned {len(proposals)} proposals for {len(asks)} requests")
+    drafts: dict[str, list[int]] = {}
+    for ask, proposal in zip(asks, proposals, strict=True):
+        proposal = [int(t) for t in proposal]
+        if len(proposal) > ask.cap:
+            raise ValueError(f"the proposer returned {len(proposal)} tokens for request {ask.request.request_id!r}, "
+                             f"at most {ask.cap} were asked for")
+        kv.release_past_computed(ask.request, 1 + len(proposal))  # the blocks of a shorter proposal go back
+        if proposal:
+            drafts[ask.request.request_id] = proposal
     if not drafts:
         return plan
+    scheduled = [(scheduler.get_request(rid), q + len(drafts.get(rid, ())))
+                 for rid, q in zip(plan.request_ids, plan.q_lens.tolist(), strict=True)]
     block_ids = {r.request_id: kv.get_block_ids(r.request_id) for r, _ in scheduled}
     copies = [tuple(c) for c in plan.block_copies.tolist()] + kv.take_block_copies()
     return build_step_plan(scheduled, block_ids, scheduler.block_size, preempted_request_ids=plan.preempted_request_ids,

@@ -224,8 +224,8 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
     sequence bucket's rows (dst -1 = padding); top-logprob counts and stop-id columns come in
     `TOP_LOGPROBS_SIZES` and `STOP_ID_WIDTHS` (the host keeps what each request asked for).
     `logits_indices`: the R tokens whose logits are sampled, when not one per sequence (its last token; speculative
-    decoding samples every verified position): sampling, penalties and token masks then have R rows, and the
-    sequences are padded to R's bucket too, so that a step's programs keep one row count."""
+    decoding samples every verified position): sampling, penalties and token masks then have R rows, padded to R's
+    bucket (the sequences keep their own: a padding sequence costs the XLA attention path a query tile)."""
     num_tokens, num_seqs = len(token_ids), len(kv_lens)
     decode_only = num_tokens == num_seqs
     # Ragged steps pad their tokens to a power of two from 16 (prefill chunks: few programs); a step that samples
@@ -236,7 +236,8 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
         logits_indices = np.asarray(cu_q_lens[1:]) - 1
     else:
         min_tokens = 1
-    s_b = bucket(max(num_seqs, len(logits_indices)))
+    s_b = bucket(num_seqs)
+    r_b = bucket(len(logits_indices))  # sampled rows (R >= S)
     t_b = s_b if decode_only else bucket(num_tokens, min_tokens)
     tables = pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2))
     copies = None
@@ -246,9 +247,9 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
         copies = np.full((max(s_b, bucket(len(block_copies))), 2), -1, np.int32)
         copies[:, 0] = 0
         copies[: len(block_copies)] = block_copies
-    extras = StepExtras(block_copies=copies, penalties=pad_penalties(penalties, s_b),
+    extras = StepExtras(block_copies=copies, penalties=pad_penalties(penalties, r_b),
                         prompt_targets=None if prompt_targets is None else pad_rows(prompt_targets, t_b, -1),
-                        token_mask=None if token_mask is None else pad_rows(token_mask, s_b, -1))
+                        token_mask=None if token_mask is None else pad_rows(token_mask, r_b, -1))
     return StepInputs(
         extras=extras,
         num_top_logprobs=_bucket_top(num_top_logprobs),
@@ -257,8 +258,8 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
         positions=pad_rows(positions, t_b, 0),
         meta=AttentionMetadata(pad_rows(slot_mapping, t_b, -1), tables, pad_rows(kv_lens, s_b, 0),
                                pad_rows(cu_q_lens, s_b + 1, num_tokens)),
-        logits_indices=pad_rows(logits_indices, s_b, 0),
-        sampling=pad_sampling(sampling, s_b),
+        logits_indices=pad_rows(logits_indices, r_b, 0),
+        sampling=pad_sampling(sampling, r_b),
         decode_only=decode_only,
     )
 

@@ -21,6 +21,7 @@ from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingPa
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import FusedDecodePlan, StepPlan
 from pagedjax.engine import weights
+from pagedjax.engine.draft import DraftProposer, load_draft
 from pagedjax.engine.generate import generate_batch
 from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
 from pagedjax.engine.invariant import invariant_shape
@@ -100,6 +101,7 @@ class LLMEngine:
         self.cache_config = cache_config or CacheConfig()
         self.model_spec = check_model(model, kv_dtype=self.cache_config.kv_dtype)
         spec = self.model_spec
+        draft = load_draft(speculative_config, spec, self.cache_config, self.seed, parallel_config)
         self.scheduler_config = (scheduler_config or SchedulerConfig()).resolve(spec.max_position_embeddings)
         self.decode_steps_per_call = int(decode_steps_per_call)
         self.tokenizer = tokenizer
@@ -113,7 +115,7 @@ class LLMEngine:
             # kv_memory_bytes is a per-device budget: blocks are counted by the KV heads one device holds.
             self.num_blocks = self.cache_config.resolve_num_blocks(per_device_model(spec, mesh.size))
         else:
-            self.num_blocks = self.cache_config.resolve_num_blocks(spec)
+            self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if draft is None else draft.spec)
         # Blocks out of every layer's sliding window go back to the pool while requests run.
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
                                    sliding_window=spec.kv_window)
@@ -123,7 +125,10 @@ class LLMEngine:
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=backend,
                                   mesh=mesh, max_programs=int(max_compiled_programs),
                                   compile_in_background=bool(compile_in_background))
-        self.speculator = None if speculative_config is None else Speculator(speculative_config)
+        self.speculator = None if speculative_config is None else Speculator(speculative_config, None if draft is None
+            else DraftProposer(draft, self.num_blocks, self.cache_config, self.scheduler_config.max_num_batched_tokens,
+                               backend=self.runner.backend, max_programs=int(max_compiled_programs),
+                               compile_in_background=bool(compile_in_background)))
         if check_bool("LLMEngine", "batch_invariant", batch_invariant):  # see pagedjax.engine.invariant
             if self.decode_steps_per_call != 1:  # a fused decode is a program of its own
                 raise ValueError("LLMEngine: batch_invariant=True needs decode_steps_per_call=1, got "
@@ -183,12 +188,13 @@ class LLMEngine:
     def warmup(self) -> float:
         """Compile the programs that dominate every step this engine can make (`shapes.warmup_shapes`: the
         ragged step at the largest token, sequence and block-table buckets with every optional part on, with and
-        without prompt log-probabilities; on the XLA path a ladder of narrower and smaller ones too; and the fused
-        decode's when `decode_steps_per_call` > 1) and run each once on padding. From then on a step whose own
-        program is not compiled runs on the fastest of them that dominates it while its own compiles in the
-        background (`pagedjax.engine.programs`), instead of waiting for it: every step but those asking for
-        logits or more than 512 stop ids. The KV cache's contents and the scheduler are left as they were, and
-        these programs are never dropped. Returns the seconds it took (also logged, and in `stats().warmup_s`)."""
+        without prompt log-probabilities; on the XLA path a ladder of narrower and smaller ones too; the fused
+        decode's when `decode_steps_per_call` > 1; a draft model's widest step: `DraftProposer.warmup`) and run
+        each once on padding. From then on a step whose own program is not compiled runs on the fastest of them
+        that dominates it while its own compiles in the background (`pagedjax.engine.programs`), instead of
+        waiting for it: every step but those asking for logits or more than 512 stop ids. The KV cache's contents
+        and the scheduler are left as they were, and these programs are never dropped. Returns the seconds it
+        took (also logged, and in `stats().warmup_s`)."""
         start = time.perf_counter()
         sc, bs, steps = self.scheduler_config, self.cache_config.block_size, self.decode_steps_per_call
         # A fused decode's tables have room for its steps past the sequence's tokens.
@@ -199,6 +205,8 @@ class LLMEngine:
         if self.speculator is not None:
             shapes += self.speculator.warmup_shapes(shapes, sc)
         self.runner.warmup(shapes)
+        if self.speculator is not None and self.speculator.draft is not None:  # the draft model's stand-in
+            self.speculator.draft.warmup(sc.max_num_seqs, max_blocks)
         seconds = time.perf_counter() - start
         self._warmup_s += seconds
         logger.info("warm-up: compiled and ran %d programs in %.1f s", len(shapes), seconds)

@@ -454,7 +454,7 @@ def _cut(lps: LogprobArrays | None, rows: tuple, num_top: int | None) -> Logprob
 
 def _cut_step(out: StepOutputs, shape: StepShape) -> StepOutputs:
     """A step's outputs from a bigger program, as its own program (`shape`) returns them."""
-    s = shape.tables[0]
+    s = shape.num_rows
     return StepOutputs(out.tokens[:s], _cut(out.logprobs, (slice(s),), shape.num_top_logprobs),
                        _cut(out.prompt_logprobs, (slice(shape.tokens),),
                             shape.num_prompt_top_logprobs if shape.prompt_targets else None),

@@ -7,7 +7,8 @@ and every optional part the step needs is on in it. The step then runs on it wit
 padding is inert:
   - more tokens: padding tokens write nowhere (slot -1) and belong to no sequence;
   - more sequences: padding sequences have kv_len 0 (nothing attended), sample greedily, run nothing in a fused
-    decode (max_new 0), and their tokens are dropped;
+    decode (max_new 0), and their tokens are dropped; more sampled rows likewise (a step verifying speculative
+    proposals samples `rows` of its own, more than one per sequence: padding rows sample greedily, dropped);
   - more block-table columns: no kernel reads a sequence's blocks past its length;
   - optional parts the step does not need: block copies with dst -1 (dropped), penalties with neutral rows
     (presence 0, frequency 0, repetition 1, min_tokens 0, stop ids -1: the logits pass unchanged), log-
@@ -23,8 +24,8 @@ The bound on programs (`variants_bound`): per (T, S, B), at most 2 (block copies
 or 20) x 2 (structured output's token mask off / on) = 108 variants of the optional parts, and `return_logits`
 (which only tests and tools ask for) doubles that; T is a power of two from 16 to the token budget's bucket
 (or S, for a decode-only step; from 1 for a step verifying speculative proposals, `pad_step`), S one up to
-max_num_seqs' bucket (with speculation, up to (1 + k) max_num_seqs' bucket: a verifying step pads its sequences to
-its sampled rows), B one from 2 up to max_model_len / block_size's bucket. (Before, every power of two of
+max_num_seqs' bucket (with speculation, a verifying step's sampled rows R one more, up to (1 + k) max_num_seqs'
+bucket), B one from 2 up to max_model_len / block_size's bucket. (Before, every power of two of
 copies, stop ids and alternatives was a program of its own.) A fused decode has 12 variants per (S, B): stop ids
 8 or 512, penalties off / on, log-probabilities off, 5 or 20. The runner also holds at most `max_programs`.
 Stop-id lists longer than 511 (the Python API has no limit; the server's is 256) add a power of two each.
@@ -67,6 +68,12 @@ class StepShape(NamedTuple):
     num_top_logprobs: int | None
     num_prompt_top_logprobs: int
     token_mask: bool = False  # structured output's allowed-token bits
+    rows: int | None = None  # sampled rows, when not one per sequence (a step verifying speculative proposals)
+
+    @property
+    def num_rows(self) -> int:
+        """The rows it samples: `rows`, or one per sequence."""
+        return self.tables[0] if self.rows is None else self.rows
 
 
 class LoopShape(NamedTuple):
@@ -83,10 +90,13 @@ class LoopShape(NamedTuple):
 
 def step_shape(inputs: StepInputs, return_logits: bool = False) -> StepShape:
     x = inputs.extras
-    return StepShape("step", len(inputs.token_ids), inputs.meta.block_tables.shape, inputs.decode_only,
+    tables = inputs.meta.block_tables.shape
+    rows = len(inputs.logits_indices)
+    return StepShape("step", len(inputs.token_ids), tables, inputs.decode_only,
                      return_logits, None if x.block_copies is None else x.block_copies.shape[0],
                      None if x.penalties is None else x.penalties.stop_ids.shape[1], x.prompt_targets is not None,
-                     inputs.num_top_logprobs, inputs.num_prompt_top_logprobs, x.token_mask is not None)
+                     inputs.num_top_logprobs, inputs.num_prompt_top_logprobs, x.token_mask is not None,
+                     None if rows == tables[0] else rows)
 
 
 def loop_shape(inputs: FusedDecodeInputs) -> LoopShape:
@@ -113,7 +123,8 @@ def dominates(program: StepShape | LoopShape, step: StepShape | LoopShape) -> bo
         return False
     prompt_ok = not step.prompt_targets or (
         program.prompt_targets and program.num_prompt_top_logprobs >= step.num_prompt_top_logprobs)
-    return (program.tokens >= step.tokens and program.return_logits >= step.return_logits and prompt_ok
+    return (program.tokens >= step.tokens and program.num_rows >= step.num_rows
+            and program.return_logits >= step.return_logits and prompt_ok
             and _at_least(program.copies, step.copies) and _at_least(program.stop_width, step.stop_width)
             and program.token_mask >= step.token_mask)
 
@@ -148,7 +159,7 @@ def _widen(pen: PenaltyMetadata | None, num_seqs: int, vocab_size: int, width: i
 
 def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int) -> StepInputs:
     """`inputs` padded further to a program of `shape` that dominates them (`dominates`): the same step."""
-    t, (s, b) = shape.tokens, shape.tables
+    t, (s, b), r = shape.tokens, shape.tables, shape.num_rows
     m, x = inputs.meta, inputs.extras
     copies = None
     if shape.copies is not None:
@@ -162,14 +173,14 @@ def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int) -> StepInp
     mask = None
     if shape.token_mask:  # all ones: every token allowed in rows without a constraint
         mask = pad_rows(np.zeros((0, mask_words(vocab_size)), np.int32) if x.token_mask is None else x.token_mask,
-                        s, -1)
+                        r, -1)
     return StepInputs(
         token_ids=pad_rows(inputs.token_ids, t, 0), positions=pad_rows(inputs.positions, t, 0),
         meta=AttentionMetadata(pad_rows(m.slot_mapping, t, -1), pad_table(m.block_tables, s, b),
                                pad_rows(m.kv_lens, s, 0), pad_rows(m.cu_q_lens, s + 1, m.cu_q_lens[-1])),
-        logits_indices=pad_rows(inputs.logits_indices, s, 0), sampling=pad_sampling(inputs.sampling, s),
+        logits_indices=pad_rows(inputs.logits_indices, r, 0), sampling=pad_sampling(inputs.sampling, r),
         decode_only=shape.decode_only,
-        extras=StepExtras(block_copies=copies, penalties=_widen(x.penalties, s, vocab_size, shape.stop_width),
+        extras=StepExtras(block_copies=copies, penalties=_widen(x.penalties, r, vocab_size, shape.stop_width),
                           prompt_targets=targets, token_mask=mask),
         num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs)
 

@@ -5,9 +5,10 @@ and the bookkeeping after it. The host decisions (what a step verifies, what it 
   SpeculativeConfig(method="ngram", num_speculative_tokens=k, ...)  ->  Speculator(config)
 
 A `Proposer` only suggests tokens: whatever it returns, the output is the non-speculative one (a wrong proposal
-costs compute, never tokens). `NgramProposer` (prompt lookup) is the one method so far; a draft model or an
-EAGLE-style head would be another `Proposer` (one that needs the device would also need the step's hidden states
-or its own KV cache, which this interface does not give it yet).
+costs compute, never tokens). `NgramProposer` (prompt lookup) and `pagedjax.engine.draft.DraftProposer` (a draft
+model, its KV in the target's blocks) are the methods; an EAGLE-style head would be another (it would also need
+the step's hidden states, which this interface does not give it yet). A proposer is asked once per step for all
+the speculating requests (`ProposalAsk`s), so that one on the device batches its calls.
 
 The fused decode loop (`LLMEngine(decode_steps_per_call > 1)`) runs only in steps where no decoding request has a
 proposal: verification needs the host between steps (the proposal comes from the tokens the last step accepted),
@@ -25,7 +26,14 @@ import numpy as np
 from pagedjax.config import SchedulerConfig, SpeculativeConfig
 from pagedjax.core.request import Request
 from pagedjax.core.scheduler import Scheduler
-from pagedjax.core.speculation import VerifyOutcome, first_rows, schedule_speculative, speculates, update_speculative
+from pagedjax.core.speculation import (
+    ProposalAsk,
+    VerifyOutcome,
+    first_rows,
+    schedule_speculative,
+    speculates,
+    update_speculative,
+)
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.device.sampling import PenaltyMetadata, SamplingMetadata
 from pagedjax.engine.inputs import (
@@ -43,9 +51,12 @@ from pagedjax.engine.structured import token_masks
 
 
 class Proposer(Protocol):
-    def propose(self, request: Request, cap: int) -> Sequence[int]:
-        """At most `cap` (>= 1) tokens likely to follow `request`'s known tokens (prompt + outputs); empty when it
-        has no guess."""
+    def propose(self, asks: list[ProposalAsk]) -> Sequence[Sequence[int]]:
+        """For each ask, at most `ask.cap` (>= 1) tokens likely to follow its request's known tokens (prompt +
+        outputs); empty when it has no guess."""
+
+    def would_propose(self, request: Request) -> bool:
+        """Whether a decoding request would get a proposal in the next step (asked to choose the fused decode)."""
 
 
 @dataclass
@@ -75,7 +86,14 @@ class NgramProposer:
     def __init__(self, k: int, min_n: int, max_n: int):
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
-    def propose(self, request: Request, cap: int) -> list[int]:
+    def propose(self, asks: list[ProposalAsk]) -> list[list[int]]:
+        return [self.propose_for(ask.request, ask.cap) for ask in asks]
+
+    def would_propose(self, request: Request) -> bool:
+        return bool(self.propose_for(request, 1))
+
+    def propose_for(self, request: Request, cap: int) -> list[int]:
+        """The proposal for one request (at most `min(k, cap)` tokens), its back-off state updated."""
         state = request.proposer_state
         if state is None:
             state = request.proposer_state = _Backoff()
@@ -107,22 +125,30 @@ class NgramProposer:
         return []
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of `config.method`."""
+def check_speculative_config(config) -> None:
+    """TypeError unless `config` is a `SpeculativeConfig`."""
+    if not isinstance(config, SpeculativeConfig):
+        raise TypeError(f"speculative_config must be a SpeculativeConfig, got {type(config).__name__}")
+
+
+def make_proposer(config: SpeculativeConfig, draft: Proposer | None) -> Proposer:
+    """The proposer of `config.method` (`draft`: the engine's `DraftProposer` for method "draft")."""
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"SpeculativeConfig.method {config.method!r} has no proposer")  # unreachable: the config checks
+    if draft is None:
+        raise ValueError("SpeculativeConfig(method='draft') needs the engine's draft model")
+    return draft
 
 
 class Speculator:
     """One engine's speculative decoding: its proposer, the step inputs that sample every verified position, and
     the acceptance counters (`EngineStats.spec_*`)."""
 
-    def __init__(self, config: SpeculativeConfig):
-        if not isinstance(config, SpeculativeConfig):
-            raise TypeError(f"speculative_config must be a SpeculativeConfig, got {type(config).__name__}")
+    def __init__(self, config: SpeculativeConfig, draft: Proposer | None = None):
+        check_speculative_config(config)
         self.config = config
-        self.proposer = make_proposer(config)
+        self.draft = draft  # the draft model's proposer (method "draft"), None otherwise
+        self.proposer = make_proposer(config, draft)
         self.num_sequences = 0  # sequence-steps that verified proposals
         self.num_proposed = 0
         self.num_accepted = 0
@@ -134,22 +160,22 @@ class Speculator:
 
     def warmup_shapes(self, shapes: list[StepShape | LoopShape], config: SchedulerConfig) -> list[StepShape]:
         """The ragged steps of `shapes` (`LLMEngine.warmup`'s) with as many rows as a step that verifies proposals
-        may sample (1 + k per sequence, within the token budget; `pad_step` pads the sequences, and the block-copy
-        rows, to them), so that they stand in for those steps too."""
+        may sample (1 + k per sequence, within the token budget and the program's tokens: a step samples at most
+        one row per token), so that they stand in for those steps too."""
         rows = bucket(min(config.max_num_seqs * (1 + self.config.num_speculative_tokens),
                           config.max_num_batched_tokens))
-        return [s._replace(tables=(rows, s.tables[1]), copies=None if s.copies is None else max(s.copies, rows))
-                for s in shapes if isinstance(s, StepShape) and s.tables[0] < rows]
+        return [s._replace(rows=min(rows, s.tokens)) for s in shapes
+                if isinstance(s, StepShape) and s.num_rows < min(rows, s.tokens)]
 
     def has_proposals(self, scheduler: Scheduler) -> bool:
         """Whether some running request that decodes would get a proposal (a step that then cannot be a fused
         decode). Only asked when nothing waits and every running request decodes (the fused decode's condition)."""
         return any(speculates(r) and r.num_tokens - r.num_computed_tokens == 1
-                   and scheduler.max_new_tokens_left(r) > 1 and self.proposer.propose(r, 1)
+                   and scheduler.max_new_tokens_left(r) > 1 and self.proposer.would_propose(r)
                    for r in scheduler.running if not r.paused)
 
     def schedule(self, scheduler: Scheduler) -> StepPlan:
-        return schedule_speculative(scheduler, self.proposer.propose)
+        return schedule_speculative(scheduler, self.proposer.propose, self.config.num_speculative_tokens)
 
     def finish_step(self, scheduler: Scheduler, plan: StepPlan, requests: list[Request], out,
                     before: list[int]) -> None:

@@ -43,8 +43,17 @@ def test_a_bad_combination_names_the_field():
                 "--speculative-prompt-lookup-max", "2")
 
 
+def test_the_draft_model_flag_makes_a_draft_config():
+    assert _config("--speculative-method", "draft", "--speculative-draft-model", "some/folder",
+                   "--speculative-num-tokens", "3") == SpeculativeConfig("draft", 3, draft_model="some/folder")
+    with pytest.raises(CLIError, match="--speculative-draft-model needs --speculative-method"):
+        _config("--speculative-draft-model", "some/folder")
+    with pytest.raises(ValueError, match="SpeculativeConfig.draft_model is needed by method 'draft'"):
+        _config("--speculative-method", "draft")
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--speculative-method", "draft"], "--speculative-method"),
+    (["--speculative-method", "eagle"], "--speculative-method"),
     (["--speculative-num-tokens", "0"], "--speculative-num-tokens"),
 ])
 def test_bad_values_give_a_usage_error(argv, message, capsys):

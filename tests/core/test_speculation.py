@@ -23,6 +23,7 @@ from pagedjax.core.kv_cache_manager import cdiv
 from pagedjax.core.request import Request, RequestStatus, SamplingParams, sample_id
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.speculation import (
+    ProposalAsk,
     accepted_tokens,
     first_rows,
     schedule_speculative,
@@ -54,6 +55,11 @@ def spec_sample(model: FakeModel, plan) -> np.ndarray:
     return np.array(out, np.int32)
 
 
+def each(propose):
+    """A batched proposer (`core.speculation.Propose`) of a per-request one."""
+    return lambda asks: [propose(ask.request, ask.cap) for ask in asks]
+
+
 class TruthProposer:
     """Proposes the request's true continuation (the fake model run without a cache), corrupted at a random place
     or not at all, and sometimes nothing: every acceptance length occurs."""
@@ -62,7 +68,10 @@ class TruthProposer:
         self.salts, self.window, self.k, self.rng = salts, window, k, rng
         self.asked: dict[str, int] = {}  # request id -> the cap it was last asked with
 
-    def __call__(self, request: Request, cap: int) -> list[int]:
+    def __call__(self, asks: list[ProposalAsk]) -> list[list[int]]:
+        return [self.propose_for(ask.request, ask.cap) for ask in asks]
+
+    def propose_for(self, request: Request, cap: int) -> list[int]:
         assert cap >= 1 and speculates(request)
         self.asked[request.request_id] = cap
         tokens = list(request.all_token_ids)
@@ -144,11 +153,11 @@ class SpeculationMachine(SchedulerMachine):
             r.paused = False
         if not self.sched.has_unfinished_requests():
             return
-        plan = schedule_speculative(self.sched, self.proposer)
+        plan = schedule_speculative(self.sched, self.proposer, self.proposer.k)
         check_spec_plan(self.sched, plan, self.proposer, self.budget)
         self.checker.check(mid_step=True, pending_copies=plan.block_copies)
         before = {rid: self.sched.get_request(rid).num_output_tokens for rid in plan.request_ids}
-        outcome = update_speculative(self.sched, plan, spec_sample(self.model, plan))
+        outcome = self.last_outcome = update_speculative(self.sched, plan, spec_sample(self.model, plan))
         if outcome.num_sequences:
             event("all proposals accepted" if outcome.num_accepted == outcome.num_proposed else
                   "some proposals accepted" if outcome.num_accepted else "no proposal accepted")
@@ -223,7 +232,7 @@ def _decoding_scheduler(max_tokens: int = 8, stop: tuple[int, ...] = (), block_s
 def test_a_full_acceptance_emits_k_plus_one_tokens_and_keeps_only_their_blocks():
     sched, model, r = _decoding_scheduler()
     truth = reference_outputs(r, 64)
-    plan = schedule_speculative(sched, lambda req, cap: truth[1:5])
+    plan = schedule_speculative(sched, each(lambda req, cap: truth[1:5]), 64)
     assert plan.num_drafts.tolist() == [4] and plan.num_tokens == 5
     outcome = update_speculative(sched, plan, spec_sample(model, plan))
     assert (outcome.num_sequences, outcome.num_proposed, outcome.num_accepted) == (1, 4, 4)
@@ -236,7 +245,7 @@ def test_a_rejection_rolls_back_the_length_and_the_blocks():
     truth = reference_outputs(r, 64)
     free_before = sched.kv_cache_manager.num_free_blocks
     wrong = [(t + 1) % VOCAB for t in truth[1:8]]
-    plan = schedule_speculative(sched, lambda req, cap: wrong[:cap])
+    plan = schedule_speculative(sched, each(lambda req, cap: wrong[:cap]), 64)
     assert plan.num_drafts.tolist() == [6]  # capped: 8 max_tokens, 1 out, 1 the target's own
     outcome = update_speculative(sched, plan, spec_sample(model, plan))
     assert outcome.num_accepted == 0 and r.output_token_ids == truth[:2] and r.num_computed_tokens == 6
@@ -250,7 +259,7 @@ def test_emission_stops_at_a_stop_token_inside_the_accepted_proposals():
                          if (t := reference_outputs(Request("x", list(p), SamplingParams(max_tokens=8)), 64))[2]
                          not in t[:2])
     sched, model, r = _decoding_scheduler(stop=(truth[2],), prompt=prompt)
-    plan = schedule_speculative(sched, lambda req, cap: truth[1:cap + 1])
+    plan = schedule_speculative(sched, each(lambda req, cap: truth[1:cap + 1]), 64)
     assert plan.num_drafts.tolist() == [6]
     outcome = update_speculative(sched, plan, spec_sample(model, plan))
     assert outcome.finished == [r] and r.output_token_ids == truth[:3]
@@ -260,12 +269,18 @@ def test_emission_stops_at_a_stop_token_inside_the_accepted_proposals():
 def test_a_proposer_that_returns_more_than_asked_is_an_error():
     sched, _, _ = _decoding_scheduler()
     with pytest.raises(ValueError, match="returned 9 tokens for request 'a', at most 6"):
-        schedule_speculative(sched, lambda req, cap: [0] * 9)
+        schedule_speculative(sched, each(lambda req, cap: [0] * 9), 64)
+
+
+def test_a_proposer_that_answers_another_number_of_requests_is_an_error():
+    sched, _, _ = _decoding_scheduler()
+    with pytest.raises(ValueError, match="the proposer returned 2 proposals for 1 requests"):
+        schedule_speculative(sched, lambda asks: [[1], [2]], 64)
 
 
 def test_no_proposal_leaves_the_plan_as_the_scheduler_made_it():
     sched, model, r = _decoding_scheduler()
-    plan = schedule_speculative(sched, lambda req, cap: [])
+    plan = schedule_speculative(sched, each(lambda req, cap: []), 64)
     assert plan.num_drafts is None
     np.testing.assert_array_equal(plan.logits_indices, [0])
     assert update_speculative(sched, plan, model.step(plan)).num_sequences == 0

@@ -171,19 +171,22 @@ def _request(tokens: list[int]) -> Request:
     ([7], 4, []),
 ])
 def test_ngram_proposer(tokens, cap, proposal):
-    assert NgramProposer(k=4, min_n=1, max_n=3).propose(_request(tokens), cap) == proposal
+    assert NgramProposer(k=4, min_n=1, max_n=3).propose_for(_request(tokens), cap) == proposal
 
 
 def test_ngram_proposer_backs_off_below_its_min_n():
     # only a 1-gram (3) repeats: a min_n of 2 proposes nothing
-    assert NgramProposer(k=4, min_n=2, max_n=3).propose(_request([3, 1, 2, 3]), 4) == []
-    assert NgramProposer(k=4, min_n=1, max_n=3).propose(_request([3, 1, 2, 3]), 4) == [1, 2, 3]
+    assert NgramProposer(k=4, min_n=2, max_n=3).propose_for(_request([3, 1, 2, 3]), 4) == []
+    assert NgramProposer(k=4, min_n=1, max_n=3).propose_for(_request([3, 1, 2, 3]), 4) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(num_speculative_tokens=0), ValueError, "SpeculativeConfig.num_speculative_tokens must be in"),
     (dict(num_speculative_tokens=2.0), TypeError, "SpeculativeConfig.num_speculative_tokens must be an int"),
-    (dict(method="draft"), ValueError, "SpeculativeConfig.method 'draft' is not supported"),
+    (dict(method="eagle"), ValueError, "SpeculativeConfig.method 'eagle' is not supported"),
+    (dict(method="draft"), ValueError, "SpeculativeConfig.draft_model is needed by method 'draft' and only by it, "
+                                       "got None with method 'draft'"),
+    (dict(draft_model="some/folder"), ValueError, "draft_model is needed by method 'draft' and only by it, got str"),
     (dict(prompt_lookup_min=0), ValueError, "SpeculativeConfig.prompt_lookup_min must be >= 1"),
     (dict(prompt_lookup_min=3, prompt_lookup_max=2), ValueError, "SpeculativeConfig.prompt_lookup_max must be >= 3"),
 ])
@@ -198,23 +201,26 @@ def test_engine_refuses_a_speculative_config_of_another_type():
 
 
 def test_warmup_adds_programs_wide_enough_for_every_verified_row():
-    """A step that verifies proposals samples up to 1 + k rows per sequence (its sequences padded to as many):
-    `LLMEngine.warmup` then also compiles the ragged steps that wide, so they stand in for it."""
+    """A step that verifies proposals samples up to 1 + k rows per sequence: `LLMEngine.warmup` then also compiles
+    the ragged steps with that many rows, so they stand in for it."""
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96)
     shapes = warmup_shapes(max_tokens=64, max_seqs=4, max_blocks=6, block_size=16, decode_steps=4, narrow=True)
     extra = Speculator(NGRAM).warmup_shapes(shapes, config)
-    assert [s.tables for s in extra] == [(16, 8), (16, 8), (16, 2), (16, 2)]  # 4 sequences x (1 + 3) rows each
-    widest = StepShape("step", 64, (16, 8), False, False, 16, 512, False, 20, 0, True)
+    assert [(s.tables, s.rows) for s in extra] == [((4, 8), 16), ((4, 8), 16), ((4, 2), 16), ((4, 2), 16)]
+    widest = StepShape("step", 64, (4, 8), False, False, 4, 512, False, 20, 0, True, 16)
     assert not any(dominates(s, widest) for s in shapes) and dominates(extra[0], widest)
     budget_bound = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=96)
-    assert [s.tables[0] for s in Speculator(NGRAM).warmup_shapes(shapes, budget_bound)] == [8] * 4
+    assert [s.rows for s in Speculator(NGRAM).warmup_shapes(shapes, budget_bound)] == [8] * 4
+    many = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=96)  # 64 rows: capped by T
+    assert [(s.tokens, s.rows) for s in Speculator(NGRAM).warmup_shapes(shapes, many)] == [
+        (64, 64), (64, 64), (64, 64), (16, 16)]
 
 
 def test_a_failing_verifying_step_fails_its_request_alone_and_frees_every_block(monkeypatch):
     engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=NGRAM)
     engine.add_request("a", SPEC_PROMPTS[4], SamplingParams(max_tokens=10))
     engine.step()  # the prompt
-    monkeypatch.setattr(engine.speculator.proposer, "propose", lambda request, cap: [1] * min(2, cap))
+    monkeypatch.setattr(engine.speculator.proposer, "propose", lambda asks: [[1] * min(2, a.cap) for a in asks])
     plans = []
     schedule = engine.speculator.schedule
     monkeypatch.setattr(engine.speculator, "schedule", lambda sched: plans.append(schedule(sched)) or plans[-1])
@@ -251,7 +257,7 @@ def _masks_row_by_row(requests, emits_token, vocab_size):
 def test_speculative_step_inputs_give_each_verified_position_its_own_row(monkeypatch):
     """Beside a request verifying two proposals: a constrained decode and a prefill with penalties. Each sequence's
     rows carry its own sampling parameters, penalties and mask; a verified position j samples as output number
-    `num_output_tokens + j`; the sequences are padded to the rows' bucket."""
+    `num_output_tokens + j`; the rows are padded to their bucket, the sequences to theirs."""
     monkeypatch.setattr(speculative, "token_masks", _masks_row_by_row)
     a = Request("a", [1, 2, 3], SamplingParams(temperature=0.5, seed=4), output_token_ids=[7], num_computed_tokens=3)
     b = Request("b", [4, 5], SamplingParams(presence_penalty=0.5))
@@ -263,7 +269,7 @@ def test_speculative_step_inputs_give_each_verified_position_its_own_row(monkeyp
     np.testing.assert_array_equal(plan.logits_indices, [0, 1, 2, 3, 5])
     inputs = speculative_step_inputs(plan, [c, a, b], vocab_size=40, engine_seed=0)
     assert not inputs.decode_only and len(inputs.token_ids) == 8  # 6 tokens to a power of two from 1
-    assert inputs.meta.block_tables.shape[0] == inputs.meta.kv_lens.shape[0] == len(inputs.logits_indices) == 8
+    assert inputs.meta.block_tables.shape[0] == inputs.meta.kv_lens.shape[0] == 4 and len(inputs.logits_indices) == 8
     np.testing.assert_array_equal(inputs.logits_indices[:5], plan.logits_indices)
     np.testing.assert_array_equal(inputs.sampling.step[:5], [1, 1, 2, 3, 0])
     np.testing.assert_allclose(inputs.sampling.temperature[:5], [0, 0.5, 0.5, 0.5, 0])
@@ -276,17 +282,17 @@ def test_speculative_step_inputs_give_each_verified_position_its_own_row(monkeyp
 def test_ngram_proposer_backs_off_after_failed_proposals_and_recovers_after_an_accepted_one():
     proposer = NgramProposer(k=2, min_n=1, max_n=1)
     r = _request([5, 6, 5])
-    assert proposer.propose(r, 2) == [6, 5]
+    assert proposer.propose_for(r, 2) == [6, 5]
     r.output_token_ids.append(9)  # not the proposal's first token: hold back for 1 token
-    assert proposer.propose(r, 2) == []
+    assert proposer.propose_for(r, 2) == []
     r.output_token_ids.append(5)
-    assert proposer.propose(r, 2) == [9, 5]  # proposing again: what followed the most recent 5
+    assert proposer.propose_for(r, 2) == [9, 5]  # proposing again: what followed the most recent 5
     r.output_token_ids.append(7)  # failed again: hold back for 2 tokens
-    assert proposer.propose(r, 2) == []
+    assert proposer.propose_for(r, 2) == []
     r.output_token_ids.append(5)
-    assert proposer.propose(r, 2) == []
+    assert proposer.propose_for(r, 2) == []
     r.output_token_ids.append(5)
-    proposal = proposer.propose(r, 2)
+    proposal = proposer.propose_for(r, 2)
     assert proposal == [5]  # the most recent 5 is followed by the last token only
     r.output_token_ids.append(5)  # accepted: no more holding back
-    assert proposer.propose(r, 2) == [5] and r.proposer_state.wait == 0
+    assert proposer.propose_for(r, 2) == [5] and r.proposer_state.wait == 0
