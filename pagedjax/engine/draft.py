@@ -31,6 +31,7 @@ from pagedjax.core.request import Request
 from pagedjax.core.speculation import ProposalAsk
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.device.sampling import SamplingMetadata
+from pagedjax.engine import weights
 from pagedjax.engine.inputs import bucket, pad_step
 from pagedjax.engine.loading import engine_model, load_for
 from pagedjax.engine.runner import ModelRunner
@@ -100,6 +101,17 @@ class DraftProposer:
         (`LLMEngine.warmup`)."""
         self.runner.warmup([StepShape("step", bucket(self.max_tokens, 16), (bucket(max_seqs), bucket(max_blocks, 2)),
                                       False, False, None, None, False, None, 0)])
+
+    def sleep(self) -> int:
+        """Release the draft's KV arrays (with the target's: `LLMEngine.sleep`); every request's draft KV is then
+        recomputed (`epoch`). Returns the bytes freed on each device (0 if already asleep)."""
+        if self.runner.asleep:
+            return 0
+        self.epoch += 1
+        return weights.release_kv(self.runner)
+
+    def wake(self) -> None:
+        weights.wake(self.runner)
 
     def propose(self, asks: list[ProposalAsk]) -> list[list[int]]:
         try:

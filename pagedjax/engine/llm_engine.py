@@ -438,12 +438,15 @@ class LLMEngine:
         weights.update_weights(self.runner, self.scheduler, params)
 
     def sleep(self) -> int:
-        """Release the KV pool's device memory (running requests recompute after `wake`); returns bytes freed
-        per device. Steps raise RuntimeError until `wake()`."""
-        return weights.sleep(self.runner, self.scheduler)
+        """Release the KV pool's device memory, a draft model's too (running requests recompute after `wake`);
+        returns bytes freed per device. Steps raise RuntimeError until `wake()`."""
+        draft = None if self.speculator is None else self.speculator.draft
+        return weights.sleep(self.runner, self.scheduler) + (0 if draft is None else draft.sleep())
 
     def wake(self) -> float:
         """Re-create the KV pool after `sleep` (nothing recompiled); returns the seconds it took."""
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.wake()
         return weights.wake(self.runner)
 
     def score(self, prompts, completions):

@@ -91,11 +91,17 @@ def sleep(runner: ModelRunner, scheduler: Scheduler) -> int:
     if runner.asleep:
         return 0
     scheduler.drop_computed_kv()
+    return release_kv(runner)
+
+
+def release_kv(runner: ModelRunner) -> int:
+    """Delete `runner`'s KV arrays (the host forgets what they held); returns the bytes freed on each device.
+    Its steps are refused until `wake`."""
     freed = runner.kv_cache.nbytes_per_device
     for x in jax.tree.leaves(runner.kv_cache):
         x.delete()
     runner.asleep = True
-    logger.info("sleep: released the KV pool (%.1f MiB per device)", freed / 2**20)
+    logger.info("sleep: released a KV pool (%.1f MiB per device)", freed / 2**20)
     return freed
 
 

@@ -76,6 +76,15 @@ def test_a_draft_identical_to_the_target_accepts_every_proposal_and_gives_the_de
     assert after.spec_proposed_tokens > s.spec_proposed_tokens
     assert_all_free(engine)
 
+    # sleep() releases the draft's KV arrays with the target's; after wake() every proposal is accepted again.
+    target_bytes, draft_bytes = engine.runner.kv_cache.nbytes_per_device, proposer.runner.kv_cache.nbytes_per_device
+    assert engine.sleep() == target_bytes + draft_bytes and proposer.runner.asleep
+    engine.wake()
+    assert [o.output_token_ids for o in engine.generate(prompts[:1], params, use_tqdm=False)] == expected[:1]
+    last = engine.stats()
+    assert last.spec_accepted_tokens - after.spec_accepted_tokens == last.spec_proposed_tokens - \
+        after.spec_proposed_tokens > 0
+
 
 @pytest.mark.slow
 def test_an_unrelated_draft_gives_the_non_speculative_tokens_and_samples():
