@@ -34,6 +34,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO |
         loaded = load_model_for_cli(args)
         load_s = time.perf_counter() - t0
         engine = build_engine(args, loaded, compile_cache=cache.engine_arg)
+        loaded = loaded.without_weights()  # the engine holds them
         try:
             gen = Generation(engine, loaded.tokenizer, prompts, args, out, ctrl_c)
             gen.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ class CLIModel:
     model_config: Any = None  # ModelConfig of a built-in model
     params: Any = None  # its nnx.State
     model: Any = None  # a --model-class model (pagedjax.model.api)
+    num_params: int = 0  # the stored parameters' elements (`cli_model` counts them)
 
     def engine_args(self) -> dict:
         """`LLMEngine`'s model arguments."""
@@ -31,13 +33,20 @@ class CLIModel:
             return {"model": self.model}
         return {"model_config": self.model_config, "params": self.params}
 
-    @property
-    def num_params(self) -> int:
-        import jax
-        from flax import nnx
+    def without_weights(self) -> CLIModel:
+        """This model's description with its weights dropped, for after the engine took them: the engine may
+        hold them in another form (a mixture-of-experts model's experts per expert on one CPU device), which a
+        reference kept here would double."""
+        return dataclasses.replace(self, params=None, model=None)
 
-        state = self.params if self.model is None else nnx.state(self.model, nnx.Param)
-        return sum(int(x.size) for x in jax.tree.leaves(state))
+
+def cli_model(spec, tokenizer, **weights) -> CLIModel:
+    """A `CLIModel` of `weights` (model_config and params, or model), its parameter count taken now."""
+    import jax
+    from flax import nnx
+
+    state = weights["params"] if weights.get("model") is None else nnx.state(weights["model"], nnx.Param)
+    return CLIModel(spec, tokenizer, **weights, num_params=sum(int(x.size) for x in jax.tree.leaves(state)))
 
 
 def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
@@ -46,7 +55,7 @@ def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
         cfg, params, tokenizer = load_pretrained_for_cli(args.model, args.dtype,
                                                          getattr(args, "tensor_parallel_size", 1),
                                                          getattr(args, "quantization", None))
-        return CLIModel(cfg.spec, tokenizer, model_config=cfg, params=params)
+        return cli_model(cfg.spec, tokenizer, model_config=cfg, params=params)
     if args.dtype is not None:
         raise CLIError("--dtype applies to the built-in models; a --model-class factory chooses its own dtype")
     model, tokenizer = load_model_class(args.model_class, args.model)
@@ -66,7 +75,7 @@ def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
     if tokenizer is None:
         raise CLIError(f"--model-class {args.model_class} gave no tokenizer: return (model, tokenizer) from the "
                        "factory for text prompts")
-    return CLIModel(spec, tokenizer, model=model)
+    return cli_model(spec, tokenizer, model=model)
 
 
 def load_model_class(target: str, path: str | None):

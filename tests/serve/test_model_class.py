@@ -4,8 +4,10 @@ offline engine gives; and the CLI's one-line errors for a factory that cannot be
 
 from __future__ import annotations
 
+import jax
 import openai
 import pytest
+from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.cli.command import main as generate_main
@@ -29,6 +31,9 @@ def test_serve_answers_an_openai_client_with_the_offline_engines_text():
     args = build_parser().parse_args(["--model-class", FACTORY, *SERVE_ARGS])
     loaded = load_model_for_cli(args)
     assert loaded.model_config is None and loaded.spec.num_layers == 2
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(loaded.model, nnx.Param)))
+    assert loaded.num_params == count and loaded.without_weights().num_params == count
+    assert loaded.without_weights().model is None  # what the CLI keeps once the engine has the weights
     with running_server(build_engine(args, loaded)) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         got = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=8, temperature=0)
