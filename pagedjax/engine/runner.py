@@ -52,6 +52,7 @@ from pagedjax.engine.shapes import (
     step_shape,
 )
 from pagedjax.model.api import PagedKVCache, PagedModel, param_partition_fn
+from pagedjax.model.quant import holds_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -202,14 +203,18 @@ def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
 # on a float32 model of hidden size 1024 (the 156M shape), its dots of 1-16 rows are slower than XLA's own (Eigen)
 # ones (decode at batch 16: 503 vs 468 tokens/s, batch 1: 75 vs 71), while from 32 rows on (prefill, big
 # batches) YNNPACK is 15-20% faster, 16-bit dots need it (Eigen's bf16 decode ran at half the speed), and on
-# small float32 models the two are within noise. So only small-row steps of large float32 models opt out.
+# small float32 models the two are within noise. So only small-row steps of large float32 models opt out, unless
+# they hold quantized linears (`pagedjax.model.quant`): int8's one-row multiply-and-reduce is fast only as a
+# YNNPACK fusion (XLA's own reduce writes the float products out first), and the dots of kernels stored
+# `[out, in]` ran about 3x slower on Eigen than on YNNPACK at 16 rows (scripts/bench_quant.py, 156M shape).
 _EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}  # no YNNPACK fusion: dots stay XLA's
 
 
-def cpu_compiler_options(spec: ModelSpec, rows: int) -> dict[str, str] | None:
-    """XLA compile options for a step of `rows` tokens of a model of `spec` (None: XLA's defaults)."""
+def cpu_compiler_options(spec: ModelSpec, rows: int, quantized: bool = False) -> dict[str, str] | None:
+    """XLA compile options for a step of `rows` tokens of a model of `spec` (None: XLA's defaults); `quantized`:
+    the model holds quantized linears (`pagedjax.model.quant.holds_quantized`)."""
     if (jax.default_backend() == "cpu" and spec.dtype == "float32" and (spec.hidden_size or 0) >= 1024
-            and rows <= 16):
+            and rows <= 16 and not quantized):
         return _EIGEN_DOTS
     return None
 
@@ -231,6 +236,7 @@ class ModelRunner:
         self.backend = resolve_backend(backend)
         self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
+        self._quantized = holds_quantized(self.params)
         if mesh is not None:
             from pagedjax.parallel.sharding import shard_state
 
@@ -326,7 +332,8 @@ class ModelRunner:
         """The job that compiles `jitted` for these arguments' shapes (`rows`: the tokens a step runs): abstract
         arguments only, so it may run on another thread after the KV cache it saw was donated."""
         abstract = jax.tree.map(_abstract, args)
-        return functools.partial(_compile, jitted, abstract, static, cpu_compiler_options(self.model_spec, rows))
+        return functools.partial(_compile, jitted, abstract, static, cpu_compiler_options(self.model_spec, rows,
+                                                                                             self._quantized))
 
     def _step_call(self, inputs: StepInputs, shape: StepShape) -> tuple[tuple, dict]:
         args = (self._param_leaves, self.kv_cache, inputs.token_ids, inputs.positions, inputs.meta,

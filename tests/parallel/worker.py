@@ -203,10 +203,11 @@ def quantized_tensor_parallel():
         e = run(2)
         grouped = quant.scheme == "int4"
         layer = e.runner.params["layers"][0]
-        specs = {("self_attn", "q_proj", "qweight"): P(None, "tp"), ("self_attn", "o_proj", "qweight"): P("tp", None),
-                 ("mlp", "down_proj", "qweight"): P("tp", None),
-                 ("self_attn", "q_proj", "scale"): P(None, "tp") if grouped else P("tp"),
-                 ("mlp", "down_proj", "scale"): P("tp", None) if grouped else P()}
+        # Stored [out, in]: column-sharded layers split axis 0, row-sharded ones axis 1.
+        specs = {("self_attn", "q_proj", "qweight"): P("tp", None), ("self_attn", "o_proj", "qweight"): P(None, "tp"),
+                 ("mlp", "down_proj", "qweight"): P(None, "tp"),
+                 ("self_attn", "q_proj", "scale"): P("tp", None) if grouped else P("tp"),
+                 ("mlp", "down_proj", "scale"): P(None, "tp") if grouped else P()}
         for (block, module, leaf), spec in specs.items():
             got = layer[block][module][leaf][...].sharding.spec
             assert got == spec, f"{quant.name} {module}.{leaf}: {got} != {spec}"
