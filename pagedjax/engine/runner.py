@@ -204,17 +204,22 @@ def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
 # ones (decode at batch 16: 503 vs 468 tokens/s, batch 1: 75 vs 71), while from 32 rows on (prefill, big
 # batches) YNNPACK is 15-20% faster, 16-bit dots need it (Eigen's bf16 decode ran at half the speed), and on
 # small float32 models the two are within noise. So only small-row steps of large float32 models opt out, unless
-# they hold quantized linears (`pagedjax.model.quant`): int8's one-row multiply-and-reduce is fast only as a
-# YNNPACK fusion (XLA's own reduce writes the float products out first), and the dots of kernels stored
-# `[out, in]` ran about 3x slower on Eigen than on YNNPACK at 16 rows (scripts/bench_quant.py, 156M shape).
+# they hold quantized linears (`pagedjax.model.quant`): their several-row dots of kernels stored `[out, in]` ran
+# about 3x slower on Eigen than on YNNPACK, and their one-row products are loops XLA emits itself, which it
+# vectorizes 256 bits wide unless told 512 (int4's ran about 2x faster so, int8's about 10%: `python
+# scripts/bench_quant.py --chain`, 156M shape).
 _EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}  # no YNNPACK fusion: dots stay XLA's
+_QUANTIZED = {"xla_cpu_prefer_vector_width": 512}  # YNNPACK on; XLA's own loops in AVX-512 where the CPU has it
 
 
-def cpu_compiler_options(spec: ModelSpec, rows: int, quantized: bool = False) -> dict[str, str] | None:
+def cpu_compiler_options(spec: ModelSpec, rows: int, quantized: bool = False) -> dict | None:
     """XLA compile options for a step of `rows` tokens of a model of `spec` (None: XLA's defaults); `quantized`:
     the model holds quantized linears (`pagedjax.model.quant.holds_quantized`)."""
-    if (jax.default_backend() == "cpu" and spec.dtype == "float32" and (spec.hidden_size or 0) >= 1024
-            and rows <= 16 and not quantized):
+    if jax.default_backend() != "cpu":
+        return None
+    if quantized:
+        return _QUANTIZED
+    if spec.dtype == "float32" and (spec.hidden_size or 0) >= 1024 and rows <= 16:
         return _EIGEN_DOTS
     return None
 
@@ -429,7 +434,7 @@ class ModelRunner:
             self.programs.record_run(shape, time.perf_counter() - start)  # not the steps' device time
 
 
-def _compile(jitted, args: tuple, static: dict, options: dict[str, str] | None):
+def _compile(jitted, args: tuple, static: dict, options: dict | None):
     return jitted.lower(*args, **static).compile(compiler_options=options)
 
 

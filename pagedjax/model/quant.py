@@ -42,6 +42,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pagedjax.model.linear import apply_linear
@@ -133,6 +134,16 @@ def dequantize_kernel(qweight: jax.Array, scale: jax.Array, quant: QuantConfig) 
     return _dequantize_stored(qweight, scale, quant).T
 
 
+@functools.lru_cache
+def _row_order(n_in: int, group_size: int | None) -> np.ndarray:
+    """The input each element of a one-row product's gathered row is: i32 `[n_in]`, the identity for int8 (no
+    groups), int4's nibble planes' inputs (low plane then high, see `pack_int4`)."""
+    order = np.arange(n_in, dtype=np.int32)
+    if group_size is None:
+        return order
+    return order.reshape(-1, 2, group_size // 2).transpose(1, 0, 2).reshape(-1)  # [groups, half, g / 2]
+
+
 def _dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     """x `[..., in]` times a converted kernel stored `[out, in]` -> float32 `[..., out]`, contracting the last
     axes (several rows: a YNNPACK dot of the converted kernel)."""
@@ -182,19 +193,21 @@ class QuantizedLinear(nnx.Module):
         first = x.reshape(-1)[0]
         tie = jnp.zeros((), jnp.float32) * (first != first).astype(jnp.float32)
         if self._one_row(x):
-            row = x.reshape(1, -1).astype(jnp.float32)  # [1, in]: a 16-bit row converts exactly
+            # x's row, gathered into a buffer of its own: fused into the product, x's producer (a norm, the
+            # attention) would be recomputed for every output channel, and int4's strided read of x ran 10x slower.
+            row = jnp.take(x.reshape(-1).astype(jnp.float32), _row_order(self.in_features, self.quant.group_size))
             if self.quant.scheme == "int8":
-                y = _matvec(row, qweight.astype(jnp.float32) + tie) * scale
+                y = _matvec(row[None], qweight.astype(jnp.float32) + tie) * scale
             else:
                 # One product per nibble plane: each plane `[out, groups, g / 2]` (scaled by its group) against
-                # the matching half of every group of x.
+                # the matching halves of x's groups (the row is gathered plane by plane: `[2, in // 2]`).
                 n_out, groups = scale.shape
-                halves = row.reshape(groups, 2, -1)  # [groups, 2, g / 2]
+                halves = row.reshape(2, -1)
                 low, high = (
                     (p.astype(jnp.float32).reshape(n_out, groups, -1) * scale[:, :, None]).reshape(n_out, -1) + tie
                     for p in _planes(qweight))  # [out, in // 2] each
-                y_low, y_high = jax.lax.optimization_barrier(
-                    (_matvec(halves[:, 0].reshape(1, -1), low), _matvec(halves[:, 1].reshape(1, -1), high)))
+                # Kept apart, else XLA fuses the sum into the second product, which then converts its plane first.
+                y_low, y_high = jax.lax.optimization_barrier((_matvec(halves[:1], low), _matvec(halves[1:], high)))
                 y = y_low + y_high
             y = y.reshape(*x.shape[:-1], -1)
         elif self.quant.scheme == "int4":

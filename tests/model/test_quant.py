@@ -13,7 +13,7 @@ from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedjax import CacheConfig, LLMEngine, SchedulerConfig
+from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.config import ModelConfig
 from pagedjax.model.llama import init_model, model_from_state, quantize_params
 from pagedjax.model.quant import (
@@ -135,6 +135,29 @@ def test_paged_logits_equal_the_float_model_of_the_dequantized_weights(quant):
         np.testing.assert_allclose(logits, want[tuple(prompt)], rtol=1e-5, atol=1e-5)
     lm_head = model_from_state(qcfg, qstate).lm_head
     assert isinstance(lm_head, QuantizedLinear) == ("lm_head" not in quant.keep_float)
+
+
+@pytest.mark.parametrize("quant", [QuantConfig("int4", group_size=32), pytest.param(QuantConfig("int8"),
+                                                                                      marks=_slow)], ids=str)
+def test_batch_one_decode_equals_the_float_model_of_the_dequantized_weights(quant):
+    """Decode steps of one sequence run every quantized layer's one-row product (`QuantizedLinear._one_row`,
+    fed by the paged attention and the norms): their log-probabilities equal the float model's (1e-5)."""
+    state = nnx.state(init_model(CFG, seed=2), nnx.Param)
+    qcfg, qstate = quantize_params(CFG, state, quant)
+    engine = LLMEngine(qcfg, CacheConfig(block_size=4, num_blocks=8), SchedulerConfig(
+        max_num_seqs=1, max_num_batched_tokens=8, max_model_len=16), params=qstate)
+    prompt = PROMPTS[1]
+    out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert any(shape.tokens == 1 for shape in engine.runner.programs.executables)  # one-row decode steps ran
+    graphdef, ref = nnx.split(model_from_state(CFG, _dequantized(CFG, state, qcfg, qstate)))
+    tokens = jnp.asarray([prompt + out.token_ids], jnp.int32)
+    logits = jax.jit(lambda s, t: nnx.merge(graphdef, s).forward_dense(t))(ref, tokens)[0]
+    want = np.asarray(jax.nn.log_softmax(logits[len(prompt) - 1:-1]))  # [4, vocab]: each generated position
+    for step, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[step] == int(want[step].argmax())
+        ids, values = zip(*lp.top, strict=True)
+        np.testing.assert_allclose(values, want[step, list(ids)], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
