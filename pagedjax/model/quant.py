@@ -18,18 +18,24 @@ q = 0, never a NaN.
 `Linear` holding the dequantized kernel (up to float rounding; tests/model/test_quant.py proves it through the
 paged engine, and layer by layer for one row and for many, in float32 and bf16).
 
-How XLA:CPU computes them (`python scripts/bench_quant.py --chain` times each way over 8 layers of the 156M shape;
-README "Quantized weights"):
-  one row (batch-1 decode), int8 and int4: `x @ w.T` with w the converted (int4: unpacked and scaled) kernel
+How XLA:CPU computes them (`python scripts/bench_quant.py --chain` times the linears of the 156M shape alone,
+`python scripts/bench_quant.py` the engine; README "Quantized weights"):
+  one row (batch-1 decode), int8 and int4: `row @ w.T` with w the converted (int4: unpacked and scaled) kernel
       `[out, in]`. XLA:CPU fuses the conversion, the transpose and the one-row dot into one loop fusion (a
-      matrix-vector product over both cores) that reads the stored bytes: no float copy of the kernel is
-      written. int4 runs one such product per nibble plane (x's group halves against each plane), kept apart
-      by an optimization barrier (fused into one add, the second product would write its float kernel first).
+      matrix-vector product split over the cores) that reads the stored bytes: no float copy of the kernel is
+      written. Its inner loop is XLA's own vectorized code (convert, multiply, add per element), so it is
+      bound by instructions, not by the bytes it reads: the runner compiles it 512 bits wide. The row is
+      first gathered into a buffer of its own (`jnp.take`): else XLA fuses the row's producer (the norm, the
+      attention) into the product and recomputes it for every output channel (int8 decode at batch 1 ran at
+      0.95x float32 so), and int4's strided read of each group's halves was not vectorized. int4 runs one
+      product per nibble plane, kept apart by an optimization barrier (fused into one add, the second product
+      would convert its plane into a buffer first).
   one fp8 row, and several rows of every scheme: convert (int4: dequantize), then a dot contracting the
       kernel's last axis, on YNNPACK (`pagedjax.engine.runner.cpu_compiler_options` keeps it on for quantized
-      models: XLA's own dots of an `[out, in]` kernel ran several times slower); the per-channel schemes apply
-      their scale to the `[..., out]` result. XLA:CPU's fp8 -> float conversion is a slow per-element routine
-      that the fused one-row product does not speed up.
+      models: XLA's own dots of an `[out, in]` kernel ran about 3x slower); the per-channel schemes apply their
+      scale to the `[..., out]` result. XLA:CPU's e4m3 -> float conversion is a slow per-element routine (the
+      fused one-row product ran at 0.6x float32), and an exact conversion by integer ops (subnormals included:
+      XLA:CPU flushes float32 denormals, so they need a select) only matched float32.
   `tie` (in `QuantizedLinear._project`) makes XLA convert each kernel just before its product instead of every
       kernel at the start of the step into buffers all alive at once.
 Whether XLA:GPU fuses the conversion is not measured here.
