@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from pagedjax.fields import check_choice, check_int, describe, from_fields
 
-# What a linear kernel `[in, out]` is stored as (`pagedjax.model.quant`):
+# What a linear kernel `[in, out]` is stored as (`pagedjax.model.quant`; stored `[out, ...]`):
 #   "int8"  int8 per output channel, symmetric: w ~= q * scale[out], q in [-127, 127].
-#   "int4"  int4 in groups of `group_size` consecutive inputs, symmetric: w ~= q * scale[in // group_size, out],
+#   "int4"  int4 in groups of `group_size` consecutive inputs, symmetric: w ~= q * scale[out, in // group_size],
 #           q in [-8, 7] (the quantizer uses [-7, 7]); two values per byte along the input dimension.
 #   "fp8"   float8 e4m3 (finite, max 448) per output channel: w ~= q * scale[out].
 SCHEMES: tuple[str, ...] = ("int8", "int4", "fp8")

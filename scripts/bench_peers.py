@@ -362,7 +362,11 @@ def main():
     import llama_cpp as L
 
     L.llama_backend_init()
-    model = L.llama_model_load_from_file(cfg["gguf"].encode(), L.llama_model_default_params())
+    model_params = L.llama_model_default_params()
+    # extra_bufts false: no extra weight buffer types (AMX, repacked layouts); on an AMX CPU, llama_decode of a
+    # Q8_0 / Q4_0 model built with GGML_NATIVE segfaulted with them (scripts/bench_quant.py sets it).
+    model_params.use_extra_bufts = cfg.get("extra_bufts", True)
+    model = L.llama_model_load_from_file(cfg["gguf"].encode(), model_params)
     params = L.llama_context_default_params()
     params.n_seq_max = cfg["max_num_seqs"]
     params.n_ctx = cfg["max_num_seqs"] * cfg["max_model_len"]  # each sequence gets max_model_len

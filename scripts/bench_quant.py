@@ -4,13 +4,23 @@ int8 vs int4 vs fp8, all in one run.
     python scripts/bench_quant.py                   # the 156M shape, batch 1 and 16
     python scripts/bench_quant.py --quick           # a tiny model (seconds): the smoke test
     python scripts/bench_quant.py --schemes float32,int8,int4:32,int8-head,int4-head
-    python scripts/bench_quant.py --formulations    # one layer, each way XLA could compute it, and its HLO
+    python scripts/bench_quant.py --chain           # 8 layers of linears alone: each scheme's products, GB/s
+    python scripts/bench_quant.py --llama-python /work/peers/llama/bin/python \
+        --llama-cpp-dir /work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp     # + llama.cpp f32 / Q8_0 / Q4_0
 
 Speed: one engine per scheme over the same random model (`bench_engine.SHAPES`), greedy, fixed lengths; every
 engine is warmed up (compiled) first, then timed in interleaved rounds (one run of each per round, so machine
 noise hits all rows alike); a row's time is its best round, its ratio is against float32 in the same run.
 "weight MB/step" is what one decode step reads (`bench_engine.decode_weight_bytes`: every parameter but the
 input embedding table). A scheme name with "-head" also quantizes the LM head (kept float by default).
+
+With `--llama-python` (a Python whose venv has llama-cpp-python, `scripts/bench_peers.py` says how to build
+it) and `--llama-cpp-dir` (its llama.cpp sources), every row runs the random Hugging Face checkpoint of
+`bench_peers` (`build_checkpoint`, same shape) instead, and llama.cpp rows join the same rounds: its f32 GGUF
+(converted by llama.cpp's own `convert_hf_to_gguf.py`) and the Q8_0 / Q4_0 GGUFs its `llama_model_quantize`
+makes of it, decoded by `bench_peers`' driver (greedy, float32 KV cache, `--llama-threads` threads, its extra
+weight buffer types - AMX, repacked layouts - off: with them, llama_decode of Q8_0 / Q4_0 segfaulted on this
+AMX machine), the same prompts and lengths, timed inside the driver (prefill included, as the engine rows are).
 
 Accuracy: the bundled model, teacher-forced over a fixed text: the share of positions whose top-1 token is
 the float32 model's, and the parameters' bytes.
@@ -19,7 +29,9 @@ the float32 model's, and the parameters' bytes.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +45,8 @@ from pagedjax.model.llama import init_model, model_from_state, quantize_params
 from pagedjax.quant_config import QuantConfig
 
 DEFAULT_SCHEMES = "float32,int8,int4,fp8"
+LLAMA_TYPES = {"llama.cpp f32": None, "llama.cpp Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+               "llama.cpp Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}  # row name -> llama_cpp's file type (None: as converted)
 TEXT = (  # a fixed text for teacher forcing: code, which the bundled model was trained on
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
     "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\nclass Stack:\n"
@@ -54,11 +68,13 @@ def quantized(cfg: ModelConfig, state, scheme: str):
     return (cfg, state) if quant is None else quantize_params(cfg, state, quant)
 
 
-def speed(cfg: ModelConfig, schemes: list[str], batches: list[int], prompt_len: int, max_tokens: int,
-          repeats: int) -> list[dict]:
-    state = nnx.state(init_model(cfg, seed=0), nnx.Param)
+def speed(cfg: ModelConfig, state, schemes: list[str], batches: list[int], prompt_len: int, max_tokens: int,
+          repeats: int, peers: tuple = ()) -> list[dict]:
+    """Rows of tokens/s: one engine per scheme over `state` (float parameters of `cfg`), then `peers` ((name,
+    bench_peers.Subprocess, weight bytes) of llama.cpp GGUFs), each batch size, all timed in the same rounds."""
     total, block = prompt_len + max_tokens, 16
     rng = np.random.default_rng(0)
+    prompts = {batch: rng.integers(3, cfg.vocab_size, (batch, prompt_len)) for batch in batches}
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     rows = []
     for scheme in schemes:
@@ -69,18 +85,53 @@ def speed(cfg: ModelConfig, schemes: list[str], batches: list[int], prompt_len: 
                                            max_model_len=total), params=qstate)
         weight_bytes = decode_weight_bytes(model_from_state(qcfg, qstate))
         for batch in batches:
-            prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
-            go = lambda engine=engine, prompts=prompts: engine.generate(prompts, params, use_tqdm=False)
+            def go(engine=engine, batch=batch) -> float:
+                start = time.perf_counter()
+                engine.generate(prompts[batch].tolist(), params, use_tqdm=False)
+                return time.perf_counter() - start
             go()  # warm-up: compiles this batch's shapes
             rows.append(dict(scheme=scheme, batch=batch, go=go, times=[], weight_bytes=weight_bytes))
+    for name, peer, weight_bytes in peers:
+        for batch in batches:
+            go = lambda peer=peer, batch=batch: peer.run(prompts[batch], max_tokens)[0]  # noqa: E731
+            go()  # warm-up
+            rows.append(dict(scheme=name, batch=batch, go=go, times=[], weight_bytes=weight_bytes))
     for _ in range(repeats):
         for r in rows:
-            start = time.perf_counter()
-            r["go"]()
-            r["times"].append(time.perf_counter() - start)
+            r["times"].append(r["go"]())
     for r in rows:
         r["tokens_per_s"] = r["batch"] * max_tokens / min(r["times"])
     return rows
+
+
+def llama_peers(folder: Path, llama_python: str, llama_cpp_dir: Path, pythonpath: str | None, threads: int,
+                cfg: ModelConfig, max_batch: int, max_len: int, max_batched_tokens: int) -> list[tuple]:
+    """(row name, a running bench_peers llama.cpp driver, decode weight bytes) per `LLAMA_TYPES`: the f32 GGUF
+    llama.cpp's converter makes of `folder`, quantized by llama.cpp itself (files reused when present)."""
+    import sys
+
+    from bench_peers import LLAMA_DRIVER, Subprocess, convert_to_gguf
+
+    sys.path.insert(0, str(llama_cpp_dir / "gguf-py"))
+    import gguf  # llama.cpp's own reader, from its sources
+
+    f32 = convert_to_gguf(folder, llama_cpp_dir, cfg.vocab_size, pythonpath)
+    peers = []
+    for name, ftype in LLAMA_TYPES.items():
+        path = f32 if ftype is None else folder / f"model-{name.split()[-1].lower()}.gguf"
+        if not path.is_file():
+            script = ("import ctypes, sys, llama_cpp as L\np = L.llama_model_quantize_default_params()\n"
+                      f"p.ftype = L.{ftype}\nsys.exit(L.llama_model_quantize({str(f32)!r}.encode(), "
+                      f"{str(path)!r}.encode(), ctypes.byref(p)))")
+            subprocess.run([llama_python, "-c", script], check=True, capture_output=True, timeout=1800)
+        # What a decode step reads: every tensor but the input embedding table (one row of it).
+        weight_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if t.name != "token_embd.weight")
+        config = dict(gguf=str(path), threads=threads, max_model_len=max_len, max_num_seqs=max_batch,
+                      max_num_batched_tokens=max_batched_tokens, extra_bufts=ftype is None)  # bench_peers: driver
+        peer = Subprocess(f"{name}, {threads} thread(s)", llama_python, LLAMA_DRIVER, config, {}, 900.0, 900.0)
+        peer.wait_ready()
+        peers.append((name, peer, weight_bytes))
+    return peers
 
 
 def accuracy(schemes: list[str]) -> list[dict]:
@@ -100,50 +151,60 @@ def accuracy(schemes: list[str]) -> list[dict]:
     return out
 
 
-def formulations(n_in: int, n_out: int, batches: list[int], repeats: int = 20) -> None:
-    """One linear layer `[n_in, n_out]`, each way of computing it timed (best of `repeats` after a compile) and
-    its optimized HLO searched for a float `[n_in, n_out]` buffer (the kernel converted every call)."""
-    from pagedjax.model.quant import dequantize_kernel, quantize_kernel, unpack_int4
+def chain(cfg: ModelConfig, schemes: list[str], batches: list[int], rounds: int = 10) -> None:
+    """The linear layers alone: `cfg.num_layers` layers of q, k, v, o, gate, up, down of `cfg`'s shape, each
+    layer's input an RMS norm of the last (as the model feeds them), compiled with the engine's XLA options for
+    that many rows (`runner.cpu_compiler_options`), timed in interleaved rounds (best round). GB/s is of the
+    stored weight bytes."""
+    from pagedjax.engine.runner import cpu_compiler_options
+    from pagedjax.model.quant import QuantizedLinear
 
+    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
     rng = np.random.default_rng(0)
-    kernel = jnp.asarray(rng.standard_normal((n_in, n_out)), jnp.float32)
-    q8, s8 = quantize_kernel(kernel, QuantConfig("int8"))
-    int4 = QuantConfig("int4", group_size=128)
-    q4, s4 = quantize_kernel(kernel, int4)
-    groups = n_in // 128
+    kernels = [jnp.asarray(rng.standard_normal(shape) * 0.02, jnp.float32) for _ in range(cfg.num_layers)
+               for shape in shapes]
 
-    def int4_batched(x, q, s):  # a dot per group, then scale and sum: never a float [in, out]
-        w = unpack_int4(q).reshape(groups, 128, n_out).astype(x.dtype)
-        part = jnp.einsum("bgk,gko->bgo", x.reshape(x.shape[0], groups, 128), w)
-        return jnp.einsum("bgo,go->bo", part, s)
+    def forward(layers, x):
+        norm = lambda v: v * jax.lax.rsqrt(jnp.mean(v * v, -1, keepdims=True) + 1e-6)  # noqa: E731
+        for n in range(cfg.num_layers):
+            q, k, v, o, gate, up, down = layers[7 * n:7 * n + 7]
+            a = norm(x)
+            x = x + o(jnp.tanh(q(a)) + k(a).sum(-1, keepdims=True) + v(a).sum(-1, keepdims=True))
+            a = norm(x)
+            x = x + down(jax.nn.silu(gate(a)) * up(a))
+        return x
 
-    ways = {
-        "float32 kernel": (lambda x, w: x @ w, kernel),
-        "int8: convert, dot, scale": (lambda x, q, s: (x @ q.astype(x.dtype)) * s, q8, s8),
-        "int8: dot(preferred f32)": (lambda x, q, s: jax.lax.dot_general(
-            x, q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32) * s, q8, s8),
-        "int8: multiply-reduce": (lambda x, q, s: jnp.sum(x[:, :, None] * q.astype(x.dtype), axis=1) * s, q8, s8),
-        "int4: dequantize, dot": (lambda x, q, s: x @ dequantize_kernel(q, s, int4), q4, s4),
-        "int4: group dots, sum": (int4_batched, q4, s4),
-    }
-    print(f"\none layer [{n_in}, {n_out}], {jax.default_backend()}: microseconds per call (best of {repeats})")
-    print(f"{'formulation':<28}" + "".join(f"{f'batch {b}':>10}" for b in batches) + f"{'float [in, out] in HLO':>24}")
-    float_buffer = f"f32[{n_in},{n_out}]"
-    for name, (fn, *weights) in ways.items():
-        fn = jax.jit(fn)
-        cells = []
+    rows = []
+    for scheme in schemes:
+        quant = quant_config(scheme)
+        layers = [nnx.Linear(*k.shape, use_bias=False, rngs=nnx.Rngs(0)) if quant is None else
+                  QuantizedLinear(k, quant=quant) for k in kernels]
+        if quant is None:
+            for layer, k in zip(layers, kernels, strict=True):
+                layer.kernel.set_value(k)
+        graphdef, state = nnx.split(nnx.List(layers))
+        stored = sum(x.nbytes for x in jax.tree.leaves(state))
         for b in batches:
-            x = jnp.asarray(rng.standard_normal((b, n_in)), jnp.float32)
-            fn(x, *weights).block_until_ready()
-            best = np.inf
-            for _ in range(repeats):
-                start = time.perf_counter()
-                fn(x, *weights).block_until_ready()
-                best = min(best, time.perf_counter() - start)
-            cells.append(f"{best * 1e6:>10.0f}")
-        hlo = fn.lower(x, *weights).compile().as_text()
-        converted = name != "float32 kernel" and float_buffer in hlo
-        print(f"{name:<28}" + "".join(cells) + f"{'yes' if converted else 'no':>24}")
+            x = jnp.asarray(rng.standard_normal((b, h)), jnp.float32)
+            options = cpu_compiler_options(cfg, b, quant is not None)
+            fn = jax.jit(lambda s, x, graphdef=graphdef: forward(list(nnx.merge(graphdef, s)), x))
+            exe = fn.lower(state, x).compile(options)
+            exe(state, x).block_until_ready()
+            rows.append(dict(scheme=scheme, batch=b, call=lambda exe=exe, state=state, x=x: exe(state, x),
+                             stored=stored, times=[]))
+    for _ in range(rounds):
+        for r in rows:
+            start = time.perf_counter()
+            r["call"]().block_until_ready()
+            r["times"].append(time.perf_counter() - start)
+    base = {r["batch"]: min(r["times"]) for r in rows if r["scheme"] == "float32"}
+    print(f"\n{cfg.num_layers} layers of linears [{h}, {i}], {jax.default_backend()}, best of {rounds} rounds")
+    print(f"{'scheme':<12}{'rows':>6}{'ms':>9}{'x float32':>11}{'stored MiB':>12}{'GB/s':>8}")
+    for r in rows:
+        best = min(r["times"])
+        print(f"{r['scheme']:<12}{r['batch']:>6}{best * 1e3:>9.2f}{base[r['batch']] / best:>11.2f}"
+              f"{r['stored'] / 2**20:>12.1f}{r['stored'] / best / 1e9:>8.1f}")
 
 
 def main(argv=None) -> None:
@@ -155,32 +216,55 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="tiny model and workload (seconds)")
-    ap.add_argument("--formulations", action="store_true",
-                    help="only time the ways of computing one quantized layer of the 156M MLP ([1024, 2816])")
+    ap.add_argument("--chain", action="store_true", help="only time the model shape's linear layers (`chain`)")
+    ap.add_argument("--llama-python", help="a Python with llama-cpp-python: llama.cpp f32 / Q8_0 / Q4_0 rows")
+    ap.add_argument("--llama-cpp-dir", help="the llama.cpp sources it was built from (the sdist's vendor/llama.cpp)")
+    ap.add_argument("--llama-pythonpath", help="extra PYTHONPATH for llama.cpp's converter (e.g. sentencepiece)")
+    ap.add_argument("--llama-threads", type=int, default=2)
     args = ap.parse_args(argv)
-    if args.formulations:
-        formulations(1024, 2816, [int(b) for b in args.batches.split(",")])
-        return
     schemes = args.schemes.split(",")
     if schemes[0] != "float32":
         ap.error("--schemes must start with float32 (the baseline of every ratio)")
     for s in schemes:
         quant_config(s)  # a bad name fails before anything runs
+    if bool(args.llama_python) != bool(args.llama_cpp_dir):
+        ap.error("--llama-python and --llama-cpp-dir go together")
     cfg = SHAPES[args.model]
     batches = [int(b) for b in args.batches.split(",")]
+    if args.chain:
+        chain(cfg, schemes, batches)
+        return
     if args.quick:
         cfg = ModelConfig(vocab_size=64, hidden_size=128, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=64,
                           intermediate_size=256, tie_word_embeddings=False)
         schemes, batches, args.prompt_len, args.max_tokens, args.repeats = schemes[:3], [1, 2], 4, 4, 1
-    print(f"{args.model if not args.quick else 'quick'} model, {jax.default_backend()}, prompt {args.prompt_len}, "
-          f"{args.max_tokens} new tokens, best of {args.repeats}")
-    rows = speed(cfg, schemes, batches, args.prompt_len, args.max_tokens, args.repeats)
+    peers, source = (), "random pagedjax init"
+    if args.llama_python:
+        from bench_peers import MODELS, build_checkpoint
+
+        from pagedjax.model.hf_loader import load_hf
+
+        folder = build_checkpoint(Path("/tmp") / f"bench-peers-{args.model}", MODELS[args.model][0])
+        cfg, state, _ = load_hf(folder)
+        source = f"the random Hugging Face checkpoint {folder}"
+        total = args.prompt_len + args.max_tokens
+        peers = llama_peers(folder, args.llama_python, Path(args.llama_cpp_dir), args.llama_pythonpath,
+                            args.llama_threads, cfg, max(batches), total, max(batches) * total)
+    else:
+        state = nnx.state(init_model(cfg, seed=0), nnx.Param)
+    print(f"{args.model if not args.quick else 'quick'} model ({source}), {jax.default_backend()}, prompt "
+          f"{args.prompt_len}, {args.max_tokens} new tokens, best of {args.repeats} interleaved rounds")
+    try:
+        rows = speed(cfg, state, schemes, batches, args.prompt_len, args.max_tokens, args.repeats, peers)
+    finally:
+        for _, peer, _ in peers:
+            peer.close()
     base = {r["batch"]: r for r in rows if r["scheme"] == "float32"}
-    print(f"{'scheme':<12}{'batch':>6}{'tokens/s':>11}{'x float32':>11}{'weight MiB/step':>16}{'x fewer bytes':>15}")
+    print(f"{'scheme':<16}{'batch':>6}{'tokens/s':>11}{'x float32':>11}{'weight MiB/step':>16}{'x fewer bytes':>15}")
     for r in rows:
         b = base[r["batch"]]
         speedup = r["tokens_per_s"] / b["tokens_per_s"]
-        print(f"{r['scheme']:<12}{r['batch']:>6}{r['tokens_per_s']:>11.1f}{speedup:>11.2f}"
+        print(f"{r['scheme']:<16}{r['batch']:>6}{r['tokens_per_s']:>11.1f}{speedup:>11.2f}"
               f"{r['weight_bytes'] / 2**20:>16.1f}{b['weight_bytes'] / r['weight_bytes']:>15.2f}")
     print("\nbundled model, teacher-forced top-1 agreement with float32")
     print(f"{'scheme':<12}{'agreement':>10}{'positions':>10}{'params MiB':>11}")

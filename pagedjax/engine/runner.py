@@ -52,6 +52,7 @@ from pagedjax.engine.shapes import (
     step_shape,
 )
 from pagedjax.model.api import PagedKVCache, PagedModel, param_partition_fn
+from pagedjax.model.quant import holds_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -202,14 +203,23 @@ def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
 # on a float32 model of hidden size 1024 (the 156M shape), its dots of 1-16 rows are slower than XLA's own (Eigen)
 # ones (decode at batch 16: 503 vs 468 tokens/s, batch 1: 75 vs 71), while from 32 rows on (prefill, big
 # batches) YNNPACK is 15-20% faster, 16-bit dots need it (Eigen's bf16 decode ran at half the speed), and on
-# small float32 models the two are within noise. So only small-row steps of large float32 models opt out.
+# small float32 models the two are within noise. So only small-row steps of large float32 models opt out, unless
+# they hold quantized linears (`pagedjax.model.quant`): their several-row dots of kernels stored `[out, in]` ran
+# about 3x slower on Eigen than on YNNPACK, and their one-row products are loops XLA emits itself, which it
+# vectorizes 256 bits wide unless told 512 (int4's ran about 2x faster so, int8's about 10%: `python
+# scripts/bench_quant.py --chain`, 156M shape).
 _EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}  # no YNNPACK fusion: dots stay XLA's
+_QUANTIZED = {"xla_cpu_prefer_vector_width": 512}  # YNNPACK on; XLA's own loops in AVX-512 where the CPU has it
 
 
-def cpu_compiler_options(spec: ModelSpec, rows: int) -> dict[str, str] | None:
-    """XLA compile options for a step of `rows` tokens of a model of `spec` (None: XLA's defaults)."""
-    if (jax.default_backend() == "cpu" and spec.dtype == "float32" and (spec.hidden_size or 0) >= 1024
-            and rows <= 16):
+def cpu_compiler_options(spec: ModelSpec, rows: int, quantized: bool = False) -> dict | None:
+    """XLA compile options for a step of `rows` tokens of a model of `spec` (None: XLA's defaults); `quantized`:
+    the model holds quantized linears (`pagedjax.model.quant.holds_quantized`)."""
+    if jax.default_backend() != "cpu":
+        return None
+    if quantized:
+        return _QUANTIZED
+    if spec.dtype == "float32" and (spec.hidden_size or 0) >= 1024 and rows <= 16:
         return _EIGEN_DOTS
     return None
 
@@ -233,6 +243,7 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         # Without a mesh a model may take its weights in a single-device form (`served_params`).
         self._single_device = getattr(model, "single_device_params", None) if mesh is None else None
+        self._quantized = holds_quantized(self.params)
         if mesh is not None:
             from pagedjax.parallel.sharding import shard_state
 
@@ -335,7 +346,8 @@ class ModelRunner:
         """The job that compiles `jitted` for these arguments' shapes (`rows`: the tokens a step runs): abstract
         arguments only, so it may run on another thread after the KV cache it saw was donated."""
         abstract = jax.tree.map(_abstract, args)
-        return functools.partial(_compile, jitted, abstract, static, cpu_compiler_options(self.model_spec, rows))
+        return functools.partial(_compile, jitted, abstract, static, cpu_compiler_options(self.model_spec, rows,
+                                                                                             self._quantized))
 
     def _step_call(self, inputs: StepInputs, shape: StepShape) -> tuple[tuple, dict]:
         args = (self._param_leaves, self.kv_cache, inputs.token_ids, inputs.positions, inputs.meta,
@@ -431,7 +443,7 @@ class ModelRunner:
             self.programs.record_run(shape, time.perf_counter() - start)  # not the steps' device time
 
 
-def _compile(jitted, args: tuple, static: dict, options: dict[str, str] | None):
+def _compile(jitted, args: tuple, static: dict, options: dict | None):
     return jitted.lower(*args, **static).compile(compiler_options=options)
 
 

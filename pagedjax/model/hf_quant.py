@@ -11,10 +11,10 @@ schemes whose stored values are exactly pagedjax's (`pagedjax.model.quant`).
         <layer>.weight_scale   [out, in / G]          <layer>.weight_shape  [out, in] (redundant: not read)
     F = "int-quantized" (or "naive-quantized"), B = 8, S = "channel" (W8A16)   -> QuantConfig("int8")
         <layer>.weight         int8 [out, in]         <layer>.weight_scale  [out, 1]
-Each tensor becomes the model's `qweight` / `scale` (transposed to `[in, out]`, int4 re-packed two per byte
-along the input dimension, scales in float32: a 16-bit scale converts exactly). Anything else (asymmetric
-zero points, activation ordering, quantized activations, other bit widths or strategies, layers other than the
-LM head left in float) is a ValueError naming the field.
+Each tensor becomes the model's `qweight` / `scale`, whose layout is the checkpoint's `[out, ...]` (int4
+re-packed two per byte in `pack_int4`'s nibble planes, scales in float32: a 16-bit scale converts exactly).
+Anything else (asymmetric zero points, activation ordering, quantized activations, other bit widths or
+strategies, layers other than the LM head left in float) is a ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -69,13 +69,14 @@ class Codec:
     safetensors dtypes it may have, the conversion and the leaf's dtype."""
 
     kind: str  # "int4", "int4_scale", "int8", "int8_scale"
+    group_size: int = 0  # int4: the groups `pack_int4` lays its nibble planes out by
 
     def hf_shape(self, shape: tuple) -> tuple:
-        if self.kind == "int4":  # [in / 2, out] <- [out, in / 8]
-            return shape[1], shape[0] * 2 // 8
+        if self.kind == "int4":  # [out, in / 2] <- [out, in / 8]
+            return shape[0], shape[1] * 2 // 8
         if self.kind == "int8_scale":  # [out] <- [out, 1]
             return shape[0], 1
-        return shape[::-1]  # [in, out] <- [out, in]; [groups, out] <- [out, groups]
+        return shape  # [out, in] and [out, groups]: the same layout
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -90,16 +91,17 @@ class Codec:
             words = np.ascontiguousarray(array).view(np.uint32)  # [out, in / 8]
             nibbles = (words[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF  # [out, in / 8, 8]
             q = nibbles.reshape(words.shape[0], -1).astype(np.int8) - 8  # [out, in]
-            return np.asarray(pack_int4(q.T))
+            return np.asarray(pack_int4(q, self.group_size))
         if self.kind == "int8_scale":
             return array.reshape(-1).astype(np.float32)
-        return array.T.astype(np.float32) if self.kind == "int4_scale" else array.T
+        return array.astype(np.float32) if self.kind == "int4_scale" else array
 
 
 def tensor(prefix: str, leaf: str, quant: QuantConfig) -> tuple[str, Codec]:
     """The checkpoint tensor of a `QuantizedLinear`'s leaf ("qweight" | "scale") under `prefix` (the layer's
     Hugging Face name, e.g. "model.layers.0.self_attn.q_proj"), and its codec."""
     if leaf == "qweight":
-        return (f"{prefix}.weight_packed", Codec("int4")) if quant.scheme == "int4" else (f"{prefix}.weight",
-                                                                                         Codec("int8"))
+        if quant.scheme == "int4":
+            return f"{prefix}.weight_packed", Codec("int4", quant.group_size)
+        return f"{prefix}.weight", Codec("int8")
     return f"{prefix}.weight_scale", Codec("int4_scale" if quant.scheme == "int4" else "int8_scale")

@@ -2,74 +2,101 @@
 channel, int4 in groups along the input dimension packed two per byte. Activations stay in the model's dtype;
 every product accumulates in float32.
 
-Storage of a kernel `[in, out]` (the float layout of `pagedjax.model.llama`):
-  int8   qweight int8 `[in, out]`,               scale `[out]`:              w[i, o] = q[i, o] * scale[o]
-  fp8    qweight float8_e4m3fn `[in, out]`,      scale `[out]`:              w[i, o] = q[i, o] * scale[o]
-  int4   qweight uint8 `[in // 2, out]`,         scale `[in // g, out]`:     w[i, o] = q[i, o] * scale[i // g, o]
-         byte r of a column holds q[2r] in its low nibble and q[2r + 1] in its high one (two's complement).
+A kernel `[in, out]` (the float layout of `pagedjax.model.llama`) is stored `[out, ...]` (Hugging Face's layout:
+each output channel's values contiguous, which the one-row product below needs):
+  int8   qweight int8 `[out, in]`,               scale `[out]`:              w[i, o] = q[o, i] * scale[o]
+  fp8    qweight float8_e4m3fn `[out, in]`,      scale `[out]`:              w[i, o] = q[o, i] * scale[o]
+  int4   qweight uint8 `[out, in // 2]`,         scale `[out, in // g]`:     w[i, o] = q[o, i] * scale[o, i // g]
+         nibble planes per group: byte j of group k (columns k * g/2 + j) holds input k * g + j in its low
+         nibble and input k * g + g/2 + j in its high one (two's complement), so each plane is a contiguous
+         `[out, in // 2]` array of the group's first / second halves (`pack_int4`).
 Scales are stored in `QuantConfig.scale_dtype`; the quantizer divides by the stored (rounded) scale, so that
 `dequantize_kernel` is exactly what the layer computes with. A zero scale (an all-zero channel or group) gives
 q = 0, never a NaN.
 
-`dequantize_kernel` is the reference: a `QuantizedLinear`'s output equals a float `Linear` holding the
-dequantized kernel (up to float rounding; tests/model/test_quant.py proves it through the paged engine).
+`dequantize_kernel` is the reference (the float kernel `[in, out]`): a `QuantizedLinear`'s output equals a float
+`Linear` holding the dequantized kernel (up to float rounding; tests/model/test_quant.py proves it through the
+paged engine, and layer by layer for one row and for many, in float32 and bf16).
 
-XLA:CPU does not fuse the int8 -> float conversion into its dot: the optimized HLO converts the whole kernel
-to a float `[in, out]` buffer every step before the product, whichever formulation (`python
-scripts/bench_quant.py --formulations` times them and checks the HLO): a dot of x with the int8 kernel under
-`preferred_element_type` lowers to the same convert; a multiply-and-reduce is far slower (hundreds of
-times at batch 1); int4 as a batched dot over `[groups, g, out]` then a scale-and-sum, which never builds the
-float kernel, is slower than dequantize-then-dot. So the layer converts (just before its dot: see `tie` in
-`QuantizedLinear._project`), then dots; the per-channel schemes apply their scale to the output (`[..., out]`
-multiplies, not `[in, out]`). Whether XLA:GPU fuses the conversion is not measured here.
+How XLA:CPU computes them (`python scripts/bench_quant.py --chain` times the linears of the 156M shape alone,
+`python scripts/bench_quant.py` the engine; README "Quantized weights"):
+  one row (batch-1 decode), int8 and int4: `row @ w.T` with w the converted (int4: unpacked and scaled) kernel
+      `[out, in]`. XLA:CPU fuses the conversion, the transpose and the one-row dot into one loop fusion (a
+      matrix-vector product split over the cores) that reads the stored bytes: no float copy of the kernel is
+      written. Its inner loop is XLA's own vectorized code (convert, multiply, add per element), so it is
+      bound by instructions, not by the bytes it reads: the runner compiles it 512 bits wide. The row is
+      first gathered into a buffer of its own (`jnp.take`): else XLA fuses the row's producer (the norm, the
+      attention) into the product and recomputes it for every output channel (int8 decode at batch 1 ran at
+      0.95x float32 so), and int4's strided read of each group's halves was not vectorized. int4 runs one
+      product per nibble plane, kept apart by an optimization barrier (fused into one add, the second product
+      would convert its plane into a buffer first).
+  one fp8 row, and several rows of every scheme: convert (int4: dequantize), then a dot contracting the
+      kernel's last axis, on YNNPACK (`pagedjax.engine.runner.cpu_compiler_options` keeps it on for quantized
+      models: XLA's own dots of an `[out, in]` kernel ran about 3x slower); the per-channel schemes apply their
+      scale to the `[..., out]` result. XLA:CPU's e4m3 -> float conversion is a slow per-element routine (the
+      fused one-row product ran at 0.6x float32), and an exact conversion by integer ops (subnormals included:
+      XLA:CPU flushes float32 denormals, so they need a select) only matched float32.
+  `tie` (in `QuantizedLinear._project`) makes XLA convert each kernel just before its product instead of every
+      kernel at the start of the step into buffers all alive at once.
+Whether XLA:GPU fuses the conversion is not measured here.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pagedjax.model.linear import apply_linear
 from pagedjax.quant_config import QuantConfig
 
-__all__ = ["QuantizedLinear", "dequantize_kernel", "pack_int4", "quantize_kernel", "quantize_model", "unpack_int4"]
+__all__ = ["QuantizedLinear", "dequantize_kernel", "holds_quantized", "pack_int4", "quantize_kernel",
+           "quantize_model", "unpack_int4"]
 
 # The largest |q| the quantizer produces for each scheme (int4 stores -8 too, which it never produces).
 QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
 
 
 def shapes(quant: QuantConfig, n_in: int, n_out: int, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(qweight shape, scale shape) of a kernel `[n_in, n_out]`; ValueError naming the tensor `name` when int4's
-    group size does not divide n_in."""
+    """(qweight shape, scale shape) of a kernel `[n_in, n_out]` (stored `[out, ...]`); ValueError naming the
+    tensor `name` when int4's group size does not divide n_in."""
     if quant.scheme != "int4":
-        return (n_in, n_out), (n_out,)
+        return (n_out, n_in), (n_out,)
     if n_in % quant.group_size:
         raise ValueError(f"{name}: int4 group size {quant.group_size} does not divide its input dimension {n_in}")
-    return (n_in // 2, n_out), (n_in // quant.group_size, n_out)
+    return (n_out, n_in // 2), (n_out, n_in // quant.group_size)
 
 
-def pack_int4(q: jax.Array) -> jax.Array:
-    """int8 `[in, out]` of values in [-8, 7] (in even) -> uint8 `[in // 2, out]`: rows 2r, 2r + 1 -> byte r
-    (low nibble, high nibble)."""
+def pack_int4(q: jax.Array, group_size: int) -> jax.Array:
+    """int8 `[..., in]` of values in [-8, 7] -> uint8 `[..., in // 2]` in nibble planes per group of
+    `group_size` (even, dividing in): input j of a group's first half -> the low nibble of the group's byte j,
+    input j of its second half -> the high nibble."""
     nibbles = jax.lax.bitcast_convert_type(q.astype(jnp.int8), jnp.uint8) & 0xF
-    return nibbles[0::2] | (nibbles[1::2] << 4)
+    grouped = nibbles.reshape(*q.shape[:-1], -1, 2, group_size // 2)  # [..., groups, half, g / 2]
+    return (grouped[..., 0, :] | (grouped[..., 1, :] << 4)).reshape(*q.shape[:-1], -1)
 
 
-def unpack_int4(packed: jax.Array) -> jax.Array:
-    """The inverse of `pack_int4`: uint8 `[in // 2, out]` -> int8 `[in, out]` in [-8, 7]."""
+def _planes(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 `[..., n]` -> (low, high) int8 `[..., n]` in [-8, 7]: each group's first and second halves."""
     b = jax.lax.bitcast_convert_type(packed, jnp.int8)
-    low = jnp.left_shift(b, 4) >> 4  # arithmetic shifts of int8: the nibble's sign bit extends
-    high = b >> 4
-    return jnp.stack([low, high], axis=1).reshape(-1, packed.shape[-1])
+    return jnp.left_shift(b, 4) >> 4, b >> 4  # arithmetic shifts of int8: the nibble's sign bit extends
+
+
+def unpack_int4(packed: jax.Array, group_size: int) -> jax.Array:
+    """The inverse of `pack_int4`: uint8 `[..., in // 2]` -> int8 `[..., in]` in [-8, 7]."""
+    low, high = (p.reshape(*packed.shape[:-1], -1, 1, group_size // 2) for p in _planes(packed))
+    return jnp.concatenate([low, high], axis=-2).reshape(*packed.shape[:-1], -1)
 
 
 def quantize_kernel(kernel: jax.Array, quant: QuantConfig, name: str = "kernel") -> tuple[jax.Array, jax.Array]:
-    """A float kernel `[in, out]` -> (qweight, scale) of `quant.scheme` (see the module docstring): symmetric,
-    scale = max |w| / QMAX over each channel (or group), rounded to the nearest level. ValueError naming
-    `name` for a kernel that is not 2-D or whose input dimension int4's group size does not divide."""
+    """A float kernel `[in, out]` -> (qweight, scale) of `quant.scheme`, stored `[out, ...]` (see the module
+    docstring): symmetric, scale = max |w| / QMAX over each channel (or group), rounded to the nearest level.
+    ValueError naming `name` for a kernel that is not 2-D or whose input dimension int4's group size does not
+    divide."""
     if kernel.ndim != 2:
         raise ValueError(f"{name}: a linear kernel [in, out] is 2-D, got shape {tuple(kernel.shape)}")
     shapes(quant, *kernel.shape, name)
@@ -81,31 +108,59 @@ def _quantize(kernel: jax.Array, quant: QuantConfig) -> tuple[jax.Array, jax.Arr
     """`quantize_kernel` past its checks, one compiled program per kernel shape (a model's load quantizes many
     kernels of few shapes; op by op, every kernel ran a dozen small programs)."""
     n_in, n_out = kernel.shape
-    w = kernel.astype(jnp.float32)
+    w = kernel.astype(jnp.float32).T  # [out, in]
     if quant.scheme == "int4":
-        w = w.reshape(n_in // quant.group_size, quant.group_size, n_out)  # [groups, g, out]
-    amax = jnp.max(jnp.abs(w), axis=-2)  # [out] or [groups, out]
+        w = w.reshape(n_out, n_in // quant.group_size, quant.group_size)  # [out, groups, g]
+    amax = jnp.max(jnp.abs(w), axis=-1)  # [out] or [out, groups]
     scale = (amax / QMAX[quant.scheme]).astype(quant.scale_dtype)
     s = scale.astype(jnp.float32)
-    s = jnp.expand_dims(jnp.where(s == 0, 1.0, s), -2)  # a zero scale's channel is all zero: q = 0
+    s = jnp.where(s == 0, 1.0, s)[..., None]  # a zero scale's channel is all zero: q = 0
     qmax = QMAX[quant.scheme]
     if quant.scheme == "fp8":
         return jnp.clip(w / s, -qmax, qmax).astype(jnp.float8_e4m3fn), scale
     # A scale rounded down (bf16) can put |w / s| a little past qmax: clipped to the last level.
     q = jnp.clip(jnp.round(w / s), -qmax, qmax).astype(jnp.int8)
     if quant.scheme == "int4":
-        return pack_int4(q.reshape(n_in, n_out)), scale
+        return pack_int4(q.reshape(n_out, n_in), quant.group_size), scale
     return q, scale
+
+
+def _dequantize_stored(qweight: jax.Array, scale: jax.Array, quant: QuantConfig) -> jax.Array:
+    """(qweight, scale) -> the float32 kernel in the stored layout `[out, in]`."""
+    s = scale.astype(jnp.float32)
+    if quant.scheme != "int4":
+        return qweight.astype(jnp.float32) * s[:, None]
+    q = unpack_int4(qweight, quant.group_size).astype(jnp.float32)  # [out, in]
+    n_out, groups = s.shape
+    return (q.reshape(n_out, groups, -1) * s[:, :, None]).reshape(n_out, -1)
 
 
 def dequantize_kernel(qweight: jax.Array, scale: jax.Array, quant: QuantConfig) -> jax.Array:
     """The reference: (qweight, scale) -> the float32 kernel `[in, out]` they stand for."""
-    s = scale.astype(jnp.float32)
-    if quant.scheme != "int4":
-        return qweight.astype(jnp.float32) * s
-    q = unpack_int4(qweight).astype(jnp.float32)  # [in, out]
-    groups, n_out = s.shape
-    return (q.reshape(groups, -1, n_out) * s[:, None, :]).reshape(-1, n_out)
+    return _dequantize_stored(qweight, scale, quant).T
+
+
+@functools.lru_cache
+def _row_order(n_in: int, group_size: int | None) -> np.ndarray:
+    """The input each element of a one-row product's gathered row is: i32 `[n_in]`, the identity for int8 (no
+    groups), int4's nibble planes' inputs (low plane then high, see `pack_int4`)."""
+    order = np.arange(n_in, dtype=np.int32)
+    if group_size is None:
+        return order
+    return order.reshape(-1, 2, group_size // 2).transpose(1, 0, 2).reshape(-1)  # [groups, half, g / 2]
+
+
+def _dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x `[..., in]` times a converted kernel stored `[out, in]` -> float32 `[..., out]`, contracting the last
+    axes (several rows: a YNNPACK dot of the converted kernel)."""
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _matvec(row: jax.Array, w: jax.Array) -> jax.Array:
+    """row f32 `[1, k]` times w f32 `[n, k]` (an expression of the stored bytes) -> f32 `[1, n]`, written
+    `row @ w.T`: XLA:CPU then fuses w's expression into a loop-emitted matrix-vector product that reads the
+    stored bytes (contracting w's last axis directly, as `_dot_rows` does, it converts w into a buffer first)."""
+    return row @ w.T
 
 
 class QuantizedLinear(nnx.Module):
@@ -124,32 +179,63 @@ class QuantizedLinear(nnx.Module):
         self.bias = None if bias is None else nnx.Param(jnp.asarray(bias, dtype))
 
     def kernel(self) -> jax.Array:
-        """The float32 kernel the layer computes with (`dequantize_kernel`)."""
+        """The float32 kernel `[in, out]` the layer computes with (`dequantize_kernel`)."""
         return dequantize_kernel(self.qweight[...], self.scale[...], self.quant)
+
+    def _one_row(self, x: jax.Array) -> bool:
+        """Whether x `[..., in]` is a single row (batch-1 decode; static under jit) of an int8 or int4 layer,
+        computed as a fused matrix-vector product (module docstring)."""
+        return math.prod(x.shape[:-1]) == 1 and self.quant.scheme in ("int8", "int4")
 
     def _project(self, x: jax.Array) -> jax.Array:
         """x `[..., in]` -> float32 `[..., out]`."""
-        qweight = self.qweight[...]
+        qweight = self.qweight[...]  # [out, in] (int4: [out, in // 2])
+        scale = self.scale[...].astype(jnp.float32)  # [out] (int4: [out, in // g])
         # A zero that depends on x, added to the converted kernel: XLA then converts each kernel just before its
-        # dot (into a buffer the next layer reuses) instead of converting every layer's kernel at the start of
-        # the step into buffers all alive at once (344 MiB of float copies for the 156M model: 4x slower than
-        # float32 at batch 1; with the tie, 0.9x at batch 1 and faster at 16: README). The zero multiplies 0 or 1
-        # (whether x[0] is NaN), never x itself: a non-finite x[0] must not reach the other rows' products.
+        # product (fused into it for one row, else into a buffer the next layer reuses) instead of converting
+        # every layer's kernel at the start of the step into buffers all alive at once (344 MiB of float copies
+        # for the 156M model, 4x slower than float32 at batch 1). The zero multiplies 0 or 1 (whether x[0] is
+        # NaN), never x itself: a non-finite x[0] must not reach the other rows' products.
         first = x.reshape(-1)[0]
-        tie = jnp.zeros((), x.dtype) * (first != first).astype(x.dtype)
-        if self.quant.scheme == "int4":
-            # Groups scale rows of the kernel, not output columns: dequantize, then one dot.
-            w = dequantize_kernel(qweight, self.scale[...], self.quant)
-            y = jnp.matmul(x, w.astype(x.dtype) + tie, preferred_element_type=jnp.float32)
+        tie = jnp.zeros((), jnp.float32) * (first != first).astype(jnp.float32)
+        if self._one_row(x):
+            # x's row, gathered into a buffer of its own: fused into the product, x's producer (a norm, the
+            # attention) would be recomputed for every output channel, and int4's strided read of x ran 10x slower.
+            row = jnp.take(x.reshape(-1).astype(jnp.float32), _row_order(self.in_features, self.quant.group_size))
+            if self.quant.scheme == "int8":
+                y = _matvec(row[None], qweight.astype(jnp.float32) + tie) * scale
+            else:
+                # One product per nibble plane: each plane `[out, groups, g / 2]` (scaled by its group) against
+                # the matching halves of x's groups (the row is gathered plane by plane: `[2, in // 2]`).
+                n_out, groups = scale.shape
+                halves = row.reshape(2, -1)
+                low, high = (
+                    (p.astype(jnp.float32).reshape(n_out, groups, -1) * scale[:, :, None]).reshape(n_out, -1) + tie
+                    for p in _planes(qweight))  # [out, in // 2] each
+                # Kept apart, else XLA fuses the sum into the second product, which then converts its plane first.
+                y_low, y_high = jax.lax.optimization_barrier((_matvec(halves[:1], low), _matvec(halves[1:], high)))
+                y = y_low + y_high
+            y = y.reshape(*x.shape[:-1], -1)
+        elif self.quant.scheme == "int4":
+            # Groups scale the kernel's inputs, not its output columns: dequantize, then one dot.
+            w = _dequantize_stored(qweight, scale, self.quant) + tie  # [out, in]
+            y = _dot_rows(x, w.astype(x.dtype))
         else:
             # Per output channel: the dot reads the stored values (int8 and e4m3 are exact in bf16 and f32) and
             # the scale multiplies the `[..., out]` result.
-            y = jnp.matmul(x, qweight.astype(x.dtype) + tie, preferred_element_type=jnp.float32)
-            y = y * self.scale[...].astype(jnp.float32)
+            y = _dot_rows(x, (qweight.astype(jnp.float32) + tie).astype(x.dtype)) * scale
         return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self._one_row(x):  # a float32 matrix-vector product: `apply_linear`'s second (zero) 16-bit row not needed
+            return self._project(x).astype(x.dtype)
         return apply_linear(self._project, x)
+
+
+def holds_quantized(params: nnx.State) -> bool:
+    """Whether a model's parameters hold `QuantizedLinear` kernels (XLA:CPU computes their several-row products
+    fast only with its YNNPACK fusions: `pagedjax.engine.runner`)."""
+    return any(str(path[-1]) == "qweight" for path, _ in nnx.to_flat_state(params))
 
 
 def quantize_model(model: nnx.Module, quant: QuantConfig | str, paths: set[tuple] | None = None) -> nnx.Module:

@@ -13,10 +13,11 @@ Megatron-style tensor parallelism, expressed only as shardings (XLA inserts the 
                                               partitioner turns the grouped matmul over the local experts into a
                                               partial sum per device and one all-reduce per MoE layer (README,
                                               "Mixture of experts").
-  quantized linears (`pagedjax.model.quant`)  `qweight` as the kernel it stands for; `scale` along the same
-                                              output columns (per channel `[out]`: replicated for a row-sharded
-                                              layer) or, int4's `[in // g, out]`, along the kernel's own split
-                                              axis (tp must divide the groups too, else the layer is replicated).
+  quantized linears (`pagedjax.model.quant`)  `qweight`, stored `[out, in]`, along the kernel's split dimension
+                                              (axis 0 for column-sharded layers, 1 for row-sharded ones); `scale`
+                                              along the same output channels (per channel `[out]`: replicated for
+                                              a row-sharded layer) or, int4's `[out, in // g]`, like its `qweight`
+                                              (tp must divide the groups too, else the layer is replicated).
   KV cache `[kv_heads, blocks, block_size, head_dim]` per layer: sharded by KV heads (axis 0).
 When tp > num_kv_heads the k/v projections stay replicated and the cache stores `tp` heads, each KV head
 repeated on the tp / num_kv_heads devices whose query heads use it (as vLLM does). A dimension that tp does not
@@ -94,19 +95,23 @@ def default_param_partition(names: tuple, shape: tuple, *, head_dim: int, tp: in
         return P()
     module, leaf = str(names[-2]), str(names[-1])
     unit = head_dim if module in ("q_proj", "k_proj", "v_proj", "o_proj") else 1
-    split = shape[0] if module in ROW or module in ("embed_tokens", EXPERTS) else shape[-1]
+    if leaf in ("qweight", "scale"):  # stored `[out, ...]`: the kernel's `[in, out]` axes swapped
+        split = shape[-1] if module in ROW and len(shape) == 2 else shape[0]
+    else:
+        split = shape[0] if module in ROW or module in ("embed_tokens", EXPERTS) else shape[-1]
     return _by_name(module, leaf, split % (tp * unit) == 0, leaf == "scale" and len(shape) == 2)
 
 
 def _by_name(module: str, leaf: str, divides: bool, grouped: bool = False) -> P:
-    """`grouped`: a `scale` leaf is int4's `[in // g, out]` (split like its kernel), not a per-channel `[out]`."""
+    """`grouped`: a `scale` leaf is int4's `[out, in // g]` (split like its `qweight`), not a per-channel `[out]`."""
     if not divides:
         return P()
-    whole = leaf in ("kernel", "qweight") or (leaf == "scale" and grouped)  # split along the kernel's own axis
+    if leaf == "qweight" or (leaf == "scale" and grouped):  # stored `[out, in]`: the kernel's axes swapped
+        return P(TP, None) if module in COLUMN else P(None, TP) if module in ROW else P()
     if module in COLUMN:
-        return P(None, TP) if whole else P(TP)
+        return P(None, TP) if leaf == "kernel" else P(TP)
     if module in ROW:
-        return P(TP, None) if whole else P()
+        return P(TP, None) if leaf == "kernel" else P()
     if module == "embed_tokens" and leaf == "embedding":
         return P(TP, None)
     if module == EXPERTS:

@@ -17,6 +17,8 @@ def test_the_rule():
     assert cpu_compiler_options(BIG, 32) is None  # prefill and big batches: YNNPACK is faster
     assert cpu_compiler_options(BIG.replace(dtype="bfloat16"), 1) is None  # 16-bit dots need YNNPACK
     assert cpu_compiler_options(BIG.replace(hidden_size=256), 1) is None  # small models: no measured gain
+    for rows in (1, 16, 32):  # quantized linears: YNNPACK's dots, XLA's own loops 512 bits wide
+        assert cpu_compiler_options(BIG, rows, quantized=True) == {"xla_cpu_prefer_vector_width": 512}
 
 
 def test_steps_compile_with_their_dot_library_and_match_the_dense_model():

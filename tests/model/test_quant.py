@@ -13,12 +13,13 @@ from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedjax import CacheConfig, LLMEngine, SchedulerConfig
+from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.config import ModelConfig
 from pagedjax.model.llama import init_model, model_from_state, quantize_params
 from pagedjax.model.quant import (
     QuantizedLinear,
     dequantize_kernel,
+    holds_quantized,
     pack_int4,
     quantize_kernel,
     quantize_model,
@@ -57,29 +58,32 @@ def _dequantized(cfg: ModelConfig, state, qcfg: ModelConfig, qstate) -> nnx.Stat
 
 # --------------------------------------------------------------------------------------------- int4 packing
 # Jitted, and over few shapes: eager ops would compile each primitive for every new shape.
-_pack, _unpack = jax.jit(pack_int4), jax.jit(unpack_int4)
+_pack, _unpack = jax.jit(pack_int4, static_argnums=1), jax.jit(unpack_int4, static_argnums=1)
 _quantize = jax.jit(quantize_kernel, static_argnums=1)
 _dequantize = jax.jit(dequantize_kernel, static_argnums=2)
 
 
 @given(st.data())
 def test_int4_pack_round_trip_and_byte_layout(data):
-    rows, cols = data.draw(st.sampled_from([(2, 1), (8, 3)]))
+    rows, cols, group = data.draw(st.sampled_from([(1, 2, 2), (3, 8, 4), (2, 8, 8)]))  # [out, in], packed along in
     q = np.array(data.draw(st.lists(st.integers(-8, 7), min_size=rows * cols, max_size=rows * cols)),
                  np.int8).reshape(rows, cols)
-    packed = np.asarray(_pack(jnp.asarray(q)))
-    assert packed.dtype == np.uint8 and packed.shape == (rows // 2, cols)
-    nibble = q.view(np.uint8) & 0xF
-    np.testing.assert_array_equal(packed, nibble[0::2] | (nibble[1::2] << 4))
-    np.testing.assert_array_equal(np.asarray(_unpack(jnp.asarray(packed))), q)
+    packed = np.asarray(_pack(jnp.asarray(q), group))
+    assert packed.dtype == np.uint8 and packed.shape == (rows, cols // 2)
+    nibble = (q.view(np.uint8) & 0xF).reshape(rows, -1, 2, group // 2)  # [out, groups, half, g / 2]
+    np.testing.assert_array_equal(packed, (nibble[:, :, 0] | (nibble[:, :, 1] << 4)).reshape(rows, -1))
+    np.testing.assert_array_equal(np.asarray(_unpack(jnp.asarray(packed), group)), q)
 
 
 def test_int4_extremes_by_hand():
-    q = np.array([[-8, 7, -1, 0], [7, -8, -1, 1]], np.int8).T  # [in=4, out=2]
-    packed = np.asarray(pack_int4(jnp.asarray(q)))
-    # Low nibble: the even row. -8 = 0x8, 7 = 0x7, -1 = 0xF.
-    np.testing.assert_array_equal(packed, np.array([[0x78, 0x87], [0x0F, 0x1F]], np.uint8))
-    np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(packed))), q)
+    q = np.array([[-8, 7, -1, 0], [7, -8, -1, 1]], np.int8)  # [out=2, in=4]
+    # Groups of 4: byte j holds input j (low nibble) and input 2 + j (high). -8 = 0x8, 7 = 0x7, -1 = 0xF.
+    np.testing.assert_array_equal(np.asarray(pack_int4(jnp.asarray(q), 4)),
+                                  np.array([[0xF8, 0x07], [0xF7, 0x18]], np.uint8))
+    # Groups of 2: byte j holds inputs 2j and 2j + 1.
+    packed = np.asarray(pack_int4(jnp.asarray(q), 2))
+    np.testing.assert_array_equal(packed, np.array([[0x78, 0x0F], [0x87, 0x1F]], np.uint8))
+    np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(packed), 2)), q)
 
 
 # --------------------------------------------------------------------------------------- quantize round trip
@@ -99,7 +103,7 @@ def test_quantize_round_trip_is_within_half_a_step(data):
     back = np.asarray(_dequantize(qweight, scale, quant))
     assert np.isfinite(back).all()
     s = np.asarray(scale.astype(jnp.float32))
-    s = np.repeat(s, group, axis=0) if scheme == "int4" else np.broadcast_to(s, w.shape)  # each element's scale
+    s = np.repeat(s, group, axis=1).T if scheme == "int4" else np.broadcast_to(s, w.shape)  # each element's scale
     if scheme == "fp8":  # 3 mantissa bits: half an ulp is 2^-4 relative; subnormals' step is 2^-9 of the scale
         bound = 2.0 ** -4 * np.abs(w) + 2.0 ** -10 * s
     else:
@@ -112,10 +116,10 @@ def test_quantize_round_trip_is_within_half_a_step(data):
 def test_quantize_uses_the_whole_range():
     w = jnp.asarray(np.linspace(-3.0, 2.0, 64, dtype=np.float32).reshape(32, 2))
     q, s = quantize_kernel(w, QuantConfig("int8"))
-    assert np.abs(np.asarray(q)).max(axis=0).tolist() == [127, 127]
+    assert q.shape == (2, 32) and np.abs(np.asarray(q)).max(axis=1).tolist() == [127, 127]  # [out, in]
     q4, _ = quantize_kernel(w, QuantConfig("int4", group_size=32))
-    assert {int(np.asarray(unpack_int4(q4)).min()), int(np.asarray(unpack_int4(q4)).max())} <= set(range(-7, 8))
-    assert int(np.abs(np.asarray(unpack_int4(q4))).max()) == 7
+    values = np.asarray(unpack_int4(q4, 32))
+    assert {int(values.min()), int(values.max())} <= set(range(-7, 8)) and int(np.abs(values).max()) == 7
 
 
 # ------------------------------------------------------------------------------------------ exactness proof
@@ -131,6 +135,29 @@ def test_paged_logits_equal_the_float_model_of_the_dequantized_weights(quant):
         np.testing.assert_allclose(logits, want[tuple(prompt)], rtol=1e-5, atol=1e-5)
     lm_head = model_from_state(qcfg, qstate).lm_head
     assert isinstance(lm_head, QuantizedLinear) == ("lm_head" not in quant.keep_float)
+
+
+@pytest.mark.parametrize("quant", [QuantConfig("int4", group_size=32), pytest.param(QuantConfig("int8"),
+                                                                                      marks=_slow)], ids=str)
+def test_batch_one_decode_equals_the_float_model_of_the_dequantized_weights(quant):
+    """Decode steps of one sequence run every quantized layer's one-row product (`QuantizedLinear._one_row`,
+    fed by the paged attention and the norms): their log-probabilities equal the float model's (1e-5)."""
+    state = nnx.state(init_model(CFG, seed=2), nnx.Param)
+    qcfg, qstate = quantize_params(CFG, state, quant)
+    engine = LLMEngine(qcfg, CacheConfig(block_size=4, num_blocks=8), SchedulerConfig(
+        max_num_seqs=1, max_num_batched_tokens=8, max_model_len=16), params=qstate)
+    prompt = PROMPTS[1]
+    out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert any(shape.tokens == 1 for shape in engine.runner.programs.executables)  # one-row decode steps ran
+    graphdef, ref = nnx.split(model_from_state(CFG, _dequantized(CFG, state, qcfg, qstate)))
+    tokens = jnp.asarray([prompt + out.token_ids], jnp.int32)
+    logits = jax.jit(lambda s, t: nnx.merge(graphdef, s).forward_dense(t))(ref, tokens)[0]
+    want = np.asarray(jax.nn.log_softmax(logits[len(prompt) - 1:-1]))  # [4, vocab]: each generated position
+    for step, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[step] == int(want[step].argmax())
+        ids, values = zip(*lp.top, strict=True)
+        np.testing.assert_allclose(values, want[step, list(ids)], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -271,13 +298,14 @@ def test_cli_quantizes_a_model_class_factorys_linears():
 
 
 def test_each_kernel_is_converted_just_before_its_dot():
-    """XLA:CPU converts a quantized kernel to a float buffer before the dot; the layer's `tie` makes that happen
+    """XLA:CPU converts a quantized kernel to a float buffer before a dot; the layer's `tie` makes that happen
     layer by layer (buffers reused), not all at the start of the step (every float copy alive at once: 4x slower
     at batch 1 on the 156M shape, `scripts/bench_quant.py`). Read from the compiled step's memory, not timed."""
     cfg = CFG.replace(num_layers=4, quantization="int8")
     graphdef, state = nnx.split(init_model(cfg))
     step = jax.jit(lambda s, t: nnx.merge(graphdef, s).forward_dense(t))
-    temp = step.lower(state, jnp.ones((1, 1), jnp.int32)).compile().memory_analysis().temp_size_in_bytes
+    # Four tokens: the several-row path (one row of int8 is a multiply-and-reduce, with no float copy at all).
+    temp = step.lower(state, jnp.ones((1, 4), jnp.int32)).compile().memory_analysis().temp_size_in_bytes
     float_copies = sum(4 * x.size for p, x in nnx.to_flat_state(state) if p[-1] == "qweight")
     assert temp < float_copies / 2, (temp, float_copies)
 
@@ -289,3 +317,72 @@ def test_a_non_finite_row_stays_in_its_row():
     y = np.asarray(layer(x))
     assert not np.isfinite(y[0]).all()
     np.testing.assert_allclose(y[1:], np.asarray(x[1:] @ layer.kernel()), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- one row, many
+_LAYER = jax.jit(lambda layer, x: layer(x))
+
+
+@pytest.mark.parametrize("quant", [QuantConfig("int8"), QuantConfig("int4", group_size=16), QuantConfig("fp8"),
+                                   QuantConfig("int8", scale_dtype="bfloat16")], ids=lambda q: q.name)
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+def test_one_row_and_many_rows_equal_the_dequantized_product(quant, dtype, tol):
+    """A single row (batch-1 decode: int8 / int4 fused matrix-vector products) and several rows (a dot) both equal
+    x @ dequantize_kernel(...) plus the bias, in float32 (1e-5) and bf16 activations (1e-2)."""
+    rng = np.random.default_rng(0)
+    kernel = jnp.asarray(rng.standard_normal((128, 24)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(24), dtype)
+    layer = QuantizedLinear(kernel, bias, quant=quant, dtype=dtype)
+    assert layer.qweight[...].shape == ((24, 64) if quant.scheme == "int4" else (24, 128))  # [out, ...]
+    want_w = np.asarray(layer.kernel())  # [in, out]
+    for shape in [(1, 128), (1, 1, 128), (5, 128), (2, 3, 128)]:
+        x = jnp.asarray(rng.standard_normal(shape), dtype)
+        got = _LAYER(layer, x)
+        assert got.dtype == jnp.dtype(dtype) and got.shape == (*shape[:-1], 24)
+        want = np.asarray(x, np.float32) @ want_w + np.asarray(bias, np.float32)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol * np.abs(want).max(),
+                                   err_msg=f"{shape}")
+
+
+@pytest.mark.parametrize("quant", [QuantConfig("int8"), QuantConfig("int4", group_size=32)], ids=lambda q: q.name)
+def test_one_row_never_converts_the_kernel(quant):
+    """The single-row path reads the stored bytes inside its fused matrix-vector product: the compiled layer holds
+    no float buffer of the kernel's (int4: a plane's) size; several rows still convert for their dot (the check
+    can see one)."""
+    layer = QuantizedLinear(jnp.ones((128, 64), jnp.float32), quant=quant)
+    # The entry computation's instructions are the buffers (a fused computation's are registers).
+    hlo = lambda rows: _LAYER.lower(layer, jnp.ones((rows, 128), jnp.float32)).compile().as_text().split(  # noqa
+        "\nENTRY")[1]
+    floats = ("f32[64,128]", "f32[128,64]", "f32[64,64]")
+    assert not any(f in hlo(1) for f in floats)
+    assert any(f in hlo(4) for f in floats)
+
+
+def test_holds_quantized_tells_the_runner_to_keep_ynnpack():
+    """`holds_quantized`: the engine's runner keeps XLA:CPU's YNNPACK fusions for such models
+    (tests/engine/test_cpu_dots.py has the rule)."""
+    kernel = jnp.ones((32, 8), jnp.float32)
+    assert holds_quantized(nnx.state(QuantizedLinear(kernel, quant=QuantConfig("int4", group_size=16)), nnx.Param))
+    assert not holds_quantized(nnx.state(nnx.Linear(32, 8, rngs=nnx.Rngs(0)), nnx.Param))
+
+
+def test_quantized_leaves_shard_along_the_stored_out_in_axes():
+    """qweight `[out, in]` (and int4's scale `[out, in // g]`): column-parallel layers split axis 0, row-parallel
+    ones axis 1; per-channel scales `[out]` split with a column layer's outputs, replicated for a row layer."""
+    from jax.sharding import PartitionSpec as P
+
+    from pagedjax.parallel.sharding import default_param_partition, param_spec
+
+    for quant, grouped in ((QuantConfig("int4", group_size=16), True), (QuantConfig("int8"), False)):
+        cfg = CFG.replace(quantization=quant)
+        spec = lambda *names, cfg=cfg: param_spec(("layers", 0, *names), cfg, 2)  # noqa: E731
+        assert spec("self_attn", "q_proj", "qweight") == P("tp", None)
+        assert spec("mlp", "down_proj", "qweight") == P(None, "tp")
+        assert spec("self_attn", "q_proj", "scale") == (P("tp", None) if grouped else P("tp"))
+        assert spec("mlp", "down_proj", "scale") == (P(None, "tp") if grouped else P())
+        assert spec("mlp", "down_proj", "kernel") == P("tp", None)  # a float kernel `[in, out]` is unchanged
+    part = lambda module, leaf, shape: default_param_partition(("h", module, leaf), shape, head_dim=16, tp=2)  # noqa
+    assert part("q_proj", "qweight", (64, 32)) == P("tp", None) and part("q_proj", "scale", (64,)) == P("tp")
+    assert part("o_proj", "qweight", (32, 64)) == P(None, "tp") and part("o_proj", "scale", (32, 4)) == P()
+    assert part("down_proj", "scale", (32, 4)) == P(None, "tp") and part("up_proj", "scale", (32, 4)) == P("tp", None)
+    assert part("q_proj", "qweight", (48, 64)) == P()  # 48 outputs are not whole heads of 16 per device

@@ -127,6 +127,15 @@ def _step_logits(e) -> np.ndarray:
     return np.asarray(e.runner.execute(e.step_inputs(plan), return_logits=True).logits[:plan.num_seqs])
 
 
+def _one_row_logits(e) -> np.ndarray:
+    """The logits `[1, vocab]` of a step of one token (a one-token prompt's prefill), checked to be one row."""
+    e.add_request("one", PROMPTS[0][:1], GREEDY)
+    plan = e.scheduler.schedule()
+    logits = np.asarray(e.runner.execute(e.step_inputs(plan), return_logits=True).logits[:1])
+    assert [shape.tokens for shape in e.runner.programs.executables] == [1]
+    return logits
+
+
 def _assert_sharded(e, kind: str, tp: int) -> None:
     """Every weight and the KV cache carry the intended sharding; the pool's bytes per device."""
     cfg = config(kind)
@@ -220,15 +229,20 @@ def quantized_tensor_parallel():
         e = run(2)
         grouped = quant.scheme == "int4"
         layer = e.runner.params["layers"][0]
-        specs = {("self_attn", "q_proj", "qweight"): P(None, "tp"), ("self_attn", "o_proj", "qweight"): P("tp", None),
-                 ("mlp", "down_proj", "qweight"): P("tp", None),
-                 ("self_attn", "q_proj", "scale"): P(None, "tp") if grouped else P("tp"),
-                 ("mlp", "down_proj", "scale"): P("tp", None) if grouped else P()}
+        # Stored [out, in]: column-sharded layers split axis 0, row-sharded ones axis 1.
+        specs = {("self_attn", "q_proj", "qweight"): P("tp", None), ("self_attn", "o_proj", "qweight"): P(None, "tp"),
+                 ("mlp", "down_proj", "qweight"): P(None, "tp"),
+                 ("self_attn", "q_proj", "scale"): P("tp", None) if grouped else P("tp"),
+                 ("mlp", "down_proj", "scale"): P(None, "tp") if grouped else P()}
         for (block, module, leaf), spec in specs.items():
             got = layer[block][module][leaf][...].sharding.spec
             assert got == spec, f"{quant.name} {module}.{leaf}: {got} != {spec}"
         np.testing.assert_allclose(_step_logits(e), want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
                                    err_msg=f"{quant.name} tp=2")
+        # A one-token step: every quantized layer's one-row product (`QuantizedLinear._one_row`), sharded.
+        want, got = (_one_row_logits(run(tp)) for tp in (None, 2))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=f"{quant.name} tp=2, one row")
     # Quantized at load from weights read into their shards: the same values as quantized on one device.
     from pagedjax.model.checkpoint import save_checkpoint
     from pagedjax.model.loader import load_pretrained

@@ -24,3 +24,9 @@ def test_scheme_names():
     assert bench_quant.quant_config("float32") is None
     assert bench_quant.quant_config("int4:32-head").keep_float == ()
     assert bench_quant.quant_config("int4:32").group_size == 32
+
+
+def test_llama_rows_need_both_the_python_and_the_sources(capsys):
+    with pytest.raises(SystemExit):
+        bench_quant.main(["--llama-python", sys.executable])
+    assert "--llama-python and --llama-cpp-dir go together" in capsys.readouterr().err
