@@ -1,7 +1,7 @@
 """pagedjax model folders: an orbax checkpoint of the parameters plus the model's config as JSON.
 
     path/
-      pagedjax_config.json   {"format": "pagedjax", "format_version": 1, "model_config": {...}, "extra": {...}}
+      pagedjax_config.json   {"format": "pagedjax", "format_version": 1 or 2, "model_config": {...}, "extra": {...}}
       params/                orbax (StandardCheckpointer) of the `Llama` parameters as a plain nested dict
       tokenizer.json         optional: the model's `tokenizers` vocabulary (without it, a model whose vocab_size
                              is 259 uses pagedjax's ByteTokenizer)
@@ -45,7 +45,11 @@ CONFIG_FILE = "pagedjax_config.json"
 PARAMS_DIR = "params"
 TOKENIZER_FILE = "tokenizer.json"
 FORMAT = "pagedjax"
-FORMAT_VERSION = 1
+# 2: quantized kernels are stored `[out, ...]` (`pagedjax.model.quant`); version 1 stored them `[in, out]`, which
+# would restore into the new shapes silently wrong (square int8 / fp8 kernels, every int4 one). Float checkpoints
+# are the same in both and are written as version 1, so that every pagedjax reads them.
+FORMAT_VERSION = 2
+QUANTIZED_FORMAT_VERSION = 2
 
 
 def bundled_model_path() -> Path:
@@ -247,7 +251,7 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, state: nnx.State 
     _check_tree(expected, _flatten(pure), path, f"parameters do not match the model config {cfg}")
     meta = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": 1 if cfg.quantization is None else QUANTIZED_FORMAT_VERSION,
         "model_config": cfg.to_dict(),
         "num_params": int(sum(int(np.prod(v.shape)) for v in expected.values())),
         "extra": extra or {},
@@ -294,6 +298,10 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, *,
     path = Path(path).absolute()
     meta = read_checkpoint_metadata(path)
     cfg = _model_config(meta, path / CONFIG_FILE)
+    if cfg.quantization is not None and meta.get("format_version", 1) < QUANTIZED_FORMAT_VERSION:
+        raise ModelLoadError(path, "a quantized checkpoint of format version 1 stores its kernels [in, out], which "
+                                   "this pagedjax no longer reads: quantize the float checkpoint again "
+                                   "(LLMEngine.from_pretrained(..., quantization=...), --quantization)")
     params_dir = path / PARAMS_DIR
     if not params_dir.is_dir():
         raise ModelLoadError(path, f"not a pagedjax checkpoint: {PARAMS_DIR}/ is missing")

@@ -5,6 +5,8 @@ model's logits through the paged engine equal those of the float model whose ker
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -281,6 +283,22 @@ def test_a_quantized_checkpoint_saves_and_restores_as_stored(tmp_path, quant):
     assert q_proj.scale[...].dtype == jnp.float32 and q_proj.bias[...].dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="the checkpoint holds 'int4:32' weights already|holds 'fp8'"):
         load_pretrained(tmp_path, quantization="int8")
+    # Format version 2; one of version 1 held its kernels [in, out] (square ones would restore silently wrong).
+    config_file = tmp_path / "pagedjax_config.json"
+    meta = json.loads(config_file.read_text())
+    assert meta["format_version"] == 2
+    config_file.write_text(json.dumps({**meta, "format_version": 1}))
+    with pytest.raises(ValueError, match="format version 1 stores its kernels \\[in, out\\].*quantize the float"):
+        load_pretrained(tmp_path)
+
+
+def test_a_float_checkpoint_is_written_as_format_version_1(tmp_path):
+    """Readable by every pagedjax: only quantized checkpoints changed."""
+    from pagedjax.model.checkpoint import load_checkpoint, save_checkpoint
+
+    save_checkpoint(tmp_path, CFG, nnx.state(init_model(CFG, seed=1), nnx.Param))
+    assert json.loads((tmp_path / "pagedjax_config.json").read_text())["format_version"] == 1
+    assert load_checkpoint(tmp_path)[0] == CFG
 
 
 def test_cli_quantizes_a_model_class_factorys_linears():
