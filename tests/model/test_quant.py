@@ -299,6 +299,10 @@ def test_a_float_checkpoint_is_written_as_format_version_1(tmp_path):
     save_checkpoint(tmp_path, CFG, nnx.state(init_model(CFG, seed=1), nnx.Param))
     assert json.loads((tmp_path / "pagedjax_config.json").read_text())["format_version"] == 1
     assert load_checkpoint(tmp_path)[0] == CFG
+    config_file = tmp_path / "pagedjax_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "format_version": 3}))
+    with pytest.raises(ValueError, match="checkpoint format version 3; this pagedjax reads up to 2"):
+        load_checkpoint(tmp_path)
 
 
 def test_cli_quantizes_a_model_class_factorys_linears():
