@@ -110,15 +110,21 @@ def test_seeded_sampling_logprobs_stops_and_samples_equal_non_speculative():
         assert_all_free(engine)
     assert engine.stats().spec_accepted_tokens > 0
     for plain, spec in zip(*runs, strict=True):
-        assert [c.token_ids for c in spec.outputs] == [c.token_ids for c in plain.outputs]
-        assert spec.finish_reason == plain.finish_reason
-        for a, b in zip(plain.outputs, spec.outputs, strict=True):
-            if a.logprobs is not None:
-                np.testing.assert_allclose([t.logprob for t in b.logprobs], [t.logprob for t in a.logprobs],
-                                           rtol=1e-5, atol=1e-5)
-                assert [[i for i, _ in t.top] for t in b.logprobs] == [[i for i, _ in t.top] for t in a.logprobs]
-            if a.cumulative_logprob is not None:
-                assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4)
+        assert_same_outputs(plain, spec)
+
+
+def assert_same_outputs(plain, spec) -> None:
+    """A speculative run's `RequestOutput` is the non-speculative one: tokens, finish reason, log-probabilities
+    (to float32 rounding) and their top alternatives."""
+    assert [c.token_ids for c in spec.outputs] == [c.token_ids for c in plain.outputs]
+    assert spec.finish_reason == plain.finish_reason
+    for a, b in zip(plain.outputs, spec.outputs, strict=True):
+        if a.logprobs is not None:
+            np.testing.assert_allclose([t.logprob for t in b.logprobs], [t.logprob for t in a.logprobs],
+                                       rtol=1e-5, atol=1e-5)
+            assert [[i for i, _ in t.top] for t in b.logprobs] == [[i for i, _ in t.top] for t in a.logprobs]
+        if a.cumulative_logprob is not None:
+            assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4)
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(1.0, 0, 1.0, 0.0), (0.7, 4, 0.9, 0.05)])
