@@ -369,7 +369,9 @@ def main():
         if req.get("quit"):
             break
         n = req["max_tokens"]
-        params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False)
+        # ignore_eos alone gives n tokens; min_tokens would also mask the EOS id until then, so a greedy pick of
+        # EOS (which the other systems keep) would become another token.
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
         prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
