@@ -1,4 +1,5 @@
-"""pagedjax against peer inference systems on this CPU: same random Llama, same token ids, greedy, one run.
+"""pagedjax against peer inference systems on this CPU: same random Llama (or Mixtral), same token ids, greedy,
+one run.
 
     python scripts/bench_peers.py --model tiny                       # pagedjax + transformers
     python scripts/bench_peers.py --model 156m --rounds 2
@@ -6,6 +7,8 @@
     python scripts/bench_peers.py --model 156m --llama-python /tmp/llama-venv/bin/python \
         --llama-cpp-dir llama_cpp_python-0.3.36/vendor/llama.cpp --llama-pythonpath /tmp/sentencepiece  # + llama.cpp
     python scripts/bench_peers.py --model micro --rounds 1           # seconds; used by the smoke test
+    python scripts/bench_peers.py --model mixtral-small --rounds 2 --torch-threads 1 \
+        --vllm-python /tmp/vllm-venv/bin/python --vllm-bind 0-1      # a mixture of experts (README's MoE section)
 
 The script writes a random Hugging Face Llama checkpoint with transformers' own classes (`LlamaConfig` +
 `LlamaForCausalLM(...).save_pretrained`, float32 safetensors, untied embeddings; kept in `--folder` and
@@ -17,6 +20,11 @@ reused while its shape is unchanged) and runs every system on it:
             head_dim 32, intermediate 704, vocab 1024 (3.3M parameters)     b64 96-token shared prefix + 32 / 64 new
     156m    hidden 1024, 8 layers, 16 q / 4 KV heads, head_dim 64,           b1 32+128, b16 64+64
             intermediate 2816, vocab 32000 (155.7M parameters)
+    mixtral-small  a random Hugging Face Mixtral (`MixtralConfig` +          b1 32+64, b16 64+32,
+            `MixtralForCausalLM`) of bench_moe.py's shape: 8 experts, top 2,   b16 64+1 (its prefill)
+            hidden 768, 8 layers, 12 q / 4 KV heads, head_dim 64, expert
+            width 2048, vocab 32000 (364M parameters, 137M active per token)
+    micro-mixtral  hidden 64, 2 layers, 4 experts, top 2, expert width 128   b2 8+6 (the smoke test's)
 
 "bB P+N" is B prompts of P random token ids each with N new tokens. Every system gets the same token ids
 (each round draws fresh prompts, so no prefix cache carries over from one round to the next; within the prefix
@@ -36,6 +44,8 @@ rate (the weights one decode step reads: everything but the input embedding tabl
 that bandwidth (the copy is single-threaded numpy; decode may read faster than it copies). Batch-1 decode of
 the 156m model (492 MB of weights) is bandwidth-bound, so that fraction says how close to the hardware's limit
 a system gets; tiny's weights fit in the last-level cache, where the fraction means nothing (the table says so).
+The Mixtral models have no prefill probe (a decode step reads only its tokens' experts, not all the weights), so
+no such fraction.
 
 Systems:
 
@@ -129,6 +139,14 @@ def _llama(vocab: int, hidden: int, layers: int, q_heads: int, kv_heads: int, he
                 initializer_range=0.05, bos_token_id=1, eos_token_id=2)
 
 
+def _mixtral(vocab: int, hidden: int, layers: int, q_heads: int, kv_heads: int, head_dim: int, expert_width: int,
+             experts: int, top_k: int) -> dict:
+    """Mixtral's config keys: a Llama's (the expert width as intermediate_size) plus the routing, no sliding
+    window (so every system attends over the whole context, as for the Llamas)."""
+    return dict(_llama(vocab, hidden, layers, q_heads, kv_heads, head_dim, expert_width), num_local_experts=experts,
+                num_experts_per_tok=top_k, sliding_window=None)
+
+
 B1 = Workload("b1 32+128", 1, 32, 128)
 B1_PROBE = Workload("b1 32+1 (prefill probe)", 1, 32, 1, probe=True)
 B16 = Workload("b16 64+64", 16, 64, 64)
@@ -139,13 +157,25 @@ MODELS: dict[str, tuple[dict, tuple[Workload, ...]]] = {
               (Workload("b2 8+6", 2, 8, 6), Workload("b2 prefix 4+4, 6 new", 2, 8, 6, shared_prefix=4))),
     "tiny": (_llama(1024, 256, 4, 8, 2, 32, 704), (B1, B1_PROBE, B16, PREFIX)),
     "156m": (_llama(32000, 1024, 8, 16, 4, 64, 2816), (B1, B1_PROBE, B16)),
+    # "b16 64+1" is that batch's prefill alone (1,024 prompt tokens through every layer's router and experts).
+    "mixtral-small": (_mixtral(32000, 768, 8, 12, 4, 64, 2048, 8, 2),
+                      (Workload("b1 32+64", 1, 32, 64), Workload("b16 64+32", 16, 64, 32),
+                       Workload("b16 64+1", 16, 64, 1))),
+    "micro-mixtral": (_mixtral(256, 64, 2, 2, 1, 32, 128, 4, 2), (Workload("b2 8+6", 2, 8, 6),)),
 }
 
 
-def build_checkpoint(folder: str | Path, llama_kwargs: dict, seed: int = 0) -> Path:
-    """A random Hugging Face Llama in `folder` (float32 safetensors); reused if already there with this shape."""
+def architecture(hf_kwargs: dict) -> str:
+    """"mixtral" for a config with experts, else "llama"."""
+    return "mixtral" if "num_local_experts" in hf_kwargs else "llama"
+
+
+def build_checkpoint(folder: str | Path, hf_kwargs: dict, seed: int = 0) -> Path:
+    """A random Hugging Face Llama or Mixtral (`architecture`) in `folder` (float32 safetensors), written by
+    transformers' own classes; reused if already there with this shape."""
     folder = Path(folder)
-    spec = json.dumps({"llama": llama_kwargs, "seed": seed}, sort_keys=True)
+    arch = architecture(hf_kwargs)
+    spec = json.dumps({arch: hf_kwargs, "seed": seed}, sort_keys=True)
     marker = folder / "bench_peers_spec.json"
     if marker.is_file() and marker.read_text() == spec and any(folder.glob("*.safetensors")):
         return folder
@@ -153,8 +183,9 @@ def build_checkpoint(folder: str | Path, llama_kwargs: dict, seed: int = 0) -> P
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**llama_kwargs)
-    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}[arch]
+    model = model_class(config_class(**hf_kwargs)).to(torch.float32)
     model.save_pretrained(str(folder), safe_serialization=True)
     marker.write_text(spec)
     return folder
@@ -338,7 +369,9 @@ def main():
         if req.get("quit"):
             break
         n = req["max_tokens"]
-        params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False)
+        # ignore_eos alone gives n tokens; min_tokens would also mask the EOS id until then, so a greedy pick of
+        # EOS (which the other systems keep) would become another token.
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
         prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -543,10 +576,10 @@ def run_bench(model: str, *, rounds: int = 3, folder: str | Path | None = None, 
               llama_python: str | None = None, llama_cpp_dir: str | Path | None = None,
               llama_threads: tuple[int, ...] = (2, 1), llama_pythonpath: str | None = None, log=print) -> dict:
     """Build the checkpoint, run every system and return the results (see `format_report`)."""
-    llama_kwargs, all_workloads = MODELS[model]
+    hf_kwargs, all_workloads = MODELS[model]
     workloads = tuple(all_workloads if workloads is None else workloads)
-    folder = build_checkpoint(folder or Path(tempfile.gettempdir()) / f"bench-peers-{model}", llama_kwargs, seed)
-    vocab = llama_kwargs["vocab_size"]
+    folder = build_checkpoint(folder or Path(tempfile.gettempdir()) / f"bench-peers-{model}", hf_kwargs, seed)
+    vocab = hf_kwargs["vocab_size"]
     versions = {"pagedjax": _version("pagedjax"), "jax": _version("jax"), "transformers": _version("transformers"),
                 "torch": _version("torch"), "numpy": np.__version__, "python": platform.python_version(),
                 "cpu": f"{_cpu_name()}, {os.cpu_count()} logical CPUs"}
@@ -688,25 +721,36 @@ def run_bench(model: str, *, rounds: int = 3, folder: str | Path | None = None, 
             decode.append(dict(system=s.name, ms_per_token=ms, weight_gbs=rate, fraction=rate / bw))
     notes.append(f"machine load (1-minute load average, {os.cpu_count()} CPUs) during the timed rounds: "
                  + ", ".join(f"{x:.1f}" for x in loads))
-    return dict(model=model, llama=llama_kwargs, folder=str(folder), rounds=rounds, rows=rows, decode=decode,
+    return dict(model=model, architecture=architecture(hf_kwargs), config=hf_kwargs, folder=str(folder),
+                rounds=rounds, rows=rows, decode=decode,
                 bandwidth_gbs=bw, weight_bytes=weight_bytes, last_level_cache_bytes=_last_level_cache_bytes(),
                 versions=versions, notes=notes, loads=loads,
-                num_params=_num_params(llama_kwargs))
+                num_params=_num_params(hf_kwargs), active_params=_num_params(hf_kwargs, active=True))
 
 
-def _num_params(k: dict) -> int:
+def _num_params(k: dict, active: bool = False) -> int:
+    """Parameters of the checkpoint, or with `active` those one token uses (its top-k experts of each layer)."""
     h, layers, v, inter = k["hidden_size"], k["num_hidden_layers"], k["vocab_size"], k["intermediate_size"]
     q, kv = k["num_attention_heads"] * k["head_dim"], k["num_key_value_heads"] * k["head_dim"]
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h
+    experts = k.get("num_local_experts", 1)
+    used = k.get("num_experts_per_tok", 1) if active else experts
+    router = h * experts if "num_local_experts" in k else 0
+    per_layer = h * q + 2 * h * kv + q * h + used * 3 * h * inter + router + 2 * h
     return layers * per_layer + v * h * (1 if k["tie_word_embeddings"] else 2) + h
 
 
 def format_report(res: dict) -> str:
-    k = res["llama"]
+    k = res["config"]
+    if res["architecture"] == "mixtral":
+        shape = (f"Mixtral ({res['num_params'] / 1e6:.1f}M parameters, {res['active_params'] / 1e6:.1f}M active per "
+                 f"token: {k['num_local_experts']} experts, top {k['num_experts_per_tok']}, expert width "
+                 f"{k['intermediate_size']}, ")
+    else:
+        shape = f"Llama ({res['num_params'] / 1e6:.1f}M parameters: intermediate {k['intermediate_size']}, "
     lines = [
-        f"**{res['model']}** random Llama ({res['num_params'] / 1e6:.1f}M parameters: hidden {k['hidden_size']}, "
+        f"**{res['model']}** random {shape}hidden {k['hidden_size']}, "
         f"{k['num_hidden_layers']} layers, {k['num_attention_heads']} q / {k['num_key_value_heads']} KV heads, "
-        f"head_dim {k['head_dim']}, intermediate {k['intermediate_size']}, vocab {k['vocab_size']}, float32), CPU. "
+        f"head_dim {k['head_dim']}, vocab {k['vocab_size']}, float32), CPU. "
         f"Greedy, EOS ignored, the same token ids for every system; median wall seconds of {res['rounds']} "
         "interleaved round(s), each system timed after one warm-up run of every workload shape (pagedjax's "
         "compile time is excluded that way). tok/s = new tokens / seconds (prefill included); vs pagedjax = "

@@ -91,3 +91,46 @@ def test_byte_fallback_tokenizer_for_llama_cpp_conversion(tmp_path):
     assert tok.decode(tok.encode(text).ids) == text
     with pytest.raises(ValueError, match="260"):
         bench_peers.write_byte_fallback_tokenizer(tmp_path, 256)
+
+
+@pytest.mark.hf
+def test_mixtral_checkpoint_is_transformers_mixtral_with_the_counted_parameters(tmp_path):
+    """--model micro-mixtral writes a MixtralForCausalLM (transformers' own class) whose saved tensors hold the
+    parameter count the report prints, and whose per-token count uses top_k of the experts."""
+    import json
+
+    from safetensors import safe_open
+
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    kwargs, _ = bench_peers.MODELS["micro-mixtral"]
+    folder = bench_peers.build_checkpoint(tmp_path / "mm", kwargs)
+    assert bench_peers.architecture(kwargs) == "mixtral"
+    assert bench_peers.architecture(bench_peers.MODELS["micro"][0]) == "llama"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["sliding_window"] is None
+    assert config["num_local_experts"] == 4 and config["num_experts_per_tok"] == 2
+    sizes = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "np") as f:
+            sizes.update({name: int(np.prod(f.get_slice(name).get_shape())) for name in f.keys()})
+    experts = sum(n for name, n in sizes.items() if ".experts." in name)
+    assert experts > 0
+    assert bench_peers._num_params(kwargs) == sum(sizes.values())
+    assert bench_peers._num_params(kwargs, active=True) == sum(sizes.values()) - experts + experts * 2 // 4
+
+
+@pytest.mark.hf
+@pytest.mark.slow  # (CI time) the Mixtral variant of the smoke run above
+def test_bench_peers_micro_mixtral_runs(tmp_path, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    res = bench_peers.main(["--model", "micro-mixtral", "--rounds", "1", "--torch-threads", "1",
+                            "--folder", str(tmp_path / "micro-mixtral")])
+    out = capsys.readouterr().out
+    assert "random Mixtral (" in out and "4 experts, top 2" in out and "active per token" in out
+    assert res["architecture"] == "mixtral" and res["active_params"] < res["num_params"]
+    assert len([line for line in out.splitlines() if line.startswith("| b2")]) == 3
+    # transformers' Mixtral and pagedjax's MoE route and decode the same greedy tokens.
+    assert all(r["agreement"] == 1.0 for r in res["rows"]), res["rows"]
+    assert res["decode"] == []  # no prefill probe: a decode step reads only its tokens' experts
