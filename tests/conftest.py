@@ -62,24 +62,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _parallel_checks_early(request, tmp_path_factory):
-    """Starts the 8-device checks' subprocess with the session when the run includes them
-    (tests/parallel/test_parallel.py), and kills it if the session ends first (e.g. `-x`)."""
-    if not any(item.nodeid.startswith("tests/parallel/test_parallel.py::test_parallel[")
-               for item in request.session.items):
-        yield
-        return
-    from tests.parallel.test_parallel import shared_folder, start_early
-
-    started: list = []
-    thread = start_early(shared_folder(tmp_path_factory), started)
-    yield
-    if thread.is_alive():
-        for proc in started:
-            proc.kill()
-
-
 def pytest_sessionfinish(session, exitstatus):
     # pytest-xdist interrupts a worker still busy 5 s after the run; pytest's last gc.collect() over a
     # worker's millions of JAX tracing objects could take that long, so the interrupt landed in a gc

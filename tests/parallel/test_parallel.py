@@ -2,9 +2,8 @@
 that JAX starts with `--xla_force_host_platform_device_count=8` (the device count is fixed when JAX's CPU
 backend starts, and this pytest process has one device). Each check is reported as its own test here.
 
-Under pytest-xdist the workers share one run of the subprocess, which starts with the session (`start_early`,
-from tests/conftest.py) in a background thread holding a file lock, so no xdist worker sits idle waiting for it
-while the other runs it (that wait cost CI 20-25 s per pass); the checks' tests take the lock and read its results.
+Under pytest-xdist the workers share one run of the subprocess: the first to need it runs it (holding a file
+lock), the others wait and read its results.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -27,62 +25,32 @@ FAST = worker_names.NEWEST if os.environ.get("PAGEDJAX_PARALLEL_CHECKS") == "new
 SLOW = worker_names.SLOW
 
 
-def run_worker(out: Path, names: list[str], timeout: float = 900, started: list | None = None) -> dict:
-    """Runs `tests.parallel.worker` on 8 CPU devices; `started` (if given) gets its `Popen`, for killing."""
+def run_worker(out: Path, names: list[str], timeout: float = 900) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.parallel.worker", str(out), *names], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if started is not None:
-        started.append(proc)
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+    proc = subprocess.run([sys.executable, "-m", "tests.parallel.worker", str(out), *names], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not out.is_file():
-        raise RuntimeError(f"the parallel worker exited with {proc.returncode}:\n{err[-4000:]}")
+        raise RuntimeError(f"the parallel worker exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
-
-
-def shared_folder(tmp_path_factory) -> Path:
-    """This run's temporary folder, the same for every xdist worker."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
-def shared_results(folder: Path, started: list | None = None) -> dict:
-    """The FAST checks' results: run once per test run under a file lock, then read by everyone."""
-    out = folder / "pagedjax-parallel-results.json"
-    with open(folder / "pagedjax-parallel.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not out.is_file():
-                run_worker(out.with_suffix(".tmp"), FAST, started=started)
-                out.with_suffix(".tmp").rename(out)
-            return json.loads(out.read_text())
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def start_early(folder: Path, started: list) -> threading.Thread:
-    """Starts `shared_results` in a background thread (its errors surface again in `fast_results`, which runs
-    the checks itself if the background run left no results)."""
-    def run() -> None:
-        try:
-            shared_results(folder, started)
-        except Exception:  # noqa: BLE001 - reported by fast_results, which runs the worker again
-            pass
-
-    thread = threading.Thread(target=run, name="pagedjax-parallel-worker", daemon=True)
-    thread.start()
-    return thread
 
 
 @pytest.fixture(scope="session")
 def fast_results(tmp_path_factory) -> dict:
-    return shared_results(shared_folder(tmp_path_factory))
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this run's folder, the same for every xdist worker
+    out = shared / "pagedjax-parallel-results.json"
+    with open(shared / "pagedjax-parallel.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not out.is_file():
+                run_worker(out.with_suffix(".tmp"), FAST)
+                out.with_suffix(".tmp").rename(out)
+            return json.loads(out.read_text())
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _report(result: dict | None, name: str) -> None:
