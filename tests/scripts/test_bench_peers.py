@@ -94,6 +94,7 @@ def test_byte_fallback_tokenizer_for_llama_cpp_conversion(tmp_path):
 
 
 @pytest.mark.hf
+@pytest.mark.slow  # ~4 s (torch and transformers imported for a benchmark's checkpoint): CI's budget
 def test_mixtral_checkpoint_is_transformers_mixtral_with_the_counted_parameters(tmp_path):
     """--model micro-mixtral writes a MixtralForCausalLM (transformers' own class) whose saved tensors hold the
     parameter count the report prints, and whose per-token count uses top_k of the experts."""
