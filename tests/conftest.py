@@ -62,6 +62,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _gc_freeze_between_modules():
+    """Before each test module: collect, then move every live object out of the collector's generations. A
+    worker accumulates millions of JAX objects (traces, jaxprs, executables) over the suite, and every full
+    collection walked them all: a module's tests ran 2-4x slower late in a worker than alone (in CI the MoE
+    tests took 36 s instead of 4; test_engine_properties + test_kv_quant + test_moe in one process: 250 s, 114 s
+    frozen). Objects that die by reference count are still freed; only cycles among frozen objects leak."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    yield
+
+
 def pytest_sessionfinish(session, exitstatus):
     # pytest-xdist interrupts a worker still busy 5 s after the run; pytest's last gc.collect() over a
     # worker's millions of JAX tracing objects could take that long, so the interrupt landed in a gc
