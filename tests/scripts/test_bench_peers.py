@@ -28,14 +28,19 @@ for line in sys.stdin:
 '''
 
 
+def _smoke_run(tmp_path, capsys, model: str) -> tuple[dict, str]:
+    """One round of bench_peers on a micro model (pagedjax and transformers): (its results, what it printed)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    res = bench_peers.main(["--model", model, "--rounds", "1", "--torch-threads", "1",
+                            "--folder", str(tmp_path / model)])
+    return res, capsys.readouterr().out
+
+
 @pytest.mark.hf
 @pytest.mark.slow  # (CI time) a script's smoke run; bench_engine's quick run stays in the default run
 def test_bench_peers_micro_runs(tmp_path, capsys):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    res = bench_peers.main(["--model", "micro", "--rounds", "1", "--torch-threads", "1",
-                            "--folder", str(tmp_path / "micro")])
-    out = capsys.readouterr().out
+    res, out = _smoke_run(tmp_path, capsys, "micro")
     assert "| workload | system | median s | tok/s | vs pagedjax | same tokens |" in out
     assert "warm-up run" in out and "GB/s" in out and "Versions: pagedjax" in out
     table = [line for line in out.splitlines() if line.startswith("| b2")]
@@ -124,11 +129,7 @@ def test_mixtral_checkpoint_is_transformers_mixtral_with_the_counted_parameters(
 @pytest.mark.hf
 @pytest.mark.slow  # (CI time) the Mixtral variant of the smoke run above
 def test_bench_peers_micro_mixtral_runs(tmp_path, capsys):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    res = bench_peers.main(["--model", "micro-mixtral", "--rounds", "1", "--torch-threads", "1",
-                            "--folder", str(tmp_path / "micro-mixtral")])
-    out = capsys.readouterr().out
+    res, out = _smoke_run(tmp_path, capsys, "micro-mixtral")
     assert "random Mixtral (" in out and "4 experts, top 2" in out and "active per token" in out
     assert res["architecture"] == "mixtral" and res["active_params"] < res["num_params"]
     assert len([line for line in out.splitlines() if line.startswith("| b2")]) == 3
