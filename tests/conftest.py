@@ -18,9 +18,30 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # (PAGEDJAX_TEST_XLA_OPT=default) after the suite. Set before JAX starts; subprocesses (the 8-device worker, the
 # CLI runs) inherit it.
 XLA_DEFAULT = os.environ.get("PAGEDJAX_TEST_XLA_OPT") == "default"
+# XLA:CPU's MLIR fusion emitters took twice the compile time of its older loop emitters on the suite's programs
+# (tests/engine/test_sampling_surface.py: 88 s of CPU time with them, 40 s without; most of the suite's time is
+# compiling) and emit code for the same HLO. Newer XLA has only the MLIR emitters, and an XLA flag it does not know
+# aborts the process, so the flag is passed where a probe (once per run: subprocesses and xdist workers inherit
+# the answer) finds that this XLA accepts it.
+LEGACY_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
+_LEGACY_EMITTERS_ENV = "PAGEDJAX_TEST_LEGACY_EMITTERS"
+
+
+def _xla_accepts(flag: str) -> bool:
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True)
+    return probe.returncode == 0
+
+
 if not XLA_DEFAULT:
+    if _LEGACY_EMITTERS_ENV not in os.environ:
+        os.environ[_LEGACY_EMITTERS_ENV] = "1" if _xla_accepts(LEGACY_EMITTERS_FLAG) else "0"
+    legacy = [LEGACY_EMITTERS_FLAG] if os.environ[_LEGACY_EMITTERS_ENV] == "1" else []
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-                                        "--xla_llvm_disable_expensive_passes=true"]).strip()
+                                        "--xla_llvm_disable_expensive_passes=true", *legacy]).strip()
 # Engines share compiled programs through JAX's persistent cache (each engine compiles its own steps; this
 # makes the second engine of a shape load them from disk). Kept between local runs; CI starts empty.
 os.environ.setdefault("PAGEDJAX_COMPILE_CACHE",
