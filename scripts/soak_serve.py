@@ -438,8 +438,8 @@ def main(argv: list[str] | None = None) -> int:
           f"filled): {report['rss_baseline_mib']:.1f} MiB, at most {report['rss_max_mib']:.1f} MiB "
           f"(+{report['rss_max_mib'] - report['rss_baseline_mib']:.1f}, tolerance {args.rss_tolerance_mib:g} MiB)")
     print(f"chunk gaps after the warm-up ({len(gaps)}): p50 {report['gap_p50_ms']:.1f} ms, p99 "
-          f"{report['gap_p99_ms']:.1f} ms, max {report['gap_max_ms']:.1f} ms (bounds: {args.max_gap_seconds:g} s, and in "
-          f"each row the longest step + {args.gap_over_step_seconds * 1e3:g} ms)")
+          f"{report['gap_p99_ms']:.1f} ms, max {report['gap_max_ms']:.1f} ms (bounds: {args.max_gap_seconds:g} s, "
+          f"and in each row the longest step + {args.gap_over_step_seconds * 1e3:g} ms)")
     print(f"server log: {tracebacks} tracebacks ({log_path})")
     print("FAIL: " + "; ".join(problems) if problems else "PASS")
     if args.json:
