@@ -1,4 +1,5 @@
-"""Smoke test: the quantization benchmark runs end to end on a tiny workload (no timing assertions)."""
+"""Smoke tests of the quantization benchmarks: `bench_quant` (speed) runs end to end on a tiny workload (no timing
+assertions); `bench_quant_accuracy`'s pieces measure what they say against references computed here."""
 
 import sys
 from pathlib import Path
@@ -15,9 +16,7 @@ def test_bench_quant_quick_runs(capsys):
     bench_quant.main(["--quick"])
     out = capsys.readouterr().out
     speed = [line.split() for line in out.splitlines() if line.startswith(("float32 ", "int8 ", "int4 "))]
-    assert [r[0] for r in speed] == ["float32"] * 2 + ["int8"] * 2 + ["int4"] * 2 + ["float32", "int8", "int4"]
-    agreement = {r[0]: float(r[1]) for r in speed[6:]}
-    assert agreement["float32"] == 1.0 and 0.5 < agreement["int4"] <= agreement["int8"] <= 1.0
+    assert [r[0] for r in speed] == ["float32"] * 2 + ["int8"] * 2 + ["int4"] * 2
 
 
 def test_scheme_names():
@@ -30,3 +29,119 @@ def test_llama_rows_need_both_the_python_and_the_sources(capsys):
     with pytest.raises(SystemExit):
         bench_quant.main(["--llama-python", sys.executable])
     assert "--llama-python and --llama-cpp-dir go together" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ bench_quant_accuracy
+import math  # noqa: E402
+
+import bench_quant_accuracy as acc  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import train_tiny  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from pagedjax import ModelConfig  # noqa: E402
+from pagedjax.model.checkpoint import bundled_model_path, load_checkpoint  # noqa: E402
+from pagedjax.model.llama import model_from_state  # noqa: E402
+
+LLAMA_PYTHON = Path("/work/peers/llama/bin/python")  # PEERS.md's llama-cpp-python venv, where it was built
+LLAMA_CPP_DIR = Path("/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp")
+
+
+def _logits(cfg: ModelConfig, state, ids: np.ndarray) -> np.ndarray:
+    """f32[S, vocab]: a dense forward of the model `cfg` holding `state` over `ids` (i32[S])."""
+    graphdef, s = nnx.split(model_from_state(cfg, state))
+    return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s).forward_dense(t))(s, ids[None]))[0]
+
+
+def test_rows_hold_each_schemes_top1_bits_per_byte_and_kv_blocks():
+    """Each row against the logits of its scheme's model computed here: its top-1 at every position, and its bits
+    per byte (the text as a one-window held-out split: every target after BOS, special tokens counting no
+    bytes). That a quantized model's logits are the float model's of its dequantized kernels is
+    tests/model/test_quant.py's."""
+    cfg, state = load_checkpoint(bundled_model_path())
+    tok = train_tiny.model_dir_corpus_tokenizer(bundled_model_path(), cfg)
+    ids = tok.encode_files([acc.TEXT[:160].encode()])[:-1].astype(np.int32)  # BOS + text: i32[S]
+    heldout = (ids.astype(np.uint16), tok.token_bytes, len(ids) - 1)
+    budget = 16 * 2**20
+    rows = acc.measure(cfg, state, ["float32", "int4"], ids, budget, heldout)
+    assert [r.scheme for r in rows] == ["float32", "int4"]
+    for r in rows:
+        qcfg, qstate = bench_quant.quantized(cfg, state, r.scheme)
+        logits = _logits(qcfg, qstate, ids)  # f32[S, vocab]
+        np.testing.assert_array_equal(r.top1, logits.argmax(-1))
+        nats = -jax.nn.log_softmax(logits[:-1], -1)[np.arange(len(ids) - 1), ids[1:]]  # f32[S - 1]
+        nbytes = tok.token_bytes[ids[1:]]
+        assert r.bpb == pytest.approx(float(nats[nbytes > 0].sum()) / math.log(2) / nbytes.sum(), rel=1e-5)
+        assert r.agreement == float((r.top1 == rows[0].top1).mean())
+        assert r.param_bytes == sum(x.nbytes for x in jax.tree.leaves(qstate))
+        assert r.blocks == acc.kv_blocks(qcfg, r.param_bytes, budget)
+    assert rows[0].agreement == 1.0 and rows[1].param_bytes < rows[0].param_bytes / 2.5
+    assert rows[1].bpb > rows[0].bpb  # int4's rounding costs the trained model something on its own text
+
+    lines = acc.table(rows, cfg, budget, [("llama.cpp Q4_0", 0.5, 2**20)]).splitlines()
+    assert lines[0].startswith("| scheme | held-out bits/byte |") and len(lines) == 2 + 3
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    assert lines[2].startswith(f"| float32 | {rows[0].bpb:.4f} | +0.0000 | 100.00% | 9.01 | 1.00 | {rows[0].blocks} |")
+    assert lines[4] == f"| llama.cpp Q4_0 | - | - | 50.00% | 1.00 | {rows[0].param_bytes / 2**20:.2f} | - | - | - |"
+
+
+def test_kv_blocks_fill_what_the_parameters_leave():
+    cfg = ModelConfig()  # float32 pages
+    per_block = 16 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # tokens x (K, V) x ... x bytes
+    assert acc.kv_blocks(cfg, 1000, 1000 + 6 * per_block - 1) == 5
+    assert acc.kv_blocks(cfg, 1000, 1000 + per_block) == 1
+    with pytest.raises(ValueError, match="budget: 1000 bytes hold no KV block beside 1000 bytes"):
+        acc.kv_blocks(cfg, 1000, 1000)
+    with pytest.raises(ValueError, match="kv_memory_bytes=.* holds no block"):
+        acc.kv_blocks(cfg, 1000, 1000 + per_block - 1)
+
+
+def test_bad_input_is_refused():
+    cfg, state = ModelConfig(num_layers=1), None
+    with pytest.raises(ValueError, match="schemes: the first is the float32 baseline"):
+        acc.measure(cfg, state, ["int8", "float32"], np.arange(4))
+    with pytest.raises(ValueError, match="ids: a non-empty sequence"):
+        acc.top1(cfg, state, np.zeros(0, np.int32))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--schemes", "int8,float32"], "--schemes must start with float32"),
+    (["--models", "bundled,7b"], "--models: unknown ['7b']"),
+    (["--llama-python", sys.executable], "--llama-python and --llama-cpp-dir go together"),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        acc.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_an_unknown_scheme_fails_before_anything_runs():
+    with pytest.raises(ValueError, match="int3"):
+        acc.main(["--schemes", "float32,int3"])
+
+
+def test_a_failing_llama_driver_reports_its_output(tmp_path):
+    """The driver under a Python without llama-cpp-python: a RuntimeError carrying its traceback's end."""
+    with pytest.raises(RuntimeError, match=r"llama.cpp driver failed \(exit code 1\):(.|\n)*llama_cpp"):
+        acc.llama_top1(sys.executable, {"f32": tmp_path / "none.gguf"}, np.arange(4), 1)
+
+
+@pytest.mark.hf
+@pytest.mark.slow  # converts and quantizes a GGUF with llama.cpp's tools (tens of seconds)
+@pytest.mark.skipif(not LLAMA_PYTHON.is_file() or not LLAMA_CPP_DIR.is_dir(), reason="no llama-cpp-python build")
+def test_llama_cpp_f32_top1_is_pagedjax_float32s(tmp_path):
+    """llama.cpp's f32 GGUF of a tiny Hugging Face checkpoint picks pagedjax float32's top-1 at every position
+    (same weights, same ids), and its Q8_0 / Q4_0 rows come back for every position."""
+    from bench_peers import MODELS, build_checkpoint
+
+    from pagedjax.model.hf_loader import load_hf
+
+    folder = build_checkpoint(tmp_path / "tiny", MODELS["tiny"][0])  # micro's vocabulary is below byte fallback's 260
+    cfg, state, _ = load_hf(folder)
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, 24).astype(np.int32)
+    ggufs = bench_quant.llama_ggufs(folder, str(LLAMA_PYTHON), LLAMA_CPP_DIR, "/work/peers/sentencepiece",
+                                    cfg.vocab_size)
+    got = acc.llama_top1(str(LLAMA_PYTHON), ggufs, ids, 1)
+    assert sorted(got) == sorted(bench_quant.LLAMA_TYPES) and all(len(t) == len(ids) for t in got.values())
+    np.testing.assert_array_equal(got["llama.cpp f32"], acc.top1(cfg, state, ids))
