@@ -6,7 +6,8 @@
         --llama-cpp-dir /work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp    # + llama.cpp's Q8_0 / Q4_0
 
 Per scheme (float32, int8, int4 = groups of 128, int4:32, fp8; "-head": the LM head quantized too, kept float
-by default), each quantized from the same float32 parameters (`bench_quant.quantized`):
+by default; left out for a model with tied embeddings, which has no LM head layer), each quantized from the
+same float32 parameters (`bench_quant.quantized`):
 
 - **held-out bits per byte** (bundled model): `train_tiny`'s own measure over the whole held-out split of the
   corpus it was trained on (`read_corpus`, the model folder's tokenizer, `heldout_bpb_of_split` in
@@ -231,6 +232,10 @@ def bundled(schemes: list[str], budget: int, corpus_dir: Path | None, max_corpus
     from pagedjax.model.checkpoint import bundled_model_path, load_checkpoint
 
     cfg, state = load_checkpoint(bundled_model_path())
+    note = ""
+    if cfg.tie_word_embeddings:  # no lm_head layer: a "-head" scheme is the same model as the one without
+        note = f"; {', '.join(s for s in schemes if s.endswith('-head'))} left out: tied embeddings, no LM head layer"
+        schemes = [s for s in schemes if not s.endswith("-head")]
     tok = model_dir_corpus_tokenizer(bundled_model_path(), cfg)
     files = read_corpus(corpus_dir, max_corpus_bytes)
     if not files.heldout:
@@ -240,7 +245,7 @@ def bundled(schemes: list[str], budget: int, corpus_dir: Path | None, max_corpus
     rows = measure(cfg, state, schemes, ids, budget, (heldout, tok.token_bytes, TrainConfig.seq_len))
     return (f"bundled model ({bundled_model_path()}): held-out split of {files.root}: {len(files.heldout)} files, "
             f"{tok.num_bytes(heldout):,} bytes, {len(heldout):,} tokens in windows of {TrainConfig.seq_len}; "
-            f"top-1 over {len(ids)} positions of TEXT\n\n" + table(rows, cfg, budget))
+            f"top-1 over {len(ids)} positions of TEXT{note}\n\n" + table(rows, cfg, budget))
 
 
 def model_156m(schemes: list[str], budget: int, max_positions: int, llama: argparse.Namespace) -> str:
