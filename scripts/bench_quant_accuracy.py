@@ -44,10 +44,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_quant import quant_config, quantized
+from bench_peers import DRIVER_PRELUDE, MARK, MODELS, build_checkpoint, write_byte_fallback_tokenizer
+from bench_quant import llama_ggufs, quant_config, quantized
 from flax import nnx
+from tokenizers import Tokenizer
+from train_tiny import TrainConfig, heldout_bpb_of_split, model_dir_corpus_tokenizer, read_corpus
 
 from pagedjax import CacheConfig, ModelConfig
+from pagedjax.model.checkpoint import bundled_model_path, load_checkpoint
+from pagedjax.model.hf_loader import load_hf
 from pagedjax.model.llama import model_from_state
 
 SCHEMES = "float32,int8,int4,int4:32,fp8,int8-head,int4-head,int4:32-head,fp8-head"
@@ -116,16 +121,15 @@ def measure(cfg: ModelConfig, state: nnx.State, schemes: list[str], ids: np.ndar
     with the first scheme, which must be float32), parameter bytes, KV blocks under `budget` bytes, and with
     `heldout` = (tokens u16[N], bytes per token id i32[vocab], window length) its bits per byte
     (`train_tiny.heldout_bpb_of_split`)."""
-    from train_tiny import heldout_bpb_of_split
-
     if schemes[0] != "float32":
         raise ValueError(f"schemes: the first is the float32 baseline, got {schemes[0]!r}")
     rows = []
     for scheme in schemes:
         qcfg, qstate = quantized(cfg, state, scheme)
         tokens = top1(qcfg, qstate, ids)
+        baseline = rows[0].top1 if rows else tokens  # float32's
         nbytes = param_bytes(qstate)
-        row = Row(scheme, tokens, float((tokens == (rows[0].top1 if rows else tokens)).mean()), nbytes)
+        row = Row(scheme, tokens, float((tokens == baseline).mean()), nbytes)
         if budget is not None:
             row.blocks = kv_blocks(qcfg, nbytes, budget)
         if heldout is not None:
@@ -179,8 +183,6 @@ main()
 def llama_top1(llama_python: str, ggufs: dict[str, Path], ids: np.ndarray, threads: int) -> dict[str, np.ndarray]:
     """Each GGUF's teacher-forced top-1 after every position of `ids` (i32[S]), computed by llama.cpp in a
     subprocess of `llama_python`. RuntimeError with the driver's last output lines when it fails."""
-    from bench_peers import DRIVER_PRELUDE, MARK
-
     config = json.dumps({"ggufs": {k: str(v) for k, v in ggufs.items()}, "ids": ids.tolist(), "threads": threads})
     r = subprocess.run([llama_python, "-c", DRIVER_PRELUDE + LLAMA_TOP1_DRIVER, config], capture_output=True,
                        text=True, timeout=1800)
@@ -193,7 +195,9 @@ def llama_top1(llama_python: str, ggufs: dict[str, Path], ids: np.ndarray, threa
 
 def gguf_bytes(path: Path, llama_cpp_dir: Path) -> int:
     """Bytes of a GGUF's tensors (read by llama.cpp's own gguf-py)."""
-    sys.path.insert(0, str(llama_cpp_dir / "gguf-py"))
+    gguf_py = str(llama_cpp_dir / "gguf-py")
+    if gguf_py not in sys.path:
+        sys.path.insert(0, gguf_py)
     import gguf
 
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
@@ -227,10 +231,6 @@ def table(rows: list[Row], cfg: ModelConfig, budget: int | None, peers: list[tup
 
 def bundled(schemes: list[str], budget: int, corpus_dir: Path | None, max_corpus_bytes: int | None) -> str:
     """The bundled model's table: held-out bits per byte, top-1 agreement over `TEXT`, memory."""
-    from train_tiny import TrainConfig, model_dir_corpus_tokenizer, read_corpus
-
-    from pagedjax.model.checkpoint import bundled_model_path, load_checkpoint
-
     cfg, state = load_checkpoint(bundled_model_path())
     note = ""
     if cfg.tie_word_embeddings:  # no lm_head layer: a "-head" scheme is the same model as the one without
@@ -251,11 +251,6 @@ def bundled(schemes: list[str], budget: int, corpus_dir: Path | None, max_corpus
 def model_156m(schemes: list[str], budget: int, max_positions: int, llama: argparse.Namespace) -> str:
     """The 156M random model's table: top-1 agreement over `TEXT`'s first `max_positions` byte-fallback ids,
     memory, and llama.cpp's rows when `llama.llama_python` is set."""
-    from bench_peers import MODELS, build_checkpoint, write_byte_fallback_tokenizer
-    from tokenizers import Tokenizer
-
-    from pagedjax.model.hf_loader import load_hf
-
     folder = build_checkpoint(Path("/tmp/bench-peers-156m"), MODELS["156m"][0])
     cfg, state, _ = load_hf(folder)
     if not (folder / "tokenizer.json").is_file():
@@ -264,8 +259,6 @@ def model_156m(schemes: list[str], budget: int, max_positions: int, llama: argpa
     rows = measure(cfg, state, schemes, ids, budget)
     peers, note = [], ""
     if llama.llama_python:
-        from bench_quant import llama_ggufs
-
         ggufs = llama_ggufs(folder, llama.llama_python, Path(llama.llama_cpp_dir), llama.llama_pythonpath,
                             cfg.vocab_size)
         got = llama_top1(llama.llama_python, ggufs, ids, llama.llama_threads)
