@@ -54,36 +54,49 @@ def _logits(cfg: ModelConfig, state, ids: np.ndarray) -> np.ndarray:
     return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s).forward_dense(t))(s, ids[None]))[0]
 
 
-def test_rows_hold_each_schemes_top1_bits_per_byte_and_kv_blocks():
-    """Each row against the logits of its scheme's model computed here: its top-1 at every position, and its bits
-    per byte (the text as a one-window held-out split: every target after BOS, special tokens counting no
-    bytes). That a quantized model's logits are the float model's of its dequantized kernels is
-    tests/model/test_quant.py's."""
+def test_rows_hold_each_schemes_top1_logit_error_bits_per_byte_and_kv_blocks():
+    """Each row against the logits of its scheme's model computed here: its top-1 at every position, its logit
+    error, and its bits per byte (the text as a one-window held-out split: every target after BOS, special
+    tokens counting no bytes). That a quantized model's logits are the float model's of its dequantized kernels
+    is tests/model/test_quant.py's."""
     cfg, state = load_checkpoint(bundled_model_path())
     tok = train_tiny.model_dir_corpus_tokenizer(bundled_model_path(), cfg)
     ids = tok.encode_files([acc.TEXT[:160].encode()])[:-1].astype(np.int32)  # BOS + text: i32[S]
     heldout = (ids.astype(np.uint16), tok.token_bytes, len(ids) - 1)
     budget = 16 * 2**20
-    rows = acc.measure(cfg, state, ["float32", "int4"], ids, budget, heldout)
+    rows, want = acc.measure(cfg, state, ["float32", "int4"], ids, budget, heldout)
     assert [r.scheme for r in rows] == ["float32", "int4"]
+    np.testing.assert_array_equal(want, _logits(cfg, state, ids))
     for r in rows:
         qcfg, qstate = bench_quant.quantized(cfg, state, r.scheme)
         logits = _logits(qcfg, qstate, ids)  # f32[S, vocab]
         np.testing.assert_array_equal(r.top1, logits.argmax(-1))
+        centered = want - want.mean(-1, keepdims=True)
+        assert r.logit_error == pytest.approx(np.linalg.norm(logits - want) / np.linalg.norm(centered), rel=1e-4)
         nats = -jax.nn.log_softmax(logits[:-1], -1)[np.arange(len(ids) - 1), ids[1:]]  # f32[S - 1]
         nbytes = tok.token_bytes[ids[1:]]
         assert r.bpb == pytest.approx(float(nats[nbytes > 0].sum()) / math.log(2) / nbytes.sum(), rel=1e-5)
         assert r.agreement == float((r.top1 == rows[0].top1).mean())
         assert r.param_bytes == sum(x.nbytes for x in jax.tree.leaves(qstate))
         assert r.blocks == acc.kv_blocks(qcfg, r.param_bytes, budget)
-    assert rows[0].agreement == 1.0 and rows[1].param_bytes < rows[0].param_bytes / 2.5
+    assert rows[0].agreement == 1.0 and rows[0].logit_error == 0.0
+    assert rows[1].param_bytes < rows[0].param_bytes / 2.5 and 0 < rows[1].logit_error < 0.5
     assert rows[1].bpb > rows[0].bpb  # int4's rounding costs the trained model something on its own text
 
-    lines = acc.table(rows, cfg, budget, [("llama.cpp Q4_0", 0.5, 2**20)]).splitlines()
+    peer = acc.Row("llama.cpp Q4_0", rows[1].top1, 0.5, 0.25, 2**20)  # no bits per byte, no blocks
+    lines = acc.table(rows + [peer], budget).splitlines()
     assert lines[0].startswith("| scheme | held-out bits/byte |") and len(lines) == 2 + 3
     assert all(line.count("|") == lines[0].count("|") for line in lines)
-    assert lines[2].startswith(f"| float32 | {rows[0].bpb:.4f} | +0.0000 | 100.00% | 9.01 | 1.00 | {rows[0].blocks} |")
-    assert lines[4] == f"| llama.cpp Q4_0 | - | - | 50.00% | 1.00 | {rows[0].param_bytes / 2**20:.2f} | - | - | - |"
+    assert lines[2].startswith(f"| float32 | {rows[0].bpb:.4f} | +0.0000 | 100.00% | 0.0000 | 9.01 | 1.00 | "
+                               f"{rows[0].blocks} |")
+    x = rows[0].param_bytes / 2**20
+    assert lines[4] == f"| llama.cpp Q4_0 | - | - | 50.00% | 0.2500 | 1.00 | {x:.2f} | - | - | - |"
+
+
+def test_top1_margin_by_hand():
+    x = np.array([[0.0, 1.0, 3.0, 0.0], [2.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 4.0]], np.float32)
+    margins = [2.0 / x[0].std(), 0.0, 4.0 / x[2].std()]
+    assert acc.top1_margin(x) == pytest.approx(float(np.median(margins)))
 
 
 def test_kv_blocks_fill_what_the_parameters_leave():
@@ -102,7 +115,7 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="schemes: the first is the float32 baseline"):
         acc.measure(cfg, state, ["int8", "float32"], np.arange(4))
     with pytest.raises(ValueError, match="ids: a non-empty sequence"):
-        acc.top1(cfg, state, np.zeros(0, np.int32))
+        acc.logits(cfg, state, np.zeros(0, np.int32))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -124,15 +137,15 @@ def test_an_unknown_scheme_fails_before_anything_runs():
 def test_a_failing_llama_driver_reports_its_output(tmp_path):
     """The driver under a Python without llama-cpp-python: a RuntimeError carrying its traceback's end."""
     with pytest.raises(RuntimeError, match=r"llama.cpp driver failed \(exit code 1\):(.|\n)*llama_cpp"):
-        acc.llama_top1(sys.executable, {"f32": tmp_path / "none.gguf"}, np.arange(4), 1)
+        acc.llama_logits(sys.executable, {"f32": tmp_path / "none.gguf"}, np.arange(4), 1)
 
 
 @pytest.mark.hf
 @pytest.mark.slow  # converts and quantizes a GGUF with llama.cpp's tools (tens of seconds)
 @pytest.mark.skipif(not LLAMA_PYTHON.is_file() or not LLAMA_CPP_DIR.is_dir(), reason="no llama-cpp-python build")
-def test_llama_cpp_f32_top1_is_pagedjax_float32s(tmp_path):
-    """llama.cpp's f32 GGUF of a tiny Hugging Face checkpoint picks pagedjax float32's top-1 at every position
-    (same weights, same ids), and its Q8_0 / Q4_0 rows come back for every position."""
+def test_llama_cpp_f32_logits_are_pagedjax_float32s(tmp_path):
+    """llama.cpp's f32 GGUF of a tiny Hugging Face checkpoint gives pagedjax float32's logits at every position
+    (same weights, same ids), and its Q8_0 / Q4_0 logits come back for every position."""
     from bench_peers import MODELS, build_checkpoint
 
     from pagedjax.model.hf_loader import load_hf
@@ -142,6 +155,10 @@ def test_llama_cpp_f32_top1_is_pagedjax_float32s(tmp_path):
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, 24).astype(np.int32)
     ggufs = bench_quant.llama_ggufs(folder, str(LLAMA_PYTHON), LLAMA_CPP_DIR, "/work/peers/sentencepiece",
                                     cfg.vocab_size)
-    got = acc.llama_top1(str(LLAMA_PYTHON), ggufs, ids, 1)
-    assert sorted(got) == sorted(bench_quant.LLAMA_TYPES) and all(len(t) == len(ids) for t in got.values())
-    np.testing.assert_array_equal(got["llama.cpp f32"], acc.top1(cfg, state, ids))
+    got = acc.llama_logits(str(LLAMA_PYTHON), ggufs, ids, 1)
+    assert list(got) == list(bench_quant.LLAMA_TYPES)
+    assert all(x.shape == (len(ids), cfg.vocab_size) for x in got.values())
+    want = acc.logits(cfg, state, ids)
+    assert acc.logit_error(got["llama.cpp f32"], want) < 1e-5  # 1.1e-6 measured; 9e-4 with its flash attention
+    np.testing.assert_array_equal(got["llama.cpp f32"].argmax(-1), want.argmax(-1))
+    assert 0 < acc.logit_error(got["llama.cpp Q8_0"], want) < acc.logit_error(got["llama.cpp Q4_0"], want)
