@@ -1,7 +1,7 @@
 """Weight-only quantization (`pagedjax.model.quant`): what each scheme costs in accuracy and buys in memory.
 
     python scripts/bench_quant_accuracy.py                          # the bundled model and the 156M model
-    python scripts/bench_quant_accuracy.py --models bundled         # the bundled model only (a minute)
+    python scripts/bench_quant_accuracy.py --models bundled         # the bundled model only (5 min on 2 cores)
     python scripts/bench_quant_accuracy.py --llama-python /work/peers/llama/bin/python \
         --llama-cpp-dir /work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp    # + llama.cpp's Q8_0 / Q4_0
 
