@@ -1,17 +1,27 @@
 """Smoke tests of the quantization benchmarks: `bench_quant` (speed) runs end to end on a tiny workload (no timing
 assertions); `bench_quant_accuracy`'s pieces measure what they say against references computed here."""
 
+import math
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
+
+from pagedjax import ModelConfig
+from pagedjax.model.checkpoint import bundled_model_path, load_checkpoint
+from pagedjax.model.llama import model_from_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import bench_quant  # noqa: E402
+import bench_quant_accuracy as acc  # noqa: E402
+import train_tiny  # noqa: E402
 
 
-@pytest.mark.slow  # compiles three engines and three dense forwards: a minute on a shared CI machine
+@pytest.mark.slow  # compiles three engines: seconds to a minute on a shared CI machine
 def test_bench_quant_quick_runs(capsys):
     bench_quant.main(["--quick"])
     out = capsys.readouterr().out
@@ -32,18 +42,6 @@ def test_llama_rows_need_both_the_python_and_the_sources(capsys):
 
 
 # ------------------------------------------------------------------------------------ bench_quant_accuracy
-import math  # noqa: E402
-
-import bench_quant_accuracy as acc  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import train_tiny  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from pagedjax import ModelConfig  # noqa: E402
-from pagedjax.model.checkpoint import bundled_model_path, load_checkpoint  # noqa: E402
-from pagedjax.model.llama import model_from_state  # noqa: E402
-
 LLAMA_PYTHON = Path("/work/peers/llama/bin/python")  # PEERS.md's llama-cpp-python venv, where it was built
 LLAMA_CPP_DIR = Path("/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp")
 
@@ -127,6 +125,24 @@ def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         acc.main(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two schemes' dense forwards and bits-per-byte windows compiled (CI time)
+def test_the_bundled_table_end_to_end(tmp_path, capsys):
+    """`main` over a corpus of one held-out and one train file: the bundled model's table, "-head" rows left
+    out (its embeddings are tied)."""
+    names = iter(f"m{i}.py" for i in range(10_000))
+    heldout = next(n for n in names if train_tiny.is_heldout(n))
+    train = next(n for n in names if not train_tiny.is_heldout(n))
+    text = "def add(a, b):\n    return a + b\n"
+    (tmp_path / heldout).write_text(text)
+    (tmp_path / train).write_text("x = 1\n")
+    acc.main(["--models", "bundled", "--schemes", "float32,int8,int8-head", "--corpus-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert f"held-out split of {tmp_path}: 1 files, {len(text)} bytes," in out and "int8-head left out: tied" in out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| float32 ", "| int8 "))]
+    assert [r[0] for r in rows] == ["| float32", "| int8"] and rows[0][2:4] == ["+0.0000", "100.00%"]
+    assert "float32's median top-1 margin:" in out
 
 
 def test_an_unknown_scheme_fails_before_anything_runs():
