@@ -64,10 +64,11 @@ def test_rows_hold_each_schemes_top1_logit_error_bits_per_byte_and_kv_blocks():
     budget = 16 * 2**20
     rows, want = acc.measure(cfg, state, ["float32", "int4"], ids, budget, heldout)
     assert [r.scheme for r in rows] == ["float32", "int4"]
-    np.testing.assert_array_equal(want, _logits(cfg, state, ids))
     for r in rows:
         qcfg, qstate = bench_quant.quantized(cfg, state, r.scheme)
         logits = _logits(qcfg, qstate, ids)  # f32[S, vocab]
+        if r.scheme == "float32":
+            np.testing.assert_array_equal(want, logits)
         np.testing.assert_array_equal(r.top1, logits.argmax(-1))
         centered = want - want.mean(-1, keepdims=True)
         assert r.logit_error == pytest.approx(np.linalg.norm(logits - want) / np.linalg.norm(centered), rel=1e-4)
