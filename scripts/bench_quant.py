@@ -1,5 +1,5 @@
-"""Weight-only quantization (`pagedjax.model.quant`): decode throughput, weight bytes and accuracy of float32 vs
-int8 vs int4 vs fp8, all in one run.
+"""Weight-only quantization (`pagedjax.model.quant`): decode throughput and weight bytes of float32 vs int8 vs
+int4 vs fp8, all in one run.
 
     python scripts/bench_quant.py                   # the 156M shape, batch 1 and 16
     python scripts/bench_quant.py --quick           # a tiny model (seconds): the smoke test
@@ -22,8 +22,8 @@ makes of it, decoded by `bench_peers`' driver (greedy, float32 KV cache, `--llam
 weight buffer types - AMX, repacked layouts - off: with them, llama_decode of Q8_0 / Q4_0 segfaulted on this
 AMX machine), the same prompts and lengths, timed inside the driver (prefill included, as the engine rows are).
 
-Accuracy: the bundled model, teacher-forced over a fixed text: the share of positions whose top-1 token is
-the float32 model's, and the parameters' bytes.
+Accuracy and memory (held-out bits per byte, top-1 agreement with float32, parameter bytes and the KV blocks
+they leave room for): `scripts/bench_quant_accuracy.py`.
 """
 
 from __future__ import annotations
@@ -40,18 +40,12 @@ from bench_engine import SHAPES, decode_weight_bytes
 from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
-from pagedjax.model.checkpoint import bundled_model_path, load_checkpoint, load_checkpoint_tokenizer
 from pagedjax.model.llama import init_model, model_from_state, quantize_params
 from pagedjax.quant_config import QuantConfig
 
 DEFAULT_SCHEMES = "float32,int8,int4,fp8"
 LLAMA_TYPES = {"llama.cpp f32": None, "llama.cpp Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
                "llama.cpp Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}  # row name -> llama_cpp's file type (None: as converted)
-TEXT = (  # a fixed text for teacher forcing: code, which the bundled model was trained on
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
-    "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\nclass Stack:\n"
-    "    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
-    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n")
 
 
 def quant_config(scheme: str) -> QuantConfig | None:
@@ -104,26 +98,37 @@ def speed(cfg: ModelConfig, state, schemes: list[str], batches: list[int], promp
     return rows
 
 
-def llama_peers(folder: Path, llama_python: str, llama_cpp_dir: Path, pythonpath: str | None, threads: int,
-                cfg: ModelConfig, max_batch: int, max_len: int, max_batched_tokens: int) -> list[tuple]:
-    """(row name, a running bench_peers llama.cpp driver, decode weight bytes) per `LLAMA_TYPES`: the f32 GGUF
-    llama.cpp's converter makes of `folder`, quantized by llama.cpp itself (files reused when present)."""
-    import sys
+def llama_ggufs(folder: Path, llama_python: str, llama_cpp_dir: Path, pythonpath: str | None,
+                vocab_size: int) -> dict[str, Path]:
+    """Row name -> GGUF file per `LLAMA_TYPES`: the f32 GGUF llama.cpp's converter makes of `folder`, and its
+    quantizations by llama.cpp itself (files reused when present)."""
+    from bench_peers import convert_to_gguf
 
-    from bench_peers import LLAMA_DRIVER, Subprocess, convert_to_gguf
-
-    sys.path.insert(0, str(llama_cpp_dir / "gguf-py"))
-    import gguf  # llama.cpp's own reader, from its sources
-
-    f32 = convert_to_gguf(folder, llama_cpp_dir, cfg.vocab_size, pythonpath)
-    peers = []
+    f32 = convert_to_gguf(folder, llama_cpp_dir, vocab_size, pythonpath)
+    paths = {}
     for name, ftype in LLAMA_TYPES.items():
-        path = f32 if ftype is None else folder / f"model-{name.split()[-1].lower()}.gguf"
+        path = paths[name] = f32 if ftype is None else folder / f"model-{name.split()[-1].lower()}.gguf"
         if not path.is_file():
             script = ("import ctypes, sys, llama_cpp as L\np = L.llama_model_quantize_default_params()\n"
                       f"p.ftype = L.{ftype}\nsys.exit(L.llama_model_quantize({str(f32)!r}.encode(), "
                       f"{str(path)!r}.encode(), ctypes.byref(p)))")
             subprocess.run([llama_python, "-c", script], check=True, capture_output=True, timeout=1800)
+    return paths
+
+
+def llama_peers(folder: Path, llama_python: str, llama_cpp_dir: Path, pythonpath: str | None, threads: int,
+                cfg: ModelConfig, max_batch: int, max_len: int, max_batched_tokens: int) -> list[tuple]:
+    """(row name, a running bench_peers llama.cpp driver, decode weight bytes) per `LLAMA_TYPES` (`llama_ggufs`)."""
+    import sys
+
+    from bench_peers import LLAMA_DRIVER, Subprocess
+
+    sys.path.insert(0, str(llama_cpp_dir / "gguf-py"))
+    import gguf  # llama.cpp's own reader, from its sources
+
+    peers = []
+    for name, path in llama_ggufs(folder, llama_python, llama_cpp_dir, pythonpath, cfg.vocab_size).items():
+        ftype = LLAMA_TYPES[name]
         # What a decode step reads: every tensor but the input embedding table (one row of it).
         weight_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if t.name != "token_embd.weight")
         config = dict(gguf=str(path), threads=threads, max_model_len=max_len, max_num_seqs=max_batch,
@@ -132,23 +137,6 @@ def llama_peers(folder: Path, llama_python: str, llama_cpp_dir: Path, pythonpath
         peer.wait_ready()
         peers.append((name, peer, weight_bytes))
     return peers
-
-
-def accuracy(schemes: list[str]) -> list[dict]:
-    """Teacher-forced top-1 agreement with float32 on `TEXT`, and parameter bytes, on the bundled model."""
-    cfg, state = load_checkpoint(bundled_model_path())
-    tokens = load_checkpoint_tokenizer(bundled_model_path(), cfg).encode(TEXT)
-    ids = jnp.asarray([tokens], jnp.int32)
-    out, want = [], None
-    for scheme in schemes:
-        qcfg, qstate = quantized(cfg, state, scheme)
-        graphdef, s = nnx.split(model_from_state(qcfg, qstate))
-        forward = jax.jit(lambda s, t, graphdef=graphdef: nnx.merge(graphdef, s).forward_dense(t))
-        top1 = np.asarray(forward(s, ids).argmax(-1))[0]
-        want = top1 if want is None else want
-        out.append(dict(scheme=scheme, agreement=float((top1 == want).mean()), positions=len(tokens),
-                        param_bytes=sum(x.nbytes for x in jax.tree.leaves(qstate))))
-    return out
 
 
 def chain(cfg: ModelConfig, schemes: list[str], batches: list[int], rounds: int = 10) -> None:
@@ -266,10 +254,6 @@ def main(argv=None) -> None:
         speedup = r["tokens_per_s"] / b["tokens_per_s"]
         print(f"{r['scheme']:<16}{r['batch']:>6}{r['tokens_per_s']:>11.1f}{speedup:>11.2f}"
               f"{r['weight_bytes'] / 2**20:>16.1f}{b['weight_bytes'] / r['weight_bytes']:>15.2f}")
-    print("\nbundled model, teacher-forced top-1 agreement with float32")
-    print(f"{'scheme':<12}{'agreement':>10}{'positions':>10}{'params MiB':>11}")
-    for r in accuracy(schemes):
-        print(f"{r['scheme']:<12}{r['agreement']:>10.3f}{r['positions']:>10}{r['param_bytes'] / 2**20:>11.2f}")
 
 
 if __name__ == "__main__":

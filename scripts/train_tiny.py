@@ -670,16 +670,24 @@ def train(args: argparse.Namespace) -> TrainResult:
                        time.perf_counter() - t_start, history)
 
 
+def model_dir_corpus_tokenizer(model_dir: Path, cfg: ModelConfig) -> CorpusTokenizer:
+    """The CorpusTokenizer of a saved model folder (its tokenizer.json, or the byte tokenizer); SystemExit when
+    the folder has no tokenizer pagedjax knows."""
+    from pagedjax.model.checkpoint import load_checkpoint_tokenizer
+
+    hf = load_checkpoint_tokenizer(model_dir, cfg)
+    if hf is None:
+        raise SystemExit(f"{model_dir} has no tokenizer pagedjax knows")
+    return byte_corpus_tokenizer() if isinstance(hf, ByteTokenizer) else bpe_corpus_tokenizer(hf.tokenizer)
+
+
 def evaluate_model_dir(args: argparse.Namespace) -> float:
     """Held-out bits per byte of a saved model over the whole held-out split (--evaluate)."""
-    from pagedjax.model.checkpoint import load_checkpoint, load_checkpoint_tokenizer
+    from pagedjax.model.checkpoint import load_checkpoint
     from pagedjax.model.llama import model_from_state
 
     cfg, state = load_checkpoint(args.evaluate)
-    hf = load_checkpoint_tokenizer(args.evaluate, cfg)
-    if hf is None:
-        raise SystemExit(f"{args.evaluate} has no tokenizer pagedjax knows")
-    tok = byte_corpus_tokenizer() if isinstance(hf, ByteTokenizer) else bpe_corpus_tokenizer(hf.tokenizer)
+    tok = model_dir_corpus_tokenizer(args.evaluate, cfg)
     files = read_corpus(args.corpus_dir, args.max_corpus_bytes, args.include_tests)
     if not files.heldout:
         raise SystemExit(f"--evaluate: the corpus under {files.root} has no held-out files")
