@@ -86,6 +86,14 @@ def _planes(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.left_shift(b, 4) >> 4, b >> 4  # arithmetic shifts of int8: the nibble's sign bit extends
 
 
+def _planes16(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 `[..., n]` -> (low, high) int8 `[..., n]`, each nibble plane times 16 (the nibble moved to the byte's
+    top, its low four bits zero): one byte operation per plane (a shift, a mask) where `_planes` sign-extends
+    the low nibble with two. 16 * q is exact in float32, and the one-row product divides its sum by 16."""
+    b = jax.lax.bitcast_convert_type(packed, jnp.int8)
+    return jnp.left_shift(b, 4), b & jnp.int8(-16)  # -16: 0xF0
+
+
 def unpack_int4(packed: jax.Array, group_size: int) -> jax.Array:
     """The inverse of `pack_int4`: uint8 `[..., in // 2]` -> int8 `[..., in]` in [-8, 7]."""
     low, high = (p.reshape(*packed.shape[:-1], -1, 1, group_size // 2) for p in _planes(packed))
@@ -205,16 +213,17 @@ class QuantizedLinear(nnx.Module):
             if self.quant.scheme == "int8":
                 y = _matvec(row[None], qweight.astype(jnp.float32) + tie) * scale
             else:
-                # One product per nibble plane: each plane `[out, groups, g / 2]` (scaled by its group) against
-                # the matching halves of x's groups (the row is gathered plane by plane: `[2, in // 2]`).
+                # One product per nibble plane: each plane `[out, groups, g / 2]` (16 times its values, scaled by
+                # its group) against the matching halves of x's groups (the row is gathered plane by plane:
+                # `[2, in // 2]`). The sum is divided by 16 at the end: exact, a power of two.
                 n_out, groups = scale.shape
                 halves = row.reshape(2, -1)
                 low, high = (
                     (p.astype(jnp.float32).reshape(n_out, groups, -1) * scale[:, :, None]).reshape(n_out, -1) + tie
-                    for p in _planes(qweight))  # [out, in // 2] each
+                    for p in _planes16(qweight))  # [out, in // 2] each
                 # Kept apart, else XLA fuses the sum into the second product, which then converts its plane first.
                 y_low, y_high = jax.lax.optimization_barrier((_matvec(halves[:1], low), _matvec(halves[1:], high)))
-                y = y_low + y_high
+                y = (y_low + y_high) * 0.0625
             y = y.reshape(*x.shape[:-1], -1)
         elif self.quant.scheme == "int4":
             # Groups scale the kernel's inputs, not its output columns: dequantize, then one dot.
