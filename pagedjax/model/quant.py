@@ -23,13 +23,27 @@ How XLA:CPU computes them (`python scripts/bench_quant.py --chain` times the lin
   one row (batch-1 decode), int8 and int4: `row @ w.T` with w the converted (int4: unpacked and scaled) kernel
       `[out, in]`. XLA:CPU fuses the conversion, the transpose and the one-row dot into one loop fusion (a
       matrix-vector product split over the cores) that reads the stored bytes: no float copy of the kernel is
-      written. Its inner loop is XLA's own vectorized code (convert, multiply, add per element), so it is
-      bound by instructions, not by the bytes it reads: the runner compiles it 512 bits wide. The row is
-      first gathered into a buffer of its own (`jnp.take`): else XLA fuses the row's producer (the norm, the
-      attention) into the product and recomputes it for every output channel (int8 decode at batch 1 ran at
-      0.95x float32 so), and int4's strided read of each group's halves was not vectorized. int4 runs one
-      product per nibble plane, kept apart by an optimization barrier (fused into one add, the second product
-      would convert its plane into a buffer first).
+      written. Its inner loop is LLVM's vectorization of XLA's per-element code (the runner compiles it 512
+      bits wide): per 16 weights, int8 sign-extends 16 bytes to int32 lanes (`vpmovsxbd`), converts them to
+      float and multiply-adds them into one of four accumulators (`vfmadd231ps`: the x86 backend contracts the
+      IR's separate multiply and add); int4 adds one byte operation (its plane's unpacking) and the multiply
+      by the group's scale. The row is first gathered into a buffer of its own (`jnp.take`): else XLA fuses
+      the row's producer (the norm, the attention) into the product and recomputes it for every output channel
+      (int8 decode at batch 1 ran at 0.95x float32 so), and int4's strided read of each group's halves was not
+      vectorized. int4 runs one product per nibble plane, kept apart by an optimization barrier (fused into
+      one add, the second product would convert its plane into a buffer first), each plane read as 16 x q
+      (`_planes16`: a shift or a mask, where sign-extending the low nibble took two byte shifts) and the sum
+      divided by 16. Measured one kernel at a time on one core (interleaved, best of 6-8 rounds, weights/s of
+      the fused loop; [1024 -> 32000] / [1024 -> 2816] / [2816 -> 1024]): int4 17.3 / 16.5 / 17.2 G weights/s
+      (1.29x / 1.12x / 1.14x the two-shift unpacking), int8 10.1 / 13.4 / 15.0, float32's dot 4.0 / 5.3 / 5.1.
+      Without the scale multiply int4 would reach 19.3 / 20.0 / 21.7 G weights/s, but it cannot leave the inner
+      loop: a per-group sum is a batched dot or a reduce, which XLA:CPU does not fuse with the conversion
+      (both convert the plane into a buffer first: 0.02-0.12x), and fast-math options leave the IR unchanged.
+      Converting `jnp.int4` arrays (XLA's packed 4-bit type) instead of shifting ran at 0.07x (XLA:CPU extracts
+      each nibble with scalar code); one fusion for both planes (a concatenated or an interleaved kernel, a
+      per-plane shift by iota) converts into a buffer or is not vectorized (0.1x). A plane of 512 inputs (in
+      1024) is unrolled into one chain of 32 dependent multiply-adds, which measured no slower (the cores
+      overlap consecutive output channels).
   one fp8 row, and several rows of every scheme: convert (int4: dequantize), then a dot contracting the
       kernel's last axis, on YNNPACK (`pagedjax.engine.runner.cpu_compiler_options` keeps it on for quantized
       models: XLA's own dots of an `[out, in]` kernel ran about 3x slower); the per-channel schemes apply their

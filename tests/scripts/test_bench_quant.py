@@ -30,3 +30,13 @@ def test_llama_rows_need_both_the_python_and_the_sources(capsys):
     with pytest.raises(SystemExit):
         bench_quant.main(["--llama-python", sys.executable])
     assert "--llama-python and --llama-cpp-dir go together" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # (CI time) compiles seven small programs
+def test_bench_quant_matvec_quick_runs(capsys):
+    import bench_quant_matvec
+
+    bench_quant_matvec.main(["--quick"])  # checks every formulation against the dequantized product first
+    rows = [line.split("]", 1)[1].rsplit(None, 3)[0].strip() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("[256 -> 64]")]
+    assert rows == ["float32", "int8", "int4", "int4 two shifts", "int4 jnp.int4", "int4 group sums", "int4 no scales"]
