@@ -33,17 +33,19 @@ How XLA:CPU computes them (`python scripts/bench_quant.py --chain` times the lin
       vectorized. int4 runs one product per nibble plane, kept apart by an optimization barrier (fused into
       one add, the second product would convert its plane into a buffer first), each plane read as 16 x q
       (`_planes16`: a shift or a mask, where sign-extending the low nibble took two byte shifts) and the sum
-      divided by 16. Measured one kernel at a time on one core (interleaved, best of 6-8 rounds, weights/s of
-      the fused loop; [1024 -> 32000] / [1024 -> 2816] / [2816 -> 1024]): int4 17.3 / 16.5 / 17.2 G weights/s
-      (1.29x / 1.12x / 1.14x the two-shift unpacking), int8 10.1 / 13.4 / 15.0, float32's dot 4.0 / 5.3 / 5.1.
-      Without the scale multiply int4 would reach 19.3 / 20.0 / 21.7 G weights/s, but it cannot leave the inner
-      loop: a per-group sum is a batched dot or a reduce, which XLA:CPU does not fuse with the conversion
-      (both convert the plane into a buffer first: 0.02-0.12x), and fast-math options leave the IR unchanged.
-      Converting `jnp.int4` arrays (XLA's packed 4-bit type) instead of shifting ran at 0.07x (XLA:CPU extracts
-      each nibble with scalar code); one fusion for both planes (a concatenated or an interleaved kernel, a
-      per-plane shift by iota) converts into a buffer or is not vectorized (0.1x). A plane of 512 inputs (in
-      1024) is unrolled into one chain of 32 dependent multiply-adds, which measured no slower (the cores
-      overlap consecutive output channels).
+      divided by 16. `taskset -c 1 python scripts/bench_quant_matvec.py` (one 156M kernel at a time on one core,
+      two runs at load average 6): int4 12.9 - 16.9 G weights/s, int8 7.1 - 14.3, float32's dot 3.0 - 5.5; the
+      two-shift unpacking at 0.73 - 0.99x of 16 x q. int4 is bound by its instructions (int8 is not, by bytes
+      either: what holds it at 7 - 14 GB/s, below float32's 12 - 22, is not pinned down). Without the scale
+      multiply int4's loop ran 1.1 - 1.3x faster, but the multiply cannot leave the inner loop: a per-group sum
+      is a batched dot or a reduce, which XLA:CPU does not fuse with the conversion (0.02 - 0.1x), and the
+      fast-math compile options leave the IR unchanged. Converting `jnp.int4` arrays (XLA's packed 4-bit type)
+      instead ran at 0.1x (XLA:CPU extracts each nibble with scalar code); one fusion for both planes (a
+      concatenated or an interleaved kernel, a per-plane shift by iota) converted into a buffer or was not
+      vectorized (0.05 - 0.1x). A plane of 512 inputs (in 1024) is unrolled into one chain of 32 dependent
+      multiply-adds; with LLVM's unrolling off (`--xla_backend_extra_options=xla_cpu_disable_loop_unrolling`, a
+      process-wide XLA_FLAGS only) it ran no faster (the out-of-order core presumably overlaps consecutive
+      output channels' chains).
   one fp8 row, and several rows of every scheme: convert (int4: dequantize), then a dot contracting the
       kernel's last axis, on YNNPACK (`pagedjax.engine.runner.cpu_compiler_options` keeps it on for quantized
       models: XLA's own dots of an `[out, in]` kernel ran about 3x slower); the per-channel schemes apply their
@@ -103,7 +105,8 @@ def _planes(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _planes16(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     """uint8 `[..., n]` -> (low, high) int8 `[..., n]`, each nibble plane times 16 (the nibble moved to the byte's
     top, its low four bits zero): one byte operation per plane (a shift, a mask) where `_planes` sign-extends
-    the low nibble with two. 16 * q is exact in float32, and the one-row product divides its sum by 16."""
+    the low nibble with two. 16 * q is exact in float32, and the one-row product divides its sum by 16 (a power of
+    two: exact outside float32's subnormal range)."""
     b = jax.lax.bitcast_convert_type(packed, jnp.int8)
     return jnp.left_shift(b, 4), b & jnp.int8(-16)  # -16: 0xF0
 
