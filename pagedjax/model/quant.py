@@ -23,13 +23,29 @@ How XLA:CPU computes them (`python scripts/bench_quant.py --chain` times the lin
   one row (batch-1 decode), int8 and int4: `row @ w.T` with w the converted (int4: unpacked and scaled) kernel
       `[out, in]`. XLA:CPU fuses the conversion, the transpose and the one-row dot into one loop fusion (a
       matrix-vector product split over the cores) that reads the stored bytes: no float copy of the kernel is
-      written. Its inner loop is XLA's own vectorized code (convert, multiply, add per element), so it is
-      bound by instructions, not by the bytes it reads: the runner compiles it 512 bits wide. The row is
-      first gathered into a buffer of its own (`jnp.take`): else XLA fuses the row's producer (the norm, the
-      attention) into the product and recomputes it for every output channel (int8 decode at batch 1 ran at
-      0.95x float32 so), and int4's strided read of each group's halves was not vectorized. int4 runs one
-      product per nibble plane, kept apart by an optimization barrier (fused into one add, the second product
-      would convert its plane into a buffer first).
+      written. Its inner loop is LLVM's vectorization of XLA's per-element code (the runner compiles it 512
+      bits wide): per 16 weights, int8 sign-extends 16 bytes to int32 lanes (`vpmovsxbd`), converts them to
+      float and multiply-adds them into one of four accumulators (`vfmadd231ps`: the x86 backend contracts the
+      IR's separate multiply and add); int4 adds one byte operation (its plane's unpacking) and the multiply
+      by the group's scale. The row is first gathered into a buffer of its own (`jnp.take`): else XLA fuses
+      the row's producer (the norm, the attention) into the product and recomputes it for every output channel
+      (int8 decode at batch 1 ran at 0.95x float32 so), and int4's strided read of each group's halves was not
+      vectorized. int4 runs one product per nibble plane, kept apart by an optimization barrier (fused into
+      one add, the second product would convert its plane into a buffer first), each plane read as 16 x q
+      (`_planes16`: a shift or a mask, where sign-extending the low nibble took two byte shifts) and the sum
+      divided by 16. `taskset -c 1 python scripts/bench_quant_matvec.py` (one 156M kernel at a time on one core,
+      two runs at load average 6): int4 12.9 - 16.9 G weights/s, int8 7.1 - 14.3, float32's dot 3.0 - 5.5; the
+      two-shift unpacking at 0.73 - 0.99x of 16 x q. int4 is bound by its instructions (int8 is not, by bytes
+      either: what holds it at 7 - 14 GB/s, below float32's 12 - 22, is not pinned down). Without the scale
+      multiply int4's loop ran 1.1 - 1.3x faster, but the multiply cannot leave the inner loop: a per-group sum
+      is a batched dot or a reduce, which XLA:CPU does not fuse with the conversion (0.02 - 0.1x), and the
+      fast-math compile options leave the IR unchanged. Converting `jnp.int4` arrays (XLA's packed 4-bit type)
+      instead ran at 0.1x (XLA:CPU extracts each nibble with scalar code); one fusion for both planes (a
+      concatenated or an interleaved kernel, a per-plane shift by iota) converted into a buffer or was not
+      vectorized (0.05 - 0.1x). A plane of 512 inputs (in 1024) is unrolled into one chain of 32 dependent
+      multiply-adds; with LLVM's unrolling off (`--xla_backend_extra_options=xla_cpu_disable_loop_unrolling`, a
+      process-wide XLA_FLAGS only) it ran no faster (the out-of-order core presumably overlaps consecutive
+      output channels' chains).
   one fp8 row, and several rows of every scheme: convert (int4: dequantize), then a dot contracting the
       kernel's last axis, on YNNPACK (`pagedjax.engine.runner.cpu_compiler_options` keeps it on for quantized
       models: XLA's own dots of an `[out, in]` kernel ran about 3x slower); the per-channel schemes apply their
@@ -84,6 +100,15 @@ def _planes(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     """uint8 `[..., n]` -> (low, high) int8 `[..., n]` in [-8, 7]: each group's first and second halves."""
     b = jax.lax.bitcast_convert_type(packed, jnp.int8)
     return jnp.left_shift(b, 4) >> 4, b >> 4  # arithmetic shifts of int8: the nibble's sign bit extends
+
+
+def _planes16(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 `[..., n]` -> (low, high) int8 `[..., n]`, each nibble plane times 16 (the nibble moved to the byte's
+    top, its low four bits zero): one byte operation per plane (a shift, a mask) where `_planes` sign-extends
+    the low nibble with two. 16 * q is exact in float32, and the one-row product divides its sum by 16 (a power of
+    two: exact outside float32's subnormal range)."""
+    b = jax.lax.bitcast_convert_type(packed, jnp.int8)
+    return jnp.left_shift(b, 4), b & jnp.int8(-16)  # -16: 0xF0
 
 
 def unpack_int4(packed: jax.Array, group_size: int) -> jax.Array:
@@ -205,16 +230,17 @@ class QuantizedLinear(nnx.Module):
             if self.quant.scheme == "int8":
                 y = _matvec(row[None], qweight.astype(jnp.float32) + tie) * scale
             else:
-                # One product per nibble plane: each plane `[out, groups, g / 2]` (scaled by its group) against
-                # the matching halves of x's groups (the row is gathered plane by plane: `[2, in // 2]`).
+                # One product per nibble plane: each plane `[out, groups, g / 2]` (16 times its values, scaled by
+                # its group) against the matching halves of x's groups (the row is gathered plane by plane:
+                # `[2, in // 2]`). The sum is divided by 16 at the end: exact, a power of two.
                 n_out, groups = scale.shape
                 halves = row.reshape(2, -1)
                 low, high = (
                     (p.astype(jnp.float32).reshape(n_out, groups, -1) * scale[:, :, None]).reshape(n_out, -1) + tie
-                    for p in _planes(qweight))  # [out, in // 2] each
+                    for p in _planes16(qweight))  # [out, in // 2] each
                 # Kept apart, else XLA fuses the sum into the second product, which then converts its plane first.
                 y_low, y_high = jax.lax.optimization_barrier((_matvec(halves[:1], low), _matvec(halves[1:], high)))
-                y = y_low + y_high
+                y = (y_low + y_high) * 0.0625
             y = y.reshape(*x.shape[:-1], -1)
         elif self.quant.scheme == "int4":
             # Groups scale the kernel's inputs, not its output columns: dequantize, then one dot.

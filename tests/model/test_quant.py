@@ -366,6 +366,21 @@ def test_one_row_and_many_rows_equal_the_dequantized_product(quant, dtype, tol):
                                    err_msg=f"{shape}")
 
 
+def test_one_row_int4_reads_every_byte_value():
+    """The one-row int4 product unpacks each nibble plane as 16 x q: every byte (both nibbles in [-8, 7], -8 too,
+    which the quantizer never writes) against the dequantized reference, with scales differing per group."""
+    quant = QuantConfig("int4", group_size=32)
+    layer = QuantizedLinear(jnp.zeros((512, 2), jnp.float32), quant=quant)  # [in, out]: 256 bytes a channel
+    qweight = np.stack([np.arange(256), np.arange(256)[::-1]]).astype(np.uint8)  # [out, in // 2]
+    layer.qweight.set_value(jnp.asarray(qweight))
+    layer.scale.set_value(jnp.asarray(np.random.default_rng(0).uniform(0.5, 2.0, (2, 16)), jnp.float32))
+    want_w = np.asarray(layer.kernel())  # [in, out]
+    assert set(np.unique(unpack_int4(layer.qweight[...], 32))) == set(range(-8, 8))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 512)), jnp.float32)
+    want = np.asarray(x, np.float64) @ want_w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(_LAYER(layer, x)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("quant", [QuantConfig("int8"), QuantConfig("int4", group_size=32)], ids=lambda q: q.name)
 def test_one_row_never_converts_the_kernel(quant):
     """The single-row path reads the stored bytes inside its fused matrix-vector product: the compiled layer holds

@@ -179,3 +179,13 @@ def test_llama_cpp_f32_logits_are_pagedjax_float32s(tmp_path):
     assert acc.logit_error(got["llama.cpp f32"], want) < 1e-5  # 1.1e-6 measured; 9e-4 with its flash attention
     np.testing.assert_array_equal(got["llama.cpp f32"].argmax(-1), want.argmax(-1))
     assert 0 < acc.logit_error(got["llama.cpp Q8_0"], want) < acc.logit_error(got["llama.cpp Q4_0"], want)
+
+
+@pytest.mark.slow  # (CI time) compiles seven small programs
+def test_bench_quant_matvec_quick_runs(capsys):
+    import bench_quant_matvec
+
+    bench_quant_matvec.main(["--quick"])  # checks every formulation against the dequantized product first
+    rows = [line.split("]", 1)[1].rsplit(None, 3)[0].strip() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("[256 -> 64]")]
+    assert rows == ["float32", "int8", "int4", "int4 two shifts", "int4 jnp.int4", "int4 group sums", "int4 no scales"]
