@@ -83,8 +83,7 @@ def test_test_sh_reports_the_slowest_tests(tmp_path):
 
 
 def test_test_sh_fails_with_the_log_when_the_newest_jax_environment_cannot_be_set_up(tmp_path):
-    """The second environment installs in the background while the first pass runs: its failure still fails the
-    script, after the first pass, with pip's output, and the second pass does not run."""
+    """A second environment that cannot be set up fails the script with pip's output, and its pass does not run."""
     root, log = _repo(tmp_path, "test.sh")
     for venv in (".venv", ".venv312"):
         _stub(root / venv / "bin" / "python", f'echo "{venv} python $*" >> {log}\necho stub')
@@ -96,7 +95,6 @@ def test_test_sh_fails_with_the_log_when_the_newest_jax_environment_cannot_be_se
     r = subprocess.run(["bash", str(root / "scripts" / "test.sh")], capture_output=True, text=True, timeout=60,
                        env=env)
     assert r.returncode != 0
-    assert "setting up the newest-JAX environment failed" in r.stderr
     assert "no matching distribution for jaxlib" in r.stderr
     pytest_runs = [line for line in _log(log) if " -m pytest " in line]
     assert [line.split()[0] for line in pytest_runs] == [".venv", ".venv"], pytest_runs  # the suite and -O default
