@@ -116,21 +116,28 @@ def llama_ggufs(folder: Path, llama_python: str, llama_cpp_dir: Path, pythonpath
     return paths
 
 
+def gguf_bytes(path: Path, llama_cpp_dir: Path, skip: tuple[str, ...] = ()) -> int:
+    """Bytes of a GGUF's tensors but those named in `skip`, read by llama.cpp's own gguf-py (from its sources)."""
+    import sys
+
+    gguf_py = str(llama_cpp_dir / "gguf-py")
+    if gguf_py not in sys.path:
+        sys.path.insert(0, gguf_py)
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if t.name not in skip)
+
+
 def llama_peers(folder: Path, llama_python: str, llama_cpp_dir: Path, pythonpath: str | None, threads: int,
                 cfg: ModelConfig, max_batch: int, max_len: int, max_batched_tokens: int) -> list[tuple]:
     """(row name, a running bench_peers llama.cpp driver, decode weight bytes) per `LLAMA_TYPES` (`llama_ggufs`)."""
-    import sys
-
     from bench_peers import LLAMA_DRIVER, Subprocess
-
-    sys.path.insert(0, str(llama_cpp_dir / "gguf-py"))
-    import gguf  # llama.cpp's own reader, from its sources
 
     peers = []
     for name, path in llama_ggufs(folder, llama_python, llama_cpp_dir, pythonpath, cfg.vocab_size).items():
         ftype = LLAMA_TYPES[name]
         # What a decode step reads: every tensor but the input embedding table (one row of it).
-        weight_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if t.name != "token_embd.weight")
+        weight_bytes = gguf_bytes(path, llama_cpp_dir, skip=("token_embd.weight",))
         config = dict(gguf=str(path), threads=threads, max_model_len=max_len, max_num_seqs=max_batch,
                       max_num_batched_tokens=max_batched_tokens, extra_bufts=ftype is None)  # bench_peers: driver
         peer = Subprocess(f"{name}, {threads} thread(s)", llama_python, LLAMA_DRIVER, config, {}, 900.0, 900.0)

@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_peers import DRIVER_PRELUDE, MARK, MODELS, build_checkpoint, write_byte_fallback_tokenizer
-from bench_quant import llama_ggufs, quant_config, quantized
+from bench_quant import gguf_bytes, llama_ggufs, quant_config, quantized
 from flax import nnx
 from tokenizers import Tokenizer
 from train_tiny import TrainConfig, heldout_bpb_of_split, model_dir_corpus_tokenizer, read_corpus
@@ -229,16 +228,6 @@ def llama_logits(llama_python: str, ggufs: dict[str, Path], ids: np.ndarray, thr
             tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-8:])
             raise RuntimeError(f"llama.cpp driver failed (exit code {r.returncode}):\n{tail}")
         return {name: np.load(Path(out) / f"{i}.npy") for i, name in enumerate(ggufs)}
-
-
-def gguf_bytes(path: Path, llama_cpp_dir: Path) -> int:
-    """Bytes of a GGUF's tensors (read by llama.cpp's own gguf-py)."""
-    gguf_py = str(llama_cpp_dir / "gguf-py")
-    if gguf_py not in sys.path:
-        sys.path.insert(0, gguf_py)
-    import gguf
-
-    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
 
 
 # ---------------------------------------------------------------------------------------------------- tables
