@@ -70,6 +70,7 @@ def tokens_per_expert(experts: jax.Array, num_experts: int) -> jax.Array:
 
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_QUANTIZED = ("qweight", "scale")  # the leaves of a `pagedjax.model.moe_quant.ExpertKernels`
 
 
 def per_expert_params(state: nnx.State) -> nnx.State:
@@ -87,6 +88,8 @@ def per_expert_params(state: nnx.State) -> nnx.State:
         if (len(names) >= 2 and names[-2] == "experts" and names[-1] in _PROJECTIONS
                 and len(getattr(leaf, "shape", ())) == 3):
             return tuple(leaf[e] for e in range(leaf.shape[0]))
+        if len(names) >= 3 and names[-3] == "experts" and names[-2] in _PROJECTIONS and names[-1] in _QUANTIZED:
+            return tuple(leaf[e] for e in range(leaf.shape[0]))  # `QuantizedExperts`: values and scales alike
         return leaf
     return jax.tree_util.tree_map_with_path(split, state)
 
@@ -118,7 +121,7 @@ class Experts(nnx.Module):
                                                    lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
         # The per-expert form is stacked back here (a copy of every expert per call): it is the CPU's form, where
         # `MoEMLP` never picks this method by itself.
-        gate, up, down = (jnp.stack(w) if isinstance(w, tuple) else w for w in self.weights())
+        gate, up, down = (jnp.stack(w) if isinstance(w, tuple) else w for w in self.weights(x))
         mm = lambda a, w: jax.lax.ragged_dot_general(a, w, group_sizes, out_in,
                                                      preferred_element_type=jnp.float32).astype(x.dtype)
         h = jax.nn.silu(mm(x, gate)) * mm(x, up)
@@ -137,12 +140,13 @@ class Experts(nnx.Module):
         """
         mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
-        def expert(e: int, row: jax.Array, gate, up, down) -> jax.Array:
-            return mm(jax.nn.silu(mm(row, gate[e].T)) * mm(row, up[e].T), down[e])
+        def expert(e: int, row: jax.Array, *operands) -> jax.Array:
+            gate, up, down = self.expert_weights(e, operands, x.dtype)
+            return mm(jax.nn.silu(mm(row, gate.T)) * mm(row, up.T), down)
 
         branches = [functools.partial(expert, e) for e in range(self.num_experts)]
-        weights = self.weights()
-        return jnp.concatenate([jax.lax.switch(experts[p], branches, x[p:p + 1], *weights)
+        operands = self.switch_operands()
+        return jnp.concatenate([jax.lax.switch(experts[p], branches, x[p:p + 1], *operands)
                                 for p in range(x.shape[0])])
 
     def every(self, x: jax.Array, combine: jax.Array) -> jax.Array:
@@ -152,7 +156,7 @@ class Experts(nnx.Module):
         # The routing weights scale each expert's hidden activations before down_proj (linear, so the same as
         # scaling its output), which lets the down dots sum over experts and width together.
         mm = lambda a, w, dtype=x.dtype: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(dtype)
-        gate, up, down = self.weights()
+        gate, up, down = self.weights(x)
         if isinstance(gate, tuple):
             y = jnp.zeros((x.shape[0], down[0].shape[1]), jnp.float32)
             for e in range(self.num_experts):
@@ -165,10 +169,20 @@ class Experts(nnx.Module):
         h = (h.reshape(-1, num_experts, width) * combine[:, :, None]).astype(x.dtype)
         return mm(h.reshape(-1, num_experts * width), flat(down))
 
-    def weights(self) -> tuple:
+    def weights(self, x: jax.Array | None = None) -> tuple:
         """(gate_proj, up_proj, down_proj): each the stacked array `[E, width, hidden]` or, in the per-expert form
-        (`per_expert_params`), a tuple of E arrays `[width, hidden]`."""
+        (`per_expert_params`), a tuple of E arrays `[width, hidden]`. x: the rows they multiply (unused here;
+        `QuantizedExperts` converts its weights to x's dtype, tied to x)."""
         return self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value()
+
+    def switch_operands(self) -> tuple:
+        """The operands of `by_pair`'s switch, from which `expert_weights` takes one expert's: the weights."""
+        return self.weights()
+
+    def expert_weights(self, e: int, operands: tuple, dtype) -> tuple:
+        """Expert e's (gate_proj, up_proj, down_proj) `[width, hidden]` each, from `switch_operands` (float
+        weights are used as stored: `dtype`, the rows', matters to `QuantizedExperts` only)."""
+        return tuple(w[e] for w in operands)
 
     @property
     def num_experts(self) -> int:
@@ -186,6 +200,13 @@ class MoEMLP(nnx.Module):
         self.gate = nnx.Linear(cfg.hidden_size, moe.num_experts, use_bias=False, dtype=dtype, param_dtype=dtype,
                                preferred_element_type=jnp.float32, rngs=rngs)
         self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, dtype, rngs)
+        quant = cfg.quantization
+        if quant is not None and "experts" not in quant.keep_float:
+            # Imported here: `pagedjax.model.moe_quant` builds on `Experts`. Quantized from the random float init,
+            # as the quantized linears are.
+            from pagedjax.model.moe_quant import QuantizedExperts
+
+            self.experts = QuantizedExperts.of(self.experts, quant)
 
     def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Rows x `[N, hidden]` -> (weights float32 `[N, k]`, experts int32 `[N, k]`)."""

@@ -52,8 +52,8 @@ How XLA:CPU computes them (`python scripts/bench_quant.py --chain` times the lin
       scale to the `[..., out]` result. XLA:CPU's e4m3 -> float conversion is a slow per-element routine (the
       fused one-row product ran at 0.6x float32), and an exact conversion by integer ops (subnormals included:
       XLA:CPU flushes float32 denormals, so they need a select) only matched float32.
-  `tie` (in `QuantizedLinear._project`) makes XLA convert each kernel just before its product instead of every
-      kernel at the start of the step into buffers all alive at once.
+  `conversion_tie` (in `QuantizedLinear._project`) makes XLA convert each kernel just before its product
+      instead of every kernel at the start of the step into buffers all alive at once.
 Whether XLA:GPU fuses the conversion is not measured here.
 """
 
@@ -175,6 +175,16 @@ def _row_order(n_in: int, group_size: int | None) -> np.ndarray:
     return order.reshape(-1, 2, group_size // 2).transpose(1, 0, 2).reshape(-1)  # [groups, half, g / 2]
 
 
+def conversion_tie(x: jax.Array) -> jax.Array:
+    """A float32 zero that depends on x, added to a kernel converted from its stored bytes: XLA then converts each
+    kernel just before its product (fused into it for one row, else into a buffer the next layer reuses) instead
+    of converting every layer's kernel at the start of the step into buffers all alive at once (344 MiB of float
+    copies for the 156M model, 4x slower than float32 at batch 1). The zero multiplies 0 or 1 (whether x's first
+    element is NaN), never x itself: a non-finite x[0] must not reach the other rows' products."""
+    first = x.reshape(-1)[0]
+    return jnp.zeros((), jnp.float32) * (first != first).astype(jnp.float32)
+
+
 def _dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     """x `[..., in]` times a converted kernel stored `[out, in]` -> float32 `[..., out]`, contracting the last
     axes (several rows: a YNNPACK dot of the converted kernel)."""
@@ -216,13 +226,7 @@ class QuantizedLinear(nnx.Module):
         """x `[..., in]` -> float32 `[..., out]`."""
         qweight = self.qweight[...]  # [out, in] (int4: [out, in // 2])
         scale = self.scale[...].astype(jnp.float32)  # [out] (int4: [out, in // g])
-        # A zero that depends on x, added to the converted kernel: XLA then converts each kernel just before its
-        # product (fused into it for one row, else into a buffer the next layer reuses) instead of converting
-        # every layer's kernel at the start of the step into buffers all alive at once (344 MiB of float copies
-        # for the 156M model, 4x slower than float32 at batch 1). The zero multiplies 0 or 1 (whether x[0] is
-        # NaN), never x itself: a non-finite x[0] must not reach the other rows' products.
-        first = x.reshape(-1)[0]
-        tie = jnp.zeros((), jnp.float32) * (first != first).astype(jnp.float32)
+        tie = conversion_tie(x)
         if self._one_row(x):
             # x's row, gathered into a buffer of its own: fused into the product, x's producer (a norm, the
             # attention) would be recomputed for every output channel, and int4's strided read of x ran 10x slower.

@@ -1,0 +1,141 @@
+"""Weight-only quantized mixture-of-experts experts (`ModelConfig.quantization` with `ModelConfig.moe`): each
+expert's three matrices stored as `pagedjax.model.quant.QuantizedLinear` stores a kernel, stacked on axis 0.
+
+Per projection (`ExpertKernels`), expert e's float kernel `[in, out]` is quantized by `quantize_kernel` (the same
+scheme, scales and layouts as a linear layer's, vmapped over the experts):
+  gate_proj, up_proj  kernel `[hidden, width]`:  qweight `[E, width, hidden]` (int4: `[E, width, hidden // 2]`),
+                      scale `[E, width]` (int4: `[E, width, hidden // g]`)
+  down_proj           kernel `[width, hidden]`:  qweight `[E, hidden, width]` (int4: `[E, hidden, width // 2]`),
+                      scale `[E, hidden]` (int4: `[E, hidden, width // g]`)
+so gate / up's stored `[out, in]` is exactly `Experts`' (out, in) layout, and down's is its (in, out) transposed.
+Axis 0 is the expert of every leaf: expert parallelism (`pagedjax.parallel.sharding`) splits values and scales
+alike, and `per_expert_params` turns each leaf into a tuple of E per-expert arrays for the single-device CPU form.
+
+The router (`MoEMLP.gate`) stays float: it is a small `[hidden, E]` matrix (E columns against the experts'
+3 * E * width), and its logits decide which experts a token gets: a rounding error there changes a token's
+experts (a discrete jump in the output) rather than perturbing it. `QuantConfig.keep_float` containing
+"experts" keeps the experts float too.
+
+`QuantizedExperts` computes with the float `Experts`' three methods on the dequantized values
+(`dequantize_kernel`'s arithmetic, rounded to the rows' dtype), so it equals the float `Experts` holding those
+values (tests/model/test_moe_quant.py):
+  `by_pair`  branch e of the switch dequantizes expert e alone: the switch's operands are the quantized leaves,
+             and a branch reads only its expert's bytes (in the per-expert form, its own arrays in place).
+  `every`, `grouped`  every expert is dequantized (XLA:CPU fuses each projection's conversion into one loop
+             fusion that writes the float `[E, width, hidden]` buffer the dots then read: the float layer's bytes,
+             written once per step). The conversion is tied to the layer's rows (`quant.conversion_tie`), so it
+             happens just before the layer's dots rather than every layer's at the start of the step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pagedjax.model.moe import Experts
+from pagedjax.model.quant import _dequantize_stored, conversion_tie, quantize_kernel, shapes
+from pagedjax.quant_config import QuantConfig
+
+__all__ = ["ExpertKernels", "QuantizedExperts", "check_expert_shapes", "quantize_experts", "quantizes_experts"]
+
+EXPERTS = "experts"  # the `keep_float` name (and module attribute) of a MoE layer's experts
+
+
+def quantizes_experts(quant: QuantConfig | None) -> bool:
+    """Whether a model of `quant` (`ModelConfig.quantization`) holds its MoE experts quantized."""
+    return quant is not None and EXPERTS not in quant.keep_float
+
+
+def check_expert_shapes(quant: QuantConfig, experts: Experts, name: str) -> None:
+    """ValueError naming the tensor (`name`.gate_proj, ...) when int4's group size does not divide the input
+    dimension of the float `experts`' kernels (gate / up: hidden; down: width)."""
+    _, width, hidden = experts.gate_proj.get_value().shape
+    for proj, n_in, n_out in (("gate_proj", hidden, width), ("up_proj", hidden, width), ("down_proj", width, hidden)):
+        shapes(quant, n_in, n_out, f"{name}.{proj}")
+
+
+class ExpertKernels(nnx.Module):
+    """E float kernels `kernels` `[E, in, out]` quantized like `QuantizedLinear`'s kernel, stacked on axis 0:
+    `qweight` `[E, out, in]` (int4: `[E, out, in // 2]`), `scale` `[E, out]` (int4: `[E, out, in // g]`).
+    ValueError naming the tensor `name` when int4's group size does not divide `in`."""
+
+    def __init__(self, kernels: jax.Array, quant: QuantConfig, name: str):
+        if kernels.ndim != 3:
+            raise ValueError(f"{name}: stacked expert kernels [E, in, out] are 3-D, got shape {tuple(kernels.shape)}")
+        # One compiled program for all E experts (vmapped `quantize_kernel`); its float32 transposed copy of the
+        # E kernels is the peak memory of quantizing a projection.
+        qweight, scale = jax.vmap(lambda k: quantize_kernel(k, quant, name))(kernels)
+        self.quant = quant
+        self.qweight = nnx.Param(qweight)
+        self.scale = nnx.Param(scale)
+
+    def stored(self, e: int | None = None) -> jax.Array | tuple[jax.Array, ...]:
+        """The float32 kernels in the stored layout: expert e's `[out, in]`, or (e None) every expert's, stacked
+        `[E, out, in]` or, in the per-expert form (`per_expert_params`), a tuple of E `[out, in]`."""
+        qweight, scale = self.qweight.get_value(), self.scale.get_value()
+        if e is not None:
+            return _dequantize_stored(qweight[e], scale[e], self.quant)
+        if isinstance(qweight, tuple):
+            return tuple(_dequantize_stored(q, s, self.quant) for q, s in zip(qweight, scale, strict=True))
+        return jax.vmap(lambda q, s: _dequantize_stored(q, s, self.quant))(qweight, scale)
+
+
+class QuantizedExperts(Experts):
+    """`Experts` whose three projections are `ExpertKernels` (module docstring), quantized from the float
+    `Experts` weights `gate` / `up` `[E, width, hidden]` (out, in) and `down` `[E, width, hidden]` (in, out).
+    `name`: the experts' path, which errors name (e.g. "layers.0.mlp.experts")."""
+
+    def __init__(self, gate: jax.Array, up: jax.Array, down: jax.Array, *, quant: QuantConfig,
+                 name: str = EXPERTS):
+        to_in_out = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731  (out, in) -> the kernels' [E, in, out]
+        self.gate_proj = ExpertKernels(to_in_out(gate), quant, f"{name}.gate_proj")
+        self.up_proj = ExpertKernels(to_in_out(up), quant, f"{name}.up_proj")
+        self.down_proj = ExpertKernels(down, quant, f"{name}.down_proj")
+
+    @classmethod
+    def of(cls, experts: Experts, quant: QuantConfig, name: str = EXPERTS) -> QuantizedExperts:
+        """The quantized form of the float (stacked) `experts`."""
+        return cls(*experts.weights(), quant=quant, name=name)
+
+    def weights(self, x: jax.Array | None = None) -> tuple:
+        """The dequantized (gate_proj, up_proj, down_proj) in `Experts`' layout and x's dtype, stacked or, in the
+        per-expert form, tuples of E arrays. x: the rows they multiply, to which the conversion is tied (module
+        docstring); required."""
+        if x is None:
+            raise ValueError("QuantizedExperts.weights: the rows x the weights multiply are required")
+        tie = conversion_tie(x)
+        gate, up, down = (p.stored() for p in (self.gate_proj, self.up_proj, self.down_proj))
+        if isinstance(gate, tuple):
+            cast = lambda ws, t=False: tuple((w.T if t else w) + tie for w in ws)  # noqa: E731
+            return tuple(tuple(w.astype(x.dtype) for w in ws) for ws in (cast(gate), cast(up), cast(down, True)))
+        return tuple((w + tie).astype(x.dtype) for w in (gate, up, jnp.swapaxes(down, 1, 2)))
+
+    def switch_operands(self) -> tuple:
+        """`by_pair`'s switch operands: the quantized leaves themselves (a branch dequantizes its expert)."""
+        return tuple(leaf.get_value() for p in (self.gate_proj, self.up_proj, self.down_proj)
+                     for leaf in (p.qweight, p.scale))
+
+    def expert_weights(self, e: int, operands: tuple, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Expert e's dequantized (gate `[width, hidden]`, up `[width, hidden]`, down `[width, hidden]`) in
+        `dtype`, read from `switch_operands` (only expert e's quantized bytes)."""
+        quant = self.gate_proj.quant
+        gate, up, down = (_dequantize_stored(operands[i][e], operands[i + 1][e], quant) for i in (0, 2, 4))
+        return gate.astype(dtype), up.astype(dtype), down.T.astype(dtype)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_proj.qweight.get_value())
+
+
+def quantize_experts(model: nnx.Module, quant: QuantConfig, paths: set[tuple]) -> nnx.Module:
+    """Replace, in place, the float `Experts` of `model` at each of `paths` by their `QuantizedExperts`; errors
+    name the path. Returns `model`."""
+    found = [(tuple(path), node) for path, node in nnx.iter_graph(model)
+             if type(node) is Experts and tuple(path) in paths]
+    for path, experts in found:
+        parent = model
+        for key in path[:-1]:
+            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+        setattr(parent, path[-1], QuantizedExperts.of(experts, quant, ".".join(map(str, path))))
+    return model
