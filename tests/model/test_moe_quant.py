@@ -1,0 +1,165 @@
+"""Quantized mixture-of-experts experts (`pagedjax.model.moe_quant`): every expert stored as a `QuantizedLinear`
+stores a kernel (checked against `quantize_kernel` expert by expert), and the exactness proof: each of
+`MoEMLP`'s three computations (grouped, by_pair, every), stacked and per-expert, and the paged engine's logits
+and greedy tokens equal those of the float model whose experts hold the dequantized values (`dequantize_kernel`;
+float32 1e-5, bfloat16 1e-2). Then expert-parallel shardings, keep_float, the errors, orbax and Hugging Face
+Mixtral loading with `quantization=`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from pagedjax.config import ModelConfig
+from pagedjax.model.llama import init_model, model_from_state, quantize_params
+from pagedjax.model.moe import Experts, MoEMLP, per_expert_params
+from pagedjax.model.moe_quant import QuantizedExperts
+from pagedjax.model.quant import QuantizedLinear, dequantize_kernel, quantize_kernel
+from pagedjax.moe_config import MoEConfig
+from pagedjax.quant_config import QuantConfig
+from tests.dense import greedy_by_recompute
+from tests.model.test_hf import paged_last_logits
+from tests.model.test_quant import _dequantized
+
+E, K, HIDDEN, WIDTH = 4, 2, 32, 16
+PROJ = ("gate_proj", "up_proj", "down_proj")
+# int4 in groups of 8: hidden 32 and width 16 hold several groups each.
+SCHEMES = [QuantConfig("int8"), QuantConfig("int4", group_size=8), QuantConfig("fp8")]
+
+
+def _cfg(quant=None, dtype="float32", **moe) -> ModelConfig:
+    return ModelConfig(vocab_size=64, hidden_size=HIDDEN, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8,
+                       tie_word_embeddings=False, dtype=dtype, quantization=quant,
+                       moe=MoEConfig(num_experts=E, num_experts_per_tok=K, intermediate_size=WIDTH, **moe))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _dequantize_all(qweight, scale, quant):
+    """`dequantize_kernel` of each expert: `[E, ...]` stored -> float32 kernels `[E, in, out]`."""
+    return jax.vmap(lambda q, s: dequantize_kernel(q, s, quant))(qweight, scale)
+
+
+def _dequantized_experts(experts: QuantizedExperts) -> tuple[jax.Array, ...]:
+    """The float `Experts` weights (gate / up `[E, width, hidden]` as (out, in), down as (in, out)) holding the
+    dequantized values, from the reference `dequantize_kernel`."""
+    gate, up, down = (_dequantize_all(p.qweight[...], p.scale[...], p.quant)
+                      for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+    return jnp.swapaxes(gate, 1, 2), jnp.swapaxes(up, 1, 2), down
+
+
+def _set_experts(float_experts: Experts, quantized: QuantizedExperts) -> None:
+    for name, w in zip(PROJ, _dequantized_experts(quantized), strict=True):
+        getattr(float_experts, name).set_value(w.astype(getattr(float_experts, name)[...].dtype))
+
+
+def _reference_state(cfg: ModelConfig, state, qcfg: ModelConfig, qstate) -> nnx.State:
+    """The float model's parameters with every quantized linear's kernel and every quantized expert's weights
+    replaced by their dequantized values."""
+    ref, qmodel = model_from_state(cfg, _dequantized(cfg, state, qcfg, qstate)), model_from_state(qcfg, qstate)
+    for layer, qlayer in zip(ref.layers, qmodel.layers, strict=True):
+        _set_experts(layer.mlp.experts, qlayer.mlp.experts)
+    return nnx.state(ref, nnx.Param)
+
+
+# The three methods in one program per form and dtype (op by op, every operation compiles on its own).
+@functools.partial(jax.jit, static_argnums=0)
+def _methods(graphdef, state, x):
+    mlp = nnx.merge(graphdef, state)
+    return tuple(mlp(x, m) for m in ("grouped", "by_pair", "every"))
+
+
+# ------------------------------------------------------------------------------------------ one MoE layer
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quant", SCHEMES, ids=lambda q: q.name)
+def test_each_method_equals_the_float_layer_of_the_dequantized_experts(quant, dtype):
+    """Stacked and per-expert (the single-device CPU form), every method of a quantized MoE layer gives the float
+    layer whose experts hold the dequantized values; the stored values are `quantize_kernel`'s, expert by expert
+    (gate / up from their (out, in) weights' transposes, down from its (in, out) weights), so each expert is
+    exactly a `QuantizedLinear` of it; the router stays float."""
+    fmlp = MoEMLP(_cfg(None, dtype), jnp.dtype(dtype), nnx.Rngs(0))
+    qmlp = MoEMLP(_cfg(quant, dtype), jnp.dtype(dtype), nnx.Rngs(0))  # the same random init, then quantized
+    assert isinstance(qmlp.experts, QuantizedExperts) and type(qmlp.gate) is nnx.Linear
+    np.testing.assert_array_equal(np.asarray(qmlp.gate.kernel[...]), np.asarray(fmlp.gate.kernel[...]))
+    for name, kernel_of in (("gate_proj", lambda w: w.T), ("up_proj", lambda w: w.T), ("down_proj", lambda w: w)):
+        stored, floats = getattr(qmlp.experts, name), getattr(fmlp.experts, name)[...]
+        for e in (0, E - 1):
+            q, s = quantize_kernel(kernel_of(floats[e]), quant)
+            np.testing.assert_array_equal(np.asarray(stored.qweight[...][e]).view(np.uint8),
+                                          np.asarray(q).view(np.uint8), err_msg=f"{name} {e}")
+            np.testing.assert_array_equal(np.asarray(stored.scale[...][e]), np.asarray(s), err_msg=f"{name} {e}")
+    _set_experts(fmlp.experts, qmlp.experts)
+    x = jax.random.normal(jax.random.key(1), (3, HIDDEN)).astype(dtype)  # 6 pairs: every expert gets some
+    graphdef, fstate = nnx.split(fmlp)
+    want = np.asarray(_methods(graphdef, fstate, x)[2], np.float32)  # the float layer's "every"
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    qgraphdef, qstate = nnx.split(qmlp)
+    split = per_expert_params(qstate)
+    for leaf in ("qweight", "scale"):
+        parts = split["experts"]["down_proj"][leaf].get_value()
+        assert isinstance(parts, tuple) and len(parts) == E
+    for form, state in (("stacked", qstate), ("per-expert", split)):
+        for method, got in zip(("grouped", "by_pair", "every"), _methods(qgraphdef, state, x), strict=True):
+            assert got.dtype == jnp.dtype(dtype) and got.shape == x.shape
+            np.testing.assert_allclose(np.asarray(got, np.float32), want, **tol, err_msg=f"{form} {method}")
+
+
+def test_by_pair_reads_only_the_routed_experts_quantized_bytes():
+    """`by_pair`'s switch operands are the quantized leaves (int4 bytes and scales, not float copies of every
+    expert); the float layer's are its weights as before."""
+    quant = QuantConfig("int4", group_size=8)
+    qmlp = MoEMLP(_cfg(quant), jnp.float32, nnx.Rngs(0))
+    operands = qmlp.experts.switch_operands()
+    assert [o.dtype for o in operands] == [jnp.uint8, jnp.float32] * 3
+    assert operands[0].shape == (E, WIDTH, HIDDEN // 2) and operands[5].shape == (E, HIDDEN, WIDTH // 8)
+    hlo = jax.jit(lambda s, x: nnx.merge(*s)(x, "by_pair")).lower(nnx.split(qmlp), jnp.ones((1, HIDDEN))).as_text()
+    assert "conditional" in hlo or "case" in hlo
+    with pytest.raises(ValueError, match="rows x the weights multiply are required"):
+        qmlp.experts.weights()
+
+
+# ------------------------------------------------------------------------------------------ the paged engine
+@pytest.mark.parametrize("quant", [QuantConfig("int4", group_size=8),
+                                   pytest.param(QuantConfig("int8"), marks=pytest.mark.slow),
+                                   pytest.param(QuantConfig("fp8", scale_dtype="bfloat16"), marks=pytest.mark.slow)],
+                         ids=lambda q: q.name)
+def test_paged_logits_and_greedy_tokens_equal_the_float_model_of_the_dequantized_weights(quant):
+    """A quantized MoE decoder (experts and linears; quantized by `quantize_params`) through the engine: one
+    prefill step's logits (many pairs: "every", stacked in the step's per-expert form) within float32 1e-5 of
+    the float model holding the dequantized values, and greedy tokens (batch-1 decode steps: "by_pair") equal
+    to that model's by full recompute."""
+    cfg = _cfg(router="softmax_topk", norm_topk_prob=True)
+    graphdef, state = nnx.split(init_model(cfg, seed=1))
+    state = jax.tree.map(lambda a: a * 3, state)  # a livelier random model: not one repeated token
+    qcfg, qstate = quantize_params(cfg, state, quant)
+    qmodel = model_from_state(qcfg, qstate)
+    assert isinstance(qmodel.layers[0].mlp.experts, QuantizedExperts)
+    assert isinstance(qmodel.layers[1].self_attn.q_proj, QuantizedLinear) and type(qmodel.layers[0].mlp.gate) is nnx.Linear
+    ref = _reference_state(cfg, state, qcfg, qstate)
+    forward = jax.jit(lambda t: nnx.merge(graphdef, ref).forward_dense(t))
+    engine = LLMEngine(qcfg, CacheConfig(block_size=4, num_blocks=32), SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=32, max_model_len=24), params=qstate, backend="xla")
+    assert isinstance(engine.runner.params["layers"][0]["mlp"]["experts"]["gate_proj"]["qweight"].get_value(), tuple)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 64, n).tolist() for n in (1, 5, 11)]
+    want, margin = greedy_by_recompute(forward, prompts[1:2], 6, 24)
+    assert margin > 1e-3, margin
+    out = engine.generate(prompts[1:2], SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert [out.token_ids] == want
+    assert any(shape.tokens == 1 for shape in engine.runner.programs.executables)  # one-row decode steps ran
+    logits = forward(jnp.asarray([prompts[1] + out.token_ids], jnp.int32))[0]
+    log_probs = np.asarray(jax.nn.log_softmax(logits[len(prompts[1]) - 1:-1]))  # each generated position
+    # float32 1e-5 of the logits' scale (~30 here): the float engine differs from forward_dense by as much.
+    atol = 1e-5 * float(jnp.abs(logits).max())
+    for step, lp in enumerate(out.logprobs):
+        ids, values = zip(*lp.top, strict=True)
+        np.testing.assert_allclose(values, log_probs[step, list(ids)], rtol=1e-5, atol=atol)
+    for prompt, logits in paged_last_logits(engine, prompts):
+        want = np.asarray(forward(jnp.asarray([prompt], jnp.int32)))[0, -1]
+        np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
