@@ -63,6 +63,7 @@ class ExpertKernels(nnx.Module):
     def __init__(self, kernels: jax.Array, quant: QuantConfig, name: str):
         if kernels.ndim != 3:
             raise ValueError(f"{name}: stacked expert kernels [E, in, out] are 3-D, got shape {tuple(kernels.shape)}")
+        shapes(quant, *kernels.shape[1:], name)  # checked here: raised inside vmap, JAX appends its traceback note
         # One compiled program for all E experts (vmapped `quantize_kernel`); its float32 transposed copy of the
         # E kernels is the peak memory of quantizing a projection.
         qweight, scale = jax.vmap(lambda k: quantize_kernel(k, quant, name))(kernels)
@@ -83,11 +84,16 @@ class ExpertKernels(nnx.Module):
 
 class QuantizedExperts(Experts):
     """`Experts` whose three projections are `ExpertKernels` (module docstring), quantized from the float
-    `Experts` weights `gate` / `up` `[E, width, hidden]` (out, in) and `down` `[E, width, hidden]` (in, out).
-    `name`: the experts' path, which errors name (e.g. "layers.0.mlp.experts")."""
+    `Experts` weights `gate` / `up` `[E, width, hidden]` (out, in) and `down` `[E, width, hidden]` (in, out);
+    ValueError naming the tensor for any other shapes. `name`: the experts' path, which errors name (e.g.
+    "layers.0.mlp.experts")."""
 
     def __init__(self, gate: jax.Array, up: jax.Array, down: jax.Array, *, quant: QuantConfig,
                  name: str = EXPERTS):
+        for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            if w.ndim != 3 or w.shape != gate.shape:
+                raise ValueError(f"{name}.{proj}: expert weights are [E, width, hidden], all of one shape, got "
+                                 f"{tuple(w.shape)} (gate_proj {tuple(gate.shape)})")
         to_in_out = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731  (out, in) -> the kernels' [E, in, out]
         self.gate_proj = ExpertKernels(to_in_out(gate), quant, f"{name}.gate_proj")
         self.up_proj = ExpertKernels(to_in_out(up), quant, f"{name}.up_proj")

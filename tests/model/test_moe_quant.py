@@ -19,7 +19,7 @@ from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.config import ModelConfig
 from pagedjax.model.llama import init_model, model_from_state, quantize_params
 from pagedjax.model.moe import Experts, MoEMLP, per_expert_params
-from pagedjax.model.moe_quant import QuantizedExperts
+from pagedjax.model.moe_quant import ExpertKernels, QuantizedExperts
 from pagedjax.model.quant import QuantizedLinear, dequantize_kernel, quantize_kernel
 from pagedjax.moe_config import MoEConfig
 from pagedjax.quant_config import QuantConfig
@@ -67,16 +67,27 @@ def _reference_state(cfg: ModelConfig, state, qcfg: ModelConfig, qstate) -> nnx.
     return nnx.state(ref, nnx.Param)
 
 
-# The three methods in one program per form and dtype (op by op, every operation compiles on its own).
-@functools.partial(jax.jit, static_argnums=0)
-def _methods(graphdef, state, x):
-    mlp = nnx.merge(graphdef, state)
-    return tuple(mlp(x, m) for m in ("grouped", "by_pair", "every"))
+METHODS = ("grouped", "by_pair", "every")
+
+
+# One program per case (op by op, every operation would compile on its own): the float layer's "every" and each
+# method of the quantized layer, stacked and per-expert.
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _outputs(graphdef, state, qgraphdef, qstate, split, x):
+    want = nnx.merge(graphdef, state)(x, "every")
+    return want, {form: tuple(nnx.merge(qgraphdef, s)(x, m) for m in METHODS)
+                  for form, s in (("stacked", qstate), ("per-expert", split))}
 
 
 # ------------------------------------------------------------------------------------------ one MoE layer
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("quant", SCHEMES, ids=lambda q: q.name)
+# Each scheme once by default (both dtypes among them: ~1.3 s a case, compiling); `-m slow` the other three.
+_slow = pytest.mark.slow
+LAYER_CASES = [(SCHEMES[0], "float32"), (SCHEMES[1], "bfloat16"), (SCHEMES[2], "float32"),
+               pytest.param(SCHEMES[0], "bfloat16", marks=_slow), pytest.param(SCHEMES[1], "float32", marks=_slow),
+               pytest.param(SCHEMES[2], "bfloat16", marks=_slow)]
+
+
+@pytest.mark.parametrize("quant, dtype", LAYER_CASES, ids=lambda v: getattr(v, "name", v))
 def test_each_method_equals_the_float_layer_of_the_dequantized_experts(quant, dtype):
     """Stacked and per-expert (the single-device CPU form), every method of a quantized MoE layer gives the float
     layer whose experts hold the dequantized values; the stored values are `quantize_kernel`'s, expert by expert
@@ -94,19 +105,19 @@ def test_each_method_equals_the_float_layer_of_the_dequantized_experts(quant, dt
                                           np.asarray(q).view(np.uint8), err_msg=f"{name} {e}")
             np.testing.assert_array_equal(np.asarray(stored.scale[...][e]), np.asarray(s), err_msg=f"{name} {e}")
     _set_experts(fmlp.experts, qmlp.experts)
-    x = jax.random.normal(jax.random.key(1), (3, HIDDEN)).astype(dtype)  # 6 pairs: every expert gets some
-    graphdef, fstate = nnx.split(fmlp)
-    want = np.asarray(_methods(graphdef, fstate, x)[2], np.float32)  # the float layer's "every"
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    x = jax.random.normal(jax.random.key(1), (3, HIDDEN)).astype(dtype)  # 6 pairs over the 4 experts
     qgraphdef, qstate = nnx.split(qmlp)
     split = per_expert_params(qstate)
     for leaf in ("qweight", "scale"):
         parts = split["experts"]["down_proj"][leaf].get_value()
         assert isinstance(parts, tuple) and len(parts) == E
-    for form, state in (("stacked", qstate), ("per-expert", split)):
-        for method, got in zip(("grouped", "by_pair", "every"), _methods(qgraphdef, state, x), strict=True):
-            assert got.dtype == jnp.dtype(dtype) and got.shape == x.shape
-            np.testing.assert_allclose(np.asarray(got, np.float32), want, **tol, err_msg=f"{form} {method}")
+    want, got = _outputs(*nnx.split(fmlp), qgraphdef, qstate, split, x)
+    want = np.asarray(want, np.float32)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    for form, outs in got.items():
+        for method, y in zip(METHODS, outs, strict=True):
+            assert y.dtype == jnp.dtype(dtype) and y.shape == x.shape
+            np.testing.assert_allclose(np.asarray(y, np.float32), want, **tol, err_msg=f"{form} {method}")
 
 
 def test_by_pair_reads_only_the_routed_experts_quantized_bytes():
@@ -125,8 +136,8 @@ def test_by_pair_reads_only_the_routed_experts_quantized_bytes():
 
 # ------------------------------------------------------------------------------------------ the paged engine
 @pytest.mark.parametrize("quant", [QuantConfig("int4", group_size=8),
-                                   pytest.param(QuantConfig("int8"), marks=pytest.mark.slow),
-                                   pytest.param(QuantConfig("fp8", scale_dtype="bfloat16"), marks=pytest.mark.slow)],
+                                   pytest.param(QuantConfig("int8"), marks=_slow),
+                                   pytest.param(QuantConfig("fp8", scale_dtype="bfloat16"), marks=_slow)],
                          ids=lambda q: q.name)
 def test_paged_logits_and_greedy_tokens_equal_the_float_model_of_the_dequantized_weights(quant):
     """A quantized MoE decoder (experts and linears; quantized by `quantize_params`) through the engine: one
@@ -139,7 +150,8 @@ def test_paged_logits_and_greedy_tokens_equal_the_float_model_of_the_dequantized
     qcfg, qstate = quantize_params(cfg, state, quant)
     qmodel = model_from_state(qcfg, qstate)
     assert isinstance(qmodel.layers[0].mlp.experts, QuantizedExperts)
-    assert isinstance(qmodel.layers[1].self_attn.q_proj, QuantizedLinear) and type(qmodel.layers[0].mlp.gate) is nnx.Linear
+    assert isinstance(qmodel.layers[1].self_attn.q_proj, QuantizedLinear)
+    assert type(qmodel.layers[0].mlp.gate) is nnx.Linear  # the router stays float
     ref = _reference_state(cfg, state, qcfg, qstate)
     forward = jax.jit(lambda t: nnx.merge(graphdef, ref).forward_dense(t))
     engine = LLMEngine(qcfg, CacheConfig(block_size=4, num_blocks=32), SchedulerConfig(
@@ -163,3 +175,119 @@ def test_paged_logits_and_greedy_tokens_equal_the_float_model_of_the_dequantized
     for prompt, logits in paged_last_logits(engine, prompts):
         want = np.asarray(forward(jnp.asarray([prompt], jnp.int32)))[0, -1]
         np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+# --------------------------------------------------------------------------------------- expert parallelism
+def test_quantized_expert_leaves_shard_along_the_experts():
+    """Every quantized expert leaf (qweight `[E, out, in]`, scale `[E, out]` or int4's `[E, out, in // g]`) is
+    split along axis 0, values and scales alike (each device holds whole experts), by the built-in models' rule
+    and by the any-model rule; an expert count tp does not divide is replicated. Float experts are unchanged."""
+    from jax.sharding import PartitionSpec as P
+
+    from pagedjax.parallel.sharding import default_param_partition, key_names
+
+    for quant in (QuantConfig("int4", group_size=8), QuantConfig("int8")):
+        cfg = _cfg(quant)
+        model = nnx.eval_shape(lambda cfg=cfg: init_model(cfg))
+        leaves = [(key_names(kp), x.shape) for kp, x in jax.tree_util.tree_leaves_with_path(nnx.state(model))
+                  if "experts" in key_names(kp)]
+        assert {names[-1] for names, _ in leaves} == {"qweight", "scale"} and len(leaves) == 2 * 3 * 2
+        assert {len(shape) for names, shape in leaves if names[-1] == "scale"} == {3 if quant.group_size else 2}
+        for names, shape in leaves:
+            for tp in (2, 4):
+                assert model.param_partition(names, tp) == P("tp"), (names, tp)
+                assert default_param_partition(names, shape, head_dim=8, tp=tp) == P("tp"), (names, tp)
+            assert model.param_partition(names, 3) == P() and default_param_partition(names, shape, head_dim=8,
+                                                                                      tp=3) == P()
+    float_model = nnx.eval_shape(lambda: init_model(_cfg()))
+    names = ("layers", 0, "mlp", "experts", "gate_proj")
+    assert float_model.param_partition(names, 2) == P("tp", None, None)
+
+
+# --------------------------------------------------------------------------------------- keep_float, errors
+def test_keep_float_experts_and_a_group_size_that_does_not_divide_an_expert():
+    """int4 groups of 16 divide hidden 32 but not an expert width of 24: ValueError naming the expert tensor
+    (from `quantize_params` by its whole path, from a random init by its module's), unless keep_float keeps the
+    experts float: then they are the float model's own weights and the linears are quantized."""
+    cfg = _cfg().replace(moe=MoEConfig(num_experts=E, num_experts_per_tok=K, intermediate_size=24))
+    state = nnx.state(init_model(cfg, seed=1), nnx.Param)
+    with pytest.raises(ValueError, match=r"^layers\.0\.mlp\.experts\.down_proj: int4 group size 16 does not "
+                                         r"divide its input dimension 24$"):
+        quantize_params(cfg, state, "int4:16")
+    with pytest.raises(ValueError, match=r"^experts\.down_proj: int4 group size 16 does not divide .* 24$"):
+        init_model(cfg.replace(quantization="int4:16"))
+    keep = QuantConfig("int4", group_size=16, keep_float=("lm_head", "experts"))
+    qcfg, qstate = quantize_params(cfg, state, keep)
+    qmodel = model_from_state(qcfg, qstate)
+    assert type(qmodel.layers[0].mlp.experts) is Experts
+    assert isinstance(qmodel.layers[0].self_attn.o_proj, QuantizedLinear)
+    for name in PROJ:
+        np.testing.assert_array_equal(np.asarray(qstate["layers"][1]["mlp"]["experts"][name].get_value()),
+                                      np.asarray(state["layers"][1]["mlp"]["experts"][name].get_value()))
+    assert type(init_model(cfg.replace(quantization=keep)).layers[0].mlp.experts) is Experts
+    w = jnp.ones((E, WIDTH, HIDDEN))
+    with pytest.raises(ValueError, match=r"^experts\.up_proj: expert weights are \[E, width, hidden\], all of one"):
+        QuantizedExperts(w, w[0], w, quant=QuantConfig("int8"))
+    with pytest.raises(ValueError, match=r"^experts\.down_proj: .* got \(4, 32, 16\) \(gate_proj \(4, 16, 32\)\)"):
+        QuantizedExperts(w, w, jnp.swapaxes(w, 1, 2), quant=QuantConfig("int8"))
+    with pytest.raises(ValueError, match=r"^e\.gate_proj: stacked expert kernels \[E, in, out\] are 3-D"):
+        ExpertKernels(w[0], QuantConfig("int8"), "e.gate_proj")
+
+
+# ---------------------------------------------------------------------------------------------------- orbax
+def test_a_quantized_moe_checkpoint_saves_and_restores_as_stored(tmp_path):
+    """A float MoE checkpoint quantized at load (what `LLMEngine.from_pretrained(path, quantization=)` does)
+    holds `quantize_params`' values; saved quantized, it restores as stored, and a dtype override casts neither
+    the experts' stored values nor their scales."""
+    from pagedjax.model.checkpoint import save_checkpoint
+    from pagedjax.model.loader import load_pretrained
+
+    cfg, quant = _cfg(), QuantConfig("int4", group_size=8)
+    state = nnx.state(init_model(cfg, seed=1), nnx.Param)
+    save_checkpoint(tmp_path / "float", cfg, state)
+    qcfg, qstate = quantize_params(cfg, state, quant)
+    loaded_cfg, loaded, _ = load_pretrained(tmp_path / "float", quantization=quant)
+    assert loaded_cfg == qcfg
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(qstate), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    save_checkpoint(tmp_path / "quantized", qcfg, qstate)
+    cfg2, state2, _ = load_pretrained(tmp_path / "quantized")
+    assert cfg2 == qcfg
+    for a, b in zip(jax.tree.leaves(state2), jax.tree.leaves(qstate), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    cfg16, state16, _ = load_pretrained(tmp_path / "quantized", dtype="bfloat16")
+    experts = model_from_state(cfg16, state16).layers[1].mlp.experts
+    assert experts.down_proj.qweight[...].dtype == jnp.uint8 and experts.down_proj.scale[...].dtype == jnp.float32
+    assert model_from_state(cfg16, state16).layers[1].mlp.gate.kernel[...].dtype == jnp.bfloat16
+
+
+# ------------------------------------------------------------------------------------- Hugging Face Mixtral
+@pytest.mark.hf
+@_slow  # 4 s: transformers builds and saves the model
+def test_a_mixtral_checkpoint_loads_with_quantized_experts(tmp_path):
+    """transformers' per-expert Mixtral tensors, stacked and then quantized at load: each expert's values are
+    `quantize_kernel` of its saved weight (w1 / w3 / w2 `[out, in]`, transposed to a kernel `[in, out]`), the
+    router stays float, and the dense logits equal those of the float model holding the dequantized values."""
+    pytest.importorskip("transformers")
+    from safetensors.numpy import load_file
+
+    from pagedjax.model.loader import load_pretrained
+    from tests.model.test_hf_moe import PROMPTS, dense_logits, hf_model
+
+    _, folder, cfg, state = hf_model("mixtral", str(tmp_path))
+    quant = QuantConfig("int4", group_size=16)  # hidden 32, expert width 48
+    qcfg, qstate, _ = load_pretrained(folder, quantization=quant)
+    assert qcfg == cfg.replace(quantization=quant)
+    tensors = load_file(f"{folder}/model.safetensors")
+    experts = qstate["layers"][1]["mlp"]["experts"]
+    for hf, ours in zip(("w1", "w3", "w2"), PROJ, strict=True):
+        for e in range(cfg.moe.num_experts):
+            q, s = quantize_kernel(tensors[f"model.layers.1.block_sparse_moe.experts.{e}.{hf}.weight"].T, quant)
+            np.testing.assert_array_equal(np.asarray(experts[ours]["qweight"].get_value()[e]), np.asarray(q))
+            np.testing.assert_array_equal(np.asarray(experts[ours]["scale"].get_value()[e]), np.asarray(s))
+    assert "kernel" in qstate["layers"][1]["mlp"]["gate"]
+    ref = _reference_state(cfg, state, qcfg, qstate)
+    for p, got, want in zip(PROMPTS, dense_logits(qcfg, qstate, PROMPTS), dense_logits(cfg, ref, PROMPTS),
+                            strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=f"{len(p)} tokens")
