@@ -28,8 +28,8 @@ from flax import nnx
 from pagedjax.config import ModelConfig, ModelSpec
 from pagedjax.model.api import PagedAttention, PagedKVCache
 from pagedjax.model.linear import apply_linear as _apply
-from pagedjax.model.moe import Experts, MoEMLP, per_expert_params
-from pagedjax.model.moe_quant import QuantizedExperts, check_expert_shapes, quantize_experts, quantizes_experts
+from pagedjax.model.moe import Experts, per_expert_params
+from pagedjax.model.moe_quant import QuantizedExperts, check_expert_shapes, moe_mlp, quantize_experts, quantizes_experts
 from pagedjax.model.quant import QuantizedLinear, quantize_model
 from pagedjax.model.quant import shapes as quant_shapes
 from pagedjax.model.rope import layer_rope
@@ -180,7 +180,7 @@ class DecoderLayer(nnx.Module):
         if cfg.moe is None:
             self.mlp = MLP(cfg, dtype, rngs, gelu=cfg.architecture == "gemma2")
         else:
-            self.mlp = MoEMLP(cfg, dtype, rngs)
+            self.mlp = moe_mlp(cfg, dtype, rngs)
         if self.placement == "sandwich":
             self.pre_feedforward_layernorm = norm()
         if self.placement != "pre":

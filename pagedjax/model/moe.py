@@ -191,7 +191,9 @@ class Experts(nnx.Module):
 
 class MoEMLP(nnx.Module):
     """A decoder layer's MLP as a mixture of experts (`ModelConfig.moe`; see the module docstring). Parameters:
-    `gate` (the router, a linear layer `[hidden, E]`) and `experts` (`Experts`)."""
+    `gate` (the router, a linear layer `[hidden, E]`) and `experts` (`Experts`, or `QuantizedExperts` in a
+    quantized model: `pagedjax.model.moe_quant.moe_mlp` builds those; a config that quantizes the experts is a
+    ValueError here)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         moe = cfg.moe
@@ -199,14 +201,10 @@ class MoEMLP(nnx.Module):
         self.router, self.norm_topk_prob = moe.router, moe.norm_topk_prob
         self.gate = nnx.Linear(cfg.hidden_size, moe.num_experts, use_bias=False, dtype=dtype, param_dtype=dtype,
                                preferred_element_type=jnp.float32, rngs=rngs)
+        if cfg.quantization is not None and "experts" not in cfg.quantization.keep_float:
+            raise ValueError(f"MoEMLP holds float experts, ModelConfig.quantization {cfg.quantization.name!r} "
+                             "quantized ones: build it with pagedjax.model.moe_quant.moe_mlp")
         self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, dtype, rngs)
-        quant = cfg.quantization
-        if quant is not None and "experts" not in quant.keep_float:
-            # Imported here: `pagedjax.model.moe_quant` builds on `Experts`. Quantized from the random float init,
-            # as the quantized linears are.
-            from pagedjax.model.moe_quant import QuantizedExperts
-
-            self.experts = QuantizedExperts.of(self.experts, quant)
 
     def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Rows x `[N, hidden]` -> (weights float32 `[N, k]`, experts int32 `[N, k]`)."""

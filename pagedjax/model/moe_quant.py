@@ -33,11 +33,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pagedjax.model.moe import Experts
+from pagedjax.config import ModelConfig
+from pagedjax.model.moe import Experts, MoEMLP
 from pagedjax.model.quant import _dequantize_stored, conversion_tie, quantize_kernel, shapes
 from pagedjax.quant_config import QuantConfig
 
-__all__ = ["ExpertKernels", "QuantizedExperts", "check_expert_shapes", "quantize_experts", "quantizes_experts"]
+__all__ = ["ExpertKernels", "QuantizedExperts", "check_expert_shapes", "moe_mlp", "quantize_experts",
+           "quantizes_experts"]
 
 EXPERTS = "experts"  # the `keep_float` name (and module attribute) of a MoE layer's experts
 
@@ -45,6 +47,16 @@ EXPERTS = "experts"  # the `keep_float` name (and module attribute) of a MoE lay
 def quantizes_experts(quant: QuantConfig | None) -> bool:
     """Whether a model of `quant` (`ModelConfig.quantization`) holds its MoE experts quantized."""
     return quant is not None and EXPERTS not in quant.keep_float
+
+
+def moe_mlp(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> MoEMLP:
+    """A decoder layer's `MoEMLP` for `cfg`: its experts quantized from their random float init (as
+    `QuantizedLinear`s are from theirs) when `cfg.quantization` quantizes them (`quantizes_experts`)."""
+    if not quantizes_experts(cfg.quantization):
+        return MoEMLP(cfg, dtype, rngs)
+    mlp = MoEMLP(cfg.replace(quantization=None), dtype, rngs)
+    mlp.experts = QuantizedExperts.of(mlp.experts, cfg.quantization)
+    return mlp
 
 
 def check_expert_shapes(quant: QuantConfig, experts: Experts, name: str) -> None:

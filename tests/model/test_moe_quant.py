@@ -19,7 +19,7 @@ from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.config import ModelConfig
 from pagedjax.model.llama import init_model, model_from_state, quantize_params
 from pagedjax.model.moe import Experts, MoEMLP, per_expert_params
-from pagedjax.model.moe_quant import ExpertKernels, QuantizedExperts
+from pagedjax.model.moe_quant import ExpertKernels, QuantizedExperts, moe_mlp
 from pagedjax.model.quant import QuantizedLinear, dequantize_kernel, quantize_kernel
 from pagedjax.moe_config import MoEConfig
 from pagedjax.quant_config import QuantConfig
@@ -94,7 +94,7 @@ def test_each_method_equals_the_float_layer_of_the_dequantized_experts(quant, dt
     (gate / up from their (out, in) weights' transposes, down from its (in, out) weights), so each expert is
     exactly a `QuantizedLinear` of it; the router stays float."""
     fmlp = MoEMLP(_cfg(None, dtype), jnp.dtype(dtype), nnx.Rngs(0))
-    qmlp = MoEMLP(_cfg(quant, dtype), jnp.dtype(dtype), nnx.Rngs(0))  # the same random init, then quantized
+    qmlp = moe_mlp(_cfg(quant, dtype), jnp.dtype(dtype), nnx.Rngs(0))  # the same random init, then quantized
     assert isinstance(qmlp.experts, QuantizedExperts) and type(qmlp.gate) is nnx.Linear
     np.testing.assert_array_equal(np.asarray(qmlp.gate.kernel[...]), np.asarray(fmlp.gate.kernel[...]))
     for name, kernel_of in (("gate_proj", lambda w: w.T), ("up_proj", lambda w: w.T), ("down_proj", lambda w: w)):
@@ -124,7 +124,7 @@ def test_by_pair_reads_only_the_routed_experts_quantized_bytes():
     """`by_pair`'s switch operands are the quantized leaves (int4 bytes and scales, not float copies of every
     expert); the float layer's are its weights as before."""
     quant = QuantConfig("int4", group_size=8)
-    qmlp = MoEMLP(_cfg(quant), jnp.float32, nnx.Rngs(0))
+    qmlp = moe_mlp(_cfg(quant), jnp.float32, nnx.Rngs(0))
     operands = qmlp.experts.switch_operands()
     assert [o.dtype for o in operands] == [jnp.uint8, jnp.float32] * 3
     assert operands[0].shape == (E, WIDTH, HIDDEN // 2) and operands[5].shape == (E, HIDDEN, WIDTH // 8)
@@ -132,6 +132,9 @@ def test_by_pair_reads_only_the_routed_experts_quantized_bytes():
     assert "conditional" in hlo or "case" in hlo
     with pytest.raises(ValueError, match="rows x the weights multiply are required"):
         qmlp.experts.weights()
+    with pytest.raises(ValueError, match="MoEMLP holds float experts, ModelConfig.quantization 'int4:8' quantized "
+                                         "ones: build it with pagedjax.model.moe_quant.moe_mlp"):
+        MoEMLP(_cfg(quant), jnp.float32, nnx.Rngs(0))
 
 
 # ------------------------------------------------------------------------------------------ the paged engine
