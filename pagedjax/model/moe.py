@@ -14,7 +14,9 @@ Expert weights are stacked `[num_experts, width, hidden]` (gate_proj and up_proj
 (in, out): `Experts` says why): axis 0 is what expert parallelism shards (`pagedjax.parallel.sharding`). That
 stacked form is the canonical one (checkpoints, loading, sharding); on one CPU device the engine's runner holds
 the experts as E separate arrays instead (`per_expert_params`, `Llama.single_device_params`), the same function.
-The router (`gate`, `[hidden, E]`) is a plain linear layer, replicated.
+The router (`gate`, `[hidden, E]`) is a plain linear layer, replicated. With `ModelConfig.quantization` the
+experts are stored quantized (`pagedjax.model.moe_quant.QuantizedExperts`, built by `moe_quant.moe_mlp`; the
+router stays float) and computed by the same three methods below on their dequantized values.
 
 On the CPU, XLA lowers `ragged_dot` to a masked dense product over all experts (the grouped matmul instruction is
 lowered natively on GPU and TPU only): the same result at many times the work. So on the CPU the MLP takes one
@@ -78,6 +80,9 @@ def per_expert_params(state: nnx.State) -> nnx.State:
     `.down_proj`: `[E, width, hidden]`) as a tuple of its E slices `[width, hidden]`, each its own array (copied
     once, here); every other leaf the same array. `Experts` computes the same function from either form; from
     this one a single-device CPU step reads a routed expert's weights in place (`Experts.by_pair`).
+
+    Quantized experts (`pagedjax.model.moe_quant`): each projection's `qweight` and `scale` `[E, ...]` likewise
+    become tuples of E per-expert arrays.
 
     The stacked form is the canonical one: checkpoints, loading and expert parallelism (which shards axis 0)
     use it. This form is for one device: its arrays are not sharded."""
@@ -196,14 +201,14 @@ class MoEMLP(nnx.Module):
     ValueError here)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        if cfg.quantization is not None and "experts" not in cfg.quantization.keep_float:
+            raise ValueError(f"MoEMLP holds float experts, ModelConfig.quantization {cfg.quantization.name!r} "
+                             "quantized ones: build it with pagedjax.model.moe_quant.moe_mlp")
         moe = cfg.moe
         self.num_experts, self.top_k = moe.num_experts, moe.num_experts_per_tok
         self.router, self.norm_topk_prob = moe.router, moe.norm_topk_prob
         self.gate = nnx.Linear(cfg.hidden_size, moe.num_experts, use_bias=False, dtype=dtype, param_dtype=dtype,
                                preferred_element_type=jnp.float32, rngs=rngs)
-        if cfg.quantization is not None and "experts" not in cfg.quantization.keep_float:
-            raise ValueError(f"MoEMLP holds float experts, ModelConfig.quantization {cfg.quantization.name!r} "
-                             "quantized ones: build it with pagedjax.model.moe_quant.moe_mlp")
         self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, dtype, rngs)
 
     def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
