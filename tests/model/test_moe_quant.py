@@ -294,3 +294,19 @@ def test_a_mixtral_checkpoint_loads_with_quantized_experts(tmp_path):
     for p, got, want in zip(PROMPTS, dense_logits(qcfg, qstate, PROMPTS), dense_logits(cfg, ref, PROMPTS),
                             strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=f"{len(p)} tokens")
+
+
+def test_a_pre_quantized_moe_checkpoint_is_refused_naming_the_field(tmp_path):
+    """compressed-tensors MoE checkpoints (per-expert packed tensors) are not read: a ModelLoadError naming
+    config.json's field says to quantize the float checkpoint at load instead."""
+    pytest.importorskip("transformers")
+    from pagedjax.model.hf_loader import load_hf_config
+    from tests.model.test_hf_moe import _write_config
+
+    for model_type in ("mixtral", "qwen3_moe"):
+        folder = _write_config(tmp_path, {"model_type": model_type,
+                                          "quantization_config": {"quant_method": "compressed-tensors"}})
+        with pytest.raises(ValueError, match="field 'quantization_config': pre-quantized mixture-of-experts "
+                                             "checkpoints are not supported \\(load the float checkpoint with "
+                                             "quantization="):
+            load_hf_config(folder)
