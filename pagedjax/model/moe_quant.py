@@ -83,12 +83,10 @@ class ExpertKernels(nnx.Module):
         self.qweight = nnx.Param(qweight)
         self.scale = nnx.Param(scale)
 
-    def stored(self, e: int | None = None) -> jax.Array | tuple[jax.Array, ...]:
-        """The float32 kernels in the stored layout: expert e's `[out, in]`, or (e None) every expert's, stacked
-        `[E, out, in]` or, in the per-expert form (`per_expert_params`), a tuple of E `[out, in]`."""
+    def stored(self) -> jax.Array | tuple[jax.Array, ...]:
+        """Every expert's float32 kernel in the stored layout: stacked `[E, out, in]` or, in the per-expert form
+        (`per_expert_params`), a tuple of E `[out, in]`."""
         qweight, scale = self.qweight.get_value(), self.scale.get_value()
-        if e is not None:
-            return _dequantize_stored(qweight[e], scale[e], self.quant)
         if isinstance(qweight, tuple):
             return tuple(_dequantize_stored(q, s, self.quant) for q, s in zip(qweight, scale, strict=True))
         return jax.vmap(lambda q, s: _dequantize_stored(q, s, self.quant))(qweight, scale)
@@ -123,11 +121,11 @@ class QuantizedExperts(Experts):
         if x is None:
             raise ValueError("QuantizedExperts.weights: the rows x the weights multiply are required")
         tie = conversion_tie(x)
+        convert = lambda w: (w + tie).astype(x.dtype)  # noqa: E731
         gate, up, down = (p.stored() for p in (self.gate_proj, self.up_proj, self.down_proj))
-        if isinstance(gate, tuple):
-            cast = lambda ws, t=False: tuple((w.T if t else w) + tie for w in ws)  # noqa: E731
-            return tuple(tuple(w.astype(x.dtype) for w in ws) for ws in (cast(gate), cast(up), cast(down, True)))
-        return tuple((w + tie).astype(x.dtype) for w in (gate, up, jnp.swapaxes(down, 1, 2)))
+        if isinstance(gate, tuple):  # the per-expert form; down stored `[hidden, width]` per expert
+            return tuple(convert(w) for w in gate), tuple(convert(w) for w in up), tuple(convert(w.T) for w in down)
+        return convert(gate), convert(up), convert(jnp.swapaxes(down, 1, 2))
 
     def switch_operands(self) -> tuple:
         """`by_pair`'s switch operands: the quantized leaves themselves (a branch dequantizes its expert)."""
