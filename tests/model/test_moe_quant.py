@@ -8,6 +8,7 @@ Mixtral loading with `quantization=`."""
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -259,10 +260,33 @@ def test_a_quantized_moe_checkpoint_saves_and_restores_as_stored(tmp_path):
     for a, b in zip(jax.tree.leaves(state2), jax.tree.leaves(qstate), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert json.loads((tmp_path / "quantized" / "pagedjax_config.json").read_text())["format_version"] == 3
     cfg16, state16, _ = load_pretrained(tmp_path / "quantized", dtype="bfloat16")
     experts = model_from_state(cfg16, state16).layers[1].mlp.experts
     assert experts.down_proj.qweight[...].dtype == jnp.uint8 and experts.down_proj.scale[...].dtype == jnp.float32
     assert model_from_state(cfg16, state16).layers[1].mlp.gate.kernel[...].dtype == jnp.bfloat16
+
+
+def test_a_quantized_moe_checkpoint_of_format_version_2_restores_its_float_experts(tmp_path):
+    """Before format version 3 a quantized MoE model's experts were float whatever keep_float said (its config
+    says keep_float ("lm_head",)): such a checkpoint loads as it was stored, keep_float gaining "experts". A
+    quantized dense model is still written as version 2 (every pagedjax since reads it)."""
+    from pagedjax.model.checkpoint import save_checkpoint
+    from pagedjax.model.loader import load_pretrained
+
+    cfg = _cfg()
+    stored = QuantConfig("int8", keep_float=("lm_head", "experts"))  # what version 2 held
+    qcfg, qstate = quantize_params(cfg, nnx.state(init_model(cfg, seed=1), nnx.Param), stored)
+    save_checkpoint(tmp_path, qcfg, qstate)
+    config_file = tmp_path / "pagedjax_config.json"
+    meta = json.loads(config_file.read_text())
+    assert meta["format_version"] == 2  # its experts float: readable by version-2 readers
+    meta["model_config"]["quantization"]["keep_float"] = ["lm_head"]
+    config_file.write_text(json.dumps(meta))
+    loaded_cfg, state, _ = load_pretrained(tmp_path)
+    assert loaded_cfg == qcfg and loaded_cfg.quantization.keep_float == ("lm_head", "experts")
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(qstate), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ------------------------------------------------------------------------------------- Hugging Face Mixtral
