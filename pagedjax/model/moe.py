@@ -143,13 +143,8 @@ class Experts(nnx.Module):
         slice before the dots (an XLA:CPU dot reads whole buffers: 2-3x the dense model's time at one row); from
         the per-expert form (`per_expert_params`) it reads the expert's own arrays in place.
         """
-        mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-        def expert(e: int, row: jax.Array, *operands) -> jax.Array:
-            gate, up, down = self.expert_weights(e, operands, x.dtype)
-            return mm(jax.nn.silu(mm(row, gate.T)) * mm(row, up.T), down)
-
-        branches = [functools.partial(expert, e) for e in range(self.num_experts)]
+        branches = [functools.partial(lambda e, row, *operands: self.expert_mlp(e, row, operands), e)
+                    for e in range(self.num_experts)]
         operands = self.switch_operands()
         return jnp.concatenate([jax.lax.switch(experts[p], branches, x[p:p + 1], *operands)
                                 for p in range(x.shape[0])])
@@ -181,13 +176,15 @@ class Experts(nnx.Module):
         return self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value()
 
     def switch_operands(self) -> tuple:
-        """The operands of `by_pair`'s switch, from which `expert_weights` takes one expert's: the weights."""
+        """The operands of `by_pair`'s switch, from which branch e's `expert_mlp` reads expert e's: the weights."""
         return self.weights()
 
-    def expert_weights(self, e: int, operands: tuple, dtype) -> tuple:
-        """Expert e's (gate_proj, up_proj, down_proj) `[width, hidden]` each, from `switch_operands` (float
-        weights are used as stored: `dtype`, the rows', matters to `QuantizedExperts` only)."""
-        return tuple(w[e] for w in operands)
+    def expert_mlp(self, e: int, row: jax.Array, operands: tuple) -> jax.Array:
+        """`row` `[1, hidden]` through expert e, whose weights it reads from `switch_operands` (`by_pair`'s
+        branch e): `[1, hidden]` in row's dtype, each projection accumulated in float32 and rounded once."""
+        gate, up, down = operands
+        mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(row.dtype)  # noqa: E731
+        return mm(jax.nn.silu(mm(row, gate[e].T)) * mm(row, up[e].T), down[e])
 
     @property
     def num_experts(self) -> int:
