@@ -122,16 +122,19 @@ def test_each_method_equals_the_float_layer_of_the_dequantized_experts(quant, dt
             np.testing.assert_allclose(np.asarray(y, np.float32), want[:len(y)], **tol, err_msg=f"{form} {method}")
 
 
-def test_by_pair_reads_only_the_routed_experts_quantized_bytes():
-    """`by_pair`'s switch operands are the quantized leaves (int4 bytes and scales, not float copies of every
-    expert); the float layer's are its weights as before."""
+def test_by_pair_switches_over_the_quantized_leaves():
+    """`by_pair`'s switch operands are the quantized leaves (int4 bytes and scales): the program never holds a
+    float copy of the stacked experts (a branch computes with its own expert's bytes)."""
     quant = QuantConfig("int4", group_size=8)
     qmlp = moe_mlp(_cfg(quant), jnp.float32, nnx.Rngs(0))
     operands = qmlp.experts.switch_operands()
     assert [o.dtype for o in operands] == [jnp.uint8, jnp.float32] * 3
     assert operands[0].shape == (E, WIDTH, HIDDEN // 2) and operands[5].shape == (E, HIDDEN, WIDTH // 8)
-    hlo = jax.jit(lambda s, x: nnx.merge(*s)(x, "by_pair")).lower(nnx.split(qmlp), jnp.ones((1, HIDDEN))).as_text()
-    assert "conditional" in hlo or "case" in hlo
+    lowered = lambda method: jax.jit(lambda s, x: nnx.merge(*s)(x, method)).lower(  # noqa: E731
+        nnx.split(qmlp), jnp.ones((1, HIDDEN))).as_text()
+    stacked_float = f"tensor<{E}x{WIDTH}x{HIDDEN}xf32>"
+    assert "stablehlo.case" in lowered("by_pair") and stacked_float not in lowered("by_pair")
+    assert stacked_float in lowered("every")  # the check can see one: every expert dequantized
     with pytest.raises(ValueError, match="rows x the weights multiply are required"):
         qmlp.experts.weights()
     with pytest.raises(ValueError, match="MoEMLP holds float experts, ModelConfig.quantization 'int4:8' quantized "
