@@ -183,6 +183,14 @@ def test_paged_logits_and_greedy_tokens_equal_the_float_model_of_the_dequantized
     for prompt, logits in paged_last_logits(engine, prompts):
         want = np.asarray(forward(jnp.asarray([prompt], jnp.int32)))[0, -1]
         np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # New weights in the canonical stacked form: the runner splits the quantized leaves per expert again.
+    _, qstate2 = quantize_params(cfg, jax.tree.map(lambda a: a * 1.25, state), quant)
+    engine.update_weights(qstate2)
+    parts = engine.runner.params["layers"][1]["mlp"]["experts"]["down_proj"]["scale"].get_value()
+    stacked = np.asarray(qstate2["layers"][1]["mlp"]["experts"]["down_proj"]["scale"].get_value())
+    assert isinstance(parts, tuple) and len(parts) == E
+    for e, part in enumerate(parts):
+        np.testing.assert_array_equal(np.asarray(part), stacked[e])
 
 
 # --------------------------------------------------------------------------------------- expert parallelism
