@@ -66,8 +66,11 @@ def _quantized(cfg, state, quantization):
     if cfg.quantization is None:
         return quantize_params(cfg, state, quantization)
     if cfg.quantization != quantization:
-        raise ValueError(f"quantization {quantization.name!r}: the checkpoint holds {cfg.quantization.name!r} "
-                         "weights already")
+        held, detail = cfg.quantization, ""
+        if held.name == quantization.name:  # the same scheme otherwise (e.g. a MoE checkpoint's float experts)
+            detail = f" (scale_dtype {held.scale_dtype!r}, keep_float {held.keep_float})"
+        raise ValueError(f"quantization {quantization.name!r}: the checkpoint holds {held.name!r} weights "
+                         f"already{detail}")
     return cfg, state
 
 

@@ -297,6 +297,9 @@ def test_a_quantized_moe_checkpoint_of_format_version_2_restores_its_float_exper
     config_file.write_text(json.dumps(meta))
     loaded_cfg, state, _ = load_pretrained(tmp_path)
     assert loaded_cfg == qcfg and loaded_cfg.quantization.keep_float == ("lm_head", "experts")
+    with pytest.raises(ValueError, match=r"quantization 'int8': the checkpoint holds 'int8' weights already "
+                                         r"\(scale_dtype 'float32', keep_float \('lm_head', 'experts'\)\)"):
+        load_pretrained(tmp_path, quantization="int8")
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(qstate), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
