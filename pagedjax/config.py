@@ -217,7 +217,7 @@ class ModelConfig:
     routed over experts of width `moe.intermediate_size` (`intermediate_size` is then unused). None: dense MLPs.
 
     Quantized weights: `quantization` (a `pagedjax.quant_config.QuantConfig`, its name such as "int8", or its
-    fields as a dict): the linear layers hold weight-only quantized kernels (`pagedjax.model.quant`). None: float.
+    fields as a dict): linears and MoE experts are weight-only quantized (`pagedjax.model.quant`). None: float.
 
     Block layout: `norm_placement` (one of `NORM_PLACEMENTS`; None = the architecture's own, "pre" for llama,
     "sandwich" for gemma2: what configs saved before the field existed mean), resolved by `block_norms`.

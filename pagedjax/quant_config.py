@@ -23,12 +23,13 @@ DEFAULT_GROUP_SIZE = 128
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Which linear layers hold quantized weights, and how. Activations stay in the model's dtype and every
-    product accumulates in float32; embeddings are never quantized.
+    """Which linear layers (and mixture-of-experts experts) hold quantized weights, and how. Activations stay in
+    the model's dtype and every product accumulates in float32; embeddings and MoE routers are never quantized.
 
     scheme: one of `SCHEMES`. group_size: int4's group along the input dimension (even, default 128; None for
     the per-channel schemes). scale_dtype: how scales are stored (one of `SCALE_DTYPES`). keep_float: names of
-    linear modules left in float (by default the LM head: it decides every sampled token).
+    linear modules left in float (by default the LM head: it decides every sampled token); "experts" keeps a MoE
+    model's experts float (`pagedjax.model.moe_quant`).
 
     Invariants (checked on construction, a TypeError / ValueError naming the field): group_size is set for int4
     only, and even (two values per byte); keep_float is a tuple of strings.

@@ -3,11 +3,15 @@ equal total parameters, through the same engine, at batch 1 and 16.
 
     python scripts/bench_moe.py                   # 8 experts, top 2: ~330M parameters, ~120M active
     python scripts/bench_moe.py --quick           # a small shape, seconds
+    python scripts/bench_moe.py --quantization int8,int4,fp8   # + the MoE model with quantized weights
+    python scripts/bench_moe.py --memory          # weight bytes per scheme only (abstract models: no engines)
 
 The ideal MoE decode step costs what a dense model of its *active* parameters costs (each token reads its k
 experts' weights); a MoE that runs every expert costs what the dense model of its *total* parameters costs. The
-table puts the MoE model between the two. All rows come from one run, timed in interleaved rounds after a
-warm-up that compiles every shape (best round per row), so the ratios hold on a noisy machine.
+table puts the MoE model between the two. `--quantization` adds the MoE model with its experts and linears
+quantized (`pagedjax.model.moe_quant`, `pagedjax.model.quant`), and every row shows its weight bytes. All rows
+come from one run, timed in interleaved rounds after a warm-up that compiles every shape (best round per row),
+so the ratios hold on a noisy machine.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import numpy as np
 from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
-from pagedjax.model.llama import init_model
+from pagedjax.model.llama import abstract_model, init_model
 from pagedjax.moe_config import MoEConfig
+from pagedjax.quant_config import QuantConfig
 
 SHAPES = {
     # Mixtral's proportions scaled to this CPU: 8 experts, top 2, MLP width 2048 per expert.
@@ -35,17 +40,42 @@ SHAPES = {
 
 
 def param_count(cfg: ModelConfig) -> int:
-    model = init_model(cfg, seed=0)
+    model = init_model(cfg.replace(quantization=None), seed=0)
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-def models(shape: str) -> dict[str, ModelConfig]:
-    """The MoE model and its two dense yardsticks (the same attention, embeddings and LM head)."""
+def weight_bytes(cfg: ModelConfig) -> int:
+    """The bytes of the model's parameters as stored (quantized values and their scales included), from its
+    abstract model: nothing is allocated."""
+    state = nnx.state(abstract_model(cfg), nnx.Param)
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def memory_table(shape: str, schemes: list[str]) -> None:
+    """Weight MiB of the shape's MoE model per scheme (the LM head float, as by default), and with the experts
+    kept float too (`keep_float=("lm_head", "experts")`: the linears alone quantized)."""
+    cfg = next(iter(models(shape).values()))
+    base = weight_bytes(cfg)
+    print(f"shape {shape}: MoE weights as stored (embeddings, router and LM head float)")
+    print(f"{'scheme':24s} {'MiB':>9s} {'x fewer':>8s}")
+    print(f"{'float32':24s} {base / 2**20:9.1f} {1:8.2f}")
+    for scheme in schemes:
+        quant = QuantConfig.parse(scheme)
+        for label, q in ((scheme, quant), (f"{scheme}, experts float",
+                                            dataclasses.replace(quant, keep_float=("lm_head", "experts")))):
+            nbytes = weight_bytes(cfg.replace(quantization=q))
+            print(f"{label:24s} {nbytes / 2**20:9.1f} {base / nbytes:8.2f}")
+
+
+def models(shape: str, schemes: tuple[str, ...] = ()) -> dict[str, ModelConfig]:
+    """The MoE model, its two dense yardsticks (the same attention, embeddings and LM head) and the MoE model in
+    each quantization scheme of `schemes`."""
     s = SHAPES[shape]
     base, e, k = s["base"], s["experts"], s["top_k"]
     moe = MoEConfig(num_experts=e, num_experts_per_tok=k, intermediate_size=base.intermediate_size)
     return {
         f"MoE {e} experts, top {k}": dataclasses.replace(base, moe=moe),
+        **{f"MoE {e} experts, top {k}, {q}": dataclasses.replace(base, moe=moe, quantization=q) for q in schemes},
         f"dense, active size (MLP width {k}x)": dataclasses.replace(base, intermediate_size=k * base.intermediate_size),
         f"dense, total size (MLP width {e}x)": dataclasses.replace(base, intermediate_size=e * base.intermediate_size),
     }
@@ -58,17 +88,26 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quantization", default="", help="comma-separated schemes (int8, int4, int4:32, fp8): rows "
+                    "of the MoE model quantized")
+    ap.add_argument("--memory", action="store_true", help="only the weight bytes per scheme (int8, int4, fp8 "
+                    "unless --quantization), no engines")
     args = ap.parse_args(argv)
     shape = "quick" if args.quick else "mixtral-small"
+    schemes = tuple(q for q in args.quantization.split(",") if q)
+    if args.memory:
+        memory_table(shape, list(schemes or ("int8", "int4", "fp8")))
+        return
     max_tokens = 8 if args.quick else args.max_tokens
-    cfgs = models(shape)
+    cfgs = models(shape, schemes)
     counts = {name: param_count(cfg) for name, cfg in cfgs.items()}
+    mib = {name: weight_bytes(cfg) / 2**20 for name, cfg in cfgs.items()}
     rng = np.random.default_rng(0)
     total = args.prompt_len + max_tokens
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     print(f"shape {shape}, {args.prompt_len}-token prompts, {max_tokens} new tokens each, float32, "
           f"decode_steps_per_call 1, best of {args.repeats} interleaved rounds")
-    print(f"{'model':36s} {'params':>8s} {'batch':>5s} {'tokens/s':>9s} {'MoE/this':>8s}")
+    print(f"{'model':42s} {'params':>8s} {'MiB':>7s} {'batch':>5s} {'tokens/s':>9s} {'MoE/this':>8s}")
     for batch in args.batch:
         prompts = rng.integers(0, 512, (batch, args.prompt_len)).tolist()
         engines = {}
@@ -86,8 +125,8 @@ def main(argv=None) -> None:
                 best[name] = min(best[name], time.perf_counter() - start)
         moe_time = best[next(iter(engines))]
         for name in engines:
-            print(f"{name:36s} {counts[name] / 1e6:7.0f}M {batch:5d} {batch * max_tokens / best[name]:9.1f} "
-                  f"{moe_time / best[name]:8.2f}")
+            print(f"{name:42s} {counts[name] / 1e6:7.0f}M {mib[name]:7.0f} {batch:5d} "
+                  f"{batch * max_tokens / best[name]:9.1f} {moe_time / best[name]:8.2f}")
         for engine in engines.values():
             engine.close()
 

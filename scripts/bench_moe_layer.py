@@ -13,6 +13,10 @@ and its ratio is against the dense MLP of the MoE's active size in the same run)
                                     the engine's runner gives a single-device CPU step
   probe: every, [E, hidden, width]  every expert on every row with gate / up stacked (in, out) per expert, the
                                     layout `Experts` had before: einsums batched over the experts
+  MoE <scheme> ..., per-expert      with `--quantization`: the layer with quantized experts
+                                    (`pagedjax.model.moe_quant`), compiled with the options the engine's runner
+                                    gives quantized models; its max |err| is against the float layer (the
+                                    quantization's own error)
 """
 
 from __future__ import annotations
@@ -26,19 +30,29 @@ import numpy as np
 from bench_moe import SHAPES
 from flax import nnx
 
+from pagedjax.engine.runner import cpu_compiler_options
 from pagedjax.model.llama import MLP
 from pagedjax.model.moe import MoEMLP, per_expert_params, route
+from pagedjax.model.moe_quant import moe_mlp
 from pagedjax.moe_config import MoEConfig
 
 
-def _module_fn(module: nnx.Module, per_expert: bool = False, **kwargs):
+def _module_fn(module: nnx.Module, per_expert: bool = False, options: dict | None = None, **kwargs):
     """A jitted call of `module` with its weights as arguments (closed over, XLA would fold them into
     constants: per-expert constants that no branch needs to slice); `per_expert`: the experts as the engine
-    holds them on one CPU device (`per_expert_params`)."""
+    holds them on one CPU device (`per_expert_params`); `options`: XLA compile options."""
     graphdef, state = nnx.split(module)
     state = per_expert_params(state) if per_expert else state
     run = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, **kwargs))
-    return lambda x: run(state, x)
+    if options is None:
+        return lambda x: run(state, x)
+    compiled = {}
+
+    def call(x):
+        if x.shape not in compiled:
+            compiled[x.shape] = run.lower(state, x).compile(compiler_options=options)
+        return compiled[x.shape](state, x)
+    return call
 
 
 def _stacked_in_out_every(mlp: MoEMLP):
@@ -55,8 +69,9 @@ def _stacked_in_out_every(mlp: MoEMLP):
     return lambda x: run(x, *weights)
 
 
-def rows(shape: str, batch: int) -> tuple[dict, MoEMLP]:
-    """(name -> a function of x `[batch, hidden]` or None where it does not apply, the MoE layer)."""
+def rows(shape: str, batch: int, schemes: tuple[str, ...] = ()) -> tuple[dict, MoEMLP]:
+    """(name -> a function of x `[batch, hidden]` or None where it does not apply, the MoE layer); `schemes`: rows
+    of the layer with its experts quantized so, per-expert."""
     s = SHAPES[shape]
     base, e, k = s["base"], s["experts"], s["top_k"]
     cfg = base.replace(moe=MoEConfig(num_experts=e, num_experts_per_tok=k, intermediate_size=base.intermediate_size))
@@ -68,6 +83,13 @@ def rows(shape: str, batch: int) -> tuple[dict, MoEMLP]:
         out[f'MoE "by_pair", {form}'] = _module_fn(mlp, per_expert, method="by_pair") if batch * k < e else None
         out[f'MoE "every", {form}'] = _module_fn(mlp, per_expert, method="every")
     out["probe: every, [E, hidden, width]"] = _stacked_in_out_every(mlp)
+    for scheme in schemes:
+        qcfg = cfg.replace(quantization=scheme)
+        qmlp = moe_mlp(qcfg, jnp.float32, nnx.Rngs(0))  # the float layer's init, quantized
+        options = cpu_compiler_options(qcfg.spec, batch, quantized=True)
+        out[f'MoE {scheme} "by_pair", per-expert'] = (_module_fn(qmlp, True, options, method="by_pair")
+                                                       if batch * k < e else None)
+        out[f'MoE {scheme} "every", per-expert'] = _module_fn(qmlp, True, options, method="every")
     return out, mlp
 
 
@@ -76,12 +98,15 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20, help="calls per timed round")
+    ap.add_argument("--quantization", default="", help="comma-separated schemes (int8, int4, fp8): rows of the "
+                    "layer with quantized experts")
     args = ap.parse_args(argv)
+    schemes = tuple(q for q in args.quantization.split(",") if q)
     shape = "mixtral-small"
     print(f"shape {shape}: one layer, float32, best of {args.repeats} interleaved rounds of {args.calls} calls")
-    print(f"{'computation':36s} {'batch':>5s} {'ms':>8s} {'/ active':>8s} {'max |err|':>9s}")
+    print(f"{'computation':40s} {'batch':>5s} {'ms':>8s} {'/ active':>8s} {'max |err|':>9s}")
     for batch in args.batch:
-        fns, mlp = rows(shape, batch)
+        fns, mlp = rows(shape, batch, schemes)
         x = jax.random.normal(jax.random.key(2), (batch, mlp.experts.gate_proj.shape[2]))
         want = np.asarray(mlp.dense(x))
         live = {name: f for name, f in fns.items() if f is not None}
@@ -100,10 +125,10 @@ def main(argv=None) -> None:
         active = best[next(iter(live))]
         for name in fns:
             if name not in live:
-                print(f"{name:36s} {batch:5d} {'-':>8s}   (batch x top-k >= experts: not used)")
+                print(f"{name:40s} {batch:5d} {'-':>8s}   (batch x top-k >= experts: not used)")
                 continue
             err = "" if errors[name] is None else f"{errors[name]:9.1e}"
-            print(f"{name:36s} {batch:5d} {best[name] * 1e3:8.3f} {best[name] / active:8.2f} {err}")
+            print(f"{name:40s} {batch:5d} {best[name] * 1e3:8.3f} {best[name] / active:8.2f} {err}")
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ class LLMEngine:
         (config.json + *.safetensors [+ tokenizer.json]), or None for the bundled model. With a
         `parallel_config`, weights are read straight into their shards on the (first replica's) mesh.
         `quantization` ("int8" | "int4" | "int4:32" | "fp8" or a `QuantConfig`): weight-only quantized linear
-        layers, quantized at load (`pagedjax.model.quant`)."""
+        layers and MoE experts, quantized at load (`pagedjax.model.quant`, `pagedjax.model.moe_quant`)."""
         parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
         cfg, state, tokenizer = load_for(path, dtype, parallel_config, devices, quantization)
         kwargs.setdefault("tokenizer", tokenizer)

@@ -15,6 +15,7 @@ wrong type, a truncated or corrupted params file, parameters that do not match t
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -38,6 +39,7 @@ from flax import nnx
 from pagedjax.config import ModelConfig, dtype_bytes
 from pagedjax.model.errors import ModelLoadError, read_json
 from pagedjax.model.llama import Llama, abstract_model, model_from_state
+from pagedjax.model.moe_quant import quantizes_experts
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,12 @@ FORMAT = "pagedjax"
 # 2: quantized kernels are stored `[out, ...]` (`pagedjax.model.quant`); version 1 stored them `[in, out]`, which
 # would restore into the new shapes silently wrong (square int8 / fp8 kernels, every int4 one). Float checkpoints
 # are the same in both and are written as version 1, so that every pagedjax reads them.
-FORMAT_VERSION = 2
+# 3: a quantized mixture-of-experts model's experts are stored quantized (`pagedjax.model.moe_quant`); versions 2
+# and below held them float whatever `keep_float` said, and are read so (their keep_float gains "experts"). Only
+# such models are written as version 3.
+FORMAT_VERSION = 3
 QUANTIZED_FORMAT_VERSION = 2
+QUANTIZED_EXPERTS_FORMAT_VERSION = 3
 
 
 def bundled_model_path() -> Path:
@@ -251,7 +257,7 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, state: nnx.State 
     _check_tree(expected, _flatten(pure), path, f"parameters do not match the model config {cfg}")
     meta = {
         "format": FORMAT,
-        "format_version": 1 if cfg.quantization is None else QUANTIZED_FORMAT_VERSION,
+        "format_version": _format_version(cfg),
         "model_config": cfg.to_dict(),
         "num_params": int(sum(int(np.prod(v.shape)) for v in expected.values())),
         "extra": extra or {},
@@ -283,6 +289,14 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, state: nnx.State 
     return path
 
 
+def _format_version(cfg: ModelConfig) -> int:
+    """The oldest format version that holds `cfg`'s parameters as stored (every pagedjax since reads it)."""
+    if cfg.quantization is None:
+        return 1
+    return QUANTIZED_EXPERTS_FORMAT_VERSION if cfg.moe is not None and quantizes_experts(cfg.quantization) else \
+        QUANTIZED_FORMAT_VERSION
+
+
 def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, *,
                     mesh: jax.sharding.Mesh | None = None) -> tuple[ModelConfig, nnx.State]:
     """Read a folder written by `save_checkpoint`: `(ModelConfig, nnx.State of Llama's parameters)`.
@@ -302,6 +316,10 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, *,
         raise ModelLoadError(path, "a quantized checkpoint of format version 1 stores its kernels [in, out], which "
                                    "this pagedjax no longer reads: quantize the float checkpoint again "
                                    "(LLMEngine.from_pretrained(..., quantization=...), --quantization)")
+    if meta.get("format_version", 1) < QUANTIZED_EXPERTS_FORMAT_VERSION and cfg.moe is not None and \
+            quantizes_experts(cfg.quantization):  # written before experts were quantized: they are float
+        cfg = cfg.replace(quantization=dataclasses.replace(cfg.quantization,
+                                                           keep_float=(*cfg.quantization.keep_float, "experts")))
     params_dir = path / PARAMS_DIR
     if not params_dir.is_dir():
         raise ModelLoadError(path, f"not a pagedjax checkpoint: {PARAMS_DIR}/ is missing")

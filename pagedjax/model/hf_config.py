@@ -339,6 +339,9 @@ def _quantization(hf: dict):
     """A pre-quantized checkpoint's scheme (`pagedjax.model.hf_quant`), or None for a float one."""
     if hf.get("quantization_config") is None:
         return None
+    if hf.get("model_type") in ("mixtral", "qwen3_moe"):  # per-expert tensors of `hf_quant`'s codecs: not read
+        raise ValueError("field 'quantization_config': pre-quantized mixture-of-experts checkpoints are not "
+                         "supported (load the float checkpoint with quantization=, which quantizes the experts)")
     from pagedjax.model.hf_quant import quant_config
 
     try:

@@ -28,7 +28,8 @@ from flax import nnx
 from pagedjax.config import ModelConfig, ModelSpec
 from pagedjax.model.api import PagedAttention, PagedKVCache
 from pagedjax.model.linear import apply_linear as _apply
-from pagedjax.model.moe import MoEMLP, per_expert_params
+from pagedjax.model.moe import Experts, per_expert_params
+from pagedjax.model.moe_quant import QuantizedExperts, check_expert_shapes, moe_mlp, quantize_experts, quantizes_experts
 from pagedjax.model.quant import QuantizedLinear, quantize_model
 from pagedjax.model.quant import shapes as quant_shapes
 from pagedjax.model.rope import layer_rope
@@ -179,7 +180,7 @@ class DecoderLayer(nnx.Module):
         if cfg.moe is None:
             self.mlp = MLP(cfg, dtype, rngs, gelu=cfg.architecture == "gemma2")
         else:
-            self.mlp = MoEMLP(cfg, dtype, rngs)
+            self.mlp = moe_mlp(cfg, dtype, rngs)
         if self.placement == "sandwich":
             self.pre_feedforward_layernorm = norm()
         if self.placement != "pre":
@@ -296,8 +297,10 @@ def model_from_state(cfg: ModelConfig, state: nnx.State) -> Llama:
 
 def quantize_params(cfg: ModelConfig, state: nnx.State, quant) -> tuple[ModelConfig, nnx.State]:
     """Float parameters of `Llama(cfg)` -> (the config with `quantization=quant`, the parameters of that model):
-    each linear layer the quantized model holds as a `QuantizedLinear` quantized from its float kernel (the MoE
-    router and experts, the embeddings and the `keep_float` layers are kept as they are)."""
+    each linear layer the quantized model holds as a `QuantizedLinear` quantized from its float kernel, and each
+    MoE layer's experts as `QuantizedExperts` (`pagedjax.model.moe_quant`) unless `keep_float` names "experts"
+    (the MoE router, the embeddings and the `keep_float` layers are kept as they are). ValueError naming the
+    tensor's path when int4's group size does not divide a quantized kernel's input dimension."""
     if cfg.quantization is not None:
         raise ValueError(f"quantize_params: the model is quantized already ({cfg.quantization.name})")
     qcfg = cfg.replace(quantization=quant)
@@ -305,6 +308,11 @@ def quantize_params(cfg: ModelConfig, state: nnx.State, quant) -> tuple[ModelCon
     for path, node in nnx.iter_graph(model):  # errors name the whole path, not just the module
         if isinstance(node, nnx.Linear) and str(path[-1]) not in qcfg.quantization.keep_float:
             quant_shapes(qcfg.quantization, node.in_features, node.out_features, ".".join(map(str, path)))
-    paths = {tuple(p) for p, node in nnx.iter_graph(abstract_model(qcfg)) if isinstance(node, QuantizedLinear)}
+        elif isinstance(node, Experts) and quantizes_experts(qcfg.quantization):
+            check_expert_shapes(qcfg.quantization, node, ".".join(map(str, path)))
+    abstract = list(nnx.iter_graph(abstract_model(qcfg)))
+    model = quantize_experts(model, qcfg.quantization,
+                             {tuple(p) for p, node in abstract if isinstance(node, QuantizedExperts)})
+    paths = {tuple(p) for p, node in abstract if isinstance(node, QuantizedLinear)}
     model = quantize_model(model, qcfg.quantization, paths)
     return qcfg, nnx.state(model, nnx.Param)

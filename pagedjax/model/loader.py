@@ -25,7 +25,8 @@ def load_pretrained(path: str | Path | None = None, dtype: str | None = None, *,
     """Load `(ModelConfig, nnx.State, tokenizer)` from a folder; None means the bundled model. With a
     tensor-parallel `mesh` (`pagedjax.parallel`), each device receives only its slice of each parameter.
     `quantization` (a `pagedjax.quant_config.QuantConfig` or its name, e.g. "int8", "int4:32", "fp8") quantizes
-    the linear layers' weights once loaded (`pagedjax.model.llama.quantize_params`); a checkpoint saved quantized
+    the linear layers' and MoE experts' weights once loaded (`pagedjax.model.llama.quantize_params`; MoE experts
+    after stacking); a checkpoint saved quantized
     loads as it was saved (asking for another scheme then is a ValueError).
 
     Accepts pagedjax's own orbax checkpoints (a folder with `pagedjax_config.json`, and `tokenizer.json` or a
@@ -65,8 +66,11 @@ def _quantized(cfg, state, quantization):
     if cfg.quantization is None:
         return quantize_params(cfg, state, quantization)
     if cfg.quantization != quantization:
-        raise ValueError(f"quantization {quantization.name!r}: the checkpoint holds {cfg.quantization.name!r} "
-                         "weights already")
+        held, detail = cfg.quantization, ""
+        if held.name == quantization.name:  # the same scheme otherwise (e.g. a MoE checkpoint's float experts)
+            detail = f" (scale_dtype {held.scale_dtype!r}, keep_float {held.keep_float})"
+        raise ValueError(f"quantization {quantization.name!r}: the checkpoint holds {held.name!r} weights "
+                         f"already{detail}")
     return cfg, state
 
 

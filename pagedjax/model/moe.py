@@ -14,7 +14,9 @@ Expert weights are stacked `[num_experts, width, hidden]` (gate_proj and up_proj
 (in, out): `Experts` says why): axis 0 is what expert parallelism shards (`pagedjax.parallel.sharding`). That
 stacked form is the canonical one (checkpoints, loading, sharding); on one CPU device the engine's runner holds
 the experts as E separate arrays instead (`per_expert_params`, `Llama.single_device_params`), the same function.
-The router (`gate`, `[hidden, E]`) is a plain linear layer, replicated.
+The router (`gate`, `[hidden, E]`) is a plain linear layer, replicated. With `ModelConfig.quantization` the
+experts are stored quantized (`pagedjax.model.moe_quant.QuantizedExperts`, built by `moe_quant.moe_mlp`; the
+router stays float) and computed by the same three methods below on their dequantized values.
 
 On the CPU, XLA lowers `ragged_dot` to a masked dense product over all experts (the grouped matmul instruction is
 lowered natively on GPU and TPU only): the same result at many times the work. So on the CPU the MLP takes one
@@ -70,6 +72,7 @@ def tokens_per_expert(experts: jax.Array, num_experts: int) -> jax.Array:
 
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_QUANTIZED = ("qweight", "scale")  # the leaves of a `pagedjax.model.moe_quant.ExpertKernels`
 
 
 def per_expert_params(state: nnx.State) -> nnx.State:
@@ -77,6 +80,9 @@ def per_expert_params(state: nnx.State) -> nnx.State:
     `.down_proj`: `[E, width, hidden]`) as a tuple of its E slices `[width, hidden]`, each its own array (copied
     once, here); every other leaf the same array. `Experts` computes the same function from either form; from
     this one a single-device CPU step reads a routed expert's weights in place (`Experts.by_pair`).
+
+    Quantized experts (`pagedjax.model.moe_quant`): each projection's `qweight` and `scale` `[E, ...]` likewise
+    become tuples of E per-expert arrays.
 
     The stacked form is the canonical one: checkpoints, loading and expert parallelism (which shards axis 0)
     use it. This form is for one device: its arrays are not sharded."""
@@ -87,6 +93,8 @@ def per_expert_params(state: nnx.State) -> nnx.State:
         if (len(names) >= 2 and names[-2] == "experts" and names[-1] in _PROJECTIONS
                 and len(getattr(leaf, "shape", ())) == 3):
             return tuple(leaf[e] for e in range(leaf.shape[0]))
+        if len(names) >= 3 and names[-3] == "experts" and names[-2] in _PROJECTIONS and names[-1] in _QUANTIZED:
+            return tuple(leaf[e] for e in range(leaf.shape[0]))  # `QuantizedExperts`: values and scales alike
         return leaf
     return jax.tree_util.tree_map_with_path(split, state)
 
@@ -118,7 +126,7 @@ class Experts(nnx.Module):
                                                    lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
         # The per-expert form is stacked back here (a copy of every expert per call): it is the CPU's form, where
         # `MoEMLP` never picks this method by itself.
-        gate, up, down = (jnp.stack(w) if isinstance(w, tuple) else w for w in self.weights())
+        gate, up, down = (jnp.stack(w) if isinstance(w, tuple) else w for w in self.weights(x))
         mm = lambda a, w: jax.lax.ragged_dot_general(a, w, group_sizes, out_in,
                                                      preferred_element_type=jnp.float32).astype(x.dtype)
         h = jax.nn.silu(mm(x, gate)) * mm(x, up)
@@ -135,14 +143,10 @@ class Experts(nnx.Module):
         slice before the dots (an XLA:CPU dot reads whole buffers: 2-3x the dense model's time at one row); from
         the per-expert form (`per_expert_params`) it reads the expert's own arrays in place.
         """
-        mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-        def expert(e: int, row: jax.Array, gate, up, down) -> jax.Array:
-            return mm(jax.nn.silu(mm(row, gate[e].T)) * mm(row, up[e].T), down[e])
-
-        branches = [functools.partial(expert, e) for e in range(self.num_experts)]
-        weights = self.weights()
-        return jnp.concatenate([jax.lax.switch(experts[p], branches, x[p:p + 1], *weights)
+        branches = [functools.partial(lambda e, row, *operands: self.expert_mlp(e, row, operands), e)
+                    for e in range(self.num_experts)]
+        operands = self.switch_operands()
+        return jnp.concatenate([jax.lax.switch(experts[p], branches, x[p:p + 1], *operands)
                                 for p in range(x.shape[0])])
 
     def every(self, x: jax.Array, combine: jax.Array) -> jax.Array:
@@ -152,7 +156,7 @@ class Experts(nnx.Module):
         # The routing weights scale each expert's hidden activations before down_proj (linear, so the same as
         # scaling its output), which lets the down dots sum over experts and width together.
         mm = lambda a, w, dtype=x.dtype: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(dtype)
-        gate, up, down = self.weights()
+        gate, up, down = self.weights(x)
         if isinstance(gate, tuple):
             y = jnp.zeros((x.shape[0], down[0].shape[1]), jnp.float32)
             for e in range(self.num_experts):
@@ -165,10 +169,22 @@ class Experts(nnx.Module):
         h = (h.reshape(-1, num_experts, width) * combine[:, :, None]).astype(x.dtype)
         return mm(h.reshape(-1, num_experts * width), flat(down))
 
-    def weights(self) -> tuple:
+    def weights(self, x: jax.Array | None = None) -> tuple:
         """(gate_proj, up_proj, down_proj): each the stacked array `[E, width, hidden]` or, in the per-expert form
-        (`per_expert_params`), a tuple of E arrays `[width, hidden]`."""
+        (`per_expert_params`), a tuple of E arrays `[width, hidden]`. x: the rows they multiply (unused here;
+        `QuantizedExperts` converts its weights to x's dtype, tied to x)."""
         return self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value()
+
+    def switch_operands(self) -> tuple:
+        """The operands of `by_pair`'s switch, from which branch e's `expert_mlp` reads expert e's: the weights."""
+        return self.weights()
+
+    def expert_mlp(self, e: int, row: jax.Array, operands: tuple) -> jax.Array:
+        """`row` `[1, hidden]` through expert e, whose weights it reads from `switch_operands` (`by_pair`'s
+        branch e): `[1, hidden]` in row's dtype, each projection accumulated in float32 and rounded once."""
+        gate, up, down = operands
+        mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(row.dtype)  # noqa: E731
+        return mm(jax.nn.silu(mm(row, gate[e].T)) * mm(row, up[e].T), down[e])
 
     @property
     def num_experts(self) -> int:
@@ -177,9 +193,14 @@ class Experts(nnx.Module):
 
 class MoEMLP(nnx.Module):
     """A decoder layer's MLP as a mixture of experts (`ModelConfig.moe`; see the module docstring). Parameters:
-    `gate` (the router, a linear layer `[hidden, E]`) and `experts` (`Experts`)."""
+    `gate` (the router, a linear layer `[hidden, E]`) and `experts` (`Experts`, or `QuantizedExperts` in a
+    quantized model: `pagedjax.model.moe_quant.moe_mlp` builds those; a config that quantizes the experts is a
+    ValueError here)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        if cfg.quantization is not None and "experts" not in cfg.quantization.keep_float:
+            raise ValueError(f"MoEMLP holds float experts, ModelConfig.quantization {cfg.quantization.name!r} "
+                             "quantized ones: build it with pagedjax.model.moe_quant.moe_mlp")
         moe = cfg.moe
         self.num_experts, self.top_k = moe.num_experts, moe.num_experts_per_tok
         self.router, self.norm_topk_prob = moe.router, moe.norm_topk_prob

@@ -52,8 +52,8 @@ How XLA:CPU computes them (`python scripts/bench_quant.py --chain` times the lin
       scale to the `[..., out]` result. XLA:CPU's e4m3 -> float conversion is a slow per-element routine (the
       fused one-row product ran at 0.6x float32), and an exact conversion by integer ops (subnormals included:
       XLA:CPU flushes float32 denormals, so they need a select) only matched float32.
-  `tie` (in `QuantizedLinear._project`) makes XLA convert each kernel just before its product instead of every
-      kernel at the start of the step into buffers all alive at once.
+  `conversion_tie` (in `QuantizedLinear._project`) makes XLA convert each kernel just before its product
+      instead of every kernel at the start of the step into buffers all alive at once.
 Whether XLA:GPU fuses the conversion is not measured here.
 """
 
@@ -71,7 +71,7 @@ from pagedjax.model.linear import apply_linear
 from pagedjax.quant_config import QuantConfig
 
 __all__ = ["QuantizedLinear", "dequantize_kernel", "holds_quantized", "pack_int4", "quantize_kernel",
-           "quantize_model", "unpack_int4"]
+           "quantize_model", "quantized_product", "unpack_int4"]
 
 # The largest |q| the quantizer produces for each scheme (int4 stores -8 too, which it never produces).
 QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
@@ -175,6 +175,16 @@ def _row_order(n_in: int, group_size: int | None) -> np.ndarray:
     return order.reshape(-1, 2, group_size // 2).transpose(1, 0, 2).reshape(-1)  # [groups, half, g / 2]
 
 
+def conversion_tie(x: jax.Array) -> jax.Array:
+    """A float32 zero that depends on x, added to a kernel converted from its stored bytes: XLA then converts each
+    kernel just before its product (fused into it for one row, else into a buffer the next layer reuses) instead
+    of converting every layer's kernel at the start of the step into buffers all alive at once (344 MiB of float
+    copies for the 156M model, 4x slower than float32 at batch 1). The zero multiplies 0 or 1 (whether x's first
+    element is NaN), never x itself: a non-finite x[0] must not reach the other rows' products."""
+    first = x.reshape(-1)[0]
+    return jnp.zeros((), jnp.float32) * (first != first).astype(jnp.float32)
+
+
 def _dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     """x `[..., in]` times a converted kernel stored `[out, in]` -> float32 `[..., out]`, contracting the last
     axes (several rows: a YNNPACK dot of the converted kernel)."""
@@ -186,6 +196,47 @@ def _matvec(row: jax.Array, w: jax.Array) -> jax.Array:
     `row @ w.T`: XLA:CPU then fuses w's expression into a loop-emitted matrix-vector product that reads the
     stored bytes (contracting w's last axis directly, as `_dot_rows` does, it converts w into a buffer first)."""
     return row @ w.T
+
+
+def one_row(x: jax.Array, quant: QuantConfig) -> bool:
+    """Whether x `[..., in]` is a single row (batch-1 decode; static under jit) of an int8 or int4 kernel,
+    computed as a fused matrix-vector product (module docstring)."""
+    return math.prod(x.shape[:-1]) == 1 and quant.scheme in ("int8", "int4")
+
+
+def quantized_product(x: jax.Array, qweight: jax.Array, scale: jax.Array, quant: QuantConfig) -> jax.Array:
+    """x `[..., in]` times the kernel stored as `qweight` `[out, in]` (int4: `[out, in // 2]`) and `scale` `[out]`
+    (int4: `[out, in // g]`) -> float32 `[..., out]`: `QuantizedLinear`'s product (module docstring)."""
+    scale = scale.astype(jnp.float32)
+    tie = conversion_tie(x)
+    if one_row(x, quant):
+        # x's row, gathered into a buffer of its own: fused into the product, x's producer (a norm, the
+        # attention) would be recomputed for every output channel, and int4's strided read of x ran 10x slower.
+        row = jnp.take(x.reshape(-1).astype(jnp.float32), _row_order(x.shape[-1], quant.group_size))
+        if quant.scheme == "int8":
+            y = _matvec(row[None], qweight.astype(jnp.float32) + tie) * scale
+        else:
+            # One product per nibble plane: each plane `[out, groups, g / 2]` (16 times its values, scaled by
+            # its group) against the matching halves of x's groups (the row is gathered plane by plane:
+            # `[2, in // 2]`). The sum is divided by 16 at the end: exact, a power of two.
+            n_out, groups = scale.shape
+            halves = row.reshape(2, -1)
+            low, high = (
+                (p.astype(jnp.float32).reshape(n_out, groups, -1) * scale[:, :, None]).reshape(n_out, -1) + tie
+                for p in _planes16(qweight))  # [out, in // 2] each
+            # Kept apart, else XLA fuses the sum into the second product, which then converts its plane first.
+            y_low, y_high = jax.lax.optimization_barrier((_matvec(halves[:1], low), _matvec(halves[1:], high)))
+            y = (y_low + y_high) * 0.0625
+        y = y.reshape(*x.shape[:-1], -1)
+    elif quant.scheme == "int4":
+        # Groups scale the kernel's inputs, not its output columns: dequantize, then one dot.
+        w = _dequantize_stored(qweight, scale, quant) + tie  # [out, in]
+        y = _dot_rows(x, w.astype(x.dtype))
+    else:
+        # Per output channel: the dot reads the stored values (int8 and e4m3 are exact in bf16 and f32) and
+        # the scale multiplies the `[..., out]` result.
+        y = _dot_rows(x, (qweight.astype(jnp.float32) + tie).astype(x.dtype)) * scale
+    return y
 
 
 class QuantizedLinear(nnx.Module):
@@ -208,48 +259,12 @@ class QuantizedLinear(nnx.Module):
         return dequantize_kernel(self.qweight[...], self.scale[...], self.quant)
 
     def _one_row(self, x: jax.Array) -> bool:
-        """Whether x `[..., in]` is a single row (batch-1 decode; static under jit) of an int8 or int4 layer,
-        computed as a fused matrix-vector product (module docstring)."""
-        return math.prod(x.shape[:-1]) == 1 and self.quant.scheme in ("int8", "int4")
+        """`one_row` for this layer's scheme."""
+        return one_row(x, self.quant)
 
     def _project(self, x: jax.Array) -> jax.Array:
         """x `[..., in]` -> float32 `[..., out]`."""
-        qweight = self.qweight[...]  # [out, in] (int4: [out, in // 2])
-        scale = self.scale[...].astype(jnp.float32)  # [out] (int4: [out, in // g])
-        # A zero that depends on x, added to the converted kernel: XLA then converts each kernel just before its
-        # product (fused into it for one row, else into a buffer the next layer reuses) instead of converting
-        # every layer's kernel at the start of the step into buffers all alive at once (344 MiB of float copies
-        # for the 156M model, 4x slower than float32 at batch 1). The zero multiplies 0 or 1 (whether x[0] is
-        # NaN), never x itself: a non-finite x[0] must not reach the other rows' products.
-        first = x.reshape(-1)[0]
-        tie = jnp.zeros((), jnp.float32) * (first != first).astype(jnp.float32)
-        if self._one_row(x):
-            # x's row, gathered into a buffer of its own: fused into the product, x's producer (a norm, the
-            # attention) would be recomputed for every output channel, and int4's strided read of x ran 10x slower.
-            row = jnp.take(x.reshape(-1).astype(jnp.float32), _row_order(self.in_features, self.quant.group_size))
-            if self.quant.scheme == "int8":
-                y = _matvec(row[None], qweight.astype(jnp.float32) + tie) * scale
-            else:
-                # One product per nibble plane: each plane `[out, groups, g / 2]` (16 times its values, scaled by
-                # its group) against the matching halves of x's groups (the row is gathered plane by plane:
-                # `[2, in // 2]`). The sum is divided by 16 at the end: exact, a power of two.
-                n_out, groups = scale.shape
-                halves = row.reshape(2, -1)
-                low, high = (
-                    (p.astype(jnp.float32).reshape(n_out, groups, -1) * scale[:, :, None]).reshape(n_out, -1) + tie
-                    for p in _planes16(qweight))  # [out, in // 2] each
-                # Kept apart, else XLA fuses the sum into the second product, which then converts its plane first.
-                y_low, y_high = jax.lax.optimization_barrier((_matvec(halves[:1], low), _matvec(halves[1:], high)))
-                y = (y_low + y_high) * 0.0625
-            y = y.reshape(*x.shape[:-1], -1)
-        elif self.quant.scheme == "int4":
-            # Groups scale the kernel's inputs, not its output columns: dequantize, then one dot.
-            w = _dequantize_stored(qweight, scale, self.quant) + tie  # [out, in]
-            y = _dot_rows(x, w.astype(x.dtype))
-        else:
-            # Per output channel: the dot reads the stored values (int8 and e4m3 are exact in bf16 and f32) and
-            # the scale multiplies the `[..., out]` result.
-            y = _dot_rows(x, (qweight.astype(jnp.float32) + tie).astype(x.dtype)) * scale
+        y = quantized_product(x, self.qweight[...], self.scale[...], self.quant)
         return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -12,7 +12,9 @@ Megatron-style tensor parallelism, expressed only as shardings (XLA inserts the 
                                               parallelism over the same axis. Tokens stay replicated; XLA's SPMD
                                               partitioner turns the grouped matmul over the local experts into a
                                               partial sum per device and one all-reduce per MoE layer (README,
-                                              "Mixture of experts").
+                                              "Mixture of experts"). Quantized experts
+                                              (`pagedjax.model.moe_quant`): each projection's `qweight` and
+                                              `scale`, `[E, ...]` too, split along axis 0 alike.
   quantized linears (`pagedjax.model.quant`)  `qweight`, stored `[out, in]`, along the kernel's split dimension
                                               (axis 0 for column-sharded layers, 1 for row-sharded ones); `scale`
                                               along the same output channels (per channel `[out]`: replicated for
@@ -81,6 +83,8 @@ def param_spec(names: tuple, cfg: ModelConfig, tp: int) -> P:
     """The PartitionSpec of the built-in models' parameter at `names` (see the module docstring)."""
     if tp == 1 or len(names) < 2:
         return P()
+    if _quantized_expert_leaf(names):
+        return P(TP) if _divides(cfg, EXPERTS, tp) else P()
     grouped = cfg.quantization is not None and cfg.quantization.scheme == "int4"
     return _by_name(str(names[-2]), str(names[-1]), _divides(cfg, str(names[-2]), tp), grouped)
 
@@ -93,6 +97,8 @@ def default_param_partition(names: tuple, shape: tuple, *, head_dim: int, tp: in
     replicated (always correct: the step's shardings only decide where XLA computes, never what)."""
     if tp == 1 or len(names) < 2 or not shape:
         return P()
+    if _quantized_expert_leaf(names):
+        return P(TP) if shape[0] % tp == 0 else P()
     module, leaf = str(names[-2]), str(names[-1])
     unit = head_dim if module in ("q_proj", "k_proj", "v_proj", "o_proj") else 1
     if leaf in ("qweight", "scale"):  # stored `[out, ...]`: the kernel's `[in, out]` axes swapped
@@ -100,6 +106,12 @@ def default_param_partition(names: tuple, shape: tuple, *, head_dim: int, tp: in
     else:
         split = shape[0] if module in ROW or module in ("embed_tokens", EXPERTS) else shape[-1]
     return _by_name(module, leaf, split % (tp * unit) == 0, leaf == "scale" and len(shape) == 2)
+
+
+def _quantized_expert_leaf(names: tuple) -> bool:
+    """Whether `names` is a quantized expert projection's `qweight` or `scale` (`experts.gate_proj.qweight`,
+    `pagedjax.model.moe_quant`): `[E, ...]` of rank 2 or 3, split along the experts (P(TP): axis 0, any rank)."""
+    return len(names) >= 3 and str(names[-3]) == EXPERTS and str(names[-1]) in ("qweight", "scale")
 
 
 def _by_name(module: str, leaf: str, divides: bool, grouped: bool = False) -> P:

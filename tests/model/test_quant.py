@@ -294,14 +294,15 @@ def test_a_quantized_checkpoint_saves_and_restores_as_stored(tmp_path, quant):
 
 def test_a_float_checkpoint_is_written_as_format_version_1(tmp_path):
     """Readable by every pagedjax: only quantized checkpoints changed."""
-    from pagedjax.model.checkpoint import load_checkpoint, save_checkpoint
+    from pagedjax.model.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
 
     save_checkpoint(tmp_path, CFG, nnx.state(init_model(CFG, seed=1), nnx.Param))
     assert json.loads((tmp_path / "pagedjax_config.json").read_text())["format_version"] == 1
     assert load_checkpoint(tmp_path)[0] == CFG
     config_file = tmp_path / "pagedjax_config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "format_version": 3}))
-    with pytest.raises(ValueError, match="checkpoint format version 3; this pagedjax reads up to 2"):
+    newer = FORMAT_VERSION + 1
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "format_version": newer}))
+    with pytest.raises(ValueError, match=f"checkpoint format version {newer}; this pagedjax reads up to {newer - 1}"):
         load_checkpoint(tmp_path)
 
 

@@ -286,6 +286,43 @@ def moe_expert_parallel():
         assert got == want, f"tp={tp}: {got} != {want}"
 
 
+@check
+def quantized_moe_expert_parallel():
+    """A mixture-of-experts decoder whose experts (and linears) are int4 in groups of 16 (`pagedjax.model.moe_quant`)
+    at tp 2: each expert projection's values and scales sharded by expert (axis 0: 2 of the 4 experts per device),
+    the router replicated and float; one mixed step's logits within float32 1e-5 of the single-device engine's
+    (which equal the float model of the dequantized weights: tests/model/test_moe_quant.py), and greedy tokens
+    equal to the quantized model's dense forward on one device."""
+    from pagedjax.model.llama import quantize_params
+    from pagedjax.quant_config import QuantConfig
+
+    cfg = config("gqa").replace(moe=MoEConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=32))
+    state = jax.tree.map(lambda x: x * 3, nnx.split(init_model(cfg, seed=3))[1])
+    qcfg, qstate = quantize_params(cfg, state, QuantConfig("int4", group_size=16))
+    model = model_from_state(qcfg, qstate)
+    want, margin = greedy_by_recompute(jax.jit(lambda t: model.forward_dense(t)), PROMPTS, MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, f"a near tie ({margin}) would make token equality depend on rounding"
+
+    def run(tp):
+        pc = None if tp is None else ParallelConfig(tensor_parallel_size=tp)
+        return make_engine(qcfg, CacheConfig(block_size=8, num_blocks=16),
+                           SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                           params=qstate, parallel_config=pc, compile_cache=False)
+
+    logits = _step_logits(run(None))
+    e = run(2)
+    mlp = e.runner.params["layers"][0]["mlp"]
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        for leaf in ("qweight", "scale"):
+            arr = mlp["experts"][name][leaf][...]
+            assert arr.sharding.spec == P("tp"), f"{name}.{leaf}: {arr.sharding.spec}"
+            assert {s.data.shape for s in arr.addressable_shards} == {(2, *arr.shape[1:])}, (name, leaf)
+    assert mlp["gate"]["kernel"][...].sharding.spec == P()
+    np.testing.assert_allclose(_step_logits(e), logits, rtol=1e-5, atol=1e-5 * np.abs(logits).max())
+    got = [o.output_token_ids for o in run(2).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == want, f"{got} != {want}"
+
+
 def _byom_run(tp, dp=None):
     """The GPT-2-style example model (tests/model/gpt2_example.py) through an engine of `tp` x `dp` devices:
     (engine, greedy tokens of PROMPTS) with prefix hits, preemption and fused decode."""
