@@ -66,6 +66,9 @@ def test_test_sh_reports_the_slowest_tests(tmp_path):
     for venv in (".venv", ".venv312"):
         _stub(root / venv / "bin" / "python", f'echo "{venv} python $*" >> {log}\necho stub')
         _stub(root / venv / "bin" / "pip", "true")
+    for name, text in (("marked", "@pytest.mark.xla_default\ndef test_a(): pass\n"), ("plain", "def test_b(): pass\n")):
+        (root / "tests" / "model").mkdir(parents=True, exist_ok=True)
+        (root / "tests" / "model" / f"test_{name}.py").write_text(text)
     path_dir = tmp_path / "path"
     _stub(path_dir / "python3.12", "true")
     env = dict(os.environ, PATH=f"{path_dir}{os.pathsep}{os.environ['PATH']}")
@@ -79,11 +82,13 @@ def test_test_sh_reports_the_slowest_tests(tmp_path):
     assert [r.split()[0] for r in suites] == [".venv", ".venv312"], pytest_runs  # both Pythons
     assert all("--durations=15" in line for line in suites), pytest_runs
     assert suites[0].endswith("-k block_pool")
-    assert default_level[0].startswith(".venv python -m pytest -q -m xla_default"), default_level
+    # the -O default run collects only the files that hold its tests
+    assert default_level == [".venv python -m pytest -q -m xla_default tests/model/test_marked.py"], default_level
 
 
 def test_test_sh_fails_with_the_log_when_the_newest_jax_environment_cannot_be_set_up(tmp_path):
-    """A second environment that cannot be set up fails the script with pip's output, and its pass does not run."""
+    """A second environment that cannot be set up (it installs beside the first) fails the script with pip's
+    output before any test runs."""
     root, log = _repo(tmp_path, "test.sh")
     for venv in (".venv", ".venv312"):
         _stub(root / venv / "bin" / "python", f'echo "{venv} python $*" >> {log}\necho stub')
@@ -95,6 +100,5 @@ def test_test_sh_fails_with_the_log_when_the_newest_jax_environment_cannot_be_se
     r = subprocess.run(["bash", str(root / "scripts" / "test.sh")], capture_output=True, text=True, timeout=60,
                        env=env)
     assert r.returncode != 0
-    assert "no matching distribution for jaxlib" in r.stderr
-    pytest_runs = [line for line in _log(log) if " -m pytest " in line]
-    assert [line.split()[0] for line in pytest_runs] == [".venv", ".venv"], pytest_runs  # the suite and -O default
+    assert "no matching distribution for jaxlib" in r.stderr and "no test ran" in r.stderr
+    assert [line for line in _log(log) if " -m pytest " in line] == []
