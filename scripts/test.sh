@@ -10,14 +10,20 @@
 #      examples, which go through the same engine).
 # Extra arguments go to the first pytest run, e.g. scripts/test.sh -k block_pool. Both runs end with the 15
 # slowest tests (--durations=15). Budget: the whole script within 15 minutes on an idle 2-core machine; the
-# long end-to-end runs are marked `slow` (pytest -m slow runs them). pip installs without byte-compiling (a Python
-# compiles what it imports, once: 32 s less for the first environment). The two environments install at the same
-# time (pip keeps one core busy: 33 s for both instead of 63), and both before any test runs, so that one that
-# cannot be set up fails the run at once; installing the second while the first pass ran saved nothing (the suite
-# keeps both cores busy: its pass took as much longer). The -O default run collects only the files that hold its
-# tests (collecting the whole suite imported every test module: 22 s for 3 tests, 8 s so).
+# long end-to-end runs are marked `slow` (pytest -m slow runs them). Where the time went, and what this script
+# does about it:
+#   - pip installs without byte-compiling (32 s less for the first environment): a Python compiles what it
+#     imports, once, into __pycache__. PYTHONDONTWRITEBYTECODE (set on some CI images) is unset, else every
+#     process compiled every module it imported, every time: 11 of the 18 s that collecting the suite took in
+#     each xdist worker, and seconds in each of the suite's subprocesses (CLI runs, servers, the 8-device worker).
+#   - The two environments install at the same time (pip keeps one core busy: 31 s for both instead of 65), both
+#     before any test runs, so that one that cannot be set up fails the run at once. Installing the second while
+#     the first pass ran saved nothing (the suite keeps both cores busy: its pass took as much longer).
+#   - The -O default run collects only the files that hold its tests (3 tests: 22 s collecting the whole suite,
+#     7 s so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE
 
 find_python312() {
   if python3.12 -c 'import sys' >/dev/null 2>&1; then command -v python3.12; return; fi
