@@ -64,17 +64,20 @@ def test_run_sh_installs_only_when_the_project_changed(tmp_path):
 def test_test_sh_reports_the_slowest_tests(tmp_path):
     root, log = _repo(tmp_path, "test.sh")
     for venv in (".venv", ".venv312"):
-        _stub(root / venv / "bin" / "python", f'echo "{venv} python $*" >> {log}\necho stub')
+        bytecode = f'echo "bytecode ${{PYTHONDONTWRITEBYTECODE:-written}}" >> {log}'
+        _stub(root / venv / "bin" / "python", f'echo "{venv} python $*" >> {log}\n{bytecode}\necho stub')
         _stub(root / venv / "bin" / "pip", "true")
     for name, text in (("marked", "@pytest.mark.xla_default\ndef test_a(): pass\n"), ("plain", "def test_b(): pass\n")):
         (root / "tests" / "model").mkdir(parents=True, exist_ok=True)
         (root / "tests" / "model" / f"test_{name}.py").write_text(text)
     path_dir = tmp_path / "path"
     _stub(path_dir / "python3.12", "true")
-    env = dict(os.environ, PATH=f"{path_dir}{os.pathsep}{os.environ['PATH']}")
+    env = dict(os.environ, PATH=f"{path_dir}{os.pathsep}{os.environ['PATH']}", PYTHONDONTWRITEBYTECODE="1")
     r = subprocess.run(["bash", str(root / "scripts" / "test.sh"), "-k", "block_pool"], capture_output=True,
                        text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
+    # modules are compiled once, into __pycache__, even where the CI image asks Python not to write bytecode
+    assert {line for line in _log(log) if line.startswith("bytecode ")} == {"bytecode written"}
     pytest_runs = [line for line in _log(log) if " -m pytest " in line]
     assert len(pytest_runs) == 3, _log(log)
     suites, default_level = [r for r in pytest_runs if "xla_default" not in r], \
