@@ -18,6 +18,7 @@ gate/up are separate projections (fused checkpoints are split by the loader).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import jax
@@ -60,6 +61,30 @@ class Linear(nnx.Linear):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return _apply(super().__call__, x)
+
+
+logger = logging.getLogger(__name__)
+
+# What `QuantConfig.keep_float` may name in a built-in model: its linear modules' attribute names, and a MoE
+# layer's experts (`pagedjax.model.moe_quant`).
+KEEP_FLOAT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
+                    "experts")
+
+
+def _check_keep_float(cfg: ModelConfig) -> None:
+    """A `keep_float` name that is no module of the built-in models (a typo would quantize what it meant to keep
+    float) is a ValueError; asking for the LM head quantized (no "lm_head") where the head is the tied embedding
+    table, which is never quantized, logs a warning."""
+    quant = cfg.quantization
+    if quant is None:
+        return
+    unknown = [name for name in quant.keep_float if name not in KEEP_FLOAT_NAMES]
+    if unknown:
+        raise ValueError(f"QuantConfig.keep_float names no module of the built-in models: {unknown} (the "
+                         f"quantizable ones: {', '.join(KEEP_FLOAT_NAMES)})")
+    if cfg.tie_word_embeddings and "lm_head" not in quant.keep_float:
+        logger.warning("QuantConfig.keep_float leaves out 'lm_head', but this model's LM head is its tied embedding "
+                       "table, which is never quantized: the head stays float")
 
 
 def _linear(n_in: int, n_out: int, bias: bool, dtype, rngs: nnx.Rngs, quant: QuantConfig | None = None,
@@ -207,6 +232,7 @@ class Llama(nnx.Module):
     contract (`pagedjax.model.api`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        _check_keep_float(cfg)
         dtype = jnp.dtype(cfg.dtype)
         self.config = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)

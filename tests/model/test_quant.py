@@ -6,6 +6,7 @@ model's logits through the paged engine equal those of the float model whose ker
 from __future__ import annotations
 
 import json
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -230,6 +231,21 @@ def test_group_size_must_divide_the_input_dimension_naming_the_tensor():
         quantize_params(CFG, nnx.state(init_model(CFG), nnx.Param), "int4:256")
     with pytest.raises(ValueError, match="layer.w: a linear kernel"):
         quantize_kernel(jnp.ones((2, 2, 2)), QuantConfig("int8"), "layer.w")
+
+
+def test_keep_float_must_name_a_module_and_a_tied_head_stays_float_with_a_warning(caplog):
+    state = nnx.state(init_model(CFG), nnx.Param)
+    with pytest.raises(ValueError, match=r"keep_float names no module of the built-in models: \['lm_haed'\]"):
+        quantize_params(CFG, state, QuantConfig("int8", keep_float=("lm_haed",)))
+    tied = CFG.replace(tie_word_embeddings=True)
+    tied_state = nnx.state(init_model(tied), nnx.Param)
+    with caplog.at_level(logging.WARNING, logger="pagedjax.model.llama"):
+        quantize_params(tied, tied_state, "int8")  # the default keeps the head float: nothing to say
+        assert caplog.text == ""
+        _, qstate = quantize_params(tied, tied_state, QuantConfig("int8", keep_float=()))
+    assert "its tied embedding table, which is never quantized: the head stays float" in caplog.text
+    assert "lm_head" not in qstate and qstate["embed_tokens"]["embedding"].get_value().dtype == jnp.float32
+    assert "qweight" in qstate["layers"][0]["self_attn"]["q_proj"]  # the rest is quantized
 
 
 def test_config_round_trips_and_quantizing_twice_is_refused():
