@@ -16,6 +16,10 @@ formulations the layer does not use: "int4 two shifts" (each nibble sign-extende
 the layer's unpacking before 16 x q), "int4 jnp.int4" (the packed bytes bitcast to XLA's 4-bit type, converted),
 "int4 group sums" (a sum per group, then the scales: a reduce), and "int4 no scales" (the layer's loop without
 the group-scale multiply: not the product, not checked; the bound a per-group sum inside the loop would give).
+Last, "int8 x int8 dot": the int8 kernel times the row quantized to int8 too (one scale for the row), an
+int8 x int8 -> int32 dot (what llama.cpp's Q8_0 and Q4_0 products compute, with integer SIMD dot products), checked
+against the float64 product of the rounded row and the dequantized kernel: whether XLA:CPU's integer dot would
+be faster than converting the weights (`QuantConfig` keeps activations in the model's dtype).
 """
 
 from __future__ import annotations
@@ -88,6 +92,19 @@ def formulations(n_in: int) -> dict:
     }
 
 
+def _int8_row(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x `[1, in]` -> (int8 `[1, in]`, its float32 scale): symmetric, one scale for the row."""
+    scale = jnp.max(jnp.abs(x)) / 127.0
+    return jnp.round(x / scale).astype(jnp.int8), scale
+
+
+def _int8_activations(q: jax.Array, s: jax.Array, x: jax.Array) -> jax.Array:
+    """The int8 kernel q `[out, in]` (scales s `[out]`) times x quantized to int8: an int32 dot, then the scales."""
+    row, row_scale = _int8_row(x)
+    acc = jax.lax.dot_general(row, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)  # [1, out]
+    return acc.astype(jnp.float32) * (s * row_scale)
+
+
 def rows_for(n_in: int, n_out: int, rng: np.random.Generator, spec) -> list[dict]:
     """Compiled, checked rows of one kernel shape: dicts of name, call (a no-argument function)."""
     kernel = jnp.asarray(rng.standard_normal((n_in, n_out)) * 0.02, jnp.float32)
@@ -105,12 +122,16 @@ def rows_for(n_in: int, n_out: int, rng: np.random.Generator, spec) -> list[dict
     int4 = layers["int4"]
     cases += [(name, jax.jit(fn), (int4.qweight[...], int4.scale[...], x), quantized, int4.kernel())
               for name, fn in formulations(n_in).items()]
+    int8 = layers["int8"]
+    row8, row_scale = _int8_row(x)
+    cases.append(("int8 x int8 dot", jax.jit(_int8_activations), (int8.qweight[...], int8.scale[...], x), quantized,
+                  int8.kernel(), np.asarray(row8, np.float64) * float(row_scale)))
     rows = []
-    for name, fn, args, options, reference in cases:
+    for name, fn, args, options, reference, *row in cases:
         exe = fn.lower(*args).compile(options)
         got = np.asarray(exe(*args), np.float64)
         if name != "int4 no scales":
-            want = np.asarray(x, np.float64) @ np.asarray(reference, np.float64)
+            want = (row[0] if row else np.asarray(x, np.float64)) @ np.asarray(reference, np.float64)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=name)
         rows.append(dict(shape=(n_in, n_out), name=name, call=lambda exe=exe, args=args: exe(*args), times=[]))
     return rows

@@ -40,9 +40,11 @@ How XLA:CPU computes them (`python scripts/bench_quant.py --chain` times the lin
       multiply int4's loop ran 1.1 - 1.3x faster, but the multiply cannot leave the inner loop: a per-group sum
       is a batched dot or a reduce, which XLA:CPU does not fuse with the conversion (0.02 - 0.1x), and the
       fast-math compile options leave the IR unchanged. Converting `jnp.int4` arrays (XLA's packed 4-bit type)
-      instead ran at 0.1x (XLA:CPU extracts each nibble with scalar code); one fusion for both planes (a
-      concatenated or an interleaved kernel, a per-plane shift by iota) converted into a buffer or was not
-      vectorized (0.05 - 0.1x). A plane of 512 inputs (in 1024) is unrolled into one chain of 32 dependent
+      instead ran at 0.1x (XLA:CPU extracts each nibble with scalar code); an int8 x int8 -> int32 dot
+      of the row quantized to int8 (llama.cpp's Q8_0 arithmetic, were activations not kept in the model's dtype)
+      at 0.04 - 0.17x (no integer SIMD dot products); one fusion for both planes (a concatenated or an
+      interleaved kernel, a per-plane shift by iota) converted into a buffer or was not vectorized (0.05 - 0.1x).
+      A plane of 512 inputs (in 1024) is unrolled into one chain of 32 dependent
       multiply-adds; with LLVM's unrolling off (`--xla_backend_extra_options=xla_cpu_disable_loop_unrolling`, a
       process-wide XLA_FLAGS only) it ran no faster (the out-of-order core presumably overlaps consecutive
       output channels' chains).

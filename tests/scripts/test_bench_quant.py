@@ -181,11 +181,12 @@ def test_llama_cpp_f32_logits_are_pagedjax_float32s(tmp_path):
     assert 0 < acc.logit_error(got["llama.cpp Q8_0"], want) < acc.logit_error(got["llama.cpp Q4_0"], want)
 
 
-@pytest.mark.slow  # (CI time) compiles seven small programs
+@pytest.mark.slow  # (CI time) compiles eight small programs
 def test_bench_quant_matvec_quick_runs(capsys):
     import bench_quant_matvec
 
     bench_quant_matvec.main(["--quick"])  # checks every formulation against the dequantized product first
     rows = [line.split("]", 1)[1].rsplit(None, 3)[0].strip() for line in capsys.readouterr().out.splitlines()
             if line.startswith("[256 -> 64]")]
-    assert rows == ["float32", "int8", "int4", "int4 two shifts", "int4 jnp.int4", "int4 group sums", "int4 no scales"]
+    assert rows == ["float32", "int8", "int4", "int4 two shifts", "int4 jnp.int4", "int4 group sums", "int4 no scales",
+                    "int8 x int8 dot"]
