@@ -335,17 +335,22 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
         raise ModelLoadError(config_path, str(e)) from None
 
 
-def _quantization(hf: dict):
+# A mixture-of-experts layer's router as checkpoints name it (`hf_quant.quant_config` wants each left unquantized):
+# Mixtral's `block_sparse_moe` is transformers 5's `mlp`.
+_ROUTER_NAMES = {"mixtral": ("model.layers.{i}.block_sparse_moe.gate", "model.layers.{i}.mlp.gate"),
+                 "qwen3_moe": ("model.layers.{i}.mlp.gate",)}
+
+
+def _quantization(hf: dict, num_layers: int):
     """A pre-quantized checkpoint's scheme (`pagedjax.model.hf_quant`), or None for a float one."""
     if hf.get("quantization_config") is None:
         return None
-    if hf.get("model_type") in ("mixtral", "qwen3_moe"):  # per-expert tensors of `hf_quant`'s codecs: not read
-        raise ValueError("field 'quantization_config': pre-quantized mixture-of-experts checkpoints are not "
-                         "supported (load the float checkpoint with quantization=, which quantizes the experts)")
     from pagedjax.model.hf_quant import quant_config
 
+    names = _ROUTER_NAMES.get(hf.get("model_type"), ())
+    routers = tuple(tuple(name.format(i=i) for name in names) for i in range(num_layers)) if names else ()
     try:
-        return quant_config(hf["quantization_config"])
+        return quant_config(hf["quantization_config"], routers)
     except ValueError as e:
         raise ValueError(f"field 'quantization_config': {e}") from None
 
@@ -412,7 +417,7 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
         sliding_windows=sliding_windows,
         **rope,
         moe=_moe(hf, model_type, num_layers),
-        quantization=_quantization(hf),
+        quantization=_quantization(hf, num_layers),
         **gemma,
         **_FAMILIES[model_type],
     )

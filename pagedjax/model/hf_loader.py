@@ -75,8 +75,13 @@ def _hf_names(path: tuple, shape: tuple, quant=None) -> list[tuple[str, bool | C
     or the `Codec` of a pre-quantized one, the expert whose slice it fills or None for the whole parameter). A
     stacked expert projection (..., 'experts', 'gate_proj') of shape `[E, width, hidden]` is E tensors
     `experts.{e}.gate_proj.weight` (gate / up kept as HF's [out, in], down transposed to [in, out]:
-    `pagedjax.model.moe.Experts`)."""
+    `pagedjax.model.moe.Experts`); a quantized one's `qweight` / `scale` `[E, out, ...]` (`moe_quant`) is E
+    compressed-tensors tensors `experts.{e}.gate_proj.weight_packed` / `.weight_scale`, each `[out, ...]` as stored
+    (down too)."""
     *mods, leaf = (str(p) for p in path)
+    if leaf in ("qweight", "scale") and len(mods) >= 2 and mods[-2] == "experts":  # `QuantizedExperts`: per expert
+        prefix = "model." + ".".join(mods[:-1])
+        return [(*hf_quant.tensor(f"{prefix}.{e}.{mods[-1]}", leaf, quant), e) for e in range(shape[0])]
     if leaf in ("qweight", "scale"):  # a QuantizedLinear of a compressed-tensors checkpoint (`hf_quant`)
         name, codec = hf_quant.tensor(_hf_name((*mods, "kernel"))[0].removesuffix(".weight"), leaf, quant)
         return [(name, codec, None)]
@@ -284,7 +289,8 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
                     elif transpose:
                         array = array.T
                     if expert is not None:
-                        array = _stack_expert(stacks, var, expert, array, target_dtype)
+                        array = _stack_expert(stacks, var, expert, array,
+                                              transpose.dtype if isinstance(transpose, Codec) else target_dtype)
                         if array is None:  # more experts to come
                             continue
                     array = np.ascontiguousarray(

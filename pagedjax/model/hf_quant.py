@@ -4,7 +4,7 @@ schemes whose stored values are exactly pagedjax's (`pagedjax.model.quant`).
     config.json "quantization_config": {"quant_method": "compressed-tensors", "format": F,
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": B, "type": "int",
                           "symmetric": true, "strategy": S, "group_size": G}, "input_activations": null}},
-        "ignore": ["lm_head"]}
+        "ignore": ["lm_head"]}     (and a mixture-of-experts model's routers: see `quant_config`)
     F = "pack-quantized", B = 4, S = "group" (W4A16)   -> QuantConfig("int4", group_size=G)
         <layer>.weight_packed  int32 [out, in / 8]: word w of a row holds inputs 8w .. 8w + 7, input 8w + j in
                                bits 4j .. 4j + 3 as q + 8 (q in [-8, 7])
@@ -13,12 +13,17 @@ schemes whose stored values are exactly pagedjax's (`pagedjax.model.quant`).
         <layer>.weight         int8 [out, in]         <layer>.weight_scale  [out, 1]
 Each tensor becomes the model's `qweight` / `scale`, whose layout is the checkpoint's `[out, ...]` (int4
 re-packed two per byte in `pack_int4`'s nibble planes, scales in float32: a 16-bit scale converts exactly).
-Anything else (asymmetric zero points, activation ordering, quantized activations, other bit widths or
-strategies, layers other than the LM head left in float) is a ValueError naming the field.
+A mixture-of-experts model's experts are one such linear per expert and projection (`...experts.{e}.w1` or
+`.gate_proj`, as vLLM reads them), stacked into `pagedjax.model.moe_quant.QuantizedExperts` on load; its routers
+are float and must be in "ignore" (by name, or by a "re:" pattern as compressed-tensors writes them), since
+pagedjax keeps routers float. Anything else (asymmetric zero points, activation ordering, quantized activations,
+other bit widths or strategies, layers other than the LM head and the routers left in float, quantized routers)
+is a ValueError naming the field.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,9 +35,33 @@ _INT8_FORMATS = ("int-quantized", "naive-quantized")
 _FLOAT_SCALES = ("F32", "F16", "BF16")
 
 
-def quant_config(qc) -> QuantConfig:
+def _ignored(entry: str, name: str) -> bool:
+    """Whether an "ignore" entry (a module name, or "re:" and a pattern matched from the name's start, as
+    compressed-tensors matches them) covers module `name`."""
+    return re.match(entry[3:], name) is not None if entry.startswith("re:") else entry == name
+
+
+def _check_ignore(ignore, routers: tuple[tuple[str, ...], ...]) -> None:
+    """"ignore" may leave the LM head and the MoE routers (each router: the names it may have) in float, and must
+    leave every router so (pagedjax keeps routers float); ValueError otherwise."""
+    names = ["lm_head", *(name for spellings in routers for name in spellings)]
+    if not isinstance(ignore, list) or not all(isinstance(e, str) for e in ignore):
+        raise ValueError(f"ignore {ignore!r}: a list of module names")
+    stray = [e for e in ignore if not any(_ignored(e, name) for name in names)]
+    if stray:
+        left = "only lm_head" + (" and the MoE routers" if routers else "")
+        raise ValueError(f"ignore {stray!r}: {left} may be left unquantized")
+    quantized = [spellings[0] for spellings in routers
+                 if not any(_ignored(e, name) for e in ignore for name in spellings)]
+    if quantized:
+        raise ValueError(f"ignore: the MoE routers {quantized} are quantized; pagedjax keeps routers float (they "
+                         "decide each token's experts): only checkpoints that leave them unquantized load")
+
+
+def quant_config(qc, routers: tuple[tuple[str, ...], ...] = ()) -> QuantConfig:
     """config.json's "quantization_config" -> the QuantConfig of its scheme; ValueError naming the field that
-    pagedjax cannot load exactly."""
+    pagedjax cannot load exactly. `routers`: a mixture-of-experts model's routers, each as the names a checkpoint
+    may give it (none for a dense model)."""
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
         raise ValueError(f"quant_method {method!r} is not supported (only compressed-tensors pack-quantized W4A16 "
@@ -51,9 +80,8 @@ def quant_config(qc) -> QuantConfig:
     if w.get("actorder") not in (None, False) or w.get("dynamic") not in (None, False):
         raise ValueError("config_groups.weights: activation ordering and dynamic scales are not supported")
     ignore = qc.get("ignore") or []
-    if not isinstance(ignore, list) or set(ignore) - {"lm_head"}:
-        raise ValueError(f"ignore {ignore!r}: only lm_head may be left unquantized")
-    keep = ("lm_head",) if "lm_head" in ignore else ()
+    _check_ignore(ignore, routers)
+    keep = ("lm_head",) if any(_ignored(e, "lm_head") for e in ignore) else ()
     fmt, bits, strategy = qc.get("format"), w.get("num_bits"), w.get("strategy")
     if fmt == "pack-quantized" and bits == 4 and strategy == "group":
         return QuantConfig("int4", group_size=w.get("group_size"), keep_float=keep)

@@ -335,17 +335,20 @@ def test_a_mixtral_checkpoint_loads_with_quantized_experts(tmp_path):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=f"{len(p)} tokens")
 
 
-def test_a_pre_quantized_moe_checkpoint_is_refused_naming_the_field(tmp_path):
-    """compressed-tensors MoE checkpoints (per-expert packed tensors) are not read: a ModelLoadError naming
-    config.json's field says to quantize the float checkpoint at load instead."""
+def test_a_pre_quantized_moe_checkpoint_with_quantized_routers_is_refused_naming_the_field(tmp_path):
+    """compressed-tensors MoE checkpoints load (tests/model/test_hf_quant_moe.py) when they leave the routers float,
+    which pagedjax keeps float: one whose "ignore" does not is a ModelLoadError naming config.json's field."""
     pytest.importorskip("transformers")
     from pagedjax.model.hf_loader import load_hf_config
     from tests.model.test_hf_moe import _write_config
 
-    for model_type in ("mixtral", "qwen3_moe"):
-        folder = _write_config(tmp_path, {"model_type": model_type,
-                                          "quantization_config": {"quant_method": "compressed-tensors"}})
-        with pytest.raises(ValueError, match="field 'quantization_config': pre-quantized mixture-of-experts "
-                                             "checkpoints are not supported \\(load the float checkpoint with "
-                                             "quantization="):
+    w4a16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                 "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}
+    for model_type, router in (("mixtral", "block_sparse_moe.gate"), ("qwen3_moe", "mlp.gate")):
+        folder = _write_config(tmp_path, {"model_type": model_type, "num_hidden_layers": 2,
+                                          "quantization_config": w4a16})
+        with pytest.raises(ValueError, match=rf"field 'quantization_config': ignore: the MoE routers "
+                                             rf"\['model.layers.0.{router}', 'model.layers.1.{router}'\] are "
+                                             rf"quantized; pagedjax keeps routers float"):
             load_hf_config(folder)
