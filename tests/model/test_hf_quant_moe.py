@@ -37,8 +37,13 @@ from tests.model.test_hf_moe import PROMPTS, build_hf_model  # noqa: E402
 pytestmark = pytest.mark.hf
 
 GROUP = 16  # divides the tiny Mixtral's hidden size (32) and expert width (48)
-ARGS = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
-ROUTERS = "re:.*block_sparse_moe.gate$"  # llm-compressor's Mixtral recipe: the routers stay float
+SCHEMES = {  # name -> (compressed-tensors' arguments, its format, the QuantConfig pagedjax reads)
+    "int4": (QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP),
+             "pack-quantized", QuantConfig("int4", group_size=GROUP)),
+    "int8": (QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"), "int-quantized",
+             QuantConfig("int8")),
+}
+ROUTERS = "re:.*block_sparse_moe.gate$"  # as llm-compressor's Mixtral recipe writes it: the routers stay float
 
 
 def _quantized(name: str) -> bool:
@@ -46,11 +51,12 @@ def _quantized(name: str) -> bool:
     return name.endswith(("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
 
 
-def compressed_moe_checkpoint(folder: Path, reference: Path) -> list[str]:
+def compressed_moe_checkpoint(folder: Path, reference: Path, scheme: str) -> list[str]:
     """The tiny random Mixtral of test_hf_moe saved by transformers (one tensor per expert and projection), its
-    quantized weights replaced by compressed-tensors' `weight_packed` / `weight_scale` / `weight_shape` in `folder`
-    and by the values compressed-tensors dequantizes in `reference` (a float checkpoint). Returns the names of the
-    quantized weights."""
+    quantized weights replaced in `folder` by compressed-tensors' tensors of `scheme` (int4: `weight_packed`,
+    `weight_scale`, `weight_shape`; int8: `weight`, `weight_scale`) and in `reference` (a float checkpoint) by the
+    values compressed-tensors dequantizes. Returns the names of the quantized weights."""
+    args, fmt, _ = SCHEMES[scheme]
     build_hf_model("mixtral").save_pretrained(str(reference), safe_serialization=True)
     shutil.copytree(reference, folder)
     tensors = load_file(str(reference / "model.safetensors"))
@@ -60,21 +66,25 @@ def compressed_moe_checkpoint(folder: Path, reference: Path) -> list[str]:
         if name not in names:
             packed[name] = dequantized[name] = w
             continue
-        groups = w.reshape(w.shape[0], -1, GROUP)
-        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), ARGS)  # [out, in / GROUP]
-        q = quantize(w, scale, zero, ARGS)
+        groups = w.reshape(w.shape[0], -1, GROUP if scheme == "int4" else w.shape[1])
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)  # [out, in / GROUP] or [out, 1]
+        q = quantize(w, scale, zero, args)
         prefix = name.removesuffix(".weight")
-        packed[f"{prefix}.weight_packed"] = pack_to_int32(q.to(torch.int8), 4)
+        if scheme == "int4":
+            packed[f"{prefix}.weight_packed"] = pack_to_int32(q.to(torch.int8), 4)
+            packed[f"{prefix}.weight_shape"] = torch.tensor(list(w.shape))
+        else:
+            packed[name] = q.to(torch.int8)
         packed[f"{prefix}.weight_scale"] = scale
-        packed[f"{prefix}.weight_shape"] = torch.tensor(list(w.shape))
-        dequantized[name] = dequantize(q, scale, zero, ARGS).to(w.dtype)
+        dequantized[name] = dequantize(q, scale, zero, args).to(w.dtype)
     save_file(packed, str(folder / "model.safetensors"))
     save_file(dequantized, str(reference / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head", ROUTERS],
+        "quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head", ROUTERS],
         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}}}}
+            "num_bits": args.num_bits, "type": "int", "symmetric": True, "strategy": str(args.strategy),
+            "group_size": args.group_size}}}}
     (folder / "config.json").write_text(json.dumps(config))
     return names
 
@@ -84,11 +94,13 @@ def _engine(cfg, state):
         max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32), params=state, backend="xla")
 
 
-def test_a_compressed_tensors_mixtral_loads_its_experts_quantized_and_equals_its_dequantized_float_model(tmp_path):
-    names = compressed_moe_checkpoint(tmp_path / "w4a16", tmp_path / "dequantized")
+@pytest.mark.parametrize("scheme", ["int4", pytest.param("int8", marks=pytest.mark.slow)])
+def test_a_compressed_tensors_mixtral_loads_its_experts_quantized_and_equals_its_dequantized_float_model(tmp_path,
+                                                                                                         scheme):
+    names = compressed_moe_checkpoint(tmp_path / "quantized", tmp_path / "dequantized", scheme)
     assert any(".block_sparse_moe.experts.3.w2." in n for n in names)  # per-expert tensors, Mixtral's names
-    cfg, state, _ = load_hf(tmp_path / "w4a16")
-    assert cfg.quantization == QuantConfig("int4", group_size=GROUP)
+    cfg, state, _ = load_hf(tmp_path / "quantized")
+    assert cfg.quantization == SCHEMES[scheme][2]
     float_cfg, float_state, _ = load_hf(tmp_path / "dequantized")
     assert float_cfg.quantization is None
     model = model_from_state(cfg, state)
@@ -96,8 +108,9 @@ def test_a_compressed_tensors_mixtral_loads_its_experts_quantized_and_equals_its
     assert isinstance(layer.mlp.experts, QuantizedExperts) and isinstance(layer.self_attn.q_proj, QuantizedLinear)
     assert not isinstance(model.lm_head, QuantizedLinear) and not isinstance(layer.mlp.gate, QuantizedLinear)
     experts = state["layers"][1]["mlp"]["experts"]["down_proj"]
-    assert experts["qweight"].get_value().shape == (4, 32, 48 // 2)  # [E, out, in / 2]: stacked, as stored
-    assert experts["scale"].get_value().shape == (4, 32, 48 // GROUP)
+    per_byte, groups = (2, 48 // GROUP) if scheme == "int4" else (1, None)
+    assert experts["qweight"].get_value().shape == (4, 32, 48 // per_byte)  # [E, out, in (/ 2)]: stacked, as stored
+    assert experts["scale"].get_value().shape == (4, 32, groups)[:2 if groups is None else 3]
     want = dict((tuple(p), lg) for p, lg in paged_last_logits(_engine(float_cfg, float_state), PROMPTS))
     for prompt, logits in paged_last_logits(_engine(cfg, state), PROMPTS):
         expected = want[tuple(prompt)]
