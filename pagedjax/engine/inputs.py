@@ -235,8 +235,9 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
     sequence bucket's rows (dst -1 = padding); top-logprob counts and stop-id columns come in
     `TOP_LOGPROBS_SIZES` and `STOP_ID_WIDTHS` (the host keeps what each request asked for).
     `logits_indices`: the R tokens whose logits are sampled, when not one per sequence (its last token; speculative
-    decoding samples every verified position): sampling, penalties and token masks then have R rows, padded to R's
-    bucket (the sequences keep their own: a padding sequence costs the XLA attention path a query tile)."""
+    decoding samples every verified position): sampling, penalties and token masks then have R rows, padded to
+    `fine_bucket(R)` as the tokens are to `fine_bucket(T)`, neither below the sequences' bucket (the sequences keep
+    their own: a padding sequence costs the XLA attention path a query tile), so that T_b >= R_b >= S_b."""
     num_tokens, num_seqs = len(token_ids), len(kv_lens)
     decode_only = num_tokens == num_seqs
     # Ragged steps pad their tokens to a power of two from 16 (prefill chunks: few programs); a step that samples
