@@ -20,7 +20,7 @@ gathers from) applied to M random rows, in one program compiled with the runner'
 (`runner.cpu_compiler_options`): the weights a step reads, without attention, norms or sampling.
 Each program is compiled and run once first, then timed: best of `--repeats` rounds of `--calls` calls each,
 rounds interleaved over the rows. Ratios are against the 1-row row of the same table; "cores" is process CPU time
-over wall time while it ran (1.0: one core busy).
+over wall time while it ran (1.0: one core busy; it counts XLA's thread pool spinning while it waits too).
 """
 
 from __future__ import annotations
