@@ -22,7 +22,9 @@ sees random token ids too):
               does not agree with a random target (its acceptance rate says how little), and the upper bounds: the
               target's own first 2 layers (embedding, norm and head shared) and the target itself (acceptance 1:
               what a perfect draft of the target's cost would give); and "oracle", proposals that are the plain
-              run's own tokens at no cost (not a draft model: what verification alone allows).
+              run's own tokens at no cost (not a draft model: what verification alone allows), and the same with
+              its verifying steps padded to powers of two, as the engine padded them before `inputs.fine_bucket`
+              (5 tokens and rows as 8 for k = 4 at batch 1): the baseline of that change, in the same run.
 
 Rows: plain decoding with 1 and with N decode steps per device call, and speculation (k proposals, N steps per
 call where no request has a proposal). Each engine is warmed up (every shape compiled) by one run, then timed in
@@ -33,6 +35,7 @@ first row's (exactness: greedy tokens, and the seeded samples too).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -43,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
 from pagedjax.config import SpeculativeConfig  # noqa: E402
+from pagedjax.engine import inputs as inputs_module  # noqa: E402
 from pagedjax.engine.loading import load_for  # noqa: E402
 from pagedjax.model.llama import init_model  # noqa: E402
 from scripts.bench_engine import SHAPES  # noqa: E402
@@ -83,6 +87,17 @@ class Oracle:
         return True
 
 
+@contextlib.contextmanager
+def padded_to_powers_of_two():
+    """Verifying steps padded as before `inputs.fine_bucket`: tokens and rows to powers of two."""
+    fine = inputs_module.fine_bucket
+    inputs_module.fine_bucket = inputs_module.bucket
+    try:
+        yield
+    finally:
+        inputs_module.fine_bucket = fine
+
+
 def draft_models(target, cfg) -> dict:
     """The draft workload's drafts for `target` (see the module's docstring)."""
     small = init_model(SHAPES["small"].replace(vocab_size=cfg.vocab_size, dtype=cfg.dtype), seed=1)
@@ -117,6 +132,7 @@ def run(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int,
                                                                        num_speculative_tokens=k))
                      for name, draft in draft_models(model, cfg).items()]
         variants.append((f"oracle k={k}", fused, SpeculativeConfig(num_speculative_tokens=k)))
+        variants.append((f"oracle k={k}, padded to 2^n", fused, SpeculativeConfig(num_speculative_tokens=k)))
     else:
         variants.append((f"ngram k={k}, {fused} steps/call", fused, SpeculativeConfig(num_speculative_tokens=k)))
     rows, plain = [], None  # plain: the first row's tokens (the oracle's proposals)
@@ -131,15 +147,18 @@ def run(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int,
             engine.speculator.proposer = AlwaysZero(k)
         if name.startswith("oracle"):
             engine.speculator.proposer = Oracle(k, prompts, plain)
-        outs = engine.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every shape of this workload
+        padding = padded_to_powers_of_two if name.endswith("2^n") else contextlib.nullcontext
+        with padding():
+            outs = engine.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every shape of this workload
         plain = plain or [o.output_token_ids for o in outs]
-        rows.append(dict(name=name, engine=engine, times=[]))
+        rows.append(dict(name=name, engine=engine, padding=padding, times=[]))
     for _ in range(repeats):
         for row in rows:
             before = row["engine"].stats()
-            start = time.perf_counter()
-            outs = row["engine"].generate(prompts, params, use_tqdm=False)
-            row["times"].append(time.perf_counter() - start)
+            with row["padding"]():
+                start = time.perf_counter()
+                outs = row["engine"].generate(prompts, params, use_tqdm=False)
+                row["times"].append(time.perf_counter() - start)
             after = row["engine"].stats()
             row["tokens"] = [o.output_token_ids for o in outs]
             row["proposed"] = after.spec_proposed_tokens - before.spec_proposed_tokens

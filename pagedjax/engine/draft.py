@@ -130,8 +130,9 @@ class DraftProposer:
         """The draft's greedy token after each sequence's last token of `plan`, i32[num_seqs]."""
         n = plan.num_seqs
         greedy = SamplingMetadata.from_lists([0.0] * n, [0] * n, [1.0] * n, [0] * n, [0] * n)
-        # The sampled rows given (one per sequence, its last token): the tokens are then padded to a power of two
-        # from 1, not 16 as a prefill chunk's are (a catch-up is mostly a token or two per sequence).
+        # The sampled rows given (one per sequence, its last token): the tokens are then padded to `inputs.
+        # fine_bucket`, not a power of two from 16 as a prefill chunk's are (a catch-up is mostly a token or two per
+        # sequence).
         inputs = pad_step(token_ids=plan.token_ids, positions=plan.positions, slot_mapping=plan.slot_mapping,
                           block_tables=plan.block_tables, kv_lens=plan.kv_lens, cu_q_lens=plan.cu_q_lens,
                           sampling=greedy, logits_indices=plan.cu_q_lens[1:] - 1)

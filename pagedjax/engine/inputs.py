@@ -135,6 +135,17 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def fine_bucket(n: int) -> int:
+    """The smallest size >= n of 1, 2, ..., 8 and 2^e x {5/4, 6/4, 7/4, 2} above (10, 12, 14, 16, 20, ...): at most
+    25% padding where a power of two pads up to 2x, four sizes per doubling. For the tokens and sampled rows of a
+    step verifying speculative proposals, (1 + k) per sequence: on the CPU each padded row costs the float32 dots
+    nearly as much as a real one (1 + 4 = 5 tokens as 8 made a verifying step about 10% dearer:
+    `scripts/bench_verify.py`)."""
+    n = max(int(n), 1)
+    step = max(1, bucket(n) // 8)
+    return -(-n // step) * step
+
+
 def pad_rows(x, n: int, value, dtype=np.int32) -> np.ndarray:
     """`x` along its first axis, padded with `value` to length n."""
     out = np.full((n,) + np.shape(x)[1:], value, dtype)
@@ -224,21 +235,22 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
     sequence bucket's rows (dst -1 = padding); top-logprob counts and stop-id columns come in
     `TOP_LOGPROBS_SIZES` and `STOP_ID_WIDTHS` (the host keeps what each request asked for).
     `logits_indices`: the R tokens whose logits are sampled, when not one per sequence (its last token; speculative
-    decoding samples every verified position): sampling, penalties and token masks then have R rows, padded to R's
-    bucket (the sequences keep their own: a padding sequence costs the XLA attention path a query tile)."""
+    decoding samples every verified position): sampling, penalties and token masks then have R rows, padded to
+    `fine_bucket(R)` as the tokens are to `fine_bucket(T)`, neither below the sequences' bucket (the sequences keep
+    their own: a padding sequence costs the XLA attention path a query tile), so that T_b >= R_b >= S_b."""
     num_tokens, num_seqs = len(token_ids), len(kv_lens)
     decode_only = num_tokens == num_seqs
     # Ragged steps pad their tokens to a power of two from 16 (prefill chunks: few programs); a step that samples
-    # rows of its own (verifying proposals: a few tokens per sequence, batch 1 most of all) from 1, so that it does
-    # not compute three times the tokens it has.
-    min_tokens = 16
+    # rows of its own (verifying proposals: a few tokens per sequence, batch 1 most of all) pads its tokens and rows
+    # to `fine_bucket`, so that it computes few more than it has (5 tokens of batch 1 and k = 4 as 5, not 16 or 8).
+    s_b = bucket(num_seqs)
     if logits_indices is None:
         logits_indices = np.asarray(cu_q_lens[1:]) - 1
+        r_b = s_b
+        t_b = s_b if decode_only else bucket(num_tokens, 16)
     else:
-        min_tokens = 1
-    s_b = bucket(num_seqs)
-    r_b = bucket(len(logits_indices))  # sampled rows (R >= S)
-    t_b = s_b if decode_only else bucket(num_tokens, min_tokens)
+        r_b = max(s_b, fine_bucket(len(logits_indices)))  # sampled rows: T_b >= R_b >= S_b as R >= S
+        t_b = s_b if decode_only else max(s_b, fine_bucket(num_tokens))
     tables = pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2))
     copies = None
     if block_copies is not None and len(block_copies):

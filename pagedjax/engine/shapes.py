@@ -23,11 +23,12 @@ The bound on programs (`variants_bound`): per (T, S, B), at most 2 (block copies
 8 or 512 stop-id columns) x 3 (log-probabilities off, 5 or 20 alternatives) x 3 (prompt log-probabilities off, 5
 or 20) x 2 (structured output's token mask off / on) = 108 variants of the optional parts, and `return_logits`
 (which only tests and tools ask for) doubles that; T is a power of two from 16 to the token budget's bucket
-(or S, for a decode-only step; from 1 for a step verifying speculative proposals, `pad_step`), S one up to
-max_num_seqs' bucket (with speculation, a verifying step's sampled rows R one more, up to (1 + k) max_num_seqs'
-bucket), B one from 2 up to max_model_len / block_size's bucket. (Before, every power of two of
-copies, stop ids and alternatives was a program of its own.) A fused decode has 12 variants per (S, B): stop ids
-8 or 512, penalties off / on, log-probabilities off, 5 or 20. The runner also holds at most `max_programs`.
+(or S, for a decode-only step; for a step verifying speculative proposals one of `inputs.fine_bucket`'s four
+sizes per doubling, `pad_step`), S one up to max_num_seqs' bucket (with speculation, a verifying step's sampled
+rows R one more, of `fine_bucket`'s sizes up to (1 + k) max_num_seqs'), B one from 2 up to max_model_len /
+block_size's bucket. (Before, every power of two of copies, stop ids and alternatives was a program of its
+own.) A fused decode has 12 variants per (S, B): stop ids 8 or 512, penalties off / on, log-probabilities off,
+5 or 20. The runner also holds at most `max_programs`.
 Stop-id lists longer than 511 (the Python API has no limit; the server's is 256) add a power of two each.
 """
 

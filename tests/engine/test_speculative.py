@@ -274,8 +274,8 @@ def test_speculative_step_inputs_give_each_verified_position_its_own_row(monkeyp
     np.testing.assert_array_equal(plan.token_ids, [2, 7, 8, 9, 4, 5])
     np.testing.assert_array_equal(plan.logits_indices, [0, 1, 2, 3, 5])
     inputs = speculative_step_inputs(plan, [c, a, b], vocab_size=40, engine_seed=0)
-    assert not inputs.decode_only and len(inputs.token_ids) == 8  # 6 tokens to a power of two from 1
-    assert inputs.meta.block_tables.shape[0] == inputs.meta.kv_lens.shape[0] == 4 and len(inputs.logits_indices) == 8
+    assert not inputs.decode_only and len(inputs.token_ids) == 6  # tokens and rows to `fine_bucket`: 6 and 5
+    assert inputs.meta.block_tables.shape[0] == inputs.meta.kv_lens.shape[0] == 4 and len(inputs.logits_indices) == 5
     np.testing.assert_array_equal(inputs.logits_indices[:5], plan.logits_indices)
     np.testing.assert_array_equal(inputs.sampling.step[:5], [1, 1, 2, 3, 0])
     np.testing.assert_allclose(inputs.sampling.temperature[:5], [0, 0.5, 0.5, 0.5, 0])
