@@ -48,8 +48,9 @@ def _engine(cfg: ModelConfig, params) -> LLMEngine:
 
 
 def _dequantized(cfg: ModelConfig, state, qcfg: ModelConfig, qstate) -> nnx.State:
-    """The float model's parameters with each quantized layer's kernel replaced by its dequantized values."""
-    model, qmodel = model_from_state(cfg, state), model_from_state(qcfg, qstate)
+    """The float model's parameters with each quantized layer's kernel replaced by its dequantized values (a new
+    state: `state` is left as it is, though a merged model shares its variables)."""
+    model, qmodel = nnx.clone(model_from_state(cfg, state)), model_from_state(qcfg, qstate)
     for path, node in nnx.iter_graph(qmodel):
         if isinstance(node, QuantizedLinear):
             target = model
