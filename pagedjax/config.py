@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pagedjax.fields import check_bool, check_choice, check_float, check_int, describe, is_int  # noqa: F401
 from pagedjax.moe_config import MoEConfig
 from pagedjax.quant_config import QuantConfig
+from pagedjax.spec_config import SPECULATIVE_METHODS, SpeculativeConfig  # noqa: F401  (re-exported)
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -458,39 +459,3 @@ class SchedulerConfig:
                              f"({max_position_embeddings}); lower max_model_len or leave it None")
         return self
 
-
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (`pagedjax.engine.speculative`): each decoding step verifies up to
-    `num_speculative_tokens` proposed tokens per request; the output is exactly the non-speculative one.
-
-    method "ngram" (prompt lookup): the proposal is what followed the most recent earlier occurrence of the
-    request's last n tokens in its prompt and output, for the longest n in [prompt_lookup_min, prompt_lookup_max]
-    that occurs; no occurrence, no proposal (the request decodes as usual), and a request whose last proposal
-    failed holds back for a few tokens (`pagedjax.engine.speculative.NgramProposer`).
-    method "draft": `draft_model` (a model folder, a `ModelConfig` (random weights) or a model module, with the
-    target's vocabulary) proposes its greedy tokens (`pagedjax.engine.draft`).
-    """
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    draft_model: object = None  # method "draft" only
-
-    def __post_init__(self) -> None:
-        check_choice("SpeculativeConfig", "method", self.method, SPECULATIVE_METHODS, optional=False)
-        object.__setattr__(self, "num_speculative_tokens",
-                           check_int("SpeculativeConfig", "num_speculative_tokens", self.num_speculative_tokens,
-                                     lo=1, hi=64))
-        object.__setattr__(self, "prompt_lookup_min",
-                           check_int("SpeculativeConfig", "prompt_lookup_min", self.prompt_lookup_min, lo=1))
-        object.__setattr__(self, "prompt_lookup_max",
-                           check_int("SpeculativeConfig", "prompt_lookup_max", self.prompt_lookup_max,
-                                     lo=self.prompt_lookup_min))
-        if (self.draft_model is None) == (self.method == "draft"):
-            raise ValueError(f"SpeculativeConfig.draft_model is needed by method 'draft' and only by it, got "
-                             f"{describe(self.draft_model)} with method {self.method!r}")

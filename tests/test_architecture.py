@@ -26,7 +26,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedjax.parallel",),  # SPMD: meshes, shardings, sharded attention
     ("pagedjax.device", "pagedjax.core"),  # pure JAX functions | host state without JAX
     ("pagedjax.config", "pagedjax.compile_cache"),
-    ("pagedjax.moe_config", "pagedjax.quant_config"),  # ModelConfig.moe's and .quantization's dataclasses
+    ("pagedjax.moe_config", "pagedjax.quant_config", "pagedjax.spec_config"),  # ModelConfig.moe's, .quantization's
+    # and the engine's speculative_config's dataclasses
     ("pagedjax.fields",),  # the field checks every config class uses
     ("pallas_kernels",),  # kernels: import nothing of pagedjax
 ]

@@ -194,3 +194,16 @@ def test_a_draft_under_tensor_parallelism_is_refused():
         LLMEngine(CFG, CacheConfig(block_size=8, num_blocks=16), SchedulerConfig(max_model_len=MAX_LEN), seed=SEED,
                   parallel_config=ParallelConfig(tensor_parallel_size=1),
                   speculative_config=SpeculativeConfig(method="draft", draft_model=SMALL))
+
+
+def test_the_config_repr_shows_a_module_draft_by_its_type():
+    """A draft given as a model module is its type in the config's repr (its parameter arrays printed whole made
+    every log line of a config pages long); a folder or a ModelConfig shows as itself."""
+    module = SpeculativeConfig(method="draft", draft_model=init_model(SMALL, SEED), num_speculative_tokens=2)
+    assert repr(module) == ("SpeculativeConfig(method='draft', num_speculative_tokens=2, prompt_lookup_min=2, "
+                            "prompt_lookup_max=4, draft_model=<Llama module>)")
+    folder = SpeculativeConfig(method="draft", draft_model="/models/draft", num_speculative_tokens=2)
+    assert repr(folder).endswith(", draft_model='/models/draft')")
+    assert repr(SpeculativeConfig(method="draft", draft_model=SMALL)).endswith(f", draft_model={SMALL!r})")
+    assert repr(SpeculativeConfig()) == ("SpeculativeConfig(method='ngram', num_speculative_tokens=4, "
+                                         "prompt_lookup_min=2, prompt_lookup_max=4)")
