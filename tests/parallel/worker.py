@@ -206,6 +206,14 @@ def qk_norms_tensor_parallel():
                                    err_msg=f"{name} tp={tp}")
 
 
+def _quantized_engine(cfg, state, tp):
+    """A small engine of the quantized model (`cfg`, `state`) on `tp` devices (None: one, no mesh)."""
+    pc = None if tp is None else ParallelConfig(tensor_parallel_size=tp)
+    return make_engine(cfg, CacheConfig(block_size=8, num_blocks=16),
+                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                       params=state, parallel_config=pc, compile_cache=False)
+
+
 @check
 def quantized_tensor_parallel():
     """Weight-only quantized linears (`pagedjax.model.quant`) at tp 2: int4 in groups of 16 (weights and their
@@ -220,10 +228,7 @@ def quantized_tensor_parallel():
         cfg, state = quantize_params(config("mha"), params("mha"), quant)
 
         def run(tp, cfg=cfg, state=state):
-            pc = None if tp is None else ParallelConfig(tensor_parallel_size=tp)
-            return make_engine(cfg, CacheConfig(block_size=8, num_blocks=16),
-                               SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
-                               params=state, parallel_config=pc, compile_cache=False)
+            return _quantized_engine(cfg, state, tp)
 
         want = _step_logits(run(None))
         e = run(2)
@@ -304,10 +309,7 @@ def quantized_moe_expert_parallel():
     assert margin > 1e-3, f"a near tie ({margin}) would make token equality depend on rounding"
 
     def run(tp):
-        pc = None if tp is None else ParallelConfig(tensor_parallel_size=tp)
-        return make_engine(qcfg, CacheConfig(block_size=8, num_blocks=16),
-                           SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
-                           params=qstate, parallel_config=pc, compile_cache=False)
+        return _quantized_engine(qcfg, qstate, tp)
 
     logits = _step_logits(run(None))
     e = run(2)
