@@ -34,18 +34,11 @@ from bench_engine import SHAPES
 from flax import nnx
 
 from pagedjax.engine.runner import cpu_compiler_options
-from pagedjax.model.quant import QuantizedLinear, _planes, _planes16, _row_order
+from pagedjax.model.quant import QuantizedLinear, _planes, _planes16, _row_order, conversion_tie
 from pagedjax.quant_config import QuantConfig
 
 GROUP = 128
 CALLS = 3  # timed back to back per round: a row's time is their mean in its best round
-
-
-def _tie(x: jax.Array) -> jax.Array:
-    """The zero `QuantizedLinear._project` adds to each converted kernel (it depends on x), added here too so that
-    every formulation's loop does the same work besides its own."""
-    first = x.reshape(-1)[0]
-    return jnp.zeros((), jnp.float32) * (first != first).astype(jnp.float32)
 
 
 def _two_planes(row: jax.Array, planes: tuple, scale: jax.Array | None, factor: float) -> jax.Array:
@@ -56,7 +49,7 @@ def _two_planes(row: jax.Array, planes: tuple, scale: jax.Array | None, factor: 
         n_out, groups = scale.shape
         planes = [(p.astype(jnp.float32).reshape(n_out, groups, -1) * scale[:, :, None]).reshape(n_out, -1)
                   for p in planes]
-    low, high = (p.astype(jnp.float32) + _tie(row) for p in planes)
+    low, high = (p.astype(jnp.float32) + conversion_tie(row) for p in planes)
     y_low, y_high = jax.lax.optimization_barrier((halves[:1] @ low.T, halves[1:] @ high.T))
     return (y_low + y_high) * factor
 
@@ -74,12 +67,12 @@ def formulations(n_in: int) -> dict:
     def native(q, s, x):
         n_out, groups = s.shape
         w = jax.lax.bitcast_convert_type(q, jnp.int4).astype(jnp.float32)  # [out, in // 2, 2]
-        w = (w.reshape(n_out, groups, -1) * s[:, :, None]).reshape(n_out, -1) + _tie(x)
+        w = (w.reshape(n_out, groups, -1) * s[:, :, None]).reshape(n_out, -1) + conversion_tie(x)
         return gathered(x, pairs)[None] @ w.T
 
     def group_sums(q, s, x):
         n_out, groups = s.shape
-        w = jnp.stack(_planes(q), 1).astype(jnp.float32) + _tie(x)  # [out, plane, in // 2]
+        w = jnp.stack(_planes(q), 1).astype(jnp.float32) + conversion_tie(x)  # [out, plane, in // 2]
         w = w.reshape(n_out, 2, groups, -1)  # [out, plane, groups, g / 2]
         sums = (w * gathered(x, order).reshape(2, groups, -1)).sum((1, 3))  # [out, groups]
         return (sums * s).sum(-1)[None]

@@ -44,7 +44,14 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig
 from pagedjax.model.moe import Experts, MoEMLP
-from pagedjax.model.quant import _dequantize_stored, conversion_tie, quantize_kernel, quantized_product, shapes
+from pagedjax.model.quant import (
+    conversion_tie,
+    dequantize_stored,
+    quantize_kernel,
+    quantized_product,
+    replace_module,
+    shapes,
+)
 from pagedjax.quant_config import QuantConfig
 
 __all__ = ["ExpertKernels", "QuantizedExperts", "check_expert_shapes", "moe_mlp", "quantize_experts",
@@ -97,8 +104,8 @@ class ExpertKernels(nnx.Module):
         (`per_expert_params`), a tuple of E `[out, in]`."""
         qweight, scale = self.qweight.get_value(), self.scale.get_value()
         if isinstance(qweight, tuple):
-            return tuple(_dequantize_stored(q, s, self.quant) for q, s in zip(qweight, scale, strict=True))
-        return jax.vmap(lambda q, s: _dequantize_stored(q, s, self.quant))(qweight, scale)
+            return tuple(dequantize_stored(q, s, self.quant) for q, s in zip(qweight, scale, strict=True))
+        return jax.vmap(lambda q, s: dequantize_stored(q, s, self.quant))(qweight, scale)
 
 
 class QuantizedExperts(Experts):
@@ -161,8 +168,5 @@ def quantize_experts(model: nnx.Module, quant: QuantConfig, paths: set[tuple]) -
     found = [(tuple(path), node) for path, node in nnx.iter_graph(model)
              if type(node) is Experts and tuple(path) in paths]
     for path, experts in found:
-        parent = model
-        for key in path[:-1]:
-            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-        setattr(parent, path[-1], QuantizedExperts.of(experts, quant, ".".join(map(str, path))))
+        replace_module(model, path, QuantizedExperts.of(experts, quant, ".".join(map(str, path))))
     return model

@@ -72,8 +72,8 @@ from flax import nnx
 from pagedjax.model.linear import apply_linear
 from pagedjax.quant_config import QuantConfig
 
-__all__ = ["QuantizedLinear", "dequantize_kernel", "holds_quantized", "pack_int4", "quantize_kernel",
-           "quantize_model", "quantized_product", "unpack_int4"]
+__all__ = ["QuantizedLinear", "dequantize_kernel", "dequantize_stored", "holds_quantized", "pack_int4",
+           "quantize_kernel", "quantize_model", "quantized_product", "replace_module", "unpack_int4"]
 
 # The largest |q| the quantizer produces for each scheme (int4 stores -8 too, which it never produces).
 QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
@@ -152,7 +152,7 @@ def _quantize(kernel: jax.Array, quant: QuantConfig) -> tuple[jax.Array, jax.Arr
     return q, scale
 
 
-def _dequantize_stored(qweight: jax.Array, scale: jax.Array, quant: QuantConfig) -> jax.Array:
+def dequantize_stored(qweight: jax.Array, scale: jax.Array, quant: QuantConfig) -> jax.Array:
     """(qweight, scale) -> the float32 kernel in the stored layout `[out, in]`."""
     s = scale.astype(jnp.float32)
     if quant.scheme != "int4":
@@ -164,7 +164,7 @@ def _dequantize_stored(qweight: jax.Array, scale: jax.Array, quant: QuantConfig)
 
 def dequantize_kernel(qweight: jax.Array, scale: jax.Array, quant: QuantConfig) -> jax.Array:
     """The reference: (qweight, scale) -> the float32 kernel `[in, out]` they stand for."""
-    return _dequantize_stored(qweight, scale, quant).T
+    return dequantize_stored(qweight, scale, quant).T
 
 
 @functools.lru_cache
@@ -232,7 +232,7 @@ def quantized_product(x: jax.Array, qweight: jax.Array, scale: jax.Array, quant:
         y = y.reshape(*x.shape[:-1], -1)
     elif quant.scheme == "int4":
         # Groups scale the kernel's inputs, not its output columns: dequantize, then one dot.
-        w = _dequantize_stored(qweight, scale, quant) + tie  # [out, in]
+        w = dequantize_stored(qweight, scale, quant) + tie  # [out, in]
         y = _dot_rows(x, w.astype(x.dtype))
     else:
         # Per output channel: the dot reads the stored values (int8 and e4m3 are exact in bf16 and f32) and
@@ -293,11 +293,16 @@ def quantize_model(model: nnx.Module, quant: QuantConfig | str, paths: set[tuple
         bias = None if linear.bias is None else linear.bias[...]
         new = QuantizedLinear(linear.kernel[...], bias, quant=quant, dtype=linear.kernel[...].dtype,
                               name=".".join(map(str, path)))
-        parent = model
-        for key in path[:-1]:
-            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-        if isinstance(path[-1], int):
-            parent[path[-1]] = new
-        else:
-            setattr(parent, path[-1], new)
+        replace_module(model, path, new)
     return model
+
+
+def replace_module(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
+    """Put `new` where `model`'s graph path `path` (attribute names and list indices) leads, in place."""
+    parent = model
+    for key in path[:-1]:
+        parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+    if isinstance(path[-1], int):
+        parent[path[-1]] = new
+    else:
+        setattr(parent, path[-1], new)
