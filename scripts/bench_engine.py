@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
-from pagedjax.config import dtype_bytes, kv_cache_bytes
+from pagedjax.config.cache import dtype_bytes, kv_cache_bytes
 from pagedjax.model.llama import Llama, init_model
 
 

@@ -24,9 +24,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedjax.config import CacheConfig, SchedulerConfig  # noqa: E402
-from pagedjax.core.request import SamplingParams  # noqa: E402
 from pagedjax.engine import LLMEngine  # noqa: E402
-from pagedjax.model.hf_loader import load_hf_config, load_hf_params, model_from_state  # noqa: E402
+from pagedjax.model.loading.hf_loader import load_hf_config, load_hf_params, model_from_state  # noqa: E402
+from pagedjax.sampling_params import SamplingParams  # noqa: E402
 
 
 def _best_time(fn, repeats: int) -> float:

@@ -24,7 +24,7 @@ from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 def time_output_layer(engine) -> list[float]:
     """Wrap the engine's output-building methods so that their time adds up in the returned one-item list."""
     spent = [0.0]
-    owner, names = ((engine.output_processor, ("advance", "outputs")) if hasattr(engine, "output_processor")
+    owner, names = ((engine.output_processor, ("find_stops", "outputs")) if hasattr(engine, "output_processor")
                     else (engine, ("_progressed", "_output")))
 
     def timed(fn):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What batch-invariant mode costs (`LLMEngine(batch_invariant=True)`, `pagedjax.engine.invariant`): generation
+"""What batch-invariant mode costs (`LLMEngine(batch_invariant=True)`, `pagedjax.runner.invariant`): generation
 throughput against the default mode at batch 1 and 16, on the bundled model.
 
     python scripts/bench_invariant.py
@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from pagedjax.model.loader import load_pretrained
+from pagedjax.model.loading.loader import load_pretrained
 
 
 def timed(engine: LLMEngine, prompts, params, repeats: int) -> tuple[float, list[list[int]]]:

@@ -45,8 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from pagedjax.core.memory_stats import ContiguousAllocator, kv_memory_stats  # noqa: E402
-from pagedjax.core.request import Request, SamplingParams  # noqa: E402
+from pagedjax.core.request import Request
 from pagedjax.core.scheduler import Scheduler  # noqa: E402
+from pagedjax.sampling_params import SamplingParams  # noqa: E402
 
 
 @dataclass

@@ -9,9 +9,9 @@ equal total parameters, through the same engine, at batch 1 and 16.
 The ideal MoE decode step costs what a dense model of its *active* parameters costs (each token reads its k
 experts' weights); a MoE that runs every expert costs what the dense model of its *total* parameters costs. The
 table puts the MoE model between the two. `--quantization` adds the MoE model with its experts and linears
-quantized (`pagedjax.model.moe_quant`, `pagedjax.model.quant`), and every row shows its weight bytes. All rows
-come from one run, timed in interleaved rounds after a warm-up that compiles every shape (best round per row),
-so the ratios hold on a noisy machine.
+quantized (`pagedjax.model.layers.moe_quant`, `pagedjax.model.layers.quant`), and every row shows its weight
+bytes. All rows come from one run, timed in interleaved rounds after a warm-up that compiles every shape (best round per
+row), so the ratios hold on a noisy machine.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import numpy as np
 from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax.config.moe import MoEConfig
+from pagedjax.config.quant import QuantConfig
 from pagedjax.model.llama import abstract_model, init_model
-from pagedjax.moe_config import MoEConfig
-from pagedjax.quant_config import QuantConfig
 
 SHAPES = {
     # Mixtral's proportions scaled to this CPU: 8 experts, top 2, MLP width 2048 per expert.

@@ -8,13 +8,13 @@ Rows (float32, each jitted alone, timed in interleaved rounds after a warm-up; a
 and its ratio is against the dense MLP of the MoE's active size in the same run):
   dense, active size / total size   `pagedjax.model.llama.MLP` of width k x / E x the expert width
   MoE "by_pair" / "every", stacked  `MoEMLP(x, method)` (routing included) on the stacked expert weights, the
-                                    form checkpoints and expert parallelism use (`pagedjax.model.moe`)
+                                    form checkpoints and expert parallelism use (`pagedjax.model.layers.moe`)
   ... per-expert                    the same on the experts as separate arrays (`per_expert_params`), the form
                                     the engine's runner gives a single-device CPU step
   probe: every, [E, hidden, width]  every expert on every row with gate / up stacked (in, out) per expert, the
                                     layout `Experts` had before: einsums batched over the experts
   MoE <scheme> ..., per-expert      with `--quantization`: the layer with quantized experts
-                                    (`pagedjax.model.moe_quant`), compiled with the options the engine's runner
+                                    (`pagedjax.model.layers.moe_quant`), compiled with the options the engine's runner
                                     gives quantized models; its max |err| is against the float layer (the
                                     quantization's own error)
 """
@@ -30,11 +30,11 @@ import numpy as np
 from bench_moe import SHAPES
 from flax import nnx
 
-from pagedjax.engine.runner import cpu_compiler_options
+from pagedjax.config.moe import MoEConfig
+from pagedjax.model.layers.moe import MoEMLP, per_expert_params, route
+from pagedjax.model.layers.moe_quant import moe_mlp
 from pagedjax.model.llama import MLP
-from pagedjax.model.moe import MoEMLP, per_expert_params, route
-from pagedjax.model.moe_quant import moe_mlp
-from pagedjax.moe_config import MoEConfig
+from pagedjax.runner.runner import cpu_compiler_options
 
 
 def _module_fn(module: nnx.Module, per_expert: bool = False, options: dict | None = None, **kwargs):

@@ -93,7 +93,8 @@ def measure(args) -> list[dict]:
 def projection(gpu_gb: float = 141.0, num_gpus: int = 8, utilization: float = 0.9, request_len: int = 4096,
                block_size: int = 16) -> list[dict]:
     """Concurrent request_len-token requests of a Llama-3-70B shape on num_gpus GPUs, per layout."""
-    from pagedjax.config import ModelConfig, kv_cache_bytes
+    from pagedjax.config import ModelConfig
+    from pagedjax.config.cache import kv_cache_bytes
     from pagedjax.parallel.sharding import per_device_model
 
     cfg = ModelConfig(vocab_size=128256, hidden_size=8192, num_layers=80, num_q_heads=64, num_kv_heads=8,

@@ -1,4 +1,4 @@
-"""Weight-only quantization (`pagedjax.model.quant`): decode throughput and weight bytes of float32 vs int8 vs
+"""Weight-only quantization (`pagedjax.model.layers.quant`): decode throughput and weight bytes of float32 vs int8 vs
 int4 vs fp8, all in one run.
 
     python scripts/bench_quant.py                   # the 156M shape, batch 1 and 16
@@ -40,8 +40,8 @@ from bench_engine import SHAPES, decode_weight_bytes
 from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax.config.quant import QuantConfig
 from pagedjax.model.llama import init_model, model_from_state, quantize_params
-from pagedjax.quant_config import QuantConfig
 
 DEFAULT_SCHEMES = "float32,int8,int4,fp8"
 LLAMA_TYPES = {"llama.cpp f32": None, "llama.cpp Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
@@ -151,8 +151,8 @@ def chain(cfg: ModelConfig, schemes: list[str], batches: list[int], rounds: int 
     layer's input an RMS norm of the last (as the model feeds them), compiled with the engine's XLA options for
     that many rows (`runner.cpu_compiler_options`), timed in interleaved rounds (best round). GB/s is of the
     stored weight bytes."""
-    from pagedjax.engine.runner import cpu_compiler_options
-    from pagedjax.model.quant import QuantizedLinear
+    from pagedjax.model.layers.quant import QuantizedLinear
+    from pagedjax.runner.runner import cpu_compiler_options
 
     h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
     shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
@@ -237,7 +237,7 @@ def main(argv=None) -> None:
     if args.llama_python:
         from bench_peers import MODELS, build_checkpoint
 
-        from pagedjax.model.hf_loader import load_hf
+        from pagedjax.model.loading.hf_loader import load_hf
 
         folder = build_checkpoint(Path("/tmp") / f"bench-peers-{args.model}", MODELS[args.model][0])
         cfg, state, _ = load_hf(folder)

@@ -1,4 +1,4 @@
-"""Weight-only quantization (`pagedjax.model.quant`): what each scheme costs in accuracy and buys in memory.
+"""Weight-only quantization (`pagedjax.model.layers.quant`): what each scheme costs in accuracy and buys in memory.
 
     python scripts/bench_quant_accuracy.py                          # the bundled model and the 156M model
     python scripts/bench_quant_accuracy.py --models bundled         # the bundled model only (5 min on 2 cores)
@@ -56,9 +56,9 @@ from tokenizers import Tokenizer
 from train_tiny import TrainConfig, heldout_bpb_of_split, model_dir_corpus_tokenizer, read_corpus
 
 from pagedjax import CacheConfig, ModelConfig
-from pagedjax.model.checkpoint import bundled_model_path, load_checkpoint
-from pagedjax.model.hf_loader import load_hf
 from pagedjax.model.llama import model_from_state
+from pagedjax.model.loading.checkpoint import bundled_model_path, load_checkpoint
+from pagedjax.model.loading.hf_loader import load_hf
 
 SCHEMES = "float32,int8,int4,int4:32,fp8,int8-head,int4-head,int4:32-head,fp8-head"
 BLOCK_SIZE = 16  # CacheConfig's default

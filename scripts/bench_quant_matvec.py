@@ -1,5 +1,5 @@
 """One row times one quantized kernel (batch-1 decode), formulation by formulation: what bounds the fused
-matrix-vector products of `pagedjax.model.quant` on XLA:CPU (its module docstring cites this table).
+matrix-vector products of `pagedjax.model.layers.quant` on XLA:CPU (its module docstring cites this table).
 
     python scripts/bench_quant_matvec.py                 # the 156M shape's kernels
     taskset -c 1 python scripts/bench_quant_matvec.py    # on one core: the loops' own rates, less noise
@@ -33,9 +33,9 @@ import numpy as np
 from bench_engine import SHAPES
 from flax import nnx
 
-from pagedjax.engine.runner import cpu_compiler_options
-from pagedjax.model.quant import QuantizedLinear, _planes, _planes16, _row_order, conversion_tie
-from pagedjax.quant_config import QuantConfig
+from pagedjax.config.quant import QuantConfig
+from pagedjax.model.layers.quant import QuantizedLinear, _planes, _planes16, _row_order, conversion_tie
+from pagedjax.runner.runner import cpu_compiler_options
 
 GROUP = 128
 CALLS = 3  # timed back to back per round: a row's time is their mean in its best round

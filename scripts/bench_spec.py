@@ -46,9 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
 from pagedjax.config import SpeculativeConfig  # noqa: E402
-from pagedjax.engine import inputs as inputs_module  # noqa: E402
-from pagedjax.engine.loading import load_for  # noqa: E402
 from pagedjax.model.llama import init_model  # noqa: E402
+from pagedjax.model.loading.loader import load_for  # noqa: E402
+from pagedjax.runner import inputs as inputs_module  # noqa: E402
 from scripts.bench_engine import SHAPES  # noqa: E402
 
 WORKLOADS = {
@@ -68,8 +68,8 @@ class AlwaysZero:
     def propose(self, asks) -> list[list[int]]:
         return [[0] * min(self.k, ask.cap) for ask in asks]
 
-    def would_propose(self, request) -> bool:
-        return True
+    def forget(self, live_request_ids) -> None:
+        pass
 
 
 class Oracle:
@@ -83,8 +83,8 @@ class Oracle:
         return [self.known[tuple(a.request.prompt_token_ids)][a.request.num_output_tokens:][:min(self.k, a.cap)]
                 for a in asks]
 
-    def would_propose(self, request) -> bool:
-        return True
+    def forget(self, live_request_ids) -> None:
+        pass
 
 
 @contextlib.contextmanager

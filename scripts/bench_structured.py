@@ -77,7 +77,7 @@ def bench_llguidance(tok, tokens: list[int]) -> tuple[float, list[float]]:
     import llguidance
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-    from pagedjax.engine.structured import JSON_STYLE
+    from pagedjax.structured_output.compiler import JSON_STYLE
 
     start = time.perf_counter()
     ll_tok = llguidance.LLTokenizer(tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=0)
@@ -129,9 +129,10 @@ def engine_share(tok, batch: int) -> dict:
     call (who goes first alternates), so that every fill is of a state not filled before, as in an engine.
     Compiles: afresh (a new compiler's, over the vocabulary built beforehand, as an engine builds it once)
     against a kept matcher's copy."""
-    from pagedjax.core.request import StructuredOutput
-    from pagedjax.engine.structured import ConstraintCompiler, mask_words, token_masks
     from pagedjax.model.hf_tokenizer import HFTokenizer
+    from pagedjax.sampling_params import StructuredOutput
+    from pagedjax.structured_output.compiler import ConstraintCompiler
+    from pagedjax.structured_output.masks import mask_words, token_masks
 
     hf = HFTokenizer(tok, eos_token_ids=(0,))
     structured = StructuredOutput(json=SCHEMA)
@@ -175,10 +176,9 @@ WORKLOADS = (("free, fused", False, 8), ("free", False, 1), ("constrained", True
 
 
 def engine_table(tok, shape: str, max_tokens: int, batches: list[int], rounds: int) -> list[dict]:
-    import pagedjax.engine.inputs as inputs
     from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-    from pagedjax.core.request import StructuredOutput
     from pagedjax.model.hf_tokenizer import HFTokenizer
+    from pagedjax.sampling_params import StructuredOutput
 
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_engine import SHAPES
@@ -194,7 +194,7 @@ def engine_table(tok, shape: str, max_tokens: int, batches: list[int], rounds: i
     long = StructuredOutput(json={"type": "object", "required": ["text"], "additionalProperties": False,
                                   "properties": {"text": {"type": "string", "minLength": 100_000}}})
     mask_s = []
-    real = inputs.token_masks
+    real = engine.structured.masks
 
     def timed(*args):
         start = time.perf_counter()
@@ -212,7 +212,7 @@ def engine_table(tok, shape: str, max_tokens: int, batches: list[int], rounds: i
         outs = engine.generate(["def main(argv):\n    "] * batch, params, use_tqdm=False)
         return sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - start)
 
-    inputs.token_masks = timed
+    engine.structured.masks = timed
     rows = []
     for batch in batches:
         for _, constrained, steps in WORKLOADS:
@@ -230,7 +230,7 @@ def engine_table(tok, shape: str, max_tokens: int, batches: list[int], rounds: i
         ratio_fused = statistics.median(c / f for c, f in zip(runs["constrained"], runs["free, fused"], strict=True))
         rows.append({"batch": batch, **{name: statistics.median(v) for name, v in runs.items()}, "ratio": ratio,
                      "ratio_fused": ratio_fused, "mask_ms_per_step": 1e3 * statistics.mean(mask_s)})
-    inputs.token_masks = real
+    engine.structured.masks = real
     return rows
 
 

@@ -52,8 +52,8 @@ def mask_table(tok) -> list[dict]:
     import llguidance
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-    from pagedjax.engine.structured import JSON_STYLE
     from pagedjax.serve.tools import CALL_END, CALL_START, call_grammar
+    from pagedjax.structured_output.compiler import JSON_STYLE
 
     ll_tok = llguidance.LLTokenizer(tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=0)
     arguments = json.dumps(ARGUMENTS)
@@ -94,9 +94,8 @@ def beam_table(tok, width: int, max_tokens: int, prompts: int) -> list[dict]:
     from bench_engine import SHAPES
 
     from pagedjax import CacheConfig, LLMEngine, SchedulerConfig
-    from pagedjax.core.request import StructuredOutput
-    from pagedjax.engine.beam_search import BeamSearchParams
     from pagedjax.model.hf_tokenizer import HFTokenizer
+    from pagedjax.sampling_params import BeamSearchParams, StructuredOutput
 
     cfg = SHAPES["tiny"].replace(vocab_size=tok.get_vocab_size(), eos_token_ids=(0,))
     engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=prompts * width * (max_tokens // 16 + 4),

@@ -37,11 +37,11 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedjax.device.sampling import SamplingMetadata  # noqa: E402
-from pagedjax.engine import runner as runner_module  # noqa: E402
-from pagedjax.engine.inputs import bucket, pad_step  # noqa: E402
-from pagedjax.engine.runner import ModelRunner, cpu_compiler_options  # noqa: E402
-from pagedjax.engine.shapes import repad_step, step_shape  # noqa: E402
 from pagedjax.model.llama import init_model  # noqa: E402
+from pagedjax.runner import runner as runner_module  # noqa: E402
+from pagedjax.runner.inputs import bucket, pad_step  # noqa: E402
+from pagedjax.runner.runner import ModelRunner, cpu_compiler_options  # noqa: E402
+from pagedjax.runner.shapes import repad_step, step_shape  # noqa: E402
 from scripts.bench_engine import SHAPES  # noqa: E402
 
 BLOCK = 16

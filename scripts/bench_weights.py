@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The training loop's engine operations, timed: `update_weights`, `sleep` and `wake` (`pagedjax.engine.weights`)
+"""The training loop's engine operations, timed: `update_weights`, `sleep` and `wake` (`pagedjax.runner.weights`)
 against what a loop without them does, building a fresh engine with the new weights.
 
     python scripts/bench_weights.py                  # the 156M shape (623 MB of float32 weights)

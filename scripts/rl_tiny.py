@@ -35,7 +35,7 @@ from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.model.llama import abstract_model
-from pagedjax.model.loader import load_pretrained
+from pagedjax.model.loading.loader import load_pretrained
 
 PROMPTS = ("def ", "import ", "class ", "    return ", "x = ", "for ", "if ", "# ")
 

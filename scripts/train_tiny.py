@@ -51,8 +51,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from pagedjax.config import ModelConfig
-from pagedjax.model.checkpoint import TOKENIZER_FILE, bundled_model_path, save_checkpoint
 from pagedjax.model.llama import init_model
+from pagedjax.model.loading.checkpoint import TOKENIZER_FILE, bundled_model_path, save_checkpoint
 from pagedjax.model.tokenizer import ByteTokenizer
 
 LN2 = math.log(2.0)
@@ -673,7 +673,7 @@ def train(args: argparse.Namespace) -> TrainResult:
 def model_dir_corpus_tokenizer(model_dir: Path, cfg: ModelConfig) -> CorpusTokenizer:
     """The CorpusTokenizer of a saved model folder (its tokenizer.json, or the byte tokenizer); SystemExit when
     the folder has no tokenizer pagedjax knows."""
-    from pagedjax.model.checkpoint import load_checkpoint_tokenizer
+    from pagedjax.model.loading.checkpoint import load_checkpoint_tokenizer
 
     hf = load_checkpoint_tokenizer(model_dir, cfg)
     if hf is None:
@@ -683,8 +683,8 @@ def model_dir_corpus_tokenizer(model_dir: Path, cfg: ModelConfig) -> CorpusToken
 
 def evaluate_model_dir(args: argparse.Namespace) -> float:
     """Held-out bits per byte of a saved model over the whole held-out split (--evaluate)."""
-    from pagedjax.model.checkpoint import load_checkpoint
     from pagedjax.model.llama import model_from_state
+    from pagedjax.model.loading.checkpoint import load_checkpoint
 
     cfg, state = load_checkpoint(args.evaluate)
     tok = model_dir_corpus_tokenizer(args.evaluate, cfg)

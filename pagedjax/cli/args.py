@@ -7,13 +7,14 @@ import sys
 from pathlib import Path
 
 from pagedjax.cli.sizes import parse_size
-from pagedjax.config import KV_DTYPES, SPECULATIVE_METHODS
+from pagedjax.config.cache import KV_DTYPES
+from pagedjax.config.speculative import SPECULATIVE_METHODS
 
 PROG = "pagedjax-generate"
 DEFAULT_NUM_BLOCKS = 512  # CacheConfig's default when neither --num-blocks nor --kv-memory is given
 
 
-def _int_at_least(lo: int):
+def int_at_least(lo: int):
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -29,7 +30,7 @@ def _int_at_least(lo: int):
 
 def _int_in(lo: int, hi: int):
     def parse(text: str) -> int:
-        value = _int_at_least(lo)(text)
+        value = int_at_least(lo)(text)
         if value > hi:
             raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {text}")
         return value
@@ -37,7 +38,7 @@ def _int_in(lo: int, hi: int):
     return parse
 
 
-def _float_in(lo: float, hi: float, lo_open: bool = False):
+def float_in(lo: float, hi: float, lo_open: bool = False):
     def parse(text: str) -> float:
         try:
             v = float(text)
@@ -51,7 +52,7 @@ def _float_in(lo: float, hi: float, lo_open: bool = False):
     return parse
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" once: not to flags or options without a default, nor where the help says it."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
@@ -93,22 +94,22 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
                         "the model's dtype. Default: the checkpoint's weights as stored")
     g.add_argument("--backend", choices=["auto", "pallas", "xla"], default="auto",
                    help="attention backend: auto = Pallas on GPU, XLA elsewhere")
-    g.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per KV block")
+    g.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per KV block")
     kv = g.add_mutually_exclusive_group()
-    kv.add_argument("--num-blocks", type=_int_at_least(1), default=None,
+    kv.add_argument("--num-blocks", type=int_at_least(1), default=None,
                     help=f"KV blocks in the pool (default: {DEFAULT_NUM_BLOCKS})")
     kv.add_argument("--kv-memory", type=parse_size, default=None, metavar="SIZE",
                     help="size the KV pool by memory instead, e.g. 64MiB")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
                    help="KV cache dtype: auto = the model's; int8 / fp8 (float8_e4m3fn) store K/V in 8 bits with "
                         "a float32 scale per token and KV head, about half the bytes per token of bfloat16")
-    g.add_argument("--decode-steps-per-call", type=_int_at_least(1), default=decode_steps_per_call, metavar="N",
+    g.add_argument("--decode-steps-per-call", type=int_at_least(1), default=decode_steps_per_call, metavar="N",
                    help="decode iterations per device call when every sequence is decoding (fused decode: one "
                         "host round trip per call; tokens stream in bursts of up to N)")
-    g.add_argument("--num-steps", type=_int_at_least(1), dest="decode_steps_per_call", action=_Deprecated,
+    g.add_argument("--num-steps", type=int_at_least(1), dest="decode_steps_per_call", action=_Deprecated,
                    help=argparse.SUPPRESS)
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--max-compiled-programs", type=_int_at_least(1), default=64, metavar="N",
+    g.add_argument("--max-compiled-programs", type=int_at_least(1), default=64, metavar="N",
                    help="compiled step programs kept; past N the least recently used is dropped (and compiled "
                         "again, or loaded from the compile cache, if needed again): bounds memory")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=warmup,
@@ -122,15 +123,15 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
                          "/pagedjax/jax)")
     cc.add_argument("--no-compile-cache", action="store_true",
                     help="compile every program afresh and save none (JAX's persistent compilation cache off)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=_int_at_least(1), default=1, metavar="N",
+    g.add_argument("--tensor-parallel-size", "-tp", type=int_at_least(1), default=1, metavar="N",
                    help="shard the model and its KV cache over N devices (on CPU: XLA_FLAGS="
                         "--xla_force_host_platform_device_count=N); --kv-memory is then per device")
-    g.add_argument("--data-parallel-size", "-dp", type=_int_at_least(1), default=1, metavar="N",
+    g.add_argument("--data-parallel-size", "-dp", type=int_at_least(1), default=1, metavar="N",
                    help="N independent replicas (each --tensor-parallel-size devices, its own KV pool of "
                         "--num-blocks / --kv-memory); requests go to the least loaded")
-    g.add_argument("--max-num-seqs", type=_int_at_least(1), default=64, help="sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=512, help="tokens per step")
-    g.add_argument("--max-model-len", type=_int_at_least(1), default=None,
+    g.add_argument("--max-num-seqs", type=int_at_least(1), default=64, help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512, help="tokens per step")
+    g.add_argument("--max-model-len", type=int_at_least(1), default=None,
                    help="longest prompt + completion (default: min(2048, the model's max positions))")
     g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                    help="speculative decoding (exact: the same output): 'ngram' proposes what followed the last "
@@ -138,9 +139,9 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
                         "(--speculative-draft-model; default: off)")
     g.add_argument("--speculative-num-tokens", type=_int_in(1, 64), default=None, metavar="K",
                    help="tokens proposed and verified per request per step (default 4)")
-    g.add_argument("--speculative-prompt-lookup-min", type=_int_at_least(1), default=None, metavar="N",
+    g.add_argument("--speculative-prompt-lookup-min", type=int_at_least(1), default=None, metavar="N",
                    help="ngram: the shortest suffix looked up (default 2)")
-    g.add_argument("--speculative-prompt-lookup-max", type=_int_at_least(1), default=None, metavar="N",
+    g.add_argument("--speculative-prompt-lookup-max", type=int_at_least(1), default=None, metavar="N",
                    help="ngram: the longest suffix looked up, tried first (default 4)")
     g.add_argument("--speculative-draft-model", default=None, metavar="PATH",
                    help="draft: the draft model's folder (as --model reads it), of the model's vocabulary")
@@ -151,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Generate text with pagedjax's paged-attention engine (default model: the bundled "
                     "2.4M-parameter model trained on Python's standard library).",
-        formatter_class=_HelpFormatter)
+        formatter_class=HelpFormatter)
     g = p.add_argument_group("prompts")
     g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="a prompt (repeatable); without any, a few built-in prompts are used")
@@ -161,18 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--demo", action="store_true",
                    help="several prompts sharing a long prefix: shows prefix-cache hits")
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=_int_at_least(1), default=64, help="tokens to generate per prompt")
-    g.add_argument("--temperature", type=_float_in(0.0, 100.0), default=0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=_int_at_least(0), default=0, help="0 = off")
-    g.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=0.95, help="1 = off")
-    g.add_argument("--seed", type=_int_at_least(0), default=0,
+    g.add_argument("--max-tokens", type=int_at_least(1), default=64, help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float_in(0.0, 100.0), default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=int_at_least(0), default=0, help="0 = off")
+    g.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=0.95, help="1 = off")
+    g.add_argument("--seed", type=int_at_least(0), default=0,
                    help="sampling seed: prompt i uses seed + i, so runs are reproducible")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    g.add_argument("--n", type=_int_at_least(1), default=1,
+    g.add_argument("--n", type=int_at_least(1), default=1,
                    help="samples per prompt (one prefill; the samples share its KV blocks)")
     g.add_argument("--logprobs", type=_int_in(0, 20), default=None, metavar="K",
                    help="show each generated token's log-probability (its K most likely alternatives in --json)")
-    g.add_argument("--beam-width", type=_int_at_least(1), default=None, metavar="W",
+    g.add_argument("--beam-width", type=int_at_least(1), default=None, metavar="W",
                    help="beam search with W beams (greedy scores; ignores the sampling flags)")
     # 8: on the bundled model the fused loop decodes 1.2x faster (634 vs 519 tokens/s for --demo) and compiles
     # fewer programs (4 vs 6: 6.5 s vs 8.6 s cold) than one step per call; tokens stream in bursts of up to 8.
@@ -187,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _quantization(text: str):
     """--quantization's value as a `QuantConfig` (argparse reports the ValueError's message)."""
-    from pagedjax.quant_config import QuantConfig
+    from pagedjax.config.quant import QuantConfig
 
     try:
         return QuantConfig.parse(text)

@@ -60,7 +60,7 @@ def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
         raise CLIError("--dtype applies to the built-in models; a --model-class factory chooses its own dtype")
     model, tokenizer = load_model_class(args.model_class, args.model)
     if getattr(args, "quantization", None) is not None:  # the factory's nnx.Linear layers
-        from pagedjax.model.quant import quantize_model
+        from pagedjax.model.layers.quant import quantize_model
 
         try:
             quantize_model(model, args.quantization)
@@ -110,7 +110,7 @@ def load_pretrained_for_cli(path: str | None, dtype: str | None, tensor_parallel
     """(ModelConfig, params, tokenizer) through the project's loader; CLIError (one line naming the file) if
     the model cannot be loaded or has no tokenizer for text prompts. With `tensor_parallel_size` > 1 the weights
     are read straight into their shards (each device receives only its slice)."""
-    from pagedjax.model.loader import ModelLoadError, load_pretrained
+    from pagedjax.model.loading.loader import ModelLoadError, load_pretrained
 
     where = path or "the bundled model"
     mesh = None
@@ -222,8 +222,8 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
     import jax
 
     from pagedjax.config import CacheConfig, SchedulerConfig
+    from pagedjax.config.parallel import parallel_layout
     from pagedjax.engine import make_engine
-    from pagedjax.parallel.config import parallel_layout
 
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     parallel_config = parallel_layout(None, tp, dp)

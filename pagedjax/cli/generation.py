@@ -50,7 +50,7 @@ class Generation:
 
     def __init__(self, engine, tokenizer, prompts: Prompts, args: argparse.Namespace, out: TextIO,
                  ctrl_c: CtrlC | None = None):
-        from pagedjax.core.request import SamplingParams
+        from pagedjax.sampling_params import SamplingParams
 
         self.engine, self.tokenizer, self.prompts, self.args, self.out = engine, tokenizer, prompts, args, out
         self.ctrl_c = ctrl_c if ctrl_c is not None else CtrlC(exit_process=False)
@@ -97,7 +97,7 @@ class Generation:
         return time.perf_counter() - self._start
 
     def _run_beam_search(self) -> float:
-        from pagedjax.engine.beam_search import BeamSearchParams
+        from pagedjax.sampling_params import BeamSearchParams
 
         params = BeamSearchParams(beam_width=self.args.beam_width, max_tokens=self.args.max_tokens,
                                   ignore_eos=self.args.ignore_eos)

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) -> None:
     """Raise RuntimeError naming the first broken invariant (O(num_blocks + held blocks); for tests and
     soak runs): each request is in exactly one queue; waiting ones hold nothing; between steps a running
-    request holds exactly `cdiv(num_computed_tokens, block_size)` blocks (`mid_step`: at least); every
+    request holds exactly `cdiv(num_computed_tokens, block_size)` blocks, or those its pending proposals need
+    (`mid_step`: at least); every
     block's ref_cnt is the number of requests holding it (+1 while lent), so none is lost or doubly
     owned; a block shared by two requests holds the same computed tokens for both (full, unless they are
     forks of one another sharing their partial last block)."""
@@ -47,7 +48,8 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
     for r in scheduler.running:
         require(r.status is RequestStatus.RUNNING, f"{r.request_id} runs as {r.status}")
         held, need = kv.num_held_blocks(r.request_id), cdiv(r.num_computed_tokens, bs)
-        require(held >= need if mid_step else held == need,
+        most = cdiv(r.num_tokens + len(r.draft_token_ids), bs) if r.draft_token_ids else need  # proposals' blocks
+        require(held >= need if mid_step else need <= held <= most,
                 f"{r.request_id} holds {held} blocks for {r.num_computed_tokens} tokens")
     count: dict[int, int] = {}
     for rid, blocks in holders.items():

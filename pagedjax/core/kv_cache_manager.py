@@ -326,7 +326,7 @@ class KVCacheManager:
 
     def release_past_computed(self, request: Request, num_new_tokens: int = 0) -> int:
         """Release the request's trailing blocks past `cdiv(num_computed_tokens + num_new_tokens, block_size)`: a
-        speculative step allocated them for proposals that were rejected, or not made (`pagedjax.core.speculation`).
+        speculative step allocated them for proposals that were rejected, or not made (`Scheduler.update`).
         They hold no computed KV, so they are unhashed, and were freshly allocated, so no one else holds them.
         Returns how many."""
         held = self._req_blocks.get(request.request_id)

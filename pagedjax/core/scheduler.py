@@ -23,16 +23,28 @@ Several samples of one prompt (best_of / n > 1): the prompt but its last token i
 `prefill_only` request; when that is done it is forked into the samples (`KVCacheManager.fork`: shared blocks,
 copy-on-write of the partial last one), each of which then computes the last prompt token and samples with
 its own seed. Samples beyond `max_num_seqs` wait (and recompute, through the prefix cache). Beam search forks
-running requests itself (`fork`, with `hold`: a held request pauses after each token until `resume`). All
-of this lives in `pagedjax.core.forking`.
+running requests itself (`fork`, with `hold`: a held request pauses after each token until `resume`). A fork
+shares its source's blocks only through the pool's refcounts (`KVCacheManager.fork`); a shared block, the
+partial last one included, is copied before its first write (copy-on-write, `StepPlan.block_copies`), so no
+request ever writes into a block another one reads.
 
 A step that fails on device (`fail_step`) fails its request if it ran alone; otherwise its requests are
 preempted and marked suspect, and each suspect runs alone in its next step, so a request that breaks
-steps fails by itself and the others lose nothing (recompute is exact). See `pagedjax.core.failures`.
+steps fails by itself and the others lose nothing (recompute is exact). Nothing a failed step computed is
+trusted; a device that lost its KV cache (`drop_computed_kv`) costs every running request a recompute, and the
+prefix cache forgets every block, so no KV the device lost is ever read.
 
-Life of a step: `plan = schedule()` -> the engine runs `plan` -> `update(plan, sampled)`; or, when every
-running request is a pure decode, `schedule_fused_decode(n)` -> the engine runs up to n decode steps on
-device -> `update_fused_decode(...)` (see `pagedjax.core.fused_decode`).
+Life of a step, whatever its kind: `plan = schedule(decode_steps=n)` -> the engine runs `plan` -> `update(plan,
+result)` (a `StepResult`: ragged sampled tokens per sequence; `pagedjax.core.step_result` states the one rule
+that applies a plain step, a speculative verify step and a fused decode alike). A plan is a fused decode of up
+to n steps (`StepPlan.fused`) when every running request is a pure decode that can fuse and the pool can lend the
+blocks; speculative decoding's proposals come in between steps (`set_draft_tokens`) and ride in the next plan.
+
+Fused decode invariant: at most one fused decode is in flight (`schedule` refuses to plan past one), and while
+one is, nothing else plans a step, forks or fails requests, so the requests and blocks the device works on are
+the ones the plan saw. The blocks lent to it are held by no request until `update` reconciles it (each request
+adopts the blocks its table row took, up to what its new length needs, and every other lent block comes back)
+or `cancel` drops it (every lent block comes back and no request changes).
 """
 
 from __future__ import annotations
@@ -44,12 +56,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedjax.config import CacheConfig, SchedulerConfig
-from pagedjax.core import failures, forking, fused_decode
 from pagedjax.core.invariants import check_scheduler_invariants
-from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedjax.core.memory_stats import KVMemoryStats, kv_memory_stats
-from pagedjax.core.request import Request, RequestStatus, SampleGroup, sample_id
-from pagedjax.core.step_plan import FusedDecodePlan, StepPlan, build_step_plan
+from pagedjax.core.request import Request, RequestStatus, SampleGroup, make_sample, sample_id
+from pagedjax.core.step_plan import FusedDecode, StepPlan, build_step_plan, claim_lent_blocks
+from pagedjax.core.step_result import StepResult, emitted_tokens
 
 
 @dataclass(frozen=True)
@@ -62,7 +74,7 @@ class SchedulerStats:
     prefix_cache_hits: int  # of those, tokens found in the cache
     num_evictions: int  # cached blocks reused for other content
     num_preemptions: int
-    num_steps: int  # plans made: schedule() calls plus fused decodes
+    num_steps: int  # plans made
     memory: KVMemoryStats
 
     @property
@@ -71,12 +83,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Waiting and running queues, the token budget, preemption, and the KV cache manager.
+    """Waiting and running queues, the token budget, preemption, forks, fused-decode lending, failure isolation
+    and the KV cache manager: the one owner of the host's request state.
 
     Invariants: a request is in exactly one of `waiting` (FIFO; holds no blocks), `running` (admission
-    order; holds `cdiv(num_computed_tokens, block_size)` blocks between steps) or neither (finished /
-    aborted, and forgotten). `len(running) <= max_num_seqs`; a step never schedules more than
-    `max_num_batched_tokens` tokens.
+    order; between steps holds `cdiv(num_computed_tokens, block_size)` blocks, or as many as its pending
+    proposals need past its last token) or neither (finished / aborted, and forgotten). `len(running) <=
+    max_num_seqs`; a step never schedules more than `max_num_batched_tokens` tokens.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, *,
@@ -96,10 +109,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, SampleGroup] = {}  # multi-sample requests by the caller's id
-        self._stop_ids: dict[str, frozenset[int]] = {}
         self.num_preemptions = 0
         self.num_steps = 0
-        self._pending_fused: FusedDecodePlan | None = None  # a fused decode not yet reconciled
+        self._pending_fused: StepPlan | None = None  # a fused decode not yet reconciled
 
     # -- requests --------------------------------------------------------------------------------------
 
@@ -156,38 +168,98 @@ class Scheduler:
         return min(self.max_model_len, tokens + 1)
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request (ValueError if `check_request` refuses it). A multi-sample request is queued
-        as its prefill (or, for a one-token prompt, as its samples); see `pagedjax.core.forking`."""
+        """Queue a new request (ValueError if `check_request` refuses it). A multi-sample request is queued as
+        its prefill: its prompt but the last token, computed once by a `prefill_only` request, which is then
+        forked into the samples (`_spawn_samples`); a one-token prompt is queued as its samples at once."""
         self.check_request(request)
         k = request.sampling_params.num_samples
         if k == 1:
             self._register(request)
             self.waiting.append(request)
             return
-        forking.add_multi_sample(self, request)
+        group = self.groups[request.request_id] = SampleGroup(request)
+        if request.num_prompt_tokens == 1:
+            group.samples = [make_sample(group, i) for i in range(k)]
+            for sample in group.samples:
+                self._register(sample)
+                self.waiting.append(sample)
+            return
+        params = request.sampling_params
+        prefill = Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids[:-1],
+                          sampling_params=params, eos_token_ids=request.eos_token_ids,
+                          cache_salt=request.cache_salt, adapter_id=request.adapter_id, group=group,
+                          prefill_only=True, constrained=request.constrained,
+                          prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        self._register(prefill)
+        self.waiting.append(prefill)
 
     def _register(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self._stop_ids[request.request_id] = request.stop_ids
+
+    def _spawn_samples(self, prefill: Request) -> None:
+        """A multi-sample request's prefill is done: fork it into its samples, which take its place in the
+        running queue (those beyond max_num_seqs wait, at the front of the queue), and drop it."""
+        group = prefill.group
+        assert group is not None
+        kv = self.kv_cache_manager
+        group.samples = [make_sample(group, i) for i in range(group.request.sampling_params.num_samples)]
+        group.prompt_logprobs = prefill.prompt_logprobs
+        room = self.scheduler_config.max_num_seqs - len(self.running) + 1
+        placed = group.samples[:room]
+        for sample in placed:
+            kv.fork(prefill, sample)
+            sample.num_computed_tokens = prefill.num_computed_tokens
+            sample.num_cached_tokens = prefill.num_cached_tokens
+            sample.status = RequestStatus.RUNNING
+        i = self.running.index(prefill)
+        self.running[i:i + 1] = placed
+        self.waiting.extendleft(reversed(group.samples[room:]))
+        kv.free(prefill)
+        del self.requests[prefill.request_id]
+        prefill.status = RequestStatus.FINISHED_STOPPED  # done; never reported (the group is)
+        for sample in group.samples:
+            self._register(sample)
 
     def fork(self, source_id: str, child: Request) -> None:
         """Start `child` (fresh, same prompt) as a fork of the running request `source_id` between steps (beam
         search): it shares the source's blocks and continues from its computed tokens, which must be the
         child's first tokens. ValueError if the source is not running or max_num_seqs is reached."""
-        forking.fork(self, source_id, child)
+        self._check_no_pending_fused()
+        source = self.requests.get(source_id)
+        if source is None or source.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {source_id!r} is not running; only a running request can be forked")
+        if len(self.running) >= self.scheduler_config.max_num_seqs:
+            raise ValueError(f"cannot fork {source_id!r}: max_num_seqs={self.scheduler_config.max_num_seqs} "
+                             "requests are running")
+        if child.request_id in self.requests or child.request_id in self.groups:
+            raise ValueError(f"duplicate request id {child.request_id!r}")
+        self.kv_cache_manager.fork(source, child)
+        child.num_computed_tokens = source.num_computed_tokens
+        child.num_cached_tokens = max(source.num_cached_tokens, 0)
+        child.status = RequestStatus.RUNNING
+        self._register(child)
+        self.running.append(child)
 
     def replace_last_token(self, request_id: str, token: int) -> None:
         """Replace the last output token of a paused request whose KV is not computed yet (beam search keeps the
         beam but continues it with another token)."""
-        forking.replace_last_token(self, request_id, token)
+        request = self.requests.get(request_id)
+        if request is None or not request.paused or not request.output_token_ids:
+            raise ValueError(f"request {request_id!r} is not a paused request with outputs")
+        assert request.num_computed_tokens < request.num_tokens  # a paused request's last token is never computed
+        request.output_token_ids[-1] = int(token)
+        del request.block_hashes[(request.num_tokens - 1) // self.block_size:]  # a hash over the old token
 
     def resume(self, request_id: str) -> None:
         """Let a paused (held) request be scheduled again."""
-        forking.resume(self, request_id)
+        request = self.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"unknown request {request_id!r}")
+        request.paused = False
 
     def stop_at(self, request: Request, num_output_tokens: int, stop_str: str) -> None:
         """End `request` (one the last step advanced) at a stop string whose text its `num_output_tokens`-th
-        output token completed (the engine's output layer finds it): later tokens and their log-probabilities
+        output token completed (the engine's output processor finds it): later tokens and their log-probabilities
         are dropped, and an unfinished request is finished now, freeing its blocks. One the same step finished
         (max_tokens, EOS) gets the stop string as its reason: it came first."""
         del request.output_token_ids[num_output_tokens:], request.output_logprobs[num_output_tokens:]
@@ -214,7 +286,12 @@ class Scheduler:
         sample). Returns it, or None if unknown."""
         group = self.groups.pop(request_id, None)
         if group is not None:
-            return forking.abort_group(self, group)
+            group.request.status = RequestStatus.FINISHED_ABORTED
+            members = [self.requests.get(request_id)] + [self.requests.get(i) for i in group.sample_ids]
+            for member in members:
+                if member is not None and member.group is group:
+                    self._finish_early(member, RequestStatus.FINISHED_ABORTED)
+            return group.request
         request = self.requests.get(request_id)
         if request is not None:
             self._finish_early(request, RequestStatus.FINISHED_ABORTED)
@@ -227,10 +304,22 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request)
+        request.draft_token_ids.clear()
         del self.requests[request.request_id]
-        del self._stop_ids[request.request_id]
         request.status = status
-        forking.forget_finished_group(self, request)
+        self._forget_finished_group(request)
+
+    def _forget_finished_group(self, request: Request) -> None:
+        """A member of a multi-sample request left: the group ends when its prefill fails or is aborted (with
+        that status), or when its last sample finishes."""
+        group = request.group
+        if group is None or self.groups.get(group.request.request_id) is not group:
+            return
+        if request.prefill_only:
+            group.request.status, group.request.error = request.status, request.error
+        elif not group.finished:
+            return
+        del self.groups[group.request.request_id]
 
     # -- failures --------------------------------------------------------------------------------------
 
@@ -252,12 +341,28 @@ class Scheduler:
 
         Requests aborted or finished since are skipped. Returns the requests that failed.
         """
-        return failures.fail_step(self, request_ids, error)
+        self._check_no_pending_fused()
+        live = [self.requests[rid] for rid in request_ids if rid in self.requests]
+        if len(request_ids) == 1 and live:
+            request = live[0]
+            request.error = error
+            self._finish_early(request, RequestStatus.FINISHED_ERROR)
+            return [request]
+        for request in live:
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._preempt(request)
+            request.suspect = True
+        return []
 
     def drop_computed_kv(self) -> None:
         """The device lost the KV cache (e.g. a failed step after the cache was donated): every running
         request is preempted (recomputed later) and the prefix cache forgets every block."""
-        failures.drop_computed_kv(self)
+        self._check_no_pending_fused()
+        while self.running:
+            self._preempt(self.running.pop())  # newest first: the oldest ends at the front of the queue
+        if not self.kv_cache_manager.reset_prefix_cache():
+            raise RuntimeError("blocks are still in use after preempting every request (a bug)")
 
     def preempt(self, request_id: str) -> bool:
         """Preempt a running request now (by recompute). Returns False if it is not running."""
@@ -271,6 +376,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids.clear()
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -280,14 +386,61 @@ class Scheduler:
         """Forget all cached prefixes; refused (False) while any block is in use."""
         return self.kv_cache_manager.reset_prefix_cache()
 
+    # -- speculative proposals -------------------------------------------------------------------------
+
+    def reserve_draft_slots(self, request: Request, cap: int) -> tuple[int, tuple[int, ...]] | None:
+        """Between steps, let a decoding request's blocks cover `1 + c` more tokens for the largest `c <= cap`
+        the free blocks allow (speculation never preempts nor waits); returns `(c, its blocks in logical order)`,
+        or None when not even one proposal fits. A proposer that writes KV at the proposals' positions (a draft
+        model) writes into these; `set_draft_tokens` returns what its proposal does not need."""
+        self._check_no_pending_fused()
+        kv = self.kv_cache_manager
+        while cap and kv.allocate_slots(request, 1 + cap) is None:
+            cap -= 1
+        return (cap, tuple(kv.get_block_ids(request.request_id))) if cap else None
+
+    def set_draft_tokens(self, request: Request, tokens: Sequence[int]) -> None:
+        """Proposed tokens to follow a running decoding request's last token, verified by its next step (each
+        costs a position of that step's token budget; those the budget or the pool cannot take are dropped
+        then). Blocks past what `1 + len(tokens)` more tokens need go back (`reserve_draft_slots` may have
+        taken more)."""
+        self._check_no_pending_fused()
+        tokens = [int(t) for t in tokens]
+        if tokens and request.num_tokens - request.num_computed_tokens != 1:
+            raise ValueError(f"request {request.request_id!r}: proposals follow a decoding request's last token")
+        if len(tokens) >= self.max_new_tokens_left(request) and tokens:
+            raise ValueError(f"request {request.request_id!r}: {len(tokens)} proposals, at most "
+                             f"{self.max_new_tokens_left(request) - 1} may still be verified")
+        request.draft_token_ids[:] = tokens
+        self.kv_cache_manager.release_past_computed(request, 1 + len(tokens))
+
+    def _drop_drafts(self, request: Request, keep: int | None = None) -> None:
+        """Drop a running request's pending proposals: all of them and the blocks past its computed tokens when it
+        does not run this step (`keep` None), or all but `keep` and the blocks past `1 + keep` more tokens when it
+        does."""
+        if keep is None:
+            request.draft_token_ids.clear()
+            self.kv_cache_manager.release_past_computed(request)
+        elif len(request.draft_token_ids) > keep:
+            del request.draft_token_ids[keep:]
+            self.kv_cache_manager.release_past_computed(request, 1 + keep)
+
+    @property
+    def has_draft_tokens(self) -> bool:
+        return any(r.draft_token_ids for r in self.running)
+
     # -- scheduling ------------------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
-        """Plan one step: running requests first (preempting the newest when blocks run out), then
-        waiting ones while the token budget, max_num_seqs and the pool allow."""
+    def schedule(self, *, decode_steps: int = 1) -> StepPlan:
+        """Plan one step: a fused decode of up to `decode_steps` steps when that is possible (`schedule_fused_decode`);
+        otherwise running requests first (with their proposals, as far as the budget allows; preempting the
+        newest when blocks run out, after dropping every proposal), then waiting ones while the token budget,
+        max_num_seqs and the pool allow."""
         self._check_no_pending_fused()
+        if decode_steps > 1 and (plan := self.schedule_fused_decode(decode_steps)) is not None:
+            return plan
         if self.waiting and self.waiting[0].suspect:
-            return failures.schedule_alone(self, self.waiting.popleft())
+            return self._schedule_alone(self.waiting.popleft())
         cfg = self.scheduler_config
         kv = self.kv_cache_manager
         chunked = cfg.enable_chunked_prefill
@@ -304,11 +457,22 @@ class Scheduler:
                 continue
             gap = request.num_tokens - request.num_computed_tokens
             assert gap > 0, f"running request {request.request_id!r} has nothing to compute"
-            n = min(gap, budget)
+            self._drop_drafts(request, max(0, budget - gap))  # proposals only where the budget has room
+            n = min(gap + len(request.draft_token_ids), budget)
             if n < gap and not chunked:
                 i += 1
                 continue
             new_blocks = kv.allocate_slots(request, n)
+            if new_blocks is None and self.has_draft_tokens:  # proposals never cost a preemption: drop them all
+                for k, (r, m) in enumerate(scheduled):  # those scheduled already run their last token alone
+                    budget += len(r.draft_token_ids)
+                    scheduled[k] = (r, m - len(r.draft_token_ids))
+                    self._drop_drafts(r, 0)
+                self._drop_drafts(request, 0)
+                for r in running[i + 1:]:
+                    self._drop_drafts(r)
+                n = min(gap, budget)
+                new_blocks = kv.allocate_slots(request, n)
             while new_blocks is None:
                 victim = running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -321,6 +485,8 @@ class Scheduler:
             scheduled.append((request, n))
             budget -= n
             i += 1
+        for request in running[i:]:  # not reached this step: its proposals would go stale
+            self._drop_drafts(request)
 
         if not preempted:
             # Full blocks that running requests are computing, not yet published: a waiting request whose
@@ -359,7 +525,86 @@ class Scheduler:
                     self.waiting.popleft()
 
         self.num_steps += 1
-        return self._plan(scheduled, preempted_request_ids=[r.request_id for r in preempted])
+        drafts = {r.request_id: r.draft_token_ids for r, _ in scheduled if r.draft_token_ids}
+        return self._plan(scheduled, preempted_request_ids=[r.request_id for r in preempted],
+                          draft_token_ids=drafts or None)
+
+    def _schedule_alone(self, request: Request) -> StepPlan:
+        """A step of `request` alone (a suspect, see `fail_step`): running requests wait one step, and the
+        newest are preempted if the pool cannot hold its next chunk otherwise."""
+        kv = self.kv_cache_manager
+        for r in self.running:
+            self._drop_drafts(r)
+        hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+        n = min(request.num_tokens - num_hit_tokens, self.scheduler_config.max_num_batched_tokens)
+        preempted: list[Request] = []
+        while len(self.running) >= self.scheduler_config.max_num_seqs:
+            preempted.append(self.running.pop())
+            self._preempt(preempted[-1])
+        while kv.allocate_slots(request, n, hit_blocks) is None:
+            if not self.running:
+                raise RuntimeError(f"request {request.request_id!r} does not fit an idle pool (a bug)")
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+        self._admit(request, num_hit_tokens)
+        self.num_steps += 1
+        return self._plan([(request, n)], preempted_request_ids=[r.request_id for r in preempted])
+
+    def schedule_fused_decode(self, num_steps: int) -> StepPlan | None:
+        """A fused decode of up to `num_steps` decode steps of every running request, run on device in one go
+        (the plan `schedule(decode_steps=num_steps)` makes when it can): only when num_steps > 1, nothing waits,
+        every running request is a pure decode (a gap of exactly 1) without proposals that can fuse, they fit the
+        token budget, and the pool can lend the blocks they may need. Otherwise None, nothing changed."""
+        self._check_no_pending_fused()
+        if (num_steps < 2 or self.waiting or not self.running
+                or len(self.running) > self.scheduler_config.max_num_batched_tokens):
+            return None
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        max_new: list[int] = []
+        num_to_lend = 0
+        width = 0
+        for r in self.running:
+            # A held request (beam search) runs one token at a time; a fork's first write into its shared
+            # block needs a copy-on-write, which only a plain step makes (one step, then fused again); a
+            # constrained request (structured output) needs its token mask from the host before every token,
+            # and proposals are verified by a plain step.
+            if (r.num_tokens - r.num_computed_tokens != 1 or r.hold or r.prefill_only or kv.needs_copy(r)
+                    or r.constrained or r.draft_token_ids):
+                return None
+            m = min(num_steps, self.max_new_tokens_left(r))
+            max_new.append(m)
+            num_to_lend += cdiv(r.num_computed_tokens + m, bs) - kv.num_held_blocks(r.request_id)
+            width = max(width, cdiv(r.num_tokens + num_steps - 1, bs))
+        lent = kv.lend_blocks(num_to_lend)
+        if lent is None:
+            return None
+        plan = self._plan([(r, 1) for r in self.running], min_width=width, allow_missing_blocks=True)
+        assert plan.request_ids == [r.request_id for r in self.running]
+        plan.fused = FusedDecode(lent_block_ids=np.array(lent, dtype=np.int32),
+                                 max_new_tokens=np.array(max_new, dtype=np.int32), num_steps=num_steps,
+                                 block_size=bs, seq_lens=(plan.kv_lens - 1).astype(np.int32))
+        self.num_steps += 1
+        self._pending_fused = plan
+        return plan
+
+    def _check_no_pending_fused(self) -> None:
+        """RuntimeError while a fused decode is in flight (called by everything that changes the queues)."""
+        if self._pending_fused is not None:
+            raise RuntimeError("a fused decode is in flight: apply its result (update) or cancel it before "
+                               "scheduling again")
+
+    def cancel(self, plan: StepPlan) -> None:
+        """Forget a plan that did not run (its device step failed) before `fail_step`: a fused decode's lent
+        blocks come back and no request changes (valid because the device writes only into lent blocks and the
+        unfilled tails of blocks the requests hold). Nothing to undo for other plans."""
+        if plan.fused is None:
+            return
+        if plan is not self._pending_fused:
+            raise RuntimeError("this fused decode plan is not the one in flight")
+        self.kv_cache_manager.return_lent_blocks(plan.fused.lent_block_ids.tolist())
+        self._pending_fused = None
 
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         """A waiting request (its blocks allocated) starts running after its `num_hit_tokens` cached tokens."""
@@ -378,104 +623,96 @@ class Scheduler:
 
     # -- results ---------------------------------------------------------------------------------------
 
-    def _finish_status(self, request: Request, token: int, num_output_tokens: int,
-                       num_tokens: int) -> RequestStatus | None:
-        """The status a request reaches by emitting `token` as its `num_output_tokens`-th output."""
-        if token in self._stop_ids[request.request_id]:
-            return RequestStatus.FINISHED_STOPPED
-        if num_output_tokens >= request.sampling_params.max_tokens or num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    def update(self, plan: StepPlan, result: StepResult | np.ndarray) -> list[Request]:
+        """Apply a step's result, whatever its kind (`pagedjax.core.step_result` states the rule): each scheduled
+        request's computed tokens advance, it appends the tokens it emitted (cut at the first that finishes it: a
+        stop id, max_tokens or max_model_len), requests that finished are freed, and blocks that became full are
+        hashed. Blocks past a request's computed tokens (rejected proposals' positions) go back; a fused decode's
+        requests adopt the lent blocks their tables took and the rest come back. Requests aborted or preempted since
+        the plan was made are skipped. Everything is validated before anything changes (RuntimeError for a stale
+        plan or device tables that disagree with the host's).
 
-    def update(self, plan: StepPlan, sampled_token_ids: np.ndarray) -> list[Request]:
-        """Apply a step's results: advance each scheduled request by its q_len, append the sampled token
-        where `plan.emits_token`, finish requests that hit a stop id, max_tokens or max_model_len (freeing
-        their blocks), and hash blocks that became full. Requests aborted or preempted since the plan was
-        made are skipped. Returns the requests that finished in this step."""
+        `result`: a `StepResult`, or for a ragged plan the sampled token of each of its rows (`StepResult.
+        from_rows`). Returns the requests that finished in this step."""
+        if plan.fused is not None and plan is not self._pending_fused:
+            raise RuntimeError("this fused decode plan is not the one in flight")
+        if not isinstance(result, StepResult):
+            if plan.fused is not None:
+                raise TypeError("a fused decode's result is a StepResult (StepResult.from_fused)")
+            result = StepResult.from_rows(plan, result)
         n = plan.num_seqs
-        if n == 0:
-            return []
-        sampled = np.asarray(sampled_token_ids).reshape(-1)
-        if sampled.shape[0] < n:
-            raise ValueError(f"got {sampled.shape[0]} sampled tokens for {n} sequences")
+        if result.num_seqs != n:
+            raise ValueError(f"a result of {result.num_seqs} sequences for a plan of {n}")
         kv = self.kv_cache_manager
-        q_lens = np.diff(plan.cu_q_lens).tolist()
+        q_lens = plan.q_lens.tolist()
         kv_lens = plan.kv_lens.tolist()
-        emits_token = plan.emits_token.tolist()
-        tokens = sampled[:n].tolist()
-        finished: list[Request] = []
-        prefilled: list[Request] = []
+        emits = plan.emits_token.tolist()
+        drafts = [0] * n if plan.num_drafts is None else plan.num_drafts.tolist()
+        cu = plan.cu_q_lens.tolist()
+        # 1. what each live sequence emits and computes, validated; nothing changes yet
+        outcomes: list[tuple[Request, list[int], int, RequestStatus | None, bool]] = []
+        claimed: set[int] = set()
+        adopted: dict[str, list[int]] = {}
         for i, rid in enumerate(plan.request_ids):
             request = self.requests.get(rid)
             if request is None or request.status is not RequestStatus.RUNNING:
-                continue
+                continue  # aborted or preempted since the plan: whatever it computed goes unused
             if request.num_computed_tokens + q_lens[i] != kv_lens[i]:
                 raise RuntimeError(f"stale plan for request {rid!r}: it has {request.num_computed_tokens} "
                                    f"computed tokens, the plan ends at {kv_lens[i]}")
-            request.num_computed_tokens = kv_lens[i]
-            request.suspect = False
+            emitted: list[int] = []
             status = None
-            if emits_token[i] and request.prefill_only:
+            if emits[i] and not request.prefill_only:
+                d = drafts[i]
+                emitted = emitted_tokens(plan.token_ids[cu[i + 1] - d:cu[i + 1]].tolist() if d else (),
+                                         result.rows(i))
+                n_out, n_tok = request.num_output_tokens, request.num_tokens
+                for j, token in enumerate(emitted):
+                    status = request.finish_status(token, n_out + j + 1, n_tok + j + 1, self.max_model_len)
+                    if status is not None:
+                        del emitted[j + 1:]
+                        break
+            # each emitted token came from its predecessor fed back (the first from the last known token), so
+            # those predecessors' KV is computed: the tokens before the last known one, plus one per emitted token
+            computed = kv_lens[i] - drafts[i] - 1 + len(emitted) if emits[i] and not request.prefill_only \
+                else kv_lens[i]
+            if plan.fused is not None:
+                adopted[rid] = claim_lent_blocks(plan, result.block_tables, i, rid, kv.get_block_ids(rid),
+                                                 cdiv(computed, self.block_size), claimed)
+            outcomes.append((request, emitted, computed, status, emits[i] and request.prefill_only))
+        # 2. apply
+        finished: list[Request] = []
+        prefilled: list[Request] = []
+        for request, emitted, computed, status, prefill_done in outcomes:
+            request.num_computed_tokens = computed
+            request.suspect = False
+            request.draft_token_ids.clear()
+            if prefill_done:
                 prefilled.append(request)
-            elif emits_token[i]:
-                token = int(tokens[i])
-                request.output_token_ids.append(token)
+            if emitted:
+                request.output_token_ids.extend(emitted)
                 request.paused = request.hold
-                status = self._finish_status(request, token, request.num_output_tokens, request.num_tokens)
+            if adopted.get(request.request_id):
+                kv.adopt_blocks(request, adopted[request.request_id])
             kv.cache_blocks(request)
             if status is not None:
                 request.status = status
                 finished.append(request)
             else:
+                kv.release_past_computed(request)
                 kv.release_out_of_window(request)
+        if plan.fused is not None:
+            kv.return_lent_blocks([b for b in plan.fused.lent_block_ids.tolist() if b not in claimed])
+            self._pending_fused = None
         if finished:
-            self._remove_finished(finished)
+            self.running = [r for r in self.running if not r.is_finished]
+            for request in finished:
+                kv.free(request)
+                del self.requests[request.request_id]
+                self._forget_finished_group(request)
         for request in prefilled:
-            forking.spawn_samples(self, request)
+            self._spawn_samples(request)
         return finished
-
-    def _remove_finished(self, finished: list[Request]) -> None:
-        self.running = [r for r in self.running if not r.is_finished]
-        for request in finished:
-            self.kv_cache_manager.free(request)
-            del self.requests[request.request_id]
-            del self._stop_ids[request.request_id]
-            forking.forget_finished_group(self, request)
-
-    # -- fused decode -----------------------------------------------------------------------
-
-    def schedule_fused_decode(self, num_steps: int) -> FusedDecodePlan | None:
-        """Plan up to `num_steps` decode steps of every running request, run on device in one go.
-
-        Only when num_steps > 1, nothing waits, every running request is a pure decode (a gap of exactly
-        1) and they fit the token budget; and only if the pool can lend enough blocks. Otherwise returns
-        None and changes nothing (the engine then falls back to `schedule()`).
-        """
-        return fused_decode.schedule_fused_decode(self, num_steps)
-
-    def _check_no_pending_fused(self) -> None:
-        fused_decode.check_no_pending_multi(self)
-
-    def cancel_fused_decode(self, plan: FusedDecodePlan) -> None:
-        """Forget a fused decode that did not run (e.g. the device step failed): the lent blocks come
-        back and no request changes. Only valid if the device wrote nothing the host relies on: it writes
-        only into lent blocks and the unfilled tails of blocks the requests hold."""
-        fused_decode.cancel_fused_decode(self, plan)
-
-    def update_fused_decode(self, plan: FusedDecodePlan, sampled_token_ids: np.ndarray,
-                            block_tables: np.ndarray) -> list[Request]:
-        """Reconcile after a fused decode.
-
-        sampled_token_ids int [num_steps, num_seqs] (a negative id: the sequence did not run that step);
-        block_tables int [num_seqs, max_blocks] as the device left them. Each sequence consumes its tokens
-        step by step until it finishes (stop id / max_tokens / max_model_len), runs out of tokens, or
-        reaches max_new_tokens; `num_computed_tokens` grows by the tokens consumed; it adopts the blocks
-        in its table row beyond its current block count, up to what its new length needs; every other
-        lent block is returned; blocks that became full are hashed. Everything is validated before
-        anything changes (RuntimeError if the device's tables disagree with the host's).
-        Returns the requests that finished.
-        """
-        return fused_decode.update_fused_decode(self, plan, sampled_token_ids, block_tables)
 
     # -- invariants ------------------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""What one step runs, as plain numpy arrays: `StepPlan`, `FusedDecodePlan`, and the pure functions that
+"""What one step runs, as plain numpy arrays: `StepPlan` (the one plan type of every kind of step: a mixed
+prefill/decode step, a speculative verify step, a fused decode of several steps), and the pure functions that
 build them and mirror the device's block pops.
 
 Plain Python + numpy, no JAX. The scheduler decides *which* requests advance by how many tokens; this module
@@ -9,12 +10,12 @@ mapping), the way nano-vllm's model runner `prepare_*` does, but on the host and
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedjax.core.request import Request, RequestStatus
+from pagedjax.core.request import Request
 
 _EMPTY_I32 = np.zeros((0,), np.int32)
 
@@ -45,8 +46,10 @@ class StepPlan:
     # (copy-on-write of blocks shared by forks; see `KVCacheManager.fork`)
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))
     # int32 [num_seqs]: speculative decoding's proposed tokens at the end of each sequence's query, verified by
-    # this step (`pagedjax.core.speculation`); None in a step that verifies none
+    # this step (see `pagedjax.core.step_result`); None in a step that verifies none
     num_drafts: np.ndarray | None = None
+    # Several decode steps in one device call (every sequence a decode; see `FusedDecode`); None for one step
+    fused: FusedDecode | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -83,32 +86,37 @@ class StepPlan:
                    emits_token=np.zeros((0,), bool), preempted_request_ids=list(preempted_request_ids))
 
 
-@dataclass
-class FusedDecodePlan:
-    """Up to `num_steps` fused decode steps of every running request, run on device with no host round trip.
+@dataclass(frozen=True)
+class FusedDecode:
+    """The part of a plan that runs up to `num_steps` decode steps of every sequence on device, with no host round
+    trip.
 
-    `plan` is step 1 as a `StepPlan` (decodes only). Its `block_tables` hold each request's current blocks
-    and are wide enough for `num_steps` more tokens (`max ceil((kv_len + num_steps - 1) / block_size)`
-    columns). The host allocates no block for the step's tokens: a sequence whose token starts a new block
-    (`(kv_len - 1) % block_size == 0`) pops it from the lent stack on device, in step 1 as in every later
-    step, and its `plan.slot_mapping` entry is -1 (the device computes it; see `simulate_device_pops`).
+    The plan itself is step 1 (decodes only). Its `block_tables` hold each request's current blocks and are wide
+    enough for `num_steps` more tokens (`max ceil((kv_len + num_steps - 1) / block_size)` columns). The host
+    allocates no block for the step's tokens: a sequence whose token starts a new block (`(kv_len - 1) %
+    block_size == 0`) pops it from the lent stack on device, in step 1 as in every later step, and its
+    `slot_mapping` entry is -1 (the device computes it; see `simulate_device_pops`).
 
-    `lent_block_ids` is the stack of lent blocks, popped front to back, exactly enough for every sequence
-    to write `max_new_tokens[s]` tokens. `max_new_tokens[s] = min(num_steps, remaining max_tokens,
-    max_model_len - num_tokens)` (at least 1; see `Scheduler.max_new_tokens_left`): the device stops
-    sequence s after that many steps (or at a stop id).
+    `lent_block_ids` is the stack of lent blocks, popped front to back, exactly enough for every sequence to write
+    `max_new_tokens[s]` tokens. `max_new_tokens[s] = min(num_steps, remaining max_tokens, max_model_len -
+    num_tokens)` (at least 1; see `Scheduler.max_new_tokens_left`): the device stops sequence s after that many
+    steps (or at a stop id).
     """
 
-    plan: StepPlan
     lent_block_ids: np.ndarray  # int32 [num_lent]
     max_new_tokens: np.ndarray  # int32 [num_seqs]
     num_steps: int
     block_size: int
+    seq_lens: np.ndarray  # int32 [num_seqs]: tokens each sequence has in the cache before step 1
 
-    @property
-    def seq_lens(self) -> np.ndarray:
-        """Tokens each sequence has in the cache before step 1 (the device's starting lengths)."""
-        return (self.plan.kv_lens - 1).astype(np.int32)
+
+def first_rows(plan: StepPlan) -> np.ndarray:
+    """int32 [num_seqs + 1]: sequence s's sampled tokens are rows first[s]..first[s + 1] - 1 of a ragged step's
+    (`StepPlan.logits_indices`)."""
+    rows = np.ones(plan.num_seqs, np.int32) if plan.num_drafts is None else plan.num_drafts + 1
+    out = np.zeros(plan.num_seqs + 1, np.int32)
+    np.cumsum(rows, out=out[1:])
+    return out
 
 
 def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping[str, Sequence[int]],
@@ -229,7 +237,7 @@ def simulate_device_pops(block_tables: np.ndarray, seq_lens: np.ndarray, lent_bl
                          ) -> tuple[np.ndarray, np.ndarray, int]:
     """Host (numpy) mirror of a whole fused decode's block pops: the reconciliation contract.
 
-    Starts from `seq_lens[s]` cached tokens (`FusedDecodePlan.seq_lens`, i.e. `plan.kv_lens - 1`); sequence
+    Starts from `seq_lens[s]` cached tokens (`FusedDecode.seq_lens`, i.e. `plan.kv_lens - 1`); sequence
     s is active for its first `num_active_steps[s]` steps (its `max_new_tokens`, or fewer if it stopped
     early); each step applies `device_pop_step`.
 
@@ -248,66 +256,23 @@ def simulate_device_pops(block_tables: np.ndarray, seq_lens: np.ndarray, lent_bl
     return tables, slots, popped
 
 
-@dataclass(frozen=True)
-class FusedDecodeOutcome:
-    """What a fused decode did for one live sequence, validated, not yet applied."""
-
-    request: Request
-    tokens: list[int]  # the outputs it consumed, in order
-    status: RequestStatus | None  # the finished status it reached with the last of them, if any
-    new_blocks: list[int]  # lent blocks it adopts, in the order the device popped them
-
-
-def reconcile_fused_decode(plan: FusedDecodePlan, sampled: np.ndarray, block_tables: np.ndarray,
-                           requests: Sequence[Request | None], held_block_ids: Sequence[Sequence[int]],
-                           finish_status: Callable[[Request, int, int, int], RequestStatus | None],
-                           ) -> list[FusedDecodeOutcome]:
-    """What a fused decode did, checked against the host's view; changes nothing.
-
-    sampled int `[num_steps, >= num_seqs]` (negative: the sequence did not run that step); block_tables int
-    `[>= num_seqs, max_blocks]` as the device left them; `requests[i]` is sequence i's request, or None if
-    it was aborted or preempted meanwhile (skipped: whatever it popped goes back); `held_block_ids[i]` the
-    blocks it holds. Sequence i consumes its tokens until `finish_status(request, token, num_outputs,
-    num_tokens)` says it finished, its tokens run out, or it reaches `max_new_tokens[i]`; it adopts the
-    blocks its table row gained, up to what its new length needs. RuntimeError if the device changed a
-    block the host placed, kept a block that was not lent, or took one twice.
-    """
-    step = plan.plan
-    bs = plan.block_size
-    lent = set(plan.lent_block_ids.tolist())
-    claimed: set[int] = set()
-    outcomes: list[FusedDecodeOutcome] = []
-    max_new = plan.max_new_tokens.tolist()
-    kv_lens = step.kv_lens.tolist()
-    columns = np.asarray(sampled)[:, :step.num_seqs].T.tolist()
-    for i, (rid, request) in enumerate(zip(step.request_ids, requests, strict=True)):
-        if request is None:
-            continue
-        if request.num_computed_tokens + 1 != kv_lens[i]:
-            raise RuntimeError(f"stale fused decode plan for request {rid!r}")
-        consumed: list[int] = []
-        status = None
-        num_out, num_tok = request.num_output_tokens, request.num_tokens
-        for token in columns[i][:max_new[i]]:
-            if token < 0:
-                break
-            consumed.append(int(token))
-            status = finish_status(request, int(token), num_out + len(consumed), num_tok + len(consumed))
-            if status is not None:
-                break
-        held = list(held_block_ids[i])
-        need = -(-(request.num_computed_tokens + len(consumed)) // bs)
-        row = block_tables[i]
-        if row[:len(held)].tolist() != held:
-            raise RuntimeError(f"request {rid!r}: the device changed blocks the host had placed "
-                               f"({row[:len(held)].tolist()} != {held})")
-        new_blocks = row[len(held):need].tolist()
-        bad = [b for b in new_blocks if b not in lent or b in claimed]
-        if bad:
-            raise RuntimeError(f"request {rid!r}: table row holds blocks {bad} that were not lent "
-                               "or are claimed twice")
-        if len(new_blocks) != max(0, need - len(held)):
-            raise RuntimeError(f"request {rid!r}: table row too narrow for {need} blocks")
-        claimed.update(new_blocks)
-        outcomes.append(FusedDecodeOutcome(request, consumed, status, new_blocks))
-    return outcomes
+def claim_lent_blocks(plan: StepPlan, block_tables: np.ndarray, i: int, request_id: str, held: Sequence[int],
+                      need: int, claimed: set[int]) -> list[int]:
+    """The lent blocks sequence i of a fused decode adopts: those its row of the device's `block_tables` gained past
+    the `held` blocks, up to the `need` its new length needs (added to `claimed`). Changes nothing else;
+    RuntimeError if the device changed a block the host placed, kept a block that was not lent, or took one twice
+    (checked before anything is applied)."""
+    row = block_tables[i]
+    if row[:len(held)].tolist() != list(held):
+        raise RuntimeError(f"request {request_id!r}: the device changed blocks the host had placed "
+                           f"({row[:len(held)].tolist()} != {list(held)})")
+    new_blocks = row[len(held):need].tolist()
+    lent = set(plan.fused.lent_block_ids.tolist())
+    bad = [b for b in new_blocks if b not in lent or b in claimed]
+    if bad:
+        raise RuntimeError(f"request {request_id!r}: table row holds blocks {bad} that were not lent or are claimed "
+                           "twice")
+    if len(new_blocks) != max(0, need - len(held)):
+        raise RuntimeError(f"request {request_id!r}: table row too narrow for {need} blocks")
+    claimed.update(new_blocks)
+    return new_blocks

@@ -15,12 +15,12 @@ from typing import NamedTuple
 import jax
 
 import pallas_kernels
+from pagedjax.config.engine import BACKENDS
 from pagedjax.device.kv_cache import LayerKV
 from pallas_kernels.quant import is_quantized
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "pallas", "xla")
 
 
 class AttentionMetadata(NamedTuple):

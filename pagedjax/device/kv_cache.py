@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pagedjax.config import kv_cache_bytes
+from pagedjax.config.cache import kv_cache_bytes
 from pallas_kernels.quant import is_quantized, quantize_kv
 
 SCALE_DTYPE = jnp.dtype(jnp.float32)  # of 8-bit pages' scales (`config.KV_SCALE_BYTES` bytes)

@@ -81,7 +81,7 @@ def apply_penalties(logits: jax.Array, pen: PenaltyMetadata, num_outputs: jax.Ar
 def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
     """logits f32 `[S, vocab]` with every token `mask` disallows set to -inf: mask i32 `[S, cdiv(vocab, 32)]`,
     token t allowed where bit t % 32 of word t // 32 is set (an all-ones row allows everything; structured
-    output, `pagedjax.engine.structured`)."""
+    output, `pagedjax.structured_output.compiler`)."""
     t = jnp.arange(logits.shape[-1])
     allowed = (mask[:, t // 32] >> (t % 32)) & 1
     return jnp.where(allowed != 0, logits, -jnp.inf)
@@ -156,7 +156,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata, penalties: PenaltyMetadata
 class LogprobArrays(NamedTuple):
     """Log-probabilities (log-softmax in float32 of the raw logits) at `[N]` positions: of the chosen token,
     and the `num_top` most likely tokens, best first. Device arrays of a whole step; the host turns each row
-    into the public per-token `pagedjax.TokenLogprobs` (`pagedjax.engine.outputs`)."""
+    into the public per-token `pagedjax.TokenLogprobs` (`pagedjax.engine.output_processor`)."""
 
     logprob: jax.Array  # f32[N]
     top_ids: jax.Array  # i32[N, num_top]

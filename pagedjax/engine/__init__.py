@@ -11,12 +11,13 @@
   factory.py        make_engine / load_engine: one LLMEngine, or a DataParallelEngine, from a parallel layout
 """
 
-from pagedjax.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSequence
 from pagedjax.engine.data_parallel import DataParallelEngine
 from pagedjax.engine.factory import load_engine, make_engine
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.protocol import Engine
 from pagedjax.engine.stats import EngineStats
+from pagedjax.outputs import BeamSearchOutput, BeamSequence
+from pagedjax.sampling_params import BeamSearchParams
 
 __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSequence", "DataParallelEngine", "Engine",
            "EngineStats", "LLMEngine", "load_engine",

@@ -32,56 +32,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedjax.config import check_int
-from pagedjax.core.request import MAX_LOGPROBS, Request, RequestStatus, SamplingParams, StructuredOutput
+from pagedjax.core.request import Request, RequestStatus
+from pagedjax.outputs import BeamSearchOutput, BeamSequence
+from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from pagedjax.engine.llm_engine import LLMEngine
-
-
-@dataclass(frozen=True)
-class BeamSearchParams:
-    beam_width: int
-    max_tokens: int
-    length_penalty: float = 1.0
-    ignore_eos: bool = False
-    structured: StructuredOutput | None = None  # a constraint every beam keeps (see the module docstring)
-
-    def __post_init__(self) -> None:
-        check_int("BeamSearchParams", "beam_width", self.beam_width, lo=1, hi=MAX_LOGPROBS // 2)
-        check_int("BeamSearchParams", "max_tokens", self.max_tokens, lo=1)
-        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, int | float):
-            raise ValueError(f"BeamSearchParams.length_penalty must be a number, got {self.length_penalty!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"BeamSearchParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.structured is not None:
-            if not isinstance(self.structured, StructuredOutput):
-                raise TypeError(f"BeamSearchParams.structured must be a StructuredOutput, got "
-                                f"{type(self.structured).__name__}")
-            if self.ignore_eos:
-                raise ValueError("BeamSearchParams.ignore_eos cannot be combined with structured: the constraint "
-                                 "ends the text with EOS")
-
-
-@dataclass
-class BeamSequence:
-    """One finished beam: its generated tokens, their summed log-probability, and its score."""
-
-    token_ids: list[int]
-    cumulative_logprob: float
-    score: float
-    text: str | None = None
-
-
-@dataclass
-class BeamSearchOutput:
-    """The best `beam_width` beams of one prompt, best first."""
-
-    prompt_token_ids: list[int]
-    sequences: list[BeamSequence] = field(default_factory=list)
+    from pagedjax.engine.protocol import PreparedRequest
 
 
 @dataclass
@@ -111,7 +71,8 @@ def beam_search(engine: LLMEngine, prompts: Sequence[Sequence[int] | str], param
     sampling = SamplingParams(max_tokens=params.max_tokens, logprobs=2 * width, ignore_eos=True,
                               structured=params.structured)
     ids = engine.fresh_request_ids("beam", len(prompts))
-    requests = [engine.make_request(rid, p, sampling) for rid, p in zip(ids, prompts, strict=True)]
+    prepared = [engine.make_request(rid, p, sampling) for rid, p in zip(ids, prompts, strict=True)]
+    requests = [p.request for p in prepared]
     # Held beams keep their blocks between steps and nothing preempts them, so a batch runs only if every beam of
     # it fits at its longest at once (its last block copied on a fork's first write: one more).
     bs = engine.cache_config.block_size
@@ -123,12 +84,14 @@ def beam_search(engine: LLMEngine, prompts: Sequence[Sequence[int] | str], param
                          "use a larger pool, a smaller beam_width or fewer max_tokens")
     per_batch = max(1, min(max_seqs // width, engine.num_blocks // (width * per_beam)))
     outputs: list[BeamSearchOutput] = []
-    for start in range(0, len(requests), per_batch):
-        outputs += _search_batch(engine, requests[start:start + per_batch], params)
+    for start in range(0, len(prepared), per_batch):
+        outputs += _search_batch(engine, prepared[start:start + per_batch], params)
     return outputs
 
 
-def _search_batch(engine: LLMEngine, requests: list[Request], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def _search_batch(engine: LLMEngine, prepared: list[PreparedRequest], params: BeamSearchParams,
+                  ) -> list[BeamSearchOutput]:
+    requests = [p.request for p in prepared]
     sched = engine.scheduler
     width = params.beam_width
     eos = set(engine.model_spec.eos_token_ids)
@@ -137,10 +100,11 @@ def _search_batch(engine: LLMEngine, requests: list[Request], params: BeamSearch
     complete: list[list[_Beam]] = [[] for _ in requests]
     owned: list[Request] = []  # every request of this search, forks included: all aborted if it fails
     try:
-        for r in requests:
+        for p in prepared:
+            r = p.request
             r.hold = True
             owned.append(r)
-            engine.add_prepared_request(r)
+            engine.add_prepared_request(p)
             live.append([_Beam([], 0.0, r)])
         while any(live):
             while any(not b.request.is_finished and not b.request.paused for beams in live for b in beams):
@@ -198,19 +162,17 @@ def _advance(engine: LLMEngine, beams: list[_Beam], complete: list[_Beam], param
             claimed.add(bi)
             if r.output_token_ids[-1] != beam.tokens[-1]:
                 sched.replace_last_token(r.request_id, beam.tokens[-1])
-                if r.constraint is not None:
-                    _retarget(r.constraint, r.output_token_ids)
+                if r.constrained:
+                    _retarget(engine.structured.get(r), r.output_token_ids)
             beam.request = r
         else:
-            constraint = None
-            if r.constraint is not None:  # r's matcher is at r's tokens: same history, another last token
-                constraint = r.constraint.copy()
-                _retarget(constraint, beam.tokens)
             child = Request(request_id=f"{r.request_id}.{next(fork_ids)}", prompt_token_ids=r.prompt_token_ids,
                             sampling_params=r.sampling_params, eos_token_ids=r.eos_token_ids,
-                            output_token_ids=list(beam.tokens), hold=True, logprobs=[], constraint=constraint)
+                            output_token_ids=list(beam.tokens), hold=True, logprobs=[], constrained=r.constrained)
             owned.append(child)
             sched.fork(r.request_id, child)
+            if r.constrained:  # r's matcher is at r's tokens: same history, another last token
+                _retarget(engine.structured.fork(r.request_id, child.request_id), beam.tokens)
             beam.request = child
     kept = [beam for _, beam in chosen]
     for beam in kept:

@@ -19,16 +19,19 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
-from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams, StructuredOutput
+from pagedjax.config.parallel import ParallelConfig
+from pagedjax.core.request import Request, RequestIds
 from pagedjax.engine.generate import generate_batch
-from pagedjax.engine.llm_engine import LLMEngine
-from pagedjax.engine.loading import load_for
+from pagedjax.engine.llm_engine import LLMEngine, token_list
+from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
-from pagedjax.engine.structured import Constraint
-from pagedjax.engine.weights import checked_leaves
-from pagedjax.parallel.config import ParallelConfig
+from pagedjax.model.loading.loader import load_for
+from pagedjax.outputs import RequestOutput
 from pagedjax.parallel.mesh import replica_meshes
+from pagedjax.runner.weights import checked_leaves
+from pagedjax.sampling_params import SamplingParams, StructuredOutput
+from pagedjax.structured_output.compiler import Constraint
 
 logger = logging.getLogger(__name__)
 
@@ -145,21 +148,23 @@ class DataParallelEngine:
                 return home
         return least
 
-    def make_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> Request:
+    def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
+                     cache_salt: str | None = None) -> PreparedRequest:
         """A validated, not yet queued request (see `LLMEngine.make_request`)."""
-        return self.replicas[0].make_request(request_id, prompt, sampling_params)
+        return self.replicas[0].make_request(request_id, prompt, sampling_params, cache_salt=cache_salt)
 
     def compile_constraint(self, structured: StructuredOutput) -> Constraint:
         """A fresh matcher of a constraint (see `LLMEngine.compile_constraint`): the first replica's compiler
         compiles every request's, as its `make_request` validates every request."""
         return self.replicas[0].compile_constraint(structured)
 
-    def add_prepared_request(self, request: Request) -> None:
+    def add_prepared_request(self, prepared: PreparedRequest) -> None:
         """Queue a request from `make_request` on the replica `_choose` picks (ValueError for a duplicate id)."""
+        request = prepared.request
         if request.request_id in self._owner:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         i = self._choose(request)
-        self.replicas[i].add_prepared_request(request)
+        self.replicas[i].add_prepared_request(prepared)
         cost = request.num_prompt_tokens + request.sampling_params.max_tokens * request.sampling_params.num_samples
         self._owner[request.request_id] = (i, cost)
         self._load[i] += cost
@@ -173,8 +178,8 @@ class DataParallelEngine:
         """Queue a request on the least loaded replica; raises as `LLMEngine.add_request` does."""
         if isinstance(request_id, str) and request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.replicas[0]._make_request(request_id, prompt_token_ids, sampling_params, cache_salt)
-        self.add_prepared_request(request)
+        self.add_prepared_request(self.make_request(request_id, token_list(request_id, prompt_token_ids),
+                                                    sampling_params, cache_salt=cache_salt))
 
     def fresh_request_ids(self, prefix: str, n: int) -> list[str]:
         """`n` ids that no live request of any replica uses (`pagedjax.core.request.RequestIds`)."""

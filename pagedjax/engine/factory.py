@@ -5,10 +5,10 @@
 
 from __future__ import annotations
 
+from pagedjax.config.parallel import ParallelConfig, parallel_layout
 from pagedjax.engine.data_parallel import DataParallelEngine
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.protocol import Engine
-from pagedjax.parallel.config import ParallelConfig, parallel_layout
 
 
 def make_engine(model_config=None, cache_config=None, scheduler_config=None, params=None, seed: int = 0, *,

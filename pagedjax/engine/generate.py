@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pagedjax.core.request import RequestOutput, SamplingParams
+from pagedjax.outputs import RequestOutput
+from pagedjax.sampling_params import SamplingParams
 
 
 def generate_batch(engine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
@@ -17,9 +18,9 @@ def generate_batch(engine, prompts, sampling_params, use_tqdm: bool) -> list[Req
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
     ids = engine.fresh_request_ids("gen", len(prompts))
-    requests = [engine.make_request(rid, prompt, p) for rid, prompt, p in zip(ids, prompts, params, strict=True)]
-    for r in requests:
-        engine.add_prepared_request(r)
+    prepared = [engine.make_request(rid, prompt, p) for rid, prompt, p in zip(ids, prompts, params, strict=True)]
+    for p in prepared:
+        engine.add_prepared_request(p)
     results: dict[str, RequestOutput] = {}
     bar = None
     if use_tqdm:

@@ -3,9 +3,13 @@
     engine = LLMEngine(ModelConfig(...), CacheConfig(block_size=16, num_blocks=256), SchedulerConfig())
     outputs = engine.generate([[1, 2, 3], [1, 2, 4, 5]], SamplingParams(max_tokens=8))
 
-Each `step()` asks the scheduler for a plan, pads it to bucket sizes, runs it on device and hands the sampled
-tokens back to the scheduler. With `decode_steps_per_call > 1`, steps where every running request is decoding
-run that many decode iterations in one device call (blocks lent by the host, reconciled afterwards).
+Each `step()` is one path, whatever the kind of step: the scheduler's plan (`StepPlan`) -> its padded inputs
+(`runner.inputs.step_inputs`, with the structured-output masks) -> the device (`ModelRunner.run`) -> one
+`StepResult` -> `Scheduler.update` -> the output processor (text, stop strings) and the structured-output
+matchers, whose decisions the engine hands back to the scheduler -> the speculator's proposals for the next step.
+A plan is a plain mixed prefill/decode step, a speculative verify step (its rows carry proposals, its result a
+variable number of tokens per row) or, with `decode_steps_per_call > 1` and every running request decoding, a
+fused decode of that many steps (blocks lent by the host, reconciled by `update`).
 """
 
 from __future__ import annotations
@@ -16,26 +20,31 @@ import warnings
 from collections.abc import Sequence
 
 from pagedjax.compile_cache import enable_compile_cache
-from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, check_bool, check_int, is_int
-from pagedjax.core.request import Request, RequestIds, RequestOutput, SamplingParams, StructuredOutput
+from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
+from pagedjax.config.fields import is_int
+from pagedjax.config.parallel import ParallelConfig, parallel_layout
+from pagedjax.core.request import Request, RequestIds
 from pagedjax.core.scheduler import Scheduler
-from pagedjax.core.step_plan import FusedDecodePlan, StepPlan
-from pagedjax.engine import weights
-from pagedjax.engine.draft import DraftProposer, load_draft
+from pagedjax.core.step_plan import StepPlan
 from pagedjax.engine.generate import generate_batch
-from pagedjax.engine.inputs import StepInputs, fused_decode_inputs, step_inputs
-from pagedjax.engine.invariant import invariant_shape
-from pagedjax.engine.loading import engine_model, load_for
-from pagedjax.engine.outputs import OutputProcessor, record_prompt_logprobs, record_token_logprob
-from pagedjax.engine.runner import ModelRunner
+from pagedjax.engine.output_processor import OutputProcessor, record_prompt_logprobs, record_token_logprob
+from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
-from pagedjax.engine.shapes import warmup_shapes
-from pagedjax.engine.speculative import Speculator, speculative_step_inputs
 from pagedjax.engine.stats import EngineStats, stats_dict
-from pagedjax.engine.structured import Constraint, ConstraintCompiler
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama
-from pagedjax.parallel.config import parallel_layout
+from pagedjax.model.loading.loader import engine_model, load_for
+from pagedjax.outputs import RequestOutput
+from pagedjax.runner import weights
+from pagedjax.runner.inputs import StepInputs, step_inputs
+from pagedjax.runner.invariant import invariant_shape
+from pagedjax.runner.runner import ModelRunner
+from pagedjax.runner.shapes import warmup_shapes
+from pagedjax.sampling_params import SamplingParams, StructuredOutput
+from pagedjax.spec_decode.draft_model import DraftProposer, load_draft
+from pagedjax.spec_decode.speculator import Speculator
+from pagedjax.structured_output.compiler import Constraint, ConstraintCompiler
+from pagedjax.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -62,48 +71,63 @@ class LLMEngine:
     persistent compilation cache) if it is needed again, so that requests of ever new shapes cannot grow the
     process's memory without bound. compile_in_background=True (the server's choice, with `warmup()`): a step
     whose program is not compiled yet runs on a bigger one already compiled, if there is one, while its own
-    compiles in a background thread (`pagedjax.engine.programs`); `warmup()` compiles programs that can stand in
+    compiles in a background thread (`pagedjax.runner.programs`); `warmup()` compiles programs that can stand in
     for every step, so that no step waits for a compile, and `close()` cancels the background compiles still
     waiting. By default (False) every step waits for its own program, so that results never depend on compile
     timing: a stand-in computes the same tokens up to the last-bit rounding a change of shape may bring
-    (`pagedjax.engine.shapes`), which could tip a near tie.
+    (`pagedjax.runner.shapes`), which could tip a near tie.
 
     batch_invariant=True: every step runs on one program of the engine's largest shape, so a request's tokens and
-    log-probabilities are bitwise the same whatever shares its steps (`pagedjax.engine.invariant`; needs
+    log-probabilities are bitwise the same whatever shares its steps (`pagedjax.runner.invariant`; needs
     `decode_steps_per_call` 1).
 
     A step whose device call raises never wedges the engine: see `step`.
 
-    speculative_config: a `SpeculativeConfig` turns on speculative decoding (`pagedjax.engine.speculative`): decoding
+    speculative_config: a `SpeculativeConfig` turns on speculative decoding (`pagedjax.spec_decode`): decoding
     requests verify proposed tokens, several per step; the output is the non-speculative one, token for token.
+
+    config: an `EngineConfig` holding every option above at once (instead of the keywords, not beside them); the
+    engine keeps its whole configuration as `engine.config` either way.
     """
 
     def __init__(self, model_config: ModelConfig | None = None, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,
                  model=None, backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
-                 tokenizer=None, compile_cache: bool | str = True, parallel_config=None,
+                 tokenizer=None, compile_cache: bool | str = True, parallel_config: ParallelConfig | None = None,
                  tensor_parallel_size: int | None = None, devices=None, max_compiled_programs: int = 64,
                  compile_in_background: bool = False, batch_invariant: bool = False,
-                 speculative_config: SpeculativeConfig | None = None):
-        parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
+                 speculative_config: SpeculativeConfig | None = None, config: EngineConfig | None = None):
         if num_steps is not None:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
                           DeprecationWarning, stacklevel=2)
             decode_steps_per_call = num_steps
-        check_int("LLMEngine", "decode_steps_per_call", decode_steps_per_call, lo=1)
-        check_int("LLMEngine", "seed", seed, lo=0, hi=2**32 - 1)
-        check_int("LLMEngine", "max_compiled_programs", max_compiled_programs, lo=1)
-        enable_compile_cache(compile_cache if isinstance(compile_cache, str) else None, enabled=bool(compile_cache))
-        self.seed = int(seed)
-        model = engine_model(model_config, params, model, self.seed)
+        if config is None:
+            config = EngineConfig(
+                model_config=model_config, cache_config=cache_config or CacheConfig(),
+                scheduler_config=scheduler_config or SchedulerConfig(),
+                parallel_config=parallel_layout(parallel_config, tensor_parallel_size, None),
+                speculative_config=speculative_config, backend=backend, decode_steps_per_call=decode_steps_per_call,
+                seed=seed, compile_cache=compile_cache, max_compiled_programs=max_compiled_programs,
+                compile_in_background=compile_in_background, batch_invariant=batch_invariant)
+        elif not isinstance(config, EngineConfig):
+            raise TypeError(f"LLMEngine: config must be an EngineConfig, got {type(config).__name__}")
+        elif (model_config, cache_config, scheduler_config, parallel_config, speculative_config,
+              tensor_parallel_size) != (None,) * 6:
+            raise ValueError("LLMEngine: give config=EngineConfig(...) or the configs as keywords, not both")
+        self.config = config
+        enable_compile_cache(config.compile_cache if isinstance(config.compile_cache, str) else None,
+                             enabled=bool(config.compile_cache))
+        self.seed = config.seed
+        model = engine_model(config.model_config, params, model, self.seed)
         # What the engine knows of the model: its spec (a built-in model's ModelConfig too, None for others).
         self.model_config: ModelConfig | None = model.config if isinstance(model, Llama) else None
-        self.cache_config = cache_config or CacheConfig()
+        self.cache_config = config.cache_config
         self.model_spec = check_model(model, kv_dtype=self.cache_config.kv_dtype)
         spec = self.model_spec
-        draft = load_draft(speculative_config, spec, self.cache_config, self.seed, parallel_config)
-        self.scheduler_config = (scheduler_config or SchedulerConfig()).resolve(spec.max_position_embeddings)
-        self.decode_steps_per_call = int(decode_steps_per_call)
+        parallel_config = config.parallel_config
+        draft = load_draft(config.speculative_config, spec, self.cache_config, self.seed, parallel_config)
+        self.scheduler_config = config.scheduler_config.resolve(spec.max_position_embeddings)
+        self.decode_steps_per_call = config.decode_steps_per_call
         self.tokenizer = tokenizer
         mesh = None
         self.parallel_config = parallel_config
@@ -119,22 +143,17 @@ class LLMEngine:
         # Blocks out of every layer's sliding window go back to the pool while requests run.
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
                                    sliding_window=spec.kv_window)
-        self.output_processor = OutputProcessor(tokenizer, self.scheduler)
-        self._constraints = ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.structured = StructuredOutputManager(ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids))
+        max_programs, background = config.max_compiled_programs, config.compile_in_background
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
-                                  kv_dtype=self.cache_config.kv_array_dtype(spec), backend=backend,
-                                  mesh=mesh, max_programs=int(max_compiled_programs),
-                                  compile_in_background=bool(compile_in_background))
-        self.speculator = None if speculative_config is None else Speculator(speculative_config, None if draft is None
-            else DraftProposer(draft, self.num_blocks, self.cache_config, self.scheduler_config.max_num_batched_tokens,
-                               backend=self.runner.backend, max_programs=int(max_compiled_programs),
-                               compile_in_background=bool(compile_in_background)))
-        if check_bool("LLMEngine", "batch_invariant", batch_invariant):  # see pagedjax.engine.invariant
-            if self.decode_steps_per_call != 1:  # a fused decode is a program of its own
-                raise ValueError("LLMEngine: batch_invariant=True needs decode_steps_per_call=1, got "
-                                 f"{self.decode_steps_per_call}")
-            if self.speculator is not None:  # verifying steps sample more rows than the one program has
-                raise ValueError("LLMEngine: batch_invariant=True cannot be combined with speculative_config")
+                                  kv_dtype=self.cache_config.kv_array_dtype(spec), backend=config.backend,
+                                  mesh=mesh, max_programs=max_programs, compile_in_background=background)
+        self.speculator = None if config.speculative_config is None else Speculator(
+            config.speculative_config, None if draft is None else DraftProposer(
+                draft, self.num_blocks, self.cache_config, self.scheduler_config.max_num_batched_tokens,
+                backend=self.runner.backend, max_programs=max_programs, compile_in_background=background))
+        if config.batch_invariant:  # see pagedjax.runner.invariant
             self.runner.fixed_shape = invariant_shape(
                 max_tokens=self.scheduler_config.max_num_batched_tokens, max_seqs=self.scheduler_config.max_num_seqs,
                 max_request_tokens=self.max_request_tokens, block_size=self.cache_config.block_size,
@@ -153,20 +172,28 @@ class LLMEngine:
                     self.cache_config.block_size, self.runner.backend)
 
     @classmethod
-    def from_pretrained(cls, path=None, *, dtype: str | None = None, cache_config: CacheConfig | None = None,
-                        scheduler_config: SchedulerConfig | None = None, parallel_config=None,
-                        tensor_parallel_size: int | None = None, devices=None, quantization=None,
-                        **kwargs) -> LLMEngine:
+    def from_pretrained(cls, path=None, *, dtype: str | None = None, quantization: str | QuantConfig | None = None,
+                        cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
+                        parallel_config: ParallelConfig | None = None, tensor_parallel_size: int | None = None,
+                        devices=None, tokenizer=None, seed: int = 0, backend: str = "auto",
+                        decode_steps_per_call: int = 1, compile_cache: bool | str = True,
+                        max_compiled_programs: int = 64, compile_in_background: bool = False,
+                        batch_invariant: bool = False, speculative_config: SpeculativeConfig | None = None,
+                        ) -> LLMEngine:
         """An engine over a saved model: a pagedjax orbax checkpoint folder, a local Hugging Face folder
         (config.json + *.safetensors [+ tokenizer.json]), or None for the bundled model. With a
         `parallel_config`, weights are read straight into their shards on the (first replica's) mesh.
         `quantization` ("int8" | "int4" | "int4:32" | "fp8" or a `QuantConfig`): weight-only quantized linear
-        layers and MoE experts, quantized at load (`pagedjax.model.quant`, `pagedjax.model.moe_quant`)."""
+        layers and MoE experts, quantized at load (`pagedjax.model.layers.quant`, `pagedjax.model.layers.
+        moe_quant`). `tokenizer`: instead of the folder's. The other keywords are `LLMEngine`'s."""
         parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
-        cfg, state, tokenizer = load_for(path, dtype, parallel_config, devices, quantization)
-        kwargs.setdefault("tokenizer", tokenizer)
-        return cls(cfg, cache_config, scheduler_config, params=state, parallel_config=parallel_config,
-                   devices=devices, **kwargs)
+        cfg, state, folder_tokenizer = load_for(path, dtype, parallel_config, devices, quantization)
+        return cls(cfg, cache_config, scheduler_config, params=state, seed=seed, backend=backend,
+                   decode_steps_per_call=decode_steps_per_call,
+                   tokenizer=folder_tokenizer if tokenizer is None else tokenizer, compile_cache=compile_cache,
+                   parallel_config=parallel_config, devices=devices, max_compiled_programs=max_compiled_programs,
+                   compile_in_background=compile_in_background, batch_invariant=batch_invariant,
+                   speculative_config=speculative_config)
 
     @property
     def num_steps(self) -> int:
@@ -191,7 +218,7 @@ class LLMEngine:
         without prompt log-probabilities; on the XLA path a ladder of narrower and smaller ones too; the fused
         decode's when `decode_steps_per_call` > 1; a draft model's widest step: `DraftProposer.warmup`) and run
         each once on padding. From then on a step whose own program is not compiled runs on the fastest of them
-        that dominates it while its own compiles in the background (`pagedjax.engine.programs`), instead of
+        that dominates it while its own compiles in the background (`pagedjax.runner.programs`), instead of
         waiting for it: every step but those asking for logits or more than 512 stop ids. The KV cache's contents
         and the scheduler are left as they were, and these programs are never dropped. Returns the seconds it
         took (also logged, and in `stats().warmup_s`)."""
@@ -223,12 +250,13 @@ class LLMEngine:
         """Queue a request. Raises TypeError for a non-string id or salt, token ids that are not ints, or
         sampling params of another type; ValueError for ids outside the vocabulary, empty or too long
         prompts, a duplicate id, or a request that could never fit in the KV pool. Nothing is queued then."""
-        request = self._make_request(request_id, prompt_token_ids, sampling_params, cache_salt)
-        self.scheduler.add_request(request)
-        self._prompt_tokens += request.num_prompt_tokens
+        self.add_prepared_request(self.make_request(request_id, token_list(request_id, prompt_token_ids),
+                                                    sampling_params, cache_salt=cache_salt))
 
-    def _make_request(self, request_id, prompt_token_ids, sampling_params, cache_salt) -> Request:
-        """A validated request that the scheduler would accept (nothing is queued)."""
+    def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
+                     cache_salt: str | None = None) -> PreparedRequest:
+        """A validated request of a prompt (token ids, or text with a tokenizer) that the scheduler would accept,
+        its constraint compiled; nothing is queued (`add_prepared_request` does). Raises as `add_request`."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -237,7 +265,7 @@ class LLMEngine:
                             f"got {type(params).__name__}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"request {request_id!r}: cache_salt must be a str, got {type(cache_salt).__name__}")
-        tokens = _token_list(request_id, prompt_token_ids)
+        tokens = self._encode(request_id, prompt)
         vocab = self.model_spec.vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
@@ -249,29 +277,28 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: SamplingParams.stop needs an engine with a tokenizer "
                              "(stop strings are matched on the detokenized text); use stop_token_ids")
         try:
-            constraint = None if params.structured is None else self._constraints.compile(params.structured)
+            constraint = None if params.structured is None else self.structured.compile(params.structured)
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
         request = Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
                           eos_token_ids=self.model_spec.eos_token_ids, cache_salt=cache_salt,
                           logprobs=[] if params.logprobs is not None else None,
                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                          constraint=constraint)
+                          constrained=constraint is not None)
         self.scheduler.check_request(request)
-        return request
+        return PreparedRequest(request, constraint)
 
     def compile_constraint(self, structured: StructuredOutput) -> Constraint:
         """A fresh matcher of a constraint, compiled once per engine and copied after (`ConstraintCompiler`: the
         server compiles in its prepare stage, off the engine thread); ValueError as `add_request` raises."""
-        return self._constraints.compile(structured)
+        return self.structured.compile(structured)
 
-    def make_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> Request:
-        """A validated, not yet queued request of a prompt (token ids, or text with a tokenizer)."""
-        return self._make_request(request_id, self._encode(request_id, prompt), sampling_params, None)
-
-    def add_prepared_request(self, request: Request) -> None:
+    def add_prepared_request(self, prepared: PreparedRequest) -> None:
         """Queue a request made by `make_request` (ValueError if the scheduler refuses it)."""
+        request = prepared.request
         self.scheduler.add_request(request)
+        if prepared.constraint is not None:
+            self.structured.add(request.request_id, prepared.constraint)
         self._prompt_tokens += request.num_prompt_tokens
 
     def fresh_request_ids(self, prefix: str, n: int) -> list[str]:
@@ -315,25 +342,25 @@ class LLMEngine:
         self.runner.check_awake()  # before anything is scheduled: a refused step changes nothing
         start = time.perf_counter()
         try:
-            if self.decode_steps_per_call > 1 and (self.speculator is None or not self.speculator.has_proposals(
-                    self.scheduler)) and (fused_plan := self.scheduler.schedule_fused_decode(
-                        self.decode_steps_per_call)) is not None:
-                touched = self._run_fused_decode(fused_plan)
-            elif self.speculator is not None:
-                touched = self._run_step(self.speculator.schedule(self.scheduler))
-            else:
-                touched = self._run_step(self.scheduler.schedule())
+            touched = self._run_step(self.scheduler.schedule(decode_steps=self.decode_steps_per_call))
         finally:
             self._elapsed += time.perf_counter() - start
             self._steps += 1
-        return self.output_processor.outputs(touched)
+        outputs = self.output_processor.outputs(touched)
+        live = self.scheduler.requests.keys() | {i for g in self.scheduler.groups.values() for i in g.sample_ids}
+        self.output_processor.retain(live | self.scheduler.groups.keys())
+        self.structured.retain(live | self.scheduler.groups.keys())
+        return outputs
 
     def step_inputs(self, plan: StepPlan) -> StepInputs:
-        """The padded device inputs of a plan from `scheduler.schedule()` (see `pagedjax.engine.inputs`)."""
-        return step_inputs(plan, [self.scheduler.get_request(rid) for rid in plan.request_ids],
-                           vocab_size=self.model_spec.vocab_size, engine_seed=self.seed)
+        """The padded device inputs of a plan from `scheduler.schedule()` (see `pagedjax.runner.inputs`)."""
+        requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
+        vocab = self.model_spec.vocab_size
+        return step_inputs(plan, requests, vocab_size=vocab, engine_seed=self.seed,
+                           token_mask=self.structured.masks(requests, plan.emits_token, vocab))
 
     def _run_step(self, plan: StepPlan) -> list[Request]:
+        """One step of any kind: inputs, device, `Scheduler.update`, outputs, then the next step's proposals."""
         if plan.num_seqs == 0:
             # Legitimate once in a row (a request that preempted itself); never twice: the next plan admits
             # the waiting queue's head into an idle pool. Fail loudly rather than spin.
@@ -344,71 +371,61 @@ class LLMEngine:
             return []
         self._empty_plans = 0
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
-        speculative = plan.num_drafts is not None  # one sampled row per verified position (see Speculator)
         try:
-            inputs = (speculative_step_inputs if speculative else step_inputs)(
-                plan, requests, vocab_size=self.model_spec.vocab_size, engine_seed=self.seed)
-            out = self.runner.execute(inputs)
+            result = self.runner.run(plan, self.step_inputs(plan))
         except BaseException as exc:
-            return self._recover(plan.request_ids, exc)
-        tokens = out.tokens[: plan.num_seqs]
+            return self._recover(plan, exc)
         before = [r.num_output_tokens for r in requests]
-        drafts = plan.num_drafts.tolist() if speculative else [0] * plan.num_seqs
+        drafts = [0] * plan.num_seqs if plan.num_drafts is None else plan.num_drafts.tolist()
         for i, (r, kv_len, q_len) in enumerate(zip(requests, plan.kv_lens, plan.q_lens, strict=True)):
             # Every token run except a sampled token's own decode and proposals is prefill work (prompt or recompute).
             is_decode_token = r.num_output_tokens > 0 and int(kv_len) - drafts[i] == r.num_tokens
             self._prefill_computed += int(q_len) - int(is_decode_token) - drafts[i]
-            if plan.emits_token[i] and r.wants_logprobs and not speculative:
-                record_token_logprob(r, int(tokens[i]), out.logprobs, (i,))
-        if out.prompt_logprobs is not None:
-            record_prompt_logprobs(plan, requests, inputs.extras.prompt_targets, out.prompt_logprobs)
-        if speculative:
-            self.speculator.finish_step(self.scheduler, plan, requests, out, before)
-        else:
-            self.scheduler.update(plan, tokens)
-        return self._progressed(requests, before)
+        self.scheduler.update(plan, result)
+        emitted = [r.num_output_tokens - b for r, b in zip(requests, before, strict=True)]
+        for i, r in enumerate(requests):  # each emitted token's log-probability is its own row's
+            for j in range(emitted[i] if r.wants_logprobs else 0):
+                row = int(result.cu_rows[i]) + j
+                record_token_logprob(r, int(result.token_ids[row]), result.logprobs, (row,))
+        if result.prompt_logprobs is not None:
+            record_prompt_logprobs(plan, requests, result.prompt_targets, result.prompt_logprobs)
+        if plan.fused is not None:
+            self._fused_calls += 1
+        progressed = self._progressed(requests, before)
+        if self.speculator is not None:
+            self.speculator.count(drafts, emitted)
+            self.speculator.propose(self.scheduler)
+        return progressed
 
-    def _run_fused_decode(self, fused_plan: FusedDecodePlan) -> list[Request]:
-        plan = fused_plan.plan
-        n, width = plan.num_seqs, plan.block_tables.shape[1]
-        requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
-        try:
-            inputs = fused_decode_inputs(fused_plan, requests, vocab_size=self.model_spec.vocab_size,
-                                         engine_seed=self.seed)
-            sampled, logprobs, tables = self.runner.execute_fused_decode(inputs)
-        except BaseException as exc:
-            return self._recover(plan.request_ids, exc, fused_plan)
-        before = [r.num_output_tokens for r in requests]
-        self.scheduler.update_fused_decode(fused_plan, sampled[:, :n], tables[:n, :width])
-        for i, (r, b) in enumerate(zip(requests, before, strict=True)):
-            for step in range(r.num_output_tokens - b if r.wants_logprobs else 0):
-                record_token_logprob(r, int(sampled[step, i]), logprobs, (step, i))
-        self._fused_calls += 1
-        return self._progressed(requests, before)
-
-    def _recover(self, request_ids: list[str], exc: BaseException,
-                 fused_plan: FusedDecodePlan | None = None) -> list[Request]:
+    def _recover(self, plan: StepPlan, exc: BaseException) -> list[Request]:
         """Bring the host and device back to a consistent state after a step's device call raised (see
         `step`); returns the requests that failed. Re-raises anything that is not an `Exception`."""
         self._failed_steps += 1
-        if fused_plan is not None:
-            self.scheduler.cancel_fused_decode(fused_plan)
+        self.scheduler.cancel(plan)
         if self.runner.kv_cache_lost:
             logger.error("the KV cache was lost with a failed step: recomputing every running request")
             self.runner.reset_kv_cache()
             self.scheduler.drop_computed_kv()
         if not isinstance(exc, Exception):
-            for rid in request_ids:
+            for rid in plan.request_ids:
                 self.scheduler.preempt(rid)
             raise exc
-        logger.error("step of %d request(s) failed: %s: %s", len(request_ids), type(exc).__name__, exc,
-                     exc_info=exc)
-        return self.scheduler.fail_step(request_ids, f"{type(exc).__name__}: {exc}")
+        logger.error("step of %d request(s) failed: %s: %s", plan.num_seqs, type(exc).__name__, exc, exc_info=exc)
+        return self.scheduler.fail_step(plan.request_ids, f"{type(exc).__name__}: {exc}")
 
     def _progressed(self, requests: list[Request], before: list[int]) -> list[Request]:
-        """The requests that got tokens or finished (their text decoded and stop strings applied first)."""
-        progressed, generated = self.output_processor.advance(requests, before)
-        self._generated += generated
+        """The requests that got tokens or finished, after the decisions that need text or a grammar: a stop
+        string ends a request there (`OutputProcessor.find_stops`), and a matcher that refuses a token fails it
+        (`StructuredOutputManager.advance`); the scheduler applies both."""
+        for request, num_tokens, stop in self.output_processor.find_stops(requests, before):
+            self.scheduler.stop_at(request, num_tokens, stop)
+        for request, why in self.structured.advance(requests):
+            self.scheduler.fail_request(request, why)
+        progressed = []
+        for r, b in zip(requests, before, strict=True):
+            self._generated += r.num_output_tokens - b
+            if r.num_output_tokens > b or r.is_finished:
+                progressed.append(r)
         return progressed
 
     # ----------------------------------------------------------------------------------------------- generate
@@ -429,12 +446,12 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r}: string prompts need a tokenizer; pass token ids or "
                                  "give the engine a tokenizer")
             return list(self.tokenizer.encode(prompt))
-        return _token_list(request_id, prompt)
+        return token_list(request_id, prompt)
 
     # ------------------------------------------------------------------------------------------ training loop
     def update_weights(self, params) -> None:
         """Serve `params` (an `nnx.State` or module of the model's structure, shapes, dtypes and shardings) from
-        the next step on: no recompilation, no copy; running requests recompute (`pagedjax.engine.weights`)."""
+        the next step on: no recompilation, no copy; running requests recompute (`pagedjax.runner.weights`)."""
         weights.update_weights(self.runner, self.scheduler, params)
 
     def sleep(self) -> int:
@@ -484,7 +501,7 @@ class LLMEngine:
         return stats_dict(self.stats())
 
 
-def _token_list(request_id: str, prompt_token_ids) -> list[int]:
+def token_list(request_id: str, prompt_token_ids) -> list[int]:
     """Token ids as Python ints; TypeError for anything that is not an integer (floats, bools, strings)."""
     if isinstance(prompt_token_ids, (str, bytes)):
         raise TypeError(f"request {request_id!r}: prompt_token_ids must be a sequence of ints, got "

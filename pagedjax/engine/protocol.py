@@ -4,14 +4,27 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from pagedjax.core.request import Request, RequestOutput, SamplingParams, StructuredOutput
+from pagedjax.core.request import Request
+from pagedjax.outputs import RequestOutput
+from pagedjax.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
-    from pagedjax.engine.beam_search import BeamSearchOutput, BeamSearchParams
     from pagedjax.engine.stats import EngineStats
-    from pagedjax.engine.structured import Constraint
+    from pagedjax.outputs import BeamSearchOutput
+    from pagedjax.sampling_params import BeamSearchParams
+    from pagedjax.structured_output.compiler import Constraint
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request not queued yet (`make_request`), with its compiled structured-output matcher, if any:
+    what `add_prepared_request` queues, on whichever replica a front picks."""
+
+    request: Request
+    constraint: Constraint | None = None
 
 
 @runtime_checkable
@@ -43,9 +56,10 @@ class Engine(Protocol):
     def close(self) -> None: ...  # ends its background threads (waiting compiles): call when done with it
 
     # What `generate_batch` builds a batch with: validate everything first, then queue.
-    def make_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> Request: ...
+    def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
+                     cache_salt: str | None = None) -> PreparedRequest: ...
 
-    def add_prepared_request(self, request: Request) -> None: ...
+    def add_prepared_request(self, prepared: PreparedRequest) -> None: ...
 
     # What the server's prepare stage compiles a request's constraint with, off the engine thread.
     def compile_constraint(self, structured: StructuredOutput) -> Constraint: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedjax.core.request import SamplingParams
+from pagedjax.sampling_params import SamplingParams
 
 
 def completion_logprobs(engine, prompts, completions) -> list[np.ndarray]:

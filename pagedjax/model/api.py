@@ -33,7 +33,7 @@ layer's sliding window and soft cap, over its own heads on each device under ten
 index the sequence (RoPE or learned embeddings alike); padding tokens (slot -1) are written nowhere.
 
 Quantized weights: `quantize_model(model, "int8" | "int4" | "int4:32" | "fp8")` replaces the model's `nnx.Linear`
-layers by `QuantizedLinear` (`pagedjax.model.quant`: weight-only int8 / int4 / fp8 kernels, activations in the
+layers by `QuantizedLinear` (`pagedjax.model.layers.quant`: weight-only int8 / int4 / fp8 kernels, activations in the
 model's dtype); a layer of your own may also build a `QuantizedLinear` from its float kernel. Their leaves
 `qweight` and `scale` take the place of `kernel` for `param_partition` (the default rule splits them as the
 kernel they stand for).
@@ -58,11 +58,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.config import CacheConfig, ModelSpec
+from pagedjax.config.parallel import TP
 from pagedjax.device.attention import AttentionMetadata, paged_attention
 from pagedjax.device.kv_cache import LayerKV, write_kv
-from pagedjax.model.quant import QuantizedLinear, quantize_model
+from pagedjax.model.layers.quant import QuantizedLinear, quantize_model
 from pagedjax.parallel.attention import sharded_write_and_attend
-from pagedjax.parallel.config import TP
 from pagedjax.parallel.sharding import default_param_partition
 
 __all__ = ["TP", "AttentionMetadata", "ModelSpec", "PagedAttention", "PagedKVCache", "PagedModel", "QuantizedLinear",

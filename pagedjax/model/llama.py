@@ -3,7 +3,7 @@ SwiGLU, GQA/MQA/MHA; and its Gemma variant (`ModelConfig.architecture == "gemma2
 RMSNorm, GeGLU, sandwich norms, scaled embeddings. Orthogonal options (`ModelConfig`): per-layer sliding windows,
 soft-capped attention and output logits, q/k norms (per head or over the whole projection), where the block
 normalizes (before, around or after each sub-block), a separate RoPE base for windowed layers, mixture-of-experts
-MLPs (`ModelConfig.moe`: Mixtral, Qwen3-MoE; `pagedjax.model.moe`).
+MLPs (`ModelConfig.moe`: Mixtral, Qwen3-MoE; `pagedjax.model.layers.moe`).
 
 Two forwards share the same weights:
   `__call__`      the serving path: a ragged batch of tokens `[num_tokens]`, new K/V written into the paged
@@ -11,7 +11,7 @@ Two forwards share the same weights:
   `forward_dense` the ground truth: whole sequences `[batch, seq]`, causal attention, no cache at all.
 
 Conventions follow Hugging Face's so that its checkpoints load by name without permuting weights: RoPE rotates
-halves (`pagedjax.model.rope`), linear kernels are stored `[in, out]` (HF's weights transposed), q/k/v and
+halves (`pagedjax.model.layers.rope`), linear kernels are stored `[in, out]` (HF's weights transposed), q/k/v and
 gate/up are separate projections (fused checkpoints are split by the loader).
 """
 
@@ -27,15 +27,21 @@ import numpy as np
 from flax import nnx
 
 from pagedjax.config import ModelConfig, ModelSpec
+from pagedjax.config.quant import QuantConfig
 from pagedjax.model.api import PagedAttention, PagedKVCache
-from pagedjax.model.linear import apply_linear as _apply
-from pagedjax.model.moe import Experts, per_expert_params
-from pagedjax.model.moe_quant import QuantizedExperts, check_expert_shapes, moe_mlp, quantize_experts, quantizes_experts
-from pagedjax.model.quant import QuantizedLinear, quantize_model
-from pagedjax.model.quant import shapes as quant_shapes
-from pagedjax.model.rope import layer_rope
+from pagedjax.model.layers.linear import apply_linear as _apply
+from pagedjax.model.layers.moe import Experts, per_expert_params
+from pagedjax.model.layers.moe_quant import (
+    QuantizedExperts,
+    check_expert_shapes,
+    moe_mlp,
+    quantize_experts,
+    quantizes_experts,
+)
+from pagedjax.model.layers.quant import QuantizedLinear, quantize_model
+from pagedjax.model.layers.quant import shapes as quant_shapes
+from pagedjax.model.layers.rope import layer_rope
 from pagedjax.parallel.sharding import param_spec
-from pagedjax.quant_config import QuantConfig
 
 
 class RMSNorm(nnx.Module):
@@ -66,7 +72,7 @@ class Linear(nnx.Linear):
 logger = logging.getLogger(__name__)
 
 # What `QuantConfig.keep_float` may name in a built-in model: its linear modules' attribute names, and a MoE
-# layer's experts (`pagedjax.model.moe_quant`).
+# layer's experts (`pagedjax.model.layers.moe_quant`).
 KEEP_FLOAT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
                     "experts")
 
@@ -247,7 +253,7 @@ class Llama(nnx.Module):
 
     def single_device_params(self, state: nnx.State) -> nnx.State:
         """The parameters `state` as this model's steps on one CPU device take them: each mixture-of-experts
-        layer's experts as separate arrays (`pagedjax.model.moe.per_expert_params`: from the stacked ones XLA:CPU
+        layer's experts as separate arrays (`pagedjax.model.layers.moe.per_expert_params`: from the stacked ones XLA:CPU
         copies each routed expert's weights every decode step); `state` itself for a dense model or off the CPU."""
         if self.config.moe is None or jax.default_backend() != "cpu":
             return state
@@ -324,7 +330,7 @@ def model_from_state(cfg: ModelConfig, state: nnx.State) -> Llama:
 def quantize_params(cfg: ModelConfig, state: nnx.State, quant) -> tuple[ModelConfig, nnx.State]:
     """Float parameters of `Llama(cfg)` -> (the config with `quantization=quant`, the parameters of that model):
     each linear layer the quantized model holds as a `QuantizedLinear` quantized from its float kernel, and each
-    MoE layer's experts as `QuantizedExperts` (`pagedjax.model.moe_quant`) unless `keep_float` names "experts"
+    MoE layer's experts as `QuantizedExperts` (`pagedjax.model.layers.moe_quant`) unless `keep_float` names "experts"
     (the MoE router, the embeddings and the `keep_float` layers are kept as they are). ValueError naming the
     tensor's path when int4's group size does not divide a quantized kernel's input dimension."""
     if cfg.quantization is not None:

@@ -10,7 +10,7 @@
   distributed.py    multi-host start-up (`jax.distributed.initialize`)
 
 SPMD only: nothing here imports the engine (data-parallel replicas are `pagedjax.engine.DataParallelEngine`).
-Names are imported lazily, so `import pagedjax.parallel.config` stays free of JAX.
+Names are imported lazily, so `import pagedjax.config.parallel` stays free of JAX.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "ParallelConfig": "pagedjax.parallel.config",
+    "ParallelConfig": "pagedjax.config.parallel",
     "replica_meshes": "pagedjax.parallel.mesh",
     "tp_mesh": "pagedjax.parallel.mesh",
 }

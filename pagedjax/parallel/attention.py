@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from pagedjax.config.parallel import TP
 from pagedjax.device.attention import AttentionMetadata, paged_attention
 from pagedjax.device.kv_cache import LayerKV, write_kv
-from pagedjax.parallel.config import TP
 
 _HEADS = P(None, TP, None)  # [tokens, heads, head_dim] split by heads
 _PAGES = P(TP)  # [kv_heads, blocks, block_size(, head_dim)] split by KV heads

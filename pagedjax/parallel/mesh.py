@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from pagedjax.parallel.config import TP, ParallelConfig
+from pagedjax.config.parallel import TP, ParallelConfig
 from pagedjax.parallel.sharding import log_replicated
 
 

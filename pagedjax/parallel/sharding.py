@@ -13,9 +13,9 @@ Megatron-style tensor parallelism, expressed only as shardings (XLA inserts the 
                                               partitioner turns the grouped matmul over the local experts into a
                                               partial sum per device and one all-reduce per MoE layer (README,
                                               "Mixture of experts"). Quantized experts
-                                              (`pagedjax.model.moe_quant`): each projection's `qweight` and
+                                              (`pagedjax.model.layers.moe_quant`): each projection's `qweight` and
                                               `scale`, `[E, ...]` too, split along axis 0 alike.
-  quantized linears (`pagedjax.model.quant`)  `qweight`, stored `[out, in]`, along the kernel's split dimension
+  quantized linears (`pagedjax.model.layers.quant`)  `qweight`, stored `[out, in]`, along the kernel's split dimension
                                               (axis 0 for column-sharded layers, 1 for row-sharded ones); `scale`
                                               along the same output channels (per channel `[out]`: replicated for
                                               a row-sharded layer) or, int4's `[out, in // g]`, like its `qweight`
@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.config import ModelConfig
-from pagedjax.parallel.config import TP, kv_heads_per_device
+from pagedjax.config.parallel import TP, kv_heads_per_device
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def default_param_partition(names: tuple, shape: tuple, *, head_dim: int, tp: in
 
 def _quantized_expert_leaf(names: tuple) -> bool:
     """Whether `names` is a quantized expert projection's `qweight` or `scale` (`experts.gate_proj.qweight`,
-    `pagedjax.model.moe_quant`): `[E, ...]` of rank 2 or 3, split along the experts (P(TP): axis 0, any rank)."""
+    `pagedjax.model.layers.moe_quant`): `[E, ...]` of rank 2 or 3, split along the experts (P(TP): axis 0, any rank)."""
     return len(names) >= 3 and str(names[-3]) == EXPERTS and str(names[-1]) in ("qweight", "scale")
 
 

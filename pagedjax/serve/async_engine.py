@@ -35,8 +35,9 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from pagedjax.core.request import RequestOutput, SamplingParams
 from pagedjax.engine import EngineStats, LLMEngine
+from pagedjax.outputs import RequestOutput
+from pagedjax.sampling_params import SamplingParams
 from pagedjax.serve.metrics import DurationHistogram
 
 logger = logging.getLogger(__name__)
@@ -85,12 +86,12 @@ class RequestStream:
     def __init__(self, engine: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self._engine = engine
-        self._loop = loop
+        self.loop = loop  # the event loop that reads it
         self._latest: RequestOutput | BaseException | None = None  # undelivered, newest
         self._ready = asyncio.Event()
         self.finished = False  # the last output was yielded, or it failed or was aborted
 
-    def _put(self, item: RequestOutput | BaseException) -> None:  # in the event loop
+    def put(self, item: RequestOutput | BaseException) -> None:  # in the event loop
         held = self._latest
         if isinstance(held, BaseException) or (held is not None and held.finished):
             return  # the end is already waiting to be read
@@ -125,13 +126,13 @@ class RequestStream:
     def _end(self) -> None:
         if not self.finished:
             self.finished = True
-            self._engine._release(self)
+            self._engine.release(self)
 
     def abort(self) -> None:
         """Stop the request (no-op once finished); the engine frees its blocks before its next step."""
         if not self.finished:
             self._end()
-            self._engine._send(_Abort(self.request_id))
+            self._engine.send(_Abort(self.request_id))
 
     async def aclose(self) -> None:
         self.abort()
@@ -214,7 +215,7 @@ class AsyncLLMEngine:
         self._num_pending += 1
         self._idle.clear()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(_Add(stream, list(prompt_token_ids), params, done))
+        self.send(_Add(stream, list(prompt_token_ids), params, done))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:  # the caller left while the engine was busy: undo the add
@@ -222,7 +223,7 @@ class AsyncLLMEngine:
             raise
         except BaseException:
             stream.finished = True
-            self._release(stream)
+            self.release(stream)
             raise
         return stream
 
@@ -241,7 +242,7 @@ class AsyncLLMEngine:
         self._accepting = False
         if self._num_pending and timeout > 0:
             await asyncio.get_running_loop().run_in_executor(None, self._idle.wait, timeout)
-        self._send(_STOP)
+        self.send(_STOP)
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
@@ -255,19 +256,21 @@ class AsyncLLMEngine:
             await loop.run_in_executor(None, self._idle.wait, timeout)
         if self._num_pending:
             logger.warning("shutting down: ending %d requests still in flight", self._num_pending)
-            self._send(_FailAll(EngineStoppedError("the server shut down before the request finished")))
+            self.send(_FailAll(EngineStoppedError("the server shut down before the request finished")))
 
     def stop(self) -> None:
         """Synchronous `shutdown(timeout=0)` (from outside the event loop)."""
         self._accepting = False
-        self._send(_STOP)
+        self.send(_STOP)
         if self._thread is not None:
             self._thread.join()
 
-    def _send(self, command) -> None:
+    def send(self, command) -> None:
+        """Hand the engine thread a command (its streams' interface, as theirs is `put`)."""
         self._commands.put(command)
 
-    def _release(self, stream: RequestStream) -> None:  # event loop: a stream ended
+    def release(self, stream: RequestStream) -> None:  # event loop: a stream ended
+        """A stream ended: one request fewer pending."""
         self._num_pending -= 1
         if self._num_pending == 0:
             self._idle.set()
@@ -325,7 +328,7 @@ class AsyncLLMEngine:
         self._stats = self.engine.stats()
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for stream, item in items:
-            batches.setdefault(stream._loop, []).append((stream, item))
+            batches.setdefault(stream.loop, []).append((stream, item))
         for loop, batch in batches.items():
             _deliver_soon(loop, batch)
 
@@ -371,7 +374,7 @@ class AsyncLLMEngine:
 def _deliver_soon(loop: asyncio.AbstractEventLoop, batch: list) -> None:
     def deliver() -> None:
         for stream, item in batch:
-            stream._put(item)
+            stream.put(item)
 
     try:
         loop.call_soon_threadsafe(deliver)

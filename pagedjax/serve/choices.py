@@ -1,7 +1,7 @@
 """From the engine's cumulative `RequestOutput` snapshots to the text deltas of each choice of a response.
 
 A request has one choice per sample (`RequestOutput.outputs`, by sample index). The engine decodes text
-incrementally and, while a sample runs, shows only text that can no longer change (`pagedjax.engine.outputs`):
+incrementally and, while a sample runs, shows only text that can no longer change (`pagedjax.engine.output_processor`):
 so a choice's delta is simply what its text gained since the last snapshot, and the deltas of a choice
 concatenate to its final text (cut at a stop string), streamed or not. Nothing is decoded here.
 Log-probabilities, when asked for, travel with the delta of the snapshot that brought their tokens.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pagedjax.core.request import RequestOutput, TokenLogprobs
+from pagedjax.outputs import RequestOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 

@@ -52,10 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Serve a model over HTTP with OpenAI's API (completions, chat completions, models), "
                     "streaming included; /health and /metrics (Prometheus) too.",
-        formatter_class=generate_args._HelpFormatter)
+        formatter_class=generate_args.HelpFormatter)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=generate_args._int_at_least(0), default=8000, help="port (0: any free port)")
+    g.add_argument("--port", type=generate_args.int_at_least(0), default=8000, help="port (0: any free port)")
     key = g.add_mutually_exclusive_group()
     key.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
                      help="require 'Authorization: Bearer KEY' on /v1 and /metrics, KEY being FILE's first line "
@@ -72,16 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-request-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="the largest request body taken (e.g. 8MiB; default: 4 MiB); larger ones get 413 before "
                         "they are read")
-    g.add_argument("--body-timeout", type=generate_args._float_in(0.0, 86400.0, lo_open=True), default=30.0,
+    g.add_argument("--body-timeout", type=generate_args.float_in(0.0, 86400.0, lo_open=True), default=30.0,
                    metavar="SECONDS",
                    help="a request body not received within this time gets 408 (a client trickling its body "
                         "would hold its connection for ever)")
-    g.add_argument("--header-timeout", type=generate_args._float_in(0.0, 86400.0, lo_open=True), default=10.0,
+    g.add_argument("--header-timeout", type=generate_args.float_in(0.0, 86400.0, lo_open=True), default=10.0,
                    metavar="SECONDS",
                    help="a request's head (request line and headers) not received within this time of its start "
                         "gets 408 and its connection is closed (a client trickling its headers, or sending none, "
                         "would hold its connection for ever)")
-    g.add_argument("--max-connections", type=generate_args._int_at_least(1), default=1024, metavar="N",
+    g.add_argument("--max-connections", type=generate_args.int_at_least(1), default=1024, metavar="N",
                    help="open connections (and requests) at once; more get 503 at once")
     g.add_argument("--enable-docs", action="store_true",
                    help="serve the interactive API docs (/docs, /redoc, /openapi.json; open to anyone who can "
@@ -92,11 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="a jinja2 chat template (default: the model's tokenizer_config.json chat_template, else "
                         "the built-in '# role:' template)")
-    g.add_argument("--max-queue", type=generate_args._int_at_least(0), default=256,
+    g.add_argument("--max-queue", type=generate_args.int_at_least(0), default=256,
                    help="requests that may wait beyond --max-num-seqs; more get 503 (queue_full)")
     g.add_argument("--shutdown-timeout", type=_non_negative_float, default=10.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, how long requests in flight may finish before they are aborted")
-    g.add_argument("--seed", type=generate_args._int_at_least(0), default=0,
+    g.add_argument("--seed", type=generate_args.int_at_least(0), default=0,
                    help="engine seed: requests without a seed of their own are reproducible per seed and id")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     # A server admits new requests between device calls: a fused decode of N steps would hold a new request's
@@ -197,8 +197,8 @@ def serve(args: argparse.Namespace) -> int:
 
     from pagedjax.cli.engine_setup import build_engine, load_model_for_cli
     from pagedjax.cli.warm_start import compile_cache
-    from pagedjax.model.checkpoint import bundled_model_path
     from pagedjax.model.errors import ModelLoadError
+    from pagedjax.model.loading.checkpoint import bundled_model_path
     from pagedjax.serve.app import build_app
     from pagedjax.serve.async_engine import AsyncLLMEngine
     from pagedjax.serve.chat_template import ChatTemplate

@@ -14,7 +14,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
-from pagedjax.core.request import TokenLogprobs
+from pagedjax.outputs import TokenLogprobs
 
 
 def _token_bytes(tokenizer, token_id: int) -> bytes:

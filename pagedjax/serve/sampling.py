@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagedjax.core.request import SamplingParams, StructuredOutput
+from pagedjax.sampling_params import SamplingParams, StructuredOutput
 from pagedjax.serve.errors import APIError, bad_request
 from pagedjax.serve.protocol import ChatCompletionRequest, CompletionRequest
 

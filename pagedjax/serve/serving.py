@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pagedjax.core.request import SamplingParams
+from pagedjax.sampling_params import SamplingParams
 from pagedjax.serve.async_engine import (
     AsyncLLMEngine,
     EngineStepError,

@@ -30,8 +30,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from pagedjax.core.request import StructuredOutput
-from pagedjax.engine.structured import JSON_STYLE, json_schema_error
+from pagedjax.sampling_params import StructuredOutput
 from pagedjax.serve.errors import bad_request
 from pagedjax.serve.protocol import (
     ChatCompletionRequest,
@@ -41,6 +40,7 @@ from pagedjax.serve.protocol import (
     FunctionCall,
     ToolCall,
 )
+from pagedjax.structured_output.compiler import JSON_STYLE, json_schema_error
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"

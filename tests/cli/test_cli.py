@@ -14,8 +14,8 @@ from pagedjax.cli.engine_setup import memory_available
 from pagedjax.cli.prompts import DEMO_PREFIX, DEMO_SUFFIXES, read_prompts_file
 from pagedjax.cli.sizes import parse_size
 from pagedjax.cli.warm_start import CompileCache
-from pagedjax.model.checkpoint import bundled_model_path
 from pagedjax.model.hf_tokenizer import HFTokenizer
+from pagedjax.model.loading.checkpoint import bundled_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from pagedjax.core.kv_cache_manager import RELEASED, cdiv
 from pagedjax.core.request import Request, RequestStatus
 from pagedjax.core.scheduler import Scheduler
-from pagedjax.core.step_plan import FusedDecodePlan, StepPlan, device_pop_step
+from pagedjax.core.step_plan import StepPlan, device_pop_step
+from pagedjax.core.step_result import StepResult
 
 VOCAB = 6
 
@@ -73,27 +74,27 @@ class FakeModel:
                                     self.salts.get(plan.request_ids[s], 0))
                          for s in range(plan.num_seqs)], dtype=np.int32)
 
-    def fused_decode(self, fused_plan: FusedDecodePlan, stop_ids: list[frozenset[int]],
+    def fused_decode(self, fused_plan: StepPlan, stop_ids: list[frozenset[int]],
                    stop_early: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The fused decode loop as the device runs it (mirrors runner._fused_decode_loop): returns
         (sampled [num_steps, num_seqs] with -1 after a sequence stopped, final block tables).
         `stop_early[s]` (optional) stops sequence s after that many steps, as a stop id would."""
-        plan = fused_plan.plan
+        plan = fused_plan
         n = plan.num_seqs
         tables = plan.block_tables.copy()
-        lens = fused_plan.seq_lens.astype(np.int64)
+        lens = fused_plan.fused.seq_lens.astype(np.int64)
         cur = plan.token_ids.astype(np.int64).copy()
-        limit = fused_plan.max_new_tokens.copy()
+        limit = fused_plan.fused.max_new_tokens.copy()
         if stop_early is not None:
             limit = np.minimum(limit, stop_early)
         active = limit > 0
         generated = np.zeros(n, np.int64)
-        out = np.full((fused_plan.num_steps, n), -1, np.int32)
+        out = np.full((fused_plan.fused.num_steps, n), -1, np.int32)
         popped = 0
-        for step in range(fused_plan.num_steps):
+        for step in range(fused_plan.fused.num_steps):
             if not active.any():
                 break
-            slots, popped = device_pop_step(tables, lens, active, fused_plan.lent_block_ids, popped,
+            slots, popped = device_pop_step(tables, lens, active, fused_plan.fused.lent_block_ids, popped,
                                             self.block_size)
             # step 1's slots must agree with the host plan wherever the host knew them
             if step == 0:
@@ -268,9 +269,9 @@ def run_step(sched: Scheduler, model: FakeModel, checker: Checker | None = None,
         if fused_plan is not None:
             if checker:
                 checker.check(mid_step=True)
-            stop_ids = [sched.get_request(rid).stop_ids for rid in fused_plan.plan.request_ids]
+            stop_ids = [sched.get_request(rid).stop_ids for rid in fused_plan.request_ids]
             sampled, tables = model.fused_decode(fused_plan, stop_ids)
-            finished = sched.update_fused_decode(fused_plan, sampled, tables)
+            finished = sched.update(fused_plan, StepResult.from_fused(fused_plan, sampled, tables))
             if checker:
                 checker.check()
             return finished

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
 from pagedjax.config import CacheConfig, SchedulerConfig
-from pagedjax.core.request import Request, RequestStatus, SamplingParams, sample_id
+from pagedjax.core.request import Request, RequestStatus, sample_id
 from pagedjax.core.scheduler import Scheduler
+from pagedjax.sampling_params import SamplingParams
 from tests.core.harness import VOCAB, Checker, FakeModel, SchedulerMachine, reference_outputs, run_step
 
 

@@ -8,6 +8,7 @@ import pytest
 from pagedjax.core.kv_cache_manager import cdiv
 from pagedjax.core.request import RequestStatus
 from pagedjax.core.step_plan import simulate_device_pops
+from pagedjax.core.step_result import StepResult
 from tests.core.harness import Checker, FakeModel, reference_outputs
 from tests.core.test_scheduler import make_scheduler, req
 
@@ -44,9 +45,9 @@ def test_fused_decode_refuses_unless_every_request_is_a_pure_decode():
     before = snapshot(s)
     m = s.schedule_fused_decode(4)
     assert m is not None
-    s.update_fused_decode(m, np.zeros((4, 3), np.int32),
-                          simulate_device_pops(m.plan.block_tables, m.seq_lens, m.lent_block_ids,
-                                               m.max_new_tokens, 4)[0])
+    s.update(m, StepResult.from_fused(m, np.zeros((4, 3), np.int32),
+                          simulate_device_pops(m.block_tables, m.fused.seq_lens, m.fused.lent_block_ids,
+                                               m.fused.max_new_tokens, 4)[0]))
     assert snapshot(s) != before
 
 
@@ -56,7 +57,7 @@ def test_fused_decode_refuses_when_lending_fails_and_changes_nothing():
     assert s.schedule_fused_decode(8) is None  # 8 more tokens each: 2 new blocks each, 4 > 3
     assert snapshot(s) == before
     m = s.schedule_fused_decode(4)  # 4 tokens each: one new block each
-    assert m is not None and len(m.lent_block_ids) == 2
+    assert m is not None and len(m.fused.lent_block_ids) == 2
 
 
 def test_last_chunk_of_a_max_model_len_prompt_fuses_and_generates_one_token():
@@ -66,9 +67,10 @@ def test_last_chunk_of_a_max_model_len_prompt_fuses_and_generates_one_token():
     s.add_request(req("a", [1, 2, 3, 1, 2, 3, 1, 2, 0], max_tokens=1))
     s.update(s.schedule(), np.zeros(1))  # 8 of 9 prompt tokens
     m = s.schedule_fused_decode(2)
-    assert m is not None and m.max_new_tokens.tolist() == [1] and len(m.lent_block_ids) == 1
-    tables, _, _ = simulate_device_pops(m.plan.block_tables, m.seq_lens, m.lent_block_ids, m.max_new_tokens, 4)
-    finished = s.update_fused_decode(m, np.array([[7], [-1]]), tables)
+    assert m is not None and m.fused.max_new_tokens.tolist() == [1] and len(m.fused.lent_block_ids) == 1
+    tables, _, _ = simulate_device_pops(m.block_tables, m.fused.seq_lens, m.fused.lent_block_ids,
+                                        m.fused.max_new_tokens, 4)
+    finished = s.update(m, StepResult.from_fused(m, np.array([[7], [-1]]), tables))
     assert finished[0].output_token_ids == [7] and finished[0].finish_reason() == "length"
     assert s.kv_cache_manager.block_pool.num_used == 0
 
@@ -77,24 +79,24 @@ def test_plan_shape_lent_stack_and_max_new_tokens():
     s = decoding_scheduler(prompts=(5, 8, 3), max_tokens=(20, 2, 20), max_model_len=12)
     # computed 5, 8, 3; tokens 6, 9, 4; the second has 1 token left (max_tokens 2), the first 6 (room)
     m = s.schedule_fused_decode(8)
-    plan = m.plan
+    plan = m
     assert plan.request_ids == ["r0", "r1", "r2"] and plan.num_decodes == 3
-    np.testing.assert_array_equal(m.max_new_tokens, [6, 1, 8])
-    np.testing.assert_array_equal(m.seq_lens, [5, 8, 3])
+    np.testing.assert_array_equal(m.fused.max_new_tokens, [6, 1, 8])
+    np.testing.assert_array_equal(m.fused.seq_lens, [5, 8, 3])
     np.testing.assert_array_equal(plan.kv_lens, [6, 9, 4])
     assert plan.block_tables.shape == (3, max(cdiv(6 + 7, 4), cdiv(9 + 7, 4), cdiv(4 + 7, 4)))
     # r1 (8 computed) writes at position 8: a new block popped on device, so its slot is unknown here
     assert plan.slot_mapping[1] == -1 and plan.slot_mapping[0] >= 0 and plan.slot_mapping[2] >= 0
     # exactly enough: r0 5 -> 11 tokens (+1 block), r1 8 -> 9 (+1), r2 3 -> 11 (+2)
-    assert len(m.lent_block_ids) == 4
-    assert s.kv_cache_manager.lent_block_ids == set(m.lent_block_ids.tolist())
-    tables, slots, popped = simulate_device_pops(plan.block_tables, m.seq_lens, m.lent_block_ids,
-                                                 m.max_new_tokens, 4)
+    assert len(m.fused.lent_block_ids) == 4
+    assert s.kv_cache_manager.lent_block_ids == set(m.fused.lent_block_ids.tolist())
+    tables, slots, popped = simulate_device_pops(plan.block_tables, m.fused.seq_lens, m.fused.lent_block_ids,
+                                                 m.fused.max_new_tokens, 4)
     assert popped == 4
     # step 1's known slots agree with the simulation; pops go in sequence order
     known = plan.slot_mapping >= 0
     np.testing.assert_array_equal(slots[0][known], plan.slot_mapping[known])
-    assert tables[1, 2] == m.lent_block_ids[0]  # r1 pops first (step 1), r2 and r0 later
+    assert tables[1, 2] == m.fused.lent_block_ids[0]  # r1 pops first (step 1), r2 and r0 later
     assert slots[1:, 1].tolist() == [-1] * 7
     Checker(s).check(mid_step=True)
 
@@ -106,8 +108,8 @@ def test_reconcile_adopts_used_blocks_returns_the_rest_and_hashes_full_blocks():
     m = s.schedule_fused_decode(6)
     # r1 stops after 2 steps (as at a stop id), r2 did not run at all in the last 3 steps
     sampled, tables = model.fused_decode(m, [frozenset()] * 3, stop_early=np.array([6, 2, 3]))
-    lent = m.lent_block_ids.tolist()
-    finished = s.update_fused_decode(m, sampled, tables)
+    lent = m.fused.lent_block_ids.tolist()
+    finished = s.update(m, StepResult.from_fused(m, sampled, tables))
     assert finished == []
     r0, r1, r2 = (s.get_request(f"r{i}") for i in range(3))
     assert (r0.num_computed_tokens, r1.num_computed_tokens, r2.num_computed_tokens) == (11, 10, 6)
@@ -126,12 +128,12 @@ def test_reconcile_adopts_used_blocks_returns_the_rest_and_hashes_full_blocks():
 def test_reconcile_finishes_requests_on_stop_and_length_and_skips_aborted_ones():
     s = decoding_scheduler(prompts=(5, 8, 3), max_tokens=(20, 3, 20), stops=[(9,), (), ()])
     m = s.schedule_fused_decode(5)
-    np.testing.assert_array_equal(m.max_new_tokens, [5, 2, 5])
-    tables, _, _ = simulate_device_pops(m.plan.block_tables, m.seq_lens, m.lent_block_ids,
+    np.testing.assert_array_equal(m.fused.max_new_tokens, [5, 2, 5])
+    tables, _, _ = simulate_device_pops(m.block_tables, m.fused.seq_lens, m.fused.lent_block_ids,
                                         np.array([2, 2, 5]), 4)
     sampled = np.array([[1, 1, 1], [9, 1, 1], [-1, -1, 1], [-1, -1, 1], [-1, -1, 1]])
     aborted = s.abort("r2")
-    finished = s.update_fused_decode(m, sampled, tables)
+    finished = s.update(m, StepResult.from_fused(m, sampled, tables))
     assert {r.request_id: r.status for r in finished} == {
         "r0": RequestStatus.FINISHED_STOPPED, "r1": RequestStatus.FINISHED_LENGTH}
     assert finished[0].output_token_ids == [0, 1, 9] and finished[1].output_token_ids == [0, 1, 1]
@@ -145,22 +147,22 @@ def test_reconcile_finishes_requests_on_stop_and_length_and_skips_aborted_ones()
 def test_reconcile_rejects_a_device_that_broke_the_contract_and_changes_nothing():
     s = decoding_scheduler(prompts=(4, 8), max_tokens=(20, 20))
     m = s.schedule_fused_decode(4)
-    tables, _, _ = simulate_device_pops(m.plan.block_tables, m.seq_lens, m.lent_block_ids,
-                                        m.max_new_tokens, 4)
+    tables, _, _ = simulate_device_pops(m.block_tables, m.fused.seq_lens, m.fused.lent_block_ids,
+                                        m.fused.max_new_tokens, 4)
     sampled = np.zeros((4, 2), np.int32)
     before = snapshot(s)
     bad = tables.copy()
-    bad[0, 0] = m.lent_block_ids[0]  # overwrote a block the host had placed
+    bad[0, 0] = m.fused.lent_block_ids[0]  # overwrote a block the host had placed
     with pytest.raises(RuntimeError, match="changed blocks"):
-        s.update_fused_decode(m, sampled, bad)
+        s.update(m, StepResult.from_fused(m, sampled, bad))
     bad = tables.copy()
     bad[1, 2] = bad[0, 1]  # the same lent block claimed twice
     with pytest.raises(RuntimeError, match="not lent or are claimed twice"):
-        s.update_fused_decode(m, sampled, bad)
+        s.update(m, StepResult.from_fused(m, sampled, bad))
     with pytest.raises(ValueError):
-        s.update_fused_decode(m, sampled[:, :1], tables)
-    assert snapshot(s) == before and s.kv_cache_manager.lent_block_ids == set(m.lent_block_ids.tolist())
-    s.update_fused_decode(m, sampled, tables)
+        s.update(m, StepResult.from_fused(m, sampled[:, :1], tables))
+    assert snapshot(s) == before and s.kv_cache_manager.lent_block_ids == set(m.fused.lent_block_ids.tolist())
+    s.update(m, StepResult.from_fused(m, sampled, tables))
     assert not s.kv_cache_manager.lent_block_ids
 
 
@@ -181,8 +183,8 @@ def test_fused_decode_outputs_equal_single_steps():
                 checker.check_plan(plan)
                 finished = s.update(plan, model.step(plan))
             else:
-                stops = [s.get_request(rid).stop_ids for rid in m.plan.request_ids]
-                finished = s.update_fused_decode(m, *model.fused_decode(m, stops))
+                stops = [s.get_request(rid).stop_ids for rid in m.request_ids]
+                finished = s.update(m, StepResult.from_fused(m, *model.fused_decode(m, stops)))
             checker.check()
             outputs.update({r.request_id: r.output_token_ids for r in finished})
         results.append(outputs)
@@ -213,11 +215,12 @@ def test_one_fused_decode_in_flight_at_a_time_and_cancel_returns_the_loan():
         s.schedule()
     with pytest.raises(RuntimeError, match="in flight"):
         s.schedule_fused_decode(4)
-    s.cancel_fused_decode(m)
+    s.cancel(m)
     assert snapshot(s) == before and not s.kv_cache_manager.lent_block_ids
     with pytest.raises(RuntimeError, match="not the one in flight"):
-        s.update_fused_decode(m, np.zeros((4, 3), np.int32), m.plan.block_tables)
+        s.update(m, StepResult.from_fused(m, np.zeros((4, 3), np.int32), m.block_tables))
     m2 = s.schedule_fused_decode(4)
-    tables, _, _ = simulate_device_pops(m2.plan.block_tables, m2.seq_lens, m2.lent_block_ids, m2.max_new_tokens, 4)
-    s.update_fused_decode(m2, np.zeros((4, 3), np.int32), tables)
+    tables, _, _ = simulate_device_pops(m2.block_tables, m2.fused.seq_lens, m2.fused.lent_block_ids,
+                                        m2.fused.max_new_tokens, 4)
+    s.update(m2, StepResult.from_fused(m2, np.zeros((4, 3), np.int32), tables))
     s.schedule()

@@ -6,7 +6,8 @@ import pytest
 
 from pagedjax.core.block_pool import hash_block_tokens
 from pagedjax.core.kv_cache_manager import RELEASED, KVCacheManager
-from pagedjax.core.request import Request, SamplingParams
+from pagedjax.core.request import Request
+from pagedjax.sampling_params import SamplingParams
 
 BS = 16
 COMMON = [i for i in range(3) for _ in range(BS)]  # 3 full blocks

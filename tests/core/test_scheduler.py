@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from pagedjax.config import CacheConfig, SchedulerConfig
-from pagedjax.core.request import Request, RequestStatus, SamplingParams
+from pagedjax.core.request import Request, RequestStatus
 from pagedjax.core.scheduler import Scheduler
+from pagedjax.sampling_params import SamplingParams
 from tests.core.harness import Checker, FakeModel, reference_outputs, run_step, run_to_completion
 
 BS = 4

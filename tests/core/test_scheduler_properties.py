@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from pagedjax.config import CacheConfig, SchedulerConfig
 from pagedjax.core.kv_cache_manager import cdiv
-from pagedjax.core.request import Request, SamplingParams
+from pagedjax.core.request import Request
 from pagedjax.core.scheduler import Scheduler
+from pagedjax.sampling_params import SamplingParams
 from tests.core.harness import VOCAB, Checker, FakeModel, max_blocks_held, reference_outputs, run_to_completion
 
 PREFIXES = [[], [1, 2, 3, 1, 2, 3, 1, 2, 3], [0] * 7, [5, 4]]

@@ -11,8 +11,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedjax.config import CacheConfig, SchedulerConfig
 from pagedjax.core.kv_cache_manager import cdiv
-from pagedjax.core.request import Request, RequestStatus, SamplingParams
+from pagedjax.core.request import Request, RequestStatus
 from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.step_result import StepResult
+from pagedjax.sampling_params import SamplingParams
 from tests.core.harness import VOCAB, Checker, FakeModel, run_to_completion
 
 STOP = VOCAB  # a token the fake model never emits: only the "finish" choices below produce it
@@ -132,20 +134,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not eligible or need > free_before:
             assert fused_plan is None
             return
-        assert fused_plan is not None and len(fused_plan.lent_block_ids) == need
+        assert fused_plan is not None and len(fused_plan.fused.lent_block_ids) == need
         event("fused decode ran")
         self.checker.check(mid_step=True)
-        n = fused_plan.plan.num_seqs
+        n = fused_plan.num_seqs
         stop_early = np.array(data.draw(st.lists(st.integers(0, num_steps), min_size=n, max_size=n)))
         sampled, tables = self.model.fused_decode(fused_plan, [frozenset()] * n, stop_early)
         # a stop token where a sequence stopped early, as the device would have sampled it
         for i in range(n):
-            k = int(min(stop_early[i], fused_plan.max_new_tokens[i]))
-            if 0 < k < fused_plan.max_new_tokens[i] and data.draw(st.booleans()):
+            k = int(min(stop_early[i], fused_plan.fused.max_new_tokens[i]))
+            if 0 < k < fused_plan.fused.max_new_tokens[i] and data.draw(st.booleans()):
                 sampled[k - 1, i] = STOP
         if n and data.draw(st.booleans()):  # abort one while the device runs
-            self.sched.abort(data.draw(st.sampled_from(fused_plan.plan.request_ids)))
-        for r in s.update_fused_decode(fused_plan, sampled, tables):
+            self.sched.abort(data.draw(st.sampled_from(fused_plan.request_ids)))
+        for r in s.update(fused_plan, StepResult.from_fused(fused_plan, sampled, tables)):
             self.finished[r.request_id] = r
         assert not kv.lent_block_ids
 

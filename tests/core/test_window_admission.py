@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from pagedjax.config import CacheConfig, SchedulerConfig
 from pagedjax.core.kv_cache_manager import RELEASED, KVCacheManager
-from pagedjax.core.request import Request, RequestStatus, SamplingParams
+from pagedjax.core.request import Request, RequestStatus
 from pagedjax.core.scheduler import Scheduler
+from pagedjax.sampling_params import SamplingParams
 from tests.core.harness import VOCAB, Checker, FakeModel, max_blocks_held, reference_outputs, run_to_completion
 
 BS, WINDOW, CHUNK, MAX_LEN = 4, 10, 8, 256

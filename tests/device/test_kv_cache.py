@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedjax.config import kv_cache_bytes
+from pagedjax.config.cache import kv_cache_bytes
 from pagedjax.device.kv_cache import KVCache, LayerKV, copy_blocks, init_kv_cache, write_kv
 from pallas_kernels.quant import is_quantized, quantize_kv
 

@@ -73,7 +73,7 @@ def test_short_lent_stack_as_the_runner_pads_it_overflows_instead_of_writing_blo
     """The runner pads the lent stack to a bucket size. Padding used to be block id 0, which the device popped
     as if it were lent (writing into whatever block 0 held, with `overflow` False); it is -1 now."""
     from pagedjax.device.sampling import SamplingMetadata
-    from pagedjax.engine.inputs import pad_fused_decode
+    from pagedjax.runner.inputs import pad_fused_decode
 
     block_size = 4
     # Three sequences, each at a block boundary, so each pops a block; the host lends only one.
@@ -99,7 +99,7 @@ def test_pad_fused_decode_refuses_more_lent_blocks_than_can_be_popped():
     import pytest
 
     from pagedjax.device.sampling import SamplingMetadata
-    from pagedjax.engine.inputs import pad_fused_decode
+    from pagedjax.runner.inputs import pad_fused_decode
 
     with pytest.raises(ValueError, match="at most 1"):
         pad_fused_decode(tokens=np.array([1], np.int32), block_tables=np.zeros((1, 2), np.int32),

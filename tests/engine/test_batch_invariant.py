@@ -1,4 +1,4 @@
-"""Batch-invariant mode (`pagedjax.engine.invariant`): one request's tokens and log-probabilities are bitwise the
+"""Batch-invariant mode (`pagedjax.runner.invariant`): one request's tokens and log-probabilities are bitwise the
 same alone and inside any mix of other requests (chunk boundaries, prefix-cache hits, preemption, forks), and
 equal to the engine's scoring of the same tokens."""
 
@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from pagedjax.config import SpeculativeConfig
-from pagedjax.engine.shapes import padding_step
 from pagedjax.model.llama import init_model
+from pagedjax.runner.shapes import padding_step
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=128)

@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 
 from pagedjax import SamplingParams
-from pagedjax.core.request import StructuredOutput
 from pagedjax.engine import beam_search as beam_module
-from pagedjax.engine.beam_search import BeamSearchParams
-from pagedjax.engine.structured import ConstraintCompiler
 from pagedjax.model.tokenizer import ByteTokenizer
+from pagedjax.sampling_params import BeamSearchParams, StructuredOutput
+from pagedjax.structured_output.compiler import ConstraintCompiler
 from tests.dense import dense_beam_search, dense_forward
 from tests.engine.test_structured_output import CFG, engine
 

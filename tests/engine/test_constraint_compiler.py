@@ -12,10 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedjax.core.request import StructuredOutput
-from pagedjax.engine import structured as structured_module
-from pagedjax.engine.structured import ConstraintCompiler, mask_words, token_masks
 from pagedjax.model.tokenizer import ByteTokenizer
+from pagedjax.sampling_params import StructuredOutput
+from pagedjax.structured_output import compiler as structured_module
+from pagedjax.structured_output.compiler import ConstraintCompiler
+from pagedjax.structured_output.masks import mask_words, token_masks
 
 VOCAB, EOS = 259, (257,)
 CONSTRAINTS = (StructuredOutput(json={"type": "object", "required": ["a", "b"], "additionalProperties": False,
@@ -110,6 +111,12 @@ class _Row:
         self.constraint = constraint
 
 
+def _matchers(rows, emits):
+    """The matcher of each row that samples a token (what `StructuredOutputManager.masks` hands `token_masks`)."""
+    return [row.constraint.matcher if row.constraint is not None and e else None
+            for row, e in zip(rows, emits, strict=True)]
+
+
 def test_the_parallel_fill_equals_the_row_by_row_fill():
     shared = compiler()
     rows = [_Row(shared.compile(CONSTRAINTS[i % len(CONSTRAINTS)])) for i in range(7)] + [_Row(None)]
@@ -119,7 +126,7 @@ def test_the_parallel_fill_equals_the_row_by_row_fill():
     assert not broken.consume_token(ord("z")) and broken.is_error()
     emits = [True] * len(rows)
     emits[2] = False  # a row that samples nothing (a prefill chunk) gets all ones, as an unconstrained one
-    masks = token_masks(rows, emits, VOCAB)
+    masks = token_masks(_matchers(rows, emits), VOCAB)
     assert masks.shape == (len(rows), mask_words(VOCAB)) and masks.dtype == np.int32
     for i, row in enumerate(rows):
         if row.constraint is None or not emits[i]:
@@ -128,5 +135,5 @@ def test_the_parallel_fill_equals_the_row_by_row_fill():
             words = np.zeros(mask_words(VOCAB), np.int32)
             row.constraint.fill(words)
             assert (masks[i] == words).all(), i
-    assert token_masks(rows, [False] * len(rows), VOCAB) is None
-    assert token_masks([_Row(None)], [True], VOCAB) is None
+    assert token_masks(_matchers(rows, [False] * len(rows)), VOCAB) is None
+    assert token_masks(_matchers([_Row(None)], [True]), VOCAB) is None

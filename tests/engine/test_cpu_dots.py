@@ -4,7 +4,7 @@ of YNNPACK (faster there: `runner.cpu_compiler_options`), and that changes nothi
 from __future__ import annotations
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
-from pagedjax.engine.runner import cpu_compiler_options
+from pagedjax.runner.runner import cpu_compiler_options
 from tests.dense import dense_greedy
 
 BIG = ModelConfig(vocab_size=96, hidden_size=1024, num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128,

@@ -1,7 +1,7 @@
-"""The draft-model proposer through the whole engine (`pagedjax.engine.draft`): a draft identical to the target
-accepts every proposal (its KV bookkeeping is right: `pagedjax.core.draft_kv`, whose state machine is in
-tests/core/test_draft_kv.py), any draft gives the non-speculative tokens (greedy against the dense model, seeded
-samples against the engine without speculation), a failing draft call costs only its proposals, and the
+"""The draft-model proposer through the whole engine (`pagedjax.spec_decode.draft_model`): a draft identical to the
+target accepts every proposal (its KV bookkeeping is right: `pagedjax.spec_decode.draft_kv`, whose state machine is
+in tests/spec_decode/test_draft_kv.py), any draft gives the non-speculative tokens (greedy against the dense model,
+seeded samples against the engine without speculation), a failing draft call costs only its proposals, and the
 configuration's errors."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams
 from pagedjax.config import SchedulerConfig, SpeculativeConfig
-from pagedjax.model.checkpoint import bundled_model_path
 from pagedjax.model.llama import init_model
+from pagedjax.model.loading.checkpoint import bundled_model_path
 from pagedjax.parallel import ParallelConfig
 from tests.engine.test_engine import (
     CFG,
@@ -67,7 +67,7 @@ def test_a_draft_identical_to_the_target_accepts_every_proposal_and_gives_the_de
         return execute(inputs)
 
     monkeypatch.setattr(proposer.runner, "execute", fails_once)
-    with caplog.at_level(logging.ERROR, logger="pagedjax.engine.draft"):
+    with caplog.at_level(logging.ERROR, logger="pagedjax.spec_decode.draft_model"):
         outs = engine.generate(prompts, params, use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     assert proposer.num_failed_calls == 1 and proposer.epoch == 1 and "draft device lost" in caplog.text

@@ -281,7 +281,7 @@ def test_beam_search_survives_a_failed_step_and_fails_cleanly_on_a_request_that_
     """A transient fault in a step of several beams: they rerun alone and the search gives the fault-free
     beams. A beam that breaks every step it is in: RuntimeError naming it, every beam aborted, nothing held,
     and the engine serves on."""
-    from pagedjax.engine.beam_search import BeamSearchParams
+    from pagedjax.sampling_params import BeamSearchParams
 
     prompts = [PROMPTS[2][:13], PROMPTS[1]]
     params = BeamSearchParams(beam_width=2, max_tokens=5)

@@ -19,8 +19,8 @@ from pagedjax.device.attention import AttentionMetadata
 from pagedjax.device.kv_cache import init_kv_cache
 from pagedjax.device.page_state import PageState
 from pagedjax.device.sampling import SamplingMetadata
-from pagedjax.engine.runner import _jitted
 from pagedjax.model.llama import init_model
+from pagedjax.runner.runner import _jitted
 from tests.kernels.cases import abstract_gpu
 
 TRITON_CALL = "__gpu$xla.gpu.triton"

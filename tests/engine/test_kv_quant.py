@@ -15,7 +15,7 @@ import pytest
 import pagedjax.model.api
 import pagedjax.parallel.attention
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from pagedjax.config import KV_DTYPES
+from pagedjax.config.cache import KV_DTYPES
 from pagedjax.device import kv_cache
 from pallas_kernels.quant import dequantize_kv, quantize_kv
 from tests.engine.test_engine import CFG, MAX_LEN, PROMPTS, SEED

@@ -1,5 +1,5 @@
-"""The engine's incremental text (`pagedjax.engine.outputs`): any token sequence, fed a token at a time and read
-at any points, shows only valid UTF-8 text that is never taken back, ending as the full decode (or the text cut
+"""The engine's incremental text (`pagedjax.engine.output_processor`): any token sequence, fed a token at a time and
+read at any points, shows only valid UTF-8 text that is never taken back, ending as the full decode (or the text cut
 at the first stop string, found at the token whose text completes it); for the byte tokenizer and for a small
 byte-level BPE trained here with `tokenizers`."""
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from pagedjax.engine.outputs import IncrementalText, SequenceText, stop_prefix_len
+from pagedjax.engine.output_processor import IncrementalText, SequenceText, stop_prefix_len
 from pagedjax.model.tokenizer import ByteTokenizer
 
 BYTE = ByteTokenizer()

@@ -1,6 +1,6 @@
 """Compiled programs (issue 32, item 3): request parameters come in few sizes, so the programs an engine compiles
-are bounded (`pagedjax.engine.shapes`); and a step whose program is new runs on a bigger one already compiled
-while its own compiles in the background (`pagedjax.engine.programs`), so after `warmup()` no step waits for a
+are bounded (`pagedjax.runner.shapes`); and a step whose program is new runs on a bigger one already compiled
+while its own compiles in the background (`pagedjax.runner.programs`), so after `warmup()` no step waits for a
 compile, with the tokens of its own program."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import jax
 import numpy as np
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from pagedjax.core.request import StructuredOutput
-from pagedjax.engine import programs
-from pagedjax.engine.inputs import STOP_ID_WIDTHS, TOP_LOGPROBS_SIZES
-from pagedjax.engine.programs import MAX_PENDING, ProgramCache
-from pagedjax.engine.shapes import LoopShape, StepShape, dominates, variants_bound, warmup_shapes
 from pagedjax.model.tokenizer import ByteTokenizer
+from pagedjax.runner import programs
+from pagedjax.runner.inputs import STOP_ID_WIDTHS, TOP_LOGPROBS_SIZES
+from pagedjax.runner.programs import MAX_PENDING, ProgramCache
+from pagedjax.runner.shapes import LoopShape, StepShape, dominates, variants_bound, warmup_shapes
+from pagedjax.sampling_params import StructuredOutput
 from tests.serve.server_utils import CFG  # vocabulary 259: room for 256 stop ids
 
 MAX_NUM_SEQS, MAX_BATCHED, MAX_LEN, BLOCK_SIZE = 4, 32, 60, 16  # tables of at most 4 blocks
@@ -235,7 +235,7 @@ def test_a_failed_background_compile_is_logged_and_compiles_on_the_engine_thread
     cache.record_run(_step(64, 8), 0.0)
     small = _step(16, 2)
     assert cache.lookup(small, _job(small, calls, fail=True))[0] == _step(64, 8)
-    with caplog.at_level(logging.ERROR, logger="pagedjax.engine.programs"):
+    with caplog.at_level(logging.ERROR, logger="pagedjax.runner.programs"):
         cache.wait()
     assert "background compile" in caplog.text and "injected compile failure" in caplog.text
     assert small not in cache.executables

@@ -217,7 +217,7 @@ def _dense_beam_search(prompt, width, max_tokens, length_penalty, eos):
 
 @pytest.mark.parametrize("width", [1, 2, 4])
 def test_beam_search_equals_a_brute_force_beam_search_of_the_dense_model(width):
-    from pagedjax.engine.beam_search import BeamSearchParams
+    from pagedjax.sampling_params import BeamSearchParams
 
     engine = _engine(True, 1, 64)
     greedy = engine.generate([PROMPT_PARTIAL], SamplingParams(max_tokens=6), use_tqdm=False)[0].output_token_ids

@@ -1,4 +1,4 @@
-"""Speculative decoding through the whole engine (`pagedjax.engine.speculative`): the output is the
+"""Speculative decoding through the whole engine (`pagedjax.spec_decode.speculator`): the output is the
 non-speculative one, greedy (against the dense model) and seeded-sampled (against the engine without
 speculation, log-probabilities included); the sampled path's acceptance is rejection sampling (a chi-square test
 on the device's sampler); the n-gram proposer; the configuration's errors.
@@ -18,13 +18,14 @@ from jax.scipy.special import gammaincc
 from pagedjax import CacheConfig, LLMEngine, SamplingParams
 from pagedjax.config import SchedulerConfig, SpeculativeConfig
 from pagedjax.core.request import Request
-from pagedjax.core.speculation import accepted_tokens
 from pagedjax.core.step_plan import build_step_plan
+from pagedjax.core.step_result import emitted_tokens as accepted_tokens
 from pagedjax.device.sampling import SamplingMetadata, filter_logits, sample
-from pagedjax.engine import speculative
-from pagedjax.engine.shapes import StepShape, dominates, warmup_shapes
-from pagedjax.engine.speculative import NgramProposer, Speculator, speculative_step_inputs
+from pagedjax.runner.inputs import step_inputs
+from pagedjax.runner.shapes import StepShape, dominates, warmup_shapes
 from pagedjax.serve.metrics import DurationHistogram, ServerMetrics
+from pagedjax.spec_decode.proposer import NgramProposer
+from pagedjax.spec_decode.speculator import Speculator
 from tests.engine.test_engine import CFG, MAX_LEN, PROMPTS, SEED, assert_all_free, dense_greedy, make_engine
 from tests.engine.test_engine_properties import workloads
 from tests.serve.server_utils import metric
@@ -249,31 +250,21 @@ class _AllowFive:
         row[:] = 5
 
 
-def _masks_row_by_row(requests, emits_token, vocab_size):
-    """`structured.token_masks` through each constraint's own `fill` (the stand-in has no llguidance matcher)."""
-    if not any(r.constraint is not None and e for r, e in zip(requests, emits_token, strict=True)):
-        return None
-    masks = np.full((len(requests), -(-vocab_size // 32)), -1, np.int32)
-    for i, r in enumerate(requests):
-        if r.constraint is not None and emits_token[i]:
-            r.constraint.fill(masks[i])
-    return masks
-
-
-def test_speculative_step_inputs_give_each_verified_position_its_own_row(monkeypatch):
+def test_speculative_step_inputs_give_each_verified_position_its_own_row():
     """Beside a request verifying two proposals: a constrained decode and a prefill with penalties. Each sequence's
     rows carry its own sampling parameters, penalties and mask; a verified position j samples as output number
     `num_output_tokens + j`; the rows are padded to their bucket, the sequences to theirs."""
-    monkeypatch.setattr(speculative, "token_masks", _masks_row_by_row)
     a = Request("a", [1, 2, 3], SamplingParams(temperature=0.5, seed=4), output_token_ids=[7], num_computed_tokens=3)
     b = Request("b", [4, 5], SamplingParams(presence_penalty=0.5))
-    c = Request("c", [6], SamplingParams(), output_token_ids=[2], num_computed_tokens=1, constraint=_AllowFive())
+    c = Request("c", [6], SamplingParams(), output_token_ids=[2], num_computed_tokens=1, constrained=True)
     plan = build_step_plan([(a, 3), (b, 2), (c, 1)], {"a": [0], "b": [1], "c": [2]}, 16,
                            draft_token_ids={"a": [8, 9]})
     assert plan.request_ids == ["c", "a", "b"] and plan.num_drafts.tolist() == [0, 2, 0]
     np.testing.assert_array_equal(plan.token_ids, [2, 7, 8, 9, 4, 5])
     np.testing.assert_array_equal(plan.logits_indices, [0, 1, 2, 3, 5])
-    inputs = speculative_step_inputs(plan, [c, a, b], vocab_size=40, engine_seed=0)
+    mask = np.full((3, 2), -1, np.int32)  # the sequences' mask rows, as the structured-output manager fills them
+    _AllowFive().fill(mask[0])
+    inputs = step_inputs(plan, [c, a, b], vocab_size=40, engine_seed=0, token_mask=mask)
     assert not inputs.decode_only and len(inputs.token_ids) == 6  # tokens and rows to `fine_bucket`: 6 and 5
     assert inputs.meta.block_tables.shape[0] == inputs.meta.kv_lens.shape[0] == 4 and len(inputs.logits_indices) == 5
     np.testing.assert_array_equal(inputs.logits_indices[:5], plan.logits_indices)
@@ -301,4 +292,4 @@ def test_ngram_proposer_backs_off_after_failed_proposals_and_recovers_after_an_a
     proposal = proposer.propose_for(r, 2)
     assert proposal == [5]  # the most recent 5 is followed by the last token only
     r.output_token_ids.append(5)  # accepted: no more holding back
-    assert proposer.propose_for(r, 2) == [5] and r.proposer_state.wait == 0
+    assert proposer.propose_for(r, 2) == [5] and proposer._backoff[r.request_id].wait == 0

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
-from pagedjax.core.request import StructuredOutput
 from pagedjax.model.tokenizer import ByteTokenizer
+from pagedjax.sampling_params import StructuredOutput
 
 CFG = ModelConfig(vocab_size=259, hidden_size=64, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=32,
                   intermediate_size=128, bos_token_id=256, eos_token_ids=(257,))
@@ -146,7 +146,7 @@ def test_bad_constraints_are_refused_before_anything_is_queued(llm):
 
 
 def test_a_constraint_failing_mid_generation_fails_its_request_alone(llm, monkeypatch):
-    from pagedjax.engine import structured as structured_module
+    from pagedjax.structured_output import compiler as structured_module
 
     real = structured_module.Constraint.advance
 

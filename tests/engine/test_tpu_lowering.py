@@ -19,8 +19,8 @@ from pagedjax.device.attention import AttentionMetadata, resolve_backend
 from pagedjax.device.kv_cache import init_kv_cache
 from pagedjax.device.page_state import PageState
 from pagedjax.device.sampling import SamplingMetadata
-from pagedjax.engine.runner import _jitted
 from pagedjax.model.llama import init_model
+from pagedjax.runner.runner import _jitted
 
 TPU_CALL = "tpu_custom_call"
 CFG = ModelConfig(vocab_size=128, hidden_size=128, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,

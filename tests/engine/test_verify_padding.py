@@ -9,10 +9,10 @@ import pytest
 
 from pagedjax import ModelConfig
 from pagedjax.device.sampling import SamplingMetadata
-from pagedjax.engine.inputs import bucket, fine_bucket, pad_step
-from pagedjax.engine.runner import ModelRunner, cpu_compiler_options
-from pagedjax.engine.shapes import repad_step, step_shape
 from pagedjax.model.llama import init_model
+from pagedjax.runner.inputs import bucket, fine_bucket, pad_step
+from pagedjax.runner.runner import ModelRunner, cpu_compiler_options
+from pagedjax.runner.shapes import repad_step, step_shape
 from tests.dense import dense_forward
 
 # hidden 1024 float32: the runner compiles its few-row steps with XLA's own dots (`cpu_compiler_options`), the

@@ -1,4 +1,4 @@
-"""An engine inside a training loop (`pagedjax.engine.weights`): weights replaced in place, the KV pool released
+"""An engine inside a training loop (`pagedjax.runner.weights`): weights replaced in place, the KV pool released
 and re-created, and completions scored by the engine's own compiled step.
 
 Each is checked against an engine that never did it: a fresh engine built with the new weights, the same

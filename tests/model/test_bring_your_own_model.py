@@ -17,8 +17,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from pagedjax.engine.beam_search import BeamSearchParams
 from pagedjax.model.api import ModelSpec, PagedAttention, check_model
+from pagedjax.sampling_params import BeamSearchParams
 from tests.dense import greedy_by_recompute
 from tests.model.gpt2_example import GPT2, GPT2Config
 

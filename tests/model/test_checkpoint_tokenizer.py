@@ -10,10 +10,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pagedjax.cli import main as cli_main
 from pagedjax.config import ModelConfig
-from pagedjax.model.checkpoint import TOKENIZER_FILE, load_checkpoint_tokenizer, save_checkpoint
 from pagedjax.model.hf_tokenizer import HFTokenizer
 from pagedjax.model.llama import init_model
-from pagedjax.model.loader import ModelLoadError, load_pretrained
+from pagedjax.model.loading.checkpoint import TOKENIZER_FILE, load_checkpoint_tokenizer, save_checkpoint
+from pagedjax.model.loading.loader import ModelLoadError, load_pretrained
 from pagedjax.model.tokenizer import ByteTokenizer
 
 SHAPE = dict(hidden_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32)

@@ -14,7 +14,9 @@ import pytest
 from flax import nnx
 
 from pagedjax.config import ModelConfig
-from pagedjax.model.checkpoint import (
+from pagedjax.model.hf_tokenizer import HFTokenizer
+from pagedjax.model.llama import init_model
+from pagedjax.model.loading.checkpoint import (
     CONFIG_FILE,
     PARAMS_DIR,
     bundled_model_path,
@@ -24,9 +26,7 @@ from pagedjax.model.checkpoint import (
     read_checkpoint_metadata,
     save_checkpoint,
 )
-from pagedjax.model.hf_tokenizer import HFTokenizer
-from pagedjax.model.llama import init_model
-from pagedjax.model.loader import load_pretrained
+from pagedjax.model.loading.loader import load_pretrained
 from pagedjax.model.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -202,7 +202,7 @@ def test_a_failed_config_write_leaves_no_checkpoint_and_no_stray_file(tmp_path, 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("pagedjax.model.checkpoint.os.replace", disk_full)
+    monkeypatch.setattr("pagedjax.model.loading.checkpoint.os.replace", disk_full)
     with pytest.raises(OSError, match="No space left"):
         save_checkpoint(tmp_path / "ckpt", TINY_CFG, nnx.state(init_model(TINY_CFG, 7), nnx.Param))
     assert not is_pagedjax_checkpoint(tmp_path / "ckpt")
@@ -294,8 +294,8 @@ def test_bundled_model_heldout_bits_per_byte(bundled):
 
 def test_bundled_model_greedy_decodes_deterministically(bundled):
     from pagedjax.config import CacheConfig
-    from pagedjax.core.request import SamplingParams
     from pagedjax.engine import LLMEngine
+    from pagedjax.sampling_params import SamplingParams
 
     cfg, state, model, tok = bundled
     prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\n"]

@@ -19,17 +19,17 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from pagedjax.core.request import SamplingParams  # noqa: E402
 from pagedjax.engine import LLMEngine  # noqa: E402
-from pagedjax.model.hf_loader import (  # noqa: E402
+from pagedjax.model.hf_tokenizer import HFTokenizer  # noqa: E402
+from pagedjax.model.llama import init_model  # noqa: E402
+from pagedjax.model.loading.hf_loader import (  # noqa: E402
     _read_raw,
     load_hf,
     load_hf_config,
     load_hf_params,
     model_from_state,
 )
-from pagedjax.model.hf_tokenizer import HFTokenizer  # noqa: E402
-from pagedjax.model.llama import init_model  # noqa: E402
+from pagedjax.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.hf
 

@@ -23,9 +23,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pagedjax.config import CacheConfig, SchedulerConfig  # noqa: E402
-from pagedjax.core.request import SamplingParams  # noqa: E402
 from pagedjax.engine import LLMEngine  # noqa: E402
-from pagedjax.model.hf_loader import load_hf_config, load_hf_params, model_from_state  # noqa: E402
+from pagedjax.model.loading.hf_loader import load_hf_config, load_hf_params, model_from_state  # noqa: E402
+from pagedjax.sampling_params import SamplingParams  # noqa: E402
 from tests.dense import greedy_by_recompute  # noqa: E402
 from tests.model.test_hf import (  # noqa: E402
     MIN_MARGIN,
@@ -137,7 +137,7 @@ def test_phi3_fused_tensors_are_split(models, caplog):
         np.testing.assert_array_equal(np.asarray(attn[name]["kernel"].get_value()), want.T)
     np.testing.assert_array_equal(np.asarray(mlp["gate_proj"]["kernel"].get_value()), gate_up[:128].T)
     np.testing.assert_array_equal(np.asarray(mlp["up_proj"]["kernel"].get_value()), gate_up[128:].T)
-    with caplog.at_level(logging.WARNING, logger="pagedjax.model.hf_config"):
+    with caplog.at_level(logging.WARNING, logger="pagedjax.model.loading.hf_config"):
         load_hf_config(folder)
     assert "original_max_position_embeddings = 32" in caplog.text  # the context cap is said
 

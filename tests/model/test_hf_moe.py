@@ -21,10 +21,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pagedjax.config import CacheConfig, SchedulerConfig  # noqa: E402
-from pagedjax.core.request import SamplingParams  # noqa: E402
+from pagedjax.config.moe import MoEConfig  # noqa: E402
 from pagedjax.engine import LLMEngine  # noqa: E402
-from pagedjax.model.hf_loader import load_hf_config, load_hf_params, model_from_state  # noqa: E402
-from pagedjax.moe_config import MoEConfig  # noqa: E402
+from pagedjax.model.loading.hf_loader import load_hf_config, load_hf_params, model_from_state  # noqa: E402
+from pagedjax.sampling_params import SamplingParams  # noqa: E402
 from tests.dense import greedy_by_recompute  # noqa: E402
 from tests.model.test_hf import (  # noqa: E402
     MIN_MARGIN,

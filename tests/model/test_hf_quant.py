@@ -1,5 +1,5 @@
-"""Pre-quantized Hugging Face checkpoints (`pagedjax.model.hf_quant`): a tiny random Llama quantized and packed by
-compressed-tensors' own compressor (pack-quantized W4A16, int-quantized W8A16), loaded by pagedjax; its paged
+"""Pre-quantized Hugging Face checkpoints (`pagedjax.model.loading.hf_quant`): a tiny random Llama quantized and packed
+by compressed-tensors' own compressor (pack-quantized W4A16, int-quantized W8A16), loaded by pagedjax; its paged
 logits equal transformers' forward over the weights compressed-tensors itself decompresses (float32, 1e-4, as
 tests/model/test_hf.py). Then the configs and tensors pagedjax refuses, each error naming the field or tensor."""
 
@@ -24,10 +24,10 @@ from compressed_tensors.quantization import (  # noqa: E402
 from compressed_tensors.quantization.utils.helpers import calculate_qparams  # noqa: E402
 
 from pagedjax import CacheConfig, LLMEngine, SchedulerConfig  # noqa: E402
+from pagedjax.config.quant import QuantConfig  # noqa: E402
 from pagedjax.model.errors import ModelLoadError  # noqa: E402
-from pagedjax.model.hf_loader import load_hf  # noqa: E402
-from pagedjax.model.hf_quant import quant_config  # noqa: E402
-from pagedjax.quant_config import QuantConfig  # noqa: E402
+from pagedjax.model.loading.hf_loader import load_hf  # noqa: E402
+from pagedjax.model.loading.hf_quant import quant_config  # noqa: E402
 from tests.model.test_hf import PROMPTS, TOL, build_hf_model, hf_logits, paged_last_logits  # noqa: E402
 
 pytestmark = pytest.mark.hf

@@ -1,4 +1,4 @@
-"""Pre-quantized mixture-of-experts checkpoints in the compressed-tensors format (`pagedjax.model.hf_quant`): a
+"""Pre-quantized mixture-of-experts checkpoints in the compressed-tensors format (`pagedjax.model.loading.hf_quant`): a
 tiny random Mixtral whose attention and expert projections are quantized (W4A16 groups) with compressed-tensors'
 own `calculate_qparams` / `quantize` and packed by its `pack_to_int32`, one tensor per expert and projection as
 vLLM reads them (transformers 5 holds a Mixtral's experts fused, so its compressor, which targets `Linear`
@@ -26,11 +26,11 @@ from compressed_tensors.quantization.utils.helpers import calculate_qparams  # n
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from pagedjax import CacheConfig, LLMEngine, SchedulerConfig  # noqa: E402
-from pagedjax.model.hf_loader import load_hf, model_from_state  # noqa: E402
-from pagedjax.model.hf_quant import quant_config  # noqa: E402
-from pagedjax.model.moe_quant import QuantizedExperts  # noqa: E402
-from pagedjax.model.quant import QuantizedLinear  # noqa: E402
-from pagedjax.quant_config import QuantConfig  # noqa: E402
+from pagedjax.config.quant import QuantConfig  # noqa: E402
+from pagedjax.model.layers.moe_quant import QuantizedExperts  # noqa: E402
+from pagedjax.model.layers.quant import QuantizedLinear  # noqa: E402
+from pagedjax.model.loading.hf_loader import load_hf, model_from_state  # noqa: E402
+from pagedjax.model.loading.hf_quant import quant_config  # noqa: E402
 from tests.model.test_hf import paged_last_logits  # noqa: E402
 from tests.model.test_hf_moe import PROMPTS, build_hf_model  # noqa: E402
 

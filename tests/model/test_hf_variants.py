@@ -17,9 +17,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pagedjax.config import CacheConfig, SchedulerConfig  # noqa: E402
-from pagedjax.core.request import SamplingParams  # noqa: E402
 from pagedjax.engine import LLMEngine  # noqa: E402
-from pagedjax.model.hf_loader import load_hf, model_from_state  # noqa: E402
+from pagedjax.model.loading.hf_loader import load_hf, model_from_state  # noqa: E402
+from pagedjax.sampling_params import SamplingParams  # noqa: E402
 from tests.model.test_hf import (  # noqa: E402
     MIN_MARGIN,
     TOL,

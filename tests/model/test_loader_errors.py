@@ -14,11 +14,12 @@ import pytest
 from flax import nnx
 
 from pagedjax import cli
-from pagedjax.config import ROPE_TYPES, CacheConfig, ModelConfig
-from pagedjax.model import hf_loader
-from pagedjax.model.checkpoint import CONFIG_FILE, PARAMS_DIR, save_checkpoint
+from pagedjax.config import CacheConfig, ModelConfig
+from pagedjax.config.model import ROPE_TYPES
 from pagedjax.model.llama import abstract_model, init_model
-from pagedjax.model.loader import ModelLoadError, load_pretrained
+from pagedjax.model.loading import hf_loader
+from pagedjax.model.loading.checkpoint import CONFIG_FILE, PARAMS_DIR, save_checkpoint
+from pagedjax.model.loading.loader import ModelLoadError, load_pretrained
 
 TINY = ModelConfig(vocab_size=259, hidden_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
                    intermediate_size=64, bos_token_id=256, eos_token_ids=(257,))
@@ -208,7 +209,7 @@ def hf_folder(tmp_path_factory) -> Path:
 
 
 def test_hf_folder_loads_without_printing(hf_folder, capfd, caplog):
-    with caplog.at_level(logging.INFO, logger="pagedjax.model.hf_loader"):
+    with caplog.at_level(logging.INFO, logger="pagedjax.model.loading.hf_loader"):
         cfg, _, tokenizer = load_pretrained(hf_folder)
     assert cfg.hidden_size == 16 and tokenizer is None
     captured = capfd.readouterr()

@@ -13,8 +13,8 @@ from pagedjax.config import ModelConfig
 from pagedjax.device.attention import AttentionMetadata
 from pagedjax.device.kv_cache import KVCache, init_kv_cache
 from pagedjax.model.api import PagedKVCache
+from pagedjax.model.layers.rope import RoPE, layer_rope
 from pagedjax.model.llama import init_model
-from pagedjax.model.rope import RoPE, layer_rope
 
 CONFIGS = {
     "gqa": ModelConfig(vocab_size=61, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,

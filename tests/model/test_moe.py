@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (`pagedjax.model.moe`) and a decoder built with it: each family's routing against a
+"""The mixture-of-experts MLP (`pagedjax.model.layers.moe`) and a decoder built with it: each family's routing against a
 numpy transcription, the grouped matmul against the dense reference and a per-token loop (exact: no token loses
 an expert, even when all of them pick the same ones), 16-bit weights, the engine's greedy tokens against the dense
 model's, router statistics, and `ModelConfig.moe`'s checks.
@@ -14,10 +14,10 @@ from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.config import ModelConfig
+from pagedjax.config.moe import MoEConfig
 from pagedjax.model.api import check_model
+from pagedjax.model.layers.moe import MoEMLP, per_expert_params, route
 from pagedjax.model.llama import init_model
-from pagedjax.model.moe import MoEMLP, per_expert_params, route
-from pagedjax.moe_config import MoEConfig
 from tests.dense import greedy_by_recompute
 
 E, K, HIDDEN, WIDTH = 6, 2, 16, 12

@@ -1,4 +1,4 @@
-"""Quantized mixture-of-experts experts (`pagedjax.model.moe_quant`): every expert stored as a `QuantizedLinear`
+"""Quantized mixture-of-experts experts (`pagedjax.model.layers.moe_quant`): every expert stored as a `QuantizedLinear`
 stores a kernel (checked against `quantize_kernel` expert by expert), and the exactness proof: each of
 `MoEMLP`'s three computations (grouped, by_pair, every), stacked and per-expert, and the paged engine's logits
 and greedy tokens equal those of the float model whose experts hold the dequantized values (`dequantize_kernel`;
@@ -18,12 +18,12 @@ from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.config import ModelConfig
+from pagedjax.config.moe import MoEConfig
+from pagedjax.config.quant import QuantConfig
+from pagedjax.model.layers.moe import Experts, MoEMLP, per_expert_params
+from pagedjax.model.layers.moe_quant import ExpertKernels, QuantizedExperts, moe_mlp
+from pagedjax.model.layers.quant import QuantizedLinear, dequantize_kernel, quantize_kernel
 from pagedjax.model.llama import init_model, model_from_state, quantize_params
-from pagedjax.model.moe import Experts, MoEMLP, per_expert_params
-from pagedjax.model.moe_quant import ExpertKernels, QuantizedExperts, moe_mlp
-from pagedjax.model.quant import QuantizedLinear, dequantize_kernel, quantize_kernel
-from pagedjax.moe_config import MoEConfig
-from pagedjax.quant_config import QuantConfig
 from tests.dense import greedy_by_recompute
 from tests.model.test_hf import paged_last_logits
 from tests.model.test_quant import _dequantized
@@ -138,7 +138,7 @@ def test_by_pair_switches_over_the_quantized_leaves():
     with pytest.raises(ValueError, match="rows x the weights multiply are required"):
         qmlp.experts.weights()
     with pytest.raises(ValueError, match="MoEMLP holds float experts, ModelConfig.quantization 'int4:8' quantized "
-                                         "ones: build it with pagedjax.model.moe_quant.moe_mlp"):
+                                         "ones: build it with pagedjax.model.layers.moe_quant.moe_mlp"):
         MoEMLP(_cfg(quant), jnp.float32, nnx.Rngs(0))
 
 
@@ -255,8 +255,8 @@ def test_a_quantized_moe_checkpoint_saves_and_restores_as_stored(tmp_path):
     """A float MoE checkpoint quantized at load (what `LLMEngine.from_pretrained(path, quantization=)` does)
     holds `quantize_params`' values; saved quantized, it restores as stored, and a dtype override casts neither
     the experts' stored values nor their scales."""
-    from pagedjax.model.checkpoint import save_checkpoint
-    from pagedjax.model.loader import load_pretrained
+    from pagedjax.model.loading.checkpoint import save_checkpoint
+    from pagedjax.model.loading.loader import load_pretrained
 
     cfg, quant = _cfg(), QuantConfig("int4", group_size=8)
     state = nnx.state(init_model(cfg, seed=1), nnx.Param)
@@ -283,8 +283,8 @@ def test_a_quantized_moe_checkpoint_of_format_version_2_restores_its_float_exper
     """Before format version 3 a quantized MoE model's experts were float whatever keep_float said (its config
     says keep_float ("lm_head",)): such a checkpoint loads as it was stored, keep_float gaining "experts". A
     quantized dense model is still written as version 2 (every pagedjax since reads it)."""
-    from pagedjax.model.checkpoint import save_checkpoint
-    from pagedjax.model.loader import load_pretrained
+    from pagedjax.model.loading.checkpoint import save_checkpoint
+    from pagedjax.model.loading.loader import load_pretrained
 
     cfg = _cfg()
     stored = QuantConfig("int8", keep_float=("lm_head", "experts"))  # what version 2 held
@@ -314,7 +314,7 @@ def test_a_mixtral_checkpoint_loads_with_quantized_experts(tmp_path):
     pytest.importorskip("transformers")
     from safetensors.numpy import load_file
 
-    from pagedjax.model.loader import load_pretrained
+    from pagedjax.model.loading.loader import load_pretrained
     from tests.model.test_hf_moe import PROMPTS, dense_logits, hf_model
 
     _, folder, cfg, state = hf_model("mixtral", str(tmp_path))
@@ -339,7 +339,7 @@ def test_a_pre_quantized_moe_checkpoint_with_quantized_routers_is_refused_naming
     """compressed-tensors MoE checkpoints load (tests/model/test_hf_quant_moe.py) when they leave the routers float,
     which pagedjax keeps float: one whose "ignore" does not is a ModelLoadError naming config.json's field."""
     pytest.importorskip("transformers")
-    from pagedjax.model.hf_loader import load_hf_config
+    from pagedjax.model.loading.hf_loader import load_hf_config
     from tests.model.test_hf_moe import _write_config
 
     w4a16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],

@@ -1,4 +1,4 @@
-"""Weight-only quantization (`pagedjax.model.quant`): int4 packing and the quantize / dequantize round trip
+"""Weight-only quantization (`pagedjax.model.layers.quant`): int4 packing and the quantize / dequantize round trip
 (hypothesis: shapes, group sizes, signs, extremes, all-zero channels), and the exactness proof: a quantized
 model's logits through the paged engine equal those of the float model whose kernels hold the dequantized values
 (float32, 1e-5). Then loading with `quantization=`, user models (`quantize_model`), and the errors."""
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.config import ModelConfig
-from pagedjax.model.llama import init_model, model_from_state, quantize_params
-from pagedjax.model.quant import (
+from pagedjax.config.quant import QuantConfig
+from pagedjax.model.layers.quant import (
     QuantizedLinear,
     dequantize_kernel,
     holds_quantized,
@@ -28,7 +28,7 @@ from pagedjax.model.quant import (
     quantize_model,
     unpack_int4,
 )
-from pagedjax.quant_config import QuantConfig
+from pagedjax.model.llama import init_model, model_from_state, quantize_params
 from tests.model.test_hf import paged_last_logits
 
 # The tests' tiny shape: every input dimension (64, 128) a multiple of int4's group of 32.
@@ -283,8 +283,8 @@ def test_cli_quantization_flag(capsys):
 # ---------------------------------------------------------------------------------------------------- orbax
 @pytest.mark.parametrize("quant", ["int4:32", pytest.param("fp8", marks=_slow)])
 def test_a_quantized_checkpoint_saves_and_restores_as_stored(tmp_path, quant):
-    from pagedjax.model.checkpoint import save_checkpoint
-    from pagedjax.model.loader import load_pretrained
+    from pagedjax.model.loading.checkpoint import save_checkpoint
+    from pagedjax.model.loading.loader import load_pretrained
 
     qcfg, qstate = quantize_params(CFG, nnx.state(init_model(CFG, seed=1), nnx.Param), quant)
     save_checkpoint(tmp_path, qcfg, qstate)
@@ -311,7 +311,7 @@ def test_a_quantized_checkpoint_saves_and_restores_as_stored(tmp_path, quant):
 
 def test_a_float_checkpoint_is_written_as_format_version_1(tmp_path):
     """Readable by every pagedjax: only quantized checkpoints changed."""
-    from pagedjax.model.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
+    from pagedjax.model.loading.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
 
     save_checkpoint(tmp_path, CFG, nnx.state(init_model(CFG, seed=1), nnx.Param))
     assert json.loads((tmp_path / "pagedjax_config.json").read_text())["format_version"] == 1

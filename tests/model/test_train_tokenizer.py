@@ -15,9 +15,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pagedjax.config import ModelConfig
-from pagedjax.model.checkpoint import save_checkpoint
 from pagedjax.model.hf_tokenizer import HFTokenizer
 from pagedjax.model.llama import init_model
+from pagedjax.model.loading.checkpoint import save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [

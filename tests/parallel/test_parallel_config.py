@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig
-from pagedjax.moe_config import MoEConfig
+from pagedjax.config.moe import MoEConfig
 from pagedjax.parallel import ParallelConfig, replica_meshes
 from pagedjax.parallel.sharding import default_param_partition, log_replicated, param_spec, per_device_model
 

@@ -25,8 +25,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig, make_engine
+from pagedjax.config.moe import MoEConfig
 from pagedjax.model.llama import init_model, model_from_state
-from pagedjax.moe_config import MoEConfig
 from pagedjax.parallel import ParallelConfig, tp_mesh
 from tests.dense import greedy_by_recompute
 
@@ -216,13 +216,13 @@ def _quantized_engine(cfg, state, tp):
 
 @check
 def quantized_tensor_parallel():
-    """Weight-only quantized linears (`pagedjax.model.quant`) at tp 2: int4 in groups of 16 (weights and their
+    """Weight-only quantized linears (`pagedjax.model.layers.quant`) at tp 2: int4 in groups of 16 (weights and their
     group scales split along the same axis as the float kernels) and int8 per channel with a quantized LM head
     (column scales split with their columns, row-sharded layers' scales replicated); one mixed step's logits
     within float32 1e-5 of the single-device engine's. And a checkpoint read into tp 2 shards and quantized at load
     holds the values quantizing it on one device gives."""
+    from pagedjax.config.quant import QuantConfig
     from pagedjax.model.llama import quantize_params
-    from pagedjax.quant_config import QuantConfig
 
     for quant in (QuantConfig("int4", group_size=16), QuantConfig("int8", keep_float=())):
         cfg, state = quantize_params(config("mha"), params("mha"), quant)
@@ -249,8 +249,8 @@ def quantized_tensor_parallel():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
                                    err_msg=f"{quant.name} tp=2, one row")
     # Quantized at load from weights read into their shards: the same values as quantized on one device.
-    from pagedjax.model.checkpoint import save_checkpoint
-    from pagedjax.model.loader import load_pretrained
+    from pagedjax.model.loading.checkpoint import save_checkpoint
+    from pagedjax.model.loading.loader import load_pretrained
 
     quant = QuantConfig("int4", group_size=16)
     with tempfile.TemporaryDirectory() as d:
@@ -293,13 +293,14 @@ def moe_expert_parallel():
 
 @check
 def quantized_moe_expert_parallel():
-    """A mixture-of-experts decoder whose experts (and linears) are int4 in groups of 16 (`pagedjax.model.moe_quant`)
-    at tp 2: each expert projection's values and scales sharded by expert (axis 0: 2 of the 4 experts per device),
-    the router replicated and float; one mixed step's logits within float32 1e-5 of the single-device engine's
+    """A mixture-of-experts decoder whose experts (and linears) are int4 in groups of 16
+    (`pagedjax.model.layers.moe_quant`) at tp 2: each expert projection's values and scales sharded by expert (axis 0: 2
+    of the 4 experts per device), the router replicated and float; one mixed step's logits within float32 1e-5 of the
+    single-device engine's
     (which equal the float model of the dequantized weights: tests/model/test_moe_quant.py), and greedy tokens
     equal to the quantized model's dense forward on one device."""
+    from pagedjax.config.quant import QuantConfig
     from pagedjax.model.llama import quantize_params
-    from pagedjax.quant_config import QuantConfig
 
     cfg = config("gqa").replace(moe=MoEConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=32))
     state = jax.tree.map(lambda x: x * 3, nnx.split(init_model(cfg, seed=3))[1])
@@ -472,8 +473,8 @@ def steps_export_for_cuda_on_4_devices():
     from pagedjax.device.kv_cache import init_kv_cache
     from pagedjax.device.page_state import PageState
     from pagedjax.device.sampling import SamplingMetadata
-    from pagedjax.engine.runner import _jitted
     from pagedjax.parallel.sharding import kv_sharding, param_shardings, replicated
+    from pagedjax.runner.runner import _jitted
 
     triton = "__gpu$xla.gpu.triton"
     cfg = ModelConfig(vocab_size=128, hidden_size=128, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=64,
@@ -534,7 +535,7 @@ def _export(fn, specs, static, triton):
 @check
 def orbax_checkpoint_loads_into_shards():
     """A pagedjax checkpoint restored with a tp 4 mesh: each parameter arrives sharded, values exact."""
-    from pagedjax.model.checkpoint import load_checkpoint, save_checkpoint
+    from pagedjax.model.loading.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = config("gqa")
     with tempfile.TemporaryDirectory() as d:

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from pagedjax import ModelConfig
-from pagedjax.model.checkpoint import bundled_model_path, load_checkpoint
 from pagedjax.model.llama import model_from_state
+from pagedjax.model.loading.checkpoint import bundled_model_path, load_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
@@ -165,7 +165,7 @@ def test_llama_cpp_f32_logits_are_pagedjax_float32s(tmp_path):
     (same weights, same ids), and its Q8_0 / Q4_0 logits come back for every position."""
     from bench_peers import MODELS, build_checkpoint
 
-    from pagedjax.model.hf_loader import load_hf
+    from pagedjax.model.loading.hf_loader import load_hf
 
     folder = build_checkpoint(tmp_path / "tiny", MODELS["tiny"][0])  # micro's vocabulary is below byte fallback's 260
     cfg, state, _ = load_hf(folder)

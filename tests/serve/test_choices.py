@@ -1,5 +1,5 @@
 """ChoiceTracker: engine snapshots -> text deltas per choice, with the final choices in the engine's order. The
-engine's text is what it shows (`pagedjax.engine.outputs`: nothing that can still change); the tracker decodes
+engine's text is what it shows (`pagedjax.engine.output_processor`: nothing that can still change); the tracker decodes
 nothing itself."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedjax.core.request import RequestOutput
 from pagedjax.model.tokenizer import ByteTokenizer
+from pagedjax.outputs import RequestOutput
 from pagedjax.serve.choices import ChoiceDelta, ChoiceTracker, RequestFailed
 
 TOK = ByteTokenizer()

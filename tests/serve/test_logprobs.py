@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedjax.core.request import TokenLogprobs
+from pagedjax.outputs import TokenLogprobs
 from pagedjax.serve.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from tests.engine.test_outputs import bpe  # noqa: F401  (the fixture: a small byte-level BPE trained here)
 

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from pagedjax.core.request import RequestOutput
+from pagedjax.outputs import RequestOutput
 from tests.serve.server_utils import MODEL_NAME, make_engine, running_server
 
 HEADER_TIMEOUT = 0.5

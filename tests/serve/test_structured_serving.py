@@ -75,7 +75,7 @@ def test_a_bad_constraint_is_a_400_naming_the_field(client, body, param):
 
 def test_constraints_compile_in_the_prepare_stage_and_a_bad_one_leaves_running_requests_alone(client,
                                                                                                 monkeypatch):
-    from pagedjax.engine.structured import ConstraintCompiler
+    from pagedjax.structured_output.compiler import ConstraintCompiler
 
     threads = []
     real = ConstraintCompiler._matcher

@@ -1,0 +1,24 @@
+"""Every frozen configuration of pagedjax, in one tier (plain Python, no JAX: the host side imports it too).
+
+  model.py        ModelSpec (what the engine needs of any model), ModelConfig (the built-in decoders' shape)
+  cache.py        CacheConfig: the paged KV pool (block size, blocks or bytes, KV dtype, prefix caching)
+  scheduler.py    SchedulerConfig: token budget, sequences per step, context length, chunked prefill
+  parallel.py     ParallelConfig: tensor / data parallelism
+  quant.py        QuantConfig: weight-only quantized linears and experts
+  moe.py          MoEConfig: mixture-of-experts routing and its computation
+  speculative.py  SpeculativeConfig: speculative decoding's method and proposal length
+  engine.py       EngineConfig: every other LLMEngine keyword (backend, fused decode steps, compile cache, ...)
+  fields.py       the field checks every config uses (TypeError / ValueError naming the field)
+"""
+
+from pagedjax.config.cache import KV_DTYPES, CacheConfig, kv_cache_bytes
+from pagedjax.config.engine import EngineConfig
+from pagedjax.config.model import ModelConfig, ModelSpec
+from pagedjax.config.moe import MoEConfig
+from pagedjax.config.parallel import ParallelConfig
+from pagedjax.config.quant import QuantConfig
+from pagedjax.config.scheduler import SchedulerConfig
+from pagedjax.config.speculative import SpeculativeConfig
+
+__all__ = ["KV_DTYPES", "CacheConfig", "EngineConfig", "ModelConfig", "ModelSpec", "MoEConfig", "ParallelConfig",
+           "QuantConfig", "SchedulerConfig", "SpeculativeConfig", "kv_cache_bytes"]

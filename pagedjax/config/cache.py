@@ -1,0 +1,111 @@
+"""The paged KV cache's configuration: `CacheConfig`, the KV dtypes, and the byte arithmetic of a pool.
+
+Plain Python, no JAX: the host side (`pagedjax.core`) imports this too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedjax.config.fields import check_bool, check_int, describe
+
+if TYPE_CHECKING:
+    from pagedjax.config.model import ModelSpec
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype named as a string ("float32", "bfloat16", "float16")."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}") from None
+
+
+def kv_cache_bytes(num_layers: int, num_tokens: int, num_kv_heads: int, head_dim: int, bytes_per_elem: int,
+                   scale_bytes: int = 0) -> int:
+    """Bytes of KV cache for `num_tokens` tokens: 2 (K and V) * L * T * Hkv * (D * bytes + scale_bytes), where
+    `scale_bytes` is the size of the one scale per token and KV head that 8-bit pages carry (0 for float pages)."""
+    return 2 * num_layers * num_tokens * num_kv_heads * (head_dim * bytes_per_elem + scale_bytes)
+
+
+# KV cache dtypes (`CacheConfig.kv_dtype`): "auto" (the model's dtype), a float dtype, or an 8-bit format whose
+# pages carry one float32 scale per token and KV head (`pallas_kernels.quant`). "fp8" is float8_e4m3fn.
+KV_DTYPES: tuple[str, ...] = ("auto", *DTYPE_BYTES, "int8", "fp8")
+QUANTIZED_KV_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn"}  # name -> the pages' array dtype
+KV_SCALE_BYTES = 4  # float32 scales
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: `num_blocks` physical blocks of `block_size` tokens each.
+
+    Give either `num_blocks` or `kv_memory_bytes` (the pool is then sized from the model's shape);
+    with neither, `num_blocks` defaults to 512. `kv_dtype` (one of KV_DTYPES) is what K and V are stored in:
+    "auto" = the model's dtype; "int8" and "fp8" (float8_e4m3fn) quantize each token's K and V per KV head
+    when written, with a float32 scale beside them that `block_bytes` counts.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    kv_dtype: str = "auto"  # one of KV_DTYPES: "auto" = the model's dtype; "int8" / "fp8" quantize K/V when written
+    hash_seed: int = 0
+
+    def __post_init__(self) -> None:
+        owner = "CacheConfig"
+        fix = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: set through object
+        fix("block_size", check_int(owner, "block_size", self.block_size, lo=1))
+        fix("num_blocks", check_int(owner, "num_blocks", self.num_blocks, lo=1, optional=True))
+        fix("kv_memory_bytes", check_int(owner, "kv_memory_bytes", self.kv_memory_bytes, lo=1, optional=True))
+        if self.num_blocks is not None and self.kv_memory_bytes is not None:
+            raise ValueError("give num_blocks or kv_memory_bytes, not both")
+        check_bool(owner, "enable_prefix_caching", self.enable_prefix_caching)
+        if not isinstance(self.kv_dtype, str):
+            raise TypeError(f"{owner}.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {describe(self.kv_dtype)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"{owner}.kv_dtype: unsupported KV cache dtype {self.kv_dtype!r}; expected one of "
+                             f"{', '.join(KV_DTYPES)}")
+        fix("hash_seed", check_int(owner, "hash_seed", self.hash_seed))
+
+    # `model` below: a ModelSpec (or a ModelConfig, which has the same KV fields).
+    def resolve_kv_dtype(self, model: ModelSpec) -> str:
+        """The KV dtype's name for `model` ("auto" resolved to the model's dtype)."""
+        return model.dtype if self.kv_dtype == "auto" else self.kv_dtype
+
+    def kv_array_dtype(self, model: ModelSpec) -> str:
+        """The pages' array dtype name for `model` (as JAX/numpy spell it: "fp8" is "float8_e4m3fn")."""
+        name = self.resolve_kv_dtype(model)
+        return QUANTIZED_KV_DTYPES.get(name, name)
+
+    def kv_bytes_per_token(self, model: ModelSpec) -> int:
+        """KV cache bytes one token takes in `model` (K and V of every layer and KV head, scales included)."""
+        name = self.resolve_kv_dtype(model)
+        if name in QUANTIZED_KV_DTYPES:
+            return kv_cache_bytes(model.num_layers, 1, model.num_kv_heads, model.head_dim, 1, KV_SCALE_BYTES)
+        return kv_cache_bytes(model.num_layers, 1, model.num_kv_heads, model.head_dim, dtype_bytes(name))
+
+    def block_bytes(self, model: ModelSpec) -> int:
+        """Bytes of one KV block (K and V, every layer, with 8-bit pages their scales too) for `model`."""
+        return self.block_size * self.kv_bytes_per_token(model)
+
+    def resolve_num_blocks(self, model: ModelSpec, draft: ModelSpec | None = None) -> int:
+        """Number of physical blocks: as given, or as many as fit in `kv_memory_bytes` (a block holds a `draft`
+        model's KV too, if given: speculative decoding's, `pagedjax.spec_decode.draft_kv`)."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.kv_memory_bytes is None:
+            return 512
+        per_block = self.block_bytes(model) + (0 if draft is None else self.block_bytes(draft))
+        n = self.kv_memory_bytes // per_block
+        if n < 1:
+            raise ValueError(f"kv_memory_bytes={self.kv_memory_bytes} holds no block of {per_block} bytes"
+                             + ("" if draft is None else f" (the draft model's {self.block_bytes(draft)} included)"))
+        return int(n)
+
+    def pool_bytes(self, model: ModelSpec) -> int:
+        """Bytes of the whole KV pool this config gives `model` (what the engine allocates on the device)."""
+        return self.resolve_num_blocks(model) * self.block_bytes(model)

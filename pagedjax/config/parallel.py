@@ -1,0 +1,74 @@
+"""`ParallelConfig`: how many devices one model spans (tensor parallelism) and how many replicas serve it
+(data parallelism). Plain Python, no JAX, like `pagedjax.config`.
+
+A config rather than a `mesh=` argument: the engine needs the two sizes to build disjoint sub-meshes for its
+replicas, to size the KV pool per device and to pick which weights shard; a user names sizes, not devices.
+`devices=` on the engine (optional) says which devices; by default the first `world_size` of `jax.devices()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedjax.config.fields import check_int
+
+TP = "tp"  # the mesh axis that weights and the KV cache are sharded over
+
+
+def kv_heads_per_device(num_kv_heads: int, tp: int) -> int:
+    """KV heads each of `tp` devices holds: num_kv_heads / tp, or 1 (a replica) when tp > num_kv_heads."""
+    return max(num_kv_heads // tp, 1)
+
+
+def kv_heads_stored(num_kv_heads: int, tp: int) -> int:
+    """KV heads in the cache's global array (dim 0) over `tp` devices: num_kv_heads, or tp when each KV head is
+    replicated (tp > num_kv_heads)."""
+    return max(num_kv_heads, tp)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """`tensor_parallel_size` devices hold one model (weights and KV cache sharded over a `tp` mesh axis);
+    `data_parallel_size` such groups each run an independent replica (own scheduler and KV pool)."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            object.__setattr__(self, name, check_int("ParallelConfig", name, getattr(self, name), lo=1))
+
+    @property
+    def world_size(self) -> int:
+        """Devices used in all: tp x dp."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def check_model(self, num_q_heads: int, num_kv_heads: int) -> None:
+        """ValueError unless the model's heads split over `tensor_parallel_size` devices: the query heads
+        evenly, and the KV heads evenly or (tp > num_kv_heads) each replicated on tp / num_kv_heads devices."""
+        tp = self.tensor_parallel_size
+        if num_q_heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} must divide the model's {num_q_heads} query heads")
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(f"tensor_parallel_size {tp} and the model's {num_kv_heads} KV heads: one must divide "
+                             "the other (KV heads are split evenly, or replicated when tp > num_kv_heads)")
+
+    def kv_heads_per_device(self, num_kv_heads: int) -> int:
+        """KV heads each device holds (see the module-level function)."""
+        return kv_heads_per_device(num_kv_heads, self.tensor_parallel_size)
+
+    def kv_heads_stored(self, num_kv_heads: int) -> int:
+        """KV heads in the cache's global array (see the module-level function)."""
+        return kv_heads_stored(num_kv_heads, self.tensor_parallel_size)
+
+
+def parallel_layout(parallel_config: ParallelConfig | None, tensor_parallel_size: int | None,
+                    data_parallel_size: int | None) -> ParallelConfig | None:
+    """`parallel_config`, or one made of the two sizes (None: one device). ValueError when both are given."""
+    if tensor_parallel_size is None and data_parallel_size is None:
+        return parallel_config
+    if parallel_config is not None:
+        raise ValueError("give parallel_config or tensor_parallel_size / data_parallel_size, not both")
+    config = ParallelConfig(tensor_parallel_size=1 if tensor_parallel_size is None else tensor_parallel_size,
+                            data_parallel_size=1 if data_parallel_size is None else data_parallel_size)
+    return None if config.world_size == 1 else config

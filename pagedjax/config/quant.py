@@ -1,0 +1,91 @@
+"""Weight-only quantization of a model's linear layers (`ModelConfig.quantization`): a frozen dataclass of its
+own, so that `pagedjax.config` stays about the float decoder.
+
+Plain Python, no JAX (`pagedjax.config` imports it, and the host side imports that). The arithmetic is in
+`pagedjax.model.layers.quant`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedjax.config.fields import check_choice, check_int, describe, from_fields
+
+# What a linear kernel `[in, out]` is stored as (`pagedjax.model.layers.quant`; stored `[out, ...]`):
+#   "int8"  int8 per output channel, symmetric: w ~= q * scale[out], q in [-127, 127].
+#   "int4"  int4 in groups of `group_size` consecutive inputs, symmetric: w ~= q * scale[out, in // group_size],
+#           q in [-8, 7] (the quantizer uses [-7, 7]); two values per byte along the input dimension.
+#   "fp8"   float8 e4m3 (finite, max 448) per output channel: w ~= q * scale[out].
+SCHEMES: tuple[str, ...] = ("int8", "int4", "fp8")
+SCALE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+DEFAULT_GROUP_SIZE = 128
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Which linear layers (and mixture-of-experts experts) hold quantized weights, and how. Activations stay in
+    the model's dtype and every product accumulates in float32; embeddings and MoE routers are never quantized.
+
+    scheme: one of `SCHEMES`. group_size: int4's group along the input dimension (even, default 128; None for
+    the per-channel schemes). scale_dtype: how scales are stored (one of `SCALE_DTYPES`). keep_float: names of
+    linear modules left in float (by default the LM head: it decides every sampled token); "experts" keeps a MoE
+    model's experts float (`pagedjax.model.layers.moe_quant`).
+
+    Invariants (checked on construction, a TypeError / ValueError naming the field): group_size is set for int4
+    only, and even (two values per byte); keep_float is a tuple of strings.
+    """
+
+    scheme: str
+    group_size: int | None = None
+    scale_dtype: str = "float32"
+    keep_float: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self) -> None:
+        owner = "QuantConfig"
+        fix = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: set through object
+        check_choice(owner, "scheme", self.scheme, SCHEMES, optional=False)
+        if self.scheme == "int4":
+            size = DEFAULT_GROUP_SIZE if self.group_size is None else self.group_size
+            fix("group_size", check_int(owner, "group_size", size, lo=2))
+            if self.group_size % 2:
+                raise ValueError(f"{owner}.group_size must be even (two int4 values per byte), got {self.group_size}")
+        elif self.group_size is not None:
+            raise ValueError(f"{owner}.group_size applies to scheme 'int4' only ({self.scheme!r} is per output "
+                             f"channel), got {self.group_size!r}")
+        check_choice(owner, "scale_dtype", self.scale_dtype, SCALE_DTYPES, optional=False)
+        keep = self.keep_float
+        if isinstance(keep, str) or not isinstance(keep, tuple | list) or not all(isinstance(k, str) for k in keep):
+            raise TypeError(f"{owner}.keep_float must be a tuple of module names, got {describe(keep)}")
+        fix("keep_float", tuple(keep))
+
+    @property
+    def name(self) -> str:
+        """The short form `parse` reads: "int8", "fp8", "int4" (group 128) or "int4:32"."""
+        if self.scheme == "int4" and self.group_size != DEFAULT_GROUP_SIZE:
+            return f"int4:{self.group_size}"
+        return self.scheme
+
+    @classmethod
+    def parse(cls, text: str) -> QuantConfig:
+        """"int8" | "fp8" | "int4" | "int4:<group size>" (what `--quantization` takes) -> a QuantConfig."""
+        if not isinstance(text, str):
+            raise TypeError(f"quantization must be a string such as 'int8', 'int4:32' or 'fp8', got {describe(text)}")
+        scheme, sep, size = text.partition(":")
+        if not sep:
+            return cls(scheme)
+        if scheme != "int4" or not size.isdigit():
+            raise ValueError(f"quantization {text!r}: a group size is written 'int4:<int>' (e.g. 'int4:32')")
+        return cls(scheme, group_size=int(size))
+
+    @classmethod
+    def coerce(cls, value) -> QuantConfig | None:
+        """None, a QuantConfig, its short name (`parse`) or its fields as a mapping (a parsed
+        `ModelConfig.to_dict`) -> a QuantConfig or None. Unknown fields are a ValueError naming them."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls.parse(value)
+        if not isinstance(value, dict):
+            raise TypeError(f"quantization must be None, a QuantConfig, a name such as 'int8' or a mapping of its "
+                            f"fields, got {describe(value)}")
+        return from_fields(cls, value, "QuantConfig")

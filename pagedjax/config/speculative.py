@@ -1,0 +1,61 @@
+"""Speculative decoding's configuration (`LLMEngine(speculative_config=...)`): a frozen dataclass of its own, as
+`pagedjax.config.quant` and `pagedjax.config.moe` are, re-exported by `pagedjax.config`.
+
+Plain Python, no JAX. How proposals are made and verified: `pagedjax.spec_decode` and `Scheduler.update`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from pagedjax.config.fields import check_choice, check_int, describe
+
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`pagedjax.spec_decode.speculator`): each decoding step verifies up to
+    `num_speculative_tokens` proposed tokens per request; the output is exactly the non-speculative one.
+
+    method "ngram" (prompt lookup): the proposal is what followed the most recent earlier occurrence of the
+    request's last n tokens in its prompt and output, for the longest n in [prompt_lookup_min, prompt_lookup_max]
+    that occurs; no occurrence, no proposal (the request decodes as usual), and a request whose last proposal
+    failed holds back for a few tokens (`pagedjax.spec_decode.speculator.NgramProposer`).
+    method "draft": `draft_model` (a model folder, a `ModelConfig` (random weights) or a model module, with the
+    target's vocabulary) proposes its greedy tokens (`pagedjax.spec_decode.draft_model`).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    draft_model: object = None  # method "draft" only
+
+    def __post_init__(self) -> None:
+        check_choice("SpeculativeConfig", "method", self.method, SPECULATIVE_METHODS, optional=False)
+        object.__setattr__(self, "num_speculative_tokens",
+                           check_int("SpeculativeConfig", "num_speculative_tokens", self.num_speculative_tokens,
+                                     lo=1, hi=64))
+        object.__setattr__(self, "prompt_lookup_min",
+                           check_int("SpeculativeConfig", "prompt_lookup_min", self.prompt_lookup_min, lo=1))
+        object.__setattr__(self, "prompt_lookup_max",
+                           check_int("SpeculativeConfig", "prompt_lookup_max", self.prompt_lookup_max,
+                                     lo=self.prompt_lookup_min))
+        if (self.draft_model is None) == (self.method == "draft"):
+            raise ValueError(f"SpeculativeConfig.draft_model is needed by method 'draft' and only by it, got "
+                             f"{describe(self.draft_model)} with method {self.method!r}")
+
+    def __repr__(self) -> str:
+        # A draft given as a model module would print whole (every parameter array): its type stands for it.
+        draft = self.draft_model
+        if draft is None:
+            shown = ""
+        elif isinstance(draft, str | os.PathLike) or dataclasses.is_dataclass(draft):  # a folder, a ModelConfig
+            shown = f", draft_model={draft!r}"
+        else:
+            shown = f", draft_model=<{type(draft).__name__} module>"
+        return (f"SpeculativeConfig(method={self.method!r}, num_speculative_tokens={self.num_speculative_tokens}, "
+                f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max={self.prompt_lookup_max}{shown})")

@@ -1,0 +1,1 @@
+"""Model building blocks: linears (float and weight-quantized), mixture-of-experts, rotary embeddings."""

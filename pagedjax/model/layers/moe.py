@@ -1,0 +1,257 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's k experts, each expert is a
+SwiGLU MLP, and a token's output is its experts' outputs summed with the router's weights.
+
+Two computations of the same function:
+  `MoEMLP.__call__`  the serving path: the (token, expert) pairs sorted by expert, and each projection one
+                     grouped matmul over the sorted rows (`jax.lax.ragged_dot`: group e is the rows routed to
+                     expert e, multiplied by expert e's weights). Exact: every token gets all its k experts (no
+                     capacity factor drops any).
+  `MoEMLP.dense`     the reference: every expert on every token, the outputs weighted by a `[tokens, experts]`
+                     matrix that is zero outside each token's k experts. E / k times the work; for tests and
+                     `forward_dense`.
+
+Expert weights are stacked `[num_experts, width, hidden]` (gate_proj and up_proj as (out, in), down_proj as
+(in, out): `Experts` says why): axis 0 is what expert parallelism shards (`pagedjax.parallel.sharding`). That
+stacked form is the canonical one (checkpoints, loading, sharding); on one CPU device the engine's runner holds
+the experts as E separate arrays instead (`per_expert_params`, `Llama.single_device_params`), the same function.
+The router (`gate`, `[hidden, E]`) is a plain linear layer, replicated. With `ModelConfig.quantization` the
+experts are stored quantized (`pagedjax.model.layers.moe_quant.QuantizedExperts`, built by `moe_quant.moe_mlp`; the
+router stays float) and computed by the same three methods below on their dequantized values.
+
+On the CPU, XLA lowers `ragged_dot` to a masked dense product over all experts (the grouped matmul instruction is
+lowered natively on GPU and TPU only): the same result at many times the work. So on the CPU the MLP takes one
+of two other computations of the same function, by the step's static number of (token, expert) pairs:
+  - fewer pairs than experts (batch-1 decode: k pairs): each pair through its expert alone by `lax.switch` over
+    the experts (`Experts.by_pair`), reading only the routed experts' weights. From the per-expert form a branch
+    reads its expert's arrays in place; from the stacked form XLA:CPU first copies the expert's slice (a dot
+    reads whole buffers), which made batch-1 decode 2x slower than the dense model of the active size;
+  - otherwise the reference's: every expert on every row, weighted by zero unless routed to (E / k times the
+    arithmetic of the routed rows, every expert's weights read once), as three plain dots over the flattened
+    experts (`Experts.every`): the cost of the dense model of the MoE's total size.
+`scripts/bench_moe.py` measures decode against dense models of the MoE's active and total size, and
+`scripts/bench_moe_layer.py` one layer each way. `python scripts/bench_moe.py --max-tokens 32` (the 2-core CPU
+shared with other jobs, load average 4-5): batch 1 18.8 tokens/s against 17.7 for the dense model of the active
+size (target: within 1.3x; 2.12x before these two changes, measured the same way), batch 16 114.6 against 270.9
+for the active size and 92.6 for the total size (8.0x and 2.8x slower before).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pagedjax.config import ModelConfig
+
+# Each expert's matrices are `[width, hidden]`: gate/up as (out, in), down as (in, out) (`Experts`).
+_INIT_OUT_IN = nnx.initializers.lecun_normal(in_axis=2, out_axis=1, batch_axis=(0,))
+_INIT_IN_OUT = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
+
+
+def route(logits: jax.Array, k: int, router: str, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """Router logits `[T, E]` (float32) -> (weights float32 `[T, k]`, experts int32 `[T, k]`), by the family's
+    convention (`pagedjax.config.moe.ROUTERS`): "topk_softmax" (Mixtral) takes the k largest logits and a softmax
+    over them; "softmax_topk" (Qwen3-MoE) a softmax over all experts and its k largest probabilities,
+    renormalized to sum to 1 when `norm_topk_prob`. Ties go to the lower expert index."""
+    if router == "topk_softmax":
+        top, experts = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), experts
+    if router != "softmax_topk":
+        raise ValueError(f"unknown MoE router {router!r}")
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def tokens_per_expert(experts: jax.Array, num_experts: int) -> jax.Array:
+    """How many (token, slot) pairs `experts` `[T, k]` routes to each expert: int32 `[num_experts]`."""
+    return jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)
+
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_QUANTIZED = ("qweight", "scale")  # the leaves of a `pagedjax.model.layers.moe_quant.ExpertKernels`
+
+
+def per_expert_params(state: nnx.State) -> nnx.State:
+    """`state` (a model's parameters) with every stacked expert parameter (`experts.gate_proj`, `.up_proj`,
+    `.down_proj`: `[E, width, hidden]`) as a tuple of its E slices `[width, hidden]`, each its own array (copied
+    once, here); every other leaf the same array. `Experts` computes the same function from either form; from
+    this one a single-device CPU step reads a routed expert's weights in place (`Experts.by_pair`).
+
+    Quantized experts (`pagedjax.model.layers.moe_quant`): each projection's `qweight` and `scale` `[E, ...]` likewise
+    become tuples of E per-expert arrays.
+
+    The stacked form is the canonical one: checkpoints, loading and expert parallelism (which shards axis 0)
+    use it. This form is for one device: its arrays are not sharded."""
+    def split(path, leaf):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if names[-1] == "value":  # an nnx.Variable's own attribute
+            names.pop()
+        if (len(names) >= 2 and names[-2] == "experts" and names[-1] in _PROJECTIONS
+                and len(getattr(leaf, "shape", ())) == 3):
+            return tuple(leaf[e] for e in range(leaf.shape[0]))
+        if len(names) >= 3 and names[-3] == "experts" and names[-2] in _PROJECTIONS and names[-1] in _QUANTIZED:
+            return tuple(leaf[e] for e in range(leaf.shape[0]))  # `QuantizedExperts`: values and scales alike
+        return leaf
+    return jax.tree_util.tree_map_with_path(split, state)
+
+
+class Experts(nnx.Module):
+    """`num_experts` SwiGLU MLPs, their weights stacked along axis 0 (the axis expert parallelism shards), each
+    expert's three matrices `[width, hidden]`: gate_proj and up_proj `[E, width, hidden]` as (out, in), the layout
+    of a torch Linear weight, and down_proj `[E, width, hidden]` as (in, out).
+
+    Why this layout: all experts' gate (or up) rows then form one `[E * width, hidden]` matrix and all their down
+    rows one `[E * width, hidden]` matrix, both mere reshapes (no copy), so every expert on every row (`every`)
+    is three plain dots of the dense model's shapes at E times its width. With `[E, hidden, width]` gate / up
+    weights that product is a dot batched over experts or needs a transposed copy of every expert's weights:
+    4-5x slower at 16 rows on the bench_moe shape (scripts/bench_moe_layer.py).
+    """
+
+    def __init__(self, num_experts: int, hidden: int, width: int, dtype, rngs: nnx.Rngs):
+        self.gate_proj = nnx.Param(_INIT_OUT_IN(rngs.params(), (num_experts, width, hidden), dtype))
+        self.up_proj = nnx.Param(_INIT_OUT_IN(rngs.params(), (num_experts, width, hidden), dtype))
+        self.down_proj = nnx.Param(_INIT_IN_OUT(rngs.params(), (num_experts, width, hidden), dtype))
+
+    def grouped(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """Rows `x` `[N, hidden]` sorted by expert, `group_sizes[e]` of them expert e's (summing to N) ->
+        each row through its expert `[N, hidden]`."""
+        # 16-bit weights accumulate in float32 and each projection rounds once, as the dense layers do.
+        # gate / up contract the rows' hidden axis (1) with the weights' last axis (2), grouped along axis 0;
+        # down contracts the width with the weights' axis 1 (plain `ragged_dot`'s [E, in, out]).
+        out_in = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
+                                                   lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        # The per-expert form is stacked back here (a copy of every expert per call): it is the CPU's form, where
+        # `MoEMLP` never picks this method by itself.
+        gate, up, down = (jnp.stack(w) if isinstance(w, tuple) else w for w in self.weights(x))
+        mm = lambda a, w: jax.lax.ragged_dot_general(a, w, group_sizes, out_in,
+                                                     preferred_element_type=jnp.float32).astype(x.dtype)
+        h = jax.nn.silu(mm(x, gate)) * mm(x, up)
+        return jax.lax.ragged_dot(h, down, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    def by_pair(self, x: jax.Array, experts: jax.Array) -> jax.Array:
+        """Row p of `x` `[P, hidden]` through expert `experts[p]` (int32 `[P]`): `[P, hidden]`, one `lax.switch`
+        per row whose branch e multiplies by expert e's weights alone (no product with an expert the row is not
+        routed to). For few rows on the CPU (module docstring).
+
+        The weights are operands of the switch and branch e takes expert e's: with the weights captured from
+        outside instead, XLA:CPU slices every expert before the switch (all E experts' bytes copied per row: 4x
+        slower measured on the bench_moe expert shape). From the stacked form a branch still copies its expert's
+        slice before the dots (an XLA:CPU dot reads whole buffers: 2-3x the dense model's time at one row); from
+        the per-expert form (`per_expert_params`) it reads the expert's own arrays in place.
+        """
+        branches = [functools.partial(lambda e, row, *operands: self.expert_mlp(e, row, operands), e)
+                    for e in range(self.num_experts)]
+        operands = self.switch_operands()
+        return jnp.concatenate([jax.lax.switch(experts[p], branches, x[p:p + 1], *operands)
+                                for p in range(x.shape[0])])
+
+    def every(self, x: jax.Array, combine: jax.Array) -> jax.Array:
+        """Every row `x` `[N, hidden]` through every expert, expert e's output weighted by `combine[:, e]`
+        (float32 `[N, E]`) and summed: `[N, hidden]`. Stacked: three dots over all experts at once (class
+        docstring); per-expert form: three dots per expert."""
+        # The routing weights scale each expert's hidden activations before down_proj (linear, so the same as
+        # scaling its output), which lets the down dots sum over experts and width together.
+        mm = lambda a, w, dtype=x.dtype: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(dtype)
+        gate, up, down = self.weights(x)
+        if isinstance(gate, tuple):
+            y = jnp.zeros((x.shape[0], down[0].shape[1]), jnp.float32)
+            for e in range(self.num_experts):
+                h = jax.nn.silu(mm(x, gate[e].T)) * mm(x, up[e].T)
+                y += mm((h * combine[:, e:e + 1]).astype(x.dtype), down[e], jnp.float32)
+            return y.astype(x.dtype)
+        num_experts, width, hidden = gate.shape
+        flat = lambda w: w.reshape(num_experts * width, hidden)  # a bitcast: the stacking is row-major
+        h = jax.nn.silu(mm(x, flat(gate).T)) * mm(x, flat(up).T)  # [N, E * width]
+        h = (h.reshape(-1, num_experts, width) * combine[:, :, None]).astype(x.dtype)
+        return mm(h.reshape(-1, num_experts * width), flat(down))
+
+    def weights(self, x: jax.Array | None = None) -> tuple:
+        """(gate_proj, up_proj, down_proj): each the stacked array `[E, width, hidden]` or, in the per-expert form
+        (`per_expert_params`), a tuple of E arrays `[width, hidden]`. x: the rows they multiply (unused here;
+        `QuantizedExperts` converts its weights to x's dtype, tied to x)."""
+        return self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value()
+
+    def switch_operands(self) -> tuple:
+        """The operands of `by_pair`'s switch, from which branch e's `expert_mlp` reads expert e's: the weights."""
+        return self.weights()
+
+    def expert_mlp(self, e: int, row: jax.Array, operands: tuple) -> jax.Array:
+        """`row` `[1, hidden]` through expert e, whose weights it reads from `switch_operands` (`by_pair`'s
+        branch e): `[1, hidden]` in row's dtype, each projection accumulated in float32 and rounded once."""
+        gate, up, down = operands
+        mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(row.dtype)  # noqa: E731
+        return mm(jax.nn.silu(mm(row, gate[e].T)) * mm(row, up[e].T), down[e])
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_proj.get_value())
+
+
+class MoEMLP(nnx.Module):
+    """A decoder layer's MLP as a mixture of experts (`ModelConfig.moe`; see the module docstring). Parameters:
+    `gate` (the router, a linear layer `[hidden, E]`) and `experts` (`Experts`, or `QuantizedExperts` in a
+    quantized model: `pagedjax.model.layers.moe_quant.moe_mlp` builds those; a config that quantizes the experts is a
+    ValueError here)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        if cfg.quantization is not None and "experts" not in cfg.quantization.keep_float:
+            raise ValueError(f"MoEMLP holds float experts, ModelConfig.quantization {cfg.quantization.name!r} "
+                             "quantized ones: build it with pagedjax.model.layers.moe_quant.moe_mlp")
+        moe = cfg.moe
+        self.num_experts, self.top_k = moe.num_experts, moe.num_experts_per_tok
+        self.router, self.norm_topk_prob = moe.router, moe.norm_topk_prob
+        self.gate = nnx.Linear(cfg.hidden_size, moe.num_experts, use_bias=False, dtype=dtype, param_dtype=dtype,
+                               preferred_element_type=jnp.float32, rngs=rngs)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, dtype, rngs)
+
+    def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Rows x `[N, hidden]` -> (weights float32 `[N, k]`, experts int32 `[N, k]`)."""
+        # The logits are rounded to the model's dtype before the softmax, as transformers computes them.
+        logits = self.gate(x).astype(x.dtype).astype(jnp.float32)
+        return route(logits, self.top_k, self.router, self.norm_topk_prob)
+
+    def __call__(self, x: jax.Array, method: str | None = None) -> jax.Array:
+        """x `[..., hidden]` -> `[..., hidden]`. `method` (static): "grouped" (grouped matmuls over the rows sorted
+        by expert), "by_pair" (each (token, expert) pair by its expert alone) or "every" (every expert on every
+        row); None picks "grouped" on GPU / TPU and, on the CPU, "by_pair" for fewer pairs than experts, else
+        "every" (module docstring). All three compute the same function."""
+        lead, hidden = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, hidden)
+        weights, experts = self.routing(rows)
+        flat = experts.reshape(-1)  # [N * k]: slot j of token t is pair t * k + j
+        if method is None:
+            method = "grouped" if jax.default_backend() != "cpu" else (
+                "by_pair" if flat.shape[0] < self.num_experts else "every")
+        if method == "every":
+            return self._every_expert(x, rows, weights, experts)
+        if method == "by_pair":
+            out = self.experts.by_pair(jnp.repeat(rows, self.top_k, axis=0), flat)
+        elif method == "grouped":
+            order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
+            group_sizes = tokens_per_expert(experts, self.num_experts)
+            out = self.experts.grouped(rows[order // self.top_k], group_sizes)
+            out = jnp.zeros_like(out).at[order].set(out)  # back in pair order
+        else:
+            raise ValueError(f"MoEMLP: unknown method {method!r} (grouped, by_pair, every)")
+        y = jnp.einsum("nk,nkh->nh", weights, out.reshape(-1, self.top_k, hidden).astype(jnp.float32))
+        return y.astype(x.dtype).reshape(*lead, hidden)
+
+    def dense(self, x: jax.Array, counts: list | None = None) -> jax.Array:
+        """The reference: like `__call__`, with every expert computed on every row and weighted by zero unless
+        routed to. `counts`: a list to which this layer's tokens per expert (int32 `[E]`) are appended."""
+        rows = x.reshape(-1, x.shape[-1])
+        weights, experts = self.routing(rows)
+        if counts is not None:
+            counts.append(tokens_per_expert(experts, self.num_experts))
+        return self._every_expert(x, rows, weights, experts)
+
+    def _every_expert(self, x: jax.Array, rows: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """Every expert on every row of `rows` `[N, hidden]` (x reshaped), combined by the routing `weights`,
+        `experts` `[N, k]`: `[..., hidden]` in x's shape and dtype."""
+        combine = jnp.zeros((rows.shape[0], self.num_experts), jnp.float32)
+        combine = combine.at[jnp.arange(rows.shape[0])[:, None], experts].add(weights)
+        return self.experts.every(rows, combine).reshape(x.shape)

@@ -1,0 +1,344 @@
+"""Load a local Hugging Face model folder (Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / OLMo 2 / Gemma 2 / Gemma 3
+text / Mixtral / Qwen3-MoE) into pagedjax.
+
+    cfg, params, tokenizer = load_hf("path/to/folder")           # config.json, *.safetensors, tokenizer.json
+    engine = LLMEngine(cfg, CacheConfig(...), SchedulerConfig(...), params=params, tokenizer=tokenizer)
+
+- `load_hf_config(path)` maps `config.json` (+ `generation_config.json` for EOS/BOS ids) to a `ModelConfig`,
+  refusing (with a `ModelLoadError` naming the file and field) anything pagedjax cannot compute exactly: see
+  `pagedjax.model.loading.hf_config`, where it lives (it is re-exported here).
+- `load_hf_params(path, cfg)` reads the safetensors (one file, or shards listed in
+  `model.safetensors.index.json`) tensor by tensor with the numpy API (no torch), transposes linear weights
+  to pagedjax's `[in, out]` kernels, casts to `cfg.dtype` and fills an abstract `nnx.State` leaf by leaf, so
+  that the host never holds a second full copy of the weights. Names and shapes are checked against the
+  model before any tensor is read; missing, unexpected and mis-shaped tensors are errors naming the tensor, and
+  a truncated or corrupted file is an error naming the file.
+
+Parameter names of `pagedjax.model.llama.Llama` mirror `LlamaForCausalLM` (minus the `model.` prefix; with
+the other families' norms, e.g. `Gemma2ForCausalLM`'s, under their names), so the name mapping is mechanical;
+RoPE uses the same rotate-half convention, so q/k need no permutation, and Gemma's norm weights are stored as
+offsets from 1 on both sides. Fused projections (Phi-3's `qkv_proj` and `gate_up_proj`, `_FUSED`) are split
+along their output rows into the separate ones the model keeps. Mixture-of-experts checkpoints hold one tensor per
+expert and projection (Qwen3-MoE's `mlp.experts.{e}.gate_proj.weight`, ...; Mixtral's
+`block_sparse_moe.experts.{e}.w1/w3/w2.weight` and `block_sparse_moe.gate.weight`, read as aliases of those,
+`_canonical`), as transformers' `save_pretrained` writes them: each goes into slice e of the model's stacked
+`[E, width, hidden]` parameter (down_proj transposed, gate / up as stored), placed once all E slices are read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pagedjax.config import ModelConfig
+from pagedjax.model.errors import ModelLoadError, read_json
+from pagedjax.model.llama import abstract_model, model_from_state  # noqa: F401  (model_from_state: re-export)
+from pagedjax.model.loading import hf_quant
+from pagedjax.model.loading.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config  # noqa: F401  (re-exports)
+from pagedjax.model.loading.hf_quant import Codec
+
+logger = logging.getLogger(__name__)
+
+# Non-parameter tensors that some checkpoints carry and that pagedjax recomputes.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Fused Hugging Face projections -> the model's separate ones, stacked in this order along the output rows.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Mixtral's expert projections under the names of Qwen3-MoE's (and of the model's parameters).
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _canonical(name: str) -> str:
+    """A checkpoint tensor's name as the model's parameters spell it: Mixtral's `block_sparse_moe` is `mlp`, its
+    experts' w1 / w3 / w2 are gate_proj / up_proj / down_proj; every other name is unchanged."""
+    parts = name.split(".")
+    if "block_sparse_moe" not in parts:
+        return name
+    i = parts.index("block_sparse_moe")
+    parts[i] = "mlp"
+    if len(parts) == i + 5 and parts[i + 1] == "experts" and parts[i + 3] in _MIXTRAL_EXPERT:
+        parts[i + 3] = _MIXTRAL_EXPERT[parts[i + 3]]
+    return ".".join(parts)
+
+
+def _hf_names(path: tuple, shape: tuple, quant=None) -> list[tuple[str, bool | Codec, int | None]]:
+    """pagedjax state path -> the Hugging Face tensors it is read from: (name, whether the tensor is transposed
+    or the `Codec` of a pre-quantized one, the expert whose slice it fills or None for the whole parameter). A
+    stacked expert projection (..., 'experts', 'gate_proj') of shape `[E, width, hidden]` is E tensors
+    `experts.{e}.gate_proj.weight` (gate / up kept as HF's [out, in], down transposed to [in, out]:
+    `pagedjax.model.layers.moe.Experts`); a quantized one's `qweight` / `scale` `[E, out, ...]` (`moe_quant`) is E
+    compressed-tensors tensors `experts.{e}.gate_proj.weight_packed` / `.weight_scale`, each `[out, ...]` as stored
+    (down too)."""
+    *mods, leaf = (str(p) for p in path)
+    if leaf in ("qweight", "scale") and len(mods) >= 2 and mods[-2] == "experts":  # `QuantizedExperts`: per expert
+        prefix = "model." + ".".join(mods[:-1])
+        return [(*hf_quant.tensor(f"{prefix}.{e}.{mods[-1]}", leaf, quant), e) for e in range(shape[0])]
+    if leaf in ("qweight", "scale"):  # a QuantizedLinear of a compressed-tensors checkpoint (`hf_quant`)
+        name, codec = hf_quant.tensor(_hf_name((*mods, "kernel"))[0].removesuffix(".weight"), leaf, quant)
+        return [(name, codec, None)]
+    if mods and mods[-1] == "experts":
+        prefix = "model." + ".".join(mods)
+        return [(f"{prefix}.{e}.{leaf}.weight", leaf == "down_proj", e) for e in range(shape[0])]
+    name, transpose = _hf_name(path)
+    return [(name, transpose, None)]
+
+
+def _hf_name(path: tuple) -> tuple[str, bool]:
+    """pagedjax state path -> (Hugging Face tensor name, whether the tensor is transposed)."""
+    *mods, leaf = (str(p) for p in path)
+    if leaf == "kernel":
+        name, transpose = "weight", True
+    elif leaf in ("embedding", "weight"):
+        name, transpose = "weight", False
+    elif leaf == "bias":
+        name, transpose = "bias", False
+    else:
+        raise ValueError(f"no Hugging Face name for model parameter {'.'.join(mods + [leaf])}")
+    prefix = "" if mods[0] == "lm_head" else "model."
+    return prefix + ".".join(mods + [name]), transpose
+
+
+def _unfused(name: str, targets: dict) -> list[str] | None:
+    """The model parameters a fused checkpoint tensor holds (`_FUSED`: "...self_attn.qkv_proj.weight" ->
+    q_proj, k_proj, v_proj), in row order; None if `name` is not one whose parts the model has."""
+    module_path, _, leaf = name.rpartition(".")
+    prefix, _, module = module_path.rpartition(".")
+    parts = [f"{prefix}.{p}.{leaf}" for p in _FUSED.get(module, ())]
+    return parts if parts and all(p in targets for p in parts) else None
+
+
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """The folder's safetensors files: the shards of `model.safetensors.index.json`, or `model.safetensors`,
+    or else every `*.safetensors` file."""
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(index, "no 'weight_map' object")
+        if not all(isinstance(f, str) for f in weight_map.values()):
+            raise ModelLoadError(index, "field 'weight_map': file names must be strings")
+        files = [folder / f for f in dict.fromkeys(weight_map.values())]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that do not exist: {missing}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder} (pytorch .bin checkpoints are not supported)")
+    return files
+
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
+
+
+def _read_tensor(handle, file: Path, name: str) -> np.ndarray:
+    """One tensor as numpy. bf16 goes through the numpy API when this safetensors version maps it to
+    ml_dtypes' bfloat16, else through the raw bytes of the file."""
+    try:
+        return handle.get_tensor(name)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # e.g. an old safetensors without numpy bf16
+        logger.debug("safetensors numpy API failed for %s (%s); reading raw bytes", name, e)
+        return _read_raw(file, name)
+
+
+def _read_raw(file: Path, name: str) -> np.ndarray:
+    """Read one tensor straight from a safetensors file: u64 header length, JSON header, data."""
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        info = header[name]
+        if info["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r} in {file.name}: dtype {info['dtype']} is not supported")
+        begin, end = info["data_offsets"]
+        f.seek(8 + header_len + begin)
+        data = f.read(end - begin)
+    return np.frombuffer(data, dtype=np.dtype(_ST_DTYPES[info["dtype"]])).reshape(info["shape"])
+
+
+def _headers(files: list[Path]) -> Iterator[tuple[Path, str, tuple[int, ...], str]]:
+    """(file, tensor name, shape, safetensors dtype) of every tensor; ModelLoadError naming a file whose header
+    cannot be read (safetensors checks there that the header covers the whole file: truncation shows here)."""
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                entries = []
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    entries.append((file, name, tuple(sl.get_shape()), sl.get_dtype()))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (an Exception)
+            raise ModelLoadError(file, f"not a readable safetensors file (truncated or corrupted?): {e}") from e
+        yield from entries
+
+
+def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> nnx.State:
+    """Weights of a Hugging Face folder as an `nnx.State` with the structure of `nnx.split(init_model(cfg))[1]`.
+
+    Streams tensor by tensor: each is read, transposed if it is a linear weight, cast to `cfg.dtype` and put
+    on the device before the next is read. With a tensor-parallel `mesh` (`pagedjax.parallel`), each device
+    receives only its slice of the tensor (`jax.make_array_from_callback`; on several hosts, each process
+    places only its own devices' slices). Raises ModelLoadError (a ValueError) for missing, unexpected or
+    mis-shaped tensors (naming them) before reading any data, and naming the file for unreadable data. The load
+    time is logged (logger `pagedjax.model.loading.hf_loader`, level INFO).
+    """
+    from safetensors import safe_open
+
+    start = time.perf_counter()
+    files = safetensors_files(path)
+    _, state = nnx.split(abstract_model(cfg))
+    # HF name -> (the model's parameter, transposed?, the expert slice it fills or None: the whole parameter).
+    targets: dict[str, tuple[Any, bool, int | None]] = {}
+    place = {}  # id of a parameter -> its sharding, with a mesh
+    where = None
+    if mesh is not None:
+        from pagedjax.parallel.sharding import param_sharding_fn
+
+        where = param_sharding_fn(cfg, mesh)
+    for p, var in nnx.to_flat_state(state):
+        for name, transpose, expert in _hf_names(tuple(p), tuple(var.get_value().shape), cfg.quantization):
+            targets[name] = (var, transpose, expert)
+        if where is not None:
+            place[id(var)] = where(tuple(p))
+
+    # Pass 1: headers only. Check names and shapes; decide which file each tensor comes from, and into which
+    # model parameters it goes: (target, first row, last row) with rows None for a whole tensor.
+    plan: dict[Path, list[tuple[str, list[tuple[str, int | None, int | None]]]]] = {f: [] for f in files}
+    seen: dict[str, Path] = {}
+    unexpected, misshaped, skipped = [], [], []
+    for file, name, shape, st_dtype in _headers(files):
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
+                cfg.quantization is not None and name.endswith(".weight_shape")):  # `hf_quant`: redundant
+            skipped.append(name)  # tied: the embedding is the head, as in transformers
+            continue
+        canonical = _canonical(name)
+        parts = [canonical] if canonical in targets else _unfused(canonical, targets)
+        if parts is None:
+            unexpected.append(name)
+            continue
+        fused = parts != [canonical]
+        pieces, row = [], 0
+        for part in parts:
+            if part in seen:
+                raise ModelLoadError(file, f"tensor {part!r} also appears in {seen[part].name}"
+                                           + (f" (in {name!r} here)" if fused or part != name else ""))
+            var, transpose, expert = targets[part]
+            part_shape = tuple(var.get_value().shape)[0 if expert is None else 1:]  # an expert: its slice
+            if isinstance(transpose, Codec):
+                part_shape = transpose.hf_shape(part_shape)
+            else:
+                part_shape = part_shape[::-1] if transpose else part_shape  # HF's [out, in]: fused parts stack rows
+            pieces.append((part, row, row + part_shape[0]) if fused else (part, None, None))
+            row += part_shape[0]
+            seen[part] = file
+        want = (row, *part_shape[1:])  # a whole tensor's shape too: its only part's
+        if shape != want:
+            misshaped.append(f"{name}: checkpoint {list(shape)}, model expects {list(want)}")
+        codec = targets[parts[0]][1]
+        allowed = codec.dtypes if isinstance(codec, Codec) else _ST_DTYPES
+        if st_dtype not in allowed:
+            raise ModelLoadError(file, f"tensor {name!r}: dtype {st_dtype} is not supported "
+                                       f"(supported: {', '.join(allowed)})")
+        plan[file].append((name, pieces))
+    missing = sorted(set(targets) - set(seen))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {sorted(unexpected)}")
+    if misshaped:
+        problems.append("mis-shaped tensors: " + "; ".join(misshaped))
+    if problems:
+        raise ModelLoadError(path, "the weights do not match the model config: " + ". ".join(problems))
+    if skipped:
+        logger.debug("ignored tensors: %s", skipped)
+
+    # Pass 2: data, one tensor at a time. A stacked expert parameter is assembled on the host and placed once its
+    # last expert's slice is read (the experts of one layer are usually adjacent in a checkpoint).
+    target_dtype = jnp.dtype(cfg.dtype)
+    num_bytes = 0
+    stacks: dict[int, tuple[np.ndarray, set[int]]] = {}  # id of a parameter -> (its host array, experts read)
+    for file, tensors in plan.items():
+        if not tensors:
+            continue
+        with safe_open(str(file), framework="numpy") as f:
+            for name, pieces in tensors:
+                try:
+                    whole = _read_tensor(f, file, name)
+                except Exception as e:  # noqa: BLE001 - whatever the reader raised, name the file and tensor
+                    raise ModelLoadError(file, f"cannot read tensor {name!r} (truncated or corrupted?): {e}") from e
+                num_bytes += whole.nbytes
+                for part, first, last in pieces:
+                    var, transpose, expert = targets[part]
+                    array = whole if first is None else whole[first:last]
+                    if isinstance(transpose, Codec):
+                        array = transpose.convert(array)
+                    elif transpose:
+                        array = array.T
+                    if expert is not None:
+                        array = _stack_expert(stacks, var, expert, array,
+                                              transpose.dtype if isinstance(transpose, Codec) else target_dtype)
+                        if array is None:  # more experts to come
+                            continue
+                    array = np.ascontiguousarray(
+                        array, dtype=transpose.dtype if isinstance(transpose, Codec) else target_dtype)
+                    if id(var) in place:  # each device gets its slice only
+                        value = jax.make_array_from_callback(array.shape, place[id(var)],
+                                                             lambda idx, a=array: a[idx])
+                    else:
+                        value = jax.device_put(array)
+                    del array
+                    var.set_value(value)
+                del whole
+
+    elapsed = time.perf_counter() - start
+    msg = (f"loaded {len(seen)} tensors ({num_bytes / 2**20:.1f} MiB) from {len(files)} safetensors file(s) "
+           f"in {elapsed:.2f}s as {cfg.dtype}")
+    logger.info("%s: %s", path, msg)
+    return state
+
+
+def _stack_expert(stacks: dict, var, expert: int, array: np.ndarray, dtype) -> np.ndarray | None:
+    """Write one expert's `array` into slice `expert` of `var`'s host array (allocated on its first expert);
+    the whole array once every expert is in, else None."""
+    shape = tuple(var.get_value().shape)
+    stack, done = stacks.setdefault(id(var), (np.empty(shape, dtype), set()))
+    stack[expert] = array
+    done.add(expert)
+    if len(done) < shape[0]:
+        return None
+    del stacks[id(var)]
+    return stack
+
+
+def load_hf(path: str | os.PathLike, dtype: str | None = None, *, mesh=None) -> tuple[ModelConfig, nnx.State, Any]:
+    """(ModelConfig, params, tokenizer or None) of a local Hugging Face folder.
+
+    The tokenizer is an `HFTokenizer` when the folder has `tokenizer.json` and the `tokenizers` package is
+    installed, else None.
+    """
+    cfg = load_hf_config(path, dtype=dtype)
+    params = load_hf_params(path, cfg, mesh=mesh)
+    tokenizer = None
+    if (Path(path) / "tokenizer.json").is_file():
+        try:
+            from pagedjax.model.hf_tokenizer import HFTokenizer
+
+            tokenizer = HFTokenizer.from_pretrained(path, eos_token_ids=cfg.eos_token_ids,
+                                                    bos_token_id=cfg.bos_token_id)
+        except ImportError:
+            logger.warning("%s has tokenizer.json but the 'tokenizers' package is not installed", path)
+    return cfg, params, tokenizer

@@ -1,0 +1,112 @@
+"""One entry point for weights (a pagedjax orbax checkpoint folder or a local Hugging Face model folder), and
+the module an engine serves (`engine_model`: built from its arguments, or a model of the public contract).
+
+Every problem with the folder's contents (invalid JSON, a config field of the wrong type, a truncated or
+corrupted weights file, weights that do not match the config) is a `ModelLoadError` whose message is one line
+naming the file and, where there is one, the field or tensor. A missing path is a `FileNotFoundError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from pagedjax.config import ModelConfig
+from pagedjax.model.errors import ModelLoadError
+from pagedjax.model.llama import Llama, init_model, model_from_state
+
+logger = logging.getLogger(__name__)
+
+
+def is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and (
+        any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file())
+
+
+def load_pretrained(path: str | Path | None = None, dtype: str | None = None, *, mesh=None, quantization=None):
+    """Load `(ModelConfig, nnx.State, tokenizer)` from a folder; None means the bundled model. With a
+    tensor-parallel `mesh` (`pagedjax.parallel`), each device receives only its slice of each parameter.
+    `quantization` (a `pagedjax.config.quant.QuantConfig` or its name, e.g. "int8", "int4:32", "fp8") quantizes
+    the linear layers' and MoE experts' weights once loaded (`pagedjax.model.llama.quantize_params`; MoE experts
+    after stacking); a checkpoint saved quantized
+    loads as it was saved (asking for another scheme then is a ValueError).
+
+    Accepts pagedjax's own orbax checkpoints (a folder with `pagedjax_config.json`, and `tokenizer.json` or a
+    byte-level vocabulary) and Hugging Face folders (`config.json` + *.safetensors [+ tokenizer.json]).
+    `dtype` ("float32" | "bfloat16" | "float16") overrides the stored one.
+    Raises FileNotFoundError for a missing path and ModelLoadError for a folder that cannot be loaded.
+    """
+    from pagedjax.model.loading import checkpoint
+
+    path = Path(path) if path is not None else checkpoint.bundled_model_path()
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {path}")
+    start = time.perf_counter()
+    # Decided by which config file is present, not by whether it parses: a broken pagedjax_config.json is
+    # reported as such, not as "not a model folder".
+    if (path / checkpoint.CONFIG_FILE).is_file():
+        cfg, state = checkpoint.load_checkpoint(path, dtype=dtype, mesh=mesh)
+        tokenizer = checkpoint.load_checkpoint_tokenizer(path, cfg)
+    elif (path / "config.json").is_file():
+        from pagedjax.model.loading import hf_loader
+
+        cfg, state, tokenizer = hf_loader.load_hf(path, dtype=dtype, mesh=mesh)
+    else:
+        raise ModelLoadError(path, f"neither a pagedjax checkpoint ({checkpoint.CONFIG_FILE} + params/) nor a "
+                                   "Hugging Face model folder (config.json + *.safetensors)")
+    if quantization is not None:
+        cfg, state = _quantized(cfg, state, quantization)
+    logger.info("loaded %s in %.2f s", path, time.perf_counter() - start)
+    return cfg, state, tokenizer
+
+
+def _quantized(cfg, state, quantization):
+    from pagedjax.config.quant import QuantConfig
+    from pagedjax.model.llama import quantize_params
+
+    quantization = QuantConfig.coerce(quantization)
+    if cfg.quantization is None:
+        return quantize_params(cfg, state, quantization)
+    if cfg.quantization != quantization:
+        held, detail = cfg.quantization, ""
+        if held.name == quantization.name:  # the same scheme otherwise (e.g. a MoE checkpoint's float experts)
+            detail = f" (scale_dtype {held.scale_dtype!r}, keep_float {held.keep_float})"
+        raise ValueError(f"quantization {quantization.name!r}: the checkpoint holds {held.name!r} weights "
+                         f"already{detail}")
+    return cfg, state
+
+
+__all__ = ["ModelLoadError", "is_hf_folder", "load_pretrained"]
+
+
+def engine_model(model_config: ModelConfig | None, params, model, seed: int):
+    """The module an engine serves: `model` as given, or a built-in one of `model_config` holding `params`
+    (random weights from `seed` when None)."""
+    if model is not None:
+        if model_config is not None or params is not None:
+            raise ValueError("LLMEngine: give model=... (a model of the public contract) or model_config (and "
+                             "params) for a built-in model, not both")
+        return model
+    if model_config is None:
+        raise TypeError("LLMEngine needs a model: model_config (and params) for a built-in model, or model=... "
+                        "(see pagedjax.model.api)")
+    if not isinstance(model_config, ModelConfig):
+        raise TypeError(f"LLMEngine: model_config must be a pagedjax.ModelConfig, got {type(model_config).__name__}"
+                        " (a model of your own goes in model=...)")
+    if isinstance(params, Llama):
+        return params
+    if params is None:
+        return init_model(model_config, seed)
+    return model_from_state(model_config, params)  # no random init materialised
+
+
+def load_for(path, dtype: str | None, parallel_config, devices, quantization=None):
+    """`(ModelConfig, params, tokenizer)` of a saved model (see `load_pretrained`), with a `parallel_config`
+    read straight into their shards on the first replica's mesh."""
+    mesh = None
+    if parallel_config is not None:
+        from pagedjax.parallel.mesh import replica_meshes
+
+        mesh = replica_meshes(parallel_config, devices)[0]
+    return load_pretrained(path, dtype=dtype, mesh=mesh, quantization=quantization)

@@ -1,0 +1,209 @@
+"""The compiled programs of one runner, by shape (`pagedjax.runner.shapes`): held up to a cap, and compiled
+without stalling a step that a program already held can run.
+
+`lookup(shape, prepare)` gives the program a step runs on:
+  - its own, when held;
+  - else, when held programs dominate the step (`shapes.dominates`), the one whose runs were fastest: the
+    step runs there now (a *stand-in* step, counted in `stand_in_steps`) while its own program compiles in a
+    background thread, to be used from the first lookup after it finished;
+  - else its own, compiled now on the caller's thread (and timed in `compile_seconds`).
+Run times are what the caller reports (`record_run`: the fastest run of each program). A stand-in is used however
+slow it is: a step on it stalls the streams for one run of it, a compile on the caller's thread for the whole
+compile, which is longer (the bundled model on a 2-core CPU: warm-up stand-ins 14-250 ms a step, the widest
+1.1 s; compiles 0.5-5 s). (An earlier rule refused stand-ins slower than an
+eighth of the recent compiles; after a warm-up loaded from the persistent compilation cache, whose compiles took
+0.5-0.9 s, it refused the bundled model's 126 ms stand-in, and the step compiled its own program for 4.9 s.)
+The warm-up gives the XLA path a ladder of stand-ins of growing size (`shapes.warmup_shapes`), so a step's is
+near its own size. The background compile thread runs at a lower scheduling priority (Linux: the thread's nice
+value, `COMPILE_NICENESS`), so that on a CPU backend the steps it shares the cores with go first.
+Only the caller's (the engine's) thread touches the held programs: a background compile hands back a future,
+which the next lookup installs. A background compile that fails is logged, and its shape is compiled on the
+caller's thread the next time it is needed (where a compile error fails the step, as ever). At most
+`MAX_PENDING` compiles wait or run at once; a miss beyond them runs on its stand-in and asks again next time.
+`close()` (or the cache's garbage collection) cancels the compiles still waiting.
+
+At most `max_programs` programs are held: past it the least recently used is dropped (its executable, and so
+its memory, freed once no step runs it), except pinned ones (`compile(..., pinned=True)`, the warm-up's) and the
+one just compiled, so a cap below the pinned programs holds them and one more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from pagedjax.runner.shapes import dominates
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING = 2  # one compiling, one waiting: a burst of new shapes is compiled by the latest need, not its order
+COMPILE_NICENESS = 10  # added to the background compile thread's nice value (Linux), see the module's docstring
+
+# A compile job: runs on any thread, so it holds abstract arguments and compile options, never live arrays (the
+# KV cache is donated to every step) nor the runner (it may outlive it).
+Job = Callable[[], Any]
+
+
+def _lower_priority() -> None:
+    """Lower the calling thread's scheduling priority (a thread's nice value is its own on Linux, and the threads
+    it starts inherit it); elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS)
+
+
+def _timed(job: Job) -> tuple[Any, float]:
+    start = time.perf_counter()
+    return job(), time.perf_counter() - start
+
+
+class ProgramCache:
+    """Compiled programs by shape (see the module's docstring). `prepare()`, called on the caller's thread only
+    when a shape must be compiled, returns its `Job`. `background=False`: every miss compiles at once."""
+
+    def __init__(self, max_programs: int, *, background: bool = True, on_drop: Callable[[], None] | None = None):
+        self.max_programs = max_programs
+        self._on_drop = on_drop  # called after programs were dropped (to free what else holds them)
+        self.executables: OrderedDict[Hashable, Any] = OrderedDict()  # least recently used first
+        self.num_compilations = 0  # compiles started (background ones included), dropped programs included
+        self.compile_seconds = 0.0  # the caller's wait for compiles inside `lookup`
+        self.stand_in_steps = 0
+        self._background = background
+        self._pinned: set[Hashable] = set()
+        self._pending: dict[Hashable, Future] = {}
+        self._failed: set[Hashable] = set()  # background compile failed: compile on the caller's thread next
+        self._executor: ThreadPoolExecutor | None = None
+        self._shutdown: weakref.finalize | None = None
+        self._run_seconds: dict[Hashable, float] = {}  # the fastest run of each held program
+
+    def __len__(self) -> int:
+        return len(self.executables)
+
+    @property
+    def num_pending(self) -> int:
+        """Background compiles waiting or running."""
+        return len(self._pending)
+
+    def lookup(self, shape: Hashable, prepare: Callable[[], Job]) -> tuple[Hashable, Any]:
+        """(the shape of the program to run the step on, that program): `shape`'s own or a stand-in's."""
+        self._install_finished()
+        exe = self.executables.get(shape)
+        if exe is not None:
+            self.executables.move_to_end(shape)
+            return shape, exe
+        stand_in = self._stand_in(shape)
+        if stand_in is not None:
+            self._compile_in_background(shape, prepare)
+            self.stand_in_steps += 1
+            self.executables.move_to_end(stand_in)
+            return stand_in, self.executables[stand_in]
+        start = time.perf_counter()
+        exe = self.compile(shape, prepare)
+        self.compile_seconds += time.perf_counter() - start
+        return shape, exe
+
+    def compile(self, shape: Hashable, prepare: Callable[[], Job], *, pinned: bool = False) -> Any:
+        """Compile `shape`'s program now on this thread (or take it from its background compile, if that has
+        begun), hold it (`pinned`: for good) and return it. A program already held is returned as it is."""
+        held = self.executables.get(shape)
+        if held is not None:
+            self.executables.move_to_end(shape)
+            if pinned:
+                self._pinned.add(shape)
+            return held
+        future = self._pending.pop(shape, None)
+        exe = None
+        if future is not None and future.cancel():
+            self.num_compilations -= 1  # never begun
+        elif future is not None:  # begun: it is the quicker way
+            try:
+                exe, seconds = future.result()
+                logger.info("compiled %s in %.2f s (in the background, waited for)", shape, seconds)
+            except Exception:  # noqa: BLE001 - logged; compiled here instead, where its error fails the step
+                logger.exception("the background compile of %s failed; compiling it again", shape)
+        if exe is None:
+            exe, seconds = _timed(prepare())
+            self.num_compilations += 1
+            logger.info("compiled %s in %.2f s", shape, seconds)
+        self._install(shape, exe, pinned)
+        return exe
+
+    def record_run(self, shape: Hashable, seconds: float) -> None:
+        """A run of `shape`'s program took `seconds` (for choosing stand-ins)."""
+        if shape in self.executables:
+            self._run_seconds[shape] = min(seconds, self._run_seconds.get(shape, seconds))
+
+    def wait(self) -> None:
+        """Wait for the background compiles and hold their programs (for tests and benchmarks: a server never
+        waits)."""
+        futures.wait(list(self._pending.values()))
+        self._install_finished()
+
+    def close(self) -> None:
+        """Cancel the background compiles still waiting (the one running finishes, unused); misses compile on the
+        caller's thread from now on."""
+        self._background = False
+        self.num_compilations -= sum(future.cancel() for future in self._pending.values())
+        self._pending.clear()
+        if self._shutdown is not None:
+            self._shutdown()
+
+    # --------------------------------------------------------------------------------------------- internals
+    def _stand_in(self, shape: Hashable) -> Hashable | None:
+        if not self._background or shape in self._failed:
+            return None
+        fits = [(seconds, held) for held, seconds in self._run_seconds.items() if dominates(held, shape)]
+        return min(fits, key=lambda fit: fit[0])[1] if fits else None
+
+    def _compile_in_background(self, shape: Hashable, prepare: Callable[[], Job]) -> None:
+        if shape in self._pending or len(self._pending) >= MAX_PENDING:
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedjax-compile",
+                                                initializer=_lower_priority)
+            # An engine dropped without close() must not leave compiles queued behind it.
+            self._shutdown = weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
+        self._pending[shape] = self._executor.submit(_timed, prepare())
+        self.num_compilations += 1
+
+    def _install_finished(self) -> None:
+        for shape, future in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[shape]
+            error = future.exception()
+            if error is not None:
+                logger.error("the background compile of %s failed (it compiles on the engine thread when next "
+                             "needed): %s: %s", shape, type(error).__name__, error, exc_info=error)
+                self._failed.add(shape)
+                continue
+            exe, seconds = future.result()
+            logger.info("compiled %s in %.2f s (in the background)", shape, seconds)
+            self._install(shape, exe, pinned=False)
+
+    def _install(self, shape: Hashable, exe: Any, pinned: bool) -> None:
+        self.executables[shape] = exe
+        self._failed.discard(shape)
+        if pinned:
+            self._pinned.add(shape)
+        any_dropped = False
+        while len(self.executables) > self.max_programs:
+            dropped = next((s for s in self.executables if s not in self._pinned and s != shape), None)
+            if dropped is None:
+                break
+            del self.executables[dropped]
+            self._run_seconds.pop(dropped, None)
+            any_dropped = True
+            logger.info("dropped the least recently used program %s (at most %d are kept)", dropped,
+                        self.max_programs)
+        if any_dropped and self._on_drop is not None:
+            self._on_drop()

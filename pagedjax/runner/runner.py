@@ -1,0 +1,486 @@
+"""The model runner: owns the device state (weights, paged KV cache) and executes padded steps with jit.
+
+Inputs come padded to bucket sizes (`pagedjax.runner.inputs`), so a long run compiles a handful of programs;
+each new shape (`pagedjax.runner.shapes`) is compiled ahead of time, logged and counted, in the background while
+a bigger program already compiled runs its steps, if there is one (`pagedjax.runner.programs`). The KV cache is
+donated to every call, so XLA updates it in place.
+
+Two entry points:
+  `execute(inputs)`              one ragged step (prefill chunks and decodes together), returns sampled tokens.
+  `execute_fused_decode(inputs)` N decode steps in one `lax.while_loop` on device: forward, KV write, paged
+                                 attention, sampling, stop checks and block allocation (`page_state`), no host
+                                 round trip until the end.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pagedjax.config import ModelSpec
+from pagedjax.core.step_plan import StepPlan
+from pagedjax.core.step_result import StepResult
+from pagedjax.device.attention import AttentionMetadata, paged_attention, resolve_backend
+from pagedjax.device.kv_cache import KVCache, copy_blocks, init_kv_cache
+from pagedjax.device.page_state import PageState, append_tokens
+from pagedjax.device.sampling import (
+    LogprobArrays,
+    PenaltyMetadata,
+    SamplingMetadata,
+    apply_token_mask,
+    count_tokens,
+    sample,
+    token_logprobs,
+)
+from pagedjax.model.api import PagedKVCache, PagedModel, param_partition_fn
+from pagedjax.model.layers.quant import holds_quantized
+from pagedjax.runner.inputs import NO_EXTRAS, FusedDecodeInputs, StepExtras, StepInputs
+from pagedjax.runner.programs import ProgramCache
+from pagedjax.runner.shapes import (
+    LoopShape,
+    StepShape,
+    dominates,
+    loop_shape,
+    padding_fused_decode,
+    padding_step,
+    repad_fused_decode,
+    repad_step,
+    step_shape,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class StepOutputs(NamedTuple):
+    """What a step returns: sampled tokens i32 `[S]`, their log-probabilities (and top alternatives) when asked,
+    the prompt log-probabilities at every position `[T]` when asked, and the logits `[S, vocab]` when asked."""
+
+    tokens: Any
+    logprobs: LogprobArrays | None
+    prompt_logprobs: LogprobArrays | None
+    logits: Any
+
+
+def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,
+                  logits_indices, sampling: SamplingMetadata, extras: StepExtras = NO_EXTRAS, *, backend: str,
+                  decode_only: bool, return_logits: bool = False, num_top_logprobs: int | None = None,
+                  num_prompt_top_logprobs: int = 0, mesh=None) -> tuple[StepOutputs, KVCache]:
+    model: PagedModel = nnx.merge(graphdef, params)
+    if extras.block_copies is not None:
+        kv_cache = copy_blocks(kv_cache, extras.block_copies)  # before this step's KV is written
+    hidden, kv_cache = _model_forward(model, token_ids, positions, kv_cache, meta, backend=backend,
+                                      decode_only=decode_only, mesh=mesh)
+    prompt_logprobs = None
+    if extras.prompt_targets is not None:  # logits at every position, once
+        all_logits = _gathered(model.compute_logits(hidden), mesh)
+        prompt_logprobs = token_logprobs(all_logits, extras.prompt_targets, num_prompt_top_logprobs)
+        logits = all_logits[logits_indices]
+    else:
+        logits = _gathered(model.compute_logits(hidden[logits_indices]), mesh)
+    if extras.token_mask is not None:  # structured output: disallowed tokens out before anything else
+        logits = apply_token_mask(logits, extras.token_mask)
+    tokens = sample(logits, sampling, extras.penalties)
+    logprobs = None if num_top_logprobs is None else token_logprobs(logits, tokens, num_top_logprobs)
+    outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None)
+    return outputs, kv_cache
+
+
+def _model_forward(model: PagedModel, token_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, *,
+                   backend: str, decode_only: bool, mesh) -> tuple[jax.Array, KVCache]:
+    """The model's forward over the cache as the contract gives it (`pagedjax.model.api.PagedKVCache`)."""
+    cache = PagedKVCache(kv_cache.layers, meta, backend=backend, decode_only=decode_only, mesh=mesh,
+                         spec=model.spec)
+    hidden, cache = model(token_ids, positions, cache)
+    return hidden, KVCache(cache.layers)
+
+
+def _gathered(logits, mesh):
+    """Logits `[..., vocab]` replicated on every device of a tensor-parallel mesh (the LM head shards them by
+    vocabulary): sampling's top-k / top-p sort whole rows. A no-op (no op at all) on one device."""
+    if mesh is None:
+        return logits
+    return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec()))
+
+
+class FusedDecodeState(NamedTuple):
+    """The fused decode loop's carry."""
+
+    step: jax.Array  # i32[]: iterations run so far
+    kv_cache: KVCache
+    pages: PageState
+    last_tokens: jax.Array  # i32[S]: each sequence's newest token (its KV not cached yet)
+    active: jax.Array  # bool[S]: still generating
+    num_generated: jax.Array  # i32[S]: tokens generated in this call
+    sampled: jax.Array  # i32[num_steps, S]: -1 where a sequence did not run
+    logprobs: LogprobArrays | None  # [num_steps, S] (and top alternatives [num_steps, S, K]) when asked
+    penalties: PenaltyMetadata | None  # output_counts follow the sampled tokens
+
+
+def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, sampling: SamplingMetadata,
+                 stop_ids, max_new, penalties: PenaltyMetadata | None = None, *, num_steps: int, block_size: int,
+                 backend: str, num_top_logprobs: int | None = None, mesh=None):
+    """Up to `num_steps` decode steps with no host round trip.
+
+    tokens int32 `[S]` (each sequence's last token, whose KV is not yet cached); stop_ids int32 `[S, K]`
+    (-1 = none); max_new int32 `[S]` tokens each sequence may still generate (0 = padding row).
+    Returns (sampled int32 `[num_steps, S]` with -1 after a sequence stopped, their `LogprobArrays`
+    `[num_steps, S]`, final PageState, cache).
+    """
+    model: PagedModel = nnx.merge(graphdef, params)
+    num_seqs = tokens.shape[0]
+    cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+
+    def cond(s: FusedDecodeState):
+        return (s.step < num_steps) & jnp.any(s.active)
+
+    def body(s: FusedDecodeState) -> FusedDecodeState:
+        positions = s.pages.seq_lens
+        pages, slots = append_tokens(s.pages, s.active, block_size)
+        meta = AttentionMetadata(slots, pages.block_tables, jnp.where(s.active, pages.seq_lens, 0), cu_q_lens)
+        hidden, kv_cache = _model_forward(model, s.last_tokens, positions, s.kv_cache, meta, backend=backend,
+                                          decode_only=True, mesh=mesh)
+        logits = _gathered(model.compute_logits(hidden), mesh)
+        new = sample(logits, sampling._replace(step=sampling.step + s.num_generated), s.penalties)
+        logprobs = s.logprobs
+        if logprobs is not None:
+            lp = token_logprobs(logits, new, num_top_logprobs)
+            logprobs = jax.tree.map(lambda acc, x: acc.at[s.step].set(x), logprobs, lp)
+        new = jnp.where(s.active, new, -1)
+        num_generated = s.num_generated + s.active.astype(jnp.int32)
+        stopped = jnp.any(new[:, None] == stop_ids, axis=1) | (num_generated >= max_new)
+        pen = s.penalties
+        if pen is not None:
+            pen = pen._replace(output_counts=count_tokens(pen.output_counts, new, s.active))
+        return FusedDecodeState(step=s.step + 1, kv_cache=kv_cache, pages=pages,
+                               last_tokens=jnp.where(s.active, new, s.last_tokens), active=s.active & ~stopped,
+                               num_generated=num_generated, sampled=s.sampled.at[s.step].set(new),
+                               logprobs=logprobs, penalties=pen)
+
+    init = FusedDecodeState(step=jnp.int32(0), kv_cache=kv_cache, pages=pages, last_tokens=tokens,
+                           active=max_new > 0, num_generated=jnp.zeros((num_seqs,), jnp.int32),
+                           sampled=jnp.full((num_steps, num_seqs), -1, jnp.int32),
+                           logprobs=None if num_top_logprobs is None else LogprobArrays(
+                               jnp.zeros((num_steps, num_seqs), jnp.float32),
+                               jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.int32),
+                               jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.float32)),
+                           penalties=penalties)
+    final = jax.lax.while_loop(cond, body, init)
+    return final.sampled, final.logprobs, final.pages, final.kv_cache
+
+
+def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
+    """The jitted step and decode loop for one model structure (over a tensor-parallel `mesh` of two or more
+    devices, or None: one device).
+
+    The graphdef and the parameters' tree structure are closed over (hashed once, here), so a call passes
+    only a flat list of arrays. The KV cache argument is donated: XLA updates it in place. Each runner
+    makes its own, so compiled programs live as long as their engine (JAX's persistent compilation cache
+    is what makes a second engine of the same shape start fast).
+    """
+    def model_fn(fn):
+        def call(param_leaves, *args, **kwargs):
+            if mesh is not None:
+                kwargs["mesh"] = mesh
+            return fn(graphdef, jax.tree.unflatten(params_treedef, param_leaves), *args, **kwargs)
+        return call
+
+    step = jax.jit(model_fn(_forward_step), static_argnames=("backend", "decode_only", "return_logits",
+                                                            "num_top_logprobs", "num_prompt_top_logprobs"),
+                   donate_argnums=(1,))
+    loop = jax.jit(model_fn(_fused_decode_loop), static_argnames=("num_steps", "block_size", "backend",
+                                                           "num_top_logprobs"),
+                   donate_argnums=(1,))
+    return step, loop
+
+
+# XLA:CPU hands dots to YNNPACK by default. Measured with scripts/bench_engine.py (interleaved, same machine):
+# on a float32 model of hidden size 1024 (the 156M shape), its dots of 1-16 rows are slower than XLA's own (Eigen)
+# ones (decode at batch 16: 503 vs 468 tokens/s, batch 1: 75 vs 71), while from 32 rows on (prefill, big
+# batches) YNNPACK is 15-20% faster, 16-bit dots need it (Eigen's bf16 decode ran at half the speed), and on
+# small float32 models the two are within noise. So only small-row steps of large float32 models opt out, unless
+# they hold quantized linears (`pagedjax.model.layers.quant`): their several-row dots of kernels stored `[out, in]` ran
+# about 3x slower on Eigen than on YNNPACK, and their one-row products are loops XLA emits itself, which it
+# vectorizes 256 bits wide unless told 512 (int4's ran about 2x faster so, int8's about 10%: `python
+# scripts/bench_quant.py --chain`, 156M shape).
+_EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}  # no YNNPACK fusion: dots stay XLA's
+_QUANTIZED = {"xla_cpu_prefer_vector_width": 512}  # YNNPACK on; XLA's own loops in AVX-512 where the CPU has it
+
+
+def cpu_compiler_options(spec: ModelSpec, rows: int, quantized: bool = False) -> dict | None:
+    """XLA compile options for a step of `rows` tokens of a model of `spec` (None: XLA's defaults); `quantized`:
+    the model holds quantized linears (`pagedjax.model.layers.quant.holds_quantized`)."""
+    if jax.default_backend() != "cpu":
+        return None
+    if quantized:
+        return _QUANTIZED
+    if spec.dtype == "float32" and (spec.hidden_size or 0) >= 1024 and rows <= 16:
+        return _EIGEN_DOTS
+    return None
+
+
+class ModelRunner:
+    """Executes steps of one model over one paged KV cache of `num_blocks` x `block_size` tokens.
+
+    With a `mesh` (a 1-D `tp` mesh, see `pagedjax.parallel`), the weights and the KV cache are placed sharded
+    over it and the steps run SPMD on its devices; without one, everything is on the default device and the
+    steps carry no sharding at all."""
+
+    def __init__(self, model: PagedModel, num_blocks: int, block_size: int, *, kv_dtype=None,
+                 backend: str = "auto", mesh: Mesh | None = None, max_programs: int = 64,
+                 compile_in_background: bool = True):
+        spec = model.spec  # `check_model(model)` passed (the engine checks it)
+        self.model_spec = spec
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.backend = resolve_backend(backend)
+        self.mesh = mesh
+        self.graphdef, self.params = nnx.split(model)
+        # Without a mesh a model may take its weights in a single-device form (`served_params`).
+        self._single_device = getattr(model, "single_device_params", None) if mesh is None else None
+        self._quantized = holds_quantized(self.params)
+        if mesh is not None:
+            from pagedjax.parallel.sharding import shard_state
+
+            self.params = shard_state(self.params, param_partition_fn(model, mesh.size), mesh)
+        self.params = self.served_params(self.params)
+        self.kv_dtype = jnp.dtype(kv_dtype or spec.dtype)
+        self.kv_cache = self._new_kv_cache()
+        self.asleep = False  # the KV cache's arrays were deleted (`pagedjax.runner.weights.sleep`)
+        self.fixed_shape: StepShape | None = None  # batch-invariant mode: every step's program (`engine.invariant`)
+        self._check_attention_serves()
+        self.device_seconds = 0.0  # wall time inside compiled calls, results read back
+        self._param_leaves, treedef = jax.tree.flatten(self.params)
+        # A one-device mesh (a data-parallel replica with tp 1) runs the plain single-device program there.
+        self._step, self._loop = _jitted(self.graphdef, treedef, mesh if mesh is not None and mesh.size > 1 else None)
+        # Compiled ahead of time, by shape: at most `max_programs` are kept (each holds its machine code and
+        # buffers: about 12 MiB for the bundled model's steps), the least recently used dropped. One needed again is
+        # compiled again, or loaded from JAX's persistent compilation cache.
+        self.programs = ProgramCache(max_programs, background=compile_in_background, on_drop=self._forget_traces)
+        logger.info("pagedjax runner: backend=%s, KV cache %d blocks x %d tokens of %s (%.1f MiB, %.1f MiB per "
+                    "device)", self.backend, num_blocks, block_size, self.kv_dtype.name, self.kv_cache.nbytes / 2**20,
+                    self.kv_cache.nbytes_per_device / 2**20)
+
+    def _forget_traces(self) -> None:
+        """JAX's own caches (traces and lowerings, by signature) keep every program compiled through a jitted
+        function alive: without clearing them a dropped program's memory is never freed. The programs held
+        stay alive through `programs`; only a new signature is traced again, as it would be anyway."""
+        self._step.clear_cache()
+        self._loop.clear_cache()
+
+    def _new_kv_cache(self) -> KVCache:
+        cfg = self.model_spec
+        if self.mesh is None:
+            return init_kv_cache(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim,
+                                 self.kv_dtype)
+        from pagedjax.config.parallel import kv_heads_stored
+        from pagedjax.parallel.sharding import kv_sharding
+
+        heads = kv_heads_stored(cfg.num_kv_heads, self.mesh.size)  # tp > Hkv: each KV head repeated
+        return init_kv_cache(cfg.num_layers, heads, self.num_blocks, self.block_size, cfg.head_dim, self.kv_dtype,
+                             sharding=kv_sharding(self.mesh))
+
+    def _check_attention_serves(self) -> None:
+        """Trace (no compile, no run) a decode and a ragged attention call of one device's shapes over this
+        cache's pages, so that a combination the Pallas kernels reject (8-bit pages on the TPU kernels, a
+        dtype or block size the target lacks) fails here with the kernels' own reason, not at the first step."""
+        if self.backend != "pallas":
+            return  # the XLA gather paths take every dtype and block size
+        cfg = self.model_spec
+        tp = 1 if self.mesh is None else self.mesh.size
+        local = lambda a: jax.ShapeDtypeStruct((a.shape[0] // tp, *a.shape[1:]), a.dtype)
+        layer = jax.tree.map(local, self.kv_cache.layers[0])
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        for decode_only, tokens in ((True, 1), (False, 16)):
+            q = jax.ShapeDtypeStruct((tokens, max(cfg.num_q_heads // tp, 1), cfg.head_dim), jnp.dtype(cfg.dtype))
+            meta = AttentionMetadata(i32(tokens), i32(1, 2), i32(1), i32(2))
+            try:
+                jax.eval_shape(functools.partial(paged_attention, backend=self.backend, decode_only=decode_only),
+                               q, layer, meta)
+            except (ValueError, TypeError, NotImplementedError) as e:
+                raise ValueError(f"the {self.backend!r} attention backend on {jax.default_backend()} cannot serve "
+                                 f"{self.kv_dtype.name} KV pages of block size {self.block_size} for this model: {e}"
+                                 ) from None
+
+    @property
+    def kv_cache_lost(self) -> bool:
+        """True when the KV cache was donated to a call that then failed: its buffers are gone."""
+        return any(x.is_deleted() for x in jax.tree.leaves(self.kv_cache))
+
+    def reset_kv_cache(self) -> None:
+        """A fresh (zero) KV cache: after `kv_cache_lost`, the host must treat every block as unwritten."""
+        self.kv_cache = self._new_kv_cache()
+
+    def served_params(self, params: nnx.State) -> nnx.State:
+        """The model's parameters `params` in the form the steps take them: the model's `single_device_params`
+        without a mesh where it has one (mixture-of-experts layers: the experts as separate arrays), else as
+        given."""
+        return params if self._single_device is None else self._single_device(params)
+
+    def set_params(self, leaves: list[jax.Array]) -> None:
+        """Run every later step on these weights: `self.params`' leaves in order, each of the same shape, dtype
+        and sharding (`pagedjax.runner.weights.checked_leaves`), so every compiled program takes them as is."""
+        self.params = jax.tree.unflatten(jax.tree.structure(self.params), leaves)
+        self._param_leaves = list(leaves)
+
+    def check_awake(self) -> None:
+        """RuntimeError while the KV cache is released (`pagedjax.runner.weights.sleep`)."""
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (its KV pool was released by sleep()): call wake() first")
+
+    @property
+    def num_programs(self) -> int:
+        """Compiled programs held now (see `ProgramCache` for the cap)."""
+        return len(self.programs)
+
+    def close(self) -> None:
+        """Cancel the background compiles still waiting; later misses compile at once."""
+        self.programs.close()
+
+    def _prepare(self, jitted, args: tuple, static: dict, rows: int):
+        """The job that compiles `jitted` for these arguments' shapes (`rows`: the tokens a step runs): abstract
+        arguments only, so it may run on another thread after the KV cache it saw was donated."""
+        abstract = jax.tree.map(_abstract, args)
+        return functools.partial(_compile, jitted, abstract, static, cpu_compiler_options(self.model_spec, rows,
+                                                                                             self._quantized))
+
+    def _step_call(self, inputs: StepInputs, shape: StepShape) -> tuple[tuple, dict]:
+        args = (self._param_leaves, self.kv_cache, inputs.token_ids, inputs.positions, inputs.meta,
+                inputs.logits_indices, inputs.sampling, inputs.extras)
+        static = dict(backend=self.backend, decode_only=shape.decode_only, return_logits=shape.return_logits,
+                      num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs)
+        return args, static
+
+    def _loop_call(self, inputs: FusedDecodeInputs) -> tuple[tuple, dict]:
+        # Host numpy arrays straight into the compiled call: `init_page_state`'s jnp conversions would run eagerly
+        # here, five small device ops per call (~0.6 ms, a third of a small model's 8-step batch-1 call).
+        x = inputs
+        pages = PageState(block_tables=x.block_tables, seq_lens=x.seq_lens, free_blocks=x.lent_blocks,
+                          num_popped=np.zeros((), np.int32), overflow=np.zeros((), np.bool_))
+        args = (self._param_leaves, self.kv_cache, pages, x.tokens, x.sampling, x.stop_ids, x.max_new, x.penalties)
+        static = dict(num_steps=x.num_steps, block_size=self.block_size, backend=self.backend,
+                      num_top_logprobs=x.num_top_logprobs)
+        return args, static
+
+    def run(self, plan: StepPlan, inputs: StepInputs | FusedDecodeInputs) -> StepResult:
+        """Run any step (`runner.inputs.step_inputs` of `plan`) on its program: a fused decode on the loop, a
+        ragged step on the step program. Returns its `StepResult`: the tokens sampled for each sequence, in order,
+        their log-probabilities when asked, and a fused decode's block tables."""
+        if isinstance(inputs, FusedDecodeInputs):
+            sampled, logprobs, tables = self.execute_fused_decode(inputs)
+            return StepResult.from_fused(plan, sampled, tables, logprobs)
+        out = self.execute(inputs)
+        return StepResult.from_rows(plan, out.tokens, out.logprobs, out.prompt_logprobs,
+                                    inputs.extras.prompt_targets if out.prompt_logprobs is not None else None)
+
+    def execute(self, inputs: StepInputs, *, return_logits: bool = False) -> StepOutputs:
+        """Run one padded step (on a bigger compiled program while its own compiles: `ProgramCache`). Returns
+        its `StepOutputs` as numpy (logits `[S, vocab]` only if asked), shaped as its own program returns them."""
+        shape = step_shape(inputs, return_logits)
+        args, static = self._step_call(inputs, shape)
+        if self.fixed_shape is not None:
+            run_shape, exe = self._fixed_program(shape)
+        else:
+            run_shape, exe = self.programs.lookup(
+                shape, lambda: self._prepare(self._step, args, static, rows=shape.tokens))
+        if run_shape != shape:
+            args, _ = self._step_call(repad_step(inputs, run_shape, self.model_spec.vocab_size), run_shape)
+        start = time.perf_counter()
+        outputs, self.kv_cache = exe(*args)
+        outputs = jax.device_get(outputs)
+        self._ran(run_shape, time.perf_counter() - start)
+        return outputs if run_shape == shape else _cut_step(outputs, shape)
+
+    def _fixed_program(self, shape: StepShape):
+        """Batch-invariant mode's one program (`pagedjax.runner.invariant`), compiled on first use; ValueError for
+        a step it cannot run (one asking for logits, or more stop ids than it has columns)."""
+        fixed = self.fixed_shape
+        if not dominates(fixed, shape):
+            raise ValueError(f"batch-invariant mode runs every step on one program, {fixed}, which cannot run this "
+                             f"step ({shape}: logits, or more stop ids than it has columns)")
+        return self.programs.lookup(fixed, lambda: self._prepare(
+            self._step, *self._step_call(padding_step(fixed, self.model_spec.vocab_size), fixed), rows=fixed.tokens))
+
+    def execute_fused_decode(self, inputs: FusedDecodeInputs):
+        """Run up to `inputs.num_steps` decode steps on device (on a bigger compiled loop while its own compiles).
+
+        Returns (sampled `[num_steps, S]` with -1 where a sequence did not run, their `LogprobArrays`
+        `[num_steps, S]`, block_tables `[S, B]` as the device left them), as numpy.
+        """
+        shape = loop_shape(inputs)
+        args, static = self._loop_call(inputs)
+        run_shape, exe = self.programs.lookup(
+            shape, lambda: self._prepare(self._loop, args, static, rows=shape.tables[0]))
+        if run_shape != shape:
+            args, _ = self._loop_call(repad_fused_decode(inputs, run_shape, self.model_spec.vocab_size))
+        start = time.perf_counter()
+        out, logprobs, pages, self.kv_cache = exe(*args)
+        out, logprobs, tables, overflow = jax.device_get((out, logprobs, pages.block_tables, pages.overflow))
+        self._ran(run_shape, time.perf_counter() - start)
+        if overflow:
+            raise RuntimeError("fused decode ran out of lent blocks or table columns: the host lent too few (a bug)")
+        if run_shape != shape:
+            s, b = shape.tables
+            out, logprobs, tables = out[:, :s], _cut(logprobs, (slice(None), slice(s)), shape.num_top_logprobs), \
+                tables[:s, :b]
+        return out, logprobs, tables
+
+    def _ran(self, shape: StepShape | LoopShape, seconds: float) -> None:
+        self.device_seconds += seconds
+        self.programs.record_run(shape, seconds)
+
+    def warmup(self, shapes: list[StepShape | LoopShape]) -> None:
+        """Compile the programs of `shapes` now, hold them for good (stand-ins for every step they dominate), and
+        run each once on padding only (no KV written or read: the cache's contents stay as they are)."""
+        self.check_awake()
+        vocab = self.model_spec.vocab_size
+        for shape in shapes:
+            if isinstance(shape, LoopShape):
+                args, static = self._loop_call(padding_fused_decode(shape, vocab))
+                jitted, rows = self._loop, shape.tables[0]
+            else:
+                args, static = self._step_call(padding_step(shape, vocab), shape)
+                jitted, rows = self._step, shape.tokens
+            exe = self.programs.compile(shape, functools.partial(self._prepare, jitted, args, static, rows),
+                                        pinned=True)
+            start = time.perf_counter()
+            *outputs, self.kv_cache = exe(*args)
+            jax.block_until_ready(outputs)
+            self.programs.record_run(shape, time.perf_counter() - start)  # not the steps' device time
+
+
+def _compile(jitted, args: tuple, static: dict, options: dict | None):
+    return jitted.lower(*args, **static).compile(compiler_options=options)
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    """An argument's shape, dtype (and a device array's sharding): all that compiling for it needs."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+    x = np.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _cut(lps: LogprobArrays | None, rows: tuple, num_top: int | None) -> LogprobArrays | None:
+    """Log-probabilities of a bigger program's rows and alternatives, cut to `rows` and `num_top` (None: the
+    step asked for none)."""
+    if num_top is None:
+        return None
+    cols = (*rows, slice(num_top))
+    return LogprobArrays(lps.logprob[rows], lps.top_ids[cols], lps.top_logprobs[cols])
+
+
+def _cut_step(out: StepOutputs, shape: StepShape) -> StepOutputs:
+    """A step's outputs from a bigger program, as its own program (`shape`) returns them."""
+    s = shape.num_rows
+    return StepOutputs(out.tokens[:s], _cut(out.logprobs, (slice(s),), shape.num_top_logprobs),
+                       _cut(out.prompt_logprobs, (slice(shape.tokens),),
+                            shape.num_prompt_top_logprobs if shape.prompt_targets else None),
+                       out.logits[:s] if shape.return_logits else None)
