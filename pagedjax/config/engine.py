@@ -25,7 +25,8 @@ BACKENDS = ("auto", "pallas", "xla")
 class EngineConfig:
     """An engine's whole configuration.
 
-    model_config: a built-in model's shape (None: the model comes with its own, e.g. `model=` or a checkpoint).
+    model_config: a built-in model's shape (None: the model comes with its own, `model=`; checked where the model is
+      built).
     backend: "auto" (Pallas kernels on a GPU/TPU, the XLA path on a CPU) | "pallas" | "xla".
     decode_steps_per_call: decode iterations one device call runs when every running request decodes (fused
       decode; 1 = off).
@@ -53,14 +54,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         owner = "LLMEngine"  # its fields are LLMEngine's keywords: errors name the keyword
-        for name, cls, optional in (("model_config", ModelConfig, True), ("cache_config", CacheConfig, False),
-                                    ("scheduler_config", SchedulerConfig, False),
+        # model_config is checked where the model is built (`engine_model`: it or a model=..., never both)
+        for name, cls, optional in (("cache_config", CacheConfig, False), ("scheduler_config", SchedulerConfig, False),
                                     ("parallel_config", ParallelConfig, True),
                                     ("speculative_config", SpeculativeConfig, True)):
             value = getattr(self, name)
             if not (isinstance(value, cls) or (optional and value is None)):
-                raise TypeError(f"{owner}.{name} must be a {cls.__name__}{' or None' if optional else ''}, "
-                                f"got {describe(value)}")
+                raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__} ({owner}.{name})")
         check_choice(owner, "backend", self.backend, BACKENDS, optional=False)
         for name, lo, hi in (("decode_steps_per_call", 1, None), ("seed", 0, 2**32 - 1),
                              ("max_compiled_programs", 1, None)):

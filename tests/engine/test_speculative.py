@@ -226,11 +226,12 @@ def test_warmup_adds_programs_wide_enough_for_every_verified_row():
 def test_a_failing_verifying_step_fails_its_request_alone_and_frees_every_block(monkeypatch):
     engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=NGRAM)
     engine.add_request("a", SPEC_PROMPTS[4], SamplingParams(max_tokens=10))
-    engine.step()  # the prompt
+    # proposals come after a step: the prompt's step is followed by these
     monkeypatch.setattr(engine.speculator.proposer, "propose", lambda asks: [[1] * min(2, a.cap) for a in asks])
+    engine.step()  # the prompt
     plans = []
-    schedule = engine.speculator.schedule
-    monkeypatch.setattr(engine.speculator, "schedule", lambda sched: plans.append(schedule(sched)) or plans[-1])
+    schedule = engine.scheduler.schedule
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda **kw: plans.append(schedule(**kw)) or plans[-1])
 
     def broken(inputs):
         raise RuntimeError("device lost")
