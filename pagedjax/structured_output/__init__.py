@@ -1,0 +1,1 @@
+"""Structured output outside the engine loop: the limits a constraint is checked against, and its guarded compile."""
