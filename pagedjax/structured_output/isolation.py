@@ -89,17 +89,21 @@ class CompilerBusy(RuntimeError):
 @dataclass(frozen=True)
 class CompileGuardConfig:
     """workers: test-compiles at once (each a process: ~30 MiB, and a CPU while it compiles); timeout_s: the
-    longest one may take, waiting for a worker included; memory_bytes: a worker's address space (0: no limit)."""
+    longest one may take, waiting for a worker included; memory_bytes: a worker's address space (0: no limit);
+    max_queued: compiles a server lets wait or run at once (more get 503 at once)."""
 
     workers: int = 2
     timeout_s: float = 10.0
     memory_bytes: int = 2 * 2**30
+    max_queued: int = 64
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"CompileGuardConfig.workers must be an int >= 1, got {self.workers!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"CompileGuardConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+        if not isinstance(self.max_queued, int) or self.max_queued < 1:
+            raise ValueError(f"CompileGuardConfig.max_queued must be an int >= 1, got {self.max_queued!r}")
         if not isinstance(self.memory_bytes, int) or self.memory_bytes < 0:
             raise ValueError(f"CompileGuardConfig.memory_bytes must be an int >= 0, got {self.memory_bytes!r}")
 

@@ -59,6 +59,9 @@ class StructuredLimits:
                 raise ValueError(f"StructuredLimits.{f.name} must be an int >= 1, got {value!r}")
 
 
+DEFAULT_LIMITS = StructuredLimits()
+
+
 class LimitError(ValueError):
     """A constraint over one of `StructuredLimits`: what is over (`detail`), the field's name and its value."""
 
