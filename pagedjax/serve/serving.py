@@ -259,9 +259,11 @@ class OpenAIServing:
                 return
             try:
                 self.guard.check(structured.kind, getattr(structured, structured.kind))
-                # the engine thread then only copies the matcher
+            except CompileRefused as e:
+                raise bad_request(f"{field}: {e}", field) from None
+            try:  # the engine thread then only copies the matcher
                 self.engine.engine.compile_constraint(structured)
-            except ValueError as e:  # CompileRefused, or the library's refusal in-process
+            except ValueError as e:  # "SamplingParams.structured.<kind>: <the library's error>"
                 raise bad_request(f"{field}: {short_error(str(e).split(': ', 1)[-1])}", field) from None
         except CompilerBusy as e:
             raise APIError(503, f"The server is overloaded: {e}", code="grammar_compiles_busy",
