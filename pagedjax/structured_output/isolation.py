@@ -266,8 +266,9 @@ class CompileGuard:
             how = worker.death()
             self._lost(worker, kind, how)
             memory = self.config.memory_bytes
+            needs = f"more than the compiler's {memory / 2**20:,.0f} MiB of memory" if memory else "too much memory"
             return None, (f"compiling the constraint crashed the grammar compiler ({how}: it nests too deeply, "
-                          f"or needs more than the compiler's {memory / 2**30:g} GiB of memory)")
+                          f"or needs {needs})")
         logger.debug("test-compiled a %s constraint in %.1f ms", kind, 1e3 * (time.perf_counter() - start))
         return worker, None if error is None else short_error(error)
 

@@ -236,7 +236,7 @@ def _longest_paths(edges: list[list[int]], is_ref: list[bool]) -> tuple[int, int
 
 
 # ---------------------------------------------------------------------------------------- regexes, grammars
-_COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+_COUNT = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")  # {m}, {m,n}, {m,}, {,n}
 
 
 def check_regex(pattern: str, limits: StructuredLimits, what: str) -> None:
@@ -246,7 +246,7 @@ def check_regex(pattern: str, limits: StructuredLimits, what: str) -> None:
 
 
 def repeat_product(text: str, *, lark: bool = False) -> int:
-    """The largest product of nested counted repetitions (`{m}`, `{m,n}`, `{m,}`: by their largest bound) in a
+    """The largest product of nested counted repetitions (`{m}`, `{m,n}`, `{m,}`, `{,n}`: by their largest bound) in a
     regex, or with `lark` in a Lark grammar (its `[...]` and `(...)` groups; its "strings" and /regexes/, the
     latter measured as regexes). Linear in the text."""
     groups = [1]  # per open group: the largest product inside it so far
@@ -254,8 +254,8 @@ def repeat_product(text: str, *, lark: bool = False) -> int:
     i, n = 0, len(text)
     while i < n:
         c = text[i]
-        if c == "{" and (m := _COUNT.match(text, i)):
-            bound = int(m.group(2)) if m.group(2) else int(m.group(1))
+        if c == "{" and (m := _COUNT.match(text, i)) and (m.group(1) or m.group(2)):
+            bound = int(m.group(2) or m.group(1))
             last *= max(bound, 1)
             groups[-1] = max(groups[-1], last)
             i = m.end()
