@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedjax.cli",),
     ("pagedjax.engine",),  # the loop: scheduler + runner, inputs, outputs, beam search, data parallelism
     ("pagedjax.model",),  # models, their loaders and tokenizers
+    ("pagedjax.structured_output",),  # output constraints' limits and guarded compile (host side, no JAX)
     ("pagedjax.parallel",),  # SPMD: meshes, shardings, sharded attention
     ("pagedjax.device", "pagedjax.core"),  # pure JAX functions | host state without JAX
     ("pagedjax.config", "pagedjax.compile_cache"),
