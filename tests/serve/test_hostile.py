@@ -181,19 +181,42 @@ def test_the_largest_prompt_and_chat_are_refused_without_tokenizing_or_stalling_
     assert response.status_code == 200, response.text
 
 
-def test_the_byte_bound_holds_for_the_bundled_tokenizer():
-    """Every token of the bundled BPE stands for at most `longest_token_bytes` bytes: a text of more than
-    (n - 1) * that many bytes has at least n tokens."""
+@pytest.fixture(scope="module")
+def bundled_tokenizer():
     from pagedjax.model.checkpoint import bundled_model_path
     from pagedjax.model.hf_tokenizer import HFTokenizer
+
+    return HFTokenizer.from_pretrained(bundled_model_path())
+
+
+# Any text a JSON body can carry (pydantic refuses lone surrogates), its longest tokens and special tokens' text
+# included.
+TEXTS = st.lists(st.one_of(st.text(st.characters(exclude_categories=("Cs",))),
+                           st.sampled_from(["<|bos|>", "<|eos|>", "<|pad|>", "\n\n\n", " " * 40, "é" * 20])),
+                 max_size=30).map("".join)
+
+
+@given(text=TEXTS)
+def test_the_byte_bound_holds_for_the_bundled_tokenizer(bundled_tokenizer, text):
+    """Every token of the bundled BPE stands for at most `longest_token_bytes` bytes of text, so a text of more
+    than (n - 1) x that many bytes has at least n tokens; and the tokenizer takes any such text, through the
+    encode that releases the GIL, as its plain encode does."""
+    from pagedjax.serve.admission import encode_text, longest_token_bytes, utf8_length
+
+    per_token = longest_token_bytes(bundled_tokenizer)
+    assert 1 < per_token <= 64
+    ids = encode_text(bundled_tokenizer, text)
+    assert ids == bundled_tokenizer.encode(text)
+    assert len(ids) >= utf8_length(text) / per_token
+
+
+def test_the_longest_tokens_repeated_meet_the_bound(bundled_tokenizer):
     from pagedjax.serve.admission import longest_token_bytes, utf8_length
 
-    tokenizer = HFTokenizer.from_pretrained(bundled_model_path())
-    per_token = longest_token_bytes(tokenizer)
-    assert 1 < per_token <= 64
-    longest = max(range(tokenizer.vocab_size), key=lambda i: len(tokenizer.decode_bytes([i])))
-    text = tokenizer.decode([longest]) * 50 + "<|bos|>" * 50 + "é\n" * 50
-    assert len(tokenizer.encode(text)) >= utf8_length(text) / per_token
+    per_token = longest_token_bytes(bundled_tokenizer)
+    longest = max(range(bundled_tokenizer.vocab_size), key=lambda i: len(bundled_tokenizer.decode_bytes([i])))
+    text = bundled_tokenizer.decode([longest]) * 200
+    assert len(bundled_tokenizer.encode(text)) >= utf8_length(text) / per_token
 
 
 # ----------------------------------------------------------------------------------- 3. recursive grammars
