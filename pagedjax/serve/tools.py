@@ -94,7 +94,7 @@ def tool_plan(request: ChatCompletionRequest, limits: StructuredLimits = DEFAULT
     try:
         check_tools([t.function.parameters for t in request.tools], limits)
     except LimitError as e:
-        raise bad_request(str(e), "tools") from None
+        raise bad_request(str(e), "tools", "structured_output_limit") from None
     seen: set[str] = set()
     for i, tool in enumerate(request.tools):
         fn = tool.function

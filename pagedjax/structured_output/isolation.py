@@ -14,7 +14,8 @@ stack the server's threads have (`compile_stack_bytes`). The server waits `timeo
   died, timeout  the worker is killed (SIGKILL) and replaced on the next compile; a 400 saying which
 
 Verdicts are kept per constraint (its SHA-256, `VERDICTS` of them), so a constraint is test-compiled once however
-often it is asked for, and one that killed a worker is refused at once the next time. At most `workers`
+often it is asked for, and one that killed a worker or ran out of time is refused at once the next time (a
+hostile client cannot make the server restart workers by repeating one). At most `workers`
 compiles run at once; a compile that waits longer than `timeout_s` for a worker is `CompilerBusy` (a 503).
 
     guard = CompileGuard(worker_tokenizer(tokenizer, vocab_size, eos_token_ids), CompileGuardConfig())

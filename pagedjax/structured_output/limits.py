@@ -5,8 +5,9 @@ llguidance compiles recursively on the calling thread's stack and bounds neither
 (`$defs` d0 -> d1 -> ...; 900 compile) and a right-recursive Lark grammar of 3,000 rules (2,500 compile) overflow
 it: SIGSEGV, the whole server gone. 100,000 choices take 15 s to compile; a pattern of 100,000 alternatives 0.5 s.
 Each limit of `StructuredLimits` bounds one such cost; a constraint past one is refused (`LimitError`, the
-server's 400) naming the limit and its value. The defaults leave an order of magnitude to the measured failures
-and take any schema OpenAI's structured outputs take (10 levels of nesting, 1,000 enum values, 128 tools).
+server's 400) naming the limit and its value. The defaults stay well inside the measured failures (a $ref chain
+of 42 against 900; 512 rules against 2,500; 1,024 choices compile in 5 ms) and take the schemas OpenAI's
+structured outputs take (10 levels of nesting, 1,000 enum values, 128 tools) up to 64 KiB each.
 
 These checks are the first guard; `pagedjax.structured_output.isolation` is the second (each new constraint is
 test-compiled in a worker process, which may crash or run out of time, before the server compiles it).
