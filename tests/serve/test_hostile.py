@@ -219,6 +219,26 @@ def test_the_longest_tokens_repeated_meet_the_bound(bundled_tokenizer):
     assert len(bundled_tokenizer.encode(text)) >= utf8_length(text) / per_token
 
 
+def test_the_largest_admitted_prompt_is_tokenized_without_holding_the_gil(bundled_tokenizer):
+    """The bundled model's byte bound (2,047 x 32 bytes) as one prompt: tokenized in a thread while this one
+    ticks, no tick waits long (its plain `encode` holds the GIL throughout: 1 MB stopped the event loop 1 s)."""
+    from pagedjax.serve.admission import encode_text, longest_token_bytes
+
+    text = ("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 2000)[
+        :2047 * longest_token_bytes(bundled_tokenizer)]
+    gaps: list[float] = []
+    worker = threading.Thread(target=lambda: [encode_text(bundled_tokenizer, text) for _ in range(5)])
+    last = time.perf_counter()
+    worker.start()
+    while worker.is_alive():
+        time.sleep(0.001)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    worker.join()
+    assert max(gaps) < 0.05, max(gaps)
+
+
 # ----------------------------------------------------------------------------------- 3. recursive grammars
 def test_a_right_recursive_grammar_is_refused_and_one_past_the_limits_crashes_only_a_worker(server, unlimited):
     grammar = right_recursive_grammar(5000)
