@@ -54,8 +54,9 @@ def _only_splits(pre: dict | None) -> bool:
 
 
 def utf8_length(text: str) -> int:
-    """Bytes of `text` in UTF-8 (a lone surrogate as its 3 bytes, as the byte tokenizer encodes it)."""
-    return len(text) if text.isascii() else len(text.encode("utf-8", errors="surrogatepass"))
+    """Bytes of `text` in UTF-8, a lone surrogate counted as one (the fewest a tokenizer makes of it: the byte
+    tokenizer's surrogateescape; a JSON body cannot carry one anyway), so never more than a tokenizer sees."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", errors="replace"))
 
 
 def encode_text(tokenizer: Any, text: str, **kwargs) -> list[int]:
