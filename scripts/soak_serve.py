@@ -18,6 +18,9 @@ and until the time is up runs, concurrently:
   disconnect   streaming requests whose client leaves after a few chunks
   oversized    bodies over --max-request-bytes: must get 413
   slow_header  a request head sent a byte at a time: the server must close the connection after --header-timeout
+  hostile      issue 47's inputs, each as large as --max-request-bytes lets it be: a chain of $refs (as a
+               response_format and as a tool's parameters), a right-recursive grammar, a huge guided_choice, a
+               regex of 100,000 repetitions, a prompt and a chat too long to fit: each must get a short 400
 
 Every `--sample-seconds` it records the server's RSS (VmRSS of /proc/<pid>/status), its compiled step programs
 and compilations (/metrics) and the chunk gaps of the streams meanwhile, and prints a row. Exit status 1 if the
@@ -51,10 +54,12 @@ from bench_serving import start_server  # noqa: E402  (its server start-up, shar
 logger = logging.getLogger("soak_serve")
 
 # Concurrent clients of each kind.
-CLIENTS = {"stream": 3, "whole": 1, "variants": 3, "stalled": 2, "disconnect": 1, "oversized": 1, "slow_header": 1}
+CLIENTS = {"stream": 3, "whole": 1, "variants": 3, "stalled": 2, "disconnect": 1, "oversized": 1, "slow_header": 1,
+           "hostile": 1}
 PROMPTS = ["def fib(n):\n", "import os\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n",
            "# parse a CSV file\n", "for i in range(10):\n"]
-PAUSE_S = {"oversized": 2.0, "slow_header": 1.0}  # the most a client waits before its next request (else 0.3 s)
+# the most a client waits before its next request (else 0.3 s)
+PAUSE_S = {"oversized": 2.0, "slow_header": 1.0, "hostile": 0.5}
 HEADER_MARGIN_S = 5.0  # how late past --header-timeout a slow head's connection may close (a busy event loop)
 
 
@@ -231,8 +236,50 @@ async def slow_header_client(client, soak: Soak) -> str | None:
     return None if reply.startswith(b"HTTP/1.1 408 ") else f"closed with {reply[:40]!r}, expected a 408"
 
 
+def _hostile_body(soak: Soak, what: str) -> tuple[str, dict]:
+    """(path, body) of one of the hostile inputs, as large as the body limit lets it be (a little less)."""
+    room, tag = soak.max_request_bytes - 2048, soak.rng.randrange(10**6)  # the tag: no two bodies alike
+    chat = {"model": soak.model, "max_tokens": 4, "messages": [{"role": "user", "content": f"Hi {tag}"}]}
+    if what in ("ref_chain", "tool_ref_chain"):
+        n = max(1, min(5000, room // 90))  # ~85 bytes per $def
+        defs = {f"d{i}": {"type": "object", "properties": {f"a{tag}": {"$ref": f"#/$defs/d{i + 1}"}}}
+                for i in range(n)}
+        schema = {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{n}": {"type": "string"}}}
+        if what == "ref_chain":
+            return "chat/completions", {**chat, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": schema}}}
+        return "chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f",
+                                                                                         "parameters": schema}}]}
+    completion = {"model": soak.model, "prompt": f"Hi {tag}", "max_tokens": 4}
+    if what == "grammar":
+        n = max(1, min(20_000, room // 20))
+        return "completions", {**completion, "guided_grammar": "start: r0\n" + "\n".join(
+            f'r{i}: "a" r{i + 1}' for i in range(n)) + f'\nr{n}: "b{tag}"'}
+    if what == "choice":
+        return "completions", {**completion, "guided_choice": [f"{tag} {i}" for i in range(max(2, room // 20))]}
+    if what == "regex":
+        return "completions", {**completion, "guided_regex": f"[a-z]{{{100_000 + tag}}}"}
+    if what == "prompt":
+        return "completions", {**completion, "prompt": "x" * room}
+    return "chat/completions", {**chat, "messages": [{"role": "user", "content": ""}] * (room // 33)}
+
+
+HOSTILE = ("ref_chain", "tool_ref_chain", "grammar", "choice", "regex", "prompt", "messages")
+
+
+async def hostile_client(client, soak: Soak) -> str | None:
+    what = soak.rng.choice(HOSTILE)
+    path, body = _hostile_body(soak, what)
+    r = await client.post(f"{soak.url}/v1/{path}", json=body)
+    if r.status_code != 400:
+        return f"{what}: HTTP {r.status_code}, expected 400: {r.text[:200]}"
+    message = r.json()["error"]["message"]
+    return None if len(message) < 600 and "panicked" not in message else f"{what}: a long error: {message[:200]}"
+
+
 KINDS = {"stream": stream_client, "whole": whole_client, "variants": variants_client, "stalled": stalled_client,
-         "disconnect": disconnect_client, "oversized": oversized_client, "slow_header": slow_header_client}
+         "disconnect": disconnect_client, "oversized": oversized_client, "slow_header": slow_header_client,
+         "hostile": hostile_client}
 
 
 async def worker(kind: str, client, soak: Soak) -> None:

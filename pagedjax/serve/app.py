@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES
 from pagedjax.serve.async_engine import AsyncLLMEngine
 from pagedjax.serve.chat_template import ChatTemplate
 from pagedjax.serve.disconnect import ClientDisconnected, EventStreamResponse, until_disconnect
@@ -50,6 +51,8 @@ from pagedjax.serve.protocol import (
     ModelList,
 )
 from pagedjax.serve.serving import OpenAIServing
+from pagedjax.structured_output.isolation import CompileGuardConfig
+from pagedjax.structured_output.limits import DEFAULT_LIMITS, StructuredLimits
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,9 @@ def _cross_site_guard(allowed_origins: Sequence[str], allowed_hosts: Sequence[st
 
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+# A larger body is validated in a worker thread: 40,000 chat messages (3 MB) take pydantic 180 ms, which on the
+# event loop would stall every stream and /health as long; off it, the loop waits for the GIL a few ms at a time.
+PARSE_ON_LOOP_BYTES = 64 * 2**10
 DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
@@ -108,17 +114,23 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
               api_key: str | None = None, shutdown_timeout: float = 0.0, allowed_origins: Sequence[str] = (),
               allowed_hosts: Sequence[str] | None = None, docs: bool = False,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
+              body_timeout: float = DEFAULT_BODY_TIMEOUT_S, structured_limits: StructuredLimits = DEFAULT_LIMITS,
+              compile_config: CompileGuardConfig | None = None,
+              max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES) -> FastAPI:
     """The server's app over `engine` (started on startup, stopped on shutdown, after letting requests in
     flight finish for `shutdown_timeout` seconds). `api_key`, `allowed_origins`, `allowed_hosts`, `docs`: see
     the module docstring. A body over `max_request_bytes` is refused (413) as soon as it is known to be, before
     it is read whole, and one not received within `body_timeout` seconds is a 408 (a client trickling its body
     holds no connection for ever); prompts are tokenized (and chat templates rendered) in a worker thread, never
-    on the event loop."""
+    on the event loop, after a prompt too large to fit and a chat of more than `max_chat_messages` messages are
+    refused by their size. Output constraints are checked against `structured_limits`, then compiled in a
+    grammar pool of their own, each new one test-compiled in a worker process first (`compile_config`; see
+    `OpenAIServing`)."""
     check_key = _api_key_check(api_key)
     metrics = ServerMetrics(engine.stats, lambda: engine.num_pending, engine.step_durations)
     serving = OpenAIServing(engine, model_name=model_name, chat_template=chat_template or ChatTemplate.from_model(None),
-                            metrics=metrics)
+                            metrics=metrics, structured_limits=structured_limits, compile_config=compile_config,
+                            max_chat_messages=max_chat_messages)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -127,6 +139,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
                     serving.chat_template.source)
         yield
         await engine.shutdown(timeout=shutdown_timeout)
+        serving.close()
 
     app = FastAPI(title="pagedjax-serve", lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
@@ -167,6 +180,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
                     openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request, body: CompletionRequest = Depends(completion_body)):  # noqa: B008
         prepared = await asyncio.to_thread(serving.prepare_completion, body)
+        await serving.compile(prepared)
         stream = await serving.start(prepared)
         if prepared.stream:
             return EventStreamResponse(serving.completion_events(prepared, stream))
@@ -176,6 +190,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
                     openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request, body: ChatCompletionRequest = Depends(chat_body)):  # noqa: B008
         prepared = await asyncio.to_thread(serving.prepare_chat, body)
+        await serving.compile(prepared)
         stream = await serving.start(prepared)
         if prepared.stream:
             return EventStreamResponse(serving.chat_events(prepared, stream))
@@ -212,7 +227,9 @@ def json_body(model: type[BaseModel], max_bytes: int, timeout: float = DEFAULT_B
         except ClientDisconnect:
             raise APIError(CLIENT_CLOSED_REQUEST, "the client left while sending the body") from None
         try:
-            return model.model_validate_json(bytes(raw))
+            if len(raw) <= PARSE_ON_LOOP_BYTES:
+                return model.model_validate_json(bytes(raw))
+            return await asyncio.to_thread(model.model_validate_json, bytes(raw))
         except ValidationError as e:
             message, param = validation_message(e.errors(include_url=False))
             raise bad_request(message, param) from None

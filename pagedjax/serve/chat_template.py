@@ -108,10 +108,12 @@ class ChatTemplate:
     def encode(self, tokenizer, text: str) -> list[int]:
         """Token ids of a rendered prompt: the model's own template wrote its special tokens, so none are added;
         the default template's prompt is tokenized like a completion prompt."""
+        from pagedjax.serve.admission import encode_text
+
         if not self.model_template:
-            return list(tokenizer.encode(text))
+            return encode_text(tokenizer, text)
         from pagedjax.model.tokenizer import ByteTokenizer
 
         if isinstance(tokenizer, ByteTokenizer):
             return tokenizer.encode(text, add_bos=False)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return encode_text(tokenizer, text, add_special_tokens=False)

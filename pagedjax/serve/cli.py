@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -30,6 +31,7 @@ from pathlib import Path
 from pagedjax.cli import args as generate_args
 from pagedjax.cli.errors import EXIT_ERROR, EXIT_OK, CLIError
 from pagedjax.cli.sizes import parse_size
+from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES
 
 PROG = "pagedjax-serve"
 SHUTDOWN_GRACE_S = 5.0  # after the drain, for the last answers and error events to reach their clients
@@ -99,12 +101,48 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=generate_args.int_at_least(0), default=0,
                    help="engine seed: requests without a seed of their own are reproducible per seed and id")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    g.add_argument("--max-chat-messages", type=generate_args.int_at_least(1), default=DEFAULT_MAX_CHAT_MESSAGES,
+                   metavar="N", help="messages in one chat request; more get 400 before the chat template runs")
+    _add_structured_options(p)
     # A server admits new requests between device calls: a fused decode of N steps would hold a new request's
     # prefill (its first token) back by up to N decode steps, so here one step per call is the default.
     # Warm-up: a request's new parameters (log-probabilities, penalties, a batch size not seen yet) never stall
     # the running streams for a compile.
     generate_args.add_engine_options(p, decode_steps_per_call=1, warmup=True)
     return p
+
+
+def _add_structured_options(p: argparse.ArgumentParser) -> None:
+    from pagedjax.structured_output.isolation import CompileGuardConfig
+    from pagedjax.structured_output.limits import StructuredLimits
+
+    g = p.add_argument_group("structured output", "limits on output constraints (response_format, guided_*, "
+                             "tools), checked before the grammar library sees them (400 naming the limit); then "
+                             "each new constraint is test-compiled in a worker process")
+    for f in dataclasses.fields(StructuredLimits):
+        g.add_argument(f"--{f.name.replace('_', '-')}", type=generate_args.int_at_least(1), default=f.default,
+                       metavar="N", help=f.metadata["help"])
+    default = CompileGuardConfig()
+    g.add_argument("--grammar-workers", type=generate_args.int_at_least(1), default=default.workers, metavar="N",
+                   help="grammar compiles at once, each test-compiled in its own worker process first")
+    g.add_argument("--grammar-compile-timeout", type=generate_args.float_in(0.0, 3600.0, lo_open=True),
+                   default=default.timeout_s, metavar="SECONDS",
+                   help="a constraint whose compile (waiting for a worker included) takes longer gets 400 (503 "
+                        "when it waited for a worker that long)")
+    g.add_argument("--grammar-worker-memory", type=parse_size, default=default.memory_bytes, metavar="SIZE",
+                   help="address space of a grammar worker (e.g. 2GiB; 0: no limit); a compile past it is a 400")
+    g.add_argument("--max-queued-compiles", type=generate_args.int_at_least(1), default=default.max_queued,
+                   metavar="N", help="grammar compiles waiting or running at once; more get 503")
+
+
+def structured_config(args: argparse.Namespace):
+    """The server's StructuredLimits and CompileGuardConfig from the parsed flags."""
+    from pagedjax.structured_output.isolation import CompileGuardConfig
+    from pagedjax.structured_output.limits import StructuredLimits
+
+    limits = StructuredLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(StructuredLimits)})
+    return limits, CompileGuardConfig(workers=args.grammar_workers, timeout_s=args.grammar_compile_timeout,
+                                      memory_bytes=args.grammar_worker_memory, max_queued=args.max_queued_compiles)
 
 
 class _Server:
@@ -214,7 +252,9 @@ def serve(args: argparse.Namespace) -> int:
             raise CLIError(f"cannot read the chat template: {e}") from None
         name = args.served_model_name or args.model or args.model_class or BUNDLED_MODEL_NAME
         async_engine = AsyncLLMEngine(engine, max_pending=args.max_num_seqs + args.max_queue)
-        app = build_app(async_engine, model_name=name,
+        limits, compile_config = structured_config(args)
+        app = build_app(async_engine, model_name=name, structured_limits=limits, compile_config=compile_config,
+                        max_chat_messages=args.max_chat_messages,
                         chat_template=template, api_key=api_key(args), allowed_origins=args.allowed_origin,
                         allowed_hosts=allowed_hosts(args), docs=args.enable_docs, body_timeout=args.body_timeout,
                         **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))

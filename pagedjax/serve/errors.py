@@ -1,12 +1,17 @@
 """Errors as OpenAI's API reports them: `{"error": {"message", "type", "param", "code"}}` with an HTTP status.
 
   400 invalid_request_error  malformed JSON; a field of the wrong type, out of range or unknown; a prompt over
-                             the context length (code `context_length_exceeded`); a parameter not supported yet
+                             the context length (code `context_length_exceeded`, before tokenizing when its size
+                             shows it); a parameter not supported yet; an output constraint over a limit (code
+                             `structured_output_limit`) or that the grammar library refused, crashed on or took
+                             too long to compile
   401 authentication_error   `--api-key` is set and `Authorization: Bearer <key>` is missing or wrong
                              (code `invalid_api_key`)
   404 invalid_request_error  an unknown model (code `model_not_found`) or path
   500 server_error           the engine failed the request (code `engine_error`)
-  503 server_error           the queue is full (`--max-queue`, code `queue_full`) or the server is shutting down
+  503 server_error           the queue is full (`--max-queue`, code `queue_full`), too many grammar compiles wait
+                             (`--max-queued-compiles`, code `grammar_compiles_full`) or none got a worker in
+                             time (`grammar_compiles_busy`), or the server is shutting down
 """
 
 from __future__ import annotations

@@ -93,6 +93,8 @@ def structured_output(request: CompletionRequest | ChatCompletionRequest,
         return StructuredOutput(json=fmt.json_schema.schema_), name
     except (TypeError, ValueError) as e:
         raise bad_request(f"{name}: {str(e).replace('StructuredOutput.', '')}", name) from None
+    except RecursionError:  # a schema given as JSON text, nested past what Python's json parses
+        raise bad_request(f"{name}: the schema nests too deeply to parse", name) from None
 
 
 def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:

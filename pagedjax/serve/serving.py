@@ -7,13 +7,16 @@ chat template) and in the shape of their response objects.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES, encode_text, longest_token_bytes, utf8_length
 from pagedjax.serve.async_engine import (
     AsyncLLMEngine,
     EngineStepError,
@@ -43,6 +46,15 @@ from pagedjax.serve.protocol import (
 )
 from pagedjax.serve.sampling import DEFAULT_COMPLETION_MAX_TOKENS, sampling_params, structured_output
 from pagedjax.serve.tools import ToolCallParser, ToolPlan, finish_reason, parse_message, template_messages, tool_plan
+from pagedjax.structured_output.isolation import (
+    CompileGuard,
+    CompileGuardConfig,
+    CompilerBusy,
+    CompileRefused,
+    short_error,
+    worker_tokenizer,
+)
+from pagedjax.structured_output.limits import DEFAULT_LIMITS, LimitError, StructuredLimits, check_structured
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +99,18 @@ def engine_error_param(message: str) -> str | None:
 
 
 class OpenAIServing:
-    """The endpoints' logic over one async engine; see the module docstring."""
+    """The endpoints' logic over one async engine; see the module docstring.
+
+    A request goes through three stages: `prepare_*` (a worker thread: validation, the chat template, the
+    prompt's size and its tokens, the constraint's limits), `compile` (the grammar pool: the grammar library's
+    work, test-compiled in a worker process first: `CompileGuard`), then the engine (`start`). The grammar pool
+    is its own (`compile_config.workers` threads, at most `compile_config.max_queued` compiles waiting or
+    running: more get 503), so a slow grammar never delays tokenizing or admitting other requests."""
 
     def __init__(self, engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTemplate,
-                 metrics: ServerMetrics):
+                 metrics: ServerMetrics, structured_limits: StructuredLimits = DEFAULT_LIMITS,
+                 compile_config: CompileGuardConfig | None = None,
+                 max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES):
         if engine.engine.tokenizer is None:
             raise ValueError("pagedjax-serve needs an engine with a tokenizer (text in, text out)")
         self.engine = engine
@@ -101,6 +121,25 @@ class OpenAIServing:
         # What one request can hold: max_model_len, or less when the KV pool is smaller (a default max_tokens is
         # clipped to it, and /v1/models advertises it).
         self.max_model_len = int(engine.engine.max_request_tokens)
+        self.structured_limits = structured_limits
+        self.max_chat_messages = max_chat_messages
+        # A prompt of more UTF-8 bytes has more tokens than fit (`pagedjax.serve.admission`); None: not bounded.
+        per_token = longest_token_bytes(self.tokenizer)
+        self.prompt_byte_limit = None if per_token is None else (self.max_model_len - 1) * per_token
+        if per_token is None:
+            logger.warning("%s is not a tokenizer whose tokens bound a prompt's length from its size: prompts are "
+                           "tokenized before they are found too long", type(self.tokenizer).__name__)
+        spec = engine.engine.model_spec
+        self.compile_config = compile_config or CompileGuardConfig()
+        self.guard = CompileGuard(worker_tokenizer(self.tokenizer, spec.vocab_size, tuple(spec.eos_token_ids)),
+                                  self.compile_config)
+        self._grammar_pool = ThreadPoolExecutor(self.compile_config.workers, thread_name_prefix="pagedjax-grammar")
+        self._compiles = 0  # waiting or running in the grammar pool (event loop side)
+
+    def close(self) -> None:
+        """End the grammar workers and pool (the app's shutdown)."""
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self.guard.close()
 
     # ---------------------------------------------------------------------------------------------- prepare
     def check_model(self, model: str) -> None:
@@ -124,6 +163,19 @@ class OpenAIServing:
                               "max_tokens", "context_length_exceeded")
         return requested
 
+    def _check_prompt_size(self, text: str, what: str) -> None:
+        """400 for a prompt text whose size alone shows it cannot fit, before it is tokenized."""
+        limit = self.prompt_byte_limit
+        if limit is None:
+            return
+        size = len(text) if len(text) > limit else utf8_length(text)  # characters: no more than its bytes
+        if size > limit:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                              f"{what} has at least {size:,} bytes of UTF-8, more than the {limit:,} that "
+                              f"{self.max_model_len - 1} tokens of this tokenizer can hold, which leaves no room "
+                              "for a completion. Please shorten it.", "messages" if what == "messages" else "prompt",
+                              "context_length_exceeded")
+
     def _prepare(self, request, prompt_token_ids: list[int], max_tokens: int, prefix: str,
                  tools: ToolPlan | None = None) -> Prepared:
         if request.stream_options is not None and not request.stream:
@@ -131,11 +183,11 @@ class OpenAIServing:
         forced_call = None if tools is None else tools.constraint
         params = sampling_params(request, max_tokens=max_tokens, forced_call=forced_call)
         structured = structured_output(request, forced_call)
-        if structured is not None:  # compiled here, in a worker thread: the engine thread then only copies it
+        if structured is not None and structured[1] != "tool_choice":  # a forced call's tools are checked
             try:
-                self.engine.engine.compile_constraint(structured[0])
-            except ValueError as e:
-                raise bad_request(f"{structured[1]}: {str(e).split(': ', 1)[-1]}", structured[1]) from None
+                check_structured(structured[0], self.structured_limits)
+            except LimitError as e:
+                raise bad_request(f"{structured[1]}: {e}", structured[1], "structured_output_limit") from None
         return Prepared(request_id=random_request_id(prefix), prompt_token_ids=prompt_token_ids,
                         params=params, stream=request.stream,
                         include_usage=bool(request.stream_options and request.stream_options.include_usage),
@@ -150,7 +202,9 @@ class OpenAIServing:
                 raise bad_request(f"prompt: a batch of {len(prompt)} prompts is not supported; send one prompt "
                                   "per request", "prompt")
             prompt = prompt[0]
-        ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            self._check_prompt_size(prompt, "prompt")
+        ids = encode_text(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise bad_request("prompt: must not be empty", "prompt")
         explicit = request.max_tokens if "max_tokens" in request.model_fields_set else None
@@ -160,7 +214,10 @@ class OpenAIServing:
 
     def prepare_chat(self, request: ChatCompletionRequest) -> Prepared:
         self.check_model(request.model)
-        tools = tool_plan(request)
+        if len(request.messages) > self.max_chat_messages:
+            raise bad_request(f"messages: {len(request.messages):,} messages, more than the "
+                              f"{self.max_chat_messages:,} this server takes (--max-chat-messages)", "messages")
+        tools = tool_plan(request, self.structured_limits)
         native = self.chat_template.supports_tools
         messages = template_messages(request.messages, tools, supports_tools=native)
         try:
@@ -168,10 +225,49 @@ class OpenAIServing:
                                              tools=tools.tools if tools is not None and native else None)
         except ChatTemplateError as e:
             raise bad_request(f"messages: {e}", "messages") from None
+        self._check_prompt_size(text, "messages")
         ids = self.chat_template.encode(self.tokenizer, text)
         requested = request.max_completion_tokens or request.max_tokens
         return self._prepare(request, ids, self._max_tokens(requested, None, len(ids), "messages"), "chatcmpl",
                              tools)
+
+    # ----------------------------------------------------------------------------------------------- compile
+    async def compile(self, prepared: Prepared) -> None:
+        """Have the grammar library validate the request's tool schemas and compile its constraint, in the
+        grammar pool (400 for what it refuses, 503 when too many compiles wait); nothing to do without either
+        (a constraint compiled before only copies its matcher)."""
+        if prepared.params.structured is None and (prepared.tools is None or not prepared.tools.schemas):
+            return
+        if self._compiles >= self.compile_config.max_queued:
+            raise APIError(503, f"The server is overloaded: {self._compiles} grammar compiles are waiting or "
+                                "running; retry later", code="grammar_compiles_full", headers={"Retry-After": "1"})
+        self._compiles += 1
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self._compile, prepared)
+        finally:
+            self._compiles -= 1
+
+    def _compile(self, prepared: Prepared) -> None:  # in the grammar pool
+        try:
+            for where, schema in prepared.tools.schemas if prepared.tools is not None else ():
+                try:
+                    self.guard.check("json", schema)
+                except CompileRefused as e:
+                    raise bad_request(f"{where} is not a valid JSON schema: {e}", "tools") from None
+            structured, field = prepared.params.structured, prepared.structured_field
+            if structured is None:
+                return
+            try:
+                self.guard.check(structured.kind, getattr(structured, structured.kind))
+            except CompileRefused as e:
+                raise bad_request(f"{field}: {e}", field) from None
+            try:  # the engine thread then only copies the matcher
+                self.engine.engine.compile_constraint(structured)
+            except ValueError as e:  # "SamplingParams.structured.<kind>: <the library's error>"
+                raise bad_request(f"{field}: {short_error(str(e).split(': ', 1)[-1])}", field) from None
+        except CompilerBusy as e:
+            raise APIError(503, f"The server is overloaded: {e}", code="grammar_compiles_busy",
+                           headers={"Retry-After": "1"}) from None
 
     # ------------------------------------------------------------------------------------------------ engine
     async def start(self, prepared: Prepared) -> RequestStream:

@@ -40,7 +40,8 @@ from pagedjax.serve.protocol import (
     FunctionCall,
     ToolCall,
 )
-from pagedjax.structured_output.compiler import JSON_STYLE, json_schema_error
+from pagedjax.structured_output.isolation import JSON_STYLE
+from pagedjax.structured_output.limits import DEFAULT_LIMITS, LimitError, StructuredLimits, check_tools
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -76,15 +77,24 @@ class ToolPlan:
 
     tools: list[dict]  # OpenAI's tool dicts, as the chat template sees them
     constraint: StructuredOutput | None  # the forced call's grammar ("required", "named"); None for "auto"
+    # (where, JSON text) of each tool's parameters schema: the compile stage has the grammar library validate
+    # them (`OpenAIServing.compile`), in a worker process, as the schemas may crash it
+    schemas: tuple[tuple[str, str], ...] = ()
 
 
-def tool_plan(request: ChatCompletionRequest) -> ToolPlan | None:
-    """The request's tools, checked (400 naming `tools` or `tool_choice`), or None when it offers none to call."""
+def tool_plan(request: ChatCompletionRequest, limits: StructuredLimits = DEFAULT_LIMITS) -> ToolPlan | None:
+    """The request's tools, checked (400 naming `tools` or `tool_choice`; their schemas against `limits`, in
+    Python: the grammar library's validation of them is the compile stage's), or None when it offers none to
+    call."""
     choice = request.tool_choice
     if not request.tools:
         if choice is not None and choice != "none":
             raise bad_request(f"tool_choice {_choice_name(choice)!r} needs tools", "tool_choice")
         return None
+    try:
+        check_tools([t.function.parameters for t in request.tools], limits)
+    except LimitError as e:
+        raise bad_request(str(e), "tools", "structured_output_limit") from None
     seen: set[str] = set()
     for i, tool in enumerate(request.tools):
         fn = tool.function
@@ -95,21 +105,20 @@ def tool_plan(request: ChatCompletionRequest) -> ToolPlan | None:
             if fn.parameters.get("type", "object") != "object":
                 raise bad_request(f"tools[{i}].function.parameters: the arguments must be an object (type "
                                   f"\"object\"), got type {fn.parameters.get('type')!r}", "tools")
-            error = json_schema_error(fn.parameters)
-            if error is not None:
-                raise bad_request(f"tools[{i}].function.parameters is not a valid JSON schema: {error}", "tools")
     if choice == "none":
         return None
     tools = [t.model_dump(exclude_none=True) for t in request.tools]
+    schemas = tuple((f"tools[{i}].function.parameters", json.dumps(t.function.parameters))
+                    for i, t in enumerate(request.tools) if t.function.parameters is not None)
     if choice is None or choice == "auto":
-        return ToolPlan(tools, None)
+        return ToolPlan(tools, None, schemas)
     if choice == "required":
-        return ToolPlan(tools, call_grammar(request.tools, parallel=request.parallel_tool_calls))
+        return ToolPlan(tools, call_grammar(request.tools, parallel=request.parallel_tool_calls), schemas)
     named = [t for t in request.tools if t.function.name == choice.function.name]
     if not named:
         raise bad_request(f"tool_choice.function.name: no tool is named {choice.function.name!r} (tools: "
                           f"{', '.join(sorted(seen))})", "tool_choice")
-    return ToolPlan(tools, call_grammar(named, parallel=False))
+    return ToolPlan(tools, call_grammar(named, parallel=False), schemas)
 
 
 def _choice_name(choice) -> str:

@@ -29,13 +29,10 @@ from typing import Any
 import numpy as np
 
 from pagedjax.sampling_params import StructuredOutput
+from pagedjax.structured_output.isolation import JSON_STYLE, grammar_of  # noqa: F401 - JSON_STYLE re-exported
 
 logger = logging.getLogger(__name__)
 
-# JSON is written as `json.dumps` writes it: ", " and ": ", no other whitespace. Free whitespace (llguidance's
-# default) lets a model pad forever between tokens of structure (a known failure of constrained decoding); a
-# schema may still ask for it with its own "x-guidance": {"whitespace_flexible": true}.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Distinct constraints a compiler keeps compiled (least recently used dropped first): a server's requests mostly
 # repeat a few schemas, and a fresh matcher holds little beside its grammar.
 COMPILED_CONSTRAINTS = 64
@@ -139,17 +136,7 @@ class ConstraintCompiler:
 
         kind = structured.kind
         try:
-            if kind == "json":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(structured.json, defaults=JSON_STYLE)
-            elif kind == "json_object":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_STYLE)
-            elif kind == "regex":
-                grammar = llguidance.LLMatcher.grammar_from_regex(structured.regex)
-            elif kind == "choice":
-                grammar = llguidance.LLMatcher.grammar_from_lark(
-                    "start: " + " | ".join(_lark_string(c) for c in structured.choice))
-            else:
-                grammar = llguidance.LLMatcher.grammar_from_lark(structured.grammar)
+            grammar = grammar_of(kind, getattr(structured, kind))
         except (ValueError, RuntimeError, TypeError) as e:
             raise ValueError(f"SamplingParams.structured.{kind}: {e}") from None
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
@@ -158,24 +145,6 @@ class ConstraintCompiler:
         return matcher
 
 
-def json_schema_error(schema: dict) -> str | None:
-    """Why llguidance cannot compile `schema` (a JSON schema dict), or None if it can; no tokenizer needed."""
-    import json
-
-    import llguidance
-
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)
-    except (ValueError, RuntimeError, TypeError) as e:
-        return str(e)
-    return llguidance.LLMatcher.validate_grammar(grammar) or None
-
-
-def _lark_string(text: str) -> str:
-    """A Lark string literal matching `text` exactly."""
-    import json
-
-    return json.dumps(text)
 
 
 class _Vocabulary:
