@@ -71,8 +71,9 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_bu
         return T.online_softmax_step(q, k, v, score_ok, value_ok, carry, scale=scale,
                                      logits_soft_cap=logits_soft_cap)
 
-    chunks = PageChunks(tables_ref, k_hbm, v_hbm, k_buf, v_buf, sems, table_row=seq * max_blocks_per_seq,
-                        head=head, first_page=first_page, page_end=num_pages, block_size=block_size)
+    chunks = PageChunks(tables_ref, ((k_hbm, (head,), k_buf), (v_hbm, (head,), v_buf)), sems,
+                        table_row=seq * max_blocks_per_seq, first_page=first_page, page_end=num_pages,
+                        block_size=block_size)
     _, z, u = chunks.fold(num_chunks, step, T.init_carry(rows, head_dim))
     o_ref[...] = T.finalize_rows(z, u, o_ref.dtype)
 
