@@ -8,10 +8,11 @@ table shows, per batch x context: milliseconds per call of each, the time ratio 
 reads per cached token, and their ratio (what a bandwidth-bound accelerator would approach).
 
 `--target xla` (the default) times the XLA gather paths (`mla_paged_attention_xla` against
-`paged_attention_xla`): what the engine runs on a CPU. On a CPU MLA does more arithmetic per token (every
-head scores all R + Dr columns: 576 multiply-adds per head and token against GQA's 128), so its time ratio
-there is about compute, not bytes. `--target gpu` times the Pallas Triton kernels (`mla_paged_attention`
-against `paged_attention`, compiled on a GPU, interpreted elsewhere: only meaningful on a GPU).
+`paged_attention_xla`): what the engine runs on a CPU. There MLA does about 4.5x GQA's multiply-adds per head
+and token (it scores and sums R + Dr = 576 columns where a GQA head has 2 x 128) while GQA gathers more bytes
+per token, so which one is faster depends on the shape: the table measures it. `--target gpu` times the Pallas
+Triton kernels (`mla_paged_attention` against `paged_attention`, compiled on a GPU, interpreted elsewhere: only
+meaningful on a GPU).
 
     python scripts/bench_mla_kernels.py                    # CPU: XLA paths, batch {1, 16} x context {512, 4096}
     python scripts/bench_mla_kernels.py --target gpu       # on a GPU: the kernels

@@ -42,7 +42,6 @@ from pallas_kernels.merge import merge_and_finalize
 from pallas_kernels.quant import is_quantized
 from pallas_kernels.tpu import _common as T
 from pallas_kernels.tpu.page_chunks import PageChunks
-from pallas_kernels.tpu.ragged_attention import _META, _tile_rows
 
 # Default query rows (block_q x block_h) per program: the float32 accumulator [rows, R + Dr] stays within about
 # 640 KiB of VMEM at R + Dr = 576 (a whole 640-lane row each), with the score matrix of a chunk beside it.
@@ -60,10 +59,10 @@ def _mla_kernel(meta_ref, tables_ref, q_ref, kv_hbm, *refs, scale: float, block_
     block_size = kv_hbm.shape[1]
     tokens = kv_buf.shape[1]  # per chunk
     pages_per_iter = tokens // block_size
-    seq = meta_ref[tile * _META]
-    num_rows = meta_ref[tile * _META + 2]
-    pos0 = meta_ref[tile * _META + 3]
-    kv_len = meta_ref[tile * _META + 4]
+    seq = meta_ref[tile * T.META]
+    num_rows = meta_ref[tile * T.META + 2]
+    pos0 = meta_ref[tile * T.META + 3]
+    kv_len = meta_ref[tile * T.META + 4]
 
     # Keys any row of this tile may see: positions [0, kv_end); this split's page range is sized from them and
     # rounded to whole chunks.
@@ -110,7 +109,7 @@ def _mla_call(meta, q_latent, q_rope, kv_pages, block_tables, *, scale: float, i
     head_blocks = tiles.cdiv(num_heads, block_h)
     used = block_h * block_q
     rows = T.round_up(used, T.sublane_rows(q_latent.dtype))
-    tile_rows, slot_of_token = _tile_rows(meta, num_tokens, block_q)
+    tile_rows, slot_of_token = T.tile_rows(meta, num_tokens, block_q)
     q = jnp.concatenate([q_latent, q_rope], axis=-1)
     q = jnp.pad(q, ((0, 0), (0, head_blocks * block_h - num_heads), (0, 0)))[tile_rows]  # [tiles, block_q, H', W]
     q = q.reshape(num_tiles, block_q, head_blocks, block_h, width).transpose(0, 2, 3, 1, 4)
