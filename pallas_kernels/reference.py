@@ -382,6 +382,11 @@ def _mla_decode(q_latent, q_rope, kv_pages, block_tables, lengths, kv_scales, *,
     return o[:, 0].astype(q_latent.dtype)
 
 
+def _mla_empty(q_latent, kv_pages, block_tables) -> bool:
+    """No query rows, sequences, table entries or pool blocks: nothing to gather (the result is all zeros)."""
+    return 0 in (q_latent.shape[0], block_tables.shape[0], block_tables.shape[1], kv_pages.shape[0])
+
+
 def _mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale, num_q_rows=None) -> float:
     V.validate_mla(q_latent, q_rope, kv_pages, block_tables, kv_scales, num_q_rows)
     return V.check_mla_scale(scale)
@@ -398,6 +403,8 @@ def mla_paged_attention_reference(q_latent: jax.Array,  # [num_seqs, num_heads, 
     the absorbed MLA definition. Returns `[num_seqs, num_heads, R]` in q's dtype; zeros for length 0."""
     scale = _mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale, q_latent.shape[0])
     V.check_vector("lengths", lengths, q_latent.shape[0])
+    if _mla_empty(q_latent, kv_pages, block_tables):
+        return jnp.zeros(q_latent.shape, q_latent.dtype)
     return _mla_decode(q_latent, q_rope, kv_pages, block_tables, lengths, kv_scales, scale=scale,
                        compute_dtype=jnp.float32)
 
@@ -415,6 +422,8 @@ def mla_paged_attention_xla(q_latent: jax.Array,  # [num_seqs, num_heads, R]
     block_size, R + Dr]`: one copy of the latent cache per sequence, not one per head."""
     scale = _mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale, q_latent.shape[0])
     V.check_vector("lengths", lengths, q_latent.shape[0])
+    if _mla_empty(q_latent, kv_pages, block_tables):
+        return jnp.zeros(q_latent.shape, q_latent.dtype)
     return _mla_decode(q_latent, q_rope, kv_pages, block_tables, lengths, kv_scales, scale=scale,
                        compute_dtype=jnp.dtype(q_latent.dtype))
 
@@ -452,6 +461,8 @@ def ragged_mla_paged_attention_reference(q_latent: jax.Array,  # [total_q_tokens
     cu_q_lens[-1] give zeros. Memory: gathers `[total_q_tokens, max_blocks_per_seq * block_size, R + Dr]`."""
     scale = _mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale)
     _check_ragged(q_latent, block_tables, kv_lens, cu_q_lens)
+    if _mla_empty(q_latent, kv_pages, block_tables):
+        return jnp.zeros(q_latent.shape, q_latent.dtype)
     return _ragged_mla_reference(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, kv_scales,
                                  scale=scale)
 
@@ -491,6 +502,8 @@ def ragged_mla_paged_attention_xla(q_latent: jax.Array,  # [total_q_tokens, num_
     V.check_positive_int("q_tile", q_tile)
     scale = _mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale)
     _check_ragged(q_latent, block_tables, kv_lens, cu_q_lens)
+    if _mla_empty(q_latent, kv_pages, block_tables):
+        return jnp.zeros(q_latent.shape, q_latent.dtype)
     return _ragged_mla_xla(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, kv_scales, scale=scale,
                            q_tile=q_tile)
 

@@ -237,6 +237,19 @@ def test_empty_inputs_give_empty_or_zero_outputs(target):
     assert num_tokens == 0 and ragged.shape == (3, 2, 16) and not np.asarray(ragged).any()
 
 
+def test_xla_paths_and_references_take_empty_batches():
+    rng = np.random.default_rng(1)
+    case = build(rng, num_q_rows=2, num_heads=2, rank=16, rope_dim=8, block_size=8, max_blocks=2, kv_lens=[3, 0])
+    cu = jnp.zeros((3,), jnp.int32)
+    for fn in (ragged_mla_paged_attention_xla, ragged_mla_paged_attention_reference):
+        out = fn(case.q_latent[:0], case.q_rope[:0], case.kv_pages, case.block_tables, case.lengths, cu, scale=0.3)
+        assert out.shape == (0, 2, 16)
+    for fn in (mla_paged_attention_xla, mla_paged_attention_reference):
+        out = fn(case.q_latent[:0], case.q_rope[:0], case.kv_pages, case.block_tables[:0], case.lengths[:0],
+                 scale=0.3)
+        assert out.shape == (0, 2, 16)
+
+
 # ---- argument checks -----------------------------------------------------------------------------------------
 
 def _args(**over):
