@@ -24,7 +24,9 @@ from pallas_kernels import (
     ragged_mla_paged_attention,
     ragged_mla_paged_attention_reference,
     ragged_mla_paged_attention_xla,
+    tiles,
 )
+from pallas_kernels.gpu.mla import default_block_h
 from pallas_kernels.quant import dequantize_kv
 from pallas_kernels.tiles import MIN_DOT_DIM, next_pow2
 from tests.kernels.cases import assert_close, examples
@@ -248,6 +250,24 @@ def test_xla_paths_and_references_take_empty_batches():
         out = fn(case.q_latent[:0], case.q_rope[:0], case.kv_pages, case.block_tables[:0], case.lengths[:0],
                  scale=0.3)
         assert out.shape == (0, 2, 16)
+
+
+@settings(max_examples=examples(25))
+@given(num_heads=st.integers(1, 256), rank=st.sampled_from((16, 37, 128, 512, 1024)), num_tokens=st.integers(1, 4096),
+       num_seqs=st.integers(1, 64), given_block_q=st.sampled_from((1, 2, 8, 64)))
+def test_default_gpu_tiles_are_legal_and_bounded(num_heads, rank, num_tokens, num_seqs, given_block_q):
+    """The defaults (as the GPU wrappers pick them: block_h, then block_q from it; or block_h for a given block_q)
+    pack heads up to a 128 x 128 float32 accumulator and always make a tl.dot-sized tile."""
+    block_h = default_block_h(num_heads, rank)
+    picked = [(tiles.default_block_q(num_tokens, num_seqs, block_h, rank), block_h),
+              (given_block_q, default_block_h(num_heads, rank, given_block_q))]
+    for block_q, block_h in picked:
+        assert block_h & (block_h - 1) == 0 and block_q & (block_q - 1) == 0
+        rows = block_q * block_h
+        assert rows >= MIN_DOT_DIM
+        assert rows == MIN_DOT_DIM or rows * next_pow2(rank) <= 128 * 128
+        assert block_h <= max(next_pow2(num_heads), MIN_DOT_DIM)
+    assert default_block_h(128, 512) == 32  # DeepSeek V3 decode: 4 head blocks of 32
 
 
 # ---- argument checks -----------------------------------------------------------------------------------------
