@@ -16,6 +16,17 @@ Variants (keyword-only, on both kernels, their references and XLA paths):
     `[num_kv_heads, num_blocks, block_size]` (float32 or bfloat16, one per token and KV head), dequantized
     inside the kernel as `pages.astype(float32) * scales[..., None]`; q may then be float32, bfloat16 or
     float16 and sets the output dtype. `quantize_kv` / `dequantize_kv` (module `quant`) make and read them.
+Multi-head latent attention (MLA, DeepSeek V2/V3), weights absorbed by the caller, over one latent page array
+`kv_pages [num_blocks, block_size, R + Dr]` (per token its latent c_kv, then its rotary key k_rope, shared by
+every query head):
+
+    mla_paged_attention(q_latent, q_rope, kv_pages, block_tables, lengths, scale=...)      decode
+    ragged_mla_paged_attention(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, scale=...)
+                                                                            mixed prefill chunks + decode
+q_latent `[tokens, num_heads, R]`, q_rope `[tokens, num_heads, Dr]`; the output is in latent space
+`[tokens, num_heads, R]` (apply W_UV after). 8-bit latent pages take `kv_scales [num_blocks, block_size]`.
+Kernels in `gpu.mla` and `tpu.mla`; references, XLA paths and the non-absorbed oracle in `reference`.
+
 `reference` holds the dense float32 oracles and an XLA gather path; `merge` the exact (m, z, u) merge.
 The two entry points are defined here, above both kernel families: they check the arguments common to both
 targets once (`_validate`) and dispatch to `gpu` or `tpu`, which check their own tile rules and share the tile
@@ -40,16 +51,23 @@ import jax
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _validate as V
+from pallas_kernels.gpu.mla import mla_paged_attention_gpu, ragged_mla_paged_attention_gpu
 from pallas_kernels.gpu.paged_attention import default_num_splits, paged_attention_gpu
 from pallas_kernels.gpu.ragged_attention import ragged_paged_attention_gpu
 from pallas_kernels.merge import Partial, finalize, merge_and_finalize, merge_partials, merge_two
 from pallas_kernels.quant import dequantize_kv, quantize_kv
 from pallas_kernels.reference import (
+    mla_attention_dense_reference,
+    mla_paged_attention_reference,
+    mla_paged_attention_xla,
     paged_attention_reference,
     paged_attention_xla,
+    ragged_mla_paged_attention_reference,
+    ragged_mla_paged_attention_xla,
     ragged_paged_attention_reference,
     ragged_paged_attention_xla,
 )
+from pallas_kernels.tpu.mla import mla_paged_attention_tpu, ragged_mla_paged_attention_tpu
 from pallas_kernels.tpu.paged_attention import paged_attention_tpu
 from pallas_kernels.tpu.ragged_attention import ragged_paged_attention_tpu
 
@@ -61,10 +79,17 @@ __all__ = [
     "merge_and_finalize",
     "merge_partials",
     "merge_two",
+    "mla_attention_dense_reference",
+    "mla_paged_attention",
+    "mla_paged_attention_reference",
+    "mla_paged_attention_xla",
     "paged_attention",
     "paged_attention_reference",
     "paged_attention_xla",
     "quantize_kv",
+    "ragged_mla_paged_attention",
+    "ragged_mla_paged_attention_reference",
+    "ragged_mla_paged_attention_xla",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_xla",
@@ -249,3 +274,147 @@ def ragged_paged_attention(
                                       interpret=interpret, block_q=block_q, pages_per_iter=pages_per_iter,
                                       num_warps=num_warps, num_stages=num_stages, sliding_window=sliding_window,
                                       logits_soft_cap=logits_soft_cap, k_scales=k_scales, v_scales=v_scales)
+
+
+def mla_paged_attention(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float,
+    kv_scales: jax.Array | None = None,
+    interpret: bool | None = None,
+    target: str = "auto",
+    num_splits: int | None = None,
+    block_h: int | None = None,
+    pages_per_iter: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> jax.Array:
+    """Multi-head latent attention (MLA, DeepSeek V2/V3) decode, one query token per sequence, over a paged
+    latent cache, with the up-projections absorbed by the caller.
+
+    Head h's score against token t is `scale * (q_latent[h] . c_kv[t] + q_rope[h] . k_rope[t])` and its output
+    is `sum_t softmax_t c_kv[t]` (in latent space: the caller applies W_UV). q_latent = W_UK[h] q_nope[h].
+
+    Args:
+      q_latent: `[num_seqs, num_heads, R]` (R = kv_lora_rank, 512 in DeepSeek V3), float32, bfloat16 or
+        float16.
+      q_rope: `[num_seqs, num_heads, Dr]` (the rotary part, 64 in DeepSeek V3), q_latent's dtype.
+      kv_pages: `[num_blocks, block_size, R + Dr]`: per token its latent c_kv, then its rotary key k_rope,
+        shared by all heads. q's dtype, or int8 / float8_e4m3fn with `kv_scales`.
+      block_tables: int32 `[num_seqs, max_blocks_per_seq]`; entries past `cdiv(lengths[s], block_size)` are
+        never read and may hold anything.
+      lengths: int32 `[num_seqs]`: tokens cached per sequence (clipped to the table's capacity). Slots at or
+        past the length are never read.
+      scale: multiplies the scores, required (DeepSeek: 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim), times
+        the YaRN mscale^2 where used): a static Python float.
+      kv_scales: with 8-bit pages (and only then), `[num_blocks, block_size]` float32 or bfloat16, one per
+        token: the attended rows are `kv_pages.astype(float32) * kv_scales[..., None]` (`quant.quantize_kv`
+        makes them), dequantized in the kernel.
+      interpret: run the Pallas interpreter; `None` = compiled on the target's own platform, interpreted
+        elsewhere (for "tpu": Pallas's TPU interpret mode; a `pltpu.InterpretParams` sets its options).
+      target: "gpu" (Triton), "tpu" (Mosaic: float32 or bfloat16, block_size a multiple of 8 for float32 and
+        of 16 for bfloat16, no 8-bit pages) or "auto": "tpu" on a TPU backend, "gpu" otherwise.
+      num_splits: context splits per sequence (flash-decoding, merged exactly), a positive int; `None`: on GPU
+        enough programs to fill it (`default_num_splits` over sequences x head blocks), on TPU 1.
+      block_h: query heads per program; each program reads its sequence's pages once for all of them. GPU: a
+        power of two >= 16 (tl.dot; padding heads are masked), `None` = all heads up to a float32 accumulator
+        of 128 x 128 elements (32 heads at R = 512, see `gpu.mla.default_block_h`). TPU: any positive int,
+        `None` = all heads.
+      pages_per_iter: pages per inner-loop iteration (GPU: a power of two with `pages_per_iter *
+        next_pow2(block_size) >= 16`; TPU: pages per double-buffered DMA chunk, any positive int); `None`
+        sizes the tile from the latent width (`gpu._common.default_pages_per_iter` /
+        `tpu._common.default_pages_per_iter`).
+      num_warps: Triton warps per program (compiled GPU mode only); `None` = 4, or 8 for accumulators of
+        128 x 128 float32 elements and more.
+      num_stages: Triton software-pipelining stages (compiled GPU mode only).
+
+    Returns:
+      `[num_seqs, num_heads, R]` in q's dtype; zeros for sequences of length 0.
+
+    Raises:
+      ValueError: on malformed arguments (ranks, R + Dr != kv_pages.shape[-1], dtypes, scales with float pages
+        or none with 8-bit pages, non-int32 tables) or tuning values.
+    """
+    target = _resolve_target(target, interpret)
+    num_seqs = q_latent.shape[0] if getattr(q_latent, "ndim", 0) == 3 else None
+    V.validate_mla(q_latent, q_rope, kv_pages, block_tables, kv_scales, num_q_rows=num_seqs)
+    V.check_vector("lengths", lengths, num_seqs)
+    scale = V.check_mla_scale(scale)
+    V.check_positive_option("num_splits", num_splits)
+    V.check_positive_option("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
+    if target == "tpu":
+        return mla_paged_attention_tpu(q_latent, q_rope, kv_pages, block_tables, lengths, scale=scale,
+                                       interpret=interpret, num_splits=num_splits, block_h=block_h,
+                                       pages_per_iter=pages_per_iter)
+    return mla_paged_attention_gpu(q_latent, q_rope, kv_pages, block_tables, lengths, scale=scale,
+                                   interpret=interpret, block_h=block_h, pages_per_iter=pages_per_iter,
+                                   num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                                   kv_scales=kv_scales)
+
+
+def ragged_mla_paged_attention(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    scale: float,
+    kv_scales: jax.Array | None = None,
+    interpret: bool | None = None,
+    target: str = "auto",
+    block_q: int | None = None,
+    block_h: int | None = None,
+    pages_per_iter: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> jax.Array:
+    """Causal multi-head latent attention (MLA, absorbed) of ragged query chunks (prefill chunks and decode
+    tokens of many sequences) over a paged latent cache; the conventions of `ragged_paged_attention` with the
+    layout and scores of `mla_paged_attention`.
+
+    Args:
+      q_latent: `[total_q_tokens, num_heads, R]`, float32, bfloat16 or float16; sequence s owns rows
+        `cu_q_lens[s]:cu_q_lens[s + 1]`, rows at or past `cu_q_lens[-1]` are padding and get zeros.
+      q_rope: `[total_q_tokens, num_heads, Dr]`, q_latent's dtype.
+      kv_pages: `[num_blocks, block_size, R + Dr]` (latent, then rope) in q's dtype or int8 / float8_e4m3fn
+        with `kv_scales`, already holding the new tokens' rows.
+      block_tables: int32 `[num_seqs, max_blocks_per_seq]`.
+      kv_lens: int32 `[num_seqs]`: context length of each sequence *including* its query tokens (clipped to
+        the table's capacity). Query i of sequence s sits at position `kv_lens[s] - q_len[s] + i` and attends
+        to positions <= its own.
+      cu_q_lens: int32 `[num_seqs + 1]`, non-decreasing, cu_q_lens[0] = 0; sequences with q_len 0 are allowed.
+      scale, kv_scales, interpret, target, block_h, pages_per_iter, num_warps, num_stages: as for
+        `mla_paged_attention` (GPU block_h: a power of two with block_q * block_h >= 16).
+      block_q: query tokens per tile, a power of two; `None` picks one from the mean query length, with
+        block_q * block_h rows within the accumulator bound on GPU (`tiles.default_block_q`) and within 256
+        rows on TPU.
+
+    Returns:
+      `[total_q_tokens, num_heads, R]` in q's dtype.
+
+    Raises:
+      ValueError: on malformed arguments or tuning values, as `mla_paged_attention`.
+    """
+    target = _resolve_target(target, interpret)
+    V.validate_mla(q_latent, q_rope, kv_pages, block_tables, kv_scales)
+    num_seqs = block_tables.shape[0]
+    V.check_vector("kv_lens", kv_lens, num_seqs)
+    V.check_vector("cu_q_lens", cu_q_lens, num_seqs + 1)
+    scale = V.check_mla_scale(scale)
+    V.check_positive_option("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
+    if target == "tpu":
+        return ragged_mla_paged_attention_tpu(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens,
+                                              scale=scale, interpret=interpret, block_q=block_q, block_h=block_h,
+                                              pages_per_iter=pages_per_iter)
+    return ragged_mla_paged_attention_gpu(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens,
+                                          scale=scale, interpret=interpret, block_q=block_q, block_h=block_h,
+                                          pages_per_iter=pages_per_iter, num_warps=num_warps,
+                                          num_stages=num_stages, kv_scales=kv_scales)

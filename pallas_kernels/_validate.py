@@ -1,8 +1,9 @@
 """Argument checks shared by every entry point, platform-free (no Triton, no Mosaic): the common arguments
 (shapes, dtypes, head_dim, int32 tables and vectors), the variants (sliding window, soft cap, 8-bit pages with
-their scales), the scale and the tuning options' ints.
+their scales), the scale and the tuning options' ints, and those of the MLA entry points (`validate_mla`).
 
-Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_attention` are the entry points.
+Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_attention` and the MLA entry
+points (`mla_paged_attention` / `ragged_mla_paged_attention`) are.
 """
 
 from __future__ import annotations
@@ -159,3 +160,73 @@ def check_vector(name: str, x: jax.Array, length: int) -> None:
     _check_int32(name, x, 1)
     if x.shape[0] != length:
         raise ValueError(f"{name} must have shape ({length},), got {x.shape}")
+
+
+def validate_mla(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block_tables: jax.Array, kv_scales,
+                 num_q_rows: int | None = None) -> tuple[int, int, bool]:
+    """Checks the arguments common to the MLA entry points (`mla_paged_attention`,
+    `ragged_mla_paged_attention`); returns (kv_lora_rank R, rope dim Dr, quantized).
+
+    q_latent `[tokens, num_heads, R]` and q_rope `[tokens, num_heads, Dr]` share one float dtype; kv_pages
+    `[num_blocks, block_size, R + Dr]` (latent first, then rope) is in that dtype, or int8 / float8_e4m3fn with
+    kv_scales `[num_blocks, block_size]` float32 or bfloat16 (and only then)."""
+    for name, x in (("q_latent", q_latent), ("q_rope", q_rope), ("kv_pages", kv_pages),
+                    ("block_tables", block_tables)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    if q_latent.ndim != 3:
+        raise ValueError(f"q_latent must be 3-D [tokens, num_heads, kv_lora_rank], got shape {q_latent.shape}")
+    if q_rope.ndim != 3:
+        raise ValueError(f"q_rope must be 3-D [tokens, num_heads, rope_dim], got shape {q_rope.shape}")
+    if q_rope.shape[:2] != q_latent.shape[:2]:
+        raise ValueError(f"q_latent and q_rope must agree on [tokens, num_heads], got {q_latent.shape} and "
+                         f"{q_rope.shape}")
+    if kv_pages.ndim != 3:
+        raise ValueError(f"kv_pages must be 3-D [num_blocks, block_size, kv_lora_rank + rope_dim], got shape "
+                         f"{kv_pages.shape}")
+    if jnp.dtype(q_latent.dtype) != jnp.dtype(q_rope.dtype):
+        raise ValueError(f"q_latent and q_rope must share one dtype, got {q_latent.dtype} and {q_rope.dtype}")
+    if jnp.dtype(q_latent.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"q's dtype must be one of float32, bfloat16, float16; got {q_latent.dtype}")
+    quantized = is_quantized(kv_pages.dtype)
+    if not quantized and jnp.dtype(kv_pages.dtype) != jnp.dtype(q_latent.dtype):
+        raise ValueError(f"kv_pages must be in q's dtype ({q_latent.dtype}) or int8 / float8_e4m3fn, got "
+                         f"{kv_pages.dtype}")
+    num_heads, rank, rope_dim = q_latent.shape[1], q_latent.shape[2], q_rope.shape[2]
+    num_blocks, block_size, width = kv_pages.shape
+    if num_heads < 1:
+        raise ValueError(f"need at least one head, got num_heads={num_heads}")
+    if rank < 1 or rope_dim < 1:
+        raise ValueError(f"kv_lora_rank and rope_dim must be >= 1, got {rank} and {rope_dim}")
+    if width != rank + rope_dim:
+        raise ValueError(f"kv_pages' last dimension ({width}) must be kv_lora_rank + rope_dim = {rank} + {rope_dim} "
+                         f"(q_latent.shape[-1] + q_rope.shape[-1])")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    _check_int32("block_tables", block_tables, 2)
+    if num_q_rows is not None and block_tables.shape[0] != num_q_rows:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but there are {num_q_rows} sequences")
+    names = ", ".join(jnp.dtype(d).name for d in QUANTIZED_DTYPES)
+    if not quantized:
+        if kv_scales is not None:
+            raise ValueError(f"kv_scales is only for 8-bit pages ({names}); kv_pages are {kv_pages.dtype}")
+    else:
+        if kv_scales is None:
+            raise ValueError(f"kv_scales is required with {kv_pages.dtype} pages (one scale per token)")
+        if not hasattr(kv_scales, "shape") or not hasattr(kv_scales, "dtype"):
+            raise ValueError(f"kv_scales must be an array, got {type(kv_scales).__name__}")
+        if tuple(kv_scales.shape) != (num_blocks, block_size):
+            raise ValueError(f"kv_scales must have shape [num_blocks, block_size] = {(num_blocks, block_size)}, got "
+                             f"{tuple(kv_scales.shape)}")
+        if jnp.dtype(kv_scales.dtype) not in SCALE_DTYPES:
+            raise ValueError(f"kv_scales must be float32 or bfloat16, got {kv_scales.dtype}")
+    return rank, rope_dim, quantized
+
+
+def check_mla_scale(scale) -> float:
+    """MLA's scale is required (1 / sqrt(qk_nope_dim + rope_dim) in DeepSeek: not derivable from the latent
+    shapes) and a static Python float."""
+    if scale is None or isinstance(scale, bool):
+        raise ValueError(f"scale must be given as a Python float (DeepSeek: 1 / sqrt(qk_nope_head_dim + "
+                         f"qk_rope_head_dim)), got {scale!r}")
+    return resolve_scale(scale, 1)

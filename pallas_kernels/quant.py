@@ -4,6 +4,11 @@ A quantized layer of the cache is `pages` int8 or float8_e4m3fn `[num_kv_heads, 
 plus `scales` float32 `[num_kv_heads, num_blocks, block_size]` in the same paged layout (a slot's scale moves
 with its values). The value a kernel attends over is `pages.astype(float32) * scales[..., None]`: every kernel,
 reference and XLA path dequantizes exactly that way, so quantization error comes from `quantize_kv` alone.
+
+MLA latent pages use the same two functions unchanged: `quantize_kv(kv_pages, dtype)` of `kv_pages
+[num_blocks, block_size, R + Dr]` (or of one new row `[R + Dr]` per token) gives the 8-bit pages and their
+`kv_scales [num_blocks, block_size]`, one scale per token over its whole latent + rope row (the MLA kernels'
+layout: latent and rope of a token share one scale); `dequantize_kv(pages, kv_scales)` reads them back.
 """
 
 from __future__ import annotations

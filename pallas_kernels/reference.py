@@ -11,7 +11,12 @@ the baseline the kernel benchmark compares against. With a sliding window both g
 can hold window positions (a static count bounded by the window, not the context), so block-table entries
 of pages wholly before the window are never read.
 
-Variants, shared by all four (and by the kernels):
+The MLA (multi-head latent attention) counterparts `mla_paged_attention_reference`,
+`ragged_mla_paged_attention_reference`, `mla_paged_attention_xla` and `ragged_mla_paged_attention_xla` take one
+latent page array (see the MLA section below), and `mla_attention_dense_reference` is MLA without weight
+absorption (keys and values expanded per head): the oracle of the absorption algebra.
+
+Variants, shared by the four GQA functions (and by the kernels):
   * `sliding_window=W`: a query at position p attends to key positions j with p - W < j <= p;
   * `logits_soft_cap=c`: scaled scores s become c * tanh(s / c) before masking and softmax;
   * 8-bit pages (int8 or float8_e4m3fn) with `k_scales`/`v_scales` `[num_kv_heads, num_blocks, block_size]`
@@ -319,3 +324,216 @@ def ragged_paged_attention_xla(q: jax.Array,  # [total_q_tokens, num_q_heads, he
     variants = _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales)
     return _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, scale=scale,
                        q_tile=q_tile, **variants)
+
+
+# ---- multi-head latent attention (MLA, DeepSeek V2/V3) ------------------------------------------------------
+#
+# One page array `kv_pages [num_blocks, block_size, R + Dr]` holds each token's latent c_kv (R) then its shared
+# rotary key k_rope (Dr); every query head attends to the same entries. With the up-projections absorbed by
+# the caller (q_latent[h] = W_UK[h] q_nope[h]) head h's score against token t is
+#     scale * (q_latent[h] . c_kv[t] + q_rope[h] . k_rope[t]) = scale * ([q_latent | q_rope][h] . kv_pages[t])
+# and its output, in latent space, is sum_t softmax_t c_kv[t] (the caller applies W_UV). Both the references
+# and the XLA paths score the whole page row against [q_latent | q_rope] at once and keep the first R columns
+# of the weighted sum: one contraction each way, no slice of the gathered pages.
+
+
+def _gather_latent(kv_pages: jax.Array,  # [num_blocks, block_size, R + Dr]
+                   kv_scales: jax.Array | None,  # [num_blocks, block_size], with 8-bit pages
+                   tables: jax.Array,  # i32[N, P]
+                   dtype) -> jax.Array:
+    """The page rows of `tables` as `[N, P * block_size, R + Dr]` in `dtype`; 8-bit pages are dequantized after
+    the gather (only the gathered pages are widened). Out-of-range table entries are clipped (their slots are
+    masked anyway)."""
+    num_blocks, block_size, width = kv_pages.shape
+    n, num_pages = tables.shape
+    idx = jnp.clip(tables, 0, num_blocks - 1)
+    g = kv_pages[idx].reshape(n, num_pages * block_size, width)
+    if kv_scales is None:
+        return g.astype(dtype)
+    return dequantize_kv(g, kv_scales[idx].reshape(n, num_pages * block_size), dtype)
+
+
+def _latent_attention(q, kv, keep, *, scale: float, rank: int, compute_dtype):
+    """q `[N, T, H, R + Dr]` ([q_latent | q_rope]), kv `[N, L, R + Dr]` in compute_dtype, keep bool `[N, T, L]`
+    -> `[N, T, H, R]` float32: T query rows of H heads per gathered row of pages."""
+    # Slots no query row reads may hold anything (NaN included): select them away, never multiply them by zero.
+    kv = jnp.where(jnp.any(keep, axis=1)[..., None], kv, jnp.zeros((), compute_dtype))
+    s = jnp.einsum("nthw,nlw->nthl", q.astype(compute_dtype), kv, precision=HIGHEST,
+                   preferred_element_type=jnp.float32) * scale
+    s = jnp.where(keep[:, :, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
+    p = jnp.exp(s - m)
+    z = jnp.sum(p, axis=-1, keepdims=True)
+    u = jnp.einsum("nthl,nlw->nthw", p.astype(compute_dtype), kv, precision=HIGHEST,
+                   preferred_element_type=jnp.float32)
+    return jnp.where(z > 0, u / jnp.where(z > 0, z, 1.0), 0.0)[..., :rank]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "compute_dtype"))
+def _mla_decode(q_latent, q_rope, kv_pages, block_tables, lengths, kv_scales, *, scale, compute_dtype):
+    block_size = kv_pages.shape[1]
+    max_len = block_tables.shape[1] * block_size
+    lengths = jnp.clip(lengths, 0, max_len)
+    keep = (jnp.arange(max_len, dtype=jnp.int32)[None, :] < lengths[:, None])[:, None, :]  # [N, 1, L]
+    kv = _gather_latent(kv_pages, kv_scales, block_tables, compute_dtype)
+    q = jnp.concatenate([q_latent, q_rope], axis=-1)[:, None]
+    o = _latent_attention(q, kv, keep, scale=scale, rank=q_latent.shape[-1], compute_dtype=compute_dtype)
+    return o[:, 0].astype(q_latent.dtype)
+
+
+def _mla_empty(q_latent, kv_pages, block_tables) -> bool:
+    """No query rows, sequences, table entries or pool blocks: nothing to gather (the result is all zeros)."""
+    return 0 in (q_latent.shape[0], block_tables.shape[0], block_tables.shape[1], kv_pages.shape[0])
+
+
+def _mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale, num_q_rows=None) -> float:
+    V.validate_mla(q_latent, q_rope, kv_pages, block_tables, kv_scales, num_q_rows)
+    return V.check_mla_scale(scale)
+
+
+def mla_paged_attention_reference(q_latent: jax.Array,  # [num_seqs, num_heads, R]
+                                  q_rope: jax.Array,  # [num_seqs, num_heads, Dr]
+                                  kv_pages: jax.Array,  # [num_blocks, block_size, R + Dr]
+                                  block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                                  lengths: jax.Array,  # i32[num_seqs]
+                                  *, scale: float,
+                                  kv_scales: jax.Array | None = None) -> jax.Array:  # [num_blocks, block_size]
+    """Dense float32 reference of `pallas_kernels.mla_paged_attention` (gathers the whole table, then masks):
+    the absorbed MLA definition. Returns `[num_seqs, num_heads, R]` in q's dtype; zeros for length 0."""
+    scale = _mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale, q_latent.shape[0])
+    V.check_vector("lengths", lengths, q_latent.shape[0])
+    if _mla_empty(q_latent, kv_pages, block_tables):
+        return jnp.zeros(q_latent.shape, q_latent.dtype)
+    return _mla_decode(q_latent, q_rope, kv_pages, block_tables, lengths, kv_scales, scale=scale,
+                       compute_dtype=jnp.float32)
+
+
+def mla_paged_attention_xla(q_latent: jax.Array,  # [num_seqs, num_heads, R]
+                            q_rope: jax.Array,  # [num_seqs, num_heads, Dr]
+                            kv_pages: jax.Array,  # [num_blocks, block_size, R + Dr]
+                            block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                            lengths: jax.Array,  # i32[num_seqs]
+                            *, scale: float,
+                            kv_scales: jax.Array | None = None) -> jax.Array:  # [num_blocks, block_size]
+    """XLA gather path for MLA decode: same contract as `mla_paged_attention`; the table's pages are gathered once
+    per sequence in q's dtype (8-bit pages dequantized into it right after the gather), shared by all heads, and
+    scored in one masked softmax with float32 accumulation. Materialises `[num_seqs, max_blocks_per_seq *
+    block_size, R + Dr]`: one copy of the latent cache per sequence, not one per head."""
+    scale = _mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale, q_latent.shape[0])
+    V.check_vector("lengths", lengths, q_latent.shape[0])
+    if _mla_empty(q_latent, kv_pages, block_tables):
+        return jnp.zeros(q_latent.shape, q_latent.dtype)
+    return _mla_decode(q_latent, q_rope, kv_pages, block_tables, lengths, kv_scales, scale=scale,
+                       compute_dtype=jnp.dtype(q_latent.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _ragged_mla_reference(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, kv_scales, *, scale):
+    num_tokens = q_latent.shape[0]
+    max_len = block_tables.shape[1] * kv_pages.shape[1]
+    kv_lens = jnp.clip(kv_lens, 0, max_len)  # as the kernels clip them (`tiles.tile_metadata`)
+    seq, pos, valid = _token_layout(cu_q_lens, kv_lens, num_tokens)
+    keep = valid[:, None] & _visible(jnp.arange(max_len, dtype=jnp.int32)[None, :], pos[:, None],
+                                     kv_lens[seq][:, None], None)
+    kv = _gather_latent(kv_pages, kv_scales, block_tables[seq], jnp.float32)  # one copy per query row
+    q = jnp.concatenate([q_latent, q_rope], axis=-1)[:, None]
+    o = _latent_attention(q, kv, keep[:, None], scale=scale, rank=q_latent.shape[-1], compute_dtype=jnp.float32)
+    return o[:, 0].astype(q_latent.dtype)
+
+
+def _check_ragged(q_latent, block_tables, kv_lens, cu_q_lens) -> None:
+    num_seqs = block_tables.shape[0]
+    V.check_vector("kv_lens", kv_lens, num_seqs)
+    V.check_vector("cu_q_lens", cu_q_lens, num_seqs + 1)
+
+
+def ragged_mla_paged_attention_reference(q_latent: jax.Array,  # [total_q_tokens, num_heads, R]
+                                         q_rope: jax.Array,  # [total_q_tokens, num_heads, Dr]
+                                         kv_pages: jax.Array,  # [num_blocks, block_size, R + Dr]
+                                         block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                                         kv_lens: jax.Array,  # i32[num_seqs]
+                                         cu_q_lens: jax.Array,  # i32[num_seqs + 1]
+                                         *, scale: float,
+                                         kv_scales: jax.Array | None = None) -> jax.Array:
+    """Dense float32 reference of `pallas_kernels.ragged_mla_paged_attention`: query i of sequence s sits at
+    position kv_lens[s] - q_len[s] + i and attends to positions <= its own (and < kv_lens[s]); rows past
+    cu_q_lens[-1] give zeros. Memory: gathers `[total_q_tokens, max_blocks_per_seq * block_size, R + Dr]`."""
+    scale = _mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale)
+    _check_ragged(q_latent, block_tables, kv_lens, cu_q_lens)
+    if _mla_empty(q_latent, kv_pages, block_tables):
+        return jnp.zeros(q_latent.shape, q_latent.dtype)
+    return _ragged_mla_reference(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, kv_scales,
+                                 scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "q_tile"))
+def _ragged_mla_xla(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, kv_scales, *, scale, q_tile):
+    num_tokens, num_heads, rank = q_latent.shape
+    max_len = block_tables.shape[1] * kv_pages.shape[1]
+    tq = max(1, min(q_tile, num_tokens))
+    kv_lens = jnp.clip(kv_lens, 0, max_len)
+    tile_seq, rows, valid, pos, token_slot = _query_tiles(cu_q_lens, kv_lens, num_tokens, tq)
+    num_tiles = tile_seq.shape[0]
+    keep = valid[:, :, None] & _visible(jnp.arange(max_len, dtype=jnp.int32), pos[:, :, None],
+                                        kv_lens[tile_seq][:, None, None], None)  # [NT, tq, L]
+    kv = _gather_latent(kv_pages, kv_scales, block_tables[tile_seq], jnp.dtype(q_latent.dtype))  # [NT, L, R + Dr]
+    q = jnp.concatenate([q_latent, q_rope], axis=-1)[jnp.clip(rows, 0, num_tokens - 1)]  # [NT, tq, H, R + Dr]
+    o = _latent_attention(q, kv, keep, scale=scale, rank=rank, compute_dtype=jnp.dtype(q_latent.dtype))
+    out = o.reshape(num_tiles * tq, num_heads, rank)[jnp.clip(token_slot, 0, num_tiles * tq - 1)]
+    t = jnp.arange(num_tokens)
+    in_batch = (t >= cu_q_lens[0]) & (t < cu_q_lens[-1])
+    return jnp.where(in_batch[:, None, None], out, 0.0).astype(q_latent.dtype)
+
+
+def ragged_mla_paged_attention_xla(q_latent: jax.Array,  # [total_q_tokens, num_heads, R]
+                                   q_rope: jax.Array,  # [total_q_tokens, num_heads, Dr]
+                                   kv_pages: jax.Array,  # [num_blocks, block_size, R + Dr]
+                                   block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                                   kv_lens: jax.Array,  # i32[num_seqs]
+                                   cu_q_lens: jax.Array,  # i32[num_seqs + 1]
+                                   *, scale: float, kv_scales: jax.Array | None = None,
+                                   q_tile: int = 16) -> jax.Array:
+    """XLA gather path for ragged MLA: same contract as `ragged_mla_paged_attention`, pages in q's dtype (8-bit
+    pages dequantized into it right after the gather), float32 accumulation. Each sequence's queries are cut
+    into tiles of `q_tile` consecutive rows (a decode token is a tile of its own) and each tile gathers its
+    sequence's pages once, for all its rows and heads: `[num_tiles, max_blocks_per_seq * block_size, R + Dr]`
+    with num_tiles <= total_q_tokens / q_tile + num_seqs."""
+    V.check_positive_int("q_tile", q_tile)
+    scale = _mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale)
+    _check_ragged(q_latent, block_tables, kv_lens, cu_q_lens)
+    if _mla_empty(q_latent, kv_pages, block_tables):
+        return jnp.zeros(q_latent.shape, q_latent.dtype)
+    return _ragged_mla_xla(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, kv_scales, scale=scale,
+                           q_tile=q_tile)
+
+
+def mla_attention_dense_reference(q_nope: jax.Array,  # [T, H, Dn]
+                                  q_rope: jax.Array,  # [T, H, Dr]
+                                  c_kv: jax.Array,  # [L, R]
+                                  k_rope: jax.Array,  # [L, Dr]
+                                  w_uk: jax.Array,  # [H, R, Dn]
+                                  w_uv: jax.Array,  # [H, R, Dv]
+                                  *, scale: float, q_positions: jax.Array | None = None) -> jax.Array:
+    """Multi-head latent attention of one sequence WITHOUT weight absorption, in float32: the keys and values
+    are expanded per head, K[t, h] = [c_kv[t] W_UK[h] | k_rope[t]] and V[t, h] = c_kv[t] W_UV[h], and the
+    queries [q_nope | q_rope] run ordinary causal attention over them. Query i sits at position
+    q_positions[i] (default L - T + i) and attends to positions <= its own. Returns `[T, H, Dv]` float32.
+
+    The oracle of the absorption algebra: `mla_paged_attention` / `ragged_mla_paged_attention` on
+    q_latent[h] = W_UK[h] q_nope[h], followed by W_UV, must equal it."""
+    f32 = jnp.float32
+    num_tokens, length = q_nope.shape[0], c_kv.shape[0]
+    k_nope = jnp.einsum("lr,hrd->lhd", c_kv.astype(f32), w_uk.astype(f32), precision=HIGHEST)
+    v = jnp.einsum("lr,hrd->lhd", c_kv.astype(f32), w_uv.astype(f32), precision=HIGHEST)
+    s = (jnp.einsum("thd,lhd->thl", q_nope.astype(f32), k_nope, precision=HIGHEST)
+         + jnp.einsum("thd,ld->thl", q_rope.astype(f32), k_rope.astype(f32), precision=HIGHEST)) * scale
+    if q_positions is None:
+        q_positions = length - num_tokens + jnp.arange(num_tokens)
+    keep = jnp.arange(length)[None, :] <= jnp.asarray(q_positions)[:, None]  # [T, L]
+    s = jnp.where(keep[:, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m))
+    z = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("thl,lhd->thd", p / jnp.where(z > 0, z, 1.0), v, precision=HIGHEST)
+    return o

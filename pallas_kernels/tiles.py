@@ -103,3 +103,12 @@ def tile_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, num_tokens: int, blo
     pos0 = kv[seg] - q_lens[seg] + j * block_q
     table_row = jnp.minimum(seg, num_seqs - 1)
     return jnp.stack([table_row, row0, rows, pos0, kv[seg]], axis=1).astype(jnp.int32)
+
+
+def decode_metadata(lengths: jax.Array, max_context: int) -> jax.Array:
+    """`tile_metadata` of a decode batch: int32 `[num_seqs, 5]`, tile s = sequence s's one query token (row s)
+    at position lengths[s] - 1 (lengths clipped to `[0, max_context]`; length 0 attends to nothing). The MLA
+    kernels run decode as ragged tiles of one token."""
+    s = jnp.arange(lengths.shape[0], dtype=jnp.int32)
+    length = jnp.clip(lengths, 0, max_context)
+    return jnp.stack([s, s, jnp.ones_like(s), length - 1, length], axis=1).astype(jnp.int32)

@@ -109,11 +109,16 @@ def online_softmax_step(q, k, v, mask, carry, *, scale: float, logits_soft_cap: 
     z the running sum of exp(s - m), u the running sum of exp(s - m) * v. With `logits_soft_cap` c the
     scaled scores pass through c * tanh(s / c) first (bounded scores: the merge is unchanged).
     """
-    m_prev, z_prev, u_prev = carry
-    precision = dot_precision(q.dtype)
-    s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
+    s = plgpu.dot(q, k, trans_b=True, precision=dot_precision(q.dtype)) * scale
     if logits_soft_cap is not None:
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+    return online_softmax_update(s, v, mask, carry)
+
+
+def online_softmax_update(s, v, mask, carry):
+    """The online-softmax update of `online_softmax_step` from its scaled scores s `[rows, tile]` float32 (the
+    MLA kernel sums two dots into them): masks s, rescales the carry and adds exp(s - m) @ v."""
+    m_prev, z_prev, u_prev = carry
     s = jnp.where(mask, s, NEG_INF)
     m_next = jnp.maximum(m_prev, s.max(axis=-1))
     # Rows that have seen nothing yet keep m = -inf; exponentiate against 0 there so no (-inf) - (-inf).
@@ -121,7 +126,7 @@ def online_softmax_step(q, k, v, mask, carry, *, scale: float, logits_soft_cap: 
     alpha = jnp.exp(m_prev - m_safe)
     p = jnp.exp(s - m_safe[:, None])
     z_next = alpha * z_prev + p.sum(axis=-1)
-    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=dot_precision(v.dtype))
     u_next = alpha[:, None] * u_prev + pv
     return m_next, z_next, u_next
 

@@ -1,8 +1,9 @@
 """Pieces shared by the TPU (Mosaic) decode and ragged kernels: the interpret-mode switch, the layout rules
-and defaults, and the online-softmax step (`page_chunks` holds the double-buffered page DMAs).
+and defaults, the online-softmax step and the tile rows of the wrappers that gather ragged queries into
+tile-aligned blocks (`page_chunks` holds the double-buffered page DMAs).
 
-Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_attention` with target="tpu"
-are the entry points.
+Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_attention` and the MLA entry
+points with target="tpu" are.
 
 Layout rules (a TPU vector register is 8 sublanes x 128 lanes of 32 bits; 16-bit values pack two rows per
 sublane, so their native tile is 16 x 128):
@@ -27,6 +28,7 @@ from pallas_kernels import _validate as V
 from pallas_kernels.quant import is_quantized
 from pallas_kernels.tiles import NEG_INF, dot_precision
 
+META = 5  # tiles.tile_metadata's columns: table row, first query row, rows, first position, kv length
 LANES = 128
 SUBLANES = 8
 TPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -144,3 +146,17 @@ def finalize_rows(z, u, dtype):
     `merge.finalize` in the kernel's 2-D shapes."""
     has = z > 0
     return jnp.where(has, u / jnp.where(has, z, 1.0), 0.0).astype(dtype)
+
+
+def tile_rows(meta, num_tokens: int, block_q: int):
+    """For the wrappers that gather each tile's query rows into a tile-aligned block (the ragged GQA and the MLA
+    kernels): (rows [num_tiles, block_q]: the query row of each tile slot, clipped into range; slot_of_token
+    [num_tokens]: the flat tile slot holding each query row)."""
+    t = jnp.arange(block_q, dtype=jnp.int32)
+    rows = meta[:, 1:2] + t[None, :]
+    real = t[None, :] < meta[:, 2:3]
+    # tile_metadata covers every row exactly once, so every token gets its slot; the rest are dropped.
+    dest = jnp.where(real, rows, num_tokens).reshape(-1)
+    slots = jnp.arange(dest.shape[0], dtype=jnp.int32)
+    slot_of_token = jnp.zeros((num_tokens,), jnp.int32).at[dest].set(slots, mode="drop")
+    return jnp.clip(rows, 0, num_tokens - 1), slot_of_token

@@ -75,8 +75,9 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *refs, scale: f
         return T.online_softmax_step(q, k, v, score_ok, value_ok, carry, scale=scale,
                                      logits_soft_cap=logits_soft_cap)
 
-    chunks = PageChunks(tables_ref, k_hbm, v_hbm, k_buf, v_buf, sems, table_row=seq * max_blocks_per_seq,
-                        head=head, first_page=page_lo, page_end=page_hi, block_size=block_size)
+    chunks = PageChunks(tables_ref, ((k_hbm, (head,), k_buf), (v_hbm, (head,), v_buf)), sems,
+                        table_row=seq * max_blocks_per_seq, first_page=page_lo, page_end=page_hi,
+                        block_size=block_size)
     m, z, u = chunks.fold(num_chunks, step, T.init_carry(rows, head_dim))
     if num_splits == 1:
         (o_ref,) = out_refs

@@ -30,8 +30,6 @@ from pallas_kernels import tiles
 from pallas_kernels.tpu import _common as T
 from pallas_kernels.tpu.page_chunks import PageChunks
 
-_META = 5  # tile_metadata's columns: table row, first query row, rows, first position, kv length
-
 
 def _ragged_kernel(meta_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, *, scale: float,
                    block_q: int, max_blocks_per_seq: int, sliding_window: int | None,
@@ -43,10 +41,10 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_bu
     tile, head = pl.program_id(0), pl.program_id(1)
     block_size = k_hbm.shape[2]
     tokens = k_buf.shape[1]  # per chunk
-    seq = meta_ref[tile * _META]
-    num_rows = meta_ref[tile * _META + 2]
-    pos0 = meta_ref[tile * _META + 3]
-    kv_len = meta_ref[tile * _META + 4]
+    seq = meta_ref[tile * T.META]
+    num_rows = meta_ref[tile * T.META + 2]
+    pos0 = meta_ref[tile * T.META + 3]
+    kv_len = meta_ref[tile * T.META + 4]
     # Keys any row of this tile may see: positions [kv_start, kv_end); with a window W the first row (at pos0)
     # sees nothing before pos0 - W + 1, so pages wholly before that are never copied.
     kv_end = jnp.where(num_rows > 0, jnp.clip(pos0 + num_rows, 0, kv_len), 0)
@@ -71,23 +69,11 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_bu
         return T.online_softmax_step(q, k, v, score_ok, value_ok, carry, scale=scale,
                                      logits_soft_cap=logits_soft_cap)
 
-    chunks = PageChunks(tables_ref, k_hbm, v_hbm, k_buf, v_buf, sems, table_row=seq * max_blocks_per_seq,
-                        head=head, first_page=first_page, page_end=num_pages, block_size=block_size)
+    chunks = PageChunks(tables_ref, ((k_hbm, (head,), k_buf), (v_hbm, (head,), v_buf)), sems,
+                        table_row=seq * max_blocks_per_seq, first_page=first_page, page_end=num_pages,
+                        block_size=block_size)
     _, z, u = chunks.fold(num_chunks, step, T.init_carry(rows, head_dim))
     o_ref[...] = T.finalize_rows(z, u, o_ref.dtype)
-
-
-def _tile_rows(meta, num_tokens: int, block_q: int):
-    """(rows [num_tiles, block_q]: the query row of each tile slot, clipped into range; slot_of_token
-    [num_tokens]: the flat tile slot holding each query row)."""
-    t = jnp.arange(block_q, dtype=jnp.int32)
-    rows = meta[:, 1:2] + t[None, :]
-    real = t[None, :] < meta[:, 2:3]
-    # tile_metadata covers every row exactly once, so every token gets its slot; the rest are dropped.
-    dest = jnp.where(real, rows, num_tokens).reshape(-1)
-    slots = jnp.arange(dest.shape[0], dtype=jnp.int32)
-    slot_of_token = jnp.zeros((num_tokens,), jnp.int32).at[dest].set(slots, mode="drop")
-    return jnp.clip(rows, 0, num_tokens - 1), slot_of_token
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_iter", "sliding_window",
@@ -103,7 +89,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
     num_tiles = meta.shape[0]
     used = group * block_q
     rows = T.round_up(used, T.sublane_rows(q.dtype))
-    tile_rows, slot_of_token = _tile_rows(meta, num_tokens, block_q)
+    tile_rows, slot_of_token = T.tile_rows(meta, num_tokens, block_q)
     q_tiles = q[tile_rows].reshape(num_tiles, block_q, num_kv_heads, group, head_dim)
     q_tiles = q_tiles.transpose(0, 2, 3, 1, 4).reshape(num_tiles, num_kv_heads, used, head_dim)
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, rows - used), (0, 0)))  # [num_tiles, Hkv, rows, D]
