@@ -403,7 +403,7 @@ class Scheduler:
         """Proposed tokens to follow a running decoding request's last token, verified by its next step (each
         costs a position of that step's token budget; those the budget or the pool cannot take are dropped
         then). Blocks past what `1 + len(tokens)` more tokens need go back (`reserve_draft_slots` may have
-        taken more)."""
+        taken more); with no proposal, every block past its computed tokens."""
         self._check_no_pending_fused()
         tokens = [int(t) for t in tokens]
         if tokens and request.num_tokens - request.num_computed_tokens != 1:
@@ -412,7 +412,7 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r}: {len(tokens)} proposals, at most "
                              f"{self.max_new_tokens_left(request) - 1} may still be verified")
         request.draft_token_ids[:] = tokens
-        self.kv_cache_manager.release_past_computed(request, 1 + len(tokens))
+        self.kv_cache_manager.release_past_computed(request, 1 + len(tokens) if tokens else 0)
 
     def _drop_drafts(self, request: Request, keep: int | None = None) -> None:
         """Drop a running request's pending proposals: all of them and the blocks past its computed tokens when it

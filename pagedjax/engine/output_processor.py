@@ -112,6 +112,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._texts: dict[str, SequenceText] = {}
 
+    def __len__(self) -> int:
+        """Requests it keeps a text state for."""
+        return len(self._texts)
+
     def _text_of(self, r: Request, num_known: int) -> SequenceText:
         """Its text state over its first `num_known` output tokens, made (or remade) when it has none or one
         over other tokens (a beam's last token replaced)."""

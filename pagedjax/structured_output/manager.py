@@ -27,6 +27,10 @@ class StructuredOutputManager:
         self.compiler = compiler
         self._constraints: dict[str, Constraint] = {}
 
+    def __len__(self) -> int:
+        """Requests (and multi-sample groups) it keeps a matcher for."""
+        return len(self._constraints)
+
     def compile(self, structured: StructuredOutput) -> Constraint:
         """A fresh matcher (`ConstraintCompiler.compile`: ValueError naming the field if invalid)."""
         return self.compiler.compile(structured)

@@ -320,3 +320,22 @@ def test_no_proposal_leaves_the_plan_as_the_scheduler_made_it():
     np.testing.assert_array_equal(plan.logits_indices, [0])
     assert update_speculative(sched, plan, model.step(plan)).num_sequences == 0
     assert r.num_output_tokens == 2
+
+
+def test_proposals_follow_a_decoding_request_only_and_never_past_its_limits():
+    # 4 computed tokens in a block of 4, its last token the first of the next block; one output: 3 more to go, so
+    # at most 2 proposals may be verified
+    sched, _, r = _decoding_scheduler(max_tokens=4, prompt=(1, 2, 3, 4))
+    with pytest.raises(ValueError, match="at most 2 may still be verified"):
+        sched.set_draft_tokens(r, [1, 2, 3])
+    waiting = Request("w", [1, 2, 3], SamplingParams(max_tokens=4))
+    sched.add_request(waiting)
+    with pytest.raises(ValueError, match="follow a decoding request's last token"):
+        sched.set_draft_tokens(waiting, [1])
+    assert sched.reserve_draft_slots(r, 2) is not None
+    sched.set_draft_tokens(r, [4])
+    assert sched.kv_cache_manager.num_held_blocks("a") == 2  # its last token and one proposal, no more
+    Checker(sched).check()
+    sched.set_draft_tokens(r, [])
+    assert sched.kv_cache_manager.num_held_blocks("a") == 1  # no proposal: its computed tokens' block only
+    Checker(sched).check()
