@@ -1,14 +1,15 @@
-"""The engine: the scheduler (host) and the model runner (device) in one loop, and what runs on top of it.
+"""The engine: the loop that runs every kind of step one way, and what runs on top of it.
 
-  llm_engine.py     LLMEngine: requests in, one step at a time, RequestOutputs out; recovery from failed steps
-  runner.py         ModelRunner: the device state (weights, KV cache) and the jitted step and fused decode
-  beam_search.py    beam search over forked requests
-  inputs.py         requests -> a step's padded device inputs (sampling, penalties, log-probability targets)
-  outputs.py        sampled tokens -> RequestOutputs: incremental text, stop strings, log-probabilities
-  generate.py       a whole batch through any engine
-  data_parallel.py  DataParallelEngine: replicas behind one LLMEngine-shaped front
-  protocol.py       Engine: what every engine-shaped class offers
-  factory.py        make_engine / load_engine: one LLMEngine, or a DataParallelEngine, from a parallel layout
+  llm_engine.py        LLMEngine: requests in; each step plan -> inputs -> device -> StepResult -> Scheduler.update
+                       -> outputs -> proposals; recovery from failed steps
+  output_processor.py  sampled tokens -> RequestOutputs: incremental text, stop strings (its decisions returned),
+                       log-probabilities
+  beam_search.py       beam search over forked requests
+  generate.py          a whole batch through any engine
+  data_parallel.py     DataParallelEngine: replicas behind one LLMEngine-shaped front
+  protocol.py          Engine: what every engine-shaped class offers; PreparedRequest
+  factory.py           make_engine / load_engine: one LLMEngine, or a DataParallelEngine, from a parallel layout
+  scoring.py stats.py  score; EngineStats
 """
 
 from pagedjax.engine.data_parallel import DataParallelEngine
