@@ -429,12 +429,13 @@ class LLMEngine:
         return progressed
 
     # ----------------------------------------------------------------------------------------------- generate
-    def generate(self, prompts: Sequence[Sequence[int] | str | bytes],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; returns finished outputs in input order.
 
-        Prompts are token id lists, or strings (or bytes) when the engine has a tokenizer. The whole batch
+        As vLLM's `LLM.generate`: one prompt (a str or bytes when the engine has a tokenizer, a list of token
+        ids, or a dict `{"prompt": ...}` / `{"prompt_token_ids": ...}`) is one request, a list of them a batch
+        (`pagedjax.engine.generate.batch_of_prompts`). The whole batch
         is validated before any of it is queued: a bad prompt raises and queues nothing. Requests get ids
         `gen-<call>-<index>` (skipping any id in use), so they never collide with the caller's own.
         """
