@@ -89,9 +89,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="parameter dtype (default: the checkpoint's)")
     g.add_argument("--quantization", type=_quantization, default=None, metavar="SCHEME",
-                   help="weight-only quantized linear layers, quantized at load: int8 (per channel), int4 (groups "
-                        "of 128 inputs; int4:32 for groups of 32) or fp8 (e4m3, per channel); activations stay in "
-                        "the model's dtype. Default: the checkpoint's weights as stored")
+                   help="weight-only quantized linear layers, quantized at load (names in any case): int8 (per "
+                        "channel), int4 (groups of 128 inputs; int4:N for groups of an even N, e.g. int4:32) or fp8 "
+                        "(e4m3, per channel); activations stay in the model's dtype. Default: the checkpoint's "
+                        "weights as stored")
     g.add_argument("--backend", choices=["auto", "pallas", "xla"], default="auto",
                    help="attention backend: auto = Pallas on GPU, XLA elsewhere")
     g.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per KV block")
@@ -187,10 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quantization(text: str):
-    """--quantization's value as a `QuantConfig` (argparse reports the ValueError's message)."""
-    from pagedjax.config.quant import QuantConfig
+    """--quantization's value as a `QuantConfig`. A bad name is one message naming what the flag accepts
+    (argparse puts the flag before it): `QuantConfig.parse`'s own names the Python field at fault."""
+    from pagedjax.config.quant import NAMES, QuantConfig
 
     try:
         return QuantConfig.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported; accepted: {NAMES}") from None

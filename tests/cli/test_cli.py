@@ -113,6 +113,18 @@ def test_bad_arguments_give_a_usage_error(argv, message, capsys):
     assert "usage: pagedjax-generate" in err and message in err
 
 
+def test_quantization_flag_takes_any_case_and_its_error_lists_every_name(capsys):
+    from pagedjax.cli.args import build_parser
+    from pagedjax.config.quant import QuantConfig
+
+    assert build_parser().parse_args(["--quantization", "INT4:32"]).quantization == QuantConfig("int4", group_size=32)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--quantization", "int3"])
+    err = capsys.readouterr().err
+    assert "argument --quantization: 'int3' is not supported; accepted: int8, fp8, int4 " in err
+    assert "int4:<N>" in err and "int4:32" in err and "QuantConfig" not in err
+
+
 def test_bad_arguments_in_a_subprocess_give_no_traceback():
     r = _run("--model", "/no/such/model", timeout=120)
     assert r.returncode == 2

@@ -226,6 +226,16 @@ def test_bad_quantization_names_the_field(value, error, match):
         CFG.replace(quantization=value)
 
 
+def test_quantization_names_are_case_insensitive_and_errors_list_every_name():
+    """'INT8' used to be refused, and the error listed 'int8, int4, fp8' without the int4:<N> group sizes."""
+    assert QuantConfig.parse("INT8") == QuantConfig("int8")
+    assert QuantConfig.parse(" Int4:32 ") == QuantConfig("int4", group_size=32)
+    assert CFG.replace(quantization="FP8").quantization == QuantConfig("fp8")
+    for bad in ("int3", "int8:32"):
+        with pytest.raises(ValueError, match=r"accepted names: int8, fp8, int4 .*int4:<N> .*e\.g\. int4:32"):
+            QuantConfig.parse(bad)
+
+
 def test_group_size_must_divide_the_input_dimension_naming_the_tensor():
     with pytest.raises(ValueError, match=r"layers.0.mlp.down_proj: int4 group size 256 does not divide its "
                                          r"input dimension 128"):
