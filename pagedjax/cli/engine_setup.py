@@ -210,9 +210,28 @@ def speculative_config_of(args: argparse.Namespace):
             flag = next(f for f, field in _SPECULATIVE_FLAGS.items() if field in given)
             raise CLIError(f"--{flag.replace('_', '-')} needs --speculative-method")
         return None
+    # The one combination SpeculativeConfig refuses in its own field names, said here in the flags' names.
+    if (args.speculative_method == "draft") != ("draft_model" in given):
+        raise CLIError("--speculative-method draft needs --speculative-draft-model PATH" if "draft_model" not in given
+                       else f"--speculative-draft-model applies to --speculative-method draft only, not "
+                            f"{args.speculative_method}")
     from pagedjax.config import SpeculativeConfig
 
     return SpeculativeConfig(method=args.speculative_method, **given)
+
+
+# What the engine's errors call the things the --speculative-* flags set (a draft model that does not load, or
+# does not fit the target): in a CLI message, the flag stands for the Python name.
+_SPECULATIVE_NAMES = {"SpeculativeConfig(method='draft')": "--speculative-method draft",
+                      **{f"SpeculativeConfig.{field}": f"--{flag.replace('_', '-')}"
+                         for flag, field in _SPECULATIVE_FLAGS.items()}}
+
+
+def in_flags(message: str) -> str:
+    """An engine error's message with the speculative fields it names replaced by their flags."""
+    for name, flag in _SPECULATIVE_NAMES.items():
+        message = message.replace(name, flag)
+    return message
 
 
 def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool | str = True):
@@ -252,8 +271,8 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
         if args.warmup:
             engine.warmup()
         return engine
-    except (TypeError, ValueError) as e:
-        raise CLIError(str(e)) from None
+    except (TypeError, ValueError, FileNotFoundError) as e:  # FileNotFoundError: a missing draft model folder
+        raise CLIError(in_flags(str(e))) from None
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
