@@ -63,6 +63,15 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with short errors (both CLIs): the usage line, the error, and where the options are.
+    argparse's own usage block lists every option, some 22 lines in which the one line that matters got lost."""
+
+    def error(self, message: str):
+        self.exit(2, f"usage: {self.prog} [options]\n{self.prog}: error: {message}\n"
+                     f"(run '{self.prog} --help' for every option)\n")
+
+
 ENGINE_GROUP = "model and engine"
 
 
@@ -85,7 +94,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
     g.add_argument("--model-class", default=None, metavar="MODULE:FACTORY",
                    help="serve a model of your own (pagedjax.model.api): FACTORY(path) is called with --model "
                         "(or None) and returns the model, or (model, tokenizer); the module must be importable "
-                        "(installed, or on PYTHONPATH)")
+                        "(installed, on PYTHONPATH, or in the current folder)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="parameter dtype (default: the checkpoint's)")
     g.add_argument("--quantization", type=_quantization, default=None, metavar="SCHEME",
@@ -149,7 +158,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=PROG,
         description="Generate text with pagedjax's paged-attention engine (default model: the bundled "
                     "2.4M-parameter model trained on Python's standard library).",

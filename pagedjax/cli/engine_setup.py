@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,19 +80,26 @@ def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
 
 
 def load_model_class(target: str, path: str | None):
-    """`MODULE:FACTORY` (the module importable: installed, or on PYTHONPATH) called with `path` (--model, or
-    None) -> (model, tokenizer or None). CLIError naming what is wrong."""
+    """`MODULE:FACTORY` (the module importable: installed, on PYTHONPATH, or in the current folder) called with
+    `path` (--model, or None) -> (model, tokenizer or None). CLIError naming what is wrong."""
     import importlib
 
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise CLIError(f"--model-class must be MODULE:FACTORY (e.g. mypkg.gpt2:load), got {target!r}")
+    # As `python -m` does: the current folder first on sys.path. A console script (`pagedjax-serve`) starts with
+    # its own bin folder there instead, so `mymodule:load` next to the user was not found. It stays there: the
+    # factory may import its own siblings later.
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         factory = importlib.import_module(module_name)
         for part in attr.split("."):
             factory = getattr(factory, part)
     except ModuleNotFoundError as e:
-        raise CLIError(f"--model-class {target}: no module {e.name!r} (install it, or put it on PYTHONPATH)") \
+        raise CLIError(f"--model-class {target}: no module {e.name!r} (install it, put it on PYTHONPATH or run "
+                       "from its folder)") \
             from None
     except AttributeError:
         raise CLIError(f"--model-class {target}: module {module_name!r} has no {attr!r}") from None

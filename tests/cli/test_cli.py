@@ -125,6 +125,32 @@ def test_quantization_flag_takes_any_case_and_its_error_lists_every_name(capsys)
     assert "int4:<N>" in err and "int4:32" in err and "QuantConfig" not in err
 
 
+@pytest.mark.parametrize("prog", ["pagedjax-generate", "pagedjax-serve"])
+def test_argument_errors_are_short(prog, capsys):
+    """Every argument error used to come under argparse's 22-line usage block of every option."""
+    from pagedjax.serve.cli import main as serve_main
+
+    with pytest.raises(SystemExit) as e:
+        (cli.main if prog == "pagedjax-generate" else serve_main)(["--max-num-seqs", "0"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"usage: {prog} [options]", f"{prog}: error: argument --max-num-seqs: must be >= 1, got 0",
+        f"(run '{prog} --help' for every option)"]
+
+
+def test_model_class_resolves_from_the_current_folder_as_python_m_would(tmp_path, monkeypatch):
+    """A console script's sys.path starts with its bin folder, not the current one: `mymodule:load` next to the
+    user was 'no module'."""
+    from pagedjax.cli.engine_setup import load_model_class
+
+    (tmp_path / "fc_cwd_factory.py").write_text("def load(path):\n    return ('model of', path), 'tokenizer'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "fc_cwd_factory", raising=False)
+    assert load_model_class("fc_cwd_factory:load", "DIR") == (("model of", "DIR"), "tokenizer")
+    del sys.modules["fc_cwd_factory"]
+
+
 def test_bad_arguments_in_a_subprocess_give_no_traceback():
     r = _run("--model", "/no/such/model", timeout=120)
     assert r.returncode == 2
