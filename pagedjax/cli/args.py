@@ -197,11 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quantization(text: str):
-    """--quantization's value as a `QuantConfig`. A bad name is one message naming what the flag accepts
-    (argparse puts the flag before it): `QuantConfig.parse`'s own names the Python field at fault."""
-    from pagedjax.config.quant import NAMES, QuantConfig
+    """--quantization's value as a `QuantConfig` (argparse reports the ValueError's message after the flag: it
+    lists every accepted name)."""
+    from pagedjax.config.quant import QuantConfig
 
     try:
         return QuantConfig.parse(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not supported; accepted: {NAMES}") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
