@@ -51,8 +51,14 @@ def cli_model(spec, tokenizer, **weights) -> CLIModel:
 
 
 def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
-    """The model `--model` / `--model-class` / `--dtype` name: `load_pretrained_for_cli`, or the factory's."""
+    """The model `--model` / `--model-class` / `--dtype` name: a `--model-class` factory's, the factory
+    registered for the `--model` folder's `model_type` (`pagedjax.ModelRegistry`), or `load_pretrained_for_cli`."""
     if getattr(args, "model_class", None) is None:
+        registered = load_registered_for_cli(args.model, args.dtype)
+        if registered is not None:
+            return _own_model(args, *registered, f"--model {args.model} (a registered model_type)",
+                              "return (model, tokenizer) from the registered factory, or put tokenizer.json in "
+                              "the folder")
         cfg, params, tokenizer = load_pretrained_for_cli(args.model, args.dtype,
                                                          getattr(args, "tensor_parallel_size", 1),
                                                          getattr(args, "quantization", None))
@@ -60,6 +66,13 @@ def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
     if args.dtype is not None:
         raise CLIError("--dtype applies to the built-in models; a --model-class factory chooses its own dtype")
     model, tokenizer = load_model_class(args.model_class, args.model)
+    return _own_model(args, model, tokenizer, f"--model-class {args.model_class}",
+                      "return (model, tokenizer) from the factory")
+
+
+def _own_model(args: argparse.Namespace, model, tokenizer, where: str, tokenizer_hint: str) -> CLIModel:
+    """A model of the public contract (a --model-class or registered factory's), quantized with
+    --quantization; CLIError naming `where` if its spec is malformed or it has no tokenizer for text prompts."""
     if getattr(args, "quantization", None) is not None:  # the factory's nnx.Linear layers
         from pagedjax.model.layers.quant import quantize_model
 
@@ -72,11 +85,25 @@ def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
     try:  # the spec's types only: the engine traces the whole contract (check_model) when it is built
         spec = model_spec(model)
     except TypeError as e:
-        raise CLIError(f"--model-class {args.model_class}: {e}") from None
+        raise CLIError(f"{where}: {e}") from None
     if tokenizer is None:
-        raise CLIError(f"--model-class {args.model_class} gave no tokenizer: return (model, tokenizer) from the "
-                       "factory for text prompts")
+        raise CLIError(f"{where} gave no tokenizer: {tokenizer_hint} for text prompts")
     return cli_model(spec, tokenizer, model=model)
+
+
+def load_registered_for_cli(path: str | None, dtype: str | None):
+    """`(model, tokenizer or None)` by the factory registered for the `--model` folder's `model_type`
+    (`pagedjax.model.loading.loader.load_registered`), None for a folder of no registered type. The factory's
+    failure is a CLIError naming the folder (its traceback logged at debug level)."""
+    from pagedjax.model.loading.loader import ModelLoadError, load_registered
+
+    try:
+        return load_registered(path, dtype)
+    except ModelLoadError as e:  # an unreadable config.json: the built-in loader would say the same
+        raise CLIError(f"cannot load the model: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's factory: its failure is reported, its traceback logged
+        logger.debug("the factory registered for --model %s failed", path, exc_info=True)
+        raise CLIError(f"--model {path}: its registered factory raised {type(e).__name__}: {e}") from None
 
 
 def load_model_class(target: str, path: str | None):
