@@ -126,8 +126,7 @@ def load_model_class(target: str, path: str | None):
             factory = getattr(factory, part)
     except ModuleNotFoundError as e:
         raise CLIError(f"--model-class {target}: no module {e.name!r} (install it, put it on PYTHONPATH or run "
-                       "from its folder)") \
-            from None
+                       "from its folder)") from None
     except AttributeError:
         raise CLIError(f"--model-class {target}: module {module_name!r} has no {attr!r}") from None
     if not callable(factory):

@@ -72,14 +72,27 @@ def test_from_pretrained_serves_a_registered_model_type(folder):
         LLMEngine.from_pretrained(path, dtype="bfloat16", **ENGINE)  # the dtype reaches the factory
 
 
+def test_quantization_applies_to_a_registered_model(folder):
+    from pagedjax.model.api import QuantizedLinear
+
+    path, _ = folder
+    engine = LLMEngine.from_pretrained(path, quantization="int8", **ENGINE)
+    model = nnx.merge(engine.runner.graphdef, engine.runner.params)
+    assert isinstance(model, GPT2) and isinstance(model.h[0].attn.c_attn, QuantizedLinear)
+
+
 def test_the_cli_model_flag_consults_the_registry(folder):
     from pagedjax.cli.engine_setup import load_model_for_cli
+    from pagedjax.cli.errors import CLIError
     from pagedjax.serve.cli import build_parser
 
     path, _ = folder
     loaded = load_model_for_cli(build_parser().parse_args(["--model", str(path)]))
     assert isinstance(loaded.model, GPT2) and loaded.model_config is None and loaded.spec.num_layers == 2
     assert isinstance(loaded.tokenizer, HFTokenizer)
+    with pytest.raises(CLIError, match=f"--model {path}: its registered factory raised ValueError: this GPT-2 "
+                                       "computes in float32, not bfloat16"):
+        load_model_for_cli(build_parser().parse_args(["--model", str(path), "--dtype", "bfloat16"]))
 
 
 def test_an_unregistered_model_type_names_the_registry(tmp_path):
