@@ -172,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--demo", action="store_true",
                    help="several prompts sharing a long prefix: shows prefix-cache hits")
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int_at_least(1), default=64, help="tokens to generate per prompt")
+    g.add_argument("--max-tokens", type=int_at_least(1), default=64,
+                   help="tokens to generate per prompt; a prompt and its --max-tokens past --max-model-len are "
+                        "refused, as pagedjax-serve refuses them")
     g.add_argument("--temperature", type=float_in(0.0, 100.0), default=0.8, help="0 = greedy")
     g.add_argument("--top-k", type=int_at_least(0), default=0, help="0 = off")
     g.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=0.95, help="1 = off")

@@ -178,6 +178,19 @@ def test_runtime_errors_are_one_line_without_usage(argv, message, capsys):
     assert captured.out == ""  # not even the echo of a streamed prompt
 
 
+def test_max_tokens_past_the_context_is_refused_as_the_server_refuses_it(capsys):
+    """--max-tokens 100 with --max-model-len 64 used to stop short at the context's end, silently (2046 tokens
+    of --max-tokens 5000 at the default context); pagedjax-serve answers the same request 400."""
+    n = _bundled_token_count("def f():")
+    assert cli.main(["--prompt", "def f():", "--max-model-len", "64", "--max-tokens", "100", "--num-blocks", "16"]) == 2
+    captured = capsys.readouterr()
+    assert _one_line_error(captured.err) == (
+        f"pagedjax-generate: error: prompt 1: this model's maximum context length is 64 tokens, but {n + 100} were "
+        f"asked for ({n} in the prompt, --max-tokens 100); lower --max-tokens to {64 - n} or less, or raise "
+        "--max-model-len")
+    assert captured.out == ""
+
+
 def test_kv_pool_bigger_than_memory_is_refused_before_allocating(capsys):
     import jax
 
