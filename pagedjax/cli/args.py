@@ -142,7 +142,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
     g.add_argument("--max-num-seqs", type=int_at_least(1), default=64, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512, help="tokens per step")
     g.add_argument("--max-model-len", type=int_at_least(1), default=None,
-                   help="longest prompt + completion (default: min(2048, the model's max positions))")
+                   help="longest prompt + completion (default: the model's max_position_embeddings, as in Python)")
     g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                    help="speculative decoding (exact: the same output): 'ngram' proposes what followed the last "
                         "tokens' earlier occurrence in the prompt and output, 'draft' a draft model's greedy tokens "

@@ -288,7 +288,9 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
                                    kv_dtype=args.kv_dtype)
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len or min(2048, loaded.spec.max_position_embeddings))
+            # None: the model's max_position_embeddings, resolved by the engine as for LLMEngine(...) in Python,
+            # so one model has one context length in Python, pagedjax-generate and pagedjax-serve.
+            max_model_len=args.max_model_len)
         speculative_config = speculative_config_of(args)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None

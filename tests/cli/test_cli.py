@@ -191,6 +191,23 @@ def test_max_tokens_past_the_context_is_refused_as_the_server_refuses_it(capsys)
     assert captured.out == ""
 
 
+def test_one_context_length_per_model_in_python_the_cli_and_the_server():
+    """The CLI and the server defaulted to min(2048, max_position_embeddings), Python to the model's own."""
+    from pagedjax import CacheConfig, LLMEngine
+    from pagedjax.cli.args import build_parser
+    from pagedjax.cli.engine_setup import build_engine, load_model_for_cli
+    from pagedjax.serve.cli import build_parser as serve_parser
+
+    python = LLMEngine.from_pretrained(None, cache_config=CacheConfig(num_blocks=16), compile_cache=False)
+    want = python.model_config.max_position_embeddings
+    assert python.scheduler_config.max_model_len == want
+    for parser in (build_parser(), serve_parser()):
+        args = parser.parse_args(["--num-blocks", "16", "--no-warmup"])
+        assert build_engine(args, load_model_for_cli(args), compile_cache=False).scheduler_config.max_model_len == want
+        args = parser.parse_args(["--num-blocks", "16", "--no-warmup", "--max-model-len", "100"])
+        assert build_engine(args, load_model_for_cli(args), compile_cache=False).scheduler_config.max_model_len == 100
+
+
 def test_kv_pool_bigger_than_memory_is_refused_before_allocating(capsys):
     import jax
 
