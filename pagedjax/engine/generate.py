@@ -34,6 +34,7 @@ def batch_of_prompts(prompts) -> list:
 
 
 def _one_prompt(prompt, where: str):
+    """One request's prompt as `make_request` takes it (a dict unwrapped); TypeError naming `where` otherwise."""
     if isinstance(prompt, dict):
         keys = sorted(map(str, prompt))
         if keys == ["prompt"] and isinstance(prompt["prompt"], (str, bytes)):
