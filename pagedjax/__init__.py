@@ -24,6 +24,7 @@ _LAZY = {
     "TokenLogprobs": "pagedjax.outputs",
     "BeamSearchOutput": "pagedjax.outputs",
     "BeamSequence": "pagedjax.outputs",
+    "ModelRegistry": "pagedjax.model.registry",
     "ModelConfig": "pagedjax.config",
     "ModelSpec": "pagedjax.config",
     "CacheConfig": "pagedjax.config",

@@ -63,6 +63,15 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with short errors (both CLIs): the usage line, the error, and where the options are.
+    argparse's own usage block lists every option, some 22 lines in which the one line that matters got lost."""
+
+    def error(self, message: str):
+        self.exit(2, f"usage: {self.prog} [options]\n{self.prog}: error: {message}\n"
+                     f"(run '{self.prog} --help' for every option)\n")
+
+
 ENGINE_GROUP = "model and engine"
 
 
@@ -85,13 +94,14 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
     g.add_argument("--model-class", default=None, metavar="MODULE:FACTORY",
                    help="serve a model of your own (pagedjax.model.api): FACTORY(path) is called with --model "
                         "(or None) and returns the model, or (model, tokenizer); the module must be importable "
-                        "(installed, or on PYTHONPATH)")
+                        "(installed, on PYTHONPATH, or in the current folder)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="parameter dtype (default: the checkpoint's)")
     g.add_argument("--quantization", type=_quantization, default=None, metavar="SCHEME",
-                   help="weight-only quantized linear layers, quantized at load: int8 (per channel), int4 (groups "
-                        "of 128 inputs; int4:32 for groups of 32) or fp8 (e4m3, per channel); activations stay in "
-                        "the model's dtype. Default: the checkpoint's weights as stored")
+                   help="weight-only quantized linear layers, quantized at load (names in any case): int8 (per "
+                        "channel), int4 (groups of 128 inputs; int4:N for groups of an even N, e.g. int4:32) or fp8 "
+                        "(e4m3, per channel); activations stay in the model's dtype. Default: the checkpoint's "
+                        "weights as stored")
     g.add_argument("--backend", choices=["auto", "pallas", "xla"], default="auto",
                    help="attention backend: auto = Pallas on GPU, XLA elsewhere")
     g.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per KV block")
@@ -132,7 +142,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
     g.add_argument("--max-num-seqs", type=int_at_least(1), default=64, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512, help="tokens per step")
     g.add_argument("--max-model-len", type=int_at_least(1), default=None,
-                   help="longest prompt + completion (default: min(2048, the model's max positions))")
+                   help="longest prompt + completion (default: the model's max_position_embeddings, as in Python)")
     g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                    help="speculative decoding (exact: the same output): 'ngram' proposes what followed the last "
                         "tokens' earlier occurrence in the prompt and output, 'draft' a draft model's greedy tokens "
@@ -148,7 +158,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=PROG,
         description="Generate text with pagedjax's paged-attention engine (default model: the bundled "
                     "2.4M-parameter model trained on Python's standard library).",
@@ -162,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--demo", action="store_true",
                    help="several prompts sharing a long prefix: shows prefix-cache hits")
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int_at_least(1), default=64, help="tokens to generate per prompt")
+    g.add_argument("--max-tokens", type=int_at_least(1), default=64,
+                   help="tokens to generate per prompt; a prompt and its --max-tokens past --max-model-len are "
+                        "refused, as pagedjax-serve refuses them")
     g.add_argument("--temperature", type=float_in(0.0, 100.0), default=0.8, help="0 = greedy")
     g.add_argument("--top-k", type=int_at_least(0), default=0, help="0 = off")
     g.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=0.95, help="1 = off")
@@ -187,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quantization(text: str):
-    """--quantization's value as a `QuantConfig` (argparse reports the ValueError's message)."""
+    """--quantization's value as a `QuantConfig` (argparse reports the ValueError's message after the flag: it
+    lists every accepted name)."""
     from pagedjax.config.quant import QuantConfig
 
     try:

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,8 +51,14 @@ def cli_model(spec, tokenizer, **weights) -> CLIModel:
 
 
 def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
-    """The model `--model` / `--model-class` / `--dtype` name: `load_pretrained_for_cli`, or the factory's."""
+    """The model `--model` / `--model-class` / `--dtype` name: a `--model-class` factory's, the factory
+    registered for the `--model` folder's `model_type` (`pagedjax.ModelRegistry`), or `load_pretrained_for_cli`."""
     if getattr(args, "model_class", None) is None:
+        registered = load_registered_for_cli(args.model, args.dtype)
+        if registered is not None:
+            return _own_model(args, *registered, f"--model {args.model} (a registered model_type)",
+                              "return (model, tokenizer) from the registered factory, or put tokenizer.json in "
+                              "the folder")
         cfg, params, tokenizer = load_pretrained_for_cli(args.model, args.dtype,
                                                          getattr(args, "tensor_parallel_size", 1),
                                                          getattr(args, "quantization", None))
@@ -59,6 +66,13 @@ def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
     if args.dtype is not None:
         raise CLIError("--dtype applies to the built-in models; a --model-class factory chooses its own dtype")
     model, tokenizer = load_model_class(args.model_class, args.model)
+    return _own_model(args, model, tokenizer, f"--model-class {args.model_class}",
+                      "return (model, tokenizer) from the factory")
+
+
+def _own_model(args: argparse.Namespace, model, tokenizer, where: str, tokenizer_hint: str) -> CLIModel:
+    """A model of the public contract (a --model-class or registered factory's), quantized with
+    --quantization; CLIError naming `where` if its spec is malformed or it has no tokenizer for text prompts."""
     if getattr(args, "quantization", None) is not None:  # the factory's nnx.Linear layers
         from pagedjax.model.layers.quant import quantize_model
 
@@ -71,28 +85,48 @@ def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
     try:  # the spec's types only: the engine traces the whole contract (check_model) when it is built
         spec = model_spec(model)
     except TypeError as e:
-        raise CLIError(f"--model-class {args.model_class}: {e}") from None
+        raise CLIError(f"{where}: {e}") from None
     if tokenizer is None:
-        raise CLIError(f"--model-class {args.model_class} gave no tokenizer: return (model, tokenizer) from the "
-                       "factory for text prompts")
+        raise CLIError(f"{where} gave no tokenizer: {tokenizer_hint} for text prompts")
     return cli_model(spec, tokenizer, model=model)
 
 
+def load_registered_for_cli(path: str | None, dtype: str | None):
+    """`(model, tokenizer or None)` by the factory registered for the `--model` folder's `model_type`
+    (`pagedjax.model.loading.loader.load_registered`), None for a folder of no registered type. The factory's
+    failure is a CLIError naming the folder (its traceback logged at debug level)."""
+    from pagedjax.model.loading.loader import ModelLoadError, load_registered
+
+    try:
+        return load_registered(path, dtype)
+    except ModelLoadError as e:  # an unreadable config.json: the built-in loader would say the same
+        raise CLIError(f"cannot load the model: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's factory: its failure is reported, its traceback logged
+        logger.debug("the factory registered for --model %s failed", path, exc_info=True)
+        raise CLIError(f"--model {path}: its registered factory raised {type(e).__name__}: {e}") from None
+
+
 def load_model_class(target: str, path: str | None):
-    """`MODULE:FACTORY` (the module importable: installed, or on PYTHONPATH) called with `path` (--model, or
-    None) -> (model, tokenizer or None). CLIError naming what is wrong."""
+    """`MODULE:FACTORY` (the module importable: installed, on PYTHONPATH, or in the current folder) called with
+    `path` (--model, or None) -> (model, tokenizer or None). CLIError naming what is wrong."""
     import importlib
 
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise CLIError(f"--model-class must be MODULE:FACTORY (e.g. mypkg.gpt2:load), got {target!r}")
+    # As `python -m` does: the current folder first on sys.path. A console script (`pagedjax-serve`) starts with
+    # its own bin folder there instead, so `mymodule:load` next to the user was not found. It stays there: the
+    # factory may import its own siblings later.
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         factory = importlib.import_module(module_name)
         for part in attr.split("."):
             factory = getattr(factory, part)
     except ModuleNotFoundError as e:
-        raise CLIError(f"--model-class {target}: no module {e.name!r} (install it, or put it on PYTHONPATH)") \
-            from None
+        raise CLIError(f"--model-class {target}: no module {e.name!r} (install it, put it on PYTHONPATH or run "
+                       "from its folder)") from None
     except AttributeError:
         raise CLIError(f"--model-class {target}: module {module_name!r} has no {attr!r}") from None
     if not callable(factory):
@@ -210,9 +244,28 @@ def speculative_config_of(args: argparse.Namespace):
             flag = next(f for f, field in _SPECULATIVE_FLAGS.items() if field in given)
             raise CLIError(f"--{flag.replace('_', '-')} needs --speculative-method")
         return None
+    # The one combination SpeculativeConfig refuses in its own field names, said here in the flags' names.
+    if (args.speculative_method == "draft") != ("draft_model" in given):
+        raise CLIError("--speculative-method draft needs --speculative-draft-model PATH" if "draft_model" not in given
+                       else f"--speculative-draft-model applies to --speculative-method draft only, not "
+                            f"{args.speculative_method}")
     from pagedjax.config import SpeculativeConfig
 
     return SpeculativeConfig(method=args.speculative_method, **given)
+
+
+# What the engine's errors call the things the --speculative-* flags set (a draft model that does not load, or
+# does not fit the target): in a CLI message, the flag stands for the Python name.
+_SPECULATIVE_NAMES = {"SpeculativeConfig(method='draft')": "--speculative-method draft",
+                      **{f"SpeculativeConfig.{field}": f"--{flag.replace('_', '-')}"
+                         for flag, field in _SPECULATIVE_FLAGS.items()}}
+
+
+def in_flags(message: str) -> str:
+    """An engine error's message with the speculative fields it names replaced by their flags."""
+    for name, flag in _SPECULATIVE_NAMES.items():
+        message = message.replace(name, flag)
+    return message
 
 
 def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool | str = True):
@@ -235,7 +288,9 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
                                    kv_dtype=args.kv_dtype)
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len or min(2048, loaded.spec.max_position_embeddings))
+            # None: the model's max_position_embeddings, resolved by the engine as for LLMEngine(...) in Python,
+            # so one model has one context length in Python, pagedjax-generate and pagedjax-serve.
+            max_model_len=args.max_model_len)
         speculative_config = speculative_config_of(args)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
@@ -252,8 +307,8 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
         if args.warmup:
             engine.warmup()
         return engine
-    except (TypeError, ValueError) as e:
-        raise CLIError(str(e)) from None
+    except (TypeError, ValueError, FileNotFoundError) as e:  # FileNotFoundError: a missing draft model folder
+        raise CLIError(in_flags(str(e))) from None
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

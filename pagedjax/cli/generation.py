@@ -118,11 +118,22 @@ class Generation:
             c = self.completions[i]
             ids = self.tokenizer.encode(c.prompt)
             c.num_prompt_tokens = len(ids)
+            self._check_context(i, len(ids))
             try:
                 self.engine.add_request(rid, ids, self._sampling(i))
             except (TypeError, ValueError) as e:
                 raise CLIError(f"prompt {i + 1}: {e}") from None
             self.by_id[rid] = c
+
+    def _check_context(self, i: int, num_prompt: int) -> None:
+        """CLIError for a prompt whose --max-tokens go past the context (max_model_len), as the server refuses
+        one: the engine would stop it at the context's end, silently short of what was asked. A prompt longer
+        than the context itself is the engine's error (`add_request`), and so is one the KV pool cannot hold."""
+        limit, asked = self.engine.scheduler_config.max_model_len, self.args.max_tokens
+        if num_prompt <= limit < num_prompt + asked:
+            raise CLIError(f"prompt {i + 1}: this model's maximum context length is {limit} tokens, but "
+                           f"{num_prompt + asked} were asked for ({num_prompt} in the prompt, --max-tokens {asked}); "
+                           f"lower --max-tokens to {limit - num_prompt} or less, or raise --max-model-len")
 
     def drain(self) -> None:
         while self.engine.has_unfinished_requests():

@@ -19,6 +19,9 @@ from pagedjax.config.fields import check_choice, check_int, describe, from_field
 SCHEMES: tuple[str, ...] = ("int8", "int4", "fp8")
 SCALE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 DEFAULT_GROUP_SIZE = 128
+# Every short name `QuantConfig.parse` reads, as its errors and `--quantization` list them.
+NAMES = (f"int8, fp8, int4 (groups of {DEFAULT_GROUP_SIZE} inputs), int4:<N> (groups of an even N >= 2 inputs, "
+         "e.g. int4:32)")
 
 
 @dataclass(frozen=True)
@@ -67,14 +70,18 @@ class QuantConfig:
 
     @classmethod
     def parse(cls, text: str) -> QuantConfig:
-        """"int8" | "fp8" | "int4" | "int4:<group size>" (what `--quantization` takes) -> a QuantConfig."""
+        """"int8" | "fp8" | "int4" | "int4:<group size>" (what `--quantization` takes), in any case ("INT8" is
+        int8) -> a QuantConfig. ValueError naming the field at fault and listing every accepted name (`NAMES`)."""
         if not isinstance(text, str):
-            raise TypeError(f"quantization must be a string such as 'int8', 'int4:32' or 'fp8', got {describe(text)}")
-        scheme, sep, size = text.partition(":")
+            raise TypeError(f"quantization must be a string ({NAMES}), got {describe(text)}")
+        scheme, sep, size = text.strip().lower().partition(":")
+        if scheme not in SCHEMES:
+            raise ValueError(f"QuantConfig.scheme {scheme!r} is not supported; accepted names: {NAMES}")
         if not sep:
             return cls(scheme)
         if scheme != "int4" or not size.isdigit():
-            raise ValueError(f"quantization {text!r}: a group size is written 'int4:<int>' (e.g. 'int4:32')")
+            raise ValueError(f"quantization {text!r}: a group size is written 'int4:<int>' (e.g. 'int4:32'); "
+                             f"accepted names: {NAMES}")
         return cls(scheme, group_size=int(size))
 
     @classmethod

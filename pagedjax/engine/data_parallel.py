@@ -26,7 +26,7 @@ from pagedjax.engine.llm_engine import LLMEngine, token_list
 from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
-from pagedjax.model.loading.loader import load_for
+from pagedjax.model.loading.loader import load_engine_model
 from pagedjax.outputs import RequestOutput
 from pagedjax.parallel.mesh import replica_meshes
 from pagedjax.runner.weights import checked_leaves
@@ -86,10 +86,10 @@ class DataParallelEngine:
                         devices=None, quantization=None, **kwargs) -> DataParallelEngine:
         """As `LLMEngine.from_pretrained`: the weights read into the first replica's shards (and quantized, with
         a `quantization`), then copied."""
-        cfg, state, tokenizer = load_for(path, dtype, parallel_config, devices, quantization)
+        weights, tokenizer = load_engine_model(path, dtype, parallel_config, devices, quantization)
         kwargs.setdefault("tokenizer", tokenizer)
-        return cls(cfg, cache_config, scheduler_config, params=state, parallel_config=parallel_config,
-                   devices=devices, **kwargs)
+        return cls(cache_config=cache_config, scheduler_config=scheduler_config, **weights,
+                   parallel_config=parallel_config, devices=devices, **kwargs)
 
     def __init__(self, model_config: ModelConfig | None = None, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,

@@ -2,21 +2,73 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
+from pagedjax.config.fields import is_int
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
+
+_PROMPT_SHAPES = "a str, bytes, a list of token ids, a dict {'prompt': ...} or {'prompt_token_ids': ...}"
+
+
+def batch_of_prompts(prompts) -> list:
+    """The requests `generate(prompts)` means, as vLLM's `LLM.generate` reads them: a str, bytes, a token-id
+    list or a prompt dict is ONE request; a list of those is a batch. A sequence whose every item is an int is
+    one token-id prompt (an empty list is an empty batch). Each request comes back as a str, bytes or a token-id
+    sequence (a dict unwrapped), for `make_request` to validate. TypeError naming what was given otherwise: a
+    plain `list(prompts)` used to split "def f" into five one-character requests, silently."""
+    if isinstance(prompts, (str, bytes, dict)):
+        return [_one_prompt(prompts, "prompts")]
+    if not isinstance(prompts, (Sequence, np.ndarray)):
+        raise TypeError(f"prompts must be {_PROMPT_SHAPES}, or a list of them; got {type(prompts).__name__}")
+    items = list(prompts)
+    ints = [is_int(p) for p in items]
+    if items and all(ints):
+        return [items]
+    if any(ints):
+        raise TypeError(f"prompts mixes ints with {type(items[ints.index(False)]).__name__}: a list of ints is "
+                        "one token-id prompt, a batch is a list of prompts")
+    return [_one_prompt(p, f"prompts[{i}]") for i, p in enumerate(items)]
+
+
+def _one_prompt(prompt, where: str):
+    """One request's prompt as `make_request` takes it (a dict unwrapped); TypeError naming `where` otherwise."""
+    if isinstance(prompt, dict):
+        keys = sorted(map(str, prompt))
+        if keys == ["prompt"] and isinstance(prompt["prompt"], (str, bytes)):
+            return prompt["prompt"]
+        if keys == ["prompt_token_ids"] and not isinstance(prompt["prompt_token_ids"], (str, bytes, dict)):
+            return prompt["prompt_token_ids"]
+        raise TypeError(f"{where} must be {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, got a dict "
+                        f"with keys {keys} and values of type "
+                        f"{sorted({type(v).__name__ for v in prompt.values()})}")
+    if isinstance(prompt, (str, bytes, Sequence, np.ndarray)):
+        return prompt
+    raise TypeError(f"{where} must be {_PROMPT_SHAPES}; got {type(prompt).__name__}")
+
+
+def batch_of_params(sampling_params, n: int) -> list[SamplingParams]:
+    """One `SamplingParams` per request: None (the defaults) or one shared by all, or a list of exactly `n`.
+    TypeError naming the type given otherwise (a dict used to be read as a list of its keys, "got str")."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * n
+    if not isinstance(sampling_params, (list, tuple)):
+        raise TypeError(f"sampling_params must be SamplingParams or a list of them, got "
+                        f"{type(sampling_params).__name__}")
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"{len(params)} sampling params for {n} prompts")
+    return params
 
 
 def generate_batch(engine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
     """`generate` over any engine-shaped object (`LLMEngine`, `DataParallelEngine`): validate the whole batch,
     queue it under fresh ids, step until every request finished, outputs in input order. An interrupted call
     aborts what it queued, so nothing keeps running behind the caller's back."""
-    prompts = list(prompts)
-    if isinstance(sampling_params, SamplingParams) or sampling_params is None:
-        params = [sampling_params or SamplingParams()] * len(prompts)
-    else:
-        params = list(sampling_params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    prompts = batch_of_prompts(prompts)
+    params = batch_of_params(sampling_params, len(prompts))
     ids = engine.fresh_request_ids("gen", len(prompts))
     prepared = [engine.make_request(rid, prompt, p) for rid, prompt, p in zip(ids, prompts, params, strict=True)]
     for p in prepared:

@@ -33,7 +33,7 @@ from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama
-from pagedjax.model.loading.loader import engine_model, load_for
+from pagedjax.model.loading.loader import engine_model, load_engine_model
 from pagedjax.outputs import RequestOutput
 from pagedjax.runner import weights
 from pagedjax.runner.inputs import StepInputs, step_inputs
@@ -185,11 +185,12 @@ class LLMEngine:
         `parallel_config`, weights are read straight into their shards on the (first replica's) mesh.
         `quantization` ("int8" | "int4" | "int4:32" | "fp8" or a `QuantConfig`): weight-only quantized linear
         layers and MoE experts, quantized at load (`pagedjax.model.layers.quant`, `pagedjax.model.layers.
-        moe_quant`). `tokenizer`: instead of the folder's. The other keywords are `LLMEngine`'s."""
+        moe_quant`). `tokenizer`: instead of the folder's. The other keywords are `LLMEngine`'s. A Hugging Face
+        folder of a `model_type` registered in `pagedjax.ModelRegistry` is built by its factory."""
         parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
-        cfg, state, folder_tokenizer = load_for(path, dtype, parallel_config, devices, quantization)
-        return cls(cfg, cache_config, scheduler_config, params=state, seed=seed, backend=backend,
-                   decode_steps_per_call=decode_steps_per_call,
+        weights, folder_tokenizer = load_engine_model(path, dtype, parallel_config, devices, quantization)
+        return cls(cache_config=cache_config, scheduler_config=scheduler_config, **weights, seed=seed,
+                   backend=backend, decode_steps_per_call=decode_steps_per_call,
                    tokenizer=folder_tokenizer if tokenizer is None else tokenizer, compile_cache=compile_cache,
                    parallel_config=parallel_config, devices=devices, max_compiled_programs=max_compiled_programs,
                    compile_in_background=compile_in_background, batch_invariant=batch_invariant,
@@ -429,12 +430,13 @@ class LLMEngine:
         return progressed
 
     # ----------------------------------------------------------------------------------------------- generate
-    def generate(self, prompts: Sequence[Sequence[int] | str | bytes],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; returns finished outputs in input order.
 
-        Prompts are token id lists, or strings (or bytes) when the engine has a tokenizer. The whole batch
+        As vLLM's `LLM.generate`: one prompt (a str or bytes when the engine has a tokenizer, a list of token
+        ids, or a dict `{"prompt": ...}` / `{"prompt_token_ids": ...}`) is one request, a list of them a batch
+        (`pagedjax.engine.generate.batch_of_prompts`). The whole batch
         is validated before any of it is queued: a bad prompt raises and queues nothing. Requests get ids
         `gen-<call>-<index>` (skipping any id in use), so they never collide with the caller's own.
         """

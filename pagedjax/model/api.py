@@ -42,6 +42,10 @@ kernel they stand for).
 naming what is wrong: a missing or malformed spec, a layer writing K/V of another shape than declared, a layer
 attended twice or never, a wrong return structure, logits of the wrong shape. The engine calls it on
 construction.
+
+Hugging Face folders of a `model_type` pagedjax has no built-in model for: `ModelRegistry.register_model(
+"gpt2", factory)` (`pagedjax.model.registry`: what a factory receives and returns) makes `from_pretrained` and
+`--model DIR` serve them with a model of this contract.
 """
 
 from __future__ import annotations
@@ -62,11 +66,13 @@ from pagedjax.config.parallel import TP
 from pagedjax.device.attention import AttentionMetadata, paged_attention
 from pagedjax.device.kv_cache import LayerKV, write_kv
 from pagedjax.model.layers.quant import QuantizedLinear, quantize_model
+from pagedjax.model.registry import ModelRegistry
 from pagedjax.parallel.attention import sharded_write_and_attend
 from pagedjax.parallel.sharding import default_param_partition
 
-__all__ = ["TP", "AttentionMetadata", "ModelSpec", "PagedAttention", "PagedKVCache", "PagedModel", "QuantizedLinear",
-           "check_model", "default_param_partition", "model_spec", "param_partition_fn", "quantize_model"]
+__all__ = ["TP", "AttentionMetadata", "ModelRegistry", "ModelSpec", "PagedAttention", "PagedKVCache", "PagedModel",
+           "QuantizedLinear", "check_model", "default_param_partition", "model_spec", "param_partition_fn",
+           "quantize_model"]
 
 
 @runtime_checkable

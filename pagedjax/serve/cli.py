@@ -50,7 +50,7 @@ def _non_negative_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = generate_args.ArgumentParser(
         prog=PROG,
         description="Serve a model over HTTP with OpenAI's API (completions, chat completions, models), "
                     "streaming included; /health and /metrics (Prometheus) too.",

@@ -55,7 +55,10 @@ def load_draft(config: SpeculativeConfig | None, target: ModelSpec, cache_config
         raise ValueError("SpeculativeConfig(method='draft') does not run under a parallel_config yet")
     draft = config.draft_model
     if isinstance(draft, str):
-        cfg, state, _ = load_for(draft, None, None, None)
+        try:
+            cfg, state, _ = load_for(draft, None, None, None)
+        except FileNotFoundError as e:  # say which model is missing: the target loaded
+            raise FileNotFoundError(f"SpeculativeConfig.draft_model: {e}") from None
         model = engine_model(cfg, state, None, seed)
     elif isinstance(draft, ModelConfig):
         model = engine_model(draft, None, None, seed)

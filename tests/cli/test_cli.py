@@ -113,6 +113,44 @@ def test_bad_arguments_give_a_usage_error(argv, message, capsys):
     assert "usage: pagedjax-generate" in err and message in err
 
 
+def test_quantization_flag_takes_any_case_and_its_error_lists_every_name(capsys):
+    from pagedjax.cli.args import build_parser
+    from pagedjax.config.quant import QuantConfig
+
+    assert build_parser().parse_args(["--quantization", "INT4:32"]).quantization == QuantConfig("int4", group_size=32)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--quantization", "int3"])
+    err = capsys.readouterr().err
+    assert "argument --quantization: QuantConfig.scheme 'int3' is not supported; accepted names: int8, fp8, int4 " \
+        in err and "int4:<N>" in err and "int4:32" in err
+
+
+@pytest.mark.parametrize("prog", ["pagedjax-generate", "pagedjax-serve"])
+def test_argument_errors_are_short(prog, capsys):
+    """Every argument error used to come under argparse's 22-line usage block of every option."""
+    from pagedjax.serve.cli import main as serve_main
+
+    with pytest.raises(SystemExit) as e:
+        (cli.main if prog == "pagedjax-generate" else serve_main)(["--max-num-seqs", "0"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"usage: {prog} [options]", f"{prog}: error: argument --max-num-seqs: must be >= 1, got 0",
+        f"(run '{prog} --help' for every option)"]
+
+
+def test_model_class_resolves_from_the_current_folder_as_python_m_would(tmp_path, monkeypatch):
+    """A console script's sys.path starts with its bin folder, not the current one: `mymodule:load` next to the
+    user was 'no module'."""
+    from pagedjax.cli.engine_setup import load_model_class
+
+    (tmp_path / "fc_cwd_factory.py").write_text("def load(path):\n    return ('model of', path), 'tokenizer'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "fc_cwd_factory", raising=False)
+    assert load_model_class("fc_cwd_factory:load", "DIR") == (("model of", "DIR"), "tokenizer")
+    del sys.modules["fc_cwd_factory"]
+
+
 def test_bad_arguments_in_a_subprocess_give_no_traceback():
     r = _run("--model", "/no/such/model", timeout=120)
     assert r.returncode == 2
@@ -138,6 +176,36 @@ def test_runtime_errors_are_one_line_without_usage(argv, message, capsys):
     captured = capsys.readouterr()
     assert message in _one_line_error(captured.err)
     assert captured.out == ""  # not even the echo of a streamed prompt
+
+
+def test_max_tokens_past_the_context_is_refused_as_the_server_refuses_it(capsys):
+    """--max-tokens 100 with --max-model-len 64 used to stop short at the context's end, silently (2046 tokens
+    of --max-tokens 5000 at the default context); pagedjax-serve answers the same request 400."""
+    n = _bundled_token_count("def f():")
+    assert cli.main(["--prompt", "def f():", "--max-model-len", "64", "--max-tokens", "100", "--num-blocks", "16"]) == 2
+    captured = capsys.readouterr()
+    assert _one_line_error(captured.err) == (
+        f"pagedjax-generate: error: prompt 1: this model's maximum context length is 64 tokens, but {n + 100} were "
+        f"asked for ({n} in the prompt, --max-tokens 100); lower --max-tokens to {64 - n} or less, or raise "
+        "--max-model-len")
+    assert captured.out == ""
+
+
+def test_one_context_length_per_model_in_python_the_cli_and_the_server():
+    """The CLI and the server defaulted to min(2048, max_position_embeddings), Python to the model's own."""
+    from pagedjax import CacheConfig, LLMEngine
+    from pagedjax.cli.args import build_parser
+    from pagedjax.cli.engine_setup import build_engine, load_model_for_cli
+    from pagedjax.serve.cli import build_parser as serve_parser
+
+    python = LLMEngine.from_pretrained(None, cache_config=CacheConfig(num_blocks=16), compile_cache=False)
+    want = python.model_config.max_position_embeddings
+    assert python.scheduler_config.max_model_len == want
+    for parser in (build_parser(), serve_parser()):
+        args = parser.parse_args(["--num-blocks", "16", "--no-warmup"])
+        assert build_engine(args, load_model_for_cli(args), compile_cache=False).scheduler_config.max_model_len == want
+        args = parser.parse_args(["--num-blocks", "16", "--no-warmup", "--max-model-len", "100"])
+        assert build_engine(args, load_model_for_cli(args), compile_cache=False).scheduler_config.max_model_len == 100
 
 
 def test_kv_pool_bigger_than_memory_is_refused_before_allocating(capsys):

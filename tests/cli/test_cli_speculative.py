@@ -48,8 +48,27 @@ def test_the_draft_model_flag_makes_a_draft_config():
                    "--speculative-num-tokens", "3") == SpeculativeConfig("draft", 3, draft_model="some/folder")
     with pytest.raises(CLIError, match="--speculative-draft-model needs --speculative-method"):
         _config("--speculative-draft-model", "some/folder")
-    with pytest.raises(ValueError, match="SpeculativeConfig.draft_model is needed by method 'draft'"):
+    # The CLI names the flag, not the Python field (was: ValueError "SpeculativeConfig.draft_model is needed ...").
+    with pytest.raises(CLIError, match="--speculative-method draft needs --speculative-draft-model PATH"):
         _config("--speculative-method", "draft")
+    with pytest.raises(CLIError, match="--speculative-draft-model applies to --speculative-method draft only"):
+        _config("--speculative-method", "ngram", "--speculative-draft-model", "some/folder")
+
+
+def test_a_draft_model_the_engine_refuses_is_named_by_its_flag(capsys):
+    """A missing draft folder used to end in a FileNotFoundError traceback; the engine's refusals of a draft
+    (e.g. another vocabulary) named SpeculativeConfig's fields."""
+    from pagedjax import cli
+    from pagedjax.cli.engine_setup import in_flags
+
+    code = cli.main(["--prompt", "x", "--max-tokens", "2", "--num-blocks", "16", "--no-compile-cache",
+                     "--speculative-method", "draft", "--speculative-draft-model", "/no/such/draft"])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: --speculative-draft-model: no model at /no/such/draft" in err, err
+    assert "SpeculativeConfig" not in err and "Traceback" not in err
+    assert in_flags("SpeculativeConfig.draft_model has vocab_size 5, the target model 7") == \
+        "--speculative-draft-model has vocab_size 5, the target model 7"
+    assert in_flags("SpeculativeConfig(method='draft') does not run") == "--speculative-method draft does not run"
 
 
 @pytest.mark.parametrize("argv, message", [

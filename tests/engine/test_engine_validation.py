@@ -283,3 +283,47 @@ def test_compiled_programs_are_bounded_and_outputs_stay_exact():
     assert [ref() is not None for ref in compiled] == [id(ref()) in held for ref in compiled]
     with pytest.raises(ValueError, match="max_compiled_programs"):
         make_engine(max_compiled_programs=0)
+
+
+_BYTE_CFG = ModelConfig(vocab_size=259, hidden_size=64, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=32,
+                        intermediate_size=128, bos_token_id=256, eos_token_ids=(257,))
+
+
+def _text_engine():
+    return LLMEngine(_BYTE_CFG, CacheConfig(num_blocks=16), SchedulerConfig(max_num_seqs=4, max_model_len=MAX_LEN),
+                     seed=SEED, tokenizer=ByteTokenizer(), compile_cache=False)
+
+
+def test_one_prompt_is_one_request_as_in_vllm():
+    """`generate("def f")` used to run five one-character requests; a dict prompt was read as its keys."""
+    engine = _text_engine()
+    params = SamplingParams(max_tokens=2)
+    tokens = list(ByteTokenizer().encode("def f"))
+    for prompt in ("def f", b"def f", tokens, np.array(tokens), {"prompt": "def f"}, {"prompt_token_ids": tokens}):
+        outs = engine.generate(prompt, params, use_tqdm=False)
+        assert len(outs) == 1 and list(outs[0].prompt_token_ids) == tokens, prompt
+    batch = engine.generate(["def f", tokens, {"prompt": "def f"}, {"prompt_token_ids": tokens}], params,
+                            use_tqdm=False)
+    assert [list(o.prompt_token_ids) for o in batch] == [tokens] * 4
+
+
+@pytest.mark.parametrize("prompts,match", [
+    (5, "got int"), (None, "got NoneType"), ([1, [2, 3]], "mixes ints with list"), ([3.5], r"prompts\[0\].*float"),
+    ({"text": "a"}, r"keys \['text'\]"), ([{"prompt": [1, 2]}], r"prompts\[0\].*'prompt'"),
+    ({"prompt": "a", "prompt_token_ids": [1]}, "keys"),
+])
+def test_prompts_of_a_bad_shape_name_what_was_given(prompts, match):
+    engine = _text_engine()
+    with pytest.raises(TypeError, match=match):
+        engine.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+
+
+def test_sampling_params_of_the_wrong_type_name_their_type():
+    """A dict used to be read as a list of its keys: 'sampling_params must be SamplingParams, got str'."""
+    engine = _text_engine()
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams or a list of them, got dict"):
+        engine.generate(["a", "b"], {"max_tokens": 4}, use_tqdm=False)
+    with pytest.raises(TypeError, match="got str"):
+        engine.generate(["a"], "greedy", use_tqdm=False)
+    assert not engine.has_unfinished_requests()

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from pagedjax.model.api import TP, ModelSpec, PagedAttention, PagedKVCache
+from pagedjax.model.api import TP, ModelRegistry, ModelSpec, PagedAttention, PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -142,3 +142,14 @@ def load(path=None):
     if path is not None:
         return load_hf_gpt2(path)
     return GPT2(GPT2Config(eos_token_id=257), rngs=nnx.Rngs(0)), ByteTokenizer()
+
+
+def from_hf_folder(folder: Path, dtype: str | None):
+    """The factory `ModelRegistry` calls for a folder of model_type "gpt2": (its float32 model, None: the
+    folder's tokenizer.json, if any, is the tokenizer)."""
+    if dtype not in (None, "float32"):
+        raise ValueError(f"this GPT-2 computes in float32, not {dtype}")
+    return load_hf_gpt2(folder), None
+
+
+ModelRegistry.register_model("gpt2", from_hf_folder)  # LLMEngine.from_pretrained / --model DIR of GPT-2 folders

@@ -210,6 +210,23 @@ def test_a_user_models_quantized_linears_through_the_paged_engine():
         np.testing.assert_allclose(logits, dense[rows[tuple(prompt)], len(prompt) - 1], rtol=1e-5, atol=1e-5)
 
 
+def test_keep_float_names_that_match_nothing_in_a_user_model_are_refused():
+    """A name that matched no module of a user's model used to be ignored: a typo quantized what it meant to keep
+    float. The default "lm_head" may match nothing (the example's head is its tied embedding)."""
+    from tests.model.gpt2_example import GPT2, GPT2Config
+
+    cfg = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=4)
+    model = GPT2(cfg, rngs=nnx.Rngs(0))
+    linears = sorted({str(path[-1]) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Linear)})
+    with pytest.raises(ValueError, match=r"keep_float names no module of this model: \['c_atn'\] \(its linear "
+                                         rf"modules: {', '.join(linears)};"):
+        quantize_model(model, QuantConfig("int8", keep_float=("c_atn",)))
+    assert not any(isinstance(node, QuantizedLinear) for _, node in nnx.iter_graph(model))  # nothing replaced
+    quantize_model(model, QuantConfig("int8", keep_float=(linears[0], "lm_head")))
+    kept = {str(path[-1]) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Linear)}
+    assert kept == {linears[0]}
+
+
 # ------------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("value, error, match", [
     ("int3", ValueError, "QuantConfig.scheme 'int3' is not supported"),
@@ -224,6 +241,16 @@ def test_a_user_models_quantized_linears_through_the_paged_engine():
 def test_bad_quantization_names_the_field(value, error, match):
     with pytest.raises(error, match=match):
         CFG.replace(quantization=value)
+
+
+def test_quantization_names_are_case_insensitive_and_errors_list_every_name():
+    """'INT8' used to be refused, and the error listed 'int8, int4, fp8' without the int4:<N> group sizes."""
+    assert QuantConfig.parse("INT8") == QuantConfig("int8")
+    assert QuantConfig.parse(" Int4:32 ") == QuantConfig("int4", group_size=32)
+    assert CFG.replace(quantization="FP8").quantization == QuantConfig("fp8")
+    for bad in ("int3", "int8:32"):
+        with pytest.raises(ValueError, match=r"accepted names: int8, fp8, int4 .*int4:<N> .*e\.g\. int4:32"):
+            QuantConfig.parse(bad)
 
 
 def test_group_size_must_divide_the_input_dimension_naming_the_tensor():

@@ -285,8 +285,21 @@ def quantize_model(model: nnx.Module, quant: QuantConfig | str, paths: set[tuple
     """Replace, in place, every `nnx.Linear` of `model` (any nnx model, e.g. a user model of the
     `pagedjax.model.api` contract) by a `QuantizedLinear` of its kernel and bias, except those whose attribute
     name is in `quant.keep_float` (or, given `paths`, every linear at one of those paths). Returns `model`. A
-    user model's own `param_partition` sees the new leaves `qweight` and `scale` where `kernel` was."""
+    user model's own `param_partition` sees the new leaves `qweight` and `scale` where `kernel` was.
+
+    Without `paths`, a `keep_float` name that is no module's attribute name in `model` is a ValueError naming it
+    and the modules there are (a typo would quantize what it meant to keep float), except the default "lm_head":
+    a model of its own may call its head otherwise, or tie it to the embedding."""
     quant = QuantConfig.coerce(quant)
+    if paths is None:
+        modules = sorted({str(path[-1]) for path, node in nnx.iter_graph(model)
+                          if path and isinstance(node, nnx.Module) and not isinstance(path[-1], int)})
+        unknown = [name for name in quant.keep_float if name not in modules and name != "lm_head"]
+        if unknown:
+            linears = sorted({str(path[-1]) for path, node in nnx.iter_graph(model)
+                              if path and isinstance(node, nnx.Linear)})
+            raise ValueError(f"QuantConfig.keep_float names no module of this model: {unknown} (its linear "
+                             f"modules: {', '.join(linears) or 'none'}; all its modules: {', '.join(modules)})")
     found = [(tuple(path), node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Linear) and path
              and (str(path[-1]) not in quant.keep_float if paths is None else tuple(path) in paths)]
     for path, linear in found:

@@ -363,7 +363,8 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         hint = "; of Gemma 3 only the text model (gemma3_text) loads" if model_type == "gemma3" else ""
         raise ValueError(f"field 'model_type' = {model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}")
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}; a model of your own serves it "
+                         f"once registered: pagedjax.ModelRegistry.register_model({model_type!r}, factory)")
     defaults = _DEFAULTS[model_type]
     _check_unsupported(hf, model_type)
 

@@ -77,7 +77,54 @@ def _quantized(cfg, state, quantization):
     return cfg, state
 
 
-__all__ = ["ModelLoadError", "is_hf_folder", "load_pretrained"]
+def load_registered(path, dtype: str | None):
+    """`(model, tokenizer or None)` of a Hugging Face folder whose `model_type` is registered in
+    `pagedjax.model.registry.ModelRegistry`, by its factory; None for any other folder (a pagedjax checkpoint,
+    an unregistered `model_type`, no path: the bundled model), which `load_pretrained` loads or refuses.
+    The factory's own errors propagate; a result that is not `(model, tokenizer)` is a TypeError naming it."""
+    from pagedjax.model.errors import read_json
+    from pagedjax.model.loading import checkpoint
+    from pagedjax.model.registry import ModelRegistry
+
+    if path is None:
+        return None
+    path = Path(path)
+    if (path / checkpoint.CONFIG_FILE).is_file() or not (path / "config.json").is_file():
+        return None
+    model_type = read_json(path / "config.json").get("model_type")
+    factory = ModelRegistry.factory_for(model_type)
+    if factory is None:
+        return None
+    result = factory(path, dtype)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError(f"the factory registered for model_type {model_type!r} must return (model, tokenizer or "
+                        f"None), got {type(result).__name__}")
+    model, tokenizer = result
+    if tokenizer is None and (path / "tokenizer.json").is_file():
+        from pagedjax.model.hf_tokenizer import HFTokenizer
+
+        tokenizer = HFTokenizer.from_pretrained(path, eos_token_ids=getattr(model.spec, "eos_token_ids", ()))
+    logger.info("loaded %s (model_type %r) with its registered factory", path, model_type)
+    return model, tokenizer
+
+
+def load_engine_model(path, dtype: str | None, parallel_config, devices, quantization=None):
+    """`(model arguments of LLMEngine, tokenizer or None)` of a saved model: `{"model": ...}` from a registered
+    factory (`load_registered`, quantized by `quantize_model` with a `quantization`), else `{"model_config": ...,
+    "params": ...}` (`load_for`)."""
+    registered = load_registered(path, dtype)
+    if registered is None:
+        cfg, state, tokenizer = load_for(path, dtype, parallel_config, devices, quantization)
+        return {"model_config": cfg, "params": state}, tokenizer
+    model, tokenizer = registered
+    if quantization is not None:
+        from pagedjax.model.layers.quant import quantize_model
+
+        quantize_model(model, quantization)
+    return {"model": model}, tokenizer
+
+
+__all__ = ["ModelLoadError", "is_hf_folder", "load_engine_model", "load_pretrained", "load_registered"]
 
 
 def engine_model(model_config: ModelConfig | None, params, model, seed: int):
