@@ -18,7 +18,7 @@ weights (what a loop without in-place updates does): its samples must be token-i
 tokens/s is the baseline of the in-loop engine's. A table per step, the reward curve as a PNG (`--plot`).
 
     python scripts/rl_tiny.py                      # about a minute on a 2-core CPU
-    python scripts/rl_tiny.py --steps 40 --plot /tmp/rl.png
+    python scripts/rl_tiny.py --steps 40 --plot out/rl.png   # and its reward curve
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -105,10 +106,16 @@ def main(argv=None) -> None:
     ap.add_argument("--decode-steps", type=int, default=4, help="the engine's decode_steps_per_call")
     ap.add_argument("--compare", type=int, default=3,
                     help="on the last N steps also generate with a fresh engine (the baseline)")
-    ap.add_argument("--plot", default="rl_tiny.png", help="the reward curve's PNG ('' for none)")
+    ap.add_argument("--plot", metavar="PNG", help="also write the reward curve to this PNG (needs matplotlib; its "
+                    "folder is made); by default nothing is written")
     args = ap.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPTS):
         ap.error(f"--prompts must be in [1, {len(PROMPTS)}]")
+    if args.plot:  # before the work, not after it: a missing matplotlib used to cost the whole run
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--plot needs matplotlib (pip install matplotlib, or pip install -e '.[test]')")
     pattern = re.compile(args.pattern)
     cfg, params, tok = load_pretrained(None)
     prompt_ids = [list(tok.encode(p)) for p in PROMPTS[:args.prompts]]
@@ -159,6 +166,7 @@ def main(argv=None) -> None:
     first, last = np.mean(rewards[:3]), np.mean(rewards[-3:])
     print(f"mean reward: first 3 steps {first:.3f}, last 3 steps {last:.3f}")
     if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(rewards, speeds, args.plot)
         print(f"reward curve: {args.plot}")
 
