@@ -268,10 +268,12 @@ def in_flags(message: str) -> str:
     return message
 
 
-def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool | str = True):
+def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool | str = True,
+                 structured_limits=None):
     """The engine the arguments describe (a `DataParallelEngine` with --data-parallel-size > 1), its KV pool
     checked against the device's memory first, warmed up with --warmup (`LLMEngine.warmup`).
-    compile_cache: `LLMEngine`'s (the CLI sets JAX's cache up before loading: see `pagedjax.cli.warm_start`)."""
+    compile_cache: `LLMEngine`'s (the CLI sets JAX's cache up before loading: see `pagedjax.cli.warm_start`).
+    structured_limits: `LLMEngine`'s (the server's, from its flags; None: the defaults)."""
     import jax
 
     from pagedjax.config import CacheConfig, SchedulerConfig
@@ -303,7 +305,8 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
                              parallel_config=parallel_config, max_compiled_programs=args.max_compiled_programs,
                              # Warmed-up programs stand in while a step's own compiles (the server's way): no
                              # stream stalls on a compile; without warm-up, each step waits for its own program.
-                             compile_in_background=args.warmup, speculative_config=speculative_config)
+                             compile_in_background=args.warmup, speculative_config=speculative_config,
+                             structured_limits=structured_limits)
         if args.warmup:
             engine.warmup()
         return engine

@@ -7,6 +7,7 @@
   quant.py        QuantConfig: weight-only quantized linears and experts
   moe.py          MoEConfig: mixture-of-experts routing and its computation
   speculative.py  SpeculativeConfig: speculative decoding's method and proposal length
+  structured.py   StructuredLimits: what an output constraint may ask of the grammar compiler
   engine.py       EngineConfig: every other LLMEngine keyword (backend, fused decode steps, compile cache, ...)
   fields.py       the field checks every config uses (TypeError / ValueError naming the field)
 """
@@ -19,6 +20,8 @@ from pagedjax.config.parallel import ParallelConfig
 from pagedjax.config.quant import QuantConfig
 from pagedjax.config.scheduler import SchedulerConfig
 from pagedjax.config.speculative import SpeculativeConfig
+from pagedjax.config.structured import StructuredLimits
 
 __all__ = ["KV_DTYPES", "CacheConfig", "EngineConfig", "ModelConfig", "ModelSpec", "MoEConfig", "ParallelConfig",
-           "QuantConfig", "SchedulerConfig", "SpeculativeConfig", "kv_cache_bytes"]
+           "QuantConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredLimits",
+           "kv_cache_bytes"]

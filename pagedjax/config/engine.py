@@ -17,6 +17,7 @@ from pagedjax.config.model import ModelConfig
 from pagedjax.config.parallel import ParallelConfig
 from pagedjax.config.scheduler import SchedulerConfig
 from pagedjax.config.speculative import SpeculativeConfig
+from pagedjax.config.structured import StructuredLimits
 
 BACKENDS = ("auto", "pallas", "xla")
 
@@ -37,6 +38,8 @@ class EngineConfig:
       compiles (the server's choice, with `warmup()`).
     batch_invariant: every step runs one program of the engine's largest shape (needs decode_steps_per_call 1
       and no speculative decoding).
+    structured_limits: what a request's output constraint may ask of the grammar compiler, checked before it is
+      compiled (`pagedjax.structured_output.limits`: a constraint past a limit is a ValueError naming it).
     """
 
     model_config: ModelConfig | None = None
@@ -51,13 +54,15 @@ class EngineConfig:
     max_compiled_programs: int = 64
     compile_in_background: bool = False
     batch_invariant: bool = False
+    structured_limits: StructuredLimits = dataclasses.field(default_factory=StructuredLimits)
 
     def __post_init__(self) -> None:
         owner = "LLMEngine"  # its fields are LLMEngine's keywords: errors name the keyword
         # model_config is checked where the model is built (`engine_model`: it or a model=..., never both)
         for name, cls, optional in (("cache_config", CacheConfig, False), ("scheduler_config", SchedulerConfig, False),
                                     ("parallel_config", ParallelConfig, True),
-                                    ("speculative_config", SpeculativeConfig, True)):
+                                    ("speculative_config", SpeculativeConfig, True),
+                                    ("structured_limits", StructuredLimits, False)):
             value = getattr(self, name)
             if not (isinstance(value, cls) or (optional and value is None)):
                 raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__} ({owner}.{name})")

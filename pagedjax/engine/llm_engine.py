@@ -20,7 +20,15 @@ import warnings
 from collections.abc import Sequence
 
 from pagedjax.compile_cache import enable_compile_cache
-from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
+from pagedjax.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    QuantConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StructuredLimits,
+)
 from pagedjax.config.fields import is_int
 from pagedjax.config.parallel import ParallelConfig, parallel_layout
 from pagedjax.core.request import Request, RequestIds
@@ -86,6 +94,9 @@ class LLMEngine:
     speculative_config: a `SpeculativeConfig` turns on speculative decoding (`pagedjax.spec_decode`): decoding
     requests verify proposed tokens, several per step; the output is the non-speculative one, token for token.
 
+    structured_limits: a `StructuredLimits`: what a request's output constraint may ask of the grammar compiler,
+    checked before anything native compiles it (a request past a limit is refused with a ValueError naming it).
+
     config: an `EngineConfig` holding every option above at once (instead of the keywords, not beside them); the
     engine keeps its whole configuration as `engine.config` either way.
     """
@@ -96,7 +107,8 @@ class LLMEngine:
                  tokenizer=None, compile_cache: bool | str = True, parallel_config: ParallelConfig | None = None,
                  tensor_parallel_size: int | None = None, devices=None, max_compiled_programs: int = 64,
                  compile_in_background: bool = False, batch_invariant: bool = False,
-                 speculative_config: SpeculativeConfig | None = None, config: EngineConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None,
+                 structured_limits: StructuredLimits | None = None, config: EngineConfig | None = None):
         if num_steps is not None:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
                           DeprecationWarning, stacklevel=2)
@@ -108,11 +120,12 @@ class LLMEngine:
                 parallel_config=parallel_layout(parallel_config, tensor_parallel_size, None),
                 speculative_config=speculative_config, backend=backend, decode_steps_per_call=decode_steps_per_call,
                 seed=seed, compile_cache=compile_cache, max_compiled_programs=max_compiled_programs,
-                compile_in_background=compile_in_background, batch_invariant=batch_invariant)
+                compile_in_background=compile_in_background, batch_invariant=batch_invariant,
+                structured_limits=structured_limits or StructuredLimits())
         elif not isinstance(config, EngineConfig):
             raise TypeError(f"LLMEngine: config must be an EngineConfig, got {type(config).__name__}")
         elif (model_config, cache_config, scheduler_config, parallel_config, speculative_config,
-              tensor_parallel_size) != (None,) * 6:
+              tensor_parallel_size, structured_limits) != (None,) * 7:
             raise ValueError("LLMEngine: give config=EngineConfig(...) or the configs as keywords, not both")
         self.config = config
         enable_compile_cache(config.compile_cache if isinstance(config.compile_cache, str) else None,
@@ -144,7 +157,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
                                    sliding_window=spec.kv_window)
         self.output_processor = OutputProcessor(tokenizer)
-        self.structured = StructuredOutputManager(ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids))
+        self.structured = StructuredOutputManager(ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids),
+                                                  config.structured_limits)
         max_programs, background = config.max_compiled_programs, config.compile_in_background
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=config.backend,
@@ -179,7 +193,7 @@ class LLMEngine:
                         decode_steps_per_call: int = 1, compile_cache: bool | str = True,
                         max_compiled_programs: int = 64, compile_in_background: bool = False,
                         batch_invariant: bool = False, speculative_config: SpeculativeConfig | None = None,
-                        ) -> LLMEngine:
+                        structured_limits: StructuredLimits | None = None) -> LLMEngine:
         """An engine over a saved model: a pagedjax orbax checkpoint folder, a local Hugging Face folder
         (config.json + *.safetensors [+ tokenizer.json]), or None for the bundled model. With a
         `parallel_config`, weights are read straight into their shards on the (first replica's) mesh.
@@ -194,7 +208,7 @@ class LLMEngine:
                    tokenizer=folder_tokenizer if tokenizer is None else tokenizer, compile_cache=compile_cache,
                    parallel_config=parallel_config, devices=devices, max_compiled_programs=max_compiled_programs,
                    compile_in_background=compile_in_background, batch_invariant=batch_invariant,
-                   speculative_config=speculative_config)
+                   speculative_config=speculative_config, structured_limits=structured_limits)
 
     @property
     def num_steps(self) -> int:

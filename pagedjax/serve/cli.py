@@ -242,8 +242,10 @@ def serve(args: argparse.Namespace) -> int:
     from pagedjax.serve.chat_template import ChatTemplate
     from pagedjax.serve.head_timeout import head_timeout_protocol
 
+    limits, compile_config = structured_config(args)
     with compile_cache(args) as cache:
-        engine = build_engine(args, load_model_for_cli(args), compile_cache=cache.engine_arg)
+        # The engine checks every constraint against the server's limits too (its Python API is guarded alike).
+        engine = build_engine(args, load_model_for_cli(args), compile_cache=cache.engine_arg, structured_limits=limits)
         # A --model-class model without --model has no folder: the built-in template, unless --chat-template.
         folder = Path(args.model) if args.model is not None else (None if args.model_class else bundled_model_path())
         try:
@@ -252,7 +254,6 @@ def serve(args: argparse.Namespace) -> int:
             raise CLIError(f"cannot read the chat template: {e}") from None
         name = args.served_model_name or args.model or args.model_class or BUNDLED_MODEL_NAME
         async_engine = AsyncLLMEngine(engine, max_pending=args.max_num_seqs + args.max_queue)
-        limits, compile_config = structured_config(args)
         app = build_app(async_engine, model_name=name, structured_limits=limits, compile_config=compile_config,
                         max_chat_messages=args.max_chat_messages,
                         chat_template=template, api_key=api_key(args), allowed_origins=args.allowed_origin,

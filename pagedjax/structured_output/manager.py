@@ -14,17 +14,20 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
+from pagedjax.config.structured import StructuredLimits
 from pagedjax.core.request import Request
 from pagedjax.sampling_params import StructuredOutput
 from pagedjax.structured_output.compiler import Constraint, ConstraintCompiler
+from pagedjax.structured_output.limits import check_structured
 from pagedjax.structured_output.masks import token_masks
 
 
 class StructuredOutputManager:
     """Matchers by request id (see the module docstring)."""
 
-    def __init__(self, compiler: ConstraintCompiler):
+    def __init__(self, compiler: ConstraintCompiler, limits: StructuredLimits):
         self.compiler = compiler
+        self.limits = limits
         self._constraints: dict[str, Constraint] = {}
 
     def __len__(self) -> int:
@@ -32,7 +35,10 @@ class StructuredOutputManager:
         return len(self._constraints)
 
     def compile(self, structured: StructuredOutput) -> Constraint:
-        """A fresh matcher (`ConstraintCompiler.compile`: ValueError naming the field if invalid)."""
+        """A fresh matcher (`ConstraintCompiler.compile`: ValueError naming the field if invalid), once the
+        constraint is within `limits` (`LimitError`, a ValueError naming the limit, before any native code sees
+        it: the grammar library overflows its stack on some hostile constraints)."""
+        check_structured(structured, self.limits)
         return self.compiler.compile(structured)
 
     def add(self, request_id: str, constraint: Constraint) -> None:

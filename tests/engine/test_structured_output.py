@@ -162,3 +162,18 @@ def test_a_constraint_failing_mid_generation_fails_its_request_alone(llm, monkey
     assert outs[0].finish_reason == "error" and "injected" in outs[0].error
     assert outs[1].finish_reason == "length" and len(outs[1].output_token_ids) == 6
     assert llm.stats().scheduler.memory.num_used_blocks == 0
+
+
+def test_the_python_api_checks_constraints_against_the_engines_limits(llm):
+    """`LLMEngine.add_request` used to compile any constraint in-process (only the server checked limits): a
+    constraint past a limit is refused before the grammar library sees it, and an engine with a raised limit
+    takes it."""
+    from pagedjax.config import StructuredLimits
+
+    many = StructuredOutput(choice=[f"c{i}" for i in range(1_100)])
+    with pytest.raises(ValueError, match=r"over the limit max_choices = 1,024"):
+        llm.add_request("many", list(PROMPT.encode()), SamplingParams(max_tokens=4, structured=many))
+    assert not llm.has_unfinished_requests()
+    roomy = engine(structured_limits=StructuredLimits(max_choices=2_000))
+    (out,) = roomy.generate([PROMPT], SamplingParams(max_tokens=8, structured=many), use_tqdm=False)
+    assert out.outputs[0].text in many.choice
