@@ -73,15 +73,6 @@ settings.register_profile("smoke", settings.get_profile("ci"), max_examples=5)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def pytest_collection_finish(session):
-    """The 8-device checks' worker starts in the background once they are selected (tests/parallel/test_parallel.py)."""
-    if not session.config.option.collectonly and any(
-            item.nodeid.startswith("tests/parallel/test_parallel.py::test_parallel[") for item in session.items):
-        from tests.parallel.test_parallel import start_fast_worker
-
-        start_fast_worker()
-
-
 def pytest_collection_modifyitems(config, items):
     if XLA_DEFAULT:
         return

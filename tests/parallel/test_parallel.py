@@ -2,10 +2,9 @@
 that JAX starts with `--xla_force_host_platform_device_count=8` (the device count is fixed when JAX's CPU
 backend starts, and this pytest process has one device). Each check is reported as its own test here.
 
-The subprocess starts in the background as soon as a session has collected these checks (`start_fast_worker`,
-called from tests/conftest.py's collection hook), once for all pytest-xdist workers of a run (a file lock), so
-both cores keep testing while it runs (waiting for it at the first check left one xdist worker idle for its
-whole run, 35 s in CI); each check then reads its result (`fast_results`).
+Under pytest-xdist the workers share one run of the subprocess: the first to need it runs it (holding a file
+lock), the others wait and read its results. The checks are one xdist group (scripts/test.sh runs `--dist
+loadgroup`), so they go to one worker and the others keep testing meanwhile instead of waiting on the lock.
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -40,45 +37,21 @@ def run_worker(out: Path, names: list[str], timeout: float = 900) -> dict:
     return json.loads(out.read_text())
 
 
-def _shared_dir() -> Path:
-    """A folder of this test run's, the same in every xdist worker (their run id), made once."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-    folder = Path(tempfile.gettempdir()) / f"pagedjax-parallel-{run}"
-    folder.mkdir(exist_ok=True)
-    return folder
-
-
-def start_fast_worker() -> None:
-    """Start the 8-device worker over the default checks in the background, unless this run already did: its
-    results go to `results.json` (written whole, then renamed) and its exit status to `rc`."""
-    folder = _shared_dir()
-    with open(folder / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (folder / "started").exists():
-            return
-        (folder / "started").touch()
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    names = " ".join(FAST)
-    script = (f'"{sys.executable}" -m tests.parallel.worker "{folder}/results.tmp" {names} 2> "{folder}/stderr"; '
-              f'rc=$?; [ $rc = 0 ] && mv "{folder}/results.tmp" "{folder}/results.json"; echo $rc > "{folder}/rc"')
-    subprocess.Popen(["sh", "-c", script], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
-
-
 @pytest.fixture(scope="session")
-def fast_results() -> dict:
-    start_fast_worker()  # a no-op when the collection hook started it
-    folder = _shared_dir()
-    deadline = time.monotonic() + 900
-    while not (folder / "rc").is_file() or not (folder / "rc").read_text().strip():
-        if time.monotonic() > deadline:
-            raise RuntimeError("the parallel worker did not finish in 900 s")
-        time.sleep(0.2)
-    rc = (folder / "rc").read_text().strip()
-    if rc != "0" or not (folder / "results.json").is_file():
-        raise RuntimeError(f"the parallel worker exited with {rc}:\n{(folder / 'stderr').read_text()[-4000:]}")
-    return json.loads((folder / "results.json").read_text())
+def fast_results(tmp_path_factory) -> dict:
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this run's folder, the same for every xdist worker
+    out = shared / "pagedjax-parallel-results.json"
+    with open(shared / "pagedjax-parallel.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not out.is_file():
+                run_worker(out.with_suffix(".tmp"), FAST)
+                out.with_suffix(".tmp").rename(out)
+            return json.loads(out.read_text())
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _report(result: dict | None, name: str) -> None:
@@ -88,6 +61,7 @@ def _report(result: dict | None, name: str) -> None:
     assert result["status"] == "passed", f"check {name} failed in the 8-device worker:\n{result['detail']}"
 
 
+@pytest.mark.xdist_group("parallel-worker")
 @pytest.mark.parametrize("name", FAST)
 def test_parallel(fast_results, name):
     _report(fast_results.get(name), name)
