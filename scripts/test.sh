@@ -59,12 +59,12 @@ if ! wait "$newest_setup"; then
 fi
 
 echo "== pagedjax tests: $(.venv/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
-.venv/bin/python -m pytest -n 2 --dist loadgroup -q --durations=15 "$@"
+.venv/bin/python -m pytest -n 2 -q --durations=15 "$@"
 mapfile -t xla_default_files < <(grep -rl --include="test_*.py" "pytest.mark.xla_default" tests 2>/dev/null || true)
 PAGEDJAX_TEST_XLA_OPT=default .venv/bin/python -m pytest -q -m xla_default "${xla_default_files[@]}"
 
 echo "== newest JAX: $(.venv312/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
-HYPOTHESIS_PROFILE=smoke PAGEDJAX_PARALLEL_CHECKS=newest .venv312/bin/python -m pytest -n 2 --dist loadgroup -q \
+HYPOTHESIS_PROFILE=smoke PAGEDJAX_PARALLEL_CHECKS=newest .venv312/bin/python -m pytest -n 2 -q \
   --durations=15 tests/kernels tests/parallel tests/model/test_model.py tests/model/test_checkpoint_train.py \
   tests/engine/test_gpu_lowering.py tests/engine/test_tpu_lowering.py tests/engine/test_cpu_dots.py \
   tests/engine/test_engine_validation.py::test_compiled_programs_are_bounded_and_outputs_stay_exact

@@ -3,8 +3,7 @@ that JAX starts with `--xla_force_host_platform_device_count=8` (the device coun
 backend starts, and this pytest process has one device). Each check is reported as its own test here.
 
 Under pytest-xdist the workers share one run of the subprocess: the first to need it runs it (holding a file
-lock), the others wait and read its results. The checks are one xdist group (scripts/test.sh runs `--dist
-loadgroup`), so they go to one worker and the others keep testing meanwhile instead of waiting on the lock.
+lock), the others wait and read its results.
 """
 
 from __future__ import annotations
