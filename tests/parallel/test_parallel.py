@@ -60,7 +60,6 @@ def _report(result: dict | None, name: str) -> None:
     assert result["status"] == "passed", f"check {name} failed in the 8-device worker:\n{result['detail']}"
 
 
-@pytest.mark.xdist_group("parallel-worker")
 @pytest.mark.parametrize("name", FAST)
 def test_parallel(fast_results, name):
     _report(fast_results.get(name), name)
