@@ -50,20 +50,70 @@ _INIT_OUT_IN = nnx.initializers.lecun_normal(in_axis=2, out_axis=1, batch_axis=(
 _INIT_IN_OUT = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
 
 
-def route(logits: jax.Array, k: int, router: str, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, k: int, router: str, norm_topk_prob: bool, *, num_groups: int = 1,
+          topk_groups: int = 1, correction_bias: jax.Array | None = None,
+          scaling_factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """Router logits `[T, E]` (float32) -> (weights float32 `[T, k]`, experts int32 `[T, k]`), by the family's
-    convention (`pagedjax.config.moe.ROUTERS`): "topk_softmax" (Mixtral) takes the k largest logits and a softmax
-    over them; "softmax_topk" (Qwen3-MoE) a softmax over all experts and its k largest probabilities,
-    renormalized to sum to 1 when `norm_topk_prob`. Ties go to the lower expert index."""
+    convention. Ties go to the lower expert (and group) index.
+
+    Mixtral / Qwen3-MoE (`pagedjax.config.moe.ROUTERS`): "topk_softmax" takes the k largest logits and a softmax
+    over them; "softmax_topk" a softmax over all experts and its k largest probabilities, renormalized to sum to
+    1 when `norm_topk_prob`.
+
+    DeepSeek (`pagedjax.config.deepseek.DEEPSEEK_ROUTERS`), the experts split into `num_groups` consecutive groups
+    of which the `topk_groups` best are eligible: "greedy" is "softmax_topk" (one group); "group_limited_greedy"
+    ranks groups by their best probability and picks the k most probable eligible experts; "noaux_tc" scores
+    experts by sigmoid, ranks groups by the sum of their two best `score + correction_bias` (float32 `[E]`; None:
+    zeros) and picks the k eligible experts of largest score + bias, weighted by their plain scores. With
+    `norm_topk_prob` their weights are renormalized to sum to 1 ("noaux_tc" adds 1e-20 to the sum first, as
+    transformers does).
+
+    Every router's weights are finally multiplied by `scaling_factor` (DeepSeek's `routed_scaling_factor`)."""
+    deepseek = ("greedy", "group_limited_greedy", "noaux_tc")
+    if router not in ("topk_softmax", "softmax_topk", *deepseek):
+        raise ValueError(f"unknown MoE router {router!r}")
+    grouped = router in ("group_limited_greedy", "noaux_tc")
+    if not grouped and (num_groups, topk_groups) != (1, 1):
+        raise ValueError(f"MoE router {router!r} has no expert groups (num_groups={num_groups}, "
+                         f"topk_groups={topk_groups})")
+    if correction_bias is not None and router != "noaux_tc":
+        raise ValueError(f"MoE router {router!r} takes no correction_bias (only 'noaux_tc' does)")
     if router == "topk_softmax":
         top, experts = jax.lax.top_k(logits, k)
-        return jax.nn.softmax(top, axis=-1), experts
-    if router != "softmax_topk":
-        raise ValueError(f"unknown MoE router {router!r}")
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = jax.nn.softmax(top, axis=-1)
+    elif router in ("softmax_topk", "greedy"):
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    elif router == "group_limited_greedy":
+        scores = jax.nn.softmax(logits, axis=-1)
+        best = jnp.max(_grouped(scores, num_groups), axis=-1)
+        weights, experts = jax.lax.top_k(jnp.where(_eligible(best, topk_groups, logits.shape[-1]), scores, 0.0), k)
+    else:  # "noaux_tc"
+        scores = jax.nn.sigmoid(logits)
+        choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+        best_two = jnp.sum(jax.lax.top_k(_grouped(choice, num_groups), 2)[0], axis=-1)
+        eligible = _eligible(best_two, topk_groups, logits.shape[-1])
+        _, experts = jax.lax.top_k(jnp.where(eligible, choice, -jnp.inf), k)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if norm_topk_prob and router != "topk_softmax":
+        total = jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / (total + 1e-20 if router == "noaux_tc" else total)
+    if scaling_factor != 1.0:
+        weights = weights * jnp.float32(scaling_factor)
     return weights, experts
+
+
+def _grouped(scores: jax.Array, num_groups: int) -> jax.Array:
+    """`[T, E]` -> `[T, num_groups, E / num_groups]`: consecutive experts form a group."""
+    return scores.reshape(*scores.shape[:-1], num_groups, scores.shape[-1] // num_groups)
+
+
+def _eligible(group_scores: jax.Array, topk_groups: int, num_experts: int) -> jax.Array:
+    """Group scores `[T, G]` -> bool `[T, E]`: whether each expert is in one of its row's `topk_groups` best
+    groups."""
+    _, best = jax.lax.top_k(group_scores, topk_groups)
+    num_groups = group_scores.shape[-1]
+    chosen = jnp.any(best[..., :, None] == jnp.arange(num_groups), axis=-2)  # [T, G]
+    return jnp.repeat(chosen, num_experts // num_groups, axis=-1)
 
 
 def tokens_per_expert(experts: jax.Array, num_experts: int) -> jax.Array:
@@ -215,30 +265,10 @@ class MoEMLP(nnx.Module):
         return route(logits, self.top_k, self.router, self.norm_topk_prob)
 
     def __call__(self, x: jax.Array, method: str | None = None) -> jax.Array:
-        """x `[..., hidden]` -> `[..., hidden]`. `method` (static): "grouped" (grouped matmuls over the rows sorted
-        by expert), "by_pair" (each (token, expert) pair by its expert alone) or "every" (every expert on every
-        row); None picks "grouped" on GPU / TPU and, on the CPU, "by_pair" for fewer pairs than experts, else
-        "every" (module docstring). All three compute the same function."""
-        lead, hidden = x.shape[:-1], x.shape[-1]
-        rows = x.reshape(-1, hidden)
-        weights, experts = self.routing(rows)
-        flat = experts.reshape(-1)  # [N * k]: slot j of token t is pair t * k + j
-        if method is None:
-            method = "grouped" if jax.default_backend() != "cpu" else (
-                "by_pair" if flat.shape[0] < self.num_experts else "every")
-        if method == "every":
-            return self._every_expert(x, rows, weights, experts)
-        if method == "by_pair":
-            out = self.experts.by_pair(jnp.repeat(rows, self.top_k, axis=0), flat)
-        elif method == "grouped":
-            order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
-            group_sizes = tokens_per_expert(experts, self.num_experts)
-            out = self.experts.grouped(rows[order // self.top_k], group_sizes)
-            out = jnp.zeros_like(out).at[order].set(out)  # back in pair order
-        else:
-            raise ValueError(f"MoEMLP: unknown method {method!r} (grouped, by_pair, every)")
-        y = jnp.einsum("nk,nkh->nh", weights, out.reshape(-1, self.top_k, hidden).astype(jnp.float32))
-        return y.astype(x.dtype).reshape(*lead, hidden)
+        """x `[..., hidden]` -> `[..., hidden]` by `combine_experts` (`method`: its computation, None for the
+        backend's)."""
+        weights, experts = self.routing(x.reshape(-1, x.shape[-1]))
+        return combine_experts(self.experts, x, weights, experts, method)
 
     def dense(self, x: jax.Array, counts: list | None = None) -> jax.Array:
         """The reference: like `__call__`, with every expert computed on every row and weighted by zero unless
@@ -247,11 +277,36 @@ class MoEMLP(nnx.Module):
         weights, experts = self.routing(rows)
         if counts is not None:
             counts.append(tokens_per_expert(experts, self.num_experts))
-        return self._every_expert(x, rows, weights, experts)
+        return combine_experts(self.experts, x, weights, experts, "every")
 
-    def _every_expert(self, x: jax.Array, rows: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-        """Every expert on every row of `rows` `[N, hidden]` (x reshaped), combined by the routing `weights`,
-        `experts` `[N, k]`: `[..., hidden]` in x's shape and dtype."""
-        combine = jnp.zeros((rows.shape[0], self.num_experts), jnp.float32)
-        combine = combine.at[jnp.arange(rows.shape[0])[:, None], experts].add(weights)
-        return self.experts.every(rows, combine).reshape(x.shape)
+
+def combine_experts(experts: Experts, x: jax.Array, weights: jax.Array, chosen: jax.Array,
+                    method: str | None = None) -> jax.Array:
+    """x `[..., hidden]`, its rows' routing (weights float32 `[N, k]`, experts int32 `[N, k]`) -> each row's
+    experts' outputs summed with its weights, `[..., hidden]` in x's dtype. `experts`: an `Experts` (or
+    `QuantizedExperts`). `method` (static): "grouped" (grouped matmuls over the rows sorted by expert),
+    "by_pair" (each (token, expert) pair by its expert alone) or "every" (every expert on every row, weighted by
+    zero unless routed to: the reference); None picks "grouped" on GPU / TPU and, on the CPU, "by_pair" for fewer
+    pairs than experts, else "every" (module docstring). All three compute the same function."""
+    lead, hidden = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, hidden)
+    top_k, num_experts = chosen.shape[-1], experts.num_experts
+    flat = chosen.reshape(-1)  # [N * k]: slot j of token t is pair t * k + j
+    if method is None:
+        method = "grouped" if jax.default_backend() != "cpu" else (
+            "by_pair" if flat.shape[0] < num_experts else "every")
+    if method == "every":
+        combine = jnp.zeros((rows.shape[0], num_experts), jnp.float32)
+        combine = combine.at[jnp.arange(rows.shape[0])[:, None], chosen].add(weights)
+        return experts.every(rows, combine).reshape(x.shape)
+    if method == "by_pair":
+        out = experts.by_pair(jnp.repeat(rows, top_k, axis=0), flat)
+    elif method == "grouped":
+        order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
+        group_sizes = tokens_per_expert(chosen, num_experts)
+        out = experts.grouped(rows[order // top_k], group_sizes)
+        out = jnp.zeros_like(out).at[order].set(out)  # back in pair order
+    else:
+        raise ValueError(f"MoEMLP: unknown method {method!r} (grouped, by_pair, every)")
+    y = jnp.einsum("nk,nkh->nh", weights, out.reshape(-1, top_k, hidden).astype(jnp.float32))
+    return y.astype(x.dtype).reshape(*lead, hidden)

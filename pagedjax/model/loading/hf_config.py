@@ -319,6 +319,12 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
     ModelLoadError (a ValueError) naming the file and field for invalid JSON, a field of the wrong type or
     anything unsupported.
     """
+    return _load(path, lambda hf, bos, eos: _config_from_hf(hf, dtype, bos, eos))
+
+
+def _load(path: str | os.PathLike, build):
+    """build(config.json parsed, bos id, eos ids) of a folder (the stop tokens from `generation_config.json`
+    where it has them), its ValueErrors as ModelLoadErrors naming the file."""
     folder = Path(path)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -332,9 +338,22 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
     except ValueError as e:
         raise ModelLoadError(gen_path, str(e)) from None
     try:
-        return _config_from_hf(hf, dtype, bos, eos)
+        return build(hf, bos, eos)
     except (TypeError, ValueError) as e:
         raise ModelLoadError(config_path, str(e)) from None
+
+
+def _dtype(hf: dict, dtype: str | None) -> str:
+    """The dtype asked for, else the checkpoint's `torch_dtype` / `dtype` (float32 when absent)."""
+    if dtype is None:
+        key = "torch_dtype" if hf.get("torch_dtype") is not None else "dtype"
+        dtype = hf.get(key) or "float32"
+        if dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"field {key!r} = {dtype!r} is not supported "
+                             f"(supported: {', '.join(_SUPPORTED_DTYPES)}); pass dtype= to override")
+    elif dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(_SUPPORTED_DTYPES)})")
+    return dtype
 
 
 # A mixture-of-experts layer's router as checkpoints name it (`hf_quant.quant_config` wants each left unquantized):
@@ -360,6 +379,10 @@ def _quantization(hf: dict, num_layers: int):
 def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: tuple[int, ...]) -> ModelConfig:
     """`load_hf_config` on parsed JSON; ValueErrors name the field (the caller adds the file)."""
     model_type = hf.get("model_type")
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        raise ValueError(f"field 'model_type' = {model_type!r}: a DeepSeek model, not a ModelConfig one; "
+                         "LLMEngine.from_pretrained and --model serve it (pagedjax.model.deepseek), and "
+                         "load_deepseek_config maps its config")
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         hint = "; of Gemma 3 only the text model (gemma3_text) loads" if model_type == "gemma3" else ""
         raise ValueError(f"field 'model_type' = {model_type!r} is not supported "
@@ -393,15 +416,7 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
     else:
         gemma = {}
 
-    if dtype is None:
-        key = "torch_dtype" if hf.get("torch_dtype") is not None else "dtype"
-        dtype = hf.get(key) or "float32"
-        if dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"field {key!r} = {dtype!r} is not supported "
-                             f"(supported: {', '.join(_SUPPORTED_DTYPES)}); pass dtype= to override")
-    elif dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(_SUPPORTED_DTYPES)})")
-
+    dtype = _dtype(hf, dtype)
     bos = gen_bos if gen_bos is not None else _optional_id(hf.get("bos_token_id"), "bos_token_id")
     eos = gen_eos or _id_list(hf.get("eos_token_id"), "eos_token_id")
     return ModelConfig(
@@ -481,3 +496,171 @@ def _check_unsupported(hf: dict, model_type: str) -> None:
     if model_type in _O_PROJ_BIAS and _flag(hf, "attention_bias", False):
         raise ValueError(f"field 'attention_bias' = true is not supported for {model_type} "
                          "(it also biases o_proj)")
+
+
+# DeepSeek V2 / V3 (`pagedjax.config.deepseek.DeepSeekConfig`, served by `pagedjax.model.deepseek`).
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+# transformers' defaults for the fields a DeepSeek config.json may leave out.
+_DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                    "tie_word_embeddings": False, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+                    "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2,
+                    "moe_intermediate_size": 1407, "first_k_dense_replace": 0, "routed_scaling_factor": 1.0,
+                    "topk_method": "greedy", "norm_topk_prob": False},
+    "deepseek_v3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                    "tie_word_embeddings": False, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+                    "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+                    "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "routed_scaling_factor": 2.5,
+                    "topk_method": "noaux_tc", "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
+                    "num_experts_per_tok": 8, "rope_interleave": True},
+}
+# What each family's transformers model computes whatever config.json says, and what a checkpoint declaring
+# otherwise would mean instead (so refused): V2 softmax-scores its experts, V3 takes sigmoid scores with the
+# correction bias ("noaux_tc").
+_DEEPSEEK_ROUTING = {"deepseek_v2": ("softmax", ("greedy", "group_limited_greedy")),
+                     "deepseek_v3": ("sigmoid", ("noaux_tc",))}
+_ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+
+
+def load_deepseek_config(path: str | os.PathLike, dtype: str | None = None):
+    """Map a DeepSeek V2 / V3 Hugging Face folder's `config.json` (`model_type` "deepseek_v2" / "deepseek_v3",
+    and `generation_config.json`'s stop tokens) to a `pagedjax.config.deepseek.DeepSeekConfig`, as
+    transformers' `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM` compute it; `dtype` as `load_hf_config`'s.
+
+    Refused with a ModelLoadError naming the file and field: anything those classes do not compute as the
+    checkpoint declares it (a V2 config asking for `norm_topk_prob`, `moe_layer_freq` != 1, a V3 `topk_method`
+    other than "noaux_tc", a V2 `rope_interleave` false, `scoring_func` other than the family's), `hidden_act`
+    other than silu, `attention_bias`, `mlp_bias`, RoPE scaling other than YaRN, partial rotary, pre-quantized
+    weights. `num_key_value_heads` is not read (MLA has no KV heads; transformers' attention does not read it
+    either); `num_nextn_predict_layers` neither (the multi-token-prediction layers are not served)."""
+    return _load(path, lambda hf, bos, eos: _deepseek_from_hf(hf, dtype, bos, eos))
+
+
+def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: tuple[int, ...]):
+    from pagedjax.config.deepseek import DeepSeekConfig
+
+    model_type = hf.get("model_type")
+    if model_type not in DEEPSEEK_MODEL_TYPES:
+        raise ValueError(f"field 'model_type' = {model_type!r} is not a DeepSeek one "
+                         f"({', '.join(DEEPSEEK_MODEL_TYPES)})")
+    defaults = _DEEPSEEK_DEFAULTS[model_type]
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"field 'hidden_act' = {act!r} is not supported (only silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if _flag(hf, key, False):
+            raise ValueError(f"field {key!r} = true is not supported (the projections have no bias)")
+    if hf.get("quantization_config") is not None:
+        raise ValueError("field 'quantization_config': pre-quantized DeepSeek weights are not supported")
+    interleave = _flag(hf, "rope_interleave", True)
+    if model_type == "deepseek_v2" and not interleave:
+        raise ValueError("field 'rope_interleave' = false is not supported for deepseek_v2 (transformers' DeepSeek "
+                         "V2 always rotates interleaved pairs)")
+    num_layers = _positive_int(hf, "num_hidden_layers")
+    max_pos = _positive_int(hf, "max_position_embeddings", defaults["max_position_embeddings"])
+    rope_dim = _positive_int(hf, "qk_rope_head_dim", defaults["qk_rope_head_dim"])
+    theta, yarn = _deepseek_rope(hf, defaults["rope_theta"], max_pos)
+    q_lora = hf.get("q_lora_rank", defaults["q_lora_rank"])
+    bos = gen_bos if gen_bos is not None else _optional_id(hf.get("bos_token_id"), "bos_token_id")
+    eos = gen_eos or _id_list(hf.get("eos_token_id"), "eos_token_id")
+    nope = hf.get("qk_nope_head_dim", defaults["qk_nope_head_dim"])
+    if not is_int(nope) or nope < 0:
+        raise ValueError(f"field 'qk_nope_head_dim': expected an int >= 0, got {nope!r}")
+    return DeepSeekConfig(
+        vocab_size=_positive_int(hf, "vocab_size"),
+        hidden_size=_positive_int(hf, "hidden_size"),
+        num_layers=num_layers,
+        num_heads=_positive_int(hf, "num_attention_heads"),
+        intermediate_size=_positive_int(hf, "intermediate_size"),
+        kv_lora_rank=_positive_int(hf, "kv_lora_rank", defaults["kv_lora_rank"]),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=_positive_int(hf, "v_head_dim", defaults["v_head_dim"]),
+        q_lora_rank=None if q_lora is None else _positive_int(hf, "q_lora_rank"),
+        rope_theta=theta,
+        rope_scaling=yarn,
+        rope_interleave=interleave,
+        rms_norm_eps=_number(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
+        tie_word_embeddings=_flag(hf, "tie_word_embeddings", defaults["tie_word_embeddings"]),
+        max_position_embeddings=max_pos,
+        dtype=_dtype(hf, dtype),
+        bos_token_id=bos,
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+        moe=_deepseek_moe(hf, model_type, num_layers),
+    )
+
+
+def _deepseek_rope(hf: dict, default_theta: float, max_pos: int) -> tuple[float, tuple | None]:
+    """(rope_theta, DeepSeekConfig.rope_scaling): none, or YaRN's parameters as transformers completes them
+    (`factor` null: max_position_embeddings / original_max_position_embeddings; the original length from the
+    top-level field when there is one, else max_position_embeddings)."""
+    from pagedjax.config.deepseek import ROPE_YARN_PARAMS
+
+    params, field = _rope_source(hf)
+    theta = _number(params, "rope_theta", _number(hf, "rope_theta", default_theta))
+    partial = _number(params if params.get("partial_rotary_factor") is not None else hf, "partial_rotary_factor",
+                      1.0)
+    if partial != 1.0:
+        raise ValueError(f"field 'partial_rotary_factor' = {partial!r}: only full rotary embeddings are supported")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "yarn":
+        raise ValueError(f"field {field!r}: rope type {kind!r} is not supported for DeepSeek (supported: default, "
+                         "yarn)")
+    unknown = sorted(set(params) - set(_ROPE_KEYS) - set(ROPE_YARN_PARAMS))
+    if unknown:
+        raise ValueError(f"field {field!r}: YaRN parameters {unknown} are not supported")
+    yarn = {k: v for k, v in params.items() if k in ROPE_YARN_PARAMS and v is not None}
+    if hf.get("original_max_position_embeddings") is not None:  # transformers prefers the top-level one
+        yarn["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+    yarn.setdefault("original_max_position_embeddings", max_pos)
+    original = _number(yarn, "original_max_position_embeddings")
+    yarn.setdefault("factor", max_pos / original)
+    for key in yarn:  # each value's type, the field named, before the config checks the ranges
+        if key == "truncate":
+            _flag(yarn, key, True)
+        else:
+            _number(yarn, key)
+    return theta, tuple(sorted(yarn.items()))
+
+
+def _deepseek_moe(hf: dict, model_type: str, num_layers: int):
+    """DeepSeekConfig.moe: the routed and shared experts of the layers from `first_k_dense_replace` on."""
+    from pagedjax.config.deepseek import DeepSeekMoEConfig
+
+    defaults = _DEEPSEEK_DEFAULTS[model_type]
+    scoring, methods = _DEEPSEEK_ROUTING[model_type]
+    if hf.get("scoring_func", scoring) != scoring:
+        raise ValueError(f"field 'scoring_func' = {hf['scoring_func']!r} is not supported for {model_type} "
+                         f"(transformers scores its experts by {scoring})")
+    method = hf.get("topk_method") or defaults["topk_method"]
+    if method not in methods:
+        raise ValueError(f"field 'topk_method' = {method!r} is not supported for {model_type} (supported: "
+                         f"{', '.join(methods)})")
+    freq = hf.get("moe_layer_freq", 1)
+    if freq != 1:
+        raise ValueError(f"field 'moe_layer_freq' = {freq!r} is not supported (only 1: transformers makes every "
+                         "layer from first_k_dense_replace on a mixture of experts)")
+    norm = _flag(hf, "norm_topk_prob", defaults["norm_topk_prob"])
+    if model_type == "deepseek_v2" and norm:
+        raise ValueError("field 'norm_topk_prob' = true is not supported for deepseek_v2 (transformers' DeepSeek V2 "
+                         "router does not renormalize)")
+    first_dense = hf.get("first_k_dense_replace", defaults["first_k_dense_replace"])
+    if not is_int(first_dense) or not 0 <= first_dense <= num_layers:
+        raise ValueError(f"field 'first_k_dense_replace': expected an int in [0, num_hidden_layers], got "
+                         f"{first_dense!r}")
+    num_experts = _positive_int(hf, "n_routed_experts", defaults["n_routed_experts"])
+    top_k = _positive_int(hf, "num_experts_per_tok", defaults.get("num_experts_per_tok"))
+    if top_k > num_experts:
+        raise ValueError(f"field 'num_experts_per_tok' = {top_k} exceeds the {num_experts} experts "
+                         "('n_routed_experts')")
+    groups = (1, 1) if method == "greedy" else (_positive_int(hf, "n_group", defaults.get("n_group")),
+                                                _positive_int(hf, "topk_group", defaults.get("topk_group")))
+    return DeepSeekMoEConfig(
+        num_experts=num_experts, num_experts_per_tok=top_k,
+        intermediate_size=_positive_int(hf, "moe_intermediate_size", defaults["moe_intermediate_size"]),
+        num_shared_experts=_positive_int(hf, "n_shared_experts", defaults["n_shared_experts"]),
+        first_k_dense_replace=first_dense, router=method, num_groups=groups[0], topk_groups=groups[1],
+        norm_topk_prob=norm, routed_scaling_factor=_number(hf, "routed_scaling_factor",
+                                                           defaults["routed_scaling_factor"]))

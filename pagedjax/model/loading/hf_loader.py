@@ -195,21 +195,41 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
     mis-shaped tensors (naming them) before reading any data, and naming the file for unreadable data. The load
     time is logged (logger `pagedjax.model.loading.hf_loader`, level INFO).
     """
-    from safetensors import safe_open
-
-    start = time.perf_counter()
-    files = safetensors_files(path)
     _, state = nnx.split(abstract_model(cfg))
-    # HF name -> (the model's parameter, transposed?, the expert slice it fills or None: the whole parameter).
-    targets: dict[str, tuple[Any, bool, int | None]] = {}
-    place = {}  # id of a parameter -> its sharding, with a mesh
     where = None
     if mesh is not None:
         from pagedjax.parallel.sharding import param_sharding_fn
 
         where = param_sharding_fn(cfg, mesh)
+
+    def skip(name: str) -> bool:
+        # tied: the embedding is the head, as in transformers; `hf_quant`'s weight_shape tensors are redundant
+        return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
+            cfg.quantization is not None and name.endswith(".weight_shape"))
+
+    return fill_state(path, state, lambda p, shape: _hf_names(p, shape, cfg.quantization), skip=skip, where=where)
+
+
+def fill_state(path: str | os.PathLike, state: nnx.State, names, *, skip=None, where=None) -> nnx.State:
+    """Fill the abstract parameters `state` (`jax.ShapeDtypeStruct` leaves, e.g. `nnx.split(nnx.eval_shape(...))`)
+    from a Hugging Face folder's safetensors, in place, and return it: the loading of every built-in model.
+
+    names(state path, shape) -> the checkpoint tensors of that parameter, [(name, transposed? or the `Codec` of
+    a pre-quantized tensor, the expert whose slice it fills or None)] (`_hf_names` is the Llama family's);
+    skip(name) -> True for a checkpoint tensor the model does not read; where(state path) -> the parameter's
+    sharding (None: one device). Each tensor is cast to its parameter's dtype. ModelLoadError (a ValueError)
+    for missing, unexpected or mis-shaped tensors (naming them) before any data is read, and naming the file
+    for unreadable data; the load time is logged."""
+    from safetensors import safe_open
+
+    start = time.perf_counter()
+    files = safetensors_files(path)
+    skip = skip or (lambda name: False)
+    # HF name -> (the model's parameter, transposed?, the expert slice it fills or None: the whole parameter).
+    targets: dict[str, tuple[Any, bool, int | None]] = {}
+    place = {}  # id of a parameter -> its sharding, with a mesh
     for p, var in nnx.to_flat_state(state):
-        for name, transpose, expert in _hf_names(tuple(p), tuple(var.get_value().shape), cfg.quantization):
+        for name, transpose, expert in names(tuple(p), tuple(var.get_value().shape)):
             targets[name] = (var, transpose, expert)
         if where is not None:
             place[id(var)] = where(tuple(p))
@@ -220,9 +240,8 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
     seen: dict[str, Path] = {}
     unexpected, misshaped, skipped = [], [], []
     for file, name, shape, st_dtype in _headers(files):
-        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
-                cfg.quantization is not None and name.endswith(".weight_shape")):  # `hf_quant`: redundant
-            skipped.append(name)  # tied: the embedding is the head, as in transformers
+        if skip(name):
+            skipped.append(name)
             continue
         canonical = _canonical(name)
         parts = [canonical] if canonical in targets else _unfused(canonical, targets)
@@ -268,7 +287,6 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
 
     # Pass 2: data, one tensor at a time. A stacked expert parameter is assembled on the host and placed once its
     # last expert's slice is read (the experts of one layer are usually adjacent in a checkpoint).
-    target_dtype = jnp.dtype(cfg.dtype)
     num_bytes = 0
     stacks: dict[int, tuple[np.ndarray, set[int]]] = {}  # id of a parameter -> (its host array, experts read)
     for file, tensors in plan.items():
@@ -283,18 +301,17 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
                 num_bytes += whole.nbytes
                 for part, first, last in pieces:
                     var, transpose, expert = targets[part]
+                    dtype = transpose.dtype if isinstance(transpose, Codec) else jnp.dtype(var.get_value().dtype)
                     array = whole if first is None else whole[first:last]
                     if isinstance(transpose, Codec):
                         array = transpose.convert(array)
                     elif transpose:
                         array = array.T
                     if expert is not None:
-                        array = _stack_expert(stacks, var, expert, array,
-                                              transpose.dtype if isinstance(transpose, Codec) else target_dtype)
+                        array = _stack_expert(stacks, var, expert, array, dtype)
                         if array is None:  # more experts to come
                             continue
-                    array = np.ascontiguousarray(
-                        array, dtype=transpose.dtype if isinstance(transpose, Codec) else target_dtype)
+                    array = np.ascontiguousarray(array, dtype=dtype)
                     if id(var) in place:  # each device gets its slice only
                         value = jax.make_array_from_callback(array.shape, place[id(var)],
                                                              lambda idx, a=array: a[idx])
@@ -305,8 +322,9 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
                 del whole
 
     elapsed = time.perf_counter() - start
+    dtypes = sorted({str(var.get_value().dtype) for var, _, _ in targets.values()})
     msg = (f"loaded {len(seen)} tensors ({num_bytes / 2**20:.1f} MiB) from {len(files)} safetensors file(s) "
-           f"in {elapsed:.2f}s as {cfg.dtype}")
+           f"in {elapsed:.2f}s as {', '.join(dtypes)}")
     logger.info("%s: %s", path, msg)
     return state
 
@@ -332,13 +350,60 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *, mesh=None) -> 
     """
     cfg = load_hf_config(path, dtype=dtype)
     params = load_hf_params(path, cfg, mesh=mesh)
-    tokenizer = None
-    if (Path(path) / "tokenizer.json").is_file():
-        try:
-            from pagedjax.model.hf_tokenizer import HFTokenizer
+    return cfg, params, folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)
 
-            tokenizer = HFTokenizer.from_pretrained(path, eos_token_ids=cfg.eos_token_ids,
-                                                    bos_token_id=cfg.bos_token_id)
-        except ImportError:
-            logger.warning("%s has tokenizer.json but the 'tokenizers' package is not installed", path)
-    return cfg, params, tokenizer
+
+def folder_tokenizer(path: str | os.PathLike, eos_token_ids: tuple[int, ...], bos_token_id: int | None):
+    """The folder's `tokenizer.json` as an `HFTokenizer`, or None (no such file, or no `tokenizers` package)."""
+    if not (Path(path) / "tokenizer.json").is_file():
+        return None
+    try:
+        from pagedjax.model.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.from_pretrained(path, eos_token_ids=eos_token_ids, bos_token_id=bos_token_id)
+    except ImportError:
+        logger.warning("%s has tokenizer.json but the 'tokenizers' package is not installed", path)
+        return None
+
+
+def _deepseek_names(path: tuple, shape: tuple) -> list[tuple[str, bool, int | None]]:
+    """A `pagedjax.model.deepseek.DeepSeek` parameter -> its checkpoint tensors: the Llama family's names
+    (`_hf_names`: transformers' module paths, kernels transposed, experts one tensor each), and the router's
+    `e_score_correction_bias` as it is."""
+    *mods, leaf = (str(p) for p in path)
+    if leaf == "e_score_correction_bias":
+        return [("model." + ".".join(mods + [leaf]), False, None)]
+    return _hf_names(path, shape)
+
+
+def load_deepseek_params(path: str | os.PathLike, cfg, *, mtp_layers: int = 0) -> nnx.State:
+    """Weights of a DeepSeek V2 / V3 Hugging Face folder as the parameters of `DeepSeek(cfg)` (a
+    `pagedjax.config.deepseek.DeepSeekConfig`), streamed as `fill_state` does. The `mtp_layers` multi-token-
+    prediction layers after the last decoder layer (`num_nextn_predict_layers`: tensors `model.layers.{L + i}.*`)
+    are not read. ModelLoadError naming missing, unexpected or mis-shaped tensors."""
+    from pagedjax.model.deepseek import abstract_deepseek
+
+    _, state = nnx.split(abstract_deepseek(cfg))
+    mtp = tuple(f"model.layers.{cfg.num_layers + i}." for i in range(mtp_layers))
+
+    def skip(name: str) -> bool:
+        return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
+            bool(mtp) and name.startswith(mtp))
+
+    return fill_state(path, state, _deepseek_names, skip=skip)
+
+
+def load_hf_deepseek(path: str | os.PathLike, dtype: str | None = None):
+    """(`pagedjax.model.deepseek.DeepSeek` holding the folder's weights, tokenizer or None) of a DeepSeek V2 / V3
+    Hugging Face folder: the built-in factory of `model_type` "deepseek_v2" / "deepseek_v3"
+    (`pagedjax.model.loading.loader.load_registered`; the `ModelRegistry` factory contract)."""
+    from pagedjax.model.deepseek import deepseek_from_state
+    from pagedjax.model.loading.hf_config import load_deepseek_config
+
+    cfg = load_deepseek_config(path, dtype)
+    config_path = Path(path) / "config.json"
+    mtp = read_json(config_path).get("num_nextn_predict_layers") or 0
+    if not (isinstance(mtp, int) and not isinstance(mtp, bool) and mtp >= 0):
+        raise ModelLoadError(config_path, f"field 'num_nextn_predict_layers': expected an int >= 0, got {mtp!r}")
+    state = load_deepseek_params(path, cfg, mtp_layers=mtp)
+    return deepseek_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)

@@ -15,6 +15,7 @@ from pathlib import Path
 from pagedjax.config import ModelConfig
 from pagedjax.model.errors import ModelLoadError
 from pagedjax.model.llama import Llama, init_model, model_from_state
+from pagedjax.model.loading.hf_config import DEEPSEEK_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,9 @@ def _quantized(cfg, state, quantization):
 
 def load_registered(path, dtype: str | None):
     """`(model, tokenizer or None)` of a Hugging Face folder whose `model_type` is registered in
-    `pagedjax.model.registry.ModelRegistry`, by its factory; None for any other folder (a pagedjax checkpoint,
+    `pagedjax.model.registry.ModelRegistry`, by its factory, or is one of the built-in families served as a model
+    of the public contract (DeepSeek V2 / V3: `hf_loader.load_hf_deepseek`, unless a factory is registered for
+    it); None for any other folder (a pagedjax checkpoint,
     an unregistered `model_type`, no path: the bundled model), which `load_pretrained` loads or refuses.
     The factory's own errors propagate; a result that is not `(model, tokenizer)` is a TypeError naming it."""
     from pagedjax.model.errors import read_json
@@ -93,6 +96,10 @@ def load_registered(path, dtype: str | None):
         return None
     model_type = read_json(path / "config.json").get("model_type")
     factory = ModelRegistry.factory_for(model_type)
+    if factory is None and model_type in DEEPSEEK_MODEL_TYPES:  # a built-in model of the contract
+        from pagedjax.model.loading.hf_loader import load_hf_deepseek
+
+        factory = load_hf_deepseek
     if factory is None:
         return None
     result = factory(path, dtype)

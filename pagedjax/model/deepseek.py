@@ -1,0 +1,282 @@
+"""The DeepSeek V2 / V3 decoder in Flax NNX (`pagedjax.config.deepseek.DeepSeekConfig`): multi-head latent
+attention (MLA), YaRN RoPE over the rotary dims, dense SwiGLU MLPs in the first layers and mixtures of shared and
+routed experts after them. A model of the public contract (`pagedjax.model.api`).
+
+MLA per layer and token: the query's heads come from `hidden` directly or through a normalized low-rank latent
+(`q_lora_rank`); keys and values come from one compressed latent c_kv (`kv_lora_rank`, normalized) and one rotary
+key k_rope (`qk_rope_head_dim`) shared by every head; `kv_b_proj` (W_UK | W_UV per head) lifts c_kv to each head's
+key part (`qk_nope_head_dim`) and value (`v_head_dim`). Two forwards share the weights:
+  `__call__`       the serving path, absorbed: the cache holds only [c_kv | k_rope] per token (the model's spec
+                   declares `LatentAttention` layers). Each head's query part for c_kv is folded through W_UK into
+                   latent space, q_latent[h] = q_nope[h] @ W_UK[h]^T, attention runs over the latent pages as
+                   stored (`PagedLatentAttention`: score = scale * (q_latent . c_kv + q_rope . k_rope)) and returns
+                   sum_t p_t c_kv[t] per head, which W_UV lifts to the head's value. q_nope . (W_UK c) equals
+                   (W_UK^T q_nope) . c, so this is the same function as:
+  `forward_dense`  the ground truth: whole sequences, K and V expanded per head as transformers does, causal
+                   softmax, no cache; mixture-of-experts layers by their reference computation.
+
+Parameter names mirror transformers' `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM` (minus `model.`); linear
+kernels are `[in, out]` (HF's weights transposed). The router (`mlp.gate`) is float32 whatever the model's dtype,
+as in transformers (it keeps `gate.weight` and `e_score_correction_bias` in float32). `kv_b_proj` and the router
+are not `nnx.Linear`s: `quantize_model` leaves them float (the absorbed path reads `kv_b_proj`'s kernel by head).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pagedjax.config import ModelSpec
+from pagedjax.config.deepseek import LATENT_NORM_EPS, DeepSeekConfig
+from pagedjax.model.api import PagedKVCache, PagedLatentAttention
+from pagedjax.model.layers.linear import apply_linear
+from pagedjax.model.layers.moe import Experts, combine_experts, per_expert_params, route
+from pagedjax.model.layers.rope import RoPE
+from pagedjax.model.llama import Linear, RMSNorm
+
+
+def _linear(n_in: int, n_out: int, dtype, rngs: nnx.Rngs) -> Linear:
+    # 16-bit layers accumulate in float32 and round once (`pagedjax.model.llama.Linear`).
+    acc = jnp.float32 if jnp.dtype(dtype).itemsize == 2 else None
+    return Linear(n_in, n_out, use_bias=False, dtype=dtype, param_dtype=dtype, preferred_element_type=acc, rngs=rngs)
+
+
+def _matmul(subscripts: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """An einsum accumulated in float32, rounded once to `dtype`."""
+    return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32).astype(dtype)
+
+
+class LatentUpProjection(nnx.Module):
+    """`kv_b_proj`: c_kv `[..., kv_lora_rank]` -> every head's key part and value, kernel `[kv_lora_rank,
+    heads * (qk_nope_head_dim + v_head_dim)]` (per head: W_UK's columns, then W_UV's, as transformers lays them
+    out). The absorbed path reads it by head (`key_weights`, `value_weights`)."""
+
+    def __init__(self, rank: int, heads: int, nope_dim: int, v_dim: int, dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (rank, heads * (nope_dim + v_dim)),
+                                                                dtype))
+        self.heads, self.nope_dim, self.v_dim = heads, nope_dim, v_dim
+
+    def _per_head(self) -> jax.Array:
+        return self.kernel[...].reshape(self.kernel.shape[0], self.heads, self.nope_dim + self.v_dim)
+
+    def key_weights(self) -> jax.Array:
+        """W_UK `[rank, heads, qk_nope_head_dim]`."""
+        return self._per_head()[..., :self.nope_dim]
+
+    def value_weights(self) -> jax.Array:
+        """W_UV `[rank, heads, v_head_dim]`."""
+        return self._per_head()[..., self.nope_dim:]
+
+    def __call__(self, c: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """c `[..., rank]` -> (keys' latent part `[..., heads, qk_nope_head_dim]`, values `[..., heads,
+        v_head_dim]`), in c's dtype."""
+        kernel = self.kernel[...]
+        kv = apply_linear(lambda x: jnp.matmul(x, kernel, preferred_element_type=jnp.float32), c)
+        kv = kv.reshape(*c.shape[:-1], self.heads, self.nope_dim + self.v_dim)
+        return kv[..., :self.nope_dim], kv[..., self.nope_dim:]
+
+
+class MLAttention(nnx.Module):
+    """One layer's multi-head latent attention (module docstring)."""
+
+    def __init__(self, cfg: DeepSeekConfig, layer_index: int, dtype, rngs: nnx.Rngs):
+        h, heads = cfg.hidden_size, cfg.num_heads
+        self.heads, self.nope_dim, self.rope_dim = heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.rank, self.v_dim = cfg.kv_lora_rank, cfg.v_head_dim
+        q_out = heads * cfg.qk_head_dim
+        self.q_lora = cfg.q_lora_rank is not None
+        if self.q_lora:
+            self.q_a_proj = _linear(h, cfg.q_lora_rank, dtype, rngs)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = _linear(cfg.q_lora_rank, q_out, dtype, rngs)
+        else:
+            self.q_proj = _linear(h, q_out, dtype, rngs)
+        self.kv_a_proj_with_mqa = _linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, rngs)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = LatentUpProjection(cfg.kv_lora_rank, heads, cfg.qk_nope_head_dim, cfg.v_head_dim, dtype,
+                                            rngs)
+        self.o_proj = _linear(heads * cfg.v_head_dim, h, dtype, rngs)
+        scaling = None if cfg.rope_scaling is None else (("rope_type", "yarn"), *cfg.rope_scaling)
+        self.rope = RoPE(cfg.qk_rope_head_dim, cfg.rope_theta, scaling, interleaved=cfg.rope_interleave)
+        self.scale = cfg.softmax_scale
+        self.paged = PagedLatentAttention(layer_index, num_heads=heads, kv_lora_rank=cfg.kv_lora_rank,
+                                          rope_dim=cfg.qk_rope_head_dim, scale=self.scale)
+
+    def _project(self, x: jax.Array, positions: jax.Array):
+        """x `[..., hidden]` -> (q_nope `[..., H, nope]`, q_rope `[..., H, rope]` rotated, c_kv `[..., rank]`
+        normalized, k_rope `[..., rope]` rotated)."""
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.reshape(*x.shape[:-1], self.heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q[..., :self.nope_dim], q[..., self.nope_dim:]
+        ckv = self.kv_a_proj_with_mqa(x)
+        c_kv, k_rope = self.kv_a_layernorm(ckv[..., :self.rank]), ckv[..., self.rank:]
+        q_rope = self.rope(q_rope, positions)
+        k_rope = self.rope(k_rope[..., None, :], positions)[..., 0, :]
+        return q_nope, q_rope, c_kv, k_rope
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's latent entries written): absorbed MLA."""
+        q_nope, q_rope, c_kv, k_rope = self._project(x, positions)
+        q_latent = _matmul("thd,rhd->thr", q_nope, self.kv_b_proj.key_weights(), x.dtype)
+        o_latent, cache = self.paged(q_latent, q_rope, c_kv, k_rope, cache)
+        o = _matmul("thr,rhv->thv", o_latent, self.kv_b_proj.value_weights(), x.dtype)
+        return self.o_proj(o.reshape(x.shape[0], -1)), cache
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        """Causal attention over whole sequences with K / V expanded per head, no cache. x `[B, S, hidden]`."""
+        b, s, _ = x.shape
+        positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+        q_nope, q_rope, c_kv, k_rope = self._project(x, positions)
+        k_nope, v = self.kv_b_proj(c_kv)
+        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+        scores = (jnp.einsum("bqhd,bkhd->bhqk", f32(q_nope), f32(k_nope))
+                  + jnp.einsum("bqhd,bkd->bhqk", f32(q_rope), f32(k_rope))) * self.scale
+        visible = np.arange(s)[None, :] <= np.arange(s)[:, None]
+        probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        o = jnp.einsum("bhqk,bkhv->bqhv", probs, f32(v)).astype(x.dtype)
+        return self.o_proj(o.reshape(b, s, -1))
+
+
+class SwiGLU(nnx.Module):
+    """A dense MLP: down_proj(silu(gate_proj(x)) * up_proj(x)) (the first layers' MLP, and the shared experts)."""
+
+    def __init__(self, hidden: int, width: int, dtype, rngs: nnx.Rngs):
+        self.gate_proj = _linear(hidden, width, dtype, rngs)
+        self.up_proj = _linear(hidden, width, dtype, rngs)
+        self.down_proj = _linear(width, hidden, dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nnx.Module):
+    """`mlp.gate`: router logits `[N, E]` = x @ kernel in float32 (the kernel float32 whatever the model's dtype:
+    transformers computes them so), and for "noaux_tc" the float32 `e_score_correction_bias` `[E]` added to the
+    scores when choosing experts (not when weighting them)."""
+
+    def __init__(self, hidden: int, num_experts: int, correction_bias: bool, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (hidden, num_experts), jnp.float32))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32)) if correction_bias else None
+
+    def __call__(self, rows: jax.Array) -> jax.Array:
+        return jnp.matmul(rows.astype(jnp.float32), self.kernel[...], precision=jax.lax.Precision.HIGHEST)
+
+    def bias(self) -> jax.Array | None:
+        return None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
+
+
+class DeepSeekMoE(nnx.Module):
+    """A mixture-of-experts MLP (`DeepSeekConfig.moe`): routed experts (`Experts`, through the shared
+    computations of `pagedjax.model.layers.moe.combine_experts`) plus the shared experts every token takes."""
+
+    def __init__(self, cfg: DeepSeekConfig, dtype, rngs: nnx.Rngs):
+        moe = cfg.moe
+        self.moe = moe
+        self.gate = Router(cfg.hidden_size, moe.num_experts, moe.router == "noaux_tc", rngs)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, dtype, rngs)
+        self.shared_experts = (SwiGLU(cfg.hidden_size, moe.intermediate_size * moe.num_shared_experts, dtype, rngs)
+                               if moe.num_shared_experts else None)
+
+    def routing(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Rows `[N, hidden]` -> (weights float32 `[N, k]`, experts int32 `[N, k]`)."""
+        m = self.moe
+        return route(self.gate(rows), m.num_experts_per_tok, m.router, m.norm_topk_prob, num_groups=m.num_groups,
+                     topk_groups=m.topk_groups, correction_bias=self.gate.bias(),
+                     scaling_factor=m.routed_scaling_factor)
+
+    def __call__(self, x: jax.Array, method: str | None = None) -> jax.Array:
+        """x `[..., hidden]` -> `[..., hidden]`; `method`: `combine_experts`' (None: the backend's; "every": the
+        reference)."""
+        weights, experts = self.routing(x.reshape(-1, x.shape[-1]))
+        y = combine_experts(self.experts, x, weights, experts, method)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        return self(x, "every")
+
+
+class DecoderLayer(nnx.Module):
+    """x += attn(input_layernorm(x)); x += mlp(post_attention_layernorm(x))."""
+
+    def __init__(self, cfg: DeepSeekConfig, layer_index: int, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = MLAttention(cfg, layer_index, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.moe = cfg.moe is not None and cfg.moe.is_moe_layer(layer_index)
+        self.mlp = DeepSeekMoE(cfg, dtype, rngs) if self.moe else SwiGLU(cfg.hidden_size, cfg.intermediate_size,
+                                                                         dtype, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+        h, cache = self.self_attn(self.input_layernorm(x), positions, cache)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        x = x + self.self_attn.dense(self.input_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp.dense(h) if self.moe else self.mlp(h))
+
+
+class DeepSeek(nnx.Module):
+    """DeepSeek V2 / V3 (module docstring): `spec` declares one `LatentAttention` KV layer per decoder layer."""
+
+    def __init__(self, cfg: DeepSeekConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.config = cfg
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.config.spec
+
+    def single_device_params(self, state: nnx.State) -> nnx.State:
+        """On one CPU device, every routed expert as its own array (`per_expert_params`: why); else `state`."""
+        if self.config.moe is None or jax.default_backend() != "cpu":
+            return state
+        return per_expert_params(state)
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array,
+                 cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+        """Serving forward. token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache)."""
+        x = self.embed_tokens(token_ids)
+        for layer in self.layers:
+            x, cache = layer(x, positions, cache)
+        return self.norm(x), cache
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """`[..., hidden]` -> float32 logits `[..., vocab]`."""
+        if self.lm_head is None:
+            return apply_linear(self.embed_tokens.attend, hidden).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def forward_dense(self, token_ids: jax.Array) -> jax.Array:
+        """Ground truth: token_ids `[B, S]` -> float32 logits `[B, S, vocab]`, causal, no cache, K / V expanded per
+        head, mixture-of-experts layers by every expert on every token."""
+        x = self.embed_tokens(token_ids)
+        for layer in self.layers:
+            x = layer.dense(x)
+        return self.compute_logits(self.norm(x))
+
+
+def init_deepseek(cfg: DeepSeekConfig, seed: int = 0) -> DeepSeek:
+    """A randomly initialised model (deterministic in `seed`)."""
+    return DeepSeek(cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract_deepseek(cfg: DeepSeekConfig) -> DeepSeek:
+    """The model's structure with `jax.ShapeDtypeStruct` leaves: nothing is allocated."""
+    return nnx.eval_shape(lambda: init_deepseek(cfg))
+
+
+def deepseek_from_state(cfg: DeepSeekConfig, state: nnx.State) -> DeepSeek:
+    """A `DeepSeek` holding `state` (e.g. loaded weights) without first initialising random weights."""
+    graphdef, _ = nnx.split(abstract_deepseek(cfg))
+    return nnx.merge(graphdef, state)
+
+
+__all__ = ["DeepSeek", "abstract_deepseek", "deepseek_from_state", "init_deepseek"]
