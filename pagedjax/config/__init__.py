@@ -6,6 +6,7 @@
   parallel.py     ParallelConfig: tensor / data parallelism
   quant.py        QuantConfig: weight-only quantized linears and experts
   moe.py          MoEConfig: mixture-of-experts routing and its computation
+  deepseek.py     DeepSeekConfig, DeepSeekMoEConfig: the DeepSeek V2 / V3 family (MLA, YaRN, DeepSeek's routers)
   speculative.py  SpeculativeConfig: speculative decoding's method and proposal length
   structured.py   StructuredLimits: what an output constraint may ask of the grammar compiler
   engine.py       EngineConfig: every other LLMEngine keyword (backend, fused decode steps, compile cache, ...)
@@ -13,6 +14,7 @@
 """
 
 from pagedjax.config.cache import KV_DTYPES, CacheConfig, kv_cache_bytes
+from pagedjax.config.deepseek import DeepSeekConfig, DeepSeekMoEConfig
 from pagedjax.config.engine import EngineConfig
 from pagedjax.config.model import ModelConfig, ModelSpec
 from pagedjax.config.moe import MoEConfig
@@ -22,6 +24,6 @@ from pagedjax.config.scheduler import SchedulerConfig
 from pagedjax.config.speculative import SpeculativeConfig
 from pagedjax.config.structured import StructuredLimits
 
-__all__ = ["KV_DTYPES", "CacheConfig", "EngineConfig", "ModelConfig", "ModelSpec", "MoEConfig", "ParallelConfig",
-           "QuantConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredLimits",
-           "kv_cache_bytes"]
+__all__ = ["KV_DTYPES", "CacheConfig", "DeepSeekConfig", "DeepSeekMoEConfig", "EngineConfig", "ModelConfig",
+           "ModelSpec", "MoEConfig", "ParallelConfig", "QuantConfig", "SchedulerConfig", "SpeculativeConfig",
+           "StructuredLimits", "kv_cache_bytes"]

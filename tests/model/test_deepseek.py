@@ -1,0 +1,318 @@
+"""DeepSeek V2 / V3 from Hugging Face folders: tiny random checkpoints made by transformers' own
+`DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM` and `save_pretrained`, one per variant (V2 with and without
+`q_lora_rank`, "greedy" and "group_limited_greedy" routing, YaRN; V3 with sigmoid routing, a random
+`e_score_correction_bias`, expert groups, YaRN with mscale / mscale_all_dim, `rope_interleave` on and off, tied
+embeddings). pagedjax must give transformers' float32 logits through `forward_dense` (K / V expanded per head) and
+its greedy continuations token for token through `LLMEngine.from_pretrained` (absorbed MLA over latent pages),
+with a prefix-cache hit, chunked prefill and n > 1 forks. Every refused config field is named. No hub access.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from pagedjax.config.deepseek import DeepSeekConfig, DeepSeekMoEConfig  # noqa: E402
+from pagedjax.model.errors import ModelLoadError  # noqa: E402
+from pagedjax.model.loading.hf_config import load_deepseek_config, load_hf_config  # noqa: E402
+from pagedjax.model.loading.hf_loader import load_hf_deepseek  # noqa: E402
+from tests.model.test_hf import MIN_MARGIN, hf_greedy, hf_logits  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+VOCAB = 80
+TOL = 1e-5  # float32 logits, relative to their largest magnitude
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
+               qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, num_experts_per_tok=2, first_k_dense_replace=1,
+               initializer_range=0.2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+         "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
+# name -> (config class, seed, fields). Seeds picked so that no greedy step is a near tie (asserted).
+MODELS = {
+    "v2_lora_grouped": ("DeepseekV2Config", 0, dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4,
+                                                    topk_group=2, routed_scaling_factor=1.5, rope_parameters=_YARN)),
+    "v2_greedy": ("DeepseekV2Config", 0, dict(q_lora_rank=None, topk_method="greedy", n_shared_experts=2)),
+    "v3_yarn": ("DeepseekV3Config", 0, dict(q_lora_rank=24, n_group=4, topk_group=2, rope_parameters=_YARN,
+                                            rope_interleave=True)),
+    "v3_halves": ("DeepseekV3Config", 0, dict(q_lora_rank=None, n_group=2, topk_group=1, rope_interleave=False,
+                                              norm_topk_prob=False, tie_word_embeddings=True,
+                                              routed_scaling_factor=1.0)),
+}
+EXPECTED_MOE = {
+    "v2_lora_grouped": DeepSeekMoEConfig(8, 2, 16, 1, 1, "group_limited_greedy", 4, 2, False, 1.5),
+    "v2_greedy": DeepSeekMoEConfig(8, 2, 16, 2, 1, "greedy", 1, 1, False, 1.0),
+    "v3_yarn": DeepSeekMoEConfig(8, 2, 16, 1, 1, "noaux_tc", 4, 2, True, 2.5),
+    "v3_halves": DeepSeekMoEConfig(8, 2, 16, 1, 1, "noaux_tc", 2, 1, False, 1.0),
+}
+_rng = np.random.default_rng(0)
+PROMPTS = [_rng.integers(3, VOCAB, n).tolist() for n in (1, 5, 11, 19)]
+
+
+def build(kind: str):
+    """A tiny random transformers model of `kind`: norms random around 1 and the V3 router's correction bias
+    random (every parameter a loading mistake could hide behind)."""
+    cls_name, seed, extra = MODELS[kind]
+    config = getattr(transformers, cls_name)(**{**_COMMON, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        for module in model.modules():
+            if getattr(module, "e_score_correction_bias", None) is not None:
+                module.e_score_correction_bias.copy_(0.3 * torch.randn_like(module.e_score_correction_bias))
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """kind -> (transformers model, saved folder)."""
+    out = {}
+    for kind in MODELS:
+        model = build(kind)
+        folder = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(str(folder))
+        out[kind] = (model, folder)
+    return out
+
+
+def _dense_logits(model, prompts) -> list[np.ndarray]:
+    graphdef, params = nnx.split(model)
+    batch = np.zeros((len(prompts), max(len(p) for p in prompts)), np.int32)
+    for i, p in enumerate(prompts):
+        batch[i, : len(p)] = p
+    logits = np.asarray(jax.jit(lambda b: nnx.merge(graphdef, params).forward_dense(b))(batch))
+    return [logits[i, : len(p)] for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_config_maps_fields(models, kind):
+    model, folder = models[kind]
+    hc = model.config
+    cfg = load_deepseek_config(folder)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size) == (
+        VOCAB, 32, 3, 4, 48)
+    assert (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (16, 16, 8, 12)
+    assert cfg.q_lora_rank == hc.q_lora_rank
+    assert cfg.moe == EXPECTED_MOE[kind]
+    assert cfg.rope_interleave == (kind != "v3_halves")
+    assert cfg.tie_word_embeddings == (kind == "v3_halves")
+    assert (cfg.eos_token_ids, cfg.bos_token_id, cfg.dtype) == ((2,), 1, "float32")
+    if "yarn" in str(MODELS[kind][2].get("rope_parameters", {})):
+        assert dict(cfg.rope_scaling) == {"factor": 4.0, "original_max_position_embeddings": 16.0, "mscale": 1.0,
+                                          "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0}
+        # transformers' softmax scale: qk_head_dim ** -0.5 * mscale(factor, mscale_all_dim) ** 2
+        assert cfg.softmax_scale == pytest.approx(24 ** -0.5 * (0.1 * 0.8 * np.log(4.0) + 1) ** 2)
+    else:
+        assert cfg.rope_scaling is None and cfg.softmax_scale == pytest.approx(24 ** -0.5)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_dense_logits_match_transformers(models, kind):
+    model, folder = models[kind]
+    ours, tokenizer = load_hf_deepseek(folder)
+    assert tokenizer is None  # no tokenizer.json saved
+    for p, a, b in zip(PROMPTS, _dense_logits(ours, PROMPTS), hf_logits(model, PROMPTS), strict=True):
+        np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL * np.abs(b).max(), err_msg=f"{kind}, {len(p)} tokens")
+
+
+def test_the_correction_bias_and_groups_change_the_routing(models):
+    """The V3 checkpoint's routing differs from the same router without its bias or without its group limit:
+    the parity above covers both."""
+    ours, _ = load_hf_deepseek(models["v3_yarn"][1])
+    moe = ours.layers[1].mlp
+    rows = jax.random.normal(jax.random.key(0), (64, 32))
+    _, experts = moe.routing(rows)
+    from pagedjax.model.layers.moe import route
+
+    m = moe.moe
+    logits = moe.gate(rows)
+    _, unbiased = route(logits, 2, "noaux_tc", True, num_groups=4, topk_groups=2, scaling_factor=2.5)
+    _, ungrouped = route(logits, 2, "noaux_tc", True, num_groups=1, topk_groups=1,
+                         correction_bias=moe.gate.bias(), scaling_factor=2.5)
+    assert (m.num_groups, m.topk_groups) == (4, 2)
+    assert not np.array_equal(np.sort(experts, -1), np.sort(unbiased, -1))
+    assert not np.array_equal(np.sort(experts, -1), np.sort(ungrouped, -1))
+
+
+def test_the_multi_token_prediction_layer_is_not_read(models, tmp_path):
+    """A V3 checkpoint's `num_nextn_predict_layers` layers (tensors `model.layers.{L}.*`) are skipped; a layer
+    beyond them is an unexpected tensor."""
+    from safetensors.numpy import load_file, save_file
+
+    _, folder = models["v3_yarn"]
+    shutil.copy(folder / "generation_config.json", tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.3.eh_proj.weight"] = np.zeros((32, 64), np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    load_hf_deepseek(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ModelLoadError, match=r"unexpected tensors: \['model.layers.3.eh_proj.weight'\]"):
+        load_hf_deepseek(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": "1"}))
+    with pytest.raises(ModelLoadError, match="num_nextn_predict_layers"):
+        load_hf_deepseek(tmp_path)
+
+
+def test_a_missing_or_misshaped_tensor_is_named(models, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    _, folder = models["v3_yarn"]
+    shutil.copy(folder / "config.json", tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.2.mlp.gate.e_score_correction_bias"]
+    tensors["model.layers.0.self_attn.kv_b_proj.weight"] = tensors["model.layers.0.self_attn.kv_b_proj.weight"][:-4]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as e:
+        load_hf_deepseek(tmp_path)
+    assert "missing tensors: ['model.layers.2.mlp.gate.e_score_correction_bias']" in str(e.value)
+    assert "model.layers.0.self_attn.kv_b_proj.weight: checkpoint [108, 16], model expects [112, 16]" in str(e.value)
+
+
+def test_a_deepseek_folder_is_not_a_model_config(models):
+    with pytest.raises(ModelLoadError, match="a DeepSeek model, not a ModelConfig one"):
+        load_hf_config(models["v2_greedy"][1])
+
+
+def _config(entry, changes: dict) -> dict:
+    """The saved config.json of `entry` (a `models` value) with `changes`."""
+    return {**json.loads((entry[1] / "config.json").read_text()), **changes}
+
+
+@pytest.mark.parametrize("kind, changes, field", [
+    ("v2_greedy", {"hidden_act": "gelu"}, "hidden_act"),
+    ("v2_greedy", {"attention_bias": True}, "attention_bias"),
+    ("v2_greedy", {"mlp_bias": True}, "mlp_bias"),
+    ("v3_yarn", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+    ("v2_greedy", {"rope_interleave": False}, "rope_interleave"),
+    ("v2_greedy", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "linear"),
+    ("v3_yarn", {"rope_parameters": {**_YARN, "low_freq_factor": 1.0}}, "low_freq_factor"),
+    ("v3_yarn", {"rope_parameters": {**_YARN, "factor": "4"}}, "factor"),
+    ("v3_yarn", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("v2_greedy", {"scoring_func": "sigmoid"}, "scoring_func"),
+    ("v3_yarn", {"scoring_func": "softmax"}, "scoring_func"),
+    ("v3_yarn", {"topk_method": "greedy"}, "topk_method"),
+    ("v2_greedy", {"topk_method": "noaux_tc"}, "topk_method"),
+    ("v2_greedy", {"moe_layer_freq": 2}, "moe_layer_freq"),
+    ("v2_greedy", {"norm_topk_prob": True}, "norm_topk_prob"),
+    ("v2_greedy", {"first_k_dense_replace": 4}, "first_k_dense_replace"),
+    ("v2_greedy", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ("v2_greedy", {"qk_nope_head_dim": -1}, "qk_nope_head_dim"),
+    ("v2_greedy", {"kv_lora_rank": "16"}, "kv_lora_rank"),
+    ("v3_yarn", {"n_group": 3}, "num_groups"),  # 8 experts in 3 groups
+    ("v3_yarn", {"n_group": 8, "topk_group": 4}, "at least 2 experts"),
+    ("v2_lora_grouped", {"n_group": None}, "n_group"),
+    ("v2_greedy", {"n_shared_experts": 0}, "n_shared_experts"),
+    ("v2_greedy", {"dtype": "int8"}, "dtype"),
+])
+def test_unsupported_fields_are_named(models, tmp_path, kind, changes, field):
+    (tmp_path / "config.json").write_text(json.dumps(_config(models[kind], changes)))
+    with pytest.raises(ModelLoadError, match=field):
+        load_deepseek_config(tmp_path)
+
+
+def test_yarn_defaults_as_transformers_completes_them(models, tmp_path):
+    """A YaRN `factor` of null is max_position_embeddings / original_max_position_embeddings; a top-level
+    original_max_position_embeddings is the one read."""
+    rope = {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 64, "rope_theta": 1e4}
+    (tmp_path / "config.json").write_text(json.dumps(_config(models["v3_yarn"], {
+        "rope_parameters": rope, "original_max_position_embeddings": 32})))
+    assert dict(load_deepseek_config(tmp_path).rope_scaling) == {"factor": 4.0,
+                                                                 "original_max_position_embeddings": 32}
+
+
+# ------------------------------------------------------------------------------------------ the config itself
+_BASE = dict(vocab_size=16, hidden_size=8, num_layers=2, num_heads=2, intermediate_size=8, kv_lora_rank=4,
+             qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+
+
+@pytest.mark.parametrize("changes, error, match", [
+    ({"num_heads": 0}, ValueError, "DeepSeekConfig.num_heads"),
+    ({"qk_rope_head_dim": 3}, ValueError, "qk_rope_head_dim must be even"),
+    ({"q_lora_rank": 2.0}, TypeError, "DeepSeekConfig.q_lora_rank"),
+    ({"rope_interleave": 1}, TypeError, "rope_interleave"),
+    ({"dtype": "float64"}, ValueError, "DeepSeekConfig.dtype"),
+    ({"eos_token_ids": (16,)}, ValueError, "eos_token_ids"),
+    ({"rope_scaling": {"factor": 2.0}}, ValueError, "original_max_position_embeddings"),
+    ({"rope_scaling": {"factor": 2.0, "original_max_position_embeddings": 8, "beta": 1}}, ValueError, "'beta'"),
+    ({"rope_scaling": {"factor": True, "original_max_position_embeddings": 8}}, TypeError, "factor"),
+    ({"rope_scaling": "yarn"}, TypeError, "rope_scaling"),
+    ({"moe": {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 4, "first_k_dense_replace": 3}},
+     ValueError, "first_k_dense_replace"),
+    ({"moe": {"num_experts": 4, "num_experts_per_tok": 5, "intermediate_size": 4}}, ValueError,
+     "num_experts_per_tok"),
+    ({"moe": {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 4, "num_groups": 2}}, ValueError,
+     "'greedy'"),
+    ({"moe": {"num_experts": 8, "num_experts_per_tok": 3, "intermediate_size": 4, "router": "noaux_tc",
+              "num_groups": 4, "topk_groups": 1}}, ValueError, "eligible groups"),
+    ({"moe": {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 4, "norm_topk_prob": True}},
+     ValueError, "norm_topk_prob"),
+    ({"moe": {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 4, "router": "sigmoid"}},
+     ValueError, "router"),
+    ({"moe": {"num_experts": 4, "experts_per_token": 2}}, ValueError, "experts_per_token"),
+])
+def test_config_fields_are_checked(changes, error, match):
+    with pytest.raises(error, match=match):
+        DeepSeekConfig(**{**_BASE, **changes})
+
+
+@pytest.mark.parametrize("router, kwargs, match", [
+    ("softmax_topk", dict(num_groups=2, topk_groups=1), "no expert groups"),
+    ("greedy", dict(num_groups=2, topk_groups=1), "no expert groups"),
+    ("group_limited_greedy", dict(num_groups=2, topk_groups=1, correction_bias=jnp.zeros(4)), "correction_bias"),
+    ("sigmoid", {}, "unknown MoE router"),
+])
+def test_route_refuses_what_a_router_does_not_take(router, kwargs, match):
+    from pagedjax.model.layers.moe import route
+
+    with pytest.raises(ValueError, match=match):
+        route(jnp.zeros((3, 4)), 2, router, False, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+MAX_NEW = 6
+
+
+def _engine(folder, **cache):
+    """An engine over the folder: blocks of 4 slots, at most 8 tokens a step (the longer prompts prefill in
+    chunks), the XLA paths."""
+    from pagedjax.config import CacheConfig, SchedulerConfig
+    from pagedjax.engine import LLMEngine
+
+    return LLMEngine.from_pretrained(folder, cache_config=CacheConfig(block_size=4, num_blocks=64, **cache),
+                                     scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8,
+                                                                      max_model_len=40),
+                                     backend="xla")
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_engine_greedy_matches_transformers_generate(models, kind):
+    """Absorbed MLA over latent pages, through chunked prefill (19 tokens at 8 a step), a prefix-cache hit (the
+    longest prompt again, its full blocks cached) and n = 2 greedy forks of one prompt."""
+    from pagedjax.sampling_params import SamplingParams
+
+    model, folder = models[kind]
+    expected, margins = zip(*(hf_greedy(model, p, MAX_NEW) for p in PROMPTS), strict=True)
+    assert min(margins) > MIN_MARGIN, min(margins)  # a near tie would make the comparison one of rounding
+    engine = _engine(folder)
+    greedy = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    outs = engine.generate(PROMPTS, greedy, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == [list(w) for w in expected], kind
+    again = engine.generate([PROMPTS[-1]], greedy, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 16 and again.output_token_ids == list(expected[-1])
+    forked = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, n=2),
+                             use_tqdm=False)[0]
+    assert [c.token_ids for c in forked.outputs] == [list(expected[2])] * 2
