@@ -531,8 +531,9 @@ def load_deepseek_config(path: str | os.PathLike, dtype: str | None = None):
     checkpoint declares it (a V2 config asking for `norm_topk_prob`, `moe_layer_freq` != 1, a V3 `topk_method`
     other than "noaux_tc", a V2 `rope_interleave` false, `scoring_func` other than the family's), `hidden_act`
     other than silu, `attention_bias`, `mlp_bias`, RoPE scaling other than YaRN, partial rotary, pre-quantized
-    weights. `num_key_value_heads` is not read (MLA has no KV heads; transformers' attention does not read it
-    either); `num_nextn_predict_layers` neither (the multi-token-prediction layers are not served)."""
+    weights other than block-scaled FP8 (`pagedjax.model.loading.hf_fp8`: dequantized at load).
+    `num_key_value_heads` is not read (MLA has no KV heads; transformers' attention does not read it either);
+    `num_nextn_predict_layers` neither (the multi-token-prediction layers are not served)."""
     return _load(path, lambda hf, bos, eos: _deepseek_from_hf(hf, dtype, bos, eos))
 
 
@@ -550,8 +551,13 @@ def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos:
     for key in ("attention_bias", "mlp_bias"):
         if _flag(hf, key, False):
             raise ValueError(f"field {key!r} = true is not supported (the projections have no bias)")
-    if hf.get("quantization_config") is not None:
-        raise ValueError("field 'quantization_config': pre-quantized DeepSeek weights are not supported")
+    if hf.get("quantization_config") is not None:  # block-scaled FP8 weights, dequantized at load (`hf_fp8`)
+        from pagedjax.model.loading.hf_fp8 import block_size
+
+        try:
+            block_size(hf["quantization_config"])
+        except ValueError as e:
+            raise ValueError(f"field 'quantization_config': {e}") from None
     interleave = _flag(hf, "rope_interleave", True)
     if model_type == "deepseek_v2" and not interleave:
         raise ValueError("field 'rope_interleave' = false is not supported for deepseek_v2 (transformers' DeepSeek "

@@ -43,7 +43,7 @@ from flax import nnx
 from pagedjax.config import ModelConfig
 from pagedjax.model.errors import ModelLoadError, read_json
 from pagedjax.model.llama import abstract_model, model_from_state  # noqa: F401  (model_from_state: re-export)
-from pagedjax.model.loading import hf_quant
+from pagedjax.model.loading import hf_fp8, hf_quant
 from pagedjax.model.loading.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config  # noqa: F401  (re-exports)
 from pagedjax.model.loading.hf_quant import Codec
 
@@ -160,12 +160,13 @@ def _read_raw(file: Path, name: str) -> np.ndarray:
         header_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_len))
         info = header[name]
-        if info["dtype"] not in _ST_DTYPES:
+        dtype = _ST_DTYPES.get(info["dtype"]) or hf_fp8.raw_dtype(info["dtype"])
+        if dtype is None:
             raise ValueError(f"tensor {name!r} in {file.name}: dtype {info['dtype']} is not supported")
         begin, end = info["data_offsets"]
         f.seek(8 + header_len + begin)
         data = f.read(end - begin)
-    return np.frombuffer(data, dtype=np.dtype(_ST_DTYPES[info["dtype"]])).reshape(info["shape"])
+    return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(info["shape"])
 
 
 def _headers(files: list[Path]) -> Iterator[tuple[Path, str, tuple[int, ...], str]]:
@@ -210,14 +211,17 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
     return fill_state(path, state, lambda p, shape: _hf_names(p, shape, cfg.quantization), skip=skip, where=where)
 
 
-def fill_state(path: str | os.PathLike, state: nnx.State, names, *, skip=None, where=None) -> nnx.State:
+def fill_state(path: str | os.PathLike, state: nnx.State, names, *, skip=None, where=None,
+               fp8_block: tuple[int, int] | None = None) -> nnx.State:
     """Fill the abstract parameters `state` (`jax.ShapeDtypeStruct` leaves, e.g. `nnx.split(nnx.eval_shape(...))`)
     from a Hugging Face folder's safetensors, in place, and return it: the loading of every built-in model.
 
     names(state path, shape) -> the checkpoint tensors of that parameter, [(name, transposed? or the `Codec` of
     a pre-quantized tensor, the expert whose slice it fills or None)] (`_hf_names` is the Llama family's);
     skip(name) -> True for a checkpoint tensor the model does not read; where(state path) -> the parameter's
-    sharding (None: one device). Each tensor is cast to its parameter's dtype. ModelLoadError (a ValueError)
+    sharding (None: one device); fp8_block: the `weight_block_size` of a block-scaled FP8 checkpoint, whose
+    float8 weights are dequantized by their `weight_scale_inv` (`hf_fp8`). Each tensor is cast to its
+    parameter's dtype. ModelLoadError (a ValueError)
     for missing, unexpected or mis-shaped tensors (naming them) before any data is read, and naming the file
     for unreadable data; the load time is logged."""
     from safetensors import safe_open
@@ -239,9 +243,14 @@ def fill_state(path: str | os.PathLike, state: nnx.State, names, *, skip=None, w
     plan: dict[Path, list[tuple[str, list[tuple[str, int | None, int | None]]]]] = {f: [] for f in files}
     seen: dict[str, Path] = {}
     unexpected, misshaped, skipped = [], [], []
+    scales: dict[str, tuple[Path, tuple[int, ...], str]] = {}  # a block-scaled FP8 weight's scales, by name
+    fp8: dict[str, tuple[int, ...]] = {}  # float8 weight -> its shape (`hf_fp8`)
     for file, name, shape, st_dtype in _headers(files):
         if skip(name):
             skipped.append(name)
+            continue
+        if fp8_block is not None and name.endswith(".weight" + hf_fp8.SCALE_SUFFIX):
+            scales[name] = (file, shape, st_dtype)
             continue
         canonical = _canonical(name)
         parts = [canonical] if canonical in targets else _unfused(canonical, targets)
@@ -268,11 +277,29 @@ def fill_state(path: str | os.PathLike, state: nnx.State, names, *, skip=None, w
             misshaped.append(f"{name}: checkpoint {list(shape)}, model expects {list(want)}")
         codec = targets[parts[0]][1]
         allowed = codec.dtypes if isinstance(codec, Codec) else _ST_DTYPES
-        if st_dtype not in allowed:
+        if fp8_block is not None and st_dtype == hf_fp8.FP8_DTYPE and not isinstance(codec, Codec) and len(
+                shape) == 2:
+            fp8[name] = shape
+        elif st_dtype not in allowed:
             raise ModelLoadError(file, f"tensor {name!r}: dtype {st_dtype} is not supported "
                                        f"(supported: {', '.join(allowed)})")
         plan[file].append((name, pieces))
     missing = sorted(set(targets) - set(seen))
+    scale_files: dict[str, Path] = {}  # the scales of the float8 weights, and their files
+    for name, shape in fp8.items():
+        scale = name + hf_fp8.SCALE_SUFFIX
+        if scale not in scales:
+            missing.append(scale)
+            continue
+        file, scale_shape, scale_dtype = scales.pop(scale)
+        scale_files[scale] = file
+        want = hf_fp8.scale_shape(shape, fp8_block)
+        if scale_shape != want:
+            misshaped.append(f"{scale}: checkpoint {list(scale_shape)}, blocks of {list(fp8_block)} of "
+                             f"{list(shape)} expect {list(want)}")
+        if not hf_fp8.is_scale_dtype(scale_dtype):
+            raise ModelLoadError(file, f"tensor {scale!r}: dtype {scale_dtype} is not a float scale")
+    unexpected += scales  # scales of no float8 weight
     problems = []
     if missing:
         problems.append(f"missing tensors: {missing}")
@@ -299,6 +326,9 @@ def fill_state(path: str | os.PathLike, state: nnx.State, names, *, skip=None, w
                 except Exception as e:  # noqa: BLE001 - whatever the reader raised, name the file and tensor
                     raise ModelLoadError(file, f"cannot read tensor {name!r} (truncated or corrupted?): {e}") from e
                 num_bytes += whole.nbytes
+                if name in fp8:
+                    scale_name = name + hf_fp8.SCALE_SUFFIX
+                    whole = hf_fp8.dequantize(whole, _read_raw(scale_files[scale_name], scale_name), fp8_block)
                 for part, first, last in pieces:
                     var, transpose, expert = targets[part]
                     dtype = transpose.dtype if isinstance(transpose, Codec) else jnp.dtype(var.get_value().dtype)
@@ -376,11 +406,13 @@ def _deepseek_names(path: tuple, shape: tuple) -> list[tuple[str, bool, int | No
     return _hf_names(path, shape)
 
 
-def load_deepseek_params(path: str | os.PathLike, cfg, *, mtp_layers: int = 0) -> nnx.State:
+def load_deepseek_params(path: str | os.PathLike, cfg, *, mtp_layers: int = 0,
+                         fp8_block: tuple[int, int] | None = None) -> nnx.State:
     """Weights of a DeepSeek V2 / V3 Hugging Face folder as the parameters of `DeepSeek(cfg)` (a
-    `pagedjax.config.deepseek.DeepSeekConfig`), streamed as `fill_state` does. The `mtp_layers` multi-token-
-    prediction layers after the last decoder layer (`num_nextn_predict_layers`: tensors `model.layers.{L + i}.*`)
-    are not read. ModelLoadError naming missing, unexpected or mis-shaped tensors."""
+    `pagedjax.config.deepseek.DeepSeekConfig`), streamed as `fill_state` does (`fp8_block`: the block size of
+    an FP8 checkpoint's scales, `hf_fp8`). The `mtp_layers` multi-token-prediction layers after the last decoder
+    layer (`num_nextn_predict_layers`: tensors `model.layers.{L + i}.*`) are not read. ModelLoadError naming
+    missing, unexpected or mis-shaped tensors."""
     from pagedjax.model.deepseek import abstract_deepseek
 
     _, state = nnx.split(abstract_deepseek(cfg))
@@ -390,20 +422,23 @@ def load_deepseek_params(path: str | os.PathLike, cfg, *, mtp_layers: int = 0) -
         return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
             bool(mtp) and name.startswith(mtp))
 
-    return fill_state(path, state, _deepseek_names, skip=skip)
+    return fill_state(path, state, _deepseek_names, skip=skip, fp8_block=fp8_block)
 
 
 def load_hf_deepseek(path: str | os.PathLike, dtype: str | None = None):
     """(`pagedjax.model.deepseek.DeepSeek` holding the folder's weights, tokenizer or None) of a DeepSeek V2 / V3
-    Hugging Face folder: the built-in factory of `model_type` "deepseek_v2" / "deepseek_v3"
+    Hugging Face folder (float, or the official block-scaled FP8 weights dequantized to the model's dtype: the
+    checkpoint's `torch_dtype`, or `dtype`): the built-in factory of `model_type` "deepseek_v2" / "deepseek_v3"
     (`pagedjax.model.loading.loader.load_registered`; the `ModelRegistry` factory contract)."""
     from pagedjax.model.deepseek import deepseek_from_state
     from pagedjax.model.loading.hf_config import load_deepseek_config
 
-    cfg = load_deepseek_config(path, dtype)
+    cfg = load_deepseek_config(path, dtype)  # the quantization_config checked too
     config_path = Path(path) / "config.json"
-    mtp = read_json(config_path).get("num_nextn_predict_layers") or 0
+    hf = read_json(config_path)
+    mtp = hf.get("num_nextn_predict_layers") or 0
     if not (isinstance(mtp, int) and not isinstance(mtp, bool) and mtp >= 0):
         raise ModelLoadError(config_path, f"field 'num_nextn_predict_layers': expected an int >= 0, got {mtp!r}")
-    state = load_deepseek_params(path, cfg, mtp_layers=mtp)
+    qc = hf.get("quantization_config")
+    state = load_deepseek_params(path, cfg, mtp_layers=mtp, fp8_block=None if qc is None else hf_fp8.block_size(qc))
     return deepseek_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)
