@@ -168,7 +168,7 @@ class _UnevenPartition(_Base):
 @pytest.mark.parametrize("model, error", [
     (_NoSpec, r"spec must be a pagedjax.ModelSpec"),
     (_SpecSaysThreeLayers, r"declares 3 layers, but no PagedAttention ran for layers \[2\]"),
-    (_SpecSaysTwoKVHeads, r"4 KV heads of 8, but the model's ModelSpec declares 4, 2 of 8"),
+    (_SpecSaysTwoKVHeads, r"4 KV heads of 8, but the model's ModelSpec declares 2 of 8 for this layer"),
     (_WritesFewerHeads, r"layer_index=1\): q has shape \(\d+, 4, 8\), expected .* \(\d+, 4, 4\)"),
     (_AttendsLayerZeroTwice, r"layer_index=0\) ran twice in one step"),
     (_UndeclaredWindow, r"sliding_window=16, but ModelSpec.sliding_windows declares None"),
