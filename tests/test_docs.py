@@ -170,9 +170,12 @@ def test_install_command_activates_the_venv_and_names_the_server_and_client():
 
 
 def test_the_install_command_installs_what_the_examples_import():
+    """Every module that a README or docs/ example imports is the project's, the standard library's, or from a
+    distribution the README's install command installs: a dependency of the project or of an extra it names, or a
+    package it names (the streaming example's `openai` used to be in no documented command)."""
     owners = importlib.metadata.packages_distributions()
     missing = []
-    for body in blocks(README.read_text(), "python", "py"):
+    for body in [b for page in PAGES for b in blocks(page.read_text(), "python", "py")]:
         for module in re.findall(r"^\s*(?:from|import) ([A-Za-z_]\w*)", body, flags=re.M):
             if module in sys.stdlib_module_names or module in ("pagedjax", "pallas_kernels", "__future__"):
                 continue
@@ -181,8 +184,17 @@ def test_the_install_command_installs_what_the_examples_import():
     assert missing == []
 
 
+def test_readme_gives_the_two_commands_first():
+    """The project's two entry points, each alone in its block: set up and decode, and run the tests (CI's)."""
+    section = README.read_text().split("\n## Two commands\n", 1)[1].split("\n## ", 1)[0]
+    assert [b.strip() for b in blocks(section, "bash")] == ["scripts/run.sh", "scripts/test.sh"]
+    assert README.read_text().index("\n## Two commands\n") < README.read_text().index("\n## Install\n")
+    assert all((ROOT / "scripts" / name).stat().st_mode & 0o111 for name in ("run.sh", "test.sh"))
+
+
 def test_readme_is_a_guide():
-    """Issue 42: the README was 1,734 lines, mostly benchmark narratives; they live in docs/ now."""
+    """Issue 42: the README was 1,800 lines, mostly benchmark narratives (one section 18.7k characters); they
+    live in docs/ now."""
     text = README.read_text()
     sections = re.split(r"\n(?=## )", text)
     assert len(text.splitlines()) <= 500, f"README.md is {len(text.splitlines())} lines"
