@@ -198,10 +198,13 @@ def test_an_uneven_partition_is_refused_naming_the_parameter():
     assert part(("h", 0, "mlp", "c_fc", "kernel"), (32, 128)) == P()  # no rule of its own, no default: replicated
 
 
-def test_readme_shows_this_example():
-    """The README's "Bring your own model" code is `tests/model/gpt2_example.py`, verbatim."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+def test_docs_show_this_example():
+    """docs/models.md's "Bring your own model" code (which the README links to, and tests/test_readme.py runs) is
+    `tests/model/gpt2_example.py`, verbatim."""
+    root = Path(__file__).parents[2]
+    section = (root / "docs" / "models.md").read_text().split("\n## Bring your own model\n", 1)[1].split("\n## ")[0]
     example = (Path(__file__).parent / "gpt2_example.py").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     body = example[example.index("from __future__"):]
-    assert any(body.strip() in b for b in blocks), "README's Bring-your-own-model code differs from gpt2_example.py"
+    assert any(body.strip() in b for b in blocks), "docs/models.md's GPT-2 differs from gpt2_example.py"
+    assert "(docs/models.md#bring-your-own-model)" in (root / "README.md").read_text()
