@@ -28,6 +28,8 @@ _LAZY = {
     "ModelConfig": "pagedjax.config",
     "ModelSpec": "pagedjax.config",
     "CacheConfig": "pagedjax.config",
+    "FullAttention": "pagedjax.config",
+    "LatentAttention": "pagedjax.config",
     "SchedulerConfig": "pagedjax.config",
     "SpeculativeConfig": "pagedjax.config",
     "ParallelConfig": "pagedjax.config",

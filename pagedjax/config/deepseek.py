@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pagedjax.config.cache import DTYPE_BYTES
 from pagedjax.config.fields import check_bool, check_choice, check_float, check_int, describe, from_fields
+from pagedjax.config.kv_spec import LatentAttention
 from pagedjax.config.model import ModelSpec
 
 # How router logits `[T, E]` become each token's k experts and their weights (`pagedjax.model.layers.moe.route`),
@@ -227,7 +228,6 @@ class DeepSeekConfig:
     @property
     def spec(self) -> ModelSpec:
         """What the engine needs to know of the model: every layer caches one MLA latent entry per token."""
-        from pagedjax.config.kv_spec import LatentAttention  # TEMP until main's kv spec is merged
         return ModelSpec(vocab_size=self.vocab_size, num_layers=self.num_layers, num_q_heads=self.num_heads,
                          kv_layers=(LatentAttention(self.kv_lora_rank, self.qk_rope_head_dim),) * self.num_layers,
                          dtype=self.dtype, max_position_embeddings=self.max_position_embeddings,
