@@ -31,7 +31,7 @@ pytestmark = pytest.mark.hf
 
 VOCAB = 80
 TOL = 1e-5  # float32 logits, relative to their largest magnitude
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
                qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, num_experts_per_tok=2, first_k_dense_replace=1,
                initializer_range=0.2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -39,12 +39,12 @@ _YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings":
          "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
 # name -> (config class, seed, fields). Seeds picked so that no greedy step is a near tie (asserted).
 MODELS = {
-    "v2_lora_grouped": ("DeepseekV2Config", 3, dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4,
+    "v2_lora_grouped": ("DeepseekV2Config", 1, dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4,
                                                     topk_group=2, routed_scaling_factor=1.5, rope_parameters=_YARN)),
-    "v2_greedy": ("DeepseekV2Config", 1, dict(q_lora_rank=None, topk_method="greedy", n_shared_experts=2)),
-    "v3_yarn": ("DeepseekV3Config", 2, dict(q_lora_rank=24, n_group=4, topk_group=2, rope_parameters=_YARN,
+    "v2_greedy": ("DeepseekV2Config", 2, dict(q_lora_rank=None, topk_method="greedy", n_shared_experts=2)),
+    "v3_yarn": ("DeepseekV3Config", 4, dict(q_lora_rank=24, n_group=4, topk_group=2, rope_parameters=_YARN,
                                             rope_interleave=True)),
-    "v3_halves": ("DeepseekV3Config", 5, dict(q_lora_rank=None, n_group=2, topk_group=1, rope_interleave=False,
+    "v3_halves": ("DeepseekV3Config", 0, dict(q_lora_rank=None, n_group=2, topk_group=1, rope_interleave=False,
                                               norm_topk_prob=False, tie_word_embeddings=True,
                                               routed_scaling_factor=1.0)),
 }
@@ -102,7 +102,7 @@ def test_config_maps_fields(models, kind):
     hc = model.config
     cfg = load_deepseek_config(folder)
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size) == (
-        VOCAB, 32, 3, 4, 48)
+        VOCAB, 32, 2, 4, 48)
     assert (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (16, 16, 8, 12)
     assert cfg.q_lora_rank == hc.q_lora_rank
     assert cfg.moe == EXPECTED_MOE[kind]
@@ -155,12 +155,12 @@ def test_the_multi_token_prediction_layer_is_not_read(models, tmp_path):
     shutil.copy(folder / "generation_config.json", tmp_path)
     config = json.loads((folder / "config.json").read_text())
     tensors = load_file(str(folder / "model.safetensors"))
-    tensors["model.layers.3.eh_proj.weight"] = np.zeros((32, 64), np.float32)
+    tensors["model.layers.2.eh_proj.weight"] = np.zeros((32, 64), np.float32)
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     load_hf_deepseek(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
-    with pytest.raises(ModelLoadError, match=r"unexpected tensors: \['model.layers.3.eh_proj.weight'\]"):
+    with pytest.raises(ModelLoadError, match=r"unexpected tensors: \['model.layers.2.eh_proj.weight'\]"):
         load_hf_deepseek(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": "1"}))
     with pytest.raises(ModelLoadError, match="num_nextn_predict_layers"):
@@ -173,12 +173,12 @@ def test_a_missing_or_misshaped_tensor_is_named(models, tmp_path):
     _, folder = models["v3_yarn"]
     shutil.copy(folder / "config.json", tmp_path)
     tensors = load_file(str(folder / "model.safetensors"))
-    del tensors["model.layers.2.mlp.gate.e_score_correction_bias"]
+    del tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
     tensors["model.layers.0.self_attn.kv_b_proj.weight"] = tensors["model.layers.0.self_attn.kv_b_proj.weight"][:-4]
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError) as e:
         load_hf_deepseek(tmp_path)
-    assert "missing tensors: ['model.layers.2.mlp.gate.e_score_correction_bias']" in str(e.value)
+    assert "missing tensors: ['model.layers.1.mlp.gate.e_score_correction_bias']" in str(e.value)
     assert "model.layers.0.self_attn.kv_b_proj.weight: checkpoint [108, 16], model expects [112, 16]" in str(e.value)
 
 
@@ -208,7 +208,7 @@ def _config(entry, changes: dict) -> dict:
     ("v2_greedy", {"topk_method": "noaux_tc"}, "topk_method"),
     ("v2_greedy", {"moe_layer_freq": 2}, "moe_layer_freq"),
     ("v2_greedy", {"norm_topk_prob": True}, "norm_topk_prob"),
-    ("v2_greedy", {"first_k_dense_replace": 4}, "first_k_dense_replace"),
+    ("v2_greedy", {"first_k_dense_replace": 3}, "first_k_dense_replace"),
     ("v2_greedy", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ("v2_greedy", {"qk_nope_head_dim": -1}, "qk_nope_head_dim"),
     ("v2_greedy", {"kv_lora_rank": "16"}, "kv_lora_rank"),
@@ -309,13 +309,12 @@ def test_engine_greedy_matches_transformers_generate(models, kind):
     assert min(margins) > MIN_MARGIN, min(margins)  # a near tie would make the comparison one of rounding
     engine = _engine(folder)
     greedy = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    outs = engine.generate(PROMPTS, greedy, use_tqdm=False)
+    forked = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, n=2)  # two greedy samples of one prompt
+    outs = engine.generate(PROMPTS, [greedy, greedy, forked, greedy], use_tqdm=False)
     assert [o.output_token_ids for o in outs] == [list(w) for w in expected], kind
-    again = engine.generate([PROMPTS[-1]], greedy, use_tqdm=False)[0]
+    assert [c.token_ids for c in outs[2].outputs] == [list(expected[2])] * 2
+    again = engine.generate([PROMPTS[-1]], greedy, use_tqdm=False)[0]  # its full blocks cached
     assert again.num_cached_tokens >= 16 and again.output_token_ids == list(expected[-1])
-    forked = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, n=2),
-                             use_tqdm=False)[0]
-    assert [c.token_ids for c in forked.outputs] == [list(expected[2])] * 2
 
 
 # ----------------------------------------------------------------------------------- block-scaled FP8 weights
@@ -359,8 +358,9 @@ def test_fp8_block_scaled_checkpoint_matches_transformers_over_its_dequantized_w
     """Dequantized at load: exactly transformers over the same dequantized weights (float32). Its accuracy
     against the float model it was quantized from, measured (e4m3 keeps 3 mantissa bits; this tiny random model
     with large weights and flipping expert choices is far more sensitive than a trained one): the top-1 token
-    agrees at 26 of the 35 positions, logits within 1.52 of magnitudes up to 4.47. A wrong block scale would
-    leave the top-1 agreement at chance (1 / 80)."""
+    agrees at 32 of the 35 positions, the mean logit error is 0.14 against a mean magnitude of 0.87 (one
+    position, whose experts flip, is off by 3.1). A wrong block scale would leave the top-1 agreement at chance
+    (1 / 80)."""
     import copy
 
     model, folder = models["v3_yarn"]
@@ -385,7 +385,8 @@ def test_fp8_block_scaled_checkpoint_matches_transformers_over_its_dequantized_w
     for p, a, b in zip(PROMPTS, got, fp8_ref, strict=True):
         np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL * np.abs(b).max(), err_msg=f"{len(p)} tokens")
     a, f = np.concatenate(got), np.concatenate(float_ref)
-    assert np.sum(np.argmax(a, -1) == np.argmax(f, -1)) >= 22 and np.abs(a - f).max() < 0.5 * np.abs(f).max()
+    agree = np.sum(np.argmax(a, -1) == np.argmax(f, -1))
+    assert agree >= 28 and np.abs(a - f).mean() < 0.25 * np.abs(f).mean(), (agree, np.abs(a - f).mean())
 
 
 @pytest.mark.parametrize("change, match", [
