@@ -30,6 +30,7 @@ _LAZY = {
     "CacheConfig": "pagedjax.config",
     "FullAttention": "pagedjax.config",
     "LatentAttention": "pagedjax.config",
+    "IndexedSparse": "pagedjax.config",
     "SchedulerConfig": "pagedjax.config",
     "SpeculativeConfig": "pagedjax.config",
     "ParallelConfig": "pagedjax.config",

@@ -2,7 +2,7 @@
 
   model.py        ModelSpec (what the engine needs of any model), ModelConfig (the built-in decoders' shape)
   cache.py        CacheConfig: the paged KV pool (block size, blocks or bytes, KV dtype, prefix caching)
-  kv_spec.py      FullAttention, LatentAttention: what one layer's token slot holds (ModelSpec.kv_layers)
+  kv_spec.py      FullAttention, LatentAttention, IndexedSparse: what one layer's token slot holds (ModelSpec.kv_layers)
   scheduler.py    SchedulerConfig: token budget, sequences per step, context length, chunked prefill
   parallel.py     ParallelConfig: tensor / data parallelism
   quant.py        QuantConfig: weight-only quantized linears and experts
@@ -17,7 +17,7 @@
 from pagedjax.config.cache import KV_DTYPES, CacheConfig, kv_cache_bytes
 from pagedjax.config.deepseek import DeepSeekConfig, DeepSeekMoEConfig
 from pagedjax.config.engine import EngineConfig
-from pagedjax.config.kv_spec import FullAttention, KVLayerSpec, LatentAttention
+from pagedjax.config.kv_spec import FullAttention, IndexedSparse, KVLayerSpec, LatentAttention
 from pagedjax.config.model import ModelConfig, ModelSpec
 from pagedjax.config.moe import MoEConfig
 from pagedjax.config.parallel import ParallelConfig
@@ -27,5 +27,5 @@ from pagedjax.config.speculative import SpeculativeConfig
 from pagedjax.config.structured import StructuredLimits
 
 __all__ = ["KV_DTYPES", "CacheConfig", "DeepSeekConfig", "DeepSeekMoEConfig", "EngineConfig", "FullAttention",
-           "KVLayerSpec", "LatentAttention", "ModelConfig", "ModelSpec", "MoEConfig", "ParallelConfig", "QuantConfig",
-           "SchedulerConfig", "SpeculativeConfig", "StructuredLimits", "kv_cache_bytes"]
+           "IndexedSparse", "KVLayerSpec", "LatentAttention", "ModelConfig", "ModelSpec", "MoEConfig", "ParallelConfig",
+           "QuantConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredLimits", "kv_cache_bytes"]

@@ -13,6 +13,10 @@ the engine sizes the pool:
   latent c_kv and one rotary key shared by all heads per token, pages `[num_blocks, block_size,
   kv_lora_rank + rope_dim]`; attention runs in latent space over the pages as stored (the model absorbs its
   up-projections).
+- `IndexedSparse(kv_lora_rank, rope_dim, index_head_dim, index_topk)`: DeepSeek sparse attention (V3.2 DSA): the
+  latent entry of `LatentAttention` plus one lightning-indexer key per token in the same block (same table,
+  hashes, eviction, copy-on-write), pages `[num_blocks, block_size, index_head_dim]` beside the latent ones. Per
+  query the indexer scores every earlier token, keeps the top `index_topk`, and attention reads only those.
 
 8-bit pages (`CacheConfig.kv_dtype` "int8" / "fp8") store one float32 scale per token beside each vector a slot
 holds (per KV head for K and for V; per token for a latent entry), counted in `bytes_per_token`.
@@ -72,5 +76,32 @@ class LatentAttention:
         return self.entry_dim * element_bytes + scale_bytes
 
 
-KVLayerSpec = FullAttention | LatentAttention
-KV_LAYER_SPECS = (FullAttention, LatentAttention)
+@dataclass(frozen=True)
+class IndexedSparse:
+    """A latent entry (`LatentAttention`) and an indexer key of `index_head_dim` per token; queries attend to the
+    `index_topk` earlier positions the indexer scores highest (all of them while the context is no longer)."""
+
+    kv_lora_rank: int
+    rope_dim: int
+    index_head_dim: int
+    index_topk: int
+
+    sliding_window = None  # the indexer may select any earlier position
+
+    def __post_init__(self) -> None:
+        fix = lambda name, value: object.__setattr__(self, name, value)
+        for name in ("kv_lora_rank", "rope_dim", "index_head_dim", "index_topk"):
+            fix(name, check_int("IndexedSparse", name, getattr(self, name), lo=1))
+
+    @property
+    def entry_dim(self) -> int:
+        """Numbers per token slot of the latent pages (the indexer key is in its own pages)."""
+        return self.kv_lora_rank + self.rope_dim
+
+    def bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
+        """The latent entry and the indexer key, each with its scale for 8-bit pages."""
+        return (self.entry_dim + self.index_head_dim) * element_bytes + 2 * scale_bytes
+
+
+KVLayerSpec = FullAttention | LatentAttention | IndexedSparse
+KV_LAYER_SPECS = (FullAttention, LatentAttention, IndexedSparse)

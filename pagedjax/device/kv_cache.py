@@ -5,7 +5,9 @@ What a layer's token slot holds is its `KVLayerSpec` (`pagedjax.config.kv_spec`,
   - `FullAttention`: `LayerKV`, `k` and `v` pages `[num_kv_heads, num_blocks, block_size, head_dim]` (with 8-bit
     pages, their scales `[num_kv_heads, num_blocks, block_size]` beside them);
   - `LatentAttention`: `LatentKV`, pages `[num_blocks, block_size, kv_lora_rank + rope_dim]` (with 8-bit pages,
-    scales `[num_blocks, block_size]`).
+    scales `[num_blocks, block_size]`);
+  - `IndexedSparse`: `SparseKV`, those latent pages and the indexer keys `[num_blocks, block_size,
+    index_head_dim]` (8-bit: each with its scales).
 The cache holds one such set per layer (a tuple of `num_layers` of them) rather than one stacked
 `[num_layers, ...]` array: a kernel is a custom call whose operands XLA must materialise, so slicing a layer out
 of a stacked array would copy that layer's whole pool on every layer of every step. Per-layer leaves are donated
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pagedjax.config.cache import KV_SCALE_BYTES
-from pagedjax.config.kv_spec import FullAttention, KVLayerSpec, LatentAttention
+from pagedjax.config.kv_spec import FullAttention, IndexedSparse, KVLayerSpec, LatentAttention
 from pallas_kernels.quant import is_quantized, quantize_kv
 
 SCALE_DTYPE = jnp.dtype(jnp.float32)  # of 8-bit pages' scales (`config.KV_SCALE_BYTES` bytes)
@@ -49,8 +51,23 @@ class LatentKV(NamedTuple):
     scales: jax.Array | None = None
 
 
-PagedLayer = LayerKV | LatentKV
-BLOCK_AXIS = {LayerKV: 1, LatentKV: 0}  # where each layer kind's arrays keep their blocks
+class SparseKV(NamedTuple):
+    """One DSA layer's pages (`IndexedSparse`): the latent pages of `LatentKV` and, in the same blocks, the
+    indexer keys `[num_blocks, block_size, index_head_dim]`; scales: float32 `[num_blocks, block_size]` each when
+    the pages hold 8-bit values, else None."""
+
+    pages: jax.Array
+    index_keys: jax.Array
+    scales: jax.Array | None = None
+    index_scales: jax.Array | None = None
+
+    @property
+    def latent(self) -> LatentKV:
+        return LatentKV(self.pages, self.scales)
+
+
+PagedLayer = LayerKV | LatentKV | SparseKV
+BLOCK_AXIS = {LayerKV: 1, LatentKV: 0, SparseKV: 0}  # where each layer kind's arrays keep their blocks
 
 
 class KVCache(NamedTuple):
@@ -102,9 +119,12 @@ def layer_shapes(spec: KVLayerSpec, num_blocks: int, block_size: int, dtype, *,
         pages = jax.ShapeDtypeStruct((heads, num_blocks, block_size, spec.head_dim), dtype)
         scales = jax.ShapeDtypeStruct((heads, num_blocks, block_size), SCALE_DTYPE) if quantized else None
         return LayerKV(pages, pages, scales, scales)
+    scales = jax.ShapeDtypeStruct((num_blocks, block_size), SCALE_DTYPE) if quantized else None
+    pages = lambda width: jax.ShapeDtypeStruct((num_blocks, block_size, width), dtype)
     if isinstance(spec, LatentAttention):
-        pages = jax.ShapeDtypeStruct((num_blocks, block_size, spec.entry_dim), dtype)
-        return LatentKV(pages, jax.ShapeDtypeStruct((num_blocks, block_size), SCALE_DTYPE) if quantized else None)
+        return LatentKV(pages(spec.entry_dim), scales)
+    if isinstance(spec, IndexedSparse):
+        return SparseKV(pages(spec.entry_dim), pages(spec.index_head_dim), scales, scales)
     raise TypeError(f"no KV pages for a layer spec of type {type(spec).__name__}")
 
 
@@ -165,29 +185,48 @@ def write_kv(layer: LayerKV, k_new: jax.Array, v_new: jax.Array, slot_mapping: j
                    scatter(layer.v_scales, v_scales.astype(layer.v_scales.dtype)))
 
 
+def _write_rows(pages: jax.Array,  # [num_blocks, block_size, width]
+                scales: jax.Array | None,  # [num_blocks, block_size], with 8-bit pages
+                rows: jax.Array,  # [T, width]
+                slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """Scatter one vector per token into token-major pages; into 8-bit pages quantized on the way (one scale per
+    token over its whole vector, as the kernels dequantize). Slot -1 (padding) is dropped."""
+    num_blocks, block_size, width = pages.shape
+    if rows.shape[-1] != width:
+        raise ValueError(f"a token's vector of {rows.shape[-1]} does not fill the pages' entries of {width}")
+    if is_quantized(pages.dtype) != (scales is not None):
+        raise ValueError(f"pages of dtype {pages.dtype} need scales exactly when they are 8-bit")
+    block = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)  # out of bounds: dropped
+    offset = jnp.where(slot_mapping < 0, 0, slot_mapping % block_size)
+    if scales is None:
+        return pages.at[block, offset].set(rows.astype(pages.dtype), mode="drop"), None
+    values, row_scales = quantize_kv(rows[:, None, :], pages.dtype)  # [T, 1, width], [T, 1]
+    return (pages.at[block, offset].set(values[:, 0], mode="drop"),
+            scales.at[block, offset].set(row_scales[:, 0].astype(scales.dtype), mode="drop"))
+
+
 def write_latent(layer: LatentKV, c_kv: jax.Array, k_rope: jax.Array, slot_mapping: jax.Array) -> LatentKV:
-    """Scatter new MLA entries `[c_kv | k_rope]` into one latent layer's pages; into 8-bit pages they are
-    quantized on the way (one scale per token over its whole entry, as the kernels dequantize).
+    """Scatter new MLA entries `[c_kv | k_rope]` into one latent layer's pages (8-bit: one scale per entry).
 
     c_kv:         `[num_tokens, kv_lora_rank]`
     k_rope:       `[num_tokens, rope_dim]`
     slot_mapping: int32 `[num_tokens]`; -1 = padding, dropped.
     """
-    num_blocks, block_size, width = layer.pages.shape
+    width = layer.pages.shape[-1]
     if c_kv.shape[-1] + k_rope.shape[-1] != width:
         raise ValueError(f"write_latent: c_kv [.., {c_kv.shape[-1]}] and k_rope [.., {k_rope.shape[-1]}] do not "
                          f"fill the pages' entries of {width}")
-    quantized = is_quantized(layer.pages.dtype)
-    if quantized != (layer.scales is not None):
-        raise ValueError(f"write_latent: pages of dtype {layer.pages.dtype} need scales exactly when they are 8-bit")
-    block = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)  # out of bounds: dropped
-    offset = jnp.where(slot_mapping < 0, 0, slot_mapping % block_size)
     entry = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)  # [T, R + Dr]
-    if not quantized:
-        return LatentKV(layer.pages.at[block, offset].set(entry.astype(layer.pages.dtype), mode="drop"))
-    values, scales = quantize_kv(entry[:, None, :], layer.pages.dtype)  # [T, 1, R + Dr], [T, 1]
-    return LatentKV(layer.pages.at[block, offset].set(values[:, 0], mode="drop"),
-                    layer.scales.at[block, offset].set(scales[:, 0].astype(layer.scales.dtype), mode="drop"))
+    return LatentKV(*_write_rows(layer.pages, layer.scales, entry, slot_mapping))
+
+
+def write_sparse(layer: SparseKV, c_kv: jax.Array, k_rope: jax.Array, k_index: jax.Array,
+                 slot_mapping: jax.Array) -> SparseKV:
+    """`write_latent` into a DSA layer's latent pages, and each token's indexer key `k_index` `[num_tokens,
+    index_head_dim]` into the same slot of its indexer-key pages."""
+    latent = write_latent(layer.latent, c_kv, k_rope, slot_mapping)
+    index_keys, index_scales = _write_rows(layer.index_keys, layer.index_scales, k_index, slot_mapping)
+    return SparseKV(latent.pages, index_keys, latent.scales, index_scales)
 
 
 def copy_blocks(kv_cache: KVCache, block_copies: jax.Array) -> KVCache:

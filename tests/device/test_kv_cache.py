@@ -5,16 +5,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedjax.config import CacheConfig, FullAttention, LatentAttention, ModelSpec
+from pagedjax.config import CacheConfig, FullAttention, IndexedSparse, LatentAttention, ModelSpec
 from pagedjax.config.cache import kv_cache_bytes
 from pagedjax.device.kv_cache import (
     KVCache,
     LatentKV,
     LayerKV,
+    SparseKV,
     copy_blocks,
     init_kv_cache,
     write_kv,
     write_latent,
+    write_sparse,
 )
 from pallas_kernels.quant import is_quantized, quantize_kv
 
@@ -137,20 +139,23 @@ def test_copy_blocks_copies_scales_with_their_values():
 def test_mixed_layer_specs_pages_and_bytes(kv_dtype):
     """A cache of full-attention and latent layers: each layer's pages as its spec lays them out, and the pool's
     bytes exactly what `CacheConfig` sizes it by (the host side never sees the arrays)."""
-    layers = (FullAttention(2, 8), LatentAttention(kv_lora_rank=12, rope_dim=4), FullAttention(1, 8, 3))
-    spec = ModelSpec(vocab_size=8, num_layers=3, num_q_heads=4, kv_layers=layers)
+    layers = (FullAttention(2, 8), LatentAttention(kv_lora_rank=12, rope_dim=4), FullAttention(1, 8, 3),
+              IndexedSparse(kv_lora_rank=12, rope_dim=4, index_head_dim=8, index_topk=6))
+    spec = ModelSpec(vocab_size=8, num_layers=4, num_q_heads=4, kv_layers=layers)
     config = CacheConfig(block_size=4, num_blocks=5, kv_dtype=kv_dtype)
     dtype = jnp.dtype(config.kv_array_dtype(spec))
     cache = init_kv_cache(spec.kv_layers, 5, 4, dtype)
-    full, latent, windowed = cache.layers
+    full, latent, windowed, sparse = cache.layers
     assert isinstance(full, LayerKV) and full.k.shape == (2, 5, 4, 8)
     assert isinstance(latent, LatentKV) and latent.pages.shape == (5, 4, 16) and latent.pages.dtype == dtype
     assert (latent.scales is None) == (not is_quantized(dtype))
     assert windowed.k.shape == (1, 5, 4, 8) and cache.num_blocks == 5 and cache.block_size == 4
+    assert isinstance(sparse, SparseKV) and sparse.pages.shape == (5, 4, 16) and sparse.index_keys.shape == (5, 4, 8)
+    assert (sparse.index_scales is None) == (not is_quantized(dtype))
     assert cache.nbytes == config.pool_bytes(spec) == 5 * config.block_bytes(spec)
     element, scale = (1, 4) if is_quantized(dtype) else (dtype.itemsize, 0)
     assert config.kv_bytes_per_token(spec) == 2 * 2 * (8 * element + scale) + (16 * element + scale) \
-        + 2 * 1 * (8 * element + scale)
+        + 2 * 1 * (8 * element + scale) + (16 * element + scale) + (8 * element + scale)
     with pytest.raises(ValueError, match="only a cache whose every layer is full attention"):
         cache.stacked()
 
@@ -205,3 +210,24 @@ def test_copy_blocks_copies_latent_pages_and_full_pages_together():
         np.testing.assert_array_equal(got[3], before[1])
         np.testing.assert_array_equal(got[0], before[3])
         np.testing.assert_array_equal(got[1:3], before[1:3])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
+def test_write_sparse_puts_the_indexer_key_in_the_latent_entrys_slot(dtype):
+    rng = np.random.default_rng(4)
+    quantized = is_quantized(dtype)
+    scales = lambda: jnp.ones((2, 4), jnp.float32) if quantized else None
+    layer = SparseKV(jnp.zeros((2, 4, 6), dtype), jnp.zeros((2, 4, 3), dtype), scales(), scales())
+    c_kv, k_rope, k_index = (jnp.asarray(rng.normal(size=(3, d)).astype(np.float32)) for d in (4, 2, 3))
+    slots = jnp.array([6, -1, 1], jnp.int32)
+    out = write_sparse(layer, c_kv, k_rope, k_index, slots)
+    latent = write_latent(layer.latent, c_kv, k_rope, slots)
+    np.testing.assert_array_equal(np.asarray(out.pages).view(np.uint8), np.asarray(latent.pages).view(np.uint8))
+    keys = np.asarray(out.index_keys).astype(np.float32)
+    if quantized:
+        keys = keys * np.asarray(out.index_scales)[..., None]
+    for t, s in ((0, 6), (2, 1)):
+        np.testing.assert_allclose(keys[s // 4, s % 4], np.asarray(k_index[t]), rtol=1e-2, atol=1e-2)
+    assert not keys[0, 0].any() and not keys[1, 3].any()  # padding wrote nowhere
+    with pytest.raises(ValueError, match="does not fill"):
+        write_sparse(layer, c_kv, k_rope, k_index[:, :2], slots)
