@@ -252,6 +252,35 @@ def test_int8_weights_keep_the_latent_up_projection_and_the_router_float(models)
     assert np.abs(got - float_logits).mean() < 0.15 * np.abs(float_logits).mean()
 
 
+def test_the_official_v3_config_json_maps(tmp_path):
+    """DeepSeek-V3's own config.json (its fields and spellings: `rope_scaling` with "type", a top-level
+    `rope_theta`, `topk_method` / `scoring_func`, FP8 `quantization_config`, bf16), shrunk to 2 layers."""
+    official = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 2,
+        "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "n_shared_experts": 1, "n_routed_experts": 256, "ep_size": 1, "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+        "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid",
+        "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "bos_token_id": 0,
+        "eos_token_id": 1, "tie_word_embeddings": False, "rope_theta": 10000, "attention_bias": False,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]},
+        "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(official))
+    cfg = load_deepseek_config(tmp_path)
+    assert cfg.moe == DeepSeekMoEConfig(256, 8, 2048, 1, 1, "noaux_tc", 8, 4, True, 2.5)
+    assert (cfg.dtype, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.max_position_embeddings) == ("bfloat16", 1536, 512,
+                                                                                          163840)
+    assert dict(cfg.rope_scaling) == {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
+    assert cfg.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * np.log(40) + 1) ** 2)
+    assert cfg.spec.kv_layers[0].kv_lora_rank + cfg.spec.kv_layers[0].rope_dim == 576
+
+
 # ------------------------------------------------------------------------------------------ the config itself
 _BASE = dict(vocab_size=16, hidden_size=8, num_layers=2, num_heads=2, intermediate_size=8, kv_lora_rank=4,
              qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
