@@ -24,6 +24,9 @@ field: never silently wrong output. Phi-3's LongRoPE ("longrope", "su") is compu
 `original_max_position_embeddings`, to which the context is capped (with a warning): its long factors are not
 implemented.
 
+DeepSeek V2 / V3 (`deepseek_v2`, `deepseek_v3`) map to a `pagedjax.config.deepseek.DeepSeekConfig` instead
+(`load_deepseek_config`; `load_hf_config` refuses them, naming it).
+
 The weights are read by `pagedjax.model.loading.hf_loader`.
 """
 

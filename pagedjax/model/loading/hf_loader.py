@@ -1,5 +1,7 @@
 """Load a local Hugging Face model folder (Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / OLMo 2 / Gemma 2 / Gemma 3
-text / Mixtral / Qwen3-MoE) into pagedjax.
+text / Mixtral / Qwen3-MoE; DeepSeek V2 / V3 through `load_hf_deepseek`, a model of the public contract) into
+pagedjax. `fill_state` is the one safetensors reader under both (names, shapes and dtypes checked before any data
+is read; block-scaled FP8 weights dequantized, `hf_fp8`).
 
     cfg, params, tokenizer = load_hf("path/to/folder")           # config.json, *.safetensors, tokenizer.json
     engine = LLMEngine(cfg, CacheConfig(...), SchedulerConfig(...), params=params, tokenizer=tokenizer)
