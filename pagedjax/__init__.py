@@ -31,6 +31,7 @@ _LAZY = {
     "FullAttention": "pagedjax.config",
     "LatentAttention": "pagedjax.config",
     "IndexedSparse": "pagedjax.config",
+    "DeepSeekConfig": "pagedjax.config",
     "SchedulerConfig": "pagedjax.config",
     "SpeculativeConfig": "pagedjax.config",
     "ParallelConfig": "pagedjax.config",
