@@ -49,7 +49,8 @@ def combined_stats(replicas: Sequence[EngineStats], requests_per_replica: Sequen
         failed_steps=total("failed_steps"), prompt_tokens=total("prompt_tokens"),
         generated_tokens=total("generated_tokens"), prefill_tokens_computed=total("prefill_tokens_computed"),
         elapsed_s=slowest("elapsed_s"), device_s=slowest("device_s"), compile_s=slowest("compile_s"),
-        compilations=total("compilations"), compiled_programs=total("compiled_programs"),
+        compilations=total("compilations"), programs_loaded=total("programs_loaded"),
+        compiled_programs=total("compiled_programs"),
         stand_in_steps=total("stand_in_steps"), warmup_s=slowest("warmup_s"),
         scheduler=scheduler, replicas=tuple(replicas),
         requests_per_replica=tuple(requests_per_replica))

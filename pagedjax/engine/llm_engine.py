@@ -237,7 +237,7 @@ class LLMEngine:
         waiting for it: every step but those asking for logits or more than 512 stop ids. The KV cache's contents
         and the scheduler are left as they were, and these programs are never dropped. Returns the seconds it
         took (also logged, and in `stats().warmup_s`)."""
-        start = time.perf_counter()
+        start, before = time.perf_counter(), self.stats()
         sc, bs, steps = self.scheduler_config, self.cache_config.block_size, self.decode_steps_per_call
         # A fused decode's tables have room for its steps past the sequence's tokens.
         max_blocks = -(-(self.max_request_tokens + steps - 1) // bs)
@@ -251,7 +251,10 @@ class LLMEngine:
             self.speculator.draft.warmup(sc.max_num_seqs, max_blocks)
         seconds = time.perf_counter() - start
         self._warmup_s += seconds
-        logger.info("warm-up: compiled and ran %d programs in %.1f s", len(shapes), seconds)
+        after = self.stats()
+        logger.info("warm-up: %d programs ready and run in %.1f s (%d compiled, %d loaded from the compile cache)",
+                    after.compilations - before.compilations, seconds,
+                    after.programs_compiled - before.programs_compiled, after.programs_loaded - before.programs_loaded)
         return seconds
 
     def close(self) -> None:
@@ -489,6 +492,11 @@ class LLMEngine:
 
     # -------------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
+        """The counters now. Programs and their compile time are the target's and the draft model's together
+        (both compile inside steps), so `tokens_per_s` leaves every compile out."""
+        programs = [self.runner.programs]
+        if self.speculator is not None and self.speculator.draft is not None:
+            programs.append(self.speculator.draft.runner.programs)
         return EngineStats(
             steps=self._steps,
             fused_decode_calls=self._fused_calls,
@@ -498,9 +506,10 @@ class LLMEngine:
             prefill_tokens_computed=self._prefill_computed,
             elapsed_s=self._elapsed,
             device_s=self.runner.device_seconds,
-            compile_s=self.runner.programs.compile_seconds,
-            compilations=self.runner.programs.num_compilations,
-            compiled_programs=self.runner.num_programs,
+            compile_s=sum(p.compile_seconds for p in programs),
+            compilations=sum(p.num_compilations for p in programs),
+            programs_loaded=sum(p.num_loaded for p in programs),
+            compiled_programs=sum(len(p) for p in programs),
             stand_in_steps=self.runner.programs.stand_in_steps,
             warmup_s=self._warmup_s,
             **({} if self.speculator is None else self.speculator.stats()),

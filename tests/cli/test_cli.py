@@ -38,7 +38,7 @@ def test_demo_end_to_end_prints_completions_and_statistics():
     assert "Traceback" not in r.stderr
     assert out.count("--- [") == len(DEMO_SUFFIXES)
     for row in ("prompt tokens", "generated tokens", "tokens/s", "KV blocks used", "KV waste",
-                "prefix-cache hit rate", "preemptions", "compilations", "compile cache"):
+                "prefix-cache hit rate", "preemptions", "step programs", "compile time", "compile cache"):
         assert re.search(rf"^{re.escape(row)}\s", out, re.MULTILINE), f"no '{row}' row in:\n{out}"
     assert re.search(r"^generated tokens\s+\d+$", out, re.MULTILINE), out
     assert re.search(r"KV blocks used\s+\d+ of 64", out), out
@@ -268,10 +268,15 @@ def test_second_run_loads_what_the_first_compiled(tmp_path):
     assert cold["compile_cache_dir"] == str(cache)
     assert cold["stats"]["compile_cache_hits"] == 0 and cold["stats"]["compile_cache_misses"] > 0
     assert cold["stats"]["compile_s"] > 0
+    # One count of programs: each step program is compiled (cold) or loaded (warm), never both, never others.
+    assert cold["stats"]["programs_compiled"] == cold["stats"]["compilations"] == \
+        cold["stats"]["compile_cache_misses"] and cold["stats"]["programs_loaded"] == 0
 
     warm = _run_json("--compile-cache", str(cache))
     assert warm["compile_cache_dir"] == str(cache)
     assert warm["stats"]["compile_cache_hits"] > 0 and warm["stats"]["compile_cache_misses"] == 0
+    assert warm["stats"]["programs_loaded"] == warm["stats"]["compilations"] == cold["stats"]["compilations"]
+    assert warm["stats"]["programs_compiled"] == 0
     assert [(c["text"], c["num_tokens"]) for c in warm["completions"]] == \
         [(c["text"], c["num_tokens"]) for c in cold["completions"]]
     assert warm["completions"][0]["num_tokens"] == 2
@@ -288,12 +293,11 @@ def test_no_compile_cache_writes_nothing(tmp_path):
 
 
 def test_compile_cache_description():
-    assert CompileCache(None).describe() == "off: every program compiled"
-    assert CompileCache(None, lookups=3).start == "off"
+    assert CompileCache(None).describe(3, 0) == "off: every program compiled"
+    assert CompileCache(None).start(3, 0) == "off"
     folder = Path("/tmp/c")
-    assert CompileCache(folder, lookups=4, hits=4).describe() == "warm start: 4 of 4 programs loaded from /tmp/c"
-    assert CompileCache(folder, lookups=4).describe() == "cold start: 0 of 4 programs loaded from /tmp/c"
-    assert CompileCache(folder, lookups=4, hits=1).start == "partly warm"
-    assert CompileCache(folder, lookups=4, hits=1).misses == 3
-    assert CompileCache(folder).start == "no compilation"
+    assert CompileCache(folder).describe(4, 4) == "warm start: 4 of 4 step programs loaded from /tmp/c"
+    assert CompileCache(folder).describe(4, 0) == "cold start: 0 of 4 step programs loaded from /tmp/c"
+    assert CompileCache(folder).start(4, 1) == "partly warm"
+    assert CompileCache(folder).start(0, 0) == "no compilation"
     assert CompileCache(folder).engine_arg == "/tmp/c" and CompileCache(None).engine_arg is False

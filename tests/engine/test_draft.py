@@ -55,6 +55,13 @@ def test_a_draft_identical_to_the_target_accepts_every_proposal_and_gives_the_de
     assert s.scheduler.prefix_cache_hits > 0
     assert s.spec_proposed_tokens > 0 and s.spec_accepted_tokens == s.spec_proposed_tokens  # acceptance 1
     assert s.steps < 3 + sum(map(len, expected)) // 2  # several tokens per step
+    # The draft's programs compile inside the steps too: counted with the target's, their time out of tokens/s.
+    target, draft = engine.runner.programs, engine.speculator.draft.runner.programs
+    assert draft.num_compilations > 0 and draft.compile_seconds > 0
+    assert s.compilations == target.num_compilations + draft.num_compilations
+    assert s.compile_s == pytest.approx(target.compile_seconds + draft.compile_seconds)
+    assert s.compiled_programs == len(target) + len(draft)
+    assert s.tokens_per_s == pytest.approx(s.generated_tokens / (s.elapsed_s - s.compile_s))
     assert_all_free(engine)
 
     proposer = engine.speculator.proposer
