@@ -268,6 +268,18 @@ def in_flags(message: str) -> str:
     return message
 
 
+def sampling_defaults_of(args: argparse.Namespace):
+    """The engine's `SamplingDefaults`: the --model folder's generation_config.json (the bundled model's without
+    --model) over vLLM's defaults; vLLM's alone for a --model-class model without --model (it has no folder).
+    ValueError naming the file for a bad one. The sampling flags left unset are these (`SamplingParams` None)."""
+    from pagedjax.config.sampling import SamplingDefaults
+    from pagedjax.model.loading.generation_config import folder_sampling_defaults
+
+    if getattr(args, "model_class", None) is not None and args.model is None:
+        return SamplingDefaults()
+    return folder_sampling_defaults(args.model)
+
+
 def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool | str = True,
                  structured_limits=None):
     """The engine the arguments describe (a `DataParallelEngine` with --data-parallel-size > 1), its KV pool
@@ -294,6 +306,7 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
             # so one model has one context length in Python, pagedjax-generate and pagedjax-serve.
             max_model_len=args.max_model_len)
         speculative_config = speculative_config_of(args)
+        sampling_defaults = sampling_defaults_of(args)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
     check_kv_pool_fits(cache_config, loaded.spec, jax.local_devices()[0], tp)
@@ -306,7 +319,7 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
                              # Warmed-up programs stand in while a step's own compiles (the server's way): no
                              # stream stalls on a compile; without warm-up, each step waits for its own program.
                              compile_in_background=args.warmup, speculative_config=speculative_config,
-                             structured_limits=structured_limits)
+                             structured_limits=structured_limits, sampling_defaults=sampling_defaults)
         if args.warmup:
             engine.warmup()
         return engine

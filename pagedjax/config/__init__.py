@@ -8,6 +8,7 @@
   moe.py          MoEConfig: mixture-of-experts routing and its computation
   speculative.py  SpeculativeConfig: speculative decoding's method and proposal length
   structured.py   StructuredLimits: what an output constraint may ask of the grammar compiler
+  sampling.py     SamplingDefaults: what a request's sampling fields left unset become (generation_config.json)
   engine.py       EngineConfig: every other LLMEngine keyword (backend, fused decode steps, compile cache, ...)
   fields.py       the field checks every config uses (TypeError / ValueError naming the field)
 """
@@ -18,10 +19,11 @@ from pagedjax.config.model import ModelConfig, ModelSpec
 from pagedjax.config.moe import MoEConfig
 from pagedjax.config.parallel import ParallelConfig
 from pagedjax.config.quant import QuantConfig
+from pagedjax.config.sampling import SamplingDefaults
 from pagedjax.config.scheduler import SchedulerConfig
 from pagedjax.config.speculative import SpeculativeConfig
 from pagedjax.config.structured import StructuredLimits
 
 __all__ = ["KV_DTYPES", "CacheConfig", "EngineConfig", "ModelConfig", "ModelSpec", "MoEConfig", "ParallelConfig",
-           "QuantConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredLimits",
+           "QuantConfig", "SamplingDefaults", "SchedulerConfig", "SpeculativeConfig", "StructuredLimits",
            "kv_cache_bytes"]

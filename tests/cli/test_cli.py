@@ -191,8 +191,10 @@ def test_max_tokens_past_the_context_is_refused_as_the_server_refuses_it(capsys)
     assert captured.out == ""
 
 
-def test_one_context_length_per_model_in_python_the_cli_and_the_server():
-    """The CLI and the server defaulted to min(2048, max_position_embeddings), Python to the model's own."""
+def test_one_context_length_and_one_sampling_default_per_model_in_python_the_cli_and_the_server():
+    """The CLI and the server defaulted to min(2048, max_position_embeddings), Python to the model's own; the
+    default temperature was 0.0 in Python, 0.8 (top_p 0.95) in the CLI and 1.0 in the server: now the model's
+    generation_config.json's everywhere (the bundled model's: 0.8, top_p 0.95)."""
     from pagedjax import CacheConfig, LLMEngine
     from pagedjax.cli.args import build_parser
     from pagedjax.cli.engine_setup import build_engine, load_model_for_cli
@@ -201,9 +203,12 @@ def test_one_context_length_per_model_in_python_the_cli_and_the_server():
     python = LLMEngine.from_pretrained(None, cache_config=CacheConfig(num_blocks=16), compile_cache=False)
     want = python.model_config.max_position_embeddings
     assert python.scheduler_config.max_model_len == want
+    defaults = python.config.sampling_defaults
+    assert (defaults.temperature, defaults.top_p) == (0.8, 0.95)
     for parser in (build_parser(), serve_parser()):
         args = parser.parse_args(["--num-blocks", "16", "--no-warmup"])
-        assert build_engine(args, load_model_for_cli(args), compile_cache=False).scheduler_config.max_model_len == want
+        engine = build_engine(args, load_model_for_cli(args), compile_cache=False)
+        assert engine.scheduler_config.max_model_len == want and engine.config.sampling_defaults == defaults
         args = parser.parse_args(["--num-blocks", "16", "--no-warmup", "--max-model-len", "100"])
         assert build_engine(args, load_model_for_cli(args), compile_cache=False).scheduler_config.max_model_len == 100
 

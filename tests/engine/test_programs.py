@@ -71,7 +71,7 @@ def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatc
     knobs = zip(range(36), itertools.cycle([None, 0, 1, 5, 6, 13, 20]), itertools.cycle([1, 8, 9, 100, 255]),
                 itertools.cycle([0.0, 0.5, -1.0]), itertools.cycle([None, None, 0, 7, 20]), itertools.cycle([1, 2]))
     for i, logprobs, num_stops, presence, prompt_logprobs, n in knobs:
-        params = SamplingParams(max_tokens=2, logprobs=logprobs, stop_token_ids=range(num_stops),
+        params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=logprobs, stop_token_ids=range(num_stops),
                                 presence_penalty=presence, prompt_logprobs=prompt_logprobs, n=n, ignore_eos=i % 2 == 0,
                                 structured=StructuredOutput(regex="[a-z]{1,4}") if i % 4 == 1 else None)
         engine.add_request(f"r{i}", rng.integers(0, 256, 3 + i % 11).tolist(), params)
