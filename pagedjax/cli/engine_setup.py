@@ -26,7 +26,7 @@ class CLIModel:
     model_config: Any = None  # ModelConfig of a built-in model
     params: Any = None  # its nnx.State
     model: Any = None  # a --model-class model (pagedjax.model.api)
-    num_params: int = 0  # the stored parameters' elements (`cli_model` counts them)
+    num_params: int = 0  # the parameters (`StoredParams.num_params`: quantization scales not counted)
 
     def engine_args(self) -> dict:
         """`LLMEngine`'s model arguments."""
@@ -43,11 +43,12 @@ class CLIModel:
 
 def cli_model(spec, tokenizer, **weights) -> CLIModel:
     """A `CLIModel` of `weights` (model_config and params, or model), its parameter count taken now."""
-    import jax
     from flax import nnx
 
+    from pagedjax.engine.summary import StoredParams
+
     state = weights["params"] if weights.get("model") is None else nnx.state(weights["model"], nnx.Param)
-    return CLIModel(spec, tokenizer, **weights, num_params=sum(int(x.size) for x in jax.tree.leaves(state)))
+    return CLIModel(spec, tokenizer, **weights, num_params=StoredParams.of(state).num_params)
 
 
 def load_model_for_cli(args: argparse.Namespace) -> CLIModel:

@@ -84,15 +84,22 @@ def print_table(rows: list[tuple[str, str]], out: TextIO, title: str = "statisti
 
 
 def print_header(args: argparse.Namespace, loaded, engine, load_s: float, out: TextIO) -> None:
+    """The model and the engine, as the engine runs them (`pagedjax.engine.summary`: what is on, not what the
+    flags asked for): parameters by storage, compute / weight / KV dtypes, speculative method, tp x dp, context
+    and sampling defaults; then the attention backend and the KV pool."""
     import jax
+
+    from pagedjax.engine.summary import summarize
 
     cfg = loaded.spec
     name = args.model_class if getattr(args, "model_class", None) else (args.model or "bundled tiny model")
-    print(f"model: {name} ({loaded.num_params / 1e6:.2f} M params, {cfg.num_layers} layers, "
-          f"{cfg.num_q_heads}q/{cfg.num_kv_heads}kv heads, {cfg.dtype}; loaded in {load_s:.2f} s)", file=out)
+    print(f"model: {name} ({cfg.num_layers} layers, {cfg.num_q_heads}q/{cfg.num_kv_heads}kv heads; loaded in "
+          f"{load_s:.2f} s)", file=out)
+    for line in summarize(engine).lines():
+        print(f"  {line}", file=out)
     kv = engine.stats()
     print(f"engine: {engine.backend} attention on {jax.default_backend()}, {engine.num_blocks} KV blocks x "
-          f"{args.block_size} tokens ({kv.kv_dtype}, {kv.kv_bytes_per_token:,} bytes per token), prefix caching "
+          f"{args.block_size} tokens ({kv.kv_bytes_per_token:,} KV bytes per token), prefix caching "
           f"{'off' if args.no_prefix_caching else 'on'}, "
           f"{args.decode_steps_per_call} decode step(s) per call", file=out)
     print(file=out)

@@ -6,7 +6,7 @@
 |---|---|
 | `POST /v1/completions` | a prompt (text or token ids) -> text; `stream: true` for server-sent events |
 | `POST /v1/chat/completions` | messages, through the chat template -> the assistant's reply |
-| `GET /v1/models`, `GET /v1/models/{id}` | the served model |
+| `GET /v1/models`, `GET /v1/models/{id}` | the served model and what runs it (`engine.summary`) |
 | `GET /health` | 200 while the engine takes requests, 503 otherwise |
 | `GET /metrics` | Prometheus text (see `pagedjax.serve.metrics`) |
 
@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from pagedjax.engine.summary import summarize
 from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_PARALLEL_TOOL_CALLS
 from pagedjax.serve.async_engine import AsyncLLMEngine
 from pagedjax.serve.chat_template import ChatTemplate
@@ -133,11 +134,13 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
                             metrics=metrics, structured_limits=structured_limits, compile_config=compile_config,
                             max_chat_messages=max_chat_messages, max_parallel_tool_calls=max_parallel_tool_calls)
 
+    summary = summarize(engine.engine)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        logger.info("serving %s (max_model_len %d, chat template: %s)", model_name, serving.max_model_len,
-                    serving.chat_template.source)
+        logger.info("serving %s (max_model_len %d, chat template: %s): %s", model_name, serving.max_model_len,
+                    serving.chat_template.source, "; ".join(summary.lines()))
         yield
         await engine.shutdown(timeout=shutdown_timeout)
         serving.close()
@@ -166,7 +169,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     def card() -> ModelCard:
-        return ModelCard(id=model_name, created=created, max_model_len=serving.max_model_len)
+        return ModelCard(id=model_name, created=created, max_model_len=serving.max_model_len, **summary.as_dict())
 
     @protected.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

@@ -284,6 +284,18 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagedjax"
     max_model_len: int
+    # What the engine runs (`pagedjax.engine.summary.EngineSummary.as_dict`): compute dtype, weight storage,
+    # parameters by storage type, KV cache dtype, speculative method, tp/dp, sampling defaults.
+    dtype: str
+    weights: str
+    num_params: int
+    param_bytes: int
+    params_by_type: dict[str, dict[str, int]]
+    kv_cache_dtype: str
+    speculative: str
+    tensor_parallel_size: int
+    data_parallel_size: int
+    sampling_defaults: str
 
 
 class ModelList(BaseModel):

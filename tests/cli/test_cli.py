@@ -306,3 +306,18 @@ def test_compile_cache_description():
     assert CompileCache(folder).start(4, 1) == "partly warm"
     assert CompileCache(folder).start(0, 0) == "no compilation"
     assert CompileCache(folder).engine_arg == "/tmp/c" and CompileCache(None).engine_arg is False
+
+
+def test_the_header_says_what_is_on(capsys):
+    """It said "float32" under --quantization int8 (the compute dtype), counted the scales as parameters (2.36 M ->
+    2.37 M) and named neither the KV dtype's source, the speculative method nor tp/dp."""
+    argv = ["--prompt", "def f", "--max-tokens", "1", "--num-blocks", "16", "--quantization", "int8",
+            "--kv-dtype", "int8", "--speculative-method", "ngram", "--speculative-num-tokens", "2"]
+    assert cli.main(argv) == 0
+    header = capsys.readouterr().out.split("\n\n")[0]
+    assert re.search(r"^  2\.36 M params: 0\.53 M float32 \([\d.]+ MiB\), 1\.84 M int8 \([\d.]+ MiB\), "
+                     r"scales [\d.]+ KiB; compute float32, weights int8, KV cache int8$", header, re.MULTILINE), header
+    assert re.search(r"^  speculative decoding ngram, 2 tokens; tensor parallel 1 x data parallel 1; context 4,096 "
+                     r"tokens$", header, re.MULTILINE), header
+    assert re.search(r"^  sampling defaults: temperature 0.8, top_p 0.95 \(.*generation_config.json\)$", header,
+                     re.MULTILINE), header

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import codecs
 
+import jax
 import openai
 import pytest
 
@@ -59,10 +60,19 @@ def test_a_request_without_sampling_fields_gets_the_engines_defaults(offline):
         assert hot.choices[0].text == offline(ids, max_tokens=12, temperature=1.0, seed=1).outputs[0].text
 
 
-def test_models_list(client):
+def test_models_list(client, server):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    # What runs it: the server used to name neither the weights' storage nor the speculative method nor tp/dp.
+    card = models[0].model_dump()
+    num_params = sum(int(x.size) for x in jax.tree.leaves(server.llm.runner.params))
+    assert {k: card[k] for k in ("dtype", "weights", "kv_cache_dtype", "speculative", "tensor_parallel_size",
+                                 "data_parallel_size", "num_params", "param_bytes")} == {
+        "dtype": "float32", "weights": "float32", "kv_cache_dtype": "float32", "speculative": "off",
+        "tensor_parallel_size": 1, "data_parallel_size": 1, "num_params": num_params, "param_bytes": 4 * num_params}
+    assert card["params_by_type"] == {"float32": {"params": num_params, "bytes": 4 * num_params}}
+    assert card["sampling_defaults"] == "temperature 1.0 (vLLM's defaults)"
 
 
 def test_completion_stream_equals_non_stream_equals_offline(offline, client):
