@@ -52,7 +52,7 @@ class _SamplingFields(_Request):
 
     model: str
     n: Annotated[int, Field(ge=1, le=128)] = 1
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None  # None: OpenAI's default, 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None  # None: the model's (SamplingDefaults)
     top_p: Probability | None = None
     seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
     stop: Stop | None = None
