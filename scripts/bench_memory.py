@@ -20,6 +20,12 @@ Alpaca-like (short prompts and outputs) length spread; the vLLM paper's savings 
 search picks its surviving candidates at random (the real search picks the most likely ones): the sharing
 depends only on which beams survive, not why.
 
+Then attention kinds: KV bytes per token and how many 4k-token sequences one fixed pool holds for a
+DeepSeek-V3-shaped model (61 layers, 128 query heads) whose layers cache MLA latent entries (kv_lora_rank 512 +
+rope 64), against the same model caching GQA-8 or MHA K/V heads of 128, in bfloat16 and fp8 pages: from the
+layer specs (`ModelSpec.kv_layers`, `CacheConfig`), each checked against the bytes of the pool the engine
+allocates for it (its arrays' shapes, traced without allocating).
+
 Then KV dtypes: one KV memory budget (by default what --kv-slots tokens take in bfloat16) split into blocks of
 float32, bfloat16, int8 and fp8 pages (8-bit pages carry a float32 scale per token and KV head, counted) for a
 Llama-3-8B-shaped model (32 layers, 8 KV heads of 128), and the same workload on the real scheduler: KV bytes
@@ -43,7 +49,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from pagedjax.config import (  # noqa: E402
+    CacheConfig,
+    FullAttention,
+    LatentAttention,
+    ModelConfig,
+    ModelSpec,
+    SchedulerConfig,
+)
 from pagedjax.core.memory_stats import ContiguousAllocator, kv_memory_stats  # noqa: E402
 from pagedjax.core.request import Request
 from pagedjax.core.scheduler import Scheduler  # noqa: E402
@@ -376,6 +389,60 @@ def kv_dtype_table(w: Workload, kv_memory_bytes: int, block_size: int, max_model
     return rows
 
 
+# DeepSeek V3's attention shape: 61 layers, 128 query heads; MLA caches a latent of 512 and a rotary key of 64
+# per token and layer. The GQA-8 and MHA rows keep everything but what a token slot holds.
+DEEPSEEK_V3_LAYERS, DEEPSEEK_V3_HEADS = 61, 128
+ATTENTION_KINDS = {
+    "MLA (512 + 64)": LatentAttention(kv_lora_rank=512, rope_dim=64),
+    "GQA-8 x 128": FullAttention(num_kv_heads=8, head_dim=128),
+    "MHA 128 x 128": FullAttention(num_kv_heads=128, head_dim=128),
+}
+
+
+def allocated_pool_bytes(spec: ModelSpec, cache: CacheConfig) -> int:
+    """Bytes of the KV pool the engine allocates for `spec` under `cache` (`init_kv_cache`'s arrays, traced
+    abstractly: nothing is allocated)."""
+    import jax
+
+    from pagedjax.device.kv_cache import init_kv_cache
+
+    dtype = cache.kv_array_dtype(spec)
+    pool = jax.eval_shape(lambda: init_kv_cache(spec.kv_layers, cache.resolve_num_blocks(spec), cache.block_size,
+                                                dtype))
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(pool))
+
+
+def attention_kind_table(kv_memory_bytes: int, block_size: int, seq_len: int = 4096) -> list[dict]:
+    """One KV budget for a DeepSeek-V3-shaped model caching MLA latents, GQA-8 or MHA heads: bytes per token and
+    the `seq_len`-token sequences the pool holds, from the specs and checked against the allocated pool."""
+    rows = []
+    blocks_per_seq = -(-seq_len // block_size)
+    for kv_dtype in ("bfloat16", "fp8"):
+        for name, layer in ATTENTION_KINDS.items():
+            spec = ModelSpec(vocab_size=129280, num_layers=DEEPSEEK_V3_LAYERS, num_q_heads=DEEPSEEK_V3_HEADS,
+                             kv_layers=(layer,) * DEEPSEEK_V3_LAYERS, dtype="bfloat16")
+            cache = CacheConfig(block_size=block_size, kv_memory_bytes=kv_memory_bytes, kv_dtype=kv_dtype)
+            allocated = allocated_pool_bytes(spec, cache)
+            assert allocated == cache.pool_bytes(spec), (name, kv_dtype, allocated, cache.pool_bytes(spec))
+            rows.append({"kind": name, "kv_dtype": kv_dtype, "bytes_per_token": cache.kv_bytes_per_token(spec),
+                         "sequences": cache.resolve_num_blocks(spec) // blocks_per_seq, "allocated_bytes": allocated})
+    mla = rows[0]
+    print(f"\nattention kinds: {kv_memory_bytes / 2**30:.0f} GiB of KV for a DeepSeek-V3 shape "
+          f"({DEEPSEEK_V3_LAYERS} layers, {DEEPSEEK_V3_HEADS} query heads), block {block_size}, {seq_len}-token "
+          "sequences")
+    header = f"{'KV per layer':<16}{'pages':<10}{'bytes/token':>12}{f'{seq_len}-token seqs':>17}{'vs MLA bf16':>13}" \
+             f"{'allocated (checked)':>21}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        r["sequences_vs_mla"] = r["sequences"] / mla["sequences"]
+        print(f"{r['kind']:<16}{r['kv_dtype']:<10}{r['bytes_per_token']:>12,}{r['sequences']:>17,}"
+              f"{r['sequences_vs_mla']:>12.3f}x{r['allocated_bytes'] / 2**30:>17.2f} GiB")
+    print("bytes/token: every layer's slot (fp8 pages with their float32 scale per vector); allocated: the bytes of "
+          "the arrays the engine's pool has for that spec, equal to the spec's arithmetic")
+    return rows
+
+
 MISTRAL_7B = ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=32, num_q_heads=32, num_kv_heads=8,
                          head_dim=128, intermediate_size=14336, dtype="bfloat16", max_position_embeddings=32768,
                          sliding_windows=[4096] * 32)
@@ -431,6 +498,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--window", type=int, default=4096, help="the sliding window of the window table's model")
     p.add_argument("--kv-memory", type=int, default=None, metavar="BYTES",
                    help="KV budget of the KV dtype table (default: --kv-slots tokens of bfloat16 KV)")
+    p.add_argument("--attention-kv-memory", type=int, default=64 * 2**30, metavar="BYTES",
+                   help="KV budget of the attention-kind table (default 64 GiB)")
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests, args.kv_slots, args.timing_iters, args.sharing_requests = 120, 16384, 10, 12
@@ -470,11 +539,12 @@ def main(argv: list[str] | None = None) -> dict:
     sharing = sharing_table(args.sharing_requests, args.block_size, args.seed)
     kv_memory = args.kv_memory or args.kv_slots * CacheConfig(kv_dtype="bfloat16").kv_bytes_per_token(LLAMA3_8B)
     kv_dtypes = kv_dtype_table(w, kv_memory, args.block_size, *common, seed=args.seed)
+    attention_kinds = attention_kind_table(args.attention_kv_memory, args.block_size)
     windows = window_table(args.window_requests, 256 if args.quick else 1024, args.window_output_len,
                            4096 if args.quick else args.kv_slots, args.block_size,
                            args.max_num_seqs, args.max_num_batched_tokens, args.seed, args.window)
     return {"rows": rows, "concurrency_ratio": ratio, "timing": timing, "sharing": sharing, "kv_dtypes": kv_dtypes,
-            "windows": windows}
+            "windows": windows, "attention_kinds": attention_kinds}
 
 
 if __name__ == "__main__":

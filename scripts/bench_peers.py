@@ -8,7 +8,7 @@ one run.
         --llama-cpp-dir llama_cpp_python-0.3.36/vendor/llama.cpp --llama-pythonpath /tmp/sentencepiece  # + llama.cpp
     python scripts/bench_peers.py --model micro --rounds 1           # seconds; used by the smoke test
     python scripts/bench_peers.py --model mixtral-small --rounds 2 --torch-threads 1 \
-        --vllm-python /tmp/vllm-venv/bin/python --vllm-bind 0-1      # a mixture of experts (README's MoE section)
+        --vllm-python /tmp/vllm-venv/bin/python --vllm-bind 0-1      # a mixture of experts (docs/design.md, MoE)
 
 The script writes a random Hugging Face Llama checkpoint with transformers' own classes (`LlamaConfig` +
 `LlamaForCausalLM(...).save_pretrained`, float32 safetensors, untied embeddings; kept in `--folder` and

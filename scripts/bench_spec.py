@@ -4,7 +4,7 @@ prompts.
     python scripts/bench_spec.py                       # the 156M random-weights model, batch 1 and 8
     python scripts/bench_spec.py --model tiny --quick  # seconds: checks the script
     python scripts/bench_spec.py --model bundled       # the bundled trained model (2.4M parameters)
-    python scripts/bench_spec.py --workload draft --max-tokens 32   # the draft model's rows (README)
+    python scripts/bench_spec.py --workload draft --max-tokens 32   # the draft rows of docs/speculative_decoding.md
 
 Workloads (both honest about what they are; with random weights nothing here is natural text, and the bundled model
 sees random token ids too):

@@ -1,26 +1,45 @@
-"""The README's Python examples run as written."""
+"""The README's and docs/' Python examples run as written: every ```python block of README.md and docs/*.md.
+(```py blocks need a live server, a model folder or several devices: tests/serve/test_readme_serving.py runs the
+README's Serving section against a server.) A block that appears on several pages runs once."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def python_blocks(page: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+
+
+def _distinct_blocks() -> dict[str, list[str]]:
+    """Each distinct block -> where it appears ("README.md #0", "docs/engine.md #1", ...)."""
+    where: dict[str, list[str]] = {}
+    for page in PAGES:
+        for index, block in enumerate(python_blocks(page)):
+            where.setdefault(block, []).append(f"{page.relative_to(ROOT)} #{index}")
+    return where
+
+
+BLOCKS = _distinct_blocks()
 
 
 def test_readme_has_python_examples():
-    assert len(BLOCKS) >= 2
+    assert len(python_blocks(README)) >= 2
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index, capsys):
+@pytest.mark.parametrize("block", list(BLOCKS), ids=[places[0] for places in BLOCKS.values()])
+def test_readme_example_runs(block, capsys):
     namespace: dict = {}
-    exec(compile(BLOCKS[index], f"README.md python block {index}", "exec"), namespace)
+    exec(compile(block, f"{' = '.join(BLOCKS[block])} (python block)", "exec"), namespace)
     if "out" in namespace and hasattr(namespace["out"], "shape"):
         assert namespace["out"].shape == (2, 8, 64)
     printed = capsys.readouterr().out
     assert printed.strip(), "an example prints what it computes"
-    if "outs" in namespace:  # the engine example: the bundled model's greedy continuation of Python prompts
+    if "outs" in namespace:  # the engine examples: the bundled model's greedy continuation of Python prompts
         text = namespace["outs"][0].text
         assert text in printed and sum(not c.isspace() for c in text) >= 0.5 * len(text) > 0, repr(text)

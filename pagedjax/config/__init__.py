@@ -2,6 +2,7 @@
 
   model.py        ModelSpec (what the engine needs of any model), ModelConfig (the built-in decoders' shape)
   cache.py        CacheConfig: the paged KV pool (block size, blocks or bytes, KV dtype, prefix caching)
+  kv_spec.py      FullAttention, LatentAttention, IndexedSparse: what one layer's token slot holds (ModelSpec.kv_layers)
   scheduler.py    SchedulerConfig: token budget, sequences per step, context length, chunked prefill
   parallel.py     ParallelConfig: tensor / data parallelism
   quant.py        QuantConfig: weight-only quantized linears and experts
@@ -15,6 +16,7 @@
 
 from pagedjax.config.cache import KV_DTYPES, CacheConfig, kv_cache_bytes
 from pagedjax.config.engine import EngineConfig
+from pagedjax.config.kv_spec import FullAttention, IndexedSparse, KVLayerSpec, LatentAttention
 from pagedjax.config.model import ModelConfig, ModelSpec
 from pagedjax.config.moe import MoEConfig
 from pagedjax.config.parallel import ParallelConfig
@@ -24,6 +26,6 @@ from pagedjax.config.scheduler import SchedulerConfig
 from pagedjax.config.speculative import SpeculativeConfig
 from pagedjax.config.structured import StructuredLimits
 
-__all__ = ["KV_DTYPES", "CacheConfig", "EngineConfig", "ModelConfig", "ModelSpec", "MoEConfig", "ParallelConfig",
-           "QuantConfig", "SamplingDefaults", "SchedulerConfig", "SpeculativeConfig", "StructuredLimits",
-           "kv_cache_bytes"]
+__all__ = ["KV_DTYPES", "CacheConfig", "EngineConfig", "FullAttention", "IndexedSparse", "KVLayerSpec",
+           "LatentAttention", "ModelConfig", "ModelSpec", "MoEConfig", "ParallelConfig", "QuantConfig",
+           "SamplingDefaults", "SchedulerConfig", "SpeculativeConfig", "StructuredLimits", "kv_cache_bytes"]

@@ -26,7 +26,8 @@ def dtype_bytes(dtype: str) -> int:
 
 def kv_cache_bytes(num_layers: int, num_tokens: int, num_kv_heads: int, head_dim: int, bytes_per_elem: int,
                    scale_bytes: int = 0) -> int:
-    """Bytes of KV cache for `num_tokens` tokens: 2 (K and V) * L * T * Hkv * (D * bytes + scale_bytes), where
+    """Bytes of a full-attention (MHA / GQA) KV cache for `num_tokens` tokens (`CacheConfig.kv_bytes_per_token`
+    sums any model's layer specs): 2 (K and V) * L * T * Hkv * (D * bytes + scale_bytes), where
     `scale_bytes` is the size of the one scale per token and KV head that 8-bit pages carry (0 for float pages)."""
     return 2 * num_layers * num_tokens * num_kv_heads * (head_dim * bytes_per_elem + scale_bytes)
 
@@ -82,11 +83,12 @@ class CacheConfig:
         return QUANTIZED_KV_DTYPES.get(name, name)
 
     def kv_bytes_per_token(self, model: ModelSpec) -> int:
-        """KV cache bytes one token takes in `model` (K and V of every layer and KV head, scales included)."""
+        """KV cache bytes one token takes in `model`: what every layer's spec stores per token slot
+        (`ModelSpec.kv_layers`: K and V of each KV head, or one latent entry), 8-bit pages' scales included."""
         name = self.resolve_kv_dtype(model)
-        if name in QUANTIZED_KV_DTYPES:
-            return kv_cache_bytes(model.num_layers, 1, model.num_kv_heads, model.head_dim, 1, KV_SCALE_BYTES)
-        return kv_cache_bytes(model.num_layers, 1, model.num_kv_heads, model.head_dim, dtype_bytes(name))
+        quantized = name in QUANTIZED_KV_DTYPES
+        element, scale = (1, KV_SCALE_BYTES) if quantized else (dtype_bytes(name), 0)
+        return sum(layer.bytes_per_token(element, scale) for layer in model.kv_layers)
 
     def block_bytes(self, model: ModelSpec) -> int:
         """Bytes of one KV block (K and V, every layer, with 8-bit pages their scales too) for `model`."""

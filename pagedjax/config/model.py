@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pagedjax.config.cache import DTYPE_BYTES
 from pagedjax.config.fields import check_bool, check_choice, check_float, check_int, describe
+from pagedjax.config.kv_spec import KV_LAYER_SPECS, FullAttention, KVLayerSpec, LatentAttention
 from pagedjax.config.moe import MoEConfig
 from pagedjax.config.quant import QuantConfig
 
@@ -114,35 +115,42 @@ def _kv_window(sliding_windows: tuple[int | None, ...] | None) -> int | None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the engine must know of a model to serve it (`pagedjax.model.api`): its vocabulary, the layout of
-    its paged KV cache, its context length and stop tokens. The engine sizes the KV pool, the prefix cache and
+    """What the engine must know of a model to serve it (`pagedjax.model.api`): its vocabulary, what each layer's
+    paged KV cache holds, its context length and stop tokens. The engine sizes the KV pool, the prefix cache and
     the release of blocks out of sliding windows from this declaration alone, never from the model's code.
 
-    KV layout: `num_layers` attention layers, each caching `num_kv_heads` heads of `head_dim` in the model's
-    `dtype` (or `CacheConfig.kv_dtype`), read by `num_q_heads` query heads; `sliding_windows`: None, or one entry
-    per layer, W (the query at p reads keys in (p - W, p]) or None (that layer reads everything). Every field is
-    checked on construction (TypeError / ValueError naming it). `hidden_size` only tunes CPU compile options.
+    KV layout, one of two spellings:
+      - `kv_layers`: one `KVLayerSpec` per layer (`pagedjax.config.kv_spec`: `FullAttention` K/V heads with an
+        optional sliding window, `LatentAttention` MLA entries), any mix;
+      - the shorthand for a model whose every layer is `FullAttention`: `num_kv_heads` heads of `head_dim`, and
+        `sliding_windows` None or one entry per layer, W (the query at p reads keys in (p - W, p]) or None.
+    Either way the spec holds both afterwards: `kv_layers` is always the tuple, and `num_kv_heads`, `head_dim`
+    and `sliding_windows` describe it where every layer is `FullAttention` of one shape (else `num_kv_heads` and
+    `head_dim` are None; `sliding_windows` lists every layer's window, None for latent layers). `num_q_heads`
+    query heads read each layer; pages are stored in the model's `dtype` (or `CacheConfig.kv_dtype`). Every field
+    is checked on construction (TypeError / ValueError naming it). `hidden_size` only tunes CPU compile options.
     """
 
     vocab_size: int
     num_layers: int
     num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
     dtype: str = "float32"
     max_position_embeddings: int = 4096
     sliding_windows: tuple[int | None, ...] | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     hidden_size: int | None = None
+    kv_layers: tuple[KVLayerSpec, ...] | None = None
 
     def __post_init__(self) -> None:
         owner = "ModelSpec"
         fix = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: set through object
-        for name in ("vocab_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
-                     "max_position_embeddings"):
+        for name in ("vocab_size", "num_layers", "num_q_heads", "max_position_embeddings"):
             fix(name, check_int(owner, name, getattr(self, name), lo=1))
-        fix("hidden_size", check_int(owner, "hidden_size", self.hidden_size, lo=1, optional=True))
+        for name in ("num_kv_heads", "head_dim", "hidden_size"):
+            fix(name, check_int(owner, name, getattr(self, name), lo=1, optional=True))
         _dtype_field(owner, "dtype", self.dtype)
         fix("bos_token_id", check_int(owner, "bos_token_id", self.bos_token_id, lo=0, optional=True))
         eos = self.eos_token_ids
@@ -150,10 +158,51 @@ class ModelSpec:
             raise TypeError(f"{owner}.eos_token_ids must be a tuple of ints, got {describe(eos)}")
         fix("eos_token_ids", tuple(check_int(owner, "eos_token_ids", t, lo=0, hi=self.vocab_size - 1)
                                    for t in eos))
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"{owner}.num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
-                             f"({self.num_kv_heads})")
-        fix("sliding_windows", _sliding_windows_field(self.sliding_windows, self.num_layers, owner))
+        windows = _sliding_windows_field(self.sliding_windows, self.num_layers, owner)
+        if self.kv_layers is None:
+            if self.num_kv_heads is None or self.head_dim is None:
+                raise TypeError(f"{owner}: declare the KV layout, either kv_layers (one KVLayerSpec per layer) or "
+                                "num_kv_heads and head_dim (every layer full attention)")
+            fix("kv_layers", tuple(FullAttention(self.num_kv_heads, self.head_dim, None if windows is None else w)
+                                   for w in (windows or (None,) * self.num_layers)))
+        else:
+            self._check_kv_layers(windows)
+        fix("sliding_windows", _sliding_windows_field([layer.sliding_window for layer in self.kv_layers],
+                                                      self.num_layers, owner))
+        for i, layer in enumerate(self.kv_layers):
+            if isinstance(layer, FullAttention) and self.num_q_heads % layer.num_kv_heads:
+                where = "num_kv_heads" if self.num_kv_heads is not None else f"kv_layers[{i}].num_kv_heads"
+                raise ValueError(f"{owner}.num_q_heads ({self.num_q_heads}) must be a multiple of {where} "
+                                 f"({layer.num_kv_heads})")
+
+    def _check_kv_layers(self, windows) -> None:
+        """`kv_layers` given: one spec per layer, and the shorthand fields, where given, agreeing with it (set
+        from it where every layer is full attention of one shape)."""
+        owner = "ModelSpec.kv_layers"
+        layers = self.kv_layers
+        if isinstance(layers, str) or not isinstance(layers, tuple | list):
+            raise TypeError(f"{owner} must be a tuple of one KVLayerSpec per layer, got {describe(layers)}")
+        layers = tuple(layers)
+        if len(layers) != self.num_layers:
+            raise ValueError(f"{owner} must have one entry per layer ({self.num_layers}), got {len(layers)}")
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, KV_LAYER_SPECS):
+                raise TypeError(f"{owner}[{i}] must be a FullAttention or LatentAttention "
+                                f"(pagedjax.config.kv_spec), got {describe(layer)}")
+        object.__setattr__(self, "kv_layers", layers)
+        if windows is not None:
+            raise ValueError("ModelSpec: give sliding windows in kv_layers (FullAttention.sliding_window), not also "
+                             "as sliding_windows")
+        shapes = {(layer.num_kv_heads, layer.head_dim) if isinstance(layer, FullAttention) else None
+                  for layer in layers}
+        uniform = shapes.pop() if len(shapes) == 1 else None
+        for name, index in (("num_kv_heads", 0), ("head_dim", 1)):
+            given = getattr(self, name)
+            if given is None:
+                object.__setattr__(self, name, None if uniform is None else uniform[index])
+            elif uniform is None or given != uniform[index]:
+                raise ValueError(f"ModelSpec.{name}={given} disagrees with kv_layers (give it only for a model "
+                                 "whose every layer is FullAttention of that shape, or leave it out)")
 
     @property
     def kv_window(self) -> int | None:
@@ -161,7 +210,20 @@ class ModelSpec:
         so their KV blocks may be freed. None when some layer attends globally (or none has a window)."""
         return _kv_window(self.sliding_windows)
 
+    @property
+    def has_latent_layers(self) -> bool:
+        """Whether some layer caches MLA latent entries (`LatentAttention`)."""
+        return any(isinstance(layer, LatentAttention) for layer in self.kv_layers)
+
     def replace(self, **changes) -> ModelSpec:
+        """This spec with `changes`. Changing the shorthand (num_layers, num_kv_heads, head_dim, sliding_windows)
+        of a spec written in it re-derives `kv_layers`; a spec declared by `kv_layers` changes through them."""
+        shorthand = {"num_layers", "num_kv_heads", "head_dim", "sliding_windows"}
+        if "kv_layers" not in changes and shorthand & set(changes) and self.num_kv_heads is not None and all(
+                isinstance(layer, FullAttention) for layer in self.kv_layers):
+            changes = {"kv_layers": None, **changes}
+        elif "kv_layers" in changes:
+            changes = {"num_kv_heads": None, "head_dim": None, "sliding_windows": None, **changes}
         return dataclasses.replace(self, **changes)
 
 
@@ -283,6 +345,11 @@ class ModelConfig:
     def kv_window(self) -> int | None:
         """How far back any layer reads (`ModelSpec.kv_window`)."""
         return _kv_window(self.sliding_windows)
+
+    @property
+    def kv_layers(self) -> tuple[KVLayerSpec, ...]:
+        """Each layer's KV cache spec (`ModelSpec.kv_layers`)."""
+        return self.spec.kv_layers
 
     @property
     def spec(self) -> ModelSpec:

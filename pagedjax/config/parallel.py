@@ -43,15 +43,23 @@ class ParallelConfig:
         """Devices used in all: tp x dp."""
         return self.tensor_parallel_size * self.data_parallel_size
 
-    def check_model(self, num_q_heads: int, num_kv_heads: int) -> None:
-        """ValueError unless the model's heads split over `tensor_parallel_size` devices: the query heads
-        evenly, and the KV heads evenly or (tp > num_kv_heads) each replicated on tp / num_kv_heads devices."""
+    def check_model(self, spec) -> None:
+        """ValueError unless the model's heads split over `tensor_parallel_size` devices (`spec`: its ModelSpec
+        or ModelConfig): the query heads evenly, and the KV heads evenly or (tp > num_kv_heads) each replicated
+        on tp / num_kv_heads devices. Only a model whose every layer is full attention of one shape shards: the
+        KV heads split the pages by heads."""
         tp = self.tensor_parallel_size
-        if num_q_heads % tp:
-            raise ValueError(f"tensor_parallel_size {tp} must divide the model's {num_q_heads} query heads")
-        if num_kv_heads % tp and tp % num_kv_heads:
-            raise ValueError(f"tensor_parallel_size {tp} and the model's {num_kv_heads} KV heads: one must divide "
-                             "the other (KV heads are split evenly, or replicated when tp > num_kv_heads)")
+        if tp == 1:
+            return
+        if spec.num_q_heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} must divide the model's {spec.num_q_heads} query heads")
+        if spec.num_kv_heads is None:  # some layer is not FullAttention, or the layers differ (ModelSpec)
+            raise ValueError(f"tensor_parallel_size {tp}: tensor parallelism shards full-attention KV heads; this "
+                             "model's ModelSpec.kv_layers holds latent-attention (MLA) layers or layers of "
+                             "different shapes, which are served on one device (tensor_parallel_size 1)")
+        if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size {tp} and the model's {spec.num_kv_heads} KV heads: one must "
+                             "divide the other (KV heads are split evenly, or replicated when tp > num_kv_heads)")
 
     def kv_heads_per_device(self, num_kv_heads: int) -> int:
         """KV heads each device holds (see the module-level function)."""

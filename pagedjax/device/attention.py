@@ -16,7 +16,7 @@ import jax
 
 import pallas_kernels
 from pagedjax.config.engine import BACKENDS
-from pagedjax.device.kv_cache import LayerKV
+from pagedjax.device.kv_cache import LatentKV, LayerKV
 from pallas_kernels.quant import is_quantized
 
 logger = logging.getLogger(__name__)
@@ -78,4 +78,27 @@ def paged_attention(q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
                                                       **variants)
         return pallas_kernels.ragged_paged_attention_xla(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
                                                          meta.cu_q_lens, **variants)
+    raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
+
+
+def latent_attention(q_latent: jax.Array,  # [num_tokens, num_heads, kv_lora_rank]
+                     q_rope: jax.Array,  # [num_tokens, num_heads, rope_dim]
+                     layer: LatentKV,  # this layer's latent pages, this step's entries already written
+                     meta: AttentionMetadata, *, backend: str, decode_only: bool, scale: float) -> jax.Array:
+    """Multi-head latent attention (MLA, absorbed) of a step's queries over one layer's latent pages:
+    head h scores token t as `scale * (q_latent[h] . c_kv[t] + q_rope[h] . k_rope[t])` and returns the
+    softmax-weighted sum of c_kv, `[num_tokens, num_heads, kv_lora_rank]` (in latent space: the model applies its
+    value up-projection). `decode_only`, float / 8-bit pages and the dtype of the result: as `paged_attention`."""
+    if not is_quantized(layer.pages.dtype):
+        q_latent, q_rope = q_latent.astype(layer.pages.dtype), q_rope.astype(layer.pages.dtype)
+    args = (q_latent, q_rope, layer.pages, meta.block_tables, meta.kv_lens)
+    options = dict(scale=scale, kv_scales=layer.scales)
+    if backend == "pallas":
+        if decode_only:
+            return pallas_kernels.mla_paged_attention(*args, interpret=None, **options)
+        return pallas_kernels.ragged_mla_paged_attention(*args, meta.cu_q_lens, interpret=None, **options)
+    if backend == "xla":
+        if decode_only:
+            return pallas_kernels.mla_paged_attention_xla(*args, **options)
+        return pallas_kernels.ragged_mla_paged_attention_xla(*args, meta.cu_q_lens, **options)
     raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")

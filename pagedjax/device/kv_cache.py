@@ -1,11 +1,18 @@
-"""The paged KV cache as a pytree, and writing new keys/values into it by slot mapping.
+"""The paged KV cache as a pytree, and writing new entries into it by slot mapping.
 
-Layout: for each layer, `k` and `v` pages `[num_kv_heads, num_blocks, block_size, head_dim]` — the layout the
-kernels take (with 8-bit pages, their scales `[num_kv_heads, num_blocks, block_size]` beside them: `LayerKV`).
-The cache holds one such set per layer (a tuple of `num_layers` `LayerKV`s) rather than one
-stacked `[num_layers, ...]` array: a kernel is a custom call whose operands XLA must materialise, so slicing a
-layer out of a stacked array would copy that layer's whole pool on every layer of every step. Per-layer leaves
-are donated to each jitted step and updated in place. `stacked()` gives the `[num_layers, ...]` view.
+What a layer's token slot holds is its `KVLayerSpec` (`pagedjax.config.kv_spec`, declared in
+`ModelSpec.kv_layers`); its pages have the layout the kernels take:
+  - `FullAttention`: `LayerKV`, `k` and `v` pages `[num_kv_heads, num_blocks, block_size, head_dim]` (with 8-bit
+    pages, their scales `[num_kv_heads, num_blocks, block_size]` beside them);
+  - `LatentAttention`: `LatentKV`, pages `[num_blocks, block_size, kv_lora_rank + rope_dim]` (with 8-bit pages,
+    scales `[num_blocks, block_size]`);
+  - `IndexedSparse`: `SparseKV`, those latent pages and the indexer keys `[num_blocks, block_size,
+    index_head_dim]` (8-bit: each with its scales).
+The cache holds one such set per layer (a tuple of `num_layers` of them) rather than one stacked
+`[num_layers, ...]` array: a kernel is a custom call whose operands XLA must materialise, so slicing a layer out
+of a stacked array would copy that layer's whole pool on every layer of every step. Per-layer leaves are donated
+to each jitted step and updated in place. `stacked()` gives the `[num_layers, ...]` view of a full-attention
+cache.
 
 A slot is `block_id * block_size + offset`; slot -1 marks padding and is never written.
 """
@@ -18,7 +25,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pagedjax.config.cache import kv_cache_bytes
+from pagedjax.config.cache import KV_SCALE_BYTES
+from pagedjax.config.kv_spec import FullAttention, IndexedSparse, KVLayerSpec, LatentAttention
 from pallas_kernels.quant import is_quantized, quantize_kv
 
 SCALE_DTYPE = jnp.dtype(jnp.float32)  # of 8-bit pages' scales (`config.KV_SCALE_BYTES` bytes)
@@ -34,18 +42,38 @@ class LayerKV(NamedTuple):
     v_scales: jax.Array | None = None
 
 
+class LatentKV(NamedTuple):
+    """One MLA layer's pages (`LatentAttention`). pages: `[num_blocks, block_size, kv_lora_rank + rope_dim]`, per
+    token its latent c_kv then its rotary key; scales: float32 `[num_blocks, block_size]` when the pages hold 8-bit
+    values, else None."""
+
+    pages: jax.Array
+    scales: jax.Array | None = None
+
+
+class SparseKV(NamedTuple):
+    """One DSA layer's pages (`IndexedSparse`): the latent pages of `LatentKV` and, in the same blocks, the
+    indexer keys `[num_blocks, block_size, index_head_dim]`; scales: float32 `[num_blocks, block_size]` each when
+    the pages hold 8-bit values, else None."""
+
+    pages: jax.Array
+    index_keys: jax.Array
+    scales: jax.Array | None = None
+    index_scales: jax.Array | None = None
+
+    @property
+    def latent(self) -> LatentKV:
+        return LatentKV(self.pages, self.scales)
+
+
+PagedLayer = LayerKV | LatentKV | SparseKV
+BLOCK_AXIS = {LayerKV: 1, LatentKV: 0, SparseKV: 0}  # where each layer kind's arrays keep their blocks
+
+
 class KVCache(NamedTuple):
-    """`layers[l]`: layer l's pages (`LayerKV`)."""
+    """`layers[l]`: layer l's pages (`LayerKV` or `LatentKV`, by its spec)."""
 
-    layers: tuple[LayerKV, ...]
-
-    @property
-    def k(self) -> tuple[jax.Array, ...]:
-        return tuple(layer.k for layer in self.layers)
-
-    @property
-    def v(self) -> tuple[jax.Array, ...]:
-        return tuple(layer.v for layer in self.layers)
+    layers: tuple[PagedLayer, ...]
 
     @property
     def num_layers(self) -> int:
@@ -53,11 +81,13 @@ class KVCache(NamedTuple):
 
     @property
     def num_blocks(self) -> int:
-        return self.layers[0].k.shape[1]
+        first = self.layers[0]
+        return first[0].shape[BLOCK_AXIS[type(first)]]
 
     @property
     def block_size(self) -> int:
-        return self.layers[0].k.shape[2]
+        first = self.layers[0]
+        return first[0].shape[BLOCK_AXIS[type(first)] + 1]
 
     @property
     def nbytes(self) -> int:
@@ -65,41 +95,65 @@ class KVCache(NamedTuple):
 
     @property
     def nbytes_per_device(self) -> int:
-        """Bytes of the cache on each device it is spread over (`nbytes` on one device; nbytes / tp when
-        sharded by KV heads over tp devices)."""
+        """Bytes of the cache on each device it is spread over (`nbytes` on one device; a full-attention
+        layer's share on each of tp devices when sharded by KV heads; latent pages are replicated)."""
         return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(self))
 
     def stacked(self) -> tuple[jax.Array, jax.Array]:
-        """`(k, v)` as `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]` arrays (a copy)."""
-        return jnp.stack(self.k), jnp.stack(self.v)
+        """`(k, v)` of a full-attention cache as `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`
+        arrays (a copy)."""
+        if not all(isinstance(layer, LayerKV) for layer in self.layers):
+            raise ValueError("KVCache.stacked: only a cache whose every layer is full attention (LayerKV) stacks")
+        return jnp.stack([layer.k for layer in self.layers]), jnp.stack([layer.v for layer in self.layers])
 
 
-def init_kv_cache(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
-                  dtype=jnp.float32, *, sharding: jax.sharding.Sharding | None = None) -> KVCache:
-    """A zero-filled cache of `num_blocks` blocks per layer; with `sharding` (e.g. by KV heads over a mesh),
-    each device allocates only its own shard. An 8-bit `dtype` (int8, float8_e4m3fn) adds float32 scales
-    `[num_kv_heads, num_blocks, block_size]` per layer for K and for V, sharded like the pages (by axis 0)."""
+def layer_shapes(spec: KVLayerSpec, num_blocks: int, block_size: int, dtype, *,
+                 num_kv_heads: int | None = None) -> PagedLayer:
+    """The arrays (`jax.ShapeDtypeStruct`s) of one layer's pages for its spec; an 8-bit `dtype` (int8,
+    float8_e4m3fn) adds float32 scales. `num_kv_heads`: the full-attention heads stored, when it differs from the
+    spec's (tensor parallelism past the KV heads repeats each)."""
     dtype = jnp.dtype(dtype)
     quantized = is_quantized(dtype)
+    if isinstance(spec, FullAttention):
+        heads = spec.num_kv_heads if num_kv_heads is None else num_kv_heads
+        pages = jax.ShapeDtypeStruct((heads, num_blocks, block_size, spec.head_dim), dtype)
+        scales = jax.ShapeDtypeStruct((heads, num_blocks, block_size), SCALE_DTYPE) if quantized else None
+        return LayerKV(pages, pages, scales, scales)
+    scales = jax.ShapeDtypeStruct((num_blocks, block_size), SCALE_DTYPE) if quantized else None
+    pages = lambda width: jax.ShapeDtypeStruct((num_blocks, block_size, width), dtype)
+    if isinstance(spec, LatentAttention):
+        return LatentKV(pages(spec.entry_dim), scales)
+    if isinstance(spec, IndexedSparse):
+        return SparseKV(pages(spec.entry_dim), pages(spec.index_head_dim), scales, scales)
+    raise TypeError(f"no KV pages for a layer spec of type {type(spec).__name__}")
 
-    def maker(shape, dtype):
-        if sharding is None:
-            return lambda: jnp.zeros(shape, dtype)
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)  # traced once, called per array
 
-    pages = maker((num_kv_heads, num_blocks, block_size, head_dim), dtype)
-    scales = maker((num_kv_heads, num_blocks, block_size), SCALE_DTYPE)
+def init_kv_cache(layers: tuple[KVLayerSpec, ...], num_blocks: int, block_size: int, dtype=jnp.float32, *,
+                  num_kv_heads: int | None = None, sharding_of=None) -> KVCache:
+    """A zero-filled cache of `num_blocks` blocks of `block_size` slots for each layer spec (`layer_shapes`;
+    zero scales with zero values dequantize to exact zeros, as float pages start). `sharding_of(kind)` gives the
+    sharding of a layer kind's arrays (`LayerKV` / `LatentKV`): each device then allocates only its own shard.
+    `num_kv_heads`: see `layer_shapes`."""
+    dtype = jnp.dtype(dtype)
+    makers: dict = {}
 
-    def layer() -> LayerKV:
-        if not quantized:
-            return LayerKV(pages(), pages())
-        # Zero scales with zero values dequantize to exact zeros, as float pages start.
-        return LayerKV(pages(), pages(), scales(), scales())
+    def zeros(shape: jax.ShapeDtypeStruct | None, kind):
+        if shape is None:
+            return None
+        key = (shape.shape, shape.dtype, kind)
+        if key not in makers:  # traced once per shape, called per array
+            make = lambda: jnp.zeros(shape.shape, shape.dtype)
+            makers[key] = make if sharding_of is None else jax.jit(make, out_shardings=sharding_of(kind))
+        return makers[key]()
 
-    cache = KVCache(tuple(layer() for _ in range(num_layers)))
-    expected = kv_cache_bytes(num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype.itemsize,
-                              SCALE_DTYPE.itemsize if quantized else 0)
-    assert cache.nbytes == expected
+    cache = KVCache(tuple(
+        type(shapes)(*(zeros(a, type(shapes)) for a in shapes))
+        for shapes in (layer_shapes(spec, num_blocks, block_size, dtype, num_kv_heads=num_kv_heads)
+                       for spec in layers)))
+    scale_bytes = KV_SCALE_BYTES if is_quantized(dtype) else 0
+    element = 1 if scale_bytes else dtype.itemsize
+    if num_kv_heads is None:
+        assert cache.nbytes == num_blocks * block_size * sum(s.bytes_per_token(element, scale_bytes) for s in layers)
     return cache
 
 
@@ -131,13 +185,62 @@ def write_kv(layer: LayerKV, k_new: jax.Array, v_new: jax.Array, slot_mapping: j
                    scatter(layer.v_scales, v_scales.astype(layer.v_scales.dtype)))
 
 
+def _write_rows(pages: jax.Array,  # [num_blocks, block_size, width]
+                scales: jax.Array | None,  # [num_blocks, block_size], with 8-bit pages
+                rows: jax.Array,  # [T, width]
+                slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """Scatter one vector per token into token-major pages; into 8-bit pages quantized on the way (one scale per
+    token over its whole vector, as the kernels dequantize). Slot -1 (padding) is dropped."""
+    num_blocks, block_size, width = pages.shape
+    if rows.shape[-1] != width:
+        raise ValueError(f"a token's vector of {rows.shape[-1]} does not fill the pages' entries of {width}")
+    if is_quantized(pages.dtype) != (scales is not None):
+        raise ValueError(f"pages of dtype {pages.dtype} need scales exactly when they are 8-bit")
+    block = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)  # out of bounds: dropped
+    offset = jnp.where(slot_mapping < 0, 0, slot_mapping % block_size)
+    if scales is None:
+        return pages.at[block, offset].set(rows.astype(pages.dtype), mode="drop"), None
+    values, row_scales = quantize_kv(rows[:, None, :], pages.dtype)  # [T, 1, width], [T, 1]
+    return (pages.at[block, offset].set(values[:, 0], mode="drop"),
+            scales.at[block, offset].set(row_scales[:, 0].astype(scales.dtype), mode="drop"))
+
+
+def write_latent(layer: LatentKV, c_kv: jax.Array, k_rope: jax.Array, slot_mapping: jax.Array) -> LatentKV:
+    """Scatter new MLA entries `[c_kv | k_rope]` into one latent layer's pages (8-bit: one scale per entry).
+
+    c_kv:         `[num_tokens, kv_lora_rank]`
+    k_rope:       `[num_tokens, rope_dim]`
+    slot_mapping: int32 `[num_tokens]`; -1 = padding, dropped.
+    """
+    width = layer.pages.shape[-1]
+    if c_kv.shape[-1] + k_rope.shape[-1] != width:
+        raise ValueError(f"write_latent: c_kv [.., {c_kv.shape[-1]}] and k_rope [.., {k_rope.shape[-1]}] do not "
+                         f"fill the pages' entries of {width}")
+    entry = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)  # [T, R + Dr]
+    return LatentKV(*_write_rows(layer.pages, layer.scales, entry, slot_mapping))
+
+
+def write_sparse(layer: SparseKV, c_kv: jax.Array, k_rope: jax.Array, k_index: jax.Array,
+                 slot_mapping: jax.Array) -> SparseKV:
+    """`write_latent` into a DSA layer's latent pages, and each token's indexer key `k_index` `[num_tokens,
+    index_head_dim]` into the same slot of its indexer-key pages."""
+    latent = write_latent(layer.latent, c_kv, k_rope, slot_mapping)
+    index_keys, index_scales = _write_rows(layer.index_keys, layer.index_scales, k_index, slot_mapping)
+    return SparseKV(latent.pages, index_keys, latent.scales, index_scales)
+
+
 def copy_blocks(kv_cache: KVCache, block_copies: jax.Array) -> KVCache:
-    """Copy whole blocks, every layer's K and V (and 8-bit pages' scales): `block_copies` int32 `[C, 2]` rows
+    """Copy whole blocks, every layer's pages (and 8-bit pages' scales): `block_copies` int32 `[C, 2]` rows
     (src, dst); dst -1 = padding.
 
     All sources are read before any destination is written, so a block may be a source and, for another row,
     a destination in the same call (copy-on-write of blocks shared by forks; see `KVCacheManager.fork`)."""
     src, dst = block_copies[:, 0], block_copies[:, 1]
     dst = jnp.where(dst < 0, kv_cache.num_blocks, dst)  # out of bounds: dropped
-    copy = lambda x: x.at[:, dst].set(x[:, src], mode="drop")
-    return jax.tree.map(copy, kv_cache)
+
+    def copy_layer(layer: PagedLayer) -> PagedLayer:
+        if BLOCK_AXIS[type(layer)] == 0:
+            return jax.tree.map(lambda x: x.at[dst].set(x[src], mode="drop"), layer)
+        return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src], mode="drop"), layer)
+
+    return KVCache(tuple(copy_layer(layer) for layer in kv_cache.layers))

@@ -103,7 +103,7 @@ class DataParallelEngine:
         model = engine_kwargs.get("model")
         spec = model_config if model is None or model_config is not None else getattr(model, "spec", None)
         if spec is not None:  # else LLMEngine says what is missing
-            parallel_config.check_model(spec.num_q_heads, spec.num_kv_heads)
+            parallel_config.check_model(spec)
         self.parallel_config = parallel_config
         per_replica = ParallelConfig(tensor_parallel_size=parallel_config.tensor_parallel_size)
         self.replicas: list[LLMEngine] = []

@@ -5,8 +5,10 @@ this surface.
 A model is an `nnx.Module` with:
 
     spec: ModelSpec                  what the engine sizes the KV pool, the prefix cache and window release by:
-                                     vocabulary, KV layout (layers, KV heads, head_dim, dtype, sliding windows),
-                                     context length, stop tokens. Declared, never inferred from the code.
+                                     vocabulary, what each layer's token slot holds (`kv_layers`: full
+                                     attention K/V heads with an optional sliding window, or MLA latent
+                                     entries), dtype, context length, stop tokens. Declared, never inferred
+                                     from the code.
     __call__(token_ids, positions, cache) -> (hidden, cache)
                                      token_ids, positions: int32 `[T]`, a ragged batch (prefill chunks and
                                      decode tokens of many sequences, padded); cache: `PagedKVCache`. Returns
@@ -30,7 +32,10 @@ encoding:
 which writes this step's K/V into the layer's pages (any `kv_dtype`, 8-bit scales included) and attends over
 the paged cache with the engine's backend (the Pallas kernels on GPU / TPU, the XLA path on CPU), with the
 layer's sliding window and soft cap, over its own heads on each device under tensor parallelism. Positions
-index the sequence (RoPE or learned embeddings alike); padding tokens (slot -1) are written nowhere.
+index the sequence (RoPE or learned embeddings alike); padding tokens (slot -1) are written nowhere. A layer
+declared `LatentAttention` (MLA) calls its `PagedLatentAttention` instead, in latent space:
+
+    o_latent, cache = self.attn(q_latent, q_rope, c_kv, k_rope, cache)   # -> o_latent [T, H, kv_lora_rank]
 
 Quantized weights: `quantize_model(model, "int8" | "int4" | "int4:32" | "fp8")` replaces the model's `nnx.Linear`
 layers by `QuantizedLinear` (`pagedjax.model.layers.quant`: weight-only int8 / int4 / fp8 kernels, activations in the
@@ -61,18 +66,18 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pagedjax.config import CacheConfig, ModelSpec
+from pagedjax.config import CacheConfig, FullAttention, LatentAttention, ModelSpec
 from pagedjax.config.parallel import TP
-from pagedjax.device.attention import AttentionMetadata, paged_attention
-from pagedjax.device.kv_cache import LayerKV, write_kv
+from pagedjax.device.attention import AttentionMetadata, latent_attention, paged_attention
+from pagedjax.device.kv_cache import PagedLayer, layer_shapes, write_kv, write_latent
 from pagedjax.model.layers.quant import QuantizedLinear, quantize_model
 from pagedjax.model.registry import ModelRegistry
 from pagedjax.parallel.attention import sharded_write_and_attend
 from pagedjax.parallel.sharding import default_param_partition
 
-__all__ = ["TP", "AttentionMetadata", "ModelRegistry", "ModelSpec", "PagedAttention", "PagedKVCache", "PagedModel",
-           "QuantizedLinear", "check_model", "default_param_partition", "model_spec", "param_partition_fn",
-           "quantize_model"]
+__all__ = ["TP", "AttentionMetadata", "FullAttention", "LatentAttention", "ModelRegistry", "ModelSpec",
+           "PagedAttention", "PagedKVCache", "PagedLatentAttention", "PagedModel", "QuantizedLinear", "check_model",
+           "default_param_partition", "model_spec", "param_partition_fn", "quantize_model"]
 
 
 @runtime_checkable
@@ -95,7 +100,7 @@ class PagedKVCache:
     Invariant: `written` names the layers whose `PagedAttention` ran in this step; each layer is written at
     most once (a second write would attend over the first's K/V at the same slots)."""
 
-    layers: tuple[LayerKV, ...]
+    layers: tuple[PagedLayer, ...]
     meta: AttentionMetadata
     backend: str = "xla"
     decode_only: bool = False
@@ -107,7 +112,7 @@ class PagedKVCache:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def with_layer(self, index: int, layer: LayerKV) -> PagedKVCache:
+    def with_layer(self, index: int, layer: PagedLayer) -> PagedKVCache:
         """This cache with layer `index`'s pages replaced (and marked written)."""
         layers = self.layers[:index] + (layer,) + self.layers[index + 1:]
         return dataclasses.replace(self, layers=layers, written=self.written | {index})
@@ -167,18 +172,81 @@ class PagedAttention(nnx.Module):
             if tuple(x.shape) != want[name]:
                 raise ValueError(f"{where}: {name} has shape {tuple(x.shape)}, expected [tokens, heads, head_dim] "
                                  f"= {want[name]}")
-        spec = cache.spec
-        if spec is None:
+        declared = _declared_layer(cache, i, FullAttention, where)
+        if declared is None:
             return
-        declared = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim)
-        if (self.num_q_heads, self.num_kv_heads, self.head_dim) != declared:
-            raise ValueError(f"{where}: {self.num_q_heads} query heads, {self.num_kv_heads} KV heads of "
-                             f"{self.head_dim}, but the model's ModelSpec declares {declared[0]}, {declared[1]} of "
-                             f"{declared[2]}")
-        window = None if spec.sliding_windows is None else spec.sliding_windows[i]
-        if self.sliding_window != window:
+        if (self.num_kv_heads, self.head_dim) != (declared.num_kv_heads, declared.head_dim):
+            raise ValueError(f"{where}: {self.num_kv_heads} KV heads of {self.head_dim}, but the model's ModelSpec "
+                             f"declares {declared.num_kv_heads} of {declared.head_dim} for this layer")
+        if self.num_q_heads != cache.spec.num_q_heads:
+            raise ValueError(f"{where}: {self.num_q_heads} query heads, but the model's ModelSpec declares "
+                             f"{cache.spec.num_q_heads}")
+        if self.sliding_window != declared.sliding_window:
             raise ValueError(f"{where}: sliding_window={self.sliding_window}, but ModelSpec.sliding_windows "
-                             f"declares {window} for this layer (the engine frees blocks by the declaration)")
+                             f"declares {declared.sliding_window} for this layer (the engine frees blocks by the "
+                             "declaration)")
+
+
+class PagedLatentAttention(nnx.Module):
+    """Layer `layer_index`'s paged multi-head latent attention (MLA, DeepSeek V2/V3), absorbed: write this step's
+    latent entries `[c_kv | k_rope]` into the layer's pages (`LatentAttention` in `ModelSpec.kv_layers`) and attend
+    in latent space over the pages as they are stored. No parameters: the model absorbs its key up-projection
+    into the query (`q_latent[h] = W_UK[h] q_nope[h]`) and applies its value up-projection to the result.
+
+    Head h scores token t as `scale * (q_latent[h] . c_kv[t] + q_rope[h] . k_rope[t])`; `scale` is required (MLA's
+    is 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim), times YaRN's mscale^2 where used, not derivable from the
+    latent width)."""
+
+    def __init__(self, layer_index: int, *, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float):
+        if not isinstance(scale, int | float) or isinstance(scale, bool) or not scale > 0:
+            raise ValueError(f"PagedLatentAttention: scale must be a positive float, got {scale!r}")
+        self.layer_index = layer_index
+        self.num_heads, self.kv_lora_rank, self.rope_dim = num_heads, kv_lora_rank, rope_dim
+        self.scale = float(scale)
+
+    def __call__(self, q_latent: jax.Array,  # [T, H, R]
+                 q_rope: jax.Array,  # [T, H, Dr], RoPE applied
+                 c_kv: jax.Array,  # [T, R], the normalized latent
+                 k_rope: jax.Array,  # [T, Dr], RoPE applied
+                 cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+        """Returns (o_latent `[T, H, R]` in q_latent's dtype, the cache with this layer written)."""
+        i = self.layer_index
+        self._check(q_latent, q_rope, c_kv, k_rope, cache)
+        if cache.mesh is not None:
+            raise ValueError("PagedLatentAttention: tensor parallelism over latent-attention layers is not "
+                             "supported (ParallelConfig refuses it for such a model)")
+        layer = write_latent(cache.layers[i], c_kv, k_rope, cache.meta.slot_mapping)
+        o = latent_attention(q_latent, q_rope, layer, cache.meta, backend=cache.backend,
+                             decode_only=cache.decode_only, scale=self.scale)
+        return o.astype(q_latent.dtype), cache.with_layer(i, layer)
+
+    def _check(self, q_latent, q_rope, c_kv, k_rope, cache: PagedKVCache) -> None:
+        i, where = self.layer_index, f"PagedLatentAttention(layer_index={self.layer_index})"
+        if not 0 <= i < cache.num_layers:
+            raise ValueError(f"{where}: the cache has {cache.num_layers} layers (ModelSpec.num_layers)")
+        if i in cache.written:
+            raise ValueError(f"{where} ran twice in one step: each layer's attention must be called once")
+        t = q_latent.shape[0] if q_latent.ndim else None
+        h, r, dr = self.num_heads, self.kv_lora_rank, self.rope_dim
+        want = {"q_latent": (t, h, r), "q_rope": (t, h, dr), "c_kv": (t, r), "k_rope": (t, dr)}
+        for name, x in (("q_latent", q_latent), ("q_rope", q_rope), ("c_kv", c_kv), ("k_rope", k_rope)):
+            if tuple(x.shape) != want[name]:
+                raise ValueError(f"{where}: {name} has shape {tuple(x.shape)}, expected {want[name]}")
+        declared = _declared_layer(cache, i, LatentAttention, where)
+        if declared is not None and (r, dr) != (declared.kv_lora_rank, declared.rope_dim):
+            raise ValueError(f"{where}: kv_lora_rank {r}, rope_dim {dr}, but the model's ModelSpec declares "
+                             f"{declared.kv_lora_rank}, {declared.rope_dim} for this layer")
+
+
+def _declared_layer(cache: PagedKVCache, index: int, kind: type, where: str):
+    """Layer `index`'s declared spec (None when the cache carries no ModelSpec), which must be of `kind`."""
+    if cache.spec is None:
+        return None
+    declared = cache.spec.kv_layers[index]
+    if not isinstance(declared, kind):
+        raise ValueError(f"{where}: the model's ModelSpec declares layer {index} as {type(declared).__name__} "
+                         f"(kv_layers), not {kind.__name__}")
+    return declared
 
 
 def param_partition_fn(model, tp: int) -> Callable[[tuple, tuple], P]:
@@ -227,9 +295,7 @@ def check_model(model, *, kv_dtype: str = "auto") -> ModelSpec:
     name = type(model).__name__
     tokens, block_size = 2, 4
     kv = jnp.dtype(CacheConfig(kv_dtype=kv_dtype).kv_array_dtype(spec))
-    pages = jax.ShapeDtypeStruct((spec.num_kv_heads, 2, block_size, spec.head_dim), kv)
-    scales = jax.ShapeDtypeStruct(pages.shape[:3], jnp.float32) if kv.itemsize == 1 else None
-    layers = tuple(LayerKV(pages, pages, scales, scales) for _ in range(spec.num_layers))
+    layers = tuple(layer_shapes(layer, 2, block_size, kv) for layer in spec.kv_layers)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     meta = AttentionMetadata(i32(tokens), i32(1, 2), i32(1), i32(2))
     graphdef, state = nnx.split(model)

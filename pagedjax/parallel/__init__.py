@@ -1,4 +1,4 @@
-"""Many devices: tensor parallelism over a `tp` mesh axis and data-parallel replicas (see README, "Many devices").
+"""Many devices: tensor parallelism over a `tp` mesh axis and data-parallel replicas (see docs/parallel.md).
 
     from pagedjax.parallel import ParallelConfig
     engine = LLMEngine(cfg, cache, sched, parallel_config=ParallelConfig(tensor_parallel_size=4))

@@ -47,6 +47,6 @@ def engine_mesh(config: ParallelConfig, spec, devices: Sequence[jax.Device] | No
     if config.data_parallel_size != 1:
         raise ValueError("one LLMEngine is one replica: build data_parallel_size > 1 with pagedjax.make_engine / "
                          "pagedjax.load_engine or DataParallelEngine, which give each replica its own devices")
-    config.check_model(spec.num_q_heads, spec.num_kv_heads)
+    config.check_model(spec)
     log_replicated(spec, config.tensor_parallel_size)
     return replica_meshes(config, devices)[0]

@@ -11,7 +11,7 @@ Megatron-style tensor parallelism, expressed only as shardings (XLA inserts the 
   experts (MoE gate_proj, up_proj, down_proj) stacked `[E, width, hidden]`, sharded by expert (axis 0): expert
                                               parallelism over the same axis. Tokens stay replicated; XLA's SPMD
                                               partitioner turns the grouped matmul over the local experts into a
-                                              partial sum per device and one all-reduce per MoE layer (README,
+                                              partial sum per device and one all-reduce per MoE layer (docs/design.md,
                                               "Mixture of experts"). Quantized experts
                                               (`pagedjax.model.layers.moe_quant`): each projection's `qweight` and
                                               `scale`, `[E, ...]` too, split along axis 0 alike.

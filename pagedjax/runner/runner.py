@@ -25,10 +25,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pagedjax.config import ModelSpec
+from pagedjax.config import LatentAttention, ModelSpec
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.core.step_result import StepResult
-from pagedjax.device.attention import AttentionMetadata, paged_attention, resolve_backend
+from pagedjax.device.attention import AttentionMetadata, latent_attention, paged_attention, resolve_backend
 from pagedjax.device.kv_cache import KVCache, copy_blocks, init_kv_cache
 from pagedjax.device.page_state import PageState, append_tokens
 from pagedjax.device.sampling import (
@@ -278,36 +278,46 @@ class ModelRunner:
     def _new_kv_cache(self) -> KVCache:
         cfg = self.model_spec
         if self.mesh is None:
-            return init_kv_cache(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim,
-                                 self.kv_dtype)
+            return init_kv_cache(cfg.kv_layers, self.num_blocks, self.block_size, self.kv_dtype)
         from pagedjax.config.parallel import kv_heads_stored
         from pagedjax.parallel.sharding import kv_sharding
 
         heads = kv_heads_stored(cfg.num_kv_heads, self.mesh.size)  # tp > Hkv: each KV head repeated
-        return init_kv_cache(cfg.num_layers, heads, self.num_blocks, self.block_size, cfg.head_dim, self.kv_dtype,
-                             sharding=kv_sharding(self.mesh))
+        return init_kv_cache(cfg.kv_layers, self.num_blocks, self.block_size, self.kv_dtype, num_kv_heads=heads,
+                             sharding_of=lambda kind: kv_sharding(self.mesh))
 
     def _check_attention_serves(self) -> None:
-        """Trace (no compile, no run) a decode and a ragged attention call of one device's shapes over this
-        cache's pages, so that a combination the Pallas kernels reject (8-bit pages on the TPU kernels, a
+        """Trace (no compile, no run) a decode and a ragged attention call of one device's shapes over each kind of
+        layer this cache holds, so that a combination the Pallas kernels reject (8-bit pages on the TPU kernels, a
         dtype or block size the target lacks) fails here with the kernels' own reason, not at the first step."""
         if self.backend != "pallas":
             return  # the XLA gather paths take every dtype and block size
         cfg = self.model_spec
         tp = 1 if self.mesh is None else self.mesh.size
-        local = lambda a: jax.ShapeDtypeStruct((a.shape[0] // tp, *a.shape[1:]), a.dtype)
-        layer = jax.tree.map(local, self.kv_cache.layers[0])
+        heads = max(cfg.num_q_heads // tp, 1)
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-        for decode_only, tokens in ((True, 1), (False, 16)):
-            q = jax.ShapeDtypeStruct((tokens, max(cfg.num_q_heads // tp, 1), cfg.head_dim), jnp.dtype(cfg.dtype))
-            meta = AttentionMetadata(i32(tokens), i32(1, 2), i32(1), i32(2))
-            try:
-                jax.eval_shape(functools.partial(paged_attention, backend=self.backend, decode_only=decode_only),
-                               q, layer, meta)
-            except (ValueError, TypeError, NotImplementedError) as e:
-                raise ValueError(f"the {self.backend!r} attention backend on {jax.default_backend()} cannot serve "
-                                 f"{self.kv_dtype.name} KV pages of block size {self.block_size} for this model: {e}"
-                                 ) from None
+        dtype = jnp.dtype(cfg.dtype)
+        first = {}  # one layer of each spec: all layers of one spec have the same pages
+        for spec, layer in zip(cfg.kv_layers, self.kv_cache.layers, strict=True):
+            first.setdefault(spec, layer)
+        for spec, layer in first.items():
+            for decode_only, tokens in ((True, 1), (False, 16)):
+                meta = AttentionMetadata(i32(tokens), i32(1, 2), i32(1), i32(2))
+                if isinstance(spec, LatentAttention):
+                    attend = functools.partial(latent_attention, backend=self.backend, decode_only=decode_only,
+                                               scale=1.0)
+                    args = (jax.ShapeDtypeStruct((tokens, heads, spec.kv_lora_rank), dtype),
+                            jax.ShapeDtypeStruct((tokens, heads, spec.rope_dim), dtype), layer)
+                else:
+                    local = lambda a: jax.ShapeDtypeStruct((a.shape[0] // tp, *a.shape[1:]), a.dtype)
+                    attend = functools.partial(paged_attention, backend=self.backend, decode_only=decode_only)
+                    args = (jax.ShapeDtypeStruct((tokens, heads, spec.head_dim), dtype), jax.tree.map(local, layer))
+                try:
+                    jax.eval_shape(attend, *args, meta)
+                except (ValueError, TypeError, NotImplementedError) as e:
+                    raise ValueError(f"the {self.backend!r} attention backend on {jax.default_backend()} cannot "
+                                     f"serve {self.kv_dtype.name} KV pages of block size {self.block_size} for "
+                                     f"this model: {e}") from None
 
     @property
     def kv_cache_lost(self) -> bool:

@@ -55,7 +55,7 @@ class NgramProposer:
     Back-off: when none of a request's last proposal was accepted (its next output differs from the proposal's
     first token), it proposes nothing for its next 1, 2, 4, ... up to `MAX_BACKOFF` tokens, doubling with each
     failure in a row and reset by a proposal that got a token accepted: a verifying step costs more than a decode
-    step (see README's measurements), so a request whose text has stopped repeating stops paying for it. This
+    step (see docs/speculative_decoding.md), so a request whose text has stopped repeating stops paying for it. This
     only changes what is proposed, never the output."""
 
     MAX_BACKOFF = 16

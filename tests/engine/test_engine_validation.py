@@ -177,7 +177,7 @@ def test_kv_cache_dtype_may_differ_from_the_models(backend):
     engine = LLMEngine(CFG, CacheConfig(block_size=8, num_blocks=64, kv_dtype="bfloat16"),
                        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=MAX_LEN),
                        seed=SEED, backend=backend)
-    assert engine.runner.kv_cache.k[0].dtype == jnp.bfloat16
+    assert engine.runner.kv_cache.layers[0].k.dtype == jnp.bfloat16
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=1))

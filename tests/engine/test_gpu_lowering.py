@@ -52,8 +52,7 @@ def model_parts(monkeypatch, request):
     graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(CFG)))
     leaves, treedef = jax.tree.flatten(params)
     step, loop = _jitted(graphdef, treedef)
-    cache = jax.eval_shape(lambda: init_kv_cache(CFG.num_layers, CFG.num_kv_heads, 64, 16, CFG.head_dim,
-                                                 request.param))
+    cache = jax.eval_shape(lambda: init_kv_cache(CFG.spec.kv_layers, 64, 16, request.param))
     return leaves, step, loop, cache
 
 
@@ -88,8 +87,7 @@ def test_without_a_gpu_the_pallas_backend_is_interpreted():
     graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(CFG)))
     leaves, treedef = jax.tree.flatten(params)
     step, _ = _jitted(graphdef, treedef)
-    cache = jax.eval_shape(lambda: init_kv_cache(CFG.num_layers, CFG.num_kv_heads, 64, 16, CFG.head_dim,
-                                                 jnp.bfloat16))
+    cache = jax.eval_shape(lambda: init_kv_cache(CFG.spec.kv_layers, 64, 16, jnp.bfloat16))
     s = 4
     meta = AttentionMetadata(np.zeros(s, np.int32), np.zeros((s, 8), np.int32), np.zeros(s, np.int32),
                              np.zeros(s + 1, np.int32))

@@ -5,7 +5,7 @@ the top-1 next token of the int8 / fp8 engine against the float32 engine's.
 The bounds are the agreement measured when this test was written (JAX 0.10.2, 301 positions: int8 301 / 301 =
 100%, fp8 289 / 301 = 96.0%) less a margin of two percentage points (6 positions) for rounding differences
 between JAX versions and machines; they are not tuned to pass. `scripts/kv_quant_agreement.py` measures
-free-running greedy completions too (README).
+free-running greedy completions too (docs/quantization.md).
 """
 
 from __future__ import annotations

@@ -42,8 +42,7 @@ def model_parts(monkeypatch):
     graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(CFG)))
     leaves, treedef = jax.tree.flatten(params)
     step, loop = _jitted(graphdef, treedef)
-    cache = jax.eval_shape(lambda: init_kv_cache(CFG.num_layers, CFG.num_kv_heads, 64, 16, CFG.head_dim,
-                                                 jnp.bfloat16))
+    cache = jax.eval_shape(lambda: init_kv_cache(CFG.spec.kv_layers, 64, 16, jnp.bfloat16))
     return leaves, step, loop, cache
 
 

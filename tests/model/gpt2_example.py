@@ -2,7 +2,7 @@
 (`pagedjax.model.api`): LayerNorm, learned absolute positions, a fused QKV projection, a GELU MLP, multi-head
 attention, tied embeddings. Parameter names follow Hugging Face's GPT-2, so `load_hf_gpt2` reads its folders.
 
-The README's "Bring your own model" section is this file (a test checks that they agree).
+docs/models.md's "Bring your own model" section is this file (a test checks that they agree).
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ class _UnevenPartition(_Base):
 @pytest.mark.parametrize("model, error", [
     (_NoSpec, r"spec must be a pagedjax.ModelSpec"),
     (_SpecSaysThreeLayers, r"declares 3 layers, but no PagedAttention ran for layers \[2\]"),
-    (_SpecSaysTwoKVHeads, r"4 KV heads of 8, but the model's ModelSpec declares 4, 2 of 8"),
+    (_SpecSaysTwoKVHeads, r"4 KV heads of 8, but the model's ModelSpec declares 2 of 8 for this layer"),
     (_WritesFewerHeads, r"layer_index=1\): q has shape \(\d+, 4, 8\), expected .* \(\d+, 4, 4\)"),
     (_AttendsLayerZeroTwice, r"layer_index=0\) ran twice in one step"),
     (_UndeclaredWindow, r"sliding_window=16, but ModelSpec.sliding_windows declares None"),
@@ -198,10 +198,13 @@ def test_an_uneven_partition_is_refused_naming_the_parameter():
     assert part(("h", 0, "mlp", "c_fc", "kernel"), (32, 128)) == P()  # no rule of its own, no default: replicated
 
 
-def test_readme_shows_this_example():
-    """The README's "Bring your own model" code is `tests/model/gpt2_example.py`, verbatim."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+def test_docs_show_this_example():
+    """docs/models.md's "Bring your own model" code (which the README links to, and tests/test_readme.py runs) is
+    `tests/model/gpt2_example.py`, verbatim."""
+    root = Path(__file__).parents[2]
+    section = (root / "docs" / "models.md").read_text().split("\n## Bring your own model\n", 1)[1].split("\n## ")[0]
     example = (Path(__file__).parent / "gpt2_example.py").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     body = example[example.index("from __future__"):]
-    assert any(body.strip() in b for b in blocks), "README's Bring-your-own-model code differs from gpt2_example.py"
+    assert any(body.strip() in b for b in blocks), "docs/models.md's GPT-2 differs from gpt2_example.py"
+    assert "(docs/models.md#bring-your-own-model)" in (root / "README.md").read_text()

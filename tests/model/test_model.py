@@ -75,7 +75,7 @@ def test_paged_forward_matches_dense(name, block_size):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, n) for n in (1, block_size, 2 * block_size + 3, 5)]
     num_blocks = 32
-    cache = init_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    cache = init_kv_cache(cfg.spec.kv_layers, num_blocks, block_size)
     tokens, positions, meta = _ragged_batch(prompts, block_size, num_blocks, rng)
     logits, cache = serve(jnp.asarray(tokens), jnp.asarray(positions), cache, meta)
     logits = np.asarray(logits)

@@ -44,8 +44,8 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def example_registered(monkeypatch):
-    """The example's factory for gpt2, whatever ran before (the README's copy of the example registers its own);
-    the registry as it was after the test."""
+    """The example's factory for gpt2, whatever ran before (docs/models.md's copy of the example, which
+    tests/test_readme.py runs, registers its own); the registry as it was after the test."""
     monkeypatch.setattr(ModelRegistry, "_factories",
                         {**ModelRegistry.model_factories(), "gpt2": gpt2_example.from_hf_folder})
 

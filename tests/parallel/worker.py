@@ -486,8 +486,7 @@ def steps_export_for_cuda_on_4_devices():
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings))
     rep = replicated(mesh)
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=rep)  # noqa: E731
-    cache = jax.eval_shape(lambda: init_kv_cache(cfg.num_layers, cfg.num_kv_heads, 64, 16, cfg.head_dim,
-                                                 jnp.bfloat16))
+    cache = jax.eval_shape(lambda: init_kv_cache(cfg.spec.kv_layers, 64, 16, jnp.bfloat16))
     cache = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=kv_sharding(mesh)), cache)
     s = 4
     sampling = SamplingMetadata.from_lists([0.0] * s, [0] * s, [1.0] * s, [0] * s, [0] * s)

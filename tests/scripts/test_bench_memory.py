@@ -45,3 +45,13 @@ def test_bench_memory_quick(tmp_path, capsys, monkeypatch):
     assert keep["peak_kv_tokens_per_request"] == 256 + 1500 - 2  # its last sampled token is never fed back
     assert release["peak_kv_tokens_per_request"] <= 512 + 16
     assert release["mean_concurrency"] > keep["mean_concurrency"] and release["preemptions"] <= keep["preemptions"]
+    # Attention kinds on a DeepSeek-V3 shape (61 layers): MLA's 576 numbers per token and layer against GQA-8's
+    # 2 x 8 x 128 and MHA's 2 x 128 x 128; fp8 adds one 4-byte scale per vector. Allocated pools were checked
+    # against the arithmetic inside the script.
+    kinds = {(r["kind"], r["kv_dtype"]): r for r in result["attention_kinds"]}
+    assert kinds[("MLA (512 + 64)", "bfloat16")]["bytes_per_token"] == 61 * 576 * 2
+    assert kinds[("GQA-8 x 128", "bfloat16")]["bytes_per_token"] == 61 * 2 * 8 * 128 * 2
+    assert kinds[("MHA 128 x 128", "bfloat16")]["bytes_per_token"] == 61 * 2 * 128 * 128 * 2
+    assert kinds[("MLA (512 + 64)", "fp8")]["bytes_per_token"] == 61 * (576 + 4)
+    assert kinds[("MHA 128 x 128", "bfloat16")]["sequences"] < kinds[("GQA-8 x 128", "bfloat16")]["sequences"] \
+        < kinds[("MLA (512 + 64)", "bfloat16")]["sequences"] < kinds[("MLA (512 + 64)", "fp8")]["sequences"]

@@ -28,7 +28,7 @@ values (tests/model/test_moe_quant.py):
              fusion that writes the float `[E, width, hidden]` buffer the dots then read: the float layer's bytes,
              written once per step). The conversion is tied to the layer's rows (`quant.conversion_tie`), so it
              happens just before the layer's dots rather than every layer's at the start of the step.
-Measured (README "Quantized weights", one run each on 2 shared cores): one layer of the bench_moe shape
+Measured (docs/quantization.md, "Quantized weights", one run each on 2 shared cores): one layer of the bench_moe shape
 (`scripts/bench_moe_layer.py --quantization int8,int4`), `by_pair` at one row 1.9x faster than float32 in int8
 and int4; `every` at 16 rows 3.1x (int8) and 3.5x (int4) slower: XLA:CPU's conversion of the 24 expert matrices
 (scheduled together at the layer's start) costs about twice the float dots' time. Computing `every`'s per-expert

@@ -19,7 +19,7 @@ q = 0, never a NaN.
 paged engine, and layer by layer for one row and for many, in float32 and bf16).
 
 How XLA:CPU computes them (`python scripts/bench_quant.py --chain` times the linears of the 156M shape alone,
-`python scripts/bench_quant.py` the engine; README "Quantized weights"):
+`python scripts/bench_quant.py` the engine; docs/quantization.md, "Quantized weights"):
   one row (batch-1 decode), int8 and int4: `row @ w.T` with w the converted (int4: unpacked and scaled) kernel
       `[out, in]`. XLA:CPU fuses the conversion, the transpose and the one-row dot into one loop fusion (a
       matrix-vector product split over the cores) that reads the stored bytes: no float copy of the kernel is

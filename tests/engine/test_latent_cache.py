@@ -1,0 +1,115 @@
+"""The per-layer KV cache spec: a model whose layers hold different things per token slot (MLA latent entries
+beside GQA K/V heads, `tests/engine/latent_toy.py`) served by the unchanged block tables, prefix cache,
+preemption, forks and fused decode: greedy tokens equal its dense (non-absorbed) forward; the pool is sized from
+the specs and holds exactly the bytes they declare; 8-bit latent pages stay close to float ones; a model whose
+layers disagree with its declared specs is refused at construction."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from pagedjax.model.api import FullAttention, LatentAttention, check_model
+from tests.dense import greedy_by_recompute
+from tests.engine.latent_toy import GQA_HEAD_DIM, GQA_KV_HEADS, RANK, ROPE, VOCAB, LatentToy
+
+MAX_LEN = 40
+rng = np.random.default_rng(3)
+SHARED = rng.integers(0, VOCAB, 9).tolist()
+# Lengths 1, a block's (4) and more; two prompts sharing two full blocks (prefix cache hits).
+PROMPTS = [[7], rng.integers(0, VOCAB, 4).tolist(), SHARED + [1, 2], SHARED + [3]]
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def engine(model=None, *, num_blocks: int = 64, kv_dtype: str = "auto", token_budget: int = 32, **kwargs):
+    return LLMEngine(model=model or LatentToy(), cache_config=CacheConfig(block_size=4, num_blocks=num_blocks,
+                                                                           kv_dtype=kv_dtype),
+                     scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=token_budget,
+                                                      max_model_len=MAX_LEN), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def dense_greedy():
+    graphdef, state = nnx.split(LatentToy())
+    forward = jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))
+    want, margin = greedy_by_recompute(forward, PROMPTS, GREEDY.max_tokens, MAX_LEN)
+    assert margin > 1e-4, "a near tie would make the comparison depend on rounding: pick another seed"
+    return want
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_spec_sizes_the_pool_and_the_cache_holds_what_it_declares():
+    model = LatentToy()
+    assert model.spec.kv_layers == (LatentAttention(RANK, ROPE), FullAttention(GQA_KV_HEADS, GQA_HEAD_DIM),
+                                    LatentAttention(RANK, ROPE))
+    assert model.spec.num_kv_heads is None and model.spec.head_dim is None and model.spec.has_latent_layers
+    config = CacheConfig(block_size=4, kv_memory_bytes=100_000)
+    per_token = 2 * (RANK + ROPE) * 4 + 2 * GQA_KV_HEADS * GQA_HEAD_DIM * 4  # two latent layers, one GQA, f32
+    assert config.kv_bytes_per_token(model.spec) == per_token
+    e = LLMEngine(model=model, cache_config=config)
+    assert e.num_blocks == 100_000 // (4 * per_token)
+    assert e.runner.kv_cache.nbytes == config.pool_bytes(model.spec) == e.num_blocks * 4 * per_token
+    assert e.runner.kv_cache.layers[0].pages.shape == (e.num_blocks, 4, RANK + ROPE)
+
+
+def test_greedy_equals_the_dense_forward_with_prefix_hits_chunks_preemption_forks_and_fused_decode(dense_greedy):
+    e = engine()
+    assert _tokens(e.generate(PROMPTS, GREEDY, use_tqdm=False)) == dense_greedy
+    assert e.stats().scheduler.prefix_cache_hit_rate > 0
+    # A prefix hit restores every layer's part of the block: the shared prompt again, alone.
+    assert _tokens(e.generate([PROMPTS[3]], GREEDY, use_tqdm=False)) == [dense_greedy[3]]
+    # Four requests of up to 19 tokens in 8 blocks of 4: some are preempted and recomputed; prompts of 10 and
+    # 11 tokens run in chunks of at most 8.
+    small = engine(num_blocks=8, token_budget=8)
+    assert _tokens(small.generate(PROMPTS, GREEDY, use_tqdm=False)) == dense_greedy
+    assert small.stats().scheduler.num_preemptions > 0
+    fused = engine(decode_steps_per_call=4)
+    assert _tokens(fused.generate(PROMPTS, GREEDY, use_tqdm=False)) == dense_greedy
+    assert fused.stats().fused_decode_calls > 0
+    # n > 1 forks share the prompt's blocks (copy-on-write of the last partial one): each greedy sample is the
+    # dense continuation.
+    forks = e.generate([PROMPTS[2]], SamplingParams(max_tokens=8, ignore_eos=True, n=3), use_tqdm=False)[0]
+    assert [c.token_ids for c in forks.outputs] == [dense_greedy[2]] * 3
+
+
+def test_pallas_kernels_serve_the_latent_layers(dense_greedy):
+    """The engine's Pallas path (the MLA kernels, interpreted on the CPU) gives the same tokens."""
+    e = engine(backend="pallas", decode_steps_per_call=1)
+    assert _tokens(e.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)) == [
+        t[:3] for t in dense_greedy[:2]]
+
+
+def test_int8_latent_pages_stay_close_to_float_ones():
+    """The first sampled token's top-5 log-probabilities over int8 pages (latent and GQA) within 0.05 of those
+    over float32 pages."""
+    kv_dtype = "int8"
+    params = SamplingParams(max_tokens=1, logprobs=5)
+    f32 = engine().generate(PROMPTS, params, use_tqdm=False)
+    narrow = engine(kv_dtype=kv_dtype)
+    got_outputs = narrow.generate(PROMPTS, params, use_tqdm=False)
+    assert narrow.runner.kv_cache.layers[0].pages.dtype == jnp.dtype(CacheConfig(kv_dtype=kv_dtype).kv_array_dtype(
+        narrow.model_spec))
+    for a, b in zip(f32, got_outputs, strict=True):
+        want, got = dict(a.outputs[0].logprobs[0].top), dict(b.outputs[0].logprobs[0].top)
+        best = max(want, key=want.get)
+        assert best in got and abs(want[best] - got[best]) < 0.05, (want, got)
+
+
+def test_a_layer_attending_other_than_its_declared_spec_is_refused():
+    swapped = LatentToy()
+    swapped.spec = swapped.spec.replace(kv_layers=(FullAttention(GQA_KV_HEADS, GQA_HEAD_DIM),
+                                                   *swapped.spec.kv_layers[1:]))
+    with pytest.raises(ValueError, match=r"declares layer 0 as FullAttention \(kv_layers\), not LatentAttention"):
+        check_model(swapped)
+    wider = LatentToy()
+    wider.spec = wider.spec.replace(kv_layers=(LatentAttention(RANK + 1, ROPE), *wider.spec.kv_layers[1:]))
+    with pytest.raises(ValueError, match=f"kv_lora_rank {RANK}, rope_dim {ROPE}, but the model's ModelSpec "
+                                         f"declares {RANK + 1}, {ROPE}"):
+        check_model(wider)
