@@ -201,7 +201,7 @@ def test_cli_kv_dtype_reports_dtype_and_bytes_per_token(capsys):
             "--backend", "xla"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "16 KV blocks x 16 tokens (int8, 576 bytes per token)" in out, out
+    assert "16 KV blocks x 16 tokens (576 KV bytes per token)" in out and ", KV cache int8\n" in out, out
     assert re.search(r"^KV bytes per token\s+576$", out, re.MULTILINE), out
     assert cli.main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
