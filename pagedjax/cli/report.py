@@ -93,8 +93,12 @@ def print_header(args: argparse.Namespace, loaded, engine, load_s: float, out: T
 
     cfg = loaded.spec
     name = args.model_class if getattr(args, "model_class", None) else (args.model or "bundled tiny model")
-    print(f"model: {name} ({cfg.num_layers} layers, {cfg.num_q_heads}q/{cfg.num_kv_heads}kv heads; loaded in "
-          f"{load_s:.2f} s)", file=out)
+    if cfg.num_kv_heads is not None:
+        heads = f"{cfg.num_q_heads}q/{cfg.num_kv_heads}kv heads"
+    else:  # layers of other KV specs (MLA latents, ...): say which
+        kinds = dict.fromkeys(type(layer).__name__ for layer in cfg.kv_layers)
+        heads = f"{cfg.num_q_heads} query heads, {' + '.join(kinds)} KV layers"
+    print(f"model: {name} ({cfg.num_layers} layers, {heads}; loaded in {load_s:.2f} s)", file=out)
     for line in summarize(engine).lines():
         print(f"  {line}", file=out)
     kv = engine.stats()
