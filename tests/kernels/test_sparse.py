@@ -280,3 +280,149 @@ def test_8bit_pages_match_the_reference_of_the_same_pages(page_dtype, scale_dtyp
                                                        **case.mla.scales()), reference, q_dtype)
     assert_close(ragged_sparse_mla_paged_attention(*case.sparse_args(indices), scale=_scale(p), **case.mla.scales(),
                                                    target="gpu", interpret=True, block_k=16), reference, q_dtype)
+
+
+# ---- argument checks ---------------------------------------------------------------------------------------
+
+
+def _index_args(**over):
+    """Abstract decode indexer arguments (2 indexer heads of 16 dims, 2 sequences), with some replaced."""
+    args = dict(q_index=jnp.zeros((2, 2, 16)), weights=jnp.zeros((2, 2)), index_pages=jnp.zeros((6, 8, 16)),
+                block_tables=jnp.zeros((2, 3), jnp.int32), lengths=jnp.zeros((2,), jnp.int32))
+    args.update(over)
+    return args
+
+
+INDEX_BAD = [
+    (dict(q_index=jnp.zeros((2, 16))), "q_index must be 3-D"),
+    (dict(weights=jnp.zeros((2, 3))), r"weights must have shape \[tokens, index_n_heads\] = \(2, 2\)"),
+    (dict(weights=jnp.zeros((2, 2), jnp.bfloat16)), "weights must be float32"),
+    (dict(index_pages=jnp.zeros((6, 8))), "index_pages must be 3-D"),
+    (dict(index_pages=jnp.zeros((6, 8, 24))), "index_head_dim = 16"),
+    (dict(q_index=jnp.zeros((2, 2, 16), jnp.int32)), "q_index's dtype must be"),
+    (dict(index_pages=jnp.zeros((6, 8, 16), jnp.bfloat16)), "index_pages must be in q_index's dtype"),
+    (dict(index_pages=jnp.zeros((6, 8, 16), jnp.int8)), "index_scales is required"),
+    (dict(index_scales=jnp.ones((6, 8))), "index_scales is only for 8-bit pages"),
+    (dict(index_pages=jnp.zeros((6, 8, 16), jnp.int8), index_scales=jnp.ones((6, 4))),
+     "index_scales must have shape"),
+    (dict(block_tables=jnp.zeros((2, 3))), "block_tables must be int32"),
+    (dict(block_tables=jnp.zeros((3, 3), jnp.int32)), "block_tables has 3 rows but there are 2 sequences"),
+    (dict(lengths=jnp.zeros((3,), jnp.int32)), r"lengths must have shape \(2,\)"),
+    (dict(scale=None), "scale must be given"),
+    (dict(target="cuda"), "target must be one of"),
+    (dict(num_warps=0), "num_warps must be a positive int"),
+    (dict(target="gpu", pages_per_iter=3), "pages_per_iter must be a positive power of two"),
+    (dict(target="gpu", pages_per_iter=1), r"pages_per_iter \* block_size must be >= 16"),
+    (dict(target="tpu", index_pages=jnp.zeros((6, 8, 16), jnp.int8), index_scales=jnp.ones((6, 8))),
+     "target 'tpu' does not support 8-bit"),
+    (dict(target="tpu", q_index=jnp.zeros((2, 2, 16), jnp.float16), index_pages=jnp.zeros((6, 8, 16), jnp.float16)),
+     "target 'tpu' supports float32 and bfloat16"),
+    (dict(target="tpu", index_pages=jnp.zeros((6, 12, 16))), "block_size to be a multiple of 8"),
+    (dict(target="tpu", pages_per_iter=0), "pages_per_iter must be a positive int"),
+]
+_INDEX_KWARGS = ("scale", "target", "index_scales", "num_warps", "pages_per_iter")
+_TUNING = {"target", "num_warps", "pages_per_iter", "block_h", "block_k"}
+
+
+def _split(args: dict, keys) -> tuple[list, dict]:
+    kwargs = {key: args.pop(key) for key in keys if key in args}
+    return list(args.values()), kwargs
+
+
+@pytest.mark.parametrize("over,match", INDEX_BAD, ids=[m.replace("\\", "") for _, m in INDEX_BAD])
+def test_indexer_arguments_raise_clear_value_errors(over, match):
+    args, kwargs = _split(_index_args(**dict(dict(scale=0.1), **over)), _INDEX_KWARGS)
+    with pytest.raises(ValueError, match=match):
+        indexer_scores(*args, interpret=True, **kwargs)
+    if set(over) & _TUNING:
+        return
+    for fn in (indexer_scores_reference, indexer_scores_xla):
+        with pytest.raises(ValueError, match=match):
+            fn(*args, **kwargs)
+    if "lengths" in over or "block_tables" in over and "3 rows" in match:
+        return  # the ragged calls take kv_lens per table row
+    cu = jnp.array([0, 1, 2], jnp.int32)
+    for fn in (ragged_indexer_scores, ragged_indexer_scores_reference, ragged_indexer_scores_xla):
+        with pytest.raises(ValueError, match=match):
+            fn(*args, cu, **kwargs)
+
+
+def _sparse_args(**over):
+    """Abstract decode sparse MLA arguments (R = 32, Dr = 16, 4 heads, 2 sequences, top_k 5)."""
+    args = dict(q_latent=jnp.zeros((2, 4, 32)), q_rope=jnp.zeros((2, 4, 16)), kv_pages=jnp.zeros((6, 8, 48)),
+                block_tables=jnp.zeros((2, 3), jnp.int32), lengths=jnp.zeros((2,), jnp.int32),
+                indices=jnp.zeros((2, 5), jnp.int32))
+    args.update(over)
+    return args
+
+
+SPARSE_BAD = [
+    (dict(indices=jnp.zeros((2, 5))), "indices must be int32"),
+    (dict(indices=jnp.zeros((2, 5, 1), jnp.int32)), "indices must have 2 dimension"),
+    (dict(indices=jnp.zeros((3, 5), jnp.int32)), r"indices must have one row per query row \(2\)"),
+    (dict(indices=jnp.zeros((2, 0), jnp.int32)), r"at least one position per row \(top_k >= 1\)"),
+    (dict(kv_pages=jnp.zeros((6, 8, 50))), r"kv_lora_rank \+ rope_dim = 32 \+ 16"),
+    (dict(kv_pages=jnp.zeros((6, 8, 48), jnp.int8)), "kv_scales is required"),
+    (dict(lengths=jnp.zeros((2,))), "lengths must be int32"),
+    (dict(scale=None), "scale must be given"),
+    (dict(target="gpu", block_h=8), "block_h must be >= 16"),
+    (dict(target="gpu", block_k=24), "block_k must be a positive power of two"),
+    (dict(target="gpu", block_k=8), "block_k must be >= 16"),
+    (dict(target="tpu", block_k=0), "block_k must be a positive int"),
+    (dict(target="tpu", kv_pages=jnp.zeros((6, 8, 48), jnp.int8), kv_scales=jnp.ones((6, 8))),
+     "target 'tpu' does not support 8-bit"),
+]
+_SPARSE_KWARGS = ("scale", "target", "kv_scales", "block_h", "block_k")
+
+
+@pytest.mark.parametrize("over,match", SPARSE_BAD, ids=[m.replace("\\", "") for _, m in SPARSE_BAD])
+def test_sparse_arguments_raise_clear_value_errors(over, match):
+    args, kwargs = _split(_sparse_args(**dict(dict(scale=0.1), **over)), _SPARSE_KWARGS)
+    with pytest.raises(ValueError, match=match):
+        sparse_mla_paged_attention(*args, interpret=True, **kwargs)
+    if set(over) & _TUNING:
+        return
+    for fn in (sparse_mla_paged_attention_reference, sparse_mla_paged_attention_xla):
+        with pytest.raises(ValueError, match=match):
+            fn(*args, **kwargs)
+    if "lengths" in over:
+        return
+    cu = jnp.array([0, 1, 2], jnp.int32)
+    ragged = args[:5] + [cu] + args[5:]
+    for fn in (ragged_sparse_mla_paged_attention, ragged_sparse_mla_paged_attention_reference,
+               ragged_sparse_mla_paged_attention_xla):
+        with pytest.raises(ValueError, match=match):
+            fn(*ragged, **kwargs)
+
+
+def test_ragged_calls_check_their_metadata():
+    a = _index_args()
+    s = _sparse_args()
+    for bad_cu, match in ((jnp.zeros((2,), jnp.int32), r"cu_q_lens must have shape \(3,\)"),
+                          (jnp.zeros((3,)), "cu_q_lens must be int32")):
+        for fn in (ragged_indexer_scores, ragged_indexer_scores_reference, ragged_indexer_scores_xla):
+            with pytest.raises(ValueError, match=match):
+                fn(*list(a.values()), bad_cu, scale=0.1)
+        for fn in (ragged_sparse_mla_paged_attention, ragged_sparse_mla_paged_attention_reference,
+                   ragged_sparse_mla_paged_attention_xla):
+            with pytest.raises(ValueError, match=match):
+                fn(*list(s.values())[:5], bad_cu, s["indices"], scale=0.1)
+    cu = jnp.array([0, 1, 2], jnp.int32)
+    with pytest.raises(ValueError, match="block_q must be a positive power of two"):
+        ragged_indexer_scores(*list(a.values()), cu, scale=0.1, block_q=3, interpret=True)
+    with pytest.raises(ValueError, match="q_tile must be a positive int"):
+        ragged_indexer_scores_xla(*list(a.values()), cu, scale=0.1, q_tile=0)
+
+
+def test_empty_inputs():
+    """No query rows, or no table: scores all -inf (of the table's width), attention all zeros."""
+    a = _index_args(q_index=jnp.zeros((2, 2, 16)), block_tables=jnp.zeros((2, 0), jnp.int32))
+    for fn in (indexer_scores, indexer_scores_reference, indexer_scores_xla):
+        kw = dict(interpret=True) if fn is indexer_scores else {}
+        out = fn(*a.values(), scale=0.1, **kw)
+        assert out.shape == (2, 0) and out.dtype == jnp.float32
+    s = _sparse_args(block_tables=jnp.zeros((2, 0), jnp.int32))
+    for fn in (sparse_mla_paged_attention, sparse_mla_paged_attention_reference, sparse_mla_paged_attention_xla):
+        kw = dict(interpret=True) if fn is sparse_mla_paged_attention else {}
+        out = fn(*s.values(), scale=0.1, **kw)
+        assert out.shape == (2, 4, 32) and not out.any()
