@@ -584,7 +584,7 @@ def ragged_indexer_scores(
 
 
 def _sparse(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, *, scale, kv_scales, interpret,
-            target, block_h, block_k, num_warps, num_stages) -> jax.Array:
+            target, block_h, block_k, num_splits, num_warps, num_stages) -> jax.Array:
     """Validates a sparse MLA call once (decode when cu_q_lens is None), turns the selected positions into physical
     slots through the block table, and dispatches."""
     target = _resolve_target(target, interpret)
@@ -598,6 +598,7 @@ def _sparse(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indice
         V.check_vector("cu_q_lens", cu_q_lens, block_tables.shape[0] + 1)
     V.validate_selection(indices, q_latent.shape[0])
     scale = V.check_mla_scale(scale)
+    V.check_positive_option("num_splits", num_splits)
     V.check_positive_option("num_warps", num_warps)
     V.check_positive_int("num_stages", num_stages)
     if 0 in (q_latent.shape[0], *block_tables.shape, kv_pages.shape[0]):  # nothing selectable: all zeros
@@ -605,10 +606,10 @@ def _sparse(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indice
     slots = sparse_slots(indices, block_tables, kv_lens, cu_q_lens, block_size=kv_pages.shape[1])
     if target == "tpu":
         return sparse_mla_attention_tpu(q_latent, q_rope, kv_pages, slots, scale=scale, interpret=interpret,
-                                        block_h=block_h, block_k=block_k)
+                                        block_h=block_h, block_k=block_k, num_splits=num_splits)
     return sparse_mla_attention_gpu(q_latent, q_rope, kv_pages, slots, scale=scale, interpret=interpret,
-                                    block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                                    kv_scales=kv_scales)
+                                    block_h=block_h, block_k=block_k, num_splits=num_splits, num_warps=num_warps,
+                                    num_stages=num_stages, kv_scales=kv_scales)
 
 
 def sparse_mla_paged_attention(
@@ -625,6 +626,7 @@ def sparse_mla_paged_attention(
     target: str = "auto",
     block_h: int | None = None,
     block_k: int | None = None,
+    num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
 ) -> jax.Array:
@@ -643,6 +645,9 @@ def sparse_mla_paged_attention(
         accumulator of 128 x 128 elements (`gpu.mla.default_block_h`). TPU: any positive int, `None` = all heads.
       block_k: selected positions gathered per step. GPU: a power of two >= 16, `None` = 64
         (`gpu.sparse.DEFAULT_BLOCK_K`); TPU: any positive int (one row DMA each, double-buffered), `None` = 128.
+      num_splits: splits of each row's selection (flash-decoding: each split walks its share of the top_k / block_k
+        steps, partials merged exactly), a positive int (at most the step count is used); `None`: on GPU enough
+        programs to fill it (`default_num_splits` over rows x head blocks), on TPU 1.
       num_warps: Triton warps per program (compiled GPU mode only); `None` = 4, or 8 for accumulators of
         128 x 128 float32 elements and more.
       num_stages: Triton software-pipelining stages (compiled GPU mode only).
@@ -656,7 +661,7 @@ def sparse_mla_paged_attention(
     """
     return _sparse(q_latent, q_rope, kv_pages, block_tables, lengths, None, indices, scale=scale,
                    kv_scales=kv_scales, interpret=interpret, target=target, block_h=block_h, block_k=block_k,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
 def ragged_sparse_mla_paged_attention(
@@ -674,6 +679,7 @@ def ragged_sparse_mla_paged_attention(
     target: str = "auto",
     block_h: int | None = None,
     block_k: int | None = None,
+    num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
 ) -> jax.Array:
@@ -686,7 +692,8 @@ def ragged_sparse_mla_paged_attention(
         cu_q_lens[-1] are padding and get zeros).
       indices: int32 `[total_q_tokens, top_k]`, -1 for none; an entry the row does not see (negative, past its
         position or >= kv_lens[s]) selects nothing. Distinct per row, as for `sparse_mla_paged_attention`.
-      interpret, target, block_h, block_k, num_warps, num_stages: as for `sparse_mla_paged_attention`.
+      interpret, target, block_h, block_k, num_splits, num_warps, num_stages: as for
+        `sparse_mla_paged_attention`.
 
     Returns:
       `[total_q_tokens, num_heads, R]` in q's dtype; zeros for rows selecting nothing. With every visible position
@@ -697,4 +704,4 @@ def ragged_sparse_mla_paged_attention(
     """
     return _sparse(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, scale=scale,
                    kv_scales=kv_scales, interpret=interpret, target=target, block_h=block_h, block_k=block_k,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)

@@ -16,6 +16,12 @@ The MLA (multi-head latent attention) counterparts `mla_paged_attention_referenc
 latent page array (see the MLA section below), and `mla_attention_dense_reference` is MLA without weight
 absorption (keys and values expanded per head): the oracle of the absorption algebra.
 
+DeepSeek sparse attention (DSA, V3.2; section at the end): `indexer_scores_reference` /
+`ragged_indexer_scores_reference` (the lightning indexer's scores over paged indexer keys) and
+`sparse_mla_paged_attention_reference` / `ragged_sparse_mla_paged_attention_reference` (dense MLA masked to each
+row's selected positions), with their XLA paths `*_xla` (keys gathered once per query tile; only the selected
+latent rows gathered).
+
 Variants, shared by the four GQA functions (and by the kernels):
   * `sliding_window=W`: a query at position p attends to key positions j with p - W < j <= p;
   * `logits_soft_cap=c`: scaled scores s become c * tanh(s / c) before masking and softmax;

@@ -21,7 +21,9 @@ none or a position the row does not see). Grid (row, head block): program (i, b)
 and walks its `top_k` slots `block_k` at a time: each step loads the selected page rows as two masked power-of-two
 slices (latent [0, R), rope [R, R + Dr), as `gpu.mla`), scores them with two dots and keeps the exact float32
 online softmax (max, weight sum, value sum) of `_common`. Slots -1 are never loaded; a row selecting nothing
-gives zeros. Cost O(top_k) per row, whatever the context.
+gives zeros. Cost O(top_k) per row, whatever the context. With several splits (a third grid dimension, the default
+when rows x head blocks are too few to fill the GPU, as in decode) each split takes its share of the steps and
+writes its partial (m, z, u), merged exactly by `merge.merge_and_finalize`.
 
 8-bit keys or latent pages (int8 / float8_e4m3fn, one float scale per token) are loaded as 8-bit and dequantized
 in registers into q's dtype. Exported for platform "cuda" (tests/kernels/test_sparse_lowering.py) and run in the
@@ -42,7 +44,8 @@ from pallas_kernels import _validate as V
 from pallas_kernels import tiles
 from pallas_kernels.gpu import _common as C
 from pallas_kernels.gpu.mla import default_block_h, default_num_warps
-from pallas_kernels.merge import finalize
+from pallas_kernels.gpu.paged_attention import default_num_splits
+from pallas_kernels.merge import finalize, merge_and_finalize
 
 DEFAULT_BLOCK_K = 64  # selected positions per step of the sparse kernel
 
@@ -166,12 +169,13 @@ def ragged_indexer_scores_gpu(q_index, weights, index_pages, block_tables, kv_le
 
 
 def _sparse_kernel(slots_ref, ql_ref, qr_ref, kv_ref, *refs, scale: float, num_heads: int, block_h: int,
-                   block_k: int, top_k: int, rank: int, rope_dim: int, block_size: int, quantized: bool):
+                   block_k: int, top_k: int, rank: int, rope_dim: int, block_size: int, num_splits: int,
+                   steps_per_split: int, quantized: bool):
     """slots_ref i32[rows, top_k] (physical slots, -1 = none); ql_ref [rows, H, R]; qr_ref [rows, H, Dr]; kv_ref
-    [num_blocks, block_size, R + Dr]; with 8-bit pages refs starts with scales [num_blocks, block_size]. Output
-    o_ref [rows, H, R]."""
-    scales_ref, (o_ref,) = (refs[0], refs[1:]) if quantized else (None, refs)
-    row, head_block = pl.program_id(0), pl.program_id(1)
+    [num_blocks, block_size, R + Dr]; with 8-bit pages refs starts with scales [num_blocks, block_size]. Outputs:
+    o [rows, H, R] (one split) or m, z [num_splits, rows, H] and u [num_splits, rows, H, R] float32."""
+    scales_ref, out_refs = (refs[0], refs[1:]) if quantized else (None, refs)
+    row, head_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head = head_block * block_h + jnp.arange(block_h, dtype=jnp.int32)
     head_ok = head < num_heads
     dl = jnp.arange(tiles.padded_head_dim(rank), dtype=jnp.int32)
@@ -183,8 +187,12 @@ def _sparse_kernel(slots_ref, ql_ref, qr_ref, kv_ref, *refs, scale: float, num_h
                         mask=head_ok[:, None] & (dr < rope_dim)[None, :], other=0)
     precision = tiles.dot_precision(q_latent.dtype)
 
+    # This split's steps of block_k slots: [first_step, first_step + num_steps).
+    first_step = split * steps_per_split
+    num_steps = jnp.clip(tiles.cdiv(top_k, block_k) - first_step, 0, steps_per_split)
+
     def body(i, carry):
-        j = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        j = (first_step + i) * block_k + jnp.arange(block_k, dtype=jnp.int32)
         slot = plgpu.load(slots_ref.at[row, j], mask=j < top_k, other=-1)
         valid = slot >= 0
         safe = jnp.where(valid, slot, 0)
@@ -202,35 +210,57 @@ def _sparse_kernel(slots_ref, ql_ref, qr_ref, kv_ref, *refs, scale: float, num_h
              + plgpu.dot(q_rope, k_rope, trans_b=True, precision=precision)) * scale
         return C.online_softmax_update(s, c, valid[None, :], carry)
 
-    _, z, u = lax.fori_loop(0, tiles.cdiv(top_k, block_k), body, C.init_carry(block_h, dl.shape[0]))
-    plgpu.store(o_ref.at[io_idx], finalize(z, u, o_ref.dtype), mask=io_mask)
+    m, z, u = lax.fori_loop(0, num_steps, body, C.init_carry(block_h, dl.shape[0]))
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        plgpu.store(o_ref.at[io_idx], finalize(z, u, o_ref.dtype), mask=io_mask)
+    else:
+        m_ref, z_ref, u_ref = out_refs
+        plgpu.store(m_ref.at[split, row, head], m, mask=head_ok)
+        plgpu.store(z_ref.at[split, row, head], z, mask=head_ok)
+        plgpu.store(u_ref.at[(split, *io_idx)], u, mask=io_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_h", "block_k", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_h", "block_k", "num_splits", "num_warps",
+                                             "num_stages"))
 def _sparse_call(slots, q_latent, q_rope, kv_pages, kv_scales, *, scale: float, interpret: bool, block_h: int,
-                 block_k: int, num_warps: int, num_stages: int):
+                 block_k: int, num_splits: int, num_warps: int, num_stages: int):
     num_rows, num_heads, rank = q_latent.shape
     kernel = functools.partial(
         _sparse_kernel, scale=scale, num_heads=num_heads, block_h=block_h, block_k=block_k, top_k=slots.shape[1],
-        rank=rank, rope_dim=q_rope.shape[-1], block_size=kv_pages.shape[1], quantized=kv_scales is not None)
-    return pl.pallas_call(
+        rank=rank, rope_dim=q_rope.shape[-1], block_size=kv_pages.shape[1], num_splits=num_splits,
+        steps_per_split=tiles.cdiv(tiles.cdiv(slots.shape[1], block_k), num_splits),
+        quantized=kv_scales is not None)
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype)
+    else:
+        stats = jax.ShapeDtypeStruct((num_splits, num_rows, num_heads), jnp.float32)
+        out_shape = (stats, stats, jax.ShapeDtypeStruct((num_splits, *q_latent.shape), jnp.float32))
+    out = pl.pallas_call(
         kernel,
-        grid=(num_rows, tiles.cdiv(num_heads, block_h)),
-        out_shape=jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype),
+        grid=(num_rows, tiles.cdiv(num_heads, block_h), num_splits),
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=C.compiler_params(num_warps, num_stages),
-        name=f"sparse_mla_attention_h{block_h}_k{block_k}" + tiles.variant_suffix(None, None, kv_pages.dtype),
+        name=f"sparse_mla_attention_h{block_h}_k{block_k}_s{num_splits}"
+             + tiles.variant_suffix(None, None, kv_pages.dtype),
     )(slots, q_latent, q_rope, kv_pages, *(() if kv_scales is None else (kv_scales,)))
+    if num_splits == 1:
+        return out
+    m, z, u = out
+    return merge_and_finalize(m, z, u, axis=0, dtype=q_latent.dtype)
 
 
 def sparse_mla_attention_gpu(q_latent, q_rope, kv_pages, slots, *, scale: float, interpret: bool | None,
-                             block_h: int | None, block_k: int | None, num_warps: int | None, num_stages: int,
+                             block_h: int | None, block_k: int | None, num_splits: int | None,
+                             num_warps: int | None, num_stages: int,
                              kv_scales: jax.Array | None = None) -> jax.Array:
     """The GPU sparse MLA kernel behind `pallas_kernels.sparse_mla_paged_attention` /
     `ragged_sparse_mla_paged_attention` (target "gpu"), which have validated the arguments and turned the selected
     positions into physical `slots` i32[rows, top_k] (`tiles.selected_slots`). Checks the GPU tile rules
     (block_h and block_k powers of two >= 16: tl.dot), fills in the defaults (`gpu.mla.default_block_h`,
-    DEFAULT_BLOCK_K, `gpu.mla.default_num_warps`) and runs the kernel."""
+    DEFAULT_BLOCK_K, `default_num_splits` over rows x head blocks and the top_k / block_k steps,
+    `gpu.mla.default_num_warps`) and runs the kernel."""
     for name, value in (("block_h", block_h), ("block_k", block_k)):
         V.check_pow2_option(name, value)
         if value is not None and value < tiles.MIN_DOT_DIM:
@@ -240,6 +270,10 @@ def sparse_mla_attention_gpu(q_latent, q_rope, kv_pages, slots, *, scale: float,
     num_heads, rank = q_latent.shape[1], q_latent.shape[2]
     block_h = block_h or default_block_h(num_heads, rank)
     block_k = block_k or DEFAULT_BLOCK_K
+    steps = tiles.cdiv(slots.shape[1], block_k)
+    if num_splits is None:
+        num_splits = default_num_splits(q_latent.shape[0], tiles.cdiv(num_heads, block_h), steps, 1)
     return _sparse_call(slots, q_latent, q_rope, kv_pages, kv_scales, scale=scale,
                         interpret=C.resolve_interpret(interpret), block_h=int(block_h), block_k=int(block_k),
+                        num_splits=int(min(num_splits, steps)),
                         num_warps=int(num_warps or default_num_warps(block_h, rank)), num_stages=int(num_stages))

@@ -14,13 +14,14 @@ rows, -inf where invisible. Stale VMEM rows (slots past the length) only reach t
 masked.
 
 Sparse MLA. The wrapper turns the selected positions into physical slots through the block table
-(`tiles.selected_slots`, -1 for none) and pads them to whole steps of `block_k`. Grid (row, head block), parallel.
-Program (i, b) copies row i's slots HBM -> SMEM (one DMA), then walks them `block_k` at a time, double-buffered:
-each slot is one row DMA `kv_pages[slot // block_size, slot % block_size]` `[1, R + Dr]` into its row of the VMEM
-step buffer, and a slot selecting nothing copies a zero row instead, so every buffer row is a real token or zeros
-(no stale VMEM reaches the P @ V product) and every wait is one row's bytes. Scores and values are the whole page
-row against `[q_latent | q_rope]` (as `tpu.mla`); the exact float32 online softmax of `_common`; a row selecting
-nothing gives zeros.
+(`tiles.selected_slots`, -1 for none) and pads them to whole steps of `block_k`. Grid (row, head block, split), all
+parallel. Program (i, b, p) copies row i's slots HBM -> SMEM (one DMA), then walks its split's share of them
+`block_k` at a time, double-buffered: each slot is one row DMA `kv_pages[slot // block_size, slot % block_size]`
+`[1, R + Dr]` into its row of the VMEM step buffer, and a slot selecting nothing copies a zero row instead, so
+every buffer row is a real token or zeros (no stale VMEM reaches the P @ V product) and every wait is one row's
+bytes. Scores and values are the whole page row against `[q_latent | q_rope]` (as `tpu.mla`); the exact float32
+online softmax of `_common`; a row selecting nothing gives zeros. With several splits each writes its partial
+(m, z, u), merged exactly by `merge.merge_and_finalize`; one split is the default.
 
 Float32 and bfloat16; the indexer needs the TPU block-size rule (whole pages are DMA'd), the sparse MLA any block
 size (single rows are). 8-bit keys or pages are not supported on TPU (a ValueError, as for the other TPU kernels).
@@ -40,6 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _validate as V
 from pallas_kernels import tiles
+from pallas_kernels.merge import merge_and_finalize
 from pallas_kernels.quant import is_quantized
 from pallas_kernels.tpu import _common as T
 from pallas_kernels.tpu.page_chunks import PageChunks
@@ -171,15 +173,20 @@ def ragged_indexer_scores_tpu(q_index, weights, index_pages, block_tables, kv_le
                          pages_per_iter=int(pages_per_iter))
 
 
-def _sparse_kernel(mask_ref, q_ref, slots_hbm, kv_hbm, zero_hbm, o_ref, slots_smem, kv_buf, sems, *, scale: float):
-    """mask_ref i32[num_steps, 1, block_k] (VMEM: this row's slots, -1 = none, as lanes for the score mask);
-    q_ref [rows, R + Dr] (VMEM block: [q_latent | q_rope] of block_h heads); slots_hbm i32[num_rows, num_steps *
-    block_k], kv_hbm [num_blocks, block_size, R + Dr] and zero_hbm [1, R + Dr] (HBM). Output o_ref [rows, R + Dr].
-    Scratch: slots_smem i32[num_steps * block_k], kv_buf [2, block_k, R + Dr], sems DMA [3] (two buffer slots,
-    the slot-list copy)."""
-    row = pl.program_id(0)
+def _sparse_kernel(mask_ref, q_ref, slots_hbm, kv_hbm, zero_hbm, *refs, scale: float, num_splits: int,
+                   steps_per_split: int):
+    """mask_ref i32[total_steps, 1, block_k] (VMEM: this row's slots, -1 = none, as lanes for the score mask);
+    q_ref [rows, R + Dr] (VMEM block: [q_latent | q_rope] of block_h heads); slots_hbm i32[num_rows, total_steps *
+    block_k], kv_hbm [num_blocks, block_size, R + Dr] and zero_hbm [1, R + Dr] (HBM). Outputs (VMEM blocks): o
+    [rows, R + Dr] (one split) or m, z [rows, 1] and u [rows, R + Dr] float32. Scratch: slots_smem i32[total_steps
+    * block_k], kv_buf [2, block_k, R + Dr], sems DMA [3] (two buffer slots, the slot-list copy)."""
+    *out_refs, slots_smem, kv_buf, sems = refs
+    row, split = pl.program_id(0), pl.program_id(2)
     block_size = kv_hbm.shape[1]
-    num_steps, _, block_k = mask_ref.shape
+    total_steps, _, block_k = mask_ref.shape
+    # This split's steps: [first_step, first_step + num_steps).
+    first_step = split * steps_per_split
+    num_steps = jnp.clip(total_steps - first_step, 0, steps_per_split)
     slots_copy = pltpu.make_async_copy(slots_hbm.at[row], slots_smem, sems.at[2])
     slots_copy.start()
     slots_copy.wait()
@@ -211,25 +218,36 @@ def _sparse_kernel(mask_ref, q_ref, slots_hbm, kv_hbm, zero_hbm, o_ref, slots_sm
 
     q = q_ref[...]
     rows, width = q.shape
-    start(0, 0)
 
-    def body(step, carry):
-        buf = lax.rem(step, 2)
+    @pl.when(num_steps > 0)
+    def _():
+        start(first_step, 0)
 
-        @pl.when(step + 1 < num_steps)
+    def body(i, carry):
+        buf = lax.rem(i, 2)
+
+        @pl.when(i + 1 < num_steps)
         def _():
-            start(step + 1, 1 - buf)
+            start(first_step + i + 1, 1 - buf)
 
         wait(buf)
         kv = kv_buf[buf]
-        return T.online_softmax_step(q, kv, kv, mask_ref[step] >= 0, None, carry, scale=scale)
+        return T.online_softmax_step(q, kv, kv, mask_ref[first_step + i] >= 0, None, carry, scale=scale)
 
-    _, z, u = lax.fori_loop(0, num_steps, body, T.init_carry(rows, width))
-    o_ref[...] = T.finalize_rows(z, u, o_ref.dtype)
+    m, z, u = lax.fori_loop(0, num_steps, body, T.init_carry(rows, width))
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = T.finalize_rows(z, u, o_ref.dtype)
+    else:
+        m_ref, z_ref, u_ref = out_refs
+        m_ref[...] = m
+        z_ref[...] = z
+        u_ref[...] = u
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_h", "block_k"))
-def _sparse_call(slots, q_latent, q_rope, kv_pages, *, scale: float, interpret, block_h: int, block_k: int):
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_h", "block_k", "num_splits"))
+def _sparse_call(slots, q_latent, q_rope, kv_pages, *, scale: float, interpret, block_h: int, block_k: int,
+                 num_splits: int):
     num_rows, num_heads, rank = q_latent.shape
     width = kv_pages.shape[2]
     num_steps = tiles.cdiv(slots.shape[1], block_k)
@@ -239,38 +257,64 @@ def _sparse_call(slots, q_latent, q_rope, kv_pages, *, scale: float, interpret, 
     q = jnp.concatenate([q_latent, q_rope], axis=-1)
     q = jnp.pad(q, ((0, 0), (0, head_blocks * block_h - num_heads), (0, 0)))
     q = jnp.pad(q.reshape(num_rows, head_blocks, block_h, width), ((0, 0), (0, 0), (0, rows - block_h), (0, 0)))
-    block = pl.BlockSpec((None, None, rows, width), lambda i, b: (i, b, 0, 0))
+    def block(last: int):  # one program's [rows, last] block of a [num_rows, head_blocks, rows, last] array
+        return pl.BlockSpec((None, None, rows, last), lambda i, b, p: (i, b, 0, 0))
+
+    def split_block(last: int):
+        return pl.BlockSpec((None, None, None, rows, last), lambda i, b, p: (p, i, b, 0, 0))
+
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+        out_specs = block(width)
+    else:
+        stats = jax.ShapeDtypeStruct((num_splits, num_rows, head_blocks, rows, 1), jnp.float32)
+        out_shape = (stats, stats, jax.ShapeDtypeStruct((num_splits, *q.shape), jnp.float32))
+        out_specs = (split_block(1), split_block(1), split_block(width))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=0,
-        grid=(num_rows, head_blocks),
-        in_specs=[pl.BlockSpec((None, num_steps, 1, block_k), lambda i, b: (i, 0, 0, 0)), block,
+        grid=(num_rows, head_blocks, num_splits),
+        in_specs=[pl.BlockSpec((None, num_steps, 1, block_k), lambda i, b, p: (i, 0, 0, 0)), block(width),
                   pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY),
                   pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=block,
+        out_specs=out_specs,
         scratch_shapes=[pltpu.SMEM((num_steps * block_k,), jnp.int32),
                         pltpu.VMEM((2, block_k, width), kv_pages.dtype), pltpu.SemaphoreType.DMA((3,))],
     )
+    kernel = functools.partial(_sparse_kernel, scale=scale, num_splits=num_splits,
+                               steps_per_split=tiles.cdiv(num_steps, num_splits))
     out = pl.pallas_call(
-        functools.partial(_sparse_kernel, scale=scale),
+        kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=out_shape,
         interpret=interpret,
-        compiler_params=T.compiler_params(2),
-        name=f"sparse_mla_attention_tpu_h{block_h}_k{block_k}",
+        compiler_params=T.compiler_params(3),
+        name=f"sparse_mla_attention_tpu_h{block_h}_k{block_k}_s{num_splits}",
     )(slots.reshape(num_rows, num_steps, 1, block_k), q, slots, kv_pages, jnp.zeros((1, width), kv_pages.dtype))
-    return out[:, :, :block_h].reshape(num_rows, head_blocks * block_h, width)[:, :num_heads, :rank]
+
+    def untile(x):  # [..., num_rows, head_blocks, rows, last] -> [..., num_rows, num_heads, last]
+        lead, last = x.shape[:-4], x.shape[-1]
+        return x[..., :block_h, :].reshape(*lead, num_rows, head_blocks * block_h, last)[..., :num_heads, :]
+
+    if num_splits == 1:
+        return untile(out)[..., :rank]
+    m, z, u = out
+    return merge_and_finalize(untile(m)[..., 0], untile(z)[..., 0], untile(u)[..., :rank], axis=0,
+                              dtype=q_latent.dtype)
 
 
 def sparse_mla_attention_tpu(q_latent, q_rope, kv_pages, slots, *, scale: float, interpret, block_h: int | None,
-                             block_k: int | None) -> jax.Array:
+                             block_k: int | None, num_splits: int | None) -> jax.Array:
     """The TPU sparse MLA kernel behind `pallas_kernels.sparse_mla_paged_attention` /
     `ragged_sparse_mla_paged_attention` (target "tpu"), which have validated the arguments and turned the selected
     positions into physical `slots` i32[rows, top_k] (`tiles.selected_slots`). Checks the TPU rules, fills in the
-    defaults (all heads per program, DEFAULT_BLOCK_K) and runs the kernel."""
+    defaults (all heads per program, DEFAULT_BLOCK_K, one split: a TPU core runs the grid sequentially) and runs
+    the kernel."""
     _check(q_latent.dtype, kv_pages, "MLA pages (kv_scales)")  # any block_size: rows are DMA'd one by one
     V.check_positive_option("block_h", block_h)
     V.check_positive_option("block_k", block_k)
     if 0 in (q_latent.shape[0], kv_pages.shape[0]):
         return jnp.zeros(q_latent.shape, q_latent.dtype)
+    block_k = block_k or DEFAULT_BLOCK_K
     return _sparse_call(slots, q_latent, q_rope, kv_pages, scale=scale, interpret=T.resolve_interpret(interpret),
-                        block_h=int(block_h or q_latent.shape[1]), block_k=int(block_k or DEFAULT_BLOCK_K))
+                        block_h=int(block_h or q_latent.shape[1]), block_k=int(block_k),
+                        num_splits=int(min(num_splits or 1, tiles.cdiv(slots.shape[1], block_k))))

@@ -227,7 +227,7 @@ def _check_kernels(p, target: str, top_k: int, **tuning):
     scores = _scores(case, indexer_scores, ragged_indexer_scores, target=target, interpret=True, **index_tuning)
     assert_scores_close(scores, expected, p["dtype"])
     indices = top_k_positions(expected, top_k)
-    sparse_tuning = {k: v for k, v in tuning.items() if k == "block_k"}
+    sparse_tuning = {k: v for k, v in tuning.items() if k in ("block_k", "num_splits")}
     actual = _sparse(case, indices, sparse_mla_paged_attention, ragged_sparse_mla_paged_attention, _scale(p),
                      target=target, interpret=True, **sparse_tuning)
     assert_close(actual, _reference_attention(case, indices, _scale(p)), p["dtype"])
@@ -242,18 +242,21 @@ def _check_kernels(p, target: str, top_k: int, **tuning):
 # Each target runs both dtypes and both batch kinds, in two of their four combinations.
 @pytest.mark.parametrize("dtype,ragged", [("float32", True), ("bfloat16", False)], ids=["f32-ragged", "bf16-decode"])
 @settings(max_examples=examples(1), deadline=None)
-@given(p=dsa_params(), top_k=st.sampled_from((5, 2)), block_q=st.sampled_from((2, None)))
-def test_gpu_kernels_match_references(dtype, ragged, p, top_k, block_q):
+@given(p=dsa_params(), top_k=st.sampled_from((20, 5)), block_q=st.sampled_from((2, None)),
+       num_splits=st.sampled_from((3, None, 1)))
+def test_gpu_kernels_match_references(dtype, ragged, p, top_k, block_q, num_splits):
     p = dict(p, dtype=dtype, ragged=ragged)
-    _check_kernels(p, "gpu", top_k, block_q=block_q, block_k=16, pages_per_iter=max(1, 16 // p["block_size"]))
+    _check_kernels(p, "gpu", top_k, block_q=block_q, block_k=16, num_splits=num_splits,
+                   pages_per_iter=max(1, 16 // p["block_size"]))
 
 
 @pytest.mark.parametrize("dtype,ragged", [("bfloat16", True), ("float32", False)], ids=["bf16-ragged", "f32-decode"])
 @settings(max_examples=examples(1), deadline=None)
-@given(p=dsa_params(max_blocks=(2, 1), tpu=True), top_k=st.sampled_from((5, 2)), block_q=st.sampled_from((2, None)))
-def test_tpu_kernels_match_references(dtype, ragged, p, top_k, block_q):
+@given(p=dsa_params(max_blocks=(2, 1), tpu=True), top_k=st.sampled_from((5, 2)), block_q=st.sampled_from((2, None)),
+       num_splits=st.sampled_from((2, None)))
+def test_tpu_kernels_match_references(dtype, ragged, p, top_k, block_q, num_splits):
     p = dict(p, dtype=dtype, ragged=ragged, block_size=16 if dtype == "bfloat16" else 8)
-    _check_kernels(p, "tpu", top_k, block_q=block_q, block_k=8, pages_per_iter=1)
+    _check_kernels(p, "tpu", top_k, block_q=block_q, block_k=4, num_splits=num_splits, pages_per_iter=1)
 
 
 # ---- 8-bit indexer keys and latent pages (GPU kernels, references and XLA paths) ------------------------------
@@ -263,8 +266,8 @@ def test_tpu_kernels_match_references(dtype, ragged, p, top_k, block_q):
                                                              (jnp.float8_e4m3fn, jnp.bfloat16, "bfloat16")],
                          ids=["int8-f32scales-f32", "fp8-bf16scales-bf16"])
 def test_8bit_pages_match_the_reference_of_the_same_pages(page_dtype, scale_dtype, q_dtype):
-    p = dict(seed=11, num_heads=3, rank=24, rope_dim=8, index_heads=2, index_dim=16, block_size=8, max_blocks=3,
-             lengths=[17, 0, 24], dtype=q_dtype, ragged=True)
+    p = dict(seed=11, num_heads=3, rank=24, rope_dim=8, index_heads=2, index_dim=16, block_size=8, max_blocks=2,
+             lengths=[9, 0, 16], dtype=q_dtype, ragged=True)
     case = quantized_keys(_case(p), page_dtype, scale_dtype)
     case.mla = quantized_latents(case.mla, page_dtype, scale_dtype)
     expected = _reference_scores(case)
@@ -321,7 +324,7 @@ INDEX_BAD = [
     (dict(target="tpu", pages_per_iter=0), "pages_per_iter must be a positive int"),
 ]
 _INDEX_KWARGS = ("scale", "target", "index_scales", "num_warps", "pages_per_iter")
-_TUNING = {"target", "num_warps", "pages_per_iter", "block_h", "block_k"}
+_TUNING = {"target", "num_warps", "pages_per_iter", "block_h", "block_k", "num_splits"}
 
 
 def _split(args: dict, keys) -> tuple[list, dict]:
@@ -365,6 +368,7 @@ SPARSE_BAD = [
     (dict(kv_pages=jnp.zeros((6, 8, 48), jnp.int8)), "kv_scales is required"),
     (dict(lengths=jnp.zeros((2,))), "lengths must be int32"),
     (dict(scale=None), "scale must be given"),
+    (dict(num_splits=0), "num_splits must be a positive int"),
     (dict(target="gpu", block_h=8), "block_h must be >= 16"),
     (dict(target="gpu", block_k=24), "block_k must be a positive power of two"),
     (dict(target="gpu", block_k=8), "block_k must be >= 16"),
@@ -372,7 +376,7 @@ SPARSE_BAD = [
     (dict(target="tpu", kv_pages=jnp.zeros((6, 8, 48), jnp.int8), kv_scales=jnp.ones((6, 8))),
      "target 'tpu' does not support 8-bit"),
 ]
-_SPARSE_KWARGS = ("scale", "target", "kv_scales", "block_h", "block_k")
+_SPARSE_KWARGS = ("scale", "target", "kv_scales", "block_h", "block_k", "num_splits")
 
 
 @pytest.mark.parametrize("over,match", SPARSE_BAD, ids=[m.replace("\\", "") for _, m in SPARSE_BAD])

@@ -93,13 +93,23 @@ def test_tpu_kernels_lower_to_mosaic_at_deepseek_v32_shapes(dtype, num_heads, bl
         assert TPU_CALL in exported.mlir_module()
 
 
+def test_gpu_decode_splits_the_selection():
+    """4 sequences x 4 head blocks (128 heads, 32 per program) are too few programs for a GPU: the default splits
+    each row's 2048 selected slots (32 steps of 64)."""
+    s = _shapes(jnp.bfloat16, 128, 64)
+    r = s["decode"]
+    fn = functools.partial(sparse_mla_paged_attention, scale=SCALE, target="gpu", interpret=False)
+    text = _export_cuda(fn, r["q"], r["q_rope"], s["kv"], s["tables"], s["lens"], r["indices"]).mlir_module()
+    assert "sparse_mla_attention_h32_k64_s" in text and "sparse_mla_attention_h32_k64_s1_" not in text
+
+
 def test_tpu_mosaic_module_structure():
     """Indexer: the keys stay in HBM, whole pages DMA'd into double-buffered VMEM chunks, float32 matmuls at full
     precision for the head sum. Sparse MLA: the slot list copied into SMEM, one row DMA per selected slot into a
     double-buffered [2, block_k, 576] VMEM buffer, every grid dimension parallel."""
     s = _shapes(jnp.bfloat16, 16, 16)
     score, sparse = _export_all(export_tpu, s, target="tpu", index_kw=dict(pages_per_iter=2),
-                                 sparse_kw=dict(block_k=128))[2:]
+                                 sparse_kw=dict(block_k=128, num_splits=2))[2:]
     (text,) = mosaic_modules(score)
     assert "memref<64x16x128xbf16, #tpu.memory_space<any>>" in text
     assert "memref<2x32x128xbf16, #tpu.memory_space<vmem>>" in text  # 2 slots x 2 pages x 16 tokens
@@ -110,7 +120,7 @@ def test_tpu_mosaic_module_structure():
     assert "memref<2048xi32, #tpu.memory_space<smem>>" in text  # the row's slots
     assert "memref<64x16x576xbf16, #tpu.memory_space<any>>" in text  # the latent pages stay in HBM
     assert "memref<2x128x576xbf16, #tpu.memory_space<vmem>>" in text
-    assert text.count("#tpu.dimension_semantics<parallel>") == 2
+    assert text.count("#tpu.dimension_semantics<parallel>") == 3  # rows, head blocks, splits
 
 
 def test_interpret_none_is_interpreted_on_cpu():
