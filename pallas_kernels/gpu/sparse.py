@@ -13,7 +13,8 @@ entries never read: masked loads), and computes relu(Q K^T) `[rows, tile]` in on
 is a second dot, Sel @ relu(Q K^T) with Sel[m, r] = scale * w[r] where row r belongs to token m (float32 at full
 precision): no reshape inside the kernel, one pass over the keys for every head and token of the tile. Every
 program writes its `[block_q, tile]` block of the float32 score rows, -inf where invisible, so the output
-`[tokens, max_blocks_per_seq * block_size]` is fully written.
+`[tokens, max_blocks_per_seq * block_size]` is fully written (a chunk wholly past the tile's context reads nothing
+but still runs its dots on zeros: the output is O(max_context) per row anyway).
 
 Sparse MLA. The wrapper turns each row's selected positions into physical slots through the block table
 (`tiles.selected_slots`: position p -> block_tables[s, p // block_size] * block_size + p % block_size, -1 for
