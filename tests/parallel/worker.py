@@ -158,7 +158,7 @@ def _assert_sharded(e, kind: str, tp: int) -> None:
     if not cfg.tie_word_embeddings:
         assert st["lm_head"]["kernel"][...].sharding.spec == P(None, "tp")
     cache = e.runner.kv_cache
-    for a in cache.k + cache.v:
+    for a in [array for layer in cache.layers for array in (layer.k, layer.v)]:
         assert a.sharding.spec == P("tp") and a.shape[0] == max(cfg.num_kv_heads, tp), (a.shape, a.sharding)
     one_device = 2 * cfg.num_layers * e.num_blocks * e.cache_config.block_size * cfg.num_kv_heads * cfg.head_dim * 4
     per_device = e.stats().kv_cache_bytes_per_device
