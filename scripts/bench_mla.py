@@ -28,13 +28,13 @@ from pagedjax.config.deepseek import DeepSeekConfig  # noqa: E402
 from pagedjax.model.deepseek import init_deepseek  # noqa: E402
 
 
-def models(quick: bool, dtype: str) -> dict[str, object]:
-    """(name -> a model config) of equal width, depth, heads and MLP: MLA (latent 256 + rope 32, heads of 64 +
-    32 / 64) and GQA (4 KV heads of 64)."""
+def models(quick: bool, dtype: str, width: int = 768, layers: int = 14) -> dict[str, object]:
+    """(name -> a model config) of equal width, depth, heads (of 64) and MLP (8/3 the width): MLA (latent
+    width / 3 + rope 32, heads of 64 + 32 / 64) and GQA (4 KV heads of 64). The default is ~150M parameters."""
     if quick:
         width, layers, heads, mlp, vocab, rank = 64, 2, 4, 128, 512, 32
     else:
-        width, layers, heads, mlp, vocab, rank = 768, 14, 12, 2048, 32000, 256
+        heads, mlp, vocab, rank = width // 64, width * 8 // 3, 32000, width // 3
     head = width // heads
     mla = DeepSeekConfig(vocab_size=vocab, hidden_size=width, num_layers=layers, num_heads=heads,
                          intermediate_size=mlp, kv_lora_rank=rank, qk_nope_head_dim=head, qk_rope_head_dim=head // 2,
@@ -87,11 +87,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--width", type=int, default=768, help="hidden size (heads of 64)")
+    p.add_argument("--layers", type=int, default=14)
     p.add_argument("--quick", action="store_true", help="tiny models, short contexts: seconds")
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.contexts, args.decode_tokens, args.repeats = [1], [16, 32], 4, 1
-    configs = models(args.quick, args.dtype)
+    configs = models(args.quick, args.dtype, args.width, args.layers)
     rows = []
     for batch in args.batches:
         for context in args.contexts:
