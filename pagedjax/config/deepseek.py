@@ -37,6 +37,8 @@ ROPE_YARN_PARAMS: tuple[str, ...] = ("factor", "original_max_position_embeddings
 # The RMSNorm epsilon of the q / kv latents (`q_a_layernorm`, `kv_a_layernorm`): transformers builds them with its
 # RMSNorm's default, not `rms_norm_eps`.
 LATENT_NORM_EPS = 1e-6
+# The LayerNorm epsilon of V3.2's indexer key (`indexer.k_norm`): transformers' fixed 1e-6.
+INDEXER_NORM_EPS = 1e-6
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
