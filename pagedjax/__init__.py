@@ -38,6 +38,7 @@ _LAZY = {
     "QuantConfig": "pagedjax.config",
     "MoEConfig": "pagedjax.config",
     "EngineConfig": "pagedjax.config",
+    "SamplingDefaults": "pagedjax.config",
     "kv_cache_bytes": "pagedjax.config",
 }
 

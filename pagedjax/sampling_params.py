@@ -5,11 +5,13 @@ the field).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
 
 from pagedjax.config.fields import check_int
+from pagedjax.config.sampling import DEFAULT_KEYS, SamplingDefaults
 
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # seeds travel to the device as two uint32 halves
@@ -28,6 +30,8 @@ def _check_float(name: str, value, *, lo: float | None = None) -> None:
         raise ValueError(f"SamplingParams.{name} must be >= {lo}, got {value}")
 
 
+# Greedy over the raw logits, whatever the engine's defaults: for the engine's own requests (beam search, scoring).
+RAW_SAMPLING = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's API allows
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -95,6 +99,12 @@ class SamplingParams:
     """How to pick each next token, and when to stop (vLLM's / OpenAI's semantics).
 
     temperature == 0 means greedy. top_k 0 (or -1), top_p == 1 and min_p == 0 disable those filters.
+    `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty` default to None: the model's default, which
+    the engine fills in when it takes the request (`with_defaults`, with the engine's `SamplingDefaults`: the model
+    folder's generation_config.json, else vLLM's defaults, temperature 1.0 and every filter and penalty off). A
+    value given, 0 or 1.0 included, is never replaced; give temperature=0 for greedy decoding whatever the model.
+    `max_tokens` past the context (the prompt's tokens + max_tokens > the engine's max_model_len) is refused when
+    the request is added, never cut short silently.
     `seed` makes a request's samples reproducible regardless of what it is batched with.
 
     Several samples: `best_of` samples (default `n`) are drawn from one prefill of the prompt (the KV cache is
@@ -121,10 +131,10 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
+    temperature: float | None = None  # None: the model's default (see above), as top_k ... repetition_penalty
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -134,7 +144,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
@@ -144,14 +154,18 @@ class SamplingParams:
         # Every field is checked here, types included, so that a bad value fails at construction with
         # the field's name instead of on device, inside a step that also carries other requests.
         _check_int("max_tokens", self.max_tokens, lo=1, hi=INT32_MAX)
-        _check_float("temperature", self.temperature, lo=0.0)
-        _check_int("top_k", self.top_k, lo=-1, hi=INT32_MAX)
-        _check_float("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        _check_float("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if self.temperature is not None:
+            _check_float("temperature", self.temperature, lo=0.0)
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, lo=-1, hi=INT32_MAX)
+        if self.top_p is not None:
+            _check_float("top_p", self.top_p)
+            if not 0.0 < self.top_p <= 1.0:
+                raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.min_p is not None:
+            _check_float("min_p", self.min_p)
+            if not 0.0 <= self.min_p <= 1.0:
+                raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
         _check_int("n", self.n, lo=1, hi=INT32_MAX)
         if self.best_of is not None:
             _check_int("best_of", self.best_of, lo=self.n, hi=INT32_MAX)
@@ -164,9 +178,10 @@ class SamplingParams:
             _check_float(name, getattr(self, name))
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
-        _check_float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_penalty is not None:
+            _check_float("repetition_penalty", self.repetition_penalty)
+            if self.repetition_penalty <= 0.0:
+                raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
         _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)
         object.__setattr__(self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "stop", _str_tuple("stop", self.stop))
@@ -177,8 +192,26 @@ class SamplingParams:
             raise TypeError(f"SamplingParams.structured must be a StructuredOutput, got "
                             f"{type(self.structured).__name__}")
 
+    def with_defaults(self, defaults: SamplingDefaults) -> SamplingParams:
+        """These parameters with every field left None (the model's default) set from `defaults`; self when none
+        is (the values given stay as they are)."""
+        unset = {name: getattr(defaults, name) for name in DEFAULT_KEYS if getattr(self, name) is None}
+        return dataclasses.replace(self, **unset) if unset else self
+
+    @property
+    def has_defaults_applied(self) -> bool:
+        """Whether no field is left to the model's default (`with_defaults` was applied, or every one given)."""
+        return all(getattr(self, name) is not None for name in DEFAULT_KEYS)
+
+    def _resolved(self, what: str) -> None:
+        if not self.has_defaults_applied:
+            raise ValueError(f"SamplingParams.{what} is not known before the engine's defaults are applied "
+                             "(with_defaults): a field is None, the model's default")
+
     @property
     def greedy(self) -> bool:
+        """temperature 0 (only known once the defaults are applied: ValueError before)."""
+        self._resolved("greedy")
         return self.temperature == 0.0
 
     @property
@@ -188,6 +221,8 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Any penalty or min_tokens on (only known once the defaults are applied: ValueError before)."""
+        self._resolved("has_penalties")
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or self.min_tokens > 0)
 

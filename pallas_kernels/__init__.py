@@ -26,6 +26,17 @@ every query head):
 q_latent `[tokens, num_heads, R]`, q_rope `[tokens, num_heads, Dr]`; the output is in latent space
 `[tokens, num_heads, R]` (apply W_UV after). 8-bit latent pages take `kv_scales [num_blocks, block_size]`.
 Kernels in `gpu.mla` and `tpu.mla`; references, XLA paths and the non-absorbed oracle in `reference`.
+DeepSeek sparse attention (DSA, V3.2) over the latent pages plus one indexer key per token, `index_pages
+[num_blocks, block_size, index_head_dim]` in the same blocks (8-bit with `index_scales [num_blocks, block_size]`):
+
+    indexer_scores(q_index, weights, index_pages, block_tables, lengths, scale=...)        decode
+    ragged_indexer_scores(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, scale=...)
+        -> float32 [rows, max_blocks_per_seq * block_size], s[t] = scale * sum_h w[h] relu(q_I[h] . k_I[t]), causal
+    top_k_positions(scores, k)                                   -> int32 [rows, k], -1 where fewer are visible
+    sparse_mla_paged_attention(q_latent, q_rope, kv_pages, block_tables, lengths, indices, scale=...)
+    ragged_sparse_mla_paged_attention(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, ...)
+        -> the absorbed MLA of each row over exactly its selected positions
+Kernels in `gpu.sparse` and `tpu.sparse`; references and XLA paths in `reference`, the selection in `topk`.
 
 `reference` holds the dense float32 oracles and an XLA gather path; `merge` the exact (m, z, u) merge.
 The two entry points are defined here, above both kernel families: they check the arguments common to both
@@ -48,34 +59,50 @@ Example (GQA, 8 query heads on 2 KV heads, a cache of 32 blocks of 16 tokens):
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _validate as V
 from pallas_kernels.gpu.mla import mla_paged_attention_gpu, ragged_mla_paged_attention_gpu
 from pallas_kernels.gpu.paged_attention import default_num_splits, paged_attention_gpu
 from pallas_kernels.gpu.ragged_attention import ragged_paged_attention_gpu
+from pallas_kernels.gpu.sparse import ragged_indexer_scores_gpu, sparse_mla_attention_gpu
 from pallas_kernels.merge import Partial, finalize, merge_and_finalize, merge_partials, merge_two
 from pallas_kernels.quant import dequantize_kv, quantize_kv
 from pallas_kernels.reference import (
+    indexer_scores_reference,
+    indexer_scores_xla,
     mla_attention_dense_reference,
     mla_paged_attention_reference,
     mla_paged_attention_xla,
     paged_attention_reference,
     paged_attention_xla,
+    ragged_indexer_scores_reference,
+    ragged_indexer_scores_xla,
     ragged_mla_paged_attention_reference,
     ragged_mla_paged_attention_xla,
     ragged_paged_attention_reference,
     ragged_paged_attention_xla,
+    ragged_sparse_mla_paged_attention_reference,
+    ragged_sparse_mla_paged_attention_xla,
+    sparse_mla_paged_attention_reference,
+    sparse_mla_paged_attention_xla,
 )
+from pallas_kernels.tiles import sparse_slots
+from pallas_kernels.topk import top_k_positions
 from pallas_kernels.tpu.mla import mla_paged_attention_tpu, ragged_mla_paged_attention_tpu
 from pallas_kernels.tpu.paged_attention import paged_attention_tpu
 from pallas_kernels.tpu.ragged_attention import ragged_paged_attention_tpu
+from pallas_kernels.tpu.sparse import ragged_indexer_scores_tpu, sparse_mla_attention_tpu
 
 __all__ = [
     "Partial",
     "default_num_splits",
     "dequantize_kv",
     "finalize",
+    "indexer_scores",
+    "indexer_scores_reference",
+    "indexer_scores_xla",
     "merge_and_finalize",
     "merge_partials",
     "merge_two",
@@ -89,10 +116,20 @@ __all__ = [
     "quantize_kv",
     "ragged_mla_paged_attention",
     "ragged_mla_paged_attention_reference",
+    "ragged_indexer_scores",
+    "ragged_indexer_scores_reference",
+    "ragged_indexer_scores_xla",
     "ragged_mla_paged_attention_xla",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_xla",
+    "ragged_sparse_mla_paged_attention",
+    "ragged_sparse_mla_paged_attention_reference",
+    "ragged_sparse_mla_paged_attention_xla",
+    "sparse_mla_paged_attention",
+    "sparse_mla_paged_attention_reference",
+    "sparse_mla_paged_attention_xla",
+    "top_k_positions",
 ]
 
 _TARGETS = ("auto", "gpu", "tpu")
@@ -418,3 +455,253 @@ def ragged_mla_paged_attention(
                                           scale=scale, interpret=interpret, block_q=block_q, block_h=block_h,
                                           pages_per_iter=pages_per_iter, num_warps=num_warps,
                                           num_stages=num_stages, kv_scales=kv_scales)
+
+
+def _indexer(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, *, scale, index_scales, interpret,
+             target, block_q, pages_per_iter, num_warps, num_stages) -> jax.Array:
+    """Validates an indexer call once (decode when cu_q_lens is None) and dispatches it."""
+    target = _resolve_target(target, interpret)
+    decode = cu_q_lens is None
+    num_rows = q_index.shape[0] if decode and getattr(q_index, "ndim", 0) == 3 else None
+    V.validate_indexer(q_index, weights, index_pages, block_tables, index_scales, num_q_rows=num_rows)
+    if decode:
+        V.check_vector("lengths", kv_lens, q_index.shape[0])
+    else:
+        V.check_vector("kv_lens", kv_lens, block_tables.shape[0])
+        V.check_vector("cu_q_lens", cu_q_lens, block_tables.shape[0] + 1)
+    scale = V.check_indexer_scale(scale)
+    V.check_positive_option("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
+    if target == "tpu":
+        return ragged_indexer_scores_tpu(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens,
+                                         scale=scale, interpret=interpret, block_q=block_q,
+                                         pages_per_iter=pages_per_iter)
+    return ragged_indexer_scores_gpu(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
+                                     interpret=interpret, block_q=block_q, pages_per_iter=pages_per_iter,
+                                     num_warps=num_warps, num_stages=num_stages, index_scales=index_scales)
+
+
+def indexer_scores(
+    q_index: jax.Array,
+    weights: jax.Array,
+    index_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float,
+    index_scales: jax.Array | None = None,
+    interpret: bool | None = None,
+    target: str = "auto",
+    pages_per_iter: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> jax.Array:
+    """The lightning indexer of DeepSeek sparse attention (V3.2) for decode: one query row per sequence, at position
+    lengths[s] - 1, scored against every cached indexer key of its sequence.
+
+    `s[t] = scale * sum_h weights[s, h] * relu(q_index[s, h] . k_I[t])` for t < lengths[s], -inf elsewhere; k_I[t]
+    is the indexer key of position t, read through the block table.
+
+    Args:
+      q_index: `[num_seqs, index_n_heads, index_head_dim]`, float32, bfloat16 or float16.
+      weights: float32 `[num_seqs, index_n_heads]`, the per-head weights (DeepSeek V3.2: W_w x / sqrt(n_heads)).
+      index_pages: `[num_blocks, block_size, index_head_dim]`: one key per token, shared by all indexer heads, in
+        the latent pages' blocks (same block table); q_index's dtype, or int8 / float8_e4m3fn with `index_scales`.
+      block_tables: int32 `[num_seqs, max_blocks_per_seq]`; entries past `cdiv(lengths[s], block_size)` are never
+        read and may hold anything.
+      lengths: int32 `[num_seqs]`: tokens cached per sequence (clipped to the table's capacity); slots at or past
+        the length are never read.
+      scale: multiplies every score, required (DeepSeek V3.2: 1 / sqrt(index_head_dim)): a static Python float.
+      index_scales: with 8-bit keys (and only then), `[num_blocks, block_size]` float32 or bfloat16, one per token:
+        the keys are `index_pages.astype(float32) * index_scales[..., None]` (`quant.quantize_kv` makes them).
+      interpret: run the Pallas interpreter; `None` = compiled on the target's own platform, interpreted elsewhere
+        (for "tpu": Pallas's TPU interpret mode; a `pltpu.InterpretParams` sets its options).
+      target: "gpu" (Triton), "tpu" (Mosaic: float32 or bfloat16, block_size a multiple of 8 for float32 and of
+        16 for bfloat16, no 8-bit keys) or "auto": "tpu" on a TPU backend, "gpu" otherwise.
+      pages_per_iter: pages per program (the grid is sequences x chunks of pages). GPU: a power of two with
+        `pages_per_iter * next_pow2(block_size) >= 16`; TPU: any positive int. `None` sizes the chunk from
+        index_head_dim (`gpu._common.default_pages_per_iter` / `tpu._common.default_pages_per_iter`).
+      num_warps: Triton warps per program (compiled GPU mode only); `None` = 4.
+      num_stages: Triton software-pipelining stages (compiled GPU mode only).
+
+    Returns:
+      float32 `[num_seqs, max_blocks_per_seq * block_size]`: each row's scores over its table's positions, -inf
+      where it sees nothing. 4 bytes per (row, position): 32 MiB for 512 rows over a 16k context, the scale of the
+      engine's steps; `top_k_positions` selects on it.
+
+    Raises:
+      ValueError: on malformed arguments (ranks, weights' shape or dtype, index_head_dim mismatch, scales with
+        float keys or none with 8-bit keys, non-int32 tables) or tuning values.
+    """
+    return _indexer(q_index, weights, index_pages, block_tables, lengths, None, scale=scale,
+                    index_scales=index_scales, interpret=interpret, target=target, block_q=None,
+                    pages_per_iter=pages_per_iter, num_warps=num_warps, num_stages=num_stages)
+
+
+def ragged_indexer_scores(
+    q_index: jax.Array,
+    weights: jax.Array,
+    index_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    scale: float,
+    index_scales: jax.Array | None = None,
+    interpret: bool | None = None,
+    target: str = "auto",
+    block_q: int | None = None,
+    pages_per_iter: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> jax.Array:
+    """The lightning indexer of DeepSeek sparse attention (V3.2) for ragged query chunks (prefill chunks and decode
+    tokens), causal; the conventions of `ragged_mla_paged_attention` with the scores of `indexer_scores`.
+
+    Args:
+      q_index: `[total_q_tokens, index_n_heads, index_head_dim]`; sequence s owns rows `cu_q_lens[s]:cu_q_lens[s +
+        1]`; rows at or past `cu_q_lens[-1]` are padding (all -inf).
+      weights: float32 `[total_q_tokens, index_n_heads]`.
+      index_pages, index_scales, block_tables, scale, interpret, target, pages_per_iter, num_warps, num_stages: as
+        for `indexer_scores`.
+      kv_lens: int32 `[num_seqs]`: context length of each sequence *including* its query tokens (clipped to the
+        table's capacity). Query i of sequence s sits at position `kv_lens[s] - q_len[s] + i` and scores the
+        positions <= its own.
+      cu_q_lens: int32 `[num_seqs + 1]`, non-decreasing, cu_q_lens[0] = 0; sequences with q_len 0 are allowed.
+      block_q: query tokens per program (each program reads its chunk of keys once for all of them), a power of
+        two; `None` = the mean query length rounded up to a power of two, at most 128 / next_pow2(index_n_heads)
+        on GPU (`tiles.default_block_q`) and 256 / index_n_heads on TPU (`tpu.sparse.default_block_q`).
+
+    Returns:
+      float32 `[total_q_tokens, max_blocks_per_seq * block_size]`, -inf where a row sees nothing.
+
+    Raises:
+      ValueError: on malformed arguments or tuning values, as `indexer_scores`.
+    """
+    return _indexer(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
+                    index_scales=index_scales, interpret=interpret, target=target, block_q=block_q,
+                    pages_per_iter=pages_per_iter, num_warps=num_warps, num_stages=num_stages)
+
+
+def _sparse(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, *, scale, kv_scales, interpret,
+            target, block_h, block_k, num_splits, num_warps, num_stages) -> jax.Array:
+    """Validates a sparse MLA call once (decode when cu_q_lens is None), turns the selected positions into physical
+    slots through the block table, and dispatches."""
+    target = _resolve_target(target, interpret)
+    decode = cu_q_lens is None
+    num_rows = q_latent.shape[0] if decode and getattr(q_latent, "ndim", 0) == 3 else None
+    V.validate_mla(q_latent, q_rope, kv_pages, block_tables, kv_scales, num_q_rows=num_rows)
+    if decode:
+        V.check_vector("lengths", kv_lens, q_latent.shape[0])
+    else:
+        V.check_vector("kv_lens", kv_lens, block_tables.shape[0])
+        V.check_vector("cu_q_lens", cu_q_lens, block_tables.shape[0] + 1)
+    V.validate_selection(indices, q_latent.shape[0])
+    scale = V.check_mla_scale(scale)
+    V.check_positive_option("num_splits", num_splits)
+    V.check_positive_option("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
+    if 0 in (q_latent.shape[0], *block_tables.shape, kv_pages.shape[0]):  # nothing selectable: all zeros
+        return jnp.zeros(q_latent.shape, q_latent.dtype)
+    slots = sparse_slots(indices, block_tables, kv_lens, cu_q_lens, block_size=kv_pages.shape[1])
+    if target == "tpu":
+        return sparse_mla_attention_tpu(q_latent, q_rope, kv_pages, slots, scale=scale, interpret=interpret,
+                                        block_h=block_h, block_k=block_k, num_splits=num_splits)
+    return sparse_mla_attention_gpu(q_latent, q_rope, kv_pages, slots, scale=scale, interpret=interpret,
+                                    block_h=block_h, block_k=block_k, num_splits=num_splits, num_warps=num_warps,
+                                    num_stages=num_stages, kv_scales=kv_scales)
+
+
+def sparse_mla_paged_attention(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    indices: jax.Array,
+    *,
+    scale: float,
+    kv_scales: jax.Array | None = None,
+    interpret: bool | None = None,
+    target: str = "auto",
+    block_h: int | None = None,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> jax.Array:
+    """Sparse multi-head latent attention (DeepSeek V3.2) for decode: the absorbed MLA of `mla_paged_attention`
+    over exactly the positions each sequence's query selected.
+
+    Args:
+      q_latent, q_rope, kv_pages, kv_scales, block_tables, lengths, scale: as for `mla_paged_attention`.
+      indices: int32 `[num_seqs, top_k]`: the positions each query attends to (`top_k_positions` of the indexer's
+        scores), -1 for none. Position p is read at block_tables[s, p // block_size], offset p % block_size; an
+        entry the query does not see (negative, or >= lengths[s]) selects nothing. The selected positions of a row
+        must be distinct (top-k's are): a repeated one would be counted twice.
+      interpret, target: as for `mla_paged_attention` (TPU: float32 or bfloat16, any block_size, no 8-bit pages).
+      block_h: query heads per program (each program gathers its row's selected page rows once for all of them).
+        GPU: a power of two >= 16 (tl.dot; padding heads are masked), `None` = all heads up to a float32
+        accumulator of 128 x 128 elements (`gpu.mla.default_block_h`). TPU: any positive int, `None` = all heads.
+      block_k: selected positions gathered per step. GPU: a power of two >= 16, `None` = 64
+        (`gpu.sparse.DEFAULT_BLOCK_K`); TPU: any positive int (one row DMA each, double-buffered), `None` = 128.
+      num_splits: splits of each row's selection (flash-decoding: each split walks its share of the top_k / block_k
+        steps, partials merged exactly), a positive int (at most the step count is used); `None`: on GPU enough
+        programs to fill it (`default_num_splits` over rows x head blocks), on TPU 1.
+      num_warps: Triton warps per program (compiled GPU mode only); `None` = 4, or 8 for accumulators of
+        128 x 128 float32 elements and more.
+      num_stages: Triton software-pipelining stages (compiled GPU mode only).
+
+    Returns:
+      `[num_seqs, num_heads, R]` in q's dtype; zeros for a query that selects nothing (never NaN).
+
+    Raises:
+      ValueError: on malformed arguments (those of `mla_paged_attention`, indices not int32 `[num_seqs, top_k]`
+        with top_k >= 1) or tuning values.
+    """
+    return _sparse(q_latent, q_rope, kv_pages, block_tables, lengths, None, indices, scale=scale,
+                   kv_scales=kv_scales, interpret=interpret, target=target, block_h=block_h, block_k=block_k,
+                   num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+
+
+def ragged_sparse_mla_paged_attention(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    indices: jax.Array,
+    *,
+    scale: float,
+    kv_scales: jax.Array | None = None,
+    interpret: bool | None = None,
+    target: str = "auto",
+    block_h: int | None = None,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> jax.Array:
+    """Sparse multi-head latent attention (DeepSeek V3.2) of ragged query chunks: the absorbed MLA of
+    `ragged_mla_paged_attention` with each query row attending to exactly its selected positions.
+
+    Args:
+      q_latent, q_rope, kv_pages, kv_scales, block_tables, kv_lens, cu_q_lens, scale: as for
+        `ragged_mla_paged_attention` (query i of sequence s at position kv_lens[s] - q_len[s] + i; rows past
+        cu_q_lens[-1] are padding and get zeros).
+      indices: int32 `[total_q_tokens, top_k]`, -1 for none; an entry the row does not see (negative, past its
+        position or >= kv_lens[s]) selects nothing. Distinct per row, as for `sparse_mla_paged_attention`.
+      interpret, target, block_h, block_k, num_splits, num_warps, num_stages: as for
+        `sparse_mla_paged_attention`.
+
+    Returns:
+      `[total_q_tokens, num_heads, R]` in q's dtype; zeros for rows selecting nothing. With every visible position
+      selected (index_topk >= the context) it equals `ragged_mla_paged_attention`.
+
+    Raises:
+      ValueError: on malformed arguments or tuning values, as `sparse_mla_paged_attention`.
+    """
+    return _sparse(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, scale=scale,
+                   kv_scales=kv_scales, interpret=interpret, target=target, block_h=block_h, block_k=block_k,
+                   num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)

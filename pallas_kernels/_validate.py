@@ -1,6 +1,7 @@
 """Argument checks shared by every entry point, platform-free (no Triton, no Mosaic): the common arguments
 (shapes, dtypes, head_dim, int32 tables and vectors), the variants (sliding window, soft cap, 8-bit pages with
-their scales), the scale and the tuning options' ints, and those of the MLA entry points (`validate_mla`).
+their scales), the scale and the tuning options' ints, those of the MLA entry points (`validate_mla`) and those
+of the DeepSeek sparse attention entry points (`validate_indexer`, `validate_selection`).
 
 Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_attention` and the MLA entry
 points (`mla_paged_attention` / `ragged_mla_paged_attention`) are.
@@ -206,21 +207,26 @@ def validate_mla(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, bl
     _check_int32("block_tables", block_tables, 2)
     if num_q_rows is not None and block_tables.shape[0] != num_q_rows:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows but there are {num_q_rows} sequences")
-    names = ", ".join(jnp.dtype(d).name for d in QUANTIZED_DTYPES)
-    if not quantized:
-        if kv_scales is not None:
-            raise ValueError(f"kv_scales is only for 8-bit pages ({names}); kv_pages are {kv_pages.dtype}")
-    else:
-        if kv_scales is None:
-            raise ValueError(f"kv_scales is required with {kv_pages.dtype} pages (one scale per token)")
-        if not hasattr(kv_scales, "shape") or not hasattr(kv_scales, "dtype"):
-            raise ValueError(f"kv_scales must be an array, got {type(kv_scales).__name__}")
-        if tuple(kv_scales.shape) != (num_blocks, block_size):
-            raise ValueError(f"kv_scales must have shape [num_blocks, block_size] = {(num_blocks, block_size)}, got "
-                             f"{tuple(kv_scales.shape)}")
-        if jnp.dtype(kv_scales.dtype) not in SCALE_DTYPES:
-            raise ValueError(f"kv_scales must be float32 or bfloat16, got {kv_scales.dtype}")
+    _check_token_scales("kv_scales", "kv_pages", kv_pages, kv_scales)
     return rank, rope_dim, quantized
+
+
+def _check_token_scales(name: str, pages_name: str, pages: jax.Array, scales) -> None:
+    """One scale per token, `[num_blocks, block_size]` float32 or bfloat16, with 8-bit `pages` (and only then)."""
+    names = ", ".join(jnp.dtype(d).name for d in QUANTIZED_DTYPES)
+    if not is_quantized(pages.dtype):
+        if scales is not None:
+            raise ValueError(f"{name} is only for 8-bit pages ({names}); {pages_name} are {pages.dtype}")
+        return
+    if scales is None:
+        raise ValueError(f"{name} is required with {pages.dtype} pages (one scale per token)")
+    if not hasattr(scales, "shape") or not hasattr(scales, "dtype"):
+        raise ValueError(f"{name} must be an array, got {type(scales).__name__}")
+    if tuple(scales.shape) != tuple(pages.shape[:2]):
+        raise ValueError(f"{name} must have shape [num_blocks, block_size] = {tuple(pages.shape[:2])}, got "
+                         f"{tuple(scales.shape)}")
+    if jnp.dtype(scales.dtype) not in SCALE_DTYPES:
+        raise ValueError(f"{name} must be float32 or bfloat16, got {scales.dtype}")
 
 
 def check_mla_scale(scale) -> float:
@@ -230,3 +236,77 @@ def check_mla_scale(scale) -> float:
         raise ValueError(f"scale must be given as a Python float (DeepSeek: 1 / sqrt(qk_nope_head_dim + "
                          f"qk_rope_head_dim)), got {scale!r}")
     return resolve_scale(scale, 1)
+
+
+def validate_indexer(q_index: jax.Array, weights: jax.Array, index_pages: jax.Array, block_tables: jax.Array,
+                     index_scales, num_q_rows: int | None = None) -> tuple[int, int, bool]:
+    """Checks the arguments common to the indexer-score entry points (`indexer_scores`, `ragged_indexer_scores`);
+    returns (index_n_heads, index_head_dim, quantized).
+
+    q_index `[rows, index_n_heads, index_head_dim]` in a float dtype; weights `[rows, index_n_heads]` float32;
+    index_pages `[num_blocks, block_size, index_head_dim]` (one key per token, shared by every indexer head) in
+    q_index's dtype, or int8 / float8_e4m3fn with index_scales `[num_blocks, block_size]` float32 or bfloat16
+    (and only then)."""
+    for name, x in (("q_index", q_index), ("weights", weights), ("index_pages", index_pages),
+                    ("block_tables", block_tables)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    if q_index.ndim != 3:
+        raise ValueError(f"q_index must be 3-D [tokens, index_n_heads, index_head_dim], got shape {q_index.shape}")
+    if weights.ndim != 2 or tuple(weights.shape) != tuple(q_index.shape[:2]):
+        raise ValueError(f"weights must have shape [tokens, index_n_heads] = {tuple(q_index.shape[:2])}, got "
+                         f"{tuple(weights.shape)}")
+    if jnp.dtype(weights.dtype) != jnp.float32:
+        raise ValueError(f"weights must be float32, got {weights.dtype}")
+    if index_pages.ndim != 3:
+        raise ValueError(f"index_pages must be 3-D [num_blocks, block_size, index_head_dim], got shape "
+                         f"{index_pages.shape}")
+    if jnp.dtype(q_index.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"q_index's dtype must be one of float32, bfloat16, float16; got {q_index.dtype}")
+    quantized = is_quantized(index_pages.dtype)
+    if not quantized and jnp.dtype(index_pages.dtype) != jnp.dtype(q_index.dtype):
+        raise ValueError(f"index_pages must be in q_index's dtype ({q_index.dtype}) or int8 / float8_e4m3fn, got "
+                         f"{index_pages.dtype}")
+    num_heads, head_dim = q_index.shape[1], q_index.shape[2]
+    if num_heads < 1 or head_dim < 1:
+        raise ValueError(f"need index_n_heads >= 1 and index_head_dim >= 1, got {num_heads} and {head_dim}")
+    if index_pages.shape[2] != head_dim:
+        raise ValueError(f"index_pages' last dimension ({index_pages.shape[2]}) must be index_head_dim = {head_dim} "
+                         f"(q_index.shape[-1])")
+    if index_pages.shape[1] < 1:
+        raise ValueError(f"block_size must be >= 1, got {index_pages.shape[1]}")
+    _check_int32("block_tables", block_tables, 2)
+    if num_q_rows is not None and block_tables.shape[0] != num_q_rows:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but there are {num_q_rows} sequences")
+    _check_token_scales("index_scales", "index_pages", index_pages, index_scales)
+    return num_heads, head_dim, quantized
+
+
+def check_indexer_scale(scale) -> float:
+    """The indexer's scale is required (DeepSeek V3.2: 1 / sqrt(index_head_dim), with the weights already
+    carrying index_n_heads ** -0.5) and a static Python float."""
+    if scale is None or isinstance(scale, bool):
+        raise ValueError(f"scale must be given as a Python float (DeepSeek V3.2: 1 / sqrt(index_head_dim)), "
+                         f"got {scale!r}")
+    return resolve_scale(scale, 1)
+
+
+def check_top_k(k) -> int:
+    """top_k: a Python int >= 1 (a static constant: it sizes the selection)."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(f"k must be an int >= 1 (a static constant), got {k!r}")
+    return int(k)
+
+
+def validate_selection(indices, num_rows: int) -> int:
+    """The selected positions of the sparse attention entry points: int32 `[rows, top_k]` with rows = the query
+    rows and top_k >= 1; returns top_k."""
+    if not hasattr(indices, "shape") or not hasattr(indices, "dtype"):
+        raise ValueError(f"indices must be an int32 array, got {type(indices).__name__}")
+    _check_int32("indices", indices, 2)
+    if indices.shape[0] != num_rows:
+        raise ValueError(f"indices must have one row per query row ({num_rows}), got shape {indices.shape}")
+    if indices.shape[1] < 1:
+        raise ValueError(f"indices must select at least one position per row (top_k >= 1), got shape "
+                         f"{indices.shape}")
+    return indices.shape[1]

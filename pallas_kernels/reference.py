@@ -16,6 +16,12 @@ The MLA (multi-head latent attention) counterparts `mla_paged_attention_referenc
 latent page array (see the MLA section below), and `mla_attention_dense_reference` is MLA without weight
 absorption (keys and values expanded per head): the oracle of the absorption algebra.
 
+DeepSeek sparse attention (DSA, V3.2; section at the end): `indexer_scores_reference` /
+`ragged_indexer_scores_reference` (the lightning indexer's scores over paged indexer keys) and
+`sparse_mla_paged_attention_reference` / `ragged_sparse_mla_paged_attention_reference` (dense MLA masked to each
+row's selected positions), with their XLA paths `*_xla` (keys gathered once per query tile; only the selected
+latent rows gathered).
+
 Variants, shared by the four GQA functions (and by the kernels):
   * `sliding_window=W`: a query at position p attends to key positions j with p - W < j <= p;
   * `logits_soft_cap=c`: scaled scores s become c * tanh(s / c) before masking and softmax;
@@ -537,3 +543,268 @@ def mla_attention_dense_reference(q_nope: jax.Array,  # [T, H, Dn]
     z = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("thl,lhd->thd", p / jnp.where(z > 0, z, 1.0), v, precision=HIGHEST)
     return o
+
+
+# ---- DeepSeek sparse attention (DSA, V3.2): the lightning indexer and top-k sparse MLA -------------------------
+#
+# Per layer the cache holds, beside the latent pages, one indexer key per token, `index_pages [num_blocks,
+# block_size, index_head_dim]` in the same blocks (same block table), shared by every indexer head, optionally
+# 8-bit with one float scale per token (`index_scales [num_blocks, block_size]`). A query row with indexer
+# queries q_I `[index_n_heads, index_head_dim]` and per-head weights w `[index_n_heads]` scores position t as
+#     s[t] = scale * sum_h w[h] * relu(q_I[h] . k_I[t])
+# for the positions it sees (t <= its position, t < kv_len) and -inf elsewhere; `topk.top_k_positions` keeps the
+# top index_topk; the sparse MLA attends (absorbed, as `ragged_mla_paged_attention`) to exactly those positions.
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _indexer_reference(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, index_scales, *, scale):
+    num_tokens = q_index.shape[0]
+    max_len = block_tables.shape[1] * index_pages.shape[1]
+    table_rows, ends = tiles.row_metadata(kv_lens, cu_q_lens, num_tokens, max_len)
+    k = _gather_latent(index_pages, index_scales, block_tables[table_rows], jnp.float32)  # one copy per query row
+    s = jnp.einsum("rhd,rld->rhl", q_index.astype(jnp.float32), k, precision=HIGHEST)
+    # A slot no row sees may hold anything (NaN included): it only ever reaches its own column, masked below.
+    s = jnp.einsum("rh,rhl->rl", weights, jnp.maximum(s, 0.0), precision=HIGHEST) * scale
+    keep = jnp.arange(max_len, dtype=jnp.int32)[None, :] < ends[:, None]
+    return jnp.where(keep, s, -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "q_tile"))
+def _indexer_xla(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, index_scales, *, scale, q_tile):
+    num_tokens, num_heads, _ = q_index.shape
+    max_len = block_tables.shape[1] * index_pages.shape[1]
+    tq = max(1, min(q_tile, num_tokens))
+    kv_lens = jnp.clip(kv_lens, 0, max_len)
+    tile_seq, rows, valid, pos, token_slot = _query_tiles(cu_q_lens, kv_lens, num_tokens, tq)
+    num_tiles = tile_seq.shape[0]
+    keep = valid[:, :, None] & _visible(jnp.arange(max_len, dtype=jnp.int32), pos[:, :, None],
+                                        kv_lens[tile_seq][:, None, None], None)  # [NT, tq, L]
+    dtype = jnp.dtype(q_index.dtype)
+    k = _gather_latent(index_pages, index_scales, block_tables[tile_seq], dtype)  # [NT, L, D], once per tile
+    k = jnp.where(jnp.any(keep, axis=1)[..., None], k, jnp.zeros((), dtype))
+    safe_rows = jnp.clip(rows, 0, num_tokens - 1)
+    qt, wt = q_index[safe_rows], weights[safe_rows]  # [NT, tq, H, D], [NT, tq, H]
+
+    def head(h, acc):  # one head at a time: [NT, tq, L] live, never [NT, tq, H, L]
+        s = jnp.einsum("ntd,nld->ntl", qt[:, :, h], k, precision=HIGHEST, preferred_element_type=jnp.float32)
+        return acc + wt[:, :, h, None] * jnp.maximum(s, 0.0)
+
+    s = lax.fori_loop(0, num_heads, head, jnp.zeros(keep.shape, jnp.float32)) * scale
+    s = jnp.where(keep, s, -jnp.inf).reshape(num_tiles * tq, max_len)
+    out = s[jnp.clip(token_slot, 0, num_tiles * tq - 1)]
+    t = jnp.arange(num_tokens)
+    in_batch = (t >= cu_q_lens[0]) & (t < cu_q_lens[-1])
+    return jnp.where(in_batch[:, None], out, -jnp.inf)
+
+
+def _indexer_checked(q_index, weights, index_pages, block_tables, index_scales, scale, kv_lens, cu_q_lens):
+    """Validates an indexer call (decode when cu_q_lens is None); returns the scale."""
+    num_rows = q_index.shape[0] if cu_q_lens is None and getattr(q_index, "ndim", 0) == 3 else None
+    V.validate_indexer(q_index, weights, index_pages, block_tables, index_scales, num_rows)
+    if cu_q_lens is None:
+        V.check_vector("lengths", kv_lens, q_index.shape[0])
+    else:
+        _check_ragged(q_index, block_tables, kv_lens, cu_q_lens)
+    return V.check_indexer_scale(scale)
+
+
+def _no_keys(q_index, index_pages, block_tables) -> jax.Array | None:
+    """With no rows, sequences, table entries or pool blocks nothing is visible: every score is -inf."""
+    if 0 in (q_index.shape[0], block_tables.shape[0], block_tables.shape[1], index_pages.shape[0]):
+        return jnp.full((q_index.shape[0], block_tables.shape[1] * index_pages.shape[1]), -jnp.inf, jnp.float32)
+    return None
+
+
+def _decode_cu(num_seqs: int) -> jax.Array:
+    """cu_q_lens of a decode batch: one query row per sequence, at position lengths[s] - 1."""
+    return jnp.arange(num_seqs + 1, dtype=jnp.int32)
+
+
+def indexer_scores_reference(q_index: jax.Array,  # [num_seqs, index_n_heads, index_head_dim]
+                             weights: jax.Array,  # f32[num_seqs, index_n_heads]
+                             index_pages: jax.Array,  # [num_blocks, block_size, index_head_dim]
+                             block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                             lengths: jax.Array,  # i32[num_seqs]
+                             *, scale: float,
+                             index_scales: jax.Array | None = None) -> jax.Array:  # [num_blocks, block_size]
+    """Dense float32 reference of `pallas_kernels.indexer_scores` (decode: the query of sequence s at position
+    lengths[s] - 1): `[num_seqs, max_blocks_per_seq * block_size]` float32, s[t] = scale * sum_h w[h] *
+    relu(q_I[h] . k_I[t]) for t < lengths[s], -inf elsewhere."""
+    scale = _indexer_checked(q_index, weights, index_pages, block_tables, index_scales, scale, lengths, None)
+    empty = _no_keys(q_index, index_pages, block_tables)
+    if empty is not None:
+        return empty
+    return _indexer_reference(q_index, weights, index_pages, block_tables, lengths, None, index_scales, scale=scale)
+
+
+def ragged_indexer_scores_reference(q_index: jax.Array,  # [total_q_tokens, index_n_heads, index_head_dim]
+                                    weights: jax.Array,  # f32[total_q_tokens, index_n_heads]
+                                    index_pages: jax.Array,  # [num_blocks, block_size, index_head_dim]
+                                    block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                                    kv_lens: jax.Array,  # i32[num_seqs]
+                                    cu_q_lens: jax.Array,  # i32[num_seqs + 1]
+                                    *, scale: float, index_scales: jax.Array | None = None) -> jax.Array:
+    """Dense float32 reference of `pallas_kernels.ragged_indexer_scores`: query i of sequence s sits at position
+    kv_lens[s] - q_len[s] + i and scores the positions <= its own (and < kv_lens[s]); every other entry, and
+    every entry of a padding row past cu_q_lens[-1], is -inf. Returns `[total_q_tokens, max_blocks_per_seq *
+    block_size]` float32. Memory: gathers `[total_q_tokens, max_blocks_per_seq * block_size, index_head_dim]`."""
+    scale = _indexer_checked(q_index, weights, index_pages, block_tables, index_scales, scale, kv_lens, cu_q_lens)
+    empty = _no_keys(q_index, index_pages, block_tables)
+    if empty is not None:
+        return empty
+    return _indexer_reference(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, index_scales,
+                              scale=scale)
+
+
+def indexer_scores_xla(q_index: jax.Array,  # [num_seqs, index_n_heads, index_head_dim]
+                       weights: jax.Array,  # f32[num_seqs, index_n_heads]
+                       index_pages: jax.Array,  # [num_blocks, block_size, index_head_dim]
+                       block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                       lengths: jax.Array,  # i32[num_seqs]
+                       *, scale: float, index_scales: jax.Array | None = None) -> jax.Array:
+    """XLA gather path of `pallas_kernels.indexer_scores`: `ragged_indexer_scores_xla` on one-row tiles."""
+    scale = _indexer_checked(q_index, weights, index_pages, block_tables, index_scales, scale, lengths, None)
+    empty = _no_keys(q_index, index_pages, block_tables)
+    if empty is not None:
+        return empty
+    return _indexer_xla(q_index, weights, index_pages, block_tables, lengths, _decode_cu(lengths.shape[0]),
+                        index_scales, scale=scale, q_tile=1)
+
+
+def ragged_indexer_scores_xla(q_index: jax.Array,  # [total_q_tokens, index_n_heads, index_head_dim]
+                              weights: jax.Array,  # f32[total_q_tokens, index_n_heads]
+                              index_pages: jax.Array,  # [num_blocks, block_size, index_head_dim]
+                              block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                              kv_lens: jax.Array,  # i32[num_seqs]
+                              cu_q_lens: jax.Array,  # i32[num_seqs + 1]
+                              *, scale: float, index_scales: jax.Array | None = None,
+                              q_tile: int = 16) -> jax.Array:
+    """XLA gather path of `pallas_kernels.ragged_indexer_scores` (the engine's CPU path): keys in q's dtype (8-bit
+    keys dequantized into it right after the gather), float32 accumulation. Each sequence's queries are cut into
+    tiles of `q_tile` rows, each tile gathers its sequence's keys once (`[num_tiles, max_blocks_per_seq *
+    block_size, index_head_dim]`), and the heads are summed one at a time, so the float32 scores live as
+    `[num_tiles, q_tile, max_context]`, never with a head axis."""
+    V.check_positive_int("q_tile", q_tile)
+    scale = _indexer_checked(q_index, weights, index_pages, block_tables, index_scales, scale, kv_lens, cu_q_lens)
+    empty = _no_keys(q_index, index_pages, block_tables)
+    if empty is not None:
+        return empty
+    return _indexer_xla(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, index_scales, scale=scale,
+                        q_tile=q_tile)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _sparse_reference(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, kv_scales, *, scale):
+    num_rows = q_latent.shape[0]
+    max_len = block_tables.shape[1] * kv_pages.shape[1]
+    table_rows, ends = tiles.row_metadata(kv_lens, cu_q_lens, num_rows, max_len)
+    valid = (indices >= 0) & (indices < ends[:, None])
+    # Dense: the selection as a mask over every position (column max_len collects the entries selecting nothing).
+    selected = jnp.zeros((num_rows, max_len + 1), bool).at[
+        jnp.arange(num_rows)[:, None], jnp.where(valid, indices, max_len)].set(True)[:, :max_len]
+    kv = _gather_latent(kv_pages, kv_scales, block_tables[table_rows], jnp.float32)
+    q = jnp.concatenate([q_latent, q_rope], axis=-1)[:, None]
+    o = _latent_attention(q, kv, selected[:, None], scale=scale, rank=q_latent.shape[-1], compute_dtype=jnp.float32)
+    return o[:, 0].astype(q_latent.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _sparse_xla(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, kv_scales, *, scale):
+    num_rows = q_latent.shape[0]
+    num_blocks, block_size, width = kv_pages.shape
+    table_rows, ends = tiles.row_metadata(kv_lens, cu_q_lens, num_rows, block_tables.shape[1] * block_size)
+    slots = tiles.selected_slots(indices, block_tables, table_rows, ends, block_size)
+    ok = slots >= 0
+    safe = jnp.where(ok, slots, 0)
+    dtype = jnp.dtype(q_latent.dtype)
+    g = kv_pages.reshape(num_blocks * block_size, width)[safe]  # [rows, top_k, R + Dr]: the selected rows only
+    if kv_scales is None:
+        g = g.astype(dtype)
+    else:
+        g = dequantize_kv(g, kv_scales.reshape(-1)[safe], dtype)
+    q = jnp.concatenate([q_latent, q_rope], axis=-1)[:, None]
+    o = _latent_attention(q, g, ok[:, None], scale=scale, rank=q_latent.shape[-1], compute_dtype=dtype)
+    return o[:, 0].astype(q_latent.dtype)
+
+
+def _sparse_checked(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, kv_scales, scale):
+    """Validates a sparse MLA call (decode when cu_q_lens is None); returns the scale."""
+    num_rows = q_latent.shape[0] if cu_q_lens is None and getattr(q_latent, "ndim", 0) == 3 else None
+    scale = _mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale, num_rows)
+    if cu_q_lens is None:
+        V.check_vector("lengths", kv_lens, q_latent.shape[0])
+    else:
+        _check_ragged(q_latent, block_tables, kv_lens, cu_q_lens)
+    V.validate_selection(indices, q_latent.shape[0])
+    return scale
+
+
+def sparse_mla_paged_attention_reference(q_latent: jax.Array,  # [num_seqs, num_heads, R]
+                                         q_rope: jax.Array,  # [num_seqs, num_heads, Dr]
+                                         kv_pages: jax.Array,  # [num_blocks, block_size, R + Dr]
+                                         block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                                         lengths: jax.Array,  # i32[num_seqs]
+                                         indices: jax.Array,  # i32[num_seqs, top_k]
+                                         *, scale: float, kv_scales: jax.Array | None = None) -> jax.Array:
+    """Dense float32 reference of `pallas_kernels.sparse_mla_paged_attention` (decode): the absorbed MLA of
+    `mla_paged_attention_reference` masked to each row's selected positions. Returns `[num_seqs, num_heads, R]`
+    in q's dtype."""
+    scale = _sparse_checked(q_latent, q_rope, kv_pages, block_tables, lengths, None, indices, kv_scales, scale)
+    if _mla_empty(q_latent, kv_pages, block_tables):
+        return jnp.zeros(q_latent.shape, q_latent.dtype)
+    return _sparse_reference(q_latent, q_rope, kv_pages, block_tables, lengths, None, indices, kv_scales,
+                             scale=scale)
+
+
+def ragged_sparse_mla_paged_attention_reference(q_latent: jax.Array,  # [total_q_tokens, num_heads, R]
+                                                q_rope: jax.Array,  # [total_q_tokens, num_heads, Dr]
+                                                kv_pages: jax.Array,  # [num_blocks, block_size, R + Dr]
+                                                block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                                                kv_lens: jax.Array,  # i32[num_seqs]
+                                                cu_q_lens: jax.Array,  # i32[num_seqs + 1]
+                                                indices: jax.Array,  # i32[total_q_tokens, top_k]
+                                                *, scale: float, kv_scales: jax.Array | None = None) -> jax.Array:
+    """Dense float32 reference of `pallas_kernels.ragged_sparse_mla_paged_attention`: every row gathers its whole
+    table, masks it to its selected positions (those it may see: < min(position + 1, kv_len); the rest select
+    nothing) and runs the masked softmax of `ragged_mla_paged_attention_reference`. A row selecting nothing, and
+    every padding row, gives zeros. With every visible position selected it equals that reference."""
+    scale = _sparse_checked(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, kv_scales,
+                            scale)
+    if _mla_empty(q_latent, kv_pages, block_tables):
+        return jnp.zeros(q_latent.shape, q_latent.dtype)
+    return _sparse_reference(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, kv_scales,
+                             scale=scale)
+
+
+def sparse_mla_paged_attention_xla(q_latent: jax.Array,  # [num_seqs, num_heads, R]
+                                   q_rope: jax.Array,  # [num_seqs, num_heads, Dr]
+                                   kv_pages: jax.Array,  # [num_blocks, block_size, R + Dr]
+                                   block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                                   lengths: jax.Array,  # i32[num_seqs]
+                                   indices: jax.Array,  # i32[num_seqs, top_k]
+                                   *, scale: float, kv_scales: jax.Array | None = None) -> jax.Array:
+    """XLA gather path of `pallas_kernels.sparse_mla_paged_attention`, as `ragged_sparse_mla_paged_attention_xla`."""
+    scale = _sparse_checked(q_latent, q_rope, kv_pages, block_tables, lengths, None, indices, kv_scales, scale)
+    if _mla_empty(q_latent, kv_pages, block_tables):
+        return jnp.zeros(q_latent.shape, q_latent.dtype)
+    return _sparse_xla(q_latent, q_rope, kv_pages, block_tables, lengths, None, indices, kv_scales, scale=scale)
+
+
+def ragged_sparse_mla_paged_attention_xla(q_latent: jax.Array,  # [total_q_tokens, num_heads, R]
+                                          q_rope: jax.Array,  # [total_q_tokens, num_heads, Dr]
+                                          kv_pages: jax.Array,  # [num_blocks, block_size, R + Dr]
+                                          block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                                          kv_lens: jax.Array,  # i32[num_seqs]
+                                          cu_q_lens: jax.Array,  # i32[num_seqs + 1]
+                                          indices: jax.Array,  # i32[total_q_tokens, top_k]
+                                          *, scale: float, kv_scales: jax.Array | None = None) -> jax.Array:
+    """XLA gather path of `pallas_kernels.ragged_sparse_mla_paged_attention` (the engine's CPU path): the selected
+    positions become physical slots through the block table (`tiles.selected_slots`) and only those rows are
+    gathered, `[total_q_tokens, top_k, R + Dr]` in q's dtype (8-bit pages dequantized right after the gather):
+    cost O(top_k) per row whatever the context. Float32 accumulation."""
+    scale = _sparse_checked(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, kv_scales,
+                            scale)
+    if _mla_empty(q_latent, kv_pages, block_tables):
+        return jnp.zeros(q_latent.shape, q_latent.dtype)
+    return _sparse_xla(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, kv_scales,
+                       scale=scale)

@@ -8,6 +8,8 @@ Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_att
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -112,3 +114,41 @@ def decode_metadata(lengths: jax.Array, max_context: int) -> jax.Array:
     s = jnp.arange(lengths.shape[0], dtype=jnp.int32)
     length = jnp.clip(lengths, 0, max_context)
     return jnp.stack([s, s, jnp.ones_like(s), length - 1, length], axis=1).astype(jnp.int32)
+
+
+def row_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array | None, num_tokens: int,
+                 max_context: int) -> tuple[jax.Array, jax.Array]:
+    """Per query row: (table row i32[num_tokens], visible end i32[num_tokens]): the row may see positions
+    [0, end), end = min(position + 1, kv length) (0 for padding rows past cu_q_lens[-1]). `cu_q_lens=None` is a
+    decode batch (row s = sequence s at position lengths[s] - 1, lengths = `kv_lens`). The one-token tiles of
+    `tile_metadata` / `decode_metadata`: tile t is row t."""
+    if cu_q_lens is None:
+        meta = decode_metadata(kv_lens, max_context)
+    else:
+        meta = tile_metadata(kv_lens, cu_q_lens, num_tokens, 1, max_context)
+    end = jnp.where(meta[:, 2] > 0, jnp.clip(meta[:, 3] + 1, 0, meta[:, 4]), 0)
+    return meta[:, 0], end.astype(jnp.int32)
+
+
+def selected_slots(indices: jax.Array,  # i32[rows, top_k], positions (-1 = none)
+                   block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
+                   table_rows: jax.Array,  # i32[rows]
+                   ends: jax.Array,  # i32[rows]
+                   block_size: int) -> jax.Array:
+    """The physical slots `block * block_size + offset` (i32[rows, top_k]) of each row's selected positions,
+    through its block table: position p -> block_tables[row, p // block_size], offset p % block_size; -1 where
+    the entry selects nothing (negative, or not visible to the row: p >= its end). Only table entries of
+    visible positions are used (entries past a sequence's length may hold anything)."""
+    valid = (indices >= 0) & (indices < ends[:, None])
+    p = jnp.where(valid, indices, 0)
+    block = block_tables[table_rows[:, None], p // block_size]
+    return jnp.where(valid, block * block_size + p % block_size, -1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def sparse_slots(indices: jax.Array, block_tables: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array | None,
+                 *, block_size: int) -> jax.Array:
+    """`selected_slots` of a decode (`cu_q_lens=None`, kv_lens = lengths) or ragged batch: what both sparse MLA
+    kernel families read, i32[rows, top_k]."""
+    table_rows, ends = row_metadata(kv_lens, cu_q_lens, indices.shape[0], block_tables.shape[1] * block_size)
+    return selected_slots(indices, block_tables, table_rows, ends, block_size)

@@ -171,7 +171,7 @@ def run(cfg: ModelConfig, batch: int, prompt_len: int, max_tokens: int, block_si
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).astype(np.int32)
     total = prompt_len + max_tokens
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     num_blocks = batch * -(-total // block_size) + 8
     rows: list[dict] = []
     engines: dict[str, LLMEngine] = {}

@@ -88,7 +88,7 @@ def run_hf_benchmark(path: str | Path, batch_size: int, max_tokens: int, *, prom
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False)
     sched = SchedulerConfig(max_num_seqs=batch_size, max_num_batched_tokens=max(batch_size * prompt_len, 64),
                             max_model_len=total)
-    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for steps in dict.fromkeys((1, num_steps)):
         engine = LLMEngine(cfg, cache, sched, params=params, num_steps=steps)
         out: dict[str, np.ndarray] = {}

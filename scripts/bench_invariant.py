@@ -46,7 +46,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     cfg, params, _ = load_pretrained(None)
     rng = np.random.default_rng(0)
-    sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     def make(budget: int, invariant: bool) -> LLMEngine:
         return LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=256),

@@ -125,7 +125,7 @@ def run_paged(w: Workload, kv_slots: int, block_size: int, max_model_len: int, m
     rng = np.random.default_rng(seed + 1)
     for i in range(w.num_requests):
         prompt = rng.integers(0, 32000, int(w.prompt_lens[i])).tolist()
-        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=int(w.output_lens[i]))))
+        sched.add_request(Request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=int(w.output_lens[i]))))
     trace = Trace(f"paged (block {block_size})")
     while sched.has_unfinished_requests():
         plan = sched.schedule()
@@ -199,7 +199,7 @@ def time_scheduler(num_running: int, iters: int, block_size: int, seed: int) -> 
     rng = np.random.default_rng(seed)
     for i in range(num_running):
         sched.add_request(Request(f"t{i}", rng.integers(0, 32000, int(rng.integers(16, 256))).tolist(),
-                                  SamplingParams(max_tokens=max_model_len - 256)))
+                                  SamplingParams(temperature=0.0, max_tokens=max_model_len - 256)))
     while sched.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running):
         plan = sched.schedule()
         sched.update(plan, np.ones(plan.num_seqs, np.int32))
@@ -269,7 +269,8 @@ def sharing_parallel(w: Workload, n: int, block_size: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     for i in range(w.num_requests):
         prompt = rng.integers(0, 32000, int(w.prompt_lens[i])).tolist()
-        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=int(w.output_lens[i]), n=n)))
+        sched.add_request(Request(f"r{i}", prompt, SamplingParams(temperature=0.0,
+                                                                  max_tokens=int(w.output_lens[i]), n=n)))
     shared = private = 0
     while sched.has_unfinished_requests():
         plan = sched.schedule()
@@ -288,7 +289,7 @@ def sharing_beam(w: Workload, width: int, block_size: int, seed: int) -> dict:
     live: dict[str, list[Request]] = {}
     for i in range(w.num_requests):
         prompt = rng.integers(0, 32000, int(w.prompt_lens[i])).tolist()
-        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=int(w.output_lens[i])), hold=True)
+        r = Request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=int(w.output_lens[i])), hold=True)
         sched.add_request(r)
         live[r.request_id] = [r]
     shared = private = 0

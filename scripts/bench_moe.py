@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     mib = {name: weight_bytes(cfg) / 2**20 for name, cfg in cfgs.items()}
     rng = np.random.default_rng(0)
     total = args.prompt_len + max_tokens
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     print(f"shape {shape}, {args.prompt_len}-token prompts, {max_tokens} new tokens each, float32, "
           f"decode_steps_per_call 1, best of {args.repeats} interleaved rounds")
     print(f"{'model':42s} {'params':>8s} {'MiB':>7s} {'batch':>5s} {'tokens/s':>9s} {'MoE/this':>8s}")

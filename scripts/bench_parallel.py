@@ -57,7 +57,7 @@ def measure(args) -> list[dict]:
     state = nnx.split(init_model(cfg, 0))[1]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.batch)]
-    greedy = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows, reference = [], None
     for dp, tp in args.mixes:
         if dp * tp > len(jax.devices()):

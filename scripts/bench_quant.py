@@ -69,7 +69,7 @@ def speed(cfg: ModelConfig, state, schemes: list[str], batches: list[int], promp
     total, block = prompt_len + max_tokens, 16
     rng = np.random.default_rng(0)
     prompts = {batch: rng.integers(3, cfg.vocab_size, (batch, prompt_len)) for batch in batches}
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
     for scheme in schemes:
         qcfg, qstate = quantized(cfg, state, scheme)

@@ -138,7 +138,7 @@ def run_offline(engine, requests: list[Request], max_runs: int) -> float:
     """Output tokens/s of `LLMEngine.generate` on all the requests at once, from a run that compiled nothing."""
     from pagedjax import SamplingParams
 
-    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     prompts = [r.prompt_ids for r in requests]
     for _ in range(max_runs):
         before = engine.stats().compilations

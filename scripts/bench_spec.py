@@ -117,7 +117,8 @@ def make_prompts(model, cfg, workload: str, batch: int, prompt_len: int, max_tok
     engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 8),
                        SchedulerConfig(max_num_seqs=batch, max_model_len=prompt_len + max_tokens), params=model,
                        decode_steps_per_call=8)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0,
+                                                   max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     return [p + o.output_token_ids + p for p, o in zip(prompts, outs, strict=True)]
 
 

@@ -79,7 +79,7 @@ def random_request(rng: random.Random, prefixes: list[list[int]]) -> tuple[list[
     prompt = prefix + [rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 40))]
     max_tokens = rng.randint(1, MAX_LEN - len(prompt))
     if rng.random() < 0.5:
-        return prompt, SamplingParams(max_tokens=max_tokens)
+        return prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)
     # a third of the sampled requests draw several samples from one prefill (forked KV, copy-on-write)
     return prompt, SamplingParams(max_tokens=max_tokens, temperature=rng.choice([0.7, 1.0]),
                                   top_k=rng.choice([0, 8]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**31),

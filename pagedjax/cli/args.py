@@ -175,9 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int_at_least(1), default=64,
                    help="tokens to generate per prompt; a prompt and its --max-tokens past --max-model-len are "
                         "refused, as pagedjax-serve refuses them")
-    g.add_argument("--temperature", type=float_in(0.0, 100.0), default=0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=int_at_least(0), default=0, help="0 = off")
-    g.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=0.95, help="1 = off")
+    model_default = ("(default: the model's, from its folder's generation_config.json, else vLLM's: {}; "
+                     "the bundled model's: {})")
+    g.add_argument("--temperature", type=float_in(0.0, 100.0), default=None,
+                   help="0 = greedy " + model_default.format("1.0", "0.8"))
+    g.add_argument("--top-k", type=int_at_least(0), default=None, help="0 = off " + model_default.format("0", "0"))
+    g.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=None,
+                   help="1 = off " + model_default.format("1.0", "0.95"))
     g.add_argument("--seed", type=int_at_least(0), default=0,
                    help="sampling seed: prompt i uses seed + i, so runs are reproducible")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")

@@ -26,7 +26,7 @@ class CLIModel:
     model_config: Any = None  # ModelConfig of a built-in model
     params: Any = None  # its nnx.State
     model: Any = None  # a --model-class model (pagedjax.model.api)
-    num_params: int = 0  # the stored parameters' elements (`cli_model` counts them)
+    num_params: int = 0  # the parameters (`StoredParams.num_params`: quantization scales not counted)
 
     def engine_args(self) -> dict:
         """`LLMEngine`'s model arguments."""
@@ -43,11 +43,12 @@ class CLIModel:
 
 def cli_model(spec, tokenizer, **weights) -> CLIModel:
     """A `CLIModel` of `weights` (model_config and params, or model), its parameter count taken now."""
-    import jax
     from flax import nnx
 
+    from pagedjax.engine.summary import StoredParams
+
     state = weights["params"] if weights.get("model") is None else nnx.state(weights["model"], nnx.Param)
-    return CLIModel(spec, tokenizer, **weights, num_params=sum(int(x.size) for x in jax.tree.leaves(state)))
+    return CLIModel(spec, tokenizer, **weights, num_params=StoredParams.of(state).num_params)
 
 
 def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
@@ -268,6 +269,18 @@ def in_flags(message: str) -> str:
     return message
 
 
+def sampling_defaults_of(args: argparse.Namespace):
+    """The engine's `SamplingDefaults`: the --model folder's generation_config.json (the bundled model's without
+    --model) over vLLM's defaults; vLLM's alone for a --model-class model without --model (it has no folder).
+    ValueError naming the file for a bad one. The sampling flags left unset are these (`SamplingParams` None)."""
+    from pagedjax.config.sampling import SamplingDefaults
+    from pagedjax.model.loading.generation_config import folder_sampling_defaults
+
+    if getattr(args, "model_class", None) is not None and args.model is None:
+        return SamplingDefaults()
+    return folder_sampling_defaults(args.model)
+
+
 def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool | str = True,
                  structured_limits=None):
     """The engine the arguments describe (a `DataParallelEngine` with --data-parallel-size > 1), its KV pool
@@ -294,6 +307,7 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
             # so one model has one context length in Python, pagedjax-generate and pagedjax-serve.
             max_model_len=args.max_model_len)
         speculative_config = speculative_config_of(args)
+        sampling_defaults = sampling_defaults_of(args)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
     check_kv_pool_fits(cache_config, loaded.spec, jax.local_devices()[0], tp)
@@ -306,7 +320,7 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
                              # Warmed-up programs stand in while a step's own compiles (the server's way): no
                              # stream stalls on a compile; without warm-up, each step waits for its own program.
                              compile_in_background=args.warmup, speculative_config=speculative_config,
-                             structured_limits=structured_limits)
+                             structured_limits=structured_limits, sampling_defaults=sampling_defaults)
         if args.warmup:
             engine.warmup()
         return engine

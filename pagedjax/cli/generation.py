@@ -101,6 +101,8 @@ class Generation:
 
         params = BeamSearchParams(beam_width=self.args.beam_width, max_tokens=self.args.max_tokens,
                                   ignore_eos=self.args.ignore_eos)
+        for i, c in enumerate(self.completions):
+            self._check_context(i, len(self.tokenizer.encode(c.prompt)))
         with self.ctrl_c.stopping_between_steps():
             try:
                 results = self.engine.beam_search([c.prompt for c in self.completions], params)
@@ -126,9 +128,9 @@ class Generation:
             self.by_id[rid] = c
 
     def _check_context(self, i: int, num_prompt: int) -> None:
-        """CLIError for a prompt whose --max-tokens go past the context (max_model_len), as the server refuses
-        one: the engine would stop it at the context's end, silently short of what was asked. A prompt longer
-        than the context itself is the engine's error (`add_request`), and so is one the KV pool cannot hold."""
+        """CLIError for a prompt whose --max-tokens go past the context (max_model_len), as the server and the
+        engine refuse one (the engine's error names the Python field; this one the flag). A prompt longer than the
+        context itself is the engine's error (`add_request`), and so is one the KV pool cannot hold."""
         limit, asked = self.engine.scheduler_config.max_model_len, self.args.max_tokens
         if num_prompt <= limit < num_prompt + asked:
             raise CLIError(f"prompt {i + 1}: this model's maximum context length is {limit} tokens, but "

@@ -19,12 +19,17 @@ def stats_summary(stats, peak: Peak, wall_s: float, num_requests: int,
         "prompt_tokens": stats.prompt_tokens,
         "generated_tokens": stats.generated_tokens,
         "tokens_per_s": stats.tokens_per_s,  # generated tokens over step time, compilation excluded
-        "step_time_s": stats.elapsed_s - stats.compile_s,
+        "step_time_s": stats.step_s,  # inside engine steps, compilation excluded
         "elapsed_s": stats.elapsed_s,  # inside engine steps, compilation included
-        "compile_s": stats.compile_s,
-        "compilations": stats.compilations,
-        "compile_cache_hits": compile_cache.hits,  # programs loaded from the persistent compilation cache
-        "compile_cache_misses": compile_cache.misses,  # programs compiled with the cache on (and saved to it)
+        "compile_s": stats.compile_s,  # steps' waits for their programs (compiled or loaded), a draft model's too
+        "warmup_s": stats.warmup_s,  # --warmup's compiles and runs (in neither of the above)
+        # Step programs, counted one way (the target's and a draft model's; the warm-up's included):
+        "compilations": stats.compilations,  # obtained: compiled, or loaded from the persistent compilation cache
+        "programs_compiled": stats.programs_compiled,
+        "programs_loaded": stats.programs_loaded,
+        "compile_cache_hits": stats.programs_loaded,  # = programs_loaded (0 with the cache off)
+        "compile_cache_misses": stats.programs_compiled if compile_cache.folder is not None else 0,  # compiled and
+        #                                                                      saved to the cache
         "engine_steps": stats.steps,
         "kv_blocks": num_blocks,
         "kv_blocks_used_peak": peak.blocks_used,
@@ -48,15 +53,19 @@ def stats_rows(s: dict[str, int | float], compile_cache: CompileCache) -> list[t
         ("requests", f"{s['requests']:,}"),
         ("prompt tokens", f"{s['prompt_tokens']:,}"),
         ("generated tokens", f"{s['generated_tokens']:,}"),
-        ("tokens/s", f"{s['tokens_per_s']:,.1f} (generated, over {s['step_time_s']:.2f} s of steps)"),
+        ("tokens/s", f"{s['tokens_per_s']:,.1f} (generated, over {s['step_time_s']:.2f} s of steps, compiles "
+                     "excluded)"),
         ("KV blocks used", f"{s['kv_blocks_used_peak']:,} of {s['kv_blocks']:,} (peak), "
                            f"{s['kv_blocks_used_peak_pct']:.1f} %"),
         ("KV waste", f"{s['kv_waste_pct']:.1f} % (unfilled slots of held blocks, at peak)"),
         ("KV bytes per token", f"{s['kv_bytes_per_token']:,}"),
         ("prefix-cache hit rate", f"{s['prefix_cache_hit_pct']:.1f} %"),
         ("preemptions", f"{s['preemptions']:,}"),
-        ("compilations", f"{s['compilations']:,} ({s['compile_s']:.2f} s)"),
-        ("compile cache", compile_cache.describe()),
+        ("step programs", f"{s['compilations']:,}: {s['programs_compiled']:,} compiled, {s['programs_loaded']:,} "
+                          "loaded from the compile cache"),
+        ("compile time", f"{s['compile_s']:.2f} s waited for in steps"
+                         + (f", {s['warmup_s']:.2f} s warm-up" if s["warmup_s"] else "")),
+        ("compile cache", compile_cache.describe(s["compilations"], s["programs_loaded"])),
         ("engine steps", f"{s['engine_steps']:,}"),
         *spec,
         ("wall time", f"{s['wall_s']:.2f} s"),
@@ -75,15 +84,26 @@ def print_table(rows: list[tuple[str, str]], out: TextIO, title: str = "statisti
 
 
 def print_header(args: argparse.Namespace, loaded, engine, load_s: float, out: TextIO) -> None:
+    """The model and the engine, as the engine runs them (`pagedjax.engine.summary`: what is on, not what the
+    flags asked for): parameters by storage, compute / weight / KV dtypes, speculative method, tp x dp, context
+    and sampling defaults; then the attention backend and the KV pool."""
     import jax
+
+    from pagedjax.engine.summary import summarize
 
     cfg = loaded.spec
     name = args.model_class if getattr(args, "model_class", None) else (args.model or "bundled tiny model")
-    print(f"model: {name} ({loaded.num_params / 1e6:.2f} M params, {cfg.num_layers} layers, "
-          f"{cfg.num_q_heads}q/{cfg.num_kv_heads}kv heads, {cfg.dtype}; loaded in {load_s:.2f} s)", file=out)
+    if cfg.num_kv_heads is not None:
+        heads = f"{cfg.num_q_heads}q/{cfg.num_kv_heads}kv heads"
+    else:  # layers of other KV specs (MLA latents, ...): say which
+        kinds = dict.fromkeys(type(layer).__name__ for layer in cfg.kv_layers)
+        heads = f"{cfg.num_q_heads} query heads, {' + '.join(kinds)} KV layers"
+    print(f"model: {name} ({cfg.num_layers} layers, {heads}; loaded in {load_s:.2f} s)", file=out)
+    for line in summarize(engine).lines():
+        print(f"  {line}", file=out)
     kv = engine.stats()
     print(f"engine: {engine.backend} attention on {jax.default_backend()}, {engine.num_blocks} KV blocks x "
-          f"{args.block_size} tokens ({kv.kv_dtype}, {kv.kv_bytes_per_token:,} bytes per token), prefix caching "
+          f"{args.block_size} tokens ({kv.kv_bytes_per_token:,} KV bytes per token), prefix caching "
           f"{'off' if args.no_prefix_caching else 'on'}, "
           f"{args.decode_steps_per_call} decode step(s) per call", file=out)
     print(file=out)

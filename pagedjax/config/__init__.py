@@ -11,6 +11,7 @@
                   YaRN, DeepSeek's routers, V3.2's sparse-attention indexer)
   speculative.py  SpeculativeConfig: speculative decoding's method and proposal length
   structured.py   StructuredLimits: what an output constraint may ask of the grammar compiler
+  sampling.py     SamplingDefaults: what a request's sampling fields left unset become (generation_config.json)
   engine.py       EngineConfig: every other LLMEngine keyword (backend, fused decode steps, compile cache, ...)
   fields.py       the field checks every config uses (TypeError / ValueError naming the field)
 """
@@ -23,11 +24,12 @@ from pagedjax.config.model import ModelConfig, ModelSpec
 from pagedjax.config.moe import MoEConfig
 from pagedjax.config.parallel import ParallelConfig
 from pagedjax.config.quant import QuantConfig
+from pagedjax.config.sampling import SamplingDefaults
 from pagedjax.config.scheduler import SchedulerConfig
 from pagedjax.config.speculative import SpeculativeConfig
 from pagedjax.config.structured import StructuredLimits
 
 __all__ = ["KV_DTYPES", "CacheConfig", "DeepSeekConfig", "DeepSeekIndexerConfig", "DeepSeekMoEConfig", "EngineConfig",
            "FullAttention", "IndexedSparse", "KVLayerSpec", "LatentAttention", "ModelConfig", "ModelSpec", "MoEConfig",
-           "ParallelConfig", "QuantConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredLimits",
-           "kv_cache_bytes"]
+           "ParallelConfig", "QuantConfig", "SamplingDefaults", "SchedulerConfig", "SpeculativeConfig",
+           "StructuredLimits", "kv_cache_bytes"]

@@ -15,6 +15,7 @@ from pagedjax.config.cache import CacheConfig
 from pagedjax.config.fields import check_bool, check_choice, check_int, describe
 from pagedjax.config.model import ModelConfig
 from pagedjax.config.parallel import ParallelConfig
+from pagedjax.config.sampling import SamplingDefaults
 from pagedjax.config.scheduler import SchedulerConfig
 from pagedjax.config.speculative import SpeculativeConfig
 from pagedjax.config.structured import StructuredLimits
@@ -40,6 +41,8 @@ class EngineConfig:
       and no speculative decoding).
     structured_limits: what a request's output constraint may ask of the grammar compiler, checked before it is
       compiled (`pagedjax.structured_output.limits`: a constraint past a limit is a ValueError naming it).
+    sampling_defaults: what a request's sampling fields left None become (`pagedjax.config.sampling`; vLLM's
+      defaults unless given: `from_pretrained` gives the model folder's generation_config.json).
     """
 
     model_config: ModelConfig | None = None
@@ -55,6 +58,7 @@ class EngineConfig:
     compile_in_background: bool = False
     batch_invariant: bool = False
     structured_limits: StructuredLimits = dataclasses.field(default_factory=StructuredLimits)
+    sampling_defaults: SamplingDefaults = dataclasses.field(default_factory=SamplingDefaults)
 
     def __post_init__(self) -> None:
         owner = "LLMEngine"  # its fields are LLMEngine's keywords: errors name the keyword
@@ -62,7 +66,8 @@ class EngineConfig:
         for name, cls, optional in (("cache_config", CacheConfig, False), ("scheduler_config", SchedulerConfig, False),
                                     ("parallel_config", ParallelConfig, True),
                                     ("speculative_config", SpeculativeConfig, True),
-                                    ("structured_limits", StructuredLimits, False)):
+                                    ("structured_limits", StructuredLimits, False),
+                                    ("sampling_defaults", SamplingDefaults, False)):
             value = getattr(self, name)
             if not (isinstance(value, cls) or (optional and value is None)):
                 raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__} ({owner}.{name})")

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from pagedjax.core.request import Request, RequestStatus
 from pagedjax.outputs import BeamSearchOutput, BeamSequence
-from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.sampling_params import RAW_SAMPLING, BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from pagedjax.engine.llm_engine import LLMEngine
@@ -68,8 +68,9 @@ def beam_search(engine: LLMEngine, prompts: Sequence[Sequence[int] | str], param
     if engine.has_unfinished_requests():  # its steps would advance them and drop their outputs
         raise ValueError(f"beam search runs alone: {engine.scheduler.num_unfinished_requests} requests are in "
                          "flight; let them finish or abort them first")
+    # Beams grow by the raw log-probabilities: no model default (a temperature, a penalty) is applied.
     sampling = SamplingParams(max_tokens=params.max_tokens, logprobs=2 * width, ignore_eos=True,
-                              structured=params.structured)
+                              structured=params.structured, **RAW_SAMPLING)
     ids = engine.fresh_request_ids("beam", len(prompts))
     prepared = [engine.make_request(rid, p, sampling) for rid, p in zip(ids, prompts, strict=True)]
     requests = [p.request for p in prepared]

@@ -26,6 +26,7 @@ from pagedjax.engine.llm_engine import LLMEngine, token_list
 from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
+from pagedjax.model.loading.generation_config import folder_sampling_defaults
 from pagedjax.model.loading.loader import load_engine_model
 from pagedjax.outputs import RequestOutput
 from pagedjax.parallel.mesh import replica_meshes
@@ -49,7 +50,8 @@ def combined_stats(replicas: Sequence[EngineStats], requests_per_replica: Sequen
         failed_steps=total("failed_steps"), prompt_tokens=total("prompt_tokens"),
         generated_tokens=total("generated_tokens"), prefill_tokens_computed=total("prefill_tokens_computed"),
         elapsed_s=slowest("elapsed_s"), device_s=slowest("device_s"), compile_s=slowest("compile_s"),
-        compilations=total("compilations"), compiled_programs=total("compiled_programs"),
+        compilations=total("compilations"), programs_loaded=total("programs_loaded"),
+        compiled_programs=total("compiled_programs"),
         stand_in_steps=total("stand_in_steps"), warmup_s=slowest("warmup_s"),
         scheduler=scheduler, replicas=tuple(replicas),
         requests_per_replica=tuple(requests_per_replica))
@@ -88,6 +90,8 @@ class DataParallelEngine:
         a `quantization`), then copied."""
         weights, tokenizer = load_engine_model(path, dtype, parallel_config, devices, quantization)
         kwargs.setdefault("tokenizer", tokenizer)
+        if kwargs.get("sampling_defaults") is None:
+            kwargs["sampling_defaults"] = folder_sampling_defaults(path)
         return cls(cache_config=cache_config, scheduler_config=scheduler_config, **weights,
                    parallel_config=parallel_config, devices=devices, **kwargs)
 

@@ -31,6 +31,7 @@ from pagedjax.config import (
 )
 from pagedjax.config.fields import is_int
 from pagedjax.config.parallel import ParallelConfig, parallel_layout
+from pagedjax.config.sampling import SamplingDefaults
 from pagedjax.core.request import Request, RequestIds
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import StepPlan
@@ -41,6 +42,7 @@ from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama
+from pagedjax.model.loading.generation_config import folder_sampling_defaults
 from pagedjax.model.loading.loader import engine_model, load_engine_model
 from pagedjax.outputs import RequestOutput
 from pagedjax.runner import weights
@@ -97,6 +99,12 @@ class LLMEngine:
     structured_limits: a `StructuredLimits`: what a request's output constraint may ask of the grammar compiler,
     checked before anything native compiles it (a request past a limit is refused with a ValueError naming it).
 
+    sampling_defaults: a `SamplingDefaults` (`pagedjax.config.sampling`): what each request's sampling fields
+    left None (`SamplingParams`' defaults: the model's) become, when the request is added. None: vLLM's defaults
+    (temperature 1.0, no filter, no penalty); `from_pretrained` reads the model folder's generation_config.json.
+    A request's prompt and `max_tokens` must fit the context (`max_model_len`): more is a ValueError naming
+    max_tokens and the limit, never a silent cut (and a request the KV pool cannot hold is refused too).
+
     config: an `EngineConfig` holding every option above at once (instead of the keywords, not beside them); the
     engine keeps its whole configuration as `engine.config` either way.
     """
@@ -108,7 +116,8 @@ class LLMEngine:
                  tensor_parallel_size: int | None = None, devices=None, max_compiled_programs: int = 64,
                  compile_in_background: bool = False, batch_invariant: bool = False,
                  speculative_config: SpeculativeConfig | None = None,
-                 structured_limits: StructuredLimits | None = None, config: EngineConfig | None = None):
+                 structured_limits: StructuredLimits | None = None, sampling_defaults: SamplingDefaults | None = None,
+                 config: EngineConfig | None = None):
         if num_steps is not None:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
                           DeprecationWarning, stacklevel=2)
@@ -121,11 +130,12 @@ class LLMEngine:
                 speculative_config=speculative_config, backend=backend, decode_steps_per_call=decode_steps_per_call,
                 seed=seed, compile_cache=compile_cache, max_compiled_programs=max_compiled_programs,
                 compile_in_background=compile_in_background, batch_invariant=batch_invariant,
-                structured_limits=structured_limits or StructuredLimits())
+                structured_limits=structured_limits or StructuredLimits(),
+                sampling_defaults=sampling_defaults or SamplingDefaults())
         elif not isinstance(config, EngineConfig):
             raise TypeError(f"LLMEngine: config must be an EngineConfig, got {type(config).__name__}")
         elif (model_config, cache_config, scheduler_config, parallel_config, speculative_config,
-              tensor_parallel_size, structured_limits) != (None,) * 7:
+              tensor_parallel_size, structured_limits, sampling_defaults) != (None,) * 8:
             raise ValueError("LLMEngine: give config=EngineConfig(...) or the configs as keywords, not both")
         self.config = config
         enable_compile_cache(config.compile_cache if isinstance(config.compile_cache, str) else None,
@@ -193,22 +203,27 @@ class LLMEngine:
                         decode_steps_per_call: int = 1, compile_cache: bool | str = True,
                         max_compiled_programs: int = 64, compile_in_background: bool = False,
                         batch_invariant: bool = False, speculative_config: SpeculativeConfig | None = None,
-                        structured_limits: StructuredLimits | None = None) -> LLMEngine:
+                        structured_limits: StructuredLimits | None = None,
+                        sampling_defaults: SamplingDefaults | None = None) -> LLMEngine:
         """An engine over a saved model: a pagedjax orbax checkpoint folder, a local Hugging Face folder
         (config.json + *.safetensors [+ tokenizer.json]), or None for the bundled model. With a
         `parallel_config`, weights are read straight into their shards on the (first replica's) mesh.
         `quantization` ("int8" | "int4" | "int4:32" | "fp8" or a `QuantConfig`): weight-only quantized linear
         layers and MoE experts, quantized at load (`pagedjax.model.layers.quant`, `pagedjax.model.layers.
         moe_quant`). `tokenizer`: instead of the folder's. The other keywords are `LLMEngine`'s. A Hugging Face
-        folder of a `model_type` registered in `pagedjax.ModelRegistry` is built by its factory."""
+        folder of a `model_type` registered in `pagedjax.ModelRegistry` is built by its factory. `sampling_defaults`:
+        instead of the folder's (its generation_config.json over vLLM's defaults: `folder_sampling_defaults`)."""
         parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
+        if sampling_defaults is None:
+            sampling_defaults = folder_sampling_defaults(path)
         weights, folder_tokenizer = load_engine_model(path, dtype, parallel_config, devices, quantization)
         return cls(cache_config=cache_config, scheduler_config=scheduler_config, **weights, seed=seed,
                    backend=backend, decode_steps_per_call=decode_steps_per_call,
                    tokenizer=folder_tokenizer if tokenizer is None else tokenizer, compile_cache=compile_cache,
                    parallel_config=parallel_config, devices=devices, max_compiled_programs=max_compiled_programs,
                    compile_in_background=compile_in_background, batch_invariant=batch_invariant,
-                   speculative_config=speculative_config, structured_limits=structured_limits)
+                   speculative_config=speculative_config, structured_limits=structured_limits,
+                   sampling_defaults=sampling_defaults)
 
     @property
     def num_steps(self) -> int:
@@ -237,7 +252,7 @@ class LLMEngine:
         waiting for it: every step but those asking for logits or more than 512 stop ids. The KV cache's contents
         and the scheduler are left as they were, and these programs are never dropped. Returns the seconds it
         took (also logged, and in `stats().warmup_s`)."""
-        start = time.perf_counter()
+        start, before = time.perf_counter(), self.stats()
         sc, bs, steps = self.scheduler_config, self.cache_config.block_size, self.decode_steps_per_call
         # A fused decode's tables have room for its steps past the sequence's tokens.
         max_blocks = -(-(self.max_request_tokens + steps - 1) // bs)
@@ -251,7 +266,10 @@ class LLMEngine:
             self.speculator.draft.warmup(sc.max_num_seqs, max_blocks)
         seconds = time.perf_counter() - start
         self._warmup_s += seconds
-        logger.info("warm-up: compiled and ran %d programs in %.1f s", len(shapes), seconds)
+        after = self.stats()
+        logger.info("warm-up: %d programs ready and run in %.1f s (%d compiled, %d loaded from the compile cache)",
+                    after.compilations - before.compilations, seconds,
+                    after.programs_compiled - before.programs_compiled, after.programs_loaded - before.programs_loaded)
         return seconds
 
     def close(self) -> None:
@@ -271,16 +289,24 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
                      cache_salt: str | None = None) -> PreparedRequest:
         """A validated request of a prompt (token ids, or text with a tokenizer) that the scheduler would accept,
-        its constraint compiled; nothing is queued (`add_prepared_request` does). Raises as `add_request`."""
+        its constraint compiled, its sampling fields left None set from the engine's `sampling_defaults`; nothing
+        is queued (`add_prepared_request` does). Raises as `add_request`."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"request {request_id!r}: sampling_params must be SamplingParams, "
                             f"got {type(params).__name__}")
+        params = params.with_defaults(self.config.sampling_defaults)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"request {request_id!r}: cache_salt must be a str, got {type(cache_salt).__name__}")
         tokens = self._encode(request_id, prompt)
+        # The context; a prompt too long itself, or a request bigger than the KV pool, is the scheduler's error.
+        limit = self.scheduler_config.max_model_len
+        if len(tokens) < limit < len(tokens) + params.max_tokens:
+            raise ValueError(f"request {request_id!r}: SamplingParams.max_tokens ({params.max_tokens}) and the "
+                             f"prompt's {len(tokens)} tokens exceed the {limit}-token context (max_model_len); "
+                             f"max_tokens may be at most {limit - len(tokens)} for this prompt")
         vocab = self.model_spec.vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
@@ -489,6 +515,11 @@ class LLMEngine:
 
     # -------------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
+        """The counters now. Programs and their compile time are the target's and the draft model's together
+        (both compile inside steps), so `tokens_per_s` leaves every compile out."""
+        programs = [self.runner.programs]
+        if self.speculator is not None and self.speculator.draft is not None:
+            programs.append(self.speculator.draft.runner.programs)
         return EngineStats(
             steps=self._steps,
             fused_decode_calls=self._fused_calls,
@@ -498,9 +529,10 @@ class LLMEngine:
             prefill_tokens_computed=self._prefill_computed,
             elapsed_s=self._elapsed,
             device_s=self.runner.device_seconds,
-            compile_s=self.runner.programs.compile_seconds,
-            compilations=self.runner.programs.num_compilations,
-            compiled_programs=self.runner.num_programs,
+            compile_s=sum(p.compile_seconds for p in programs),
+            compilations=sum(p.num_compilations for p in programs),
+            programs_loaded=sum(p.num_loaded for p in programs),
+            compiled_programs=sum(len(p) for p in programs),
             stand_in_steps=self.runner.programs.stand_in_steps,
             warmup_s=self._warmup_s,
             **({} if self.speculator is None else self.speculator.stats()),

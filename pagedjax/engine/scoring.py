@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import RAW_SAMPLING, SamplingParams
 
 
 def completion_logprobs(engine, prompts, completions) -> list[np.ndarray]:
@@ -20,6 +20,6 @@ def completion_logprobs(engine, prompts, completions) -> list[np.ndarray]:
         if len(p) == 0 or len(c) == 0:
             raise ValueError(f"score: pair {i} has an empty {'prompt' if len(p) == 0 else 'completion'}")
     outs = engine.generate([list(p) + list(c) for p, c in zip(prompts, completions, strict=True)],
-                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+                           SamplingParams(max_tokens=1, prompt_logprobs=0, **RAW_SAMPLING), use_tqdm=False)
     return [np.array([lp.logprob for lp in out.prompt_logprobs[len(p):]], np.float32)
             for out, p in zip(outs, prompts, strict=True)]

@@ -21,14 +21,17 @@ class EngineStats:
     prefill_tokens_computed: int  # prompt/recompute tokens actually run through the model
     elapsed_s: float  # time spent inside step()
     device_s: float  # of which in compiled device calls (dispatch + compute + read back)
-    compile_s: float  # of which waiting for new step shapes to be traced and compiled
-    compilations: int  # programs compiled (or loaded from JAX's persistent cache), dropped ones and the background's
-    #                    included
+    compile_s: float  # of which waiting for new step shapes to be traced and compiled (or loaded), a draft's too
+    # Step programs (the target's and a draft model's, `pagedjax.runner.programs`) obtained: compiled, or loaded
+    # from JAX's persistent compilation cache (`programs_loaded` of them); the warm-up's, the background's and
+    # dropped ones included.
+    compilations: int
     scheduler: SchedulerStats
     tensor_parallel_size: int = 1  # devices the model and its KV pool are sharded over
     kv_cache_bytes_per_device: int = 0  # the KV pool's bytes on each of those devices
     kv_dtype: str = ""  # the KV cache's dtype ("int8", "fp8": 8-bit pages with scales; see CacheConfig.kv_dtype)
     kv_bytes_per_token: int = 0  # KV bytes one cached token takes on each device (its KV heads, scales included)
+    programs_loaded: int = 0  # of `compilations`, loaded from the persistent compilation cache instead of compiled
     compiled_programs: int = 0  # held now: at most LLMEngine's max_compiled_programs (the least recently used go)
     stand_in_steps: int = 0  # steps run on a bigger compiled program while their own compiled in the background
     warmup_s: float = 0.0  # `LLMEngine.warmup`'s time (not in elapsed_s)
@@ -42,11 +45,19 @@ class EngineStats:
     requests_per_replica: tuple[int, ...] = ()
 
     @property
+    def programs_compiled(self) -> int:
+        """Of `compilations`, the programs XLA compiled (not found in the persistent compilation cache)."""
+        return self.compilations - self.programs_loaded
+
+    @property
+    def step_s(self) -> float:
+        """Seconds inside step() not spent waiting for compiles: what the steps themselves took."""
+        return self.elapsed_s - self.compile_s
+
+    @property
     def tokens_per_s(self) -> float:
         """Generated tokens per second of stepping, compilation excluded."""
-        run_s = self.elapsed_s - self.compile_s
-        return self.generated_tokens / run_s if run_s > 0 else 0.0
-
+        return self.generated_tokens / self.step_s if self.step_s > 0 else 0.0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -63,6 +74,8 @@ def stats_dict(s: EngineStats) -> dict:
     """`EngineStats` as nested plain data (JSON-ready), derived rates included (replicas' too)."""
     d = dataclasses.asdict(s)
     d["tokens_per_s"] = s.tokens_per_s
+    d["step_s"] = s.step_s
+    d["programs_compiled"] = s.programs_compiled
     d["spec_acceptance_rate"] = s.spec_acceptance_rate
     d["spec_mean_accepted_length"] = s.spec_mean_accepted_length
     d["scheduler"]["prefix_cache_hit_rate"] = s.scheduler.prefix_cache_hit_rate

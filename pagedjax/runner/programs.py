@@ -22,6 +22,10 @@ caller's thread the next time it is needed (where a compile error fails the step
 `MAX_PENDING` compiles wait or run at once; a miss beyond them runs on its stand-in and asks again next time.
 `close()` (or the cache's garbage collection) cancels the compiles still waiting.
 
+Programs are counted one way: `num_compilations` programs obtained (compiled on either thread, dropped ones
+included), `num_loaded` of them found in JAX's persistent compilation cache instead of compiled (told by JAX's
+monitoring events of the thread that ran the compile, see `_timed`), and `compile_seconds` the caller's waits.
+
 At most `max_programs` programs are held: past it the least recently used is dropped (its executable, and so
 its memory, freed once no step runs it), except pinned ones (`compile(..., pinned=True)`, the warm-up's) and the
 one just compiled, so a cap below the pinned programs holds them and one more.
@@ -48,6 +52,10 @@ logger = logging.getLogger(__name__)
 MAX_PENDING = 2  # one compiling, one waiting: a burst of new shapes is compiled by the latest need, not its order
 COMPILE_NICENESS = 10  # added to the background compile thread's nice value (Linux), see the module's docstring
 
+# JAX's monitoring events: a compile that looks in the persistent cache, and one that finds its program there.
+CACHE_LOOKUP_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
 # A compile job: runs on any thread, so it holds abstract arguments and compile options, never live arrays (the
 # KV cache is donated to every step) nor the runner (it may outlive it).
 Job = Callable[[], Any]
@@ -61,9 +69,42 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS)
 
 
-def _timed(job: Job) -> tuple[Any, float]:
+# The persistent-cache events of the compile job this thread runs (None: none runs); JAX records them on the thread
+# that compiles, so concurrent compiles (the background thread's, the caller's) are told apart.
+_compiling = threading.local()
+_listening = threading.Lock()
+_listener_registered = False
+
+
+def _on_jax_event(event: str, **kwargs) -> None:
+    events = getattr(_compiling, "events", None)
+    if events is not None and event in (CACHE_LOOKUP_EVENT, CACHE_HIT_EVENT):
+        events.append(event)
+
+
+def _listen() -> None:
+    """Register `_on_jax_event` with JAX's monitoring, once per process."""
+    global _listener_registered
+    with _listening:
+        if not _listener_registered:
+            from jax import monitoring
+
+            monitoring.register_event_listener(_on_jax_event)
+            _listener_registered = True
+
+
+def _timed(job: Job) -> tuple[Any, float, bool]:
+    """(the job's program, its seconds, whether it was loaded from the persistent compilation cache: every compile
+    the job ran looked there and found its program)."""
+    _listen()
+    _compiling.events = events = []
     start = time.perf_counter()
-    return job(), time.perf_counter() - start
+    try:
+        exe = job()
+    finally:
+        _compiling.events = None
+    lookups, hits = events.count(CACHE_LOOKUP_EVENT), events.count(CACHE_HIT_EVENT)
+    return exe, time.perf_counter() - start, lookups > 0 and hits == lookups
 
 
 class ProgramCache:
@@ -75,6 +116,7 @@ class ProgramCache:
         self._on_drop = on_drop  # called after programs were dropped (to free what else holds them)
         self.executables: OrderedDict[Hashable, Any] = OrderedDict()  # least recently used first
         self.num_compilations = 0  # compiles started (background ones included), dropped programs included
+        self.num_loaded = 0  # of those finished, programs loaded from the persistent compilation cache
         self.compile_seconds = 0.0  # the caller's wait for compiles inside `lookup`
         self.stand_in_steps = 0
         self._background = background
@@ -126,14 +168,16 @@ class ProgramCache:
             self.num_compilations -= 1  # never begun
         elif future is not None:  # begun: it is the quicker way
             try:
-                exe, seconds = future.result()
-                logger.info("compiled %s in %.2f s (in the background, waited for)", shape, seconds)
+                exe, seconds, loaded = future.result()
+                self.num_loaded += loaded
+                logger.info("%s %s in %.2f s (in the background, waited for)", _verb(loaded), shape, seconds)
             except Exception:  # noqa: BLE001 - logged; compiled here instead, where its error fails the step
                 logger.exception("the background compile of %s failed; compiling it again", shape)
         if exe is None:
-            exe, seconds = _timed(prepare())
+            exe, seconds, loaded = _timed(prepare())
             self.num_compilations += 1
-            logger.info("compiled %s in %.2f s", shape, seconds)
+            self.num_loaded += loaded
+            logger.info("%s %s in %.2f s", _verb(loaded), shape, seconds)
         self._install(shape, exe, pinned)
         return exe
 
@@ -186,8 +230,9 @@ class ProgramCache:
                              "needed): %s: %s", shape, type(error).__name__, error, exc_info=error)
                 self._failed.add(shape)
                 continue
-            exe, seconds = future.result()
-            logger.info("compiled %s in %.2f s (in the background)", shape, seconds)
+            exe, seconds, loaded = future.result()
+            self.num_loaded += loaded
+            logger.info("%s %s in %.2f s (in the background)", _verb(loaded), shape, seconds)
             self._install(shape, exe, pinned=False)
 
     def _install(self, shape: Hashable, exe: Any, pinned: bool) -> None:
@@ -207,3 +252,7 @@ class ProgramCache:
                         self.max_programs)
         if any_dropped and self._on_drop is not None:
             self._on_drop()
+
+
+def _verb(loaded: bool) -> str:
+    return "loaded from the compilation cache" if loaded else "compiled"

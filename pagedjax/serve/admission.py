@@ -21,6 +21,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CHAT_MESSAGES = 1024
+# The most calls of one forced tool choice with parallel_tool_calls (`pagedjax.serve.tools`; here, beside the other
+# per-request bounds, so that pagedjax-serve's argument parser has it without the serve extra imported).
+DEFAULT_MAX_PARALLEL_TOOL_CALLS = 4
 # Pre-tokenizers that only split the text (none drops a byte of it), with the behaviours that keep every piece.
 _SPLITTING = {"ByteLevel", "Split", "Digits", "Punctuation", "Sequence"}
 

@@ -6,7 +6,7 @@
 |---|---|
 | `POST /v1/completions` | a prompt (text or token ids) -> text; `stream: true` for server-sent events |
 | `POST /v1/chat/completions` | messages, through the chat template -> the assistant's reply |
-| `GET /v1/models`, `GET /v1/models/{id}` | the served model |
+| `GET /v1/models`, `GET /v1/models/{id}` | the served model and what runs it (`engine.summary`) |
 | `GET /health` | 200 while the engine takes requests, 503 otherwise |
 | `GET /metrics` | Prometheus text (see `pagedjax.serve.metrics`) |
 
@@ -36,7 +36,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES
+from pagedjax.engine.summary import summarize
+from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_PARALLEL_TOOL_CALLS
 from pagedjax.serve.async_engine import AsyncLLMEngine
 from pagedjax.serve.chat_template import ChatTemplate
 from pagedjax.serve.disconnect import ClientDisconnected, EventStreamResponse, until_disconnect
@@ -116,7 +117,8 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               body_timeout: float = DEFAULT_BODY_TIMEOUT_S, structured_limits: StructuredLimits = DEFAULT_LIMITS,
               compile_config: CompileGuardConfig | None = None,
-              max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES) -> FastAPI:
+              max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
+              max_parallel_tool_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS) -> FastAPI:
     """The server's app over `engine` (started on startup, stopped on shutdown, after letting requests in
     flight finish for `shutdown_timeout` seconds). `api_key`, `allowed_origins`, `allowed_hosts`, `docs`: see
     the module docstring. A body over `max_request_bytes` is refused (413) as soon as it is known to be, before
@@ -125,18 +127,20 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     on the event loop, after a prompt too large to fit and a chat of more than `max_chat_messages` messages are
     refused by their size. Output constraints are checked against `structured_limits`, then compiled in a
     grammar pool of their own, each new one test-compiled in a worker process first (`compile_config`; see
-    `OpenAIServing`)."""
+    `OpenAIServing`). A forced tool choice makes at most `max_parallel_tool_calls` calls (`pagedjax.serve.tools`)."""
     check_key = _api_key_check(api_key)
     metrics = ServerMetrics(engine.stats, lambda: engine.num_pending, engine.step_durations)
     serving = OpenAIServing(engine, model_name=model_name, chat_template=chat_template or ChatTemplate.from_model(None),
                             metrics=metrics, structured_limits=structured_limits, compile_config=compile_config,
-                            max_chat_messages=max_chat_messages)
+                            max_chat_messages=max_chat_messages, max_parallel_tool_calls=max_parallel_tool_calls)
+
+    summary = summarize(engine.engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        logger.info("serving %s (max_model_len %d, chat template: %s)", model_name, serving.max_model_len,
-                    serving.chat_template.source)
+        logger.info("serving %s (max_model_len %d, chat template: %s): %s", model_name, serving.max_model_len,
+                    serving.chat_template.source, "; ".join(summary.lines()))
         yield
         await engine.shutdown(timeout=shutdown_timeout)
         serving.close()
@@ -165,7 +169,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     def card() -> ModelCard:
-        return ModelCard(id=model_name, created=created, max_model_len=serving.max_model_len)
+        return ModelCard(id=model_name, created=created, max_model_len=serving.max_model_len, **summary.as_dict())
 
     @protected.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

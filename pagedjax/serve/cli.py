@@ -31,7 +31,7 @@ from pathlib import Path
 from pagedjax.cli import args as generate_args
 from pagedjax.cli.errors import EXIT_ERROR, EXIT_OK, CLIError
 from pagedjax.cli.sizes import parse_size
-from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES
+from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_PARALLEL_TOOL_CALLS
 
 PROG = "pagedjax-serve"
 SHUTDOWN_GRACE_S = 5.0  # after the drain, for the last answers and error events to reach their clients
@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     g.add_argument("--max-chat-messages", type=generate_args.int_at_least(1), default=DEFAULT_MAX_CHAT_MESSAGES,
                    metavar="N", help="messages in one chat request; more get 400 before the chat template runs")
+    g.add_argument("--max-parallel-tool-calls", type=generate_args.int_at_least(1),
+                   default=DEFAULT_MAX_PARALLEL_TOOL_CALLS, metavar="N",
+                   help="the most calls of one choice with tool_choice \"required\" and parallel_tool_calls (the "
+                        "grammar ends the text there)")
     _add_structured_options(p)
     # A server admits new requests between device calls: a fused decode of N steps would hold a new request's
     # prefill (its first token) back by up to N decode steps, so here one step per call is the default.
@@ -255,7 +259,7 @@ def serve(args: argparse.Namespace) -> int:
         name = args.served_model_name or args.model or args.model_class or BUNDLED_MODEL_NAME
         async_engine = AsyncLLMEngine(engine, max_pending=args.max_num_seqs + args.max_queue)
         app = build_app(async_engine, model_name=name, structured_limits=limits, compile_config=compile_config,
-                        max_chat_messages=args.max_chat_messages,
+                        max_chat_messages=args.max_chat_messages, max_parallel_tool_calls=args.max_parallel_tool_calls,
                         chat_template=template, api_key=api_key(args), allowed_origins=args.allowed_origin,
                         allowed_hosts=allowed_hosts(args), docs=args.enable_docs, body_timeout=args.body_timeout,
                         **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))

@@ -12,6 +12,7 @@ every step and command), so a scrape never touches the engine itself:
   pagedjax_prefix_cache_queries_total / _hits_total
   pagedjax_preemptions_total, pagedjax_prompt_tokens_total, pagedjax_generation_tokens_total,
   pagedjax_engine_steps_total, pagedjax_engine_failed_steps_total, pagedjax_compilations_total,
+  pagedjax_programs_loaded_total                  of the compilations, programs loaded from the compilation cache
   pagedjax_stand_in_steps_total                   steps run on a bigger compiled program while their own compiled
   pagedjax_engine_step_seconds                    histogram: the engine thread's `step()` calls (a chunk gap of a
                                                   stream is at least the step that ended it)
@@ -110,7 +111,9 @@ class _EngineCollector(Collector):
             "generation_tokens": ("Tokens generated.", s.generated_tokens),
             "engine_steps": ("Engine steps.", s.steps),
             "engine_failed_steps": ("Engine steps whose device call raised.", s.failed_steps),
-            "compilations": ("Step shapes compiled (or loaded from the compilation cache).", s.compilations),
+            "compilations": ("Step programs obtained: compiled, or loaded from the compilation cache.", s.compilations),
+            "programs_loaded": ("Step programs loaded from the persistent compilation cache instead of compiled.",
+                                s.programs_loaded),
             "stand_in_steps": ("Steps run on a bigger compiled program while their own compiled in the background.",
                                s.stand_in_steps),
             "spec_decode_num_draft_tokens": ("Speculative proposals verified.", s.spec_proposed_tokens),

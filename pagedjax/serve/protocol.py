@@ -52,7 +52,7 @@ class _SamplingFields(_Request):
 
     model: str
     n: Annotated[int, Field(ge=1, le=128)] = 1
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None  # None: OpenAI's default, 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None  # None: the model's (SamplingDefaults)
     top_p: Probability | None = None
     seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
     stop: Stop | None = None
@@ -284,6 +284,18 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagedjax"
     max_model_len: int
+    # What the engine runs (`pagedjax.engine.summary.EngineSummary.as_dict`): compute dtype, weight storage,
+    # parameters by storage type, KV cache dtype, speculative method, tp/dp, sampling defaults.
+    dtype: str
+    weights: str
+    num_params: int
+    param_bytes: int
+    params_by_type: dict[str, dict[str, int]]
+    kv_cache_dtype: str
+    speculative: str
+    tensor_parallel_size: int
+    data_parallel_size: int
+    sampling_defaults: str
 
 
 class ModelList(BaseModel):

@@ -13,7 +13,6 @@ from pagedjax.sampling_params import SamplingParams, StructuredOutput
 from pagedjax.serve.errors import APIError, bad_request
 from pagedjax.serve.protocol import ChatCompletionRequest, CompletionRequest
 
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: up to the context length)
 # Log-probability entries one request may ask for: samples x tokens x (1 + top alternatives). Each is a few dozen
 # bytes of response and host memory; 500,000 (about 30 MB of JSON) allows 8 samples of 2,048 tokens with 20
@@ -26,10 +25,11 @@ def engine_fields(request: CompletionRequest | ChatCompletionRequest, *, max_tok
                   forced_call: StructuredOutput | None = None) -> dict:
     """The `SamplingParams` keyword arguments a request asks for (`max_tokens` already resolved; `forced_call`:
     the grammar of the tool call that `tool_choice` forces, `pagedjax.serve.tools`)."""
-    fields: dict = {
-        "max_tokens": max_tokens,
-        "temperature": DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
-    }
+    fields: dict = {"max_tokens": max_tokens}
+    # A sampling field the request leaves out is the model's default (the engine's `sampling_defaults`: its
+    # generation_config.json, else vLLM's, temperature 1.0), as in Python and pagedjax-generate.
+    if request.temperature is not None:
+        fields["temperature"] = request.temperature
     if request.stop is not None:
         fields["stop"] = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop)
     if request.stop_token_ids:

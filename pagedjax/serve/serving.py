@@ -16,7 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pagedjax.sampling_params import SamplingParams
-from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES, encode_text, longest_token_bytes, utf8_length
+from pagedjax.serve.admission import (
+    DEFAULT_MAX_CHAT_MESSAGES,
+    DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+    encode_text,
+    longest_token_bytes,
+    utf8_length,
+)
 from pagedjax.serve.async_engine import (
     AsyncLLMEngine,
     EngineStepError,
@@ -45,7 +51,14 @@ from pagedjax.serve.protocol import (
     UsageInfo,
 )
 from pagedjax.serve.sampling import DEFAULT_COMPLETION_MAX_TOKENS, sampling_params, structured_output
-from pagedjax.serve.tools import ToolCallParser, ToolPlan, finish_reason, parse_message, template_messages, tool_plan
+from pagedjax.serve.tools import (
+    ToolCallParser,
+    ToolPlan,
+    finish_reason,
+    parse_message,
+    template_messages,
+    tool_plan,
+)
 from pagedjax.structured_output.isolation import (
     CompileGuard,
     CompileGuardConfig,
@@ -110,7 +123,8 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTemplate,
                  metrics: ServerMetrics, structured_limits: StructuredLimits = DEFAULT_LIMITS,
                  compile_config: CompileGuardConfig | None = None,
-                 max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES):
+                 max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
+                 max_parallel_tool_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS):
         if engine.engine.tokenizer is None:
             raise ValueError("pagedjax-serve needs an engine with a tokenizer (text in, text out)")
         self.engine = engine
@@ -123,6 +137,7 @@ class OpenAIServing:
         self.max_model_len = int(engine.engine.max_request_tokens)
         self.structured_limits = structured_limits
         self.max_chat_messages = max_chat_messages
+        self.max_parallel_tool_calls = max_parallel_tool_calls  # a forced choice's calls (`serve.tools`)
         # A prompt of more UTF-8 bytes has more tokens than fit (`pagedjax.serve.admission`); None: not bounded.
         per_token = longest_token_bytes(self.tokenizer)
         self.prompt_byte_limit = None if per_token is None else (self.max_model_len - 1) * per_token
@@ -217,7 +232,7 @@ class OpenAIServing:
         if len(request.messages) > self.max_chat_messages:
             raise bad_request(f"messages: {len(request.messages):,} messages, more than the "
                               f"{self.max_chat_messages:,} this server takes (--max-chat-messages)", "messages")
-        tools = tool_plan(request, self.structured_limits)
+        tools = tool_plan(request, self.structured_limits, max_parallel_calls=self.max_parallel_tool_calls)
         native = self.chat_template.supports_tools
         messages = template_messages(request.messages, tools, supports_tools=native)
         try:
@@ -339,7 +354,7 @@ class OpenAIServing:
         for i, text, reason, lps in tracker.final_choices():
             message = ChatMessageOut(content=text)
             if prepared.tools is not None:
-                content, calls = parse_message(text)
+                content, calls = parse_message(text, forced=prepared.tools.constraint is not None)
                 message = ChatMessageOut(content=content, tool_calls=calls or None)
                 reason = finish_reason(reason, bool(calls))
             choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
@@ -374,7 +389,9 @@ class OpenAIServing:
         def choice(d):
             delta, reason = DeltaMessage(content=d.text or None), d.finish_reason
             if prepared.tools is not None:
-                parser = parsers.setdefault(d.index, ToolCallParser())
+                parser = parsers.get(d.index)
+                if parser is None:
+                    parser = parsers[d.index] = ToolCallParser(forced=prepared.tools.constraint is not None)
                 parsed = parser.feed(d.text, final=d.finish_reason is not None)
                 delta = DeltaMessage(content=parsed.content or None, tool_calls=parsed.tool_calls or None)
                 reason = finish_reason(reason, bool(parser.calls))

@@ -9,9 +9,14 @@ The call format is Hermes / Qwen's, one call per tag, the JSON written as `json.
   calls it writes become `message.tool_calls` (the text around them stays `content`). A tag not followed by
   `{"name": "...", "arguments": ` is text; the arguments are passed on as the model wrote them.
 - "required" or a named function: the output is constrained (an llguidance Lark grammar, through
-  `SamplingParams.structured`) to one tagged call (or several in a row, with "required" and
-  `parallel_tool_calls`) of the offered functions, whose `arguments` validate against the function's
-  `parameters` schema: even a random model writes a valid call.
+  `SamplingParams.structured`) to one tagged call of the offered functions, whose `arguments` validate against
+  the function's `parameters` schema (even a random model writes a valid call), and then the end of the text.
+  With "required" and `parallel_tool_calls` (OpenAI's default) the grammar allows, after each complete call,
+  only the end or another call, up to `max_parallel_calls` calls (`pagedjax-serve --max-parallel-tool-calls`,
+  default 4): a model that would chain calls for ever ends there instead of running into `max_tokens`. A named
+  function is called once. Such a choice ends with finish reason "tool_calls" unless its token budget cuts a
+  call short ("length"); its `content` is None either way: the grammar allows no text outside the calls, and a
+  tag cut short is not text (`ToolCallParser(forced=True)`).
 
 A chat template that reads `tools` (as Hugging Face templates with tool support do) gets OpenAI's tool dicts,
 and assistant messages' `tool_calls` with their arguments as objects (transformers' convention). Any other
@@ -31,6 +36,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from pagedjax.sampling_params import StructuredOutput
+from pagedjax.serve.admission import DEFAULT_MAX_PARALLEL_TOOL_CALLS
 from pagedjax.serve.errors import bad_request
 from pagedjax.serve.protocol import (
     ChatCompletionRequest,
@@ -82,10 +88,11 @@ class ToolPlan:
     schemas: tuple[tuple[str, str], ...] = ()
 
 
-def tool_plan(request: ChatCompletionRequest, limits: StructuredLimits = DEFAULT_LIMITS) -> ToolPlan | None:
+def tool_plan(request: ChatCompletionRequest, limits: StructuredLimits = DEFAULT_LIMITS, *,
+              max_parallel_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS) -> ToolPlan | None:
     """The request's tools, checked (400 naming `tools` or `tool_choice`; their schemas against `limits`, in
     Python: the grammar library's validation of them is the compile stage's), or None when it offers none to
-    call."""
+    call. A forced choice makes at most `max_parallel_calls` calls with `parallel_tool_calls`, one without."""
     choice = request.tool_choice
     if not request.tools:
         if choice is not None and choice != "none":
@@ -113,29 +120,33 @@ def tool_plan(request: ChatCompletionRequest, limits: StructuredLimits = DEFAULT
     if choice is None or choice == "auto":
         return ToolPlan(tools, None, schemas)
     if choice == "required":
-        return ToolPlan(tools, call_grammar(request.tools, parallel=request.parallel_tool_calls), schemas)
+        max_calls = max_parallel_calls if request.parallel_tool_calls else 1
+        return ToolPlan(tools, call_grammar(request.tools, max_calls=max_calls), schemas)
     named = [t for t in request.tools if t.function.name == choice.function.name]
     if not named:
         raise bad_request(f"tool_choice.function.name: no tool is named {choice.function.name!r} (tools: "
                           f"{', '.join(sorted(seen))})", "tool_choice")
-    return ToolPlan(tools, call_grammar(named, parallel=False), schemas)
+    return ToolPlan(tools, call_grammar(named, max_calls=1), schemas)
 
 
 def _choice_name(choice) -> str:
     return choice if isinstance(choice, str) else f"function {choice.function.name}"
 
 
-def call_grammar(tools, *, parallel: bool) -> StructuredOutput:
-    """A Lark grammar (llguidance's dialect) of one tagged call of one of `tools` (ChatTool models), or of several
-    in a row when `parallel`: each call's JSON is a `%json` schema with the name as a constant and the
-    arguments under the function's parameters."""
+def call_grammar(tools, *, max_calls: int) -> StructuredOutput:
+    """A Lark grammar (llguidance's dialect) of 1 to `max_calls` tagged calls in a row, each of one of `tools`
+    (ChatTool models), and nothing else: each call's JSON is a `%json` schema with the name as a constant and the
+    arguments under the function's parameters. The text may end (EOS) after each complete call and nowhere else;
+    after the last allowed call only EOS is."""
+    if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
+        raise ValueError(f"call_grammar: max_calls must be an int >= 1, got {max_calls!r}")
     rules = []
     for i, tool in enumerate(tools):
         schema = {"type": "object", "properties": {"name": {"const": tool.function.name},
                                                    "arguments": tool.function.parameters or NO_PARAMETERS},
                   "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_STYLE}
         rules.append(f"fn_{i}: %json {json.dumps(schema)}")
-    start = "start: call+" if parallel else "start: call"
+    start = "start: call" if max_calls == 1 else f"start: call{{1,{max_calls}}}"
     call = f'call: "{CALL_START}" ({" | ".join(f"fn_{i}" for i in range(len(tools)))}) "{CALL_END}"'
     return StructuredOutput(grammar="\n".join([start, call, *rules]))
 
@@ -204,9 +215,13 @@ class ToolCallParser:
 
     Invariants: the content and each call's argument pieces emitted so far are prefixes of what the whole text
     gives; text that may still turn out to be part of a tag (a partial `<tool_call>`, a call's head, a closing
-    `}` + `</tool_call>`) is held until it is decided or the text ends (`final`)."""
+    `}` + `</tool_call>`) is held until it is decided or the text ends (`final`).
 
-    def __init__(self):
+    `forced`: the text is a forced choice's (a grammar of calls only, see the module docstring), so what is held
+    when it ends (a tag or a call's head cut short by `max_tokens`) is dropped instead of becoming content."""
+
+    def __init__(self, *, forced: bool = False):
+        self.forced = forced
         self.calls: list[ToolCall] = []
         self._state = "text"  # "text" | "head" (inside a tag, before the arguments) | "args"
         self._buf = ""  # text not emitted yet ("args": the arguments' text since the head)
@@ -226,7 +241,9 @@ class ToolCallParser:
             out.content += self._buf[:at]
             self._buf, self._state = self._buf[at + len(CALL_START):], "head"
             return True
-        keep = 0 if final else _partial_tag(self._buf, CALL_START)
+        keep = _partial_tag(self._buf, CALL_START)
+        if final and not (self.forced and keep == len(self._buf)):
+            keep = 0
         out.content += self._buf[:len(self._buf) - keep]
         self._buf = self._buf[len(self._buf) - keep:]
         return False
@@ -246,6 +263,9 @@ class ToolCallParser:
                                                 function=DeltaFunctionCall(name=name)))
             self._buf, self._sent, self._state = self._buf[m.end():], 0, "args"
             return True
+        if final and self.forced and _HEAD_PREFIX.fullmatch(self._buf):  # a call's head cut short: no call
+            self._buf, self._state = "", "text"
+            return False
         if final or not _HEAD_PREFIX.fullmatch(self._buf):  # not a call after all: the tag is text (and what
             out.content += CALL_START                           # follows it is read as text again)
             self._state = "text"
@@ -287,12 +307,12 @@ class ToolCallParser:
             out.tool_calls.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=piece)))
 
 
-def parse_message(text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole choice's content (None when it only called tools: what its stream's content deltas join to) and
-    tool calls."""
-    parser = ToolCallParser()
+def parse_message(text: str, *, forced: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """A whole choice's content (None when it only called tools, or is forced and has none: what its stream's
+    content deltas join to) and tool calls; `forced` as `ToolCallParser`'s."""
+    parser = ToolCallParser(forced=forced)
     content = parser.feed(text, final=True).content
-    return (None if parser.calls and not content else content), parser.calls
+    return (None if (parser.calls or forced) and not content else content), parser.calls
 
 
 def finish_reason(reason: str | None, has_calls: bool) -> str | None:

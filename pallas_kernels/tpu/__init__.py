@@ -5,7 +5,8 @@ tile metadata (`tiles`), reference and exact merge with the GPU kernels, and imp
 
 Reached through `pallas_kernels.paged_attention(..., target="tpu")` and
 `pallas_kernels.ragged_paged_attention(..., target="tpu")` (target "auto" picks them on a TPU backend);
-`interpret=True` runs them on any machine in Pallas's TPU interpret mode, which simulates HBM, VMEM, SMEM,
+the MLA kernel (`mla`) and the DeepSeek sparse attention kernels (`sparse`) likewise; `interpret=True` runs
+them on any machine in Pallas's TPU interpret mode, which simulates HBM, VMEM, SMEM,
 DMAs and semaphores. `_common` states the layout rules, `page_chunks` the double-buffered DMAs.
 
 Variants: sliding windows (a program's DMAs start at the first page any of its queries can see: pages before

@@ -109,10 +109,11 @@ def check_variants(k_pages) -> None:
 def online_softmax_step(q, k, v, score_ok, value_ok, carry, *, scale: float, logits_soft_cap: float | None = None):
     """One exact float32 flash-attention step over a chunk.
 
-    q `[rows, head_dim]`, k/v `[tokens, head_dim]` (the cache dtype); score_ok bool `[rows, tokens]`: which
-    (query, key) pairs attend; value_ok bool `[tokens, head_dim]`: which V rows are real tokens (rows of
-    stale or past-the-length slots are zeroed before the P @ V product, so a NaN there never reaches the
-    arithmetic: 0 * NaN would). carry (m, z, u): m, z `[rows, 1]` (2-D: a TPU vector is sublanes x lanes),
+    q `[rows, head_dim]`, k/v `[tokens, head_dim]` (the cache dtype); score_ok bool `[rows, tokens]` (or
+    broadcastable): which (query, key) pairs attend; value_ok bool `[tokens, head_dim]`: which V rows are real
+    tokens (rows of stale or past-the-length slots are zeroed before the P @ V product, so a NaN there never
+    reaches the arithmetic: 0 * NaN would), or None where every row of v is known finite (the sparse kernel
+    fills unselected slots with zeros). carry (m, z, u): m, z `[rows, 1]` (2-D: a TPU vector is sublanes x lanes),
     u `[rows, head_dim]`, float32; m is the running max (-inf while nothing was seen), z the running sum
     of exp(s - m), u the running sum of exp(s - m) * v. With `logits_soft_cap` c the scaled scores pass
     through c * tanh(s / c) first.
@@ -130,7 +131,8 @@ def online_softmax_step(q, k, v, score_ok, value_ok, carry, *, scale: float, log
     alpha = jnp.exp(m_prev - m_safe)
     p = jnp.exp(s - m_safe)
     z_next = alpha * z_prev + jnp.sum(p, axis=1, keepdims=True)
-    v = jnp.where(value_ok, v, jnp.zeros((), v.dtype))
+    if value_ok is not None:
+        v = jnp.where(value_ok, v, jnp.zeros((), v.dtype))
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                          preferred_element_type=jnp.float32)
     return m_next, z_next, alpha * u_prev + pv

@@ -38,7 +38,7 @@ def test_demo_end_to_end_prints_completions_and_statistics():
     assert "Traceback" not in r.stderr
     assert out.count("--- [") == len(DEMO_SUFFIXES)
     for row in ("prompt tokens", "generated tokens", "tokens/s", "KV blocks used", "KV waste",
-                "prefix-cache hit rate", "preemptions", "compilations", "compile cache"):
+                "prefix-cache hit rate", "preemptions", "step programs", "compile time", "compile cache"):
         assert re.search(rf"^{re.escape(row)}\s", out, re.MULTILINE), f"no '{row}' row in:\n{out}"
     assert re.search(r"^generated tokens\s+\d+$", out, re.MULTILINE), out
     assert re.search(r"KV blocks used\s+\d+ of 64", out), out
@@ -191,8 +191,10 @@ def test_max_tokens_past_the_context_is_refused_as_the_server_refuses_it(capsys)
     assert captured.out == ""
 
 
-def test_one_context_length_per_model_in_python_the_cli_and_the_server():
-    """The CLI and the server defaulted to min(2048, max_position_embeddings), Python to the model's own."""
+def test_one_context_length_and_one_sampling_default_per_model_in_python_the_cli_and_the_server():
+    """The CLI and the server defaulted to min(2048, max_position_embeddings), Python to the model's own; the
+    default temperature was 0.0 in Python, 0.8 (top_p 0.95) in the CLI and 1.0 in the server: now the model's
+    generation_config.json's everywhere (the bundled model's: 0.8, top_p 0.95)."""
     from pagedjax import CacheConfig, LLMEngine
     from pagedjax.cli.args import build_parser
     from pagedjax.cli.engine_setup import build_engine, load_model_for_cli
@@ -201,9 +203,12 @@ def test_one_context_length_per_model_in_python_the_cli_and_the_server():
     python = LLMEngine.from_pretrained(None, cache_config=CacheConfig(num_blocks=16), compile_cache=False)
     want = python.model_config.max_position_embeddings
     assert python.scheduler_config.max_model_len == want
+    defaults = python.config.sampling_defaults
+    assert (defaults.temperature, defaults.top_p) == (0.8, 0.95)
     for parser in (build_parser(), serve_parser()):
         args = parser.parse_args(["--num-blocks", "16", "--no-warmup"])
-        assert build_engine(args, load_model_for_cli(args), compile_cache=False).scheduler_config.max_model_len == want
+        engine = build_engine(args, load_model_for_cli(args), compile_cache=False)
+        assert engine.scheduler_config.max_model_len == want and engine.config.sampling_defaults == defaults
         args = parser.parse_args(["--num-blocks", "16", "--no-warmup", "--max-model-len", "100"])
         assert build_engine(args, load_model_for_cli(args), compile_cache=False).scheduler_config.max_model_len == 100
 
@@ -268,10 +273,15 @@ def test_second_run_loads_what_the_first_compiled(tmp_path):
     assert cold["compile_cache_dir"] == str(cache)
     assert cold["stats"]["compile_cache_hits"] == 0 and cold["stats"]["compile_cache_misses"] > 0
     assert cold["stats"]["compile_s"] > 0
+    # One count of programs: each step program is compiled (cold) or loaded (warm), never both, never others.
+    assert cold["stats"]["programs_compiled"] == cold["stats"]["compilations"] == \
+        cold["stats"]["compile_cache_misses"] and cold["stats"]["programs_loaded"] == 0
 
     warm = _run_json("--compile-cache", str(cache))
     assert warm["compile_cache_dir"] == str(cache)
     assert warm["stats"]["compile_cache_hits"] > 0 and warm["stats"]["compile_cache_misses"] == 0
+    assert warm["stats"]["programs_loaded"] == warm["stats"]["compilations"] == cold["stats"]["compilations"]
+    assert warm["stats"]["programs_compiled"] == 0
     assert [(c["text"], c["num_tokens"]) for c in warm["completions"]] == \
         [(c["text"], c["num_tokens"]) for c in cold["completions"]]
     assert warm["completions"][0]["num_tokens"] == 2
@@ -288,12 +298,26 @@ def test_no_compile_cache_writes_nothing(tmp_path):
 
 
 def test_compile_cache_description():
-    assert CompileCache(None).describe() == "off: every program compiled"
-    assert CompileCache(None, lookups=3).start == "off"
+    assert CompileCache(None).describe(3, 0) == "off: every program compiled"
+    assert CompileCache(None).start(3, 0) == "off"
     folder = Path("/tmp/c")
-    assert CompileCache(folder, lookups=4, hits=4).describe() == "warm start: 4 of 4 programs loaded from /tmp/c"
-    assert CompileCache(folder, lookups=4).describe() == "cold start: 0 of 4 programs loaded from /tmp/c"
-    assert CompileCache(folder, lookups=4, hits=1).start == "partly warm"
-    assert CompileCache(folder, lookups=4, hits=1).misses == 3
-    assert CompileCache(folder).start == "no compilation"
+    assert CompileCache(folder).describe(4, 4) == "warm start: 4 of 4 step programs loaded from /tmp/c"
+    assert CompileCache(folder).describe(4, 0) == "cold start: 0 of 4 step programs loaded from /tmp/c"
+    assert CompileCache(folder).start(4, 1) == "partly warm"
+    assert CompileCache(folder).start(0, 0) == "no compilation"
     assert CompileCache(folder).engine_arg == "/tmp/c" and CompileCache(None).engine_arg is False
+
+
+def test_the_header_says_what_is_on(capsys):
+    """It said "float32" under --quantization int8 (the compute dtype), counted the scales as parameters (2.36 M ->
+    2.37 M) and named neither the KV dtype's source, the speculative method nor tp/dp."""
+    argv = ["--prompt", "def f", "--max-tokens", "1", "--num-blocks", "16", "--quantization", "int8",
+            "--kv-dtype", "int8", "--speculative-method", "ngram", "--speculative-num-tokens", "2"]
+    assert cli.main(argv) == 0
+    header = capsys.readouterr().out.split("\n\n")[0]
+    assert re.search(r"^  2\.36 M params: 0\.53 M float32 \([\d.]+ MiB\), 1\.84 M int8 \([\d.]+ MiB\), "
+                     r"scales [\d.]+ KiB; compute float32, weights int8, KV cache int8$", header, re.MULTILINE), header
+    assert re.search(r"^  speculative decoding ngram, 2 tokens; tensor parallel 1 x data parallel 1; context 4,096 "
+                     r"tokens$", header, re.MULTILINE), header
+    assert re.search(r"^  sampling defaults: temperature 0.8, top_p 0.95 \(.*generation_config.json\)$", header,
+                     re.MULTILINE), header

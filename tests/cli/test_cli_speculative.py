@@ -85,7 +85,8 @@ def test_the_statistics_table_shows_the_proposals_when_there_were_some():
     summary = dict.fromkeys(("requests", "prompt_tokens", "generated_tokens", "tokens_per_s", "step_time_s",
                              "kv_blocks_used_peak", "kv_blocks", "kv_blocks_used_peak_pct", "kv_waste_pct",
                              "kv_bytes_per_token", "prefix_cache_hit_pct", "preemptions", "compilations",
-                             "compile_s", "engine_steps", "wall_s", "spec_proposed_tokens", "spec_accepted_tokens"), 0)
+                             "programs_compiled", "programs_loaded", "compile_s", "warmup_s", "engine_steps",
+                             "wall_s", "spec_proposed_tokens", "spec_accepted_tokens"), 0)
     off = CompileCache(None)
     assert "speculative proposals" not in dict(stats_rows(summary, off))
     rows = dict(stats_rows(summary | dict(spec_proposed_tokens=1200, spec_accepted_tokens=900), off))

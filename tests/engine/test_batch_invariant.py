@@ -52,7 +52,7 @@ def test_a_request_is_bitwise_the_same_in_any_mix(others, position, shared_prefi
     engine, alone = engine_and_alone()
     rng = np.random.default_rng(len(others) * 100 + shared_prefix)
     if shared_prefix >= 8:  # a finished request leaves the prefix's full blocks cached: a prefix-cache hit
-        engine.generate([PROMPT[:shared_prefix] + [1]], SamplingParams(max_tokens=1), use_tqdm=False)
+        engine.generate([PROMPT[:shared_prefix] + [1]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n, *_ in others]
     params = [SamplingParams(max_tokens=m, temperature=1.0, seed=s, n=n) for _, m, s, n in others]
     at = min(position, len(prompts))
@@ -65,7 +65,8 @@ def test_a_preempted_request_is_bitwise_the_same_and_one_program_ran():
     engine, alone = engine_and_alone()
     preemptions = engine.stats().scheduler.num_preemptions
     prompts = [np.random.default_rng(i).integers(0, CFG.vocab_size, 60).tolist() for i in range(6)]
-    outs = engine.generate([PROMPT] + prompts, [SAMPLED] + [SamplingParams(max_tokens=30)] * 6, use_tqdm=False)
+    outs = engine.generate([PROMPT] + prompts, [SAMPLED] + [SamplingParams(temperature=0.0,
+                                                                           max_tokens=30)] * 6, use_tqdm=False)
     assert engine.stats().scheduler.num_preemptions > preemptions
     assert result(outs[0]) == alone
     assert engine.stats().compilations == 1

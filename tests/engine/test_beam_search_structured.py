@@ -68,7 +68,8 @@ def test_constrained_beam_search_equals_a_masked_dense_beam_search(llm, monkeypa
     candidates' log-probabilities are of the masked logits, so the search is the same) are continued with
     other tokens, which rolls their matcher back."""
     if sampled:
-        monkeypatch.setattr(beam_module, "SamplingParams", functools.partial(SamplingParams, temperature=1.0, seed=0))
+        monkeypatch.setattr(beam_module, "SamplingParams", functools.partial(SamplingParams, seed=0))
+        monkeypatch.setattr(beam_module, "RAW_SAMPLING", {**beam_module.RAW_SAMPLING, "temperature": 1.0})
     forks, replaced = [], []
     sched = llm.scheduler
     fork, replace = sched.fork, sched.replace_last_token

@@ -47,7 +47,7 @@ def test_a_draft_identical_to_the_target_accepts_every_proposal_and_gives_the_de
     recomputed afterwards (every proposal accepted again). (Log-probabilities of verified rows: test_speculative.)"""
     prompts, expected = PROMPTS[3:5], reference()[3:5]  # the dense model's (shared with test_engine)
     engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=same_draft())
-    params = SamplingParams(max_tokens=MAX_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     assert engine.generate(prompts[:1], params, use_tqdm=False)[0].output_token_ids == expected[0]
     outs = engine.generate(prompts, params, use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
@@ -55,6 +55,13 @@ def test_a_draft_identical_to_the_target_accepts_every_proposal_and_gives_the_de
     assert s.scheduler.prefix_cache_hits > 0
     assert s.spec_proposed_tokens > 0 and s.spec_accepted_tokens == s.spec_proposed_tokens  # acceptance 1
     assert s.steps < 3 + sum(map(len, expected)) // 2  # several tokens per step
+    # The draft's programs compile inside the steps too: counted with the target's, their time out of tokens/s.
+    target, draft = engine.runner.programs, engine.speculator.draft.runner.programs
+    assert draft.num_compilations > 0 and draft.compile_seconds > 0
+    assert s.compilations == target.num_compilations + draft.num_compilations
+    assert s.compile_s == pytest.approx(target.compile_seconds + draft.compile_seconds)
+    assert s.compiled_programs == len(target) + len(draft)
+    assert s.tokens_per_s == pytest.approx(s.generated_tokens / (s.elapsed_s - s.compile_s))
     assert_all_free(engine)
 
     proposer = engine.speculator.proposer
@@ -93,7 +100,7 @@ def test_an_unrelated_draft_gives_the_non_speculative_tokens_and_samples():
     params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.95, seed=3, logprobs=2),
               SamplingParams(max_tokens=16, temperature=0.0, logprobs=1),
               SamplingParams(max_tokens=7, temperature=1.0, seed=11, n=2, best_of=3),
-              SamplingParams(max_tokens=16, stop_token_ids=(13,)),
+              SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(13,)),
               SamplingParams(max_tokens=12, presence_penalty=0.5, temperature=0.9, seed=2)]
     prompts = [PROMPTS[3], PROMPTS[4], PROMPTS[2], PROMPTS[0], PROMPTS[5]]
     runs = []
@@ -125,7 +132,7 @@ def test_draft_speculation_matches_dense_on_random_workloads(w, k, same):
                        SchedulerConfig(max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                                        max_model_len=MAX_LEN), seed=SEED, decode_steps_per_call=w["num_steps"],
                        speculative_config=config)
-    outs = engine.generate(w["prompts"], SamplingParams(max_tokens=w["max_tokens"]), use_tqdm=False)
+    outs = engine.generate(w["prompts"], SamplingParams(temperature=0.0, max_tokens=w["max_tokens"]), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     s = engine.stats()
     assert not same or s.spec_accepted_tokens == s.spec_proposed_tokens
@@ -139,7 +146,7 @@ def test_after_warmup_draft_calls_run_on_a_stand_in_while_their_own_programs_com
     prompts, expected = PROMPTS[3:5], reference()[3:5]
     engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=same_draft(), compile_in_background=True)
     engine.warmup()
-    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     s = engine.stats()
     assert s.spec_proposed_tokens > 0 and s.spec_accepted_tokens == s.spec_proposed_tokens
@@ -152,7 +159,7 @@ def test_a_draft_read_from_a_folder_the_bundled_model_as_its_own_draft():
     """`draft_model` a folder (the bundled trained model's), the target the same model: its greedy text, every
     proposal accepted."""
     cache, sched = CacheConfig(block_size=16, num_blocks=32), SchedulerConfig(max_num_seqs=2, max_model_len=256)
-    prompts, params = ["def fibonacci(n):", "import os\n"], SamplingParams(max_tokens=24)
+    prompts, params = ["def fibonacci(n):", "import os\n"], SamplingParams(temperature=0.0, max_tokens=24)
     plain = LLMEngine.from_pretrained(None, cache_config=cache, scheduler_config=sched).generate(prompts, params,
                                                                                                  use_tqdm=False)
     config = SpeculativeConfig(method="draft", draft_model=str(bundled_model_path()), num_speculative_tokens=3)

@@ -52,7 +52,7 @@ def make_engine(block_size=16, num_blocks=64, prefix=True, max_num_seqs=8, max_b
                                      max_model_len=MAX_LEN), seed=SEED, **kw)
 
 
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 
 def assert_all_free(engine):
@@ -140,7 +140,7 @@ def test_prefix_cache_hits_skip_prefill_work():
 def test_abort_mid_generation_returns_every_block():
     engine = make_engine(block_size=8)
     for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=40))
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=40))
     for _ in range(3):
         engine.step()
     used = engine.stats().scheduler.memory.num_used_blocks
@@ -159,7 +159,8 @@ def test_stop_tokens_end_requests_in_both_decode_modes():
     first = target.index(stop)
     for num_steps in (1, 8):
         engine = make_engine(decode_steps_per_call=num_steps)
-        out = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(stop,)),
+        out = engine.generate([PROMPTS[2]], SamplingParams(temperature=0.0,
+                                                           max_tokens=MAX_TOKENS, stop_token_ids=(stop,)),
                               use_tqdm=False)[0]
         assert out.finish_reason == "stop"
         assert out.output_token_ids == target[: first + 1]
@@ -186,7 +187,7 @@ def test_bad_input_gives_clear_errors():
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request("b", [1] * (MAX_LEN + 1), GREEDY)
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(temperature=0.0, max_tokens=0)
     with pytest.raises(ValueError):
         engine.add_request("c", [], GREEDY)
     engine.add_request("d", [1, 2], GREEDY)
@@ -204,7 +205,7 @@ def test_pallas_backend_matches_xla(num_steps):
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
     engine = make_engine(block_size=16, backend="pallas", decode_steps_per_call=num_steps)
     assert engine.backend == "pallas"
-    outs = engine.generate(prompts, SamplingParams(max_tokens=5), use_tqdm=False)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == [reference()[i][:5] for i in (0, 2, 3)]
     assert_all_free(engine)
 
@@ -215,14 +216,15 @@ def test_pallas_backend_scenarios(scenario):
     tokens = 4
     if scenario == "prefix-cache":
         engine = make_engine(block_size=8, backend="pallas")
-        first = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=tokens), use_tqdm=False)[0]
-        second = engine.generate([PROMPTS[4]], SamplingParams(max_tokens=tokens), use_tqdm=False)[0]
+        first = engine.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=tokens), use_tqdm=False)[0]
+        second = engine.generate([PROMPTS[4]], SamplingParams(temperature=0.0, max_tokens=tokens), use_tqdm=False)[0]
         assert second.num_cached_tokens == 40
         assert [first.output_token_ids, second.output_token_ids] == [reference()[3][:tokens], reference()[4][:tokens]]
     elif scenario == "preemption":
         # 53 + 7 prompt tokens fill all 8 blocks of 8; the second request's next block preempts it.
         engine = make_engine(block_size=8, num_blocks=8, backend="pallas", decode_steps_per_call=4)
-        outs = engine.generate([PROMPTS[2], PROMPTS[5]], SamplingParams(max_tokens=tokens), use_tqdm=False)
+        outs = engine.generate([PROMPTS[2], PROMPTS[5]], SamplingParams(temperature=0.0,
+                                                                        max_tokens=tokens), use_tqdm=False)
         assert engine.stats().scheduler.num_preemptions > 0
         assert [o.output_token_ids for o in outs] == [reference()[i][:tokens] for i in (2, 5)]
     else:

@@ -71,7 +71,7 @@ def make_engine(*, block_size=8, num_blocks=64, budget=64, max_num_seqs=8, steps
 
 
 MAX_TOKENS_SHORT = 6
-PARAMS = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.8, seed=5),
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=8), SamplingParams(max_tokens=8, temperature=0.8, seed=5),
           SamplingParams(max_tokens=8, temperature=1.0, top_k=10, seed=9)]
 
 
@@ -148,11 +148,11 @@ def test_faults_over_random_workloads(w):
 def test_failed_fused_decode_does_not_wedge_the_engine(mode):
     """A fused decode that raises returns its lent blocks; later steps run (they used to raise "a fused
     decode is in flight" forever)."""
-    expected = run(make_engine(steps=4), PROMPTS[:3], SamplingParams(max_tokens=MAX_LEN // 4))
+    expected = run(make_engine(steps=4), PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=MAX_LEN // 4))
     engine = make_engine(steps=4)
     faults = Faults(engine, mode=mode)
     for i, p in enumerate(PROMPTS[:3]):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=MAX_LEN // 4))
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=MAX_LEN // 4))
     while engine.stats().fused_decode_calls == 0:  # run until decode-only, then fail the next fused call
         engine.step()
     faults.fail_at = {faults.calls}
@@ -173,7 +173,7 @@ def test_failed_steps_of_a_windowed_int8_model_lose_nothing(mode):
     step and a fused decode that fail after blocks were released neither leak a block nor change an output."""
     cfg = CFG.replace(sliding_windows=(6, 10))
     config = dict(block_size=4, steps=4, cfg=cfg, kv_dtype="int8")
-    params = SamplingParams(max_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
     expected = run(make_engine(**config), PROMPTS[2:5], params)
     engine = make_engine(**config)
     faults = Faults(engine, mode=mode)
@@ -204,7 +204,8 @@ def test_a_request_that_breaks_every_step_fails_alone():
     for steps in (1, 4):
         engine = make_engine(steps=steps)
         faults = Faults(engine, poison=poison)
-        outs = run(engine, PROMPTS[:2] + [bad] + PROMPTS[2:], SamplingParams(max_tokens=MAX_TOKENS_SHORT))
+        outs = run(engine, PROMPTS[:2] + [bad] + PROMPTS[2:], SamplingParams(temperature=0.0,
+                                                                             max_tokens=MAX_TOKENS_SHORT))
         assert outs[2].finish_reason == "error" and "InjectedFault" in outs[2].error
         assert outs[2].output_token_ids == []
         good = outs[:2] + outs[3:]
@@ -218,10 +219,10 @@ def test_lost_kv_cache_is_rebuilt_and_everything_recomputed():
     """A failure after the cache was donated ("Array has been deleted" on every later step, before): the
     engine makes a fresh cache, forgets the prefix cache (its KV is gone) and recomputes."""
     engine = make_engine()
-    run(engine, [PROMPTS[3]], SamplingParams(max_tokens=2))  # leaves a cached prefix behind
+    run(engine, [PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=2))  # leaves a cached prefix behind
     assert engine.stats().scheduler.memory.num_cached_blocks > 0
     faults = Faults(engine, fail_at={faults_at := 2}, mode="lose_cache")
-    outs = run(engine, PROMPTS, SamplingParams(max_tokens=len(reference()[0])))
+    outs = run(engine, PROMPTS, SamplingParams(temperature=0.0, max_tokens=len(reference()[0])))
     assert faults.raised == [(faults_at, "step")]
     assert not engine.runner.kv_cache_lost
     assert [o.output_token_ids for o in outs] == reference()  # the failed step ran several: none failed
@@ -233,18 +234,18 @@ def test_keyboard_interrupt_propagates_and_leaves_the_engine_usable():
     engine = make_engine(steps=4)
     Faults(engine, fail_at={1}, error=KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
-        run(engine, PROMPTS, SamplingParams(max_tokens=4))
+        run(engine, PROMPTS, SamplingParams(temperature=0.0, max_tokens=4))
     assert not engine.has_unfinished_requests()
     assert_all_free(engine)
     assert engine.stats().failed_steps == 1
-    out = run(engine, [PROMPTS[2]], SamplingParams(max_tokens=MAX_TOKENS_SHORT))[0]
+    out = run(engine, [PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS_SHORT))[0]
     assert out.output_token_ids == reference()[2][:MAX_TOKENS_SHORT]
 
 
 def test_compiled_steps_live_and_die_with_their_engine():
     """Compiled programs used to sit in a module-level cache forever (~70 MiB per pool size)."""
     engine = make_engine()
-    run(engine, [PROMPTS[0]], SamplingParams(max_tokens=2))
+    run(engine, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=2))
     assert engine.stats().compilations > 0
     runner = weakref.ref(engine.runner)
     executables = weakref.ref(next(iter(engine.runner.programs.executables.values())))
@@ -297,4 +298,5 @@ def test_beam_search_survives_a_failed_step_and_fails_cleanly_on_a_request_that_
         broken.beam_search(prompts, params)
     assert not broken.has_unfinished_requests()
     assert broken.scheduler.kv_cache_manager.block_pool.num_used == 0
-    assert broken.generate([PROMPTS[2][:13]], SamplingParams(max_tokens=3), use_tqdm=False)[0].finish_reason == "length"
+    assert broken.generate([PROMPTS[2][:13]], SamplingParams(temperature=0.0,
+                                                             max_tokens=3), use_tqdm=False)[0].finish_reason == "length"

@@ -51,7 +51,7 @@ def test_engine_matches_dense_on_random_workloads(w):
                                         enable_prefix_caching=w["prefix"]),
                        SchedulerConfig(max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                                        max_model_len=MAX_LEN), seed=SEED, decode_steps_per_call=w["num_steps"])
-    outs = engine.generate(w["prompts"], SamplingParams(max_tokens=w["max_tokens"]), use_tqdm=False)
+    outs = engine.generate(w["prompts"], SamplingParams(temperature=0.0, max_tokens=w["max_tokens"]), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     st_ = engine.stats()
     mem = st_.scheduler.memory

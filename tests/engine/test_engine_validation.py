@@ -58,7 +58,8 @@ def test_sampling_params_validate_every_field(field, value, error):
 
 
 def test_sampling_params_accept_numpy_integers():
-    p = SamplingParams(max_tokens=np.int64(4), top_k=np.int32(3), seed=np.uint32(7), stop_token_ids=np.arange(3))
+    p = SamplingParams(temperature=0.0,
+                       max_tokens=np.int64(4), top_k=np.int32(3), seed=np.uint32(7), stop_token_ids=np.arange(3))
     assert p.stop_token_ids == (0, 1, 2) and all(type(t) is int for t in p.stop_token_ids)
 
 
@@ -69,7 +70,7 @@ def test_sampling_params_accept_numpy_integers():
 def test_prompt_token_ids_are_checked_not_coerced(prompt, error):
     engine = make_engine()
     with pytest.raises(error, match="'r'"):
-        engine.add_request("r", prompt, SamplingParams())
+        engine.add_request("r", prompt, SamplingParams(temperature=0.0))
     assert not engine.has_unfinished_requests()
 
 
@@ -88,19 +89,21 @@ def test_request_ids_and_params_are_checked():
 def test_unknown_device_overflow_request_is_refused_at_construction():
     """top_k > 2**31 - 1 used to pass validation and then make every step raise for everyone."""
     with pytest.raises(ValueError, match="top_k"):
-        SamplingParams(top_k=2**31)
+        SamplingParams(temperature=0.0, top_k=2**31)
 
 
 def test_generate_validates_the_whole_batch_before_queueing_any():
     engine = make_engine()
     with pytest.raises(TypeError):
-        engine.generate([PROMPTS[0], PROMPTS[1], [1.5]], SamplingParams(max_tokens=2), use_tqdm=False)
+        engine.generate([PROMPTS[0], PROMPTS[1], [1.5]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     assert not engine.has_unfinished_requests()  # prompts 1-2 used to stay queued and run unseen later
     with pytest.raises(ValueError, match="max_model_len"):
-        engine.generate([PROMPTS[0], [1] * (MAX_LEN + 1)], SamplingParams(max_tokens=2), use_tqdm=False)
+        engine.generate([PROMPTS[0], [1] * (MAX_LEN + 1)], SamplingParams(temperature=0.0,
+                                                                          max_tokens=2), use_tqdm=False)
     assert not engine.has_unfinished_requests()
     # still serving, nothing held
-    assert len(engine.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)[0].output_token_ids) == 2
+    assert len(engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0,
+                                                            max_tokens=2), use_tqdm=False)[0].output_token_ids) == 2
     mem = engine.stats().scheduler.memory
     assert mem.num_used_blocks == 0 and mem.num_free_blocks + mem.num_cached_blocks == mem.num_blocks
 
@@ -108,8 +111,8 @@ def test_generate_validates_the_whole_batch_before_queueing_any():
 def test_generate_ids_never_collide_with_the_callers():
     engine = make_engine()
     for rid in ("gen-0", "gen-1", "gen-1-0", "gen-1-1"):
-        engine.add_request(rid, PROMPTS[0], SamplingParams(max_tokens=2))
-    outs = engine.generate([PROMPTS[1], PROMPTS[2]], SamplingParams(max_tokens=2), use_tqdm=False)
+        engine.add_request(rid, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=2))
+    outs = engine.generate([PROMPTS[1], PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     assert [len(o.output_token_ids) for o in outs] == [2, 2]
     assert len({o.request_id for o in outs} | {"gen-0", "gen-1", "gen-1-0", "gen-1-1"}) == 6
     while engine.has_unfinished_requests():  # the caller's own requests are still there, untouched
@@ -177,7 +180,7 @@ def test_kv_cache_dtype_may_differ_from_the_models(backend):
     assert engine.runner.kv_cache.layers[0].k.dtype == jnp.bfloat16
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=1))
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=1))
     plan = engine.scheduler.schedule()
     logits = engine.runner.execute(engine.step_inputs(plan), return_logits=True).logits
     dense = np.asarray(dense_forward(CFG, SEED)(jnp.asarray(_pad(prompts))))
@@ -185,7 +188,7 @@ def test_kv_cache_dtype_may_differ_from_the_models(backend):
         want = dense[i, kv_len - 1]
         # K/V rounded to bf16: ~1e-2 of the logits' scale
         np.testing.assert_allclose(logits[i], want, rtol=0, atol=2e-2 * np.abs(want).max())
-    outs = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=3), use_tqdm=False)
+    outs = engine.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert len(outs[0].output_token_ids) == 3
 
 
@@ -208,10 +211,11 @@ def test_stop_token_id_counts_compile_two_programs():
     driven with counts 1..1,024 compiled one per count and stalled every running stream meanwhile. Counts take
     8 or 512 columns now (`inputs.STOP_ID_WIDTHS`): counts 1..40 compile at most one program per width."""
     engine = make_engine()
-    engine.generate([PROMPTS[0]], SamplingParams(max_tokens=2, presence_penalty=0.5), use_tqdm=False)
+    engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=2, presence_penalty=0.5), use_tqdm=False)
     base = engine.stats().compilations
     for k in range(1, 41):
-        params = SamplingParams(max_tokens=1, presence_penalty=0.5, stop_token_ids=list(range(k)), ignore_eos=True)
+        params = SamplingParams(temperature=0.0,
+                                max_tokens=1, presence_penalty=0.5, stop_token_ids=list(range(k)), ignore_eos=True)
         engine.generate([PROMPTS[0]], params, use_tqdm=False)
     assert engine.stats().compilations - base <= 2  # widths 8 and 512
 
@@ -230,7 +234,7 @@ def test_beam_search_refuses_what_could_deadlock_and_leaves_nothing_behind(monke
     assert not small.has_unfinished_requests()
 
     engine = make_engine()
-    engine.add_request("other", PROMPTS[1], SamplingParams(max_tokens=4))
+    engine.add_request("other", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4))
     with pytest.raises(ValueError, match="runs alone: 1 requests are in flight"):
         engine.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=3))
     while engine.has_unfinished_requests():
@@ -268,8 +272,8 @@ def test_compiled_programs_are_bounded_and_outputs_stay_exact():
 
     capped.runner.programs._install = recording
     for prompts in batches:
-        got = capped.generate(prompts, SamplingParams(max_tokens=3), use_tqdm=False)
-        want = uncapped.generate(prompts, SamplingParams(max_tokens=3), use_tqdm=False)
+        got = capped.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+        want = uncapped.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
         assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
         assert capped.stats().compiled_programs <= 2
     assert capped.stats().compilations > uncapped.stats().compilations  # dropped programs were compiled again
@@ -297,7 +301,7 @@ def _text_engine():
 def test_one_prompt_is_one_request_as_in_vllm():
     """`generate("def f")` used to run five one-character requests; a dict prompt was read as its keys."""
     engine = _text_engine()
-    params = SamplingParams(max_tokens=2)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
     tokens = list(ByteTokenizer().encode("def f"))
     for prompt in ("def f", b"def f", tokens, np.array(tokens), {"prompt": "def f"}, {"prompt_token_ids": tokens}):
         outs = engine.generate(prompt, params, use_tqdm=False)
@@ -315,7 +319,7 @@ def test_one_prompt_is_one_request_as_in_vllm():
 def test_prompts_of_a_bad_shape_name_what_was_given(prompts, match):
     engine = _text_engine()
     with pytest.raises(TypeError, match=match):
-        engine.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+        engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     assert not engine.has_unfinished_requests()
 
 

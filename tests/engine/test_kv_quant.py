@@ -146,7 +146,7 @@ def test_the_oracle_differs_from_unquantized_pages(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ the scheduler's paths
-GREEDY = SamplingParams(max_tokens=8)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 SCHEDULED = [PROMPTS[2], PROMPTS[3], PROMPTS[4], PROMPTS[5]]  # 53, 45, 49 (40 shared with the 45) and 7 tokens
 
 
@@ -162,7 +162,8 @@ def test_int8_preemption_prefix_cache_and_forks_give_the_same_tokens():
     stats = tight.stats().scheduler
     assert stats.num_preemptions > 0 and stats.prefix_cache_hit_rate > 0, stats
     assert got == want
-    outs = baseline.generate([SCHEDULED[0], SCHEDULED[3]], SamplingParams(max_tokens=8, n=3), use_tqdm=False)
+    outs = baseline.generate([SCHEDULED[0], SCHEDULED[3]], SamplingParams(temperature=0.0,
+                                                                          max_tokens=8, n=3), use_tqdm=False)
     for out, i in zip(outs, (0, 3), strict=True):
         assert [s.token_ids for s in out.outputs] == [want[i]] * 3
 
@@ -200,7 +201,7 @@ def test_cli_kv_dtype_reports_dtype_and_bytes_per_token(capsys):
             "--backend", "xla"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "16 KV blocks x 16 tokens (int8, 576 bytes per token)" in out, out
+    assert "16 KV blocks x 16 tokens (576 KV bytes per token)" in out and ", KV cache int8\n" in out, out
     assert re.search(r"^KV bytes per token\s+576$", out, re.MULTILINE), out
     assert cli.main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

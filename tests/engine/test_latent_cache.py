@@ -22,7 +22,7 @@ rng = np.random.default_rng(3)
 SHARED = rng.integers(0, VOCAB, 9).tolist()
 # Lengths 1, a block's (4) and more; two prompts sharing two full blocks (prefix cache hits).
 PROMPTS = [[7], rng.integers(0, VOCAB, 4).tolist(), SHARED + [1, 2], SHARED + [3]]
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def engine(model=None, *, num_blocks: int = 64, kv_dtype: str = "auto", token_budget: int = 32, **kwargs):
@@ -75,22 +75,23 @@ def test_greedy_equals_the_dense_forward_with_prefix_hits_chunks_preemption_fork
     assert fused.stats().fused_decode_calls > 0
     # n > 1 forks share the prompt's blocks (copy-on-write of the last partial one): each greedy sample is the
     # dense continuation.
-    forks = e.generate([PROMPTS[2]], SamplingParams(max_tokens=8, ignore_eos=True, n=3), use_tqdm=False)[0]
+    three = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=3)
+    forks = e.generate([PROMPTS[2]], three, use_tqdm=False)[0]
     assert [c.token_ids for c in forks.outputs] == [dense_greedy[2]] * 3
 
 
 def test_pallas_kernels_serve_the_latent_layers(dense_greedy):
     """The engine's Pallas path (the MLA kernels, interpreted on the CPU) gives the same tokens."""
     e = engine(backend="pallas", decode_steps_per_call=1)
-    assert _tokens(e.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)) == [
-        t[:3] for t in dense_greedy[:2]]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert _tokens(e.generate(PROMPTS[:2], params, use_tqdm=False)) == [t[:3] for t in dense_greedy[:2]]
 
 
 def test_int8_latent_pages_stay_close_to_float_ones():
     """The first sampled token's top-5 log-probabilities over int8 pages (latent and GQA) within 0.05 of those
     over float32 pages."""
     kv_dtype = "int8"
-    params = SamplingParams(max_tokens=1, logprobs=5)
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
     f32 = engine().generate(PROMPTS, params, use_tqdm=False)
     narrow = engine(kv_dtype=kv_dtype)
     got_outputs = narrow.generate(PROMPTS, params, use_tqdm=False)

@@ -71,7 +71,7 @@ def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatc
     knobs = zip(range(36), itertools.cycle([None, 0, 1, 5, 6, 13, 20]), itertools.cycle([1, 8, 9, 100, 255]),
                 itertools.cycle([0.0, 0.5, -1.0]), itertools.cycle([None, None, 0, 7, 20]), itertools.cycle([1, 2]))
     for i, logprobs, num_stops, presence, prompt_logprobs, n in knobs:
-        params = SamplingParams(max_tokens=2, logprobs=logprobs, stop_token_ids=range(num_stops),
+        params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=logprobs, stop_token_ids=range(num_stops),
                                 presence_penalty=presence, prompt_logprobs=prompt_logprobs, n=n, ignore_eos=i % 2 == 0,
                                 structured=StructuredOutput(regex="[a-z]{1,4}") if i % 4 == 1 else None)
         engine.add_request(f"r{i}", rng.integers(0, 256, 3 + i % 11).tolist(), params)
@@ -274,3 +274,32 @@ def test_pinned_programs_are_never_dropped():
     for shape in (warm, *shapes):
         tiny.compile(shape, _job(shape, calls), pinned=shape == warm)
     assert list(tiny.executables) == [warm, shapes[-1]]
+
+
+def test_programs_loaded_from_the_persistent_cache_are_told_from_compiled_ones_per_thread():
+    """JAX records its persistent-cache events on the compiling thread: a job whose compile found its program is
+    counted loaded, one that looked and missed (or never looked: the cache off) compiled, on either thread."""
+    from jax import monitoring
+
+    def job(result, *events):
+        def run():
+            for event in events:
+                monitoring.record_event(event)
+            return result
+        return lambda: run
+
+    lookup, hit = programs.CACHE_LOOKUP_EVENT, programs.CACHE_HIT_EVENT
+    cache = ProgramCache(8)
+    big, small, other = _step(64, 8), _step(16, 2), _step(32, 4)
+    cache.compile(big, job("exe-big", lookup, hit))
+    cache.record_run(big, 0.0)
+    assert (cache.num_compilations, cache.num_loaded) == (1, 1)
+    cache.compile(other, job("exe-other", lookup))  # looked, missed: compiled
+    assert (cache.num_compilations, cache.num_loaded) == (2, 1)
+    monitoring.record_event(hit)  # outside any compile job: not counted
+    assert cache.lookup(small, job("exe-small", lookup, hit))[0] == big  # its own loads in the background
+    cache.wait()
+    assert (cache.num_compilations, cache.num_loaded) == (3, 2)
+    cache.compile(_step(16, 1), job("exe-off"))  # no event: the cache is off, compiled
+    assert (cache.num_compilations, cache.num_loaded) == (4, 2)
+    cache.close()

@@ -64,8 +64,8 @@ def test_prompt_is_prefilled_once_for_n_samples():
 
 def test_greedy_samples_are_identical_and_equal_the_single_greedy_output():
     engine = _engine(True, 4, 64)
-    out = engine.generate([PROMPT_PARTIAL], SamplingParams(n=4, max_tokens=8), use_tqdm=False)[0]
-    single = engine.generate([PROMPT_PARTIAL], SamplingParams(max_tokens=8), use_tqdm=False)[0]
+    out = engine.generate([PROMPT_PARTIAL], SamplingParams(temperature=0.0, n=4, max_tokens=8), use_tqdm=False)[0]
+    single = engine.generate([PROMPT_PARTIAL], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
     assert [c.token_ids for c in out.outputs] == [single.output_token_ids] * 4
 
 
@@ -90,7 +90,7 @@ def _dense_logprobs(tokens: list[int]) -> np.ndarray:
 @pytest.mark.parametrize("caching", [True, False])
 def test_logprobs_and_prompt_logprobs_match_the_dense_model(caching):
     engine = _engine(caching, 4, 64)
-    params = SamplingParams(max_tokens=6, logprobs=3, prompt_logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2)
     first = engine.generate([PROMPT_PARTIAL], params, use_tqdm=False)[0]
     again = engine.generate([PROMPT_PARTIAL], params, use_tqdm=False)[0]  # would hit the cache: bypassed
     assert again.num_cached_tokens == 0
@@ -118,7 +118,8 @@ def test_prompt_logprobs_of_several_samples_equal_a_single_requests():
     """n=3 used to return one entry fewer than the prompt (19 for 20 tokens, no leading None): the shared
     prefill's list started empty."""
     engine = _engine(True, 4, 64)
-    single = engine.generate([PROMPT_PARTIAL], SamplingParams(max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    single = engine.generate([PROMPT_PARTIAL], SamplingParams(temperature=0.0,
+                                                              max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
     several = engine.generate([PROMPT_PARTIAL], SamplingParams(max_tokens=2, prompt_logprobs=2, n=3,
                                                                temperature=1.0, seed=5), use_tqdm=False)[0]
     assert len(several.prompt_logprobs) == len(single.prompt_logprobs) == len(PROMPT_PARTIAL)
@@ -144,8 +145,10 @@ def _penalized(logits, prompt, out, p: SamplingParams) -> np.ndarray:
 @pytest.mark.parametrize("steps", [1, 4])
 def test_penalties_and_min_tokens_match_a_numpy_reference(steps):
     engine = _engine(True, steps, 64)
-    greedy = engine.generate([PROMPT_FULL], SamplingParams(max_tokens=3), use_tqdm=False)[0].output_token_ids
-    params = SamplingParams(max_tokens=10, repetition_penalty=1.7, presence_penalty=0.6, frequency_penalty=0.9,
+    greedy = engine.generate([PROMPT_FULL], SamplingParams(temperature=0.0,
+                                                           max_tokens=3), use_tqdm=False)[0].output_token_ids
+    params = SamplingParams(temperature=0.0,
+                            max_tokens=10, repetition_penalty=1.7, presence_penalty=0.6, frequency_penalty=0.9,
                             min_tokens=4, stop_token_ids=(greedy[0],))
     out = engine.generate([PROMPT_FULL], params, use_tqdm=False)[0].output_token_ids
     tokens, expected = list(PROMPT_FULL), []
@@ -206,7 +209,7 @@ def test_invalid_sampling_params_name_the_field(kwargs, match):
 def test_stop_strings_need_a_tokenizer():
     engine = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), seed=SEED, compile_cache=False)
     with pytest.raises(ValueError, match="tokenizer"):
-        engine.add_request("x", [1, 2], SamplingParams(stop=["a"]))
+        engine.add_request("x", [1, 2], SamplingParams(temperature=0.0, stop=["a"]))
 
 
 def _dense_beam_search(prompt, width, max_tokens, length_penalty, eos):
@@ -220,7 +223,8 @@ def test_beam_search_equals_a_brute_force_beam_search_of_the_dense_model(width):
     from pagedjax.sampling_params import BeamSearchParams
 
     engine = _engine(True, 1, 64)
-    greedy = engine.generate([PROMPT_PARTIAL], SamplingParams(max_tokens=6), use_tqdm=False)[0].output_token_ids
+    greedy = engine.generate([PROMPT_PARTIAL], SamplingParams(temperature=0.0,
+                                                              max_tokens=6), use_tqdm=False)[0].output_token_ids
     eos = (greedy[2],)  # an EOS the search meets
     engine.model_spec = dataclasses.replace(engine.model_spec, eos_token_ids=eos)
     try:

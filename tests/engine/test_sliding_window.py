@@ -119,7 +119,7 @@ def test_engine_matches_dense(name):
     """Chunked prefill (16 tokens a step) and decoding past the windows; with every layer local, the prompts
     sharing a prefix once more: prefix hits on blocks that fell out of the windows while they ran."""
     engine = _engine(name, "xla")
-    greedy = SamplingParams(max_tokens=MAX_TOKENS)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     outs = engine.generate(PROMPTS, greedy, use_tqdm=False)
     assert [o.output_token_ids for o in outs] == dense_greedy(name)
     if name == "local":
@@ -132,5 +132,5 @@ def test_pallas_engine_matches_dense():
     """The Pallas kernels (interpreted on the CPU) with windows and a soft cap in the engine: the ragged
     kernel for the prefill, the decode kernel after."""
     engine = _engine("pallas", "pallas", max_num_batched_tokens=32)
-    outs = engine.generate(PROMPTS[1:2], SamplingParams(max_tokens=3), use_tqdm=False)
+    outs = engine.generate(PROMPTS[1:2], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert outs[0].output_token_ids == dense_greedy("pallas")[1][:3]

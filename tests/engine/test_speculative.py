@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from jax.scipy.special import gammaincc
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams
-from pagedjax.config import SchedulerConfig, SpeculativeConfig
+from pagedjax.config import SamplingDefaults, SchedulerConfig, SpeculativeConfig
 from pagedjax.core.request import Request
 from pagedjax.core.step_plan import build_step_plan
 from pagedjax.core.step_result import emitted_tokens as accepted_tokens
@@ -42,7 +42,7 @@ def test_greedy_speculation_of_a_small_batch_gives_the_dense_tokens():
     expected, margin = dense_greedy(prompts, 14)
     assert margin > 1e-3, margin
     engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=NGRAM, decode_steps_per_call=4)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=14, logprobs=1), use_tqdm=False)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=14, logprobs=1), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     s = engine.stats()
     assert 0 < s.spec_accepted_tokens < s.spec_proposed_tokens and s.fused_decode_calls > 0
@@ -62,7 +62,7 @@ def test_greedy_speculation_gives_the_dense_tokens_and_returns_every_block():
     expected, margin = dense_greedy(SPEC_PROMPTS, 20)
     assert margin > 1e-3, margin
     engine = make_engine(block_size=8, speculative_config=NGRAM)
-    outs = engine.generate(SPEC_PROMPTS, SamplingParams(max_tokens=20), use_tqdm=False)
+    outs = engine.generate(SPEC_PROMPTS, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     s = engine.stats()
     # both paths ran: proposals accepted and proposals rejected
@@ -90,7 +90,7 @@ def test_speculation_matches_dense_on_random_workloads(w, k):
                        SchedulerConfig(max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                                        max_model_len=MAX_LEN), seed=SEED, decode_steps_per_call=w["num_steps"],
                        speculative_config=SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1))
-    outs = engine.generate(prompts, SamplingParams(max_tokens=w["max_tokens"]), use_tqdm=False)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=w["max_tokens"]), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     assert_all_free(engine)
 
@@ -100,7 +100,7 @@ def test_seeded_sampling_logprobs_stops_and_samples_equal_non_speculative():
     params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.95, seed=3, logprobs=2),
               SamplingParams(max_tokens=16, temperature=0.0, logprobs=1),
               SamplingParams(max_tokens=7, temperature=1.0, seed=11, n=2, best_of=3),
-              SamplingParams(max_tokens=16, stop_token_ids=(13,)),
+              SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(13,)),
               # not speculated, in the same steps as the others (penalty rows per sampled row)
               SamplingParams(max_tokens=12, presence_penalty=0.5, frequency_penalty=0.3, temperature=0.9, seed=2)]
     prompts = [SPEC_PROMPTS[4], SPEC_PROMPTS[5], SPEC_PROMPTS[4], PROMPTS[0], SPEC_PROMPTS[5]]
@@ -225,7 +225,7 @@ def test_warmup_adds_programs_wide_enough_for_every_verified_row():
 
 def test_a_failing_verifying_step_fails_its_request_alone_and_frees_every_block(monkeypatch):
     engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=NGRAM)
-    engine.add_request("a", SPEC_PROMPTS[4], SamplingParams(max_tokens=10))
+    engine.add_request("a", SPEC_PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=10))
     # proposals come after a step: the prompt's step is followed by these
     monkeypatch.setattr(engine.speculator.proposer, "propose", lambda asks: [[1] * min(2, a.cap) for a in asks])
     engine.step()  # the prompt
@@ -255,9 +255,12 @@ def test_speculative_step_inputs_give_each_verified_position_its_own_row():
     """Beside a request verifying two proposals: a constrained decode and a prefill with penalties. Each sequence's
     rows carry its own sampling parameters, penalties and mask; a verified position j samples as output number
     `num_output_tokens + j`; the rows are padded to their bucket, the sequences to theirs."""
-    a = Request("a", [1, 2, 3], SamplingParams(temperature=0.5, seed=4), output_token_ids=[7], num_computed_tokens=3)
-    b = Request("b", [4, 5], SamplingParams(presence_penalty=0.5))
-    c = Request("c", [6], SamplingParams(), output_token_ids=[2], num_computed_tokens=1, constrained=True)
+    # Requests made here, not by an engine: their parameters get the defaults an engine would give them.
+    a = Request("a", [1, 2, 3], SamplingParams(temperature=0.5, seed=4).with_defaults(SamplingDefaults()),
+                output_token_ids=[7], num_computed_tokens=3)
+    b = Request("b", [4, 5], SamplingParams(temperature=0.0, presence_penalty=0.5).with_defaults(SamplingDefaults()))
+    c = Request("c", [6], SamplingParams(temperature=0.0).with_defaults(SamplingDefaults()), output_token_ids=[2],
+                num_computed_tokens=1, constrained=True)
     plan = build_step_plan([(a, 3), (b, 2), (c, 1)], {"a": [0], "b": [1], "c": [2]}, 16,
                            draft_token_ids={"a": [8, 9]})
     assert plan.request_ids == ["c", "a", "b"] and plan.num_drafts.tolist() == [0, 2, 0]

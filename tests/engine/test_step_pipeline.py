@@ -33,7 +33,7 @@ def test_plain_fused_and_verify_steps_take_one_path_and_give_the_dense_tokens(mo
     update = engine.scheduler.update
     monkeypatch.setattr(engine.scheduler, "update",
                         lambda plan, result: applied.append((_kind(plan), type(result))) or update(plan, result))
-    outs = engine.generate(prompts, SamplingParams(max_tokens=12), use_tqdm=False)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     assert {kind for kind, _ in applied} == {"plain", "fused", "verify"}
     assert all(t is StepResult for _, t in applied)
@@ -46,9 +46,10 @@ def test_no_per_request_state_outlives_its_request():
                        tokenizer=ByteTokenizer(),
                        speculative_config=SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1))
     regex = StructuredOutput(regex="[a-z]{3,12}")
-    engine.generate(["ab ab ab ab", "cd"], [SamplingParams(max_tokens=8, n=2, seed=1, structured=regex),
-                                            SamplingParams(max_tokens=8, stop=["zz"])], use_tqdm=False)
-    engine.add_request("gone", [1, 2, 3], SamplingParams(max_tokens=50))
+    engine.generate(["ab ab ab ab", "cd"], [SamplingParams(temperature=0.0,
+                                                           max_tokens=8, n=2, seed=1, structured=regex),
+                                            SamplingParams(temperature=0.0, max_tokens=8, stop=["zz"])], use_tqdm=False)
+    engine.add_request("gone", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=50))
     engine.step()
     engine.abort("gone")
     engine.step()

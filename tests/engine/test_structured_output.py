@@ -98,7 +98,7 @@ def test_samples_equal_singles_and_unconstrained_requests_are_untouched(llm):
     # Beside a constrained neighbour, a free request's tokens and log-probabilities are those it has beside an
     # unconstrained one of the same length (its mask row allows everything; same batch shapes throughout).
     free = SamplingParams(max_tokens=12, temperature=1.0, seed=3, logprobs=2)
-    neighbour = SamplingParams(max_tokens=12, ignore_eos=True)
+    neighbour = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = llm.generate([PROMPT, PROMPT], [free, neighbour], use_tqdm=False)[0].outputs[0]
     constrained = dataclasses.replace(neighbour, structured=StructuredOutput(regex="[a-z]{12,20}"))
     mixed = llm.generate([PROMPT, PROMPT], [free, constrained], use_tqdm=False)
@@ -125,7 +125,8 @@ def test_log_probabilities_offer_only_allowed_tokens(llm):
     _, outs = _texts(llm, StructuredOutput(choice=("ab", "ac", "b")), temperature=0.0, max_tokens=4)
     lps = outs[0].outputs[0].logprobs if outs[0].outputs[0].logprobs else None
     assert lps is None  # not asked for
-    params = SamplingParams(max_tokens=4, logprobs=5, structured=StructuredOutput(choice=("ab", "ac", "b")))
+    params = SamplingParams(temperature=0.0,
+                            max_tokens=4, logprobs=5, structured=StructuredOutput(choice=("ab", "ac", "b")))
     first = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].logprobs[0]
     assert {t for t, _ in first.top} == {ord("a"), ord("b")}
     assert np.isclose(sum(np.exp(lp) for _, lp in first.top), 1.0, atol=1e-5)  # the mask renormalizes
@@ -136,12 +137,12 @@ def test_bad_constraints_are_refused_before_anything_is_queued(llm):
                               (StructuredOutput(json={"type": "objectx"}), "structured.json"),
                               (StructuredOutput(grammar="start: undefined_rule"), "structured.grammar")):
         with pytest.raises(ValueError, match=re.escape(field)):
-            llm.add_request("bad", [1, 2], SamplingParams(structured=structured))
+            llm.add_request("bad", [1, 2], SamplingParams(temperature=0.0, structured=structured))
         assert not llm.has_unfinished_requests()
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutput(regex="a", choice=("a",))
     with pytest.raises(ValueError, match="needs an engine with a tokenizer"):
-        LLMEngine(CFG, CacheConfig(num_blocks=8)).add_request("x", [1], SamplingParams(
+        LLMEngine(CFG, CacheConfig(num_blocks=8)).add_request("x", [1], SamplingParams(temperature=0.0,
             structured=StructuredOutput(regex="a")))
 
 
@@ -156,8 +157,8 @@ def test_a_constraint_failing_mid_generation_fails_its_request_alone(llm, monkey
         return real(self, output_token_ids)
 
     monkeypatch.setattr(structured_module.Constraint, "advance", advance)
-    free = SamplingParams(max_tokens=6, ignore_eos=True)
-    outs = llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=6, structured=StructuredOutput(
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([PROMPT, PROMPT], [SamplingParams(temperature=0.0, max_tokens=6, structured=StructuredOutput(
         regex="[a-z]{6}")), free], use_tqdm=False)
     assert outs[0].finish_reason == "error" and "injected" in outs[0].error
     assert outs[1].finish_reason == "length" and len(outs[1].output_token_ids) == 6
@@ -172,8 +173,8 @@ def test_the_python_api_checks_constraints_against_the_engines_limits(llm):
 
     many = StructuredOutput(choice=[f"c{i}" for i in range(1_100)])
     with pytest.raises(ValueError, match=r"over the limit max_choices = 1,024"):
-        llm.add_request("many", list(PROMPT.encode()), SamplingParams(max_tokens=4, structured=many))
+        llm.add_request("many", list(PROMPT.encode()), SamplingParams(temperature=0.0, max_tokens=4, structured=many))
     assert not llm.has_unfinished_requests()
     roomy = engine(structured_limits=StructuredLimits(max_choices=2_000))
-    (out,) = roomy.generate([PROMPT], SamplingParams(max_tokens=8, structured=many), use_tqdm=False)
+    (out,) = roomy.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, structured=many), use_tqdm=False)
     assert out.outputs[0].text in many.choice

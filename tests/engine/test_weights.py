@@ -27,7 +27,7 @@ _shared = _rng.integers(0, CFG.vocab_size, 20).tolist()
 # Two prompts sharing 2 blocks of 8 (a prefix-cache hit when cached KV would be reused), and two others.
 PROMPTS = [_shared + [5, 6], _shared + [7], _rng.integers(0, CFG.vocab_size, 3).tolist(),
            _rng.integers(0, CFG.vocab_size, 11).tolist()]
-GREEDY = SamplingParams(max_tokens=6, logprobs=0)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
 
 
 @functools.cache
@@ -91,7 +91,7 @@ def test_update_weights_mid_flight_recomputes_running_requests_with_the_new_weig
     # Each continues as a fresh engine with the new weights continues its sequence so far.
     expect = [o.output_token_ids for o in make_engine(NEW).generate(
         [p + b for p, b in zip(PROMPTS, before, strict=True)],
-        [SamplingParams(max_tokens=GREEDY.max_tokens - len(b)) for b in before], use_tqdm=False)]
+        [SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens - len(b)) for b in before], use_tqdm=False)]
     for rid, b, e in zip(ids, before, expect, strict=True):
         assert finished[rid].output_token_ids == b + e
 

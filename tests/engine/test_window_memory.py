@@ -30,7 +30,7 @@ def run(cfg: ModelConfig, prompts, *, decode_steps_per_call: int, prefix: bool =
                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=MAX_LEN), seed=SEED,
                        decode_steps_per_call=decode_steps_per_call)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=MAX_TOKENS))
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     outputs, peak = {}, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -75,7 +75,7 @@ LONG_LEN, CHUNK = 128, 8  # chunked prefill: a step computes at most 8 tokens of
 
 def serve_one(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
     """Greedy outputs of one request run alone, and the most blocks in use after any step."""
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     outputs, peak = None, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -110,4 +110,4 @@ def test_a_pool_sized_for_the_window_serves_requests_far_longer_than_itself():
         assert peak <= bound
     assert small.stats().scheduler.prefix_cache_hits == big.stats().scheduler.prefix_cache_hits == bound * BS
     with pytest.raises(ValueError, match=f"more than the whole pool of {bound - 1} blocks"):
-        engine(bound - 1).add_request("long", jobs[0][1], SamplingParams(max_tokens=70))
+        engine(bound - 1).add_request("long", jobs[0][1], SamplingParams(temperature=0.0, max_tokens=70))

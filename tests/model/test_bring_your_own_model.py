@@ -28,7 +28,7 @@ rng = np.random.default_rng(0)
 SHARED = rng.integers(0, 64, 9).tolist()
 # Lengths 1, a block's (4) and more; two prompts sharing two full blocks (prefix cache hits).
 PROMPTS = [[5], rng.integers(0, 64, 4).tolist(), SHARED + [1, 2], SHARED + [3]]
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def gpt2(seed: int = 0) -> GPT2:
@@ -97,7 +97,7 @@ def test_beam_search_scores_are_the_models_log_probabilities():
 
 def test_int8_kv_pages_stay_close_to_float_ones():
     """The first sampled token's top-5 log-probabilities over int8 pages within 0.05 of those over float pages."""
-    params = SamplingParams(max_tokens=1, logprobs=5)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     f32 = engine().generate(PROMPTS, params, use_tqdm=False)
     int8_engine = engine(kv_dtype="int8")
     int8 = int8_engine.generate(PROMPTS, params, use_tqdm=False)

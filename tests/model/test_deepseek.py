@@ -355,8 +355,8 @@ def test_engine_greedy_matches_transformers_generate(models, kind):
     expected, margins = zip(*(hf_greedy(model, p, MAX_NEW) for p in PROMPTS), strict=True)
     assert min(margins) > MIN_MARGIN, min(margins)  # a near tie would make the comparison one of rounding
     engine = _engine(folder)
-    greedy = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    forked = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, n=2)  # two greedy samples of one prompt
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    forked = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=2)  # two greedy samples
     outs = engine.generate(PROMPTS, [greedy, greedy, forked, greedy], use_tqdm=False)
     assert [o.output_token_ids for o in outs] == [list(w) for w in expected], kind
     assert [c.token_ids for c in outs[2].outputs] == [list(expected[2])] * 2

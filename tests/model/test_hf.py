@@ -87,7 +87,7 @@ def paged_last_logits(engine: LLMEngine, prompts) -> list[tuple[list[int], np.nd
     """Every prompt's prefill as one step of the engine's paged path: (prompt, its last position's logits) in
     the step's order."""
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=1))
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=1))
     plan = engine.scheduler.schedule()
     assert plan.num_seqs == len(prompts)
     logits = engine.runner.execute(engine.step_inputs(plan), return_logits=True).logits
@@ -241,7 +241,8 @@ def test_engine_greedy_matches_transformers_generate(hf_models, kind):
     engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=32),
                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
                        params=model_from_state(cfg, state))
-    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0,
+                                                   max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
     for p, out, want in zip(PROMPTS, outs, expected, strict=True):
         assert out.output_token_ids == want, f"{kind}, prompt of {len(p)} tokens"
 
@@ -262,7 +263,7 @@ def test_engine_string_prompts_with_tokenizer(hf_models, tmp_path):
     engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=32),
                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
                        params=model_from_state(cfg, state), tokenizer=tok)
-    outs = engine.generate(texts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    outs = engine.generate(texts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
     for i, out in zip(ids, outs, strict=True):
         want, margin = hf_greedy(model, i, MAX_NEW)
         assert margin > MIN_MARGIN

@@ -176,7 +176,7 @@ def test_greedy_matches_transformers_generate(models, kind):
     model, _, cfg, state = models[kind]
     expected, margins = zip(*(hf_greedy(model, p, MAX_NEW) for p in PROMPTS), strict=True)
     assert min(margins) > MIN_MARGIN, min(margins)  # no near tie: identical tokens do not hang on rounding
-    outs = _engine(cfg, state).generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True),
+    outs = _engine(cfg, state).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
                                         use_tqdm=False)
     assert [o.output_token_ids for o in outs] == [list(w) for w in expected], kind
     graphdef, params = nnx.split(model_from_state(cfg, state))

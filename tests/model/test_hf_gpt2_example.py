@@ -50,7 +50,8 @@ def test_engine_greedy_equals_transformers_generate(folder):
     path, hf = folder
     engine = LLMEngine(model=load_hf_gpt2(path), cache_config=CacheConfig(block_size=4, num_blocks=32),
                        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48))
-    got = [o.output_token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True),
+    got = [o.output_token_ids for o in engine.generate(PROMPTS, SamplingParams(temperature=0.0,
+                                                                               max_tokens=6, ignore_eos=True),
                                                        use_tqdm=False)]
     for prompt, tokens in zip(PROMPTS, got, strict=True):
         with torch.no_grad():

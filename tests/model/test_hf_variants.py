@@ -124,7 +124,7 @@ def test_engine_greedy_matches_transformers_generate(models, kind):
     expected, margins = zip(*(hf_greedy(model, p, MAX_NEW) for p in PROMPTS), strict=True)
     assert min(margins) > MIN_MARGIN, min(margins)  # no near tie: identical tokens do not hang on rounding
     outs = _engine(cfg, state).generate(
-        PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
     for p, out, want in zip(PROMPTS, outs, expected, strict=True):
         assert out.output_token_ids == list(want), f"{kind}, prompt of {len(p)} tokens"
 

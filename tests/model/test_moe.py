@@ -174,7 +174,7 @@ def test_moe_decoder_engine_greedy_equals_the_dense_model():
     engine = LLMEngine(cfg, CacheConfig(block_size=4, num_blocks=32),
                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=24), params=model,
                        backend="xla")
-    outs = engine.generate(prompts, SamplingParams(max_tokens=6), use_tqdm=False)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == want
     # One CPU device: the runner holds the experts as separate arrays (`Llama.single_device_params`), and takes
     # new weights in the model's stacked form.
@@ -183,7 +183,7 @@ def test_moe_decoder_engine_greedy_equals_the_dense_model():
     want2, _ = greedy_by_recompute(jax.jit(lambda t: nnx.merge(graphdef, state2).forward_dense(t)), prompts, 6, 24)
     assert want2 != want
     engine.update_weights(state2)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=6), use_tqdm=False)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == want2
     counts = np.asarray(jax.jit(lambda t: nnx.merge(graphdef, state).tokens_per_expert(t))(jnp.asarray([prompts[2]])))
     assert counts.shape == (2, E) and (counts.sum(-1) == 11 * K).all()

@@ -34,7 +34,7 @@ def main(rank: int, port: int, out: str) -> None:
                          params=host, parallel_config=ParallelConfig(tensor_parallel_size=4), compile_cache=False,
                          decode_steps_per_call=4)
     assert {d.process_index for d in e.runner.mesh.devices.flat} == {0, 1}
-    outs = e.generate(worker.PROMPTS, SamplingParams(max_tokens=worker.MAX_TOKENS), use_tqdm=False)
+    outs = e.generate(worker.PROMPTS, SamplingParams(temperature=0.0, max_tokens=worker.MAX_TOKENS), use_tqdm=False)
     with open(out, "w") as f:
         json.dump({"tokens": [o.output_token_ids for o in outs], "reference": worker.reference("gqa"),
                    "preemptions": e.stats().scheduler.num_preemptions}, f)

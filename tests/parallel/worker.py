@@ -77,7 +77,7 @@ def engine(kind: str, tp: int | None, *, block_size: int = 8, num_blocks: int = 
                        params=params(kind), parallel_config=pc, compile_cache=False, **kw)
 
 
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 
 def _greedy(kind: str, tp: int, block_size: int) -> None:
@@ -461,7 +461,7 @@ def data_parallel_2x2():
 def pallas_under_shard_map():
     """The Pallas kernels (interpreted on CPU) under shard_map give the XLA backend's (the dense model's) tokens."""
     e = engine("gqa", 2, num_blocks=16, backend="pallas")
-    outs = e.generate(PROMPTS[:2], SamplingParams(max_tokens=3), use_tqdm=False)
+    outs = e.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == [r[:3] for r in reference("gqa")[:2]]
 
 
@@ -566,7 +566,7 @@ def hf_checkpoint_loads_into_shards():
             assert q.sharding.spec == P(None, "tp") and len({s.device for s in q.addressable_shards}) == 2
             prompts = hf.PROMPTS[:3]
             for i, p in enumerate(prompts):
-                e.add_request(str(i), p, SamplingParams(max_tokens=hf.MAX_NEW, ignore_eos=True))
+                e.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=hf.MAX_NEW, ignore_eos=True))
             plan = e.scheduler.schedule()
             assert plan.num_seqs == len(prompts)
             logits = e.runner.execute(e.step_inputs(plan), return_logits=True).logits

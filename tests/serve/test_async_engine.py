@@ -14,7 +14,7 @@ from pagedjax.serve.async_engine import AsyncLLMEngine, EngineStepError, EngineS
 from tests.serve.server_utils import make_engine
 
 PROMPTS = [[256, 1, 2, 3], [256, 40, 41, 42, 43, 44, 45], [256, *range(60, 90)]]
-PARAMS = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=9, temperature=0.8, seed=3),
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(max_tokens=9, temperature=0.8, seed=3),
           SamplingParams(max_tokens=7, temperature=1.0, top_k=20, seed=4)]
 
 
@@ -51,7 +51,7 @@ def test_concurrent_outputs_equal_the_engines(engine, expected):
 def test_leaving_a_stream_aborts_and_frees_blocks(engine, expected):
     async def main():
         seen = 0
-        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         async with contextlib.aclosing(engine.generate(PROMPTS[2], params)) as outputs:
             async for out in outputs:
                 seen = len(out.output_token_ids)
@@ -79,7 +79,8 @@ def test_cancelling_the_consumer_task_aborts(engine):
         started = asyncio.Event()
 
         async def consume():
-            async for _ in engine.generate(PROMPTS[1], SamplingParams(max_tokens=200, ignore_eos=True)):
+            async for _ in engine.generate(PROMPTS[1], SamplingParams(temperature=0.0,
+                                                                      max_tokens=200, ignore_eos=True)):
                 started.set()
 
         task = asyncio.create_task(consume())
@@ -97,9 +98,9 @@ def test_cancelling_the_consumer_task_aborts(engine):
 def test_bad_request_raises_at_add_and_queues_nothing(engine):
     async def main():
         with pytest.raises(ValueError, match="outside the vocabulary"):
-            await engine.add_request([256, 999], SamplingParams())
+            await engine.add_request([256, 999], SamplingParams(temperature=0.0))
         with pytest.raises(ValueError, match="empty"):
-            await engine.add_request([], SamplingParams())
+            await engine.add_request([], SamplingParams(temperature=0.0))
 
     asyncio.run(main())
     assert engine.num_pending == 0
@@ -111,12 +112,12 @@ def test_max_pending():
     engine.start()
 
     async def main():
-        async with await engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2)) as stream:
+        async with await engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=2)) as stream:
             with pytest.raises(QueueFullError, match="limit is 1"):
-                await engine.add_request(PROMPTS[1], SamplingParams())
+                await engine.add_request(PROMPTS[1], SamplingParams(temperature=0.0))
             outs = [o async for o in stream]
         assert outs[-1].finished
-        second = await _collect(engine, PROMPTS[1], SamplingParams(max_tokens=2))  # room again
+        second = await _collect(engine, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2))  # room again
         assert second[-1].finished
 
     try:
@@ -142,7 +143,7 @@ def test_a_failing_step_fails_what_is_in_flight_and_serves_on(engine, expected):
 
     async def main():
         with pytest.raises(EngineStepError, match="RuntimeError: boom"):
-            await _collect(engine, PROMPTS[2], SamplingParams(max_tokens=50, ignore_eos=True))
+            await _collect(engine, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
         return await _collect(engine, PROMPTS[0], PARAMS[0])
 
     try:
@@ -163,11 +164,11 @@ def test_shutdown_ends_streams_and_refuses_new_requests():
     llm.step = lambda: (gate.wait(timeout=60), step())[1]
 
     async def main():
-        stream = await engine.add_request(PROMPTS[0], SamplingParams(max_tokens=100, ignore_eos=True))
+        stream = await engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
         shutdown = asyncio.create_task(engine.shutdown(timeout=0))
         await asyncio.sleep(0)  # shutdown has stopped taking requests
         with pytest.raises(EngineStoppedError, match="shutting down"):
-            await engine.add_request(PROMPTS[1], SamplingParams())
+            await engine.add_request(PROMPTS[1], SamplingParams(temperature=0.0))
         gate.set()
         with pytest.raises(EngineStoppedError, match="shut down before the request finished"):
             async for _ in stream:
@@ -184,7 +185,7 @@ def test_shutdown_lets_requests_finish_within_the_timeout():
     engine.start()
 
     async def main():
-        stream = await engine.add_request(PROMPTS[0], SamplingParams(max_tokens=5, ignore_eos=True))
+        stream = await engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
 
         async def consume():
             return [o async for o in stream]
@@ -202,7 +203,7 @@ def test_add_before_start_is_refused():
 
     async def main():
         with pytest.raises(EngineStoppedError, match="not started"):
-            await engine.add_request(PROMPTS[0], SamplingParams())
+            await engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0))
 
     asyncio.run(main())
 
@@ -211,7 +212,7 @@ def test_a_consumer_that_stops_reading_holds_one_snapshot(engine):
     """A stalled client used to grow its stream's queue by a cumulative snapshot every step (memory quadratic in
     the output length); now a stream holds only the newest snapshot, and the finished one is never replaced."""
     async def main():
-        params = SamplingParams(max_tokens=150, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
         async with await engine.add_request(PROMPTS[0], params) as stream:
             held = []
             while engine.stats().generated_tokens < 150:  # the engine runs on; nobody reads

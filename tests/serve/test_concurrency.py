@@ -60,7 +60,7 @@ def test_64_streaming_clients_a_quarter_leaving(server):
 
     alone = make_engine()  # the same weights, each prompt run alone
     tok = ByteTokenizer()
-    expected = [alone.generate([tok.encode(p)], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+    expected = [alone.generate([tok.encode(p)], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                                use_tqdm=False)[0].text for p in PROMPTS]
     for i, (text, reason) in enumerate(results):
         if i % 4 == 3:

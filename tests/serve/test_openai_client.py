@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import codecs
 
+import jax
 import openai
 import pytest
 
-from pagedjax import SamplingParams
+from pagedjax import SamplingDefaults, SamplingParams
 from pagedjax.model.tokenizer import ByteTokenizer
 from pagedjax.serve.chat_template import ChatTemplate
 from tests.serve.server_utils import MAX_MODEL_LEN, MODEL_NAME, make_engine, running_server
@@ -46,10 +47,32 @@ def offline():
     return run
 
 
-def test_models_list(client):
+def test_a_request_without_sampling_fields_gets_the_engines_defaults(offline):
+    """As in Python and pagedjax-generate: the model's defaults (here greedy, as a generation_config.json could
+    say), not a server default of its own (it used to send temperature 1.0 whatever the model)."""
+    ids = ByteTokenizer().encode(PROMPT)
+    with running_server(make_engine(sampling_defaults=SamplingDefaults(temperature=0.0))) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for seed in (1, 2):
+            out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, seed=seed)
+            assert out.choices[0].text == offline(ids, max_tokens=12, temperature=0.0).outputs[0].text
+        hot = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, seed=1, temperature=1.0)
+        assert hot.choices[0].text == offline(ids, max_tokens=12, temperature=1.0, seed=1).outputs[0].text
+
+
+def test_models_list(client, server):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    # What runs it: the server used to name neither the weights' storage nor the speculative method nor tp/dp.
+    card = models[0].model_dump()
+    num_params = sum(int(x.size) for x in jax.tree.leaves(server.llm.runner.params))
+    assert {k: card[k] for k in ("dtype", "weights", "kv_cache_dtype", "speculative", "tensor_parallel_size",
+                                 "data_parallel_size", "num_params", "param_bytes")} == {
+        "dtype": "float32", "weights": "float32", "kv_cache_dtype": "float32", "speculative": "off",
+        "tensor_parallel_size": 1, "data_parallel_size": 1, "num_params": num_params, "param_bytes": 4 * num_params}
+    assert card["params_by_type"] == {"float32": {"params": num_params, "bytes": 4 * num_params}}
+    assert card["sampling_defaults"] == "temperature 1.0 (vLLM's defaults)"
 
 
 def test_completion_stream_equals_non_stream_equals_offline(offline, client):
@@ -70,7 +93,7 @@ def test_completion_stream_equals_non_stream_equals_offline(offline, client):
 def test_completion_token_id_prompt(offline, client):
     ids = [256, 100, 101, 102, 32]
     out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8, temperature=0)
-    assert out.choices[0].text == offline(ids, max_tokens=8).text
+    assert out.choices[0].text == offline(ids, max_tokens=8, temperature=0.0).text
     assert out.usage.prompt_tokens == len(ids)
 
 
@@ -166,7 +189,8 @@ def test_completion_logprobs(offline, client, stream):
     token_logprobs = [x for p in parts for x in p.token_logprobs]
     offsets = [x for p in parts for x in p.text_offset]
     tops = [x for p in parts for x in p.top_logprobs]
-    expected = offline(ByteTokenizer().encode(PROMPT), max_tokens=6, logprobs=2, ignore_eos=True).outputs[0]
+    expected = offline(ByteTokenizer().encode(PROMPT), max_tokens=6, temperature=0.0, logprobs=2,
+                       ignore_eos=True).outputs[0]
     assert token_logprobs == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-6)
     # Offsets count characters of the text before each token (they used to add up the token strings' lengths,
     # "bytes:\\xe2" counting 10 for a third of a character).

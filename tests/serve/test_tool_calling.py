@@ -1,6 +1,7 @@
 """Tool calling over HTTP with the official `openai` client: a forced call ("required", a named function) is
-constrained so that even the random test model writes valid calls whose arguments validate (`jsonschema`), a
-stream's tool-call deltas reassemble to the non-streamed message, "auto" parses tagged calls out of the text,
+constrained so that even the random test model writes valid calls whose arguments validate (`jsonschema`) and
+then ends (finish reason "tool_calls", no content, at most --max-parallel-tool-calls calls), a stream's tool-call
+deltas reassemble to the non-streamed message, "auto" parses tagged calls out of the text,
 bad tools are a 400 naming the field before anything is queued; and the parser and prompt rendering alone."""
 
 from __future__ import annotations
@@ -13,10 +14,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pagedjax.model.tokenizer import ByteTokenizer
+from pagedjax.serve.admission import DEFAULT_MAX_PARALLEL_TOOL_CALLS
 from pagedjax.serve.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from pagedjax.serve.protocol import ChatCompletionRequest
-from pagedjax.serve.tools import TOOLS_PREAMBLE, ToolCallParser, parse_message, template_messages, tool_plan
-from tests.serve.server_utils import MODEL_NAME, make_engine, running_server
+from pagedjax.serve.tools import (
+    TOOLS_PREAMBLE,
+    ToolCallParser,
+    call_grammar,
+    parse_message,
+    template_messages,
+    tool_plan,
+)
+from pagedjax.structured_output.compiler import ConstraintCompiler
+from tests.serve.server_utils import CFG, MODEL_NAME, make_engine, running_server
 
 # ASCII strings: the byte-level model's calls must fit its 256-token context (random text could be \u escapes).
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,6}$"},
@@ -46,9 +57,14 @@ SERVER_TEMPLATE = ("{% if tools %}tools: {% for t in tools %}{{ t.function.name 
                    "{% if add_generation_prompt %}a: {% endif %}")
 
 
+# Two calls of TOOLS fit the test model's context after SHORT's prompt; the default (4) would not.
+MAX_CALLS = 2
+
+
 @pytest.fixture(scope="module")
 def server():
-    with running_server(make_engine(), chat_template=ChatTemplate(SERVER_TEMPLATE)) as s:
+    with running_server(make_engine(), chat_template=ChatTemplate(SERVER_TEMPLATE),
+                        max_parallel_tool_calls=MAX_CALLS) as s:
         yield s
 
 
@@ -95,21 +111,73 @@ def test_required_calls_validate(client):
         _valid(choice.message.tool_calls[0])
 
 
-@pytest.mark.slow
-def test_required_with_parallel_calls(client):
-    out = client.chat.completions.create(model=MODEL_NAME, messages=SHORT, tools=TOOLS, n=2,
-                                         tool_choice="required", temperature=1.0, seed=3)
-    for choice in out.choices:
-        calls, content = choice.message.tool_calls, choice.message.content
-        assert choice.finish_reason in ("tool_calls", "length") and calls
-        # A random model may chain calls until max_tokens cuts the last one short: in its arguments (a partial
-        # call), or in its head (then the head is text, every call whole).
-        cut_in_head = choice.finish_reason == "length" and content is not None
-        assert content is None or (cut_in_head and content.startswith("<tool_call>"))
-        complete = calls if choice.finish_reason == "tool_calls" or cut_in_head else calls[:-1]
-        assert len(complete) >= 1
-        for call in complete:
+@pytest.mark.parametrize("seed", [3, 4])
+def test_required_with_parallel_calls_ends_after_its_calls(client, seed):
+    # Unbounded, these seeds chain calls until max_tokens cuts one short (finish "length", a partial tag in the
+    # content); the grammar ends the text after at most MAX_CALLS calls.
+    kwargs = dict(model=MODEL_NAME, messages=SHORT, tools=TOOLS, n=2, tool_choice="required", temperature=1.0,
+                  seed=seed)
+    whole = client.chat.completions.create(**kwargs).choices
+    streamed = _stream(client, **kwargs)
+    for choice in whole:
+        calls = choice.message.tool_calls
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+        assert 1 <= len(calls) <= MAX_CALLS
+        for call in calls:
             _valid(call)
+        content, streamed_calls, reason, _ = streamed[choice.index]
+        assert (content, reason) == (None, "tool_calls")
+        assert [(name, args) for _, name, args in streamed_calls] == [(c.function.name, c.function.arguments)
+                                                                      for c in calls]
+    assert max(len(c.message.tool_calls) for c in whole) == MAX_CALLS  # parallel calls are made
+
+
+@pytest.mark.parametrize("max_tokens", [8, 30, 60])
+def test_a_forced_call_cut_short_leaves_no_tag_in_the_content(client, max_tokens):
+    # 8: inside the tag; 30: inside the call's head; 60: inside the arguments (a partial call).
+    kwargs = dict(model=MODEL_NAME, messages=SHORT, tools=TOOLS, tool_choice="required", temperature=1.0,
+                  seed=0, max_tokens=max_tokens)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert (whole.finish_reason, whole.message.content) == ("length", None)
+    content, calls, reason, _ = _stream(client, **kwargs)[0]
+    assert (content, reason) == (None, "length")
+    assert [(n, a) for _, n, a in calls] == [(c.function.name, c.function.arguments)
+                                             for c in whole.message.tool_calls or ()]
+
+
+def _allowed_after(structured, text: str) -> list[int]:
+    """The tokens the grammar allows after `text` (byte tokens of the test model's vocabulary)."""
+    import numpy as np
+
+    constraint = ConstraintCompiler(ByteTokenizer(), CFG.vocab_size, CFG.eos_token_ids).compile(structured)
+    assert constraint.advance(list(ByteTokenizer().encode(text, add_bos=False))) is None
+    row = np.zeros(-(-CFG.vocab_size // 32), np.int32)
+    constraint.fill(row)
+    return [t for t in range(CFG.vocab_size) if row[t // 32] >> (t % 32) & 1]
+
+
+def test_the_call_grammar_allows_the_end_after_each_call_and_nothing_but_calls():
+    call = '<tool_call>{"name": "search", "arguments": {"query": "ab"}}</tool_call>'
+    [eos] = CFG.eos_token_ids
+    required = tool_plan(_request(tool_choice="required")).constraint
+    for n in range(1, DEFAULT_MAX_PARALLEL_TOOL_CALLS):
+        assert _allowed_after(required, call * n) == [ord("<"), eos]  # another call, or the end
+    assert _allowed_after(required, call * DEFAULT_MAX_PARALLEL_TOOL_CALLS) == [eos]
+    for single in (tool_plan(_request(tool_choice="required", parallel_tool_calls=False)).constraint,
+                   tool_plan(_request(tool_choice={"type": "function", "function": {"name": "search"}})).constraint):
+        assert _allowed_after(single, call) == [eos]
+    with pytest.raises(ValueError, match="max_calls"):
+        call_grammar(_request().tools, max_calls=0)
+
+
+def test_a_forced_parse_drops_a_tag_cut_short():
+    head = '<tool_call>{"name": "sea'
+    for text in ("<tool_c", head, CALL + "<tool", CALL + head):
+        content, calls = parse_message(text, forced=True)
+        assert content is None and len(calls) == text.count("</tool_call>")
+        assert parse_message(text)[0] is not None  # unforced ("auto"), the model's own text stays content
+    parser = ToolCallParser(forced=True)
+    assert parser.feed(CALL).tool_calls and parser.feed("<tool_", final=True).content == ""
 
 
 def test_named_calls_validate_and_their_streams_reassemble_to_them(client):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
 from pagedjax.config import CacheConfig, SchedulerConfig
+from pagedjax.config.sampling import SamplingDefaults
 from pagedjax.core.request import Request
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.sampling_params import SamplingParams
@@ -25,6 +26,9 @@ from pagedjax.spec_decode.draft_kv import DraftKV, draft_plan, draft_proposals, 
 from pagedjax.spec_decode.proposer import ProposalAsk
 from tests.core.harness import Checker, FakeModel, next_token
 from tests.spec_decode.test_speculation import SpeculationMachine
+
+# What an engine gives every request it takes (these tests make Requests without one; the speculator reads them).
+DEFAULTS = SamplingDefaults()
 
 
 class FakeDraft:
@@ -136,8 +140,8 @@ TestDraftSpeculation = DraftSpeculationMachine.TestCase
 
 
 def _decoding(tokens: list[int], computed: int, blocks: tuple[int, ...], preemptions: int = 0) -> ProposalAsk:
-    r = Request("a", tokens[:2], SamplingParams(), output_token_ids=tokens[2:], num_computed_tokens=computed,
-                num_preemptions=preemptions)
+    r = Request("a", tokens[:2], SamplingParams().with_defaults(DEFAULTS), output_token_ids=tokens[2:],
+                num_computed_tokens=computed, num_preemptions=preemptions)
     return ProposalAsk(r, 2, blocks)
 
 

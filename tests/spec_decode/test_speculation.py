@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
 from pagedjax.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from pagedjax.config.sampling import SamplingDefaults
 from pagedjax.core.kv_cache_manager import cdiv
 from pagedjax.core.request import Request, RequestStatus, sample_id
 from pagedjax.core.scheduler import Scheduler
@@ -30,6 +31,9 @@ from pagedjax.sampling_params import SamplingParams
 from pagedjax.spec_decode.proposer import ProposalAsk
 from pagedjax.spec_decode.speculator import Speculator, speculates
 from tests.core.harness import VOCAB, Checker, FakeModel, SchedulerMachine, next_token, reference_outputs, run_step
+
+# What an engine gives every request it takes (these tests make Requests without one; the speculator reads them).
+DEFAULTS = SamplingDefaults()
 
 
 def spec_sample(model: FakeModel, plan) -> np.ndarray:
@@ -174,7 +178,7 @@ class SpeculationMachine(SchedulerMachine):
         self.next_id += 1
         rid = f"r{self.next_id}"
         params = SamplingParams(max_tokens=max_tokens, n=1 if held else samples,
-                                stop_token_ids=(3,) if stop else ())
+                                stop_token_ids=(3,) if stop else ()).with_defaults(DEFAULTS)
         try:
             self.sched.add_request(Request(rid, prompt, params, hold=held))
         except ValueError:
@@ -258,7 +262,8 @@ def _decoding_scheduler(max_tokens: int = 8, stop: tuple[int, ...] = (), block_s
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
                       CacheConfig(block_size=block_size), 32)
     model = FakeModel(32, block_size)
-    request = Request("a", list(prompt), SamplingParams(max_tokens=max_tokens, stop_token_ids=stop))
+    request = Request("a", list(prompt),
+                      SamplingParams(max_tokens=max_tokens, stop_token_ids=stop).with_defaults(DEFAULTS))
     sched.add_request(request)
     run_step(sched, model)  # the prompt: one output, decoding from now on
     return sched, model, request
@@ -328,7 +333,7 @@ def test_proposals_follow_a_decoding_request_only_and_never_past_its_limits():
     sched, _, r = _decoding_scheduler(max_tokens=4, prompt=(1, 2, 3, 4))
     with pytest.raises(ValueError, match="at most 2 may still be verified"):
         sched.set_draft_tokens(r, [1, 2, 3])
-    waiting = Request("w", [1, 2, 3], SamplingParams(max_tokens=4))
+    waiting = Request("w", [1, 2, 3], SamplingParams(max_tokens=4).with_defaults(DEFAULTS))
     sched.add_request(waiting)
     with pytest.raises(ValueError, match="follow a decoding request's last token"):
         sched.set_draft_tokens(waiting, [1])
