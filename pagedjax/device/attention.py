@@ -13,10 +13,11 @@ import logging
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 import pallas_kernels
 from pagedjax.config.engine import BACKENDS
-from pagedjax.device.kv_cache import LatentKV, LayerKV
+from pagedjax.device.kv_cache import LatentKV, LayerKV, SparseKV
 from pallas_kernels.quant import is_quantized
 
 logger = logging.getLogger(__name__)
@@ -102,3 +103,42 @@ def latent_attention(q_latent: jax.Array,  # [num_tokens, num_heads, kv_lora_ran
             return pallas_kernels.mla_paged_attention_xla(*args, **options)
         return pallas_kernels.ragged_mla_paged_attention_xla(*args, meta.cu_q_lens, **options)
     raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
+
+
+def sparse_attention(q_latent: jax.Array,  # [num_tokens, num_heads, kv_lora_rank]
+                     q_rope: jax.Array,  # [num_tokens, num_heads, rope_dim]
+                     q_index: jax.Array,  # [num_tokens, index_n_heads, index_head_dim]
+                     index_weights: jax.Array,  # f32[num_tokens, index_n_heads]
+                     layer: SparseKV,  # this layer's pages, this step's entries and indexer keys already written
+                     meta: AttentionMetadata, *, backend: str, decode_only: bool, scale: float, index_scale: float,
+                     index_topk: int) -> jax.Array:
+    """DeepSeek sparse attention (DSA, V3.2) of a step's queries over one layer's pages: the lightning indexer
+    scores every earlier position of the query's sequence, `s[t] = index_scale * sum_h w[h] relu(q_index[h] .
+    k_index[t])` (causal), the `index_topk` best positions are kept (ties: the lower position), and the absorbed
+    MLA of `latent_attention` runs over exactly those. Returns `[num_tokens, num_heads, kv_lora_rank]`.
+
+    The scores of a step are float32 `[num_tokens, max_blocks_per_seq * block_size]`: one row per query token
+    over its sequence's table (the engine's step sizes keep that small next to the pages)."""
+    if not is_quantized(layer.pages.dtype):
+        q_latent, q_rope = q_latent.astype(layer.pages.dtype), q_rope.astype(layer.pages.dtype)
+    if not is_quantized(layer.index_keys.dtype):
+        q_index = q_index.astype(layer.index_keys.dtype)
+    index_weights = index_weights.astype(jnp.float32)
+    tables, lens = meta.block_tables, meta.kv_lens
+    ragged = () if decode_only else (meta.cu_q_lens,)
+    indexer = dict(scale=index_scale, index_scales=layer.index_scales)
+    attention = dict(scale=scale, kv_scales=layer.scales)
+    if backend == "pallas":
+        score = pallas_kernels.indexer_scores if decode_only else pallas_kernels.ragged_indexer_scores
+        attend = pallas_kernels.sparse_mla_paged_attention if decode_only else \
+            pallas_kernels.ragged_sparse_mla_paged_attention
+        indexer["interpret"] = attention["interpret"] = None
+    elif backend == "xla":
+        score = pallas_kernels.indexer_scores_xla if decode_only else pallas_kernels.ragged_indexer_scores_xla
+        attend = pallas_kernels.sparse_mla_paged_attention_xla if decode_only else \
+            pallas_kernels.ragged_sparse_mla_paged_attention_xla
+    else:
+        raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
+    scores = score(q_index, index_weights, layer.index_keys, tables, lens, *ragged, **indexer)
+    selected = pallas_kernels.top_k_positions(scores, index_topk)  # [num_tokens, index_topk], -1 = none
+    return attend(q_latent, q_rope, layer.pages, tables, lens, *ragged, selected, **attention)

@@ -37,6 +37,11 @@ declared `LatentAttention` (MLA) calls its `PagedLatentAttention` instead, in la
 
     o_latent, cache = self.attn(q_latent, q_rope, c_kv, k_rope, cache)   # -> o_latent [T, H, kv_lora_rank]
 
+and one declared `IndexedSparse` (DeepSeek V3.2 sparse attention) its `PagedSparseAttention`, with the
+lightning indexer's queries, per-head weights and key besides:
+
+    o_latent, cache = self.attn(q_latent, q_rope, c_kv, k_rope, q_index, index_weights, k_index, cache)
+
 Quantized weights: `quantize_model(model, "int8" | "int4" | "int4:32" | "fp8")` replaces the model's `nnx.Linear`
 layers by `QuantizedLinear` (`pagedjax.model.layers.quant`: weight-only int8 / int4 / fp8 kernels, activations in the
 model's dtype); a layer of your own may also build a `QuantizedLinear` from its float kernel. Their leaves
@@ -66,17 +71,18 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pagedjax.config import CacheConfig, FullAttention, LatentAttention, ModelSpec
+from pagedjax.config import CacheConfig, FullAttention, IndexedSparse, LatentAttention, ModelSpec
 from pagedjax.config.parallel import TP
-from pagedjax.device.attention import AttentionMetadata, latent_attention, paged_attention
-from pagedjax.device.kv_cache import PagedLayer, layer_shapes, write_kv, write_latent
+from pagedjax.device.attention import AttentionMetadata, latent_attention, paged_attention, sparse_attention
+from pagedjax.device.kv_cache import PagedLayer, layer_shapes, write_kv, write_latent, write_sparse
 from pagedjax.model.layers.quant import QuantizedLinear, quantize_model
 from pagedjax.model.registry import ModelRegistry
 from pagedjax.parallel.attention import sharded_write_and_attend
 from pagedjax.parallel.sharding import default_param_partition
 
-__all__ = ["TP", "AttentionMetadata", "FullAttention", "LatentAttention", "ModelRegistry", "ModelSpec",
-           "PagedAttention", "PagedKVCache", "PagedLatentAttention", "PagedModel", "QuantizedLinear", "check_model",
+__all__ = ["TP", "AttentionMetadata", "FullAttention", "IndexedSparse", "LatentAttention", "ModelRegistry",
+           "ModelSpec", "PagedAttention", "PagedKVCache", "PagedLatentAttention", "PagedModel", "PagedSparseAttention",
+           "QuantizedLinear", "check_model",
            "default_param_partition", "model_spec", "param_partition_fn", "quantize_model"]
 
 
@@ -220,8 +226,8 @@ class PagedLatentAttention(nnx.Module):
                              decode_only=cache.decode_only, scale=self.scale)
         return o.astype(q_latent.dtype), cache.with_layer(i, layer)
 
-    def _check(self, q_latent, q_rope, c_kv, k_rope, cache: PagedKVCache) -> None:
-        i, where = self.layer_index, f"PagedLatentAttention(layer_index={self.layer_index})"
+    def _check(self, q_latent, q_rope, c_kv, k_rope, cache: PagedKVCache, kind: type | None = None) -> None:
+        i, where = self.layer_index, f"{type(self).__name__}(layer_index={self.layer_index})"
         if not 0 <= i < cache.num_layers:
             raise ValueError(f"{where}: the cache has {cache.num_layers} layers (ModelSpec.num_layers)")
         if i in cache.written:
@@ -232,10 +238,58 @@ class PagedLatentAttention(nnx.Module):
         for name, x in (("q_latent", q_latent), ("q_rope", q_rope), ("c_kv", c_kv), ("k_rope", k_rope)):
             if tuple(x.shape) != want[name]:
                 raise ValueError(f"{where}: {name} has shape {tuple(x.shape)}, expected {want[name]}")
-        declared = _declared_layer(cache, i, LatentAttention, where)
+        declared = _declared_layer(cache, i, kind or LatentAttention, where)
         if declared is not None and (r, dr) != (declared.kv_lora_rank, declared.rope_dim):
             raise ValueError(f"{where}: kv_lora_rank {r}, rope_dim {dr}, but the model's ModelSpec declares "
                              f"{declared.kv_lora_rank}, {declared.rope_dim} for this layer")
+
+
+class PagedSparseAttention(PagedLatentAttention):
+    """Layer `layer_index`'s DeepSeek sparse attention (DSA, V3.2; `IndexedSparse` in `ModelSpec.kv_layers`): write
+    this step's latent entries and lightning-indexer keys into the layer's pages (same slots), score every earlier
+    position of each query's sequence by the indexer, keep the `index_topk` best and attend over exactly those
+    (`PagedLatentAttention`'s absorbed MLA). With `index_topk` at least the context, it is that layer.
+
+    Scores: `s[t] = index_scale * sum_h index_weights[h] * relu(q_index[h] . k_index[t])` for t at or before the
+    query's position; ties go to the lower position."""
+
+    def __init__(self, layer_index: int, *, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
+                 index_n_heads: int, index_head_dim: int, index_topk: int, index_scale: float):
+        super().__init__(layer_index, num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, scale=scale)
+        if not isinstance(index_scale, int | float) or isinstance(index_scale, bool) or not index_scale > 0:
+            raise ValueError(f"PagedSparseAttention: index_scale must be a positive float, got {index_scale!r}")
+        self.index_n_heads, self.index_head_dim, self.index_topk = index_n_heads, index_head_dim, index_topk
+        self.index_scale = float(index_scale)
+
+    def __call__(self, q_latent: jax.Array,  # [T, H, R]
+                 q_rope: jax.Array,  # [T, H, Dr], RoPE applied
+                 c_kv: jax.Array,  # [T, R], the normalized latent
+                 k_rope: jax.Array,  # [T, Dr], RoPE applied
+                 q_index: jax.Array,  # [T, Hi, Di], the indexer's queries, RoPE applied
+                 index_weights: jax.Array,  # f32[T, Hi], the indexer's per-head weights
+                 k_index: jax.Array,  # [T, Di], the indexer key, normalized, RoPE applied
+                 cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+        """Returns (o_latent `[T, H, R]` in q_latent's dtype, the cache with this layer written)."""
+        i = self.layer_index
+        self._check(q_latent, q_rope, c_kv, k_rope, cache, kind=IndexedSparse)
+        t, hi, di = q_latent.shape[0], self.index_n_heads, self.index_head_dim
+        where = f"PagedSparseAttention(layer_index={i})"
+        for name, x, want in (("q_index", q_index, (t, hi, di)), ("index_weights", index_weights, (t, hi)),
+                              ("k_index", k_index, (t, di))):
+            if tuple(x.shape) != want:
+                raise ValueError(f"{where}: {name} has shape {tuple(x.shape)}, expected {want}")
+        declared = cache.spec.kv_layers[i] if cache.spec is not None else None
+        if declared is not None and (di, self.index_topk) != (declared.index_head_dim, declared.index_topk):
+            raise ValueError(f"{where}: index_head_dim {di}, index_topk {self.index_topk}, but the model's ModelSpec "
+                             f"declares {declared.index_head_dim}, {declared.index_topk} for this layer")
+        if cache.mesh is not None:
+            raise ValueError(f"{where}: tensor parallelism over sparse-attention layers is not supported "
+                             "(ParallelConfig refuses it for such a model)")
+        layer = write_sparse(cache.layers[i], c_kv, k_rope, k_index, cache.meta.slot_mapping)
+        o = sparse_attention(q_latent, q_rope, q_index, index_weights, layer, cache.meta, backend=cache.backend,
+                             decode_only=cache.decode_only, scale=self.scale, index_scale=self.index_scale,
+                             index_topk=self.index_topk)
+        return o.astype(q_latent.dtype), cache.with_layer(i, layer)
 
 
 def _declared_layer(cache: PagedKVCache, index: int, kind: type, where: str):

@@ -25,10 +25,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pagedjax.config import LatentAttention, ModelSpec
+from pagedjax.config import IndexedSparse, LatentAttention, ModelSpec
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.core.step_result import StepResult
-from pagedjax.device.attention import AttentionMetadata, latent_attention, paged_attention, resolve_backend
+from pagedjax.device.attention import (
+    AttentionMetadata,
+    latent_attention,
+    paged_attention,
+    resolve_backend,
+    sparse_attention,
+)
 from pagedjax.device.kv_cache import KVCache, copy_blocks, init_kv_cache
 from pagedjax.device.page_state import PageState, append_tokens
 from pagedjax.device.sampling import (
@@ -303,11 +309,19 @@ class ModelRunner:
         for spec, layer in first.items():
             for decode_only, tokens in ((True, 1), (False, 16)):
                 meta = AttentionMetadata(i32(tokens), i32(1, 2), i32(1), i32(2))
+                if isinstance(spec, LatentAttention | IndexedSparse):
+                    q = (jax.ShapeDtypeStruct((tokens, heads, spec.kv_lora_rank), dtype),
+                         jax.ShapeDtypeStruct((tokens, heads, spec.rope_dim), dtype))
                 if isinstance(spec, LatentAttention):
                     attend = functools.partial(latent_attention, backend=self.backend, decode_only=decode_only,
                                                scale=1.0)
-                    args = (jax.ShapeDtypeStruct((tokens, heads, spec.kv_lora_rank), dtype),
-                            jax.ShapeDtypeStruct((tokens, heads, spec.rope_dim), dtype), layer)
+                    args = (*q, layer)
+                elif isinstance(spec, IndexedSparse):
+                    attend = functools.partial(sparse_attention, backend=self.backend, decode_only=decode_only,
+                                               scale=1.0, index_scale=1.0, index_topk=spec.index_topk)
+                    index = (jax.ShapeDtypeStruct((tokens, 1, spec.index_head_dim), dtype),
+                             jax.ShapeDtypeStruct((tokens, 1), jnp.float32))
+                    args = (*q, *index, layer)
                 else:
                     local = lambda a: jax.ShapeDtypeStruct((a.shape[0] // tp, *a.shape[1:]), a.dtype)
                     attend = functools.partial(paged_attention, backend=self.backend, decode_only=decode_only)

@@ -1,8 +1,8 @@
-"""The per-layer KV cache spec: a model whose layers hold different things per token slot (MLA latent entries
-beside GQA K/V heads, `tests/engine/latent_toy.py`) served by the unchanged block tables, prefix cache,
-preemption, forks and fused decode: greedy tokens equal its dense (non-absorbed) forward; the pool is sized from
-the specs and holds exactly the bytes they declare; 8-bit latent pages stay close to float ones; a model whose
-layers disagree with its declared specs is refused at construction."""
+"""The per-layer KV cache spec: a model whose layers hold different things per token slot (MLA latent entries,
+DeepSeek sparse attention's latents and indexer keys, GQA K/V heads: `tests/engine/latent_toy.py`) served by the
+unchanged block tables, prefix cache, preemption, forks and fused decode: greedy tokens equal its dense
+(non-absorbed) forward; the pool is sized from the specs and holds exactly the bytes they declare; 8-bit pages
+stay close to float ones; a model whose layers disagree with its declared specs is refused at construction."""
 
 from __future__ import annotations
 
@@ -13,9 +13,18 @@ import pytest
 from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from pagedjax.model.api import FullAttention, LatentAttention, check_model
+from pagedjax.model.api import FullAttention, IndexedSparse, LatentAttention, check_model
 from tests.dense import greedy_by_recompute
-from tests.engine.latent_toy import GQA_HEAD_DIM, GQA_KV_HEADS, RANK, ROPE, VOCAB, LatentToy
+from tests.engine.latent_toy import (
+    GQA_HEAD_DIM,
+    GQA_KV_HEADS,
+    INDEX_DIM,
+    INDEX_TOPK,
+    RANK,
+    ROPE,
+    VOCAB,
+    LatentToy,
+)
 
 MAX_LEN = 40
 rng = np.random.default_rng(3)
@@ -32,13 +41,30 @@ def engine(model=None, *, num_blocks: int = 64, kv_dtype: str = "auto", token_bu
                                                       max_model_len=MAX_LEN), **kwargs)
 
 
+def _dense_greedy(model: LatentToy, prompts, max_tokens: int) -> list[list[int]]:
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))
+    want, margin = greedy_by_recompute(forward, prompts, max_tokens, MAX_LEN)
+    assert margin > 1e-4, "a near tie would make the comparison depend on rounding: pick another seed"
+    # The sparse layers' selections must not hang on rounding either: at every query of every final sequence (a
+    # query's scores never depend on later tokens), the k-th and (k+1)-th best indexer scores differ, or are both
+    # exactly 0 (relu: a tie both sides break to the lower position) with no score near 0 that rounding could move.
+    for seq in (p + w for p, w in zip(prompts, want, strict=True)):
+        for scores in model.dense_index_scores(jnp.asarray([seq])):
+            scores = np.asarray(scores)[0]
+            top = -np.sort(-scores, axis=-1)[:, :INDEX_TOPK + 1]
+            for row, best in zip(scores, top, strict=True):
+                kth, next_ = best[INDEX_TOPK - 1], best[INDEX_TOPK] if len(best) > INDEX_TOPK else -np.inf
+                if not np.isfinite(next_):
+                    continue  # the query sees at most k positions: it takes them all
+                zero_tie = kth == next_ == 0 and not np.any((np.abs(row) > 0) & (np.abs(row) < 1e-4))
+                assert kth - next_ > 1e-4 or zero_tie, f"a near tie in the indexer's top-k ({kth}, {next_})"
+    return want
+
+
 @pytest.fixture(scope="module")
 def dense_greedy():
-    graphdef, state = nnx.split(LatentToy())
-    forward = jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))
-    want, margin = greedy_by_recompute(forward, PROMPTS, GREEDY.max_tokens, MAX_LEN)
-    assert margin > 1e-4, "a near tie would make the comparison depend on rounding: pick another seed"
-    return want
+    return _dense_greedy(LatentToy(), PROMPTS, GREEDY.max_tokens)
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -48,15 +74,17 @@ def _tokens(outputs) -> list[list[int]]:
 def test_spec_sizes_the_pool_and_the_cache_holds_what_it_declares():
     model = LatentToy()
     assert model.spec.kv_layers == (LatentAttention(RANK, ROPE), FullAttention(GQA_KV_HEADS, GQA_HEAD_DIM),
-                                    LatentAttention(RANK, ROPE))
+                                    IndexedSparse(RANK, ROPE, INDEX_DIM, INDEX_TOPK))
     assert model.spec.num_kv_heads is None and model.spec.head_dim is None and model.spec.has_latent_layers
     config = CacheConfig(block_size=4, kv_memory_bytes=100_000)
-    per_token = 2 * (RANK + ROPE) * 4 + 2 * GQA_KV_HEADS * GQA_HEAD_DIM * 4  # two latent layers, one GQA, f32
+    # f32: a latent layer, a GQA layer, a sparse layer (its latent and its indexer key)
+    per_token = (RANK + ROPE) * 4 + 2 * GQA_KV_HEADS * GQA_HEAD_DIM * 4 + (RANK + ROPE + INDEX_DIM) * 4
     assert config.kv_bytes_per_token(model.spec) == per_token
     e = LLMEngine(model=model, cache_config=config)
     assert e.num_blocks == 100_000 // (4 * per_token)
     assert e.runner.kv_cache.nbytes == config.pool_bytes(model.spec) == e.num_blocks * 4 * per_token
     assert e.runner.kv_cache.layers[0].pages.shape == (e.num_blocks, 4, RANK + ROPE)
+    assert e.runner.kv_cache.layers[2].index_keys.shape == (e.num_blocks, 4, INDEX_DIM)
 
 
 def test_greedy_equals_the_dense_forward_with_prefix_hits_chunks_preemption_forks_and_fused_decode(dense_greedy):
@@ -114,3 +142,15 @@ def test_a_layer_attending_other_than_its_declared_spec_is_refused():
     with pytest.raises(ValueError, match=f"kv_lora_rank {RANK}, rope_dim {ROPE}, but the model's ModelSpec "
                                          f"declares {RANK + 1}, {ROPE}"):
         check_model(wider)
+
+
+def test_sparse_layers_select_and_equal_mla_when_the_selection_holds_the_context():
+    """With k at least the context the sparse layer is the MLA layer (the same weights, the same logits as the
+    model whose third layer is plain MLA); with INDEX_TOPK below the context the selection changes them."""
+    tokens = jnp.asarray([PROMPTS[2] + PROMPTS[3][:7]])  # 18 positions
+    plain = np.asarray(LatentToy(("mla", "gqa", "mla")).forward_dense(tokens))
+    np.testing.assert_allclose(np.asarray(LatentToy(index_topk=MAX_LEN).forward_dense(tokens)), plain, rtol=1e-5,
+                               atol=1e-5)
+    sparse = np.asarray(LatentToy().forward_dense(tokens))
+    np.testing.assert_allclose(sparse[:, :INDEX_TOPK], plain[:, :INDEX_TOPK], rtol=1e-5, atol=1e-5)  # sees <= k
+    assert np.abs(sparse[:, INDEX_TOPK:] - plain[:, INDEX_TOPK:]).max() > 1e-2
