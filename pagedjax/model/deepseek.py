@@ -41,7 +41,7 @@ from flax import nnx
 
 from pagedjax.config import ModelSpec
 from pagedjax.config.deepseek import INDEXER_NORM_EPS, LATENT_NORM_EPS, DeepSeekConfig
-from pagedjax.model.api import PagedKVCache, PagedLatentAttention
+from pagedjax.model.api import PagedKVCache, PagedLatentAttention, PagedSparseAttention
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.layers.moe import Experts, combine_experts, per_expert_params, route
 from pagedjax.model.layers.rope import RoPE
@@ -177,8 +177,13 @@ class MLAttention(nnx.Module):
         self.rope = RoPE(cfg.qk_rope_head_dim, cfg.rope_theta, scaling, interleaved=cfg.rope_interleave)
         self.scale = cfg.softmax_scale
         self.indexer = None if cfg.indexer is None else LightningIndexer(cfg, dtype, rngs)
-        self.paged = PagedLatentAttention(layer_index, num_heads=heads, kv_lora_rank=cfg.kv_lora_rank,
-                                          rope_dim=cfg.qk_rope_head_dim, scale=self.scale)
+        latent = dict(num_heads=heads, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, scale=self.scale)
+        if cfg.indexer is None:
+            self.paged = PagedLatentAttention(layer_index, **latent)
+        else:
+            ix = cfg.indexer
+            self.paged = PagedSparseAttention(layer_index, **latent, index_n_heads=ix.num_heads,
+                                              index_head_dim=ix.head_dim, index_topk=ix.topk, index_scale=ix.scale)
 
     def _project(self, x: jax.Array, positions: jax.Array):
         """x `[..., hidden]` -> (q_nope `[..., H, nope]`, q_rope `[..., H, rope]` rotated, c_kv `[..., rank]`
@@ -194,10 +199,14 @@ class MLAttention(nnx.Module):
         return q_nope, q_rope, c_kv, k_rope, q_resid
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
-        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's latent entries written): absorbed MLA."""
-        q_nope, q_rope, c_kv, k_rope, _ = self._project(x, positions)
+        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's latent entries (and indexer keys)
+        written): absorbed MLA, over the indexer's selection when there is one."""
+        q_nope, q_rope, c_kv, k_rope, q_resid = self._project(x, positions)
         q_latent = _matmul("thd,rhd->thr", q_nope, self.kv_b_proj.key_weights(), x.dtype)
-        o_latent, cache = self.paged(q_latent, q_rope, c_kv, k_rope, cache)
+        if self.indexer is None:
+            o_latent, cache = self.paged(q_latent, q_rope, c_kv, k_rope, cache)
+        else:  # the indexer's queries, head weights and key; the layer scores, selects and attends
+            o_latent, cache = self.paged(q_latent, q_rope, c_kv, k_rope, *self.indexer(x, q_resid, positions), cache)
         o = _matmul("thr,rhv->thv", o_latent, self.kv_b_proj.value_weights(), x.dtype)
         return self.o_proj(o.reshape(x.shape[0], -1)), cache
 

@@ -213,3 +213,64 @@ def test_indexer_config_fields_are_checked(changes, error, match):
     with pytest.raises(error, match=match):
         DeepSeekConfig(**{**base, **changes})
 
+
+# ------------------------------------------------------------------------------------------------ the engine
+MAX_NEW = 6
+_CACHE = dict(block_size=4, num_blocks=64)
+_SCHED = dict(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=40)
+
+
+def _engine(folder=None, model=None):
+    """An engine over the folder (or a model of the contract): blocks of 4 slots, at most 8 tokens a step (the
+    longer prompts prefill in chunks), the XLA paths."""
+    from pagedjax.config import CacheConfig, SchedulerConfig
+    from pagedjax.engine import LLMEngine
+
+    kwargs = dict(cache_config=CacheConfig(**_CACHE), scheduler_config=SchedulerConfig(**_SCHED), backend="xla")
+    if model is not None:
+        return LLMEngine(model=model, **kwargs)
+    return LLMEngine.from_pretrained(folder, **kwargs)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_engine_greedy_matches_transformers_generate(models, kind):
+    """Sparse MLA over the latent and indexer-key pages (`PagedSparseAttention`), through chunked prefill (20
+    tokens at 8 a step), a prefix-cache hit (the longest prompt again, its full blocks cached: their indexer keys
+    too) and n = 2 greedy forks of one prompt; every prompt but the shortest outgrows index_topk."""
+    from pagedjax.sampling_params import SamplingParams
+    from tests.model.test_hf import MIN_MARGIN, hf_greedy
+
+    model, folder = models[kind]
+    expected, margins = zip(*(hf_greedy(model, p, MAX_NEW) for p in PROMPTS), strict=True)
+    assert min(margins) > MIN_MARGIN, min(margins)  # a near tie would make the comparison one of rounding
+    ours, _ = load_hf_deepseek(folder)
+    margin, _ = index_margins(ours, [p + list(w)[:-1] for p, w in zip(PROMPTS, expected, strict=True)])
+    assert margin > MIN_INDEX_MARGIN, (kind, margin)  # no near tie along the continuations either
+    engine = _engine(folder)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    forked = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=2)  # two greedy samples
+    outs = engine.generate(PROMPTS, [greedy, greedy, forked, greedy], use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == [list(w) for w in expected], kind
+    assert [c.token_ids for c in outs[2].outputs] == [list(expected[2])] * 2
+    again = engine.generate([PROMPTS[-1]], greedy, use_tqdm=False)[0]  # its full blocks cached
+    assert again.num_cached_tokens >= 16 and again.output_token_ids == list(expected[-1])
+
+
+def test_engine_with_index_topk_past_the_context_is_plain_mla(models):
+    """index_topk (64) >= every context: the sparse layers select every earlier position, so the engine's
+    tokens and log-probabilities equal those of the same weights without an indexer (V3's absorbed MLA over
+    latent pages)."""
+    from pagedjax.model.deepseek import deepseek_from_state
+    from pagedjax.sampling_params import SamplingParams
+
+    ours, _ = load_hf_deepseek(models["v32"][1])
+    cfg, state = ours.config, nnx.state(ours)
+    everything = deepseek_from_state(cfg.replace(indexer=DeepSeekIndexerConfig(8, 16, 64)), state)
+    plain_state = nnx.from_flat_state([(k, v) for k, v in nnx.to_flat_state(state) if "indexer" not in k])
+    plain = deepseek_from_state(cfg.replace(indexer=None), plain_state)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=1)
+    got = _engine(model=everything).generate(PROMPTS, params, use_tqdm=False)
+    want = _engine(model=plain).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    np.testing.assert_allclose([o.outputs[0].cumulative_logprob for o in got],
+                               [o.outputs[0].cumulative_logprob for o in want], rtol=1e-5, atol=1e-5)
