@@ -293,3 +293,35 @@ def test_engine_with_index_topk_past_the_context_is_plain_mla(models):
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
     np.testing.assert_allclose([o.outputs[0].cumulative_logprob for o in got],
                                [o.outputs[0].cumulative_logprob for o in want], rtol=1e-5, atol=1e-5)
+
+
+def test_the_official_v32_config_json_maps(tmp_path):
+    """DeepSeek-V3.2-Exp's config.json (V3's fields and spellings, plus the indexer's), shrunk to 2 layers: the
+    indexer, its cache (the bf16 latent entry and indexer key: (576 + 128) * 2 bytes a token per layer) and its
+    float32 `weights_proj` in a bf16 model."""
+    from pagedjax.model.deepseek import abstract_deepseek
+
+    official = {
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "vocab_size": 129280,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 2,
+        "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "n_shared_experts": 1, "n_routed_experts": 256, "ep_size": 1, "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+        "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid",
+        "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "bos_token_id": 0,
+        "eos_token_id": 1, "tie_word_embeddings": False, "rope_theta": 10000, "attention_bias": False,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048,
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]},
+        "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(official))
+    cfg = load_deepseek_config(tmp_path)
+    assert cfg.indexer == DeepSeekIndexerConfig(num_heads=64, head_dim=128, topk=2048)
+    assert cfg.spec.kv_layers == (IndexedSparse(512, 64, 128, 2048),) * 2
+    assert cfg.spec.kv_layers[0].bytes_per_token(2) == (576 + 128) * 2
+    indexer = abstract_deepseek(cfg).layers[0].self_attn.indexer
+    assert indexer.weights_proj.kernel.dtype == jnp.float32 and indexer.wq_b.kernel.dtype == jnp.bfloat16
+    assert (indexer.scale, indexer.weight_scale) == pytest.approx((128 ** -0.5, 64 ** -0.5))
