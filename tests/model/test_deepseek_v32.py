@@ -196,6 +196,11 @@ def test_mlp_layer_types_decide_the_moe_layers(models, tmp_path):
     assert load_deepseek_config(tmp_path).moe.first_k_dense_replace == 0
 
 
+def test_a_v32_folder_is_not_a_model_config(models):
+    with pytest.raises(ModelLoadError, match="'deepseek_v32': a DeepSeek model, not a ModelConfig one"):
+        load_hf_config(models["v32"][1])
+
+
 def test_glm_moe_dsa_is_refused_saying_why(models, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_config(models["v32"], {"model_type": "glm_moe_dsa"})))
     for load in (load_deepseek_config, load_hf_config):
