@@ -4,12 +4,15 @@
 #      then the tests of a property of XLA's default optimisation level (the suite itself runs at -O0: see
 #      tests/conftest.py);
 #   2. what can differ by JAX version again on python3.12 with the newest JAX (the GPU machines run Python 3.12
-#      with newer JAX than python3 here gets): the kernels (Pallas) and their lowering, shardings and shard_map,
-#      the model (flax), checkpoints (orbax), the engine's compiled steps and its program cache (JAX's own caches
-#      cleared); with a fifth of the hypothesis examples (the first pass covers the properties, and the README's
-#      examples, which go through the same engine).
+#      with newer JAX than python3 here gets): every kernel's lowering for "cuda" (Triton) and "tpu" (Mosaic),
+#      which traces each kernel body through the Pallas API of that JAX; the references and XLA paths (what the
+#      CPU engine runs); one interpreted run of the GPU and TPU kernels side by side, and the engine's Pallas path
+#      over MLA and sparse layers; shardings and shard_map, the model (flax), checkpoints (orbax), the engine's
+#      compiled steps and its program cache (JAX's own caches cleared); with a fifth of the hypothesis examples.
+#      The kernels' property tests in interpret mode (half the first pass's time) are not run again: they check
+#      the kernels' arithmetic, which the JAX version does not change (the lowering does, and is checked).
 # Extra arguments go to the first pytest run, e.g. scripts/test.sh -k block_pool. Both runs end with the 15
-# slowest tests (--durations=15). Budget: the whole script within 15 minutes on an idle 2-core machine; the
+# slowest tests (--durations=15). Budget: the whole script within 12 minutes on an idle 2-core machine; the
 # long end-to-end runs are marked `slow` (pytest -m slow runs them). Where the time went, and what this script
 # does about it:
 #   - pip installs without byte-compiling (32 s less for the first environment): a Python compiles what it
@@ -65,6 +68,11 @@ PAGEDJAX_TEST_XLA_OPT=default .venv/bin/python -m pytest -q -m xla_default "${xl
 
 echo "== newest JAX: $(.venv312/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
 HYPOTHESIS_PROFILE=smoke PAGEDJAX_PARALLEL_CHECKS=newest .venv312/bin/python -m pytest -n 2 -q \
-  --durations=15 tests/kernels tests/parallel tests/model/test_model.py tests/model/test_checkpoint_train.py \
+  --durations=15 tests/kernels/test_lowering.py tests/kernels/test_mla_lowering.py \
+  tests/kernels/test_sparse_lowering.py tests/kernels/test_tpu_lowering.py tests/kernels/test_reference.py \
+  tests/kernels/test_merge.py tests/kernels/test_tpu_kernels.py::test_decode_agrees_bit_for_bit_with_the_gpu_kernel \
+  tests/kernels/test_tpu_kernels.py::test_ragged_agrees_with_the_gpu_kernel_to_float32_rounding \
+  tests/parallel tests/model/test_model.py tests/model/test_checkpoint_train.py \
   tests/engine/test_gpu_lowering.py tests/engine/test_tpu_lowering.py tests/engine/test_cpu_dots.py \
+  tests/engine/test_latent_cache.py::test_pallas_kernels_serve_the_latent_layers \
   tests/engine/test_engine_validation.py::test_compiled_programs_are_bounded_and_outputs_stay_exact

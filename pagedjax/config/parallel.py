@@ -46,17 +46,21 @@ class ParallelConfig:
     def check_model(self, spec) -> None:
         """ValueError unless the model's heads split over `tensor_parallel_size` devices (`spec`: its ModelSpec
         or ModelConfig): the query heads evenly, and the KV heads evenly or (tp > num_kv_heads) each replicated
-        on tp / num_kv_heads devices. Only a model whose every layer is full attention of one shape shards: the
-        KV heads split the pages by heads."""
+        on tp / num_kv_heads devices. A model whose layers are all latent (MLA / DSA: one entry per token shared by
+        every head) splits its query heads and keeps its latent pages whole on every device; a mix of
+        full-attention and latent layers is served on one device."""
         tp = self.tensor_parallel_size
         if tp == 1:
             return
         if spec.num_q_heads % tp:
             raise ValueError(f"tensor_parallel_size {tp} must divide the model's {spec.num_q_heads} query heads")
-        if spec.num_kv_heads is None:  # some layer is not FullAttention, or the layers differ (ModelSpec)
-            raise ValueError(f"tensor_parallel_size {tp}: tensor parallelism shards full-attention KV heads; this "
-                             "model's ModelSpec.kv_layers holds latent-attention (MLA) layers or layers of "
-                             "different shapes, which are served on one device (tensor_parallel_size 1)")
+        if spec.num_kv_heads is None:  # some layer is not FullAttention of the one shape (ModelSpec)
+            if all(getattr(layer, "kv_lora_rank", None) is not None for layer in spec.kv_layers):
+                return  # every layer latent (MLA, DSA): query heads split, the latent pages replicated
+            raise ValueError(f"tensor_parallel_size {tp}: this model's ModelSpec.kv_layers mixes full-attention "
+                             "layers with latent ones or full-attention layers of different shapes; tensor "
+                             "parallelism shards either full-attention KV heads of one shape or latent layers "
+                             "only (serve it with tensor_parallel_size 1)")
         if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
             raise ValueError(f"tensor_parallel_size {tp} and the model's {spec.num_kv_heads} KV heads: one must "
                              "divide the other (KV heads are split evenly, or replicated when tp > num_kv_heads)")

@@ -77,7 +77,7 @@ from pagedjax.device.attention import AttentionMetadata, latent_attention, paged
 from pagedjax.device.kv_cache import PagedLayer, layer_shapes, write_kv, write_latent, write_sparse
 from pagedjax.model.layers.quant import QuantizedLinear, quantize_model
 from pagedjax.model.registry import ModelRegistry
-from pagedjax.parallel.attention import sharded_write_and_attend
+from pagedjax.parallel.attention import sharded_latent_write_and_attend, sharded_write_and_attend
 from pagedjax.parallel.sharding import default_param_partition
 
 __all__ = ["TP", "AttentionMetadata", "FullAttention", "IndexedSparse", "LatentAttention", "ModelRegistry",
@@ -218,12 +218,14 @@ class PagedLatentAttention(nnx.Module):
         """Returns (o_latent `[T, H, R]` in q_latent's dtype, the cache with this layer written)."""
         i = self.layer_index
         self._check(q_latent, q_rope, c_kv, k_rope, cache)
-        if cache.mesh is not None:
-            raise ValueError("PagedLatentAttention: tensor parallelism over latent-attention layers is not "
-                             "supported (ParallelConfig refuses it for such a model)")
-        layer = write_latent(cache.layers[i], c_kv, k_rope, cache.meta.slot_mapping)
-        o = latent_attention(q_latent, q_rope, layer, cache.meta, backend=cache.backend,
-                             decode_only=cache.decode_only, scale=self.scale)
+        if cache.mesh is not None:  # query heads split over the devices, the latent pages whole on each
+            o, layer = sharded_latent_write_and_attend(q_latent, q_rope, c_kv, k_rope, cache.layers[i], cache.meta,
+                                                       mesh=cache.mesh, backend=cache.backend,
+                                                       decode_only=cache.decode_only, scale=self.scale)
+        else:
+            layer = write_latent(cache.layers[i], c_kv, k_rope, cache.meta.slot_mapping)
+            o = latent_attention(q_latent, q_rope, layer, cache.meta, backend=cache.backend,
+                                 decode_only=cache.decode_only, scale=self.scale)
         return o.astype(q_latent.dtype), cache.with_layer(i, layer)
 
     def _check(self, q_latent, q_rope, c_kv, k_rope, cache: PagedKVCache, kind: type | None = None) -> None:
@@ -282,13 +284,17 @@ class PagedSparseAttention(PagedLatentAttention):
         if declared is not None and (di, self.index_topk) != (declared.index_head_dim, declared.index_topk):
             raise ValueError(f"{where}: index_head_dim {di}, index_topk {self.index_topk}, but the model's ModelSpec "
                              f"declares {declared.index_head_dim}, {declared.index_topk} for this layer")
-        if cache.mesh is not None:
-            raise ValueError(f"{where}: tensor parallelism over sparse-attention layers is not supported "
-                             "(ParallelConfig refuses it for such a model)")
-        layer = write_sparse(cache.layers[i], c_kv, k_rope, k_index, cache.meta.slot_mapping)
-        o = sparse_attention(q_latent, q_rope, q_index, index_weights, layer, cache.meta, backend=cache.backend,
-                             decode_only=cache.decode_only, scale=self.scale, index_scale=self.index_scale,
-                             index_topk=self.index_topk)
+        options = dict(scale=self.scale, index_scale=self.index_scale, index_topk=self.index_topk)
+        if cache.mesh is not None:  # query heads split over the devices; pages and the indexer whole on each
+            o, layer = sharded_latent_write_and_attend(q_latent, q_rope, c_kv, k_rope, cache.layers[i], cache.meta,
+                                                       mesh=cache.mesh, backend=cache.backend,
+                                                       decode_only=cache.decode_only,
+                                                       index=(q_index, index_weights.astype(jnp.float32), k_index),
+                                                       **options)
+        else:
+            layer = write_sparse(cache.layers[i], c_kv, k_rope, k_index, cache.meta.slot_mapping)
+            o = sparse_attention(q_latent, q_rope, q_index, index_weights, layer, cache.meta, backend=cache.backend,
+                                 decode_only=cache.decode_only, **options)
         return o.astype(q_latent.dtype), cache.with_layer(i, layer)
 
 

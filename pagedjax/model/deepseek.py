@@ -38,10 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from pagedjax.config import ModelSpec
 from pagedjax.config.deepseek import INDEXER_NORM_EPS, LATENT_NORM_EPS, DeepSeekConfig
-from pagedjax.model.api import PagedKVCache, PagedLatentAttention, PagedSparseAttention
+from pagedjax.model.api import TP, PagedKVCache, PagedLatentAttention, PagedSparseAttention
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.layers.moe import Experts, combine_experts, per_expert_params, route
 from pagedjax.model.layers.rope import RoPE
@@ -331,6 +332,19 @@ class DeepSeek(nnx.Module):
     @property
     def spec(self) -> ModelSpec:
         return self.config.spec
+
+    def param_partition(self, names: tuple, tp: int) -> P | None:
+        """Tensor parallelism over heads: the query projection (`q_proj` / `q_b_proj`) and `kv_b_proj` split by
+        their output columns, whole heads each ([.., heads * per_head] is head-major), `o_proj` by its input rows,
+        so a device computes its heads' queries, latent up-projections and output share (all-reduced by XLA);
+        the latent projections (`kv_a_proj_with_mqa`, `q_a_proj`) stay whole, as the latent pages do (every head
+        reads them). 8-bit leaves of these modules stay replicated; the MLPs and experts take the default rule."""
+        module, leaf = str(names[-2]), str(names[-1])
+        if module in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj"):
+            if leaf != "kernel" or self.config.num_heads % tp:
+                return P()
+            return P(TP, None) if module == "o_proj" else P(None, TP)
+        return None
 
     def single_device_params(self, state: nnx.State) -> nnx.State:
         """On one CPU device, every routed expert as its own array (`per_expert_params`: why); else `state`."""

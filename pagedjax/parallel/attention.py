@@ -13,8 +13,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.config.parallel import TP
-from pagedjax.device.attention import AttentionMetadata, paged_attention
-from pagedjax.device.kv_cache import LayerKV, write_kv
+from pagedjax.device.attention import AttentionMetadata, latent_attention, paged_attention, sparse_attention
+from pagedjax.device.kv_cache import LayerKV, write_kv, write_latent, write_sparse
 
 _HEADS = P(None, TP, None)  # [tokens, heads, head_dim] split by heads
 _PAGES = P(TP)  # [kv_heads, blocks, block_size(, head_dim)] split by KV heads
@@ -44,3 +44,35 @@ def sharded_write_and_attend(q: jax.Array,  # [T, Hq, D], any sharding (columns 
     run = jax.shard_map(local, mesh=mesh, in_specs=(_HEADS, _HEADS, _HEADS, pages, P()),
                         out_specs=(_HEADS, pages), check_vma=False)
     return run(q, k, v, layer, meta)
+
+
+def sharded_latent_write_and_attend(q_latent: jax.Array,  # [T, H, R], any sharding (by heads from q_b_proj)
+                                    q_rope: jax.Array,  # [T, H, Dr]
+                                    c_kv: jax.Array,  # [T, R], replicated
+                                    k_rope: jax.Array,  # [T, Dr], replicated
+                                    layer,  # LatentKV / SparseKV: replicated pages (one entry per token, all heads)
+                                    meta: AttentionMetadata, *, mesh: Mesh, backend: str, decode_only: bool,
+                                    scale: float, index=None, index_topk: int | None = None,
+                                    index_scale: float | None = None):
+    """An MLA (or, with `index` = (q_index, index_weights, k_index), a DeepSeek sparse attention) layer under
+    tensor parallelism: every device writes this step's entries into its whole copy of the latent pages (the same
+    values everywhere, so the copies stay equal) and attends with its own query heads. No collective: a head
+    reads only the shared latent entries. The indexer (replicated: its heads are not the attention's) scores and
+    selects the same positions on every device. Returns (o_latent `[T, H, R]` sharded by heads, the layer)."""
+
+    def local(q_latent, q_rope, c_kv, k_rope, index, layer, meta):
+        if index is None:
+            layer = write_latent(layer, c_kv, k_rope, meta.slot_mapping)
+            return latent_attention(q_latent, q_rope, layer, meta, backend=backend, decode_only=decode_only,
+                                    scale=scale), layer
+        q_index, weights, k_index = index
+        layer = write_sparse(layer, c_kv, k_rope, k_index, meta.slot_mapping)
+        o = sparse_attention(q_latent, q_rope, q_index, weights, layer, meta, backend=backend,
+                             decode_only=decode_only, scale=scale, index_scale=index_scale, index_topk=index_topk)
+        return o, layer
+
+    pages = jax.tree.map(lambda _: P(), layer)
+    replicated = jax.tree.map(lambda _: P(), index)
+    run = jax.shard_map(local, mesh=mesh, in_specs=(_HEADS, _HEADS, P(), P(), replicated, pages, P()),
+                        out_specs=(_HEADS, pages), check_vma=False)
+    return run(q_latent, q_rope, c_kv, k_rope, index, layer, meta)

@@ -144,7 +144,9 @@ def log_replicated(cfg, tp: int) -> None:
     if moe is not None and moe.num_experts % tp:
         logger.info("tensor_parallel_size %d does not divide the %d experts: the expert weights are replicated",
                     tp, moe.num_experts)
-    if cfg.num_kv_heads % tp:
+    if cfg.num_kv_heads is None:
+        logger.info("tensor_parallel_size %d: query heads split, the latent KV pages replicated on every device", tp)
+    elif cfg.num_kv_heads % tp:
         logger.info("tensor_parallel_size %d > %d KV heads: k/v projections replicated, each KV head cached on %d "
                     "devices", tp, cfg.num_kv_heads, tp // cfg.num_kv_heads)
 
@@ -180,5 +182,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def per_device_model(cfg, tp: int):
     """`cfg` (a ModelSpec or ModelConfig) with the KV heads one device holds (num_kv_heads / tp, at least 1):
-    what KV bytes per block are counted with when a per-device memory budget sizes the pool."""
+    what KV bytes per block are counted with when a per-device memory budget sizes the pool. Latent layers
+    (num_kv_heads None) are whole on every device: `cfg` itself."""
+    if cfg.num_kv_heads is None:
+        return cfg
     return cfg.replace(num_kv_heads=kv_heads_per_device(cfg.num_kv_heads, tp))

@@ -286,11 +286,15 @@ class ModelRunner:
         if self.mesh is None:
             return init_kv_cache(cfg.kv_layers, self.num_blocks, self.block_size, self.kv_dtype)
         from pagedjax.config.parallel import kv_heads_stored
-        from pagedjax.parallel.sharding import kv_sharding
+        from pagedjax.device.kv_cache import LayerKV
+        from pagedjax.parallel.sharding import kv_sharding, replicated
 
-        heads = kv_heads_stored(cfg.num_kv_heads, self.mesh.size)  # tp > Hkv: each KV head repeated
+        # Full-attention pages split by KV heads (tp > Hkv: each KV head repeated); latent pages, one entry per
+        # token for every head, whole on every device.
+        heads = None if cfg.num_kv_heads is None else kv_heads_stored(cfg.num_kv_heads, self.mesh.size)
+        sharding = lambda kind: kv_sharding(self.mesh) if kind is LayerKV else replicated(self.mesh)
         return init_kv_cache(cfg.kv_layers, self.num_blocks, self.block_size, self.kv_dtype, num_kv_heads=heads,
-                             sharding_of=lambda kind: kv_sharding(self.mesh))
+                             sharding_of=sharding)
 
     def _check_attention_serves(self) -> None:
         """Trace (no compile, no run) a decode and a ragged attention call of one device's shapes over each kind of

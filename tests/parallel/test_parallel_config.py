@@ -8,7 +8,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from pagedjax import CacheConfig, LatentAttention, LLMEngine, ModelConfig, ModelSpec
+from pagedjax import CacheConfig, FullAttention, LatentAttention, LLMEngine, ModelConfig, ModelSpec
 from pagedjax.config.moe import MoEConfig
 from pagedjax.parallel import ParallelConfig, replica_meshes
 from pagedjax.parallel.sharding import default_param_partition, log_replicated, param_spec, per_device_model
@@ -35,9 +35,12 @@ def test_heads_must_split():
     ParallelConfig(tensor_parallel_size=8).check_model(spec(8, 2))  # replicated KV heads: fine
     ParallelConfig(tensor_parallel_size=2).check_model(CFG)  # a ModelConfig is checked by the same fields
     latent = ModelSpec(vocab_size=8, num_layers=2, num_q_heads=8, kv_layers=(LatentAttention(16, 4),) * 2)
-    ParallelConfig(tensor_parallel_size=1).check_model(latent)
-    with pytest.raises(ValueError, match="latent-attention"):
-        ParallelConfig(tensor_parallel_size=2).check_model(latent)
+    ParallelConfig(tensor_parallel_size=2).check_model(latent)  # query heads split, latent pages whole
+    with pytest.raises(ValueError, match="must divide the model's 8 query heads"):
+        ParallelConfig(tensor_parallel_size=3).check_model(latent)
+    mixed = latent.replace(kv_layers=(LatentAttention(16, 4), FullAttention(2, 4)))
+    with pytest.raises(ValueError, match="mixes full-attention layers with latent ones"):
+        ParallelConfig(tensor_parallel_size=2).check_model(mixed)
     assert ParallelConfig(tensor_parallel_size=8).kv_heads_per_device(2) == 1
     assert ParallelConfig(tensor_parallel_size=8).kv_heads_stored(2) == 8
     assert ParallelConfig(tensor_parallel_size=2).kv_heads_per_device(8) == 4

@@ -158,7 +158,7 @@ def _assert_sharded(e, kind: str, tp: int) -> None:
     if not cfg.tie_word_embeddings:
         assert st["lm_head"]["kernel"][...].sharding.spec == P(None, "tp")
     cache = e.runner.kv_cache
-    for a in cache.k + cache.v:
+    for a in [array for layer in cache.layers for array in (layer.k, layer.v)]:
         assert a.sharding.spec == P("tp") and a.shape[0] == max(cfg.num_kv_heads, tp), (a.shape, a.sharding)
     one_device = 2 * cfg.num_layers * e.num_blocks * e.cache_config.block_size * cfg.num_kv_heads * cfg.head_dim * 4
     per_device = e.stats().kv_cache_bytes_per_device
@@ -677,6 +677,46 @@ def update_weights_dp2():
         seq[0, :len(p) + len(c)] = p + c
         ref = np.asarray(jax.nn.log_softmax(dense(jnp.asarray(seq))[0], axis=-1))
         np.testing.assert_allclose(s, ref[np.arange(len(p) - 1, len(p) + len(c) - 1), c], rtol=0, atol=2e-5)
+
+
+@check
+def latent_layers_tensor_parallel():
+    """Latent layers under tp: query heads split, latent pages whole on every device. A DeepSeek model (MLA, a
+    q LoRA, a MoE layer with a shared expert) at tp 2 and a toy of MLA + DeepSeek-sparse layers at tp 4 give
+    their dense forward's greedy tokens through prefix hits, preemption, chunks and fused decode; the latent
+    pages are replicated and the query / output projections split by heads."""
+    from pagedjax.config.deepseek import DeepSeekConfig
+    from pagedjax.model.deepseek import init_deepseek
+    from tests.engine.latent_toy import LatentToy
+
+    cfg = DeepSeekConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, q_lora_rank=8,
+                         moe=dict(num_experts=4, num_experts_per_tok=2, intermediate_size=16, num_shared_experts=1,
+                                  first_k_dense_replace=1))
+    for name, make, tp in (("deepseek", lambda: init_deepseek(cfg, seed=1), 2),
+                           ("mla+dsa toy", lambda: LatentToy(("mla", "dsa"), seed=2), 4)):
+        model = make()
+        prompts = [[t % model.spec.vocab_size for t in p] for p in PROMPTS]
+        want, margin = greedy_by_recompute(jax.jit(lambda t, m=model: m.forward_dense(t)), prompts, MAX_TOKENS,
+                                           MAX_LEN)
+        assert margin > 1e-3, f"{name}: a near tie ({margin}) would make token equality depend on rounding"
+        e = LLMEngine(model=make(), cache_config=CacheConfig(block_size=8, num_blocks=8),
+                      scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                       max_model_len=MAX_LEN),
+                      tensor_parallel_size=tp, decode_steps_per_call=4, compile_cache=False)
+        got = [o.output_token_ids for o in e.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == want, f"{name} tp={tp}: {got} != {want}"
+        s = e.stats()
+        assert s.scheduler.num_preemptions > 0 and s.scheduler.prefix_cache_hit_rate > 0, s.scheduler
+        assert all(a.sharding.spec == P() for a in jax.tree.leaves(e.runner.kv_cache)), "latent pages replicated"
+        assert e.stats().kv_cache_bytes_per_device == e.runner.kv_cache.nbytes
+        if name == "deepseek":
+            attn = e.runner.params["layers"][1]["self_attn"]
+            want_specs = {"q_b_proj": P(None, "tp"), "kv_b_proj": P(None, "tp"), "o_proj": P("tp", None),
+                          "kv_a_proj_with_mqa": P(), "q_a_proj": P()}
+            for proj, spec in want_specs.items():
+                got_spec = attn[proj]["kernel"][...].sharding.spec
+                assert got_spec == spec, f"deepseek {proj}: {got_spec} != {spec}"
 
 
 class SkipCheck(Exception):
