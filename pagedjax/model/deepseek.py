@@ -338,7 +338,9 @@ class DeepSeek(nnx.Module):
         their output columns, whole heads each ([.., heads * per_head] is head-major), `o_proj` by its input rows,
         so a device computes its heads' queries, latent up-projections and output share (all-reduced by XLA);
         the latent projections (`kv_a_proj_with_mqa`, `q_a_proj`) stay whole, as the latent pages do (every head
-        reads them). 8-bit leaves of these modules stay replicated; the MLPs and experts take the default rule."""
+        reads them), and so does V3.2's indexer (the default rule replicates its `wq_b` / `wk` / `weights_proj`:
+        every device scores every position alike and selects the same ones). 8-bit leaves of these modules stay
+        replicated; the MLPs and experts take the default rule."""
         module, leaf = str(names[-2]), str(names[-1])
         if module in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj"):
             if leaf != "kernel" or self.config.num_heads % tp:
