@@ -7,7 +7,8 @@
   parallel.py     ParallelConfig: tensor / data parallelism
   quant.py        QuantConfig: weight-only quantized linears and experts
   moe.py          MoEConfig: mixture-of-experts routing and its computation
-  deepseek.py     DeepSeekConfig, DeepSeekMoEConfig: the DeepSeek V2 / V3 family (MLA, YaRN, DeepSeek's routers)
+  deepseek.py     DeepSeekConfig, DeepSeekMoEConfig, DeepSeekIndexerConfig: the DeepSeek V2 / V3 / V3.2 family (MLA,
+                  YaRN, DeepSeek's routers, V3.2's sparse-attention indexer)
   speculative.py  SpeculativeConfig: speculative decoding's method and proposal length
   structured.py   StructuredLimits: what an output constraint may ask of the grammar compiler
   sampling.py     SamplingDefaults: what a request's sampling fields left unset become (generation_config.json)
@@ -16,7 +17,7 @@
 """
 
 from pagedjax.config.cache import KV_DTYPES, CacheConfig, kv_cache_bytes
-from pagedjax.config.deepseek import DeepSeekConfig, DeepSeekMoEConfig
+from pagedjax.config.deepseek import DeepSeekConfig, DeepSeekIndexerConfig, DeepSeekMoEConfig
 from pagedjax.config.engine import EngineConfig
 from pagedjax.config.kv_spec import FullAttention, IndexedSparse, KVLayerSpec, LatentAttention
 from pagedjax.config.model import ModelConfig, ModelSpec
@@ -28,7 +29,7 @@ from pagedjax.config.scheduler import SchedulerConfig
 from pagedjax.config.speculative import SpeculativeConfig
 from pagedjax.config.structured import StructuredLimits
 
-__all__ = ["KV_DTYPES", "CacheConfig", "DeepSeekConfig", "DeepSeekMoEConfig", "EngineConfig", "FullAttention",
-           "IndexedSparse", "KVLayerSpec", "LatentAttention", "ModelConfig", "ModelSpec", "MoEConfig",
+__all__ = ["KV_DTYPES", "CacheConfig", "DeepSeekConfig", "DeepSeekIndexerConfig", "DeepSeekMoEConfig", "EngineConfig",
+           "FullAttention", "IndexedSparse", "KVLayerSpec", "LatentAttention", "ModelConfig", "ModelSpec", "MoEConfig",
            "ParallelConfig", "QuantConfig", "SamplingDefaults", "SchedulerConfig", "SpeculativeConfig",
            "StructuredLimits", "kv_cache_bytes"]

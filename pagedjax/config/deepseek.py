@@ -1,7 +1,9 @@
-"""The DeepSeek V2 / V3 family's configuration (`DeepSeekConfig`, with `DeepSeekMoEConfig` for its routed
-experts): multi-head latent attention (MLA), YaRN RoPE, shared + routed experts with DeepSeek's routers. The
-model is `pagedjax.model.deepseek.DeepSeek`; `pagedjax.model.loading.hf_config.load_deepseek_config` maps a
-Hugging Face `config.json` ("deepseek_v2", "deepseek_v3") to it.
+"""The DeepSeek V2 / V3 / V3.2 family's configuration (`DeepSeekConfig`, with `DeepSeekMoEConfig` for its
+routed experts and `DeepSeekIndexerConfig` for V3.2's sparse attention): multi-head latent attention (MLA), YaRN
+RoPE, shared + routed experts with DeepSeek's routers, and in V3.2 a lightning indexer choosing which earlier
+tokens each query attends to (DeepSeek Sparse Attention, DSA). The model is `pagedjax.model.deepseek.DeepSeek`;
+`pagedjax.model.loading.hf_config.load_deepseek_config` maps a Hugging Face `config.json` ("deepseek_v2",
+"deepseek_v3", "deepseek_v32") to it.
 
 Plain Python, no JAX (`pagedjax.config` imports it, and the host side imports that).
 """
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 from pagedjax.config.cache import DTYPE_BYTES
 from pagedjax.config.fields import check_bool, check_choice, check_float, check_int, describe, from_fields
-from pagedjax.config.kv_spec import LatentAttention
+from pagedjax.config.kv_spec import IndexedSparse, LatentAttention
 from pagedjax.config.model import ModelSpec
 
 # How router logits `[T, E]` become each token's k experts and their weights (`pagedjax.model.layers.moe.route`),
@@ -35,6 +37,8 @@ ROPE_YARN_PARAMS: tuple[str, ...] = ("factor", "original_max_position_embeddings
 # The RMSNorm epsilon of the q / kv latents (`q_a_layernorm`, `kv_a_layernorm`): transformers builds them with its
 # RMSNorm's default, not `rms_norm_eps`.
 LATENT_NORM_EPS = 1e-6
+# The LayerNorm epsilon of V3.2's indexer key (`indexer.k_norm`): transformers' fixed 1e-6.
+INDEXER_NORM_EPS = 1e-6
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -142,9 +146,51 @@ class DeepSeekMoEConfig:
 
 
 @dataclass(frozen=True)
+class DeepSeekIndexerConfig:
+    """DeepSeek V3.2's lightning indexer (DSA), in every layer: `num_heads` indexer heads of `head_dim` (HF's
+    `index_n_heads`, `index_head_dim`) score each earlier token, and attention reads the `topk` (`index_topk`)
+    best only (every earlier token while there are no more than `topk`).
+
+    Per token t: the key k_I[t] = LayerNorm(wk x[t]) (`head_dim`, one for all heads). Per query s: the queries
+    q_I[s, h] = wq_b q_resid[s] (q_resid: MLA's normalized query latent, so the model has a `q_lora_rank`) and
+    the head weights w[s] = weights_proj(x[s]) / sqrt(num_heads); queries and keys rotate their first
+    `qk_rope_head_dim` dims by the model's RoPE in the halves layout (whatever MLA's `rope_interleave`). Score
+    index[s, t] = sum_h w[s, h] relu(q_I[s, h] . k_I[t] / sqrt(head_dim)) for t <= s.
+
+    Invariants (checked on construction, TypeError / ValueError naming the field): every field an int >= 1;
+    `DeepSeekConfig` checks head_dim >= qk_rope_head_dim and that q_lora_rank is set."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "topk"):
+            object.__setattr__(self, name, check_int("DeepSeekConfig.indexer", name, getattr(self, name), lo=1))
+
+    @property
+    def scale(self) -> float:
+        """What each head's query . key product is scaled by: head_dim ** -0.5."""
+        return self.head_dim ** -0.5
+
+    @property
+    def weight_scale(self) -> float:
+        """What weights_proj's per-head weights are scaled by: num_heads ** -0.5."""
+        return self.num_heads ** -0.5
+
+    @classmethod
+    def coerce(cls, value) -> DeepSeekIndexerConfig | None:
+        """None, a DeepSeekIndexerConfig, or its fields as a mapping -> a DeepSeekIndexerConfig or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        return from_fields(cls, value, "DeepSeekConfig.indexer")
+
+
+@dataclass(frozen=True)
 class DeepSeekConfig:
-    """A DeepSeek V2 / V3 decoder: pre-norm blocks of multi-head latent attention and a dense or
-    mixture-of-experts SwiGLU MLP.
+    """A DeepSeek V2 / V3 / V3.2 decoder: pre-norm blocks of multi-head latent attention and a dense or
+    mixture-of-experts SwiGLU MLP; with `indexer` (V3.2), every layer's attention is sparse: MLA over the
+    positions its lightning indexer selects (`DeepSeekIndexerConfig`).
 
     Attention (MLA) of `num_heads` heads: the query is `hidden -> q_lora_rank -> heads` (`q_a_proj`,
     `q_a_layernorm`, `q_b_proj`) or, with `q_lora_rank` None, one projection (`q_proj`); each head's query is
@@ -181,6 +227,7 @@ class DeepSeekConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: DeepSeekMoEConfig | None = None
+    indexer: DeepSeekIndexerConfig | None = None
 
     def __post_init__(self) -> None:
         owner = "DeepSeekConfig"
@@ -210,6 +257,14 @@ class DeepSeekConfig:
         if self.moe is not None and self.moe.first_k_dense_replace > self.num_layers:
             raise ValueError(f"{owner}.moe.first_k_dense_replace ({self.moe.first_k_dense_replace}) exceeds "
                              f"num_layers ({self.num_layers})")
+        fix("indexer", DeepSeekIndexerConfig.coerce(self.indexer))
+        if self.indexer is not None:
+            if self.q_lora_rank is None:
+                raise ValueError(f"{owner}.indexer needs q_lora_rank: the indexer's queries come from the "
+                                 "normalized query latent")
+            if self.indexer.head_dim < self.qk_rope_head_dim:
+                raise ValueError(f"{owner}.indexer.head_dim ({self.indexer.head_dim}) must be at least "
+                                 f"qk_rope_head_dim ({self.qk_rope_head_dim}): its first qk_rope_head_dim dims rotate")
 
     @property
     def qk_head_dim(self) -> int:
@@ -227,9 +282,14 @@ class DeepSeekConfig:
 
     @property
     def spec(self) -> ModelSpec:
-        """What the engine needs to know of the model: every layer caches one MLA latent entry per token."""
+        """What the engine needs to know of the model: every layer caches one MLA latent entry per token
+        (`LatentAttention`), and with `indexer` the token's indexer key beside it (`IndexedSparse`)."""
+        if self.indexer is None:
+            layer = LatentAttention(self.kv_lora_rank, self.qk_rope_head_dim)
+        else:
+            layer = IndexedSparse(self.kv_lora_rank, self.qk_rope_head_dim, self.indexer.head_dim, self.indexer.topk)
         return ModelSpec(vocab_size=self.vocab_size, num_layers=self.num_layers, num_q_heads=self.num_heads,
-                         kv_layers=(LatentAttention(self.kv_lora_rank, self.qk_rope_head_dim),) * self.num_layers,
+                         kv_layers=(layer,) * self.num_layers,
                          dtype=self.dtype, max_position_embeddings=self.max_position_embeddings,
                          eos_token_ids=self.eos_token_ids, bos_token_id=self.bos_token_id,
                          hidden_size=self.hidden_size)

@@ -1,6 +1,8 @@
-"""The DeepSeek V2 / V3 decoder in Flax NNX (`pagedjax.config.deepseek.DeepSeekConfig`): multi-head latent
-attention (MLA), YaRN RoPE over the rotary dims, dense SwiGLU MLPs in the first layers and mixtures of shared and
-routed experts after them. A model of the public contract (`pagedjax.model.api`).
+"""The DeepSeek V2 / V3 / V3.2 decoder in Flax NNX (`pagedjax.config.deepseek.DeepSeekConfig`): multi-head
+latent attention (MLA), YaRN RoPE over the rotary dims, dense SwiGLU MLPs in the first layers and mixtures of
+shared and routed experts after them; in V3.2 (`DeepSeekConfig.indexer`) each layer's MLA is sparse, over the
+positions its lightning indexer selects (DeepSeek Sparse Attention). A model of the public contract
+(`pagedjax.model.api`).
 
 MLA per layer and token: the query's heads come from `hidden` directly or through a normalized low-rank latent
 (`q_lora_rank`); keys and values come from one compressed latent c_kv (`kv_lora_rank`, normalized) and one rotary
@@ -15,9 +17,18 @@ key part (`qk_nope_head_dim`) and value (`v_head_dim`). Two forwards share the w
   `forward_dense`  the ground truth: whole sequences, K and V expanded per head as transformers does, causal
                    softmax, no cache; mixture-of-experts layers by their reference computation.
 
-Parameter names mirror transformers' `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM` (minus `model.`); linear
-kernels are `[in, out]` (HF's weights transposed). The router (`mlp.gate`) is float32 whatever the model's dtype,
-as in transformers (it keeps `gate.weight` and `e_score_correction_bias` in float32). `kv_b_proj` and the router
+DeepSeek Sparse Attention (V3.2, `LightningIndexer`): per token an indexer key k_I (one `index_head_dim` vector,
+cached beside the latent entry: `IndexedSparse` layers); per query indexer queries q_I from the query latent and
+per-head weights w; query s scores each earlier token t as sum_h w[s, h] relu(q_I[s, h] . k_I[t] / sqrt(
+index_head_dim)) and attends to its `index_topk` best only (all of t <= s while s < index_topk). `forward_dense`
+computes every score, takes the top k and masks dense MLA to them (`MLAttention.dense_index_scores` gives the
+scores, for checking that a test's data has no ties at the k-th); `__call__` hands the indexer's q_I, w and k_I
+to `PagedSparseAttention`, which scores the paged keys, selects and attends over the selection.
+
+Parameter names mirror transformers' `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM` /
+`DeepseekV32ForCausalLM` (minus `model.`); linear kernels are `[in, out]` (HF's weights transposed). The router
+(`mlp.gate`) and the indexer's `weights_proj` are float32 whatever the model's dtype, as in transformers (it keeps
+`gate.weight`, `e_score_correction_bias` and `indexer.weights_proj` in float32). `kv_b_proj` and the router
 are not `nnx.Linear`s: `quantize_model` leaves them float (the absorbed path reads `kv_b_proj`'s kernel by head).
 """
 
@@ -30,8 +41,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.config import ModelSpec
-from pagedjax.config.deepseek import LATENT_NORM_EPS, DeepSeekConfig
-from pagedjax.model.api import TP, PagedKVCache, PagedLatentAttention
+from pagedjax.config.deepseek import INDEXER_NORM_EPS, LATENT_NORM_EPS, DeepSeekConfig
+from pagedjax.model.api import TP, PagedKVCache, PagedLatentAttention, PagedSparseAttention
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.layers.moe import Experts, combine_experts, per_expert_params, route
 from pagedjax.model.layers.rope import RoPE
@@ -79,6 +90,70 @@ class LatentUpProjection(nnx.Module):
         return kv[..., :self.nope_dim], kv[..., self.nope_dim:]
 
 
+class LayerNorm(nnx.Module):
+    """torch's LayerNorm over the last axis: (x - mean) / sqrt(var + eps) * weight + bias, in float32, rounded
+    once to x's dtype (the indexer's `k_norm`; parameters named as transformers')."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        centered = xf - jnp.mean(xf, axis=-1, keepdims=True)
+        y = centered * jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class LightningIndexer(nnx.Module):
+    """`self_attn.indexer`: DeepSeek V3.2's lightning indexer (`DeepSeekIndexerConfig`). Projects a layer's input
+    to what scoring needs; `index_scores` is the dense definition of the scores."""
+
+    def __init__(self, cfg: DeepSeekConfig, dtype, rngs: nnx.Rngs):
+        ix = cfg.indexer
+        self.heads, self.head_dim, self.rope_dim = ix.num_heads, ix.head_dim, cfg.qk_rope_head_dim
+        self.topk, self.scale, self.weight_scale = ix.topk, ix.scale, ix.weight_scale
+        self.wq_b = _linear(cfg.q_lora_rank, ix.num_heads * ix.head_dim, dtype, rngs)
+        self.wk = _linear(cfg.hidden_size, ix.head_dim, dtype, rngs)
+        self.k_norm = LayerNorm(ix.head_dim, INDEXER_NORM_EPS, dtype)
+        self.weights_proj = _linear(cfg.hidden_size, ix.num_heads, jnp.float32, rngs)  # float32, as transformers
+        scaling = None if cfg.rope_scaling is None else (("rope_type", "yarn"), *cfg.rope_scaling)
+        # The model's rotation in the halves layout, whatever MLA's `rope_interleave` (transformers' V3.2 indexer).
+        self.rope = RoPE(cfg.qk_rope_head_dim, cfg.rope_theta, scaling, interleaved=False)
+
+    def __call__(self, x: jax.Array, q_resid: jax.Array, positions: jax.Array):
+        """x `[..., hidden]` (the layer's normalized input), q_resid `[..., q_lora_rank]` (MLA's normalized query
+        latent) -> (queries `[..., heads, head_dim]`, head weights float32 `[..., heads]` (already times
+        heads ** -0.5), key `[..., head_dim]`), queries and key rotated over their first qk_rope_head_dim dims."""
+        dr = self.rope_dim
+        q = self.wq_b(q_resid).reshape(*q_resid.shape[:-1], self.heads, self.head_dim)
+        q = jnp.concatenate([self.rope(q[..., :dr], positions), q[..., dr:]], axis=-1)
+        k = self.k_norm(self.wk(x))
+        k = jnp.concatenate([self.rope(k[..., None, :dr], positions)[..., 0, :], k[..., dr:]], axis=-1)
+        weights = self.weights_proj(x.astype(jnp.float32)) * self.weight_scale
+        return q, weights, k
+
+    def index_scores(self, q: jax.Array, weights: jax.Array, k: jax.Array) -> jax.Array:
+        """The dense scores: q `[B, S, heads, head_dim]`, weights `[B, S, heads]`, k `[B, S, head_dim]` -> float32
+        `[B, S, S]`, sum_h weights[s, h] relu(scale * q[s, h] . k[t]), -inf where t > s."""
+        hi = jax.lax.Precision.HIGHEST  # the selection is discrete: no reduced-precision passes
+        dots = jnp.einsum("bshd,btd->bsht", q.astype(jnp.float32), k.astype(jnp.float32), precision=hi)
+        scores = jnp.einsum("bsh,bsht->bst", weights, jax.nn.relu(dots * self.scale), precision=hi)
+        s = q.shape[1]
+        return jnp.where(np.arange(s)[None, :] <= np.arange(s)[:, None], scores, -jnp.inf)
+
+
+def top_k_mask(scores: jax.Array, k: int) -> jax.Array:
+    """Causally masked scores `[..., S, S]` (-inf where t > s) -> bool `[..., S, S]`: each query's k best
+    positions among t <= s (all of them while s < k). Ties at the k-th are broken towards the lower position
+    (`jax.lax.top_k`); transformers' torch.topk leaves them unspecified, so parity needs tie-free scores."""
+    s = scores.shape[-1]
+    _, chosen = jax.lax.top_k(scores, min(k, s))
+    selected = jnp.any(chosen[..., None] == jnp.arange(s), axis=-2)
+    return selected & (np.arange(s)[None, :] <= np.arange(s)[:, None])
+
+
 class MLAttention(nnx.Module):
     """One layer's multi-head latent attention (module docstring)."""
 
@@ -102,39 +177,61 @@ class MLAttention(nnx.Module):
         scaling = None if cfg.rope_scaling is None else (("rope_type", "yarn"), *cfg.rope_scaling)
         self.rope = RoPE(cfg.qk_rope_head_dim, cfg.rope_theta, scaling, interleaved=cfg.rope_interleave)
         self.scale = cfg.softmax_scale
-        self.paged = PagedLatentAttention(layer_index, num_heads=heads, kv_lora_rank=cfg.kv_lora_rank,
-                                          rope_dim=cfg.qk_rope_head_dim, scale=self.scale)
+        self.indexer = None if cfg.indexer is None else LightningIndexer(cfg, dtype, rngs)
+        latent = dict(num_heads=heads, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, scale=self.scale)
+        if cfg.indexer is None:
+            self.paged = PagedLatentAttention(layer_index, **latent)
+        else:
+            ix = cfg.indexer
+            self.paged = PagedSparseAttention(layer_index, **latent, index_n_heads=ix.num_heads,
+                                              index_head_dim=ix.head_dim, index_topk=ix.topk, index_scale=ix.scale)
 
     def _project(self, x: jax.Array, positions: jax.Array):
         """x `[..., hidden]` -> (q_nope `[..., H, nope]`, q_rope `[..., H, rope]` rotated, c_kv `[..., rank]`
-        normalized, k_rope `[..., rope]` rotated)."""
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        normalized, k_rope `[..., rope]` rotated, the normalized query latent `[..., q_lora_rank]` or None)."""
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora else None
+        q = self.q_b_proj(q_resid) if self.q_lora else self.q_proj(x)
         q = q.reshape(*x.shape[:-1], self.heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q[..., :self.nope_dim], q[..., self.nope_dim:]
         ckv = self.kv_a_proj_with_mqa(x)
         c_kv, k_rope = self.kv_a_layernorm(ckv[..., :self.rank]), ckv[..., self.rank:]
         q_rope = self.rope(q_rope, positions)
         k_rope = self.rope(k_rope[..., None, :], positions)[..., 0, :]
-        return q_nope, q_rope, c_kv, k_rope
+        return q_nope, q_rope, c_kv, k_rope, q_resid
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
-        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's latent entries written): absorbed MLA."""
-        q_nope, q_rope, c_kv, k_rope = self._project(x, positions)
+        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's latent entries (and indexer keys)
+        written): absorbed MLA, over the indexer's selection when there is one."""
+        q_nope, q_rope, c_kv, k_rope, q_resid = self._project(x, positions)
         q_latent = _matmul("thd,rhd->thr", q_nope, self.kv_b_proj.key_weights(), x.dtype)
-        o_latent, cache = self.paged(q_latent, q_rope, c_kv, k_rope, cache)
+        if self.indexer is None:
+            o_latent, cache = self.paged(q_latent, q_rope, c_kv, k_rope, cache)
+        else:  # the indexer's queries, head weights and key; the layer scores, selects and attends
+            o_latent, cache = self.paged(q_latent, q_rope, c_kv, k_rope, *self.indexer(x, q_resid, positions), cache)
         o = _matmul("thr,rhv->thv", o_latent, self.kv_b_proj.value_weights(), x.dtype)
         return self.o_proj(o.reshape(x.shape[0], -1)), cache
 
-    def dense(self, x: jax.Array) -> jax.Array:
-        """Causal attention over whole sequences with K / V expanded per head, no cache. x `[B, S, hidden]`."""
+    def dense_index_scores(self, x: jax.Array) -> jax.Array:
+        """The indexer's dense scores of x `[B, S, hidden]` (the layer's normalized input): float32 `[B, S, S]`,
+        -inf where t > s (`LightningIndexer.index_scores`). Only for a layer with an indexer."""
         b, s, _ = x.shape
         positions = jnp.broadcast_to(jnp.arange(s), (b, s))
-        q_nope, q_rope, c_kv, k_rope = self._project(x, positions)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        return self.indexer.index_scores(*self.indexer(x, q_resid, positions))
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        """Causal attention over whole sequences with K / V expanded per head, no cache; with an indexer, each
+        query attends to its top `index_topk` positions only. x `[B, S, hidden]`."""
+        b, s, _ = x.shape
+        positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+        q_nope, q_rope, c_kv, k_rope, _ = self._project(x, positions)
         k_nope, v = self.kv_b_proj(c_kv)
         f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
         scores = (jnp.einsum("bqhd,bkhd->bhqk", f32(q_nope), f32(k_nope))
                   + jnp.einsum("bqhd,bkd->bhqk", f32(q_rope), f32(k_rope))) * self.scale
         visible = np.arange(s)[None, :] <= np.arange(s)[:, None]
+        if self.indexer is not None:
+            visible = top_k_mask(self.dense_index_scores(x), self.indexer.topk)[:, None]  # [B, 1, S, S]
         probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
         o = jnp.einsum("bhqk,bkhv->bqhv", probs, f32(v)).astype(x.dtype)
         return self.o_proj(o.reshape(b, s, -1))
@@ -221,7 +318,8 @@ class DecoderLayer(nnx.Module):
 
 
 class DeepSeek(nnx.Module):
-    """DeepSeek V2 / V3 (module docstring): `spec` declares one `LatentAttention` KV layer per decoder layer."""
+    """DeepSeek V2 / V3 / V3.2 (module docstring): `spec` declares one `LatentAttention` KV layer per decoder
+    layer, or with an indexer one `IndexedSparse` layer."""
 
     def __init__(self, cfg: DeepSeekConfig, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
@@ -240,7 +338,9 @@ class DeepSeek(nnx.Module):
         their output columns, whole heads each ([.., heads * per_head] is head-major), `o_proj` by its input rows,
         so a device computes its heads' queries, latent up-projections and output share (all-reduced by XLA);
         the latent projections (`kv_a_proj_with_mqa`, `q_a_proj`) stay whole, as the latent pages do (every head
-        reads them). 8-bit leaves of these modules stay replicated; the MLPs and experts take the default rule."""
+        reads them), and so does V3.2's indexer (the default rule replicates its `wq_b` / `wk` / `weights_proj`:
+        every device scores every position alike and selects the same ones). 8-bit leaves of these modules stay
+        replicated; the MLPs and experts take the default rule."""
         module, leaf = str(names[-2]), str(names[-1])
         if module in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj"):
             if leaf != "kernel" or self.config.num_heads % tp:
@@ -270,7 +370,8 @@ class DeepSeek(nnx.Module):
 
     def forward_dense(self, token_ids: jax.Array) -> jax.Array:
         """Ground truth: token_ids `[B, S]` -> float32 logits `[B, S, vocab]`, causal, no cache, K / V expanded per
-        head, mixture-of-experts layers by every expert on every token."""
+        head (with an indexer: every score computed, attention masked to each query's top k), mixture-of-experts
+        layers by every expert on every token."""
         x = self.embed_tokens(token_ids)
         for layer in self.layers:
             x = layer.dense(x)

@@ -682,8 +682,9 @@ def update_weights_dp2():
 @check
 def latent_layers_tensor_parallel():
     """Latent layers under tp: query heads split, latent pages whole on every device. A DeepSeek model (MLA, a
-    q LoRA, a MoE layer with a shared expert) at tp 2 and a toy of MLA + DeepSeek-sparse layers at tp 4 give
-    their dense forward's greedy tokens through prefix hits, preemption, chunks and fused decode; the latent
+    q LoRA, a MoE layer with a shared expert) at tp 2, the same with V3.2's indexer (index_topk 4, below the
+    prompts; its projections whole on every device) at tp 2 and a toy of MLA + DeepSeek-sparse layers at tp 4
+    give their dense forward's greedy tokens through prefix hits, preemption, chunks and fused decode; the latent
     pages are replicated and the query / output projections split by heads."""
     from pagedjax.config.deepseek import DeepSeekConfig
     from pagedjax.model.deepseek import init_deepseek
@@ -693,7 +694,9 @@ def latent_layers_tensor_parallel():
                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, q_lora_rank=8,
                          moe=dict(num_experts=4, num_experts_per_tok=2, intermediate_size=16, num_shared_experts=1,
                                   first_k_dense_replace=1))
+    v32 = cfg.replace(indexer=dict(num_heads=4, head_dim=16, topk=4))
     for name, make, tp in (("deepseek", lambda: init_deepseek(cfg, seed=1), 2),
+                           ("deepseek v3.2", lambda: init_deepseek(v32, seed=1), 2),
                            ("mla+dsa toy", lambda: LatentToy(("mla", "dsa"), seed=2), 4)):
         model = make()
         prompts = [[t % model.spec.vocab_size for t in p] for p in PROMPTS]
@@ -710,6 +713,10 @@ def latent_layers_tensor_parallel():
         assert s.scheduler.num_preemptions > 0 and s.scheduler.prefix_cache_hit_rate > 0, s.scheduler
         assert all(a.sharding.spec == P() for a in jax.tree.leaves(e.runner.kv_cache)), "latent pages replicated"
         assert e.stats().kv_cache_bytes_per_device == e.runner.kv_cache.nbytes
+        if name == "deepseek v3.2":
+            indexer = e.runner.params["layers"][1]["self_attn"]["indexer"]
+            for proj in ("wq_b", "wk", "weights_proj"):
+                assert indexer[proj]["kernel"][...].sharding.spec == P(), f"deepseek v3.2 indexer {proj} split"
         if name == "deepseek":
             attn = e.runner.params["layers"][1]["self_attn"]
             want_specs = {"q_b_proj": P(None, "tp"), "kv_b_proj": P(None, "tp"), "o_proj": P("tp", None),

@@ -24,8 +24,9 @@ field: never silently wrong output. Phi-3's LongRoPE ("longrope", "su") is compu
 `original_max_position_embeddings`, to which the context is capped (with a warning): its long factors are not
 implemented.
 
-DeepSeek V2 / V3 (`deepseek_v2`, `deepseek_v3`) map to a `pagedjax.config.deepseek.DeepSeekConfig` instead
-(`load_deepseek_config`; `load_hf_config` refuses them, naming it).
+DeepSeek V2 / V3 / V3.2 (`deepseek_v2`, `deepseek_v3`, `deepseek_v32`) map to a
+`pagedjax.config.deepseek.DeepSeekConfig` instead (`load_deepseek_config`; `load_hf_config` refuses them, naming
+it); GLM's `glm_moe_dsa` is refused by both, saying why.
 
 The weights are read by `pagedjax.model.loading.hf_loader`.
 """
@@ -382,6 +383,8 @@ def _quantization(hf: dict, num_layers: int):
 def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: tuple[int, ...]) -> ModelConfig:
     """`load_hf_config` on parsed JSON; ValueErrors name the field (the caller adds the file)."""
     model_type = hf.get("model_type")
+    if model_type in _DSA_REFUSED:
+        raise ValueError(f"field 'model_type' = {model_type!r}: {_DSA_REFUSED[model_type]}")
     if model_type in DEEPSEEK_MODEL_TYPES:
         raise ValueError(f"field 'model_type' = {model_type!r}: a DeepSeek model, not a ModelConfig one; "
                          "LLMEngine.from_pretrained and --model serve it (pagedjax.model.deepseek), and "
@@ -501,8 +504,15 @@ def _check_unsupported(hf: dict, model_type: str) -> None:
                          "(it also biases o_proj)")
 
 
-# DeepSeek V2 / V3 (`pagedjax.config.deepseek.DeepSeekConfig`, served by `pagedjax.model.deepseek`).
-DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+# DeepSeek V2 / V3 / V3.2 (`pagedjax.config.deepseek.DeepSeekConfig`, served by `pagedjax.model.deepseek`).
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
+# Sparse-attention checkpoints that share V3.2's indexer but not its definition, so refused by name: GLM's
+# "glm_moe_dsa" (transformers' `GlmMoeDsaForCausalLM`) rotates the indexer's queries and keys in interleaved
+# pairs, and its "shared" layers (`indexer_types`) have no indexer of their own but reuse the previous layer's
+# top-k selection.
+_DSA_REFUSED = {"glm_moe_dsa": "GLM's DSA (transformers' GlmMoeDsaForCausalLM) is not DeepSeek V3.2's definition: "
+                               "its indexer rotates interleaved pairs and its 'shared' layers (indexer_types) reuse "
+                               "the previous layer's top-k instead of scoring their own; it is not supported"}
 # transformers' defaults for the fields a DeepSeek config.json may leave out.
 _DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -516,19 +526,31 @@ _DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
                     "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "routed_scaling_factor": 2.5,
                     "topk_method": "noaux_tc", "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
                     "num_experts_per_tok": 8, "rope_interleave": True},
+    "deepseek_v32": {"max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                     "tie_word_embeddings": False, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+                     "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+                     "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "routed_scaling_factor": 2.5,
+                     "topk_method": "noaux_tc", "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
+                     "num_experts_per_tok": 8, "rope_interleave": True, "index_n_heads": 64, "index_head_dim": 128,
+                     "index_topk": 2048},
 }
 # What each family's transformers model computes whatever config.json says, and what a checkpoint declaring
 # otherwise would mean instead (so refused): V2 softmax-scores its experts, V3 takes sigmoid scores with the
 # correction bias ("noaux_tc").
 _DEEPSEEK_ROUTING = {"deepseek_v2": ("softmax", ("greedy", "group_limited_greedy")),
-                     "deepseek_v3": ("sigmoid", ("noaux_tc",))}
+                     "deepseek_v3": ("sigmoid", ("noaux_tc",)), "deepseek_v32": ("sigmoid", ("noaux_tc",))}
 _ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
 
 def load_deepseek_config(path: str | os.PathLike, dtype: str | None = None):
-    """Map a DeepSeek V2 / V3 Hugging Face folder's `config.json` (`model_type` "deepseek_v2" / "deepseek_v3",
-    and `generation_config.json`'s stop tokens) to a `pagedjax.config.deepseek.DeepSeekConfig`, as
-    transformers' `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM` compute it; `dtype` as `load_hf_config`'s.
+    """Map a DeepSeek V2 / V3 / V3.2 Hugging Face folder's `config.json` (`model_type` "deepseek_v2" /
+    "deepseek_v3" / "deepseek_v32", and `generation_config.json`'s stop tokens) to a
+    `pagedjax.config.deepseek.DeepSeekConfig`, as transformers' `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM`
+    / `DeepseekV32ForCausalLM` compute it; `dtype` as `load_hf_config`'s. V3.2's `index_n_heads`,
+    `index_head_dim` and `index_topk` are its `indexer`; V3.2 always has a query latent (`q_lora_rank`), rotates
+    MLA's pairs interleaved (`rope_interleave` false refused) and takes its MoE layers from `mlp_layer_types`
+    (which must be dense layers then sparse ones); its `layer_types` must all be "indexed_attention". GLM's
+    "glm_moe_dsa" is refused (`_DSA_REFUSED`: why).
 
     Refused with a ModelLoadError naming the file and field: anything those classes do not compute as the
     checkpoint declares it (a V2 config asking for `norm_topk_prob`, `moe_layer_freq` != 1, a V3 `topk_method`
@@ -544,6 +566,8 @@ def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos:
     from pagedjax.config.deepseek import DeepSeekConfig
 
     model_type = hf.get("model_type")
+    if model_type in _DSA_REFUSED:
+        raise ValueError(f"field 'model_type' = {model_type!r}: {_DSA_REFUSED[model_type]}")
     if model_type not in DEEPSEEK_MODEL_TYPES:
         raise ValueError(f"field 'model_type' = {model_type!r} is not a DeepSeek one "
                          f"({', '.join(DEEPSEEK_MODEL_TYPES)})")
@@ -562,14 +586,17 @@ def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos:
         except ValueError as e:
             raise ValueError(f"field 'quantization_config': {e}") from None
     interleave = _flag(hf, "rope_interleave", True)
-    if model_type == "deepseek_v2" and not interleave:
-        raise ValueError("field 'rope_interleave' = false is not supported for deepseek_v2 (transformers' DeepSeek "
-                         "V2 always rotates interleaved pairs)")
+    if model_type in ("deepseek_v2", "deepseek_v32") and not interleave:
+        raise ValueError(f"field 'rope_interleave' = false is not supported for {model_type} (transformers' "
+                         "model always rotates MLA's interleaved pairs)")
     num_layers = _positive_int(hf, "num_hidden_layers")
     max_pos = _positive_int(hf, "max_position_embeddings", defaults["max_position_embeddings"])
     rope_dim = _positive_int(hf, "qk_rope_head_dim", defaults["qk_rope_head_dim"])
     theta, yarn = _deepseek_rope(hf, defaults["rope_theta"], max_pos)
     q_lora = hf.get("q_lora_rank", defaults["q_lora_rank"])
+    if model_type == "deepseek_v32" and q_lora is None:
+        raise ValueError("field 'q_lora_rank' = null is not supported for deepseek_v32 (transformers' model always "
+                         "projects the query through its latent, which the indexer reads)")
     bos = gen_bos if gen_bos is not None else _optional_id(hf.get("bos_token_id"), "bos_token_id")
     eos = gen_eos or _id_list(hf.get("eos_token_id"), "eos_token_id")
     nope = hf.get("qk_nope_head_dim", defaults["qk_nope_head_dim"])
@@ -596,7 +623,22 @@ def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos:
         bos_token_id=bos,
         eos_token_ids=tuple(dict.fromkeys(eos)),
         moe=_deepseek_moe(hf, model_type, num_layers),
+        indexer=_deepseek_indexer(hf, num_layers) if model_type == "deepseek_v32" else None,
     )
+
+
+def _deepseek_indexer(hf: dict, num_layers: int):
+    """DeepSeekConfig.indexer of a "deepseek_v32" config: every layer's lightning indexer."""
+    from pagedjax.config.deepseek import DeepSeekIndexerConfig
+
+    defaults = _DEEPSEEK_DEFAULTS["deepseek_v32"]
+    kinds = hf.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or kinds != ["indexed_attention"] * num_layers):
+        raise ValueError(f"field 'layer_types' = {kinds!r} is not supported (every one of the {num_layers} layers "
+                         "must be 'indexed_attention': sparse attention by its own indexer)")
+    return DeepSeekIndexerConfig(num_heads=_positive_int(hf, "index_n_heads", defaults["index_n_heads"]),
+                                 head_dim=_positive_int(hf, "index_head_dim", defaults["index_head_dim"]),
+                                 topk=_positive_int(hf, "index_topk", defaults["index_topk"]))
 
 
 def _deepseek_rope(hf: dict, default_theta: float, max_pos: int) -> tuple[float, tuple | None]:
@@ -659,6 +701,13 @@ def _deepseek_moe(hf: dict, model_type: str, num_layers: int):
     if not is_int(first_dense) or not 0 <= first_dense <= num_layers:
         raise ValueError(f"field 'first_k_dense_replace': expected an int in [0, num_hidden_layers], got "
                          f"{first_dense!r}")
+    kinds = hf.get("mlp_layer_types") if model_type == "deepseek_v32" else None
+    if kinds is not None:  # what transformers' V3.2 reads (first_k_dense_replace only derives its default)
+        dense = kinds.count("dense") if isinstance(kinds, list) else -1
+        if dense < 0 or kinds != ["dense"] * dense + ["sparse"] * (num_layers - dense):
+            raise ValueError(f"field 'mlp_layer_types' = {kinds!r} is not supported (only 'dense' layers then "
+                             f"'sparse' ones, {num_layers} in all)")
+        first_dense = dense
     num_experts = _positive_int(hf, "n_routed_experts", defaults["n_routed_experts"])
     top_k = _positive_int(hf, "num_experts_per_tok", defaults.get("num_experts_per_tok"))
     if top_k > num_experts:

@@ -1,5 +1,5 @@
 """Load a local Hugging Face model folder (Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / OLMo 2 / Gemma 2 / Gemma 3
-text / Mixtral / Qwen3-MoE; DeepSeek V2 / V3 through `load_hf_deepseek`, a model of the public contract) into
+text / Mixtral / Qwen3-MoE; DeepSeek V2 / V3 / V3.2 through `load_hf_deepseek`, a model of the public contract) into
 pagedjax. `fill_state` is the one safetensors reader under both (names, shapes and dtypes checked before any data
 is read; block-scaled FP8 weights dequantized, `hf_fp8`).
 
@@ -410,7 +410,7 @@ def _deepseek_names(path: tuple, shape: tuple) -> list[tuple[str, bool, int | No
 
 def load_deepseek_params(path: str | os.PathLike, cfg, *, mtp_layers: int = 0,
                          fp8_block: tuple[int, int] | None = None) -> nnx.State:
-    """Weights of a DeepSeek V2 / V3 Hugging Face folder as the parameters of `DeepSeek(cfg)` (a
+    """Weights of a DeepSeek V2 / V3 / V3.2 Hugging Face folder as the parameters of `DeepSeek(cfg)` (a
     `pagedjax.config.deepseek.DeepSeekConfig`), streamed as `fill_state` does (`fp8_block`: the block size of
     an FP8 checkpoint's scales, `hf_fp8`). The `mtp_layers` multi-token-prediction layers after the last decoder
     layer (`num_nextn_predict_layers`: tensors `model.layers.{L + i}.*`) are not read. ModelLoadError naming
@@ -428,9 +428,10 @@ def load_deepseek_params(path: str | os.PathLike, cfg, *, mtp_layers: int = 0,
 
 
 def load_hf_deepseek(path: str | os.PathLike, dtype: str | None = None):
-    """(`pagedjax.model.deepseek.DeepSeek` holding the folder's weights, tokenizer or None) of a DeepSeek V2 / V3
-    Hugging Face folder (float, or the official block-scaled FP8 weights dequantized to the model's dtype: the
-    checkpoint's `torch_dtype`, or `dtype`): the built-in factory of `model_type` "deepseek_v2" / "deepseek_v3"
+    """(`pagedjax.model.deepseek.DeepSeek` holding the folder's weights, tokenizer or None) of a DeepSeek V2 / V3 /
+    V3.2 Hugging Face folder (float, or the official block-scaled FP8 weights dequantized to the model's dtype: the
+    checkpoint's `torch_dtype`, or `dtype`): the built-in factory of `model_type` "deepseek_v2" / "deepseek_v3" /
+    "deepseek_v32"
     (`pagedjax.model.loading.loader.load_registered`; the `ModelRegistry` factory contract)."""
     from pagedjax.model.deepseek import deepseek_from_state
     from pagedjax.model.loading.hf_config import load_deepseek_config

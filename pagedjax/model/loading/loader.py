@@ -81,7 +81,7 @@ def _quantized(cfg, state, quantization):
 def load_registered(path, dtype: str | None):
     """`(model, tokenizer or None)` of a Hugging Face folder whose `model_type` is registered in
     `pagedjax.model.registry.ModelRegistry`, by its factory, or is one of the built-in families served as a model
-    of the public contract (DeepSeek V2 / V3: `hf_loader.load_hf_deepseek`, unless a factory is registered for
+    of the public contract (DeepSeek V2 / V3 / V3.2: `hf_loader.load_hf_deepseek`, unless a factory is registered for
     it); None for any other folder (a pagedjax checkpoint,
     an unregistered `model_type`, no path: the bundled model), which `load_pretrained` loads or refuses.
     The factory's own errors propagate; a result that is not `(model, tokenizer)` is a TypeError naming it."""
