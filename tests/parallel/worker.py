@@ -682,13 +682,12 @@ def update_weights_dp2():
 @check
 def latent_layers_tensor_parallel():
     """Latent layers under tp: query heads split, latent pages whole on every device. A DeepSeek model (MLA, a
-    q LoRA, a MoE layer with a shared expert) at tp 2, the same with V3.2's indexer (index_topk 4, below the
-    prompts; its projections whole on every device) at tp 2 and a toy of MLA + DeepSeek-sparse layers at tp 4
-    give their dense forward's greedy tokens through prefix hits, preemption, chunks and fused decode; the latent
-    pages are replicated and the query / output projections split by heads."""
+    q LoRA, a MoE layer with a shared expert) and the same with V3.2's indexer (sparse attention, index_topk 4,
+    below the prompts; its projections whole on every device), each at tp 2, give their dense forward's greedy
+    tokens through prefix hits, preemption, chunks and fused decode; the latent pages are replicated and the
+    query / output projections split by heads."""
     from pagedjax.config.deepseek import DeepSeekConfig
     from pagedjax.model.deepseek import init_deepseek
-    from tests.engine.latent_toy import LatentToy
 
     cfg = DeepSeekConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, q_lora_rank=8,
@@ -696,8 +695,7 @@ def latent_layers_tensor_parallel():
                                   first_k_dense_replace=1))
     v32 = cfg.replace(indexer=dict(num_heads=4, head_dim=16, topk=4))
     for name, make, tp in (("deepseek", lambda: init_deepseek(cfg, seed=1), 2),
-                           ("deepseek v3.2", lambda: init_deepseek(v32, seed=1), 2),
-                           ("mla+dsa toy", lambda: LatentToy(("mla", "dsa"), seed=2), 4)):
+                           ("deepseek v3.2", lambda: init_deepseek(v32, seed=1), 2)):
         model = make()
         prompts = [[t % model.spec.vocab_size for t in p] for p in PROMPTS]
         want, margin = greedy_by_recompute(jax.jit(lambda t, m=model: m.forward_dense(t)), prompts, MAX_TOKENS,
