@@ -8,6 +8,7 @@
   quant.py        QuantConfig: weight-only quantized linears and experts
   moe.py          MoEConfig: mixture-of-experts routing and its computation
   speculative.py  SpeculativeConfig: speculative decoding's method and proposal length
+  lora.py         LoRAConfig: multi-LoRA serving's device slots, rank and host cache
   structured.py   StructuredLimits: what an output constraint may ask of the grammar compiler
   engine.py       EngineConfig: every other LLMEngine keyword (backend, fused decode steps, compile cache, ...)
   fields.py       the field checks every config uses (TypeError / ValueError naming the field)
@@ -16,6 +17,7 @@
 from pagedjax.config.cache import KV_DTYPES, CacheConfig, kv_cache_bytes
 from pagedjax.config.engine import EngineConfig
 from pagedjax.config.kv_spec import FullAttention, IndexedSparse, KVLayerSpec, LatentAttention
+from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.model import ModelConfig, ModelSpec
 from pagedjax.config.moe import MoEConfig
 from pagedjax.config.parallel import ParallelConfig
@@ -25,5 +27,5 @@ from pagedjax.config.speculative import SpeculativeConfig
 from pagedjax.config.structured import StructuredLimits
 
 __all__ = ["KV_DTYPES", "CacheConfig", "EngineConfig", "FullAttention", "IndexedSparse", "KVLayerSpec",
-           "LatentAttention", "ModelConfig", "ModelSpec", "MoEConfig", "ParallelConfig", "QuantConfig",
+           "LatentAttention", "LoRAConfig", "ModelConfig", "ModelSpec", "MoEConfig", "ParallelConfig", "QuantConfig",
            "SchedulerConfig", "SpeculativeConfig", "StructuredLimits", "kv_cache_bytes"]
