@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pagedjax.config.cache import CacheConfig
 from pagedjax.config.fields import check_bool, check_choice, check_int, describe
+from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.model import ModelConfig
 from pagedjax.config.parallel import ParallelConfig
 from pagedjax.config.scheduler import SchedulerConfig
@@ -40,6 +41,7 @@ class EngineConfig:
       and no speculative decoding).
     structured_limits: what a request's output constraint may ask of the grammar compiler, checked before it is
       compiled (`pagedjax.structured_output.limits`: a constraint past a limit is a ValueError naming it).
+    lora_config: multi-LoRA serving's slots and rank (None: no adapters; `LLMEngine(enable_lora=True, ...)`).
     """
 
     model_config: ModelConfig | None = None
@@ -55,6 +57,7 @@ class EngineConfig:
     compile_in_background: bool = False
     batch_invariant: bool = False
     structured_limits: StructuredLimits = dataclasses.field(default_factory=StructuredLimits)
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         owner = "LLMEngine"  # its fields are LLMEngine's keywords: errors name the keyword
@@ -62,7 +65,8 @@ class EngineConfig:
         for name, cls, optional in (("cache_config", CacheConfig, False), ("scheduler_config", SchedulerConfig, False),
                                     ("parallel_config", ParallelConfig, True),
                                     ("speculative_config", SpeculativeConfig, True),
-                                    ("structured_limits", StructuredLimits, False)):
+                                    ("structured_limits", StructuredLimits, False),
+                                    ("lora_config", LoRAConfig, True)):
             value = getattr(self, name)
             if not (isinstance(value, cls) or (optional and value is None)):
                 raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__} ({owner}.{name})")

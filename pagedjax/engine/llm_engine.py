@@ -30,6 +30,7 @@ from pagedjax.config import (
     StructuredLimits,
 )
 from pagedjax.config.fields import is_int
+from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.parallel import ParallelConfig, parallel_layout
 from pagedjax.core.request import Request, RequestIds
 from pagedjax.core.scheduler import Scheduler
@@ -39,6 +40,7 @@ from pagedjax.engine.output_processor import OutputProcessor, record_prompt_logp
 from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
+from pagedjax.lora.manager import LoRAManager
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama
 from pagedjax.model.loading.loader import engine_model, load_engine_model
@@ -48,7 +50,7 @@ from pagedjax.runner.inputs import StepInputs, step_inputs
 from pagedjax.runner.invariant import invariant_shape
 from pagedjax.runner.runner import ModelRunner
 from pagedjax.runner.shapes import warmup_shapes
-from pagedjax.sampling_params import SamplingParams, StructuredOutput
+from pagedjax.sampling_params import LoRARequest, SamplingParams, StructuredOutput
 from pagedjax.spec_decode.draft_model import DraftProposer, load_draft
 from pagedjax.spec_decode.speculator import Speculator
 from pagedjax.structured_output.compiler import Constraint, ConstraintCompiler
@@ -97,6 +99,10 @@ class LLMEngine:
     structured_limits: a `StructuredLimits`: what a request's output constraint may ask of the grammar compiler,
     checked before anything native compiles it (a request past a limit is refused with a ValueError naming it).
 
+    enable_lora=True: serve LoRA adapters (`pagedjax.lora`), a request's own by its `lora_request`, up to
+    `max_loras` distinct ones per step (device slots; requests of more wait), each of rank <= `max_lora_rank`,
+    `max_cpu_loras` kept in host memory (`LoRAConfig`); a built-in dense model on one device.
+
     config: an `EngineConfig` holding every option above at once (instead of the keywords, not beside them); the
     engine keeps its whole configuration as `engine.config` either way.
     """
@@ -108,7 +114,8 @@ class LLMEngine:
                  tensor_parallel_size: int | None = None, devices=None, max_compiled_programs: int = 64,
                  compile_in_background: bool = False, batch_invariant: bool = False,
                  speculative_config: SpeculativeConfig | None = None,
-                 structured_limits: StructuredLimits | None = None, config: EngineConfig | None = None):
+                 structured_limits: StructuredLimits | None = None, enable_lora: bool = False, max_loras: int = 4,
+                 max_lora_rank: int = 16, max_cpu_loras: int | None = None, config: EngineConfig | None = None):
         if num_steps is not None:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
                           DeprecationWarning, stacklevel=2)
@@ -121,11 +128,12 @@ class LLMEngine:
                 speculative_config=speculative_config, backend=backend, decode_steps_per_call=decode_steps_per_call,
                 seed=seed, compile_cache=compile_cache, max_compiled_programs=max_compiled_programs,
                 compile_in_background=compile_in_background, batch_invariant=batch_invariant,
-                structured_limits=structured_limits or StructuredLimits())
+                structured_limits=structured_limits or StructuredLimits(),
+                lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None)
         elif not isinstance(config, EngineConfig):
             raise TypeError(f"LLMEngine: config must be an EngineConfig, got {type(config).__name__}")
         elif (model_config, cache_config, scheduler_config, parallel_config, speculative_config,
-              tensor_parallel_size, structured_limits) != (None,) * 7:
+              tensor_parallel_size, structured_limits) != (None,) * 7 or enable_lora:
             raise ValueError("LLMEngine: give config=EngineConfig(...) or the configs as keywords, not both")
         self.config = config
         enable_compile_cache(config.compile_cache if isinstance(config.compile_cache, str) else None,
@@ -154,15 +162,21 @@ class LLMEngine:
         else:
             self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if draft is None else draft.spec)
         # Blocks out of every layer's sliding window go back to the pool while requests run.
+        lora_config = config.lora_config
+        if lora_config is not None:
+            self._check_lora_serves(lora_config, mesh)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
-                                   sliding_window=spec.kv_window)
+                                   sliding_window=spec.kv_window,
+                                   max_loras=None if lora_config is None else lora_config.max_loras)
         self.output_processor = OutputProcessor(tokenizer)
         self.structured = StructuredOutputManager(ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids),
                                                   config.structured_limits)
         max_programs, background = config.max_compiled_programs, config.compile_in_background
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=config.backend,
-                                  mesh=mesh, max_programs=max_programs, compile_in_background=background)
+                                  mesh=mesh, max_programs=max_programs, compile_in_background=background,
+                                  lora=lora_config)
+        self.lora = None if lora_config is None else LoRAManager(lora_config, self.model_config, self.runner)
         self.speculator = None if config.speculative_config is None else Speculator(
             config.speculative_config, None if draft is None else DraftProposer(
                 draft, self.num_blocks, self.cache_config, self.scheduler_config.max_num_batched_tokens,
@@ -185,6 +199,16 @@ class LLMEngine:
         logger.info("LLMEngine: %d KV blocks x %d tokens, attention backend %s", self.num_blocks,
                     self.cache_config.block_size, self.runner.backend)
 
+    def _check_lora_serves(self, lora_config: LoRAConfig, mesh) -> None:
+        """ValueError naming what keeps this engine from serving adapters: a model not built in, a
+        mixture-of-experts one, or a tensor-parallel mesh."""
+        if self.model_config is None:
+            raise ValueError("enable_lora=True needs a built-in model (ModelConfig / from_pretrained), not model=")
+        if self.model_config.moe is not None:
+            raise ValueError("enable_lora=True: LoRA on mixture-of-experts models (ModelConfig.moe) is not supported")
+        if mesh is not None and mesh.size > 1:
+            raise ValueError("enable_lora=True: LoRA with tensor_parallel_size > 1 is not supported")
+
     @classmethod
     def from_pretrained(cls, path=None, *, dtype: str | None = None, quantization: str | QuantConfig | None = None,
                         cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
@@ -193,7 +217,8 @@ class LLMEngine:
                         decode_steps_per_call: int = 1, compile_cache: bool | str = True,
                         max_compiled_programs: int = 64, compile_in_background: bool = False,
                         batch_invariant: bool = False, speculative_config: SpeculativeConfig | None = None,
-                        structured_limits: StructuredLimits | None = None) -> LLMEngine:
+                        structured_limits: StructuredLimits | None = None, enable_lora: bool = False,
+                        max_loras: int = 4, max_lora_rank: int = 16, max_cpu_loras: int | None = None) -> LLMEngine:
         """An engine over a saved model: a pagedjax orbax checkpoint folder, a local Hugging Face folder
         (config.json + *.safetensors [+ tokenizer.json]), or None for the bundled model. With a
         `parallel_config`, weights are read straight into their shards on the (first replica's) mesh.
@@ -208,7 +233,9 @@ class LLMEngine:
                    tokenizer=folder_tokenizer if tokenizer is None else tokenizer, compile_cache=compile_cache,
                    parallel_config=parallel_config, devices=devices, max_compiled_programs=max_compiled_programs,
                    compile_in_background=compile_in_background, batch_invariant=batch_invariant,
-                   speculative_config=speculative_config, structured_limits=structured_limits)
+                   speculative_config=speculative_config, structured_limits=structured_limits,
+                   enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                   max_cpu_loras=max_cpu_loras)
 
     @property
     def num_steps(self) -> int:
@@ -261,15 +288,18 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None) -> None:
-        """Queue a request. Raises TypeError for a non-string id or salt, token ids that are not ints, or
-        sampling params of another type; ValueError for ids outside the vocabulary, empty or too long
-        prompts, a duplicate id, or a request that could never fit in the KV pool. Nothing is queued then."""
+                    sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request (under `lora_request`'s adapter, or the base model). Raises TypeError for a non-string
+        id or salt, token ids that are not ints, or sampling params of another type; ValueError for ids outside the
+        vocabulary, empty or too long prompts, a duplicate id, a request that could never fit in the KV pool, or
+        an adapter this engine cannot serve. Nothing is queued then."""
         self.add_prepared_request(self.make_request(request_id, token_list(request_id, prompt_token_ids),
-                                                    sampling_params, cache_salt=cache_salt))
+                                                    sampling_params, cache_salt=cache_salt,
+                                                    lora_request=lora_request))
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
-                     cache_salt: str | None = None) -> PreparedRequest:
+                     cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> PreparedRequest:
         """A validated request of a prompt (token ids, or text with a tokenizer) that the scheduler would accept,
         its constraint compiled; nothing is queued (`add_prepared_request` does). Raises as `add_request`."""
         if not isinstance(request_id, str):
@@ -291,12 +321,20 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: SamplingParams.stop needs an engine with a tokenizer "
                              "(stop strings are matched on the detokenized text); use stop_token_ids")
+        adapter_id = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"request {request_id!r}: lora_request needs an engine with enable_lora=True")
+            try:
+                adapter_id = self.lora.register(lora_request)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"request {request_id!r}: {e}") from None
         try:
             constraint = None if params.structured is None else self.structured.compile(params.structured)
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
         request = Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
-                          eos_token_ids=self.model_spec.eos_token_ids, cache_salt=cache_salt,
+                          eos_token_ids=self.model_spec.eos_token_ids, cache_salt=cache_salt, adapter_id=adapter_id,
                           logprobs=[] if params.logprobs is not None else None,
                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                           constrained=constraint is not None)
@@ -371,8 +409,9 @@ class LLMEngine:
         """The padded device inputs of a plan from `scheduler.schedule()` (see `pagedjax.runner.inputs`)."""
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
         vocab = self.model_spec.vocab_size
+        lora_slots = None if self.lora is None else self.lora.slots_for([r.adapter_id for r in requests])
         return step_inputs(plan, requests, vocab_size=vocab, engine_seed=self.seed,
-                           token_mask=self.structured.masks(requests, plan.emits_token, vocab))
+                           token_mask=self.structured.masks(requests, plan.emits_token, vocab), lora_slots=lora_slots)
 
     def _run_step(self, plan: StepPlan) -> list[Request]:
         """One step of any kind: inputs, device, `Scheduler.update`, outputs, then the next step's proposals."""
@@ -445,7 +484,8 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------------------- generate
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns finished outputs in input order.
 
         As vLLM's `LLM.generate`: one prompt (a str or bytes when the engine has a tokenizer, a list of token
@@ -453,8 +493,9 @@ class LLMEngine:
         (`pagedjax.engine.generate.batch_of_prompts`). The whole batch
         is validated before any of it is queued: a bad prompt raises and queues nothing. Requests get ids
         `gen-<call>-<index>` (skipping any id in use), so they never collide with the caller's own.
+        `lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt.
         """
-        return generate_batch(self, prompts, sampling_params, use_tqdm)
+        return generate_batch(self, prompts, sampling_params, use_tqdm, lora_request)
 
     def _encode(self, request_id: str, prompt) -> list[int]:
         if isinstance(prompt, (str, bytes)):
