@@ -1,0 +1,155 @@
+"""Multi-LoRA serving end to end: each adapter's greedy tokens equal the merged-weights model's (W + scale A B,
+by full recompute), in batches mixing base and adapter requests, through chunked prefill, fused decode and slot
+swaps (more adapters than slots), without recompiling; the adapter is part of every block's identity."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from pagedjax import CacheConfig, LLMEngine, LoRARequest, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax.config import MoEConfig
+from pagedjax.model.llama import init_model
+from tests import dense
+from tests.engine.latent_toy import LatentToy
+from tests.lora.adapters import merged_params, write_adapter
+
+CFG = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                  intermediate_size=128)
+SEED = 7
+MAX_TOKENS = 10
+MAX_LEN = 96
+BLOCK = 8
+_rng = np.random.default_rng(3)
+PROMPTS = [_rng.integers(0, CFG.vocab_size, n).tolist() for n in (3, 17, 45, 9)]  # 45 > the 32-token budget
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+# Different ranks and target sets (all-linear, attention-only rsLoRA, MLP-only), more adapters than slots.
+# Seeds chosen for no near tie (a top-1 / top-2 logit margin > 1e-3) in the references.
+ADAPTERS = {1: dict(rank=8, targets="all-linear", alpha=16, seed=1),
+            2: dict(rank=4, targets=("q_proj", "k_proj", "v_proj", "o_proj"), alpha=6, rslora=True, seed=22),
+            3: dict(rank=16, targets=("gate_proj", "up_proj", "down_proj"), alpha=8, seed=3)}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {i: write_adapter(root / f"a{i}", CFG, **kw) for i, kw in ADAPTERS.items()}
+
+
+def lora(folders, i):
+    return None if i is None else LoRARequest(f"a{i}", i, str(folders[i]))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # 2 slots for 3 adapters; a 32-token budget chunks the long prompt; fused decodes of 4 steps.
+    return LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=160),
+                     SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=MAX_LEN), seed=SEED,
+                     enable_lora=True, max_loras=2, max_lora_rank=16, decode_steps_per_call=4)
+
+
+@functools.cache
+def _dense_forward(folder):
+    state = nnx.state(init_model(CFG, SEED), nnx.Param) if folder is None else merged_params(CFG, SEED, folder)
+    graphdef = nnx.graphdef(init_model(CFG, SEED))
+    return jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))
+
+
+@functools.cache
+def _reference(folder) -> list[list[int]]:
+    outputs, margin = dense.greedy_by_recompute(_dense_forward(folder), PROMPTS, MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, margin  # no near tie: identical tokens do not hang on rounding
+    return outputs
+
+
+def reference(folders, i) -> list[list[int]]:
+    """Greedy tokens of each prompt by the merged-weights model of adapter i (None: the base model)."""
+    return _reference(None if i is None else folders[i])
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("adapter", [None, 1, 2, 3])
+def test_each_adapter_equals_its_merged_weights_model(engine, folders, adapter):
+    outputs = engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora(folders, adapter))
+    assert tokens(outputs) == reference(folders, adapter)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_random_mixed_batch_equals_each_request_alone(engine, folders, seed):
+    rng = np.random.default_rng(seed)
+    picks = [[None, 1, 2, 3][k] for k in rng.integers(0, 4, 8)]
+    which = rng.integers(0, len(PROMPTS), 8)
+    before = engine.stats().fused_decode_calls
+    outputs = engine.generate([PROMPTS[w] for w in which], GREEDY, use_tqdm=False,
+                              lora_request=[lora(folders, i) for i in picks])
+    assert tokens(outputs) == [reference(folders, i)[w] for i, w in zip(picks, which, strict=True)]
+    assert engine.stats().fused_decode_calls > before  # fused decodes served adapters too
+
+
+def test_swapping_adapters_through_the_slots_never_recompiles(engine, folders):
+    rng = np.random.default_rng(11)
+    fresh = lambda: [rng.integers(0, CFG.vocab_size, len(p)).tolist() for p in PROMPTS]  # no prefix hits
+    engine.generate(fresh(), GREEDY, use_tqdm=False, lora_request=lora(folders, 1))
+    compiled, loads = engine.stats().compilations, engine.lora.num_slot_loads
+    for i in (2, 3, 1, 2):  # 3 evicts 1, 1 evicts 2, 2 evicts 3: every run loads a slot
+        engine.generate(fresh(), GREEDY, use_tqdm=False, lora_request=lora(folders, i))
+    assert engine.lora.num_slot_loads - loads == 4
+    assert engine.stats().compilations == compiled
+
+
+def test_blocks_are_shared_under_one_adapter_only(engine, folders):
+    prompt = np.random.default_rng(12).integers(0, CFG.vocab_size, 4 * BLOCK + 3).tolist()
+    one = SamplingParams(max_tokens=1)
+
+    def hits(i):
+        before = engine.stats().scheduler.prefix_cache_hits
+        engine.generate([prompt], one, use_tqdm=False, lora_request=lora(folders, i))
+        return engine.stats().scheduler.prefix_cache_hits - before
+
+    assert hits(1) == 0
+    assert hits(2) == 0  # the same tokens under another adapter: no block matches
+    assert hits(None) == 0  # nor under the base model
+    assert hits(1) == 4 * BLOCK  # the same adapter: every full block
+    assert hits(None) == 4 * BLOCK
+
+
+def test_lora_requests_are_checked(engine, folders, tmp_path):
+    with pytest.raises(TypeError, match="LoRARequest"):
+        engine.add_request("x", [1, 2], lora_request="a1")
+    engine.add_request("ok", [1, 2], lora_request=lora(folders, 1))  # binds id 1 to a1 (if no test did)
+    assert engine.abort("ok")
+    with pytest.raises(ValueError, match="lora_int_id 1 is 'a1'"):
+        engine.add_request("x", [1, 2], lora_request=LoRARequest("other", 1, str(folders[1])))
+    big = write_adapter(tmp_path / "big", CFG, rank=32, seed=0)
+    with pytest.raises(ValueError, match="request 'x'.*field 'r' is 32, above the engine's max_lora_rank 16"):
+        engine.add_request("x", [1, 2], lora_request=LoRARequest("big", 9, str(big)))
+    with pytest.raises(ValueError, match="2 lora requests for 1 prompts"):
+        engine.generate([[1, 2]], GREEDY, use_tqdm=False, lora_request=[None, None])
+    with pytest.raises(TypeError, match="LoRARequests or None, got str"):
+        engine.generate([[1, 2]], GREEDY, use_tqdm=False, lora_request=["a"])
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(TypeError, match="lora_int_id must be an int"):
+        LoRARequest("a", "1", "/x")
+    with pytest.raises(ValueError, match="lora_int_id must be >= 1"):
+        LoRARequest("a", 0, "/x")
+
+
+def test_engines_that_cannot_serve_adapters_refuse(folders):
+    plain = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), seed=SEED, compile_cache=False)
+    with pytest.raises(ValueError, match="needs an engine with enable_lora=True"):
+        plain.add_request("x", [1, 2], lora_request=lora(folders, 1))
+    moe = CFG.replace(moe=MoEConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=32))
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        LLMEngine(moe, CacheConfig(block_size=BLOCK, num_blocks=16), enable_lora=True, compile_cache=False)
+    with pytest.raises(ValueError, match="built-in model"):
+        LLMEngine(model=LatentToy(), cache_config=CacheConfig(block_size=BLOCK, num_blocks=16), enable_lora=True,
+                  compile_cache=False)
+    with pytest.raises(ValueError, match="LoRAConfig.max_cpu_loras must be >= 4"):
+        LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), enable_lora=True, max_cpu_loras=2)
