@@ -128,7 +128,7 @@ def forms(args) -> None:
         xs = {m: jnp.asarray(rng.standard_normal((args.batch, i)), jnp.float32) for m, (i, _) in shapes.items()}
         scales, slots = jnp.ones((n,), jnp.float32), jnp.asarray(rng.integers(0, n, args.batch), jnp.int32)
         for name, delta in (("base", None), ("gathered", gathered_delta), ("grouped", grouped_delta)):
-            def layer(xs, ws, slots, delta=delta):
+            def layer(xs, ws, slots, delta=delta, scales=scales):
                 out = []
                 for m in TARGET_MODULES:
                     w, a, b = ws[m]
