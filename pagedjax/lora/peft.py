@@ -2,7 +2,8 @@
 (through `safetensors.numpy`), for a built-in Llama-family model.
 
 Supported: `r`, `lora_alpha`, `use_rslora`, `target_modules` (a list of the linears q_proj, k_proj, v_proj,
-o_proj, gate_proj, up_proj, down_proj, or "all-linear"), `layers_to_transform` (only those layers' tensors are
+o_proj, gate_proj, up_proj, down_proj, each by name or by a dotted path ending in one, as PEFT matches them and
+saves "all-linear": "model.layers.0.self_attn.q_proj"; or "all-linear"), `layers_to_transform` (only those layers' tensors are
 present), `bias` "none". Refused with a ValueError naming the field or tensor: DoRA (`use_dora`),
 `modules_to_save`, embedding or LM-head adapters, biases, per-module ranks or alphas (`rank_pattern`,
 `alpha_pattern`), `fan_in_fan_out`, a rank above the engine's `max_lora_rank`, tensors of other names or shapes,
@@ -77,12 +78,19 @@ def read_adapter_config(path: Path, max_rank: int) -> dict:
                                                    "'all-linear'")
     if not isinstance(targets, list) or not targets:
         raise _field_error(path, "target_modules", f"must be a non-empty list of module names, got {targets!r}")
-    unknown = sorted(set(map(str, targets)) - set(TARGET_MODULES))
+    # PEFT's rule: an entry names a module by its full path or a dotted suffix of it ("q_proj",
+    # "model.layers.0.self_attn.q_proj": PEFT saves "all-linear" expanded so)
+    unknown = sorted(t for t in map(str, targets) if t.rsplit(".", 1)[-1] not in TARGET_MODULES)
     if unknown:
         raise _field_error(path, "target_modules", f"names {unknown}: adapters of {', '.join(TARGET_MODULES)} only "
                                                    "(no embedding or LM-head adapters)")
     scale = alpha / math.sqrt(r) if rslora else alpha / r
-    return {"r": r, "scale": float(scale), "target_modules": frozenset(targets)}
+    return {"r": r, "scale": float(scale), "target_modules": tuple(targets)}
+
+
+def _targeted(path: str, entries: tuple[str, ...]) -> bool:
+    """Whether module `path` (e.g. "model.layers.0.self_attn.q_proj") is one of `entries` (PEFT's rule)."""
+    return any(path == e or path.endswith("." + e) for e in entries)
 
 
 def load_peft_adapter(path, lora_name: str, lora_int_id: int, model_config: ModelConfig,
@@ -108,7 +116,8 @@ def load_peft_adapter(path, lora_name: str, lora_int_id: int, model_config: Mode
             what = "an embedding adapter" if "lora_embedding" in key else "not a LoRA A/B weight of a target linear"
             raise ValueError(f"LoRA adapter {str(path)!r}: tensor {key!r} is {what} (unsupported)")
         layer, block, module, half = int(m[1]), m[2], m[3], m[4]
-        if module not in cfg["target_modules"] or (block == "self_attn") != (module in ATTENTION_MODULES):
+        if (not _targeted(f"model.layers.{layer}.{block}.{module}", cfg["target_modules"])
+                or (block == "self_attn") != (module in ATTENTION_MODULES)):
             raise ValueError(f"LoRA adapter {str(path)!r}: tensor {key!r} is of no module of target_modules "
                              f"{sorted(cfg['target_modules'])}")
         if layer >= model_config.num_layers:

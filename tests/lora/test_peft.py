@@ -120,6 +120,18 @@ def test_a_tensor_of_an_untargeted_module_is_refused(tmp_path):
         load(folder)
 
 
+def test_target_modules_by_path_as_peft_saves_all_linear(tmp_path):
+    folder = write_adapter(tmp_path / "a", CFG, rank=4, seed=0, targets=("q_proj",))
+    _edit_config(folder, target_modules=["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"])
+    assert set(load(folder).weights) == {(0, "q_proj"), (1, "q_proj")}
+    _edit_config(folder, target_modules=["model.layers.0.self_attn.q_proj"])  # layer 1's tensor is of no target
+    with pytest.raises(ValueError, match="layers.1.self_attn.q_proj.lora_A.weight' is of no module"):
+        load(folder)
+    _edit_config(folder, target_modules=["model.layers.0.self_attn.rotary_emb"])
+    with pytest.raises(ValueError, match="field 'target_modules' names"):
+        load(folder)
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="no such folder"):
         load(tmp_path / "missing")
