@@ -3,8 +3,8 @@
 
 Supported: `r`, `lora_alpha`, `use_rslora`, `target_modules` (a list of the linears q_proj, k_proj, v_proj,
 o_proj, gate_proj, up_proj, down_proj, each by name or by a dotted path ending in one, as PEFT matches them and
-saves "all-linear": "model.layers.0.self_attn.q_proj"; or "all-linear"), `layers_to_transform` (only those layers' tensors are
-present), `bias` "none". Refused with a ValueError naming the field or tensor: DoRA (`use_dora`),
+saves "all-linear": "model.layers.0.self_attn.q_proj"; or "all-linear"), `layers_to_transform` (only those
+layers' tensors are present), `bias` "none". Refused with a ValueError naming the field or tensor: DoRA (`use_dora`),
 `modules_to_save`, embedding or LM-head adapters, biases, per-module ranks or alphas (`rank_pattern`,
 `alpha_pattern`), `fan_in_fan_out`, a rank above the engine's `max_lora_rank`, tensors of other names or shapes,
 and a `.bin` checkpoint (a torch pickle: save it as safetensors).
