@@ -153,3 +153,10 @@ def test_engines_that_cannot_serve_adapters_refuse(folders):
                   compile_cache=False)
     with pytest.raises(ValueError, match="LoRAConfig.max_cpu_loras must be >= 4"):
         LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), enable_lora=True, max_cpu_loras=2)
+
+
+def test_samples_of_a_request_keep_its_adapter(engine, folders):
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, n=2)  # greedy: both samples are the reference
+    outputs = engine.generate(PROMPTS[:2], params, use_tqdm=False, lora_request=[lora(folders, 3), lora(folders, 2)])
+    for out, i, k in zip(outputs, (3, 2), (0, 1), strict=True):
+        assert [c.token_ids for c in out.outputs] == [reference(folders, i)[k]] * 2
