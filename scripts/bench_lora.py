@@ -5,11 +5,12 @@
     python scripts/bench_lora.py --quick      # a tiny model (seconds): the smoke test
     python scripts/bench_lora.py --forms      # the two forms of the per-token product alone (one layer's linears)
 
-Rows: "base" is an engine without LoRA; the others one engine with `enable_lora=True, max_loras=8` (9 slots, every
-linear targeted), whose 16 requests are spread round-robin over k random adapters (k = 0: LoRA on, every request
-on the base model). Every engine is warmed up (one untimed round) first, then timed in interleaved rounds (one
-run of each row per round, fresh random prompts each time, so no prefix-cache hit and machine noise hits all rows
-alike); a row's time is its best round (prefill included), its ratio against "base" in the same run. The adapter
+Rows: "base" is an engine without LoRA; the others an engine with `enable_lora=True` and `max_loras` 4 (rows of
+up to 4 adapters) or 8 (more), every linear targeted, whose 16 requests are spread round-robin over k random
+adapters (k = 0: LoRA on, every request on the base model). The grouped product's cost grows with the slots
+(`pagedjax.model.layers.lora`), so an engine serves with no more slots than it needs. Every engine is warmed up
+(one untimed round) first, then timed in interleaved rounds (one run of each row per round, fresh random prompts
+each time, so no prefix-cache hit and machine noise hits all rows alike); a row's time is its best round (prefill included), its ratio against "base" in the same run. The adapter
 swap is one slot's write (`ModelRunner.set_lora_slot`, waited for) plus building its zero-padded arrays on the
 host; best of 5.
 """
@@ -59,10 +60,11 @@ def write_random_adapter(folder: Path, cfg: ModelConfig, seed: int, rank: int = 
     return folder
 
 
-def _engine(cfg: ModelConfig, batch: int, max_len: int, decode_steps: int, lora: bool) -> LLMEngine:
+def _engine(cfg: ModelConfig, batch: int, max_len: int, decode_steps: int, max_loras: int | None) -> LLMEngine:
     return LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=batch * (-(-max_len // 16)) + 16),
                      SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(512, batch), max_model_len=max_len),
-                     decode_steps_per_call=decode_steps, enable_lora=lora, max_loras=8, max_lora_rank=RANK)
+                     decode_steps_per_call=decode_steps, enable_lora=max_loras is not None,
+                     max_loras=max_loras or 1, max_lora_rank=RANK)
 
 
 def throughput(args) -> None:
@@ -73,12 +75,14 @@ def throughput(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [LoRARequest(f"a{i}", i + 1, str(write_random_adapter(Path(tmp) / f"a{i}", cfg, seed=i)))
                     for i in range(8)]
-        base = _engine(cfg, args.batch, max_len, args.decode_steps, lora=False)
-        served = _engine(cfg, args.batch, max_len, args.decode_steps, lora=True)
-        rows = {"base": (base, None)}
+        engines = {None: _engine(cfg, args.batch, max_len, args.decode_steps, None)}
+        rows = {"base": (engines[None], None)}
         for k in args.adapters:
+            slots = 4 if k <= 4 else 8
+            if slots not in engines:
+                engines[slots] = _engine(cfg, args.batch, max_len, args.decode_steps, slots)
             rows[f"{k} adapters" if k != 1 else "1 adapter"] = (
-                served, [adapters[i % k] if k else None for i in range(args.batch)])
+                engines[slots], [adapters[i % k] if k else None for i in range(args.batch)])
 
         def run(engine, loras) -> float:
             prompts = rng.integers(0, cfg.vocab_size, (args.batch, args.prompt_len)).tolist()
@@ -95,12 +99,14 @@ def throughput(args) -> None:
                 best[name] = min(best[name], run(engine, loras))
         tokens = args.batch * args.max_tokens
         print(f"\n{args.model if not args.quick else 'tiny'}: batch {args.batch}, prompt {args.prompt_len}, "
-              f"{args.max_tokens} new tokens, decode_steps_per_call {args.decode_steps}, rank {RANK}, max_loras 8, "
+              f"{args.max_tokens} new tokens, decode_steps_per_call {args.decode_steps}, rank {RANK}, "
               f"best of {args.rounds} rounds, {jax.default_backend()}")
-        print(f"| {'row':<12} | tokens/s | vs base |")
-        print(f"|{'-' * 14}|---------:|--------:|")
-        for name in rows:
-            print(f"| {name:<12} | {tokens / best[name]:8.1f} | {best['base'] / best[name]:6.2f}x |")
+        print(f"| {'row':<12} | max_loras | tokens/s | vs base |")
+        print(f"|{'-' * 14}|----------:|---------:|--------:|")
+        for name, (engine, _) in rows.items():
+            slots = "-" if engine.lora is None else engine.lora.config.max_loras
+            print(f"| {name:<12} | {slots:>9} | {tokens / best[name]:8.1f} | {best['base'] / best[name]:6.2f}x |")
+        served = next(e for e in engines.values() if e.lora is not None)
         runner, manager = served.runner, served.lora
         host = manager.host_adapter("1")
         swaps = []
