@@ -10,9 +10,9 @@ up to 4 adapters) or 8 (more), every linear targeted, whose 16 requests are spre
 adapters (k = 0: LoRA on, every request on the base model). The grouped product's cost grows with the slots
 (`pagedjax.model.layers.lora`), so an engine serves with no more slots than it needs. Every engine is warmed up
 (one untimed round) first, then timed in interleaved rounds (one run of each row per round, fresh random prompts
-each time, so no prefix-cache hit and machine noise hits all rows alike); a row's time is its best round (prefill included), its ratio against "base" in the same run. The adapter
-swap is one slot's write (`ModelRunner.set_lora_slot`, waited for) plus building its zero-padded arrays on the
-host; best of 5.
+each time, so no prefix-cache hit and machine noise hits all rows alike); a row's time is its best round (prefill
+included), its ratio against "base" in the same run. The adapter swap is one slot's write
+(`ModelRunner.set_lora_slot`, waited for) plus building its zero-padded arrays on the host; best of 5.
 """
 
 from __future__ import annotations
