@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, LoRARequest, ModelConfig, SamplingParams, SchedulerConfig
-from pagedjax.config import MoEConfig
+from pagedjax.config import MoEConfig, SpeculativeConfig
 from pagedjax.model.llama import init_model
 from tests import dense
 from tests.engine.latent_toy import LatentToy
@@ -60,15 +60,15 @@ def _dense_forward(folder):
 
 
 @functools.cache
-def _reference(folder) -> list[list[int]]:
-    outputs, margin = dense.greedy_by_recompute(_dense_forward(folder), PROMPTS, MAX_TOKENS, MAX_LEN)
+def _reference(folder, prompts) -> list[list[int]]:
+    outputs, margin = dense.greedy_by_recompute(_dense_forward(folder), prompts, MAX_TOKENS, MAX_LEN)
     assert margin > 1e-3, margin  # no near tie: identical tokens do not hang on rounding
     return outputs
 
 
-def reference(folders, i) -> list[list[int]]:
+def reference(folders, i, prompts=PROMPTS) -> list[list[int]]:
     """Greedy tokens of each prompt by the merged-weights model of adapter i (None: the base model)."""
-    return _reference(None if i is None else folders[i])
+    return _reference(None if i is None else folders[i], tuple(map(tuple, prompts)))
 
 
 def tokens(outputs):
@@ -160,3 +160,15 @@ def test_samples_of_a_request_keep_its_adapter(engine, folders):
     outputs = engine.generate(PROMPTS[:2], params, use_tqdm=False, lora_request=[lora(folders, 3), lora(folders, 2)])
     for out, i, k in zip(outputs, (3, 2), (0, 1), strict=True):
         assert [c.token_ids for c in out.outputs] == [reference(folders, i)[k]] * 2
+
+
+def test_ngram_speculation_serves_adapters(folders):
+    # Repetitive prompts, so that prompt lookup proposes; verification runs each token under its adapter.
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [9, 10]]
+    engine = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=64),
+                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_LEN), seed=SEED,
+                       enable_lora=True, max_loras=2, speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    picks = [1, 2]
+    outputs = engine.generate(prompts, GREEDY, use_tqdm=False, lora_request=[lora(folders, i) for i in picks])
+    assert tokens(outputs) == [reference(folders, i, prompts)[k] for k, i in enumerate(picks)]
+    assert engine.stats().spec_proposed_tokens > 0
