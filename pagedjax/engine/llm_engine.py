@@ -377,6 +377,32 @@ class LLMEngine:
                              f"{group.request.request_id!r}: abort that request")
         return self.scheduler.abort(str(request_id)) is not None
 
+    # ------------------------------------------------------------------------------------------------ adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter now (its folder read and checked; requests may also name it first in
+        `add_request`). Returns True; raises as `add_request` does for a bad adapter."""
+        self._lora_manager().register(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget adapter `lora_int_id` (its host copy and device slot); False if it is not registered. ValueError
+        while an unfinished request uses it. Adding the id again later (any folder) never hits the blocks cached
+        under its former weights."""
+        manager = self._lora_manager()
+        key = manager.key_of(lora_int_id)
+        if key is not None and any(r.adapter_id == key for r in self.scheduler.requests.values()):
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by unfinished requests")
+        return manager.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The registered adapters, in registration order."""
+        return self._lora_manager().adapters
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (LLMEngine(enable_lora=True))")
+        return self.lora
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

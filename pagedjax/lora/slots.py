@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 
 class SlotTable:
-    """Adapters (by `lora_int_id`) in device slots 1..max_loras (slot 0 is the base model's zeros).
+    """Adapters (by any key: the manager's adapter keys) in device slots 1..max_loras (slot 0: the base model).
 
     `assign(ids)` gives every adapter of one step a slot: those resident keep theirs; each other one takes a
     free slot, else the least recently used slot whose adapter is not in the step. An adapter the step uses is
@@ -16,17 +16,21 @@ class SlotTable:
 
     def __init__(self, max_loras: int):
         self.max_loras = max_loras
-        self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter -> slot, least recently used first
+        self._slot_of: OrderedDict[Hashable, int] = OrderedDict()  # adapter -> slot, least recently used first
 
-    def slot_of(self, adapter: int) -> int | None:
+    def slot_of(self, adapter: Hashable) -> int | None:
         return self._slot_of.get(adapter)
 
     @property
-    def resident(self) -> list[int]:
+    def resident(self) -> list[Hashable]:
         """The adapters in slots, least recently used first."""
         return list(self._slot_of)
 
-    def assign(self, adapters: Iterable[int]) -> tuple[dict[int, int], list[tuple[int, int]]]:
+    def release(self, adapter: Hashable) -> None:
+        """Free `adapter`'s slot, if it has one (its weights stay there, unused, until another adapter's load)."""
+        self._slot_of.pop(adapter, None)
+
+    def assign(self, adapters: Iterable[Hashable]) -> tuple[dict[Hashable, int], list[tuple[Hashable, int]]]:
         """(slot of each adapter of the step, the (adapter, slot) pairs to load before it runs: new residents,
         each replacing its slot's former adapter)."""
         wanted = list(dict.fromkeys(adapters))

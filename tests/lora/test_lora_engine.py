@@ -172,3 +172,28 @@ def test_ngram_speculation_serves_adapters(folders):
     outputs = engine.generate(prompts, GREEDY, use_tqdm=False, lora_request=[lora(folders, i) for i in picks])
     assert tokens(outputs) == [reference(folders, i, prompts)[k] for k, i in enumerate(picks)]
     assert engine.stats().spec_proposed_tokens > 0
+
+
+def test_adapters_are_added_and_removed_at_runtime(engine, folders):
+    engine.add_lora(lora(folders, 2))
+    assert lora(folders, 2) in engine.list_loras()
+    prompt = np.random.default_rng(13).integers(0, CFG.vocab_size, 2 * BLOCK + 1).tolist()
+    engine.add_request("busy", prompt, SamplingParams(max_tokens=2), lora_request=lora(folders, 2))
+    with pytest.raises(ValueError, match="in use by unfinished requests"):
+        engine.remove_lora(2)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.remove_lora(2) and not engine.remove_lora(2)
+    assert lora(folders, 2) not in engine.list_loras()
+    # Id 2 again, now bound to adapter 3's folder: its requests get adapter 3's tokens, and never the blocks
+    # cached under id 2's former weights.
+    rebound = LoRARequest("again", 2, str(folders[3]))
+    before = engine.stats().scheduler.prefix_cache_hits
+    outputs = engine.generate([prompt, PROMPTS[1]], GREEDY, use_tqdm=False, lora_request=rebound)
+    assert engine.stats().scheduler.prefix_cache_hits == before
+    assert tokens(outputs)[1] == reference(folders, 3)[1]
+    assert engine.remove_lora(2)
+    engine.add_lora(lora(folders, 2))  # and back (later tests' adapter 2)
+    plain = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), seed=SEED, compile_cache=False)
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        plain.list_loras()

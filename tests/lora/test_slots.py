@@ -24,6 +24,15 @@ def test_an_adapter_of_the_step_is_never_evicted():
     assert slots == {1: 1, 3: 2} and loads == [(3, 2)]
 
 
+def test_a_released_slot_is_taken_first():
+    t = SlotTable(2)
+    t.assign([1])
+    t.assign([2])
+    t.release(2)
+    t.release(9)  # not resident: nothing
+    assert t.assign([3]) == ({3: 2}, [(3, 2)])  # 2's freed slot, not 1's (least recently used)
+
+
 def test_repeats_count_once_and_too_many_is_refused():
     t = SlotTable(2)
     assert t.assign([5, 5, 5])[0] == {5: 1}
