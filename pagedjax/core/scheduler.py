@@ -240,6 +240,9 @@ class Scheduler:
                              "requests are running")
         if child.request_id in self.requests or child.request_id in self.groups:
             raise ValueError(f"duplicate request id {child.request_id!r}")
+        if (child.adapter_id, child.cache_salt) != (source.adapter_id, source.cache_salt):
+            raise ValueError(f"a fork of {source_id!r} must keep its adapter_id and cache_salt (its blocks' hash "
+                             "keys)")
         self.kv_cache_manager.fork(source, child)
         child.num_computed_tokens = source.num_computed_tokens
         child.num_cached_tokens = max(source.num_cached_tokens, 0)

@@ -359,12 +359,13 @@ class LLMEngine:
         return self._request_ids.fresh(
             prefix, n, lambda rid: self.scheduler.get_request(rid) is not None or rid in self.scheduler.groups)
 
-    def beam_search(self, prompts, params):
-        """Beam search for each prompt (token ids, or text with a tokenizer); see `pagedjax.engine.beam_search`.
-        Returns one `BeamSearchOutput` per prompt, its `beam_width` best sequences first."""
+    def beam_search(self, prompts, params, lora_request=None):
+        """Beam search for each prompt (token ids, or text with a tokenizer), under `lora_request` as `generate`
+        takes it; see `pagedjax.engine.beam_search`. Returns one `BeamSearchOutput` per prompt, its `beam_width`
+        best sequences first."""
         from pagedjax.engine.beam_search import beam_search
 
-        return beam_search(self, prompts, params)
+        return beam_search(self, prompts, params, lora_request)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request (every sample of a multi-sample one) and free all its blocks. Returns False if no such
@@ -549,10 +550,11 @@ class LLMEngine:
             self.speculator.draft.wake()
         return weights.wake(self.runner)
 
-    def score(self, prompts, completions):
+    def score(self, prompts, completions, lora_request=None):
         """Per-token log-probabilities (float32 arrays) of each completion after its prompt, by this engine's
-        compiled step (`pagedjax.engine.scoring.completion_logprobs`)."""
-        return completion_logprobs(self, prompts, completions)
+        compiled step (`pagedjax.engine.scoring.completion_logprobs`), under `lora_request` as `generate` takes
+        it."""
+        return completion_logprobs(self, prompts, completions, lora_request)
 
     # -------------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:

@@ -69,3 +69,22 @@ def test_a_suspect_of_a_new_adapter_preempts_until_it_fits():
     sched.check_invariants(mid_step=True)
     sched.update(plan, np.zeros(plan.num_seqs, np.int32))
     assert all(len(set(s) - {None}) <= 1 for s in run(sched))
+
+
+def test_a_fork_keeps_its_sources_adapter():
+    sched = make_scheduler(2)
+    source = req("a", "1", max_tokens=4)
+    sched.add_request(source)
+    plan = sched.schedule()
+    sched.update(plan, np.zeros(plan.num_seqs, np.int32))
+    child = Request("a.1", list(source.prompt_token_ids), source.sampling_params,
+                    output_token_ids=list(source.output_token_ids), adapter_id=None)
+    try:
+        sched.fork("a", child)
+    except ValueError as e:
+        assert "must keep its adapter_id" in str(e)
+    else:
+        raise AssertionError("a fork under another adapter would share blocks of other weights")
+    sched.fork("a", Request("a.2", list(source.prompt_token_ids), source.sampling_params,
+                            output_token_ids=list(source.output_token_ids), adapter_id="1"))
+    sched.check_invariants()

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pagedjax import CacheConfig, LLMEngine, LoRARequest, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax import (
+    BeamSearchParams,
+    CacheConfig,
+    LLMEngine,
+    LoRARequest,
+    ModelConfig,
+    SamplingParams,
+    SchedulerConfig,
+)
 from pagedjax.config import MoEConfig, SpeculativeConfig
 from pagedjax.model.llama import init_model
 from tests import dense
@@ -197,3 +205,20 @@ def test_adapters_are_added_and_removed_at_runtime(engine, folders):
     plain = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), seed=SEED, compile_cache=False)
     with pytest.raises(ValueError, match="serves no LoRA adapters"):
         plain.list_loras()
+
+
+def test_beam_search_and_score_under_an_adapter_equal_the_merged_model(engine, folders):
+    merged = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=160),
+                       SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=MAX_LEN), seed=SEED,
+                       params=merged_params(CFG, SEED, folders[1]))
+    beams = BeamSearchParams(beam_width=2, max_tokens=4)
+    prompts = PROMPTS[:2]
+    got = engine.beam_search(prompts, beams, lora_request=lora(folders, 1))
+    want = merged.beam_search(prompts, beams)
+    assert [[s.token_ids for s in o.sequences] for o in got] == [[s.token_ids for s in o.sequences] for o in want]
+    completions = [reference(folders, 1)[0][:4], reference(folders, 1)[1][:4]]
+    scored = engine.score(prompts, completions, lora_request=lora(folders, 1))
+    for a, b in zip(scored, merged.score(prompts, completions), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    base = engine.score(prompts, completions)
+    assert not np.allclose(base[1], scored[1], atol=1e-2)  # the adapter matters
