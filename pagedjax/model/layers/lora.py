@@ -95,17 +95,22 @@ lora_delta = grouped_delta
 
 
 class LayerLoRA(NamedTuple):
-    """One layer's view of a step's adapters: its targets' stacks, the slots' scales, each token's slot."""
+    """One layer's view of a step's adapters: its targets' stacks, the slots' scales, each token's slot, and
+    whether any token has an adapter."""
 
     a: dict[str, jax.Array]
     b: dict[str, jax.Array]
     scales: jax.Array
     slots: jax.Array
+    any_adapter: jax.Array  # bool[]
 
     def add(self, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
-        """A target linear's output `y = x W` (`[T, out]`) plus its adapters' `scale * (x A) B`, in y's dtype."""
-        d = lora_delta(x, self.a[name], self.b[name], self.scales, self.slots)
-        return (y.astype(jnp.float32) + d).astype(y.dtype)
+        """A target linear's output `y = x W` (`[T, out]`) plus its adapters' `scale * (x A) B`, in y's dtype. A
+        step of base-model tokens only skips the products (a branch taken on device: one program either way)."""
+        def with_delta():
+            d = lora_delta(x, self.a[name], self.b[name], self.scales, self.slots)
+            return (y.astype(jnp.float32) + d).astype(y.dtype)
+        return jax.lax.cond(self.any_adapter, with_delta, lambda: y)
 
 
 class LoRABatch(NamedTuple):
@@ -115,7 +120,7 @@ class LoRABatch(NamedTuple):
     slots: jax.Array
 
     def layer(self, i: int) -> LayerLoRA:
-        return LayerLoRA(self.weights.a[i], self.weights.b[i], self.weights.scales, self.slots)
+        return LayerLoRA(self.weights.a[i], self.weights.b[i], self.weights.scales, self.slots, jnp.any(self.slots > 0))
 
 
 def with_lora(linear, name: str, x: jax.Array, lora: LayerLoRA | None) -> jax.Array:
