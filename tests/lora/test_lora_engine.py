@@ -21,6 +21,7 @@ from pagedjax import (
     SchedulerConfig,
 )
 from pagedjax.config import MoEConfig, SpeculativeConfig
+from pagedjax.model.layers.lora import lora_weights_nbytes
 from pagedjax.model.llama import init_model
 from tests import dense
 from tests.engine.latent_toy import LatentToy
@@ -222,3 +223,13 @@ def test_beam_search_and_score_under_an_adapter_equal_the_merged_model(engine, f
         np.testing.assert_allclose(a, b, atol=1e-4)
     base = engine.score(prompts, completions)
     assert not np.allclose(base[1], scored[1], atol=1e-2)  # the adapter matters
+
+
+def test_slot_bytes_and_slot_bounds(engine):
+    weights = engine.runner.lora_weights
+    per_slot = sum(x.nbytes for x in jax.tree.leaves(weights)) // weights.scales.shape[0]
+    assert per_slot == lora_weights_nbytes(CFG, 16)
+    a, b = [{}] * CFG.num_layers, [{}] * CFG.num_layers
+    for slot in (0, 3):  # slot 0 is the base model's zeros; max_loras is 2
+        with pytest.raises(ValueError, match=f"LoRA slot {slot} outside \\[1, 2\\]"):
+            engine.runner.set_lora_slot(slot, a, b, 1.0)
