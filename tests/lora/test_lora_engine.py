@@ -233,3 +233,17 @@ def test_slot_bytes_and_slot_bounds(engine):
     for slot in (0, 3):  # slot 0 is the base model's zeros; max_loras is 2
         with pytest.raises(ValueError, match=f"LoRA slot {slot} outside \\[1, 2\\]"):
             engine.runner.set_lora_slot(slot, a, b, 1.0)
+
+
+def test_one_slot_one_host_copy_and_preemption(folders):
+    # One device slot and one host copy for two adapters, and a pool too small for the batch (preemption).
+    small = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=9),
+                      SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=MAX_LEN), seed=SEED,
+                      enable_lora=True, max_loras=1, max_cpu_loras=1)
+    picks = [1, 2, None, 1]
+    outputs = small.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=[lora(folders, i) for i in picks])
+    assert tokens(outputs) == [reference(folders, i)[k] for k, i in enumerate(picks)]
+    assert small.stats().scheduler.num_preemptions > 0
+    # 1 and 2 were read when added (2 pushing 1 out of host memory); then each is read again for its slot, 1
+    # pushing 2 out and 2, after 1's requests finished, pushing 1 out.
+    assert small.lora.num_disk_loads == 4 and small.lora.num_slot_loads == 2
