@@ -247,3 +247,14 @@ def test_one_slot_one_host_copy_and_preemption(folders):
     # 1 and 2 were read when added (2 pushing 1 out of host memory); then each is read again for its slot, 1
     # pushing 2 out and 2, after 1's requests finished, pushing 1 out.
     assert small.lora.num_disk_loads == 4 and small.lora.num_slot_loads == 2
+
+
+def test_data_parallel_engines_refuse_lora():
+    from pagedjax.config import EngineConfig, LoRAConfig, ParallelConfig
+    from pagedjax.engine.data_parallel import DataParallelEngine
+
+    with pytest.raises(ValueError, match="data_parallel_size > 1"):
+        DataParallelEngine(CFG, parallel_config=ParallelConfig(data_parallel_size=2), enable_lora=True)
+    with pytest.raises(ValueError, match="data_parallel_size > 1"):
+        DataParallelEngine(parallel_config=ParallelConfig(data_parallel_size=2),
+                           config=EngineConfig(model_config=CFG, lora_config=LoRAConfig()))
