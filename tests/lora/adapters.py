@@ -40,9 +40,10 @@ def write_adapter(folder: Path, cfg: ModelConfig, *, rank: int, seed: int, targe
     return folder
 
 
-def merged_params(cfg: ModelConfig, seed: int, folder: Path) -> nnx.State:
+def merged_params(cfg: ModelConfig, seed: int, folder: Path, kernels=None) -> nnx.State:
     """The parameters of `init_model(cfg, seed)` with the adapter in `folder` merged into every kernel it
-    targets: W + scale * A^T B^T in PEFT's terms (the built-in model's kernels are `[in, out]`)."""
+    targets: W + scale * A^T B^T in PEFT's terms (the built-in model's kernels are `[in, out]`). `kernels`
+    (layer index, module) -> W: base kernels instead of the model's own (e.g. a quantized model's, dequantized)."""
     from safetensors.numpy import load_file
 
     adapter_config = json.loads((folder / "adapter_config.json").read_text())
@@ -54,9 +55,11 @@ def merged_params(cfg: ModelConfig, seed: int, folder: Path) -> nnx.State:
         for module in TARGET_MODULES:
             block = "self_attn" if module in ATTENTION_MODULES else "mlp"
             key = f"base_model.model.model.layers.{i}.{block}.{module}"
+            linear = getattr(getattr(layer, block), module)
+            if kernels is not None:
+                linear.kernel[...] = kernels[i, module]
             if f"{key}.lora_A.weight" not in tensors:
                 continue
-            linear = getattr(getattr(layer, block), module)
             a, b = tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"]
             linear.kernel[...] = linear.kernel[...] + scale * (a.T.astype(np.float64) @ b.T).astype(np.float32)
     return nnx.state(model, nnx.Param)

@@ -20,9 +20,9 @@ from pagedjax import (
     SamplingParams,
     SchedulerConfig,
 )
-from pagedjax.config import MoEConfig, SpeculativeConfig
-from pagedjax.model.layers.lora import lora_weights_nbytes
-from pagedjax.model.llama import init_model
+from pagedjax.config import MoEConfig, QuantConfig, SpeculativeConfig
+from pagedjax.model.layers.lora import ATTENTION_MODULES, TARGET_MODULES, lora_weights_nbytes
+from pagedjax.model.llama import init_model, model_from_state, quantize_params
 from tests import dense
 from tests.engine.latent_toy import LatentToy
 from tests.lora.adapters import merged_params, write_adapter
@@ -258,3 +258,21 @@ def test_data_parallel_engines_refuse_lora():
     with pytest.raises(ValueError, match="data_parallel_size > 1"):
         DataParallelEngine(parallel_config=ParallelConfig(data_parallel_size=2),
                            config=EngineConfig(model_config=CFG, lora_config=LoRAConfig()))
+
+
+def test_float_adapters_on_an_int8_base(folders):
+    """An int8 base model with a float adapter computes what a float model of its dequantized kernels with the
+    adapter merged does."""
+    qcfg, qstate = quantize_params(CFG, nnx.state(init_model(CFG, SEED), nnx.Param), QuantConfig.parse("int8"))
+    qmodel = model_from_state(qcfg, qstate)
+    kernels = {(i, m): np.asarray(getattr(getattr(layer, "self_attn" if m in ATTENTION_MODULES else "mlp"), m).kernel())
+               for i, layer in enumerate(qmodel.layers) for m in TARGET_MODULES}
+    state = merged_params(CFG, SEED, folders[1], kernels)
+    graphdef = nnx.graphdef(init_model(CFG, SEED))
+    want, margin = dense.greedy_by_recompute(jax.jit(lambda t: nnx.merge(graphdef, state).forward_dense(t)), PROMPTS,
+                                             MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, margin
+    engine = LLMEngine(qcfg, CacheConfig(block_size=BLOCK, num_blocks=64),
+                       SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_LEN), params=qstate,
+                       seed=SEED, enable_lora=True, max_loras=1)
+    assert tokens(engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora(folders, 1))) == want
