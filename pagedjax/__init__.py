@@ -19,6 +19,8 @@ _LAZY = {
     "SamplingParams": "pagedjax.sampling_params",
     "StructuredOutput": "pagedjax.sampling_params",
     "BeamSearchParams": "pagedjax.sampling_params",
+    "LoRARequest": "pagedjax.sampling_params",
+    "LoRAConfig": "pagedjax.config",
     "RequestOutput": "pagedjax.outputs",
     "CompletionOutput": "pagedjax.outputs",
     "TokenLogprobs": "pagedjax.outputs",

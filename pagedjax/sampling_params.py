@@ -271,3 +271,21 @@ class BeamSearchParams:
             if self.ignore_eos:
                 raise ValueError("BeamSearchParams.ignore_eos cannot be combined with structured: the constraint "
                                  "ends the text with EOS")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A request's LoRA adapter, as vLLM names it: `lora_int_id` (>= 1; 0 is the base model) is the adapter's
+    identity in the engine (its device slot, and its blocks' hash key: two adapters never share KV blocks), and
+    must stay bound to one `lora_name` and `lora_path` (a PEFT folder) for the engine's life."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        for name in ("lora_name", "lora_path"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"LoRARequest.{name} must be a non-empty str, got {value!r}")
+        object.__setattr__(self, "lora_int_id", check_int("LoRARequest", "lora_int_id", self.lora_int_id, lo=1))

@@ -10,6 +10,7 @@
   deepseek.py     DeepSeekConfig, DeepSeekMoEConfig, DeepSeekIndexerConfig: the DeepSeek V2 / V3 / V3.2 family (MLA,
                   YaRN, DeepSeek's routers, V3.2's sparse-attention indexer)
   speculative.py  SpeculativeConfig: speculative decoding's method and proposal length
+  lora.py         LoRAConfig: multi-LoRA serving's device slots, rank and host cache
   structured.py   StructuredLimits: what an output constraint may ask of the grammar compiler
   sampling.py     SamplingDefaults: what a request's sampling fields left unset become (generation_config.json)
   engine.py       EngineConfig: every other LLMEngine keyword (backend, fused decode steps, compile cache, ...)
@@ -20,6 +21,7 @@ from pagedjax.config.cache import KV_DTYPES, CacheConfig, kv_cache_bytes
 from pagedjax.config.deepseek import DeepSeekConfig, DeepSeekIndexerConfig, DeepSeekMoEConfig
 from pagedjax.config.engine import EngineConfig
 from pagedjax.config.kv_spec import FullAttention, IndexedSparse, KVLayerSpec, LatentAttention
+from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.model import ModelConfig, ModelSpec
 from pagedjax.config.moe import MoEConfig
 from pagedjax.config.parallel import ParallelConfig
@@ -30,6 +32,6 @@ from pagedjax.config.speculative import SpeculativeConfig
 from pagedjax.config.structured import StructuredLimits
 
 __all__ = ["KV_DTYPES", "CacheConfig", "DeepSeekConfig", "DeepSeekIndexerConfig", "DeepSeekMoEConfig", "EngineConfig",
-           "FullAttention", "IndexedSparse", "KVLayerSpec", "LatentAttention", "ModelConfig", "ModelSpec", "MoEConfig",
-           "ParallelConfig", "QuantConfig", "SamplingDefaults", "SchedulerConfig", "SpeculativeConfig",
+           "FullAttention", "IndexedSparse", "KVLayerSpec", "LatentAttention", "LoRAConfig", "ModelConfig", "ModelSpec",
+           "MoEConfig", "ParallelConfig", "QuantConfig", "SamplingDefaults", "SchedulerConfig", "SpeculativeConfig",
            "StructuredLimits", "kv_cache_bytes"]

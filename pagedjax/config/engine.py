@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pagedjax.config.cache import CacheConfig
 from pagedjax.config.fields import check_bool, check_choice, check_int, describe
+from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.model import ModelConfig
 from pagedjax.config.parallel import ParallelConfig
 from pagedjax.config.sampling import SamplingDefaults
@@ -43,6 +44,7 @@ class EngineConfig:
       compiled (`pagedjax.structured_output.limits`: a constraint past a limit is a ValueError naming it).
     sampling_defaults: what a request's sampling fields left None become (`pagedjax.config.sampling`; vLLM's
       defaults unless given: `from_pretrained` gives the model folder's generation_config.json).
+    lora_config: multi-LoRA serving's slots and rank (None: no adapters; `LLMEngine(enable_lora=True, ...)`).
     """
 
     model_config: ModelConfig | None = None
@@ -59,6 +61,7 @@ class EngineConfig:
     batch_invariant: bool = False
     structured_limits: StructuredLimits = dataclasses.field(default_factory=StructuredLimits)
     sampling_defaults: SamplingDefaults = dataclasses.field(default_factory=SamplingDefaults)
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         owner = "LLMEngine"  # its fields are LLMEngine's keywords: errors name the keyword
@@ -67,7 +70,8 @@ class EngineConfig:
                                     ("parallel_config", ParallelConfig, True),
                                     ("speculative_config", SpeculativeConfig, True),
                                     ("structured_limits", StructuredLimits, False),
-                                    ("sampling_defaults", SamplingDefaults, False)):
+                                    ("sampling_defaults", SamplingDefaults, False),
+                                    ("lora_config", LoRAConfig, True)):
             value = getattr(self, name)
             if not (isinstance(value, cls) or (optional and value is None)):
                 raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__} ({owner}.{name})")

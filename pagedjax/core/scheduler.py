@@ -13,6 +13,11 @@ preempted (by recompute: it releases every block, `num_computed_tokens` drops to
 and it goes to the front of the waiting queue; its released blocks stay findable in the prefix cache).
 No waiting request is admitted in a step that preempted.
 
+LoRA (`max_loras`): running requests use at most `max_loras` distinct adapters (`adapter_id`), so every step,
+a fused decode of all of them included, fits the device's adapter slots. A waiting request of an adapter no
+running request uses, while that many are in use, is skipped (it waits; later requests of adapters in use may
+pass it); once nothing runs, the queue's head is admitted whatever its adapter.
+
 Why every request finishes (no starvation, no livelock): the oldest running request is never preempted
 by anyone but itself, and it can always get its blocks by preempting the others, because `add_request`
 rejects a request that could not fit in the whole pool; so it advances by >= 1 token every step and
@@ -93,10 +98,11 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, *,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, max_loras: int | None = None) -> None:
         """`sliding_window`: the model's `kv_window` (no layer reads positions older than p - window from
         position p; None when some layer attends globally): running requests release blocks that fell out of
-        it after each step."""
+        it after each step. `max_loras`: the most distinct adapters running requests may use (None: no limit;
+        see the module's docstring)."""
         if scheduler_config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len is None: resolve it first "
                              "(SchedulerConfig.resolve(max_position_embeddings))")
@@ -109,6 +115,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, SampleGroup] = {}  # multi-sample requests by the caller's id
+        self.max_loras = max_loras
         self.num_preemptions = 0
         self.num_steps = 0
         self._pending_fused: StepPlan | None = None  # a fused decode not yet reconciled
@@ -233,6 +240,9 @@ class Scheduler:
                              "requests are running")
         if child.request_id in self.requests or child.request_id in self.groups:
             raise ValueError(f"duplicate request id {child.request_id!r}")
+        if (child.adapter_id, child.cache_salt) != (source.adapter_id, source.cache_salt):
+            raise ValueError(f"a fork of {source_id!r} must keep its adapter_id and cache_salt (its blocks' hash "
+                             "keys)")
         self.kv_cache_manager.fork(source, child)
         child.num_computed_tokens = source.num_computed_tokens
         child.num_cached_tokens = max(source.num_cached_tokens, 0)
@@ -496,10 +506,14 @@ class Scheduler:
                          if kv.enable_caching and self.waiting else set())
             admitted: set[str] = set()
             skipped = False
+            adapters = self._running_adapters()
             for request in self.waiting:
                 if budget <= 0 or len(running) >= cfg.max_num_seqs or request.suspect:
                     break
                 if request.paused:  # a held request preempted while paused waits for `resume`
+                    skipped = True
+                    continue
+                if not self._adapter_fits(request, adapters):
                     skipped = True
                     continue
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
@@ -513,6 +527,7 @@ class Scheduler:
                 if kv.allocate_slots(request, n, hit_blocks) is None:
                     break
                 admitted.add(request.request_id)
+                adapters.add(request.adapter_id)
                 self._admit(request, num_hit_tokens)
                 scheduled.append((request, n))
                 budget -= n
@@ -529,6 +544,16 @@ class Scheduler:
         return self._plan(scheduled, preempted_request_ids=[r.request_id for r in preempted],
                           draft_token_ids=drafts or None)
 
+    def _running_adapters(self) -> set[str | None]:
+        return {r.adapter_id for r in self.running}
+
+    def _adapter_fits(self, request: Request, adapters: set[str | None]) -> bool:
+        """Whether `request` may run beside requests of `adapters` (None among them: the base model) under the
+        `max_loras` rule (see the module's docstring)."""
+        if self.max_loras is None or request.adapter_id is None or request.adapter_id in adapters:
+            return True
+        return len(adapters - {None}) < self.max_loras
+
     def _schedule_alone(self, request: Request) -> StepPlan:
         """A step of `request` alone (a suspect, see `fail_step`): running requests wait one step, and the
         newest are preempted if the pool cannot hold its next chunk otherwise."""
@@ -538,7 +563,8 @@ class Scheduler:
         hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
         n = min(request.num_tokens - num_hit_tokens, self.scheduler_config.max_num_batched_tokens)
         preempted: list[Request] = []
-        while len(self.running) >= self.scheduler_config.max_num_seqs:
+        while len(self.running) >= self.scheduler_config.max_num_seqs or (
+                self.running and not self._adapter_fits(request, self._running_adapters())):
             preempted.append(self.running.pop())
             self._preempt(preempted[-1])
         while kv.allocate_slots(request, n, hit_blocks) is None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedjax.core.request import Request, RequestStatus
+from pagedjax.engine.generate import batch_of_loras
 from pagedjax.outputs import BeamSearchOutput, BeamSequence
 from pagedjax.sampling_params import RAW_SAMPLING, BeamSearchParams, SamplingParams
 
@@ -57,8 +58,10 @@ def beam_score(token_ids: Sequence[int], cumulative_logprob: float, length_penal
 
 
 def beam_search(engine: LLMEngine, prompts: Sequence[Sequence[int] | str], params: BeamSearchParams,
-                ) -> list[BeamSearchOutput]:
-    """Beam search for every prompt (see the module docstring); prompts run in batches that fit max_num_seqs."""
+                lora_request=None) -> list[BeamSearchOutput]:
+    """Beam search for every prompt (see the module docstring); prompts run in batches that fit max_num_seqs.
+    `lora_request`: one adapter for all prompts or one (or None) per prompt (`generate.batch_of_loras`); every
+    beam keeps its prompt's."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
     width = params.beam_width
@@ -72,7 +75,9 @@ def beam_search(engine: LLMEngine, prompts: Sequence[Sequence[int] | str], param
     sampling = SamplingParams(max_tokens=params.max_tokens, logprobs=2 * width, ignore_eos=True,
                               structured=params.structured, **RAW_SAMPLING)
     ids = engine.fresh_request_ids("beam", len(prompts))
-    prepared = [engine.make_request(rid, p, sampling) for rid, p in zip(ids, prompts, strict=True)]
+    loras = batch_of_loras(lora_request, len(prompts))
+    prepared = [engine.make_request(rid, p, sampling, **({} if lora is None else {"lora_request": lora}))
+                for rid, p, lora in zip(ids, prompts, loras, strict=True)]
     requests = [p.request for p in prepared]
     # Held beams keep their blocks between steps and nothing preempts them, so a batch runs only if every beam of
     # it fits at its longest at once (its last block copied on a fork's first write: one more).
@@ -169,6 +174,7 @@ def _advance(engine: LLMEngine, beams: list[_Beam], complete: list[_Beam], param
         else:
             child = Request(request_id=f"{r.request_id}.{next(fork_ids)}", prompt_token_ids=r.prompt_token_ids,
                             sampling_params=r.sampling_params, eos_token_ids=r.eos_token_ids,
+                            cache_salt=r.cache_salt, adapter_id=r.adapter_id,  # its blocks' hash keys: r's
                             output_token_ids=list(beam.tokens), hold=True, logprobs=[], constrained=r.constrained)
             owned.append(child)
             sched.fork(r.request_id, child)

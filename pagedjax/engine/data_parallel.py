@@ -104,6 +104,9 @@ class DataParallelEngine:
         spec = model_config if model is None or model_config is not None else getattr(model, "spec", None)
         if spec is not None:  # else LLMEngine says what is missing
             parallel_config.check_model(spec)
+        # Each replica's adapter slots would need one registry over them all.
+        if engine_kwargs.get("enable_lora") or getattr(engine_kwargs.get("config"), "lora_config", None) is not None:
+            raise ValueError("enable_lora=True: LoRA with data_parallel_size > 1 is not supported")
         self.parallel_config = parallel_config
         per_replica = ParallelConfig(tensor_parallel_size=parallel_config.tensor_parallel_size)
         self.replicas: list[LLMEngine] = []

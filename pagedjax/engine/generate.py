@@ -8,7 +8,7 @@ import numpy as np
 
 from pagedjax.config.fields import is_int
 from pagedjax.outputs import RequestOutput
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import LoRARequest, SamplingParams
 
 _PROMPT_SHAPES = "a str, bytes, a list of token ids, a dict {'prompt': ...} or {'prompt_token_ids': ...}"
 
@@ -63,14 +63,33 @@ def batch_of_params(sampling_params, n: int) -> list[SamplingParams]:
     return params
 
 
-def generate_batch(engine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+def batch_of_loras(lora_request, n: int) -> list[LoRARequest | None]:
+    """One adapter (or None: the base model) per request: None or one `LoRARequest` for all, or a list of exactly
+    `n` of them and None. TypeError naming the type given otherwise."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if not isinstance(lora_request, (list, tuple)):
+        raise TypeError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"{len(loras)} lora requests for {n} prompts")
+    bad = [type(x).__name__ for x in loras if x is not None and not isinstance(x, LoRARequest)]
+    if bad:
+        raise TypeError(f"lora_request must hold LoRARequests or None, got {bad[0]}")
+    return loras
+
+
+def generate_batch(engine, prompts, sampling_params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
     """`generate` over any engine-shaped object (`LLMEngine`, `DataParallelEngine`): validate the whole batch,
     queue it under fresh ids, step until every request finished, outputs in input order. An interrupted call
-    aborts what it queued, so nothing keeps running behind the caller's back."""
+    aborts what it queued, so nothing keeps running behind the caller's back. `lora_request` (see
+    `batch_of_loras`) needs an engine whose `make_request` takes one."""
     prompts = batch_of_prompts(prompts)
     params = batch_of_params(sampling_params, len(prompts))
+    loras = batch_of_loras(lora_request, len(prompts))
     ids = engine.fresh_request_ids("gen", len(prompts))
-    prepared = [engine.make_request(rid, prompt, p) for rid, prompt, p in zip(ids, prompts, params, strict=True)]
+    prepared = [engine.make_request(rid, prompt, p, **({} if lora is None else {"lora_request": lora}))
+                for rid, prompt, p, lora in zip(ids, prompts, params, loras, strict=True)]
     for p in prepared:
         engine.add_prepared_request(p)
     results: dict[str, RequestOutput] = {}

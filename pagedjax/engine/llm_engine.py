@@ -30,6 +30,7 @@ from pagedjax.config import (
     StructuredLimits,
 )
 from pagedjax.config.fields import is_int
+from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.parallel import ParallelConfig, parallel_layout
 from pagedjax.config.sampling import SamplingDefaults
 from pagedjax.core.request import Request, RequestIds
@@ -40,6 +41,7 @@ from pagedjax.engine.output_processor import OutputProcessor, record_prompt_logp
 from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
+from pagedjax.lora.manager import LoRAManager
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama
 from pagedjax.model.loading.generation_config import folder_sampling_defaults
@@ -50,7 +52,7 @@ from pagedjax.runner.inputs import StepInputs, step_inputs
 from pagedjax.runner.invariant import invariant_shape
 from pagedjax.runner.runner import ModelRunner
 from pagedjax.runner.shapes import warmup_shapes
-from pagedjax.sampling_params import SamplingParams, StructuredOutput
+from pagedjax.sampling_params import LoRARequest, SamplingParams, StructuredOutput
 from pagedjax.spec_decode.draft_model import DraftProposer, load_draft
 from pagedjax.spec_decode.speculator import Speculator
 from pagedjax.structured_output.compiler import Constraint, ConstraintCompiler
@@ -105,6 +107,10 @@ class LLMEngine:
     A request's prompt and `max_tokens` must fit the context (`max_model_len`): more is a ValueError naming
     max_tokens and the limit, never a silent cut (and a request the KV pool cannot hold is refused too).
 
+    enable_lora=True: serve LoRA adapters (`pagedjax.lora`), a request's own by its `lora_request`, up to
+    `max_loras` distinct ones per step (device slots; requests of more wait), each of rank <= `max_lora_rank`,
+    `max_cpu_loras` kept in host memory (`LoRAConfig`); a built-in dense model on one device.
+
     config: an `EngineConfig` holding every option above at once (instead of the keywords, not beside them); the
     engine keeps its whole configuration as `engine.config` either way.
     """
@@ -117,7 +123,8 @@ class LLMEngine:
                  compile_in_background: bool = False, batch_invariant: bool = False,
                  speculative_config: SpeculativeConfig | None = None,
                  structured_limits: StructuredLimits | None = None, sampling_defaults: SamplingDefaults | None = None,
-                 config: EngineConfig | None = None):
+                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None, config: EngineConfig | None = None):
         if num_steps is not None:
             warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
                           DeprecationWarning, stacklevel=2)
@@ -131,11 +138,12 @@ class LLMEngine:
                 seed=seed, compile_cache=compile_cache, max_compiled_programs=max_compiled_programs,
                 compile_in_background=compile_in_background, batch_invariant=batch_invariant,
                 structured_limits=structured_limits or StructuredLimits(),
-                sampling_defaults=sampling_defaults or SamplingDefaults())
+                sampling_defaults=sampling_defaults or SamplingDefaults(),
+                lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None)
         elif not isinstance(config, EngineConfig):
             raise TypeError(f"LLMEngine: config must be an EngineConfig, got {type(config).__name__}")
         elif (model_config, cache_config, scheduler_config, parallel_config, speculative_config,
-              tensor_parallel_size, structured_limits, sampling_defaults) != (None,) * 8:
+              tensor_parallel_size, structured_limits, sampling_defaults) != (None,) * 8 or enable_lora:
             raise ValueError("LLMEngine: give config=EngineConfig(...) or the configs as keywords, not both")
         self.config = config
         enable_compile_cache(config.compile_cache if isinstance(config.compile_cache, str) else None,
@@ -164,15 +172,21 @@ class LLMEngine:
         else:
             self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if draft is None else draft.spec)
         # Blocks out of every layer's sliding window go back to the pool while requests run.
+        lora_config = config.lora_config
+        if lora_config is not None:
+            self._check_lora_serves(lora_config, mesh)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
-                                   sliding_window=spec.kv_window)
+                                   sliding_window=spec.kv_window,
+                                   max_loras=None if lora_config is None else lora_config.max_loras)
         self.output_processor = OutputProcessor(tokenizer)
         self.structured = StructuredOutputManager(ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids),
                                                   config.structured_limits)
         max_programs, background = config.max_compiled_programs, config.compile_in_background
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=config.backend,
-                                  mesh=mesh, max_programs=max_programs, compile_in_background=background)
+                                  mesh=mesh, max_programs=max_programs, compile_in_background=background,
+                                  lora=lora_config)
+        self.lora = None if lora_config is None else LoRAManager(lora_config, self.model_config, self.runner)
         self.speculator = None if config.speculative_config is None else Speculator(
             config.speculative_config, None if draft is None else DraftProposer(
                 draft, self.num_blocks, self.cache_config, self.scheduler_config.max_num_batched_tokens,
@@ -195,6 +209,16 @@ class LLMEngine:
         logger.info("LLMEngine: %d KV blocks x %d tokens, attention backend %s", self.num_blocks,
                     self.cache_config.block_size, self.runner.backend)
 
+    def _check_lora_serves(self, lora_config: LoRAConfig, mesh) -> None:
+        """ValueError naming what keeps this engine from serving adapters: a model not built in, a
+        mixture-of-experts one, or a tensor-parallel mesh."""
+        if self.model_config is None:
+            raise ValueError("enable_lora=True needs a built-in model (ModelConfig / from_pretrained), not model=")
+        if self.model_config.moe is not None:
+            raise ValueError("enable_lora=True: LoRA on mixture-of-experts models (ModelConfig.moe) is not supported")
+        if mesh is not None and mesh.size > 1:
+            raise ValueError("enable_lora=True: LoRA with tensor_parallel_size > 1 is not supported")
+
     @classmethod
     def from_pretrained(cls, path=None, *, dtype: str | None = None, quantization: str | QuantConfig | None = None,
                         cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
@@ -204,7 +228,8 @@ class LLMEngine:
                         max_compiled_programs: int = 64, compile_in_background: bool = False,
                         batch_invariant: bool = False, speculative_config: SpeculativeConfig | None = None,
                         structured_limits: StructuredLimits | None = None,
-                        sampling_defaults: SamplingDefaults | None = None) -> LLMEngine:
+                        sampling_defaults: SamplingDefaults | None = None, enable_lora: bool = False,
+                        max_loras: int = 4, max_lora_rank: int = 16, max_cpu_loras: int | None = None) -> LLMEngine:
         """An engine over a saved model: a pagedjax orbax checkpoint folder, a local Hugging Face folder
         (config.json + *.safetensors [+ tokenizer.json]), or None for the bundled model. With a
         `parallel_config`, weights are read straight into their shards on the (first replica's) mesh.
@@ -223,7 +248,8 @@ class LLMEngine:
                    parallel_config=parallel_config, devices=devices, max_compiled_programs=max_compiled_programs,
                    compile_in_background=compile_in_background, batch_invariant=batch_invariant,
                    speculative_config=speculative_config, structured_limits=structured_limits,
-                   sampling_defaults=sampling_defaults)
+                   sampling_defaults=sampling_defaults, enable_lora=enable_lora, max_loras=max_loras,
+                   max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
 
     @property
     def num_steps(self) -> int:
@@ -279,15 +305,18 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None) -> None:
-        """Queue a request. Raises TypeError for a non-string id or salt, token ids that are not ints, or
-        sampling params of another type; ValueError for ids outside the vocabulary, empty or too long
-        prompts, a duplicate id, or a request that could never fit in the KV pool. Nothing is queued then."""
+                    sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request (under `lora_request`'s adapter, or the base model). Raises TypeError for a non-string
+        id or salt, token ids that are not ints, or sampling params of another type; ValueError for ids outside the
+        vocabulary, empty or too long prompts, a duplicate id, a request that could never fit in the KV pool, or
+        an adapter this engine cannot serve. Nothing is queued then."""
         self.add_prepared_request(self.make_request(request_id, token_list(request_id, prompt_token_ids),
-                                                    sampling_params, cache_salt=cache_salt))
+                                                    sampling_params, cache_salt=cache_salt,
+                                                    lora_request=lora_request))
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
-                     cache_salt: str | None = None) -> PreparedRequest:
+                     cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> PreparedRequest:
         """A validated request of a prompt (token ids, or text with a tokenizer) that the scheduler would accept,
         its constraint compiled, its sampling fields left None set from the engine's `sampling_defaults`; nothing
         is queued (`add_prepared_request` does). Raises as `add_request`."""
@@ -317,12 +346,20 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: SamplingParams.stop needs an engine with a tokenizer "
                              "(stop strings are matched on the detokenized text); use stop_token_ids")
+        adapter_id = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"request {request_id!r}: lora_request needs an engine with enable_lora=True")
+            try:
+                adapter_id = self.lora.register(lora_request)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"request {request_id!r}: {e}") from None
         try:
             constraint = None if params.structured is None else self.structured.compile(params.structured)
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
         request = Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
-                          eos_token_ids=self.model_spec.eos_token_ids, cache_salt=cache_salt,
+                          eos_token_ids=self.model_spec.eos_token_ids, cache_salt=cache_salt, adapter_id=adapter_id,
                           logprobs=[] if params.logprobs is not None else None,
                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                           constrained=constraint is not None)
@@ -347,12 +384,13 @@ class LLMEngine:
         return self._request_ids.fresh(
             prefix, n, lambda rid: self.scheduler.get_request(rid) is not None or rid in self.scheduler.groups)
 
-    def beam_search(self, prompts, params):
-        """Beam search for each prompt (token ids, or text with a tokenizer); see `pagedjax.engine.beam_search`.
-        Returns one `BeamSearchOutput` per prompt, its `beam_width` best sequences first."""
+    def beam_search(self, prompts, params, lora_request=None):
+        """Beam search for each prompt (token ids, or text with a tokenizer), under `lora_request` as `generate`
+        takes it; see `pagedjax.engine.beam_search`. Returns one `BeamSearchOutput` per prompt, its `beam_width`
+        best sequences first."""
         from pagedjax.engine.beam_search import beam_search
 
-        return beam_search(self, prompts, params)
+        return beam_search(self, prompts, params, lora_request)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request (every sample of a multi-sample one) and free all its blocks. Returns False if no such
@@ -364,6 +402,32 @@ class LLMEngine:
             raise ValueError(f"{request_id!r} is sample {request.sample_index} of request "
                              f"{group.request.request_id!r}: abort that request")
         return self.scheduler.abort(str(request_id)) is not None
+
+    # ------------------------------------------------------------------------------------------------ adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter now (its folder read and checked; requests may also name it first in
+        `add_request`). Returns True; raises as `add_request` does for a bad adapter."""
+        self._lora_manager().register(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget adapter `lora_int_id` (its host copy and device slot); False if it is not registered. ValueError
+        while an unfinished request uses it. Adding the id again later (any folder) never hits the blocks cached
+        under its former weights."""
+        manager = self._lora_manager()
+        key = manager.key_of(lora_int_id)
+        if key is not None and any(r.adapter_id == key for r in self.scheduler.requests.values()):
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by unfinished requests")
+        return manager.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The registered adapters, in registration order."""
+        return self._lora_manager().adapters
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (LLMEngine(enable_lora=True))")
+        return self.lora
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -397,8 +461,9 @@ class LLMEngine:
         """The padded device inputs of a plan from `scheduler.schedule()` (see `pagedjax.runner.inputs`)."""
         requests = [self.scheduler.get_request(rid) for rid in plan.request_ids]
         vocab = self.model_spec.vocab_size
+        lora_slots = None if self.lora is None else self.lora.slots_for([r.adapter_id for r in requests])
         return step_inputs(plan, requests, vocab_size=vocab, engine_seed=self.seed,
-                           token_mask=self.structured.masks(requests, plan.emits_token, vocab))
+                           token_mask=self.structured.masks(requests, plan.emits_token, vocab), lora_slots=lora_slots)
 
     def _run_step(self, plan: StepPlan) -> list[Request]:
         """One step of any kind: inputs, device, `Scheduler.update`, outputs, then the next step's proposals."""
@@ -471,7 +536,8 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------------------- generate
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns finished outputs in input order.
 
         As vLLM's `LLM.generate`: one prompt (a str or bytes when the engine has a tokenizer, a list of token
@@ -479,8 +545,9 @@ class LLMEngine:
         (`pagedjax.engine.generate.batch_of_prompts`). The whole batch
         is validated before any of it is queued: a bad prompt raises and queues nothing. Requests get ids
         `gen-<call>-<index>` (skipping any id in use), so they never collide with the caller's own.
+        `lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt.
         """
-        return generate_batch(self, prompts, sampling_params, use_tqdm)
+        return generate_batch(self, prompts, sampling_params, use_tqdm, lora_request)
 
     def _encode(self, request_id: str, prompt) -> list[int]:
         if isinstance(prompt, (str, bytes)):
@@ -508,10 +575,11 @@ class LLMEngine:
             self.speculator.draft.wake()
         return weights.wake(self.runner)
 
-    def score(self, prompts, completions):
+    def score(self, prompts, completions, lora_request=None):
         """Per-token log-probabilities (float32 arrays) of each completion after its prompt, by this engine's
-        compiled step (`pagedjax.engine.scoring.completion_logprobs`)."""
-        return completion_logprobs(self, prompts, completions)
+        compiled step (`pagedjax.engine.scoring.completion_logprobs`), under `lora_request` as `generate` takes
+        it."""
+        return completion_logprobs(self, prompts, completions, lora_request)
 
     # -------------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:

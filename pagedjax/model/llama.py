@@ -30,6 +30,7 @@ from pagedjax.config import ModelConfig, ModelSpec
 from pagedjax.config.quant import QuantConfig
 from pagedjax.model.api import PagedAttention, PagedKVCache
 from pagedjax.model.layers.linear import apply_linear as _apply
+from pagedjax.model.layers.lora import LayerLoRA, LoRABatch, with_lora
 from pagedjax.model.layers.moe import Experts, per_expert_params
 from pagedjax.model.layers.moe_quant import (
     QuantizedExperts,
@@ -136,9 +137,10 @@ class Attention(nnx.Module):
                                     head_dim=d, scale=self.scale, sliding_window=self.sliding_window,
                                     logits_soft_cap=self.logits_soft_cap)
 
-    def _qkv(self, x: jax.Array, positions: jax.Array):
+    def _qkv(self, x: jax.Array, positions: jax.Array, lora: LayerLoRA | None = None):
         lead = x.shape[:-1]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = (with_lora(self.q_proj, "q_proj", x, lora), with_lora(self.k_proj, "k_proj", x, lora),
+                   with_lora(self.v_proj, "v_proj", x, lora))
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(*lead, self.num_q_heads, self.head_dim)
@@ -148,12 +150,14 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return self.rope(q, positions), self.rope(k, positions), v
 
-    def __call__(self, x, positions, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+    def __call__(self, x, positions, cache: PagedKVCache,
+                 lora: LayerLoRA | None = None) -> tuple[jax.Array, PagedKVCache]:
         """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's K/V written): the projections, q/k
-        norms, RoPE, one paged attention call (`pagedjax.model.api.PagedAttention`), the output projection."""
-        q, k, v = self._qkv(x, positions)
+        norms, RoPE, one paged attention call (`pagedjax.model.api.PagedAttention`), the output projection;
+        with `lora`, each projection plus its token's adapter (`pagedjax.model.layers.lora`)."""
+        q, k, v = self._qkv(x, positions, lora)
         o, cache = self.paged(q, k, v, cache)
-        return self.o_proj(o.reshape(x.shape[0], -1)), cache
+        return with_lora(self.o_proj, "o_proj", o.reshape(x.shape[0], -1), lora), cache
 
     def dense(self, x: jax.Array) -> jax.Array:
         """Causal attention over whole sequences (within the layer's window, soft-capped if configured), no
@@ -186,10 +190,10 @@ class MLP(nnx.Module):
         self.down_proj = _linear(w, h, False, dtype, rngs, q, "down_proj")
         self.gelu = gelu
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate = self.gate_proj(x)
+    def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
+        gate = with_lora(self.gate_proj, "gate_proj", x, lora)
         gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return with_lora(self.down_proj, "down_proj", gate * with_lora(self.up_proj, "up_proj", x, lora), lora)
 
 
 class DecoderLayer(nnx.Module):
@@ -263,12 +267,17 @@ class Llama(nnx.Module):
         """Megatron-style shardings by Hugging Face parameter name (`pagedjax.parallel.sharding`)."""
         return param_spec(names, self.config, tp)
 
-    def __call__(self, token_ids: jax.Array, positions: jax.Array,
-                 cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
-        """Serving forward. token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache)."""
+    def __call__(self, token_ids: jax.Array, positions: jax.Array, cache: PagedKVCache,
+                 lora: LoRABatch | None = None) -> tuple[jax.Array, PagedKVCache]:
+        """Serving forward. token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache).
+        `lora`: the step's adapters, each token's own on every target linear (dense MLPs only: the engine
+        refuses LoRA for mixture-of-experts models)."""
         x = self.embed(token_ids)
-        for layer in self.layers:
-            x, cache = layer(x, lambda h, layer=layer, cache=cache: layer.self_attn(h, positions, cache))
+        for i, layer in enumerate(self.layers):
+            ll = None if lora is None else lora.layer(i)
+            mlp = None if ll is None else functools.partial(layer.mlp, lora=ll)
+            x, cache = layer(x, lambda h, layer=layer, cache=cache, ll=ll: layer.self_attn(h, positions, cache, ll),
+                             mlp)
         return self.norm(x), cache
 
     def embed(self, token_ids: jax.Array) -> jax.Array:

@@ -99,13 +99,15 @@ def prompt_targets(plan: StepPlan, requests: list[Request]) -> tuple[np.ndarray 
 
 def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, engine_seed: int,
                 token_mask: np.ndarray | None = None,  # i32[S, W]: allowed-token bitmask rows, None: no mask
+                lora_slots: list[int] | None = None,  # each request's adapter slot (0: none); None: no adapters
                 ) -> StepInputs | FusedDecodeInputs:
     """The padded device inputs of any plan from `Scheduler.schedule()`; `requests` in the plan's order.
 
     A fused decode (`plan.fused`) runs on the loop program; a ragged plan on the step program, where a sequence
     verifying proposals (`plan.num_drafts`) samples one row per verified position (`plan.logits_indices`), row j
     drawn as its request's output number `num_output_tokens + j` (the seed's key a non-speculative step would use
-    there) with the sequence's own penalties and mask."""
+    there) with the sequence's own penalties and mask. `lora_slots` becomes each token's slot (each fused decode
+    row's)."""
     sampling = sampling_metadata(requests, engine_seed)
     penalties = penalty_metadata(requests, vocab_size)
     if plan.fused is not None:
@@ -114,7 +116,7 @@ def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, eng
                                 lent_blocks=fused.lent_block_ids, sampling=sampling,
                                 stop_ids=[sorted(r.stop_ids) for r in requests], max_new=fused.max_new_tokens,
                                 num_steps=fused.num_steps, block_size=fused.block_size, penalties=penalties,
-                                num_top_logprobs=num_top_logprobs(requests))
+                                num_top_logprobs=num_top_logprobs(requests), lora_slots=lora_slots)
     logits_indices = None
     if plan.num_drafts is not None:
         first = first_rows(plan)
@@ -132,7 +134,9 @@ def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, eng
                     block_tables=plan.block_tables, kv_lens=plan.kv_lens, cu_q_lens=plan.cu_q_lens,
                     sampling=sampling, block_copies=plan.block_copies, penalties=penalties, prompt_targets=targets,
                     num_top_logprobs=num_top_logprobs(requests), num_prompt_top_logprobs=num_prompt_top,
-                    token_mask=token_mask, logits_indices=logits_indices)
+                    token_mask=token_mask, logits_indices=logits_indices,
+                    lora_slots=None if lora_slots is None else np.repeat(np.asarray(lora_slots, np.int32),
+                                                                         plan.q_lens))
 
 
 # ------------------------------------------------------------------------------------------------ padding
@@ -228,6 +232,8 @@ class StepInputs:
     extras: StepExtras = NO_EXTRAS
     num_top_logprobs: int | None = None  # top alternatives per sampled token (a bucket); None: no log-probabilities
     num_prompt_top_logprobs: int = 0  # per prompt position, when extras.prompt_targets is set
+    lora_slots: np.ndarray | None = None  # int32 [T]: each token's adapter slot (0, padding too: none); None: the
+    #                                       engine serves no adapters (a runner with adapters reads None as zeros)
 
 
 def pad_step(*, token_ids: np.ndarray,  # i32[T]
@@ -244,6 +250,7 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
              num_prompt_top_logprobs: int = 0,
              token_mask: np.ndarray | None = None,  # i32[R, W]
              logits_indices: np.ndarray | None = None,  # i32[R]
+             lora_slots: np.ndarray | None = None,  # i32[T]
              ) -> StepInputs:
     """Pad a ragged step to bucket sizes. Padding tokens write nowhere (slot -1); padding sequences have
     q_len 0 and kv_len 0, so every kernel returns zeros for them. Sequences are bucketed from 1 (a batch
@@ -289,6 +296,7 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
         logits_indices=pad_rows(logits_indices, r_b, 0),
         sampling=pad_sampling(sampling, r_b),
         decode_only=decode_only,
+        lora_slots=None if lora_slots is None else pad_rows(lora_slots, t_b, 0),
     )
 
 
@@ -306,6 +314,7 @@ class FusedDecodeInputs:
     num_steps: int
     penalties: PenaltyMetadata | None = None  # [S] rows; output_counts are updated on device each step
     num_top_logprobs: int | None = None
+    lora_slots: np.ndarray | None = None  # int32 [S]: each sequence's adapter slot (as `StepInputs.lora_slots`)
 
 
 def pad_fused_decode(*, tokens: np.ndarray,  # i32[S]
@@ -318,7 +327,9 @@ def pad_fused_decode(*, tokens: np.ndarray,  # i32[S]
                      num_steps: int,
                      block_size: int,
                      penalties: PenaltyMetadata | None = None,  # [S] rows
-                     num_top_logprobs: int | None = None) -> FusedDecodeInputs:
+                     num_top_logprobs: int | None = None,
+                     lora_slots=None,  # S ints
+                     ) -> FusedDecodeInputs:
     """Pad a fused decode to bucket sizes. The lent stack is padded with -1, which the device never pops
     (a short stack raises `overflow` instead of writing into block 0), to a length fixed by the batch bucket
     and `num_steps`: one sequence pops at most `cdiv(num_steps, block_size)` blocks in `num_steps` steps, so
@@ -343,6 +354,7 @@ def pad_fused_decode(*, tokens: np.ndarray,  # i32[S]
         num_steps=num_steps,
         penalties=pad_penalties(penalties, s_b),
         num_top_logprobs=_bucket_top(num_top_logprobs),
+        lora_slots=None if lora_slots is None else pad_rows(lora_slots, s_b, 0),
     )
 
 

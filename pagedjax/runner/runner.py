@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pagedjax.config import IndexedSparse, LatentAttention, ModelSpec
+from pagedjax.config.lora import LoRAConfig
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.core.step_result import StepResult
 from pagedjax.device.attention import (
@@ -47,6 +48,7 @@ from pagedjax.device.sampling import (
     token_logprobs,
 )
 from pagedjax.model.api import PagedKVCache, PagedModel, param_partition_fn
+from pagedjax.model.layers.lora import LoRABatch, init_lora_weights, write_slot
 from pagedjax.model.layers.quant import holds_quantized
 from pagedjax.runner.inputs import NO_EXTRAS, FusedDecodeInputs, StepExtras, StepInputs
 from pagedjax.runner.programs import ProgramCache
@@ -76,14 +78,15 @@ class StepOutputs(NamedTuple):
 
 
 def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,
-                  logits_indices, sampling: SamplingMetadata, extras: StepExtras = NO_EXTRAS, *, backend: str,
+                  logits_indices, sampling: SamplingMetadata, extras: StepExtras = NO_EXTRAS,
+                  lora: LoRABatch | None = None, *, backend: str,
                   decode_only: bool, return_logits: bool = False, num_top_logprobs: int | None = None,
                   num_prompt_top_logprobs: int = 0, mesh=None) -> tuple[StepOutputs, KVCache]:
     model: PagedModel = nnx.merge(graphdef, params)
     if extras.block_copies is not None:
         kv_cache = copy_blocks(kv_cache, extras.block_copies)  # before this step's KV is written
     hidden, kv_cache = _model_forward(model, token_ids, positions, kv_cache, meta, backend=backend,
-                                      decode_only=decode_only, mesh=mesh)
+                                      decode_only=decode_only, mesh=mesh, lora=lora)
     prompt_logprobs = None
     if extras.prompt_targets is not None:  # logits at every position, once
         all_logits = _gathered(model.compute_logits(hidden), mesh)
@@ -100,11 +103,15 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
 
 
 def _model_forward(model: PagedModel, token_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, *,
-                   backend: str, decode_only: bool, mesh) -> tuple[jax.Array, KVCache]:
-    """The model's forward over the cache as the contract gives it (`pagedjax.model.api.PagedKVCache`)."""
+                   backend: str, decode_only: bool, mesh, lora: LoRABatch | None = None) -> tuple[jax.Array, KVCache]:
+    """The model's forward over the cache as the contract gives it (`pagedjax.model.api.PagedKVCache`); with
+    `lora` (a built-in model: the engine checks), each token through its adapter."""
     cache = PagedKVCache(kv_cache.layers, meta, backend=backend, decode_only=decode_only, mesh=mesh,
                          spec=model.spec)
-    hidden, cache = model(token_ids, positions, cache)
+    if lora is None:
+        hidden, cache = model(token_ids, positions, cache)
+    else:
+        hidden, cache = model(token_ids, positions, cache, lora=lora)
     return hidden, KVCache(cache.layers)
 
 
@@ -131,12 +138,14 @@ class FusedDecodeState(NamedTuple):
 
 
 def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, sampling: SamplingMetadata,
-                 stop_ids, max_new, penalties: PenaltyMetadata | None = None, *, num_steps: int, block_size: int,
+                 stop_ids, max_new, penalties: PenaltyMetadata | None = None, lora: LoRABatch | None = None, *,
+                 num_steps: int, block_size: int,
                  backend: str, num_top_logprobs: int | None = None, mesh=None):
     """Up to `num_steps` decode steps with no host round trip.
 
     tokens int32 `[S]` (each sequence's last token, whose KV is not yet cached); stop_ids int32 `[S, K]`
-    (-1 = none); max_new int32 `[S]` tokens each sequence may still generate (0 = padding row).
+    (-1 = none); max_new int32 `[S]` tokens each sequence may still generate (0 = padding row); lora: each
+    sequence's adapter slot (`[S]`: one token per sequence each iteration).
     Returns (sampled int32 `[num_steps, S]` with -1 after a sequence stopped, their `LogprobArrays`
     `[num_steps, S]`, final PageState, cache).
     """
@@ -152,7 +161,7 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, to
         pages, slots = append_tokens(s.pages, s.active, block_size)
         meta = AttentionMetadata(slots, pages.block_tables, jnp.where(s.active, pages.seq_lens, 0), cu_q_lens)
         hidden, kv_cache = _model_forward(model, s.last_tokens, positions, s.kv_cache, meta, backend=backend,
-                                          decode_only=True, mesh=mesh)
+                                          decode_only=True, mesh=mesh, lora=lora)
         logits = _gathered(model.compute_logits(hidden), mesh)
         new = sample(logits, sampling._replace(step=sampling.step + s.num_generated), s.penalties)
         logprobs = s.logprobs
@@ -241,7 +250,7 @@ class ModelRunner:
 
     def __init__(self, model: PagedModel, num_blocks: int, block_size: int, *, kv_dtype=None,
                  backend: str = "auto", mesh: Mesh | None = None, max_programs: int = 64,
-                 compile_in_background: bool = True):
+                 compile_in_background: bool = True, lora: LoRAConfig | None = None):
         spec = model.spec  # `check_model(model)` passed (the engine checks it)
         self.model_spec = spec
         self.block_size = block_size
@@ -262,6 +271,10 @@ class ModelRunner:
         self.asleep = False  # the KV cache's arrays were deleted (`pagedjax.runner.weights.sleep`)
         self.fixed_shape: StepShape | None = None  # batch-invariant mode: every step's program (`engine.invariant`)
         self._check_attention_serves()
+        # Every slot's adapter weights (`pagedjax.model.layers.lora`), an argument of every step: None, or zeros
+        # until `set_lora_slot` writes one (a built-in dense model on one device: the engine checks).
+        self.lora_weights = None if lora is None else init_lora_weights(model.config, lora.num_slots,
+                                                                         lora.max_lora_rank)
         self.device_seconds = 0.0  # wall time inside compiled calls, results read back
         self._param_leaves, treedef = jax.tree.flatten(self.params)
         # A one-device mesh (a data-parallel replica with tp 1) runs the plain single-device program there.
@@ -358,6 +371,20 @@ class ModelRunner:
         self.params = jax.tree.unflatten(jax.tree.structure(self.params), leaves)
         self._param_leaves = list(leaves)
 
+    def set_lora_slot(self, slot: int, a: list[dict], b: list[dict], scale: float) -> None:
+        """Serve adapter weights `a`, `b` (per layer, per target: float32 `[in, r]`, `[r, out]` at the slots'
+        rank r) scaled by `scale` from slot `slot` (>= 1) from the next step on: array contents only, nothing
+        recompiled."""
+        if not 1 <= slot < self.lora_weights.scales.shape[0]:
+            raise ValueError(f"LoRA slot {slot} outside [1, {self.lora_weights.scales.shape[0] - 1}]")
+        self.lora_weights = write_slot(self.lora_weights, np.int32(slot), a, b, np.float32(scale))
+
+    def _lora(self, slots: np.ndarray | None, n: int) -> LoRABatch | None:
+        """A step's adapters: None without LoRA; with it, `slots` (None: a step of no adapter, e.g. padding)."""
+        if self.lora_weights is None:
+            return None
+        return LoRABatch(self.lora_weights, np.zeros(n, np.int32) if slots is None else slots)
+
     def check_awake(self) -> None:
         """RuntimeError while the KV cache is released (`pagedjax.runner.weights.sleep`)."""
         if self.asleep:
@@ -381,7 +408,8 @@ class ModelRunner:
 
     def _step_call(self, inputs: StepInputs, shape: StepShape) -> tuple[tuple, dict]:
         args = (self._param_leaves, self.kv_cache, inputs.token_ids, inputs.positions, inputs.meta,
-                inputs.logits_indices, inputs.sampling, inputs.extras)
+                inputs.logits_indices, inputs.sampling, inputs.extras,
+                self._lora(inputs.lora_slots, len(inputs.token_ids)))
         static = dict(backend=self.backend, decode_only=shape.decode_only, return_logits=shape.return_logits,
                       num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs)
         return args, static
@@ -392,7 +420,8 @@ class ModelRunner:
         x = inputs
         pages = PageState(block_tables=x.block_tables, seq_lens=x.seq_lens, free_blocks=x.lent_blocks,
                           num_popped=np.zeros((), np.int32), overflow=np.zeros((), np.bool_))
-        args = (self._param_leaves, self.kv_cache, pages, x.tokens, x.sampling, x.stop_ids, x.max_new, x.penalties)
+        args = (self._param_leaves, self.kv_cache, pages, x.tokens, x.sampling, x.stop_ids, x.max_new, x.penalties,
+                self._lora(x.lora_slots, len(x.tokens)))
         static = dict(num_steps=x.num_steps, block_size=self.block_size, backend=self.backend,
                       num_top_logprobs=x.num_top_logprobs)
         return args, static

@@ -183,7 +183,8 @@ def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int) -> StepInp
         decode_only=shape.decode_only,
         extras=StepExtras(block_copies=copies, penalties=_widen(x.penalties, r, vocab_size, shape.stop_width),
                           prompt_targets=targets, token_mask=mask),
-        num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs)
+        num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs,
+        lora_slots=None if inputs.lora_slots is None else pad_rows(inputs.lora_slots, t, 0))
 
 
 def repad_fused_decode(inputs: FusedDecodeInputs, shape: LoopShape, vocab_size: int) -> FusedDecodeInputs:
@@ -197,7 +198,8 @@ def repad_fused_decode(inputs: FusedDecodeInputs, shape: LoopShape, vocab_size: 
         sampling=pad_sampling(inputs.sampling, s), stop_ids=stops, max_new=pad_rows(inputs.max_new, s, 0),
         num_steps=shape.num_steps,
         penalties=_widen(inputs.penalties, s, vocab_size, shape.stop_width if shape.penalties else None),
-        num_top_logprobs=shape.num_top_logprobs)
+        num_top_logprobs=shape.num_top_logprobs,
+        lora_slots=None if inputs.lora_slots is None else pad_rows(inputs.lora_slots, s, 0))
 
 
 # ------------------------------------------------------------------------------------------------ warm-up

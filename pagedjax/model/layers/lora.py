@@ -1,0 +1,130 @@
+"""LoRA on the built-in models' linears, many adapters in one batch: pure functions over a pytree of stacked
+adapter weights.
+
+Every target linear of every layer holds A `[num_slots, in, r]` and B `[num_slots, r, out]` (float32), one slot
+per adapter resident on the device, slot 0 all zeros (the base model), every adapter zero-padded to the slots'
+rank r (zero columns of A and rows of B add nothing). A step carries one slot index per token; a linear computes
+`y = x W + scale[slot] * (x A[slot]) B[slot]`. Which adapter sits in which slot is only array contents, so
+loading, swapping and unloading adapters never changes a compiled program.
+
+Two forms of the per-token product, the same numbers up to summation order:
+  `gathered_delta`  gathers each token's A and B (Punica's BGMV: a matrix-vector product per token);
+  `grouped_delta`   multiplies every token by every slot's A, keeps its own slot's row (a one-hot mask), then
+                    one product with all slots' B stacked (dense SGMV: no gather, num_slots x the LoRA flops).
+`scripts/bench_lora.py --forms` measures both; `lora_delta` is the one the model uses.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pagedjax.config import ModelConfig
+
+# The linears an adapter may target, under their Hugging Face names (PEFT's target_modules), in layer order.
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of each target linear of a built-in dense model of `cfg` (the same in every layer)."""
+    h, d, w = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    return {"q_proj": (h, cfg.num_q_heads * d), "k_proj": (h, cfg.num_kv_heads * d),
+            "v_proj": (h, cfg.num_kv_heads * d), "o_proj": (cfg.num_q_heads * d, h),
+            "gate_proj": (h, w), "up_proj": (h, w), "down_proj": (w, h)}
+
+
+class LoRAWeights(NamedTuple):
+    """Every slot's adapter weights. `a[i][name]` f32 `[num_slots, in, r]`, `b[i][name]` f32 `[num_slots, r, out]`
+    for layer i and target `name`; `scales` f32 `[num_slots]` (slot 0: 0). Slot 0 is zeros and stays so."""
+
+    a: tuple[dict[str, jax.Array], ...]
+    b: tuple[dict[str, jax.Array], ...]
+    scales: jax.Array
+
+
+def init_lora_weights(cfg: ModelConfig, num_slots: int, rank: int) -> LoRAWeights:
+    """All slots empty (zeros) for a model of `cfg`."""
+    shapes = target_shapes(cfg)
+    a = tuple({m: jnp.zeros((num_slots, i, rank), jnp.float32) for m, (i, _) in shapes.items()}
+              for _ in range(cfg.num_layers))
+    b = tuple({m: jnp.zeros((num_slots, rank, o), jnp.float32) for m, (_, o) in shapes.items()}
+              for _ in range(cfg.num_layers))
+    return LoRAWeights(a, b, jnp.zeros((num_slots,), jnp.float32))
+
+
+def lora_weights_nbytes(cfg: ModelConfig, rank: int) -> int:
+    """Device bytes of one slot (one adapter resident) of a model of `cfg` at slot rank `rank`."""
+    return 4 * (cfg.num_layers * rank * sum(i + o for i, o in target_shapes(cfg).values()) + 1)
+
+
+def _write_slot(weights: LoRAWeights, slot, a, b, scale) -> LoRAWeights:
+    return LoRAWeights(
+        tuple({m: layer[m].at[slot].set(new[m]) for m in layer} for layer, new in zip(weights.a, a, strict=True)),
+        tuple({m: layer[m].at[slot].set(new[m]) for m in layer} for layer, new in zip(weights.b, b, strict=True)),
+        weights.scales.at[slot].set(scale))
+
+
+# One program for every slot and adapter (the slot is traced); the old stacks are donated: updated in place.
+write_slot = jax.jit(_write_slot, donate_argnums=(0,))
+write_slot.__doc__ = """`weights` with slot `slot` (an int32 scalar, >= 1) holding `a`, `b` (per layer, per target:
+`[in, r]`, `[r, out]` float32, zeros where the adapter has no weights) and `scale` (float32)."""
+
+
+def gathered_delta(x: jax.Array, a: jax.Array, b: jax.Array, scales: jax.Array, slots: jax.Array) -> jax.Array:
+    """x `[T, in]`, a `[N, in, r]`, b `[N, r, out]`, scales `[N]`, slots i32 `[T]` -> f32 `[T, out]`:
+    `scales[s] * (x A[s]) B[s]` of each token's slot s, by gathering each token's A and B."""
+    xa = jnp.einsum("ti,tir->tr", x.astype(jnp.float32), a[slots])
+    return jnp.einsum("tr,tro->to", xa * scales[slots][:, None], b[slots])
+
+
+def grouped_delta(x: jax.Array, a: jax.Array, b: jax.Array, scales: jax.Array, slots: jax.Array) -> jax.Array:
+    """As `gathered_delta`, by multiplying every token with every slot's A and masking the other slots out."""
+    xa = jnp.einsum("ti,nir->tnr", x.astype(jnp.float32), a)
+    mask = jax.nn.one_hot(slots, a.shape[0], dtype=jnp.float32) * scales[None, :]
+    return jnp.einsum("tnr,nro->to", xa * mask[:, :, None], b)
+
+
+# The model's form. Measured on the CPU at 16 tokens, one layer of the 156M shape (its 7 linears, r = 16, random
+# slots; `python scripts/bench_lora.py --forms`; a shared 2-core machine, medians of 30): base 32.2 ms; with 5
+# slots gathered 39.6, grouped 39.4; with 9 slots gathered 48.0, grouped 43.4. Gathering copies each token's
+# A and B (16 copies of up to 9 slots' weights), grouping reads each slot's once: grouped is never slower.
+lora_delta = grouped_delta
+
+
+class LayerLoRA(NamedTuple):
+    """One layer's view of a step's adapters: its targets' stacks, the slots' scales, each token's slot, and
+    whether any token has an adapter."""
+
+    a: dict[str, jax.Array]
+    b: dict[str, jax.Array]
+    scales: jax.Array
+    slots: jax.Array
+    any_adapter: jax.Array  # bool[]
+
+    def add(self, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+        """A target linear's output `y = x W` (`[T, out]`) plus its adapters' `scale * (x A) B`, in y's dtype. A
+        step of base-model tokens only skips the products (a branch taken on device: one program either way)."""
+        def with_delta():
+            d = lora_delta(x, self.a[name], self.b[name], self.scales, self.slots)
+            return (y.astype(jnp.float32) + d).astype(y.dtype)
+        return jax.lax.cond(self.any_adapter, with_delta, lambda: y)
+
+
+class LoRABatch(NamedTuple):
+    """A step's adapters: the resident weights and each token's slot i32 `[T]` (0 = base model)."""
+
+    weights: LoRAWeights
+    slots: jax.Array
+
+    def layer(self, i: int) -> LayerLoRA:
+        return LayerLoRA(self.weights.a[i], self.weights.b[i], self.weights.scales, self.slots, jnp.any(self.slots > 0))
+
+
+def with_lora(linear, name: str, x: jax.Array, lora: LayerLoRA | None) -> jax.Array:
+    """`linear(x)` (any of the built-in linears, float or quantized), plus its adapters' delta when `lora`."""
+    y = linear(x)
+    return y if lora is None else lora.add(name, x, y)
+

@@ -1,0 +1,279 @@
+"""Multi-LoRA serving end to end: each adapter's greedy tokens equal the merged-weights model's (W + scale A B,
+by full recompute), in batches mixing base and adapter requests, through chunked prefill, fused decode and slot
+swaps (more adapters than slots), without recompiling; the adapter is part of every block's identity."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from pagedjax import (
+    BeamSearchParams,
+    CacheConfig,
+    LLMEngine,
+    LoRARequest,
+    ModelConfig,
+    SamplingParams,
+    SchedulerConfig,
+)
+from pagedjax.config import MoEConfig, QuantConfig, SpeculativeConfig
+from pagedjax.model.layers.lora import ATTENTION_MODULES, TARGET_MODULES, lora_weights_nbytes
+from pagedjax.model.llama import init_model, model_from_state, quantize_params
+from tests import dense
+from tests.engine.latent_toy import LatentToy
+from tests.lora.adapters import merged_params, write_adapter
+
+CFG = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                  intermediate_size=128)
+SEED = 7
+MAX_TOKENS = 10
+MAX_LEN = 96
+BLOCK = 8
+_rng = np.random.default_rng(3)
+PROMPTS = [_rng.integers(0, CFG.vocab_size, n).tolist() for n in (3, 17, 45, 9)]  # 45 > the 32-token budget
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+# Different ranks and target sets (all-linear, attention-only rsLoRA, MLP-only), more adapters than slots.
+# Seeds chosen for no near tie (a top-1 / top-2 logit margin > 1e-3) in the references.
+ADAPTERS = {1: dict(rank=8, targets="all-linear", alpha=16, seed=1),
+            2: dict(rank=4, targets=("q_proj", "k_proj", "v_proj", "o_proj"), alpha=6, rslora=True, seed=22),
+            3: dict(rank=16, targets=("gate_proj", "up_proj", "down_proj"), alpha=8, seed=3)}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {i: write_adapter(root / f"a{i}", CFG, **kw) for i, kw in ADAPTERS.items()}
+
+
+def lora(folders, i):
+    return None if i is None else LoRARequest(f"a{i}", i, str(folders[i]))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # 2 slots for 3 adapters; a 32-token budget chunks the long prompt; fused decodes of 4 steps.
+    return LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=160),
+                     SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=MAX_LEN), seed=SEED,
+                     enable_lora=True, max_loras=2, max_lora_rank=16, decode_steps_per_call=4)
+
+
+@functools.cache
+def _dense_forward(folder):
+    state = nnx.state(init_model(CFG, SEED), nnx.Param) if folder is None else merged_params(CFG, SEED, folder)
+    graphdef = nnx.graphdef(init_model(CFG, SEED))
+    return jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))
+
+
+@functools.cache
+def _reference(folder, prompts) -> list[list[int]]:
+    outputs, margin = dense.greedy_by_recompute(_dense_forward(folder), prompts, MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, margin  # no near tie: identical tokens do not hang on rounding
+    return outputs
+
+
+def reference(folders, i, prompts=PROMPTS) -> list[list[int]]:
+    """Greedy tokens of each prompt by the merged-weights model of adapter i (None: the base model)."""
+    return _reference(None if i is None else folders[i], tuple(map(tuple, prompts)))
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("adapter", [None, 1, 2, 3])
+def test_each_adapter_equals_its_merged_weights_model(engine, folders, adapter):
+    outputs = engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora(folders, adapter))
+    assert tokens(outputs) == reference(folders, adapter)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_random_mixed_batch_equals_each_request_alone(engine, folders, seed):
+    rng = np.random.default_rng(seed)
+    picks = [[None, 1, 2, 3][k] for k in rng.integers(0, 4, 8)]
+    which = rng.integers(0, len(PROMPTS), 8)
+    before = engine.stats().fused_decode_calls
+    outputs = engine.generate([PROMPTS[w] for w in which], GREEDY, use_tqdm=False,
+                              lora_request=[lora(folders, i) for i in picks])
+    assert tokens(outputs) == [reference(folders, i)[w] for i, w in zip(picks, which, strict=True)]
+    assert engine.stats().fused_decode_calls > before  # fused decodes served adapters too
+
+
+def test_swapping_adapters_through_the_slots_never_recompiles(engine, folders):
+    rng = np.random.default_rng(11)
+    fresh = lambda: [rng.integers(0, CFG.vocab_size, len(p)).tolist() for p in PROMPTS]  # no prefix hits
+    engine.generate(fresh(), GREEDY, use_tqdm=False, lora_request=lora(folders, 1))
+    compiled, loads = engine.stats().compilations, engine.lora.num_slot_loads
+    for i in (2, 3, 1, 2):  # 3 evicts 1, 1 evicts 2, 2 evicts 3: every run loads a slot
+        engine.generate(fresh(), GREEDY, use_tqdm=False, lora_request=lora(folders, i))
+    assert engine.lora.num_slot_loads - loads == 4
+    assert engine.stats().compilations == compiled
+
+
+def test_blocks_are_shared_under_one_adapter_only(engine, folders):
+    prompt = np.random.default_rng(12).integers(0, CFG.vocab_size, 4 * BLOCK + 3).tolist()
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def hits(i):
+        before = engine.stats().scheduler.prefix_cache_hits
+        engine.generate([prompt], one, use_tqdm=False, lora_request=lora(folders, i))
+        return engine.stats().scheduler.prefix_cache_hits - before
+
+    assert hits(1) == 0
+    assert hits(2) == 0  # the same tokens under another adapter: no block matches
+    assert hits(None) == 0  # nor under the base model
+    assert hits(1) == 4 * BLOCK  # the same adapter: every full block
+    assert hits(None) == 4 * BLOCK
+
+
+def test_lora_requests_are_checked(engine, folders, tmp_path):
+    with pytest.raises(TypeError, match="LoRARequest"):
+        engine.add_request("x", [1, 2], lora_request="a1")
+    engine.add_request("ok", [1, 2], lora_request=lora(folders, 1))  # binds id 1 to a1 (if no test did)
+    assert engine.abort("ok")
+    with pytest.raises(ValueError, match="lora_int_id 1 is 'a1'"):
+        engine.add_request("x", [1, 2], lora_request=LoRARequest("other", 1, str(folders[1])))
+    big = write_adapter(tmp_path / "big", CFG, rank=32, seed=0)
+    with pytest.raises(ValueError, match="request 'x'.*field 'r' is 32, above the engine's max_lora_rank 16"):
+        engine.add_request("x", [1, 2], lora_request=LoRARequest("big", 9, str(big)))
+    with pytest.raises(ValueError, match="2 lora requests for 1 prompts"):
+        engine.generate([[1, 2]], GREEDY, use_tqdm=False, lora_request=[None, None])
+    with pytest.raises(TypeError, match="LoRARequests or None, got str"):
+        engine.generate([[1, 2]], GREEDY, use_tqdm=False, lora_request=["a"])
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(TypeError, match="lora_int_id must be an int"):
+        LoRARequest("a", "1", "/x")
+    with pytest.raises(ValueError, match="lora_int_id must be >= 1"):
+        LoRARequest("a", 0, "/x")
+
+
+def test_engines_that_cannot_serve_adapters_refuse(folders):
+    plain = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), seed=SEED, compile_cache=False)
+    with pytest.raises(ValueError, match="needs an engine with enable_lora=True"):
+        plain.add_request("x", [1, 2], lora_request=lora(folders, 1))
+    moe = CFG.replace(moe=MoEConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=32))
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        LLMEngine(moe, CacheConfig(block_size=BLOCK, num_blocks=16), enable_lora=True, compile_cache=False)
+    with pytest.raises(ValueError, match="built-in model"):
+        LLMEngine(model=LatentToy(), cache_config=CacheConfig(block_size=BLOCK, num_blocks=16), enable_lora=True,
+                  compile_cache=False)
+    with pytest.raises(ValueError, match="LoRAConfig.max_cpu_loras must be >= 4"):
+        LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), enable_lora=True, max_cpu_loras=2)
+
+
+def test_samples_of_a_request_keep_its_adapter(engine, folders):
+    # Greedy: both samples are the reference.
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2)
+    outputs = engine.generate(PROMPTS[:2], params, use_tqdm=False, lora_request=[lora(folders, 3), lora(folders, 2)])
+    for out, i, k in zip(outputs, (3, 2), (0, 1), strict=True):
+        assert [c.token_ids for c in out.outputs] == [reference(folders, i)[k]] * 2
+
+
+def test_ngram_speculation_serves_adapters(folders):
+    # Repetitive prompts, so that prompt lookup proposes; verification runs each token under its adapter.
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [9, 10]]
+    engine = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=64),
+                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_LEN), seed=SEED,
+                       enable_lora=True, max_loras=2, speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    picks = [1, 2]
+    outputs = engine.generate(prompts, GREEDY, use_tqdm=False, lora_request=[lora(folders, i) for i in picks])
+    assert tokens(outputs) == [reference(folders, i, prompts)[k] for k, i in enumerate(picks)]
+    assert engine.stats().spec_proposed_tokens > 0
+
+
+def test_adapters_are_added_and_removed_at_runtime(engine, folders):
+    engine.add_lora(lora(folders, 2))
+    assert lora(folders, 2) in engine.list_loras()
+    prompt = np.random.default_rng(13).integers(0, CFG.vocab_size, 2 * BLOCK + 1).tolist()
+    engine.add_request("busy", prompt, SamplingParams(max_tokens=2, temperature=0.0), lora_request=lora(folders, 2))
+    with pytest.raises(ValueError, match="in use by unfinished requests"):
+        engine.remove_lora(2)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.remove_lora(2) and not engine.remove_lora(2)
+    assert lora(folders, 2) not in engine.list_loras()
+    # Id 2 again, now bound to adapter 3's folder: its requests get adapter 3's tokens, and never the blocks
+    # cached under id 2's former weights.
+    rebound = LoRARequest("again", 2, str(folders[3]))
+    before = engine.stats().scheduler.prefix_cache_hits
+    outputs = engine.generate([prompt, PROMPTS[1]], GREEDY, use_tqdm=False, lora_request=rebound)
+    assert engine.stats().scheduler.prefix_cache_hits == before
+    assert tokens(outputs)[1] == reference(folders, 3)[1]
+    assert engine.remove_lora(2)
+    engine.add_lora(lora(folders, 2))  # and back (later tests' adapter 2)
+    plain = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), seed=SEED, compile_cache=False)
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        plain.list_loras()
+
+
+def test_beam_search_and_score_under_an_adapter_equal_the_merged_model(engine, folders):
+    merged = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=160),
+                       SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=MAX_LEN), seed=SEED,
+                       params=merged_params(CFG, SEED, folders[1]))
+    beams = BeamSearchParams(beam_width=2, max_tokens=4)
+    prompts = PROMPTS[:2]
+    got = engine.beam_search(prompts, beams, lora_request=lora(folders, 1))
+    want = merged.beam_search(prompts, beams)
+    assert [[s.token_ids for s in o.sequences] for o in got] == [[s.token_ids for s in o.sequences] for o in want]
+    completions = [reference(folders, 1)[0][:4], reference(folders, 1)[1][:4]]
+    scored = engine.score(prompts, completions, lora_request=lora(folders, 1))
+    for a, b in zip(scored, merged.score(prompts, completions), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    base = engine.score(prompts, completions)
+    assert not np.allclose(base[1], scored[1], atol=1e-2)  # the adapter matters
+
+
+def test_slot_bytes_and_slot_bounds(engine):
+    weights = engine.runner.lora_weights
+    per_slot = sum(x.nbytes for x in jax.tree.leaves(weights)) // weights.scales.shape[0]
+    assert per_slot == lora_weights_nbytes(CFG, 16)
+    a, b = [{}] * CFG.num_layers, [{}] * CFG.num_layers
+    for slot in (0, 3):  # slot 0 is the base model's zeros; max_loras is 2
+        with pytest.raises(ValueError, match=f"LoRA slot {slot} outside \\[1, 2\\]"):
+            engine.runner.set_lora_slot(slot, a, b, 1.0)
+
+
+def test_one_slot_one_host_copy_and_preemption(folders):
+    # One device slot and one host copy for two adapters, and a pool too small for the batch (preemption).
+    small = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=9),
+                      SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=MAX_LEN), seed=SEED,
+                      enable_lora=True, max_loras=1, max_cpu_loras=1)
+    picks = [1, 2, None, 1]
+    outputs = small.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=[lora(folders, i) for i in picks])
+    assert tokens(outputs) == [reference(folders, i)[k] for k, i in enumerate(picks)]
+    assert small.stats().scheduler.num_preemptions > 0
+    # 1 and 2 were read when added (2 pushing 1 out of host memory); then each is read again for its slot, 1
+    # pushing 2 out and 2, after 1's requests finished, pushing 1 out.
+    assert small.lora.num_disk_loads == 4 and small.lora.num_slot_loads == 2
+
+
+def test_data_parallel_engines_refuse_lora():
+    from pagedjax.config import EngineConfig, LoRAConfig, ParallelConfig
+    from pagedjax.engine.data_parallel import DataParallelEngine
+
+    with pytest.raises(ValueError, match="data_parallel_size > 1"):
+        DataParallelEngine(CFG, parallel_config=ParallelConfig(data_parallel_size=2), enable_lora=True)
+    with pytest.raises(ValueError, match="data_parallel_size > 1"):
+        DataParallelEngine(parallel_config=ParallelConfig(data_parallel_size=2),
+                           config=EngineConfig(model_config=CFG, lora_config=LoRAConfig()))
+
+
+def test_float_adapters_on_an_int8_base(folders):
+    """An int8 base model with a float adapter computes what a float model of its dequantized kernels with the
+    adapter merged does."""
+    qcfg, qstate = quantize_params(CFG, nnx.state(init_model(CFG, SEED), nnx.Param), QuantConfig.parse("int8"))
+    qmodel = model_from_state(qcfg, qstate)
+    kernels = {(i, m): np.asarray(getattr(getattr(layer, "self_attn" if m in ATTENTION_MODULES else "mlp"), m).kernel())
+               for i, layer in enumerate(qmodel.layers) for m in TARGET_MODULES}
+    state = merged_params(CFG, SEED, folders[1], kernels)
+    graphdef = nnx.graphdef(init_model(CFG, SEED))
+    want, margin = dense.greedy_by_recompute(jax.jit(lambda t: nnx.merge(graphdef, state).forward_dense(t)), PROMPTS,
+                                             MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, margin
+    engine = LLMEngine(qcfg, CacheConfig(block_size=BLOCK, num_blocks=64),
+                       SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_LEN), params=qstate,
+                       seed=SEED, enable_lora=True, max_loras=1)
+    assert tokens(engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora(folders, 1))) == want

@@ -1,0 +1,144 @@
+"""Reading PEFT adapter folders without torch: what is supported loads as the built-in model's layout, and every
+unsupported feature is refused naming its field (or tensor)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from pagedjax.config import ModelConfig
+from pagedjax.lora.peft import load_peft_adapter
+from pagedjax.model.layers.lora import TARGET_MODULES, target_shapes
+from tests.lora.adapters import write_adapter
+
+CFG = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                  intermediate_size=128)
+
+
+def load(folder, max_rank=16):
+    return load_peft_adapter(folder, "a", 1, CFG, max_rank)
+
+
+def test_all_linear_loads_transposed_with_its_scale(tmp_path):
+    folder = write_adapter(tmp_path / "a", CFG, rank=4, seed=0, targets="all-linear", alpha=8)
+    adapter = load(folder)
+    assert adapter.rank == 4 and adapter.scale == 2.0
+    assert set(adapter.weights) == {(i, m) for i in range(2) for m in TARGET_MODULES}
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    a, b = adapter.weights[1, "down_proj"]
+    np.testing.assert_array_equal(a, tensors["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"].T)
+    np.testing.assert_array_equal(b, tensors["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].T)
+    assert a.shape == (128, 4) and b.shape == (4, 64)
+
+
+def test_rslora_scale_and_a_target_subset(tmp_path):
+    adapter = load(write_adapter(tmp_path / "a", CFG, rank=9, seed=0, targets=("q_proj", "v_proj"), alpha=6,
+                                 rslora=True))
+    assert adapter.scale == pytest.approx(6 / math.sqrt(9))
+    assert {m for _, m in adapter.weights} == {"q_proj", "v_proj"}
+
+
+def test_slot_arrays_zero_pad_to_the_slot_rank(tmp_path):
+    adapter = load(write_adapter(tmp_path / "a", CFG, rank=3, seed=0, targets=("k_proj",)))
+    a, b = adapter.slot_arrays(target_shapes(CFG), CFG.num_layers, 8)
+    assert a[0]["k_proj"].shape == (64, 8) and b[0]["k_proj"].shape == (8, 32)
+    np.testing.assert_array_equal(a[0]["k_proj"][:, :3], adapter.weights[0, "k_proj"][0])
+    assert not a[0]["k_proj"][:, 3:].any() and not b[0]["k_proj"][3:].any()
+    assert not a[1]["q_proj"].any() and not b[1]["up_proj"].any()  # not targeted: zeros
+
+
+def _edit_config(folder, **changes):
+    file = folder / "adapter_config.json"
+    cfg = json.loads(file.read_text())
+    cfg.update(changes)
+    file.write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"use_dora": True}, "use_dora"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"bias": "all"}, "bias"),
+    ({"bias": "lora_only"}, "bias"),
+    ({"r": 32}, "r"),
+    ({"r": 0}, "r"),
+    ({"target_modules": ["q_proj", "embed_tokens"]}, "target_modules"),
+    ({"target_modules": ["lm_head"]}, "target_modules"),
+    ({"target_modules": ".*proj"}, "target_modules"),
+    ({"target_modules": []}, "target_modules"),
+    ({"peft_type": "IA3"}, "peft_type"),
+    ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+    ({"alpha_pattern": {"q_proj": 4}}, "alpha_pattern"),
+    ({"fan_in_fan_out": True}, "fan_in_fan_out"),
+    ({"use_rslora": "yes"}, "use_rslora"),
+    ({"lora_alpha": "8"}, "lora_alpha"),
+])
+def test_unsupported_config_fields_are_refused_by_name(tmp_path, changes, field):
+    folder = _edit_config(write_adapter(tmp_path / "a", CFG, rank=4, seed=0), **changes)
+    with pytest.raises(ValueError, match=f"field '{field}'"):
+        load(folder)
+
+
+def _edit_tensors(folder, edit):
+    file = str(folder / "adapter_model.safetensors")
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file)
+    return folder
+
+
+Q = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t: t.update({"base_model.model.model.embed_tokens.lora_embedding_A": np.zeros((4, 97), np.float32)}),
+     "embedding adapter"),
+    (lambda t: t.update({"base_model.model.lm_head.lora_A.weight": np.zeros((4, 64), np.float32)}),
+     "not a LoRA A/B weight"),
+    (lambda t: t.update({f"{Q}.lora_A.bias": np.zeros(4, np.float32)}), "not a LoRA A/B weight"),
+    (lambda t: t.pop(f"{Q}.lora_B.weight"), "no lora_B"),
+    (lambda t: t.update({f"{Q}.lora_A.weight": np.zeros((4, 63), np.float32)}), "has shape"),
+    (lambda t: t.update({"base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight":
+                         np.zeros((4, 64), np.float32)}), "layer 2"),
+    (lambda t: t.update({"base_model.model.model.layers.0.mlp.q_proj.lora_A.weight":
+                         np.zeros((4, 64), np.float32)}), "no module of target_modules"),
+])
+def test_bad_tensors_are_refused_by_name(tmp_path, edit, message):
+    folder = _edit_tensors(write_adapter(tmp_path / "a", CFG, rank=4, seed=0), edit)
+    with pytest.raises(ValueError, match=message):
+        load(folder)
+
+
+def test_a_tensor_of_an_untargeted_module_is_refused(tmp_path):
+    folder = write_adapter(tmp_path / "a", CFG, rank=4, seed=0)
+    _edit_config(folder, target_modules=["k_proj"])
+    with pytest.raises(ValueError, match="no module of target_modules"):
+        load(folder)
+
+
+def test_target_modules_by_path_as_peft_saves_all_linear(tmp_path):
+    folder = write_adapter(tmp_path / "a", CFG, rank=4, seed=0, targets=("q_proj",))
+    _edit_config(folder, target_modules=["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"])
+    assert set(load(folder).weights) == {(0, "q_proj"), (1, "q_proj")}
+    _edit_config(folder, target_modules=["model.layers.0.self_attn.q_proj"])  # layer 1's tensor is of no target
+    with pytest.raises(ValueError, match="layers.1.self_attn.q_proj.lora_A.weight' is of no module"):
+        load(folder)
+    _edit_config(folder, target_modules=["model.layers.0.self_attn.rotary_emb"])
+    with pytest.raises(ValueError, match="field 'target_modules' names"):
+        load(folder)
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="no such folder"):
+        load(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        load(tmp_path / "empty")
+    folder = write_adapter(tmp_path / "a", CFG, rank=4, seed=0)
+    (folder / "adapter_model.safetensors").rename(folder / "adapter_model.bin")
+    with pytest.raises(ValueError, match="torch pickle"):
+        load(folder)
