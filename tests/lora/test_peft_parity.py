@@ -80,7 +80,7 @@ def test_one_mixed_batch_equals_peft(tmp_path):
                        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64), params=state,
                        enable_lora=True, max_loras=3, max_lora_rank=16, compile_cache=False)
     batch = [(i, k) for i in loras for k in range(len(PROMPTS))]
-    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    outputs = engine.generate([PROMPTS[k] for _, k in batch], greedy, use_tqdm=False,
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate([PROMPTS[k] for _, k in batch], params, use_tqdm=False,
                               lora_request=[loras[i] for i, _ in batch])
     assert [o.outputs[0].token_ids for o in outputs] == [expected[i][k][0] for i, k in batch]
