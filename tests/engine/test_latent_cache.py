@@ -47,16 +47,22 @@ def _dense_greedy(model: LatentToy, prompts, max_tokens: int) -> list[list[int]]
     want, margin = greedy_by_recompute(forward, prompts, max_tokens, MAX_LEN)
     assert margin > 1e-4, "a near tie would make the comparison depend on rounding: pick another seed"
     # The sparse layers' selections must not hang on rounding either: at every query of every final sequence (a
-    # query's scores never depend on later tokens), the k-th and (k+1)-th best indexer scores differ, or are both
-    # exactly 0 (relu: a tie both sides break to the lower position) with no score near 0 that rounding could move.
-    for seq in (p + w for p, w in zip(prompts, want, strict=True)):
-        for scores in model.dense_index_scores(jnp.asarray([seq])):
-            scores = np.asarray(scores)[0]
-            top = -np.sort(-scores, axis=-1)[:, :INDEX_TOPK + 1]
-            for row, best in zip(scores, top, strict=True):
-                kth, next_ = best[INDEX_TOPK - 1], best[INDEX_TOPK] if len(best) > INDEX_TOPK else -np.inf
-                if not np.isfinite(next_):
+    # query's scores never depend on later tokens, so right padding changes none of them), the k-th and (k+1)-th
+    # best indexer scores differ, or are both exactly 0 (relu: a tie both sides break to the lower position) with
+    # no score near 0 that rounding could move.
+    seqs = [p + w for p, w in zip(prompts, want, strict=True)]
+    batch = np.zeros((len(seqs), MAX_LEN), np.int32)
+    for i, seq in enumerate(seqs):
+        batch[i, :len(seq)] = seq
+    for scores in jax.jit(model.dense_index_scores)(jnp.asarray(batch)):
+        scores = np.asarray(scores)
+        for seq, rows in zip(seqs, scores, strict=True):
+            n = len(seq)
+            for row in rows[:n, :n]:
+                best = -np.sort(-row)[:INDEX_TOPK + 1]
+                if len(best) <= INDEX_TOPK or not np.isfinite(best[INDEX_TOPK]):
                     continue  # the query sees at most k positions: it takes them all
+                kth, next_ = best[INDEX_TOPK - 1], best[INDEX_TOPK]
                 zero_tie = kth == next_ == 0 and not np.any((np.abs(row) > 0) & (np.abs(row) < 1e-4))
                 assert kth - next_ > 1e-4 or zero_tie, f"a near tie in the indexer's top-k ({kth}, {next_})"
     return want
