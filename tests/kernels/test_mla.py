@@ -151,6 +151,8 @@ def test_tpu_decode_kernel_matches_reference(p, num_splits, block_h):
     assert_close(actual, mla_paged_attention_reference(*case.decode_args(), scale=_scale(p)), p["dtype"])
 
 
+# (CI time: 35 s) test_absorbed_attention_then_w_uv_equals_mla_without_absorption[tpu] runs it by default.
+@pytest.mark.slow
 @settings(max_examples=examples(4))
 @given(p=tpu_params(), block_q=st.sampled_from((2, None, 1)))
 def test_tpu_ragged_kernel_matches_reference(p, block_q):

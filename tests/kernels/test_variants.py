@@ -118,6 +118,9 @@ DECODE = dict(BASE, num_splits=2)
 # W = 1, W not a multiple of the block and wider than it, W < block, W > context; both 8-bit formats with
 # both scale dtypes, q in float32 and bfloat16; lengths 0, 1 and whole blocks; GQA 3:1. The generated draws
 # (more under the "dev" profile) add other block sizes, head_dims, GQA ratios and combinations.
+# Slow (CI time: ~30 s each): the engine runs windows, soft caps and 8-bit pages through these kernels in the
+# default suite (tests/engine/test_sliding_window.py "pallas", tests/engine/test_kv_quant.py "pallas").
+@pytest.mark.slow
 @settings(max_examples=examples(1))
 @given(variant_params(ragged=False))
 @example(dict(DECODE, sliding_window=1, lengths=[0, 1, 20], pages="int8", scale_dtype="bfloat16"))
@@ -140,6 +143,7 @@ def test_decode_variants_match_reference(p):
 RAGGED = dict(BASE, seqs=[(3, 7), (0, 0), (12, 20), (1, 13)], q_tile=2)
 
 
+@pytest.mark.slow  # (CI time) see test_decode_variants_match_reference
 @settings(max_examples=examples(1))
 @given(variant_params(ragged=True))
 @example(dict(RAGGED, sliding_window=1, pages="int8"))

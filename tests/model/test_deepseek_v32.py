@@ -280,6 +280,7 @@ def test_engine_greedy_through_preemption_and_fused_decode(models):
     assert engine.stats().scheduler.num_preemptions > 0 and engine.stats().fused_decode_calls > 0
 
 
+@pytest.mark.slow  # (CI time: 36 s) the kernels' and the toy model's "every position selected = MLA" run by default
 def test_engine_with_index_topk_past_the_context_is_plain_mla(models):
     """index_topk (64) >= every context: the sparse layers select every earlier position, so the engine's
     tokens and log-probabilities equal those of the same weights without an indexer (V3's absorbed MLA over
