@@ -62,29 +62,41 @@ def build(kind: str):
     """A tiny random transformers model of `kind`: norms random around 1 and the V3 router's correction bias
     random (every parameter a loading mistake could hide behind)."""
     cls_name, seed, extra = MODELS[kind]
-    config = getattr(transformers, cls_name)(**{**_COMMON, **extra})
+    return perturbed(getattr(transformers, cls_name)(**{**_COMMON, **extra}), seed)
+
+
+def perturbed(config, seed: int):
+    """The transformers model of `config` (seeded) with its norms random around 1, norm biases (V3.2's indexer
+    `k_norm`) random around 0 and the router's correction bias random."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("norm.bias"):
+                p.copy_(0.2 * torch.randn_like(p))
         for module in model.modules():
             if getattr(module, "e_score_correction_bias", None) is not None:
                 module.e_score_correction_bias.copy_(0.3 * torch.randn_like(module.e_score_correction_bias))
     return model
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """kind -> (transformers model, saved folder)."""
+def saved_models(tmp_path_factory, build, kinds) -> dict:
+    """kind -> (transformers model, the folder it was saved to)."""
     out = {}
-    for kind in MODELS:
+    for kind in kinds:
         model = build(kind)
         folder = tmp_path_factory.mktemp(kind)
         model.save_pretrained(str(folder))
         out[kind] = (model, folder)
     return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """kind -> (transformers model, saved folder)."""
+    return saved_models(tmp_path_factory, build, MODELS)
 
 
 def _dense_logits(model, prompts) -> list[np.ndarray]:

@@ -28,6 +28,7 @@ from pagedjax.model.deepseek import top_k_mask  # noqa: E402
 from pagedjax.model.errors import ModelLoadError  # noqa: E402
 from pagedjax.model.loading.hf_config import load_deepseek_config, load_hf_config  # noqa: E402
 from pagedjax.model.loading.hf_loader import load_hf_deepseek  # noqa: E402
+from tests.model.test_deepseek import perturbed, saved_models  # noqa: E402
 from tests.model.test_hf import hf_logits  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -58,31 +59,13 @@ def build(kind: str):
     """A tiny random `DeepseekV32ForCausalLM`: norms (the indexer's LayerNorm bias too) random around 1 / 0 and
     the router's correction bias random (every parameter a loading mistake could hide behind)."""
     seed, extra = MODELS[kind]
-    config = transformers.DeepseekV32Config(**{**_COMMON, **extra})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("k_norm.bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-        for module in model.modules():
-            if getattr(module, "e_score_correction_bias", None) is not None:
-                module.e_score_correction_bias.copy_(0.3 * torch.randn_like(module.e_score_correction_bias))
-    return model
+    return perturbed(transformers.DeepseekV32Config(**{**_COMMON, **extra}), seed)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """kind -> (transformers model, saved folder)."""
-    out = {}
-    for kind in MODELS:
-        model = build(kind)
-        folder = tmp_path_factory.mktemp(kind)
-        model.save_pretrained(str(folder))
-        out[kind] = (model, folder)
-    return out
+    return saved_models(tmp_path_factory, build, MODELS)
 
 
 def _batch(prompts) -> np.ndarray:
