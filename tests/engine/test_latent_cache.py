@@ -148,6 +148,12 @@ def test_a_layer_attending_other_than_its_declared_spec_is_refused():
     with pytest.raises(ValueError, match=f"kv_lora_rank {RANK}, rope_dim {ROPE}, but the model's ModelSpec "
                                          f"declares {RANK + 1}, {ROPE}"):
         check_model(wider)
+    sparse = LatentToy()
+    sparse.spec = sparse.spec.replace(kv_layers=(*sparse.spec.kv_layers[:2],
+                                                 IndexedSparse(RANK, ROPE, INDEX_DIM, INDEX_TOPK + 1)))
+    with pytest.raises(ValueError, match=f"index_head_dim {INDEX_DIM}, index_topk {INDEX_TOPK}, but the model's "
+                                         f"ModelSpec declares {INDEX_DIM}, {INDEX_TOPK + 1}"):
+        check_model(sparse)
 
 
 def test_sparse_layers_select_and_equal_mla_when_the_selection_holds_the_context():
