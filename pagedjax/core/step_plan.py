@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedjax.core.images import ImageInput, ImageSegment, step_segments
 from pagedjax.core.request import Request
 
 _EMPTY_I32 = np.zeros((0,), np.int32)
@@ -50,6 +51,11 @@ class StepPlan:
     num_drafts: np.ndarray | None = None
     # Several decode steps in one device call (every sequence a decode; see `FusedDecode`); None for one step
     fused: FusedDecode | None = None
+    # Images (`pagedjax.core.images`): which step tokens take which rows of which image's features; the images
+    # whose features this step computes first (before it runs), and those the device may drop
+    image_segments: list[ImageSegment] = field(default_factory=list)
+    encode_images: list[ImageInput] = field(default_factory=list)
+    free_images: list[str] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -152,8 +158,11 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
     tokens: list[int] = []
     rows: list[Sequence[int]] = []
     drafts_list: list[int] = []
+    segments: list[ImageSegment] = []
     for r, k in order:
         s = r.num_computed_tokens
+        if r.images:
+            segments += step_segments(r.images, s, k, len(tokens))
         drafts = draft_token_ids.get(r.request_id, ()) if draft_token_ids else ()
         request_ids.append(r.request_id)
         q_list.append(k)
@@ -198,7 +207,7 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
         slot_mapping=slot_mapping, emits_token=kv_lens == np.array(known_list, np.int32),
         preempted_request_ids=list(preempted_request_ids), num_decodes=num_decodes,
         block_copies=np.array(block_copies, np.int32).reshape(-1, 2),
-        num_drafts=np.array(drafts_list, np.int32) if draft_token_ids else None)
+        num_drafts=np.array(drafts_list, np.int32) if draft_token_ids else None, image_segments=segments)
 
 
 def device_pop_step(block_tables: np.ndarray, seq_lens: np.ndarray, active: np.ndarray,
