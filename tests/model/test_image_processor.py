@@ -106,7 +106,8 @@ def test_token_id_prompts_expand_as_text(folders):
         from_ids = processor.expand_token_ids(tokenizer.encode(prompt))
         from_text = tokenizer.encode(processor.expand_prompt(prompt))
         assert from_ids != from_text and tokenizer.token_to_id(merged) in set(from_text) - set(from_ids)
-        assert len(processor.image_spans(from_ids)) == len(processor.image_spans(from_text)) == processor.count_images(prompt)
+        images = processor.count_images(prompt)
+        assert len(processor.image_spans(from_ids)) == len(processor.image_spans(from_text)) == images
 
 
 def test_image_spans_split_adjacent_images(folders):
