@@ -267,11 +267,13 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(command.done)
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """`add_request` and iterate its stream. Leaving the loop early aborts the request once the generator
         is closed: at once under `contextlib.aclosing(...)` or when the iterating task is cancelled, else when
         the generator is garbage-collected (Python closes async generators lazily)."""
-        async with await self.add_request(prompt_token_ids, params, request_id=request_id) as stream:
+        async with await self.add_request(prompt_token_ids, params, request_id=request_id,
+                                          lora_request=lora_request) as stream:
             async for out in stream:
                 yield out
 
