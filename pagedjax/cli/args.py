@@ -157,6 +157,26 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
                    help="draft: the draft model's folder (as --model reads it), of the model's vocabulary")
 
 
+LORA_GROUP = "LoRA adapters"
+
+
+def add_lora_options(parser: argparse.ArgumentParser):
+    """The engine's LoRA options (`LLMEngine(enable_lora=True, max_loras=..., max_lora_rank=..., max_cpu_loras=...)`;
+    what `engine_setup.build_engine` reads); returns their argument group, for a front end's own LoRA options."""
+    g = parser.add_argument_group(LORA_GROUP, "serve PEFT LoRA adapters of the model, many per step "
+                                  "(docs/serving.md#lora-adapters)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (a built-in dense model on one device)")
+    g.add_argument("--max-loras", type=int_at_least(1), default=None, metavar="N",
+                   help="device slots for adapters: the most distinct adapters one step runs (default 4)")
+    g.add_argument("--max-lora-rank", type=int_at_least(1), default=None, metavar="R",
+                   help="every slot's rank: adapters of a higher rank are refused (default 16)")
+    g.add_argument("--max-cpu-loras", type=int_at_least(1), default=None, metavar="N",
+                   help="adapters kept in host memory, at least --max-loras (default: --max-loras); the least "
+                        "recently used one past it is read from its folder again when next needed")
+    return g
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog=PROG,

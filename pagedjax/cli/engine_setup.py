@@ -235,6 +235,9 @@ _SPECULATIVE_FLAGS = {"speculative_num_tokens": "num_speculative_tokens", "specu
                       "speculative_draft_model": "draft_model"}
 
 
+_LORA_FLAGS = {"max_loras": "--max-loras", "max_lora_rank": "--max-lora-rank", "max_cpu_loras": "--max-cpu-loras"}
+
+
 def speculative_config_of(args: argparse.Namespace):
     """The `SpeculativeConfig` of the --speculative-* flags (None without --speculative-method; CLIError for a
     --speculative-* flag given without it)."""
@@ -259,11 +262,12 @@ def speculative_config_of(args: argparse.Namespace):
 # does not fit the target): in a CLI message, the flag stands for the Python name.
 _SPECULATIVE_NAMES = {"SpeculativeConfig(method='draft')": "--speculative-method draft",
                       **{f"SpeculativeConfig.{field}": f"--{flag.replace('_', '-')}"
-                         for flag, field in _SPECULATIVE_FLAGS.items()}}
+                         for flag, field in _SPECULATIVE_FLAGS.items()},
+                      **{f"LoRAConfig.{field}": flag for field, flag in _LORA_FLAGS.items()}}
 
 
 def in_flags(message: str) -> str:
-    """An engine error's message with the speculative fields it names replaced by their flags."""
+    """An engine error's message with the speculative and LoRA fields it names replaced by their flags."""
     for name, flag in _SPECULATIVE_NAMES.items():
         message = message.replace(name, flag)
     return message
@@ -279,6 +283,18 @@ def sampling_defaults_of(args: argparse.Namespace):
     if getattr(args, "model_class", None) is not None and args.model is None:
         return SamplingDefaults()
     return folder_sampling_defaults(args.model)
+
+
+def lora_engine_args(args: argparse.Namespace) -> dict:
+    """`LLMEngine`'s LoRA keywords from `add_lora_options`' flags ({} for a front end without them, or without
+    --enable-lora); CLIError for a --max-*lora* flag given without --enable-lora."""
+    if not getattr(args, "enable_lora", False):
+        given = [flag for name, flag in _LORA_FLAGS.items() if getattr(args, name, None) is not None]
+        if given:
+            raise CLIError(f"{given[0]} needs --enable-lora")
+        return {}
+    return {"enable_lora": True, **{name: getattr(args, name) for name in _LORA_FLAGS
+                                    if getattr(args, name) is not None}}
 
 
 def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool | str = True,
@@ -308,6 +324,7 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
             max_model_len=args.max_model_len)
         speculative_config = speculative_config_of(args)
         sampling_defaults = sampling_defaults_of(args)
+        lora = lora_engine_args(args)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
     check_kv_pool_fits(cache_config, loaded.spec, jax.local_devices()[0], tp)
@@ -320,7 +337,7 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
                              # Warmed-up programs stand in while a step's own compiles (the server's way): no
                              # stream stalls on a compile; without warm-up, each step waits for its own program.
                              compile_in_background=args.warmup, speculative_config=speculative_config,
-                             structured_limits=structured_limits, sampling_defaults=sampling_defaults)
+                             structured_limits=structured_limits, sampling_defaults=sampling_defaults, **lora)
         if args.warmup:
             engine.warmup()
         return engine

@@ -42,7 +42,10 @@ def read_adapter_config(path: Path, max_rank: int) -> dict:
     file = path / CONFIG_FILE
     if not file.is_file():
         raise ValueError(f"LoRA adapter {str(path)!r}: no {CONFIG_FILE} (a PEFT adapter folder holds it)")
-    cfg = json.loads(file.read_text())
+    try:
+        cfg = json.loads(file.read_bytes())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"LoRA adapter {str(path)!r}: {CONFIG_FILE} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"LoRA adapter {str(path)!r}: {CONFIG_FILE} is not a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -96,6 +99,7 @@ def _targeted(path: str, entries: tuple[str, ...]) -> bool:
 def load_peft_adapter(path, lora_name: str, lora_int_id: int, model_config: ModelConfig,
                       max_rank: int) -> LoRAAdapter:
     """The PEFT adapter in folder `path` for a model of `model_config`, checked (see the module's docstring)."""
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     path = Path(path)
@@ -106,7 +110,11 @@ def load_peft_adapter(path, lora_name: str, lora_int_id: int, model_config: Mode
         found = "adapter_model.bin (a torch pickle: save it with safe_serialization=True)" if (
             path / "adapter_model.bin").is_file() else "nothing"
         raise ValueError(f"LoRA adapter {str(path)!r}: no {WEIGHTS_FILE} (found {found})")
-    tensors = load_file(str(path / WEIGHTS_FILE))
+    try:
+        tensors = load_file(str(path / WEIGHTS_FILE))
+    except SafetensorError as e:  # a truncated or corrupt file (not a ValueError: the Rust library's own type)
+        raise ValueError(f"LoRA adapter {str(path)!r}: {WEIGHTS_FILE} is not a valid safetensors file: {e}") \
+            from None
     shapes = target_shapes(model_config)
     r = cfg["r"]
     halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}

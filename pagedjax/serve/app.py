@@ -6,7 +6,8 @@
 |---|---|
 | `POST /v1/completions` | a prompt (text or token ids) -> text; `stream: true` for server-sent events |
 | `POST /v1/chat/completions` | messages, through the chat template -> the assistant's reply |
-| `GET /v1/models`, `GET /v1/models/{id}` | the served model and what runs it (`engine.summary`) |
+| `GET /v1/models`, `GET /v1/models/{id}` | the served model, what runs it (`engine.summary`), its LoRA adapters |
+| `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` | adapters at runtime, when enabled (`serve.lora`) |
 | `GET /health` | 200 while the engine takes requests, 503 otherwise |
 | `GET /metrics` | Prometheus text (see `pagedjax.serve.metrics`) |
 
@@ -28,11 +29,11 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
@@ -42,14 +43,17 @@ from pagedjax.serve.async_engine import AsyncLLMEngine
 from pagedjax.serve.chat_template import ChatTemplate
 from pagedjax.serve.disconnect import ClientDisconnected, EventStreamResponse, until_disconnect
 from pagedjax.serve.errors import APIError, bad_request, error_body, install_error_handlers, validation_message
+from pagedjax.serve.lora import RuntimeLoRAUpdates, ServedAdapters
 from pagedjax.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pagedjax.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    UnloadLoRAAdapterRequest,
 )
 from pagedjax.serve.serving import OpenAIServing
 from pagedjax.structured_output.isolation import CompileGuardConfig
@@ -109,6 +113,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 # event loop would stall every stream and /health as long; off it, the loop waits for the GIL a few ms at a time.
 PARSE_ON_LOOP_BYTES = 64 * 2**10
 DEFAULT_BODY_TIMEOUT_S = 30.0
+LORA_REQUEST_BYTES = 64 * 2**10  # a load or unload request: a name and a path
 
 
 def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTemplate | None = None,
@@ -118,7 +123,9 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
               body_timeout: float = DEFAULT_BODY_TIMEOUT_S, structured_limits: StructuredLimits = DEFAULT_LIMITS,
               compile_config: CompileGuardConfig | None = None,
               max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
-              max_parallel_tool_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS) -> FastAPI:
+              max_parallel_tool_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+              lora_modules: Mapping[str, str] | None = None,
+              lora_updates: RuntimeLoRAUpdates | None = None) -> FastAPI:
     """The server's app over `engine` (started on startup, stopped on shutdown, after letting requests in
     flight finish for `shutdown_timeout` seconds). `api_key`, `allowed_origins`, `allowed_hosts`, `docs`: see
     the module docstring. A body over `max_request_bytes` is refused (413) as soon as it is known to be, before
@@ -127,12 +134,20 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     on the event loop, after a prompt too large to fit and a chat of more than `max_chat_messages` messages are
     refused by their size. Output constraints are checked against `structured_limits`, then compiled in a
     grammar pool of their own, each new one test-compiled in a worker process first (`compile_config`; see
-    `OpenAIServing`). A forced tool choice makes at most `max_parallel_tool_calls` calls (`pagedjax.serve.tools`)."""
+    `OpenAIServing`). A forced tool choice makes at most `max_parallel_tool_calls` calls (`pagedjax.serve.tools`).
+    An engine with LoRA enabled serves the adapters `lora_modules` (name -> PEFT folder, registered now: ValueError
+    naming a bad one) by name, and with `lora_updates` loads and unloads adapters at runtime (`pagedjax.serve.lora`;
+    without it those routes answer 404)."""
     check_key = _api_key_check(api_key)
+    adapters = ServedAdapters(engine, base_name=model_name, modules=lora_modules, runtime=lora_updates)
+    if lora_updates is not None and api_key is None:
+        logger.warning("runtime LoRA updates are on without an API key: any client that reaches the server may load "
+                       "adapters from %s", lora_updates.root)
     metrics = ServerMetrics(engine.stats, lambda: engine.num_pending, engine.step_durations)
     serving = OpenAIServing(engine, model_name=model_name, chat_template=chat_template or ChatTemplate.from_model(None),
                             metrics=metrics, structured_limits=structured_limits, compile_config=compile_config,
-                            max_chat_messages=max_chat_messages, max_parallel_tool_calls=max_parallel_tool_calls)
+                            max_chat_messages=max_chat_messages, max_parallel_tool_calls=max_parallel_tool_calls,
+                            adapters=adapters)
 
     summary = summarize(engine.engine)
 
@@ -156,6 +171,8 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     # here, resolved in the module's globals)
     completion_body = json_body(CompletionRequest, max_request_bytes, body_timeout)
     chat_body = json_body(ChatCompletionRequest, max_request_bytes, body_timeout)
+    load_body = json_body(LoadLoRAAdapterRequest, LORA_REQUEST_BYTES, body_timeout)
+    unload_body = json_body(UnloadLoRAAdapterRequest, LORA_REQUEST_BYTES, body_timeout)
     protected = APIRouter(dependencies=[Depends(check_key)])
 
     @app.get("/health")
@@ -168,17 +185,38 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    def card() -> ModelCard:
-        return ModelCard(id=model_name, created=created, max_model_len=serving.max_model_len, **summary.as_dict())
+    def card(model_id: str = model_name) -> ModelCard:
+        """The base model's card, or an adapter's (its `parent` the base model, its `root` its folder as
+        `ServedAdapters` shows it)."""
+        adapter = next((a for a in adapters.served() if a.request.lora_name == model_id), None)
+        lineage = {"root": model_name} if adapter is None else {"root": adapter.root, "parent": model_name}
+        return ModelCard(id=model_id, created=created, max_model_len=serving.max_model_len, **lineage,
+                         **summary.as_dict())
 
     @protected.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(), *(card(a.request.lora_name) for a in adapters.served())])
 
     @protected.get("/v1/models/{model_id:path}", response_model=ModelCard)
     async def get_model(model_id: str) -> ModelCard:
         serving.check_model(model_id)
-        return card()
+        return card(model_id)
+
+    # The body is read after the check that the routes are on: a server without them says so, whatever it got.
+    @protected.post("/v1/load_lora_adapter", openapi_extra=_body_schema(LoadLoRAAdapterRequest))
+    async def load_lora_adapter(request: Request) -> Response:
+        adapters.check_runtime()
+        body = await load_body(request)
+        await adapters.load(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @protected.post("/v1/unload_lora_adapter", openapi_extra=_body_schema(UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(request: Request) -> Response:
+        adapters.check_runtime()
+        body = await unload_body(request)
+        removed = await adapters.unload(body.lora_name)
+        later = "" if removed else " Requests already running under it finish under it."
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.{later}")
 
     @protected.post("/v1/completions", response_model=CompletionResponse,
                     openapi_extra=_body_schema(CompletionRequest))

@@ -21,6 +21,12 @@ its blocks before its next step.
 Failures: a request the engine finished with finish_reason "error" comes out like any other finished output
 (`RequestOutput.error` says why). If `step()` itself raises, every request in flight is aborted and its stream
 raises `EngineStepError`; the engine keeps serving new requests.
+
+LoRA adapters (an engine with `enable_lora=True`): `add_request(..., lora_request=...)` runs a request under an
+adapter; `add_lora` registers one and `remove_lora` forgets one, both on the engine thread. An adapter that
+unfinished requests still use is never removed under them: `remove_lora` then retires it, and the engine thread
+removes it after the step in which the last of them finished (the caller stops sending new requests for it
+first).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from dataclasses import dataclass
 
 from pagedjax.engine import EngineStats, LLMEngine
 from pagedjax.outputs import RequestOutput
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import LoRARequest, SamplingParams
 from pagedjax.serve.metrics import DurationHistogram
 
 logger = logging.getLogger(__name__)
@@ -60,6 +66,19 @@ class _Add:
     stream: RequestStream
     prompt_token_ids: list[int]
     params: SamplingParams
+    done: concurrent.futures.Future
+    lora_request: LoRARequest | None = None
+
+
+@dataclass(frozen=True)
+class _AddLoRA:
+    lora_request: LoRARequest
+    done: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _RemoveLoRA:
+    lora_int_id: int
     done: concurrent.futures.Future
 
 
@@ -170,6 +189,7 @@ class AsyncLLMEngine:
         self._accepting = True
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None  # the engine thread ended on this unexpected error
+        self._retiring: set[int] = set()  # engine thread: LoRA ids to remove once no request uses them
         self._stats: EngineStats = engine.stats()
         self.step_durations = DurationHistogram()  # of every `step()` call (the engine thread's)
 
@@ -198,16 +218,19 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
         self._thread.start()
 
-    async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                          request_id: str | None = None) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it. Raises what `LLMEngine.add_request`
-        raises for a bad request (TypeError / ValueError, nothing queued), QueueFullError at `max_pending`, and
-        EngineStoppedError while shutting down."""
+    def _check_accepting(self) -> None:
         if not self.accepting:
             raise EngineStoppedError("the engine is shutting down" if self._dead is None
                                      else f"the engine thread died: {self._dead!r}")
         if self._thread is None:
             raise EngineStoppedError("the engine is not started: call start()")
+
+    async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                          request_id: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue a request (under `lora_request`'s adapter, or the base model); returns its stream once the engine
+        accepted it. Raises what `LLMEngine.add_request` raises for a bad request (TypeError / ValueError, nothing
+        queued), QueueFullError at `max_pending`, and EngineStoppedError while shutting down."""
+        self._check_accepting()
         if self.max_pending is not None and self._num_pending >= self.max_pending:
             raise QueueFullError(f"{self._num_pending} requests are already queued or running "
                                  f"(the limit is {self.max_pending}); retry later")
@@ -215,7 +238,7 @@ class AsyncLLMEngine:
         self._num_pending += 1
         self._idle.clear()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self.send(_Add(stream, list(prompt_token_ids), params, done))
+        self.send(_Add(stream, list(prompt_token_ids), params, done, lora_request))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:  # the caller left while the engine was busy: undo the add
@@ -227,12 +250,30 @@ class AsyncLLMEngine:
             raise
         return stream
 
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Register an adapter on the engine thread (`LLMEngine.add_lora`: its folder read and checked there);
+        raises what that raises (ValueError for a bad adapter) and EngineStoppedError while shutting down."""
+        await self._engine_call(_AddLoRA(lora_request, concurrent.futures.Future()))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget adapter `lora_int_id` on the engine thread: at once when no unfinished request uses it (True),
+        else after the step in which the last of them finished (False: retired; the caller must not start new
+        requests under it). ValueError for an id the engine does not hold."""
+        return await self._engine_call(_RemoveLoRA(lora_int_id, concurrent.futures.Future()))
+
+    async def _engine_call(self, command):
+        self._check_accepting()
+        self.send(command)
+        return await asyncio.wrap_future(command.done)
+
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """`add_request` and iterate its stream. Leaving the loop early aborts the request once the generator
         is closed: at once under `contextlib.aclosing(...)` or when the iterating task is cancelled, else when
         the generator is garbage-collected (Python closes async generators lazily)."""
-        async with await self.add_request(prompt_token_ids, params, request_id=request_id) as stream:
+        async with await self.add_request(prompt_token_ids, params, request_id=request_id,
+                                          lora_request=lora_request) as stream:
             async for out in stream:
                 yield out
 
@@ -297,6 +338,8 @@ class AsyncLLMEngine:
                         return
                     self._apply(command)
                 self._publish(self._step() if self.engine.has_unfinished_requests() else [])
+                if self._retiring:
+                    self._retire()
         except BaseException as e:  # a bug outside step(): fail everything, take no more requests
             logger.exception("the engine thread died")
             self._dead = e
@@ -310,17 +353,54 @@ class AsyncLLMEngine:
             if self._streams.pop(command.request_id, None) is not None:
                 self.engine.abort(command.request_id)
             return
+        if isinstance(command, _AddLoRA | _RemoveLoRA):
+            self._apply_lora(command)
+            return
         stream = command.stream
         if stream.finished:  # aborted before the engine got to it
             command.done.cancel()
             return
         try:
-            self.engine.add_request(stream.request_id, command.prompt_token_ids, command.params)
+            self.engine.add_request(stream.request_id, command.prompt_token_ids, command.params,
+                                    **({} if command.lora_request is None else {"lora_request": command.lora_request}))
         except Exception as e:  # noqa: BLE001 - the caller's to handle (a bad request)
             command.done.set_exception(e)
             return
         self._streams[stream.request_id] = stream
         command.done.set_result(None)
+
+    def _apply_lora(self, command: _AddLoRA | _RemoveLoRA) -> None:
+        try:
+            if isinstance(command, _AddLoRA):
+                self.engine.add_lora(command.lora_request)
+                command.done.set_result(None)
+                return
+            i = command.lora_int_id
+            if not any(r.lora_int_id == i for r in self.engine.list_loras()):
+                raise ValueError(f"LoRA adapter {i} is not registered")
+            removed = self._try_remove_lora(i)
+            if not removed:
+                self._retiring.add(i)
+                logger.info("LoRA adapter %d retired: removed once the requests using it finish", i)
+            command.done.set_result(removed)
+        except Exception as e:  # noqa: BLE001 - the caller's to report (a bad adapter, an unknown id)
+            command.done.set_exception(e)
+
+    def _try_remove_lora(self, lora_int_id: int) -> bool:
+        """Remove registered adapter `lora_int_id` unless an unfinished request runs under it (False then:
+        `LLMEngine.remove_lora` refuses)."""
+        try:
+            self.engine.remove_lora(lora_int_id)
+        except ValueError:
+            return False
+        return True
+
+    def _retire(self) -> None:
+        """Remove the retired adapters that no unfinished request uses any more."""
+        for i in sorted(self._retiring):
+            if self._try_remove_lora(i):
+                self._retiring.discard(i)
+                logger.info("LoRA adapter %d removed: the last request using it finished", i)
 
     def _publish(self, items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
         """Take the statistics snapshot, then hand the items to their streams' event loops: whoever sees an

@@ -2,11 +2,14 @@
 
     pagedjax-serve                                   # the bundled model on http://127.0.0.1:8000
     pagedjax-serve --model path/to/hf-folder --port 8001 --kv-memory 1GiB --api-key-file key.txt
+    pagedjax-serve --model path/to/llama --enable-lora --lora-modules sql=path/to/sql-adapter   # LoRA adapters
 
 The model and engine options are `pagedjax-generate`'s own (`--model`, `--dtype`, `--backend`, `--block-size`,
 `--num-blocks` / `--kv-memory`, `--decode-steps-per-call`, `--max-num-seqs`, ...: added by the same function,
 `pagedjax.cli.args.add_engine_options`), and the model and engine are built by the same code
-(`pagedjax.cli.engine_setup`).
+(`pagedjax.cli.engine_setup`). The engine's LoRA options (`--enable-lora`, `--max-loras`, `--max-lora-rank`,
+`--max-cpu-loras`) are `pagedjax.cli.args.add_lora_options`', read by the same code; the server adds its own
+beside them (`--lora-modules`, runtime loading: `pagedjax.serve.lora`).
 
 SIGINT / SIGTERM shut down gracefully: stop accepting connections, let requests in flight finish for up to
 `--shutdown-timeout` seconds, abort the rest, exit 0. A second SIGINT exits at once. Exit status 2 for a usage
@@ -20,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import json
 import logging
 import os
 import signal
@@ -108,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the most calls of one choice with tool_choice \"required\" and parallel_tool_calls (the "
                         "grammar ends the text there)")
     _add_structured_options(p)
+    _add_lora_options(p)
     # A server admits new requests between device calls: a fused decode of N steps would hold a new request's
     # prefill (its first token) back by up to N decode steps, so here one step per call is the default.
     # Warm-up: a request's new parameters (log-probabilities, penalties, a batch size not seen yet) never stall
@@ -137,6 +142,78 @@ def _add_structured_options(p: argparse.ArgumentParser) -> None:
                    help="address space of a grammar worker (e.g. 2GiB; 0: no limit); a compile past it is a 400")
     g.add_argument("--max-queued-compiles", type=generate_args.int_at_least(1), default=default.max_queued,
                    metavar="N", help="grammar compiles waiting or running at once; more get 503")
+
+
+def lora_module(text: str) -> tuple[str, str, str | None]:
+    """A --lora-modules value: NAME=PATH, or vLLM's JSON form {"name": ..., "path": ...} (its "base_model_name",
+    if given, is checked against the served model's name when the server starts)."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {e}") from None
+        extra = set(spec) - {"name", "path", "base_model_name"} if isinstance(spec, dict) else set()
+        if not isinstance(spec, dict) or extra or not all(isinstance(spec.get(k), str) and spec[k]
+                                                          for k in ("name", "path")):
+            raise argparse.ArgumentTypeError(f"{text!r}: the JSON form is {{\"name\": ..., \"path\": ...}} (and "
+                                             "optionally \"base_model_name\")")
+        return spec["name"], spec["path"], spec.get("base_model_name")
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path, None
+
+
+def _add_lora_options(p: argparse.ArgumentParser) -> None:
+    g = generate_args.add_lora_options(p)  # the engine's: --enable-lora, --max-loras, ...
+    g.add_argument("--lora-modules", type=lora_module, nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   help="serve the PEFT adapter folder PATH as the model NAME (repeatable, none by default; needs "
+                        "--enable-lora; also vLLM's JSON form '{\"name\": NAME, \"path\": PATH}'); a request's "
+                        "\"model\" picks the base model or an adapter")
+    g.add_argument("--enable-runtime-lora-updates", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --lora-root; behind "
+                        "the API key when there is one); without it they answer 404")
+    g.add_argument("--lora-root", type=Path, default=None, metavar="DIR",
+                   help="the only folder runtime loads may read adapters from: paths are taken relative to it, and "
+                        "'..', absolute paths elsewhere and symbolic links out of it are refused")
+    g.add_argument("--max-lora-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="the largest adapter_model.safetensors a runtime load reads (e.g. 256MiB; default: 1 GiB); "
+                        "a larger one gets 413 before it is read")
+
+
+def lora_setup(args: argparse.Namespace, model_name: str):
+    """(the --lora-modules by name, the RuntimeLoRAUpdates or None) of the parsed flags; CLIError for flags that
+    need another one, a duplicate or reserved name, or a --lora-root that is not a folder."""
+    from pagedjax.serve.lora import DEFAULT_MAX_LORA_BYTES, RuntimeLoRAUpdates
+
+    if not args.enable_lora:
+        for given, flag in ((args.lora_modules, "--lora-modules"),
+                            (args.enable_runtime_lora_updates, "--enable-runtime-lora-updates")):
+            if given:
+                raise CLIError(f"{flag} needs --enable-lora")
+    if not args.enable_runtime_lora_updates:
+        for given, flag in ((args.lora_root, "--lora-root"), (args.max_lora_bytes, "--max-lora-bytes")):
+            if given is not None:
+                raise CLIError(f"{flag} applies to runtime loading: add --enable-runtime-lora-updates")
+    modules: dict[str, str] = {}
+    for name, path, base in args.lora_modules:
+        if name in modules:
+            raise CLIError(f"--lora-modules: the name {name!r} is given twice")
+        if name == model_name:
+            raise CLIError(f"--lora-modules: {name!r} is the served model's name; give the adapter another one")
+        if base is not None and base != model_name:
+            raise CLIError(f"--lora-modules {name}: base_model_name {base!r} is not the served model "
+                           f"{model_name!r}")
+        modules[name] = path
+    if not args.enable_runtime_lora_updates:
+        return modules, None
+    if args.lora_root is None:
+        raise CLIError("--enable-runtime-lora-updates needs --lora-root DIR: the folder adapters may be loaded from")
+    try:
+        updates = RuntimeLoRAUpdates(args.lora_root, args.max_lora_bytes or DEFAULT_MAX_LORA_BYTES)
+    except ValueError as e:
+        raise CLIError(f"--lora-root: {e}") from None
+    return modules, updates
 
 
 def structured_config(args: argparse.Namespace):
@@ -247,6 +324,8 @@ def serve(args: argparse.Namespace) -> int:
     from pagedjax.serve.head_timeout import head_timeout_protocol
 
     limits, compile_config = structured_config(args)
+    name = args.served_model_name or args.model or args.model_class or BUNDLED_MODEL_NAME
+    lora_modules, lora_updates = lora_setup(args, name)
     with compile_cache(args) as cache:
         # The engine checks every constraint against the server's limits too (its Python API is guarded alike).
         engine = build_engine(args, load_model_for_cli(args), compile_cache=cache.engine_arg, structured_limits=limits)
@@ -256,13 +335,17 @@ def serve(args: argparse.Namespace) -> int:
             template = ChatTemplate.from_model(folder, args.chat_template)
         except (OSError, ModelLoadError) as e:
             raise CLIError(f"cannot read the chat template: {e}") from None
-        name = args.served_model_name or args.model or args.model_class or BUNDLED_MODEL_NAME
         async_engine = AsyncLLMEngine(engine, max_pending=args.max_num_seqs + args.max_queue)
-        app = build_app(async_engine, model_name=name, structured_limits=limits, compile_config=compile_config,
-                        max_chat_messages=args.max_chat_messages, max_parallel_tool_calls=args.max_parallel_tool_calls,
-                        chat_template=template, api_key=api_key(args), allowed_origins=args.allowed_origin,
-                        allowed_hosts=allowed_hosts(args), docs=args.enable_docs, body_timeout=args.body_timeout,
-                        **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
+        try:  # registers the --lora-modules (each folder read and checked)
+            app = build_app(async_engine, model_name=name, structured_limits=limits, compile_config=compile_config,
+                            max_chat_messages=args.max_chat_messages,
+                            max_parallel_tool_calls=args.max_parallel_tool_calls, chat_template=template,
+                            api_key=api_key(args), allowed_origins=args.allowed_origin,
+                            allowed_hosts=allowed_hosts(args), docs=args.enable_docs, body_timeout=args.body_timeout,
+                            lora_modules=lora_modules, lora_updates=lora_updates,
+                            **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
+        except ValueError as e:
+            raise CLIError(str(e)) from None
         # uvicorn waits for the connections a little past the drain: by then every request got its answer
         # (finished, or an error), so it never has to cancel one mid-response.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -288,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--model: no such file or directory: {args.model}")
     if args.chat_template is not None and not args.chat_template.is_file():
         parser.error(f"--chat-template: no such file: {args.chat_template}")
+    for name, path, _ in args.lora_modules:  # before the model loads: the common mistake, said at once
+        if not Path(path).is_dir():
+            parser.error(f"--lora-modules {name}={path}: no such folder")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
     try:

@@ -4,10 +4,17 @@
                              the context length (code `context_length_exceeded`, before tokenizing when its size
                              shows it); a parameter not supported yet; an output constraint over a limit (code
                              `structured_output_limit`) or that the grammar library refused, crashed on or took
-                             too long to compile
+                             too long to compile; a LoRA adapter the loader refuses (`invalid_lora_adapter`), a
+                             name taken (`lora_adapter_exists`) or not allowed (`invalid_lora_name`)
   401 authentication_error   `--api-key` is set and `Authorization: Bearer <key>` is missing or wrong
                              (code `invalid_api_key`)
-  404 invalid_request_error  an unknown model (code `model_not_found`) or path
+  403 permission_error       a LoRA `lora_path` that may leave the server's LoRA root (`lora_path_not_allowed`);
+                             a cross-site request (`origin_not_allowed`, `host_not_allowed`)
+  404 invalid_request_error  an unknown model (code `model_not_found`) or path; runtime LoRA updates off
+                             (`lora_updates_disabled`); no such adapter folder or served adapter
+                             (`lora_adapter_not_found`)
+  413 invalid_request_error  a body over `--max-request-bytes` (`request_too_large`); an adapter file over its limit
+                             (`lora_adapter_too_large`)
   500 server_error           the engine failed the request (code `engine_error`)
   503 server_error           the queue is full (`--max-queue`, code `queue_full`), too many grammar compiles wait
                              (`--max-queued-compiles`, code `grammar_compiles_full`) or none got a worker in

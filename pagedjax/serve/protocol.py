@@ -283,6 +283,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "pagedjax"
+    # vLLM's: a LoRA adapter's `parent` is the base model's id and its `root` its folder, relative to the server's
+    # LoRA root (else the folder's name: never an absolute server path); the base model's `root` is its id.
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
     # What the engine runs (`pagedjax.engine.summary.EngineSummary.as_dict`): compute dtype, weight storage,
     # parameters by storage type, KV cache dtype, speculative method, tp/dp, sampling defaults.
@@ -301,6 +305,20 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """`POST /v1/load_lora_adapter` (vLLM's): serve the PEFT folder `lora_path` (under the server's LoRA root) as
+    the model `lora_name`."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """`POST /v1/unload_lora_adapter` (vLLM's): stop serving adapter `lora_name`."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class ErrorInfo(BaseModel):

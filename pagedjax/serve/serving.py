@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import LoRARequest, SamplingParams
 from pagedjax.serve.admission import (
     DEFAULT_MAX_CHAT_MESSAGES,
     DEFAULT_MAX_PARALLEL_TOOL_CALLS,
@@ -35,6 +35,7 @@ from pagedjax.serve.chat_template import ChatTemplate, ChatTemplateError
 from pagedjax.serve.choices import ChoiceTracker, RequestFailed
 from pagedjax.serve.errors import APIError, bad_request, error_body
 from pagedjax.serve.logprobs import TextOffsets, chat_logprobs, completion_logprobs
+from pagedjax.serve.lora import ServedAdapters
 from pagedjax.serve.metrics import RequestTimer, ServerMetrics
 from pagedjax.serve.protocol import (
     ChatChoice,
@@ -85,6 +86,7 @@ class Prepared:
     """A validated request, ready for the engine."""
 
     request_id: str
+    model: str  # as the request named it: the base model or a LoRA adapter (`ServedAdapters`)
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool
@@ -124,12 +126,15 @@ class OpenAIServing:
                  metrics: ServerMetrics, structured_limits: StructuredLimits = DEFAULT_LIMITS,
                  compile_config: CompileGuardConfig | None = None,
                  max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
-                 max_parallel_tool_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS):
+                 max_parallel_tool_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+                 adapters: ServedAdapters | None = None):
         if engine.engine.tokenizer is None:
             raise ValueError("pagedjax-serve needs an engine with a tokenizer (text in, text out)")
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.model_name = model_name
+        # The LoRA adapters a request's `model` may name besides the base model (none by default).
+        self.adapters = adapters if adapters is not None else ServedAdapters(engine, base_name=model_name)
         self.chat_template = chat_template
         self.metrics = metrics
         # What one request can hold: max_model_len, or less when the KV pool is smaller (a default max_tokens is
@@ -157,10 +162,9 @@ class OpenAIServing:
         self.guard.close()
 
     # ---------------------------------------------------------------------------------------------- prepare
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); 404 naming the field for a model not served."""
+        return self.adapters.lookup(model)
 
     def _max_tokens(self, requested: int | None, default: int | None, num_prompt: int, what: str) -> int:
         limit = self.max_model_len
@@ -203,7 +207,7 @@ class OpenAIServing:
                 check_structured(structured[0], self.structured_limits)
             except LimitError as e:
                 raise bad_request(f"{structured[1]}: {e}", structured[1], "structured_output_limit") from None
-        return Prepared(request_id=random_request_id(prefix), prompt_token_ids=prompt_token_ids,
+        return Prepared(request_id=random_request_id(prefix), model=request.model, prompt_token_ids=prompt_token_ids,
                         params=params, stream=request.stream,
                         include_usage=bool(request.stream_options and request.stream_options.include_usage),
                         created=int(time.time()), structured_field=None if structured is None else structured[1],
@@ -286,10 +290,13 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------------------ engine
     async def start(self, prepared: Prepared) -> RequestStream:
-        """Hand the request to the engine (400 for what the engine refuses, 503 when it cannot take more)."""
+        """Hand the request to the engine (400 for what the engine refuses, 503 when it cannot take more; 404
+        for an adapter unloaded since the request was prepared). The adapter is looked up and the request sent to
+        the engine thread in one step of the event loop: an unload never comes between them."""
+        lora = self.check_model(prepared.model)
         try:
             return await self.engine.add_request(prepared.prompt_token_ids, prepared.params,
-                                                 request_id=prepared.request_id)
+                                                 request_id=prepared.request_id, lora_request=lora)
         except (TypeError, ValueError) as e:
             message = str(e).replace(f"request {prepared.request_id!r}: ", "")
             if message.startswith("SamplingParams.structured"):  # the constraint did not compile
@@ -344,7 +351,7 @@ class OpenAIServing:
         choices = [CompletionChoice(index=i, text=text, finish_reason=reason,
                                     logprobs=None if lps is None else completion_logprobs(tok, lps))
                    for i, text, reason, lps in tracker.final_choices()]
-        return CompletionResponse(id=prepared.request_id, created=prepared.created, model=self.model_name,
+        return CompletionResponse(id=prepared.request_id, created=prepared.created, model=prepared.model,
                                   choices=choices, usage=self._usage(prepared, tracker))
 
     async def chat(self, prepared: Prepared, stream: RequestStream) -> ChatCompletionResponse:
@@ -359,12 +366,12 @@ class OpenAIServing:
                 reason = finish_reason(reason, bool(calls))
             choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
                                       logprobs=None if lps is None else chat_logprobs(tok, lps)))
-        return ChatCompletionResponse(id=prepared.request_id, created=prepared.created, model=self.model_name,
+        return ChatCompletionResponse(id=prepared.request_id, created=prepared.created, model=prepared.model,
                                       choices=choices, usage=self._usage(prepared, tracker))
 
     async def completion_events(self, prepared: Prepared, stream: RequestStream) -> AsyncIterator[str]:
         def chunk(choices, usage=None):
-            return CompletionChunk(id=prepared.request_id, created=prepared.created, model=self.model_name,
+            return CompletionChunk(id=prepared.request_id, created=prepared.created, model=prepared.model,
                                    choices=choices, usage=usage)
 
         offsets: dict[int, TextOffsets] = {}  # per choice: where its next token starts in its text
@@ -381,7 +388,7 @@ class OpenAIServing:
 
     async def chat_events(self, prepared: Prepared, stream: RequestStream) -> AsyncIterator[str]:
         def chunk(choices, usage=None):
-            return ChatCompletionChunk(id=prepared.request_id, created=prepared.created, model=self.model_name,
+            return ChatCompletionChunk(id=prepared.request_id, created=prepared.created, model=prepared.model,
                                        choices=choices, usage=usage)
 
         parsers: dict[int, ToolCallParser] = {}  # per choice, when the request offers tools

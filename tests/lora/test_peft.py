@@ -142,3 +142,14 @@ def test_missing_files_are_named(tmp_path):
     (folder / "adapter_model.safetensors").rename(folder / "adapter_model.bin")
     with pytest.raises(ValueError, match="torch pickle"):
         load(folder)
+
+
+def test_unreadable_files_are_named(tmp_path):
+    folder = write_adapter(tmp_path / "a", CFG, rank=4, seed=0)
+    (folder / "adapter_config.json").write_bytes(b'{"r": 4, \xff')
+    with pytest.raises(ValueError, match="adapter_config.json is not valid JSON"):
+        load(folder)
+    folder = write_adapter(tmp_path / "b", CFG, rank=4, seed=0)
+    (folder / "adapter_model.safetensors").write_bytes(b"not a safetensors file")  # safetensors' own error type
+    with pytest.raises(ValueError, match="adapter_model.safetensors is not a valid safetensors file"):
+        load(folder)

@@ -237,3 +237,31 @@ def test_step_durations_count_each_duration_in_its_bucket():
         h.observe(seconds)
     buckets, total = h.cumulative()
     assert buckets == [("0.01", 2), ("0.1", 4), ("+Inf", 6)] and total == pytest.approx(30.36)
+
+
+def test_lora_adapters_are_added_and_removed_on_the_engine_thread(tmp_path):
+    """(An adapter in use is retired and removed after its requests: tests/serve/test_lora_serving.py.)"""
+    from pagedjax import LoRARequest
+    from tests.lora.adapters import write_adapter
+    from tests.serve.server_utils import CFG
+
+    engine = AsyncLLMEngine(make_engine(enable_lora=True, max_loras=1, max_lora_rank=8))
+    folder = write_adapter(tmp_path / "a", CFG, rank=4, seed=0)
+
+    async def main():
+        await engine.add_lora(LoRARequest("a", 1, str(folder)))
+        assert [r.lora_name for r in engine.engine.list_loras()] == ["a"]
+        with pytest.raises(ValueError, match="LoRA adapter 2 is not registered"):
+            await engine.remove_lora(2)
+        assert await engine.remove_lora(1) is True  # no request uses it: removed at once
+        assert engine.engine.list_loras() == []
+        with pytest.raises(ValueError, match="no such folder"):
+            await engine.add_lora(LoRARequest("b", 3, str(tmp_path / "missing")))
+
+    with pytest.raises(EngineStoppedError, match="not started"):
+        asyncio.run(engine.add_lora(LoRARequest("a", 1, str(folder))))
+    engine.start()
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()

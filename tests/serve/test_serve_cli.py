@@ -3,6 +3,7 @@ SIGTERM lets the request in flight finish, then exits 0."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -231,3 +232,58 @@ def test_api_key_sources_and_an_empty_key(tmp_path, monkeypatch):
     assert allowed_hosts(build_parser().parse_args([])) == ["localhost", "127.0.0.1", "::1", "127.0.0.1"]
     assert allowed_hosts(build_parser().parse_args(["--host", "0.0.0.0"])) is None
     assert allowed_hosts(build_parser().parse_args(["--allowed-host", "llm.internal"])) == ["llm.internal"]
+
+
+def test_lora_options(tmp_path):
+    from pagedjax.cli.args import LORA_GROUP
+    from pagedjax.cli.engine_setup import lora_engine_args
+    from pagedjax.cli.errors import CLIError
+
+    assert {"--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--lora-modules",
+            "--enable-runtime-lora-updates", "--lora-root", "--max-lora-bytes"} <= _options(build_parser(), LORA_GROUP)
+    args = build_parser().parse_args(["--enable-lora", "--max-loras", "2", "--lora-modules", "a=x/a", "b=/y=z",
+                                      "--lora-modules", '{"name": "c", "path": "p", "base_model_name": "m"}'])
+    assert args.lora_modules == [("a", "x/a", None), ("b", "/y=z", None), ("c", "p", "m")]
+    assert lora_engine_args(args) == {"enable_lora": True, "max_loras": 2}
+    assert lora_engine_args(build_parser().parse_args([])) == {}
+    assert lora_engine_args(generate_parser().parse_args([])) == {}  # pagedjax-generate has no LoRA flags
+    with pytest.raises(CLIError, match="--max-lora-rank needs --enable-lora"):
+        lora_engine_args(build_parser().parse_args(["--max-lora-rank", "8"]))
+    for bad in ("noequals", "=path", "name=", '{"name": "c"}', '{"name": "c", "path": "p", "extra": 1}', "{bad"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--lora-modules", bad])
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--lora-modules", "a=/no/such/adapter"], "--lora-modules a=/no/such/adapter: no such folder"),
+    (["--lora-modules", "a=."], "--lora-modules needs --enable-lora"),
+    (["--enable-runtime-lora-updates"], "--enable-runtime-lora-updates needs --enable-lora"),
+    (["--enable-lora", "--enable-runtime-lora-updates"], "needs --lora-root DIR"),
+    (["--enable-lora", "--lora-root", "."], "--lora-root applies to runtime loading"),
+    (["--enable-lora", "--max-lora-bytes", "1MiB"], "--max-lora-bytes applies to runtime loading"),
+    (["--enable-lora", "--enable-runtime-lora-updates", "--lora-root", "/no/such/root"], "is not a folder"),
+    (["--enable-lora", "--lora-modules", "a=.", "a=."], "the name 'a' is given twice"),
+    (["--enable-lora", "--lora-modules", f"{BUNDLED_MODEL_NAME}=."], "is the served model's name"),
+    (["--enable-lora", "--lora-modules", '{"name": "a", "path": ".", "base_model_name": "other"}'],
+     "base_model_name 'other' is not the served model"),
+])
+def test_lora_flag_errors_stop_start_up(argv, says, capsys):
+    """Said in one line, exit status 2, before the model loads."""
+    with contextlib.suppress(SystemExit):
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "pagedjax-serve: error: " in err and says in err, err
+
+
+def test_a_bad_start_up_adapter_stops_start_up(tmp_path, capsys):
+    """An adapter that does not fit the model is refused by name when the server registers it: exit status 2."""
+    from tests.lora.adapters import write_adapter
+    from tests.serve.server_utils import CFG
+
+    folder = write_adapter(tmp_path / "other", CFG, rank=4, seed=0, targets=("q_proj",))  # another model's shapes
+    code = main(["--enable-lora", "--lora-modules", f"other={folder}", "--no-warmup", "--num-blocks", "8",
+                 "--block-size", "64", "--max-model-len", "256", "--log-level", "error"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"pagedjax-serve: error: LoRA module other={folder}: LoRA adapter '{folder}': tensor " in err, err
+    assert "has shape" in err and len(err.strip().splitlines()) == 1, err
