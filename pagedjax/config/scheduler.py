@@ -57,7 +57,8 @@ class SchedulerConfig:
 
     def resolve_images(self, tokens_per_image: int) -> SchedulerConfig:
         """This config with the image budgets filled in for a model whose images take `tokens_per_image` rows each;
-        ValueError if one image could never be encoded or kept."""
+        ValueError if one image could never be encoded or kept. The encoder cache holds `encoder_cache_tokens //
+        tokens_per_image` images."""
         step = self.max_num_encoder_tokens
         if step is None:
             step = max(self.max_num_batched_tokens, tokens_per_image)

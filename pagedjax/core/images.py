@@ -10,7 +10,7 @@ A vision-language model (`ModelSpec.images`) turns one image's pixels into `leng
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -59,20 +59,24 @@ def check_images(images: Sequence[ImageInput], prompt_len: int) -> None:
 
 class ImageSegment(NamedTuple):
     """Tokens [token, token + count) of a step (indices into its ragged token array) take feature rows
-    [row, row + count) of image `content_hash`, whose last placeholder sits at prompt position `last_position`."""
+    [row, row + count) of image `content_hash`, held in encoder cache slot `slot`; its last placeholder sits at
+    prompt position `last_position`."""
 
     content_hash: str
+    slot: int
     row: int
     token: int
     count: int
     last_position: int
 
 
-def step_segments(images: Sequence[ImageInput], start: int, count: int, first_token: int) -> list[ImageSegment]:
+def step_segments(images: Sequence[ImageInput], start: int, count: int, first_token: int,
+                  slot_of: Callable[[str], int]) -> list[ImageSegment]:
     """The segments of one sequence's `count` tokens from position `start`, laid out from step token
-    `first_token`."""
+    `first_token`; `slot_of` gives each image's encoder cache slot."""
     out = []
     for im in overlapping(images, start, start + count):
         lo, hi = max(im.offset, start), min(im.end, start + count)
-        out.append(ImageSegment(im.content_hash, lo - im.offset, first_token + lo - start, hi - lo, im.end - 1))
+        out.append(ImageSegment(im.content_hash, slot_of(im.content_hash), lo - im.offset, first_token + lo - start,
+                                hi - lo, im.end - 1))
     return out

@@ -106,14 +106,14 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, *,
-                 sliding_window: int | None = None, max_loras: int | None = None, images: bool = False,
+                 sliding_window: int | None = None, max_loras: int | None = None, images: int | None = None,
                  bidirectional_images: bool = False) -> None:
         """`sliding_window`: the model's `kv_window` (no layer reads positions older than p - window from
         position p; None when some layer attends globally): running requests release blocks that fell out of
         it after each step. `max_loras`: the most distinct adapters running requests may use (None: no limit;
-        see the module's docstring). `images`: requests may carry images (`scheduler_config`'s encoder budgets
-        resolved: `SchedulerConfig.resolve_images`), whose tokens attend to each other both ways where
-        `bidirectional_images`."""
+        see the module's docstring). `images`: requests may carry images of this many placeholder tokens each
+        (`scheduler_config`'s encoder budgets resolved: `SchedulerConfig.resolve_images`), whose tokens attend to each
+        other both ways where `bidirectional_images`."""
         if scheduler_config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len is None: resolve it first "
                              "(SchedulerConfig.resolve(max_position_embeddings))")
@@ -128,11 +128,12 @@ class Scheduler:
         self.groups: dict[str, SampleGroup] = {}  # multi-sample requests by the caller's id
         self.max_loras = max_loras
         self.encoder_cache: EncoderCacheManager | None = None
-        if images:
+        self.tokens_per_image = images
+        if images is not None:
             if scheduler_config.encoder_cache_tokens is None or scheduler_config.max_num_encoder_tokens is None:
                 raise ValueError("SchedulerConfig's image budgets are None: resolve them first "
                                  "(SchedulerConfig.resolve_images(tokens_per_image))")
-            self.encoder_cache = EncoderCacheManager(scheduler_config.encoder_cache_tokens)
+            self.encoder_cache = EncoderCacheManager(scheduler_config.encoder_cache_tokens // images)
         self.bidirectional_images = bidirectional_images
         self._step_encodes: list[ImageInput] = []  # images the step being planned encodes
         self.num_preemptions = 0
@@ -194,10 +195,9 @@ class Scheduler:
         check_images(request.images, request.num_prompt_tokens)
         cfg = self.scheduler_config
         for i, im in enumerate(request.images):
-            if im.length > min(cfg.max_num_encoder_tokens, cfg.encoder_cache_tokens):
-                raise ValueError(f"request {rid!r}: image {i} takes {im.length} feature rows, more than "
-                                 f"max_num_encoder_tokens ({cfg.max_num_encoder_tokens}) or encoder_cache_tokens "
-                                 f"({cfg.encoder_cache_tokens}) allow")
+            if im.length != self.tokens_per_image:
+                raise ValueError(f"request {rid!r}: image {i} has {im.length} placeholder tokens; this model's images "
+                                 f"take {self.tokens_per_image}")
             if self.bidirectional_images and im.length > cfg.max_num_batched_tokens:
                 raise ValueError(f"request {rid!r}: image {i}'s {im.length} tokens attend to each other, so they run "
                                  f"in one step, but max_num_batched_tokens is {cfg.max_num_batched_tokens}")
@@ -621,16 +621,16 @@ class Scheduler:
         cache = self.encoder_cache
         planned = {im.content_hash for im in self._step_encodes}
         reused: set[str] = set()  # cached images this chunk needs: they must stay
-        rows = 0
+        new = 0
         for im in overlapping(request.images, start, end):
             if cache.is_cached(im.content_hash):
                 reused.add(im.content_hash)
-                if cache.can_add(rows, keep=reused):
+                if cache.can_add(new, keep=reused):
                     continue
             elif im.content_hash in planned:
                 continue
-            elif rows + im.length <= encoder_budget and cache.can_add(rows + im.length, keep=reused):
-                rows += im.length
+            elif (new + 1) * im.length <= encoder_budget and cache.can_add(new + 1, keep=reused):
+                new += 1
                 planned.add(im.content_hash)
                 continue
             end = max(start, im.offset)
@@ -646,7 +646,7 @@ class Scheduler:
             if cache.is_cached(im.content_hash):
                 cache.reference(im.content_hash, request.request_id)
             else:
-                cache.add(im.content_hash, im.length, request.request_id)
+                cache.add(im.content_hash, request.request_id)
                 self._step_encodes.append(im)
                 rows += im.length
         return rows
@@ -770,11 +770,12 @@ class Scheduler:
     def _plan(self, scheduled: list[tuple[Request, int]], **kwargs) -> StepPlan:
         kv = self.kv_cache_manager
         block_ids = {r.request_id: kv.get_block_ids(r.request_id) for r, _ in scheduled}
+        cache = self.encoder_cache
         plan = build_step_plan(scheduled, block_ids, self.block_size, block_copies=kv.take_block_copies(),
-                               **kwargs)
-        if self.encoder_cache is not None:
-            plan.encode_images, self._step_encodes = self._step_encodes, []
-            plan.free_images = self.encoder_cache.take_freed()
+                               image_slots=None if cache is None else cache.slot_of, **kwargs)
+        if cache is not None:
+            plan.encode_images = [(im, cache.slot_of(im.content_hash)) for im in self._step_encodes]
+            self._step_encodes = []
         return plan
 
     # -- results ---------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ mapping), the way nano-vllm's model runner `prepare_*` does, but on the host and
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,11 +51,10 @@ class StepPlan:
     num_drafts: np.ndarray | None = None
     # Several decode steps in one device call (every sequence a decode; see `FusedDecode`); None for one step
     fused: FusedDecode | None = None
-    # Images (`pagedjax.core.images`): which step tokens take which rows of which image's features; the images
-    # whose features this step computes first (before it runs), and those the device may drop
+    # Images (`pagedjax.core.images`): which step tokens take which rows of which image's features (in which
+    # encoder cache slot), and the images whose features this step computes first, into their slots
     image_segments: list[ImageSegment] = field(default_factory=list)
-    encode_images: list[ImageInput] = field(default_factory=list)
-    free_images: list[str] = field(default_factory=list)
+    encode_images: list[tuple[ImageInput, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -129,7 +128,8 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
                     block_size: int, *, preempted_request_ids: Sequence[str] = (), min_width: int = 0,
                     allow_missing_blocks: bool = False,
                     block_copies: Sequence[tuple[int, int]] = (),
-                    draft_token_ids: Mapping[str, Sequence[int]] | None = None) -> StepPlan:
+                    draft_token_ids: Mapping[str, Sequence[int]] | None = None,
+                    image_slots: Callable[[str], int] | None = None) -> StepPlan:
     """The step that advances each `(request, num_tokens)` of `scheduled` by `num_tokens` tokens from its
     `num_computed_tokens`, through the blocks `block_ids[request_id]` it holds (in logical order).
 
@@ -138,7 +138,7 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
     (a fused decode's step 1 may pop its block on device), every token must have a block.
     `draft_token_ids[request_id]`: proposed tokens that follow a decoding request's last known token in its query
     (`num_tokens` counts them: a request scheduled with `1 + len(drafts)` tokens); the plan's `num_drafts` says how
-    many each sequence carries.
+    many each sequence carries. `image_slots`: each cached image's encoder cache slot (requests with images).
     """
     if not scheduled:
         if block_copies:
@@ -162,7 +162,7 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
     for r, k in order:
         s = r.num_computed_tokens
         if r.images:
-            segments += step_segments(r.images, s, k, len(tokens))
+            segments += step_segments(r.images, s, k, len(tokens), image_slots)
         drafts = draft_token_ids.get(r.request_id, ()) if draft_token_ids else ()
         request_ids.append(r.request_id)
         q_list.append(k)
