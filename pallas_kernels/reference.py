@@ -269,17 +269,23 @@ def _query_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, q_ti
     return tile_seq, rows, valid, pos, token_slot
 
 
-def _tile_partial(qt, k_pages, v_pages, k_scales, v_scales, tables, keep, *, scale: float,
+def _tile_partial(q, rows, k_pages, v_pages, k_scales, v_scales, tables, keep, *, scale: float,
                   logits_soft_cap: float | None):
-    """The (m, z, u) partial of query tiles over the pages `tables` `[NT, P]`: qt `[NT, tq, Hkv, G, D]`, keep
-    bool `[NT, tq, P * block_size]`. m `[NT, Hkv, G, tq, 1]` is the row max (-inf where a row sees nothing), z
-    and u the sums of exp(s - m) and exp(s - m) v (m taken as 0 where it is -inf), float32."""
-    compute_dtype = qt.dtype
+    """The (m, z, u) partial of query tiles over the pages `tables` `[NT, P]`: rows `[NT, tq]` (the query row of
+    each tile slot), keep bool `[NT, tq, P * block_size]`. m `[NT, Hkv, G, tq, 1]` is the row max (-inf where a
+    row sees nothing), z and u the sums of exp(s - m) and exp(s - m) v (m taken as 0 where it is -inf), float32."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    num_tiles, tq = rows.shape
+    compute_dtype = jnp.dtype(q.dtype)
     k = _gather_kv(k_pages, k_scales, tables, compute_dtype)  # [NT, Hkv, L, D]
     v = _gather_kv(v_pages, v_scales, tables, compute_dtype)
     # Slots no row of a tile reads may hold anything (NaN included): select them away.
     v = jnp.where(jnp.any(keep, axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
-    s = jnp.einsum("ntkgd,nkld->nkgtl", qt, k, precision=HIGHEST, preferred_element_type=jnp.float32)
+    qt = q[jnp.clip(rows, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, num_q_heads // num_kv_heads,
+                                                      head_dim)
+    s = jnp.einsum("ntkgd,nkld->nkgtl", qt.astype(compute_dtype), k, precision=HIGHEST,
+                   preferred_element_type=jnp.float32)
     s = jnp.where(keep[:, None, None], soft_cap(s * scale, logits_soft_cap), -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m))
@@ -293,18 +299,13 @@ def _tile_partial(qt, k_pages, v_pages, k_scales, v_scales, tables, keep, *, sca
 def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until, *, scale,
                 q_tile, sliding_window, logits_soft_cap):
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_pages.shape
-    group = num_q_heads // num_kv_heads
+    block_size = k_pages.shape[2]
     max_blocks = block_tables.shape[1]
     tq = max(1, min(q_tile, num_tokens))
     tile_seq, rows, valid, pos, token_slot = _query_tiles(cu_q_lens, kv_lens, num_tokens, tq)
     num_tiles = tile_seq.shape[0]
-    qt = q[jnp.clip(rows, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, group, head_dim)
-    qt = qt.astype(jnp.dtype(q.dtype))
-    last = None if attend_until is None else attend_until[jnp.clip(rows, 0, num_tokens - 1)][:, :, None]
-    kv_len = kv_lens[tile_seq][:, None, None]
-    partial = functools.partial(_tile_partial, qt, k_pages, v_pages, k_scales, v_scales, scale=_scale(scale, head_dim),
-                                logits_soft_cap=logits_soft_cap)
+    partial = functools.partial(_tile_partial, q, rows, k_pages, v_pages, k_scales, v_scales,
+                                scale=_scale(scale, head_dim), logits_soft_cap=logits_soft_cap)
 
     # With a window a tile's rows see positions pos[0] - W + 1 ... pos[0] + tq - 1 at most.
     num_pages = tiles.window_pages(sliding_window, tq, max_blocks, block_size)
@@ -315,7 +316,9 @@ def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales,
     else:
         tables = block_tables[tile_seq]
         kv_pos = jnp.arange(max_blocks * block_size, dtype=jnp.int32)
-    keep = valid[:, :, None] & _visible(kv_pos, pos[:, :, None], kv_len, sliding_window, last)  # [NT, tq, L]
+    last = None if attend_until is None else attend_until[jnp.clip(rows, 0, num_tokens - 1)][:, :, None]
+    keep = valid[:, :, None] & _visible(kv_pos, pos[:, :, None], kv_lens[tile_seq][:, None, None],
+                                        sliding_window, last)  # [NT, tq, L]
     m, z, u = partial(tables, keep)
     # With attend_until a row may see ahead of those pages, up to its sequence's last position (< pos[0] +
     # num_tokens: a sequence has at most num_tokens query rows): the pages after them, gathered apart and merged
@@ -325,7 +328,8 @@ def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales,
     if attend_until is not None and num_pages < max_blocks and ahead > 0:
         first_ahead = (jnp.maximum(pos[:, 0] - sliding_window + 1, 0) // block_size + num_pages) * block_size
         tables, kv_pos = _window_tables(block_tables[tile_seq], first_ahead, ahead, block_size)
-        keep = valid[:, :, None] & _visible(kv_pos[:, None, :], pos[:, :, None], kv_len, sliding_window, last)
+        keep = valid[:, :, None] & _visible(kv_pos[:, None, :], pos[:, :, None], kv_lens[tile_seq][:, None, None],
+                                            sliding_window, last)
         m_ahead, z_ahead, u_ahead = partial(tables, keep)
         merged = merge_two(Partial(m[..., 0], z[..., 0], u), Partial(m_ahead[..., 0], z_ahead[..., 0], u_ahead))
         z, u = merged.z[..., None], merged.u
