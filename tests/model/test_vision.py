@@ -280,6 +280,44 @@ def test_check_model_names_what_a_model_with_images_lacks():
         check_model(nnx.eval_shape(lambda: NoImagesArgument(cfg, rngs=nnx.Rngs(0))))
 
 
+def test_tensor_parallel_partitions_split_only_the_language_model(models):
+    from jax.sharding import PartitionSpec as P
+
+    from pagedjax.model.api import param_partition_fn
+
+    _, _, ours = models["llava"]
+    partition = param_partition_fn(ours, 2)
+    specs = {tuple(map(str, path)): partition(tuple(path), tuple(var.get_value().shape))
+             for path, var in nnx.to_flat_state(nnx.state(ours))}
+    assert all(spec == P() for path, spec in specs.items() if path[0] != "language_model")
+    assert specs["language_model", "layers", "0", "self_attn", "q_proj", "kernel"] == P(None, "tp")
+    assert specs["language_model", "layers", "0", "self_attn", "o_proj", "kernel"] == P("tp", None)
+
+
+@pytest.mark.parametrize("fields,error,field", [
+    (dict(image_token_id=-1, tokens_per_image=4, image_size=(8, 8)), ValueError, "image_token_id"),
+    (dict(image_token_id=1, tokens_per_image=0, image_size=(8, 8)), ValueError, "tokens_per_image"),
+    (dict(image_token_id=1, tokens_per_image=4, image_size=8), TypeError, "image_size"),
+    (dict(image_token_id=1, tokens_per_image=4, image_size=(8, "8")), TypeError, r"image_size\[1\]"),
+    (dict(image_token_id=1, tokens_per_image=4, image_size=(8, 8), bidirectional=1), TypeError, "bidirectional"),
+])
+def test_image_spec_checks_its_fields(fields, error, field):
+    with pytest.raises(error, match=field):
+        ImageSpec(**fields)
+
+
+def test_model_spec_images_within_the_vocabulary():
+    from pagedjax.config import ModelSpec
+
+    spec = ModelSpec(vocab_size=8, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=4,
+                     images=ImageSpec(7, 4, [8, 8]))
+    assert spec.images.image_size == (8, 8) and spec.replace(dtype="bfloat16").images == spec.images
+    with pytest.raises(ValueError, match="images.image_token_id"):
+        spec.replace(images=ImageSpec(8, 4, (8, 8)))
+    with pytest.raises(TypeError, match="images"):
+        spec.replace(images={"image_token_id": 1})
+
+
 def test_sub_config_defaults_are_transformers():
     """A hub config may leave a sub-config's fields out: the defaults filled in are the config classes'."""
     classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
