@@ -155,6 +155,19 @@ def test_dense_logits_with_images_match_transformers(models, kind):
         assert np.abs(causal - theirs)[0, :lengths[0]].max() > 1e-2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("text", ["mistral", "qwen2"])
+def test_llava_over_other_text_models(tmp_path, text):
+    """LLaVA over Mistral (a window shorter than the prompts) and Qwen2 (biases, tied embeddings)."""
+    reference = hf_model("llava", 3, text=text)
+    folder = save_folder("llava", tmp_path, model=reference, text=text)
+    ours, _ = load_hf_vision(folder)
+    assert ours.config.text.tie_word_embeddings == (text == "qwen2")
+    ids, lengths, pixels = _batch(folder, "llava")
+    theirs = _reference_logits(reference, ids, lengths, pixels, ours.spec.images.image_token_id)
+    _assert_close(_dense(ours, ids, pixels), theirs, lengths, TOL, text)
+
+
 def test_bfloat16_matches_transformers(models):
     """Gemma 3 in bfloat16 (its embedding scale rounded to bf16, features in bf16) against transformers' bf16."""
     reference, folder, _ = models["gemma3"]
