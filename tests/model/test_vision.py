@@ -155,6 +155,19 @@ def test_dense_logits_with_images_match_transformers(models, kind):
         assert np.abs(causal - theirs)[0, :lengths[0]].max() > 1e-2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("text", ["mistral", "qwen2"])
+def test_llava_over_other_text_models(tmp_path, text):
+    """LLaVA over Mistral (a window shorter than the prompts) and Qwen2 (biases, tied embeddings)."""
+    reference = hf_model("llava", 3, text=text)
+    folder = save_folder("llava", tmp_path, model=reference, text=text)
+    ours, _ = load_hf_vision(folder)
+    assert ours.config.text.tie_word_embeddings == (text == "qwen2")
+    ids, lengths, pixels = _batch(folder, "llava")
+    theirs = _reference_logits(reference, ids, lengths, pixels, ours.spec.images.image_token_id)
+    _assert_close(_dense(ours, ids, pixels), theirs, lengths, TOL, text)
+
+
 def test_bfloat16_matches_transformers(models):
     """Gemma 3 in bfloat16 (its embedding scale rounded to bf16, features in bf16) against transformers' bf16."""
     reference, folder, _ = models["gemma3"]
@@ -278,6 +291,44 @@ def test_check_model_names_what_a_model_with_images_lacks():
         check_model(nnx.eval_shape(lambda: FewRows(cfg, rngs=nnx.Rngs(0))))
     with pytest.raises(TypeError, match="images="):
         check_model(nnx.eval_shape(lambda: NoImagesArgument(cfg, rngs=nnx.Rngs(0))))
+
+
+def test_tensor_parallel_partitions_split_only_the_language_model(models):
+    from jax.sharding import PartitionSpec as P
+
+    from pagedjax.model.api import param_partition_fn
+
+    _, _, ours = models["llava"]
+    partition = param_partition_fn(ours, 2)
+    specs = {tuple(map(str, path)): partition(tuple(path), tuple(var.get_value().shape))
+             for path, var in nnx.to_flat_state(nnx.state(ours))}
+    assert all(spec == P() for path, spec in specs.items() if path[0] != "language_model")
+    assert specs["language_model", "layers", "0", "self_attn", "q_proj", "kernel"] == P(None, "tp")
+    assert specs["language_model", "layers", "0", "self_attn", "o_proj", "kernel"] == P("tp", None)
+
+
+@pytest.mark.parametrize("fields,error,field", [
+    (dict(image_token_id=-1, tokens_per_image=4, image_size=(8, 8)), ValueError, "image_token_id"),
+    (dict(image_token_id=1, tokens_per_image=0, image_size=(8, 8)), ValueError, "tokens_per_image"),
+    (dict(image_token_id=1, tokens_per_image=4, image_size=8), TypeError, "image_size"),
+    (dict(image_token_id=1, tokens_per_image=4, image_size=(8, "8")), TypeError, r"image_size\[1\]"),
+    (dict(image_token_id=1, tokens_per_image=4, image_size=(8, 8), bidirectional=1), TypeError, "bidirectional"),
+])
+def test_image_spec_checks_its_fields(fields, error, field):
+    with pytest.raises(error, match=field):
+        ImageSpec(**fields)
+
+
+def test_model_spec_images_within_the_vocabulary():
+    from pagedjax.config import ModelSpec
+
+    spec = ModelSpec(vocab_size=8, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=4,
+                     images=ImageSpec(7, 4, [8, 8]))
+    assert spec.images.image_size == (8, 8) and spec.replace(dtype="bfloat16").images == spec.images
+    with pytest.raises(ValueError, match="images.image_token_id"):
+        spec.replace(images=ImageSpec(8, 4, (8, 8)))
+    with pytest.raises(TypeError, match="images"):
+        spec.replace(images={"image_token_id": 1})
 
 
 def test_sub_config_defaults_are_transformers():

@@ -48,9 +48,16 @@ def gemma3_tokenizer():
     return tok
 
 
-def configs(kind: str, **changes):
-    """(transformers config, processor) of a tiny `kind` ("llava" | "gemma3"); `changes` update the top-level
-    config's fields."""
+# LLaVA's text models besides Llama (`configs(..., text=...)`): Mistral with a window shorter than the prompts,
+# Qwen2 with q/k/v biases and tied embeddings.
+LLAVA_TEXT = {"llama": ("LlamaConfig", {}),
+              "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=12)),
+              "qwen2": ("Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True))}
+
+
+def configs(kind: str, text: str = "llama", **changes):
+    """(transformers config, processor) of a tiny `kind` ("llava" | "gemma3"); LLaVA's `text` model one of
+    `LLAVA_TEXT`; `changes` update the top-level config's fields."""
     import transformers
 
     if kind == "llava":
@@ -64,9 +71,11 @@ def configs(kind: str, **changes):
                                                 num_additional_image_tokens=1)
         vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                                num_attention_heads=4, image_size=16, patch_size=4)
-        text = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+        cls, extra = LLAVA_TEXT[text]
+        text = getattr(transformers, cls)(**{**dict(
+            vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+            eos_token_id=2), **extra})
         config = transformers.LlavaConfig(vision_config=vision, text_config=text,
                                           image_token_index=tok.token_to_id("<image>"), image_seq_length=16,
                                           **changes)

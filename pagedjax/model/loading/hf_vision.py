@@ -132,6 +132,8 @@ def _field(hf: dict, key: str, defaults: dict) -> Any:
 def _dtype(hf: dict, text: dict, dtype: str | None) -> str:
     """The dtype asked for, else the checkpoint's (`torch_dtype` / `dtype`, top level first), else float32."""
     if dtype is not None:
+        if dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(_SUPPORTED_DTYPES)})")
         return dtype
     for where, config in (("", hf), ("text_config.", text)):
         for key in ("torch_dtype", "dtype"):
