@@ -46,6 +46,22 @@ def overlapping(images: Sequence[ImageInput], start: int, end: int) -> list[Imag
     return [im for im in images if im.offset < end and start < im.end]
 
 
+def placeholder_starts(token_ids: Sequence[int], image_token_id: int, tokens_per_image: int) -> list[int]:
+    """The first position of each image's `tokens_per_image` placeholders in a prompt's token ids, in order (a run
+    of consecutive placeholders is one or more whole images). ValueError for a run that is not."""
+    starts, run = [], 0
+    for i, t in enumerate([*token_ids, None]):
+        if t == image_token_id:
+            run += 1
+            continue
+        if run % tokens_per_image:
+            raise ValueError(f"a run of {run} image placeholder tokens ({image_token_id}) ending at position {i} is "
+                             f"not whole images of {tokens_per_image}")
+        starts.extend(range(i - run, i, tokens_per_image))
+        run = 0
+    return starts
+
+
 def check_images(images: Sequence[ImageInput], prompt_len: int) -> None:
     """ValueError unless the images are in prompt order, each one's placeholders non-empty, inside the prompt and
     apart from the others'."""

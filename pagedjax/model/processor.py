@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedjax.core.images import placeholder_starts
 from pagedjax.model.errors import ModelLoadError, read_json
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -237,19 +238,9 @@ class ImageProcessor:
         return out
 
     def image_spans(self, ids: Sequence[int]) -> list[int]:
-        """The first position of each image's `tokens_per_image` placeholders in expanded token ids, in order (a run
-        of consecutive placeholders is one or more whole images). ValueError for a run that is not."""
-        starts, run = [], 0
-        for i, t in enumerate([*ids, None]):
-            if t == self.image_token_id:
-                run += 1
-                continue
-            if run % self.tokens_per_image:
-                raise ValueError(f"image_spans: a run of {run} image tokens ({self.image_token_id}) ending at position "
-                                 f"{i} is not whole images of {self.tokens_per_image}")
-            starts.extend(range(i - run, i, self.tokens_per_image))
-            run = 0
-        return starts
+        """The first position of each image's `tokens_per_image` placeholders in expanded token ids, in order
+        (`pagedjax.core.images.placeholder_starts`). ValueError for a run that is not whole images."""
+        return placeholder_starts(ids, self.image_token_id, self.tokens_per_image)
 
     def __repr__(self) -> str:
         return (f"ImageProcessor(image_size={self.image_size}, tokens_per_image={self.tokens_per_image}, "
