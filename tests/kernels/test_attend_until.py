@@ -247,7 +247,7 @@ def test_worked_example_an_image_of_two_tokens():
 # ---- the XLA path (the CPU engine's) ---------------------------------------------------------------------------
 
 
-@settings(max_examples=examples(4))
+@settings(max_examples=examples(2))
 @given(bound_params("xla"))
 @example(CASE)
 @example(ANY)
