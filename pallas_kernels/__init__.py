@@ -293,12 +293,12 @@ def ragged_paged_attention(
             j <= max(p, attend_until[t]),   j < kv_lens[s],   and with a window W also j > p - W,
         so a bound at or below p (-1, say) leaves a row causal, and a bound past the context reads nothing past
         kv_lens[s]. The window stays relative to the row's own position. For the tokens of an image at positions
-        a..b give each row of it b: that is transformers' Gemma 3 mask, causal OR same-image on full-attention
-        layers and window AND (causal OR same-image) on sliding ones (its releases before 5 took causal-and-
-        window OR same-image, which is the same whenever the image is no longer than W). Keys must already be in
-        the cache (an image's K/V written in this step or before): its rows in this call see keys b only if b <
-        kv_lens[s]. A tile walks pages up to the largest bound of its rows; with every bound <= its row's
-        position the result is bit-identical to `None`. Not on the MLA and sparse variants.
+        a..b give each row of it b: that is transformers' Gemma 3 mask (5.x), causal OR same-image on full-
+        attention layers and window AND (causal OR same-image) on sliding ones (earlier releases OR'ed same-image
+        onto causal-and-window: the same whenever the image is no longer than W). Only keys already in the cache
+        are read (j < kv_lens[s]), so every row of an image must be in the call that writes its last key. A
+        tile walks pages up to the largest bound of its rows; with every bound <= its row's position the result
+        is bit-identical to `None`'s. The MLA and sparse variants take no bounds.
 
     Returns:
       `[total_q_tokens, num_q_heads, head_dim]` in q's dtype.

@@ -359,9 +359,10 @@ def ragged_paged_attention_xla(q: jax.Array,  # [total_q_tokens, num_q_heads, he
     * block_size, head_dim]` with num_tiles <= total_q_tokens / q_tile + num_seqs, not one copy per query.
     With a window W a tile gathers only `min(max_blocks_per_seq, cdiv(q_tile + W - 2, block_size) + 1)`
     pages, from the one holding its first row's first visible position: table entries of pages before
-    every row's window are never read. With a window and `attend_until` a row may see ahead of the tile, up to
-    its sequence's last position: q_tile becomes total_q_tokens in that count (still bounded by the window and
-    the step, not the context).
+    every row's window are never read. With a window and `attend_until` a row may see ahead of those pages, up to
+    its sequence's last position: the pages after them, up to `min(max_blocks_per_seq, cdiv(total_q_tokens + W -
+    2, block_size) + 1)` in all, are gathered apart and their partial merged exactly (`merge.merge_two`), so
+    that with every bound at or below its row's position the result is `None`'s, bit for bit.
     """
     V.check_positive_int("q_tile", q_tile)
     variants = _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales)
