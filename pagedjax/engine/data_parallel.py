@@ -53,6 +53,7 @@ def combined_stats(replicas: Sequence[EngineStats], requests_per_replica: Sequen
         compilations=total("compilations"), programs_loaded=total("programs_loaded"),
         compiled_programs=total("compiled_programs"),
         stand_in_steps=total("stand_in_steps"), warmup_s=slowest("warmup_s"),
+        images_encoded=total("images_encoded"), encoder_s=slowest("encoder_s"),
         scheduler=scheduler, replicas=tuple(replicas),
         requests_per_replica=tuple(requests_per_replica))
 

@@ -641,6 +641,8 @@ class LLMEngine:
             stand_in_steps=self.runner.programs.stand_in_steps,
             warmup_s=self._warmup_s,
             **({} if self.speculator is None else self.speculator.stats()),
+            **({} if self.runner.image_features is None else dict(
+                images_encoded=self.runner.image_features.num_encoded, encoder_s=self.runner.image_features.seconds)),
             scheduler=self.scheduler.stats(),
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,
