@@ -33,10 +33,10 @@ from pagedjax.config.fields import is_int
 from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.parallel import ParallelConfig, parallel_layout
 from pagedjax.config.sampling import SamplingDefaults
+from pagedjax.core.images import ImageInput
 from pagedjax.core.request import Request, RequestIds
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import StepPlan
-from pagedjax.core.images import ImageInput
 from pagedjax.engine.generate import generate_batch
 from pagedjax.engine.image_prompts import image_prompt
 from pagedjax.engine.output_processor import OutputProcessor, record_prompt_logprobs, record_token_logprob

@@ -38,6 +38,17 @@ def models(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def engines(models):
+    """kind -> an engine of the folder whose steps chunk prompts through images: 16 tokens per image, so a budget of
+    20 cuts a LLaVA prompt's chunk inside an image and a Gemma 3 one before it; blocks of 4 put an image over several
+    blocks; fused decodes of 4 steps. Tests leave it with nothing running."""
+    return {kind: LLMEngine.from_pretrained(folder, cache_config=CacheConfig(block_size=4, num_blocks=128),
+                                            scheduler_config=SchedulerConfig(max_num_batched_tokens=20, max_num_seqs=4),
+                                            decode_steps_per_call=4)
+            for kind, (_, _, folder) in models.items()}
+
+
 def hf_greedy(model, processor, prompt: str, images) -> list[int]:
     inputs = processor(text=[prompt], images=images, return_tensors="pt")
     gen = copy.deepcopy(model.generation_config)
@@ -65,15 +76,12 @@ def as_request(prompt, images) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["llava", "gemma3"])
-def test_greedy_equals_transformers_through_chunks_prefix_hits_forks_preemption_and_fused_decode(models, kind):
-    reference, processor, folder = models[kind]
+def test_greedy_equals_transformers_through_chunks_prefix_hits_forks_and_fused_decode(models, engines, kind):
+    reference, processor, _ = models[kind]
     prompts = requests_of(kind)
     want = [hf_greedy(reference, processor, p, ims) for p, ims in prompts]
-    # 16 tokens per image: a budget of 20 cuts a LLaVA prompt's chunk inside an image and a Gemma 3 one before it;
-    # blocks of 4 put an image over several blocks.
-    engine = LLMEngine.from_pretrained(folder, cache_config=CacheConfig(block_size=4, num_blocks=128),
-                                       scheduler_config=SchedulerConfig(max_num_batched_tokens=20, max_num_seqs=4),
-                                       decode_steps_per_call=4)
+    engine = engines[kind]
+    assert engine.scheduler.reset_prefix_cache()  # whatever ran on it before: nothing cached
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = engine.generate([as_request(*p) for p in prompts[:3]], greedy, use_tqdm=False)
     assert [o.output_token_ids for o in outs] == want[:3]
@@ -106,10 +114,10 @@ def test_a_small_pool_preempts_and_recomputes_images_exactly(models, kind):
     assert engine.stats().scheduler.num_preemptions > 0
 
 
-def test_token_id_prompts_and_processed_pixels_equal_text_and_pil(models):
-    reference, processor, folder = models["llava"]
+def test_token_id_prompts_and_processed_pixels_equal_text_and_pil(models, engines):
+    reference, processor, _ = models["llava"]
     prompt, images = requests_of("llava")[0]
-    engine = LLMEngine.from_pretrained(folder)
+    engine = engines["llava"]
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     text = engine.generate([as_request(prompt, images)], greedy, use_tqdm=False)[0]
     ids = engine.tokenizer.encode(prompt)  # one <image> id: expanded by the engine
@@ -123,9 +131,8 @@ def test_token_id_prompts_and_processed_pixels_equal_text_and_pil(models):
     assert text.output_token_ids == hf_greedy(reference, processor, prompt, images)
 
 
-def test_bad_image_prompts_are_refused_naming_the_problem(models):
-    _, _, folder = models["gemma3"]
-    engine = LLMEngine.from_pretrained(folder)
+def test_bad_image_prompts_are_refused_naming_the_problem(engines):
+    engine = engines["gemma3"]
     image = random_images(0)[0]
     greedy = SamplingParams(temperature=0.0, max_tokens=2)
     cases = [
@@ -152,3 +159,15 @@ def test_bad_image_prompts_are_refused_naming_the_problem(models):
     text_engine = LLMEngine.from_pretrained()  # the bundled text model
     with pytest.raises(ValueError, match="takes no images"):
         text_engine.generate([{"prompt": "a", "multi_modal_data": {"image": [image]}}], greedy, use_tqdm=False)
+
+
+def test_pallas_kernels_serve_bidirectional_images(models):
+    """The Pallas kernels (interpreted here; compiled through Triton / Mosaic on GPU / TPU) with Gemma 3's
+    `attend_until`, through a chunk that stops before an image: transformers' tokens."""
+    reference, processor, folder = models["gemma3"]
+    prompt, images = requests_of("gemma3")[1]
+    engine = LLMEngine.from_pretrained(folder, backend="pallas", cache_config=CacheConfig(block_size=8),
+                                       scheduler_config=SchedulerConfig(max_num_batched_tokens=24))
+    out = engine.generate([as_request(prompt, images)], SamplingParams(temperature=0.0, max_tokens=3,
+                                                                       ignore_eos=True), use_tqdm=False)[0]
+    assert out.output_token_ids == hf_greedy(reference, processor, prompt, images)[:3]
