@@ -35,12 +35,13 @@ from pathlib import Path
 from pagedjax.cli import args as generate_args
 from pagedjax.cli.errors import EXIT_ERROR, EXIT_OK, CLIError
 from pagedjax.cli.sizes import parse_size
-from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_PARALLEL_TOOL_CALLS
+from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_PARALLEL_TOOL_CALLS, ImageLimits
 
 PROG = "pagedjax-serve"
 SHUTDOWN_GRACE_S = 5.0  # after the drain, for the last answers and error events to reach their clients
 BUNDLED_MODEL_NAME = "pagedjax-tiny"
-SERVE_EXTRA = ("fastapi", "uvicorn", "starlette", "prometheus_client", "jinja2", "pydantic")  # pyproject's `serve`
+# pyproject's `serve` extra (pillow: PIL)
+SERVE_EXTRA = ("fastapi", "uvicorn", "starlette", "prometheus_client", "jinja2", "pydantic", "PIL")
 
 
 def _non_negative_float(text: str) -> float:
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the most calls of one choice with tool_choice \"required\" and parallel_tool_calls (the "
                         "grammar ends the text there)")
     _add_structured_options(p)
+    _add_image_options(p)
     _add_lora_options(p)
     # A server admits new requests between device calls: a fused decode of N steps would hold a new request's
     # prefill (its first token) back by up to N decode steps, so here one step per call is the default.
@@ -142,6 +144,21 @@ def _add_structured_options(p: argparse.ArgumentParser) -> None:
                    help="address space of a grammar worker (e.g. 2GiB; 0: no limit); a compile past it is a 400")
     g.add_argument("--max-queued-compiles", type=generate_args.int_at_least(1), default=default.max_queued,
                    metavar="N", help="grammar compiles waiting or running at once; more get 503")
+
+
+def _add_image_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("images", "limits on a chat request's images (data URLs, for a model that takes "
+                             "images), each checked before the work it bounds (400, or 413 for a size, naming it)")
+    for f in dataclasses.fields(ImageLimits):
+        size = f.metadata["size"]  # a default given as text ("8MiB") is parsed by `type`, and shown so
+        g.add_argument(f"--{f.name.replace('_', '-')}", type=parse_size if size else generate_args.int_at_least(1),
+                       default=f"{f.default // 2**20}MiB" if size else f.default, metavar="SIZE" if size else "N",
+                       help=f.metadata["help"])
+
+
+def image_limits(args: argparse.Namespace) -> ImageLimits:
+    """The server's ImageLimits from the parsed flags."""
+    return ImageLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ImageLimits)})
 
 
 def lora_module(text: str) -> tuple[str, str, str | None]:
@@ -342,7 +359,7 @@ def serve(args: argparse.Namespace) -> int:
                             max_parallel_tool_calls=args.max_parallel_tool_calls, chat_template=template,
                             api_key=api_key(args), allowed_origins=args.allowed_origin,
                             allowed_hosts=allowed_hosts(args), docs=args.enable_docs, body_timeout=args.body_timeout,
-                            lora_modules=lora_modules, lora_updates=lora_updates,
+                            lora_modules=lora_modules, lora_updates=lora_updates, image_limits=image_limits(args),
                             **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
         except ValueError as e:
             raise CLIError(str(e)) from None
