@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGINT/SIGTERM, how long requests in flight may finish before they are aborted")
     g.add_argument("--seed", type=generate_args.int_at_least(0), default=0,
                    help="engine seed: requests without a seed of their own are reproducible per seed and id")
-    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                   help="the server's own log lines (pagedjax's loggers) and uvicorn's shown from this level on")
     g.add_argument("--max-chat-messages", type=generate_args.int_at_least(1), default=DEFAULT_MAX_CHAT_MESSAGES,
                    metavar="N", help="messages in one chat request; more get 400 before the chat template runs")
     g.add_argument("--max-parallel-tool-calls", type=generate_args.int_at_least(1),
@@ -289,6 +290,32 @@ class _Server:
         return self.server.started
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@contextlib.contextmanager
+def server_logging(level: str):
+    """The server's log lines (the `pagedjax` loggers') from `level` on, in `LOG_FORMAT`, on stderr, while the
+    block runs, whatever configured logging before: importing orbax logs through the root logger, which gives it a
+    handler (`logging.basicConfig()`), so a `basicConfig` here did nothing and no INFO line was ever shown. Only the
+    `pagedjax` logger is set: its own handler, its level, and no propagation (the root's handlers would print each
+    line again); the root logger and every other logger are left as they are, and the `pagedjax` logger is restored
+    after (code sharing the process, e.g. tests calling `main()`, keeps its logging)."""
+    logger = logging.getLogger("pagedjax")
+    saved = logger.level, logger.propagate
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
 def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -391,10 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, path, _ in args.lora_modules:  # before the model loads: the common mistake, said at once
         if not Path(path).is_dir():
             parser.error(f"--lora-modules {name}={path}: no such folder")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
     try:
-        return serve(args)
+        with server_logging(args.log_level):
+            return serve(args)
     except ModuleNotFoundError as e:
         if e.name not in SERVE_EXTRA:
             raise
