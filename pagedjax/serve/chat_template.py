@@ -1,7 +1,8 @@
 """Chat prompts: a list of messages rendered into one prompt with the model's chat template.
 
 A Hugging Face folder's template is `chat_template` in its `tokenizer_config.json` (a string, or a list of `{"name",
-"template"}` from which "default" is used), or a sibling `chat_template.jinja`. It is rendered with jinja2 the way
+"template"}` from which "default" is used), or a sibling `chat_template.jinja`, or its processor's (vision-language
+folders): `chat_template` in `chat_template.json` or `processor_config.json`. It is rendered with jinja2 the way
 transformers renders it: a sandboxed environment with `trim_blocks` and `lstrip_blocks`, loop controls,
 transformers' `{% generation %}` block (rendered as its body; LLaVA's templates mark the assistant's text with it),
 `raise_exception(msg)`, `strftime_now(fmt)` and a `tojson` that keeps non-ASCII text, and the variables `messages`
@@ -113,6 +114,11 @@ class ChatTemplate:
         if folder is not None and (Path(folder) / "chat_template.jinja").is_file():
             return cls((Path(folder) / "chat_template.jinja").read_text(encoding="utf-8"),
                        source=f"{folder}/chat_template.jinja", model_template=True, **tokens)
+        for name in ("chat_template.json", "processor_config.json"):  # a processor's (vision-language folders)
+            if folder is not None and (Path(folder) / name).is_file():
+                template = read_json(Path(folder) / name).get("chat_template")
+                if isinstance(template, str):
+                    return cls(template, source=f"{folder}/{name}", model_template=True, **tokens)
         return cls(DEFAULT_TEMPLATE, **tokens)
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,

@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the model id clients ask for (default: {BUNDLED_MODEL_NAME} for the bundled model, "
                         "else --model as given, else --model-class)")
     g.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
-                   help="a jinja2 chat template (default: the model's tokenizer_config.json chat_template, else "
+                   help="a jinja2 chat template (default: the model's own, from tokenizer_config.json, "
+                        "chat_template.jinja or its processor's chat_template.json / processor_config.json; else "
                         "the built-in '# role:' template)")
     g.add_argument("--max-queue", type=generate_args.int_at_least(0), default=256,
                    help="requests that may wait beyond --max-num-seqs; more get 503 (queue_full)")
