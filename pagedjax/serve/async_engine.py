@@ -230,7 +230,8 @@ class AsyncLLMEngine:
                           request_id: str | None = None, lora_request: LoRARequest | None = None,
                           images: Sequence = ()) -> RequestStream:
         """Queue a request (under `lora_request`'s adapter, or the base model); returns its stream once the engine
-        accepted it. With `images` (PIL images, one per image placeholder in the prompt, in order), the engine gets
+        accepted it. With `images` (one per image in the prompt, in order: PIL images, or the model's pixels with the
+        prompt's placeholders expanded, as the server gives them), the engine gets
         the prompt as `{"prompt_token_ids": ..., "multi_modal_data": {"image": [...]}}` (`make_request`). Raises
         what `LLMEngine.add_request` raises for a bad request (TypeError / ValueError, nothing queued),
         QueueFullError at `max_pending`, and EngineStoppedError while shutting down."""

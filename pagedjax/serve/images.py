@@ -226,11 +226,11 @@ def _unreadable(data: bytes, url: DataURL) -> APIError:
 
 class ImageSupport:
     """What the server needs of a model that takes images: its processor (the engine's `image_processor`, which
-    expands each image's placeholder into the tokens its features take: the server counts a prompt's tokens
-    with it), the limits, and whether the chat template reads text only from content parts.
+    expands each image's placeholder into the tokens its features take and makes the pixels), the limits, and
+    whether the chat template reads text only from content parts.
 
-    processor      has `placeholder` (the text that stands for one image in a prompt), `placeholder_id` (its
-                   token id) and `expand_token_ids(ids)` (`pagedjax.model.processor.ImageProcessor`).
+    processor      the engine's `pagedjax.model.processor.ImageProcessor`: `placeholder` (the text that stands for
+                   one image in a prompt), `count_images(text)`, `expand_prompt(text)`, `pixel_values(images)`.
     content_parts  the template reads a message's text only from a list of parts (as LLaVA's Hugging Face
                    templates do): every message's content goes to it as parts (`ChatTemplate.reads_content_parts`).
     """
@@ -251,19 +251,23 @@ class ImageSupport:
         processor = getattr(llm, "image_processor", None)
         if processor is None:
             raise ValueError("the model takes images (model_spec.images), but its engine has no image_processor: the "
-                             "server needs it to count an image prompt's tokens")
+                             "server needs it to expand an image prompt's placeholders and make its pixels")
         return cls(processor, limits, content_parts=template.reads_content_parts)
 
-    def check_placeholders(self, prompt_token_ids: Sequence[int], num_images: int) -> None:
-        """400 unless the rendered prompt has one placeholder per image (a template that does not render image
+    def expand(self, text: str, num_images: int) -> str:
+        """A rendered chat's text with each image placeholder expanded into the tokens its features take, as
+        transformers' processor expands it (before tokenizing: Gemma 3's newlines around an image then tokenize as
+        its processor's do). 400 unless it has one placeholder per image (a template that does not render image
         parts, or a message whose text holds the placeholder itself)."""
-        found = sum(1 for t in prompt_token_ids if t == self.processor.placeholder_id)
+        found = self.processor.count_images(text)
         if found != num_images:
             raise bad_request(f"messages: the prompt has {found} image placeholders ({self.processor.placeholder!r}) "
                               f"for the request's {num_images} images: the chat template must write one per image "
                               "part, and a message's text must not contain the placeholder itself", "messages",
                               "invalid_image_part")
+        return self.processor.expand_prompt(text)
 
-    def prompt_length(self, prompt_token_ids: Sequence[int]) -> int:
-        """The prompt's tokens once the engine has expanded its image placeholders."""
-        return len(self.processor.expand_token_ids(list(prompt_token_ids)))
+    def pixels(self, images: list) -> tuple:
+        """Decoded images as the model's pixels (float32 `[3, H, W]` each): the processor's resizing and
+        normalizing, done in the server's prepare stage rather than on the engine thread."""
+        return tuple(self.processor.pixel_values(images))

@@ -97,10 +97,13 @@ class Prepared:
     created: int
     structured_field: str | None = None  # the request field its output constraint came from
     tools: ToolPlan | None = None  # the tools it offers the model: its choices' text is parsed for calls
-    # Its images (decoded, RGB), for the engine; `start` hands them over and drops them from here
+    # Its images as the model's pixels (float32 [3, H, W] each, the placeholders in `prompt_token_ids` expanded),
+    # for the engine; `start` hands them over and drops them from here
     images: tuple = ()
-    # The prompt's tokens as the engine counts them: `prompt_token_ids` with each image placeholder expanded
-    num_prompt_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -206,7 +209,7 @@ class OpenAIServing:
                               "context_length_exceeded")
 
     def _prepare(self, request, prompt_token_ids: list[int], max_tokens: int, prefix: str,
-                 tools: ToolPlan | None = None, images: tuple = (), num_prompt_tokens: int | None = None,
+                 tools: ToolPlan | None = None, images: tuple = (),
                  ) -> Prepared:
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
@@ -222,8 +225,7 @@ class OpenAIServing:
                         params=params, stream=request.stream,
                         include_usage=bool(request.stream_options and request.stream_options.include_usage),
                         created=int(time.time()), structured_field=None if structured is None else structured[1],
-                        tools=tools, images=images,
-                        num_prompt_tokens=len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens)
+                        tools=tools, images=images)
 
     def prepare_completion(self, request: CompletionRequest) -> Prepared:
         self.check_model(request.model)
@@ -263,15 +265,15 @@ class OpenAIServing:
         except ChatTemplateError as e:
             raise bad_request(f"messages: {e}", "messages") from None
         self._check_prompt_size(text, "messages")
+        if self.images is not None:  # placeholders expanded in the text, as transformers' processor does
+            text = self.images.expand(text, len(sources))
         ids = self.chat_template.encode(self.tokenizer, text)
-        num_prompt = len(ids)
-        if self.images is not None:
-            self.images.check_placeholders(ids, len(sources))
-            num_prompt = self.images.prompt_length(ids)
         requested = request.max_completion_tokens or request.max_tokens
-        max_tokens = self._max_tokens(requested, None, num_prompt, "messages")
-        images = tuple(decode_image(source, self.images.limits) for source in sources)  # the costly part: last
-        return self._prepare(request, ids, max_tokens, "chatcmpl", tools, images, num_prompt)
+        max_tokens = self._max_tokens(requested, None, len(ids), "messages")
+        # the costly part, last: decoded and made into the model's pixels here, off the engine thread
+        images = self.images.pixels([decode_image(source, self.images.limits) for source in sources]) if sources \
+            else ()
+        return self._prepare(request, ids, max_tokens, "chatcmpl", tools, images)
 
     # ----------------------------------------------------------------------------------------------- compile
     async def compile(self, prepared: Prepared) -> None:
