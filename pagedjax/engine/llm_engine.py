@@ -47,7 +47,7 @@ from pagedjax.lora.manager import LoRAManager
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama
 from pagedjax.model.loading.generation_config import folder_sampling_defaults
-from pagedjax.model.loading.loader import engine_model, load_engine_model
+from pagedjax.model.loading.loader import engine_model, folder_image_processor, load_engine_model
 from pagedjax.outputs import RequestOutput
 from pagedjax.runner import weights
 from pagedjax.runner.inputs import StepInputs, step_inputs
@@ -259,11 +259,7 @@ class LLMEngine:
         if sampling_defaults is None:
             sampling_defaults = folder_sampling_defaults(path)
         weights, folder_tokenizer = load_engine_model(path, dtype, parallel_config, devices, quantization)
-        image_processor = None
-        if "model" in weights and weights["model"].spec.images is not None:
-            from pagedjax.model.processor import load_image_processor
-
-            image_processor = load_image_processor(path)
+        image_processor = folder_image_processor(path, weights)
         return cls(cache_config=cache_config, scheduler_config=scheduler_config, **weights, seed=seed,
                    backend=backend, decode_steps_per_call=decode_steps_per_call,
                    tokenizer=folder_tokenizer if tokenizer is None else tokenizer, image_processor=image_processor,

@@ -138,7 +138,19 @@ def load_engine_model(path, dtype: str | None, parallel_config, devices, quantiz
     return {"model": model}, tokenizer
 
 
-__all__ = ["ModelLoadError", "is_hf_folder", "load_engine_model", "load_pretrained", "load_registered"]
+def folder_image_processor(path, weights: dict):
+    """The image processor of a saved vision-language model (`pagedjax.model.processor.load_image_processor`) when the
+    model `load_engine_model` built (`weights`) takes images; None otherwise."""
+    model = weights.get("model")
+    if model is None or getattr(model.spec, "images", None) is None:
+        return None
+    from pagedjax.model.processor import load_image_processor
+
+    return load_image_processor(path)
+
+
+__all__ = ["ModelLoadError", "folder_image_processor", "is_hf_folder", "load_engine_model", "load_pretrained",
+           "load_registered"]
 
 
 def engine_model(model_config: ModelConfig | None, params, model, seed: int):
