@@ -33,6 +33,7 @@ _LAZY = {
     "FullAttention": "pagedjax.config",
     "LatentAttention": "pagedjax.config",
     "IndexedSparse": "pagedjax.config",
+    "ImageSpec": "pagedjax.config",
     "DeepSeekConfig": "pagedjax.config",
     "SchedulerConfig": "pagedjax.config",
     "SpeculativeConfig": "pagedjax.config",

@@ -15,7 +15,9 @@ Variants (keyword-only, on both kernels, their references and XLA paths):
   * 8-bit pages: `k_pages`/`v_pages` int8 or float8_e4m3fn with `k_scales`/`v_scales`
     `[num_kv_heads, num_blocks, block_size]` (float32 or bfloat16, one per token and KV head), dequantized
     inside the kernel as `pages.astype(float32) * scales[..., None]`; q may then be float32, bfloat16 or
-    float16 and sets the output dtype. `quantize_kv` / `dequantize_kv` (module `quant`) make and read them.
+    float16 and sets the output dtype. `quantize_kv` / `dequantize_kv` (module `quant`) make and read them;
+  * ragged only, `attend_until` int32 `[total_q_tokens]`: query row t at position p attends to keys
+    j <= max(p, attend_until[t]) (bidirectional attention among an image's tokens, Gemma 3).
 Multi-head latent attention (MLA, DeepSeek V2/V3), weights absorbed by the caller, over one latent page array
 `kv_pages [num_blocks, block_size, R + Dr]` (per token its latent c_kv, then its rotary key k_rope, shared by
 every query head):
@@ -247,6 +249,7 @@ def ragged_paged_attention(
     logits_soft_cap: float | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    attend_until: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query chunks (prefill chunks and decode tokens) over a paged KV cache.
 
@@ -284,6 +287,18 @@ def ragged_paged_attention(
       k_scales, v_scales: with 8-bit pages (and only then), `[num_kv_heads, num_blocks, block_size]` float32
         or bfloat16: the attended K/V are `pages.astype(float32) * scales[..., None]`, dequantized in
         registers after 8-bit loads (see `pallas_kernels.quant`).
+      attend_until: `None` (causal) or int32 `[total_q_tokens]`, a per-row upper bound on visible keys for
+        bidirectional spans (Gemma 3 attends bidirectionally among the tokens of one image). Query row t of
+        sequence s, at position p, attends to exactly the key positions j with
+            j <= max(p, attend_until[t]),   j < kv_lens[s],   and with a window W also j > p - W,
+        so a bound at or below p (-1, say) leaves a row causal, and a bound past the context reads nothing past
+        kv_lens[s]. The window stays relative to the row's own position. For the tokens of an image at positions
+        a..b give each row of it b: that is transformers' Gemma 3 mask (5.x), causal OR same-image on full-
+        attention layers and window AND (causal OR same-image) on sliding ones (earlier releases OR'ed same-image
+        onto causal-and-window: the same whenever the image is no longer than W). Only keys already in the cache
+        are read (j < kv_lens[s]), so every row of an image must be in the call that writes its last key. A
+        tile walks pages up to the largest bound of its rows; with every bound <= its row's position the result
+        is bit-identical to `None`'s. The MLA and sparse variants take no bounds.
 
     Returns:
       `[total_q_tokens, num_q_heads, head_dim]` in q's dtype.
@@ -300,17 +315,20 @@ def ragged_paged_attention(
     sliding_window, logits_soft_cap, _ = V.validate_variants(
         k_pages, v_pages, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scales=k_scales,
         v_scales=v_scales)
+    V.check_attend_until(attend_until, q.shape[0])
     scale = V.resolve_scale(scale, head_dim)
     V.check_positive_option("num_warps", num_warps)
     V.check_positive_int("num_stages", num_stages)
     if target == "tpu":
         return ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
                                           interpret=interpret, block_q=block_q, pages_per_iter=pages_per_iter,
-                                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                          attend_until=attend_until)
     return ragged_paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
                                       interpret=interpret, block_q=block_q, pages_per_iter=pages_per_iter,
                                       num_warps=num_warps, num_stages=num_stages, sliding_window=sliding_window,
-                                      logits_soft_cap=logits_soft_cap, k_scales=k_scales, v_scales=v_scales)
+                                      logits_soft_cap=logits_soft_cap, k_scales=k_scales, v_scales=v_scales,
+                                      attend_until=attend_until)
 
 
 def mla_paged_attention(

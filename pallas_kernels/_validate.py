@@ -1,7 +1,8 @@
 """Argument checks shared by every entry point, platform-free (no Triton, no Mosaic): the common arguments
 (shapes, dtypes, head_dim, int32 tables and vectors), the variants (sliding window, soft cap, 8-bit pages with
-their scales), the scale and the tuning options' ints, those of the MLA entry points (`validate_mla`) and those
-of the DeepSeek sparse attention entry points (`validate_indexer`, `validate_selection`).
+their scales, the ragged calls' `attend_until`), the scale and the tuning options' ints, those of the MLA entry
+points (`validate_mla`) and those of the DeepSeek sparse attention entry points (`validate_indexer`,
+`validate_selection`).
 
 Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_attention` and the MLA entry
 points (`mla_paged_attention` / `ragged_mla_paged_attention`) are.
@@ -161,6 +162,13 @@ def check_vector(name: str, x: jax.Array, length: int) -> None:
     _check_int32(name, x, 1)
     if x.shape[0] != length:
         raise ValueError(f"{name} must have shape ({length},), got {x.shape}")
+
+
+def check_attend_until(attend_until, num_tokens: int) -> None:
+    """`None` (causal) or int32 `[num_tokens]`: one bound per query row of a ragged call (a traced array: the
+    bounds change every step, the compiled program does not)."""
+    if attend_until is not None:
+        check_vector("attend_until", attend_until, num_tokens)
 
 
 def validate_mla(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block_tables: jax.Array, kv_scales,

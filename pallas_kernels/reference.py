@@ -27,7 +27,10 @@ Variants, shared by the four GQA functions (and by the kernels):
   * `logits_soft_cap=c`: scaled scores s become c * tanh(s / c) before masking and softmax;
   * 8-bit pages (int8 or float8_e4m3fn) with `k_scales`/`v_scales` `[num_kv_heads, num_blocks, block_size]`
     (float32 or bfloat16): the attended values are `pages.astype(float32) * scales[..., None]`, computed
-    right after the gather (only gathered pages are dequantized, never the pool).
+    right after the gather (only gathered pages are dequantized, never the pool);
+  * ragged only, `attend_until` int32 `[total_q_tokens]`: query row t at position p attends to key positions
+    j <= max(p, attend_until[t]) (and j < kv_len, and j > p - W with a window): bidirectional attention among
+    the tokens of a span (an image's), see `pallas_kernels.ragged_paged_attention`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from jax import lax
 
 from pallas_kernels import _validate as V
 from pallas_kernels import tiles
+from pallas_kernels.merge import Partial, merge_two
 from pallas_kernels.quant import dequantize_kv
 
 HIGHEST = lax.Precision.HIGHEST
@@ -193,24 +197,26 @@ def _token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
     return seq, pos, valid
 
 
-def _visible(kv_pos, pos, kv_len, sliding_window: int | None):
-    """Which keys a query at `pos` sees: causal, inside the context, and inside its window."""
-    keep = (kv_pos <= pos) & (kv_pos < kv_len)
+def _visible(kv_pos, pos, kv_len, sliding_window: int | None, last=None):
+    """Which keys a query at `pos` sees: causal (or up to `last`, its attend_until bound, where that is later),
+    inside the context, and inside its window (relative to its own position)."""
+    keep = (kv_pos <= (pos if last is None else jnp.maximum(pos, last))) & (kv_pos < kv_len)
     if sliding_window is not None:
         keep = keep & (kv_pos > pos - sliding_window)
     return keep
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logits_soft_cap"))
-def _ragged_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, *, scale,
-                      sliding_window, logits_soft_cap):
+def _ragged_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until, *,
+                      scale, sliding_window, logits_soft_cap):
     num_tokens = q.shape[0]
     block_size = k_pages.shape[2]
     max_len = block_tables.shape[1] * block_size
     seq, pos, valid = _token_layout(cu_q_lens, kv_lens, num_tokens)
     kv_pos = jnp.arange(max_len, dtype=jnp.int32)
     tables = block_tables[seq]
-    mask = valid[:, None] & _visible(kv_pos[None, :], pos[:, None], kv_lens[seq][:, None], sliding_window)
+    last = None if attend_until is None else attend_until[:, None]
+    mask = valid[:, None] & _visible(kv_pos[None, :], pos[:, None], kv_lens[seq][:, None], sliding_window, last)
     k = _gather_kv(k_pages, k_scales, tables, jnp.float32)
     v = _gather_kv(v_pages, v_scales, tables, jnp.float32)
     return _masked_attention(q, k, v, mask, _scale(scale, q.shape[-1]), logits_soft_cap,
@@ -226,16 +232,18 @@ def ragged_paged_attention_reference(q: jax.Array,  # [total_q_tokens, num_q_hea
                                      *, scale: float | None = None, sliding_window: int | None = None,
                                      logits_soft_cap: float | None = None,
                                      k_scales: jax.Array | None = None,  # [num_kv_heads, num_blocks, block_size]
-                                     v_scales: jax.Array | None = None) -> jax.Array:
+                                     v_scales: jax.Array | None = None,
+                                     attend_until: jax.Array | None = None) -> jax.Array:  # i32[total_q_tokens]
     """Dense float32 reference of `pallas_kernels.ragged_paged_attention`.
 
-    Query i of sequence s sits at position kv_lens[s] - q_len[s] + i and attends to positions <= its own
-    (and < kv_lens[s], and inside its window); rows past cu_q_lens[-1] give zeros.
-    Memory: gathers `[total_q_tokens, max_blocks_per_seq * block_size]` keys per KV head.
+    Query i of sequence s sits at position p = kv_lens[s] - q_len[s] + i and attends to positions <= p (or
+    <= max(p, attend_until[row]) with `attend_until`), < kv_lens[s], and > p - W with a window W; rows past
+    cu_q_lens[-1] give zeros. Memory: gathers `[total_q_tokens, max_blocks_per_seq * block_size]` keys per KV head.
     """
     variants = _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales)
+    V.check_attend_until(attend_until, q.shape[0])
     return _ragged_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales,
-                             scale=scale, **variants)
+                             attend_until, scale=scale, **variants)
 
 
 def _query_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, q_tile: int):
@@ -261,18 +269,43 @@ def _query_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, q_ti
     return tile_seq, rows, valid, pos, token_slot
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "q_tile", "sliding_window", "logits_soft_cap"))
-def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, *, scale, q_tile,
-                sliding_window, logits_soft_cap):
+def _tile_partial(q, rows, k_pages, v_pages, k_scales, v_scales, tables, keep, *, scale: float,
+                  logits_soft_cap: float | None):
+    """The (m, z, u) partial of query tiles over the pages `tables` `[NT, P]`: rows `[NT, tq]` (the query row of
+    each tile slot), keep bool `[NT, tq, P * block_size]`. m `[NT, Hkv, G, tq, 1]` is the row max (-inf where a
+    row sees nothing), z and u the sums of exp(s - m) and exp(s - m) v (m taken as 0 where it is -inf), float32."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_pages.shape
-    group = num_q_heads // num_kv_heads
+    num_kv_heads = k_pages.shape[0]
+    num_tiles, tq = rows.shape
+    compute_dtype = jnp.dtype(q.dtype)
+    k = _gather_kv(k_pages, k_scales, tables, compute_dtype)  # [NT, Hkv, L, D]
+    v = _gather_kv(v_pages, v_scales, tables, compute_dtype)
+    # Slots no row of a tile reads may hold anything (NaN included): select them away.
+    v = jnp.where(jnp.any(keep, axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
+    qt = q[jnp.clip(rows, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, num_q_heads // num_kv_heads,
+                                                      head_dim)
+    s = jnp.einsum("ntkgd,nkld->nkgtl", qt.astype(compute_dtype), k, precision=HIGHEST,
+                   preferred_element_type=jnp.float32)
+    s = jnp.where(keep[:, None, None], soft_cap(s * scale, logits_soft_cap), -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m))
+    z = jnp.sum(p, axis=-1, keepdims=True)
+    u = jnp.einsum("nkgtl,nkld->nkgtd", p.astype(v.dtype), v, precision=HIGHEST,
+                   preferred_element_type=jnp.float32)
+    return m, z, u
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "q_tile", "sliding_window", "logits_soft_cap"))
+def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until, *, scale,
+                q_tile, sliding_window, logits_soft_cap):
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size = k_pages.shape[2]
     max_blocks = block_tables.shape[1]
-    scale = _scale(scale, head_dim)
     tq = max(1, min(q_tile, num_tokens))
     tile_seq, rows, valid, pos, token_slot = _query_tiles(cu_q_lens, kv_lens, num_tokens, tq)
     num_tiles = tile_seq.shape[0]
-    compute_dtype = jnp.dtype(q.dtype)
+    partial = functools.partial(_tile_partial, q, rows, k_pages, v_pages, k_scales, v_scales,
+                                scale=_scale(scale, head_dim), logits_soft_cap=logits_soft_cap)
 
     # With a window a tile's rows see positions pos[0] - W + 1 ... pos[0] + tq - 1 at most.
     num_pages = tiles.window_pages(sliding_window, tq, max_blocks, block_size)
@@ -283,22 +316,23 @@ def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales,
     else:
         tables = block_tables[tile_seq]
         kv_pos = jnp.arange(max_blocks * block_size, dtype=jnp.int32)
+    last = None if attend_until is None else attend_until[jnp.clip(rows, 0, num_tokens - 1)][:, :, None]
     keep = valid[:, :, None] & _visible(kv_pos, pos[:, :, None], kv_lens[tile_seq][:, None, None],
-                                        sliding_window)  # [NT, tq, L]
-    k = _gather_kv(k_pages, k_scales, tables, compute_dtype)  # [NT, Hkv, L, D]
-    v = _gather_kv(v_pages, v_scales, tables, compute_dtype)
-    # Slots no row of a tile reads may hold anything (NaN included): select them away.
-    v = jnp.where(jnp.any(keep, axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
-    qt = q[jnp.clip(rows, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, group, head_dim)
-    s = jnp.einsum("ntkgd,nkld->nkgtl", qt.astype(compute_dtype), k, precision=HIGHEST,
-                   preferred_element_type=jnp.float32)
-    s = jnp.where(keep[:, None, None], soft_cap(s * scale, logits_soft_cap), -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isneginf(m), 0.0, m)
-    p = jnp.exp(s - m)
-    z = jnp.sum(p, axis=-1, keepdims=True)
-    u = jnp.einsum("nkgtl,nkld->nkgtd", p.astype(v.dtype), v, precision=HIGHEST,
-                   preferred_element_type=jnp.float32)
+                                        sliding_window, last)  # [NT, tq, L]
+    m, z, u = partial(tables, keep)
+    # With attend_until a row may see ahead of those pages, up to its sequence's last position (< pos[0] +
+    # num_tokens: a sequence has at most num_tokens query rows): the pages after them, gathered apart and merged
+    # exactly, so that the window pages' partial is computed as without attend_until (with every bound at most
+    # its row's position the ahead partial is empty, and the merge returns those bits: exp(0) = 1, + 0).
+    ahead = tiles.window_pages(sliding_window, num_tokens, max_blocks, block_size) - num_pages
+    if attend_until is not None and num_pages < max_blocks and ahead > 0:
+        first_ahead = (jnp.maximum(pos[:, 0] - sliding_window + 1, 0) // block_size + num_pages) * block_size
+        tables, kv_pos = _window_tables(block_tables[tile_seq], first_ahead, ahead, block_size)
+        keep = valid[:, :, None] & _visible(kv_pos[:, None, :], pos[:, :, None], kv_lens[tile_seq][:, None, None],
+                                            sliding_window, last)
+        m_ahead, z_ahead, u_ahead = partial(tables, keep)
+        merged = merge_two(Partial(m[..., 0], z[..., 0], u), Partial(m_ahead[..., 0], z_ahead[..., 0], u_ahead))
+        z, u = merged.z[..., None], merged.u
     o = jnp.where(z > 0, u / jnp.where(z > 0, z, 1.0), 0.0)  # [NT, Hkv, G, tq, D]
     o = o.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tq, num_q_heads, head_dim)
     out = o[jnp.clip(token_slot, 0, num_tiles * tq - 1)]
@@ -315,7 +349,8 @@ def ragged_paged_attention_xla(q: jax.Array,  # [total_q_tokens, num_q_heads, he
                                *, scale: float | None = None, sliding_window: int | None = None,
                                logits_soft_cap: float | None = None,
                                k_scales: jax.Array | None = None,  # [num_kv_heads, num_blocks, block_size]
-                               v_scales: jax.Array | None = None, q_tile: int = 16) -> jax.Array:
+                               v_scales: jax.Array | None = None, q_tile: int = 16,
+                               attend_until: jax.Array | None = None) -> jax.Array:  # i32[total_q_tokens]
     """XLA gather path for ragged attention: same contract as `ragged_paged_attention`, K/V in q's dtype
     (8-bit pages dequantized into it right after the gather), float32 accumulation.
 
@@ -324,12 +359,16 @@ def ragged_paged_attention_xla(q: jax.Array,  # [total_q_tokens, num_q_heads, he
     * block_size, head_dim]` with num_tiles <= total_q_tokens / q_tile + num_seqs, not one copy per query.
     With a window W a tile gathers only `min(max_blocks_per_seq, cdiv(q_tile + W - 2, block_size) + 1)`
     pages, from the one holding its first row's first visible position: table entries of pages before
-    every row's window are never read.
+    every row's window are never read. With a window and `attend_until` a row may see ahead of those pages, up to
+    its sequence's last position: the pages after them, up to `min(max_blocks_per_seq, cdiv(total_q_tokens + W -
+    2, block_size) + 1)` in all, are gathered apart and their partial merged exactly (`merge.merge_two`), so
+    that with every bound at or below its row's position the result is `None`'s, bit for bit.
     """
     V.check_positive_int("q_tile", q_tile)
     variants = _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales)
-    return _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, scale=scale,
-                       q_tile=q_tile, **variants)
+    V.check_attend_until(attend_until, q.shape[0])
+    return _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until,
+                       scale=scale, q_tile=q_tile, **variants)
 
 
 # ---- multi-head latent attention (MLA, DeepSeek V2/V3) ------------------------------------------------------

@@ -1,7 +1,7 @@
 """Tiling arithmetic and ragged tile metadata shared by the GPU (Triton) and TPU (Mosaic) kernels and the XLA
 paths: powers of two and ceiling division, the page span a program walks under a sliding window, the query
-tiles of a ragged batch (`tile_metadata`, `default_block_q`), the kernel-name suffix of the variants, and the
-float32 matmul precision and -inf of both kernels' online softmax.
+tiles of a ragged batch (`tile_metadata`, `default_block_q`) and their bounds under `attend_until` (`tile_bounds`),
+the kernel-name suffix of the variants, and the float32 matmul precision and -inf of both kernels' online softmax.
 
 Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_attention` are the entry points.
 """
@@ -54,11 +54,13 @@ def window_pages(sliding_window: int | None, span: int, max_blocks_per_seq: int,
     return min(max_blocks_per_seq, cdiv(span + sliding_window - 2, block_size) + 1)
 
 
-def variant_suffix(sliding_window: int | None, logits_soft_cap: float | None, page_dtype) -> str:
+def variant_suffix(sliding_window: int | None, logits_soft_cap: float | None, page_dtype,
+                   attend_until: bool = False) -> str:
     """Kernel-name suffix naming the variants in use (profiles tell the variants apart)."""
     parts = ["window"] if sliding_window is not None else []
     parts += ["softcap"] if logits_soft_cap is not None else []
     parts += [jnp.dtype(page_dtype).name] if is_quantized(page_dtype) else []
+    parts += ["until"] if attend_until else []
     return "".join(f"_{part}" for part in parts)
 
 
@@ -105,6 +107,25 @@ def tile_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, num_tokens: int, blo
     pos0 = kv[seg] - q_lens[seg] + j * block_q
     table_row = jnp.minimum(seg, num_seqs - 1)
     return jnp.stack([table_row, row0, rows, pos0, kv[seg]], axis=1).astype(jnp.int32)
+
+
+def tile_bounds(meta: jax.Array, attend_until: jax.Array, block_q: int) -> tuple[jax.Array, jax.Array]:
+    """The key bounds of `tile_metadata`'s tiles under `attend_until` (int32 `[num_tokens]`, one per query row):
+    (last i32[num_tiles, block_q]: the last key position each tile slot's row may see, max(its position,
+    attend_until[row]), the position alone for slots past the tile's rows; ends i32[num_tiles]: the end of the
+    positions any row of the tile sees, min(kv length, 1 + its rows' largest last), 0 for a tile without rows).
+    A tile's largest bound may belong to any of its rows (an image span ending past the tile), so the kernels walk
+    to `ends`, not to their last row's position. With every attend_until <= its row's position, `ends` is the
+    causal end `clip(pos0 + rows, 0, kv length)` the kernels compute without it."""
+    num_tokens = attend_until.shape[0]
+    t = jnp.arange(block_q, dtype=jnp.int32)[None, :]
+    real = t < meta[:, 2:3]
+    pos = meta[:, 3:4] + t
+    until = attend_until[jnp.clip(meta[:, 1:2] + t, 0, num_tokens - 1)]
+    last = jnp.where(real, jnp.maximum(pos, until), pos)
+    # Clip to kv length - 1 before adding 1: a bound of int32's max must not overflow.
+    ends = jnp.max(jnp.where(real, jnp.minimum(last, meta[:, 4:5] - 1), -1), axis=1) + 1
+    return last.astype(jnp.int32), jnp.maximum(ends, 0).astype(jnp.int32)
 
 
 def decode_metadata(lengths: jax.Array, max_context: int) -> jax.Array:

@@ -7,6 +7,9 @@
   parallel.py     ParallelConfig: tensor / data parallelism
   quant.py        QuantConfig: weight-only quantized linears and experts
   moe.py          MoEConfig: mixture-of-experts routing and its computation
+  multimodal.py   ImageSpec: a model's image placeholders (ModelSpec.images)
+  vision.py       VisionConfig, LlavaConfig, Gemma3VisionConfig: the vision-language models (an image encoder, a
+                  projector, a ModelConfig language model)
   deepseek.py     DeepSeekConfig, DeepSeekMoEConfig, DeepSeekIndexerConfig: the DeepSeek V2 / V3 / V3.2 family (MLA,
                   YaRN, DeepSeek's routers, V3.2's sparse-attention indexer)
   speculative.py  SpeculativeConfig: speculative decoding's method and proposal length
@@ -24,6 +27,7 @@ from pagedjax.config.kv_spec import FullAttention, IndexedSparse, KVLayerSpec, L
 from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.model import ModelConfig, ModelSpec
 from pagedjax.config.moe import MoEConfig
+from pagedjax.config.multimodal import ImageSpec
 from pagedjax.config.parallel import ParallelConfig
 from pagedjax.config.quant import QuantConfig
 from pagedjax.config.sampling import SamplingDefaults
@@ -32,6 +36,6 @@ from pagedjax.config.speculative import SpeculativeConfig
 from pagedjax.config.structured import StructuredLimits
 
 __all__ = ["KV_DTYPES", "CacheConfig", "DeepSeekConfig", "DeepSeekIndexerConfig", "DeepSeekMoEConfig", "EngineConfig",
-           "FullAttention", "IndexedSparse", "KVLayerSpec", "LatentAttention", "LoRAConfig", "ModelConfig", "ModelSpec",
-           "MoEConfig", "ParallelConfig", "QuantConfig", "SamplingDefaults", "SchedulerConfig", "SpeculativeConfig",
-           "StructuredLimits", "kv_cache_bytes"]
+           "FullAttention", "ImageSpec", "IndexedSparse", "KVLayerSpec", "LatentAttention", "LoRAConfig", "ModelConfig",
+           "ModelSpec", "MoEConfig", "ParallelConfig", "QuantConfig", "SamplingDefaults", "SchedulerConfig",
+           "SpeculativeConfig", "StructuredLimits", "kv_cache_bytes"]

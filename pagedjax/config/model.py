@@ -14,6 +14,7 @@ from pagedjax.config.cache import DTYPE_BYTES
 from pagedjax.config.fields import check_bool, check_choice, check_float, check_int, describe
 from pagedjax.config.kv_spec import KV_LAYER_SPECS, FullAttention, KVLayerSpec, LatentAttention
 from pagedjax.config.moe import MoEConfig
+from pagedjax.config.multimodal import ImageSpec
 from pagedjax.config.quant import QuantConfig
 
 # RoPE scaling types pagedjax computes exactly, each with the parameters it needs (besides "rope_type"). This is
@@ -129,6 +130,11 @@ class ModelSpec:
     `head_dim` are None; `sliding_windows` lists every layer's window, None for latent layers). `num_q_heads`
     query heads read each layer; pages are stored in the model's `dtype` (or `CacheConfig.kv_dtype`). Every field
     is checked on construction (TypeError / ValueError naming it). `hidden_size` only tunes CPU compile options.
+
+    `images`: None for a text-only model, else an `ImageSpec` (`pagedjax.config.multimodal`): the placeholder token
+    whose embeddings an image's features replace (one of the vocabulary), how many one image takes, the pixel
+    size the model encodes, and whether an image's placeholders attend to each other both ways. A model declaring
+    it has `encode_images` and takes `images=` in its call (`pagedjax.model.api`).
     """
 
     vocab_size: int
@@ -143,6 +149,7 @@ class ModelSpec:
     bos_token_id: int | None = None
     hidden_size: int | None = None
     kv_layers: tuple[KVLayerSpec, ...] | None = None
+    images: ImageSpec | None = None
 
     def __post_init__(self) -> None:
         owner = "ModelSpec"
@@ -174,6 +181,12 @@ class ModelSpec:
                 where = "num_kv_heads" if self.num_kv_heads is not None else f"kv_layers[{i}].num_kv_heads"
                 raise ValueError(f"{owner}.num_q_heads ({self.num_q_heads}) must be a multiple of {where} "
                                  f"({layer.num_kv_heads})")
+        if self.images is not None:
+            if not isinstance(self.images, ImageSpec):
+                raise TypeError(f"{owner}.images must be None or a pagedjax.ImageSpec, got {describe(self.images)}")
+            if self.images.image_token_id >= self.vocab_size:
+                raise ValueError(f"{owner}.images.image_token_id ({self.images.image_token_id}) must be a token of the "
+                                 f"vocabulary (< vocab_size = {self.vocab_size})")
 
     def _check_kv_layers(self, windows) -> None:
         """`kv_layers` given: one spec per layer, and the shorthand fields, where given, agreeing with it (set
@@ -224,6 +237,8 @@ class ModelSpec:
             changes = {"kv_layers": None, **changes}
         elif "kv_layers" in changes:
             changes = {"num_kv_heads": None, "head_dim": None, "sliding_windows": None, **changes}
+        else:  # the layers kept as they are: their windows are declared there, not again as sliding_windows
+            changes = {"sliding_windows": None, **changes}
         return dataclasses.replace(self, **changes)
 
 

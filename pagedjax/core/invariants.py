@@ -21,7 +21,8 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
     (`mid_step`: at least); every
     block's ref_cnt is the number of requests holding it (+1 while lent), so none is lost or doubly
     owned; a block shared by two requests holds the same computed tokens for both (full, unless they are
-    forks of one another sharing their partial last block)."""
+    forks of one another sharing their partial last block); the encoder cache holds at most its budget of image
+    features, and only running requests need any."""
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
     bs = scheduler.block_size
@@ -45,6 +46,11 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
                 f"waiting {r.request_id} holds KV")
     holders = kv.holders()
     require(set(holders) <= set(running_ids), "a request that is not running holds blocks")
+    if scheduler.encoder_cache is not None:  # image features: within budget, needed only by running requests
+        try:
+            scheduler.encoder_cache.check(set(running_ids))
+        except AssertionError as e:
+            require(False, f"encoder cache: {e}")
     for r in scheduler.running:
         require(r.status is RequestStatus.RUNNING, f"{r.request_id} runs as {r.status}")
         held, need = kv.num_held_blocks(r.request_id), cdiv(r.num_computed_tokens, bs)

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 
 from pagedjax.config import CacheConfig
 from pagedjax.core.block_pool import BlockHash, BlockPool, ExtraKeys
+from pagedjax.core.images import overlapping
 from pagedjax.core.request import Request
 
 # A request's block-list entry for a logical block released out of the sliding window (see the module doc).
@@ -122,12 +123,17 @@ class KVCacheManager:
         return n
 
     def extra_keys(self, request: Request, block_index: int) -> ExtraKeys:
-        """Keys mixed into block `block_index`'s hash: the adapter in every block, the salt in the first."""
+        """Keys mixed into block `block_index`'s hash: the adapter in every block, the salt in the first, and the
+        content hash of each image whose placeholder tokens fall in the block."""
         keys: list[tuple[str, str]] = []
         if request.adapter_id is not None:
             keys.append(("adapter", str(request.adapter_id)))
         if block_index == 0 and request.cache_salt is not None:
             keys.append(("salt", str(request.cache_salt)))
+        if request.images:
+            start = block_index * self.block_size
+            images = overlapping(request.images, start, start + self.block_size)
+            keys.extend(("image", im.content_hash) for im in images)
         return tuple(keys)
 
     def block_hashes(self, request: Request) -> list[BlockHash]:

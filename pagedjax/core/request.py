@@ -8,6 +8,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagedjax.core.images import ImageInput
 from pagedjax.outputs import TokenLogprobs
 from pagedjax.sampling_params import SamplingParams
 
@@ -41,6 +42,9 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None  # tenants with different salts never share prefix blocks
     adapter_id: str | None = None  # part of every block hash: blocks of different adapters never match
+    # The prompt's images in prompt order (`pagedjax.core.images`): each one's content hash is part of the hash of
+    # every block its placeholder tokens touch, and its features replace those tokens' embeddings.
+    images: tuple[ImageInput, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hits when first scheduled; -1 until then
@@ -206,6 +210,6 @@ def make_sample(group: SampleGroup, index: int) -> Request:
                                  seed=None if p.seed is None else p.seed + index)
     return Request(request_id=sample_id(r.request_id, index), prompt_token_ids=r.prompt_token_ids,
                    sampling_params=params, eos_token_ids=r.eos_token_ids, cache_salt=r.cache_salt,
-                   adapter_id=r.adapter_id, group=group, sample_index=index,
+                   adapter_id=r.adapter_id, images=r.images, group=group, sample_index=index,
                    logprobs=[] if params.logprobs is not None else None,
                    constrained=r.constrained)

@@ -13,6 +13,12 @@ preempted (by recompute: it releases every block, `num_computed_tokens` drops to
 and it goes to the front of the waiting queue; its released blocks stay findable in the prefix cache).
 No waiting request is admitted in a step that preempted.
 
+Images (a vision-language model): a request's chunk encodes the images whose placeholder tokens it reaches and
+whose features are not cached (`pagedjax.core.encoder_cache`), within the step's `max_num_encoder_tokens`; a chunk
+whose next image does not fit that budget (or the encoder cache) stops before the image, which waits for a later
+step. With bidirectional image attention (Gemma 3: an image's tokens attend to each other both ways), a chunk
+never ends inside an image: its tokens are computed in one step.
+
 LoRA (`max_loras`): running requests use at most `max_loras` distinct adapters (`adapter_id`), so every step,
 a fused decode of all of them included, fits the device's adapter slots. A waiting request of an adapter no
 running request uses, while that many are in use, is skipped (it waits; later requests of adapters in use may
@@ -61,6 +67,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedjax.config import CacheConfig, SchedulerConfig
+from pagedjax.core.encoder_cache import EncoderCacheManager
+from pagedjax.core.images import ImageInput, check_images, overlapping
 from pagedjax.core.invariants import check_scheduler_invariants
 from pagedjax.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedjax.core.memory_stats import KVMemoryStats, kv_memory_stats
@@ -98,11 +106,14 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, *,
-                 sliding_window: int | None = None, max_loras: int | None = None) -> None:
+                 sliding_window: int | None = None, max_loras: int | None = None, images: int | None = None,
+                 bidirectional_images: bool = False) -> None:
         """`sliding_window`: the model's `kv_window` (no layer reads positions older than p - window from
         position p; None when some layer attends globally): running requests release blocks that fell out of
         it after each step. `max_loras`: the most distinct adapters running requests may use (None: no limit;
-        see the module's docstring)."""
+        see the module's docstring). `images`: requests may carry images of this many placeholder tokens each
+        (`scheduler_config`'s encoder budgets resolved: `SchedulerConfig.resolve_images`), whose tokens attend to each
+        other both ways where `bidirectional_images`."""
         if scheduler_config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len is None: resolve it first "
                              "(SchedulerConfig.resolve(max_position_embeddings))")
@@ -116,6 +127,15 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, SampleGroup] = {}  # multi-sample requests by the caller's id
         self.max_loras = max_loras
+        self.encoder_cache: EncoderCacheManager | None = None
+        self.tokens_per_image = images
+        if images is not None:
+            if scheduler_config.encoder_cache_tokens is None or scheduler_config.max_num_encoder_tokens is None:
+                raise ValueError("SchedulerConfig's image budgets are None: resolve them first "
+                                 "(SchedulerConfig.resolve_images(tokens_per_image))")
+            self.encoder_cache = EncoderCacheManager(scheduler_config.encoder_cache_tokens // images)
+        self.bidirectional_images = bidirectional_images
+        self._step_encodes: list[ImageInput] = []  # images the step being planned encodes
         self.num_preemptions = 0
         self.num_steps = 0
         self._pending_fused: StepPlan | None = None  # a fused decode not yet reconciled
@@ -157,6 +177,8 @@ class Scheduler:
                 or request.output_token_ids):
             raise ValueError(f"request {rid!r}: not a fresh request (status {request.status.value}, "
                              f"{request.num_computed_tokens} computed, {request.num_output_tokens} outputs)")
+        if request.images:
+            self._check_images(request)
         kv = self.kv_cache_manager
         chunk = self.scheduler_config.max_num_batched_tokens
         need = kv.max_blocks_held(self.max_kv_tokens(request), chunk)
@@ -165,6 +187,25 @@ class Scheduler:
                 f" at once (its {kv.sliding_window}-token sliding window and a step of up to {chunk} tokens)"
             raise ValueError(f"request {rid!r}: its prompt and max_tokens may need {need} blocks of {self.block_size}"
                              f" tokens{why}, more than the whole pool of {kv.num_blocks} blocks")
+
+    def _check_images(self, request: Request) -> None:
+        rid = request.request_id
+        if self.encoder_cache is None:
+            raise ValueError(f"request {rid!r}: this model takes no images")
+        check_images(request.images, request.num_prompt_tokens)
+        cfg = self.scheduler_config
+        for i, im in enumerate(request.images):
+            if im.length != self.tokens_per_image:
+                raise ValueError(f"request {rid!r}: image {i} has {im.length} placeholder tokens; this model's images "
+                                 f"take {self.tokens_per_image}")
+            if self.bidirectional_images and im.length > cfg.max_num_batched_tokens:
+                raise ValueError(f"request {rid!r}: image {i}'s {im.length} tokens attend to each other, so they run "
+                                 f"in one step, but max_num_batched_tokens is {cfg.max_num_batched_tokens}")
+        last = request.images[-1]
+        if (self.bidirectional_images and request.sampling_params.num_samples > 1
+                and last.offset < request.num_prompt_tokens - 1 < last.end):
+            # its samples fork after the prompt's last token but one, which would split the image's tokens
+            raise ValueError(f"request {rid!r}: n / best_of > 1 with a prompt that ends inside an image's tokens")
 
     @property
     def max_request_tokens(self) -> int:
@@ -194,7 +235,8 @@ class Scheduler:
         params = request.sampling_params
         prefill = Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids[:-1],
                           sampling_params=params, eos_token_ids=request.eos_token_ids,
-                          cache_salt=request.cache_salt, adapter_id=request.adapter_id, group=group,
+                          cache_salt=request.cache_salt, adapter_id=request.adapter_id, images=request.images,
+                          group=group,
                           prefill_only=True, constrained=request.constrained,
                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self._register(prefill)
@@ -222,6 +264,7 @@ class Scheduler:
         self.running[i:i + 1] = placed
         self.waiting.extendleft(reversed(group.samples[room:]))
         kv.free(prefill)
+        self._release_images(prefill)
         del self.requests[prefill.request_id]
         prefill.status = RequestStatus.FINISHED_STOPPED  # done; never reported (the group is)
         for sample in group.samples:
@@ -240,9 +283,10 @@ class Scheduler:
                              "requests are running")
         if child.request_id in self.requests or child.request_id in self.groups:
             raise ValueError(f"duplicate request id {child.request_id!r}")
-        if (child.adapter_id, child.cache_salt) != (source.adapter_id, source.cache_salt):
-            raise ValueError(f"a fork of {source_id!r} must keep its adapter_id and cache_salt (its blocks' hash "
-                             "keys)")
+        if ((child.adapter_id, child.cache_salt, [im.content_hash for im in child.images])
+                != (source.adapter_id, source.cache_salt, [im.content_hash for im in source.images])):
+            raise ValueError(f"a fork of {source_id!r} must keep its adapter_id, cache_salt and images (its blocks' "
+                             "hash keys)")
         self.kv_cache_manager.fork(source, child)
         child.num_computed_tokens = source.num_computed_tokens
         child.num_cached_tokens = max(source.num_cached_tokens, 0)
@@ -314,6 +358,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request)
+        self._release_images(request)
         request.draft_token_ids.clear()
         del self.requests[request.request_id]
         request.status = status
@@ -352,6 +397,8 @@ class Scheduler:
         Requests aborted or finished since are skipped. Returns the requests that failed.
         """
         self._check_no_pending_fused()
+        if self.encoder_cache is not None:  # the step's images may not have been encoded
+            self.encoder_cache.clear()
         live = [self.requests[rid] for rid in request_ids if rid in self.requests]
         if len(request_ids) == 1 and live:
             request = live[0]
@@ -369,6 +416,8 @@ class Scheduler:
         """The device lost the KV cache (e.g. a failed step after the cache was donated): every running
         request is preempted (recomputed later) and the prefix cache forgets every block."""
         self._check_no_pending_fused()
+        if self.encoder_cache is not None:
+            self.encoder_cache.clear()
         while self.running:
             self._preempt(self.running.pop())  # newest first: the oldest ends at the front of the queue
         if not self.kv_cache_manager.reset_prefix_cache():
@@ -385,6 +434,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self._release_images(request)
         request.num_computed_tokens = 0
         request.draft_token_ids.clear()
         request.status = RequestStatus.PREEMPTED
@@ -458,6 +508,8 @@ class Scheduler:
         running = self.running
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        self._step_encodes = []
+        encoder_budget = cfg.max_num_encoder_tokens or 0
 
         i = 0
         while i < len(running) and budget > 0:
@@ -469,7 +521,9 @@ class Scheduler:
             assert gap > 0, f"running request {request.request_id!r} has nothing to compute"
             self._drop_drafts(request, max(0, budget - gap))  # proposals only where the budget has room
             n = min(gap + len(request.draft_token_ids), budget)
-            if n < gap and not chunked:
+            if request.images:
+                n = self._image_cut(request, request.num_computed_tokens, n, encoder_budget)
+            if n == 0 or (n < gap and not chunked):
                 i += 1
                 continue
             new_blocks = kv.allocate_slots(request, n)
@@ -492,6 +546,8 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, n)
             if new_blocks is None:
                 break  # it preempted itself; it was the last running request
+            if request.images:
+                encoder_budget -= self._claim_images(request, request.num_computed_tokens, n)
             scheduled.append((request, n))
             budget -= n
             i += 1
@@ -522,10 +578,17 @@ class Scheduler:
                     continue
                 gap = request.num_tokens - num_hit_tokens
                 n = min(gap, budget)
+                if request.images:
+                    n = self._image_cut(request, num_hit_tokens, n, encoder_budget)
+                    if n == 0:  # its next image waits for a step with room in the encoder budget
+                        skipped = True
+                        continue
                 if n < gap and not chunked:
                     break
                 if kv.allocate_slots(request, n, hit_blocks) is None:
                     break
+                if request.images:
+                    encoder_budget -= self._claim_images(request, num_hit_tokens, n)
                 admitted.add(request.request_id)
                 adapters.add(request.adapter_id)
                 self._admit(request, num_hit_tokens)
@@ -544,6 +607,60 @@ class Scheduler:
         return self._plan(scheduled, preempted_request_ids=[r.request_id for r in preempted],
                           draft_token_ids=drafts or None)
 
+    def _image_cut(self, request: Request, start: int, n: int, encoder_budget: int) -> int:
+        """How many of the `n` tokens from position `start` the request may run in this step for its images (see the
+        module's docstring): up to the first image whose features are not cached and do not fit the step's
+        remaining `encoder_budget` (feature rows) or the encoder cache, and, with bidirectional image attention,
+        never ending inside an image. Changes nothing."""
+        end = start + n
+        if self.bidirectional_images:
+            for im in overlapping(request.images, start, end):
+                if end < im.end:  # it would end inside this image: stop before it (or, started inside, not run)
+                    end = max(start, im.offset)
+                    break
+        cache = self.encoder_cache
+        planned = {im.content_hash for im in self._step_encodes}
+        reused: set[str] = set()  # cached images this chunk needs: they must stay
+        new = 0
+        for im in overlapping(request.images, start, end):
+            if cache.is_cached(im.content_hash):
+                reused.add(im.content_hash)
+                if cache.can_add(new, keep=reused):
+                    continue
+            elif im.content_hash in planned:
+                continue
+            elif (new + 1) * im.length <= encoder_budget and cache.can_add(new + 1, keep=reused):
+                new += 1
+                planned.add(im.content_hash)
+                continue
+            end = max(start, im.offset)
+            break
+        return end - start
+
+    def _claim_images(self, request: Request, start: int, n: int) -> int:
+        """The request's images met by its `n` tokens from `start` (as `_image_cut` allowed) are needed by it; those
+        not cached are encoded in this step. Returns the feature rows this adds to the step's encoding."""
+        cache = self.encoder_cache
+        rows = 0
+        for im in overlapping(request.images, start, start + n):
+            if cache.is_cached(im.content_hash):
+                cache.reference(im.content_hash, request.request_id)
+            else:
+                cache.add(im.content_hash, request.request_id)
+                self._step_encodes.append(im)
+                rows += im.length
+        return rows
+
+    def _release_images(self, request: Request, *, keep_started: bool = False) -> None:
+        """The request no longer needs the features of its images (`keep_started`: but those its computed tokens
+        end inside, whose remaining placeholders a later step computes; an image further ahead is encoded again
+        if it was dropped meanwhile, so that holding it never blocks the images before it)."""
+        if self.encoder_cache is None or not request.images:
+            return
+        n = request.num_computed_tokens
+        inside = {im.content_hash for im in request.images if im.offset < n < im.end} if keep_started else set()
+        self.encoder_cache.release(request.request_id, {im.content_hash for im in request.images} - inside)
+
     def _running_adapters(self) -> set[str | None]:
         return {r.adapter_id for r in self.running}
 
@@ -561,18 +678,27 @@ class Scheduler:
         for r in self.running:
             self._drop_drafts(r)
         hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-        n = min(request.num_tokens - num_hit_tokens, self.scheduler_config.max_num_batched_tokens)
+        cfg = self.scheduler_config
+        n = min(request.num_tokens - num_hit_tokens, cfg.max_num_batched_tokens)
         preempted: list[Request] = []
-        while len(self.running) >= self.scheduler_config.max_num_seqs or (
-                self.running and not self._adapter_fits(request, self._running_adapters())):
-            preempted.append(self.running.pop())
+        self._step_encodes = []
+        while len(self.running) >= cfg.max_num_seqs or (
+                self.running and not self._adapter_fits(request, self._running_adapters())) or (
+                request.images and self.running
+                and self._image_cut(request, num_hit_tokens, n, cfg.max_num_encoder_tokens) == 0):
+            preempted.append(self.running.pop())  # (the running requests' images pin the encoder cache)
             self._preempt(preempted[-1])
+        if request.images:
+            n = self._image_cut(request, num_hit_tokens, n, cfg.max_num_encoder_tokens)
+            assert n > 0, "an image that fits no idle encoder cache was admitted (a bug)"
         while kv.allocate_slots(request, n, hit_blocks) is None:
             if not self.running:
                 raise RuntimeError(f"request {request.request_id!r} does not fit an idle pool (a bug)")
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim)
+        if request.images:
+            self._claim_images(request, num_hit_tokens, n)
         self._admit(request, num_hit_tokens)
         self.num_steps += 1
         return self._plan([(request, n)], preempted_request_ids=[r.request_id for r in preempted])
@@ -644,8 +770,13 @@ class Scheduler:
     def _plan(self, scheduled: list[tuple[Request, int]], **kwargs) -> StepPlan:
         kv = self.kv_cache_manager
         block_ids = {r.request_id: kv.get_block_ids(r.request_id) for r, _ in scheduled}
-        return build_step_plan(scheduled, block_ids, self.block_size, block_copies=kv.take_block_copies(),
-                               **kwargs)
+        cache = self.encoder_cache
+        plan = build_step_plan(scheduled, block_ids, self.block_size, block_copies=kv.take_block_copies(),
+                               image_slots=None if cache is None else cache.slot_of, **kwargs)
+        if cache is not None:
+            plan.encode_images = [(im, cache.slot_of(im.content_hash)) for im in self._step_encodes]
+            self._step_encodes = []
+        return plan
 
     # -- results ---------------------------------------------------------------------------------------
 
@@ -727,6 +858,7 @@ class Scheduler:
             else:
                 kv.release_past_computed(request)
                 kv.release_out_of_window(request)
+                self._release_images(request, keep_started=True)
         if plan.fused is not None:
             kv.return_lent_blocks([b for b in plan.fused.lent_block_ids.tolist() if b not in claimed])
             self._pending_fused = None
@@ -734,6 +866,7 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
             for request in finished:
                 kv.free(request)
+                self._release_images(request)
                 del self.requests[request.request_id]
                 self._forget_finished_group(request)
         for request in prefilled:

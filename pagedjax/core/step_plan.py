@@ -10,11 +10,12 @@ mapping), the way nano-vllm's model runner `prepare_*` does, but on the host and
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedjax.core.images import ImageInput, ImageSegment, step_segments
 from pagedjax.core.request import Request
 
 _EMPTY_I32 = np.zeros((0,), np.int32)
@@ -50,6 +51,10 @@ class StepPlan:
     num_drafts: np.ndarray | None = None
     # Several decode steps in one device call (every sequence a decode; see `FusedDecode`); None for one step
     fused: FusedDecode | None = None
+    # Images (`pagedjax.core.images`): which step tokens take which rows of which image's features (in which
+    # encoder cache slot), and the images whose features this step computes first, into their slots
+    image_segments: list[ImageSegment] = field(default_factory=list)
+    encode_images: list[tuple[ImageInput, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -123,7 +128,8 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
                     block_size: int, *, preempted_request_ids: Sequence[str] = (), min_width: int = 0,
                     allow_missing_blocks: bool = False,
                     block_copies: Sequence[tuple[int, int]] = (),
-                    draft_token_ids: Mapping[str, Sequence[int]] | None = None) -> StepPlan:
+                    draft_token_ids: Mapping[str, Sequence[int]] | None = None,
+                    image_slots: Callable[[str], int] | None = None) -> StepPlan:
     """The step that advances each `(request, num_tokens)` of `scheduled` by `num_tokens` tokens from its
     `num_computed_tokens`, through the blocks `block_ids[request_id]` it holds (in logical order).
 
@@ -132,7 +138,7 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
     (a fused decode's step 1 may pop its block on device), every token must have a block.
     `draft_token_ids[request_id]`: proposed tokens that follow a decoding request's last known token in its query
     (`num_tokens` counts them: a request scheduled with `1 + len(drafts)` tokens); the plan's `num_drafts` says how
-    many each sequence carries.
+    many each sequence carries. `image_slots`: each cached image's encoder cache slot (requests with images).
     """
     if not scheduled:
         if block_copies:
@@ -152,8 +158,11 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
     tokens: list[int] = []
     rows: list[Sequence[int]] = []
     drafts_list: list[int] = []
+    segments: list[ImageSegment] = []
     for r, k in order:
         s = r.num_computed_tokens
+        if r.images:
+            segments += step_segments(r.images, s, k, len(tokens), image_slots)
         drafts = draft_token_ids.get(r.request_id, ()) if draft_token_ids else ()
         request_ids.append(r.request_id)
         q_list.append(k)
@@ -198,7 +207,7 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
         slot_mapping=slot_mapping, emits_token=kv_lens == np.array(known_list, np.int32),
         preempted_request_ids=list(preempted_request_ids), num_decodes=num_decodes,
         block_copies=np.array(block_copies, np.int32).reshape(-1, 2),
-        num_drafts=np.array(drafts_list, np.int32) if draft_token_ids else None)
+        num_drafts=np.array(drafts_list, np.int32) if draft_token_ids else None, image_segments=segments)
 
 
 def device_pop_step(block_tables: np.ndarray, seq_lens: np.ndarray, active: np.ndarray,

@@ -31,12 +31,16 @@ class AttentionMetadata(NamedTuple):
     block_tables: `[num_seqs, max_blocks_per_seq]`
     kv_lens:      `[num_seqs]`, context length including this step's tokens; 0 for padding sequences
     cu_q_lens:    `[num_seqs + 1]`, query offsets; padding sequences have q_len 0
+    attend_until: None (causal), or `[num_tokens]`: token t also sees the keys up to position attend_until[t]
+                  where that is past its own (an image's tokens attend to each other both ways, Gemma 3;
+                  full-attention layers of ragged steps only, see `pallas_kernels.ragged_paged_attention`)
     """
 
     slot_mapping: jax.Array
     block_tables: jax.Array
     kv_lens: jax.Array
     cu_q_lens: jax.Array
+    attend_until: jax.Array | None = None
 
 
 def resolve_backend(backend: str) -> str:
@@ -50,6 +54,12 @@ def resolve_backend(backend: str) -> str:
         logger.warning("attention backend 'pallas' without a GPU or TPU runs the kernels in interpret mode: exact but "
                        "slow, meant for tests; use 'xla' (or 'auto') to serve on %s", jax.default_backend())
     return backend
+
+
+def _check_causal(meta: AttentionMetadata, kind: str) -> None:
+    if meta.attend_until is not None:
+        raise ValueError(f"{kind} attention is causal only: attend_until (bidirectional image tokens) is for "
+                         "full-attention layers")
 
 
 def paged_attention(q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
@@ -67,18 +77,21 @@ def paged_attention(q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
         q = q.astype(layer.k.dtype)
     variants = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                     k_scales=layer.k_scales, v_scales=layer.v_scales)
+    if decode_only and meta.attend_until is not None:
+        raise ValueError("attend_until is for ragged steps: a decode token attends causally")
+    ragged = dict(variants, attend_until=meta.attend_until)
     if backend == "pallas":  # target "auto", interpret=None: Triton on GPU, Mosaic on TPU, interpreted elsewhere
         if decode_only:
             return pallas_kernels.paged_attention(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
                                                   interpret=None, **variants)
         return pallas_kernels.ragged_paged_attention(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
-                                                     meta.cu_q_lens, interpret=None, **variants)
+                                                     meta.cu_q_lens, interpret=None, **ragged)
     if backend == "xla":
         if decode_only:
             return pallas_kernels.paged_attention_xla(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
                                                       **variants)
         return pallas_kernels.ragged_paged_attention_xla(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
-                                                         meta.cu_q_lens, **variants)
+                                                         meta.cu_q_lens, **ragged)
     raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
 
 
@@ -90,6 +103,7 @@ def latent_attention(q_latent: jax.Array,  # [num_tokens, num_heads, kv_lora_ran
     head h scores token t as `scale * (q_latent[h] . c_kv[t] + q_rope[h] . k_rope[t])` and returns the
     softmax-weighted sum of c_kv, `[num_tokens, num_heads, kv_lora_rank]` (in latent space: the model applies its
     value up-projection). `decode_only`, float / 8-bit pages and the dtype of the result: as `paged_attention`."""
+    _check_causal(meta, "latent")
     if not is_quantized(layer.pages.dtype):
         q_latent, q_rope = q_latent.astype(layer.pages.dtype), q_rope.astype(layer.pages.dtype)
     args = (q_latent, q_rope, layer.pages, meta.block_tables, meta.kv_lens)
@@ -119,6 +133,7 @@ def sparse_attention(q_latent: jax.Array,  # [num_tokens, num_heads, kv_lora_ran
 
     The scores of a step are float32 `[num_tokens, max_blocks_per_seq * block_size]`: one row per query token
     over its sequence's table (the engine's step sizes keep that small next to the pages)."""
+    _check_causal(meta, "sparse")
     if not is_quantized(layer.pages.dtype):
         q_latent, q_rope = q_latent.astype(layer.pages.dtype), q_rope.astype(layer.pages.dtype)
     if not is_quantized(layer.index_keys.dtype):

@@ -174,7 +174,7 @@ def _advance(engine: LLMEngine, beams: list[_Beam], complete: list[_Beam], param
         else:
             child = Request(request_id=f"{r.request_id}.{next(fork_ids)}", prompt_token_ids=r.prompt_token_ids,
                             sampling_params=r.sampling_params, eos_token_ids=r.eos_token_ids,
-                            cache_salt=r.cache_salt, adapter_id=r.adapter_id,  # its blocks' hash keys: r's
+                            cache_salt=r.cache_salt, adapter_id=r.adapter_id, images=r.images,  # r's hash keys
                             output_token_ids=list(beam.tokens), hold=True, logprobs=[], constrained=r.constrained)
             owned.append(child)
             sched.fork(r.request_id, child)

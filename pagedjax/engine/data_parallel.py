@@ -27,7 +27,7 @@ from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
 from pagedjax.model.loading.generation_config import folder_sampling_defaults
-from pagedjax.model.loading.loader import load_engine_model
+from pagedjax.model.loading.loader import folder_image_processor, load_engine_model
 from pagedjax.outputs import RequestOutput
 from pagedjax.parallel.mesh import replica_meshes
 from pagedjax.runner.weights import checked_leaves
@@ -53,6 +53,7 @@ def combined_stats(replicas: Sequence[EngineStats], requests_per_replica: Sequen
         compilations=total("compilations"), programs_loaded=total("programs_loaded"),
         compiled_programs=total("compiled_programs"),
         stand_in_steps=total("stand_in_steps"), warmup_s=slowest("warmup_s"),
+        images_encoded=total("images_encoded"), encoder_s=slowest("encoder_s"),
         scheduler=scheduler, replicas=tuple(replicas),
         requests_per_replica=tuple(requests_per_replica))
 
@@ -90,6 +91,7 @@ class DataParallelEngine:
         a `quantization`), then copied."""
         weights, tokenizer = load_engine_model(path, dtype, parallel_config, devices, quantization)
         kwargs.setdefault("tokenizer", tokenizer)
+        kwargs.setdefault("image_processor", folder_image_processor(path, weights))
         if kwargs.get("sampling_defaults") is None:
             kwargs["sampling_defaults"] = folder_sampling_defaults(path)
         return cls(cache_config=cache_config, scheduler_config=scheduler_config, **weights,
@@ -116,7 +118,7 @@ class DataParallelEngine:
                                            **engine_kwargs))
         first = self.replicas[0]
         self.model_config, self.model_spec = first.model_config, first.model_spec
-        self.tokenizer = first.tokenizer
+        self.tokenizer, self.image_processor = first.tokenizer, first.image_processor
         self.cache_config, self.scheduler_config = first.cache_config, first.scheduler_config
         self._owner: dict[str, tuple[int, int]] = {}  # unfinished request id -> (replica, outstanding tokens)
         self._load = [0] * len(self.replicas)

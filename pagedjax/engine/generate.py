@@ -10,7 +10,8 @@ from pagedjax.config.fields import is_int
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import LoRARequest, SamplingParams
 
-_PROMPT_SHAPES = "a str, bytes, a list of token ids, a dict {'prompt': ...} or {'prompt_token_ids': ...}"
+_PROMPT_SHAPES = ("a str, bytes, a list of token ids, a dict {'prompt': ...} or {'prompt_token_ids': ...} (with "
+                  "'multi_modal_data' for images)")
 
 
 def batch_of_prompts(prompts) -> list:
@@ -41,7 +42,10 @@ def _one_prompt(prompt, where: str):
             return prompt["prompt"]
         if keys == ["prompt_token_ids"] and not isinstance(prompt["prompt_token_ids"], (str, bytes, dict)):
             return prompt["prompt_token_ids"]
-        raise TypeError(f"{where} must be {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, got a dict "
+        if "multi_modal_data" in keys:  # a prompt with images: the engine reads it whole (`engine.image_prompts`)
+            return prompt
+        raise TypeError(f"{where} must be {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}} (with "
+                        f"'multi_modal_data' for images), got a dict "
                         f"with keys {keys} and values of type "
                         f"{sorted({type(v).__name__ for v in prompt.values()})}")
     if isinstance(prompt, (str, bytes, Sequence, np.ndarray)):

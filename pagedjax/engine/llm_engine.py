@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pagedjax.compile_cache import enable_compile_cache
 from pagedjax.config import (
@@ -33,10 +33,12 @@ from pagedjax.config.fields import is_int
 from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.parallel import ParallelConfig, parallel_layout
 from pagedjax.config.sampling import SamplingDefaults
+from pagedjax.core.images import ImageInput
 from pagedjax.core.request import Request, RequestIds
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.engine.generate import generate_batch
+from pagedjax.engine.image_prompts import image_prompt
 from pagedjax.engine.output_processor import OutputProcessor, record_prompt_logprobs, record_token_logprob
 from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
@@ -45,7 +47,7 @@ from pagedjax.lora.manager import LoRAManager
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama
 from pagedjax.model.loading.generation_config import folder_sampling_defaults
-from pagedjax.model.loading.loader import engine_model, load_engine_model
+from pagedjax.model.loading.loader import engine_model, folder_image_processor, load_engine_model
 from pagedjax.outputs import RequestOutput
 from pagedjax.runner import weights
 from pagedjax.runner.inputs import StepInputs, step_inputs
@@ -118,7 +120,8 @@ class LLMEngine:
     def __init__(self, model_config: ModelConfig | None = None, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,
                  model=None, backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
-                 tokenizer=None, compile_cache: bool | str = True, parallel_config: ParallelConfig | None = None,
+                 tokenizer=None, image_processor=None, compile_cache: bool | str = True,
+                 parallel_config: ParallelConfig | None = None,
                  tensor_parallel_size: int | None = None, devices=None, max_compiled_programs: int = 64,
                  compile_in_background: bool = False, batch_invariant: bool = False,
                  speculative_config: SpeculativeConfig | None = None,
@@ -158,8 +161,19 @@ class LLMEngine:
         parallel_config = config.parallel_config
         draft = load_draft(config.speculative_config, spec, self.cache_config, self.seed, parallel_config)
         self.scheduler_config = config.scheduler_config.resolve(spec.max_position_embeddings)
+        images = spec.images
+        if images is not None:
+            self.scheduler_config = self.scheduler_config.resolve_images(images.tokens_per_image)
+            budget = self.scheduler_config.max_num_batched_tokens
+            if images.bidirectional and budget < images.tokens_per_image:
+                raise ValueError(f"SchedulerConfig.max_num_batched_tokens ({budget}) is below one image's "
+                                 f"{images.tokens_per_image} tokens, which this model computes in one step (they "
+                                 "attend to each other)")
+        elif image_processor is not None:
+            raise ValueError("LLMEngine: image_processor for a model that takes no images (ModelSpec.images)")
         self.decode_steps_per_call = config.decode_steps_per_call
         self.tokenizer = tokenizer
+        self.image_processor = image_processor
         mesh = None
         self.parallel_config = parallel_config
         if parallel_config is not None:
@@ -177,7 +191,9 @@ class LLMEngine:
             self._check_lora_serves(lora_config, mesh)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
                                    sliding_window=spec.kv_window,
-                                   max_loras=None if lora_config is None else lora_config.max_loras)
+                                   max_loras=None if lora_config is None else lora_config.max_loras,
+                                   images=None if images is None else images.tokens_per_image,
+                                   bidirectional_images=images is not None and images.bidirectional)
         self.output_processor = OutputProcessor(tokenizer)
         self.structured = StructuredOutputManager(ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids),
                                                   config.structured_limits)
@@ -185,7 +201,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=config.backend,
                                   mesh=mesh, max_programs=max_programs, compile_in_background=background,
-                                  lora=lora_config)
+                                  lora=lora_config, image_slots=None if images is None else
+                                  self.scheduler.encoder_cache.num_slots)
         self.lora = None if lora_config is None else LoRAManager(lora_config, self.model_config, self.runner)
         self.speculator = None if config.speculative_config is None else Speculator(
             config.speculative_config, None if draft is None else DraftProposer(
@@ -242,9 +259,11 @@ class LLMEngine:
         if sampling_defaults is None:
             sampling_defaults = folder_sampling_defaults(path)
         weights, folder_tokenizer = load_engine_model(path, dtype, parallel_config, devices, quantization)
+        image_processor = folder_image_processor(path, weights)
         return cls(cache_config=cache_config, scheduler_config=scheduler_config, **weights, seed=seed,
                    backend=backend, decode_steps_per_call=decode_steps_per_call,
-                   tokenizer=folder_tokenizer if tokenizer is None else tokenizer, compile_cache=compile_cache,
+                   tokenizer=folder_tokenizer if tokenizer is None else tokenizer, image_processor=image_processor,
+                   compile_cache=compile_cache,
                    parallel_config=parallel_config, devices=devices, max_compiled_programs=max_compiled_programs,
                    compile_in_background=compile_in_background, batch_invariant=batch_invariant,
                    speculative_config=speculative_config, structured_limits=structured_limits,
@@ -284,7 +303,8 @@ class LLMEngine:
         max_blocks = -(-(self.max_request_tokens + steps - 1) // bs)
         shapes = [self.runner.fixed_shape] if self.runner.fixed_shape is not None else warmup_shapes(
             max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs, max_blocks=max_blocks, block_size=bs,
-            decode_steps=steps, narrow=self.runner.backend == "xla")
+            decode_steps=steps, narrow=self.runner.backend == "xla", images=self.model_spec.images is not None,
+            attend_until=self.model_spec.images is not None and self.model_spec.images.bidirectional)
         if self.speculator is not None:
             shapes += self.speculator.warmup_shapes(shapes, sc)
         self.runner.warmup(shapes)
@@ -329,7 +349,7 @@ class LLMEngine:
         params = params.with_defaults(self.config.sampling_defaults)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"request {request_id!r}: cache_salt must be a str, got {type(cache_salt).__name__}")
-        tokens = self._encode(request_id, prompt)
+        tokens, images = self._encode(request_id, prompt)
         # The context; a prompt too long itself, or a request bigger than the KV pool, is the scheduler's error.
         limit = self.scheduler_config.max_model_len
         if len(tokens) < limit < len(tokens) + params.max_tokens:
@@ -362,7 +382,7 @@ class LLMEngine:
                           eos_token_ids=self.model_spec.eos_token_ids, cache_salt=cache_salt, adapter_id=adapter_id,
                           logprobs=[] if params.logprobs is not None else None,
                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                          constrained=constraint is not None)
+                          constrained=constraint is not None, images=images)
         self.scheduler.check_request(request)
         return PreparedRequest(request, constraint)
 
@@ -463,7 +483,8 @@ class LLMEngine:
         vocab = self.model_spec.vocab_size
         lora_slots = None if self.lora is None else self.lora.slots_for([r.adapter_id for r in requests])
         return step_inputs(plan, requests, vocab_size=vocab, engine_seed=self.seed,
-                           token_mask=self.structured.masks(requests, plan.emits_token, vocab), lora_slots=lora_slots)
+                           token_mask=self.structured.masks(requests, plan.emits_token, vocab), lora_slots=lora_slots,
+                           images=self.model_spec.images)
 
     def _run_step(self, plan: StepPlan) -> list[Request]:
         """One step of any kind: inputs, device, `Scheduler.update`, outputs, then the next step's proposals."""
@@ -549,13 +570,25 @@ class LLMEngine:
         """
         return generate_batch(self, prompts, sampling_params, use_tqdm, lora_request)
 
-    def _encode(self, request_id: str, prompt) -> list[int]:
-        if isinstance(prompt, (str, bytes)):
+    def _encode(self, request_id: str, prompt) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """(token ids, images) of a prompt: text, token ids, or a dict with images (`pagedjax.engine.image_prompts`).
+        """
+        def text_ids(text: str) -> list[int]:
             if self.tokenizer is None:
                 raise ValueError(f"request {request_id!r}: string prompts need a tokenizer; pass token ids or "
                                  "give the engine a tokenizer")
-            return list(self.tokenizer.encode(prompt))
-        return token_list(request_id, prompt)
+            return list(self.tokenizer.encode(text))
+
+        if isinstance(prompt, Mapping):
+            return image_prompt(request_id, prompt, spec=self.model_spec.images, processor=self.image_processor,
+                                encode_text=text_ids, token_list=lambda ids: token_list(request_id, ids))
+        ids = text_ids(prompt) if isinstance(prompt, (str, bytes)) else token_list(request_id, prompt)
+        images = self.model_spec.images
+        if images is not None and images.image_token_id in ids:
+            raise ValueError(f"request {request_id!r}: the prompt holds image placeholder tokens "
+                             f"({images.image_token_id}) but no images: give them as {{'prompt': ..., "
+                             "'multi_modal_data': {'image': [...]}}")
+        return ids, ()
 
     # ------------------------------------------------------------------------------------------ training loop
     def update_weights(self, params) -> None:
@@ -604,6 +637,8 @@ class LLMEngine:
             stand_in_steps=self.runner.programs.stand_in_steps,
             warmup_s=self._warmup_s,
             **({} if self.speculator is None else self.speculator.stats()),
+            **({} if self.runner.image_features is None else dict(
+                images_encoded=self.runner.image_features.num_encoded, encoder_s=self.runner.image_features.seconds)),
             scheduler=self.scheduler.stats(),
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,

@@ -40,6 +40,10 @@ class EngineStats:
     spec_sequences: int = 0
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Images (a vision-language model): images encoded (each time: an image dropped from the encoder cache and
+    # needed again is encoded again), and the seconds that took (inside elapsed_s, results on device).
+    images_encoded: int = 0
+    encoder_s: float = 0.0
     # A DataParallelEngine's stats combine its replicas': each replica's own, and the requests each was given.
     replicas: tuple[EngineStats, ...] = ()
     requests_per_replica: tuple[int, ...] = ()

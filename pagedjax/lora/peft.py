@@ -1,5 +1,7 @@
 """Reading a PEFT LoRA adapter folder without torch: `adapter_config.json` and `adapter_model.safetensors`
-(through `safetensors.numpy`), for a built-in Llama-family model.
+(opened and checked by `safetensors`; its tensors in float32, float16 or bfloat16, as PEFT saves them: bf16 ones
+are read from the file's bytes as `ml_dtypes.bfloat16`, which safetensors' numpy API cannot make where numpy has
+no 'bfloat16'), for a built-in Llama-family model.
 
 Supported: `r`, `lora_alpha`, `use_rslora`, `target_modules` (a list of the linears q_proj, k_proj, v_proj,
 o_proj, gate_proj, up_proj, down_proj, each by name or by a dotted path ending in one, as PEFT matches them and
@@ -96,11 +98,38 @@ def _targeted(path: str, entries: tuple[str, ...]) -> bool:
     return any(path == e or path.endswith("." + e) for e in entries)
 
 
+def read_tensors(file: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as numpy. The file is opened (its header and offsets checked) by
+    `safetensors`; its tensors are read through the numpy API, except BF16 ones, read from the file's bytes as
+    `ml_dtypes.bfloat16` (the numpy API fails on them where numpy has no 'bfloat16': "data type 'bfloat16' not
+    understood"). SafetensorError for a corrupt file."""
+    import ml_dtypes
+    from safetensors import safe_open
+
+    tensors: dict[str, np.ndarray] = {}
+    bf16: list[str] = []
+    with safe_open(str(file), framework="numpy") as f:
+        for name in f.keys():
+            if f.get_slice(name).get_dtype() == "BF16":
+                bf16.append(name)
+            else:
+                tensors[name] = f.get_tensor(name)
+    if bf16:
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+            for name in bf16:
+                begin, end = header[name]["data_offsets"]
+                f.seek(8 + header_len + begin)
+                data = f.read(end - begin)
+                tensors[name] = np.frombuffer(data, dtype=ml_dtypes.bfloat16).reshape(header[name]["shape"])
+    return tensors
+
+
 def load_peft_adapter(path, lora_name: str, lora_int_id: int, model_config: ModelConfig,
                       max_rank: int) -> LoRAAdapter:
     """The PEFT adapter in folder `path` for a model of `model_config`, checked (see the module's docstring)."""
     from safetensors import SafetensorError
-    from safetensors.numpy import load_file
 
     path = Path(path)
     if not path.is_dir():
@@ -111,7 +140,7 @@ def load_peft_adapter(path, lora_name: str, lora_int_id: int, model_config: Mode
             path / "adapter_model.bin").is_file() else "nothing"
         raise ValueError(f"LoRA adapter {str(path)!r}: no {WEIGHTS_FILE} (found {found})")
     try:
-        tensors = load_file(str(path / WEIGHTS_FILE))
+        tensors = read_tensors(path / WEIGHTS_FILE)
     except SafetensorError as e:  # a truncated or corrupt file (not a ValueError: the Rust library's own type)
         raise ValueError(f"LoRA adapter {str(path)!r}: {WEIGHTS_FILE} is not a valid safetensors file: {e}") \
             from None

@@ -53,6 +53,23 @@ naming what is wrong: a missing or malformed spec, a layer writing K/V of anothe
 attended twice or never, a wrong return structure, logits of the wrong shape. The engine calls it on
 construction.
 
+Images: a model whose `spec.images` is set (an `ImageSpec`, `pagedjax.config.multimodal`) also has
+
+    encode_images(pixel_values) -> features
+                                     pixel_values: float32 `[N, 3, H, W]`, (H, W) = `spec.images.image_size`, as
+                                     the folder's processor makes them (`pagedjax.model.processor`). Returns
+                                     `[N, spec.images.tokens_per_image, hidden]` in the model's dtype: the rows
+                                     that replace one image's placeholder embeddings (vision tower + projector).
+    __call__(token_ids, positions, cache, *, images=None) -> (hidden, cache)
+                                     the call above; `images` an `ImageEmbeds(embeds, index)`: token t's input
+                                     embedding is replaced by `embeds[index[t]]` where `index[t] >= 0` (after the
+                                     token embedding and any scaling of it, e.g. Gemma's sqrt(hidden), before the
+                                     first layer), as transformers' `masked_scatter` of image features does.
+
+The placeholders of one image are `tokens_per_image` consecutive `image_token_id`s; with
+`spec.images.bidirectional` (Gemma 3) each run of consecutive placeholders attends to itself both ways.
+`check_model` traces `encode_images` on one abstract image and a call with `images=`.
+
 Hugging Face folders of a `model_type` pagedjax has no built-in model for: `ModelRegistry.register_model(
 "gpt2", factory)` (`pagedjax.model.registry`: what a factory receives and returns) makes `from_pretrained` and
 `--model DIR` serve them with a model of this contract.
@@ -61,9 +78,10 @@ Hugging Face folders of a `model_type` pagedjax has no built-in model for: `Mode
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -80,10 +98,10 @@ from pagedjax.model.registry import ModelRegistry
 from pagedjax.parallel.attention import sharded_latent_write_and_attend, sharded_write_and_attend
 from pagedjax.parallel.sharding import default_param_partition
 
-__all__ = ["TP", "AttentionMetadata", "FullAttention", "IndexedSparse", "LatentAttention", "ModelRegistry",
-           "ModelSpec", "PagedAttention", "PagedKVCache", "PagedLatentAttention", "PagedModel", "PagedSparseAttention",
-           "QuantizedLinear", "check_model",
-           "default_param_partition", "model_spec", "param_partition_fn", "quantize_model"]
+__all__ = ["TP", "AttentionMetadata", "FullAttention", "ImageEmbeds", "IndexedSparse", "LatentAttention",
+           "ModelRegistry", "ModelSpec", "PagedAttention", "PagedKVCache", "PagedLatentAttention", "PagedModel",
+           "PagedSparseAttention", "QuantizedLinear", "check_model", "default_param_partition", "model_spec",
+           "param_partition_fn", "quantize_model"]
 
 
 @runtime_checkable
@@ -96,6 +114,24 @@ class PagedModel(Protocol):
                  cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]: ...
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array: ...
+
+
+class ImageEmbeds(NamedTuple):
+    """Image features in place of placeholder tokens' input embeddings (a model's `images=`, see the module
+    docstring).
+
+    embeds  `[M, hidden]`: rows of image features (`encode_images`' rows, any images, in any order; M >= 1).
+    index   int32, the shape of the call's token ids (`[T]`; `[B, S]` in a dense forward): the row of `embeds` that
+            replaces that token's embedding, or -1 to keep the token's own."""
+
+    embeds: jax.Array
+    index: jax.Array
+
+    def merge(self, x: jax.Array) -> jax.Array:
+        """Input embeddings x `[..., hidden]` (leading axes those of `index`) with the image rows put in, in x's
+        dtype."""
+        rows = jnp.take(self.embeds, jnp.maximum(self.index, 0), axis=0).astype(x.dtype)
+        return jnp.where((self.index >= 0)[..., None], rows, x)
 
 
 @dataclass(frozen=True)
@@ -349,8 +385,9 @@ def model_spec(model) -> ModelSpec:
 
 def check_model(model, *, kv_dtype: str = "auto") -> ModelSpec:
     """Check that `model` keeps the contract (see the module docstring) by tracing one two-token step over a
-    two-block cache of `kv_dtype` pages (`CacheConfig.kv_dtype`; abstractly: nothing is compiled or run).
-    Returns its spec; TypeError / ValueError naming what is wrong."""
+    two-block cache of `kv_dtype` pages (`CacheConfig.kv_dtype`; abstractly: nothing is compiled or run); for a
+    model with `spec.images`, also `encode_images` on one image and the step with `images=`. Returns its spec;
+    TypeError / ValueError naming what is wrong."""
     spec = model_spec(model)
     name = type(model).__name__
     tokens, block_size = 2, 4
@@ -360,9 +397,10 @@ def check_model(model, *, kv_dtype: str = "auto") -> ModelSpec:
     meta = AttentionMetadata(i32(tokens), i32(1, 2), i32(1), i32(2))
     graphdef, state = nnx.split(model)
 
-    def step(state, layers, meta, token_ids, positions):
+    def step(state, layers, meta, token_ids, positions, images):
         m = nnx.merge(graphdef, state)
-        out = m(token_ids, positions, PagedKVCache(layers, meta, spec=spec))
+        cache = PagedKVCache(layers, meta, spec=spec)
+        out = m(token_ids, positions, cache) if images is None else m(token_ids, positions, cache, images=images)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], PagedKVCache)):
             raise TypeError(f"{name}.__call__ must return (hidden, cache) with the PagedKVCache it was given, as "
                             f"the attention layers left it; got {_structure(out)}")
@@ -376,7 +414,7 @@ def check_model(model, *, kv_dtype: str = "auto") -> ModelSpec:
                              f"for {tokens} tokens")
         return m.compute_logits(hidden), cache.layers
 
-    logits, out_layers = jax.eval_shape(step, state, layers, meta, i32(tokens), i32(tokens))
+    logits, out_layers = jax.eval_shape(step, state, layers, meta, i32(tokens), i32(tokens), None)
     if tuple(logits.shape) != (tokens, spec.vocab_size) or logits.dtype != jnp.float32:
         raise ValueError(f"{name}.compute_logits must return float32 logits [tokens, vocab_size] = "
                          f"[{tokens}, {spec.vocab_size}], got {logits.dtype}{list(logits.shape)}")
@@ -385,7 +423,41 @@ def check_model(model, *, kv_dtype: str = "auto") -> ModelSpec:
                                                                       jax.tree.leaves(layers), strict=True)):
         raise ValueError(f"{name}: the cache came back with other pages than it was given (a model must change the "
                          "cache only through PagedAttention)")
+    if spec.images is not None:
+        features = _check_encode_images(model, spec, graphdef, state)
+        images = ImageEmbeds(jax.ShapeDtypeStruct(features.shape[1:], features.dtype), i32(tokens))
+        with_images = jax.eval_shape(step, state, layers, meta, i32(tokens), i32(tokens), images)
+        if jax.tree.map(lambda a: (a.shape, a.dtype), with_images) != jax.tree.map(lambda a: (a.shape, a.dtype),
+                                                                                    (logits, out_layers)):
+            raise ValueError(f"{name}: a step with images= returns other shapes than one without")
     return spec
+
+
+def _check_encode_images(model, spec: ModelSpec, graphdef, state) -> jax.ShapeDtypeStruct:
+    """The abstract features of one image (`[1, tokens_per_image, hidden]`), after checking that `model` has
+    `encode_images` and a call taking `images=`."""
+    name, images = type(model).__name__, spec.images
+    encode = getattr(model, "encode_images", None)
+    if not callable(encode):
+        raise TypeError(f"{name}: its ModelSpec declares images (spec.images), but it has no "
+                        "encode_images(pixel_values) method")
+    params = inspect.signature(model.__call__).parameters
+    if "images" not in params and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        raise TypeError(f"{name}: its ModelSpec declares images (spec.images), but its __call__ takes no images= "
+                        "argument (pagedjax.model.api.ImageEmbeds)")
+    pixels = jax.ShapeDtypeStruct((1, 3, *images.image_size), jnp.float32)
+    features = jax.eval_shape(lambda state, x: nnx.merge(graphdef, state).encode_images(x), state, pixels)
+    want = (1, images.tokens_per_image, spec.hidden_size or "hidden")
+    ok = (hasattr(features, "shape") and features.ndim == 3 and tuple(features.shape[:2]) == want[:2]
+          and (spec.hidden_size is None or features.shape[2] == spec.hidden_size))
+    if not ok:
+        raise ValueError(f"{name}.encode_images must return [images, tokens_per_image, hidden] = {list(want)} for one "
+                         f"image of {list(pixels.shape)}, got {_structure(features)}"
+                         f"{list(features.shape) if hasattr(features, 'shape') else ''}")
+    if features.dtype != jnp.dtype(spec.dtype):
+        raise ValueError(f"{name}.encode_images must return features in the model's dtype ({spec.dtype}), got "
+                         f"{features.dtype}")
+    return features
 
 
 def _structure(x: Any) -> str:

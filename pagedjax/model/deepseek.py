@@ -45,6 +45,7 @@ from pagedjax.config.deepseek import INDEXER_NORM_EPS, LATENT_NORM_EPS, DeepSeek
 from pagedjax.model.api import TP, PagedKVCache, PagedLatentAttention, PagedSparseAttention
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.layers.moe import Experts, combine_experts, per_expert_params, route
+from pagedjax.model.layers.norm import LayerNorm
 from pagedjax.model.layers.rope import RoPE
 from pagedjax.model.llama import Linear, RMSNorm
 
@@ -88,22 +89,6 @@ class LatentUpProjection(nnx.Module):
         kv = apply_linear(lambda x: jnp.matmul(x, kernel, preferred_element_type=jnp.float32), c)
         kv = kv.reshape(*c.shape[:-1], self.heads, self.nope_dim + self.v_dim)
         return kv[..., :self.nope_dim], kv[..., self.nope_dim:]
-
-
-class LayerNorm(nnx.Module):
-    """torch's LayerNorm over the last axis: (x - mean) / sqrt(var + eps) * weight + bias, in float32, rounded
-    once to x's dtype (the indexer's `k_norm`; parameters named as transformers')."""
-
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        centered = xf - jnp.mean(xf, axis=-1, keepdims=True)
-        y = centered * jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + self.eps)
-        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class LightningIndexer(nnx.Module):

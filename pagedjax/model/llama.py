@@ -28,7 +28,7 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig, ModelSpec
 from pagedjax.config.quant import QuantConfig
-from pagedjax.model.api import PagedAttention, PagedKVCache
+from pagedjax.model.api import ImageEmbeds, PagedAttention, PagedKVCache
 from pagedjax.model.layers.linear import apply_linear as _apply
 from pagedjax.model.layers.lora import LayerLoRA, LoRABatch, with_lora
 from pagedjax.model.layers.moe import Experts, per_expert_params
@@ -159,9 +159,11 @@ class Attention(nnx.Module):
         o, cache = self.paged(q, k, v, cache)
         return with_lora(self.o_proj, "o_proj", o.reshape(x.shape[0], -1), lora), cache
 
-    def dense(self, x: jax.Array) -> jax.Array:
+    def dense(self, x: jax.Array, groups: jax.Array | None = None) -> jax.Array:
         """Causal attention over whole sequences (within the layer's window, soft-capped if configured), no
-        cache. x `[B, S, hidden]` -> `[B, S, hidden]`."""
+        cache. x `[B, S, hidden]` -> `[B, S, hidden]`. `groups` int32 `[B, S]`: tokens of one group >= 0 (an image's
+        placeholders) also see each other's later positions, within the window (transformers' `token_type_ids`
+        mask: (causal or same group) and in the window); -1: causal only."""
         b, s, _ = x.shape
         positions = jnp.broadcast_to(jnp.arange(s), (b, s))
         q, k, v = self._qkv(x, positions)
@@ -173,6 +175,9 @@ class Attention(nnx.Module):
             scores = self.logits_soft_cap * jnp.tanh(scores / self.logits_soft_cap)
         query, key = np.arange(s)[:, None], np.arange(s)[None, :]
         visible = key <= query
+        if groups is not None:  # [B, 1, 1, S, S], as scores' [B, kv heads, group, S, S]
+            same = (groups[:, :, None] == groups[:, None, :]) & (groups[:, :, None] >= 0)
+            visible = (visible | same)[:, None, None]
         if self.sliding_window is not None:
             visible &= key > query - self.sliding_window
         probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
@@ -268,11 +273,12 @@ class Llama(nnx.Module):
         return param_spec(names, self.config, tp)
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, cache: PagedKVCache,
-                 lora: LoRABatch | None = None) -> tuple[jax.Array, PagedKVCache]:
+                 lora: LoRABatch | None = None, images: ImageEmbeds | None = None) -> tuple[jax.Array, PagedKVCache]:
         """Serving forward. token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache).
         `lora`: the step's adapters, each token's own on every target linear (dense MLPs only: the engine
-        refuses LoRA for mixture-of-experts models)."""
-        x = self.embed(token_ids)
+        refuses LoRA for mixture-of-experts models). `images`: image features in place of placeholder tokens'
+        embeddings (`embed`; the vision-language models, `pagedjax.model.vision.vlm`)."""
+        x = self.embed(token_ids, images)
         for i, layer in enumerate(self.layers):
             ll = None if lora is None else lora.layer(i)
             mlp = None if ll is None else functools.partial(layer.mlp, lora=ll)
@@ -280,13 +286,15 @@ class Llama(nnx.Module):
                              mlp)
         return self.norm(x), cache
 
-    def embed(self, token_ids: jax.Array) -> jax.Array:
+    def embed(self, token_ids: jax.Array, images: ImageEmbeds | None = None) -> jax.Array:
         """Token embeddings; Gemma scales them by sqrt(hidden_size) rounded to the model's dtype first, as
-        transformers does (in bf16 the factor is then not exactly the square root)."""
+        transformers does (in bf16 the factor is then not exactly the square root). With `images`, the rows it
+        names replace their tokens' embeddings after that scaling (unscaled, as transformers' vision-language
+        models put image features into the scaled input embeddings): the one place image features enter."""
         x = self.embed_tokens(token_ids)
         if self.config.architecture == "gemma2":
             x = x * jnp.asarray(np.float32(math.sqrt(self.config.hidden_size)), x.dtype)
-        return x
+        return x if images is None else images.merge(x)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """`[..., hidden]` -> float32 logits `[..., vocab]` (soft-capped if `final_logit_softcapping`)."""
@@ -297,10 +305,13 @@ class Llama(nnx.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
-    def forward_dense(self, token_ids: jax.Array) -> jax.Array:
+    def forward_dense(self, token_ids: jax.Array, *, images: ImageEmbeds | None = None,
+                      groups: jax.Array | None = None) -> jax.Array:
         """Ground truth: token_ids `[B, S]` -> float32 logits `[B, S, vocab]`, causal (within each layer's
-        window), no cache; mixture-of-experts layers by their reference computation (`MoEMLP.dense`)."""
-        return self._dense(token_ids, None)
+        window), no cache; mixture-of-experts layers by their reference computation (`MoEMLP.dense`). `images`
+        (index `[B, S]`): image features in place of their placeholders' embeddings (`embed`); `groups` int32
+        `[B, S]`: tokens of one group >= 0 attend to each other both ways (`Attention.dense`)."""
+        return self._dense(token_ids, None, images, groups)
 
     def tokens_per_expert(self, token_ids: jax.Array) -> jax.Array:
         """Router statistics of a mixture-of-experts model: how many of `token_ids` `[B, S]` (each counted k
@@ -312,11 +323,12 @@ class Llama(nnx.Module):
         self._dense(token_ids, counts)
         return jnp.stack(counts)
 
-    def _dense(self, token_ids: jax.Array, counts: list | None) -> jax.Array:
-        x = self.embed(token_ids)
+    def _dense(self, token_ids: jax.Array, counts: list | None, images: ImageEmbeds | None = None,
+               groups: jax.Array | None = None) -> jax.Array:
+        x = self.embed(token_ids, images)
         for layer in self.layers:
             mlp = None if self.config.moe is None else functools.partial(layer.mlp.dense, counts=counts)
-            x, _ = layer(x, lambda h, layer=layer: (layer.self_attn.dense(h), None), mlp)
+            x, _ = layer(x, lambda h, layer=layer: (layer.self_attn.dense(h, groups), None), mlp)
         return self.compute_logits(self.norm(x))
 
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pagedjax.config.multimodal import ImageSpec
 from pagedjax.core.request import Request
 from pagedjax.core.step_plan import StepPlan, first_rows
 from pagedjax.device.attention import AttentionMetadata
@@ -100,6 +101,7 @@ def prompt_targets(plan: StepPlan, requests: list[Request]) -> tuple[np.ndarray 
 def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, engine_seed: int,
                 token_mask: np.ndarray | None = None,  # i32[S, W]: allowed-token bitmask rows, None: no mask
                 lora_slots: list[int] | None = None,  # each request's adapter slot (0: none); None: no adapters
+                images: ImageSpec | None = None,  # the model's, if it takes images
                 ) -> StepInputs | FusedDecodeInputs:
     """The padded device inputs of any plan from `Scheduler.schedule()`; `requests` in the plan's order.
 
@@ -107,7 +109,8 @@ def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, eng
     verifying proposals (`plan.num_drafts`) samples one row per verified position (`plan.logits_indices`), row j
     drawn as its request's output number `num_output_tokens + j` (the seed's key a non-speculative step would use
     there) with the sequence's own penalties and mask. `lora_slots` becomes each token's slot (each fused decode
-    row's)."""
+    row's). A step of image placeholders (`plan.image_segments`) gets each token's row of the encoder cache's
+    feature array and, for a model whose images attend both ways, each token's `attend_until` (`image_rows`)."""
     sampling = sampling_metadata(requests, engine_seed)
     penalties = penalty_metadata(requests, vocab_size)
     if plan.fused is not None:
@@ -130,13 +133,32 @@ def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, eng
             token_mask = token_mask[seq_of_row]
         logits_indices = plan.logits_indices
     targets, num_prompt_top = prompt_targets(plan, requests)
+    image_index, attend_until = image_rows(plan, images)
     return pad_step(token_ids=plan.token_ids, positions=plan.positions, slot_mapping=plan.slot_mapping,
                     block_tables=plan.block_tables, kv_lens=plan.kv_lens, cu_q_lens=plan.cu_q_lens,
                     sampling=sampling, block_copies=plan.block_copies, penalties=penalties, prompt_targets=targets,
                     num_top_logprobs=num_top_logprobs(requests), num_prompt_top_logprobs=num_prompt_top,
                     token_mask=token_mask, logits_indices=logits_indices,
                     lora_slots=None if lora_slots is None else np.repeat(np.asarray(lora_slots, np.int32),
-                                                                         plan.q_lens))
+                                                                         plan.q_lens),
+                    image_index=image_index, attend_until=attend_until)
+
+
+def image_rows(plan: StepPlan, images: ImageSpec | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """For a step of image placeholders: i32[T] each token's row of the encoder cache's feature array (slot *
+    tokens_per_image + row; -1: none), and for a model whose images attend both ways, i32[T] each token's
+    `attend_until` (an image token's last placeholder position, every other token's own position). (None, None)
+    for a step of none."""
+    if not plan.image_segments:
+        return None, None
+    index = np.full(plan.num_tokens, -1, np.int32)
+    until = plan.positions.copy() if images.bidirectional else None
+    for seg in plan.image_segments:
+        first = seg.slot * images.tokens_per_image + seg.row
+        index[seg.token:seg.token + seg.count] = np.arange(first, first + seg.count, dtype=np.int32)
+        if until is not None:
+            until[seg.token:seg.token + seg.count] = seg.last_position
+    return index, until
 
 
 # ------------------------------------------------------------------------------------------------ padding
@@ -234,6 +256,8 @@ class StepInputs:
     num_prompt_top_logprobs: int = 0  # per prompt position, when extras.prompt_targets is set
     lora_slots: np.ndarray | None = None  # int32 [T]: each token's adapter slot (0, padding too: none); None: the
     #                                       engine serves no adapters (a runner with adapters reads None as zeros)
+    image_index: np.ndarray | None = None  # int32 [T]: each token's row of the image feature array (-1: its own
+    #                                        embedding); None: a step of no image placeholder
 
 
 def pad_step(*, token_ids: np.ndarray,  # i32[T]
@@ -251,6 +275,8 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
              token_mask: np.ndarray | None = None,  # i32[R, W]
              logits_indices: np.ndarray | None = None,  # i32[R]
              lora_slots: np.ndarray | None = None,  # i32[T]
+             image_index: np.ndarray | None = None,  # i32[T]
+             attend_until: np.ndarray | None = None,  # i32[T]
              ) -> StepInputs:
     """Pad a ragged step to bucket sizes. Padding tokens write nowhere (slot -1); padding sequences have
     q_len 0 and kv_len 0, so every kernel returns zeros for them. Sequences are bucketed from 1 (a batch
@@ -292,11 +318,13 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
         token_ids=pad_rows(token_ids, t_b, 0),
         positions=pad_rows(positions, t_b, 0),
         meta=AttentionMetadata(pad_rows(slot_mapping, t_b, -1), tables, pad_rows(kv_lens, s_b, 0),
-                               pad_rows(cu_q_lens, s_b + 1, num_tokens)),
+                               pad_rows(cu_q_lens, s_b + 1, num_tokens),
+                               None if attend_until is None else pad_rows(attend_until, t_b, -1)),
         logits_indices=pad_rows(logits_indices, r_b, 0),
         sampling=pad_sampling(sampling, r_b),
         decode_only=decode_only,
         lora_slots=None if lora_slots is None else pad_rows(lora_slots, t_b, 0),
+        image_index=None if image_index is None else pad_rows(image_index, t_b, -1),
     )
 
 

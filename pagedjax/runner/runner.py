@@ -47,9 +47,10 @@ from pagedjax.device.sampling import (
     sample,
     token_logprobs,
 )
-from pagedjax.model.api import PagedKVCache, PagedModel, param_partition_fn
+from pagedjax.model.api import ImageEmbeds, PagedKVCache, PagedModel, param_partition_fn
 from pagedjax.model.layers.lora import LoRABatch, init_lora_weights, write_slot
 from pagedjax.model.layers.quant import holds_quantized
+from pagedjax.runner.images import ImageFeatures
 from pagedjax.runner.inputs import NO_EXTRAS, FusedDecodeInputs, StepExtras, StepInputs
 from pagedjax.runner.programs import ProgramCache
 from pagedjax.runner.shapes import (
@@ -79,14 +80,14 @@ class StepOutputs(NamedTuple):
 
 def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,
                   logits_indices, sampling: SamplingMetadata, extras: StepExtras = NO_EXTRAS,
-                  lora: LoRABatch | None = None, *, backend: str,
+                  lora: LoRABatch | None = None, images: ImageEmbeds | None = None, *, backend: str,
                   decode_only: bool, return_logits: bool = False, num_top_logprobs: int | None = None,
                   num_prompt_top_logprobs: int = 0, mesh=None) -> tuple[StepOutputs, KVCache]:
     model: PagedModel = nnx.merge(graphdef, params)
     if extras.block_copies is not None:
         kv_cache = copy_blocks(kv_cache, extras.block_copies)  # before this step's KV is written
     hidden, kv_cache = _model_forward(model, token_ids, positions, kv_cache, meta, backend=backend,
-                                      decode_only=decode_only, mesh=mesh, lora=lora)
+                                      decode_only=decode_only, mesh=mesh, lora=lora, images=images)
     prompt_logprobs = None
     if extras.prompt_targets is not None:  # logits at every position, once
         all_logits = _gathered(model.compute_logits(hidden), mesh)
@@ -103,15 +104,19 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
 
 
 def _model_forward(model: PagedModel, token_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, *,
-                   backend: str, decode_only: bool, mesh, lora: LoRABatch | None = None) -> tuple[jax.Array, KVCache]:
+                   backend: str, decode_only: bool, mesh, lora: LoRABatch | None = None,
+                   images: ImageEmbeds | None = None) -> tuple[jax.Array, KVCache]:
     """The model's forward over the cache as the contract gives it (`pagedjax.model.api.PagedKVCache`); with
-    `lora` (a built-in model: the engine checks), each token through its adapter."""
+    `lora` (a built-in model: the engine checks), each token through its adapter; with `images`, image features in
+    place of their placeholders' embeddings (a model whose spec declares images)."""
     cache = PagedKVCache(kv_cache.layers, meta, backend=backend, decode_only=decode_only, mesh=mesh,
                          spec=model.spec)
-    if lora is None:
-        hidden, cache = model(token_ids, positions, cache)
-    else:
-        hidden, cache = model(token_ids, positions, cache, lora=lora)
+    extra = {}
+    if lora is not None:
+        extra["lora"] = lora
+    if images is not None:
+        extra["images"] = images
+    hidden, cache = model(token_ids, positions, cache, **extra)
     return hidden, KVCache(cache.layers)
 
 
@@ -250,7 +255,8 @@ class ModelRunner:
 
     def __init__(self, model: PagedModel, num_blocks: int, block_size: int, *, kv_dtype=None,
                  backend: str = "auto", mesh: Mesh | None = None, max_programs: int = 64,
-                 compile_in_background: bool = True, lora: LoRAConfig | None = None):
+                 compile_in_background: bool = True, lora: LoRAConfig | None = None,
+                 image_slots: int | None = None):
         spec = model.spec  # `check_model(model)` passed (the engine checks it)
         self.model_spec = spec
         self.block_size = block_size
@@ -275,6 +281,10 @@ class ModelRunner:
         # until `set_lora_slot` writes one (a built-in dense model on one device: the engine checks).
         self.lora_weights = None if lora is None else init_lora_weights(model.config, lora.num_slots,
                                                                          lora.max_lora_rank)
+        # The encoder cache's features (`image_slots` images; a model that takes images), an argument of every step
+        # of image placeholders.
+        self.image_features = None if image_slots is None else ImageFeatures(self.graphdef, self.params, spec,
+                                                                             image_slots, mesh)
         self.device_seconds = 0.0  # wall time inside compiled calls, results read back
         self._param_leaves, treedef = jax.tree.flatten(self.params)
         # A one-device mesh (a data-parallel replica with tp 1) runs the plain single-device program there.
@@ -407,9 +417,10 @@ class ModelRunner:
                                                                                              self._quantized))
 
     def _step_call(self, inputs: StepInputs, shape: StepShape) -> tuple[tuple, dict]:
+        images = None if inputs.image_index is None else ImageEmbeds(self.image_features.array, inputs.image_index)
         args = (self._param_leaves, self.kv_cache, inputs.token_ids, inputs.positions, inputs.meta,
                 inputs.logits_indices, inputs.sampling, inputs.extras,
-                self._lora(inputs.lora_slots, len(inputs.token_ids)))
+                self._lora(inputs.lora_slots, len(inputs.token_ids)), images)
         static = dict(backend=self.backend, decode_only=shape.decode_only, return_logits=shape.return_logits,
                       num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs)
         return args, static
@@ -433,6 +444,8 @@ class ModelRunner:
         if isinstance(inputs, FusedDecodeInputs):
             sampled, logprobs, tables = self.execute_fused_decode(inputs)
             return StepResult.from_fused(plan, sampled, tables, logprobs)
+        if plan.encode_images:  # the step's new images, into their encoder cache slots first
+            self.image_features.encode(self.params, plan.encode_images)
         out = self.execute(inputs)
         return StepResult.from_rows(plan, out.tokens, out.logprobs, out.prompt_logprobs,
                                     inputs.extras.prompt_targets if out.prompt_logprobs is not None else None)

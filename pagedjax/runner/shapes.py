@@ -28,7 +28,8 @@ sizes per doubling, `pad_step`), S one up to max_num_seqs' bucket (with speculat
 rows R one more, of `fine_bucket`'s sizes up to (1 + k) max_num_seqs'), B one from 2 up to max_model_len /
 block_size's bucket. (Before, every power of two of copies, stop ids and alternatives was a program of its
 own.) A fused decode has 12 variants per (S, B): stop ids 8 or 512, penalties off / on, log-probabilities off,
-5 or 20. The runner also holds at most `max_programs`.
+5 or 20. A model that takes images doubles the ragged variants (image features on / off), and again where its images
+attend both ways (`attend_until` on / off). The runner also holds at most `max_programs`.
 Stop-id lists longer than 511 (the Python API has no limit; the server's is 256) add a power of two each.
 """
 
@@ -70,6 +71,8 @@ class StepShape(NamedTuple):
     num_prompt_top_logprobs: int
     token_mask: bool = False  # structured output's allowed-token bits
     rows: int | None = None  # sampled rows, when not one per sequence (a step verifying speculative proposals)
+    images: bool = False  # image features in place of placeholder embeddings (`StepInputs.image_index`)
+    attend_until: bool = False  # image tokens attending to each other both ways (`AttentionMetadata.attend_until`)
 
     @property
     def num_rows(self) -> int:
@@ -97,7 +100,8 @@ def step_shape(inputs: StepInputs, return_logits: bool = False) -> StepShape:
                      return_logits, None if x.block_copies is None else x.block_copies.shape[0],
                      None if x.penalties is None else x.penalties.stop_ids.shape[1], x.prompt_targets is not None,
                      inputs.num_top_logprobs, inputs.num_prompt_top_logprobs, x.token_mask is not None,
-                     None if rows == tables[0] else rows)
+                     None if rows == tables[0] else rows, inputs.image_index is not None,
+                     inputs.meta.attend_until is not None)
 
 
 def loop_shape(inputs: FusedDecodeInputs) -> LoopShape:
@@ -127,15 +131,17 @@ def dominates(program: StepShape | LoopShape, step: StepShape | LoopShape) -> bo
     return (program.tokens >= step.tokens and program.num_rows >= step.num_rows
             and program.return_logits >= step.return_logits and prompt_ok
             and _at_least(program.copies, step.copies) and _at_least(program.stop_width, step.stop_width)
-            and program.token_mask >= step.token_mask)
+            and program.token_mask >= step.token_mask and program.images >= step.images
+            and program.attend_until >= step.attend_until)
 
 
-def variants_bound() -> int:
+def variants_bound(*, images: bool = False, attend_until: bool = False) -> int:
     """The most programs one (T, S, B) of ragged steps compiles (see the module's docstring): each optional part
-    off or in one of its sizes."""
+    off or in one of its sizes (for a model that takes images, whose `attend_until` is on where they attend both
+    ways)."""
     copies, stops, logprobs, prompt_logprobs, masks, logits = 2, 1 + len(STOP_ID_WIDTHS), \
         1 + len(TOP_LOGPROBS_SIZES), 1 + len(TOP_LOGPROBS_SIZES), 2, 2
-    return copies * stops * logprobs * prompt_logprobs * masks * logits
+    return copies * stops * logprobs * prompt_logprobs * masks * logits * (1 + images) * (1 + attend_until)
 
 
 def neutral_penalties(num_seqs: int, vocab_size: int, width: int) -> PenaltyMetadata:
@@ -178,13 +184,21 @@ def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int) -> StepInp
     return StepInputs(
         token_ids=pad_rows(inputs.token_ids, t, 0), positions=pad_rows(inputs.positions, t, 0),
         meta=AttentionMetadata(pad_rows(m.slot_mapping, t, -1), pad_table(m.block_tables, s, b),
-                               pad_rows(m.kv_lens, s, 0), pad_rows(m.cu_q_lens, s + 1, m.cu_q_lens[-1])),
+                               pad_rows(m.kv_lens, s, 0), pad_rows(m.cu_q_lens, s + 1, m.cu_q_lens[-1]),
+                               _on(shape.attend_until, m.attend_until, t)),
         logits_indices=pad_rows(inputs.logits_indices, r, 0), sampling=pad_sampling(inputs.sampling, r),
         decode_only=shape.decode_only,
         extras=StepExtras(block_copies=copies, penalties=_widen(x.penalties, r, vocab_size, shape.stop_width),
                           prompt_targets=targets, token_mask=mask),
         num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs,
-        lora_slots=None if inputs.lora_slots is None else pad_rows(inputs.lora_slots, t, 0))
+        lora_slots=None if inputs.lora_slots is None else pad_rows(inputs.lora_slots, t, 0),
+        image_index=_on(shape.images, inputs.image_index, t))
+
+
+def _on(on: bool, rows: np.ndarray | None, t: int) -> np.ndarray | None:
+    """A per-token i32 input of a program that has it (`on`), padded to t with -1 (no image row; a causal
+    token), from the step's own or none; None for a program without it."""
+    return pad_rows(np.zeros(0, np.int32) if rows is None else rows, t, -1) if on else None
 
 
 def repad_fused_decode(inputs: FusedDecodeInputs, shape: LoopShape, vocab_size: int) -> FusedDecodeInputs:
@@ -204,7 +218,7 @@ def repad_fused_decode(inputs: FusedDecodeInputs, shape: LoopShape, vocab_size: 
 
 # ------------------------------------------------------------------------------------------------ warm-up
 def warmup_shapes(*, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int, decode_steps: int,
-                  narrow: bool) -> list[StepShape | LoopShape]:
+                  narrow: bool, images: bool = False, attend_until: bool = False) -> list[StepShape | LoopShape]:
     """The programs that dominate every step an engine of these limits makes (tokens and sequences per step,
     blocks per sequence) but those that ask for logits, for more than `STOP_ID_WIDTHS[-1]` stop ids, or (for a
     fused decode) more: the ragged step with every optional part on, without prompt log-probabilities (the cheaper
@@ -214,10 +228,13 @@ def warmup_shapes(*, max_tokens: int, max_seqs: int, max_blocks: int, block_size
     32, on a loaded 2-core CPU) adds a ladder of cheaper stand-ins for the steps of fewer tokens and shorter
     sequences: the first one a quarter as wide (when it has 8 blocks or more), at T, T / 4, T / 16, ... down to 16
     tokens (its sequences capped by its tokens). A decode step of a few sequences then has a stand-in of at most
-    4x its tokens (16 at least) instead of the largest step's (measured: stand-in steps of 0.6-2.5 s without it)."""
+    4x its tokens (16 at least) instead of the largest step's (measured: stand-in steps of 0.6-2.5 s without it).
+    A model that takes images has its image inputs on in every ragged stand-in (`images`, and `attend_until` where
+    its images attend both ways)."""
     t, s, b = bucket(max_tokens, 16), bucket(min(max_seqs, max_tokens)), bucket(max_blocks, 2)
     top, stops = TOP_LOGPROBS_SIZES[-1], STOP_ID_WIDTHS[-1]
-    plain = StepShape("step", t, (s, b), False, False, s, stops, False, top, 0, True)
+    plain = StepShape("step", t, (s, b), False, False, s, stops, False, top, 0, True, images=images,
+                      attend_until=attend_until)
     shapes: list[StepShape | LoopShape] = [plain, plain._replace(prompt_targets=True, num_prompt_top_logprobs=top)]
     if narrow:
         width = b // 4 if b >= 8 else b

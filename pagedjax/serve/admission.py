@@ -10,12 +10,17 @@ Hugging Face byte-level BPE without a normalizer whose pre-tokenizers only split
 
 Hugging Face's `Tokenizer.encode` holds the GIL for the whole text (1 MB: the event loop stopped for 1 s);
 `encode_batch` of one text releases it (`encode_text`).
+
+`ImageLimits` bound a chat request's images (`pagedjax.serve.images` checks them), here beside the other
+per-request bounds so that pagedjax-serve's argument parser has them without the serve extra imported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -24,6 +29,37 @@ DEFAULT_MAX_CHAT_MESSAGES = 1024
 # The most calls of one forced tool choice with parallel_tool_calls (`pagedjax.serve.tools`; here, beside the other
 # per-request bounds, so that pagedjax-serve's argument parser has it without the serve extra imported).
 DEFAULT_MAX_PARALLEL_TOOL_CALLS = 4
+
+
+def _limit(default: int, help: str, *, size: bool = False):  # noqa: A002 - argparse's word
+    return field(default=default, metadata={"help": help, "size": size})
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """The most one chat request's images may hold, each checked before the work it bounds (`pagedjax.serve.images`):
+    the counts and sizes before any image is decoded (a base64 text's length gives its bytes), the pixels from the
+    image's header before its pixels are decoded. Every field is an int >= 1; `pagedjax-serve` has a flag per
+    field (`max_image_pixels` -> `--max-image-pixels`; the byte sizes also as `8MiB`)."""
+
+    max_images_per_request: int = _limit(8, "images in one chat request; more get 400 before any is decoded")
+    max_image_bytes: int = _limit(8 * 2**20, "bytes of one encoded image (its base64 text's length bounds them, "
+                                             "before decoding); a larger one gets 413", size=True)
+    max_image_bytes_per_request: int = _limit(16 * 2**20, "bytes of all the encoded images of one request "
+                                                          "together; more get 413 before any is decoded", size=True)
+    max_image_pixels: int = _limit(4096 * 4096, "width x height of one image, read from its header before its pixels "
+                                                "are decoded; a larger one gets 413 (also Pillow's decompression-bomb "
+                                                "limit, Image.MAX_IMAGE_PIXELS)")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ImageLimits.{f.name} must be an int >= 1, got {value!r}")
+
+
+DEFAULT_IMAGE_LIMITS = ImageLimits()
+
 # Pre-tokenizers that only split the text (none drops a byte of it), with the behaviours that keep every piece.
 _SPLITTING = {"ByteLevel", "Split", "Digits", "Punctuation", "Sequence"}
 

@@ -5,7 +5,7 @@
 | route | |
 |---|---|
 | `POST /v1/completions` | a prompt (text or token ids) -> text; `stream: true` for server-sent events |
-| `POST /v1/chat/completions` | messages, through the chat template -> the assistant's reply |
+| `POST /v1/chat/completions` | messages (and images, as data URLs), through the chat template -> the reply |
 | `GET /v1/models`, `GET /v1/models/{id}` | the served model, what runs it (`engine.summary`), its LoRA adapters |
 | `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` | adapters at runtime, when enabled (`serve.lora`) |
 | `GET /health` | 200 while the engine takes requests, 503 otherwise |
@@ -38,7 +38,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from pagedjax.engine.summary import summarize
-from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_PARALLEL_TOOL_CALLS
+from pagedjax.serve.admission import (
+    DEFAULT_IMAGE_LIMITS,
+    DEFAULT_MAX_CHAT_MESSAGES,
+    DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+    ImageLimits,
+)
 from pagedjax.serve.async_engine import AsyncLLMEngine
 from pagedjax.serve.chat_template import ChatTemplate
 from pagedjax.serve.disconnect import ClientDisconnected, EventStreamResponse, until_disconnect
@@ -125,7 +130,8 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
               max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
               max_parallel_tool_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS,
               lora_modules: Mapping[str, str] | None = None,
-              lora_updates: RuntimeLoRAUpdates | None = None) -> FastAPI:
+              lora_updates: RuntimeLoRAUpdates | None = None,
+              image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> FastAPI:
     """The server's app over `engine` (started on startup, stopped on shutdown, after letting requests in
     flight finish for `shutdown_timeout` seconds). `api_key`, `allowed_origins`, `allowed_hosts`, `docs`: see
     the module docstring. A body over `max_request_bytes` is refused (413) as soon as it is known to be, before
@@ -137,7 +143,8 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     `OpenAIServing`). A forced tool choice makes at most `max_parallel_tool_calls` calls (`pagedjax.serve.tools`).
     An engine with LoRA enabled serves the adapters `lora_modules` (name -> PEFT folder, registered now: ValueError
     naming a bad one) by name, and with `lora_updates` loads and unloads adapters at runtime (`pagedjax.serve.lora`;
-    without it those routes answer 404)."""
+    without it those routes answer 404). A model that takes images gets them in chat messages as data URLs, within
+    `image_limits` (`pagedjax.serve.images`); for any other, an image part is a 400."""
     check_key = _api_key_check(api_key)
     adapters = ServedAdapters(engine, base_name=model_name, modules=lora_modules, runtime=lora_updates)
     if lora_updates is not None and api_key is None:
@@ -147,15 +154,16 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     serving = OpenAIServing(engine, model_name=model_name, chat_template=chat_template or ChatTemplate.from_model(None),
                             metrics=metrics, structured_limits=structured_limits, compile_config=compile_config,
                             max_chat_messages=max_chat_messages, max_parallel_tool_calls=max_parallel_tool_calls,
-                            adapters=adapters)
+                            adapters=adapters, image_limits=image_limits)
 
     summary = summarize(engine.engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        logger.info("serving %s (max_model_len %d, chat template: %s): %s", model_name, serving.max_model_len,
-                    serving.chat_template.source, "; ".join(summary.lines()))
+        logger.info("serving %s (max_model_len %d, chat template: %s, images: %s): %s", model_name,
+                    serving.max_model_len, serving.chat_template.source, "no" if serving.images is None else "yes",
+                    "; ".join(summary.lines()))
         yield
         await engine.shutdown(timeout=shutdown_timeout)
         serving.close()

@@ -68,6 +68,7 @@ class _Add:
     params: SamplingParams
     done: concurrent.futures.Future
     lora_request: LoRARequest | None = None
+    images: tuple = ()  # PIL images whose placeholders the prompt holds (`pagedjax.serve.images`)
 
 
 @dataclass(frozen=True)
@@ -226,10 +227,14 @@ class AsyncLLMEngine:
             raise EngineStoppedError("the engine is not started: call start()")
 
     async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                          request_id: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
+                          request_id: str | None = None, lora_request: LoRARequest | None = None,
+                          images: Sequence = ()) -> RequestStream:
         """Queue a request (under `lora_request`'s adapter, or the base model); returns its stream once the engine
-        accepted it. Raises what `LLMEngine.add_request` raises for a bad request (TypeError / ValueError, nothing
-        queued), QueueFullError at `max_pending`, and EngineStoppedError while shutting down."""
+        accepted it. With `images` (one per image in the prompt, in order: PIL images, or the model's pixels with the
+        prompt's placeholders expanded, as the server gives them), the engine gets
+        the prompt as `{"prompt_token_ids": ..., "multi_modal_data": {"image": [...]}}` (`make_request`). Raises
+        what `LLMEngine.add_request` raises for a bad request (TypeError / ValueError, nothing queued),
+        QueueFullError at `max_pending`, and EngineStoppedError while shutting down."""
         self._check_accepting()
         if self.max_pending is not None and self._num_pending >= self.max_pending:
             raise QueueFullError(f"{self._num_pending} requests are already queued or running "
@@ -238,7 +243,7 @@ class AsyncLLMEngine:
         self._num_pending += 1
         self._idle.clear()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self.send(_Add(stream, list(prompt_token_ids), params, done, lora_request))
+        self.send(_Add(stream, list(prompt_token_ids), params, done, lora_request, tuple(images)))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:  # the caller left while the engine was busy: undo the add
@@ -267,13 +272,13 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(command.done)
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                       request_id: str | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora_request: LoRARequest | None = None,
+                       images: Sequence = ()) -> AsyncIterator[RequestOutput]:
         """`add_request` and iterate its stream. Leaving the loop early aborts the request once the generator
         is closed: at once under `contextlib.aclosing(...)` or when the iterating task is cancelled, else when
         the generator is garbage-collected (Python closes async generators lazily)."""
         async with await self.add_request(prompt_token_ids, params, request_id=request_id,
-                                          lora_request=lora_request) as stream:
+                                          lora_request=lora_request, images=images) as stream:
             async for out in stream:
                 yield out
 
@@ -360,9 +365,15 @@ class AsyncLLMEngine:
         if stream.finished:  # aborted before the engine got to it
             command.done.cancel()
             return
+        lora = {} if command.lora_request is None else {"lora_request": command.lora_request}
         try:
-            self.engine.add_request(stream.request_id, command.prompt_token_ids, command.params,
-                                    **({} if command.lora_request is None else {"lora_request": command.lora_request}))
+            if command.images:
+                prompt = {"prompt_token_ids": command.prompt_token_ids,
+                          "multi_modal_data": {"image": list(command.images)}}
+                self.engine.add_prepared_request(self.engine.make_request(stream.request_id, prompt, command.params,
+                                                                          **lora))
+            else:
+                self.engine.add_request(stream.request_id, command.prompt_token_ids, command.params, **lora)
         except Exception as e:  # noqa: BLE001 - the caller's to handle (a bad request)
             command.done.set_exception(e)
             return

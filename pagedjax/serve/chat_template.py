@@ -1,13 +1,21 @@
 """Chat prompts: a list of messages rendered into one prompt with the model's chat template.
 
-A Hugging Face folder's template is `chat_template` in its `tokenizer_config.json` (a string, or a list of
-`{"name", "template"}` from which "default" is used), or a sibling `chat_template.jinja`. It is rendered with
-jinja2 the way transformers renders it: a sandboxed environment with `trim_blocks` and `lstrip_blocks`, loop
-controls, `raise_exception(msg)`, `strftime_now(fmt)` and a `tojson` that keeps non-ASCII text, and the variables
-`messages` (`role` / `content` dicts), `add_generation_prompt`, `bos_token` and `eos_token`, and `tools` (OpenAI's
-tool dicts) when the request offers tools and the template uses that variable (`supports_tools`; a template
-that does not gets the tools as a system-prompt preamble instead: `pagedjax.serve.tools`); the text is
-tokenized without adding special tokens again (the template writes them).
+A Hugging Face folder's template is `chat_template` in its `tokenizer_config.json` (a string, or a list of `{"name",
+"template"}` from which "default" is used), or a sibling `chat_template.jinja`, or its processor's (vision-language
+folders): `chat_template` in `chat_template.json` or `processor_config.json`. It is rendered with jinja2 the way
+transformers renders it: a sandboxed environment with `trim_blocks` and `lstrip_blocks`, loop controls,
+transformers' `{% generation %}` block (rendered as its body; LLaVA's templates mark the assistant's text with it),
+`raise_exception(msg)`, `strftime_now(fmt)` and a `tojson` that keeps non-ASCII text, and the variables `messages`
+(`role` / `content` dicts), `add_generation_prompt`, `bos_token` and `eos_token`, and `tools` (OpenAI's tool dicts)
+when the request offers tools and the template uses that variable (`supports_tools`; a template that does not gets
+the tools as a system-prompt preamble instead: `pagedjax.serve.tools`); the text is tokenized without adding special
+tokens again (the template writes them).
+
+Images (`pagedjax.serve.images`): a message with image parts has a list `content` of `{"type": "text", "text"}`
+and `{"type": "image"}` parts, in the request's order, as transformers gives them; the template writes the model's
+placeholder for each image. Every other message keeps its string content, unless the template reads text only
+from content parts (`reads_content_parts`: LLaVA's Hugging Face templates drop a string content) and the model
+takes images: then every message's text goes to it as parts too.
 
 A model without one (the bundled model, trained on Python sources) gets `DEFAULT_TEMPLATE`: each message as a
 `# <role>:` comment line followed by its content, then `# assistant:` when a reply is wanted; that text is
@@ -16,6 +24,7 @@ tokenized like a completion prompt (BOS added). `--chat-template FILE` replaces 
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -30,6 +39,21 @@ DEFAULT_TEMPLATE = (
 
 class ChatTemplateError(ValueError):
     """The template failed to render these messages (e.g. it called raise_exception)."""
+
+
+def _generation_tag():
+    """transformers' `{% generation %} ... {% endgeneration %}` (it marks the assistant's text for training masks):
+    its body, rendered as it is."""
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return GenerationTag
 
 
 def _raise_exception(message: str):
@@ -56,7 +80,7 @@ class ChatTemplate:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=["jinja2.ext.loopcontrols", _generation_tag()])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -90,6 +114,11 @@ class ChatTemplate:
         if folder is not None and (Path(folder) / "chat_template.jinja").is_file():
             return cls((Path(folder) / "chat_template.jinja").read_text(encoding="utf-8"),
                        source=f"{folder}/chat_template.jinja", model_template=True, **tokens)
+        for name in ("chat_template.json", "processor_config.json"):  # a processor's (vision-language folders)
+            if folder is not None and (Path(folder) / name).is_file():
+                template = read_json(Path(folder) / name).get("chat_template")
+                if isinstance(template, str):
+                    return cls(template, source=f"{folder}/{name}", model_template=True, **tokens)
         return cls(DEFAULT_TEMPLATE, **tokens)
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
@@ -104,6 +133,20 @@ class ChatTemplate:
             raise
         except Exception as e:  # noqa: BLE001 - jinja2's errors (undefined names, sandbox violations, ...)
             raise ChatTemplateError(f"the chat template ({self.source}) failed: {type(e).__name__}: {e}") from e
+
+    @functools.cached_property
+    def reads_content_parts(self) -> bool:
+        """Whether the template writes a message's text given as content parts but not given as a string (a probe
+        message rendered both ways; a template that fails on both is taken as reading strings)."""
+        probe = "pagedjax-content-probe"
+
+        def renders(content) -> bool:
+            try:
+                return probe in self.render([{"role": "user", "content": content}])
+            except ChatTemplateError:
+                return False
+
+        return not renders(probe) and renders([{"type": "text", "text": probe}])
 
     def encode(self, tokenizer, text: str) -> list[int]:
         """Token ids of a rendered prompt: the model's own template wrote its special tokens, so none are added;

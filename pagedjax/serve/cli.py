@@ -35,12 +35,13 @@ from pathlib import Path
 from pagedjax.cli import args as generate_args
 from pagedjax.cli.errors import EXIT_ERROR, EXIT_OK, CLIError
 from pagedjax.cli.sizes import parse_size
-from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_PARALLEL_TOOL_CALLS
+from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_PARALLEL_TOOL_CALLS, ImageLimits
 
 PROG = "pagedjax-serve"
 SHUTDOWN_GRACE_S = 5.0  # after the drain, for the last answers and error events to reach their clients
 BUNDLED_MODEL_NAME = "pagedjax-tiny"
-SERVE_EXTRA = ("fastapi", "uvicorn", "starlette", "prometheus_client", "jinja2", "pydantic")  # pyproject's `serve`
+# pyproject's `serve` extra (pillow: PIL)
+SERVE_EXTRA = ("fastapi", "uvicorn", "starlette", "prometheus_client", "jinja2", "pydantic", "PIL")
 
 
 def _non_negative_float(text: str) -> float:
@@ -96,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the model id clients ask for (default: {BUNDLED_MODEL_NAME} for the bundled model, "
                         "else --model as given, else --model-class)")
     g.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
-                   help="a jinja2 chat template (default: the model's tokenizer_config.json chat_template, else "
+                   help="a jinja2 chat template (default: the model's own, from tokenizer_config.json, "
+                        "chat_template.jinja or its processor's chat_template.json / processor_config.json; else "
                         "the built-in '# role:' template)")
     g.add_argument("--max-queue", type=generate_args.int_at_least(0), default=256,
                    help="requests that may wait beyond --max-num-seqs; more get 503 (queue_full)")
@@ -104,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGINT/SIGTERM, how long requests in flight may finish before they are aborted")
     g.add_argument("--seed", type=generate_args.int_at_least(0), default=0,
                    help="engine seed: requests without a seed of their own are reproducible per seed and id")
-    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                   help="the server's own log lines (pagedjax's loggers) and uvicorn's shown from this level on")
     g.add_argument("--max-chat-messages", type=generate_args.int_at_least(1), default=DEFAULT_MAX_CHAT_MESSAGES,
                    metavar="N", help="messages in one chat request; more get 400 before the chat template runs")
     g.add_argument("--max-parallel-tool-calls", type=generate_args.int_at_least(1),
@@ -112,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the most calls of one choice with tool_choice \"required\" and parallel_tool_calls (the "
                         "grammar ends the text there)")
     _add_structured_options(p)
+    _add_image_options(p)
     _add_lora_options(p)
     # A server admits new requests between device calls: a fused decode of N steps would hold a new request's
     # prefill (its first token) back by up to N decode steps, so here one step per call is the default.
@@ -142,6 +146,21 @@ def _add_structured_options(p: argparse.ArgumentParser) -> None:
                    help="address space of a grammar worker (e.g. 2GiB; 0: no limit); a compile past it is a 400")
     g.add_argument("--max-queued-compiles", type=generate_args.int_at_least(1), default=default.max_queued,
                    metavar="N", help="grammar compiles waiting or running at once; more get 503")
+
+
+def _add_image_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("images", "limits on a chat request's images (data URLs, for a model that takes "
+                             "images), each checked before the work it bounds (400, or 413 for a size, naming it)")
+    for f in dataclasses.fields(ImageLimits):
+        size = f.metadata["size"]  # a default given as text ("8MiB") is parsed by `type`, and shown so
+        g.add_argument(f"--{f.name.replace('_', '-')}", type=parse_size if size else generate_args.int_at_least(1),
+                       default=f"{f.default // 2**20}MiB" if size else f.default, metavar="SIZE" if size else "N",
+                       help=f.metadata["help"])
+
+
+def image_limits(args: argparse.Namespace) -> ImageLimits:
+    """The server's ImageLimits from the parsed flags."""
+    return ImageLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ImageLimits)})
 
 
 def lora_module(text: str) -> tuple[str, str, str | None]:
@@ -272,6 +291,32 @@ class _Server:
         return self.server.started
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@contextlib.contextmanager
+def server_logging(level: str):
+    """The server's log lines (the `pagedjax` loggers') from `level` on, in `LOG_FORMAT`, on stderr, while the
+    block runs, whatever configured logging before: importing orbax logs through the root logger, which gives it a
+    handler (`logging.basicConfig()`), so a `basicConfig` here did nothing and no INFO line was ever shown. Only the
+    `pagedjax` logger is set: its own handler, its level, and no propagation (the root's handlers would print each
+    line again); the root logger and every other logger are left as they are, and the `pagedjax` logger is restored
+    after (code sharing the process, e.g. tests calling `main()`, keeps its logging)."""
+    logger = logging.getLogger("pagedjax")
+    saved = logger.level, logger.propagate
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
 def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -342,7 +387,7 @@ def serve(args: argparse.Namespace) -> int:
                             max_parallel_tool_calls=args.max_parallel_tool_calls, chat_template=template,
                             api_key=api_key(args), allowed_origins=args.allowed_origin,
                             allowed_hosts=allowed_hosts(args), docs=args.enable_docs, body_timeout=args.body_timeout,
-                            lora_modules=lora_modules, lora_updates=lora_updates,
+                            lora_modules=lora_modules, lora_updates=lora_updates, image_limits=image_limits(args),
                             **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
         except ValueError as e:
             raise CLIError(str(e)) from None
@@ -374,10 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, path, _ in args.lora_modules:  # before the model loads: the common mistake, said at once
         if not Path(path).is_dir():
             parser.error(f"--lora-modules {name}={path}: no such folder")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
     try:
-        return serve(args)
+        with server_logging(args.log_level):
+            return serve(args)
     except ModuleNotFoundError as e:
         if e.name not in SERVE_EXTRA:
             raise

@@ -5,7 +5,12 @@
                              shows it); a parameter not supported yet; an output constraint over a limit (code
                              `structured_output_limit`) or that the grammar library refused, crashed on or took
                              too long to compile; a LoRA adapter the loader refuses (`invalid_lora_adapter`), a
-                             name taken (`lora_adapter_exists`) or not allowed (`invalid_lora_name`)
+                             name taken (`lora_adapter_exists`) or not allowed (`invalid_lora_name`); an image part
+                             to a model without images (`images_not_supported`), a URL that is not a base64 data
+                             URL (`invalid_image_url`), another media type (`unsupported_image_type`), bytes that
+                             are not a readable still image of it (`invalid_image`), too many images
+                             (`too_many_images`), one outside a user message or placeholders that do not match the
+                             images (`invalid_image_part`)
   401 authentication_error   `--api-key` is set and `Authorization: Bearer <key>` is missing or wrong
                              (code `invalid_api_key`)
   403 permission_error       a LoRA `lora_path` that may leave the server's LoRA root (`lora_path_not_allowed`);
@@ -14,7 +19,9 @@
                              (`lora_updates_disabled`); no such adapter folder or served adapter
                              (`lora_adapter_not_found`)
   413 invalid_request_error  a body over `--max-request-bytes` (`request_too_large`); an adapter file over its limit
-                             (`lora_adapter_too_large`)
+                             (`lora_adapter_too_large`); an image over `--max-image-bytes` or `--max-image-pixels`
+                             (`image_too_large`), a request's images over `--max-image-bytes-per-request`
+                             (`images_too_large`)
   500 server_error           the engine failed the request (code `engine_error`)
   503 server_error           the queue is full (`--max-queue`, code `queue_full`), too many grammar compiles wait
                              (`--max-queued-compiles`, code `grammar_compiles_full`) or none got a worker in

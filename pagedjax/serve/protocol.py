@@ -10,9 +10,18 @@ field cannot be null.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 SEED_LIMIT = 2**63  # seeds travel to the device as two uint32 halves (see SamplingParams)
 MAX_LOGPROBS = 20
@@ -91,21 +100,119 @@ class TextContent(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str  # a data URL (`pagedjax.serve.images`: the server fetches nothing)
+    detail: Literal["auto", "low", "high"] = "auto"  # OpenAI's; accepted, no effect (the model's processor sizes)
+
+
+class ImageURLContent(_Request):
+    """OpenAI's image part: `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @property
+    def url(self) -> str:
+        return self.image_url.url
+
+    url_field: ClassVar[str] = "image_url.url"  # where the URL is, in error messages
+
+
+class ImageURLShorthand(_Request):
+    """vLLM's shorthand image part: `{"image_url": "data:image/png;base64,..."}` (no `type`)."""
+
+    image_url: str
+
+    @property
+    def url(self) -> str:
+        return self.image_url
+
+    url_field: ClassVar[str] = "image_url"
+
+
+ContentPart = TextContent | ImageURLContent | ImageURLShorthand
+ImagePart = ImageURLContent | ImageURLShorthand
+_PART_TYPES: dict[str, type[_Request]] = {"text": TextContent, "image_url": ImageURLContent}
+
+
+def _json_kind(value: Any) -> str:
+    """A JSON value's type in words ("an object", "an array", ...)."""
+    for kind, name in ((bool, "a boolean"), (int | float, "a number"), (str, "a string"), (list, "an array"),
+                       (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def _part_error(index: int, detail: str) -> PydanticCustomError:
+    return PydanticCustomError("content_part", "{detail}", {"detail": f"part {index}: {detail}"})
+
+
+def _content_part(index: int, part: Any) -> ContentPart:
+    """One content part, validated by the model its `type` names (no union: one clear error, naming the part)."""
+    if not isinstance(part, dict):
+        raise _part_error(index, f'must be an object ({{"type": "text", ...}} or {{"type": "image_url", ...}}), got '
+                                 f"{_json_kind(part)}")
+    if "type" not in part:
+        if "image_url" not in part:
+            raise _part_error(index, 'has no "type" ("text" or "image_url")')
+        model = ImageURLShorthand
+    else:
+        kind = part["type"]
+        model = _PART_TYPES.get(kind) if isinstance(kind, str) else None
+        if model is None:
+            shown = repr(kind) if isinstance(kind, str) and len(kind) <= 40 else _json_kind(kind)
+            raise _part_error(index, f'type must be "text" or "image_url" (got {shown}): this server takes text and '
+                                     "images (as data URLs) only")
+    if model is ImageURLContent and isinstance(part.get("image_url"), str):
+        raise _part_error(index, 'image_url must be an object {"url": ...} (or, without "type", vLLM\'s shorthand '
+                                 '{"image_url": "<url>"})')
+    try:
+        return model.model_validate(part)
+    except ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        where = ".".join(str(x) for x in error["loc"])
+        if error["type"] == "extra_forbidden":
+            raise _part_error(index, f"unknown field {where!r}") from None
+        raise _part_error(index, f"{where or 'the part'}: {error['msg']}") from None
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContent] | None = None
+    # A string, or content parts (OpenAI's): text, and images in user messages (`pagedjax.serve.images`)
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     # An assistant turn that called tools, and a tool's answer to a call: accepted as OpenAI clients replay
     # them; their text (content) goes through the chat template like any message's.
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _parts(cls, value: Any, handler) -> Any:
+        """A list of parts is validated part by part (see `_content_part`); a string or null as declared."""
+        if not isinstance(value, list):
+            try:
+                return handler(value)
+            except ValidationError:
+                got = ", got an object" if isinstance(value, dict) else ""  # a scalar is shown as it is
+                raise PydanticCustomError("content_type", "{detail}", {
+                    "detail": f"must be a string, a list of content parts or null{got}"}) from None
+        return [_content_part(i, part) for i, part in enumerate(value)]
+
     def text(self) -> str:
+        """The message's text: its string, or its text parts joined (its images left out)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextContent))
+
+    def image_parts(self) -> list[tuple[int, ImagePart]]:
+        """(index in `content`, part) of each image part."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, part) for j, part in enumerate(self.content) if not isinstance(part, TextContent)]
 
 
 class JsonSchemaFormat(_Request):

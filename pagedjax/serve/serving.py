@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 from pagedjax.sampling_params import LoRARequest, SamplingParams
 from pagedjax.serve.admission import (
+    DEFAULT_IMAGE_LIMITS,
     DEFAULT_MAX_CHAT_MESSAGES,
     DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+    ImageLimits,
     encode_text,
     longest_token_bytes,
     utf8_length,
@@ -34,6 +36,7 @@ from pagedjax.serve.async_engine import (
 from pagedjax.serve.chat_template import ChatTemplate, ChatTemplateError
 from pagedjax.serve.choices import ChoiceTracker, RequestFailed
 from pagedjax.serve.errors import APIError, bad_request, error_body
+from pagedjax.serve.images import ImageSupport, check_images, decode_image, image_refs
 from pagedjax.serve.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from pagedjax.serve.lora import ServedAdapters
 from pagedjax.serve.metrics import RequestTimer, ServerMetrics
@@ -94,6 +97,13 @@ class Prepared:
     created: int
     structured_field: str | None = None  # the request field its output constraint came from
     tools: ToolPlan | None = None  # the tools it offers the model: its choices' text is parsed for calls
+    # Its images as the model's pixels (float32 [3, H, W] each, the placeholders in `prompt_token_ids` expanded),
+    # for the engine; `start` hands them over and drops them from here
+    images: tuple = ()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -117,17 +127,18 @@ class OpenAIServing:
     """The endpoints' logic over one async engine; see the module docstring.
 
     A request goes through three stages: `prepare_*` (a worker thread: validation, the chat template, the
-    prompt's size and its tokens, the constraint's limits), `compile` (the grammar pool: the grammar library's
-    work, test-compiled in a worker process first: `CompileGuard`), then the engine (`start`). The grammar pool
-    is its own (`compile_config.workers` threads, at most `compile_config.max_queued` compiles waiting or
-    running: more get 503), so a slow grammar never delays tokenizing or admitting other requests."""
+    prompt's size and its tokens, the constraint's limits, a chat's images checked and decoded: `serve.images`),
+    `compile` (the grammar pool: the grammar library's work, test-compiled in a worker process first:
+    `CompileGuard`), then the engine (`start`). The grammar pool is its own (`compile_config.workers` threads, at
+    most `compile_config.max_queued` compiles waiting or running: more get 503), so a slow grammar never delays
+    tokenizing or admitting other requests."""
 
     def __init__(self, engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTemplate,
                  metrics: ServerMetrics, structured_limits: StructuredLimits = DEFAULT_LIMITS,
                  compile_config: CompileGuardConfig | None = None,
                  max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
                  max_parallel_tool_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS,
-                 adapters: ServedAdapters | None = None):
+                 adapters: ServedAdapters | None = None, image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS):
         if engine.engine.tokenizer is None:
             raise ValueError("pagedjax-serve needs an engine with a tokenizer (text in, text out)")
         self.engine = engine
@@ -143,6 +154,8 @@ class OpenAIServing:
         self.structured_limits = structured_limits
         self.max_chat_messages = max_chat_messages
         self.max_parallel_tool_calls = max_parallel_tool_calls  # a forced choice's calls (`serve.tools`)
+        # None for a model that takes no images (every image part is a 400); `pagedjax.serve.images`
+        self.images: ImageSupport | None = ImageSupport.for_engine(engine.engine, chat_template, image_limits)
         # A prompt of more UTF-8 bytes has more tokens than fit (`pagedjax.serve.admission`); None: not bounded.
         per_token = longest_token_bytes(self.tokenizer)
         self.prompt_byte_limit = None if per_token is None else (self.max_model_len - 1) * per_token
@@ -196,7 +209,8 @@ class OpenAIServing:
                               "context_length_exceeded")
 
     def _prepare(self, request, prompt_token_ids: list[int], max_tokens: int, prefix: str,
-                 tools: ToolPlan | None = None) -> Prepared:
+                 tools: ToolPlan | None = None, images: tuple = (),
+                 ) -> Prepared:
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         forced_call = None if tools is None else tools.constraint
@@ -211,7 +225,7 @@ class OpenAIServing:
                         params=params, stream=request.stream,
                         include_usage=bool(request.stream_options and request.stream_options.include_usage),
                         created=int(time.time()), structured_field=None if structured is None else structured[1],
-                        tools=tools)
+                        tools=tools, images=images)
 
     def prepare_completion(self, request: CompletionRequest) -> Prepared:
         self.check_model(request.model)
@@ -236,19 +250,30 @@ class OpenAIServing:
         if len(request.messages) > self.max_chat_messages:
             raise bad_request(f"messages: {len(request.messages):,} messages, more than the "
                               f"{self.max_chat_messages:,} this server takes (--max-chat-messages)", "messages")
+        refs = image_refs(request.messages)
+        if refs and self.images is None:
+            raise bad_request(f"{refs[0].part}: this model ({self.model_name}) does not take images", refs[0].part,
+                              "images_not_supported")
+        sources = check_images(refs, self.images.limits) if refs else []  # every limit, before decoding any
         tools = tool_plan(request, self.structured_limits, max_parallel_calls=self.max_parallel_tool_calls)
         native = self.chat_template.supports_tools
-        messages = template_messages(request.messages, tools, supports_tools=native)
+        messages = template_messages(request.messages, tools, supports_tools=native,
+                                     content_parts=self.images is not None and self.images.content_parts)
         try:
             text = self.chat_template.render(messages, add_generation_prompt=request.add_generation_prompt,
                                              tools=tools.tools if tools is not None and native else None)
         except ChatTemplateError as e:
             raise bad_request(f"messages: {e}", "messages") from None
         self._check_prompt_size(text, "messages")
+        if self.images is not None:  # placeholders expanded in the text, as transformers' processor does
+            text = self.images.expand(text, len(sources))
         ids = self.chat_template.encode(self.tokenizer, text)
         requested = request.max_completion_tokens or request.max_tokens
-        return self._prepare(request, ids, self._max_tokens(requested, None, len(ids), "messages"), "chatcmpl",
-                             tools)
+        max_tokens = self._max_tokens(requested, None, len(ids), "messages")
+        # the costly part, last: decoded and made into the model's pixels here, off the engine thread
+        images = self.images.pixels([decode_image(source, self.images.limits) for source in sources]) if sources \
+            else ()
+        return self._prepare(request, ids, max_tokens, "chatcmpl", tools, images)
 
     # ----------------------------------------------------------------------------------------------- compile
     async def compile(self, prepared: Prepared) -> None:
@@ -294,9 +319,10 @@ class OpenAIServing:
         for an adapter unloaded since the request was prepared). The adapter is looked up and the request sent to
         the engine thread in one step of the event loop: an unload never comes between them."""
         lora = self.check_model(prepared.model)
+        images, prepared.images = prepared.images, ()  # the engine's from now on: not held for the response
         try:
             return await self.engine.add_request(prepared.prompt_token_ids, prepared.params,
-                                                 request_id=prepared.request_id, lora_request=lora)
+                                                 request_id=prepared.request_id, lora_request=lora, images=images)
         except (TypeError, ValueError) as e:
             message = str(e).replace(f"request {prepared.request_id!r}: ", "")
             if message.startswith("SamplingParams.structured"):  # the constraint did not compile
@@ -327,7 +353,7 @@ class OpenAIServing:
             timer.finish(reason)
 
     def _usage(self, prepared: Prepared, tracker: ChoiceTracker) -> UsageInfo:
-        n_prompt = len(prepared.prompt_token_ids)
+        n_prompt = prepared.num_prompt_tokens
         return UsageInfo(prompt_tokens=n_prompt, completion_tokens=tracker.completion_tokens,
                          total_tokens=n_prompt + tracker.completion_tokens)
 

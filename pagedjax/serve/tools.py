@@ -44,6 +44,7 @@ from pagedjax.serve.protocol import (
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
+    TextContent,
     ToolCall,
 )
 from pagedjax.structured_output.isolation import JSON_STYLE
@@ -152,11 +153,16 @@ def call_grammar(tools, *, max_calls: int) -> StructuredOutput:
 
 
 # ---------------------------------------------------------------------------------------------- the prompt
-def template_messages(messages: list[ChatMessage], plan: ToolPlan | None, *, supports_tools: bool) -> list[dict]:
-    """The messages as the chat template gets them (see the module docstring for the two kinds of template)."""
+def template_messages(messages: list[ChatMessage], plan: ToolPlan | None, *, supports_tools: bool,
+                      content_parts: bool = False) -> list[dict]:
+    """The messages as the chat template gets them (see the module docstring for the two kinds of template). A
+    message with images has its content as a list of `{"type": "text", "text"}` and `{"type": "image"}` parts (as
+    transformers gives Hugging Face templates); with `content_parts`, every message's text is a list of parts
+    (`pagedjax.serve.chat_template`), else a string."""
     out = []
     for m in messages:
-        d = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        content = _parts(m) if m.image_parts() else m.text()
+        d = {"role": m.role, "content": content, **({"name": m.name} if m.name else {})}
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
@@ -175,7 +181,15 @@ def template_messages(messages: list[ChatMessage], plan: ToolPlan | None, *, sup
             out[0] = {**out[0], "content": f"{preamble}\n\n{out[0]['content']}"}
         else:
             out.insert(0, {"role": "system", "content": preamble})
+    if content_parts:
+        out = [{**d, "content": [{"type": "text", "text": d["content"]}] if d["content"] else []}
+               if isinstance(d["content"], str) else d for d in out]
     return out
+
+
+def _parts(message: ChatMessage) -> list[dict]:
+    return [{"type": "text", "text": part.text} if isinstance(part, TextContent) else {"type": "image"}
+            for part in message.content]
 
 
 def _replayed_call(call: dict) -> tuple[str, object]:

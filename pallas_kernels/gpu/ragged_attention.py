@@ -16,7 +16,9 @@ Variants (static): with a sliding window W a tile's walk starts at the page hold
 first row's position; no row sees anything earlier), so pages wholly before every row's window are never
 loaded nor their table entries read, and each row masks keys at or before its own position - W; a soft cap
 c turns scores into c * tanh(s / c) in the online-softmax step; 8-bit pages are loaded as 8-bit with their
-per-token scales and dequantized in registers into q's dtype.
+per-token scales and dequantized in registers into q's dtype. With `attend_until` (bidirectional spans) the
+wrapper adds each tile slot's last visible position and each tile's walk end (`tiles.tile_bounds`): the walk
+reaches the largest bound of any row of the tile, and each row masks keys past its own bound.
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ from pallas_kernels.merge import finalize
 
 def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float, group: int,
                    group_pad: int, block_q: int, head_dim: int, block_size: int, pages_per_iter: int,
-                   sliding_window: int | None, logits_soft_cap: float | None, quantized: bool):
+                   sliding_window: int | None, logits_soft_cap: float | None, quantized: bool, attend_until: bool):
     """meta_ref [num_tiles, 5]; table_ref [num_seqs, max_blocks_per_seq]; q_ref/o_ref [total_q_tokens,
-    num_q_heads, head_dim]; k_ref/v_ref [num_kv_heads, num_blocks, block_size, head_dim]; with 8-bit pages
-    refs = (k_scales, v_scales [num_kv_heads, num_blocks, block_size], o_ref), else (o_ref,)."""
-    scale_refs, (o_ref,) = (refs[:2], refs[2:]) if quantized else (None, refs)
+    num_q_heads, head_dim]; k_ref/v_ref [num_kv_heads, num_blocks, block_size, head_dim]; refs = (k_scales,
+    v_scales [num_kv_heads, num_blocks, block_size]) with 8-bit pages, then (last [num_tiles, block_q], ends
+    [num_tiles]) with attend_until (`tiles.tile_bounds`), then o_ref."""
+    scale_refs = refs[:2] if quantized else None
+    bound_refs = refs[-3:-1] if attend_until else None
+    o_ref = refs[-1]
     tile = pl.program_id(0)
     head = pl.program_id(1)
     seq = meta_ref[tile, 0]
@@ -64,8 +69,15 @@ def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float
 
     # Keys any row of this tile may see: positions [kv_start, kv_end); with a window W the first row (at pos0)
     # sees nothing before pos0 - W + 1, so the walk starts at that position's page: pages wholly before every
-    # row's window are never loaded and their table entries never read.
-    kv_end = jnp.where(num_rows > 0, jnp.clip(pos0 + num_rows, 0, kv_len), 0)
+    # row's window are never loaded and their table entries never read. A row sees keys up to q_last: its own
+    # position, or with attend_until its bound, which may lie past the tile's last row (kv_end is the largest).
+    if attend_until:
+        last_ref, ends_ref = bound_refs
+        q_last = plgpu.load(last_ref.at[tile, token])
+        kv_end = ends_ref[tile]
+    else:
+        q_last = q_pos
+        kv_end = jnp.where(num_rows > 0, jnp.clip(pos0 + num_rows, 0, kv_len), 0)
     num_pages = tiles.cdiv(kv_end, block_size)
     kv_start = None if sliding_window is None else jnp.clip(pos0 - sliding_window + 1, 0, kv_end)
     first_page = 0 if sliding_window is None else kv_start // block_size
@@ -76,7 +88,7 @@ def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float
             table_ref, k_ref, v_ref, seq=seq, head=head, first_page=first_page + i * pages_per_iter,
             page_end=num_pages, token_end=kv_end, pages_per_iter=pages_per_iter, block_size=block_size,
             head_dim=head_dim, token_start=kv_start, scale_refs=scale_refs, dtype=q.dtype)
-        mask = valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        mask = valid[None, :] & (kv_pos[None, :] <= q_last[:, None])
         if sliding_window is not None:
             mask = mask & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
         return C.online_softmax_step(q, k, v, mask, carry, scale=scale, logits_soft_cap=logits_soft_cap)
@@ -88,17 +100,19 @@ def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float
 @functools.partial(
     jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_iter", "num_warps", "num_stages",
                               "sliding_window", "logits_soft_cap"))
-def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, *,
-                            scale: float, interpret: bool, block_q: int, pages_per_iter: int, num_warps: int,
+def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until,
+                            *, scale: float, interpret: bool, block_q: int, pages_per_iter: int, num_warps: int,
                             num_stages: int, sliding_window: int | None, logits_soft_cap: float | None):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     meta = tiles.tile_metadata(kv_lens, cu_q_lens, num_tokens, block_q, block_tables.shape[1] * block_size)
+    scales = () if k_scales is None else (k_scales, v_scales)
+    bounds = () if attend_until is None else tiles.tile_bounds(meta, attend_until, block_q)
     kernel = functools.partial(
         _ragged_kernel, scale=scale, group=group, group_pad=tiles.next_pow2(group), block_q=block_q,
         head_dim=head_dim, block_size=block_size, pages_per_iter=pages_per_iter, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, quantized=k_scales is not None)
+        logits_soft_cap=logits_soft_cap, quantized=k_scales is not None, attend_until=attend_until is not None)
     return pl.pallas_call(
         kernel,
         grid=(meta.shape[0], num_kv_heads),
@@ -106,8 +120,8 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
         interpret=interpret,
         compiler_params=C.compiler_params(num_warps, num_stages),
         name=f"ragged_paged_attention_q{block_q}_p{pages_per_iter}"
-             + tiles.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
-    )(meta, block_tables, q, k_pages, v_pages, *(() if k_scales is None else (k_scales, v_scales)))
+             + tiles.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype, attend_until is not None),
+    )(meta, block_tables, q, k_pages, v_pages, *scales, *bounds)
 
 
 def default_num_warps(block_q: int, group: int, head_dim: int) -> int:
@@ -121,7 +135,7 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_
                                interpret: bool | None, block_q: int | None, pages_per_iter: int | None,
                                num_warps: int | None, num_stages: int, sliding_window: int | None = None,
                                logits_soft_cap: float | None = None, k_scales: jax.Array | None = None,
-                               v_scales: jax.Array | None = None) -> jax.Array:
+                               v_scales: jax.Array | None = None, attend_until: jax.Array | None = None) -> jax.Array:
     """The GPU ragged kernel behind `pallas_kernels.ragged_paged_attention(..., target="gpu")`, which has
     already validated shapes, dtypes, scale, variants and the tuning ints. Checks the GPU tile rules (block_q,
     pages_per_iter), fills in the defaults (`tiles.default_block_q`, `default_pages_per_iter`,
@@ -145,7 +159,7 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_
     if num_warps is None:
         num_warps = default_num_warps(block_q, group, head_dim)
     return _ragged_paged_attention(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, scale=scale,
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until, scale=scale,
         interpret=C.resolve_interpret(interpret), block_q=int(block_q), pages_per_iter=int(pages_per_iter),
         num_warps=int(num_warps), num_stages=int(num_stages), sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap)

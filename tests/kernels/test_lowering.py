@@ -101,6 +101,24 @@ def test_variants_lower_to_triton(q_dtype, kv_dtype, scale_dtype, variants):
     _export_cuda(ragged, s["q_ragged"], kv, kv, s["tables"], s["lens"], s["cu"], *extra)
 
 
+@pytest.mark.parametrize("kv_dtype,sliding_window", [(jnp.bfloat16, 1024), (jnp.int8, None)])
+def test_attend_until_lowers_to_triton(kv_dtype, sliding_window):
+    """The ragged kernel with per-row key bounds (bidirectional image spans) at Gemma 3 4B's attention shapes (8
+    query heads on 4 KV heads of 256, its sliding window): its own kernel, named for the variant."""
+    s = _shapes(jnp.bfloat16, 8, 4, 256)
+    kv = jax.ShapeDtypeStruct(s["kv"].shape, kv_dtype)
+    until = jax.ShapeDtypeStruct(s["q_ragged"].shape[:1], jnp.int32)
+    scales = jax.ShapeDtypeStruct(s["kv"].shape[:3], jnp.float32) if kv_dtype == jnp.int8 else None
+
+    def fn(q, k, v, tables, lens, cu, attend_until, k_scales=None, v_scales=None):
+        return ragged_paged_attention(q, k, v, tables, lens, cu, attend_until=attend_until, interpret=False,
+                                      sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+
+    extra = () if scales is None else (scales, scales)
+    exported = _export_cuda(fn, s["q_ragged"], kv, kv, s["tables"], s["lens"], s["cu"], until, *extra)
+    assert "_until" in exported.mlir_module()
+
+
 def test_interpret_none_is_interpreted_on_cpu():
     s = _shapes(jnp.float32, 4, 2, 64)
     if jax.default_backend() == "gpu":

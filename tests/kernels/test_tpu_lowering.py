@@ -112,6 +112,22 @@ def test_mosaic_module_structure(dtype):
             assert all("#tpu.contract_precision<fp32>" in line for line in matmuls)
 
 
+@pytest.mark.parametrize("dtype,sliding_window", [(jnp.bfloat16, 1024), (jnp.float32, None)])
+def test_attend_until_lowers_to_mosaic(dtype, sliding_window):
+    """The ragged kernel with per-row key bounds (bidirectional image spans) at Gemma 3 4B's attention shapes:
+    each tile's walk end as a third scalar-prefetch array in SMEM, each row's bound as an int32 [rows, 1] VMEM
+    block beside q's."""
+    s = _shapes(dtype, 8, 4, 256)
+    until = jax.ShapeDtypeStruct(s["q_ragged"].shape[:1], jnp.int32)
+    fn = functools.partial(ragged_paged_attention, target="tpu", interpret=False, sliding_window=sliding_window)
+    exported = export_tpu(lambda q, k, v, t, n, cu, a: fn(q, k, v, t, n, cu, attend_until=a), s["q_ragged"], s["kv"],
+                          s["kv"], s["tables"], s["lens"], s["cu"], until)
+    (text,) = mosaic_modules(exported)
+    assert "scalar_prefetch = 3" in text
+    assert re.search(r"memref<1x\d+x1xi32, #tpu.memory_space<vmem>>", text)
+    assert "_until" in exported.mlir_module()
+
+
 def test_auto_target_on_a_tpu_backend_exports_the_mosaic_kernels(monkeypatch):
     """What the engine's Pallas backend calls (target "auto", interpret None) on a TPU."""
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")

@@ -153,3 +153,40 @@ def test_unreadable_files_are_named(tmp_path):
     (folder / "adapter_model.safetensors").write_bytes(b"not a safetensors file")  # safetensors' own error type
     with pytest.raises(ValueError, match="adapter_model.safetensors is not a valid safetensors file"):
         load(folder)
+
+
+def test_a_bf16_adapter_loads_as_its_float32_save(tmp_path, monkeypatch):
+    """PEFT saves adapters in bf16 mostly; safetensors' numpy API cannot read BF16 where numpy has no 'bfloat16'
+    (TypeError: data type 'bfloat16' not understood): such tensors are read from the file's bytes instead."""
+    import ml_dtypes
+    import safetensors
+
+    f32 = write_adapter(tmp_path / "f32", CFG, rank=4, seed=0, targets="all-linear")
+    weights = f32 / "adapter_model.safetensors"
+    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(str(weights)).items()}
+    save_file({k: v.astype(np.float32) for k, v in tensors.items()}, str(weights))  # values bf16 can hold
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    (bf16 / "adapter_config.json").write_text((f32 / "adapter_config.json").read_text())
+    save_file(tensors, str(bf16 / "adapter_model.safetensors"))
+    with safetensors.safe_open(str(bf16 / "adapter_model.safetensors"), framework="numpy") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # as PEFT writes them
+
+    real = np.dtype
+
+    def numpy_without_bf16(name, *args, **kwargs):  # numpy where ml_dtypes registered no 'bfloat16' name
+        if name == "bfloat16":
+            raise TypeError("data type 'bfloat16' not understood")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(np, "dtype", numpy_without_bf16)
+    with pytest.raises(TypeError, match="bfloat16"):
+        load_file(str(bf16 / "adapter_model.safetensors"))  # what safetensors' numpy API does then
+    a = load(bf16)
+    monkeypatch.undo()
+    b = load(f32)
+    assert a.rank == b.rank and a.scale == b.scale and set(a.weights) == set(b.weights)
+    for key, (lo, hi) in b.weights.items():
+        assert a.weights[key][0].dtype == np.float32
+        np.testing.assert_array_equal(a.weights[key][0], lo)
+        np.testing.assert_array_equal(a.weights[key][1], hi)

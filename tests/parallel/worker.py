@@ -370,6 +370,49 @@ def bring_your_own_model_dp2():
     assert got == _byom_dense_greedy() and all(n > 0 for n in replicas.stats().requests_per_replica), got
 
 
+def _gemma3_vision():
+    """A random Gemma 3 with images (SigLIP tower, 4 placeholder tokens per 16 px image, attending to each other both
+    ways)."""
+    from pagedjax.config.vision import Gemma3VisionConfig, VisionConfig
+    from pagedjax.model.gemma3_vision import Gemma3Vision
+
+    text = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                       intermediate_size=64, architecture="gemma2", sliding_windows=(8, None), rms_norm_eps=1e-6)
+    vision = VisionConfig("siglip", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                          image_size=(16, 16), patch_size=4, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
+    return Gemma3Vision(Gemma3VisionConfig(text=text, vision=vision, image_token_id=63, mm_tokens_per_image=4),
+                        rngs=nnx.Rngs(0))
+
+
+@check
+def images_tensor_parallel():
+    """A vision-language model (Gemma 3: images' tokens attend to each other both ways) at tp 2: the tower,
+    projector and encoder cache replicated, the decoder split by heads; with one and two images per prompt, through
+    chunks that stop before an image, a prefix hit and fused decode, every greedy token is its dense forward's
+    argmax after the tokens before it (teacher-forced: one dense call per prompt)."""
+    model = _gemma3_vision()
+    rng = np.random.default_rng(0)
+    pixels = [rng.standard_normal((3, 16, 16)).astype(np.float32) for _ in range(3)]
+    img = [63] * 4
+    prompts = [([1, 2, 3] + img + [4, 5], pixels[:1]), ([6] + img + [7, 8] + img + [9], pixels[1:]),
+               ([1, 2, 3] + img + [4, 6], pixels[:1])]
+    e = LLMEngine(model=model, cache_config=CacheConfig(block_size=4, num_blocks=32),
+                  scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6, max_model_len=MAX_LEN),
+                  compile_cache=False, tensor_parallel_size=2, decode_steps_per_call=4)
+    requests = [{"prompt_token_ids": ids, "multi_modal_data": {"image": images}} for ids, images in prompts]
+    got = [o.output_token_ids for o in e.generate(requests, GREEDY, use_tqdm=False)]
+    assert len({t for tokens in got for t in tokens}) > 2, f"a degenerate model: {got}"
+    for (ids, images), tokens in zip(prompts, got, strict=True):
+        seq = jnp.asarray([ids + tokens[:-1]])
+        logits = np.asarray(model.forward_dense(seq, jnp.asarray(np.stack(images))))[0, len(ids) - 1:]
+        assert logits.argmax(-1).tolist() == tokens, f"{tokens} != the dense argmax {logits.argmax(-1).tolist()}"
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        assert (top2[:, 1] - top2[:, 0]).min() > 1e-4, "a near tie"
+    assert e.stats().scheduler.prefix_cache_hit_rate > 0 and e.stats().images_encoded >= 3
+    assert e.runner.image_features.array.sharding.spec == P()
+    assert e.runner.kv_cache.layers[0].k.sharding.spec == P("tp")
+
+
 @check
 def kv_pool_sized_per_device():
     """kv_memory_bytes is each device's budget: tp 2 over 8/2 heads holds twice the blocks of one device."""

@@ -15,6 +15,7 @@ FAST = [
     "qk_norms_tensor_parallel",
     "moe_expert_parallel",  # expert weights sharded by expert over tp
     "latent_layers_tensor_parallel",  # MLA / DSA: query heads split, latent pages replicated
+    "images_tensor_parallel",  # a vision-language model: tower and encoder cache replicated, decoder split
 ]
 SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16", "greedy_mha_tp2_block8",
         "greedy_mqa_tp4_block8", "greedy_mha_tp4_block8", "greedy_gqa_tp2_block8", "greedy_mqa_tp8_block8",

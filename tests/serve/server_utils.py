@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import uvicorn
@@ -48,6 +49,7 @@ def make_engine(**kwargs) -> LLMEngine:
 class Server:
     url: str  # http://127.0.0.1:PORT
     engine: AsyncLLMEngine
+    app: Any = None  # the FastAPI app (`app.state.serving`: its OpenAIServing)
 
     @property
     def llm(self) -> LLMEngine:
@@ -80,7 +82,7 @@ def running_server(llm: LLMEngine, *, max_pending: int | None = None, header_tim
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
     try:
-        yield Server(f"http://127.0.0.1:{port}", engine)
+        yield Server(f"http://127.0.0.1:{port}", engine, app)
     finally:
         server.should_exit = True
         thread.join(timeout=60)

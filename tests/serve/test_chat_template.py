@@ -36,15 +36,18 @@ def test_default_template():
     assert template.encode(ByteTokenizer(), text) == ByteTokenizer().encode(text)  # BOS added, as for a prompt
 
 
-@pytest.mark.parametrize("form", ["string", "named list", "jinja file"])
+@pytest.mark.parametrize("form", ["string", "named list", "jinja file", "chat_template.json",
+                                  "processor_config.json"])
 def test_hugging_face_template(tmp_path, form):
     config = {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>"}
     if form == "string":
         config["chat_template"] = LLAMA_LIKE
     elif form == "named list":
         config["chat_template"] = [{"name": "tool_use", "template": "no"}, {"name": "default", "template": LLAMA_LIKE}]
-    else:
+    elif form == "jinja file":
         (tmp_path / "chat_template.jinja").write_text(LLAMA_LIKE)
+    else:  # a processor's (vision-language folders)
+        (tmp_path / form).write_text(json.dumps({"chat_template": LLAMA_LIKE}))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     template = ChatTemplate.from_model(tmp_path)
     assert template.model_template

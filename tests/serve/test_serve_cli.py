@@ -143,6 +143,46 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0():
             proc.wait()
 
 
+def test_the_servers_info_lines_show_once():
+    """Importing orbax gives the root logger a handler before `main()` runs (it logs through the root logger),
+    which made the server's own `logging.basicConfig` do nothing: no INFO line, e.g. "serving ...", ever showed."""
+    port = _free_port()
+    proc = _start(port, "--no-warmup", "--log-level", "info")
+    try:
+        _wait_healthy(proc, f"http://127.0.0.1:{port}")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        out = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert out.count(f"INFO pagedjax.serve.app: serving {BUNDLED_MODEL_NAME} ") == 1, out
+    assert "INFO pagedjax.engine.llm_engine: LLMEngine: " in out, out
+
+
+def test_server_logging_leaves_the_processes_logging_as_it_was(capsys, caplog):
+    """`main()`'s logging (`server_logging`) touches only the `pagedjax` logger, and only while it runs: the root
+    logger's handlers (pytest's among them) stay, and the `pagedjax` logger propagates to them again after."""
+    import logging
+
+    from pagedjax.serve.cli import server_logging
+
+    logger = logging.getLogger("pagedjax")
+    root_before, before = list(logging.root.handlers), (logger.level, logger.propagate, list(logger.handlers))
+    with server_logging("info"):
+        logging.getLogger("pagedjax.serve.app").info("serving %s", "a model")
+        logging.getLogger("pagedjax.serve.app").debug("not at info")
+        assert logging.root.handlers == root_before
+    err = capsys.readouterr().err
+    assert err.count("INFO pagedjax.serve.app: serving a model\n") == 1 and "not at info" not in err, err
+    assert (logger.level, logger.propagate, list(logger.handlers)) == before
+    assert logging.root.handlers == root_before
+    with caplog.at_level("INFO", logger="pagedjax"):
+        logging.getLogger("pagedjax.serve.app").info("after")
+    assert [r.getMessage() for r in caplog.records] == ["after"] and capsys.readouterr().err == ""
+
+
 def _long_requests(url: str, results: dict) -> list[threading.Thread]:
     """Two streaming and one non-streaming completion of 200 tokens, in threads, into `results`."""
     body = {"model": BUNDLED_MODEL_NAME, "prompt": "def main():\n", "max_tokens": 200, "temperature": 0,

@@ -26,7 +26,8 @@ implemented.
 
 DeepSeek V2 / V3 / V3.2 (`deepseek_v2`, `deepseek_v3`, `deepseek_v32`) map to a
 `pagedjax.config.deepseek.DeepSeekConfig` instead (`load_deepseek_config`; `load_hf_config` refuses them, naming
-it); GLM's `glm_moe_dsa` is refused by both, saying why.
+it); GLM's `glm_moe_dsa` is refused by both, saying why. LLaVA and Gemma 3 with images (`llava`, `gemma3`,
+`VISION_MODEL_TYPES`) load through `pagedjax.model.loading.hf_vision`, whose text models map with `config_from_dict`.
 
 The weights are read by `pagedjax.model.loading.hf_loader`.
 """
@@ -326,6 +327,14 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
     return _load(path, lambda hf, bos, eos: _config_from_hf(hf, dtype, bos, eos))
 
 
+def config_from_dict(hf: dict, dtype: str | None = None, *, bos_token_id: int | None = None,
+                     eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
+    """`load_hf_config` of a parsed config (e.g. a vision-language checkpoint's `text_config`): `dtype` as there,
+    `bos_token_id` / `eos_token_ids` (generation_config.json's) in place of the config's own when given. ValueError
+    naming the field."""
+    return _config_from_hf(hf, dtype, bos_token_id, tuple(eos_token_ids))
+
+
 def _load(path: str | os.PathLike, build):
     """build(config.json parsed, bos id, eos ids) of a folder (the stop tokens from `generation_config.json`
     where it has them), its ValueErrors as ModelLoadErrors naming the file."""
@@ -389,10 +398,13 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
         raise ValueError(f"field 'model_type' = {model_type!r}: a DeepSeek model, not a ModelConfig one; "
                          "LLMEngine.from_pretrained and --model serve it (pagedjax.model.deepseek), and "
                          "load_deepseek_config maps its config")
+    if model_type in VISION_MODEL_TYPES:
+        raise ValueError(f"field 'model_type' = {model_type!r}: a vision-language model, not a ModelConfig one; "
+                         "LLMEngine.from_pretrained and --model serve it (pagedjax.model.loading.hf_vision), and "
+                         "its text_config maps with config_from_dict")
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
-        hint = "; of Gemma 3 only the text model (gemma3_text) loads" if model_type == "gemma3" else ""
         raise ValueError(f"field 'model_type' = {model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}; a model of your own serves it "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); a model of your own serves it "
                          f"once registered: pagedjax.ModelRegistry.register_model({model_type!r}, factory)")
     defaults = _DEFAULTS[model_type]
     _check_unsupported(hf, model_type)
@@ -503,6 +515,10 @@ def _check_unsupported(hf: dict, model_type: str) -> None:
         raise ValueError(f"field 'attention_bias' = true is not supported for {model_type} "
                          "(it also biases o_proj)")
 
+
+# Vision-language models, served as models of the public contract (`pagedjax.model.loading.hf_vision`): LLaVA and
+# Gemma 3 with images.
+VISION_MODEL_TYPES = ("llava", "gemma3")
 
 # DeepSeek V2 / V3 / V3.2 (`pagedjax.config.deepseek.DeepSeekConfig`, served by `pagedjax.model.deepseek`).
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")

@@ -15,7 +15,7 @@ from pathlib import Path
 from pagedjax.config import ModelConfig
 from pagedjax.model.errors import ModelLoadError
 from pagedjax.model.llama import Llama, init_model, model_from_state
-from pagedjax.model.loading.hf_config import DEEPSEEK_MODEL_TYPES
+from pagedjax.model.loading.hf_config import DEEPSEEK_MODEL_TYPES, VISION_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +81,9 @@ def _quantized(cfg, state, quantization):
 def load_registered(path, dtype: str | None):
     """`(model, tokenizer or None)` of a Hugging Face folder whose `model_type` is registered in
     `pagedjax.model.registry.ModelRegistry`, by its factory, or is one of the built-in families served as a model
-    of the public contract (DeepSeek V2 / V3 / V3.2: `hf_loader.load_hf_deepseek`, unless a factory is registered for
-    it); None for any other folder (a pagedjax checkpoint,
-    an unregistered `model_type`, no path: the bundled model), which `load_pretrained` loads or refuses.
+    of the public contract (DeepSeek V2 / V3 / V3.2: `hf_loader.load_hf_deepseek`; LLaVA and Gemma 3 with images:
+    `hf_vision.load_hf_vision`; unless a factory is registered for it); None for any other folder (a pagedjax
+    checkpoint, an unregistered `model_type`, no path: the bundled model), which `load_pretrained` loads or refuses.
     The factory's own errors propagate; a result that is not `(model, tokenizer)` is a TypeError naming it."""
     from pagedjax.model.errors import read_json
     from pagedjax.model.loading import checkpoint
@@ -100,6 +100,10 @@ def load_registered(path, dtype: str | None):
         from pagedjax.model.loading.hf_loader import load_hf_deepseek
 
         factory = load_hf_deepseek
+    if factory is None and model_type in VISION_MODEL_TYPES:  # LLaVA, Gemma 3 with images
+        from pagedjax.model.loading.hf_vision import load_hf_vision
+
+        factory = load_hf_vision
     if factory is None:
         return None
     result = factory(path, dtype)
@@ -124,6 +128,9 @@ def load_engine_model(path, dtype: str | None, parallel_config, devices, quantiz
         cfg, state, tokenizer = load_for(path, dtype, parallel_config, devices, quantization)
         return {"model_config": cfg, "params": state}, tokenizer
     model, tokenizer = registered
+    if quantization is not None and getattr(model.spec, "images", None) is not None:
+        raise ValueError(f"quantization {quantization!r}: models with images (vision-language) are not quantized "
+                         "(their vision tower and projector would be too); load them in float")
     if quantization is not None:
         from pagedjax.model.layers.quant import quantize_model
 
@@ -131,7 +138,19 @@ def load_engine_model(path, dtype: str | None, parallel_config, devices, quantiz
     return {"model": model}, tokenizer
 
 
-__all__ = ["ModelLoadError", "is_hf_folder", "load_engine_model", "load_pretrained", "load_registered"]
+def folder_image_processor(path, weights: dict):
+    """The image processor of a saved vision-language model (`pagedjax.model.processor.load_image_processor`) when the
+    model `load_engine_model` built (`weights`) takes images; None otherwise."""
+    model = weights.get("model")
+    if model is None or getattr(model.spec, "images", None) is None:
+        return None
+    from pagedjax.model.processor import load_image_processor
+
+    return load_image_processor(path)
+
+
+__all__ = ["ModelLoadError", "folder_image_processor", "is_hf_folder", "load_engine_model", "load_pretrained",
+           "load_registered"]
 
 
 def engine_model(model_config: ModelConfig | None, params, model, seed: int):
