@@ -499,11 +499,23 @@ def test_fuzzed_image_bytes_decode_or_are_refused(seed, data):
 def test_a_vision_model_end_to_end(server, tmp_path):
     """A tiny random LLaVA served: the image reaches its encoder and the answer is the engine's own."""
     pytest.importorskip("transformers")
-    from pagedjax import CacheConfig, LLMEngine, SamplingParams
-    from tests.model.vision_folders import hf_model, save_folder
+    from flax import nnx
 
-    folder = save_folder("llava", tmp_path / "llava", model=hf_model("llava"))
-    llm = LLMEngine.from_pretrained(str(folder), cache_config=CacheConfig(block_size=16, num_blocks=64))
+    from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+    from pagedjax.model.hf_tokenizer import HFTokenizer
+    from pagedjax.model.llava import Llava
+    from pagedjax.model.loading.hf_vision import load_vision_config
+    from pagedjax.model.processor import load_image_processor
+    from tests.model.vision_folders import save_folder
+
+    # the folder's configs, tokenizer and processor, as transformers writes them; random weights (the model's
+    # equality with transformers is tests/engine/test_images_engine.py's)
+    folder = save_folder("llava", tmp_path / "llava")
+    model = Llava(load_vision_config(folder), rngs=nnx.Rngs(0))
+    llm = LLMEngine(model=model, tokenizer=HFTokenizer.from_pretrained(folder, eos_token_ids=model.spec.eos_token_ids),
+                    image_processor=load_image_processor(folder),
+                    cache_config=CacheConfig(block_size=16, num_blocks=64),
+                    scheduler_config=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2))
     # LLaVA's Hugging Face templates read text only from content parts (so the system message goes as parts)
     template = ChatTemplate("{% for m in messages %}{{ m['role'].upper() }}: "
                             "{% for p in m['content'] | selectattr('type', 'equalto', 'image') %}<image>\n{% endfor %}"
