@@ -21,7 +21,7 @@ Megatron-style tensor parallelism, expressed only as shardings (XLA inserts the 
                                               a row-sharded layer) or, int4's `[out, in // g]`, like its `qweight`
                                               (tp must divide the groups too, else the layer is replicated).
   KV cache `[kv_heads, blocks, block_size, head_dim]` per layer: sharded by KV heads (axis 0).
-  LoRA stacks (`pagedjax.model.layers.lora`: A `[slots, in, r]`, B `[slots, r, out]` per target linear) as their
+  LoRA stacks (`pagedjax.model.layers.lora`: A `[in, slots, r]`, B `[slots, r, out]` per target linear) as their
                                               base linear: a column-sharded base's B by its output columns (A
                                               replicated: each device computes every token's x A, then its own
                                               columns); a row-sharded base's A by its input rows (B replicated):
@@ -141,7 +141,7 @@ def _by_name(module: str, leaf: str, divides: bool, grouped: bool = False) -> P:
 
 
 def lora_spec(cfg: ModelConfig, module: str, factor: str, tp: int) -> P:
-    """The PartitionSpec of LoRA factor `factor` ("a": `[slots, in, r]`, "b": `[slots, r, out]`) of target linear
+    """The PartitionSpec of LoRA factor `factor` ("a": `[in, slots, r]`, "b": `[slots, r, out]`) of target linear
     `module` of a built-in dense model of `cfg` (see the module docstring): split as the base kernel is, or
     replicated where the base is."""
     if factor not in ("a", "b"):
@@ -151,7 +151,7 @@ def lora_spec(cfg: ModelConfig, module: str, factor: str, tp: int) -> P:
     if module in COLUMN:
         return P(None, None, TP) if factor == "b" else P()
     if module in ROW:
-        return P(None, TP, None) if factor == "a" else P()
+        return P(TP, None, None) if factor == "a" else P()
     return P()
 
 

@@ -771,14 +771,14 @@ def _assert_lora_sharded(e, tp: int) -> None:
     o/down, both replicated under a replicated k/v (tp > num_kv_heads)."""
     a, b = e.runner.lora_weights.a[0], e.runner.lora_weights.b[0]
     kv_split = config("gqa").num_kv_heads % tp == 0
-    want_specs = {("a", "o_proj"): P(None, "tp", None), ("a", "down_proj"): P(None, "tp", None),
+    want_specs = {("a", "o_proj"): P("tp", None, None), ("a", "down_proj"): P("tp", None, None),
                   ("b", "q_proj"): P(None, None, "tp"), ("b", "up_proj"): P(None, None, "tp"),
                   ("b", "k_proj"): P(None, None, "tp") if kv_split else P(), ("a", "q_proj"): P(),
                   ("b", "o_proj"): P(), ("a", "k_proj"): P()}
     for (factor, module), spec in want_specs.items():
         arr = (a if factor == "a" else b)[module]
         assert arr.sharding.spec == spec, f"tp={tp} {module} {factor}: {arr.sharding.spec} != {spec}"
-    assert {x.data.shape for x in a["o_proj"].addressable_shards} == {(3, 128 // tp, 8)}
+    assert {x.data.shape for x in a["o_proj"].addressable_shards} == {(128 // tp, 3, 8)}
     assert e.runner.lora_weights.scales.sharding.spec == P()
 
 

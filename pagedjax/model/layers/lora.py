@@ -1,7 +1,7 @@
 """LoRA on the built-in models' linears, many adapters in one batch: pure functions over a pytree of stacked
 adapter weights.
 
-Every target linear of every layer holds A `[num_slots, in, r]` and B `[num_slots, r, out]` (float32), one slot
+Every target linear of every layer holds A `[in, num_slots, r]` and B `[num_slots, r, out]` (float32), one slot
 per adapter resident on the device, slot 0 all zeros (the base model), every adapter zero-padded to the slots'
 rank r (zero columns of A and rows of B add nothing). A step carries one slot index per token; a linear computes
 `y = x W + scale[slot] * (x A[slot]) B[slot]`. Which adapter sits in which slot is only array contents, so
@@ -11,7 +11,10 @@ Two forms of the per-token product, the same numbers up to summation order:
   `gathered_delta`  gathers each token's A and B (Punica's BGMV: a matrix-vector product per token);
   `grouped_delta`   multiplies every token by every slot's A, keeps its own slot's row (a one-hot mask), then
                     one product with all slots' B stacked (dense SGMV: no gather, num_slots x the LoRA flops).
-`scripts/bench_lora.py --forms` measures both; `lora_delta` is the one the model uses.
+`scripts/bench_lora.py --forms` measures both; `lora_delta` is the one the model uses. A is stored with the
+slots in the middle so that `x A` over every slot is one plain product `[T, in] x [in, num_slots * r]` and
+`(x A) B` one `[T, num_slots * r] x [num_slots * r, out]`: both stacks are read as they lie (stored
+`[num_slots, in, r]`, every step began with a transposed copy of each A).
 
 Over a tensor-parallel mesh the stacks are split as their base linear (`pagedjax.parallel.sharding.lora_spec`):
 B by output columns under a column-sharded base, A by input rows under a row-sharded one; the model's code is
@@ -46,7 +49,7 @@ def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 class LoRAWeights(NamedTuple):
-    """Every slot's adapter weights. `a[i][name]` f32 `[num_slots, in, r]`, `b[i][name]` f32 `[num_slots, r, out]`
+    """Every slot's adapter weights. `a[i][name]` f32 `[in, num_slots, r]`, `b[i][name]` f32 `[num_slots, r, out]`
     for layer i and target `name`; `scales` f32 `[num_slots]` (slot 0: 0). Slot 0 is zeros and stays so."""
 
     a: tuple[dict[str, jax.Array], ...]
@@ -67,7 +70,7 @@ def init_lora_weights(cfg: ModelConfig, num_slots: int, rank: int, mesh: Mesh | 
     shapes = target_shapes(cfg)
     specs = lora_partition(cfg, 1 if mesh is None else mesh.shape[TP])
     at = (lambda spec: None) if mesh is None else (lambda spec: NamedSharding(mesh, spec))
-    a = tuple({m: jnp.zeros((num_slots, i, rank), jnp.float32, device=at(spec[m])) for m, (i, _) in shapes.items()}
+    a = tuple({m: jnp.zeros((i, num_slots, rank), jnp.float32, device=at(spec[m])) for m, (i, _) in shapes.items()}
               for spec in specs.a)
     b = tuple({m: jnp.zeros((num_slots, rank, o), jnp.float32, device=at(spec[m])) for m, (_, o) in shapes.items()}
               for spec in specs.b)
@@ -81,7 +84,7 @@ def lora_weights_nbytes(cfg: ModelConfig, rank: int) -> int:
 
 def _write_slot(weights: LoRAWeights, slot, a, b, scale) -> LoRAWeights:
     return LoRAWeights(
-        tuple({m: layer[m].at[slot].set(new[m]) for m in layer} for layer, new in zip(weights.a, a, strict=True)),
+        tuple({m: layer[m].at[:, slot].set(new[m]) for m in layer} for layer, new in zip(weights.a, a, strict=True)),
         tuple({m: layer[m].at[slot].set(new[m]) for m in layer} for layer, new in zip(weights.b, b, strict=True)),
         weights.scales.at[slot].set(scale))
 
@@ -102,23 +105,25 @@ def slot_writer(cfg: ModelConfig, mesh: Mesh | None):
     specs = lora_partition(cfg, mesh.shape[TP])
     named = lambda spec: NamedSharding(mesh, spec)
     stacks = jax.tree.map(named, specs, is_leaf=lambda x: isinstance(x, P))
-    one_slot = lambda layers: tuple({m: named(P(*spec[1:])) for m, spec in layer.items()} for layer in layers)
+    # One slot's `[in, r]` / `[r, out]`: its stack's spec without the slots' axis (A's 1, B's 0).
+    one_slot = lambda layers, axis: tuple({m: named(P(*spec[:axis], *spec[axis + 1:])) for m, spec in layer.items()}
+                                          for layer in layers)
     replicated = named(P())
     return jax.jit(_write_slot, donate_argnums=(0,), out_shardings=stacks,
-                   in_shardings=(stacks, replicated, one_slot(specs.a), one_slot(specs.b), replicated))
+                   in_shardings=(stacks, replicated, one_slot(specs.a, 1), one_slot(specs.b, 0), replicated))
 
 
 def gathered_delta(x: jax.Array, a: jax.Array, b: jax.Array, scales: jax.Array, slots: jax.Array) -> jax.Array:
-    """x `[T, in]`, a `[N, in, r]`, b `[N, r, out]`, scales `[N]`, slots i32 `[T]` -> f32 `[T, out]`:
+    """x `[T, in]`, a `[in, N, r]`, b `[N, r, out]`, scales `[N]`, slots i32 `[T]` -> f32 `[T, out]`:
     `scales[s] * (x A[s]) B[s]` of each token's slot s, by gathering each token's A and B."""
-    xa = jnp.einsum("ti,tir->tr", x.astype(jnp.float32), a[slots])
+    xa = jnp.einsum("ti,itr->tr", x.astype(jnp.float32), a[:, slots])
     return jnp.einsum("tr,tro->to", xa * scales[slots][:, None], b[slots])
 
 
 def grouped_delta(x: jax.Array, a: jax.Array, b: jax.Array, scales: jax.Array, slots: jax.Array) -> jax.Array:
     """As `gathered_delta`, by multiplying every token with every slot's A and masking the other slots out."""
-    xa = jnp.einsum("ti,nir->tnr", x.astype(jnp.float32), a)
-    mask = jax.nn.one_hot(slots, a.shape[0], dtype=jnp.float32) * scales[None, :]
+    xa = jnp.einsum("ti,inr->tnr", x.astype(jnp.float32), a)
+    mask = jax.nn.one_hot(slots, a.shape[1], dtype=jnp.float32) * scales[None, :]
     return jnp.einsum("tnr,nro->to", xa * mask[:, :, None], b)
 
 
