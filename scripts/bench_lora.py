@@ -130,7 +130,7 @@ def forms(args) -> None:
           f"random slots, median of 30, {jax.default_backend()}")
     for n in (5, 9):
         ws = {m: tuple(jnp.asarray(rng.standard_normal(s), jnp.float32)
-                       for s in ((i, o), (n, i, RANK), (n, RANK, o))) for m, (i, o) in shapes.items()}
+                       for s in ((i, o), (i, n, RANK), (n, RANK, o))) for m, (i, o) in shapes.items()}
         xs = {m: jnp.asarray(rng.standard_normal((args.batch, i)), jnp.float32) for m, (i, _) in shapes.items()}
         scales, slots = jnp.ones((n,), jnp.float32), jnp.asarray(rng.integers(0, n, args.batch), jnp.int32)
         for name, delta in (("base", None), ("gathered", gathered_delta), ("grouped", grouped_delta)):

@@ -111,7 +111,8 @@ class LLMEngine:
 
     enable_lora=True: serve LoRA adapters (`pagedjax.lora`), a request's own by its `lora_request`, up to
     `max_loras` distinct ones per step (device slots; requests of more wait), each of rank <= `max_lora_rank`,
-    `max_cpu_loras` kept in host memory (`LoRAConfig`); a built-in dense model on one device.
+    `max_cpu_loras` kept in host memory (`LoRAConfig`); a built-in dense model, on one device or tensor-parallel,
+    with n-gram speculation or none.
 
     config: an `EngineConfig` holding every option above at once (instead of the keywords, not beside them); the
     engine keeps its whole configuration as `engine.config` either way.
@@ -159,6 +160,9 @@ class LLMEngine:
         self.model_spec = check_model(model, kv_dtype=self.cache_config.kv_dtype)
         spec = self.model_spec
         parallel_config = config.parallel_config
+        lora_config = config.lora_config
+        if lora_config is not None:
+            self._check_lora_serves(config.speculative_config)
         draft = load_draft(config.speculative_config, spec, self.cache_config, self.seed, parallel_config)
         self.scheduler_config = config.scheduler_config.resolve(spec.max_position_embeddings)
         images = spec.images
@@ -186,9 +190,6 @@ class LLMEngine:
         else:
             self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if draft is None else draft.spec)
         # Blocks out of every layer's sliding window go back to the pool while requests run.
-        lora_config = config.lora_config
-        if lora_config is not None:
-            self._check_lora_serves(lora_config, mesh)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
                                    sliding_window=spec.kv_window,
                                    max_loras=None if lora_config is None else lora_config.max_loras,
@@ -226,15 +227,17 @@ class LLMEngine:
         logger.info("LLMEngine: %d KV blocks x %d tokens, attention backend %s", self.num_blocks,
                     self.cache_config.block_size, self.runner.backend)
 
-    def _check_lora_serves(self, lora_config: LoRAConfig, mesh) -> None:
+    def _check_lora_serves(self, speculative_config: SpeculativeConfig | None) -> None:
         """ValueError naming what keeps this engine from serving adapters: a model not built in, a
-        mixture-of-experts one, or a tensor-parallel mesh."""
+        mixture-of-experts one, or a draft model proposing (it would propose without the requests' adapters).
+        Tensor parallelism serves them (the stacks split as their linears: `pagedjax.parallel.sharding`)."""
         if self.model_config is None:
             raise ValueError("enable_lora=True needs a built-in model (ModelConfig / from_pretrained), not model=")
         if self.model_config.moe is not None:
             raise ValueError("enable_lora=True: LoRA on mixture-of-experts models (ModelConfig.moe) is not supported")
-        if mesh is not None and mesh.size > 1:
-            raise ValueError("enable_lora=True: LoRA with tensor_parallel_size > 1 is not supported")
+        if speculative_config is not None and speculative_config.method == "draft":
+            raise ValueError("enable_lora=True: SpeculativeConfig(method='draft') is not supported with LoRA (the "
+                             "draft model would propose without the requests' adapters); use method='ngram'")
 
     @classmethod
     def from_pretrained(cls, path=None, *, dtype: str | None = None, quantization: str | QuantConfig | None = None,

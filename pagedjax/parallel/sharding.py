@@ -21,6 +21,15 @@ Megatron-style tensor parallelism, expressed only as shardings (XLA inserts the 
                                               a row-sharded layer) or, int4's `[out, in // g]`, like its `qweight`
                                               (tp must divide the groups too, else the layer is replicated).
   KV cache `[kv_heads, blocks, block_size, head_dim]` per layer: sharded by KV heads (axis 0).
+  LoRA stacks (`pagedjax.model.layers.lora`: A `[in, slots, r]`, B `[slots, r, out]` per target linear) as their
+                                              base linear: a column-sharded base's B by its output columns (A
+                                              replicated: each device computes every token's x A, then its own
+                                              columns); a row-sharded base's A by its input rows (B replicated):
+                                              each device's partial x A is summed by the all-reduce XLA already
+                                              makes for the base's partial product (the two are combined into one
+                                              collective), then every device applies B to the whole sum. A base
+                                              kept replicated keeps its A and B replicated. Slot scales and each
+                                              token's slot: replicated.
 When tp > num_kv_heads the k/v projections stay replicated and the cache stores `tp` heads, each KV head
 repeated on the tp / num_kv_heads devices whose query heads use it (as vLLM does). A dimension that tp does not
 divide (an odd vocabulary, an MLP width, a number of experts) is replicated instead, with a log line: correct,
@@ -128,6 +137,21 @@ def _by_name(module: str, leaf: str, divides: bool, grouped: bool = False) -> P:
         return P(TP, None)
     if module == EXPERTS:
         return P(TP, None, None)
+    return P()
+
+
+def lora_spec(cfg: ModelConfig, module: str, factor: str, tp: int) -> P:
+    """The PartitionSpec of LoRA factor `factor` ("a": `[in, slots, r]`, "b": `[slots, r, out]`) of target linear
+    `module` of a built-in dense model of `cfg` (see the module docstring): split as the base kernel is, or
+    replicated where the base is."""
+    if factor not in ("a", "b"):
+        raise ValueError(f"lora_spec: factor must be 'a' or 'b', got {factor!r}")
+    if tp == 1 or not _divides(cfg, module, tp):
+        return P()
+    if module in COLUMN:
+        return P(None, None, TP) if factor == "b" else P()
+    if module in ROW:
+        return P(TP, None, None) if factor == "a" else P()
     return P()
 
 

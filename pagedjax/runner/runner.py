@@ -48,7 +48,7 @@ from pagedjax.device.sampling import (
     token_logprobs,
 )
 from pagedjax.model.api import ImageEmbeds, PagedKVCache, PagedModel, param_partition_fn
-from pagedjax.model.layers.lora import LoRABatch, init_lora_weights, write_slot
+from pagedjax.model.layers.lora import LoRABatch, init_lora_weights, slot_writer
 from pagedjax.model.layers.quant import holds_quantized
 from pagedjax.runner.images import ImageFeatures
 from pagedjax.runner.inputs import NO_EXTRAS, FusedDecodeInputs, StepExtras, StepInputs
@@ -278,9 +278,11 @@ class ModelRunner:
         self.fixed_shape: StepShape | None = None  # batch-invariant mode: every step's program (`engine.invariant`)
         self._check_attention_serves()
         # Every slot's adapter weights (`pagedjax.model.layers.lora`), an argument of every step: None, or zeros
-        # until `set_lora_slot` writes one (a built-in dense model on one device: the engine checks).
+        # until `set_lora_slot` writes one (a built-in dense model: the engine checks), split over the mesh as the
+        # linears they adapt.
         self.lora_weights = None if lora is None else init_lora_weights(model.config, lora.num_slots,
-                                                                         lora.max_lora_rank)
+                                                                         lora.max_lora_rank, mesh)
+        self._write_lora_slot = None if lora is None else slot_writer(model.config, mesh)
         # The encoder cache's features (`image_slots` images; a model that takes images), an argument of every step
         # of image placeholders.
         self.image_features = None if image_slots is None else ImageFeatures(self.graphdef, self.params, spec,
@@ -384,10 +386,11 @@ class ModelRunner:
     def set_lora_slot(self, slot: int, a: list[dict], b: list[dict], scale: float) -> None:
         """Serve adapter weights `a`, `b` (per layer, per target: float32 `[in, r]`, `[r, out]` at the slots'
         rank r) scaled by `scale` from slot `slot` (>= 1) from the next step on: array contents only, nothing
-        recompiled."""
+        recompiled (over a mesh each device receives and writes its own part only)."""
         if not 1 <= slot < self.lora_weights.scales.shape[0]:
             raise ValueError(f"LoRA slot {slot} outside [1, {self.lora_weights.scales.shape[0] - 1}]")
-        self.lora_weights = write_slot(self.lora_weights, np.int32(slot), a, b, np.float32(scale))
+        self.lora_weights = self._write_lora_slot(self.lora_weights, np.int32(slot), tuple(a), tuple(b),
+                                                  np.float32(scale))
 
     def _lora(self, slots: np.ndarray | None, n: int) -> LoRABatch | None:
         """A step's adapters: None without LoRA; with it, `slots` (None: a step of no adapter, e.g. padding)."""

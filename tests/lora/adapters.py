@@ -40,10 +40,11 @@ def write_adapter(folder: Path, cfg: ModelConfig, *, rank: int, seed: int, targe
     return folder
 
 
-def merged_params(cfg: ModelConfig, seed: int, folder: Path, kernels=None) -> nnx.State:
-    """The parameters of `init_model(cfg, seed)` with the adapter in `folder` merged into every kernel it
-    targets: W + scale * A^T B^T in PEFT's terms (the built-in model's kernels are `[in, out]`). `kernels`
-    (layer index, module) -> W: base kernels instead of the model's own (e.g. a quantized model's, dequantized)."""
+def merged_params(cfg: ModelConfig, seed: int, folder: Path, kernels=None, base: nnx.State | None = None) -> nnx.State:
+    """The parameters of `init_model(cfg, seed)` (or `base`, parameters of such a model) with the adapter in
+    `folder` merged into every kernel it targets: W + scale * A^T B^T in PEFT's terms (the built-in model's kernels
+    are `[in, out]`). `kernels` (layer index, module) -> W: base kernels instead of the model's own (e.g. a
+    quantized model's, dequantized)."""
     from safetensors.numpy import load_file
 
     adapter_config = json.loads((folder / "adapter_config.json").read_text())
@@ -51,6 +52,8 @@ def merged_params(cfg: ModelConfig, seed: int, folder: Path, kernels=None) -> nn
     scale = alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
     tensors = load_file(str(folder / "adapter_model.safetensors"))
     model = init_model(cfg, seed)
+    if base is not None:
+        nnx.update(model, base)
     for i, layer in enumerate(model.layers):
         for module in TARGET_MODULES:
             block = "self_attn" if module in ATTENTION_MODULES else "mlp"

@@ -173,15 +173,27 @@ def test_samples_of_a_request_keep_its_adapter(engine, folders):
 
 
 def test_ngram_speculation_serves_adapters(folders):
-    # Repetitive prompts, so that prompt lookup proposes; verification runs each token under its adapter.
-    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [9, 10]]
+    # Repetitive prompts, so that prompt lookup proposes; verification runs each token (every verified position)
+    # under its own adapter: two adapters and the base model in one batch give the tokens decoding without
+    # speculation gives (the merged-weights models': `test_each_adapter_equals_its_merged_weights_model`).
+    repeats = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [9, 10], [12, 13] * 6]
+    prompts, picks = [repeats[0], repeats[1], repeats[2], repeats[1]], [2, 2, None, 1]
     engine = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=64),
                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_LEN), seed=SEED,
                        enable_lora=True, max_loras=2, speculative_config=SpeculativeConfig(num_speculative_tokens=3))
-    picks = [1, 2]
     outputs = engine.generate(prompts, GREEDY, use_tqdm=False, lora_request=[lora(folders, i) for i in picks])
     assert tokens(outputs) == [reference(folders, i, prompts)[k] for k, i in enumerate(picks)]
-    assert engine.stats().spec_proposed_tokens > 0
+    stats = engine.stats()
+    # Proposals accepted and rejected (rolled back) under adapters and the base model alike.
+    assert stats.spec_proposed_tokens > stats.spec_accepted_tokens > 0, stats
+
+
+def test_draft_model_speculation_is_refused_with_lora():
+    # The draft would propose without the requests' adapters.
+    draft = SpeculativeConfig(method="draft", draft_model=CFG.replace(num_layers=1), num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="SpeculativeConfig\\(method='draft'\\) is not supported with LoRA"):
+        LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), enable_lora=True, speculative_config=draft,
+                  compile_cache=False)
 
 
 def test_adapters_are_added_and_removed_at_runtime(engine, folders):

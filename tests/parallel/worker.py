@@ -767,6 +767,109 @@ def latent_layers_tensor_parallel():
                 assert got_spec == spec, f"deepseek {proj}: {got_spec} != {spec}"
 
 
+def _lora_engine(tp: int | None) -> LLMEngine:
+    """A gqa engine serving 2 adapter slots of rank 8 on `tp` devices (None: one, no mesh): a pool small enough to
+    preempt, 16-token chunks, fused decodes of 4 steps."""
+    return LLMEngine(config("gqa"), CacheConfig(block_size=8, num_blocks=8),
+                     SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                     params=params("gqa"), compile_cache=False, decode_steps_per_call=4, enable_lora=True, max_loras=2,
+                     max_lora_rank=8, parallel_config=None if tp is None else ParallelConfig(tensor_parallel_size=tp))
+
+
+def _lora_folders(d: str) -> dict:
+    """3 PEFT adapters of the gqa model: all-linear rank 8 (two) and rank 4 on q/o/up/down."""
+    from tests.lora.adapters import write_adapter
+
+    return {i: write_adapter(Path(d) / f"a{i}", config("gqa"), rank=r, seed=i, std=1.0, targets=t)
+            for i, r, t in ((1, 8, "all-linear"), (2, 4, ("q_proj", "o_proj", "down_proj", "up_proj")),
+                            (3, 8, "all-linear"))}
+
+
+def _lora_reference(folders, picks) -> list[list[int]]:
+    """Each prompt's greedy tokens under the model of its adapter's merged weights (W + scale A B; None: the base
+    model), by full recompute on one device."""
+    from tests.lora.adapters import merged_params
+
+    cfg = config("gqa")
+    graphdef = nnx.graphdef(model_from_state(cfg, params("gqa")))
+    forward = jax.jit(lambda state, t: nnx.merge(graphdef, state).forward_dense(t))  # one program for every state
+    want = {}
+    for i in set(picks):
+        state = params("gqa") if i is None else merged_params(cfg, 3, folders[i], base=params("gqa"))
+        want[i], margin = greedy_by_recompute(functools.partial(forward, state), PROMPTS, MAX_TOKENS, MAX_LEN)
+        assert margin > 1e-3, f"adapter {i}: a near tie ({margin}) would make token equality depend on rounding"
+    return [want[i][k] for k, i in enumerate(picks)]
+
+
+def _lora_run(e, folders, picks) -> list[list[int]]:
+    """Greedy tokens of PROMPTS under adapters `picks` (ids, None: the base model)."""
+    from pagedjax import LoRARequest
+
+    loras = [None if i is None else LoRARequest(f"a{i}", i, str(folders[i])) for i in picks]
+    return [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)]
+
+
+def _assert_lora_sharded(e, tp: int) -> None:
+    """The stacks split as their base linears: B by output columns under q/k/v/gate/up, A by input rows under
+    o/down, both replicated under a replicated k/v (tp > num_kv_heads)."""
+    a, b = e.runner.lora_weights.a[0], e.runner.lora_weights.b[0]
+    kv_split = config("gqa").num_kv_heads % tp == 0
+    want_specs = {("a", "o_proj"): P("tp", None, None), ("a", "down_proj"): P("tp", None, None),
+                  ("b", "q_proj"): P(None, None, "tp"), ("b", "up_proj"): P(None, None, "tp"),
+                  ("b", "k_proj"): P(None, None, "tp") if kv_split else P(), ("a", "q_proj"): P(),
+                  ("b", "o_proj"): P(), ("a", "k_proj"): P()}
+    for (factor, module), spec in want_specs.items():
+        arr = (a if factor == "a" else b)[module]
+        assert arr.sharding.spec == spec, f"tp={tp} {module} {factor}: {arr.sharding.spec} != {spec}"
+    assert {x.data.shape for x in a["o_proj"].addressable_shards} == {(128 // tp, 3, 8)}
+    assert e.runner.lora_weights.scales.sharding.spec == P()
+
+
+def _lora_greedy(tp: int) -> LLMEngine:
+    """A batch of base rows and 2 adapters through a prefix hit, preemption, chunks and fused decode at `tp`: each
+    row's greedy tokens are its merged-weights model's (the one-device engine's: tests/lora); then a third adapter
+    swapped into a slot: the same again, nothing recompiled, the stacks still split as their linears."""
+    picks, swapped = [1, 2, 2, None], [3, 3, 3, 1]  # PROMPTS 1 and 2 share 19 tokens: a prefix hit under adapter 2
+    with tempfile.TemporaryDirectory() as d:
+        folders = _lora_folders(d)
+        e = _lora_engine(tp)
+        _assert_lora_sharded(e, tp)
+        got, want = _lora_run(e, folders, picks), _lora_reference(folders, picks)
+        assert got == want, f"LoRA tp={tp}: {got} != {want}"
+        s = e.stats()
+        assert s.scheduler.prefix_cache_hit_rate > 0 and s.fused_decode_calls > 0, s
+        assert s.scheduler.num_preemptions > 0, s.scheduler
+        compiled, loads = s.compilations, e.lora.num_slot_loads
+        got, want = _lora_run(e, folders, swapped), _lora_reference(folders, swapped)
+        assert e.lora.num_slot_loads > loads and e.stats().compilations == compiled, e.stats()
+        _assert_lora_sharded(e, tp)
+        assert got == want, f"LoRA tp={tp} after a swap: {got} != {want}"
+    return e
+
+
+@check
+def lora_tensor_parallel():
+    """Multi-LoRA at tp 2 (`_lora_greedy`: greedy tokens of base rows and adapters, slot swaps recompiling
+    nothing), each row-sharded linear's partial x A reduced in one all-reduce with the base's partial product; at
+    tp 4 (k/v replicated) the stacks of k/v replicated too."""
+    import re
+
+    e = _lora_greedy(2)
+    # One all-reduce per row-sharded linear: none reduces the partial x A `[T, slots, r]` on its own.
+    for shape, exe in e.runner.programs.executables.items():
+        text = exe.as_text()
+        alone = re.findall(r"= f32\[\d+,3,8\]\{[^}]*\} all-reduce(?:-start)?\(", text)
+        paired = re.findall(r"= \(f32\[[\d,]+\]\{[^}]*\}, f32\[\d+,3,8\][^)]*\) all-reduce", text)
+        assert not alone and paired, f"{shape}: {len(alone)} lone x A all-reduces, {len(paired)} paired"
+    _assert_lora_sharded(_lora_engine(4), 4)  # placed at construction: nothing compiled
+
+
+@check
+def lora_greedy_tp4():
+    """`_lora_greedy` at tp 4: k/v projections and their adapters replicated, each KV head cached twice."""
+    _lora_greedy(4)
+
+
 class SkipCheck(Exception):
     """A check that cannot run here (e.g. torch missing); reported as skipped."""
 

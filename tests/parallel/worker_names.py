@@ -16,6 +16,7 @@ FAST = [
     "moe_expert_parallel",  # expert weights sharded by expert over tp
     "latent_layers_tensor_parallel",  # MLA / DSA: query heads split, latent pages replicated
     "images_tensor_parallel",  # a vision-language model: tower and encoder cache replicated, decoder split
+    "lora_tensor_parallel",  # LoRA stacks split as their linears, at tp 2
 ]
 SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16", "greedy_mha_tp2_block8",
         "greedy_mqa_tp4_block8", "greedy_mha_tp4_block8", "greedy_gqa_tp2_block8", "greedy_mqa_tp8_block8",
@@ -26,7 +27,8 @@ SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16
         "greedy_mqa_tp2_block8",  # (CI time) MQA runs at tp 8, tp 2 with GQA
         "cli_data_parallel",  # (CI time) data_parallel_2x2 runs the engine's
         "hf_checkpoint_loads_into_shards",  # (CI time) orbax_checkpoint_loads_into_shards runs the sharded restore
-        "speculative_ngram_tp2"]  # (CI time) the verifying step is the ragged step every tp check runs
+        "speculative_ngram_tp2",  # (CI time) the verifying step is the ragged step every tp check runs
+        "lora_greedy_tp4"]  # (CI time) lora_tensor_parallel runs tp 2 and checks tp 4's shardings
 # CI's newest-JAX pass (PAGEDJAX_PARALLEL_CHECKS=newest): what differs by JAX version (shard_map, shardings of
 # every kind of weight and of 8-bit pages, Pallas under shard_map, export, orbax's sharded restore), once each.
 NEWEST = ["greedy_gqa_tp2_block16", "greedy_mqa_tp8_block16", "logits_and_shardings", "int8_kv_tensor_parallel",

@@ -1,7 +1,7 @@
 """LoRA on the built-in models' linears, many adapters in one batch: pure functions over a pytree of stacked
 adapter weights.
 
-Every target linear of every layer holds A `[num_slots, in, r]` and B `[num_slots, r, out]` (float32), one slot
+Every target linear of every layer holds A `[in, num_slots, r]` and B `[num_slots, r, out]` (float32), one slot
 per adapter resident on the device, slot 0 all zeros (the base model), every adapter zero-padded to the slots'
 rank r (zero columns of A and rows of B add nothing). A step carries one slot index per token; a linear computes
 `y = x W + scale[slot] * (x A[slot]) B[slot]`. Which adapter sits in which slot is only array contents, so
@@ -11,7 +11,15 @@ Two forms of the per-token product, the same numbers up to summation order:
   `gathered_delta`  gathers each token's A and B (Punica's BGMV: a matrix-vector product per token);
   `grouped_delta`   multiplies every token by every slot's A, keeps its own slot's row (a one-hot mask), then
                     one product with all slots' B stacked (dense SGMV: no gather, num_slots x the LoRA flops).
-`scripts/bench_lora.py --forms` measures both; `lora_delta` is the one the model uses.
+`scripts/bench_lora.py --forms` measures both; `lora_delta` is the one the model uses. A is stored with the
+slots in the middle so that `x A` over every slot is one plain product `[T, in] x [in, num_slots * r]` and
+`(x A) B` one `[T, num_slots * r] x [num_slots * r, out]`: both stacks are read as they lie (stored
+`[num_slots, in, r]`, every step began with a transposed copy of each A).
+
+Over a tensor-parallel mesh the stacks are split as their base linear (`pagedjax.parallel.sharding.lora_spec`):
+B by output columns under a column-sharded base, A by input rows under a row-sharded one; the model's code is
+the same, XLA inserts the collectives (for a row-sharded base, one all-reduce of the base's partial product and
+the adapters' partial `x A` together).
 """
 
 from __future__ import annotations
@@ -20,8 +28,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pagedjax.config import ModelConfig
+from pagedjax.config.parallel import TP
+from pagedjax.parallel.sharding import lora_spec
 
 # The linears an adapter may target, under their Hugging Face names (PEFT's target_modules), in layer order.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -37,7 +49,7 @@ def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 class LoRAWeights(NamedTuple):
-    """Every slot's adapter weights. `a[i][name]` f32 `[num_slots, in, r]`, `b[i][name]` f32 `[num_slots, r, out]`
+    """Every slot's adapter weights. `a[i][name]` f32 `[in, num_slots, r]`, `b[i][name]` f32 `[num_slots, r, out]`
     for layer i and target `name`; `scales` f32 `[num_slots]` (slot 0: 0). Slot 0 is zeros and stays so."""
 
     a: tuple[dict[str, jax.Array], ...]
@@ -45,14 +57,24 @@ class LoRAWeights(NamedTuple):
     scales: jax.Array
 
 
-def init_lora_weights(cfg: ModelConfig, num_slots: int, rank: int) -> LoRAWeights:
-    """All slots empty (zeros) for a model of `cfg`."""
+def lora_partition(cfg: ModelConfig, tp: int) -> LoRAWeights:
+    """The PartitionSpec of every stack of a model of `cfg` over `tp` devices, as a `LoRAWeights` of specs."""
+    layer = lambda factor: {m: lora_spec(cfg, m, factor, tp) for m in TARGET_MODULES}
+    return LoRAWeights(tuple(layer("a") for _ in range(cfg.num_layers)),
+                       tuple(layer("b") for _ in range(cfg.num_layers)), P())
+
+
+def init_lora_weights(cfg: ModelConfig, num_slots: int, rank: int, mesh: Mesh | None = None) -> LoRAWeights:
+    """All slots empty (zeros) for a model of `cfg`; over `mesh`, each stack created in place as its
+    `lora_partition` splits it (no device holds more than its part)."""
     shapes = target_shapes(cfg)
-    a = tuple({m: jnp.zeros((num_slots, i, rank), jnp.float32) for m, (i, _) in shapes.items()}
-              for _ in range(cfg.num_layers))
-    b = tuple({m: jnp.zeros((num_slots, rank, o), jnp.float32) for m, (_, o) in shapes.items()}
-              for _ in range(cfg.num_layers))
-    return LoRAWeights(a, b, jnp.zeros((num_slots,), jnp.float32))
+    specs = lora_partition(cfg, 1 if mesh is None else mesh.shape[TP])
+    at = (lambda spec: None) if mesh is None else (lambda spec: NamedSharding(mesh, spec))
+    a = tuple({m: jnp.zeros((i, num_slots, rank), jnp.float32, device=at(spec[m])) for m, (i, _) in shapes.items()}
+              for spec in specs.a)
+    b = tuple({m: jnp.zeros((num_slots, rank, o), jnp.float32, device=at(spec[m])) for m, (_, o) in shapes.items()}
+              for spec in specs.b)
+    return LoRAWeights(a, b, jnp.zeros((num_slots,), jnp.float32, device=at(specs.scales)))
 
 
 def lora_weights_nbytes(cfg: ModelConfig, rank: int) -> int:
@@ -62,7 +84,7 @@ def lora_weights_nbytes(cfg: ModelConfig, rank: int) -> int:
 
 def _write_slot(weights: LoRAWeights, slot, a, b, scale) -> LoRAWeights:
     return LoRAWeights(
-        tuple({m: layer[m].at[slot].set(new[m]) for m in layer} for layer, new in zip(weights.a, a, strict=True)),
+        tuple({m: layer[m].at[:, slot].set(new[m]) for m in layer} for layer, new in zip(weights.a, a, strict=True)),
         tuple({m: layer[m].at[slot].set(new[m]) for m in layer} for layer, new in zip(weights.b, b, strict=True)),
         weights.scales.at[slot].set(scale))
 
@@ -73,17 +95,35 @@ write_slot.__doc__ = """`weights` with slot `slot` (an int32 scalar, >= 1) holdi
 `[in, r]`, `[r, out]` float32, zeros where the adapter has no weights) and `scale` (float32)."""
 
 
+def slot_writer(cfg: ModelConfig, mesh: Mesh | None):
+    """`write_slot` for the stacks of a model of `cfg` placed by `init_lora_weights(..., mesh)`: over a mesh, one
+    program (compiled at the first write) that takes the host arrays `a`, `b` (tuples of per-layer dicts) split
+    as their stacks are, so each device receives only its part of the adapter, and leaves every stack where it
+    was; without one, `write_slot` itself."""
+    if mesh is None:
+        return write_slot
+    specs = lora_partition(cfg, mesh.shape[TP])
+    named = lambda spec: NamedSharding(mesh, spec)
+    stacks = jax.tree.map(named, specs, is_leaf=lambda x: isinstance(x, P))
+    # One slot's `[in, r]` / `[r, out]`: its stack's spec without the slots' axis (A's 1, B's 0).
+    one_slot = lambda layers, axis: tuple({m: named(P(*spec[:axis], *spec[axis + 1:])) for m, spec in layer.items()}
+                                          for layer in layers)
+    replicated = named(P())
+    return jax.jit(_write_slot, donate_argnums=(0,), out_shardings=stacks,
+                   in_shardings=(stacks, replicated, one_slot(specs.a, 1), one_slot(specs.b, 0), replicated))
+
+
 def gathered_delta(x: jax.Array, a: jax.Array, b: jax.Array, scales: jax.Array, slots: jax.Array) -> jax.Array:
-    """x `[T, in]`, a `[N, in, r]`, b `[N, r, out]`, scales `[N]`, slots i32 `[T]` -> f32 `[T, out]`:
+    """x `[T, in]`, a `[in, N, r]`, b `[N, r, out]`, scales `[N]`, slots i32 `[T]` -> f32 `[T, out]`:
     `scales[s] * (x A[s]) B[s]` of each token's slot s, by gathering each token's A and B."""
-    xa = jnp.einsum("ti,tir->tr", x.astype(jnp.float32), a[slots])
+    xa = jnp.einsum("ti,itr->tr", x.astype(jnp.float32), a[:, slots])
     return jnp.einsum("tr,tro->to", xa * scales[slots][:, None], b[slots])
 
 
 def grouped_delta(x: jax.Array, a: jax.Array, b: jax.Array, scales: jax.Array, slots: jax.Array) -> jax.Array:
     """As `gathered_delta`, by multiplying every token with every slot's A and masking the other slots out."""
-    xa = jnp.einsum("ti,nir->tnr", x.astype(jnp.float32), a)
-    mask = jax.nn.one_hot(slots, a.shape[0], dtype=jnp.float32) * scales[None, :]
+    xa = jnp.einsum("ti,inr->tnr", x.astype(jnp.float32), a)
+    mask = jax.nn.one_hot(slots, a.shape[1], dtype=jnp.float32) * scales[None, :]
     return jnp.einsum("tnr,nro->to", xa * mask[:, :, None], b)
 
 
@@ -104,13 +144,17 @@ class LayerLoRA(NamedTuple):
     slots: jax.Array
     any_adapter: jax.Array  # bool[]
 
-    def add(self, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
-        """A target linear's output `y = x W` (`[T, out]`) plus its adapters' `scale * (x A) B`, in y's dtype. A
-        step of base-model tokens only skips the products (a branch taken on device: one program either way)."""
+    def apply(self, name: str, linear, x: jax.Array) -> jax.Array:
+        """Target linear `name`'s output `linear(x)` (`[T, out]`) plus its adapters' `scale * (x A) B`, in the
+        output's dtype. A step of base-model tokens only skips the products (a branch taken on device: one program
+        either way). The base product is computed inside the branch with the delta, so that under a row-sharded
+        base XLA reduces its partial product and the adapters' partial `x A` in one all-reduce (collectives are
+        combined within a branch, not across one)."""
         def with_delta():
+            y = linear(x)
             d = lora_delta(x, self.a[name], self.b[name], self.scales, self.slots)
             return (y.astype(jnp.float32) + d).astype(y.dtype)
-        return jax.lax.cond(self.any_adapter, with_delta, lambda: y)
+        return jax.lax.cond(self.any_adapter, with_delta, lambda: linear(x))
 
 
 class LoRABatch(NamedTuple):
@@ -125,6 +169,5 @@ class LoRABatch(NamedTuple):
 
 def with_lora(linear, name: str, x: jax.Array, lora: LayerLoRA | None) -> jax.Array:
     """`linear(x)` (any of the built-in linears, float or quantized), plus its adapters' delta when `lora`."""
-    y = linear(x)
-    return y if lora is None else lora.add(name, x, y)
+    return linear(x) if lora is None else lora.apply(name, linear, x)
 
