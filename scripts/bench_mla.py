@@ -15,12 +15,16 @@ later chunks, under 1% of a step's tokens); then the engine is stepped, every se
 produced --decode-tokens more: decode tokens/s = the tokens produced / that time (one pass, no difference of two
 runs). Then the requests are aborted. Each row runs once per model untimed first (compiles its step shapes).
 
-Rows whose prefill would be too slow for a CPU (batch x context > --max-prefill-tokens, e.g. 16 x 4096 of a 150M
-model: ~2e13 FLOPs, many minutes on 2 cores) are measured differently, and the table marks them: prefill at the
-largest batch within the budget (column "prefill batch"), and decode at the full batch over a cache filled by one
-prompt forked `batch` times (greedy samples of `SamplingParams(n=batch)`, which share the prompt's blocks: a
-gather reads the same pages `batch` times, so caches may favour it; `--fill fork` measures every row this way,
-to compare with distinct prompts where both fit).
+Rows whose prefill would be too slow for a CPU (batch x context > --max-prefill-tokens, default 8192: 16 x 4096
+tokens of a 150M model are ~2e13 FLOPs, many minutes per model and round on 2 cores) are measured over one prompt
+forked `batch` times (greedy samples of `SamplingParams(n=batch)`): the prefill column is that one prompt's
+(batch 1, marked "1 (forked)"), the decode column the `batch` samples', which share the prompt's blocks, so a
+gather reads the same pages `batch` times and caches may favour it. `--fill fork` measures every row this way,
+to compare with distinct prompts where both fit.
+
+Expected time on an idle 2-core machine (from CPU times measured under load): the default ~10 minutes (per model
+and round: 1 x 4096 prefill ~30 s MLA / ~15 s GQA, 16 x 512 ~20 s / ~11 s, each 16 x 4096 fork fill as 1 x 4096);
+the 19M command above ~1-2 minutes.
 """
 
 from __future__ import annotations
@@ -112,16 +116,18 @@ class Row:
 
     batch: int
     context: int
-    prefill_batch: int  # prompts of the prefill measurement (batch, or fewer over the budget)
-    fork: bool  # decode over one prompt forked `batch` times
+    fork: bool  # one prompt forked `batch` times (its prefill, then the samples' decode)
     prefill_s: dict[str, list[float]] = field(default_factory=dict)
     decode_tok_s: dict[str, list[float]] = field(default_factory=dict)
 
 
+    @property
+    def prefill_batch(self) -> int:
+        return 1 if self.fork else self.batch
+
+
 def plan_row(batch: int, context: int, max_prefill_tokens: int, fill: str) -> Row:
-    fits = batch * context <= max_prefill_tokens
-    return Row(batch, context, batch if fits else max(1, min(batch, max_prefill_tokens // context)),
-               fork=fill == "fork" or not fits)
+    return Row(batch, context, fork=fill == "fork" or batch * context > max_prefill_tokens)
 
 
 def max_tokens_for(row: Row, decode_tokens: int, max_batched_tokens: int, steps_per_call: int) -> int:
@@ -142,11 +148,8 @@ def measure_row(engines: dict[str, LLMEngine], row: Row, decode_tokens: int, rou
 
     def one(engine: LLMEngine, tag: str) -> tuple[float, float]:
         """(prefill seconds, decode tokens/s) of one round."""
-        if row.fork:  # decode over one prompt forked; the prefill measured by itself at prefill_batch
-            prefill_s, _, _ = run_once(engine, prompts(row.prefill_batch), 1, 1, max_tokens, tag + "p")
-            _, decode_s, tokens = run_once(engine, prompts(1), row.batch, decode_tokens, max_tokens, tag + "d")
-        else:
-            prefill_s, decode_s, tokens = run_once(engine, prompts(row.batch), 1, decode_tokens, max_tokens, tag)
+        prefill_s, decode_s, tokens = run_once(engine, prompts(row.prefill_batch), row.batch // row.prefill_batch,
+                                               decode_tokens, max_tokens, tag)
         return prefill_s, tokens / decode_s
 
     compiled = {}
@@ -180,8 +183,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--layers", type=int, default=14)
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="the engine's token budget per step")
     p.add_argument("--decode-steps-per-call", type=int, default=8, help="fused decode steps per device call")
-    p.add_argument("--max-prefill-tokens", type=int, default=16384,
-                   help="rows with batch x context above this: prefill at a smaller batch, decode over forks")
+    p.add_argument("--max-prefill-tokens", type=int, default=8192,
+                   help="rows with batch x context above this run one prompt forked batch times")
     p.add_argument("--fill", choices=["distinct", "fork"], default="distinct",
                    help="decode over distinct prompts (rows within the budget) or one prompt forked (every row)")
     p.add_argument("--quick", action="store_true", help="tiny models, short contexts: seconds")
@@ -231,7 +234,7 @@ def print_table(rows: list[dict], args, loads: list[float]) -> None:
           "| decode MLA tok/s | GQA tok/s | MLA/GQA |")
     print("|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
-        pb = f"{r['prefill_batch']}" + ("" if r["prefill_batch"] == r["batch"] else " (budget)")
+        pb = "1 (forked)" if r["fork"] else f"{r['batch']}"
         fill = f"{r['batch']} forks of 1" if r["fork"] else "distinct"
         print(f"| {r['batch']} | {r['context']} | {pb} | {r['prefill_tok_s_MLA']:,.0f} | "
               f"{r['prefill_tok_s_GQA-4']:,.0f} | {r['prefill_ratio']:.2f}x | {fill} | {r['decode_tok_s_MLA']:,.1f} | "
