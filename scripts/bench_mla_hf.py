@@ -15,10 +15,13 @@ The checkpoint is written by transformers' own classes (`DeepseekV3Config` + `De
             256, kv_lora_rank 128, rope 32, nope 64, v 64, YaRN-free RoPE, vocab 16000 (~57M parameters)
     micro   hidden 32, 2 layers (1 dense, 1 MoE of 8 experts, top 2), 4 heads, kv_lora_rank 16 (the smoke test)
 
-`--dense` makes every layer dense (`first_k_dense_replace` = the layer count). transformers runs its experts as a
-Python loop over the experts a batch hits (`DeepseekV3Experts`); pagedjax's CPU path runs a token's own experts at
-batch 1 and every expert as three large dots otherwise. Both are what each ships, so the MoE rows are the default;
-the dense rows isolate the attention and the engine.
+`--dense` makes every layer dense (`first_k_dense_replace` = the layer count). transformers runs its experts through
+its configured experts implementation (the report names it and the attention implementation; `grouped_mm`, torch's
+grouped matmul, in transformers 5.25), pagedjax's CPU path a token's own experts at batch 1 and every expert as
+three large dots otherwise. Both are what each ships, and transformers' MoE path is not unrepresentatively slow
+(measured under load, 1 thread, batch-1 decode of "small": ~45-50 ms/token with MoE against ~37 ms/token with
+--dense, whose dense MLPs do slightly more work per token), so the MoE rows are the default; the dense rows
+isolate the attention and the engine.
 
 Systems (each row of the table):
 - pagedjax: `LLMEngine.from_pretrained(folder, dtype="float32")` (bench_peers' set-up: block size 16, prefix caching
@@ -27,8 +30,10 @@ Systems (each row of the table):
   then until every sequence has its N tokens.
 - transformers: `generate(do_sample=False)` with an attention mask (bench_peers' `Transformers`), torch CPU, one
   row per --torch-threads value (`torch.set_num_threads`, docs/benchmarks.md: on a shared 2-core machine 1 thread
-  is often faster); it computes MLA without absorption and caches each head's expanded K / V. A streamer records
-  when each token reaches the host: prefill = until the first new token, decode = from then until the last.
+  is often faster). Its DeepSeek V3 attention (transformers 5.25) caches the compressed latent and rotary key, as
+  pagedjax does, but computes MLA without absorption: every step expands every cached token's K / V per head
+  (`expand_kv`, the non-absorbed form of scripts/bench_mla_absorb.py), then runs SDPA. A streamer records when
+  each token reaches the host: prefill = until the first new token, decode = from then until the last.
 
 Prefill tok/s = batch x prompt tokens / prefill seconds; decode tok/s = batch x (N - 1) / decode seconds. Before
 timing each system runs each workload once (pagedjax compiles there). "vs pagedjax" = the median over rounds of
@@ -130,6 +135,11 @@ class _Clock:
 class TransformersPhases(Transformers):
     """bench_peers' transformers set-up, timed by phase through a streamer."""
 
+    def implementations(self) -> str:
+        cfg = self.model.config
+        return (f"attention {getattr(cfg, '_attn_implementation', '?')}, "
+                f"experts {getattr(cfg, '_experts_implementation', '?')}")
+
     def run_phases(self, prompts: np.ndarray, new_tokens: int) -> tuple[float, float, np.ndarray]:
         torch = self.torch
         saved = torch.get_num_threads()
@@ -199,7 +209,9 @@ def run_bench(model: str, *, dense: bool = False, rounds: int = 3, folder: Path 
                 first_mismatch=mismatch))  # (round, position) of the first differing token, or None
     compiled = sum(s.timed_compilations for s in systems if isinstance(s, PagedJax))
     versions = {"jax": _version("jax"), "transformers": _version("transformers"), "torch": _version("torch"),
-                "cpu": f"{_cpu_name()}, {os.cpu_count()} logical CPUs"}
+                "cpu": f"{_cpu_name()}, {os.cpu_count()} logical CPUs",
+                "transformers implementations": next(s.implementations() for s in systems
+                                                     if isinstance(s, TransformersPhases))}
     return dict(model=model, dense=dense, config=hf_kwargs, folder=str(folder), rounds=rounds, rows=rows,
                 loads=loads, versions=versions, timed_compilations=compiled, reference=reference,
                 num_params=_num_params(folder))
@@ -244,7 +256,8 @@ def format_report(res: dict) -> str:
     if res["timed_compilations"]:
         lines.append(f"pagedjax compiled {res['timed_compilations']} new step shape(s) during timed runs")
     v = res["versions"]
-    lines.append(f"Versions: jax {v['jax']}, transformers {v['transformers']}, torch {v['torch']}; {v['cpu']}.")
+    lines.append(f"Versions: jax {v['jax']}, transformers {v['transformers']} ({v['transformers implementations']}), "
+                 f"torch {v['torch']}; {v['cpu']}.")
     lines.append("Load average (1 min) at each round's start and at the end: "
                  + ", ".join(f"{x:.1f}" for x in res["loads"]))
     return "\n".join(lines)
