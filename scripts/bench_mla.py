@@ -30,6 +30,7 @@ the 19M command above ~1-2 minutes.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -45,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from pagedjax.config.deepseek import DeepSeekConfig  # noqa: E402
 from pagedjax.model.deepseek import init_deepseek  # noqa: E402
+
+logger = logging.getLogger("bench_mla")  # progress; the tables are printed
 
 
 def models(quick: bool, dtype: str, width: int = 768, layers: int = 14) -> dict[str, object]:
@@ -136,8 +139,8 @@ def max_tokens_for(row: Row, decode_tokens: int, max_batched_tokens: int, steps_
     return decode_tokens + -(-row.batch * row.context // max_batched_tokens) + 2 * steps_per_call + 8
 
 
-def measure_row(engines: dict[str, LLMEngine], row: Row, decode_tokens: int, rounds: int, max_tokens: int,
-                log) -> dict[str, int]:
+def measure_row(engines: dict[str, LLMEngine], row: Row, decode_tokens: int, rounds: int,
+                max_tokens: int) -> dict[str, int]:
     """Run `row` on every engine: one untimed warm-up each (compiles the row's step shapes), then `rounds`
     interleaved rounds, the order rotating. Returns per model the programs compiled during the timed rounds."""
     rng = np.random.default_rng([row.batch, row.context])
@@ -163,7 +166,7 @@ def measure_row(engines: dict[str, LLMEngine], row: Row, decode_tokens: int, rou
             prefill_s, decode_tok_s = one(engines[name], f"r{r}-{row.batch}x{row.context}-{name}")
             row.prefill_s[name].append(prefill_s)
             row.decode_tok_s[name].append(decode_tok_s)
-        log(f"batch {row.batch} context {row.context}: round {r + 1}/{rounds} done")
+        logger.info("batch %d context %d: round %d/%d done", row.batch, row.context, r + 1, rounds)
     for name, engine in engines.items():
         compiled[name] = engine.stats().compilations - compiled[name]
         if engine.stats().scheduler.num_preemptions:
@@ -193,7 +196,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.batches, args.contexts, args.decode_tokens, args.rounds = [1, 2], [16], 4, 1
         args.max_batched_tokens, args.decode_steps_per_call, args.max_prefill_tokens = 32, 2, 16
     configs = models(args.quick, args.dtype, args.width, args.layers)
-    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     plans = [plan_row(b, c, args.max_prefill_tokens, args.fill) for b in args.batches for c in args.contexts]
     max_tokens = max(max_tokens_for(r, args.decode_tokens, args.max_batched_tokens, args.decode_steps_per_call)
                      for r in plans)
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for name, e in engines.items()}
     rows, loads = [], [os.getloadavg()[0]]
     for row in plans:
-        compiled = measure_row(engines, row, args.decode_tokens, args.rounds, max_tokens, log)
+        compiled = measure_row(engines, row, args.decode_tokens, args.rounds, max_tokens)
         loads.append(os.getloadavg()[0])
         out = {"batch": row.batch, "context": row.context, "prefill_batch": row.prefill_batch, "fork": row.fork}
         for name in configs:
@@ -251,4 +253,6 @@ def print_table(rows: list[dict], args, loads: list[float]) -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logger.setLevel(logging.INFO)
     main()

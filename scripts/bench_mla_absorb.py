@@ -29,6 +29,7 @@ non-absorbed step multiplies every cached latent by W_UK and W_UV, per head, at 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import statistics
@@ -45,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import mla_paged_attention_xla  # noqa: E402
 from pallas_kernels.reference import mla_attention_dense_reference  # noqa: E402
+
+logger = logging.getLogger("bench_mla_absorb")  # progress; the tables are printed
 
 BLOCK = 16
 TOL = 1e-5
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     skipped.append(f"{name} {batch}x{context} ({mib:,.0f} MiB expanded)")
                     continue
                 rows.append(measure(s, batch, context, args.rounds, args.min_seconds))
-                print(f"{name} batch {batch} context {context} done", file=sys.stderr, flush=True)
+                logger.info("%s batch %d context %d done", name, batch, context)
         loads.append(os.getloadavg()[0])
     print(f"one MLA layer's decode step, float32, XLA on {jax.default_backend()} ({os.cpu_count()} CPUs), median of "
           f"{args.rounds} interleaved round(s); absorbed and non-absorbed outputs agree to <= {TOL:g} (asserted)")
@@ -193,4 +196,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logger.setLevel(logging.INFO)
     main()

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -57,6 +58,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_peers import PagedJax, Transformers, Workload, _cpu_name, _version, make_prompts  # noqa: E402
+
+logger = logging.getLogger("bench_mla_hf")  # progress; the tables are printed
 
 COMMON = dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
               pad_token_id=0, tie_word_embeddings=False, rope_interleave=True, norm_topk_prob=True,
@@ -160,7 +163,7 @@ class TransformersPhases(Transformers):
 
 
 def run_bench(model: str, *, dense: bool = False, rounds: int = 3, folder: Path | None = None, seed: int = 0,
-              torch_threads: tuple[int, ...] = (1, 2), pagedjax_steps: tuple[int, ...] = (8,), log=print) -> dict:
+              torch_threads: tuple[int, ...] = (1, 2), pagedjax_steps: tuple[int, ...] = (8,)) -> dict:
     hf_kwargs, workloads = MODELS[model]
     if dense:
         hf_kwargs = dict(hf_kwargs, first_k_dense_replace=hf_kwargs["num_hidden_layers"])
@@ -177,7 +180,7 @@ def run_bench(model: str, *, dense: bool = False, rounds: int = 3, folder: Path 
         for w in workloads:
             s.run_phases(make_prompts(w, vocab, seed, 10_000), w.new_tokens)
         s.start_timing()
-    log(f"warm-up done; {rounds} timed round(s)")
+    logger.info("warm-up done; %d timed round(s)", rounds)
     for r in range(rounds):
         loads.append(os.getloadavg()[0])
         order = systems[r % len(systems):] + systems[:r % len(systems)]
@@ -189,7 +192,7 @@ def run_bench(model: str, *, dense: bool = False, rounds: int = 3, folder: Path 
                     raise RuntimeError(f"{s.name} returned tokens of shape {out.shape} for {w.name}")
                 times[s.name, w.name].append((prefill_s, decode_s))
                 tokens[s.name, w.name].append(out)
-        log(f"round {r + 1}/{rounds} done")
+        logger.info("round %d/%d done", r + 1, rounds)
     loads.append(os.getloadavg()[0])
     rows = []
     for w in workloads:
@@ -278,8 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     res = run_bench(args.model, dense=args.dense, rounds=args.rounds, folder=args.folder, seed=args.seed,
-                    torch_threads=tuple(args.torch_threads), pagedjax_steps=tuple(args.pagedjax_steps),
-                    log=lambda m: print(m, file=sys.stderr, flush=True))
+                    torch_threads=tuple(args.torch_threads), pagedjax_steps=tuple(args.pagedjax_steps))
     print(format_report(res))
     if args.json:
         args.json.write_text(json.dumps(res, indent=1, default=float))
@@ -287,4 +289,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logger.setLevel(logging.INFO)
     main()
