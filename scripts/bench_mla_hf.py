@@ -4,7 +4,7 @@ token ids for both, interleaved rounds, medians; and whether the greedy tokens a
 
     python scripts/bench_mla_hf.py                    # the "small" V3-shaped model, MoE layers (a minute or two)
     python scripts/bench_mla_hf.py --dense            # the same with every layer's MLP dense
-    python scripts/bench_mla_hf.py --model micro --rounds 1 --torch-threads 1    # seconds: the smoke test
+    python scripts/bench_mla_hf.py --quick            # = --model micro --rounds 1 --torch-threads 1: the smoke test
 
 The checkpoint is written by transformers' own classes (`DeepseekV3Config` + `DeepseekV3ForCausalLM(...)
 .save_pretrained`, float32 safetensors; kept in `--folder` and reused while its shape is unchanged), random:
@@ -277,7 +277,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pagedjax-steps", type=int, nargs="+", default=[8],
                     help="pagedjax rows, one per decode_steps_per_call (the first is the reference)")
     ap.add_argument("--json", type=Path, help="also write the results as JSON")
+    ap.add_argument("--quick", action="store_true", help="the micro model, one round, 1 torch thread: seconds")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.model, args.rounds, args.torch_threads = "micro", 1, [1]
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     res = run_bench(args.model, dense=args.dense, rounds=args.rounds, folder=args.folder, seed=args.seed,

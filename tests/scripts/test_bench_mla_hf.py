@@ -15,8 +15,7 @@ import bench_mla_hf  # noqa: E402
 def test_bench_mla_hf_micro(tmp_path, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    res = bench_mla_hf.main(["--model", "micro", "--rounds", "1", "--torch-threads", "1",
-                             "--folder", str(tmp_path / "micro")])
+    res = bench_mla_hf.main(["--quick", "--folder", str(tmp_path / "micro")])  # micro, 1 round, 1 torch thread
     out = capsys.readouterr().out
     assert "| workload | system | prefill tok/s | vs pagedjax | decode tok/s | vs pagedjax | same tokens |" in out
     assert [(r["workload"], r["system"]) for r in res["rows"]] == [
