@@ -10,9 +10,25 @@ latent of kv_lora_rank + rope_dim per key and head against the indexer's index_h
 
     python scripts/bench_sparse.py                       # contexts 1k..16k decode, 1k..8k prefill, plot in out/
     python scripts/bench_sparse.py --quick               # seconds: the smoke test
+    python scripts/bench_sparse.py --indexer-8bit        # 8-bit indexer keys: top-k overlap with float keys
 
 Shapes (scaled down from V3.2 so that 8k-token prefills fit this CPU): 8 heads, kv_lora_rank 128 + rope 32,
 an indexer of 8 heads of 64, index_topk 256; float32, blocks of 64 tokens, one sequence.
+
+`--indexer-8bit`: how much of the top-k selection 8-bit indexer keys keep. On random inputs of DeepSeek V3.2's
+indexer shape (64 heads of 128, head weights w ~ N(0, 1) / sqrt(64), queries and keys ~ N(0, 1) per dimension,
+as the keys' LayerNorm makes them; `--outlier-channels` scales a few key dimensions by 10, the case rotations
+are for), per decode query: the float32 scores' top k against the top k of the same scores over 8-bit keys,
+overlap = |topk(8-bit) & topk(float)| / k (mean and minimum over `--rows` queries, each over its own keys).
+Every score goes through `pallas_kernels.indexer_scores_xla` (the engine's CPU path) and `top_k_positions`.
+Schemes:
+- int8 / fp8 keys: what pagedjax stores with `CacheConfig(kv_dtype="int8" / "fp8")`: each key quantized with one
+  float32 scale (absmax / 127 or / 448, `quantize_kv`), queries float;
+- fp8 q + k, rotated: what DeepSeek's reference inference code (DeepSeek-V3.2-Exp, inference/model.py,
+  `Indexer.forward`) does: queries and keys multiplied by a Hadamard matrix / sqrt(128) (orthogonal: exact scores
+  unchanged), then both cast to float8_e4m3 with one scale per 128 values (each key; each query head), and scored
+  in fp8 (`fp8_index`); here the products are of the dequantized values, which is the same up to rounding of the
+  accumulation.
 """
 
 from __future__ import annotations
@@ -107,6 +123,65 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def hadamard(n: int) -> np.ndarray:
+    """The n x n Sylvester Hadamard matrix / sqrt(n) (orthogonal); n a power of two."""
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def indexer_overlap(context: int, topk: int, rows: int, outlier_channels: int, seed: int = 0) -> dict[str, tuple]:
+    """Scheme -> (mean, min) top-k overlap with the float keys' selection, over `rows` decode queries."""
+    heads, dim, block = 64, 128, 64
+    rng = np.random.default_rng([seed, context, topk, outlier_channels])
+    blocks = -(-context // block)
+    keys = rng.standard_normal((rows * blocks, block, dim), dtype=np.float32)
+    keys[..., :outlier_channels] *= 10.0
+    q = rng.standard_normal((rows, heads, dim), dtype=np.float32)
+    w = jnp.asarray(rng.standard_normal((rows, heads), dtype=np.float32) / heads ** 0.5)
+    tables = jnp.asarray(np.arange(rows * blocks, dtype=np.int32).reshape(rows, blocks))
+    lengths = jnp.full((rows,), context, jnp.int32)
+    rot = hadamard(dim)
+
+    def select(q, pages, scales=None):
+        scores = pk.indexer_scores_xla(jnp.asarray(q), w, pages, tables, lengths, scale=dim ** -0.5,
+                                       index_scales=scales)
+        return np.asarray(pk.top_k_positions(scores, topk))
+
+    def fp8_roundtrip(x):
+        values, scales = pk.quantize_kv(jnp.asarray(x), jnp.float8_e4m3fn)
+        return pk.dequantize_kv(values, scales)
+
+    exact = select(q, jnp.asarray(keys))
+    picked = {"int8 keys": select(q, *pk.quantize_kv(jnp.asarray(keys), jnp.int8)),
+              "fp8 keys": select(q, *pk.quantize_kv(jnp.asarray(keys), jnp.float8_e4m3fn)),
+              "fp8 q + k, rotated": select(fp8_roundtrip(q @ rot), fp8_roundtrip(keys @ rot))}
+    out = {}
+    for name, sel in picked.items():
+        overlap = [len(np.intersect1d(a, b)) / topk for a, b in zip(sel, exact, strict=True)]
+        out[name] = (float(np.mean(overlap)), float(np.min(overlap)))
+    return out
+
+
+def indexer_8bit(pairs: list[tuple[int, int]], rows: int, outlier_channels: list[int]) -> list[dict]:
+    results = []
+    for outliers in outlier_channels:
+        for topk, context in pairs:
+            results.append({"topk": topk, "context": context, "outlier_channels": outliers,
+                            **indexer_overlap(context, topk, rows, outliers)})
+    schemes = [k for k in results[0] if k not in ("topk", "context", "outlier_channels")]
+    print(f"8-bit indexer keys: top-k overlap with float32 keys, |topk(8-bit) & topk(float)| / k, mean (min) over "
+          f"{rows} decode queries; 64 heads of 128, random N(0, 1) queries and keys")
+    print()
+    print("| top-k | context | outlier key dims (x10) | " + " | ".join(schemes) + " |")
+    print("|---:|---:|---:|" + "---:|" * len(schemes))
+    for r in results:
+        print(f"| {r['topk']:,} | {r['context']:,} | {r['outlier_channels']} | "
+              + " | ".join(f"{r[k][0]:.4f} ({r[k][1]:.4f})" for k in schemes) + " |")
+    return results
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
@@ -115,7 +190,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--plot", type=Path, default=Path("out/bench_sparse.png"))
     p.add_argument("--quick", action="store_true", help="small contexts, one repeat")
+    p.add_argument("--indexer-8bit", action="store_true",
+                   help="instead: the top-k overlap of 8-bit indexer keys with float keys (a table, no timing)")
+    p.add_argument("--pairs", nargs="+", default=["2048:4096", "2048:8192", "2048:16384", "256:2048"],
+                   metavar="TOPK:CONTEXT", help="--indexer-8bit: the (top-k, context) pairs")
+    p.add_argument("--rows", type=int, default=16, help="--indexer-8bit: decode queries per pair")
+    p.add_argument("--outlier-channels", type=int, nargs="+", default=[0, 4],
+                   help="--indexer-8bit: key dimensions scaled by 10, one table block per value")
     args = p.parse_args(argv)
+    if args.indexer_8bit:
+        pairs = [tuple(int(x) for x in pair.split(":")) for pair in args.pairs]
+        if args.quick:
+            pairs, args.rows, args.outlier_channels = [(16, 64), (32, 256)], 2, [0, 4]
+        return indexer_8bit(pairs, args.rows, args.outlier_channels)
     if args.quick:
         args.decode_contexts, args.prefill_contexts, args.topk, args.repeats = [64, 128], [64, 128], 16, 1
     rows = []

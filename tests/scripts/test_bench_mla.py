@@ -14,9 +14,11 @@ def test_bench_mla_quick(capsys, monkeypatch):
     spec.loader.exec_module(bench)
     rows = bench.main(["--quick"])
     out = capsys.readouterr().out
-    assert "prefill MLA" in out and "decode MLA" in out
-    assert [(r["batch"], r["context"]) for r in rows] == [(1, 16), (1, 32)]
+    assert "prefill MLA" in out and "decode MLA" in out and "| 2 forks of 1 |" in out
+    # batch 2 x 16 is over --quick's prefill budget (16 tokens): prefill at batch 1, decode over one prompt forked.
+    assert [(r["batch"], r["context"], r["prefill_batch"], r["fork"]) for r in rows] == [(1, 16, 1, False),
+                                                                                      (2, 16, 1, True)]
     # The KV bytes per token come from the layer specs: MLA (32 + 8 per layer) vs GQA-4 (2 x 4 x 16), 2 layers, f32.
     assert rows[0]["kv_bytes_per_token_MLA"] == 2 * (32 + 8) * 4
     assert rows[0]["kv_bytes_per_token_GQA-4"] == 2 * 2 * 4 * 16 * 4
-    assert all(r["prefill_tok_s_MLA"] > 0 and r["prefill_tok_s_GQA-4"] > 0 for r in rows)
+    assert all(r[f"{k}_{m}"] > 0 for r in rows for k in ("prefill_tok_s", "decode_tok_s") for m in ("MLA", "GQA-4"))

@@ -20,3 +20,19 @@ def test_bench_sparse_quick(tmp_path, capsys, monkeypatch):
                                                           ("prefill", 128)]
     assert all(r[k] > 0 for r in rows for k in ("indexer", "top_k", "sparse", "dense"))
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_sparse_indexer_8bit_quick(capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_sparse", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_sparse", bench)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--indexer-8bit", "--quick"])
+    out = capsys.readouterr().out
+    assert "| int8 keys | fp8 keys | fp8 q + k, rotated |" in out
+    assert [(r["topk"], r["context"], r["outlier_channels"]) for r in rows] == [
+        (16, 64, 0), (32, 256, 0), (16, 64, 4), (32, 256, 4)]
+    schemes = ("int8 keys", "fp8 keys", "fp8 q + k, rotated")
+    assert all(0.5 < r[k][1] <= r[k][0] <= 1.0 for r in rows for k in schemes)  # (mean, min) overlap fractions
+    h = bench.hadamard(8)
+    assert abs(h @ h.T - bench.np.eye(8)).max() < 1e-6  # orthogonal: the rotation leaves exact scores unchanged
