@@ -14,17 +14,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
-from tests.model.vision_folders import hf_model, random_images, save_folder  # noqa: E402
+from tests.model.vision_folders import PROMPTS, hf_model, random_images, save_folder  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
 MAX_NEW = 6
 MIN_MARGIN = 1e-3
-PROMPTS = {
-    "llava": ["USER: <image>\nwhat is this ? ASSISTANT:", "the cat <image> sat on <image> a mat ."],
-    "gemma3": ["<start_of_turn>user\n<start_of_image> what is this ?<end_of_turn>\n",
-               "the cat<start_of_image>sat on<start_of_image> a mat"],
-}
 
 
 @pytest.fixture(scope="module")

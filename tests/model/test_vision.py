@@ -38,17 +38,12 @@ from pagedjax.model.loading.loader import load_engine_model, load_registered  # 
 from pagedjax.model.processor import load_image_processor  # noqa: E402
 from pagedjax.model.vision.vlm import placeholder_index  # noqa: E402
 from tests.model.test_model import _ragged_batch  # noqa: E402
-from tests.model.vision_folders import hf_model, random_images, save_folder  # noqa: E402
+from tests.model.vision_folders import PROMPTS, hf_model, random_images, save_folder  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
 TOL = 1e-5  # float32, relative to the largest magnitude
 BF16_TOL = 1e-2
-PROMPTS = {  # one prompt with one image, one with two: a batch of three images
-    "llava": ["USER: <image>\nwhat is this ? ASSISTANT:", "the cat <image> sat on <image> a mat ."],
-    "gemma3": ["<start_of_turn>user\n<start_of_image> what is this ?<end_of_turn>\n",
-               "the cat<start_of_image>sat on<start_of_image> a mat"],
-}
 
 
 @pytest.fixture(scope="module")

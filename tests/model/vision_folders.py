@@ -48,6 +48,13 @@ def gemma3_tokenizer():
     return tok
 
 
+# One prompt with one image, one with two, per kind (the placeholders of each processor).
+PROMPTS = {
+    "llava": ["USER: <image>\nwhat is this ? ASSISTANT:", "the cat <image> sat on <image> a mat ."],
+    "gemma3": ["<start_of_turn>user\n<start_of_image> what is this ?<end_of_turn>\n",
+               "the cat<start_of_image>sat on<start_of_image> a mat"],
+}
+
 # LLaVA's text models besides Llama (`configs(..., text=...)`): Mistral with a window shorter than the prompts,
 # Qwen2 with q/k/v biases and tied embeddings.
 LLAVA_TEXT = {"llama": ("LlamaConfig", {}),

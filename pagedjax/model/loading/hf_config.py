@@ -324,7 +324,7 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
     ModelLoadError (a ValueError) naming the file and field for invalid JSON, a field of the wrong type or
     anything unsupported.
     """
-    return _load(path, lambda hf, bos, eos: _config_from_hf(hf, dtype, bos, eos))
+    return load_folder_config(path, lambda hf, bos, eos: _config_from_hf(hf, dtype, bos, eos))
 
 
 def config_from_dict(hf: dict, dtype: str | None = None, *, bos_token_id: int | None = None,
@@ -335,9 +335,10 @@ def config_from_dict(hf: dict, dtype: str | None = None, *, bos_token_id: int | 
     return _config_from_hf(hf, dtype, bos_token_id, tuple(eos_token_ids))
 
 
-def _load(path: str | os.PathLike, build):
+def load_folder_config(path: str | os.PathLike, build):
     """build(config.json parsed, bos id, eos ids) of a folder (the stop tokens from `generation_config.json`
-    where it has them), its ValueErrors as ModelLoadErrors naming the file."""
+    where it has them), its ValueErrors and TypeErrors as ModelLoadErrors naming the file; FileNotFoundError without
+    config.json."""
     folder = Path(path)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -575,7 +576,7 @@ def load_deepseek_config(path: str | os.PathLike, dtype: str | None = None):
     weights other than block-scaled FP8 (`pagedjax.model.loading.hf_fp8`: dequantized at load).
     `num_key_value_heads` is not read (MLA has no KV heads; transformers' attention does not read it either);
     `num_nextn_predict_layers` neither (the multi-token-prediction layers are not served)."""
-    return _load(path, lambda hf, bos, eos: _deepseek_from_hf(hf, dtype, bos, eos))
+    return load_folder_config(path, lambda hf, bos, eos: _deepseek_from_hf(hf, dtype, bos, eos))
 
 
 def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: tuple[int, ...]):

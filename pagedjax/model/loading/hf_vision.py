@@ -36,8 +36,12 @@ from pagedjax.config.vision import (
     LlavaConfig,
     VisionConfig,
 )
-from pagedjax.model.errors import ModelLoadError, read_json
-from pagedjax.model.loading.hf_config import SUPPORTED_MODEL_TYPES, VISION_MODEL_TYPES, config_from_dict
+from pagedjax.model.loading.hf_config import (
+    SUPPORTED_MODEL_TYPES,
+    VISION_MODEL_TYPES,
+    config_from_dict,
+    load_folder_config,
+)
 from pagedjax.model.loading.hf_loader import fill_state, folder_tokenizer, safetensors_files
 
 logger = logging.getLogger(__name__)
@@ -85,18 +89,7 @@ def load_vision_config(path: str | os.PathLike, dtype: str | None = None) -> Lla
     """A "llava" / "gemma3" folder's `config.json` (and `generation_config.json`'s bos / eos) as a `LlavaConfig` /
     `Gemma3VisionConfig` (see the module docstring). `dtype` ("float32" | "bfloat16" | "float16") overrides the
     checkpoint's. FileNotFoundError without config.json; ModelLoadError naming the file and field otherwise."""
-    folder = Path(path)
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"no config.json in {folder}")
-    hf = read_json(config_path)
-    gen_path = folder / "generation_config.json"
-    gen = read_json(gen_path) if gen_path.is_file() else {}
-    try:
-        bos, eos = _first_id(gen.get("bos_token_id"), "bos_token_id"), _ids(gen.get("eos_token_id"), "eos_token_id")
-    except ValueError as e:
-        raise ModelLoadError(gen_path, str(e)) from None
-    try:
+    def build(hf: dict, bos: int | None, eos: tuple[int, ...]) -> LlavaConfig | Gemma3VisionConfig:
         model_type = hf.get("model_type")
         if model_type not in VISION_MODEL_TYPES:
             raise ValueError(f"field 'model_type' = {model_type!r} is not a vision-language one "
@@ -104,23 +97,8 @@ def load_vision_config(path: str | os.PathLike, dtype: str | None = None) -> Lla
         if hf.get("quantization_config") is not None:
             raise ValueError("field 'quantization_config': pre-quantized vision-language checkpoints are not supported")
         return (_llava if model_type == "llava" else _gemma3)(hf, dtype, bos, eos)
-    except (TypeError, ValueError) as e:
-        raise ModelLoadError(config_path, str(e)) from None
 
-
-def _first_id(value, key: str) -> int | None:
-    if isinstance(value, list):  # some configs list several; the first is the one prepended
-        value = value[0] if value else None
-    if value is not None and not (is_int(value) and value >= 0):
-        raise ValueError(f"field {key!r}: expected a token id or null, got {value!r}")
-    return value
-
-
-def _ids(value, key: str) -> tuple[int, ...]:
-    values = value if isinstance(value, list) else [] if value is None else [value]
-    if not all(is_int(v) and v >= 0 for v in values):
-        raise ValueError(f"field {key!r}: expected a token id or a list of token ids, got {value!r}")
-    return tuple(values)
+    return load_folder_config(path, build)
 
 
 def _field(hf: dict, key: str, defaults: dict) -> Any:
