@@ -196,6 +196,14 @@ def _write_rows(pages: jax.Array,  # [num_blocks, block_size, width]
         raise ValueError(f"a token's vector of {rows.shape[-1]} does not fill the pages' entries of {width}")
     if is_quantized(pages.dtype) != (scales is not None):
         raise ValueError(f"pages of dtype {pages.dtype} need scales exactly when they are 8-bit")
+    if rows.shape[0] == 1:
+        # One row (a decode step of one sequence): written with a second, dropped row. XLA rewrites a one-index
+        # scatter into a dynamic-update-slice, which it then fused into the attention's page gather (every layer
+        # but the first): the update computed twice, once inside the gather over the old pages and once in place,
+        # so the old pages had to be kept, a copy of each layer's whole pool per step (batch-1 decode of a 145M MLA
+        # model ran 7x slower at 2k blocks than at 64; `scripts/bench_mla.py`). A two-index scatter stays a scatter.
+        rows = jnp.concatenate([rows, jnp.zeros_like(rows)])
+        slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), -1, slot_mapping.dtype)])
     block = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)  # out of bounds: dropped
     offset = jnp.where(slot_mapping < 0, 0, slot_mapping % block_size)
     if scales is None:
