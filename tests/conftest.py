@@ -24,24 +24,32 @@ XLA_DEFAULT = os.environ.get("PAGEDJAX_TEST_XLA_OPT") == "default"
 # aborts the process, so the flag is passed where a probe (once per run: subprocesses and xdist workers inherit
 # the answer) finds that this XLA accepts it.
 LEGACY_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
-_LEGACY_EMITTERS_ENV = "PAGEDJAX_TEST_LEGACY_EMITTERS"
+# XLA:CPU splits each program's LLVM module into parts compiled on a thread pool: for the suite's small programs
+# the parts cost more CPU time than the one module (an engine's steps: 20% less backend compile time, 10% less
+# in all, with one part), and in CI both cores are busy with the two xdist workers anyway. Same code.
+ONE_CODEGEN_PART_FLAG = "--xla_cpu_parallel_codegen_split_count=1"
+# Optional flags -> the variable that carries the probe's answer to subprocesses and xdist workers.
+_OPTIONAL_FLAGS = {LEGACY_EMITTERS_FLAG: "PAGEDJAX_TEST_LEGACY_EMITTERS",
+                   ONE_CODEGEN_PART_FLAG: "PAGEDJAX_TEST_ONE_CODEGEN_PART"}
 
 
-def _xla_accepts(flag: str) -> bool:
+def _xla_accepts(*flags: str) -> bool:
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
     probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True)
     return probe.returncode == 0
 
 
 if not XLA_DEFAULT:
-    if _LEGACY_EMITTERS_ENV not in os.environ:
-        os.environ[_LEGACY_EMITTERS_ENV] = "1" if _xla_accepts(LEGACY_EMITTERS_FLAG) else "0"
-    legacy = [LEGACY_EMITTERS_FLAG] if os.environ[_LEGACY_EMITTERS_ENV] == "1" else []
+    unknown = [flag for flag, var in _OPTIONAL_FLAGS.items() if var not in os.environ]
+    together = len(unknown) > 1 and _xla_accepts(*unknown)  # one probe where this XLA knows them all
+    for flag in unknown:
+        os.environ[_OPTIONAL_FLAGS[flag]] = "1" if together or _xla_accepts(flag) else "0"
+    optional = [flag for flag, var in _OPTIONAL_FLAGS.items() if os.environ[var] == "1"]
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-                                        "--xla_llvm_disable_expensive_passes=true", *legacy]).strip()
+                                        "--xla_llvm_disable_expensive_passes=true", *optional]).strip()
 # Engines share compiled programs through JAX's persistent cache (each engine compiles its own steps; this
 # makes the second engine of a shape load them from disk). Kept between local runs; CI starts empty.
 os.environ.setdefault("PAGEDJAX_COMPILE_CACHE",
