@@ -54,6 +54,37 @@ if not XLA_DEFAULT:
 # makes the second engine of a shape load them from disk). Kept between local runs; CI starts empty.
 os.environ.setdefault("PAGEDJAX_COMPILE_CACHE",
                       os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax-compile-cache"))
+# ... set up here, through JAX's own variables (this process, xdist workers and subprocesses: the engine and the CLI
+# keep a folder JAX was given), without JAX's eviction: with a size limit (pagedjax's 2 GiB) JAX's cache lists the
+# whole folder, stats every program and reads its access-time file on every write, and the suite writes ~4,600
+# programs: 0.14 s a write near the end, ~300 s of CPU time in all, growing with the square of the suite. Instead a
+# local folder is cut back once per run, before any test (`_prune_compile_cache`). Tests of the cache's own
+# set-up (tests/cli/test_cli.py) run the CLI without these variables.
+_COMPILE_CACHE = os.environ["PAGEDJAX_COMPILE_CACHE"]
+_COMPILE_CACHE_BYTES = 1 << 30  # a local folder past this loses its oldest programs, down to half
+if _COMPILE_CACHE.strip().lower() not in ("0", "off", "false", "no", "none", ""):
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILE_CACHE)
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def _prune_compile_cache(folder: str, limit: int) -> None:
+    """Past `limit` bytes, delete the folder's least recently written programs until it holds half of it."""
+    import pathlib
+
+    entries = [(p.stat().st_mtime, p.stat().st_size, p) for p in pathlib.Path(folder).glob("*-cache")]
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries) if total > limit else ():
+        if total <= limit // 2:
+            break
+        path.unlink(missing_ok=True)
+        path.with_name(path.name.removesuffix("-cache") + "-atime").unlink(missing_ok=True)
+        total -= size
+
+
+if "PYTEST_XDIST_WORKER" not in os.environ and os.path.isdir(os.environ.get("JAX_COMPILATION_CACHE_DIR", "")):
+    _prune_compile_cache(os.environ["JAX_COMPILATION_CACHE_DIR"], _COMPILE_CACHE_BYTES)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -28,6 +28,7 @@ SLOW = worker_names.SLOW
 def run_worker(out: Path, names: list[str], timeout: float = 900) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # its engines run without the persistent cache (tests/conftest.py)
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, "-m", "tests.parallel.worker", str(out), *names], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -84,6 +85,7 @@ def test_two_processes(tmp_path):
     # device count.
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env = dict(os.environ, XLA_FLAGS=" ".join(flags))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # its engine runs without the persistent cache (tests/conftest.py)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.parallel.multihost_worker", str(rank), str(port),
                                str(tmp_path / f"{rank}.json")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
