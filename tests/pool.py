@@ -26,7 +26,11 @@ class EnginePool:
         """`config` with `make`'s defaults filled in, as a dictionary key."""
         bound = inspect.signature(self.make).bind(**config)
         bound.apply_defaults()
-        return tuple(sorted(bound.arguments.items()))
+        arguments = dict(bound.arguments)
+        for name, param in bound.signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(arguments.pop(name))
+        return tuple(sorted(arguments.items()))
 
     @contextlib.contextmanager
     def engine(self, fresh: bool = False, **config) -> Iterator:
