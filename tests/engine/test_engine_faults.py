@@ -121,9 +121,14 @@ _FAULT_FREE: dict = {}
 
 
 def fault_free(config: dict, prompts, params):
-    key = (REFERENCE.key(config), tuple(map(tuple, prompts)), tuple(params))
+    """The outputs of `prompts` on an engine of `config`'s model, block size and KV dtype that no fault reaches.
+    Its pool, token budget and decode steps are the default ones whatever `config` says: outputs do not depend on
+    them (tests/engine/test_engine.py, test_engine_properties.py), and one reference engine then serves every
+    workload (CI time: each configuration's engine compiles its own programs)."""
+    reference = {k: v for k, v in config.items() if k not in ("num_blocks", "budget", "steps")}
+    key = (REFERENCE.key(reference), tuple(map(tuple, prompts)), tuple(params))
     if key not in _FAULT_FREE:
-        with REFERENCE.engine(**config) as engine:
+        with REFERENCE.engine(**reference) as engine:
             _FAULT_FREE[key] = run(engine, prompts, params)
     return _FAULT_FREE[key]
 
