@@ -24,28 +24,69 @@ XLA_DEFAULT = os.environ.get("PAGEDJAX_TEST_XLA_OPT") == "default"
 # aborts the process, so the flag is passed where a probe (once per run: subprocesses and xdist workers inherit
 # the answer) finds that this XLA accepts it.
 LEGACY_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
-_LEGACY_EMITTERS_ENV = "PAGEDJAX_TEST_LEGACY_EMITTERS"
+# XLA:CPU splits each program's LLVM module into parts compiled on a thread pool: for the suite's small programs
+# the parts cost more CPU time than the one module (an engine's steps: 20% less backend compile time, 10% less
+# in all, with one part), and in CI both cores are busy with the two xdist workers anyway. Same code.
+ONE_CODEGEN_PART_FLAG = "--xla_cpu_parallel_codegen_split_count=1"
+# Optional flags -> the variable that carries the probe's answer to subprocesses and xdist workers.
+_OPTIONAL_FLAGS = {LEGACY_EMITTERS_FLAG: "PAGEDJAX_TEST_LEGACY_EMITTERS",
+                   ONE_CODEGEN_PART_FLAG: "PAGEDJAX_TEST_ONE_CODEGEN_PART"}
 
 
-def _xla_accepts(flag: str) -> bool:
+def _xla_accepts(*flags: str) -> bool:
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
     probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True)
     return probe.returncode == 0
 
 
 if not XLA_DEFAULT:
-    if _LEGACY_EMITTERS_ENV not in os.environ:
-        os.environ[_LEGACY_EMITTERS_ENV] = "1" if _xla_accepts(LEGACY_EMITTERS_FLAG) else "0"
-    legacy = [LEGACY_EMITTERS_FLAG] if os.environ[_LEGACY_EMITTERS_ENV] == "1" else []
+    unknown = [flag for flag, var in _OPTIONAL_FLAGS.items() if var not in os.environ]
+    together = len(unknown) > 1 and _xla_accepts(*unknown)  # one probe where this XLA knows them all
+    for flag in unknown:
+        os.environ[_OPTIONAL_FLAGS[flag]] = "1" if together or _xla_accepts(flag) else "0"
+    optional = [flag for flag, var in _OPTIONAL_FLAGS.items() if os.environ[var] == "1"]
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-                                        "--xla_llvm_disable_expensive_passes=true", *legacy]).strip()
+                                        "--xla_llvm_disable_expensive_passes=true", *optional]).strip()
 # Engines share compiled programs through JAX's persistent cache (each engine compiles its own steps; this
 # makes the second engine of a shape load them from disk). Kept between local runs; CI starts empty.
 os.environ.setdefault("PAGEDJAX_COMPILE_CACHE",
                       os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax-compile-cache"))
+# ... set up here, through JAX's own variables (this process, xdist workers and subprocesses: the engine and the CLI
+# keep a folder JAX was given), without JAX's eviction: with a size limit (pagedjax's 2 GiB) JAX's cache lists the
+# whole folder, stats every program and reads its access-time file on every write, and the suite writes ~4,600
+# programs: 0.14 s a write near the end, ~300 s of CPU time in all, growing with the square of the suite. Instead a
+# local folder is cut back once per run, before any test (`_prune_compile_cache`). Tests of the cache's own
+# set-up (tests/cli/test_cli.py) run the CLI without these variables.
+_COMPILE_CACHE = os.environ["PAGEDJAX_COMPILE_CACHE"]
+_COMPILE_CACHE_BYTES = 1 << 30  # a local folder past this loses its oldest programs, down to half
+if _COMPILE_CACHE.strip().lower() not in ("0", "off", "false", "no", "none", ""):
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILE_CACHE)
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def _prune_compile_cache(folder: str, limit: int) -> None:
+    """Past `limit` bytes, delete the folder's least recently written programs until it holds half of it."""
+    import pathlib
+
+    entries = [(p.stat().st_mtime, p.stat().st_size, p) for p in pathlib.Path(folder).glob("*-cache")]
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries) if total > limit else ():
+        if total <= limit // 2:
+            break
+        path.unlink(missing_ok=True)
+        path.with_name(path.name.removesuffix("-cache") + "-atime").unlink(missing_ok=True)
+        total -= size
+
+
+if "PYTEST_XDIST_WORKER" not in os.environ and os.path.isdir(os.environ.get("JAX_COMPILATION_CACHE_DIR", "")):
+    _prune_compile_cache(os.environ["JAX_COMPILATION_CACHE_DIR"], _COMPILE_CACHE_BYTES)
+
+import gc  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -83,6 +124,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# The collector's default thresholds run a young-generation collection every 700 allocations, and JAX's tracing
+# allocates millions of objects (most freed by reference count): ~4,700 collections and 3.4 s of CPU time in four
+# engine and model test files, 40 and 1.5 s every 50,000 allocations. Cyclic garbage waits for those, or for the
+# full collection before each module (below).
+gc.set_threshold(50_000, 20, 10)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _gc_freeze_between_modules():
     """Before each test module: collect, then move every live object out of the collector's generations. A
@@ -90,8 +138,6 @@ def _gc_freeze_between_modules():
     collection walked them all: a module's tests ran 2-4x slower late in a worker than alone (in CI the MoE
     tests took 36 s instead of 4; test_engine_properties + test_kv_quant + test_moe in one process: 250 s, 114 s
     frozen). Objects that die by reference count are still freed; only cycles among frozen objects leak."""
-    import gc
-
     gc.collect()
     gc.freeze()
     yield
@@ -101,6 +147,4 @@ def pytest_sessionfinish(session, exitstatus):
     # pytest-xdist interrupts a worker still busy 5 s after the run; pytest's last gc.collect() over a
     # worker's millions of JAX tracing objects could take that long, so the interrupt landed in a gc
     # callback (a "KeyboardInterrupt" traceback at the end of every run). Frozen objects are not scanned.
-    import gc
-
     gc.freeze()

@@ -70,7 +70,10 @@ def _check_clean(rc: int, err: str) -> None:
     assert err.strip().splitlines()[-1] == "interrupted", err
 
 
-@pytest.mark.parametrize("after_bytes, delay_s", [(0, 0.3), (0, 0.8), (0, 1.5), (5, 0.0)])
+# (CI time: ~5 s each) 0.3 and 1.5 s after the echo sample the same window (the first step) as 0.8 s, earlier and
+# later: -m slow runs them.
+@pytest.mark.parametrize("after_bytes, delay_s", [pytest.param(0, 0.3, marks=pytest.mark.slow), (0, 0.8),
+                                                  pytest.param(0, 1.5, marks=pytest.mark.slow), (5, 0.0)])
 def test_ctrl_c_while_generating_exits_130_promptly(after_bytes, delay_s):
     # The prompt is echoed once the engine has accepted it, just before the first step, which compiles for a
     # couple of seconds: a signal then (the first three cases) often crashed the interpreter on its way out.

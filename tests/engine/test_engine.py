@@ -14,6 +14,7 @@ import pytest
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from tests import dense
+from tests.pool import EnginePool
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=128)
@@ -53,6 +54,15 @@ def make_engine(block_size=16, num_blocks=64, prefix=True, max_num_seqs=8, max_b
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+# (CI time) Engines of a configuration shared by the module's tests (tests/pool.py: each left idle, its prefix cache
+# emptied before the next): each compiles its step programs once.
+POOL = EnginePool(make_engine)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_pooled_engines():
+    yield
+    POOL.clear()
 
 
 def assert_all_free(engine):
@@ -63,36 +73,33 @@ def assert_all_free(engine):
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_greedy_matches_dense_recompute(block_size):
-    engine = make_engine(block_size=block_size, num_blocks=4 * MAX_LEN // block_size)
-    outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.output_token_ids for o in outs] == reference()
-    assert all(o.finish_reason == "length" for o in outs)
-    assert_all_free(engine)
+    with POOL.engine(block_size=block_size) as engine:
+        outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.output_token_ids for o in outs] == reference()
+        assert all(o.finish_reason == "length" for o in outs)
+        assert_all_free(engine)
 
 
 @pytest.mark.parametrize("variant", ["no-prefix-cache", "preemption", "one-at-a-time", "fused-8-steps",
                                      "tiny-token-budget"])
 def test_greedy_is_invariant(variant):
-    if variant == "no-prefix-cache":
-        engine = make_engine(prefix=False)
-        outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
-    elif variant == "preemption":
-        # 11 blocks of 8 tokens: the longest request alone needs 9, so others must be preempted.
-        engine = make_engine(block_size=8, num_blocks=11)
-        outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert engine.stats().scheduler.num_preemptions > 0
-    elif variant == "one-at-a-time":
-        engine = make_engine()
-        outs = [engine.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
-    elif variant == "fused-8-steps":
-        engine = make_engine(decode_steps_per_call=8)
-        outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert engine.stats().fused_decode_calls > 0
-    else:
-        engine = make_engine(max_batched=8, max_num_seqs=3)  # chunked prefill, few sequences per step
-        outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.output_token_ids for o in outs] == reference()
-    assert_all_free(engine)
+    config = {"no-prefix-cache": dict(prefix=False),
+              # 11 blocks of 8 tokens: the longest request alone needs 9, so others must be preempted.
+              "preemption": dict(block_size=8, num_blocks=11), "one-at-a-time": {},
+              "fused-8-steps": dict(decode_steps_per_call=8),
+              "tiny-token-budget": dict(max_batched=8, max_num_seqs=3)}[variant]  # chunked prefill, few per step
+    with POOL.engine(**config) as engine:
+        before = engine.stats()
+        if variant == "one-at-a-time":
+            outs = [engine.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
+        else:
+            outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+        if variant == "preemption":
+            assert engine.stats().scheduler.num_preemptions > before.scheduler.num_preemptions
+        if variant == "fused-8-steps":
+            assert engine.stats().fused_decode_calls > before.fused_decode_calls
+        assert [o.output_token_ids for o in outs] == reference()
+        assert_all_free(engine)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -126,31 +133,32 @@ def _pad(seqs):
 
 
 def test_prefix_cache_hits_skip_prefill_work():
-    engine = make_engine(block_size=8)
-    first = engine.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0]
-    computed_before = engine.stats().prefill_tokens_computed
-    second = engine.generate([PROMPTS[4]], GREEDY, use_tqdm=False)[0]
-    assert first.num_cached_tokens == 0
-    assert second.num_cached_tokens == 40  # the 5 full blocks of the shared 40-token prefix
-    assert engine.stats().prefill_tokens_computed - computed_before == len(PROMPTS[4]) - 40
-    assert engine.stats().scheduler.prefix_cache_hit_rate > 0
-    assert second.output_token_ids == reference()[4]
+    with POOL.engine(block_size=8) as engine:
+        hit_rate = engine.stats().scheduler.prefix_cache_hit_rate
+        first = engine.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0]
+        computed_before = engine.stats().prefill_tokens_computed
+        second = engine.generate([PROMPTS[4]], GREEDY, use_tqdm=False)[0]
+        assert first.num_cached_tokens == 0
+        assert second.num_cached_tokens == 40  # the 5 full blocks of the shared 40-token prefix
+        assert engine.stats().prefill_tokens_computed - computed_before == len(PROMPTS[4]) - 40
+        assert engine.stats().scheduler.prefix_cache_hit_rate > hit_rate
+        assert second.output_token_ids == reference()[4]
 
 
 def test_abort_mid_generation_returns_every_block():
-    engine = make_engine(block_size=8)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=40))
-    for _ in range(3):
-        engine.step()
-    used = engine.stats().scheduler.memory.num_used_blocks
-    assert engine.abort("2")
-    assert not engine.abort("2")
-    assert engine.stats().scheduler.memory.num_used_blocks < used
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert out.request_id != "2"
-    assert_all_free(engine)
+    with POOL.engine(block_size=8) as engine:
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=40))
+        for _ in range(3):
+            engine.step()
+        used = engine.stats().scheduler.memory.num_used_blocks
+        assert engine.abort("2")
+        assert not engine.abort("2")
+        assert engine.stats().scheduler.memory.num_used_blocks < used
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.request_id != "2"
+        assert_all_free(engine)
 
 
 def test_stop_tokens_end_requests_in_both_decode_modes():
@@ -158,23 +166,26 @@ def test_stop_tokens_end_requests_in_both_decode_modes():
     stop = target[5]
     first = target.index(stop)
     for num_steps in (1, 8):
-        engine = make_engine(decode_steps_per_call=num_steps)
-        out = engine.generate([PROMPTS[2]], SamplingParams(temperature=0.0,
-                                                           max_tokens=MAX_TOKENS, stop_token_ids=(stop,)),
-                              use_tqdm=False)[0]
-        assert out.finish_reason == "stop"
-        assert out.output_token_ids == target[: first + 1]
-        assert_all_free(engine)
+        with POOL.engine(decode_steps_per_call=num_steps) as engine:
+            out = engine.generate([PROMPTS[2]], SamplingParams(temperature=0.0,
+                                                               max_tokens=MAX_TOKENS, stop_token_ids=(stop,)),
+                                  use_tqdm=False)[0]
+            assert out.finish_reason == "stop"
+            assert out.output_token_ids == target[: first + 1]
+            assert_all_free(engine)
 
 
 def test_seeded_sampling_is_reproducible_across_batches_and_fused_steps():
     params = SamplingParams(max_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=1234)
-    alone = make_engine().generate([PROMPTS[1]], params, use_tqdm=False)[0].output_token_ids
-    batched = make_engine(decode_steps_per_call=8).generate(PROMPTS, [SamplingParams(max_tokens=10, temperature=1.0)] +
-                                                 [params] * (len(PROMPTS) - 1), use_tqdm=False)
+    with POOL.engine() as engine:
+        alone = engine.generate([PROMPTS[1]], params, use_tqdm=False)[0].output_token_ids
+    with POOL.engine(decode_steps_per_call=8) as engine:
+        batched = engine.generate(PROMPTS, [SamplingParams(max_tokens=10, temperature=1.0)] +
+                                  [params] * (len(PROMPTS) - 1), use_tqdm=False)
     assert batched[1].output_token_ids == alone
-    other_seed = make_engine().generate([PROMPTS[1]], SamplingParams(
-        max_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=99), use_tqdm=False)[0].output_token_ids
+    with POOL.engine() as engine:
+        other_seed = engine.generate([PROMPTS[1]], SamplingParams(
+            max_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=99), use_tqdm=False)[0].output_token_ids
     assert other_seed != alone
 
 
@@ -230,7 +241,8 @@ def test_pallas_backend_scenarios(scenario):
     else:
         params = [SamplingParams(max_tokens=tokens, temperature=0.9, top_k=20, top_p=0.9, seed=s) for s in (1, 2)]
         prompts = [PROMPTS[1], PROMPTS[3]]
-        want = [o.output_token_ids for o in make_engine().generate(prompts, params, use_tqdm=False)]
+        with POOL.engine() as xla:
+            want = [o.output_token_ids for o in xla.generate(prompts, params, use_tqdm=False)]
         engine = make_engine(backend="pallas", decode_steps_per_call=4)
         assert [o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)] == want
     assert_all_free(engine)

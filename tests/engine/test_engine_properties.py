@@ -39,9 +39,14 @@ def workloads(draw):
     )
 
 
-@settings(max_examples=6, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# (CI time: ~2 s an example) 3 drawn, and 2 explicit examples at opposite corners: blocks of 8, a shared prefix of
+# exactly two blocks, a 1-token prompt, a pool that fits one request (preemption), 8-token chunks and fused decode
+# on; blocks of 16, prompts of 1, 16 and 32 tokens (exact multiples) one at a time, no prefix cache, one step a call.
+@settings(max_examples=3, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @example(w=dict(prompts=[[5] * 16, [5] * 16 + [7], [9]], max_tokens=6, block_size=8, num_blocks=3, budget=8,
                 max_num_seqs=3, num_steps=4, prefix=True))
+@example(w=dict(prompts=[[11], list(range(20, 36)), list(range(40, 72))], max_tokens=5, block_size=16, num_blocks=64,
+                budget=256, max_num_seqs=1, num_steps=1, prefix=False))
 @given(w=workloads())
 def test_engine_matches_dense_on_random_workloads(w):
     expected, margin = dense_greedy(w["prompts"], w["max_tokens"])

@@ -25,6 +25,7 @@ from tests.engine.latent_toy import (
     VOCAB,
     LatentToy,
 )
+from tests.pool import EnginePool
 
 MAX_LEN = 40
 rng = np.random.default_rng(3)
@@ -39,6 +40,17 @@ def engine(model=None, *, num_blocks: int = 64, kv_dtype: str = "auto", token_bu
                                                                            kv_dtype=kv_dtype),
                      scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=token_budget,
                                                       max_model_len=MAX_LEN), **kwargs)
+
+
+# (CI time) The default engine (the toy's float pages, 64 blocks) serves the module's tests that need it, left idle
+# (tests/pool.py).
+POOL = EnginePool(engine)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_pooled_engines():
+    yield
+    POOL.clear()
 
 
 def _dense_greedy(model: LatentToy, prompts, max_tokens: int) -> list[list[int]]:
@@ -94,24 +106,23 @@ def test_spec_sizes_the_pool_and_the_cache_holds_what_it_declares():
 
 
 def test_greedy_equals_the_dense_forward_with_prefix_hits_chunks_preemption_forks_and_fused_decode(dense_greedy):
-    e = engine()
-    assert _tokens(e.generate(PROMPTS, GREEDY, use_tqdm=False)) == dense_greedy
-    assert e.stats().scheduler.prefix_cache_hit_rate > 0
-    # A prefix hit restores every layer's part of the block: the shared prompt again, alone.
-    assert _tokens(e.generate([PROMPTS[3]], GREEDY, use_tqdm=False)) == [dense_greedy[3]]
+    with POOL.engine() as e:
+        hits_before = e.stats().scheduler.prefix_cache_hit_rate
+        assert _tokens(e.generate(PROMPTS, GREEDY, use_tqdm=False)) == dense_greedy
+        assert e.stats().scheduler.prefix_cache_hit_rate > hits_before
+        # A prefix hit restores every layer's part of the block: the shared prompt again, alone.
+        again = e.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0]
+        assert again.num_cached_tokens > 0 and _tokens([again]) == [dense_greedy[3]]
+        # n > 1 forks share the prompt's blocks (copy-on-write of the last partial one): each greedy sample is the
+        # dense continuation.
+        three = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=3)
+        forks = e.generate([PROMPTS[2]], three, use_tqdm=False)[0]
+        assert [c.token_ids for c in forks.outputs] == [dense_greedy[2]] * 3
     # Four requests of up to 19 tokens in 8 blocks of 4: some are preempted and recomputed; prompts of 10 and
-    # 11 tokens run in chunks of at most 8.
-    small = engine(num_blocks=8, token_budget=8)
+    # 11 tokens run in chunks of at most 8; decode runs 4 fused steps a call.
+    small = engine(num_blocks=8, token_budget=8, decode_steps_per_call=4)
     assert _tokens(small.generate(PROMPTS, GREEDY, use_tqdm=False)) == dense_greedy
-    assert small.stats().scheduler.num_preemptions > 0
-    fused = engine(decode_steps_per_call=4)
-    assert _tokens(fused.generate(PROMPTS, GREEDY, use_tqdm=False)) == dense_greedy
-    assert fused.stats().fused_decode_calls > 0
-    # n > 1 forks share the prompt's blocks (copy-on-write of the last partial one): each greedy sample is the
-    # dense continuation.
-    three = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=3)
-    forks = e.generate([PROMPTS[2]], three, use_tqdm=False)[0]
-    assert [c.token_ids for c in forks.outputs] == [dense_greedy[2]] * 3
+    assert small.stats().scheduler.num_preemptions > 0 and small.stats().fused_decode_calls > 0
 
 
 def test_pallas_kernels_serve_the_latent_layers(dense_greedy):
@@ -126,7 +137,8 @@ def test_int8_latent_pages_stay_close_to_float_ones():
     over float32 pages."""
     kv_dtype = "int8"
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
-    f32 = engine().generate(PROMPTS, params, use_tqdm=False)
+    with POOL.engine() as e:
+        f32 = e.generate(PROMPTS, params, use_tqdm=False)
     narrow = engine(kv_dtype=kv_dtype)
     got_outputs = narrow.generate(PROMPTS, params, use_tqdm=False)
     assert narrow.runner.kv_cache.layers[0].pages.dtype == jnp.dtype(CacheConfig(kv_dtype=kv_dtype).kv_array_dtype(
@@ -160,9 +172,13 @@ def test_sparse_layers_select_and_equal_mla_when_the_selection_holds_the_context
     """With k at least the context the sparse layer is the MLA layer (the same weights, the same logits as the
     model whose third layer is plain MLA); with INDEX_TOPK below the context the selection changes them."""
     tokens = jnp.asarray([PROMPTS[2] + PROMPTS[3][:7]])  # 18 positions
-    plain = np.asarray(LatentToy(("mla", "gqa", "mla")).forward_dense(tokens))
-    np.testing.assert_allclose(np.asarray(LatentToy(index_topk=MAX_LEN).forward_dense(tokens)), plain, rtol=1e-5,
-                               atol=1e-5)
-    sparse = np.asarray(LatentToy().forward_dense(tokens))
+
+    def forward(model):  # one program each (op by op, every operation compiled on its own: 136 of them)
+        graphdef, state = nnx.split(model)
+        return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s).forward_dense(t))(state, tokens))
+
+    plain = forward(LatentToy(("mla", "gqa", "mla")))
+    np.testing.assert_allclose(forward(LatentToy(index_topk=MAX_LEN)), plain, rtol=1e-5, atol=1e-5)
+    sparse = forward(LatentToy())
     np.testing.assert_allclose(sparse[:, :INDEX_TOPK], plain[:, :INDEX_TOPK], rtol=1e-5, atol=1e-5)  # sees <= k
     assert np.abs(sparse[:, INDEX_TOPK:] - plain[:, INDEX_TOPK:]).max() > 1e-2

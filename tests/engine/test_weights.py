@@ -18,6 +18,7 @@ from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from pagedjax.model.llama import init_model
+from tests.dense import dense_forward
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=128)
@@ -179,7 +180,7 @@ def dense_logprobs(seed: int, prompts, completions) -> list[np.ndarray]:
     batch = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
     for i, seq in enumerate(seqs):
         batch[i, :len(seq)] = seq
-    lps = np.asarray(jax.nn.log_softmax(init_model(CFG, seed).forward_dense(jnp.asarray(batch)), axis=-1))
+    lps = np.asarray(jax.nn.log_softmax(dense_forward(CFG, seed)(jnp.asarray(batch)), axis=-1))  # init_model's
     return [lps[i, np.arange(len(p) - 1, len(s) - 1), c] for i, (p, c, s) in enumerate(zip(prompts, completions, seqs,
                                                                                           strict=True))]
 

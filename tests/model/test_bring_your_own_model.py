@@ -21,6 +21,7 @@ from pagedjax.model.api import ModelSpec, PagedAttention, check_model
 from pagedjax.sampling_params import BeamSearchParams
 from tests.dense import greedy_by_recompute
 from tests.model.gpt2_example import GPT2, GPT2Config
+from tests.pool import EnginePool
 
 CFG = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4)
 MAX_LEN = 48
@@ -43,6 +44,17 @@ def engine(model=None, *, num_blocks: int = 64, kv_dtype: str = "auto", token_bu
                                                       max_model_len=MAX_LEN), **kwargs)
 
 
+# (CI time) The default engine (a fresh gpt2(), float pages, 64 blocks) serves the module's tests that need it, left
+# idle (tests/pool.py).
+POOL = EnginePool(engine)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_pooled_engines():
+    yield
+    POOL.clear()
+
+
 @pytest.fixture(scope="module")
 def dense_greedy():
     graphdef, state = nnx.split(gpt2())
@@ -57,25 +69,24 @@ def _tokens(outputs) -> list[list[int]]:
 
 
 def test_greedy_equals_its_dense_forward_with_prefix_hits_chunks_preemption_and_fused_decode(dense_greedy):
-    e = engine()
-    assert _tokens(e.generate(PROMPTS, GREEDY, use_tqdm=False)) == dense_greedy
-    assert e.stats().scheduler.prefix_cache_hit_rate > 0
+    with POOL.engine() as e:
+        hit_rate = e.stats().scheduler.prefix_cache_hit_rate
+        assert _tokens(e.generate(PROMPTS, GREEDY, use_tqdm=False)) == dense_greedy
+        assert e.stats().scheduler.prefix_cache_hit_rate > hit_rate
     # Four requests of up to 19 tokens in 8 blocks of 4: some are preempted; prompts of 10 and 11 tokens run
-    # in chunks of at most 8.
-    small = engine(num_blocks=8, token_budget=8)
+    # in chunks of at most 8; decode runs 4 fused steps a call.
+    small = engine(num_blocks=8, token_budget=8, decode_steps_per_call=4)
     assert _tokens(small.generate(PROMPTS, GREEDY, use_tqdm=False)) == dense_greedy
-    assert small.stats().scheduler.num_preemptions > 0
-    fused = engine(decode_steps_per_call=4)
-    assert _tokens(fused.generate(PROMPTS, GREEDY, use_tqdm=False)) == dense_greedy
-    assert fused.stats().fused_decode_calls > 0
+    assert small.stats().scheduler.num_preemptions > 0 and small.stats().fused_decode_calls > 0
 
 
 def test_n_seeded_samples_equal_singles_with_seeds_s_plus_i():
-    e = engine()
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=4, ignore_eos=True)
-    together = [c.token_ids for c in e.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs]
-    alone = [e.generate([PROMPTS[2]], SamplingParams(max_tokens=6, temperature=1.0, seed=11 + i, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].token_ids for i in range(4)]
+    with POOL.engine() as e:
+        together = [c.token_ids for c in e.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs]
+        alone = [e.generate([PROMPTS[2]], SamplingParams(max_tokens=6, temperature=1.0, seed=11 + i,
+                                                         ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+                 for i in range(4)]
     assert together == alone
     assert len({tuple(t) for t in together}) > 1  # the samples differ: the seeds are used
 
@@ -88,9 +99,11 @@ def test_beam_search_scores_are_the_models_log_probabilities():
     scores = [b.score for b in beams]
     assert scores == sorted(scores, reverse=True)
     prompt = PROMPTS[1]
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))  # one program, not op by op
     for beam in beams:
         seq = prompt + list(beam.token_ids)
-        logp = jax.nn.log_softmax(model.forward_dense(jnp.asarray([seq]))[0], axis=-1)
+        logp = jax.nn.log_softmax(forward(jnp.asarray([seq]))[0], axis=-1)
         want = sum(float(logp[i - 1, seq[i]]) for i in range(len(prompt), len(seq)))
         np.testing.assert_allclose(beam.cumulative_logprob, want, rtol=1e-4, atol=1e-4)
 
@@ -98,7 +111,8 @@ def test_beam_search_scores_are_the_models_log_probabilities():
 def test_int8_kv_pages_stay_close_to_float_ones():
     """The first sampled token's top-5 log-probabilities over int8 pages within 0.05 of those over float pages."""
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
-    f32 = engine().generate(PROMPTS, params, use_tqdm=False)
+    with POOL.engine() as e:
+        f32 = e.generate(PROMPTS, params, use_tqdm=False)
     int8_engine = engine(kv_dtype="int8")
     int8 = int8_engine.generate(PROMPTS, params, use_tqdm=False)
     assert int8_engine.stats().kv_dtype == "int8"

@@ -1,5 +1,6 @@
 """Training (scripts/train_tiny.py), orbax checkpoints, and the bundled model."""
 
+import functools
 import importlib.util
 import json
 import re
@@ -67,8 +68,14 @@ def tiny_corpus(tmp_path_factory):
     return root
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, ids):
+    return nnx.merge(graphdef, state).forward_dense(ids)
+
+
 def _logits(model, ids):
-    return np.asarray(model.forward_dense(jnp.asarray([ids], jnp.int32)))
+    """One compiled program for every model of a shape (op by op, each operation compiled on its own)."""
+    return np.asarray(_forward(*nnx.split(model), jnp.asarray([ids], jnp.int32)))
 
 
 # ------------------------------------------------------------------------------------------------ training

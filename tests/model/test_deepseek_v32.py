@@ -224,7 +224,7 @@ def _engine(folder=None, model=None, num_blocks: int = 64, **engine):
     return LLMEngine.from_pretrained(folder, **kwargs)
 
 
-@pytest.mark.parametrize("kind", ["v32"])  # YaRN's rotation in the engine: test_deepseek's v3_yarn (the same RoPE)
+@pytest.mark.parametrize("kind", ["v32"])  # YaRN's rotation in the engine: test_deepseek's v2_lora_grouped
 def test_engine_greedy_matches_transformers_generate(models, kind):
     """Sparse MLA over the latent and indexer-key pages (`PagedSparseAttention`), through chunked prefill (20
     tokens at 8 a step), a prefix-cache hit (the longest prompt again, its full blocks cached: their indexer keys

@@ -10,7 +10,8 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+# The suite's XLA flags (tests/conftest.py: -O0 and faster emitters), inherited, and 2 devices.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 

@@ -28,6 +28,7 @@ SLOW = worker_names.SLOW
 def run_worker(out: Path, names: list[str], timeout: float = 900) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # its engines run without the persistent cache (tests/conftest.py)
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, "-m", "tests.parallel.worker", str(out), *names], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -80,7 +81,11 @@ def test_two_processes(tmp_path):
     with socket.socket() as s:  # a free port for the coordinator
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # The suite's XLA flags go on (at XLA's default level both processes took 3x the time); the worker adds its
+    # device count.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # its engine runs without the persistent cache (tests/conftest.py)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.parallel.multihost_worker", str(rank), str(port),
                                str(tmp_path / f"{rank}.json")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank in (0, 1)]

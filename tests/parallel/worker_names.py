@@ -2,7 +2,6 @@
 
 FAST = [
     "greedy_gqa_tp2_block16",  # KV heads split
-    "greedy_gqa_tp4_block8",  # tp > num_kv_heads: KV heads replicated
     "greedy_mqa_tp8_block16",
     "logits_and_shardings",
     "kv_pool_sized_per_device",
@@ -28,8 +27,13 @@ SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16
         "cli_data_parallel",  # (CI time) data_parallel_2x2 runs the engine's
         "hf_checkpoint_loads_into_shards",  # (CI time) orbax_checkpoint_loads_into_shards runs the sharded restore
         "speculative_ngram_tp2",  # (CI time) the verifying step is the ragged step every tp check runs
-        "lora_greedy_tp4"]  # (CI time) lora_tensor_parallel runs tp 2 and checks tp 4's shardings
+        "lora_greedy_tp4",  # (CI time) lora_tensor_parallel runs tp 2 and checks tp 4's shardings
+        # (CI time) tp > num_kv_heads: greedy_mqa_tp8_block16 runs replicated KV heads through the same paths
+        # (prefix hits, preemption, fused decode), logits_and_shardings GQA's replicated layout at tp 4
+        "greedy_gqa_tp4_block8"]
 # CI's newest-JAX pass (PAGEDJAX_PARALLEL_CHECKS=newest): what differs by JAX version (shard_map, shardings of
 # every kind of weight and of 8-bit pages, Pallas under shard_map, export, orbax's sharded restore), once each.
-NEWEST = ["greedy_gqa_tp2_block16", "greedy_mqa_tp8_block16", "logits_and_shardings", "int8_kv_tensor_parallel",
-          "pallas_under_shard_map", "steps_export_for_cuda_on_4_devices", "orbax_checkpoint_loads_into_shards"]
+# (CI time) One greedy run: greedy_gqa_tp2_block16's fused decode, prefix hits and preemption under shard_map;
+# logits_and_shardings runs the replicated KV heads of MQA at tp 8 (greedy_mqa_tp8_block16's layout).
+NEWEST = ["greedy_gqa_tp2_block16", "logits_and_shardings", "int8_kv_tensor_parallel", "pallas_under_shard_map",
+          "steps_export_for_cuda_on_4_devices", "orbax_checkpoint_loads_into_shards"]
