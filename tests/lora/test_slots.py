@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedjax.lora.slots import SlotTable
+from tests.kernels.cases import examples
 
 
 def test_new_adapters_take_free_slots_then_the_least_recently_used():
@@ -38,3 +41,45 @@ def test_repeats_count_once_and_too_many_is_refused():
     assert t.assign([5, 5, 5])[0] == {5: 1}
     with pytest.raises(ValueError, match="more than max_loras 2"):
         t.assign([1, 2, 3])
+
+
+@settings(max_examples=examples(8))
+@given(st.integers(1, 4), st.lists(st.one_of(st.lists(st.integers(0, 6), max_size=5).map(tuple),
+                                              st.integers(0, 6)), max_size=30))
+def test_any_sequence_of_steps_keeps_lru_order_and_the_steps_adapters(max_loras, ops):
+    """Against a model (a list, least recently used first): each step's adapters get distinct slots in
+    1..max_loras, a resident one keeps its slot and is not reloaded, every other one is loaded into a free slot or
+    the slot of the least recently used adapter not in the step; a step of more than max_loras adapters is refused
+    and changes nothing. Integers are releases."""
+    t = SlotTable(max_loras)
+    lru: list[int] = []
+    slots: dict[int, int] = {}
+    for op in ops:
+        if isinstance(op, int):
+            t.release(op)
+            if op in slots:
+                lru.remove(op)
+                del slots[op]
+            continue
+        wanted = list(dict.fromkeys(op))
+        if len(wanted) > max_loras:
+            with pytest.raises(ValueError, match="more than max_loras"):
+                t.assign(op)
+            assert t.resident == lru
+            continue
+        expected_loads = []
+        for a in wanted:
+            if a in slots:
+                lru.remove(a)
+            else:
+                free = min(set(range(1, max_loras + 1)) - set(slots.values()), default=None)
+                if free is None:
+                    victim = next(v for v in lru if v not in wanted)
+                    lru.remove(victim)
+                    free = slots.pop(victim)
+                slots[a] = free
+                expected_loads.append((a, free))
+            lru.append(a)
+        got, loads = t.assign(op)
+        assert got == {a: slots[a] for a in wanted} and loads == expected_loads
+        assert t.resident == lru and len(set(slots.values())) == len(slots) <= max_loras
