@@ -37,25 +37,27 @@ from pagedjax.structured_output.compiler import Constraint
 logger = logging.getLogger(__name__)
 
 
+# Fields of EngineStats that combine otherwise than by adding up: times (replicas step concurrently: the slowest
+# replica's), and each replica's own layout (the same on every replica: the first's).
+_SLOWEST = frozenset({"steps", "elapsed_s", "device_s", "compile_s", "warmup_s", "encoder_s"})
+_PER_REPLICA = frozenset({"tensor_parallel_size", "kv_cache_bytes_per_device", "kv_dtype", "kv_bytes_per_token"})
+
+
 def combined_stats(replicas: Sequence[EngineStats], requests_per_replica: Sequence[int]) -> EngineStats:
-    """One `EngineStats` over replicas that step concurrently: counts add up, times are the slowest replica's
-    (so `tokens_per_s` is the whole engine's), the pool is every replica's blocks; `replicas` keeps each one's
-    own stats."""
-    first = replicas[0]
-    total = lambda name: sum(getattr(r, name) for r in replicas)
-    slowest = lambda name: max(getattr(r, name) for r in replicas)
-    scheduler = _summed(r.scheduler for r in replicas)
-    return dataclasses.replace(
-        first, steps=slowest("steps"), fused_decode_calls=total("fused_decode_calls"),
-        failed_steps=total("failed_steps"), prompt_tokens=total("prompt_tokens"),
-        generated_tokens=total("generated_tokens"), prefill_tokens_computed=total("prefill_tokens_computed"),
-        elapsed_s=slowest("elapsed_s"), device_s=slowest("device_s"), compile_s=slowest("compile_s"),
-        compilations=total("compilations"), programs_loaded=total("programs_loaded"),
-        compiled_programs=total("compiled_programs"),
-        stand_in_steps=total("stand_in_steps"), warmup_s=slowest("warmup_s"),
-        images_encoded=total("images_encoded"), encoder_s=slowest("encoder_s"),
-        scheduler=scheduler, replicas=tuple(replicas),
-        requests_per_replica=tuple(requests_per_replica))
+    """One `EngineStats` over replicas that step concurrently: counts add up (every counter, a new one included),
+    times are the slowest replica's (so `tokens_per_s` is the whole engine's), the pool is every replica's blocks;
+    `replicas` keeps each one's own stats."""
+    values = {}
+    for f in dataclasses.fields(EngineStats):
+        vals = [getattr(r, f.name) for r in replicas]
+        if f.name in _SLOWEST:
+            values[f.name] = max(vals)
+        elif f.name == "scheduler":
+            values[f.name] = _summed(vals)
+        elif f.name not in _PER_REPLICA and all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+            values[f.name] = sum(vals)
+    return dataclasses.replace(replicas[0], **values, replicas=tuple(replicas),
+                               requests_per_replica=tuple(requests_per_replica))
 
 
 def _summed(stats):
