@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import (
@@ -244,18 +244,24 @@ def _check_kernels(p, target: str, top_k: int, **tuning):
 @settings(max_examples=examples(1), deadline=None)
 @given(p=dsa_params(), top_k=st.sampled_from((20, 5)), block_q=st.sampled_from((2, None)),
        num_splits=st.sampled_from((3, None, 1)))
+# Found by a random run: blocks of 5 (16 // 5 = 3 pages per iteration was passed, not a power of two), empty sequences.
+@example(p=dict(seed=0, num_heads=3, rank=24, rope_dim=8, index_heads=3, index_dim=16, block_size=5, max_blocks=3,
+                lengths=[0, 0], dtype="float32", ragged=False), top_k=20, block_q=2, num_splits=3)
 def test_gpu_kernels_match_references(dtype, ragged, p, top_k, block_q, num_splits):
     p = dict(p, dtype=dtype, ragged=ragged)
+    # Pages per iteration: a power of two (Triton's block shapes), up to 16 tokens (blocks of 5: 2 pages).
+    pages = max(1, 16 // p["block_size"])
     _check_kernels(p, "gpu", top_k, block_q=block_q, block_k=16, num_splits=num_splits,
-                   pages_per_iter=max(1, 16 // p["block_size"]))
+                   pages_per_iter=1 << (pages.bit_length() - 1))
 
 
 @pytest.mark.parametrize("dtype,ragged", [("bfloat16", True), ("float32", False)], ids=["bf16-ragged", "f32-decode"])
 @settings(max_examples=examples(1), deadline=None)
-@given(p=dsa_params(max_blocks=(2, 1), tpu=True), top_k=st.sampled_from((5, 2)), block_q=st.sampled_from((2, None)),
+@given(data=st.data(), top_k=st.sampled_from((5, 2)), block_q=st.sampled_from((2, None)),
        num_splits=st.sampled_from((2, None)))
-def test_tpu_kernels_match_references(dtype, ragged, p, top_k, block_q, num_splits):
-    p = dict(p, dtype=dtype, ragged=ragged, block_size=16 if dtype == "bfloat16" else 8)
+def test_tpu_kernels_match_references(dtype, ragged, data, top_k, block_q, num_splits):
+    # Drawn for this dtype: its TPU block size decides the lengths' block boundaries.
+    p = dict(data.draw(dsa_params(max_blocks=(2, 1), dtypes=(dtype,), tpu=True), label="p"), ragged=ragged)
     _check_kernels(p, "tpu", top_k, block_q=block_q, block_k=4, num_splits=num_splits, pages_per_iter=1)
 
 
