@@ -34,6 +34,11 @@ SHAPES = {
     "mixtral-small": dict(base=ModelConfig(vocab_size=32000, hidden_size=768, num_layers=8, num_q_heads=12,
                                            num_kv_heads=4, head_dim=64, intermediate_size=2048,
                                            tie_word_embeddings=False), experts=8, top_k=2),
+    # DeepSeek-V2-Lite's expert count and top-k at a third of its width: 64 experts, top 6, MLP width 512 each
+    # (scripts/bench_moe_layer.py --shape deepseek-small: where "tiled" pays off).
+    "deepseek-small": dict(base=ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_q_heads=16,
+                                            num_kv_heads=16, head_dim=64, intermediate_size=512,
+                                            tie_word_embeddings=False), experts=64, top_k=6),
     "quick": dict(base=ModelConfig(vocab_size=512, hidden_size=128, num_layers=2, num_q_heads=4, num_kv_heads=2,
                                    head_dim=32, intermediate_size=256), experts=8, top_k=2),
 }

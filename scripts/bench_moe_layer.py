@@ -3,12 +3,16 @@ total size: where `scripts/bench_moe.py`'s decode time goes, one layer at a time
 
     python scripts/bench_moe_layer.py                 # the bench_moe shape: 8 experts of width 2048, top 2
     python scripts/bench_moe_layer.py --batch 1 4 16
+    python scripts/bench_moe_layer.py --shape deepseek-small --batch 16 64 256 1024   # 64 experts, top 6
 
 Rows (float32, each jitted alone, timed in interleaved rounds after a warm-up; a row's time is its best round
 and its ratio is against the dense MLP of the MoE's active size in the same run):
   dense, active size / total size   `pagedjax.model.llama.MLP` of width k x / E x the expert width
   MoE "by_pair" / "every", stacked  `MoEMLP(x, method)` (routing included) on the stacked expert weights, the
                                     form checkpoints and expert parallelism use (`pagedjax.model.layers.moe`)
+  MoE "tiled" (tiles of R)          per-expert, the pairs sorted by expert in tiles of R rows, a tile per
+                                    switch (the CPU's pick, `moe.cpu_method`, for many pairs of many experts;
+                                    R = `moe.tile_rows`'s pick, and half and twice it)
   ... per-expert                    the same on the experts as separate arrays (`per_expert_params`), the form
                                     the engine's runner gives a single-device CPU step
   probe: every, [E, hidden, width]  every expert on every row with gate / up stacked (in, out) per expert, the
@@ -31,6 +35,7 @@ from bench_moe import SHAPES
 from flax import nnx
 
 from pagedjax.config.moe import MoEConfig
+from pagedjax.model.layers import moe
 from pagedjax.model.layers.moe import MoEMLP, per_expert_params, route
 from pagedjax.model.layers.moe_quant import moe_mlp
 from pagedjax.model.llama import MLP
@@ -69,6 +74,19 @@ def _stacked_in_out_every(mlp: MoEMLP):
     return lambda x: run(x, *weights)
 
 
+def _tiled_fn(mlp: MoEMLP, size: int):
+    """`MoEMLP(x, "tiled")` per-expert with tiles of `size` rows (`moe.tile_rows` set to return it while tracing)."""
+    call = _module_fn(mlp, True, method="tiled")
+
+    def run(x):
+        pick, moe.tile_rows = moe.tile_rows, lambda *_: size
+        try:
+            return call(x)
+        finally:
+            moe.tile_rows = pick
+    return run
+
+
 def rows(shape: str, batch: int, schemes: tuple[str, ...] = ()) -> tuple[dict, MoEMLP]:
     """(name -> a function of x `[batch, hidden]` or None where it does not apply, the MoE layer); `schemes`: rows
     of the layer with its experts quantized so, per-expert."""
@@ -82,6 +100,9 @@ def rows(shape: str, batch: int, schemes: tuple[str, ...] = ()) -> tuple[dict, M
     for form, per_expert in (("stacked", False), ("per-expert", True)):
         out[f'MoE "by_pair", {form}'] = _module_fn(mlp, per_expert, method="by_pair") if batch * k < e else None
         out[f'MoE "every", {form}'] = _module_fn(mlp, per_expert, method="every")
+    pick = moe.tile_rows(batch * k, e)
+    for size in (pick // 2, pick, 2 * pick) if batch * k >= e else ():
+        out[f'MoE "tiled" (tiles of {size}){" <- pick" if size == pick else ""}'] = _tiled_fn(mlp, size)
     out["probe: every, [E, hidden, width]"] = _stacked_in_out_every(mlp)
     for scheme in schemes:
         qcfg = cfg.replace(quantization=scheme)
@@ -96,13 +117,14 @@ def rows(shape: str, batch: int, schemes: tuple[str, ...] = ()) -> tuple[dict, M
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--shape", choices=[s for s in SHAPES if s != "quick"], default="mixtral-small")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20, help="calls per timed round")
     ap.add_argument("--quantization", default="", help="comma-separated schemes (int8, int4, fp8): rows of the "
                     "layer with quantized experts")
     args = ap.parse_args(argv)
     schemes = tuple(q for q in args.quantization.split(",") if q)
-    shape = "mixtral-small"
+    shape = args.shape
     print(f"shape {shape}: one layer, float32, best of {args.repeats} interleaved rounds of {args.calls} calls")
     print(f"{'computation':40s} {'batch':>5s} {'ms':>8s} {'/ active':>8s} {'max |err|':>9s}")
     for batch in args.batch:

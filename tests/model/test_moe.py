@@ -11,14 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.config import ModelConfig
 from pagedjax.config.moe import MoEConfig
 from pagedjax.model.api import check_model
-from pagedjax.model.layers.moe import MoEMLP, per_expert_params, route
+from pagedjax.model.layers import moe
+from pagedjax.model.layers.moe import MoEMLP, combine_experts, cpu_method, per_expert_params, route, tile_rows
 from pagedjax.model.llama import init_model
 from tests.dense import greedy_by_recompute
+from tests.kernels.cases import examples
 
 E, K, HIDDEN, WIDTH = 6, 2, 16, 12
 ROUTERS = [("topk_softmax", False), ("softmax_topk", True), ("softmax_topk", False)]
@@ -73,19 +77,21 @@ def _per_token_loop(mlp: MoEMLP, x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("router, norm", ROUTERS)
 def test_every_method_equals_the_reference_and_a_per_token_loop(router, norm):
     """The grouped matmul (GPU / TPU), each pair by its expert and every expert on every row (the CPU's, by the
-    number of pairs) compute the reference's function; the default on this CPU is "every" for many pairs."""
+    number of pairs; "tiled" for many in the per-expert form) compute the reference's function; the default on this
+    CPU is "every" for many pairs of the stacked form."""
     mlp = MoEMLP(_cfg(router, norm), jnp.float32, nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (3, 7, HIDDEN))
     dense = np.asarray(mlp.dense(x))
     want = _per_token_loop(mlp, np.asarray(x, np.float64).reshape(-1, HIDDEN)).reshape(x.shape)
     np.testing.assert_allclose(dense, want, rtol=1e-4, atol=1e-5)
-    for method in ("grouped", "by_pair", "every"):
+    for method in ("grouped", "by_pair", "tiled", "every"):
         got = np.asarray(mlp(x, method))
         assert got.shape == x.shape
         np.testing.assert_allclose(got, dense, rtol=1e-5, atol=1e-6, err_msg=method)
     np.testing.assert_array_equal(np.asarray(mlp(x)), np.asarray(mlp(x, "every")))
     with pytest.raises(ValueError, match="unknown method 'sparse'"):
         mlp(x, "sparse")
+    assert cpu_method(21, K, E, per_expert=False) == "every"
 
 
 def test_few_pairs_run_by_their_experts_alone_with_the_same_result():
@@ -109,7 +115,7 @@ def test_no_token_is_dropped_when_every_token_picks_the_same_experts():
     kernel[:, 4], kernel[:, 1] = 2.0, 1.0
     mlp.gate.kernel[...] = jnp.asarray(kernel)
     assert (np.sort(np.asarray(mlp.routing(x)[1]), -1) == [1, 4]).all()
-    for method in ("grouped", "every"):
+    for method in ("grouped", "tiled", "every"):  # tiled: two runs of 21 pairs (runs past a tile: the next test)
         np.testing.assert_allclose(np.asarray(mlp(x, method)), _per_token_loop(mlp, np.asarray(x, np.float64)),
                                    rtol=1e-4, atol=1e-5)
 
@@ -130,13 +136,13 @@ def test_bfloat16_experts_stay_close_to_float32():
 
 
 @pytest.mark.parametrize("rows, dtype, methods", [
-    (1, jnp.float32, ("by_pair", "every", "grouped")), (4, jnp.float32, ("by_pair", "every")),
-    (1, jnp.bfloat16, ("by_pair",)), (4, jnp.bfloat16, ("every",))])
+    (1, jnp.float32, ("by_pair", "every", "grouped")), (4, jnp.float32, ("by_pair", "tiled", "every")),
+    (1, jnp.bfloat16, ("by_pair",)), (4, jnp.bfloat16, ("tiled", "every"))])
 def test_the_per_expert_form_computes_the_same_function(rows, dtype, methods):
     """`per_expert_params` (the experts as E separate arrays, the single-device CPU form) through each method
     gives the stacked form's reference: float32 to 1e-5, bfloat16 to 1e-2 of the float32 reference (in 16 bits
-    the two methods the CPU picks, by_pair for 1 row and every for 4: 8 pairs > 6 experts; grouped, never picked
-    on the CPU, at 1 row)."""
+    the methods the CPU picks, by_pair for 1 row, tiled and every for 4: 8 pairs > 6 experts; grouped, never
+    picked on the CPU, at 1 row)."""
     mlp = MoEMLP(_cfg("softmax_topk", True), jnp.float32, nnx.Rngs(0))
     graphdef, state = nnx.split(mlp)
     x = jax.random.normal(jax.random.key(5), (rows, HIDDEN))
@@ -187,6 +193,69 @@ def test_moe_decoder_engine_greedy_equals_the_dense_model():
     assert [o.output_token_ids for o in outs] == want2
     counts = np.asarray(jax.jit(lambda t: nnx.merge(graphdef, state).tokens_per_expert(t))(jnp.asarray([prompts[2]])))
     assert counts.shape == (2, E) and (counts.sum(-1) == 11 * K).all()
+
+
+def test_the_cpu_picks_tiles_where_they_do_less_than_half_the_work_of_every_expert():
+    assert cpu_method(2, 2, 6, per_expert=True) == "by_pair"  # 4 pairs < 6 experts
+    # 16 experts, top 2, tiles of 32: the pairs + 16 tiles against 16 x the rows
+    assert cpu_method(85, 2, 16, per_expert=True) == "every" and cpu_method(86, 2, 16, per_expert=True) == "tiled"
+    assert cpu_method(4096, 2, 16, per_expert=False) == "every"  # stacked: sharded by expert under parallelism
+    # Few experts (Mixtral's 8, top 2: "every" does 4x the routed work): tiles only for long chunks, whose tiles of
+    # 128 rows pad little.
+    assert cpu_method(512, 2, 8, per_expert=True) == "every" and cpu_method(4096, 2, 8, per_expert=True) == "tiled"
+    # bench_moe_layer's deepseek-small (64 experts, top 6): tiles at 256 rows, not 64 (where they were slower)
+    assert cpu_method(64, 6, 64, per_expert=True) == "every" and cpu_method(256, 6, 64, per_expert=True) == "tiled"
+    assert [tile_rows(p, 8) for p in (1, 8 * 32, 8 * 45, 8 * 46, 8 * 1000)] == [32, 32, 32, 64, 128]
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(st.integers(1, 9), st.data())
+def test_tiles_give_each_pair_its_experts_output(num_experts, data):
+    """"tiled" against each pair through its expert in float64, over any routing: experts with no pair, runs of
+    any length (shorter and longer than a tile, exact multiples), one expert taking every pair, repeated rows."""
+    top_k = data.draw(st.integers(1, num_experts), label="top_k")
+    rows = data.draw(st.integers(1, 40), label="rows")
+    favourite = data.draw(st.integers(0, num_experts - 1), label="favourite")
+    skew = data.draw(st.sampled_from([0.0, 0.5, 1.0]), label="skew")  # the share of pairs sent to `favourite`
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    # Each token's k distinct experts: the favourite first with probability `skew`, then a random order.
+    chosen = np.stack([np.concatenate([[favourite], rng.permutation(np.delete(np.arange(num_experts), favourite))])
+                       [:top_k] if rng.random() < skew else rng.permutation(num_experts)[:top_k] for _ in range(rows)])
+    weights = rng.random((rows, top_k)).astype(np.float32)
+    cfg = ModelConfig(vocab_size=64, hidden_size=HIDDEN, num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=8,
+                      moe=MoEConfig(num_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=WIDTH))
+    experts = MoEMLP(cfg, jnp.float32, nnx.Rngs(0)).experts
+    x = rng.normal(size=(rows, HIDDEN)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x, w, c: combine_experts(experts, x, w, c, "tiled"))(x, weights, chosen))
+    gate, up, down = (np.asarray(getattr(experts, n)[...], np.float64) for n in ("gate_proj", "up_proj", "down_proj"))
+    want = np.zeros((rows, HIDDEN))
+    for t in range(rows):
+        for w, e in zip(weights[t], chosen[t], strict=True):
+            g = gate[e] @ x[t]
+            want[t] += w * ((g / (1 + np.exp(-g)) * (up[e] @ x[t])) @ down[e])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_long_prefill_takes_the_tiles_and_gives_the_dense_models_tokens(monkeypatch):
+    """The engine's single-device CPU step over a 120-token chunk (240 pairs of 16 experts: "tiled") gives the
+    dense model's greedy tokens (every expert on every row)."""
+    tiled = []
+    by_tiles = moe._by_tiles
+    monkeypatch.setattr(moe, "_by_tiles", lambda *a: tiled.append(a[1].shape) or by_tiles(*a))
+    cfg = _cfg("topk_softmax").replace(moe=MoEConfig(num_experts=16, num_experts_per_tok=K, intermediate_size=WIDTH))
+    model = init_model(cfg, seed=2)
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda a: a * 3, state)
+    prompt = np.random.default_rng(1).integers(0, 64, 120).tolist()
+    want, margin = greedy_by_recompute(jax.jit(lambda t: nnx.merge(graphdef, state).forward_dense(t)), [prompt], 3,
+                                       128)
+    assert margin > 1e-3, margin
+    engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=16),
+                       SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=128, max_model_len=128),
+                       params=nnx.merge(graphdef, state), backend="xla", compile_cache=False)
+    outs = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == want
+    assert tiled and all(rows > 85 for rows, _ in tiled), tiled  # the prefill's programs, not the decode's
 
 
 def test_moe_config_round_trips_and_names_bad_fields():

@@ -1,6 +1,6 @@
 """Quantized mixture-of-experts experts (`pagedjax.model.layers.moe_quant`): every expert stored as a `QuantizedLinear`
 stores a kernel (checked against `quantize_kernel` expert by expert), and the exactness proof: each of
-`MoEMLP`'s three computations (grouped, by_pair, every), stacked and per-expert, and the paged engine's logits
+`MoEMLP`'s four computations (grouped, by_pair, tiled, every), stacked and per-expert, and the paged engine's logits
 and greedy tokens equal those of the float model whose experts hold the dequantized values (`dequantize_kernel`;
 float32 1e-5, bfloat16 1e-2). Then expert-parallel shardings, keep_float, the errors, orbax and Hugging Face
 Mixtral loading with `quantization=`."""
@@ -68,7 +68,7 @@ def _reference_state(cfg: ModelConfig, state, qcfg: ModelConfig, qstate) -> nnx.
     return nnx.state(ref, nnx.Param)
 
 
-METHODS = ("grouped", "by_pair", "every")
+METHODS = ("grouped", "by_pair", "tiled", "every")
 
 
 # One program per case (op by op, every operation would compile on its own): the float layer's "every" and each

@@ -16,7 +16,7 @@ The router (`MoEMLP.gate`) stays float: it is a small `[hidden, E]` matrix (E co
 experts (a discrete jump in the output) rather than perturbing it. `QuantConfig.keep_float` containing
 "experts" keeps the experts float too.
 
-`QuantizedExperts` computes with the float `Experts`' three methods on the dequantized values
+`QuantizedExperts` computes with the float `Experts`' four methods on the dequantized values
 (`dequantize_kernel`'s arithmetic, rounded to the rows' dtype), so it equals the float `Experts` holding those
 values (tests/model/test_moe_quant.py):
   `by_pair`  branch e of the switch computes with expert e alone: the switch's operands are the quantized leaves,
@@ -24,6 +24,7 @@ values (tests/model/test_moe_quant.py):
              projection a `QuantizedLinear` product (`quantized_product`: for int8 and int4 XLA:CPU fuses the
              conversion into a matrix-vector product of the stored bytes; dequantizing the expert into a float
              buffer first ran int4 batch-1 decode at 0.5x the float MoE's speed on the bench_moe shape).
+  `by_tile`  the same switch, once per tile of rows (`Experts.by_tile`): a tile's product of the stored bytes.
   `every`, `grouped`  every expert is dequantized (XLA:CPU fuses each projection's conversion into one loop
              fusion that writes the float `[E, width, hidden]` buffer the dots then read: the float layer's bytes,
              written once per step). The conversion is tied to the layer's rows (`quant.conversion_tie`), so it
@@ -149,9 +150,10 @@ class QuantizedExperts(Experts):
                      for leaf in (p.qweight, p.scale))
 
     def expert_mlp(self, e: int, row: jax.Array, operands: tuple) -> jax.Array:
-        """`row` `[1, hidden]` through expert e, reading only expert e's quantized bytes from `switch_operands`:
-        each projection is `QuantizedLinear`'s product of its stored `[out, in]` (`quantized_product`: for int8
-        and int4 one row is a fused matrix-vector product of the stored bytes), rounded to row's dtype."""
+        """Rows `row` `[n, hidden]` (`by_pair`'s one, `by_tile`'s tile) through expert e, reading only expert e's
+        quantized bytes from `switch_operands`: each projection is `QuantizedLinear`'s product of its stored
+        `[out, in]` (`quantized_product`: for int8 and int4 one row is a fused matrix-vector product of the stored
+        bytes), rounded to row's dtype."""
         gate_q, gate_s, up_q, up_s, down_q, down_s = operands
         quant = self.gate_proj.quant
         product = lambda a, q, s: quantized_product(a, q[e], s[e], quant).astype(row.dtype)  # noqa: E731
