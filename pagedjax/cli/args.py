@@ -191,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "\"def f():\\n\" gives a multi-line prompt")
     g.add_argument("--demo", action="store_true",
                    help="several prompts sharing a long prefix: shows prefix-cache hits")
+    g.add_argument("--image", action="append", type=Path, default=None, metavar="FILE",
+                   help="an image file for the one --prompt (repeatable, in the order of the prompt's image "
+                        "placeholders: '<image>' for LLaVA, '<start_of_image>' for Gemma 3); needs a "
+                        "vision-language --model folder")
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int_at_least(1), default=64,
                    help="tokens to generate per prompt; a prompt and its --max-tokens past --max-model-len are "

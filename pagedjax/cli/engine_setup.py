@@ -308,6 +308,7 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
     from pagedjax.config import CacheConfig, SchedulerConfig
     from pagedjax.config.parallel import parallel_layout
     from pagedjax.engine import make_engine
+    from pagedjax.model.loading.loader import folder_image_processor
 
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     parallel_config = parallel_layout(None, tp, dp)
@@ -328,6 +329,8 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
     check_kv_pool_fits(cache_config, loaded.spec, jax.local_devices()[0], tp)
+    # A vision-language --model folder's image processor (pagedjax-generate's --image, pagedjax-serve's image parts).
+    image_processor = None if args.model is None else folder_image_processor(args.model, loaded.engine_args())
     try:
         engine = make_engine(cache_config=cache_config, scheduler_config=scheduler_config, seed=args.seed,
                              **loaded.engine_args(),
@@ -337,7 +340,8 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
                              # Warmed-up programs stand in while a step's own compiles (the server's way): no
                              # stream stalls on a compile; without warm-up, each step waits for its own program.
                              compile_in_background=args.warmup, speculative_config=speculative_config,
-                             structured_limits=structured_limits, sampling_defaults=sampling_defaults, **lora)
+                             structured_limits=structured_limits, sampling_defaults=sampling_defaults,
+                             image_processor=image_processor, **lora)
         if args.warmup:
             engine.warmup()
         return engine

@@ -116,15 +116,20 @@ class Generation:
         return time.perf_counter() - self._start
 
     def submit(self, indices: list[int]) -> None:
+        images = self.prompts.images
         for i, rid in zip(indices, self.engine.fresh_request_ids("prompt", len(indices)), strict=True):
             c = self.completions[i]
-            ids = self.tokenizer.encode(c.prompt)
-            c.num_prompt_tokens = len(ids)
-            self._check_context(i, len(ids))
+            if images:  # the engine expands the prompt's image placeholders, and checks the context after that
+                prompt = {"prompt": c.prompt, "multi_modal_data": {"image": images}}
+            else:
+                prompt = self.tokenizer.encode(c.prompt)
+                self._check_context(i, len(prompt))
             try:
-                self.engine.add_request(rid, ids, self._sampling(i))
+                prepared = self.engine.make_request(rid, prompt, self._sampling(i))
+                self.engine.add_prepared_request(prepared)
             except (TypeError, ValueError) as e:
                 raise CLIError(f"prompt {i + 1}: {e}") from None
+            c.num_prompt_tokens = prepared.request.num_prompt_tokens
             self.by_id[rid] = c
 
     def _check_context(self, i: int, num_prompt: int) -> None:

@@ -1,11 +1,12 @@
-"""The prompts a run generates from: `--prompt`, `--prompts-file`, `--demo` or the built-in ones."""
+"""The prompts a run generates from: `--prompt` (with `--image` files), `--prompts-file`, `--demo` or the built-in
+ones."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PROMPTS = [
@@ -55,13 +56,14 @@ def read_prompts_file(path: Path) -> list[str]:
 class Prompts:
     texts: list[str]
     shared_prefix: str = ""  # --demo: the prefix every prompt starts with
+    images: list = field(default_factory=list)  # --image: the one prompt's images (PIL, decoded), in order
 
 
 def collect_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Prompts:
-    """The prompts the arguments ask for (usage errors through `parser`)."""
+    """The prompts the arguments ask for (usage errors through `parser`; an --image file that is no image: CLIError)."""
     if args.demo:
-        if args.prompt or args.prompts_file:
-            parser.error("--demo uses its own prompts; drop --prompt/--prompts-file")
+        if args.prompt or args.prompts_file or args.image:
+            parser.error("--demo uses its own prompts; drop --prompt/--prompts-file/--image")
         return Prompts([DEMO_PREFIX + s for s in DEMO_SUFFIXES], DEMO_PREFIX)
     texts = list(args.prompt or [])
     if args.prompts_file is not None:
@@ -75,4 +77,28 @@ def collect_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         texts = list(DEFAULT_PROMPTS)
     if any(t == "" for t in texts):
         parser.error("empty prompt")
-    return Prompts(texts)
+    images = list(args.image or [])
+    if images and (len(texts) != 1 or args.prompt is None):
+        parser.error("--image needs exactly one prompt, given by --prompt (its image placeholders say where the "
+                     "images go)")
+    if images and args.beam_width is not None:
+        parser.error("--image does not combine with --beam-width")
+    return Prompts(texts, images=open_images(images))  # before the model loads: a bad file fails at once
+
+
+def open_images(paths: list[Path]) -> list:
+    """The `--image` files as PIL images, decoded now (Pillow's decompression-bomb guard on: an image past its pixel
+    limit is refused). CLIError naming the file that cannot be read or is no image."""
+    from PIL import Image
+
+    from pagedjax.cli.errors import CLIError
+
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                image.load()
+                images.append(image.copy())
+        except (OSError, Image.DecompressionBombError, SyntaxError, ValueError) as e:
+            raise CLIError(f"--image {path}: cannot read it as an image: {e}") from None
+    return images
