@@ -18,6 +18,14 @@ each timing enough calls of each form to last ~--min-seconds, medians of the per
     python scripts/bench_mla_absorb.py                 # the 150M model's and DeepSeek V3's shapes, batches 1 4 16,
                                                        # contexts 512 4096
     python scripts/bench_mla_absorb.py --quick         # tiny shapes, seconds (the smoke test)
+    python scripts/bench_mla_absorb.py --prefill 512 2048 --shapes 150m   # prefill instead (below)
+
+--prefill P ...: one sequence's prefill of P tokens instead (nothing cached before it), the issue's choice for
+prefill: absorbed as above over the chunk (the engine's ragged path, `pallas_kernels.ragged_mla_paged_attention_xla`
+with its default query tiles, every token's latent written to the pages first) against expanding the chunk's own
+K / V per head and running causal attention over them, as FlashMLA and vLLM do for prefill (here the dense
+reference, `mla_attention_dense_reference`, with the queries at positions 0..P-1: it materializes the P x P scores
+per head, so rows past --max-expanded-mib, counting those, are skipped).
 
 Shapes: "150m" is scripts/bench_mla.py's default MLA model (12 heads, kv_lora_rank 256, rope 32, nope 64, v 64);
 "v3" is DeepSeek V3's layer (128 heads, kv_lora_rank 512, rope 64, nope 128, v 128). Rows whose non-absorbed
@@ -44,7 +52,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels import mla_paged_attention_xla  # noqa: E402
+from pallas_kernels import mla_paged_attention_xla, ragged_mla_paged_attention_xla  # noqa: E402
 from pallas_kernels.reference import mla_attention_dense_reference  # noqa: E402
 
 logger = logging.getLogger("bench_mla_absorb")  # progress; the tables are printed
@@ -152,6 +160,99 @@ def measure(s: Shape, batch: int, context: int, rounds: int, min_seconds: float)
                 absorbed_gflop=f_abs / 1e9, non_absorbed_gflop=f_exp / 1e9, rel_err=err)
 
 
+def prefill_flops(s: Shape, length: int) -> tuple[float, float]:
+    """(absorbed, expanded) multiply-add FLOPs of one P-token prefill as the two forms compute it (both score every
+    query against every position of the sequence and mask the future)."""
+    pairs = length * length * s.heads
+    absorbed = (2 * length * s.heads * s.nope * s.rank + 2 * pairs * (2 * s.rank + s.rope)
+                + 2 * length * s.heads * s.rank * s.v)
+    expanded = 2 * length * s.rank * s.heads * (s.nope + s.v) + 2 * pairs * (s.nope + s.rope + s.v)
+    return absorbed, expanded
+
+
+def prefill_bytes(s: Shape, length: int) -> int:
+    """The expanded form's largest buffers: K / V per head and the scores, float32."""
+    return (length * s.heads * (s.nope + s.v) + length * length * s.heads) * 4
+
+
+def prefill_steps(s: Shape):
+    """(absorbed, expanded) jitted prefills: (q_nope `[P, H, Dn]`, q_rope, kv_pages, tables `[1, blocks]`, w_uk,
+    w_uv) -> `[P, H, v]` float32, every query at its own position (causal)."""
+
+    @jax.jit
+    def absorbed(q_nope, q_rope, kv_pages, tables, w_uk, w_uv):
+        length = q_nope.shape[0]
+        q_latent = jnp.einsum("thd,hrd->thr", q_nope, w_uk)
+        o_latent = ragged_mla_paged_attention_xla(q_latent, q_rope, kv_pages, tables, jnp.array([length], jnp.int32),
+                                                  jnp.array([0, length], jnp.int32), scale=s.scale)
+        return jnp.einsum("thr,hrv->thv", o_latent, w_uv)
+
+    @jax.jit
+    def expanded(q_nope, q_rope, kv_pages, tables, w_uk, w_uv):
+        length = q_nope.shape[0]
+        kv = kv_pages[tables[0]].reshape(-1, s.rank + s.rope)[:length]
+        return mla_attention_dense_reference(q_nope, q_rope, kv[:, :s.rank], kv[:, s.rank:], w_uk, w_uv, scale=s.scale,
+                                             q_positions=jnp.arange(length, dtype=jnp.int32))
+
+    return absorbed, expanded
+
+
+def measure_prefill(s: Shape, length: int, rounds: int, min_seconds: float) -> dict:
+    x = inputs(s, 1, length)
+    rng = np.random.default_rng(1)
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))  # noqa: E731
+    args = (f32(length, s.heads, s.nope), f32(length, s.heads, s.rope), x["kv_pages"], x["tables"], x["w_uk"],
+            x["w_uv"])
+    forms = dict(zip(("absorbed", "expanded"), prefill_steps(s), strict=True))
+    outs, calls = {}, {}
+    for name, fn in forms.items():
+        outs[name] = np.asarray(fn(*args))  # compiles
+        calls[name] = max(1, math.ceil(min_seconds / per_call_seconds(fn, args, 1)))
+    err = float(np.max(np.abs(outs["absorbed"] - outs["expanded"])) / np.max(np.abs(outs["expanded"])))
+    if not err <= TOL:
+        raise AssertionError(f"{s.name} prefill {length}: absorbed and expanded differ by {err:.2e} (> {TOL})")
+    times = {name: [] for name in forms}
+    names = list(forms)
+    for r in range(rounds):
+        for name in names[r % 2:] + names[:r % 2]:
+            times[name].append(per_call_seconds(forms[name], args, calls[name]))
+    ratios = [e / a for a, e in zip(times["absorbed"], times["expanded"], strict=True)]
+    f_abs, f_exp = prefill_flops(s, length)
+    return dict(shape=s.name, length=length, absorbed_ms=1e3 * statistics.median(times["absorbed"]),
+                expanded_ms=1e3 * statistics.median(times["expanded"]), ratio=statistics.median(ratios),
+                absorbed_gflop=f_abs / 1e9, expanded_gflop=f_exp / 1e9, rel_err=err)
+
+
+def prefill_table(args) -> list[dict]:
+    rows, skipped, loads = [], [], [os.getloadavg()[0]]
+    for name in args.shapes:
+        s = SHAPES[name]
+        for length in args.prefill:
+            mib = prefill_bytes(s, length) / 2**20
+            if mib > args.max_expanded_mib:
+                skipped.append(f"{name} prefill {length} ({mib:,.0f} MiB expanded)")
+                continue
+            rows.append(measure_prefill(s, length, args.rounds, args.min_seconds))
+            logger.info("%s prefill %d done", name, length)
+        loads.append(os.getloadavg()[0])
+    print(f"one MLA layer's prefill of one sequence, float32, XLA on {jax.default_backend()} ({os.cpu_count()} CPUs), "
+          f"median of {args.rounds} interleaved round(s); absorbed and expanded outputs agree to <= {TOL:g} (asserted)")
+    print()
+    print("| shape | heads | R + Dr | prompt | absorbed ms | expanded ms | expanded / absorbed | absorbed GFLOP "
+          "| expanded GFLOP | max rel diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        s = SHAPES[r["shape"]]
+        print(f"| {r['shape']} | {s.heads} | {s.rank} + {s.rope} | {r['length']} | {r['absorbed_ms']:.2f} | "
+              f"{r['expanded_ms']:.2f} | {r['ratio']:.2f}x | {r['absorbed_gflop']:.3g} | {r['expanded_gflop']:.3g} | "
+              f"{r['rel_err']:.1e} |")
+    print()
+    if skipped:
+        print(f"skipped (over --max-expanded-mib {args.max_expanded_mib:g}): " + ", ".join(skipped))
+    print("load average (1 min) at the start and after each shape: " + ", ".join(f"{x:.1f}" for x in loads))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["150m", "v3"])
@@ -162,9 +263,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--max-expanded-mib", type=float, default=1024,
                    help="skip rows whose non-absorbed K/V expansion is larger (memory)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, short contexts: seconds")
+    p.add_argument("--prefill", type=int, nargs="+", metavar="P",
+                   help="time one sequence's prefill of P tokens (absorbed against expanded) instead of decode")
     args = p.parse_args(argv)
     if args.quick:
         args.shapes, args.batches, args.contexts, args.rounds, args.min_seconds = ["tiny"], [1, 3], [16, 40], 1, 0.0
+        args.prefill = None if args.prefill is None else [16, 40]
+    if args.prefill:
+        return prefill_table(args)
     rows, skipped, loads = [], [], [os.getloadavg()[0]]
     for name in args.shapes:
         s = SHAPES[name]

@@ -34,3 +34,14 @@ def test_flops_and_skipped_rows(capsys, monkeypatch):
     rows = bench.main(["--quick", "--max-expanded-mib", "0.01"])  # 1 x 16 tokens x 4 heads x 32 floats = 8 KiB fit
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 16)]
     assert "skipped (over --max-expanded-mib 0.01): tiny 1x40" in capsys.readouterr().out
+
+
+def test_prefill_quick(capsys, monkeypatch):
+    bench = _load(monkeypatch)
+    rows = bench.main(["--quick", "--prefill", "1"])
+    assert "| absorbed ms | expanded ms |" in capsys.readouterr().out
+    assert [r["length"] for r in rows] == [16, 40]
+    assert all(r["rel_err"] <= bench.TOL and r["absorbed_ms"] > 0 and r["expanded_ms"] > 0 for r in rows)
+    absorbed, expanded = bench.prefill_flops(bench.SHAPES["v3"], 4096)
+    # Per (query, position) pair: absorbed 2 x (2 x 512 + 64) multiply-adds, expanded 2 x (128 + 64 + 128).
+    assert 3 < absorbed / expanded < 3.5
