@@ -49,7 +49,8 @@ def placeholder_groups(token_ids: jax.Array, image_token_id: int) -> jax.Array:
 class VisionLanguageModel(nnx.Module):
     """What LLaVA and Gemma 3 share around their towers: `spec` (the decoder's, with its `ImageSpec`), the serving
     call, logits, tensor-parallel partitions and the dense reference. A subclass sets `config` (with `spec`) and
-    `language_model`, and defines `encode_images`."""
+    `language_model`, and defines `encode_images(pixel_values)`: float32 `[N, 3, H, W]` -> `[N, tokens_per_image,
+    hidden]` in the model's dtype (the contract's, `pagedjax.model.api`)."""
 
     config: object
     language_model: Llama
@@ -57,10 +58,6 @@ class VisionLanguageModel(nnx.Module):
     @property
     def spec(self) -> ModelSpec:
         return self.config.spec
-
-    def encode_images(self, pixel_values: jax.Array) -> jax.Array:
-        """pixel_values float32 `[N, 3, H, W]` -> `[N, tokens_per_image, hidden]` in the model's dtype."""
-        raise NotImplementedError
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
                  images: ImageEmbeds | None = None) -> tuple[jax.Array, PagedKVCache]:
