@@ -397,8 +397,6 @@ class Scheduler:
         Requests aborted or finished since are skipped. Returns the requests that failed.
         """
         self._check_no_pending_fused()
-        if self.encoder_cache is not None:  # the step's images may not have been encoded
-            self.encoder_cache.clear()
         live = [self.requests[rid] for rid in request_ids if rid in self.requests]
         if len(request_ids) == 1 and live:
             request = live[0]
@@ -748,9 +746,13 @@ class Scheduler:
                                "scheduling again")
 
     def cancel(self, plan: StepPlan) -> None:
-        """Forget a plan that did not run (its device step failed) before `fail_step`: a fused decode's lent
-        blocks come back and no request changes (valid because the device writes only into lent blocks and the
-        unfilled tails of blocks the requests hold). Nothing to undo for other plans."""
+        """Forget a plan that did not run (its device step failed, or was interrupted) before `fail_step`: a fused
+        decode's lent blocks come back and no request changes (valid because the device writes only into lent
+        blocks and the unfilled tails of blocks the requests hold). The encoder cache forgets every image: the
+        step's may not have been encoded, and a failed encode may have lost the feature array
+        (`pagedjax.runner.images`)."""
+        if self.encoder_cache is not None:
+            self.encoder_cache.clear()
         if plan.fused is None:
             return
         if plan is not self._pending_fused:

@@ -21,12 +21,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pagedjax.config import ModelSpec
 from pagedjax.core.images import ImageInput
+from pagedjax.runner.inputs import bucket
 
 logger = logging.getLogger(__name__)
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 class ImageFeatures:
@@ -41,7 +38,9 @@ class ImageFeatures:
         one = jax.eval_shape(lambda p, x: nnx.merge(graphdef, p).encode_images(x), params, pixels)
         shape, dtype = (num_slots * self.tokens_per_image, one.shape[-1]), one.dtype
         sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        self.array = jnp.zeros(shape, dtype) if sharding is None else jax.device_put(jnp.zeros(shape, dtype), sharding)
+        self._fresh = lambda: (jnp.zeros(shape, dtype) if sharding is None
+                               else jax.device_put(jnp.zeros(shape, dtype), sharding))
+        self.array = self._fresh()
         self.seconds = 0.0  # spent encoding, results on device
         self.num_encoded = 0
 
@@ -60,7 +59,7 @@ class ImageFeatures:
         """Encode each `(image, slot)` into its slot (the plan's `encode_images`)."""
         if not images:
             return
-        n = _bucket(len(images))
+        n = bucket(len(images))
         pixels = np.zeros((n, 3, *self.image_size), np.float32)
         slots = np.full((n,), self.num_slots, np.int32)
         for i, (image, slot) in enumerate(images):
@@ -69,6 +68,14 @@ class ImageFeatures:
                                  f"model encodes {pixels.shape[1:]}")
             pixels[i], slots[i] = image.pixel_values, slot
         start = time.perf_counter()
-        self.array = jax.block_until_ready(self._encode(params, self.array, pixels, slots))
+        try:
+            self.array = jax.block_until_ready(self._encode(params, self.array, pixels, slots))
+        except BaseException:
+            # The array is donated: a call that failed after taking it leaves none. The host's accounting forgets
+            # every cached image with the failed step (`Scheduler.cancel`), so a zero array is all it needs.
+            if self.array.is_deleted():
+                logger.error("the image feature array was lost with a failed encode: a fresh one is made")
+                self.array = self._fresh()
+            raise
         self.seconds += time.perf_counter() - start
         self.num_encoded += len(images)
