@@ -136,28 +136,33 @@ def per_call_seconds(fn, args, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def compare(absorbed, other, args: tuple, rounds: int, min_seconds: float,
+            what: str) -> tuple[float, float, float, float]:
+    """(absorbed ms, other ms, median of other / absorbed per round, max relative difference) of two jitted forms of
+    one computation on `args`: both compiled and checked to agree within TOL first, then timed in `rounds`
+    interleaved rounds (the order alternating), each timing about `min_seconds` of calls."""
+    forms = (absorbed, other)
+    outs = [np.asarray(fn(*args)) for fn in forms]  # compiles
+    calls = [max(1, math.ceil(min_seconds / per_call_seconds(fn, args, 1))) for fn in forms]
+    err = float(np.max(np.abs(outs[0] - outs[1])) / np.max(np.abs(outs[1])))
+    if not err <= TOL:
+        raise AssertionError(f"{what}: the two forms differ by {err:.2e} of the largest value (> {TOL})")
+    times = ([], [])
+    for r in range(rounds):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            times[i].append(per_call_seconds(forms[i], args, calls[i]))
+    ratio = statistics.median(o / a for a, o in zip(*times, strict=True))
+    return 1e3 * statistics.median(times[0]), 1e3 * statistics.median(times[1]), ratio, err
+
+
 def measure(s: Shape, batch: int, context: int, rounds: int, min_seconds: float) -> dict:
     x = inputs(s, batch, context)
     args = (x["q_nope"], x["q_rope"], x["kv_pages"], x["tables"], x["lengths"], x["w_uk"], x["w_uv"])
-    forms = dict(zip(("absorbed", "non_absorbed"), steps(s), strict=True))
-    outs, calls = {}, {}
-    for name, fn in forms.items():
-        outs[name] = np.asarray(fn(*args))  # compiles
-        calls[name] = max(1, math.ceil(min_seconds / per_call_seconds(fn, args, 1)))
-    err = float(np.max(np.abs(outs["absorbed"] - outs["non_absorbed"])) / np.max(np.abs(outs["non_absorbed"])))
-    if not err <= TOL:
-        raise AssertionError(f"{s.name} batch {batch} context {context}: absorbed and non-absorbed differ by "
-                             f"{err:.2e} of the largest value (> {TOL})")
-    times = {name: [] for name in forms}
-    names = list(forms)
-    for r in range(rounds):
-        for name in names[r % 2:] + names[:r % 2]:
-            times[name].append(per_call_seconds(forms[name], args, calls[name]))
-    ratios = [n / a for a, n in zip(times["absorbed"], times["non_absorbed"], strict=True)]
+    absorbed_ms, non_absorbed_ms, ratio, err = compare(*steps(s), args, rounds, min_seconds,
+                                                       f"{s.name} batch {batch} context {context}")
     f_abs, f_exp = flops(s, batch, context)
-    return dict(shape=s.name, batch=batch, context=context, absorbed_ms=1e3 * statistics.median(times["absorbed"]),
-                non_absorbed_ms=1e3 * statistics.median(times["non_absorbed"]), ratio=statistics.median(ratios),
-                absorbed_gflop=f_abs / 1e9, non_absorbed_gflop=f_exp / 1e9, rel_err=err)
+    return dict(shape=s.name, batch=batch, context=context, absorbed_ms=absorbed_ms, non_absorbed_ms=non_absorbed_ms,
+                ratio=ratio, absorbed_gflop=f_abs / 1e9, non_absorbed_gflop=f_exp / 1e9, rel_err=err)
 
 
 def prefill_flops(s: Shape, length: int) -> tuple[float, float]:
@@ -203,24 +208,18 @@ def measure_prefill(s: Shape, length: int, rounds: int, min_seconds: float) -> d
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))  # noqa: E731
     args = (f32(length, s.heads, s.nope), f32(length, s.heads, s.rope), x["kv_pages"], x["tables"], x["w_uk"],
             x["w_uv"])
-    forms = dict(zip(("absorbed", "expanded"), prefill_steps(s), strict=True))
-    outs, calls = {}, {}
-    for name, fn in forms.items():
-        outs[name] = np.asarray(fn(*args))  # compiles
-        calls[name] = max(1, math.ceil(min_seconds / per_call_seconds(fn, args, 1)))
-    err = float(np.max(np.abs(outs["absorbed"] - outs["expanded"])) / np.max(np.abs(outs["expanded"])))
-    if not err <= TOL:
-        raise AssertionError(f"{s.name} prefill {length}: absorbed and expanded differ by {err:.2e} (> {TOL})")
-    times = {name: [] for name in forms}
-    names = list(forms)
-    for r in range(rounds):
-        for name in names[r % 2:] + names[:r % 2]:
-            times[name].append(per_call_seconds(forms[name], args, calls[name]))
-    ratios = [e / a for a, e in zip(times["absorbed"], times["expanded"], strict=True)]
+    absorbed_ms, expanded_ms, ratio, err = compare(*prefill_steps(s), args, rounds, min_seconds,
+                                                   f"{s.name} prefill {length}")
     f_abs, f_exp = prefill_flops(s, length)
-    return dict(shape=s.name, length=length, absorbed_ms=1e3 * statistics.median(times["absorbed"]),
-                expanded_ms=1e3 * statistics.median(times["expanded"]), ratio=statistics.median(ratios),
+    return dict(shape=s.name, length=length, absorbed_ms=absorbed_ms, expanded_ms=expanded_ms, ratio=ratio,
                 absorbed_gflop=f_abs / 1e9, expanded_gflop=f_exp / 1e9, rel_err=err)
+
+
+def _footer(args, skipped: list[str], loads: list[float]) -> None:
+    print()
+    if skipped:
+        print(f"skipped (over --max-expanded-mib {args.max_expanded_mib:g}): " + ", ".join(skipped))
+    print("load average (1 min) at the start and after each shape: " + ", ".join(f"{x:.1f}" for x in loads))
 
 
 def prefill_table(args) -> list[dict]:
@@ -246,10 +245,7 @@ def prefill_table(args) -> list[dict]:
         print(f"| {r['shape']} | {s.heads} | {s.rank} + {s.rope} | {r['length']} | {r['absorbed_ms']:.2f} | "
               f"{r['expanded_ms']:.2f} | {r['ratio']:.2f}x | {r['absorbed_gflop']:.3g} | {r['expanded_gflop']:.3g} | "
               f"{r['rel_err']:.1e} |")
-    print()
-    if skipped:
-        print(f"skipped (over --max-expanded-mib {args.max_expanded_mib:g}): " + ", ".join(skipped))
-    print("load average (1 min) at the start and after each shape: " + ", ".join(f"{x:.1f}" for x in loads))
+    _footer(args, skipped, loads)
     return rows
 
 
@@ -294,10 +290,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| {r['shape']} | {s.heads} | {s.rank} + {s.rope} | {r['batch']} | {r['context']} | "
               f"{r['absorbed_ms']:.3f} | {r['non_absorbed_ms']:.3f} | {r['ratio']:.1f}x | {r['absorbed_gflop']:.3g} | "
               f"{r['non_absorbed_gflop']:.3g} | {r['rel_err']:.1e} |")
-    print()
-    if skipped:
-        print(f"skipped (over --max-expanded-mib {args.max_expanded_mib:g}): " + ", ".join(skipped))
-    print("load average (1 min) at the start and after each shape: " + ", ".join(f"{x:.1f}" for x in loads))
+    _footer(args, skipped, loads)
     return rows
 
 
