@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
-from tests.model.vision_folders import PROMPTS, hf_model, random_images, save_folder  # noqa: E402
+from tests.model.vision_folders import PROMPTS, random_images, saved_models  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -25,12 +25,8 @@ MIN_MARGIN = 1e-3
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """kind -> (transformers model, its processor, folder)."""
-    out = {}
-    for seed, kind in enumerate(("llava", "gemma3")):
-        reference = hf_model(kind, seed)
-        folder = save_folder(kind, tmp_path_factory.mktemp(kind), model=reference)
-        out[kind] = (reference, transformers.AutoProcessor.from_pretrained(folder), folder)
-    return out
+    return {kind: (reference, transformers.AutoProcessor.from_pretrained(folder), folder)
+            for kind, (reference, folder) in saved_models(tmp_path_factory).items()}
 
 
 @pytest.fixture(scope="module")

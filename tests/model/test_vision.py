@@ -38,7 +38,7 @@ from pagedjax.model.loading.loader import load_engine_model, load_registered  # 
 from pagedjax.model.processor import load_image_processor  # noqa: E402
 from pagedjax.model.vision.vlm import placeholder_index  # noqa: E402
 from tests.model.test_model import _ragged_batch  # noqa: E402
-from tests.model.vision_folders import PROMPTS, hf_model, random_images, save_folder  # noqa: E402
+from tests.model.vision_folders import PROMPTS, hf_model, random_images, save_folder, saved_models  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -50,9 +50,7 @@ BF16_TOL = 1e-2
 def models(tmp_path_factory):
     """kind -> (transformers model, folder, pagedjax model)."""
     out = {}
-    for seed, kind in enumerate(("llava", "gemma3")):
-        reference = hf_model(kind, seed)
-        folder = save_folder(kind, tmp_path_factory.mktemp(kind), model=reference)
+    for kind, (reference, folder) in saved_models(tmp_path_factory).items():
         ours, tokenizer = load_hf_vision(folder)
         assert isinstance(tokenizer, HFTokenizer)
         out[kind] = (reference, folder, ours)

@@ -156,6 +156,15 @@ def save_folder(kind: str, folder: Path, *, model=None, **changes) -> Path:
     return folder
 
 
+def saved_models(tmp_path_factory, kinds=("llava", "gemma3")) -> dict:
+    """kind -> (a random transformers model of the kind, seeded by its index in `kinds`, its folder)."""
+    out = {}
+    for seed, kind in enumerate(kinds):
+        reference = hf_model(kind, seed)
+        out[kind] = (reference, save_folder(kind, tmp_path_factory.mktemp(kind), model=reference))
+    return out
+
+
 def random_images(seed: int = 0):
     """PIL images of several sizes (larger, smaller and thinner than the processors' 16 pixels) and modes (RGB,
     RGBA, LA, L, P with and without transparency, CMYK)."""
