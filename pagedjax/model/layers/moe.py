@@ -367,7 +367,7 @@ def _by_tiles(experts: Experts, rows: jax.Array, flat: jax.Array, top_k: int) ->
     size = tile_rows(num_pairs, num_experts)
     num_tiles = -(-num_pairs // size) + min(num_experts, num_pairs)
     order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
-    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    counts = tokens_per_expert(flat, num_experts)
     padded = (counts + size - 1) // size * size
     ends = jnp.cumsum(padded)  # expert e's tiles cover rows [ends[e] - padded[e], ends[e])
     runs = jnp.cumsum(counts) - counts  # expert e's first pair in sorted order
