@@ -30,6 +30,7 @@ _LAZY = {
     "ModelConfig": "pagedjax.config",
     "ModelSpec": "pagedjax.config",
     "CacheConfig": "pagedjax.config",
+    "KVCacheSpec": "pagedjax.config",
     "FullAttention": "pagedjax.config",
     "LatentAttention": "pagedjax.config",
     "IndexedSparse": "pagedjax.config",

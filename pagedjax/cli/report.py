@@ -106,6 +106,10 @@ def print_header(args: argparse.Namespace, loaded, engine, load_s: float, out: T
           f"{args.block_size} tokens ({kv.kv_bytes_per_token:,} KV bytes per token), prefix caching "
           f"{'off' if args.no_prefix_caching else 'on'}, "
           f"{args.decode_steps_per_call} decode step(s) per call", file=out)
+    layout = cfg.kv_layout
+    if layout.num_groups > 1:  # a block table per group; a window group's blocks go back as its window moves
+        print(f"  KV cache: {layout.describe()}, a block table each ({kv.kv_bytes_per_block:,} bytes per block)",
+              file=out)
     print(file=out)
 
 

@@ -2,7 +2,9 @@
 
   model.py        ModelSpec (what the engine needs of any model), ModelConfig (the built-in decoders' shape)
   cache.py        CacheConfig: the paged KV pool (block size, blocks or bytes, KV dtype, prefix caching)
-  kv_spec.py      FullAttention, LatentAttention, IndexedSparse: what one layer's token slot holds (ModelSpec.kv_layers)
+  kv_spec.py      KVCacheSpec and its kinds FullAttention, LatentAttention, IndexedSparse: what one layer's KV cache
+                  holds and how its blocks are treated (ModelSpec.kv_layers)
+  kv_layout.py    KV cache groups: layers of equal specs share a block table; the page arrays backing them
   scheduler.py    SchedulerConfig: token budget, sequences per step, context length, chunked prefill
   parallel.py     ParallelConfig: tensor / data parallelism
   quant.py        QuantConfig: weight-only quantized linears and experts
@@ -23,7 +25,7 @@
 from pagedjax.config.cache import KV_DTYPES, CacheConfig, kv_cache_bytes
 from pagedjax.config.deepseek import DeepSeekConfig, DeepSeekIndexerConfig, DeepSeekMoEConfig
 from pagedjax.config.engine import EngineConfig
-from pagedjax.config.kv_spec import FullAttention, IndexedSparse, KVLayerSpec, LatentAttention
+from pagedjax.config.kv_spec import FullAttention, IndexedSparse, KVCacheSpec, KVLayerSpec, LatentAttention
 from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.model import ModelConfig, ModelSpec
 from pagedjax.config.moe import MoEConfig
@@ -36,6 +38,6 @@ from pagedjax.config.speculative import SpeculativeConfig
 from pagedjax.config.structured import StructuredLimits
 
 __all__ = ["KV_DTYPES", "CacheConfig", "DeepSeekConfig", "DeepSeekIndexerConfig", "DeepSeekMoEConfig", "EngineConfig",
-           "FullAttention", "ImageSpec", "IndexedSparse", "KVLayerSpec", "LatentAttention", "LoRAConfig", "ModelConfig",
-           "ModelSpec", "MoEConfig", "ParallelConfig", "QuantConfig", "SamplingDefaults", "SchedulerConfig",
-           "SpeculativeConfig", "StructuredLimits", "kv_cache_bytes"]
+           "FullAttention", "ImageSpec", "IndexedSparse", "KVCacheSpec", "KVLayerSpec", "LatentAttention", "LoRAConfig",
+           "ModelConfig", "ModelSpec", "MoEConfig", "ParallelConfig", "QuantConfig", "SamplingDefaults",
+           "SchedulerConfig", "SpeculativeConfig", "StructuredLimits", "kv_cache_bytes"]

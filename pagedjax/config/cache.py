@@ -82,17 +82,23 @@ class CacheConfig:
         name = self.resolve_kv_dtype(model)
         return QUANTIZED_KV_DTYPES.get(name, name)
 
-    def kv_bytes_per_token(self, model: ModelSpec) -> int:
-        """KV cache bytes one token takes in `model`: what every layer's spec stores per token slot
-        (`ModelSpec.kv_layers`: K and V of each KV head, or one latent entry), 8-bit pages' scales included."""
+    def _element_bytes(self, model: ModelSpec) -> tuple[int, int]:
+        """(bytes per stored number, bytes per 8-bit scale) of `model`'s pages."""
         name = self.resolve_kv_dtype(model)
-        quantized = name in QUANTIZED_KV_DTYPES
-        element, scale = (1, KV_SCALE_BYTES) if quantized else (dtype_bytes(name), 0)
+        return (1, KV_SCALE_BYTES) if name in QUANTIZED_KV_DTYPES else (dtype_bytes(name), 0)
+
+    def kv_bytes_per_token(self, model: ModelSpec) -> int:
+        """KV cache bytes one token takes in every layer of `model`: what each layer's spec stores per token slot
+        (`ModelSpec.kv_layers`: K and V of each KV head, or one latent entry), 8-bit pages' scales included."""
+        element, scale = self._element_bytes(model)
         return sum(layer.bytes_per_token(element, scale) for layer in model.kv_layers)
 
     def block_bytes(self, model: ModelSpec) -> int:
-        """Bytes of one KV block (K and V, every layer, with 8-bit pages their scales too) for `model`."""
-        return self.block_size * self.kv_bytes_per_token(model)
+        """Bytes of one physical KV block for `model`: its positions in every page array of the model's KV cache
+        layout (`ModelSpec.kv_layout`: for a model of one KV cache group, K and V of every layer; with several
+        groups, one layer of each group's share a page array, so a block is the bytes of the largest group's
+        layers), with 8-bit pages their scales too."""
+        return model.kv_layout.bytes_per_block(self.block_size, *self._element_bytes(model))
 
     def resolve_num_blocks(self, model: ModelSpec, draft: ModelSpec | None = None) -> int:
         """Number of physical blocks: as given, or as many as fit in `kv_memory_bytes` (a block holds a `draft`

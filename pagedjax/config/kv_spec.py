@@ -1,14 +1,28 @@
-"""What one token slot of one layer's paged KV cache holds: the per-layer KV cache spec a model declares
-(`ModelSpec.kv_layers`).
+"""What one layer's paged KV cache holds, and how the engine treats its blocks: the per-layer KV cache spec a model
+declares (`ModelSpec.kv_layers`). **The spec owns its behaviour**: nothing outside this module asks which kind a
+spec is; the engine calls these methods.
 
-The pool is blocks of `block_size` token slots and a block table maps a sequence's logical blocks to physical
-ones whatever a slot holds; prefix hashing, LRU eviction, preemption, forks and copy-on-write work on blocks, so
-they work for every spec. What differs per spec is the pages' layout and the bytes a token takes, from which
-the engine sizes the pool:
+The pool is blocks of `block_size` token positions and a block table maps a sequence's logical blocks to physical
+ones whatever a position holds; prefix hashing, LRU eviction, preemption, forks and copy-on-write work on blocks,
+so they work for every spec. What a spec states:
 
+  page_shapes(...)        its page arrays: `ArraySpec`s (shapes and dtypes, 8-bit scales) in the kind's container,
+                          a NamedTuple whose class attribute `block_axis` says where each array keeps its blocks
+                          (copy-on-write copies along it)
+  bytes_per_token(...)    bytes one token position takes (`tokens_per_entry` positions share one stored entry)
+  page_layout             the spec without its release rule: layers whose specs have equal layouts can share page
+                          arrays (`pagedjax.config.kv_layout`: one array serves a layer of each KV cache group)
+  sliding_window          its release rule: W, its blocks wholly before the last W positions are released (the
+                          KV cache manager frees them); None, every block is kept
+  kv_heads_shape          (KV heads, head_dim) of per-head K/V pages, else None
+  splits_kv_heads         whether tensor parallelism splits its pages by KV heads (else each device holds them all)
+  check_query_heads(...)  whether `num_q_heads` query heads can read it
+  kind                    the name of its page kind: the device picks the attention call a probe traces by it
+
+The kinds:
 - `FullAttention(num_kv_heads, head_dim, sliding_window=None)`: per-KV-head K and V (MHA / GQA / MQA), pages
-  `[num_kv_heads, num_blocks, block_size, head_dim]` each; with a sliding window W, the blocks behind every
-  layer's window are released.
+  `[num_kv_heads, num_blocks, block_size, head_dim]` each; with a sliding window W, blocks behind the window are
+  released.
 - `LatentAttention(kv_lora_rank, rope_dim)`: multi-head latent attention (MLA, DeepSeek V2/V3): one compressed
   latent c_kv and one rotary key shared by all heads per token, pages `[num_blocks, block_size,
   kv_lora_rank + rope_dim]`; attention runs in latent space over the pages as stored (the model absorbs its
@@ -17,6 +31,8 @@ the engine sizes the pool:
   latent entry of `LatentAttention` plus one lightning-indexer key per token in the same block (same table,
   hashes, eviction, copy-on-write), pages `[num_blocks, block_size, index_head_dim]` beside the latent ones. Per
   query the indexer scores every earlier token, keeps the top `index_topk`, and attention reads only those.
+A model of your own may declare a kind of its own: subclass `KVCacheSpec` (a frozen dataclass), state the methods
+above, and write and read its pages in your own attention layer (`pagedjax.model.api`).
 
 8-bit pages (`CacheConfig.kv_dtype` "int8" / "fp8") store one float32 scale per token beside each vector a slot
 holds (per KV head for K and for V; per token for a latent entry), counted in `bytes_per_token`.
@@ -26,13 +42,107 @@ Plain Python, no JAX: the host side (`pagedjax.core`) sizes the pool from these 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from pagedjax.config.fields import check_int
 
+SCALE_DTYPE = "float32"  # of 8-bit pages' scales (`config.cache.KV_SCALE_BYTES` bytes)
+
+
+class ArraySpec(NamedTuple):
+    """One page array's shape and dtype name (as numpy spells it: "float32", "int8", "float8_e4m3fn")."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+# The page containers: one NamedTuple per kind, the pytree a layer's pages are (its arrays, or their `ArraySpec`s);
+# `block_axis` (a class attribute, not a field) is the axis of each of its arrays that indexes blocks.
+class LayerKV(NamedTuple):
+    """One full-attention layer's pages. k, v: `[num_kv_heads, num_blocks, block_size, head_dim]`; k_scales,
+    v_scales: float32 `[num_kv_heads, num_blocks, block_size]` when k/v hold 8-bit values
+    (`pallas_kernels.quant`), else None."""
+
+    block_axis = 1
+
+    k: Any
+    v: Any
+    k_scales: Any = None
+    v_scales: Any = None
+
+
+class LatentKV(NamedTuple):
+    """One MLA layer's pages (`LatentAttention`). pages: `[num_blocks, block_size, kv_lora_rank + rope_dim]`, per
+    token its latent c_kv then its rotary key; scales: float32 `[num_blocks, block_size]` when the pages hold 8-bit
+    values, else None."""
+
+    block_axis = 0
+
+    pages: Any
+    scales: Any = None
+
+
+class SparseKV(NamedTuple):
+    """One DSA layer's pages (`IndexedSparse`): the latent pages of `LatentKV` and, in the same blocks, the
+    indexer keys `[num_blocks, block_size, index_head_dim]`; scales: float32 `[num_blocks, block_size]` each when
+    the pages hold 8-bit values, else None."""
+
+    block_axis = 0
+
+    pages: Any
+    index_keys: Any
+    scales: Any = None
+    index_scales: Any = None
+
+    @property
+    def latent(self) -> LatentKV:
+        return LatentKV(self.pages, self.scales)
+
 
 @dataclass(frozen=True)
-class FullAttention:
+class KVCacheSpec:
+    """The base of every KV cache spec (see the module docstring for what each states). Defaults: one entry per
+    token position, every block kept, pages whole on every device."""
+
+    kind = "custom"
+    tokens_per_entry = 1  # token positions one stored entry covers
+    sliding_window = None  # no window: every block is kept
+
+    def page_shapes(self, num_blocks: int, block_size: int, dtype: str, *, quantized: bool = False,
+                    num_kv_heads: int | None = None) -> NamedTuple:
+        """The page arrays of one layer of this spec: `ArraySpec`s in the kind's container. `dtype`: the pages'
+        element dtype; `quantized`: 8-bit pages, which carry float32 scales; `num_kv_heads`: per-head pages' heads
+        as stored, where that differs from the spec's (tensor parallelism past the KV heads repeats each)."""
+        raise TypeError(f"{type(self).__name__} must define page_shapes (pagedjax.config.kv_spec.KVCacheSpec)")
+
+    def bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
+        """Bytes one token position takes in this layer's pages (8-bit scales of `scale_bytes` included)."""
+        raise TypeError(f"{type(self).__name__} must define bytes_per_token (pagedjax.config.kv_spec.KVCacheSpec)")
+
+    @property
+    def page_layout(self) -> KVCacheSpec:
+        """This spec without its release rule: what its page arrays depend on."""
+        return self
+
+    @property
+    def kv_heads_shape(self) -> tuple[int, int] | None:
+        """(KV heads, head_dim) of per-KV-head pages; None for other kinds."""
+        return None
+
+    @property
+    def splits_kv_heads(self) -> bool:
+        """Whether tensor parallelism splits the pages by KV heads (axis 0 of every array)."""
+        return False
+
+    def check_query_heads(self, num_q_heads: int) -> str | None:
+        """Why `num_q_heads` query heads cannot read this layer (None: they can)."""
+        return None
+
+
+@dataclass(frozen=True)
+class FullAttention(KVCacheSpec):
     """Per-KV-head K and V pages `[num_kv_heads, num_blocks, block_size, head_dim]`; `sliding_window` W: the query
     at position p reads keys in (p - W, p] (None: everything before it)."""
 
@@ -40,26 +150,52 @@ class FullAttention:
     head_dim: int
     sliding_window: int | None = None
 
+    kind = "full"
+
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: set through object
         fix("num_kv_heads", check_int("FullAttention", "num_kv_heads", self.num_kv_heads, lo=1))
         fix("head_dim", check_int("FullAttention", "head_dim", self.head_dim, lo=1))
         fix("sliding_window", check_int("FullAttention", "sliding_window", self.sliding_window, lo=1, optional=True))
 
+    def page_shapes(self, num_blocks: int, block_size: int, dtype: str, *, quantized: bool = False,
+                    num_kv_heads: int | None = None) -> LayerKV:
+        heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        pages = ArraySpec((heads, num_blocks, block_size, self.head_dim), dtype)
+        scales = ArraySpec((heads, num_blocks, block_size), SCALE_DTYPE) if quantized else None
+        return LayerKV(pages, pages, scales, scales)
+
     def bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
         """K and V of every KV head, each vector with its 8-bit scale (`scale_bytes`, 0 for float pages)."""
         return 2 * self.num_kv_heads * (self.head_dim * element_bytes + scale_bytes)
 
+    @property
+    def page_layout(self) -> FullAttention:
+        return dataclasses.replace(self, sliding_window=None)
+
+    @property
+    def kv_heads_shape(self) -> tuple[int, int]:
+        return self.num_kv_heads, self.head_dim
+
+    @property
+    def splits_kv_heads(self) -> bool:
+        return True
+
+    def check_query_heads(self, num_q_heads: int) -> str | None:
+        if num_q_heads % self.num_kv_heads:
+            return f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+        return None
+
 
 @dataclass(frozen=True)
-class LatentAttention:
+class LatentAttention(KVCacheSpec):
     """One latent entry per token, `[c_kv (kv_lora_rank) | k_rope (rope_dim)]`, shared by every query head: pages
     `[num_blocks, block_size, kv_lora_rank + rope_dim]`. Latent layers read the whole context."""
 
     kv_lora_rank: int
     rope_dim: int
 
-    sliding_window = None  # a latent layer reads every earlier position (not a field: MLA has no window)
+    kind = "latent"
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)
@@ -71,13 +207,18 @@ class LatentAttention:
         """Numbers per token slot: the latent and the rotary key."""
         return self.kv_lora_rank + self.rope_dim
 
+    def page_shapes(self, num_blocks: int, block_size: int, dtype: str, *, quantized: bool = False,
+                    num_kv_heads: int | None = None) -> LatentKV:
+        scales = ArraySpec((num_blocks, block_size), SCALE_DTYPE) if quantized else None
+        return LatentKV(ArraySpec((num_blocks, block_size, self.entry_dim), dtype), scales)
+
     def bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
         """The latent entry and, for 8-bit pages, its one scale."""
         return self.entry_dim * element_bytes + scale_bytes
 
 
 @dataclass(frozen=True)
-class IndexedSparse:
+class IndexedSparse(KVCacheSpec):
     """A latent entry (`LatentAttention`) and an indexer key of `index_head_dim` per token; queries attend to the
     `index_topk` earlier positions the indexer scores highest (all of them while the context is no longer)."""
 
@@ -86,7 +227,7 @@ class IndexedSparse:
     index_head_dim: int
     index_topk: int
 
-    sliding_window = None  # the indexer may select any earlier position
+    kind = "sparse"
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)
@@ -98,10 +239,15 @@ class IndexedSparse:
         """Numbers per token slot of the latent pages (the indexer key is in its own pages)."""
         return self.kv_lora_rank + self.rope_dim
 
+    def page_shapes(self, num_blocks: int, block_size: int, dtype: str, *, quantized: bool = False,
+                    num_kv_heads: int | None = None) -> SparseKV:
+        scales = ArraySpec((num_blocks, block_size), SCALE_DTYPE) if quantized else None
+        pages = lambda width: ArraySpec((num_blocks, block_size, width), dtype)
+        return SparseKV(pages(self.entry_dim), pages(self.index_head_dim), scales, scales)
+
     def bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
         """The latent entry and the indexer key, each with its scale for 8-bit pages."""
         return (self.entry_dim + self.index_head_dim) * element_bytes + 2 * scale_bytes
 
 
-KVLayerSpec = FullAttention | LatentAttention | IndexedSparse
-KV_LAYER_SPECS = (FullAttention, LatentAttention, IndexedSparse)
+KVLayerSpec = KVCacheSpec  # the type of `ModelSpec.kv_layers`' entries (any kind, built-in or a model's own)

@@ -7,12 +7,14 @@ Plain Python, no JAX: the host side (`pagedjax.core`) imports this too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from dataclasses import dataclass
 
 from pagedjax.config.cache import DTYPE_BYTES
 from pagedjax.config.fields import check_bool, check_choice, check_float, check_int, describe
-from pagedjax.config.kv_spec import KV_LAYER_SPECS, FullAttention, KVLayerSpec, LatentAttention
+from pagedjax.config.kv_layout import KVCacheLayout, kv_cache_layout
+from pagedjax.config.kv_spec import FullAttention, KVCacheSpec, KVLayerSpec
 from pagedjax.config.moe import MoEConfig
 from pagedjax.config.multimodal import ImageSpec
 from pagedjax.config.quant import QuantConfig
@@ -177,10 +179,10 @@ class ModelSpec:
         fix("sliding_windows", _sliding_windows_field([layer.sliding_window for layer in self.kv_layers],
                                                       self.num_layers, owner))
         for i, layer in enumerate(self.kv_layers):
-            if isinstance(layer, FullAttention) and self.num_q_heads % layer.num_kv_heads:
-                where = "num_kv_heads" if self.num_kv_heads is not None else f"kv_layers[{i}].num_kv_heads"
-                raise ValueError(f"{owner}.num_q_heads ({self.num_q_heads}) must be a multiple of {where} "
-                                 f"({layer.num_kv_heads})")
+            why = layer.check_query_heads(self.num_q_heads)
+            if why is not None:
+                where = "" if self.num_kv_heads is not None else f" (kv_layers[{i}])"
+                raise ValueError(f"{owner}: {why}{where}")
         if self.images is not None:
             if not isinstance(self.images, ImageSpec):
                 raise TypeError(f"{owner}.images must be None or a pagedjax.ImageSpec, got {describe(self.images)}")
@@ -199,15 +201,14 @@ class ModelSpec:
         if len(layers) != self.num_layers:
             raise ValueError(f"{owner} must have one entry per layer ({self.num_layers}), got {len(layers)}")
         for i, layer in enumerate(layers):
-            if not isinstance(layer, KV_LAYER_SPECS):
-                raise TypeError(f"{owner}[{i}] must be a FullAttention or LatentAttention "
-                                f"(pagedjax.config.kv_spec), got {describe(layer)}")
+            if not isinstance(layer, KVCacheSpec):
+                raise TypeError(f"{owner}[{i}] must be a KV cache spec such as FullAttention or LatentAttention "
+                                f"(pagedjax.config.kv_spec.KVCacheSpec), got {describe(layer)}")
         object.__setattr__(self, "kv_layers", layers)
         if windows is not None:
             raise ValueError("ModelSpec: give sliding windows in kv_layers (FullAttention.sliding_window), not also "
                              "as sliding_windows")
-        shapes = {(layer.num_kv_heads, layer.head_dim) if isinstance(layer, FullAttention) else None
-                  for layer in layers}
+        shapes = {layer.kv_heads_shape for layer in layers}
         uniform = shapes.pop() if len(shapes) == 1 else None
         for name, index in (("num_kv_heads", 0), ("head_dim", 1)):
             given = getattr(self, name)
@@ -226,14 +227,18 @@ class ModelSpec:
     @property
     def has_latent_layers(self) -> bool:
         """Whether some layer caches MLA latent entries (`LatentAttention`)."""
-        return any(isinstance(layer, LatentAttention) for layer in self.kv_layers)
+        return any(layer.kind == "latent" for layer in self.kv_layers)
+
+    @functools.cached_property
+    def kv_layout(self) -> KVCacheLayout:
+        """The KV cache groups of `kv_layers` and the page arrays backing them (`pagedjax.config.kv_layout`)."""
+        return kv_cache_layout(self.kv_layers)
 
     def replace(self, **changes) -> ModelSpec:
         """This spec with `changes`. Changing the shorthand (num_layers, num_kv_heads, head_dim, sliding_windows)
         of a spec written in it re-derives `kv_layers`; a spec declared by `kv_layers` changes through them."""
         shorthand = {"num_layers", "num_kv_heads", "head_dim", "sliding_windows"}
-        if "kv_layers" not in changes and shorthand & set(changes) and self.num_kv_heads is not None and all(
-                isinstance(layer, FullAttention) for layer in self.kv_layers):
+        if "kv_layers" not in changes and shorthand & set(changes) and self.num_kv_heads is not None:
             changes = {"kv_layers": None, **changes}
         elif "kv_layers" in changes:
             changes = {"num_kv_heads": None, "head_dim": None, "sliding_windows": None, **changes}
@@ -365,6 +370,11 @@ class ModelConfig:
     def kv_layers(self) -> tuple[KVLayerSpec, ...]:
         """Each layer's KV cache spec (`ModelSpec.kv_layers`)."""
         return self.spec.kv_layers
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        """The KV cache groups and page arrays (`ModelSpec.kv_layout`)."""
+        return self.spec.kv_layout
 
     @property
     def spec(self) -> ModelSpec:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedjax.config.fields import check_int
-from pagedjax.config.kv_spec import IndexedSparse, LatentAttention
 
 TP = "tp"  # the mesh axis that weights and the KV cache are sharded over
 
@@ -56,7 +55,7 @@ class ParallelConfig:
         if spec.num_q_heads % tp:
             raise ValueError(f"tensor_parallel_size {tp} must divide the model's {spec.num_q_heads} query heads")
         if spec.num_kv_heads is None:  # some layer is not FullAttention of the one shape (ModelSpec)
-            if all(isinstance(layer, LatentAttention | IndexedSparse) for layer in spec.kv_layers):
+            if not any(layer.splits_kv_heads for layer in spec.kv_layers):
                 return  # every layer latent (MLA, DSA): query heads split, the latent pages replicated
             raise ValueError(f"tensor_parallel_size {tp}: this model's ModelSpec.kv_layers mixes full-attention "
                              "layers with latent ones or full-attention layers of different shapes; tensor "

@@ -57,14 +57,19 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
         most = cdiv(r.num_tokens + len(r.draft_token_ids), bs) if r.draft_token_ids else need  # proposals' blocks
         require(held >= need if mid_step else need <= held <= most,
                 f"{r.request_id} holds {held} blocks for {r.num_computed_tokens} tokens")
+    # Per KV cache group (`kv.per_group`: one entry per group): every group covers the same logical blocks.
     count: dict[int, int] = {}
     for rid, blocks in holders.items():
-        live = [b for b in blocks if b != RELEASED]
-        require(len(set(live)) == len(live), "a request holds a block twice")
-        require(len(live) == len(blocks) - kv.num_released_blocks(rid), f"{rid} released a block that is not "
-                "a leading one")
-        for b in live:
-            count[b] = count.get(b, 0) + 1
+        per_group = kv.per_group(blocks)
+        released = kv.per_group(kv.num_released_blocks(rid))
+        require(len({len(b) for b in per_group}) == 1, f"{rid}'s KV cache groups hold different numbers of blocks")
+        for group_blocks, num_released in zip(per_group, released, strict=True):
+            live = [b for b in group_blocks if b != RELEASED]
+            require(len(set(live)) == len(live), "a request holds a block twice")
+            require(len(live) == len(group_blocks) - num_released, f"{rid} released a block that is not a "
+                    "leading one")
+            for b in live:
+                count[b] = count.get(b, 0) + 1
     lent = kv.lent_block_ids
     require(not set(count) & lent, "a lent block is held by a request")
     ref = pool.ref_counts()
@@ -73,14 +78,18 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
                 f"{count.get(b, 0)} holders, lent {b in lent}")
     by_id = {r.request_id: r for r in scheduler.running}
     seen: dict[int, tuple[int, ...]] = {}
+    owner: dict[int, int] = {}  # block -> the group holding it
     for rid, blocks in holders.items():
         r = by_id[rid]
-        for i, b in enumerate(blocks):
-            if b != RELEASED and count[b] > 1:
-                # Shared blocks come from prefix hits (full) or forks (the last one may be partial: then
-                # every holder has the same computed tokens in it, and copies it before writing more).
-                filled = min(bs, r.num_computed_tokens - i * bs)
-                require(filled > 0, f"shared block {b} holds no computed token of {rid}")
-                tokens = tuple(r.get_token_ids(i * bs, i * bs + filled))
-                require(seen.setdefault(b, tokens) == tokens, f"shared block {b} differs between holders")
-
+        for g, group_blocks in enumerate(kv.per_group(blocks)):
+            for i, b in enumerate(group_blocks):
+                if b == RELEASED:
+                    continue
+                require(owner.setdefault(b, g) == g, f"block {b} is held in two KV cache groups")
+                if count[b] > 1:
+                    # Shared blocks come from prefix hits (full) or forks (the last one may be partial: then
+                    # every holder has the same computed tokens in it, and copies it before writing more).
+                    filled = min(bs, r.num_computed_tokens - i * bs)
+                    require(filled > 0, f"shared block {b} holds no computed token of {rid}")
+                    tokens = tuple(r.get_token_ids(i * bs, i * bs + filled))
+                    require(seen.setdefault(b, tokens) == tokens, f"shared block {b} differs between holders")

@@ -1,42 +1,47 @@
-"""The KV cache manager: which blocks each request holds, prefix-cache lookup, and block hashing.
+"""The KV cache manager: which blocks each request holds in every KV cache group, prefix-cache lookup, and block
+hashing; the one interface the scheduler has to the pool.
 
-Plain Python, no JAX. It sits between the scheduler and the `BlockPool`:
+Plain Python, no JAX. A model's layers form KV cache groups (`pagedjax.config.kv_layout`: layers of equal specs;
+one group for a model of one kind). Every group draws from one `BlockPool` (one allocator, one LRU, one hash index;
+a block belongs to one group at a time) and keeps its own block list per request (`pagedjax.core.kv_group`). This
+class coordinates them, so that everything the scheduler asks holds for all groups at once:
 
-  - `get_computed_blocks(request)` walks the request's chain of full-block hashes from the first block and
-    stops at the first miss; at most `num_tokens - 1` tokens count as computed, so the last token is always
-    recomputed and a full hit still yields logits.
-  - `allocate_slots(request, num_new_tokens, new_computed_blocks)` makes the request's blocks cover
-    `num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens` tokens. All or nothing:
-    a failed allocation changes no reference count.
+  - `get_computed_blocks(request)` finds the longest cached prefix every group can serve: a group keeping every
+    block needs each of its blocks from the first, a window group only those its first query reads (the blocks
+    inside its window at the hit's end; those before are not taken, `RELEASED`); at most `num_tokens - 1` tokens
+    count, so the last token is always recomputed and a full hit still yields logits.
+  - `allocate_slots(request, num_new_tokens, new_computed_blocks)` makes the request's blocks in every group cover
+    `num_computed_tokens + hits + num_new_tokens` tokens. All or nothing across the groups: a failed allocation
+    changes no reference count.
   - `cache_blocks(request)` publishes the request's blocks that became full, once their KV is computed
     (the scheduler calls it from `update`, after the step ran, so a hit never points at unwritten KV).
   - `free(request)` releases its blocks tail-first (a prefix's later blocks are evicted before its earlier
     ones).
 
-Invariants:
+Shapes: with one group, every per-request block quantity is a flat sequence of block ids, as it always was; with
+several, it is a tuple with one such sequence per group (hits, held blocks, fresh blocks, lent and adopted blocks).
+
+Invariants (per group):
   - a request holds blocks only between its admission and its preemption / finish / abort;
-  - outside a step, a running request holds exactly `cdiv(num_computed_tokens, block_size)` blocks; its
+  - outside a step, a running request holds exactly `cdiv(num_computed_tokens, block_size)` logical blocks; its
     leading `num_computed_tokens // block_size` blocks are full, and hashed unless another block already
-    held the same hash when they filled;
+    held the same key when they filled;
   - a block's ref_cnt == the number of requests holding it, plus 1 while it is lent to the device.
 
 Forking (several samples of one prompt, beam search): `fork(source, child)` gives the child every block the
 source holds, the partially filled last block included, with each block's ref_cnt raised. A request that is
 about to write into a block it shares (ref_cnt > 1) first gets a private copy (copy-on-write):
 `allocate_slots` replaces the shared block by a fresh one and records `(src, dst)`; the step copies those
-blocks (every layer, K and V) on device before it writes its new KV (`take_block_copies`). Full shared
+blocks (every page array) on device before it writes its new KV (`take_block_copies`). Full shared
 blocks are never written, so never copied.
 
-Sliding windows: when every layer of the model attends only to its last `sliding_window` positions, a
-running request's leading blocks that no future query can see are released (`release_out_of_window`, called
-after each step, once their hashes are published). Their entries stay in the request's block list as
-`RELEASED` (-1), so logical block j is still entry j: block tables carry -1 there, which the kernels never
-read (a window skips whole pages before it). A released block that was published keeps its hash in the
-free queue like any cached block; a prefix lookup walks the hash chain from the first block and stops at the
-first miss, so a hit still always covers a prefix whose every block is present.
+Sliding windows: a window group releases a running request's leading blocks that no future query can see
+(`release_out_of_window`, called after each step, once their hashes are published), while groups without a
+window keep theirs. Their entries stay in the request's block list as `RELEASED` (-1), so logical block j is
+still entry j. A released block that was published keeps its key in the free queue like any cached block.
 
-Fused decode borrows blocks with `lend_blocks`; the device pops them as sequences cross block
-boundaries; the host then `adopt_blocks` the used ones and `return_lent_blocks` the rest.
+Fused decode borrows blocks with `lend_blocks` (as many for each group); the device pops them as sequences cross
+block boundaries; the host then `adopt_blocks` the used ones and `return_lent_blocks` the rest.
 """
 
 from __future__ import annotations
@@ -46,41 +51,79 @@ from collections.abc import Sequence
 from pagedjax.config import CacheConfig
 from pagedjax.core.block_pool import BlockHash, BlockPool, ExtraKeys
 from pagedjax.core.images import overlapping
+from pagedjax.core.kv_group import RELEASED, KVGroupManager, cdiv
 from pagedjax.core.request import Request
 
-# A request's block-list entry for a logical block released out of the sliding window (see the module doc).
-RELEASED = -1
+__all__ = ["RELEASED", "KVCacheManager", "cdiv"]
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _check_window(window) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {window!r}")
 
 
 class KVCacheManager:
+    """The block lists of every KV cache group over one pool. `sliding_window`: a model of one group's window (None:
+    every block is kept); `group_windows`: one window (or None) per group of a model of several."""
+
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
-                 hash_seed: int = 0, sliding_window: int | None = None) -> None:
+                 hash_seed: int = 0, sliding_window: int | None = None,
+                 group_windows: Sequence[int | None] | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                           or sliding_window < 1):
-            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+        if group_windows is not None and sliding_window is not None:
+            raise ValueError("give sliding_window (one group) or group_windows (one per group), not both")
+        windows = (sliding_window,) if group_windows is None else tuple(group_windows)
+        if not windows:
+            raise ValueError("group_windows must name at least one group")
+        for window in windows:
+            _check_window(window)
         self.block_size = block_size
-        # Positions older than `p - sliding_window` are read by no query at position >= p (None: all are read).
-        self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching, hash_seed=hash_seed)
-        self._req_blocks: dict[str, list[int]] = {}
-        self._num_hashed_blocks: dict[str, int] = {}  # leading blocks of a request already published
-        self._lent: set[int] = set()
-        self._copies: dict[str, tuple[int, int]] = {}  # request id -> its pending (src, dst) block copy
+        self.groups = tuple(KVGroupManager(self.block_pool, block_size, group=g, sliding_window=w)
+                            for g, w in enumerate(windows))
         self.prefix_cache_queries = 0  # tokens looked up by first-time admissions
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
 
     @classmethod
-    def from_config(cls, cache_config: CacheConfig, num_blocks: int, *,
-                    sliding_window: int | None = None) -> KVCacheManager:
+    def from_config(cls, cache_config: CacheConfig, num_blocks: int, *, sliding_window: int | None = None,
+                    group_windows: Sequence[int | None] | None = None) -> KVCacheManager:
         return cls(num_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching,
-                   hash_seed=cache_config.hash_seed, sliding_window=sliding_window)
+                   hash_seed=cache_config.hash_seed, sliding_window=sliding_window, group_windows=group_windows)
+
+    # -- one value per group: flat for one group, a tuple for several ----------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        """Each group's sliding window (None: it keeps every block)."""
+        return tuple(g.sliding_window for g in self.groups)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """A one-group manager's window (a manager of several groups has one per group: `group_windows`)."""
+        if self.num_groups != 1:
+            raise RuntimeError(f"this manager has {self.num_groups} KV cache groups, a window each: group_windows")
+        return self.groups[0].sliding_window
+
+    def _out(self, per_group: list):
+        return per_group[0] if len(self.groups) == 1 else tuple(per_group)
+
+    def _in(self, value, what: str) -> list:
+        if len(self.groups) == 1:
+            return [value]
+        value = list(value)
+        if len(value) != len(self.groups):
+            raise ValueError(f"{what}: one entry per KV cache group ({len(self.groups)}), got {len(value)}")
+        return value
+
+    def per_group(self, value) -> list:
+        """A per-request block quantity of this manager (flat for one group) as one entry per group."""
+        return self._in(value, "per_group")
 
     # -- queries ---------------------------------------------------------------------------------------
 
@@ -95,32 +138,28 @@ class KVCacheManager:
 
     @property
     def lent_block_ids(self) -> frozenset[int]:
-        return frozenset(self._lent)
+        return frozenset().union(*(g.lent_block_ids for g in self.groups))
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
-    def get_block_ids(self, request_id: str) -> tuple[int, ...]:
+    def get_block_ids(self, request_id: str):
         """The blocks `request_id` holds, in logical order (a snapshot; empty if it holds none); `RELEASED`
-        for leading blocks released out of the sliding window."""
-        return tuple(self._req_blocks.get(request_id, ()))
+        for leading blocks released out of a sliding window. One tuple per group for several groups."""
+        return self._out([g.get_block_ids(request_id) for g in self.groups])
 
-    def holders(self) -> dict[str, tuple[int, ...]]:
-        """request id -> the blocks it holds, for every request holding blocks (a snapshot)."""
-        return {rid: tuple(blocks) for rid, blocks in self._req_blocks.items()}
+    def holders(self) -> dict:
+        """request id -> the blocks it holds (as `get_block_ids`), for every request holding blocks."""
+        return {rid: self.get_block_ids(rid) for rid in self.groups[0].holders()}
 
     def num_held_blocks(self, request_id: str) -> int:
-        """How many logical blocks `request_id` covers (those released out of the window included)."""
-        return len(self._req_blocks.get(request_id, ()))
+        """How many logical blocks `request_id` covers (the same in every group; released ones included)."""
+        return self.groups[0].num_held_blocks(request_id)
 
-    def num_released_blocks(self, request_id: str) -> int:
-        """How many of `request_id`'s leading blocks were released out of the sliding window."""
-        blocks = self._req_blocks.get(request_id, ())
-        n = 0
-        while n < len(blocks) and blocks[n] == RELEASED:
-            n += 1
-        return n
+    def num_released_blocks(self, request_id: str):
+        """How many of `request_id`'s leading blocks were released out of the sliding window (per group)."""
+        return self._out([g.num_released_blocks(request_id) for g in self.groups])
 
     def extra_keys(self, request: Request, block_index: int) -> ExtraKeys:
         """Keys mixed into block `block_index`'s hash: the adapter in every block, the salt in the first, and the
@@ -137,7 +176,8 @@ class KVCacheManager:
         return tuple(keys)
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
-        """Chained hashes of every full block of the request's tokens (computed once, then extended)."""
+        """Chained hashes of every full block of the request's tokens (computed once, then extended); every group
+        keys its blocks by these (`KVGroupManager.pool_key`)."""
         hashes = request.block_hashes
         bs = self.block_size
         num_full = request.num_tokens // bs
@@ -148,33 +188,28 @@ class KVCacheManager:
             hashes.append(self.block_pool.hash_block(parent, tokens, self.extra_keys(request, i)))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """The longest cached prefix of a request that holds no blocks: (its blocks, number of tokens).
-
-        Walks the hash chain from the first block and stops at the first miss; at most
-        `num_tokens - 1` tokens count, so the last token is recomputed. With a sliding window, the leading
-        hits that no query from the hit's end on can read are `RELEASED` entries (as `release_out_of_window`
-        leaves them): only the rest are taken by `allocate_slots`. Changes nothing.
-        """
+    def get_computed_blocks(self, request: Request) -> tuple:
+        """The longest cached prefix of a request that holds no blocks that every group can serve: (its blocks,
+        per group as `get_block_ids`, the leading ones a window group's first query does not read `RELEASED`;
+        number of tokens). At most `num_tokens - 1` tokens count, so the last token is recomputed. Changes
+        nothing."""
+        none = self._out([[] for _ in self.groups]), 0
         if not self.enable_caching or request.num_computed_tokens or _recomputes_prompt(request):
-            return [], 0
-        if request.request_id in self._req_blocks:
+            return none
+        if any(g.holds(request.request_id) for g in self.groups):
             raise ValueError(f"request {request.request_id!r} already holds blocks")
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        if max_blocks <= 0:
-            return [], 0
+        k = (request.num_tokens - 1) // self.block_size
+        if k <= 0:
+            return none
         hashes = self.block_hashes(request)
-        lookup = self.block_pool.get_cached_block
-        blocks: list[int] = []
-        for h in hashes[:max_blocks]:
-            b = lookup(h)
-            if b is None:
-                break
-            blocks.append(b)
-        # With a sliding window the first query (at the hit's end) reads nothing before its window: those hits
-        # are not taken at all, so a long cached prefix costs no more blocks than computing it would.
-        skip = self._num_unread_blocks(len(blocks) * self.block_size)
-        return [RELEASED] * skip + blocks[skip:], len(blocks) * self.block_size
+        settled = False
+        while not settled:  # the largest hit every group serves (a window group's hits are not nested)
+            settled = True
+            for group in self.groups:
+                served = group.longest_hit(hashes, k)
+                if served < k:
+                    k, settled = served, False
+        return self._out([g.hit_blocks(hashes, k) for g in self.groups]), k * self.block_size
 
     def next_block_hash(self, request: Request, num_hit_blocks: int) -> BlockHash | None:
         """The hash of the block where `get_computed_blocks` stopped (its first miss), or None if the
@@ -187,7 +222,7 @@ class KVCacheManager:
     def unpublished_block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the full blocks of a request holding blocks that are not published yet: the blocks
         of its known tokens it is computing now or will compute (empty when caching is off)."""
-        done = self._num_hashed_blocks.get(request.request_id)
+        done = self.groups[0].num_published(request.request_id)  # every group publishes the same blocks
         if done is None or not self.enable_caching:
             return []
         return self.block_hashes(request)[done:]
@@ -195,9 +230,7 @@ class KVCacheManager:
     def needs_copy(self, request: Request) -> bool:
         """True when the request's next token lands in a block it shares with another request (a fork):
         writing it needs a copy-on-write first."""
-        held = self._req_blocks.get(request.request_id)
-        return bool(held) and request.num_computed_tokens % self.block_size != 0 and \
-            self.block_pool.ref_cnt(held[-1]) > 1
+        return any(g.needs_copy(request) for g in self.groups)
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one first-time admission's lookup (tokens recomputed after a preemption are not hits)."""
@@ -207,189 +240,105 @@ class KVCacheManager:
 
     # -- mutations -------------------------------------------------------------------------------------
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
-        """Make the request's blocks cover its computed tokens, `new_computed_blocks` (prefix hits from
-        `get_computed_blocks`, only for a request holding no blocks yet; its leading `RELEASED` entries are
-        kept as such, not taken) and `num_new_tokens` more.
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks=()):
+        """Make the request's blocks in every group cover its computed tokens, `new_computed_blocks` (prefix hits
+        from `get_computed_blocks`, only for a request holding no blocks yet; leading `RELEASED` entries are kept
+        as such, not taken) and `num_new_tokens` more.
 
-        Returns the freshly allocated blocks (possibly empty), or None when the free queue is too short:
-        then nothing at all has changed (no reference count, no queue position).
+        Returns the freshly allocated blocks (possibly empty; per group for several), or None when the free queue
+        is too short for all groups together: then nothing at all has changed (no reference count, no queue
+        position).
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        rid = request.request_id
-        held = self._req_blocks.get(rid)
-        if new_computed_blocks and (held or request.num_computed_tokens):
-            raise ValueError("prefix hits can only be added to a request holding no blocks")
-        pool = self.block_pool
-        bs = self.block_size
-        total = request.num_computed_tokens + len(new_computed_blocks) * bs + num_new_tokens
-        num_held = len(held) if held else 0
-        fresh = cdiv(total, bs) - num_held - len(new_computed_blocks)
-        if num_new_tokens and self.needs_copy(request):
-            return self._allocate_with_copy(request, max(fresh, 0))
-        if fresh <= 0 and not new_computed_blocks:
-            if held is None:
-                self._req_blocks[rid] = []
-                self._num_hashed_blocks[rid] = 0
-            return []
-        fresh = max(fresh, 0)
-        taken = [b for b in new_computed_blocks if b != RELEASED]
-        if RELEASED in new_computed_blocks[len(new_computed_blocks) - len(taken):]:
-            raise ValueError("only leading prefix hits can be RELEASED")
-        idle_hits = sum(1 for b in taken if pool.ref_cnt(b) == 0)
-        if fresh + idle_hits > pool.num_free_blocks:
+        hits = self._in(new_computed_blocks, "new_computed_blocks") if len(new_computed_blocks) else \
+            [()] * len(self.groups)
+        for group, group_hits in zip(self.groups, hits, strict=True):
+            group.check_hits(request, group_hits)
+        need = sum(g.blocks_needed(request, num_new_tokens, h) for g, h in zip(self.groups, hits, strict=True))
+        if need > self.block_pool.num_free_blocks:
             return None
-        if held is None:
-            held = self._req_blocks[rid] = []
-            self._num_hashed_blocks[rid] = 0
-        if new_computed_blocks:
-            pool.touch(taken)  # before allocating, so the hits cannot be evicted
-            held.extend(new_computed_blocks)
-            self._num_hashed_blocks[rid] = len(held)  # hits are hashed already
-        new_blocks = pool.allocate(fresh)
-        assert new_blocks is not None
-        held.extend(new_blocks)
-        return new_blocks
-
-    def _allocate_with_copy(self, request: Request, fresh: int) -> list[int] | None:
-        """`allocate_slots` for a request whose next write lands in its shared last block: one more fresh
-        block replaces that block (its content copied on device before the step writes), all or nothing."""
-        pool = self.block_pool
-        new_blocks = pool.allocate(fresh + 1)
-        if new_blocks is None:
-            return None
-        rid = request.request_id
-        held = self._req_blocks[rid]
-        src, dst = held[-1], new_blocks[0]
-        held[-1] = dst
-        pool.free([src])  # the other holders keep it
-        self._copies[rid] = (src, dst)
-        held.extend(new_blocks[1:])
-        return new_blocks
+        for group, group_hits in zip(self.groups, hits, strict=True):  # every hit before any allocation evicts it
+            group.take_hits(request, group_hits)
+        return self._out([g.allocate(request, num_new_tokens, len(h)) for g, h in zip(self.groups, hits,
+                                                                                        strict=True)])
 
     def take_block_copies(self) -> list[tuple[int, int]]:
-        """The (src, dst) block copies the next step must make before it writes KV (and forget them)."""
-        copies = list(self._copies.values())
-        self._copies.clear()
-        return copies
+        """The (src, dst) block copies the next step must make before it writes KV (and forget them): every
+        group's, each copied in every page array (a fresh dst is its group's alone)."""
+        return [copy for g in self.groups for copy in g.take_block_copies()]
 
     def fork(self, source: Request, child: Request) -> None:
         """Let `child` (holding no blocks) share every block `source` holds: the child continues from the
         source's `num_computed_tokens` tokens, which must be the child's first tokens too. Each block gains a
         reference; the first write into a shared block copies it (see `allocate_slots`)."""
-        blocks = self._req_blocks.get(source.request_id)
-        if blocks is None:
+        if not self.groups[0].holds(source.request_id):
             raise ValueError(f"request {source.request_id!r} holds no blocks; it cannot be forked")
-        if child.request_id in self._req_blocks:
+        if self.groups[0].holds(child.request_id):
             raise ValueError(f"request {child.request_id!r} already holds blocks")
-        if source.request_id in self._copies:
+        if any(g.has_copy(source.request_id) for g in self.groups):
             raise ValueError(f"request {source.request_id!r} has a block copy pending; fork it between steps")
         n = source.num_computed_tokens
         if child.num_tokens < n or child.get_token_ids(0, n) != source.get_token_ids(0, n):
             raise ValueError(f"request {child.request_id!r} does not start with the {n} computed tokens of "
                              f"{source.request_id!r}")
-        shared = blocks[:cdiv(n, self.block_size)]
-        self.block_pool.touch([b for b in shared if b != RELEASED])
-        self._req_blocks[child.request_id] = list(shared)
-        full = n // self.block_size
-        self._num_hashed_blocks[child.request_id] = min(self._num_hashed_blocks[source.request_id], full)
-        child.block_hashes = list(source.block_hashes[:full])  # same tokens, same chained hashes
+        for group in self.groups:
+            group.fork(source, child)
+        child.block_hashes = list(source.block_hashes[:n // self.block_size])  # same tokens, same chained hashes
 
     def cache_blocks(self, request: Request) -> int:
-        """Publish the request's blocks that are full of computed KV and not yet published.
+        """Publish the request's blocks that are full of computed KV and not yet published, in every group.
 
-        Returns how many blocks got a hash (a block whose hash another block already holds stays unhashed).
+        Returns how many blocks got a key (a block whose key another block already holds stays unhashed).
         """
-        rid = request.request_id
-        done = self._num_hashed_blocks.get(rid)
-        if done is None or not self.enable_caching:
+        if not self.enable_caching or not self.groups[0].holds(request.request_id):
             return 0
-        num_full = request.num_computed_tokens // self.block_size
-        if num_full <= done:
-            return 0
-        blocks = self._req_blocks[rid]
-        if num_full > len(blocks):
-            raise RuntimeError(f"request {rid!r} has {request.num_computed_tokens} computed tokens "
-                               f"but holds only {len(blocks)} blocks")
         hashes = self.block_hashes(request)
-        pool = self.block_pool
-        n = 0
-        for i in range(done, num_full):
-            if blocks[i] != RELEASED and pool.block_hash(blocks[i]) is None:
-                n += pool.cache_block(blocks[i], hashes[i])
-        self._num_hashed_blocks[rid] = num_full
-        return n
+        return sum(g.cache_blocks(request, hashes) for g in self.groups)
 
     def free(self, request: Request) -> None:
         """Release every block the request holds, tail-first. A no-op for a request holding none."""
-        blocks = self._req_blocks.pop(request.request_id, None)
-        self._num_hashed_blocks.pop(request.request_id, None)
-        self._copies.pop(request.request_id, None)  # its step will not run: nothing to copy for it
-        if blocks:
-            self.block_pool.free([b for b in reversed(blocks) if b != RELEASED])
+        for group in self.groups:
+            group.free(request.request_id)
 
     def release_past_computed(self, request: Request, num_new_tokens: int = 0) -> int:
         """Release the request's trailing blocks past `cdiv(num_computed_tokens + num_new_tokens, block_size)`: a
         speculative step allocated them for proposals that were rejected, or not made (`Scheduler.update`).
         They hold no computed KV, so they are unhashed, and were freshly allocated, so no one else holds them.
-        Returns how many."""
-        held = self._req_blocks.get(request.request_id)
+        Returns how many (all groups)."""
         keep = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        if not held or len(held) <= keep:
-            return 0
-        extra = held[keep:]
-        del held[keep:]
-        self.block_pool.free(extra[::-1])
-        return len(extra)
+        return sum(g.release_past(request.request_id, keep) for g in self.groups)
 
     def release_out_of_window(self, request: Request) -> int:
-        """Release the request's leading blocks that no query from its next position on can read (all of
-        their positions < num_computed_tokens - sliding_window + 1); their hashes, once published, stay with
+        """Release the request's leading blocks that no query from its next position on can read, in every window
+        group (all of their positions < num_computed_tokens - window + 1); their hashes, once published, stay with
         them. Returns how many blocks were released now (0 without a sliding window)."""
-        blocks = self._req_blocks.get(request.request_id)
-        if self.sliding_window is None or not blocks:
-            return 0
-        # (Publish first: cache_blocks hashes a block only while the request still holds it.)
-        end = min(self._num_unread_blocks(request.num_computed_tokens), len(blocks))
-        done = self._num_hashed_blocks.get(request.request_id, 0)
-        if self.enable_caching and end > done:
-            raise RuntimeError(f"request {request.request_id!r}: publish its full blocks (cache_blocks) before "
-                               "releasing them")
-        released = [b for b in blocks[:end] if b != RELEASED]
-        if released:
-            blocks[:end] = [RELEASED] * end
-            self.block_pool.free(reversed(released))
-        return len(released)
-
-    def _num_unread_blocks(self, num_computed_tokens: int) -> int:
-        """How many leading blocks no query from position `num_computed_tokens` on reads (0 without a window)."""
-        window = self.sliding_window
-        if window is None:
-            return 0
-        # The query at position p reads positions > p - window; block j ends at position (j + 1) * block_size - 1,
-        # so blocks j < (p - window + 1) // block_size are unread (all of them full, since window >= 1).
-        return max(0, (num_computed_tokens - window + 1) // self.block_size)
+        return sum(g.release_out_of_window(request, caching=self.enable_caching) for g in self.groups)
 
     def max_blocks_held(self, num_kv_tokens: int, max_chunk: int) -> int:
-        """The most blocks a request holds at once (lent blocks aside) on its way to `num_kv_tokens` tokens of
-        KV, when a step computes at most `max_chunk` of its tokens and allocates their blocks before it runs.
+        """The most blocks (all groups) a request holds at once (lent blocks aside) on its way to `num_kv_tokens`
+        tokens of KV, when a step computes at most `max_chunk` of its tokens and allocates their blocks before it
+        runs.
 
-        A step from p computed tokens computing n = min(max_chunk, num_kv_tokens - p) tokens holds
+        A step from p computed tokens computing n = min(max_chunk, num_kv_tokens - p) tokens holds, in a group,
         cdiv(p + n, block_size) blocks less the leading ones unread from p on: released after the previous step,
         or never taken from a prefix hit ending at p (`get_computed_blocks`). Any p can start a step of that
         size (a preempted request recomputes everything in chunks), so this is the maximum over p; without a
-        window it is cdiv(num_kv_tokens, block_size).
+        window it is cdiv(num_kv_tokens, block_size) per group.
         """
-        T, B, C, W = num_kv_tokens, self.block_size, max_chunk, self.sliding_window
-        if W is None or T <= C:  # (with T <= C, p = 0 computes everything at once: nothing is released yet)
-            return cdiv(T, B)
-        # Past p = T - C the step ends at T and more is released: no larger. Before p = W - 1 nothing is
-        # released and the count grows with p; from there on it repeats with period B. So a few p suffice.
+        T, B, C = num_kv_tokens, self.block_size, max_chunk
+        windows = [w for w in self.group_windows if w is not None]
+        if not windows or T <= C:  # (with T <= C, p = 0 computes everything at once: nothing is released yet)
+            return len(self.groups) * cdiv(T, B)
+        # Past p = T - C the step ends at T and more is released: no larger. Between two windows' thresholds
+        # (p = W - 1, from where a window group's count repeats with period B while the others' only grow), the
+        # count one block size later is no smaller, so the maximum is among the last B starts before each
+        # threshold or before T - C.
         last = T - C
-        starts = {min(W - 2, last), *range(max(W - 1, last - B + 1), last + 1)}
-        return max(cdiv(p + C, B) - self._num_unread_blocks(p) for p in starts if p >= 0)
+        starts = set(range(max(0, last - B + 1), last + 1))
+        for w in windows:
+            starts.update(range(max(0, w - 1 - B), min(w - 1, last + 1)))
+        return max(sum(g.blocks_held_at(p, C) for g in self.groups) for p in starts)
 
     def max_kv_tokens_held(self, max_chunk: int, limit: int) -> int:
         """The most tokens of KV (at most `limit`) one request can reach in this pool: the largest T whose
@@ -411,40 +360,32 @@ class KVCacheManager:
 
     # -- fused decode -----------------------------------------------------------------------
 
-    def lend_blocks(self, n: int) -> list[int] | None:
-        """Lend `n` free blocks to the device (all or nothing; may evict cached blocks).
+    def lend_blocks(self, n: int):
+        """Lend `n` free blocks per group to the device (all or nothing; may evict cached blocks).
 
         Each lent block has ref_cnt 1, held by the lender, and no hash. Returns None if fewer are free.
         """
-        blocks = self.block_pool.allocate(n)
-        if blocks is not None:
-            self._lent.update(blocks)
-        return blocks
+        if n * len(self.groups) > self.block_pool.num_free_blocks:
+            return None
+        return self._out([g.lend(n) for g in self.groups])
 
-    def return_lent_blocks(self, block_ids: Sequence[int]) -> None:
-        """Take back lent blocks the device did not use: they rejoin the free queue as unhashed blocks."""
-        ids = [int(b) for b in block_ids]
-        self._check_lent(ids)
-        self._lent.difference_update(ids)
-        self.block_pool.free(reversed(ids))
+    def return_lent_blocks(self, block_ids) -> None:
+        """Take back lent blocks the device did not use (per group for several): they rejoin the free queue as
+        unhashed blocks."""
+        per_group = [[int(b) for b in ids] for ids in self._in(block_ids, "return_lent_blocks")]
+        for group, ids in zip(self.groups, per_group, strict=True):
+            group.check_lent(ids)
+        for group, ids in zip(self.groups, per_group, strict=True):
+            group.return_lent(ids)
 
-    def adopt_blocks(self, request: Request, block_ids: Sequence[int]) -> None:
-        """Append lent blocks (in the order the device popped them) to the request's blocks; the
-        lender's reference becomes the request's."""
-        ids = [int(b) for b in block_ids]
-        self._check_lent(ids)
-        rid = request.request_id
-        if rid not in self._req_blocks:
-            raise ValueError(f"request {rid!r} holds no blocks; it cannot adopt any")
-        self._lent.difference_update(ids)
-        self._req_blocks[rid].extend(ids)
-
-    def _check_lent(self, ids: list[int]) -> None:
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"duplicate block ids in {ids}")
-        not_lent = [b for b in ids if b not in self._lent]
-        if not_lent:
-            raise ValueError(f"blocks {not_lent} are not lent")
+    def adopt_blocks(self, request: Request, block_ids) -> None:
+        """Append lent blocks (in the order the device popped them; per group for several) to the request's
+        blocks; the lender's reference becomes the request's."""
+        per_group = [[int(b) for b in ids] for ids in self._in(block_ids, "adopt_blocks")]
+        for group, ids in zip(self.groups, per_group, strict=True):
+            group.check_lent(ids)
+        for group, ids in zip(self.groups, per_group, strict=True):
+            group.adopt(request.request_id, ids)
 
 
 def _recomputes_prompt(request: Request) -> bool:

@@ -41,6 +41,9 @@ class KVMemoryStats:
     # None unless computed (`with_free_runs`: O(num_blocks)).
     free_runs: int | None
     largest_free_run: int | None
+    # Blocks held by requests in each KV cache group (`pagedjax.config.kv_layout`; one entry for a model of one
+    # group): a window group's stay within its window while a full group's grow with the context.
+    group_blocks: tuple[int, ...] = ()
 
     @property
     def slots_wasted(self) -> int:
@@ -74,16 +77,19 @@ def kv_memory_stats(manager: KVCacheManager, requests: Iterable[Request], *,
     bs = manager.block_size
     pool = manager.block_pool
     filled: dict[int, int] = {}  # held block -> slots of it holding computed KV
+    group_held: list[set[int]] = [set() for _ in range(manager.num_groups)]
     partial = 0
     for r in requests:
-        blocks = manager.get_block_ids(r.request_id)
-        if not blocks:
+        if not manager.num_held_blocks(r.request_id):
             continue
-        for i, b in enumerate(blocks):
-            if b == RELEASED:  # out of the sliding window: back in the pool
-                continue
-            filled[b] = max(filled.get(b, 0), min(bs, max(0, r.num_computed_tokens - i * bs)))
-        partial += len(blocks) * bs > r.num_computed_tokens
+        per_group = manager.per_group(manager.get_block_ids(r.request_id))
+        for held, blocks in zip(group_held, per_group, strict=True):
+            for i, b in enumerate(blocks):
+                if b == RELEASED:  # out of the sliding window: back in the pool
+                    continue
+                held.add(b)
+                filled[b] = max(filled.get(b, 0), min(bs, max(0, r.num_computed_tokens - i * bs)))
+        partial += len(per_group[0]) * bs > r.num_computed_tokens
     reserved = len(filled) * bs
     used = sum(filled.values())
     free_runs = largest = None
@@ -99,7 +105,8 @@ def kv_memory_stats(manager: KVCacheManager, requests: Iterable[Request], *,
     return KVMemoryStats(
         num_blocks=pool.num_blocks, block_size=bs, num_used_blocks=pool.num_used, num_free_blocks=pool.num_free,
         num_cached_blocks=pool.num_cached, num_lent_blocks=len(manager.lent_block_ids), slots_reserved=reserved,
-        slots_used=used, num_partial_blocks=partial, free_runs=free_runs, largest_free_run=largest)
+        slots_used=used, num_partial_blocks=partial, free_runs=free_runs, largest_free_run=largest,
+        group_blocks=tuple(len(held) for held in group_held))
 
 
 class ContiguousAllocator:

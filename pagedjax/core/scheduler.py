@@ -73,7 +73,13 @@ from pagedjax.core.invariants import check_scheduler_invariants
 from pagedjax.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedjax.core.memory_stats import KVMemoryStats, kv_memory_stats
 from pagedjax.core.request import Request, RequestStatus, SampleGroup, make_sample, sample_id
-from pagedjax.core.step_plan import FusedDecode, StepPlan, build_step_plan, claim_lent_blocks
+from pagedjax.core.step_plan import (
+    FusedDecode,
+    StepPlan,
+    build_step_plan,
+    claim_lent_blocks,
+    unclaimed_lent_blocks,
+)
 from pagedjax.core.step_result import StepResult, emitted_tokens
 
 
@@ -106,12 +112,14 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, *,
-                 sliding_window: int | None = None, max_loras: int | None = None, images: int | None = None,
+                 sliding_window: int | None = None, group_windows: Sequence[int | None] | None = None,
+                 max_loras: int | None = None, images: int | None = None,
                  bidirectional_images: bool = False) -> None:
-        """`sliding_window`: the model's `kv_window` (no layer reads positions older than p - window from
-        position p; None when some layer attends globally): running requests release blocks that fell out of
-        it after each step. `max_loras`: the most distinct adapters running requests may use (None: no limit;
-        see the module's docstring). `images`: requests may carry images of this many placeholder tokens each
+        """`sliding_window`: the window of a model of one KV cache group (no layer reads positions older than
+        p - window from position p; None: every layer reads everything), `group_windows` one per group of a model
+        of several (`ModelSpec.kv_layout.windows`): running requests release a window group's blocks that fell
+        out of its window after each step. `max_loras`: the most distinct adapters running requests may use (None:
+        no limit; see the module's docstring). `images`: requests may carry images of this many placeholder tokens each
         (`scheduler_config`'s encoder budgets resolved: `SchedulerConfig.resolve_images`), whose tokens attend to each
         other both ways where `bidirectional_images`."""
         if scheduler_config.max_model_len is None:
@@ -121,7 +129,8 @@ class Scheduler:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
-        self.kv_cache_manager = KVCacheManager.from_config(cache_config, num_blocks, sliding_window=sliding_window)
+        self.kv_cache_manager = KVCacheManager.from_config(cache_config, num_blocks, sliding_window=sliding_window,
+                                                           group_windows=group_windows)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -183,10 +192,12 @@ class Scheduler:
         chunk = self.scheduler_config.max_num_batched_tokens
         need = kv.max_blocks_held(self.max_kv_tokens(request), chunk)
         if need > kv.num_blocks:
-            why = "" if kv.sliding_window is None else \
-                f" at once (its {kv.sliding_window}-token sliding window and a step of up to {chunk} tokens)"
+            windows = sorted({w for w in kv.group_windows if w is not None})
+            groups = f" in its {kv.num_groups} KV cache groups" if kv.num_groups > 1 else ""
+            why = "" if not windows else (f" at once (its {'/'.join(map(str, windows))}-token sliding window"
+                                          f"{'s' * (len(windows) > 1)} and a step of up to {chunk} tokens)")
             raise ValueError(f"request {rid!r}: its prompt and max_tokens may need {need} blocks of {self.block_size}"
-                             f" tokens{why}, more than the whole pool of {kv.num_blocks} blocks")
+                             f" tokens{groups}{why}, more than the whole pool of {kv.num_blocks} blocks")
 
     def _check_images(self, request: Request) -> None:
         rid = request.request_id
@@ -455,7 +466,17 @@ class Scheduler:
         kv = self.kv_cache_manager
         while cap and kv.allocate_slots(request, 1 + cap) is None:
             cap -= 1
-        return (cap, tuple(kv.get_block_ids(request.request_id))) if cap else None
+        if not cap:
+            return None
+        return cap, tuple(kv.per_group(kv.get_block_ids(request.request_id))[self.draft_group])
+
+    @property
+    def draft_group(self) -> int:
+        """The KV cache group whose block ids a draft model's KV is addressed by: the first that keeps every block
+        (0 for a model of window groups only, for which the engine refuses a draft model: an n-gram proposer writes
+        no KV)."""
+        windows = self.kv_cache_manager.group_windows
+        return windows.index(None) if None in windows else 0
 
     def set_draft_tokens(self, request: Request, tokens: Sequence[int]) -> None:
         """Proposed tokens to follow a running decoding request's last token, verified by its next step (each
@@ -571,7 +592,7 @@ class Scheduler:
                     skipped = True
                     continue
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-                if in_flight and kv.next_block_hash(request, len(hit_blocks)) in in_flight:
+                if in_flight and kv.next_block_hash(request, num_hit_tokens // self.block_size) in in_flight:
                     skipped = True
                     continue
                 gap = request.num_tokens - num_hit_tokens
@@ -774,7 +795,8 @@ class Scheduler:
         block_ids = {r.request_id: kv.get_block_ids(r.request_id) for r, _ in scheduled}
         cache = self.encoder_cache
         plan = build_step_plan(scheduled, block_ids, self.block_size, block_copies=kv.take_block_copies(),
-                               image_slots=None if cache is None else cache.slot_of, **kwargs)
+                               image_slots=None if cache is None else cache.slot_of, num_groups=kv.num_groups,
+                               **kwargs)
         if cache is not None:
             plan.encode_images = [(im, cache.slot_of(im.content_hash)) for im in self._step_encodes]
             self._step_encodes = []
@@ -837,7 +859,7 @@ class Scheduler:
                 else kv_lens[i]
             if plan.fused is not None:
                 adopted[rid] = claim_lent_blocks(plan, result.block_tables, i, rid, kv.get_block_ids(rid),
-                                                 cdiv(computed, self.block_size), claimed)
+                                                 cdiv(computed, self.block_size), claimed, kv.num_groups)
             outcomes.append((request, emitted, computed, status, emits[i] and request.prefill_only))
         # 2. apply
         finished: list[Request] = []
@@ -851,7 +873,7 @@ class Scheduler:
             if emitted:
                 request.output_token_ids.extend(emitted)
                 request.paused = request.hold
-            if adopted.get(request.request_id):
+            if request.request_id in adopted:
                 kv.adopt_blocks(request, adopted[request.request_id])
             kv.cache_blocks(request)
             if status is not None:
@@ -862,7 +884,7 @@ class Scheduler:
                 kv.release_out_of_window(request)
                 self._release_images(request, keep_started=True)
         if plan.fused is not None:
-            kv.return_lent_blocks([b for b in plan.fused.lent_block_ids.tolist() if b not in claimed])
+            kv.return_lent_blocks(unclaimed_lent_blocks(plan, claimed, kv.num_groups))
             self._pending_fused = None
         if finished:
             self.running = [r for r in self.running if not r.is_finished]

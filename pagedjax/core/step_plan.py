@@ -29,7 +29,9 @@ class StepPlan:
     after seq (ragged): sequence s owns `token_ids[cu_q_lens[s]:cu_q_lens[s+1]]`, at positions
     `kv_lens[s] - q_len[s] ... kv_lens[s] - 1`, and attends to its first `kv_lens[s]` tokens through
     `block_tables[s]`. `slot_mapping[t] = block_id * block_size + offset` is where token t's K/V goes
-    (-1 = padding / not written; in a plain step every token has a slot).
+    (-1 = padding / not written; in a plain step every token has a slot). A model of several KV cache groups has a
+    table and a slot mapping per group: `block_tables [num_groups, num_seqs, max_blocks]`, `slot_mapping
+    [num_groups, num_tokens]` (and a fused decode's lent blocks `[num_groups, num_lent]`).
     """
 
     request_ids: list[str]
@@ -37,8 +39,8 @@ class StepPlan:
     positions: np.ndarray  # int32 [num_tokens]
     cu_q_lens: np.ndarray  # int32 [num_seqs + 1]
     kv_lens: np.ndarray  # int32 [num_seqs]: context length including this step's tokens
-    block_tables: np.ndarray  # int32 [num_seqs, max_blocks_per_seq], padded with 0
-    slot_mapping: np.ndarray  # int32 [num_tokens]
+    block_tables: np.ndarray  # int32 [(num_groups,) num_seqs, max_blocks_per_seq], padded with 0
+    slot_mapping: np.ndarray  # int32 [(num_groups,) num_tokens]
     emits_token: np.ndarray  # bool [num_seqs]: the seq's last scheduled token is its last known token, so
     #                          the token sampled from its logits is its next output (False mid-prefill)
     preempted_request_ids: list[str] = field(default_factory=list)
@@ -83,6 +85,11 @@ class StepPlan:
     def is_empty(self) -> bool:
         return self.num_seqs == 0
 
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups: one table and slot mapping each (a leading axis when there are several)."""
+        return 1 if self.block_tables.ndim == 2 else self.block_tables.shape[0]
+
     @classmethod
     def empty(cls, preempted_request_ids: Sequence[str] = ()) -> StepPlan:
         return cls(request_ids=[], token_ids=_EMPTY_I32.copy(), positions=_EMPTY_I32.copy(),
@@ -103,12 +110,13 @@ class FusedDecode:
     `slot_mapping` entry is -1 (the device computes it; see `simulate_device_pops`).
 
     `lent_block_ids` is the stack of lent blocks, popped front to back, exactly enough for every sequence to write
-    `max_new_tokens[s]` tokens. `max_new_tokens[s] = min(num_steps, remaining max_tokens, max_model_len -
-    num_tokens)` (at least 1; see `Scheduler.max_new_tokens_left`): the device stops sequence s after that many
-    steps (or at a stop id).
+    `max_new_tokens[s]` tokens (with several KV cache groups one stack per group, `[num_groups, num_lent]`: every
+    group's table gains a block at the same steps). `max_new_tokens[s] = min(num_steps, remaining max_tokens,
+    max_model_len - num_tokens)` (at least 1; see `Scheduler.max_new_tokens_left`): the device stops sequence s
+    after that many steps (or at a stop id).
     """
 
-    lent_block_ids: np.ndarray  # int32 [num_lent]
+    lent_block_ids: np.ndarray  # int32 [(num_groups,) num_lent]
     max_new_tokens: np.ndarray  # int32 [num_seqs]
     num_steps: int
     block_size: int
@@ -129,9 +137,10 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
                     allow_missing_blocks: bool = False,
                     block_copies: Sequence[tuple[int, int]] = (),
                     draft_token_ids: Mapping[str, Sequence[int]] | None = None,
-                    image_slots: Callable[[str], int] | None = None) -> StepPlan:
+                    image_slots: Callable[[str], int] | None = None, num_groups: int = 1) -> StepPlan:
     """The step that advances each `(request, num_tokens)` of `scheduled` by `num_tokens` tokens from its
-    `num_computed_tokens`, through the blocks `block_ids[request_id]` it holds (in logical order).
+    `num_computed_tokens`, through the blocks `block_ids[request_id]` it holds (in logical order; with
+    `num_groups` > 1, one such sequence per KV cache group, and the plan's tables and slots per group).
 
     Decodes (num_tokens == 1) come first, then prefills, each group in the given order. `min_width` widens
     the block tables (a fused decode's tables must fit its later steps). Unless `allow_missing_blocks`
@@ -174,7 +183,7 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
         else:
             tokens.extend(r.get_token_ids(s, s + k - len(drafts)))
             tokens.extend(drafts)
-        rows.append(block_ids[r.request_id])
+        rows.append(block_ids[r.request_id] if num_groups > 1 else (block_ids[r.request_id],))
     q_lens = np.array(q_list, np.int32)
     starts = np.array(start_list, np.int32)
     kv_lens = starts + q_lens
@@ -182,24 +191,15 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
     np.cumsum(q_lens, out=cu_q_lens[1:])
     total = int(cu_q_lens[-1])
     token_ids = np.array(tokens, dtype=np.int32)
-
-    row_lens = np.fromiter(map(len, rows), np.int32, n)
-    width = max(int(row_lens.max()), min_width, 1)
-    block_tables = np.zeros((n, width), np.int32)
-    num_held = int(row_lens.sum())
-    if num_held:
-        flat = np.fromiter(itertools.chain.from_iterable(rows), np.int32, num_held)
-        block_tables[np.arange(width) < row_lens[:, None]] = flat  # row-major fill of each prefix
-
-    seq_of_token = np.repeat(np.arange(n), q_lens)
     positions = (np.arange(total, dtype=np.int32) - np.repeat(cu_q_lens[:-1], q_lens)
                  + np.repeat(starts, q_lens)).astype(np.int32)
-    logical = positions // bs
-    has_block = logical < row_lens[seq_of_token]
-    if not allow_missing_blocks and not has_block.all():
-        raise ValueError("a scheduled token has no block")
-    slot_mapping = block_tables[seq_of_token, np.minimum(logical, width - 1)] * bs + positions % bs
-    slot_mapping = np.where(has_block, slot_mapping, -1).astype(np.int32)
+    seq_of_token = np.repeat(np.arange(n), q_lens)
+    width = max(max(len(group_rows) for row in rows for group_rows in row), min_width, 1)
+    tables_slots = [_table_and_slots([row[g] for row in rows], width, seq_of_token, positions, bs,
+                                     allow_missing_blocks) for g in range(num_groups)]
+    tables, slots = zip(*tables_slots, strict=True)
+    block_tables = tables[0] if num_groups == 1 else np.stack(tables)
+    slot_mapping = slots[0] if num_groups == 1 else np.stack(slots)
 
     return StepPlan(
         request_ids=request_ids, token_ids=token_ids, positions=positions,
@@ -208,6 +208,25 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
         preempted_request_ids=list(preempted_request_ids), num_decodes=num_decodes,
         block_copies=np.array(block_copies, np.int32).reshape(-1, 2),
         num_drafts=np.array(drafts_list, np.int32) if draft_token_ids else None, image_segments=segments)
+
+
+def _table_and_slots(rows: list[Sequence[int]], width: int, seq_of_token: np.ndarray, positions: np.ndarray,
+                     block_size: int, allow_missing_blocks: bool) -> tuple[np.ndarray, np.ndarray]:
+    """One KV cache group's block table `[num_seqs, width]` (each row its blocks, padded with 0) and slot mapping
+    `[num_tokens]` (-1 where a token has no block yet: only with `allow_missing_blocks`)."""
+    n = len(rows)
+    row_lens = np.fromiter(map(len, rows), np.int32, n)
+    block_tables = np.zeros((n, width), np.int32)
+    num_held = int(row_lens.sum())
+    if num_held:
+        flat = np.fromiter(itertools.chain.from_iterable(rows), np.int32, num_held)
+        block_tables[np.arange(width) < row_lens[:, None]] = flat  # row-major fill of each prefix
+    logical = positions // block_size
+    has_block = logical < row_lens[seq_of_token]
+    if not allow_missing_blocks and not has_block.all():
+        raise ValueError("a scheduled token has no block")
+    slot_mapping = block_tables[seq_of_token, np.minimum(logical, width - 1)] * block_size + positions % block_size
+    return block_tables, np.where(has_block, slot_mapping, -1).astype(np.int32)
 
 
 def device_pop_step(block_tables: np.ndarray, seq_lens: np.ndarray, active: np.ndarray,
@@ -265,18 +284,25 @@ def simulate_device_pops(block_tables: np.ndarray, seq_lens: np.ndarray, lent_bl
     return tables, slots, popped
 
 
-def claim_lent_blocks(plan: StepPlan, block_tables: np.ndarray, i: int, request_id: str, held: Sequence[int],
-                      need: int, claimed: set[int]) -> list[int]:
+def claim_lent_blocks(plan: StepPlan, block_tables: np.ndarray, i: int, request_id: str, held, need: int,
+                      claimed: set[int], num_groups: int = 1):
     """The lent blocks sequence i of a fused decode adopts: those its row of the device's `block_tables` gained past
-    the `held` blocks, up to the `need` its new length needs (added to `claimed`). Changes nothing else;
-    RuntimeError if the device changed a block the host placed, kept a block that was not lent, or took one twice
-    (checked before anything is applied)."""
-    row = block_tables[i]
+    the `held` blocks, up to the `need` its new length needs (added to `claimed`); with `num_groups` > 1, per group
+    (`held`, the tables and the result). Changes nothing else; RuntimeError if the device changed a block the host
+    placed, kept a block that was not lent, or took one twice (checked before anything is applied)."""
+    if num_groups == 1:
+        return _claim(block_tables[i], plan.fused.lent_block_ids, request_id, held, need, claimed)
+    return tuple(_claim(block_tables[g, i], plan.fused.lent_block_ids[g], request_id, held[g], need, claimed)
+                 for g in range(num_groups))
+
+
+def _claim(row: np.ndarray, lent_block_ids: np.ndarray, request_id: str, held: Sequence[int], need: int,
+           claimed: set[int]) -> list[int]:
     if row[:len(held)].tolist() != list(held):
         raise RuntimeError(f"request {request_id!r}: the device changed blocks the host had placed "
                            f"({row[:len(held)].tolist()} != {list(held)})")
     new_blocks = row[len(held):need].tolist()
-    lent = set(plan.fused.lent_block_ids.tolist())
+    lent = set(lent_block_ids.tolist())
     bad = [b for b in new_blocks if b not in lent or b in claimed]
     if bad:
         raise RuntimeError(f"request {request_id!r}: table row holds blocks {bad} that were not lent or are claimed "
@@ -285,3 +311,12 @@ def claim_lent_blocks(plan: StepPlan, block_tables: np.ndarray, i: int, request_
         raise RuntimeError(f"request {request_id!r}: table row too narrow for {need} blocks")
     claimed.update(new_blocks)
     return new_blocks
+
+
+def unclaimed_lent_blocks(plan: StepPlan, claimed: set[int], num_groups: int = 1):
+    """A fused decode's lent blocks that no sequence claimed (`claim_lent_blocks`): back to the pool (per group
+    with `num_groups` > 1)."""
+    lent = plan.fused.lent_block_ids.tolist()
+    if num_groups == 1:
+        return [b for b in lent if b not in claimed]
+    return tuple([b for b in group if b not in claimed] for group in lent)

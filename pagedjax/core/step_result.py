@@ -33,7 +33,8 @@ class StepResult:
     `logprobs` (when the step computed them) holds per row `logprob f32[R]`, `top_ids i32[R, K]` and
     `top_logprobs f32[R, K]`; `prompt_logprobs` the same per token of the plan `[T]`, at the positions whose target
     token `prompt_targets[t] >= 0` (i32[T], the prompt token after position t). `block_tables` is a fused
-    decode's tables as the device left them (`[S, B]`; the host adopts the lent blocks they took).
+    decode's tables as the device left them (`[S, B]`, or `[num_groups, S, B]` with several KV cache groups; the
+    host adopts the lent blocks they took).
     """
 
     token_ids: np.ndarray  # int32 [R]
@@ -41,7 +42,7 @@ class StepResult:
     logprobs: Any = None
     prompt_logprobs: Any = None
     prompt_targets: np.ndarray | None = None  # int32 [T], with prompt_logprobs
-    block_tables: np.ndarray | None = None  # int32 [S, B], fused decodes only
+    block_tables: np.ndarray | None = None  # int32 [(num_groups,) S, B], fused decodes only
 
     @property
     def num_seqs(self) -> int:
@@ -66,7 +67,7 @@ class StepResult:
     def from_fused(cls, plan: StepPlan, sampled, block_tables, logprobs=None) -> StepResult:
         """The result of a fused decode: `sampled` int `[num_steps, >= S]` (negative: the sequence did not run that
         step), at most `plan.fused.max_new_tokens[s]` of sequence s's leading ones counted; `block_tables`
-        `[>= S, B]` as the device left them; `logprobs` arrays `[num_steps, S, ...]`."""
+        `[(num_groups,) >= S, B]` as the device left them; `logprobs` arrays `[num_steps, S, ...]`."""
         if plan.fused is None:
             raise ValueError("from_fused needs a fused decode's plan")
         n = plan.num_seqs
@@ -74,8 +75,10 @@ class StepResult:
         tables = np.asarray(block_tables)
         if sampled.ndim != 2 or sampled.shape[1] < n:
             raise ValueError(f"sampled_token_ids must be [num_steps, >= {n}], got {sampled.shape}")
-        if tables.ndim != 2 or tables.shape[0] < n:
-            raise ValueError(f"block_tables must be [>= {n}, max_blocks], got {tables.shape}")
+        groups = () if plan.num_groups == 1 else (plan.num_groups,)
+        if tables.ndim != len(groups) + 2 or tables.shape[:-2] != groups or tables.shape[-2] < n:
+            raise ValueError(f"block_tables must be [{'num_groups, ' * bool(groups)}>= {n}, max_blocks], got "
+                             f"{tables.shape}")
         columns = sampled[:, :n].T  # [S, num_steps]
         ran = np.cumprod(columns >= 0, axis=1).astype(bool)  # a sequence runs until its first skipped step
         ran &= np.arange(columns.shape[1]) < plan.fused.max_new_tokens[:, None]
@@ -84,7 +87,7 @@ class StepResult:
         np.cumsum(ran.sum(axis=1), out=cu[1:])
         if logprobs is not None:
             logprobs = type(logprobs)(*(a[step, seq] for a in logprobs))
-        return cls(columns[seq, step].astype(np.int32), cu, logprobs, block_tables=tables[:n])
+        return cls(columns[seq, step].astype(np.int32), cu, logprobs, block_tables=tables[..., :n, :])
 
 
 def emitted_tokens(drafts: Sequence[int], rows: Sequence[int]) -> list[int]:

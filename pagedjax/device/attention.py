@@ -9,6 +9,7 @@ backend "auto":   "pallas" on GPU and TPU, "xla" elsewhere. The engine logs whic
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import NamedTuple
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from pagedjax.config.engine import BACKENDS
-from pagedjax.device.kv_cache import LatentKV, LayerKV, SparseKV
+from pagedjax.config.kv_spec import LatentKV, LayerKV, SparseKV
 from pallas_kernels.quant import is_quantized
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,10 @@ class AttentionMetadata(NamedTuple):
     attend_until: None (causal), or `[num_tokens]`: token t also sees the keys up to position attend_until[t]
                   where that is past its own (an image's tokens attend to each other both ways, Gemma 3;
                   full-attention layers of ragged steps only, see `pallas_kernels.ragged_paged_attention`)
+
+    A model of several KV cache groups (`pagedjax.config.kv_layout`) has a block table and a slot mapping per
+    group: `slot_mapping [num_groups, num_tokens]`, `block_tables [num_groups, num_seqs, max_blocks_per_seq]`;
+    `group(g)` is one group's view, what a layer of group g attends with.
     """
 
     slot_mapping: jax.Array
@@ -41,6 +46,12 @@ class AttentionMetadata(NamedTuple):
     kv_lens: jax.Array
     cu_q_lens: jax.Array
     attend_until: jax.Array | None = None
+
+    def group(self, g: int) -> AttentionMetadata:
+        """KV cache group g's metadata (a one-group metadata, tables `[num_seqs, max_blocks]`, is its own)."""
+        if self.block_tables.ndim == 2:
+            return self
+        return self._replace(slot_mapping=self.slot_mapping[g], block_tables=self.block_tables[g])
 
 
 def resolve_backend(backend: str) -> str:
@@ -157,3 +168,26 @@ def sparse_attention(q_latent: jax.Array,  # [num_tokens, num_heads, kv_lora_ran
     scores = score(q_index, index_weights, layer.index_keys, tables, lens, *ragged, **indexer)
     selected = pallas_kernels.top_k_positions(scores, index_topk)  # [num_tokens, index_topk], -1 = none
     return attend(q_latent, q_rope, layer.pages, tables, lens, *ragged, selected, **attention)
+
+
+def probe_attention(spec, layer, *, heads: int, dtype, decode_only: bool, backend: str) -> None:
+    """Trace (no compile, no run) one decode or ragged attention call of `spec`'s kind over `layer`'s pages (one
+    device's shapes; `heads` query heads of `dtype`), so that a combination the backend rejects fails with the
+    kernels' own reason. A kind of a model's own (its layers attend by themselves) is not probed."""
+    tokens = 1 if decode_only else 16
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    meta = AttentionMetadata(i32(tokens), i32(1, 2), i32(1), i32(2))
+    q = lambda width, h=heads: jax.ShapeDtypeStruct((tokens, h, width), dtype)
+    options = dict(backend=backend, decode_only=decode_only)
+    calls = {  # the attention call of each built-in kind and its abstract query arguments
+        "full": lambda: (functools.partial(paged_attention, **options), (q(spec.head_dim),)),
+        "latent": lambda: (functools.partial(latent_attention, scale=1.0, **options),
+                           (q(spec.kv_lora_rank), q(spec.rope_dim))),
+        "sparse": lambda: (functools.partial(sparse_attention, scale=1.0, index_scale=1.0,
+                                             index_topk=spec.index_topk, **options),
+                           (q(spec.kv_lora_rank), q(spec.rope_dim), q(spec.index_head_dim, 1),
+                            jax.ShapeDtypeStruct((tokens, 1), jnp.float32))),
+    }
+    if spec.kind in calls:
+        attend, args = calls[spec.kind]()
+        jax.eval_shape(attend, *args, layer, meta)

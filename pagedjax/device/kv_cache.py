@@ -1,16 +1,17 @@
 """The paged KV cache as a pytree, and writing new entries into it by slot mapping.
 
-What a layer's token slot holds is its `KVLayerSpec` (`pagedjax.config.kv_spec`, declared in
-`ModelSpec.kv_layers`); its pages have the layout the kernels take:
+What a layer's token slot holds is its KV cache spec (`pagedjax.config.kv_spec`, declared in
+`ModelSpec.kv_layers`), which states its page arrays (`page_shapes`) in its kind's container:
   - `FullAttention`: `LayerKV`, `k` and `v` pages `[num_kv_heads, num_blocks, block_size, head_dim]` (with 8-bit
     pages, their scales `[num_kv_heads, num_blocks, block_size]` beside them);
   - `LatentAttention`: `LatentKV`, pages `[num_blocks, block_size, kv_lora_rank + rope_dim]` (with 8-bit pages,
     scales `[num_blocks, block_size]`);
   - `IndexedSparse`: `SparseKV`, those latent pages and the indexer keys `[num_blocks, block_size,
     index_head_dim]` (8-bit: each with its scales).
-The cache holds one such set per layer (a tuple of `num_layers` of them) rather than one stacked
-`[num_layers, ...]` array: a kernel is a custom call whose operands XLA must materialise, so slicing a layer out
-of a stacked array would copy that layer's whole pool on every layer of every step. Per-layer leaves are donated
+The cache holds one such set per page array (slot) of the model's KV cache layout (`pagedjax.config.kv_layout`:
+a slot serves one layer of each KV cache group; a model of one group has one slot per layer) rather than one
+stacked `[num_slots, ...]` array: a kernel is a custom call whose operands XLA must materialise, so slicing a layer
+out of a stacked array would copy that layer's whole pool on every layer of every step. Per-slot leaves are donated
 to each jitted step and updated in place. `stacked()` gives the `[num_layers, ...]` view of a full-attention
 cache.
 
@@ -26,68 +27,35 @@ import jax
 import jax.numpy as jnp
 
 from pagedjax.config.cache import KV_SCALE_BYTES
-from pagedjax.config.kv_spec import FullAttention, IndexedSparse, KVLayerSpec, LatentAttention
+from pagedjax.config.kv_layout import KVCacheLayout, kv_cache_layout
+from pagedjax.config.kv_spec import KVCacheSpec, LatentKV, LayerKV, SparseKV
 from pallas_kernels.quant import is_quantized, quantize_kv
 
-SCALE_DTYPE = jnp.dtype(jnp.float32)  # of 8-bit pages' scales (`config.KV_SCALE_BYTES` bytes)
+__all__ = ["KVCache", "LatentKV", "LayerKV", "PagedLayer", "SparseKV", "copy_blocks", "init_kv_cache",
+           "layer_shapes", "write_kv", "write_latent", "write_sparse"]
 
-
-class LayerKV(NamedTuple):
-    """One layer's pages. k, v: `[num_kv_heads, num_blocks, block_size, head_dim]`; k_scales, v_scales: float32
-    `[num_kv_heads, num_blocks, block_size]` when k/v hold 8-bit values (`pallas_kernels.quant`), else None."""
-
-    k: jax.Array
-    v: jax.Array
-    k_scales: jax.Array | None = None
-    v_scales: jax.Array | None = None
-
-
-class LatentKV(NamedTuple):
-    """One MLA layer's pages (`LatentAttention`). pages: `[num_blocks, block_size, kv_lora_rank + rope_dim]`, per
-    token its latent c_kv then its rotary key; scales: float32 `[num_blocks, block_size]` when the pages hold 8-bit
-    values, else None."""
-
-    pages: jax.Array
-    scales: jax.Array | None = None
-
-
-class SparseKV(NamedTuple):
-    """One DSA layer's pages (`IndexedSparse`): the latent pages of `LatentKV` and, in the same blocks, the
-    indexer keys `[num_blocks, block_size, index_head_dim]`; scales: float32 `[num_blocks, block_size]` each when
-    the pages hold 8-bit values, else None."""
-
-    pages: jax.Array
-    index_keys: jax.Array
-    scales: jax.Array | None = None
-    index_scales: jax.Array | None = None
-
-    @property
-    def latent(self) -> LatentKV:
-        return LatentKV(self.pages, self.scales)
-
-
-PagedLayer = LayerKV | LatentKV | SparseKV
-BLOCK_AXIS = {LayerKV: 1, LatentKV: 0, SparseKV: 0}  # where each layer kind's arrays keep their blocks
+PagedLayer = LayerKV | LatentKV | SparseKV  # the built-in kinds' containers (a model's own kind has its own)
 
 
 class KVCache(NamedTuple):
-    """`layers[l]`: layer l's pages (`LayerKV` or `LatentKV`, by its spec)."""
+    """`layers[s]`: page array (slot) s's pages, in its spec's container (`LayerKV`, `LatentKV`, ...)."""
 
-    layers: tuple[PagedLayer, ...]
+    layers: tuple[NamedTuple, ...]
 
     @property
     def num_layers(self) -> int:
+        """Page arrays (slots) held: the model's layers, for a model of one KV cache group."""
         return len(self.layers)
 
     @property
     def num_blocks(self) -> int:
         first = self.layers[0]
-        return first[0].shape[BLOCK_AXIS[type(first)]]
+        return first[0].shape[type(first).block_axis]
 
     @property
     def block_size(self) -> int:
         first = self.layers[0]
-        return first[0].shape[BLOCK_AXIS[type(first)] + 1]
+        return first[0].shape[type(first).block_axis + 1]
 
     @property
     def nbytes(self) -> int:
@@ -107,53 +75,48 @@ class KVCache(NamedTuple):
         return jnp.stack([layer.k for layer in self.layers]), jnp.stack([layer.v for layer in self.layers])
 
 
-def layer_shapes(spec: KVLayerSpec, num_blocks: int, block_size: int, dtype, *,
-                 num_kv_heads: int | None = None) -> PagedLayer:
-    """The arrays (`jax.ShapeDtypeStruct`s) of one layer's pages for its spec; an 8-bit `dtype` (int8,
-    float8_e4m3fn) adds float32 scales. `num_kv_heads`: the full-attention heads stored, when it differs from the
-    spec's (tensor parallelism past the KV heads repeats each)."""
+def layer_shapes(spec: KVCacheSpec, num_blocks: int, block_size: int, dtype, *,
+                 num_kv_heads: int | None = None) -> NamedTuple:
+    """The arrays (`jax.ShapeDtypeStruct`s) of one layer's pages for its spec (`spec.page_shapes`); an 8-bit
+    `dtype` (int8, float8_e4m3fn) adds float32 scales. `num_kv_heads`: per-head pages' heads as stored, when it
+    differs from the spec's (tensor parallelism past the KV heads repeats each)."""
     dtype = jnp.dtype(dtype)
-    quantized = is_quantized(dtype)
-    if isinstance(spec, FullAttention):
-        heads = spec.num_kv_heads if num_kv_heads is None else num_kv_heads
-        pages = jax.ShapeDtypeStruct((heads, num_blocks, block_size, spec.head_dim), dtype)
-        scales = jax.ShapeDtypeStruct((heads, num_blocks, block_size), SCALE_DTYPE) if quantized else None
-        return LayerKV(pages, pages, scales, scales)
-    scales = jax.ShapeDtypeStruct((num_blocks, block_size), SCALE_DTYPE) if quantized else None
-    pages = lambda width: jax.ShapeDtypeStruct((num_blocks, block_size, width), dtype)
-    if isinstance(spec, LatentAttention):
-        return LatentKV(pages(spec.entry_dim), scales)
-    if isinstance(spec, IndexedSparse):
-        return SparseKV(pages(spec.entry_dim), pages(spec.index_head_dim), scales, scales)
-    raise TypeError(f"no KV pages for a layer spec of type {type(spec).__name__}")
+    shapes = spec.page_shapes(num_blocks, block_size, dtype.name, quantized=is_quantized(dtype),
+                              num_kv_heads=num_kv_heads)
+    return type(shapes)(*(None if a is None else jax.ShapeDtypeStruct(a.shape, jnp.dtype(a.dtype))
+                          for a in shapes))
 
 
-def init_kv_cache(layers: tuple[KVLayerSpec, ...], num_blocks: int, block_size: int, dtype=jnp.float32, *,
-                  num_kv_heads: int | None = None, sharding_of=None) -> KVCache:
-    """A zero-filled cache of `num_blocks` blocks of `block_size` slots for each layer spec (`layer_shapes`;
-    zero scales with zero values dequantize to exact zeros, as float pages start). `sharding_of(kind)` gives the
-    sharding of a layer kind's arrays (`LayerKV` / `LatentKV`): each device then allocates only its own shard.
-    `num_kv_heads`: see `layer_shapes`."""
+def init_kv_cache(layout: KVCacheLayout | tuple[KVCacheSpec, ...], num_blocks: int, block_size: int,
+                  dtype=jnp.float32, *, num_kv_heads: int | None = None, sharding_of=None) -> KVCache:
+    """A zero-filled cache of `num_blocks` blocks of `block_size` slots for each page array of `layout` (a
+    `KVCacheLayout`, or a model's per-layer specs, whose layout it is: `ModelSpec.kv_layout`) (`layer_shapes`;
+    zero scales with zero values dequantize to exact zeros, as float pages start). `sharding_of(spec)` gives the
+    sharding of a spec's arrays: each device then allocates only its own shard. `num_kv_heads`: see
+    `layer_shapes`."""
+    if not isinstance(layout, KVCacheLayout):
+        layout = kv_cache_layout(tuple(layout))
     dtype = jnp.dtype(dtype)
     makers: dict = {}
 
-    def zeros(shape: jax.ShapeDtypeStruct | None, kind):
+    def zeros(shape: jax.ShapeDtypeStruct | None, spec: KVCacheSpec):
         if shape is None:
             return None
-        key = (shape.shape, shape.dtype, kind)
+        sharded = sharding_of is not None and spec.splits_kv_heads
+        key = (shape.shape, shape.dtype, sharded)
         if key not in makers:  # traced once per shape, called per array
             make = lambda: jnp.zeros(shape.shape, shape.dtype)
-            makers[key] = make if sharding_of is None else jax.jit(make, out_shardings=sharding_of(kind))
+            makers[key] = make if sharding_of is None else jax.jit(make, out_shardings=sharding_of(spec))
         return makers[key]()
 
     cache = KVCache(tuple(
-        type(shapes)(*(zeros(a, type(shapes)) for a in shapes))
-        for shapes in (layer_shapes(spec, num_blocks, block_size, dtype, num_kv_heads=num_kv_heads)
-                       for spec in layers)))
+        type(shapes)(*(zeros(a, spec) for a in shapes))
+        for spec, shapes in ((spec, layer_shapes(spec, num_blocks, block_size, dtype, num_kv_heads=num_kv_heads))
+                             for spec in layout.slot_specs)))
     scale_bytes = KV_SCALE_BYTES if is_quantized(dtype) else 0
     element = 1 if scale_bytes else dtype.itemsize
     if num_kv_heads is None:
-        assert cache.nbytes == num_blocks * block_size * sum(s.bytes_per_token(element, scale_bytes) for s in layers)
+        assert cache.nbytes == num_blocks * layout.bytes_per_block(block_size, element, scale_bytes)
     return cache
 
 
@@ -246,9 +209,8 @@ def copy_blocks(kv_cache: KVCache, block_copies: jax.Array) -> KVCache:
     src, dst = block_copies[:, 0], block_copies[:, 1]
     dst = jnp.where(dst < 0, kv_cache.num_blocks, dst)  # out of bounds: dropped
 
-    def copy_layer(layer: PagedLayer) -> PagedLayer:
-        if BLOCK_AXIS[type(layer)] == 0:
-            return jax.tree.map(lambda x: x.at[dst].set(x[src], mode="drop"), layer)
-        return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src], mode="drop"), layer)
+    def copy_layer(layer: NamedTuple) -> NamedTuple:
+        where = (slice(None),) * type(layer).block_axis  # the axes before the blocks
+        return jax.tree.map(lambda x: x.at[(*where, dst)].set(x[(*where, src)], mode="drop"), layer)
 
     return KVCache(tuple(copy_layer(layer) for layer in kv_cache.layers))

@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 # Fields of EngineStats that combine otherwise than by adding up: times (replicas step concurrently: the slowest
 # replica's), and each replica's own layout (the same on every replica: the first's).
 _SLOWEST = frozenset({"steps", "elapsed_s", "device_s", "compile_s", "warmup_s", "encoder_s"})
-_PER_REPLICA = frozenset({"tensor_parallel_size", "kv_cache_bytes_per_device", "kv_dtype", "kv_bytes_per_token"})
+_PER_REPLICA = frozenset({"tensor_parallel_size", "kv_cache_bytes_per_device", "kv_dtype", "kv_bytes_per_token",
+                          "kv_bytes_per_block"})
 
 
 def combined_stats(replicas: Sequence[EngineStats], requests_per_replica: Sequence[int]) -> EngineStats:
@@ -62,14 +63,16 @@ def combined_stats(replicas: Sequence[EngineStats], requests_per_replica: Sequen
 
 def _summed(stats):
     """Dataclass snapshots of the same type, their int fields added up (a `largest_*` one: the largest; nested
-    snapshots likewise); other fields (a block size, None for an uncomputed count) are the first one's unless
-    they differ (then None)."""
+    snapshots likewise; tuples of ints, one per KV cache group, element by element); other fields (a block size,
+    None for an uncomputed count) are the first one's unless they differ (then None)."""
     stats = list(stats)
     values = {}
     for f in dataclasses.fields(stats[0]):
         vals = [getattr(x, f.name) for x in stats]
         if dataclasses.is_dataclass(vals[0]):
             values[f.name] = _summed(vals)
+        elif isinstance(vals[0], tuple) and all(isinstance(v, int) for t in vals for v in t):
+            values[f.name] = tuple(map(sum, zip(*vals, strict=True)))
         elif f.name == "block_size" or not all(isinstance(v, int) for v in vals):
             values[f.name] = vals[0] if all(v == vals[0] for v in vals) else None
         elif f.name.startswith("largest"):

@@ -189,9 +189,10 @@ class LLMEngine:
             self.num_blocks = self.cache_config.resolve_num_blocks(per_device_model(spec, mesh.size))
         else:
             self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if draft is None else draft.spec)
-        # Blocks out of every layer's sliding window go back to the pool while requests run.
+        # One block table per KV cache group; a window group's blocks out of its window go back to the pool while
+        # requests run.
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
-                                   sliding_window=spec.kv_window,
+                                   group_windows=spec.kv_layout.windows,
                                    max_loras=None if lora_config is None else lora_config.max_loras,
                                    images=None if images is None else images.tokens_per_image,
                                    bidirectional_images=images is not None and images.bidirectional)
@@ -624,6 +625,8 @@ class LLMEngine:
         programs = [self.runner.programs]
         if self.speculator is not None and self.speculator.draft is not None:
             programs.append(self.speculator.draft.runner.programs)
+        layout = self.model_spec.kv_layout
+        block_bytes = self.runner.kv_cache.nbytes_per_device // self.num_blocks
         return EngineStats(
             steps=self._steps,
             fused_decode_calls=self._fused_calls,
@@ -646,8 +649,9 @@ class LLMEngine:
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,
             kv_dtype=self.cache_config.resolve_kv_dtype(self.model_spec),
-            kv_bytes_per_token=self.runner.kv_cache.nbytes_per_device // (self.num_blocks
-                                                                          * self.cache_config.block_size),
+            kv_bytes_per_token=layout.num_groups * block_bytes // self.cache_config.block_size,
+            kv_bytes_per_block=block_bytes,
+            kv_groups=tuple(layout.group_name(g) for g in range(layout.num_groups)),
         )
 
     def stats_dict(self) -> dict:

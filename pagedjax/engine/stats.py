@@ -30,7 +30,10 @@ class EngineStats:
     tensor_parallel_size: int = 1  # devices the model and its KV pool are sharded over
     kv_cache_bytes_per_device: int = 0  # the KV pool's bytes on each of those devices
     kv_dtype: str = ""  # the KV cache's dtype ("int8", "fp8": 8-bit pages with scales; see CacheConfig.kv_dtype)
-    kv_bytes_per_token: int = 0  # KV bytes one cached token takes on each device (its KV heads, scales included)
+    kv_bytes_per_token: int = 0  # KV bytes one cached token takes on each device in every KV cache group (its KV
+    #                              heads, scales included)
+    kv_bytes_per_block: int = 0  # KV bytes of one block on each device, whichever group holds it
+    kv_groups: tuple[str, ...] = ()  # the KV cache groups by name ("full", "window-128", ...: `KVCacheLayout`)
     programs_loaded: int = 0  # of `compilations`, loaded from the persistent compilation cache instead of compiled
     compiled_programs: int = 0  # held now: at most LLMEngine's max_compiled_programs (the least recently used go)
     stand_in_steps: int = 0  # steps run on a bigger compiled program while their own compiled in the background
@@ -64,6 +67,11 @@ class EngineStats:
         return self.generated_tokens / self.step_s if self.step_s > 0 else 0.0
 
     @property
+    def kv_group_bytes(self) -> tuple[int, ...]:
+        """KV bytes the requests hold in each KV cache group now (on each device)."""
+        return tuple(n * self.kv_bytes_per_block for n in self.scheduler.memory.group_blocks)
+
+    @property
     def spec_acceptance_rate(self) -> float:
         """Accepted proposals per proposal verified."""
         return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else 0.0
@@ -78,6 +86,7 @@ def stats_dict(s: EngineStats) -> dict:
     """`EngineStats` as nested plain data (JSON-ready), derived rates included (replicas' too)."""
     d = dataclasses.asdict(s)
     d["tokens_per_s"] = s.tokens_per_s
+    d["kv_group_bytes"] = list(s.kv_group_bytes)
     d["step_s"] = s.step_s
     d["programs_compiled"] = s.programs_compiled
     d["spec_acceptance_rate"] = s.spec_acceptance_rate

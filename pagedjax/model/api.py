@@ -136,8 +136,12 @@ class ImageEmbeds(NamedTuple):
 
 @dataclass(frozen=True)
 class PagedKVCache:
-    """One step's view of the paged KV cache, threaded through a model's forward: every layer's pages, where
-    this step's tokens go (`meta`), and how to attend (static: backend, decode-only, tensor-parallel mesh).
+    """One step's view of the paged KV cache, threaded through a model's forward: the pages, where this step's
+    tokens go (`meta`), and how to attend (static: backend, decode-only, tensor-parallel mesh).
+
+    `layers` are the cache's page arrays (slots) and `meta` holds a block table and slot mapping per KV cache group
+    (`pagedjax.config.kv_layout`): layer i's pages are `layer(i)` and it attends with `meta_of(i)`, by the
+    `spec`'s layout (without a spec: one group, slot i is layer i).
 
     Invariant: `written` names the layers whose `PagedAttention` ran in this step; each layer is written at
     most once (a second write would attend over the first's K/V at the same slots)."""
@@ -152,11 +156,24 @@ class PagedKVCache:
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        """The model's layers (each calls its attention once per step)."""
+        return len(self.layers) if self.spec is None else self.spec.num_layers
+
+    def _slot(self, index: int) -> int:
+        return index if self.spec is None else self.spec.kv_layout.layer_slot[index]
+
+    def layer(self, index: int) -> PagedLayer:
+        """Layer `index`'s pages."""
+        return self.layers[self._slot(index)]
+
+    def meta_of(self, index: int) -> AttentionMetadata:
+        """The metadata layer `index` writes and attends with: its KV cache group's."""
+        return self.meta if self.spec is None else self.meta.group(self.spec.kv_layout.layer_group[index])
 
     def with_layer(self, index: int, layer: PagedLayer) -> PagedKVCache:
         """This cache with layer `index`'s pages replaced (and marked written)."""
-        layers = self.layers[:index] + (layer,) + self.layers[index + 1:]
+        slot = self._slot(index)
+        layers = self.layers[:slot] + (layer,) + self.layers[slot + 1:]
         return dataclasses.replace(self, layers=layers, written=self.written | {index})
 
 
@@ -189,14 +206,13 @@ class PagedAttention(nnx.Module):
         i = self.layer_index
         self._check(q, k, v, cache)
         options = dict(scale=self.scale, sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
-        layer = cache.layers[i]
+        layer, meta = cache.layer(i), cache.meta_of(i)
         if cache.mesh is not None:
-            o, layer = sharded_write_and_attend(q, k, v, layer, cache.meta, mesh=cache.mesh, backend=cache.backend,
+            o, layer = sharded_write_and_attend(q, k, v, layer, meta, mesh=cache.mesh, backend=cache.backend,
                                                 decode_only=cache.decode_only, **options)
         else:
-            layer = write_kv(layer, k, v, cache.meta.slot_mapping)
-            o = paged_attention(q, layer, cache.meta, backend=cache.backend, decode_only=cache.decode_only,
-                                **options)
+            layer = write_kv(layer, k, v, meta.slot_mapping)
+            o = paged_attention(q, layer, meta, backend=cache.backend, decode_only=cache.decode_only, **options)
         # Pages may be stored in another dtype than the model computes in (bf16 or 8-bit pages under an f32
         # model): o comes back in the pages' dtype.
         return o.astype(q.dtype), cache.with_layer(i, layer)
@@ -214,7 +230,7 @@ class PagedAttention(nnx.Module):
             if tuple(x.shape) != want[name]:
                 raise ValueError(f"{where}: {name} has shape {tuple(x.shape)}, expected [tokens, heads, head_dim] "
                                  f"= {want[name]}")
-        declared = _declared_layer(cache, i, FullAttention, where)
+        declared = _declared_layer(cache, i, FullAttention.kind, where)
         if declared is None:
             return
         if (self.num_kv_heads, self.head_dim) != (declared.num_kv_heads, declared.head_dim):
@@ -254,17 +270,18 @@ class PagedLatentAttention(nnx.Module):
         """Returns (o_latent `[T, H, R]` in q_latent's dtype, the cache with this layer written)."""
         i = self.layer_index
         self._check(q_latent, q_rope, c_kv, k_rope, cache)
+        layer, meta = cache.layer(i), cache.meta_of(i)
         if cache.mesh is not None:  # query heads split over the devices, the latent pages whole on each
-            o, layer = sharded_latent_write_and_attend(q_latent, q_rope, c_kv, k_rope, cache.layers[i], cache.meta,
-                                                       mesh=cache.mesh, backend=cache.backend,
-                                                       decode_only=cache.decode_only, scale=self.scale)
+            o, layer = sharded_latent_write_and_attend(q_latent, q_rope, c_kv, k_rope, layer, meta, mesh=cache.mesh,
+                                                       backend=cache.backend, decode_only=cache.decode_only,
+                                                       scale=self.scale)
         else:
-            layer = write_latent(cache.layers[i], c_kv, k_rope, cache.meta.slot_mapping)
-            o = latent_attention(q_latent, q_rope, layer, cache.meta, backend=cache.backend,
-                                 decode_only=cache.decode_only, scale=self.scale)
+            layer = write_latent(layer, c_kv, k_rope, meta.slot_mapping)
+            o = latent_attention(q_latent, q_rope, layer, meta, backend=cache.backend, decode_only=cache.decode_only,
+                                 scale=self.scale)
         return o.astype(q_latent.dtype), cache.with_layer(i, layer)
 
-    def _check(self, q_latent, q_rope, c_kv, k_rope, cache: PagedKVCache, kind: type | None = None) -> None:
+    def _check(self, q_latent, q_rope, c_kv, k_rope, cache: PagedKVCache, kind: str | None = None) -> None:
         i, where = self.layer_index, f"{type(self).__name__}(layer_index={self.layer_index})"
         if not 0 <= i < cache.num_layers:
             raise ValueError(f"{where}: the cache has {cache.num_layers} layers (ModelSpec.num_layers)")
@@ -276,7 +293,7 @@ class PagedLatentAttention(nnx.Module):
         for name, x in (("q_latent", q_latent), ("q_rope", q_rope), ("c_kv", c_kv), ("k_rope", k_rope)):
             if tuple(x.shape) != want[name]:
                 raise ValueError(f"{where}: {name} has shape {tuple(x.shape)}, expected {want[name]}")
-        declared = _declared_layer(cache, i, kind or LatentAttention, where)
+        declared = _declared_layer(cache, i, kind or LatentAttention.kind, where)
         if declared is not None and (r, dr) != (declared.kv_lora_rank, declared.rope_dim):
             raise ValueError(f"{where}: kv_lora_rank {r}, rope_dim {dr}, but the model's ModelSpec declares "
                              f"{declared.kv_lora_rank}, {declared.rope_dim} for this layer")
@@ -309,7 +326,7 @@ class PagedSparseAttention(PagedLatentAttention):
                  cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
         """Returns (o_latent `[T, H, R]` in q_latent's dtype, the cache with this layer written)."""
         i = self.layer_index
-        self._check(q_latent, q_rope, c_kv, k_rope, cache, kind=IndexedSparse)
+        self._check(q_latent, q_rope, c_kv, k_rope, cache, kind=IndexedSparse.kind)
         t, hi, di = q_latent.shape[0], self.index_n_heads, self.index_head_dim
         where = f"PagedSparseAttention(layer_index={i})"
         for name, x, want in (("q_index", q_index, (t, hi, di)), ("index_weights", index_weights, (t, hi)),
@@ -321,27 +338,30 @@ class PagedSparseAttention(PagedLatentAttention):
             raise ValueError(f"{where}: index_head_dim {di}, index_topk {self.index_topk}, but the model's ModelSpec "
                              f"declares {declared.index_head_dim}, {declared.index_topk} for this layer")
         options = dict(scale=self.scale, index_scale=self.index_scale, index_topk=self.index_topk)
+        layer, meta = cache.layer(i), cache.meta_of(i)
         if cache.mesh is not None:  # query heads split over the devices; pages and the indexer whole on each
-            o, layer = sharded_latent_write_and_attend(q_latent, q_rope, c_kv, k_rope, cache.layers[i], cache.meta,
-                                                       mesh=cache.mesh, backend=cache.backend,
-                                                       decode_only=cache.decode_only,
+            o, layer = sharded_latent_write_and_attend(q_latent, q_rope, c_kv, k_rope, layer, meta, mesh=cache.mesh,
+                                                       backend=cache.backend, decode_only=cache.decode_only,
                                                        index=(q_index, index_weights.astype(jnp.float32), k_index),
                                                        **options)
         else:
-            layer = write_sparse(cache.layers[i], c_kv, k_rope, k_index, cache.meta.slot_mapping)
-            o = sparse_attention(q_latent, q_rope, q_index, index_weights, layer, cache.meta, backend=cache.backend,
+            layer = write_sparse(layer, c_kv, k_rope, k_index, meta.slot_mapping)
+            o = sparse_attention(q_latent, q_rope, q_index, index_weights, layer, meta, backend=cache.backend,
                                  decode_only=cache.decode_only, **options)
         return o.astype(q_latent.dtype), cache.with_layer(i, layer)
 
 
-def _declared_layer(cache: PagedKVCache, index: int, kind: type, where: str):
+_KIND_SPECS = {spec.kind: spec.__name__ for spec in (FullAttention, LatentAttention, IndexedSparse)}
+
+
+def _declared_layer(cache: PagedKVCache, index: int, kind: str, where: str):
     """Layer `index`'s declared spec (None when the cache carries no ModelSpec), which must be of `kind`."""
     if cache.spec is None:
         return None
     declared = cache.spec.kv_layers[index]
-    if not isinstance(declared, kind):
+    if declared.kind != kind:
         raise ValueError(f"{where}: the model's ModelSpec declares layer {index} as {type(declared).__name__} "
-                         f"(kv_layers), not {kind.__name__}")
+                         f"(kv_layers), not {_KIND_SPECS[kind]}")
     return declared
 
 
@@ -392,9 +412,11 @@ def check_model(model, *, kv_dtype: str = "auto") -> ModelSpec:
     name = type(model).__name__
     tokens, block_size = 2, 4
     kv = jnp.dtype(CacheConfig(kv_dtype=kv_dtype).kv_array_dtype(spec))
-    layers = tuple(layer_shapes(layer, 2, block_size, kv) for layer in spec.kv_layers)
+    layout = spec.kv_layout
+    layers = tuple(layer_shapes(slot, 2, block_size, kv) for slot in layout.slot_specs)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    meta = AttentionMetadata(i32(tokens), i32(1, 2), i32(1), i32(2))
+    groups = () if layout.num_groups == 1 else (layout.num_groups,)  # a table and slots per KV cache group
+    meta = AttentionMetadata(i32(*groups, tokens), i32(*groups, 1, 2), i32(1), i32(2))
     graphdef, state = nnx.split(model)
 
     def step(state, layers, meta, token_ids, positions, images):

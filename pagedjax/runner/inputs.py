@@ -195,10 +195,18 @@ def pad_rows(x, n: int, value, dtype=np.int32) -> np.ndarray:
     return out
 
 
+def pad_last(x: np.ndarray, n: int, value) -> np.ndarray:
+    """An int32 array along its last axis, padded with `value` to length n (a slot mapping or a lent stack: one
+    row per KV cache group where a model has several)."""
+    out = np.full(x.shape[:-1] + (n,), value, np.int32)
+    out[..., : x.shape[-1]] = x
+    return out
+
+
 def pad_table(table: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """A block table padded with block 0 (never read: past every sequence's length)."""
-    out = np.zeros((rows, cols), np.int32)
-    out[: table.shape[0], : table.shape[1]] = table
+    """A block table `[(num_groups,) S, B]` padded with block 0 (never read: past every sequence's length)."""
+    out = np.zeros(table.shape[:-2] + (rows, cols), np.int32)
+    out[..., : table.shape[-2], : table.shape[-1]] = table
     return out
 
 
@@ -246,7 +254,7 @@ class StepInputs:
 
     token_ids: np.ndarray  # int32 [T]
     positions: np.ndarray  # int32 [T]
-    meta: AttentionMetadata  # slot_mapping [T], block_tables [S, B], kv_lens [S], cu_q_lens [S + 1]
+    meta: AttentionMetadata  # slot_mapping [(G,) T], block_tables [(G,) S, B], kv_lens [S], cu_q_lens [S + 1]
     logits_indices: np.ndarray  # int32 [S]: the tokens whose logits are sampled (S rows: a step that samples
     #                             more than one token of a sequence pads its sequences to as many rows)
     sampling: SamplingMetadata  # [S] each
@@ -262,8 +270,8 @@ class StepInputs:
 
 def pad_step(*, token_ids: np.ndarray,  # i32[T]
              positions: np.ndarray,  # i32[T]
-             slot_mapping: np.ndarray,  # i32[T]
-             block_tables: np.ndarray,  # i32[S, B]
+             slot_mapping: np.ndarray,  # i32[(G,) T]: per KV cache group where the model has several
+             block_tables: np.ndarray,  # i32[(G,) S, B]
              kv_lens: np.ndarray,  # i32[S]
              cu_q_lens: np.ndarray,  # i32[S + 1]
              sampling: SamplingMetadata,  # [R] each (R = S unless logits_indices)
@@ -300,7 +308,7 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
     else:
         r_b = max(s_b, fine_bucket(len(logits_indices)))  # sampled rows: T_b >= R_b >= S_b as R >= S
         t_b = s_b if decode_only else max(s_b, fine_bucket(num_tokens))
-    tables = pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2))
+    tables = pad_table(block_tables, s_b, bucket(block_tables.shape[-1], 2))
     copies = None
     if block_copies is not None and len(block_copies):
         # A request has at most one copy pending (its shared last block), so rows of the sequence bucket make
@@ -317,7 +325,7 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
         num_prompt_top_logprobs=0 if prompt_targets is None else _bucket_top(num_prompt_top_logprobs),
         token_ids=pad_rows(token_ids, t_b, 0),
         positions=pad_rows(positions, t_b, 0),
-        meta=AttentionMetadata(pad_rows(slot_mapping, t_b, -1), tables, pad_rows(kv_lens, s_b, 0),
+        meta=AttentionMetadata(pad_last(slot_mapping, t_b, -1), tables, pad_rows(kv_lens, s_b, 0),
                                pad_rows(cu_q_lens, s_b + 1, num_tokens),
                                None if attend_until is None else pad_rows(attend_until, t_b, -1)),
         logits_indices=pad_rows(logits_indices, r_b, 0),
@@ -333,9 +341,9 @@ class FusedDecodeInputs:
     """A padded fused decode of S sequences (buckets; padding rows have max_new 0 and never run)."""
 
     tokens: np.ndarray  # int32 [S]: each sequence's last token, whose KV is not cached yet
-    block_tables: np.ndarray  # int32 [S, B], wide enough for num_steps more tokens
+    block_tables: np.ndarray  # int32 [(G,) S, B], wide enough for num_steps more tokens (per KV cache group)
     seq_lens: np.ndarray  # int32 [S]: tokens in the cache before step 1
-    lent_blocks: np.ndarray  # int32 [F]: the stack the device pops from, front first, padded with -1
+    lent_blocks: np.ndarray  # int32 [(G,) F]: the stack the device pops from, front first, padded with -1
     sampling: SamplingMetadata  # [S] each
     stop_ids: np.ndarray  # int32 [S, K], -1 = none
     max_new: np.ndarray  # int32 [S]: tokens each sequence may generate in this call
@@ -346,9 +354,9 @@ class FusedDecodeInputs:
 
 
 def pad_fused_decode(*, tokens: np.ndarray,  # i32[S]
-                     block_tables: np.ndarray,  # i32[S, B]
+                     block_tables: np.ndarray,  # i32[(G,) S, B]
                      seq_lens: np.ndarray,  # i32[S]
-                     lent_blocks: np.ndarray,  # i32[F]
+                     lent_blocks: np.ndarray,  # i32[(G,) F]
                      sampling: SamplingMetadata,  # [S] each
                      stop_ids: list[list[int]],  # S lists
                      max_new: np.ndarray,  # i32[S]
@@ -365,17 +373,17 @@ def pad_fused_decode(*, tokens: np.ndarray,  # i32[S]
     n = len(tokens)
     s_b = bucket(n)
     stack = s_b * -(-num_steps // block_size)
-    if len(lent_blocks) > stack:
-        raise ValueError(f"{len(lent_blocks)} lent blocks for {n} sequences and {num_steps} steps of block size "
+    if lent_blocks.shape[-1] > stack:
+        raise ValueError(f"{lent_blocks.shape[-1]} lent blocks for {n} sequences and {num_steps} steps of block size "
                          f"{block_size}: at most {stack} can be popped")
     stops = np.full((s_b, stop_id_width(max(map(len, stop_ids), default=1))), -1, np.int32)
     for i, ids in enumerate(stop_ids):
         stops[i, : len(ids)] = ids
     return FusedDecodeInputs(
         tokens=pad_rows(tokens, s_b, 0),
-        block_tables=pad_table(block_tables, s_b, bucket(block_tables.shape[1], 2)),
+        block_tables=pad_table(block_tables, s_b, bucket(block_tables.shape[-1], 2)),
         seq_lens=pad_rows(seq_lens, s_b, 0),
-        lent_blocks=pad_rows(lent_blocks, bucket(stack), -1),
+        lent_blocks=pad_last(lent_blocks, bucket(stack), -1),
         sampling=pad_sampling(sampling, s_b),
         stop_ids=stops,
         max_new=pad_rows(max_new, s_b, 0),

@@ -25,17 +25,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pagedjax.config import IndexedSparse, LatentAttention, ModelSpec
+from pagedjax.config import ModelSpec
 from pagedjax.config.lora import LoRAConfig
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.core.step_result import StepResult
-from pagedjax.device.attention import (
-    AttentionMetadata,
-    latent_attention,
-    paged_attention,
-    resolve_backend,
-    sparse_attention,
-)
+from pagedjax.device.attention import AttentionMetadata, probe_attention, resolve_backend
 from pagedjax.device.kv_cache import KVCache, copy_blocks, init_kv_cache
 from pagedjax.device.page_state import PageState, append_tokens
 from pagedjax.device.sampling import (
@@ -133,7 +127,7 @@ class FusedDecodeState(NamedTuple):
 
     step: jax.Array  # i32[]: iterations run so far
     kv_cache: KVCache
-    pages: PageState
+    pages: tuple[PageState, ...]  # one per KV cache group
     last_tokens: jax.Array  # i32[S]: each sequence's newest token (its KV not cached yet)
     active: jax.Array  # bool[S]: still generating
     num_generated: jax.Array  # i32[S]: tokens generated in this call
@@ -142,7 +136,8 @@ class FusedDecodeState(NamedTuple):
     penalties: PenaltyMetadata | None  # output_counts follow the sampled tokens
 
 
-def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, tokens, sampling: SamplingMetadata,
+def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | tuple[PageState, ...], tokens,
+                       sampling: SamplingMetadata,
                  stop_ids, max_new, penalties: PenaltyMetadata | None = None, lora: LoRABatch | None = None, *,
                  num_steps: int, block_size: int,
                  backend: str, num_top_logprobs: int | None = None, mesh=None):
@@ -150,11 +145,13 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, to
 
     tokens int32 `[S]` (each sequence's last token, whose KV is not yet cached); stop_ids int32 `[S, K]`
     (-1 = none); max_new int32 `[S]` tokens each sequence may still generate (0 = padding row); lora: each
-    sequence's adapter slot (`[S]`: one token per sequence each iteration).
+    sequence's adapter slot (`[S]`: one token per sequence each iteration); pages: the `PageState` of a model of
+    one KV cache group, one per group of a model of several (every group pops a block at the same steps).
     Returns (sampled int32 `[num_steps, S]` with -1 after a sequence stopped, their `LogprobArrays`
-    `[num_steps, S]`, final PageState, cache).
+    `[num_steps, S]`, the final page state(s) as given, cache).
     """
     model: PagedModel = nnx.merge(graphdef, params)
+    one_group = isinstance(pages, PageState)
     num_seqs = tokens.shape[0]
     cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32)
 
@@ -162,9 +159,12 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, to
         return (s.step < num_steps) & jnp.any(s.active)
 
     def body(s: FusedDecodeState) -> FusedDecodeState:
-        positions = s.pages.seq_lens
-        pages, slots = append_tokens(s.pages, s.active, block_size)
-        meta = AttentionMetadata(slots, pages.block_tables, jnp.where(s.active, pages.seq_lens, 0), cu_q_lens)
+        positions = s.pages[0].seq_lens
+        pages, slots = zip(*(append_tokens(p, s.active, block_size) for p in s.pages), strict=True)
+        tables = [p.block_tables for p in pages]
+        one = len(pages) == 1  # a model of one group: its table and slots as they are, else stacked per group
+        meta = AttentionMetadata(slots[0] if one else jnp.stack(slots), tables[0] if one else jnp.stack(tables),
+                                 jnp.where(s.active, pages[0].seq_lens, 0), cu_q_lens)
         hidden, kv_cache = _model_forward(model, s.last_tokens, positions, s.kv_cache, meta, backend=backend,
                                           decode_only=True, mesh=mesh, lora=lora)
         logits = _gathered(model.compute_logits(hidden), mesh)
@@ -179,12 +179,13 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, to
         pen = s.penalties
         if pen is not None:
             pen = pen._replace(output_counts=count_tokens(pen.output_counts, new, s.active))
-        return FusedDecodeState(step=s.step + 1, kv_cache=kv_cache, pages=pages,
+        return FusedDecodeState(step=s.step + 1, kv_cache=kv_cache, pages=tuple(pages),
                                last_tokens=jnp.where(s.active, new, s.last_tokens), active=s.active & ~stopped,
                                num_generated=num_generated, sampled=s.sampled.at[s.step].set(new),
                                logprobs=logprobs, penalties=pen)
 
-    init = FusedDecodeState(step=jnp.int32(0), kv_cache=kv_cache, pages=pages, last_tokens=tokens,
+    init = FusedDecodeState(step=jnp.int32(0), kv_cache=kv_cache, pages=(pages,) if one_group else tuple(pages),
+                            last_tokens=tokens,
                            active=max_new > 0, num_generated=jnp.zeros((num_seqs,), jnp.int32),
                            sampled=jnp.full((num_steps, num_seqs), -1, jnp.int32),
                            logprobs=None if num_top_logprobs is None else LogprobArrays(
@@ -193,7 +194,7 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState, to
                                jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.float32)),
                            penalties=penalties)
     final = jax.lax.while_loop(cond, body, init)
-    return final.sampled, final.logprobs, final.pages, final.kv_cache
+    return final.sampled, final.logprobs, final.pages[0] if one_group else final.pages, final.kv_cache
 
 
 def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
@@ -309,58 +310,45 @@ class ModelRunner:
     def _new_kv_cache(self) -> KVCache:
         cfg = self.model_spec
         if self.mesh is None:
-            return init_kv_cache(cfg.kv_layers, self.num_blocks, self.block_size, self.kv_dtype)
+            return init_kv_cache(cfg.kv_layout, self.num_blocks, self.block_size, self.kv_dtype)
         from pagedjax.config.parallel import kv_heads_stored
-        from pagedjax.device.kv_cache import LayerKV
         from pagedjax.parallel.sharding import kv_sharding, replicated
 
         # Full-attention pages split by KV heads (tp > Hkv: each KV head repeated); latent pages, one entry per
         # token for every head, whole on every device.
         heads = None if cfg.num_kv_heads is None else kv_heads_stored(cfg.num_kv_heads, self.mesh.size)
-        sharding = lambda kind: kv_sharding(self.mesh) if kind is LayerKV else replicated(self.mesh)
-        return init_kv_cache(cfg.kv_layers, self.num_blocks, self.block_size, self.kv_dtype, num_kv_heads=heads,
+        sharding = lambda spec: kv_sharding(self.mesh) if spec.splits_kv_heads else replicated(self.mesh)
+        return init_kv_cache(cfg.kv_layout, self.num_blocks, self.block_size, self.kv_dtype, num_kv_heads=heads,
                              sharding_of=sharding)
 
     def _check_attention_serves(self) -> None:
         """Trace (no compile, no run) a decode and a ragged attention call of one device's shapes over each kind of
-        layer this cache holds, so that a combination the Pallas kernels reject (8-bit pages on the TPU kernels, a
-        dtype or block size the target lacks) fails here with the kernels' own reason, not at the first step."""
+        page array this cache holds, so that a combination the Pallas kernels reject (8-bit pages on the TPU
+        kernels, a dtype or block size the target lacks) fails here with the kernels' own reason, not at the first
+        step."""
         if self.backend != "pallas":
             return  # the XLA gather paths take every dtype and block size
         cfg = self.model_spec
         tp = 1 if self.mesh is None else self.mesh.size
         heads = max(cfg.num_q_heads // tp, 1)
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-        dtype = jnp.dtype(cfg.dtype)
-        first = {}  # one layer of each spec: all layers of one spec have the same pages
-        for spec, layer in zip(cfg.kv_layers, self.kv_cache.layers, strict=True):
+        first = {}  # one page array of each spec: all of one spec have the same pages
+        for spec, layer in zip(cfg.kv_layout.slot_specs, self.kv_cache.layers, strict=True):
             first.setdefault(spec, layer)
         for spec, layer in first.items():
-            for decode_only, tokens in ((True, 1), (False, 16)):
-                meta = AttentionMetadata(i32(tokens), i32(1, 2), i32(1), i32(2))
-                if isinstance(spec, LatentAttention | IndexedSparse):
-                    q = (jax.ShapeDtypeStruct((tokens, heads, spec.kv_lora_rank), dtype),
-                         jax.ShapeDtypeStruct((tokens, heads, spec.rope_dim), dtype))
-                if isinstance(spec, LatentAttention):
-                    attend = functools.partial(latent_attention, backend=self.backend, decode_only=decode_only,
-                                               scale=1.0)
-                    args = (*q, layer)
-                elif isinstance(spec, IndexedSparse):
-                    attend = functools.partial(sparse_attention, backend=self.backend, decode_only=decode_only,
-                                               scale=1.0, index_scale=1.0, index_topk=spec.index_topk)
-                    index = (jax.ShapeDtypeStruct((tokens, 1, spec.index_head_dim), dtype),
-                             jax.ShapeDtypeStruct((tokens, 1), jnp.float32))
-                    args = (*q, *index, layer)
-                else:
-                    local = lambda a: jax.ShapeDtypeStruct((a.shape[0] // tp, *a.shape[1:]), a.dtype)
-                    attend = functools.partial(paged_attention, backend=self.backend, decode_only=decode_only)
-                    args = (jax.ShapeDtypeStruct((tokens, heads, spec.head_dim), dtype), jax.tree.map(local, layer))
+            if spec.splits_kv_heads:  # one device's KV heads
+                layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // tp, *a.shape[1:]), a.dtype), layer)
+            for decode_only in (True, False):
                 try:
-                    jax.eval_shape(attend, *args, meta)
+                    probe_attention(spec, layer, heads=heads, dtype=jnp.dtype(cfg.dtype), decode_only=decode_only,
+                                    backend=self.backend)
                 except (ValueError, TypeError, NotImplementedError) as e:
                     raise ValueError(f"the {self.backend!r} attention backend on {jax.default_backend()} cannot "
                                      f"serve {self.kv_dtype.name} KV pages of block size {self.block_size} for "
                                      f"this model: {e}") from None
+
+    @property
+    def _num_groups(self) -> int:
+        return self.model_spec.kv_layout.num_groups
 
     @property
     def kv_cache_lost(self) -> bool:
@@ -432,8 +420,10 @@ class ModelRunner:
         # Host numpy arrays straight into the compiled call: `init_page_state`'s jnp conversions would run eagerly
         # here, five small device ops per call (~0.6 ms, a third of a small model's 8-step batch-1 call).
         x = inputs
-        pages = PageState(block_tables=x.block_tables, seq_lens=x.seq_lens, free_blocks=x.lent_blocks,
-                          num_popped=np.zeros((), np.int32), overflow=np.zeros((), np.bool_))
+        state = lambda tables, lent: PageState(block_tables=tables, seq_lens=x.seq_lens, free_blocks=lent,
+                                               num_popped=np.zeros((), np.int32), overflow=np.zeros((), np.bool_))
+        pages = state(x.block_tables, x.lent_blocks) if x.block_tables.ndim == 2 else \
+            tuple(state(t, lent) for t, lent in zip(x.block_tables, x.lent_blocks, strict=True))
         args = (self._param_leaves, self.kv_cache, pages, x.tokens, x.sampling, x.stop_ids, x.max_new, x.penalties,
                 self._lora(x.lora_slots, len(x.tokens)))
         static = dict(num_steps=x.num_steps, block_size=self.block_size, backend=self.backend,
@@ -478,14 +468,15 @@ class ModelRunner:
         if not dominates(fixed, shape):
             raise ValueError(f"batch-invariant mode runs every step on one program, {fixed}, which cannot run this "
                              f"step ({shape}: logits, or more stop ids than it has columns)")
-        return self.programs.lookup(fixed, lambda: self._prepare(
-            self._step, *self._step_call(padding_step(fixed, self.model_spec.vocab_size), fixed), rows=fixed.tokens))
+        padding = padding_step(fixed, self.model_spec.vocab_size, self._num_groups)
+        return self.programs.lookup(fixed, lambda: self._prepare(self._step, *self._step_call(padding, fixed),
+                                                                 rows=fixed.tokens))
 
     def execute_fused_decode(self, inputs: FusedDecodeInputs):
         """Run up to `inputs.num_steps` decode steps on device (on a bigger compiled loop while its own compiles).
 
         Returns (sampled `[num_steps, S]` with -1 where a sequence did not run, their `LogprobArrays`
-        `[num_steps, S]`, block_tables `[S, B]` as the device left them), as numpy.
+        `[num_steps, S]`, block_tables `[(num_groups,) S, B]` as the device left them), as numpy.
         """
         shape = loop_shape(inputs)
         args, static = self._loop_call(inputs)
@@ -495,14 +486,17 @@ class ModelRunner:
             args, _ = self._loop_call(repad_fused_decode(inputs, run_shape, self.model_spec.vocab_size))
         start = time.perf_counter()
         out, logprobs, pages, self.kv_cache = exe(*args)
-        out, logprobs, tables, overflow = jax.device_get((out, logprobs, pages.block_tables, pages.overflow))
+        pages = (pages,) if isinstance(pages, PageState) else pages  # one per KV cache group
+        out, logprobs, tables, overflow = jax.device_get((out, logprobs, [p.block_tables for p in pages],
+                                                          [p.overflow for p in pages]))
         self._ran(run_shape, time.perf_counter() - start)
-        if overflow:
+        if any(overflow):
             raise RuntimeError("fused decode ran out of lent blocks or table columns: the host lent too few (a bug)")
+        tables = tables[0] if len(tables) == 1 else np.stack(tables)
         if run_shape != shape:
             s, b = shape.tables
             out, logprobs, tables = out[:, :s], _cut(logprobs, (slice(None), slice(s)), shape.num_top_logprobs), \
-                tables[:s, :b]
+                tables[..., :s, :b]
         return out, logprobs, tables
 
     def _ran(self, shape: StepShape | LoopShape, seconds: float) -> None:
@@ -516,10 +510,10 @@ class ModelRunner:
         vocab = self.model_spec.vocab_size
         for shape in shapes:
             if isinstance(shape, LoopShape):
-                args, static = self._loop_call(padding_fused_decode(shape, vocab))
+                args, static = self._loop_call(padding_fused_decode(shape, vocab, self._num_groups))
                 jitted, rows = self._loop, shape.tables[0]
             else:
-                args, static = self._step_call(padding_step(shape, vocab), shape)
+                args, static = self._step_call(padding_step(shape, vocab, self._num_groups), shape)
                 jitted, rows = self._step, shape.tokens
             exe = self.programs.compile(shape, functools.partial(self._prepare, jitted, args, static, rows),
                                         pinned=True)

@@ -48,6 +48,7 @@ from pagedjax.runner.inputs import (
     StepExtras,
     StepInputs,
     bucket,
+    pad_last,
     pad_penalties,
     pad_rows,
     pad_sampling,
@@ -94,7 +95,7 @@ class LoopShape(NamedTuple):
 
 def step_shape(inputs: StepInputs, return_logits: bool = False) -> StepShape:
     x = inputs.extras
-    tables = inputs.meta.block_tables.shape
+    tables = inputs.meta.block_tables.shape[-2:]
     rows = len(inputs.logits_indices)
     return StepShape("step", len(inputs.token_ids), tables, inputs.decode_only,
                      return_logits, None if x.block_copies is None else x.block_copies.shape[0],
@@ -105,8 +106,8 @@ def step_shape(inputs: StepInputs, return_logits: bool = False) -> StepShape:
 
 
 def loop_shape(inputs: FusedDecodeInputs) -> LoopShape:
-    return LoopShape("decode_loop", inputs.block_tables.shape, len(inputs.lent_blocks), inputs.stop_ids.shape[1],
-                     inputs.num_steps, inputs.penalties is not None, inputs.num_top_logprobs)
+    return LoopShape("decode_loop", inputs.block_tables.shape[-2:], inputs.lent_blocks.shape[-1],
+                     inputs.stop_ids.shape[1], inputs.num_steps, inputs.penalties is not None, inputs.num_top_logprobs)
 
 
 def _at_least(have, need) -> bool:
@@ -183,7 +184,7 @@ def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int) -> StepInp
                         r, -1)
     return StepInputs(
         token_ids=pad_rows(inputs.token_ids, t, 0), positions=pad_rows(inputs.positions, t, 0),
-        meta=AttentionMetadata(pad_rows(m.slot_mapping, t, -1), pad_table(m.block_tables, s, b),
+        meta=AttentionMetadata(pad_last(m.slot_mapping, t, -1), pad_table(m.block_tables, s, b),
                                pad_rows(m.kv_lens, s, 0), pad_rows(m.cu_q_lens, s + 1, m.cu_q_lens[-1]),
                                _on(shape.attend_until, m.attend_until, t)),
         logits_indices=pad_rows(inputs.logits_indices, r, 0), sampling=pad_sampling(inputs.sampling, r),
@@ -208,7 +209,7 @@ def repad_fused_decode(inputs: FusedDecodeInputs, shape: LoopShape, vocab_size: 
     stops[: inputs.stop_ids.shape[0], : inputs.stop_ids.shape[1]] = inputs.stop_ids
     return FusedDecodeInputs(
         tokens=pad_rows(inputs.tokens, s, 0), block_tables=pad_table(inputs.block_tables, s, b),
-        seq_lens=pad_rows(inputs.seq_lens, s, 0), lent_blocks=pad_rows(inputs.lent_blocks, shape.lent, -1),
+        seq_lens=pad_rows(inputs.seq_lens, s, 0), lent_blocks=pad_last(inputs.lent_blocks, shape.lent, -1),
         sampling=pad_sampling(inputs.sampling, s), stop_ids=stops, max_new=pad_rows(inputs.max_new, s, 0),
         num_steps=shape.num_steps,
         penalties=_widen(inputs.penalties, s, vocab_size, shape.stop_width if shape.penalties else None),
@@ -253,20 +254,30 @@ def warmup_shapes(*, max_tokens: int, max_seqs: int, max_blocks: int, block_size
     return shapes
 
 
-def padding_step(shape: StepShape, vocab_size: int) -> StepInputs:
-    """A step of `shape` that is all padding: it writes no KV and reads none."""
+def _groups(num_groups: int) -> tuple[int, ...]:
+    """The leading axis of per-group tables and slots: none for a model of one KV cache group."""
+    return () if num_groups == 1 else (num_groups,)
+
+
+def padding_step(shape: StepShape, vocab_size: int, num_groups: int = 1) -> StepInputs:
+    """A step of `shape` that is all padding: it writes no KV and reads none (`num_groups`: the model's KV cache
+    groups, a table and slot mapping each)."""
     empty = np.zeros(0, np.int32)
+    g = _groups(num_groups)
     sampling = SamplingMetadata.from_lists([], [], [], [], [])
-    step = StepInputs(token_ids=empty, positions=empty, meta=AttentionMetadata(empty, np.zeros((0, 0), np.int32),
-                                                                               empty, np.zeros(1, np.int32)),
-                      logits_indices=empty, sampling=sampling, decode_only=shape.decode_only)
+    meta = AttentionMetadata(np.zeros(g + (0,), np.int32), np.zeros(g + (0, 0), np.int32), empty,
+                             np.zeros(1, np.int32))
+    step = StepInputs(token_ids=empty, positions=empty, meta=meta, logits_indices=empty, sampling=sampling,
+                      decode_only=shape.decode_only)
     return repad_step(step, shape, vocab_size)
 
 
-def padding_fused_decode(shape: LoopShape, vocab_size: int) -> FusedDecodeInputs:
+def padding_fused_decode(shape: LoopShape, vocab_size: int, num_groups: int = 1) -> FusedDecodeInputs:
     """A fused decode of `shape` that is all padding: no sequence runs (max_new 0)."""
     empty = np.zeros(0, np.int32)
-    decode = FusedDecodeInputs(tokens=empty, block_tables=np.zeros((0, 0), np.int32), seq_lens=empty,
-                               lent_blocks=empty, sampling=SamplingMetadata.from_lists([], [], [], [], []),
+    g = _groups(num_groups)
+    decode = FusedDecodeInputs(tokens=empty, block_tables=np.zeros(g + (0, 0), np.int32), seq_lens=empty,
+                               lent_blocks=np.zeros(g + (0,), np.int32),
+                               sampling=SamplingMetadata.from_lists([], [], [], [], []),
                                stop_ids=np.zeros((0, 0), np.int32), max_new=empty, num_steps=shape.num_steps)
     return repad_fused_decode(decode, shape, vocab_size)

@@ -103,6 +103,17 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"pagedjax_{name}", doc, value=value)
+        # Per KV cache group (`pagedjax.config.kv_layout`: one for a model of one kind), labelled by index and name.
+        group_blocks = GaugeMetricFamily("pagedjax_kv_group_blocks_used", "KV blocks held by requests, per KV cache "
+                                         "group.", labels=["group", "kind"])
+        group_bytes = GaugeMetricFamily("pagedjax_kv_group_bytes_used", "KV bytes held by requests on each device, "
+                                        "per KV cache group.", labels=["group", "kind"])
+        for g, (name, blocks, nbytes) in enumerate(zip(s.kv_groups, mem.group_blocks, s.kv_group_bytes,
+                                                       strict=True)):
+            group_blocks.add_metric([str(g), name], blocks)
+            group_bytes.add_metric([str(g), name], nbytes)
+        yield group_blocks
+        yield group_bytes
         counters = {
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", sched.prefix_cache_queries),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", sched.prefix_cache_hits),

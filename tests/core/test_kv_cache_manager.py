@@ -286,17 +286,22 @@ def test_release_needs_published_blocks_and_a_valid_window():
     assert KVCacheManager(8, 2).release_out_of_window(r) == 0  # no window: nothing is ever released
 
 
-def test_evicting_a_released_block_cuts_the_prefix_chain_there():
+def test_a_window_hit_needs_only_the_blocks_its_first_query_reads():
+    """With a sliding window a prefix hit needs the cached blocks inside the window at the hit's end, not the chain
+    from the first block (vLLM's rule): an evicted block before the window does not cut the hit, one inside it
+    does."""
     kv = KVCacheManager(4, 4, sliding_window=4)
     r = make_request("w", list(range(12)))
     assert kv.allocate_slots(r, 12) is not None
     r.num_computed_tokens = 12
     kv.cache_blocks(r)
-    first, second = kv.get_block_ids("w")[:2]
+    first, second, third = kv.get_block_ids("w")
     assert kv.release_out_of_window(r) == 2  # next query at 12 reads 9..12
     other = make_request("o", [50] * 4)  # takes the one free block, then evicts the oldest idle cached one
     assert kv.allocate_slots(other, 8) is not None
     # released blocks are freed tail-first (like `free`), so a prefix's later block is evicted before its first
     assert second in kv.get_block_ids("o") and first not in kv.get_block_ids("o")
-    twin = make_request("twin", list(range(12)) + [7])
-    assert kv.get_computed_blocks(twin) == ([first], 4)  # the chain stops at the evicted block
+    twin = make_request("twin", list(range(12)) + [7])  # its first query, at 12, reads 9..12: block 2 only
+    assert kv.get_computed_blocks(twin) == ([RELEASED, RELEASED, third], 12)
+    short = make_request("short", list(range(8)) + [7])  # a hit of 8 would read 5..8, in the evicted block 1
+    assert kv.get_computed_blocks(short) == ([first], 4)

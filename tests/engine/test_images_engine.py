@@ -89,13 +89,18 @@ def test_greedy_equals_transformers_through_chunks_prefix_hits_forks_and_fused_d
     assert again[1].num_cached_tokens == longer.index(image) // 4 * 4 > 0  # the blocks before the image
 
 
+# The pools of the preemption test, in blocks: the tiny Gemma 3's window and global layers are 3 KV cache groups of
+# one layer each (`pagedjax.config.kv_layout`): 48 of its blocks are the bytes of 16 blocks of all three layers.
+NUM_BLOCKS = {"llava": 16, "gemma3": 48}
+
+
 # (CI time) LLaVA's preemption in the slow run: Gemma 3's, whose images are computed whole, is the stricter case
 @pytest.mark.parametrize("kind", [pytest.param("llava", marks=pytest.mark.slow), "gemma3"])
 def test_a_small_pool_preempts_and_recomputes_images_exactly(models, kind):
     reference, processor, folder = models[kind]
     prompts = requests_of(kind)[:2]
     want = [hf_greedy(reference, processor, p, ims) for p, ims in prompts]
-    engine = LLMEngine.from_pretrained(folder, cache_config=CacheConfig(block_size=4, num_blocks=16,
+    engine = LLMEngine.from_pretrained(folder, cache_config=CacheConfig(block_size=4, num_blocks=NUM_BLOCKS[kind],
                                                                         enable_prefix_caching=False),
                                        scheduler_config=SchedulerConfig(max_num_batched_tokens=64,
                                                                         encoder_cache_tokens=16))

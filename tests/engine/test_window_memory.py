@@ -1,5 +1,7 @@
 """A sliding-window model's requests hold KV blocks for their window only, however long they run, and still
-produce the dense model's tokens (the host releases blocks out of every layer's window after each step)."""
+produce the dense model's tokens (the host releases blocks out of every layer's window after each step). Layers
+of different windows are KV cache groups of their own (`pagedjax.config.kv_layout`): each group holds its own
+window's blocks, a global layer's group every block."""
 
 from __future__ import annotations
 
@@ -27,19 +29,19 @@ def dense_greedy(cfg: ModelConfig, prompts: list[list[int]], max_tokens: int) ->
 
 
 def run(cfg: ModelConfig, prompts, *, decode_steps_per_call: int, prefix: bool = True):
-    """Greedy outputs and the most blocks in use after any step."""
+    """Greedy outputs and, per KV cache group, the most blocks held after any step."""
     engine = LLMEngine(cfg, CacheConfig(block_size=BS, num_blocks=64, enable_prefix_caching=prefix),
                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=MAX_LEN), seed=SEED,
                        decode_steps_per_call=decode_steps_per_call)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-    outputs, peak = {}, 0
+    outputs, peak = {}, (0,) * cfg.kv_layout.num_groups
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.output_token_ids
         engine.scheduler.check_invariants()
-        peak = max(peak, engine.stats().scheduler.memory.num_used_blocks)
+        peak = tuple(map(max, peak, engine.stats().scheduler.memory.group_blocks))
     assert engine.stats().scheduler.memory.num_used_blocks == 0
     return [outputs[str(i)] for i in range(len(prompts))], peak
 
@@ -53,17 +55,19 @@ def test_long_generation_holds_only_its_window_and_matches_dense(decode_steps_pe
     outputs, peak = run(CFG, prompts, decode_steps_per_call=decode_steps_per_call)
     assert outputs == dense_greedy(CFG, prompts, MAX_TOKENS)
     assert outputs != dense_greedy(CFG.replace(sliding_windows=None), prompts, MAX_TOKENS)  # windows matter here
-    # Between steps a request holds the blocks of positions >= p - window + 1 and its newest block: at most
-    # cdiv(window - 1, BS) + 1 blocks each (a fused call lends one more per request while it runs).
-    per_request = cdiv(CFG.kv_window - 1, BS) + 1
-    assert peak <= len(prompts) * per_request
+    # Between steps a request holds, in each window's group, the blocks of positions >= p - window + 1 and its
+    # newest block: at most cdiv(window - 1, BS) + 1 blocks each (a fused call lends one more per request while
+    # it runs).
+    assert CFG.kv_layout.windows == WINDOWS
+    for window, group_peak in zip(WINDOWS, peak, strict=True):
+        assert group_peak <= len(prompts) * (cdiv(window - 1, BS) + 1)
     # Without windows the same requests end up holding every block of their PROMPT_LEN + MAX_TOKENS tokens (one
     # run for both parametrizations, CI time: the bound above is what each checks).
-    assert _windowless_peak(tuple(map(tuple, prompts))) >= 2 * cdiv(PROMPT_LEN + MAX_TOKENS - 1, BS)
+    assert _windowless_peak(tuple(map(tuple, prompts)))[0] >= 2 * cdiv(PROMPT_LEN + MAX_TOKENS - 1, BS)
 
 
 @functools.cache
-def _windowless_peak(prompts: tuple[tuple[int, ...], ...]) -> int:
+def _windowless_peak(prompts: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
     return run(CFG.replace(sliding_windows=None), [list(p) for p in prompts], decode_steps_per_call=1)[1]
 
 
@@ -71,9 +75,10 @@ def test_a_global_layer_keeps_every_block():
     cfg = CFG.replace(sliding_windows=(6, None))  # Gemma-style local/global: the global layer reads everything
     assert cfg.kv_window is None
     prompt = list(range(PROMPT_LEN))
-    outputs, peak = run(cfg, [prompt], decode_steps_per_call=1)
+    outputs, (window_peak, global_peak) = run(cfg, [prompt], decode_steps_per_call=1)
     assert outputs == dense_greedy(cfg, [prompt], MAX_TOKENS)
-    assert peak == cdiv(PROMPT_LEN + MAX_TOKENS - 1, BS)
+    assert global_peak == cdiv(PROMPT_LEN + MAX_TOKENS - 1, BS)  # the global layer's group keeps every block
+    assert window_peak <= cdiv(6 - 1, BS) + 1  # while the window layer's releases what it no longer reads
 
 
 # ---------------------------------------------------------------------------------------- window-aware admission
@@ -94,8 +99,9 @@ def serve_one(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -
 
 
 def test_a_pool_sized_for_the_window_serves_requests_far_longer_than_itself():
-    """The pool holds what one request holds at once (its window and one chunk), 5 blocks of 4 tokens: it serves
-    ~100-token requests, with and without a prefix hit covering the whole pool, with the tokens of a pool of 64."""
+    """The pool holds what one request holds at once (each window and one chunk, in the groups of the 10- and the
+    6-token window: 5 + 4 blocks of 4 tokens): it serves ~100-token requests, with and without a prefix hit as long
+    as the pool has blocks, with the tokens of a pool of 64."""
     def engine(num_blocks: int) -> LLMEngine:
         return LLMEngine(CFG, CacheConfig(block_size=BS, num_blocks=num_blocks),
                          SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=CHUNK, max_model_len=LONG_LEN),
@@ -103,7 +109,7 @@ def test_a_pool_sized_for_the_window_serves_requests_far_longer_than_itself():
 
     big = engine(64)
     bound = big.scheduler.kv_cache_manager.max_blocks_held(LONG_LEN - 1, CHUNK)
-    assert bound == 5
+    assert bound == 9
     small = engine(bound)
     assert small.max_request_tokens == LONG_LEN  # what the server advertises and defaults max_tokens to
     rng = np.random.default_rng(1)

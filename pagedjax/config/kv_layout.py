@@ -1,0 +1,161 @@
+"""KV cache groups: which layers share a block table, and which page arrays back them (`ModelSpec.kv_layout`).
+
+Layers whose specs (`pagedjax.config.kv_spec`) release blocks by the same rule form a KV cache group: one block
+table per request per group, one release rule per group (a window group releases the blocks its window left while
+a full group keeps all of its own). A group may hold layers of several page layouts (MLA latent layers beside GQA
+ones keep every block alike: one table serves them, as before groups). Every group draws its blocks from the one
+pool (one allocator, one LRU, one hash index); a block belongs to one group at a time, so memory moves freely
+between kinds as requests come and go.
+
+The pool's memory is shared the way vLLM's hybrid KV cache manager shares it: per page layout the cache holds
+`S_L` page arrays (slots) of `num_blocks` blocks each, and the i-th layer of layout L of every group lives in slot
+i of L. A block id handed to a group is that block in every slot, so one block costs the same bytes whichever group
+holds it, and a group holding a block uses it in each of its layers. So that groups are about as large as each
+other, a rule's layers may be split into several groups (equal rules, separate tables), and a group with fewer
+layers of a layout than its slots leaves those unused in its blocks (padding). The split is chosen as the group
+size that makes the fewest groups with at most 10% of a block's bytes padding (`_grouping`): gpt-oss (12 window +
+12 full layers) gets 2 groups of 12, Gemma 3 27B (52 local + 10 global) 5 groups of 13 (3 padded slots), a model
+whose layers all keep every block one group of all its layers (slot i is layer i, the one-table case).
+
+Plain Python, no JAX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedjax.config.kv_spec import KVCacheSpec
+
+MAX_PADDING = 0.10  # the most of a block's bytes the groups may leave unused (padding) to be fewer
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share a block table: `layers` (model layer indices, ascending), their `slots` (the page array
+    each lives in); `spec` the first layer's (every layer of the group releases blocks as it does)."""
+
+    spec: KVCacheSpec
+    layers: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """A model's KV cache groups and page arrays. `groups` in the order of their first layer; `slot_specs[s]` the
+    spec whose page shapes slot s has (the first spec of its layout); `layer_group[l]` and `layer_slot[l]` layer
+    l's group and slot."""
+
+    groups: tuple[KVCacheGroup, ...]
+    slot_specs: tuple[KVCacheSpec, ...]
+    layer_group: tuple[int, ...]
+    layer_slot: tuple[int, ...]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each group's sliding window (None: it keeps every block)."""
+        return tuple(g.spec.sliding_window for g in self.groups)
+
+    def bytes_per_block(self, block_size: int, element_bytes: int, scale_bytes: int = 0) -> int:
+        """Bytes of one physical block: its positions in every slot."""
+        return block_size * sum(s.bytes_per_token(element_bytes, scale_bytes) for s in self.slot_specs)
+
+    def group_name(self, g: int) -> str:
+        """Group g's rule and kinds: "window-W" or "full" (it keeps every block), "full" replaced by its layers'
+        kinds where those are others ("latent", "full/latent/sparse")."""
+        group = self.groups[g]
+        if group.spec.sliding_window is not None:
+            return f"window-{group.spec.sliding_window}"
+        return "/".join(sorted({self.slot_specs[slot].kind for slot in group.slots}))
+
+    def describe(self) -> str:
+        """One line naming the groups, e.g. "2 groups: 12 full layers, 12 window-128 layers" or
+        "5 groups: 52 window-1024 layers (4 groups), 10 full layers"."""
+        kinds: dict[str, list[int]] = {}  # name -> [layers, groups]
+        for g, group in enumerate(self.groups):
+            entry = kinds.setdefault(self.group_name(g), [0, 0])
+            entry[0] += len(group.layers)
+            entry[1] += 1
+        parts = [f"{n} {name} layer{'s' * (n != 1)}" + (f" ({k} groups)" if k > 1 else "")
+                 for name, (n, k) in kinds.items()]
+        return f"{self.num_groups} group{'s' * (self.num_groups != 1)}: {', '.join(parts)}"
+
+
+def _rule(spec: KVCacheSpec):
+    """What a group's layers share: how their blocks are released (a sliding window, or none)."""
+    return spec.sliding_window
+
+
+def _split(layers: list[int], parts: int) -> list[list[int]]:
+    """`layers` in `parts` consecutive runs whose lengths differ by at most one (the longer first)."""
+    size, extra = divmod(len(layers), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (i < extra)
+        out.append(layers[start:end])
+        start = end
+    return out
+
+
+def _grouping(kv_layers: tuple[KVCacheSpec, ...]) -> list[list[int]]:
+    """The groups (lists of layer indices): each rule's layers in as many groups as a target size needs, each
+    layout's layers spread evenly over them; the target size is the one giving the fewest groups whose padding (the
+    bytes of unused slots in a block) is at most `MAX_PADDING` of a block's, ties to the least padding (where no
+    size pads so little, rules of different layouts, the least padding)."""
+    rules: dict = {}
+    for i, spec in enumerate(kv_layers):
+        rules.setdefault(_rule(spec), {}).setdefault(spec.page_layout, []).append(i)
+    weight = {layout: layout.bytes_per_token(1) for by_layout in rules.values() for layout in by_layout}
+    candidates = []
+    for size in range(1, max(sum(map(len, by_layout.values())) for by_layout in rules.values()) + 1):
+        groups: list[dict] = []
+        for by_layout in rules.values():
+            parts = -(-sum(map(len, by_layout.values())) // size)
+            runs = {layout: _split(layers, parts) for layout, layers in by_layout.items()}
+            groups += [{layout: runs[layout][j] for layout in by_layout} for j in range(parts)]
+        slots = {layout: max(len(g.get(layout, ())) for g in groups) for layout in weight}
+        block = sum(slots[layout] * weight[layout] for layout in weight)
+        used = sum(len(layers) * weight[layout] for g in groups for layout, layers in g.items())
+        padding = (len(groups) * block - used) / (len(groups) * block)
+        candidates.append((padding > MAX_PADDING, len(groups), padding, size, groups))
+    within = [c for c in candidates if not c[0]]
+    best = min(within, key=lambda c: c[1:4]) if within else min(candidates, key=lambda c: (c[2], c[1], c[3]))
+    return [sorted(i for layers in g.values() for i in layers) for g in best[4]]
+
+
+def kv_cache_layout(kv_layers: tuple[KVCacheSpec, ...]) -> KVCacheLayout:
+    """Group `kv_layers` (one spec per layer) and lay out their page arrays (see the module docstring)."""
+    groups = sorted(_grouping(kv_layers), key=lambda layers: layers[0])  # in the order of their first layer
+    # Slots: per layout, as many as the most layers of it one group has; slot i of a layout holds the i-th layer of
+    # that layout of every group. Layouts in the order of their first layer.
+    counts: dict[KVCacheSpec, int] = {}
+    first_spec: dict[KVCacheSpec, KVCacheSpec] = {}
+    for layers in groups:
+        per_layout: dict[KVCacheSpec, int] = {}
+        for i in layers:
+            layout = kv_layers[i].page_layout
+            per_layout[layout] = per_layout.get(layout, 0) + 1
+            first_spec.setdefault(layout, kv_layers[i])
+        for layout, n in per_layout.items():
+            counts[layout] = max(counts.get(layout, 0), n)
+    order = sorted(counts, key=lambda layout: min(i for i, s in enumerate(kv_layers) if s.page_layout == layout))
+    base, slot_specs = {}, []
+    for layout in order:
+        base[layout] = len(slot_specs)
+        slot_specs += [first_spec[layout]] * counts[layout]
+    layer_group = [0] * len(kv_layers)
+    layer_slot = [0] * len(kv_layers)
+    out = []
+    for g, layers in enumerate(groups):
+        seen: dict[KVCacheSpec, int] = {}
+        slots = []
+        for i in layers:
+            layout = kv_layers[i].page_layout
+            slots.append(base[layout] + seen.get(layout, 0))
+            seen[layout] = seen.get(layout, 0) + 1
+            layer_group[i], layer_slot[i] = g, slots[-1]
+        out.append(KVCacheGroup(kv_layers[layers[0]], tuple(layers), tuple(slots)))
+    return KVCacheLayout(tuple(out), tuple(slot_specs), tuple(layer_group), tuple(layer_slot))
