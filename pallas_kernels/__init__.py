@@ -16,6 +16,10 @@ Variants (keyword-only, on both kernels, their references and XLA paths):
     `[num_kv_heads, num_blocks, block_size]` (float32 or bfloat16, one per token and KV head), dequantized
     inside the kernel as `pages.astype(float32) * scales[..., None]`; q may then be float32, bfloat16 or
     float16 and sets the output dtype. `quantize_kv` / `dequantize_kv` (module `quant`) make and read them;
+  * `sinks` float32 `[num_q_heads]` (gpt-oss's attention sinks): query head h's logit sink[h] joins its softmax's
+    denominator and carries no value, o = sum_j exp(s_j - m) v_j / (exp(sink[h] - m) + sum_j exp(s_j - m)) with
+    m = max(sink[h], max_j s_j) and s_j the scores after scale and soft cap (the sink is neither scaled nor
+    capped); joined once into the exact merge of all of a query's keys (`merge.join_sink`);
   * ragged only, `attend_until` int32 `[total_q_tokens]`: query row t at position p attends to keys
     j <= max(p, attend_until[t]) (bidirectional attention among an image's tokens, Gemma 3).
 Multi-head latent attention (MLA, DeepSeek V2/V3), weights absorbed by the caller, over one latent page array
@@ -69,7 +73,7 @@ from pallas_kernels.gpu.mla import mla_paged_attention_gpu, ragged_mla_paged_att
 from pallas_kernels.gpu.paged_attention import default_num_splits, paged_attention_gpu
 from pallas_kernels.gpu.ragged_attention import ragged_paged_attention_gpu
 from pallas_kernels.gpu.sparse import ragged_indexer_scores_gpu, sparse_mla_attention_gpu
-from pallas_kernels.merge import Partial, finalize, merge_and_finalize, merge_partials, merge_two
+from pallas_kernels.merge import Partial, finalize, join_sink, merge_and_finalize, merge_partials, merge_two
 from pallas_kernels.quant import dequantize_kv, quantize_kv
 from pallas_kernels.reference import (
     indexer_scores_reference,
@@ -105,6 +109,7 @@ __all__ = [
     "indexer_scores",
     "indexer_scores_reference",
     "indexer_scores_xla",
+    "join_sink",
     "merge_and_finalize",
     "merge_partials",
     "merge_two",
@@ -167,6 +172,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention of one query token per sequence over a paged KV cache.
 
@@ -201,9 +207,12 @@ def paged_attention(
       k_scales, v_scales: with 8-bit pages (and only then), `[num_kv_heads, num_blocks, block_size]` float32
         or bfloat16: the attended K/V are `pages.astype(float32) * scales[..., None]`, dequantized in
         registers after 8-bit loads (see `pallas_kernels.quant`).
+      sinks: float32 `[num_q_heads]`, finite (gpt-oss's attention sinks): head h's softmax gets one more logit,
+        sink[h], that takes weight and gives no value (see the module docstring). Joined into each query's (m, z,
+        u) once, after the merge of its splits. An array input: new values recompile nothing.
 
     Returns:
-      `[num_seqs, num_q_heads, head_dim]` in q's dtype; zeros for sequences of length 0.
+      `[num_seqs, num_q_heads, head_dim]` in q's dtype; zeros for sequences of length 0 (with sinks too).
 
     Raises:
       ValueError: on malformed arguments or tuning values (shapes, dtypes, non-power-of-two tiles).
@@ -216,6 +225,7 @@ def paged_attention(
     sliding_window, logits_soft_cap, _ = V.validate_variants(
         k_pages, v_pages, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scales=k_scales,
         v_scales=v_scales)
+    V.check_sinks(sinks, q.shape[1])
     scale = V.resolve_scale(scale, head_dim)
     V.check_positive_option("num_splits", num_splits)
     V.check_positive_int("num_warps", num_warps)
@@ -223,11 +233,11 @@ def paged_attention(
     if target == "tpu":
         return paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=interpret,
                                    num_splits=num_splits, pages_per_iter=pages_per_iter,
-                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     return paged_attention_gpu(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=interpret,
                                num_splits=num_splits, pages_per_iter=pages_per_iter, num_warps=num_warps,
                                num_stages=num_stages, sliding_window=sliding_window,
-                               logits_soft_cap=logits_soft_cap, k_scales=k_scales, v_scales=v_scales)
+                               logits_soft_cap=logits_soft_cap, k_scales=k_scales, v_scales=v_scales, sinks=sinks)
 
 
 def ragged_paged_attention(
@@ -250,6 +260,7 @@ def ragged_paged_attention(
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
     attend_until: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query chunks (prefill chunks and decode tokens) over a paged KV cache.
 
@@ -299,6 +310,8 @@ def ragged_paged_attention(
         are read (j < kv_lens[s]), so every row of an image must be in the call that writes its last key. A
         tile walks pages up to the largest bound of its rows; with every bound <= its row's position the result
         is bit-identical to `None`'s. The MLA and sparse variants take no bounds.
+      sinks: float32 `[num_q_heads]`, finite: as for `paged_attention`, one more logit in every query row's
+        softmax over the keys it sees (after the walk, before the division); a row that sees no key gets zeros.
 
     Returns:
       `[total_q_tokens, num_q_heads, head_dim]` in q's dtype.
@@ -316,6 +329,7 @@ def ragged_paged_attention(
         k_pages, v_pages, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scales=k_scales,
         v_scales=v_scales)
     V.check_attend_until(attend_until, q.shape[0])
+    V.check_sinks(sinks, q.shape[1])
     scale = V.resolve_scale(scale, head_dim)
     V.check_positive_option("num_warps", num_warps)
     V.check_positive_int("num_stages", num_stages)
@@ -323,12 +337,12 @@ def ragged_paged_attention(
         return ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
                                           interpret=interpret, block_q=block_q, pages_per_iter=pages_per_iter,
                                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                          attend_until=attend_until)
+                                          attend_until=attend_until, sinks=sinks)
     return ragged_paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scale=scale,
                                       interpret=interpret, block_q=block_q, pages_per_iter=pages_per_iter,
                                       num_warps=num_warps, num_stages=num_stages, sliding_window=sliding_window,
                                       logits_soft_cap=logits_soft_cap, k_scales=k_scales, v_scales=v_scales,
-                                      attend_until=attend_until)
+                                      attend_until=attend_until, sinks=sinks)
 
 
 def mla_paged_attention(

@@ -1,8 +1,8 @@
 """Argument checks shared by every entry point, platform-free (no Triton, no Mosaic): the common arguments
 (shapes, dtypes, head_dim, int32 tables and vectors), the variants (sliding window, soft cap, 8-bit pages with
-their scales, the ragged calls' `attend_until`), the scale and the tuning options' ints, those of the MLA entry
-points (`validate_mla`) and those of the DeepSeek sparse attention entry points (`validate_indexer`,
-`validate_selection`).
+their scales, attention sinks, the ragged calls' `attend_until`), the scale and the tuning options' ints, those
+of the MLA entry points (`validate_mla`) and those of the DeepSeek sparse attention entry points
+(`validate_indexer`, `validate_selection`).
 
 Nothing here is public API; `pallas_kernels.paged_attention` / `ragged_paged_attention` and the MLA entry
 points (`mla_paged_attention` / `ragged_mla_paged_attention`) are.
@@ -15,6 +15,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.quant import QUANTIZED_DTYPES, SCALE_DTYPES, is_quantized
 
@@ -154,6 +155,25 @@ def validate_variants(k_pages: jax.Array, v_pages: jax.Array, *, sliding_window,
     """Checks the variant arguments; returns (sliding_window, logits_soft_cap, quantized) normalised."""
     return (check_sliding_window(sliding_window), check_soft_cap(logits_soft_cap),
             check_scales(k_pages, v_pages, k_scales, v_scales))
+
+
+def check_sinks(sinks, num_q_heads: int) -> None:
+    """`None` (no sinks) or float32 `[num_q_heads]`: one logit per query head that joins each softmax's
+    denominator (gpt-oss), an array (traced or not: the kernels take it as an input, so learned sinks change no
+    compiled program). Float32 only, so no silent rounding of a bfloat16 parameter happens here: the caller casts.
+    Finite: +inf would make every output NaN and -inf or NaN means no sink or a broken one; the check reads the
+    values where they are concrete (a traced array cannot be read, its finiteness is the caller's)."""
+    if sinks is None:
+        return
+    if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+        raise ValueError(f"sinks must be a float32 array [num_q_heads], got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (num_q_heads,):
+        raise ValueError(f"sinks must have shape [num_q_heads] = ({num_q_heads},), got {tuple(sinks.shape)}")
+    if jnp.dtype(sinks.dtype) != jnp.float32:
+        raise ValueError(f"sinks must be float32, got {sinks.dtype} (cast a model's parameter with "
+                         f".astype(jnp.float32))")
+    if not isinstance(sinks, jax.core.Tracer) and not np.isfinite(np.asarray(sinks)).all():
+        raise ValueError(f"sinks must be finite, got {np.asarray(sinks).tolist()}")
 
 
 def check_vector(name: str, x: jax.Array, length: int) -> None:

@@ -30,7 +30,11 @@ Variants, shared by the four GQA functions (and by the kernels):
     right after the gather (only gathered pages are dequantized, never the pool);
   * ragged only, `attend_until` int32 `[total_q_tokens]`: query row t at position p attends to key positions
     j <= max(p, attend_until[t]) (and j < kv_len, and j > p - W with a window): bidirectional attention among
-    the tokens of a span (an image's), see `pallas_kernels.ragged_paged_attention`.
+    the tokens of a span (an image's), see `pallas_kernels.ragged_paged_attention`;
+  * `sinks` float32 `[num_q_heads]` (gpt-oss's attention sinks): query head h's logit sink[h] joins its softmax as
+    one more column, after the scale and the soft cap (the sink itself is neither scaled nor capped), and is
+    dropped after it: o = sum_j exp(s_j - m) v_j / (exp(sink[h] - m) + sum_j exp(s_j - m)), m = max(sink[h],
+    max_j s_j). A query that sees no key gives zeros.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from jax import lax
 
 from pallas_kernels import _validate as V
 from pallas_kernels import tiles
-from pallas_kernels.merge import Partial, merge_two
+from pallas_kernels.merge import Partial, join_sink, merge_two
 from pallas_kernels.quant import dequantize_kv
 
 HIGHEST = lax.Precision.HIGHEST
@@ -90,8 +94,10 @@ def _window_tables(block_tables: jax.Array,  # i32[N, max_blocks]
     return tables, pos.reshape(-1, num_pages * block_size)
 
 
-def _masked_attention(q, k, v, mask, scale: float, logits_soft_cap: float | None, *, compute_dtype, out_dtype):
-    """q `[N, Hq, D]`, k/v `[N, Hkv, L, D]` in compute_dtype, mask bool `[N, L]` -> `[N, Hq, D]` in out_dtype."""
+def _masked_attention(q, k, v, mask, scale: float, logits_soft_cap: float | None, sinks=None, *, compute_dtype,
+                      out_dtype):
+    """q `[N, Hq, D]`, k/v `[N, Hkv, L, D]` in compute_dtype, mask bool `[N, L]`, sinks f32 `[Hq]` or None ->
+    `[N, Hq, D]` in out_dtype."""
     n, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_q_heads // num_kv_heads
@@ -100,17 +106,22 @@ def _masked_attention(q, k, v, mask, scale: float, logits_soft_cap: float | None
     v = jnp.where(mask[:, None, :, None], v, jnp.zeros((), compute_dtype))
     s = jnp.einsum("nkgd,nkld->nkgl", qg, k, precision=HIGHEST, preferred_element_type=jnp.float32)
     s = jnp.where(mask[:, None, None, :], soft_cap(s * scale, logits_soft_cap), -jnp.inf)
+    if sinks is not None:  # the sink as one more logit column (never masked), dropped after the softmax
+        sink_column = jnp.broadcast_to(sinks.reshape(1, num_kv_heads, group, 1), (n, num_kv_heads, group, 1))
+        s = jnp.concatenate([s, sink_column], axis=-1)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isneginf(m), 0.0, m)
     p = jnp.exp(s - m)
     z = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        p = p[..., :-1]
     u = jnp.einsum("nkgl,nkld->nkgd", p.astype(compute_dtype), v, precision=HIGHEST,
                    preferred_element_type=jnp.float32)
     o = jnp.where(z > 0, u / jnp.where(z > 0, z, 1.0), 0.0)
     return o.reshape(n, num_q_heads, head_dim).astype(out_dtype)
 
 
-def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, scale, sliding_window,
+def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sinks, *, scale, sliding_window,
             logits_soft_cap, compute_dtype, bounded: bool):
     """bounded: with a window, gather only the pages that can hold window positions."""
     block_size = k_pages.shape[2]
@@ -128,20 +139,21 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, s
         mask = mask & (pos >= (lengths - sliding_window)[:, None])
     k = _gather_kv(k_pages, k_scales, tables, compute_dtype)
     v = _gather_kv(v_pages, v_scales, tables, compute_dtype)
-    return _masked_attention(q, k, v, mask, _scale(scale, q.shape[-1]), logits_soft_cap,
+    return _masked_attention(q, k, v, mask, _scale(scale, q.shape[-1]), logits_soft_cap, sinks,
                              compute_dtype=compute_dtype, out_dtype=q.dtype)
 
 
-def _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales):
+def _validated(q, k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales, sinks):
     window, cap, _ = V.validate_variants(k_pages, v_pages, sliding_window=sliding_window,
                                          logits_soft_cap=logits_soft_cap, k_scales=k_scales, v_scales=v_scales)
+    V.check_sinks(sinks, q.shape[1])
     return dict(sliding_window=window, logits_soft_cap=cap)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logits_soft_cap", "compute_dtype",
                                              "bounded"))
-def _decode_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, **static):
-    return _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, **static)
+def _decode_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sinks, **static):
+    return _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sinks, **static)
 
 
 def paged_attention_reference(q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
@@ -152,14 +164,16 @@ def paged_attention_reference(q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
                               *, scale: float | None = None, sliding_window: int | None = None,
                               logits_soft_cap: float | None = None,
                               k_scales: jax.Array | None = None,  # [num_kv_heads, num_blocks, block_size]
-                              v_scales: jax.Array | None = None) -> jax.Array:
+                              v_scales: jax.Array | None = None,
+                              sinks: jax.Array | None = None) -> jax.Array:  # f32[num_q_heads]
     """Dense float32 reference of `pallas_kernels.paged_attention` (gathers the whole table, then masks).
 
-    The query of sequence s sits at position lengths[s] - 1 (lengths clipped to the table's capacity).
+    The query of sequence s sits at position lengths[s] - 1 (lengths clipped to the table's capacity). With
+    `sinks` each head's sink is one more logit column of its softmax, dropped after it (the module docstring).
     Returns `[num_seqs, num_q_heads, head_dim]` in q's dtype.
     """
-    variants = _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales)
-    return _decode_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, scale=scale,
+    variants = _validated(q, k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales, sinks)
+    return _decode_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sinks, scale=scale,
                        compute_dtype=jnp.float32, bounded=False, **variants)
 
 
@@ -171,7 +185,8 @@ def paged_attention_xla(q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
                         *, scale: float | None = None, sliding_window: int | None = None,
                         logits_soft_cap: float | None = None,
                         k_scales: jax.Array | None = None,  # [num_kv_heads, num_blocks, block_size]
-                        v_scales: jax.Array | None = None) -> jax.Array:
+                        v_scales: jax.Array | None = None,
+                        sinks: jax.Array | None = None) -> jax.Array:  # f32[num_q_heads]
     """XLA gather path for decode: same contract as `paged_attention`, K/V gathered and computed on in q's
     dtype (8-bit pages dequantized into it right after the gather), float32 accumulation.
 
@@ -180,8 +195,8 @@ def paged_attention_xla(q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
     from the one holding position lengths[s] - W: decode cost is bounded by the window, and table entries of
     pages before it are never read (they may hold anything).
     """
-    variants = _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales)
-    return _decode_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, scale=scale,
+    variants = _validated(q, k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales, sinks)
+    return _decode_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sinks, scale=scale,
                        compute_dtype=jnp.dtype(q.dtype), bounded=True, **variants)
 
 
@@ -207,8 +222,8 @@ def _visible(kv_pos, pos, kv_len, sliding_window: int | None, last=None):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logits_soft_cap"))
-def _ragged_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until, *,
-                      scale, sliding_window, logits_soft_cap):
+def _ragged_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until, sinks,
+                      *, scale, sliding_window, logits_soft_cap):
     num_tokens = q.shape[0]
     block_size = k_pages.shape[2]
     max_len = block_tables.shape[1] * block_size
@@ -219,7 +234,7 @@ def _ragged_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_s
     mask = valid[:, None] & _visible(kv_pos[None, :], pos[:, None], kv_lens[seq][:, None], sliding_window, last)
     k = _gather_kv(k_pages, k_scales, tables, jnp.float32)
     v = _gather_kv(v_pages, v_scales, tables, jnp.float32)
-    return _masked_attention(q, k, v, mask, _scale(scale, q.shape[-1]), logits_soft_cap,
+    return _masked_attention(q, k, v, mask, _scale(scale, q.shape[-1]), logits_soft_cap, sinks,
                              compute_dtype=jnp.float32, out_dtype=q.dtype)
 
 
@@ -233,17 +248,19 @@ def ragged_paged_attention_reference(q: jax.Array,  # [total_q_tokens, num_q_hea
                                      logits_soft_cap: float | None = None,
                                      k_scales: jax.Array | None = None,  # [num_kv_heads, num_blocks, block_size]
                                      v_scales: jax.Array | None = None,
-                                     attend_until: jax.Array | None = None) -> jax.Array:  # i32[total_q_tokens]
+                                     attend_until: jax.Array | None = None,  # i32[total_q_tokens]
+                                     sinks: jax.Array | None = None) -> jax.Array:  # f32[num_q_heads]
     """Dense float32 reference of `pallas_kernels.ragged_paged_attention`.
 
     Query i of sequence s sits at position p = kv_lens[s] - q_len[s] + i and attends to positions <= p (or
-    <= max(p, attend_until[row]) with `attend_until`), < kv_lens[s], and > p - W with a window W; rows past
-    cu_q_lens[-1] give zeros. Memory: gathers `[total_q_tokens, max_blocks_per_seq * block_size]` keys per KV head.
+    <= max(p, attend_until[row]) with `attend_until`), < kv_lens[s], and > p - W with a window W; with `sinks`
+    each head's sink is one more logit column of every row's softmax, dropped after it; rows past cu_q_lens[-1]
+    give zeros. Memory: gathers `[total_q_tokens, max_blocks_per_seq * block_size]` keys per KV head.
     """
-    variants = _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales)
+    variants = _validated(q, k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales, sinks)
     V.check_attend_until(attend_until, q.shape[0])
     return _ragged_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales,
-                             attend_until, scale=scale, **variants)
+                             attend_until, sinks, scale=scale, **variants)
 
 
 def _query_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, q_tile: int):
@@ -296,8 +313,8 @@ def _tile_partial(q, rows, k_pages, v_pages, k_scales, v_scales, tables, keep, *
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "q_tile", "sliding_window", "logits_soft_cap"))
-def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until, *, scale,
-                q_tile, sliding_window, logits_soft_cap):
+def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until, sinks, *,
+                scale, q_tile, sliding_window, logits_soft_cap):
     num_tokens, num_q_heads, head_dim = q.shape
     block_size = k_pages.shape[2]
     max_blocks = block_tables.shape[1]
@@ -332,7 +349,9 @@ def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales,
                                             sliding_window, last)
         m_ahead, z_ahead, u_ahead = partial(tables, keep)
         merged = merge_two(Partial(m[..., 0], z[..., 0], u), Partial(m_ahead[..., 0], z_ahead[..., 0], u_ahead))
-        z, u = merged.z[..., None], merged.u
+        m, z, u = merged.m[..., None], merged.z[..., None], merged.u
+    if sinks is not None:  # joined once, into the partial of all the pages a row sees
+        _, z, u = join_sink(m, z, u, sinks.reshape(1, *m.shape[1:3], 1, 1))
     o = jnp.where(z > 0, u / jnp.where(z > 0, z, 1.0), 0.0)  # [NT, Hkv, G, tq, D]
     o = o.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tq, num_q_heads, head_dim)
     out = o[jnp.clip(token_slot, 0, num_tiles * tq - 1)]
@@ -350,7 +369,8 @@ def ragged_paged_attention_xla(q: jax.Array,  # [total_q_tokens, num_q_heads, he
                                logits_soft_cap: float | None = None,
                                k_scales: jax.Array | None = None,  # [num_kv_heads, num_blocks, block_size]
                                v_scales: jax.Array | None = None, q_tile: int = 16,
-                               attend_until: jax.Array | None = None) -> jax.Array:  # i32[total_q_tokens]
+                               attend_until: jax.Array | None = None,  # i32[total_q_tokens]
+                               sinks: jax.Array | None = None) -> jax.Array:  # f32[num_q_heads]
     """XLA gather path for ragged attention: same contract as `ragged_paged_attention`, K/V in q's dtype
     (8-bit pages dequantized into it right after the gather), float32 accumulation.
 
@@ -362,13 +382,14 @@ def ragged_paged_attention_xla(q: jax.Array,  # [total_q_tokens, num_q_heads, he
     every row's window are never read. With a window and `attend_until` a row may see ahead of those pages, up to
     its sequence's last position: the pages after them, up to `min(max_blocks_per_seq, cdiv(total_q_tokens + W -
     2, block_size) + 1)` in all, are gathered apart and their partial merged exactly (`merge.merge_two`), so
-    that with every bound at or below its row's position the result is `None`'s, bit for bit.
+    that with every bound at or below its row's position the result is `None`'s, bit for bit. `sinks` are
+    joined into each row's partial of all its pages (`merge.join_sink`) before the division.
     """
     V.check_positive_int("q_tile", q_tile)
-    variants = _validated(k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales)
+    variants = _validated(q, k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales, sinks)
     V.check_attend_until(attend_until, q.shape[0])
     return _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until,
-                       scale=scale, q_tile=q_tile, **variants)
+                       sinks, scale=scale, q_tile=q_tile, **variants)
 
 
 # ---- multi-head latent attention (MLA, DeepSeek V2/V3) ------------------------------------------------------

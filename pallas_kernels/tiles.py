@@ -55,12 +55,13 @@ def window_pages(sliding_window: int | None, span: int, max_blocks_per_seq: int,
 
 
 def variant_suffix(sliding_window: int | None, logits_soft_cap: float | None, page_dtype,
-                   attend_until: bool = False) -> str:
+                   attend_until: bool = False, sinks: bool = False) -> str:
     """Kernel-name suffix naming the variants in use (profiles tell the variants apart)."""
     parts = ["window"] if sliding_window is not None else []
     parts += ["softcap"] if logits_soft_cap is not None else []
     parts += [jnp.dtype(page_dtype).name] if is_quantized(page_dtype) else []
     parts += ["until"] if attend_until else []
+    parts += ["sinks"] if sinks else []
     return "".join(f"_{part}" for part in parts)
 
 

@@ -76,18 +76,22 @@ def _check_causal(meta: AttentionMetadata, kind: str) -> None:
 def paged_attention(q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
                     layer: LayerKV,  # this layer's pages, this step's K/V already written
                     meta: AttentionMetadata, *, backend: str, decode_only: bool, scale: float | None = None,
-                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> jax.Array:
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: jax.Array | None = None) -> jax.Array:  # [num_q_heads], float
     """Attention of a step's queries over one layer's paged cache.
 
     With `decode_only`, token i is the single query of sequence i (num_tokens == num_seqs). `sliding_window`
     W: a query at position p attends to positions (p - W, p]; `logits_soft_cap` c: scores pass through
-    c * tanh(s / c). Float pages meet q in their own dtype; 8-bit pages are dequantized by their scales inside
-    the kernel (q keeps its dtype). Returns `[num_tokens, num_q_heads, head_dim]` in the dtype q was cast to.
+    c * tanh(s / c); `sinks` (gpt-oss's attention sinks, one logit per query head, taken in float32): each head's
+    sink joins its softmax's denominator and gives no value. Float pages meet q in their own dtype; 8-bit pages
+    are dequantized by their scales inside the kernel (q keeps its dtype). Returns `[num_tokens, num_q_heads,
+    head_dim]` in the dtype q was cast to.
     """
     if not is_quantized(layer.k.dtype):
         q = q.astype(layer.k.dtype)
     variants = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                    k_scales=layer.k_scales, v_scales=layer.v_scales)
+                    k_scales=layer.k_scales, v_scales=layer.v_scales,
+                    sinks=None if sinks is None else sinks.astype(jnp.float32))
     if decode_only and meta.attend_until is not None:
         raise ValueError("attend_until is for ragged steps: a decode token attends causally")
     ragged = dict(variants, attend_until=meta.attend_until)

@@ -31,7 +31,9 @@ encoding:
 
 which writes this step's K/V into the layer's pages (any `kv_dtype`, 8-bit scales included) and attends over
 the paged cache with the engine's backend (the Pallas kernels on GPU / TPU, the XLA path on CPU), with the
-layer's sliding window and soft cap, over its own heads on each device under tensor parallelism. Positions
+layer's sliding window and soft cap, over its own heads on each device under tensor parallelism. A model with
+attention sinks (gpt-oss: a learned logit per query head) passes them with the call, `self.attn(q, k, v, cache,
+sinks=self.sinks)`, float `[Hq]` (split with the query heads under tensor parallelism). Positions
 index the sequence (RoPE or learned embeddings alike); padding tokens (slot -1) are written nowhere. A layer
 declared `LatentAttention` (MLA) calls its `PagedLatentAttention` instead, in latent space:
 
@@ -186,7 +188,9 @@ class PagedAttention(nnx.Module):
 
     scale: of the scores (default head_dim ** -0.5); sliding_window W: the query at p reads keys in (p - W, p]
     (it must be the one the model's spec declares for this layer: the engine frees blocks by the spec);
-    logits_soft_cap c: scores pass through c * tanh(s / c)."""
+    logits_soft_cap c: scores pass through c * tanh(s / c). Attention sinks (gpt-oss) are a model parameter, so
+    they come with each call: `sinks=` `[num_q_heads]`, one logit per query head that joins its softmax's
+    denominator and gives no value (taken in float32, neither scaled nor soft-capped)."""
 
     def __init__(self, layer_index: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float | None = None, sliding_window: int | None = None,
@@ -201,11 +205,14 @@ class PagedAttention(nnx.Module):
     def __call__(self, q: jax.Array,  # [T, Hq, D]
                  k: jax.Array,  # [T, Hkv, D]
                  v: jax.Array,  # [T, Hkv, D]
-                 cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+                 cache: PagedKVCache, *,
+                 sinks: jax.Array | None = None) -> tuple[jax.Array, PagedKVCache]:  # [Hq], float
         """Returns (o `[T, Hq, D]` in q's dtype, the cache with this layer written)."""
         i = self.layer_index
-        self._check(q, k, v, cache)
-        options = dict(scale=self.scale, sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+        sinks = None if sinks is None else jnp.asarray(sinks)  # an nnx.Param too
+        self._check(q, k, v, cache, sinks)
+        options = dict(scale=self.scale, sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+                       sinks=sinks)
         layer, meta = cache.layer(i), cache.meta_of(i)
         if cache.mesh is not None:
             o, layer = sharded_write_and_attend(q, k, v, layer, meta, mesh=cache.mesh, backend=cache.backend,
@@ -217,7 +224,7 @@ class PagedAttention(nnx.Module):
         # model): o comes back in the pages' dtype.
         return o.astype(q.dtype), cache.with_layer(i, layer)
 
-    def _check(self, q, k, v, cache: PagedKVCache) -> None:
+    def _check(self, q, k, v, cache: PagedKVCache, sinks) -> None:
         i, where = self.layer_index, f"PagedAttention(layer_index={self.layer_index})"
         if not 0 <= i < cache.num_layers:
             raise ValueError(f"{where}: the cache has {cache.num_layers} layers (ModelSpec.num_layers)")
@@ -230,6 +237,10 @@ class PagedAttention(nnx.Module):
             if tuple(x.shape) != want[name]:
                 raise ValueError(f"{where}: {name} has shape {tuple(x.shape)}, expected [tokens, heads, head_dim] "
                                  f"= {want[name]}")
+        if sinks is not None and (tuple(sinks.shape) != (self.num_q_heads,)
+                                  or not jnp.issubdtype(sinks.dtype, jnp.floating)):
+            raise ValueError(f"{where}: sinks must be a float array [num_q_heads] = ({self.num_q_heads},), got "
+                             f"{sinks.dtype}{list(sinks.shape)}")
         declared = _declared_layer(cache, i, FullAttention.kind, where)
         if declared is None:
             return

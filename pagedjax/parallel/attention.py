@@ -2,7 +2,8 @@
 so that each device writes and attends over its own KV heads with the unchanged single-device kernels (Pallas
 or the XLA path). No collective is needed inside: a query head only ever reads its own KV head, and the heads
 are split so that they sit on the same device (device d holds query heads [d, d+1) * Hq/tp and KV heads
-[d, d+1) * Hkv/tp, or one replicated copy of KV head d // (tp / Hkv) when tp > Hkv).
+[d, d+1) * Hkv/tp, or one replicated copy of KV head d // (tp / Hkv) when tp > Hkv). Attention sinks (one
+logit per query head) are split as the query heads, so each device has its own heads' sinks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pagedjax.device.kv_cache import LayerKV, write_kv, write_latent, write_spar
 
 _HEADS = P(None, TP, None)  # [tokens, heads, head_dim] split by heads
 _PAGES = P(TP)  # [kv_heads, blocks, block_size(, head_dim)] split by KV heads
+_SINKS = P(TP)  # [heads] split as q's heads (None, no sinks: a spec over no arrays)
 
 
 def sharded_write_and_attend(q: jax.Array,  # [T, Hq, D], any sharding (columns of q_proj: by heads)
@@ -25,25 +27,28 @@ def sharded_write_and_attend(q: jax.Array,  # [T, Hq, D], any sharding (columns 
                              v: jax.Array,  # [T, Hkv, D]
                              layer: LayerKV,  # pages [Hs, N, block_size, D] (scales [Hs, N, block_size]) by heads
                              meta: AttentionMetadata,  # replicated
-                             *, mesh: Mesh, backend: str, decode_only: bool, **attention_options):
+                             *, mesh: Mesh, backend: str, decode_only: bool,
+                             sinks: jax.Array | None = None,  # [Hq], float: split as q's heads
+                             **attention_options):
     """Write this step's K/V and attend, per device over its heads (Hs = max(Hkv, tp) stored heads).
-    `attention_options` go to `device.attention.paged_attention` (scale, window, soft cap). Returns (o
-    `[T, Hq, D]`, sharded by heads; the layer's pages)."""
+    `attention_options` go to `device.attention.paged_attention` (scale, window, soft cap), and so do each
+    device's `sinks` (its query heads'). Returns (o `[T, Hq, D]`, sharded by heads; the layer's pages)."""
     stored = layer.k.shape[0]
     if k.shape[1] != stored:  # tp > Hkv: KV head h is cached on the tp / Hkv devices that hold its query heads
         k = jnp.repeat(k, stored // k.shape[1], axis=1)
         v = jnp.repeat(v, stored // v.shape[1], axis=1)
 
-    def local(q, k, v, layer, meta):
+    def local(q, k, v, layer, meta, sinks):
         layer = write_kv(layer, k, v, meta.slot_mapping)
-        o = paged_attention(q, layer, meta, backend=backend, decode_only=decode_only, **attention_options)
+        o = paged_attention(q, layer, meta, backend=backend, decode_only=decode_only, sinks=sinks,
+                            **attention_options)
         return o, layer
 
     pages = jax.tree.map(lambda _: _PAGES, layer)  # every array of the layer is split by KV heads (axis 0)
     # check_vma off: pallas_call has no replication typing; every operand's spec is stated explicitly here.
-    run = jax.shard_map(local, mesh=mesh, in_specs=(_HEADS, _HEADS, _HEADS, pages, P()),
+    run = jax.shard_map(local, mesh=mesh, in_specs=(_HEADS, _HEADS, _HEADS, pages, P(), _SINKS),
                         out_specs=(_HEADS, pages), check_vma=False)
-    return run(q, k, v, layer, meta)
+    return run(q, k, v, layer, meta, sinks)
 
 
 def sharded_latent_write_and_attend(q_latent: jax.Array,  # [T, H, R], any sharding (by heads from q_b_proj)

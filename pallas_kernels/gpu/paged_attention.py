@@ -24,7 +24,10 @@ Variants (static, one compiled kernel per combination):
   * soft cap c: scores become c * tanh(s / c) inside the online-softmax step (bounded scores; the exact
     (m, z, u) merge is unchanged);
   * 8-bit pages: K/V tiles are loaded as int8 / float8_e4m3fn with their per-token scales (the same masked
-    loads) and dequantized in registers into q's dtype before the matmuls.
+    loads) and dequantized in registers into q's dtype before the matmuls;
+  * sinks (one logit per query head in each softmax's denominator, gpt-oss): joined once into the (m, z, u) of
+    all of a query's keys (`merge.join_sink`): by the program itself with one split, after the merge of the
+    splits' partials with several (a split sees only part of the keys; the sink belongs to their union).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tiles
 from pallas_kernels.gpu import _common as C
-from pallas_kernels.merge import finalize, merge_and_finalize
+from pallas_kernels.merge import finalize, join_sink, merge_and_finalize
 
 # Split-K targets about this many programs in flight: a few waves on a 132-SM H100/H200.
 _TARGET_PROGRAMS = 512
@@ -62,13 +65,16 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int
 def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float, group: int,
                    rows: int, head_dim: int, block_size: int, pages_per_iter: int, num_splits: int,
                    max_blocks_per_seq: int, sliding_window: int | None, logits_soft_cap: float | None,
-                   quantized: bool):
+                   quantized: bool, sinks: bool):
     """q_ref [num_seqs, num_q_heads, head_dim]; k_ref/v_ref [num_kv_heads, num_blocks, block_size, head_dim];
-    table_ref [num_seqs, max_blocks_per_seq]; lengths_ref [num_seqs]; with 8-bit pages refs starts with
-    k_scales/v_scales [num_kv_heads, num_blocks, block_size]. Outputs: o [num_seqs, num_q_heads, head_dim]
-    (one split) or m, z [num_splits, num_seqs, num_q_heads] and u [num_splits, num_seqs, num_q_heads,
-    head_dim] float32 (several)."""
-    scale_refs, out_refs = (refs[:2], refs[2:]) if quantized else (None, refs)
+    table_ref [num_seqs, max_blocks_per_seq]; lengths_ref [num_seqs]; refs: with 8-bit pages k_scales/v_scales
+    [num_kv_heads, num_blocks, block_size], with sinks (one split only) sinks f32[num_q_heads], then the outputs:
+    o [num_seqs, num_q_heads, head_dim] (one split) or m, z [num_splits, num_seqs, num_q_heads] and u
+    [num_splits, num_seqs, num_q_heads, head_dim] float32 (several)."""
+    num_in = (2 if quantized else 0) + (1 if sinks else 0)
+    scale_refs = refs[:2] if quantized else None
+    sinks_ref = refs[num_in - 1] if sinks else None
+    out_refs = refs[num_in:]
     seq = pl.program_id(0)
     head = pl.program_id(1)
     split = pl.program_id(2)
@@ -103,6 +109,8 @@ def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: fl
 
     if num_splits == 1:
         (o_ref,) = out_refs
+        if sinks:  # padding rows (r >= group) load a sink of 0: they are never stored
+            _, z, u = join_sink(m, z, u, plgpu.load(sinks_ref.at[q_heads], mask=r < group, other=0.0))
         o = finalize(z, u, o_ref.dtype)
         plgpu.store(o_ref.at[seq, q_heads[:, None], d[None, :]], o, mask=row_mask)
     else:
@@ -116,7 +124,7 @@ def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: fl
     jax.jit,
     static_argnames=("scale", "interpret", "num_splits", "pages_per_iter", "num_warps", "num_stages",
                      "sliding_window", "logits_soft_cap"))
-def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, scale: float,
+def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sinks, *, scale: float,
                      interpret: bool, num_splits: int, pages_per_iter: int, num_warps: int, num_stages: int,
                      sliding_window: int | None, logits_soft_cap: float | None):
     num_seqs, num_q_heads, head_dim = q.shape
@@ -127,7 +135,7 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_sca
         _decode_kernel, scale=scale, group=group, rows=max(tiles.MIN_DOT_DIM, tiles.next_pow2(group)),
         head_dim=head_dim, block_size=block_size, pages_per_iter=pages_per_iter, num_splits=num_splits,
         max_blocks_per_seq=max_blocks_per_seq, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        quantized=k_scales is not None)
+        quantized=k_scales is not None, sinks=sinks is not None and num_splits == 1)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     else:
@@ -143,22 +151,25 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_sca
         interpret=interpret,
         compiler_params=C.compiler_params(num_warps, num_stages),
         name=f"paged_attention_decode_s{num_splits}_p{pages_per_iter}"
-             + tiles.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype),
-    )(lengths, block_tables, q, k_pages, v_pages, *(() if k_scales is None else (k_scales, v_scales)))
+             + tiles.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype,
+                                    sinks=sinks is not None and num_splits == 1),
+    )(lengths, block_tables, q, k_pages, v_pages, *(() if k_scales is None else (k_scales, v_scales)),
+      *(() if sinks is None or num_splits > 1 else (sinks,)))
     if num_splits == 1:
         return out
     m, z, u = out
-    return merge_and_finalize(m, z, u, axis=0, dtype=q.dtype)
+    return merge_and_finalize(m, z, u, axis=0, dtype=q.dtype, sinks=sinks)
 
 
 def paged_attention_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale: float, interpret: bool | None,
                         num_splits: int | None, pages_per_iter: int | None, num_warps: int, num_stages: int,
                         sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                        k_scales: jax.Array | None = None, v_scales: jax.Array | None = None) -> jax.Array:
+                        k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+                        sinks: jax.Array | None = None) -> jax.Array:
     """The GPU decode kernel behind `pallas_kernels.paged_attention(..., target="gpu")`, which has already
-    validated shapes, dtypes, scale, variants and the tuning ints. Checks the GPU tile rule (pages_per_iter),
-    fills in the defaults (`default_pages_per_iter`, `default_num_splits`, over the window's pages with a
-    window) and runs the kernel."""
+    validated shapes, dtypes, scale, variants (sinks included) and the tuning ints. Checks the GPU tile rule
+    (pages_per_iter), fills in the defaults (`default_pages_per_iter`, `default_num_splits`, over the window's
+    pages with a window) and runs the kernel."""
     num_seqs = q.shape[0]
     num_kv_heads, num_blocks, block_size, head_dim = k_pages.shape
     max_blocks_per_seq = block_tables.shape[1]
@@ -172,7 +183,7 @@ def paged_attention_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale: fl
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, walked_pages, pages_per_iter)
     return _paged_attention(
-        q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, scale=scale,
+        q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sinks, scale=scale,
         interpret=C.resolve_interpret(interpret), num_splits=int(num_splits), pages_per_iter=int(pages_per_iter),
         num_warps=int(num_warps), num_stages=int(num_stages), sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap)

@@ -18,7 +18,9 @@ loaded nor their table entries read, and each row masks keys at or before its ow
 c turns scores into c * tanh(s / c) in the online-softmax step; 8-bit pages are loaded as 8-bit with their
 per-token scales and dequantized in registers into q's dtype. With `attend_until` (bidirectional spans) the
 wrapper adds each tile slot's last visible position and each tile's walk end (`tiles.tile_bounds`): the walk
-reaches the largest bound of any row of the tile, and each row masks keys past its own bound.
+reaches the largest bound of any row of the tile, and each row masks keys past its own bound. With sinks (one
+logit per query head, gpt-oss) each row joins its head's sink into its (m, z, u) after the walk, before the
+division (`merge.join_sink`).
 """
 
 from __future__ import annotations
@@ -34,18 +36,21 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import _validate as V
 from pallas_kernels import tiles
 from pallas_kernels.gpu import _common as C
-from pallas_kernels.merge import finalize
+from pallas_kernels.merge import finalize, join_sink
 
 
 def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float, group: int,
                    group_pad: int, block_q: int, head_dim: int, block_size: int, pages_per_iter: int,
-                   sliding_window: int | None, logits_soft_cap: float | None, quantized: bool, attend_until: bool):
+                   sliding_window: int | None, logits_soft_cap: float | None, quantized: bool, attend_until: bool,
+                   sinks: bool):
     """meta_ref [num_tiles, 5]; table_ref [num_seqs, max_blocks_per_seq]; q_ref/o_ref [total_q_tokens,
     num_q_heads, head_dim]; k_ref/v_ref [num_kv_heads, num_blocks, block_size, head_dim]; refs = (k_scales,
     v_scales [num_kv_heads, num_blocks, block_size]) with 8-bit pages, then (last [num_tiles, block_q], ends
-    [num_tiles]) with attend_until (`tiles.tile_bounds`), then o_ref."""
-    scale_refs = refs[:2] if quantized else None
-    bound_refs = refs[-3:-1] if attend_until else None
+    [num_tiles]) with attend_until (`tiles.tile_bounds`), then sinks f32[num_q_heads] with sinks, then o_ref."""
+    inputs = iter(refs[:-1])
+    scale_refs = (next(inputs), next(inputs)) if quantized else None
+    bound_refs = (next(inputs), next(inputs)) if attend_until else None
+    sinks_ref = next(inputs) if sinks else None
     o_ref = refs[-1]
     tile = pl.program_id(0)
     head = pl.program_id(1)
@@ -93,7 +98,9 @@ def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float
             mask = mask & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
         return C.online_softmax_step(q, k, v, mask, carry, scale=scale, logits_soft_cap=logits_soft_cap)
 
-    _, z, u = lax.fori_loop(0, num_iters, body, C.init_carry(rows, dim_pad))
+    m, z, u = lax.fori_loop(0, num_iters, body, C.init_carry(rows, dim_pad))
+    if sinks:  # padding heads (g >= group) load a sink of 0: they are never stored
+        _, z, u = join_sink(m, z, u, plgpu.load(sinks_ref.at[head * group + g], mask=g < group, other=0.0))
     plgpu.store(o_ref.at[io_idx], finalize(z, u, o_ref.dtype), mask=io_mask)
 
 
@@ -101,7 +108,7 @@ def _ragged_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float
     jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_iter", "num_warps", "num_stages",
                               "sliding_window", "logits_soft_cap"))
 def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until,
-                            *, scale: float, interpret: bool, block_q: int, pages_per_iter: int, num_warps: int,
+                            sinks, *, scale: float, interpret: bool, block_q: int, pages_per_iter: int, num_warps: int,
                             num_stages: int, sliding_window: int | None, logits_soft_cap: float | None):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -112,7 +119,8 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
     kernel = functools.partial(
         _ragged_kernel, scale=scale, group=group, group_pad=tiles.next_pow2(group), block_q=block_q,
         head_dim=head_dim, block_size=block_size, pages_per_iter=pages_per_iter, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, quantized=k_scales is not None, attend_until=attend_until is not None)
+        logits_soft_cap=logits_soft_cap, quantized=k_scales is not None, attend_until=attend_until is not None,
+        sinks=sinks is not None)
     return pl.pallas_call(
         kernel,
         grid=(meta.shape[0], num_kv_heads),
@@ -120,8 +128,9 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
         interpret=interpret,
         compiler_params=C.compiler_params(num_warps, num_stages),
         name=f"ragged_paged_attention_q{block_q}_p{pages_per_iter}"
-             + tiles.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype, attend_until is not None),
-    )(meta, block_tables, q, k_pages, v_pages, *scales, *bounds)
+             + tiles.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype, attend_until is not None,
+                                    sinks is not None),
+    )(meta, block_tables, q, k_pages, v_pages, *scales, *bounds, *(() if sinks is None else (sinks,)))
 
 
 def default_num_warps(block_q: int, group: int, head_dim: int) -> int:
@@ -135,10 +144,11 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_
                                interpret: bool | None, block_q: int | None, pages_per_iter: int | None,
                                num_warps: int | None, num_stages: int, sliding_window: int | None = None,
                                logits_soft_cap: float | None = None, k_scales: jax.Array | None = None,
-                               v_scales: jax.Array | None = None, attend_until: jax.Array | None = None) -> jax.Array:
+                               v_scales: jax.Array | None = None, attend_until: jax.Array | None = None,
+                               sinks: jax.Array | None = None) -> jax.Array:
     """The GPU ragged kernel behind `pallas_kernels.ragged_paged_attention(..., target="gpu")`, which has
-    already validated shapes, dtypes, scale, variants and the tuning ints. Checks the GPU tile rules (block_q,
-    pages_per_iter), fills in the defaults (`tiles.default_block_q`, `default_pages_per_iter`,
+    already validated shapes, dtypes, scale, variants (sinks included) and the tuning ints. Checks the GPU tile
+    rules (block_q, pages_per_iter), fills in the defaults (`tiles.default_block_q`, `default_pages_per_iter`,
     `default_num_warps`) and runs the kernel."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_pages.shape
@@ -159,7 +169,7 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_
     if num_warps is None:
         num_warps = default_num_warps(block_q, group, head_dim)
     return _ragged_paged_attention(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until, scale=scale,
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until, sinks, scale=scale,
         interpret=C.resolve_interpret(interpret), block_q=int(block_q), pages_per_iter=int(pages_per_iter),
         num_warps=int(num_warps), num_stages=int(num_stages), sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap)

@@ -17,7 +17,9 @@ may see, `pages_per_iter` pages per double-buffered DMA chunk
 With `attend_until` (bidirectional spans) the wrapper adds each tile's walk end (`tiles.tile_bounds`: the largest
 bound of any of its rows, which may lie past its last row) as a third scalar-prefetch array, and each query row's
 last visible position as a `[rows, 1]` int32 VMEM block beside q's (laid out as q's rows), which the score mask
-compares against instead of the row's position.
+compares against instead of the row's position. With sinks (one logit per query head, gpt-oss) each program gets
+its KV head's query heads' sinks as a `[rows, 1]` float32 VMEM block laid out as q's rows and joins them into its
+(m, z, u) after the walk, before the division (`merge.join_sink`).
 """
 
 from __future__ import annotations
@@ -32,22 +34,25 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _validate as V
 from pallas_kernels import tiles
+from pallas_kernels.merge import join_sink
 from pallas_kernels.tpu import _common as T
 from pallas_kernels.tpu.page_chunks import PageChunks
 
 
 def _ragged_kernel(meta_ref, tables_ref, *refs, scale: float, block_q: int, max_blocks_per_seq: int,
-                   sliding_window: int | None, logits_soft_cap: float | None, attend_until: bool):
+                   sliding_window: int | None, logits_soft_cap: float | None, attend_until: bool, sinks: bool):
     """meta_ref i32[num_tiles * 5] and tables_ref i32[num_seqs * max_blocks_per_seq] (SMEM); refs = (q_ref,
-    k_hbm, v_hbm, o_ref, k_buf, v_buf, sems), with attend_until (ends_ref, q_ref, last_ref, k_hbm, ...). ends_ref
-    i32[num_tiles] (SMEM); q_ref/o_ref [rows, head_dim] and last_ref i32[rows, 1] (VMEM blocks; row r is query
-    head r // block_q of the group, token r % block_q of the tile); k_hbm/v_hbm [num_kv_heads, num_blocks,
-    block_size, head_dim] (HBM). Scratch: k_buf/v_buf [2, pages_per_iter * block_size, head_dim], sems DMA
-    [2, 2]."""
-    if attend_until:
-        ends_ref, q_ref, last_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems = refs
-    else:
-        q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems = refs
+    k_hbm, v_hbm, o_ref, k_buf, v_buf, sems), with attend_until (ends_ref, q_ref, last_ref, k_hbm, ...), with sinks
+    sinks_ref after q_ref (and last_ref). ends_ref i32[num_tiles] (SMEM); q_ref/o_ref [rows, head_dim], last_ref
+    i32[rows, 1] and sinks_ref f32[rows, 1] (VMEM blocks; row r is query head r // block_q of the group, token
+    r % block_q of the tile); k_hbm/v_hbm [num_kv_heads, num_blocks, block_size, head_dim] (HBM). Scratch:
+    k_buf/v_buf [2, pages_per_iter * block_size, head_dim], sems DMA [2, 2]."""
+    refs = iter(refs)
+    ends_ref = next(refs) if attend_until else None
+    q_ref = next(refs)
+    last_ref = next(refs) if attend_until else None
+    sinks_ref = next(refs) if sinks else None
+    k_hbm, v_hbm, o_ref, k_buf, v_buf, sems = refs
     tile, head = pl.program_id(0), pl.program_id(1)
     block_size = k_hbm.shape[2]
     tokens = k_buf.shape[1]  # per chunk
@@ -87,14 +92,16 @@ def _ragged_kernel(meta_ref, tables_ref, *refs, scale: float, block_q: int, max_
     chunks = PageChunks(tables_ref, ((k_hbm, (head,), k_buf), (v_hbm, (head,), v_buf)), sems,
                         table_row=seq * max_blocks_per_seq, first_page=first_page, page_end=num_pages,
                         block_size=block_size)
-    _, z, u = chunks.fold(num_chunks, step, T.init_carry(rows, head_dim))
+    m, z, u = chunks.fold(num_chunks, step, T.init_carry(rows, head_dim))
+    if sinks:
+        _, z, u = join_sink(m, z, u, sinks_ref[...])
     o_ref[...] = T.finalize_rows(z, u, o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_iter", "sliding_window",
                                              "logits_soft_cap"))
-def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, attend_until, *, scale: float,
-                            interpret, block_q: int, pages_per_iter: int, sliding_window: int | None,
+def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, attend_until, sinks, *,
+                            scale: float, interpret, block_q: int, pages_per_iter: int, sliding_window: int | None,
                             logits_soft_cap: float | None):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -120,6 +127,10 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
         last = jnp.pad(last, ((0, 0), (0, rows - used)))[:, :, None]  # [num_tiles, rows, 1]
         prefetch, q_inputs = (ends,), (q_tiles, last)
         q_specs = [block, pl.BlockSpec((None, rows, 1), lambda t, h, *_: (t, 0, 0))]
+    if sinks is not None:  # row r of a program is query head h * group + r // block_q: [num_kv_heads, rows, 1]
+        row_sinks = jnp.repeat(sinks.reshape(num_kv_heads, group), block_q, axis=1)
+        q_inputs += (jnp.pad(row_sinks, ((0, 0), (0, rows - used)))[:, :, None],)
+        q_specs = [*q_specs, pl.BlockSpec((None, rows, 1), lambda t, h, *_: (h, 0, 0))]
     buf = pltpu.VMEM((2, pages_per_iter * block_size, head_dim), k_pages.dtype)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2 + len(prefetch),
@@ -130,7 +141,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
     )
     kernel = functools.partial(_ragged_kernel, scale=scale, block_q=block_q, max_blocks_per_seq=max_blocks_per_seq,
                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                               attend_until=attend_until is not None)
+                               attend_until=attend_until is not None, sinks=sinks is not None)
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -138,7 +149,8 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
         interpret=interpret,
         compiler_params=T.compiler_params(2),
         name=f"ragged_paged_attention_tpu_q{block_q}_p{pages_per_iter}"
-             + tiles.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype, attend_until is not None),
+             + tiles.variant_suffix(sliding_window, logits_soft_cap, k_pages.dtype, attend_until is not None,
+                                    sinks is not None),
     )(meta.reshape(-1), block_tables.reshape(-1), *prefetch, *q_inputs, k_pages, v_pages)
     out = out[:, :, :used].reshape(num_tiles, num_kv_heads, group, block_q, head_dim)
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * block_q, num_q_heads, head_dim)
@@ -147,11 +159,12 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
 
 def ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, scale: float, interpret,
                                block_q: int | None, pages_per_iter: int | None, sliding_window: int | None = None,
-                               logits_soft_cap: float | None = None,
-                               attend_until: jax.Array | None = None) -> jax.Array:
+                               logits_soft_cap: float | None = None, attend_until: jax.Array | None = None,
+                               sinks: jax.Array | None = None) -> jax.Array:
     """The TPU ragged kernel behind `pallas_kernels.ragged_paged_attention(..., target="tpu")`, which has
-    already validated shapes, dtypes, scale and variants. Checks the TPU rules (dtype, block size, tuning, no
-    8-bit pages), fills in the defaults (`default_block_q`, `default_pages_per_iter`) and runs the kernel."""
+    already validated shapes, dtypes, scale and variants (sinks included). Checks the TPU rules (dtype, block
+    size, tuning, no 8-bit pages), fills in the defaults (`default_block_q`, `default_pages_per_iter`) and runs
+    the kernel."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_pages.shape
     num_seqs, max_blocks_per_seq = block_tables.shape
@@ -167,7 +180,7 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_
     if pages_per_iter is None:
         walked_pages = tiles.window_pages(sliding_window, block_q, max_blocks_per_seq, block_size)
         pages_per_iter = T.default_pages_per_iter(block_size, walked_pages, head_dim, q.dtype)
-    return _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, attend_until, scale=scale,
-                                   interpret=T.resolve_interpret(interpret), block_q=int(block_q),
+    return _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, attend_until, sinks,
+                                   scale=scale, interpret=T.resolve_interpret(interpret), block_q=int(block_q),
                                    pages_per_iter=int(pages_per_iter), sliding_window=sliding_window,
                                    logits_soft_cap=logits_soft_cap)

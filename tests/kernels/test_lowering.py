@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import jax
@@ -117,6 +118,40 @@ def test_attend_until_lowers_to_triton(kv_dtype, sliding_window):
     extra = () if scales is None else (scales, scales)
     exported = _export_cuda(fn, s["q_ragged"], kv, kv, s["tables"], s["lens"], s["cu"], until, *extra)
     assert "_until" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,variants", [
+    (jnp.bfloat16, jnp.bfloat16, dict(sliding_window=128)),  # gpt-oss: sinks on every layer, windows on half
+    (jnp.float32, jnp.int8, dict(logits_soft_cap=30.0)),
+], ids=["bf16-window", "f32-int8-softcap"])
+def test_sinks_lower_to_triton(dtype, kv_dtype, variants):
+    """Attention sinks at gpt-oss's attention shapes (64 query heads on 8 KV heads of 64): the kernels that join
+    them (decode with one split, ragged) are named for them; with splits the sinks join after the merge, outside."""
+    s = _shapes(dtype, 64, 8, 64)
+    kv = jax.ShapeDtypeStruct(s["kv"].shape, kv_dtype)
+    scales = jax.ShapeDtypeStruct(s["kv"].shape[:3], jnp.float32) if kv_dtype == jnp.int8 else None
+    sinks = jax.ShapeDtypeStruct((64,), jnp.float32)
+    extra = () if scales is None else (scales, scales)
+
+    def decode(q, k, v, tables, lens, sinks, k_scales=None, v_scales=None, *, num_splits):
+        return paged_attention(q, k, v, tables, lens, sinks=sinks, k_scales=k_scales, v_scales=v_scales,
+                               num_splits=num_splits, interpret=False, **variants)
+
+    def ragged(q, k, v, tables, lens, cu, sinks, k_scales=None, v_scales=None):
+        return ragged_paged_attention(q, k, v, tables, lens, cu, sinks=sinks, k_scales=k_scales, v_scales=v_scales,
+                                      interpret=False, **variants)
+
+    def kernel_names(exported):
+        return set(re.findall(r'name = "((?:ragged_)?paged_attention_\w+)"', exported.mlir_module()))
+
+    for num_splits in (1, 3):
+        exported = _export_cuda(functools.partial(decode, num_splits=num_splits), s["q"], kv, kv, s["tables"],
+                                s["lens"], sinks, *extra)
+        (name,) = kernel_names(exported)
+        assert name.endswith("_sinks") == (num_splits == 1), name
+    exported = _export_cuda(ragged, s["q_ragged"], kv, kv, s["tables"], s["lens"], s["cu"], sinks, *extra)
+    (name,) = kernel_names(exported)
+    assert name.endswith("_sinks"), name
 
 
 def test_interpret_none_is_interpreted_on_cpu():

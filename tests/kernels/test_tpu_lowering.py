@@ -128,6 +128,30 @@ def test_attend_until_lowers_to_mosaic(dtype, sliding_window):
     assert "_until" in exported.mlir_module()
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sinks_lower_to_mosaic(dtype):
+    """Attention sinks at gpt-oss's attention shapes (64 query heads on 8 KV heads of 64, a window of 128): each
+    program's rows' sinks arrive as a float32 [rows, 1] VMEM block beside q's (decode with one split: 8 query heads
+    a program, a whole tile of rows; ragged: 8 heads x the tile's tokens); with splits they join after the merge."""
+    s = _shapes(dtype, 64, 8, 64)
+    sinks = jax.ShapeDtypeStruct((64,), jnp.float32)
+    options = dict(target="tpu", interpret=False, sliding_window=128)
+    rows = 16 if dtype == jnp.bfloat16 else 8  # 8 heads padded to a whole native tile
+    for num_splits in (1, 3):
+        fn = functools.partial(paged_attention, num_splits=num_splits, **options)
+        exported = export_tpu(lambda q, k, v, t, n, sinks, fn=fn: fn(q, k, v, t, n, sinks=sinks), s["q"], s["kv"],
+                              s["kv"], s["tables"], s["lens"], sinks)
+        (text,) = mosaic_modules(exported)
+        has_block = f"memref<1x{rows}x1xf32, #tpu.memory_space<vmem>>" in text
+        assert has_block == (num_splits == 1), text[:2000]
+    fn = functools.partial(ragged_paged_attention, block_q=4, **options)
+    exported = export_tpu(lambda q, k, v, t, n, cu, sinks: fn(q, k, v, t, n, cu, sinks=sinks), s["q_ragged"],
+                          s["kv"], s["kv"], s["tables"], s["lens"], s["cu"], sinks)
+    (text,) = mosaic_modules(exported)
+    assert "memref<1x32x1xf32, #tpu.memory_space<vmem>>" in text  # 8 heads x 4 tokens
+    assert re.search(r"ragged_paged_attention_tpu_q4_p\d+_window_sinks", exported.mlir_module())
+
+
 def test_auto_target_on_a_tpu_backend_exports_the_mosaic_kernels(monkeypatch):
     """What the engine's Pallas backend calls (target "auto", interpret None) on a TPU."""
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")

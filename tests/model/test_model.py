@@ -11,10 +11,11 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig
 from pagedjax.device.attention import AttentionMetadata
-from pagedjax.device.kv_cache import KVCache, init_kv_cache
-from pagedjax.model.api import PagedKVCache
+from pagedjax.device.kv_cache import KVCache, LayerKV, init_kv_cache
+from pagedjax.model.api import PagedAttention, PagedKVCache
 from pagedjax.model.layers.rope import RoPE, layer_rope
 from pagedjax.model.llama import init_model
+from pallas_kernels import paged_attention_reference, ragged_paged_attention_reference
 
 CONFIGS = {
     "gqa": ModelConfig(vocab_size=61, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
@@ -99,6 +100,39 @@ def test_paged_forward_matches_dense(name, block_size):
     dense = np.asarray(dense_forward(jnp.asarray(_right_pad(extended))))
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(logits[i], dense[i, len(p)], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_paged_attention_sinks_reach_the_backend(backend):
+    """`PagedAttention(...)(q, k, v, cache, sinks=)` with a bfloat16 parameter (gpt-oss stores its sinks in the
+    model's dtype; they are taken in float32): a prefill step (a prompt and a decode token) and a decode-only step
+    give the float32 references with those sinks, on the XLA path and the Pallas kernels (interpreted)."""
+    rng = np.random.default_rng(1)
+    hq, hkv, d, block_size = 6, 2, 16, 4
+    attn = PagedAttention(0, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    sinks = nnx.Param(jnp.asarray(rng.normal(0.0, 2.0, hq), jnp.bfloat16))
+    f32_sinks = jnp.asarray(sinks[...], jnp.float32)
+    tables = np.array([[5, 2, 7], [0, 3, 1]], np.int32)
+    layer = LayerKV(jnp.zeros((hkv, 8, block_size, d)), jnp.zeros((hkv, 8, block_size, d)))
+    for step, (q_lens, kv_lens, decode_only) in enumerate((([6, 1], [6, 1], False), ([1, 1], [7, 2], True))):
+        slots = [tables[s, p // block_size] * block_size + p % block_size
+                 for s, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True))
+                 for p in range(kv_len - q_len, kv_len)]
+        cu = np.cumsum([0, *q_lens]).astype(np.int32)
+        meta = AttentionMetadata(np.array(slots, np.int32), tables, np.array(kv_lens, np.int32), cu)
+        q, k, v = (jnp.asarray(rng.standard_normal((len(slots), h, d)), jnp.float32) for h in (hq, hkv, hkv))
+        o, cache = attn(q, k, v, PagedKVCache((layer,), meta, backend=backend, decode_only=decode_only), sinks=sinks)
+        layer = cache.layers[0]
+        args = (q, layer.k, layer.v, meta.block_tables, meta.kv_lens)
+        want = (paged_attention_reference(*args, sinks=f32_sinks) if decode_only else
+                ragged_paged_attention_reference(*args, meta.cu_q_lens, sinks=f32_sinks))
+        np.testing.assert_allclose(np.asarray(o), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=f"step {step}")
+        sink_free = paged_attention_reference(*args) if decode_only else ragged_paged_attention_reference(
+            *args, meta.cu_q_lens)
+        assert np.abs(np.asarray(o) - np.asarray(sink_free)).max() > 1e-3
+    cache = PagedKVCache((layer,), meta, backend=backend, decode_only=True)
+    with pytest.raises(ValueError, match=r"PagedAttention\(layer_index=0\): sinks must be a float array \[num_q"):
+        attn(q, k, v, cache, sinks=jnp.zeros((hkv,), jnp.float32))
 
 
 def test_rope_llama3_scaling_changes_only_low_frequencies():

@@ -509,6 +509,40 @@ def pallas_under_shard_map():
 
 
 @check
+def sinks_tensor_parallel():
+    """Attention sinks split as the query heads (P(TP)): a PagedAttention step with a different sink per head (a
+    prompt and a decode token) at tp 2 (KV heads split) and tp 4 (each KV head on two devices) gives the one-device
+    result, and the sinks change it."""
+    from pagedjax.device.attention import AttentionMetadata
+    from pagedjax.device.kv_cache import LayerKV
+    from pagedjax.model.api import PagedAttention, PagedKVCache
+
+    rng = np.random.default_rng(2)
+    hq, hkv, d, block_size = 8, 2, 16, 4
+    attn = PagedAttention(0, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    tables = np.array([[5, 2], [0, 3]], np.int32)
+    slots = np.array([5 * 4, 5 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3, 2 * 4, 2 * 4 + 1, 0], np.int32)  # 6 tokens, then 1
+    meta = AttentionMetadata(slots, tables, np.array([6, 1], np.int32), np.array([0, 6, 7], np.int32))
+    q, k, v = (jnp.asarray(rng.standard_normal((7, h, d)), jnp.float32) for h in (hq, hkv, hkv))
+    sinks = jnp.asarray(rng.normal(0.0, 3.0, hq), jnp.float32)
+
+    def run(tp, sinks):
+        mesh = None if tp is None else tp_mesh(tp)
+        pages = jnp.zeros((max(hkv, tp or 1), 8, block_size, d))  # tp > Hkv: each KV head stored per device
+
+        @jax.jit
+        def step(q, k, v, layer, sinks):
+            return attn(q, k, v, PagedKVCache((layer,), meta, backend="xla", mesh=mesh), sinks=sinks)[0]
+
+        return np.asarray(step(q, k, v, LayerKV(pages, pages), sinks))
+
+    want = run(None, sinks)
+    assert np.abs(want - run(None, None)).max() > 1e-2, "the sinks change nothing"
+    for tp in (2, 4):
+        np.testing.assert_allclose(run(tp, sinks), want, rtol=1e-6, atol=1e-6, err_msg=f"tp={tp}")
+
+
+@check
 def steps_export_for_cuda_on_4_devices():
     """The sharded ragged step and fused decode loop, Pallas backend, export for "cuda" over a 4-device mesh
     (Triton calls inside the shard_map; the all-reduces of the row-sharded projections present)."""
