@@ -26,6 +26,14 @@ rope 64), against the same model caching GQA-8 or MHA K/V heads of 128, in bfloa
 layer specs (`ModelSpec.kv_layers`, `CacheConfig`), each checked against the bytes of the pool the engine
 allocates for it (its arrays' shapes, traced without allocating).
 
+Then KV cache groups: KV bytes one sequence holds at 8k / 32k / 128k tokens and how many such sequences one
+fixed pool holds for a Gemma-3-27B shape (52 local layers of window 1024, 10 global) and a gpt-oss-120b shape (18
+window-128 layers, 18 full), under the one-table rule (every layer in one block table: a global layer keeps every
+block, so nothing is released) and under KV cache groups (`pagedjax.config.kv_layout`: a window group holds its
+window's blocks, a full group every block, and one block serves a layer of each group); from the specs, checked
+against the real scheduler's blocks (a request of that many tokens, run to the end of its prefill) and against the
+bytes of the pool the engine allocates (its arrays traced, nothing allocated).
+
 Then KV dtypes: one KV memory budget (by default what --kv-slots tokens take in bfloat16) split into blocks of
 float32, bfloat16, int8 and fp8 pages (8-bit pages carry a float32 scale per token and KV head, counted) for a
 Llama-3-8B-shaped model (32 layers, 8 KV heads of 128), and the same workload on the real scheduler: KV bytes
@@ -57,8 +65,9 @@ from pagedjax.config import (  # noqa: E402
     ModelSpec,
     SchedulerConfig,
 )
+from pagedjax.core.kv_cache_manager import KVCacheManager, cdiv  # noqa: E402
 from pagedjax.core.memory_stats import ContiguousAllocator, kv_memory_stats  # noqa: E402
-from pagedjax.core.request import Request
+from pagedjax.core.request import Request  # noqa: E402
 from pagedjax.core.scheduler import Scheduler  # noqa: E402
 from pagedjax.sampling_params import SamplingParams  # noqa: E402
 
@@ -407,7 +416,7 @@ def allocated_pool_bytes(spec: ModelSpec, cache: CacheConfig) -> int:
     from pagedjax.device.kv_cache import init_kv_cache
 
     dtype = cache.kv_array_dtype(spec)
-    pool = jax.eval_shape(lambda: init_kv_cache(spec.kv_layers, cache.resolve_num_blocks(spec), cache.block_size,
+    pool = jax.eval_shape(lambda: init_kv_cache(spec.kv_layout, cache.resolve_num_blocks(spec), cache.block_size,
                                                 dtype))
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(pool))
 
@@ -440,6 +449,78 @@ def attention_kind_table(kv_memory_bytes: int, block_size: int, seq_len: int = 4
               f"{r['sequences_vs_mla']:>12.3f}x{r['allocated_bytes'] / 2**30:>17.2f} GiB")
     print("bytes/token: every layer's slot (fp8 pages with their float32 scale per vector); allocated: the bytes of "
           "the arrays the engine's pool has for that spec, equal to the spec's arithmetic")
+    return rows
+
+
+# The hybrid shapes of the groups table (bfloat16 KV): Gemma 3 27B (62 layers, every 6th global, window 1024; 16
+# KV heads of 128) and gpt-oss-120b (36 layers alternating window 128 and full; 8 KV heads of 64).
+HYBRIDS = {
+    "gemma3-27b": ModelSpec(vocab_size=262208, num_layers=62, num_q_heads=32, dtype="bfloat16",
+                            kv_layers=tuple(FullAttention(16, 128, 1024 if (i + 1) % 6 else None) for i in range(62))),
+    "gpt-oss-120b": ModelSpec(vocab_size=201088, num_layers=36, num_q_heads=64, dtype="bfloat16",
+                              kv_layers=tuple(FullAttention(8, 64, 128 if i % 2 == 0 else None) for i in range(36))),
+}
+
+
+def held_after_prefill(spec: ModelSpec, block_size: int, tokens: int, chunk: int, one_table: bool) -> int:
+    """Blocks the real scheduler holds for one request of `tokens` prompt tokens at the end of its prefill: with
+    the model's KV cache groups, or (`one_table`) every layer in one table that keeps every block."""
+    windows = (None,) if one_table else spec.kv_layout.windows
+    blocks = len(windows) * (tokens // block_size + 2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=chunk, max_model_len=tokens + 2),
+                      CacheConfig(block_size=block_size, enable_prefix_caching=False), blocks,
+                      group_windows=windows)
+    request = Request("r", list(range(tokens)), SamplingParams(temperature=0.0, max_tokens=2))
+    sched.add_request(request)
+    while not request.output_token_ids:
+        plan = sched.schedule()
+        sched.update(plan, np.ones(plan.num_seqs, np.int32))
+    return sum(kv_memory_stats(sched.kv_cache_manager, sched.running, with_free_runs=False).group_blocks)
+
+
+def groups_table(kv_memory_bytes: int, block_size: int, contexts=(8192, 32768, 131072), chunk: int = 8192,
+                 measure: bool = True) -> list[dict]:
+    """Per hybrid shape and context: KV bytes a sequence holds and sequences per pool, one table vs groups."""
+    rows = []
+    for name, spec in HYBRIDS.items():
+        cache = CacheConfig(block_size=block_size, kv_memory_bytes=kv_memory_bytes, kv_dtype="bfloat16")
+        grouped_block = cache.block_bytes(spec)
+        one_block = block_size * cache.kv_bytes_per_token(spec)  # every layer in one block
+        allocated = allocated_pool_bytes(spec, cache)
+        assert allocated == cache.pool_bytes(spec), (name, allocated, cache.pool_bytes(spec))
+        windows = spec.kv_layout.windows
+        for tokens in contexts:
+            # Held while decoding, from the specs: a full group every block, a window group those its window reads.
+            held = sum(cdiv(tokens, block_size) - (0 if w is None else max(0, (tokens - w + 1) // block_size))
+                       for w in windows)
+            one = cdiv(tokens, block_size)
+            if measure:  # the real scheduler at the end of the prefill
+                assert held_after_prefill(spec, block_size, tokens, chunk, one_table=False) == held, (name, tokens)
+                assert held_after_prefill(spec, block_size, tokens, chunk, one_table=True) == one, (name, tokens)
+            # A request's peak (while its prefill chunk is computed, before the window groups release): what
+            # admission checks fits the pool alone.
+            peak = KVCacheManager(1, block_size, group_windows=windows).max_blocks_held(tokens, chunk)
+            rows.append({"model": name, "tokens": tokens, "groups": spec.kv_layout.num_groups,
+                         "one_table_bytes": one * one_block, "grouped_bytes": held * grouped_block,
+                         "grouped_peak_bytes": peak * grouped_block,
+                         "one_table_sequences": kv_memory_bytes // one_block // one,
+                         "grouped_sequences": cache.resolve_num_blocks(spec) // held})
+    print(f"\nKV cache groups: {kv_memory_bytes / 2**30:.0f} GiB of bfloat16 KV, block {block_size}, prefill chunks "
+          f"of {chunk}")
+    header = f"{'model':<14}{'tokens':>9}{'KV/seq one table':>18}{'KV/seq groups':>15}{'saving':>8}" \
+             f"{'peak groups':>13}{'seqs one table':>16}{'seqs groups':>13}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        r["saving"] = r["one_table_bytes"] / r["grouped_bytes"]
+        print(f"{r['model']:<14}{r['tokens']:>9,}{r['one_table_bytes'] / 2**30:>14.2f} GiB"
+              f"{r['grouped_bytes'] / 2**30:>11.2f} GiB{r['saving']:>7.2f}x{r['grouped_peak_bytes'] / 2**30:>9.2f} GiB"
+              f"{r['one_table_sequences']:>16,}{r['grouped_sequences']:>13,}")
+    print("KV/seq: what a request of that many tokens holds while it decodes (checked against the scheduler's blocks "
+          "after its prefill); peak: the most it holds at once, during a prefill chunk before its window groups "
+          "release (what admission checks fits the pool); seqs: such requests decoding at once in the pool; the "
+          "pool's arrays checked against the specs' bytes")
+    print("layouts: " + "; ".join(f"{n}: {s.kv_layout.describe()}" for n, s in HYBRIDS.items()))
     return rows
 
 
@@ -540,11 +621,13 @@ def main(argv: list[str] | None = None) -> dict:
     kv_memory = args.kv_memory or args.kv_slots * CacheConfig(kv_dtype="bfloat16").kv_bytes_per_token(LLAMA3_8B)
     kv_dtypes = kv_dtype_table(w, kv_memory, args.block_size, *common, seed=args.seed)
     attention_kinds = attention_kind_table(args.attention_kv_memory, args.block_size)
+    groups = groups_table(args.attention_kv_memory, args.block_size, contexts=(8192,) if args.quick else
+                          (8192, 32768, 131072))
     windows = window_table(args.window_requests, 256 if args.quick else 1024, args.window_output_len,
                            4096 if args.quick else args.kv_slots, args.block_size,
                            args.max_num_seqs, args.max_num_batched_tokens, args.seed, args.window)
     return {"rows": rows, "concurrency_ratio": ratio, "timing": timing, "sharing": sharing, "kv_dtypes": kv_dtypes,
-            "windows": windows, "attention_kinds": attention_kinds}
+            "windows": windows, "attention_kinds": attention_kinds, "groups": groups}
 
 
 if __name__ == "__main__":

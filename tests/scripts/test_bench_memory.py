@@ -55,3 +55,9 @@ def test_bench_memory_quick(tmp_path, capsys, monkeypatch):
     assert kinds[("MLA (512 + 64)", "fp8")]["bytes_per_token"] == 61 * (576 + 4)
     assert kinds[("MHA 128 x 128", "bfloat16")]["sequences"] < kinds[("GQA-8 x 128", "bfloat16")]["sequences"] \
         < kinds[("MLA (512 + 64)", "bfloat16")]["sequences"] < kinds[("MLA (512 + 64)", "fp8")]["sequences"]
+    # KV cache groups (quick: 8k tokens, checked against the scheduler inside the script): gpt-oss's window and
+    # full groups hold the full group's blocks and a window's, ~half the one-table bytes; Gemma 3 (5:1) far less.
+    groups = {r["model"]: r for r in result["groups"]}
+    assert groups["gpt-oss-120b"]["groups"] == 2 and 1.9 < groups["gpt-oss-120b"]["saving"] < 2.0
+    assert groups["gemma3-27b"]["saving"] > 3 and groups["gemma3-27b"]["grouped_sequences"] > \
+        groups["gemma3-27b"]["one_table_sequences"]
