@@ -44,6 +44,13 @@ lightning indexer's queries, per-head weights and key besides:
 
     o_latent, cache = self.attn(q_latent, q_rope, c_kv, k_rope, q_index, index_weights, k_index, cache)
 
+A KV cache kind of your own: declare a `KVCacheSpec` subclass (`pagedjax.config.kv_spec`: its page arrays in a
+container of its own whose `block_axis` says where the blocks sit, its bytes per token, optionally a
+`sliding_window` release rule) for the layers that use it, and have those layers read and write their pages
+themselves: `cache.layer(i)` (its pages), `cache.meta_of(i)` (its KV cache group's block table and slot mapping,
+`AttentionMetadata`) and `cache.with_layer(i, pages)` (the cache with layer i written). The engine sizes,
+allocates, shares, forks, copies and releases its blocks like a built-in kind's (`tests/model/test_custom_kv_kind.py`).
+
 Quantized weights: `quantize_model(model, "int8" | "int4" | "int4:32" | "fp8")` replaces the model's `nnx.Linear`
 layers by `QuantizedLinear` (`pagedjax.model.layers.quant`: weight-only int8 / int4 / fp8 kernels, activations in the
 model's dtype); a layer of your own may also build a `QuantizedLinear` from its float kernel. Their leaves

@@ -19,7 +19,8 @@ def _snapshot(i: int) -> EngineStats:
                                num_evictions=i, num_preemptions=i, num_steps=5 + i, memory=memory)
     ints = {f.name: 100 * i + n for n, f in enumerate(dataclasses.fields(EngineStats)) if f.type == "int"}
     floats = {f.name: 1.5 * i + n for n, f in enumerate(dataclasses.fields(EngineStats)) if f.type == "float"}
-    layout = dict(tensor_parallel_size=2, kv_cache_bytes_per_device=4096, kv_bytes_per_token=64, kv_dtype="int8")
+    layout = dict(tensor_parallel_size=2, kv_cache_bytes_per_device=4096, kv_bytes_per_token=64, kv_bytes_per_block=1024,
+                  kv_dtype="int8")
     return EngineStats(**{**ints, **floats, **layout}, scheduler=scheduler)
 
 
@@ -28,7 +29,8 @@ def test_counters_add_up_times_are_the_slowest_and_the_layout_is_each_replicas()
     got = combined_stats([one, two], [3, 4])
     for f in dataclasses.fields(EngineStats):
         a, b, c = getattr(one, f.name), getattr(two, f.name), getattr(got, f.name)
-        if f.name in ("tensor_parallel_size", "kv_cache_bytes_per_device", "kv_bytes_per_token", "kv_dtype"):
+        if f.name in ("tensor_parallel_size", "kv_cache_bytes_per_device", "kv_bytes_per_token", "kv_bytes_per_block",
+                      "kv_dtype"):
             assert c == a == b, f.name
         elif f.type == "float" or f.name == "steps":
             assert c == max(a, b), f.name
