@@ -19,8 +19,8 @@ def _snapshot(i: int) -> EngineStats:
                                num_evictions=i, num_preemptions=i, num_steps=5 + i, memory=memory)
     ints = {f.name: 100 * i + n for n, f in enumerate(dataclasses.fields(EngineStats)) if f.type == "int"}
     floats = {f.name: 1.5 * i + n for n, f in enumerate(dataclasses.fields(EngineStats)) if f.type == "float"}
-    layout = dict(tensor_parallel_size=2, kv_cache_bytes_per_device=4096, kv_bytes_per_token=64, kv_bytes_per_block=1024,
-                  kv_dtype="int8")
+    layout = dict(tensor_parallel_size=2, kv_cache_bytes_per_device=4096, kv_bytes_per_token=64,
+                  kv_bytes_per_block=1024, kv_dtype="int8")
     return EngineStats(**{**ints, **floats, **layout}, scheduler=scheduler)
 
 
