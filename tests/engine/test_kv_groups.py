@@ -9,7 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedjax import CacheConfig, FullAttention, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax import (
+    CacheConfig,
+    FullAttention,
+    LLMEngine,
+    ModelConfig,
+    SamplingParams,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pagedjax.config.kv_layout import kv_cache_layout
 from pagedjax.core.kv_cache_manager import cdiv
 from pagedjax.serve.metrics import DurationHistogram, ServerMetrics
@@ -29,10 +37,11 @@ PROMPTS = [rng.integers(0, CFG.vocab_size, 13).tolist(), SHARED + [3], SHARED + 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 
-def make_engine(*, num_blocks: int = 96, budget: int = 8, decode_steps: int = 4) -> LLMEngine:
+def make_engine(*, num_blocks: int = 96, budget: int = 8, decode_steps: int = 4, ngram: bool = False) -> LLMEngine:
     return LLMEngine(CFG, CacheConfig(block_size=BS, num_blocks=num_blocks),
                      SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=MAX_LEN),
-                     seed=SEED, decode_steps_per_call=decode_steps)
+                     seed=SEED, decode_steps_per_call=decode_steps,
+                     speculative_config=SpeculativeConfig(num_speculative_tokens=3) if ngram else None)
 
 
 POOL = EnginePool(make_engine)
@@ -127,12 +136,15 @@ def test_window_groups_release_while_global_groups_keep_every_block():
         assert stats.kv_bytes_per_block == BS * 2 * layer_bytes and stats.kv_bytes_per_token == 4 * layer_bytes
 
 
-def test_a_small_pool_preempts_and_recomputes_exactly():
+def test_a_small_pool_preempts_and_recomputes_exactly_with_speculation():
     """A pool that cannot hold all four requests at once in both groups: the newest are preempted and recomputed,
-    with the dense model's tokens; nothing leaks."""
-    want = dense_greedy(PROMPTS)
-    with POOL.engine(num_blocks=24) as engine:
-        outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    and n-gram proposals verified (their positions' blocks taken and given back in both groups), with the dense
+    model's tokens; nothing leaks."""
+    prompts = PROMPTS + [[9, 10, 11] * 4]  # repeated n-grams: proposals from the first step
+    want = dense_greedy(prompts)
+    with POOL.engine(num_blocks=24, ngram=True) as engine:
+        outs = engine.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
-        stats = engine.stats().scheduler
-        assert stats.num_preemptions > 0 and stats.memory.num_used_blocks == 0
+        stats = engine.stats()
+        assert stats.scheduler.num_preemptions > 0 and stats.spec_proposed_tokens > 0
+        assert stats.scheduler.memory.num_used_blocks == 0

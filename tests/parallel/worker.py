@@ -119,6 +119,26 @@ def speculative_ngram_tp2() -> None:
     assert s.spec_proposed_tokens > 0 and s.tensor_parallel_size == 2, s
 
 
+@check
+def kv_groups_tensor_parallel() -> None:
+    """A model of window and global layers (two KV cache groups, a block table each, their pages sharing the pool's
+    memory) at tp 2: the dense greedy tokens through prefix hits, preemption, chunked prefill and fused decode."""
+    cfg = config("gqa").replace(num_layers=2, sliding_windows=(4, None))
+    state = jax.tree.map(lambda x: x * 3, nnx.split(init_model(cfg, seed=3))[1])
+    model = model_from_state(cfg, state)
+    want, margin = greedy_by_recompute(jax.jit(lambda t: model.forward_dense(t)), PROMPTS, MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, margin
+    e = make_engine(cfg, CacheConfig(block_size=8, num_blocks=12),
+                    SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN), params=state,
+                    parallel_config=ParallelConfig(tensor_parallel_size=2), compile_cache=False,
+                    decode_steps_per_call=4)
+    got = [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == want, f"{got} != {want}"
+    s = e.stats()
+    assert e.scheduler.kv_cache_manager.num_groups == 2 and s.tensor_parallel_size == 2, s
+    assert s.scheduler.num_preemptions > 0 and s.fused_decode_calls > 0 and s.scheduler.prefix_cache_hit_rate > 0, s
+
+
 def _step_logits(e) -> np.ndarray:
     """One mixed step (every prompt's prefill) straight from the scheduler, its logits `[S, vocab]`."""
     for i, p in enumerate(PROMPTS):

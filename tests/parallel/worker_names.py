@@ -9,6 +9,7 @@ FAST = [
     "data_parallel_2x2",
     "pallas_under_shard_map",
     "sinks_tensor_parallel",  # attention sinks split as the query heads, at tp 2 and 4 (past the KV heads)
+    "kv_groups_tensor_parallel",  # window and global layers: a block table per KV cache group, at tp 2
     "steps_export_for_cuda_on_4_devices",
     "orbax_checkpoint_loads_into_shards",
     "bring_your_own_model_tp2",
