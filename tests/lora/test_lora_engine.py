@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from safetensors.numpy import load_file, save_file
 
 from pagedjax import (
     BeamSearchParams,
@@ -303,3 +304,19 @@ def test_float_adapters_on_an_int8_base(folders):
                        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_LEN), params=qstate,
                        seed=SEED, enable_lora=True, max_loras=1)
     assert tokens(engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora(folders, 1))) == want
+
+
+def test_a_poisoned_adapter_is_refused_by_tensor_and_the_engine_serves_on(engine, folders, tmp_path):
+    bad = write_adapter(tmp_path / "bad", CFG, rank=4, seed=5)
+    key = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    tensors[key][2, 7] = np.nan  # one weight of one tensor
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    loads, weights = engine.lora.num_slot_loads, engine.runner.lora_weights
+    for add in (lambda r: engine.add_lora(r), lambda r: engine.add_request("bad", [1, 2], lora_request=r)):
+        with pytest.raises(ValueError, match=f"tensor '{key}' holds NaN"):
+            add(LoRARequest("bad", 9, str(bad)))
+    assert 9 not in {r.lora_int_id for r in engine.list_loras()} and not engine.has_unfinished_requests()
+    assert engine.lora.num_slot_loads == loads and engine.runner.lora_weights is weights  # no slot touched
+    outputs = engine.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[None, lora(folders, 1)])
+    assert tokens(outputs) == [reference(folders, None)[0], reference(folders, 1)[1]]
