@@ -1,6 +1,7 @@
 """Multi-LoRA serving end to end: each adapter's greedy tokens equal the merged-weights model's (W + scale A B,
 by full recompute), in batches mixing base and adapter requests, through chunked prefill, fused decode and slot
-swaps (more adapters than slots), without recompiling; the adapter is part of every block's identity."""
+swaps (more adapters than slots), without recompiling; the adapter is part of every block's identity; an adapter
+leaves no weights behind in a slot."""
 
 from __future__ import annotations
 
@@ -320,3 +321,37 @@ def test_a_poisoned_adapter_is_refused_by_tensor_and_the_engine_serves_on(engine
     assert engine.lora.num_slot_loads == loads and engine.runner.lora_weights is weights  # no slot touched
     outputs = engine.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[None, lora(folders, 1)])
     assert tokens(outputs) == [reference(folders, None)[0], reference(folders, 1)[1]]
+
+
+def test_a_removed_adapters_slot_is_zeroed(engine, folders):
+    """Removing an adapter zeroes its device slot at once (it used to stay until another adapter took it)."""
+    request = LoRARequest("leaving", 8, str(folders[3]))
+    engine.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=request)
+    slot = engine.lora.slots.slot_of(engine.lora.key_of(8))
+    assert engine.runner.lora_weights.scales[slot] != 0
+    assert engine.remove_lora(8)
+    weights = engine.runner.lora_weights
+    assert not any(np.asarray(w[:, slot]).any() for layer in weights.a for w in layer.values())
+    assert not any(np.asarray(w[slot]).any() for layer in weights.b for w in layer.values())
+    assert weights.scales[slot] == 0 and slot not in {engine.lora.slots.slot_of(k) for k in engine.lora.slots.resident}
+
+
+def test_a_failed_slot_load_leaves_no_adapter_on_another_ones_weights(engine, folders, monkeypatch):
+    """A slot load that raises (here the write; also a folder that no longer reads, an interrupt) frees the slot it
+    was given: the table used to keep the adapter there, so the next step served its requests with the weights of
+    the adapter it had evicted."""
+    rng = np.random.default_rng(15)
+    engine.generate(rng.integers(0, CFG.vocab_size, (2, 3)).tolist(), SamplingParams(max_tokens=1), use_tqdm=False,
+                    lora_request=[lora(folders, 1), lora(folders, 2)])  # both slots taken
+    key = engine.lora.register(lora(folders, 3))
+
+    def broken(*args):
+        raise RuntimeError("injected slot write failure")
+
+    monkeypatch.setattr(engine.runner, "set_lora_slot", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.lora.slots_for([key])
+    assert engine.lora.slots.slot_of(key) is None
+    monkeypatch.undo()
+    outputs = engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=lora(folders, 3))
+    assert tokens(outputs) == [reference(folders, 3)[0]]
