@@ -1,7 +1,7 @@
 """Multi-LoRA serving end to end: each adapter's greedy tokens equal the merged-weights model's (W + scale A B,
 by full recompute), in batches mixing base and adapter requests, through chunked prefill, fused decode and slot
-swaps (more adapters than slots), without recompiling; the adapter is part of every block's identity; an adapter
-leaves no weights behind in a slot."""
+swaps (more adapters than slots), without recompiling; the adapter is part of every block's identity; a token
+reads its own slot only (other slots full of NaN change nothing of it), and an adapter leaves no weights behind."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pagedjax import (
     SchedulerConfig,
 )
 from pagedjax.config import MoEConfig, QuantConfig, SpeculativeConfig
-from pagedjax.model.layers.lora import ATTENTION_MODULES, TARGET_MODULES, lora_weights_nbytes
+from pagedjax.model.layers.lora import ATTENTION_MODULES, TARGET_MODULES, LoRAWeights, lora_weights_nbytes
 from pagedjax.model.llama import init_model, model_from_state, quantize_params
 from tests import dense
 from tests.engine.latent_toy import LatentToy
@@ -355,3 +355,45 @@ def test_a_failed_slot_load_leaves_no_adapter_on_another_ones_weights(engine, fo
     monkeypatch.undo()
     outputs = engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=lora(folders, 3))
     assert tokens(outputs) == [reference(folders, 3)[0]]
+
+
+# ------------------------------------------------------------------------------------------------- isolation
+POISONS = {"nan": np.nan, "inf": np.inf, "huge": 3e38}
+
+
+def _poisoned(weights: LoRAWeights, slots: list[int], value: float) -> LoRAWeights:
+    """`weights` with every A, B and scale of `slots` set to `value`, in the device arrays (no validation)."""
+    at = np.asarray(slots)
+    return LoRAWeights(tuple({m: w.at[:, at].set(value) for m, w in layer.items()} for layer in weights.a),
+                       tuple({m: w.at[at].set(value) for m, w in layer.items()} for layer in weights.b),
+                       weights.scales.at[at].set(value))
+
+
+def test_a_token_reads_its_own_slot_only(engine, folders):
+    """Every slot but one filled with NaN, infinities or 3e38 (A, B and scale, the base model's slot 0 too) in the
+    device arrays: the requests of the clean slot, in the same steps as the poisoned ones (one prefill step, fused
+    decodes), get bitwise the tokens and log-probabilities of an unpoisoned run. Before, every linear multiplied
+    every token by every slot's A and B and masked with zeros: NaN x 0 reached every token."""
+    prompts = np.random.default_rng(14).integers(0, CFG.vocab_size, (6, 4)).tolist()  # 24 tokens: one step
+    picks = [None, 1, 2] * 2
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def run():
+        engine.scheduler.reset_prefix_cache()  # every token computed again
+        outputs = engine.generate(prompts, params, use_tqdm=False, lora_request=[lora(folders, i) for i in picks])
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    clean = run()  # adapters 1 and 2 now in the two slots
+    slot_of = {None: 0, **{i: engine.lora.slots.slot_of(engine.lora.key_of(i)) for i in (1, 2)}}
+    loads, weights = engine.lora.num_slot_loads, engine.runner.lora_weights
+    try:
+        for kept in slot_of:
+            for name, value in POISONS.items():
+                engine.runner.lora_weights = _poisoned(weights, [s for i, s in slot_of.items() if i != kept], value)
+                got = run()
+                assert got != clean, name  # the poison took
+                mine = [k for k, i in enumerate(picks) if i == kept]
+                assert [got[k] for k in mine] == [clean[k] for k in mine], (kept, name)
+        assert engine.lora.num_slot_loads == loads  # no slot was written meanwhile: the poison stayed in place
+    finally:
+        engine.runner.lora_weights = weights
