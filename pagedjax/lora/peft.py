@@ -14,7 +14,7 @@ too, before any of it reaches a device slot: a `lora_alpha` or a weight that is 
 above `MAX_MAGNITUDE` (1e6). The scale (at most |lora_alpha|) and both factors under that bound keep an adapter's
 products of ordinary activations far inside float32's range (|x| 1e4, 1e5 inputs, rank 512: under 1e30 of
 3.4e38); a trained adapter's weights and alpha are many orders of magnitude below it, and past it (B = 1e38, an
-alpha of 1e308) an adapter only overflows, answering every request with NaN.
+alpha of 1e308) an adapter only overflows, answering each of its requests with NaN (empty text).
 
 Tensor names are PEFT's over `LlamaForCausalLM`: `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
 (`[r, in]`) and `...lora_B.weight` (`[out, r]`); they are stored transposed (`[in, r]`, `[r, out]`) as the built-in
