@@ -3,7 +3,7 @@
 
     python scripts/bench_lora.py              # the 156M shape (`bench_engine.SHAPES`)
     python scripts/bench_lora.py --quick      # a tiny model (seconds): the smoke test
-    python scripts/bench_lora.py --forms      # the two forms of the per-token product alone (one layer's linears)
+    python scripts/bench_lora.py --forms      # the forms of the per-token product alone (one layer's linears)
 
 Rows: "base" is an engine without LoRA; the others an engine with `enable_lora=True` and `max_loras` 4 (rows of
 up to 4 adapters) or 8 (more), every linear targeted, whose 16 requests are spread round-robin over k random
@@ -11,7 +11,9 @@ adapters (k = 0: LoRA on, every request on the base model). The grouped product'
 (`pagedjax.model.layers.lora`), so an engine serves with no more slots than it needs. Every engine is warmed up
 (one untimed round) first, then timed in interleaved rounds (one run of each row per round, fresh random prompts
 each time, so no prefix-cache hit and machine noise hits all rows alike); a row's time is its best round (prefill
-included), its ratio against "base" in the same run. The adapter swap is one slot's write
+included), its ratio against "base" in the same run; "CPU" the same by the process's CPU time, which a machine
+shared with other work moves far less than wall time (`vs base (CPU)` is the column to compare across runs
+there). The adapter swap is one slot's write
 (`ModelRunner.set_lora_slot`, waited for) plus building its zero-padded arrays on the host; best of 5.
 """
 
@@ -38,6 +40,7 @@ from pagedjax.model.layers.lora import (
     gathered_delta,
     grouped_delta,
     lora_weights_nbytes,
+    selected_delta,
     target_shapes,
 )
 
@@ -84,28 +87,32 @@ def throughput(args) -> None:
             rows[f"{k} adapters" if k != 1 else "1 adapter"] = (
                 engines[slots], [adapters[i % k] if k else None for i in range(args.batch)])
 
-        def run(engine, loras) -> float:
+        def run(engine, loras) -> tuple[float, float]:
+            """(wall, process CPU) seconds of one batch."""
             prompts = rng.integers(0, cfg.vocab_size, (args.batch, args.prompt_len)).tolist()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             out = engine.generate(prompts, params, use_tqdm=False, lora_request=loras)
             assert sum(len(o.outputs[0].token_ids) for o in out) == args.batch * args.max_tokens
-            return time.perf_counter() - start
+            return time.perf_counter() - start, time.process_time() - start_cpu
 
         for engine, loras in rows.values():  # warm-up: compiles, adapters into their slots
             run(engine, loras)
         best = {name: math.inf for name in rows}
+        best_cpu = dict(best)
         for _ in range(args.rounds):
             for name, (engine, loras) in rows.items():
-                best[name] = min(best[name], run(engine, loras))
+                wall, cpu = run(engine, loras)
+                best[name], best_cpu[name] = min(best[name], wall), min(best_cpu[name], cpu)
         tokens = args.batch * args.max_tokens
         print(f"\n{args.model if not args.quick else 'tiny'}: batch {args.batch}, prompt {args.prompt_len}, "
               f"{args.max_tokens} new tokens, decode_steps_per_call {args.decode_steps}, rank {RANK}, "
               f"best of {args.rounds} rounds, {jax.default_backend()}")
-        print(f"| {'row':<12} | max_loras | tokens/s | vs base |")
-        print(f"|{'-' * 14}|----------:|---------:|--------:|")
+        print(f"| {'row':<12} | max_loras | tokens/s | vs base | CPU s | vs base (CPU) |")
+        print(f"|{'-' * 14}|----------:|---------:|--------:|------:|--------------:|")
         for name, (engine, _) in rows.items():
             slots = "-" if engine.lora is None else engine.lora.config.max_loras
-            print(f"| {name:<12} | {slots:>9} | {tokens / best[name]:8.1f} | {best['base'] / best[name]:6.2f}x |")
+            print(f"| {name:<12} | {slots:>9} | {tokens / best[name]:8.1f} | {best['base'] / best[name]:6.2f}x | "
+                  f"{best_cpu[name]:5.2f} | {best_cpu['base'] / best_cpu[name]:12.3f}x |")
         served = next(e for e in engines.values() if e.lora is not None)
         runner, manager = served.runner, served.lora
         host = manager.host_adapter("1")
@@ -122,7 +129,9 @@ def throughput(args) -> None:
 
 
 def forms(args) -> None:
-    """One layer's 7 target linears at 16 tokens: the base products alone, and with each form of the delta."""
+    """One layer's 7 target linears at `--batch` tokens: the base products alone, and with each form of the delta,
+    timed in interleaved rounds (machine noise hits all alike): median wall and process CPU time (the CPU time
+    moves less on a machine shared with other work)."""
     cfg = SHAPES["tiny" if args.quick else args.model]
     shapes = target_shapes(cfg)
     rng = np.random.default_rng(0)
@@ -133,7 +142,9 @@ def forms(args) -> None:
                        for s in ((i, o), (i, n, RANK), (n, RANK, o))) for m, (i, o) in shapes.items()}
         xs = {m: jnp.asarray(rng.standard_normal((args.batch, i)), jnp.float32) for m, (i, _) in shapes.items()}
         scales, slots = jnp.ones((n,), jnp.float32), jnp.asarray(rng.integers(0, n, args.batch), jnp.int32)
-        for name, delta in (("base", None), ("gathered", gathered_delta), ("grouped", grouped_delta)):
+        fns = {}
+        for name, delta in (("base", None), ("gathered", gathered_delta), ("selected", selected_delta),
+                            ("grouped", grouped_delta)):
             def layer(xs, ws, slots, delta=delta, scales=scales):
                 out = []
                 for m in TARGET_MODULES:
@@ -141,21 +152,25 @@ def forms(args) -> None:
                     y = xs[m] @ w
                     out.append(y if delta is None else y + delta(xs[m], a, b, scales, slots))
                 return out
-            fn = jax.jit(layer)
-            jax.block_until_ready(fn(xs, ws, slots))
-            times = []
-            for _ in range(30):
-                start = time.perf_counter()
+            fns[name] = jax.jit(layer)
+            jax.block_until_ready(fns[name](xs, ws, slots))
+        wall, cpu = {name: [] for name in fns}, {name: [] for name in fns}
+        for _ in range(30):
+            for name, fn in fns.items():
+                start, start_cpu = time.perf_counter(), time.process_time()
                 jax.block_until_ready(fn(xs, ws, slots))
-                times.append(time.perf_counter() - start)
-            print(f"  {n} slots  {name:<9} {np.median(times) * 1e3:7.2f} ms")
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
+        for name in fns:
+            wall_ms, cpu_ms = np.median(wall[name]) * 1e3, np.median(cpu[name]) * 1e3
+            print(f"  {n} slots  {name:<9} {wall_ms:7.2f} ms  (CPU {cpu_ms:7.2f})")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="156m", choices=sorted(SHAPES))
     ap.add_argument("--quick", action="store_true", help="the tiny model, short runs")
-    ap.add_argument("--forms", action="store_true", help="only the per-token product's two forms")
+    ap.add_argument("--forms", action="store_true", help="only the per-token product's forms")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)

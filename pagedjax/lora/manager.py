@@ -63,14 +63,17 @@ class LoRAManager:
 
     def remove(self, lora_int_id: int) -> bool:
         """Forget adapter `lora_int_id` (host copy, device slot, binding); False if it is not registered. The
-        caller makes sure no unfinished request uses it (`key_of`)."""
+        caller makes sure no unfinished request uses it (`key_of`). Its device slot is zeroed: a removed adapter's
+        weights leave the device with it, not when another adapter happens to take the slot."""
         request = self._requests.pop(lora_int_id, None)
         if request is None:
             return False
         key = self._keys.pop(lora_int_id)
         self._removals[lora_int_id] = self._removals.get(lora_int_id, 0) + 1
         self._host.pop(key, None)
-        self.slots.release(key)
+        slot = self.slots.release(key)
+        if slot is not None:
+            self.runner.clear_lora_slot(slot)
         return True
 
     def key_of(self, lora_int_id: int) -> str | None:
@@ -107,13 +110,23 @@ class LoRAManager:
     def slots_for(self, adapter_ids: list[str | None]) -> list[int]:
         """Each request's device slot for a step of requests with these `adapter_id`s (None: the base model, slot
         0), loading the adapters not resident into slots first (least recently used evicted, never one of this
-        step's). ValueError for more distinct adapters than `max_loras` (the scheduler never plans that)."""
+        step's). ValueError for more distinct adapters than `max_loras` (the scheduler never plans that). A load
+        that raises (its folder changed and no longer reads, an interrupt) leaves the adapters not yet written
+        without a slot, so no later step reads a slot that still holds another adapter's weights as theirs."""
         slot_of, loads = self.slots.assign(key for key in adapter_ids if key is not None)
-        for key, slot in loads:
-            start = time.perf_counter()
-            host = self.host_adapter(key)
-            a, b = host.slot_arrays(self._shapes, self.model_config.num_layers, self.config.max_lora_rank)
-            self.runner.set_lora_slot(slot, a, b, host.scale)
-            self.num_slot_loads += 1
-            self.slot_load_seconds += time.perf_counter() - start
+        for n, (key, slot) in enumerate(loads):
+            try:
+                self._load(key, slot)
+            except BaseException:
+                for unwritten, _ in loads[n:]:
+                    self.slots.release(unwritten)
+                raise
         return [0 if key is None else slot_of[key] for key in adapter_ids]
+
+    def _load(self, key: str, slot: int) -> None:
+        start = time.perf_counter()
+        host = self.host_adapter(key)
+        a, b = host.slot_arrays(self._shapes, self.model_config.num_layers, self.config.max_lora_rank)
+        self.runner.set_lora_slot(slot, a, b, host.scale)
+        self.num_slot_loads += 1
+        self.slot_load_seconds += time.perf_counter() - start

@@ -9,7 +9,12 @@ saves "all-linear": "model.layers.0.self_attn.q_proj"; or "all-linear"), `layers
 layers' tensors are present), `bias` "none". Refused with a ValueError naming the field or tensor: DoRA (`use_dora`),
 `modules_to_save`, embedding or LM-head adapters, biases, per-module ranks or alphas (`rank_pattern`,
 `alpha_pattern`), `fan_in_fan_out`, a rank above the engine's `max_lora_rank`, tensors of other names or shapes,
-and a `.bin` checkpoint (a torch pickle: save it as safetensors).
+and a `.bin` checkpoint (a torch pickle: save it as safetensors); a config nested too deeply to parse. Refused
+too, before any of it reaches a device slot: a `lora_alpha` or a weight that is NaN, infinite, or of magnitude
+above `MAX_MAGNITUDE` (1e6). The scale (at most |lora_alpha|) and both factors under that bound keep an adapter's
+products of ordinary activations far inside float32's range (|x| 1e4, 1e5 inputs, rank 512: under 1e30 of
+3.4e38); a trained adapter's weights and alpha are many orders of magnitude below it, and past it (B = 1e38, an
+alpha of 1e308) an adapter only overflows, answering each of its requests with NaN (empty text).
 
 Tensor names are PEFT's over `LlamaForCausalLM`: `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
 (`[r, in]`) and `...lora_B.weight` (`[out, r]`); they are stored transposed (`[in, r]`, `[r, out]`) as the built-in
@@ -31,6 +36,7 @@ from pagedjax.model.layers.lora import ATTENTION_MODULES, TARGET_MODULES, target
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_MAGNITUDE = 1e6  # of lora_alpha and of every weight (see the module's docstring)
 _TENSOR = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
 
@@ -48,6 +54,9 @@ def read_adapter_config(path: Path, max_rank: int) -> dict:
         cfg = json.loads(file.read_bytes())
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"LoRA adapter {str(path)!r}: {CONFIG_FILE} is not valid JSON: {e}") from None
+    except RecursionError:  # the decoder recurses per nested array or object: e.g. 100,000 '['
+        raise ValueError(f"LoRA adapter {str(path)!r}: {CONFIG_FILE} is nested too deeply to read (a PEFT config "
+                         "is one flat object)") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"LoRA adapter {str(path)!r}: {CONFIG_FILE} is not a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -60,6 +69,9 @@ def read_adapter_config(path: Path, max_rank: int) -> dict:
     alpha = cfg.get("lora_alpha", 8)
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
         raise _field_error(path, "lora_alpha", f"must be a number, got {alpha!r}")
+    if not abs(alpha) <= MAX_MAGNITUDE:  # NaN compares false; an int too large for a float compares fine
+        raise _field_error(path, "lora_alpha", f"must be a finite number of magnitude at most {MAX_MAGNITUDE:g}, "
+                                               f"got {_short(alpha)}")
     rslora = cfg.get("use_rslora", False)
     if not isinstance(rslora, bool):
         raise _field_error(path, "use_rslora", f"must be a bool, got {rslora!r}")
@@ -91,6 +103,25 @@ def read_adapter_config(path: Path, max_rank: int) -> dict:
                                                    "(no embedding or LM-head adapters)")
     scale = alpha / math.sqrt(r) if rslora else alpha / r
     return {"r": r, "scale": float(scale), "target_modules": tuple(targets)}
+
+
+def _short(value: float) -> str:
+    """A number as an error message shows it: an int of hundreds of digits (JSON allows them) cut short."""
+    shown = repr(value)
+    return shown if len(shown) <= 32 else f"{shown[:12]}... ({len(shown)} digits)"
+
+
+def _check_values(path: Path, key: str, weight: np.ndarray) -> None:
+    """Refuse tensor `key` (float32) if any weight is NaN, infinite or above `MAX_MAGNITUDE` in magnitude."""
+    if np.isnan(weight).any():
+        raise ValueError(f"LoRA adapter {str(path)!r}: tensor {key!r} holds NaN (every weight must be finite)")
+    peak = float(np.abs(weight).max())
+    if math.isinf(peak):
+        raise ValueError(f"LoRA adapter {str(path)!r}: tensor {key!r} holds an infinity (as float32; every weight "
+                         "must be finite)")
+    if peak > MAX_MAGNITUDE:
+        raise ValueError(f"LoRA adapter {str(path)!r}: tensor {key!r} holds a weight of magnitude {peak:.3g}, above "
+                         f"the {MAX_MAGNITUDE:g} an adapter's weights may reach")
 
 
 def _targeted(path: str, entries: tuple[str, ...]) -> bool:
@@ -165,7 +196,10 @@ def load_peft_adapter(path, lora_name: str, lora_int_id: int, model_config: Mode
         if value.shape != want:
             raise ValueError(f"LoRA adapter {str(path)!r}: tensor {key!r} has shape {tuple(value.shape)}, the model "
                              f"and r={r} need {want}")
-        halves.setdefault((layer, module), {})[half] = np.asarray(value, np.float32).T
+        with np.errstate(over="ignore"):  # a float64 weight beyond float32's range becomes inf: refused next
+            weight = np.asarray(value, np.float32)
+        _check_values(path, key, weight)
+        halves.setdefault((layer, module), {})[half] = weight.T
     weights = {}
     for (layer, module), pair in sorted(halves.items()):
         if len(pair) != 2:

@@ -26,9 +26,10 @@ class SlotTable:
         """The adapters in slots, least recently used first."""
         return list(self._slot_of)
 
-    def release(self, adapter: Hashable) -> None:
-        """Free `adapter`'s slot, if it has one (its weights stay there, unused, until another adapter's load)."""
-        self._slot_of.pop(adapter, None)
+    def release(self, adapter: Hashable) -> int | None:
+        """Free `adapter`'s slot; the slot it had (None: none). What the device slot holds is the caller's: the
+        manager zeroes it."""
+        return self._slot_of.pop(adapter, None)
 
     def assign(self, adapters: Iterable[Hashable]) -> tuple[dict[Hashable, int], list[tuple[Hashable, int]]]:
         """(slot of each adapter of the step, the (adapter, slot) pairs to load before it runs: new residents,

@@ -380,6 +380,14 @@ class ModelRunner:
         self.lora_weights = self._write_lora_slot(self.lora_weights, np.int32(slot), tuple(a), tuple(b),
                                                   np.float32(scale))
 
+    def clear_lora_slot(self, slot: int) -> None:
+        """Zeros in slot `slot` (>= 1) from the next step on, as in a slot never written: its adapter left it.
+        Written by `set_lora_slot`'s program (nothing compiled for it)."""
+        a = tuple({m: np.zeros((s.shape[0], s.shape[2]), np.float32) for m, s in layer.items()}
+                  for layer in self.lora_weights.a)
+        b = tuple({m: np.zeros(s.shape[1:], np.float32) for m, s in layer.items()} for layer in self.lora_weights.b)
+        self.set_lora_slot(slot, a, b, 0.0)
+
     def _lora(self, slots: np.ndarray | None, n: int) -> LoRABatch | None:
         """A step's adapters: None without LoRA; with it, `slots` (None: a step of no adapter, e.g. padding)."""
         if self.lora_weights is None:

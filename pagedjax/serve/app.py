@@ -48,7 +48,7 @@ from pagedjax.serve.async_engine import AsyncLLMEngine
 from pagedjax.serve.chat_template import ChatTemplate
 from pagedjax.serve.disconnect import ClientDisconnected, EventStreamResponse, until_disconnect
 from pagedjax.serve.errors import APIError, bad_request, error_body, install_error_handlers, validation_message
-from pagedjax.serve.lora import RuntimeLoRAUpdates, ServedAdapters
+from pagedjax.serve.lora import DEFAULT_MAX_REGISTERED_LORAS, RuntimeLoRAUpdates, ServedAdapters
 from pagedjax.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pagedjax.serve.protocol import (
     ChatCompletionRequest,
@@ -131,6 +131,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
               max_parallel_tool_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS,
               lora_modules: Mapping[str, str] | None = None,
               lora_updates: RuntimeLoRAUpdates | None = None,
+              max_registered_loras: int = DEFAULT_MAX_REGISTERED_LORAS,
               image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> FastAPI:
     """The server's app over `engine` (started on startup, stopped on shutdown, after letting requests in
     flight finish for `shutdown_timeout` seconds). `api_key`, `allowed_origins`, `allowed_hosts`, `docs`: see
@@ -143,10 +144,12 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     `OpenAIServing`). A forced tool choice makes at most `max_parallel_tool_calls` calls (`pagedjax.serve.tools`).
     An engine with LoRA enabled serves the adapters `lora_modules` (name -> PEFT folder, registered now: ValueError
     naming a bad one) by name, and with `lora_updates` loads and unloads adapters at runtime (`pagedjax.serve.lora`;
-    without it those routes answer 404). A model that takes images gets them in chat messages as data URLs, within
-    `image_limits` (`pagedjax.serve.images`); for any other, an image part is a 400."""
+    without it those routes answer 404), at most `max_registered_loras` at once. A model that takes images gets
+    them in chat messages as data URLs, within `image_limits` (`pagedjax.serve.images`); for any other, an image
+    part is a 400."""
     check_key = _api_key_check(api_key)
-    adapters = ServedAdapters(engine, base_name=model_name, modules=lora_modules, runtime=lora_updates)
+    adapters = ServedAdapters(engine, base_name=model_name, modules=lora_modules, runtime=lora_updates,
+                              max_registered=max_registered_loras)
     if lora_updates is not None and api_key is None:
         logger.warning("runtime LoRA updates are on without an API key: any client that reaches the server may load "
                        "adapters from %s", lora_updates.root)

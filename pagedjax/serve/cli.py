@@ -198,16 +198,21 @@ def _add_lora_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="the largest adapter_model.safetensors a runtime load reads (e.g. 256MiB; default: 1 GiB); "
                         "a larger one gets 413 before it is read")
+    g.add_argument("--max-registered-loras", type=generate_args.int_at_least(1), default=None, metavar="N",
+                   help="the most adapters served at once, --lora-modules included (default: 256; needs "
+                        "--enable-lora); a runtime load past it gets 400 (too_many_lora_adapters)")
 
 
 def lora_setup(args: argparse.Namespace, model_name: str):
     """(the --lora-modules by name, the RuntimeLoRAUpdates or None) of the parsed flags; CLIError for flags that
-    need another one, a duplicate or reserved name, or a --lora-root that is not a folder."""
-    from pagedjax.serve.lora import DEFAULT_MAX_LORA_BYTES, RuntimeLoRAUpdates
+    need another one, a duplicate or reserved name, more --lora-modules than --max-registered-loras, or a
+    --lora-root that is not a folder."""
+    from pagedjax.serve.lora import DEFAULT_MAX_LORA_BYTES, DEFAULT_MAX_REGISTERED_LORAS, RuntimeLoRAUpdates
 
     if not args.enable_lora:
         for given, flag in ((args.lora_modules, "--lora-modules"),
-                            (args.enable_runtime_lora_updates, "--enable-runtime-lora-updates")):
+                            (args.enable_runtime_lora_updates, "--enable-runtime-lora-updates"),
+                            (args.max_registered_loras is not None, "--max-registered-loras")):
             if given:
                 raise CLIError(f"{flag} needs --enable-lora")
     if not args.enable_runtime_lora_updates:
@@ -224,6 +229,9 @@ def lora_setup(args: argparse.Namespace, model_name: str):
             raise CLIError(f"--lora-modules {name}: base_model_name {base!r} is not the served model "
                            f"{model_name!r}")
         modules[name] = path
+    most = args.max_registered_loras or DEFAULT_MAX_REGISTERED_LORAS
+    if len(modules) > most:
+        raise CLIError(f"--lora-modules: {len(modules)} adapters, more than --max-registered-loras {most}")
     if not args.enable_runtime_lora_updates:
         return modules, None
     if args.lora_root is None:
@@ -388,6 +396,8 @@ def serve(args: argparse.Namespace) -> int:
                             api_key=api_key(args), allowed_origins=args.allowed_origin,
                             allowed_hosts=allowed_hosts(args), docs=args.enable_docs, body_timeout=args.body_timeout,
                             lora_modules=lora_modules, lora_updates=lora_updates, image_limits=image_limits(args),
+                            **({} if args.max_registered_loras is None else
+                               {"max_registered_loras": args.max_registered_loras}),
                             **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
         except ValueError as e:
             raise CLIError(str(e)) from None

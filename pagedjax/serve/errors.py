@@ -5,7 +5,8 @@
                              shows it); a parameter not supported yet; an output constraint over a limit (code
                              `structured_output_limit`) or that the grammar library refused, crashed on or took
                              too long to compile; a LoRA adapter the loader refuses (`invalid_lora_adapter`), a
-                             name taken (`lora_adapter_exists`) or not allowed (`invalid_lora_name`); an image part
+                             name taken (`lora_adapter_exists`) or not allowed (`invalid_lora_name`), a load past
+                             `--max-registered-loras` (`too_many_lora_adapters`); an image part
                              to a model without images (`images_not_supported`), a URL that is not a base64 data
                              URL (`invalid_image_url`), another media type (`unsupported_image_type`), bytes that
                              are not a readable still image of it (`invalid_image`), too many images

@@ -13,6 +13,10 @@ A runtime load reads a folder a client names, so before any of it is read:
 Error messages name the path as the client gave it, never the server's absolute path. The root's contents are the
 operator's: the checks bound what a client's path can reach, not files the operator puts there.
 
+At most `max_registered` adapters are served at once (`--max-registered-loras`, start-up modules included): a
+load past it is refused (400 `too_many_lora_adapters`) before anything is read, so no client grows the server's
+adapters, and what `/v1/models` lists, without bound.
+
 Ids: every adapter gets a fresh `lora_int_id` (never reused), so a name loaded again after an unload never hits
 the KV blocks cached under its former weights. Unloading an adapter that running requests use lets them finish
 under it: the name is gone at once (new requests get 404), the engine removes the weights after the last of them
@@ -38,6 +42,9 @@ from pagedjax.serve.errors import APIError, bad_request
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_LORA_BYTES = 2**30
+# Adapters served at once: far more than device slots or host copies (those are the engine's --max-loras and
+# --max-cpu-loras), so that a server of many fine-tunes never meets it, yet a bound on its records.
+DEFAULT_MAX_REGISTERED_LORAS = 256
 MAX_CONFIG_BYTES = 2**20  # PEFT's adapter_config.json is a few KB (tens with "all-linear" saved as paths)
 MAX_NAME_LENGTH = 256
 
@@ -128,13 +135,20 @@ class ServedAdapters:
     """The adapters a server serves, by name, over an engine with LoRA enabled (or none, without it); see the
     module docstring. `modules` (name -> folder, the operator's `--lora-modules`) are registered now, on the
     engine before its thread starts: ValueError naming the module for a bad one. `runtime`: what the load
-    endpoint may read (None: runtime loading and unloading are off)."""
+    endpoint may read (None: runtime loading and unloading are off). `max_registered`: the most adapters served at
+    once, `modules` included."""
 
     def __init__(self, engine: AsyncLLMEngine, *, base_name: str, modules: Mapping[str, str] | None = None,
-                 runtime: RuntimeLoRAUpdates | None = None):
+                 runtime: RuntimeLoRAUpdates | None = None, max_registered: int = DEFAULT_MAX_REGISTERED_LORAS):
+        if not isinstance(max_registered, int) or isinstance(max_registered, bool) or max_registered < 1:
+            raise ValueError(f"max_registered must be an int >= 1, got {max_registered!r}")
+        if len(modules or {}) > max_registered:
+            raise ValueError(f"{len(modules)} LoRA modules, more than the {max_registered} adapters this server "
+                             "serves at once (--max-registered-loras)")
         self.engine = engine
         self.base_name = base_name
         self.runtime = runtime
+        self.max_registered = max_registered
         llm = engine.engine
         self.lora_config = llm.lora.config if getattr(llm, "lora", None) is not None else None
         if self.lora_config is None and (modules or runtime is not None):
@@ -195,6 +209,14 @@ class ServedAdapters:
             raise bad_request(f"The LoRA adapter {name!r} has already been loaded (unload it first to replace it).",
                               "lora_name", "lora_adapter_exists")
 
+    def _check_room(self) -> None:
+        """400 when `max_registered` adapters are served or being loaded."""
+        held = len(self._served) + len(self._loading)
+        if held >= self.max_registered:
+            raise bad_request(f"This server serves at most {self.max_registered} LoRA adapters at once "
+                              f"(--max-registered-loras) and holds {held}: unload one first.",
+                              code="too_many_lora_adapters")
+
     def check_runtime(self) -> RuntimeLoRAUpdates:
         """What runtime loads may read; 404 (saying how to enable them) when runtime updates are off."""
         if self.runtime is None:
@@ -211,6 +233,7 @@ class ServedAdapters:
         engine's thread."""
         runtime = self.check_runtime()
         self._check_name(name)
+        self._check_room()
         self._loading.add(name)
         try:
             folder = await asyncio.to_thread(self._read_checked, name, path, runtime)

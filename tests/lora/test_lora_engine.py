@@ -1,6 +1,7 @@
 """Multi-LoRA serving end to end: each adapter's greedy tokens equal the merged-weights model's (W + scale A B,
 by full recompute), in batches mixing base and adapter requests, through chunked prefill, fused decode and slot
-swaps (more adapters than slots), without recompiling; the adapter is part of every block's identity."""
+swaps (more adapters than slots), without recompiling; the adapter is part of every block's identity; a token
+reads its own slot only (other slots full of NaN change nothing of it), and an adapter leaves no weights behind."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from flax import nnx
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from safetensors.numpy import load_file, save_file
 
 from pagedjax import (
     BeamSearchParams,
@@ -23,7 +25,7 @@ from pagedjax import (
     SchedulerConfig,
 )
 from pagedjax.config import MoEConfig, QuantConfig, SpeculativeConfig
-from pagedjax.model.layers.lora import ATTENTION_MODULES, TARGET_MODULES, lora_weights_nbytes
+from pagedjax.model.layers.lora import ATTENTION_MODULES, TARGET_MODULES, LoRAWeights, lora_weights_nbytes
 from pagedjax.model.llama import init_model, model_from_state, quantize_params
 from tests import dense
 from tests.engine.latent_toy import LatentToy
@@ -303,3 +305,95 @@ def test_float_adapters_on_an_int8_base(folders):
                        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_LEN), params=qstate,
                        seed=SEED, enable_lora=True, max_loras=1)
     assert tokens(engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora(folders, 1))) == want
+
+
+def test_a_poisoned_adapter_is_refused_by_tensor_and_the_engine_serves_on(engine, folders, tmp_path):
+    bad = write_adapter(tmp_path / "bad", CFG, rank=4, seed=5)
+    key = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    tensors[key][2, 7] = np.nan  # one weight of one tensor
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    loads, weights = engine.lora.num_slot_loads, engine.runner.lora_weights
+    for add in (lambda r: engine.add_lora(r), lambda r: engine.add_request("bad", [1, 2], lora_request=r)):
+        with pytest.raises(ValueError, match=f"tensor '{key}' holds NaN"):
+            add(LoRARequest("bad", 9, str(bad)))
+    assert 9 not in {r.lora_int_id for r in engine.list_loras()} and not engine.has_unfinished_requests()
+    assert engine.lora.num_slot_loads == loads and engine.runner.lora_weights is weights  # no slot touched
+    outputs = engine.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[None, lora(folders, 1)])
+    assert tokens(outputs) == [reference(folders, None)[0], reference(folders, 1)[1]]
+
+
+def test_a_removed_adapters_slot_is_zeroed(engine, folders):
+    """Removing an adapter zeroes its device slot at once (it used to stay until another adapter took it)."""
+    request = LoRARequest("leaving", 8, str(folders[3]))
+    engine.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=request)
+    slot = engine.lora.slots.slot_of(engine.lora.key_of(8))
+    assert engine.runner.lora_weights.scales[slot] != 0
+    assert engine.remove_lora(8)
+    weights = engine.runner.lora_weights
+    assert not any(np.asarray(w[:, slot]).any() for layer in weights.a for w in layer.values())
+    assert not any(np.asarray(w[slot]).any() for layer in weights.b for w in layer.values())
+    assert weights.scales[slot] == 0 and slot not in {engine.lora.slots.slot_of(k) for k in engine.lora.slots.resident}
+
+
+def test_a_failed_slot_load_leaves_no_adapter_on_another_ones_weights(engine, folders, monkeypatch):
+    """A slot load that raises (here the write; also a folder that no longer reads, an interrupt) frees the slot it
+    was given: the table used to keep the adapter there, so the next step served its requests with the weights of
+    the adapter it had evicted."""
+    rng = np.random.default_rng(15)
+    engine.generate(rng.integers(0, CFG.vocab_size, (2, 3)).tolist(), SamplingParams(max_tokens=1), use_tqdm=False,
+                    lora_request=[lora(folders, 1), lora(folders, 2)])  # both slots taken
+    key = engine.lora.register(lora(folders, 3))
+
+    def broken(*args):
+        raise RuntimeError("injected slot write failure")
+
+    monkeypatch.setattr(engine.runner, "set_lora_slot", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.lora.slots_for([key])
+    assert engine.lora.slots.slot_of(key) is None
+    monkeypatch.undo()
+    outputs = engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=lora(folders, 3))
+    assert tokens(outputs) == [reference(folders, 3)[0]]
+
+
+# ------------------------------------------------------------------------------------------------- isolation
+POISONS = {"nan": np.nan, "inf": np.inf, "huge": 3e38}
+
+
+def _poisoned(weights: LoRAWeights, slots: list[int], value: float) -> LoRAWeights:
+    """`weights` with every A, B and scale of `slots` set to `value`, in the device arrays (no validation)."""
+    at = np.asarray(slots)
+    return LoRAWeights(tuple({m: w.at[:, at].set(value) for m, w in layer.items()} for layer in weights.a),
+                       tuple({m: w.at[at].set(value) for m, w in layer.items()} for layer in weights.b),
+                       weights.scales.at[at].set(value))
+
+
+def test_a_token_reads_its_own_slot_only(engine, folders):
+    """Every slot but one filled with NaN, infinities or 3e38 (A, B and scale, the base model's slot 0 too) in the
+    device arrays: the requests of the clean slot, in the same steps as the poisoned ones (one prefill step, fused
+    decodes), get bitwise the tokens and log-probabilities of an unpoisoned run. Before, every linear multiplied
+    every token by every slot's A and B and masked with zeros: NaN x 0 reached every token."""
+    prompts = np.random.default_rng(14).integers(0, CFG.vocab_size, (6, 4)).tolist()  # 24 tokens: one step
+    picks = [None, 1, 2] * 2
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def run():
+        engine.scheduler.reset_prefix_cache()  # every token computed again
+        outputs = engine.generate(prompts, params, use_tqdm=False, lora_request=[lora(folders, i) for i in picks])
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    clean = run()  # adapters 1 and 2 now in the two slots
+    slot_of = {None: 0, **{i: engine.lora.slots.slot_of(engine.lora.key_of(i)) for i in (1, 2)}}
+    loads, weights = engine.lora.num_slot_loads, engine.runner.lora_weights
+    try:
+        for kept in slot_of:
+            for name, value in POISONS.items():
+                engine.runner.lora_weights = _poisoned(weights, [s for i, s in slot_of.items() if i != kept], value)
+                got = run()
+                assert got != clean, name  # the poison took
+                mine = [k for k, i in enumerate(picks) if i == kept]
+                assert [got[k] for k in mine] == [clean[k] for k in mine], (kept, name)
+        assert engine.lora.num_slot_loads == loads  # no slot was written meanwhile: the poison stayed in place
+    finally:
+        engine.runner.lora_weights = weights

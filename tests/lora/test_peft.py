@@ -113,6 +113,45 @@ def test_bad_tensors_are_refused_by_name(tmp_path, edit, message):
         load(folder)
 
 
+def _set(key: str, row: int, value, dtype=np.float32):
+    """An edit putting `value` at `[row, 0]` of tensor `key` (stored as `dtype`)."""
+    def edit(tensors):
+        t = tensors[key].astype(dtype)
+        t[row, 0] = value
+        tensors[key] = t
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_set(f"{Q}.lora_A.weight", 3, np.nan), f"tensor '{Q}.lora_A.weight' holds NaN"),
+    (_set(f"{Q}.lora_B.weight", 0, -np.inf), f"tensor '{Q}.lora_B.weight' holds an infinity"),
+    (_set(f"{Q}.lora_B.weight", 5, 1e38), rf"'{Q}.lora_B.weight' holds a weight of magnitude 1e\+38, above the 1e\+06"),
+    (_set(f"{Q}.lora_A.weight", 0, 1e300, np.float64), rf"'{Q}.lora_A.weight' holds an infinity \(as float32"),
+    (_set(f"{Q}.lora_A.weight", 1, np.nan, np.float16), f"'{Q}.lora_A.weight' holds NaN"),
+], ids=["nan", "inf", "huge", "f64-overflow", "f16-nan"])
+def test_non_finite_or_huge_weights_are_refused_by_tensor(tmp_path, edit, message):
+    """One bad number anywhere refuses the adapter, naming its tensor (it would otherwise reach a device slot)."""
+    folder = _edit_tensors(write_adapter(tmp_path / "a", CFG, rank=4, seed=0), edit)
+    with pytest.raises(ValueError, match=message):
+        load(folder)
+
+
+@pytest.mark.parametrize("alpha", [math.nan, math.inf, -math.inf, 1e308, -2e6, 10**400])
+def test_a_non_finite_or_absurd_alpha_is_refused(tmp_path, alpha):
+    folder = _edit_config(write_adapter(tmp_path / "a", CFG, rank=4, seed=0), lora_alpha=alpha)
+    with pytest.raises(ValueError, match=r"field 'lora_alpha' must be a finite number of magnitude at most 1e\+06"):
+        load(folder)
+
+
+def test_a_deeply_nested_config_is_refused_as_a_value_error(tmp_path):
+    """100,000 nested arrays made the JSON decoder raise RecursionError, which no caller expects (the server
+    answered 500 and dropped the connection)."""
+    folder = write_adapter(tmp_path / "a", CFG, rank=4, seed=0)
+    (folder / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="adapter_config.json is nested too deeply to read"):
+        load(folder)
+
+
 def test_a_tensor_of_an_untargeted_module_is_refused(tmp_path):
     folder = write_adapter(tmp_path / "a", CFG, rank=4, seed=0)
     _edit_config(folder, target_modules=["k_proj"])

@@ -1,8 +1,9 @@
 """Multi-LoRA serving over HTTP: a request's `model` names the base model or an adapter, and an adapter's tokens are
 `LLMEngine.generate(..., lora_request=...)`'s (completions and chat, streamed or not, base and adapters at once);
 `/v1/models` lists adapters under their parent; adapters load and unload at runtime only when enabled, behind the
-API key, from under the operator's root; every refusal is its own status and says what is wrong, and the server
-serves on after each. One server for the module (a tiny random model, adapters of a few KB)."""
+API key, from under the operator's root, at most `MAX_REGISTERED` at once; every refusal is its own status and
+says what is wrong (adapters with NaN or overflowing numbers, a config nested 100,000 deep), and the server serves
+on after each. One server for the module (a tiny random model, adapters of a few KB)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ API_KEY = "lora-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_LORA_RANK = 8
 MAX_LORA_BYTES = 64 * 2**10
+MAX_REGISTERED = 3  # sql, chat and one more at a time (the tests below load one more at most)
+NAN_TENSOR = "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
 PROMPT = [256, 100, 101, 102, 10, 32, 32]
 MESSAGES = [{"role": "user", "content": "def parse("}]
 MAX_TOKENS = 10
@@ -59,6 +62,13 @@ def folders(tmp_path_factory):
     tensors = load_file(str(shapes / "adapter_model.safetensors"))
     tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"] = np.zeros((4, 63), np.float32)
     save_file(tensors, str(shapes / "adapter_model.safetensors"))
+    nan = write_adapter(root / "nan", CFG, rank=4, seed=3)
+    tensors = load_file(str(nan / "adapter_model.safetensors"))
+    tensors[NAN_TENSOR][1, 2] = np.nan
+    save_file(tensors, str(nan / "adapter_model.safetensors"))
+    write_adapter(root / "alpha", CFG, rank=4, seed=3, alpha=float("inf"))  # "lora_alpha": Infinity
+    deep = write_adapter(root / "deep", CFG, rank=4, seed=3)
+    (deep / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
     big = write_adapter(root / "big", CFG, rank=4, seed=3)
     (big / "adapter_model.safetensors").write_bytes(bytes(MAX_LORA_BYTES + 1))
     (root / "empty").mkdir()
@@ -100,7 +110,7 @@ def expected(folders):
 def server(folders):
     updates = RuntimeLoRAUpdates(folders["root"], max_bytes=MAX_LORA_BYTES)
     with running_server(_engine(), api_key=API_KEY, lora_modules={"sql": str(folders["sql"])},
-                        lora_updates=updates) as s:
+                        lora_updates=updates, max_registered_loras=MAX_REGISTERED) as s:
         yield s
 
 
@@ -239,6 +249,12 @@ def test_unknown_model_names_the_field(http):
     ({"lora_name": "x", "lora_path": "rank16"}, 400, "invalid_lora_adapter", "lora_path",
      f"field 'r' is 16, above the engine's max_lora_rank {MAX_LORA_RANK}"),
     ({"lora_name": "x", "lora_path": "dora"}, 400, "invalid_lora_adapter", "lora_path", "field 'use_dora'"),
+    ({"lora_name": "x", "lora_path": "nan"}, 400, "invalid_lora_adapter", "lora_path",
+     f"'nan': tensor '{NAN_TENSOR}' holds NaN"),
+    ({"lora_name": "x", "lora_path": "alpha"}, 400, "invalid_lora_adapter", "lora_path",
+     "field 'lora_alpha' must be a finite number"),
+    ({"lora_name": "x", "lora_path": "deep"}, 400, "invalid_lora_adapter", "lora_path",
+     "'deep': adapter_config.json is nested too deeply to read"),
     ({"lora_name": "x", "lora_path": "empty"}, 400, "invalid_lora_adapter", "lora_path", "no adapter_config.json"),
     ({"lora_name": "x", "lora_path": "missing"}, 404, "lora_adapter_not_found", "lora_path", "no adapter folder"),
     ({"lora_name": "sql", "lora_path": "chat"}, 400, "lora_adapter_exists", "lora_name", "already been loaded"),
@@ -254,6 +270,19 @@ def test_load_refusals(http, folders, body, status, code, param, says):
     assert_error(response, status, code, param, says)
     assert str(folders["root"]) not in response.text  # the client's path, never the server's
     assert "x" not in {c["id"] for c in http.get("/v1/models").json()["data"]}
+    assert_still_serving(http)
+
+
+def test_loads_past_max_registered_loras_are_refused(http, chat_loaded):
+    """sql, chat and one more: a fourth load is refused before anything is read, and taken once one is unloaded."""
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "third", "lora_path": "chat"}).status_code == 200
+    assert_error(http.post("/v1/load_lora_adapter", json={"lora_name": "fourth", "lora_path": "chat"}), 400,
+                 "too_many_lora_adapters", None,
+                 f"serves at most {MAX_REGISTERED} LoRA adapters at once (--max-registered-loras) and holds 3")
+    assert "fourth" not in {c["id"] for c in http.get("/v1/models").json()["data"]}
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "third"}).status_code == 200
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "fourth", "lora_path": "chat"}).status_code == 200
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "fourth"}).status_code == 200
     assert_still_serving(http)
 
 
@@ -357,3 +386,6 @@ def test_bad_start_up_adapters_are_refused_by_name(folders):
         build_app(AsyncLLMEngine(make_engine()), model_name=MODEL_NAME, lora_modules={"sql": str(folders["sql"])})
     with pytest.raises(ValueError, match="is not a folder"):
         RuntimeLoRAUpdates(Path(os.devnull))
+    with pytest.raises(ValueError, match="2 LoRA modules, more than the 1 adapters this server serves at once"):
+        build_app(AsyncLLMEngine(llm), model_name=MODEL_NAME, max_registered_loras=1,
+                  lora_modules={"sql": str(folders["sql"]), "chat": str(folders["chat"])})

@@ -286,7 +286,8 @@ def test_lora_options(tmp_path):
     from pagedjax.cli.errors import CLIError
 
     assert {"--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--lora-modules",
-            "--enable-runtime-lora-updates", "--lora-root", "--max-lora-bytes"} <= _options(build_parser(), LORA_GROUP)
+            "--enable-runtime-lora-updates", "--lora-root", "--max-lora-bytes",
+            "--max-registered-loras"} <= _options(build_parser(), LORA_GROUP)
     args = build_parser().parse_args(["--enable-lora", "--max-loras", "2", "--lora-modules", "a=x/a", "b=/y=z",
                                       "--lora-modules", '{"name": "c", "path": "p", "base_model_name": "m"}'])
     assert args.lora_modules == [("a", "x/a", None), ("b", "/y=z", None), ("c", "p", "m")]
@@ -309,6 +310,9 @@ def test_lora_options(tmp_path):
     (["--enable-lora", "--max-lora-bytes", "1MiB"], "--max-lora-bytes applies to runtime loading"),
     (["--enable-lora", "--enable-runtime-lora-updates", "--lora-root", "/no/such/root"], "is not a folder"),
     (["--enable-lora", "--lora-modules", "a=.", "a=."], "the name 'a' is given twice"),
+    (["--max-registered-loras", "4"], "--max-registered-loras needs --enable-lora"),
+    (["--enable-lora", "--max-registered-loras", "1", "--lora-modules", "a=.", "b=."],
+     "--lora-modules: 2 adapters, more than --max-registered-loras 1"),
     (["--enable-lora", "--lora-modules", f"{BUNDLED_MODEL_NAME}=."], "is the served model's name"),
     (["--enable-lora", "--lora-modules", '{"name": "a", "path": ".", "base_model_name": "other"}'],
      "base_model_name 'other' is not the served model"),

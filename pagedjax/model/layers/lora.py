@@ -7,11 +7,20 @@ rank r (zero columns of A and rows of B add nothing). A step carries one slot in
 `y = x W + scale[slot] * (x A[slot]) B[slot]`. Which adapter sits in which slot is only array contents, so
 loading, swapping and unloading adapters never changes a compiled program.
 
-Two forms of the per-token product, the same numbers up to summation order:
+A token's delta depends on its own slot only: no arithmetic mixes another slot's numbers into it in a way that
+could carry NaN or Inf, so an adapter (or a slot's stale contents) whose weights overflow or hold NaN spoils its
+own tokens and no one else's, validation or not (`pagedjax.lora.peft` refuses such adapters at load besides).
+Three forms of the per-token product, the same numbers up to summation order:
   `gathered_delta`  gathers each token's A and B (Punica's BGMV: a matrix-vector product per token);
-  `grouped_delta`   multiplies every token by every slot's A, keeps its own slot's row (a one-hot mask), then
-                    one product with all slots' B stacked (dense SGMV: no gather, num_slots x the LoRA flops).
-`scripts/bench_lora.py --forms` measures both; `lora_delta` is the one the model uses. A is stored with the
+  `selected_delta`  multiplies every token by every slot's A and B (num_slots x the LoRA flops, no gather), then
+                    takes each token's row of its own slot's product: other slots' products are computed and
+                    never read;
+  `grouped_delta`   multiplies every token by every slot's A, keeps its own slot's columns by a select (not a
+                    multiply by zero: NaN x 0 is NaN), then one product with all slots' B stacked, whose NaN and
+                    infinities are selected to zero first: another slot's columns add exact zeros (0 x a finite
+                    number) to a token's sums, which leave every nonzero sum as it is.
+`lora_delta`, the model's, is `selected_delta` for steps of few tokens (decode) and `grouped_delta` for more
+(prefill), by the step's static token count; `scripts/bench_lora.py --forms` measures them. A is stored with the
 slots in the middle so that `x A` over every slot is one plain product `[T, in] x [in, num_slots * r]` and
 `(x A) B` one `[T, num_slots * r] x [num_slots * r, out]`: both stacks are read as they lie (stored
 `[num_slots, in, r]`, every step began with a transposed copy of each A).
@@ -120,18 +129,37 @@ def gathered_delta(x: jax.Array, a: jax.Array, b: jax.Array, scales: jax.Array, 
     return jnp.einsum("tr,tro->to", xa * scales[slots][:, None], b[slots])
 
 
+def _every_slot(x: jax.Array, a: jax.Array, scales: jax.Array) -> jax.Array:
+    """x `[T, in]`, a `[in, N, r]`, scales `[N]` -> f32 `[T, N, r]`: `scales[n] * x A[n]` of every token and slot;
+    column block n is computed from slot n's A and scale alone."""
+    return jnp.einsum("ti,inr->tnr", x.astype(jnp.float32), a) * scales[None, :, None]
+
+
+def selected_delta(x: jax.Array, a: jax.Array, b: jax.Array, scales: jax.Array, slots: jax.Array) -> jax.Array:
+    """As `gathered_delta`, by every slot's product of every token, each token's row of its own slot's taken."""
+    by_slot = jnp.einsum("tnr,nro->nto", _every_slot(x, a, scales), b)  # [N, T, out]: slot n's alone
+    return jnp.take_along_axis(by_slot, slots[None, :, None], axis=0)[0]
+
+
 def grouped_delta(x: jax.Array, a: jax.Array, b: jax.Array, scales: jax.Array, slots: jax.Array) -> jax.Array:
-    """As `gathered_delta`, by multiplying every token with every slot's A and masking the other slots out."""
-    xa = jnp.einsum("ti,inr->tnr", x.astype(jnp.float32), a)
-    mask = jax.nn.one_hot(slots, a.shape[1], dtype=jnp.float32) * scales[None, :]
-    return jnp.einsum("tnr,nro->to", xa * mask[:, :, None], b)
+    """As `gathered_delta`, by one product of each token's own slot's columns of `x A` (the others selected to
+    zero) with every slot's B (its NaN and infinities selected to zero)."""
+    own = slots[:, None] == jnp.arange(a.shape[1])[None, :]  # [T, N]
+    xa = jnp.where(own[:, :, None], _every_slot(x, a, scales), 0.0)
+    return jnp.einsum("tnr,nro->to", xa, jnp.where(jnp.isfinite(b), b, 0.0))
 
 
-# The model's form. Measured on the CPU at 16 tokens, one layer of the 156M shape (its 7 linears, r = 16, random
-# slots; `python scripts/bench_lora.py --forms`; a shared 2-core machine, medians of 30): base 32.2 ms; with 5
-# slots gathered 39.6, grouped 39.4; with 9 slots gathered 48.0, grouped 43.4. Gathering copies each token's
-# A and B (16 copies of up to 9 slots' weights), grouping reads each slot's once: grouped is never slower.
-lora_delta = grouped_delta
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, scales: jax.Array, slots: jax.Array) -> jax.Array:
+    """The model's form (module docstring): `selected_delta` for a step of at most 2r tokens, else
+    `grouped_delta`. Beyond the LoRA products' own work, `selected_delta` writes and reads num_slots x T x out
+    numbers and `grouped_delta` rewrites B (num_slots x r x out), so they cross near T = 2r. Measured on the CPU,
+    one layer of the 156M shape (its 7 linears, r = 16, 5 slots, random slots per token; `python
+    scripts/bench_lora.py --forms`, and `--batch 512`; a shared 2-core machine, median CPU ms of 30): at 16
+    tokens (decode) base 7.9, selected 9.5, grouped 9.7, gathered 13.0; at 512 (prefill) base 81.8, selected
+    167.2, grouped 104.2, gathered 361.9. The former form (a one-hot multiply, which let NaN x 0 reach every
+    token) timed beside them in one run: 10.1 at 16 tokens (selected 10.1), 101.1 at 512 (grouped 103.6)."""
+    form = selected_delta if x.shape[0] <= 2 * a.shape[2] else grouped_delta
+    return form(x, a, b, scales, slots)
 
 
 class LayerLoRA(NamedTuple):
