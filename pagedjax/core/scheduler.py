@@ -148,6 +148,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self._pending_fused: StepPlan | None = None  # a fused decode not yet reconciled
+        self._chunk_caps: dict[int, int] = {}  # `max_chunk` by tokens of KV
 
     # -- requests --------------------------------------------------------------------------------------
 
@@ -189,15 +190,42 @@ class Scheduler:
         if request.images:
             self._check_images(request)
         kv = self.kv_cache_manager
-        chunk = self.scheduler_config.max_num_batched_tokens
-        need = kv.max_blocks_held(self.max_kv_tokens(request), chunk)
-        if need > kv.num_blocks:
+        num_kv_tokens = self.max_kv_tokens(request)
+        chunk = self.max_chunk(num_kv_tokens)
+        if chunk == 0:  # not even steps of one token keep what it holds within the pool
+            need = kv.max_blocks_held(num_kv_tokens, 1)
             windows = sorted({w for w in kv.group_windows if w is not None})
             groups = f" in its {kv.num_groups} KV cache groups" if kv.num_groups > 1 else ""
             why = "" if not windows else (f" at once (its {'/'.join(map(str, windows))}-token sliding window"
-                                          f"{'s' * (len(windows) > 1)} and a step of up to {chunk} tokens)")
+                                          f"{'s' * (len(windows) > 1)} and a step of one token)")
             raise ValueError(f"request {rid!r}: its prompt and max_tokens may need {need} blocks of {self.block_size}"
                              f" tokens{groups}{why}, more than the whole pool of {kv.num_blocks} blocks")
+        if request.images and self.bidirectional_images and chunk < self.tokens_per_image:
+            raise ValueError(f"request {rid!r}: an image's {self.tokens_per_image} tokens attend to each other, so "
+                             f"they run in one step, but a step of its tokens may hold at most {chunk} tokens in the "
+                             f"pool of {kv.num_blocks} blocks")
+
+    def max_chunk(self, num_kv_tokens: int) -> int:
+        """The most tokens one step may compute of a request reaching `num_kv_tokens` tokens of KV: the token
+        budget, or fewer where the pool could not hold what a step of that many holds at once on top of the sliding
+        windows (`KVCacheManager.max_blocks_held`: a window model in a small pool prefills, or recomputes after a
+        preemption, in smaller chunks instead of being refused); 0 when not even one token fits (without chunked
+        prefill a step computes a whole prompt: the budget, or 0)."""
+        budget = self.scheduler_config.max_num_batched_tokens
+        cap = self._chunk_caps.get(num_kv_tokens)
+        if cap is None:
+            kv = self.kv_cache_manager
+            fits = lambda c: kv.max_blocks_held(num_kv_tokens, c) <= kv.num_blocks
+            if fits(budget) or not self.scheduler_config.enable_chunked_prefill:
+                cap = budget if fits(budget) else 0
+            else:  # the blocks held grow with the step's size: the largest that fits
+                lo, hi = 0, budget  # fits(lo) (0: none), not fits(hi)
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+                cap = lo
+            self._chunk_caps[num_kv_tokens] = cap
+        return cap
 
     def _check_images(self, request: Request) -> None:
         rid = request.request_id
@@ -221,9 +249,12 @@ class Scheduler:
     @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + output) one request can hold: `max_model_len`, or fewer when the pool could
-        not hold their KV (its last sampled token needs none; a windowed model needs only its window's)."""
-        tokens = self.kv_cache_manager.max_kv_tokens_held(self.scheduler_config.max_num_batched_tokens,
-                                                          self.max_model_len - 1)
+        not hold their KV (its last sampled token needs none; a windowed model needs only its window's and, in a
+        small pool, computes it in small steps: `max_chunk`)."""
+        cfg = self.scheduler_config
+        # In steps of one token (`max_chunk`); without chunked prefill a step computes a whole prompt.
+        chunk = 1 if cfg.enable_chunked_prefill else cfg.max_num_batched_tokens
+        tokens = self.kv_cache_manager.max_kv_tokens_held(chunk, self.max_model_len - 1)
         return min(self.max_model_len, tokens + 1)
 
     def add_request(self, request: Request) -> None:
@@ -538,8 +569,9 @@ class Scheduler:
                 continue
             gap = request.num_tokens - request.num_computed_tokens
             assert gap > 0, f"running request {request.request_id!r} has nothing to compute"
-            self._drop_drafts(request, max(0, budget - gap))  # proposals only where the budget has room
-            n = min(gap + len(request.draft_token_ids), budget)
+            room = min(budget, self.max_chunk(self.max_kv_tokens(request)))
+            self._drop_drafts(request, max(0, room - gap))  # proposals only where the budget has room
+            n = min(gap + len(request.draft_token_ids), room)
             if request.images:
                 n = self._image_cut(request, request.num_computed_tokens, n, encoder_budget)
             if n == 0 or (n < gap and not chunked):
@@ -554,7 +586,7 @@ class Scheduler:
                 self._drop_drafts(request, 0)
                 for r in running[i + 1:]:
                     self._drop_drafts(r)
-                n = min(gap, budget)
+                n = min(gap, room)
                 new_blocks = kv.allocate_slots(request, n)
             while new_blocks is None:
                 victim = running.pop()  # the most recently admitted
@@ -596,7 +628,7 @@ class Scheduler:
                     skipped = True
                     continue
                 gap = request.num_tokens - num_hit_tokens
-                n = min(gap, budget)
+                n = min(gap, budget, self.max_chunk(self.max_kv_tokens(request)))
                 if request.images:
                     n = self._image_cut(request, num_hit_tokens, n, encoder_budget)
                     if n == 0:  # its next image waits for a step with room in the encoder budget
@@ -698,7 +730,7 @@ class Scheduler:
             self._drop_drafts(r)
         hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
         cfg = self.scheduler_config
-        n = min(request.num_tokens - num_hit_tokens, cfg.max_num_batched_tokens)
+        n = min(request.num_tokens - num_hit_tokens, self.max_chunk(self.max_kv_tokens(request)))
         preempted: list[Request] = []
         self._step_encodes = []
         while len(self.running) >= cfg.max_num_seqs or (
