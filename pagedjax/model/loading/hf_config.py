@@ -183,6 +183,8 @@ def _rope(hf: dict, model_type: str, params: dict, field: str, top_theta: float,
     if kind not in ROPE_SCALING_PARAMS:
         raise ValueError(f"field {field!r}: rope type {kind!r} is not supported "
                          f"(supported: {', '.join(ROPE_TYPES)})")
+    if kind == "yarn":  # its optional parameters are read by gpt-oss's family module only
+        raise ValueError(f"field {field!r}: rope type 'yarn' is supported for gpt_oss only")
     if kind == "longrope":
         if model_type != "phi3":
             raise ValueError(f"field {field!r}: rope type 'longrope' is supported for phi3 only")
