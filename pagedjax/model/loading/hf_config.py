@@ -7,7 +7,9 @@ llama, mistral, qwen2, phi3 (`architecture` "llama"; Phi-3's fused qkv_proj / ga
 weight loader), qwen3 (`qk_norm` "head"), olmo2 (`qk_norm` "full", `norm_placement` "post"), gemma2 and
 gemma3_text ("gemma2": soft-capped attention and final logits, `query_pre_attn_scalar`, GeGLU, sandwich norms,
 scaled embeddings; Gemma 3 adds `qk_norm` "head" and `rope_local_theta` for its local layers), mixtral and
-qwen3_moe (`ModelConfig.moe`, `_moe`: every layer's MLP a mixture of experts; Qwen3-MoE with `qk_norm` "head").
+qwen3_moe (`ModelConfig.moe`, `_moe`: every layer's MLP a mixture of experts; Qwen3-MoE with `qk_norm` "head"),
+gpt_oss (mapped by its family module, `pagedjax.model.families.gpt_oss.config_from_hf`: sinks, biases, YaRN, its
+experts).
 Sliding windows map to `ModelConfig.sliding_windows`, one entry per layer, as transformers applies them (the
 query at p sees keys in (p - W, p] in transformers' masks as in pagedjax, so W is taken as is): Mistral's,
 Mixtral's and Phi-3's `sliding_window` on every layer, Qwen3-MoE's too with `use_sliding_window`; Qwen2's and
@@ -45,6 +47,7 @@ from pagedjax.config.fields import is_int
 from pagedjax.config.model import ROPE_SCALING_PARAMS, ROPE_TYPES
 from pagedjax.config.moe import MoEConfig
 from pagedjax.model.errors import ModelLoadError, read_json
+from pagedjax.model.families import gpt_oss
 from pagedjax.model.loading.hf_fields import (
     checkpoint_dtype,
     flag,
@@ -69,7 +72,7 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": {},  # + ModelConfig.moe (`_moe`)
     "qwen3_moe": {"qk_norm": "head"},
 }
-SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+SUPPORTED_MODEL_TYPES = (*_FAMILIES, *gpt_oss.MODEL_TYPES)  # gpt-oss: mapped by its family module
 _GEMMA = ("gemma2", "gemma3_text")
 # Families whose `attention_bias` biases o_proj too, which pagedjax's attention does not have. (Qwen2 biases q/k/v
 # whatever it says; Mistral and Phi-3 have no such field in transformers, which ignores it.)
@@ -330,6 +333,8 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
         raise ValueError(f"field 'model_type' = {model_type!r}: a vision-language model, not a ModelConfig one; "
                          "LLMEngine.from_pretrained and --model serve it (pagedjax.model.loading.hf_vision), and "
                          "its text_config maps with config_from_dict")
+    if model_type in gpt_oss.MODEL_TYPES:
+        return gpt_oss.config_from_hf(hf, dtype, gen_bos, gen_eos)
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"field 'model_type' = {model_type!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); a model of your own serves it "
