@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pagedjax.config.cache import DTYPE_BYTES
 from pagedjax.config.fields import check_bool, check_choice, check_float, check_int, describe, from_fields
 from pagedjax.config.kv_spec import IndexedSparse, LatentAttention
-from pagedjax.config.model import ModelSpec
+from pagedjax.config.model import ROPE_OPTIONAL_PARAMS, ROPE_SCALING_PARAMS, ModelSpec
 
 # How router logits `[T, E]` become each token's k experts and their weights (`pagedjax.model.layers.moe.route`),
 # named as transformers' `topk_method`:
@@ -32,8 +32,7 @@ from pagedjax.config.model import ModelSpec
 DEEPSEEK_ROUTERS: tuple[str, ...] = ("greedy", "group_limited_greedy", "noaux_tc")
 # The one RoPE scaling besides none: YaRN, with the parameters transformers reads (`ROPE_YARN_PARAMS`; "factor"
 # and "original_max_position_embeddings" required).
-ROPE_YARN_PARAMS: tuple[str, ...] = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-                                     "mscale_all_dim", "attention_factor", "truncate")
+ROPE_YARN_PARAMS: tuple[str, ...] = ROPE_SCALING_PARAMS["yarn"] + ROPE_OPTIONAL_PARAMS["yarn"]
 # The RMSNorm epsilon of the q / kv latents (`q_a_layernorm`, `kv_a_layernorm`): transformers builds them with its
 # RMSNorm's default, not `rms_norm_eps`.
 LATENT_NORM_EPS = 1e-6

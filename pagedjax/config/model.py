@@ -25,14 +25,24 @@ from pagedjax.config.quant import QuantConfig
 # `short_factor`, cos and sin scaled by `attention_factor`. Its long factors, which transformers switches to once a
 # sequence outgrows `original_max_position_embeddings`, are not implemented, so `ModelConfig` requires
 # max_position_embeddings <= original_max_position_embeddings: no position pagedjax serves would need them.
+# "yarn" is YaRN as transformers computes it for the Llama-shaped families (`pagedjax.model.layers.yarn`: blended
+# frequencies, cos and sin scaled by its attention factor; the attention scores' scale unchanged), with its optional
+# parameters in `ROPE_OPTIONAL_PARAMS`.
 ROPE_SCALING_PARAMS: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "longrope": ("short_factor", "attention_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
 ROPE_TYPES: tuple[str, ...] = tuple(ROPE_SCALING_PARAMS)
+# The parameters a type may have besides those it needs, each defaulted as transformers does when absent
+# ("yarn": `pagedjax.model.layers.yarn`; "truncate" is a bool, true when absent); any other is a ValueError.
+ROPE_OPTIONAL_PARAMS: dict[str, tuple[str, ...]] = {
+    "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
+}
 _ROPE_VECTOR_PARAMS = ("short_factor",)  # one number per rotated frequency; every other parameter is one number
+_ROPE_BOOL_PARAMS = ("truncate",)
 
 
 def _dtype_field(owner: str, name: str, value, *, optional: bool = False) -> str | None:
@@ -65,6 +75,8 @@ def _rope_scaling_field(value) -> tuple[tuple[str, float | str], ...] | None:
         if key in ("rope_type", "type"):
             if not isinstance(v, str):
                 raise TypeError(f"{owner}.{key} must be a string, got {describe(v)}")
+        elif key in _ROPE_BOOL_PARAMS:
+            v = check_bool(owner, key, v)
         elif key in _ROPE_VECTOR_PARAMS:
             if isinstance(v, str) or not isinstance(v, tuple | list) or not v:
                 raise TypeError(f"{owner}.{key} must be a non-empty list of numbers, got {describe(v)}")
@@ -78,6 +90,12 @@ def _rope_scaling_field(value) -> tuple[tuple[str, float | str], ...] | None:
     missing = [k for k in ROPE_SCALING_PARAMS[kind] if k not in params]
     if missing:
         raise ValueError(f"{owner}: rope type {kind!r} needs {', '.join(map(repr, missing))}")
+    if kind in ROPE_OPTIONAL_PARAMS:
+        known = {"rope_type", "type", *ROPE_SCALING_PARAMS[kind], *ROPE_OPTIONAL_PARAMS[kind]}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"{owner}: rope type {kind!r} has no parameters {unknown} (it takes "
+                             f"{', '.join(ROPE_SCALING_PARAMS[kind] + ROPE_OPTIONAL_PARAMS[kind])})")
     return tuple(sorted(params.items()))
 
 
@@ -270,6 +288,9 @@ class ModelConfig:
       rope_local_theta        the RoPE base of the layers with a sliding window, which then rotate without
                               `rope_scaling` (Gemma 3's local layers); the other layers keep rope_theta and
                               rope_scaling. None: every layer uses rope_theta and rope_scaling.
+    and (False = not used): `attention_sinks`, a learned logit per query head (parameter `sinks` `[num_q_heads]`)
+    in each attention softmax's denominator that gives no value (gpt-oss); `o_proj_bias`, a bias on the attention
+    output projection (q/k/v's is `qkv_bias`).
 
     Mixture of experts: `moe` (a `pagedjax.config.moe.MoEConfig`, or its fields as a dict): every layer's MLP is
     routed over experts of width `moe.intermediate_size` (`intermediate_size` is then unused). None: dense MLPs.
@@ -309,6 +330,8 @@ class ModelConfig:
     qk_norm: str | None = None  # one of QK_NORMS
     norm_placement: str | None = None  # one of NORM_PLACEMENTS; None: the architecture's own
     rope_local_theta: float | None = None
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
     moe: MoEConfig | None = None
     quantization: QuantConfig | None = None
 
@@ -322,7 +345,8 @@ class ModelConfig:
         fix("rms_norm_eps", check_float(owner, "rms_norm_eps", self.rms_norm_eps))
         fix("rope_scaling", _rope_scaling_field(self.rope_scaling))
         check_bool(owner, "tie_word_embeddings", self.tie_word_embeddings)
-        check_bool(owner, "qkv_bias", self.qkv_bias)
+        for name in ("qkv_bias", "o_proj_bias", "attention_sinks"):
+            check_bool(owner, name, getattr(self, name))
         _dtype_field(owner, "dtype", self.dtype)
         fix("bos_token_id", check_int(owner, "bos_token_id", self.bos_token_id, lo=0, optional=True))
         eos = self.eos_token_ids
@@ -348,9 +372,14 @@ class ModelConfig:
         self._check_rope_scaling()
 
     def _check_rope_scaling(self) -> None:
-        """What `_rope_scaling_field` cannot check alone: LongRoPE's factors against head_dim and its context."""
+        """What `_rope_scaling_field` cannot check alone: YaRN's factor and original context > 0; LongRoPE's factors
+        against head_dim and its context."""
         rs = dict(self.rope_scaling or ())
-        if rs.get("rope_type", rs.get("type")) != "longrope":
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind == "yarn":
+            for key in ROPE_SCALING_PARAMS["yarn"]:
+                check_float("ModelConfig.rope_scaling", key, rs[key], positive=True)
+        if kind != "longrope":
             return
         check_float("ModelConfig.rope_scaling", "attention_factor", rs["attention_factor"], positive=True)
         if len(rs["short_factor"]) != self.head_dim // 2:

@@ -2,8 +2,9 @@
 SwiGLU, GQA/MQA/MHA; and its Gemma variant (`ModelConfig.architecture == "gemma2"`, Gemma 2 and 3): (1 + w)
 RMSNorm, GeGLU, sandwich norms, scaled embeddings. Orthogonal options (`ModelConfig`): per-layer sliding windows,
 soft-capped attention and output logits, q/k norms (per head or over the whole projection), where the block
-normalizes (before, around or after each sub-block), a separate RoPE base for windowed layers, mixture-of-experts
-MLPs (`ModelConfig.moe`: Mixtral, Qwen3-MoE; `pagedjax.model.layers.moe`).
+normalizes (before, around or after each sub-block), a separate RoPE base for windowed layers, attention sinks and
+an o_proj bias (gpt-oss), mixture-of-experts MLPs (`ModelConfig.moe`: Mixtral, Qwen3-MoE, gpt-oss;
+`pagedjax.model.layers.moe`).
 
 Two forwards share the same weights:
   `__call__`      the serving path: a ragged batch of tokens `[num_tokens]`, new K/V written into the paged
@@ -120,7 +121,9 @@ class Attention(nnx.Module):
         self.q_proj = _linear(h, cfg.num_q_heads * d, cfg.qkv_bias, dtype, rngs, q, "q_proj")
         self.k_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs, q, "k_proj")
         self.v_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs, q, "v_proj")
-        self.o_proj = _linear(cfg.num_q_heads * d, h, False, dtype, rngs, q, "o_proj")
+        self.o_proj = _linear(cfg.num_q_heads * d, h, cfg.o_proj_bias, dtype, rngs, q, "o_proj")
+        # One learned logit per query head in the softmax's denominator (`ModelConfig.attention_sinks`).
+        self.sinks = nnx.Param(jnp.zeros((cfg.num_q_heads,), dtype)) if cfg.attention_sinks else None
         self.num_q_heads, self.num_kv_heads, self.head_dim = cfg.num_q_heads, cfg.num_kv_heads, d
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm is not None:
@@ -156,12 +159,13 @@ class Attention(nnx.Module):
         norms, RoPE, one paged attention call (`pagedjax.model.api.PagedAttention`), the output projection;
         with `lora`, each projection plus its token's adapter (`pagedjax.model.layers.lora`)."""
         q, k, v = self._qkv(x, positions, lora)
-        o, cache = self.paged(q, k, v, cache)
+        o, cache = self.paged(q, k, v, cache, sinks=self.sinks)
         return with_lora(self.o_proj, "o_proj", o.reshape(x.shape[0], -1), lora), cache
 
     def dense(self, x: jax.Array, groups: jax.Array | None = None) -> jax.Array:
-        """Causal attention over whole sequences (within the layer's window, soft-capped if configured), no
-        cache. x `[B, S, hidden]` -> `[B, S, hidden]`. `groups` int32 `[B, S]`: tokens of one group >= 0 (an image's
+        """Causal attention over whole sequences (within the layer's window, soft-capped if configured, with
+        the sinks' logits in the softmax's denominator if it has them), no cache. x `[B, S, hidden]` -> `[B, S,
+        hidden]`. `groups` int32 `[B, S]`: tokens of one group >= 0 (an image's
         placeholders) also see each other's later positions, within the window (transformers' `token_type_ids`
         mask: (causal or same group) and in the window); -1: causal only."""
         b, s, _ = x.shape
@@ -180,7 +184,13 @@ class Attention(nnx.Module):
             visible = (visible | same)[:, None, None]
         if self.sliding_window is not None:
             visible &= key > query - self.sliding_window
-        probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        scores = jnp.where(visible, scores, -jnp.inf)
+        if self.sinks is None:
+            probs = jax.nn.softmax(scores, axis=-1)
+        else:  # query head h = kv head * g + its index in the group: each sink a column of its own, then dropped
+            sink = self.sinks[...].astype(jnp.float32).reshape(1, self.num_kv_heads, g, 1, 1)
+            sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
         o = jnp.einsum("bkgqs,bskd->bqkgd", probs, v.astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(o.reshape(b, s, -1))
 

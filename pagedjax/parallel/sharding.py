@@ -12,7 +12,8 @@ Megatron-style tensor parallelism, expressed only as shardings (XLA inserts the 
                                               parallelism over the same axis. Tokens stay replicated; XLA's SPMD
                                               partitioner turns the grouped matmul over the local experts into a
                                               partial sum per device and one all-reduce per MoE layer (docs/design.md,
-                                              "Mixture of experts"). Quantized experts
+                                              "Mixture of experts"). The experts' biases (gpt-oss), `[E, width]`
+                                              and `[E, hidden]`, split along axis 0 alike. Quantized experts
                                               (`pagedjax.model.layers.moe_quant`): each projection's `qweight` and
                                               `scale`, `[E, ...]` too, split along axis 0 alike.
   quantized linears (`pagedjax.model.layers.quant`)  `qweight`, stored `[out, in]`, along the kernel's split dimension
@@ -135,8 +136,8 @@ def _by_name(module: str, leaf: str, divides: bool, grouped: bool = False) -> P:
         return P(TP, None) if leaf == "kernel" else P()
     if module == "embed_tokens" and leaf == "embedding":
         return P(TP, None)
-    if module == EXPERTS:
-        return P(TP, None, None)
+    if module == EXPERTS:  # stacked weights [E, width, hidden] and biases [E, width]: along the experts
+        return P(TP, None) if leaf.endswith("_bias") else P(TP, None, None)
     return P()
 
 

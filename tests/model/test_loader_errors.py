@@ -276,7 +276,12 @@ def test_hf_tokenizer_json_invalid(hf_folder, tmp_path, capsys):
 
 def test_unsupported_rope_type_lists_the_supported_ones(hf_folder, tmp_path):
     folder = _copy(hf_folder, tmp_path / "bad")
-    (folder / "config.json").write_text(json.dumps({**HF_CONFIG, "rope_scaling": {"rope_type": "yarn",
+    (folder / "config.json").write_text(json.dumps({**HF_CONFIG, "rope_scaling": {"rope_type": "dynamic",
                                                                                   "factor": 2.0}}))
     with pytest.raises(ModelLoadError, match=f"supported: {', '.join(ROPE_TYPES)}"):
+        load_pretrained(folder)
+    # YaRN is one of them for gpt-oss only (its family module reads YaRN's optional parameters).
+    (folder / "config.json").write_text(json.dumps({**HF_CONFIG, "rope_scaling": {"rope_type": "yarn",
+                                                                                  "factor": 2.0}}))
+    with pytest.raises(ModelLoadError, match="rope type 'yarn' is supported for gpt_oss only"):
         load_pretrained(folder)

@@ -143,7 +143,7 @@ def test_rope_llama3_scaling_changes_only_low_frequencies():
     assert np.allclose(f0[:8], f1[:8])  # high frequencies untouched
     assert np.allclose(f1[-4:], f0[-4:] / 8.0)  # lowest frequencies divided by the factor
     with pytest.raises(ValueError, match="rope_scaling"):
-        layer_rope(base.replace(rope_scaling=(("rope_type", "yarn"), ("factor", 2.0))), 0)
+        layer_rope(base.replace(rope_scaling=(("rope_type", "dynamic"), ("factor", 2.0))), 0)
 
 
 def test_rope_per_layer_and_longrope():
@@ -175,10 +175,17 @@ def test_new_fields_round_trip_and_default_to_todays_model():
     assert ModelConfig.from_dict(d) == cfg and d["rope_scaling"]["short_factor"] == [1.0] * 16
     assert dict(cfg.rope_scaling)["short_factor"] == (1.0,) * 16  # hashable
     old = {k: v for k, v in ModelConfig().to_dict().items()
-           if k not in ("qk_norm", "norm_placement", "rope_local_theta")}
+           if k not in ("qk_norm", "norm_placement", "rope_local_theta", "attention_sinks", "o_proj_bias")}
     assert ModelConfig.from_dict(old) == ModelConfig()
     assert (ModelConfig().block_norms, ModelConfig(architecture="gemma2").block_norms) == ("pre", "sandwich")
     assert cfg.block_norms == "post"
+    gpt_oss = ModelConfig(attention_sinks=True, o_proj_bias=True, rope_scaling=_YARN)
+    assert ModelConfig.from_dict(json.loads(json.dumps(gpt_oss.to_dict()))) == gpt_oss
+    assert not ModelConfig.from_dict(old).attention_sinks and not ModelConfig.from_dict(old).o_proj_bias
+
+
+_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+         "truncate": False}
 
 
 @pytest.mark.parametrize("changes, error, field", [
@@ -195,6 +202,13 @@ def test_new_fields_round_trip_and_default_to_todays_model():
     ({"rope_scaling": {k: v for k, v in _LONGROPE.items() if k != "attention_factor"}}, ValueError,
      "attention_factor"),
     ({"rope_scaling": {**_LONGROPE, "original_max_position_embeddings": 1024}}, ValueError,
+     "original_max_position_embeddings"),
+    ({"attention_sinks": 1}, TypeError, "attention_sinks"),
+    ({"o_proj_bias": "yes"}, TypeError, "o_proj_bias"),
+    ({"rope_scaling": {**_YARN, "truncate": 0}}, TypeError, "truncate"),
+    ({"rope_scaling": {**_YARN, "low_freq_factor": 1.0}}, ValueError, "low_freq_factor"),
+    ({"rope_scaling": {**_YARN, "factor": 0.0}}, ValueError, "factor"),
+    ({"rope_scaling": {k: v for k, v in _YARN.items() if k != "original_max_position_embeddings"}}, ValueError,
      "original_max_position_embeddings"),
 ])
 def test_new_fields_validation_names_the_field(changes, error, field):

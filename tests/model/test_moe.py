@@ -107,6 +107,66 @@ def test_few_pairs_run_by_their_experts_alone_with_the_same_result():
     np.testing.assert_allclose(got, _per_token_loop(mlp, np.asarray(x, np.float64)), rtol=1e-4, atol=1e-5)
 
 
+# gpt-oss's experts: router and expert biases, the clamped SwiGLU. The limit is small enough that these rows'
+# projections pass it both ways (asserted), so that every clamp changes the result.
+GPT_OSS_MOE = MoEConfig(num_experts=E, num_experts_per_tok=K, intermediate_size=WIDTH, router_bias=True,
+                        expert_bias=True, activation="clamped_swiglu", swiglu_alpha=1.702, swiglu_limit=0.8)
+
+
+def gpt_oss_mlp(seed: int = 0) -> MoEMLP:
+    """A gpt-oss MoE layer with random non-zero biases (they initialize to zero)."""
+    mlp = MoEMLP(_cfg(moe=GPT_OSS_MOE), jnp.float32, nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for param in (mlp.gate.bias, mlp.experts.gate_proj_bias, mlp.experts.up_proj_bias, mlp.experts.down_proj_bias):
+        param[...] = jnp.asarray(rng.normal(size=param[...].shape), jnp.float32)
+    return mlp
+
+
+def _gpt_oss_loop(mlp: MoEMLP, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' GptOssMLP token by token in float64: the biased router's top-k logits and their softmax, each
+    expert's biased projections and clamped SwiGLU. Also returns every gate / up value before clamping."""
+    f64 = lambda p: np.asarray(p[...], np.float64)  # noqa: E731
+    ex, limit, alpha = mlp.experts, GPT_OSS_MOE.swiglu_limit, GPT_OSS_MOE.swiglu_alpha
+    weights, experts = _numpy_route(x @ f64(mlp.gate.kernel) + f64(mlp.gate.bias), "topk_softmax", False)
+    out, seen = np.zeros_like(x), []
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], experts[t], strict=True):
+            gate = f64(ex.gate_proj)[e] @ x[t] + f64(ex.gate_proj_bias)[e]
+            up = f64(ex.up_proj)[e] @ x[t] + f64(ex.up_proj_bias)[e]
+            seen += [gate, up]
+            gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+            glu = gate / (1 + np.exp(-alpha * gate))
+            out[t] += w * (((up + 1) * glu) @ f64(ex.down_proj)[e] + f64(ex.down_proj_bias)[e])
+    return out, np.concatenate(seen)
+
+
+def test_gpt_oss_experts_every_method_and_form_equals_a_per_token_loop():
+    """Biased router and experts, the clamped SwiGLU: the reference equals transformers' computation written
+    token by token, and each method, stacked and per-expert, the reference."""
+    mlp = gpt_oss_mlp()
+    x = jax.random.normal(jax.random.key(1), (7, HIDDEN))
+    want, projections = _gpt_oss_loop(mlp, np.asarray(x, np.float64))
+    limit = GPT_OSS_MOE.swiglu_limit
+    assert (projections > limit).any() and (projections < -limit).any()  # both clamps change the result
+    graphdef, state = nnx.split(mlp)
+    split = per_expert_params(state)
+    assert isinstance(split["experts"]["down_proj_bias"].get_value(), tuple)
+    methods = ("grouped", "by_pair", "tiled", "every")
+
+    @jax.jit  # one program (op by op, every operation would compile on its own); by_pair on a few pairs
+    def outputs(state, split, x):
+        return nnx.merge(graphdef, state).dense(x), {
+            form: [nnx.merge(graphdef, s)(x[:2] if m == "by_pair" else x, m) for m in methods]
+            for form, s in (("stacked", state), ("per-expert", split))}
+
+    dense, got = outputs(state, split, x)
+    np.testing.assert_allclose(np.asarray(dense), want, rtol=1e-4, atol=1e-5)
+    for form, outs in got.items():
+        for method, y in zip(methods, outs, strict=True):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(dense)[:len(y)], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{form} {method}")
+
+
 def test_no_token_is_dropped_when_every_token_picks_the_same_experts():
     """A router biased so that all 21 tokens choose experts 4 and 1: no capacity limit, each gets both."""
     mlp = MoEMLP(_cfg(), jnp.float32, nnx.Rngs(0))
@@ -261,13 +321,19 @@ def test_a_long_prefill_takes_the_tiles_and_gives_the_dense_models_tokens(monkey
 def test_moe_config_round_trips_and_names_bad_fields():
     cfg = _cfg("softmax_topk", True)
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert ModelConfig.from_dict(_cfg(moe=GPT_OSS_MOE).to_dict()).moe == GPT_OSS_MOE
     assert ModelConfig.from_dict({**cfg.to_dict(), "moe": None}).moe is None
     bad = [(dict(num_experts_per_tok=7), ValueError, "num_experts_per_tok"),
            (dict(num_experts=0), ValueError, "num_experts"),
            (dict(intermediate_size=2.0), TypeError, "intermediate_size"),
            (dict(router="sigmoid"), ValueError, "router"),
            (dict(router="topk_softmax", norm_topk_prob=True), ValueError, "norm_topk_prob"),
-           (dict(capacity_factor=1.0), ValueError, "capacity_factor")]
+           (dict(capacity_factor=1.0), ValueError, "capacity_factor"),
+           (dict(router_bias=1), TypeError, "router_bias"),
+           (dict(activation="gelu"), ValueError, "activation"),
+           (dict(activation="clamped_swiglu", swiglu_alpha=1.7), ValueError, "swiglu_limit is required"),
+           (dict(swiglu_limit=7.0), ValueError, "swiglu_limit applies to activation 'clamped_swiglu' only"),
+           (dict(activation="clamped_swiglu", swiglu_alpha=1.7, swiglu_limit=-1.0), ValueError, "swiglu_limit")]
     for change, error, field in bad:
         with pytest.raises(error, match=field):
             ModelConfig.from_dict({**cfg.to_dict(), "moe": {**cfg.to_dict()["moe"], **change}})

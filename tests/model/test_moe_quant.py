@@ -122,6 +122,31 @@ def test_each_method_equals_the_float_layer_of_the_dequantized_experts(quant, dt
             np.testing.assert_allclose(np.asarray(y, np.float32), want[:len(y)], **tol, err_msg=f"{form} {method}")
 
 
+def test_gpt_oss_experts_keep_their_biases_and_activation_quantized():
+    """gpt-oss's experts (biases, the clamped SwiGLU) quantized (int8): the biases stay float and every method,
+    stacked and per-expert, gives the float layer of the dequantized weights and the same biases."""
+    moe = dict(router_bias=True, expert_bias=True, activation="clamped_swiglu", swiglu_alpha=1.702, swiglu_limit=1.0)
+    fmlp = MoEMLP(_cfg(None, **moe), jnp.float32, nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    for param in (fmlp.gate.bias, fmlp.experts.gate_proj_bias, fmlp.experts.up_proj_bias,
+                  fmlp.experts.down_proj_bias):
+        param[...] = jnp.asarray(rng.normal(size=param[...].shape), jnp.float32)
+    qmlp = MoEMLP(_cfg(None, **moe), jnp.float32, nnx.Rngs(0))
+    nnx.update(qmlp, nnx.state(fmlp))
+    qmlp.experts = QuantizedExperts.of(qmlp.experts, QuantConfig("int8"))
+    assert qmlp.experts.glu == fmlp.experts.glu and qmlp.experts.glu.kind == "clamped_swiglu"
+    for ours, theirs in zip(qmlp.experts.biases(), fmlp.experts.biases(), strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    _set_experts(fmlp.experts, qmlp.experts)
+    x = jax.random.normal(jax.random.key(1), (3, HIDDEN))
+    qgraphdef, qstate = nnx.split(qmlp)
+    want, got = _outputs(*nnx.split(fmlp), qgraphdef, qstate, per_expert_params(qstate), x)
+    for form, outs in got.items():
+        for method, y in zip(METHODS, outs, strict=True):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(want)[:len(y)], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{form} {method}")
+
+
 def test_by_pair_switches_over_the_quantized_leaves():
     """`by_pair`'s switch operands are the quantized leaves (int4 bytes and scales): the program never holds a
     float copy of the stacked experts (a branch computes with its own expert's bytes)."""

@@ -312,6 +312,40 @@ def moe_expert_parallel():
 
 
 @check
+def gpt_oss_tensor_parallel():
+    """A gpt-oss-shaped decoder (a window layer and a full one: two KV cache groups; non-zero sinks; q/k/v/o biases;
+    YaRN; 4 experts top 2 with router and expert biases and the clamped SwiGLU) at tp 2 and tp 4: the experts and
+    their biases sharded by expert, the sinks replicated, and greedy tokens equal to the dense model's on one
+    device."""
+    from pagedjax.parallel.sharding import key_names
+
+    moe = MoEConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=32, router_bias=True, expert_bias=True,
+                    activation="clamped_swiglu", swiglu_alpha=1.702, swiglu_limit=2.0)
+    cfg = config("gqa").replace(num_layers=2, sliding_windows=(8, None), attention_sinks=True, qkv_bias=True,
+                                o_proj_bias=True, moe=moe, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                         "original_max_position_embeddings": 16})
+    rng = np.random.default_rng(4)
+    state = jax.tree.map(lambda x: x * 3, nnx.split(init_model(cfg, seed=3))[1])
+    random = lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype)  # noqa: E731  (sinks and biases init to 0)
+    state = jax.tree_util.tree_map_with_path(
+        lambda path, x: random(x) if str(key_names(path)[-1]).endswith(("bias", "sinks")) else x, state)
+    model = model_from_state(cfg, state)
+    want, margin = greedy_by_recompute(jax.jit(lambda t: model.forward_dense(t)), PROMPTS, MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, f"a near tie ({margin}) would make token equality depend on rounding"
+    for tp in (2, 4):
+        e = make_engine(cfg, CacheConfig(block_size=4, num_blocks=48),
+                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                        params=state, parallel_config=ParallelConfig(tensor_parallel_size=tp), compile_cache=False,
+                        decode_steps_per_call=4)
+        layer = e.runner.params["layers"][0]
+        for name, spec in (("gate_proj", P("tp", None, None)), ("down_proj_bias", P("tp", None))):
+            assert layer["mlp"]["experts"][name][...].sharding.spec == spec, (tp, name)
+        assert layer["self_attn"]["sinks"][...].sharding.spec == P()
+        got = [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == want, f"tp={tp}: {got} != {want}"
+
+
+@check
 def quantized_moe_expert_parallel():
     """A mixture-of-experts decoder whose experts (and linears) are int4 in groups of 16
     (`pagedjax.model.layers.moe_quant`) at tp 2: each expert projection's values and scales sharded by expert (axis 0: 2

@@ -24,6 +24,8 @@ SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16
         "int8_kv_greedy_tp4", "bring_your_own_model_dp2", "update_weights_tp2", "update_weights_dp2",
         "quantized_tensor_parallel",
         "quantized_moe_expert_parallel",  # (CI time) moe_expert_parallel shards float experts the same way
+        # (CI time) moe_expert_parallel and sinks_tensor_parallel split what gpt-oss adds (biases, sinks) the same way
+        "gpt_oss_tensor_parallel",
         "greedy_gqa_tp1_block8",  # tp 1 through a one-device mesh
         "greedy_mqa_tp2_block8",  # (CI time) MQA runs at tp 8, tp 2 with GQA
         "cli_data_parallel",  # (CI time) data_parallel_2x2 runs the engine's

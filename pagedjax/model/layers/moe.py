@@ -1,5 +1,7 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's k experts, each expert is a
-SwiGLU MLP, and a token's output is its experts' outputs summed with the router's weights.
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): a router picks each token's k experts, each expert is a
+gated MLP (SwiGLU, or gpt-oss's clamped variant: `GLU`), and a token's output is its experts' outputs summed with
+the router's weights. gpt-oss adds a bias to the router's logits and to each expert's three projections
+(`MoEConfig.router_bias`, `expert_bias`).
 
 Two computations of the same function:
   `MoEMLP.__call__`  the serving path: the (token, expert) pairs sorted by expert, and each projection one
@@ -14,9 +16,10 @@ Expert weights are stacked `[num_experts, width, hidden]` (gate_proj and up_proj
 (in, out): `Experts` says why): axis 0 is what expert parallelism shards (`pagedjax.parallel.sharding`). That
 stacked form is the canonical one (checkpoints, loading, sharding); on one CPU device the engine's runner holds
 the experts as E separate arrays instead (`per_expert_params`, `Llama.single_device_params`), the same function.
-The router (`gate`, `[hidden, E]`) is a plain linear layer, replicated. With `ModelConfig.quantization` the
-experts are stored quantized (`pagedjax.model.layers.moe_quant.QuantizedExperts`, built by `moe_quant.moe_mlp`; the
-router stays float) and computed by the same three methods below on their dequantized values.
+The router (`gate`, `[hidden, E]`, with a bias `[E]` where the family has one) is a plain linear layer, replicated.
+With `ModelConfig.quantization` the experts are stored quantized (`pagedjax.model.layers.moe_quant.QuantizedExperts`,
+built by `moe_quant.moe_mlp`; the router and the experts' biases stay float) and computed by the same three methods
+below on their dequantized values.
 
 On the CPU, XLA lowers `ragged_dot` to a masked dense product over all experts (the grouped matmul instruction is
 lowered natively on GPU and TPU only): the same result at many times the work. So on the CPU the MLP takes one
@@ -49,12 +52,14 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from pagedjax.config import ModelConfig
+from pagedjax.config.moe import MoEConfig
 
 # Each expert's matrices are `[width, hidden]`: gate/up as (out, in), down as (in, out) (`Experts`).
 _INIT_OUT_IN = nnx.initializers.lecun_normal(in_axis=2, out_axis=1, batch_axis=(0,))
@@ -133,14 +138,43 @@ def tokens_per_expert(experts: jax.Array, num_experts: int) -> jax.Array:
 
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_BIASES = ("gate_proj_bias", "up_proj_bias", "down_proj_bias")  # `Experts`' with `MoEConfig.expert_bias`
 _QUANTIZED = ("qweight", "scale")  # the leaves of a `pagedjax.model.layers.moe_quant.ExpertKernels`
+
+
+@dataclass(frozen=True)
+class GLU:
+    """An expert's gated activation of its gate and up projections (`MoEConfig.activation`): "silu" is SwiGLU's
+    silu(gate) * up; "clamped_swiglu" (gpt-oss) clamps gate to at most `limit` and up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1). Static (a module attribute), computed in the inputs' dtype."""
+
+    kind: str = "silu"
+    alpha: float | None = None
+    limit: float | None = None
+
+    @classmethod
+    def of(cls, moe: MoEConfig) -> GLU:
+        return cls(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:  # both [..., width]
+        if self.kind == "silu":
+            return jax.nn.silu(gate) * up
+        if self.kind != "clamped_swiglu":
+            raise ValueError(f"unknown MoE activation {self.kind!r}")
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return gate * jax.nn.sigmoid(gate * self.alpha) * (up + 1)
+
+
+SWIGLU = GLU()  # Mixtral's, Qwen3-MoE's, DeepSeek's
 
 
 def per_expert_params(state: nnx.State) -> nnx.State:
     """`state` (a model's parameters) with every stacked expert parameter (`experts.gate_proj`, `.up_proj`,
-    `.down_proj`: `[E, width, hidden]`) as a tuple of its E slices `[width, hidden]`, each its own array (copied
-    once, here); every other leaf the same array. `Experts` computes the same function from either form; from
-    this one a single-device CPU step reads a routed expert's weights in place (`Experts.by_pair`).
+    `.down_proj`: `[E, width, hidden]`; their biases `[E, width]` / `[E, hidden]` where the experts have them) as a
+    tuple of its E slices, each its own array (copied once, here); every other leaf the same array. `Experts`
+    computes the same function from either form; from this one a single-device CPU step reads a routed expert's
+    weights in place (`Experts.by_pair`).
 
     Quantized experts (`pagedjax.model.layers.moe_quant`): each projection's `qweight` and `scale` `[E, ...]` likewise
     become tuples of E per-expert arrays.
@@ -151,8 +185,9 @@ def per_expert_params(state: nnx.State) -> nnx.State:
         names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
         if names[-1] == "value":  # an nnx.Variable's own attribute
             names.pop()
-        if (len(names) >= 2 and names[-2] == "experts" and names[-1] in _PROJECTIONS
-                and len(getattr(leaf, "shape", ())) == 3):
+        if len(names) >= 2 and names[-2] == "experts" and (
+                (names[-1] in _PROJECTIONS and len(getattr(leaf, "shape", ())) == 3)
+                or (names[-1] in _BIASES and len(getattr(leaf, "shape", ())) == 2)):
             return tuple(leaf[e] for e in range(leaf.shape[0]))
         if len(names) >= 3 and names[-3] == "experts" and names[-2] in _PROJECTIONS and names[-1] in _QUANTIZED:
             return tuple(leaf[e] for e in range(leaf.shape[0]))  # `QuantizedExperts`: values and scales alike
@@ -170,12 +205,43 @@ class Experts(nnx.Module):
     is three plain dots of the dense model's shapes at E times its width. With `[E, hidden, width]` gate / up
     weights that product is a dot batched over experts or needs a transposed copy of every expert's weights:
     4-5x slower at 16 rows on the bench_moe shape (scripts/bench_moe_layer.py).
+
+    `bias` (gpt-oss): each projection adds its expert's bias, `gate_proj_bias` and `up_proj_bias` `[E, width]`
+    and `down_proj_bias` `[E, hidden]`, to its rounded product. `glu`: the gated activation (`GLU`), SwiGLU by
+    default.
     """
 
-    def __init__(self, num_experts: int, hidden: int, width: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, num_experts: int, hidden: int, width: int, dtype, rngs: nnx.Rngs, *, bias: bool = False,
+                 glu: GLU = SWIGLU):
         self.gate_proj = nnx.Param(_INIT_OUT_IN(rngs.params(), (num_experts, width, hidden), dtype))
         self.up_proj = nnx.Param(_INIT_OUT_IN(rngs.params(), (num_experts, width, hidden), dtype))
         self.down_proj = nnx.Param(_INIT_IN_OUT(rngs.params(), (num_experts, width, hidden), dtype))
+        zeros = lambda *shape: jnp.zeros(shape, dtype)  # noqa: E731
+        self.set_biases((zeros(num_experts, width), zeros(num_experts, width), zeros(num_experts, hidden))
+                        if bias else None)
+        self.glu = glu
+
+    def set_biases(self, biases: tuple | None) -> None:
+        """Hold `biases` (gate_proj_bias, up_proj_bias, down_proj_bias: `[E, width]`, `[E, width]`, `[E, hidden]`)
+        as parameters, or none (None)."""
+        for name, value in zip(_BIASES, biases or (None,) * len(_BIASES), strict=True):
+            setattr(self, name, None if value is None else nnx.Param(value))
+
+    def biases(self) -> tuple | None:
+        """(gate_proj_bias, up_proj_bias, down_proj_bias): stacked arrays or, in the per-expert form, tuples of E
+        arrays; None for experts without biases."""
+        if self.gate_proj_bias is None:
+            return None
+        return tuple(getattr(self, name).get_value() for name in _BIASES)
+
+    def apply(self, e: int, rows: jax.Array, product, biases: tuple | None) -> jax.Array:
+        """Rows `[n, hidden]` through expert e (static), given `product(a, p)`: `a` times expert e's projection p
+        (0 gate, 1 up, 2 down), rounded to rows' dtype, and `biases` (`biases()`'s, or None): `[n, hidden]`."""
+        gate, up = product(rows, 0), product(rows, 1)
+        if biases is not None:
+            gate, up = gate + biases[0][e], up + biases[1][e]
+        out = product(self.glu(gate, up), 2)
+        return out if biases is None else out + biases[2][e]
 
     def grouped(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """Rows `x` `[N, hidden]` sorted by expert, `group_sizes[e]` of them expert e's (summing to N) ->
@@ -187,11 +253,19 @@ class Experts(nnx.Module):
                                                    lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
         # The per-expert form is stacked back here (a copy of every expert per call): it is the CPU's form, where
         # `MoEMLP` never picks this method by itself.
-        gate, up, down = (jnp.stack(w) if isinstance(w, tuple) else w for w in self.weights(x))
+        stack = lambda w: jnp.stack(w) if isinstance(w, tuple) else w  # noqa: E731
+        gate, up, down = (stack(w) for w in self.weights(x))
         mm = lambda a, w: jax.lax.ragged_dot_general(a, w, group_sizes, out_in,
                                                      preferred_element_type=jnp.float32).astype(x.dtype)
-        h = jax.nn.silu(mm(x, gate)) * mm(x, up)
-        return jax.lax.ragged_dot(h, down, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+        gate, up = mm(x, gate), mm(x, up)
+        biases = self.biases()
+        if biases is not None:  # row r's expert: the group it falls in
+            expert_of = jnp.repeat(jnp.arange(self.num_experts), group_sizes, total_repeat_length=x.shape[0])
+            gate_bias, up_bias, down_bias = (stack(b)[expert_of] for b in biases)
+            gate, up = gate + gate_bias, up + up_bias
+        out = jax.lax.ragged_dot(self.glu(gate, up), down, group_sizes,
+                                 preferred_element_type=jnp.float32).astype(x.dtype)
+        return out if biases is None else out + down_bias
 
     def by_pair(self, x: jax.Array, experts: jax.Array) -> jax.Array:
         """Row p of `x` `[P, hidden]` through expert `experts[p]` (int32 `[P]`): `[P, hidden]`, one `lax.switch`
@@ -227,19 +301,30 @@ class Experts(nnx.Module):
         docstring); per-expert form: three dots per expert."""
         # The routing weights scale each expert's hidden activations before down_proj (linear, so the same as
         # scaling its output), which lets the down dots sum over experts and width together.
+        # With biases, each expert's down bias is weighted likewise: `combine` times the stacked down biases.
         mm = lambda a, w, dtype=x.dtype: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(dtype)
         gate, up, down = self.weights(x)
+        biases = self.biases()
         if isinstance(gate, tuple):
             y = jnp.zeros((x.shape[0], down[0].shape[1]), jnp.float32)
             for e in range(self.num_experts):
-                h = jax.nn.silu(mm(x, gate[e].T)) * mm(x, up[e].T)
-                y += mm((h * combine[:, e:e + 1]).astype(x.dtype), down[e], jnp.float32)
+                g, u = mm(x, gate[e].T), mm(x, up[e].T)
+                if biases is not None:
+                    g, u = g + biases[0][e], u + biases[1][e]
+                y += mm((self.glu(g, u) * combine[:, e:e + 1]).astype(x.dtype), down[e], jnp.float32)
+            if biases is not None:
+                y += combine @ jnp.stack(biases[2]).astype(jnp.float32)
             return y.astype(x.dtype)
         num_experts, width, hidden = gate.shape
         flat = lambda w: w.reshape(num_experts * width, hidden)  # a bitcast: the stacking is row-major
-        h = jax.nn.silu(mm(x, flat(gate).T)) * mm(x, flat(up).T)  # [N, E * width]
-        h = (h.reshape(-1, num_experts, width) * combine[:, :, None]).astype(x.dtype)
-        return mm(h.reshape(-1, num_experts * width), flat(down))
+        g, u = mm(x, flat(gate).T), mm(x, flat(up).T)  # [N, E * width]
+        if biases is not None:
+            g, u = g + biases[0].reshape(-1), u + biases[1].reshape(-1)
+        h = (self.glu(g, u).reshape(-1, num_experts, width) * combine[:, :, None]).astype(x.dtype)
+        if biases is None:
+            return mm(h.reshape(-1, num_experts * width), flat(down))
+        y = mm(h.reshape(-1, num_experts * width), flat(down), jnp.float32)
+        return (y + combine @ biases[2].astype(jnp.float32)).astype(x.dtype)
 
     def weights(self, x: jax.Array | None = None) -> tuple:
         """(gate_proj, up_proj, down_proj): each the stacked array `[E, width, hidden]` or, in the per-expert form
@@ -248,16 +333,17 @@ class Experts(nnx.Module):
         return self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value()
 
     def switch_operands(self) -> tuple:
-        """The operands of `by_pair`'s switch, from which branch e's `expert_mlp` reads expert e's: the weights."""
-        return self.weights()
+        """The operands of `by_pair`'s switch, from which branch e's `expert_mlp` reads expert e's: the weights,
+        then the biases where the experts have them."""
+        return self.weights() + (self.biases() or ())
 
     def expert_mlp(self, e: int, row: jax.Array, operands: tuple) -> jax.Array:
         """Rows `row` `[n, hidden]` through expert e, whose weights it reads from `switch_operands` (branch e of
         `by_pair`'s switch, n = 1, and of `by_tile`'s, a tile): `[n, hidden]` in row's dtype, each projection
         accumulated in float32 and rounded once."""
-        gate, up, down = operands
+        weights, biases = operands[:3], operands[3:] or None
         mm = lambda a, w: jnp.matmul(a, w, preferred_element_type=jnp.float32).astype(row.dtype)  # noqa: E731
-        return mm(jax.nn.silu(mm(row, gate[e].T)) * mm(row, up[e].T), down[e])
+        return self.apply(e, row, lambda a, p: mm(a, weights[p][e] if p == 2 else weights[p][e].T), biases)
 
     @property
     def num_experts(self) -> int:
@@ -277,9 +363,10 @@ class MoEMLP(nnx.Module):
         moe = cfg.moe
         self.num_experts, self.top_k = moe.num_experts, moe.num_experts_per_tok
         self.router, self.norm_topk_prob = moe.router, moe.norm_topk_prob
-        self.gate = nnx.Linear(cfg.hidden_size, moe.num_experts, use_bias=False, dtype=dtype, param_dtype=dtype,
-                               preferred_element_type=jnp.float32, rngs=rngs)
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, dtype, rngs)
+        self.gate = nnx.Linear(cfg.hidden_size, moe.num_experts, use_bias=moe.router_bias, dtype=dtype,
+                               param_dtype=dtype, preferred_element_type=jnp.float32, rngs=rngs)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, dtype, rngs,
+                               bias=moe.expert_bias, glu=GLU.of(moe))
 
     def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Rows x `[N, hidden]` -> (weights float32 `[N, k]`, experts int32 `[N, k]`)."""

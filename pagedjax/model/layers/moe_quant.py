@@ -45,7 +45,7 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig
 from pagedjax.config.quant import QuantConfig
-from pagedjax.model.layers.moe import Experts, MoEMLP
+from pagedjax.model.layers.moe import GLU, SWIGLU, Experts, MoEMLP
 from pagedjax.model.layers.quant import (
     conversion_tie,
     dequantize_stored,
@@ -113,10 +113,11 @@ class QuantizedExperts(Experts):
     """`Experts` whose three projections are `ExpertKernels` (module docstring), quantized from the float
     `Experts` weights `gate` / `up` `[E, width, hidden]` (out, in) and `down` `[E, width, hidden]` (in, out);
     ValueError naming the tensor for any other shapes. `name`: the experts' path, which errors name (e.g.
-    "layers.0.mlp.experts")."""
+    "layers.0.mlp.experts"). `biases` (`Experts.biases`, or None) stay float; `glu` is the float experts'
+    activation."""
 
     def __init__(self, gate: jax.Array, up: jax.Array, down: jax.Array, *, quant: QuantConfig,
-                 name: str = EXPERTS):
+                 name: str = EXPERTS, biases: tuple | None = None, glu: GLU = SWIGLU):
         for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
             if w.ndim != 3 or w.shape != gate.shape:
                 raise ValueError(f"{name}.{proj}: expert weights are [E, width, hidden], all of one shape, got "
@@ -125,11 +126,13 @@ class QuantizedExperts(Experts):
         self.gate_proj = ExpertKernels(to_in_out(gate), quant, f"{name}.gate_proj")
         self.up_proj = ExpertKernels(to_in_out(up), quant, f"{name}.up_proj")
         self.down_proj = ExpertKernels(down, quant, f"{name}.down_proj")
+        self.set_biases(biases)
+        self.glu = glu
 
     @classmethod
     def of(cls, experts: Experts, quant: QuantConfig, name: str = EXPERTS) -> QuantizedExperts:
-        """The quantized form of the float (stacked) `experts`."""
-        return cls(*experts.weights(), quant=quant, name=name)
+        """The quantized form of the float (stacked) `experts` (their biases and activation as they are)."""
+        return cls(*experts.weights(), quant=quant, name=name, biases=experts.biases(), glu=experts.glu)
 
     def weights(self, x: jax.Array | None = None) -> tuple:
         """The dequantized (gate_proj, up_proj, down_proj) in `Experts`' layout and x's dtype, stacked or, in the
@@ -145,19 +148,21 @@ class QuantizedExperts(Experts):
         return convert(gate), convert(up), convert(jnp.swapaxes(down, 1, 2))
 
     def switch_operands(self) -> tuple:
-        """`by_pair`'s switch operands: the quantized leaves themselves (a branch dequantizes its expert)."""
+        """`by_pair`'s switch operands: the quantized leaves themselves (a branch dequantizes its expert), then the
+        biases where the experts have them."""
         return tuple(leaf.get_value() for p in (self.gate_proj, self.up_proj, self.down_proj)
-                     for leaf in (p.qweight, p.scale))
+                     for leaf in (p.qweight, p.scale)) + (self.biases() or ())
 
     def expert_mlp(self, e: int, row: jax.Array, operands: tuple) -> jax.Array:
         """Rows `row` `[n, hidden]` (`by_pair`'s one, `by_tile`'s tile) through expert e, reading only expert e's
         quantized bytes from `switch_operands`: each projection is `QuantizedLinear`'s product of its stored
         `[out, in]` (`quantized_product`: for int8 and int4 one row is a fused matrix-vector product of the stored
         bytes), rounded to row's dtype."""
-        gate_q, gate_s, up_q, up_s, down_q, down_s = operands
+        stored, biases = operands[:6], operands[6:] or None
         quant = self.gate_proj.quant
-        product = lambda a, q, s: quantized_product(a, q[e], s[e], quant).astype(row.dtype)  # noqa: E731
-        return product(jax.nn.silu(product(row, gate_q, gate_s)) * product(row, up_q, up_s), down_q, down_s)
+        product = lambda a, p: quantized_product(  # noqa: E731
+            a, stored[2 * p][e], stored[2 * p + 1][e], quant).astype(row.dtype)
+        return self.apply(e, row, product, biases)
 
     @property
     def num_experts(self) -> int:

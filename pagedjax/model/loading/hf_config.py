@@ -7,7 +7,9 @@ llama, mistral, qwen2, phi3 (`architecture` "llama"; Phi-3's fused qkv_proj / ga
 weight loader), qwen3 (`qk_norm` "head"), olmo2 (`qk_norm` "full", `norm_placement` "post"), gemma2 and
 gemma3_text ("gemma2": soft-capped attention and final logits, `query_pre_attn_scalar`, GeGLU, sandwich norms,
 scaled embeddings; Gemma 3 adds `qk_norm` "head" and `rope_local_theta` for its local layers), mixtral and
-qwen3_moe (`ModelConfig.moe`, `_moe`: every layer's MLP a mixture of experts; Qwen3-MoE with `qk_norm` "head").
+qwen3_moe (`ModelConfig.moe`, `_moe`: every layer's MLP a mixture of experts; Qwen3-MoE with `qk_norm` "head"),
+gpt_oss (mapped by its family module, `pagedjax.model.families.gpt_oss.config_from_hf`: sinks, biases, YaRN, its
+experts).
 Sliding windows map to `ModelConfig.sliding_windows`, one entry per layer, as transformers applies them (the
 query at p sees keys in (p - W, p] in transformers' masks as in pagedjax, so W is taken as is): Mistral's,
 Mixtral's and Phi-3's `sliding_window` on every layer, Qwen3-MoE's too with `use_sliding_window`; Qwen2's and
@@ -17,10 +19,10 @@ Qwen3's with `use_sliding_window` on the layers `layer_types` marks "sliding_att
 
 Anything pagedjax cannot compute exactly (unknown `model_type`, `hidden_act` other than silu (Gemma:
 `hidden_activation` other than gelu_pytorch_tanh), `mlp_bias`, `attention_bias` where it also biases o_proj,
-rope scaling other than `pagedjax.config.ROPE_TYPES`, partial rotary, quantized weights, bidirectional attention,
-Gemma 3's `attn_logit_softcapping` (which transformers does not apply), ...) and any field of the wrong type
-(`"hidden_size": "256"`, `2.0`) or invalid JSON raises a `ModelLoadError` (a ValueError) naming the file and
-field: never silently wrong output. Phi-3's LongRoPE ("longrope", "su") is computed exactly within
+rope scaling other than `pagedjax.config.ROPE_TYPES` (YaRN: gpt_oss only), partial rotary, quantized weights,
+bidirectional attention, Gemma 3's `attn_logit_softcapping` (which transformers does not apply), ...) and any
+field of the wrong type (`"hidden_size": "256"`, `2.0`) or invalid JSON raises a `ModelLoadError` (a ValueError)
+naming the file and field: never silently wrong output. Phi-3's LongRoPE ("longrope", "su") is computed exactly within
 `original_max_position_embeddings`, to which the context is capped (with a warning): its long factors are not
 implemented.
 
@@ -45,6 +47,17 @@ from pagedjax.config.fields import is_int
 from pagedjax.config.model import ROPE_SCALING_PARAMS, ROPE_TYPES
 from pagedjax.config.moe import MoEConfig
 from pagedjax.model.errors import ModelLoadError, read_json
+from pagedjax.model.families import gpt_oss
+from pagedjax.model.loading.hf_fields import (
+    checkpoint_dtype,
+    flag,
+    id_list,
+    layer_types,
+    number,
+    optional_id,
+    positive_int,
+    rope_source,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +72,11 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": {},  # + ModelConfig.moe (`_moe`)
     "qwen3_moe": {"qk_norm": "head"},
 }
-SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+SUPPORTED_MODEL_TYPES = (*_FAMILIES, *gpt_oss.MODEL_TYPES)  # gpt-oss: mapped by its family module
 _GEMMA = ("gemma2", "gemma3_text")
 # Families whose `attention_bias` biases o_proj too, which pagedjax's attention does not have. (Qwen2 biases q/k/v
 # whatever it says; Mistral and Phi-3 have no such field in transformers, which ignores it.)
 _O_PROJ_BIAS = ("llama", "qwen3", "qwen3_moe", "olmo2", "gemma2", "gemma3_text")
-_SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # Hugging Face's per-architecture defaults for fields a config.json may leave out.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -96,69 +108,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 _GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 
 
-def _id_list(value: Any, key: str) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if is_int(value) and value >= 0:
-        return (value,)
-    if isinstance(value, list) and all(is_int(v) and v >= 0 for v in value):
-        return tuple(value)
-    raise ValueError(f"field {key!r}: expected a token id or a list of token ids, got {value!r}")
 
 
-def _optional_id(value: Any, key: str) -> int | None:
-    if isinstance(value, list):  # some configs list several; the first is the one prepended
-        value = value[0] if value else None
-    if value is not None and not (is_int(value) and value >= 0):
-        raise ValueError(f"field {key!r}: expected a token id or null, got {value!r}")
-    return value
 
 
-def _positive_int(hf: dict, key: str, default: Any = None) -> int:
-    value = hf.get(key)
-    if value is None:  # absent or null: transformers falls back to the default too
-        value = default
-    if value is None:
-        raise ValueError(f"required field {key!r} is missing (or null)")
-    if not is_int(value) or value < 1:
-        raise ValueError(f"field {key!r}: expected a positive int, got {value!r}")
-    return value
-
-
-def _number(hf: dict, key: str, default: float | None = None) -> float:
-    """A float field (JSON ints accepted); absent or null gives `default`."""
-    value = hf.get(key)
-    if value is None:
-        value = default
-    if value is None:
-        raise ValueError(f"required field {key!r} is missing (or null)")
-    if not isinstance(value, bool) and isinstance(value, int | float):
-        try:
-            if math.isfinite(value):
-                return float(value)
-        except OverflowError:  # an int beyond float's range
-            pass
-    raise ValueError(f"field {key!r}: expected a finite number, got {value!r}")
-
-
-def _flag(hf: dict, key: str, default: bool) -> bool:
-    """A boolean field; absent or null gives `default`."""
-    value = hf.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ValueError(f"field {key!r}: expected true or false, got {value!r}")
-    return value
-
-
-def _rope_source(hf: dict) -> tuple[dict, str]:
-    """(the rope parameters, the field they are in): `rope_parameters` (transformers 5) or `rope_scaling` (4)."""
-    params, field = hf.get("rope_parameters"), "rope_parameters"
-    if params is None:
-        params, field = hf.get("rope_scaling"), "rope_scaling"
-    if params is not None and not isinstance(params, dict):
-        raise ValueError(f"field {field!r}: expected an object or null, got {params!r}")
-    return dict(params or {}), field
 
 
 def _rope(hf: dict, model_type: str, params: dict, field: str, top_theta: float, head_dim: int,
@@ -168,8 +121,8 @@ def _rope(hf: dict, model_type: str, params: dict, field: str, top_theta: float,
     if any(isinstance(params.get(t), dict) for t in ("full_attention", "sliding_attention")):
         raise ValueError(f"field {field!r}: per-layer-type rope parameters are not supported for {model_type}")
     # transformers 5 keeps rope_theta (and partial_rotary_factor) inside rope_parameters, 4 at the top level.
-    theta = _number(params, "rope_theta", top_theta)
-    partial = _number(params if params.get("partial_rotary_factor") is not None else hf, "partial_rotary_factor",
+    theta = number(params, "rope_theta", top_theta)
+    partial = number(params if params.get("partial_rotary_factor") is not None else hf, "partial_rotary_factor",
                       1.0)
     if partial != 1.0:
         raise ValueError(f"field 'partial_rotary_factor' = {partial!r}: only full rotary embeddings are supported")
@@ -183,6 +136,8 @@ def _rope(hf: dict, model_type: str, params: dict, field: str, top_theta: float,
     if kind not in ROPE_SCALING_PARAMS:
         raise ValueError(f"field {field!r}: rope type {kind!r} is not supported "
                          f"(supported: {', '.join(ROPE_TYPES)})")
+    if kind == "yarn":  # its optional parameters are read by gpt-oss's family module only
+        raise ValueError(f"field {field!r}: rope type 'yarn' is supported for gpt_oss only")
     if kind == "longrope":
         if model_type != "phi3":
             raise ValueError(f"field {field!r}: rope type 'longrope' is supported for phi3 only")
@@ -192,7 +147,7 @@ def _rope(hf: dict, model_type: str, params: dict, field: str, top_theta: float,
         if params.get(key) is None:
             raise ValueError(f"field {field!r}: rope type {kind!r} needs {key!r}")
         try:
-            scaling[key] = _number(params, key)
+            scaling[key] = number(params, key)
         except ValueError as e:
             raise ValueError(f"field {field!r}: {e}") from None
     if kind == "linear" and scaling["factor"] <= 0:
@@ -207,16 +162,16 @@ def _longrope(hf: dict, params: dict, field: str, head_dim: int, max_pos: int) -
     factors, and the attention factor (given, or from the context extension max_position_embeddings / original)."""
     # Phi3Config always has a top-level original_max_position_embeddings (default 4096), and transformers gives
     # it priority over the one inside the rope parameters.
-    original = _positive_int(hf, "original_max_position_embeddings",
+    original = positive_int(hf, "original_max_position_embeddings",
                              _DEFAULTS["phi3"]["original_max_position_embeddings"])
     short = params.get("short_factor")
     if not isinstance(short, list) or len(short) != head_dim // 2 or not all(
             is_int(x) or isinstance(x, float) for x in short):
         raise ValueError(f"field {field!r}: longrope needs 'short_factor', a list of head_dim // 2 = {head_dim // 2} "
                          f"numbers, got {short!r}")
-    factor = _number(params, "factor", max_pos / original)
+    factor = number(params, "factor", max_pos / original)
     default_attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    attention = _number(params, "attention_factor", default_attention)
+    attention = number(params, "attention_factor", default_attention)
     return (("attention_factor", attention), ("original_max_position_embeddings", float(original)),
             ("rope_type", "longrope"), ("short_factor", tuple(float(x) for x in short)))
 
@@ -224,8 +179,8 @@ def _longrope(hf: dict, params: dict, field: str, head_dim: int, max_pos: int) -
 def _rope_fields(hf: dict, model_type: str, head_dim: int, max_pos: int) -> dict[str, Any]:
     """ModelConfig's rope_theta, rope_scaling, max_position_embeddings (capped to LongRoPE's original context)
     and (Gemma 3) rope_local_theta."""
-    params, field = _rope_source(hf)
-    top_theta = _number(hf, "rope_theta", _DEFAULTS[model_type]["rope_theta"])
+    params, field = rope_source(hf)
+    top_theta = number(hf, "rope_theta", _DEFAULTS[model_type]["rope_theta"])
     if model_type != "gemma3_text":
         theta, scaling = _rope(hf, model_type, params, field, top_theta, head_dim, max_pos)
         original = dict(scaling or ()).get("original_max_position_embeddings")
@@ -237,7 +192,7 @@ def _rope_fields(hf: dict, model_type: str, head_dim: int, max_pos: int) -> dict
         return dict(rope_theta=theta, rope_scaling=scaling, max_position_embeddings=max_pos)
     # Gemma 3: the global layers rotate by rope_theta with rope_scaling, the local ones by their own base. In
     # transformers 5 each layer type has its parameters; in 4, rope_local_base_freq is the local base.
-    local_theta = _number(hf, "rope_local_base_freq", _DEFAULTS[model_type]["rope_local_base_freq"])
+    local_theta = number(hf, "rope_local_base_freq", _DEFAULTS[model_type]["rope_local_base_freq"])
     if field == "rope_parameters" and any(isinstance(params.get(t), dict)
                                           for t in ("full_attention", "sliding_attention")):
         glob, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
@@ -261,31 +216,18 @@ def _optional_positive_number(hf: dict, key: str, model_type: str) -> float | No
     value = _defaulted(hf, key, model_type)
     if value is None:
         return None
-    value = _number({key: value}, key)
+    value = number({key: value}, key)
     if value <= 0:
         raise ValueError(f"field {key!r}: expected a number > 0 or null, got {value!r}")
     return value
 
-
-def _layer_types(hf: dict, num_layers: int) -> list[str] | None:
-    layer_types = hf.get("layer_types")
-    if layer_types is None:
-        return None
-    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
-        raise ValueError(f"field 'layer_types': expected a list of strings, got {layer_types!r}")
-    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if unknown:
-        raise ValueError(f"field 'layer_types': unsupported attention types {unknown}")
-    if len(layer_types) != num_layers:
-        raise ValueError(f"field 'layer_types': {len(layer_types)} entries for {num_layers} layers")
-    return layer_types
 
 
 def _sliding_windows(hf: dict, model_type: str, num_layers: int) -> tuple[int | None, ...] | None:
     """Each layer's attention window (None: global), as transformers applies them; None if no layer has one."""
     if model_type in ("llama", "olmo2"):
         return None
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not _flag(hf, "use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not flag(hf, "use_sliding_window", False):
         return None  # transformers drops Qwen's window unless use_sliding_window is set
     window = _defaulted(hf, "sliding_window", model_type)
     if window is None:
@@ -295,24 +237,24 @@ def _sliding_windows(hf: dict, model_type: str, num_layers: int) -> tuple[int | 
         return None
     if not is_int(window) or window < 1:
         raise ValueError(f"field 'sliding_window': expected a positive int or null, got {window!r}")
-    layer_types = _layer_types(hf, num_layers)
+    kinds = layer_types(hf, num_layers)
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         # transformers windows every layer of these whatever layer_types says; a checkpoint that says otherwise
         # was probably written for another architecture, so refuse rather than guess.
-        if layer_types is not None and "full_attention" in layer_types:
+        if kinds is not None and "full_attention" in kinds:
             raise ValueError(f"field 'layer_types': {model_type} windows every layer (transformers ignores "
                              "'full_attention' entries here); load this checkpoint as its own architecture")
         return (window,) * num_layers
-    if layer_types is None:
+    if kinds is None:
         if model_type in ("qwen2", "qwen3"):
             cut = _defaulted(hf, "max_window_layers", model_type)
             if not is_int(cut) or cut < 0:
                 raise ValueError(f"field 'max_window_layers': expected an int >= 0, got {cut!r}")
-            layer_types = ["sliding_attention" if i >= cut else "full_attention" for i in range(num_layers)]
+            kinds = ["sliding_attention" if i >= cut else "full_attention" for i in range(num_layers)]
         else:  # Gemma: every pattern-th layer is global, the others local (Gemma 2 alternates)
-            pattern = _positive_int(hf, "sliding_window_pattern", 6) if model_type == "gemma3_text" else 2
-            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-    windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+            pattern = positive_int(hf, "sliding_window_pattern", 6) if model_type == "gemma3_text" else 2
+            kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    windows = tuple(window if t == "sliding_attention" else None for t in kinds)
     return None if all(w is None for w in windows) else windows
 
 
@@ -347,8 +289,8 @@ def load_folder_config(path: str | os.PathLike, build):
     gen_path = folder / "generation_config.json"
     gen = read_json(gen_path) if gen_path.is_file() else {}
     try:
-        bos = _optional_id(gen.get("bos_token_id"), "bos_token_id")
-        eos = _id_list(gen.get("eos_token_id"), "eos_token_id")  # what transformers' generate stops on
+        bos = optional_id(gen.get("bos_token_id"), "bos_token_id")
+        eos = id_list(gen.get("eos_token_id"), "eos_token_id")  # what transformers' generate stops on
     except ValueError as e:
         raise ModelLoadError(gen_path, str(e)) from None
     try:
@@ -356,18 +298,6 @@ def load_folder_config(path: str | os.PathLike, build):
     except (TypeError, ValueError) as e:
         raise ModelLoadError(config_path, str(e)) from None
 
-
-def _dtype(hf: dict, dtype: str | None) -> str:
-    """The dtype asked for, else the checkpoint's `torch_dtype` / `dtype` (float32 when absent)."""
-    if dtype is None:
-        key = "torch_dtype" if hf.get("torch_dtype") is not None else "dtype"
-        dtype = hf.get(key) or "float32"
-        if dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"field {key!r} = {dtype!r} is not supported "
-                             f"(supported: {', '.join(_SUPPORTED_DTYPES)}); pass dtype= to override")
-    elif dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(_SUPPORTED_DTYPES)})")
-    return dtype
 
 
 # A mixture-of-experts layer's router as checkpoints name it (`hf_quant.quant_config` wants each left unquantized):
@@ -403,6 +333,8 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
         raise ValueError(f"field 'model_type' = {model_type!r}: a vision-language model, not a ModelConfig one; "
                          "LLMEngine.from_pretrained and --model serve it (pagedjax.model.loading.hf_vision), and "
                          "its text_config maps with config_from_dict")
+    if model_type in gpt_oss.MODEL_TYPES:
+        return gpt_oss.config_from_hf(hf, dtype, gen_bos, gen_eos)
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"field 'model_type' = {model_type!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); a model of your own serves it "
@@ -410,20 +342,20 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
     defaults = _DEFAULTS[model_type]
     _check_unsupported(hf, model_type)
 
-    hidden = _positive_int(hf, "hidden_size")
-    num_heads = _positive_int(hf, "num_attention_heads")
-    num_kv = _positive_int(hf, "num_key_value_heads", num_heads)
-    num_layers = _positive_int(hf, "num_hidden_layers")
+    hidden = positive_int(hf, "hidden_size")
+    num_heads = positive_int(hf, "num_attention_heads")
+    num_kv = positive_int(hf, "num_key_value_heads", num_heads)
+    num_layers = positive_int(hf, "num_hidden_layers")
     if hf.get("head_dim") is None and "head_dim" not in defaults:
         if hidden % num_heads:
             raise ValueError(f"'hidden_size' ({hidden}) is not a multiple of 'num_attention_heads' ({num_heads}) "
                              "and there is no 'head_dim'")
-    head_dim = _positive_int(hf, "head_dim", defaults.get("head_dim", hidden // num_heads))
+    head_dim = positive_int(hf, "head_dim", defaults.get("head_dim", hidden // num_heads))
     if head_dim % 2:
         raise ValueError(f"field 'head_dim' = {head_dim}: RoPE needs an even head dim")
     if num_heads % num_kv:
         raise ValueError(f"'num_attention_heads' ({num_heads}) is not a multiple of 'num_key_value_heads' ({num_kv})")
-    max_pos = _positive_int(hf, "max_position_embeddings", defaults["max_position_embeddings"])
+    max_pos = positive_int(hf, "max_position_embeddings", defaults["max_position_embeddings"])
     rope = _rope_fields(hf, model_type, head_dim, max_pos)  # with max_position_embeddings (LongRoPE caps it)
     sliding_windows = _sliding_windows(hf, model_type, num_layers)
     if model_type in _GEMMA:
@@ -435,19 +367,19 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
     else:
         gemma = {}
 
-    dtype = _dtype(hf, dtype)
-    bos = gen_bos if gen_bos is not None else _optional_id(hf.get("bos_token_id"), "bos_token_id")
-    eos = gen_eos or _id_list(hf.get("eos_token_id"), "eos_token_id")
+    dtype = checkpoint_dtype(hf, dtype)
+    bos = gen_bos if gen_bos is not None else optional_id(hf.get("bos_token_id"), "bos_token_id")
+    eos = gen_eos or id_list(hf.get("eos_token_id"), "eos_token_id")
     return ModelConfig(
-        vocab_size=_positive_int(hf, "vocab_size"),
+        vocab_size=positive_int(hf, "vocab_size"),
         hidden_size=hidden,
         num_layers=num_layers,
         num_q_heads=num_heads,
         num_kv_heads=num_kv,
         head_dim=head_dim,
-        intermediate_size=_positive_int(hf, "intermediate_size"),
-        rms_norm_eps=_number(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
-        tie_word_embeddings=_flag(hf, "tie_word_embeddings", defaults["tie_word_embeddings"]),
+        intermediate_size=positive_int(hf, "intermediate_size"),
+        rms_norm_eps=number(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
+        tie_word_embeddings=flag(hf, "tie_word_embeddings", defaults["tie_word_embeddings"]),
         dtype=dtype,
         bos_token_id=bos,
         eos_token_ids=tuple(dict.fromkeys(eos)),
@@ -472,13 +404,13 @@ def _moe(hf: dict, model_type: str, num_layers: int) -> MoEConfig | None:
     # Qwen3-MoE's as num_experts.
     key = "num_experts" if hf.get("num_local_experts") is None and hf.get("num_experts") is not None else \
         "num_local_experts"
-    num_experts = _positive_int(hf, key, defaults["num_local_experts"])
-    top_k = _positive_int(hf, "num_experts_per_tok", defaults["num_experts_per_tok"])
+    num_experts = positive_int(hf, key, defaults["num_local_experts"])
+    top_k = positive_int(hf, "num_experts_per_tok", defaults["num_experts_per_tok"])
     if top_k > num_experts:
         raise ValueError(f"field 'num_experts_per_tok' = {top_k} exceeds the {num_experts} experts ({key!r})")
     if model_type == "mixtral":
-        return MoEConfig(num_experts, top_k, _positive_int(hf, "intermediate_size"), router="topk_softmax")
-    step = _positive_int(hf, "decoder_sparse_step", 1)
+        return MoEConfig(num_experts, top_k, positive_int(hf, "intermediate_size"), router="topk_softmax")
+    step = positive_int(hf, "decoder_sparse_step", 1)
     if step != 1:
         raise ValueError(f"field 'decoder_sparse_step' = {step} is not supported (only 1: every layer sparse)")
     dense_layers = hf.get("mlp_only_layers") or []
@@ -487,8 +419,8 @@ def _moe(hf: dict, model_type: str, num_layers: int) -> MoEConfig | None:
     if dense_layers:
         raise ValueError(f"field 'mlp_only_layers' = {dense_layers} is not supported (dense MLP layers between "
                          "sparse ones)")
-    return MoEConfig(num_experts, top_k, _positive_int(hf, "moe_intermediate_size", defaults["moe_intermediate_size"]),
-                     router="softmax_topk", norm_topk_prob=_flag(hf, "norm_topk_prob", defaults["norm_topk_prob"]))
+    return MoEConfig(num_experts, top_k, positive_int(hf, "moe_intermediate_size", defaults["moe_intermediate_size"]),
+                     router="softmax_topk", norm_topk_prob=flag(hf, "norm_topk_prob", defaults["norm_topk_prob"]))
 
 
 def _check_unsupported(hf: dict, model_type: str) -> None:
@@ -499,7 +431,7 @@ def _check_unsupported(hf: dict, model_type: str) -> None:
         if act != _GEMMA_ACTIVATION:
             raise ValueError(f"field 'hidden_activation' = {act!r} is not supported for {model_type} "
                              f"(only {_GEMMA_ACTIVATION})")
-        if _flag(hf, "use_bidirectional_attention", False):
+        if flag(hf, "use_bidirectional_attention", False):
             raise ValueError("field 'use_bidirectional_attention' = true is not supported (attention is causal)")
     else:
         act = hf.get("hidden_act", "silu")
@@ -510,9 +442,9 @@ def _check_unsupported(hf: dict, model_type: str) -> None:
         # with the checkpoint's intent.
         raise ValueError(f"field 'attn_logit_softcapping' = {hf['attn_logit_softcapping']!r} is not supported for "
                          "gemma3_text (transformers does not apply it)")
-    if _flag(hf, "mlp_bias", False):
+    if flag(hf, "mlp_bias", False):
         raise ValueError("field 'mlp_bias' = true is not supported (MLP projections have no bias)")
-    if model_type in _O_PROJ_BIAS and _flag(hf, "attention_bias", False):
+    if model_type in _O_PROJ_BIAS and flag(hf, "attention_bias", False):
         raise ValueError(f"field 'attention_bias' = true is not supported for {model_type} "
                          "(it also biases o_proj)")
 
@@ -593,7 +525,7 @@ def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos:
     if act not in ("silu", "swish"):
         raise ValueError(f"field 'hidden_act' = {act!r} is not supported (only silu)")
     for key in ("attention_bias", "mlp_bias"):
-        if _flag(hf, key, False):
+        if flag(hf, key, False):
             raise ValueError(f"field {key!r} = true is not supported (the projections have no bias)")
     if hf.get("quantization_config") is not None:  # block-scaled FP8 weights, dequantized at load (`hf_fp8`)
         from pagedjax.model.loading.hf_fp8 import block_size
@@ -602,41 +534,41 @@ def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos:
             block_size(hf["quantization_config"])
         except ValueError as e:
             raise ValueError(f"field 'quantization_config': {e}") from None
-    interleave = _flag(hf, "rope_interleave", True)
+    interleave = flag(hf, "rope_interleave", True)
     if model_type in ("deepseek_v2", "deepseek_v32") and not interleave:
         raise ValueError(f"field 'rope_interleave' = false is not supported for {model_type} (transformers' "
                          "model always rotates MLA's interleaved pairs)")
-    num_layers = _positive_int(hf, "num_hidden_layers")
-    max_pos = _positive_int(hf, "max_position_embeddings", defaults["max_position_embeddings"])
-    rope_dim = _positive_int(hf, "qk_rope_head_dim", defaults["qk_rope_head_dim"])
+    num_layers = positive_int(hf, "num_hidden_layers")
+    max_pos = positive_int(hf, "max_position_embeddings", defaults["max_position_embeddings"])
+    rope_dim = positive_int(hf, "qk_rope_head_dim", defaults["qk_rope_head_dim"])
     theta, yarn = _deepseek_rope(hf, defaults["rope_theta"], max_pos)
     q_lora = hf.get("q_lora_rank", defaults["q_lora_rank"])
     if model_type == "deepseek_v32" and q_lora is None:
         raise ValueError("field 'q_lora_rank' = null is not supported for deepseek_v32 (transformers' model always "
                          "projects the query through its latent, which the indexer reads)")
-    bos = gen_bos if gen_bos is not None else _optional_id(hf.get("bos_token_id"), "bos_token_id")
-    eos = gen_eos or _id_list(hf.get("eos_token_id"), "eos_token_id")
+    bos = gen_bos if gen_bos is not None else optional_id(hf.get("bos_token_id"), "bos_token_id")
+    eos = gen_eos or id_list(hf.get("eos_token_id"), "eos_token_id")
     nope = hf.get("qk_nope_head_dim", defaults["qk_nope_head_dim"])
     if not is_int(nope) or nope < 0:
         raise ValueError(f"field 'qk_nope_head_dim': expected an int >= 0, got {nope!r}")
     return DeepSeekConfig(
-        vocab_size=_positive_int(hf, "vocab_size"),
-        hidden_size=_positive_int(hf, "hidden_size"),
+        vocab_size=positive_int(hf, "vocab_size"),
+        hidden_size=positive_int(hf, "hidden_size"),
         num_layers=num_layers,
-        num_heads=_positive_int(hf, "num_attention_heads"),
-        intermediate_size=_positive_int(hf, "intermediate_size"),
-        kv_lora_rank=_positive_int(hf, "kv_lora_rank", defaults["kv_lora_rank"]),
+        num_heads=positive_int(hf, "num_attention_heads"),
+        intermediate_size=positive_int(hf, "intermediate_size"),
+        kv_lora_rank=positive_int(hf, "kv_lora_rank", defaults["kv_lora_rank"]),
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope_dim,
-        v_head_dim=_positive_int(hf, "v_head_dim", defaults["v_head_dim"]),
-        q_lora_rank=None if q_lora is None else _positive_int(hf, "q_lora_rank"),
+        v_head_dim=positive_int(hf, "v_head_dim", defaults["v_head_dim"]),
+        q_lora_rank=None if q_lora is None else positive_int(hf, "q_lora_rank"),
         rope_theta=theta,
         rope_scaling=yarn,
         rope_interleave=interleave,
-        rms_norm_eps=_number(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
-        tie_word_embeddings=_flag(hf, "tie_word_embeddings", defaults["tie_word_embeddings"]),
+        rms_norm_eps=number(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
+        tie_word_embeddings=flag(hf, "tie_word_embeddings", defaults["tie_word_embeddings"]),
         max_position_embeddings=max_pos,
-        dtype=_dtype(hf, dtype),
+        dtype=checkpoint_dtype(hf, dtype),
         bos_token_id=bos,
         eos_token_ids=tuple(dict.fromkeys(eos)),
         moe=_deepseek_moe(hf, model_type, num_layers),
@@ -653,9 +585,9 @@ def _deepseek_indexer(hf: dict, num_layers: int):
     if kinds is not None and (not isinstance(kinds, list) or kinds != ["indexed_attention"] * num_layers):
         raise ValueError(f"field 'layer_types' = {kinds!r} is not supported (every one of the {num_layers} layers "
                          "must be 'indexed_attention': sparse attention by its own indexer)")
-    return DeepSeekIndexerConfig(num_heads=_positive_int(hf, "index_n_heads", defaults["index_n_heads"]),
-                                 head_dim=_positive_int(hf, "index_head_dim", defaults["index_head_dim"]),
-                                 topk=_positive_int(hf, "index_topk", defaults["index_topk"]))
+    return DeepSeekIndexerConfig(num_heads=positive_int(hf, "index_n_heads", defaults["index_n_heads"]),
+                                 head_dim=positive_int(hf, "index_head_dim", defaults["index_head_dim"]),
+                                 topk=positive_int(hf, "index_topk", defaults["index_topk"]))
 
 
 def _deepseek_rope(hf: dict, default_theta: float, max_pos: int) -> tuple[float, tuple | None]:
@@ -664,9 +596,9 @@ def _deepseek_rope(hf: dict, default_theta: float, max_pos: int) -> tuple[float,
     top-level field when there is one, else max_position_embeddings)."""
     from pagedjax.config.deepseek import ROPE_YARN_PARAMS
 
-    params, field = _rope_source(hf)
-    theta = _number(params, "rope_theta", _number(hf, "rope_theta", default_theta))
-    partial = _number(params if params.get("partial_rotary_factor") is not None else hf, "partial_rotary_factor",
+    params, field = rope_source(hf)
+    theta = number(params, "rope_theta", number(hf, "rope_theta", default_theta))
+    partial = number(params if params.get("partial_rotary_factor") is not None else hf, "partial_rotary_factor",
                       1.0)
     if partial != 1.0:
         raise ValueError(f"field 'partial_rotary_factor' = {partial!r}: only full rotary embeddings are supported")
@@ -683,13 +615,13 @@ def _deepseek_rope(hf: dict, default_theta: float, max_pos: int) -> tuple[float,
     if hf.get("original_max_position_embeddings") is not None:  # transformers prefers the top-level one
         yarn["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
     yarn.setdefault("original_max_position_embeddings", max_pos)
-    original = _number(yarn, "original_max_position_embeddings")
+    original = number(yarn, "original_max_position_embeddings")
     yarn.setdefault("factor", max_pos / original)
     for key in yarn:  # each value's type, the field named, before the config checks the ranges
         if key == "truncate":
-            _flag(yarn, key, True)
+            flag(yarn, key, True)
         else:
-            _number(yarn, key)
+            number(yarn, key)
     return theta, tuple(sorted(yarn.items()))
 
 
@@ -710,7 +642,7 @@ def _deepseek_moe(hf: dict, model_type: str, num_layers: int):
     if freq != 1:
         raise ValueError(f"field 'moe_layer_freq' = {freq!r} is not supported (only 1: transformers makes every "
                          "layer from first_k_dense_replace on a mixture of experts)")
-    norm = _flag(hf, "norm_topk_prob", defaults["norm_topk_prob"])
+    norm = flag(hf, "norm_topk_prob", defaults["norm_topk_prob"])
     if model_type == "deepseek_v2" and norm:
         raise ValueError("field 'norm_topk_prob' = true is not supported for deepseek_v2 (transformers' DeepSeek V2 "
                          "router does not renormalize)")
@@ -725,17 +657,17 @@ def _deepseek_moe(hf: dict, model_type: str, num_layers: int):
             raise ValueError(f"field 'mlp_layer_types' = {kinds!r} is not supported (only 'dense' layers then "
                              f"'sparse' ones, {num_layers} in all)")
         first_dense = dense
-    num_experts = _positive_int(hf, "n_routed_experts", defaults["n_routed_experts"])
-    top_k = _positive_int(hf, "num_experts_per_tok", defaults.get("num_experts_per_tok"))
+    num_experts = positive_int(hf, "n_routed_experts", defaults["n_routed_experts"])
+    top_k = positive_int(hf, "num_experts_per_tok", defaults.get("num_experts_per_tok"))
     if top_k > num_experts:
         raise ValueError(f"field 'num_experts_per_tok' = {top_k} exceeds the {num_experts} experts "
                          "('n_routed_experts')")
-    groups = (1, 1) if method == "greedy" else (_positive_int(hf, "n_group", defaults.get("n_group")),
-                                                _positive_int(hf, "topk_group", defaults.get("topk_group")))
+    groups = (1, 1) if method == "greedy" else (positive_int(hf, "n_group", defaults.get("n_group")),
+                                                positive_int(hf, "topk_group", defaults.get("topk_group")))
     return DeepSeekMoEConfig(
         num_experts=num_experts, num_experts_per_tok=top_k,
-        intermediate_size=_positive_int(hf, "moe_intermediate_size", defaults["moe_intermediate_size"]),
-        num_shared_experts=_positive_int(hf, "n_shared_experts", defaults["n_shared_experts"]),
+        intermediate_size=positive_int(hf, "moe_intermediate_size", defaults["moe_intermediate_size"]),
+        num_shared_experts=positive_int(hf, "n_shared_experts", defaults["n_shared_experts"]),
         first_k_dense_replace=first_dense, router=method, num_groups=groups[0], topk_groups=groups[1],
-        norm_topk_prob=norm, routed_scaling_factor=_number(hf, "routed_scaling_factor",
+        norm_topk_prob=norm, routed_scaling_factor=number(hf, "routed_scaling_factor",
                                                            defaults["routed_scaling_factor"]))

@@ -1,7 +1,7 @@
 """Load a local Hugging Face model folder (Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / OLMo 2 / Gemma 2 / Gemma 3
-text / Mixtral / Qwen3-MoE; DeepSeek V2 / V3 / V3.2 through `load_hf_deepseek`, a model of the public contract) into
-pagedjax. `fill_state` is the one safetensors reader under both (names, shapes and dtypes checked before any data
-is read; block-scaled FP8 weights dequantized, `hf_fp8`).
+text / Mixtral / Qwen3-MoE / gpt-oss; DeepSeek V2 / V3 / V3.2 through `load_hf_deepseek`, a model of the public
+contract) into pagedjax. `fill_state` is the one safetensors reader under both (names, shapes and dtypes checked
+before any data is read; block-scaled FP8 weights dequantized, `hf_fp8`).
 
     cfg, params, tokenizer = load_hf("path/to/folder")           # config.json, *.safetensors, tokenizer.json
     engine = LLMEngine(cfg, CacheConfig(...), SchedulerConfig(...), params=params, tokenizer=tokenizer)
@@ -25,6 +25,9 @@ expert and projection (Qwen3-MoE's `mlp.experts.{e}.gate_proj.weight`, ...; Mixt
 `block_sparse_moe.experts.{e}.w1/w3/w2.weight` and `block_sparse_moe.gate.weight`, read as aliases of those,
 `_canonical`), as transformers' `save_pretrained` writes them: each goes into slice e of the model's stacked
 `[E, width, hidden]` parameter (down_proj transposed, gate / up as stored), placed once all E slices are read.
+gpt-oss names some tensors its own way and stores its experts stacked, gate and up interleaved in one tensor, in
+MXFP4 in the released checkpoints: its family module gives the names (`gpt_oss.tensor_names`) and presents the
+experts as the model holds them (`gpt_oss.ExpertTensors`, `fill_state`'s view: split, dequantized exactly).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig
 from pagedjax.model.errors import ModelLoadError, read_json
+from pagedjax.model.families import gpt_oss
 from pagedjax.model.llama import abstract_model, model_from_state  # noqa: F401  (model_from_state: re-export)
 from pagedjax.model.loading import hf_fp8, hf_quant
 from pagedjax.model.loading.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config  # noqa: F401  (re-exports)
@@ -156,6 +160,14 @@ def _read_tensor(handle, file: Path, name: str) -> np.ndarray:
         return _read_raw(file, name)
 
 
+def _read_stored(file: Path, name: str) -> np.ndarray:
+    """One tensor of a safetensors file, any dtype numpy has (a `fill_state` view's tensors: uint8 MXFP4 too)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="numpy") as f:
+        return _read_tensor(f, file, name)
+
+
 def _read_raw(file: Path, name: str) -> np.ndarray:
     """Read one tensor straight from a safetensors file: u64 header length, JSON header, data."""
     with open(file, "rb") as f:
@@ -210,11 +222,16 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
         return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
             cfg.quantization is not None and name.endswith(".weight_shape"))
 
-    return fill_state(path, state, lambda p, shape: _hf_names(p, shape, cfg.quantization), skip=skip, where=where)
+    names = lambda p, shape: _hf_names(p, shape, cfg.quantization)
+    view = None
+    if read_json(Path(path) / "config.json").get("model_type") in gpt_oss.MODEL_TYPES:  # its own names and experts
+        names = lambda p, shape: gpt_oss.tensor_names(p) or _hf_names(p, shape, cfg.quantization)
+        view = gpt_oss.ExpertTensors()
+    return fill_state(path, state, names, skip=skip, where=where, view=view)
 
 
 def fill_state(path: str | os.PathLike, state: nnx.State, names, *, skip=None, where=None,
-               fp8_block: tuple[int, int] | None = None) -> nnx.State:
+               fp8_block: tuple[int, int] | None = None, view=None) -> nnx.State:
     """Fill the abstract parameters `state` (`jax.ShapeDtypeStruct` leaves, e.g. `nnx.split(nnx.eval_shape(...))`)
     from a Hugging Face folder's safetensors, in place, and return it: the loading of every built-in model.
 
@@ -222,7 +239,11 @@ def fill_state(path: str | os.PathLike, state: nnx.State, names, *, skip=None, w
     a pre-quantized tensor, the expert whose slice it fills or None)] (`_hf_names` is the Llama family's);
     skip(name) -> True for a checkpoint tensor the model does not read; where(state path) -> the parameter's
     sharding (None: one device); fp8_block: the `weight_block_size` of a block-scaled FP8 checkpoint, whose
-    float8 weights are dequantized by their `weight_scale_inv` (`hf_fp8`). Each tensor is cast to its
+    float8 weights are dequantized by their `weight_scale_inv` (`hf_fp8`); view: what a family stores other than
+    as its model holds it, presented as the tensors `names` gives (`view.headers(entries)`: the (file, name, shape,
+    safetensors dtype) the loader sees instead of the stored ones; `view.read(name, read_stored)`: such a
+    tensor's data from the stored ones, `read_stored(file, name)`, or None for a tensor as stored; gpt-oss's
+    fused, MXFP4 experts: `pagedjax.model.families.gpt_oss.ExpertTensors`). Each tensor is cast to its
     parameter's dtype. ModelLoadError (a ValueError)
     for missing, unexpected or mis-shaped tensors (naming them) before any data is read, and naming the file
     for unreadable data; the load time is logged."""
@@ -247,7 +268,8 @@ def fill_state(path: str | os.PathLike, state: nnx.State, names, *, skip=None, w
     unexpected, misshaped, skipped = [], [], []
     scales: dict[str, tuple[Path, tuple[int, ...], str]] = {}  # a block-scaled FP8 weight's scales, by name
     fp8: dict[str, tuple[int, ...]] = {}  # float8 weight -> its shape (`hf_fp8`)
-    for file, name, shape, st_dtype in _headers(files):
+    entries = _headers(files) if view is None else view.headers(_headers(files))
+    for file, name, shape, st_dtype in entries:
         if skip(name):
             skipped.append(name)
             continue
@@ -324,7 +346,11 @@ def fill_state(path: str | os.PathLike, state: nnx.State, names, *, skip=None, w
         with safe_open(str(file), framework="numpy") as f:
             for name, pieces in tensors:
                 try:
-                    whole = _read_tensor(f, file, name)
+                    whole = None if view is None else view.read(name, _read_stored)
+                    if whole is None:
+                        whole = _read_tensor(f, file, name)
+                except ModelLoadError:
+                    raise
                 except Exception as e:  # noqa: BLE001 - whatever the reader raised, name the file and tensor
                     raise ModelLoadError(file, f"cannot read tensor {name!r} (truncated or corrupted?): {e}") from e
                 num_bytes += whole.nbytes

@@ -1,0 +1,1 @@
+"""Model families: each module holds one Hugging Face family's config mapping, model specifics and weight names."""
