@@ -262,15 +262,26 @@ class BlockPool:
     def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
         """Publish a full, computed, used block under `block_hash`.
 
-        Returns False (and leaves the block unhashed) if caching is off or another block already holds
-        that hash: two requests that computed the same block concurrently keep one cached copy.
+        Returns False (and leaves the block unhashed) if caching is off or another block in use already holds
+        that hash: two requests that computed the same block concurrently keep one cached copy. An idle block
+        holding it gives it up to this one (and, unhashed, is reused first): a request that recomputed a block it
+        could not hit (another KV cache group missed, say) refreshes the cached copy, which its LRU place would
+        otherwise evict soon.
         """
-        if not self.enable_caching or block_hash in self._cached_block:
+        if not self.enable_caching:
             return False
         if self._ref_cnt[block_id] <= 0:
             raise ValueError(f"block {block_id} is not in use; only used blocks can be cached")
         if self._block_hash[block_id] is not None:
             raise ValueError(f"block {block_id} already has a hash")
+        old = self._cached_block.get(block_hash)
+        if old is not None:
+            if self._ref_cnt[old] > 0:
+                return False
+            self.free_queue.remove(old)  # idle and hashed: unhashed now, so it is reused first
+            self._block_hash[old] = None
+            self._num_cached_idle -= 1
+            self.free_queue.appendleft(old)
         self._block_hash[block_id] = block_hash
         self._cached_block[block_hash] = block_id
         return True

@@ -15,8 +15,8 @@ class coordinates them, so that everything the scheduler asks holds for all grou
     changes no reference count.
   - `cache_blocks(request)` publishes the request's blocks that became full, once their KV is computed
     (the scheduler calls it from `update`, after the step ran, so a hit never points at unwritten KV).
-  - `free(request)` releases its blocks tail-first (a prefix's later blocks are evicted before its earlier
-    ones).
+  - `free(request)` releases its blocks, a full group's tail-first (a prefix's later blocks are evicted before its
+    earlier ones), a window group's head-first (its last blocks serve the longest hit).
 
 Shapes: with one group, every per-request block quantity is a flat sequence of block ids, as it always was; with
 several, it is a tuple with one such sequence per group (hits, held blocks, fresh blocks, lent and adopted blocks).
@@ -297,8 +297,10 @@ class KVCacheManager:
         return sum(g.cache_blocks(request, hashes) for g in self.groups)
 
     def free(self, request: Request) -> None:
-        """Release every block the request holds, tail-first. A no-op for a request holding none."""
-        for group in self.groups:
+        """Release every block the request holds (`KVGroupManager.free`'s order), window groups' first: the first
+        blocks of the groups keeping every block, which every hit needs, are evicted last. A no-op for a request
+        holding none."""
+        for group in sorted(self.groups, key=lambda g: g.sliding_window is None):
             group.free(request.request_id)
 
     def release_past_computed(self, request: Request, num_new_tokens: int = 0) -> int:

@@ -214,12 +214,15 @@ class KVGroupManager:
         return self._num_hashed_blocks.get(request_id)
 
     def free(self, request_id: str) -> None:
-        """Release every block the request holds, tail-first (a prefix's later blocks are evicted first)."""
+        """Release every block the request holds: a group keeping every block tail-first (a prefix's later blocks
+        are evicted first: every hit needs its first ones), a window group head-first (its last blocks are what
+        the longest hit reads: they are evicted last)."""
         blocks = self._req_blocks.pop(request_id, None)
         self._num_hashed_blocks.pop(request_id, None)
         self._copies.pop(request_id, None)  # its step will not run: nothing to copy for it
         if blocks:
-            self.pool.free([b for b in reversed(blocks) if b != RELEASED])
+            live = [b for b in blocks if b != RELEASED]
+            self.pool.free(live if self.sliding_window is not None else reversed(live))
 
     def release_past(self, request_id: str, keep: int) -> int:
         """Release the request's trailing blocks past its first `keep` (unhashed, held by it alone)."""

@@ -107,6 +107,22 @@ def test_pool_touch_pulls_an_idle_cached_block_and_eviction_forgets_its_hash():
     pool.check_invariants()
 
 
+def test_an_idle_cached_copy_gives_its_hash_to_a_recomputed_block():
+    """A request that recomputed a block whose hash an idle block holds (it could not hit it: another KV cache group
+    missed) publishes its own copy, in use; the idle one, unhashed, is reused first. A copy in use keeps its hash."""
+    pool = BlockPool(4)
+    h = pool.hash_block(None, [5])
+    old = pool.allocate(1)[0]
+    pool.cache_block(old, h)
+    pool.free([old])  # idle, cached: at the back of the LRU order
+    new = pool.allocate(1)[0]
+    assert pool.cache_block(new, h) and pool.get_cached_block(h) == new and pool.block_hash(old) is None
+    assert pool.free_block_ids()[0] == old and pool.num_cached == 0 and pool.num_evictions == 0
+    busy = pool.allocate(1)[0]
+    assert not pool.cache_block(busy, h) and pool.get_cached_block(h) == new  # `new` is in use: it keeps it
+    pool.check_invariants()
+
+
 def test_reset_prefix_cache_refused_while_in_use():
     pool = BlockPool(2)
     b = pool.allocate(1)

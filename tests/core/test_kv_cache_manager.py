@@ -305,3 +305,20 @@ def test_a_window_hit_needs_only_the_blocks_its_first_query_reads():
     assert kv.get_computed_blocks(twin) == ([RELEASED, RELEASED, third], 12)
     short = make_request("short", list(range(8)) + [7])  # a hit of 8 would read 5..8, in the evicted block 1
     assert kv.get_computed_blocks(short) == ([first], 4)
+
+
+def test_freed_groups_keep_what_hits_need_longest():
+    """Freeing a request of a window group (4) and a full one: the window group's blocks go first, head-first (its
+    last block is what the longest hit reads), then the full group's tail-first (every hit needs its first block):
+    evictions take the least useful first, and a hit needs only the window's last block and the full chain."""
+    kv = KVCacheManager(8, 4, group_windows=(4, None))
+    w = make_request("w", list(range(12)))
+    assert kv.allocate_slots(w, 12) == ([0, 1, 2], [3, 4, 5])
+    w.num_computed_tokens = 12
+    kv.cache_blocks(w)
+    kv.free(w)
+    assert kv.block_pool.free_block_ids() == [6, 7, 0, 1, 2, 5, 4, 3]
+    hog = make_request("hog", [50] * 8)  # two blocks per group: the two free ones, then window blocks 0 and 1
+    assert kv.allocate_slots(hog, 8) == ([6, 7], [0, 1])
+    twin = make_request("twin", list(range(12)) + [7])
+    assert kv.get_computed_blocks(twin) == (([RELEASED, RELEASED, 2], [3, 4, 5]), 12)
