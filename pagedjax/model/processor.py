@@ -69,6 +69,10 @@ IMAGE_PROCESSOR_DEFAULTS: dict[str, dict[str, Any]] = {
                                  do_resize=True, do_center_crop=False, do_rescale=True, rescale_factor=1 / 255,
                                  do_normalize=True, do_convert_rgb=True, do_pad=False, do_pan_and_scan=False),
 }
+# The fewest source pixels per output pixel, along each axis, that a reduction before the resize leaves
+# (`ImageTransform.reduce_factor`): Pillow's own `resize(reducing_gap=...)` calls 3.0 "indistinguishable from fair
+# resampling in most cases".
+REDUCING_GAP = 3.0
 # AutoImageProcessor's class for a folder whose image processor config names none.
 _DEFAULT_CLASS = {"llava": "LlavaImageProcessor", "gemma3": "Gemma3ImageProcessor"}
 # Keys that change nothing for PIL images turned into numpy arrays (or only name the class).
@@ -103,6 +107,24 @@ class ImageTransform:
         if self.resize is not None and self.resize[0] == "size":
             return self.resize[1]
         return None
+
+    def reduce_factor(self, width: int, height: int) -> int:
+        """The largest integer factor of both `width` and `height` by which an image of that size may be shrunk
+        before this transform (box averages, Pillow's `Image.reduce`, or a JPEG decoded at a fraction of its size,
+        `Image.draft`) while its resize still reads at least `REDUCING_GAP` source pixels per output pixel along
+        each axis, in either orientation (EXIF may rotate it after); 1 (no reduction) without a resize or for an
+        image within that of the output. A factor of both sides makes every reduced pixel a whole box of the
+        image, so the resize sees the image's geometry exactly (a last, partial box would stretch it)."""
+        if self.resize is None:
+            return 1
+        most = min(self._most_reduced(width, height), self._most_reduced(height, width))
+        return max(k for k in range(1, most + 1) if width % k == 0 and height % k == 0)
+
+    def _most_reduced(self, width: int, height: int) -> int:
+        if self.pad_square is not None:
+            width = height = max(width, height)
+        out_h, out_w = _resize_shape(height, width, self.resize)
+        return max(1, int(min(width / out_w, height / out_h) / REDUCING_GAP))
 
     def __call__(self, image) -> np.ndarray:
         """One PIL image -> float32 `[3, H, W]`."""
@@ -202,6 +224,11 @@ class ImageProcessor:
         self.placeholder, self.placeholder_id = placeholder, placeholder_id
         self.replacement, self.replacement_ids = replacement, tuple(replacement_ids)
         self.image_token_id, self.tokens_per_image = image_token_id, tokens_per_image
+
+    def reduce_factor(self, width: int, height: int) -> int:
+        """`ImageTransform.reduce_factor`: how far an image of `width` x `height` may be shrunk before decoding it
+        whole (a server's decoder, `pagedjax.serve.images`)."""
+        return self.transform.reduce_factor(width, height)
 
     def pixel_values(self, images: Sequence) -> np.ndarray:
         """PIL images -> float32 `[N, 3, H, W]` (`image_size`); TypeError naming an item that is not one."""

@@ -135,6 +135,27 @@ def test_decode_image_applies_exif_orientation_as_transformers():
         decode_image(b"not an image")
 
 
+def test_reduce_factor_leaves_the_resize_three_pixels_per_output_pixel_and_divides_both_sides():
+    """How far a server may shrink an image before the processor (`pagedjax.serve.images`): the largest factor of
+    both sides that leaves the resize at least 3 source pixels per output pixel along each axis, in either
+    orientation."""
+    clip = image_transform({"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 336},
+                            "crop_size": {"height": 336, "width": 336}}, "llava")
+    assert clip.reduce_factor(4096, 4096) == 4  # 12.2 pixels per output pixel: 4 leaves 3.05
+    assert clip.reduce_factor(4096, 3072) == 2  # 9.1: 3 would fit, but does not divide 4096
+    assert clip.reduce_factor(4095, 4096) == 1  # no common factor: no box of the image is whole
+    assert clip.reduce_factor(1000, 1000) == clip.reduce_factor(20, 30) == 1  # within 3x of the output
+    padded = image_transform({"image_processor_type": "LlavaImageProcessor", "size": {"shortest_edge": 336},
+                              "crop_size": {"height": 336, "width": 336}, "do_pad": True}, "llava")
+    assert padded.reduce_factor(4096, 1024) == 4 and clip.reduce_factor(4096, 1024) == 1  # padded to 4096 square
+    wide = image_transform({"image_processor_type": "SiglipImageProcessor", "size": {"height": 224, "width": 448}},
+                           "gemma3")
+    assert wide.reduce_factor(4480, 2240) == wide.reduce_factor(2240, 4480) == 1  # 10 one way, 5 x 20 rotated
+    assert wide.reduce_factor(13440, 13440) == 10  # 30 and 60 pixels per output pixel: 10 leaves 3 and 6
+    unresized = image_transform({"image_processor_type": "SiglipImageProcessor", "do_resize": False}, "gemma3")
+    assert unresized.reduce_factor(4096, 4096) == 1
+
+
 @pytest.mark.parametrize("changes,field", [
     ({"do_pan_and_scan": True}, "do_pan_and_scan"),
     ({"size": {"shortest_edge": 16, "longest_edge": 32}}, "size"),
