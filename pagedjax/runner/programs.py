@@ -61,9 +61,10 @@ CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 Job = Callable[[], Any]
 
 
-def _lower_priority() -> None:
-    """Lower the calling thread's scheduling priority (a thread's nice value is its own on Linux, and the threads
-    it starts inherit it); elsewhere a no-op."""
+def lower_priority() -> None:
+    """Lower the calling thread's scheduling priority by `COMPILE_NICENESS` (a thread's nice value is its own on
+    Linux, and the threads it starts inherit it); elsewhere a no-op. The initializer of this module's compile thread
+    and of the server's image decoding threads (`pagedjax.serve.images`): work that must not slow the steps."""
     if sys.platform.startswith("linux"):
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS)
@@ -213,7 +214,7 @@ class ProgramCache:
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedjax-compile",
-                                                initializer=_lower_priority)
+                                                initializer=lower_priority)
             # An engine dropped without close() must not leave compiles queued behind it.
             self._shutdown = weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
         self._pending[shape] = self._executor.submit(_timed, prepare())

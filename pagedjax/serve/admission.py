@@ -39,8 +39,9 @@ def _limit(default: int, help: str, *, size: bool = False):  # noqa: A002 - argp
 class ImageLimits:
     """The most one chat request's images may hold, each checked before the work it bounds (`pagedjax.serve.images`):
     the counts and sizes before any image is decoded (a base64 text's length gives its bytes), the pixels from the
-    image's header before its pixels are decoded. Every field is an int >= 1; `pagedjax-serve` has a flag per
-    field (`max_image_pixels` -> `--max-image-pixels`; the byte sizes also as `8MiB`)."""
+    image's header before its pixels are decoded; and, across the server's requests, the pixels being decoded at
+    once and the requests waiting for that. Every field is an int >= 1; `pagedjax-serve` has a flag per field
+    (`max_image_pixels` -> `--max-image-pixels`; the byte sizes also as `8MiB`)."""
 
     max_images_per_request: int = _limit(8, "images in one chat request; more get 400 before any is decoded")
     max_image_bytes: int = _limit(8 * 2**20, "bytes of one encoded image (its base64 text's length bounds them, "
@@ -50,6 +51,12 @@ class ImageLimits:
     max_image_pixels: int = _limit(4096 * 4096, "width x height of one image, read from its header before its pixels "
                                                 "are decoded; a larger one gets 413 (also Pillow's decompression-bomb "
                                                 "limit, Image.MAX_IMAGE_PIXELS)")
+    max_decoding_pixels: int = _limit(2 * 4096 * 4096, "pixels being decoded at once across all requests (each "
+                                                       "image's width x height, a JPEG's at the reduced size it is "
+                                                       "decoded at); an image waits, first come first served, until "
+                                                       "it fits (one larger than this waits for all of it)")
+    max_queued_image_requests: int = _limit(32, "requests whose images are waiting to be decoded or decoding; more "
+                                                "get 503 (image_decodes_full) before they wait")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -18,11 +18,30 @@ Every check runs before the work it bounds (`ImageLimits`, a flag each):
      width or height (400), and more than one frame (400: an animated GIF, APNG or WebP is refused whole, never cut
      to its first frame; a single-frame GIF is taken). A JPEG carrying more pictures (MPO, from some cameras) is
      read as its primary picture, as every JPEG reader does;
-  4. then the pixels are decoded: a truncated or corrupt image is a 400. The image is returned as transformers'
-     `load_image` reads one (EXIF orientation applied, converted to RGB), fully loaded.
+  4. then the pixels are decoded (`load_image`): a truncated or corrupt image is a 400. The image is read as
+     transformers' `load_image` reads one (converted to RGB, EXIF orientation applied), then made the model's
+     pixels by its processor.
 
-The server keeps serving whatever the bytes: every failure of Pillow on them is the request's 400. Decoding runs
-in the request's prepare stage (a worker thread: never on the event loop or the engine thread).
+The server keeps serving whatever the bytes: every failure of Pillow on them is the request's 400. Steps 1-3 run
+in the request's prepare stage (a worker thread); step 4 in the image pool (`ImageSupport`: `IMAGE_WORKERS`
+threads at a lower priority than the engine's; never the event loop, the engine thread or the threads that
+prepare other requests), within a server-wide budget of decoded pixels (`--max-decoding-pixels`, `PixelBudget`):
+an image waits, first come first served, until it fits beside those being decoded, and a request's images are
+decoded one after another, each decoded image dropped once its pixels are made, so the server holds at most the
+budget's decoded pixels (plus, for an image not RGB, its RGB conversion) whatever its clients send. At most
+`--max-queued-image-requests` requests wait or decode (more: 503). After a burst of large decodes the freed memory
+goes back to the system (`pagedjax.serve.memory.trim_heap`).
+
+Reduced decoding: the model's processor resizes every image to its small input (LLaVA 1.5: 336 x 336), so a large
+image is shrunk first, as far as the processor's `reduce_factor` allows (at least `REDUCING_GAP` = 3 source pixels
+per output pixel left along each axis): a JPEG is decoded at 1/2, 1/4 or 1/8 of its size (libjpeg's DCT scaling,
+`Image.draft`), anything else is decoded whole and box-averaged (`Image.reduce`) before the processor's resize.
+An image within 3x the model's input (in its short side, or its long side for a processor that pads to a square)
+is decoded and resized exactly as the processor does it. A larger one's pixels differ from the processor's on the
+full image: the resize's filter reads box averages of the image instead of its pixels (and libjpeg's scaled DCT
+instead of the full decode), and an image whose sides are not multiples of the factor has a last, partial box
+that the resize counts as a whole pixel (its geometry off by under one source pixel in 3). Measured on the
+test images (`tests/serve/test_images_serving.py`): at most a few levels of 255 in a pixel, and the same tokens.
 
 For the chat template, an image part is `{"type": "image"}` in the message's `content` list, as transformers gives
 Hugging Face templates (which write the model's placeholder: LLaVA's `<image>`, Gemma 3's `<start_of_image>`);
@@ -31,18 +50,24 @@ Hugging Face templates (which write the model's placeholder: LLaVA's `<image>`, 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import io
 import logging
 import struct
 import warnings
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from pagedjax.runner.programs import lower_priority
 from pagedjax.serve.admission import DEFAULT_IMAGE_LIMITS, ImageLimits
 from pagedjax.serve.errors import APIError, bad_request
+from pagedjax.serve.memory import trim_heap
 from pagedjax.serve.protocol import ChatMessage
 
 logger = logging.getLogger(__name__)
@@ -52,6 +77,14 @@ MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP", "
 # Formats Pillow reports for a file of a declared format that are still that format
 _ALSO = {"JPEG": ("MPO",)}  # a JPEG with more pictures (the first is the primary one)
 _SHOWN = 60  # characters of a client's URL shown in an error
+# Threads that decode images (`ImageSupport`): two, so that one large image does not hold up every other
+# request's, and no more, since each competes with the engine's steps for the cores of a small machine.
+IMAGE_WORKERS = 2
+# Decoded pixels after which the image pool gives the freed memory back (`trim_heap`, queued in the pool when a
+# decode ends and none other holds the budget: a request's next image may start beside it): about one 2048 x 2048
+# image, the size from which glibc's arenas keep what Pillow frees (its blocks of up to 16 MiB, see
+# `pagedjax.serve.memory`).
+TRIM_AFTER_PIXELS = 2048 * 2048
 
 
 @dataclass(frozen=True)
@@ -160,10 +193,51 @@ def _png_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
-def decode_image(url: DataURL, limits: ImageLimits = DEFAULT_IMAGE_LIMITS):
-    """The image of a checked data URL as an RGB `PIL.Image.Image`, fully loaded (see the module docstring for the
-    checks); 400 (413 for a size) naming the field for anything wrong with it."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+@dataclass(frozen=True)
+class OpenedImage:
+    """An image whose header passed every check (`open_image`), its pixels not decoded yet (`load_image`)."""
+
+    where: str
+    image: Any  # a PIL.Image.Image opened on the encoded bytes, not loaded; a JPEG set to decode at its draft size
+    reduce: int  # the factor `load_image` shrinks it by once decoded (1: not at all)
+
+    @property
+    def pixels(self) -> int:
+        """The pixels decoding it makes (width x height, a JPEG's at its draft size): the pixel budget's unit."""
+        width, height = self.image.size
+        return width * height
+
+
+@contextlib.contextmanager
+def _pillow_errors(where: str, fmt: str, limit: str):
+    """Pillow's failures on a client's bytes as the request's 400 (413 for its decompression-bomb guard, past
+    `limit`); an APIError passes."""
+    from PIL import Image
+
+    try:
+        yield
+    except APIError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise APIError(413, f"{where}: the image is larger than {limit} ({e})", param=where,
+                       code="image_too_large") from None
+    except Exception as e:  # noqa: BLE001 - Pillow on hostile bytes: whatever it raises is this image's fault
+        message = str(e)[:200] or type(e).__name__
+        raise _invalid(where, f"the {fmt} image cannot be decoded (truncated or corrupt?): {message}") from None
+
+
+def _pixels_text(limits: ImageLimits) -> str:
+    return f"the {limits.max_image_pixels:,} pixels (width x height) this server takes (--max-image-pixels)"
+
+
+def open_image(url: DataURL, limits: ImageLimits = DEFAULT_IMAGE_LIMITS,
+               reduce_factor: Callable[[int, int], int] | None = None) -> OpenedImage:
+    """A checked data URL's image opened and its header checked (steps 2 and 3 of the module docstring), nothing
+    decoded; 400 (413 for a size) naming the field for anything wrong with it. `reduce_factor(width, height)`: how
+    far the model's processor lets the image shrink before its resize (`ImageProcessor.reduce_factor`; None: not
+    at all): a JPEG is then set to decode at the smallest of its draft sizes (1/2, 1/4, 1/8) within that, and
+    `load_image` box-reduces what is left of the factor."""
+    from PIL import Image, UnidentifiedImageError
 
     where, fmt = url.where, MEDIA_TYPES[url.media_type]
     try:
@@ -176,8 +250,7 @@ def decode_image(url: DataURL, limits: ImageLimits = DEFAULT_IMAGE_LIMITS):
     if len(data) > limits.max_image_bytes:  # (the length check before decoding holds; kept as the real bound)
         raise _too_large(where, f"an image of {len(data):,} bytes", limits.max_image_bytes, "--max-image-bytes")
     _bomb_guard(limits.max_image_pixels)
-    pixels = f"the {limits.max_image_pixels:,} pixels (width x height) this server takes (--max-image-pixels)"
-    try:
+    with _pillow_errors(where, fmt, _pixels_text(limits)):
         try:
             image = Image.open(io.BytesIO(data), formats=[fmt])
         except UnidentifiedImageError:
@@ -187,23 +260,37 @@ def decode_image(url: DataURL, limits: ImageLimits = DEFAULT_IMAGE_LIMITS):
             raise _invalid(where, f"declared {url.media_type}, but the data is a {detected} image")
         width, height = image.size
         if width * height > limits.max_image_pixels:
-            raise APIError(413, f"{where}: an image of {width:,} x {height:,} pixels, more than {pixels}",
-                           param=where, code="image_too_large")
+            raise APIError(413, f"{where}: an image of {width:,} x {height:,} pixels, more than "
+                                f"{_pixels_text(limits)}", param=where, code="image_too_large")
         if width < 1 or height < 1:
             raise _invalid(where, f"the image has no pixels ({width} x {height})")
         if getattr(image, "is_animated", False) and detected == fmt:
             raise _invalid(where, f"an animated {fmt} ({getattr(image, 'n_frames', 'several')} frames) is not "
                                   "taken: send one frame (a still image)")
+        factor = 1 if reduce_factor is None else reduce_factor(width, height)
+        scale = min(8, factor & -factor)  # libjpeg's scales that divide the factor: 1, 2, 4, 8
+        if scale > 1 and fmt == "JPEG" and image.draft(image.mode, (width // scale, height // scale)) is not None:
+            factor //= scale
+        return OpenedImage(where, image, factor)
+
+
+def load_image(opened: OpenedImage):
+    """An opened image's pixels as an RGB `PIL.Image.Image`, as transformers' `load_image` reads an image
+    (converted to RGB, EXIF orientation applied), shrunk by `opened.reduce` (box averages, after the conversion);
+    400 naming the field for a truncated or corrupt image. Each full-size image it makes is dropped before the
+    next is made (at most the decoded image and its RGB conversion at once)."""
+    from PIL import ImageOps
+
+    image = opened.image
+    fmt = image.format or "image"
+    with _pillow_errors(opened.where, fmt, "the pixels this server takes"):
         image.load()
-        return ImageOps.exif_transpose(image).convert("RGB")
-    except APIError:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise APIError(413, f"{where}: the image is larger than {pixels} ({e})", param=where,
-                       code="image_too_large") from None
-    except Exception as e:  # noqa: BLE001 - Pillow on hostile bytes: whatever it raises is this image's fault
-        message = str(e)[:200] or type(e).__name__
-        raise _invalid(where, f"the {fmt} image cannot be decoded (truncated or corrupt?): {message}") from None
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        if opened.reduce > 1:
+            image = image.reduce(opened.reduce)
+        ImageOps.exif_transpose(image, in_place=True)
+        return image
 
 
 def _unreadable(data: bytes, url: DataURL) -> APIError:
@@ -224,15 +311,71 @@ def _unreadable(data: bytes, url: DataURL) -> APIError:
     return _invalid(url.where, f"the data is not a {fmt} image Pillow can read (not one, or corrupt)")
 
 
+class PixelBudget:
+    """The server's budget of decoded pixels (`ImageLimits.max_decoding_pixels`), shared by every request's images.
+    `acquire(n)` waits until `n` pixels fit beside those held and every earlier waiter got its share (first come,
+    first served: a small image never overtakes a large one, which could then wait for ever), then holds them; an
+    image of more pixels than the whole budget waits for all of it and holds all of it. `release(n)` gives them
+    back. On the event loop only (not thread-safe). Invariant: `held <= capacity`."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.held = 0
+        self._waiters: deque[tuple[int, asyncio.Future]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        """Acquires waiting for room (cancelled ones not yet passed over included)."""
+        return len(self._waiters)
+
+    async def acquire(self, pixels: int) -> int:
+        """Hold `pixels` (at most the capacity) once they fit; the pixels held, which the caller must `release`."""
+        need = min(pixels, self.capacity)
+        if not self._waiters and self.held + need <= self.capacity:
+            self.held += need
+            return need
+        granted = asyncio.get_running_loop().create_future()
+        self._waiters.append((need, granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.cancelled():  # still waiting: pass it over (it may have been first in line)
+                self._grant()
+            else:  # granted as it was cancelled
+                self.release(need)
+            raise
+        return need
+
+    def release(self, pixels: int) -> None:
+        self.held -= pixels
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters:
+            need, granted = self._waiters[0]
+            if not granted.cancelled() and self.held + need > self.capacity:
+                return
+            self._waiters.popleft()
+            if not granted.cancelled():
+                self.held += need
+                granted.set_result(None)
+
+
 class ImageSupport:
     """What the server needs of a model that takes images: its processor (the engine's `image_processor`, which
     expands each image's placeholder into the tokens its features take and makes the pixels), the limits, and
-    whether the chat template reads text only from content parts.
+    whether the chat template reads text only from content parts; and the image pool, where images are decoded.
 
     processor      the engine's `pagedjax.model.processor.ImageProcessor`: `placeholder` (the text that stands for
-                   one image in a prompt), `count_images(text)`, `expand_prompt(text)`, `pixel_values(images)`.
+                   one image in a prompt), `count_images(text)`, `expand_prompt(text)`, `pixel_values(images)`, and
+                   optionally `reduce_factor(width, height)` (how far an image may shrink before its resize).
     content_parts  the template reads a message's text only from a list of parts (as LLaVA's Hugging Face
                    templates do): every message's content goes to it as parts (`ChatTemplate.reads_content_parts`).
+
+    A request's images are opened and their headers checked in its prepare stage (`open`: every 400 and 413 before
+    it waits for anything), then decoded and made the model's pixels (`pixels`) in the image pool: `IMAGE_WORKERS`
+    threads at a lower scheduling priority than the engine's, within the server's `PixelBudget`. `close()` ends
+    the pool.
     """
 
     def __init__(self, processor: Any, limits: ImageLimits = DEFAULT_IMAGE_LIMITS, *, content_parts: bool = False):
@@ -241,6 +384,14 @@ class ImageSupport:
         self.processor = processor
         self.limits = limits
         self.content_parts = content_parts
+        self.budget = PixelBudget(limits.max_decoding_pixels)
+        self._pool = ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="pagedjax-image", initializer=lower_priority)
+        self._requests = 0  # in the decode stage, waiting or decoding (event loop side)
+        self._since_trim = 0  # pixels decoded since the heap was last trimmed (event loop side)
+
+    def close(self) -> None:
+        """End the image pool (the server's shutdown): decodes not started are cancelled."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     @classmethod
     def for_engine(cls, llm: Any, template: Any, limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> ImageSupport | None:
@@ -267,7 +418,51 @@ class ImageSupport:
                               "invalid_image_part")
         return self.processor.expand_prompt(text)
 
-    def pixels(self, images: list) -> tuple:
-        """Decoded images as the model's pixels (float32 `[3, H, W]` each): the processor's resizing and
-        normalizing, done in the server's prepare stage rather than on the engine thread."""
-        return tuple(self.processor.pixel_values(images))
+    def open(self, urls: Sequence[DataURL]) -> list[OpenedImage]:
+        """A request's checked data URLs opened and every header checked (`open_image`), nothing decoded; a JPEG
+        set to decode no larger than the processor's `reduce_factor` lets it."""
+        factor = getattr(self.processor, "reduce_factor", None)
+        return [open_image(url, self.limits, factor) for url in urls]
+
+    async def pixels(self, opened: Sequence[OpenedImage]) -> tuple:
+        """A request's opened images as the model's pixels (the processor's, one per image), each decoded in the
+        image pool once the pixel budget has room for it: one image after another, requests first come first
+        served, every decoded image dropped once its pixels are made. 503 when `max_queued_image_requests`
+        requests are already waiting or decoding; 400 naming the field for an image that does not decode."""
+        if self._requests >= self.limits.max_queued_image_requests:
+            raise APIError(503, f"The server is overloaded: {self._requests} requests' images are waiting to be "
+                                "decoded or decoding (--max-queued-image-requests); retry later",
+                           code="image_decodes_full", headers={"Retry-After": "1"})
+        self._requests += 1
+        loop = asyncio.get_running_loop()
+        try:
+            out = []
+            for image in opened:
+                held = await self.budget.acquire(image.pixels)
+                job = self._pool.submit(self._pixels_of, image)
+                # released when the decode ends, not when this request stops waiting for it (a cancelled wait)
+                job.add_done_callback(lambda _, held=held: _call_soon(loop, self._decoded, held))
+                out.append(await asyncio.wrap_future(job))
+            return tuple(out)
+        finally:
+            self._requests -= 1
+
+    def _pixels_of(self, opened: OpenedImage):  # in the image pool
+        try:
+            return self.processor.pixel_values([load_image(opened)])[0]
+        finally:
+            opened.image.close()  # its decoded pixels and encoded bytes: nothing refers to them any more
+
+    def _decoded(self, held: int) -> None:  # on the event loop: a decode ended
+        self.budget.release(held)
+        self._since_trim += held
+        if self.budget.held == 0 and self._since_trim >= TRIM_AFTER_PIXELS:
+            self._since_trim = 0
+            self._pool.submit(trim_heap)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the event loop is closed (the server stopped): nothing waits for the budget any more
+        logger.debug("an image decode ended after the event loop closed")

@@ -36,9 +36,10 @@ from pagedjax.serve.async_engine import (
 from pagedjax.serve.chat_template import ChatTemplate, ChatTemplateError
 from pagedjax.serve.choices import ChoiceTracker, RequestFailed
 from pagedjax.serve.errors import APIError, bad_request, error_body
-from pagedjax.serve.images import ImageSupport, check_images, decode_image, image_refs
+from pagedjax.serve.images import ImageSupport, check_images, image_refs
 from pagedjax.serve.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from pagedjax.serve.lora import ServedAdapters
+from pagedjax.serve.memory import HeapTrimmer
 from pagedjax.serve.metrics import RequestTimer, ServerMetrics
 from pagedjax.serve.protocol import (
     ChatChoice,
@@ -97,8 +98,8 @@ class Prepared:
     created: int
     structured_field: str | None = None  # the request field its output constraint came from
     tools: ToolPlan | None = None  # the tools it offers the model: its choices' text is parsed for calls
-    # Its images as the model's pixels (float32 [3, H, W] each, the placeholders in `prompt_token_ids` expanded),
-    # for the engine; `start` hands them over and drops them from here
+    # Its images, opened and checked, not decoded (`serve.images.OpenedImage`; the placeholders in
+    # `prompt_token_ids` expanded): `start` decodes them into the model's pixels and drops them from here
     images: tuple = ()
 
     @property
@@ -127,9 +128,10 @@ class OpenAIServing:
     """The endpoints' logic over one async engine; see the module docstring.
 
     A request goes through three stages: `prepare_*` (a worker thread: validation, the chat template, the
-    prompt's size and its tokens, the constraint's limits, a chat's images checked and decoded: `serve.images`),
-    `compile` (the grammar pool: the grammar library's work, test-compiled in a worker process first:
-    `CompileGuard`), then the engine (`start`). The grammar pool is its own (`compile_config.workers` threads, at
+    prompt's size and its tokens, the constraint's limits, a chat's images checked and their headers read:
+    `serve.images`), `compile` (the grammar pool: the grammar library's work, test-compiled in a worker process
+    first: `CompileGuard`), then the engine (`start`, after a chat's images are decoded in the image pool, within
+    the server's pixel budget: `ImageSupport.pixels`). The grammar pool is its own (`compile_config.workers` threads, at
     most `compile_config.max_queued` compiles waiting or running: more get 503), so a slow grammar never delays
     tokenizing or admitting other requests."""
 
@@ -168,11 +170,15 @@ class OpenAIServing:
                                   self.compile_config)
         self._grammar_pool = ThreadPoolExecutor(self.compile_config.workers, thread_name_prefix="pagedjax-grammar")
         self._compiles = 0  # waiting or running in the grammar pool (event loop side)
+        self.trimmer = HeapTrimmer()  # freed memory back to the system (`pagedjax.serve.memory`)
 
     def close(self) -> None:
-        """End the grammar workers and pool (the app's shutdown)."""
+        """End the grammar workers and pool, the image pool and the heap trimmer (the app's shutdown)."""
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.guard.close()
+        if self.images is not None:
+            self.images.close()
+        self.trimmer.stop()
 
     # ---------------------------------------------------------------------------------------------- prepare
     def check_model(self, model: str) -> LoRARequest | None:
@@ -270,9 +276,7 @@ class OpenAIServing:
         ids = self.chat_template.encode(self.tokenizer, text)
         requested = request.max_completion_tokens or request.max_tokens
         max_tokens = self._max_tokens(requested, None, len(ids), "messages")
-        # the costly part, last: decoded and made into the model's pixels here, off the engine thread
-        images = self.images.pixels([decode_image(source, self.images.limits) for source in sources]) if sources \
-            else ()
+        images = self.images.open(sources) if sources else ()  # headers checked: decoded by `start`
         return self._prepare(request, ids, max_tokens, "chatcmpl", tools, images)
 
     # ----------------------------------------------------------------------------------------------- compile
@@ -317,9 +321,11 @@ class OpenAIServing:
     async def start(self, prepared: Prepared) -> RequestStream:
         """Hand the request to the engine (400 for what the engine refuses, 503 when it cannot take more; 404
         for an adapter unloaded since the request was prepared). The adapter is looked up and the request sent to
-        the engine thread in one step of the event loop: an unload never comes between them."""
+        the engine thread in one step of the event loop: an unload never comes between them; a chat's images are
+        decoded before that (`ImageSupport.pixels`)."""
+        opened, prepared.images = prepared.images, ()  # the engine's from now on: not held for the response
+        images = await self.images.pixels(opened) if opened else ()
         lora = self.check_model(prepared.model)
-        images, prepared.images = prepared.images, ()  # the engine's from now on: not held for the response
         try:
             return await self.engine.add_request(prepared.prompt_token_ids, prepared.params,
                                                  request_id=prepared.request_id, lora_request=lora, images=images)

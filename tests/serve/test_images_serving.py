@@ -12,24 +12,31 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
+import contextlib
+import dataclasses
 import io
 import json
+import os
 import struct
 import threading
+import weakref
 import zlib
+from unittest import mock
 
 import httpx
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from PIL import Image
+from PIL import Image, ImageFile
 
+from pagedjax.runner.programs import COMPILE_NICENESS
 from pagedjax.serve.admission import ImageLimits
 from pagedjax.serve.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from pagedjax.serve.errors import APIError
-from pagedjax.serve.images import DataURL, ImageSupport, decode_image
-from tests.serve.server_utils import MAX_MODEL_LEN, MODEL_NAME, make_engine, running_server
+from pagedjax.serve.images import DataURL, ImageSupport, PixelBudget, load_image, open_image
+from tests.serve.server_utils import MAX_MODEL_LEN, MODEL_NAME, make_engine, running_server, sse_events
 
 LIMITS = ImageLimits(max_images_per_request=3, max_image_bytes=64 * 2**10, max_image_bytes_per_request=100 * 2**10,
                      max_image_pixels=250_000)
@@ -86,7 +93,8 @@ def server():
 def vision(server, monkeypatch):
     """The server as for a model that takes images (see the module docstring); the prompts the engine got."""
     serving = server.app.state.serving
-    monkeypatch.setattr(serving, "images", ImageSupport(Processor(), LIMITS))
+    support = ImageSupport(Processor(), LIMITS)
+    monkeypatch.setattr(serving, "images", support)
     monkeypatch.setattr(serving, "chat_template", ChatTemplate(PARTS_TEMPLATE))
     prompts: list[dict] = []
     real = server.llm.make_request
@@ -102,7 +110,8 @@ def vision(server, monkeypatch):
         return real(request_id, prompt, params, **kwargs)
 
     monkeypatch.setattr(server.llm, "make_request", make_request)
-    return prompts
+    yield prompts
+    support.close()
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -265,10 +274,10 @@ def test_images_reach_the_engine_decoded_and_in_order(server, vision):
 
 
 def test_images_are_decoded_in_a_worker_thread(server, vision, monkeypatch):
-    import pagedjax.serve.serving as serving_module
+    import pagedjax.serve.images as images_module
 
     threads = []
-    real = serving_module.decode_image
+    real = images_module.load_image
 
     def decode(*args):
         try:
@@ -279,10 +288,10 @@ def test_images_are_decoded_in_a_worker_thread(server, vision, monkeypatch):
         threads.append((threading.current_thread().name, loop))
         return real(*args)
 
-    monkeypatch.setattr(serving_module, "decode_image", decode)
+    monkeypatch.setattr(images_module, "load_image", decode)
     assert chat(server, [image_part(SMALL_PNG)]).status_code == 200
     (name, loop), = threads
-    assert not loop and name != "pagedjax-engine", threads  # the event loop's executor: neither loop nor engine
+    assert not loop and name.startswith("pagedjax-image"), threads  # the image pool: neither loop nor engine
 
 
 def test_the_expanded_prompt_counts_for_the_context(server, vision, monkeypatch):
@@ -353,11 +362,11 @@ def test_the_shorthand_names_its_own_field(server, vision):
 
 
 def test_limits_on_a_requests_images_are_checked_before_decoding_any(server, vision, monkeypatch):
-    import pagedjax.serve.serving as serving_module
+    import pagedjax.serve.images as images_module
 
     decoded = []
-    real = serving_module.decode_image
-    monkeypatch.setattr(serving_module, "decode_image", lambda *a: decoded.append(a) or real(*a))
+    real = images_module.load_image
+    monkeypatch.setattr(images_module, "load_image", lambda *a: decoded.append(a) or real(*a))
     four = [image_part(SMALL_PNG)] * 4
     assert_error(chat(server, four), 400, "messages", "4 images, more than the 3 this server takes in one request "
                                                       "(--max-images-per-request)", "too_many_images")
@@ -370,6 +379,284 @@ def test_limits_on_a_requests_images_are_checked_before_decoding_any(server, vis
     assert decoded == [] and vision == []
     assert chat(server, [image_part(half)] * 2).status_code == 200  # 2 x 43 KiB: under the 100 KiB together
     assert len(decoded) == 2
+
+
+# ------------------------------------------------------------------------------- what decoding costs the server
+BIG = (490, 490)  # each "big" image below: under LIMITS' 250,000 pixels; two do not fit in a budget of 300,000
+BUDGET = dataclasses.replace(LIMITS, max_decoding_pixels=300_000)
+LINGER_S = 0.5  # how long a decode waits for another to start (the window in which overlaps are seen)
+
+
+def big_png(shade: int) -> str:
+    return data_url(encoded(Image.new("L", BIG, shade)))  # 240,100 pixels in a few hundred bytes
+
+
+@pytest.fixture
+def images_under(server, vision, monkeypatch):
+    """Installs the vision fixture's stand-in processor under other limits (`images_under(limits)`: the
+    `ImageSupport`); their pools are closed after the test."""
+    made = []
+
+    def install(limits: ImageLimits) -> ImageSupport:
+        made.append(ImageSupport(Processor(), limits))
+        monkeypatch.setattr(server.app.state.serving, "images", made[-1])
+        return made[-1]
+
+    yield install
+    for support in made:
+        support.close()
+
+
+@contextlib.contextmanager
+def pixels_held(*, before=None, linger: bool = False):
+    """Watches every PIL image made meanwhile, in any thread: at each decode's start (after `before()`, if given),
+    the pixels of those that hold decoded pixels then (loaded and neither closed nor freed, or decoding), this one's
+    included. `linger`: each decode then waits up to LINGER_S for another decode to start, so that decodes that
+    may overlap do."""
+    images: dict[int, weakref.ref] = {}  # id -> the image (PIL images are not hashable)
+    decoding: set[int] = set()  # ids of the images whose decode started
+    peaks, lock, started = [], threading.Lock(), []
+    real_init, real_load = Image.Image.__init__, ImageFile.ImageFile.load
+
+    def holds(image) -> bool:
+        try:
+            return image.im is not None
+        except ValueError:  # closed
+            return False
+        except AssertionError:  # no pixels yet (Pillow asserts): unless decoding
+            return id(image) in decoding
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        key = id(self)
+        with lock:
+            images[key] = weakref.ref(self, lambda _: images.pop(key, None))
+
+    def load(self):
+        if id(self) in decoding:  # loaded already (load() is idempotent)
+            return real_load(self)
+        if before is not None:
+            before()
+        with lock:
+            decoding.add(id(self))
+            alive = [image for image in (ref() for ref in list(images.values())) if image is not None]
+            peaks.append(sum(image.width * image.height for image in alive if holds(image)))
+            event = threading.Event()
+            for other in started:
+                other.set()
+            started.append(event)
+        try:
+            return real_load(self)
+        finally:
+            if linger:
+                event.wait(LINGER_S)
+
+    with mock.patch.object(Image.Image, "__init__", init), mock.patch.object(ImageFile.ImageFile, "load", load):
+        yield peaks
+
+
+def test_a_requests_images_are_decoded_one_at_a_time(server, images_under):
+    """Issue 63: eight compressed 4096 x 4096 PNGs (a 0.6 MiB body) were all held decoded at once (+655 MiB for one
+    request). Three images of 240,100 pixels with a budget of 300,000: each decoded image is dropped before the next
+    one is decoded."""
+    images_under(BUDGET)
+    with pixels_held() as peaks:
+        response = chat(server, [image_part(big_png(shade)) for shade in (0, 100, 200)])
+    assert response.status_code == 200, response.text
+    assert peaks == [BIG[0] * BIG[1]] * 3
+
+
+def test_concurrent_requests_wait_for_the_pixel_budget(server, images_under, monkeypatch):
+    """Three requests of one big image each, at once, with room for one in the budget: the decodes wait for it in
+    turn (the first held until all three requests are in the server, each lingering to let another start), and all
+    three are served."""
+    support = images_under(BUDGET)
+    serving, arrived, all_in = server.app.state.serving, [], threading.Event()
+    real_prepare = serving.prepare_chat
+
+    def prepare(body):
+        arrived.append(body)
+        if len(arrived) == 3:
+            all_in.set()
+        return real_prepare(body)
+
+    monkeypatch.setattr(serving, "prepare_chat", prepare)
+    with pixels_held(before=lambda: all_in.wait(60), linger=True) as peaks, \
+            concurrent.futures.ThreadPoolExecutor(3) as clients:
+        responses = list(clients.map(lambda shade: chat(server, [image_part(big_png(shade))]), (0, 100, 200)))
+    assert [r.status_code for r in responses] == [200] * 3, [r.text for r in responses]
+    assert peaks == [BIG[0] * BIG[1]] * 3
+    assert support.budget.held == 0 and support.budget.waiting == 0  # all given back
+
+
+@contextlib.contextmanager
+def gated_decodes():
+    """Every decode waits until the gate (the yielded Event) is set; `gate.entered` counts those that reached it,
+    `gate.threads` their (thread name, nice value)."""
+    gate, real_load = threading.Event(), ImageFile.ImageFile.load
+    gate.entered, gate.threads = threading.Semaphore(0), []
+
+    def load(self):
+        nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        gate.threads.append((threading.current_thread().name, nice))
+        gate.entered.release()
+        assert gate.wait(60), "the gate was never opened"
+        return real_load(self)
+
+    with mock.patch.object(ImageFile.ImageFile, "load", load):
+        try:
+            yield gate
+        finally:
+            gate.set()
+
+
+def test_a_text_stream_runs_while_images_wait_to_be_decoded(server, images_under, monkeypatch):
+    """Issue 63: decoding images stalled a text stream on the same server by seconds. Decoding runs in the image
+    pool, at a lower priority than the engine's thread, never in the threads that prepare requests: with every
+    decode held and more image requests than those threads, a streamed text chat still runs to its end."""
+    preparers = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor, where requests are prepared
+    images_under(dataclasses.replace(LIMITS, max_queued_image_requests=preparers + 1))
+    serving, arrived, enough = server.app.state.serving, [], threading.Event()
+    real_prepare = serving.prepare_chat
+
+    def prepare(body):
+        arrived.append(body)
+        if len(arrived) >= preparers:
+            enough.set()
+        return real_prepare(body)
+
+    monkeypatch.setattr(serving, "prepare_chat", prepare)
+    with gated_decodes() as gate, concurrent.futures.ThreadPoolExecutor(preparers + 1) as clients:
+        images = [clients.submit(chat, server, [image_part(SMALL_PNG)]) for _ in range(preparers + 1)]
+        assert enough.wait(60)  # as many image requests as preparing threads came first
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            events = list(sse_events(response.iter_lines()))
+        assert events[-1] == "[DONE]" and not any(f.done() for f in images)
+        gate.set()
+        assert [f.result().status_code for f in images] == [200] * (preparers + 1)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert {name.rsplit("_", 1)[0] for name, _ in gate.threads} == {"pagedjax-image"}
+    assert all(nice == min(19, mine + COMPILE_NICENESS) for _, nice in gate.threads), (mine, gate.threads)
+
+
+def test_more_image_requests_than_may_wait_get_503(server, images_under):
+    images_under(dataclasses.replace(LIMITS, max_queued_image_requests=1))
+    with gated_decodes() as gate, concurrent.futures.ThreadPoolExecutor(1) as clients:
+        first = clients.submit(chat, server, [image_part(SMALL_PNG)])
+        assert gate.entered.acquire(timeout=60)
+        response = chat(server, [image_part(SMALL_PNG)])
+        assert_error(response, 503, None, "1 requests' images are waiting to be decoded or decoding "
+                                          "(--max-queued-image-requests)", "image_decodes_full")
+        assert response.headers["retry-after"] == "1"
+        assert_serving(server, with_image=False)
+        gate.set()
+        assert first.result().status_code == 200
+    assert_serving(server)
+
+
+def test_the_pixel_budget_is_first_come_first_served():
+    """A small image that would fit beside those held waits behind an earlier large one (else a stream of small
+    images could hold the large one off for ever); one of more pixels than the whole budget waits for all of it."""
+    async def run():
+        budget, order = PixelBudget(100), []
+
+        async def take(name: str, pixels: int) -> int:
+            held = await budget.acquire(pixels)
+            order.append(name)
+            return held
+
+        assert await budget.acquire(60) == 60
+        large = asyncio.create_task(take("large", 80))
+        await asyncio.sleep(0)
+        small = asyncio.create_task(take("small", 10))  # 60 + 10 fit: it still waits behind the large one
+        await asyncio.sleep(0)
+        assert order == [] and budget.waiting == 2 and budget.held == 60
+        budget.release(60)
+        assert (await large, await small) == (80, 10) and order == ["large", "small"] and budget.held == 90
+        huge = asyncio.create_task(take("huge", 1000))
+        await asyncio.sleep(0)
+        budget.release(80)
+        await asyncio.sleep(0)
+        assert not huge.done()  # 10 still held
+        budget.release(10)
+        assert await huge == 100 and budget.held == 100 and budget.waiting == 0
+
+    asyncio.run(run())
+
+
+def test_a_cancelled_wait_for_the_pixel_budget_gives_back_its_place_and_its_grant():
+    async def run():
+        budget = PixelBudget(100)
+        await budget.acquire(100)
+        first, second = asyncio.create_task(budget.acquire(50)), asyncio.create_task(budget.acquire(50))
+        await asyncio.sleep(0)
+        first.cancel()  # still waiting, first in line: passed over
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert budget.waiting == 1 and budget.held == 100
+        budget.release(100)
+        assert await second == 50 and budget.held == 50
+        third = asyncio.create_task(budget.acquire(60))
+        await asyncio.sleep(0)
+        budget.release(50)  # grants the third ...
+        assert budget.held == 60
+        third.cancel()  # ... which is cancelled before it resumes: the grant goes back
+        with pytest.raises(asyncio.CancelledError):
+            await third
+        assert budget.held == 0 and budget.waiting == 0
+
+    asyncio.run(run())
+
+
+def test_a_request_gone_while_its_image_decodes_holds_the_budget_until_the_decode_ends():
+    """A client that leaves (its request cancelled) while its image decodes: the pixels stay held, and the next
+    request waits, until the decode in the pool ends (it cannot be stopped); then everything is given back."""
+    support = ImageSupport(Processor(), BUDGET)
+
+    def opened(shade: int):
+        data = encoded(Image.new("L", BIG, shade))
+        return support.open([DataURL("x", "image/png", base64.b64encode(data).decode(), len(data))])
+
+    async def run(gate):
+        gone = asyncio.create_task(support.pixels(opened(0)))
+        assert await asyncio.to_thread(gate.entered.acquire, timeout=60)  # decoding
+        waiting = asyncio.create_task(support.pixels(opened(100)))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert support.budget.held == BIG[0] * BIG[1] and support.budget.waiting == 1 and not waiting.done()
+        gate.set()
+        (pixels,) = await waiting
+        assert pixels.shape == (*BIG, 3) and support.budget.held == 0 and support.budget.waiting == 0
+
+    try:
+        with gated_decodes() as gate:
+            asyncio.run(run(gate))
+    finally:
+        support.close()
+
+
+def test_decodes_give_the_freed_memory_back_once_none_runs(server, images_under, monkeypatch):
+    import pagedjax.serve.images as images_module
+
+    trimmed, held_then = threading.Event(), []
+    support = images_under(BUDGET)
+
+    def trim():
+        held_then.append(support.budget.held)
+        trimmed.set()
+        return True
+
+    monkeypatch.setattr(images_module, "trim_heap", trim)
+    monkeypatch.setattr(images_module, "TRIM_AFTER_PIXELS", 3 * BIG[0] * BIG[1])
+    assert chat(server, [image_part(big_png(0))]).status_code == 200
+    assert not trimmed.wait(0.2)  # fewer pixels decoded than TRIM_AFTER_PIXELS since the last trim
+    assert chat(server, [image_part(big_png(0)), image_part(big_png(100))]).status_code == 200
+    assert trimmed.wait(60) and held_then == [0]  # queued after the last decode, when none held the budget
 
 
 def test_images_only_in_user_messages(server, vision):
@@ -467,6 +754,8 @@ def test_the_flags_set_the_limits():
     args = build_parser().parse_args(["--max-images-per-request", "2", "--max-image-bytes", "1MiB",
                                       "--max-image-bytes-per-request", "3MB", "--max-image-pixels", "1000000"])
     assert image_limits(args) == ImageLimits(2, 2**20, 3_000_000, 1_000_000)
+    args = build_parser().parse_args(["--max-decoding-pixels", "5000000", "--max-queued-image-requests", "3"])
+    assert image_limits(args) == ImageLimits(max_decoding_pixels=5_000_000, max_queued_image_requests=3)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--max-image-pixels", "0"])
 
@@ -488,7 +777,7 @@ def test_fuzzed_image_bytes_decode_or_are_refused(seed, data):
     raw = raw[:data.draw(st.integers(0, len(raw)), label="cut")] + data.draw(st.binary(max_size=16), label="junk")
     url = DataURL("x", MEDIA[seed], base64.b64encode(bytes(raw)).decode(), len(raw))
     try:
-        image = decode_image(url, LIMITS)
+        image = load_image(open_image(url, LIMITS))
     except APIError as e:
         assert e.status in (400, 413) and e.param == "x" and len(e.message) < 600, e.message
     else:
@@ -496,21 +785,88 @@ def test_fuzzed_image_bytes_decode_or_are_refused(seed, data):
 
 
 # ------------------------------------------------------------------------------ a real vision-language model
-def test_a_vision_model_end_to_end(server, tmp_path):
-    """A tiny random LLaVA served: the image reaches its encoder and the answer is the engine's own."""
+def photo(width: int, height: int, seed: int = 0) -> Image.Image:
+    """An image of a photograph's kind: smooth gradients, sharp-edged shapes over them, a little noise."""
+    from PIL import ImageDraw
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    image = Image.fromarray(np.stack([x * 255 // width, y * 255 // height, (x + y) * 127 // (width + height)],
+                                     -1).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for _ in range(20):
+        x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
+        box = [x0, y0, x0 + int(rng.integers(4, width // 3)), y0 + int(rng.integers(4, height // 3))]
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=tuple(map(int, rng.integers(0, 256, 3))))
+    pixels = np.asarray(image, np.int16) + rng.integers(-12, 13, (height, width, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def rotated(image: Image.Image) -> bytes:
+    """`image` as a JPEG whose EXIF orientation rotates it on display."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return encoded(image, "JPEG", exif=exif)
+
+
+@pytest.fixture(scope="module")
+def llava_folder(tmp_path_factory):
+    """A tiny LLaVA's folder as transformers saves one (configs, tokenizer, processor; no weights)."""
     pytest.importorskip("transformers")
+    from tests.model.vision_folders import save_folder
+
+    return save_folder("llava", tmp_path_factory.mktemp("llava"))
+
+
+def test_images_within_3x_the_input_decode_exactly_larger_ones_reduced_within_a_few_levels(llava_folder):
+    """Reduced decoding (`pagedjax.serve.images`): an image within 3x the model's input (a tiny LLaVA's 16 pixels)
+    is made the very pixels the processor makes of the whole decoded image; a larger one is shrunk while decoded
+    (a JPEG at 1/8 of its size) or right after (box averages), and its pixels stay within 7 levels of 255 of the
+    processor's (at most 7 measured on these, a mean under 2)."""
+    from pagedjax.model.processor import decode_image, load_image_processor
+
+    processor = load_image_processor(llava_folder)  # CLIP: the short side to 16, a crop of 16
+    support = ImageSupport(processor, dataclasses.replace(LIMITS, max_image_bytes=2**20,
+                                                          max_image_bytes_per_request=2**20, max_image_pixels=2**20))
+    level = np.asarray(processor.transform.normalize[1], np.float32)[:, None, None] / processor.transform.rescale
+    cases = {  # name: (bytes, media type, pixels decoded, largest difference in levels)
+        "rgba png": (encoded(Image.new("RGBA", (40, 30), (0, 0, 255, 128))), "image/png", 1200, 0),
+        "rotated jpeg": (rotated(photo(47, 47)), "image/jpeg", 47 * 47, 0),
+        "gif": (encoded(noise(30, 40).convert("P"), "GIF"), "image/gif", 1200, 0),
+        "photo png": (encoded(photo(768, 512)), "image/png", 768 * 512, 7),  # reduced by 8 after decoding
+        "photo jpeg": (encoded(photo(512, 768), "JPEG"), "image/jpeg", 64 * 96, 7),  # decoded at 1/8
+        "rotated photo jpeg": (rotated(photo(640, 480, 1)), "image/jpeg", 320 * 240, 7),  # at 1/2, reduced by 5
+        "noise png": (encoded(noise(96, 96)), "image/png", 96 * 96, 7),  # reduced by 2
+    }
+    try:
+        for name, (data, media, decoded, most) in cases.items():
+            (opened,) = support.open([DataURL(name, media, base64.b64encode(data).decode(), len(data))])
+            assert opened.pixels == decoded, name
+            (pixels,) = asyncio.run(support.pixels([opened]))
+            expected = processor.pixel_values([decode_image(data)])[0]
+            levels = np.abs(pixels - expected) * level
+            assert levels.max() <= most + 1e-3 and levels.mean() < 2, (name, levels.max(), levels.mean())
+            if most == 0:
+                assert np.array_equal(pixels, expected), name
+    finally:
+        support.close()
+
+
+def test_a_vision_model_end_to_end(server, llava_folder):
+    """A tiny random LLaVA served: the images reach its encoder and the answer is the engine's own on the whole
+    images, also for two large ones the server decodes reduced (a PNG box-averaged by 8, a JPEG decoded at 1/8):
+    the same tokens."""
     from flax import nnx
 
     from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
     from pagedjax.model.hf_tokenizer import HFTokenizer
     from pagedjax.model.llava import Llava
     from pagedjax.model.loading.hf_vision import load_vision_config
-    from pagedjax.model.processor import load_image_processor
-    from tests.model.vision_folders import save_folder
+    from pagedjax.model.processor import decode_image, load_image_processor
 
     # the folder's configs, tokenizer and processor, as transformers writes them; random weights (the model's
     # equality with transformers is tests/engine/test_images_engine.py's)
-    folder = save_folder("llava", tmp_path / "llava")
+    folder = llava_folder
     model = Llava(load_vision_config(folder), rngs=nnx.Rngs(0))
     llm = LLMEngine(model=model, tokenizer=HFTokenizer.from_pretrained(folder, eos_token_ids=model.spec.eos_token_ids),
                     image_processor=load_image_processor(folder),
@@ -522,21 +878,23 @@ def test_a_vision_model_end_to_end(server, tmp_path):
                             "{% for p in m['content'] | selectattr('type', 'equalto', 'text') %}{{ p['text'] }} "
                             "{% endfor %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}",
                             model_template=True)
-    image = noise(23, 37)
+    files = [(encoded(noise(23, 37)), "image/png"), (encoded(photo(768, 512)), "image/png"),
+             (encoded(photo(512, 768, 1), "JPEG"), "image/jpeg")]
     messages = [{"role": "system", "content": "the cat"},
                 {"role": "user", "content": [{"type": "text", "text": "what is this ?"},
-                                             image_part(data_url(encoded(image)))]}]
+                                             *(image_part(data_url(data, media)) for data, media in files)]}]
     with running_server(llm, chat_template=template) as vlm:
         assert vlm.app.state.serving.images is not None
         response = chat(vlm, None, messages=messages, max_tokens=8, temperature=0, ignore_eos=True)
         assert response.status_code == 200, response.text
         assert_serving(vlm)
-    # the same prompt offline (the server's engine thread has stopped)
+    # the same prompt offline, each image decoded whole (the server's engine thread has stopped)
     text = template.render([{"role": "system", "content": [{"type": "text", "text": "the cat"}]},
                             {"role": "user", "content": [{"type": "text", "text": "what is this ?"},
-                                                         {"type": "image"}]}])
+                                                         *[{"type": "image"}] * len(files)]}])
     ids = template.encode(llm.tokenizer, text)
-    offline = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [image]}},
+    whole = [decode_image(data) for data, _ in files]
+    offline = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": whole}},
                            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     assert response.json()["choices"][0]["message"]["content"] == offline.text
     assert response.json()["usage"]["prompt_tokens"] == len(offline.prompt_token_ids)
