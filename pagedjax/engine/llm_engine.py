@@ -180,19 +180,25 @@ class LLMEngine:
         self.image_processor = image_processor
         mesh = None
         self.parallel_config = parallel_config
+        # Blocks of the pools past the first: a recurrent state's snapshots (`pagedjax.config.kv_layout`).
+        self.extra_pools = self.cache_config.resolve_state_blocks(spec, self.scheduler_config.max_num_seqs,
+                                                                  self.scheduler_config.max_num_batched_tokens)
         if parallel_config is not None:
             from pagedjax.parallel.mesh import engine_mesh
             from pagedjax.parallel.sharding import per_device_model
 
             mesh = engine_mesh(parallel_config, self.model_config or spec, devices)
             # kv_memory_bytes is a per-device budget: blocks are counted by the KV heads one device holds.
-            self.num_blocks = self.cache_config.resolve_num_blocks(per_device_model(spec, mesh.size))
+            self.num_blocks = self.cache_config.resolve_num_blocks(per_device_model(spec, mesh.size),
+                                                                   extra_pools=self.extra_pools)
         else:
-            self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if draft is None else draft.spec)
+            self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if draft is None else draft.spec,
+                                                                   extra_pools=self.extra_pools)
         # One block table per KV cache group; a window group's blocks out of its window go back to the pool while
         # requests run.
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
-                                   group_windows=spec.kv_layout.windows,
+                                   group_windows=spec.kv_layout.windows, group_pools=spec.kv_layout.group_pools,
+                                   extra_pools=self.extra_pools,
                                    max_loras=None if lora_config is None else lora_config.max_loras,
                                    images=None if images is None else images.tokens_per_image,
                                    bidirectional_images=images is not None and images.bidirectional)
@@ -200,7 +206,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids),
                                                   config.structured_limits)
         max_programs, background = config.max_compiled_programs, config.compile_in_background
-        self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
+        self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size, extra_pools=self.extra_pools,
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=config.backend,
                                   mesh=mesh, max_programs=max_programs, compile_in_background=background,
                                   lora=lora_config, image_slots=None if images is None else
@@ -626,7 +632,7 @@ class LLMEngine:
         if self.speculator is not None and self.speculator.draft is not None:
             programs.append(self.speculator.draft.runner.programs)
         layout = self.model_spec.kv_layout
-        block_bytes = self.runner.kv_cache.nbytes_per_device // self.num_blocks
+        pool_bytes = self.runner.block_bytes_per_pool()
         return EngineStats(
             steps=self._steps,
             fused_decode_calls=self._fused_calls,
@@ -649,9 +655,10 @@ class LLMEngine:
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,
             kv_dtype=self.cache_config.resolve_kv_dtype(self.model_spec),
-            kv_bytes_per_token=layout.num_groups * block_bytes // self.cache_config.block_size,
-            kv_bytes_per_block=block_bytes,
+            kv_bytes_per_token=layout.group_pools.count(0) * pool_bytes[0] // self.cache_config.block_size,
+            kv_bytes_per_block=pool_bytes[0],
             kv_groups=tuple(layout.group_name(g) for g in range(layout.num_groups)),
+            kv_group_block_bytes=tuple(pool_bytes[p] for p in layout.group_pools),
         )
 
     def stats_dict(self) -> dict:

@@ -32,8 +32,9 @@ class EngineStats:
     kv_dtype: str = ""  # the KV cache's dtype ("int8", "fp8": 8-bit pages with scales; see CacheConfig.kv_dtype)
     kv_bytes_per_token: int = 0  # KV bytes one cached token takes on each device in every KV cache group (its KV
     #                              heads, scales included)
-    kv_bytes_per_block: int = 0  # KV bytes of one block on each device, whichever group holds it
-    kv_groups: tuple[str, ...] = ()  # the KV cache groups by name ("full", "window-128", ...: `KVCacheLayout`)
+    kv_bytes_per_block: int = 0  # KV bytes of one block on each device, whichever group holds it (the first pool's)
+    kv_groups: tuple[str, ...] = ()  # the KV cache groups by name ("full", "window-128", "state": `KVCacheLayout`)
+    kv_group_block_bytes: tuple[int, ...] = ()  # bytes of one block of each group's pool on each device
     programs_loaded: int = 0  # of `compilations`, loaded from the persistent compilation cache instead of compiled
     compiled_programs: int = 0  # held now: at most LLMEngine's max_compiled_programs (the least recently used go)
     stand_in_steps: int = 0  # steps run on a bigger compiled program while their own compiled in the background
@@ -69,7 +70,7 @@ class EngineStats:
     @property
     def kv_group_bytes(self) -> tuple[int, ...]:
         """KV bytes the requests hold in each KV cache group now (on each device)."""
-        return tuple(n * self.kv_bytes_per_block for n in self.scheduler.memory.group_blocks)
+        return tuple(n * b for n, b in zip(self.scheduler.memory.group_blocks, self.kv_group_block_bytes, strict=True))
 
     @property
     def spec_acceptance_rate(self) -> float:

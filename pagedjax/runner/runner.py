@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from typing import Any, NamedTuple
 
@@ -79,7 +80,7 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
                   num_prompt_top_logprobs: int = 0, mesh=None) -> tuple[StepOutputs, KVCache]:
     model: PagedModel = nnx.merge(graphdef, params)
     if extras.block_copies is not None:
-        kv_cache = copy_blocks(kv_cache, extras.block_copies)  # before this step's KV is written
+        kv_cache = copy_blocks(kv_cache, extras.block_copies, model.spec.kv_layout.slot_pools)  # before the writes
     hidden, kv_cache = _model_forward(model, token_ids, positions, kv_cache, meta, backend=backend,
                                       decode_only=decode_only, mesh=mesh, lora=lora, images=images)
     prompt_logprobs = None
@@ -254,7 +255,8 @@ class ModelRunner:
     over it and the steps run SPMD on its devices; without one, everything is on the default device and the
     steps carry no sharding at all."""
 
-    def __init__(self, model: PagedModel, num_blocks: int, block_size: int, *, kv_dtype=None,
+    def __init__(self, model: PagedModel, num_blocks: int, block_size: int, *, extra_pools: tuple[int, ...] = (),
+                 kv_dtype=None,
                  backend: str = "auto", mesh: Mesh | None = None, max_programs: int = 64,
                  compile_in_background: bool = True, lora: LoRAConfig | None = None,
                  image_slots: int | None = None):
@@ -262,6 +264,7 @@ class ModelRunner:
         self.model_spec = spec
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.extra_pools = tuple(extra_pools)  # blocks of the pools past the first (recurrent state snapshots)
         self.backend = resolve_backend(backend)
         self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
@@ -310,7 +313,8 @@ class ModelRunner:
     def _new_kv_cache(self) -> KVCache:
         cfg = self.model_spec
         if self.mesh is None:
-            return init_kv_cache(cfg.kv_layout, self.num_blocks, self.block_size, self.kv_dtype)
+            return init_kv_cache(cfg.kv_layout, self.num_blocks, self.block_size, self.kv_dtype,
+                                 extra_pools=self.extra_pools)
         from pagedjax.config.parallel import kv_heads_stored
         from pagedjax.parallel.sharding import kv_sharding, replicated
 
@@ -319,7 +323,7 @@ class ModelRunner:
         heads = None if cfg.num_kv_heads is None else kv_heads_stored(cfg.num_kv_heads, self.mesh.size)
         sharding = lambda spec: kv_sharding(self.mesh) if spec.splits_kv_heads else replicated(self.mesh)
         return init_kv_cache(cfg.kv_layout, self.num_blocks, self.block_size, self.kv_dtype, num_kv_heads=heads,
-                             sharding_of=sharding)
+                             sharding_of=sharding, extra_pools=self.extra_pools)
 
     def _check_attention_serves(self) -> None:
         """Trace (no compile, no run) a decode and a ragged attention call of one device's shapes over each kind of
@@ -349,6 +353,20 @@ class ModelRunner:
     @property
     def _num_groups(self) -> int:
         return self.model_spec.kv_layout.num_groups
+
+    @property
+    def _num_pools(self) -> int:
+        return len(self.model_spec.kv_layout.pools)
+
+    def block_bytes_per_pool(self) -> tuple[int, ...]:
+        """Bytes of one block of each block pool on each device (its share of every page array of the pool)."""
+        layout = self.model_spec.kv_layout
+        blocks = (self.num_blocks, *self.extra_pools)
+        nbytes = [0] * len(blocks)
+        for layer, pool in zip(self.kv_cache.layers, layout.slot_pools, strict=True):
+            nbytes[pool] += sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                                for a in jax.tree.leaves(layer))
+        return tuple(n // b for n, b in zip(nbytes, blocks, strict=True))
 
     @property
     def kv_cache_lost(self) -> bool:
@@ -462,7 +480,8 @@ class ModelRunner:
             run_shape, exe = self.programs.lookup(
                 shape, lambda: self._prepare(self._step, args, static, rows=shape.tokens))
         if run_shape != shape:
-            args, _ = self._step_call(repad_step(inputs, run_shape, self.model_spec.vocab_size), run_shape)
+            args, _ = self._step_call(repad_step(inputs, run_shape, self.model_spec.vocab_size, self._num_pools),
+                                      run_shape)
         start = time.perf_counter()
         outputs, self.kv_cache = exe(*args)
         outputs = jax.device_get(outputs)
@@ -476,7 +495,7 @@ class ModelRunner:
         if not dominates(fixed, shape):
             raise ValueError(f"batch-invariant mode runs every step on one program, {fixed}, which cannot run this "
                              f"step ({shape}: logits, or more stop ids than it has columns)")
-        padding = padding_step(fixed, self.model_spec.vocab_size, self._num_groups)
+        padding = padding_step(fixed, self.model_spec.vocab_size, self._num_groups, self._num_pools)
         return self.programs.lookup(fixed, lambda: self._prepare(self._step, *self._step_call(padding, fixed),
                                                                  rows=fixed.tokens))
 
@@ -521,7 +540,7 @@ class ModelRunner:
                 args, static = self._loop_call(padding_fused_decode(shape, vocab, self._num_groups))
                 jitted, rows = self._loop, shape.tables[0]
             else:
-                args, static = self._step_call(padding_step(shape, vocab, self._num_groups), shape)
+                args, static = self._step_call(padding_step(shape, vocab, self._num_groups, self._num_pools), shape)
                 jitted, rows = self._step, shape.tokens
             exe = self.programs.compile(shape, functools.partial(self._prepare, jitted, args, static, rows),
                                         pinned=True)

@@ -48,6 +48,7 @@ from pagedjax.runner.inputs import (
     StepExtras,
     StepInputs,
     bucket,
+    pad_copies,
     pad_last,
     pad_penalties,
     pad_rows,
@@ -98,7 +99,7 @@ def step_shape(inputs: StepInputs, return_logits: bool = False) -> StepShape:
     tables = inputs.meta.block_tables.shape[-2:]
     rows = len(inputs.logits_indices)
     return StepShape("step", len(inputs.token_ids), tables, inputs.decode_only,
-                     return_logits, None if x.block_copies is None else x.block_copies.shape[0],
+                     return_logits, None if x.block_copies is None else x.block_copies.shape[-2],
                      None if x.penalties is None else x.penalties.stop_ids.shape[1], x.prompt_targets is not None,
                      inputs.num_top_logprobs, inputs.num_prompt_top_logprobs, x.token_mask is not None,
                      None if rows == tables[0] else rows, inputs.image_index is not None,
@@ -165,16 +166,15 @@ def _widen(pen: PenaltyMetadata | None, num_seqs: int, vocab_size: int, width: i
     return pen._replace(stop_ids=stops)
 
 
-def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int) -> StepInputs:
-    """`inputs` padded further to a program of `shape` that dominates them (`dominates`): the same step."""
+def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int, num_pools: int = 1) -> StepInputs:
+    """`inputs` padded further to a program of `shape` that dominates them (`dominates`): the same step (of a
+    model of `num_pools` block pools: block copies per pool where there are several)."""
     t, (s, b), r = shape.tokens, shape.tables, shape.num_rows
     m, x = inputs.meta, inputs.extras
     copies = None
     if shape.copies is not None:
-        copies = np.full((shape.copies, 2), -1, np.int32)
-        copies[:, 0] = 0
-        if x.block_copies is not None:
-            copies[: len(x.block_copies)] = x.block_copies
+        none = np.zeros(_groups(num_pools) + (0, 2), np.int32)  # the step's own, else none (in each pool)
+        copies = pad_copies(none if x.block_copies is None else x.block_copies, shape.copies)
     targets = None
     if shape.prompt_targets:
         targets = pad_rows(np.zeros(0, np.int32) if x.prompt_targets is None else x.prompt_targets, t, -1)
@@ -254,14 +254,14 @@ def warmup_shapes(*, max_tokens: int, max_seqs: int, max_blocks: int, block_size
     return shapes
 
 
-def _groups(num_groups: int) -> tuple[int, ...]:
-    """The leading axis of per-group tables and slots: none for a model of one KV cache group."""
-    return () if num_groups == 1 else (num_groups,)
+def _groups(n: int) -> tuple[int, ...]:
+    """The leading axis of per-group tables and slots (per-pool block copies): none where there is one."""
+    return () if n == 1 else (n,)
 
 
-def padding_step(shape: StepShape, vocab_size: int, num_groups: int = 1) -> StepInputs:
+def padding_step(shape: StepShape, vocab_size: int, num_groups: int = 1, num_pools: int = 1) -> StepInputs:
     """A step of `shape` that is all padding: it writes no KV and reads none (`num_groups`: the model's KV cache
-    groups, a table and slot mapping each)."""
+    groups, a table and slot mapping each; `num_pools`: its block pools, block copies each)."""
     empty = np.zeros(0, np.int32)
     g = _groups(num_groups)
     sampling = SamplingMetadata.from_lists([], [], [], [], [])
@@ -269,7 +269,7 @@ def padding_step(shape: StepShape, vocab_size: int, num_groups: int = 1) -> Step
                              np.zeros(1, np.int32))
     step = StepInputs(token_ids=empty, positions=empty, meta=meta, logits_indices=empty, sampling=sampling,
                       decode_only=shape.decode_only)
-    return repad_step(step, shape, vocab_size)
+    return repad_step(step, shape, vocab_size, num_pools)
 
 
 def padding_fused_decode(shape: LoopShape, vocab_size: int, num_groups: int = 1) -> FusedDecodeInputs:
