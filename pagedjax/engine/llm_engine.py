@@ -530,7 +530,7 @@ class LLMEngine:
             self._fused_calls += 1
         progressed = self._progressed(requests, before)
         if self.speculator is not None:
-            self.speculator.count(drafts, emitted)
+            self.speculator.count(plan, result, emitted)
             self.speculator.propose(self.scheduler)
         return progressed
 
