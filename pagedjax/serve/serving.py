@@ -20,6 +20,7 @@ from pagedjax.serve.admission import (
     DEFAULT_IMAGE_LIMITS,
     DEFAULT_MAX_CHAT_MESSAGES,
     DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+    DEFAULT_MAX_TOOL_STRING_LENGTH,
     ImageLimits,
     encode_text,
     longest_token_bytes,
@@ -138,6 +139,7 @@ class OpenAIServing:
                  compile_config: CompileGuardConfig | None = None,
                  max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
                  max_parallel_tool_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+                 max_tool_string_length: int = DEFAULT_MAX_TOOL_STRING_LENGTH,
                  adapters: ServedAdapters | None = None, image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS):
         if engine.engine.tokenizer is None:
             raise ValueError("pagedjax-serve needs an engine with a tokenizer (text in, text out)")
@@ -154,6 +156,7 @@ class OpenAIServing:
         self.structured_limits = structured_limits
         self.max_chat_messages = max_chat_messages
         self.max_parallel_tool_calls = max_parallel_tool_calls  # a forced choice's calls (`serve.tools`)
+        self.max_tool_string_length = max_tool_string_length  # of a forced call's unbounded string argument
         # None for a model that takes no images (every image part is a 400); `pagedjax.serve.images`
         self.images: ImageSupport | None = ImageSupport.for_engine(engine.engine, chat_template, image_limits)
         # A prompt of more UTF-8 bytes has more tokens than fit (`pagedjax.serve.admission`); None: not bounded.
@@ -255,7 +258,8 @@ class OpenAIServing:
             raise bad_request(f"{refs[0].part}: this model ({self.model_name}) does not take images", refs[0].part,
                               "images_not_supported")
         sources = check_images(refs, self.images.limits) if refs else []  # every limit, before decoding any
-        tools = tool_plan(request, self.structured_limits, max_parallel_calls=self.max_parallel_tool_calls)
+        tools = tool_plan(request, self.structured_limits, max_parallel_calls=self.max_parallel_tool_calls,
+                          max_string_length=self.max_tool_string_length)
         native = self.chat_template.supports_tools
         messages = template_messages(request.messages, tools, supports_tools=native,
                                      content_parts=self.images is not None and self.images.content_parts)
