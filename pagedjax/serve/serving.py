@@ -53,6 +53,7 @@ from pagedjax.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    PromptTokensDetails,
     UsageInfo,
 )
 from pagedjax.serve.sampling import DEFAULT_COMPLETION_MAX_TOKENS, sampling_params, structured_output
@@ -97,6 +98,7 @@ class Prepared:
     include_usage: bool
     created: int
     structured_field: str | None = None  # the request field its output constraint came from
+    return_token_ids: bool = False  # vLLM's: the prompt's and the choices' token ids in the response
     tools: ToolPlan | None = None  # the tools it offers the model: its choices' text is parsed for calls
     # Its images as the model's pixels (float32 [3, H, W] each, the placeholders in `prompt_token_ids` expanded),
     # for the engine; `start` hands them over and drops them from here
@@ -228,7 +230,7 @@ class OpenAIServing:
                         params=params, stream=request.stream,
                         include_usage=bool(request.stream_options and request.stream_options.include_usage),
                         created=int(time.time()), structured_field=None if structured is None else structured[1],
-                        tools=tools, images=images)
+                        return_token_ids=request.return_token_ids, tools=tools, images=images)
 
     def prepare_completion(self, request: CompletionRequest) -> Prepared:
         self.check_model(request.model)
@@ -357,12 +359,14 @@ class OpenAIServing:
             timer.finish(reason)
 
     def _usage(self, prepared: Prepared, tracker: ChoiceTracker) -> UsageInfo:
+        """The request's usage, with its prefix-cache hit as OpenAI's `prompt_tokens_details.cached_tokens`."""
         n_prompt = prepared.num_prompt_tokens
         return UsageInfo(prompt_tokens=n_prompt, completion_tokens=tracker.completion_tokens,
-                         total_tokens=n_prompt + tracker.completion_tokens)
+                         total_tokens=n_prompt + tracker.completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=tracker.num_cached_tokens))
 
     async def _collect(self, prepared: Prepared, stream: RequestStream) -> ChoiceTracker:
-        tracker = ChoiceTracker()
+        tracker = ChoiceTracker(token_ids=prepared.return_token_ids)
         try:
             async for _ in self._run(stream, tracker, self.metrics.timer()):
                 pass
@@ -375,12 +379,21 @@ class OpenAIServing:
         return tracker
 
     # ---------------------------------------------------------------------------------------------- respond
+    def _token_ids(self, prepared: Prepared, tracker: ChoiceTracker) -> list[list[int] | None]:
+        """Each final choice's token ids with return_token_ids, else Nones."""
+        if not prepared.return_token_ids:
+            return [None] * len(tracker.final_choices())
+        return tracker.final_token_ids()
+
     async def completion(self, prepared: Prepared, stream: RequestStream) -> CompletionResponse:
         tracker = await self._collect(prepared, stream)
         tok = self.tokenizer
+        prompt_ids = prepared.prompt_token_ids if prepared.return_token_ids else None
         choices = [CompletionChoice(index=i, text=text, finish_reason=reason,
-                                    logprobs=None if lps is None else completion_logprobs(tok, lps))
-                   for i, text, reason, lps in tracker.final_choices()]
+                                    logprobs=None if lps is None else completion_logprobs(tok, lps),
+                                    prompt_token_ids=prompt_ids, token_ids=ids)
+                   for (i, text, reason, lps), ids in zip(tracker.final_choices(), self._token_ids(prepared, tracker),
+                                                          strict=True)]
         return CompletionResponse(id=prepared.request_id, created=prepared.created, model=prepared.model,
                                   choices=choices, usage=self._usage(prepared, tracker))
 
@@ -388,16 +401,19 @@ class OpenAIServing:
         tracker = await self._collect(prepared, stream)
         tok = self.tokenizer
         choices = []
-        for i, text, reason, lps in tracker.final_choices():
+        for (i, text, reason, lps), ids in zip(tracker.final_choices(), self._token_ids(prepared, tracker),
+                                               strict=True):
             message = ChatMessageOut(content=text)
             if prepared.tools is not None:
                 content, calls = parse_message(text, forced=prepared.tools.constraint is not None)
                 message = ChatMessageOut(content=content, tool_calls=calls or None)
                 reason = finish_reason(reason, bool(calls))
             choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
-                                      logprobs=None if lps is None else chat_logprobs(tok, lps)))
+                                      logprobs=None if lps is None else chat_logprobs(tok, lps), token_ids=ids))
         return ChatCompletionResponse(id=prepared.request_id, created=prepared.created, model=prepared.model,
-                                      choices=choices, usage=self._usage(prepared, tracker))
+                                      choices=choices, usage=self._usage(prepared, tracker),
+                                      prompt_token_ids=prepared.prompt_token_ids if prepared.return_token_ids
+                                      else None)
 
     async def completion_events(self, prepared: Prepared, stream: RequestStream) -> AsyncIterator[str]:
         def chunk(choices, usage=None):
@@ -405,21 +421,27 @@ class OpenAIServing:
                                    choices=choices, usage=usage)
 
         offsets: dict[int, TextOffsets] = {}  # per choice: where its next token starts in its text
+        prompt_sent: set[int] = set()  # choices whose first chunk carried the prompt's token ids
 
         def choice(d):
             logprobs = None
             if d.logprobs is not None:
                 offset = offsets.setdefault(d.index, TextOffsets())
                 logprobs = completion_logprobs(self.tokenizer, d.logprobs, offset)
-            return CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs)
+            prompt_ids = None
+            if prepared.return_token_ids and d.index not in prompt_sent:
+                prompt_sent.add(d.index)
+                prompt_ids = prepared.prompt_token_ids
+            return CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs,
+                                    prompt_token_ids=prompt_ids, token_ids=d.token_ids)
 
         async for event in self._events(prepared, stream, chunk, choice, first=None):
             yield event
 
     async def chat_events(self, prepared: Prepared, stream: RequestStream) -> AsyncIterator[str]:
-        def chunk(choices, usage=None):
+        def chunk(choices, usage=None, prompt_ids=None):
             return ChatCompletionChunk(id=prepared.request_id, created=prepared.created, model=prepared.model,
-                                       choices=choices, usage=usage)
+                                       choices=choices, usage=usage, prompt_token_ids=prompt_ids)
 
         parsers: dict[int, ToolCallParser] = {}  # per choice, when the request offers tools
 
@@ -432,23 +454,26 @@ class OpenAIServing:
                 parsed = parser.feed(d.text, final=d.finish_reason is not None)
                 delta = DeltaMessage(content=parsed.content or None, tool_calls=parsed.tool_calls or None)
                 reason = finish_reason(reason, bool(parser.calls))
-                if delta.content is None and delta.tool_calls is None and reason is None and d.logprobs is None:
+                if delta.content is None and delta.tool_calls is None and reason is None and d.logprobs is None \
+                        and not d.token_ids:
                     return None  # all of it held back (a tag being read): no empty chunk
             return ChatChunkChoice(index=d.index, delta=delta, finish_reason=reason,
-                                   logprobs=None if d.logprobs is None else chat_logprobs(self.tokenizer, d.logprobs))
+                                   logprobs=None if d.logprobs is None else chat_logprobs(self.tokenizer, d.logprobs),
+                                   token_ids=d.token_ids)
 
-        first = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                 for i in range(prepared.num_choices)]
+        first = chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                       for i in range(prepared.num_choices)],
+                      prompt_ids=prepared.prompt_token_ids if prepared.return_token_ids else None)
         async for event in self._events(prepared, stream, chunk, choice, first=first):
             yield event
 
     async def _events(self, prepared: Prepared, stream: RequestStream, chunk, choice, first) -> AsyncIterator[str]:
-        """The response's events: chunks of new text per choice, usage if asked, then [DONE]; a failure mid-way
-        is an error event (OpenAI's error object) before [DONE]."""
-        tracker = ChoiceTracker()
+        """The response's events: `first` (a chunk, or None), chunks of new text per choice, usage if asked,
+        then [DONE]; a failure mid-way is an error event (OpenAI's error object) before [DONE]."""
+        tracker = ChoiceTracker(token_ids=prepared.return_token_ids)
         try:
-            if first:
-                yield sse(chunk(first))
+            if first is not None:  # the chat's role chunk
+                yield sse(first)
             async for deltas in self._run(stream, tracker, self.metrics.timer()):
                 choices = [c for c in map(choice, deltas) if c is not None]  # None: nothing to send for it
                 if choices:
