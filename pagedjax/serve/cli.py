@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = generate_args.ArgumentParser(
         prog=PROG,
         description="Serve a model over HTTP with OpenAI's API (completions, chat completions, models), "
-                    "streaming included; /health and /metrics (Prometheus) too.",
+                    "streaming included; /health and /metrics (Prometheus) too. A request without max_tokens "
+                    "generates until the model stops or the context is full (completions and chat alike, as "
+                    "pagedjax-generate and SamplingParams).",
         formatter_class=generate_args.HelpFormatter)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")

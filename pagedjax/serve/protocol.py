@@ -1,6 +1,8 @@
 """The OpenAI API's request and response bodies (the subset pagedjax serves), as pydantic models.
 
-Field names and defaults are OpenAI's (`temperature` defaults to 1, completions' `max_tokens` to 16), plus
+Field names and defaults are OpenAI's, but for sampling fields left out (`temperature`, `top_p`, ...: the model's
+defaults, as in `SamplingParams`) and `max_tokens`: without it a completion, like a chat, runs until it stops or
+the context is full (`SamplingParams`' rule, every entry point's; OpenAI's completions stop at 16). Plus
 vLLM's common extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
 `include_stop_str_in_output`, `return_token_ids`). Requests are strict: unknown fields and values of the wrong
 JSON type (a string for a number, a float for an integer) are rejected with a message naming the field, never
@@ -92,7 +94,7 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: up to the context length, as chat's
     best_of: Annotated[int, Field(ge=1, le=128)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False

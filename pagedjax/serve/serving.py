@@ -56,7 +56,7 @@ from pagedjax.serve.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from pagedjax.serve.sampling import DEFAULT_COMPLETION_MAX_TOKENS, sampling_params, structured_output
+from pagedjax.serve.sampling import sampling_params, structured_output
 from pagedjax.serve.tools import (
     ToolCallParser,
     ToolPlan,
@@ -184,7 +184,9 @@ class OpenAIServing:
         """The adapter `model` names (None: the base model); 404 naming the field for a model not served."""
         return self.adapters.lookup(model)
 
-    def _max_tokens(self, requested: int | None, default: int | None, num_prompt: int, what: str) -> int:
+    def _max_tokens(self, requested: int | None, num_prompt: int, what: str) -> int:
+        """The request's max_tokens: as asked (400 past the context), or None: what the context leaves after the
+        prompt (`SamplingParams`' rule, every entry point's); 400 for a prompt that leaves no room."""
         limit = self.max_model_len
         if num_prompt >= limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, your {what} has "
@@ -192,7 +194,7 @@ class OpenAIServing:
                               "messages" if what == "messages" else "prompt", "context_length_exceeded")
         room = limit - num_prompt
         if requested is None:
-            return room if default is None else min(default, room)
+            return room
         if requested > room:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{num_prompt + requested} tokens ({num_prompt} in the {what}, {requested} in the "
@@ -245,9 +247,7 @@ class OpenAIServing:
         ids = encode_text(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise bad_request("prompt: must not be empty", "prompt")
-        explicit = request.max_tokens if "max_tokens" in request.model_fields_set else None
-        max_tokens = self._max_tokens(explicit, request.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, len(ids),
-                                      "prompt")
+        max_tokens = self._max_tokens(request.max_tokens, len(ids), "prompt")
         return self._prepare(request, ids, max_tokens, "cmpl")
 
     def prepare_chat(self, request: ChatCompletionRequest) -> Prepared:
@@ -274,8 +274,7 @@ class OpenAIServing:
         if self.images is not None:  # placeholders expanded in the text, as transformers' processor does
             text = self.images.expand(text, len(sources))
         ids = self.chat_template.encode(self.tokenizer, text)
-        requested = request.max_completion_tokens or request.max_tokens
-        max_tokens = self._max_tokens(requested, None, len(ids), "messages")
+        max_tokens = self._max_tokens(request.max_completion_tokens or request.max_tokens, len(ids), "messages")
         # the costly part, last: decoded and made into the model's pixels here, off the engine thread
         images = self.images.pixels([decode_image(source, self.images.limits) for source in sources]) if sources \
             else ()

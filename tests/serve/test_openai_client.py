@@ -168,11 +168,17 @@ def test_chat_stream_equals_non_stream_equals_offline(offline, client):
     assert whole.choices[0].message.content == offline(ids, max_tokens=20, temperature=0.7, seed=5).text
 
 
-def test_chat_default_max_tokens_fills_the_context(client):
-    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-                                         temperature=0, extra_body={"ignore_eos": True})
-    assert out.choices[0].finish_reason == "length"
-    assert out.usage.total_tokens == MAX_MODEL_LEN
+def test_without_max_tokens_completions_chat_and_generate_run_to_the_end_of_the_context(offline, client):
+    """One rule for every entry point (issue 62, point 9; completions and Python used to stop at 16, chat did not):
+    the server's completions equal `generate`'s with `max_tokens` left out, both filling the context."""
+    ids = ByteTokenizer().encode(PROMPT)
+    body = dict(model=MODEL_NAME, temperature=0, extra_body={"ignore_eos": True})
+    out = client.completions.create(prompt=PROMPT, **body)
+    assert (out.choices[0].finish_reason, out.usage.total_tokens) == ("length", MAX_MODEL_LEN)
+    generated = offline(ids, temperature=0.0, ignore_eos=True)  # SamplingParams without max_tokens
+    assert (len(ids) + len(generated.output_token_ids), out.choices[0].text) == (MAX_MODEL_LEN, generated.text)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **body)
+    assert (chat.choices[0].finish_reason, chat.usage.total_tokens) == ("length", MAX_MODEL_LEN)
 
 
 @pytest.mark.parametrize("stream", [False, True])
