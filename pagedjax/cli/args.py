@@ -196,9 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "placeholders: '<image>' for LLaVA, '<start_of_image>' for Gemma 3); needs a "
                         "vision-language --model folder")
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int_at_least(1), default=64,
-                   help="tokens to generate per prompt; a prompt and its --max-tokens past --max-model-len are "
-                        "refused, as pagedjax-serve refuses them")
+    g.add_argument("--max-tokens", type=int_at_least(1), default=None,
+                   help="tokens to generate per prompt (default: until the model stops or the context is full, the "
+                        "rule of every entry point: SamplingParams, generate, pagedjax-serve; the built-in prompts, "
+                        "--demo's or those used when none is given, stop at 64); a prompt and its --max-tokens past "
+                        "--max-model-len are refused, as pagedjax-serve refuses them")
     model_default = ("(default: the model's, from its folder's generation_config.json, else vLLM's: {}; "
                      "the bundled model's: {})")
     g.add_argument("--temperature", type=float_in(0.0, 100.0), default=None,

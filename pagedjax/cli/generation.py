@@ -61,8 +61,10 @@ class Generation:
                        and args.beam_width is None)
         self._start = time.perf_counter()
         self._later: list[int] = []  # the demo's prompts queued once the first is done
+        # --max-tokens, else the built-in prompts' own length, else None: until it stops or the context is full
+        self.max_tokens = args.max_tokens if args.max_tokens is not None else prompts.max_tokens
         self._sampling = lambda i: SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            max_tokens=self.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             seed=args.seed + i * args.n, ignore_eos=args.ignore_eos, n=args.n, logprobs=args.logprobs)
 
     def start(self) -> None:
@@ -99,7 +101,11 @@ class Generation:
     def _run_beam_search(self) -> float:
         from pagedjax.sampling_params import BeamSearchParams
 
-        params = BeamSearchParams(beam_width=self.args.beam_width, max_tokens=self.args.max_tokens,
+        max_tokens = self.max_tokens
+        if max_tokens is None:  # the rest of the context; beam search takes one bound: the longest prompt's room
+            longest = max(len(self.tokenizer.encode(c.prompt)) for c in self.completions)
+            max_tokens = max(self.engine.max_request_tokens - longest, 1)
+        params = BeamSearchParams(beam_width=self.args.beam_width, max_tokens=max_tokens,
                                   ignore_eos=self.args.ignore_eos)
         for i, c in enumerate(self.completions):
             self._check_context(i, len(self.tokenizer.encode(c.prompt)))
@@ -136,8 +142,8 @@ class Generation:
         """CLIError for a prompt whose --max-tokens go past the context (max_model_len), as the server and the
         engine refuse one (the engine's error names the Python field; this one the flag). A prompt longer than the
         context itself is the engine's error (`add_request`), and so is one the KV pool cannot hold."""
-        limit, asked = self.engine.scheduler_config.max_model_len, self.args.max_tokens
-        if num_prompt <= limit < num_prompt + asked:
+        limit, asked = self.engine.scheduler_config.max_model_len, self.max_tokens
+        if asked is not None and num_prompt <= limit < num_prompt + asked:
             raise CLIError(f"prompt {i + 1}: this model's maximum context length is {limit} tokens, but "
                            f"{num_prompt + asked} were asked for ({num_prompt} in the prompt, --max-tokens {asked}); "
                            f"lower --max-tokens to {limit - num_prompt} or less, or raise --max-model-len")

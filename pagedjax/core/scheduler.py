@@ -158,16 +158,18 @@ class Scheduler:
 
     def max_kv_tokens(self, request: Request) -> int:
         """The most tokens whose KV this request can ever need at once: it stops when it reaches
-        max_tokens outputs or max_model_len tokens, and its last sampled token is never fed back."""
-        p = request.num_prompt_tokens
-        return max(p, min(p + request.sampling_params.max_tokens, self.max_model_len) - 1)
+        max_tokens outputs (None: the rest of the context) or max_model_len tokens, and its last sampled token is
+        never fed back."""
+        p, max_tokens = request.num_prompt_tokens, request.sampling_params.max_tokens
+        return max(p, min(p + (self.max_model_len if max_tokens is None else max_tokens), self.max_model_len) - 1)
 
     def max_new_tokens_left(self, request: Request) -> int:
         """How many more tokens an unfinished request may still generate (>= 1): up to max_tokens
         outputs, and until it has max_model_len tokens (a prompt of exactly max_model_len tokens still
         gets one)."""
-        return max(1, min(request.sampling_params.max_tokens - request.num_output_tokens,
-                          self.max_model_len - request.num_tokens))
+        max_tokens = request.sampling_params.max_tokens
+        left = self.max_model_len - request.num_tokens
+        return max(1, left if max_tokens is None else min(max_tokens - request.num_output_tokens, left))
 
     def check_request(self, request: Request) -> None:
         """Raise ValueError if `add_request` would refuse `request`: an empty prompt, a prompt longer than

@@ -179,6 +179,7 @@ class DataParallelEngine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         i = self._choose(request)
         self.replicas[i].add_prepared_request(prepared)
+        # (make_request set a max_tokens left None to the context's room)
         cost = request.num_prompt_tokens + request.sampling_params.max_tokens * request.sampling_params.num_samples
         self._owner[request.request_id] = (i, cost)
         self._load[i] += cost

@@ -107,7 +107,8 @@ class LLMEngine:
     left None (`SamplingParams`' defaults: the model's) become, when the request is added. None: vLLM's defaults
     (temperature 1.0, no filter, no penalty); `from_pretrained` reads the model folder's generation_config.json.
     A request's prompt and `max_tokens` must fit the context (`max_model_len`): more is a ValueError naming
-    max_tokens and the limit, never a silent cut (and a request the KV pool cannot hold is refused too).
+    max_tokens and the limit, never a silent cut (and a request the KV pool cannot hold is refused too). A
+    request that leaves `max_tokens` None (the default) generates until it stops or the context is full.
 
     enable_lora=True: serve LoRA adapters (`pagedjax.lora`), a request's own by its `lora_request`, up to
     `max_loras` distinct ones per step (device slots; requests of more wait), each of rank <= `max_lora_rank`,
@@ -348,8 +349,9 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
                      cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> PreparedRequest:
         """A validated request of a prompt (token ids, or text with a tokenizer) that the scheduler would accept,
-        its constraint compiled, its sampling fields left None set from the engine's `sampling_defaults`; nothing
-        is queued (`add_prepared_request` does). Raises as `add_request`."""
+        its constraint compiled, its sampling fields left None set from the engine's `sampling_defaults` and a
+        `max_tokens` left None to the rest of the context (`SamplingParams.with_room`); nothing is queued
+        (`add_prepared_request` does). Raises as `add_request`."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -360,6 +362,7 @@ class LLMEngine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"request {request_id!r}: cache_salt must be a str, got {type(cache_salt).__name__}")
         tokens, images = self._encode(request_id, prompt)
+        params = params.with_room(self.max_request_tokens - len(tokens))  # max_tokens None: the rest of the context
         # The context; a prompt too long itself, or a request bigger than the KV pool, is the scheduler's error.
         limit = self.scheduler_config.max_model_len
         if len(tokens) < limit < len(tokens) + params.max_tokens:

@@ -35,7 +35,12 @@ from pathlib import Path
 from pagedjax.cli import args as generate_args
 from pagedjax.cli.errors import EXIT_ERROR, EXIT_OK, CLIError
 from pagedjax.cli.sizes import parse_size
-from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_PARALLEL_TOOL_CALLS, ImageLimits
+from pagedjax.serve.admission import (
+    DEFAULT_MAX_CHAT_MESSAGES,
+    DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+    DEFAULT_MAX_TOOL_STRING_LENGTH,
+    ImageLimits,
+)
 
 PROG = "pagedjax-serve"
 SHUTDOWN_GRACE_S = 5.0  # after the drain, for the last answers and error events to reach their clients
@@ -58,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = generate_args.ArgumentParser(
         prog=PROG,
         description="Serve a model over HTTP with OpenAI's API (completions, chat completions, models), "
-                    "streaming included; /health and /metrics (Prometheus) too.",
+                    "streaming included; /health and /metrics (Prometheus) too. A request without max_tokens "
+                    "generates until the model stops or the context is full (completions and chat alike, as "
+                    "pagedjax-generate and SamplingParams).",
         formatter_class=generate_args.HelpFormatter)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -114,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=DEFAULT_MAX_PARALLEL_TOOL_CALLS, metavar="N",
                    help="the most calls of one choice with tool_choice \"required\" and parallel_tool_calls (the "
                         "grammar ends the text there)")
+    g.add_argument("--max-tool-string-length", type=generate_args.int_at_least(1),
+                   default=DEFAULT_MAX_TOOL_STRING_LENGTH, metavar="N",
+                   help="the most characters of a forced tool call's string argument whose schema sets no "
+                        "maxLength (a forced call's objects also take only their declared keys unless the schema "
+                        "says additionalProperties): every forced call ends")
     _add_structured_options(p)
     _add_image_options(p)
     _add_lora_options(p)
@@ -392,7 +404,8 @@ def serve(args: argparse.Namespace) -> int:
         try:  # registers the --lora-modules (each folder read and checked)
             app = build_app(async_engine, model_name=name, structured_limits=limits, compile_config=compile_config,
                             max_chat_messages=args.max_chat_messages,
-                            max_parallel_tool_calls=args.max_parallel_tool_calls, chat_template=template,
+                            max_parallel_tool_calls=args.max_parallel_tool_calls,
+                            max_tool_string_length=args.max_tool_string_length, chat_template=template,
                             api_key=api_key(args), allowed_origins=args.allowed_origin,
                             allowed_hosts=allowed_hosts(args), docs=args.enable_docs, body_timeout=args.body_timeout,
                             lora_modules=lora_modules, lora_updates=lora_updates, image_limits=image_limits(args),

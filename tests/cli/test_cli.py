@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from pagedjax import cli
+from pagedjax.cli.args import build_parser
 from pagedjax.cli.engine_setup import memory_available
-from pagedjax.cli.prompts import DEMO_PREFIX, DEMO_SUFFIXES, read_prompts_file
+from pagedjax.cli.prompts import BUILT_IN_MAX_TOKENS, DEMO_PREFIX, DEMO_SUFFIXES, collect_prompts, read_prompts_file
 from pagedjax.cli.sizes import parse_size
 from pagedjax.cli.warm_start import CompileCache
 from pagedjax.model.hf_tokenizer import HFTokenizer
@@ -50,6 +51,19 @@ def test_demo_end_to_end_prints_completions_and_statistics(capsys):
     assert full_prefix_blocks >= 32 and cached[0] == 0 and all(c >= full_prefix_blocks for c in cached[1:]), cached
 
 
+def test_without_max_tokens_a_prompt_runs_to_the_end_of_the_context(capsys):
+    """The one rule of every entry point (it was 64 here, 16 in Python and /v1/completions, the context in chat);
+    the built-in prompts keep their own 64."""
+    argv = ["--prompt", "def f(x):\n", "--max-model-len", "24", "--json", "--num-blocks", "16", "--ignore-eos"]
+    assert cli.main(argv) == 0
+    (c,) = json.loads(capsys.readouterr().out)["completions"]
+    assert (c["num_prompt_tokens"] + c["num_tokens"], c["finish_reason"]) == (24, "length")
+    parser = build_parser()
+    for given, length in (([], BUILT_IN_MAX_TOKENS), (["--demo"], BUILT_IN_MAX_TOKENS), (["--prompt", "x"], None)):
+        args = parser.parse_args(given)
+        assert args.max_tokens is None and collect_prompts(args, parser).max_tokens == length
+
+
 def test_single_prompt_json(capsys):
     argv = ["--prompt", "def f(x):\n", "--max-tokens", "6", "--json", "--num-blocks", "16", "--ignore-eos"]
     assert cli.main(argv) == 0
@@ -83,7 +97,8 @@ def test_help_shows_each_default_once(capsys):
     for chunk in chunks:
         assert chunk.count("default") <= 1, chunk
     by_flag = {c.split()[0]: c for c in chunks if c.startswith("-")}
-    assert "(default: 64)" in by_flag["--max-tokens"]
+    assert "(default: until the model stops or the context is full, the rule of every entry point" in by_flag[
+        "--max-tokens"]
     assert "(default: 512)" in by_flag["--num-blocks"]
     assert "default" not in by_flag["--kv-memory"]
     assert "(default: $PAGEDJAX_COMPILE_CACHE" in by_flag["--compile-cache"]
