@@ -102,6 +102,30 @@ def test_an_unregistered_model_type_names_the_registry(tmp_path):
         LLMEngine.from_pretrained(tmp_path, **ENGINE)
 
 
+def test_the_refusal_lists_exactly_the_model_types_that_load(tmp_path):
+    """An unknown model_type's refusal lists what `from_pretrained` loads. Was: the ModelConfig families only,
+    while DeepSeek, LLaVA and Gemma 3 folders (and registered types) load too. Checked against the loader itself:
+    of every model_type transformers knows, and those listed, a config.json of nothing but its model_type is
+    refused by that field exactly when the list leaves it out (a listed one fails later, on a missing field)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+
+    def error(model_type: str) -> str:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+        with pytest.raises(Exception) as e:  # noqa: PT011 - any error: which field it names is the point
+            LLMEngine.from_pretrained(tmp_path, **ENGINE)
+        return str(e.value)
+
+    message = error("fc_unknown_arch")
+    groups = message.partition(" load ")[2].partition("; a model")[0].split("; ")  # "[label ]type, type, ..."
+    listed = {item.split()[-1] for group in groups for item in group.split(", ")}
+    assert {"llama", "qwen3_moe", "deepseek_v32", "llava", "gemma3", "gpt2"} <= listed, message
+    refused = {t for t in listed | set(CONFIG_MAPPING_NAMES) if f"field 'model_type' = {t!r}" in error(t)}
+    assert refused.isdisjoint(listed), refused & listed
+    assert refused == set(CONFIG_MAPPING_NAMES) - listed
+
+
 def test_a_factory_must_return_model_and_tokenizer(tmp_path, monkeypatch):
     monkeypatch.setattr(ModelRegistry, "_factories", dict(ModelRegistry.model_factories()))  # undone after
     ModelRegistry.register_model("fc_bad", lambda path, dtype: "a model")
