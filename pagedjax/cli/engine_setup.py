@@ -53,7 +53,8 @@ def cli_model(spec, tokenizer, **weights) -> CLIModel:
 
 def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
     """The model `--model` / `--model-class` / `--dtype` name: a `--model-class` factory's, the factory
-    registered for the `--model` folder's `model_type` (`pagedjax.ModelRegistry`), or `load_pretrained_for_cli`."""
+    registered for the `--model` folder's `model_type` (`pagedjax.ModelRegistry`), or `load_pretrained_for_cli`.
+    A factory that returns no tokenizer gets the `--model` folder's tokenizer.json, if it has one."""
     if getattr(args, "model_class", None) is None:
         registered = load_registered_for_cli(args.model, args.dtype)
         if registered is not None:
@@ -67,8 +68,12 @@ def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
     if args.dtype is not None:
         raise CLIError("--dtype applies to the built-in models; a --model-class factory chooses its own dtype")
     model, tokenizer = load_model_class(args.model_class, args.model)
+    if tokenizer is None and args.model is not None:  # as for a registered factory: the folder's tokenizer.json
+        from pagedjax.model.loading.loader import folder_tokenizer_for
+
+        tokenizer = folder_tokenizer_for(args.model, model)
     return _own_model(args, model, tokenizer, f"--model-class {args.model_class}",
-                      "return (model, tokenizer) from the factory")
+                      "return (model, tokenizer) from the factory, or put tokenizer.json in the --model folder")
 
 
 def _own_model(args: argparse.Namespace, model, tokenizer, where: str, tokenizer_hint: str) -> CLIModel:

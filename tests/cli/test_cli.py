@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pagedjax import cli
+from pagedjax.cli.args import DEFAULT_NUM_BLOCKS
 from pagedjax.cli.engine_setup import memory_available
 from pagedjax.cli.prompts import DEMO_PREFIX, DEMO_SUFFIXES, read_prompts_file
 from pagedjax.cli.sizes import parse_size
@@ -51,7 +52,8 @@ def test_demo_end_to_end_prints_completions_and_statistics(capsys):
 
 
 def test_single_prompt_json(capsys):
-    argv = ["--prompt", "def f(x):\n", "--max-tokens", "6", "--json", "--num-blocks", "16", "--ignore-eos"]
+    # The default pool: the README's `pagedjax-generate` command (tests/test_docs.py) runs on these programs too.
+    argv = ["--prompt", "def f(x):\n", "--max-tokens", "6", "--json", "--ignore-eos"]
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     (c,) = result["completions"]
@@ -62,7 +64,7 @@ def test_single_prompt_json(capsys):
     # Numbers, not text; units in the key names.
     assert all(isinstance(v, int | float) and not isinstance(v, bool) for v in stats.values()), stats
     assert stats["generated_tokens"] == 6 and stats["prompt_tokens"] == num_prompt_tokens and stats["requests"] == 1
-    assert stats["kv_blocks"] == 16
+    assert stats["kv_blocks"] == DEFAULT_NUM_BLOCKS
     assert 1 <= stats["kv_blocks_used_peak"] <= 2  # the prompt (7 tokens) + 6 generated tokens, blocks of 16
     assert stats["tokens_per_s"] > 0 and stats["elapsed_s"] >= stats["compile_s"] >= 0 and stats["wall_s"] > 0
     assert 0 <= stats["kv_waste_pct"] < 100 and 0 <= stats["prefix_cache_hit_pct"] <= 100

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ CFG = GPT2Config(vocab_size=2048, n_positions=64, n_embd=32, n_layer=2, n_head=4
 ENGINE = dict(cache_config=CacheConfig(block_size=8, num_blocks=32),
               scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64))
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +95,21 @@ def test_the_cli_model_flag_consults_the_registry(folder):
     with pytest.raises(CLIError, match=f"--model {path}: its registered factory raised ValueError: this GPT-2 "
                                        "computes in float32, not bfloat16"):
         load_model_for_cli(build_parser().parse_args(["--model", str(path), "--dtype", "bfloat16"]))
+
+
+def test_the_cli_model_class_takes_the_model_folders_tokenizer(folder, monkeypatch):
+    """`--model-class tests.model.gpt2_example:load --model DIR`: the factory returns the model alone, so the
+    folder's tokenizer.json is the tokenizer, as for a registered factory. Was: "gave no tokenizer"."""
+    from pagedjax.cli.args import build_parser
+    from pagedjax.cli.engine_setup import load_model_for_cli
+
+    path, _ = folder
+    monkeypatch.chdir(ROOT)  # where the README runs it: the example imports from the clone's root
+    args = ["--model-class", "tests.model.gpt2_example:load", "--model", str(path)]
+    loaded = load_model_for_cli(build_parser().parse_args(args))
+    assert isinstance(loaded.model, GPT2) and isinstance(loaded.tokenizer, HFTokenizer)
+    assert loaded.tokenizer.encode("def f(x):") == HFTokenizer.from_pretrained(path).encode("def f(x):")
+    assert loaded.tokenizer.eos_token_ids == (CFG.eos_token_id,)
 
 
 def test_an_unregistered_model_type_names_the_registry(tmp_path):
