@@ -620,11 +620,13 @@ class LLMEngine:
 
     # -------------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
-        """The counters now. Programs and their compile time are the target's and the draft model's together
-        (both compile inside steps), so `tokens_per_s` leaves every compile out."""
+        """The counters now. Programs and their compile time are the target's, the draft model's and the image
+        encoder's together (all compile inside steps), so `tokens_per_s` leaves every compile out."""
         programs = [self.runner.programs]
         if self.speculator is not None and self.speculator.draft is not None:
             programs.append(self.speculator.draft.runner.programs)
+        if self.runner.image_features is not None:  # the image encoder's, compiled inside steps too
+            programs.append(self.runner.image_features.programs)
         layout = self.model_spec.kv_layout
         block_bytes = self.runner.kv_cache.nbytes_per_device // self.num_blocks
         return EngineStats(

@@ -45,6 +45,9 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import jax
+import numpy as np
+
 from pagedjax.runner.shapes import dominates
 
 logger = logging.getLogger(__name__)
@@ -252,6 +255,15 @@ class ProgramCache:
                         self.max_programs)
         if any_dropped and self._on_drop is not None:
             self._on_drop()
+
+
+def abstract_value(x) -> Any:
+    """An argument's shape, dtype (and a device array's sharding): all that compiling for it needs (what a `Job`
+    holds instead of live arrays)."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+    x = np.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def _verb(loaded: bool) -> str:

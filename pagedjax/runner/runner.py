@@ -46,7 +46,7 @@ from pagedjax.model.layers.lora import LoRABatch, init_lora_weights, slot_writer
 from pagedjax.model.layers.quant import holds_quantized
 from pagedjax.runner.images import ImageFeatures
 from pagedjax.runner.inputs import NO_EXTRAS, FusedDecodeInputs, StepExtras, StepInputs
-from pagedjax.runner.programs import ProgramCache
+from pagedjax.runner.programs import ProgramCache, abstract_value
 from pagedjax.runner.shapes import (
     LoopShape,
     StepShape,
@@ -411,7 +411,7 @@ class ModelRunner:
     def _prepare(self, jitted, args: tuple, static: dict, rows: int):
         """The job that compiles `jitted` for these arguments' shapes (`rows`: the tokens a step runs): abstract
         arguments only, so it may run on another thread after the KV cache it saw was donated."""
-        abstract = jax.tree.map(_abstract, args)
+        abstract = jax.tree.map(abstract_value, args)
         return functools.partial(_compile, jitted, abstract, static, cpu_compiler_options(self.model_spec, rows,
                                                                                              self._quantized))
 
@@ -533,14 +533,6 @@ class ModelRunner:
 
 def _compile(jitted, args: tuple, static: dict, options: dict | None):
     return jitted.lower(*args, **static).compile(compiler_options=options)
-
-
-def _abstract(x) -> jax.ShapeDtypeStruct:
-    """An argument's shape, dtype (and a device array's sharding): all that compiling for it needs."""
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
-    x = np.asarray(x)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def _cut(lps: LogprobArrays | None, rows: tuple, num_top: int | None) -> LogprobArrays | None:
