@@ -225,6 +225,7 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._elapsed = 0.0
         self._warmup_s = 0.0
+        self._warned_ties = False  # the warning at the first sparse-attention indexer tie (once per engine)
         logger.info("LLMEngine: %d KV blocks x %d tokens, attention backend %s", self.num_blocks,
                     self.cache_config.block_size, self.runner.backend)
 
@@ -506,6 +507,12 @@ class LLMEngine:
             result = self.runner.run(plan, self.step_inputs(plan))
         except BaseException as exc:
             return self._recover(plan, exc)
+        if self.runner.indexer_ties and not self._warned_ties:
+            self._warned_ties = True
+            logger.warning("sparse attention: the indexer's top-k met equal scores at its cut-off (%d query rows so "
+                           "far, EngineStats.indexer_ties); pagedjax keeps the lower position, transformers leaves "
+                           "such ties unordered, so its outputs may differ there (docs/models.md, DeepSeek V3.2)",
+                           self.runner.indexer_ties)
         before = [r.num_output_tokens for r in requests]
         drafts = [0] * plan.num_seqs if plan.num_drafts is None else plan.num_drafts.tolist()
         for i, (r, kv_len, q_len) in enumerate(zip(requests, plan.kv_lens, plan.q_lens, strict=True)):
@@ -647,6 +654,7 @@ class LLMEngine:
             **({} if self.speculator is None else self.speculator.stats()),
             **({} if self.runner.image_features is None else dict(
                 images_encoded=self.runner.image_features.num_encoded, encoder_s=self.runner.image_features.seconds)),
+            indexer_ties=self.runner.indexer_ties,
             scheduler=self.scheduler.stats(),
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,

@@ -49,6 +49,10 @@ class EngineStats:
     # encoder's compiles are in compile_s instead).
     images_encoded: int = 0
     encoder_s: float = 0.0
+    # Sparse attention (DeepSeek V3.2): query rows, summed over the sparse layers, whose indexer's top-k cut-off
+    # fell between equal scores, where pagedjax's tie rule (the lower position) chose what the scores did not
+    # (`PagedKVCache.indexer_ties`; transformers leaves such ties unordered). The engine logs a warning at the first.
+    indexer_ties: int = 0
     # A DataParallelEngine's stats combine its replicas': each replica's own, and the requests each was given.
     replicas: tuple[EngineStats, ...] = ()
     requests_per_replica: tuple[int, ...] = ()

@@ -64,12 +64,14 @@ logger = logging.getLogger(__name__)
 
 class StepOutputs(NamedTuple):
     """What a step returns: sampled tokens i32 `[S]`, their log-probabilities (and top alternatives) when asked,
-    the prompt log-probabilities at every position `[T]` when asked, and the logits `[S, vocab]` when asked."""
+    the prompt log-probabilities at every position `[T]` when asked, the logits `[S, vocab]` when asked, and a
+    sparse-attention model's indexer ties (`PagedKVCache.indexer_ties`: i32[], None for other models)."""
 
     tokens: Any
     logprobs: LogprobArrays | None
     prompt_logprobs: LogprobArrays | None
     logits: Any
+    indexer_ties: Any = None
 
 
 def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,
@@ -80,8 +82,8 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
     model: PagedModel = nnx.merge(graphdef, params)
     if extras.block_copies is not None:
         kv_cache = copy_blocks(kv_cache, extras.block_copies)  # before this step's KV is written
-    hidden, kv_cache = _model_forward(model, token_ids, positions, kv_cache, meta, backend=backend,
-                                      decode_only=decode_only, mesh=mesh, lora=lora, images=images)
+    hidden, kv_cache, ties = _model_forward(model, token_ids, positions, kv_cache, meta, backend=backend,
+                                            decode_only=decode_only, mesh=mesh, lora=lora, images=images)
     prompt_logprobs = None
     if extras.prompt_targets is not None:  # logits at every position, once
         all_logits = _gathered(model.compute_logits(hidden), mesh)
@@ -93,16 +95,17 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
         logits = apply_token_mask(logits, extras.token_mask)
     tokens = sample(logits, sampling, extras.penalties)
     logprobs = None if num_top_logprobs is None else token_logprobs(logits, tokens, num_top_logprobs)
-    outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None)
+    outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None, ties)
     return outputs, kv_cache
 
 
 def _model_forward(model: PagedModel, token_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, *,
                    backend: str, decode_only: bool, mesh, lora: LoRABatch | None = None,
-                   images: ImageEmbeds | None = None) -> tuple[jax.Array, KVCache]:
+                   images: ImageEmbeds | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """The model's forward over the cache as the contract gives it (`pagedjax.model.api.PagedKVCache`); with
     `lora` (a built-in model: the engine checks), each token through its adapter; with `images`, image features in
-    place of their placeholders' embeddings (a model whose spec declares images)."""
+    place of their placeholders' embeddings (a model whose spec declares images). Returns (hidden, the cache, its
+    indexer ties: None without sparse layers)."""
     cache = PagedKVCache(kv_cache.layers, meta, backend=backend, decode_only=decode_only, mesh=mesh,
                          spec=model.spec)
     extra = {}
@@ -111,7 +114,7 @@ def _model_forward(model: PagedModel, token_ids, positions, kv_cache: KVCache, m
     if images is not None:
         extra["images"] = images
     hidden, cache = model(token_ids, positions, cache, **extra)
-    return hidden, KVCache(cache.layers)
+    return hidden, KVCache(cache.layers), cache.indexer_ties
 
 
 def _gathered(logits, mesh):
@@ -134,6 +137,7 @@ class FusedDecodeState(NamedTuple):
     sampled: jax.Array  # i32[num_steps, S]: -1 where a sequence did not run
     logprobs: LogprobArrays | None  # [num_steps, S] (and top alternatives [num_steps, S, K]) when asked
     penalties: PenaltyMetadata | None  # output_counts follow the sampled tokens
+    indexer_ties: jax.Array  # i32[]: the sparse layers' indexer ties so far (`PagedKVCache.indexer_ties`; 0 without)
 
 
 def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | tuple[PageState, ...], tokens,
@@ -148,7 +152,7 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | t
     sequence's adapter slot (`[S]`: one token per sequence each iteration); pages: the `PageState` of a model of
     one KV cache group, one per group of a model of several (every group pops a block at the same steps).
     Returns (sampled int32 `[num_steps, S]` with -1 after a sequence stopped, their `LogprobArrays`
-    `[num_steps, S]`, the final page state(s) as given, cache).
+    `[num_steps, S]`, the final page state(s) as given, the indexer ties of every iteration (i32[]), cache).
     """
     model: PagedModel = nnx.merge(graphdef, params)
     one_group = isinstance(pages, PageState)
@@ -165,8 +169,8 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | t
         one = len(pages) == 1  # a model of one group: its table and slots as they are, else stacked per group
         meta = AttentionMetadata(slots[0] if one else jnp.stack(slots), tables[0] if one else jnp.stack(tables),
                                  jnp.where(s.active, pages[0].seq_lens, 0), cu_q_lens)
-        hidden, kv_cache = _model_forward(model, s.last_tokens, positions, s.kv_cache, meta, backend=backend,
-                                          decode_only=True, mesh=mesh, lora=lora)
+        hidden, kv_cache, ties = _model_forward(model, s.last_tokens, positions, s.kv_cache, meta, backend=backend,
+                                                decode_only=True, mesh=mesh, lora=lora)
         logits = _gathered(model.compute_logits(hidden), mesh)
         new = sample(logits, sampling._replace(step=sampling.step + s.num_generated), s.penalties)
         logprobs = s.logprobs
@@ -182,7 +186,8 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | t
         return FusedDecodeState(step=s.step + 1, kv_cache=kv_cache, pages=tuple(pages),
                                last_tokens=jnp.where(s.active, new, s.last_tokens), active=s.active & ~stopped,
                                num_generated=num_generated, sampled=s.sampled.at[s.step].set(new),
-                               logprobs=logprobs, penalties=pen)
+                               logprobs=logprobs, penalties=pen,
+                               indexer_ties=s.indexer_ties if ties is None else s.indexer_ties + ties)
 
     init = FusedDecodeState(step=jnp.int32(0), kv_cache=kv_cache, pages=(pages,) if one_group else tuple(pages),
                             last_tokens=tokens,
@@ -192,9 +197,10 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | t
                                jnp.zeros((num_steps, num_seqs), jnp.float32),
                                jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.int32),
                                jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.float32)),
-                           penalties=penalties)
+                           penalties=penalties, indexer_ties=jnp.int32(0))
     final = jax.lax.while_loop(cond, body, init)
-    return final.sampled, final.logprobs, final.pages[0] if one_group else final.pages, final.kv_cache
+    return final.sampled, final.logprobs, final.pages[0] if one_group else final.pages, final.indexer_ties, \
+        final.kv_cache
 
 
 def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
@@ -289,6 +295,7 @@ class ModelRunner:
         self.image_features = None if image_slots is None else ImageFeatures(self.graphdef, self.params, spec,
                                                                              image_slots, mesh)
         self.device_seconds = 0.0  # wall time inside compiled calls, results read back
+        self.indexer_ties = 0  # the steps' sparse-layer indexer ties (`PagedKVCache.indexer_ties`), warm-up's not
         self._param_leaves, treedef = jax.tree.flatten(self.params)
         # A one-device mesh (a data-parallel replica with tp 1) runs the plain single-device program there.
         self._step, self._loop = _jitted(self.graphdef, treedef, mesh if mesh is not None and mesh.size > 1 else None)
@@ -467,6 +474,8 @@ class ModelRunner:
         outputs, self.kv_cache = exe(*args)
         outputs = jax.device_get(outputs)
         self._ran(run_shape, time.perf_counter() - start)
+        if outputs.indexer_ties is not None:
+            self.indexer_ties += int(outputs.indexer_ties)
         return outputs if run_shape == shape else _cut_step(outputs, shape)
 
     def _fixed_program(self, shape: StepShape):
@@ -493,11 +502,12 @@ class ModelRunner:
         if run_shape != shape:
             args, _ = self._loop_call(repad_fused_decode(inputs, run_shape, self.model_spec.vocab_size))
         start = time.perf_counter()
-        out, logprobs, pages, self.kv_cache = exe(*args)
+        out, logprobs, pages, ties, self.kv_cache = exe(*args)
         pages = (pages,) if isinstance(pages, PageState) else pages  # one per KV cache group
-        out, logprobs, tables, overflow = jax.device_get((out, logprobs, [p.block_tables for p in pages],
-                                                          [p.overflow for p in pages]))
+        out, logprobs, tables, overflow, ties = jax.device_get((out, logprobs, [p.block_tables for p in pages],
+                                                                [p.overflow for p in pages], ties))
         self._ran(run_shape, time.perf_counter() - start)
+        self.indexer_ties += int(ties)
         if any(overflow):
             raise RuntimeError("fused decode ran out of lent blocks or table columns: the host lent too few (a bug)")
         tables = tables[0] if len(tables) == 1 else np.stack(tables)
@@ -550,4 +560,4 @@ def _cut_step(out: StepOutputs, shape: StepShape) -> StepOutputs:
     return StepOutputs(out.tokens[:s], _cut(out.logprobs, (slice(s),), shape.num_top_logprobs),
                        _cut(out.prompt_logprobs, (slice(shape.tokens),),
                             shape.num_prompt_top_logprobs if shape.prompt_targets else None),
-                       out.logits[:s] if shape.return_logits else None)
+                       out.logits[:s] if shape.return_logits else None, out.indexer_ties)
