@@ -305,7 +305,8 @@ def lora_engine_args(args: argparse.Namespace) -> dict:
 def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool | str = True,
                  structured_limits=None):
     """The engine the arguments describe (a `DataParallelEngine` with --data-parallel-size > 1), its KV pool
-    checked against the device's memory first, warmed up with --warmup (`LLMEngine.warmup`).
+    checked against the device's memory first; with --warmup it compiles in the background (its caller warms it
+    up: `LLMEngine.warmup`, or the server's `start_warmup`, once everything else is checked).
     compile_cache: `LLMEngine`'s (the CLI sets JAX's cache up before loading: see `pagedjax.cli.warm_start`).
     structured_limits: `LLMEngine`'s (the server's, from its flags; None: the defaults)."""
     import jax
@@ -347,8 +348,6 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
                              compile_in_background=args.warmup, speculative_config=speculative_config,
                              structured_limits=structured_limits, sampling_defaults=sampling_defaults,
                              image_processor=image_processor, **lora)
-        if args.warmup:
-            engine.warmup()
         return engine
     except (TypeError, ValueError, FileNotFoundError) as e:  # FileNotFoundError: a missing draft model folder
         raise CLIError(in_flags(str(e))) from None

@@ -56,6 +56,7 @@ from pagedjax.runner.shapes import (
     padding_step,
     repad_fused_decode,
     repad_step,
+    run_cost,
     step_shape,
 )
 
@@ -521,24 +522,35 @@ class ModelRunner:
         self.device_seconds += seconds
         self.programs.record_run(shape, seconds)
 
+    def _padding_call(self, shape: StepShape | LoopShape):
+        """(a call of `shape`'s program on padding only: its arguments, the job that compiles it)."""
+        vocab = self.model_spec.vocab_size
+        if isinstance(shape, LoopShape):
+            args, static = self._loop_call(padding_fused_decode(shape, vocab, self._num_groups))
+            jitted, rows = self._loop, shape.tables[0]
+        else:
+            args, static = self._step_call(padding_step(shape, vocab, self._num_groups), shape)
+            jitted, rows = self._step, shape.tokens
+        return args, functools.partial(self._prepare, jitted, args, static, rows)
+
     def warmup(self, shapes: list[StepShape | LoopShape]) -> None:
         """Compile the programs of `shapes` now, hold them for good (stand-ins for every step they dominate), and
         run each once on padding only (no KV written or read: the cache's contents stay as they are)."""
         self.check_awake()
-        vocab = self.model_spec.vocab_size
-        for shape in shapes:
-            if isinstance(shape, LoopShape):
-                args, static = self._loop_call(padding_fused_decode(shape, vocab, self._num_groups))
-                jitted, rows = self._loop, shape.tables[0]
-            else:
-                args, static = self._step_call(padding_step(shape, vocab, self._num_groups), shape)
-                jitted, rows = self._step, shape.tokens
-            exe = self.programs.compile(shape, functools.partial(self._prepare, jitted, args, static, rows),
-                                        pinned=True)
+        for i, shape in enumerate(shapes):
+            args, prepare = self._padding_call(shape)
+            exe = self.programs.compile(shape, prepare, pinned=True, note=f"warm-up {i + 1} of {len(shapes)}")
             start = time.perf_counter()
             *outputs, self.kv_cache = exe(*args)
             jax.block_until_ready(outputs)
             self.programs.record_run(shape, time.perf_counter() - start)  # not the steps' device time
+
+    def warm_in_background(self, shapes: list[StepShape | LoopShape]):
+        """Compile the programs of `shapes` in the background, the cheapest first, behind any step's own program
+        (`ProgramCache.warm_in_background`; each held for good once a step's lookup installs it, unrun until a
+        step runs on it); returns the future of the seconds until all of them are compiled."""
+        ordered = sorted(shapes, key=run_cost)
+        return self.programs.warm_in_background([(shape, self._padding_call(shape)[1]) for shape in ordered])
 
 
 def _compile(jitted, args: tuple, static: dict, options: dict | None):
