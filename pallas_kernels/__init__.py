@@ -39,6 +39,7 @@ DeepSeek sparse attention (DSA, V3.2) over the latent pages plus one indexer key
     ragged_indexer_scores(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, scale=...)
         -> float32 [rows, max_blocks_per_seq * block_size], s[t] = scale * sum_h w[h] relu(q_I[h] . k_I[t]), causal
     top_k_positions(scores, k)                                   -> int32 [rows, k], -1 where fewer are visible
+    top_k_positions_and_ties(scores, k)       -> (the same, bool [rows]: the k-th score equals the (k+1)-th)
     sparse_mla_paged_attention(q_latent, q_rope, kv_pages, block_tables, lengths, indices, scale=...)
     ragged_sparse_mla_paged_attention(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, ...)
         -> the absorbed MLA of each row over exactly its selected positions
@@ -95,7 +96,7 @@ from pallas_kernels.reference import (
     sparse_mla_paged_attention_xla,
 )
 from pallas_kernels.tiles import sparse_slots
-from pallas_kernels.topk import top_k_positions
+from pallas_kernels.topk import top_k_positions, top_k_positions_and_ties
 from pallas_kernels.tpu.mla import mla_paged_attention_tpu, ragged_mla_paged_attention_tpu
 from pallas_kernels.tpu.paged_attention import paged_attention_tpu
 from pallas_kernels.tpu.ragged_attention import ragged_paged_attention_tpu
@@ -137,6 +138,7 @@ __all__ = [
     "sparse_mla_paged_attention_reference",
     "sparse_mla_paged_attention_xla",
     "top_k_positions",
+    "top_k_positions_and_ties",
 ]
 
 _TARGETS = ("auto", "gpu", "tpu")

@@ -123,7 +123,8 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
                    help="compiled step programs kept; past N the least recently used is dropped (and compiled "
                         "again, or loaded from the compile cache, if needed again): bounds memory")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=warmup,
-                   help="compile, before the first request, programs that can run every step: a step whose own "
+                   help="compile programs that can run every step (pagedjax-generate: before the first step; "
+                        "pagedjax-serve: in the background from start-up, answering at once): a step whose own "
                         "program is new then runs on one of them while its own compiles in the background, instead "
                         f"of waiting for it (default: {'on' if warmup else 'off'})")
     cc = g.add_mutually_exclusive_group()

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from pagedjax.cli.args import PROG
 from pagedjax.cli.ctrl_c import CtrlC, Interrupted
 from pagedjax.cli.errors import CLIError
 from pagedjax.cli.prompts import Prompts
@@ -46,13 +49,22 @@ class Generation:
     """Feeds prompts to the engine and steps it, printing completions as they come (streaming one prompt).
 
     While it runs, Ctrl-C only sets `ctrl_c.requested`; it is checked between engine steps (raising
-    Interrupted), so a step is never cut off half-way."""
+    Interrupted), so a step is never cut off half-way.
+
+    `on_compile` (the engine's `compile_notices` listener) says on `err` which program the run waits for, from its
+    start to its end: a line ("pagedjax-generate: compiling step program 1 (first run; cached afterwards): step of
+    16 tokens, 1 x 2 table ... compiled in 1.52 s"), or, while a streamed completion's line is open on a terminal,
+    a note after its text that is erased when the program is ready (a line there would break the text)."""
 
     def __init__(self, engine, tokenizer, prompts: Prompts, args: argparse.Namespace, out: TextIO,
-                 ctrl_c: CtrlC | None = None):
+                 ctrl_c: CtrlC | None = None, err: TextIO | None = None):
         from pagedjax.sampling_params import SamplingParams
 
         self.engine, self.tokenizer, self.prompts, self.args, self.out = engine, tokenizer, prompts, args, out
+        self.err = sys.stderr if err is None else err
+        self._line = None  # the streamed completion's open line (its text since the last newline), once echoed
+        self._note = 0  # characters of the note drawn after it (0: none)
+        self._compiles = 0
         self.ctrl_c = ctrl_c if ctrl_c is not None else CtrlC(exit_process=False)
         self.completions = [Completion(i, p) for i, p in enumerate(prompts.texts)]
         self.by_id: dict[str, Completion] = {}
@@ -71,7 +83,6 @@ class Generation:
         """Queue the prompts that go first, before anything is printed: a prompt the engine refuses (too
         long, bigger than the pool) is a CLIError. The demo queues its first prompt alone: it computes (and
         caches) the shared prefix, and the others, queued once it is done, find it in the cache."""
-        self._start = time.perf_counter()
         if self.args.beam_width is not None:  # beam search validates its prompts itself, and runs alone
             return
         everything = list(range(len(self.completions)))
@@ -80,7 +91,8 @@ class Generation:
         self.submit(first)
 
     def run(self) -> float:
-        """Generate every completion (after `start`); returns the wall time since `start` in seconds."""
+        """Generate every completion (after `start`); returns its wall time in seconds."""
+        self._start = time.perf_counter()
         if self.args.beam_width is not None:
             return self._run_beam_search()
         with self.ctrl_c.stopping_between_steps():
@@ -90,8 +102,7 @@ class Generation:
                       f"{len(self.tokenizer.encode(prefix))}-token prefix\n", file=self.out)
                 print("shared prefix:\n" + prefix, file=self.out)
             if self.stream:
-                self.out.write(self.completions[0].prompt)
-                self.out.flush()
+                self._write(self.completions[0].prompt)
             self.drain()
             if self._later:
                 self.submit(self._later)
@@ -166,19 +177,52 @@ class Generation:
         c.num_tokens = len(o.output_token_ids)
         c.num_cached_tokens = o.num_cached_tokens
         if self.stream and piece:
-            self.out.write(piece)
-            self.out.flush()
+            self._write(piece)
         if o.finished:
             c.finish_reason, c.error = o.finish_reason, o.error
             if len(o.outputs) > 1 or self.args.logprobs is not None:
                 c.samples = o.outputs
             self._show_finished(c)
 
+    def _write(self, text: str) -> None:
+        """Stream `text` on the completion's line (which stays open until it is finished)."""
+        self.out.write(text)
+        self.out.flush()
+        self._line = (self._line or "") + text
+        self._line = self._line.rsplit("\n", 1)[-1]
+
+    def on_compile(self, event) -> None:
+        """`engine.compile_notices`' listener (see the class docstring)."""
+        from pagedjax.compile_cache import cache_note
+
+        starting = event.seconds is None
+        if self._line is not None and self.err.isatty():  # a note after the streamed text, erased when done
+            if starting:
+                note = f" [compiling ({cache_note()})...]"
+                room = shutil.get_terminal_size().columns - len(self._line) - 1
+                note = note if len(note) <= room else " [compiling...]" if room >= 15 else ""
+                self.err.write(note)
+                self._note = len(note)
+            else:
+                self.err.write("\b" * self._note + " " * self._note + "\b" * self._note)
+                self._note = 0
+        elif starting:
+            self._compiles += 1
+            what = event.note or f"step program {self._compiles}"
+            # On a line of its own where both streams share one (a streamed line is open: `2>&1`, a log).
+            self.err.write(f"{'' if not self._line else chr(10)}{PROG}: compiling {what} ({cache_note()}): "
+                           f"{event.shape} ...")
+        else:
+            self.err.write(f" {'loaded from the compile cache' if event.loaded else 'compiled'} in "
+                           f"{event.seconds:.2f} s\n")
+        self.err.flush()
+
     def _show_finished(self, c: Completion) -> None:
         if self.args.json:
             return
         out, prefix = self.out, self.prompts.shared_prefix
         if self.stream:
+            self._line = None
             print(file=out)
         else:
             label = f"[{c.index + 1}] " + ("(shared prefix) + " if prefix else "")

@@ -17,9 +17,11 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
 
-from pagedjax.compile_cache import enable_compile_cache
+from pagedjax.compile_cache import cache_note, enable_compile_cache
 from pagedjax.config import (
     CacheConfig,
     EngineConfig,
@@ -52,6 +54,7 @@ from pagedjax.outputs import RequestOutput
 from pagedjax.runner import weights
 from pagedjax.runner.inputs import StepInputs, step_inputs
 from pagedjax.runner.invariant import invariant_shape
+from pagedjax.runner.programs import CompileEvent, all_done
 from pagedjax.runner.runner import ModelRunner
 from pagedjax.runner.shapes import warmup_shapes
 from pagedjax.sampling_params import LoRARequest, SamplingParams, StructuredOutput
@@ -232,6 +235,7 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._elapsed = 0.0
         self._warmup_s = 0.0
+        self._warned_ties = False  # the warning at the first sparse-attention indexer tie (once per engine)
         logger.info("LLMEngine: %d KV blocks x %d tokens, attention backend %s", self.num_blocks,
                     self.cache_config.block_size, self.runner.backend)
 
@@ -309,6 +313,22 @@ class LLMEngine:
         and the scheduler are left as they were, and these programs are never dropped. Returns the seconds it
         took (also logged, and in `stats().warmup_s`)."""
         start, before = time.perf_counter(), self.stats()
+        shapes, max_blocks = self._warmup_shapes()
+        draft = None if self.speculator is None else self.speculator.draft
+        logger.info("warm-up: compiling %d programs (%s)", len(shapes) + (draft is not None), cache_note())
+        self.runner.warmup(shapes)
+        if draft is not None:  # the draft model's stand-in
+            draft.warmup(self.scheduler_config.max_num_seqs, max_blocks)
+        seconds = time.perf_counter() - start
+        self._warmup_s += seconds
+        after = self.stats()
+        logger.info("warm-up: %d programs ready and run in %.1f s (%d compiled, %d loaded from the compile cache)",
+                    after.compilations - before.compilations, seconds,
+                    after.programs_compiled - before.programs_compiled, after.programs_loaded - before.programs_loaded)
+        return seconds
+
+    def _warmup_shapes(self) -> tuple[list, int]:
+        """(the target's warm-up programs, the block-table width they are compiled for)."""
         sc, bs, steps = self.scheduler_config, self.cache_config.block_size, self.decode_steps_per_call
         # A fused decode's tables have room for its steps past the sequence's tokens.
         max_blocks = -(-(self.max_request_tokens + steps - 1) // bs)
@@ -318,16 +338,44 @@ class LLMEngine:
             attend_until=self.model_spec.images is not None and self.model_spec.images.bidirectional)
         if self.speculator is not None:
             shapes += self.speculator.warmup_shapes(shapes, sc)
-        self.runner.warmup(shapes)
-        if self.speculator is not None and self.speculator.draft is not None:  # the draft model's stand-in
-            self.speculator.draft.warmup(sc.max_num_seqs, max_blocks)
-        seconds = time.perf_counter() - start
-        self._warmup_s += seconds
-        after = self.stats()
-        logger.info("warm-up: %d programs ready and run in %.1f s (%d compiled, %d loaded from the compile cache)",
-                    after.compilations - before.compilations, seconds,
-                    after.programs_compiled - before.programs_compiled, after.programs_loaded - before.programs_loaded)
-        return seconds
+        return shapes, max_blocks
+
+    def start_warmup(self) -> Future:
+        """`warmup()`'s programs compiled in the background instead (`ModelRunner.warm_in_background`: the
+        cheapest first, behind any program a step waits for), so that the engine serves at once: until a
+        step's stand-in exists, the step compiles its own program, as without a warm-up. Returns at once a
+        future of the seconds until every program was compiled; each is installed (held for good) at the next
+        step after it. Needs `compile_in_background=True` (ValueError otherwise)."""
+        if not self.config.compile_in_background:
+            raise ValueError("start_warmup() compiles in the background: build the engine with "
+                             "compile_in_background=True (or call warmup())")
+        self.runner.check_awake()
+        shapes, max_blocks = self._warmup_shapes()
+        done = [self.runner.warm_in_background(shapes)]
+        draft = None if self.speculator is None else self.speculator.draft
+        if draft is not None:
+            done.append(draft.start_warmup(self.scheduler_config.max_num_seqs, max_blocks))
+        logger.info("warm-up: compiling %d programs in the background (%s)", len(shapes) + (draft is not None),
+                    cache_note())
+        return all_done(done)
+
+    @contextmanager
+    def compile_notices(self, listener: Callable[[CompileEvent], None]) -> Iterator[None]:
+        """Within the block, `listener` hears of every compile a step (or the warm-up) waits for, as it starts
+        and ends (`pagedjax.runner.programs.CompileEvent`): the target's, a draft model's, the image encoder's
+        (a front end's progress, e.g. `generate`'s bar)."""
+        caches = [self.runner.programs]
+        if self.speculator is not None and self.speculator.draft is not None:
+            caches.append(self.speculator.draft.runner.programs)
+        if self.runner.image_features is not None:
+            caches.append(self.runner.image_features.programs)
+        for cache in caches:
+            cache.listeners.append(listener)
+        try:
+            yield
+        finally:
+            for cache in caches:
+                cache.listeners.remove(listener)
 
     def close(self) -> None:
         """Cancel the background compiles still waiting (the engine still serves: later programs compile when
@@ -515,6 +563,12 @@ class LLMEngine:
             result = self.runner.run(plan, self.step_inputs(plan))
         except BaseException as exc:
             return self._recover(plan, exc)
+        if self.runner.indexer_ties and not self._warned_ties:
+            self._warned_ties = True
+            logger.warning("sparse attention: the indexer's top-k met equal scores at its cut-off (%d query rows so "
+                           "far, EngineStats.indexer_ties); pagedjax keeps the lower position, transformers leaves "
+                           "such ties unordered, so its outputs may differ there (docs/models.md, DeepSeek V3.2)",
+                           self.runner.indexer_ties)
         before = [r.num_output_tokens for r in requests]
         drafts = [0] * plan.num_seqs if plan.num_drafts is None else plan.num_drafts.tolist()
         for i, (r, kv_len, q_len) in enumerate(zip(requests, plan.kv_lens, plan.q_lens, strict=True)):
@@ -629,11 +683,13 @@ class LLMEngine:
 
     # -------------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
-        """The counters now. Programs and their compile time are the target's and the draft model's together
-        (both compile inside steps), so `tokens_per_s` leaves every compile out."""
+        """The counters now. Programs and their compile time are the target's, the draft model's and the image
+        encoder's together (all compile inside steps), so `tokens_per_s` leaves every compile out."""
         programs = [self.runner.programs]
         if self.speculator is not None and self.speculator.draft is not None:
             programs.append(self.speculator.draft.runner.programs)
+        if self.runner.image_features is not None:  # the image encoder's, compiled inside steps too
+            programs.append(self.runner.image_features.programs)
         layout = self.model_spec.kv_layout
         pool_bytes = self.runner.block_bytes_per_pool()
         return EngineStats(
@@ -654,6 +710,7 @@ class LLMEngine:
             **({} if self.speculator is None else self.speculator.stats()),
             **({} if self.runner.image_features is None else dict(
                 images_encoded=self.runner.image_features.num_encoded, encoder_s=self.runner.image_features.seconds)),
+            indexer_ties=self.runner.indexer_ties,
             scheduler=self.scheduler.stats(),
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,

@@ -81,6 +81,22 @@ class StepShape(NamedTuple):
         """The rows it samples: `rows`, or one per sequence."""
         return self.tables[0] if self.rows is None else self.rows
 
+    def __str__(self) -> str:
+        """One short line (the log's): "step of 512 tokens, 64 x 256 table (copies, 512 stop ids, top 20, mask)"."""
+        parts = [name for name, on in (("decode only", self.decode_only), ("logits", self.return_logits),
+                                       ("copies", self.copies), ("images", self.images),
+                                       ("both-way images", self.attend_until), ("mask", self.token_mask)) if on]
+        if self.stop_width:
+            parts.insert(0, f"{self.stop_width} stop ids")
+        if self.num_top_logprobs is not None:
+            parts.append(f"top {self.num_top_logprobs}")
+        if self.prompt_targets:
+            parts.append(f"prompt top {self.num_prompt_top_logprobs}")
+        if self.rows is not None:
+            parts.append(f"{self.rows} rows")
+        return f"step of {self.tokens} tokens, {self.tables[0]} x {self.tables[1]} table" + \
+            (f" ({', '.join(parts)})" if parts else "")
+
 
 class LoopShape(NamedTuple):
     """The compiled signature of a fused decode (`ModelRunner.execute_fused_decode`)."""
@@ -92,6 +108,20 @@ class LoopShape(NamedTuple):
     num_steps: int
     penalties: bool
     num_top_logprobs: int | None
+
+    def __str__(self) -> str:
+        """One short line (the log's): "fused decode of 8 steps, 64 x 256 table (512 stop ids, penalties)"."""
+        parts = [f"{self.stop_width} stop ids"] + ["penalties"] * self.penalties + \
+            ([] if self.num_top_logprobs is None else [f"top {self.num_top_logprobs}"])
+        return f"fused decode of {self.num_steps} steps, {self.tables[0]} x {self.tables[1]} table ({', '.join(parts)})"
+
+
+def run_cost(shape: StepShape | LoopShape) -> int:
+    """How much a run of the program computes, to order programs never run (`ProgramCache`'s stand-ins): its
+    token rows times the table width they attend over (a fused decode: every step's)."""
+    if isinstance(shape, LoopShape):
+        return shape.num_steps * shape.tables[0] * shape.tables[1]
+    return shape.tokens * shape.tables[1]
 
 
 def step_shape(inputs: StepInputs, return_logits: bool = False) -> StepShape:
