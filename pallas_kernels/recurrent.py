@@ -481,12 +481,18 @@ def _causal_conv1d_xla(x, weight, bias, conv_state_pages, block_tables, kv_lens,
     if activation == "silu":
         y = y * jax.nn.sigmoid(y)
     out = jnp.where(r.valid[:, None], y, 0.0).astype(x.dtype)
-    # The snapshot after a piece: its last K - 1 inputs (rows end - K + 1 .. end - 1), copied, no arithmetic.
     p = pieces(kv_lens, cu_q_lens, block_tables, num_tokens=num_tokens, chunk=None, block_size=block_size,
                num_blocks=num_blocks)
+    return out, write_conv_snapshots(conv_state_pages, x, init, r.cu, p)
+
+
+def write_conv_snapshots(conv_state_pages, x, init, cu, p: Pieces):
+    """The pages with each owed conv snapshot written: after a piece, its last K - 1 inputs (rows end - K + 1 ..
+    end - 1, from the step or the initial conv state `init [S, C, K - 1]`), copied without arithmetic."""
+    width = conv_state_pages.shape[2]
     end = p.row0 + p.length
-    snaps = conv_inputs(x, init, r.cu, p.seq, end[:, None] - (taps - 1) + jnp.arange(taps - 1))  # [NP, K - 1, C]
-    return out, scatter_snapshots(conv_state_pages, p.write, jnp.swapaxes(snaps, 1, 2))
+    snaps = conv_inputs(x, init, cu, p.seq, end[:, None] - width + jnp.arange(width))  # [NP, K - 1, C]
+    return scatter_snapshots(conv_state_pages, p.write, jnp.swapaxes(snaps, 1, 2))
 
 
 def _ssd_chunk_terms(x, dt, a, b, c, d):
