@@ -63,13 +63,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
 from pallas_kernels import _validate as V
 
 HIGHEST = lax.Precision.HIGHEST
 L2NORM_EPS = 1e-6  # transformers' l2norm (the FLA library's): x * rsqrt(sum(x^2) + eps)
 CONV_ACTIVATIONS = (None, "silu")
+# The XLA paths' chunk: on XLA:CPU a piece's intra-chunk work grows with the chunk per token (the forward
+# substitution, the (chunk, chunk) products) while the inter-chunk scan costs one step per piece; of 16 / 32 / 64 /
+# 128, 32 was the fastest for the delta rule at prefill 512 and within 15% of 64 for the SSD
+# (scripts/bench_recurrent.py --chunks; docs/kernels.md).
+XLA_CHUNK = 32
 
 
 # ---- the step's pieces ------------------------------------------------------------------------------------
@@ -345,6 +349,18 @@ def _causal(c: int, strict: bool = False) -> jax.Array:
     return i > j if strict else i >= j
 
 
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """(I + a)^-1 for strictly lower triangular a `[..., C, C]`, by forward substitution: row i of the inverse is
+    e_i - sum_{j<i} a_ij (row j), rows in order (backward stable; the kernels solve the same way). On XLA:CPU a
+    batched `solve_triangular` took 15-50x longer for chunks of 16-128 rows."""
+    c = a.shape[-1]
+
+    def body(i, inv):
+        return inv.at[..., i, :].add(-_mm("...j,...jk->...k", a[..., i, :], inv))
+
+    return lax.fori_loop(1, c, body, jnp.broadcast_to(jnp.eye(c, dtype=a.dtype), a.shape))
+
+
 def _gdn_chunk_terms(q, k, v, g, beta):
     """Every piece's intra-chunk terms at once. q, k `[..., C, Dk]`, v `[..., C, Dv]`, g, beta `[..., C]`, zeros in
     padded slots (so those slots add nothing). Returns (U, W, P, Qd, Kd, last): u = U - W S0 for the chunk's
@@ -353,13 +369,10 @@ def _gdn_chunk_terms(q, k, v, g, beta):
     seg, cum = segment_decays(g)
     decay = jnp.where(_causal(c), jnp.exp(seg), 0.0)
     kb = k * beta[..., None]
-    a = jnp.where(_causal(c, strict=True), _mm("...id,...jd->...ij", kb, k) * decay, 0.0)
-    rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(cum)[..., None]], axis=-1)
-    # (I + A) is unit lower triangular: its diagonal is taken as ones, A's zeros there are ignored.
-    sol = solve_triangular(a, rhs, lower=True, unit_diagonal=True)
-    head_v = v.shape[-1]
+    inv = unit_lower_inverse(jnp.where(_causal(c, strict=True), _mm("...id,...jd->...ij", kb, k) * decay, 0.0))
     p = _mm("...id,...jd->...ij", q, k) * decay
-    return (sol[..., :head_v], sol[..., head_v:], p, q * jnp.exp(cum)[..., None],
+    return (_mm("...ij,...jv->...iv", inv, v * beta[..., None]),
+            _mm("...ij,...jk->...ik", inv, kb * jnp.exp(cum)[..., None]), p, q * jnp.exp(cum)[..., None],
             k * jnp.exp(seg[..., c - 1, :])[..., None], jnp.exp(cum[..., c - 1]))
 
 
@@ -459,7 +472,9 @@ def conv_inputs(x: jax.Array, init: jax.Array, cu: jax.Array, seq: jax.Array, sr
     first = cu[seq][..., None]
     width = init.shape[2]
     from_x = x[jnp.clip(src, 0, max(x.shape[0] - 1, 0))]
-    from_state = init[seq[..., None], :, jnp.clip(src - first + width, 0, width - 1)]
+    # Time-major, so that both gathers copy whole rows of C values (a gather along the strided slot axis is one
+    # element at a time: 10x slower on XLA:CPU for a prefill).
+    from_state = jnp.swapaxes(init, 1, 2)[seq[..., None], jnp.clip(src - first + width, 0, width - 1)]
     return jnp.where((src >= first)[..., None], from_x, from_state)
 
 
@@ -473,9 +488,22 @@ def _causal_conv1d_xla(x, weight, bias, conv_state_pages, block_tables, kv_lens,
     blocks = initial_blocks(kv_lens, cu_q_lens, block_tables, num_tokens=num_tokens, block_size=block_size,
                             num_blocks=num_blocks)
     init = gather_initial(conv_state_pages, blocks)  # [S, C, K - 1]
+    weight = weight.astype(jnp.float32)
+    width = taps - 1
+    # Tap i of row t reads the input K - 1 - i rows back: a static shift of the rows (vectorised; a gather per
+    # element was 10x slower on XLA:CPU), kept where that row is in the row's sequence. The rows that reach back past
+    # their sequence's first row (the first K - 1 of each) add the initial conv state's slots: slot m + i for tap i of
+    # the sequence's row m (static indices), scattered onto those rows.
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    window = conv_inputs(x, init, r.cu, r.seq, t[:, None] - (taps - 1) + jnp.arange(taps))  # [T, K, C]
-    y = jnp.sum(window.astype(jnp.float32) * weight.astype(jnp.float32).T, axis=1)
+    rows_back = jnp.concatenate([jnp.zeros((width, x.shape[1]), jnp.float32), x.astype(jnp.float32)])
+    first = r.cu[r.seq]
+    y = sum(jnp.where((t - width + i >= first)[:, None], rows_back[i:i + num_tokens], 0.0) * weight[:, i]
+            for i in range(taps))
+    slots = jnp.swapaxes(init, 1, 2).astype(jnp.float32)  # [S, K - 1, C], oldest first
+    head = jnp.stack([sum(slots[:, m + i] * weight[:, i] for i in range(width - m)) for m in range(width)], 1)
+    m = jnp.arange(width, dtype=jnp.int32)
+    head_rows = jnp.where(m[None, :] < r.q_len[:, None], r.cu[:-1, None] + m[None, :], num_tokens)
+    y = y.at[head_rows.reshape(-1)].add(head.reshape(-1, x.shape[1]), mode="drop")
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     if activation == "silu":
@@ -554,10 +582,10 @@ def empty_step(num_tokens: int, block_tables: jax.Array) -> bool:
 
 def gated_delta_rule_xla(q, k, v, g, beta, state_pages, block_tables, kv_lens, cu_q_lens, *, block_size: int,
                          use_qk_l2norm: bool = True, scale: float | None = None, form: str | None = None,
-                         chunk_size: int = 64):
+                         chunk_size: int = XLA_CHUNK):
     """The gated delta rule over paged state snapshots in XLA (the CPU engine's path): arguments, result and contract
     as `pallas_kernels.gated_delta_rule`. form None: recurrent rounds for decode-shaped steps (T <= S), chunks of
-    `chunk_size` otherwise (module docstring)."""
+    `chunk_size` otherwise (module docstring; 32 by default, `XLA_CHUNK`)."""
     block_size, scale = V.validate_gated_delta_rule(
         q, k, v, g, beta, state_pages, block_tables, kv_lens, cu_q_lens, block_size=block_size,
         use_qk_l2norm=use_qk_l2norm, scale=scale, form=form, chunk_size=chunk_size)
@@ -582,7 +610,7 @@ def causal_conv1d_xla(x, weight, conv_state_pages, block_tables, kv_lens, cu_q_l
 
 
 def mamba2_ssd_xla(x, dt, A, B, C, state_pages, block_tables, kv_lens, cu_q_lens, *, block_size: int, D=None,
-                   form: str | None = None, chunk_size: int = 64):
+                   form: str | None = None, chunk_size: int = XLA_CHUNK):
     """Mamba-2's SSD scan over paged state snapshots in XLA (the CPU engine's path): arguments, result and contract
     as `pallas_kernels.mamba2_ssd`; forms as `gated_delta_rule_xla`."""
     block_size = V.validate_mamba2_ssd(x, dt, A, B, C, D, state_pages, block_tables, kv_lens, cu_q_lens,
