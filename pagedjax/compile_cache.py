@@ -51,3 +51,11 @@ def enable_compile_cache(path: str | os.PathLike | None = None, *, enabled: bool
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     logger.info("JAX compilation cache: %s", folder)
     return folder
+
+
+def cache_note() -> str:
+    """What a compile now means for later runs, for a progress line: "first run; cached afterwards" while JAX's
+    persistent compilation cache is on, else that every run compiles."""
+    if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:
+        return "first run; cached afterwards"
+    return "the compile cache is off: every run compiles"

@@ -103,8 +103,12 @@ class SamplingParams:
     the engine fills in when it takes the request (`with_defaults`, with the engine's `SamplingDefaults`: the model
     folder's generation_config.json, else vLLM's defaults, temperature 1.0 and every filter and penalty off). A
     value given, 0 or 1.0 included, is never replaced; give temperature=0 for greedy decoding whatever the model.
-    `max_tokens` past the context (the prompt's tokens + max_tokens > the engine's max_model_len) is refused when
-    the request is added, never cut short silently.
+    `max_tokens` None (the default) generates until the model stops (EOS, a stop id or string) or the context is
+    full: the engine sets it to what the context leaves after the prompt (`with_room`: its `max_request_tokens`
+    minus the prompt's tokens) when it takes the request, the rule of every entry point (pagedjax-generate without
+    --max-tokens, the server's completions and chat without max_tokens). A `max_tokens` past the context (the
+    prompt's tokens + max_tokens > the engine's max_model_len) is refused when the request is added, never cut
+    short silently.
     `seed` makes a request's samples reproducible regardless of what it is batched with.
 
     Several samples: `best_of` samples (default `n`) are drawn from one prefill of the prompt (the KV cache is
@@ -130,7 +134,7 @@ class SamplingParams:
     TypeError/ValueError naming it.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = None  # None: the rest of the context (see above)
     temperature: float | None = None  # None: the model's default (see above), as top_k ... repetition_penalty
     top_k: int | None = None
     top_p: float | None = None
@@ -153,7 +157,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Every field is checked here, types included, so that a bad value fails at construction with
         # the field's name instead of on device, inside a step that also carries other requests.
-        _check_int("max_tokens", self.max_tokens, lo=1, hi=INT32_MAX)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1, hi=INT32_MAX)
         if self.temperature is not None:
             _check_float("temperature", self.temperature, lo=0.0)
         if self.top_k is not None:
@@ -182,7 +187,7 @@ class SamplingParams:
             _check_float("repetition_penalty", self.repetition_penalty)
             if self.repetition_penalty <= 0.0:
                 raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)
+        _check_int("min_tokens", self.min_tokens, lo=0, hi=INT32_MAX if self.max_tokens is None else self.max_tokens)
         object.__setattr__(self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "stop", _str_tuple("stop", self.stop))
         for name in ("ignore_eos", "include_stop_str_in_output"):
@@ -197,6 +202,19 @@ class SamplingParams:
         is (the values given stay as they are)."""
         unset = {name: getattr(defaults, name) for name in DEFAULT_KEYS if getattr(self, name) is None}
         return dataclasses.replace(self, **unset) if unset else self
+
+    def with_room(self, room: int) -> SamplingParams:
+        """These parameters with `max_tokens` None (the rest of the context) set to `room`, the tokens the
+        context leaves after the prompt (at least 1: a prompt that leaves none is the scheduler's to refuse, as too
+        long); self when max_tokens is given. ValueError naming min_tokens when it asks for more than `room`."""
+        if self.max_tokens is not None:
+            return self
+        if room < 1:  # the prompt fills the context: refused as too long (the scheduler's error, not this one's)
+            return dataclasses.replace(self, max_tokens=max(1, self.min_tokens))
+        if self.min_tokens > room:
+            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) is more than the {room} tokens the "
+                             "context leaves after the prompt (max_tokens None: the rest of the context)")
+        return dataclasses.replace(self, max_tokens=room)
 
     @property
     def has_defaults_applied(self) -> bool:

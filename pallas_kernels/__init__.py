@@ -39,10 +39,21 @@ DeepSeek sparse attention (DSA, V3.2) over the latent pages plus one indexer key
     ragged_indexer_scores(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, scale=...)
         -> float32 [rows, max_blocks_per_seq * block_size], s[t] = scale * sum_h w[h] relu(q_I[h] . k_I[t]), causal
     top_k_positions(scores, k)                                   -> int32 [rows, k], -1 where fewer are visible
+    top_k_positions_and_ties(scores, k)       -> (the same, bool [rows]: the k-th score equals the (k+1)-th)
     sparse_mla_paged_attention(q_latent, q_rope, kv_pages, block_tables, lengths, indices, scale=...)
     ragged_sparse_mla_paged_attention(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, ...)
         -> the absorbed MLA of each row over exactly its selected positions
 Kernels in `gpu.sparse` and `tpu.sparse`; references and XLA paths in `reference`, the selection in `topk`.
+
+Recurrent-state layers (Qwen3-Next / Qwen3.5's gated DeltaNet, Mamba-2 hybrids such as Nemotron-H) over paged
+state snapshots, one state per block (`[num_blocks, *state_shape]`), read and written through the block tables under
+`recurrent`'s contract (the initial state from the block before a sequence's first position, a snapshot after every
+block's last position and after the step's last token); each returns (out, pages) with the pages updated in place:
+
+    gated_delta_rule(q, k, v, g, beta, state_pages, block_tables, kv_lens, cu_q_lens, block_size=...)
+    causal_conv1d(x, weight, conv_state_pages, block_tables, kv_lens, cu_q_lens, block_size=...)
+    mamba2_ssd(x, dt, A, B, C, state_pages, block_tables, kv_lens, cu_q_lens, block_size=...)
+Kernels in `gpu.recurrent` and `tpu.recurrent`; float64 references and XLA paths in `recurrent`.
 
 `reference` holds the dense float32 oracles and an XLA gather path; `merge` the exact (m, z, u) merge.
 The two entry points are defined here, above both kernel families: they check the arguments common to both
@@ -72,9 +83,20 @@ from pallas_kernels import _validate as V
 from pallas_kernels.gpu.mla import mla_paged_attention_gpu, ragged_mla_paged_attention_gpu
 from pallas_kernels.gpu.paged_attention import default_num_splits, paged_attention_gpu
 from pallas_kernels.gpu.ragged_attention import ragged_paged_attention_gpu
+from pallas_kernels.gpu.recurrent import causal_conv1d_gpu, gated_delta_rule_gpu, mamba2_ssd_gpu
 from pallas_kernels.gpu.sparse import ragged_indexer_scores_gpu, sparse_mla_attention_gpu
 from pallas_kernels.merge import Partial, finalize, join_sink, merge_and_finalize, merge_partials, merge_two
 from pallas_kernels.quant import dequantize_kv, quantize_kv
+from pallas_kernels.recurrent import (
+    CONV_ACTIVATIONS,
+    causal_conv1d_reference,
+    causal_conv1d_xla,
+    default_form,
+    gated_delta_rule_reference,
+    gated_delta_rule_xla,
+    mamba2_ssd_reference,
+    mamba2_ssd_xla,
+)
 from pallas_kernels.reference import (
     indexer_scores_reference,
     indexer_scores_xla,
@@ -95,23 +117,33 @@ from pallas_kernels.reference import (
     sparse_mla_paged_attention_xla,
 )
 from pallas_kernels.tiles import sparse_slots
-from pallas_kernels.topk import top_k_positions
+from pallas_kernels.topk import top_k_positions, top_k_positions_and_ties
 from pallas_kernels.tpu.mla import mla_paged_attention_tpu, ragged_mla_paged_attention_tpu
 from pallas_kernels.tpu.paged_attention import paged_attention_tpu
 from pallas_kernels.tpu.ragged_attention import ragged_paged_attention_tpu
+from pallas_kernels.tpu.recurrent import causal_conv1d_tpu, gated_delta_rule_tpu, mamba2_ssd_tpu
 from pallas_kernels.tpu.sparse import ragged_indexer_scores_tpu, sparse_mla_attention_tpu
 
 __all__ = [
     "Partial",
+    "causal_conv1d",
+    "causal_conv1d_reference",
+    "causal_conv1d_xla",
     "default_num_splits",
     "dequantize_kv",
     "finalize",
+    "gated_delta_rule",
+    "gated_delta_rule_reference",
+    "gated_delta_rule_xla",
     "indexer_scores",
     "indexer_scores_reference",
     "indexer_scores_xla",
     "join_sink",
     "merge_and_finalize",
     "merge_partials",
+    "mamba2_ssd",
+    "mamba2_ssd_reference",
+    "mamba2_ssd_xla",
     "merge_two",
     "mla_attention_dense_reference",
     "mla_paged_attention",
@@ -137,6 +169,7 @@ __all__ = [
     "sparse_mla_paged_attention_reference",
     "sparse_mla_paged_attention_xla",
     "top_k_positions",
+    "top_k_positions_and_ties",
 ]
 
 _TARGETS = ("auto", "gpu", "tpu")
@@ -737,3 +770,212 @@ def ragged_sparse_mla_paged_attention(
     return _sparse(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, scale=scale,
                    kv_scales=kv_scales, interpret=interpret, target=target, block_h=block_h, block_k=block_k,
                    num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+
+
+# ---- recurrent-state layers ------------------------------------------------------------------------------------
+
+
+def _tpu_has_no(name: str, value) -> None:
+    if value is not None:
+        raise ValueError(f"{name} tiles the GPU kernels' state columns; target 'tpu' keeps whole states in VMEM "
+                         f"(leave {name} None)")
+
+
+def gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    block_size: int,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+    form: str | None = None,
+    chunk_size: int = 64,
+    block_v: int | None = None,
+    interpret: bool | None = None,
+    target: str = "auto",
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule (Qwen3-Next / Qwen3.5 linear attention) of a ragged step over paged state snapshots.
+
+    Per v head h (q/k head h // (Hv / Hk)), with state S `[Dk, Dv]` float32 and q, k L2-normalised, q scaled: S <-
+    exp(g_t) S; u = beta_t (v_t - S^T k_t); S <- S + k_t u^T; o_t = S^T q_t (transformers'
+    `torch_recurrent_gated_delta_rule`; the chunked form is its `torch_chunk_gated_delta_rule`, with pairwise decays
+    summed as segments). Sequence s's rows `cu_q_lens[s]:cu_q_lens[s + 1]` sit at positions kv_lens[s] - q_len_s ...
+    kv_lens[s] - 1; its initial state is read from the block of position start - 1 (zeros at position 0) and the
+    state after every position that ends a block, and after its last row, is written to that position's block
+    (`pallas_kernels.recurrent`'s contract: nothing else is read or written).
+
+    Args:
+      q, k: `[T, Hk, Dk]`, float32, bfloat16 or float16 (one dtype with v).
+      v: `[T, Hv, Dv]`, Hv a multiple of Hk: each q/k head serves Hv / Hk consecutive v heads.
+      g: float32 `[T, Hv]`, the log decay (<= 0: transformers' -exp(A_log) * softplus(a + dt_bias)).
+      beta: float32 `[T, Hv]` (transformers' sigmoid(b)).
+      state_pages: float32 `[num_blocks, Hv, Dk, Dv]`, one state per block; updated and returned (aliased: under
+        jit with the pages donated, in place).
+      block_tables: int32 `[S, max_blocks_per_seq]`; entries past a sequence's needs are never read.
+      kv_lens: int32 `[S]`: positions after the step, 0 <= q_len_s <= kv_lens[s] <= max_blocks_per_seq * block_size.
+      cu_q_lens: int32 `[S + 1]`, non-decreasing from 0; sequences with q_len 0 read and write nothing, rows past
+        cu_q_lens[-1] are padding (zeros out).
+      block_size: tokens per block of the block tables (a Python int: the pages hold one state per block).
+      use_qk_l2norm: L2-normalise q and k per head (`x * rsqrt(sum(x^2) + 1e-6)`, in float32), as Qwen3-Next does.
+      scale: multiplies q; defaults to Dk^-0.5.
+      form: "chunked" (pieces of chunk_size rows and matmuls: prefill), "recurrent" (token by token: decode), or
+        None: "recurrent" when T <= S (decode-shaped steps), else "chunked". Both compute the same function.
+      chunk_size: rows per chunk of the chunked form; a chunk never crosses a block boundary (pieces end at
+        multiples of chunk_size and of block_size), so block_size a multiple of chunk_size adds no pieces. GPU: a
+        power of two >= 16; TPU: a multiple of 8 (decode-shaped steps run pieces of 8 rows).
+      block_v: GPU only, state columns (of Dv) per program, a power of two (>= 16 for the chunked form); None: 8
+        recurrent, 32 chunked (`gpu.recurrent.default_block`).
+      interpret, target: as for `ragged_paged_attention` (TPU: float32 or bfloat16 inputs).
+      num_warps: Triton warps per program (compiled GPU mode only); None: 1 recurrent, 4 chunked.
+      num_stages: Triton software-pipelining stages (compiled GPU mode only).
+
+    Returns:
+      (out `[T, Hv, Dv]` in q's dtype, state_pages).
+
+    Raises:
+      ValueError: on malformed arguments (shapes, dtypes, heads, block_size) or tuning values.
+    """
+    target = _resolve_target(target, interpret)
+    block_size, scale = V.validate_gated_delta_rule(
+        q, k, v, g, beta, state_pages, block_tables, kv_lens, cu_q_lens, block_size=block_size,
+        use_qk_l2norm=use_qk_l2norm, scale=scale, form=form, chunk_size=chunk_size)
+    V.check_positive_option("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
+    form = form or default_form(q.shape[0], block_tables.shape[0])
+    args = (q, k, v, g, beta, state_pages, block_tables, kv_lens, cu_q_lens)
+    common = dict(block_size=block_size, use_qk_l2norm=use_qk_l2norm, scale=scale, form=form, chunk_size=chunk_size,
+                  interpret=interpret)
+    if target == "tpu":
+        _tpu_has_no("block_v", block_v)
+        return gated_delta_rule_tpu(*args, **common)
+    return gated_delta_rule_gpu(*args, block_v=block_v, num_warps=num_warps, num_stages=num_stages, **common)
+
+
+def causal_conv1d(
+    x: jax.Array,
+    weight: jax.Array,
+    conv_state_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    block_size: int,
+    bias: jax.Array | None = None,
+    activation: str | None = None,
+    block_t: int | None = None,
+    block_c: int | None = None,
+    interpret: bool | None = None,
+    target: str = "auto",
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> tuple[jax.Array, jax.Array]:
+    """The causal depthwise conv1d of a ragged step (the short convolution before Qwen3-Next's delta rule and
+    Mamba-2's scan) over paged conv states.
+
+    Per channel c: out_t = act(bias[c] + sum_i weight[c, i] x_{t-K+1+i}), inputs before a sequence's position 0
+    being zeros (transformers' `causal_conv1d_fn` / `causal_conv1d_update`). The conv state after position p is the
+    last K - 1 inputs `[x_{p-K+2}, ..., x_p]` (`[C, K - 1]`, oldest first); it is read and written under
+    `pallas_kernels.recurrent`'s contract, as `gated_delta_rule`'s state.
+
+    Args:
+      x: `[T, C]`, float32, bfloat16 or float16.
+      weight: `[C, K]`, K >= 2 (transformers' `conv1d.weight.squeeze(1)`), a float dtype.
+      conv_state_pages: `[num_blocks, C, K - 1]` in x's dtype (they hold inputs), one state per block; updated and
+        returned (aliased).
+      block_tables, kv_lens, cu_q_lens, block_size, interpret, target: as for `gated_delta_rule` (TPU: float32 or
+        bfloat16 x).
+      bias: `[C]` or None, a float dtype.
+      activation: None or "silu" (Qwen3-Next and Nemotron-H use "silu").
+      block_t: rows per program (a piece never crosses a block boundary). GPU: a power of two, None = 32; TPU: a
+        multiple of 8, None = 64.
+      block_c: channels per program. GPU: a power of two, None = min(128, next_pow2(C)); TPU: a multiple of 128
+        dividing C, or C; None = `tpu.recurrent.default_block_c`.
+      num_warps: Triton warps per program (compiled GPU mode only), None = 4.
+      num_stages: Triton software-pipelining stages (compiled GPU mode only).
+
+    Returns:
+      (out `[T, C]` in x's dtype, computed in float32, conv_state_pages).
+
+    Raises:
+      ValueError: on malformed arguments (shapes, dtypes, K < 2, the pages' dtype, the activation) or tuning values.
+    """
+    target = _resolve_target(target, interpret)
+    block_size = V.validate_causal_conv1d(x, weight, bias, conv_state_pages, block_tables, kv_lens, cu_q_lens,
+                                          block_size=block_size, activation=activation, activations=CONV_ACTIVATIONS)
+    V.check_positive_option("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
+    args = (x, weight, bias, conv_state_pages, block_tables, kv_lens, cu_q_lens)
+    common = dict(block_size=block_size, activation=activation, block_t=block_t, block_c=block_c,
+                  interpret=interpret)
+    if target == "tpu":
+        return causal_conv1d_tpu(*args, **common)
+    return causal_conv1d_gpu(*args, num_warps=num_warps, num_stages=num_stages, **common)
+
+
+def mamba2_ssd(
+    x: jax.Array,
+    dt: jax.Array,
+    A: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    state_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    block_size: int,
+    D: jax.Array | None = None,
+    form: str | None = None,
+    chunk_size: int = 64,
+    block_p: int | None = None,
+    interpret: bool | None = None,
+    target: str = "auto",
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> tuple[jax.Array, jax.Array]:
+    """Mamba-2's SSD scan (Nemotron-H's mixer) of a ragged step over paged state snapshots.
+
+    Per head h (B/C group h // (H / G)), with state S `[P, N]` float32: S <- exp(dt_t A_h) S + dt_t x_t B_t^T;
+    y_t = S C_t + D_h x_t (transformers' `mamba2_selective_state_update`; the chunked form is `mamba2_chunk_scan`'s
+    sum). States are read and written under `pallas_kernels.recurrent`'s contract, as `gated_delta_rule`'s.
+
+    Args:
+      x: `[T, H, P]`, float32, bfloat16 or float16.
+      dt: float32 `[T, H]`: the time step as the scan uses it, after the caller's bias, softplus and clamp
+        (transformers: `clamp(softplus(dt + dt_bias), *time_step_limit)`).
+      A: float32 `[H]` (transformers' -exp(A_log)).
+      B, C: `[T, G, N]` in x's dtype, H a multiple of G.
+      state_pages: float32 `[num_blocks, H, P, N]`; updated and returned (aliased).
+      block_tables, kv_lens, cu_q_lens, block_size, form, chunk_size, interpret, target, num_warps, num_stages: as
+        for `gated_delta_rule` (the gate z and the norm after the scan are the caller's).
+      D: float32 `[H]` or None: the skip connection D_h x_t.
+      block_p: GPU only, state rows (of P) per program, a power of two (>= 16 for the chunked form); None: 8
+        recurrent, 32 chunked.
+
+    Returns:
+      (y `[T, H, P]` in x's dtype, state_pages).
+
+    Raises:
+      ValueError: on malformed arguments (shapes, dtypes, groups, block_size) or tuning values.
+    """
+    target = _resolve_target(target, interpret)
+    block_size = V.validate_mamba2_ssd(x, dt, A, B, C, D, state_pages, block_tables, kv_lens, cu_q_lens,
+                                       block_size=block_size, form=form, chunk_size=chunk_size)
+    V.check_positive_option("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
+    form = form or default_form(x.shape[0], block_tables.shape[0])
+    args = (x, dt, A, B, C, D, state_pages, block_tables, kv_lens, cu_q_lens)
+    common = dict(block_size=block_size, form=form, chunk_size=chunk_size, interpret=interpret)
+    if target == "tpu":
+        _tpu_has_no("block_p", block_p)
+        return mamba2_ssd_tpu(*args, **common)
+    return mamba2_ssd_gpu(*args, block_p=block_p, num_warps=num_warps, num_stages=num_stages, **common)

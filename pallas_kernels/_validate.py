@@ -338,3 +338,148 @@ def validate_selection(indices, num_rows: int) -> int:
         raise ValueError(f"indices must select at least one position per row (top_k >= 1), got shape "
                          f"{indices.shape}")
     return indices.shape[1]
+
+
+# ---- recurrent-state layers (pallas_kernels.recurrent) ------------------------------------------------------------
+
+RECURRENT_FORMS = ("chunked", "recurrent")
+
+
+def _check_arrays(**arrays) -> None:
+    for name, x in arrays.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def _check_float(name: str, x, dtypes=SUPPORTED_DTYPES) -> None:
+    if jnp.dtype(x.dtype) not in dtypes:
+        raise ValueError(f"{name}'s dtype must be one of {', '.join(jnp.dtype(d).name for d in dtypes)}; got "
+                         f"{x.dtype}")
+
+
+def _check_shape(name: str, x, shape: tuple, what: str) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {what} = {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def validate_ragged_step(block_tables, kv_lens, cu_q_lens, block_size) -> int:
+    """The step arguments every recurrent entry point shares: block_tables int32 `[S, max_blocks_per_seq]`, kv_lens
+    int32 `[S]`, cu_q_lens int32 `[S + 1]`, block_size a positive Python int (the state pages hold one state per
+    block, so it is not in their shape). Returns block_size."""
+    _check_arrays(block_tables=block_tables)
+    _check_int32("block_tables", block_tables, 2)
+    check_vector("kv_lens", kv_lens, block_tables.shape[0])
+    check_vector("cu_q_lens", cu_q_lens, block_tables.shape[0] + 1)
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int (tokens per block of the block tables), got "
+                         f"{block_size!r}")
+    return int(block_size)
+
+
+def _check_pages(name: str, pages, tail: tuple, what: str, dtypes) -> None:
+    if pages.ndim != 1 + len(tail) or tuple(pages.shape[1:]) != tuple(tail) or pages.shape[0] < 1:
+        raise ValueError(f"{name} must have shape [num_blocks >= 1, {what}] = [num_blocks, "
+                         f"{', '.join(map(str, tail))}], got {tuple(pages.shape)}")
+    _check_float(name, pages, dtypes)
+
+
+def check_form(form) -> None:
+    if form is not None and form not in RECURRENT_FORMS:
+        raise ValueError(f"form must be None (by shape), 'chunked' or 'recurrent', got {form!r}")
+
+
+def validate_gated_delta_rule(q, k, v, g, beta, state_pages, block_tables, kv_lens, cu_q_lens, *, block_size,
+                              use_qk_l2norm, scale, form, chunk_size) -> tuple[int, float]:
+    """q, k `[T, Hk, Dk]` and v `[T, Hv, Dv]` in one float dtype with Hv a multiple of Hk; g, beta float32
+    `[T, Hv]`; state_pages float32 `[num_blocks, Hv, Dk, Dv]`; the step arguments. Returns (block_size, scale:
+    Dk^-0.5 unless given)."""
+    _check_arrays(q=q, k=k, v=v, g=g, beta=beta, state_pages=state_pages)
+    block_size = validate_ragged_step(block_tables, kv_lens, cu_q_lens, block_size)
+    if q.ndim != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must be 3-D [tokens, num_k_heads, head_k_dim] of one shape, got {q.shape} and "
+                         f"{k.shape}")
+    if v.ndim != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"v must be 3-D [tokens, num_v_heads, head_v_dim] with q's {q.shape[0]} tokens, got "
+                         f"{v.shape}")
+    _check_float("q", q)
+    if jnp.dtype(k.dtype) != jnp.dtype(q.dtype) or jnp.dtype(v.dtype) != jnp.dtype(q.dtype):
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    num_tokens, num_k_heads, head_k = q.shape
+    num_v_heads, head_v = v.shape[1:]
+    if min(num_k_heads, num_v_heads, head_k, head_v) < 1:
+        raise ValueError(f"need at least one head of at least one dimension, got q {q.shape} and v {v.shape}")
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads}): each q/k "
+                         f"head serves num_v_heads // num_k_heads consecutive v heads")
+    for name, x in (("g", g), ("beta", beta)):
+        _check_shape(name, x, (num_tokens, num_v_heads), "[tokens, num_v_heads]")
+        _check_float(name, x, (jnp.dtype(jnp.float32),))
+    _check_pages("state_pages", state_pages, (num_v_heads, head_k, head_v), "num_v_heads, head_k_dim, head_v_dim",
+                 (jnp.dtype(jnp.float32),))
+    if not isinstance(use_qk_l2norm, bool):
+        raise ValueError(f"use_qk_l2norm must be a bool, got {use_qk_l2norm!r}")
+    check_form(form)
+    check_positive_int("chunk_size", chunk_size)
+    return block_size, (head_k ** -0.5 if scale is None else resolve_scale(scale, head_k))
+
+
+def validate_causal_conv1d(x, weight, bias, conv_state_pages, block_tables, kv_lens, cu_q_lens, *, block_size,
+                           activation, activations) -> int:
+    """x `[T, C]` in a float dtype; weight `[C, K]` (K >= 2) and bias `[C]` (or None) in float dtypes;
+    conv_state_pages `[num_blocks, C, K - 1]` in x's dtype (they hold inputs); the step arguments. Returns
+    block_size."""
+    _check_arrays(x=x, weight=weight, conv_state_pages=conv_state_pages)
+    block_size = validate_ragged_step(block_tables, kv_lens, cu_q_lens, block_size)
+    if x.ndim != 2 or x.shape[1] < 1:
+        raise ValueError(f"x must be 2-D [tokens, channels], got shape {x.shape}")
+    _check_float("x", x)
+    channels = x.shape[1]
+    if weight.ndim != 2 or weight.shape[0] != channels or weight.shape[1] < 2:
+        raise ValueError(f"weight must have shape [channels, kernel_size] = [{channels}, K] with K >= 2 (a kernel "
+                         f"of one tap keeps no state), got {tuple(weight.shape)}")
+    _check_float("weight", weight)
+    if bias is not None:
+        _check_arrays(bias=bias)
+        _check_shape("bias", bias, (channels,), "[channels]")
+        _check_float("bias", bias)
+    taps = weight.shape[1]
+    _check_pages("conv_state_pages", conv_state_pages, (channels, taps - 1), "channels, kernel_size - 1",
+                 (jnp.dtype(x.dtype),))
+    if activation not in activations:
+        raise ValueError(f"activation must be one of {activations}, got {activation!r}")
+    return block_size
+
+
+def validate_mamba2_ssd(x, dt, A, B, C, D, state_pages, block_tables, kv_lens, cu_q_lens, *, block_size, form,
+                        chunk_size) -> int:
+    """x `[T, H, P]` in a float dtype; dt float32 `[T, H]`; A float32 `[H]`; B, C `[T, G, N]` in x's dtype with H a
+    multiple of G; D float32 `[H]` or None; state_pages float32 `[num_blocks, H, P, N]`; the step arguments.
+    Returns block_size."""
+    _check_arrays(x=x, dt=dt, A=A, B=B, C=C, state_pages=state_pages)
+    block_size = validate_ragged_step(block_tables, kv_lens, cu_q_lens, block_size)
+    if x.ndim != 3 or min(x.shape[1:]) < 1:
+        raise ValueError(f"x must be 3-D [tokens, num_heads, head_dim], got shape {x.shape}")
+    _check_float("x", x)
+    num_tokens, num_heads, head_dim = x.shape
+    if B.ndim != 3 or B.shape[0] != num_tokens or min(B.shape[1:]) < 1 or C.shape != B.shape:
+        raise ValueError(f"B and C must be 3-D [tokens, n_groups, state_size] of one shape with x's {num_tokens} "
+                         f"tokens, got {B.shape} and {C.shape}")
+    if jnp.dtype(B.dtype) != jnp.dtype(x.dtype) or jnp.dtype(C.dtype) != jnp.dtype(x.dtype):
+        raise ValueError(f"B and C must be in x's dtype ({x.dtype}), got {B.dtype} and {C.dtype}")
+    num_groups, state_size = B.shape[1:]
+    if num_heads % num_groups:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of n_groups ({num_groups})")
+    f32 = (jnp.dtype(jnp.float32),)
+    _check_shape("dt", dt, (num_tokens, num_heads), "[tokens, num_heads]")
+    _check_float("dt", dt, f32)
+    _check_shape("A", A, (num_heads,), "[num_heads]")
+    _check_float("A", A, f32)
+    if D is not None:
+        _check_arrays(D=D)
+        _check_shape("D", D, (num_heads,), "[num_heads]")
+        _check_float("D", D, f32)
+    _check_pages("state_pages", state_pages, (num_heads, head_dim, state_size), "num_heads, head_dim, state_size",
+                 f32)
+    check_form(form)
+    check_positive_int("chunk_size", chunk_size)
+    return block_size

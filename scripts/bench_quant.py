@@ -5,6 +5,8 @@ int4 vs fp8, all in one run.
     python scripts/bench_quant.py --quick           # a tiny model (seconds): the smoke test
     python scripts/bench_quant.py --schemes float32,int8,int4:32,int8-head,int4-head
     python scripts/bench_quant.py --chain           # 8 layers of linears alone: each scheme's products, GB/s
+    python scripts/bench_quant.py --schemes float32,int8,int4,int4:32,fp8 --decode-steps 1,8 --repeats 5
+                                                    # the fused decode (8 steps a call) against single steps
     python scripts/bench_quant.py --llama-python /work/peers/llama/bin/python \
         --llama-cpp-dir /work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp     # + llama.cpp f32 / Q8_0 / Q4_0
 
@@ -13,6 +15,11 @@ engine is warmed up (compiled) first, then timed in interleaved rounds (one run 
 noise hits all rows alike); a row's time is its best round, its ratio is against float32 in the same run.
 "weight MB/step" is what one decode step reads (`bench_engine.decode_weight_bytes`: every parameter but the
 input embedding table). A scheme name with "-head" also quantizes the LM head (kept float by default).
+
+With `--decode-steps 1,8` every scheme runs one engine per `decode_steps_per_call` (1: a device call per decode
+step; 8: the fused decode, eight steps in one `lax.while_loop`), all in the same rounds, and a second table
+gives each scheme's and batch's median tokens/s per value and the last value's speed over the first's (the median
+of the ratio of the two runs of each round).
 
 With `--llama-python` (a Python whose venv has llama-cpp-python, `scripts/bench_peers.py` says how to build
 it) and `--llama-cpp-dir` (its llama.cpp sources), every row runs the random Hugging Face checkpoint of
@@ -29,6 +36,7 @@ they leave room for): `scripts/bench_quant_accuracy.py`.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -63,9 +71,10 @@ def quantized(cfg: ModelConfig, state, scheme: str):
 
 
 def speed(cfg: ModelConfig, state, schemes: list[str], batches: list[int], prompt_len: int, max_tokens: int,
-          repeats: int, peers: tuple = ()) -> list[dict]:
-    """Rows of tokens/s: one engine per scheme over `state` (float parameters of `cfg`), then `peers` ((name,
-    bench_peers.Subprocess, weight bytes) of llama.cpp GGUFs), each batch size, all timed in the same rounds."""
+          repeats: int, peers: tuple = (), decode_steps: tuple[int, ...] = (1,)) -> list[dict]:
+    """Rows of tokens/s (best and median round): one engine per scheme and `decode_steps_per_call` of
+    `decode_steps` over `state` (float parameters of `cfg`), then `peers` ((name, bench_peers.Subprocess, weight
+    bytes) of llama.cpp GGUFs), each batch size, all timed in the same rounds."""
     total, block = prompt_len + max_tokens, 16
     rng = np.random.default_rng(0)
     prompts = {batch: rng.integers(3, cfg.vocab_size, (batch, prompt_len)) for batch in batches}
@@ -73,29 +82,52 @@ def speed(cfg: ModelConfig, state, schemes: list[str], batches: list[int], promp
     rows = []
     for scheme in schemes:
         qcfg, qstate = quantized(cfg, state, scheme)
-        engine = LLMEngine(qcfg, CacheConfig(block_size=block, num_blocks=max(batches) * -(-total // block) + 8,
-                                             enable_prefix_caching=False),
-                           SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * prompt_len,
-                                           max_model_len=total), params=qstate)
         weight_bytes = decode_weight_bytes(model_from_state(qcfg, qstate))
-        for batch in batches:
-            def go(engine=engine, batch=batch) -> float:
-                start = time.perf_counter()
-                engine.generate(prompts[batch].tolist(), params, use_tqdm=False)
-                return time.perf_counter() - start
-            go()  # warm-up: compiles this batch's shapes
-            rows.append(dict(scheme=scheme, batch=batch, go=go, times=[], weight_bytes=weight_bytes))
+        for steps in decode_steps:
+            engine = LLMEngine(qcfg, CacheConfig(block_size=block, num_blocks=max(batches) * -(-total // block) + 8,
+                                                 enable_prefix_caching=False),
+                               SchedulerConfig(max_num_seqs=max(batches),
+                                               max_num_batched_tokens=max(batches) * prompt_len, max_model_len=total),
+                               params=qstate, decode_steps_per_call=steps)
+            for batch in batches:
+                def go(engine=engine, batch=batch) -> float:
+                    start = time.perf_counter()
+                    engine.generate(prompts[batch].tolist(), params, use_tqdm=False)
+                    return time.perf_counter() - start
+                go()  # warm-up: compiles this batch's shapes
+                rows.append(dict(scheme=scheme, batch=batch, steps=steps, go=go, times=[], weight_bytes=weight_bytes))
     for name, peer, weight_bytes in peers:
         for batch in batches:
             go = lambda peer=peer, batch=batch: peer.run(prompts[batch], max_tokens)[0]  # noqa: E731
             go()  # warm-up
-            rows.append(dict(scheme=name, batch=batch, go=go, times=[], weight_bytes=weight_bytes))
+            rows.append(dict(scheme=name, batch=batch, steps=decode_steps[0], go=go, times=[],
+                             weight_bytes=weight_bytes))
     for _ in range(repeats):
         for r in rows:
             r["times"].append(r["go"]())
     for r in rows:
         r["tokens_per_s"] = r["batch"] * max_tokens / min(r["times"])
+        r["median_tokens_per_s"] = r["batch"] * max_tokens / float(np.median(r["times"]))
     return rows
+
+
+def print_fused(rows: list[dict], decode_steps: tuple[int, ...]) -> None:
+    """Per scheme and batch, median tokens/s at each `decode_steps_per_call` of `decode_steps` (and against float32's
+    at the same batch and steps), and the last value's speed over the first's: the median over rounds of the two
+    runs' ratio in the same round (a load that changes between rounds moves both alike)."""
+    first, last = decode_steps[0], decode_steps[-1]
+    by_key = {(r["scheme"], r["batch"], r["steps"]): r for r in rows}
+    rate = {key: r["median_tokens_per_s"] for key, r in by_key.items()}
+    header = "".join(f"{f'{n} step(s)':>12}{'x f32':>7}" for n in decode_steps)
+    print("\nmedian tokens/s by decode_steps_per_call (x f32: against float32 at the same batch and steps; "
+          f"{last} / {first}: median of the rounds' ratios)")
+    print(f"{'scheme':<10}{'batch':>6}{header}{f'{last} / {first}':>9}")
+    for scheme in dict.fromkeys(r["scheme"] for r in rows if (r["scheme"], r["batch"], last) in rate):
+        for batch in sorted({r["batch"] for r in rows}):
+            cells = "".join(f"{rate[scheme, batch, n]:>12.1f}{rate[scheme, batch, n] / rate['float32', batch, n]:>7.2f}"
+                            for n in decode_steps)
+            ratio = np.median(np.array(by_key[scheme, batch, first]["times"]) / by_key[scheme, batch, last]["times"])
+            print(f"{scheme:<10}{batch:>6}{cells}{ratio:>9.2f}")
 
 
 def llama_ggufs(folder: Path, llama_python: str, llama_cpp_dir: Path, pythonpath: str | None,
@@ -210,6 +242,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--decode-steps", default="1",
+                    help="comma-separated decode_steps_per_call values, an engine each (default: 1); with two or "
+                         "more, a table of the fused decode against the first value")
     ap.add_argument("--quick", action="store_true", help="tiny model and workload (seconds)")
     ap.add_argument("--chain", action="store_true", help="only time the model shape's linear layers (`chain`)")
     ap.add_argument("--llama-python", help="a Python with llama-cpp-python: llama.cpp f32 / Q8_0 / Q4_0 rows")
@@ -226,6 +261,7 @@ def main(argv=None) -> None:
         ap.error("--llama-python and --llama-cpp-dir go together")
     cfg = SHAPES[args.model]
     batches = [int(b) for b in args.batches.split(",")]
+    decode_steps = tuple(int(n) for n in args.decode_steps.split(","))
     if args.chain:
         chain(cfg, schemes, batches)
         return
@@ -247,20 +283,25 @@ def main(argv=None) -> None:
                             args.llama_threads, cfg, max(batches), total, max(batches) * total)
     else:
         state = nnx.state(init_model(cfg, seed=0), nnx.Param)
+    load = os.getloadavg()
     print(f"{args.model if not args.quick else 'quick'} model ({source}), {jax.default_backend()}, prompt "
           f"{args.prompt_len}, {args.max_tokens} new tokens, best of {args.repeats} interleaved rounds")
     try:
-        rows = speed(cfg, state, schemes, batches, args.prompt_len, args.max_tokens, args.repeats, peers)
+        rows = speed(cfg, state, schemes, batches, args.prompt_len, args.max_tokens, args.repeats, peers,
+                     decode_steps)
     finally:
         for _, peer, _ in peers:
             peer.close()
-    base = {r["batch"]: r for r in rows if r["scheme"] == "float32"}
+    base = {r["batch"]: r for r in rows if r["scheme"] == "float32" and r["steps"] == decode_steps[0]}
     print(f"{'scheme':<16}{'batch':>6}{'tokens/s':>11}{'x float32':>11}{'weight MiB/step':>16}{'x fewer bytes':>15}")
-    for r in rows:
+    for r in (r for r in rows if r["steps"] == decode_steps[0]):
         b = base[r["batch"]]
         speedup = r["tokens_per_s"] / b["tokens_per_s"]
         print(f"{r['scheme']:<16}{r['batch']:>6}{r['tokens_per_s']:>11.1f}{speedup:>11.2f}"
               f"{r['weight_bytes'] / 2**20:>16.1f}{b['weight_bytes'] / r['weight_bytes']:>15.2f}")
+    if len(decode_steps) > 1:
+        print_fused(rows, decode_steps)
+    print(f"load average at the start {load[0]:.2f}, at the end {os.getloadavg()[0]:.2f} (1 minute)")
 
 
 if __name__ == "__main__":

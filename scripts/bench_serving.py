@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     offline = None
     if not args.no_offline:
         engine = build_engine(sargs, loaded)
+        if sargs.warmup:  # as the server warms up, but before the runs
+            engine.warmup()
         offline = run_offline(engine, requests, args.max_runs)
 
     print()

@@ -91,10 +91,13 @@ def stage_times(x: dict, decode: bool, repeats: int) -> dict[str, float]:
         dense = jax.jit(lambda ql, qr: pk.ragged_mla_paged_attention_xla(
             ql, qr, x["kv_pages"], x["tables"], x["kv_lens"], x["cu"], scale=scale))
     top_k = jax.jit(lambda s: pk.top_k_positions(s, x["topk"]))
+    # The engine's selection: the same positions, and whether each row's cut-off fell between equal scores.
+    top_k_ties = jax.jit(lambda s: pk.top_k_positions_and_ties(s, x["topk"]))
     scores = score(x["q_index"], x["weights"])
     indices = top_k(scores)
     return {"indexer": best_time(score, x["q_index"], x["weights"], repeats=repeats),
             "top_k": best_time(top_k, scores, repeats=repeats),
+            "top_k_ties": best_time(top_k_ties, scores, repeats=repeats),
             "sparse": best_time(sparse, x["q_latent"], x["q_rope"], indices, repeats=repeats),
             "dense": best_time(dense, x["q_latent"], x["q_rope"], repeats=repeats)}
 
@@ -210,17 +213,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for n in contexts:
             x = layer_inputs(n, 1 if mode == "decode" else n, args.topk)
             t = stage_times(x, mode == "decode", args.repeats)
-            rows.append({"mode": mode, "context": n, **t, "sparse_total": t["indexer"] + t["top_k"] + t["sparse"]})
+            rows.append({"mode": mode, "context": n, **t, "sparse_total": t["indexer"] + t["top_k_ties"] + t["sparse"]})
     print(f"one DSA layer, XLA paths on {jax.default_backend()}: {HEADS} heads, latent {RANK} + rope {ROPE}, indexer "
           f"{INDEX_HEADS} x {INDEX_DIM}, top-k {args.topk}, best of {args.repeats}")
-    header = f"{'mode':<8}{'context':>8}{'indexer':>11}{'top-k':>10}{'sparse':>10}{'DSA total':>11}{'dense MLA':>11}" \
-             f"{'dense/DSA':>11}"
+    header = f"{'mode':<8}{'context':>8}{'indexer':>11}{'top-k':>10}{'+ ties':>10}{'sparse':>10}{'DSA total':>11}" \
+             f"{'dense MLA':>11}{'dense/DSA':>11}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        ms = {key: f"{r[key] * 1e3:.2f}ms" for key in ("indexer", "top_k", "sparse", "sparse_total", "dense")}
-        print(f"{r['mode']:<8}{r['context']:>8}{ms['indexer']:>11}{ms['top_k']:>10}{ms['sparse']:>10}"
-              f"{ms['sparse_total']:>11}{ms['dense']:>11}{r['dense'] / r['sparse_total']:>10.2f}x")
+        ms = {key: f"{r[key] * 1e3:.2f}ms" for key in ("indexer", "top_k", "top_k_ties", "sparse", "sparse_total",
+                                                        "dense")}
+        print(f"{r['mode']:<8}{r['context']:>8}{ms['indexer']:>11}{ms['top_k']:>10}{ms['top_k_ties']:>10}"
+              f"{ms['sparse']:>10}{ms['sparse_total']:>11}{ms['dense']:>11}{r['dense'] / r['sparse_total']:>10.2f}x")
+    print("+ ties: the engine's selection (top_k_positions_and_ties: the positions and whether each row's cut-off "
+          "fell between equal scores)")
     for mode in ("decode", "prefill"):
         sel = [r for r in rows if r["mode"] == mode]
         if len(sel) >= 2:

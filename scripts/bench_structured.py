@@ -2,6 +2,7 @@
 
     python scripts/bench_structured.py           # all tables (several minutes on 2 CPU cores)
     python scripts/bench_structured.py --quick   # seconds: a small vocabulary and model (the smoke test)
+    python scripts/bench_structured.py --new-request   # table 4 only (seconds)
 
 Table 1 compares the grammar libraries pagedjax could use, on a 32k-token byte-level BPE vocabulary (trained
 here on Python's own library sources) and a nested JSON schema: the time to compile the schema for that
@@ -16,6 +17,10 @@ step per call, and constrained (always one step per call: its masks come from th
 reports the median tokens/s of each, the median of the rounds' constrained / unconstrained ratios, and the host
 time spent on masks per step. xgrammar is not measured: its wheel requires torch, transformers and triton at run
 time.
+Table 4 (`--new-request`) is the engine thread's work when a server request brings a costly constraint the
+grammar pool has compiled (the bundled model's tokenizer; medians of 5): before, the engine thread checked the
+constraint's limits again, copied the kept matcher and built its lexer in the request's first mask; now the
+compile stage builds it (`ConstraintCompiler`) and the engine thread only copies and masks.
 """
 
 from __future__ import annotations
@@ -171,6 +176,61 @@ def engine_share(tok, batch: int) -> dict:
     return {name: statistics.median(v) * 1e3 for name, v in times.items()}
 
 
+def new_request_table(repeats: int = 5) -> list[dict]:
+    """Engine-thread ms (medians) for a new request of each costly constraint (table 4): before, the limits'
+    check, a copy and the first mask of a matcher whose lexer is not built yet (a fresh compile's); now a copy
+    and the first mask of a copy of the kept, already masked, matcher."""
+    import random
+
+    import llguidance
+
+    from pagedjax.model.hf_tokenizer import HFTokenizer
+    from pagedjax.model.loading.checkpoint import bundled_model_path
+    from pagedjax.sampling_params import StructuredOutput
+    from pagedjax.serve.protocol import ChatTool
+    from pagedjax.serve.tools import call_grammar
+    from pagedjax.structured_output.compiler import ConstraintCompiler
+    from pagedjax.structured_output.isolation import grammar_of
+    from pagedjax.structured_output.limits import DEFAULT_LIMITS, check_structured
+    from pagedjax.structured_output.masks import token_masks
+
+    tok = HFTokenizer.from_pretrained(bundled_model_path(), eos_token_ids=(1,))
+    vocab = tok.vocab_size
+    rng = random.Random(0)
+
+    def words(n: int) -> str:
+        return "|".join("".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 9))) for _ in range(n))
+
+    cases = {"500-rule chain": StructuredOutput(grammar="start: r0\n" + "\n".join(
+                 f'r{i}: "x{i}" r{i + 1}' for i in range(499)) + '\nr499: "end"'),
+             "1,024 choices": StructuredOutput(choice=tuple(f"option number {i} " * 3 for i in range(1024))),
+             "64 KiB of alternations": StructuredOutput(grammar="start: (" + " | ".join(f"r{i}" for i in range(14))
+                                                        + ")+\n" + "\n".join(f"r{i}: /({words(420)})/"
+                                                                              for i in range(14))),
+             "128 tools, forced call": call_grammar([ChatTool.model_validate({"type": "function", "function": {
+                 "name": f"tool_{i}", "parameters": {"type": "object", "required": ["query"], "properties": {
+                     "query": {"type": "string"}, "limit": {"type": "integer", "minimum": 1, "maximum": 50},
+                     "mode": {"enum": ["fast", "exact", "fuzzy"]}}}}}) for i in range(128)], max_calls=4)}
+    rows = []
+    for name, structured in cases.items():
+        compiler = ConstraintCompiler(tok, vocab, (1,))
+        compiler.compile(structured)  # the grammar pool's compile: kept, its first mask built
+        grammar = grammar_of(structured.kind, getattr(structured, structured.kind))
+        before, after = [], []
+        for _ in range(repeats):
+            unbuilt = llguidance.LLMatcher(compiler._llg_tokenizer(), grammar)  # as the kept one was before
+            start = time.perf_counter()
+            check_structured(structured, DEFAULT_LIMITS)
+            token_masks([unbuilt.deep_copy()], vocab)
+            before.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            token_masks([compiler.compile(structured).matcher], vocab)
+            after.append(time.perf_counter() - start)
+        rows.append({"constraint": name, "before_ms": statistics.median(before) * 1e3,
+                     "after_ms": statistics.median(after) * 1e3})
+    return rows
+
+
 # The engine table's workloads: (name, constrained, decode steps per device call).
 WORKLOADS = (("free, fused", False, 8), ("free", False, 1), ("constrained", True, 1))
 
@@ -238,8 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small vocabulary and model, few tokens")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the engine table (default 3)")
+    p.add_argument("--new-request", action="store_true", help="table 4 only: a costly constraint's new request")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.new_request:
+        print("engine thread, ms (median of 5): a new request of a constraint the grammar pool compiled")
+        print(f"{'constraint':<24} {'before':>7} {'after':>7}")
+        for r in new_request_table():
+            print(f"{r['constraint']:<24} {r['before_ms']:>7.2f} {r['after_ms']:>7.2f}")
+        return 0
     vocab, shape, max_tokens, batches = (2048, "tiny", 8, [1, 4]) if args.quick else (32000, "156m", 64, [1, 16])
     tok = train_tokenizer(vocab)
     libs = library_table(tok)

@@ -2,6 +2,7 @@
 
     python scripts/bench_tools.py           # both tables (about a minute on 2 CPU cores)
     python scripts/bench_tools.py --quick   # seconds: a small vocabulary (the smoke test)
+    python scripts/bench_tools.py --open-schema   # table 3 only (about two minutes)
 
 Table 1: llguidance on a byte-level BPE vocabulary (`bench_structured.train_tokenizer`): the time to compile,
 the first next-token mask (llguidance builds its lexer lazily, then), and the mask time per token after it while
@@ -12,6 +13,10 @@ plain JSON schema (`response_format` / `guided_json`) and as the forced tool-cal
 Table 2: beam search on the engine (the `tiny` shape over that vocabulary, random weights), unconstrained and
 under a JSON schema that cannot complete within `max_tokens` (so both run the same number of steps), in one run:
 seconds per search and their ratio.
+Table 3 (`--open-schema`): forced calls (tool_choice "required", up to 4 calls) of a function whose `parameters`
+are an ordinary open schema (no additionalProperties, a free string) on the bundled model, 4 choices to the end
+of the context: its schema as given (what the grammar held before `bounded_arguments`) against the bounded one,
+each choice's tokens, finish reason and complete calls, and whether every call's arguments parse.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def mask_table(tok) -> list[dict]:
     cases = [("json schema (arguments)", llguidance.LLMatcher.grammar_from_json_schema(PARAMETERS, defaults=JSON_STYLE),
               arguments)]
     for count in (1, 8):
-        lark = call_grammar(_tools(count), parallel=False).grammar
+        lark = call_grammar(_tools(count), max_calls=1).grammar
         cases.append((f"tool call, {count} function{'s' * (count > 1)}", llguidance.LLMatcher.grammar_from_lark(lark),
                       call))
     rows = []
@@ -124,11 +129,57 @@ def beam_table(tok, width: int, max_tokens: int, prompts: int) -> list[dict]:
     return rows
 
 
+OPEN = {"type": "object", "required": ["city"],
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}}}
+
+
+def open_schema_table(max_calls: int = 4, choices: int = 4) -> list[dict]:
+    from pagedjax import LLMEngine, SamplingParams, StructuredOutput
+    from pagedjax.serve.protocol import ChatTool
+    from pagedjax.serve.tools import CALL_END, CALL_START, TOOLS_PREAMBLE, call_grammar, parse_message
+    from pagedjax.structured_output.compiler import JSON_STYLE
+
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": OPEN}}
+    as_given = {"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": OPEN},
+                "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_STYLE}
+    lines = [f"start: call{{1,{max_calls}}}", f'call: "{CALL_START}" fn_0 "{CALL_END}"',
+             f"fn_0: %json {json.dumps(as_given)}"]
+    grammars = {"as given": StructuredOutput(grammar="\n".join(lines)),
+                "bounded": call_grammar([ChatTool.model_validate(tool)], max_calls=max_calls)}
+    engine = LLMEngine.from_pretrained()
+    prompt = (f"# system:\n{TOOLS_PREAMBLE.format(tools=json.dumps(tool))}\n# user:\nWeather in Paris?\n"
+              "# assistant:\n")
+    room = engine.max_request_tokens - len(engine.tokenizer.encode(prompt))
+    engine.generate([prompt] * choices, SamplingParams(max_tokens=8, structured=grammars["as given"]), use_tqdm=False)
+    rows = []
+    for name, grammar in grammars.items():
+        params = [SamplingParams(max_tokens=room, temperature=1.0, seed=s, structured=grammar) for s in range(choices)]
+        start = time.perf_counter()
+        outs = engine.generate([prompt] * choices, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        for o in outs:
+            _, calls = parse_message(o.text, forced=True)
+            tail = o.text[o.text.rfind(CALL_END) + len(CALL_END):] if CALL_END in o.text else o.text
+            rows.append({"schema": name, "seconds": wall, "tokens": len(o.output_token_ids),
+                         "finish": o.finish_reason, "calls": len(calls), "cut_call": CALL_START in tail,
+                         "parse": all(isinstance(json.loads(c.function.arguments), dict) for c in calls)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small vocabulary, a short search")
+    p.add_argument("--open-schema", action="store_true", help="table 3 only: forced calls of an open schema")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.open_schema:
+        print("forced calls (up to 4) of an open parameters schema, bundled model, 4 choices to the end of the context")
+        print(f"{'schema':<9} {'seconds (4 choices)':>19} {'tokens':>7} {'finish':>7} {'calls':>5} {'cut call':>8} "
+              f"{'args parse':>10}")
+        for r in open_schema_table():
+            print(f"{r['schema']:<9} {r['seconds']:>19.1f} {r['tokens']:>7} {r['finish']:>7} {r['calls']:>5} "
+                  f"{str(r['cut_call']):>8} {str(r['parse']):>10}")
+        return 0
     vocab, width, max_tokens, prompts = (2048, 2, 8, 1) if args.quick else (32000, 4, 32, 2)
     tok = train_tokenizer(vocab)
     rows = mask_table(tok)

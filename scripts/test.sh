@@ -86,7 +86,8 @@ done
 HYPOTHESIS_PROFILE=smoke PAGEDJAX_PARALLEL_CHECKS=newest .venv312/bin/python -m pytest -n 2 \
   --dist loadfile --no-loadscope-reorder -q --durations=15 tests/parallel \
   tests/kernels/test_lowering.py tests/kernels/test_mla_lowering.py \
-  tests/kernels/test_sparse_lowering.py tests/kernels/test_tpu_lowering.py tests/kernels/test_reference.py \
+  tests/kernels/test_sparse_lowering.py tests/kernels/test_tpu_lowering.py tests/kernels/test_recurrent_lowering.py \
+  tests/kernels/test_reference.py \
   tests/kernels/test_merge.py tests/kernels/test_tpu_kernels.py::test_decode_agrees_bit_for_bit_with_the_gpu_kernel \
   tests/kernels/test_tpu_kernels.py::test_ragged_agrees_with_the_gpu_kernel_to_float32_rounding \
   tests/model/test_model.py tests/model/test_checkpoint_train.py \

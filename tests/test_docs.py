@@ -199,3 +199,53 @@ def test_readme_is_a_guide():
     sections = re.split(r"\n(?=## )", text)
     assert len(text.splitlines()) <= 500, f"README.md is {len(text.splitlines())} lines"
     assert max(len(s) for s in sections) <= 3000, max(sections, key=len).splitlines()[0]
+
+
+# The README's shell commands that run in another test (the pagedjax-generate ones run in the test below, as
+# written), by `shlex.join` of their words: each names the test, and what differs from the README's command.
+RUN_ELSEWHERE = {
+    "scripts/run.sh": "tests/cli/test_cli_scripts.py::test_run_sh_installs_only_when_the_project_changed "
+                      "(against stub tools: no pip, no model)",
+    "scripts/test.sh": "tests/cli/test_cli_scripts.py::test_test_sh_reports_the_slowest_tests (against stub tools)",
+    "source .venv/bin/activate '&&' pip install -e '.[serve]' openai":
+        "tests/test_docs.py::test_the_install_command_installs_what_the_examples_import (what it installs; "
+        "installing needs the network)",
+    "pagedjax-serve --port 8000": "tests/serve/test_serve_cli.py::test_sigterm_finishes_the_request_in_flight_and_"
+                                  "exits_0 (the bundled model on a free port, with a smaller engine)",
+    "curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"model\": \"pagedjax-tiny\", "
+    "\"prompt\": \"def fib(n):\\n\", \"max_tokens\": 32, \"temperature\": 0}'":
+        "tests/serve/test_readme_serving.py::test_curl_example (against a server on a free port)",
+    "pagedjax-generate --tensor-parallel-size 2 --max-tokens 16": "tests/parallel/test_parallel.py::test_parallel "
+        "(worker.py's cli_tensor_parallel, on 8 CPU devices, with --prompt, --num-blocks and --json)",
+}
+
+
+def _runs_here(argv: list[str]) -> bool:
+    """A pagedjax-generate command that runs in this process (one of several devices needs XLA_FLAGS set before
+    JAX starts)."""
+    return _parser_for(argv)[0] is not None and argv[0] != "pagedjax-serve" and argv[:3] != \
+        ["python", "-m", "pagedjax.serve"] and "--tensor-parallel-size" not in argv
+
+
+README_COMMANDS = command_lines(README.read_text())
+
+
+@pytest.mark.parametrize("argv", README_COMMANDS, ids=[shlex.join(a)[:60] for a in README_COMMANDS])
+def test_every_readme_command_runs_in_a_test(argv, capsys, monkeypatch):
+    """A README pagedjax-generate command runs here as written (from the clone's root, as the README says), and
+    prints a completion and the statistics; every other command names the test that runs it. Was: the commands
+    were parsed only, and `--model-class tests.model.gpt2_example:load --model DIR` failed ("gave no
+    tokenizer")."""
+    if not _runs_here(argv):
+        where = RUN_ELSEWHERE.get(shlex.join(argv))
+        assert where is not None, f"README command `{shlex.join(argv)}` runs in no test"
+        file, _, name = where.split(" ")[0].partition("::")
+        assert f"\ndef {name}(" in (ROOT / file).read_text(), where
+        return
+    from pagedjax.cli import main
+
+    monkeypatch.chdir(ROOT)
+    parser, args = _parser_for(argv)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "--- [1] " in out and "tokens/s" in out, out

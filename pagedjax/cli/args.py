@@ -123,7 +123,8 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
                    help="compiled step programs kept; past N the least recently used is dropped (and compiled "
                         "again, or loaded from the compile cache, if needed again): bounds memory")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=warmup,
-                   help="compile, before the first request, programs that can run every step: a step whose own "
+                   help="compile programs that can run every step (pagedjax-generate: before the first step; "
+                        "pagedjax-serve: in the background from start-up, answering at once): a step whose own "
                         "program is new then runs on one of them while its own compiles in the background, instead "
                         f"of waiting for it (default: {'on' if warmup else 'off'})")
     cc = g.add_mutually_exclusive_group()
@@ -196,9 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "placeholders: '<image>' for LLaVA, '<start_of_image>' for Gemma 3); needs a "
                         "vision-language --model folder")
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int_at_least(1), default=64,
-                   help="tokens to generate per prompt; a prompt and its --max-tokens past --max-model-len are "
-                        "refused, as pagedjax-serve refuses them")
+    g.add_argument("--max-tokens", type=int_at_least(1), default=None,
+                   help="tokens to generate per prompt (default: until the model stops or the context is full, the "
+                        "rule of every entry point: SamplingParams, generate, pagedjax-serve; the built-in prompts, "
+                        "--demo's or those used when none is given, stop at 64); a prompt and its --max-tokens past "
+                        "--max-model-len are refused, as pagedjax-serve refuses them")
     model_default = ("(default: the model's, from its folder's generation_config.json, else vLLM's: {}; "
                      "the bundled model's: {})")
     g.add_argument("--temperature", type=float_in(0.0, 100.0), default=None,

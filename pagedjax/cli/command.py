@@ -40,7 +40,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO |
             gen.start()
             if not args.json:
                 print_header(args, loaded, engine, load_s, out)
-            wall_s = gen.run()
+            # A line on stderr for each program the run waits for: the first run compiles for seconds (minutes
+            # on a large model) before the first token, which used to pass in silence.
+            with engine.compile_notices(gen.on_compile):
+                if args.warmup:
+                    engine.warmup()
+                wall_s = gen.run()
         finally:
             engine.close()  # a compile still queued in the background would hold the exit back
     report(gen, wall_s, cache, args.json, out)

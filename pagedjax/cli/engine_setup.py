@@ -53,7 +53,8 @@ def cli_model(spec, tokenizer, **weights) -> CLIModel:
 
 def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
     """The model `--model` / `--model-class` / `--dtype` name: a `--model-class` factory's, the factory
-    registered for the `--model` folder's `model_type` (`pagedjax.ModelRegistry`), or `load_pretrained_for_cli`."""
+    registered for the `--model` folder's `model_type` (`pagedjax.ModelRegistry`), or `load_pretrained_for_cli`.
+    A factory that returns no tokenizer gets the `--model` folder's tokenizer.json, if it has one."""
     if getattr(args, "model_class", None) is None:
         registered = load_registered_for_cli(args.model, args.dtype)
         if registered is not None:
@@ -67,8 +68,12 @@ def load_model_for_cli(args: argparse.Namespace) -> CLIModel:
     if args.dtype is not None:
         raise CLIError("--dtype applies to the built-in models; a --model-class factory chooses its own dtype")
     model, tokenizer = load_model_class(args.model_class, args.model)
+    if tokenizer is None and args.model is not None:  # as for a registered factory: the folder's tokenizer.json
+        from pagedjax.model.loading.loader import folder_tokenizer_for
+
+        tokenizer = folder_tokenizer_for(args.model, model)
     return _own_model(args, model, tokenizer, f"--model-class {args.model_class}",
-                      "return (model, tokenizer) from the factory")
+                      "return (model, tokenizer) from the factory, or put tokenizer.json in the --model folder")
 
 
 def _own_model(args: argparse.Namespace, model, tokenizer, where: str, tokenizer_hint: str) -> CLIModel:
@@ -300,7 +305,8 @@ def lora_engine_args(args: argparse.Namespace) -> dict:
 def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool | str = True,
                  structured_limits=None):
     """The engine the arguments describe (a `DataParallelEngine` with --data-parallel-size > 1), its KV pool
-    checked against the device's memory first, warmed up with --warmup (`LLMEngine.warmup`).
+    checked against the device's memory first; with --warmup it compiles in the background (its caller warms it
+    up: `LLMEngine.warmup`, or the server's `start_warmup`, once everything else is checked).
     compile_cache: `LLMEngine`'s (the CLI sets JAX's cache up before loading: see `pagedjax.cli.warm_start`).
     structured_limits: `LLMEngine`'s (the server's, from its flags; None: the defaults)."""
     import jax
@@ -342,8 +348,6 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
                              compile_in_background=args.warmup, speculative_config=speculative_config,
                              structured_limits=structured_limits, sampling_defaults=sampling_defaults,
                              image_processor=image_processor, **lora)
-        if args.warmup:
-            engine.warmup()
         return engine
     except (TypeError, ValueError, FileNotFoundError) as e:  # FileNotFoundError: a missing draft model folder
         raise CLIError(in_flags(str(e))) from None

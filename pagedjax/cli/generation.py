@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from pagedjax.cli.args import PROG
 from pagedjax.cli.ctrl_c import CtrlC, Interrupted
 from pagedjax.cli.errors import CLIError
 from pagedjax.cli.prompts import Prompts
@@ -46,13 +49,22 @@ class Generation:
     """Feeds prompts to the engine and steps it, printing completions as they come (streaming one prompt).
 
     While it runs, Ctrl-C only sets `ctrl_c.requested`; it is checked between engine steps (raising
-    Interrupted), so a step is never cut off half-way."""
+    Interrupted), so a step is never cut off half-way.
+
+    `on_compile` (the engine's `compile_notices` listener) says on `err` which program the run waits for, from its
+    start to its end: a line ("pagedjax-generate: compiling step program 1 (first run; cached afterwards): step of
+    16 tokens, 1 x 2 table ... compiled in 1.52 s"), or, while a streamed completion's line is open on a terminal,
+    a note after its text that is erased when the program is ready (a line there would break the text)."""
 
     def __init__(self, engine, tokenizer, prompts: Prompts, args: argparse.Namespace, out: TextIO,
-                 ctrl_c: CtrlC | None = None):
+                 ctrl_c: CtrlC | None = None, err: TextIO | None = None):
         from pagedjax.sampling_params import SamplingParams
 
         self.engine, self.tokenizer, self.prompts, self.args, self.out = engine, tokenizer, prompts, args, out
+        self.err = sys.stderr if err is None else err
+        self._line = None  # the streamed completion's open line (its text since the last newline), once echoed
+        self._note = 0  # characters of the note drawn after it (0: none)
+        self._compiles = 0
         self.ctrl_c = ctrl_c if ctrl_c is not None else CtrlC(exit_process=False)
         self.completions = [Completion(i, p) for i, p in enumerate(prompts.texts)]
         self.by_id: dict[str, Completion] = {}
@@ -61,15 +73,16 @@ class Generation:
                        and args.beam_width is None)
         self._start = time.perf_counter()
         self._later: list[int] = []  # the demo's prompts queued once the first is done
+        # --max-tokens, else the built-in prompts' own length, else None: until it stops or the context is full
+        self.max_tokens = args.max_tokens if args.max_tokens is not None else prompts.max_tokens
         self._sampling = lambda i: SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            max_tokens=self.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             seed=args.seed + i * args.n, ignore_eos=args.ignore_eos, n=args.n, logprobs=args.logprobs)
 
     def start(self) -> None:
         """Queue the prompts that go first, before anything is printed: a prompt the engine refuses (too
         long, bigger than the pool) is a CLIError. The demo queues its first prompt alone: it computes (and
         caches) the shared prefix, and the others, queued once it is done, find it in the cache."""
-        self._start = time.perf_counter()
         if self.args.beam_width is not None:  # beam search validates its prompts itself, and runs alone
             return
         everything = list(range(len(self.completions)))
@@ -78,7 +91,8 @@ class Generation:
         self.submit(first)
 
     def run(self) -> float:
-        """Generate every completion (after `start`); returns the wall time since `start` in seconds."""
+        """Generate every completion (after `start`); returns its wall time in seconds."""
+        self._start = time.perf_counter()
         if self.args.beam_width is not None:
             return self._run_beam_search()
         with self.ctrl_c.stopping_between_steps():
@@ -88,8 +102,7 @@ class Generation:
                       f"{len(self.tokenizer.encode(prefix))}-token prefix\n", file=self.out)
                 print("shared prefix:\n" + prefix, file=self.out)
             if self.stream:
-                self.out.write(self.completions[0].prompt)
-                self.out.flush()
+                self._write(self.completions[0].prompt)
             self.drain()
             if self._later:
                 self.submit(self._later)
@@ -99,7 +112,11 @@ class Generation:
     def _run_beam_search(self) -> float:
         from pagedjax.sampling_params import BeamSearchParams
 
-        params = BeamSearchParams(beam_width=self.args.beam_width, max_tokens=self.args.max_tokens,
+        max_tokens = self.max_tokens
+        if max_tokens is None:  # the rest of the context; beam search takes one bound: the longest prompt's room
+            longest = max(len(self.tokenizer.encode(c.prompt)) for c in self.completions)
+            max_tokens = max(self.engine.max_request_tokens - longest, 1)
+        params = BeamSearchParams(beam_width=self.args.beam_width, max_tokens=max_tokens,
                                   ignore_eos=self.args.ignore_eos)
         for i, c in enumerate(self.completions):
             self._check_context(i, len(self.tokenizer.encode(c.prompt)))
@@ -136,8 +153,8 @@ class Generation:
         """CLIError for a prompt whose --max-tokens go past the context (max_model_len), as the server and the
         engine refuse one (the engine's error names the Python field; this one the flag). A prompt longer than the
         context itself is the engine's error (`add_request`), and so is one the KV pool cannot hold."""
-        limit, asked = self.engine.scheduler_config.max_model_len, self.args.max_tokens
-        if num_prompt <= limit < num_prompt + asked:
+        limit, asked = self.engine.scheduler_config.max_model_len, self.max_tokens
+        if asked is not None and num_prompt <= limit < num_prompt + asked:
             raise CLIError(f"prompt {i + 1}: this model's maximum context length is {limit} tokens, but "
                            f"{num_prompt + asked} were asked for ({num_prompt} in the prompt, --max-tokens {asked}); "
                            f"lower --max-tokens to {limit - num_prompt} or less, or raise --max-model-len")
@@ -160,19 +177,52 @@ class Generation:
         c.num_tokens = len(o.output_token_ids)
         c.num_cached_tokens = o.num_cached_tokens
         if self.stream and piece:
-            self.out.write(piece)
-            self.out.flush()
+            self._write(piece)
         if o.finished:
             c.finish_reason, c.error = o.finish_reason, o.error
             if len(o.outputs) > 1 or self.args.logprobs is not None:
                 c.samples = o.outputs
             self._show_finished(c)
 
+    def _write(self, text: str) -> None:
+        """Stream `text` on the completion's line (which stays open until it is finished)."""
+        self.out.write(text)
+        self.out.flush()
+        self._line = (self._line or "") + text
+        self._line = self._line.rsplit("\n", 1)[-1]
+
+    def on_compile(self, event) -> None:
+        """`engine.compile_notices`' listener (see the class docstring)."""
+        from pagedjax.compile_cache import cache_note
+
+        starting = event.seconds is None
+        if self._line is not None and self.err.isatty():  # a note after the streamed text, erased when done
+            if starting:
+                note = f" [compiling ({cache_note()})...]"
+                room = shutil.get_terminal_size().columns - len(self._line) - 1
+                note = note if len(note) <= room else " [compiling...]" if room >= 15 else ""
+                self.err.write(note)
+                self._note = len(note)
+            else:
+                self.err.write("\b" * self._note + " " * self._note + "\b" * self._note)
+                self._note = 0
+        elif starting:
+            self._compiles += 1
+            what = event.note or f"step program {self._compiles}"
+            # On a line of its own where both streams share one (a streamed line is open: `2>&1`, a log).
+            self.err.write(f"{'' if not self._line else chr(10)}{PROG}: compiling {what} ({cache_note()}): "
+                           f"{event.shape} ...")
+        else:
+            self.err.write(f" {'loaded from the compile cache' if event.loaded else 'compiled'} in "
+                           f"{event.seconds:.2f} s\n")
+        self.err.flush()
+
     def _show_finished(self, c: Completion) -> None:
         if self.args.json:
             return
         out, prefix = self.out, self.prompts.shared_prefix
         if self.stream:
+            self._line = None
             print(file=out)
         else:
             label = f"[{c.index + 1}] " + ("(shared prefix) + " if prefix else "")

@@ -52,10 +52,16 @@ def read_prompts_file(path: Path) -> list[str]:
     return prompts
 
 
+# The built-in prompts' (--demo, or no prompt given) own length without --max-tokens: a canned run shows the engine
+# in seconds, where a given prompt runs until the model stops or the context is full (`SamplingParams`' rule).
+BUILT_IN_MAX_TOKENS = 64
+
+
 @dataclass
 class Prompts:
     texts: list[str]
     shared_prefix: str = ""  # --demo: the prefix every prompt starts with
+    max_tokens: int | None = None  # without --max-tokens (None: the rest of the context)
     images: list = field(default_factory=list)  # --image: the one prompt's images (PIL, decoded), in order
 
 
@@ -64,17 +70,18 @@ def collect_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     if args.demo:
         if args.prompt or args.prompts_file or args.image:
             parser.error("--demo uses its own prompts; drop --prompt/--prompts-file/--image")
-        return Prompts([DEMO_PREFIX + s for s in DEMO_SUFFIXES], DEMO_PREFIX)
+        return Prompts([DEMO_PREFIX + s for s in DEMO_SUFFIXES], DEMO_PREFIX, BUILT_IN_MAX_TOKENS)
     texts = list(args.prompt or [])
     if args.prompts_file is not None:
         try:
             texts += read_prompts_file(args.prompts_file)
         except OSError as e:
             parser.error(f"--prompts-file: {e.strerror or e}: {args.prompts_file}")
+    built_in = None  # the built-in prompts' own length
     if not texts:
         if args.prompt is not None or args.prompts_file is not None:
             parser.error("no prompts (empty --prompt or --prompts-file)")
-        texts = list(DEFAULT_PROMPTS)
+        texts, built_in = list(DEFAULT_PROMPTS), BUILT_IN_MAX_TOKENS
     if any(t == "" for t in texts):
         parser.error("empty prompt")
     images = list(args.image or [])
@@ -83,7 +90,8 @@ def collect_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -
                      "images go)")
     if images and args.beam_width is not None:
         parser.error("--image does not combine with --beam-width")
-    return Prompts(texts, images=open_images(images))  # before the model loads: a bad file fails at once
+    # (the images opened before the model loads: a bad file fails at once)
+    return Prompts(texts, max_tokens=built_in, images=open_images(images))
 
 
 def open_images(paths: list[Path]) -> list:

@@ -21,9 +21,9 @@ def stats_summary(stats, peak: Peak, wall_s: float, num_requests: int,
         "tokens_per_s": stats.tokens_per_s,  # generated tokens over step time, compilation excluded
         "step_time_s": stats.step_s,  # inside engine steps, compilation excluded
         "elapsed_s": stats.elapsed_s,  # inside engine steps, compilation included
-        "compile_s": stats.compile_s,  # steps' waits for their programs (compiled or loaded), a draft model's too
+        "compile_s": stats.compile_s,  # steps' waits for programs (compiled or loaded): a draft's, the encoder's too
         "warmup_s": stats.warmup_s,  # --warmup's compiles and runs (in neither of the above)
-        # Step programs, counted one way (the target's and a draft model's; the warm-up's included):
+        # Programs, counted one way (the target's steps, a draft model's, the image encoder's; the warm-up's included):
         "compilations": stats.compilations,  # obtained: compiled, or loaded from the persistent compilation cache
         "programs_compiled": stats.programs_compiled,
         "programs_loaded": stats.programs_loaded,

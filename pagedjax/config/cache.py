@@ -44,14 +44,18 @@ class CacheConfig:
     """The paged KV cache: `num_blocks` physical blocks of `block_size` tokens each.
 
     Give either `num_blocks` or `kv_memory_bytes` (the pool is then sized from the model's shape);
-    with neither, `num_blocks` defaults to 512. `kv_dtype` (one of KV_DTYPES) is what K and V are stored in:
-    "auto" = the model's dtype; "int8" and "fp8" (float8_e4m3fn) quantize each token's K and V per KV head
+    with neither, `num_blocks` defaults to 512. A model with recurrent-state layers also has a pool of state
+    snapshots (`pagedjax.config.kv_layout`): `num_state_blocks` of them (None: enough for every running sequence's
+    live state, the one at its last block boundary and a step's boundaries, twice: `resolve_state_blocks`), taken
+    out of `kv_memory_bytes` first when that sizes the pools. `kv_dtype` (one of KV_DTYPES) is what K and V are
+    stored in: "auto" = the model's dtype; "int8" and "fp8" (float8_e4m3fn) quantize each token's K and V per KV head
     when written, with a float32 scale beside them that `block_bytes` counts.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_bytes: int | None = None
+    num_state_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_dtype: str = "auto"  # one of KV_DTYPES: "auto" = the model's dtype; "int8" / "fp8" quantize K/V when written
     hash_seed: int = 0
@@ -62,6 +66,7 @@ class CacheConfig:
         fix("block_size", check_int(owner, "block_size", self.block_size, lo=1))
         fix("num_blocks", check_int(owner, "num_blocks", self.num_blocks, lo=1, optional=True))
         fix("kv_memory_bytes", check_int(owner, "kv_memory_bytes", self.kv_memory_bytes, lo=1, optional=True))
+        fix("num_state_blocks", check_int(owner, "num_state_blocks", self.num_state_blocks, lo=1, optional=True))
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
         check_bool(owner, "enable_prefix_caching", self.enable_prefix_caching)
@@ -93,27 +98,45 @@ class CacheConfig:
         element, scale = self._element_bytes(model)
         return sum(layer.bytes_per_token(element, scale) for layer in model.kv_layers)
 
-    def block_bytes(self, model: ModelSpec) -> int:
-        """Bytes of one physical KV block for `model`: its positions in every page array of the model's KV cache
-        layout (`ModelSpec.kv_layout`: for a model of one KV cache group, K and V of every layer; with several
-        groups, one layer of each group's share a page array, so a block is the bytes of the largest group's
-        layers), with 8-bit pages their scales too."""
-        return model.kv_layout.bytes_per_block(self.block_size, *self._element_bytes(model))
+    def block_bytes(self, model: ModelSpec, pool: int = 0) -> int:
+        """Bytes of one physical block of `model`'s pool `pool` (0: the KV pool where the model has one): its
+        positions in every page array of the model's KV cache layout (`ModelSpec.kv_layout`: for a model of one KV
+        cache group, K and V of every layer; with several groups, one layer of each group's share a page array,
+        so a block is the bytes of the largest group's layers), with 8-bit pages their scales too; a state pool's
+        block is one snapshot of every state layer."""
+        return model.kv_layout.bytes_per_block(self.block_size, *self._element_bytes(model), pool=pool)
 
-    def resolve_num_blocks(self, model: ModelSpec, draft: ModelSpec | None = None) -> int:
-        """Number of physical blocks: as given, or as many as fit in `kv_memory_bytes` (a block holds a `draft`
-        model's KV too, if given: speculative decoding's, `pagedjax.spec_decode.draft_kv`)."""
+    def resolve_state_blocks(self, model: ModelSpec, max_num_seqs: int, max_num_batched_tokens: int) -> tuple:
+        """The sizes of `model`'s pools past the first (a state pool's snapshots; empty for a model of one pool):
+        `num_state_blocks`, or twice what running sequences need at once: each its live state and the one at its
+        last block boundary, and a step's new boundaries (one per block of the token budget, one per sequence)."""
+        pools = model.kv_layout.pools
+        if self.num_state_blocks is not None:
+            return (self.num_state_blocks,) * (len(pools) - 1)
+        need = 3 * max_num_seqs + -(-max_num_batched_tokens // self.block_size)
+        return (2 * need,) * (len(pools) - 1)
+
+    def resolve_num_blocks(self, model: ModelSpec, draft: ModelSpec | None = None,
+                           extra_pools: tuple[int, ...] = ()) -> int:
+        """Number of physical blocks of the first pool: as given, or as many as fit in `kv_memory_bytes` (a block
+        holds a `draft` model's KV too, if given: speculative decoding's, `pagedjax.spec_decode.draft_kv`), after
+        the blocks of the pools past the first (`extra_pools`: their sizes, `resolve_state_blocks`)."""
         if self.num_blocks is not None:
             return self.num_blocks
         if self.kv_memory_bytes is None:
             return 512
+        budget = self.kv_memory_bytes - sum(n * self.block_bytes(model, p)
+                                            for p, n in enumerate(extra_pools, start=1))
         per_block = self.block_bytes(model) + (0 if draft is None else self.block_bytes(draft))
-        n = self.kv_memory_bytes // per_block
+        n = budget // per_block
         if n < 1:
-            raise ValueError(f"kv_memory_bytes={self.kv_memory_bytes} holds no block of {per_block} bytes"
+            states = "" if not extra_pools else f" (after {self.kv_memory_bytes - budget} bytes of state snapshots)"
+            raise ValueError(f"kv_memory_bytes={self.kv_memory_bytes} holds no block of {per_block} bytes{states}"
                              + ("" if draft is None else f" (the draft model's {self.block_bytes(draft)} included)"))
         return int(n)
 
-    def pool_bytes(self, model: ModelSpec) -> int:
-        """Bytes of the whole KV pool this config gives `model` (what the engine allocates on the device)."""
-        return self.resolve_num_blocks(model) * self.block_bytes(model)
+    def pool_bytes(self, model: ModelSpec, extra_pools: tuple[int, ...] = ()) -> int:
+        """Bytes of the whole KV pool this config gives `model` (what the engine allocates on the device), with the
+        pools past the first of `extra_pools` blocks."""
+        return self.resolve_num_blocks(model, extra_pools=extra_pools) * self.block_bytes(model) + sum(
+            n * self.block_bytes(model, p) for p, n in enumerate(extra_pools, start=1))

@@ -18,6 +18,11 @@ the fewest groups with at most 15% of a block's bytes padding (`_grouping`): gpt
 gets 2 groups of 12, Gemma 3 27B (52 local + 10 global) 7 groups of 10 (8 padded slots in the window groups), a
 model whose layers all keep every block one group of all its layers (slot i is layer i, the one-table case).
 
+Recurrent states (`RecurrentState`: gated DeltaNet, Mamba-2) keep one snapshot per block, hundreds of times a
+block of K/V: their groups draw from a pool of their own ("state", `KVCacheLayout.pools`), whose blocks are that
+large and as many as the sequences need, so that the KV blocks stay small. Each pool has its own allocator, LRU and
+hash index, and its own page arrays; a prefix hit is still one that every group of every pool serves.
+
 Plain Python, no JAX.
 """
 
@@ -35,23 +40,28 @@ MAX_PADDING = 0.15
 @dataclass(frozen=True)
 class KVCacheGroup:
     """Layers that share a block table: `layers` (model layer indices, ascending), their `slots` (the page array
-    each lives in); `spec` the first layer's (every layer of the group releases blocks as it does)."""
+    each lives in), the `pool` their blocks come from (an index into `KVCacheLayout.pools`); `spec` the first
+    layer's (every layer of the group releases blocks as it does)."""
 
     spec: KVCacheSpec
     layers: tuple[int, ...]
     slots: tuple[int, ...]
+    pool: int = 0
 
 
 @dataclass(frozen=True)
 class KVCacheLayout:
     """A model's KV cache groups and page arrays. `groups` in the order of their first layer; `slot_specs[s]` the
-    spec whose page shapes slot s has (the first spec of its layout); `layer_group[l]` and `layer_slot[l]` layer
-    l's group and slot."""
+    spec whose page shapes slot s has (the first spec of its layout) and `slot_pools[s]` the pool whose blocks it
+    holds; `layer_group[l]` and `layer_slot[l]` layer l's group and slot; `pools` the block pools' names ("kv"
+    first where there is one: token pages; "state": recurrent state snapshots)."""
 
     groups: tuple[KVCacheGroup, ...]
     slot_specs: tuple[KVCacheSpec, ...]
     layer_group: tuple[int, ...]
     layer_slot: tuple[int, ...]
+    slot_pools: tuple[int, ...] = ()
+    pools: tuple[str, ...] = ("kv",)
 
     @property
     def num_groups(self) -> int:
@@ -59,24 +69,31 @@ class KVCacheLayout:
 
     @property
     def windows(self) -> tuple[int | None, ...]:
-        """Each group's sliding window (None: it keeps every block)."""
-        return tuple(g.spec.sliding_window for g in self.groups)
+        """Each group's release window (`KVCacheSpec.release_window`; None: it keeps every block)."""
+        return tuple(g.spec.release_window for g in self.groups)
 
-    def bytes_per_block(self, block_size: int, element_bytes: int, scale_bytes: int = 0) -> int:
-        """Bytes of one physical block: its positions in every slot."""
-        return block_size * sum(s.bytes_per_token(element_bytes, scale_bytes) for s in self.slot_specs)
+    @property
+    def group_pools(self) -> tuple[int, ...]:
+        """Each group's pool (an index into `pools`)."""
+        return tuple(g.pool for g in self.groups)
+
+    def bytes_per_block(self, block_size: int, element_bytes: int, scale_bytes: int = 0, pool: int = 0) -> int:
+        """Bytes of one physical block of pool `pool`: its share of every slot of that pool."""
+        return sum(spec.bytes_per_block(block_size, element_bytes, scale_bytes)
+                   for spec, p in zip(self.slot_specs, self.slot_pools, strict=True) if p == pool)
 
     def group_name(self, g: int) -> str:
         """Group g's rule and kinds: "window-W" or "full" (it keeps every block), "full" replaced by its layers'
-        kinds where those are others ("latent", "full/latent/sparse")."""
+        kinds where those are others ("latent", "full/latent/sparse"); "state" for recurrent states."""
         group = self.groups[g]
+        kinds = sorted({self.slot_specs[slot].kind for slot in group.slots})
         if group.spec.sliding_window is not None:
             return f"window-{group.spec.sliding_window}"
-        return "/".join(sorted({self.slot_specs[slot].kind for slot in group.slots}))
+        return "/".join(kinds)
 
     def describe(self) -> str:
         """One line naming the groups, e.g. "2 groups: 12 full layers, 12 window-128 layers" or
-        "5 groups: 52 window-1024 layers (4 groups), 10 full layers"."""
+        "7 groups: 52 window-1024 layers (6 groups), 10 full layers"."""
         kinds: dict[str, list[int]] = {}  # name -> [layers, groups]
         for g, group in enumerate(self.groups):
             entry = kinds.setdefault(self.group_name(g), [0, 0])
@@ -88,8 +105,8 @@ class KVCacheLayout:
 
 
 def _rule(spec: KVCacheSpec):
-    """What a group's layers share: how their blocks are released (a sliding window, or none)."""
-    return spec.sliding_window
+    """What a group's layers share: how their blocks are released (a window, or none)."""
+    return spec.release_window
 
 
 def _split(layers: list[int], parts: int) -> list[list[int]]:
@@ -103,16 +120,17 @@ def _split(layers: list[int], parts: int) -> list[list[int]]:
     return out
 
 
-def _grouping(kv_layers: tuple[KVCacheSpec, ...]) -> list[list[int]]:
-    """The groups (lists of layer indices): each rule's layers in as many groups as a target size needs, each
-    layout's layers spread evenly over them. The target size is chosen, in this order: (1) no padding (bytes of
-    unused slots) in the groups that keep every block, which hold a long context's KV almost alone; (2) padding
-    within `MAX_PADDING` of all blocks' bytes; (3) the fewest groups (each a block table a step builds and the
-    host keeps); (4) the least padding."""
+def _grouping(kv_layers: tuple[KVCacheSpec, ...], layers: list[int]) -> list[list[int]]:
+    """The groups (lists of layer indices) of `layers` (those of one pool): each rule's layers in as many groups as a
+    target size needs, each layout's layers spread evenly over them. The target size is chosen, in this order: (1)
+    no padding (bytes of unused slots) in the groups that keep every block, which hold a long context's KV almost
+    alone; (2) padding within `MAX_PADDING` of all blocks' bytes; (3) the fewest groups (each a block table a step
+    builds and the host keeps); (4) the least padding."""
     rules: dict = {}
-    for i, spec in enumerate(kv_layers):
+    for i in layers:
+        spec = kv_layers[i]
         rules.setdefault(_rule(spec), {}).setdefault(spec.page_layout, []).append(i)
-    weight = {layout: layout.bytes_per_token(1) for by_layout in rules.values() for layout in by_layout}
+    weight = {layout: max(layout.bytes_per_block(16, 1), 1) for by_layout in rules.values() for layout in by_layout}
     candidates = []
     for size in range(1, max(sum(map(len, by_layout.values())) for by_layout in rules.values()) + 1):
         groups: list[tuple[object, dict]] = []
@@ -132,34 +150,42 @@ def _grouping(kv_layers: tuple[KVCacheSpec, ...]) -> list[list[int]]:
 
 def kv_cache_layout(kv_layers: tuple[KVCacheSpec, ...]) -> KVCacheLayout:
     """Group `kv_layers` (one spec per layer) and lay out their page arrays (see the module docstring)."""
-    groups = sorted(_grouping(kv_layers), key=lambda layers: layers[0])  # in the order of their first layer
-    # Slots: per layout, as many as the most layers of it one group has; slot i of a layout holds the i-th layer of
-    # that layout of every group. Layouts in the order of their first layer.
-    counts: dict[KVCacheSpec, int] = {}
-    first_spec: dict[KVCacheSpec, KVCacheSpec] = {}
-    for layers in groups:
+    by_pool: dict[str, list[int]] = {}
+    for i, spec in enumerate(kv_layers):
+        by_pool.setdefault(spec.pool, []).append(i)
+    pools = sorted(by_pool, key=lambda name: (name != "kv", by_pool[name][0]))  # "kv" first, then by first layer
+    groups = sorted(((pools.index(name), layers) for name in pools for layers in _grouping(kv_layers, by_pool[name])),
+                    key=lambda g: g[1][0])  # in the order of their first layer
+    # Slots: per pool and layout, as many as the most layers of it one group has; slot i of a layout holds the i-th
+    # layer of that layout of every group of its pool. Layouts in the order of their first layer.
+    counts: dict[tuple[int, KVCacheSpec], int] = {}
+    first_spec: dict[tuple[int, KVCacheSpec], KVCacheSpec] = {}
+    for pool, layers in groups:
         per_layout: dict[KVCacheSpec, int] = {}
         for i in layers:
             layout = kv_layers[i].page_layout
             per_layout[layout] = per_layout.get(layout, 0) + 1
-            first_spec.setdefault(layout, kv_layers[i])
+            first_spec.setdefault((pool, layout), kv_layers[i])
         for layout, n in per_layout.items():
-            counts[layout] = max(counts.get(layout, 0), n)
-    order = sorted(counts, key=lambda layout: min(i for i, s in enumerate(kv_layers) if s.page_layout == layout))
-    base, slot_specs = {}, []
-    for layout in order:
-        base[layout] = len(slot_specs)
-        slot_specs += [first_spec[layout]] * counts[layout]
+            counts[pool, layout] = max(counts.get((pool, layout), 0), n)
+    first_layer = {key: min(i for i, s in enumerate(kv_layers) if (pools.index(s.pool), s.page_layout) == key)
+                   for key in counts}
+    base, slot_specs, slot_pools = {}, [], []
+    for key in sorted(counts, key=lambda key: (key[0], first_layer[key])):
+        base[key] = len(slot_specs)
+        slot_specs += [first_spec[key]] * counts[key]
+        slot_pools += [key[0]] * counts[key]
     layer_group = [0] * len(kv_layers)
     layer_slot = [0] * len(kv_layers)
     out = []
-    for g, layers in enumerate(groups):
+    for g, (pool, layers) in enumerate(groups):
         seen: dict[KVCacheSpec, int] = {}
         slots = []
         for i in layers:
             layout = kv_layers[i].page_layout
-            slots.append(base[layout] + seen.get(layout, 0))
+            slots.append(base[pool, layout] + seen.get(layout, 0))
             seen[layout] = seen.get(layout, 0) + 1
             layer_group[i], layer_slot[i] = g, slots[-1]
-        out.append(KVCacheGroup(kv_layers[layers[0]], tuple(layers), tuple(slots)))
-    return KVCacheLayout(tuple(out), tuple(slot_specs), tuple(layer_group), tuple(layer_slot))
+        out.append(KVCacheGroup(kv_layers[layers[0]], tuple(layers), tuple(slots), pool))
+    return KVCacheLayout(tuple(out), tuple(slot_specs), tuple(layer_group), tuple(layer_slot), tuple(slot_pools),
+                         tuple(pools))

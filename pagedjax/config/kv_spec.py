@@ -10,10 +10,15 @@ so they work for every spec. What a spec states:
                           a NamedTuple whose class attribute `block_axis` says where each array keeps its blocks
                           (copy-on-write copies along it)
   bytes_per_token(...)    bytes one token position takes (`tokens_per_entry` positions share one stored entry)
+  bytes_per_block(...)    bytes one block takes (block_size positions; a state's one snapshot)
+  pool                    the block pool its blocks come from: "kv" (token pages, every attention kind) or "state"
+                          (one state snapshot per block, far larger than a block of K/V: a pool of its own, sized
+                          by sequences, keeps the KV blocks small)
   page_layout             the spec without its release rule: layers whose specs have equal layouts can share page
                           arrays (`pagedjax.config.kv_layout`: one array serves a layer of each KV cache group)
-  sliding_window          its release rule: W, its blocks wholly before the last W positions are released (the
-                          KV cache manager frees them); None, every block is kept
+  release_window          its release rule: W, a query at position p reads nothing before p - W + 1, so the blocks
+                          wholly before it are released (the KV cache manager frees them); None, every block is kept.
+                          A sliding window's W; 2 for a recurrent state (position p reads the state after p - 1)
   kv_heads_shape          (KV heads, head_dim) of per-head K/V pages, else None
   splits_kv_heads         whether tensor parallelism splits its pages by KV heads (else each device holds them all)
   check_query_heads(...)  whether `num_q_heads` query heads can read it
@@ -31,6 +36,13 @@ The kinds:
   latent entry of `LatentAttention` plus one lightning-indexer key per token in the same block (same table,
   hashes, eviction, copy-on-write), pages `[num_blocks, block_size, index_head_dim]` beside the latent ones. Per
   query the indexer scores every earlier token, keeps the top `index_topk`, and attention reads only those.
+- `RecurrentState(state_shape, conv_shape)`: a recurrent layer (gated DeltaNet, Mamba-2) keeps no per-token
+  entries but one state per sequence: a float32 recurrent state and a float32 convolution window. Its pages are
+  **snapshots valid at block boundaries**: block j of a sequence holds the state after the last position of block
+  j (while j is the sequence's last, partial block: its live state). A step reads the state after its first
+  position's predecessor and writes the state at every block boundary it crosses and after its last token; full
+  blocks are published under their hash like any block, so a prefix hit restores the snapshot at the hit's end,
+  never a live state. Pages `[num_blocks, *state_shape]` and `[num_blocks, *conv_shape]` in the "state" pool.
 A model of your own may declare a kind of its own: subclass `KVCacheSpec` (a frozen dataclass), state the methods
 above, and write and read its pages in your own attention layer (`pagedjax.model.api`).
 
@@ -43,6 +55,7 @@ Plain Python, no JAX: the host side (`pagedjax.core`) sizes the pool from these 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -108,7 +121,8 @@ class KVCacheSpec:
 
     kind = "custom"
     tokens_per_entry = 1  # token positions one stored entry covers
-    sliding_window = None  # no window: every block is kept
+    sliding_window = None  # attention reads every earlier position
+    pool = "kv"
 
     def page_shapes(self, num_blocks: int, block_size: int, dtype: str, *, quantized: bool = False,
                     num_kv_heads: int | None = None) -> NamedTuple:
@@ -120,6 +134,15 @@ class KVCacheSpec:
     def bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
         """Bytes one token position takes in this layer's pages (8-bit scales of `scale_bytes` included)."""
         raise TypeError(f"{type(self).__name__} must define bytes_per_token (pagedjax.config.kv_spec.KVCacheSpec)")
+
+    def bytes_per_block(self, block_size: int, element_bytes: int, scale_bytes: int = 0) -> int:
+        """Bytes one block of this layer's pages takes."""
+        return block_size * self.bytes_per_token(element_bytes, scale_bytes)
+
+    @property
+    def release_window(self) -> int | None:
+        """Its release rule (see the module docstring): its sliding window, None for every block kept."""
+        return self.sliding_window
 
     @property
     def page_layout(self) -> KVCacheSpec:
@@ -248,6 +271,55 @@ class IndexedSparse(KVCacheSpec):
     def bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
         """The latent entry and the indexer key, each with its scale for 8-bit pages."""
         return (self.entry_dim + self.index_head_dim) * element_bytes + 2 * scale_bytes
+
+
+class StatePages(NamedTuple):
+    """One recurrent layer's state snapshots (`RecurrentState`): float32 `[num_blocks, *state_shape]` and
+    `[num_blocks, *conv_shape]`, one state per block."""
+
+    block_axis = 0
+
+    recurrent: Any
+    conv: Any
+
+
+@dataclass(frozen=True)
+class RecurrentState(KVCacheSpec):
+    """A recurrent layer's per-sequence state: a float32 recurrent state of `state_shape` (gated DeltaNet: [heads,
+    key dim, value dim]; Mamba-2: [heads, head dim, state size]) and a float32 convolution window of `conv_shape`
+    ([channels, kernel - 1]: the inputs before the position), one snapshot per block (module docstring)."""
+
+    state_shape: tuple[int, ...]
+    conv_shape: tuple[int, ...]
+
+    kind = "state"
+    pool = "state"
+
+    def __post_init__(self) -> None:
+        for name in ("state_shape", "conv_shape"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, tuple | list) or not value:
+                raise TypeError(f"RecurrentState.{name} must be a non-empty tuple of ints, got {value!r}")
+            object.__setattr__(self, name, tuple(check_int("RecurrentState", f"{name}[{i}]", d, lo=1)
+                                                 for i, d in enumerate(value)))
+
+    def page_shapes(self, num_blocks: int, block_size: int, dtype: str, *, quantized: bool = False,
+                    num_kv_heads: int | None = None) -> StatePages:
+        """float32 whatever the KV dtype: a state is not stored 8-bit (each would need scales of its own)."""
+        return StatePages(ArraySpec((num_blocks, *self.state_shape), "float32"),
+                          ArraySpec((num_blocks, *self.conv_shape), "float32"))
+
+    def bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
+        """0: a state does not grow with the context (its blocks are counted whole: `bytes_per_block`)."""
+        return 0
+
+    def bytes_per_block(self, block_size: int, element_bytes: int, scale_bytes: int = 0) -> int:
+        """One snapshot: the recurrent state and the convolution window, float32."""
+        return 4 * (math.prod(self.state_shape) + math.prod(self.conv_shape))
+
+    @property
+    def release_window(self) -> int:
+        return 2  # the query at p reads the state after p - 1: blocks before that position's are released
 
 
 KVLayerSpec = KVCacheSpec  # the type of `ModelSpec.kv_layers`' entries (any kind, built-in or a model's own)

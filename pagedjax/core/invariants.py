@@ -24,15 +24,15 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
     forks of one another sharing their partial last block); the encoder cache holds at most its budget of image
     features, and only running requests need any."""
     kv = scheduler.kv_cache_manager
-    pool = kv.block_pool
     bs = scheduler.block_size
 
     def require(ok: bool, what: str) -> None:
         if not ok:
             raise RuntimeError(f"scheduler invariant violated: {what}")
 
-    pool.check_invariants()
-    require(pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks, "block counts")
+    for pool in kv.pools:
+        pool.check_invariants()
+        require(pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks, "block counts")
     running_ids = [r.request_id for r in scheduler.running]
     waiting_ids = [r.request_id for r in scheduler.waiting]
     require(len(set(running_ids)) == len(running_ids) and not set(running_ids) & set(waiting_ids),
@@ -57,39 +57,40 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
         most = cdiv(r.num_tokens + len(r.draft_token_ids), bs) if r.draft_token_ids else need  # proposals' blocks
         require(held >= need if mid_step else need <= held <= most,
                 f"{r.request_id} holds {held} blocks for {r.num_computed_tokens} tokens")
-    # Per KV cache group (`kv.per_group`: one entry per group): every group covers the same logical blocks.
-    count: dict[int, int] = {}
+    # Per KV cache group (`kv.per_group`: one entry per group): every group covers the same logical blocks. Block
+    # ids are their pool's own: counted per (pool, block).
+    count: dict[tuple[int, int], int] = {}
     for rid, blocks in holders.items():
         per_group = kv.per_group(blocks)
         released = kv.per_group(kv.num_released_blocks(rid))
         require(len({len(b) for b in per_group}) == 1, f"{rid}'s KV cache groups hold different numbers of blocks")
-        for group_blocks, num_released in zip(per_group, released, strict=True):
+        for group_blocks, num_released, p in zip(per_group, released, kv.group_pools, strict=True):
             live = [b for b in group_blocks if b != RELEASED]
             require(len(set(live)) == len(live), "a request holds a block twice")
             require(len(live) == len(group_blocks) - num_released, f"{rid} released a block that is not a "
                     "leading one")
             for b in live:
-                count[b] = count.get(b, 0) + 1
-    lent = kv.lent_block_ids
-    require(not set(count) & lent, "a lent block is held by a request")
-    ref = pool.ref_counts()
-    for b in range(pool.num_blocks):
-        require(int(ref[b]) == count.get(b, 0) + (b in lent), f"block {b}: ref_cnt {int(ref[b])}, "
-                f"{count.get(b, 0)} holders, lent {b in lent}")
+                count[p, b] = count.get((p, b), 0) + 1
+    for p, (pool, lent) in enumerate(zip(kv.pools, kv.lent_per_pool(), strict=True)):
+        require(not {b for q, b in count if q == p} & lent, "a lent block is held by a request")
+        ref = pool.ref_counts()
+        for b in range(pool.num_blocks):
+            require(int(ref[b]) == count.get((p, b), 0) + (b in lent), f"pool {p} block {b}: ref_cnt {int(ref[b])}, "
+                    f"{count.get((p, b), 0)} holders, lent {b in lent}")
     by_id = {r.request_id: r for r in scheduler.running}
-    seen: dict[int, tuple[int, ...]] = {}
-    owner: dict[int, int] = {}  # block -> the group holding it
+    seen: dict[tuple[int, int], tuple[int, ...]] = {}
+    owner: dict[tuple[int, int], int] = {}  # (pool, block) -> the group holding it
     for rid, blocks in holders.items():
         r = by_id[rid]
-        for g, group_blocks in enumerate(kv.per_group(blocks)):
+        for g, (group_blocks, p) in enumerate(zip(kv.per_group(blocks), kv.group_pools, strict=True)):
             for i, b in enumerate(group_blocks):
                 if b == RELEASED:
                     continue
-                require(owner.setdefault(b, g) == g, f"block {b} is held in two KV cache groups")
-                if count[b] > 1:
+                require(owner.setdefault((p, b), g) == g, f"block {b} is held in two KV cache groups")
+                if count[p, b] > 1:
                     # Shared blocks come from prefix hits (full) or forks (the last one may be partial: then
                     # every holder has the same computed tokens in it, and copies it before writing more).
                     filled = min(bs, r.num_computed_tokens - i * bs)
                     require(filled > 0, f"shared block {b} holds no computed token of {rid}")
                     tokens = tuple(r.get_token_ids(i * bs, i * bs + filled))
-                    require(seen.setdefault(b, tokens) == tokens, f"shared block {b} differs between holders")
+                    require(seen.setdefault((p, b), tokens) == tokens, f"shared block {b} differs between holders")

@@ -63,12 +63,15 @@ def _check_window(window) -> None:
 
 
 class KVCacheManager:
-    """The block lists of every KV cache group over one pool. `sliding_window`: a model of one group's window (None:
-    every block is kept); `group_windows`: one window (or None) per group of a model of several."""
+    """The block lists of every KV cache group over its block pool. `sliding_window`: a model of one group's window
+    (None: every block is kept); `group_windows`: one release window (or None) per group of a model of several, and
+    `group_pools` each group's pool (default: all in the one pool). Pool 0 has `num_blocks` blocks, pool i > 0
+    `extra_pools[i - 1]` (a recurrent state's snapshots: `pagedjax.config.kv_layout`)."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
                  hash_seed: int = 0, sliding_window: int | None = None,
-                 group_windows: Sequence[int | None] | None = None) -> None:
+                 group_windows: Sequence[int | None] | None = None, group_pools: Sequence[int] | None = None,
+                 extra_pools: Sequence[int] = ()) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if group_windows is not None and sliding_window is not None:
@@ -78,19 +81,38 @@ class KVCacheManager:
             raise ValueError("group_windows must name at least one group")
         for window in windows:
             _check_window(window)
+        pools = (0,) * len(windows) if group_pools is None else tuple(group_pools)
+        sizes = (num_blocks, *extra_pools)
+        if len(pools) != len(windows) or sorted(set(pools)) != list(range(len(sizes))):
+            raise ValueError(f"group_pools {pools} must give each of the {len(windows)} groups one of the "
+                             f"{len(sizes)} pools, and every pool a group")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching, hash_seed=hash_seed)
-        self.groups = tuple(KVGroupManager(self.block_pool, block_size, group=g, sliding_window=w)
-                            for g, w in enumerate(windows))
+        self.pools = tuple(BlockPool(n, enable_caching=enable_caching, hash_seed=hash_seed) for n in sizes)
+        self.groups = tuple(KVGroupManager(self.pools[p], block_size, group=g, sliding_window=w)
+                            for g, (w, p) in enumerate(zip(windows, pools, strict=True)))
+        self.group_pools = pools
         self.prefix_cache_queries = 0  # tokens looked up by first-time admissions
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
 
     @classmethod
     def from_config(cls, cache_config: CacheConfig, num_blocks: int, *, sliding_window: int | None = None,
-                    group_windows: Sequence[int | None] | None = None) -> KVCacheManager:
+                    group_windows: Sequence[int | None] | None = None, group_pools: Sequence[int] | None = None,
+                    extra_pools: Sequence[int] = ()) -> KVCacheManager:
         return cls(num_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching,
-                   hash_seed=cache_config.hash_seed, sliding_window=sliding_window, group_windows=group_windows)
+                   hash_seed=cache_config.hash_seed, sliding_window=sliding_window, group_windows=group_windows,
+                   group_pools=group_pools, extra_pools=extra_pools)
+
+    @property
+    def block_pool(self) -> BlockPool:
+        """Pool 0 (the KV pool of token pages where there is one)."""
+        return self.pools[0]
+
+    def _by_pool(self) -> list[list[KVGroupManager]]:
+        out: list[list[KVGroupManager]] = [[] for _ in self.pools]
+        for group, p in zip(self.groups, self.group_pools, strict=True):
+            out[p].append(group)
+        return out
 
     # -- one value per group: flat for one group, a tuple for several ----------------------------------
 
@@ -138,7 +160,12 @@ class KVCacheManager:
 
     @property
     def lent_block_ids(self) -> frozenset[int]:
-        return frozenset().union(*(g.lent_block_ids for g in self.groups))
+        """Blocks of pool 0 lent to the device (every pool's: `lent_per_pool`)."""
+        return self.lent_per_pool()[0]
+
+    def lent_per_pool(self) -> list[frozenset[int]]:
+        """Each pool's blocks lent to the device (block ids are a pool's own)."""
+        return [frozenset().union(*(g.lent_block_ids for g in groups)) for groups in self._by_pool()]
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -255,18 +282,22 @@ class KVCacheManager:
             [()] * len(self.groups)
         for group, group_hits in zip(self.groups, hits, strict=True):
             group.check_hits(request, group_hits)
-        need = sum(g.blocks_needed(request, num_new_tokens, h) for g, h in zip(self.groups, hits, strict=True))
-        if need > self.block_pool.num_free_blocks:
+        need = [0] * len(self.pools)
+        for group, group_hits, p in zip(self.groups, hits, self.group_pools, strict=True):
+            need[p] += group.blocks_needed(request, num_new_tokens, group_hits)
+        if any(n > pool.num_free_blocks for n, pool in zip(need, self.pools, strict=True)):
             return None
         for group, group_hits in zip(self.groups, hits, strict=True):  # every hit before any allocation evicts it
             group.take_hits(request, group_hits)
         return self._out([g.allocate(request, num_new_tokens, len(h)) for g, h in zip(self.groups, hits,
                                                                                         strict=True)])
 
-    def take_block_copies(self) -> list[tuple[int, int]]:
+    def take_block_copies(self):
         """The (src, dst) block copies the next step must make before it writes KV (and forget them): every
-        group's, each copied in every page array (a fresh dst is its group's alone)."""
-        return [copy for g in self.groups for copy in g.take_block_copies()]
+        group's, each copied in every page array of its pool (a fresh dst is its group's alone); with several
+        pools, one list per pool."""
+        per_pool = [[copy for g in groups for copy in g.take_block_copies()] for groups in self._by_pool()]
+        return per_pool[0] if len(self.pools) == 1 else tuple(per_pool)
 
     def fork(self, source: Request, child: Request) -> None:
         """Let `child` (holding no blocks) share every block `source` holds: the child continues from the
@@ -317,10 +348,10 @@ class KVCacheManager:
         them. Returns how many blocks were released now (0 without a sliding window)."""
         return sum(g.release_out_of_window(request, caching=self.enable_caching) for g in self.groups)
 
-    def max_blocks_held(self, num_kv_tokens: int, max_chunk: int) -> int:
-        """The most blocks (all groups) a request holds at once (lent blocks aside) on its way to `num_kv_tokens`
-        tokens of KV, when a step computes at most `max_chunk` of its tokens and allocates their blocks before it
-        runs.
+    def max_blocks_held(self, num_kv_tokens: int, max_chunk: int, pool: int = 0) -> int:
+        """The most blocks (all groups of `pool`) a request holds at once (lent blocks aside) on its way to
+        `num_kv_tokens` tokens of KV, when a step computes at most `max_chunk` of its tokens and allocates their
+        blocks before it runs.
 
         A step from p computed tokens computing n = min(max_chunk, num_kv_tokens - p) tokens holds, in a group,
         cdiv(p + n, block_size) blocks less the leading ones unread from p on: released after the previous step,
@@ -329,9 +360,10 @@ class KVCacheManager:
         window it is cdiv(num_kv_tokens, block_size) per group.
         """
         T, B, C = num_kv_tokens, self.block_size, max_chunk
-        windows = [w for w in self.group_windows if w is not None]
+        groups = self._by_pool()[pool]
+        windows = [g.sliding_window for g in groups if g.sliding_window is not None]
         if not windows or T <= C:  # (with T <= C, p = 0 computes everything at once: nothing is released yet)
-            return len(self.groups) * cdiv(T, B)
+            return len(groups) * cdiv(T, B)
         # Past p = T - C the step ends at T and more is released: no larger. Between two windows' thresholds
         # (p = W - 1, from where a window group's count repeats with period B while the others' only grow), the
         # count one block size later is no smaller, so the maximum is among the last B starts before each
@@ -340,17 +372,23 @@ class KVCacheManager:
         starts = set(range(max(0, last - B + 1), last + 1))
         for w in windows:
             starts.update(range(max(0, w - 1 - B), min(w - 1, last + 1)))
-        return max(sum(g.blocks_held_at(p, C) for g in self.groups) for p in starts)
+        return max(sum(g.blocks_held_at(p, C) for g in groups) for p in starts)
+
+    def fits(self, num_kv_tokens: int, max_chunk: int) -> bool:
+        """Whether a request reaching `num_kv_tokens` tokens of KV in steps of at most `max_chunk` holds no more
+        blocks of any pool at once than the pool has (`max_blocks_held`)."""
+        return all(self.max_blocks_held(num_kv_tokens, max_chunk, p) <= pool.num_blocks
+                   for p, pool in enumerate(self.pools))
 
     def max_kv_tokens_held(self, max_chunk: int, limit: int) -> int:
-        """The most tokens of KV (at most `limit`) one request can reach in this pool: the largest T whose
-        `max_blocks_held(T, max_chunk)` fits `num_blocks` (that count never falls as T grows)."""
-        if self.max_blocks_held(limit, max_chunk) <= self.num_blocks:
+        """The most tokens of KV (at most `limit`) one request can reach in these pools: the largest T that `fits`
+        (the counts never fall as T grows)."""
+        if self.fits(limit, max_chunk):
             return limit
         lo, hi = 0, limit  # fits(lo), not fits(hi)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self.max_blocks_held(mid, max_chunk) <= self.num_blocks:
+            if self.fits(mid, max_chunk):
                 lo = mid
             else:
                 hi = mid
@@ -358,7 +396,9 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash; refused (False) while any block is in use or lent."""
-        return self.block_pool.reset_prefix_cache()
+        if any(pool.num_used for pool in self.pools):
+            return False
+        return all([pool.reset_prefix_cache() for pool in self.pools])
 
     # -- fused decode -----------------------------------------------------------------------
 
@@ -367,7 +407,8 @@ class KVCacheManager:
 
         Each lent block has ref_cnt 1, held by the lender, and no hash. Returns None if fewer are free.
         """
-        if n * len(self.groups) > self.block_pool.num_free_blocks:
+        if any(n * len(groups) > pool.num_free_blocks for groups, pool in zip(self._by_pool(), self.pools,
+                                                                                 strict=True)):
             return None
         return self._out([g.lend(n) for g in self.groups])
 

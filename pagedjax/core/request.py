@@ -144,7 +144,8 @@ class Request:
         output processor finds those."""
         if token in self.stop_ids:
             return RequestStatus.FINISHED_STOPPED
-        if num_output_tokens >= self.sampling_params.max_tokens or num_tokens >= max_model_len:
+        max_tokens = self.sampling_params.max_tokens  # None: the rest of the context (the engine sets it first)
+        if (max_tokens is not None and num_output_tokens >= max_tokens) or num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

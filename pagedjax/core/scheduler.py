@@ -113,15 +113,18 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, *,
                  sliding_window: int | None = None, group_windows: Sequence[int | None] | None = None,
+                 group_pools: Sequence[int] | None = None, extra_pools: Sequence[int] = (),
                  max_loras: int | None = None, images: int | None = None,
                  bidirectional_images: bool = False) -> None:
         """`sliding_window`: the window of a model of one KV cache group (no layer reads positions older than
         p - window from position p; None: every layer reads everything), `group_windows` one per group of a model
         of several (`ModelSpec.kv_layout.windows`): running requests release a window group's blocks that fell
-        out of its window after each step. `max_loras`: the most distinct adapters running requests may use (None:
-        no limit; see the module's docstring). `images`: requests may carry images of this many placeholder tokens each
-        (`scheduler_config`'s encoder budgets resolved: `SchedulerConfig.resolve_images`), whose tokens attend to each
-        other both ways where `bidirectional_images`."""
+        out of its window after each step; `group_pools` and `extra_pools`: the groups' block pools and the sizes of
+        pools past the first (`KVCacheManager`: a recurrent state's snapshots). `max_loras`: the most distinct
+        adapters running requests may use (None: no limit; see the module's docstring). `images`: requests may carry
+        images of this many placeholder tokens each (`scheduler_config`'s encoder budgets resolved:
+        `SchedulerConfig.resolve_images`), whose tokens attend to each other both ways where
+        `bidirectional_images`."""
         if scheduler_config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len is None: resolve it first "
                              "(SchedulerConfig.resolve(max_position_embeddings))")
@@ -130,7 +133,8 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager.from_config(cache_config, num_blocks, sliding_window=sliding_window,
-                                                           group_windows=group_windows)
+                                                           group_windows=group_windows, group_pools=group_pools,
+                                                           extra_pools=extra_pools)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -154,16 +158,18 @@ class Scheduler:
 
     def max_kv_tokens(self, request: Request) -> int:
         """The most tokens whose KV this request can ever need at once: it stops when it reaches
-        max_tokens outputs or max_model_len tokens, and its last sampled token is never fed back."""
-        p = request.num_prompt_tokens
-        return max(p, min(p + request.sampling_params.max_tokens, self.max_model_len) - 1)
+        max_tokens outputs (None: the rest of the context) or max_model_len tokens, and its last sampled token is
+        never fed back."""
+        p, max_tokens = request.num_prompt_tokens, request.sampling_params.max_tokens
+        return max(p, min(p + (self.max_model_len if max_tokens is None else max_tokens), self.max_model_len) - 1)
 
     def max_new_tokens_left(self, request: Request) -> int:
         """How many more tokens an unfinished request may still generate (>= 1): up to max_tokens
         outputs, and until it has max_model_len tokens (a prompt of exactly max_model_len tokens still
         gets one)."""
-        return max(1, min(request.sampling_params.max_tokens - request.num_output_tokens,
-                          self.max_model_len - request.num_tokens))
+        max_tokens = request.sampling_params.max_tokens
+        left = self.max_model_len - request.num_tokens
+        return max(1, left if max_tokens is None else min(max_tokens - request.num_output_tokens, left))
 
     def check_request(self, request: Request) -> None:
         """Raise ValueError if `add_request` would refuse `request`: an empty prompt, a prompt longer than
@@ -192,14 +198,18 @@ class Scheduler:
         kv = self.kv_cache_manager
         num_kv_tokens = self.max_kv_tokens(request)
         chunk = self.max_chunk(num_kv_tokens)
-        if chunk == 0:  # not even steps of one token keep what it holds within the pool
-            need = kv.max_blocks_held(num_kv_tokens, 1)
-            windows = sorted({w for w in kv.group_windows if w is not None})
+        if chunk == 0:  # not even steps of one token keep what it holds within the pools
+            p = next(p for p, pool in enumerate(kv.pools) if kv.max_blocks_held(num_kv_tokens, 1, p) > pool.num_blocks)
+            need = kv.max_blocks_held(num_kv_tokens, 1, p)
+            windows = sorted({w for w, gp in zip(kv.group_windows, kv.group_pools, strict=True)
+                              if w is not None and gp == p})
             groups = f" in its {kv.num_groups} KV cache groups" if kv.num_groups > 1 else ""
             why = "" if not windows else (f" at once (its {'/'.join(map(str, windows))}-token sliding window"
                                           f"{'s' * (len(windows) > 1)} and a step of one token)")
-            raise ValueError(f"request {rid!r}: its prompt and max_tokens may need {need} blocks of {self.block_size}"
-                             f" tokens{groups}{why}, more than the whole pool of {kv.num_blocks} blocks")
+            pool = "" if len(kv.pools) == 1 else f" of pool {p}"
+            raise ValueError(f"request {rid!r}: its prompt and max_tokens may need {need} blocks{pool} of "
+                             f"{self.block_size} tokens{groups}{why}, more than the whole pool of "
+                             f"{kv.pools[p].num_blocks} blocks")
         if request.images and self.bidirectional_images and chunk < self.tokens_per_image:
             raise ValueError(f"request {rid!r}: an image's {self.tokens_per_image} tokens attend to each other, so "
                              f"they run in one step, but a step of its tokens may hold at most {chunk} tokens in the "
@@ -214,8 +224,7 @@ class Scheduler:
         budget = self.scheduler_config.max_num_batched_tokens
         cap = self._chunk_caps.get(num_kv_tokens)
         if cap is None:
-            kv = self.kv_cache_manager
-            fits = lambda c: kv.max_blocks_held(num_kv_tokens, c) <= kv.num_blocks
+            fits = lambda c: self.kv_cache_manager.fits(num_kv_tokens, c)
             if fits(budget) or not self.scheduler_config.enable_chunked_prefill:
                 cap = budget if fits(budget) else 0
             else:  # the blocks held grow with the step's size: the largest that fits
@@ -828,6 +837,7 @@ class Scheduler:
         cache = self.encoder_cache
         plan = build_step_plan(scheduled, block_ids, self.block_size, block_copies=kv.take_block_copies(),
                                image_slots=None if cache is None else cache.slot_of, num_groups=kv.num_groups,
+                               num_pools=len(kv.pools),
                                **kwargs)
         if cache is not None:
             plan.encode_images = [(im, cache.slot_of(im.content_hash)) for im in self._step_encodes]
@@ -864,7 +874,7 @@ class Scheduler:
         cu = plan.cu_q_lens.tolist()
         # 1. what each live sequence emits and computes, validated; nothing changes yet
         outcomes: list[tuple[Request, list[int], int, RequestStatus | None, bool]] = []
-        claimed: set[int] = set()
+        claimed: list[set[int]] = [set() for _ in kv.pools]  # per pool: block ids are a pool's own
         adopted: dict[str, list[int]] = {}
         for i, rid in enumerate(plan.request_ids):
             request = self.requests.get(rid)
@@ -891,7 +901,7 @@ class Scheduler:
                 else kv_lens[i]
             if plan.fused is not None:
                 adopted[rid] = claim_lent_blocks(plan, result.block_tables, i, rid, kv.get_block_ids(rid),
-                                                 cdiv(computed, self.block_size), claimed, kv.num_groups)
+                                                 cdiv(computed, self.block_size), claimed, kv.group_pools)
             outcomes.append((request, emitted, computed, status, emits[i] and request.prefill_only))
         # 2. apply
         finished: list[Request] = []
@@ -916,7 +926,7 @@ class Scheduler:
                 kv.release_out_of_window(request)
                 self._release_images(request, keep_started=True)
         if plan.fused is not None:
-            kv.return_lent_blocks(unclaimed_lent_blocks(plan, claimed, kv.num_groups))
+            kv.return_lent_blocks(unclaimed_lent_blocks(plan, claimed, kv.group_pools))
             self._pending_fused = None
         if finished:
             self.running = [r for r in self.running if not r.is_finished]

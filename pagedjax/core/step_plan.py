@@ -46,7 +46,8 @@ class StepPlan:
     preempted_request_ids: list[str] = field(default_factory=list)
     num_decodes: int = 0  # the first num_decodes seqs have q_len == 1
     # int32 [num_copies, 2]: (src, dst) blocks to copy, every layer's K and V, before the step writes its KV
-    # (copy-on-write of blocks shared by forks; see `KVCacheManager.fork`)
+    # (copy-on-write of blocks shared by forks; see `KVCacheManager.fork`); with several block pools (a recurrent
+    # state's snapshots beside the K/V) [num_pools, num_copies, 2], each pool's rows padded with (0, -1)
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))
     # int32 [num_seqs]: speculative decoding's proposed tokens at the end of each sequence's query, verified by
     # this step (see `pagedjax.core.step_result`); None in a step that verifies none
@@ -135,9 +136,10 @@ def first_rows(plan: StepPlan) -> np.ndarray:
 def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping[str, Sequence[int]],
                     block_size: int, *, preempted_request_ids: Sequence[str] = (), min_width: int = 0,
                     allow_missing_blocks: bool = False,
-                    block_copies: Sequence[tuple[int, int]] = (),
+                    block_copies: Sequence = (),
                     draft_token_ids: Mapping[str, Sequence[int]] | None = None,
-                    image_slots: Callable[[str], int] | None = None, num_groups: int = 1) -> StepPlan:
+                    image_slots: Callable[[str], int] | None = None, num_groups: int = 1,
+                    num_pools: int = 1) -> StepPlan:
     """The step that advances each `(request, num_tokens)` of `scheduled` by `num_tokens` tokens from its
     `num_computed_tokens`, through the blocks `block_ids[request_id]` it holds (in logical order; with
     `num_groups` > 1, one such sequence per KV cache group, and the plan's tables and slots per group).
@@ -148,9 +150,11 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
     `draft_token_ids[request_id]`: proposed tokens that follow a decoding request's last known token in its query
     (`num_tokens` counts them: a request scheduled with `1 + len(drafts)` tokens); the plan's `num_drafts` says how
     many each sequence carries. `image_slots`: each cached image's encoder cache slot (requests with images).
+    `block_copies`: (src, dst) pairs, with `num_pools` > 1 one sequence of them per block pool.
     """
+    copies = _copies_array(block_copies, num_pools)
     if not scheduled:
-        if block_copies:
+        if (copies[..., 1] >= 0).any():
             raise ValueError("block copies without a scheduled request")
         return StepPlan.empty(preempted_request_ids)
     order = [x for x in scheduled if x[1] == 1]
@@ -206,8 +210,22 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
         cu_q_lens=cu_q_lens, kv_lens=kv_lens, block_tables=block_tables,
         slot_mapping=slot_mapping, emits_token=kv_lens == np.array(known_list, np.int32),
         preempted_request_ids=list(preempted_request_ids), num_decodes=num_decodes,
-        block_copies=np.array(block_copies, np.int32).reshape(-1, 2),
+        block_copies=copies,
         num_drafts=np.array(drafts_list, np.int32) if draft_token_ids else None, image_segments=segments)
+
+
+def _copies_array(block_copies: Sequence, num_pools: int) -> np.ndarray:
+    """int32 `[C, 2]` of (src, dst) pairs; with several pools `[num_pools, C, 2]`, C the most of any pool, each
+    pool's rows padded with (0, -1) (dst -1: dropped)."""
+    if num_pools == 1:
+        return np.array(block_copies, np.int32).reshape(-1, 2)
+    rows = max((len(c) for c in block_copies), default=0)
+    out = np.zeros((num_pools, rows, 2), np.int32)
+    out[..., 1] = -1
+    for p, pairs in enumerate(block_copies):
+        if len(pairs):
+            out[p, :len(pairs)] = pairs
+    return out
 
 
 def _table_and_slots(rows: list[Sequence[int]], width: int, seq_of_token: np.ndarray, positions: np.ndarray,
@@ -285,15 +303,16 @@ def simulate_device_pops(block_tables: np.ndarray, seq_lens: np.ndarray, lent_bl
 
 
 def claim_lent_blocks(plan: StepPlan, block_tables: np.ndarray, i: int, request_id: str, held, need: int,
-                      claimed: set[int], num_groups: int = 1):
+                      claimed: list[set[int]], group_pools: Sequence[int] = (0,)):
     """The lent blocks sequence i of a fused decode adopts: those its row of the device's `block_tables` gained past
-    the `held` blocks, up to the `need` its new length needs (added to `claimed`); with `num_groups` > 1, per group
-    (`held`, the tables and the result). Changes nothing else; RuntimeError if the device changed a block the host
-    placed, kept a block that was not lent, or took one twice (checked before anything is applied)."""
-    if num_groups == 1:
-        return _claim(block_tables[i], plan.fused.lent_block_ids, request_id, held, need, claimed)
-    return tuple(_claim(block_tables[g, i], plan.fused.lent_block_ids[g], request_id, held[g], need, claimed)
-                 for g in range(num_groups))
+    the `held` blocks, up to the `need` its new length needs (added to `claimed`, a set per block pool); with
+    several KV cache groups (`group_pools`: each one's pool), per group (`held`, the tables and the result).
+    Changes nothing else; RuntimeError if the device changed a block the host placed, kept a block that was not
+    lent, or took one twice (checked before anything is applied)."""
+    if len(group_pools) == 1:
+        return _claim(block_tables[i], plan.fused.lent_block_ids, request_id, held, need, claimed[group_pools[0]])
+    return tuple(_claim(block_tables[g, i], plan.fused.lent_block_ids[g], request_id, held[g], need, claimed[p])
+                 for g, p in enumerate(group_pools))
 
 
 def _claim(row: np.ndarray, lent_block_ids: np.ndarray, request_id: str, held: Sequence[int], need: int,
@@ -313,10 +332,10 @@ def _claim(row: np.ndarray, lent_block_ids: np.ndarray, request_id: str, held: S
     return new_blocks
 
 
-def unclaimed_lent_blocks(plan: StepPlan, claimed: set[int], num_groups: int = 1):
-    """A fused decode's lent blocks that no sequence claimed (`claim_lent_blocks`): back to the pool (per group
-    with `num_groups` > 1)."""
+def unclaimed_lent_blocks(plan: StepPlan, claimed: list[set[int]], group_pools: Sequence[int] = (0,)):
+    """A fused decode's lent blocks that no sequence claimed (`claim_lent_blocks`): back to their pools (per group
+    where there are several)."""
     lent = plan.fused.lent_block_ids.tolist()
-    if num_groups == 1:
-        return [b for b in lent if b not in claimed]
-    return tuple([b for b in group if b not in claimed] for group in lent)
+    if len(group_pools) == 1:
+        return [b for b in lent if b not in claimed[group_pools[0]]]
+    return tuple([b for b in ids if b not in claimed[p]] for ids, p in zip(lent, group_pools, strict=True))

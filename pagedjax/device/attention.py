@@ -140,11 +140,13 @@ def sparse_attention(q_latent: jax.Array,  # [num_tokens, num_heads, kv_lora_ran
                      index_weights: jax.Array,  # f32[num_tokens, index_n_heads]
                      layer: SparseKV,  # this layer's pages, this step's entries and indexer keys already written
                      meta: AttentionMetadata, *, backend: str, decode_only: bool, scale: float, index_scale: float,
-                     index_topk: int) -> jax.Array:
+                     index_topk: int) -> tuple[jax.Array, jax.Array]:
     """DeepSeek sparse attention (DSA, V3.2) of a step's queries over one layer's pages: the lightning indexer
     scores every earlier position of the query's sequence, `s[t] = index_scale * sum_h w[h] relu(q_index[h] .
     k_index[t])` (causal), the `index_topk` best positions are kept (ties: the lower position), and the absorbed
-    MLA of `latent_attention` runs over exactly those. Returns `[num_tokens, num_heads, kv_lora_rank]`.
+    MLA of `latent_attention` runs over exactly those. Returns (`[num_tokens, num_heads, kv_lora_rank]`, int32[]:
+    the query rows whose cut-off fell between equal scores, where the tie rule chose: `top_k_positions_and_ties`,
+    whose one top-k of index_topk + 1 costs what the plain selection does).
 
     The scores of a step are float32 `[num_tokens, max_blocks_per_seq * block_size]`: one row per query token
     over its sequence's table (the engine's step sizes keep that small next to the pages)."""
@@ -170,8 +172,9 @@ def sparse_attention(q_latent: jax.Array,  # [num_tokens, num_heads, kv_lora_ran
     else:
         raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
     scores = score(q_index, index_weights, layer.index_keys, tables, lens, *ragged, **indexer)
-    selected = pallas_kernels.top_k_positions(scores, index_topk)  # [num_tokens, index_topk], -1 = none
-    return attend(q_latent, q_rope, layer.pages, tables, lens, *ragged, selected, **attention)
+    selected, ties = pallas_kernels.top_k_positions_and_ties(scores, index_topk)  # [T, index_topk], -1 = none
+    return attend(q_latent, q_rope, layer.pages, tables, lens, *ragged, selected, **attention), \
+        jnp.sum(ties, dtype=jnp.int32)
 
 
 def probe_attention(spec, layer, *, heads: int, dtype, decode_only: bool, backend: str) -> None:

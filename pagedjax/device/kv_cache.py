@@ -88,14 +88,19 @@ def layer_shapes(spec: KVCacheSpec, num_blocks: int, block_size: int, dtype, *,
 
 
 def init_kv_cache(layout: KVCacheLayout | tuple[KVCacheSpec, ...], num_blocks: int, block_size: int,
-                  dtype=jnp.float32, *, num_kv_heads: int | None = None, sharding_of=None) -> KVCache:
+                  dtype=jnp.float32, *, num_kv_heads: int | None = None, sharding_of=None,
+                  extra_pools: tuple[int, ...] = ()) -> KVCache:
     """A zero-filled cache of `num_blocks` blocks of `block_size` slots for each page array of `layout` (a
     `KVCacheLayout`, or a model's per-layer specs, whose layout it is: `ModelSpec.kv_layout`) (`layer_shapes`;
-    zero scales with zero values dequantize to exact zeros, as float pages start). `sharding_of(spec)` gives the
-    sharding of a spec's arrays: each device then allocates only its own shard. `num_kv_heads`: see
-    `layer_shapes`."""
+    zero scales with zero values dequantize to exact zeros, as float pages start); the arrays of pool i > 0 (a
+    recurrent state's snapshots) have `extra_pools[i - 1]` blocks. `sharding_of(spec)` gives the sharding of a
+    spec's arrays: each device then allocates only its own shard. `num_kv_heads`: see `layer_shapes`."""
     if not isinstance(layout, KVCacheLayout):
         layout = kv_cache_layout(tuple(layout))
+    pool_blocks = (num_blocks, *extra_pools)
+    if len(pool_blocks) != len(layout.pools):
+        raise ValueError(f"the layout has {len(layout.pools)} block pools ({', '.join(layout.pools)}): give the "
+                         f"sizes of the {len(layout.pools) - 1} past the first as extra_pools, got {extra_pools}")
     dtype = jnp.dtype(dtype)
     makers: dict = {}
 
@@ -111,12 +116,13 @@ def init_kv_cache(layout: KVCacheLayout | tuple[KVCacheSpec, ...], num_blocks: i
 
     cache = KVCache(tuple(
         type(shapes)(*(zeros(a, spec) for a in shapes))
-        for spec, shapes in ((spec, layer_shapes(spec, num_blocks, block_size, dtype, num_kv_heads=num_kv_heads))
-                             for spec in layout.slot_specs)))
+        for spec, shapes in ((spec, layer_shapes(spec, pool_blocks[pool], block_size, dtype, num_kv_heads=num_kv_heads))
+                             for spec, pool in zip(layout.slot_specs, layout.slot_pools, strict=True))))
     scale_bytes = KV_SCALE_BYTES if is_quantized(dtype) else 0
     element = 1 if scale_bytes else dtype.itemsize
     if num_kv_heads is None:
-        assert cache.nbytes == num_blocks * layout.bytes_per_block(block_size, element, scale_bytes)
+        assert cache.nbytes == sum(n * layout.bytes_per_block(block_size, element, scale_bytes, pool=p)
+                                   for p, n in enumerate(pool_blocks))
     return cache
 
 
@@ -200,17 +206,21 @@ def write_sparse(layer: SparseKV, c_kv: jax.Array, k_rope: jax.Array, k_index: j
     return SparseKV(latent.pages, index_keys, latent.scales, index_scales)
 
 
-def copy_blocks(kv_cache: KVCache, block_copies: jax.Array) -> KVCache:
+def copy_blocks(kv_cache: KVCache, block_copies: jax.Array, slot_pools: tuple[int, ...] | None = None) -> KVCache:
     """Copy whole blocks, every layer's pages (and 8-bit pages' scales): `block_copies` int32 `[C, 2]` rows
-    (src, dst); dst -1 = padding.
+    (src, dst); dst -1 = padding. With several block pools (block ids are a pool's own), `[num_pools, C, 2]`: pool
+    p's rows copy within the page arrays of pool p (`slot_pools[s]`: slot s's pool).
 
     All sources are read before any destination is written, so a block may be a source and, for another row,
     a destination in the same call (copy-on-write of blocks shared by forks; see `KVCacheManager.fork`)."""
-    src, dst = block_copies[:, 0], block_copies[:, 1]
-    dst = jnp.where(dst < 0, kv_cache.num_blocks, dst)  # out of bounds: dropped
 
-    def copy_layer(layer: NamedTuple) -> NamedTuple:
+    def copy_layer(layer: NamedTuple, copies: jax.Array) -> NamedTuple:
         where = (slice(None),) * type(layer).block_axis  # the axes before the blocks
+        src, dst = copies[:, 0], copies[:, 1]
+        dst = jnp.where(dst < 0, layer[0].shape[type(layer).block_axis], dst)  # out of bounds: dropped
         return jax.tree.map(lambda x: x.at[(*where, dst)].set(x[(*where, src)], mode="drop"), layer)
 
-    return KVCache(tuple(copy_layer(layer) for layer in kv_cache.layers))
+    if block_copies.ndim == 2:
+        return KVCache(tuple(copy_layer(layer, block_copies) for layer in kv_cache.layers))
+    return KVCache(tuple(copy_layer(layer, block_copies[pool])
+                         for layer, pool in zip(kv_cache.layers, slot_pools, strict=True)))

@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 
 import jax
 
@@ -30,6 +31,7 @@ from pagedjax.model.loading.generation_config import folder_sampling_defaults
 from pagedjax.model.loading.loader import folder_image_processor, load_engine_model
 from pagedjax.outputs import RequestOutput
 from pagedjax.parallel.mesh import replica_meshes
+from pagedjax.runner.programs import CompileEvent, all_done
 from pagedjax.runner.weights import checked_leaves
 from pagedjax.sampling_params import SamplingParams, StructuredOutput
 from pagedjax.structured_output.compiler import Constraint
@@ -179,6 +181,7 @@ class DataParallelEngine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         i = self._choose(request)
         self.replicas[i].add_prepared_request(prepared)
+        # (make_request set a max_tokens left None to the context's room)
         cost = request.num_prompt_tokens + request.sampling_params.max_tokens * request.sampling_params.num_samples
         self._owner[request.request_id] = (i, cost)
         self._load[i] += cost
@@ -281,6 +284,18 @@ class DataParallelEngine:
     def warmup(self) -> float:
         """`LLMEngine.warmup` of every replica, concurrently; the seconds it took."""
         return max(f.result() for f in [self._pool.submit(r.warmup) for r in self.replicas])
+
+    def start_warmup(self) -> Future:
+        """`LLMEngine.start_warmup` of every replica; a future of the seconds until all of them are done."""
+        return all_done([r.start_warmup() for r in self.replicas])
+
+    @contextmanager
+    def compile_notices(self, listener: Callable[[CompileEvent], None]) -> Iterator[None]:
+        """`LLMEngine.compile_notices` of every replica (their compiles may be heard from their threads at once)."""
+        with ExitStack() as stack:
+            for r in self.replicas:
+                stack.enter_context(r.compile_notices(listener))
+            yield
 
     def close(self) -> None:
         """End the replicas' threads and their waiting background compiles."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
 
+from pagedjax.compile_cache import cache_note
 from pagedjax.config.fields import is_int
 from pagedjax.outputs import RequestOutput
+from pagedjax.runner.programs import CompileEvent
 from pagedjax.sampling_params import LoRARequest, SamplingParams
 
 _PROMPT_SHAPES = ("a str, bytes, a list of token ids, a dict {'prompt': ...} or {'prompt_token_ids': ...} (with "
@@ -97,22 +100,24 @@ def generate_batch(engine, prompts, sampling_params, use_tqdm: bool, lora_reques
     for p in prepared:
         engine.add_prepared_request(p)
     results: dict[str, RequestOutput] = {}
-    bar = None
+    bar, notices = None, contextlib.nullcontext()
     if use_tqdm:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(ids), desc="generate", unit="req")
+        notices = engine.compile_notices(_CompileNote(bar))
     pending = set(ids)
     try:
-        while pending:
-            if not engine.has_unfinished_requests():
-                raise RuntimeError(f"requests {sorted(pending)[:5]} vanished without finishing")
-            for out in engine.step():
-                if out.finished and out.request_id in pending:
-                    results[out.request_id] = out
-                    pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
+        with notices:
+            while pending:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"requests {sorted(pending)[:5]} vanished without finishing")
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
     except BaseException:
         for rid in pending:
             engine.abort(rid)
@@ -121,3 +126,20 @@ def generate_batch(engine, prompts, sampling_params, use_tqdm: bool, lora_reques
         if bar is not None:
             bar.close()
     return [results[i] for i in ids]
+
+
+class _CompileNote:
+    """`generate`'s bar says which program a step waits for while it compiles ("compiling step program 2 (first
+    run; cached afterwards)"): the first run's compiles take seconds (minutes for a large model) in which the bar
+    would stand still at 0% with no word of why."""
+
+    def __init__(self, bar):
+        self.bar = bar
+        self.count = 0
+
+    def __call__(self, event: CompileEvent) -> None:
+        if event.seconds is None:
+            self.count += 1
+            self.bar.set_postfix_str(f"compiling step program {self.count} ({cache_note()})")
+        else:
+            self.bar.set_postfix_str("")

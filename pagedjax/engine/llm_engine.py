@@ -17,9 +17,11 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
 
-from pagedjax.compile_cache import enable_compile_cache
+from pagedjax.compile_cache import cache_note, enable_compile_cache
 from pagedjax.config import (
     CacheConfig,
     EngineConfig,
@@ -52,6 +54,7 @@ from pagedjax.outputs import RequestOutput
 from pagedjax.runner import weights
 from pagedjax.runner.inputs import StepInputs, step_inputs
 from pagedjax.runner.invariant import invariant_shape
+from pagedjax.runner.programs import CompileEvent, all_done
 from pagedjax.runner.runner import ModelRunner
 from pagedjax.runner.shapes import warmup_shapes
 from pagedjax.sampling_params import LoRARequest, SamplingParams, StructuredOutput
@@ -107,7 +110,8 @@ class LLMEngine:
     left None (`SamplingParams`' defaults: the model's) become, when the request is added. None: vLLM's defaults
     (temperature 1.0, no filter, no penalty); `from_pretrained` reads the model folder's generation_config.json.
     A request's prompt and `max_tokens` must fit the context (`max_model_len`): more is a ValueError naming
-    max_tokens and the limit, never a silent cut (and a request the KV pool cannot hold is refused too).
+    max_tokens and the limit, never a silent cut (and a request the KV pool cannot hold is refused too). A
+    request that leaves `max_tokens` None (the default) generates until it stops or the context is full.
 
     enable_lora=True: serve LoRA adapters (`pagedjax.lora`), a request's own by its `lora_request`, up to
     `max_loras` distinct ones per step (device slots; requests of more wait), each of rank <= `max_lora_rank`,
@@ -180,19 +184,25 @@ class LLMEngine:
         self.image_processor = image_processor
         mesh = None
         self.parallel_config = parallel_config
+        # Blocks of the pools past the first: a recurrent state's snapshots (`pagedjax.config.kv_layout`).
+        self.extra_pools = self.cache_config.resolve_state_blocks(spec, self.scheduler_config.max_num_seqs,
+                                                                  self.scheduler_config.max_num_batched_tokens)
         if parallel_config is not None:
             from pagedjax.parallel.mesh import engine_mesh
             from pagedjax.parallel.sharding import per_device_model
 
             mesh = engine_mesh(parallel_config, self.model_config or spec, devices)
             # kv_memory_bytes is a per-device budget: blocks are counted by the KV heads one device holds.
-            self.num_blocks = self.cache_config.resolve_num_blocks(per_device_model(spec, mesh.size))
+            self.num_blocks = self.cache_config.resolve_num_blocks(per_device_model(spec, mesh.size),
+                                                                   extra_pools=self.extra_pools)
         else:
-            self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if draft is None else draft.spec)
+            self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if draft is None else draft.spec,
+                                                                   extra_pools=self.extra_pools)
         # One block table per KV cache group; a window group's blocks out of its window go back to the pool while
         # requests run.
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
-                                   group_windows=spec.kv_layout.windows,
+                                   group_windows=spec.kv_layout.windows, group_pools=spec.kv_layout.group_pools,
+                                   extra_pools=self.extra_pools,
                                    max_loras=None if lora_config is None else lora_config.max_loras,
                                    images=None if images is None else images.tokens_per_image,
                                    bidirectional_images=images is not None and images.bidirectional)
@@ -200,7 +210,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids),
                                                   config.structured_limits)
         max_programs, background = config.max_compiled_programs, config.compile_in_background
-        self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size,
+        self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size, extra_pools=self.extra_pools,
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=config.backend,
                                   mesh=mesh, max_programs=max_programs, compile_in_background=background,
                                   lora=lora_config, image_slots=None if images is None else
@@ -225,6 +235,7 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._elapsed = 0.0
         self._warmup_s = 0.0
+        self._warned_ties = False  # the warning at the first sparse-attention indexer tie (once per engine)
         logger.info("LLMEngine: %d KV blocks x %d tokens, attention backend %s", self.num_blocks,
                     self.cache_config.block_size, self.runner.backend)
 
@@ -302,6 +313,22 @@ class LLMEngine:
         and the scheduler are left as they were, and these programs are never dropped. Returns the seconds it
         took (also logged, and in `stats().warmup_s`)."""
         start, before = time.perf_counter(), self.stats()
+        shapes, max_blocks = self._warmup_shapes()
+        draft = None if self.speculator is None else self.speculator.draft
+        logger.info("warm-up: compiling %d programs (%s)", len(shapes) + (draft is not None), cache_note())
+        self.runner.warmup(shapes)
+        if draft is not None:  # the draft model's stand-in
+            draft.warmup(self.scheduler_config.max_num_seqs, max_blocks)
+        seconds = time.perf_counter() - start
+        self._warmup_s += seconds
+        after = self.stats()
+        logger.info("warm-up: %d programs ready and run in %.1f s (%d compiled, %d loaded from the compile cache)",
+                    after.compilations - before.compilations, seconds,
+                    after.programs_compiled - before.programs_compiled, after.programs_loaded - before.programs_loaded)
+        return seconds
+
+    def _warmup_shapes(self) -> tuple[list, int]:
+        """(the target's warm-up programs, the block-table width they are compiled for)."""
         sc, bs, steps = self.scheduler_config, self.cache_config.block_size, self.decode_steps_per_call
         # A fused decode's tables have room for its steps past the sequence's tokens.
         max_blocks = -(-(self.max_request_tokens + steps - 1) // bs)
@@ -311,16 +338,44 @@ class LLMEngine:
             attend_until=self.model_spec.images is not None and self.model_spec.images.bidirectional)
         if self.speculator is not None:
             shapes += self.speculator.warmup_shapes(shapes, sc)
-        self.runner.warmup(shapes)
-        if self.speculator is not None and self.speculator.draft is not None:  # the draft model's stand-in
-            self.speculator.draft.warmup(sc.max_num_seqs, max_blocks)
-        seconds = time.perf_counter() - start
-        self._warmup_s += seconds
-        after = self.stats()
-        logger.info("warm-up: %d programs ready and run in %.1f s (%d compiled, %d loaded from the compile cache)",
-                    after.compilations - before.compilations, seconds,
-                    after.programs_compiled - before.programs_compiled, after.programs_loaded - before.programs_loaded)
-        return seconds
+        return shapes, max_blocks
+
+    def start_warmup(self) -> Future:
+        """`warmup()`'s programs compiled in the background instead (`ModelRunner.warm_in_background`: the
+        cheapest first, behind any program a step waits for), so that the engine serves at once: until a
+        step's stand-in exists, the step compiles its own program, as without a warm-up. Returns at once a
+        future of the seconds until every program was compiled; each is installed (held for good) at the next
+        step after it. Needs `compile_in_background=True` (ValueError otherwise)."""
+        if not self.config.compile_in_background:
+            raise ValueError("start_warmup() compiles in the background: build the engine with "
+                             "compile_in_background=True (or call warmup())")
+        self.runner.check_awake()
+        shapes, max_blocks = self._warmup_shapes()
+        done = [self.runner.warm_in_background(shapes)]
+        draft = None if self.speculator is None else self.speculator.draft
+        if draft is not None:
+            done.append(draft.start_warmup(self.scheduler_config.max_num_seqs, max_blocks))
+        logger.info("warm-up: compiling %d programs in the background (%s)", len(shapes) + (draft is not None),
+                    cache_note())
+        return all_done(done)
+
+    @contextmanager
+    def compile_notices(self, listener: Callable[[CompileEvent], None]) -> Iterator[None]:
+        """Within the block, `listener` hears of every compile a step (or the warm-up) waits for, as it starts
+        and ends (`pagedjax.runner.programs.CompileEvent`): the target's, a draft model's, the image encoder's
+        (a front end's progress, e.g. `generate`'s bar)."""
+        caches = [self.runner.programs]
+        if self.speculator is not None and self.speculator.draft is not None:
+            caches.append(self.speculator.draft.runner.programs)
+        if self.runner.image_features is not None:
+            caches.append(self.runner.image_features.programs)
+        for cache in caches:
+            cache.listeners.append(listener)
+        try:
+            yield
+        finally:
+            for cache in caches:
+                cache.listeners.remove(listener)
 
     def close(self) -> None:
         """Cancel the background compiles still waiting (the engine still serves: later programs compile when
@@ -342,8 +397,9 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
                      cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> PreparedRequest:
         """A validated request of a prompt (token ids, or text with a tokenizer) that the scheduler would accept,
-        its constraint compiled, its sampling fields left None set from the engine's `sampling_defaults`; nothing
-        is queued (`add_prepared_request` does). Raises as `add_request`."""
+        its constraint compiled, its sampling fields left None set from the engine's `sampling_defaults` and a
+        `max_tokens` left None to the rest of the context (`SamplingParams.with_room`); nothing is queued
+        (`add_prepared_request` does). Raises as `add_request`."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -354,6 +410,7 @@ class LLMEngine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"request {request_id!r}: cache_salt must be a str, got {type(cache_salt).__name__}")
         tokens, images = self._encode(request_id, prompt)
+        params = params.with_room(self.max_request_tokens - len(tokens))  # max_tokens None: the rest of the context
         # The context; a prompt too long itself, or a request bigger than the KV pool, is the scheduler's error.
         limit = self.scheduler_config.max_model_len
         if len(tokens) < limit < len(tokens) + params.max_tokens:
@@ -506,6 +563,12 @@ class LLMEngine:
             result = self.runner.run(plan, self.step_inputs(plan))
         except BaseException as exc:
             return self._recover(plan, exc)
+        if self.runner.indexer_ties and not self._warned_ties:
+            self._warned_ties = True
+            logger.warning("sparse attention: the indexer's top-k met equal scores at its cut-off (%d query rows so "
+                           "far, EngineStats.indexer_ties); pagedjax keeps the lower position, transformers leaves "
+                           "such ties unordered, so its outputs may differ there (docs/models.md, DeepSeek V3.2)",
+                           self.runner.indexer_ties)
         before = [r.num_output_tokens for r in requests]
         drafts = [0] * plan.num_seqs if plan.num_drafts is None else plan.num_drafts.tolist()
         for i, (r, kv_len, q_len) in enumerate(zip(requests, plan.kv_lens, plan.q_lens, strict=True)):
@@ -524,7 +587,7 @@ class LLMEngine:
             self._fused_calls += 1
         progressed = self._progressed(requests, before)
         if self.speculator is not None:
-            self.speculator.count(drafts, emitted)
+            self.speculator.count(plan, result, emitted)
             self.speculator.propose(self.scheduler)
         return progressed
 
@@ -620,13 +683,15 @@ class LLMEngine:
 
     # -------------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
-        """The counters now. Programs and their compile time are the target's and the draft model's together
-        (both compile inside steps), so `tokens_per_s` leaves every compile out."""
+        """The counters now. Programs and their compile time are the target's, the draft model's and the image
+        encoder's together (all compile inside steps), so `tokens_per_s` leaves every compile out."""
         programs = [self.runner.programs]
         if self.speculator is not None and self.speculator.draft is not None:
             programs.append(self.speculator.draft.runner.programs)
+        if self.runner.image_features is not None:  # the image encoder's, compiled inside steps too
+            programs.append(self.runner.image_features.programs)
         layout = self.model_spec.kv_layout
-        block_bytes = self.runner.kv_cache.nbytes_per_device // self.num_blocks
+        pool_bytes = self.runner.block_bytes_per_pool()
         return EngineStats(
             steps=self._steps,
             fused_decode_calls=self._fused_calls,
@@ -645,13 +710,15 @@ class LLMEngine:
             **({} if self.speculator is None else self.speculator.stats()),
             **({} if self.runner.image_features is None else dict(
                 images_encoded=self.runner.image_features.num_encoded, encoder_s=self.runner.image_features.seconds)),
+            indexer_ties=self.runner.indexer_ties,
             scheduler=self.scheduler.stats(),
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,
             kv_dtype=self.cache_config.resolve_kv_dtype(self.model_spec),
-            kv_bytes_per_token=layout.num_groups * block_bytes // self.cache_config.block_size,
-            kv_bytes_per_block=block_bytes,
+            kv_bytes_per_token=layout.group_pools.count(0) * pool_bytes[0] // self.cache_config.block_size,
+            kv_bytes_per_block=pool_bytes[0],
             kv_groups=tuple(layout.group_name(g) for g in range(layout.num_groups)),
+            kv_group_block_bytes=tuple(pool_bytes[p] for p in layout.group_pools),
         )
 
     def stats_dict(self) -> dict:

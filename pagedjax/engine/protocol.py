@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -14,6 +16,7 @@ from pagedjax.sampling_params import SamplingParams, StructuredOutput
 if TYPE_CHECKING:
     from pagedjax.engine.stats import EngineStats
     from pagedjax.outputs import BeamSearchOutput
+    from pagedjax.runner.programs import CompileEvent
     from pagedjax.sampling_params import BeamSearchParams
     from pagedjax.structured_output.compiler import Constraint
 
@@ -52,6 +55,11 @@ class Engine(Protocol):
     def stats_dict(self) -> dict: ...
 
     def warmup(self) -> float: ...  # compile the programs that stand in for every step; its seconds
+
+    def start_warmup(self) -> Future: ...  # the same in the background; a future of its seconds
+
+    def compile_notices(self, listener: Callable[[CompileEvent], None]) -> AbstractContextManager: ...  # see
+    #                                                     LLMEngine.compile_notices: what a front end's progress hears
 
     def close(self) -> None: ...  # ends its background threads (waiting compiles): call when done with it
 

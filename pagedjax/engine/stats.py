@@ -21,10 +21,11 @@ class EngineStats:
     prefill_tokens_computed: int  # prompt/recompute tokens actually run through the model
     elapsed_s: float  # time spent inside step()
     device_s: float  # of which in compiled device calls (dispatch + compute + read back)
-    compile_s: float  # of which waiting for new step shapes to be traced and compiled (or loaded), a draft's too
-    # Step programs (the target's and a draft model's, `pagedjax.runner.programs`) obtained: compiled, or loaded
-    # from JAX's persistent compilation cache (`programs_loaded` of them); the warm-up's, the background's and
-    # dropped ones included.
+    compile_s: float  # of which waiting for new programs to be traced and compiled (or loaded): the steps', a
+    #                   draft model's and the image encoder's
+    # Programs (the target's steps, a draft model's and the image encoder's, `pagedjax.runner.programs`) obtained:
+    # compiled, or loaded from JAX's persistent compilation cache (`programs_loaded` of them); the warm-up's, the
+    # background's and dropped ones included.
     compilations: int
     scheduler: SchedulerStats
     tensor_parallel_size: int = 1  # devices the model and its KV pool are sharded over
@@ -32,8 +33,9 @@ class EngineStats:
     kv_dtype: str = ""  # the KV cache's dtype ("int8", "fp8": 8-bit pages with scales; see CacheConfig.kv_dtype)
     kv_bytes_per_token: int = 0  # KV bytes one cached token takes on each device in every KV cache group (its KV
     #                              heads, scales included)
-    kv_bytes_per_block: int = 0  # KV bytes of one block on each device, whichever group holds it
-    kv_groups: tuple[str, ...] = ()  # the KV cache groups by name ("full", "window-128", ...: `KVCacheLayout`)
+    kv_bytes_per_block: int = 0  # KV bytes of one block on each device, whichever group holds it (the first pool's)
+    kv_groups: tuple[str, ...] = ()  # the KV cache groups by name ("full", "window-128", "state": `KVCacheLayout`)
+    kv_group_block_bytes: tuple[int, ...] = ()  # bytes of one block of each group's pool on each device
     programs_loaded: int = 0  # of `compilations`, loaded from the persistent compilation cache instead of compiled
     compiled_programs: int = 0  # held now: at most LLMEngine's max_compiled_programs (the least recently used go)
     stand_in_steps: int = 0  # steps run on a bigger compiled program while their own compiled in the background
@@ -44,9 +46,14 @@ class EngineStats:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     # Images (a vision-language model): images encoded (each time: an image dropped from the encoder cache and
-    # needed again is encoded again), and the seconds that took (inside elapsed_s, results on device).
+    # needed again is encoded again), and the seconds that took (inside elapsed_s, results on device; the
+    # encoder's compiles are in compile_s instead).
     images_encoded: int = 0
     encoder_s: float = 0.0
+    # Sparse attention (DeepSeek V3.2): query rows, summed over the sparse layers, whose indexer's top-k cut-off
+    # fell between equal scores, where pagedjax's tie rule (the lower position) chose what the scores did not
+    # (`PagedKVCache.indexer_ties`; transformers leaves such ties unordered). The engine logs a warning at the first.
+    indexer_ties: int = 0
     # A DataParallelEngine's stats combine its replicas': each replica's own, and the requests each was given.
     replicas: tuple[EngineStats, ...] = ()
     requests_per_replica: tuple[int, ...] = ()
@@ -69,7 +76,7 @@ class EngineStats:
     @property
     def kv_group_bytes(self) -> tuple[int, ...]:
         """KV bytes the requests hold in each KV cache group now (on each device)."""
-        return tuple(n * self.kv_bytes_per_block for n in self.scheduler.memory.group_blocks)
+        return tuple(n * b for n, b in zip(self.scheduler.memory.group_blocks, self.kv_group_block_bytes, strict=True))
 
     @property
     def spec_acceptance_rate(self) -> float:

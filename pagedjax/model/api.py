@@ -153,7 +153,9 @@ class PagedKVCache:
     `spec`'s layout (without a spec: one group, slot i is layer i).
 
     Invariant: `written` names the layers whose `PagedAttention` ran in this step; each layer is written at
-    most once (a second write would attend over the first's K/V at the same slots)."""
+    most once (a second write would attend over the first's K/V at the same slots). `indexer_ties` (None until a
+    sparse layer ran): the query rows, summed over the sparse layers, whose top-k cut-off fell between equal
+    indexer scores (`sparse_attention`), which the engine reports."""
 
     layers: tuple[PagedLayer, ...]
     meta: AttentionMetadata
@@ -162,6 +164,7 @@ class PagedKVCache:
     mesh: Mesh | None = None
     spec: ModelSpec | None = None
     written: frozenset[int] = frozenset()
+    indexer_ties: jax.Array | None = None
 
     @property
     def num_layers(self) -> int:
@@ -185,8 +188,12 @@ class PagedKVCache:
         layers = self.layers[:slot] + (layer,) + self.layers[slot + 1:]
         return dataclasses.replace(self, layers=layers, written=self.written | {index})
 
+    def with_indexer_ties(self, ties: jax.Array) -> PagedKVCache:
+        """This cache with a sparse layer's tie count (int32[]) added to `indexer_ties`."""
+        return dataclasses.replace(self, indexer_ties=ties if self.indexer_ties is None else self.indexer_ties + ties)
 
-jax.tree_util.register_dataclass(PagedKVCache, data_fields=["layers", "meta"],
+
+jax.tree_util.register_dataclass(PagedKVCache, data_fields=["layers", "meta", "indexer_ties"],
                                  meta_fields=["backend", "decode_only", "mesh", "spec", "written"])
 
 
@@ -290,9 +297,9 @@ class PagedLatentAttention(nnx.Module):
         self._check(q_latent, q_rope, c_kv, k_rope, cache)
         layer, meta = cache.layer(i), cache.meta_of(i)
         if cache.mesh is not None:  # query heads split over the devices, the latent pages whole on each
-            o, layer = sharded_latent_write_and_attend(q_latent, q_rope, c_kv, k_rope, layer, meta, mesh=cache.mesh,
-                                                       backend=cache.backend, decode_only=cache.decode_only,
-                                                       scale=self.scale)
+            o, layer, _ = sharded_latent_write_and_attend(q_latent, q_rope, c_kv, k_rope, layer, meta,
+                                                          mesh=cache.mesh, backend=cache.backend,
+                                                          decode_only=cache.decode_only, scale=self.scale)
         else:
             layer = write_latent(layer, c_kv, k_rope, meta.slot_mapping)
             o = latent_attention(q_latent, q_rope, layer, meta, backend=cache.backend, decode_only=cache.decode_only,
@@ -324,7 +331,8 @@ class PagedSparseAttention(PagedLatentAttention):
     (`PagedLatentAttention`'s absorbed MLA). With `index_topk` at least the context, it is that layer.
 
     Scores: `s[t] = index_scale * sum_h index_weights[h] * relu(q_index[h] . k_index[t])` for t at or before the
-    query's position; ties go to the lower position."""
+    query's position; ties go to the lower position (a query row whose cut-off fell between equal scores is
+    counted in the cache's `indexer_ties`)."""
 
     def __init__(self, layer_index: int, *, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
                  index_n_heads: int, index_head_dim: int, index_topk: int, index_scale: float):
@@ -358,15 +366,14 @@ class PagedSparseAttention(PagedLatentAttention):
         options = dict(scale=self.scale, index_scale=self.index_scale, index_topk=self.index_topk)
         layer, meta = cache.layer(i), cache.meta_of(i)
         if cache.mesh is not None:  # query heads split over the devices; pages and the indexer whole on each
-            o, layer = sharded_latent_write_and_attend(q_latent, q_rope, c_kv, k_rope, layer, meta, mesh=cache.mesh,
-                                                       backend=cache.backend, decode_only=cache.decode_only,
-                                                       index=(q_index, index_weights.astype(jnp.float32), k_index),
-                                                       **options)
+            o, layer, ties = sharded_latent_write_and_attend(
+                q_latent, q_rope, c_kv, k_rope, layer, meta, mesh=cache.mesh, backend=cache.backend,
+                decode_only=cache.decode_only, index=(q_index, index_weights.astype(jnp.float32), k_index), **options)
         else:
             layer = write_sparse(layer, c_kv, k_rope, k_index, meta.slot_mapping)
-            o = sparse_attention(q_latent, q_rope, q_index, index_weights, layer, meta, backend=cache.backend,
-                                 decode_only=cache.decode_only, **options)
-        return o.astype(q_latent.dtype), cache.with_layer(i, layer)
+            o, ties = sparse_attention(q_latent, q_rope, q_index, index_weights, layer, meta, backend=cache.backend,
+                                       decode_only=cache.decode_only, **options)
+        return o.astype(q_latent.dtype), cache.with_layer(i, layer).with_indexer_ties(ties)
 
 
 _KIND_SPECS = {spec.kind: spec.__name__ for spec in (FullAttention, LatentAttention, IndexedSparse)}

@@ -6,6 +6,7 @@ as transformers' `LlavaProcessor` / `Gemma3Processor` do.
     pixels = processor.pixel_values([image1, image2])        # float32 [2, 3, H, W]
     text = processor.expand_prompt("USER: <image>\\nWhat is this? ASSISTANT:")   # then the folder's tokenizer
     ids = processor.expand_token_ids(token_ids)              # the same for a token-id prompt
+    image_placeholder("path/to/folder")                      # "<image>": the placeholder alone, from the configs
 
 Pixels (`ImageProcessor.pixel_values`) follow transformers' PIL backend (`CLIPImageProcessorPil`,
 `LlavaImageProcessorPil`, `SiglipImageProcessorPil`, `Gemma3ImageProcessorPil`: what transformers uses without
@@ -349,6 +350,28 @@ def load_image_processor(path: str | os.PathLike) -> ImageProcessor:
                           tokens_per_image=k)
 
 
+def image_placeholder(path: str | os.PathLike) -> str | None:
+    """The text that stands for one image in a prompt of a "llava" / "gemma3" folder (`ImageProcessor.placeholder`,
+    read as `load_image_processor` reads it, from the configs alone: no tokenizer is loaded), or None for a folder
+    of another model type. ModelLoadError for a Gemma 3 folder whose tokenizer_config.json names no boi_token."""
+    folder = Path(path)
+    family = read_json(folder / "config.json").get("model_type") if (folder / "config.json").is_file() else None
+    if family not in _DEFAULT_CLASS:
+        return None
+    special = _special_tokens(folder)
+    if family == "gemma3":
+        if "boi_token" not in special:
+            raise ModelLoadError(folder / "tokenizer_config.json", "names no boi_token (Gemma 3's image token)")
+        return special["boi_token"]
+    processor_path = folder / "processor_config.json"
+    return _llava_token(read_json(processor_path) if processor_path.is_file() else {}, special)
+
+
+def _llava_token(processor: dict, special: dict) -> str:
+    """LlavaProcessor's image token: the tokenizer's, else processor_config.json's, else "<image>"."""
+    return special.get("image_token") or processor.get("image_token") or "<image>"
+
+
 def _tokenizer(folder: Path):
     """(the folder's `tokenizers.Tokenizer`, tokenizer_config.json's named special tokens)."""
     from tokenizers import Tokenizer
@@ -360,6 +383,11 @@ def _tokenizer(folder: Path):
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - the tokenizers package raises bare Exceptions
         raise ModelLoadError(path, f"not a valid tokenizer file: {e}") from e
+    return tokenizer, _special_tokens(folder)
+
+
+def _special_tokens(folder: Path) -> dict[str, str]:
+    """tokenizer_config.json's named special tokens ("image_token", "boi_token", ...; its extra_special_tokens)."""
     config_path = folder / "tokenizer_config.json"
     config = read_json(config_path) if config_path.is_file() else {}
     special = {}
@@ -371,7 +399,7 @@ def _tokenizer(folder: Path):
     extra = config.get("extra_special_tokens")
     if isinstance(extra, dict):
         special.update({k: v for k, v in extra.items() if isinstance(v, str)})
-    return tokenizer, special
+    return special
 
 
 def _single_id(tokenizer, text: str) -> int:
@@ -384,7 +412,7 @@ def _single_id(tokenizer, text: str) -> int:
 def _llava_prompt(processor: dict, special: dict, spec, transform: ImageTransform) -> dict:
     """LlavaProcessor: `image_token` (the tokenizer's, else processor_config's, else "<image>") repeated
     (H // patch_size) * (W // patch_size) + num_additional_image_tokens times, less one with the "default" strategy."""
-    token = special.get("image_token") or processor.get("image_token") or "<image>"
+    token = _llava_token(processor, special)
     patch = processor.get("patch_size")
     extra = processor.get("num_additional_image_tokens") or 0
     strategy = processor.get("vision_feature_select_strategy")

@@ -63,21 +63,23 @@ def sharded_latent_write_and_attend(q_latent: jax.Array,  # [T, H, R], any shard
     tensor parallelism: every device writes this step's entries into its whole copy of the latent pages (the same
     values everywhere, so the copies stay equal) and attends with its own query heads. No collective: a head
     reads only the shared latent entries. The indexer (replicated: its heads are not the attention's) scores and
-    selects the same positions on every device. Returns (o_latent `[T, H, R]` sharded by heads, the layer)."""
+    selects the same positions on every device. Returns (o_latent `[T, H, R]` sharded by heads, the layer, and
+    for a sparse layer the indexer's tie count of `sparse_attention`, the same on every device; None for MLA)."""
 
     def local(q_latent, q_rope, c_kv, k_rope, index, layer, meta):
         if index is None:
             layer = write_latent(layer, c_kv, k_rope, meta.slot_mapping)
             return latent_attention(q_latent, q_rope, layer, meta, backend=backend, decode_only=decode_only,
-                                    scale=scale), layer
+                                    scale=scale), layer, None
         q_index, weights, k_index = index
         layer = write_sparse(layer, c_kv, k_rope, k_index, meta.slot_mapping)
-        o = sparse_attention(q_latent, q_rope, q_index, weights, layer, meta, backend=backend,
-                             decode_only=decode_only, scale=scale, index_scale=index_scale, index_topk=index_topk)
-        return o, layer
+        o, ties = sparse_attention(q_latent, q_rope, q_index, weights, layer, meta, backend=backend,
+                                   decode_only=decode_only, scale=scale, index_scale=index_scale,
+                                   index_topk=index_topk)
+        return o, layer, ties
 
     pages = jax.tree.map(lambda _: P(), layer)
     replicated = jax.tree.map(lambda _: P(), index)
     run = jax.shard_map(local, mesh=mesh, in_specs=(_HEADS, _HEADS, P(), P(), replicated, pages, P()),
-                        out_specs=(_HEADS, pages), check_vma=False)
+                        out_specs=(_HEADS, pages, None if index is None else P()), check_vma=False)
     return run(q_latent, q_rope, c_kv, k_rope, index, layer, meta)

@@ -5,13 +5,18 @@ their slots before the step runs (`StepPlan.encode_images`).
 A step of image placeholders takes the whole array and, per token, the row it reads (`StepInputs.image_index`), so
 its program's shape does not depend on which or how many images it reads; the model puts the rows in place of the
 placeholders' embeddings (`pagedjax.model.api.ImageEmbeds`). Encoding runs the model's `encode_images` on the new
-images' pixels, their count padded to a power of two (padding rows are written nowhere).
+images' pixels, their count padded to a power of two (padding rows are written nowhere), on a program of that count
+held in a `ProgramCache` of its own: its compiles are counted and timed as the steps' are (the engine's
+`compilations`, `compile_s`), so that `seconds` (`EngineStats.encoder_s`) is the encoding alone and tokens/s,
+compiles excluded, excludes the encoder's first compile too.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pagedjax.config import ModelSpec
 from pagedjax.core.images import ImageInput
 from pagedjax.runner.inputs import bucket
+from pagedjax.runner.programs import ProgramCache, abstract_value
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +47,7 @@ class ImageFeatures:
         self._fresh = lambda: (jnp.zeros(shape, dtype) if sharding is None
                                else jax.device_put(jnp.zeros(shape, dtype), sharding))
         self.array = self._fresh()
-        self.seconds = 0.0  # spent encoding, results on device
+        self.seconds = 0.0  # spent encoding, results on device (compiles not included: `programs`)
         self.num_encoded = 0
 
         def encode(params, array, pixels, slots):
@@ -51,6 +57,8 @@ class ImageFeatures:
             return rows.reshape(array.shape)
 
         self._encode = jax.jit(encode, donate_argnums=(1,), out_shardings=sharding)
+        # One program per power of two of images up to the slots': every one of them held.
+        self.programs = ProgramCache(bucket(num_slots).bit_length(), background=False)
 
     def nbytes(self) -> int:
         return self.array.nbytes
@@ -67,9 +75,12 @@ class ImageFeatures:
                 raise ValueError(f"image {image.content_hash[:12]}: pixels of shape {image.pixel_values.shape}, the "
                                  f"model encodes {pixels.shape[1:]}")
             pixels[i], slots[i] = image.pixel_values, slot
+        args = (params, self.array, pixels, slots)
+        _, program = self.programs.lookup(EncodeShape(n), lambda: functools.partial(
+            _compile, self._encode, jax.tree.map(abstract_value, args)))
         start = time.perf_counter()
         try:
-            self.array = jax.block_until_ready(self._encode(params, self.array, pixels, slots))
+            self.array = jax.block_until_ready(program(*args))
         except BaseException:
             # The array is donated: a call that failed after taking it leaves none. The host's accounting forgets
             # every cached image with the failed step (`Scheduler.cancel`), so a zero array is all it needs.
@@ -79,3 +90,13 @@ class ImageFeatures:
             raise
         self.seconds += time.perf_counter() - start
         self.num_encoded += len(images)
+
+
+class EncodeShape(NamedTuple):
+    """The compiled signature of an encode: its count of images (a power of two)."""
+
+    images: int
+
+
+def _compile(jitted, args: tuple):
+    return jitted.lower(*args).compile()

@@ -210,6 +210,14 @@ def pad_table(table: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return out
 
 
+def pad_copies(block_copies: np.ndarray, rows: int) -> np.ndarray:
+    """(src, dst) block-copy rows `[(P,) C, 2]` padded to `rows` with (0, -1) (dst -1: dropped)."""
+    out = np.zeros(block_copies.shape[:-2] + (rows, 2), np.int32)
+    out[..., 1] = -1
+    out[..., : block_copies.shape[-2], :] = block_copies
+    return out
+
+
 def pad_sampling(sampling: SamplingMetadata, n: int) -> SamplingMetadata:
     """Padding rows are greedy."""
     return SamplingMetadata(
@@ -237,7 +245,8 @@ def pad_penalties(pen: PenaltyMetadata | None, n: int) -> PenaltyMetadata | None
 class StepExtras(NamedTuple):
     """The optional parts of a step (None when no request in it needs them: they cost nothing then)."""
 
-    block_copies: np.ndarray | None = None  # i32[C, 2] (src, dst) blocks copied before the KV write; dst -1 = pad
+    block_copies: np.ndarray | None = None  # i32[(P,) C, 2] (src, dst) blocks copied before the KV write (per block
+    #                                         pool where there are several); dst -1 = pad
     penalties: PenaltyMetadata | None = None  # [S] rows
     prompt_targets: np.ndarray | None = None  # i32[T]: the prompt token after each position whose log-probability
     #                                           is wanted, -1 elsewhere
@@ -275,7 +284,7 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
              kv_lens: np.ndarray,  # i32[S]
              cu_q_lens: np.ndarray,  # i32[S + 1]
              sampling: SamplingMetadata,  # [R] each (R = S unless logits_indices)
-             block_copies: np.ndarray | None = None,  # i32[C, 2]
+             block_copies: np.ndarray | None = None,  # i32[(P,) C, 2]
              penalties: PenaltyMetadata | None = None,  # [R] rows
              prompt_targets: np.ndarray | None = None,  # i32[T]
              num_top_logprobs: int | None = None,
@@ -310,12 +319,10 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
         t_b = s_b if decode_only else max(s_b, fine_bucket(num_tokens))
     tables = pad_table(block_tables, s_b, bucket(block_tables.shape[-1], 2))
     copies = None
-    if block_copies is not None and len(block_copies):
-        # A request has at most one copy pending (its shared last block), so rows of the sequence bucket make
-        # copies on or off, not a size of their own.
-        copies = np.full((max(s_b, bucket(len(block_copies))), 2), -1, np.int32)
-        copies[:, 0] = 0
-        copies[: len(block_copies)] = block_copies
+    if block_copies is not None and (block_copies[..., 1] >= 0).any():
+        # A request has at most one copy pending per group (its shared last block), so rows of the sequence bucket
+        # make copies on or off, not a size of their own.
+        copies = pad_copies(block_copies, max(s_b, bucket(block_copies.shape[-2])))
     extras = StepExtras(block_copies=copies, penalties=pad_penalties(penalties, r_b),
                         prompt_targets=None if prompt_targets is None else pad_rows(prompt_targets, t_b, -1),
                         token_mask=None if token_mask is None else pad_rows(token_mask, r_b, -1))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from typing import Any, NamedTuple
 
@@ -46,7 +47,7 @@ from pagedjax.model.layers.lora import LoRABatch, init_lora_weights, slot_writer
 from pagedjax.model.layers.quant import holds_quantized
 from pagedjax.runner.images import ImageFeatures
 from pagedjax.runner.inputs import NO_EXTRAS, FusedDecodeInputs, StepExtras, StepInputs
-from pagedjax.runner.programs import ProgramCache
+from pagedjax.runner.programs import ProgramCache, abstract_value
 from pagedjax.runner.shapes import (
     LoopShape,
     StepShape,
@@ -56,6 +57,7 @@ from pagedjax.runner.shapes import (
     padding_step,
     repad_fused_decode,
     repad_step,
+    run_cost,
     step_shape,
 )
 
@@ -64,12 +66,14 @@ logger = logging.getLogger(__name__)
 
 class StepOutputs(NamedTuple):
     """What a step returns: sampled tokens i32 `[S]`, their log-probabilities (and top alternatives) when asked,
-    the prompt log-probabilities at every position `[T]` when asked, and the logits `[S, vocab]` when asked."""
+    the prompt log-probabilities at every position `[T]` when asked, the logits `[S, vocab]` when asked, and a
+    sparse-attention model's indexer ties (`PagedKVCache.indexer_ties`: i32[], None for other models)."""
 
     tokens: Any
     logprobs: LogprobArrays | None
     prompt_logprobs: LogprobArrays | None
     logits: Any
+    indexer_ties: Any = None
 
 
 def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,
@@ -79,9 +83,9 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
                   num_prompt_top_logprobs: int = 0, mesh=None) -> tuple[StepOutputs, KVCache]:
     model: PagedModel = nnx.merge(graphdef, params)
     if extras.block_copies is not None:
-        kv_cache = copy_blocks(kv_cache, extras.block_copies)  # before this step's KV is written
-    hidden, kv_cache = _model_forward(model, token_ids, positions, kv_cache, meta, backend=backend,
-                                      decode_only=decode_only, mesh=mesh, lora=lora, images=images)
+        kv_cache = copy_blocks(kv_cache, extras.block_copies, model.spec.kv_layout.slot_pools)  # before the writes
+    hidden, kv_cache, ties = _model_forward(model, token_ids, positions, kv_cache, meta, backend=backend,
+                                            decode_only=decode_only, mesh=mesh, lora=lora, images=images)
     prompt_logprobs = None
     if extras.prompt_targets is not None:  # logits at every position, once
         all_logits = _gathered(model.compute_logits(hidden), mesh)
@@ -93,16 +97,17 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
         logits = apply_token_mask(logits, extras.token_mask)
     tokens = sample(logits, sampling, extras.penalties)
     logprobs = None if num_top_logprobs is None else token_logprobs(logits, tokens, num_top_logprobs)
-    outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None)
+    outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None, ties)
     return outputs, kv_cache
 
 
 def _model_forward(model: PagedModel, token_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, *,
                    backend: str, decode_only: bool, mesh, lora: LoRABatch | None = None,
-                   images: ImageEmbeds | None = None) -> tuple[jax.Array, KVCache]:
+                   images: ImageEmbeds | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """The model's forward over the cache as the contract gives it (`pagedjax.model.api.PagedKVCache`); with
     `lora` (a built-in model: the engine checks), each token through its adapter; with `images`, image features in
-    place of their placeholders' embeddings (a model whose spec declares images)."""
+    place of their placeholders' embeddings (a model whose spec declares images). Returns (hidden, the cache, its
+    indexer ties: None without sparse layers)."""
     cache = PagedKVCache(kv_cache.layers, meta, backend=backend, decode_only=decode_only, mesh=mesh,
                          spec=model.spec)
     extra = {}
@@ -111,7 +116,7 @@ def _model_forward(model: PagedModel, token_ids, positions, kv_cache: KVCache, m
     if images is not None:
         extra["images"] = images
     hidden, cache = model(token_ids, positions, cache, **extra)
-    return hidden, KVCache(cache.layers)
+    return hidden, KVCache(cache.layers), cache.indexer_ties
 
 
 def _gathered(logits, mesh):
@@ -134,6 +139,7 @@ class FusedDecodeState(NamedTuple):
     sampled: jax.Array  # i32[num_steps, S]: -1 where a sequence did not run
     logprobs: LogprobArrays | None  # [num_steps, S] (and top alternatives [num_steps, S, K]) when asked
     penalties: PenaltyMetadata | None  # output_counts follow the sampled tokens
+    indexer_ties: jax.Array  # i32[]: the sparse layers' indexer ties so far (`PagedKVCache.indexer_ties`; 0 without)
 
 
 def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | tuple[PageState, ...], tokens,
@@ -148,9 +154,8 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | t
     sequence's adapter slot (`[S]`: one token per sequence each iteration); pages: the `PageState` of a model of
     one KV cache group, one per group of a model of several (every group pops a block at the same steps).
     Returns (sampled int32 `[num_steps, S]` with -1 after a sequence stopped, their `LogprobArrays`
-    `[num_steps, S]`, the final page state(s) as given, cache).
+    `[num_steps, S]`, the final page state(s) as given, the indexer ties of every iteration (i32[]), cache).
     """
-    model: PagedModel = nnx.merge(graphdef, params)
     one_group = isinstance(pages, PageState)
     num_seqs = tokens.shape[0]
     cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32)
@@ -159,14 +164,22 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | t
         return (s.step < num_steps) & jnp.any(s.active)
 
     def body(s: FusedDecodeState) -> FusedDecodeState:
+        # The weights pass an optimization barrier together with the iteration counter, so that every value
+        # computed from them depends on the iteration. Else XLA's loop-invariant code motion hoists the quantized
+        # kernels' conversions (`pagedjax.model.layers.quant`: int8 / fp8 -> float, int4's scaled nibble planes)
+        # out of the loop: a float copy of every quantized kernel written before the first iteration, 4x the
+        # stored bytes, which every iteration's products then read (156M model, batch 1: int8 31 tokens/s fused
+        # against 79 single-step, int4 6; with the barrier 73 fused). A barrier of the weights alone is hoisted
+        # with them; the counter is the one operand that differs each iteration.
+        model: PagedModel = nnx.merge(graphdef, jax.lax.optimization_barrier((params, s.step))[0])
         positions = s.pages[0].seq_lens
         pages, slots = zip(*(append_tokens(p, s.active, block_size) for p in s.pages), strict=True)
         tables = [p.block_tables for p in pages]
         one = len(pages) == 1  # a model of one group: its table and slots as they are, else stacked per group
         meta = AttentionMetadata(slots[0] if one else jnp.stack(slots), tables[0] if one else jnp.stack(tables),
                                  jnp.where(s.active, pages[0].seq_lens, 0), cu_q_lens)
-        hidden, kv_cache = _model_forward(model, s.last_tokens, positions, s.kv_cache, meta, backend=backend,
-                                          decode_only=True, mesh=mesh, lora=lora)
+        hidden, kv_cache, ties = _model_forward(model, s.last_tokens, positions, s.kv_cache, meta, backend=backend,
+                                                decode_only=True, mesh=mesh, lora=lora)
         logits = _gathered(model.compute_logits(hidden), mesh)
         new = sample(logits, sampling._replace(step=sampling.step + s.num_generated), s.penalties)
         logprobs = s.logprobs
@@ -182,7 +195,8 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | t
         return FusedDecodeState(step=s.step + 1, kv_cache=kv_cache, pages=tuple(pages),
                                last_tokens=jnp.where(s.active, new, s.last_tokens), active=s.active & ~stopped,
                                num_generated=num_generated, sampled=s.sampled.at[s.step].set(new),
-                               logprobs=logprobs, penalties=pen)
+                               logprobs=logprobs, penalties=pen,
+                               indexer_ties=s.indexer_ties if ties is None else s.indexer_ties + ties)
 
     init = FusedDecodeState(step=jnp.int32(0), kv_cache=kv_cache, pages=(pages,) if one_group else tuple(pages),
                             last_tokens=tokens,
@@ -192,9 +206,10 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | t
                                jnp.zeros((num_steps, num_seqs), jnp.float32),
                                jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.int32),
                                jnp.zeros((num_steps, num_seqs, num_top_logprobs), jnp.float32)),
-                           penalties=penalties)
+                           penalties=penalties, indexer_ties=jnp.int32(0))
     final = jax.lax.while_loop(cond, body, init)
-    return final.sampled, final.logprobs, final.pages[0] if one_group else final.pages, final.kv_cache
+    return final.sampled, final.logprobs, final.pages[0] if one_group else final.pages, final.indexer_ties, \
+        final.kv_cache
 
 
 def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
@@ -254,7 +269,8 @@ class ModelRunner:
     over it and the steps run SPMD on its devices; without one, everything is on the default device and the
     steps carry no sharding at all."""
 
-    def __init__(self, model: PagedModel, num_blocks: int, block_size: int, *, kv_dtype=None,
+    def __init__(self, model: PagedModel, num_blocks: int, block_size: int, *, extra_pools: tuple[int, ...] = (),
+                 kv_dtype=None,
                  backend: str = "auto", mesh: Mesh | None = None, max_programs: int = 64,
                  compile_in_background: bool = True, lora: LoRAConfig | None = None,
                  image_slots: int | None = None):
@@ -262,6 +278,7 @@ class ModelRunner:
         self.model_spec = spec
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.extra_pools = tuple(extra_pools)  # blocks of the pools past the first (recurrent state snapshots)
         self.backend = resolve_backend(backend)
         self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
@@ -289,6 +306,7 @@ class ModelRunner:
         self.image_features = None if image_slots is None else ImageFeatures(self.graphdef, self.params, spec,
                                                                              image_slots, mesh)
         self.device_seconds = 0.0  # wall time inside compiled calls, results read back
+        self.indexer_ties = 0  # the steps' sparse-layer indexer ties (`PagedKVCache.indexer_ties`), warm-up's not
         self._param_leaves, treedef = jax.tree.flatten(self.params)
         # A one-device mesh (a data-parallel replica with tp 1) runs the plain single-device program there.
         self._step, self._loop = _jitted(self.graphdef, treedef, mesh if mesh is not None and mesh.size > 1 else None)
@@ -310,7 +328,8 @@ class ModelRunner:
     def _new_kv_cache(self) -> KVCache:
         cfg = self.model_spec
         if self.mesh is None:
-            return init_kv_cache(cfg.kv_layout, self.num_blocks, self.block_size, self.kv_dtype)
+            return init_kv_cache(cfg.kv_layout, self.num_blocks, self.block_size, self.kv_dtype,
+                                 extra_pools=self.extra_pools)
         from pagedjax.config.parallel import kv_heads_stored
         from pagedjax.parallel.sharding import kv_sharding, replicated
 
@@ -319,7 +338,7 @@ class ModelRunner:
         heads = None if cfg.num_kv_heads is None else kv_heads_stored(cfg.num_kv_heads, self.mesh.size)
         sharding = lambda spec: kv_sharding(self.mesh) if spec.splits_kv_heads else replicated(self.mesh)
         return init_kv_cache(cfg.kv_layout, self.num_blocks, self.block_size, self.kv_dtype, num_kv_heads=heads,
-                             sharding_of=sharding)
+                             sharding_of=sharding, extra_pools=self.extra_pools)
 
     def _check_attention_serves(self) -> None:
         """Trace (no compile, no run) a decode and a ragged attention call of one device's shapes over each kind of
@@ -349,6 +368,20 @@ class ModelRunner:
     @property
     def _num_groups(self) -> int:
         return self.model_spec.kv_layout.num_groups
+
+    @property
+    def _num_pools(self) -> int:
+        return len(self.model_spec.kv_layout.pools)
+
+    def block_bytes_per_pool(self) -> tuple[int, ...]:
+        """Bytes of one block of each block pool on each device (its share of every page array of the pool)."""
+        layout = self.model_spec.kv_layout
+        blocks = (self.num_blocks, *self.extra_pools)
+        nbytes = [0] * len(blocks)
+        for layer, pool in zip(self.kv_cache.layers, layout.slot_pools, strict=True):
+            nbytes[pool] += sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                                for a in jax.tree.leaves(layer))
+        return tuple(n // b for n, b in zip(nbytes, blocks, strict=True))
 
     @property
     def kv_cache_lost(self) -> bool:
@@ -411,7 +444,7 @@ class ModelRunner:
     def _prepare(self, jitted, args: tuple, static: dict, rows: int):
         """The job that compiles `jitted` for these arguments' shapes (`rows`: the tokens a step runs): abstract
         arguments only, so it may run on another thread after the KV cache it saw was donated."""
-        abstract = jax.tree.map(_abstract, args)
+        abstract = jax.tree.map(abstract_value, args)
         return functools.partial(_compile, jitted, abstract, static, cpu_compiler_options(self.model_spec, rows,
                                                                                              self._quantized))
 
@@ -462,11 +495,14 @@ class ModelRunner:
             run_shape, exe = self.programs.lookup(
                 shape, lambda: self._prepare(self._step, args, static, rows=shape.tokens))
         if run_shape != shape:
-            args, _ = self._step_call(repad_step(inputs, run_shape, self.model_spec.vocab_size), run_shape)
+            args, _ = self._step_call(repad_step(inputs, run_shape, self.model_spec.vocab_size, self._num_pools),
+                                      run_shape)
         start = time.perf_counter()
         outputs, self.kv_cache = exe(*args)
         outputs = jax.device_get(outputs)
         self._ran(run_shape, time.perf_counter() - start)
+        if outputs.indexer_ties is not None:
+            self.indexer_ties += int(outputs.indexer_ties)
         return outputs if run_shape == shape else _cut_step(outputs, shape)
 
     def _fixed_program(self, shape: StepShape):
@@ -476,7 +512,7 @@ class ModelRunner:
         if not dominates(fixed, shape):
             raise ValueError(f"batch-invariant mode runs every step on one program, {fixed}, which cannot run this "
                              f"step ({shape}: logits, or more stop ids than it has columns)")
-        padding = padding_step(fixed, self.model_spec.vocab_size, self._num_groups)
+        padding = padding_step(fixed, self.model_spec.vocab_size, self._num_groups, self._num_pools)
         return self.programs.lookup(fixed, lambda: self._prepare(self._step, *self._step_call(padding, fixed),
                                                                  rows=fixed.tokens))
 
@@ -493,11 +529,12 @@ class ModelRunner:
         if run_shape != shape:
             args, _ = self._loop_call(repad_fused_decode(inputs, run_shape, self.model_spec.vocab_size))
         start = time.perf_counter()
-        out, logprobs, pages, self.kv_cache = exe(*args)
+        out, logprobs, pages, ties, self.kv_cache = exe(*args)
         pages = (pages,) if isinstance(pages, PageState) else pages  # one per KV cache group
-        out, logprobs, tables, overflow = jax.device_get((out, logprobs, [p.block_tables for p in pages],
-                                                          [p.overflow for p in pages]))
+        out, logprobs, tables, overflow, ties = jax.device_get((out, logprobs, [p.block_tables for p in pages],
+                                                                [p.overflow for p in pages], ties))
         self._ran(run_shape, time.perf_counter() - start)
+        self.indexer_ties += int(ties)
         if any(overflow):
             raise RuntimeError("fused decode ran out of lent blocks or table columns: the host lent too few (a bug)")
         tables = tables[0] if len(tables) == 1 else np.stack(tables)
@@ -511,36 +548,39 @@ class ModelRunner:
         self.device_seconds += seconds
         self.programs.record_run(shape, seconds)
 
+    def _padding_call(self, shape: StepShape | LoopShape):
+        """(a call of `shape`'s program on padding only: its arguments, the job that compiles it)."""
+        vocab = self.model_spec.vocab_size
+        if isinstance(shape, LoopShape):
+            args, static = self._loop_call(padding_fused_decode(shape, vocab, self._num_groups))
+            jitted, rows = self._loop, shape.tables[0]
+        else:
+            args, static = self._step_call(padding_step(shape, vocab, self._num_groups, self._num_pools), shape)
+            jitted, rows = self._step, shape.tokens
+        return args, functools.partial(self._prepare, jitted, args, static, rows)
+
     def warmup(self, shapes: list[StepShape | LoopShape]) -> None:
         """Compile the programs of `shapes` now, hold them for good (stand-ins for every step they dominate), and
         run each once on padding only (no KV written or read: the cache's contents stay as they are)."""
         self.check_awake()
-        vocab = self.model_spec.vocab_size
-        for shape in shapes:
-            if isinstance(shape, LoopShape):
-                args, static = self._loop_call(padding_fused_decode(shape, vocab, self._num_groups))
-                jitted, rows = self._loop, shape.tables[0]
-            else:
-                args, static = self._step_call(padding_step(shape, vocab, self._num_groups), shape)
-                jitted, rows = self._step, shape.tokens
-            exe = self.programs.compile(shape, functools.partial(self._prepare, jitted, args, static, rows),
-                                        pinned=True)
+        for i, shape in enumerate(shapes):
+            args, prepare = self._padding_call(shape)
+            exe = self.programs.compile(shape, prepare, pinned=True, note=f"warm-up {i + 1} of {len(shapes)}")
             start = time.perf_counter()
             *outputs, self.kv_cache = exe(*args)
             jax.block_until_ready(outputs)
             self.programs.record_run(shape, time.perf_counter() - start)  # not the steps' device time
 
+    def warm_in_background(self, shapes: list[StepShape | LoopShape]):
+        """Compile the programs of `shapes` in the background, the cheapest first, behind any step's own program
+        (`ProgramCache.warm_in_background`; each held for good once a step's lookup installs it, unrun until a
+        step runs on it); returns the future of the seconds until all of them are compiled."""
+        ordered = sorted(shapes, key=run_cost)
+        return self.programs.warm_in_background([(shape, self._padding_call(shape)[1]) for shape in ordered])
+
 
 def _compile(jitted, args: tuple, static: dict, options: dict | None):
     return jitted.lower(*args, **static).compile(compiler_options=options)
-
-
-def _abstract(x) -> jax.ShapeDtypeStruct:
-    """An argument's shape, dtype (and a device array's sharding): all that compiling for it needs."""
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
-    x = np.asarray(x)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def _cut(lps: LogprobArrays | None, rows: tuple, num_top: int | None) -> LogprobArrays | None:
@@ -558,4 +598,4 @@ def _cut_step(out: StepOutputs, shape: StepShape) -> StepOutputs:
     return StepOutputs(out.tokens[:s], _cut(out.logprobs, (slice(s),), shape.num_top_logprobs),
                        _cut(out.prompt_logprobs, (slice(shape.tokens),),
                             shape.num_prompt_top_logprobs if shape.prompt_targets else None),
-                       out.logits[:s] if shape.return_logits else None)
+                       out.logits[:s] if shape.return_logits else None, out.indexer_ties)

@@ -48,6 +48,7 @@ from pagedjax.runner.inputs import (
     StepExtras,
     StepInputs,
     bucket,
+    pad_copies,
     pad_last,
     pad_penalties,
     pad_rows,
@@ -80,6 +81,22 @@ class StepShape(NamedTuple):
         """The rows it samples: `rows`, or one per sequence."""
         return self.tables[0] if self.rows is None else self.rows
 
+    def __str__(self) -> str:
+        """One short line (the log's): "step of 512 tokens, 64 x 256 table (copies, 512 stop ids, top 20, mask)"."""
+        parts = [name for name, on in (("decode only", self.decode_only), ("logits", self.return_logits),
+                                       ("copies", self.copies), ("images", self.images),
+                                       ("both-way images", self.attend_until), ("mask", self.token_mask)) if on]
+        if self.stop_width:
+            parts.insert(0, f"{self.stop_width} stop ids")
+        if self.num_top_logprobs is not None:
+            parts.append(f"top {self.num_top_logprobs}")
+        if self.prompt_targets:
+            parts.append(f"prompt top {self.num_prompt_top_logprobs}")
+        if self.rows is not None:
+            parts.append(f"{self.rows} rows")
+        return f"step of {self.tokens} tokens, {self.tables[0]} x {self.tables[1]} table" + \
+            (f" ({', '.join(parts)})" if parts else "")
+
 
 class LoopShape(NamedTuple):
     """The compiled signature of a fused decode (`ModelRunner.execute_fused_decode`)."""
@@ -92,13 +109,27 @@ class LoopShape(NamedTuple):
     penalties: bool
     num_top_logprobs: int | None
 
+    def __str__(self) -> str:
+        """One short line (the log's): "fused decode of 8 steps, 64 x 256 table (512 stop ids, penalties)"."""
+        parts = [f"{self.stop_width} stop ids"] + ["penalties"] * self.penalties + \
+            ([] if self.num_top_logprobs is None else [f"top {self.num_top_logprobs}"])
+        return f"fused decode of {self.num_steps} steps, {self.tables[0]} x {self.tables[1]} table ({', '.join(parts)})"
+
+
+def run_cost(shape: StepShape | LoopShape) -> int:
+    """How much a run of the program computes, to order programs never run (`ProgramCache`'s stand-ins): its
+    token rows times the table width they attend over (a fused decode: every step's)."""
+    if isinstance(shape, LoopShape):
+        return shape.num_steps * shape.tables[0] * shape.tables[1]
+    return shape.tokens * shape.tables[1]
+
 
 def step_shape(inputs: StepInputs, return_logits: bool = False) -> StepShape:
     x = inputs.extras
     tables = inputs.meta.block_tables.shape[-2:]
     rows = len(inputs.logits_indices)
     return StepShape("step", len(inputs.token_ids), tables, inputs.decode_only,
-                     return_logits, None if x.block_copies is None else x.block_copies.shape[0],
+                     return_logits, None if x.block_copies is None else x.block_copies.shape[-2],
                      None if x.penalties is None else x.penalties.stop_ids.shape[1], x.prompt_targets is not None,
                      inputs.num_top_logprobs, inputs.num_prompt_top_logprobs, x.token_mask is not None,
                      None if rows == tables[0] else rows, inputs.image_index is not None,
@@ -165,16 +196,15 @@ def _widen(pen: PenaltyMetadata | None, num_seqs: int, vocab_size: int, width: i
     return pen._replace(stop_ids=stops)
 
 
-def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int) -> StepInputs:
-    """`inputs` padded further to a program of `shape` that dominates them (`dominates`): the same step."""
+def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int, num_pools: int = 1) -> StepInputs:
+    """`inputs` padded further to a program of `shape` that dominates them (`dominates`): the same step (of a
+    model of `num_pools` block pools: block copies per pool where there are several)."""
     t, (s, b), r = shape.tokens, shape.tables, shape.num_rows
     m, x = inputs.meta, inputs.extras
     copies = None
     if shape.copies is not None:
-        copies = np.full((shape.copies, 2), -1, np.int32)
-        copies[:, 0] = 0
-        if x.block_copies is not None:
-            copies[: len(x.block_copies)] = x.block_copies
+        none = np.zeros(_groups(num_pools) + (0, 2), np.int32)  # the step's own, else none (in each pool)
+        copies = pad_copies(none if x.block_copies is None else x.block_copies, shape.copies)
     targets = None
     if shape.prompt_targets:
         targets = pad_rows(np.zeros(0, np.int32) if x.prompt_targets is None else x.prompt_targets, t, -1)
@@ -254,14 +284,14 @@ def warmup_shapes(*, max_tokens: int, max_seqs: int, max_blocks: int, block_size
     return shapes
 
 
-def _groups(num_groups: int) -> tuple[int, ...]:
-    """The leading axis of per-group tables and slots: none for a model of one KV cache group."""
-    return () if num_groups == 1 else (num_groups,)
+def _groups(n: int) -> tuple[int, ...]:
+    """The leading axis of per-group tables and slots (per-pool block copies): none where there is one."""
+    return () if n == 1 else (n,)
 
 
-def padding_step(shape: StepShape, vocab_size: int, num_groups: int = 1) -> StepInputs:
+def padding_step(shape: StepShape, vocab_size: int, num_groups: int = 1, num_pools: int = 1) -> StepInputs:
     """A step of `shape` that is all padding: it writes no KV and reads none (`num_groups`: the model's KV cache
-    groups, a table and slot mapping each)."""
+    groups, a table and slot mapping each; `num_pools`: its block pools, block copies each)."""
     empty = np.zeros(0, np.int32)
     g = _groups(num_groups)
     sampling = SamplingMetadata.from_lists([], [], [], [], [])
@@ -269,7 +299,7 @@ def padding_step(shape: StepShape, vocab_size: int, num_groups: int = 1) -> Step
                              np.zeros(1, np.int32))
     step = StepInputs(token_ids=empty, positions=empty, meta=meta, logits_indices=empty, sampling=sampling,
                       decode_only=shape.decode_only)
-    return repad_step(step, shape, vocab_size)
+    return repad_step(step, shape, vocab_size, num_pools)
 
 
 def padding_fused_decode(shape: LoopShape, vocab_size: int, num_groups: int = 1) -> FusedDecodeInputs:

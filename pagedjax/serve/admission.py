@@ -26,9 +26,11 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CHAT_MESSAGES = 1024
-# The most calls of one forced tool choice with parallel_tool_calls (`pagedjax.serve.tools`; here, beside the other
-# per-request bounds, so that pagedjax-serve's argument parser has it without the serve extra imported).
+# The most calls of one forced tool choice with parallel_tool_calls, and the most characters of a string argument
+# of a forced call whose schema sets no maxLength (`pagedjax.serve.tools`; here, beside the other per-request
+# bounds, so that pagedjax-serve's argument parser has them without the serve extra imported).
 DEFAULT_MAX_PARALLEL_TOOL_CALLS = 4
+DEFAULT_MAX_TOOL_STRING_LENGTH = 4096
 
 
 def _limit(default: int, help: str, *, size: bool = False):  # noqa: A002 - argparse's word

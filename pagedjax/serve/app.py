@@ -42,6 +42,7 @@ from pagedjax.serve.admission import (
     DEFAULT_IMAGE_LIMITS,
     DEFAULT_MAX_CHAT_MESSAGES,
     DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+    DEFAULT_MAX_TOOL_STRING_LENGTH,
     ImageLimits,
 )
 from pagedjax.serve.async_engine import AsyncLLMEngine
@@ -129,6 +130,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
               compile_config: CompileGuardConfig | None = None,
               max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
               max_parallel_tool_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+              max_tool_string_length: int = DEFAULT_MAX_TOOL_STRING_LENGTH,
               lora_modules: Mapping[str, str] | None = None,
               lora_updates: RuntimeLoRAUpdates | None = None,
               max_registered_loras: int = DEFAULT_MAX_REGISTERED_LORAS,
@@ -141,7 +143,8 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     on the event loop, after a prompt too large to fit and a chat of more than `max_chat_messages` messages are
     refused by their size. Output constraints are checked against `structured_limits`, then compiled in a
     grammar pool of their own, each new one test-compiled in a worker process first (`compile_config`; see
-    `OpenAIServing`). A forced tool choice makes at most `max_parallel_tool_calls` calls (`pagedjax.serve.tools`).
+    `OpenAIServing`). A forced tool choice makes at most `max_parallel_tool_calls` calls, each string argument
+    its schema leaves unbounded at most `max_tool_string_length` characters long (`pagedjax.serve.tools`).
     An engine with LoRA enabled serves the adapters `lora_modules` (name -> PEFT folder, registered now: ValueError
     naming a bad one) by name, and with `lora_updates` loads and unloads adapters at runtime (`pagedjax.serve.lora`;
     without it those routes answer 404), at most `max_registered_loras` at once. A model that takes images gets
@@ -157,7 +160,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     serving = OpenAIServing(engine, model_name=model_name, chat_template=chat_template or ChatTemplate.from_model(None),
                             metrics=metrics, structured_limits=structured_limits, compile_config=compile_config,
                             max_chat_messages=max_chat_messages, max_parallel_tool_calls=max_parallel_tool_calls,
-                            adapters=adapters, image_limits=image_limits)
+                            max_tool_string_length=max_tool_string_length, adapters=adapters, image_limits=image_limits)
 
     summary = summarize(engine.engine)
 

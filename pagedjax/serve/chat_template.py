@@ -17,9 +17,14 @@ placeholder for each image. Every other message keeps its string content, unless
 from content parts (`reads_content_parts`: LLaVA's Hugging Face templates drop a string content) and the model
 takes images: then every message's text goes to it as parts too.
 
-A model without one (the bundled model, trained on Python sources) gets `DEFAULT_TEMPLATE`: each message as a
-`# <role>:` comment line followed by its content, then `# assistant:` when a reply is wanted; that text is
-tokenized like a completion prompt (BOS added). `--chat-template FILE` replaces either.
+A vision-language folder without one (a "llava" or "gemma3" `model_type` in its config.json) gets its family's
+built-in template (`FAMILY_TEMPLATES`, as vLLM ships fallback templates): the family's own prompt format (LLaVA
+1.5's `USER: <image>\n... ASSISTANT:`, Gemma 3's turns), writing the folder's image placeholder (the processor's:
+`pagedjax.model.processor.image_placeholder`) for each image part, so that image chats work without a hand-written
+template; its `source` says so, and the server logs it at start-up. Any other model without one (the bundled
+model, trained on Python sources) gets `DEFAULT_TEMPLATE`: each message as a `# <role>:` comment line followed by
+its content, then `# assistant:` when a reply is wanted; that text is tokenized like a completion prompt (BOS
+added). `--chat-template FILE` replaces any of these.
 """
 
 from __future__ import annotations
@@ -35,6 +40,46 @@ DEFAULT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}# assistant:\n{% endif %}"
 )
+
+
+# The families' own prompt formats, for a vision-language folder that ships no template: each writes
+# `image_placeholder` (the folder's, `ChatTemplate(image_placeholder=...)`) for an image part, and takes a message's
+# content as a string or as parts. LLaVA 1.5's renders as llava-hf's template does (images first, then the text, each
+# text followed by a space; no role for a system message), with the BOS it leaves to the processor written first
+# (the server adds no special tokens to a model template's text).
+LLAVA_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] != 'system' -%}{{- message['role'] | upper + ': ' -}}{%- endif -%}"
+    "{%- if message['content'] is string -%}{{- message['content'] + ' ' -}}"
+    "{%- else -%}"
+    "{%- for part in message['content'] if part['type'] == 'image' -%}{{- image_placeholder + '\n' -}}{%- endfor -%}"
+    "{%- for part in message['content'] if part['type'] == 'text' -%}{{- part['text'] + ' ' -}}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- 'ASSISTANT:' -}}{%- endif -%}"
+)
+# Gemma 3's turns, as its published template renders them: a first system message prefixes the first turn, the
+# assistant is "model", text is trimmed, an image part is the placeholder where it stands.
+GEMMA3_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set system = messages[0]['content'] if messages[0]['content'] is string else messages[0]['content']"
+    " | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}"
+    "{%- set prefix = system + '\n\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for message in turns -%}"
+    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n'"
+    " + (prefix if loop.first else '') -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] | trim -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{{- image_placeholder if part['type'] == 'image' else part['text'] | trim -}}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<end_of_turn>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
+)
+FAMILY_TEMPLATES = {"llava": LLAVA_TEMPLATE, "gemma3": GEMMA3_TEMPLATE}
 
 
 class ChatTemplateError(ValueError):
@@ -75,7 +120,7 @@ class ChatTemplate:
     """A compiled chat template. `from_model` finds a model folder's own; `source` says where it came from."""
 
     def __init__(self, template: str, *, source: str = "built-in default", model_template: bool = False,
-                 bos_token: str = "", eos_token: str = ""):
+                 bos_token: str = "", eos_token: str = "", image_placeholder: str | None = None):
         from jinja2 import meta
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -84,6 +129,8 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        if image_placeholder is not None:  # what `FAMILY_TEMPLATES` write for an image part
+            env.globals["image_placeholder"] = image_placeholder
         self.text = template
         self.source = source
         self.model_template = model_template  # the model's own: it writes special tokens itself
@@ -95,8 +142,8 @@ class ChatTemplate:
 
     @classmethod
     def from_model(cls, folder: str | Path | None, override: str | Path | None = None) -> ChatTemplate:
-        """The template for a model folder: `override` (a file) if given, else the folder's own, else the
-        built-in default."""
+        """The template for a model folder: `override` (a file) if given, else the folder's own, else its
+        vision-language family's (`FAMILY_TEMPLATES`), else the built-in default."""
         from pagedjax.model.errors import read_json
 
         config = {}
@@ -119,6 +166,13 @@ class ChatTemplate:
                 template = read_json(Path(folder) / name).get("chat_template")
                 if isinstance(template, str):
                     return cls(template, source=f"{folder}/{name}", model_template=True, **tokens)
+        family = read_json(Path(folder) / "config.json").get("model_type") \
+            if folder is not None and (Path(folder) / "config.json").is_file() else None
+        if family in FAMILY_TEMPLATES:
+            from pagedjax.model.processor import image_placeholder
+
+            return cls(FAMILY_TEMPLATES[family], source=f"built-in {family} template ({folder} has no chat template)",
+                       model_template=True, image_placeholder=image_placeholder(folder), **tokens)
         return cls(DEFAULT_TEMPLATE, **tokens)
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,

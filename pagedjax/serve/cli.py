@@ -35,7 +35,12 @@ from pathlib import Path
 from pagedjax.cli import args as generate_args
 from pagedjax.cli.errors import EXIT_ERROR, EXIT_OK, CLIError
 from pagedjax.cli.sizes import parse_size
-from pagedjax.serve.admission import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_PARALLEL_TOOL_CALLS, ImageLimits
+from pagedjax.serve.admission import (
+    DEFAULT_MAX_CHAT_MESSAGES,
+    DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+    DEFAULT_MAX_TOOL_STRING_LENGTH,
+    ImageLimits,
+)
 
 PROG = "pagedjax-serve"
 SHUTDOWN_GRACE_S = 5.0  # after the drain, for the last answers and error events to reach their clients
@@ -58,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = generate_args.ArgumentParser(
         prog=PROG,
         description="Serve a model over HTTP with OpenAI's API (completions, chat completions, models), "
-                    "streaming included; /health and /metrics (Prometheus) too.",
+                    "streaming included; /health and /metrics (Prometheus) too. A request without max_tokens "
+                    "generates until the model stops or the context is full (completions and chat alike, as "
+                    "pagedjax-generate and SamplingParams).",
         formatter_class=generate_args.HelpFormatter)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -114,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=DEFAULT_MAX_PARALLEL_TOOL_CALLS, metavar="N",
                    help="the most calls of one choice with tool_choice \"required\" and parallel_tool_calls (the "
                         "grammar ends the text there)")
+    g.add_argument("--max-tool-string-length", type=generate_args.int_at_least(1),
+                   default=DEFAULT_MAX_TOOL_STRING_LENGTH, metavar="N",
+                   help="the most characters of a forced tool call's string argument whose schema sets no "
+                        "maxLength (a forced call's objects also take only their declared keys unless the schema "
+                        "says additionalProperties): every forced call ends")
     _add_structured_options(p)
     _add_image_options(p)
     _add_lora_options(p)
@@ -376,40 +388,48 @@ def serve(args: argparse.Namespace) -> int:
     from pagedjax.serve.chat_template import ChatTemplate
     from pagedjax.serve.head_timeout import head_timeout_protocol
 
+    # Every argument is checked before the model loads, and every adapter before anything compiles: a mistake
+    # is said in seconds, not after the warm-up.
     limits, compile_config = structured_config(args)
     name = args.served_model_name or args.model or args.model_class or BUNDLED_MODEL_NAME
     lora_modules, lora_updates = lora_setup(args, name)
+    key, hosts, images = api_key(args), allowed_hosts(args), image_limits(args)
+    # A --model-class model without --model has no folder: the built-in template, unless --chat-template.
+    folder = Path(args.model) if args.model is not None else (None if args.model_class else bundled_model_path())
+    try:
+        template = ChatTemplate.from_model(folder, args.chat_template)
+    except (OSError, ModelLoadError) as e:
+        raise CLIError(f"cannot read the chat template: {e}") from None
     with compile_cache(args) as cache:
         # The engine checks every constraint against the server's limits too (its Python API is guarded alike).
         engine = build_engine(args, load_model_for_cli(args), compile_cache=cache.engine_arg, structured_limits=limits)
-        # A --model-class model without --model has no folder: the built-in template, unless --chat-template.
-        folder = Path(args.model) if args.model is not None else (None if args.model_class else bundled_model_path())
-        try:
-            template = ChatTemplate.from_model(folder, args.chat_template)
-        except (OSError, ModelLoadError) as e:
-            raise CLIError(f"cannot read the chat template: {e}") from None
         async_engine = AsyncLLMEngine(engine, max_pending=args.max_num_seqs + args.max_queue)
         try:  # registers the --lora-modules (each folder read and checked)
             app = build_app(async_engine, model_name=name, structured_limits=limits, compile_config=compile_config,
                             max_chat_messages=args.max_chat_messages,
-                            max_parallel_tool_calls=args.max_parallel_tool_calls, chat_template=template,
-                            api_key=api_key(args), allowed_origins=args.allowed_origin,
-                            allowed_hosts=allowed_hosts(args), docs=args.enable_docs, body_timeout=args.body_timeout,
-                            lora_modules=lora_modules, lora_updates=lora_updates, image_limits=image_limits(args),
+                            max_parallel_tool_calls=args.max_parallel_tool_calls,
+                            max_tool_string_length=args.max_tool_string_length, chat_template=template,
+                            api_key=key, allowed_origins=args.allowed_origin, allowed_hosts=hosts,
+                            docs=args.enable_docs, body_timeout=args.body_timeout, lora_modules=lora_modules,
+                            lora_updates=lora_updates, image_limits=images,
                             **({} if args.max_registered_loras is None else
                                {"max_registered_loras": args.max_registered_loras}),
                             **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
         except ValueError as e:
             raise CLIError(str(e)) from None
+        if args.warmup:  # in the background: the server answers at once, its first steps compiling their own
+            warmed = engine.start_warmup()
+            # The warm-up's traces and programs live as long as the server, out of the collector's reach too.
+            warmed.add_done_callback(lambda _: gc.freeze())
         # uvicorn waits for the connections a little past the drain: by then every request got its answer
         # (finished, or an error), so it never has to cancel one mid-response.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, access_log=False,
                                 limit_concurrency=args.max_connections, http=head_timeout_protocol(args.header_timeout))
-        # Everything built so far (the model, the warm-up's traces and programs: ~290k objects for the bundled
-        # model) lives as long as the server: moved out of the garbage collector's generations, a full collection
-        # no longer walks it. Such collections, set off by the tracing of later programs, stalled the engine
-        # thread for up to 2 s before (measured); after it, 0.1-0.3 s.
+        # Everything built so far (the model, the app; the warm-up's traces and programs when it is done: ~290k
+        # objects for the bundled model) lives as long as the server: moved out of the garbage collector's
+        # generations, a full collection no longer walks it. Such collections, set off by the tracing of later
+        # programs, stalled the engine thread for up to 2 s before (measured); after it, 0.1-0.3 s.
         gc.freeze()
         try:
             started = _Server(config, async_engine.drain, args.shutdown_timeout).run()

@@ -1,11 +1,14 @@
 """The OpenAI API's request and response bodies (the subset pagedjax serves), as pydantic models.
 
-Field names and defaults are OpenAI's (`temperature` defaults to 1, completions' `max_tokens` to 16), plus
+Field names and defaults are OpenAI's, but for sampling fields left out (`temperature`, `top_p`, ...: the model's
+defaults, as in `SamplingParams`) and `max_tokens`: without it a completion, like a chat, runs until it stops or
+the context is full (`SamplingParams`' rule, every entry point's; OpenAI's completions stop at 16). Plus
 vLLM's common extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
-`include_stop_str_in_output`). Requests are strict: unknown fields and values of the wrong JSON type (a string
-for a number, a float for an integer) are rejected with a message naming the field, never coerced. A `null`
-is the field's default, as OpenAI's API takes it (its SDKs send `"n": null`, `"stream": null`, ...); a required
-field cannot be null.
+`include_stop_str_in_output`, `return_token_ids`). Requests are strict: unknown fields and values of the wrong
+JSON type (a string for a number, a float for an integer) are rejected with a message naming the field, never
+coerced. A `null` is the field's default, as OpenAI's API takes it (its SDKs send `"n": null`, `"stream": null`,
+...); a required field cannot be null. Response fields only some requests ask for (`return_token_ids`' ids) are
+left out of the others' responses.
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
+    # the prompt's and each choice's token ids in the response, as vLLM returns them (`prompt_token_ids`,
+    # `token_ids`; streamed: the prompt's in the first chunk, each chunk's new tokens in its choices)
+    return_token_ids: bool = False
     # vLLM's structured output extensions (one at most; chat's response_format is OpenAI's way)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: NonEmpty | None = None
@@ -88,7 +94,7 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: up to the context length, as chat's
     best_of: Annotated[int, Field(ge=1, le=128)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
@@ -263,10 +269,23 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # ------------------------------------------------------------------------------------------------ responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # the prompt's tokens read from the prefix cache, not computed (OpenAI's, vLLM's)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+def _without_unasked(data: dict, keys: tuple[str, ...]) -> dict:
+    """A response object's fields without the `keys` that are None (fields only some requests ask for)."""
+    return {k: v for k, v in data.items() if k not in keys or v is not None}
+
+
+_TOKEN_IDS = ("prompt_token_ids", "token_ids")  # vLLM's return_token_ids
 
 
 class CompletionChoice(BaseModel):
@@ -274,6 +293,12 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Any = None
     finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (streamed: in the choice's first chunk)
+    token_ids: list[int] | None = None  # with return_token_ids (streamed: the chunk's new tokens)
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        return _without_unasked(handler(self), _TOKEN_IDS)
 
 
 class CompletionResponse(BaseModel):
@@ -314,6 +339,11 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: Any = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        return _without_unasked(handler(self), _TOKEN_IDS)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -323,6 +353,11 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        return _without_unasked(handler(self), _TOKEN_IDS)
 
 
 class DeltaFunctionCall(BaseModel):
@@ -365,6 +400,11 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: Any = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the chunk's new tokens
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        return _without_unasked(handler(self), _TOKEN_IDS)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -374,6 +414,11 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: in the first chunk
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        return _without_unasked(handler(self), _TOKEN_IDS)
 
 
 class CompletionChunk(BaseModel):

@@ -13,7 +13,6 @@ from pagedjax.sampling_params import SamplingParams, StructuredOutput
 from pagedjax.serve.errors import APIError, bad_request
 from pagedjax.serve.protocol import ChatCompletionRequest, CompletionRequest
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: up to the context length)
 # Log-probability entries one request may ask for: samples x tokens x (1 + top alternatives). Each is a few dozen
 # bytes of response and host memory; 500,000 (about 30 MB of JSON) allows 8 samples of 2,048 tokens with 20
 # alternatives each; n=128 x 2,047 tokens x 21 would be 5.5 million.

@@ -20,6 +20,7 @@ from pagedjax.serve.admission import (
     DEFAULT_IMAGE_LIMITS,
     DEFAULT_MAX_CHAT_MESSAGES,
     DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+    DEFAULT_MAX_TOOL_STRING_LENGTH,
     ImageLimits,
     encode_text,
     longest_token_bytes,
@@ -53,9 +54,10 @@ from pagedjax.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    PromptTokensDetails,
     UsageInfo,
 )
-from pagedjax.serve.sampling import DEFAULT_COMPLETION_MAX_TOKENS, sampling_params, structured_output
+from pagedjax.serve.sampling import sampling_params, structured_output
 from pagedjax.serve.tools import (
     ToolCallParser,
     ToolPlan,
@@ -97,6 +99,7 @@ class Prepared:
     include_usage: bool
     created: int
     structured_field: str | None = None  # the request field its output constraint came from
+    return_token_ids: bool = False  # vLLM's: the prompt's and the choices' token ids in the response
     tools: ToolPlan | None = None  # the tools it offers the model: its choices' text is parsed for calls
     # Its images, opened and checked, not decoded (`serve.images.OpenedImage`; the placeholders in
     # `prompt_token_ids` expanded): `start` decodes them into the model's pixels and drops them from here
@@ -140,6 +143,7 @@ class OpenAIServing:
                  compile_config: CompileGuardConfig | None = None,
                  max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
                  max_parallel_tool_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+                 max_tool_string_length: int = DEFAULT_MAX_TOOL_STRING_LENGTH,
                  adapters: ServedAdapters | None = None, image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS):
         if engine.engine.tokenizer is None:
             raise ValueError("pagedjax-serve needs an engine with a tokenizer (text in, text out)")
@@ -156,6 +160,7 @@ class OpenAIServing:
         self.structured_limits = structured_limits
         self.max_chat_messages = max_chat_messages
         self.max_parallel_tool_calls = max_parallel_tool_calls  # a forced choice's calls (`serve.tools`)
+        self.max_tool_string_length = max_tool_string_length  # of a forced call's unbounded string argument
         # None for a model that takes no images (every image part is a 400); `pagedjax.serve.images`
         self.images: ImageSupport | None = ImageSupport.for_engine(engine.engine, chat_template, image_limits)
         # A prompt of more UTF-8 bytes has more tokens than fit (`pagedjax.serve.admission`); None: not bounded.
@@ -185,7 +190,9 @@ class OpenAIServing:
         """The adapter `model` names (None: the base model); 404 naming the field for a model not served."""
         return self.adapters.lookup(model)
 
-    def _max_tokens(self, requested: int | None, default: int | None, num_prompt: int, what: str) -> int:
+    def _max_tokens(self, requested: int | None, num_prompt: int, what: str) -> int:
+        """The request's max_tokens: as asked (400 past the context), or None: what the context leaves after the
+        prompt (`SamplingParams`' rule, every entry point's); 400 for a prompt that leaves no room."""
         limit = self.max_model_len
         if num_prompt >= limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, your {what} has "
@@ -193,7 +200,7 @@ class OpenAIServing:
                               "messages" if what == "messages" else "prompt", "context_length_exceeded")
         room = limit - num_prompt
         if requested is None:
-            return room if default is None else min(default, room)
+            return room
         if requested > room:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{num_prompt + requested} tokens ({num_prompt} in the {what}, {requested} in the "
@@ -231,7 +238,7 @@ class OpenAIServing:
                         params=params, stream=request.stream,
                         include_usage=bool(request.stream_options and request.stream_options.include_usage),
                         created=int(time.time()), structured_field=None if structured is None else structured[1],
-                        tools=tools, images=images)
+                        return_token_ids=request.return_token_ids, tools=tools, images=images)
 
     def prepare_completion(self, request: CompletionRequest) -> Prepared:
         self.check_model(request.model)
@@ -246,9 +253,7 @@ class OpenAIServing:
         ids = encode_text(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise bad_request("prompt: must not be empty", "prompt")
-        explicit = request.max_tokens if "max_tokens" in request.model_fields_set else None
-        max_tokens = self._max_tokens(explicit, request.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, len(ids),
-                                      "prompt")
+        max_tokens = self._max_tokens(request.max_tokens, len(ids), "prompt")
         return self._prepare(request, ids, max_tokens, "cmpl")
 
     def prepare_chat(self, request: ChatCompletionRequest) -> Prepared:
@@ -261,7 +266,8 @@ class OpenAIServing:
             raise bad_request(f"{refs[0].part}: this model ({self.model_name}) does not take images", refs[0].part,
                               "images_not_supported")
         sources = check_images(refs, self.images.limits) if refs else []  # every limit, before decoding any
-        tools = tool_plan(request, self.structured_limits, max_parallel_calls=self.max_parallel_tool_calls)
+        tools = tool_plan(request, self.structured_limits, max_parallel_calls=self.max_parallel_tool_calls,
+                          max_string_length=self.max_tool_string_length)
         native = self.chat_template.supports_tools
         messages = template_messages(request.messages, tools, supports_tools=native,
                                      content_parts=self.images is not None and self.images.content_parts)
@@ -274,8 +280,7 @@ class OpenAIServing:
         if self.images is not None:  # placeholders expanded in the text, as transformers' processor does
             text = self.images.expand(text, len(sources))
         ids = self.chat_template.encode(self.tokenizer, text)
-        requested = request.max_completion_tokens or request.max_tokens
-        max_tokens = self._max_tokens(requested, None, len(ids), "messages")
+        max_tokens = self._max_tokens(request.max_completion_tokens or request.max_tokens, len(ids), "messages")
         images = self.images.open(sources) if sources else ()  # headers checked: decoded by `start`
         return self._prepare(request, ids, max_tokens, "chatcmpl", tools, images)
 
@@ -359,12 +364,14 @@ class OpenAIServing:
             timer.finish(reason)
 
     def _usage(self, prepared: Prepared, tracker: ChoiceTracker) -> UsageInfo:
+        """The request's usage, with its prefix-cache hit as OpenAI's `prompt_tokens_details.cached_tokens`."""
         n_prompt = prepared.num_prompt_tokens
         return UsageInfo(prompt_tokens=n_prompt, completion_tokens=tracker.completion_tokens,
-                         total_tokens=n_prompt + tracker.completion_tokens)
+                         total_tokens=n_prompt + tracker.completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=tracker.num_cached_tokens))
 
     async def _collect(self, prepared: Prepared, stream: RequestStream) -> ChoiceTracker:
-        tracker = ChoiceTracker()
+        tracker = ChoiceTracker(token_ids=prepared.return_token_ids)
         try:
             async for _ in self._run(stream, tracker, self.metrics.timer()):
                 pass
@@ -377,12 +384,21 @@ class OpenAIServing:
         return tracker
 
     # ---------------------------------------------------------------------------------------------- respond
+    def _token_ids(self, prepared: Prepared, tracker: ChoiceTracker) -> list[list[int] | None]:
+        """Each final choice's token ids with return_token_ids, else Nones."""
+        if not prepared.return_token_ids:
+            return [None] * len(tracker.final_choices())
+        return tracker.final_token_ids()
+
     async def completion(self, prepared: Prepared, stream: RequestStream) -> CompletionResponse:
         tracker = await self._collect(prepared, stream)
         tok = self.tokenizer
+        prompt_ids = prepared.prompt_token_ids if prepared.return_token_ids else None
         choices = [CompletionChoice(index=i, text=text, finish_reason=reason,
-                                    logprobs=None if lps is None else completion_logprobs(tok, lps))
-                   for i, text, reason, lps in tracker.final_choices()]
+                                    logprobs=None if lps is None else completion_logprobs(tok, lps),
+                                    prompt_token_ids=prompt_ids, token_ids=ids)
+                   for (i, text, reason, lps), ids in zip(tracker.final_choices(), self._token_ids(prepared, tracker),
+                                                          strict=True)]
         return CompletionResponse(id=prepared.request_id, created=prepared.created, model=prepared.model,
                                   choices=choices, usage=self._usage(prepared, tracker))
 
@@ -390,16 +406,19 @@ class OpenAIServing:
         tracker = await self._collect(prepared, stream)
         tok = self.tokenizer
         choices = []
-        for i, text, reason, lps in tracker.final_choices():
+        for (i, text, reason, lps), ids in zip(tracker.final_choices(), self._token_ids(prepared, tracker),
+                                               strict=True):
             message = ChatMessageOut(content=text)
             if prepared.tools is not None:
                 content, calls = parse_message(text, forced=prepared.tools.constraint is not None)
                 message = ChatMessageOut(content=content, tool_calls=calls or None)
                 reason = finish_reason(reason, bool(calls))
             choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
-                                      logprobs=None if lps is None else chat_logprobs(tok, lps)))
+                                      logprobs=None if lps is None else chat_logprobs(tok, lps), token_ids=ids))
         return ChatCompletionResponse(id=prepared.request_id, created=prepared.created, model=prepared.model,
-                                      choices=choices, usage=self._usage(prepared, tracker))
+                                      choices=choices, usage=self._usage(prepared, tracker),
+                                      prompt_token_ids=prepared.prompt_token_ids if prepared.return_token_ids
+                                      else None)
 
     async def completion_events(self, prepared: Prepared, stream: RequestStream) -> AsyncIterator[str]:
         def chunk(choices, usage=None):
@@ -407,21 +426,27 @@ class OpenAIServing:
                                    choices=choices, usage=usage)
 
         offsets: dict[int, TextOffsets] = {}  # per choice: where its next token starts in its text
+        prompt_sent: set[int] = set()  # choices whose first chunk carried the prompt's token ids
 
         def choice(d):
             logprobs = None
             if d.logprobs is not None:
                 offset = offsets.setdefault(d.index, TextOffsets())
                 logprobs = completion_logprobs(self.tokenizer, d.logprobs, offset)
-            return CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs)
+            prompt_ids = None
+            if prepared.return_token_ids and d.index not in prompt_sent:
+                prompt_sent.add(d.index)
+                prompt_ids = prepared.prompt_token_ids
+            return CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs,
+                                    prompt_token_ids=prompt_ids, token_ids=d.token_ids)
 
         async for event in self._events(prepared, stream, chunk, choice, first=None):
             yield event
 
     async def chat_events(self, prepared: Prepared, stream: RequestStream) -> AsyncIterator[str]:
-        def chunk(choices, usage=None):
+        def chunk(choices, usage=None, prompt_ids=None):
             return ChatCompletionChunk(id=prepared.request_id, created=prepared.created, model=prepared.model,
-                                       choices=choices, usage=usage)
+                                       choices=choices, usage=usage, prompt_token_ids=prompt_ids)
 
         parsers: dict[int, ToolCallParser] = {}  # per choice, when the request offers tools
 
@@ -434,23 +459,26 @@ class OpenAIServing:
                 parsed = parser.feed(d.text, final=d.finish_reason is not None)
                 delta = DeltaMessage(content=parsed.content or None, tool_calls=parsed.tool_calls or None)
                 reason = finish_reason(reason, bool(parser.calls))
-                if delta.content is None and delta.tool_calls is None and reason is None and d.logprobs is None:
+                if delta.content is None and delta.tool_calls is None and reason is None and d.logprobs is None \
+                        and not d.token_ids:
                     return None  # all of it held back (a tag being read): no empty chunk
             return ChatChunkChoice(index=d.index, delta=delta, finish_reason=reason,
-                                   logprobs=None if d.logprobs is None else chat_logprobs(self.tokenizer, d.logprobs))
+                                   logprobs=None if d.logprobs is None else chat_logprobs(self.tokenizer, d.logprobs),
+                                   token_ids=d.token_ids)
 
-        first = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                 for i in range(prepared.num_choices)]
+        first = chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                       for i in range(prepared.num_choices)],
+                      prompt_ids=prepared.prompt_token_ids if prepared.return_token_ids else None)
         async for event in self._events(prepared, stream, chunk, choice, first=first):
             yield event
 
     async def _events(self, prepared: Prepared, stream: RequestStream, chunk, choice, first) -> AsyncIterator[str]:
-        """The response's events: chunks of new text per choice, usage if asked, then [DONE]; a failure mid-way
-        is an error event (OpenAI's error object) before [DONE]."""
-        tracker = ChoiceTracker()
+        """The response's events: `first` (a chunk, or None), chunks of new text per choice, usage if asked,
+        then [DONE]; a failure mid-way is an error event (OpenAI's error object) before [DONE]."""
+        tracker = ChoiceTracker(token_ids=prepared.return_token_ids)
         try:
-            if first:
-                yield sse(chunk(first))
+            if first is not None:  # the chat's role chunk
+                yield sse(first)
             async for deltas in self._run(stream, tracker, self.metrics.timer()):
                 choices = [c for c in map(choice, deltas) if c is not None]  # None: nothing to send for it
                 if choices:

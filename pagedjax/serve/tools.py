@@ -7,36 +7,45 @@ The call format is Hermes / Qwen's, one call per tag, the JSON written as `json.
 - `tool_choice` "none": the tools are not shown to the model and nothing is parsed (as if none were given).
 - "auto" (the default when tools are given): the model is not constrained; it answers in text, and the tagged
   calls it writes become `message.tool_calls` (the text around them stays `content`). A tag not followed by
-  `{"name": "...", "arguments": ` is text; the arguments are passed on as the model wrote them.
+  `{"name": "...", "arguments": `, or whose arguments are not a JSON object closed by `}</tool_call>`, is text.
 - "required" or a named function: the output is constrained (an llguidance Lark grammar, through
   `SamplingParams.structured`) to one tagged call of the offered functions, whose `arguments` validate against
-  the function's `parameters` schema (even a random model writes a valid call), and then the end of the text.
-  With "required" and `parallel_tool_calls` (OpenAI's default) the grammar allows, after each complete call,
-  only the end or another call, up to `max_parallel_calls` calls (`pagedjax-serve --max-parallel-tool-calls`,
-  default 4): a model that would chain calls for ever ends there instead of running into `max_tokens`. A named
-  function is called once. Such a choice ends with finish reason "tool_calls" unless its token budget cuts a
-  call short ("length"); its `content` is None either way: the grammar allows no text outside the calls, and a
-  tag cut short is not text (`ToolCallParser(forced=True)`).
+  the function's `parameters` schema made finite (`bounded_arguments`: an object that does not say
+  `additionalProperties` takes no other keys, and a string without `maxLength` has at most
+  `max_string_length` characters, `pagedjax-serve --max-tool-string-length`, default 4,096), so even a random
+  model writes a valid call that ends; then the end of the text. With "required" and `parallel_tool_calls`
+  (OpenAI's default) the grammar allows, after each complete call, only the end or another call, up to
+  `max_parallel_calls` calls (`--max-parallel-tool-calls`, default 4): a model that would chain calls for ever
+  ends there instead of running into `max_tokens`. A named function is called once. Such a choice ends with
+  finish reason "tool_calls" unless its token budget cuts a call short ("length", with the calls completed
+  before); its `content` is None either way: the grammar allows no text outside the calls, and a tag cut short
+  is not text (`ToolCallParser(forced=True)`).
+
+No response carries a call whose arguments do not parse: a call is emitted whole (id, name and arguments in one
+delta when streamed) once its `</tool_call>` has come and its arguments are a JSON object. A call that
+`max_tokens` cuts short is dropped from a forced choice (finish reason "length" says the text was cut, as the
+`openai` client's `parse` helpers read it: they raise `LengthFinishReasonError`), and is text in an "auto" one.
 
 A chat template that reads `tools` (as Hugging Face templates with tool support do) gets OpenAI's tool dicts,
 and assistant messages' `tool_calls` with their arguments as objects (transformers' convention). Any other
 template gets `TOOLS_PREAMBLE` as (the start of) the system message, and assistant calls written in the tagged
 format into their content. A finished choice with a call has `finish_reason` "tool_calls" (unless cut by length).
 
-`ToolCallParser` reads a choice's text as it grows: the content, then each call's id and name as soon as its
-head is complete, then its arguments in pieces; a whole response is the same parser fed once, so a stream's
-deltas always reassemble to the non-streamed message.
+`ToolCallParser` reads a choice's text as it grows: the content, then each call once it is complete; a whole
+response is the same parser fed once, so a stream's deltas always reassemble to the non-streamed message.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedjax.sampling_params import StructuredOutput
-from pagedjax.serve.admission import DEFAULT_MAX_PARALLEL_TOOL_CALLS
+from pagedjax.serve.admission import DEFAULT_MAX_PARALLEL_TOOL_CALLS, DEFAULT_MAX_TOOL_STRING_LENGTH
 from pagedjax.serve.errors import bad_request
 from pagedjax.serve.protocol import (
     ChatCompletionRequest,
@@ -90,10 +99,12 @@ class ToolPlan:
 
 
 def tool_plan(request: ChatCompletionRequest, limits: StructuredLimits = DEFAULT_LIMITS, *,
-              max_parallel_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS) -> ToolPlan | None:
+              max_parallel_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS,
+              max_string_length: int = DEFAULT_MAX_TOOL_STRING_LENGTH) -> ToolPlan | None:
     """The request's tools, checked (400 naming `tools` or `tool_choice`; their schemas against `limits`, in
     Python: the grammar library's validation of them is the compile stage's), or None when it offers none to
-    call. A forced choice makes at most `max_parallel_calls` calls with `parallel_tool_calls`, one without."""
+    call. A forced choice makes at most `max_parallel_calls` calls with `parallel_tool_calls`, one without, each
+    under `bounded_arguments(parameters, max_string_length)`."""
     choice = request.tool_choice
     if not request.tools:
         if choice is not None and choice != "none":
@@ -122,34 +133,164 @@ def tool_plan(request: ChatCompletionRequest, limits: StructuredLimits = DEFAULT
         return ToolPlan(tools, None, schemas)
     if choice == "required":
         max_calls = max_parallel_calls if request.parallel_tool_calls else 1
-        return ToolPlan(tools, call_grammar(request.tools, max_calls=max_calls), schemas)
+        return ToolPlan(tools, call_grammar(request.tools, max_calls=max_calls, max_string_length=max_string_length),
+                        schemas)
     named = [t for t in request.tools if t.function.name == choice.function.name]
     if not named:
         raise bad_request(f"tool_choice.function.name: no tool is named {choice.function.name!r} (tools: "
                           f"{', '.join(sorted(seen))})", "tool_choice")
-    return ToolPlan(tools, call_grammar(named, max_calls=1), schemas)
+    return ToolPlan(tools, call_grammar(named, max_calls=1, max_string_length=max_string_length), schemas)
 
 
 def _choice_name(choice) -> str:
     return choice if isinstance(choice, str) else f"function {choice.function.name}"
 
 
-def call_grammar(tools, *, max_calls: int) -> StructuredOutput:
+def call_grammar(tools, *, max_calls: int, max_string_length: int = DEFAULT_MAX_TOOL_STRING_LENGTH
+                 ) -> StructuredOutput:
     """A Lark grammar (llguidance's dialect) of 1 to `max_calls` tagged calls in a row, each of one of `tools`
     (ChatTool models), and nothing else: each call's JSON is a `%json` schema with the name as a constant and the
-    arguments under the function's parameters. The text may end (EOS) after each complete call and nowhere else;
-    after the last allowed call only EOS is."""
-    if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
-        raise ValueError(f"call_grammar: max_calls must be an int >= 1, got {max_calls!r}")
+    arguments under `bounded_arguments(parameters, max_string_length)`, their local `$ref`s ("#/$defs/x", "#")
+    rebased to where the arguments are in the call's schema. The text may end (EOS) after each complete call and
+    nowhere else; after the last allowed call only EOS is."""
+    for name, value in (("max_calls", max_calls), ("max_string_length", max_string_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"call_grammar: {name} must be an int >= 1, got {value!r}")
     rules = []
     for i, tool in enumerate(tools):
-        schema = {"type": "object", "properties": {"name": {"const": tool.function.name},
-                                                   "arguments": tool.function.parameters or NO_PARAMETERS},
+        arguments = _rebased(bounded_arguments(tool.function.parameters or NO_PARAMETERS, max_string_length),
+                             "/properties/arguments")
+        schema = {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": arguments},
                   "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_STYLE}
         rules.append(f"fn_{i}: %json {json.dumps(schema)}")
     start = "start: call" if max_calls == 1 else f"start: call{{1,{max_calls}}}"
     call = f'call: "{CALL_START}" ({" | ".join(f"fn_{i}" for i in range(len(tools)))}) "{CALL_END}"'
     return StructuredOutput(grammar="\n".join([start, call, *rules]))
+
+
+# JSON Schema keywords whose value is one schema, a list of schemas, or a map of names to schemas (2020-12, and
+# draft 7's `definitions`, list-valued `items` and `additionalItems`). `not` and `if` are left out: a schema under
+# them does not say what the value may be, and bounding it would change what they exclude or select.
+_SCHEMA = ("additionalProperties", "items", "additionalItems", "contains", "propertyNames", "unevaluatedItems",
+           "unevaluatedProperties", "then", "else")
+_SCHEMAS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Keywords that apply other schemas to the same value: an object schema with one of them may take keys the others
+# declare, so it is not closed (and a branch of allOf, then, else or dependentSchemas is never closed either).
+_COMBINED = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "then", "else", "not", "dependentSchemas",
+             "dependencies", "unevaluatedProperties")
+_PARTIAL_BRANCHES = ("allOf", "then", "else", "dependentSchemas")
+# Keywords that give an object schema its own keys: an anyOf / oneOf branch under such a schema is not closed.
+_OBJECT_KEYS = ("properties", "patternProperties", "additionalProperties", "required")
+
+
+def _subschemas(node: dict) -> list[Any]:
+    """The schemas directly inside schema `node`, those under `not` and `if` included."""
+    out = [node[key] for key in (*_SCHEMA, "not", "if") if isinstance(node.get(key), dict)]
+    out += [branch for key in _SCHEMAS if isinstance(node.get(key), list) for branch in node[key]]
+    out += [sub for key in _SCHEMA_MAPS if isinstance(node.get(key), dict) for sub in node[key].values()]
+    return out
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` (changed in place) with each local `$ref` ("#", "#/$defs/x") pointing under `base` (a JSON
+    pointer, "/properties/arguments"): the same target once the schema is embedded there."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            node["$ref"] = "#" + base + ref[1:]
+        todo.extend(_subschemas(node))
+    return schema
+
+
+def _types(schema: dict) -> set[str]:
+    kind = schema.get("type")
+    return {kind} if isinstance(kind, str) else {t for t in kind if isinstance(t, str)} if isinstance(kind, list) \
+        else set()
+
+
+def bounded_arguments(schema: Any, max_string_length: int) -> Any:
+    """A forced call's `parameters` schema made finite (a copy; `schema` is left as it is), so that a model cannot
+    write one call for ever (a free key after a free key, or a string that never closes):
+
+    - an object schema (`"type": "object"`, or `properties` without a type) that says nothing of
+      `additionalProperties` gets `"additionalProperties": false`: only its declared keys (xgrammar's strict mode,
+      vLLM's default for constrained JSON, and what OpenAI's strict function calling asks of every object). An
+      object combined with other schemas (`allOf`, `anyOf`, `oneOf`, `$ref`, `if` / `then` / `else`, ...) or
+      that is a branch of `allOf` / `then` / `else` / `dependentSchemas` stays open: a key it does not declare
+      may be another schema's;
+    - a string schema (`"type": "string"`, or a list of types with "string") without `maxLength`, `enum` or
+      `const` gets `"maxLength": max(max_string_length, minLength)`.
+
+    A schema's own `additionalProperties` and `maxLength` are kept, and nothing under `not` or `if` changes. A
+    value the schema leaves free of type (`{}`, `true`) is any JSON and stays unbounded (the grammar library
+    cannot bound the keys of a free object): such a call may still run until `max_tokens`, which then drops it.
+    A `$defs` (or `definitions`) entry that a branch of `allOf` / `then` / `else` / `dependentSchemas` refers to
+    stays open as well (through a chain of `$ref`s too). Iterative: a schema as deep as `StructuredLimits`
+    allows is walked without recursion."""
+    out = copy.deepcopy(schema)
+    shared = _shared_definitions(out)
+    todo: list[tuple[Any, bool]] = [(out, True)]  # (a schema, whether it may be closed)
+    while todo:
+        node, closable = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        types = _types(node)
+        if closable and ("object" in types or (not types and "properties" in node)) \
+                and "additionalProperties" not in node and not any(k in node for k in _COMBINED):
+            node["additionalProperties"] = False
+        if "string" in types and "maxLength" not in node and "enum" not in node and "const" not in node:
+            least = node.get("minLength")
+            node["maxLength"] = max(max_string_length, least if isinstance(least, int) else 0)
+        own_keys = any(k in node for k in _OBJECT_KEYS)
+        for key in _SCHEMA:
+            if isinstance(node.get(key), dict):
+                todo.append((node[key], key not in _PARTIAL_BRANCHES))
+        for key in _SCHEMAS:
+            if isinstance(node.get(key), list):
+                todo.extend((branch, key not in _PARTIAL_BRANCHES and not own_keys) for branch in node[key])
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                todo.extend((sub, key not in _PARTIAL_BRANCHES and f"#/{key}/{name}" not in shared)
+                            for name, sub in node[key].items())
+    return out
+
+
+def _shared_definitions(schema: Any) -> set[str]:
+    """The `$ref`s ("#/$defs/<name>", "#/definitions/<name>") that a branch of `allOf` / `then` / `else` /
+    `dependentSchemas` refers to, and those such a definition refers to in turn (a definition that is itself a
+    `$ref`): definitions that share their value with other schemas."""
+    refs: set[str] = set()
+    defs: dict[str, Any] = {}
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key in ("$defs", "definitions"):
+            if isinstance(node.get(key), dict):
+                defs.update((f"#/{key}/{name}", sub) for name, sub in node[key].items())
+        for key in _PARTIAL_BRANCHES:
+            value = node.get(key)
+            branches = value if isinstance(value, list) else value.values() if key == "dependentSchemas" and \
+                isinstance(value, dict) else [value]
+            refs.update(b["$ref"] for b in branches if isinstance(b, dict) and isinstance(b.get("$ref"), str))
+        todo.extend(node.values())
+    todo_refs = list(refs)
+    while todo_refs:
+        target = defs.get(todo_refs.pop())
+        ref = target.get("$ref") if isinstance(target, dict) else None
+        if isinstance(ref, str) and ref not in refs:
+            refs.add(ref)
+            todo_refs.append(ref)
+    return refs
 
 
 # ---------------------------------------------------------------------------------------------- the prompt
@@ -210,7 +351,7 @@ def _replayed_call(call: dict) -> tuple[str, object]:
 # ------------------------------------------------------------------------------------------------- output
 @dataclass
 class ParsedDelta:
-    """What a choice's new text adds to its message: content, and pieces of tool calls (by call index)."""
+    """What a choice's new text adds to its message: content, and the tool calls completed in it (each whole)."""
 
     content: str = ""
     tool_calls: list[DeltaToolCall] = field(default_factory=list)
@@ -227,19 +368,28 @@ def _partial_tag(text: str, tag: str) -> int:
 class ToolCallParser:
     """One choice's text -> content and tool calls, incrementally (see the module docstring).
 
-    Invariants: the content and each call's argument pieces emitted so far are prefixes of what the whole text
-    gives; text that may still turn out to be part of a tag (a partial `<tool_call>`, a call's head, a closing
-    `}` + `</tool_call>`) is held until it is decided or the text ends (`final`).
+    Invariants: the content emitted so far is a prefix of what the whole text gives, and each call is emitted
+    once, whole (its id, name and arguments in one `DeltaToolCall`), when its `</tool_call>` has come and its
+    arguments parse as a JSON object: no call is ever emitted that the rest of the text could still cut short.
+    Text that may still turn out to be part of a call (a partial `<tool_call>`, a call's head, its arguments) is
+    held until it is decided or the text ends (`final`). The end of a call is the first `</tool_call>` after its
+    arguments that is not inside one of their JSON strings; a call whose text there is not
+    `<arguments object>}` (whitespace allowed) is not a call but text.
 
     `forced`: the text is a forced choice's (a grammar of calls only, see the module docstring), so what is held
-    when it ends (a tag or a call's head cut short by `max_tokens`) is dropped instead of becoming content."""
+    when it ends (a tag, a call's head or a call cut short by `max_tokens`) is dropped instead of becoming
+    content."""
 
     def __init__(self, *, forced: bool = False):
         self.forced = forced
         self.calls: list[ToolCall] = []
         self._state = "text"  # "text" | "head" (inside a tag, before the arguments) | "args"
-        self._buf = ""  # text not emitted yet ("args": the arguments' text since the head)
-        self._sent = 0  # "args": characters of _buf already emitted
+        self._buf = ""  # text not emitted yet ("args": the call's text from its arguments on)
+        self._tag = ""  # "args": the call's tag and head (text again if the call turns out not to be one)
+        self._name = ""  # "args": the called function
+        self._scan = 0  # "args": characters of _buf scanned for the call's end
+        self._in_string = False  # "args": the scan is inside a JSON string ...
+        self._escaped = False  # ... right after a backslash
 
     def feed(self, text: str, *, final: bool = False) -> ParsedDelta:
         """The message's new parts given `text`, the choice's next piece; `final` when the text is complete."""
@@ -271,11 +421,9 @@ class ToolCallParser:
             except ValueError:
                 name = None
         if name is not None:
-            call = ToolCall(id=f"call_{secrets.token_hex(12)}", function=FunctionCall(name=name, arguments=""))
-            self.calls.append(call)
-            out.tool_calls.append(DeltaToolCall(index=len(self.calls) - 1, id=call.id, type="function",
-                                                function=DeltaFunctionCall(name=name)))
-            self._buf, self._sent, self._state = self._buf[m.end():], 0, "args"
+            self._tag, self._name = CALL_START + self._buf[:m.end()], name
+            self._buf, self._scan, self._in_string, self._escaped = self._buf[m.end():], 0, False, False
+            self._state = "args"
             return True
         if final and self.forced and _HEAD_PREFIX.fullmatch(self._buf):  # a call's head cut short: no call
             self._buf, self._state = "", "text"
@@ -287,38 +435,48 @@ class ToolCallParser:
         return False
 
     def _args(self, out: ParsedDelta, final: bool) -> bool:
-        end = self._buf.find(CALL_END)
-        if end >= 0:
-            region = self._buf[:end].rstrip()
-            args = region[:-1].rstrip() if region.endswith("}") else region  # the call object's own "}"
-            done = True
-        elif final:  # cut short (by length): the arguments as far as they go
-            args, done = self._buf.rstrip(), True
-        else:  # hold a possible closing "}" + "</tool_call>" and trailing whitespace
-            brace = self._buf.rfind("}")
-            if brace >= 0 and CALL_END.startswith(self._buf[brace + 1:].lstrip()):
-                args = self._buf[:brace]
-            else:
-                args = self._buf[:len(self._buf) - _partial_tag(self._buf, CALL_END)]
-            args, done = args.rstrip(), False
-        piece = args[self._sent:]
-        if piece:
-            self._append(out, piece)
-            self._sent = len(args)
-        if not done:
-            return False
-        self._buf = self._buf[end + len(CALL_END):] if end >= 0 else ""
-        self._state = "text"
-        return end >= 0
+        buf, i = self._buf, self._scan
+        while i < len(buf):  # to the first </tool_call> outside the arguments' strings
+            c = buf[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c == "<" and buf.startswith(CALL_END, i):
+                return self._close(out, i)
+            elif c == "<" and CALL_END.startswith(buf[i:]):  # the text stops inside what may be the end tag
+                break
+            i += 1
+        self._scan = i
+        if final:  # cut short (by max_tokens): no call; an unforced choice's text
+            if not self.forced:
+                out.content += self._tag + buf
+            self._buf, self._state = "", "text"
+        return False
 
-    def _append(self, out: ParsedDelta, piece: str) -> None:
-        index = len(self.calls) - 1
-        call = self.calls[index]
-        call.function.arguments += piece
-        if out.tool_calls and out.tool_calls[-1].index == index:  # the call's head came in this same delta
-            out.tool_calls[-1].function.arguments += piece
-        else:
-            out.tool_calls.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=piece)))
+    def _close(self, out: ParsedDelta, end: int) -> bool:
+        """The call's text ends at `end` (its `</tool_call>`): a call if it is `<arguments object>}`, else text."""
+        region = self._buf[:end].rstrip()
+        arguments = region[:-1].rstrip() if region.endswith("}") else ""  # the call object's own "}"
+        try:
+            is_object = isinstance(json.loads(arguments), dict)
+        except (ValueError, RecursionError):
+            is_object = False
+        if is_object:
+            call = ToolCall(id=f"call_{secrets.token_hex(12)}",
+                            function=FunctionCall(name=self._name, arguments=arguments))
+            self.calls.append(call)
+            out.tool_calls.append(DeltaToolCall(index=len(self.calls) - 1, id=call.id, type="function",
+                                                function=DeltaFunctionCall(name=self._name, arguments=arguments)))
+        elif not self.forced:
+            out.content += self._tag + self._buf[:end + len(CALL_END)]
+        self._buf, self._state = self._buf[end + len(CALL_END):], "text"
+        return True
 
 
 def parse_message(text: str, *, forced: bool = False) -> tuple[str | None, list[ToolCall]]:

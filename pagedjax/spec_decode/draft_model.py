@@ -97,13 +97,20 @@ class DraftProposer:
         for rid in [rid for rid in self._states if rid not in live_request_ids]:
             del self._states[rid]
 
+    def _widest_step(self, max_seqs: int, max_blocks: int) -> StepShape:
+        return StepShape("step", bucket(self.max_tokens, 16), (bucket(max_seqs), bucket(max_blocks, 2)), False, False,
+                         None, None, False, None, 0)
+
     def warmup(self, max_seqs: int, max_blocks: int) -> None:
         """Compile and hold the draft's ragged step at the largest token, sequence and block-table buckets its calls
         reach (`max_tokens`, `max_seqs`, `max_blocks` per sequence), with no optional part (a draft step has none):
         with `compile_in_background` it stands in for every draft call whose own program is not compiled yet
         (`LLMEngine.warmup`)."""
-        self.runner.warmup([StepShape("step", bucket(self.max_tokens, 16), (bucket(max_seqs), bucket(max_blocks, 2)),
-                                      False, False, None, None, False, None, 0)])
+        self.runner.warmup([self._widest_step(max_seqs, max_blocks)])
+
+    def start_warmup(self, max_seqs: int, max_blocks: int):
+        """`warmup`'s program compiled in the background (`LLMEngine.start_warmup`); its future of seconds."""
+        return self.runner.warm_in_background([self._widest_step(max_seqs, max_blocks)])
 
     def sleep(self) -> int:
         """Release the draft's KV arrays (with the target's: `LLMEngine.sleep`); every request's draft KV is then

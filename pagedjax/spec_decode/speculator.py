@@ -26,6 +26,8 @@ from __future__ import annotations
 from pagedjax.config import SchedulerConfig, SpeculativeConfig
 from pagedjax.core.request import Request
 from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.step_plan import StepPlan
+from pagedjax.core.step_result import StepResult, emitted_tokens
 from pagedjax.runner.inputs import bucket
 from pagedjax.runner.shapes import LoopShape, StepShape
 from pagedjax.spec_decode.proposer import ProposalAsk, Proposer, check_speculative_config, make_proposer
@@ -64,14 +66,20 @@ class Speculator:
         return [s._replace(rows=min(rows, s.tokens)) for s in shapes
                 if isinstance(s, StepShape) and s.num_rows < min(rows, s.tokens)]
 
-    def count(self, num_drafts: list[int], emitted: list[int]) -> None:
-        """Count a step's verification: per sequence its proposals and the tokens it emitted (those past the
-        first are accepted proposals; a sequence aborted or preempted since its plan emitted none)."""
-        for d, e in zip(num_drafts, emitted, strict=True):
+    def count(self, plan: StepPlan, result: StepResult, emitted: list[int]) -> None:
+        """Count a step's verification: per sequence its proposals and how many of them the target's tokens
+        verified (`emitted_tokens` before any stop: a proposal equal to the target's token is accepted even when
+        that token finishes the request). `emitted`: the tokens each sequence appended; one aborted or preempted
+        since its plan appended none and is not counted."""
+        if plan.num_drafts is None:
+            return
+        cu = plan.cu_q_lens.tolist()
+        for i, (d, e) in enumerate(zip(plan.num_drafts.tolist(), emitted, strict=True)):
             if d and e:
+                verified = emitted_tokens(plan.token_ids[cu[i + 1] - d:cu[i + 1]].tolist(), result.rows(i))
                 self.num_sequences += 1
                 self.num_proposed += d
-                self.num_accepted += max(e - 1, 0)
+                self.num_accepted += len(verified) - 1
 
     def propose(self, scheduler: Scheduler) -> None:
         """After a step: every running request that speculates and decodes next gets its proposals

@@ -12,8 +12,10 @@ called by the output layer). A sample of a multi-sample request starts from a co
 
 What this costs the engine thread is kept small (`scripts/bench_structured.py`): a step's rows are filled in one
 call of llguidance's executor (`token_masks`: its threads, without the GIL), and a constraint is compiled once
-per compiler and then copied (`ConstraintCompiler`: the server compiles it in its prepare stage, off the engine
-thread, so a new constrained request never stalls the running ones on its compile).
+per compiler, its first mask computed then (which builds the lexer states its copies share), and then copied
+(`ConstraintCompiler`: the server compiles it in its prepare stage, off the engine thread, so a new constrained
+request never stalls the running ones on its compile, its limits or its first mask). A Lark grammar whose rules
+cannot end is refused before it is compiled (`finite.check_finite`).
 
     compiler = ConstraintCompiler(tokenizer, vocab_size, eos_token_ids)
     constraint = compiler.compile(params.structured)   # ValueError naming the field if invalid
@@ -24,11 +26,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from pagedjax.sampling_params import StructuredOutput
+from pagedjax.structured_output.finite import check_finite
 from pagedjax.structured_output.isolation import JSON_STYLE, grammar_of  # noqa: F401 - JSON_STYLE re-exported
 
 logger = logging.getLogger(__name__)
@@ -108,9 +112,10 @@ class ConstraintCompiler:
             llguidance.TokenizerWrapper(_Vocabulary(self.tokenizer, self.vocab_size, self.eos_token_ids)),
             n_vocab=self.vocab_size, eos_token=eos)
 
-    def compile(self, structured: StructuredOutput) -> Constraint:
+    def compile(self, structured: StructuredOutput, check: Callable[[], None] | None = None) -> Constraint:
         """A fresh matcher for `structured`; ValueError naming the field when the library rejects it, or when
-        there is no tokenizer (the constraint is on the text)."""
+        there is no tokenizer (the constraint is on the text). `check` runs before a compile, never before a copy
+        of a kept matcher (the manager's limits: what was compiled passed them)."""
         if self.tokenizer is None:
             raise ValueError("SamplingParams.structured needs an engine with a tokenizer (the constraint is on the "
                              "text)")
@@ -119,6 +124,8 @@ class ConstraintCompiler:
             if kept is not None:
                 self._compiled.move_to_end(structured)
                 return Constraint(kept.deep_copy())
+        if check is not None:
+            check()
         # Outside the lock: a compile takes milliseconds (up to a second for a huge grammar), and another
         # thread's copy of a kept matcher must not wait for it. Two threads may compile one constraint at once;
         # both matchers are equal, and the later one is kept.
@@ -133,13 +140,22 @@ class ConstraintCompiler:
 
     def _matcher(self, structured: StructuredOutput):
         import llguidance
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
         kind = structured.kind
         try:
+            if kind == "grammar":  # llguidance takes a grammar whose rules cannot end, then fails mid-request
+                check_finite(structured.grammar)
             grammar = grammar_of(kind, getattr(structured, kind))
         except (ValueError, RuntimeError, TypeError) as e:
             raise ValueError(f"SamplingParams.structured.{kind}: {e}") from None
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
+        if matcher.is_error():
+            raise ValueError(f"SamplingParams.structured.{kind}: {matcher.get_error()}")
+        # The first mask builds the lexer's states for the start (lazily, tens of ms for a large grammar), which
+        # every copy shares: built here, in the compiling thread, the engine thread's first mask is cheap.
+        # A grammar whose start the parser cannot even mask is refused here rather than failing its requests.
+        fill_next_token_bitmask(matcher, allocate_token_bitmask(1, self.vocab_size))
         if matcher.is_error():
             raise ValueError(f"SamplingParams.structured.{kind}: {matcher.get_error()}")
         return matcher

@@ -37,9 +37,10 @@ class StructuredOutputManager:
     def compile(self, structured: StructuredOutput) -> Constraint:
         """A fresh matcher (`ConstraintCompiler.compile`: ValueError naming the field if invalid), once the
         constraint is within `limits` (`LimitError`, a ValueError naming the limit, before any native code sees
-        it: the grammar library overflows its stack on some hostile constraints)."""
-        check_structured(structured, self.limits)
-        return self.compiler.compile(structured)
+        it: the grammar library overflows its stack on some hostile constraints). A constraint the compiler keeps
+        compiled passed them then: its copy is not checked again (the server compiles in its prepare stage, so
+        the engine thread's own call for the request neither re-reads a 64 KiB grammar nor compiles)."""
+        return self.compiler.compile(structured, check=lambda: check_structured(structured, self.limits))
 
     def add(self, request_id: str, constraint: Constraint) -> None:
         self._constraints[request_id] = constraint

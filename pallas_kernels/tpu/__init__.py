@@ -5,7 +5,8 @@ tile metadata (`tiles`), reference and exact merge with the GPU kernels, and imp
 
 Reached through `pallas_kernels.paged_attention(..., target="tpu")` and
 `pallas_kernels.ragged_paged_attention(..., target="tpu")` (target "auto" picks them on a TPU backend);
-the MLA kernel (`mla`) and the DeepSeek sparse attention kernels (`sparse`) likewise; `interpret=True` runs
+the MLA kernel (`mla`), the DeepSeek sparse attention kernels (`sparse`) and the recurrent-state layers
+(`recurrent`: gated delta rule, Mamba-2 SSD, causal conv1d) likewise; `interpret=True` runs
 them on any machine in Pallas's TPU interpret mode, which simulates HBM, VMEM, SMEM,
 DMAs and semaphores. `_common` states the layout rules, `page_chunks` the double-buffered DMAs.
 

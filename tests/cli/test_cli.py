@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from pagedjax import cli
+from pagedjax.cli.args import DEFAULT_NUM_BLOCKS, build_parser
 from pagedjax.cli.engine_setup import memory_available
-from pagedjax.cli.prompts import DEMO_PREFIX, DEMO_SUFFIXES, read_prompts_file
+from pagedjax.cli.prompts import BUILT_IN_MAX_TOKENS, DEMO_PREFIX, DEMO_SUFFIXES, collect_prompts, read_prompts_file
 from pagedjax.cli.sizes import parse_size
 from pagedjax.cli.warm_start import CompileCache
 from pagedjax.model.hf_tokenizer import HFTokenizer
@@ -50,10 +51,25 @@ def test_demo_end_to_end_prints_completions_and_statistics(capsys):
     assert full_prefix_blocks >= 32 and cached[0] == 0 and all(c >= full_prefix_blocks for c in cached[1:]), cached
 
 
-def test_single_prompt_json(capsys):
-    argv = ["--prompt", "def f(x):\n", "--max-tokens", "6", "--json", "--num-blocks", "16", "--ignore-eos"]
+def test_without_max_tokens_a_prompt_runs_to_the_end_of_the_context(capsys):
+    """The one rule of every entry point (it was 64 here, 16 in Python and /v1/completions, the context in chat);
+    the built-in prompts keep their own 64."""
+    argv = ["--prompt", "def f(x):\n", "--max-model-len", "24", "--json", "--num-blocks", "16", "--ignore-eos"]
     assert cli.main(argv) == 0
-    result = json.loads(capsys.readouterr().out)
+    (c,) = json.loads(capsys.readouterr().out)["completions"]
+    assert (c["num_prompt_tokens"] + c["num_tokens"], c["finish_reason"]) == (24, "length")
+    parser = build_parser()
+    for given, length in (([], BUILT_IN_MAX_TOKENS), (["--demo"], BUILT_IN_MAX_TOKENS), (["--prompt", "x"], None)):
+        args = parser.parse_args(given)
+        assert args.max_tokens is None and collect_prompts(args, parser).max_tokens == length
+
+
+def test_single_prompt_json(capsys):
+    # The default pool: the README's `pagedjax-generate` command (tests/test_docs.py) runs on these programs too.
+    argv = ["--prompt", "def f(x):\n", "--max-tokens", "6", "--json", "--ignore-eos"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
     (c,) = result["completions"]
     assert c["prompt"] == "def f(x):\n" and c["num_tokens"] == 6 and c["finish_reason"] == "length"
     num_prompt_tokens = _bundled_token_count("def f(x):\n")
@@ -62,7 +78,7 @@ def test_single_prompt_json(capsys):
     # Numbers, not text; units in the key names.
     assert all(isinstance(v, int | float) and not isinstance(v, bool) for v in stats.values()), stats
     assert stats["generated_tokens"] == 6 and stats["prompt_tokens"] == num_prompt_tokens and stats["requests"] == 1
-    assert stats["kv_blocks"] == 16
+    assert stats["kv_blocks"] == DEFAULT_NUM_BLOCKS
     assert 1 <= stats["kv_blocks_used_peak"] <= 2  # the prompt (7 tokens) + 6 generated tokens, blocks of 16
     assert stats["tokens_per_s"] > 0 and stats["elapsed_s"] >= stats["compile_s"] >= 0 and stats["wall_s"] > 0
     assert 0 <= stats["kv_waste_pct"] < 100 and 0 <= stats["prefix_cache_hit_pct"] <= 100
@@ -70,6 +86,47 @@ def test_single_prompt_json(capsys):
     assert stats["compilations"] >= 1 and stats["engine_steps"] == 2
     assert stats["compile_cache_hits"] >= 0 and stats["compile_cache_misses"] >= 0
     assert "compile_cache_dir" in result  # a folder, or null when off; see test_cli_compile_cache.py
+    # A line on stderr for each program the run waited for (it used to wait in silence: seconds on the first run).
+    lines = err.splitlines()
+    assert len(lines) == stats["compilations"], err
+    for i, line in enumerate(lines, 1):
+        assert re.fullmatch(rf"pagedjax-generate: compiling step program {i} \((first run; cached afterwards|the "
+                            r"compile cache is off: every run compiles)\): (step of|fused decode of) .+ \.\.\. "
+                            r"(compiled|loaded from the compile cache) in \d+\.\d\d s", line), line
+
+
+def test_a_compile_under_a_streamed_line_is_a_note_erased_when_it_is_done():
+    """On a terminal, while a streamed completion's line is open, the compile notice is a note after its text,
+    erased once the program is ready (a line on stderr there would break the streamed text); elsewhere (a pipe, a
+    log) it is a line, numbered, on a line of its own."""
+    import io
+    from types import SimpleNamespace
+
+    from pagedjax.cli.generation import Generation
+    from pagedjax.cli.prompts import Prompts
+    from pagedjax.runner.programs import CompileEvent
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    args = SimpleNamespace(no_stream=False, json=False, n=1, beam_width=None, demo=False, max_tokens=8,
+                           temperature=0.0, top_k=None, top_p=None, seed=0, ignore_eos=False, logprobs=None)
+    out, err = io.StringIO(), Terminal()
+    gen = Generation(None, None, Prompts(["def f("]), args, out, err=err)
+    shape = "step of 16 tokens, 1 x 2 table"
+    gen._write("def f(")  # the prompt's echo: the line is open
+    gen.on_compile(CompileEvent(shape))
+    note = err.getvalue()
+    assert note.startswith(" [compiling (") and note.endswith("...]") and out.getvalue() == "def f("
+    gen.on_compile(CompileEvent(shape, 1.5, False))
+    assert err.getvalue() == note + "\b" * len(note) + " " * len(note) + "\b" * len(note)  # erased
+    piped = io.StringIO()
+    gen.err = piped
+    gen.on_compile(CompileEvent(shape, note="warm-up 2 of 6"))
+    gen.on_compile(CompileEvent(shape, 0.25, True, "warm-up 2 of 6"))
+    assert re.fullmatch(r"\npagedjax-generate: compiling warm-up 2 of 6 \(.+\): step of 16 tokens, 1 x 2 table \.\.\. "
+                        r"loaded from the compile cache in 0\.25 s\n", piped.getvalue()), piped.getvalue()
 
 
 def test_help_shows_each_default_once(capsys):
@@ -83,7 +140,8 @@ def test_help_shows_each_default_once(capsys):
     for chunk in chunks:
         assert chunk.count("default") <= 1, chunk
     by_flag = {c.split()[0]: c for c in chunks if c.startswith("-")}
-    assert "(default: 64)" in by_flag["--max-tokens"]
+    assert "(default: until the model stops or the context is full, the rule of every entry point" in by_flag[
+        "--max-tokens"]
     assert "(default: 512)" in by_flag["--num-blocks"]
     assert "default" not in by_flag["--kv-memory"]
     assert "(default: $PAGEDJAX_COMPILE_CACHE" in by_flag["--compile-cache"]

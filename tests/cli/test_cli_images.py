@@ -38,6 +38,12 @@ def test_an_image_file_reaches_the_prompt_as_the_python_api_gives_it(files, caps
         (want,) = engine.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}],
                                   SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert got["text"] == want.outputs[0].text and got["num_tokens"] == 5
+    # The image encoder's program is obtained and timed as the steps' are: tokens/s, "compiles excluded", leaves
+    # its compile out (it was counted in the steps' time, and in no compile count).
+    stats, encoder = engine.stats(), engine.runner.image_features.programs
+    assert encoder.num_compilations == 1 and stats.compilations == engine.runner.programs.num_compilations + 1
+    assert stats.compile_s == pytest.approx(engine.runner.programs.compile_seconds + encoder.compile_seconds)
+    assert stats.step_s == pytest.approx(stats.elapsed_s - stats.compile_s) and stats.images_encoded == 1
     # the placeholder expanded to the image's tokens
     assert got["num_prompt_tokens"] == len(want.prompt_token_ids) > len(engine.tokenizer.encode(PROMPT))
 

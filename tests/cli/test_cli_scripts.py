@@ -48,7 +48,11 @@ def test_run_sh_installs_only_when_the_project_changed(tmp_path):
         r = subprocess.run(["bash", str(root / "scripts" / "run.sh"), *args], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 0, r.stderr
-        return _log(log)[before:]
+        calls = _log(log)[before:]
+        # An install says so first (pip -q is silent for the minute it takes; run.sh used to print nothing).
+        assert ("installing pagedjax and its dependencies into .venv (about a minute" in r.stderr) == \
+            calls[0].startswith("pip"), r.stderr
+        return calls
 
     assert run() == ["pip install -q -e .", "generate --demo"]  # a fresh checkout installs
     assert run("--prompt", "x") == ["generate --prompt x"]  # nothing changed: no pip

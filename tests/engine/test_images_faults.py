@@ -3,6 +3,8 @@ random weights, no Hugging Face)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from flax import nnx
 
@@ -34,20 +36,31 @@ def _prompts():
             {"prompt_token_ids": [7, 8, 9]}]
 
 
+def _run_encodes_through(engine, call) -> None:
+    """Every encode of `engine` from now on runs as `call(program, *args)`, the compiled encode program first."""
+    programs = engine.runner.image_features.programs
+    lookup = programs.lookup
+
+    def wrapped(shape, prepare):
+        ran, program = lookup(shape, prepare)
+        return ran, functools.partial(call, program)
+
+    programs.lookup = wrapped
+
+
 def test_a_failed_encode_that_lost_the_feature_array_costs_nothing_but_the_step():
     want = [o.output_token_ids for o in _engine().generate(_prompts(), GREEDY, use_tqdm=False)]
     engine = _engine()
-    features = engine.runner.image_features
-    encode, failures = features._encode, []
+    failures = []
 
-    def broken(params, array, pixels, slots):  # fails once, after the donated array was consumed
+    def broken(encode, params, array, pixels, slots):  # fails once, after the donated array was consumed
         if not failures:
             failures.append(1)
             array.delete()
             raise RuntimeError("injected encoder failure")
         return encode(params, array, pixels, slots)
 
-    features._encode = broken
+    _run_encodes_through(engine, broken)
     got = [o.output_token_ids for o in engine.generate(_prompts(), GREEDY, use_tqdm=False)]
     assert failures and engine.stats().failed_steps == 1
     assert got == want  # the step's requests reran (recompute is exact), none failed
@@ -63,17 +76,16 @@ def test_an_encode_interrupted_after_taking_the_array_is_recovered_and_reraised(
 
     want = [o.output_token_ids for o in _engine().generate(_prompts(), GREEDY, use_tqdm=False)]
     engine = _engine()
-    features = engine.runner.image_features
-    encode, interrupted = features._encode, []
+    interrupted = []
 
-    def interrupt(params, array, pixels, slots):
+    def interrupt(encode, params, array, pixels, slots):
         if not interrupted:
             interrupted.append(1)
             array.delete()
             raise KeyboardInterrupt
         return encode(params, array, pixels, slots)
 
-    features._encode = interrupt
+    _run_encodes_through(engine, interrupt)
     ids = [f"r{i}" for i in range(3)]
     for rid, prompt in zip(ids, _prompts(), strict=True):
         engine.add_prepared_request(engine.make_request(rid, prompt, GREEDY))

@@ -103,7 +103,8 @@ def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatc
 def test_after_warmup_a_new_combination_runs_on_a_stand_in_with_its_own_programs_tokens(monkeypatch):
     """A never-seen parameter combination (forks, penalties, stop ids, log-probabilities of the samples and the
     prompt, fused decode) runs its first step on a warm-up program, not waiting for a compile, and its tokens
-    are those of an engine that compiled each step's own program (log-probabilities within rounding)."""
+    are those of an engine that compiled each step's own program (log-probabilities within rounding). Then the
+    same with the warm-up in the background (`_background_warmup_serves_at_once`)."""
     params = SamplingParams(max_tokens=7, n=2, temperature=0.8, seed=5, logprobs=3, prompt_logprobs=2,
                             presence_penalty=0.4, stop_token_ids=[7, 8, 9], ignore_eos=True)
     prompt = list(range(40, 61))
@@ -130,6 +131,41 @@ def test_after_warmup_a_new_combination_runs_on_a_stand_in_with_its_own_programs
         assert [x.token_id for x in lps_a] == [x.token_id for x in lps_b]
         np.testing.assert_allclose([x.logprob for x in lps_a], [x.logprob for x in lps_b], rtol=1e-5, atol=1e-5)
         assert [[t for t, _ in x.top] for x in lps_a] == [[t for t, _ in x.top] for x in lps_b]
+    monkeypatch.undo()
+    _background_warmup_serves_at_once(monkeypatch, prompt, params, want)
+
+
+def _background_warmup_serves_at_once(monkeypatch, prompt, params, want) -> None:
+    """`start_warmup()` (pagedjax-serve's): the engine answers while the warm-up's programs compile in the
+    background (here held back until the request is done): the request's steps compile their own programs, with
+    the tokens of an engine without a warm-up. Once compiled, every warm-up program is held, and a new
+    combination runs on one of them while its own compiles. Was: the server answered only after the whole warm-up
+    (48-65 s on a loaded 2-core machine)."""
+    from pagedjax.runner import runner as runner_module
+
+    engine = make_engine(decode_steps_per_call=4)
+    gate, compile_ = threading.Event(), runner_module._compile
+
+    def held_back(*args, **kwargs):  # the background thread's compiles wait for the gate; the engine's do not
+        if threading.current_thread() is not threading.main_thread():
+            gate.wait(60)
+        return compile_(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "_compile", held_back)
+    warmed = engine.start_warmup()
+    got = engine.generate([prompt], params, use_tqdm=False)[0]
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    warm_up = engine._warmup_shapes()[0]
+    assert not warmed.done() and engine.runner.programs.num_pending == len(warm_up)
+    assert engine.stats().stand_in_steps == 0  # nothing to stand in yet: its steps compiled their own
+    gate.set()
+    assert warmed.result(timeout=120) > 0
+    seen = _recording_lookups(monkeypatch, engine)
+    engine.generate([list(range(3, 30))], SamplingParams(max_tokens=2, logprobs=20, stop_token_ids=range(20)),
+                    use_tqdm=False)  # a new combination: installs the warm-up's programs, runs on one
+    assert set(warm_up) <= set(engine.runner.programs.executables)
+    assert engine.stats().stand_in_steps > 0 and seen[0][1] in warm_up
+    engine.close()
 
 
 def test_the_warmup_shapes_dominate_every_step_within_the_limits():
@@ -153,10 +189,26 @@ def test_the_warmup_shapes_dominate_every_step_within_the_limits():
             assert min(w.tokens for w in serving) <= max(16, 4 * t), step
         loop = LoopShape("decode_loop", (s, b), s, stop or 8, 8, stop is not None, top)
         assert dominates(warm[-1], loop)
+    # Each is logged as one short line (it was the NamedTuple's repr: ~330 characters a program).
+    assert all(len(str(s)) < 100 and str(s).startswith(("step of 512 tokens", "step of 128 tokens", "step of 32",
+                                                         "step of 16", "fused decode of 8 steps")) for s in warm)
     small = warmup_shapes(max_tokens=32, max_seqs=4, max_blocks=4, block_size=16, decode_steps=1, narrow=True)
     assert [(w.tokens, w.tables) for w in small] == [(32, (4, 4))] * 2 + [(16, (4, 4))]  # too narrow to narrow
     assert len(warmup_shapes(max_tokens=512, max_seqs=64, max_blocks=128, block_size=16, decode_steps=1,
                              narrow=False)) == 2
+
+
+def test_generates_bar_says_which_program_it_waits_for(capsys):
+    """A first run's compiles (seconds; minutes on a large model) used to leave the bar at 0% with no word: it
+    now says which step program the run waits for, and for what it is compiled."""
+    from pagedjax.compile_cache import cache_note
+
+    engine = make_engine(compile_in_background=False)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=True)
+    err = capsys.readouterr().err
+    assert cache_note() == "first run; cached afterwards" or "compile cache is off" in cache_note()
+    assert f"compiling step program 1 ({cache_note()})" in err, err
+    assert f"compiling step program {engine.stats().compilations} (" in err, err
 
 
 # ------------------------------------------------------------------------------------- the cache, alone

@@ -1,7 +1,8 @@
 """One sampling default everywhere (issue 42, point 4): `SamplingParams`' model-dependent fields default to None,
 the model's default, which the engine fills in from its `SamplingDefaults` (the folder's generation_config.json,
-else vLLM's: temperature 1.0) and never over a value given; and `max_tokens` past the context is refused, naming
-it and the limit, instead of being cut short silently."""
+else vLLM's: temperature 1.0) and never over a value given; `max_tokens` left out is the rest of the context
+(issue 62, point 9), and one past the context is refused, naming it and the limit, instead of being cut short
+silently."""
 
 from __future__ import annotations
 
@@ -90,6 +91,18 @@ def test_from_pretrained_reads_the_folders_defaults_unless_given():
     given = LLMEngine.from_pretrained(None, cache_config=CacheConfig(num_blocks=16), compile_cache=False,
                                       sampling_defaults=mine)
     assert given.config.sampling_defaults == mine
+
+
+def test_max_tokens_left_out_is_the_rest_of_the_context():
+    """The one rule of every entry point (pagedjax-generate, the server's completions and chat: their tests): a
+    request without max_tokens runs until it stops or the context is full (SamplingParams said 16)."""
+    engine = _engine()
+    assert SamplingParams().max_tokens is None
+    for params in (None, SamplingParams(), SamplingParams(temperature=0.0)):  # what generate() and add_request do
+        assert _applied(engine, params).max_tokens == MAX_LEN - 3
+    assert _applied(engine, SamplingParams(max_tokens=4)).max_tokens == 4
+    with pytest.raises(ValueError, match=r"min_tokens \(62\) is more than the 61 tokens the context leaves"):
+        engine.make_request("r", [1, 2, 3], SamplingParams(min_tokens=62))
 
 
 def test_max_tokens_past_the_context_is_an_error_naming_it_and_the_limit():

@@ -10,6 +10,7 @@ Interpreted kernels are slow, so their properties draw few, tiny examples.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from pallas_kernels import (
     sparse_mla_paged_attention_reference,
     sparse_mla_paged_attention_xla,
     top_k_positions,
+    top_k_positions_and_ties,
 )
 from pallas_kernels.quant import dequantize_kv
 from tests.kernels.cases import assert_close, boundary_lengths, examples
@@ -157,6 +159,34 @@ def test_top_k_pads_with_minus_one_and_lower_positions_win_ties():
                                   [[1, 2, 0, 4, -1, -1, -1], [-1] * 7, [0, 1, 2, 3, 4, -1, -1]])
     assert top_k_positions(scores, 2).dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(top_k_positions(jnp.zeros((2, 0), jnp.float32), 2)), [[-1, -1]] * 2)
+
+
+def test_top_k_tells_the_rows_whose_cut_off_fell_between_equal_scores():
+    """A tie at the k-th place (the k-th score equals the first one left out) is where the tie rule, not the
+    scores, chose: flagged per row. Ties above the cut-off, a row that sees at most k positions, and -inf (unseen)
+    positions are not."""
+    scores = jnp.array([[1.0, 3.0, 3.0, -jnp.inf, 0.5],  # 3, 3 both kept at k = 2: no tie at the cut-off
+                        [-jnp.inf] * 5,  # sees nothing
+                        [2.0, 2.0, 2.0, 2.0, 2.0],  # every score equal: a tie wherever the cut-off falls
+                        [0.0, -jnp.inf, 0.0, -jnp.inf, -jnp.inf],  # two visible positions: none left out at k = 2
+                        [5.0, 1.0, 4.0, 1.0, 0.0]], jnp.float32)  # the 3rd and 4th equal: a tie at k = 3 only
+    for k, ties in ((2, [False, False, True, False, False]), (3, [False, False, True, False, True]),
+                    (5, [False] * 5), (7, [False] * 5)):
+        positions, tied = top_k_positions_and_ties(scores, k)
+        np.testing.assert_array_equal(np.asarray(positions), np.asarray(top_k_positions(scores, k)))
+        assert np.asarray(tied).tolist() == ties, k
+
+
+def test_the_tie_check_keeps_xlas_top_k():
+    """XLA:CPU runs `lax.top_k` as its TopK unless the values are read past the prefix the positions use: the tie
+    check reads them by a reduction, so its program keeps TopK as the plain selection's does (reading column k
+    made it sort whole rows: 30x slower at 16k positions, scripts/bench_sparse.py)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("XLA:CPU's TopK")
+    scores = jnp.zeros((2, 4096), jnp.float32)
+    for select in (top_k_positions, top_k_positions_and_ties):
+        program = jax.jit(lambda s, select=select: select(s, 256)).lower(scores).compile().as_text()
+        assert "TopK" in program and " sort(" not in program, select.__name__
 
 
 @pytest.mark.parametrize("scores,k,match", [

@@ -243,14 +243,20 @@ def test_engine_greedy_matches_transformers_generate(models, kind):
     forked = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=2)  # two greedy samples
     outs = engine.generate(PROMPTS, [greedy, greedy, forked, greedy], use_tqdm=False)
     assert [o.output_token_ids for o in outs] == [list(w) for w in expected], kind
+    assert engine.stats().indexer_ties == 0  # tie-free scores (the margin above): nothing for the tie rule to decide
     assert [c.token_ids for c in outs[2].outputs] == [list(expected[2])] * 2
     again = engine.generate([PROMPTS[-1]], greedy, use_tqdm=False)[0]  # its full blocks cached
     assert again.num_cached_tokens >= 16 and again.output_token_ids == list(expected[-1])
 
 
-def test_engine_greedy_through_preemption_and_fused_decode(models):
+def test_engine_greedy_through_preemption_and_fused_decode(models, caplog):
     """Four requests of up to 26 tokens in 8 blocks of 4: some are preempted and recomputed (their latent
-    entries and indexer keys written again); decode runs 4 fused steps a call. The tokens stay transformers'."""
+    entries and indexer keys written again); decode runs 4 fused steps a call. The tokens stay transformers'.
+    Then the same engine over the same weights with the indexer's head weights zeroed, so that every score is 0
+    (as a tiny config's few heads meet exact zeros after the ReLU): the selection at the index_topk-th place is
+    pagedjax's tie rule's (the lower position) where transformers' topk is unordered, and the engine counts every
+    query row that met such a tie (`EngineStats.indexer_ties`, from the steps' and fused decodes' device outputs)
+    and warns of it once."""
     from pagedjax.sampling_params import SamplingParams
     from tests.model.test_hf import hf_greedy
 
@@ -261,6 +267,22 @@ def test_engine_greedy_through_preemption_and_fused_decode(models):
     outs = engine.generate(PROMPTS, greedy, use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     assert engine.stats().scheduler.num_preemptions > 0 and engine.stats().fused_decode_calls > 0
+
+    tied, _ = load_hf_deepseek(folder)  # the same programs as the engine above: weights differ, shapes do not
+    for layer in tied.layers:
+        weights = layer.self_attn.indexer.weights_proj.kernel
+        weights[...] = jnp.zeros_like(weights[...])
+    engine = _engine(model=tied, num_blocks=8, decode_steps_per_call=4)
+    with caplog.at_level("WARNING", logger="pagedjax"):
+        engine.generate(PROMPTS, greedy, use_tqdm=False)
+        first = engine.stats().indexer_ties
+        engine.generate(PROMPTS, greedy, use_tqdm=False)
+    # Every position past index_topk of every sequence runs through every layer at least once (the last sampled
+    # token never runs); preemption runs some again.
+    runs = len(tied.layers) * sum(len(p) + MAX_NEW - 1 - TOPK for p in PROMPTS if len(p) + MAX_NEW - 1 > TOPK)
+    assert first >= runs and engine.stats().indexer_ties >= first + runs, (first, runs)
+    warned = [r.getMessage() for r in caplog.records if "indexer's top-k met equal scores" in r.getMessage()]
+    assert len(warned) == 1 and "pagedjax keeps the lower position" in warned[0], warned
 
 
 @pytest.mark.slow  # (CI time: 36 s) the kernels' and the toy model's "every position selected = MLA" run by default

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ CFG = GPT2Config(vocab_size=2048, n_positions=64, n_embd=32, n_layer=2, n_head=4
 ENGINE = dict(cache_config=CacheConfig(block_size=8, num_blocks=32),
               scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64))
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +97,50 @@ def test_the_cli_model_flag_consults_the_registry(folder):
         load_model_for_cli(build_parser().parse_args(["--model", str(path), "--dtype", "bfloat16"]))
 
 
+def test_the_cli_model_class_takes_the_model_folders_tokenizer(folder, monkeypatch):
+    """`--model-class tests.model.gpt2_example:load --model DIR`: the factory returns the model alone, so the
+    folder's tokenizer.json is the tokenizer, as for a registered factory. Was: "gave no tokenizer"."""
+    from pagedjax.cli.args import build_parser
+    from pagedjax.cli.engine_setup import load_model_for_cli
+
+    path, _ = folder
+    monkeypatch.chdir(ROOT)  # where the README runs it: the example imports from the clone's root
+    args = ["--model-class", "tests.model.gpt2_example:load", "--model", str(path)]
+    loaded = load_model_for_cli(build_parser().parse_args(args))
+    assert isinstance(loaded.model, GPT2) and isinstance(loaded.tokenizer, HFTokenizer)
+    assert loaded.tokenizer.encode("def f(x):") == HFTokenizer.from_pretrained(path).encode("def f(x):")
+    assert loaded.tokenizer.eos_token_ids == (CFG.eos_token_id,)
+
+
 def test_an_unregistered_model_type_names_the_registry(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "fc_unknown_arch"}))
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match=r"ModelRegistry.register_model\('fc_unknown_arch', factory\)"):
         LLMEngine.from_pretrained(tmp_path, **ENGINE)
+
+
+def test_the_refusal_lists_exactly_the_model_types_that_load(tmp_path):
+    """An unknown model_type's refusal lists what `from_pretrained` loads. Was: the ModelConfig families only,
+    while DeepSeek, LLaVA and Gemma 3 folders (and registered types) load too. Checked against the loader itself:
+    of every model_type transformers knows, and those listed, a config.json of nothing but its model_type is
+    refused by that field exactly when the list leaves it out (a listed one fails later, on a missing field)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+
+    def error(model_type: str) -> str:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+        with pytest.raises(Exception) as e:  # noqa: PT011 - any error: which field it names is the point
+            LLMEngine.from_pretrained(tmp_path, **ENGINE)
+        return str(e.value)
+
+    message = error("fc_unknown_arch")
+    groups = message.partition(" load ")[2].partition("; a model")[0].split("; ")  # "[label ]type, type, ..."
+    listed = {item.split()[-1] for group in groups for item in group.split(", ")}
+    assert {"llama", "qwen3_moe", "deepseek_v32", "llava", "gemma3", "gpt2"} <= listed, message
+    refused = {t for t in listed | set(CONFIG_MAPPING_NAMES) if f"field 'model_type' = {t!r}" in error(t)}
+    assert refused.isdisjoint(listed), refused & listed
+    assert refused == set(CONFIG_MAPPING_NAMES) - listed
 
 
 def test_a_factory_must_return_model_and_tokenizer(tmp_path, monkeypatch):

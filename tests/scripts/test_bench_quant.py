@@ -29,6 +29,15 @@ def test_bench_quant_quick_runs(capsys):
     assert [r[0] for r in speed] == ["float32"] * 2 + ["int8"] * 2 + ["int4"] * 2
 
 
+@pytest.mark.slow  # compiles six engines
+def test_bench_quant_fused_decode_table(capsys):
+    bench_quant.main(["--quick", "--decode-steps", "1,4"])
+    out = capsys.readouterr().out.split("median tokens/s by decode_steps_per_call")[1]
+    rows = [line.split() for line in out.splitlines() if line.startswith(("float32 ", "int8 ", "int4 "))]
+    assert [(r[0], r[1]) for r in rows] == [(s, b) for s in ("float32", "int8", "int4") for b in ("1", "2")]
+    assert all(len(r) == 7 for r in rows)  # scheme, batch, (tokens/s, x f32) per value, 4 / 1
+
+
 def test_scheme_names():
     assert bench_quant.quant_config("float32") is None
     assert bench_quant.quant_config("int4:32-head").keep_float == ()

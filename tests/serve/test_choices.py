@@ -27,7 +27,7 @@ def _multi(samples, finished: bool):
     first = outputs[0]
     return SimpleNamespace(request_id="r", output_token_ids=first.token_ids, text=first.text, error=None,
                            finish_reason=first.finish_reason if finished else None, finished=finished,
-                           outputs=outputs)
+                           outputs=outputs, num_cached_tokens=0)
 
 
 def test_single_sample_deltas_and_final_text():

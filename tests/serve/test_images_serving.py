@@ -747,6 +747,34 @@ def test_hugging_face_templates_write_their_placeholders():
         "<start_of_turn>model\n")
 
 
+@pytest.mark.parametrize("kind", ["llava", "gemma3"])
+def test_vision_folders_without_a_template_get_their_familys(tmp_path, kind):
+    """A LLaVA / Gemma 3 folder without a chat template renders as its family's published template does, with
+    the folder's image placeholder for each image part (the built-in default dropped them: 400 on every image
+    chat)."""
+    pytest.importorskip("transformers")
+    from pagedjax.model.processor import load_image_processor
+    from pagedjax.serve.protocol import ChatMessage
+    from pagedjax.serve.tools import template_messages
+    from tests.model.vision_folders import save_folder
+
+    folder = save_folder(kind, tmp_path / kind)
+    template = ChatTemplate.from_model(folder)
+    assert template.source == f"built-in {kind} template ({folder} has no chat template)"
+    assert not template.reads_content_parts  # text-only messages go as strings
+    messages = [ChatMessage(role="system", content="Be brief."),
+                ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                                        image_part(SMALL_PNG)]}),
+                ChatMessage(role="assistant", content="A cat."),
+                ChatMessage.model_validate({"role": "user", "content": [image_part(SMALL_PNG), {"image_url": SMALL_PNG},
+                                                                        {"type": "text", "text": "And these?"}]})]
+    text = template.render(template_messages(messages, None, supports_tools=False))
+    assert load_image_processor(folder).count_images(text) == 3
+    published = ChatTemplate(LLAVA_TEMPLATE if kind == "llava" else GEMMA3_TEMPLATE, bos_token=template.bos_token)
+    as_published = template_messages(messages, None, supports_tools=False, content_parts=kind == "llava")
+    assert text == (template.bos_token if kind == "llava" else "") + published.render(as_published)
+
+
 def test_the_flags_set_the_limits():
     from pagedjax.serve.cli import build_parser, image_limits
 
@@ -872,12 +900,10 @@ def test_a_vision_model_end_to_end(server, llava_folder):
                     image_processor=load_image_processor(folder),
                     cache_config=CacheConfig(block_size=16, num_blocks=64),
                     scheduler_config=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2))
-    # LLaVA's Hugging Face templates read text only from content parts (so the system message goes as parts)
-    template = ChatTemplate("{% for m in messages %}{{ m['role'].upper() }}: "
-                            "{% for p in m['content'] | selectattr('type', 'equalto', 'image') %}<image>\n{% endfor %}"
-                            "{% for p in m['content'] | selectattr('type', 'equalto', 'text') %}{{ p['text'] }} "
-                            "{% endfor %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}",
-                            model_template=True)
+    # The folder has no chat template: the built-in LLaVA one (every image chat used to be a 400: the default
+    # template dropped the image parts)
+    template = ChatTemplate.from_model(folder)
+    assert template.source.startswith("built-in llava template")
     files = [(encoded(noise(23, 37)), "image/png"), (encoded(photo(768, 512)), "image/png"),
              (encoded(photo(512, 768, 1), "JPEG"), "image/jpeg")]
     messages = [{"role": "system", "content": "the cat"},

@@ -105,6 +105,53 @@ def test_stream_include_usage(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_usage_reports_the_prefix_cache_hit(client):
+    """OpenAI's (and vLLM's) `usage.prompt_tokens_details.cached_tokens`: the prompt's tokens the prefix cache held;
+    it used to be absent (the client read None)."""
+    prompt = "# the prefix cache's probe\n" + "x = 1\n" * 30  # 206 byte tokens: one full 128-token block
+    body = dict(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    first, again = (client.completions.create(**body).usage for _ in range(2))
+    assert (first.prompt_tokens_details.cached_tokens, again.prompt_tokens_details.cached_tokens) == (0, 128)
+    chat = dict(model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=2, temperature=0)
+    assert client.chat.completions.create(**chat).usage.prompt_tokens_details.cached_tokens == 0
+    assert client.chat.completions.create(**chat).usage.prompt_tokens_details.cached_tokens == 128
+    for create, kwargs in ((client.completions.create, body), (client.chat.completions.create, chat)):
+        chunks = list(create(stream=True, stream_options={"include_usage": True}, **kwargs))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 128
+
+
+def test_return_token_ids(offline, client):
+    """vLLM's `return_token_ids` (refused as an unknown field before): the prompt's ids and each choice's, whole
+    and streamed (the prompt's in the first chunk, each chunk's new ids), equal to the offline engine's; a request
+    without it gets neither key."""
+    ids = ByteTokenizer().encode(PROMPT)
+    body = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=2, temperature=1.0, seed=3,
+                extra_body={"return_token_ids": True})
+    want = [o.token_ids for o in offline(ids, max_tokens=8, n=2, temperature=1.0, seed=3).outputs]
+    whole = client.completions.create(**body)
+    assert [c.model_extra["prompt_token_ids"] for c in whole.choices] == [ids, ids]
+    assert [c.model_extra["token_ids"] for c in whole.choices] == want
+    streamed = {0: [], 1: []}
+    for chunk in client.completions.create(stream=True, **body):
+        for c in chunk.choices:
+            assert c.model_extra.get("prompt_token_ids") == (ids if not streamed[c.index] else None)
+            streamed[c.index] += c.model_extra.get("token_ids") or []
+    assert [streamed[0], streamed[1]] == want
+    messages = [{"role": "user", "content": "Token ids, please."}]
+    chat = dict(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
+    reply = client.chat.completions.create(**chat)
+    template = ChatTemplate.from_model(None)
+    assert reply.model_extra["prompt_token_ids"] == template.encode(ByteTokenizer(), template.render(messages))
+    [chosen] = reply.choices
+    assert ByteTokenizer().decode(chosen.model_extra["token_ids"]) == chosen.message.content
+    chunks = list(client.chat.completions.create(stream=True, **chat))
+    assert chunks[0].model_extra["prompt_token_ids"] == reply.model_extra["prompt_token_ids"]
+    assert [t for c in chunks for choice in c.choices for t in choice.model_extra.get("token_ids") or []] == \
+        chosen.model_extra["token_ids"]
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+    assert not plain.choices[0].model_extra and "prompt_token_ids" not in (plain.model_extra or {})
+
+
 def test_chat_stream_equals_non_stream_equals_offline(offline, client):
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A parser, please."}]
     kwargs = dict(model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0.7, seed=5)
@@ -121,11 +168,17 @@ def test_chat_stream_equals_non_stream_equals_offline(offline, client):
     assert whole.choices[0].message.content == offline(ids, max_tokens=20, temperature=0.7, seed=5).text
 
 
-def test_chat_default_max_tokens_fills_the_context(client):
-    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-                                         temperature=0, extra_body={"ignore_eos": True})
-    assert out.choices[0].finish_reason == "length"
-    assert out.usage.total_tokens == MAX_MODEL_LEN
+def test_without_max_tokens_completions_chat_and_generate_run_to_the_end_of_the_context(offline, client):
+    """One rule for every entry point (issue 62, point 9; completions and Python used to stop at 16, chat did not):
+    the server's completions equal `generate`'s with `max_tokens` left out, both filling the context."""
+    ids = ByteTokenizer().encode(PROMPT)
+    body = dict(model=MODEL_NAME, temperature=0, extra_body={"ignore_eos": True})
+    out = client.completions.create(prompt=PROMPT, **body)
+    assert (out.choices[0].finish_reason, out.usage.total_tokens) == ("length", MAX_MODEL_LEN)
+    generated = offline(ids, temperature=0.0, ignore_eos=True)  # SamplingParams without max_tokens
+    assert (len(ids) + len(generated.output_token_ids), out.choices[0].text) == (MAX_MODEL_LEN, generated.text)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **body)
+    assert (chat.choices[0].finish_reason, chat.usage.total_tokens) == ("length", MAX_MODEL_LEN)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -325,15 +325,33 @@ def test_lora_flag_errors_stop_start_up(argv, says, capsys):
     assert "pagedjax-serve: error: " in err and says in err, err
 
 
-def test_a_bad_start_up_adapter_stops_start_up(tmp_path, capsys):
-    """An adapter that does not fit the model is refused by name when the server registers it: exit status 2."""
+def test_a_bad_start_up_adapter_stops_start_up_before_anything_compiles(tmp_path, capsys, monkeypatch):
+    """An adapter that does not fit the model is refused by name when the server registers it, before the warm-up
+    compiles anything: exit status 2 (it used to come after the whole warm-up, a minute on a loaded machine). A
+    good start-up then starts the warm-up in the background and serves at once, never waiting for it."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from pagedjax.engine import LLMEngine
+    from pagedjax.serve import cli as serve_cli
     from tests.lora.adapters import write_adapter
     from tests.serve.server_utils import CFG
 
+    events = []
+    monkeypatch.setattr(LLMEngine, "warmup", lambda self: pytest.fail("the server waited for a warm-up"))
+    monkeypatch.setattr(LLMEngine, "start_warmup", lambda self: events.append("warm-up started") or Future(),
+                        raising=False)
+    # No uvicorn: its Config would point the logging configuration at this test's captured streams.
+    monkeypatch.setattr(uvicorn, "Config", lambda app, **options: None)
+    monkeypatch.setattr(serve_cli, "_Server", lambda config, drain, timeout: SimpleNamespace(
+        run=lambda: events.append("serving") or True))
+    engine = ["--num-blocks", "8", "--block-size", "64", "--max-model-len", "256", "--log-level", "error"]
     folder = write_adapter(tmp_path / "other", CFG, rank=4, seed=0, targets=("q_proj",))  # another model's shapes
-    code = main(["--enable-lora", "--lora-modules", f"other={folder}", "--no-warmup", "--num-blocks", "8",
-                 "--block-size", "64", "--max-model-len", "256", "--log-level", "error"])
+    code = main(["--enable-lora", "--lora-modules", f"other={folder}", *engine])
     err = capsys.readouterr().err
-    assert code == 2, err
+    assert code == 2 and events == [], err
     assert f"pagedjax-serve: error: LoRA module other={folder}: LoRA adapter '{folder}': tensor " in err, err
     assert "has shape" in err and len(err.strip().splitlines()) == 1, err
+    assert main(engine) == 0 and events == ["warm-up started", "serving"]

@@ -73,24 +73,44 @@ def test_a_bad_constraint_is_a_400_naming_the_field(client, body, param):
     assert e.value.body["param"] == param, e.value.body
 
 
+def test_a_grammar_that_cannot_end_is_a_400_naming_its_rule(client):
+    """It used to be taken, and its first token failed the request with a 500 carrying the grammar library's parser
+    state ("Too many items (limit 50000; ff_tokens) ... <state>")."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4,
+                                  extra_body={"guided_grammar": 'start: "b" | "a" item\nitem: "c" item'})
+    error = e.value.body
+    assert error["param"] == "guided_grammar" and "rule 'item' never ends" in error["message"], error
+    assert "<state>" not in error["message"] and len(error["message"]) < 400
+
+
 def test_constraints_compile_in_the_prepare_stage_and_a_bad_one_leaves_running_requests_alone(client,
                                                                                                 monkeypatch):
+    from pagedjax.structured_output import manager
     from pagedjax.structured_output.compiler import ConstraintCompiler
 
-    threads = []
-    real = ConstraintCompiler._matcher
+    threads, checks = [], []
+    real, real_check = ConstraintCompiler._matcher, manager.check_structured
 
     def matcher(self, structured):
         threads.append(threading.current_thread().name)
         return real(self, structured)
 
+    def check(structured, limits):  # the limits' check: 40 ms of Python for a 64 KiB grammar
+        checks.append(threading.current_thread().name)
+        return real_check(structured, limits)
+
     monkeypatch.setattr(ConstraintCompiler, "_matcher", matcher)
+    monkeypatch.setattr(manager, "check_structured", check)
     body = {"guided_regex": "[a-f]{3}-[0-9]{2}-prepared"}
     for seed in (5, 6):  # the second request of the same constraint copies the first's compiled matcher
         out = client.completions.create(model=MODEL_NAME, prompt="Id: ", max_tokens=20, temperature=1.0, seed=seed,
                                         extra_body=body)
         assert re.fullmatch("[a-f]{3}-[0-9]{2}-prepared", out.choices[0].text)
+    # compiled (and its first mask built: `_matcher`) once, in the grammar pool; the engine thread only copies it,
+    # without checking its limits again
     assert len(threads) == 1 and threads[0] != "pagedjax-engine", threads
+    assert checks and "pagedjax-engine" not in checks, checks
 
     free = {"model": MODEL_NAME, "prompt": "Go: ", "max_tokens": 40, "temperature": 1.0, "seed": 9,
             "extra_body": {"ignore_eos": True}}

@@ -1,8 +1,10 @@
 """Tool calling over HTTP with the official `openai` client: a forced call ("required", a named function) is
 constrained so that even the random test model writes valid calls whose arguments validate (`jsonschema`) and
-then ends (finish reason "tool_calls", no content, at most --max-parallel-tool-calls calls), a stream's tool-call
-deltas reassemble to the non-streamed message, "auto" parses tagged calls out of the text,
-bad tools are a 400 naming the field before anything is queued; and the parser and prompt rendering alone."""
+then ends (finish reason "tool_calls", no content, at most --max-parallel-tool-calls calls, each string at most
+--max-tool-string-length characters, an open object closed), a call cut short is never returned (streamed or
+not), a stream's tool-call deltas reassemble to the non-streamed message, "auto" parses tagged calls out of the
+text, bad tools are a 400 naming the field before anything is queued; and the parser, the bounded schemas and
+prompt rendering alone."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from pagedjax.serve.protocol import ChatCompletionRequest
 from pagedjax.serve.tools import (
     TOOLS_PREAMBLE,
     ToolCallParser,
+    bounded_arguments,
     call_grammar,
     parse_message,
     template_messages,
@@ -57,14 +60,21 @@ SERVER_TEMPLATE = ("{% if tools %}tools: {% for t in tools %}{{ t.function.name 
                    "{% if add_generation_prompt %}a: {% endif %}")
 
 
-# Two calls of TOOLS fit the test model's context after SHORT's prompt; the default (4) would not.
+# Two calls of TOOLS fit the test model's context after SHORT's prompt; the default (4) would not. Strings of at
+# most 8 characters (up to 32 byte tokens each) let two calls of OPEN fit too; TOOLS' patterns are shorter anyway.
 MAX_CALLS = 2
+STRING_LENGTH = 8
+# An ordinary open schema: no additionalProperties, a free string, a nested object that is open too.
+OPEN = {"type": "object", "properties": {"city": {"type": "string"},
+                                         "where": {"type": "object", "properties": {"zip": {"type": "integer"}}}},
+        "required": ["city"]}
+OPEN_TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": OPEN}}]
 
 
 @pytest.fixture(scope="module")
 def server():
     with running_server(make_engine(), chat_template=ChatTemplate(SERVER_TEMPLATE),
-                        max_parallel_tool_calls=MAX_CALLS) as s:
+                        max_parallel_tool_calls=MAX_CALLS, max_tool_string_length=STRING_LENGTH) as s:
         yield s
 
 
@@ -132,17 +142,45 @@ def test_required_with_parallel_calls_ends_after_its_calls(client, seed):
     assert max(len(c.message.tool_calls) for c in whole) == MAX_CALLS  # parallel calls are made
 
 
-@pytest.mark.parametrize("max_tokens", [8, 30, 60])
+@pytest.mark.parametrize("max_tokens", [8, 30, 60, 120])
 def test_a_forced_call_cut_short_leaves_no_tag_in_the_content(client, max_tokens):
-    # 8: inside the tag; 30: inside the call's head; 60: inside the arguments (a partial call).
+    # Seed 1 writes two calls (92 and 78 tokens). 8: inside the tag; 30: inside the call's head; 60: inside the
+    # arguments (a partial call, which used to come back with arguments that do not parse); 120: inside the second
+    # call, after a complete first one.
     kwargs = dict(model=MODEL_NAME, messages=SHORT, tools=TOOLS, tool_choice="required", temperature=1.0,
-                  seed=0, max_tokens=max_tokens)
+                  seed=1, max_tokens=max_tokens)
     whole = client.chat.completions.create(**kwargs).choices[0]
     assert (whole.finish_reason, whole.message.content) == ("length", None)
+    assert len(whole.message.tool_calls or ()) == (max_tokens == 120)  # the complete calls only
+    for call in whole.message.tool_calls or ():
+        _valid(call)
     content, calls, reason, _ = _stream(client, **kwargs)[0]
     assert (content, reason) == (None, "length")
     assert [(n, a) for _, n, a in calls] == [(c.function.name, c.function.arguments)
                                              for c in whole.message.tool_calls or ()]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "lookup"}}])
+def test_forced_calls_of_an_open_schema_end_and_parse(client, tool_choice):
+    """An ordinary `parameters` schema (no additionalProperties, a free string) used to run to max_tokens: free keys
+    and a string that never closed, the last call's arguments cut short and not JSON. Its objects are closed and
+    its strings bounded: every call ends, within the context, streamed or not."""
+    kwargs = dict(model=MODEL_NAME, messages=SHORT, tools=OPEN_TOOLS, tool_choice=tool_choice, n=2,
+                  temperature=1.0, seed=1)
+    whole = client.chat.completions.create(**kwargs).choices
+    streamed = _stream(client, **kwargs)
+    for choice in whole:
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+        calls = choice.message.tool_calls
+        assert 1 <= len(calls) <= (MAX_CALLS if tool_choice == "required" else 1)
+        for call in calls:
+            args = json.loads(call.function.arguments)
+            jsonschema.validate(args, OPEN)
+            assert set(args) <= {"city", "where"} and set(args.get("where", {})) <= {"zip"}
+            assert len(args["city"]) <= STRING_LENGTH
+        content, streamed_calls, reason, _ = streamed[choice.index]
+        assert (content, reason) == (None, "tool_calls")
+        assert [(n, a) for _, n, a in streamed_calls] == [(c.function.name, c.function.arguments) for c in calls]
 
 
 def _allowed_after(structured, text: str) -> list[int]:
@@ -194,7 +232,7 @@ def test_named_calls_validate_and_their_streams_reassemble_to_them(client):
         assert (content, reason) == (None, "tool_calls")
         assert [(name, args) for _, name, args in calls] == [(c.function.name, c.function.arguments)
                                                              for c in choice.message.tool_calls]
-        assert len([p for p in pieces[0] if p]) > 1  # the arguments came in pieces, as they were generated
+        assert pieces[0] == [calls[0][2]]  # the call came whole, in the delta that completed it
     assert whole[0].message.tool_calls[0].function.arguments != whole[1].message.tool_calls[0].function.arguments
 
 
@@ -307,6 +345,63 @@ def test_a_tag_that_cannot_be_a_call_is_released_at_once():
     assert parser.feed('call>{"name": "f"').content == ""  # may still be a call: held
     assert parser.feed(" and more").content == '<tool_call>{"name": "f" and more'
     assert not parser.calls
+
+
+def test_a_call_is_emitted_whole_once_it_ends_and_only_if_it_parses():
+    parser = ToolCallParser()
+    for piece in ("Hi <tool_call>", '{"name": "search", "arguments": ', '{"query": "a</tool_call>"', ", "):
+        assert not parser.feed(piece).tool_calls  # "</tool_call>" in a JSON string does not end the call
+    assert parser.feed('"limit": 2}}').tool_calls == []  # nor does its JSON: its end tag does
+    [delta] = parser.feed("</tool_call>").tool_calls
+    assert (delta.index, delta.function.name) == (0, "search") and delta.id == parser.calls[0].id
+    assert json.loads(delta.function.arguments) == {"query": "a</tool_call>", "limit": 2}
+    # Unforced: a call whose arguments are not an object, or that the text cuts short, is text.
+    bad = '<tool_call>{"name": "f", "arguments": {"a": 1,}}</tool_call>'
+    cut = '<tool_call>{"name": "f", "arguments": {"a": 1'
+    for text in (bad + " then " + CALL, cut, bad + cut):
+        content, calls = parse_message(text)
+        assert content == text.replace(CALL, "") and len(calls) == text.count(CALL)
+        _check_pieces_reassemble(text, list(range(1, len(text), 2)))
+    # Forced: such text is dropped (the grammar writes no other); the calls before it stay.
+    content, calls = parse_message(CALL + cut, forced=True)
+    assert content is None and [c.function.arguments for c in calls] == [parse_message(CALL)[1][0].function.arguments]
+
+
+def test_bounded_arguments_close_open_objects_and_bound_free_strings():
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"},
+        "code": {"type": ["string", "null"], "minLength": 20},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+        "short": {"type": "string", "maxLength": 3},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "map": {"type": "object", "additionalProperties": {"type": "string"}},
+        "mixed": {"allOf": [{"$ref": "#/$defs/base"}, {"properties": {"extra": {"type": "integer"}}}]},
+        "either": {"anyOf": [{"$ref": "#/$defs/point"}, {"type": "null"}]},
+        "no": {"not": {"type": "string"}},
+    }, "$defs": {"base": {"type": "object", "properties": {"id": {"type": "string"}}},
+                 "point": {"properties": {"x": {"type": "number"}}}}}
+    original = json.loads(json.dumps(schema))
+    out = bounded_arguments(schema, 10)
+    assert schema == original  # a copy
+    props = out["properties"]
+    assert out["additionalProperties"] is False and props["tags"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["point"]["additionalProperties"] is False  # an object by its properties
+    assert "additionalProperties" not in out["$defs"]["base"]  # an allOf branch's: the other declares "extra"
+    assert "additionalProperties" not in props["mixed"]["allOf"][1] and props["map"]["additionalProperties"] == {
+        "type": "string", "maxLength": 10}
+    assert [props[k].get("maxLength") for k in ("name", "code", "unit", "short")] == [10, 20, None, 3]
+    assert out["$defs"]["base"]["properties"]["id"]["maxLength"] == 10 and props["no"] == {"not": {"type": "string"}}
+    # The grammar (its $refs rebased under the call's "arguments") takes what the schema declares and no more
+    # (without "no": llguidance does not take `not`).
+    del schema["properties"]["no"]
+    grammar = call_grammar([_request(tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}]
+                                     ).tools[0]], max_calls=1, max_string_length=10)
+    head = '<tool_call>{"name": "f", "arguments": {'
+    assert ord('"') in _allowed_after(grammar, head) and _allowed_after(grammar, head + '"') == sorted(
+        {ord(k[0]) for k in schema["properties"]})
+    assert _allowed_after(grammar, head + '"name": "' + "x" * 10) == [ord('"')]
+    with pytest.raises(ValueError, match="max_string_length"):
+        call_grammar(_request().tools, max_calls=1, max_string_length=0)
 
 
 def _request(**kwargs) -> ChatCompletionRequest:

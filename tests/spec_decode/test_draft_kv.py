@@ -139,6 +139,25 @@ DraftSpeculationMachine.TestCase.settings = settings(max_examples=40, stateful_s
 TestDraftSpeculation = DraftSpeculationMachine.TestCase
 
 
+def test_a_proposal_equal_to_a_stop_token_is_accepted(monkeypatch):
+    """Found by CI's run of the machine: a request's first output token, a stop id, equal to the draft's
+    proposal finished the request at it, and the count took the proposal for a rejected one (it counted appended
+    tokens, cut by the stop)."""
+    monkeypatch.setattr("tests.spec_decode.test_speculation.event", lambda *_: None)
+    monkeypatch.setattr(__name__ + ".event", lambda *_: None)
+    state = DraftSpeculationMachine()
+    state.setup(block_size=1, num_blocks=10, budget=2, caching=False, k=1, other=False)
+    for _ in range(6):
+        state.add(held=False, max_tokens=1, prompt=[0], samples=1, stop=False)
+    state.add(held=False, max_tokens=2, prompt=[0] * 9, samples=2, stop=True)
+    proposed = 0
+    while state.sched.has_unfinished_requests():
+        state.spec_step()
+        proposed += state.last_outcome.num_proposed
+    assert proposed > 0  # the example still verifies a proposal
+    state.teardown()
+
+
 def _decoding(tokens: list[int], computed: int, blocks: tuple[int, ...], preemptions: int = 0) -> ProposalAsk:
     r = Request("a", tokens[:2], SamplingParams().with_defaults(DEFAULTS), output_token_ids=tokens[2:],
                 num_computed_tokens=computed, num_preemptions=preemptions)

@@ -26,6 +26,7 @@ from pagedjax.core.kv_cache_manager import cdiv
 from pagedjax.core.request import Request, RequestStatus, sample_id
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import first_rows
+from pagedjax.core.step_result import StepResult
 from pagedjax.core.step_result import emitted_tokens as accepted_tokens
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.spec_decode.proposer import ProposalAsk
@@ -91,7 +92,7 @@ def update_speculative(sched: Scheduler, plan, sampled) -> Outcome:
     before = [r.num_output_tokens for r in requests]
     finished = sched.update(plan, sampled)
     speculator = Speculator(SpeculativeConfig())
-    speculator.count([0] * plan.num_seqs if plan.num_drafts is None else plan.num_drafts.tolist(),
+    speculator.count(plan, StepResult.from_rows(plan, sampled),
                      [r.num_output_tokens - b for r, b in zip(requests, before, strict=True)])
     return Outcome(finished, speculator.num_sequences, speculator.num_proposed, speculator.num_accepted)
 

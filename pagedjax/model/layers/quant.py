@@ -56,6 +56,10 @@ How XLA:CPU computes them (`python scripts/bench_quant.py --chain` times the lin
       XLA:CPU flushes float32 denormals, so they need a select) only matched float32.
   `conversion_tie` (in `QuantizedLinear._project`) makes XLA convert each kernel just before its product
       instead of every kernel at the start of the step into buffers all alive at once.
+  In the fused decode's `while_loop` every conversion is loop-invariant, and XLA hoisted it out of the loop (a
+      float copy of every kernel, which each iteration's products then read): the loop body takes the weights
+      through an optimization barrier with its iteration counter (`pagedjax.runner.runner._fused_decode_loop`),
+      so the products there are the single step's.
 Whether XLA:GPU fuses the conversion is not measured here.
 """
 

@@ -30,6 +30,8 @@ DeepSeek V2 / V3 / V3.2 (`deepseek_v2`, `deepseek_v3`, `deepseek_v32`) map to a
 `pagedjax.config.deepseek.DeepSeekConfig` instead (`load_deepseek_config`; `load_hf_config` refuses them, naming
 it); GLM's `glm_moe_dsa` is refused by both, saying why. LLaVA and Gemma 3 with images (`llava`, `gemma3`,
 `VISION_MODEL_TYPES`) load through `pagedjax.model.loading.hf_vision`, whose text models map with `config_from_dict`.
+An unknown `model_type` is refused with the list of every one `from_pretrained` loads (`LOADABLE_MODEL_TYPES`, the
+loader's dispatch, and the types registered in `pagedjax.ModelRegistry`).
 
 The weights are read by `pagedjax.model.loading.hf_loader`.
 """
@@ -336,9 +338,9 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
     if model_type in gpt_oss.MODEL_TYPES:
         return gpt_oss.config_from_hf(hf, dtype, gen_bos, gen_eos)
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"field 'model_type' = {model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); a model of your own serves it "
-                         f"once registered: pagedjax.ModelRegistry.register_model({model_type!r}, factory)")
+        raise ValueError(f"field 'model_type' = {model_type!r} is not supported: {loadable_model_types()}; a "
+                         "model of your own serves it once registered: "
+                         f"pagedjax.ModelRegistry.register_model({model_type!r}, factory)")
     defaults = _DEFAULTS[model_type]
     _check_unsupported(hf, model_type)
 
@@ -462,6 +464,25 @@ DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
 _DSA_REFUSED = {"glm_moe_dsa": "GLM's DSA (transformers' GlmMoeDsaForCausalLM) is not DeepSeek V3.2's definition: "
                                "its indexer rotates interleaved pairs and its 'shared' layers (indexer_types) reuse "
                                "the previous layer's top-k instead of scoring their own; it is not supported"}
+# What `from_pretrained` and `--model` load, by the route `pagedjax.model.loading.loader` dispatches a Hugging Face
+# folder on (after a factory registered for its model_type): the families a ModelConfig describes, then the
+# built-in models of the public contract. The refusal of any other model_type lists them from here.
+LOADABLE_MODEL_TYPES: dict[str, tuple[str, ...]] = {
+    "": SUPPORTED_MODEL_TYPES, "DeepSeek ": DEEPSEEK_MODEL_TYPES, "with images ": VISION_MODEL_TYPES}
+
+
+def loadable_model_types() -> str:
+    """'from_pretrained and --model load llama, ...; DeepSeek deepseek_v2, ...; with images llava, gemma3' (and
+    the model_types registered in `pagedjax.ModelRegistry` in this process), from `LOADABLE_MODEL_TYPES`."""
+    from pagedjax.model.registry import ModelRegistry
+
+    groups = [f"{label}{', '.join(types)}" for label, types in LOADABLE_MODEL_TYPES.items()]
+    registered = ModelRegistry.model_types()
+    if registered:
+        groups.append(f"registered {', '.join(registered)}")
+    return f"from_pretrained and --model load {'; '.join(groups)}"
+
+
 # transformers' defaults for the fields a DeepSeek config.json may leave out.
 _DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,

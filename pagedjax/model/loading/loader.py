@@ -111,12 +111,19 @@ def load_registered(path, dtype: str | None):
         raise TypeError(f"the factory registered for model_type {model_type!r} must return (model, tokenizer or "
                         f"None), got {type(result).__name__}")
     model, tokenizer = result
-    if tokenizer is None and (path / "tokenizer.json").is_file():
-        from pagedjax.model.hf_tokenizer import HFTokenizer
-
-        tokenizer = HFTokenizer.from_pretrained(path, eos_token_ids=getattr(model.spec, "eos_token_ids", ()))
+    if tokenizer is None:
+        tokenizer = folder_tokenizer_for(path, model)
     logger.info("loaded %s (model_type %r) with its registered factory", path, model_type)
     return model, tokenizer
+
+
+def folder_tokenizer_for(path, model):
+    """The tokenizer of a factory that returned none (a registered one's, a `--model-class` one's): the
+    `tokenizer.json` of the folder `path` it loaded, ending sequences at `model`'s end-of-sequence ids; None
+    without one (or when `path` is no folder)."""
+    from pagedjax.model.loading.hf_loader import folder_tokenizer
+
+    return folder_tokenizer(path, getattr(getattr(model, "spec", None), "eos_token_ids", ()), None)
 
 
 def load_engine_model(path, dtype: str | None, parallel_config, devices, quantization=None):
