@@ -352,6 +352,8 @@ def test_a_hostile_image_is_refused_and_the_server_serves_after(server, vision, 
     error = assert_error(chat(server, [image_part(url)]), status, URL_FIELD, says, code)
     assert error["message"].startswith(f"{URL_FIELD}: "), error
     assert vision == []  # nothing reached the engine
+    budget = server.app.state.serving.images.budget  # an image refused as it decoded gave its pixels back
+    assert budget.held == 0 and budget.waiting == 0
     assert_serving(server)
 
 
