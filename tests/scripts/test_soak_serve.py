@@ -112,8 +112,10 @@ def test_a_few_seconds_of_soak_report_every_client_kind_and_pass(tmp_path):
     for row in report["rows"]:
         assert row["rss_mib"] > 100 and row["compiled_programs"] >= 0 and row["gap_p99_ms"] >= row["gap_p50_ms"]
         assert row["vision_rss_mib"] > 100  # the LLaVA server's, for the image clients
-    # steps ran in every sample while the clients did (the last ones wait for the image bombs' requests alone)
-    assert all(row["step_max_ms"] > 0 for row in report["rows"] if row["t_s"] <= 3)
+    # both servers ran steps (not in every 1-second sample: one step can outlast it on a loaded machine, and the
+    # last samples wait for the image bombs' requests alone)
+    assert any(row["step_max_ms"] > 0 for row in report["rows"])
+    assert report["rows"][-1]["steps"] > 0 and report["rows"][-1]["vision_steps"] > 0
     assert report["rows"][-1]["compiled_programs"] >= 1
     assert set(report["clients"]) == set(soak_serve.KINDS)  # every kind of client ran, and got what it expected
     assert all(o["ok"] >= 1 and o["failed"] == 0 for o in report["clients"].values()), report["clients"]
