@@ -3,7 +3,8 @@ tiny random checkpoint: gated DeltaNet layers (their recurrent state and conv wi
 pool) beside gated full-attention layers with partial RoPE, sparse MoE layers with a shared expert beside a dense
 MLP layer (`mlp_only_layers`). Forward logits within float32 tolerance; greedy tokens identical through prefix hits
 (at a block boundary, and ending inside a block: the snapshot at the last full block), chunked prefill, preemption,
-fused decode and n=2; every unsupported field refused by name."""
+fused decode and n=2, and interleaved requests sharing a prefix then a hit (tpu-inference #3358); every unsupported
+field refused by name."""
 
 from __future__ import annotations
 
@@ -146,6 +147,27 @@ def test_greedy_matches_transformers_through_hits_chunks_preemption_and_samples(
         engine.scheduler.check_invariants()
 
 
+def test_interleaved_requests_sharing_a_prefix_then_a_hit_equal_transformers(ckpt):
+    """tpu-inference #3358: two requests sharing SHARED run interleaved (each step advancing both), then a third
+    hits it: its state must be the snapshot at the hit's end, not what a running request has made of it since."""
+    with POOL.engine(folder=ckpt.folder) as engine:
+        engine.add_request("a", PROMPTS[1], GREEDY)
+        engine.add_request("b", INSIDE, GREEDY)
+        done = {}
+        for _ in range(3):  # a few steps of both: their states move past the shared blocks
+            for out in engine.step():
+                done[out.request_id] = out
+        engine.add_request("c", AT_BOUNDARY, GREEDY)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            engine.scheduler.check_invariants()
+        assert done["c"].num_cached_tokens == 12
+        assert [done[r].outputs[0].token_ids for r in "abc"] == [ckpt.greedy[1], ckpt.greedy["inside"],
+                                                                 ckpt.greedy["boundary"]]
+
+
 @pytest.mark.parametrize("changes, field", [
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"attention_bias": True}, "attention_bias"),
@@ -168,3 +190,35 @@ def test_unsupported_qwen3_next_fields_are_named(ckpt, tmp_path, changes, field)
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=field):
         load_qwen3_next_config(tmp_path)
+
+
+def test_idle_rows_of_a_decode_step_touch_no_state_block():
+    """The fused decode loop keeps a stopped sequence's row with q_len 1 and kv_len 0: the recurrent ops must read
+    and write nothing for it (unmasked, the XLA path wrote a state "after position -1" into a block of its table,
+    its first: a cached prefix snapshot another request then hit, with wrong tokens). Live rows are unchanged by it."""
+    from pagedjax.device.attention import AttentionMetadata
+    from pagedjax.device.recurrent import causal_conv1d, gated_delta_rule
+
+    rng = np.random.default_rng(0)
+    f32 = lambda *shape: jax.numpy.asarray(rng.standard_normal(shape), jax.numpy.float32)  # noqa: E731
+    tables = jax.numpy.asarray([[5, 7, 9], [1, 2, 3], [4, 6, 8]], jax.numpy.int32)  # row 1 idle: its last column 3
+    kv_lens = jax.numpy.asarray([6, 0, 2], jax.numpy.int32)
+    meta = AttentionMetadata(jax.numpy.zeros((3,), jax.numpy.int32), tables, kv_lens,
+                             jax.numpy.arange(4, dtype=jax.numpy.int32))
+    state, conv = f32(10, 2, 4, 4), f32(10, 6, 3)
+    q, k, v = f32(3, 2, 4), f32(3, 2, 4), f32(3, 2, 4)
+    g, beta = -jax.numpy.abs(f32(3, 2)), jax.nn.sigmoid(f32(3, 2))
+    x, w = f32(3, 6), f32(6, 4)
+    out, new_state = gated_delta_rule(q, k, v, g, beta, state, meta, block_size=4, backend="xla", decode_only=True)
+    conv_out, new_conv = causal_conv1d(x, w, conv, meta, block_size=4, backend="xla", decode_only=True,
+                                       activation="silu")
+    for pages, new in ((state, new_state), (conv, new_conv)):
+        changed = np.flatnonzero(np.any(np.asarray(pages != new).reshape(10, -1), axis=1)).tolist()
+        assert changed == [4, 7], changed  # only the live sequences' blocks of positions 5 and 1
+    assert not np.any(np.asarray(out[1])) and not np.any(np.asarray(conv_out[1]))
+    # The live rows as a step of the live sequences alone computes them.
+    live = meta._replace(block_tables=tables[::2], kv_lens=kv_lens[::2], cu_q_lens=jax.numpy.arange(3))
+    ref, _ = gated_delta_rule(q[::2], k[::2], v[::2], g[::2], beta[::2], state, live, block_size=4, backend="xla")
+    ref_conv, _ = causal_conv1d(x[::2], w, conv, live, block_size=4, backend="xla", activation="silu")
+    np.testing.assert_array_equal(np.asarray(out[::2]), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(conv_out[::2]), np.asarray(ref_conv))

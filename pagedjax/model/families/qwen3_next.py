@@ -305,7 +305,8 @@ class GatedDeltaNet(nnx.Module):
         pages: StatePages = cache.layer(i)
         meta = cache.meta_of(i)
         mixed, conv_pages = causal_conv1d(mixed, self.conv1d.weight[...][:, 0, :], pages.conv, meta,
-                                          block_size=block_size, backend=cache.backend, activation="silu")
+                                          block_size=block_size, backend=cache.backend, decode_only=cache.decode_only,
+                                          activation="silu")
         key_dim = self.hk * self.dk
         q = mixed[:, :key_dim].reshape(t, self.hk, self.dk)
         k = mixed[:, key_dim:2 * key_dim].reshape(t, self.hk, self.dk)
@@ -314,7 +315,7 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         o, state = gated_delta_rule(q, k, v, g, beta, pages.recurrent, meta, block_size=block_size,
-                                    backend=cache.backend)
+                                    backend=cache.backend, decode_only=cache.decode_only)
         o = self.norm(o.astype(x.dtype), z.reshape(t, self.hv, self.dv))
         cache = cache.with_layer(i, StatePages(state, conv_pages))
         return self.out_proj(o.reshape(t, -1)), cache
