@@ -47,7 +47,7 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig
 from pagedjax.model.errors import ModelLoadError, read_json
-from pagedjax.model.families import gpt_oss
+from pagedjax.model.families import gpt_oss, qwen3_next
 from pagedjax.model.llama import abstract_model, model_from_state  # noqa: F401  (model_from_state: re-export)
 from pagedjax.model.loading import hf_fp8, hf_quant
 from pagedjax.model.loading.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config  # noqa: F401  (re-exports)
@@ -471,3 +471,24 @@ def load_hf_deepseek(path: str | os.PathLike, dtype: str | None = None):
     qc = hf.get("quantization_config")
     state = load_deepseek_params(path, cfg, mtp_layers=mtp, fp8_block=None if qc is None else hf_fp8.block_size(qc))
     return deepseek_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)
+
+
+def load_hf_qwen3_next(path: str | os.PathLike, dtype: str | None = None):
+    """(`pagedjax.model.families.qwen3_next.Qwen3Next` holding the folder's weights, tokenizer or None) of a
+    Qwen3-Next Hugging Face folder (float weights, in the checkpoint's dtype or `dtype`): the built-in factory of
+    `model_type` "qwen3_next" (`pagedjax.model.loading.loader.load_registered`). Tensors are named as
+    transformers' `save_pretrained` writes them: the Llama family's rule (`_hf_names`: kernels transposed, each
+    expert's `mlp.experts.{e}.gate_proj.weight` ... into the stacked experts) and `qwen3_next.tensor_names`
+    (`A_log`, `dt_bias`); the multi-token-prediction tensors (`mtp.*`) are not read."""
+    from pagedjax.model.loading.hf_config import load_qwen3_next_config
+
+    cfg = load_qwen3_next_config(path, dtype)
+    _, state = nnx.split(qwen3_next.abstract_qwen3_next(cfg))
+
+    def skip(name: str) -> bool:
+        return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
+            name.startswith("mtp."))
+
+    names = lambda p, shape: qwen3_next.tensor_names(p) or _hf_names(p, shape)  # noqa: E731
+    state = fill_state(path, state, names, skip=skip)
+    return qwen3_next.qwen3_next_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)

@@ -15,7 +15,7 @@ from pathlib import Path
 from pagedjax.config import ModelConfig
 from pagedjax.model.errors import ModelLoadError
 from pagedjax.model.llama import Llama, init_model, model_from_state
-from pagedjax.model.loading.hf_config import DEEPSEEK_MODEL_TYPES, VISION_MODEL_TYPES
+from pagedjax.model.loading.hf_config import DEEPSEEK_MODEL_TYPES, HYBRID_MODEL_TYPES, VISION_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ def _quantized(cfg, state, quantization):
 def load_registered(path, dtype: str | None):
     """`(model, tokenizer or None)` of a Hugging Face folder whose `model_type` is registered in
     `pagedjax.model.registry.ModelRegistry`, by its factory, or is one of the built-in families served as a model
-    of the public contract (DeepSeek V2 / V3 / V3.2: `hf_loader.load_hf_deepseek`; LLaVA and Gemma 3 with images:
+    of the public contract (DeepSeek V2 / V3 / V3.2: `hf_loader.load_hf_deepseek`; Qwen3-Next:
+    `hf_loader.load_hf_qwen3_next`; LLaVA and Gemma 3 with images:
     `hf_vision.load_hf_vision`; unless a factory is registered for it); None for any other folder (a pagedjax
     checkpoint, an unregistered `model_type`, no path: the bundled model), which `load_pretrained` loads or refuses.
     The factory's own errors propagate; a result that is not `(model, tokenizer)` is a TypeError naming it."""
@@ -100,6 +101,10 @@ def load_registered(path, dtype: str | None):
         from pagedjax.model.loading.hf_loader import load_hf_deepseek
 
         factory = load_hf_deepseek
+    if factory is None and model_type in HYBRID_MODEL_TYPES:  # Qwen3-Next: recurrent state beside attention
+        from pagedjax.model.loading.hf_loader import load_hf_qwen3_next
+
+        factory = load_hf_qwen3_next
     if factory is None and model_type in VISION_MODEL_TYPES:  # LLaVA, Gemma 3 with images
         from pagedjax.model.loading.hf_vision import load_hf_vision
 
