@@ -80,6 +80,7 @@ def test_the_leading_models_layouts():
         2 * CacheConfig(block_size=BS, kv_memory_bytes=1 << 20).resolve_num_blocks(CFG.replace(sliding_windows=None))
 
 
+@pytest.mark.slow  # (CI time: 10 s) tests/model/test_hf_gpt_oss.py runs these paths on gpt-oss's two groups
 def test_greedy_equals_dense_through_hits_chunks_fused_decode_and_samples():
     want = dense_greedy(PROMPTS)
     assert want != dense.dense_greedy(CFG.replace(sliding_windows=None), SEED, PROMPTS, GREEDY.max_tokens,

@@ -190,6 +190,7 @@ def test_interleaved_requests_sharing_a_prefix_then_a_hit_equal_a_cold_run(want)
         assert [done[r].outputs[0].token_ids for r in "abc"] == [want[0], want[3], want[0]]
 
 
+@pytest.mark.slow  # (CI time: 5 s) tests/model/test_hf_qwen3_next.py runs these paths on a real state model
 def test_preemption_chunks_and_forks_equal_the_dense_model(want):
     with POOL.engine(num_blocks=12) as engine:  # KV blocks for about two requests at once: the newest preempted
         outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
