@@ -110,6 +110,10 @@ def print_header(args: argparse.Namespace, loaded, engine, load_s: float, out: T
     if layout.num_groups > 1:  # a block table per group; a window group's blocks go back as its window moves
         print(f"  KV cache: {layout.describe()}, a block table each ({kv.kv_bytes_per_block:,} bytes per block)",
               file=out)
+    for pool, blocks in enumerate(engine.extra_pools, start=1):  # a recurrent state's snapshots: a pool of its own
+        snapshot = kv.kv_group_block_bytes[layout.group_pools.index(pool)]
+        print(f"  {layout.pools[pool]} pool: {blocks:,} blocks of {snapshot:,} bytes (one snapshot of every state "
+              f"layer; a running sequence holds at most 2: {2 * snapshot:,} bytes per sequence)", file=out)
     print(file=out)
 
 

@@ -146,6 +146,11 @@ class DataParallelEngine:
         return sum(r.num_blocks for r in self.replicas)
 
     @property
+    def extra_pools(self) -> tuple[int, ...]:
+        """Blocks of each pool past the first (a recurrent state's snapshots), every replica's together."""
+        return tuple(map(sum, zip(*(r.extra_pools for r in self.replicas), strict=True)))
+
+    @property
     def max_request_tokens(self) -> int:
         """As `LLMEngine.max_request_tokens`: a request runs on one replica."""
         return min(r.max_request_tokens for r in self.replicas)

@@ -222,3 +222,26 @@ def test_idle_rows_of_a_decode_step_touch_no_state_block():
     ref_conv, _ = causal_conv1d(x[::2], w, conv, live, block_size=4, backend="xla", activation="silu")
     np.testing.assert_array_equal(np.asarray(out[::2]), np.asarray(ref))
     np.testing.assert_array_equal(np.asarray(conv_out[::2]), np.asarray(ref_conv))
+
+
+def test_the_cli_header_names_the_state_group_and_its_pool(ckpt):
+    """`pagedjax-generate --model`'s header: the KV cache groups (the state layers' among them) and the state
+    pool's snapshots with the bytes a running sequence holds."""
+    import io
+
+    from pagedjax.cli.report import print_header
+
+    args = SimpleNamespace(model=ckpt.folder, model_class=None, block_size=BS, no_prefix_caching=False,
+                           decode_steps_per_call=4)
+    with POOL.engine(folder=ckpt.folder) as engine:
+        out = io.StringIO()
+        print_header(args, SimpleNamespace(spec=engine.model_spec), engine, 0.5, out)
+        snapshot = engine.stats().kv_group_block_bytes[engine.model_spec.kv_layout.group_pools.index(1)]
+        (blocks,) = engine.extra_pools
+    text = out.getvalue()
+    assert "KV cache: 2 groups: 2 state layers, 1 full layer" in text, text
+    # a snapshot: each of the 2 state layers' float32 state [4 heads, 8, 8] and conv window [q, k, v channels:
+    # 2 x 8 + 2 x 8 + 4 x 8, the kernel's 4 - 1 taps]
+    assert snapshot == 2 * 4 * (4 * 8 * 8 + (2 * 8 + 2 * 8 + 4 * 8) * 3)
+    assert f"state pool: {blocks:,} blocks of {snapshot:,} bytes" in text and f"{2 * snapshot:,} bytes per sequence" \
+        in text, text
