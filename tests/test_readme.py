@@ -38,8 +38,8 @@ def _stated_out_shape(block: str) -> tuple[int, ...] | None:
     return None if m is None else tuple(int(d) for d in (m[1] or m[2]).split(","))
 
 
-def test_the_attention_examples_state_their_output_shape():
-    assert sum(_stated_out_shape(b) == (2, 8, 64) for b in BLOCKS) >= 2
+def test_the_attention_example_states_its_output_shape():
+    assert (2, 8, 64) in [_stated_out_shape(b) for b in BLOCKS]  # README's and docs/kernels.md's kernel call
 
 
 @pytest.mark.parametrize("block", list(BLOCKS), ids=[places[0] for places in BLOCKS.values()])
