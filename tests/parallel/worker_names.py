@@ -16,7 +16,6 @@ FAST = [
     "qk_norms_tensor_parallel",
     "moe_expert_parallel",  # expert weights sharded by expert over tp
     "latent_layers_tensor_parallel",  # MLA / DSA: query heads split, latent pages replicated
-    "images_tensor_parallel",  # a vision-language model: tower and encoder cache replicated, decoder split
     "lora_tensor_parallel",  # LoRA stacks split as their linears, at tp 2
 ]
 SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16", "greedy_mha_tp2_block8",
@@ -34,7 +33,10 @@ SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16
         "lora_greedy_tp4",  # (CI time) lora_tensor_parallel runs tp 2 and checks tp 4's shardings
         # (CI time) tp > num_kv_heads: greedy_mqa_tp8_block16 runs replicated KV heads through the same paths
         # (prefix hits, preemption, fused decode), logits_and_shardings GQA's replicated layout at tp 4
-        "greedy_gqa_tp4_block8"]
+        "greedy_gqa_tp4_block8",
+        # (CI time) a vision-language model: its tower and encoder cache replicated (shardings of no kind of their
+        # own), its decoder split as every greedy check's
+        "images_tensor_parallel"]
 # CI's newest-JAX pass (PAGEDJAX_PARALLEL_CHECKS=newest): what differs by JAX version (shard_map, shardings of
 # every kind of weight and of 8-bit pages, Pallas under shard_map, export, orbax's sharded restore), once each.
 # (CI time) One greedy run: greedy_gqa_tp2_block16's fused decode, prefix hits and preemption under shard_map;
