@@ -151,6 +151,7 @@ class BlockPool:
         self.hash_seed = hash_seed
         self.hash_key = hash_key(hash_seed)
         self._ref_cnt = [0] * num_blocks
+        self._allocations = [0] * num_blocks  # times each block was taken by `allocate`
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         self._cached_block: dict[BlockHash, int] = {}
         self.free_queue = FreeBlockQueue(num_blocks, range(num_blocks))
@@ -173,6 +174,11 @@ class BlockPool:
 
     def block_hash(self, block_id: int) -> BlockHash | None:
         return self._block_hash[block_id]
+
+    def allocations(self, block_id: int) -> int:
+        """How many times `allocate` has taken the block: a holder that finds the count it saw knows the block was
+        not given to anyone else since (its contents are what it left there)."""
+        return self._allocations[block_id]
 
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         """The block holding `block_hash` (used or idle), or None."""
@@ -222,6 +228,7 @@ class BlockPool:
             b = self.free_queue.popleft()
             self._evict(b)
             self._ref_cnt[b] = 1
+            self._allocations[b] += 1
             blocks.append(b)
         return blocks
 

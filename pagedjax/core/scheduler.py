@@ -198,14 +198,18 @@ class Scheduler:
         kv = self.kv_cache_manager
         num_kv_tokens = self.max_kv_tokens(request)
         chunk = self.max_chunk(num_kv_tokens)
-        if chunk == 0:  # not even steps of one token keep what it holds within the pools
-            p = next(p for p, pool in enumerate(kv.pools) if kv.max_blocks_held(num_kv_tokens, 1, p) > pool.num_blocks)
-            need = kv.max_blocks_held(num_kv_tokens, 1, p)
+        if chunk == 0:  # not even its least steps keep what it holds within the pools
+            # the least step: one token, or without chunked prefill the budget (a whole prompt in one step)
+            least = 1 if self.scheduler_config.enable_chunked_prefill else self.scheduler_config.max_num_batched_tokens
+            p = next(p for p, pool in enumerate(kv.pools)
+                     if kv.max_blocks_held(num_kv_tokens, least, p) > pool.num_blocks)
+            need = kv.max_blocks_held(num_kv_tokens, least, p)
             windows = sorted({w for w, gp in zip(kv.group_windows, kv.group_pools, strict=True)
                               if w is not None and gp == p})
             groups = f" in its {kv.num_groups} KV cache groups" if kv.num_groups > 1 else ""
+            step = "a step of one token" if least == 1 else f"a step of {least} tokens (chunked prefill off)"
             why = "" if not windows else (f" at once (its {'/'.join(map(str, windows))}-token sliding window"
-                                          f"{'s' * (len(windows) > 1)} and a step of one token)")
+                                          f"{'s' * (len(windows) > 1)} and {step})")
             pool = "" if len(kv.pools) == 1 else f" of pool {p}"
             raise ValueError(f"request {rid!r}: its prompt and max_tokens may need {need} blocks{pool} of "
                              f"{self.block_size} tokens{groups}{why}, more than the whole pool of "
@@ -497,18 +501,28 @@ class Scheduler:
 
     # -- speculative proposals -------------------------------------------------------------------------
 
-    def reserve_draft_slots(self, request: Request, cap: int) -> tuple[int, tuple[int, ...]] | None:
+    def reserve_draft_slots(self, request: Request, cap: int) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
         """Between steps, let a decoding request's blocks cover `1 + c` more tokens for the largest `c <= cap`
-        the free blocks allow (speculation never preempts nor waits); returns `(c, its blocks in logical order)`,
-        or None when not even one proposal fits. A proposer that writes KV at the proposals' positions (a draft
-        model) writes into these; `set_draft_tokens` returns what its proposal does not need."""
+        the free blocks allow (speculation never preempts nor waits); returns `(c, its blocks in logical order,
+        their allocation counts)` (`draft_blocks`), or None when not even one proposal fits. A proposer that writes
+        KV at the proposals' positions (a draft model) writes into these; `set_draft_tokens` returns what its
+        proposal does not need."""
         self._check_no_pending_fused()
         kv = self.kv_cache_manager
         while cap and kv.allocate_slots(request, 1 + cap) is None:
             cap -= 1
         if not cap:
             return None
-        return cap, tuple(kv.per_group(kv.get_block_ids(request.request_id))[self.draft_group])
+        return cap, *self.draft_blocks(request)
+
+    def draft_blocks(self, request: Request) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A running request's blocks of the `draft_group` (logical order) and how many times each was allocated
+        (`BlockPool.allocations`): a draft model's KV written into a block is still there while both are the same
+        (a reserved block given back unused and taken again, by anyone, has a higher count)."""
+        kv = self.kv_cache_manager
+        ids = tuple(kv.per_group(kv.get_block_ids(request.request_id))[self.draft_group])
+        pool = kv.pools[kv.group_pools[self.draft_group]]
+        return ids, tuple(pool.allocations(b) for b in ids)
 
     @property
     def draft_group(self) -> int:

@@ -26,7 +26,9 @@ proposal's position holds the target's token, not the draft's, and the verifying
   - a preemption since (the request's `num_preemptions` changed) freed its blocks: 0 (a failed step's requests are
     preempted or finished too: `Scheduler.fail_step`);
   - a block the request holds now that differs from the one it held then (copy-on-write of a block shared with a
-    fork) invalidates the KV from that block on;
+    fork), or is the same block allocated again since (a reserved block the step did not use goes back, and
+    another request may write it before this one takes it again: `BlockPool.allocations`), invalidates the KV
+    from that block on;
   - `epoch` differs: the engine lost the draft's KV arrays (a failed draft call): 0.
 A new request (a fork too) starts at 0: a prefix-cache hit is recomputed by the draft, into the shared blocks: the
 same tokens at the same positions, so the same KV as any other holder's (up to rounding). A sliding-window target
@@ -62,6 +64,7 @@ class DraftKV:
     block_ids: tuple[int, ...]  # the request's blocks covering those positions when they were written
     num_preemptions: int  # the request's count then
     epoch: int  # the engine's draft KV arrays' epoch then
+    block_allocations: tuple[int, ...] = ()  # those blocks' allocation counts then (`ProposalAsk.block_allocations`)
 
 
 def draft_start(ask: ProposalAsk, state: DraftKV | None, block_size: int, epoch: int) -> int:
@@ -75,7 +78,9 @@ def draft_start(ask: ProposalAsk, state: DraftKV | None, block_size: int, epoch:
         if n >= request.num_tokens or request.get_token_id(n) != token:
             break
         n += 1
-    same = next((i for i, (a, b) in enumerate(zip(state.block_ids, ask.block_ids, strict=False)) if a != b),
+    then = zip(state.block_ids, state.block_allocations or (None,) * len(state.block_ids), strict=True)
+    now = zip(ask.block_ids, ask.block_allocations or (None,) * len(ask.block_ids), strict=True)
+    same = next((i for i, (a, b) in enumerate(zip(then, now, strict=False)) if a != b),
                 min(len(state.block_ids), len(ask.block_ids)))
     return min(n, same * block_size)
 
@@ -140,5 +145,7 @@ def draft_proposals(asks: list[ProposalAsk], run: RunDraft, states: dict[str, Dr
         r = ask.request
         n = r.num_computed_tokens + ask.cap
         tail = (r.get_token_id(n - ask.cap), *proposal[:-1])  # t, d_1 .. d_{cap-1}
-        states[r.request_id] = DraftKV(n, tail, ask.block_ids[:cdiv(n, block_size)], r.num_preemptions, epoch)
+        kept = cdiv(n, block_size)
+        states[r.request_id] = DraftKV(n, tail, ask.block_ids[:kept], r.num_preemptions, epoch,
+                                       ask.block_allocations[:kept])
     return proposals

@@ -25,6 +25,9 @@ class ProposalAsk(NamedTuple):
     request: Request
     cap: int
     block_ids: tuple[int, ...]  # the request's blocks (logical order): they cover its tokens and `cap` more
+    # each block's allocation count (`Scheduler.draft_blocks`; empty: not known): a block id seen again with
+    # another count was given to another holder in between
+    block_allocations: tuple[int, ...] = ()
 
 
 class Proposer(Protocol):

@@ -121,10 +121,10 @@ class DraftSpeculationMachine(SpeculationMachine):
         self.proposer.draft.model.kv[:] = -1
 
     def check_draft_kv(self):
-        kv, bs = self.sched.kv_cache_manager, self.sched.block_size
+        bs = self.sched.block_size
         for r in self.sched.running:
-            blocks = kv.get_block_ids(r.request_id)
-            n = draft_start(ProposalAsk(r, 1, blocks), self.proposer.states.get(r.request_id), bs,
+            blocks, allocations = self.sched.draft_blocks(r)
+            n = draft_start(ProposalAsk(r, 1, blocks, allocations), self.proposer.states.get(r.request_id), bs,
                             self.proposer.epoch)
             if n:
                 event("draft KV reused")
@@ -158,6 +158,25 @@ def test_a_proposal_equal_to_a_stop_token_is_accepted(monkeypatch):
     state.teardown()
 
 
+@pytest.mark.parametrize("second", [[0, 2, 0, 0, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0, 0, 0]])
+def test_a_reserved_block_given_back_and_taken_again_is_not_trusted(monkeypatch, second):
+    """Found by a random run: a sample's block reserved for its proposal (its draft KV written there) went back
+    unused when the step had no budget for it, another sample took it and wrote it, then the first took the same
+    block id again and trusted its stale draft KV (a rejected proposal; in the other example, KV that did not hold
+    its tokens). The blocks' allocation counts tell the two apart."""
+    monkeypatch.setattr("tests.spec_decode.test_speculation.event", lambda *_: None)
+    monkeypatch.setattr(__name__ + ".event", lambda *_: None)
+    state = DraftSpeculationMachine()
+    state.setup(block_size=2, num_blocks=9, budget=2, caching=True, k=1, other=False)
+    state.add(held=False, max_tokens=1, prompt=[0], samples=2, stop=False)
+    for _ in range(5):
+        state.add(held=False, max_tokens=1, prompt=[0], samples=1, stop=False)
+    state.add(held=False, max_tokens=1, prompt=[0, 0], samples=1, stop=False)
+    state.add(held=False, max_tokens=8, prompt=second, samples=2, stop=False)
+    state.add(held=False, max_tokens=1, prompt=[0, 0], samples=1, stop=False)
+    state.teardown()  # steps to the end: every proposal accepted, the draft KV checked after each step
+
+
 def _decoding(tokens: list[int], computed: int, blocks: tuple[int, ...], preemptions: int = 0) -> ProposalAsk:
     r = Request("a", tokens[:2], SamplingParams().with_defaults(DEFAULTS), output_token_ids=tokens[2:],
                 num_computed_tokens=computed, num_preemptions=preemptions)
@@ -174,6 +193,11 @@ def _decoding(tokens: list[int], computed: int, blocks: tuple[int, ...], preempt
     (DraftKV(4, (), (7, 8), 0, 0), _decoding([1, 2, 3, 4, 5], 4, (7, 5, 9)), 2),  # block 1 was copied on write
     (DraftKV(4, (), (7, 8), 0, 0), _decoding([1, 2, 3, 4, 5], 4, (7, 8, 9), preemptions=1), 0),
     (DraftKV(4, (), (7, 8), 0, 1), _decoding([1, 2, 3, 4, 5], 4, (7, 8, 9)), 0),  # another epoch: KV lost
+    # block 8 allocated again since (given back and taken again): its KV may be another request's
+    (DraftKV(4, (), (7, 8), 0, 0, (1, 1)), _decoding([1, 2, 3, 4, 5], 4, (7, 8, 9))._replace(
+        block_allocations=(1, 2, 1)), 2),
+    (DraftKV(4, (), (7, 8), 0, 0, (1, 1)), _decoding([1, 2, 3, 4, 5], 4, (7, 8, 9))._replace(
+        block_allocations=(1, 1, 3)), 4),
 ])
 def test_draft_start(state, ask, start):
     assert draft_start(ask, state, 2, 0) == start
