@@ -62,7 +62,7 @@ if ! wait "$newest_setup"; then
 fi
 
 echo "== pagedjax tests: $(.venv/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)')"
-.venv/bin/python -m pytest -n 2 -q --durations=15 "$@"
+.venv/bin/python -m pytest -n 2 --dist worksteal -q --durations=15 "$@"
 mapfile -t xla_default_files < <(grep -rl --include="test_*.py" "pytest.mark.xla_default" tests 2>/dev/null || true)
 PAGEDJAX_TEST_XLA_OPT=default .venv/bin/python -m pytest -q -m xla_default "${xla_default_files[@]}"
 
