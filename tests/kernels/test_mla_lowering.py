@@ -14,7 +14,7 @@ import pytest
 
 from pallas_kernels import mla_paged_attention, ragged_mla_paged_attention
 from tests.kernels.test_lowering import TRITON_CALL, _export_cuda
-from tests.kernels.test_tpu_lowering import TPU_CALL, export_tpu, mosaic_modules
+from tests.kernels.test_tpu_lowering import TPU_CALL, export_tpu, full_precision, mosaic_modules
 
 pytestmark = pytest.mark.kernels
 
@@ -117,7 +117,7 @@ def test_tpu_mosaic_module_structure(dtype):
         matmuls = [line for line in text.splitlines() if "tpu.matmul" in line]
         assert matmuls
         if dtype == jnp.float32:
-            assert all("#tpu.contract_precision<fp32>" in line for line in matmuls)
+            assert all(full_precision(line) for line in matmuls)
     decode = export_tpu(functools.partial(mla_paged_attention, scale=SCALE, target="tpu", interpret=False),
                         s["q"], s["q_rope"], s["kv"], s["tables"], s["lens"])
     assert f"memref<1x1x{rows}x576x{el}, #tpu.memory_space<vmem>>" in mosaic_modules(decode)[0]

@@ -19,7 +19,7 @@ from pallas_kernels import (
     sparse_mla_paged_attention,
 )
 from tests.kernels.test_lowering import TRITON_CALL, _export_cuda
-from tests.kernels.test_tpu_lowering import TPU_CALL, export_tpu, mosaic_modules
+from tests.kernels.test_tpu_lowering import TPU_CALL, export_tpu, full_precision, mosaic_modules
 
 pytestmark = pytest.mark.kernels
 
@@ -115,7 +115,7 @@ def test_tpu_mosaic_module_structure():
     assert "memref<2x32x128xbf16, #tpu.memory_space<vmem>>" in text  # 2 slots x 2 pages x 16 tokens
     assert "tpu.enqueue_dma" in text and "tpu.wait_dma" in text
     assert text.count("#tpu.dimension_semantics<parallel>") == 2
-    assert any("#tpu.contract_precision<fp32>" in line for line in text.splitlines() if "tpu.matmul" in line)
+    assert any(full_precision(line) for line in text.splitlines() if "tpu.matmul" in line)
     (text,) = mosaic_modules(sparse)
     assert "memref<2048xi32, #tpu.memory_space<smem>>" in text  # the row's slots
     assert "memref<64x16x576xbf16, #tpu.memory_space<any>>" in text  # the latent pages stay in HBM
