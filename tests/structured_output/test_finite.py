@@ -5,16 +5,12 @@ tokenizer, no model."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from pagedjax.model.tokenizer import ByteTokenizer
 from pagedjax.sampling_params import StructuredOutput
 from pagedjax.structured_output.compiler import ConstraintCompiler
 from pagedjax.structured_output.finite import MAX_NESTING, check_finite
-from pagedjax.structured_output.isolation import grammar_of
-from pagedjax.structured_output.masks import token_masks
 
 VOCAB, EOS = 259, (257,)
 
@@ -64,21 +60,20 @@ def test_the_compiler_refuses_them_before_compiling():
                                               '"object", "properties": {"a": {"type": "string", "maxLength": 9}}}'))
 
 
-def test_a_compiled_constraints_copies_start_with_its_lexer_built():
+def test_a_compiled_constraints_copies_start_with_its_lexer_built(monkeypatch):
     """The first mask of a constraint builds its lexer's states (about 10 ms for 1,024 choices, more for larger
     grammars and vocabularies); copies share them. It used to be built by the first copy's first mask: on the
-    engine thread, in the step of the request's first token."""
+    engine thread, in the step of the request's first token. Checked by what compile does, not by timing it (a
+    timed comparison failed on a loaded machine): its one first mask is computed on the matcher it compiled."""
+    import llguidance.numpy
+
+    masked = []
+    fill = llguidance.numpy.fill_next_token_bitmask
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask",
+                        lambda matcher, *a, **k: (masked.append(matcher), fill(matcher, *a, **k))[1])
     structured = StructuredOutput(choice=tuple(f"option number {i} of many" for i in range(1024)))
     compiler = ConstraintCompiler(ByteTokenizer(), VOCAB, EOS)
+    constraint = compiler.compile(structured)
+    assert len(masked) == 1 and masked[0] is not constraint.matcher  # the compiled one, not the copy handed out
     compiler.compile(structured)
-    import llguidance
-
-    def first_mask(matcher) -> float:
-        start = time.perf_counter()
-        token_masks([matcher], VOCAB)
-        return time.perf_counter() - start
-
-    grammar = grammar_of("choice", structured.choice)
-    cold = min(first_mask(llguidance.LLMatcher(compiler._llg_tokenizer(), grammar)) for _ in range(3))
-    warm = max(first_mask(compiler.compile(structured).matcher) for _ in range(3))
-    assert warm * 4 < cold, (warm, cold)
+    assert len(masked) == 1  # a second copy of it masks nothing at compile
