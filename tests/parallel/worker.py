@@ -540,17 +540,22 @@ def data_parallel_2x2():
     assert sum(stats.requests_per_replica) == len(PROMPTS)
     assert stats.generated_tokens == len(PROMPTS) * MAX_TOKENS == sum(r.generated_tokens for r in stats.replicas)
     assert stats.scheduler.memory.num_blocks == 2 * 16 and stats.scheduler.memory.num_used_blocks == 0
-    # Beam search spread over the replicas gives each prompt's search as one engine does.
-    from pagedjax.engine import BeamSearchParams
-
-    beams = BeamSearchParams(beam_width=2, max_tokens=3)
-    one = engine("gqa", 2, num_blocks=16)
-    assert [[b.token_ids for b in o.sequences] for o in e.beam_search(PROMPTS[:3], beams)] == \
-        [[b.token_ids for b in o.sequences] for o in one.beam_search(PROMPTS[:3], beams)]
-    assert not e.has_unfinished_requests()
     # Requests by id too, and an abort frees its replica's load.
     e.add_request("a", PROMPTS[1], GREEDY)
     assert e.abort("a") and not e.abort("a") and not e.has_unfinished_requests()
+    e.close()
+
+
+@check
+def beam_search_data_parallel():
+    """Beam search spread over dp 2 x tp 2 gives each prompt's search as one engine (tp 2) does."""
+    from pagedjax.engine import BeamSearchParams
+
+    e, one = engine("gqa", 2, dp=2, num_blocks=16), engine("gqa", 2, num_blocks=16)
+    beams = BeamSearchParams(beam_width=2, max_tokens=3)
+    assert [[b.token_ids for b in o.sequences] for o in e.beam_search(PROMPTS[:3], beams)] == \
+        [[b.token_ids for b in o.sequences] for o in one.beam_search(PROMPTS[:3], beams)]
+    assert not e.has_unfinished_requests()
     e.close()
 
 
@@ -812,11 +817,21 @@ def update_weights_dp2():
 
 @check
 def latent_layers_tensor_parallel():
-    """Latent layers under tp: query heads split, latent pages whole on every device. A DeepSeek model (MLA, a
-    q LoRA, a MoE layer with a shared expert) and the same with V3.2's indexer (sparse attention, index_topk 4,
-    below the prompts; its projections whole on every device), each at tp 2, give their dense forward's greedy
-    tokens through prefix hits, preemption, chunks and fused decode; the latent pages are replicated and the
-    query / output projections split by heads."""
+    """Latent layers under tp: query heads split, latent pages whole on every device. A DeepSeek V3.2 model (MLA,
+    a q LoRA, a MoE layer with a shared expert, the indexer: sparse attention, index_topk 4, below the prompts; its
+    projections whole on every device) at tp 2 gives its dense forward's greedy tokens through prefix hits,
+    preemption, chunks and fused decode; the latent pages are replicated and the query / output projections split
+    by heads."""
+    _latent_layers("deepseek v3.2")
+
+
+@check
+def mla_tensor_parallel():
+    """As latent_layers_tensor_parallel, the DeepSeek model without the indexer (dense MLA)."""
+    _latent_layers("deepseek")
+
+
+def _latent_layers(name: str) -> None:
     from pagedjax.config.deepseek import DeepSeekConfig
     from pagedjax.model.deepseek import init_deepseek
 
@@ -824,35 +839,33 @@ def latent_layers_tensor_parallel():
                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, q_lora_rank=8,
                          moe=dict(num_experts=4, num_experts_per_tok=2, intermediate_size=16, num_shared_experts=1,
                                   first_k_dense_replace=1))
-    v32 = cfg.replace(indexer=dict(num_heads=4, head_dim=16, topk=4))
-    for name, make, tp in (("deepseek", lambda: init_deepseek(cfg, seed=1), 2),
-                           ("deepseek v3.2", lambda: init_deepseek(v32, seed=1), 2)):
-        model = make()
-        prompts = [[t % model.spec.vocab_size for t in p] for p in PROMPTS]
-        want, margin = greedy_by_recompute(jax.jit(lambda t, m=model: m.forward_dense(t)), prompts, MAX_TOKENS,
-                                           MAX_LEN)
-        assert margin > 1e-3, f"{name}: a near tie ({margin}) would make token equality depend on rounding"
-        e = LLMEngine(model=make(), cache_config=CacheConfig(block_size=8, num_blocks=8),
-                      scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
-                                                       max_model_len=MAX_LEN),
-                      tensor_parallel_size=tp, decode_steps_per_call=4, compile_cache=False)
-        got = [o.output_token_ids for o in e.generate(prompts, GREEDY, use_tqdm=False)]
-        assert got == want, f"{name} tp={tp}: {got} != {want}"
-        s = e.stats()
-        assert s.scheduler.num_preemptions > 0 and s.scheduler.prefix_cache_hit_rate > 0, s.scheduler
-        assert all(a.sharding.spec == P() for a in jax.tree.leaves(e.runner.kv_cache)), "latent pages replicated"
-        assert e.stats().kv_cache_bytes_per_device == e.runner.kv_cache.nbytes
-        if name == "deepseek v3.2":
-            indexer = e.runner.params["layers"][1]["self_attn"]["indexer"]
-            for proj in ("wq_b", "wk", "weights_proj"):
-                assert indexer[proj]["kernel"][...].sharding.spec == P(), f"deepseek v3.2 indexer {proj} split"
-        if name == "deepseek":
-            attn = e.runner.params["layers"][1]["self_attn"]
-            want_specs = {"q_b_proj": P(None, "tp"), "kv_b_proj": P(None, "tp"), "o_proj": P("tp", None),
-                          "kv_a_proj_with_mqa": P(), "q_a_proj": P()}
-            for proj, spec in want_specs.items():
-                got_spec = attn[proj]["kernel"][...].sharding.spec
-                assert got_spec == spec, f"deepseek {proj}: {got_spec} != {spec}"
+    if name == "deepseek v3.2":
+        cfg = cfg.replace(indexer=dict(num_heads=4, head_dim=16, topk=4))
+    model = init_deepseek(cfg, seed=1)
+    prompts = [[t % model.spec.vocab_size for t in p] for p in PROMPTS]
+    want, margin = greedy_by_recompute(jax.jit(lambda t, m=model: m.forward_dense(t)), prompts, MAX_TOKENS,
+                                       MAX_LEN)
+    assert margin > 1e-3, f"{name}: a near tie ({margin}) would make token equality depend on rounding"
+    e = LLMEngine(model=init_deepseek(cfg, seed=1), cache_config=CacheConfig(block_size=8, num_blocks=8),
+                  scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                   max_model_len=MAX_LEN),
+                  tensor_parallel_size=2, decode_steps_per_call=4, compile_cache=False)
+    got = [o.output_token_ids for o in e.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want, f"{name} tp=2: {got} != {want}"
+    s = e.stats()
+    assert s.scheduler.num_preemptions > 0 and s.scheduler.prefix_cache_hit_rate > 0, s.scheduler
+    assert all(a.sharding.spec == P() for a in jax.tree.leaves(e.runner.kv_cache)), "latent pages replicated"
+    assert e.stats().kv_cache_bytes_per_device == e.runner.kv_cache.nbytes
+    if name == "deepseek v3.2":
+        indexer = e.runner.params["layers"][1]["self_attn"]["indexer"]
+        for proj in ("wq_b", "wk", "weights_proj"):
+            assert indexer[proj]["kernel"][...].sharding.spec == P(), f"deepseek v3.2 indexer {proj} split"
+    attn = e.runner.params["layers"][1]["self_attn"]
+    want_specs = {"q_b_proj": P(None, "tp"), "kv_b_proj": P(None, "tp"), "o_proj": P("tp", None),
+                  "kv_a_proj_with_mqa": P(), "q_a_proj": P()}
+    for proj, spec in want_specs.items():
+        got_spec = attn[proj]["kernel"][...].sharding.spec
+        assert got_spec == spec, f"{name} {proj}: {got_spec} != {spec}"
 
 
 def _lora_engine(tp: int | None) -> LLMEngine:

@@ -36,7 +36,13 @@ SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16
         "greedy_gqa_tp4_block8",
         # (CI time) a vision-language model: its tower and encoder cache replicated (shardings of no kind of their
         # own), its decoder split as every greedy check's
-        "images_tensor_parallel"]
+        "images_tensor_parallel",
+        # (CI time) data_parallel_2x2 spreads requests over the replicas the same way; beam search's own tests run
+        # on one device (tests/engine/test_beam_search_structured.py)
+        "beam_search_data_parallel",
+        # (CI time) latent_layers_tensor_parallel runs the same MLA layers (and checks their shardings) with V3.2's
+        # indexer on
+        "mla_tensor_parallel"]
 # CI's newest-JAX pass (PAGEDJAX_PARALLEL_CHECKS=newest): what differs by JAX version (shard_map, shardings of
 # every kind of weight and of 8-bit pages, Pallas under shard_map, export, orbax's sharded restore), once each.
 # (CI time) One greedy run: greedy_gqa_tp2_block16's fused decode, prefix hits and preemption under shard_map;
