@@ -1,11 +1,16 @@
-"""Qwen3-Next (`model_type` "qwen3_next", transformers' `Qwen3NextForCausalLM`): a hybrid decoder of gated DeltaNet
-(linear attention) layers and gated full-attention layers, each followed by a dense SwiGLU MLP or a sparse mixture
-of experts with a gated shared expert. A model of the public contract (`pagedjax.model.api`): the linear layers
-keep their recurrent state and conv window as `RecurrentState` snapshots in the paged cache (a pool of their own,
-snapshots valid at block boundaries: prefix hits, chunked prefill, preemption and forks stay exact), the full
-layers K/V pages as any `FullAttention` layer. What is here: the config (`Qwen3NextConfig`, mapped from
-config.json by `config_from_hf`), the model (`Qwen3Next`) and its checkpoint names (`tensor_names`); the weights
-are read by `pagedjax.model.loading.hf_loader.load_hf_qwen3_next`.
+"""Qwen3-Next (`model_type` "qwen3_next", transformers' `Qwen3NextForCausalLM`) and Qwen3.5 (its successor:
+"qwen3_5_text" / "qwen3_5_moe_text", `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM`, and the text of "qwen3_5" /
+"qwen3_5_moe", `Qwen3_5(Moe)ForConditionalGeneration`): a hybrid decoder of gated DeltaNet (linear attention) layers
+and gated full-attention layers, each followed by a dense SwiGLU MLP or a sparse mixture of experts with a gated
+shared expert. A model of the public contract (`pagedjax.model.api`): the linear layers keep their recurrent state
+and conv window as `RecurrentState` snapshots in the paged cache (a pool of their own, snapshots valid at block
+boundaries: prefix hits, chunked prefill, preemption and forks stay exact), the full layers K/V pages as any
+`FullAttention` layer. What is here: the config (`Qwen3NextConfig`, mapped from config.json by `config_from_hf`), the
+model (`Qwen3Next`) and its checkpoint names (`tensor_names`, `TEXT_PREFIX`); the weights are read by
+`pagedjax.model.loading.hf_loader.load_hf_qwen3_next`. Qwen3.5 is a variant of this module, not a module of its own:
+transformers builds it from Qwen3-Next's classes (`Qwen3_5TextConfig(Qwen3NextConfig)`, `Qwen3_5GatedDeltaNet(
+Qwen3NextGatedDeltaNet)`, Qwen3-Next's attention, MLP, MoE block and norms) and what differs is a few switches of the
+config (below), so each concept keeps one home.
 
 The model, as transformers computes it (transformers 5.x, `models/qwen3_next/modeling_qwen3_next.py`):
   - every norm is a zero-centred RMSNorm, `(1 + w) * normed` in float32, rounded once (`RMSNorm(offset=True)`);
@@ -25,10 +30,30 @@ The model, as transformers computes it (transformers 5.x, `models/qwen3_next/mod
     `moe_intermediate_size` (`pagedjax.model.layers.moe.Experts`, through `combine_experts`); plus
     `sigmoid(shared_expert_gate(x)) * shared_expert(x)`, a SwiGLU of `shared_expert_intermediate_size`.
 
-Refused with a ValueError naming the field: `hidden_act` other than silu, `attention_bias`, rope types other than
-"default", an odd rotary width, `quantization_config`, layer types other than the two, a model without a
-full-attention layer (the linear layers learn the block size from a full layer's pages), value heads not a multiple
-of key heads, `mlp_only_layers` out of range, top-k past the experts, fields of the wrong type.
+Qwen3.5, as transformers computes it (`models/qwen3_5/modular_qwen3_5.py`, `models/qwen3_5_moe/`), differs in:
+  - the gated DeltaNet's input projections: four separate ones (`in_proj_qkv` giving [q | k | v] already in the
+    conv's channel order: all key heads' q, then k, then the value heads' v; `in_proj_z` per value head; `in_proj_b`
+    and `in_proj_a` one per value head) instead of Qwen3-Next's per-key-head interleaved `in_proj_qkvz` and
+    `in_proj_ba` (`Qwen3NextConfig.fused_projections` False); the conv, the rule and the gated norm are Qwen3-Next's;
+  - the rotary embedding: interleaved multimodal RoPE (`mrope_section` splits the frequencies among temporal,
+    height and width positions). A text-only sequence gives all three the same position (`Qwen3_5TextModel`'s
+    position ids, and `get_rope_index` without images), so each frequency sees the token's position and the result
+    is Qwen3-Next's rotate-half RoPE on the first `partial_rotary_factor * head_dim` dims, frequencies in the usual
+    order (`mrope_section` / `mrope_interleaved` are accepted and change nothing for text);
+  - the MLP: "qwen3_5_text" has a dense SwiGLU in every layer (no MoE fields); "qwen3_5_moe_text" the sparse MoE with
+    the shared expert in every layer, its router always renormalising the top k (`Qwen3VLMoeTextTopKRouter`);
+  - the checkpoint: a CausalLM's tensors under `model.`; a ForConditionalGeneration's (`model_type` "qwen3_5" /
+    "qwen3_5_moe") under `model.language_model.` beside the vision tower's `model.visual.*` (not read: pagedjax
+    serves its text only, and a prompt with images is refused by the engine: this model takes no images), its
+    `text_config` the decoder's config, and its top-level `tie_word_embeddings` the one transformers ties by.
+
+Refused with a ValueError naming the field: `hidden_act` other than silu, `attention_bias`, `attn_output_gate` false,
+rope types other than "default", an odd rotary width, `quantization_config`, layer types other than the two, a model
+without a full-attention layer (the linear layers learn the block size from a full layer's pages), value heads not a
+multiple of key heads, `mlp_only_layers` out of range, top-k past the experts, fields of the wrong type; for Qwen3.5
+also MoE fields in the dense "qwen3_5_text" (`num_experts`), in "qwen3_5_moe_text" a dense layer (`mlp_only_layers`,
+`decoder_sparse_step`), `norm_topk_prob` false or no experts, and a conditional-generation folder's `text_config`
+missing or of another model_type.
 """
 
 from __future__ import annotations
@@ -62,8 +87,15 @@ from pagedjax.model.loading.hf_fields import (
     rope_source,
 )
 
-MODEL_TYPES = ("qwen3_next",)
+# Qwen3.5's text decoders (CausalLM checkpoints) -> whether every layer's MLP is the sparse MoE.
+QWEN3_5_TEXT_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}
+# Qwen3.5's conditional-generation checkpoints (vision tower + text decoder) -> their text_config's model_type.
+QWEN3_5_MULTIMODAL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+MODEL_TYPES = ("qwen3_next", *QWEN3_5_TEXT_TYPES, *QWEN3_5_MULTIMODAL_TYPES)
 LAYER_TYPES = ("linear_attention", "full_attention")
+# Where a checkpoint keeps the decoder's tensors (`model.embed_tokens.weight`, ...; `lm_head.weight` is top-level).
+TEXT_PREFIX = {**dict.fromkeys(("qwen3_next", *QWEN3_5_TEXT_TYPES), "model."),
+               **dict.fromkeys(QWEN3_5_MULTIMODAL_TYPES, "model.language_model.")}
 # Qwen3NextConfig's defaults of the fields a config.json may leave out.
 _DEFAULTS = dict(
     vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48, num_attention_heads=16,
@@ -72,12 +104,21 @@ _DEFAULTS = dict(
     linear_num_key_heads=16, linear_num_value_heads=32, decoder_sparse_step=1, moe_intermediate_size=512,
     shared_expert_intermediate_size=512, num_experts_per_tok=10, num_experts=512, norm_topk_prob=True,
     rope_theta=10000.0, partial_rotary_factor=0.25, full_attention_interval=4)
+# Qwen3_5TextConfig's and Qwen3_5MoeTextConfig's (Qwen3NextConfig's where they do not override them).
+_DEFAULTS_OF = {
+    "qwen3_next": _DEFAULTS,
+    "qwen3_5_text": {**_DEFAULTS, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+                     "num_hidden_layers": 32, "num_key_value_heads": 4},
+    "qwen3_5_moe_text": {**_DEFAULTS, "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+                         "num_experts_per_tok": 8, "num_experts": 256}}
 
 
 @dataclass(frozen=True)
 class Qwen3NextConfig:
-    """A Qwen3-Next decoder (module docstring). `layer_types[i]`: "linear_attention" or "full_attention";
-    `moe_layers[i]`: whether layer i's MLP is the sparse MoE."""
+    """A Qwen3-Next or Qwen3.5 decoder (module docstring). `layer_types[i]`: "linear_attention" or
+    "full_attention"; `moe_layers[i]`: whether layer i's MLP is the sparse MoE; `fused_projections`: the gated
+    DeltaNet's input projections are Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba` (True) or Qwen3.5's
+    `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a` (False)."""
 
     vocab_size: int
     hidden_size: int
@@ -106,6 +147,7 @@ class Qwen3NextConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    fused_projections: bool = True
 
     @property
     def conv_dim(self) -> int:
@@ -137,26 +179,35 @@ class Qwen3NextConfig:
 
 # ------------------------------------------------------------------------------------------------ config.json
 def config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: tuple[int, ...]) -> Qwen3NextConfig:
-    """The `Qwen3NextConfig` of a parsed qwen3_next `config.json` (the module docstring says what it maps and
-    refuses); `dtype` overrides the checkpoint's, `gen_bos` / `gen_eos` (generation_config.json's) its stop tokens.
-    ValueError naming the field."""
-    d = _DEFAULTS
+    """The `Qwen3NextConfig` of a parsed qwen3_next / qwen3_5_text / qwen3_5_moe_text `config.json`, or of a qwen3_5
+    / qwen3_5_moe one's `text_config` (the module docstring says what it maps and refuses); `dtype` overrides the
+    checkpoint's, `gen_bos` / `gen_eos` (generation_config.json's) its stop tokens. ValueError naming the field."""
+    model_type = hf.get("model_type", "qwen3_next")
+    if model_type in QWEN3_5_MULTIMODAL_TYPES:
+        hf, model_type = text_config(hf), QWEN3_5_MULTIMODAL_TYPES[model_type]
+    if model_type not in _DEFAULTS_OF:
+        raise ValueError(f"field 'model_type' = {model_type!r}: not a Qwen3-Next or Qwen3.5 model (supported: "
+                         f"{', '.join(MODEL_TYPES)})")
+    d = _DEFAULTS_OF[model_type]
     if hf.get("quantization_config") is not None:
-        raise ValueError("field 'quantization_config': pre-quantized qwen3_next checkpoints are not supported (load "
-                         "a float one; quantization= quantizes it)")
+        raise ValueError(f"field 'quantization_config': pre-quantized {model_type} checkpoints are not supported "
+                         "(load a float one; quantization= quantizes it)")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"field 'hidden_act' = {act!r}: only 'silu' is supported for qwen3_next")
+        raise ValueError(f"field 'hidden_act' = {act!r}: only 'silu' is supported for {model_type}")
     if flag(hf, "attention_bias", False):
-        raise ValueError("field 'attention_bias' = true is not supported for qwen3_next")
+        raise ValueError(f"field 'attention_bias' = true is not supported for {model_type}")
+    if not flag(hf, "attn_output_gate", True):  # transformers' attention always gates (q_proj: query and gate)
+        raise ValueError(f"field 'attn_output_gate' = false is not supported for {model_type} (its attention "
+                         "always has the output gate)")
     num_layers = positive_int(hf, "num_hidden_layers", d["num_hidden_layers"])
-    kinds = _layer_types(hf, num_layers)
+    kinds = _layer_types(hf, num_layers, d)
     num_heads = positive_int(hf, "num_attention_heads", d["num_attention_heads"])
     num_kv = positive_int(hf, "num_key_value_heads", d["num_key_value_heads"])
     if num_heads % num_kv:
         raise ValueError(f"'num_attention_heads' ({num_heads}) is not a multiple of 'num_key_value_heads' ({num_kv})")
     head_dim = positive_int(hf, "head_dim", d["head_dim"])
-    theta, rotary_dim = _rope(hf, head_dim)
+    theta, rotary_dim = _rope(hf, head_dim, model_type, d)
     hk = positive_int(hf, "linear_num_key_heads", d["linear_num_key_heads"])
     hv = positive_int(hf, "linear_num_value_heads", d["linear_num_value_heads"])
     if hv % hk:
@@ -164,7 +215,13 @@ def config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: tu
     kernel = positive_int(hf, "linear_conv_kernel_dim", d["linear_conv_kernel_dim"])
     if kernel < 2:
         raise ValueError(f"field 'linear_conv_kernel_dim' = {kernel}: a conv of one tap keeps no state (>= 2)")
-    moe = _moe(hf, num_layers)
+    if model_type == "qwen3_next":
+        moe = _moe(hf, num_layers, d)
+    else:
+        moe = _qwen3_5_mlp(hf, num_layers, model_type, d)
+    intermediate = 0  # no dense layer: Qwen3.5-MoE has no intermediate_size
+    if model_type == "qwen3_next" or not all(moe["moe_layers"]):
+        intermediate = positive_int(hf, "intermediate_size", d["intermediate_size"])
     bos = gen_bos if gen_bos is not None else optional_id(hf.get("bos_token_id"), "bos_token_id")
     eos = gen_eos or id_list(hf.get("eos_token_id"), "eos_token_id")
     return Qwen3NextConfig(
@@ -174,18 +231,40 @@ def config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: tu
         linear_conv_kernel=kernel, linear_num_key_heads=hk, linear_num_value_heads=hv,
         linear_key_head_dim=positive_int(hf, "linear_key_head_dim", d["linear_key_head_dim"]),
         linear_value_head_dim=positive_int(hf, "linear_value_head_dim", d["linear_value_head_dim"]),
-        intermediate_size=positive_int(hf, "intermediate_size", d["intermediate_size"]), **moe,
+        intermediate_size=intermediate, **moe,
         rms_norm_eps=number(hf, "rms_norm_eps", d["rms_norm_eps"]),
         max_position_embeddings=positive_int(hf, "max_position_embeddings", d["max_position_embeddings"]),
         tie_word_embeddings=flag(hf, "tie_word_embeddings", d["tie_word_embeddings"]),
-        dtype=checkpoint_dtype(hf, dtype), bos_token_id=bos, eos_token_ids=tuple(dict.fromkeys(eos)))
+        dtype=checkpoint_dtype(hf, dtype), bos_token_id=bos, eos_token_ids=tuple(dict.fromkeys(eos)),
+        fused_projections=model_type == "qwen3_next")
 
 
-def _layer_types(hf: dict, num_layers: int) -> tuple[str, ...]:
+def text_config(hf: dict) -> dict:
+    """The decoder's config of a Qwen3.5 conditional-generation `config.json` (`model_type` "qwen3_5" /
+    "qwen3_5_moe"): its `text_config`, with the top level's `tie_word_embeddings` (the flag transformers ties the
+    ForConditionalGeneration's lm_head by; False when absent, `Qwen3_5Config`'s default) and, where the text config
+    has none, the top level's dtype and `quantization_config`. ValueError naming `text_config`."""
+    model_type = hf["model_type"]
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"field 'text_config': a {model_type} folder needs its text decoder's config (an object), "
+                         f"got {text!r}")
+    want = QWEN3_5_MULTIMODAL_TYPES[model_type]
+    inner = text.get("model_type", want)
+    if inner != want:
+        raise ValueError(f"field 'text_config': model_type {inner!r} in a {model_type} folder (expected {want!r})")
+    text = {**text, "model_type": want, "tie_word_embeddings": flag(hf, "tie_word_embeddings", False)}
+    for key in ("torch_dtype", "dtype", "quantization_config"):
+        if text.get(key) is None and hf.get(key) is not None:
+            text[key] = hf[key]
+    return text
+
+
+def _layer_types(hf: dict, num_layers: int, d: dict) -> tuple[str, ...]:
     """`layer_types`, or as transformers fills it: every `full_attention_interval`-th layer (default 4) full."""
     kinds = hf.get("layer_types")
     if kinds is None:
-        every = positive_int(hf, "full_attention_interval", _DEFAULTS["full_attention_interval"])
+        every = positive_int(hf, "full_attention_interval", d["full_attention_interval"])
         kinds = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
     if not isinstance(kinds, list) or not all(isinstance(t, str) for t in kinds):
         raise ValueError(f"field 'layer_types': expected a list of strings, got {kinds!r}")
@@ -196,23 +275,29 @@ def _layer_types(hf: dict, num_layers: int) -> tuple[str, ...]:
     if len(kinds) != num_layers:
         raise ValueError(f"field 'layer_types': {len(kinds)} entries for {num_layers} layers")
     if "full_attention" not in kinds:
-        raise ValueError("field 'layer_types': no 'full_attention' layer; pagedjax's qwen3_next needs at least one")
+        raise ValueError("field 'layer_types': no 'full_attention' layer; pagedjax's Qwen3-Next / Qwen3.5 needs at "
+                         "least one")
     return tuple(kinds)
 
 
-def _rope(hf: dict, head_dim: int) -> tuple[float, int]:
+def _rope(hf: dict, head_dim: int, model_type: str, d: dict) -> tuple[float, int]:
     """(rope_theta, rotary dims): default RoPE only, `partial_rotary_factor` of head_dim rotated (0.25 when absent,
-    Qwen3NextConfig's default)."""
+    the configs' default). Qwen3.5's `mrope_section` / `mrope_interleaved` are accepted: for text the sections share
+    the position (module docstring)."""
     params, field = rope_source(hf)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
-        raise ValueError(f"field {field!r}: rope type {kind!r} is not supported for qwen3_next (supported: default)")
-    unknown = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+        raise ValueError(f"field {field!r}: rope type {kind!r} is not supported for {model_type} (supported: "
+                         "default)")
+    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    if model_type != "qwen3_next":
+        known |= {"mrope_section", "mrope_interleaved"}
+    unknown = sorted(set(params) - known)
     if unknown:
         raise ValueError(f"field {field!r}: parameters {unknown} are not supported")
-    theta = number(params, "rope_theta", number(hf, "rope_theta", _DEFAULTS["rope_theta"]))
+    theta = number(params, "rope_theta", number(hf, "rope_theta", d["rope_theta"]))
     source = params if params.get("partial_rotary_factor") is not None else hf
-    factor = number(source, "partial_rotary_factor", _DEFAULTS["partial_rotary_factor"])
+    factor = number(source, "partial_rotary_factor", d["partial_rotary_factor"])
     rotary = int(head_dim * factor)
     if not 0 < factor <= 1 or rotary < 2 or rotary % 2:
         raise ValueError(f"field 'partial_rotary_factor' = {factor!r}: rotates {rotary} of head_dim {head_dim} dims "
@@ -220,9 +305,8 @@ def _rope(hf: dict, head_dim: int) -> tuple[float, int]:
     return theta, rotary
 
 
-def _moe(hf: dict, num_layers: int) -> dict:
-    """The MoE fields of `Qwen3NextConfig`: which layers are sparse and their experts' shapes."""
-    d = _DEFAULTS
+def _moe(hf: dict, num_layers: int, d: dict) -> dict:
+    """The MoE fields of a qwen3_next `Qwen3NextConfig`: which layers are sparse and their experts' shapes."""
     num_experts = hf.get("num_experts", d["num_experts"])
     if num_experts is None:
         num_experts = d["num_experts"]
@@ -238,6 +322,32 @@ def _moe(hf: dict, num_layers: int) -> dict:
     layers = tuple(i not in only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
     if not any(layers):
         return dict(moe_layers=layers)
+    return _experts(hf, layers, num_experts, flag(hf, "norm_topk_prob", d["norm_topk_prob"]), d)
+
+
+def _qwen3_5_mlp(hf: dict, num_layers: int, model_type: str, d: dict) -> dict:
+    """The MoE fields of a Qwen3.5 `Qwen3NextConfig`: no MoE in "qwen3_5_text"; in "qwen3_5_moe_text" every layer's,
+    its top k renormalised (transformers' Qwen3.5 ignores `mlp_only_layers`, `decoder_sparse_step` and
+    `norm_topk_prob`: a config asking otherwise is refused rather than served as something else)."""
+    if not QWEN3_5_TEXT_TYPES[model_type]:
+        if hf.get("num_experts"):
+            raise ValueError(f"field 'num_experts' = {hf['num_experts']!r}: qwen3_5_text is the dense Qwen3.5 (its "
+                             "MoE is model_type qwen3_5_moe_text)")
+        return dict(moe_layers=(False,) * num_layers)
+    if hf.get("mlp_only_layers"):
+        raise ValueError(f"field 'mlp_only_layers' = {hf['mlp_only_layers']!r}: every layer of qwen3_5_moe_text is "
+                         "sparse (transformers' Qwen3.5-MoE has no dense layers)")
+    if positive_int(hf, "decoder_sparse_step", 1) != 1:
+        raise ValueError(f"field 'decoder_sparse_step' = {hf['decoder_sparse_step']!r}: every layer of "
+                         "qwen3_5_moe_text is sparse (transformers' Qwen3.5-MoE has no dense layers)")
+    if not flag(hf, "norm_topk_prob", True):
+        raise ValueError("field 'norm_topk_prob' = false: transformers' Qwen3.5-MoE router always renormalises the "
+                         "top k")
+    num_experts = positive_int(hf, "num_experts", d["num_experts"])
+    return _experts(hf, (True,) * num_layers, num_experts, True, d)
+
+
+def _experts(hf: dict, layers: tuple[bool, ...], num_experts: int, norm_topk_prob: bool, d: dict) -> dict:
     top_k = positive_int(hf, "num_experts_per_tok", d["num_experts_per_tok"])
     if top_k > num_experts:
         raise ValueError(f"field 'num_experts_per_tok' = {top_k} exceeds the {num_experts} experts ('num_experts')")
@@ -245,7 +355,7 @@ def _moe(hf: dict, num_layers: int) -> dict:
                 moe_intermediate_size=positive_int(hf, "moe_intermediate_size", d["moe_intermediate_size"]),
                 shared_expert_intermediate_size=positive_int(hf, "shared_expert_intermediate_size",
                                                              d["shared_expert_intermediate_size"]),
-                norm_topk_prob=flag(hf, "norm_topk_prob", d["norm_topk_prob"]))
+                norm_topk_prob=norm_topk_prob)
 
 
 # ------------------------------------------------------------------------------------------------------ model
@@ -284,8 +394,15 @@ class GatedDeltaNet(nnx.Module):
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         key_dim, value_dim = self.hk * self.dk, cfg.value_dim
-        self.in_proj_qkvz = _linear(cfg.hidden_size, 2 * key_dim + 2 * value_dim, dtype, rngs)
-        self.in_proj_ba = _linear(cfg.hidden_size, 2 * self.hv, dtype, rngs)
+        self.fused = cfg.fused_projections
+        if self.fused:  # Qwen3-Next
+            self.in_proj_qkvz = _linear(cfg.hidden_size, 2 * key_dim + 2 * value_dim, dtype, rngs)
+            self.in_proj_ba = _linear(cfg.hidden_size, 2 * self.hv, dtype, rngs)
+        else:  # Qwen3.5
+            self.in_proj_qkv = _linear(cfg.hidden_size, 2 * key_dim + value_dim, dtype, rngs)
+            self.in_proj_z = _linear(cfg.hidden_size, value_dim, dtype, rngs)
+            self.in_proj_b = _linear(cfg.hidden_size, self.hv, dtype, rngs)
+            self.in_proj_a = _linear(cfg.hidden_size, self.hv, dtype, rngs)
         self.conv1d = Conv1d(cfg.conv_dim, cfg.linear_conv_kernel, dtype, rngs)
         self.dt_bias = nnx.Param(jnp.ones((self.hv,), dtype))
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (self.hv,), jnp.float32, 0.01, 16))
@@ -293,15 +410,24 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, dtype)
         self.out_proj = _linear(value_dim, cfg.hidden_size, dtype, rngs)
 
-    def __call__(self, x: jax.Array, cache: PagedKVCache, block_size: int) -> tuple[jax.Array, PagedKVCache]:
-        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's snapshots written)."""
-        t, i = x.shape[0], self.layer_index
+    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """x `[T, hidden]` -> (the conv's input [q | k | v] `[T, conv_dim]`, z `[T, Hv, Dv]`, b and a `[T, Hv]`)."""
+        t = x.shape[0]
+        if not self.fused:  # Qwen3.5: already in the conv's channel order, one projection each
+            z = self.in_proj_z(x).reshape(t, self.hv, self.dv)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
         r = self.hv // self.hk  # value heads per key head
         qkvz = self.in_proj_qkvz(x).reshape(t, self.hk, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = jnp.split(qkvz, np.cumsum([self.dk, self.dk, r * self.dv]), axis=-1)
         ba = self.in_proj_ba(x).reshape(t, self.hk, 2 * r)
         b, a = ba[..., :r].reshape(t, self.hv), ba[..., r:].reshape(t, self.hv)
         mixed = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
+        return mixed, z.reshape(t, self.hv, self.dv), b, a
+
+    def __call__(self, x: jax.Array, cache: PagedKVCache, block_size: int) -> tuple[jax.Array, PagedKVCache]:
+        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's snapshots written)."""
+        t, i = x.shape[0], self.layer_index
+        mixed, z, b, a = self._project(x)
         pages: StatePages = cache.layer(i)
         meta = cache.meta_of(i)
         mixed, conv_pages = causal_conv1d(mixed, self.conv1d.weight[...][:, 0, :], pages.conv, meta,
@@ -316,7 +442,7 @@ class GatedDeltaNet(nnx.Module):
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         o, state = gated_delta_rule(q, k, v, g, beta, pages.recurrent, meta, block_size=block_size,
                                     backend=cache.backend, decode_only=cache.decode_only)
-        o = self.norm(o.astype(x.dtype), z.reshape(t, self.hv, self.dv))
+        o = self.norm(o.astype(x.dtype), z)
         cache = cache.with_layer(i, StatePages(state, conv_pages))
         return self.out_proj(o.reshape(t, -1)), cache
 
@@ -404,8 +530,8 @@ class DecoderLayer(nnx.Module):
 
 
 class Qwen3Next(nnx.Module):
-    """Qwen3-Next (module docstring). Parameter names mirror transformers' `Qwen3NextForCausalLM` (minus `model.`);
-    linear kernels are `[in, out]`."""
+    """Qwen3-Next or Qwen3.5 (module docstring). Parameter names mirror transformers' `Qwen3NextForCausalLM` /
+    `Qwen3_5(Moe)ForCausalLM` (minus `model.`); linear kernels are `[in, out]`."""
 
     def __init__(self, cfg: Qwen3NextConfig, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
@@ -480,10 +606,11 @@ def qwen3_next_from_state(cfg: Qwen3NextConfig, state: nnx.State) -> Qwen3Next:
 
 
 # ---------------------------------------------------------------------------------------------------- weights
-def tensor_names(path: tuple) -> list[tuple[str, bool, None]] | None:
-    """A parameter's checkpoint tensor where Qwen3-Next names it other than the Llama family's rule
-    (`hf_loader._hf_names`): `linear_attn.A_log` and `.dt_bias` as stored; None for every other parameter."""
+def tensor_names(path: tuple, prefix: str = "model.") -> list[tuple[str, bool, None]] | None:
+    """A parameter's checkpoint tensor where Qwen3-Next / Qwen3.5 name it other than the Llama family's rule
+    (`hf_loader._hf_names`): `linear_attn.A_log` and `.dt_bias` as stored, under the decoder's `prefix`
+    (`TEXT_PREFIX`); None for every other parameter."""
     *mods, leaf = (str(p) for p in path)
     if leaf in ("A_log", "dt_bias"):
-        return [("model." + ".".join(mods + [leaf]), False, None)]
+        return [(prefix + ".".join(mods + [leaf]), False, None)]
     return None

@@ -28,9 +28,10 @@ implemented.
 
 DeepSeek V2 / V3 / V3.2 (`deepseek_v2`, `deepseek_v3`, `deepseek_v32`) map to a
 `pagedjax.config.deepseek.DeepSeekConfig` instead (`load_deepseek_config`; `load_hf_config` refuses them, naming
-it); GLM's `glm_moe_dsa` is refused by both, saying why. Qwen3-Next (`qwen3_next`) maps to a
-`pagedjax.model.families.qwen3_next.Qwen3NextConfig` (`load_qwen3_next_config`; `load_hf_config` refuses it, naming
-it). LLaVA and Gemma 3 with images (`llava`, `gemma3`,
+it); GLM's `glm_moe_dsa` is refused by both, saying why. Qwen3-Next (`qwen3_next`) and Qwen3.5 (`qwen3_5_text`,
+`qwen3_5_moe_text`, and the text of `qwen3_5`, `qwen3_5_moe`) map to a
+`pagedjax.model.families.qwen3_next.Qwen3NextConfig` (`load_qwen3_next_config`; `load_hf_config` refuses them,
+naming it). LLaVA and Gemma 3 with images (`llava`, `gemma3`,
 `VISION_MODEL_TYPES`) load through `pagedjax.model.loading.hf_vision`, whose text models map with `config_from_dict`.
 An unknown `model_type` is refused with the list of every one `from_pretrained` loads (`LOADABLE_MODEL_TYPES`, the
 loader's dispatch, and the types registered in `pagedjax.ModelRegistry`).
@@ -481,7 +482,7 @@ LOADABLE_MODEL_TYPES: dict[str, tuple[str, ...]] = {
 
 
 def load_qwen3_next_config(path: str | os.PathLike, dtype: str | None = None):
-    """Map a Qwen3-Next Hugging Face folder's `config.json` (and `generation_config.json`'s stop tokens) to a
+    """Map a Qwen3-Next or Qwen3.5 Hugging Face folder's `config.json` (and `generation_config.json`'s stop tokens) to a
     `pagedjax.model.families.qwen3_next.Qwen3NextConfig` (`qwen3_next.config_from_hf`: what it maps and refuses);
     `dtype` as `load_hf_config`'s. ModelLoadError naming the file and field."""
     return load_folder_config(path, lambda hf, bos, eos: qwen3_next.config_from_hf(hf, dtype, bos, eos))

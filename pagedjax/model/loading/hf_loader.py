@@ -475,20 +475,30 @@ def load_hf_deepseek(path: str | os.PathLike, dtype: str | None = None):
 
 def load_hf_qwen3_next(path: str | os.PathLike, dtype: str | None = None):
     """(`pagedjax.model.families.qwen3_next.Qwen3Next` holding the folder's weights, tokenizer or None) of a
-    Qwen3-Next Hugging Face folder (float weights, in the checkpoint's dtype or `dtype`): the built-in factory of
-    `model_type` "qwen3_next" (`pagedjax.model.loading.loader.load_registered`). Tensors are named as
-    transformers' `save_pretrained` writes them: the Llama family's rule (`_hf_names`: kernels transposed, each
-    expert's `mlp.experts.{e}.gate_proj.weight` ... into the stacked experts) and `qwen3_next.tensor_names`
-    (`A_log`, `dt_bias`); the multi-token-prediction tensors (`mtp.*`) are not read."""
+    Qwen3-Next or Qwen3.5 Hugging Face folder (float weights, in the checkpoint's dtype or `dtype`): the built-in
+    factory of `model_type` "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5" and "qwen3_5_moe"
+    (`pagedjax.model.loading.loader.load_registered`). Tensors are named as transformers' `save_pretrained` writes
+    them: the Llama family's rule (`_hf_names`: kernels transposed, each expert's `mlp.experts.{e}.gate_proj.weight`
+    ... into the stacked experts) and `qwen3_next.tensor_names` (`A_log`, `dt_bias`), the decoder's under
+    `qwen3_next.TEXT_PREFIX` of the folder's model_type (`model.language_model.` in a Qwen3.5 conditional-generation
+    checkpoint, whose vision tower `model.visual.*` is not read: text only); the multi-token-prediction tensors
+    (`mtp.*`) are not read."""
     from pagedjax.model.loading.hf_config import load_qwen3_next_config
 
     cfg = load_qwen3_next_config(path, dtype)
+    prefix = qwen3_next.TEXT_PREFIX[read_json(Path(path) / "config.json").get("model_type", "qwen3_next")]
     _, state = nnx.split(qwen3_next.abstract_qwen3_next(cfg))
 
     def skip(name: str) -> bool:
         return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
-            name.startswith("mtp."))
+            name.startswith("mtp.")) or (prefix != "model." and name.startswith("model.visual."))
 
-    names = lambda p, shape: qwen3_next.tensor_names(p) or _hf_names(p, shape)  # noqa: E731
+    def names(p, shape):
+        found = qwen3_next.tensor_names(p, prefix)
+        if found is not None:
+            return found
+        return [(prefix + name.removeprefix("model.") if name.startswith("model.") else name, transpose, expert)
+                for name, transpose, expert in _hf_names(p, shape)]
+
     state = fill_state(path, state, names, skip=skip)
     return qwen3_next.qwen3_next_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)
