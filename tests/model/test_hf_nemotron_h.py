@@ -120,19 +120,32 @@ def test_dense_logits_match_transformers(ckpt):
         np.testing.assert_allclose(got[i, :len(p)], ref[i], atol=TOL, rtol=TOL, err_msg=f"{len(p)} tokens")
 
 
-def test_greedy_matches_transformers_through_hits_chunks_preemption_and_samples(ckpt):
-    want = [ckpt.greedy[i] for i in range(len(PROMPTS))]
+def test_greedy_matches_transformers_through_hits_chunked_prefill_and_fused_decode(ckpt):
     with POOL.engine(folder=ckpt.folder) as engine:
         assert engine.scheduler.kv_cache_manager.num_groups == 2  # the Mamba-2 layers and the attention one
-        # SHARED's blocks cached by a request of its own (its prefill in chunks of 8 tokens), then hits in both
-        # groups: 3 blocks exactly, and a prefix whose end is inside the fourth block (its whole blocks: 12, the
-        # state snapshot at position 11, never the live state).
-        assert engine.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want[1]
+        # SHARED's blocks cached by a request of its own (its prefill in chunks of 8 tokens, its decode 4 steps a
+        # call), then hits in both groups: 3 blocks exactly, and a prefix whose end is inside the fourth block (its
+        # whole blocks: 12, the state snapshot at position 11, never the live state).
+        before = engine.stats()  # (a pooled engine's counts are cumulative)
+        assert engine.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ckpt.greedy[1]
+        assert engine.stats().fused_decode_calls > before.fused_decode_calls
         for key, prompt in (("boundary", AT_BOUNDARY), ("inside", INSIDE)):
             out = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
             assert (out.num_cached_tokens, out.outputs[0].token_ids) == (12, ckpt.greedy[key]), key
+        assert engine.stats().scheduler.memory.num_used_blocks == 0
+        engine.scheduler.check_invariants()
+
+
+# (CI time: ~10 s of compiling the engine's batched programs) Preemption and forks of `RecurrentState` snapshots are
+# the model-independent scheduler / state-pool paths, covered by tests/model/test_hf_qwen3_next.py's greedy test;
+# several sequences in one Mamba-2 step by test_dense_logits_match_transformers (three in one ragged step), idle
+# rows of a fused decode step by test_idle_rows_of_a_decode_step_touch_no_state_block. This runs them on Nemotron-H.
+@pytest.mark.slow
+def test_greedy_matches_transformers_through_preemption_and_samples(ckpt):
+    want = [ckpt.greedy[i] for i in range(len(PROMPTS))]
+    with POOL.engine(folder=ckpt.folder) as engine:
         # All at once, 4 decode steps a call, in a KV pool too small for them: preempted, recomputed.
-        before = engine.stats()  # (a pooled engine's counts are cumulative)
+        before = engine.stats()
         outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         stats = engine.stats()
@@ -144,6 +157,31 @@ def test_greedy_matches_transformers_through_hits_chunks_preemption_and_samples(
         assert [c.token_ids for c in samples.outputs] == [want[0]] * 2
         assert engine.stats().scheduler.memory.num_used_blocks == 0
         engine.scheduler.check_invariants()
+
+
+def test_idle_rows_of_a_decode_step_touch_no_state_block():
+    """`pagedjax.device.recurrent.mamba2_ssd` in a decode-only step whose row 1 is idle (q_len 1, kv_len 0: a
+    sequence that stopped inside a fused decode call) reads and writes no state block for it and gives it zeros;
+    the live rows are what a step of the live sequences alone computes."""
+    from pagedjax.device.attention import AttentionMetadata
+    from pagedjax.device.recurrent import mamba2_ssd
+
+    rng = np.random.default_rng(0)
+    f32 = lambda *shape: jax.numpy.asarray(rng.standard_normal(shape), jax.numpy.float32)  # noqa: E731
+    tables = jax.numpy.asarray([[5, 7, 9], [1, 2, 3], [4, 6, 8]], jax.numpy.int32)
+    kv_lens = jax.numpy.asarray([6, 0, 2], jax.numpy.int32)
+    meta = AttentionMetadata(jax.numpy.zeros((3,), jax.numpy.int32), tables, kv_lens,
+                             jax.numpy.arange(4, dtype=jax.numpy.int32))
+    state = f32(10, 4, 2, 3)  # H 4, P 2, N 3
+    x, b, c = f32(3, 4, 2), f32(3, 2, 3), f32(3, 2, 3)  # 2 groups
+    dt, a, d = jax.nn.softplus(f32(3, 4)), -jax.numpy.exp(f32(4)), f32(4)
+    out, new = mamba2_ssd(x, dt, a, b, c, state, meta, block_size=4, backend="xla", decode_only=True, D=d)
+    changed = np.flatnonzero(np.any(np.asarray(state != new).reshape(10, -1), axis=1)).tolist()
+    assert changed == [4, 7], changed  # only the live sequences' blocks of positions 5 and 1
+    assert not np.any(np.asarray(out[1]))
+    live = meta._replace(block_tables=tables[::2], kv_lens=kv_lens[::2], cu_q_lens=jax.numpy.arange(3))
+    ref, _ = mamba2_ssd(x[::2], dt[::2], a, b[::2], c[::2], state, live, block_size=4, backend="xla", D=d)
+    np.testing.assert_array_equal(np.asarray(out[::2]), np.asarray(ref))
 
 
 @pytest.mark.parametrize("changes, field", [
