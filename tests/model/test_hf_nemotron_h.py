@@ -3,7 +3,8 @@ tiny random checkpoint: Mamba-2 layers (their SSM state and conv window as paged
 B / C, conv and projection biases), an attention layer without positional encoding, and a relu2 MLP layer
 (`hybrid_override_pattern` "M*M-"). Forward logits within float32 tolerance (transformers' PyTorch Mamba-2 path);
 greedy tokens identical through prefix hits (at a block boundary, and ending inside a block: the snapshot at the
-last full block), chunked prefill, preemption, fused decode and n=2; every unsupported field refused by name."""
+last full block), chunked prefill and fused decode, and (marked slow, CI time) preemption and n=2; the Mamba-2
+scan's idle decode rows; every unsupported field refused by name, legacy field names read."""
 
 from __future__ import annotations
 
