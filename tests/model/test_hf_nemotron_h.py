@@ -221,3 +221,21 @@ def test_legacy_field_names_map_as_transformers_reads_them(ckpt, tmp_path):
                   mamba_dt_limit=[0.0, float("inf")])
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert load_nemotron_h_config(tmp_path) == load_nemotron_h_config(ckpt.folder).replace(use_conv_bias=False)
+
+
+def test_tensors_under_model_load_as_under_backbone(ckpt, tmp_path):
+    """transformers reads a Nemotron-H checkpoint's tensors under `backbone.` (NVIDIA's, and what its
+    `save_pretrained` writes) or `model.`: so does the loader."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(f"{ckpt.folder}/model.safetensors")
+    assert any(name.startswith("backbone.") for name in tensors)
+    save_file({name.replace("backbone.", "model.", 1): t for name, t in tensors.items()},
+              str(tmp_path / "model.safetensors"))
+    shutil.copy(f"{ckpt.folder}/config.json", tmp_path / "config.json")
+    want, _ = load_hf_nemotron_h(ckpt.folder)
+    got, _ = load_hf_nemotron_h(tmp_path)
+    for a, b in zip(jax.tree.leaves(nnx.state(want)), jax.tree.leaves(nnx.state(got)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
