@@ -1,8 +1,10 @@
 """Recurrent-state layers over paged state snapshots (`RecurrentState` pages, `StatePages`): backend dispatch of
-`pallas_kernels`' gated delta rule and causal conv1d, as `pagedjax.device.attention` dispatches attention.
+`pallas_kernels`' gated delta rule, Mamba-2 SSD scan and causal conv1d, as `pagedjax.device.attention` dispatches
+attention.
 
 backend "pallas": the kernels (Triton on GPU, Mosaic on TPU, interpret mode elsewhere: tests only);
-backend "xla":    their XLA paths (`pallas_kernels.gated_delta_rule_xla`, `causal_conv1d_xla`), the CPU engine's.
+backend "xla":    their XLA paths (`pallas_kernels.gated_delta_rule_xla`, `mamba2_ssd_xla`, `causal_conv1d_xla`),
+                  the CPU engine's.
 
 Both read and write the snapshots under `pallas_kernels.recurrent`'s contract: a sequence starts from the state in
 the block of its first position's predecessor (zeros at position 0) and leaves the state after every position
@@ -68,14 +70,40 @@ def gated_delta_rule(q: jax.Array,  # [T, Hk, Dk]
     return (out if order is None else _unpermute(out, order)), state_pages
 
 
+def mamba2_ssd(x: jax.Array,  # [T, H, P]
+               dt: jax.Array,  # f32 [T, H], after bias, softplus and clamp
+               A: jax.Array,  # f32 [H]
+               B: jax.Array,  # [T, G, N]
+               C: jax.Array,  # [T, G, N]
+               state_pages: jax.Array,  # f32 [num_blocks, H, P, N]
+               meta: AttentionMetadata, *, block_size: int, backend: str, decode_only: bool = False,
+               D: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:  # f32 [H]
+    """Mamba-2's SSD scan of a step (`pallas_kernels.mamba2_ssd`): (y `[T, H, P]` in x's dtype, the state pages with
+    this step's snapshots written); `meta` and `decode_only` as for `gated_delta_rule`."""
+    dt, A = dt.astype(jnp.float32), A.astype(jnp.float32)
+    D = None if D is None else D.astype(jnp.float32)
+    order = None
+    if decode_only:
+        meta, order = _live_rows(meta, x.shape[0])
+        x, dt, B, C = (a[order] for a in (x, dt, B, C))
+    args = (x, dt, A, B, C, state_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens)
+    if backend == "pallas":
+        out, state_pages = pallas_kernels.mamba2_ssd(*args, block_size=block_size, D=D, interpret=None)
+    elif backend == "xla":
+        out, state_pages = pallas_kernels.mamba2_ssd_xla(*args, block_size=block_size, D=D)
+    else:
+        raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
+    return (out if order is None else _unpermute(out, order)), state_pages
+
+
 def causal_conv1d(x: jax.Array,  # [T, C]
                   weight: jax.Array,  # [C, K]
                   conv_pages: jax.Array,  # f32 [num_blocks, C, K - 1]
                   meta: AttentionMetadata, *, block_size: int, backend: str, decode_only: bool = False,
-                  activation: str | None = None) -> tuple[jax.Array, jax.Array]:
+                  activation: str | None = None, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The causal depthwise conv1d of a step (`pallas_kernels.causal_conv1d`) over conv states kept in the pages'
     dtype (float32 snapshots: x is taken in it, exactly for 16-bit x): (out `[T, C]` in x's dtype, the pages with
-    this step's snapshots written); `decode_only` as for `gated_delta_rule`."""
+    this step's snapshots written); `bias` `[C]` or None; `decode_only` as for `gated_delta_rule`."""
     xs = x.astype(conv_pages.dtype)
     order = None
     if decode_only:
@@ -83,10 +111,11 @@ def causal_conv1d(x: jax.Array,  # [T, C]
         xs = xs[order]
     args = (xs, weight, conv_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens)
     if backend == "pallas":
-        out, conv_pages = pallas_kernels.causal_conv1d(*args, block_size=block_size, activation=activation,
-                                                       interpret=None)
+        out, conv_pages = pallas_kernels.causal_conv1d(*args, block_size=block_size, bias=bias,
+                                                       activation=activation, interpret=None)
     elif backend == "xla":
-        out, conv_pages = pallas_kernels.causal_conv1d_xla(*args, block_size=block_size, activation=activation)
+        out, conv_pages = pallas_kernels.causal_conv1d_xla(*args, block_size=block_size, bias=bias,
+                                                           activation=activation)
     else:
         raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
     return (out if order is None else _unpermute(out, order)).astype(x.dtype), conv_pages

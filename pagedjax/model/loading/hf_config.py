@@ -31,7 +31,8 @@ DeepSeek V2 / V3 / V3.2 (`deepseek_v2`, `deepseek_v3`, `deepseek_v32`) map to a
 it); GLM's `glm_moe_dsa` is refused by both, saying why. Qwen3-Next (`qwen3_next`) and Qwen3.5 (`qwen3_5_text`,
 `qwen3_5_moe_text`, and the text of `qwen3_5`, `qwen3_5_moe`) map to a
 `pagedjax.model.families.qwen3_next.Qwen3NextConfig` (`load_qwen3_next_config`; `load_hf_config` refuses them,
-naming it). LLaVA and Gemma 3 with images (`llava`, `gemma3`,
+naming it); Nemotron-H (`nemotron_h`) likewise to a `pagedjax.model.families.nemotron_h.NemotronHConfig`
+(`load_nemotron_h_config`). LLaVA and Gemma 3 with images (`llava`, `gemma3`,
 `VISION_MODEL_TYPES`) load through `pagedjax.model.loading.hf_vision`, whose text models map with `config_from_dict`.
 An unknown `model_type` is refused with the list of every one `from_pretrained` loads (`LOADABLE_MODEL_TYPES`, the
 loader's dispatch, and the types registered in `pagedjax.ModelRegistry`).
@@ -52,7 +53,7 @@ from pagedjax.config.fields import is_int
 from pagedjax.config.model import ROPE_SCALING_PARAMS, ROPE_TYPES
 from pagedjax.config.moe import MoEConfig
 from pagedjax.model.errors import ModelLoadError, read_json
-from pagedjax.model.families import gpt_oss, qwen3_next
+from pagedjax.model.families import gpt_oss, nemotron_h, qwen3_next
 from pagedjax.model.loading.hf_fields import (
     checkpoint_dtype,
     flag,
@@ -338,6 +339,10 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
         raise ValueError(f"field 'model_type' = {model_type!r}: a hybrid recurrent model, not a ModelConfig one; "
                          "LLMEngine.from_pretrained and --model serve it (pagedjax.model.families.qwen3_next), and "
                          "load_qwen3_next_config maps its config")
+    if model_type in nemotron_h.MODEL_TYPES:
+        raise ValueError(f"field 'model_type' = {model_type!r}: a hybrid recurrent model, not a ModelConfig one; "
+                         "LLMEngine.from_pretrained and --model serve it (pagedjax.model.families.nemotron_h), and "
+                         "load_nemotron_h_config maps its config")
     if model_type in VISION_MODEL_TYPES:
         raise ValueError(f"field 'model_type' = {model_type!r}: a vision-language model, not a ModelConfig one; "
                          "LLMEngine.from_pretrained and --model serve it (pagedjax.model.loading.hf_vision), and "
@@ -464,8 +469,9 @@ VISION_MODEL_TYPES = ("llava", "gemma3")
 
 # DeepSeek V2 / V3 / V3.2 (`pagedjax.config.deepseek.DeepSeekConfig`, served by `pagedjax.model.deepseek`).
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
-# Hybrids of recurrent-state layers and attention (`pagedjax.model.families.qwen3_next`), models of the contract.
-HYBRID_MODEL_TYPES = qwen3_next.MODEL_TYPES
+# Hybrids of recurrent-state layers and attention (`pagedjax.model.families.qwen3_next`, `.nemotron_h`), models of
+# the contract.
+HYBRID_MODEL_TYPES = qwen3_next.MODEL_TYPES + nemotron_h.MODEL_TYPES  # gated DeltaNet / Mamba-2 state + attention
 # Sparse-attention checkpoints that share V3.2's indexer but not its definition, so refused by name: GLM's
 # "glm_moe_dsa" (transformers' `GlmMoeDsaForCausalLM`) rotates the indexer's queries and keys in interleaved
 # pairs, and its "shared" layers (`indexer_types`) have no indexer of their own but reuse the previous layer's
@@ -486,6 +492,13 @@ def load_qwen3_next_config(path: str | os.PathLike, dtype: str | None = None):
     `pagedjax.model.families.qwen3_next.Qwen3NextConfig` (`qwen3_next.config_from_hf`: what it maps and refuses);
     `dtype` as `load_hf_config`'s. ModelLoadError naming the file and field."""
     return load_folder_config(path, lambda hf, bos, eos: qwen3_next.config_from_hf(hf, dtype, bos, eos))
+
+
+def load_nemotron_h_config(path: str | os.PathLike, dtype: str | None = None):
+    """Map a Nemotron-H Hugging Face folder's `config.json` (and `generation_config.json`'s stop tokens) to a
+    `pagedjax.model.families.nemotron_h.NemotronHConfig` (`nemotron_h.config_from_hf`: what it maps and refuses);
+    `dtype` as `load_hf_config`'s. ModelLoadError naming the file and field."""
+    return load_folder_config(path, lambda hf, bos, eos: nemotron_h.config_from_hf(hf, dtype, bos, eos))
 
 
 def loadable_model_types() -> str:

@@ -502,3 +502,30 @@ def load_hf_qwen3_next(path: str | os.PathLike, dtype: str | None = None):
 
     state = fill_state(path, state, names, skip=skip)
     return qwen3_next.qwen3_next_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)
+
+
+def load_hf_nemotron_h(path: str | os.PathLike, dtype: str | None = None):
+    """(`pagedjax.model.families.nemotron_h.NemotronH` holding the folder's weights, tokenizer or None) of a
+    Nemotron-H Hugging Face folder (float weights, in the checkpoint's dtype or `dtype`): the built-in factory of
+    `model_type` "nemotron_h" (`pagedjax.model.loading.loader.load_registered`). Tensors are named by the Llama
+    family's rule (`_hf_names`) and `nemotron_h.tensor_names` (`A_log`, `D`, `dt_bias`), under `backbone.` as
+    NVIDIA's checkpoints and transformers' `save_pretrained` write them, or `model.` (transformers reads both); the
+    multi-token-prediction tensors (`mtp.*`) are not read, as transformers does not."""
+    from pagedjax.model.families import nemotron_h
+    from pagedjax.model.loading.hf_config import load_nemotron_h_config
+
+    cfg = load_nemotron_h_config(path, dtype)
+    _, state = nnx.split(nemotron_h.abstract_nemotron_h(cfg))
+    stored = (name for _, name, _, _ in _headers(safetensors_files(path)))
+    prefix = "backbone." if any(name.startswith("backbone.") for name in stored) else "model."
+
+    def skip(name: str) -> bool:
+        return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
+            name.startswith("mtp."))
+
+    def names(p, shape):
+        return [(prefix + n.removeprefix("model.") if n.startswith("model.") else n, t, e)
+                for n, t, e in nemotron_h.tensor_names(p) or _hf_names(p, shape)]
+
+    state = fill_state(path, state, names, skip=skip)
+    return nemotron_h.nemotron_h_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)

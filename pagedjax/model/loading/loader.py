@@ -81,8 +81,8 @@ def _quantized(cfg, state, quantization):
 def load_registered(path, dtype: str | None):
     """`(model, tokenizer or None)` of a Hugging Face folder whose `model_type` is registered in
     `pagedjax.model.registry.ModelRegistry`, by its factory, or is one of the built-in families served as a model
-    of the public contract (DeepSeek V2 / V3 / V3.2: `hf_loader.load_hf_deepseek`; Qwen3-Next and
-    Qwen3.5: `hf_loader.load_hf_qwen3_next`; LLaVA and Gemma 3 with images:
+    of the public contract (DeepSeek V2 / V3 / V3.2: `hf_loader.load_hf_deepseek`; Qwen3-Next and Qwen3.5:
+    `hf_loader.load_hf_qwen3_next`; Nemotron-H: `hf_loader.load_hf_nemotron_h`; LLaVA and Gemma 3 with images:
     `hf_vision.load_hf_vision`; unless a factory is registered for it); None for any other folder (a pagedjax
     checkpoint, an unregistered `model_type`, no path: the bundled model), which `load_pretrained` loads or refuses.
     The factory's own errors propagate; a result that is not `(model, tokenizer)` is a TypeError naming it."""
@@ -101,6 +101,10 @@ def load_registered(path, dtype: str | None):
         from pagedjax.model.loading.hf_loader import load_hf_deepseek
 
         factory = load_hf_deepseek
+    if factory is None and model_type == "nemotron_h":  # Nemotron-H: Mamba-2 state beside attention
+        from pagedjax.model.loading.hf_loader import load_hf_nemotron_h
+
+        factory = load_hf_nemotron_h
     if factory is None and model_type in HYBRID_MODEL_TYPES:  # Qwen3-Next, Qwen3.5: recurrent state + attention
         from pagedjax.model.loading.hf_loader import load_hf_qwen3_next
 
