@@ -36,7 +36,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,7 +210,6 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
     mis-shaped tensors (naming them) before reading any data, and naming the file for unreadable data. The load
     time is logged (logger `pagedjax.model.loading.hf_loader`, level INFO).
     """
-    _, state = nnx.split(abstract_model(cfg))
     where = None
     if mesh is not None:
         from pagedjax.parallel.sharding import param_sharding_fn
@@ -227,13 +226,15 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
     if read_json(Path(path) / "config.json").get("model_type") in gpt_oss.MODEL_TYPES:  # its own names and experts
         names = lambda p, shape: gpt_oss.tensor_names(p) or _hf_names(p, shape, cfg.quantization)
         view = gpt_oss.ExpertTensors()
-    return fill_state(path, state, names, skip=skip, where=where, view=view)
+    return fill_state(path, lambda: nnx.split(abstract_model(cfg))[1], names, skip=skip, where=where, view=view)
 
 
-def fill_state(path: str | os.PathLike, state: nnx.State, names, *, skip=None, where=None,
-               fp8_block: tuple[int, int] | None = None, view=None) -> nnx.State:
+def fill_state(path: str | os.PathLike, state: nnx.State | Callable[[], nnx.State], names, *, skip=None,
+               where=None, fp8_block: tuple[int, int] | None = None, view=None) -> nnx.State:
     """Fill the abstract parameters `state` (`jax.ShapeDtypeStruct` leaves, e.g. `nnx.split(nnx.eval_shape(...))`)
-    from a Hugging Face folder's safetensors, in place, and return it: the loading of every built-in model.
+    from a Hugging Face folder's safetensors, in place, and return it: the loading of every built-in model. `state`
+    may be a function building it, called once every file's header was read: a truncated file then fails before
+    the abstract model is traced (seconds for a large config).
 
     names(state path, shape) -> the checkpoint tensors of that parameter, [(name, transposed? or the `Codec` of
     a pre-quantized tensor, the expert whose slice it fills or None)] (`_hf_names` is the Llama family's);
@@ -251,6 +252,9 @@ def fill_state(path: str | os.PathLike, state: nnx.State, names, *, skip=None, w
 
     start = time.perf_counter()
     files = safetensors_files(path)
+    headers = list(_headers(files))  # a file that cannot be read fails here, before the model is traced
+    if not isinstance(state, nnx.State):
+        state = state()
     skip = skip or (lambda name: False)
     # HF name -> (the model's parameter, transposed?, the expert slice it fills or None: the whole parameter).
     targets: dict[str, tuple[Any, bool, int | None]] = {}
@@ -268,7 +272,7 @@ def fill_state(path: str | os.PathLike, state: nnx.State, names, *, skip=None, w
     unexpected, misshaped, skipped = [], [], []
     scales: dict[str, tuple[Path, tuple[int, ...], str]] = {}  # a block-scaled FP8 weight's scales, by name
     fp8: dict[str, tuple[int, ...]] = {}  # float8 weight -> its shape (`hf_fp8`)
-    entries = _headers(files) if view is None else view.headers(_headers(files))
+    entries = headers if view is None else view.headers(headers)
     for file, name, shape, st_dtype in entries:
         if skip(name):
             skipped.append(name)
@@ -443,14 +447,14 @@ def load_deepseek_params(path: str | os.PathLike, cfg, *, mtp_layers: int = 0,
     missing, unexpected or mis-shaped tensors."""
     from pagedjax.model.deepseek import abstract_deepseek
 
-    _, state = nnx.split(abstract_deepseek(cfg))
     mtp = tuple(f"model.layers.{cfg.num_layers + i}." for i in range(mtp_layers))
 
     def skip(name: str) -> bool:
         return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
             bool(mtp) and name.startswith(mtp))
 
-    return fill_state(path, state, _deepseek_names, skip=skip, fp8_block=fp8_block)
+    return fill_state(path, lambda: nnx.split(abstract_deepseek(cfg))[1], _deepseek_names, skip=skip,
+                      fp8_block=fp8_block)
 
 
 def load_hf_deepseek(path: str | os.PathLike, dtype: str | None = None):
@@ -487,7 +491,6 @@ def load_hf_qwen3_next(path: str | os.PathLike, dtype: str | None = None):
 
     cfg = load_qwen3_next_config(path, dtype)
     prefix = qwen3_next.TEXT_PREFIX[read_json(Path(path) / "config.json").get("model_type", "qwen3_next")]
-    _, state = nnx.split(qwen3_next.abstract_qwen3_next(cfg))
 
     def skip(name: str) -> bool:
         return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
@@ -500,7 +503,7 @@ def load_hf_qwen3_next(path: str | os.PathLike, dtype: str | None = None):
         return [(prefix + name.removeprefix("model.") if name.startswith("model.") else name, transpose, expert)
                 for name, transpose, expert in _hf_names(p, shape)]
 
-    state = fill_state(path, state, names, skip=skip)
+    state = fill_state(path, lambda: nnx.split(qwen3_next.abstract_qwen3_next(cfg))[1], names, skip=skip)
     return qwen3_next.qwen3_next_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)
 
 
@@ -515,7 +518,6 @@ def load_hf_nemotron_h(path: str | os.PathLike, dtype: str | None = None):
     from pagedjax.model.loading.hf_config import load_nemotron_h_config
 
     cfg = load_nemotron_h_config(path, dtype)
-    _, state = nnx.split(nemotron_h.abstract_nemotron_h(cfg))
     stored = (name for _, name, _, _ in _headers(safetensors_files(path)))
     prefix = "backbone." if any(name.startswith("backbone.") for name in stored) else "model."
 
@@ -527,5 +529,5 @@ def load_hf_nemotron_h(path: str | os.PathLike, dtype: str | None = None):
         return [(prefix + n.removeprefix("model.") if n.startswith("model.") else n, t, e)
                 for n, t, e in nemotron_h.tensor_names(p) or _hf_names(p, shape)]
 
-    state = fill_state(path, state, names, skip=skip)
+    state = fill_state(path, lambda: nnx.split(nemotron_h.abstract_nemotron_h(cfg))[1], names, skip=skip)
     return nemotron_h.nemotron_h_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)
