@@ -60,7 +60,8 @@ kernel they stand for).
 `check_model(model)` traces one small step (nothing is compiled or run) and raises a ValueError / TypeError
 naming what is wrong: a missing or malformed spec, a layer writing K/V of another shape than declared, a layer
 attended twice or never, a wrong return structure, logits of the wrong shape. The engine calls it on
-construction.
+construction. `forward_on_fresh_pages(model, token_ids)` is a model's dense logits through one step of its serving
+forward over fresh pages (the reference the hybrid families' tests hold the engine to).
 
 Images: a model whose `spec.images` is set (an `ImageSpec`, `pagedjax.config.multimodal`) also has
 
@@ -94,6 +95,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -101,7 +103,7 @@ from jax.sharding import PartitionSpec as P
 from pagedjax.config import CacheConfig, FullAttention, IndexedSparse, LatentAttention, ModelSpec
 from pagedjax.config.parallel import TP
 from pagedjax.device.attention import AttentionMetadata, latent_attention, paged_attention, sparse_attention
-from pagedjax.device.kv_cache import PagedLayer, layer_shapes, write_kv, write_latent, write_sparse
+from pagedjax.device.kv_cache import PagedLayer, init_kv_cache, layer_shapes, write_kv, write_latent, write_sparse
 from pagedjax.model.layers.quant import QuantizedLinear, quantize_model
 from pagedjax.model.registry import ModelRegistry
 from pagedjax.parallel.attention import sharded_latent_write_and_attend, sharded_write_and_attend
@@ -109,8 +111,8 @@ from pagedjax.parallel.sharding import default_param_partition
 
 __all__ = ["TP", "AttentionMetadata", "FullAttention", "ImageEmbeds", "IndexedSparse", "LatentAttention",
            "ModelRegistry", "ModelSpec", "PagedAttention", "PagedKVCache", "PagedLatentAttention", "PagedModel",
-           "PagedSparseAttention", "QuantizedLinear", "check_model", "default_param_partition", "model_spec",
-           "param_partition_fn", "quantize_model"]
+           "PagedSparseAttention", "QuantizedLinear", "check_model", "default_param_partition",
+           "forward_on_fresh_pages", "model_spec", "param_partition_fn", "quantize_model"]
 
 
 @runtime_checkable
@@ -377,6 +379,32 @@ class PagedSparseAttention(PagedLatentAttention):
 
 
 _KIND_SPECS = {spec.kind: spec.__name__ for spec in (FullAttention, LatentAttention, IndexedSparse)}
+
+
+def forward_on_fresh_pages(model, token_ids: jax.Array, block_size: int = 8) -> jax.Array:
+    """A model of the contract's dense reference: whole sequences token_ids `[B, S]` -> float32 logits `[B, S,
+    vocab]`, one step of its serving forward (`model(tokens, positions, cache)`, `model.compute_logits`) over fresh
+    zero pages of its `spec` (every sequence from position 0, in blocks of `block_size`, a table per KV cache group
+    and blocks in each pool, XLA backend). For models whose layers keep state other than K/V (a recurrent layer's
+    snapshots) a forward written apart would restate them; this one serves what the engine serves, in one step."""
+    b, s = token_ids.shape
+    spec = model.spec
+    layout = spec.kv_layout
+    nb = -(-s // block_size)
+    groups = layout.num_groups
+    blocks = groups * b * nb  # every group its own blocks, in each pool
+    kv = init_kv_cache(layout, blocks, block_size, jnp.dtype(spec.dtype),
+                       extra_pools=(blocks,) * (len(layout.pools) - 1))
+    tables = np.arange(blocks, dtype=np.int32).reshape(groups, b, nb)
+    pos = np.tile(np.arange(s, dtype=np.int32), b)
+    seq = np.repeat(np.arange(b), s)
+    slots = tables[:, seq, pos // block_size] * block_size + pos % block_size
+    meta = AttentionMetadata(jnp.asarray(slots if groups > 1 else slots[0]),
+                             jnp.asarray(tables if groups > 1 else tables[0]),
+                             jnp.full((b,), s, jnp.int32), jnp.arange(b + 1, dtype=jnp.int32) * s)
+    cache = PagedKVCache(kv.layers, meta, backend="xla", spec=spec)
+    hidden, _ = model(token_ids.reshape(-1), jnp.asarray(pos), cache)
+    return model.compute_logits(hidden).reshape(b, s, -1)
 
 
 def _declared_layer(cache: PagedKVCache, index: int, kind: str, where: str):

@@ -49,8 +49,8 @@ from flax import nnx
 from pagedjax.config import ModelSpec
 from pagedjax.config.kv_spec import FullAttention, RecurrentState, StatePages
 from pagedjax.device.recurrent import causal_conv1d, mamba2_ssd
-from pagedjax.model.api import PagedAttention, PagedKVCache
-from pagedjax.model.families.qwen3_next import Conv1d, Qwen3Next
+from pagedjax.model.api import PagedAttention, PagedKVCache, forward_on_fresh_pages
+from pagedjax.model.families.qwen3_next import Conv1d
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.llama import Linear
 from pagedjax.model.loading.hf_fields import checkpoint_dtype, flag, id_list, number, optional_id, positive_int
@@ -394,10 +394,8 @@ class NemotronH(nnx.Module):
         return self.lm_head(hidden).astype(jnp.float32)
 
     def forward_dense(self, token_ids: jax.Array, block_size: int = 8) -> jax.Array:
-        """Whole sequences token_ids `[B, S]` -> float32 logits `[B, S, vocab]`: one step of the serving forward
-        over fresh zero pages: `Qwen3Next.forward_dense`'s, which reads only the model's `spec`, its serving
-        forward and `compute_logits`."""
-        return Qwen3Next.forward_dense(self, token_ids, block_size)
+        """Whole sequences token_ids `[B, S]` -> float32 logits `[B, S, vocab]` (`api.forward_on_fresh_pages`)."""
+        return forward_on_fresh_pages(self, token_ids, block_size)
 
 
 def init_nemotron_h(cfg: NemotronHConfig, seed: int = 0) -> NemotronH:

@@ -69,10 +69,8 @@ from flax import nnx
 
 from pagedjax.config import ModelSpec
 from pagedjax.config.kv_spec import FullAttention, RecurrentState, StatePages
-from pagedjax.device.attention import AttentionMetadata
-from pagedjax.device.kv_cache import init_kv_cache
 from pagedjax.device.recurrent import causal_conv1d, gated_delta_rule
-from pagedjax.model.api import PagedAttention, PagedKVCache
+from pagedjax.model.api import PagedAttention, PagedKVCache, forward_on_fresh_pages
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.layers.moe import Experts, combine_experts, per_expert_params, route
 from pagedjax.model.layers.rope import RoPE
@@ -569,26 +567,8 @@ class Qwen3Next(nnx.Module):
         return self.lm_head(hidden).astype(jnp.float32)
 
     def forward_dense(self, token_ids: jax.Array, block_size: int = 8) -> jax.Array:
-        """Whole sequences token_ids `[B, S]` -> float32 logits `[B, S, vocab]`: one step of the serving forward
-        over fresh zero pages (each sequence from position 0, in blocks of `block_size`, XLA backend)."""
-        b, s = token_ids.shape
-        spec = self.spec
-        layout = spec.kv_layout
-        nb = -(-s // block_size)
-        groups = layout.num_groups
-        blocks = groups * b * nb  # every group its own blocks, in each pool
-        kv = init_kv_cache(layout, blocks, block_size, jnp.dtype(spec.dtype),
-                           extra_pools=(blocks,) * (len(layout.pools) - 1))
-        tables = (np.arange(blocks, dtype=np.int32).reshape(groups, b, nb))
-        pos = np.tile(np.arange(s, dtype=np.int32), b)
-        seq = np.repeat(np.arange(b), s)
-        slots = tables[:, seq, pos // block_size] * block_size + pos % block_size
-        meta = AttentionMetadata(jnp.asarray(slots if groups > 1 else slots[0]),
-                                 jnp.asarray(tables if groups > 1 else tables[0]),
-                                 jnp.full((b,), s, jnp.int32), jnp.arange(b + 1, dtype=jnp.int32) * s)
-        cache = PagedKVCache(kv.layers, meta, backend="xla", spec=spec)
-        hidden, _ = self(token_ids.reshape(-1), jnp.asarray(pos), cache)
-        return self.compute_logits(hidden).reshape(b, s, -1)
+        """Whole sequences token_ids `[B, S]` -> float32 logits `[B, S, vocab]` (`api.forward_on_fresh_pages`)."""
+        return forward_on_fresh_pages(self, token_ids, block_size)
 
 
 def init_qwen3_next(cfg: Qwen3NextConfig, seed: int = 0) -> Qwen3Next:
