@@ -257,9 +257,13 @@ def warmup_shapes(*, max_tokens: int, max_seqs: int, max_blocks: int, block_size
     `narrow` (for the XLA attention path, whose cost grows with the block table's width and whose step cost grows
     with its tokens: the bundled model's step of T 512, S 64 took 1,043 ms at 128 blocks per sequence, 143 ms at
     32, on a loaded 2-core CPU) adds a ladder of cheaper stand-ins for the steps of fewer tokens and shorter
-    sequences: the first one a quarter as wide (when it has 8 blocks or more), at T, T / 4, T / 16, ... down to 16
-    tokens (its sequences capped by its tokens). A decode step of a few sequences then has a stand-in of at most
-    4x its tokens (16 at least) instead of the largest step's (measured: stand-in steps of 0.6-2.5 s without it).
+    sequences: widths of a quarter of the table (when it has 8 blocks or more), then a sixteenth, ... while 8
+    blocks or more, each at T, T / 4, T / 16, ... down to 16 tokens (its sequences capped by its tokens). A step
+    then has a stand-in of at most 4x its tokens (16 at least) and, where its table is no wider than the ladder's
+    first width, at most 4x its table's width (the narrowest rung's, 8 to 31 blocks, at least) instead of the
+    largest step's (measured: stand-in steps
+    of 0.6-2.5 s without the token ladder; in the hostile soak, 327 steps over 100 ms in 3 minutes, nearly all of
+    short sequences run on a table of 64 blocks, without the narrower widths).
     A model that takes images has its image inputs on in every ragged stand-in (`images`, and `attend_until` where
     its images attend both ways)."""
     t, s, b = bucket(max_tokens, 16), bucket(min(max_seqs, max_tokens)), bucket(max_blocks, 2)
@@ -268,16 +272,19 @@ def warmup_shapes(*, max_tokens: int, max_seqs: int, max_blocks: int, block_size
                       attend_until=attend_until)
     shapes: list[StepShape | LoopShape] = [plain, plain._replace(prompt_targets=True, num_prompt_top_logprobs=top)]
     if narrow:
-        width = b // 4 if b >= 8 else b
-        tokens = t
-        while True:
-            rows = min(s, bucket(tokens))
-            shape = plain._replace(tokens=tokens, tables=(rows, width), copies=rows)
-            if shape != plain:
-                shapes.append(shape)
-            if tokens <= 16:
-                break
-            tokens = max(16, tokens // 4)
+        widths = [b // 4 if b >= 8 else b]
+        while widths[-1] // 4 >= 8:
+            widths.append(widths[-1] // 4)
+        for width in widths:
+            tokens = t
+            while True:
+                rows = min(s, bucket(tokens))
+                shape = plain._replace(tokens=tokens, tables=(rows, width), copies=rows)
+                if shape != plain:
+                    shapes.append(shape)
+                if tokens <= 16:
+                    break
+                tokens = max(16, tokens // 4)
     if decode_steps > 1:
         shapes.append(LoopShape("decode_loop", (s, b), bucket(s * -(-decode_steps // block_size)), stops,
                                 decode_steps, True, top))
