@@ -361,10 +361,11 @@ def _png(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def random_image_url(rng: random.Random) -> str:
-    """A data URL of a random image of 16-700 pixels a side, as PNG, JPEG or WebP."""
+def random_image_url(seed: int) -> str:
+    """A data URL of a random image of 16-700 pixels a side, as PNG, JPEG or WebP (`seed` picks all of it)."""
     from PIL import Image
 
+    rng = random.Random(seed)
     width, height = rng.randint(16, 700), rng.randint(16, 700)
     pixels = np.random.default_rng(rng.randrange(2**31)).integers(0, 256, (height, width, 3), dtype=np.uint8)
     fmt, media = rng.choice([("PNG", "png"), ("JPEG", "jpeg"), ("WEBP", "webp")])
@@ -393,7 +394,10 @@ def _image_chat(soak: Soak, urls: list[str], **fields) -> dict:
 
 
 async def image_client(client, soak: Soak) -> str | None:
-    urls = [random_image_url(soak.rng) for _ in range(soak.rng.randint(1, 3))]
+    # Encoded in a thread: tens of ms of PIL work a picture on the event loop would stall the probes' reads, and
+    # their gaps would measure this client instead of the server.
+    seeds = [soak.rng.randrange(2**31) for _ in range(soak.rng.randint(1, 3))]
+    urls = await asyncio.to_thread(lambda: [random_image_url(seed) for seed in seeds])
     r = await client.post(f"{soak.vision_url}/v1/chat/completions", json=_image_chat(soak, urls, max_tokens=8))
     return None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
 
