@@ -204,6 +204,32 @@ def test_the_private_member_check_sees_another_objects_members():
     assert private_member_uses(source) == [(4, "other._y")]
 
 
+def async_engine_reach_throughs(source: str) -> list[tuple[int, str]]:
+    """`(line, expression)` for each `engine.engine` / `x.engine.engine` in `source`: the `LLMEngine` behind an
+    `AsyncLLMEngine`, reached around it."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "engine" and (
+                (isinstance(node.value, ast.Name) and node.value.id == "engine")
+                or (isinstance(node.value, ast.Attribute) and node.value.attr == "engine")):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_server_reaches_the_engine_only_through_the_async_engine():
+    """`AsyncLLMEngine` is the server's only door to the engine (its public attributes and methods): no module of
+    `pagedjax.serve` but `async_engine` reaches through it to the `LLMEngine` (it did at six sites)."""
+    serve = ROOT / "pagedjax" / "serve"
+    found = [f"{p.relative_to(ROOT)}:{line}: {use}" for p in sorted(serve.glob("*.py")) if p.name != "async_engine.py"
+             for line, use in async_engine_reach_throughs(p.read_text())]
+    assert found == []
+
+
+def test_the_reach_through_check_sees_both_spellings():
+    source = "def f(self, engine):\n    a = engine.engine.tokenizer\n    return self.engine.engine, self.engine.x\n"
+    assert async_engine_reach_throughs(source) == [(2, "engine.engine"), (3, "self.engine.engine")]
+
+
 @pytest.mark.parametrize("graph,expected", [
     ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
     ({"a": {"b"}, "b": set()}, []),

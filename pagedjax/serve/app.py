@@ -37,7 +37,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from pagedjax.engine.summary import summarize
 from pagedjax.serve.admission import (
     DEFAULT_IMAGE_LIMITS,
     DEFAULT_MAX_CHAT_MESSAGES,
@@ -162,7 +161,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
                             max_chat_messages=max_chat_messages, max_parallel_tool_calls=max_parallel_tool_calls,
                             max_tool_string_length=max_tool_string_length, adapters=adapters, image_limits=image_limits)
 
-    summary = summarize(engine.engine)
+    summary = engine.summary()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

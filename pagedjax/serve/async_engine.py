@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from pagedjax.engine import EngineStats, LLMEngine
+from pagedjax.engine.summary import summarize
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import LoRARequest, SamplingParams
 from pagedjax.serve.metrics import DurationHistogram
@@ -211,6 +212,55 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         """The engine's statistics after the engine thread's latest step or command."""
         return self._stats
+
+    # What the server reads of the engine (fixed at construction, so read from any thread): this class is the
+    # server's only door to it.
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer (None without one)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + output) one request may hold (`LLMEngine.max_request_tokens`)."""
+        return self.engine.max_request_tokens
+
+    @property
+    def model_spec(self):
+        """The served model's `ModelSpec`."""
+        return self.engine.model_spec
+
+    @property
+    def model_config(self):
+        """The served model's config (what a LoRA adapter is checked against)."""
+        return self.engine.model_config
+
+    @property
+    def image_processor(self):
+        """The engine's image processor (None for a model without images)."""
+        return getattr(self.engine, "image_processor", None)
+
+    @property
+    def lora_config(self):
+        """The engine's `LoRAConfig` (None without `enable_lora`)."""
+        lora = getattr(self.engine, "lora", None)
+        return None if lora is None else lora.config
+
+    def compile_constraint(self, structured):
+        """`LLMEngine.compile_constraint`: compile (and cache) a request's output constraint; thread-safe, off the
+        engine thread (ValueError for one that does not compile)."""
+        return self.engine.compile_constraint(structured)
+
+    def summary(self):
+        """The engine's `pagedjax.engine.summary.EngineSummary` (what the server's start-up line says)."""
+        return summarize(self.engine)
+
+    def add_lora_before_start(self, lora_request: LoRARequest) -> None:
+        """Register an adapter on this thread, before the engine thread starts (a server's --lora-modules);
+        RuntimeError once it runs (then: `add_lora`), else what `LLMEngine.add_lora` raises."""
+        if self._thread is not None:
+            raise RuntimeError("the engine thread runs: adapters are added through add_lora")
+        self.engine.add_lora(lora_request)
 
     def start(self) -> None:
         """Start the engine thread (once)."""

@@ -395,8 +395,9 @@ class ImageSupport:
 
     @classmethod
     def for_engine(cls, llm: Any, template: Any, limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> ImageSupport | None:
-        """The support of `llm`'s model for images, or None when it takes none (`model_spec.images` absent or
-        None); ValueError for a model that takes images whose engine has no `image_processor`."""
+        """The support of `llm`'s model for images (an `AsyncLLMEngine`, or anything with its `model_spec` and
+        `image_processor`), or None when it takes none (`model_spec.images` absent or None); ValueError for a model
+        that takes images whose engine has no `image_processor`."""
         if getattr(llm.model_spec, "images", None) is None:
             return None
         processor = getattr(llm, "image_processor", None)

@@ -149,8 +149,7 @@ class ServedAdapters:
         self.base_name = base_name
         self.runtime = runtime
         self.max_registered = max_registered
-        llm = engine.engine
-        self.lora_config = llm.lora.config if getattr(llm, "lora", None) is not None else None
+        self.lora_config = engine.lora_config
         if self.lora_config is None and (modules or runtime is not None):
             raise ValueError("LoRA adapters need an engine with enable_lora=True (--enable-lora)")
         if modules and engine.is_running:
@@ -166,7 +165,7 @@ class ServedAdapters:
                 raise ValueError(f"{where}: {e.message}") from None
             request = LoRARequest(name, next(self._ids), str(path))
             try:
-                llm.add_lora(request)
+                engine.add_lora_before_start(request)
             except (TypeError, ValueError, OSError) as e:
                 raise ValueError(f"{where}: {e}") from None
             self._served[name] = ServedAdapter(request, self._shown_root(Path(path)))
@@ -256,7 +255,7 @@ class ServedAdapters:
         folder = resolve_under_root(given, runtime.root)
         check_adapter_files(folder, given, runtime.root, runtime.max_bytes)
         try:
-            load_peft_adapter(folder, name, 1, self.engine.engine.model_config, self.lora_config.max_lora_rank)
+            load_peft_adapter(folder, name, 1, self.engine.model_config, self.lora_config.max_lora_rank)
         except (TypeError, ValueError, OSError) as e:
             raise self._invalid(e, folder, given) from None
         return folder

@@ -145,10 +145,10 @@ class OpenAIServing:
                  max_parallel_tool_calls: int = DEFAULT_MAX_PARALLEL_TOOL_CALLS,
                  max_tool_string_length: int = DEFAULT_MAX_TOOL_STRING_LENGTH,
                  adapters: ServedAdapters | None = None, image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS):
-        if engine.engine.tokenizer is None:
+        if engine.tokenizer is None:
             raise ValueError("pagedjax-serve needs an engine with a tokenizer (text in, text out)")
         self.engine = engine
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self.model_name = model_name
         # The LoRA adapters a request's `model` may name besides the base model (none by default).
         self.adapters = adapters if adapters is not None else ServedAdapters(engine, base_name=model_name)
@@ -156,20 +156,20 @@ class OpenAIServing:
         self.metrics = metrics
         # What one request can hold: max_model_len, or less when the KV pool is smaller (a default max_tokens is
         # clipped to it, and /v1/models advertises it).
-        self.max_model_len = int(engine.engine.max_request_tokens)
+        self.max_model_len = int(engine.max_request_tokens)
         self.structured_limits = structured_limits
         self.max_chat_messages = max_chat_messages
         self.max_parallel_tool_calls = max_parallel_tool_calls  # a forced choice's calls (`serve.tools`)
         self.max_tool_string_length = max_tool_string_length  # of a forced call's unbounded string argument
         # None for a model that takes no images (every image part is a 400); `pagedjax.serve.images`
-        self.images: ImageSupport | None = ImageSupport.for_engine(engine.engine, chat_template, image_limits)
+        self.images: ImageSupport | None = ImageSupport.for_engine(engine, chat_template, image_limits)
         # A prompt of more UTF-8 bytes has more tokens than fit (`pagedjax.serve.admission`); None: not bounded.
         per_token = longest_token_bytes(self.tokenizer)
         self.prompt_byte_limit = None if per_token is None else (self.max_model_len - 1) * per_token
         if per_token is None:
             logger.warning("%s is not a tokenizer whose tokens bound a prompt's length from its size: prompts are "
                            "tokenized before they are found too long", type(self.tokenizer).__name__)
-        spec = engine.engine.model_spec
+        spec = engine.model_spec
         self.compile_config = compile_config or CompileGuardConfig()
         self.guard = CompileGuard(worker_tokenizer(self.tokenizer, spec.vocab_size, tuple(spec.eos_token_ids)),
                                   self.compile_config)
@@ -315,7 +315,7 @@ class OpenAIServing:
             except CompileRefused as e:
                 raise bad_request(f"{field}: {e}", field) from None
             try:  # the engine thread then only copies the matcher
-                self.engine.engine.compile_constraint(structured)
+                self.engine.compile_constraint(structured)
             except ValueError as e:  # "SamplingParams.structured.<kind>: <the library's error>"
                 raise bad_request(f"{field}: {short_error(str(e).split(': ', 1)[-1])}", field) from None
         except CompilerBusy as e:
