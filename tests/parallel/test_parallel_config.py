@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from pagedjax import CacheConfig, FullAttention, LatentAttention, LLMEngine, ModelConfig, ModelSpec
+from pagedjax.config.kv_spec import RecurrentState
 from pagedjax.config.moe import MoEConfig
 from pagedjax.parallel import ParallelConfig, replica_meshes
 from pagedjax.parallel.sharding import default_param_partition, log_replicated, param_spec, per_device_model
@@ -41,6 +42,13 @@ def test_heads_must_split():
     mixed = latent.replace(kv_layers=(LatentAttention(16, 4), FullAttention(2, 4)))
     with pytest.raises(ValueError, match="mixes full-attention layers with latent ones"):
         ParallelConfig(tensor_parallel_size=2).check_model(mixed)
+    # A hybrid of full attention and recurrent states (Qwen3-Next, Nemotron-H): both split by heads, evenly.
+    hybrid = latent.replace(kv_layers=(RecurrentState((4, 8, 8), (48, 3)), FullAttention(2, 4)))
+    ParallelConfig(tensor_parallel_size=2).check_model(hybrid)
+    with pytest.raises(ValueError, match="must divide a recurrent layer's 4 state heads and 48 conv channels"):
+        ParallelConfig(tensor_parallel_size=8).check_model(hybrid.replace(num_q_heads=8))
+    with pytest.raises(ValueError, match="must divide the 2 KV heads of a model with recurrent-state layers"):
+        ParallelConfig(tensor_parallel_size=4).check_model(hybrid)
     assert ParallelConfig(tensor_parallel_size=8).kv_heads_per_device(2) == 1
     assert ParallelConfig(tensor_parallel_size=8).kv_heads_stored(2) == 8
     assert ParallelConfig(tensor_parallel_size=2).kv_heads_per_device(8) == 4
