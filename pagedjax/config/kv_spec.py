@@ -21,6 +21,7 @@ so they work for every spec. What a spec states:
                           A sliding window's W; 2 for a recurrent state (position p reads the state after p - 1)
   kv_heads_shape          (KV heads, head_dim) of per-head K/V pages, else None
   splits_kv_heads         whether tensor parallelism splits its pages by KV heads (else each device holds them all)
+  per_device(tp)          the spec as one of tp devices holds it (its heads' share; what a per-device budget counts)
   heads_axis              the axis of every page array that tensor parallelism splits by heads (None: each device
                           holds them all): 0 for full attention's KV heads, 1 (after the blocks) for a recurrent
                           state's heads and conv channels
@@ -172,6 +173,11 @@ class KVCacheSpec:
         not split)."""
         return None
 
+    def per_device(self, tp: int) -> KVCacheSpec:
+        """This spec as each of `tp` devices holds it (what a per-device memory budget counts): itself, for pages
+        whole on every device."""
+        return self
+
     def check_query_heads(self, num_q_heads: int) -> str | None:
         """Why `num_q_heads` query heads cannot read this layer (None: they can)."""
         return None
@@ -216,6 +222,10 @@ class FullAttention(KVCacheSpec):
     @property
     def splits_kv_heads(self) -> bool:
         return True
+
+    def per_device(self, tp: int) -> FullAttention:
+        """The KV heads one device holds: num_kv_heads / tp, or 1 (a replica) past them."""
+        return dataclasses.replace(self, num_kv_heads=max(self.num_kv_heads // tp, 1))
 
     def check_query_heads(self, num_q_heads: int) -> str | None:
         if num_q_heads % self.num_kv_heads:
@@ -340,6 +350,11 @@ class RecurrentState(KVCacheSpec):
         both, after the blocks): each device holds the snapshots of its own heads, the layer's model computing
         them per device (`pagedjax.parallel.recurrent`)."""
         return 1
+
+    def per_device(self, tp: int) -> RecurrentState:
+        """The heads and conv channels one device holds."""
+        return RecurrentState((self.state_shape[0] // tp, *self.state_shape[1:]),
+                              (self.conv_shape[0] // tp, *self.conv_shape[1:]))
 
     def check_tensor_parallel(self, tp: int) -> str | None:
         if self.state_shape[0] % tp or self.conv_shape[0] % tp:

@@ -222,8 +222,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def per_device_model(cfg, tp: int):
     """`cfg` (a ModelSpec or ModelConfig) with the KV heads one device holds (num_kv_heads / tp, at least 1):
-    what KV bytes per block are counted with when a per-device memory budget sizes the pool. Latent layers
-    (num_kv_heads None) are whole on every device: `cfg` itself."""
+    what KV bytes per block are counted with when a per-device memory budget sizes the pool. A spec of layers of
+    several kinds (num_kv_heads None): each layer as one device holds it (`KVCacheSpec.per_device`: a hybrid's
+    KV heads and state heads split, latent layers whole on every device)."""
     if cfg.num_kv_heads is None:
-        return cfg
+        layers = getattr(cfg, "kv_layers", None)
+        return cfg if layers is None else cfg.replace(kv_layers=tuple(layer.per_device(tp) for layer in layers))
     return cfg.replace(num_kv_heads=kv_heads_per_device(cfg.num_kv_heads, tp))

@@ -45,6 +45,8 @@ def test_heads_must_split():
     # A hybrid of full attention and recurrent states (Qwen3-Next, Nemotron-H): both split by heads, evenly.
     hybrid = latent.replace(kv_layers=(RecurrentState((4, 8, 8), (48, 3)), FullAttention(2, 4)))
     ParallelConfig(tensor_parallel_size=2).check_model(hybrid)
+    # A per-device memory budget counts one device's share of both: half the state heads and channels, KV heads.
+    assert per_device_model(hybrid, 2).kv_layers == (RecurrentState((2, 8, 8), (24, 3)), FullAttention(1, 4))
     with pytest.raises(ValueError, match="must divide a recurrent layer's 4 state heads and 48 conv channels"):
         ParallelConfig(tensor_parallel_size=8).check_model(hybrid.replace(num_q_heads=8))
     with pytest.raises(ValueError, match="must divide the 2 KV heads of a model with recurrent-state layers"):
