@@ -21,6 +21,10 @@ so they work for every spec. What a spec states:
                           A sliding window's W; 2 for a recurrent state (position p reads the state after p - 1)
   kv_heads_shape          (KV heads, head_dim) of per-head K/V pages, else None
   splits_kv_heads         whether tensor parallelism splits its pages by KV heads (else each device holds them all)
+  per_device(tp)          the spec as one of tp devices holds it (its heads' share; what a per-device budget counts)
+  heads_axis              the axis of every page array that tensor parallelism splits by heads (None: each device
+                          holds them all): 0 for full attention's KV heads, 1 (after the blocks) for a recurrent
+                          state's heads and conv channels
   check_query_heads(...)  whether `num_q_heads` query heads can read it
   kind                    the name of its page kind: the device picks the attention call a probe traces by it
 
@@ -159,6 +163,21 @@ class KVCacheSpec:
         """Whether tensor parallelism splits the pages by KV heads (axis 0 of every array)."""
         return False
 
+    @property
+    def heads_axis(self) -> int | None:
+        """The axis of every page array that tensor parallelism splits by heads; None: whole on every device."""
+        return 0 if self.splits_kv_heads else None
+
+    def check_tensor_parallel(self, tp: int) -> str | None:
+        """Why this layer's pages cannot be split over `tp` devices by `heads_axis` (None: they can, or they are
+        not split)."""
+        return None
+
+    def per_device(self, tp: int) -> KVCacheSpec:
+        """This spec as each of `tp` devices holds it (what a per-device memory budget counts): itself, for pages
+        whole on every device."""
+        return self
+
     def check_query_heads(self, num_q_heads: int) -> str | None:
         """Why `num_q_heads` query heads cannot read this layer (None: they can)."""
         return None
@@ -203,6 +222,10 @@ class FullAttention(KVCacheSpec):
     @property
     def splits_kv_heads(self) -> bool:
         return True
+
+    def per_device(self, tp: int) -> FullAttention:
+        """The KV heads one device holds: num_kv_heads / tp, or 1 (a replica) past them."""
+        return dataclasses.replace(self, num_kv_heads=max(self.num_kv_heads // tp, 1))
 
     def check_query_heads(self, num_q_heads: int) -> str | None:
         if num_q_heads % self.num_kv_heads:
@@ -320,6 +343,24 @@ class RecurrentState(KVCacheSpec):
     @property
     def release_window(self) -> int:
         return 2  # the query at p reads the state after p - 1: blocks before that position's are released
+
+    @property
+    def heads_axis(self) -> int:
+        """Tensor parallelism splits the state by its heads and the conv window by its channels (axis 1 of
+        both, after the blocks): each device holds the snapshots of its own heads, the layer's model computing
+        them per device (`pagedjax.parallel.recurrent`)."""
+        return 1
+
+    def per_device(self, tp: int) -> RecurrentState:
+        """The heads and conv channels one device holds."""
+        return RecurrentState((self.state_shape[0] // tp, *self.state_shape[1:]),
+                              (self.conv_shape[0] // tp, *self.conv_shape[1:]))
+
+    def check_tensor_parallel(self, tp: int) -> str | None:
+        if self.state_shape[0] % tp or self.conv_shape[0] % tp:
+            return (f"tensor_parallel_size {tp} must divide a recurrent layer's {self.state_shape[0]} state heads and "
+                    f"{self.conv_shape[0]} conv channels (RecurrentState): each device holds its heads' state")
+        return None
 
 
 KVLayerSpec = KVCacheSpec  # the type of `ModelSpec.kv_layers`' entries (any kind, built-in or a model's own)

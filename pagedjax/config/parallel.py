@@ -47,16 +47,19 @@ class ParallelConfig:
         """ValueError unless the model's heads split over `tensor_parallel_size` devices (`spec`: its ModelSpec
         or ModelConfig): the query heads evenly, and the KV heads evenly or (tp > num_kv_heads) each replicated
         on tp / num_kv_heads devices. A model whose layers are all latent (MLA / DSA: one entry per token shared by
-        every head) splits its query heads and keeps its latent pages whole on every device; a mix of
-        full-attention and latent layers is served on one device."""
+        every head) splits its query heads and keeps its latent pages whole on every device; a hybrid of
+        full-attention layers of one shape and recurrent-state layers splits both by heads (`_check_hybrid`); a
+        mix of full-attention and latent layers is served on one device."""
         tp = self.tensor_parallel_size
         if tp == 1:
             return
         if spec.num_q_heads % tp:
             raise ValueError(f"tensor_parallel_size {tp} must divide the model's {spec.num_q_heads} query heads")
         if spec.num_kv_heads is None:  # some layer is not FullAttention of the one shape (ModelSpec)
-            if not any(layer.splits_kv_heads for layer in spec.kv_layers):
+            if not any(layer.heads_axis is not None for layer in spec.kv_layers):
                 return  # every layer latent (MLA, DSA): query heads split, the latent pages replicated
+            if self._check_hybrid(spec):
+                return
             raise ValueError(f"tensor_parallel_size {tp}: this model's ModelSpec.kv_layers mixes full-attention "
                              "layers with latent ones or full-attention layers of different shapes; tensor "
                              "parallelism shards either full-attention KV heads of one shape or latent layers "
@@ -64,6 +67,24 @@ class ParallelConfig:
         if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
             raise ValueError(f"tensor_parallel_size {tp} and the model's {spec.num_kv_heads} KV heads: one must "
                              "divide the other (KV heads are split evenly, or replicated when tp > num_kv_heads)")
+
+    def _check_hybrid(self, spec) -> bool:
+        """Whether `spec` is a hybrid of full-attention layers of one shape and recurrent-state layers (Qwen3-Next,
+        Qwen3.5, Nemotron-H), each split by heads: True if so and they split over tp (ValueError naming what does
+        not: the KV heads must be a multiple of tp here, the recurrent layers' heads and channels too)."""
+        tp = self.tensor_parallel_size
+        full = {layer.kv_heads_shape for layer in spec.kv_layers if layer.splits_kv_heads}
+        others = [layer for layer in spec.kv_layers if not layer.splits_kv_heads]
+        if len(full) > 1 or any(layer.heads_axis is None for layer in others):
+            return False
+        for layer in others:
+            why = layer.check_tensor_parallel(tp)
+            if why is not None:
+                raise ValueError(why)
+        if full and next(iter(full))[0] % tp:
+            raise ValueError(f"tensor_parallel_size {tp} must divide the {next(iter(full))[0]} KV heads of a model "
+                             "with recurrent-state layers (KV heads are not replicated past tp in a hybrid model)")
+        return True
 
     def kv_heads_per_device(self, num_kv_heads: int) -> int:
         """KV heads each device holds (see the module-level function)."""

@@ -107,8 +107,7 @@ def init_kv_cache(layout: KVCacheLayout | tuple[KVCacheSpec, ...], num_blocks: i
     def zeros(shape: jax.ShapeDtypeStruct | None, spec: KVCacheSpec):
         if shape is None:
             return None
-        sharded = sharding_of is not None and spec.splits_kv_heads
-        key = (shape.shape, shape.dtype, sharded)
+        key = (shape.shape, shape.dtype, None if sharding_of is None else spec.heads_axis)
         if key not in makers:  # traced once per shape, called per array
             make = lambda: jnp.zeros(shape.shape, shape.dtype)
             makers[key] = make if sharding_of is None else jax.jit(make, out_shardings=sharding_of(spec))

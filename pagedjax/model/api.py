@@ -424,6 +424,9 @@ def param_partition_fn(model, tp: int) -> Callable[[tuple, tuple], P]:
     PartitionSpec does not split the parameter's shape evenly."""
     own = getattr(model, "param_partition", None)
     head_dim = model.spec.head_dim
+    if head_dim is None:  # layers of several kinds (a hybrid's): its full-attention layers' head_dim, if one
+        dims = {layer.kv_heads_shape[1] for layer in model.spec.kv_layers if layer.kv_heads_shape is not None}
+        head_dim = dims.pop() if len(dims) == 1 else None
 
     def partition(names: tuple, shape: tuple) -> P:
         spec = own(names, tp) if own is not None else None

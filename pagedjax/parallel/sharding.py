@@ -22,6 +22,10 @@ Megatron-style tensor parallelism, expressed only as shardings (XLA inserts the 
                                               a row-sharded layer) or, int4's `[out, in // g]`, like its `qweight`
                                               (tp must divide the groups too, else the layer is replicated).
   KV cache `[kv_heads, blocks, block_size, head_dim]` per layer: sharded by KV heads (axis 0).
+  recurrent state snapshots (`RecurrentState`: `[blocks, heads, ...]` and conv windows `[blocks, channels, K - 1]`):
+                                              sharded by heads / channels (axis 1); the hybrid families declare how
+                                              their linear layers' projections split (`param_partition`) and compute
+                                              each device's heads in a shard_map (`pagedjax.parallel.recurrent`).
   LoRA stacks (`pagedjax.model.layers.lora`: A `[in, slots, r]`, B `[slots, r, out]` per target linear) as their
                                               base linear: a column-sharded base's B by its output columns (A
                                               replicated: each device computes every token's x A, then its own
@@ -169,7 +173,10 @@ def log_replicated(cfg, tp: int) -> None:
     if moe is not None and moe.num_experts % tp:
         logger.info("tensor_parallel_size %d does not divide the %d experts: the expert weights are replicated",
                     tp, moe.num_experts)
-    if cfg.num_kv_heads is None:
+    if cfg.num_kv_heads is None and any(layer.heads_axis is not None for layer in getattr(cfg, "kv_layers", ())):
+        logger.info("tensor_parallel_size %d: attention and recurrent-state layers split by heads, each device "
+                    "holding its heads' KV pages and state snapshots", tp)
+    elif cfg.num_kv_heads is None:
         logger.info("tensor_parallel_size %d: query heads split, the latent KV pages replicated on every device", tp)
     elif cfg.num_kv_heads % tp:
         logger.info("tensor_parallel_size %d > %d KV heads: k/v projections replicated, each KV head cached on %d "
@@ -201,14 +208,24 @@ def kv_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(TP))
 
 
+def pages_sharding(mesh: Mesh, heads_axis: int | None) -> NamedSharding:
+    """A layer's page arrays split along `heads_axis` (its spec's: 0, full attention's KV heads; 1, a recurrent
+    state's heads after its blocks), or whole on every device (None: latent pages)."""
+    if heads_axis is None:
+        return replicated(mesh)
+    return NamedSharding(mesh, P(*(None,) * heads_axis, TP))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
 def per_device_model(cfg, tp: int):
     """`cfg` (a ModelSpec or ModelConfig) with the KV heads one device holds (num_kv_heads / tp, at least 1):
-    what KV bytes per block are counted with when a per-device memory budget sizes the pool. Latent layers
-    (num_kv_heads None) are whole on every device: `cfg` itself."""
+    what KV bytes per block are counted with when a per-device memory budget sizes the pool. A spec of layers of
+    several kinds (num_kv_heads None): each layer as one device holds it (`KVCacheSpec.per_device`: a hybrid's
+    KV heads and state heads split, latent layers whole on every device)."""
     if cfg.num_kv_heads is None:
-        return cfg
+        layers = getattr(cfg, "kv_layers", None)
+        return cfg if layers is None else cfg.replace(kv_layers=tuple(layer.per_device(tp) for layer in layers))
     return cfg.replace(num_kv_heads=kv_heads_per_device(cfg.num_kv_heads, tp))

@@ -331,12 +331,12 @@ class ModelRunner:
             return init_kv_cache(cfg.kv_layout, self.num_blocks, self.block_size, self.kv_dtype,
                                  extra_pools=self.extra_pools)
         from pagedjax.config.parallel import kv_heads_stored
-        from pagedjax.parallel.sharding import kv_sharding, replicated
+        from pagedjax.parallel.sharding import pages_sharding
 
-        # Full-attention pages split by KV heads (tp > Hkv: each KV head repeated); latent pages, one entry per
-        # token for every head, whole on every device.
+        # Full-attention pages split by KV heads (tp > Hkv: each KV head repeated); recurrent states by their heads
+        # (and conv windows by channels); latent pages, one entry per token for every head, whole on every device.
         heads = None if cfg.num_kv_heads is None else kv_heads_stored(cfg.num_kv_heads, self.mesh.size)
-        sharding = lambda spec: kv_sharding(self.mesh) if spec.splits_kv_heads else replicated(self.mesh)
+        sharding = lambda spec: pages_sharding(self.mesh, spec.heads_axis)
         return init_kv_cache(cfg.kv_layout, self.num_blocks, self.block_size, self.kv_dtype, num_kv_heads=heads,
                              sharding_of=sharding, extra_pools=self.extra_pools)
 

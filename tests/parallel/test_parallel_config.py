@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from pagedjax import CacheConfig, FullAttention, LatentAttention, LLMEngine, ModelConfig, ModelSpec
+from pagedjax.config.kv_spec import RecurrentState
 from pagedjax.config.moe import MoEConfig
 from pagedjax.parallel import ParallelConfig, replica_meshes
 from pagedjax.parallel.sharding import default_param_partition, log_replicated, param_spec, per_device_model
@@ -41,6 +42,15 @@ def test_heads_must_split():
     mixed = latent.replace(kv_layers=(LatentAttention(16, 4), FullAttention(2, 4)))
     with pytest.raises(ValueError, match="mixes full-attention layers with latent ones"):
         ParallelConfig(tensor_parallel_size=2).check_model(mixed)
+    # A hybrid of full attention and recurrent states (Qwen3-Next, Nemotron-H): both split by heads, evenly.
+    hybrid = latent.replace(kv_layers=(RecurrentState((4, 8, 8), (48, 3)), FullAttention(2, 4)))
+    ParallelConfig(tensor_parallel_size=2).check_model(hybrid)
+    # A per-device memory budget counts one device's share of both: half the state heads and channels, KV heads.
+    assert per_device_model(hybrid, 2).kv_layers == (RecurrentState((2, 8, 8), (24, 3)), FullAttention(1, 4))
+    with pytest.raises(ValueError, match="must divide a recurrent layer's 4 state heads and 48 conv channels"):
+        ParallelConfig(tensor_parallel_size=8).check_model(hybrid.replace(num_q_heads=8))
+    with pytest.raises(ValueError, match="must divide the 2 KV heads of a model with recurrent-state layers"):
+        ParallelConfig(tensor_parallel_size=4).check_model(hybrid)
     assert ParallelConfig(tensor_parallel_size=8).kv_heads_per_device(2) == 1
     assert ParallelConfig(tensor_parallel_size=8).kv_heads_stored(2) == 8
     assert ParallelConfig(tensor_parallel_size=2).kv_heads_per_device(8) == 4
@@ -167,3 +177,48 @@ def test_cli_data_parallel_size_needs_the_devices(capsys):
                      "--no-compile-cache"]) == 2
     err = capsys.readouterr().err
     assert f"--tensor-parallel-size 1 x --data-parallel-size {2 * n} = {2 * n} devices: only {n} cpu" in err
+
+
+def _partitions(model, tp: int) -> dict:
+    """'.'-joined parameter name -> its PartitionSpec on `tp` devices (`param_partition_fn`; nothing allocated)."""
+    from flax import nnx
+
+    from pagedjax.model.api import param_partition_fn
+    from pagedjax.parallel.sharding import key_names
+
+    partition = param_partition_fn(model, tp)
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model))
+    return {".".join(map(str, key_names(kp))): partition(key_names(kp), tuple(x.shape)) for kp, x in leaves}
+
+
+def test_hybrid_families_split_their_linear_layers_by_heads():
+    """Qwen3-Next's gated DeltaNet and Nemotron-H's Mamba-2 layers: projections by columns, out_proj by rows, the
+    per-head parameters by heads, the conv whole; tp not dividing the key heads / groups refused by name."""
+    from jax.sharding import PartitionSpec as P
+
+    from pagedjax.model.families.nemotron_h import NemotronHConfig, abstract_nemotron_h
+    from pagedjax.model.families.qwen3_next import Qwen3NextConfig, abstract_qwen3_next
+
+    qwen = Qwen3NextConfig(vocab_size=64, hidden_size=32, num_layers=2, layer_types=("linear_attention",
+                           "full_attention"), num_heads=4, num_kv_heads=4, head_dim=8, rotary_dim=4,
+                           rope_theta=1e4, linear_conv_kernel=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                           linear_key_head_dim=8, linear_value_head_dim=8, intermediate_size=64,
+                           moe_layers=(False, False))
+    specs = _partitions(abstract_qwen3_next(qwen), 2)
+    assert {k.removeprefix("layers.0.linear_attn."): v for k, v in specs.items() if ".linear_attn." in k} == {
+        "in_proj_qkvz.kernel": P(None, "tp"), "in_proj_ba.kernel": P(None, "tp"), "out_proj.kernel": P("tp", None),
+        "A_log": P("tp"), "dt_bias": P("tp"), "conv1d.weight": P(), "norm.weight": P()}
+    assert specs["layers.1.self_attn.q_proj.kernel"] == P(None, "tp")  # attention by the default rule
+    with pytest.raises(ValueError, match="must divide 'linear_num_key_heads' \\(2\\)"):
+        _partitions(abstract_qwen3_next(qwen), 4)
+
+    nemotron = NemotronHConfig(vocab_size=64, hidden_size=32, layer_types=("linear_attention", "full_attention"),
+                               num_heads=4, num_kv_heads=4, head_dim=8, intermediate_size=64, mamba_num_heads=4,
+                               mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4)
+    specs = _partitions(abstract_nemotron_h(nemotron), 2)
+    assert {k.removeprefix("layers.0.mixer."): v for k, v in specs.items() if k.startswith("layers.0.mixer.")} == {
+        "in_proj.kernel": P(None, "tp"), "out_proj.kernel": P("tp", None), "A_log": P("tp"), "D": P("tp"),
+        "dt_bias": P("tp"), "norm.weight": P("tp"), "conv1d.weight": P(), "conv1d.bias": P()}
+    assert specs["layers.1.mixer.o_proj.kernel"] == P("tp", None)
+    with pytest.raises(ValueError, match="must divide 'n_groups' \\(2\\)"):
+        _partitions(abstract_nemotron_h(nemotron), 4)

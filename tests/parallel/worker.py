@@ -868,6 +868,115 @@ def _latent_layers(name: str) -> None:
         assert got_spec == spec, f"{name} {proj}: {got_spec} != {spec}"
 
 
+def _hybrid_models(head_dim: int = 8) -> dict:
+    """Tiny hybrid models, each (init(seed) -> model): Qwen3-Next (interleaved projections, a MoE layer), Qwen3.5
+    (separate projections: in_proj_qkv's columns are not its heads' channels) and Nemotron-H (Mamba-2, 2 groups,
+    conv bias, an attention and an MLP layer); `head_dim`: their attention layers' (the Pallas kernels' want 16)."""
+    from pagedjax.model.families.nemotron_h import NemotronHConfig, init_nemotron_h
+    from pagedjax.model.families.qwen3_next import Qwen3NextConfig, init_qwen3_next
+
+    qwen = Qwen3NextConfig(vocab_size=64, hidden_size=32, num_layers=3,
+                           layer_types=("linear_attention", "full_attention", "linear_attention"), num_heads=4,
+                           num_kv_heads=2, head_dim=head_dim, rotary_dim=4, rope_theta=10000.0, linear_conv_kernel=4,
+                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                           linear_value_head_dim=8, intermediate_size=64, moe_layers=(False, False, True),
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                           shared_expert_intermediate_size=16, max_position_embeddings=MAX_LEN)
+    nemotron = NemotronHConfig(vocab_size=64, hidden_size=32,
+                               layer_types=("linear_attention", "full_attention", "mlp", "linear_attention"),
+                               num_heads=4, num_kv_heads=2, head_dim=head_dim, intermediate_size=64, mamba_num_heads=4,
+                               mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4,
+                               max_position_embeddings=MAX_LEN)
+    return {"qwen3_next": lambda seed: init_qwen3_next(qwen, seed),
+            "qwen3_5": lambda seed: init_qwen3_next(qwen.replace(fused_projections=False), seed),
+            "nemotron_h": lambda seed: init_nemotron_h(nemotron, seed)}
+
+
+def _hybrid_greedy(name: str, backend: str = "auto", num_prompts: int = len(PROMPTS),
+                   max_tokens: int = MAX_TOKENS) -> None:
+    """A hybrid model at tp 2: the linear layers split by heads (projections by columns, out_proj by rows, the
+    state pool by heads: each device holds its heads' snapshots and conv channels), the attention layers by heads
+    as usual; greedy tokens equal the dense forward's on one device through prefix hits, chunked prefill,
+    preemption and fused decode; the shardings of the pages and projections asserted."""
+    init = _hybrid_models(16 if backend == "pallas" else 8)[name]
+    prompts = PROMPTS[:num_prompts]
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    model = _scaled(init(1))
+    want, margin = greedy_by_recompute(jax.jit(lambda t, m=model: m.forward_dense(t)), prompts, max_tokens, MAX_LEN)
+    assert margin > 1e-3, f"{name}: a near tie ({margin}) would make token equality depend on rounding"
+    assert len({t for w in want for t in w}) > 2, f"{name}: a degenerate reference {want}"
+    e = LLMEngine(model=_scaled(init(1)), cache_config=CacheConfig(block_size=8, num_blocks=8),
+                  scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                  tensor_parallel_size=2, decode_steps_per_call=4, compile_cache=False, backend=backend)
+    got = [o.output_token_ids for o in e.generate(prompts, sampling, use_tqdm=False)]
+    assert got == want, f"{name} tp=2 {backend}: {got} != {want}"
+    s = e.stats()
+    if num_prompts == len(PROMPTS):
+        assert s.scheduler.num_preemptions > 0 and s.scheduler.prefix_cache_hit_rate > 0, s.scheduler
+        assert s.fused_decode_calls > 0, s
+    assert s.tensor_parallel_size == 2, s
+    spec = e.runner.model_spec
+    for layer_spec, layer in zip(spec.kv_layout.slot_specs, e.runner.kv_cache.layers, strict=True):
+        want_spec = P("tp") if layer_spec.kind == "full" else P(None, "tp")
+        for a in jax.tree.leaves(layer):
+            assert a.sharding.spec == want_spec, f"{name} {layer_spec.kind} pages: {a.sharding.spec}"
+            assert {x.data.shape for x in a.addressable_shards} == {
+                a.shape[:want_spec.index("tp")] + (a.shape[want_spec.index("tp")] // 2,)
+                + a.shape[want_spec.index("tp") + 1:]}
+    first = e.runner.params["layers"][0]
+    mixer = first["linear_attn"] if "linear_attn" in first else first["mixer"]
+    projections = {"qwen3_next": ("in_proj_qkvz", "in_proj_ba"), "qwen3_5": ("in_proj_qkv", "in_proj_z"),
+                   "nemotron_h": ("in_proj",)}[name]
+    want_specs = {**{(p, "kernel"): P(None, "tp") for p in projections}, ("out_proj", "kernel"): P("tp", None),
+                  ("A_log",): P("tp"), ("dt_bias",): P("tp"), ("conv1d", "weight"): P()}
+    for path, want_spec in want_specs.items():
+        leaf = mixer
+        for key in path:
+            leaf = leaf[key]
+        got_spec = leaf[...].sharding.spec
+        assert got_spec == want_spec, f"{name} {'.'.join(path)}: {got_spec} != {want_spec}"
+
+
+def _scaled(model):
+    """`model` with its linear kernels and embeddings scaled up (a random model of this size otherwise repeats
+    one token, which would hide bugs from a token comparison)."""
+    graphdef, state = nnx.split(model)
+    state = jax.tree_util.tree_map_with_path(
+        lambda kp, x: x * 3 if str(getattr(kp[-1], "key", kp[-1])) in ("kernel", "embedding") else x, state)
+    return nnx.merge(graphdef, state)
+
+
+@check
+def hybrid_tensor_parallel():
+    """Hybrid models (gated DeltaNet, Mamba-2) at tp 2 (`_hybrid_greedy`): Qwen3-Next and Nemotron-H; and the pool
+    sized by a per-device budget."""
+    _hybrid_greedy("qwen3_next")
+    _hybrid_greedy("nemotron_h")
+    # kv_memory_bytes is each device's budget: it holds half the heads' KV pages and state snapshots, so more blocks.
+    budget, init = 256 * 1024, _hybrid_models()["nemotron_h"]  # 28 snapshots of 3.5 KiB: 98 KiB of state
+    one, two = (LLMEngine(model=init(1), cache_config=CacheConfig(block_size=8, kv_memory_bytes=budget),
+                          scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                           max_model_len=MAX_LEN),
+                          tensor_parallel_size=tp, compile_cache=False) for tp in (1, 2))
+    assert two.num_blocks > 2 * one.num_blocks, (one.num_blocks, two.num_blocks)
+    assert two.stats().kv_cache_bytes_per_device <= budget and one.stats().kv_cache_bytes_per_device <= budget
+
+
+@check
+def qwen3_5_tensor_parallel():
+    """`_hybrid_greedy` with Qwen3.5's separate projections (in_proj_qkv's columns are not its heads' channels:
+    XLA moves each device's q / k / v heads to it)."""
+    _hybrid_greedy("qwen3_5")
+
+
+@check
+def hybrid_pallas_under_shard_map():
+    """The recurrent kernels (Pallas, interpreted on CPU) under `over_heads`' shard_map: Nemotron-H's and
+    Qwen3-Next's tokens at tp 2 equal the dense forward's."""
+    _hybrid_greedy("nemotron_h", backend="pallas", num_prompts=2, max_tokens=3)
+    _hybrid_greedy("qwen3_next", backend="pallas", num_prompts=2, max_tokens=3)
+
+
 def _lora_engine(tp: int | None) -> LLMEngine:
     """A gqa engine serving 2 adapter slots of rank 8 on `tp` devices (None: one, no mesh): a pool small enough to
     preempt, 16-token chunks, fused decodes of 4 steps."""

@@ -42,7 +42,13 @@ SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16
         "beam_search_data_parallel",
         # (CI time) latent_layers_tensor_parallel runs the same MLA layers (and checks their shardings) with V3.2's
         # indexer on
-        "mla_tensor_parallel"]
+        "mla_tensor_parallel",
+        # (CI time: ~50 s on 2 cores, two hybrid models' sharded programs) the linear layers and the state pool split
+        # by heads; tests/parallel/test_parallel_config.py checks their partition rules and refusals
+        "hybrid_tensor_parallel",
+        "qwen3_5_tensor_parallel",  # (CI time: ~25 s) hybrid_tensor_parallel runs the same core with Qwen3-Next's
+        # (CI time: ~60 s, interpreted kernels) pallas_under_shard_map runs the Pallas path under shard_map
+        "hybrid_pallas_under_shard_map"]
 # CI's newest-JAX pass (PAGEDJAX_PARALLEL_CHECKS=newest): what differs by JAX version (shard_map, shardings of
 # every kind of weight and of 8-bit pages, Pallas under shard_map, export, orbax's sharded restore), once each.
 # (CI time) One greedy run: greedy_gqa_tp2_block16's fused decode, prefix hits and preemption under shard_map;

@@ -39,21 +39,25 @@ scan but not in its one-token step), `mamba_ssm_cache_dtype` other than float32,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from pagedjax.config import ModelSpec
 from pagedjax.config.kv_spec import FullAttention, RecurrentState, StatePages
+from pagedjax.config.parallel import TP
 from pagedjax.device.recurrent import causal_conv1d, mamba2_ssd
 from pagedjax.model.api import PagedAttention, PagedKVCache, forward_on_fresh_pages
 from pagedjax.model.families.qwen3_next import Conv1d
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.llama import Linear
 from pagedjax.model.loading.hf_fields import checkpoint_dtype, flag, id_list, number, optional_id, positive_int
+from pagedjax.parallel.recurrent import over_heads
 
 MODEL_TYPES = ("nemotron_h",)
 LAYER_TYPES = ("linear_attention", "full_attention", "mlp")
@@ -279,25 +283,55 @@ class Mamba2Mixer(nnx.Module):
         self.norm = GroupedGatedRMSNorm(dim, self.g, cfg.layer_norm_epsilon, dtype)
         self.out_proj = _linear(dim, cfg.hidden_size, dtype, rngs, cfg.use_bias)
 
+    def _conv_params(self) -> tuple:
+        """The conv's taps `[conv_dim, K]` and bias `[conv_dim]` (or None) as the channels of each head and group:
+        x's `[H, P, ...]`, B's and C's `[G, N, ...]`."""
+        dim, gn = self.h * self.p, self.g * self.n
+        w = self.conv1d.weight[...][:, 0, :]
+        bias = getattr(self.conv1d, "bias", None)
+        parts = lambda a: (a[:dim].reshape(self.h, self.p, *a.shape[1:]),  # noqa: E731
+                           a[dim:dim + gn].reshape(self.g, self.n, *a.shape[1:]),
+                           a[dim + gn:].reshape(self.g, self.n, *a.shape[1:]))
+        return (*parts(w), *((None,) * 3 if bias is None else parts(bias[...])))
+
     def __call__(self, x: jax.Array, cache: PagedKVCache, block_size: int) -> tuple[jax.Array, PagedKVCache]:
-        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's snapshots written)."""
+        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's snapshots written). Under tensor
+        parallelism the conv, the scan and the snapshots run per device over its heads and groups (`over_heads`),
+        in_proj split by columns, the gated norm by groups and out_proj by rows (`NemotronH.param_partition`)."""
         t, i = x.shape[0], self.cache_index
         dim, gn = self.h * self.p, self.g * self.n
-        z, xbc, dt = jnp.split(self.in_proj(x), [dim, 2 * dim + 2 * gn], axis=-1)
-        pages: StatePages = cache.layer(i)
-        meta = cache.meta_of(i)
-        bias = getattr(self.conv1d, "bias", None)
-        xbc, conv_pages = causal_conv1d(xbc, self.conv1d.weight[...][:, 0, :], pages.conv, meta,
-                                        block_size=block_size, backend=cache.backend, decode_only=cache.decode_only,
-                                        activation="silu", bias=None if bias is None else bias[...])
-        xs, b, c = jnp.split(xbc, [dim, dim + gn], axis=-1)
-        dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-        a = -jnp.exp(self.A_log[...].astype(jnp.float32))
-        y, state = mamba2_ssd(xs.reshape(t, self.h, self.p), dt, a, b.reshape(t, self.g, self.n),
-                              c.reshape(t, self.g, self.n), pages.recurrent, meta, block_size=block_size,
-                              backend=cache.backend, decode_only=cache.decode_only, D=self.D[...])
-        cache = cache.with_layer(i, StatePages(state, conv_pages))
-        return self.out_proj(self.norm(y.reshape(t, dim), z).astype(x.dtype)), cache
+        z, xs, b, c, dt = jnp.split(self.in_proj(x), [dim, 2 * dim, 2 * dim + gn, 2 * dim + 2 * gn], axis=-1)
+        core = functools.partial(_mamba2_core, block_size=block_size, backend=cache.backend,
+                                 decode_only=cache.decode_only)
+        split = (xs.reshape(t, self.h, self.p), b.reshape(t, self.g, self.n), c.reshape(t, self.g, self.n), dt,
+                 *self._conv_params(), self.dt_bias[...], self.A_log[...], self.D[...])
+        if cache.mesh is None:
+            y, pages = core(*split, cache.layer(i), cache.meta_of(i))
+        else:
+            y, pages = over_heads(core, cache.mesh, split, (1, 1, 1, 1) + (0,) * 9, (), cache.layer(i),
+                                  cache.meta_of(i))
+        return self.out_proj(self.norm(y.reshape(t, dim), z).astype(x.dtype)), cache.with_layer(i, pages)
+
+
+def _mamba2_core(xs, b, c, dt, w_x, w_b, w_c, bias_x, bias_b, bias_c, dt_bias, A_log, D, pages: StatePages, meta, *,
+                 block_size: int, backend: str, decode_only: bool) -> tuple[jax.Array, StatePages]:
+    """The Mamba-2 mixer of the heads and groups given (all, or one device's): the causal conv over their
+    [x | B | C] channels with bias and SiLU, dt = softplus(dt + dt_bias), A = -exp(A_log), the SSD scan with D;
+    -> (y `[T, H, P]`, the pages with this step's snapshots written)."""
+    t, h, p = xs.shape
+    g, n = b.shape[1:]
+    mixed = jnp.concatenate([xs.reshape(t, -1), b.reshape(t, -1), c.reshape(t, -1)], axis=-1)
+    kernel = w_x.shape[-1]
+    weight = jnp.concatenate([w.reshape(-1, kernel) for w in (w_x, w_b, w_c)])
+    bias = None if bias_x is None else jnp.concatenate([a.reshape(-1) for a in (bias_x, bias_b, bias_c)])
+    mixed, conv_pages = causal_conv1d(mixed, weight, pages.conv, meta, block_size=block_size, backend=backend,
+                                      decode_only=decode_only, activation="silu", bias=bias)
+    xs, b, c = jnp.split(mixed, [h * p, h * p + g * n], axis=-1)
+    dt = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    a = -jnp.exp(A_log.astype(jnp.float32))
+    y, state = mamba2_ssd(xs.reshape(t, h, p), dt, a, b.reshape(t, g, n), c.reshape(t, g, n), pages.recurrent, meta,
+                          block_size=block_size, backend=backend, decode_only=decode_only, D=D)
+    return y, StatePages(state, conv_pages)
 
 
 class Attention(nnx.Module):
@@ -375,6 +409,31 @@ class NemotronH(nnx.Module):
     @property
     def spec(self) -> ModelSpec:
         return self.config.spec
+
+    def param_partition(self, names: tuple, tp: int) -> P | None:
+        """Tensor parallelism over the Mamba-2 layers' heads and groups (`pagedjax.parallel.recurrent`): `in_proj`
+        split by output columns (its [z | x | B | C | dt] parts are taken by heads and groups from them), the gated
+        norm's weight by groups of channels, `out_proj` by input rows, `A_log` / `D` / `dt_bias` by heads; the conv's
+        taps and bias (`[conv_dim, ...]`, a few KiB, in [x | B | C] order: each device takes its heads' and groups'
+        channels) whole on every device. Attention and MLP layers by the default rule. ValueError unless tp
+        divides the groups (`n_groups`: each device's heads read only its own groups) and the heads."""
+        if tp == 1 or "mixer" not in names:
+            return None
+        module, leaf = str(names[-2]), str(names[-1])
+        if module not in ("in_proj", "out_proj", "conv1d", "norm") and leaf not in ("A_log", "D", "dt_bias"):
+            return None  # an attention or MLP layer's
+        cfg = self.config
+        for field, n in (("n_groups", cfg.n_groups), ("mamba_num_heads", cfg.mamba_num_heads)):
+            if n % tp:
+                raise ValueError(f"tensor_parallel_size {tp} must divide {field!r} ({n}): the Mamba-2 layers are "
+                                 "split by heads and groups")
+        if module == "in_proj":
+            return P(None, TP) if leaf == "kernel" else P(TP)
+        if module == "out_proj":
+            return P(TP, None) if leaf == "kernel" else P()
+        if module == "norm" or leaf in ("A_log", "D", "dt_bias"):
+            return P(TP)
+        return P()
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array,
                  cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:

@@ -59,6 +59,7 @@ missing or of another model_type.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -66,9 +67,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from pagedjax.config import ModelSpec
 from pagedjax.config.kv_spec import FullAttention, RecurrentState, StatePages
+from pagedjax.config.parallel import TP
 from pagedjax.device.recurrent import causal_conv1d, gated_delta_rule
 from pagedjax.model.api import PagedAttention, PagedKVCache, forward_on_fresh_pages
 from pagedjax.model.layers.linear import apply_linear
@@ -84,6 +87,7 @@ from pagedjax.model.loading.hf_fields import (
     positive_int,
     rope_source,
 )
+from pagedjax.parallel.recurrent import over_heads
 
 # Qwen3.5's text decoders (CausalLM checkpoints) -> whether every layer's MLP is the sparse MoE.
 QWEN3_5_TEXT_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}
@@ -408,41 +412,69 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, dtype)
         self.out_proj = _linear(value_dim, cfg.hidden_size, dtype, rngs)
 
-    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """x `[T, hidden]` -> (the conv's input [q | k | v] `[T, conv_dim]`, z `[T, Hv, Dv]`, b and a `[T, Hv]`)."""
+    def _project(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        """x `[T, hidden]` -> (q, k `[T, Hk, Dk]`, v, z `[T, Hv, Dv]`, b, a `[T, Hv]`)."""
         t = x.shape[0]
-        if not self.fused:  # Qwen3.5: already in the conv's channel order, one projection each
+        if not self.fused:  # Qwen3.5: [q | k | v] already in the conv's channel order, one projection each
+            key_dim = self.hk * self.dk
+            qkv = self.in_proj_qkv(x)
+            q = qkv[:, :key_dim].reshape(t, self.hk, self.dk)
+            k = qkv[:, key_dim:2 * key_dim].reshape(t, self.hk, self.dk)
+            v = qkv[:, 2 * key_dim:].reshape(t, self.hv, self.dv)
             z = self.in_proj_z(x).reshape(t, self.hv, self.dv)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            return q, k, v, z, self.in_proj_b(x), self.in_proj_a(x)
         r = self.hv // self.hk  # value heads per key head
         qkvz = self.in_proj_qkvz(x).reshape(t, self.hk, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = jnp.split(qkvz, np.cumsum([self.dk, self.dk, r * self.dv]), axis=-1)
         ba = self.in_proj_ba(x).reshape(t, self.hk, 2 * r)
         b, a = ba[..., :r].reshape(t, self.hv), ba[..., r:].reshape(t, self.hv)
-        mixed = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
-        return mixed, z.reshape(t, self.hv, self.dv), b, a
+        return q, k, v.reshape(t, self.hv, self.dv), z.reshape(t, self.hv, self.dv), b, a
+
+    def _conv_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The conv's taps `[conv_dim, K]` as the channels of each head: q's and k's `[Hk, Dk, K]`, v's
+        `[Hv, Dv, K]`."""
+        w, key_dim = self.conv1d.weight[...][:, 0, :], self.hk * self.dk
+        return (w[:key_dim].reshape(self.hk, self.dk, -1), w[key_dim:2 * key_dim].reshape(self.hk, self.dk, -1),
+                w[2 * key_dim:].reshape(self.hv, self.dv, -1))
 
     def __call__(self, x: jax.Array, cache: PagedKVCache, block_size: int) -> tuple[jax.Array, PagedKVCache]:
-        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's snapshots written)."""
+        """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's snapshots written). Under tensor
+        parallelism the conv, the rule and the snapshots run per device over its heads (`over_heads`), the
+        projections split by heads (`Qwen3Next.param_partition`) and out_proj's partial products summed."""
         t, i = x.shape[0], self.layer_index
-        mixed, z, b, a = self._project(x)
-        pages: StatePages = cache.layer(i)
-        meta = cache.meta_of(i)
-        mixed, conv_pages = causal_conv1d(mixed, self.conv1d.weight[...][:, 0, :], pages.conv, meta,
-                                          block_size=block_size, backend=cache.backend, decode_only=cache.decode_only,
-                                          activation="silu")
-        key_dim = self.hk * self.dk
-        q = mixed[:, :key_dim].reshape(t, self.hk, self.dk)
-        k = mixed[:, key_dim:2 * key_dim].reshape(t, self.hk, self.dk)
-        v = mixed[:, 2 * key_dim:].reshape(t, self.hv, self.dv)
-        beta = jax.nn.sigmoid(b.astype(jnp.float32))
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-        o, state = gated_delta_rule(q, k, v, g, beta, pages.recurrent, meta, block_size=block_size,
-                                    backend=cache.backend, decode_only=cache.decode_only)
+        q, k, v, z, b, a = self._project(x)
+        core = functools.partial(_delta_net_core, block_size=block_size, backend=cache.backend,
+                                 decode_only=cache.decode_only)
+        split = (q, k, v, b, a, *self._conv_weights(), self.A_log[...], self.dt_bias[...])
+        if cache.mesh is None:
+            o, pages = core(*split, cache.layer(i), cache.meta_of(i))
+        else:
+            o, pages = over_heads(core, cache.mesh, split, (1, 1, 1, 1, 1, 0, 0, 0, 0, 0), (), cache.layer(i),
+                                  cache.meta_of(i))
         o = self.norm(o.astype(x.dtype), z)
-        cache = cache.with_layer(i, StatePages(state, conv_pages))
-        return self.out_proj(o.reshape(t, -1)), cache
+        return self.out_proj(o.reshape(t, -1)), cache.with_layer(i, pages)
+
+
+def _delta_net_core(q, k, v, b, a, w_q, w_k, w_v, A_log, dt_bias, pages: StatePages, meta, *, block_size: int,
+                    backend: str, decode_only: bool) -> tuple[jax.Array, StatePages]:
+    """The gated DeltaNet of the heads given (all, or one device's): the causal conv over their [q | k | v]
+    channels with SiLU, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the gated delta rule; -> (o
+    `[T, Hv, Dv]`, the pages with this step's snapshots written)."""
+    t, hk, dk = q.shape
+    mixed = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
+    kernel = w_q.shape[-1]
+    weight = jnp.concatenate([w.reshape(-1, kernel) for w in (w_q, w_k, w_v)])
+    mixed, conv_pages = causal_conv1d(mixed, weight, pages.conv, meta, block_size=block_size, backend=backend,
+                                      decode_only=decode_only, activation="silu")
+    key_dim = hk * dk
+    q = mixed[:, :key_dim].reshape(t, hk, dk)
+    k = mixed[:, key_dim:2 * key_dim].reshape(t, hk, dk)
+    v = mixed[:, 2 * key_dim:].reshape(v.shape)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    o, state = gated_delta_rule(q, k, v, g, beta, pages.recurrent, meta, block_size=block_size, backend=backend,
+                                decode_only=decode_only)
+    return o, StatePages(state, conv_pages)
 
 
 class GatedAttention(nnx.Module):
@@ -543,6 +575,29 @@ class Qwen3Next(nnx.Module):
     @property
     def spec(self) -> ModelSpec:
         return self.config.spec
+
+    def param_partition(self, names: tuple, tp: int) -> P | None:
+        """Tensor parallelism over the linear layers' heads (`pagedjax.parallel.recurrent`): their input
+        projections split by output columns (Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba` by key heads,
+        Qwen3.5's by columns, the value heads' `in_proj_z` / `_b` / `_a` by value heads), `out_proj` by input rows,
+        `A_log` / `dt_bias` by value heads; the conv's taps (`[conv_dim, 1, K]`, a few KiB, in [q | k | v] order:
+        each device takes its heads' channels) and the gated norm's weight (one per value-head channel, shared by the
+        heads) whole on every device. Everything else by the default rule (attention, MLPs, experts, vocabulary).
+        ValueError unless tp divides the key heads (and so the value heads)."""
+        if tp == 1 or "linear_attn" not in names:
+            return None
+        if self.config.linear_num_key_heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} must divide 'linear_num_key_heads' "
+                             f"({self.config.linear_num_key_heads}): the linear layers are split by key heads, each "
+                             "with its value heads")
+        module, leaf = str(names[-2]), str(names[-1])
+        if module in ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+            return P(None, TP)
+        if module == "out_proj":
+            return P(TP, None)
+        if leaf in ("A_log", "dt_bias"):
+            return P(TP)
+        return P()
 
     def single_device_params(self, state: nnx.State) -> nnx.State:
         """On one CPU device, every routed expert as its own array (`per_expert_params`: why); else `state`."""
