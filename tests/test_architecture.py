@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedjax.device", "pagedjax.core"),  # pure JAX functions | host state without JAX
     ("pagedjax.sampling_params", "pagedjax.outputs"),  # what a caller asks | what it gets back
     ("pagedjax.config", "pagedjax.compile_cache"),  # every frozen config
-    ("pagedjax.config.fields",),  # the field checks every config class uses
+    ("pagedjax.config.fields", "pagedjax.errors"),  # the field checks every config class uses | request errors
     ("pallas_kernels",),  # kernels: import nothing of pagedjax
 ]
 # Names with a leading underscore that are public by their library's convention (namedtuple's API, os._exit).
