@@ -463,7 +463,8 @@ class LLMEngine:
 
     def compile_constraint(self, structured: StructuredOutput) -> Constraint:
         """A fresh matcher of a constraint, compiled once per engine and copied after (`ConstraintCompiler`: the
-        server compiles in its prepare stage, off the engine thread); ValueError as `add_request` raises."""
+        server compiles in its prepare stage, off the engine thread); `InvalidConstraint` (or `LimitError`,
+        `UnsupportedFeature`) as `add_request` raises."""
         return self.structured.compile(structured)
 
     def add_prepared_request(self, prepared: PreparedRequest) -> None:
