@@ -328,6 +328,8 @@ class OpenAIServing:
                 self.engine.compile_constraint(structured)
             except InvalidRequest as e:  # InvalidConstraint: the library's refusal; LimitError: the engine's limits
                 raise engine_refusal(e, prepared) from None
+            except ValueError as e:  # a refusal of no kind, of the constraint: a 400 naming its field
+                raise bad_request(f"{field}: {short_error(str(e))}", field) from None
         except CompilerBusy as e:
             raise APIError(503, f"The server is overloaded: {e}", code="grammar_compiles_busy",
                            headers={"Retry-After": "1"}) from None
