@@ -248,7 +248,7 @@ class AsyncLLMEngine:
 
     def compile_constraint(self, structured):
         """`LLMEngine.compile_constraint`: compile (and cache) a request's output constraint; thread-safe, off the
-        engine thread (ValueError for one that does not compile)."""
+        engine thread (`InvalidConstraint`, an `InvalidRequest`, for one that does not compile)."""
         return self.engine.compile_constraint(structured)
 
     def summary(self):
