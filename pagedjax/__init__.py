@@ -44,6 +44,11 @@ _LAZY = {
     "EngineConfig": "pagedjax.config",
     "SamplingDefaults": "pagedjax.config",
     "kv_cache_bytes": "pagedjax.config",
+    "InvalidRequest": "pagedjax.errors",
+    "InvalidType": "pagedjax.errors",
+    "ContextLengthExceeded": "pagedjax.errors",
+    "UnsupportedFeature": "pagedjax.errors",
+    "InvalidConstraint": "pagedjax.errors",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,6 +1,6 @@
 """What a caller asks of a request: `SamplingParams`, `StructuredOutput` (a constraint on the output) and
-`BeamSearchParams`. Plain data, no JAX; each checks its fields on construction (TypeError / ValueError naming
-the field).
+`BeamSearchParams`. Plain data, no JAX; each checks its fields on construction (`InvalidType`, a TypeError, or
+`InvalidRequest`, a ValueError, its `param` the field: `pagedjax.errors`).
 """
 
 from __future__ import annotations
@@ -12,22 +12,30 @@ from dataclasses import dataclass
 
 from pagedjax.config.fields import check_int
 from pagedjax.config.sampling import DEFAULT_KEYS, SamplingDefaults
+from pagedjax.errors import InvalidRequest, InvalidType
 
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # seeds travel to the device as two uint32 halves
 
 
 def _check_int(name: str, value, *, lo: int | None, hi: int | None) -> None:
-    check_int("SamplingParams", name, value, lo=lo, hi=hi)
+    """`check_int`'s check of field `name`, refused as the request errors naming it."""
+    try:
+        check_int("SamplingParams", name, value, lo=lo, hi=hi)
+    except TypeError as e:
+        raise InvalidType(str(e), param=name) from None
+    except ValueError as e:
+        raise InvalidRequest(str(e), param=name) from None
 
 
 def _check_float(name: str, value, *, lo: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"SamplingParams.{name} must be a number, got {type(value).__name__} {value!r}")
+        raise InvalidType(f"SamplingParams.{name} must be a number, got {type(value).__name__} {value!r}",
+                          param=name)
     if not math.isfinite(value):
-        raise ValueError(f"SamplingParams.{name} must be finite, got {value}")
+        raise InvalidRequest(f"SamplingParams.{name} must be finite, got {value}", param=name)
     if lo is not None and value < lo:
-        raise ValueError(f"SamplingParams.{name} must be >= {lo}, got {value}")
+        raise InvalidRequest(f"SamplingParams.{name} must be >= {lo}, got {value}", param=name)
 
 
 # Greedy over the raw logits, whatever the engine's defaults: for the engine's own requests (beam search, scoring).
@@ -65,29 +73,31 @@ class StructuredOutput:
                 try:
                     schema = jsonlib.loads(schema)
                 except ValueError as e:
-                    raise ValueError(f"{owner}.json is not valid JSON: {e}") from None
+                    raise InvalidRequest(f"{owner}.json is not valid JSON: {e}", param="structured") from None
             if not isinstance(schema, dict | bool):
-                raise TypeError(f"{owner}.json must be a JSON schema (a dict or its JSON text), got "
-                                f"{type(schema).__name__}")
+                raise InvalidType(f"{owner}.json must be a JSON schema (a dict or its JSON text), got "
+                                  f"{type(schema).__name__}", param="structured")
             object.__setattr__(self, "json", jsonlib.dumps(schema, sort_keys=True, separators=(",", ":")))
         if not isinstance(self.json_object, bool):
-            raise TypeError(f"{owner}.json_object must be a bool, got {self.json_object!r}")
+            raise InvalidType(f"{owner}.json_object must be a bool, got {self.json_object!r}", param="structured")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise TypeError(f"{owner}.{name} must be a non-empty string, got {value!r}")
+                raise InvalidType(f"{owner}.{name} must be a non-empty string, got {value!r}", param="structured")
         if self.choice is not None:
             choice = (self.choice,) if isinstance(self.choice, str) else self.choice
             if not hasattr(choice, "__iter__") or isinstance(choice, bytes):
-                raise TypeError(f"{owner}.choice must be a sequence of strings, got {type(choice).__name__}")
+                raise InvalidType(f"{owner}.choice must be a sequence of strings, got {type(choice).__name__}",
+                                  param="structured")
             choice = tuple(choice)
             if not choice or not all(isinstance(c, str) and c for c in choice):
-                raise ValueError(f"{owner}.choice must hold one or more non-empty strings, got {choice!r}")
+                raise InvalidRequest(f"{owner}.choice must hold one or more non-empty strings, got {choice!r}",
+                                     param="structured")
             object.__setattr__(self, "choice", choice)
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"{owner}: give exactly one of {', '.join(STRUCTURED_KINDS)}; got "
-                             f"{', '.join(given) or 'none'}")
+            raise InvalidRequest(f"{owner}: give exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                                 f"{', '.join(given) or 'none'}", param="structured")
 
     @property
     def kind(self) -> str:
@@ -130,8 +140,8 @@ class SamplingParams:
     `StructuredOutput` (JSON schema, regex, choice, grammar; needs a tokenizer): tokens the constraint does not
     allow next are masked out of the logits before anything else, so log-probabilities reflect it too.
 
-    Every field is validated at construction (types too: no silent coercion); a bad one raises
-    TypeError/ValueError naming it.
+    Every field is validated at construction (types too: no silent coercion); a bad one raises `InvalidType` (a
+    TypeError) or `InvalidRequest` (a ValueError) naming it, its `param` the field (`pagedjax.errors`).
     """
 
     max_tokens: int | None = None  # None: the rest of the context (see above)
@@ -166,11 +176,11 @@ class SamplingParams:
         if self.top_p is not None:
             _check_float("top_p", self.top_p)
             if not 0.0 < self.top_p <= 1.0:
-                raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+                raise InvalidRequest(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.min_p is not None:
             _check_float("min_p", self.min_p)
             if not 0.0 <= self.min_p <= 1.0:
-                raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+                raise InvalidRequest(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}", param="min_p")
         _check_int("n", self.n, lo=1, hi=INT32_MAX)
         if self.best_of is not None:
             _check_int("best_of", self.best_of, lo=self.n, hi=INT32_MAX)
@@ -182,20 +192,22 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name))
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise InvalidRequest(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}",
+                                     param=name)
         if self.repetition_penalty is not None:
             _check_float("repetition_penalty", self.repetition_penalty)
             if self.repetition_penalty <= 0.0:
-                raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+                raise InvalidRequest(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}",
+                                     param="repetition_penalty")
         _check_int("min_tokens", self.min_tokens, lo=0, hi=INT32_MAX if self.max_tokens is None else self.max_tokens)
         object.__setattr__(self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "stop", _str_tuple("stop", self.stop))
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+                raise InvalidType(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}", param=name)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
-            raise TypeError(f"SamplingParams.structured must be a StructuredOutput, got "
-                            f"{type(self.structured).__name__}")
+            raise InvalidType(f"SamplingParams.structured must be a StructuredOutput, got "
+                              f"{type(self.structured).__name__}", param="structured")
 
     def with_defaults(self, defaults: SamplingDefaults) -> SamplingParams:
         """These parameters with every field left None (the model's default) set from `defaults`; self when none
@@ -206,14 +218,15 @@ class SamplingParams:
     def with_room(self, room: int) -> SamplingParams:
         """These parameters with `max_tokens` None (the rest of the context) set to `room`, the tokens the
         context leaves after the prompt (at least 1: a prompt that leaves none is the scheduler's to refuse, as too
-        long); self when max_tokens is given. ValueError naming min_tokens when it asks for more than `room`."""
+        long); self when max_tokens is given. InvalidRequest (param min_tokens) when it asks for more than `room`."""
         if self.max_tokens is not None:
             return self
         if room < 1:  # the prompt fills the context: refused as too long (the scheduler's error, not this one's)
             return dataclasses.replace(self, max_tokens=max(1, self.min_tokens))
         if self.min_tokens > room:
-            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) is more than the {room} tokens the "
-                             "context leaves after the prompt (max_tokens None: the rest of the context)")
+            raise InvalidRequest(f"SamplingParams.min_tokens ({self.min_tokens}) is more than the {room} tokens the "
+                                 "context leaves after the prompt (max_tokens None: the rest of the context)",
+                                 param="min_tokens")
         return dataclasses.replace(self, max_tokens=room)
 
     @property
@@ -247,7 +260,8 @@ class SamplingParams:
 
 def _int_tuple(name: str, value) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"SamplingParams.{name} must be a sequence of ints, got {type(value).__name__}")
+        raise InvalidType(f"SamplingParams.{name} must be a sequence of ints, got {type(value).__name__}",
+                          param=name)
     out = tuple(value)
     for t in out:
         _check_int(name, t, lo=0, hi=INT32_MAX)
@@ -258,12 +272,12 @@ def _str_tuple(name: str, value) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     if isinstance(value, bytes) or not hasattr(value, "__iter__"):
-        raise TypeError(f"SamplingParams.{name} must be a string or a sequence of strings, got "
-                        f"{type(value).__name__}")
+        raise InvalidType(f"SamplingParams.{name} must be a string or a sequence of strings, got "
+                          f"{type(value).__name__}", param=name)
     out = tuple(value)
     for s in out:
         if not isinstance(s, str) or not s:
-            raise ValueError(f"SamplingParams.{name} must hold non-empty strings, got {s!r}")
+            raise InvalidRequest(f"SamplingParams.{name} must hold non-empty strings, got {s!r}", param=name)
     return out
 
 

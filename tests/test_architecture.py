@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedjax.device", "pagedjax.core"),  # pure JAX functions | host state without JAX
     ("pagedjax.sampling_params", "pagedjax.outputs"),  # what a caller asks | what it gets back
     ("pagedjax.config", "pagedjax.compile_cache"),  # every frozen config
-    ("pagedjax.config.fields",),  # the field checks every config class uses
+    ("pagedjax.config.fields", "pagedjax.errors"),  # the field checks every config class uses | request errors
     ("pallas_kernels",),  # kernels: import nothing of pagedjax
 ]
 # Names with a leading underscore that are public by their library's convention (namedtuple's API, os._exit).
@@ -253,3 +253,172 @@ def test_imports_inside_functions_count_and_type_checking_ones_do_not(tmp_path):
                    "def f():\n    from pagedjax.serve import app\n")
     names = _imported_names("pagedjax.core.m", src)
     assert "pagedjax.serve.app" in names and not any(n.startswith("pagedjax.engine") for n in names)
+
+
+# ------------------------------------------------------------------------------- errors: types, never text
+# The server maps a refusal by its type and fields (`pagedjax.errors`: `param`, `code`), never by its message: a
+# message reworded must not change the status or the field a client sees. What counts as an error's text: `str(e)`,
+# `repr(e)`, `format(e)`, an f-string of `e`, and `e.args`, `e.message`, `e.msg`, `e.reason`, `e.detail`, for `e`
+# bound by an `except ... as e`; a name assigned from such text; a parameter of a function (of the scanned modules)
+# some call passes such text to. Matching it: `in` / `not in` / `==` / `!=`, `.startswith`, `.split`, ... (the
+# methods below) or a `re` function. Rewording it (`.replace`, an f-string) is allowed.
+TEXT_ATTRS = frozenset({"args", "message", "msg", "reason", "detail"})
+MATCHING_METHODS = frozenset({"startswith", "endswith", "find", "rfind", "index", "rindex", "count", "split",
+                              "rsplit", "partition", "rpartition", "removeprefix", "removesuffix"})
+MATCHING_OPS = (ast.In, ast.NotIn, ast.Eq, ast.NotEq)
+
+
+def _scopes(tree: ast.Module) -> list[ast.AST]:
+    """The module and each function in it."""
+    return [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef))]
+
+
+def _own_nodes(scope: ast.AST) -> list[ast.AST]:
+    """The nodes of `scope` (a module or a function), not those of the functions inside it (scopes of their own)."""
+    nodes, todo = [], list(ast.iter_child_nodes(scope))
+    while todo:
+        n = todo.pop()
+        nodes.append(n)
+        if not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            todo.extend(ast.iter_child_nodes(n))
+    return nodes
+
+
+def _params(fn: ast.AST) -> list[str]:
+    if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+        return []
+    a = fn.args
+    return [p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]]
+
+
+def _texts(scope: ast.AST, tainted_params: set[str]) -> tuple[set[str], set[str]]:
+    """(names bound to caught exceptions, names holding an error's text) in `scope`."""
+    nodes = _own_nodes(scope)
+    errors = {n.name for n in nodes if isinstance(n, ast.ExceptHandler) and n.name}
+    texts = set(tainted_params)
+    while True:
+        before = len(texts)
+        for n in nodes:
+            if isinstance(n, ast.Assign | ast.AnnAssign | ast.AugAssign | ast.NamedExpr | ast.For):
+                value = n.iter if isinstance(n, ast.For) else n.value
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                if value is not None and _is_text(value, errors, texts):
+                    texts.update(t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name))
+        if len(texts) == before:
+            return errors, texts
+
+
+def _is_text(node: ast.AST, errors: set[str], texts: set[str]) -> bool:
+    """Whether `node` holds an error's text (see above)."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name) and n.id in texts:
+            return True
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("str", "repr", "format")
+                and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id in errors):
+            return True
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in errors \
+                and n.attr in TEXT_ATTRS:
+            return True
+        if isinstance(n, ast.FormattedValue) and isinstance(n.value, ast.Name) and n.value.id in errors:
+            return True
+    return False
+
+
+def _called_name(call: ast.Call) -> str | None:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+
+
+def error_text_matches(sources: dict[str, str]) -> list[str]:
+    """`path:line: code` for each place in `sources` (path -> source) that matches an error's text (see above)."""
+    trees = {path: ast.parse(source) for path, source in sources.items()}
+    functions: dict[str, list[ast.AST]] = {}
+    for tree in trees.values():
+        for scope in _scopes(tree)[1:]:
+            functions.setdefault(scope.name, []).append(scope)
+    tainted: dict[int, set[str]] = {}  # id(function) -> its parameters that some call passes an error's text
+    while True:  # until no call taints another parameter
+        changed = False
+        for tree in trees.values():
+            for scope in _scopes(tree):
+                errors, texts = _texts(scope, tainted.get(id(scope), set()))
+                for call in (n for n in _own_nodes(scope) if isinstance(n, ast.Call)):
+                    for fn in functions.get(_called_name(call), ()):
+                        params = _params(fn)
+                        if isinstance(call.func, ast.Attribute) and params[:1] in (["self"], ["cls"]):
+                            params = params[1:]
+                        given = [(p, a) for p, a in zip(params, call.args, strict=False)]
+                        given += [(k.arg, k.value) for k in call.keywords if k.arg in params]
+                        for p, arg in given:
+                            if _is_text(arg, errors, texts) and p not in tainted.setdefault(id(fn), set()):
+                                tainted[id(fn)].add(p)
+                                changed = True
+        if not changed:
+            break
+    found = set()
+    for path, tree in trees.items():
+        for scope in _scopes(tree):
+            errors, texts = _texts(scope, tainted.get(id(scope), set()))
+            for n in _own_nodes(scope):
+                if isinstance(n, ast.Compare) and any(isinstance(op, MATCHING_OPS) for op in n.ops):
+                    hit = any(_is_text(x, errors, texts) for x in [n.left, *n.comparators])
+                elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+                    f = n.func
+                    hit = ((f.attr in MATCHING_METHODS and _is_text(f.value, errors, texts))
+                           or (isinstance(f.value, ast.Name) and f.value.id == "re"
+                               and any(_is_text(a, errors, texts) for a in n.args)))
+                else:
+                    hit = False
+                if hit:
+                    found.add((path, n.lineno, ast.unparse(n)))
+    return [f"{path}:{line}: {code}" for path, line, code in sorted(found)]
+
+
+def test_the_server_maps_error_types_never_their_text():
+    serve = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "pagedjax" / "serve").rglob("*.py"))}
+    found = error_text_matches(serve)
+    assert found == [], ("these match an exception's message text; raise a typed error (pagedjax.errors: "
+                         "InvalidRequest and its kinds, with param and code) and map its type instead:\n"
+                         + "\n".join(found))
+
+
+OLD_SERVING = '''
+def engine_error_param(message):
+    for says, param in (("stop_token_ids", "stop_token_ids"), ("prompt", "prompt")):
+        if says in message:
+            return param
+    return None
+
+
+async def start(self, prepared):
+    try:
+        return await self.engine.add_request(prepared.prompt_token_ids)
+    except (TypeError, ValueError) as e:
+        message = str(e).replace("request: ", "")
+        if message.startswith("SamplingParams.structured"):
+            raise bad_request(f"x: {message.split(': ', 1)[-1]}", "x") from None
+        raise bad_request(message, engine_error_param(message)) from None
+
+
+def sampling_params(fields):
+    try:
+        return SamplingParams(**fields)
+    except (TypeError, ValueError) as e:
+        param = next((n for n in fields if f"SamplingParams.{n} " in str(e)), None)
+        raise APIError(400, str(e), param=param) from None
+'''
+
+
+def test_the_text_check_catches_the_old_servers_lookups():
+    """The lookups the server used to recover a refusal's field from its message (issue 54): every one is caught,
+    also the one in a function the message is passed to; rewording a message is not."""
+    found = error_text_matches({"old.py": OLD_SERVING})
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "says in message",
+        "message.startswith('SamplingParams.structured')",
+        "message.split(': ', 1)",
+        "f'SamplingParams.{n} ' in str(e)",
+    ]
+    reworded = "try:\n    f()\nexcept ValueError as e:\n    m = str(e).replace('a', 'b')\n    raise X(f'{m}: {e}')\n"
+    typed = "try:\n    f()\nexcept InvalidRequest as e:\n    if e.param == 'structured':\n        raise X(e.code)\n"
+    assert error_text_matches({"a.py": reworded, "b.py": typed}) == []

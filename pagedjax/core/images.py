@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pagedjax.errors import InvalidRequest
+
 
 @dataclass(frozen=True, eq=False)
 class ImageInput:
@@ -63,13 +65,14 @@ def placeholder_starts(token_ids: Sequence[int], image_token_id: int, tokens_per
 
 
 def check_images(images: Sequence[ImageInput], prompt_len: int) -> None:
-    """ValueError unless the images are in prompt order, each one's placeholders non-empty, inside the prompt and
-    apart from the others'."""
+    """InvalidRequest (param "images") unless the images are in prompt order, each one's placeholders non-empty,
+    inside the prompt and apart from the others'."""
     prev_end = 0
     for i, im in enumerate(images):
         if im.length < 1 or im.offset < prev_end or im.end > prompt_len:
-            raise ValueError(f"image {i}: placeholder tokens [{im.offset}, {im.end}) must be non-empty, inside the "
-                             f"{prompt_len}-token prompt, after the previous image's and in order")
+            raise InvalidRequest(f"image {i}: placeholder tokens [{im.offset}, {im.end}) must be non-empty, inside "
+                                 f"the {prompt_len}-token prompt, after the previous image's and in order",
+                                 param="images")
         prev_end = im.end
 
 

@@ -81,6 +81,7 @@ from pagedjax.core.step_plan import (
     unclaimed_lent_blocks,
 )
 from pagedjax.core.step_result import StepResult, emitted_tokens
+from pagedjax.errors import ContextLengthExceeded, InvalidRequest, UnsupportedFeature
 
 
 @dataclass(frozen=True)
@@ -172,23 +173,25 @@ class Scheduler:
         return max(1, left if max_tokens is None else min(max_tokens - request.num_output_tokens, left))
 
     def check_request(self, request: Request) -> None:
-        """Raise ValueError if `add_request` would refuse `request`: an empty prompt, a prompt longer than
-        max_model_len, a duplicate request id, a request that is not fresh, or one that could not fit even
-        in an empty pool (`KVCacheManager.max_blocks_held`: with a sliding window, what its window and one
-        step's chunk hold at once). Changes nothing."""
+        """Raise if `add_request` would refuse `request` (`pagedjax.errors`): InvalidRequest for an empty prompt
+        or a duplicate request id, ContextLengthExceeded for a prompt longer than max_model_len or a request that
+        could not fit even in an empty pool (`KVCacheManager.max_blocks_held`: with a sliding window, what its
+        window and one step's chunk hold at once), InvalidRequest (param "images") for images the model does not
+        place; ValueError for a request that is not fresh (the caller's bug, not the request's). Changes nothing."""
         rid = request.request_id
         if rid in self.requests or rid in self.groups or any(rid in g.sample_ids for g in self.groups.values()):
-            raise ValueError(f"duplicate request id {rid!r}")
+            raise InvalidRequest(f"duplicate request id {rid!r}", param="request_id", code="duplicate_request_id")
         if request.sampling_params.num_samples > 1:
             taken = [i for i in (sample_id(rid, j) for j in range(request.sampling_params.num_samples))
                      if i in self.requests]
             if taken:
-                raise ValueError(f"request {rid!r}: the ids of its samples {taken[:3]} are in use")
+                raise InvalidRequest(f"request {rid!r}: the ids of its samples {taken[:3]} are in use",
+                                     param="request_id", code="duplicate_request_id")
         if request.num_prompt_tokens == 0:
-            raise ValueError(f"request {rid!r}: empty prompt")
+            raise InvalidRequest(f"request {rid!r}: empty prompt", param="prompt")
         if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
-                             f"max_model_len={self.max_model_len}")
+            raise ContextLengthExceeded(f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens is longer "
+                                        f"than max_model_len={self.max_model_len}", param="prompt")
         if (request.status is not RequestStatus.WAITING or request.num_computed_tokens
                 or request.output_token_ids):
             raise ValueError(f"request {rid!r}: not a fresh request (status {request.status.value}, "
@@ -211,13 +214,13 @@ class Scheduler:
             why = "" if not windows else (f" at once (its {'/'.join(map(str, windows))}-token sliding window"
                                           f"{'s' * (len(windows) > 1)} and {step})")
             pool = "" if len(kv.pools) == 1 else f" of pool {p}"
-            raise ValueError(f"request {rid!r}: its prompt and max_tokens may need {need} blocks{pool} of "
-                             f"{self.block_size} tokens{groups}{why}, more than the whole pool of "
-                             f"{kv.pools[p].num_blocks} blocks")
+            raise ContextLengthExceeded(f"request {rid!r}: its prompt and max_tokens may need {need} blocks{pool} "
+                                        f"of {self.block_size} tokens{groups}{why}, more than the whole pool of "
+                                        f"{kv.pools[p].num_blocks} blocks", param="max_tokens")
         if request.images and self.bidirectional_images and chunk < self.tokens_per_image:
-            raise ValueError(f"request {rid!r}: an image's {self.tokens_per_image} tokens attend to each other, so "
-                             f"they run in one step, but a step of its tokens may hold at most {chunk} tokens in the "
-                             f"pool of {kv.num_blocks} blocks")
+            raise InvalidRequest(f"request {rid!r}: an image's {self.tokens_per_image} tokens attend to each other, "
+                                 f"so they run in one step, but a step of its tokens may hold at most {chunk} tokens "
+                                 f"in the pool of {kv.num_blocks} blocks", param="images")
 
     def max_chunk(self, num_kv_tokens: int) -> int:
         """The most tokens one step may compute of a request reaching `num_kv_tokens` tokens of KV: the token
@@ -243,21 +246,24 @@ class Scheduler:
     def _check_images(self, request: Request) -> None:
         rid = request.request_id
         if self.encoder_cache is None:
-            raise ValueError(f"request {rid!r}: this model takes no images")
+            raise UnsupportedFeature(f"request {rid!r}: this model takes no images", param="images",
+                                     code="images_not_supported")
         check_images(request.images, request.num_prompt_tokens)
         cfg = self.scheduler_config
         for i, im in enumerate(request.images):
             if im.length != self.tokens_per_image:
-                raise ValueError(f"request {rid!r}: image {i} has {im.length} placeholder tokens; this model's images "
-                                 f"take {self.tokens_per_image}")
+                raise InvalidRequest(f"request {rid!r}: image {i} has {im.length} placeholder tokens; this model's "
+                                     f"images take {self.tokens_per_image}", param="images")
             if self.bidirectional_images and im.length > cfg.max_num_batched_tokens:
-                raise ValueError(f"request {rid!r}: image {i}'s {im.length} tokens attend to each other, so they run "
-                                 f"in one step, but max_num_batched_tokens is {cfg.max_num_batched_tokens}")
+                raise InvalidRequest(f"request {rid!r}: image {i}'s {im.length} tokens attend to each other, so they "
+                                     f"run in one step, but max_num_batched_tokens is {cfg.max_num_batched_tokens}",
+                                     param="images")
         last = request.images[-1]
         if (self.bidirectional_images and request.sampling_params.num_samples > 1
                 and last.offset < request.num_prompt_tokens - 1 < last.end):
             # its samples fork after the prompt's last token but one, which would split the image's tokens
-            raise ValueError(f"request {rid!r}: n / best_of > 1 with a prompt that ends inside an image's tokens")
+            raise InvalidRequest(f"request {rid!r}: n / best_of > 1 with a prompt that ends inside an image's tokens",
+                                 param="n")
 
     @property
     def max_request_tokens(self) -> int:

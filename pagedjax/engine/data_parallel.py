@@ -27,6 +27,7 @@ from pagedjax.engine.llm_engine import LLMEngine, token_list
 from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
+from pagedjax.errors import InvalidRequest
 from pagedjax.model.loading.generation_config import folder_sampling_defaults
 from pagedjax.model.loading.loader import folder_image_processor, load_engine_model
 from pagedjax.outputs import RequestOutput
@@ -182,8 +183,7 @@ class DataParallelEngine:
     def add_prepared_request(self, prepared: PreparedRequest) -> None:
         """Queue a request from `make_request` on the replica `_choose` picks (ValueError for a duplicate id)."""
         request = prepared.request
-        if request.request_id in self._owner:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._check_unused(request.request_id)
         i = self._choose(request)
         self.replicas[i].add_prepared_request(prepared)
         # (make_request set a max_tokens left None to the context's room)
@@ -198,10 +198,15 @@ class DataParallelEngine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None) -> None:
         """Queue a request on the least loaded replica; raises as `LLMEngine.add_request` does."""
-        if isinstance(request_id, str) and request_id in self._owner:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_unused(request_id)
         self.add_prepared_request(self.make_request(request_id, token_list(request_id, prompt_token_ids),
                                                     sampling_params, cache_salt=cache_salt))
+
+    def _check_unused(self, request_id) -> None:
+        """InvalidRequest (param "request_id") for an id a live request of any replica uses."""
+        if isinstance(request_id, str) and request_id in self._owner:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id",
+                                 code="duplicate_request_id")
 
     def fresh_request_ids(self, prefix: str, n: int) -> list[str]:
         """`n` ids that no live request of any replica uses (`pagedjax.core.request.RequestIds`)."""

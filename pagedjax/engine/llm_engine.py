@@ -45,6 +45,7 @@ from pagedjax.engine.output_processor import OutputProcessor, record_prompt_logp
 from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
+from pagedjax.errors import ContextLengthExceeded, InvalidRequest, InvalidType, UnsupportedFeature
 from pagedjax.lora.manager import LoRAManager
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama
@@ -386,10 +387,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None) -> None:
-        """Queue a request (under `lora_request`'s adapter, or the base model). Raises TypeError for a non-string
-        id or salt, token ids that are not ints, or sampling params of another type; ValueError for ids outside the
-        vocabulary, empty or too long prompts, a duplicate id, a request that could never fit in the KV pool, or
-        an adapter this engine cannot serve. Nothing is queued then."""
+        """Queue a request (under `lora_request`'s adapter, or the base model). Raises `InvalidType` (a TypeError)
+        for a non-string id or salt, token ids that are not ints, or sampling params of another type;
+        `InvalidRequest` (a ValueError) for ids outside the vocabulary, an empty prompt, a duplicate id or an
+        adapter it cannot read; `ContextLengthExceeded` for a prompt too long or a request that could never fit in
+        the context or the KV pool; `UnsupportedFeature` for what this engine does not do (images to a text model,
+        stop strings without a tokenizer, an adapter without enable_lora); `InvalidConstraint` for an output
+        constraint the grammar library refuses. Each names the request field (`param`: `pagedjax.errors`).
+        Nothing is queued then."""
         self.add_prepared_request(self.make_request(request_id, token_list(request_id, prompt_token_ids),
                                                     sampling_params, cache_salt=cache_salt,
                                                     lora_request=lora_request))
@@ -401,44 +406,53 @@ class LLMEngine:
         `max_tokens` left None to the rest of the context (`SamplingParams.with_room`); nothing is queued
         (`add_prepared_request` does). Raises as `add_request`."""
         if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
+            raise InvalidType(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}",
+                              param="request_id")
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"request {request_id!r}: sampling_params must be SamplingParams, "
-                            f"got {type(params).__name__}")
+            raise InvalidType(f"request {request_id!r}: sampling_params must be SamplingParams, "
+                              f"got {type(params).__name__}", param="sampling_params")
         params = params.with_defaults(self.config.sampling_defaults)
         if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"request {request_id!r}: cache_salt must be a str, got {type(cache_salt).__name__}")
+            raise InvalidType(f"request {request_id!r}: cache_salt must be a str, got {type(cache_salt).__name__}",
+                              param="cache_salt")
         tokens, images = self._encode(request_id, prompt)
         params = params.with_room(self.max_request_tokens - len(tokens))  # max_tokens None: the rest of the context
         # The context; a prompt too long itself, or a request bigger than the KV pool, is the scheduler's error.
         limit = self.scheduler_config.max_model_len
         if len(tokens) < limit < len(tokens) + params.max_tokens:
-            raise ValueError(f"request {request_id!r}: SamplingParams.max_tokens ({params.max_tokens}) and the "
-                             f"prompt's {len(tokens)} tokens exceed the {limit}-token context (max_model_len); "
-                             f"max_tokens may be at most {limit - len(tokens)} for this prompt")
+            raise ContextLengthExceeded(
+                f"request {request_id!r}: SamplingParams.max_tokens ({params.max_tokens}) and the prompt's "
+                f"{len(tokens)} tokens exceed the {limit}-token context (max_model_len); max_tokens may be at most "
+                f"{limit - len(tokens)} for this prompt", param="max_tokens")
         vocab = self.model_spec.vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+            raise InvalidRequest(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})",
+                                 param="prompt")
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
-            raise ValueError(f"request {request_id!r}: stop_token_ids {bad_stop[:5]} outside [0, {vocab})")
+            raise InvalidRequest(f"request {request_id!r}: stop_token_ids {bad_stop[:5]} outside [0, {vocab})",
+                                 param="stop_token_ids")
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"request {request_id!r}: SamplingParams.stop needs an engine with a tokenizer "
-                             "(stop strings are matched on the detokenized text); use stop_token_ids")
+            raise UnsupportedFeature(f"request {request_id!r}: SamplingParams.stop needs an engine with a tokenizer "
+                                     "(stop strings are matched on the detokenized text); use stop_token_ids",
+                                     param="stop", code="tokenizer_required")
         adapter_id = None
         if lora_request is not None:
             if self.lora is None:
-                raise ValueError(f"request {request_id!r}: lora_request needs an engine with enable_lora=True")
+                raise UnsupportedFeature(f"request {request_id!r}: lora_request needs an engine with "
+                                         "enable_lora=True", param="lora_request", code="lora_not_enabled")
             try:
                 adapter_id = self.lora.register(lora_request)
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"request {request_id!r}: {e}") from None
+            except TypeError as e:
+                raise InvalidType(f"request {request_id!r}: {e}", param="lora_request") from None
+            except ValueError as e:
+                raise InvalidRequest(f"request {request_id!r}: {e}", param="lora_request") from None
         try:
             constraint = None if params.structured is None else self.structured.compile(params.structured)
-        except ValueError as e:
-            raise ValueError(f"request {request_id!r}: {e}") from None
+        except InvalidRequest as e:
+            raise e.for_request(request_id) from None
         request = Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
                           eos_token_ids=self.model_spec.eos_token_ids, cache_salt=cache_salt, adapter_id=adapter_id,
                           logprobs=[] if params.logprobs is not None else None,
@@ -449,7 +463,8 @@ class LLMEngine:
 
     def compile_constraint(self, structured: StructuredOutput) -> Constraint:
         """A fresh matcher of a constraint, compiled once per engine and copied after (`ConstraintCompiler`: the
-        server compiles in its prepare stage, off the engine thread); ValueError as `add_request` raises."""
+        server compiles in its prepare stage, off the engine thread); `InvalidConstraint` (or `LimitError`,
+        `UnsupportedFeature`) as `add_request` raises."""
         return self.structured.compile(structured)
 
     def add_prepared_request(self, prepared: PreparedRequest) -> None:
@@ -642,8 +657,8 @@ class LLMEngine:
         """
         def text_ids(text: str) -> list[int]:
             if self.tokenizer is None:
-                raise ValueError(f"request {request_id!r}: string prompts need a tokenizer; pass token ids or "
-                                 "give the engine a tokenizer")
+                raise UnsupportedFeature(f"request {request_id!r}: string prompts need a tokenizer; pass token ids "
+                                         "or give the engine a tokenizer", param="prompt", code="tokenizer_required")
             return list(self.tokenizer.encode(text))
 
         if isinstance(prompt, Mapping):
@@ -652,9 +667,9 @@ class LLMEngine:
         ids = text_ids(prompt) if isinstance(prompt, (str, bytes)) else token_list(request_id, prompt)
         images = self.model_spec.images
         if images is not None and images.image_token_id in ids:
-            raise ValueError(f"request {request_id!r}: the prompt holds image placeholder tokens "
-                             f"({images.image_token_id}) but no images: give them as {{'prompt': ..., "
-                             "'multi_modal_data': {'image': [...]}}")
+            raise InvalidRequest(f"request {request_id!r}: the prompt holds image placeholder tokens "
+                                 f"({images.image_token_id}) but no images: give them as {{'prompt': ..., "
+                                 "'multi_modal_data': {'image': [...]}}", param="prompt")
         return ids, ()
 
     # ------------------------------------------------------------------------------------------ training loop
@@ -727,12 +742,13 @@ class LLMEngine:
 
 
 def token_list(request_id: str, prompt_token_ids) -> list[int]:
-    """Token ids as Python ints; TypeError for anything that is not an integer (floats, bools, strings)."""
+    """Token ids as Python ints; InvalidType (a TypeError, param "prompt") for anything that is not an integer
+    (floats, bools, strings)."""
     if isinstance(prompt_token_ids, (str, bytes)):
-        raise TypeError(f"request {request_id!r}: prompt_token_ids must be a sequence of ints, got "
-                        f"{type(prompt_token_ids).__name__}")
+        raise InvalidType(f"request {request_id!r}: prompt_token_ids must be a sequence of ints, got "
+                          f"{type(prompt_token_ids).__name__}", param="prompt")
     tokens = list(prompt_token_ids)
     bad = [t for t in tokens if not is_int(t)]
     if bad:
-        raise TypeError(f"request {request_id!r}: prompt_token_ids must be ints, got {bad[:3]!r}")
+        raise InvalidType(f"request {request_id!r}: prompt_token_ids must be ints, got {bad[:3]!r}", param="prompt")
     return [int(t) for t in tokens]

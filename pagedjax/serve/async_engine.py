@@ -12,11 +12,11 @@ Each step's outputs go back to the event loop that asked for them with `loop.cal
 event loop never waits for device work.
 
 `add_request` returns a `RequestStream` once the engine has accepted the request (its validation errors,
-TypeError / ValueError naming the field, are raised there). Iterating the stream yields one `RequestOutput` per
-step that advanced the request (when the consumer falls behind, only the newest snapshot: they are cumulative,
-so a stream holds at most one), the last one finished. Closing the stream early (`async with`, `aclose()`, or
-cancelling the task that iterates it, e.g. when an HTTP client goes away) aborts the request; the engine frees
-its blocks before its next step.
+`pagedjax.errors.InvalidRequest` and its kinds naming the field, are raised there). Iterating the stream yields one
+`RequestOutput` per step that advanced the request (when the consumer falls behind, only the newest snapshot: they
+are cumulative, so a stream holds at most one), the last one finished. Closing the stream early (`async with`,
+`aclose()`, or cancelling the task that iterates it, e.g. when an HTTP client goes away) aborts the request; the
+engine frees its blocks before its next step.
 
 Failures: a request the engine finished with finish_reason "error" comes out like any other finished output
 (`RequestOutput.error` says why). If `step()` itself raises, every request in flight is aborted and its stream
@@ -248,7 +248,7 @@ class AsyncLLMEngine:
 
     def compile_constraint(self, structured):
         """`LLMEngine.compile_constraint`: compile (and cache) a request's output constraint; thread-safe, off the
-        engine thread (ValueError for one that does not compile)."""
+        engine thread (`InvalidConstraint`, an `InvalidRequest`, for one that does not compile)."""
         return self.engine.compile_constraint(structured)
 
     def summary(self):
@@ -283,7 +283,7 @@ class AsyncLLMEngine:
         accepted it. With `images` (one per image in the prompt, in order: PIL images, or the model's pixels with the
         prompt's placeholders expanded, as the server gives them), the engine gets
         the prompt as `{"prompt_token_ids": ..., "multi_modal_data": {"image": [...]}}` (`make_request`). Raises
-        what `LLMEngine.add_request` raises for a bad request (TypeError / ValueError, nothing queued),
+        what `LLMEngine.add_request` raises for a bad request (`InvalidRequest` and its kinds, nothing queued),
         QueueFullError at `max_pending`, and EngineStoppedError while shutting down."""
         self._check_accepting()
         if self.max_pending is not None and self._num_pending >= self.max_pending:

@@ -3,8 +3,10 @@
   400 invalid_request_error  malformed JSON; a field of the wrong type, out of range or unknown; a prompt over
                              the context length (code `context_length_exceeded`, before tokenizing when its size
                              shows it); a parameter not supported yet; an output constraint over a limit (code
-                             `structured_output_limit`) or that the grammar library refused, crashed on or took
-                             too long to compile; a LoRA adapter the loader refuses (`invalid_lora_adapter`), a
+                             `structured_output_limit`) or that the grammar library refused (`invalid_constraint`
+                             when the engine's compile refused it), crashed on or took too long to compile;
+                             anything else the engine refuses (`pagedjax.errors`: its `param` and `code`, mapped by
+                             type, never by message); a LoRA adapter the loader refuses (`invalid_lora_adapter`), a
                              name taken (`lora_adapter_exists`) or not allowed (`invalid_lora_name`), a load past
                              `--max-registered-loras` (`too_many_lora_adapters`); an image part
                              to a model without images (`images_not_supported`), a URL that is not a base64 data

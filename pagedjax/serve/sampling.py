@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pagedjax.errors import InvalidRequest
 from pagedjax.sampling_params import SamplingParams, StructuredOutput
 from pagedjax.serve.errors import APIError, bad_request
 from pagedjax.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -90,7 +91,7 @@ def structured_output(request: CompletionRequest | ChatCompletionRequest,
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise bad_request("response_format of type json_schema needs json_schema.schema", "response_format")
         return StructuredOutput(json=fmt.json_schema.schema_), name
-    except (TypeError, ValueError) as e:
+    except InvalidRequest as e:  # StructuredOutput's refusal of the value
         raise bad_request(f"{name}: {str(e).replace('StructuredOutput.', '')}", name) from None
     except RecursionError:  # a schema given as JSON text, nested past what Python's json parses
         raise bad_request(f"{name}: the schema nests too deeply to parse", name) from None
@@ -133,7 +134,5 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, *, max_t
             raise bad_request(f"{name} is not supported yet by this engine", name)
     try:
         return SamplingParams(**fields)
-    except (TypeError, ValueError) as e:
-        message = str(e)
-        param = next((n for n in fields if f"SamplingParams.{n} " in message), None)
-        raise APIError(400, message.replace("SamplingParams.", ""), param=param) from None
+    except InvalidRequest as e:  # its param: the SamplingParams field (`engine_fields` gives each its own)
+        raise APIError(400, str(e).replace("SamplingParams.", ""), param=e.param, code=e.code) from None

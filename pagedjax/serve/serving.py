@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from pagedjax.errors import InvalidConstraint, InvalidRequest
 from pagedjax.sampling_params import LoRARequest, SamplingParams
 from pagedjax.serve.admission import (
     DEFAULT_IMAGE_LIMITS,
@@ -118,13 +119,22 @@ class Prepared:
         return getattr(self.params, "n", 1)
 
 
-def engine_error_param(message: str) -> str | None:
-    """The request field an engine's refusal is about, from its message."""
-    for says, param in (("stop_token_ids", "stop_token_ids"), ("vocabulary", "prompt"), ("prompt", "prompt"),
-                        ("max_tokens", "max_tokens")):
-        if says in message:
-            return param
-    return None
+# The engine's request fields (`InvalidRequest.param`) that a request names otherwise: its images come in its
+# messages, its adapter is the model it names; "structured" is the field its constraint came from.
+ENGINE_FIELDS = {"images": "messages", "lora_request": "model"}
+
+
+def engine_refusal(error: InvalidRequest, prepared: Prepared) -> APIError:
+    """The 400 for a request the engine refused (`pagedjax.errors`): by its type, param and code, never its text.
+    An output constraint's refusal names the field the constraint came from, with the grammar library's reason
+    (its first line: `short_error`)."""
+    field = prepared.structured_field
+    if isinstance(error, InvalidConstraint):
+        return bad_request(f"{field}: {short_error(error.reason)}", field, error.code)
+    message = str(error).replace(f"request {prepared.request_id!r}: ", "")
+    if error.param == "structured":  # its output constraint (over the engine's limits): the field it came from
+        return bad_request(f"{field}: {message}", field, error.code)
+    return bad_request(message, ENGINE_FIELDS.get(error.param, error.param), error.code)
 
 
 class OpenAIServing:
@@ -316,8 +326,10 @@ class OpenAIServing:
                 raise bad_request(f"{field}: {e}", field) from None
             try:  # the engine thread then only copies the matcher
                 self.engine.compile_constraint(structured)
-            except ValueError as e:  # "SamplingParams.structured.<kind>: <the library's error>"
-                raise bad_request(f"{field}: {short_error(str(e).split(': ', 1)[-1])}", field) from None
+            except InvalidRequest as e:  # InvalidConstraint: the library's refusal; LimitError: the engine's limits
+                raise engine_refusal(e, prepared) from None
+            except ValueError as e:  # a refusal of no kind, of the constraint: a 400 naming its field
+                raise bad_request(f"{field}: {short_error(str(e))}", field) from None
         except CompilerBusy as e:
             raise APIError(503, f"The server is overloaded: {e}", code="grammar_compiles_busy",
                            headers={"Retry-After": "1"}) from None
@@ -334,12 +346,10 @@ class OpenAIServing:
         try:
             return await self.engine.add_request(prepared.prompt_token_ids, prepared.params,
                                                  request_id=prepared.request_id, lora_request=lora, images=images)
-        except (TypeError, ValueError) as e:
-            message = str(e).replace(f"request {prepared.request_id!r}: ", "")
-            if message.startswith("SamplingParams.structured"):  # the constraint did not compile
-                field = prepared.structured_field
-                raise bad_request(f"{field}: {message.split(': ', 1)[-1]}", field) from None
-            raise bad_request(message, engine_error_param(message)) from None
+        except InvalidRequest as e:
+            raise engine_refusal(e, prepared) from None
+        except (TypeError, ValueError) as e:  # a refusal of no kind: a 400 naming no field
+            raise bad_request(str(e).replace(f"request {prepared.request_id!r}: ", "")) from None
         except QueueFullError as e:
             raise APIError(503, f"The server is overloaded: {e}", code="queue_full",
                            headers={"Retry-After": "1"}) from None

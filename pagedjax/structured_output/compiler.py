@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedjax.errors import InvalidConstraint, UnsupportedFeature
 from pagedjax.sampling_params import StructuredOutput
 from pagedjax.structured_output.finite import check_finite
 from pagedjax.structured_output.isolation import JSON_STYLE, grammar_of  # noqa: F401 - JSON_STYLE re-exported
@@ -113,12 +114,12 @@ class ConstraintCompiler:
             n_vocab=self.vocab_size, eos_token=eos)
 
     def compile(self, structured: StructuredOutput, check: Callable[[], None] | None = None) -> Constraint:
-        """A fresh matcher for `structured`; ValueError naming the field when the library rejects it, or when
-        there is no tokenizer (the constraint is on the text). `check` runs before a compile, never before a copy
-        of a kept matcher (the manager's limits: what was compiled passed them)."""
+        """A fresh matcher for `structured`; `InvalidConstraint` when the library rejects it, `UnsupportedFeature`
+        (param "structured") when there is no tokenizer (the constraint is on the text). `check` runs before a
+        compile, never before a copy of a kept matcher (the manager's limits: what was compiled passed them)."""
         if self.tokenizer is None:
-            raise ValueError("SamplingParams.structured needs an engine with a tokenizer (the constraint is on the "
-                             "text)")
+            raise UnsupportedFeature("SamplingParams.structured needs an engine with a tokenizer (the constraint is "
+                                     "on the text)", param="structured", code="tokenizer_required")
         with self._lock:
             kept = self._compiled.get(structured)
             if kept is not None:
@@ -148,17 +149,22 @@ class ConstraintCompiler:
                 check_finite(structured.grammar)
             grammar = grammar_of(kind, getattr(structured, kind))
         except (ValueError, RuntimeError, TypeError) as e:
-            raise ValueError(f"SamplingParams.structured.{kind}: {e}") from None
+            raise _refused(kind, str(e)) from None
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
         if matcher.is_error():
-            raise ValueError(f"SamplingParams.structured.{kind}: {matcher.get_error()}")
+            raise _refused(kind, matcher.get_error())
         # The first mask builds the lexer's states for the start (lazily, tens of ms for a large grammar), which
         # every copy shares: built here, in the compiling thread, the engine thread's first mask is cheap.
         # A grammar whose start the parser cannot even mask is refused here rather than failing its requests.
         fill_next_token_bitmask(matcher, allocate_token_bitmask(1, self.vocab_size))
         if matcher.is_error():
-            raise ValueError(f"SamplingParams.structured.{kind}: {matcher.get_error()}")
+            raise _refused(kind, matcher.get_error())
         return matcher
+
+
+def _refused(kind: str, reason: str) -> InvalidConstraint:
+    """The grammar library's refusal of a constraint of `kind`."""
+    return InvalidConstraint(f"SamplingParams.structured.{kind}: {reason}", kind=kind, reason=reason)
 
 
 
@@ -170,8 +176,8 @@ class _Vocabulary:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
         if not hasattr(tokenizer, "decode_bytes"):
-            raise ValueError(f"structured output needs a Hugging Face or byte-level tokenizer, got "
-                             f"{type(tokenizer).__name__}")
+            raise UnsupportedFeature(f"structured output needs a Hugging Face or byte-level tokenizer, got "
+                                     f"{type(tokenizer).__name__}", param="structured", code="tokenizer_required")
         special = set(getattr(tokenizer, "special_token_ids", ()) or ())
         self.tokens = []
         for i in range(vocab_size):

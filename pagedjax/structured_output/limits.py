@@ -23,14 +23,19 @@ import re
 from typing import Any
 
 from pagedjax.config.structured import DEFAULT_LIMITS, StructuredLimits  # noqa: F401 - re-exported
+from pagedjax.errors import InvalidRequest
 from pagedjax.sampling_params import StructuredOutput
 
 
-class LimitError(ValueError):
-    """A constraint over one of `StructuredLimits`: what is over (`detail`), the field's name and its value."""
+class LimitError(InvalidRequest):
+    """A constraint over one of `StructuredLimits`: what is over (`detail`), the limit's name and its value; a
+    request error about its constraint (param "structured", code `structured_output_limit`)."""
+
+    code = "structured_output_limit"
 
     def __init__(self, detail: str, limit: str, value: int):
-        super().__init__(f"{detail}, over the limit {limit} = {value:,} (--{limit.replace('_', '-')})")
+        super().__init__(f"{detail}, over the limit {limit} = {value:,} (--{limit.replace('_', '-')})",
+                         param="structured")
         self.detail, self.limit, self.value = detail, limit, value
 
     def within(self, where: str) -> LimitError:

@@ -35,8 +35,8 @@ class StructuredOutputManager:
         return len(self._constraints)
 
     def compile(self, structured: StructuredOutput) -> Constraint:
-        """A fresh matcher (`ConstraintCompiler.compile`: ValueError naming the field if invalid), once the
-        constraint is within `limits` (`LimitError`, a ValueError naming the limit, before any native code sees
+        """A fresh matcher (`ConstraintCompiler.compile`: `InvalidConstraint` if invalid), once the
+        constraint is within `limits` (`LimitError`, an `InvalidRequest` naming the limit, before any native code sees
         it: the grammar library overflows its stack on some hostile constraints). A constraint the compiler keeps
         compiled passed them then: its copy is not checked again (the server compiles in its prepare stage, so
         the engine thread's own call for the request neither re-reads a 64 KiB grammar nor compiles)."""
