@@ -40,6 +40,7 @@ overstates. Ratios compare rows of the same run only.
 from __future__ import annotations
 
 import argparse
+import logging
 import resource
 import statistics
 import sys
@@ -59,6 +60,7 @@ from pagedjax.core.request import Request  # noqa: E402
 from pagedjax.core.scheduler import Scheduler  # noqa: E402
 from pagedjax.model.families.qwen3_next import Qwen3NextConfig, config_from_hf  # noqa: E402
 
+logger = logging.getLogger("bench_hybrid")
 TABLES = ("memory", "speed", "prefix")
 GIB = 2**30
 
@@ -344,9 +346,9 @@ def best_of(runs: list[dict]) -> dict:
     return out
 
 
-def time_engine(engine: LLMEngine, vocab: int, context: int, batch: int, decode_steps: int, repeats: int,
+def time_engine(engine: LLMEngine, ids: Ids, vocab: int, context: int, batch: int, decode_steps: int, repeats: int,
                 seed: int) -> dict:
-    ids, rng = Ids(), np.random.default_rng(seed)
+    rng = np.random.default_rng(seed + context)
     engine_run(engine, ids, _prompts(rng, vocab, batch, context), decode_steps)  # warm-up: compiles
     prompts = [_prompts(rng, vocab, batch, context) for _ in range(repeats)]
     runs = [engine_run(engine, ids, p, decode_steps) for p in prompts]
@@ -355,65 +357,101 @@ def time_engine(engine: LLMEngine, vocab: int, context: int, batch: int, decode_
     return out
 
 
-def time_transformers(folder: Path, prompts: list[list[int]], decode_steps: int, repeats: int) -> dict:
-    """transformers' generate on `folder` (float32, greedy, its default cache): prefill = generate of one token,
-    decode = the rest of a generate of `decode_steps` + 1 tokens."""
+def load_transformers(folder: Path):
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True,
                                                               dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
+    return model
+
+
+def time_transformers(model, prompts: list[list[int]], decode_steps: int, repeats: int) -> dict:
+    """transformers (`model`: float32, its default cache) driven greedily by hand: prefill = the forward of the
+    prompts, decode = `decode_steps` forwards of one token each with the cache (generate's own overhead left out);
+    with 1 torch thread and torch's default, the faster decode kept (as scripts/bench_hf.py does)."""
+    import torch
+
     ids = torch.tensor(prompts, dtype=torch.long)
 
-    def generate(n: int):
+    def run() -> tuple[float, float, float, float, list]:
         with torch.inference_mode():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, eos_token_id=None, pad_token_id=0)
+            start, cpu0 = time.perf_counter(), _cpu()
+            out = model(input_ids=ids, use_cache=True)
+            tokens = [out.logits[:, -1].argmax(-1)]
+            mid, cpu1 = time.perf_counter(), _cpu()
+            cache = out.past_key_values
+            for _ in range(decode_steps):
+                out = model(input_ids=tokens[-1][:, None], past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                tokens.append(out.logits[:, -1].argmax(-1))
+            end, cpu2 = time.perf_counter(), _cpu()
+        return mid - start, cpu1 - cpu0, end - mid, cpu2 - cpu1, torch.stack(tokens, 1).tolist()
 
-    generate(2)  # warm-up
-    one, full = [], []
-    for _ in range(repeats):
-        start, cpu0 = time.perf_counter(), _cpu()
-        generate(1)
-        one.append((time.perf_counter() - start, _cpu() - cpu0))
-        start, cpu0 = time.perf_counter(), _cpu()
-        out = generate(decode_steps + 1)
-        full.append((time.perf_counter() - start, _cpu() - cpu0))
-    prefill_s, full_s = min(w for w, _ in one), min(w for w, _ in full)
-    prefill_cpu, full_cpu = statistics.fmean(c for _, c in one), statistics.fmean(c for _, c in full)
-    return {"prefill_s": prefill_s, "prefill_cpu": prefill_cpu, "prefill_tokens": ids.numel(),
-            "decode_s": max(full_s - prefill_s, 1e-9), "decode_cpu": max(full_cpu - prefill_cpu, 0.0),
-            "decode_tokens": len(prompts) * decode_steps, "tokens": out[:, ids.shape[1]:].tolist()}
+    default_threads = torch.get_num_threads()
+    best = None
+    for threads in dict.fromkeys((1, default_threads)):  # on a busy machine more torch threads can be far slower
+        torch.set_num_threads(threads)
+        run()  # warm-up
+        runs = [run() for _ in range(repeats)]
+        if best is None or min(r[2] for r in runs) < min(r[2] for r in best[1]):
+            best = threads, runs
+    torch.set_num_threads(default_threads)
+    threads, runs = best
+    return {"torch_threads": threads, "prefill_s": min(r[0] for r in runs),
+            "prefill_cpu": statistics.fmean(r[1] for r in runs),
+            "prefill_tokens": ids.numel(), "decode_s": min(r[2] for r in runs),
+            "decode_cpu": statistics.fmean(r[3] for r in runs), "decode_tokens": len(prompts) * decode_steps,
+            "tokens": runs[-1][4]}
 
 
-def _engine_configs(context: int, batch: int, decode_steps: int, chunk: int, block_size: int,
-                    caching: bool = False) -> tuple[CacheConfig, SchedulerConfig]:
-    max_len = context + decode_steps + 72
-    blocks = (batch + 1) * cdiv(max_len, block_size) + 8
-    return (CacheConfig(block_size=block_size, num_blocks=blocks, enable_prefix_caching=caching),
-            SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(chunk, batch), max_model_len=max_len))
+class Engines:
+    """The engines of the speed and prefix tables, built once (compiling is most of a small run): the hybrid from
+    its checkpoint with prefix caching off and on, and the full-attention model (caching off), all of one cache and
+    scheduler shape: `max_num_seqs` sequences of up to `max_len` tokens, prefill chunks of `chunk`."""
+
+    def __init__(self, folder: Path, shape: str, max_len: int, max_num_seqs: int, chunk: int, block_size: int,
+                 seed: int) -> None:
+        self.folder, self.shape, self.max_len, self.seed = folder, shape, max_len, seed
+        self.sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(chunk, max_num_seqs),
+                                     max_model_len=max_len)
+        self.blocks = (max_num_seqs + 1) * cdiv(max_len, block_size) + 8
+        self.block_size = block_size
+        self._built: dict[str, LLMEngine] = {}
+        self.ids: dict[str, Ids] = {}
+
+    def cache(self, caching: bool) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, num_blocks=self.blocks, enable_prefix_caching=caching)
+
+    def __getitem__(self, name: str) -> LLMEngine:
+        """"hybrid", "hybrid cached" or "full"."""
+        if name not in self._built:
+            if name == "full":
+                engine = LLMEngine(full_attention_config(self.shape, self.max_len), self.cache(False), self.sched,
+                                   backend="xla", seed=self.seed)
+            else:
+                engine = LLMEngine.from_pretrained(self.folder, dtype="float32", cache_config=self.cache(
+                    name == "hybrid cached"), scheduler_config=self.sched, backend="xla", seed=self.seed)
+            self._built[name], self.ids[name] = engine, Ids()
+        return self._built[name]
 
 
-def speed_table(shape: str, contexts: tuple[int, ...], batch: int, decode_steps: int, repeats: int, chunk: int,
-                block_size: int, folder: Path, params: int, with_transformers: bool, seed: int) -> list[dict]:
-    max_len = max(contexts) + decode_steps + 72
+def speed_table(engines: Engines, contexts: tuple[int, ...], batch: int, decode_steps: int, repeats: int,
+                params: int, with_transformers: bool) -> list[dict]:
+    shape, folder, seed = engines.shape, engines.folder, engines.seed
     vocab = SHAPES[shape]["vocab_size"]
+    full_params = count_params(full_attention_config(shape, engines.max_len))
+    chunk = engines.sched.max_num_batched_tokens
     rows = []
+    hf_model = load_transformers(folder) if with_transformers else None
     for context in contexts:
-        cache, sched = _engine_configs(context, batch, decode_steps, chunk, block_size)
-        hybrid = LLMEngine.from_pretrained(folder, dtype="float32", cache_config=cache, scheduler_config=sched,
-                                           backend="xla", seed=seed)
-        h = time_engine(hybrid, vocab, context, batch, decode_steps, repeats, seed)
-        del hybrid
-        full_engine = LLMEngine(full_attention_config(shape, max_len), cache, sched, backend="xla", seed=seed)
-        full_params = sum(int(np.prod(a.shape)) for a in _leaves(full_engine))
-        f = time_engine(full_engine, vocab, context, batch, decode_steps, repeats, seed)
-        del full_engine
+        h = time_engine(engines["hybrid"], engines.ids["hybrid"], vocab, context, batch, decode_steps, repeats, seed)
+        f = time_engine(engines["full"], engines.ids["full"], vocab, context, batch, decode_steps, repeats, seed)
         row = {"context": context, "batch": batch, "hybrid": h, "full": f, "hybrid_params": params,
                "full_params": full_params}
         if with_transformers:
-            t = time_transformers(folder, h["prompts"], decode_steps, repeats)
+            t = time_transformers(hf_model, h["prompts"], decode_steps, repeats)
             row["transformers"] = t
             n = min(len(t["tokens"][0]), len(h["tokens"][0]))
             row["same_tokens"] = float(np.mean([a[:n] == b[:n] for a, b in zip(h["tokens"], t["tokens"],
@@ -424,10 +462,11 @@ def speed_table(shape: str, contexts: tuple[int, ...], batch: int, decode_steps:
                 r["decode_tok_s"] = r["decode_tokens"] / r["decode_s"]
                 r.pop("prompts", None)
         rows.append(row)
-    print(f"\nspeed on this CPU (XLA backend, float32): hybrid {params / 1e6:.0f}M parameters (12 layers 3:1 gated "
-          f"DeltaNet:full) vs full attention {rows[0]['full_params'] / 1e6:.0f}M (same width, depth, heads, MLP), "
+    layers = SHAPES[shape]["num_hidden_layers"]
+    print(f"\nspeed on this CPU (XLA backend, float32): hybrid {params / 1e6:.1f}M parameters ({layers} layers 3:1 "
+          f"gated DeltaNet:full) vs full attention {full_params / 1e6:.1f}M (same width, depth, heads, MLP), "
           f"batch {batch}, prefill chunks of {chunk}, {decode_steps} decode steps, best wall of {repeats} "
-          "(CPU seconds per run in parentheses)")
+          "(tokens per CPU second in parentheses)")
     hf = " | transformers prefill tok/s | transformers decode tok/s | pagedjax / transformers decode | same tokens" \
         if with_transformers else ""
     print(f"| context | hybrid prefill tok/s | full prefill tok/s | hybrid / full prefill | hybrid decode tok/s "
@@ -450,16 +489,23 @@ def speed_table(shape: str, contexts: tuple[int, ...], batch: int, decode_steps:
         curve = ", ".join(f"{r['context']:,}: {r[name]['decode_tok_s'] / first[name]['decode_tok_s']:.2f}"
                           for r in rows)
         print(f"{name} decode tok/s relative to context {first['context']:,}: {curve}")
-    print("tok/s: wall (per CPU second in parentheses); same tokens: sequences whose greedy tokens equal "
-          "transformers' on the same checkpoint (random weights: near ties may differ)")
+    print("tok/s: wall (per CPU second in parentheses); decode tok/s relative: the decode curve over context; "
+          "transformers: its modeling code driven by hand (a prefill forward, then one-token forwards with its "
+          "cache), the faster of 1 torch thread and torch's default ("
+          + ", ".join(f"{r['context']:,}: {r['transformers']['torch_threads']}" for r in rows if "transformers" in r)
+          + "); same tokens: sequences whose greedy tokens equal transformers' (random weights: near ties may "
+          "differ)" if with_transformers else "tok/s: wall (per CPU second in parentheses)")
     return rows
 
 
-def _leaves(engine: LLMEngine):
+def count_params(cfg: ModelConfig) -> int:
+    """Parameters of the built-in model of `cfg` (its abstract structure: nothing allocated)."""
     import jax
     from flax import nnx
 
-    return jax.tree.leaves(nnx.state(engine.runner.model, nnx.Param))
+    from pagedjax.model.llama import abstract_model
+
+    return sum(a.size for a in jax.tree.leaves(nnx.state(abstract_model(cfg), nnx.Param)))
 
 
 def _rate(r: dict, phase: str) -> str:
@@ -494,18 +540,13 @@ def prefix_run(engine: LLMEngine, ids: Ids, system: list[int], suffixes: list[li
             "hit_tokens": hits, "query_tokens": queries, "tokens": [tokens[n] for n in names]}
 
 
-def prefix_table(folder: Path, num_requests: int, system_tokens: int, suffix_tokens: int, max_tokens: int,
-                 max_num_seqs: int, chunk: int, block_size: int, repeats: int, seed: int) -> list[dict]:
-    vocab = int(__import__("json").loads((folder / "config.json").read_text())["vocab_size"])
-    max_len = system_tokens + suffix_tokens + max_tokens + 8
+def prefix_table(engines: Engines, num_requests: int, system_tokens: int, suffix_tokens: int, max_tokens: int,
+                 repeats: int) -> list[dict]:
+    vocab = SHAPES[engines.shape]["vocab_size"]
     rows = []
     for caching in (False, True):
-        blocks = (max_num_seqs + 2) * cdiv(max_len, block_size) + 8
-        cache = CacheConfig(block_size=block_size, num_blocks=blocks, enable_prefix_caching=caching)
-        sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk, max_model_len=max_len)
-        engine = LLMEngine.from_pretrained(folder, dtype="float32", cache_config=cache, scheduler_config=sched,
-                                           backend="xla", seed=seed)
-        ids, rng = Ids(), np.random.default_rng(seed)
+        name = "hybrid cached" if caching else "hybrid"
+        engine, ids, rng = engines[name], engines.ids[name], np.random.default_rng(engines.seed)
         runs = []
         for i in range(repeats + 1):  # the first a warm-up (its own system prompt: the timed ones miss it)
             system = rng.integers(3, vocab, system_tokens).tolist()
@@ -513,7 +554,6 @@ def prefix_table(folder: Path, num_requests: int, system_tokens: int, suffix_tok
             run = prefix_run(engine, ids, system, suffixes, max_tokens)
             if i:
                 runs.append(run)
-        del engine
         best = min(runs, key=lambda r: r["total_s"])
         rows.append({"caching": caching, **best, "ttft_mean": float(best["ttft"].mean()),
                      "ttft_p50": float(np.percentile(best["ttft"], 50)),
@@ -524,14 +564,16 @@ def prefix_table(folder: Path, num_requests: int, system_tokens: int, suffix_tok
         assert a == b, "prefix caching changed the tokens"
     print(f"\nprefix cache: {num_requests} requests of a shared {system_tokens:,}-token system prompt + "
           f"{suffix_tokens} distinct tokens, {max_tokens} tokens each, all queued at once; hybrid, "
-          f"max_num_seqs {max_num_seqs}, chunks of {chunk}, block {block_size}; best total of {repeats}")
+          f"max_num_seqs {engines.sched.max_num_seqs}, chunks of {engines.sched.max_num_batched_tokens}, block "
+          f"{engines.block_size}; best total of {repeats}")
     print("| prefix caching | hit rate | TTFT mean | TTFT p50 | TTFT p90 | total | CPU |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {'on' if r['caching'] else 'off'} | {100 * r['hit_rate']:.1f}% | {r['ttft_mean'] * 1e3:,.0f} ms | "
               f"{r['ttft_p50'] * 1e3:,.0f} ms | {r['ttft_p90'] * 1e3:,.0f} ms | {r['total_s']:,.2f} s | "
               f"{r['cpu_s']:,.2f} s |")
-    print(f"off / on: TTFT mean {off['ttft_mean'] / on['ttft_mean']:.2f}x, total {off['total_s'] / on['total_s']:.2f}x; "
+    print(f"off / on: TTFT mean {off['ttft_mean'] / on['ttft_mean']:.2f}x, total "
+          f"{off['total_s'] / on['total_s']:.2f}x; "
           "tokens identical with caching on and off (asserted); hit rate: prompt tokens served from the cache over "
           "prompt tokens of the run's admissions")
     for r in rows:
@@ -594,18 +636,25 @@ def main(argv: list[str] | None = None) -> dict:
     if "speed" in args.tables or "prefix" in args.tables:
         with tempfile.TemporaryDirectory(prefix="bench_hybrid_") as tmp:
             folder = args.hf_dir or Path(tmp) / "hybrid"
-            max_len = max(max(args.contexts) + args.decode_steps + 72,
-                          args.system_tokens + args.suffix_tokens + args.max_tokens + 8)
-            params = write_hybrid(folder, args.shape, max_len, args.seed)
+            need = []
             if "speed" in args.tables:
-                result["speed"] = speed_table(args.shape, tuple(args.contexts), args.batch, args.decode_steps,
-                                              args.repeats, args.chunk, args.block_size, folder, params,
-                                              not args.no_transformers, args.seed)
+                need.append(max(args.contexts) + args.decode_steps + 64 + 8)  # engine_run's max_tokens
             if "prefix" in args.tables:
-                result["prefix"] = prefix_table(folder, args.prefix_requests, args.system_tokens,
-                                                args.suffix_tokens, args.max_tokens, args.max_num_seqs, args.chunk,
-                                                args.block_size, args.repeats, args.seed)
+                need.append(args.system_tokens + args.suffix_tokens + args.max_tokens + 8)
+            params = write_hybrid(folder, args.shape, max(need), args.seed)
+            engines = Engines(folder, args.shape, max(need), max(args.batch, args.max_num_seqs), args.chunk,
+                              args.block_size, args.seed)
+            if "speed" in args.tables:
+                result["speed"] = speed_table(engines, tuple(args.contexts), args.batch, args.decode_steps,
+                                              args.repeats, params, not args.no_transformers)
+            if "prefix" in args.tables:
+                result["prefix"] = prefix_table(engines, args.prefix_requests, args.system_tokens,
+                                                args.suffix_tokens, args.max_tokens, args.repeats)
     print(f"\n(bench_hybrid: {time.perf_counter() - start:.1f} s)")
+    if "speed" in args.tables or "prefix" in args.tables:
+        for name, engine in engines._built.items():
+            logger.info("%s engine: %d compilations, %.1f s compiling", name, engine.stats().compilations,
+                        engine.stats().compile_s)
     return result
 
 
