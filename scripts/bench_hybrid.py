@@ -367,10 +367,12 @@ def load_transformers(folder: Path):
     return model
 
 
-def time_transformers(model, prompts: list[list[int]], decode_steps: int, repeats: int) -> dict:
+def time_transformers(model, prompts: list[list[int]], decode_steps: int, repeats: int,
+                      torch_threads: tuple[int, ...] | None = None) -> dict:
     """transformers (`model`: float32, its default cache) driven greedily by hand: prefill = the forward of the
     prompts, decode = `decode_steps` forwards of one token each with the cache (generate's own overhead left out);
-    with 1 torch thread and torch's default, the faster decode kept (as scripts/bench_hf.py does)."""
+    with each of `torch_threads` (default: 1 and torch's default), the faster decode kept (as scripts/bench_hf.py
+    does)."""
     import torch
 
     ids = torch.tensor(prompts, dtype=torch.long)
@@ -391,7 +393,8 @@ def time_transformers(model, prompts: list[list[int]], decode_steps: int, repeat
 
     default_threads = torch.get_num_threads()
     best = None
-    for threads in dict.fromkeys((1, default_threads)):  # on a busy machine more torch threads can be far slower
+    # On a busy machine more torch threads can be far slower.
+    for threads in dict.fromkeys(torch_threads or (1, default_threads)):
         torch.set_num_threads(threads)
         run()  # warm-up
         runs = [run() for _ in range(repeats)]
@@ -438,7 +441,7 @@ class Engines:
 
 
 def speed_table(engines: Engines, contexts: tuple[int, ...], batch: int, decode_steps: int, repeats: int,
-                params: int, with_transformers: bool) -> list[dict]:
+                params: int, with_transformers: bool, torch_threads: tuple[int, ...] | None = None) -> list[dict]:
     shape, folder, seed = engines.shape, engines.folder, engines.seed
     vocab = SHAPES[shape]["vocab_size"]
     full_params = count_params(full_attention_config(shape, engines.max_len))
@@ -451,7 +454,7 @@ def speed_table(engines: Engines, contexts: tuple[int, ...], batch: int, decode_
         row = {"context": context, "batch": batch, "hybrid": h, "full": f, "hybrid_params": params,
                "full_params": full_params}
         if with_transformers:
-            t = time_transformers(hf_model, h["prompts"], decode_steps, repeats)
+            t = time_transformers(hf_model, h["prompts"], decode_steps, repeats, torch_threads)
             row["transformers"] = t
             n = min(len(t["tokens"][0]), len(h["tokens"][0]))
             row["same_tokens"] = float(np.mean([a[:n] == b[:n] for a, b in zip(h["tokens"], t["tokens"],
@@ -491,7 +494,7 @@ def speed_table(engines: Engines, contexts: tuple[int, ...], batch: int, decode_
         print(f"{name} decode tok/s relative to context {first['context']:,}: {curve}")
     print("tok/s: wall (per CPU second in parentheses); decode tok/s relative: the decode curve over context; "
           "transformers: its modeling code driven by hand (a prefill forward, then one-token forwards with its "
-          "cache), the faster of 1 torch thread and torch's default ("
+          "cache), the fastest of its torch thread counts ("
           + ", ".join(f"{r['context']:,}: {r['transformers']['torch_threads']}" for r in rows if "transformers" in r)
           + "); same tokens: sequences whose greedy tokens equal transformers' (random weights: near ties may "
           "differ)" if with_transformers else "tok/s: wall (per CPU second in parentheses)")
@@ -610,6 +613,8 @@ def main(argv: list[str] | None = None) -> dict:
     g.add_argument("--decode-steps", type=_positive, default=16)
     g.add_argument("--chunk", type=_positive, default=1024, help="prefill chunk (max_num_batched_tokens)")
     g.add_argument("--no-transformers", action="store_true", help="leave transformers out of the speed table")
+    g.add_argument("--torch-threads", type=_positive, nargs="+",
+                   help="torch thread counts transformers is timed with, the fastest kept (default: 1 and torch's)")
     g.add_argument("--hf-dir", type=Path, help="where the hybrid's checkpoint is written (default: a temp dir)")
     g = p.add_argument_group("prefix")
     g.add_argument("--prefix-requests", type=_positive, default=32)
@@ -646,7 +651,8 @@ def main(argv: list[str] | None = None) -> dict:
                               args.block_size, args.seed)
             if "speed" in args.tables:
                 result["speed"] = speed_table(engines, tuple(args.contexts), args.batch, args.decode_steps,
-                                              args.repeats, params, not args.no_transformers)
+                                              args.repeats, params, not args.no_transformers,
+                                              tuple(args.torch_threads) if args.torch_threads else None)
             if "prefix" in args.tables:
                 result["prefix"] = prefix_table(engines, args.prefix_requests, args.system_tokens,
                                                 args.suffix_tokens, args.max_tokens, args.repeats)
