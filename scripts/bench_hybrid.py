@@ -20,8 +20,9 @@ speed    a ~150M-parameter Qwen3.5-like hybrid (hidden 768, 12 layers 3:1 linear
          12 query / 4 KV heads of 64, the same MLP, random init) through `LLMEngine` on the CPU (XLA backend,
          float32): prefill tokens/s of a `--contexts` prompt and decode tokens/s at that context (`--batch`
          sequences, `--decode-steps` steps), and transformers' `Qwen3_5ForCausalLM` on the same checkpoint decoding
-         greedily at the same context (prefill: generate of 1 token; decode: the rest of generate of
-         `--decode-steps` + 1), with the fraction of sequences whose greedy tokens agree with pagedjax's.
+         greedily at the same context (its modeling code driven by hand: one prefill forward, then one-token
+         forwards with its cache; the fastest of `--torch-threads`), with the fraction of sequences whose greedy
+         tokens agree with pagedjax's.
 prefix   `--prefix-requests` requests sharing a `--system-tokens` system prompt plus distinct `--suffix-tokens`
          suffixes on the hybrid, all queued at once, with `enable_prefix_caching` on and off: the prefix-cache hit
          rate (engine stats), TTFT mean / p50 / p90 (time from queueing to a request's first token, by stepping the
@@ -31,7 +32,9 @@ Every time is the best of `--repeats` runs after a warm-up run that compiles (a 
 shape), the process's CPU time (user + system, every thread) beside the wall time: on a shared machine the wall time
 overstates. Ratios compare rows of the same run only.
 
-    python scripts/bench_hybrid.py                    # the three tables (minutes on a 2-core CPU)
+    python scripts/bench_hybrid.py                    # the three tables (over 10 minutes on a 2-core CPU)
+    python scripts/bench_hybrid.py --contexts 512 2048 8192 --repeats 1 --torch-threads 1 \
+        --prefix-requests 16 --system-tokens 1024     # the reduced run in docs/models.md (9 minutes there)
     python scripts/bench_hybrid.py --tables memory    # the memory tables only (seconds)
     python scripts/bench_hybrid.py --contexts 512 2048 8192 --batch 1 --repeats 2
     python scripts/bench_hybrid.py --quick            # tiny sizes, seconds: the smoke test
