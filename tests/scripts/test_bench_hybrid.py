@@ -1,0 +1,99 @@
+"""Smoke test of scripts/bench_hybrid.py --quick: the tables' structure and the invariants that do not depend on
+timing (the memory arithmetic, the state part flat in the context, hits only with caching, identical tokens)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+    pytest.skip("transformers has no Qwen3.5", allow_module_level=True)
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_hybrid.py"
+
+
+def _load(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_hybrid", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_hybrid", bench)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_qwen3_5_27b_shape_takes_transformers_defaults_for_what_it_leaves_out(monkeypatch):
+    bench = _load(monkeypatch)
+    cfg = bench.qwen3_5_27b()
+    hf = transformers.Qwen3_5TextConfig()  # the defaults the published config relies on for the rest
+    assert (cfg.head_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel) == (
+        hf.head_dim, hf.linear_key_head_dim, hf.linear_value_head_dim, hf.linear_conv_kernel_dim) == (256, 128, 128, 4)
+    assert cfg.layer_types == tuple(hf.layer_types[:4]) * 16 and cfg.layer_types.count("full_attention") == 16
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (5120, 64, 24, 4)
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (16, 48)
+
+
+def test_bench_hybrid_quick(capsys, monkeypatch):
+    bench = _load(monkeypatch)
+    result = bench.main(["--quick"])
+    out = capsys.readouterr().out
+    for title in ("memory: KV + state per sequence", "prefix-caching snapshot overhead", "speed on this CPU",
+                  "prefix cache:"):
+        assert title in out
+
+    # memory: bf16 K/V of 4 KV heads of 256 per full layer; one f32 snapshot of every linear layer per sequence.
+    rows = {(r["model"], r["tokens"]): r for r in result["memory"]}
+    snapshot = 48 * 4 * (48 * 128 * 128 + (2 * 16 * 128 + 48 * 128) * 3)
+    for tokens in (4096, 32768):
+        hybrid, full = rows[("hybrid 3:1", tokens)], rows[("all full attention", tokens)]
+        assert hybrid["kv_bytes"] == 16 * 2 * 4 * 256 * 2 * tokens
+        assert full["kv_bytes"] == 64 * 2 * 4 * 256 * 2 * tokens and full["state_bytes"] == 0
+        assert hybrid["state_bytes"] == snapshot  # flat in the context
+        assert hybrid["bytes"] == hybrid["kv_bytes"] + snapshot
+        assert hybrid["full_over_this"] == full["bytes"] / hybrid["bytes"] > 1
+        assert 0 < full["sequences"] <= full["sequences_by_bytes"] == 64 * 2**30 // full["bytes"]
+        assert 0 < hybrid["sequences"] <= hybrid["sequences_by_bytes"] == 64 * 2**30 // hybrid["bytes"]
+        assert hybrid["sequences_by_bytes"] > full["sequences_by_bytes"]
+        assert hybrid["allocated_bytes"] <= 64 * 2**30 and full["allocated_bytes"] <= 64 * 2**30
+    assert rows[("hybrid 3:1", 32768)]["full_over_this"] > rows[("hybrid 3:1", 4096)]["full_over_this"]
+    # The engine reserves its state pool for every sequence it could run (6 snapshots each, and 2 per block of a
+    # prefill chunk): at 4k that costs the hybrid more sequences than its smaller K/V wins back; at 32k it wins.
+    assert rows[("hybrid 3:1", 32768)]["sequences"] > rows[("all full attention", 32768)]["sequences"]
+    snaps = {r["block_size"]: r for r in result["snapshots"]}
+    for bs, r in snaps.items():
+        assert r["snapshot_bytes"] == snapshot and r["kv_block_bytes"] == bs * 16 * 2 * 4 * 256 * 2
+        assert math.isclose(r["snapshot_over_kv_block"], snapshot / r["kv_block_bytes"])
+        assert math.isclose(r["every_block_over_kv"], r["snapshot_over_kv_block"])
+    assert snaps[16]["snapshot_over_kv_block"] == 16 * snaps[256]["snapshot_over_kv_block"]
+
+    # speed: one row per context, every rate positive; greedy tokens compared with transformers.
+    speed = result["speed"]
+    assert [r["context"] for r in speed] == [64, 256]
+    for r in speed:
+        for side in ("hybrid", "full", "transformers"):
+            assert r[side]["prefill_tok_s"] > 0 and r[side]["decode_tok_s"] > 0
+            assert r[side]["prefill_tokens"] == r["context"] and r[side]["decode_tokens"] == 4
+        assert 0.0 <= r["same_tokens"] <= 1.0
+        assert r["hybrid_params"] > 0 and r["full_params"] > 0
+
+    # prefix: hits only with caching; the tokens were asserted identical inside the script (and are here).
+    off, on = result["prefix"]
+    assert (off["caching"], on["caching"]) == (False, True)
+    assert off["hit_rate"] == 0.0 and on["hit_rate"] > 0.0
+    assert off["all_tokens"] == on["all_tokens"]
+    assert len(on["ttft"]) == 4 and all(t > 0 for t in on["ttft"] + off["ttft"])
+    assert on["ttft_p50"] <= on["ttft_p90"]
+
+
+def test_bad_arguments_are_refused(monkeypatch):
+    bench = _load(monkeypatch)
+    with pytest.raises(SystemExit):
+        bench.main(["--contexts", "0"])
+    with pytest.raises(SystemExit):
+        bench.main(["--pool-gib", "-1", "--tables", "memory"])
+    with pytest.raises(SystemExit):
+        bench.main(["--tables", "nope"])
