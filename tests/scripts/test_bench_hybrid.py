@@ -37,12 +37,11 @@ def test_qwen3_5_27b_shape_takes_transformers_defaults_for_what_it_leaves_out(mo
     assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (16, 48)
 
 
-def test_bench_hybrid_quick(capsys, monkeypatch):
+def test_bench_hybrid_memory_quick(capsys, monkeypatch):
     bench = _load(monkeypatch)
-    result = bench.main(["--quick"])
+    result = bench.main(["--quick", "--tables", "memory"])
     out = capsys.readouterr().out
-    for title in ("memory: KV + state per sequence", "prefix-caching snapshot overhead", "speed on this CPU",
-                  "prefix cache:"):
+    for title in ("memory: KV + state per sequence", "prefix-caching snapshot overhead"):
         assert title in out
 
     # memory: bf16 K/V of 4 KV heads of 256 per full layer; one f32 snapshot of every linear layer per sequence.
@@ -70,6 +69,15 @@ def test_bench_hybrid_quick(capsys, monkeypatch):
         assert math.isclose(r["every_block_over_kv"], r["snapshot_over_kv_block"])
     assert snaps[16]["snapshot_over_kv_block"] == 16 * snaps[256]["snapshot_over_kv_block"]
 
+
+
+@pytest.mark.slow  # (CI time: 12-17 s, engines and transformers compiled) the memory tables run by default
+def test_bench_hybrid_speed_and_prefix_quick(capsys, monkeypatch):
+    bench = _load(monkeypatch)
+    result = bench.main(["--quick", "--tables", "speed", "prefix"])
+    out = capsys.readouterr().out
+    for title in ("speed on this CPU", "prefix cache:"):
+        assert title in out
     # speed: one row per context, every rate positive; greedy tokens compared with transformers.
     speed = result["speed"]
     assert [r["context"] for r in speed] == [64, 256]
