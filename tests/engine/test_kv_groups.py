@@ -137,6 +137,9 @@ def test_window_groups_release_while_global_groups_keep_every_block():
         assert stats.kv_bytes_per_block == BS * 2 * layer_bytes and stats.kv_bytes_per_token == 4 * layer_bytes
 
 
+# (CI time) preemption over both groups runs in tests/model/test_hf_gpt_oss.py's greedy test (window and full groups),
+# the verifying step's blocks in tests/engine/test_speculative.py (one group)
+@pytest.mark.slow
 def test_a_small_pool_preempts_and_recomputes_exactly_with_speculation():
     """A pool that cannot hold all four requests at once in both groups: the newest are preempted and recomputed,
     and n-gram proposals verified (their positions' blocks taken and given back in both groups), with the dense

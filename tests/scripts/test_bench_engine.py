@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_engine  # noqa: E402
 
 
+@pytest.mark.slow  # (CI time) a script's smoke run; its decode_weight_bytes below runs by default
 def test_bench_engine_quick_runs(capsys):
     bench_engine.main(["--quick"])
     out = capsys.readouterr().out
@@ -19,7 +20,7 @@ def test_bench_engine_quick_runs(capsys):
     assert len(rows) == 4 and all(line.rstrip().endswith("True") for line in rows)
 
 
-@pytest.mark.slow  # (CI time) a script's smoke run; bench_engine's quick run stays in the default run
+@pytest.mark.slow  # (CI time) a script's smoke run
 def test_bench_engine_parallel_sampling_quick(capsys):
     bench_engine.main(["--quick", "--n", "3"])  # --quick: 8-token prompts
     out = capsys.readouterr().out

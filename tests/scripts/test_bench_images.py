@@ -5,9 +5,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_images.py"
 
 
+@pytest.mark.slow  # (CI time) a script's smoke run: the image engine's paths run in tests/engine/test_images_engine.py
 def test_bench_images_quick(capsys, monkeypatch):
     spec = importlib.util.spec_from_file_location("bench_images", SCRIPT)
     bench = importlib.util.module_from_spec(spec)

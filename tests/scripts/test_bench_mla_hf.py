@@ -12,6 +12,7 @@ import bench_mla_hf  # noqa: E402
 
 
 @pytest.mark.hf
+@pytest.mark.slow  # (CI time) a script's smoke run: MLA against transformers runs in tests/model/test_deepseek.py
 def test_bench_mla_hf_micro(tmp_path, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
