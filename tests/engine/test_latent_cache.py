@@ -105,6 +105,10 @@ def test_spec_sizes_the_pool_and_the_cache_holds_what_it_declares():
     assert e.runner.kv_cache.layers[2].index_keys.shape == (e.num_blocks, 4, INDEX_DIM)
 
 
+# (CI time) MLA's latent pages through hits, chunks, preemption and fused decode run in the 8-device worker's
+# latent_layers_tensor_parallel (V3.2: MLA with the indexer) and tests/model/test_deepseek*.py's engine tests (forks
+# of n = 2 too)
+@pytest.mark.slow
 def test_greedy_equals_the_dense_forward_with_prefix_hits_chunks_preemption_forks_and_fused_decode(dense_greedy):
     with POOL.engine() as e:
         hits_before = e.stats().scheduler.prefix_cache_hit_rate

@@ -100,6 +100,9 @@ def serve_one(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -
     return outputs, peak
 
 
+# (CI time) the release that lets a small pool serve long requests runs in
+# test_long_generation_holds_only_its_window_and_matches_dense (its peak blocks asserted) and in tests/core
+@pytest.mark.slow
 def test_a_pool_sized_for_the_window_serves_requests_far_longer_than_itself():
     """The pool holds what one request holds at once (each window and one chunk, in the groups of the 10- and the
     6-token window: 5 + 4 blocks of 4 tokens): it serves ~100-token requests, with and without a prefix hit as long
