@@ -19,17 +19,24 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
+from pagedjax import SamplingParams  # noqa: E402
 from pagedjax.config.kv_spec import FullAttention, RecurrentState  # noqa: E402
 from pagedjax.model.families.nemotron_h import NemotronH  # noqa: E402
 from pagedjax.model.loading.hf_config import load_hf_config, load_nemotron_h_config  # noqa: E402
 from pagedjax.model.loading.hf_loader import load_hf_nemotron_h  # noqa: E402
-from tests.model.test_hf import MIN_MARGIN, TOL, hf_greedy, hf_logits  # noqa: E402
-from tests.pool import EnginePool  # noqa: E402
+from tests.model.hybrid_cases import (  # noqa: E402
+    GREEDY,
+    MAX_NEW,
+    VOCAB,
+    assert_dense_logits_match,
+    assert_hits_equal_transformers,
+    hybrid_pool,
+    hybrid_prompts,
+)
+from tests.model.test_hf import MIN_MARGIN, hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
-VOCAB, BS, MAX_LEN, MAX_NEW = 96, 4, 64, 8
 # Seed picked so that no greedy step of any prompt is a near tie (asserted).
 SEED = 6
 # 4 Mamba heads of 8 in 2 groups of B / C (state 8), conv of 4 taps; transformers' chunk of 4 (several chunks).
@@ -38,24 +45,9 @@ HF_CONFIG = dict(
     head_dim=8, intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
     conv_kernel=4, chunk_size=4, use_bias=True, mlp_bias=True, max_position_embeddings=256, initializer_range=0.2,
     bos_token_id=1, eos_token_id=2, pad_token_id=0)
-_rng = np.random.default_rng(0)
-SHARED = _rng.integers(3, VOCAB, 14).tolist()  # 3 blocks and half of a fourth
 # Longer than a prefill chunk (8 tokens), but the last.
-PROMPTS = [_rng.integers(3, VOCAB, 13).tolist(), SHARED + [3], _rng.integers(3, VOCAB, 2).tolist()]
-AT_BOUNDARY = SHARED[:12] + [40, 41, 42]  # shares SHARED's first 3 blocks exactly
-INSIDE = SHARED + [50, 51]  # shares all of SHARED: its hit is the snapshot at SHARED's last full block (12)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-NUM_BLOCKS = 11  # KV blocks too few for the three prompts at once: preemption
-
-
-def make_engine(folder: str) -> LLMEngine:
-    return LLMEngine.from_pretrained(folder, cache_config=CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS),
-                                     scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8,
-                                                                      max_model_len=MAX_LEN),
-                                     decode_steps_per_call=4, backend="xla")
-
-
-POOL = EnginePool(make_engine)
+PROMPTS, SHARED, AT_BOUNDARY, INSIDE = hybrid_prompts((13, None, 2))
+POOL = hybrid_pool(num_blocks=11, max_num_seqs=4)  # KV blocks too few for the three prompts at once: preemption
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -111,14 +103,7 @@ def test_config_maps_nemotron_h(ckpt):
 def test_dense_logits_match_transformers(ckpt):
     model, _ = load_hf_nemotron_h(ckpt.folder)
     assert isinstance(model, NemotronH)
-    prompts = [PROMPTS[0], INSIDE, PROMPTS[2]]
-    batch = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
-    for i, p in enumerate(prompts):
-        batch[i, :len(p)] = p
-    got = np.asarray(nnx.jit(lambda m, b: m.forward_dense(b))(model, jax.numpy.asarray(batch)))
-    ref = hf_logits(ckpt.model, prompts)
-    for i, p in enumerate(prompts):
-        np.testing.assert_allclose(got[i, :len(p)], ref[i], atol=TOL, rtol=TOL, err_msg=f"{len(p)} tokens")
+    assert_dense_logits_match(model, ckpt.model, [PROMPTS[0], INSIDE, PROMPTS[2]])
 
 
 def test_greedy_matches_transformers_through_hits_chunked_prefill_and_fused_decode(ckpt):
@@ -128,11 +113,8 @@ def test_greedy_matches_transformers_through_hits_chunked_prefill_and_fused_deco
         # call), then hits in both groups: 3 blocks exactly, and a prefix whose end is inside the fourth block (its
         # whole blocks: 12, the state snapshot at position 11, never the live state).
         before = engine.stats()  # (a pooled engine's counts are cumulative)
-        assert engine.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ckpt.greedy[1]
+        assert_hits_equal_transformers(engine, PROMPTS[1], AT_BOUNDARY, INSIDE, ckpt.greedy)
         assert engine.stats().fused_decode_calls > before.fused_decode_calls
-        for key, prompt in (("boundary", AT_BOUNDARY), ("inside", INSIDE)):
-            out = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
-            assert (out.num_cached_tokens, out.outputs[0].token_ids) == (12, ckpt.greedy[key]), key
         assert engine.stats().scheduler.memory.num_used_blocks == 0
         engine.scheduler.check_invariants()
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -25,17 +24,25 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5ForCausalLM"):
     pytest.skip("transformers has no Qwen3.5", allow_module_level=True)
 
-from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
+from pagedjax import SamplingParams  # noqa: E402
 from pagedjax.config.kv_spec import FullAttention, RecurrentState  # noqa: E402
 from pagedjax.model.families.qwen3_next import Qwen3Next  # noqa: E402
 from pagedjax.model.loading.hf_config import load_hf_config, load_qwen3_next_config  # noqa: E402
 from pagedjax.model.loading.hf_loader import load_hf_qwen3_next  # noqa: E402
-from tests.model.test_hf import MIN_MARGIN, TOL, hf_greedy, hf_logits  # noqa: E402
-from tests.pool import EnginePool  # noqa: E402
+from tests.model.test_hf import MIN_MARGIN, hf_greedy, hf_logits  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
-VOCAB, BS, MAX_LEN, MAX_NEW = 96, 4, 64, 8
+from tests.model.hybrid_cases import (  # noqa: E402
+    GREEDY,
+    MAX_NEW,
+    VOCAB,
+    assert_dense_logits_match,
+    assert_hits_equal_transformers,
+    hybrid_pool,
+    hybrid_prompts,
+)
+
 SEED = 1  # no greedy step of any prompt a near tie (asserted)
 TEXT = dict(
     vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -50,23 +57,8 @@ MOE = dict(TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
            tie_word_embeddings=True)
 VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
               num_position_embeddings=16, patch_size=4)
-_rng = np.random.default_rng(0)
-SHARED = _rng.integers(3, VOCAB, 14).tolist()  # 3 blocks and half of a fourth
-PROMPTS = [_rng.integers(3, VOCAB, 13).tolist(), SHARED + [3], _rng.integers(3, VOCAB, 2).tolist()]
-AT_BOUNDARY = SHARED[:12] + [40, 41, 42]  # shares SHARED's first 3 blocks exactly
-INSIDE = SHARED + [50, 51]  # shares all of SHARED: its hit is the snapshot at SHARED's last full block (12)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-NUM_BLOCKS = 10  # KV blocks too few for the three prompts at once: preemption
-
-
-def make_engine(folder: str) -> LLMEngine:
-    return LLMEngine.from_pretrained(folder, cache_config=CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS),
-                                     scheduler_config=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8,
-                                                                      max_model_len=MAX_LEN),
-                                     decode_steps_per_call=4, backend="xla")
-
-
-POOL = EnginePool(make_engine)
+PROMPTS, SHARED, AT_BOUNDARY, INSIDE = hybrid_prompts((13, None, 2))
+POOL = hybrid_pool(num_blocks=10, max_num_seqs=3)  # KV blocks too few for the three prompts at once: preemption
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -161,13 +153,7 @@ def test_conditional_generation_checkpoints_load_their_decoders_weights(ckpts):
 def test_dense_logits_match_transformers(ckpts, kind):
     model, _ = load_hf_qwen3_next(ckpts.folders[kind])
     assert isinstance(model, Qwen3Next)
-    batch = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int32)
-    for i, p in enumerate(PROMPTS):
-        batch[i, :len(p)] = p
-    got = np.asarray(nnx.jit(lambda m, b: m.forward_dense(b))(model, jax.numpy.asarray(batch)))
-    ref = hf_logits(ckpts.models[kind], PROMPTS)
-    for i, p in enumerate(PROMPTS):
-        np.testing.assert_allclose(got[i, :len(p)], ref[i], atol=TOL, rtol=TOL, err_msg=f"{kind}: {len(p)} tokens")
+    assert_dense_logits_match(model, ckpts.models[kind], PROMPTS)
 
 
 def test_greedy_matches_transformers_through_chunks_hits_and_fused_decode(ckpts):
@@ -182,11 +168,8 @@ def test_greedy_matches_transformers_through_chunks_hits_and_fused_decode(ckpts)
         # call), then hits in both groups: 3 blocks exactly, and a prefix whose end is inside the fourth block (the
         # state snapshot at position 11, never the live state).
         before = engine.stats()  # (a pooled engine's counts are cumulative)
-        assert engine.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ckpts.greedy[1]
+        assert_hits_equal_transformers(engine, PROMPTS[1], AT_BOUNDARY, INSIDE, ckpts.greedy)
         assert engine.stats().fused_decode_calls > before.fused_decode_calls
-        for key, prompt in (("boundary", AT_BOUNDARY), ("inside", INSIDE)):
-            out = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
-            assert (out.num_cached_tokens, out.outputs[0].token_ids) == (12, ckpts.greedy[key]), key
         assert engine.stats().scheduler.memory.num_used_blocks == 0
         engine.scheduler.check_invariants()
 

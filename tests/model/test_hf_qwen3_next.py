@@ -14,22 +14,30 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
+from pagedjax import SamplingParams  # noqa: E402
 from pagedjax.config.kv_spec import FullAttention, RecurrentState  # noqa: E402
 from pagedjax.model.families.qwen3_next import Qwen3Next  # noqa: E402
 from pagedjax.model.loading.hf_config import load_hf_config, load_qwen3_next_config  # noqa: E402
 from pagedjax.model.loading.hf_loader import load_hf_qwen3_next  # noqa: E402
-from tests.model.test_hf import MIN_MARGIN, TOL, hf_greedy, hf_logits  # noqa: E402
-from tests.pool import EnginePool  # noqa: E402
+from tests.model.test_hf import MIN_MARGIN, hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
-VOCAB, BS, MAX_LEN, MAX_NEW = 96, 4, 64, 8
+from tests.model.hybrid_cases import (  # noqa: E402
+    BS,
+    GREEDY,
+    MAX_NEW,
+    VOCAB,
+    assert_dense_logits_match,
+    assert_hits_equal_transformers,
+    hybrid_pool,
+    hybrid_prompts,
+)
+
 # Seed picked so that no greedy step of any prompt is a near tie (asserted).
 SEED = 11
 HF_CONFIG = dict(
@@ -40,25 +48,9 @@ HF_CONFIG = dict(
     shared_expert_intermediate_size=24, mlp_only_layers=[1], max_position_embeddings=256, initializer_range=0.2,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     bos_token_id=1, eos_token_id=2, pad_token_id=0)
-_rng = np.random.default_rng(0)
-SHARED = _rng.integers(3, VOCAB, 14).tolist()  # 3 blocks and half of a fourth
 # Longer than a prefill chunk (8 tokens), but the last.
-PROMPTS = [_rng.integers(3, VOCAB, 13).tolist(), SHARED + [3], _rng.integers(3, VOCAB, 16).tolist(),
-           _rng.integers(3, VOCAB, 2).tolist()]
-AT_BOUNDARY = SHARED[:12] + [40, 41, 42]  # shares SHARED's first 3 blocks exactly
-INSIDE = SHARED + [50, 51]  # shares all of SHARED: its hit is the snapshot at SHARED's last full block (12)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-NUM_BLOCKS = 14  # KV blocks too few for the four prompts at once: preemption
-
-
-def make_engine(folder: str) -> LLMEngine:
-    return LLMEngine.from_pretrained(folder, cache_config=CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS),
-                                     scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8,
-                                                                      max_model_len=MAX_LEN),
-                                     decode_steps_per_call=4, backend="xla")
-
-
-POOL = EnginePool(make_engine)
+PROMPTS, SHARED, AT_BOUNDARY, INSIDE = hybrid_prompts((13, None, 16, 2))
+POOL = hybrid_pool(num_blocks=14, max_num_seqs=4)  # KV blocks too few for the four prompts at once: preemption
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -112,13 +104,7 @@ def test_config_maps_qwen3_next(ckpt):
 def test_dense_logits_match_transformers(ckpt):
     model, _ = load_hf_qwen3_next(ckpt.folder)
     assert isinstance(model, Qwen3Next)
-    batch = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int32)
-    for i, p in enumerate(PROMPTS):
-        batch[i, :len(p)] = p
-    got = np.asarray(nnx.jit(lambda m, b: m.forward_dense(b))(model, jax.numpy.asarray(batch)))
-    ref = hf_logits(ckpt.model, PROMPTS)
-    for i, p in enumerate(PROMPTS):
-        np.testing.assert_allclose(got[i, :len(p)], ref[i], atol=TOL, rtol=TOL, err_msg=f"{len(p)} tokens")
+    assert_dense_logits_match(model, ckpt.model, PROMPTS)
 
 
 def test_greedy_matches_transformers_through_hits_chunks_preemption_and_samples(ckpt):
@@ -128,10 +114,7 @@ def test_greedy_matches_transformers_through_hits_chunks_preemption_and_samples(
         # SHARED's blocks cached by a request of its own (its prefill in chunks of 8 tokens), then hits in both
         # groups: 3 blocks exactly, and a prefix whose end is inside the fourth block (its whole blocks: 12, the
         # state snapshot at position 11, never the live state).
-        assert engine.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want[1]
-        for key, prompt in (("boundary", AT_BOUNDARY), ("inside", INSIDE)):
-            out = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
-            assert (out.num_cached_tokens, out.outputs[0].token_ids) == (12, ckpt.greedy[key]), key
+        assert_hits_equal_transformers(engine, PROMPTS[1], AT_BOUNDARY, INSIDE, ckpt.greedy)
         # All four at once, 4 decode steps a call, in a KV pool too small for them: preempted, recomputed.
         before = engine.stats()  # (a pooled engine's counts are cumulative)
         outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
