@@ -53,7 +53,7 @@ from pagedjax.config.kv_spec import FullAttention, RecurrentState, StatePages
 from pagedjax.config.parallel import TP
 from pagedjax.device.recurrent import causal_conv1d, mamba2_ssd
 from pagedjax.model.api import PagedAttention, PagedKVCache, forward_on_fresh_pages
-from pagedjax.model.families.qwen3_next import Conv1d
+from pagedjax.model.layers.conv import Conv1d
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.llama import Linear
 from pagedjax.model.loading.hf_fields import checkpoint_dtype, flag, id_list, number, optional_id, positive_int

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 
 import jax
@@ -74,6 +73,7 @@ from pagedjax.config.kv_spec import FullAttention, RecurrentState, StatePages
 from pagedjax.config.parallel import TP
 from pagedjax.device.recurrent import causal_conv1d, gated_delta_rule
 from pagedjax.model.api import PagedAttention, PagedKVCache, forward_on_fresh_pages
+from pagedjax.model.layers.conv import Conv1d
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.layers.moe import Experts, combine_experts, per_expert_params, route
 from pagedjax.model.layers.rope import RoPE
@@ -379,13 +379,6 @@ class GatedRMSNorm(nnx.Module):
         y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
         y = (self.weight[...] * y).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
         return y.astype(x.dtype)
-
-
-class Conv1d(nnx.Module):
-    """`linear_attn.conv1d`: the depthwise conv's weight `[channels, 1, kernel]`, as transformers stores it."""
-
-    def __init__(self, channels: int, kernel: int, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(jax.random.normal(rngs.params(), (channels, 1, kernel), dtype) / math.sqrt(kernel))
 
 
 class GatedDeltaNet(nnx.Module):
