@@ -11,9 +11,9 @@ memory   KV + state bytes one sequence holds at 4k / 32k / 128k tokens for a Qwe
          end of its prefill), and the pools against the bytes of the arrays the engine allocates (traced, nothing
          allocated). Sequences per pool: `--pool-gib` of KV + state split as the engine splits it (its state pool
          sized for `max_num_seqs` sequences first: `CacheConfig.resolve_state_blocks`), and by bytes held alone.
-         Then the snapshot overhead of prefix caching: per block size, one state snapshot (what a cached block of a
-         state layer keeps) against the K/V of that block, and for a `--prefix-tokens` prefix every block's
-         snapshot against the one a hit needs (the snapshot at its end).
+         Then the snapshot overhead of prefix caching: per KV block size, the state pool's block size the engine
+         picks (one snapshot of every state layer per that many tokens), a snapshot against the K/V of the tokens
+         it covers, and for a `--prefix-tokens` prefix its snapshots against its K/V.
 speed    a ~150M-parameter Qwen3.5-like hybrid (hidden 768, 12 layers 3:1 linear:full, dense SwiGLU, random weights
          written by transformers and loaded with `LLMEngine.from_pretrained`, so both sides hold the same weights)
          against a full-attention model of the same width (pagedjax's built-in Llama family: hidden 768, 12 layers,
@@ -93,10 +93,11 @@ def held_after_prefill(spec: ModelSpec, block_size: int, tokens: int, chunk: int
     tokens at the end of its prefill."""
     layout = spec.kv_layout
     sched_cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=chunk, max_model_len=tokens + 2)
-    cache = CacheConfig(block_size=block_size, enable_prefix_caching=False)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=False, kv_dtype="bfloat16")
     extra = cache.resolve_state_blocks(spec, 1, chunk)
     sched = Scheduler(sched_cfg, cache, layout.num_groups * (tokens // block_size + 2),
-                      group_windows=layout.windows, group_pools=layout.group_pools, extra_pools=extra)
+                      group_windows=layout.windows, group_pools=layout.group_pools, extra_pools=extra,
+                      pool_block_sizes=cache.resolve_pool_block_sizes(spec))
     request = Request("r", list(range(tokens)), SamplingParams(temperature=0.0, max_tokens=2))
     sched.add_request(request)
     while not request.output_token_ids:
@@ -105,11 +106,14 @@ def held_after_prefill(spec: ModelSpec, block_size: int, tokens: int, chunk: int
     return kv_memory_stats(sched.kv_cache_manager, sched.running, with_free_runs=False).group_blocks
 
 
-def held_blocks(spec: ModelSpec, block_size: int, tokens: int) -> tuple[int, ...]:
-    """From the specs: what each group holds while a request of `tokens` tokens decodes (a group that keeps every
-    block all of them; a release window W, those its next query reads: positions from tokens - W + 1 on)."""
-    return tuple(cdiv(tokens, block_size) - (0 if w is None else max(0, (tokens - w + 1) // block_size))
-                 for w in spec.kv_layout.windows)
+def held_blocks(spec: ModelSpec, cache: CacheConfig, tokens: int) -> tuple[int, ...]:
+    """From the specs: what each group holds while a request of `tokens` tokens decodes, in blocks of its pool's
+    size (a group that keeps every block all of them; a release window W, those its next query reads: positions
+    from tokens - W + 1 on)."""
+    layout = spec.kv_layout
+    sizes = cache.resolve_pool_block_sizes(spec)
+    return tuple(cdiv(tokens, sizes[p]) - (0 if w is None else max(0, (tokens - w + 1) // sizes[p]))
+                 for w, p in zip(layout.windows, layout.group_pools, strict=True))
 
 
 def allocated_bytes(spec: ModelSpec, cache: CacheConfig, extra_pools: tuple[int, ...]) -> int:
@@ -155,7 +159,7 @@ def memory_table(pool_gib: float, block_size: int, contexts: tuple[int, ...], ch
         cache = CacheConfig(block_size=block_size, kv_memory_bytes=budget, kv_dtype="bfloat16")
         block = [cache.block_bytes(spec, p) for p in range(len(layout.pools))]
         for tokens in contexts:
-            held = held_blocks(spec, block_size, tokens)
+            held = held_blocks(spec, cache, tokens)
             if measure:
                 measured = held_after_prefill(spec, block_size, tokens, chunk)
                 assert measured == held, (name, tokens, measured, held)
@@ -195,42 +199,45 @@ def memory_table(pool_gib: float, block_size: int, contexts: tuple[int, ...], ch
           f"{rows[-1]['kv_bytes_per_token']:,} B. Per sequence: the blocks each group holds while it decodes (checked "
           "against the scheduler after its prefill): a state group one snapshot of every state layer, whatever the "
           "context. Seqs in pool (engine): the engine's split of the pool (its state pool sized for that many "
-          "sequences first: twice their live states, last boundaries and a step's boundaries, "
-          "`resolve_state_blocks`; arrays checked against the specs' bytes); its state pool: the snapshots that "
-          "reserves; seqs by bytes: the pool over the bytes a sequence holds.")
+          "sequences first: twice the snapshots a step of them holds at most, 2 per sequence and 1 per state block "
+          "of a prefill chunk, `resolve_state_blocks`; arrays checked against the specs' bytes); its state pool: "
+          "the snapshots that reserves; seqs by bytes: the pool over the bytes a sequence holds.")
     return rows
 
 
 def snapshot_table(block_sizes: tuple[int, ...], prefix_tokens: int, quiet: bool = False) -> list[dict]:
-    """Per block size: one state snapshot (all state layers) against the K/V one block of the hybrid holds, and for a
-    cached prefix of `prefix_tokens`: every block's snapshot kept, against the one its hit needs."""
+    """Per KV block size: the state pool's block size the engine picks (`CacheConfig.resolve_pool_block_sizes`: one
+    snapshot of every state layer per that many tokens), a snapshot against the K/V of the tokens it covers, and for
+    a cached prefix of `prefix_tokens` every state block's snapshot kept against the prefix's K/V."""
     spec = qwen3_5_27b().spec
     layout = spec.kv_layout
     state_pool = layout.pools.index("state")
     rows = []
     for bs in block_sizes:
         cache = CacheConfig(block_size=bs, kv_dtype="bfloat16")
+        every = cache.resolve_pool_block_sizes(spec)[state_pool]
         snapshot, kv_block = cache.block_bytes(spec, state_pool), cache.block_bytes(spec, 0)
-        blocks = prefix_tokens // bs
-        rows.append({"block_size": bs, "snapshot_bytes": snapshot, "kv_block_bytes": kv_block,
-                     "snapshot_over_kv_block": snapshot / kv_block, "prefix_kv_bytes": blocks * kv_block,
-                     "every_block_snapshots_bytes": blocks * snapshot,
-                     "every_block_over_kv": blocks * snapshot / (blocks * kv_block),
-                     "one_snapshot_over_kv": snapshot / (blocks * kv_block)})
+        covered = every // bs * kv_block  # K/V of the tokens one snapshot covers
+        prefix_kv = prefix_tokens // bs * kv_block
+        snapshots = prefix_tokens // every * snapshot
+        rows.append({"block_size": bs, "state_block_size": every, "snapshot_bytes": snapshot,
+                     "kv_block_bytes": kv_block, "covered_kv_bytes": covered, "snapshot_over_kv": snapshot / covered,
+                     "prefix_kv_bytes": prefix_kv, "prefix_snapshots_bytes": snapshots,
+                     "snapshots_over_prefix_kv": snapshots / prefix_kv})
     if quiet:
         return rows
     print(f"\nprefix-caching snapshot overhead, hybrid Qwen3.5-27B shape: a {prefix_tokens:,}-token cached prefix")
-    print("| block | snapshot (48 state layers) | K/V of a block | snapshot / K/V block | prefix K/V "
-          "| every block's snapshot | / prefix K/V | one snapshot / prefix K/V |")
+    print("| KV block | state block | snapshot (48 state layers) | K/V of a state block | snapshot / its K/V "
+          "| prefix K/V | the prefix's snapshots | / prefix K/V |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['block_size']} | {_mib(r['snapshot_bytes'])} | {_mib(r['kv_block_bytes'])} | "
-              f"{r['snapshot_over_kv_block']:.1f}x | {_gib(r['prefix_kv_bytes'])} | "
-              f"{_gib(r['every_block_snapshots_bytes'])} | {r['every_block_over_kv']:.2f}x | "
-              f"{100 * r['one_snapshot_over_kv']:.1f}% |")
-    print("A state layer's snapshot is one per block whatever the block size; a hit needs only the snapshot at its "
-          "end (the state group's release window is 2), so the engine keeps snapshots in a pool of their own sized "
-          "by sequences and lets LRU drop the rest.")
+        print(f"| {r['block_size']} | {r['state_block_size']:,} | {_mib(r['snapshot_bytes'])} | "
+              f"{_mib(r['covered_kv_bytes'])} | {r['snapshot_over_kv']:.2f}x | {_gib(r['prefix_kv_bytes'])} | "
+              f"{_gib(r['prefix_snapshots_bytes'])} | {r['snapshots_over_prefix_kv']:.2f}x |")
+    print("The state pool's block (one snapshot of every state layer) is the least multiple of the KV block whose K/V "
+          "takes at least a snapshot's bytes, so cached snapshots cost at most the K/V of the prefix they cache; a "
+          "hit ends at a multiple of it, and needs only the snapshot at its end (the state group's release window "
+          "is 2): LRU drops the rest first.")
     return rows
 
 

@@ -112,8 +112,10 @@ def print_header(args: argparse.Namespace, loaded, engine, load_s: float, out: T
               file=out)
     for pool, blocks in enumerate(engine.extra_pools, start=1):  # a recurrent state's snapshots: a pool of its own
         snapshot = kv.kv_group_block_bytes[layout.group_pools.index(pool)]
+        every = engine.pool_block_sizes[pool]
         print(f"  {layout.pools[pool]} pool: {blocks:,} blocks of {snapshot:,} bytes (one snapshot of every state "
-              f"layer; a running sequence holds at most 2: {2 * snapshot:,} bytes per sequence)", file=out)
+              f"layer per {every} tokens, where prefix hits end; a running sequence holds 1 between steps, 2 in a "
+              f"step crossing a boundary: up to {2 * snapshot:,} bytes per sequence)", file=out)
     print(file=out)
 
 

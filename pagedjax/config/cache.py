@@ -45,9 +45,11 @@ class CacheConfig:
 
     Give either `num_blocks` or `kv_memory_bytes` (the pool is then sized from the model's shape);
     with neither, `num_blocks` defaults to 512. A model with recurrent-state layers also has a pool of state
-    snapshots (`pagedjax.config.kv_layout`): `num_state_blocks` of them (None: enough for every running sequence's
-    live state, the one at its last block boundary and a step's boundaries, twice: `resolve_state_blocks`), taken
-    out of `kv_memory_bytes` first when that sizes the pools. `kv_dtype` (one of KV_DTYPES) is what K and V are
+    snapshots (`pagedjax.config.kv_layout`): `num_state_blocks` of them (None: twice what the running sequences
+    hold at once: `resolve_state_blocks`), taken out of `kv_memory_bytes` first when that sizes the pools, each the
+    state after a multiple of `state_block_size` tokens (a multiple of `block_size`; None: the least at which a
+    snapshot takes no more bytes than the KV of the tokens it covers, `resolve_pool_block_sizes`). Prefix hits of
+    such a model end at a multiple of it. `kv_dtype` (one of KV_DTYPES) is what K and V are
     stored in: "auto" = the model's dtype; "int8" and "fp8" (float8_e4m3fn) quantize each token's K and V per KV head
     when written, with a float32 scale beside them that `block_bytes` counts.
     """
@@ -56,6 +58,7 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_memory_bytes: int | None = None
     num_state_blocks: int | None = None
+    state_block_size: int | None = None
     enable_prefix_caching: bool = True
     kv_dtype: str = "auto"  # one of KV_DTYPES: "auto" = the model's dtype; "int8" / "fp8" quantize K/V when written
     hash_seed: int = 0
@@ -67,6 +70,10 @@ class CacheConfig:
         fix("num_blocks", check_int(owner, "num_blocks", self.num_blocks, lo=1, optional=True))
         fix("kv_memory_bytes", check_int(owner, "kv_memory_bytes", self.kv_memory_bytes, lo=1, optional=True))
         fix("num_state_blocks", check_int(owner, "num_state_blocks", self.num_state_blocks, lo=1, optional=True))
+        fix("state_block_size", check_int(owner, "state_block_size", self.state_block_size, lo=1, optional=True))
+        if self.state_block_size is not None and self.state_block_size % self.block_size:
+            raise ValueError(f"{owner}.state_block_size {self.state_block_size} must be a multiple of block_size "
+                             f"{self.block_size}")
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
         check_bool(owner, "enable_prefix_caching", self.enable_prefix_caching)
@@ -106,15 +113,33 @@ class CacheConfig:
         block is one snapshot of every state layer."""
         return model.kv_layout.bytes_per_block(self.block_size, *self._element_bytes(model), pool=pool)
 
+    def resolve_pool_block_sizes(self, model: ModelSpec) -> tuple[int, ...]:
+        """Each of `model`'s pools' block size in tokens: `block_size` for the first; a state pool's (one snapshot
+        per block) `state_block_size`, or the least multiple of `block_size` whose KV (a block of the first pool per
+        `block_size` tokens) takes at least a snapshot's bytes, so that snapshots cost at most as much memory as
+        the KV of the prefix they cache (Qwen3.5-27B: a 149.6 MiB snapshot of 48 DeltaNet layers against 64 KiB of
+        KV per token: 2400 tokens at block 16; vLLM's hybrid models align pages the same way, by growing the
+        attention block)."""
+        sizes = [self.block_size]
+        for pool in range(1, len(model.kv_layout.pools)):
+            if self.state_block_size is not None:
+                sizes.append(self.state_block_size)
+            else:
+                ratio = -(-self.block_bytes(model, pool) // self.block_bytes(model))
+                sizes.append(self.block_size * max(ratio, 1))
+        return tuple(sizes)
+
     def resolve_state_blocks(self, model: ModelSpec, max_num_seqs: int, max_num_batched_tokens: int) -> tuple:
         """The sizes of `model`'s pools past the first (a state pool's snapshots; empty for a model of one pool):
-        `num_state_blocks`, or twice what running sequences need at once: each its live state and the one at its
-        last block boundary, and a step's new boundaries (one per block of the token budget, one per sequence)."""
-        pools = model.kv_layout.pools
+        `num_state_blocks`, or twice what running sequences hold at once, the other half for cached snapshots.
+        A sequence holds the snapshot its next token starts from (its live state) and, in a step crossing a
+        boundary of B = the pool's block size, one per boundary crossed: a step of n tokens from p holds
+        cdiv(p + n, B) - (p - 1) // B <= n / B + 2, so a step of at most `max_num_seqs` sequences and
+        `max_num_batched_tokens` tokens holds at most 2 * max_num_seqs + cdiv(max_num_batched_tokens, B)."""
+        sizes = self.resolve_pool_block_sizes(model)[1:]
         if self.num_state_blocks is not None:
-            return (self.num_state_blocks,) * (len(pools) - 1)
-        need = 3 * max_num_seqs + -(-max_num_batched_tokens // self.block_size)
-        return (2 * need,) * (len(pools) - 1)
+            return (self.num_state_blocks,) * len(sizes)
+        return tuple(2 * (2 * max_num_seqs + -(-max_num_batched_tokens // b)) for b in sizes)
 
     def resolve_num_blocks(self, model: ModelSpec, draft: ModelSpec | None = None,
                            extra_pools: tuple[int, ...] = ()) -> int:

@@ -17,14 +17,13 @@ if TYPE_CHECKING:
 def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) -> None:
     """Raise RuntimeError naming the first broken invariant (O(num_blocks + held blocks); for tests and
     soak runs): each request is in exactly one queue; waiting ones hold nothing; between steps a running
-    request holds exactly `cdiv(num_computed_tokens, block_size)` blocks, or those its pending proposals need
-    (`mid_step`: at least); every
+    request holds exactly `cdiv(num_computed_tokens, block_size)` blocks in each KV cache group (of the group's
+    block size), or those its pending proposals need (`mid_step`: at least); every
     block's ref_cnt is the number of requests holding it (+1 while lent), so none is lost or doubly
     owned; a block shared by two requests holds the same computed tokens for both (full, unless they are
     forks of one another sharing their partial last block); the encoder cache holds at most its budget of image
     features, and only running requests need any."""
     kv = scheduler.kv_cache_manager
-    bs = scheduler.block_size
 
     def require(ok: bool, what: str) -> None:
         if not ok:
@@ -42,7 +41,7 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
     for r in scheduler.waiting:
         require(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.request_id} waits as "
                 f"{r.status}")
-        require(r.num_computed_tokens == 0 and not kv.num_held_blocks(r.request_id),
+        require(r.num_computed_tokens == 0 and not kv.holds(r.request_id),
                 f"waiting {r.request_id} holds KV")
     holders = kv.holders()
     require(set(holders) <= set(running_ids), "a request that is not running holds blocks")
@@ -53,17 +52,17 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
             require(False, f"encoder cache: {e}")
     for r in scheduler.running:
         require(r.status is RequestStatus.RUNNING, f"{r.request_id} runs as {r.status}")
-        held, need = kv.num_held_blocks(r.request_id), cdiv(r.num_computed_tokens, bs)
-        most = cdiv(r.num_tokens + len(r.draft_token_ids), bs) if r.draft_token_ids else need  # proposals' blocks
-        require(held >= need if mid_step else need <= held <= most,
-                f"{r.request_id} holds {held} blocks for {r.num_computed_tokens} tokens")
-    # Per KV cache group (`kv.per_group`: one entry per group): every group covers the same logical blocks. Block
-    # ids are their pool's own: counted per (pool, block).
+        for held, bs in zip(kv.per_group(kv.num_held_blocks(r.request_id)), kv.group_block_sizes, strict=True):
+            need = cdiv(r.num_computed_tokens, bs)
+            most = cdiv(r.num_tokens + len(r.draft_token_ids), bs) if r.draft_token_ids else need  # proposals'
+            require(held >= need if mid_step else need <= held <= most,
+                    f"{r.request_id} holds {held} blocks of {bs} tokens for {r.num_computed_tokens} tokens")
+    # Per KV cache group (`kv.per_group`: one entry per group). Block ids are their pool's own: counted per (pool,
+    # block).
     count: dict[tuple[int, int], int] = {}
     for rid, blocks in holders.items():
         per_group = kv.per_group(blocks)
         released = kv.per_group(kv.num_released_blocks(rid))
-        require(len({len(b) for b in per_group}) == 1, f"{rid}'s KV cache groups hold different numbers of blocks")
         for group_blocks, num_released, p in zip(per_group, released, kv.group_pools, strict=True):
             live = [b for b in group_blocks if b != RELEASED]
             require(len(set(live)) == len(live), "a request holds a block twice")
@@ -82,7 +81,8 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
     owner: dict[tuple[int, int], int] = {}  # (pool, block) -> the group holding it
     for rid, blocks in holders.items():
         r = by_id[rid]
-        for g, (group_blocks, p) in enumerate(zip(kv.per_group(blocks), kv.group_pools, strict=True)):
+        for g, (group_blocks, p, bs) in enumerate(zip(kv.per_group(blocks), kv.group_pools, kv.group_block_sizes,
+                                                      strict=True)):
             for i, b in enumerate(group_blocks):
                 if b == RELEASED:
                     continue

@@ -66,12 +66,14 @@ class KVCacheManager:
     """The block lists of every KV cache group over its block pool. `sliding_window`: a model of one group's window
     (None: every block is kept); `group_windows`: one release window (or None) per group of a model of several, and
     `group_pools` each group's pool (default: all in the one pool). Pool 0 has `num_blocks` blocks, pool i > 0
-    `extra_pools[i - 1]` (a recurrent state's snapshots: `pagedjax.config.kv_layout`)."""
+    `extra_pools[i - 1]` (a recurrent state's snapshots: `pagedjax.config.kv_layout`). A pool's blocks are
+    `pool_block_sizes[i]` tokens long (default: `block_size` each), each a multiple of `block_size`, the tokens of
+    one chained block hash (`block_hashes`): a state pool's snapshot covers that many tokens."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
                  hash_seed: int = 0, sliding_window: int | None = None,
                  group_windows: Sequence[int | None] | None = None, group_pools: Sequence[int] | None = None,
-                 extra_pools: Sequence[int] = ()) -> None:
+                 extra_pools: Sequence[int] = (), pool_block_sizes: Sequence[int] = ()) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if group_windows is not None and sliding_window is not None:
@@ -86,10 +88,15 @@ class KVCacheManager:
         if len(pools) != len(windows) or sorted(set(pools)) != list(range(len(sizes))):
             raise ValueError(f"group_pools {pools} must give each of the {len(windows)} groups one of the "
                              f"{len(sizes)} pools, and every pool a group")
+        pool_block_sizes = tuple(pool_block_sizes) or (block_size,) * len(sizes)
+        if len(pool_block_sizes) != len(sizes) or any(b < 1 or b % block_size for b in pool_block_sizes):
+            raise ValueError(f"pool_block_sizes {pool_block_sizes} must give each of the {len(sizes)} pools a "
+                             f"multiple of block_size {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pools = tuple(BlockPool(n, enable_caching=enable_caching, hash_seed=hash_seed) for n in sizes)
-        self.groups = tuple(KVGroupManager(self.pools[p], block_size, group=g, sliding_window=w)
+        self.groups = tuple(KVGroupManager(self.pools[p], pool_block_sizes[p], group=g, sliding_window=w,
+                                           hash_stride=pool_block_sizes[p] // block_size)
                             for g, (w, p) in enumerate(zip(windows, pools, strict=True)))
         self.group_pools = pools
         self.prefix_cache_queries = 0  # tokens looked up by first-time admissions
@@ -98,10 +105,10 @@ class KVCacheManager:
     @classmethod
     def from_config(cls, cache_config: CacheConfig, num_blocks: int, *, sliding_window: int | None = None,
                     group_windows: Sequence[int | None] | None = None, group_pools: Sequence[int] | None = None,
-                    extra_pools: Sequence[int] = ()) -> KVCacheManager:
+                    extra_pools: Sequence[int] = (), pool_block_sizes: Sequence[int] = ()) -> KVCacheManager:
         return cls(num_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching,
                    hash_seed=cache_config.hash_seed, sliding_window=sliding_window, group_windows=group_windows,
-                   group_pools=group_pools, extra_pools=extra_pools)
+                   group_pools=group_pools, extra_pools=extra_pools, pool_block_sizes=pool_block_sizes)
 
     @property
     def block_pool(self) -> BlockPool:
@@ -124,6 +131,15 @@ class KVCacheManager:
     def group_windows(self) -> tuple[int | None, ...]:
         """Each group's sliding window (None: it keeps every block)."""
         return tuple(g.sliding_window for g in self.groups)
+
+    @property
+    def group_block_sizes(self) -> tuple[int, ...]:
+        """Each group's block size (its pool's) in tokens."""
+        return tuple(g.block_size for g in self.groups)
+
+    def pool_block_size(self, pool: int) -> int:
+        """Pool `pool`'s block size in tokens."""
+        return self._by_pool()[pool][0].block_size
 
     @property
     def sliding_window(self) -> int | None:
@@ -180,9 +196,20 @@ class KVCacheManager:
         """request id -> the blocks it holds (as `get_block_ids`), for every request holding blocks."""
         return {rid: self.get_block_ids(rid) for rid in self.groups[0].holders()}
 
-    def num_held_blocks(self, request_id: str) -> int:
-        """How many logical blocks `request_id` covers (the same in every group; released ones included)."""
-        return self.groups[0].num_held_blocks(request_id)
+    def num_held_blocks(self, request_id: str):
+        """How many logical blocks `request_id` covers in each group (released ones included; per group for
+        several: `cdiv(tokens, block_size)` of the group's block size)."""
+        return self._out([g.num_held_blocks(request_id) for g in self.groups])
+
+    def holds(self, request_id: str) -> bool:
+        """Whether `request_id` holds blocks (it does in every group from its admission to its end)."""
+        return self.groups[0].holds(request_id)
+
+    def blocks_to_cover(self, request: Request, num_tokens: int):
+        """How many blocks (per group for several) the request needs beyond those it holds to cover its first
+        `num_tokens` tokens."""
+        return self._out([max(cdiv(num_tokens, g.block_size) - g.num_held_blocks(request.request_id), 0)
+                          for g in self.groups])
 
     def num_released_blocks(self, request_id: str):
         """How many of `request_id`'s leading blocks were released out of the sliding window (per group)."""
@@ -232,11 +259,12 @@ class KVCacheManager:
         settled = False
         while not settled:  # the largest hit every group serves (a window group's hits are not nested)
             settled = True
-            for group in self.groups:
-                served = group.longest_hit(hashes, k)
+            for group in self.groups:  # in blocks of the hashes; a group's blocks are `hash_stride` of them
+                served = group.longest_hit(hashes, k // group.hash_stride) * group.hash_stride
                 if served < k:
                     k, settled = served, False
-        return self._out([g.hit_blocks(hashes, k) for g in self.groups]), k * self.block_size
+        return (self._out([g.hit_blocks(hashes, k // g.hash_stride) for g in self.groups]),
+                k * self.block_size)
 
     def next_block_hash(self, request: Request, num_hit_blocks: int) -> BlockHash | None:
         """The hash of the block where `get_computed_blocks` stopped (its first miss), or None if the
@@ -248,10 +276,10 @@ class KVCacheManager:
 
     def unpublished_block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the full blocks of a request holding blocks that are not published yet: the blocks
-        of its known tokens it is computing now or will compute (empty when caching is off)."""
-        done = self.groups[0].num_published(request.request_id)  # every group publishes the same blocks
-        if done is None or not self.enable_caching:
+        of its known tokens it is computing now or will compute, in some group (empty when caching is off)."""
+        if not self.enable_caching or not self.holds(request.request_id):
             return []
+        done = min(g.num_published(request.request_id) * g.hash_stride for g in self.groups)
         return self.block_hashes(request)[done:]
 
     def needs_copy(self, request: Request) -> bool:
@@ -303,9 +331,9 @@ class KVCacheManager:
         """Let `child` (holding no blocks) share every block `source` holds: the child continues from the
         source's `num_computed_tokens` tokens, which must be the child's first tokens too. Each block gains a
         reference; the first write into a shared block copies it (see `allocate_slots`)."""
-        if not self.groups[0].holds(source.request_id):
+        if not self.holds(source.request_id):
             raise ValueError(f"request {source.request_id!r} holds no blocks; it cannot be forked")
-        if self.groups[0].holds(child.request_id):
+        if self.holds(child.request_id):
             raise ValueError(f"request {child.request_id!r} already holds blocks")
         if any(g.has_copy(source.request_id) for g in self.groups):
             raise ValueError(f"request {source.request_id!r} has a block copy pending; fork it between steps")
@@ -322,7 +350,7 @@ class KVCacheManager:
 
         Returns how many blocks got a key (a block whose key another block already holds stays unhashed).
         """
-        if not self.enable_caching or not self.groups[0].holds(request.request_id):
+        if not self.enable_caching or not self.holds(request.request_id):
             return 0
         hashes = self.block_hashes(request)
         return sum(g.cache_blocks(request, hashes) for g in self.groups)
@@ -339,8 +367,8 @@ class KVCacheManager:
         speculative step allocated them for proposals that were rejected, or not made (`Scheduler.update`).
         They hold no computed KV, so they are unhashed, and were freshly allocated, so no one else holds them.
         Returns how many (all groups)."""
-        keep = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        return sum(g.release_past(request.request_id, keep) for g in self.groups)
+        keep = request.num_computed_tokens + num_new_tokens
+        return sum(g.release_past(request.request_id, cdiv(keep, g.block_size)) for g in self.groups)
 
     def release_out_of_window(self, request: Request) -> int:
         """Release the request's leading blocks that no query from its next position on can read, in every window
@@ -359,8 +387,8 @@ class KVCacheManager:
         size (a preempted request recomputes everything in chunks), so this is the maximum over p; without a
         window it is cdiv(num_kv_tokens, block_size) per group.
         """
-        T, B, C = num_kv_tokens, self.block_size, max_chunk
         groups = self._by_pool()[pool]
+        T, B, C = num_kv_tokens, groups[0].block_size, max_chunk  # the pool's block size
         windows = [g.sliding_window for g in groups if g.sliding_window is not None]
         if not windows or T <= C:  # (with T <= C, p = 0 computes everything at once: nothing is released yet)
             return len(groups) * cdiv(T, B)
@@ -402,15 +430,18 @@ class KVCacheManager:
 
     # -- fused decode -----------------------------------------------------------------------
 
-    def lend_blocks(self, n: int):
-        """Lend `n` free blocks per group to the device (all or nothing; may evict cached blocks).
+    def lend_blocks(self, n):
+        """Lend `n` free blocks to the device (per group for several; all or nothing; may evict cached blocks).
 
         Each lent block has ref_cnt 1, held by the lender, and no hash. Returns None if fewer are free.
         """
-        if any(n * len(groups) > pool.num_free_blocks for groups, pool in zip(self._by_pool(), self.pools,
-                                                                                 strict=True)):
+        counts = self._in(n, "lend_blocks")
+        need = [0] * len(self.pools)
+        for count, p in zip(counts, self.group_pools, strict=True):
+            need[p] += count
+        if any(k > pool.num_free_blocks for k, pool in zip(need, self.pools, strict=True)):
             return None
-        return self._out([g.lend(n) for g in self.groups])
+        return self._out([g.lend(count) for g, count in zip(self.groups, counts, strict=True)])
 
     def return_lent_blocks(self, block_ids) -> None:
         """Take back lent blocks the device did not use (per group for several): they rejoin the free queue as

@@ -2,7 +2,8 @@
 copy-on-write, its release rule. The `KVCacheManager` (`pagedjax.core.kv_cache_manager`) coordinates one of these
 per group over one shared `BlockPool`; nothing else calls them.
 
-Plain Python, no JAX. Per group and request:
+Plain Python, no JAX. A group's `block_size` is its pool's (a state pool's may be a multiple of the KV pool's: one
+snapshot per that many tokens, `pagedjax.config.kv_layout`). Per group and request:
   - the blocks in logical order; logical block j holds token positions [j * block_size, (j + 1) * block_size);
     a leading block released out of the group's sliding window stays as `RELEASED` (-1), so block j is still
     entry j (block tables carry -1 there, which the kernels never read: a window skips whole pages before it);
@@ -30,11 +31,15 @@ def cdiv(a: int, b: int) -> int:
 
 class KVGroupManager:
     """The block lists of one KV cache group (`group`, its index) with sliding window `sliding_window` (None: it
-    keeps every block), over `pool`."""
+    keeps every block), over `pool`. Its blocks are `hash_stride` blocks of the chained block hashes long (the
+    hashes every group is given: `KVCacheManager.block_hashes`); its block j is keyed by the hash of the last of
+    them, which chains over every token up to the block's end."""
 
-    def __init__(self, pool: BlockPool, block_size: int, *, group: int = 0, sliding_window: int | None = None):
+    def __init__(self, pool: BlockPool, block_size: int, *, group: int = 0, sliding_window: int | None = None,
+                 hash_stride: int = 1):
         self.pool = pool
         self.block_size = block_size
+        self.hash_stride = hash_stride
         self.group = group
         self.sliding_window = sliding_window
         # Group 0's blocks are keyed by their chained hash, group g > 0's by the hash and g (`pool_key`).
@@ -47,6 +52,10 @@ class KVGroupManager:
     def pool_key(self, block_hash: BlockHash) -> BlockHash:
         """The key this group's block of `block_hash` is cached under in the shared pool."""
         return block_hash + self._key_suffix
+
+    def block_key(self, hashes: Sequence[BlockHash], j: int) -> BlockHash:
+        """The pool key of this group's block j, from the chain of (KV) block hashes `hashes`."""
+        return self.pool_key(hashes[(j + 1) * self.hash_stride - 1])
 
     # -- queries ---------------------------------------------------------------------------------------
 
@@ -89,7 +98,7 @@ class KVGroupManager:
         """The most leading blocks k <= `max_blocks` of a chain of hashes this group can serve as a prefix hit:
         every block a query at position k * block_size reads, i.e. blocks [unread(k), k), cached in this group."""
         lookup = self.pool.get_cached_block
-        present = lambda j: lookup(self.pool_key(hashes[j])) is not None
+        present = lambda j: lookup(self.block_key(hashes, j)) is not None
         if self.sliding_window is None:  # every block from the first
             k = 0
             while k < max_blocks and present(k):
@@ -113,7 +122,7 @@ class KVGroupManager:
         than computing it would."""
         lookup = self.pool.get_cached_block
         skip = self.num_unread_blocks(num_blocks * self.block_size)
-        return [RELEASED] * skip + [lookup(self.pool_key(h)) for h in hashes[skip:num_blocks]]
+        return [RELEASED] * skip + [lookup(self.block_key(hashes, j)) for j in range(skip, num_blocks)]
 
     def needs_copy(self, request: Request) -> bool:
         """Whether the request's next token lands in a block it shares with another request (a fork)."""
@@ -205,7 +214,7 @@ class KVGroupManager:
         n = 0
         for i in range(done, num_full):
             if blocks[i] != RELEASED and self.pool.block_hash(blocks[i]) is None:
-                n += self.pool.cache_block(blocks[i], self.pool_key(hashes[i]))
+                n += self.pool.cache_block(blocks[i], self.block_key(hashes, i))
         self._num_hashed_blocks[rid] = num_full
         return n
 

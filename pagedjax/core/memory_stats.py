@@ -68,27 +68,29 @@ class KVMemoryStats:
 
 def kv_memory_stats(manager: KVCacheManager, requests: Iterable[Request], *,
                     with_free_runs: bool = True) -> KVMemoryStats:
-    """Snapshot of the pool's memory use, given the requests holding blocks.
+    """Snapshot of pool 0's memory use (the KV pool; a state pool's snapshots count in `group_blocks` only), given
+    the requests holding blocks.
 
     A request's used slots are its `num_computed_tokens` (between `schedule` and `update` the tokens being
     computed in the step are not counted yet). A block shared by several requests (a prefix hit, or forks
     sharing their partial last block) holds the same tokens for all of them and is counted once.
     """
-    bs = manager.block_size
     pool = manager.block_pool
-    filled: dict[int, int] = {}  # held block -> slots of it holding computed KV
+    bs = manager.group_block_sizes[manager.group_pools.index(0)]  # pool 0's block size
+    filled: dict[int, int] = {}  # held block of pool 0 -> slots of it holding computed KV
     group_held: list[set[int]] = [set() for _ in range(manager.num_groups)]
     partial = 0
     for r in requests:
-        if not manager.num_held_blocks(r.request_id):
+        if not manager.holds(r.request_id):
             continue
         per_group = manager.per_group(manager.get_block_ids(r.request_id))
-        for held, blocks in zip(group_held, per_group, strict=True):
+        for held, blocks, p in zip(group_held, per_group, manager.group_pools, strict=True):
             for i, b in enumerate(blocks):
                 if b == RELEASED:  # out of the sliding window: back in the pool
                     continue
                 held.add(b)
-                filled[b] = max(filled.get(b, 0), min(bs, max(0, r.num_computed_tokens - i * bs)))
+                if p == 0:
+                    filled[b] = max(filled.get(b, 0), min(bs, max(0, r.num_computed_tokens - i * bs)))
         partial += len(per_group[0]) * bs > r.num_computed_tokens
     reserved = len(filled) * bs
     used = sum(filled.values())

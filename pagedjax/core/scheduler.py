@@ -78,6 +78,7 @@ from pagedjax.core.step_plan import (
     StepPlan,
     build_step_plan,
     claim_lent_blocks,
+    lent_stacks,
     unclaimed_lent_blocks,
 )
 from pagedjax.core.step_result import StepResult, emitted_tokens
@@ -115,13 +116,14 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, *,
                  sliding_window: int | None = None, group_windows: Sequence[int | None] | None = None,
                  group_pools: Sequence[int] | None = None, extra_pools: Sequence[int] = (),
-                 max_loras: int | None = None, images: int | None = None,
+                 pool_block_sizes: Sequence[int] = (), max_loras: int | None = None, images: int | None = None,
                  bidirectional_images: bool = False) -> None:
         """`sliding_window`: the window of a model of one KV cache group (no layer reads positions older than
         p - window from position p; None: every layer reads everything), `group_windows` one per group of a model
         of several (`ModelSpec.kv_layout.windows`): running requests release a window group's blocks that fell
-        out of its window after each step; `group_pools` and `extra_pools`: the groups' block pools and the sizes of
-        pools past the first (`KVCacheManager`: a recurrent state's snapshots). `max_loras`: the most distinct
+        out of its window after each step; `group_pools`, `extra_pools` and `pool_block_sizes`: the groups' block
+        pools, the sizes of pools past the first and every pool's block size (`KVCacheManager`: a recurrent state's
+        snapshots). `max_loras`: the most distinct
         adapters running requests may use (None: no limit; see the module's docstring). `images`: requests may carry
         images of this many placeholder tokens each (`scheduler_config`'s encoder budgets resolved:
         `SchedulerConfig.resolve_images`), whose tokens attend to each other both ways where
@@ -135,7 +137,8 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager.from_config(cache_config, num_blocks, sliding_window=sliding_window,
                                                            group_windows=group_windows, group_pools=group_pools,
-                                                           extra_pools=extra_pools)
+                                                           extra_pools=extra_pools,
+                                                           pool_block_sizes=pool_block_sizes)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -215,7 +218,7 @@ class Scheduler:
                                           f"{'s' * (len(windows) > 1)} and {step})")
             pool = "" if len(kv.pools) == 1 else f" of pool {p}"
             raise ContextLengthExceeded(f"request {rid!r}: its prompt and max_tokens may need {need} blocks{pool} "
-                                        f"of {self.block_size} tokens{groups}{why}, more than the whole pool of "
+                                        f"of {kv.pool_block_size(p)} tokens{groups}{why}, more than the whole pool of "
                                         f"{kv.pools[p].num_blocks} blocks", param="max_tokens")
         if request.images and self.bidirectional_images and chunk < self.tokens_per_image:
             raise InvalidRequest(f"request {rid!r}: an image's {self.tokens_per_image} tokens attend to each other, "
@@ -795,7 +798,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         bs = self.block_size
         max_new: list[int] = []
-        num_to_lend = 0
+        num_to_lend = [0] * kv.num_groups
         width = 0
         for r in self.running:
             # A held request (beam search) runs one token at a time; a fork's first write into its shared
@@ -807,16 +810,17 @@ class Scheduler:
                 return None
             m = min(num_steps, self.max_new_tokens_left(r))
             max_new.append(m)
-            num_to_lend += cdiv(r.num_computed_tokens + m, bs) - kv.num_held_blocks(r.request_id)
+            more = kv.per_group(kv.blocks_to_cover(r, r.num_computed_tokens + m))
+            num_to_lend = [a + b for a, b in zip(num_to_lend, more, strict=True)]
             width = max(width, cdiv(r.num_tokens + num_steps - 1, bs))
-        lent = kv.lend_blocks(num_to_lend)
+        lent = kv.lend_blocks(num_to_lend[0] if kv.num_groups == 1 else num_to_lend)
         if lent is None:
             return None
         plan = self._plan([(r, 1) for r in self.running], min_width=width, allow_missing_blocks=True)
         assert plan.request_ids == [r.request_id for r in self.running]
-        plan.fused = FusedDecode(lent_block_ids=np.array(lent, dtype=np.int32),
+        plan.fused = FusedDecode(lent_block_ids=lent_stacks(lent, kv.num_groups),
                                  max_new_tokens=np.array(max_new, dtype=np.int32), num_steps=num_steps,
-                                 block_size=bs, seq_lens=(plan.kv_lens - 1).astype(np.int32))
+                                 block_sizes=kv.group_block_sizes, seq_lens=(plan.kv_lens - 1).astype(np.int32))
         self.num_steps += 1
         self._pending_fused = plan
         return plan
@@ -839,7 +843,8 @@ class Scheduler:
             return
         if plan is not self._pending_fused:
             raise RuntimeError("this fused decode plan is not the one in flight")
-        self.kv_cache_manager.return_lent_blocks(plan.fused.lent_block_ids.tolist())
+        kv = self.kv_cache_manager
+        kv.return_lent_blocks(unclaimed_lent_blocks(plan, [set() for _ in kv.pools], kv.group_pools))
         self._pending_fused = None
 
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
@@ -855,7 +860,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         block_ids = {r.request_id: kv.get_block_ids(r.request_id) for r, _ in scheduled}
         cache = self.encoder_cache
-        plan = build_step_plan(scheduled, block_ids, self.block_size, block_copies=kv.take_block_copies(),
+        plan = build_step_plan(scheduled, block_ids, kv.group_block_sizes, block_copies=kv.take_block_copies(),
                                image_slots=None if cache is None else cache.slot_of, num_groups=kv.num_groups,
                                num_pools=len(kv.pools),
                                **kwargs)
@@ -920,8 +925,8 @@ class Scheduler:
             computed = kv_lens[i] - drafts[i] - 1 + len(emitted) if emits[i] and not request.prefill_only \
                 else kv_lens[i]
             if plan.fused is not None:
-                adopted[rid] = claim_lent_blocks(plan, result.block_tables, i, rid, kv.get_block_ids(rid),
-                                                 cdiv(computed, self.block_size), claimed, kv.group_pools)
+                adopted[rid] = claim_lent_blocks(plan, result.block_tables, i, rid, kv.get_block_ids(rid), computed,
+                                                 claimed, kv.group_pools)
             outcomes.append((request, emitted, computed, status, emits[i] and request.prefill_only))
         # 2. apply
         finished: list[Request] = []

@@ -31,7 +31,8 @@ class StepPlan:
     `block_tables[s]`. `slot_mapping[t] = block_id * block_size + offset` is where token t's K/V goes
     (-1 = padding / not written; in a plain step every token has a slot). A model of several KV cache groups has a
     table and a slot mapping per group: `block_tables [num_groups, num_seqs, max_blocks]`, `slot_mapping
-    [num_groups, num_tokens]` (and a fused decode's lent blocks `[num_groups, num_lent]`).
+    [num_groups, num_tokens]` (and a fused decode's lent blocks `[num_groups, num_lent]`), each by its group's block
+    size (a state pool's may be larger than the KV pool's).
     """
 
     request_ids: list[str]
@@ -111,16 +112,16 @@ class FusedDecode:
     `slot_mapping` entry is -1 (the device computes it; see `simulate_device_pops`).
 
     `lent_block_ids` is the stack of lent blocks, popped front to back, exactly enough for every sequence to write
-    `max_new_tokens[s]` tokens (with several KV cache groups one stack per group, `[num_groups, num_lent]`: every
-    group's table gains a block at the same steps). `max_new_tokens[s] = min(num_steps, remaining max_tokens,
-    max_model_len - num_tokens)` (at least 1; see `Scheduler.max_new_tokens_left`): the device stops sequence s
-    after that many steps (or at a stop id).
+    `max_new_tokens[s]` tokens (with several KV cache groups one stack per group, `[num_groups, num_lent]`, padded
+    with -1: a group's table gains a block whenever a sequence crosses a block of its `block_sizes[g]`).
+    `max_new_tokens[s] = min(num_steps, remaining max_tokens, max_model_len - num_tokens)` (at least 1; see
+    `Scheduler.max_new_tokens_left`): the device stops sequence s after that many steps (or at a stop id).
     """
 
     lent_block_ids: np.ndarray  # int32 [(num_groups,) num_lent]
     max_new_tokens: np.ndarray  # int32 [num_seqs]
     num_steps: int
-    block_size: int
+    block_sizes: tuple[int, ...]  # each KV cache group's block size
     seq_lens: np.ndarray  # int32 [num_seqs]: tokens each sequence has in the cache before step 1
 
 
@@ -134,7 +135,7 @@ def first_rows(plan: StepPlan) -> np.ndarray:
 
 
 def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping[str, Sequence[int]],
-                    block_size: int, *, preempted_request_ids: Sequence[str] = (), min_width: int = 0,
+                    block_size: int | Sequence[int], *, preempted_request_ids: Sequence[str] = (), min_width: int = 0,
                     allow_missing_blocks: bool = False,
                     block_copies: Sequence = (),
                     draft_token_ids: Mapping[str, Sequence[int]] | None = None,
@@ -142,7 +143,8 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
                     num_pools: int = 1) -> StepPlan:
     """The step that advances each `(request, num_tokens)` of `scheduled` by `num_tokens` tokens from its
     `num_computed_tokens`, through the blocks `block_ids[request_id]` it holds (in logical order; with
-    `num_groups` > 1, one such sequence per KV cache group, and the plan's tables and slots per group).
+    `num_groups` > 1, one such sequence per KV cache group, and the plan's tables and slots per group; `block_size`
+    then one per group, or one for all).
 
     Decodes (num_tokens == 1) come first, then prefills, each group in the given order. `min_width` widens
     the block tables (a fused decode's tables must fit its later steps). Unless `allow_missing_blocks`
@@ -162,7 +164,9 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
     if num_decodes < len(scheduled):
         order += [x for x in scheduled if x[1] != 1]
     n = len(order)
-    bs = block_size
+    block_sizes = (block_size,) * num_groups if isinstance(block_size, int) else tuple(block_size)
+    if len(block_sizes) != num_groups:
+        raise ValueError(f"{len(block_sizes)} block sizes for {num_groups} KV cache groups")
 
     request_ids: list[str] = []
     q_list: list[int] = []
@@ -199,7 +203,7 @@ def build_step_plan(scheduled: Sequence[tuple[Request, int]], block_ids: Mapping
                  + np.repeat(starts, q_lens)).astype(np.int32)
     seq_of_token = np.repeat(np.arange(n), q_lens)
     width = max(max(len(group_rows) for row in rows for group_rows in row), min_width, 1)
-    tables_slots = [_table_and_slots([row[g] for row in rows], width, seq_of_token, positions, bs,
+    tables_slots = [_table_and_slots([row[g] for row in rows], width, seq_of_token, positions, block_sizes[g],
                                      allow_missing_blocks) for g in range(num_groups)]
     tables, slots = zip(*tables_slots, strict=True)
     block_tables = tables[0] if num_groups == 1 else np.stack(tables)
@@ -302,17 +306,30 @@ def simulate_device_pops(block_tables: np.ndarray, seq_lens: np.ndarray, lent_bl
     return tables, slots, popped
 
 
-def claim_lent_blocks(plan: StepPlan, block_tables: np.ndarray, i: int, request_id: str, held, need: int,
+def lent_stacks(lent, num_groups: int) -> np.ndarray:
+    """The lent blocks of `KVCacheManager.lend_blocks` as a fused decode's stack: int32 `[num_lent]` for one group,
+    `[num_groups, num_lent]` for several, each group's padded with -1 (never popped) to the longest."""
+    if num_groups == 1:
+        return np.array(lent, np.int32)
+    out = np.full((num_groups, max(map(len, lent), default=0)), -1, np.int32)
+    for g, ids in enumerate(lent):
+        out[g, :len(ids)] = ids
+    return out
+
+
+def claim_lent_blocks(plan: StepPlan, block_tables: np.ndarray, i: int, request_id: str, held, num_tokens: int,
                       claimed: list[set[int]], group_pools: Sequence[int] = (0,)):
     """The lent blocks sequence i of a fused decode adopts: those its row of the device's `block_tables` gained past
-    the `held` blocks, up to the `need` its new length needs (added to `claimed`, a set per block pool); with
-    several KV cache groups (`group_pools`: each one's pool), per group (`held`, the tables and the result).
-    Changes nothing else; RuntimeError if the device changed a block the host placed, kept a block that was not
-    lent, or took one twice (checked before anything is applied)."""
+    the `held` blocks, up to the blocks its new length `num_tokens` needs (added to `claimed`, a set per block
+    pool); with several KV cache groups (`group_pools`: each one's pool), per group (`held`, the tables and the
+    result). Changes nothing else; RuntimeError if the device changed a block the host placed, kept a block that
+    was not lent, or took one twice (checked before anything is applied)."""
+    sizes = plan.fused.block_sizes
     if len(group_pools) == 1:
-        return _claim(block_tables[i], plan.fused.lent_block_ids, request_id, held, need, claimed[group_pools[0]])
-    return tuple(_claim(block_tables[g, i], plan.fused.lent_block_ids[g], request_id, held[g], need, claimed[p])
-                 for g, p in enumerate(group_pools))
+        return _claim(block_tables[i], plan.fused.lent_block_ids, request_id, held, -(-num_tokens // sizes[0]),
+                      claimed[group_pools[0]])
+    return tuple(_claim(block_tables[g, i], plan.fused.lent_block_ids[g], request_id, held[g],
+                        -(-num_tokens // sizes[g]), claimed[p]) for g, p in enumerate(group_pools))
 
 
 def _claim(row: np.ndarray, lent_block_ids: np.ndarray, request_id: str, held: Sequence[int], need: int,
@@ -338,4 +355,5 @@ def unclaimed_lent_blocks(plan: StepPlan, claimed: list[set[int]], group_pools: 
     lent = plan.fused.lent_block_ids.tolist()
     if len(group_pools) == 1:
         return [b for b in lent if b not in claimed[group_pools[0]]]
-    return tuple([b for b in ids if b not in claimed[p]] for ids, p in zip(lent, group_pools, strict=True))
+    return tuple([b for b in ids if b >= 0 and b not in claimed[p]] for ids, p in zip(lent, group_pools,
+                                                                                      strict=True))

@@ -152,6 +152,11 @@ class DataParallelEngine:
         return tuple(map(sum, zip(*(r.extra_pools for r in self.replicas), strict=True)))
 
     @property
+    def pool_block_sizes(self) -> tuple[int, ...]:
+        """Each pool's block size in tokens (every replica's are the same)."""
+        return self.replicas[0].pool_block_sizes
+
+    @property
     def max_request_tokens(self) -> int:
         """As `LLMEngine.max_request_tokens`: a request runs on one replica."""
         return min(r.max_request_tokens for r in self.replicas)

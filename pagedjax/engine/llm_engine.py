@@ -185,9 +185,11 @@ class LLMEngine:
         self.image_processor = image_processor
         mesh = None
         self.parallel_config = parallel_config
-        # Blocks of the pools past the first: a recurrent state's snapshots (`pagedjax.config.kv_layout`).
+        # Blocks of the pools past the first: a recurrent state's snapshots (`pagedjax.config.kv_layout`), one per
+        # a pool's block size of tokens.
         self.extra_pools = self.cache_config.resolve_state_blocks(spec, self.scheduler_config.max_num_seqs,
                                                                   self.scheduler_config.max_num_batched_tokens)
+        self.pool_block_sizes = self.cache_config.resolve_pool_block_sizes(spec)
         if parallel_config is not None:
             from pagedjax.parallel.mesh import engine_mesh
             from pagedjax.parallel.sharding import per_device_model
@@ -203,7 +205,7 @@ class LLMEngine:
         # requests run.
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
                                    group_windows=spec.kv_layout.windows, group_pools=spec.kv_layout.group_pools,
-                                   extra_pools=self.extra_pools,
+                                   extra_pools=self.extra_pools, pool_block_sizes=self.pool_block_sizes,
                                    max_loras=None if lora_config is None else lora_config.max_loras,
                                    images=None if images is None else images.tokens_per_image,
                                    bidirectional_images=images is not None and images.bidirectional)
@@ -212,6 +214,7 @@ class LLMEngine:
                                                   config.structured_limits)
         max_programs, background = config.max_compiled_programs, config.compile_in_background
         self.runner = ModelRunner(model, self.num_blocks, self.cache_config.block_size, extra_pools=self.extra_pools,
+                                  pool_block_sizes=self.pool_block_sizes,
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=config.backend,
                                   mesh=mesh, max_programs=max_programs, compile_in_background=background,
                                   lora=lora_config, image_slots=None if images is None else

@@ -101,6 +101,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.config import CacheConfig, FullAttention, IndexedSparse, LatentAttention, ModelSpec
+from pagedjax.config.kv_spec import LatentKV, LayerKV, SparseKV
 from pagedjax.config.parallel import TP
 from pagedjax.device.attention import AttentionMetadata, latent_attention, paged_attention, sparse_attention
 from pagedjax.device.kv_cache import PagedLayer, init_kv_cache, layer_shapes, write_kv, write_latent, write_sparse
@@ -157,7 +158,11 @@ class PagedKVCache:
     Invariant: `written` names the layers whose `PagedAttention` ran in this step; each layer is written at
     most once (a second write would attend over the first's K/V at the same slots). `indexer_ties` (None until a
     sparse layer ran): the query rows, summed over the sparse layers, whose top-k cut-off fell between equal
-    indexer scores (`sparse_attention`), which the engine reports."""
+    indexer scores (`sparse_attention`), which the engine reports.
+
+    `block_sizes` (static): each KV cache group's block size in tokens, as the engine allocated it (a state
+    group's, one snapshot per block, may be a multiple of the KV pool's: `CacheConfig.state_block_size`); None:
+    the pages' own, which a state layer's pages do not show (`block_size_of`)."""
 
     layers: tuple[PagedLayer, ...]
     meta: AttentionMetadata
@@ -167,6 +172,7 @@ class PagedKVCache:
     spec: ModelSpec | None = None
     written: frozenset[int] = frozenset()
     indexer_ties: jax.Array | None = None
+    block_sizes: tuple[int, ...] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -179,6 +185,16 @@ class PagedKVCache:
     def layer(self, index: int) -> PagedLayer:
         """Layer `index`'s pages."""
         return self.layers[self._slot(index)]
+
+    def block_size_of(self, index: int) -> int:
+        """Tokens per block of layer `index`'s KV cache group (a state layer's: one snapshot per that many)."""
+        if self.block_sizes is not None:
+            return self.block_sizes[0 if self.spec is None else self.spec.kv_layout.layer_group[index]]
+        pages = self.layer(index)
+        if isinstance(pages, LayerKV | LatentKV | SparseKV):  # token pages: [..., num_blocks, block_size, ...]
+            return pages[0].shape[pages.block_axis + 1]
+        raise ValueError(f"layer {index}'s pages ({type(pages).__name__}) do not show their block size: give "
+                         "PagedKVCache(block_sizes=...)")
 
     def meta_of(self, index: int) -> AttentionMetadata:
         """The metadata layer `index` writes and attends with: its KV cache group's."""
@@ -196,7 +212,7 @@ class PagedKVCache:
 
 
 jax.tree_util.register_dataclass(PagedKVCache, data_fields=["layers", "meta", "indexer_ties"],
-                                 meta_fields=["backend", "decode_only", "mesh", "spec", "written"])
+                                 meta_fields=["backend", "decode_only", "mesh", "spec", "written", "block_sizes"])
 
 
 class PagedAttention(nnx.Module):
@@ -402,7 +418,7 @@ def forward_on_fresh_pages(model, token_ids: jax.Array, block_size: int = 8) -> 
     meta = AttentionMetadata(jnp.asarray(slots if groups > 1 else slots[0]),
                              jnp.asarray(tables if groups > 1 else tables[0]),
                              jnp.full((b,), s, jnp.int32), jnp.arange(b + 1, dtype=jnp.int32) * s)
-    cache = PagedKVCache(kv.layers, meta, backend="xla", spec=spec)
+    cache = PagedKVCache(kv.layers, meta, backend="xla", spec=spec, block_sizes=(block_size,) * groups)
     hidden, _ = model(token_ids.reshape(-1), jnp.asarray(pos), cache)
     return model.compute_logits(hidden).reshape(b, s, -1)
 
@@ -477,7 +493,7 @@ def check_model(model, *, kv_dtype: str = "auto") -> ModelSpec:
 
     def step(state, layers, meta, token_ids, positions, images):
         m = nnx.merge(graphdef, state)
-        cache = PagedKVCache(layers, meta, spec=spec)
+        cache = PagedKVCache(layers, meta, spec=spec, block_sizes=(block_size,) * layout.num_groups)
         out = m(token_ids, positions, cache) if images is None else m(token_ids, positions, cache, images=images)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], PagedKVCache)):
             raise TypeError(f"{name}.__call__ must return (hidden, cache) with the PagedKVCache it was given, as "

@@ -118,7 +118,7 @@ def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, eng
         return pad_fused_decode(tokens=plan.token_ids, block_tables=plan.block_tables, seq_lens=fused.seq_lens,
                                 lent_blocks=fused.lent_block_ids, sampling=sampling,
                                 stop_ids=[sorted(r.stop_ids) for r in requests], max_new=fused.max_new_tokens,
-                                num_steps=fused.num_steps, block_size=fused.block_size, penalties=penalties,
+                                num_steps=fused.num_steps, block_size=min(fused.block_sizes), penalties=penalties,
                                 num_top_logprobs=num_top_logprobs(requests), lora_slots=lora_slots)
     logits_indices = None
     if plan.num_drafts is not None:

@@ -80,12 +80,14 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
                   logits_indices, sampling: SamplingMetadata, extras: StepExtras = NO_EXTRAS,
                   lora: LoRABatch | None = None, images: ImageEmbeds | None = None, *, backend: str,
                   decode_only: bool, return_logits: bool = False, num_top_logprobs: int | None = None,
-                  num_prompt_top_logprobs: int = 0, mesh=None) -> tuple[StepOutputs, KVCache]:
+                  num_prompt_top_logprobs: int = 0, mesh=None, block_sizes: tuple[int, ...]
+                  ) -> tuple[StepOutputs, KVCache]:
     model: PagedModel = nnx.merge(graphdef, params)
     if extras.block_copies is not None:
         kv_cache = copy_blocks(kv_cache, extras.block_copies, model.spec.kv_layout.slot_pools)  # before the writes
     hidden, kv_cache, ties = _model_forward(model, token_ids, positions, kv_cache, meta, backend=backend,
-                                            decode_only=decode_only, mesh=mesh, lora=lora, images=images)
+                                            decode_only=decode_only, mesh=mesh, block_sizes=block_sizes, lora=lora,
+                                            images=images)
     prompt_logprobs = None
     if extras.prompt_targets is not None:  # logits at every position, once
         all_logits = _gathered(model.compute_logits(hidden), mesh)
@@ -102,14 +104,14 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
 
 
 def _model_forward(model: PagedModel, token_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, *,
-                   backend: str, decode_only: bool, mesh, lora: LoRABatch | None = None,
+                   backend: str, decode_only: bool, mesh, block_sizes: tuple[int, ...], lora: LoRABatch | None = None,
                    images: ImageEmbeds | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """The model's forward over the cache as the contract gives it (`pagedjax.model.api.PagedKVCache`); with
     `lora` (a built-in model: the engine checks), each token through its adapter; with `images`, image features in
     place of their placeholders' embeddings (a model whose spec declares images). Returns (hidden, the cache, its
     indexer ties: None without sparse layers)."""
     cache = PagedKVCache(kv_cache.layers, meta, backend=backend, decode_only=decode_only, mesh=mesh,
-                         spec=model.spec)
+                         spec=model.spec, block_sizes=block_sizes)
     extra = {}
     if lora is not None:
         extra["lora"] = lora
@@ -145,14 +147,15 @@ class FusedDecodeState(NamedTuple):
 def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | tuple[PageState, ...], tokens,
                        sampling: SamplingMetadata,
                  stop_ids, max_new, penalties: PenaltyMetadata | None = None, lora: LoRABatch | None = None, *,
-                 num_steps: int, block_size: int,
+                 num_steps: int, block_sizes: tuple[int, ...],
                  backend: str, num_top_logprobs: int | None = None, mesh=None):
     """Up to `num_steps` decode steps with no host round trip.
 
     tokens int32 `[S]` (each sequence's last token, whose KV is not yet cached); stop_ids int32 `[S, K]`
     (-1 = none); max_new int32 `[S]` tokens each sequence may still generate (0 = padding row); lora: each
     sequence's adapter slot (`[S]`: one token per sequence each iteration); pages: the `PageState` of a model of
-    one KV cache group, one per group of a model of several (every group pops a block at the same steps).
+    one KV cache group, one per group of a model of several (each pops a block when a sequence crosses one of its
+    group's `block_sizes`).
     Returns (sampled int32 `[num_steps, S]` with -1 after a sequence stopped, their `LogprobArrays`
     `[num_steps, S]`, the final page state(s) as given, the indexer ties of every iteration (i32[]), cache).
     """
@@ -173,13 +176,14 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | t
         # with them; the counter is the one operand that differs each iteration.
         model: PagedModel = nnx.merge(graphdef, jax.lax.optimization_barrier((params, s.step))[0])
         positions = s.pages[0].seq_lens
-        pages, slots = zip(*(append_tokens(p, s.active, block_size) for p in s.pages), strict=True)
+        pages, slots = zip(*(append_tokens(p, s.active, bs) for p, bs in zip(s.pages, block_sizes, strict=True)),
+                           strict=True)
         tables = [p.block_tables for p in pages]
         one = len(pages) == 1  # a model of one group: its table and slots as they are, else stacked per group
         meta = AttentionMetadata(slots[0] if one else jnp.stack(slots), tables[0] if one else jnp.stack(tables),
                                  jnp.where(s.active, pages[0].seq_lens, 0), cu_q_lens)
         hidden, kv_cache, ties = _model_forward(model, s.last_tokens, positions, s.kv_cache, meta, backend=backend,
-                                                decode_only=True, mesh=mesh, lora=lora)
+                                                decode_only=True, mesh=mesh, block_sizes=block_sizes, lora=lora)
         logits = _gathered(model.compute_logits(hidden), mesh)
         new = sample(logits, sampling._replace(step=sampling.step + s.num_generated), s.penalties)
         logprobs = s.logprobs
@@ -212,9 +216,9 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | t
         final.kv_cache
 
 
-def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
-    """The jitted step and decode loop for one model structure (over a tensor-parallel `mesh` of two or more
-    devices, or None: one device).
+def _jitted(graphdef, params_treedef, block_sizes: tuple[int, ...], mesh=None) -> tuple:
+    """The jitted step and decode loop for one model structure, its KV cache groups' `block_sizes` (over a
+    tensor-parallel `mesh` of two or more devices, or None: one device).
 
     The graphdef and the parameters' tree structure are closed over (hashed once, here), so a call passes
     only a flat list of arrays. The KV cache argument is donated: XLA updates it in place. Each runner
@@ -223,6 +227,7 @@ def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
     """
     def model_fn(fn):
         def call(param_leaves, *args, **kwargs):
+            kwargs["block_sizes"] = block_sizes
             if mesh is not None:
                 kwargs["mesh"] = mesh
             return fn(graphdef, jax.tree.unflatten(params_treedef, param_leaves), *args, **kwargs)
@@ -231,7 +236,7 @@ def _jitted(graphdef, params_treedef, mesh=None) -> tuple:
     step = jax.jit(model_fn(_forward_step), static_argnames=("backend", "decode_only", "return_logits",
                                                             "num_top_logprobs", "num_prompt_top_logprobs"),
                    donate_argnums=(1,))
-    loop = jax.jit(model_fn(_fused_decode_loop), static_argnames=("num_steps", "block_size", "backend",
+    loop = jax.jit(model_fn(_fused_decode_loop), static_argnames=("num_steps", "backend",
                                                            "num_top_logprobs"),
                    donate_argnums=(1,))
     return step, loop
@@ -263,14 +268,15 @@ def cpu_compiler_options(spec: ModelSpec, rows: int, quantized: bool = False) ->
 
 
 class ModelRunner:
-    """Executes steps of one model over one paged KV cache of `num_blocks` x `block_size` tokens.
+    """Executes steps of one model over one paged KV cache of `num_blocks` x `block_size` tokens (and the pools
+    past the first: `extra_pools` blocks each, of `pool_block_sizes` tokens, default `block_size`).
 
     With a `mesh` (a 1-D `tp` mesh, see `pagedjax.parallel`), the weights and the KV cache are placed sharded
     over it and the steps run SPMD on its devices; without one, everything is on the default device and the
     steps carry no sharding at all."""
 
     def __init__(self, model: PagedModel, num_blocks: int, block_size: int, *, extra_pools: tuple[int, ...] = (),
-                 kv_dtype=None,
+                 pool_block_sizes: tuple[int, ...] = (), kv_dtype=None,
                  backend: str = "auto", mesh: Mesh | None = None, max_programs: int = 64,
                  compile_in_background: bool = True, lora: LoRAConfig | None = None,
                  image_slots: int | None = None):
@@ -279,6 +285,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.extra_pools = tuple(extra_pools)  # blocks of the pools past the first (recurrent state snapshots)
+        sizes = tuple(pool_block_sizes) or (block_size,) * len(spec.kv_layout.pools)
+        self.group_block_sizes = tuple(sizes[p] for p in spec.kv_layout.group_pools)  # tokens per block, per group
         self.backend = resolve_backend(backend)
         self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
@@ -309,7 +317,8 @@ class ModelRunner:
         self.indexer_ties = 0  # the steps' sparse-layer indexer ties (`PagedKVCache.indexer_ties`), warm-up's not
         self._param_leaves, treedef = jax.tree.flatten(self.params)
         # A one-device mesh (a data-parallel replica with tp 1) runs the plain single-device program there.
-        self._step, self._loop = _jitted(self.graphdef, treedef, mesh if mesh is not None and mesh.size > 1 else None)
+        self._step, self._loop = _jitted(self.graphdef, treedef, self.group_block_sizes,
+                                         mesh if mesh is not None and mesh.size > 1 else None)
         # Compiled ahead of time, by shape: at most `max_programs` are kept (each holds its machine code and
         # buffers: about 12 MiB for the bundled model's steps), the least recently used dropped. One needed again is
         # compiled again, or loaded from JAX's persistent compilation cache.
@@ -467,8 +476,7 @@ class ModelRunner:
             tuple(state(t, lent) for t, lent in zip(x.block_tables, x.lent_blocks, strict=True))
         args = (self._param_leaves, self.kv_cache, pages, x.tokens, x.sampling, x.stop_ids, x.max_new, x.penalties,
                 self._lora(x.lora_slots, len(x.tokens)))
-        static = dict(num_steps=x.num_steps, block_size=self.block_size, backend=self.backend,
-                      num_top_logprobs=x.num_top_logprobs)
+        static = dict(num_steps=x.num_steps, backend=self.backend, num_top_logprobs=x.num_top_logprobs)
         return args, static
 
     def run(self, plan: StepPlan, inputs: StepInputs | FusedDecodeInputs) -> StepResult:

@@ -322,3 +322,32 @@ def test_freed_groups_keep_what_hits_need_longest():
     assert kv.allocate_slots(hog, 8) == ([6, 7], [0, 1])
     twin = make_request("twin", list(range(12)) + [7])
     assert kv.get_computed_blocks(twin) == (([RELEASED, RELEASED, 2], [3, 4, 5]), 12)
+
+
+def test_a_state_pool_of_larger_blocks_snapshots_every_few_kv_blocks():
+    """A state group (release window 2) in a pool of 3-block-long blocks beside a full group: each holds
+    cdiv(tokens, its block size) blocks, a state block is published under the chained hash of the last KV block it
+    covers, and a hit is what both serve: the KV pool's 4 cached blocks count as 3 (one state block)."""
+    m = KVCacheManager(16, 4, group_windows=(2, None), group_pools=(1, 0), extra_pools=(6,),
+                       pool_block_sizes=(4, 12))
+    assert m.group_block_sizes == (12, 4) and m.pool_block_size(1) == 12
+    a = make_request("a", list(range(18)))
+    prefill(m, a)
+    assert m.num_held_blocks("a") == (2, 5)
+    assert m.get_block_ids("a")[0][0] != RELEASED  # not released until the step's end
+    m.release_out_of_window(a)
+    assert m.get_block_ids("a")[0][0] == RELEASED  # the snapshot at 12 is cached, the live state (at 18) held
+    state_pool = m.pools[1]
+    assert state_pool.num_cached == 1
+    b = make_request("b", list(range(17)) + [99, 5])
+    hits, num_hit = m.get_computed_blocks(b)
+    assert num_hit == 12 and [len(h) for h in hits] == [1, 3]
+    assert m.blocks_to_cover(b, 19) == (2, 5)
+    assert m.allocate_slots(b, 19 - 12, hits) is not None
+    assert m.num_held_blocks("b") == (2, 5)
+    # Lending counts per group: a state block every 12 tokens.
+    lent = m.lend_blocks((1, 2))
+    assert [len(ids) for ids in lent] == [1, 2]
+    m.return_lent_blocks(lent)
+    with pytest.raises(ValueError, match="multiple of block_size 4"):
+        KVCacheManager(16, 4, group_windows=(2, None), group_pools=(1, 0), extra_pools=(6,), pool_block_sizes=(4, 6))

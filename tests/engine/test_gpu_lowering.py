@@ -51,7 +51,7 @@ def model_parts(monkeypatch, request):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(CFG)))
     leaves, treedef = jax.tree.flatten(params)
-    step, loop = _jitted(graphdef, treedef)
+    step, loop = _jitted(graphdef, treedef, (16,))
     cache = jax.eval_shape(lambda: init_kv_cache(CFG.spec.kv_layers, 64, 16, request.param))
     return leaves, step, loop, cache
 
@@ -79,14 +79,14 @@ def test_fused_decode_loop_lowers_for_cuda(model_parts):
                       np.zeros((), np.int32), np.zeros((), bool))
     args = (leaves, cache, pages, np.zeros(s, np.int32), _sampling(s), np.full((s, 1), -1, np.int32),
             np.zeros(s, np.int32))
-    text = _export_cuda(loop, args, dict(num_steps=8, block_size=16, backend="pallas"))
+    text = _export_cuda(loop, args, dict(num_steps=8, backend="pallas"))
     assert TRITON_CALL in text
 
 
 def test_without_a_gpu_the_pallas_backend_is_interpreted():
     graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(CFG)))
     leaves, treedef = jax.tree.flatten(params)
-    step, _ = _jitted(graphdef, treedef)
+    step, _ = _jitted(graphdef, treedef, (16,))
     cache = jax.eval_shape(lambda: init_kv_cache(CFG.spec.kv_layers, 64, 16, jnp.bfloat16))
     s = 4
     meta = AttentionMetadata(np.zeros(s, np.int32), np.zeros((s, 8), np.int32), np.zeros(s, np.int32),

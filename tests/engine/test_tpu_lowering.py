@@ -41,7 +41,7 @@ def model_parts(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(CFG)))
     leaves, treedef = jax.tree.flatten(params)
-    step, loop = _jitted(graphdef, treedef)
+    step, loop = _jitted(graphdef, treedef, (16,))
     cache = jax.eval_shape(lambda: init_kv_cache(CFG.spec.kv_layers, 64, 16, jnp.bfloat16))
     return leaves, step, loop, cache
 
@@ -73,5 +73,5 @@ def test_fused_decode_loop_lowers_for_tpu(model_parts):
                       np.zeros((), np.int32), np.zeros((), bool))
     args = (leaves, cache, pages, np.zeros(s, np.int32), _sampling(s), np.full((s, 1), -1, np.int32),
             np.zeros(s, np.int32))
-    text = _export_tpu(loop, args, dict(num_steps=8, block_size=16, backend="pallas"))
+    text = _export_tpu(loop, args, dict(num_steps=8, backend="pallas"))
     assert TPU_CALL in text

@@ -629,7 +629,7 @@ def steps_export_for_cuda_on_4_devices():
     real_backend = jax.default_backend
     jax.default_backend = lambda: "gpu"  # trace as on a GPU: interpret=None picks the Triton kernels
     try:
-        step, loop = _jitted(graphdef, treedef, mesh)
+        step, loop = _jitted(graphdef, treedef, (16,), mesh)
         texts = []
         for decode_only in (False, True):
             t = s if decode_only else 32
@@ -642,7 +642,7 @@ def steps_export_for_cuda_on_4_devices():
                           np.zeros((), np.int32), np.zeros((), bool))
         args = (pages, np.zeros(s, np.int32), sampling, np.full((s, 1), -1, np.int32), np.zeros(s, np.int32))
         texts.append(_export(loop, (leaves, cache, *jax.tree.map(spec, args)), dict(
-            num_steps=8, block_size=16, backend="pallas"), triton))
+            num_steps=8, backend="pallas"), triton))
     finally:
         jax.default_backend = real_backend
     for text in texts:  # Triton kernels inside the shard_map; the operands' shardings in the exported module

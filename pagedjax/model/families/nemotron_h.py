@@ -294,14 +294,14 @@ class Mamba2Mixer(nnx.Module):
                            a[dim + gn:].reshape(self.g, self.n, *a.shape[1:]))
         return (*parts(w), *((None,) * 3 if bias is None else parts(bias[...])))
 
-    def __call__(self, x: jax.Array, cache: PagedKVCache, block_size: int) -> tuple[jax.Array, PagedKVCache]:
+    def __call__(self, x: jax.Array, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
         """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's snapshots written). Under tensor
         parallelism the conv, the scan and the snapshots run per device over its heads and groups (`over_heads`),
         in_proj split by columns, the gated norm by groups and out_proj by rows (`NemotronH.param_partition`)."""
         t, i = x.shape[0], self.cache_index
         dim, gn = self.h * self.p, self.g * self.n
         z, xs, b, c, dt = jnp.split(self.in_proj(x), [dim, 2 * dim, 2 * dim + gn, 2 * dim + 2 * gn], axis=-1)
-        core = functools.partial(_mamba2_core, block_size=block_size, backend=cache.backend,
+        core = functools.partial(_mamba2_core, block_size=cache.block_size_of(i), backend=cache.backend,
                                  decode_only=cache.decode_only)
         split = (xs.reshape(t, self.h, self.p), b.reshape(t, self.g, self.n), c.reshape(t, self.g, self.n), dt,
                  *self._conv_params(), self.dt_bias[...], self.A_log[...], self.D[...])
@@ -381,10 +381,10 @@ class Block(nnx.Module):
         else:
             self.mixer = ReluSquaredMLP(cfg, dtype, rngs)
 
-    def __call__(self, x, cache: PagedKVCache, block_size: int) -> tuple[jax.Array, PagedKVCache]:
+    def __call__(self, x, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
         h = self.norm(x)
         if self.kind == "linear_attention":
-            h, cache = self.mixer(h, cache, block_size)
+            h, cache = self.mixer(h, cache)
         elif self.kind == "full_attention":
             h, cache = self.mixer(h, cache)
         else:
@@ -403,8 +403,6 @@ class NemotronH(nnx.Module):
         self.layers = nnx.List([Block(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
-        # The cache index of an attention layer: its pages give the block size.
-        self.full_layer = cfg.cache_layers.index(cfg.layer_types.index("full_attention"))
 
     @property
     def spec(self) -> ModelSpec:
@@ -438,13 +436,11 @@ class NemotronH(nnx.Module):
     def __call__(self, token_ids: jax.Array, positions: jax.Array,
                  cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
         """Serving forward: token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache).
-        Positions are unused (no positional encoding); the Mamba-2 layers take the block size (static) from an
-        attention layer's pages: their snapshots are one per block of that size."""
+        Positions are unused (no positional encoding)."""
         del positions
-        block_size = cache.layer(self.full_layer).k.shape[2]
         x = self.embeddings(token_ids)
         for layer in self.layers:
-            x, cache = layer(x, cache, block_size)
+            x, cache = layer(x, cache)
         return self.norm_f(x), cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:

@@ -49,7 +49,7 @@ Qwen3.5, as transformers computes it (`models/qwen3_5/modular_qwen3_5.py`, `mode
 
 Refused with a ValueError naming the field: `hidden_act` other than silu, `attention_bias`, `attn_output_gate` false,
 rope types other than "default", an odd rotary width, `quantization_config`, layer types other than the two, a model
-without a full-attention layer (the linear layers learn the block size from a full layer's pages), value heads not a
+without a full-attention layer (the engine sizes its pools by a KV pool of token pages), value heads not a
 multiple of key heads, `mlp_only_layers` out of range, top-k past the experts, fields of the wrong type; for Qwen3.5
 also MoE fields in the dense "qwen3_5_text" (`num_experts`), in "qwen3_5_moe_text" a dense layer (`mlp_only_layers`,
 `decoder_sparse_step`), `norm_topk_prob` false or no experts, and a conditional-generation folder's `text_config`
@@ -430,13 +430,13 @@ class GatedDeltaNet(nnx.Module):
         return (w[:key_dim].reshape(self.hk, self.dk, -1), w[key_dim:2 * key_dim].reshape(self.hk, self.dk, -1),
                 w[2 * key_dim:].reshape(self.hv, self.dv, -1))
 
-    def __call__(self, x: jax.Array, cache: PagedKVCache, block_size: int) -> tuple[jax.Array, PagedKVCache]:
+    def __call__(self, x: jax.Array, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
         """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's snapshots written). Under tensor
         parallelism the conv, the rule and the snapshots run per device over its heads (`over_heads`), the
         projections split by heads (`Qwen3Next.param_partition`) and out_proj's partial products summed."""
         t, i = x.shape[0], self.layer_index
         q, k, v, z, b, a = self._project(x)
-        core = functools.partial(_delta_net_core, block_size=block_size, backend=cache.backend,
+        core = functools.partial(_delta_net_core, block_size=cache.block_size_of(i), backend=cache.backend,
                                  decode_only=cache.decode_only)
         split = (q, k, v, b, a, *self._conv_weights(), self.A_log[...], self.dt_bias[...])
         if cache.mesh is None:
@@ -542,10 +542,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = (SparseMoE(cfg, dtype, rngs) if cfg.moe_layers[layer_index]
                     else SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, rngs))
 
-    def __call__(self, x, positions, cache: PagedKVCache, block_size: int) -> tuple[jax.Array, PagedKVCache]:
+    def __call__(self, x, positions, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
         h = self.input_layernorm(x)
         if self.linear:
-            h, cache = self.linear_attn(h, cache, block_size)
+            h, cache = self.linear_attn(h, cache)
         else:
             h, cache = self.self_attn(h, positions, cache)
         x = x + h
@@ -563,7 +563,6 @@ class Qwen3Next(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset=True)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
-        self.full_layer = cfg.layer_types.index("full_attention")
 
     @property
     def spec(self) -> ModelSpec:
@@ -600,13 +599,10 @@ class Qwen3Next(nnx.Module):
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array,
                  cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
-        """Serving forward: token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache). The state
-        layers take the block size (static) from a full-attention layer's pages: their snapshots are one per
-        block of that size."""
-        block_size = cache.layer(self.full_layer).k.shape[2]
+        """Serving forward: token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache)."""
         x = self.embed_tokens(token_ids)
         for layer in self.layers:
-            x, cache = layer(x, positions, cache, block_size)
+            x, cache = layer(x, positions, cache)
         return self.norm(x), cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
