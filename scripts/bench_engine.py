@@ -25,7 +25,8 @@ import numpy as np
 from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
-from pagedjax.config.cache import dtype_bytes, kv_cache_bytes
+from pagedjax.config.cache import kv_cache_bytes
+from pagedjax.config.fields import dtype_bytes
 from pagedjax.model.llama import Llama, init_model
 
 

@@ -8,21 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedjax.config.fields import check_bool, check_int, describe
+from pagedjax.config.fields import DTYPE_BYTES, check_bool, check_int, describe, dtype_bytes
 
 if TYPE_CHECKING:
     from pagedjax.config.model import ModelSpec
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a dtype named as a string ("float32", "bfloat16", "float16")."""
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}") from None
-
 
 def kv_cache_bytes(num_layers: int, num_tokens: int, num_kv_heads: int, head_dim: int, bytes_per_elem: int,
                    scale_bytes: int = 0) -> int:

@@ -15,8 +15,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from pagedjax.config.cache import DTYPE_BYTES
-from pagedjax.config.fields import check_bool, check_choice, check_float, check_int, describe, from_fields
+from pagedjax.config.fields import DTYPE_BYTES, check_bool, check_choice, check_float, check_int, describe, from_fields
 from pagedjax.config.kv_spec import IndexedSparse, LatentAttention
 from pagedjax.config.model import ROPE_OPTIONAL_PARAMS, ROPE_SCALING_PARAMS, ModelSpec
 

@@ -11,6 +11,17 @@ import dataclasses
 import math
 import numbers
 
+# The model / compute dtypes a config may name, and their bytes per element.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype named as a string ("float32", "bfloat16", "float16")."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}") from None
+
 
 def describe(value) -> str:
     """A value as an error message shows it: its type and repr."""

@@ -11,8 +11,7 @@ import functools
 import numbers
 from dataclasses import dataclass
 
-from pagedjax.config.cache import DTYPE_BYTES
-from pagedjax.config.fields import check_bool, check_choice, check_float, check_int, describe
+from pagedjax.config.fields import DTYPE_BYTES, check_bool, check_choice, check_float, check_int, describe
 from pagedjax.config.kv_layout import KVCacheLayout, kv_cache_layout
 from pagedjax.config.kv_spec import FullAttention, KVCacheSpec, KVLayerSpec
 from pagedjax.config.moe import MoEConfig

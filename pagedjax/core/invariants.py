@@ -5,16 +5,16 @@ Plain Python, no JAX.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence
 
-from pagedjax.core.kv_cache_manager import RELEASED, cdiv
-from pagedjax.core.request import RequestStatus
-
-if TYPE_CHECKING:
-    from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.encoder_cache import EncoderCacheManager
+from pagedjax.core.kv_cache_manager import RELEASED, KVCacheManager, cdiv
+from pagedjax.core.request import Request, RequestStatus
 
 
-def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) -> None:
+def check_scheduler_invariants(kv: KVCacheManager, *, running: Sequence[Request], waiting: Iterable[Request],
+                               requests: Mapping[str, Request], max_num_seqs: int,
+                               encoder_cache: EncoderCacheManager | None = None, mid_step: bool = False) -> None:
     """Raise RuntimeError naming the first broken invariant (O(num_blocks + held blocks); for tests and
     soak runs): each request is in exactly one queue; waiting ones hold nothing; between steps a running
     request holds exactly `cdiv(num_computed_tokens, block_size)` blocks in each KV cache group (of the group's
@@ -22,8 +22,9 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
     block's ref_cnt is the number of requests holding it (+1 while lent), so none is lost or doubly
     owned; a block shared by two requests holds the same computed tokens for both (full, unless they are
     forks of one another sharing their partial last block); the encoder cache holds at most its budget of image
-    features, and only running requests need any."""
-    kv = scheduler.kv_cache_manager
+    features, and only running requests need any. The scheduler's state: its KV cache manager, queues, request
+    table, `max_num_seqs` and encoder cache (`Scheduler.check_invariants`)."""
+    waiting = list(waiting)
 
     def require(ok: bool, what: str) -> None:
         if not ok:
@@ -32,25 +33,25 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
     for pool in kv.pools:
         pool.check_invariants()
         require(pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks, "block counts")
-    running_ids = [r.request_id for r in scheduler.running]
-    waiting_ids = [r.request_id for r in scheduler.waiting]
+    running_ids = [r.request_id for r in running]
+    waiting_ids = [r.request_id for r in waiting]
     require(len(set(running_ids)) == len(running_ids) and not set(running_ids) & set(waiting_ids),
             "a request is queued twice")
-    require(set(running_ids) | set(waiting_ids) == set(scheduler.requests), "queues and the request table differ")
-    require(len(scheduler.running) <= scheduler.scheduler_config.max_num_seqs, "more running than max_num_seqs")
-    for r in scheduler.waiting:
+    require(set(running_ids) | set(waiting_ids) == set(requests), "queues and the request table differ")
+    require(len(running) <= max_num_seqs, "more running than max_num_seqs")
+    for r in waiting:
         require(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.request_id} waits as "
                 f"{r.status}")
         require(r.num_computed_tokens == 0 and not kv.holds(r.request_id),
                 f"waiting {r.request_id} holds KV")
     holders = kv.holders()
     require(set(holders) <= set(running_ids), "a request that is not running holds blocks")
-    if scheduler.encoder_cache is not None:  # image features: within budget, needed only by running requests
+    if encoder_cache is not None:  # image features: within budget, needed only by running requests
         try:
-            scheduler.encoder_cache.check(set(running_ids))
+            encoder_cache.check(set(running_ids))
         except AssertionError as e:
             require(False, f"encoder cache: {e}")
-    for r in scheduler.running:
+    for r in running:
         require(r.status is RequestStatus.RUNNING, f"{r.request_id} runs as {r.status}")
         for held, bs in zip(kv.per_group(kv.num_held_blocks(r.request_id)), kv.group_block_sizes, strict=True):
             need = cdiv(r.num_computed_tokens, bs)
@@ -76,7 +77,7 @@ def check_scheduler_invariants(scheduler: Scheduler, *, mid_step: bool = False) 
         for b in range(pool.num_blocks):
             require(int(ref[b]) == count.get((p, b), 0) + (b in lent), f"pool {p} block {b}: ref_cnt {int(ref[b])}, "
                     f"{count.get((p, b), 0)} holders, lent {b in lent}")
-    by_id = {r.request_id: r for r in scheduler.running}
+    by_id = {r.request_id: r for r in running}
     seen: dict[tuple[int, int], tuple[int, ...]] = {}
     owner: dict[tuple[int, int], int] = {}  # (pool, block) -> the group holding it
     for rid, blocks in holders.items():

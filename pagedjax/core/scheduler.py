@@ -968,7 +968,9 @@ class Scheduler:
 
     def check_invariants(self, *, mid_step: bool = False) -> None:
         """Raise RuntimeError naming the first broken invariant (see `pagedjax.core.invariants`)."""
-        check_scheduler_invariants(self, mid_step=mid_step)
+        check_scheduler_invariants(self.kv_cache_manager, running=self.running, waiting=self.waiting,
+                                   requests=self.requests, max_num_seqs=self.scheduler_config.max_num_seqs,
+                                   encoder_cache=self.encoder_cache, mid_step=mid_step)
 
     # -- stats -----------------------------------------------------------------------------------------
 

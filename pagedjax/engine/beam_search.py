@@ -33,16 +33,40 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from pagedjax.config import CacheConfig, ModelSpec, SchedulerConfig
 from pagedjax.core.request import Request, RequestStatus
+from pagedjax.core.scheduler import Scheduler
 from pagedjax.engine.generate import batch_of_loras
-from pagedjax.outputs import BeamSearchOutput, BeamSequence
+from pagedjax.engine.protocol import PreparedRequest
+from pagedjax.outputs import BeamSearchOutput, BeamSequence, RequestOutput
 from pagedjax.sampling_params import RAW_SAMPLING, BeamSearchParams, SamplingParams
+from pagedjax.structured_output.manager import StructuredOutputManager
 
-if TYPE_CHECKING:
-    from pagedjax.engine.llm_engine import LLMEngine
-    from pagedjax.engine.protocol import PreparedRequest
+
+class BeamSearchEngine(Protocol):
+    """What beam search drives (an `LLMEngine`): its one scheduler, whose requests it forks, holds and resumes, and
+    its structured-output matchers, which it forks with them."""
+
+    scheduler: Scheduler
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    model_spec: ModelSpec
+    num_blocks: int
+    tokenizer: Any
+    structured: StructuredOutputManager
+
+    def fresh_request_ids(self, prefix: str, n: int) -> list[str]: ...
+
+    def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
+                     cache_salt: str | None = None, lora_request=None) -> PreparedRequest: ...
+
+    def add_prepared_request(self, prepared: PreparedRequest) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
 
 
 @dataclass
@@ -57,7 +81,7 @@ def beam_score(token_ids: Sequence[int], cumulative_logprob: float, length_penal
     return cumulative_logprob / max(1, len(token_ids)) ** length_penalty
 
 
-def beam_search(engine: LLMEngine, prompts: Sequence[Sequence[int] | str], params: BeamSearchParams,
+def beam_search(engine: BeamSearchEngine, prompts: Sequence[Sequence[int] | str], params: BeamSearchParams,
                 lora_request=None) -> list[BeamSearchOutput]:
     """Beam search for every prompt (see the module docstring); prompts run in batches that fit max_num_seqs.
     `lora_request`: one adapter for all prompts or one (or None) per prompt (`generate.batch_of_loras`); every
@@ -95,7 +119,7 @@ def beam_search(engine: LLMEngine, prompts: Sequence[Sequence[int] | str], param
     return outputs
 
 
-def _search_batch(engine: LLMEngine, prepared: list[PreparedRequest], params: BeamSearchParams,
+def _search_batch(engine: BeamSearchEngine, prepared: list[PreparedRequest], params: BeamSearchParams,
                   ) -> list[BeamSearchOutput]:
     requests = [p.request for p in prepared]
     sched = engine.scheduler
@@ -135,7 +159,7 @@ def _search_batch(engine: LLMEngine, prepared: list[PreparedRequest], params: Be
     return results
 
 
-def _advance(engine: LLMEngine, beams: list[_Beam], complete: list[_Beam], params: BeamSearchParams,
+def _advance(engine: BeamSearchEngine, beams: list[_Beam], complete: list[_Beam], params: BeamSearchParams,
              eos: set[int], fork_ids, owned: list[Request]) -> list[_Beam]:
     """One beam step of one prompt: candidates from every beam's last log-probabilities, the best kept.
 

@@ -37,7 +37,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from pagedjax.config import ModelConfig
-from pagedjax.config.cache import dtype_bytes
+from pagedjax.config.fields import dtype_bytes
 from pagedjax.model.errors import ModelLoadError, read_json
 from pagedjax.model.layers.moe_quant import quantizes_experts
 from pagedjax.model.llama import Llama, abstract_model, model_from_state
