@@ -7,6 +7,7 @@ state another request is still updating), chunked prefill, preemption, fused dec
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -15,13 +16,13 @@ import numpy as np
 import pytest
 from flax import nnx
 from hypothesis import example, given, settings
-from hypothesis import strategies as st
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.config.kv_spec import FullAttention, RecurrentState, StatePages
 from pagedjax.model.api import ModelSpec, PagedAttention, PagedKVCache, check_model
 from tests.dense import greedy_by_recompute
 from tests.pool import EnginePool
+from tests.prefix_waves import later_wave_hits, run_waves, shared_prefix_waves
 
 VOCAB, DIM, KERNEL, BS, MAX_LEN = 37, 16, 3, 4, 48
 SPEC = ModelSpec(vocab_size=VOCAB, num_layers=2, num_q_heads=2, max_position_embeddings=MAX_LEN,
@@ -32,12 +33,13 @@ def paged_recurrence(u, decay, conv_w, pages: StatePages, meta, positions, block
     """The state layer over paged snapshots, the kernels' contract (`pallas_kernels` recurrent ops): each sequence
     starts from the state after its first position's predecessor (zeros at position 0), runs its tokens in order
     (a depthwise causal conv over u, then h = decay * h + conv), and writes its state at every block boundary it
-    crosses and after its last token. u `[T, D]` -> (h `[T, D]`, pages)."""
+    crosses and after its last token. A sequence of kv_len 0 (an idle row of the fused decode loop, which keeps
+    q_len 1) writes nothing. u `[T, D]` -> (h `[T, D]`, pages)."""
     t = jnp.arange(u.shape[0])
     num_seqs = meta.kv_lens.shape[0]
     cu = meta.cu_q_lens
     seq = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right"), num_seqs - 1)
-    valid = t < cu[-1]
+    valid = (t < cu[-1]) & (meta.kv_lens[seq] > 0)
     first_tok = cu[seq]  # the sequence's first token in the step
     first_pos = meta.kv_lens - (cu[1:] - cu[:-1])  # [S]
     prev_block = meta.block_tables[jnp.arange(num_seqs), jnp.maximum(first_pos - 1, 0) // block_size]
@@ -84,7 +86,7 @@ class StateToy(nnx.Module):
     def __call__(self, token_ids, positions, cache: PagedKVCache):
         x = self.embed[token_ids]
         h, pages = paged_recurrence(x @ self.w_in, self.decay, self.conv_w, cache.layer(0), cache.meta_of(0),
-                                    positions, BS)
+                                    positions, cache.block_size_of(0))
         cache = cache.with_layer(0, pages)
         x = x + jnp.tanh(h)
         q, k, v = jnp.split(x @ self.wqkv, [2 * DIM, 3 * DIM], axis=-1)
@@ -115,8 +117,10 @@ class StateToy(nnx.Module):
         return self.compute_logits(x + o @ self.wo)
 
 
-def make_engine(*, num_blocks: int = 64, decode_steps: int = 4, budget: int = 8) -> LLMEngine:
-    return LLMEngine(model=StateToy(), cache_config=CacheConfig(block_size=BS, num_blocks=num_blocks),
+def make_engine(*, num_blocks: int = 64, decode_steps: int = 4, budget: int = 8,
+                state_block_size: int | None = None) -> LLMEngine:
+    return LLMEngine(model=StateToy(), cache_config=CacheConfig(block_size=BS, num_blocks=num_blocks,
+                                                                state_block_size=state_block_size),
                      scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
                                                       max_model_len=MAX_LEN), decode_steps_per_call=decode_steps)
 
@@ -157,11 +161,22 @@ def test_layout_pools_and_check():
     config = CacheConfig(block_size=BS)
     assert config.block_bytes(SPEC, pool=1) == 4 * (DIM + DIM * (KERNEL - 1)) and config.block_bytes(SPEC) == \
         BS * 2 * DIM * 4
+    # A snapshot per block of the state pool: the least multiple of BS whose KV takes a snapshot's bytes, or as
+    # given (a multiple of block_size).
+    assert config.resolve_pool_block_sizes(SPEC) == (BS, BS)
+    big = dataclasses.replace(SPEC, kv_layers=(RecurrentState((4, DIM, DIM), (DIM, KERNEL - 1)), SPEC.kv_layers[1]))
+    assert config.block_bytes(big, pool=1) == 4 * (4 * DIM * DIM + DIM * (KERNEL - 1))  # 4224 bytes: 8.25 KV blocks
+    assert config.resolve_pool_block_sizes(big) == (BS, 9 * BS)
+    assert CacheConfig(block_size=BS, state_block_size=3 * BS).resolve_pool_block_sizes(big) == (BS, 3 * BS)
+    with pytest.raises(ValueError, match="state_block_size 6 must be a multiple of block_size 4"):
+        CacheConfig(block_size=BS, state_block_size=6)
 
 
 def test_prefix_hits_restore_snapshots_and_equal_a_cold_run(want):
     with POOL.engine() as engine:
-        assert engine.extra_pools == (2 * (3 * 4 + 8 // BS),)  # state snapshots: `resolve_state_blocks`
+        # State snapshots (`resolve_state_blocks`), one per block of BS tokens: this toy's snapshot (192 bytes) is
+        # smaller than a KV block (512).
+        assert engine.extra_pools == (2 * (2 * 4 + 8 // BS),) and engine.pool_block_sizes == (BS, BS)
         cold = [engine.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS[:1]]
         assert _tokens(cold) == want[:1]
         # The rest while PROMPTS[0]'s blocks are cached: hits at a block boundary (8 tokens of SHARED) and at the
@@ -169,6 +184,24 @@ def test_prefix_hits_restore_snapshots_and_equal_a_cold_run(want):
         outs = engine.generate(PROMPTS[1:], GREEDY, use_tqdm=False)
         assert _tokens(outs) == want[1:]
         assert [o.num_cached_tokens for o in outs] == [8, 0, 8]
+        engine.scheduler.check_invariants()
+
+
+@pytest.mark.parametrize("state_block_size", [None, 2 * BS])
+def test_a_hit_ends_where_the_state_pool_has_a_snapshot(want, state_block_size):
+    """Snapshots one per `state_block_size` tokens: a prefix hit is what both pools serve, so the KV pool's 12
+    cached tokens of SHARED + [4] (three blocks of BS) count only up to the state's last snapshot (8 tokens with
+    snapshots every 2 * BS); the tokens equal a cold run either way."""
+    with POOL.engine(state_block_size=state_block_size) as engine:
+        assert engine.pool_block_sizes == (BS, state_block_size or BS)
+        assert _tokens(engine.generate([PROMPTS[3]], GREEDY, use_tqdm=False)) == want[3:]
+        prompt = SHARED + [4, 5, 6, 7]
+        cold, margin = _cold(prompt)
+        assert margin > 1e-3, margin
+        again = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=_MAX_NEW, ignore_eos=True),
+                                use_tqdm=False)[0]
+        assert again.num_cached_tokens == (12 if state_block_size is None else 8)
+        assert again.outputs[0].token_ids == cold
         engine.scheduler.check_invariants()
 
 
@@ -222,67 +255,37 @@ def _cold(prompt: list[int]) -> tuple[list[int], float]:
     return _COLD[tuple(prompt)]
 
 
-@st.composite
-def shared_prefix_waves(draw):
-    """A shared prefix (none, one token, inside a block, one or two whole blocks, past them) and 2-5 requests on it
-    with random suffixes (0: the prompt is the prefix), in waves: a wave is submitted once the waves before it have
-    finished, each of its requests after 0-2 engine steps of the ones before it (interleaved with them). The chunk
-    budget and the KV pool together (two engines, compiled once for every example): 4-token chunks over 8 KV blocks
-    (a long request and a short one at once: preemption), or 8-token chunks over 64."""
-    prefix_len = draw(st.sampled_from([0, 1, 3, BS, BS + 2, 2 * BS, 2 * BS + 3]), label="prefix_len")
-    rng = np.random.default_rng(draw(st.integers(0, 2**16), label="token_seed"))
-    prefix = rng.integers(0, VOCAB, prefix_len).tolist()
-    suffixes = draw(st.lists(st.sampled_from([0, 0, 1, 3, BS, 9, 13, 13]), min_size=2, max_size=5), label="suffixes")
-    prompts = [prefix + rng.integers(0, VOCAB, max(n, 1 if not prefix else 0)).tolist() for n in suffixes]
-    waves = [0] + draw(st.lists(st.integers(0, 1), min_size=len(prompts) - 1, max_size=len(prompts) - 1),
-                       label="new_wave_before")
-    return dict(prompts=prompts, prefix_len=prefix_len, wave=np.cumsum(waves).tolist(),
-                delay=draw(st.lists(st.integers(0, 2), min_size=len(prompts), max_size=len(prompts)), label="delay"),
-                max_tokens=draw(st.integers(1, _MAX_NEW), label="max_tokens"),
-                **draw(st.sampled_from([dict(budget=4, num_blocks=8), dict(budget=8, num_blocks=64)]),
-                       label="budget_and_pool"))
+# Two budgets and KV pools (4-token chunks over 8 KV blocks: a long request and a short one at once, preemption; or
+# 8-token chunks over 64), each with a snapshot per KV block or per 2 or 3 of them (hits then end at their
+# multiples): four engines, compiled once for every example.
+WAVES = shared_prefix_waves(vocab=(0, VOCAB), prefix_lens=[0, 1, 3, BS, BS + 2, 2 * BS, 2 * BS + 3],
+                            suffix_lens=[0, 0, 1, 3, BS, 9, 13, 13], max_new=_MAX_NEW,
+                            engines=[dict(budget=4, num_blocks=8), dict(budget=8, num_blocks=64),
+                                     dict(budget=4, num_blocks=8, state_block_size=2 * BS),
+                                     dict(budget=8, num_blocks=64, state_block_size=3 * BS)])
 
 
-# (CI time: about 4 s in all, most of it the small-pool engine's compiles) 10 drawn, and corners: a prefix of two whole
-# blocks whose second wave hits it and preempts (4-token chunks, 8 blocks); one of 1 token, three interleaved.
+# (CI time: about 4 s in all, most of it the small-pool engine's compiles) 4 drawn, and corners: a prefix of two whole
+# blocks whose second wave hits it and preempts (4-token chunks, 8 blocks, a snapshot per 2 blocks); one of 1
+# token, three interleaved.
 @settings(max_examples=4)  # (CI time) + 2 explicit examples; the dev profile's 200 random ones passed
 @example(w=dict(prompts=[SHARED[:8], SHARED[:8] + PROMPTS[2] * 2, SHARED[:8] + [6], SHARED[:8] + PROMPTS[2]],
-                prefix_len=8, wave=[0, 1, 1, 1], delay=[0, 0, 1, 0], max_tokens=6, budget=4, num_blocks=8,
-                preempts=True))
+                prefix_len=8, wave=[0, 1, 1, 1], delay=[0, 0, 1, 0], max_tokens=6,
+                engine=dict(budget=4, num_blocks=8, state_block_size=2 * BS), preempts=True))
 @example(w=dict(prompts=[[3], [3, 4], [3, 5, 6, 7, 8, 9]], prefix_len=1, wave=[0, 0, 0], delay=[0, 1, 2],
-                max_tokens=5, budget=8, num_blocks=64))
-@given(w=shared_prefix_waves())
+                max_tokens=5, engine=dict(budget=8, num_blocks=64)))
+@given(w=WAVES)
 def test_random_shared_prefix_waves_equal_cold_runs(w):
     """Every request's greedy tokens equal the dense model's cold run, whatever hit the prefix cache (snapshots at
     block boundaries, written by requests still running or finished), chunking and preemption did; and a later
-    wave sharing at least one whole block with a finished one does hit."""
+    wave sharing at least one whole state block with a finished one does hit."""
     cold = [_cold(p) for p in w["prompts"]]
     if min(margin for _, margin in cold) < 1e-3:  # a near tie: the "right" token depends on rounding
         return
-    params = SamplingParams(temperature=0.0, max_tokens=w["max_tokens"], ignore_eos=True)
-    done = {}
-    with POOL.engine(num_blocks=w["num_blocks"], budget=w["budget"]) as engine:
+    with POOL.engine(**w["engine"]) as engine:
         preemptions = engine.stats().scheduler.num_preemptions
-        for wave in range(w["wave"][-1] + 1):
-            ids = [i for i, v in enumerate(w["wave"]) if v == wave]
-            steps = 0
-            while ids or engine.has_unfinished_requests():
-                while ids and w["delay"][ids[0]] <= steps:  # the next request's turn (delays count from the last)
-                    engine.add_request(str(ids[0]), w["prompts"][ids[0]], params)
-                    ids.pop(0)
-                    steps = 0
-                for out in engine.step():
-                    if out.finished:
-                        done[int(out.request_id)] = out
-                engine.scheduler.check_invariants()
-                steps += 1
-        stats = engine.stats().scheduler
-        assert stats.memory.num_used_blocks == 0
-        assert stats.num_preemptions > preemptions or not w.get("preempts"), stats
-    got = [done[i].outputs[0].token_ids for i in range(len(w["prompts"]))]
-    assert got == [tokens[:w["max_tokens"]] for tokens, _ in cold], w
-    # A request of a later wave whose prompt goes past the shared whole block(s): its first block's snapshot was
-    # published by the wave before, and a hit ends at a block boundary before the prompt's last token.
-    if w["prefix_len"] >= BS and any(v > 0 and len(p) > BS for v, p in zip(w["wave"], w["prompts"], strict=True)):
-        later = [done[i].num_cached_tokens for i, v in enumerate(w["wave"]) if v > 0]
-        assert sum(later) > 0, (later, w)
+        done = run_waves(engine, w)
+        assert engine.stats().scheduler.num_preemptions > preemptions or not w.get("preempts")
+    assert [o.outputs[0].token_ids for o in done] == [tokens[:w["max_tokens"]] for tokens, _ in cold], w
+    if later_wave_hits(w, w["engine"].get("state_block_size") or BS):
+        assert sum(o.num_cached_tokens for o, v in zip(done, w["wave"], strict=True) if v > 0) > 0, w

@@ -10,8 +10,9 @@ import numpy as np
 from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from tests.model.test_hf import TOL, hf_logits
+from tests.model.test_hf import MIN_MARGIN, TOL, hf_greedy, hf_logits
 from tests.pool import EnginePool
+from tests.prefix_waves import later_wave_hits, run_waves, shared_prefix_waves
 
 VOCAB, BS, MAX_LEN, MAX_NEW = 96, 4, 64, 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -28,11 +29,12 @@ def hybrid_prompts(lengths: tuple[int | None, ...]):
 
 
 def hybrid_pool(num_blocks: int, max_num_seqs: int) -> EnginePool:
-    """Engines of a folder: blocks of 4 (`num_blocks`: too few for every prompt at once, so preemption), 8-token
-    prefill chunks, fused decodes of 4 steps, the XLA backend."""
+    """Engines of a folder: KV blocks of 4 (`num_blocks`: too few for every prompt at once, so preemption), a state
+    snapshot every 3 of them (12 tokens: hits end at multiples of 12; 8-token prefill chunks cross those boundaries
+    anywhere), fused decodes of 4 steps, the XLA backend."""
     def make_engine(folder: str) -> LLMEngine:
         return LLMEngine.from_pretrained(
-            folder, cache_config=CacheConfig(block_size=BS, num_blocks=num_blocks),
+            folder, cache_config=CacheConfig(block_size=BS, num_blocks=num_blocks, state_block_size=3 * BS),
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8,
                                              max_model_len=MAX_LEN),
             decode_steps_per_call=4, backend="xla")
@@ -41,9 +43,10 @@ def hybrid_pool(num_blocks: int, max_num_seqs: int) -> EnginePool:
 
 
 def assert_hits_equal_transformers(engine, shared_prompt, at_boundary, inside, greedy: dict) -> None:
-    """`shared_prompt` cached by a request of its own, then hits in both groups: 3 blocks exactly, and a prefix
-    whose end is inside the fourth block (its whole blocks: 12, the state snapshot at position 11, never the live
-    state); each request's tokens transformers' (`greedy[1]`, `["boundary"]`, `["inside"]`)."""
+    """`shared_prompt` cached by a request of its own, then hits in both groups: 3 KV blocks (one state block)
+    exactly, and a prefix whose end is inside the fourth KV block (its whole blocks: 12, the state snapshot at
+    position 11, never the live state); each request's tokens transformers' (`greedy[1]`, `["boundary"]`,
+    `["inside"]`)."""
     assert engine.generate([shared_prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == greedy[1]
     for key, prompt in (("boundary", at_boundary), ("inside", inside)):
         out = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
@@ -59,3 +62,22 @@ def assert_dense_logits_match(model, hf_model, prompts) -> None:
     ref = hf_logits(hf_model, prompts)
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(got[i, :len(p)], ref[i], atol=TOL, rtol=TOL, err_msg=f"{len(p)} tokens")
+
+
+# Random shared-prefix workloads on a family's pooled engine: prefixes inside the first state block (12 tokens), at
+# it, inside the second and at it, suffixes that end inside or past the next.
+WAVES = shared_prefix_waves(vocab=(3, VOCAB), prefix_lens=[0, 5, 3 * BS, 3 * BS + 2, 6 * BS, 6 * BS + 3],
+                            suffix_lens=[0, 1, BS, 9], max_new=MAX_NEW, engines=[{}])
+
+
+def assert_waves_equal_transformers(engine, hf_model, w: dict) -> None:
+    """Workload `w` (`WAVES`) on `engine`: every request's greedy tokens transformers' for its prompt alone (cold),
+    whatever hit the prefix cache, chunking, preemption and fused decodes did; a later wave sharing a whole state
+    block with a finished one hits it. A workload with a near tie in transformers' greedy is skipped."""
+    cold = [hf_greedy(hf_model, p, w["max_tokens"]) for p in w["prompts"]]
+    if min(margin for _, margin in cold) <= MIN_MARGIN:
+        return
+    done = run_waves(engine, w)
+    assert [o.outputs[0].token_ids for o in done] == [tokens for tokens, _ in cold], w
+    if later_wave_hits(w, 3 * BS):
+        assert sum(o.num_cached_tokens for o, v in zip(done, w["wave"], strict=True) if v > 0) > 0, w

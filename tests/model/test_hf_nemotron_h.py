@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -28,8 +29,10 @@ from tests.model.hybrid_cases import (  # noqa: E402
     GREEDY,
     MAX_NEW,
     VOCAB,
+    WAVES,
     assert_dense_logits_match,
     assert_hits_equal_transformers,
+    assert_waves_equal_transformers,
     hybrid_pool,
     hybrid_prompts,
 )
@@ -221,3 +224,12 @@ def test_tensors_under_model_load_as_under_backbone(ckpt, tmp_path):
     got, _ = load_hf_nemotron_h(tmp_path)
     for a, b in zip(jax.tree.leaves(nnx.state(want)), jax.tree.leaves(nnx.state(got)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@settings(max_examples=2)  # (CI time: about 2 s each; the dev profile's random ones passed)
+@given(w=WAVES)
+def test_random_shared_prefix_waves_equal_transformers(ckpt, w):
+    """Requests sharing a random prefix in interleaved waves: each one's greedy tokens transformers' for its prompt
+    alone, whatever hit the prefix cache (`hybrid_cases.assert_waves_equal_transformers`)."""
+    with POOL.engine(folder=ckpt.folder) as engine:
+        assert_waves_equal_transformers(engine, ckpt.model, w)

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -37,8 +38,10 @@ from tests.model.hybrid_cases import (  # noqa: E402
     GREEDY,
     MAX_NEW,
     VOCAB,
+    WAVES,
     assert_dense_logits_match,
     assert_hits_equal_transformers,
+    assert_waves_equal_transformers,
     hybrid_pool,
     hybrid_prompts,
 )
@@ -246,3 +249,12 @@ def test_unsupported_qwen3_5_fields_are_named(ckpts, tmp_path, kind, changes, fi
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=field):
         load_qwen3_next_config(tmp_path)
+
+
+@settings(max_examples=2)  # (CI time: about 2 s each; the dev profile's random ones passed)
+@given(w=WAVES)
+def test_random_shared_prefix_waves_equal_transformers(ckpts, w):
+    """Requests sharing a random prefix in interleaved waves: each one's greedy tokens transformers' for its prompt
+    alone, whatever hit the prefix cache (`hybrid_cases.assert_waves_equal_transformers`)."""
+    with POOL.engine(folder=ckpts.folders["moe"]) as engine:
+        assert_waves_equal_transformers(engine, ckpts.models["moe"], w)

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,8 +33,10 @@ from tests.model.hybrid_cases import (  # noqa: E402
     GREEDY,
     MAX_NEW,
     VOCAB,
+    WAVES,
     assert_dense_logits_match,
     assert_hits_equal_transformers,
+    assert_waves_equal_transformers,
     hybrid_pool,
     hybrid_prompts,
 )
@@ -228,3 +231,12 @@ def test_the_cli_header_names_the_state_group_and_its_pool(ckpt):
     assert snapshot == 2 * 4 * (4 * 8 * 8 + (2 * 8 + 2 * 8 + 4 * 8) * 3)
     assert f"state pool: {blocks:,} blocks of {snapshot:,} bytes" in text and f"{2 * snapshot:,} bytes per sequence" \
         in text, text
+
+
+@settings(max_examples=2)  # (CI time: about 2 s each; the dev profile's random ones passed)
+@given(w=WAVES)
+def test_random_shared_prefix_waves_equal_transformers(ckpt, w):
+    """Requests sharing a random prefix in interleaved waves: each one's greedy tokens transformers' for its prompt
+    alone, whatever hit the prefix cache (`hybrid_cases.assert_waves_equal_transformers`)."""
+    with POOL.engine(folder=ckpt.folder) as engine:
+        assert_waves_equal_transformers(engine, ckpt.model, w)
