@@ -234,10 +234,11 @@ def snapshot_table(block_sizes: tuple[int, ...], prefix_tokens: int, quiet: bool
         print(f"| {r['block_size']} | {r['state_block_size']:,} | {_mib(r['snapshot_bytes'])} | "
               f"{_mib(r['covered_kv_bytes'])} | {r['snapshot_over_kv']:.2f}x | {_gib(r['prefix_kv_bytes'])} | "
               f"{_gib(r['prefix_snapshots_bytes'])} | {r['snapshots_over_prefix_kv']:.2f}x |")
-    print("The state pool's block (one snapshot of every state layer) is the least multiple of the KV block whose K/V "
-          "takes at least a snapshot's bytes, so cached snapshots cost at most the K/V of the prefix they cache; a "
-          "hit ends at a multiple of it, and needs only the snapshot at its end (the state group's release window "
-          "is 2): LRU drops the rest first.")
+    print("The state pool's block (one snapshot of every state layer) is the least multiple of the KV block at which "
+          "a state layer's snapshot takes no more bytes than an attention layer's K/V of its tokens (vLLM's page "
+          "alignment), so a cached prefix's snapshots cost at most 48 / 16 = 3x its K/V (what the all-attention "
+          "model's K/V of the prefix would be); a hit ends at a multiple of it, and needs only the snapshot at its "
+          "end (the state group's release window is 2): LRU drops the rest first.")
     return rows
 
 
@@ -425,17 +426,18 @@ class Engines:
     scheduler shape: `max_num_seqs` sequences of up to `max_len` tokens, prefill chunks of `chunk`."""
 
     def __init__(self, folder: Path, shape: str, max_len: int, max_num_seqs: int, chunk: int, block_size: int,
-                 seed: int) -> None:
+                 seed: int, state_block_size: int | None = None) -> None:
         self.folder, self.shape, self.max_len, self.seed = folder, shape, max_len, seed
         self.sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(chunk, max_num_seqs),
                                      max_model_len=max_len)
         self.blocks = (max_num_seqs + 1) * cdiv(max_len, block_size) + 8
-        self.block_size = block_size
+        self.block_size, self.state_block_size = block_size, state_block_size
         self._built: dict[str, LLMEngine] = {}
         self.ids: dict[str, Ids] = {}
 
     def cache(self, caching: bool) -> CacheConfig:
-        return CacheConfig(block_size=self.block_size, num_blocks=self.blocks, enable_prefix_caching=caching)
+        return CacheConfig(block_size=self.block_size, num_blocks=self.blocks, enable_prefix_caching=caching,
+                           state_block_size=self.state_block_size)
 
     def __getitem__(self, name: str) -> LLMEngine:
         """"hybrid", "hybrid cached" or "full"."""
@@ -578,7 +580,8 @@ def prefix_table(engines: Engines, num_requests: int, system_tokens: int, suffix
     print(f"\nprefix cache: {num_requests} requests of a shared {system_tokens:,}-token system prompt + "
           f"{suffix_tokens} distinct tokens, {max_tokens} tokens each, all queued at once; hybrid, "
           f"max_num_seqs {engines.sched.max_num_seqs}, chunks of {engines.sched.max_num_batched_tokens}, block "
-          f"{engines.block_size}; best total of {repeats}")
+          f"{engines.block_size}, a state snapshot per {engines['hybrid cached'].pool_block_sizes[1]} tokens (hits "
+          f"end at its multiples); best total of {repeats}")
     print("| prefix caching | hit rate | TTFT mean | TTFT p50 | TTFT p90 | total | CPU |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -632,6 +635,9 @@ def main(argv: list[str] | None = None) -> dict:
     g.add_argument("--suffix-tokens", type=_positive, default=32)
     g.add_argument("--max-tokens", type=_positive, default=8, help="tokens each prefix request generates")
     g.add_argument("--max-num-seqs", type=_positive, default=8, help="of the prefix table's engine")
+    g.add_argument("--state-block-size", type=_positive, default=None,
+                   help="the hybrid's tokens per state snapshot (CacheConfig.state_block_size; default: the engine's "
+                        "choice, the least multiple of --block-size whose K/V takes a snapshot's bytes)")
     args = p.parse_args(argv)
     if args.pool_gib <= 0:
         p.error(f"--pool-gib must be positive, got {args.pool_gib}")
@@ -658,7 +664,7 @@ def main(argv: list[str] | None = None) -> dict:
                 need.append(args.system_tokens + args.suffix_tokens + args.max_tokens + 8)
             params = write_hybrid(folder, args.shape, max(need), args.seed)
             engines = Engines(folder, args.shape, max(need), max(args.batch, args.max_num_seqs), args.chunk,
-                              args.block_size, args.seed)
+                              args.block_size, args.seed, args.state_block_size)
             if "speed" in args.tables:
                 result["speed"] = speed_table(engines, tuple(args.contexts), args.batch, args.decode_steps,
                                               args.repeats, params, not args.no_transformers,

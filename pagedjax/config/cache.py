@@ -5,6 +5,7 @@ Plain Python, no JAX: the host side (`pagedjax.core`) imports this too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,9 @@ def kv_cache_bytes(num_layers: int, num_tokens: int, num_kv_heads: int, head_dim
 KV_DTYPES: tuple[str, ...] = ("auto", *DTYPE_BYTES, "int8", "fp8")
 QUANTIZED_KV_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn"}  # name -> the pages' array dtype
 KV_SCALE_BYTES = 4  # float32 scales
+# A state pool's block size the engine picks is a multiple of this many tokens: the widest chunk of the recurrent
+# kernels (`pallas_kernels.recurrent`: 16-64 tokens), so that a snapshot boundary never cuts a chunk in two pieces.
+STATE_BLOCK_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -37,10 +41,10 @@ class CacheConfig:
     snapshots (`pagedjax.config.kv_layout`): `num_state_blocks` of them (None: twice what the running sequences
     hold at once: `resolve_state_blocks`), taken out of `kv_memory_bytes` first when that sizes the pools, each the
     state after a multiple of `state_block_size` tokens (a multiple of `block_size`; None: the least at which a
-    snapshot takes no more bytes than the KV of the tokens it covers, `resolve_pool_block_sizes`). Prefix hits of
-    such a model end at a multiple of it. `kv_dtype` (one of KV_DTYPES) is what K and V are
-    stored in: "auto" = the model's dtype; "int8" and "fp8" (float8_e4m3fn) quantize each token's K and V per KV head
-    when written, with a float32 scale beside them that `block_bytes` counts.
+    state layer's snapshot takes no more bytes than an attention layer's KV of those tokens,
+    `resolve_pool_block_sizes`). Prefix hits of such a model end at a multiple of it. `kv_dtype` (one of
+    KV_DTYPES) is what K and V are stored in: "auto" = the model's dtype; "int8" and "fp8" (float8_e4m3fn) quantize
+    each token's K and V per KV head when written, with a float32 scale beside them that `block_bytes` counts.
     """
 
     block_size: int = 16
@@ -104,18 +108,24 @@ class CacheConfig:
 
     def resolve_pool_block_sizes(self, model: ModelSpec) -> tuple[int, ...]:
         """Each of `model`'s pools' block size in tokens: `block_size` for the first; a state pool's (one snapshot
-        per block) `state_block_size`, or the least multiple of `block_size` whose KV (a block of the first pool per
-        `block_size` tokens) takes at least a snapshot's bytes, so that snapshots cost at most as much memory as
-        the KV of the prefix they cache (Qwen3.5-27B: a 149.6 MiB snapshot of 48 DeltaNet layers against 64 KiB of
-        KV per token: 2400 tokens at block 16; vLLM's hybrid models align pages the same way, by growing the
-        attention block)."""
+        of every state layer per block) `state_block_size`, or the least multiple of `block_size` at which one state
+        layer's snapshot takes no more bytes than one attention layer's K/V of those tokens. That is how vLLM aligns
+        a hybrid model's pages (it grows the attention block to a state's page instead): Qwen3.5-27B's 3 MiB
+        DeltaNet state and conv window against 4 KiB of K/V per token and layer give 800 tokens at block 16, 832
+        rounded up to a multiple of `STATE_BLOCK_ALIGN` (the recurrent kernels' chunks never straddle one; a state
+        no larger than a KV block's K/V takes the KV block as it is). A
+        cached prefix's snapshots then cost at most (state layers / attention layers) times its K/V: for a 3:1
+        hybrid, about the K/V an all-attention model would hold for it."""
+        pools = model.kv_layout.pools
+        layers = [sum(1 for layer in model.kv_layers if layer.pool == name) for name in pools]
         sizes = [self.block_size]
-        for pool in range(1, len(model.kv_layout.pools)):
+        for pool in range(1, len(pools)):
             if self.state_block_size is not None:
                 sizes.append(self.state_block_size)
             else:
-                ratio = -(-self.block_bytes(model, pool) // self.block_bytes(model))
-                sizes.append(self.block_size * max(ratio, 1))
+                ratio = -(-self.block_bytes(model, pool) * layers[0] // (self.block_bytes(model) * layers[pool]))
+                unit = self.block_size if ratio <= 1 else math.lcm(self.block_size, STATE_BLOCK_ALIGN)
+                sizes.append(unit * -(-self.block_size * max(ratio, 1) // unit))
         return tuple(sizes)
 
     def resolve_state_blocks(self, model: ModelSpec, max_num_seqs: int, max_num_batched_tokens: int) -> tuple:

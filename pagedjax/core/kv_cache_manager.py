@@ -46,6 +46,7 @@ block boundaries; the host then `adopt_blocks` the used ones and `return_lent_bl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from pagedjax.config import CacheConfig
@@ -267,20 +268,27 @@ class KVCacheManager:
                 k * self.block_size)
 
     def next_block_hash(self, request: Request, num_hit_blocks: int) -> BlockHash | None:
-        """The hash of the block where `get_computed_blocks` stopped (its first miss), or None if the
-        lookup stopped at its cap (the last token is always recomputed) or caching is off."""
+        """The hash a longer hit than `get_computed_blocks`' (of `num_hit_blocks` blocks) needs first: the next
+        block's, or with groups of larger blocks (a state pool's) the one ending the next block every group can
+        serve (a hit ends at a multiple of every group's block); None if no longer hit fits below the cap (the last
+        token is always recomputed) or caching is off."""
+        step = math.lcm(*(g.hash_stride for g in self.groups))
+        end = num_hit_blocks + step  # the next hit every group can serve
         if (not self.enable_caching or _recomputes_prompt(request)
-                or num_hit_blocks >= (request.num_tokens - 1) // self.block_size):
+                or end > (request.num_tokens - 1) // self.block_size):
             return None
-        return self.block_hashes(request)[num_hit_blocks]
+        return self.block_hashes(request)[end - 1]
 
     def unpublished_block_hashes(self, request: Request) -> list[BlockHash]:
-        """Hashes of the full blocks of a request holding blocks that are not published yet: the blocks
-        of its known tokens it is computing now or will compute, in some group (empty when caching is off)."""
+        """The keys a request holding blocks has yet to publish (empty when caching is off): in each group, the
+        hash of each of its blocks full of the request's known tokens that is not published yet, which the request
+        is computing now or will compute. A group of larger blocks publishes fewer (a state pool's block ends only
+        at a multiple of its size)."""
         if not self.enable_caching or not self.holds(request.request_id):
             return []
-        done = min(g.num_published(request.request_id) * g.hash_stride for g in self.groups)
-        return self.block_hashes(request)[done:]
+        hashes = self.block_hashes(request)
+        return [hashes[(j + 1) * g.hash_stride - 1] for g in self.groups
+                for j in range(g.num_published(request.request_id), len(hashes) // g.hash_stride)]
 
     def needs_copy(self, request: Request) -> bool:
         """True when the request's next token lands in a block it shares with another request (a fork):

@@ -351,3 +351,24 @@ def test_a_state_pool_of_larger_blocks_snapshots_every_few_kv_blocks():
     m.return_lent_blocks(lent)
     with pytest.raises(ValueError, match="multiple of block_size 4"):
         KVCacheManager(16, 4, group_windows=(2, None), group_pools=(1, 0), extra_pools=(6,), pool_block_sizes=(4, 6))
+
+
+def test_a_waiting_request_waits_only_for_what_every_group_will_publish():
+    """With a state pool of 3-block blocks, a longer hit needs the next whole state block: a request waits for a
+    running one to compute it (`next_block_hash` among its `unpublished_block_hashes`) only when that one will
+    publish it, never for a state block its known tokens do not fill (it would wait the whole run)."""
+    m = KVCacheManager(32, 4, group_windows=(2, None), group_pools=(1, 0), extra_pools=(8,),
+                       pool_block_sizes=(4, 12))
+    c = make_request("c", list(range(30)))
+    assert m.allocate_slots(c, 26) is not None
+    d = make_request("d", list(range(30)) + [99] * 10)
+    hashes = m.block_hashes(c)
+    # Nothing computed yet: c will publish KV blocks 0-6 and state blocks 0-1 (keyed by hashes 2 and 5).
+    assert sorted(m.unpublished_block_hashes(c)) == sorted(hashes[:7] + [hashes[2], hashes[5]])
+    assert m.next_block_hash(d, 0) == hashes[2]  # d's first whole state block: in flight, d waits
+    c.num_computed_tokens = 26
+    m.cache_blocks(c)
+    _, hit = m.get_computed_blocks(d)
+    assert hit == 24  # two state blocks
+    assert m.unpublished_block_hashes(c) == [hashes[6]]  # state block 2 (tokens 24-35) never fills from 30 tokens
+    assert m.next_block_hash(d, hit // 4) == m.block_hashes(d)[8] not in m.unpublished_block_hashes(c)

@@ -161,12 +161,13 @@ def test_layout_pools_and_check():
     config = CacheConfig(block_size=BS)
     assert config.block_bytes(SPEC, pool=1) == 4 * (DIM + DIM * (KERNEL - 1)) and config.block_bytes(SPEC) == \
         BS * 2 * DIM * 4
-    # A snapshot per block of the state pool: the least multiple of BS whose KV takes a snapshot's bytes, or as
-    # given (a multiple of block_size).
+    # A snapshot per block of the state pool: the least multiple of BS at which a state layer's snapshot takes no
+    # more bytes than an attention layer's KV of its tokens (a multiple of 64 tokens past one KV block), or as given
+    # (a multiple of block_size).
     assert config.resolve_pool_block_sizes(SPEC) == (BS, BS)
     big = dataclasses.replace(SPEC, kv_layers=(RecurrentState((4, DIM, DIM), (DIM, KERNEL - 1)), SPEC.kv_layers[1]))
     assert config.block_bytes(big, pool=1) == 4 * (4 * DIM * DIM + DIM * (KERNEL - 1))  # 4224 bytes: 8.25 KV blocks
-    assert config.resolve_pool_block_sizes(big) == (BS, 9 * BS)
+    assert config.resolve_pool_block_sizes(big) == (BS, 64)  # 9 blocks (36 tokens), to a multiple of 64
     assert CacheConfig(block_size=BS, state_block_size=3 * BS).resolve_pool_block_sizes(big) == (BS, 3 * BS)
     with pytest.raises(ValueError, match="state_block_size 6 must be a multiple of block_size 4"):
         CacheConfig(block_size=BS, state_block_size=6)
