@@ -23,6 +23,7 @@ from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedjax.config.parallel import ParallelConfig
 from pagedjax.core.request import Request, RequestIds
 from pagedjax.engine.generate import generate_batch
+from pagedjax.engine.image_prompts import EncodedPrompt
 from pagedjax.engine.llm_engine import LLMEngine, token_list
 from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
@@ -174,6 +175,10 @@ class DataParallelEngine:
             if home is not None and self._load[home] <= self._load[least] + request.num_prompt_tokens:
                 return home
         return least
+
+    def encode_prompt(self, request_id: str, prompt) -> EncodedPrompt:
+        """A prompt's token ids and images (see `LLMEngine.encode_prompt`): every replica's model is the same."""
+        return self.replicas[0].encode_prompt(request_id, prompt)
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
                      cache_salt: str | None = None) -> PreparedRequest:

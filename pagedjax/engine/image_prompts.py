@@ -15,7 +15,7 @@ whole images) is an `InvalidRequest` (a ValueError; `pagedjax.errors`) naming th
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -24,6 +24,14 @@ from pagedjax.core.images import ImageInput, image_hash, placeholder_starts
 from pagedjax.errors import InvalidRequest, InvalidType, UnsupportedFeature
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
+
+
+class EncodedPrompt(NamedTuple):
+    """A prompt encoded (`LLMEngine.encode_prompt`): its token ids, each image's placeholders expanded, and one
+    `ImageInput` per image (pixels, content hash, placeholders); `make_request` takes it as a prompt as it is."""
+
+    token_ids: list[int]
+    images: tuple[ImageInput, ...] = ()
 
 
 def image_prompt(request_id: str, prompt: Mapping, *, spec: ImageSpec | None, processor,

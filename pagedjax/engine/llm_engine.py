@@ -35,12 +35,11 @@ from pagedjax.config.fields import is_int
 from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.parallel import ParallelConfig, parallel_layout
 from pagedjax.config.sampling import SamplingDefaults
-from pagedjax.core.images import ImageInput
 from pagedjax.core.request import Request, RequestIds
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.engine.generate import generate_batch
-from pagedjax.engine.image_prompts import image_prompt
+from pagedjax.engine.image_prompts import EncodedPrompt, image_prompt
 from pagedjax.engine.output_processor import OutputProcessor, record_prompt_logprobs, record_token_logprob
 from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
@@ -419,7 +418,7 @@ class LLMEngine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidType(f"request {request_id!r}: cache_salt must be a str, got {type(cache_salt).__name__}",
                               param="cache_salt")
-        tokens, images = self._encode(request_id, prompt)
+        tokens, images = prompt if isinstance(prompt, EncodedPrompt) else self.encode_prompt(request_id, prompt)
         params = params.with_room(self.max_request_tokens - len(tokens))  # max_tokens None: the rest of the context
         # The context; a prompt too long itself, or a request bigger than the KV pool, is the scheduler's error.
         limit = self.scheduler_config.max_model_len
@@ -655,9 +654,12 @@ class LLMEngine:
         """
         return generate_batch(self, prompts, sampling_params, use_tqdm, lora_request)
 
-    def _encode(self, request_id: str, prompt) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """(token ids, images) of a prompt: text, token ids, or a dict with images (`pagedjax.engine.image_prompts`).
-        """
+    def encode_prompt(self, request_id: str, prompt) -> EncodedPrompt:
+        """The token ids and images of a prompt: text, token ids, or a dict with images
+        (`pagedjax.engine.image_prompts`: each image made into pixels by the image processor and hashed), as
+        `make_request` would make them; raises as it does. It reads the tokenizer, the image processor and the
+        model's spec only, so it may run on any thread: the server encodes images in a worker thread, off the
+        engine's (`AsyncLLMEngine.add_request`), and hands `make_request` the `EncodedPrompt`."""
         def text_ids(text: str) -> list[int]:
             if self.tokenizer is None:
                 raise UnsupportedFeature(f"request {request_id!r}: string prompts need a tokenizer; pass token ids "
@@ -665,15 +667,16 @@ class LLMEngine:
             return list(self.tokenizer.encode(text))
 
         if isinstance(prompt, Mapping):
-            return image_prompt(request_id, prompt, spec=self.model_spec.images, processor=self.image_processor,
-                                encode_text=text_ids, token_list=lambda ids: token_list(request_id, ids))
+            return EncodedPrompt(*image_prompt(request_id, prompt, spec=self.model_spec.images,
+                                               processor=self.image_processor, encode_text=text_ids,
+                                               token_list=lambda ids: token_list(request_id, ids)))
         ids = text_ids(prompt) if isinstance(prompt, (str, bytes)) else token_list(request_id, prompt)
         images = self.model_spec.images
         if images is not None and images.image_token_id in ids:
             raise InvalidRequest(f"request {request_id!r}: the prompt holds image placeholder tokens "
                                  f"({images.image_token_id}) but no images: give them as {{'prompt': ..., "
                                  "'multi_modal_data': {'image': [...]}}", param="prompt")
-        return ids, ()
+        return EncodedPrompt(ids)
 
     # ------------------------------------------------------------------------------------------ training loop
     def update_weights(self, params) -> None:

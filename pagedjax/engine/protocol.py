@@ -14,6 +14,7 @@ from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
+    from pagedjax.engine.image_prompts import EncodedPrompt
     from pagedjax.engine.stats import EngineStats
     from pagedjax.outputs import BeamSearchOutput
     from pagedjax.runner.programs import CompileEvent
@@ -64,6 +65,9 @@ class Engine(Protocol):
     def close(self) -> None: ...  # ends its background threads (waiting compiles): call when done with it
 
     # What `generate_batch` builds a batch with: validate everything first, then queue.
+    # What the server's prepare stage encodes a prompt with images by, off the engine thread.
+    def encode_prompt(self, request_id: str, prompt) -> EncodedPrompt: ...
+
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
                      cache_salt: str | None = None) -> PreparedRequest: ...
 

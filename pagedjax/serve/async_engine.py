@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from pagedjax.engine import EngineStats, LLMEngine
+from pagedjax.engine.image_prompts import EncodedPrompt
 from pagedjax.engine.summary import summarize
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import LoRARequest, SamplingParams
@@ -65,11 +66,10 @@ class QueueFullError(RuntimeError):
 @dataclass(frozen=True)
 class _Add:
     stream: RequestStream
-    prompt_token_ids: list[int]
+    prompt: list[int] | EncodedPrompt  # token ids, or with images their pixels and hashes (`encode_prompt`)
     params: SamplingParams
     done: concurrent.futures.Future
     lora_request: LoRARequest | None = None
-    images: tuple = ()  # PIL images whose placeholders the prompt holds (`pagedjax.serve.images`)
 
 
 @dataclass(frozen=True)
@@ -281,19 +281,27 @@ class AsyncLLMEngine:
                           images: Sequence = ()) -> RequestStream:
         """Queue a request (under `lora_request`'s adapter, or the base model); returns its stream once the engine
         accepted it. With `images` (one per image in the prompt, in order: PIL images, or the model's pixels with the
-        prompt's placeholders expanded, as the server gives them), the engine gets
-        the prompt as `{"prompt_token_ids": ..., "multi_modal_data": {"image": [...]}}` (`make_request`). Raises
-        what `LLMEngine.add_request` raises for a bad request (`InvalidRequest` and its kinds, nothing queued),
-        QueueFullError at `max_pending`, and EngineStoppedError while shutting down."""
+        prompt's placeholders expanded, as the server gives them), the prompt is
+        `{"prompt_token_ids": ..., "multi_modal_data": {"image": [...]}}` (`make_request`), encoded (each image made
+        into pixels and hashed: `LLMEngine.encode_prompt`) in a worker thread, so that neither the engine thread
+        nor the event loop waits on it. Raises what `LLMEngine.add_request` raises for a bad request
+        (`InvalidRequest` and its kinds, nothing queued), QueueFullError at `max_pending`, and EngineStoppedError
+        while shutting down."""
         self._check_accepting()
         if self.max_pending is not None and self._num_pending >= self.max_pending:
             raise QueueFullError(f"{self._num_pending} requests are already queued or running "
                                  f"(the limit is {self.max_pending}); retry later")
-        stream = RequestStream(self, request_id or random_request_id("req"), asyncio.get_running_loop())
+        request_id = request_id or random_request_id("req")
+        prompt: list[int] | EncodedPrompt = list(prompt_token_ids)
+        if images:
+            prompt = await asyncio.to_thread(self.engine.encode_prompt, request_id, {
+                "prompt_token_ids": prompt, "multi_modal_data": {"image": list(images)}})
+            self._check_accepting()  # (shutting down since)
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
         self._num_pending += 1
         self._idle.clear()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self.send(_Add(stream, list(prompt_token_ids), params, done, lora_request, tuple(images)))
+        self.send(_Add(stream, prompt, params, done, lora_request))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:  # the caller left while the engine was busy: undo the add
@@ -417,13 +425,11 @@ class AsyncLLMEngine:
             return
         lora = {} if command.lora_request is None else {"lora_request": command.lora_request}
         try:
-            if command.images:
-                prompt = {"prompt_token_ids": command.prompt_token_ids,
-                          "multi_modal_data": {"image": list(command.images)}}
-                self.engine.add_prepared_request(self.engine.make_request(stream.request_id, prompt, command.params,
-                                                                          **lora))
+            if isinstance(command.prompt, EncodedPrompt):
+                self.engine.add_prepared_request(self.engine.make_request(stream.request_id, command.prompt,
+                                                                          command.params, **lora))
             else:
-                self.engine.add_request(stream.request_id, command.prompt_token_ids, command.params, **lora)
+                self.engine.add_request(stream.request_id, command.prompt, command.params, **lora)
         except Exception as e:  # noqa: BLE001 - the caller's to handle (a bad request)
             command.done.set_exception(e)
             return

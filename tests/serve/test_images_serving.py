@@ -97,19 +97,24 @@ def vision(server, monkeypatch):
     monkeypatch.setattr(serving, "images", support)
     monkeypatch.setattr(serving, "chat_template", ChatTemplate(PARTS_TEMPLATE))
     prompts: list[dict] = []
-    real = server.llm.make_request
+    real = server.llm.encode_prompt
 
-    def make_request(request_id, prompt, params=None, **kwargs):
+    def encode_prompt(request_id, prompt):
         if isinstance(prompt, dict):  # the interface of an engine whose model takes images
-            prompts.append({**prompt, "thread": threading.current_thread().name})
+            try:
+                asyncio.get_running_loop()
+                on_loop = True
+            except RuntimeError:
+                on_loop = False
+            prompts.append({**prompt, "thread": threading.current_thread().name, "on_loop": on_loop})
             assert sorted(prompt) == ["multi_modal_data", "prompt_token_ids"]
             images = prompt["multi_modal_data"]["image"]
             per_image = serving.images.processor.tokens_per_image
             assert prompt["prompt_token_ids"].count(ord(Processor.expanded)) == len(images) * per_image
             prompt = prompt["prompt_token_ids"]  # (the text model takes the expanded tokens as text)
-        return real(request_id, prompt, params, **kwargs)
+        return real(request_id, prompt)
 
-    monkeypatch.setattr(server.llm, "make_request", make_request)
+    monkeypatch.setattr(server.llm, "encode_prompt", encode_prompt)
     yield prompts
     support.close()
 
@@ -265,7 +270,8 @@ def test_images_reach_the_engine_decoded_and_in_order(server, vision):
     text = bytes(t for t in prompt["prompt_token_ids"] if t < 256).decode()
     assert text == expanded("# user:\nCompare @ with @@\n# assistant:\n")
     assert response.json()["usage"]["prompt_tokens"] == len(prompt["prompt_token_ids"])
-    assert prompt["thread"] == "pagedjax-engine"
+    # Encoded (pixels, hashes) in a worker thread: neither the engine's nor the event loop.
+    assert prompt["thread"] != "pagedjax-engine" and not prompt["on_loop"]
     # A JPEG with more pictures (MPO) is its primary one; WebP is taken too; more requests, more prompts
     for url, size in ((data_url(mpo, "image/jpeg"), (9, 5)),
                       (data_url(encoded(noise(7, 6), "WEBP"), "image/webp"), (7, 6))):
