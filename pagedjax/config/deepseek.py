@@ -145,26 +145,43 @@ class DeepSeekMoEConfig:
 
 @dataclass(frozen=True)
 class DeepSeekIndexerConfig:
-    """DeepSeek V3.2's lightning indexer (DSA), in every layer: `num_heads` indexer heads of `head_dim` (HF's
+    """DeepSeek V3.2's lightning indexer (DSA; GLM-5's too): `num_heads` indexer heads of `head_dim` (HF's
     `index_n_heads`, `index_head_dim`) score each earlier token, and attention reads the `topk` (`index_topk`)
     best only (every earlier token while there are no more than `topk`).
 
     Per token t: the key k_I[t] = LayerNorm(wk x[t]) (`head_dim`, one for all heads). Per query s: the queries
     q_I[s, h] = wq_b q_resid[s] (q_resid: MLA's normalized query latent, so the model has a `q_lora_rank`) and
     the head weights w[s] = weights_proj(x[s]) / sqrt(num_heads); queries and keys rotate their first
-    `qk_rope_head_dim` dims by the model's RoPE in the halves layout (whatever MLA's `rope_interleave`). Score
-    index[s, t] = sum_h w[s, h] relu(q_I[s, h] . k_I[t] / sqrt(head_dim)) for t <= s.
+    `qk_rope_head_dim` dims by the model's RoPE, in the halves layout (V3.2, whatever MLA's `rope_interleave`) or
+    in interleaved pairs with `rope_interleave` (GLM-5). Score index[s, t] = sum_h w[s, h] relu(q_I[s, h] .
+    k_I[t] / sqrt(head_dim)) for t <= s.
 
-    Invariants (checked on construction, TypeError / ValueError naming the field): every field an int >= 1;
-    `DeepSeekConfig` checks head_dim >= qk_rope_head_dim and that q_lora_rank is set."""
+    `shared_layers` (GLM-5's "shared" `indexer_types`): layers with no indexer of their own, whose attention
+    reads the positions the last layer before them with an indexer selected for the same query. Every other layer
+    scores and selects its own.
+
+    Invariants (checked on construction, TypeError / ValueError naming the field): num_heads, head_dim, topk
+    ints >= 1; shared_layers distinct ints >= 1 in increasing order (layer 0 has nothing to share); `DeepSeekConfig`
+    checks head_dim >= qk_rope_head_dim, that q_lora_rank is set and shared_layers < num_layers."""
 
     num_heads: int
     head_dim: int
     topk: int
+    rope_interleave: bool = False
+    shared_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        owner = "DeepSeekConfig.indexer"
         for name in ("num_heads", "head_dim", "topk"):
-            object.__setattr__(self, name, check_int("DeepSeekConfig.indexer", name, getattr(self, name), lo=1))
+            object.__setattr__(self, name, check_int(owner, name, getattr(self, name), lo=1))
+        check_bool(owner, "rope_interleave", self.rope_interleave)
+        shared = self.shared_layers
+        if isinstance(shared, str) or not isinstance(shared, tuple | list):
+            raise TypeError(f"{owner}.shared_layers must be a tuple of layer indices, got {describe(shared)}")
+        shared = tuple(check_int(owner, "shared_layers", i, lo=1) for i in shared)
+        if list(shared) != sorted(set(shared)):
+            raise ValueError(f"{owner}.shared_layers must be distinct and increasing, got {shared}")
+        object.__setattr__(self, "shared_layers", shared)
 
     @property
     def scale(self) -> float:
@@ -182,6 +199,10 @@ class DeepSeekIndexerConfig:
         if value is None or isinstance(value, cls):
             return value
         return from_fields(cls, value, "DeepSeekConfig.indexer")
+
+    def is_shared(self, layer: int) -> bool:
+        """Whether layer `layer` reads the previous indexed layer's selection instead of scoring its own."""
+        return layer in self.shared_layers
 
 
 @dataclass(frozen=True)
@@ -263,6 +284,9 @@ class DeepSeekConfig:
             if self.indexer.head_dim < self.qk_rope_head_dim:
                 raise ValueError(f"{owner}.indexer.head_dim ({self.indexer.head_dim}) must be at least "
                                  f"qk_rope_head_dim ({self.qk_rope_head_dim}): its first qk_rope_head_dim dims rotate")
+            if self.indexer.shared_layers and self.indexer.shared_layers[-1] >= self.num_layers:
+                raise ValueError(f"{owner}.indexer.shared_layers {self.indexer.shared_layers} must be layers of the "
+                                 f"{self.num_layers}")
 
     @property
     def qk_head_dim(self) -> int:
@@ -281,13 +305,16 @@ class DeepSeekConfig:
     @property
     def spec(self) -> ModelSpec:
         """What the engine needs to know of the model: every layer caches one MLA latent entry per token
-        (`LatentAttention`), and with `indexer` the token's indexer key beside it (`IndexedSparse`)."""
-        if self.indexer is None:
-            layer = LatentAttention(self.kv_lora_rank, self.qk_rope_head_dim)
-        else:
-            layer = IndexedSparse(self.kv_lora_rank, self.qk_rope_head_dim, self.indexer.head_dim, self.indexer.topk)
+        (`LatentAttention`), and with `indexer` the token's indexer key beside it (`IndexedSparse`), but for the
+        indexer's shared layers, which keep no key."""
+        latent = LatentAttention(self.kv_lora_rank, self.qk_rope_head_dim)
+        layers = (latent,) * self.num_layers
+        if self.indexer is not None:
+            ix = self.indexer
+            indexed = IndexedSparse(self.kv_lora_rank, self.qk_rope_head_dim, ix.head_dim, ix.topk)
+            layers = tuple(latent if ix.is_shared(i) else indexed for i in range(self.num_layers))
         return ModelSpec(vocab_size=self.vocab_size, num_layers=self.num_layers, num_q_heads=self.num_heads,
-                         kv_layers=(layer,) * self.num_layers,
+                         kv_layers=layers,
                          dtype=self.dtype, max_position_embeddings=self.max_position_embeddings,
                          eos_token_ids=self.eos_token_ids, bos_token_id=self.bos_token_id,
                          hidden_size=self.hidden_size)

@@ -140,41 +140,73 @@ def sparse_attention(q_latent: jax.Array,  # [num_tokens, num_heads, kv_lora_ran
                      index_weights: jax.Array,  # f32[num_tokens, index_n_heads]
                      layer: SparseKV,  # this layer's pages, this step's entries and indexer keys already written
                      meta: AttentionMetadata, *, backend: str, decode_only: bool, scale: float, index_scale: float,
-                     index_topk: int) -> tuple[jax.Array, jax.Array]:
+                     index_topk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """DeepSeek sparse attention (DSA, V3.2) of a step's queries over one layer's pages: the lightning indexer
-    scores every earlier position of the query's sequence, `s[t] = index_scale * sum_h w[h] relu(q_index[h] .
-    k_index[t])` (causal), the `index_topk` best positions are kept (ties: the lower position), and the absorbed
-    MLA of `latent_attention` runs over exactly those. Returns (`[num_tokens, num_heads, kv_lora_rank]`, int32[]:
-    the query rows whose cut-off fell between equal scores, where the tie rule chose: `top_k_positions_and_ties`,
-    whose one top-k of index_topk + 1 costs what the plain selection does).
+    selects (`sparse_select`), the absorbed MLA of `latent_attention` runs over exactly those positions
+    (`sparse_attend`). Returns (`[num_tokens, num_heads, kv_lora_rank]`, int32[]: the query rows whose cut-off fell
+    between equal scores, the selection int32 `[num_tokens, index_topk]` (what a GLM-5 shared layer reads))."""
+    selected, ties = sparse_select(q_index, index_weights, layer, meta, backend=backend, decode_only=decode_only,
+                                   index_scale=index_scale, index_topk=index_topk)
+    o = sparse_attend(q_latent, q_rope, layer, meta, selected, backend=backend, decode_only=decode_only,
+                      scale=scale)
+    return o, ties, selected
+
+
+def sparse_select(q_index: jax.Array,  # [num_tokens, index_n_heads, index_head_dim]
+                  index_weights: jax.Array,  # f32[num_tokens, index_n_heads]
+                  layer: SparseKV,  # this layer's indexer keys, this step's already written
+                  meta: AttentionMetadata, *, backend: str, decode_only: bool, index_scale: float,
+                  index_topk: int) -> tuple[jax.Array, jax.Array]:
+    """The lightning indexer's selection: it scores every earlier position of the query's sequence,
+    `s[t] = index_scale * sum_h w[h] relu(q_index[h] . k_index[t])` (causal), and keeps the `index_topk` best (ties:
+    the lower position). Returns (int32 `[num_tokens, index_topk]` positions, -1 = none; int32[]: the query rows
+    whose cut-off fell between equal scores, where the tie rule chose: `top_k_positions_and_ties`, whose one top-k
+    of index_topk + 1 costs what the plain selection does).
 
     The scores of a step are float32 `[num_tokens, max_blocks_per_seq * block_size]`: one row per query token
     over its sequence's table (the engine's step sizes keep that small next to the pages)."""
     _check_causal(meta, "sparse")
-    if not is_quantized(layer.pages.dtype):
-        q_latent, q_rope = q_latent.astype(layer.pages.dtype), q_rope.astype(layer.pages.dtype)
     if not is_quantized(layer.index_keys.dtype):
         q_index = q_index.astype(layer.index_keys.dtype)
     index_weights = index_weights.astype(jnp.float32)
-    tables, lens = meta.block_tables, meta.kv_lens
     ragged = () if decode_only else (meta.cu_q_lens,)
     indexer = dict(scale=index_scale, index_scales=layer.index_scales)
-    attention = dict(scale=scale, kv_scales=layer.scales)
     if backend == "pallas":
         score = pallas_kernels.indexer_scores if decode_only else pallas_kernels.ragged_indexer_scores
-        attend = pallas_kernels.sparse_mla_paged_attention if decode_only else \
-            pallas_kernels.ragged_sparse_mla_paged_attention
-        indexer["interpret"] = attention["interpret"] = None
+        indexer["interpret"] = None
     elif backend == "xla":
         score = pallas_kernels.indexer_scores_xla if decode_only else pallas_kernels.ragged_indexer_scores_xla
+    else:
+        raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
+    scores = score(q_index, index_weights, layer.index_keys, meta.block_tables, meta.kv_lens, *ragged, **indexer)
+    selected, ties = pallas_kernels.top_k_positions_and_ties(scores, index_topk)  # [T, index_topk], -1 = none
+    return selected, jnp.sum(ties, dtype=jnp.int32)
+
+
+def sparse_attend(q_latent: jax.Array,  # [num_tokens, num_heads, kv_lora_rank]
+                  q_rope: jax.Array,  # [num_tokens, num_heads, rope_dim]
+                  layer: LatentKV | SparseKV,  # this layer's latent pages, this step's entries already written
+                  meta: AttentionMetadata,
+                  selected: jax.Array,  # int32[num_tokens, k]: positions of each query's sequence, -1 = none
+                  *, backend: str, decode_only: bool, scale: float) -> jax.Array:
+    """The absorbed MLA of `latent_attention` over the `selected` positions of each query's sequence only (a
+    sparse layer's own selection, or a GLM-5 shared layer's: the previous indexed layer's). Returns
+    `[num_tokens, num_heads, kv_lora_rank]`."""
+    _check_causal(meta, "sparse")
+    if not is_quantized(layer.pages.dtype):
+        q_latent, q_rope = q_latent.astype(layer.pages.dtype), q_rope.astype(layer.pages.dtype)
+    ragged = () if decode_only else (meta.cu_q_lens,)
+    attention = dict(scale=scale, kv_scales=layer.scales)
+    if backend == "pallas":
+        attend = pallas_kernels.sparse_mla_paged_attention if decode_only else \
+            pallas_kernels.ragged_sparse_mla_paged_attention
+        attention["interpret"] = None
+    elif backend == "xla":
         attend = pallas_kernels.sparse_mla_paged_attention_xla if decode_only else \
             pallas_kernels.ragged_sparse_mla_paged_attention_xla
     else:
         raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
-    scores = score(q_index, index_weights, layer.index_keys, tables, lens, *ragged, **indexer)
-    selected, ties = pallas_kernels.top_k_positions_and_ties(scores, index_topk)  # [T, index_topk], -1 = none
-    return attend(q_latent, q_rope, layer.pages, tables, lens, *ragged, selected, **attention), \
-        jnp.sum(ties, dtype=jnp.int32)
+    return attend(q_latent, q_rope, layer.pages, meta.block_tables, meta.kv_lens, *ragged, selected, **attention)
 
 
 def probe_attention(spec, layer, *, heads: int, dtype, decode_only: bool, backend: str) -> None:

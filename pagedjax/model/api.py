@@ -44,6 +44,10 @@ lightning indexer's queries, per-head weights and key besides:
 
     o_latent, cache = self.attn(q_latent, q_rope, c_kv, k_rope, q_index, index_weights, k_index, cache)
 
+(with `return_selection=True` also the positions it selected, which a GLM-5 "shared" layer, declared
+`LatentAttention`, attends over through its `PagedSharedSparseAttention`:
+`self.attn(q_latent, q_rope, c_kv, k_rope, selected, cache)`).
+
 A KV cache kind of your own: declare a `KVCacheSpec` subclass (`pagedjax.config.kv_spec`: its page arrays in a
 container of its own whose `block_axis` says where the blocks sit, its bytes per token, optionally a
 `sliding_window` release rule) for the layers that use it, and have those layers read and write their pages
@@ -103,7 +107,13 @@ from jax.sharding import PartitionSpec as P
 from pagedjax.config import CacheConfig, FullAttention, IndexedSparse, LatentAttention, ModelSpec
 from pagedjax.config.kv_spec import LatentKV, LayerKV, SparseKV
 from pagedjax.config.parallel import TP
-from pagedjax.device.attention import AttentionMetadata, latent_attention, paged_attention, sparse_attention
+from pagedjax.device.attention import (
+    AttentionMetadata,
+    latent_attention,
+    paged_attention,
+    sparse_attend,
+    sparse_attention,
+)
 from pagedjax.device.kv_cache import PagedLayer, init_kv_cache, layer_shapes, write_kv, write_latent, write_sparse
 from pagedjax.model.layers.quant import QuantizedLinear, quantize_model
 from pagedjax.model.registry import ModelRegistry
@@ -112,8 +122,8 @@ from pagedjax.parallel.sharding import default_param_partition
 
 __all__ = ["TP", "AttentionMetadata", "FullAttention", "ImageEmbeds", "IndexedSparse", "LatentAttention",
            "ModelRegistry", "ModelSpec", "PagedAttention", "PagedKVCache", "PagedLatentAttention", "PagedModel",
-           "PagedSparseAttention", "QuantizedLinear", "check_model", "default_param_partition",
-           "forward_on_fresh_pages", "model_spec", "param_partition_fn", "quantize_model"]
+           "PagedSharedSparseAttention", "PagedSparseAttention", "QuantizedLinear", "check_model",
+           "default_param_partition", "forward_on_fresh_pages", "model_spec", "param_partition_fn", "quantize_model"]
 
 
 @runtime_checkable
@@ -315,9 +325,9 @@ class PagedLatentAttention(nnx.Module):
         self._check(q_latent, q_rope, c_kv, k_rope, cache)
         layer, meta = cache.layer(i), cache.meta_of(i)
         if cache.mesh is not None:  # query heads split over the devices, the latent pages whole on each
-            o, layer, _ = sharded_latent_write_and_attend(q_latent, q_rope, c_kv, k_rope, layer, meta,
-                                                          mesh=cache.mesh, backend=cache.backend,
-                                                          decode_only=cache.decode_only, scale=self.scale)
+            o, layer, _, _ = sharded_latent_write_and_attend(q_latent, q_rope, c_kv, k_rope, layer, meta,
+                                                             mesh=cache.mesh, backend=cache.backend,
+                                                             decode_only=cache.decode_only, scale=self.scale)
         else:
             layer = write_latent(layer, c_kv, k_rope, meta.slot_mapping)
             o = latent_attention(q_latent, q_rope, layer, meta, backend=cache.backend, decode_only=cache.decode_only,
@@ -350,7 +360,8 @@ class PagedSparseAttention(PagedLatentAttention):
 
     Scores: `s[t] = index_scale * sum_h index_weights[h] * relu(q_index[h] . k_index[t])` for t at or before the
     query's position; ties go to the lower position (a query row whose cut-off fell between equal scores is
-    counted in the cache's `indexer_ties`)."""
+    counted in the cache's `indexer_ties`). With `return_selection`, the call returns the selection too (int32
+    `[T, index_topk]` positions, -1 = none), for the layers after it that share it (`PagedSharedSparseAttention`)."""
 
     def __init__(self, layer_index: int, *, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
                  index_n_heads: int, index_head_dim: int, index_topk: int, index_scale: float):
@@ -367,8 +378,9 @@ class PagedSparseAttention(PagedLatentAttention):
                  q_index: jax.Array,  # [T, Hi, Di], the indexer's queries, RoPE applied
                  index_weights: jax.Array,  # f32[T, Hi], the indexer's per-head weights
                  k_index: jax.Array,  # [T, Di], the indexer key, normalized, RoPE applied
-                 cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
-        """Returns (o_latent `[T, H, R]` in q_latent's dtype, the cache with this layer written)."""
+                 cache: PagedKVCache, *, return_selection: bool = False):
+        """Returns (o_latent `[T, H, R]` in q_latent's dtype, the cache with this layer written), and the selection
+        with `return_selection`."""
         i = self.layer_index
         self._check(q_latent, q_rope, c_kv, k_rope, cache, kind=IndexedSparse.kind)
         t, hi, di = q_latent.shape[0], self.index_n_heads, self.index_head_dim
@@ -384,14 +396,46 @@ class PagedSparseAttention(PagedLatentAttention):
         options = dict(scale=self.scale, index_scale=self.index_scale, index_topk=self.index_topk)
         layer, meta = cache.layer(i), cache.meta_of(i)
         if cache.mesh is not None:  # query heads split over the devices; pages and the indexer whole on each
-            o, layer, ties = sharded_latent_write_and_attend(
+            o, layer, ties, selected = sharded_latent_write_and_attend(
                 q_latent, q_rope, c_kv, k_rope, layer, meta, mesh=cache.mesh, backend=cache.backend,
                 decode_only=cache.decode_only, index=(q_index, index_weights.astype(jnp.float32), k_index), **options)
         else:
             layer = write_sparse(layer, c_kv, k_rope, k_index, meta.slot_mapping)
-            o, ties = sparse_attention(q_latent, q_rope, q_index, index_weights, layer, meta, backend=cache.backend,
-                                       decode_only=cache.decode_only, **options)
-        return o.astype(q_latent.dtype), cache.with_layer(i, layer).with_indexer_ties(ties)
+            o, ties, selected = sparse_attention(q_latent, q_rope, q_index, index_weights, layer, meta,
+                                                 backend=cache.backend, decode_only=cache.decode_only, **options)
+        out = o.astype(q_latent.dtype), cache.with_layer(i, layer).with_indexer_ties(ties)
+        return (*out, selected) if return_selection else out
+
+
+class PagedSharedSparseAttention(PagedLatentAttention):
+    """Layer `layer_index`'s shared sparse attention (GLM-5's "shared" DSA layers; `LatentAttention` in
+    `ModelSpec.kv_layers`): write this step's latent entries into the layer's pages and attend over the positions
+    an earlier layer's indexer selected for each query in this step (`PagedSparseAttention(...,
+    return_selection=True)`), with no indexer of its own (`PagedLatentAttention`'s absorbed MLA over those only)."""
+
+    def __call__(self, q_latent: jax.Array,  # [T, H, R]
+                 q_rope: jax.Array,  # [T, H, Dr], RoPE applied
+                 c_kv: jax.Array,  # [T, R], the normalized latent
+                 k_rope: jax.Array,  # [T, Dr], RoPE applied
+                 selected: jax.Array,  # int32[T, k], an earlier layer's selection, -1 = none
+                 cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+        """Returns (o_latent `[T, H, R]` in q_latent's dtype, the cache with this layer written)."""
+        i = self.layer_index
+        self._check(q_latent, q_rope, c_kv, k_rope, cache)
+        if selected.ndim != 2 or selected.shape[0] != q_latent.shape[0]:
+            raise ValueError(f"PagedSharedSparseAttention(layer_index={i}): selected has shape "
+                             f"{tuple(selected.shape)}, expected ({q_latent.shape[0]}, k)")
+        layer, meta = cache.layer(i), cache.meta_of(i)
+        if cache.mesh is not None:
+            o, layer, _, _ = sharded_latent_write_and_attend(q_latent, q_rope, c_kv, k_rope, layer, meta,
+                                                             mesh=cache.mesh, backend=cache.backend,
+                                                             decode_only=cache.decode_only, scale=self.scale,
+                                                             selected=selected)
+        else:
+            layer = write_latent(layer, c_kv, k_rope, meta.slot_mapping)
+            o = sparse_attend(q_latent, q_rope, layer, meta, selected, backend=cache.backend,
+                              decode_only=cache.decode_only, scale=self.scale)
+        return o.astype(q_latent.dtype), cache.with_layer(i, layer)
 
 
 _KIND_SPECS = {spec.kind: spec.__name__ for spec in (FullAttention, LatentAttention, IndexedSparse)}

@@ -42,7 +42,13 @@ from jax.sharding import PartitionSpec as P
 
 from pagedjax.config import ModelSpec
 from pagedjax.config.deepseek import INDEXER_NORM_EPS, LATENT_NORM_EPS, DeepSeekConfig
-from pagedjax.model.api import TP, PagedKVCache, PagedLatentAttention, PagedSparseAttention
+from pagedjax.model.api import (
+    TP,
+    PagedKVCache,
+    PagedLatentAttention,
+    PagedSharedSparseAttention,
+    PagedSparseAttention,
+)
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.layers.moe import Experts, combine_experts, per_expert_params, route
 from pagedjax.model.layers.norm import LayerNorm
@@ -104,8 +110,9 @@ class LightningIndexer(nnx.Module):
         self.k_norm = LayerNorm(ix.head_dim, INDEXER_NORM_EPS, dtype)
         self.weights_proj = _linear(cfg.hidden_size, ix.num_heads, jnp.float32, rngs)  # float32, as transformers
         scaling = None if cfg.rope_scaling is None else (("rope_type", "yarn"), *cfg.rope_scaling)
-        # The model's rotation in the halves layout, whatever MLA's `rope_interleave` (transformers' V3.2 indexer).
-        self.rope = RoPE(cfg.qk_rope_head_dim, cfg.rope_theta, scaling, interleaved=False)
+        # The model's rotation, in the halves layout whatever MLA's `rope_interleave` (transformers' V3.2 indexer)
+        # or in interleaved pairs (GLM-5's): the indexer's own `rope_interleave`.
+        self.rope = RoPE(cfg.qk_rope_head_dim, cfg.rope_theta, scaling, interleaved=ix.rope_interleave)
 
     def __call__(self, x: jax.Array, q_resid: jax.Array, positions: jax.Array):
         """x `[..., hidden]` (the layer's normalized input), q_resid `[..., q_lora_rank]` (MLA's normalized query
@@ -162,10 +169,15 @@ class MLAttention(nnx.Module):
         scaling = None if cfg.rope_scaling is None else (("rope_type", "yarn"), *cfg.rope_scaling)
         self.rope = RoPE(cfg.qk_rope_head_dim, cfg.rope_theta, scaling, interleaved=cfg.rope_interleave)
         self.scale = cfg.softmax_scale
-        self.indexer = None if cfg.indexer is None else LightningIndexer(cfg, dtype, rngs)
+        # GLM-5's shared layers (`DeepSeekIndexerConfig.shared_layers`) attend over the previous indexed layer's
+        # selection, with no indexer of their own.
+        self.shared = cfg.indexer is not None and cfg.indexer.is_shared(layer_index)
+        self.indexer = None if cfg.indexer is None or self.shared else LightningIndexer(cfg, dtype, rngs)
         latent = dict(num_heads=heads, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, scale=self.scale)
         if cfg.indexer is None:
             self.paged = PagedLatentAttention(layer_index, **latent)
+        elif self.shared:
+            self.paged = PagedSharedSparseAttention(layer_index, **latent)
         else:
             ix = cfg.indexer
             self.paged = PagedSparseAttention(layer_index, **latent, index_n_heads=ix.num_heads,
@@ -184,17 +196,22 @@ class MLAttention(nnx.Module):
         k_rope = self.rope(k_rope[..., None, :], positions)[..., 0, :]
         return q_nope, q_rope, c_kv, k_rope, q_resid
 
-    def __call__(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache,
+                 selected: jax.Array | None = None) -> tuple[jax.Array, PagedKVCache, jax.Array | None]:
         """x `[T, hidden]` -> (`[T, hidden]`, the cache with this layer's latent entries (and indexer keys)
-        written): absorbed MLA, over the indexer's selection when there is one."""
+        written, the selection the next layers share): absorbed MLA, over the indexer's selection when there is
+        one, or over `selected` (the previous indexed layer's, int32 `[T, index_topk]`) in a shared layer."""
         q_nope, q_rope, c_kv, k_rope, q_resid = self._project(x, positions)
         q_latent = _matmul("thd,rhd->thr", q_nope, self.kv_b_proj.key_weights(), x.dtype)
-        if self.indexer is None:
+        if self.shared:
+            o_latent, cache = self.paged(q_latent, q_rope, c_kv, k_rope, selected, cache)
+        elif self.indexer is None:
             o_latent, cache = self.paged(q_latent, q_rope, c_kv, k_rope, cache)
         else:  # the indexer's queries, head weights and key; the layer scores, selects and attends
-            o_latent, cache = self.paged(q_latent, q_rope, c_kv, k_rope, *self.indexer(x, q_resid, positions), cache)
+            o_latent, cache, selected = self.paged(q_latent, q_rope, c_kv, k_rope, *self.indexer(x, q_resid, positions),
+                                                   cache, return_selection=True)
         o = _matmul("thr,rhv->thv", o_latent, self.kv_b_proj.value_weights(), x.dtype)
-        return self.o_proj(o.reshape(x.shape[0], -1)), cache
+        return self.o_proj(o.reshape(x.shape[0], -1)), cache, selected
 
     def dense_index_scores(self, x: jax.Array) -> jax.Array:
         """The indexer's dense scores of x `[B, S, hidden]` (the layer's normalized input): float32 `[B, S, S]`,
@@ -204,9 +221,10 @@ class MLAttention(nnx.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         return self.indexer.index_scores(*self.indexer(x, q_resid, positions))
 
-    def dense(self, x: jax.Array) -> jax.Array:
+    def dense(self, x: jax.Array, visible: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
         """Causal attention over whole sequences with K / V expanded per head, no cache; with an indexer, each
-        query attends to its top `index_topk` positions only. x `[B, S, hidden]`."""
+        query attends to its top `index_topk` positions only (a shared layer: to the previous indexed layer's,
+        `visible` bool `[B, 1, S, S]`). x `[B, S, hidden]` -> (`[B, S, hidden]`, the mask the next layers share)."""
         b, s, _ = x.shape
         positions = jnp.broadcast_to(jnp.arange(s), (b, s))
         q_nope, q_rope, c_kv, k_rope, _ = self._project(x, positions)
@@ -214,12 +232,12 @@ class MLAttention(nnx.Module):
         f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
         scores = (jnp.einsum("bqhd,bkhd->bhqk", f32(q_nope), f32(k_nope))
                   + jnp.einsum("bqhd,bkd->bhqk", f32(q_rope), f32(k_rope))) * self.scale
-        visible = np.arange(s)[None, :] <= np.arange(s)[:, None]
         if self.indexer is not None:
             visible = top_k_mask(self.dense_index_scores(x), self.indexer.topk)[:, None]  # [B, 1, S, S]
-        probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        mask = visible if self.indexer is not None or self.shared else np.arange(s)[None, :] <= np.arange(s)[:, None]
+        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
         o = jnp.einsum("bhqk,bkhv->bqhv", probs, f32(v)).astype(x.dtype)
-        return self.o_proj(o.reshape(b, s, -1))
+        return self.o_proj(o.reshape(b, s, -1)), visible
 
 
 class SwiGLU(nnx.Module):
@@ -291,15 +309,18 @@ class DecoderLayer(nnx.Module):
         self.mlp = DeepSeekMoE(cfg, dtype, rngs) if self.moe else SwiGLU(cfg.hidden_size, cfg.intermediate_size,
                                                                          dtype, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
-        h, cache = self.self_attn(self.input_layernorm(x), positions, cache)
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache, selected: jax.Array | None = None
+                 ) -> tuple[jax.Array, PagedKVCache, jax.Array | None]:
+        """(x, cache, the sparse selection the next layers share: `MLAttention.__call__`)."""
+        h, cache, selected = self.self_attn(self.input_layernorm(x), positions, cache, selected)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + self.mlp(self.post_attention_layernorm(x)), cache, selected
 
-    def dense(self, x: jax.Array) -> jax.Array:
-        x = x + self.self_attn.dense(self.input_layernorm(x))
+    def dense(self, x: jax.Array, visible: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+        h, visible = self.self_attn.dense(self.input_layernorm(x), visible)
+        x = x + h
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp.dense(h) if self.moe else self.mlp(h))
+        return x + (self.mlp.dense(h) if self.moe else self.mlp(h)), visible
 
 
 class DeepSeek(nnx.Module):
@@ -342,9 +363,9 @@ class DeepSeek(nnx.Module):
     def __call__(self, token_ids: jax.Array, positions: jax.Array,
                  cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
         """Serving forward. token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache)."""
-        x = self.embed_tokens(token_ids)
+        x, selected = self.embed_tokens(token_ids), None
         for layer in self.layers:
-            x, cache = layer(x, positions, cache)
+            x, cache, selected = layer(x, positions, cache, selected)
         return self.norm(x), cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
@@ -357,9 +378,9 @@ class DeepSeek(nnx.Module):
         """Ground truth: token_ids `[B, S]` -> float32 logits `[B, S, vocab]`, causal, no cache, K / V expanded per
         head (with an indexer: every score computed, attention masked to each query's top k), mixture-of-experts
         layers by every expert on every token."""
-        x = self.embed_tokens(token_ids)
+        x, visible = self.embed_tokens(token_ids), None
         for layer in self.layers:
-            x = layer.dense(x)
+            x, visible = layer.dense(x, visible)
         return self.compute_logits(self.norm(x))
 
 

@@ -14,7 +14,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.config.parallel import TP
-from pagedjax.device.attention import AttentionMetadata, latent_attention, paged_attention, sparse_attention
+from pagedjax.device.attention import (
+    AttentionMetadata,
+    latent_attention,
+    paged_attention,
+    sparse_attend,
+    sparse_attention,
+)
 from pagedjax.device.kv_cache import LayerKV, write_kv, write_latent, write_sparse
 
 _HEADS = P(None, TP, None)  # [tokens, heads, head_dim] split by heads
@@ -58,28 +64,34 @@ def sharded_latent_write_and_attend(q_latent: jax.Array,  # [T, H, R], any shard
                                     layer,  # LatentKV / SparseKV: replicated pages (one entry per token, all heads)
                                     meta: AttentionMetadata, *, mesh: Mesh, backend: str, decode_only: bool,
                                     scale: float, index=None, index_topk: int | None = None,
-                                    index_scale: float | None = None):
-    """An MLA (or, with `index` = (q_index, index_weights, k_index), a DeepSeek sparse attention) layer under
-    tensor parallelism: every device writes this step's entries into its whole copy of the latent pages (the same
-    values everywhere, so the copies stay equal) and attends with its own query heads. No collective: a head
-    reads only the shared latent entries. The indexer (replicated: its heads are not the attention's) scores and
-    selects the same positions on every device. Returns (o_latent `[T, H, R]` sharded by heads, the layer, and
-    for a sparse layer the indexer's tie count of `sparse_attention`, the same on every device; None for MLA)."""
+                                    index_scale: float | None = None, selected: jax.Array | None = None):
+    """An MLA (or, with `index` = (q_index, index_weights, k_index), a DeepSeek sparse attention; with `selected`
+    int32 `[T, k]`, a GLM-5 shared layer attending over those positions) layer under tensor parallelism: every
+    device writes this step's entries into its whole copy of the latent pages (the same values everywhere, so the
+    copies stay equal) and attends with its own query heads. No collective: a head reads only the shared latent
+    entries. The indexer (replicated: its heads are not the attention's) scores and selects the same positions on
+    every device. Returns (o_latent `[T, H, R]` sharded by heads, the layer, and for a sparse layer the indexer's
+    tie count of `sparse_select` and its selection, the same on every device; None, None otherwise)."""
 
-    def local(q_latent, q_rope, c_kv, k_rope, index, layer, meta):
+    def local(q_latent, q_rope, c_kv, k_rope, index, selected, layer, meta):
         if index is None:
             layer = write_latent(layer, c_kv, k_rope, meta.slot_mapping)
-            return latent_attention(q_latent, q_rope, layer, meta, backend=backend, decode_only=decode_only,
-                                    scale=scale), layer, None
+            if selected is None:
+                return latent_attention(q_latent, q_rope, layer, meta, backend=backend, decode_only=decode_only,
+                                        scale=scale), layer, None, None
+            return sparse_attend(q_latent, q_rope, layer, meta, selected, backend=backend, decode_only=decode_only,
+                                 scale=scale), layer, None, None
         q_index, weights, k_index = index
         layer = write_sparse(layer, c_kv, k_rope, k_index, meta.slot_mapping)
-        o, ties = sparse_attention(q_latent, q_rope, q_index, weights, layer, meta, backend=backend,
-                                   decode_only=decode_only, scale=scale, index_scale=index_scale,
-                                   index_topk=index_topk)
-        return o, layer, ties
+        o, ties, selected = sparse_attention(q_latent, q_rope, q_index, weights, layer, meta, backend=backend,
+                                             decode_only=decode_only, scale=scale, index_scale=index_scale,
+                                             index_topk=index_topk)
+        return o, layer, ties, selected
 
     pages = jax.tree.map(lambda _: P(), layer)
     replicated = jax.tree.map(lambda _: P(), index)
-    run = jax.shard_map(local, mesh=mesh, in_specs=(_HEADS, _HEADS, P(), P(), replicated, pages, P()),
-                        out_specs=(_HEADS, pages, None if index is None else P()), check_vma=False)
-    return run(q_latent, q_rope, c_kv, k_rope, index, layer, meta)
+    given = None if selected is None else P()
+    chosen = None if index is None else P()
+    run = jax.shard_map(local, mesh=mesh, in_specs=(_HEADS, _HEADS, P(), P(), replicated, given, pages, P()),
+                        out_specs=(_HEADS, pages, chosen, chosen), check_vma=False)
+    return run(q_latent, q_rope, c_kv, k_rope, index, selected, layer, meta)

@@ -831,6 +831,13 @@ def mla_tensor_parallel():
     _latent_layers("deepseek")
 
 
+@check
+def glm5_tensor_parallel():
+    """As latent_layers_tensor_parallel, a GLM-5 model: its indexer rotates interleaved pairs and its second layer
+    is shared (no indexer: under shard_map it attends over the first layer's selection, replicated)."""
+    _latent_layers("glm-5")
+
+
 def _latent_layers(name: str) -> None:
     from pagedjax.config.deepseek import DeepSeekConfig
     from pagedjax.model.deepseek import init_deepseek
@@ -841,6 +848,8 @@ def _latent_layers(name: str) -> None:
                                   first_k_dense_replace=1))
     if name == "deepseek v3.2":
         cfg = cfg.replace(indexer=dict(num_heads=4, head_dim=16, topk=4))
+    elif name == "glm-5":
+        cfg = cfg.replace(indexer=dict(num_heads=4, head_dim=16, topk=4, rope_interleave=True, shared_layers=(1,)))
     model = init_deepseek(cfg, seed=1)
     prompts = [[t % model.spec.vocab_size for t in p] for p in PROMPTS]
     want, margin = greedy_by_recompute(jax.jit(lambda t, m=model: m.forward_dense(t)), prompts, MAX_TOKENS,

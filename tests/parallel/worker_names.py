@@ -43,6 +43,9 @@ SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16
         # (CI time) latent_layers_tensor_parallel runs the same MLA layers (and checks their shardings) with V3.2's
         # indexer on
         "mla_tensor_parallel",
+        # (CI time) latent_layers_tensor_parallel runs the sparse layers; tests/model/test_hf_glm_moe_dsa.py the shared
+        # layer on one device
+        "glm5_tensor_parallel",
         # (CI time: ~50 s on 2 cores, two hybrid models' sharded programs) the linear layers and the state pool split
         # by heads; tests/parallel/test_parallel_config.py checks their partition rules and refusals
         "hybrid_tensor_parallel",

@@ -26,9 +26,9 @@ naming the file and field: never silently wrong output. Phi-3's LongRoPE ("longr
 `original_max_position_embeddings`, to which the context is capped (with a warning): its long factors are not
 implemented.
 
-DeepSeek V2 / V3 / V3.2 (`deepseek_v2`, `deepseek_v3`, `deepseek_v32`) map to a
+DeepSeek V2 / V3 / V3.2 and GLM-5 (`deepseek_v2`, `deepseek_v3`, `deepseek_v32`, `glm_moe_dsa`) map to a
 `pagedjax.config.deepseek.DeepSeekConfig` instead (`load_deepseek_config`; `load_hf_config` refuses them, naming
-it); GLM's `glm_moe_dsa` is refused by both, saying why. Qwen3-Next (`qwen3_next`) and Qwen3.5 (`qwen3_5_text`,
+it). Qwen3-Next (`qwen3_next`) and Qwen3.5 (`qwen3_5_text`,
 `qwen3_5_moe_text`, and the text of `qwen3_5`, `qwen3_5_moe`) map to a
 `pagedjax.model.families.qwen3_next.Qwen3NextConfig` (`load_qwen3_next_config`; `load_hf_config` refuses them,
 naming it); Nemotron-H (`nemotron_h`) likewise to a `pagedjax.model.families.nemotron_h.NemotronHConfig`
@@ -329,8 +329,6 @@ def _quantization(hf: dict, num_layers: int):
 def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: tuple[int, ...]) -> ModelConfig:
     """`load_hf_config` on parsed JSON; ValueErrors name the field (the caller adds the file)."""
     model_type = hf.get("model_type")
-    if model_type in _DSA_REFUSED:
-        raise ValueError(f"field 'model_type' = {model_type!r}: {_DSA_REFUSED[model_type]}")
     if model_type in DEEPSEEK_MODEL_TYPES:
         raise ValueError(f"field 'model_type' = {model_type!r}: a DeepSeek model, not a ModelConfig one; "
                          "LLMEngine.from_pretrained and --model serve it (pagedjax.model.deepseek), and "
@@ -467,18 +465,11 @@ def _check_unsupported(hf: dict, model_type: str) -> None:
 # Gemma 3 with images.
 VISION_MODEL_TYPES = ("llava", "gemma3")
 
-# DeepSeek V2 / V3 / V3.2 (`pagedjax.config.deepseek.DeepSeekConfig`, served by `pagedjax.model.deepseek`).
-DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
+# DeepSeek V2 / V3 / V3.2 and GLM-5 (`pagedjax.config.deepseek.DeepSeekConfig`, served by `pagedjax.model.deepseek`).
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 # Hybrids of recurrent-state layers and attention (`pagedjax.model.families.qwen3_next`, `.nemotron_h`), models of
 # the contract.
 HYBRID_MODEL_TYPES = qwen3_next.MODEL_TYPES + nemotron_h.MODEL_TYPES  # gated DeltaNet / Mamba-2 state + attention
-# Sparse-attention checkpoints that share V3.2's indexer but not its definition, so refused by name: GLM's
-# "glm_moe_dsa" (transformers' `GlmMoeDsaForCausalLM`) rotates the indexer's queries and keys in interleaved
-# pairs, and its "shared" layers (`indexer_types`) have no indexer of their own but reuse the previous layer's
-# top-k selection.
-_DSA_REFUSED = {"glm_moe_dsa": "GLM's DSA (transformers' GlmMoeDsaForCausalLM) is not DeepSeek V3.2's definition: "
-                               "its indexer rotates interleaved pairs and its 'shared' layers (indexer_types) reuse "
-                               "the previous layer's top-k instead of scoring their own; it is not supported"}
 # What `from_pretrained` and `--model` load, by the route `pagedjax.model.loading.loader` dispatches a Hugging Face
 # folder on (after a factory registered for its model_type): the families a ModelConfig describes, then the
 # built-in models of the public contract. The refusal of any other model_type lists them from here.
@@ -533,12 +524,23 @@ _DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
                      "topk_method": "noaux_tc", "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
                      "num_experts_per_tok": 8, "rope_interleave": True, "index_n_heads": 64, "index_head_dim": 128,
                      "index_topk": 2048},
+    "glm_moe_dsa": {"max_position_embeddings": 202752, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                    "tie_word_embeddings": False, "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_rope_head_dim": 64,
+                    "qk_nope_head_dim": 192, "v_head_dim": 256, "n_routed_experts": 256, "n_shared_experts": 1,
+                    "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "routed_scaling_factor": 2.5,
+                    "topk_method": "noaux_tc", "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
+                    "num_experts_per_tok": 8, "rope_interleave": True, "index_n_heads": 32, "index_head_dim": 128,
+                    "index_topk": 2048},
 }
+# The sparse-attention types (an indexer, `DeepSeekConfig.indexer`): V3.2's, and GLM-5's (its indexer rotates
+# interleaved pairs, and its "shared" layers read the previous indexed layer's selection).
+_DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 # What each family's transformers model computes whatever config.json says, and what a checkpoint declaring
 # otherwise would mean instead (so refused): V2 softmax-scores its experts, V3 takes sigmoid scores with the
 # correction bias ("noaux_tc").
 _DEEPSEEK_ROUTING = {"deepseek_v2": ("softmax", ("greedy", "group_limited_greedy")),
-                     "deepseek_v3": ("sigmoid", ("noaux_tc",)), "deepseek_v32": ("sigmoid", ("noaux_tc",))}
+                     "deepseek_v3": ("sigmoid", ("noaux_tc",)), "deepseek_v32": ("sigmoid", ("noaux_tc",)),
+                     "glm_moe_dsa": ("sigmoid", ("noaux_tc",))}
 _ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
 
@@ -549,8 +551,11 @@ def load_deepseek_config(path: str | os.PathLike, dtype: str | None = None):
     / `DeepseekV32ForCausalLM` compute it; `dtype` as `load_hf_config`'s. V3.2's `index_n_heads`,
     `index_head_dim` and `index_topk` are its `indexer`; V3.2 always has a query latent (`q_lora_rank`), rotates
     MLA's pairs interleaved (`rope_interleave` false refused) and takes its MoE layers from `mlp_layer_types`
-    (which must be dense layers then sparse ones); its `layer_types` must all be "indexed_attention". GLM's
-    "glm_moe_dsa" is refused (`_DSA_REFUSED`: why).
+    (which must be dense layers then sparse ones); its `layer_types` must all be "indexed_attention". GLM-5
+    ("glm_moe_dsa", transformers' `GlmMoeDsaForCausalLM`) is V3.2's definition but for its indexer, which rotates
+    interleaved pairs, and its `indexer_types` (or the `index_topk_pattern` / `index_topk_freq` /
+    `index_skip_topk_offset` they derive from, as transformers derives them): a "shared" layer has no indexer and
+    reads the previous "full" layer's selection (`DeepSeekIndexerConfig.shared_layers`; layer 0 must be "full").
 
     Refused with a ModelLoadError naming the file and field: anything those classes do not compute as the
     checkpoint declares it (a V2 config asking for `norm_topk_prob`, `moe_layer_freq` != 1, a V3 `topk_method`
@@ -566,8 +571,6 @@ def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos:
     from pagedjax.config.deepseek import DeepSeekConfig
 
     model_type = hf.get("model_type")
-    if model_type in _DSA_REFUSED:
-        raise ValueError(f"field 'model_type' = {model_type!r}: {_DSA_REFUSED[model_type]}")
     if model_type not in DEEPSEEK_MODEL_TYPES:
         raise ValueError(f"field 'model_type' = {model_type!r} is not a DeepSeek one "
                          f"({', '.join(DEEPSEEK_MODEL_TYPES)})")
@@ -586,7 +589,7 @@ def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos:
         except ValueError as e:
             raise ValueError(f"field 'quantization_config': {e}") from None
     interleave = flag(hf, "rope_interleave", True)
-    if model_type in ("deepseek_v2", "deepseek_v32") and not interleave:
+    if model_type in ("deepseek_v2", *_DSA_MODEL_TYPES) and not interleave:
         raise ValueError(f"field 'rope_interleave' = false is not supported for {model_type} (transformers' "
                          "model always rotates MLA's interleaved pairs)")
     num_layers = positive_int(hf, "num_hidden_layers")
@@ -594,8 +597,8 @@ def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos:
     rope_dim = positive_int(hf, "qk_rope_head_dim", defaults["qk_rope_head_dim"])
     theta, yarn = _deepseek_rope(hf, defaults["rope_theta"], max_pos)
     q_lora = hf.get("q_lora_rank", defaults["q_lora_rank"])
-    if model_type == "deepseek_v32" and q_lora is None:
-        raise ValueError("field 'q_lora_rank' = null is not supported for deepseek_v32 (transformers' model always "
+    if model_type in _DSA_MODEL_TYPES and q_lora is None:
+        raise ValueError(f"field 'q_lora_rank' = null is not supported for {model_type} (transformers' model always "
                          "projects the query through its latent, which the indexer reads)")
     bos = gen_bos if gen_bos is not None else optional_id(hf.get("bos_token_id"), "bos_token_id")
     eos = gen_eos or id_list(hf.get("eos_token_id"), "eos_token_id")
@@ -623,22 +626,54 @@ def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos:
         bos_token_id=bos,
         eos_token_ids=tuple(dict.fromkeys(eos)),
         moe=_deepseek_moe(hf, model_type, num_layers),
-        indexer=_deepseek_indexer(hf, num_layers) if model_type == "deepseek_v32" else None,
+        indexer=_deepseek_indexer(hf, num_layers, model_type) if model_type in _DSA_MODEL_TYPES else None,
     )
 
 
-def _deepseek_indexer(hf: dict, num_layers: int):
-    """DeepSeekConfig.indexer of a "deepseek_v32" config: every layer's lightning indexer."""
+def _deepseek_indexer(hf: dict, num_layers: int, model_type: str):
+    """DeepSeekConfig.indexer of a "deepseek_v32" config (every layer's lightning indexer) or a "glm_moe_dsa"
+    one (interleaved rotation; "shared" layers by `indexer_types`)."""
     from pagedjax.config.deepseek import DeepSeekIndexerConfig
 
-    defaults = _DEEPSEEK_DEFAULTS["deepseek_v32"]
+    defaults = _DEEPSEEK_DEFAULTS[model_type]
     kinds = hf.get("layer_types")
     if kinds is not None and (not isinstance(kinds, list) or kinds != ["indexed_attention"] * num_layers):
         raise ValueError(f"field 'layer_types' = {kinds!r} is not supported (every one of the {num_layers} layers "
-                         "must be 'indexed_attention': sparse attention by its own indexer)")
+                         "must be 'indexed_attention': sparse attention)")
+    glm = model_type == "glm_moe_dsa"
+    shared = _glm_shared_layers(hf, num_layers) if glm else ()
     return DeepSeekIndexerConfig(num_heads=positive_int(hf, "index_n_heads", defaults["index_n_heads"]),
                                  head_dim=positive_int(hf, "index_head_dim", defaults["index_head_dim"]),
-                                 topk=positive_int(hf, "index_topk", defaults["index_topk"]))
+                                 topk=positive_int(hf, "index_topk", defaults["index_topk"]),
+                                 rope_interleave=glm, shared_layers=shared)
+
+
+def _glm_shared_layers(hf: dict, num_layers: int) -> tuple[int, ...]:
+    """GLM-5's "shared" layers: from `indexer_types`, else as transformers' `GlmMoeDsaConfig` derives them (an
+    `index_topk_pattern` of "F" / "S", else layer i is "full" when max(i - index_skip_topk_offset + 1, 0) is a
+    multiple of index_topk_freq: every layer with the defaults 1 and 2)."""
+    kinds, field = hf.get("indexer_types"), "indexer_types"
+    if kinds is None and hf.get("index_topk_pattern") is not None:
+        pattern, field = hf["index_topk_pattern"], "index_topk_pattern"
+        if isinstance(pattern, str):
+            if set(pattern) - {"F", "S"}:
+                raise ValueError(f"field 'index_topk_pattern' = {pattern!r}: expected letters F (full) and S (shared)")
+            kinds = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        else:
+            kinds = pattern
+    if kinds is None:
+        freq, offset = hf.get("index_topk_freq", 1), hf.get("index_skip_topk_offset", 2)
+        for name, value in (("index_topk_freq", freq), ("index_skip_topk_offset", offset)):
+            if not is_int(value):
+                raise ValueError(f"field {name!r}: expected an int, got {value!r}")
+        kinds = ["full" if max(i - offset + 1, 0) % max(freq, 1) == 0 else "shared" for i in range(num_layers)]
+    if not isinstance(kinds, list) or len(kinds) != num_layers or set(kinds) - {"full", "shared"}:
+        raise ValueError(f"field {field!r} = {kinds!r}: expected 'full' or 'shared' for each of the {num_layers} "
+                         "layers")
+    if kinds[0] != "full":
+        raise ValueError(f"field {field!r}: layer 0 is 'shared', but a shared layer reads the selection of a 'full' "
+                         "layer before it")
+    return tuple(i for i, kind in enumerate(kinds) if kind == "shared")
 
 
 def _deepseek_rope(hf: dict, default_theta: float, max_pos: int) -> tuple[float, tuple | None]:
@@ -701,7 +736,7 @@ def _deepseek_moe(hf: dict, model_type: str, num_layers: int):
     if not is_int(first_dense) or not 0 <= first_dense <= num_layers:
         raise ValueError(f"field 'first_k_dense_replace': expected an int in [0, num_hidden_layers], got "
                          f"{first_dense!r}")
-    kinds = hf.get("mlp_layer_types") if model_type == "deepseek_v32" else None
+    kinds = hf.get("mlp_layer_types") if model_type in _DSA_MODEL_TYPES else None
     if kinds is not None:  # what transformers' V3.2 reads (first_k_dense_replace only derives its default)
         dense = kinds.count("dense") if isinstance(kinds, list) else -1
         if dense < 0 or kinds != ["dense"] * dense + ["sparse"] * (num_layers - dense):
