@@ -182,8 +182,7 @@ class DataParallelEngine:
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
                      cache_salt: str | None = None) -> PreparedRequest:
-        """A validated, not yet queued request (see `LLMEngine.make_request`; the scheduler of the replica
-        `add_prepared_request` picks admits it)."""
+        """A validated, not yet queued request (see `LLMEngine.make_request`)."""
         return self.replicas[0].make_request(request_id, prompt, sampling_params, cache_salt=cache_salt)
 
     def compile_constraint(self, structured: StructuredOutput) -> Constraint:

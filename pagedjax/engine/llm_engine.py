@@ -403,11 +403,10 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
                      cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> PreparedRequest:
-        """A validated request of a prompt (token ids, or text with a tokenizer), its constraint compiled, its
-        sampling fields left None set from the engine's `sampling_defaults` and a `max_tokens` left None to the rest
-        of the context (`SamplingParams.with_room`); nothing is queued (`add_prepared_request` does). Raises as
-        `add_request`, but for the scheduler's admission (a duplicate id, a request the KV pool cannot hold:
-        `Scheduler.check_request`), which the scheduler makes once, when the request is added."""
+        """A validated request of a prompt (token ids, or text with a tokenizer) that the scheduler would accept,
+        its constraint compiled, its sampling fields left None set from the engine's `sampling_defaults` and a
+        `max_tokens` left None to the rest of the context (`SamplingParams.with_room`); nothing is queued
+        (`add_prepared_request` does). Raises as `add_request`."""
         if not isinstance(request_id, str):
             raise InvalidType(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}",
                               param="request_id")
@@ -461,6 +460,7 @@ class LLMEngine:
                           logprobs=[] if params.logprobs is not None else None,
                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                           constrained=constraint is not None, images=images)
+        self.scheduler.check_request(request)
         return PreparedRequest(request, constraint)
 
     def compile_constraint(self, structured: StructuredOutput) -> Constraint:
@@ -470,8 +470,7 @@ class LLMEngine:
         return self.structured.compile(structured)
 
     def add_prepared_request(self, prepared: PreparedRequest) -> None:
-        """Queue a request made by `make_request`; the scheduler's admission refusals (`Scheduler.check_request`:
-        `InvalidRequest`, `ContextLengthExceeded`) leave nothing queued."""
+        """Queue a request made by `make_request` (ValueError if the scheduler refuses it)."""
         request = prepared.request
         self.scheduler.add_request(request)
         if prepared.constraint is not None:

@@ -148,21 +148,3 @@ def test_a_constraint_over_a_limit_is_a_request_error_of_its_own_code():
     error = LimitError("12 choices", "max_choices", 10)
     assert isinstance(error, InvalidRequest) and (error.param, error.code) == ("structured", "structured_output_limit")
     assert str(error) == "12 choices, over the limit max_choices = 10 (--max-choices)"
-
-
-def test_admission_is_checked_once_when_a_request_is_added(engine, monkeypatch):
-    """`make_request` validates the request itself; the scheduler's admission (`check_request`: duplicate ids, the
-    context and the pool) runs once, in `add_prepared_request`, where a refusal leaves nothing queued."""
-    calls = []
-    real = engine.scheduler.check_request
-    monkeypatch.setattr(engine.scheduler, "check_request", lambda r: (calls.append(r.request_id), real(r)))
-    prepared = engine.make_request("once", [1, 2, 3], GREEDY)
-    assert calls == []
-    engine.add_prepared_request(prepared)
-    try:
-        assert calls == ["once"]
-        error = refused(lambda: engine.add_prepared_request(engine.make_request("once", [1, 2], GREEDY)),
-                        InvalidRequest)
-        assert (error.param, error.code, calls) == ("request_id", "duplicate_request_id", ["once", "once"])
-    finally:
-        engine.abort("once")
