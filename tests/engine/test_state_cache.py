@@ -256,17 +256,19 @@ def _cold(prompt: list[int]) -> tuple[list[int], float]:
     return _COLD[tuple(prompt)]
 
 
-# Two budgets and KV pools (4-token chunks over 8 KV blocks: a long request and a short one at once, preemption; or
-# 8-token chunks over 64), each with a snapshot per KV block or per 2 or 3 of them (hits then end at their
-# multiples): four engines, compiled once for every example.
+# Two engines, compiled once for every example: 4-token chunks over 8 KV blocks (a long request and a short one at
+# once: preemption) with a snapshot per 2 KV blocks (hits end at their multiples), or 8-token chunks over 64 with a
+# snapshot per KV block. (CI time: the dev profile draws from these and two more, the small pool with a snapshot per
+# block and the large one with a snapshot per 3: `DEV_ENGINES`.)
+DEV_ENGINES = [dict(budget=4, num_blocks=8), dict(budget=8, num_blocks=64, state_block_size=3 * BS)]
 WAVES = shared_prefix_waves(vocab=(0, VOCAB), prefix_lens=[0, 1, 3, BS, BS + 2, 2 * BS, 2 * BS + 3],
                             suffix_lens=[0, 0, 1, 3, BS, 9, 13, 13], max_new=_MAX_NEW,
-                            engines=[dict(budget=4, num_blocks=8), dict(budget=8, num_blocks=64),
-                                     dict(budget=4, num_blocks=8, state_block_size=2 * BS),
-                                     dict(budget=8, num_blocks=64, state_block_size=3 * BS)])
+                            engines=[dict(budget=4, num_blocks=8, state_block_size=2 * BS),
+                                     dict(budget=8, num_blocks=64)]
+                            + (DEV_ENGINES if settings.default.max_examples > 25 else []))
 
 
-# (CI time: about 4 s in all, most of it the small-pool engine's compiles) 4 drawn, and corners: a prefix of two whole
+# (CI time: about 6 s in all, most of it the two engines' compiles) 4 drawn, and corners: a prefix of two whole
 # blocks whose second wave hits it and preempts (4-token chunks, 8 blocks, a snapshot per 2 blocks); one of 1
 # token, three interleaved.
 @settings(max_examples=4)  # (CI time) + 2 explicit examples; the dev profile's 200 random ones passed

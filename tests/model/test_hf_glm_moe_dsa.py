@@ -130,8 +130,9 @@ def test_both_differences_from_v32_decide_the_logits(models):
 
 def test_engine_greedy_matches_transformers(models):
     """The shared layer reads the step's selection of layer 0 (`PagedSharedSparseAttention`) through chunked
-    prefill (20 tokens at 8 a step), a prefix-cache hit, n = 2 greedy forks, and, in 8 blocks of 4, preemption and
-    fused decodes of 4 steps."""
+    prefill (20 tokens at 8 a step), n = 2 greedy forks, preemption and fused decodes of 4 steps (four prompts in 12
+    blocks of 4), and a prefix-cache hit (the longest prompt again: its full blocks stay cached). One engine (CI
+    time: its programs are most of the test)."""
     model, folder = models["glm"]
     expected, margins = zip(*(hf_greedy(model, p, MAX_NEW) for p in PROMPTS), strict=True)
     assert min(margins) > MIN_MARGIN, min(margins)
@@ -140,14 +141,11 @@ def test_engine_greedy_matches_transformers(models):
     assert margin > MIN_INDEX_MARGIN, margin  # no near tie along the continuations either
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     forked = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=2)
-    engine = _engine(folder)
+    engine = _engine(folder, num_blocks=12, decode_steps_per_call=4)
     outs = engine.generate(PROMPTS, [greedy, greedy, forked, greedy], use_tqdm=False)
     assert [o.output_token_ids for o in outs] == [list(w) for w in expected]
     assert [c.token_ids for c in outs[2].outputs] == [list(expected[2])] * 2
-    assert engine.stats().indexer_ties == 0
+    stats = engine.stats()
+    assert stats.indexer_ties == 0 and stats.scheduler.num_preemptions > 0 and stats.fused_decode_calls > 0
     again = engine.generate([PROMPTS[-1]], greedy, use_tqdm=False)[0]  # its full blocks cached
     assert again.num_cached_tokens >= 16 and again.output_token_ids == list(expected[-1])
-    small = _engine(folder, num_blocks=8, decode_steps_per_call=4)
-    outs = small.generate(PROMPTS, greedy, use_tqdm=False)
-    assert [o.output_token_ids for o in outs] == [list(w) for w in expected]
-    assert small.stats().scheduler.num_preemptions > 0 and small.stats().fused_decode_calls > 0

@@ -251,7 +251,8 @@ def test_unsupported_qwen3_5_fields_are_named(ckpts, tmp_path, kind, changes, fi
         load_qwen3_next_config(tmp_path)
 
 
-@settings(max_examples=2)  # (CI time: about 2 s each; the dev profile's random ones passed)
+@pytest.mark.slow  # (CI time: ~3 s) test_hf_qwen3_next.py runs the same workloads by default; 40 random passed here
+@settings(max_examples=2)
 @given(w=WAVES)
 def test_random_shared_prefix_waves_equal_transformers(ckpts, w):
     """Requests sharing a random prefix in interleaved waves: each one's greedy tokens transformers' for its prompt
