@@ -7,7 +7,11 @@ without stalling a step that a program already held can run.
     program compiled in the background and not run yet first, when it is smaller than that one: `shapes.
     run_cost`; its run then measures it): the step runs there now (a *stand-in* step, counted in
     `stand_in_steps`) while its own program compiles in a background thread, to be used from the first lookup
-    after it finished;
+    after it finished; but when the cache is full, only if the shape was looked up more often lately than the
+    program its install would drop (the least recently used one not pinned): a shape of the workload's long tail
+    keeps running on its stand-in instead of evicting a frequent one that would be compiled again (frequency-based
+    admission, as TinyLFU's; the counts halve every `AGING_LOOKUPS` lookups per held program, so the frequent
+    shapes of a changed workload get in);
   - else its own, compiled now on the caller's thread (and timed in `compile_seconds`; `listeners` hear of it as
     it starts and ends, so that a front end can say why nothing happens meanwhile).
 Run times are what the caller reports (`record_run`: the fastest run of each program). A stand-in is used however
@@ -64,6 +68,7 @@ from pagedjax.runner.shapes import dominates, run_cost
 logger = logging.getLogger(__name__)
 
 MAX_PENDING = 2  # steps' own programs, one compiling, one waiting: a burst of new shapes is compiled by the latest
+AGING_LOOKUPS = 8  # per held program: the lookup counts halve every AGING_LOOKUPS * max_programs lookups
 #                 need, not its order (a warm-up's programs wait behind them, uncounted)
 COMPILE_NICENESS = 10  # added to the background compile thread's nice value (Linux), see the module's docstring
 
@@ -210,6 +215,8 @@ class ProgramCache:
         self._thread: _CompileThread | None = None
         self._shutdown: weakref.finalize | None = None
         self._run_seconds: dict[Hashable, float] = {}  # the fastest run of each held program
+        self._lookups: dict[Hashable, int] = {}  # recent lookups of each shape (halved as they age: `_count`)
+        self._num_lookups = 0
 
     def __len__(self) -> int:
         return len(self.executables)
@@ -222,13 +229,15 @@ class ProgramCache:
     def lookup(self, shape: Hashable, prepare: Callable[[], Job]) -> tuple[Hashable, Any]:
         """(the shape of the program to run the step on, that program): `shape`'s own or a stand-in's."""
         self._install_finished()
+        self._count(shape)
         exe = self.executables.get(shape)
         if exe is not None:
             self.executables.move_to_end(shape)
             return shape, exe
         stand_in = self._stand_in(shape)
         if stand_in is not None:
-            self._compile_in_background(shape, prepare)
+            if self._admits(shape):
+                self._compile_in_background(shape, prepare)
             self.stand_in_steps += 1
             self.executables.move_to_end(stand_in)
             return stand_in, self.executables[stand_in]
@@ -318,6 +327,23 @@ class ProgramCache:
     def _tell(self, event: CompileEvent) -> None:
         for listener in self.listeners:
             listener(event)
+
+    def _count(self, shape: Hashable) -> None:
+        self._lookups[shape] = self._lookups.get(shape, 0) + 1
+        self._num_lookups += 1
+        if self._num_lookups >= AGING_LOOKUPS * self.max_programs:
+            self._num_lookups = 0
+            self._lookups = {s: n // 2 for s, n in self._lookups.items() if n > 1}
+
+    def _admits(self, shape: Hashable) -> bool:
+        """Whether a missed shape with a stand-in gets its own program: while the cache has room (counting the
+        compiles on their way), or when it was looked up more often lately than the program its install would
+        drop."""
+        coming = sum(s not in self.executables for s in self._pending)
+        if len(self.executables) + coming < self.max_programs:
+            return True
+        victim = next((s for s in self.executables if s not in self._pinned), None)
+        return victim is None or self._lookups.get(shape, 0) > self._lookups.get(victim, 0)
 
     def _stand_in(self, shape: Hashable) -> Hashable | None:
         if not self._background or shape in self._failed:

@@ -252,6 +252,29 @@ def test_a_miss_runs_on_the_fastest_dominating_program_while_its_own_compiles_in
     cache.close()
 
 
+def test_a_full_cache_compiles_a_shape_only_when_it_is_looked_up_more_than_the_program_it_would_drop():
+    """Frequency-based admission: with every slot taken, a shape of the long tail runs on its stand-in and compiles
+    nothing (it would drop a frequent program, to be compiled again); once it is looked up more often than the least
+    recently used program, it gets its own and that one is dropped."""
+    cache, calls = ProgramCache(2), []
+    big, a, b = _step(64, 8), _step(16, 2), _step(32, 4)
+    cache.compile(big, _job(big, calls), pinned=True)  # a warm-up's program: never dropped
+    cache.record_run(big, 0.001)
+    assert cache.lookup(a, _job(a, calls)) == (big, "exe64x8")  # room: a compiles in the background
+    cache.wait()
+    for _ in range(3):
+        assert cache.lookup(a, _job(a, calls)) == (a, "exe16x2")  # a: 4 lookups
+    for i in range(4):  # b: 1-4 lookups, never more than a's
+        assert cache.lookup(b, _job(b, calls)) == (big, "exe64x8")
+        cache.wait()
+        assert b not in cache.executables and cache.num_compilations == 2, i
+    assert cache.lookup(b, _job(b, calls)) == (big, "exe64x8")  # its 5th: more than a's 4, b gets in
+    cache.wait()
+    assert cache.lookup(b, _job(b, calls)) == (b, "exe32x4") and a not in cache.executables
+    assert cache.num_compilations == 3
+    cache.close()
+
+
 def test_a_stand_in_is_used_however_slow_and_the_compile_thread_yields_the_cpu():
     """A step on a stand-in stalls the streams for one run of it, a compile on the engine thread for the whole
     compile (after a warm-up from the persistent cache, a budget of an eighth of the recent compiles refused a
