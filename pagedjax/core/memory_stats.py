@@ -76,7 +76,8 @@ def kv_memory_stats(manager: KVCacheManager, requests: Iterable[Request], *,
     sharing their partial last block) holds the same tokens for all of them and is counted once.
     """
     pool = manager.block_pool
-    bs = manager.group_block_sizes[manager.group_pools.index(0)]  # pool 0's block size
+    first = manager.group_pools.index(0)  # a group of pool 0 (with a state pool, group 0 may be the state group)
+    bs = manager.group_block_sizes[first]
     filled: dict[int, int] = {}  # held block of pool 0 -> slots of it holding computed KV
     group_held: list[set[int]] = [set() for _ in range(manager.num_groups)]
     partial = 0
@@ -91,7 +92,7 @@ def kv_memory_stats(manager: KVCacheManager, requests: Iterable[Request], *,
                 held.add(b)
                 if p == 0:
                     filled[b] = max(filled.get(b, 0), min(bs, max(0, r.num_computed_tokens - i * bs)))
-        partial += len(per_group[0]) * bs > r.num_computed_tokens
+        partial += len(per_group[first]) * bs > r.num_computed_tokens
     reserved = len(filled) * bs
     used = sum(filled.values())
     free_runs = largest = None

@@ -372,3 +372,17 @@ def test_a_waiting_request_waits_only_for_what_every_group_will_publish():
     assert hit == 24  # two state blocks
     assert m.unpublished_block_hashes(c) == [hashes[6]]  # state block 2 (tokens 24-35) never fills from 30 tokens
     assert m.next_block_hash(d, hit // 4) == m.block_hashes(d)[8] not in m.unpublished_block_hashes(c)
+
+
+def test_memory_stats_count_the_kv_pool_whatever_the_groups_order():
+    """`kv_memory_stats` is pool 0's (the KV pool's) even where group 0 is a state group of larger blocks: a request
+    of 6 tokens holds 2 KV blocks of 4, the second partial (its state block of 12 counts in `group_blocks` only)."""
+    from pagedjax.core.memory_stats import kv_memory_stats
+
+    m = KVCacheManager(16, 4, group_windows=(2, None), group_pools=(1, 0), extra_pools=(6,),
+                       pool_block_sizes=(4, 12))
+    r = make_request("r", list(range(6)))
+    prefill(m, r)
+    stats = kv_memory_stats(m, [r], with_free_runs=False)
+    assert (stats.num_partial_blocks, stats.slots_reserved, stats.slots_used) == (1, 8, 6)
+    assert stats.group_blocks == (1, 2) and stats.block_size == 4
