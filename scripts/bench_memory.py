@@ -368,15 +368,21 @@ KV_DTYPES = ("float32", "bfloat16", "int8", "fp8")
 
 
 def kv_dtype_table(w: Workload, kv_memory_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                   max_num_batched_tokens: int, seed: int, model: ModelConfig = LLAMA3_8B) -> list[dict]:
+                   max_num_batched_tokens: int, seed: int, model: ModelConfig = LLAMA3_8B,
+                   known: dict[int, dict] | None = None) -> list[dict]:
     """The same KV memory budget in each KV dtype: how many token slots it holds, and what the scheduler runs
-    concurrently on it (the workload and timeline of `run_paged`)."""
+    concurrently on it (the workload and timeline of `run_paged`; `known`: summaries of runs already made, by token
+    slots)."""
     rows = []
+    runs = dict(known or {})  # token slots -> the run's summary (int8 and fp8 pages hold the same: one run)
     for kv_dtype in KV_DTYPES:
         cache = CacheConfig(block_size=block_size, kv_memory_bytes=kv_memory_bytes, kv_dtype=kv_dtype)
         num_blocks = cache.resolve_num_blocks(model)
-        r = run_paged(w, num_blocks * block_size, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
-                      seed).summary(num_blocks * block_size)
+        slots = num_blocks * block_size
+        if slots not in runs:
+            runs[slots] = run_paged(w, slots, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
+                                    seed).summary(slots)
+        r = runs[slots]
         rows.append({"kv_dtype": kv_dtype, "bytes_per_token": cache.kv_bytes_per_token(model),
                      "kv_slots": num_blocks * block_size, "mean_concurrency": r["mean_concurrency"],
                      "peak_concurrency": r["peak_concurrency"], "waste_pct": r["waste_pct"],
@@ -619,7 +625,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"with {timing['num_running']} running requests")
     sharing = sharing_table(args.sharing_requests, args.block_size, args.seed)
     kv_memory = args.kv_memory or args.kv_slots * CacheConfig(kv_dtype="bfloat16").kv_bytes_per_token(LLAMA3_8B)
-    kv_dtypes = kv_dtype_table(w, kv_memory, args.block_size, *common, seed=args.seed)
+    kv_dtypes = kv_dtype_table(w, kv_memory, args.block_size, *common, seed=args.seed,
+                               known={args.kv_slots: rows[0]})  # the paged run above, of the same slots
     attention_kinds = attention_kind_table(args.attention_kv_memory, args.block_size)
     groups = groups_table(args.attention_kv_memory, args.block_size, contexts=(8192,) if args.quick else
                           (8192, 32768, 131072))

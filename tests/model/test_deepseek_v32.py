@@ -243,14 +243,10 @@ def test_engine_greedy_matches_transformers_generate(models, kind):
     assert again.num_cached_tokens >= 16 and again.output_token_ids == list(expected[-1])
 
 
-def test_engine_greedy_through_preemption_and_fused_decode(models, caplog):
+@pytest.mark.slow  # (CI time: ~6 s) tests/model/test_hf_glm_moe_dsa.py runs the sparse path through both
+def test_engine_greedy_through_preemption_and_fused_decode(models):
     """Four requests of up to 26 tokens in 8 blocks of 4: some are preempted and recomputed (their latent
-    entries and indexer keys written again); decode runs 4 fused steps a call. The tokens stay transformers'.
-    Then the same engine over the same weights with the indexer's head weights zeroed, so that every score is 0
-    (as a tiny config's few heads meet exact zeros after the ReLU): the selection at the index_topk-th place is
-    pagedjax's tie rule's (the lower position) where transformers' topk is unordered, and the engine counts every
-    query row that met such a tie (`EngineStats.indexer_ties`, from the steps' and fused decodes' device outputs)
-    and warns of it once."""
+    entries and indexer keys written again); decode runs 4 fused steps a call. The tokens stay transformers'."""
     from pagedjax.sampling_params import SamplingParams
     from tests.model.test_hf import hf_greedy
 
@@ -262,7 +258,18 @@ def test_engine_greedy_through_preemption_and_fused_decode(models, caplog):
     assert [o.output_token_ids for o in outs] == expected
     assert engine.stats().scheduler.num_preemptions > 0 and engine.stats().fused_decode_calls > 0
 
-    tied, _ = load_hf_deepseek(folder)  # the same programs as the engine above: weights differ, shapes do not
+
+def test_indexer_ties_are_counted_and_warned_once(models, caplog):
+    """The engine over the V3.2 weights with the indexer's head weights zeroed, so that every score is 0 (as a tiny
+    config's few heads meet exact zeros after the ReLU), four requests in 8 blocks of 4 (preempted and recomputed),
+    4 fused decode steps a call: the selection at the index_topk-th place is pagedjax's tie rule's (the lower
+    position) where transformers' topk is unordered, and the engine counts every query row that met such a tie
+    (`EngineStats.indexer_ties`, from the steps' and fused decodes' device outputs) and warns of it once."""
+    from pagedjax.sampling_params import SamplingParams
+
+    _, folder = models["v32"]
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    tied, _ = load_hf_deepseek(folder)
     for layer in tied.layers:
         weights = layer.self_attn.indexer.weights_proj.kernel
         weights[...] = jnp.zeros_like(weights[...])
