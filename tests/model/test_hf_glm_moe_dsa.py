@@ -149,3 +149,26 @@ def test_engine_greedy_matches_transformers(models):
     assert stats.indexer_ties == 0 and stats.scheduler.num_preemptions > 0 and stats.fused_decode_calls > 0
     again = engine.generate([PROMPTS[-1]], greedy, use_tqdm=False)[0]  # its full blocks cached
     assert again.num_cached_tokens >= 16 and again.output_token_ids == list(expected[-1])
+
+
+def test_a_config_json_that_leaves_fields_out_takes_transformers_defaults(tmp_path):
+    """What pagedjax assumes for the fields a GLM-5 config.json leaves out is what transformers' `GlmMoeDsaConfig`
+    defaults them to (the published model's shape: 64 heads, latent 512, rope 64 + nope 192, values 256, 256
+    experts of 2048 in one group, an indexer of 32 heads of 128 keeping 2048, every layer "full")."""
+    given = dict(vocab_size=154880, hidden_size=6144, num_hidden_layers=4, num_attention_heads=64,
+                 intermediate_size=12288)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm_moe_dsa", **given}))
+    cfg = load_deepseek_config(tmp_path)
+    hf = transformers.GlmMoeDsaConfig(**given)
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim) == (
+        hf.kv_lora_rank, hf.q_lora_rank, hf.qk_rope_head_dim, hf.qk_nope_head_dim, hf.v_head_dim)
+    assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.rope_interleave) == (
+        hf.rms_norm_eps, hf.max_position_embeddings, True)
+    moe = cfg.moe
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.intermediate_size, moe.num_shared_experts,
+            moe.num_groups, moe.topk_groups, moe.routed_scaling_factor, moe.norm_topk_prob) == (
+        hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.n_shared_experts, hf.n_group,
+        hf.topk_group, hf.routed_scaling_factor, hf.norm_topk_prob)
+    assert moe.first_k_dense_replace == hf.mlp_layer_types.count("dense") == 3
+    assert cfg.indexer == DeepSeekIndexerConfig(hf.index_n_heads, hf.index_head_dim, hf.index_topk, True,
+                                                tuple(i for i, k in enumerate(hf.indexer_types) if k == "shared"))

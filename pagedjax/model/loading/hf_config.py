@@ -615,7 +615,7 @@ def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos:
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope_dim,
         v_head_dim=positive_int(hf, "v_head_dim", defaults["v_head_dim"]),
-        q_lora_rank=None if q_lora is None else positive_int(hf, "q_lora_rank"),
+        q_lora_rank=None if q_lora is None else positive_int(hf, "q_lora_rank", defaults["q_lora_rank"]),
         rope_theta=theta,
         rope_scaling=yarn,
         rope_interleave=interleave,
