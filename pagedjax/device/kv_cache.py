@@ -32,7 +32,7 @@ from pagedjax.config.kv_spec import KVCacheSpec, LatentKV, LayerKV, SparseKV
 from pallas_kernels.quant import is_quantized, quantize_kv
 
 __all__ = ["KVCache", "LatentKV", "LayerKV", "PagedLayer", "SparseKV", "copy_blocks", "init_kv_cache",
-           "layer_shapes", "write_kv", "write_latent", "write_sparse"]
+           "layer_shapes", "token_block_size", "write_kv", "write_latent", "write_sparse"]
 
 PagedLayer = LayerKV | LatentKV | SparseKV  # the built-in kinds' containers (a model's own kind has its own)
 
@@ -53,9 +53,9 @@ class KVCache(NamedTuple):
         return first[0].shape[type(first).block_axis]
 
     @property
-    def block_size(self) -> int:
-        first = self.layers[0]
-        return first[0].shape[type(first).block_axis + 1]
+    def block_size(self) -> int | None:
+        """Tokens per block of the first page array (`token_block_size`)."""
+        return token_block_size(self.layers[0])
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +73,15 @@ class KVCache(NamedTuple):
         if not all(isinstance(layer, LayerKV) for layer in self.layers):
             raise ValueError("KVCache.stacked: only a cache whose every layer is full attention (LayerKV) stacks")
         return jnp.stack([layer.k for layer in self.layers]), jnp.stack([layer.v for layer in self.layers])
+
+
+def token_block_size(pages) -> int | None:
+    """Tokens per block of a layer's pages of a built-in token kind (`LayerKV`, `LatentKV`, `SparseKV`: the token
+    axis follows the block axis); None for other containers (a recurrent state's `StatePages` hold one snapshot per
+    block, whose size in tokens the engine chose: `PagedKVCache.block_sizes`)."""
+    if not isinstance(pages, LayerKV | LatentKV | SparseKV):
+        return None
+    return pages[0].shape[type(pages).block_axis + 1]
 
 
 def layer_shapes(spec: KVCacheSpec, num_blocks: int, block_size: int, dtype, *,

@@ -105,7 +105,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.config import CacheConfig, FullAttention, IndexedSparse, LatentAttention, ModelSpec
-from pagedjax.config.kv_spec import LatentKV, LayerKV, SparseKV
 from pagedjax.config.parallel import TP
 from pagedjax.device.attention import (
     AttentionMetadata,
@@ -114,7 +113,15 @@ from pagedjax.device.attention import (
     sparse_attend,
     sparse_attention,
 )
-from pagedjax.device.kv_cache import PagedLayer, init_kv_cache, layer_shapes, write_kv, write_latent, write_sparse
+from pagedjax.device.kv_cache import (
+    PagedLayer,
+    init_kv_cache,
+    layer_shapes,
+    token_block_size,
+    write_kv,
+    write_latent,
+    write_sparse,
+)
 from pagedjax.model.layers.quant import QuantizedLinear, quantize_model
 from pagedjax.model.registry import ModelRegistry
 from pagedjax.parallel.attention import sharded_latent_write_and_attend, sharded_write_and_attend
@@ -200,11 +207,11 @@ class PagedKVCache:
         """Tokens per block of layer `index`'s KV cache group (a state layer's: one snapshot per that many)."""
         if self.block_sizes is not None:
             return self.block_sizes[0 if self.spec is None else self.spec.kv_layout.layer_group[index]]
-        pages = self.layer(index)
-        if isinstance(pages, LayerKV | LatentKV | SparseKV):  # token pages: [..., num_blocks, block_size, ...]
-            return pages[0].shape[pages.block_axis + 1]
-        raise ValueError(f"layer {index}'s pages ({type(pages).__name__}) do not show their block size: give "
-                         "PagedKVCache(block_sizes=...)")
+        size = token_block_size(self.layer(index))
+        if size is None:
+            raise ValueError(f"layer {index}'s pages ({type(self.layer(index)).__name__}) do not show their block "
+                             "size: give PagedKVCache(block_sizes=...)")
+        return size
 
     def meta_of(self, index: int) -> AttentionMetadata:
         """The metadata layer `index` writes and attends with: its KV cache group's."""
