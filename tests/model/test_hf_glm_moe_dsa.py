@@ -147,8 +147,14 @@ def test_engine_greedy_matches_transformers(models):
     assert [c.token_ids for c in outs[2].outputs] == [list(expected[2])] * 2
     stats = engine.stats()
     assert stats.indexer_ties == 0 and stats.scheduler.num_preemptions > 0 and stats.fused_decode_calls > 0
-    again = engine.generate([PROMPTS[-1]], greedy, use_tqdm=False)[0]  # its full blocks cached
-    assert again.num_cached_tokens >= 16 and again.output_token_ids == list(expected[-1])
+    again = engine.generate([PROMPTS[-1]], greedy, use_tqdm=False)[0]  # its full blocks cached: a hit at 16
+    assert again.num_cached_tokens == 16 and again.output_token_ids == list(expected[-1])
+    # A prompt sharing the first 18 tokens (a prefix ending inside a block): the hit is its 4 whole blocks.
+    inside = PROMPTS[-1][:18] + [5, 6, 7]
+    want, margin = hf_greedy(model, inside, MAX_NEW)
+    assert margin > MIN_MARGIN, margin
+    out = engine.generate([inside], greedy, use_tqdm=False)[0]
+    assert (out.num_cached_tokens, out.output_token_ids) == (16, list(want))
 
 
 def test_a_config_json_that_leaves_fields_out_takes_transformers_defaults(tmp_path):

@@ -107,6 +107,22 @@ def test_bad_request_raises_at_add_and_queues_nothing(engine):
     assert engine.stats().scheduler.num_waiting == 0
 
 
+def test_a_prompt_with_images_refused_in_its_encoding_thread_queues_nothing_and_serving_goes_on(engine, expected):
+    """Image prompts are encoded off the engine thread (`LLMEngine.encode_prompt` in a worker thread): its refusal
+    (this text model takes no images) reaches the caller, nothing is pending or queued, and the next request runs."""
+    from pagedjax.errors import UnsupportedFeature
+
+    async def main():
+        with pytest.raises(UnsupportedFeature, match="takes no images"):
+            await engine.add_request(PROMPTS[0], PARAMS[0], images=[object()])
+        assert engine.num_pending == 0
+        return await _collect(engine, PROMPTS[0], PARAMS[0])
+
+    outs = asyncio.run(main())
+    assert outs[-1].output_token_ids == expected[0] and engine.num_pending == 0
+    assert engine.stats().scheduler.memory.num_used_blocks == 0
+
+
 def test_max_pending():
     engine = AsyncLLMEngine(make_engine(), max_pending=1)
     engine.start()
