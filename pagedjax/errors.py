@@ -5,7 +5,7 @@
       ContextLengthExceeded             the prompt, or the prompt and max_tokens, past what one request can hold
                                         (max_model_len, or the KV pool); code `context_length_exceeded`
       UnsupportedFeature                something this model or engine does not do (images to a text model, stop
-                                        strings without a tokenizer, LoRA without enable_lora)
+                                        strings without a tokenizer, LoRA without a lora_config)
       InvalidConstraint                 an output constraint the grammar library does not compile (`kind`: which,
                                         `reason`: the library's error); code `invalid_constraint`
 

@@ -180,9 +180,10 @@ def run(cfg: ModelConfig, batch: int, prompt_len: int, max_tokens: int, block_si
     def engine_row(num_steps: int) -> None:
         name = f"pagedjax engine, num_steps={num_steps}"
         engine = engines[name] = LLMEngine(
-            cfg, CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False),
-            SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len, max_model_len=total),
-            params=model, decode_steps_per_call=num_steps)
+            model_config=cfg, cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                                       enable_prefix_caching=False),
+            scheduler_config=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
+                                             max_model_len=total), params=model, decode_steps_per_call=num_steps)
         row = dict(name=name, host_share=None)
 
         def go():
@@ -264,11 +265,12 @@ def run_parallel_sampling(cfg: ModelConfig, n: int, prompt_len: int, max_tokens:
     sampled = dict(max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
 
     def engine(caching: bool) -> LLMEngine:
-        return LLMEngine(cfg, CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                          enable_prefix_caching=caching),
-                         SchedulerConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=max(n, prompt_len),
-                                         max_model_len=total),
-                         params=model, decode_steps_per_call=fused_steps)
+        return LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                                                    enable_prefix_caching=caching),
+                         scheduler_config=SchedulerConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=max(n,
+                                                                                                             prompt_len),
+                                                          max_model_len=total), params=model,
+                         decode_steps_per_call=fused_steps)
 
     rows = []
     for name, caching, forked in ((f"1 request, n={n} (forked KV)", False, True),

@@ -90,7 +90,8 @@ def run_hf_benchmark(path: str | Path, batch_size: int, max_tokens: int, *, prom
                             max_model_len=total)
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for steps in dict.fromkeys((1, num_steps)):
-        engine = LLMEngine(cfg, cache, sched, params=params, num_steps=steps)
+        engine = LLMEngine(model_config=cfg, cache_config=cache, scheduler_config=sched, params=params,
+                           decode_steps_per_call=steps)
         out: dict[str, np.ndarray] = {}
 
         def go(engine=engine, out=out):

@@ -443,8 +443,9 @@ class Engines:
         """"hybrid", "hybrid cached" or "full"."""
         if name not in self._built:
             if name == "full":
-                engine = LLMEngine(full_attention_config(self.shape, self.max_len), self.cache(False), self.sched,
-                                   backend="xla", seed=self.seed)
+                engine = LLMEngine(model_config=full_attention_config(self.shape, self.max_len),
+                                   cache_config=self.cache(False), scheduler_config=self.sched, backend="xla",
+                                   seed=self.seed)
             else:
                 engine = LLMEngine.from_pretrained(self.folder, dtype="float32", cache_config=self.cache(
                     name == "hybrid cached"), scheduler_config=self.sched, backend="xla", seed=self.seed)

@@ -49,9 +49,10 @@ def main(argv=None) -> None:
     sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     def make(budget: int, invariant: bool) -> LLMEngine:
-        return LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=256),
-                         SchedulerConfig(max_num_seqs=max(args.batches), max_num_batched_tokens=budget,
-                                         max_model_len=args.max_model_len), params=params, batch_invariant=invariant)
+        return LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=256),
+                         scheduler_config=SchedulerConfig(max_num_seqs=max(args.batches), max_num_batched_tokens=budget,
+                                                          max_model_len=args.max_model_len), params=params,
+                         batch_invariant=invariant)
 
     print(f"bundled model, prompts of {args.prompt_len} tokens, {args.max_tokens} generated each, max_model_len "
           f"{args.max_model_len}; tokens/s (x the default mode at the same budget)")

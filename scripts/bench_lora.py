@@ -5,7 +5,7 @@
     python scripts/bench_lora.py --quick      # a tiny model (seconds): the smoke test
     python scripts/bench_lora.py --forms      # the forms of the per-token product alone (one layer's linears)
 
-Rows: "base" is an engine without LoRA; the others an engine with `enable_lora=True` and `max_loras` 4 (rows of
+Rows: "base" is an engine without LoRA; the others an engine with `lora_config=LoRAConfig(max_loras=4)` (rows of
 up to 4 adapters) or 8 (more), every linear targeted, whose 16 requests are spread round-robin over k random
 adapters (k = 0: LoRA on, every request on the base model). The grouped product's cost grows with the slots
 (`pagedjax.model.layers.lora`), so an engine serves with no more slots than it needs. Every engine is warmed up
@@ -34,6 +34,7 @@ from bench_engine import SHAPES
 from safetensors.numpy import save_file
 
 from pagedjax import CacheConfig, LLMEngine, LoRARequest, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax.config import LoRAConfig
 from pagedjax.model.layers.lora import (
     ATTENTION_MODULES,
     TARGET_MODULES,
@@ -64,10 +65,12 @@ def write_random_adapter(folder: Path, cfg: ModelConfig, seed: int, rank: int = 
 
 
 def _engine(cfg: ModelConfig, batch: int, max_len: int, decode_steps: int, max_loras: int | None) -> LLMEngine:
-    return LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=batch * (-(-max_len // 16)) + 16),
-                     SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(512, batch), max_model_len=max_len),
-                     decode_steps_per_call=decode_steps, enable_lora=max_loras is not None,
-                     max_loras=max_loras or 1, max_lora_rank=RANK)
+    return LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16,
+                                                                num_blocks=batch * (-(-max_len // 16)) + 16),
+                     scheduler_config=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(512, batch),
+                                                      max_model_len=max_len),
+                     decode_steps_per_call=decode_steps,
+                     lora_config=None if max_loras is None else LoRAConfig(max_loras=max_loras, max_lora_rank=RANK))
 
 
 def throughput(args) -> None:

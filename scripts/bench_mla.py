@@ -76,7 +76,7 @@ def build(cfg, max_len: int, batch: int, max_batched_tokens: int, steps_per_call
                   decode_steps_per_call=steps_per_call)
     if isinstance(cfg, DeepSeekConfig):
         return LLMEngine(model=init_deepseek(cfg, seed=0), **common)
-    return LLMEngine(cfg, **common)
+    return LLMEngine(model_config=cfg, **common)
 
 
 def _produced(outs, counts: dict[str, int]) -> None:

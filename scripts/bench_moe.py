@@ -118,9 +118,11 @@ def main(argv=None) -> None:
         engines = {}
         for name, cfg in cfgs.items():
             engines[name] = LLMEngine(
-                cfg, CacheConfig(block_size=16, num_blocks=batch * -(-total // 16) + 8, enable_prefix_caching=False),
-                SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(batch * args.prompt_len, 16),
-                                max_model_len=total), params=init_model(cfg, seed=0), backend="xla")
+                model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=batch * -(-total // 16) + 8,
+                                                           enable_prefix_caching=False),
+                scheduler_config=SchedulerConfig(max_num_seqs=batch,
+                                                 max_num_batched_tokens=max(batch * args.prompt_len, 16),
+                                                 max_model_len=total), params=init_model(cfg, seed=0), backend="xla")
             engines[name].generate(prompts, params, use_tqdm=False)  # warm-up: compiles every shape
         best = dict.fromkeys(engines, np.inf)
         for _ in range(args.repeats):

@@ -63,9 +63,11 @@ def measure(args) -> list[dict]:
         if dp * tp > len(jax.devices()):
             continue
         # Prefix caching off: the timed run repeats the warm-up's prompts, and hits would change its shapes.
-        engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=args.num_blocks, enable_prefix_caching=False),
-                           SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=512, max_model_len=512),
-                           params=state, decode_steps_per_call=args.decode_steps, compile_cache=False,
+        engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=args.num_blocks,
+                                                                      enable_prefix_caching=False),
+                           scheduler_config=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=512,
+                                                            max_model_len=512), params=state,
+                           decode_steps_per_call=args.decode_steps, compile_cache=False,
                            parallel_config=None if dp * tp == 1 else ParallelConfig(tensor_parallel_size=tp,
                                                                                     data_parallel_size=dp))
         replicas = getattr(engine, "replicas", [engine])

@@ -84,11 +84,13 @@ def speed(cfg: ModelConfig, state, schemes: list[str], batches: list[int], promp
         qcfg, qstate = quantized(cfg, state, scheme)
         weight_bytes = decode_weight_bytes(model_from_state(qcfg, qstate))
         for steps in decode_steps:
-            engine = LLMEngine(qcfg, CacheConfig(block_size=block, num_blocks=max(batches) * -(-total // block) + 8,
-                                                 enable_prefix_caching=False),
-                               SchedulerConfig(max_num_seqs=max(batches),
-                                               max_num_batched_tokens=max(batches) * prompt_len, max_model_len=total),
-                               params=qstate, decode_steps_per_call=steps)
+            num_blocks = max(batches) * -(-total // block) + 8
+            engine = LLMEngine(model_config=qcfg, cache_config=CacheConfig(block_size=block, num_blocks=num_blocks,
+                                                                           enable_prefix_caching=False),
+                               scheduler_config=SchedulerConfig(max_num_seqs=max(batches),
+                                                                max_num_batched_tokens=max(batches) * prompt_len,
+                                                                max_model_len=total), params=qstate,
+                               decode_steps_per_call=steps)
             for batch in batches:
                 def go(engine=engine, batch=batch) -> float:
                     start = time.perf_counter()

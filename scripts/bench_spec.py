@@ -114,9 +114,10 @@ def make_prompts(model, cfg, workload: str, batch: int, prompt_len: int, max_tok
     prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
     if workload != "copy-heavy":
         return prompts
-    engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 8),
-                       SchedulerConfig(max_num_seqs=batch, max_model_len=prompt_len + max_tokens), params=model,
-                       decode_steps_per_call=8)
+    num_blocks = batch * -(-(prompt_len + max_tokens) // 16) + 8
+    engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=num_blocks),
+                       scheduler_config=SchedulerConfig(max_num_seqs=batch, max_model_len=prompt_len + max_tokens),
+                       params=model, decode_steps_per_call=8)
     outs = engine.generate(prompts, SamplingParams(temperature=0.0,
                                                    max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     return [p + o.output_token_ids + p for p, o in zip(prompts, outs, strict=True)]
@@ -139,11 +140,12 @@ def run(model, cfg, workload: str, batch: int, prompt_len: int, max_tokens: int,
     rows, plain = [], None  # plain: the first row's tokens (the oracle's proposals)
     budget = max(batch * (total - max_tokens), 64)
     for name, steps, spec in variants:
-        engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=batch * -(-(total + k) // 16) + 8,
-                                            enable_prefix_caching=False),
-                           SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget,
-                                           max_model_len=total + k),
-                           params=model, decode_steps_per_call=steps, speculative_config=spec)
+        engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16,
+                                                                      num_blocks=batch * -(-(total + k) // 16) + 8,
+                                                                      enable_prefix_caching=False),
+                           scheduler_config=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget,
+                                                            max_model_len=total + k), params=model,
+                           decode_steps_per_call=steps, speculative_config=spec)
         if spec is not None and workload == "all-rejected":
             engine.speculator.proposer = AlwaysZero(k)
         if name.startswith("oracle"):

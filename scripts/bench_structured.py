@@ -246,9 +246,10 @@ def engine_table(tok, shape: str, max_tokens: int, batches: list[int], rounds: i
     cfg = SHAPES[shape].replace(vocab_size=tok.get_vocab_size(), eos_token_ids=(0,))
     # No prefix caching: every run of a workload is the same steps, so a run after the first compiles nothing.
     # One engine serves every workload: its decode_steps_per_call is set per run (fused, or one step per call).
-    engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=max(batches) * (max_tokens // 16 + 4),
-                                        enable_prefix_caching=False),
-                       SchedulerConfig(max_num_seqs=max(batches), max_model_len=max_tokens + 64),
+    engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16,
+                                                                  num_blocks=max(batches) * (max_tokens // 16 + 4),
+                                                                  enable_prefix_caching=False),
+                       scheduler_config=SchedulerConfig(max_num_seqs=max(batches), max_model_len=max_tokens + 64),
                        tokenizer=HFTokenizer(tok, eos_token_ids=(0,)))
     # A schema that cannot complete within max_tokens: every request runs exactly max_tokens tokens.
     long = StructuredOutput(json={"type": "object", "required": ["text"], "additionalProperties": False,

@@ -103,9 +103,10 @@ def beam_table(tok, width: int, max_tokens: int, prompts: int) -> list[dict]:
     from pagedjax.sampling_params import BeamSearchParams, StructuredOutput
 
     cfg = SHAPES["tiny"].replace(vocab_size=tok.get_vocab_size(), eos_token_ids=(0,))
-    engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=prompts * width * (max_tokens // 16 + 4),
-                                        enable_prefix_caching=False),
-                       SchedulerConfig(max_num_seqs=prompts * width, max_model_len=max_tokens + 64),
+    engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16,
+                                                                  num_blocks=prompts * width * (max_tokens // 16 + 4),
+                                                                  enable_prefix_caching=False),
+                       scheduler_config=SchedulerConfig(max_num_seqs=prompts * width, max_model_len=max_tokens + 64),
                        tokenizer=HFTokenizer(tok, eos_token_ids=(0,)))
     # A schema no beam completes within max_tokens (EOS never allowed): both searches run max_tokens steps.
     long = StructuredOutput(json={"type": "object", "required": ["text"], "additionalProperties": False,

@@ -59,8 +59,9 @@ def main(argv=None) -> None:
     cfg = SHAPES[args.model]
 
     def make(params) -> LLMEngine:
-        return LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=args.num_blocks),
-                         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256), params=params)
+        return LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=args.num_blocks),
+                         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256),
+                         params=params)
 
     def generate(engine: LLMEngine):
         return [o.output_token_ids for o in engine.generate(PROMPTS, PARAMS, use_tqdm=False)]

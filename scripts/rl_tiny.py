@@ -43,8 +43,8 @@ PROMPTS = ("def ", "import ", "class ", "    return ", "x = ", "for ", "if ", "#
 
 def make_engine(cfg, params, tokenizer, args) -> LLMEngine:
     seqs = len(PROMPTS[:args.prompts]) * args.n
-    return LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=seqs * 4 + 16),
-                     SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=256, max_model_len=128),
+    return LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=seqs * 4 + 16),
+                     scheduler_config=SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=256, max_model_len=128),
                      params=params, tokenizer=tokenizer, decode_steps_per_call=args.decode_steps)
 
 

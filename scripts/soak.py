@@ -48,8 +48,9 @@ VARIANTS = {"plain": (CFG, "auto"), "window": (CFG.replace(sliding_windows=(6, 1
 
 def make_engine(block_size: int, num_blocks: int, steps: int, variant: str = "plain") -> LLMEngine:
     cfg, kv_dtype = VARIANTS[variant]
-    return LLMEngine(cfg, CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_dtype=kv_dtype),
-                     SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48, max_model_len=MAX_LEN),
+    return LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                                                kv_dtype=kv_dtype),
+                     scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48, max_model_len=MAX_LEN),
                      seed=3, decode_steps_per_call=steps)
 
 

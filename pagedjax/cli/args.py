@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import dataclasses
 from pathlib import Path
 
 from pagedjax.cli.sizes import parse_size
-from pagedjax.config.cache import KV_DTYPES
-from pagedjax.config.speculative import SPECULATIVE_METHODS
+from pagedjax.config.cache import KV_DTYPES, CacheConfig
+from pagedjax.config.engine import BACKENDS, EngineConfig
+from pagedjax.config.lora import LoRAConfig
+from pagedjax.config.parallel import ParallelConfig
+from pagedjax.config.scheduler import SchedulerConfig
+from pagedjax.config.speculative import SPECULATIVE_METHODS, SpeculativeConfig
 
 PROG = "pagedjax-generate"
-DEFAULT_NUM_BLOCKS = 512  # CacheConfig's default when neither --num-blocks nor --kv-memory is given
 
 
 def int_at_least(lo: int):
@@ -57,8 +60,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
+        flag = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)  # --no-prefix-caching
         if "default" in text or action.default is None or action.default is False \
-                or action.default is argparse.SUPPRESS:
+                or action.default is argparse.SUPPRESS or flag:
             return text
         return super()._get_help_string(action)
 
@@ -75,18 +79,25 @@ class ArgumentParser(argparse.ArgumentParser):
 ENGINE_GROUP = "model and engine"
 
 
-class _Deprecated(argparse.Action):
-    """A deprecated spelling of another option: stores into its `dest`, with a warning naming the new one."""
+def add_field_option(group, cls, name: str, *flags: str, default=dataclasses.MISSING, **kwargs) -> None:
+    """A flag (`--field-name` unless `flags` are given) of the config field `cls.name`: its help text and its
+    default are the field's (`pagedjax.config.fields.option`), the one definition Python's `EngineConfig` and both
+    command lines read. A front end may give another `default` (its help then says so; None: unset, the field's
+    default applies and the help names it)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    text = f.metadata["help"]
+    if default is dataclasses.MISSING:
+        default = f.default
+    elif default is None and f.default is not None and "default" not in text:
+        text = f"{text} (default {f.default})"
+    group.add_argument(*(flags or ("--" + name.replace("_", "-"),)), default=default, help=text, **kwargs)
 
-    def __call__(self, parser, namespace, values, option_string=None):
-        replacement = "--" + self.dest.replace("_", "-")
-        print(f"{parser.prog}: warning: {option_string} is deprecated; use {replacement}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
 
-
-def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call: int, warmup: bool) -> None:
-    """The model and engine options, shared by `pagedjax-generate` and `pagedjax-serve` (each with its own
-    defaults for `--decode-steps-per-call` and `--warmup`): what `engine_setup.build_engine` reads."""
+def add_engine_options(parser: argparse.ArgumentParser, **front_end_defaults) -> None:
+    """The model and engine options, shared by `pagedjax-generate` and `pagedjax-serve`: what
+    `engine_setup.engine_config_of` reads. Their defaults and help are the config fields' (`add_field_option`);
+    `front_end_defaults` (by field name: `decode_steps_per_call`, `compile_in_background`) are a front end's own
+    choices, said where it calls this."""
     g = parser.add_argument_group(ENGINE_GROUP)
     g.add_argument("--model", default=None, metavar="PATH",
                    help="a pagedjax checkpoint folder or a Hugging Face folder (config.json + *.safetensors); "
@@ -102,79 +113,59 @@ def add_engine_options(parser: argparse.ArgumentParser, *, decode_steps_per_call
                         "channel), int4 (groups of 128 inputs; int4:N for groups of an even N, e.g. int4:32) or fp8 "
                         "(e4m3, per channel); activations stay in the model's dtype. Default: the checkpoint's "
                         "weights as stored")
-    g.add_argument("--backend", choices=["auto", "pallas", "xla"], default="auto",
-                   help="attention backend: auto = Pallas on GPU, XLA elsewhere")
-    g.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per KV block")
+    add_field_option(g, EngineConfig, "backend", choices=BACKENDS)
+    add_field_option(g, EngineConfig, "seed", type=int_at_least(0))
+    add_field_option(g, CacheConfig, "block_size", type=int_at_least(1))
     kv = g.add_mutually_exclusive_group()
-    kv.add_argument("--num-blocks", type=int_at_least(1), default=None,
-                    help=f"KV blocks in the pool (default: {DEFAULT_NUM_BLOCKS})")
-    kv.add_argument("--kv-memory", type=parse_size, default=None, metavar="SIZE",
-                    help="size the KV pool by memory instead, e.g. 64MiB")
-    g.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
-                   help="KV cache dtype: auto = the model's; int8 / fp8 (float8_e4m3fn) store K/V in 8 bits with "
-                        "a float32 scale per token and KV head, about half the bytes per token of bfloat16")
-    g.add_argument("--decode-steps-per-call", type=int_at_least(1), default=decode_steps_per_call, metavar="N",
-                   help="decode iterations per device call when every sequence is decoding (fused decode: one "
-                        "host round trip per call; tokens stream in bursts of up to N)")
-    g.add_argument("--num-steps", type=int_at_least(1), dest="decode_steps_per_call", action=_Deprecated,
-                   help=argparse.SUPPRESS)
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--max-compiled-programs", type=int_at_least(1), default=64, metavar="N",
-                   help="compiled step programs kept; past N the least recently used is dropped (and compiled "
-                        "again, or loaded from the compile cache, if needed again): bounds memory")
-    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=warmup,
-                   help="compile programs that can run every step (pagedjax-generate: before the first step; "
-                        "pagedjax-serve: in the background from start-up, answering at once): a step whose own "
-                        "program is new then runs on one of them while its own compiles in the background, instead "
-                        f"of waiting for it (default: {'on' if warmup else 'off'})")
+    add_field_option(kv, CacheConfig, "num_blocks", type=int_at_least(1))
+    add_field_option(kv, CacheConfig, "kv_memory_bytes", "--kv-memory", type=parse_size, metavar="SIZE")
+    add_field_option(g, CacheConfig, "kv_dtype", choices=KV_DTYPES)
+    add_field_option(g, EngineConfig, "decode_steps_per_call", type=int_at_least(1), metavar="N",
+                     default=front_end_defaults.get("decode_steps_per_call", dataclasses.MISSING))
+    add_field_option(g, CacheConfig, "enable_prefix_caching", "--no-prefix-caching", dest="enable_prefix_caching",
+                     action="store_false")
+    add_field_option(g, EngineConfig, "max_compiled_programs", type=int_at_least(1), metavar="N")
+    warmup = front_end_defaults.get("compile_in_background", False)
+    add_field_option(g, EngineConfig, "compile_in_background", "--warmup", dest="warmup",
+                     action=argparse.BooleanOptionalAction, default=warmup)
     cc = g.add_mutually_exclusive_group()
-    cc.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
-                    help="keep compiled programs in DIR, so that the next run loads them instead of compiling "
-                         "(a warm start) (default: $PAGEDJAX_COMPILE_CACHE, else ${XDG_CACHE_HOME:-~/.cache}"
-                         "/pagedjax/jax)")
+    add_field_option(cc, EngineConfig, "compile_cache", type=Path, default=None, metavar="DIR")
     cc.add_argument("--no-compile-cache", action="store_true",
                     help="compile every program afresh and save none (JAX's persistent compilation cache off)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int_at_least(1), default=1, metavar="N",
-                   help="shard the model and its KV cache over N devices (on CPU: XLA_FLAGS="
-                        "--xla_force_host_platform_device_count=N); --kv-memory is then per device")
-    g.add_argument("--data-parallel-size", "-dp", type=int_at_least(1), default=1, metavar="N",
-                   help="N independent replicas (each --tensor-parallel-size devices, its own KV pool of "
-                        "--num-blocks / --kv-memory); requests go to the least loaded")
-    g.add_argument("--max-num-seqs", type=int_at_least(1), default=64, help="sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512, help="tokens per step")
-    g.add_argument("--max-model-len", type=int_at_least(1), default=None,
-                   help="longest prompt + completion (default: the model's max_position_embeddings, as in Python)")
-    g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
-                   help="speculative decoding (exact: the same output): 'ngram' proposes what followed the last "
-                        "tokens' earlier occurrence in the prompt and output, 'draft' a draft model's greedy tokens "
-                        "(--speculative-draft-model; default: off)")
-    g.add_argument("--speculative-num-tokens", type=_int_in(1, 64), default=None, metavar="K",
-                   help="tokens proposed and verified per request per step (default 4)")
-    g.add_argument("--speculative-prompt-lookup-min", type=int_at_least(1), default=None, metavar="N",
-                   help="ngram: the shortest suffix looked up (default 2)")
-    g.add_argument("--speculative-prompt-lookup-max", type=int_at_least(1), default=None, metavar="N",
-                   help="ngram: the longest suffix looked up, tried first (default 4)")
-    g.add_argument("--speculative-draft-model", default=None, metavar="PATH",
-                   help="draft: the draft model's folder (as --model reads it), of the model's vocabulary")
+    add_field_option(g, ParallelConfig, "tensor_parallel_size", "--tensor-parallel-size", "-tp",
+                     type=int_at_least(1), metavar="N")
+    add_field_option(g, ParallelConfig, "data_parallel_size", "--data-parallel-size", "-dp",
+                     type=int_at_least(1), metavar="N")
+    add_field_option(g, SchedulerConfig, "max_num_seqs", type=int_at_least(1))
+    add_field_option(g, SchedulerConfig, "max_num_batched_tokens", type=int_at_least(1))
+    add_field_option(g, SchedulerConfig, "max_model_len", type=int_at_least(1))
+    add_field_option(g, SpeculativeConfig, "method", "--speculative-method", choices=SPECULATIVE_METHODS,
+                     default=None)
+    for name, flag, parse, metavar in SPECULATIVE_FLAGS:
+        add_field_option(g, SpeculativeConfig, name, flag, type=parse, default=None, metavar=metavar)
+
+
+# The --speculative-* flags past --speculative-method: (SpeculativeConfig's field, flag, type, metavar).
+SPECULATIVE_FLAGS = (("num_speculative_tokens", "--speculative-num-tokens", _int_in(1, 64), "K"),
+                     ("prompt_lookup_min", "--speculative-prompt-lookup-min", int_at_least(1), "N"),
+                     ("prompt_lookup_max", "--speculative-prompt-lookup-max", int_at_least(1), "N"),
+                     ("draft_model", "--speculative-draft-model", None, "PATH"))
 
 
 LORA_GROUP = "LoRA adapters"
+LORA_FIELDS = ("max_loras", "max_lora_rank", "max_cpu_loras")  # LoRAConfig's, each a --max-* flag
 
 
 def add_lora_options(parser: argparse.ArgumentParser):
-    """The engine's LoRA options (`LLMEngine(enable_lora=True, max_loras=..., max_lora_rank=..., max_cpu_loras=...)`;
-    what `engine_setup.build_engine` reads); returns their argument group, for a front end's own LoRA options."""
+    """The engine's LoRA options (`LLMEngine(lora_config=LoRAConfig(...))`; what `engine_setup.engine_config_of`
+    reads); returns their argument group, for a front end's own LoRA options."""
     g = parser.add_argument_group(LORA_GROUP, "serve PEFT LoRA adapters of the model, many per step "
                                   "(docs/serving.md#lora-adapters)")
     g.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (a built-in dense model on one device)")
-    g.add_argument("--max-loras", type=int_at_least(1), default=None, metavar="N",
-                   help="device slots for adapters: the most distinct adapters one step runs (default 4)")
-    g.add_argument("--max-lora-rank", type=int_at_least(1), default=None, metavar="R",
-                   help="every slot's rank: adapters of a higher rank are refused (default 16)")
-    g.add_argument("--max-cpu-loras", type=int_at_least(1), default=None, metavar="N",
-                   help="adapters kept in host memory, at least --max-loras (default: --max-loras); the least "
-                        "recently used one past it is read from its folder again when next needed")
+    for name in LORA_FIELDS:
+        add_field_option(g, LoRAConfig, name, type=int_at_least(1), default=None,
+                         metavar="R" if name == "max_lora_rank" else "N")
     return g
 
 
@@ -209,8 +200,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int_at_least(0), default=None, help="0 = off " + model_default.format("0", "0"))
     g.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=None,
                    help="1 = off " + model_default.format("1.0", "0.95"))
-    g.add_argument("--seed", type=int_at_least(0), default=0,
-                   help="sampling seed: prompt i uses seed + i, so runs are reproducible")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     g.add_argument("--n", type=int_at_least(1), default=1,
                    help="samples per prompt (one prefill; the samples share its KV blocks)")
@@ -221,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     # 8: on the bundled model the fused loop decodes 1.2x faster (634 vs 519 tokens/s for --demo) and compiles
     # fewer programs (4 vs 6: 6.5 s vs 8.6 s cold) than one step per call; tokens stream in bursts of up to 8.
     # No warm-up: a one-off run compiles what its prompts need, and no stream waits on another's compile.
-    add_engine_options(p, decode_steps_per_call=8, warmup=False)
+    add_engine_options(p, decode_steps_per_call=8)
     g = p.add_argument_group("output")
     g.add_argument("--no-stream", action="store_true", help="print a single prompt's completion at the end")
     g.add_argument("--json", action="store_true",

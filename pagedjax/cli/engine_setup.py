@@ -10,8 +10,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from pagedjax.cli.args import LORA_FIELDS, SPECULATIVE_FLAGS
 from pagedjax.cli.errors import CLIError
 from pagedjax.cli.sizes import format_size
+from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from pagedjax.config.lora import LoRAConfig
+from pagedjax.config.parallel import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -235,12 +239,9 @@ def check_kv_pool_fits(cache_config, spec, device, tensor_parallel_size: int = 1
                        "--num-blocks")
 
 
-_SPECULATIVE_FLAGS = {"speculative_num_tokens": "num_speculative_tokens", "speculative_prompt_lookup_min":
-                      "prompt_lookup_min", "speculative_prompt_lookup_max": "prompt_lookup_max",
-                      "speculative_draft_model": "draft_model"}
-
-
-_LORA_FLAGS = {"max_loras": "--max-loras", "max_lora_rank": "--max-lora-rank", "max_cpu_loras": "--max-cpu-loras"}
+# The --speculative-* flags' argparse names -> SpeculativeConfig's fields, and --max-*lora* -> LoRAConfig's.
+_SPECULATIVE_FLAGS = {flag[2:].replace("-", "_"): field for field, flag, _, _ in SPECULATIVE_FLAGS}
+_LORA_FLAGS = {field: "--" + field.replace("_", "-") for field in LORA_FIELDS}
 
 
 def speculative_config_of(args: argparse.Namespace):
@@ -258,8 +259,6 @@ def speculative_config_of(args: argparse.Namespace):
         raise CLIError("--speculative-method draft needs --speculative-draft-model PATH" if "draft_model" not in given
                        else f"--speculative-draft-model applies to --speculative-method draft only, not "
                             f"{args.speculative_method}")
-    from pagedjax.config import SpeculativeConfig
-
     return SpeculativeConfig(method=args.speculative_method, **given)
 
 
@@ -290,69 +289,75 @@ def sampling_defaults_of(args: argparse.Namespace):
     return folder_sampling_defaults(args.model)
 
 
-def lora_engine_args(args: argparse.Namespace) -> dict:
-    """`LLMEngine`'s LoRA keywords from `add_lora_options`' flags ({} for a front end without them, or without
+def lora_config_of(args: argparse.Namespace) -> LoRAConfig | None:
+    """The `LoRAConfig` of `add_lora_options`' flags (None for a front end without them, or without
     --enable-lora); CLIError for a --max-*lora* flag given without --enable-lora."""
     if not getattr(args, "enable_lora", False):
         given = [flag for name, flag in _LORA_FLAGS.items() if getattr(args, name, None) is not None]
         if given:
             raise CLIError(f"{given[0]} needs --enable-lora")
-        return {}
-    return {"enable_lora": True, **{name: getattr(args, name) for name in _LORA_FLAGS
-                                    if getattr(args, name) is not None}}
+        return None
+    return LoRAConfig(**{name: getattr(args, name) for name in _LORA_FLAGS if getattr(args, name) is not None})
+
+
+def engine_config_of(args: argparse.Namespace, compile_cache: bool | str = True, structured_limits=None,
+                     sampling_defaults=None) -> EngineConfig:
+    """The `EngineConfig` of the engine flags (`pagedjax.cli.args.add_engine_options`, `add_lora_options`): every
+    option the flags leave unset is the field's default, as in Python. compile_cache: the CLI sets JAX's cache up
+    itself (`pagedjax.cli.warm_start`). structured_limits / sampling_defaults: None: the defaults / the --model
+    folder's (`sampling_defaults_of`). CLIError for flags the configs refuse."""
+    from pagedjax.config.structured import StructuredLimits
+
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    try:
+        return EngineConfig(
+            cache_config=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                                     kv_memory_bytes=args.kv_memory,
+                                     enable_prefix_caching=args.enable_prefix_caching, kv_dtype=args.kv_dtype),
+            # max_model_len None: the model's max_position_embeddings, resolved by the engine as in Python, so
+            # one model has one context length in Python, pagedjax-generate and pagedjax-serve.
+            scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                             max_num_batched_tokens=args.max_num_batched_tokens,
+                                             max_model_len=args.max_model_len),
+            parallel_config=None if tp * dp == 1 else ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp),
+            speculative_config=speculative_config_of(args), backend=args.backend,
+            decode_steps_per_call=args.decode_steps_per_call, seed=args.seed, compile_cache=compile_cache,
+            max_compiled_programs=args.max_compiled_programs,
+            # Warmed-up programs stand in while a step's own compiles (the server's way): no stream stalls on a
+            # compile; without warm-up, each step waits for its own program.
+            compile_in_background=args.warmup,
+            structured_limits=StructuredLimits() if structured_limits is None else structured_limits,
+            sampling_defaults=sampling_defaults_of(args) if sampling_defaults is None else sampling_defaults,
+            lora_config=lora_config_of(args))
+    except (TypeError, ValueError) as e:
+        raise CLIError(in_flags(str(e))) from None
 
 
 def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool | str = True,
                  structured_limits=None):
-    """The engine the arguments describe (a `DataParallelEngine` with --data-parallel-size > 1), its KV pool
-    checked against the device's memory first; with --warmup it compiles in the background (its caller warms it
-    up: `LLMEngine.warmup`, or the server's `start_warmup`, once everything else is checked).
-    compile_cache: `LLMEngine`'s (the CLI sets JAX's cache up before loading: see `pagedjax.cli.warm_start`).
-    structured_limits: `LLMEngine`'s (the server's, from its flags; None: the defaults)."""
+    """The engine the arguments describe (`engine_config_of`; a `DataParallelEngine` with --data-parallel-size
+    > 1), its KV pool checked against the device's memory first; with --warmup it compiles in the background (its
+    caller warms it up: `LLMEngine.warmup`, or the server's `start_warmup`, once everything else is checked)."""
     import jax
 
-    from pagedjax.config import CacheConfig, SchedulerConfig
-    from pagedjax.config.parallel import parallel_layout
     from pagedjax.engine import make_engine
     from pagedjax.model.loading.loader import folder_image_processor
 
-    tp, dp = args.tensor_parallel_size, args.data_parallel_size
-    parallel_config = parallel_layout(None, tp, dp)
-    if parallel_config is not None:
-        check_device_count(tp, dp)
-    try:
-        cache_config = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                                   kv_memory_bytes=args.kv_memory, enable_prefix_caching=not args.no_prefix_caching,
-                                   kv_dtype=args.kv_dtype)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            # None: the model's max_position_embeddings, resolved by the engine as for LLMEngine(...) in Python,
-            # so one model has one context length in Python, pagedjax-generate and pagedjax-serve.
-            max_model_len=args.max_model_len)
-        speculative_config = speculative_config_of(args)
-        sampling_defaults = sampling_defaults_of(args)
-        lora = lora_engine_args(args)
-    except (TypeError, ValueError) as e:
-        raise CLIError(str(e)) from None
-    check_kv_pool_fits(cache_config, loaded.spec, jax.local_devices()[0], tp)
+    config = engine_config_of(args, compile_cache, structured_limits)
+    if config.parallel_config is not None:
+        check_device_count(args.tensor_parallel_size, args.data_parallel_size)
+    check_kv_pool_fits(config.cache_config, loaded.spec, jax.local_devices()[0], args.tensor_parallel_size)
+    weights = loaded.engine_args()
     # A vision-language --model folder's image processor (pagedjax-generate's --image, pagedjax-serve's image parts).
-    image_processor = None if args.model is None else folder_image_processor(args.model, loaded.engine_args())
+    image_processor = None if args.model is None else folder_image_processor(args.model, weights)
     try:
-        engine = make_engine(cache_config=cache_config, scheduler_config=scheduler_config, seed=args.seed,
-                             **loaded.engine_args(),
-                             backend=args.backend, decode_steps_per_call=args.decode_steps_per_call,
-                             tokenizer=loaded.tokenizer, compile_cache=compile_cache,
-                             parallel_config=parallel_config, max_compiled_programs=args.max_compiled_programs,
-                             # Warmed-up programs stand in while a step's own compiles (the server's way): no
-                             # stream stalls on a compile; without warm-up, each step waits for its own program.
-                             compile_in_background=args.warmup, speculative_config=speculative_config,
-                             structured_limits=structured_limits, sampling_defaults=sampling_defaults,
-                             image_processor=image_processor, **lora)
-        return engine
+        return make_engine(config.replace(model_config=weights.pop("model_config", None)), **weights,
+                           tokenizer=loaded.tokenizer, image_processor=image_processor)
     except (TypeError, ValueError, FileNotFoundError) as e:  # FileNotFoundError: a missing draft model folder
         raise CLIError(in_flags(str(e))) from None
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        raise CLIError(f"out of device memory building the engine (KV pool of {cache_config.pool_bytes(loaded.spec):,} "
+        raise CLIError(f"out of device memory building the engine (KV pool of "
+                       f"{config.cache_config.pool_bytes(loaded.spec):,} "
                        "bytes); lower --kv-memory or --num-blocks") from None

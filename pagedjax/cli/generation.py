@@ -86,7 +86,7 @@ class Generation:
         if self.args.beam_width is not None:  # beam search validates its prompts itself, and runs alone
             return
         everything = list(range(len(self.completions)))
-        first = everything[:1] if self.args.demo and not self.args.no_prefix_caching else everything
+        first = everything[:1] if self.args.demo and self.args.enable_prefix_caching else everything
         self._later = everything[len(first):]
         self.submit(first)
 

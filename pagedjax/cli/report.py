@@ -104,7 +104,7 @@ def print_header(args: argparse.Namespace, loaded, engine, load_s: float, out: T
     kv = engine.stats()
     print(f"engine: {engine.backend} attention on {jax.default_backend()}, {engine.num_blocks} KV blocks x "
           f"{args.block_size} tokens ({kv.kv_bytes_per_token:,} KV bytes per token), prefix caching "
-          f"{'off' if args.no_prefix_caching else 'on'}, "
+          f"{'on' if args.enable_prefix_caching else 'off'}, "
           f"{args.decode_steps_per_call} decode step(s) per call", file=out)
     layout = cfg.kv_layout
     if layout.num_groups > 1:  # a block table per group; a window group's blocks go back as its window moves

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedjax.config.fields import DTYPE_BYTES, check_bool, check_int, describe, dtype_bytes
+from pagedjax.config.fields import DTYPE_BYTES, check_bool, check_int, describe, dtype_bytes, option
 
 if TYPE_CHECKING:
     from pagedjax.config.model import ModelSpec
@@ -30,30 +30,33 @@ KV_SCALE_BYTES = 4  # float32 scales
 # A state pool's block size the engine picks is a multiple of this many tokens: the widest chunk of the recurrent
 # kernels (`pallas_kernels.recurrent`: 16-64 tokens), so that a snapshot boundary never cuts a chunk in two pieces.
 STATE_BLOCK_ALIGN = 64
+DEFAULT_NUM_BLOCKS = 512  # a pool's blocks when neither num_blocks nor kv_memory_bytes is given
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: `num_blocks` physical blocks of `block_size` tokens each.
 
-    Give either `num_blocks` or `kv_memory_bytes` (the pool is then sized from the model's shape);
-    with neither, `num_blocks` defaults to 512. A model with recurrent-state layers also has a pool of state
-    snapshots (`pagedjax.config.kv_layout`): `num_state_blocks` of them (None: twice what the running sequences
-    hold at once: `resolve_state_blocks`), taken out of `kv_memory_bytes` first when that sizes the pools, each the
-    state after a multiple of `state_block_size` tokens (a multiple of `block_size`; None: the least at which a
-    state layer's snapshot takes no more bytes than an attention layer's KV of those tokens,
-    `resolve_pool_block_sizes`). Prefix hits of such a model end at a multiple of it. `kv_dtype` (one of
-    KV_DTYPES) is what K and V are stored in: "auto" = the model's dtype; "int8" and "fp8" (float8_e4m3fn) quantize
-    each token's K and V per KV head when written, with a float32 scale beside them that `block_bytes` counts.
+    Give either `num_blocks` or `kv_memory_bytes` (the pool is then sized from the model's shape); with neither,
+    `num_blocks` defaults to DEFAULT_NUM_BLOCKS (512). A model with recurrent-state layers also has a pool of state
+    snapshots (`pagedjax.config.kv_layout`): `num_state_blocks` of them (None: twice what the running sequences hold
+    at once: `resolve_state_blocks`), taken out of `kv_memory_bytes` first when that sizes the pools, each the state
+    after a multiple of `state_block_size` tokens (a multiple of `block_size`; None: the least at which a state
+    layer's snapshot takes no more bytes than an attention layer's KV of those tokens, `resolve_pool_block_sizes`).
+    Prefix hits of such a model end at a multiple of it. `kv_dtype` (one of KV_DTYPES) is what K and V are stored
+    in: "auto" = the model's dtype; "int8" and "fp8" (float8_e4m3fn) quantize each token's K and V per KV head when
+    written, with a float32 scale beside them that `block_bytes` counts.
     """
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_memory_bytes: int | None = None
+    block_size: int = option(16, "tokens per KV block")
+    num_blocks: int | None = option(None, f"KV blocks in the pool (default: {DEFAULT_NUM_BLOCKS})")
+    kv_memory_bytes: int | None = option(None, "size the KV pool by memory instead, e.g. 64MiB")
     num_state_blocks: int | None = None
     state_block_size: int | None = None
-    enable_prefix_caching: bool = True
-    kv_dtype: str = "auto"  # one of KV_DTYPES: "auto" = the model's dtype; "int8" / "fp8" quantize K/V when written
+    enable_prefix_caching: bool = option(True, "disable prefix caching")  # the flag is --no-prefix-caching
+    kv_dtype: str = option("auto", "KV cache dtype: auto = the model's; int8 / fp8 (float8_e4m3fn) store K/V in 8 "
+                                   "bits with a float32 scale per token and KV head, about half the bytes per token "
+                                   "of bfloat16")
     hash_seed: int = 0
 
     def __post_init__(self) -> None:
@@ -148,7 +151,7 @@ class CacheConfig:
         if self.num_blocks is not None:
             return self.num_blocks
         if self.kv_memory_bytes is None:
-            return 512
+            return DEFAULT_NUM_BLOCKS
         budget = self.kv_memory_bytes - sum(n * self.block_bytes(model, p)
                                             for p, n in enumerate(extra_pools, start=1))
         per_block = self.block_bytes(model) + (0 if draft is None else self.block_bytes(draft))

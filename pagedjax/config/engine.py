@@ -1,18 +1,20 @@
 """`EngineConfig`: everything an `LLMEngine` is configured by, in one frozen value.
 
 The component configs (model shape, KV cache, scheduler, parallel layout, speculative decoding) and the engine's
-own options. `LLMEngine(...)` and `LLMEngine.from_pretrained(...)` take the same fields as keywords (their
-signatures list them) and build one of these, so every option is checked in one place, whichever entry point a
-caller uses; an engine keeps it as `engine.config`. Plain Python, no JAX.
+own options: the one definition of each option and its default. `LLMEngine(config, **options)`,
+`LLMEngine.from_pretrained(path, **options)` and the command lines (`pagedjax.cli.args`, whose flags read their
+defaults from these fields) all build one of these (`engine_config`), so every option is defined and checked in one
+place, whichever entry point a caller uses; an engine keeps it as `engine.config`. Plain Python, no JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 
 from pagedjax.config.cache import CacheConfig
-from pagedjax.config.fields import check_bool, check_choice, check_int, describe
+from pagedjax.config.fields import check_bool, check_choice, check_int, describe, option
 from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.model import ModelConfig
 from pagedjax.config.parallel import ParallelConfig
@@ -44,7 +46,7 @@ class EngineConfig:
       compiled (`pagedjax.structured_output.limits`: a constraint past a limit is a ValueError naming it).
     sampling_defaults: what a request's sampling fields left None become (`pagedjax.config.sampling`; vLLM's
       defaults unless given: `from_pretrained` gives the model folder's generation_config.json).
-    lora_config: multi-LoRA serving's slots and rank (None: no adapters; `LLMEngine(enable_lora=True, ...)`).
+    lora_config: multi-LoRA serving's slots and rank (None: no adapters).
     """
 
     model_config: ModelConfig | None = None
@@ -52,12 +54,23 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig | None = None
     speculative_config: SpeculativeConfig | None = None
-    backend: str = "auto"
-    decode_steps_per_call: int = 1
-    seed: int = 0
-    compile_cache: bool | str = True
-    max_compiled_programs: int = 64
-    compile_in_background: bool = False
+    backend: str = option("auto", "attention backend: auto = Pallas on GPU, XLA elsewhere")
+    decode_steps_per_call: int = option(1, "decode iterations per device call when every sequence is decoding "
+                                           "(fused decode: one host round trip per call; tokens stream in bursts "
+                                           "of up to N)")
+    seed: int = option(0, "engine seed: random weights, and requests without a seed of their own (reproducible "
+                          "per seed and request)")
+    compile_cache: bool | str = option(True, "keep compiled programs in DIR, so that the next run loads them "
+                                             "instead of compiling (a warm start) (default: "
+                                             "$PAGEDJAX_COMPILE_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/pagedjax/jax)")
+    max_compiled_programs: int = option(64, "compiled step programs kept; past N the least recently used is "
+                                            "dropped (and compiled again, or loaded from the compile cache, if "
+                                            "needed again): bounds memory")
+    compile_in_background: bool = option(False, "compile programs that can run every step (pagedjax-generate: "
+                                                 "before the first step; pagedjax-serve: in the background from "
+                                                 "start-up, answering at once): a step whose own program is new "
+                                                 "then runs on one of them while its own compiles in the "
+                                                 "background, instead of waiting for it")
     batch_invariant: bool = False
     structured_limits: StructuredLimits = dataclasses.field(default_factory=StructuredLimits)
     sampling_defaults: SamplingDefaults = dataclasses.field(default_factory=SamplingDefaults)
@@ -94,3 +107,38 @@ class EngineConfig:
     def replace(self, **changes) -> EngineConfig:
         """A copy with `changes` (checked again)."""
         return dataclasses.replace(self, **changes)
+
+
+OPTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def takes_options(*, but: tuple[str, ...] = ()):
+    """A decorator: the function's `**options` shown (by `help()` and `inspect.signature`) as `EngineConfig`'s
+    fields, keyword-only with their defaults, `but` those; what it accepts is unchanged (`engine_config` checks)."""
+
+    def decorate(function):
+        signature = inspect.signature(function)
+        params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+                                     default=f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                   for f in dataclasses.fields(EngineConfig) if f.name not in but]
+        function.__signature__ = signature.replace(parameters=params)
+        return function
+
+    return decorate
+
+
+def engine_config(config: EngineConfig | None, options: dict, owner: str) -> EngineConfig:
+    """`config` (None: `EngineConfig()`) with `options` (its fields by name) over it: what `LLMEngine(config,
+    **options)` and the other entry points are configured by. TypeError for a `config` that is not an
+    EngineConfig (naming the keyword a model's config goes in) or an option that is not one of its fields."""
+    if config is None:
+        config = EngineConfig()
+    elif not isinstance(config, EngineConfig):
+        hint = " (a model's shape goes in model_config=...)" if isinstance(config, ModelConfig) else ""
+        raise TypeError(f"{owner}: config must be an EngineConfig, got {type(config).__name__}{hint}")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"{owner}: unknown option(s) {', '.join(unknown)}; the options are EngineConfig's fields: "
+                        f"{', '.join(OPTIONS)}")
+    return config.replace(**options) if options else config

@@ -78,6 +78,13 @@ def check_choice(owner: str, name: str, value, choices: tuple[str, ...], *, opti
     return value
 
 
+def option(default, help: str):  # noqa: A002 - argparse's word
+    """A config field that is also a command-line flag: its default and its help text, the one definition of both
+    that Python (the field), `pagedjax-generate` and `pagedjax-serve` (`pagedjax.cli.args.add_field_option`) read,
+    so that they cannot drift."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 def from_fields(cls, value, what: str):
     """A dataclass `cls` from `value`, a mapping of its fields (a parsed `to_dict`): TypeError for anything that
     is not a mapping, ValueError naming unknown fields; `what` names the value in both (e.g. "ModelConfig.moe")."""

@@ -1,4 +1,4 @@
-"""`LoRAConfig`: multi-LoRA serving's limits (`LLMEngine(enable_lora=True, max_loras=..., ...)`).
+"""`LoRAConfig`: multi-LoRA serving's limits (`LLMEngine(lora_config=LoRAConfig(max_loras=..., ...))`).
 
 Plain Python, no JAX.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedjax.config.fields import check_int
+from pagedjax.config.fields import check_int, option
 
 
 @dataclass(frozen=True)
@@ -18,9 +18,11 @@ class LoRAConfig:
     past it the least recently used one not in a device slot is dropped and read from its folder again when next
     asked for. Changing which adapters sit in the slots changes array contents only, never a compiled program."""
 
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    max_loras: int = option(4, "device slots for adapters: the most distinct adapters one step runs")
+    max_lora_rank: int = option(16, "every slot's rank: adapters of a higher rank are refused")
+    max_cpu_loras: int | None = option(None, "adapters kept in host memory, at least --max-loras (default: "
+                                             "--max-loras); the least recently used one past it is read from its "
+                                             "folder again when next needed")
 
     def __post_init__(self) -> None:
         check_int("LoRAConfig", "max_loras", self.max_loras, lo=1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedjax.config.fields import check_int
+from pagedjax.config.fields import check_int, option
 
 TP = "tp"  # the mesh axis that weights and the KV cache are sharded over
 
@@ -31,8 +31,10 @@ class ParallelConfig:
     """`tensor_parallel_size` devices hold one model (weights and KV cache sharded over a `tp` mesh axis);
     `data_parallel_size` such groups each run an independent replica (own scheduler and KV pool)."""
 
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
+    tensor_parallel_size: int = option(1, "shard the model and its KV cache over N devices (on CPU: XLA_FLAGS="
+                                          "--xla_force_host_platform_device_count=N); --kv-memory is then per device")
+    data_parallel_size: int = option(1, "N independent replicas (each --tensor-parallel-size devices, its own KV "
+                                        "pool of --num-blocks / --kv-memory); requests go to the least loaded")
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -93,15 +95,3 @@ class ParallelConfig:
     def kv_heads_stored(self, num_kv_heads: int) -> int:
         """KV heads in the cache's global array (see the module-level function)."""
         return kv_heads_stored(num_kv_heads, self.tensor_parallel_size)
-
-
-def parallel_layout(parallel_config: ParallelConfig | None, tensor_parallel_size: int | None,
-                    data_parallel_size: int | None) -> ParallelConfig | None:
-    """`parallel_config`, or one made of the two sizes (None: one device). ValueError when both are given."""
-    if tensor_parallel_size is None and data_parallel_size is None:
-        return parallel_config
-    if parallel_config is not None:
-        raise ValueError("give parallel_config or tensor_parallel_size / data_parallel_size, not both")
-    config = ParallelConfig(tensor_parallel_size=1 if tensor_parallel_size is None else tensor_parallel_size,
-                            data_parallel_size=1 if data_parallel_size is None else data_parallel_size)
-    return None if config.world_size == 1 else config

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagedjax.config.fields import check_int
+from pagedjax.config.fields import check_int, option
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,10 @@ class SchedulerConfig:
     `max_num_batched_tokens` and one image's rows, and twice that, filled in by `resolve_images`.
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
+    max_num_seqs: int = option(64, "sequences per step")
+    max_num_batched_tokens: int = option(512, "tokens per step")
+    max_model_len: int | None = option(None, "longest prompt + completion (default: the model's "
+                                             "max_position_embeddings)")
     enable_chunked_prefill: bool = True
     max_num_encoder_tokens: int | None = None
     encoder_cache_tokens: int | None = None

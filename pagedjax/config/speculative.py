@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from pagedjax.config.fields import check_choice, check_int, describe
+from pagedjax.config.fields import check_choice, check_int, describe, option
 
 SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft")
 
@@ -28,11 +28,14 @@ class SpeculativeConfig:
     target's vocabulary) proposes its greedy tokens (`pagedjax.spec_decode.draft_model`).
     """
 
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    draft_model: object = None  # method "draft" only
+    method: str = option("ngram", "speculative decoding (exact: the same output): 'ngram' proposes what followed "
+                                  "the last tokens' earlier occurrence in the prompt and output, 'draft' a draft "
+                                  "model's greedy tokens (--speculative-draft-model)")
+    num_speculative_tokens: int = option(4, "tokens proposed and verified per request per step")
+    prompt_lookup_min: int = option(2, "ngram: the shortest suffix looked up")
+    prompt_lookup_max: int = option(4, "ngram: the longest suffix looked up, tried first")
+    draft_model: object = option(None, "draft: the draft model's folder (as --model reads it), of the model's "
+                                       "vocabulary")  # method "draft" only
 
     def __post_init__(self) -> None:
         check_choice("SpeculativeConfig", "method", self.method, SPECULATIVE_METHODS, optional=False)

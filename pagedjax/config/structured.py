@@ -4,11 +4,9 @@ JAX). Why each limit and its default: `pagedjax.structured_output.limits`, which
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-def _limit(default: int, help: str):  # noqa: A002 - argparse's word
-    return field(default=default, metadata={"help": help})
+from pagedjax.config.fields import option as _limit
 
 
 @dataclass(frozen=True)

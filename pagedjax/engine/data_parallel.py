@@ -19,7 +19,7 @@ from contextlib import ExitStack, contextmanager
 
 import jax
 
-from pagedjax.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedjax.config.engine import EngineConfig, engine_config, takes_options
 from pagedjax.config.parallel import ParallelConfig
 from pagedjax.core.request import Request, RequestIds
 from pagedjax.engine.generate import generate_batch
@@ -29,8 +29,7 @@ from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
 from pagedjax.errors import InvalidRequest
-from pagedjax.model.loading.generation_config import folder_sampling_defaults
-from pagedjax.model.loading.loader import folder_image_processor, load_engine_model
+from pagedjax.model.loading.loader import load_engine_inputs
 from pagedjax.outputs import RequestOutput
 from pagedjax.parallel.mesh import replica_meshes
 from pagedjax.runner.programs import CompileEvent, all_done
@@ -89,42 +88,42 @@ def _summed(stats):
 class DataParallelEngine:
     """`data_parallel_size` `LLMEngine` replicas of `tensor_parallel_size` devices each, with `LLMEngine`'s
     methods (`pagedjax.make_engine` / `load_engine` build one from a `ParallelConfig` with
-    `data_parallel_size` > 1). Arguments are `LLMEngine`'s; `params` (an `nnx.State`, e.g. loaded sharded onto
+    `data_parallel_size` > 1). Arguments are `LLMEngine`'s (the options' `parallel_config` is the whole
+    layout; each replica gets its `tensor_parallel_size`); `params` (an `nnx.State`, e.g. loaded sharded onto
     the first replica's mesh) is copied device to device onto each replica's mesh. `close()` ends its threads."""
 
     @classmethod
-    def from_pretrained(cls, path=None, *, dtype: str | None = None, cache_config: CacheConfig | None = None,
-                        scheduler_config: SchedulerConfig | None = None, parallel_config: ParallelConfig,
-                        devices=None, quantization=None, **kwargs) -> DataParallelEngine:
+    @takes_options(but=("model_config",))
+    def from_pretrained(cls, path=None, *, dtype: str | None = None, quantization=None, tokenizer=None, devices=None,
+                        **options) -> DataParallelEngine:
         """As `LLMEngine.from_pretrained`: the weights read into the first replica's shards (and quantized, with
         a `quantization`), then copied."""
-        weights, tokenizer = load_engine_model(path, dtype, parallel_config, devices, quantization)
-        kwargs.setdefault("tokenizer", tokenizer)
-        kwargs.setdefault("image_processor", folder_image_processor(path, weights))
-        if kwargs.get("sampling_defaults") is None:
-            kwargs["sampling_defaults"] = folder_sampling_defaults(path)
-        return cls(cache_config=cache_config, scheduler_config=scheduler_config, **weights,
-                   parallel_config=parallel_config, devices=devices, **kwargs)
+        config, objects = load_engine_inputs(path, dtype, quantization, tokenizer, devices, options,
+                                             "DataParallelEngine.from_pretrained")
+        return cls(config, **objects)
 
-    def __init__(self, model_config: ModelConfig | None = None, cache_config: CacheConfig | None = None,
-                 scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,
-                 parallel_config: ParallelConfig, devices=None, **engine_kwargs):
+    @takes_options()
+    def __init__(self, config: EngineConfig | None = None, *, model=None, params=None, tokenizer=None,
+                 image_processor=None, devices=None, **options):
+        config = engine_config(config, options, "DataParallelEngine")
+        parallel_config = config.parallel_config
         if not isinstance(parallel_config, ParallelConfig):
-            raise TypeError(f"parallel_config must be a ParallelConfig, got {type(parallel_config).__name__}")
-        model = engine_kwargs.get("model")
-        spec = model_config if model is None or model_config is not None else getattr(model, "spec", None)
+            raise TypeError(f"DataParallelEngine: parallel_config must be a ParallelConfig, got "
+                            f"{type(parallel_config).__name__}")
+        spec = config.model_config if model is None or config.model_config is not None else getattr(model, "spec",
+                                                                                                      None)
         if spec is not None:  # else LLMEngine says what is missing
             parallel_config.check_model(spec)
         # Each replica's adapter slots would need one registry over them all.
-        if engine_kwargs.get("enable_lora") or getattr(engine_kwargs.get("config"), "lora_config", None) is not None:
-            raise ValueError("enable_lora=True: LoRA with data_parallel_size > 1 is not supported")
+        if config.lora_config is not None:
+            raise ValueError("lora_config: LoRA with data_parallel_size > 1 is not supported")
         self.parallel_config = parallel_config
         per_replica = ParallelConfig(tensor_parallel_size=parallel_config.tensor_parallel_size)
         self.replicas: list[LLMEngine] = []
         for mesh in replica_meshes(parallel_config, devices):
-            self.replicas.append(LLMEngine(model_config, cache_config, scheduler_config, params=params, seed=seed,
-                                           parallel_config=per_replica, devices=list(mesh.devices.flat),
-                                           **engine_kwargs))
+            self.replicas.append(LLMEngine(config.replace(parallel_config=per_replica), model=model,
+                                           params=params, devices=list(mesh.devices.flat), tokenizer=tokenizer,
+                                           image_processor=image_processor))
         first = self.replicas[0]
         self.model_config, self.model_spec = first.model_config, first.model_spec
         self.tokenizer, self.image_processor = first.tokenizer, first.image_processor

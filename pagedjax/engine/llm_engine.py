@@ -16,25 +16,19 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 
 from pagedjax.compile_cache import cache_note, enable_compile_cache
 from pagedjax.config import (
-    CacheConfig,
     EngineConfig,
     ModelConfig,
     QuantConfig,
-    SchedulerConfig,
     SpeculativeConfig,
-    StructuredLimits,
 )
+from pagedjax.config.engine import engine_config, takes_options
 from pagedjax.config.fields import is_int
-from pagedjax.config.lora import LoRAConfig
-from pagedjax.config.parallel import ParallelConfig, parallel_layout
-from pagedjax.config.sampling import SamplingDefaults
 from pagedjax.core.request import Request, RequestIds
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import StepPlan
@@ -48,8 +42,7 @@ from pagedjax.errors import ContextLengthExceeded, InvalidRequest, InvalidType, 
 from pagedjax.lora.manager import LoRAManager
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama
-from pagedjax.model.loading.generation_config import folder_sampling_defaults
-from pagedjax.model.loading.loader import engine_model, folder_image_processor, load_engine_model
+from pagedjax.model.loading.loader import engine_model, load_engine_inputs
 from pagedjax.outputs import RequestOutput
 from pagedjax.runner import weights
 from pagedjax.runner.inputs import StepInputs, step_inputs
@@ -69,90 +62,50 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """Continuous-batching generation over a paged KV cache.
 
-    model_config: a built-in model's shape (`pagedjax.model.llama`); params: an `nnx.State` of `Llama` (e.g.
-    from a checkpoint) or a `Llama` module; None initialises random weights from `seed` (an int in
-    [0, 2**32), which also seeds requests without a seed of their own). model: instead of those two, any model
-    of the public contract (`pagedjax.model.api`: an `nnx.Module` with a `ModelSpec`, its weights in it),
-    checked on construction (`check_model`: a model breaking the contract is refused here, named).
-    backend: "auto" | "pallas" | "xla". decode_steps_per_call: decode iterations per device call when the batch
-    is decode-only (`num_steps` is its deprecated name).
-    compile_cache: True (JAX's persistent compilation cache in the default folder, see
-    `pagedjax.compile_cache`), a folder, or False. parallel_config: a `pagedjax.parallel.ParallelConfig`
-    (None: one device, the plain single-device program); with `tensor_parallel_size` > 1 the weights and the
-    KV cache are sharded over that many of `devices` (default `jax.devices()`) and the KV pool is sized per
-    device. `tensor_parallel_size=N` is short for `parallel_config=ParallelConfig(tensor_parallel_size=N)`.
-    One `LLMEngine` is one replica: several (`data_parallel_size` > 1) are a `DataParallelEngine`, which
-    `pagedjax.make_engine` / `pagedjax.load_engine` build from a `ParallelConfig` (the same methods).
-    max_compiled_programs: the compiled step programs kept (each holds its machine code: about 12 MiB for the
-    bundled model); past it the least recently used is dropped, and compiled again (or loaded from the
+    Configured by one `EngineConfig` (`config`, None: its defaults) with `options` (its fields by name: `seed=3`,
+    `cache_config=CacheConfig(...)`, ...) over it; the engine keeps the result as `engine.config`. The keywords
+    besides are the objects an engine serves, not options:
+
+    model: any model of the public contract (`pagedjax.model.api`: an `nnx.Module` with a `ModelSpec`, its weights
+    in it), checked on construction (`check_model`: a model breaking the contract is refused here, named); or,
+    for a built-in model (`pagedjax.model.llama`) of the option `model_config`, params: an `nnx.State` of `Llama`
+    (e.g. from a checkpoint) or a `Llama` module; None initialises random weights from the option `seed` (which
+    also seeds requests without a seed of their own). tokenizer / image_processor: a text model's tokenizer and a
+    vision-language model's image processor (`from_pretrained` reads both from the model folder). devices: what a
+    `parallel_config` shards over (default `jax.devices()`).
+
+    The options (`EngineConfig` documents each): a `parallel_config` (None: one device, the plain single-device
+    program) with `tensor_parallel_size` > 1 shards the weights and the KV cache over that many of `devices` and
+    sizes the KV pool per device. One `LLMEngine` is one replica: several (`data_parallel_size` > 1) are a
+    `DataParallelEngine`, which `pagedjax.make_engine` / `pagedjax.load_engine` build (the same methods).
+    `max_compiled_programs` bounds the compiled step programs kept (each holds its machine code: about 12 MiB for
+    the bundled model): past it the least recently used is dropped, and compiled again (or loaded from the
     persistent compilation cache) if it is needed again, so that requests of ever new shapes cannot grow the
-    process's memory without bound. compile_in_background=True (the server's choice, with `warmup()`): a step
+    process's memory without bound. `compile_in_background=True` (the server's choice, with `warmup()`): a step
     whose program is not compiled yet runs on a bigger one already compiled, if there is one, while its own
     compiles in a background thread (`pagedjax.runner.programs`); `warmup()` compiles programs that can stand in
     for every step, so that no step waits for a compile, and `close()` cancels the background compiles still
     waiting. By default (False) every step waits for its own program, so that results never depend on compile
     timing: a stand-in computes the same tokens up to the last-bit rounding a change of shape may bring
-    (`pagedjax.runner.shapes`), which could tip a near tie.
+    (`pagedjax.runner.shapes`), which could tip a near tie. `batch_invariant=True`: every step runs on one program
+    of the engine's largest shape, so a request's tokens and log-probabilities are bitwise the same whatever
+    shares its steps (`pagedjax.runner.invariant`). A `speculative_config` turns on speculative decoding
+    (`pagedjax.spec_decode`): the output is the non-speculative one, token for token. `sampling_defaults`: what
+    each request's sampling fields left None become, when the request is added (vLLM's unless given;
+    `from_pretrained` reads the model folder's generation_config.json). A `lora_config` serves LoRA adapters
+    (`pagedjax.lora`), a request's own by its `lora_request`: a built-in dense model, on one device or
+    tensor-parallel, with n-gram speculation or none.
 
-    batch_invariant=True: every step runs on one program of the engine's largest shape, so a request's tokens and
-    log-probabilities are bitwise the same whatever shares its steps (`pagedjax.runner.invariant`; needs
-    `decode_steps_per_call` 1).
-
-    A step whose device call raises never wedges the engine: see `step`.
-
-    speculative_config: a `SpeculativeConfig` turns on speculative decoding (`pagedjax.spec_decode`): decoding
-    requests verify proposed tokens, several per step; the output is the non-speculative one, token for token.
-
-    structured_limits: a `StructuredLimits`: what a request's output constraint may ask of the grammar compiler,
-    checked before anything native compiles it (a request past a limit is refused with a ValueError naming it).
-
-    sampling_defaults: a `SamplingDefaults` (`pagedjax.config.sampling`): what each request's sampling fields
-    left None (`SamplingParams`' defaults: the model's) become, when the request is added. None: vLLM's defaults
-    (temperature 1.0, no filter, no penalty); `from_pretrained` reads the model folder's generation_config.json.
     A request's prompt and `max_tokens` must fit the context (`max_model_len`): more is a ValueError naming
     max_tokens and the limit, never a silent cut (and a request the KV pool cannot hold is refused too). A
     request that leaves `max_tokens` None (the default) generates until it stops or the context is full.
-
-    enable_lora=True: serve LoRA adapters (`pagedjax.lora`), a request's own by its `lora_request`, up to
-    `max_loras` distinct ones per step (device slots; requests of more wait), each of rank <= `max_lora_rank`,
-    `max_cpu_loras` kept in host memory (`LoRAConfig`); a built-in dense model, on one device or tensor-parallel,
-    with n-gram speculation or none.
-
-    config: an `EngineConfig` holding every option above at once (instead of the keywords, not beside them); the
-    engine keeps its whole configuration as `engine.config` either way.
+    A step whose device call raises never wedges the engine: see `step`.
     """
 
-    def __init__(self, model_config: ModelConfig | None = None, cache_config: CacheConfig | None = None,
-                 scheduler_config: SchedulerConfig | None = None, params=None, seed: int = 0, *,
-                 model=None, backend: str = "auto", decode_steps_per_call: int = 1, num_steps: int | None = None,
-                 tokenizer=None, image_processor=None, compile_cache: bool | str = True,
-                 parallel_config: ParallelConfig | None = None,
-                 tensor_parallel_size: int | None = None, devices=None, max_compiled_programs: int = 64,
-                 compile_in_background: bool = False, batch_invariant: bool = False,
-                 speculative_config: SpeculativeConfig | None = None,
-                 structured_limits: StructuredLimits | None = None, sampling_defaults: SamplingDefaults | None = None,
-                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None, config: EngineConfig | None = None):
-        if num_steps is not None:
-            warnings.warn("LLMEngine(num_steps=...) is deprecated; use decode_steps_per_call=...",
-                          DeprecationWarning, stacklevel=2)
-            decode_steps_per_call = num_steps
-        if config is None:
-            config = EngineConfig(
-                model_config=model_config, cache_config=cache_config or CacheConfig(),
-                scheduler_config=scheduler_config or SchedulerConfig(),
-                parallel_config=parallel_layout(parallel_config, tensor_parallel_size, None),
-                speculative_config=speculative_config, backend=backend, decode_steps_per_call=decode_steps_per_call,
-                seed=seed, compile_cache=compile_cache, max_compiled_programs=max_compiled_programs,
-                compile_in_background=compile_in_background, batch_invariant=batch_invariant,
-                structured_limits=structured_limits or StructuredLimits(),
-                sampling_defaults=sampling_defaults or SamplingDefaults(),
-                lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None)
-        elif not isinstance(config, EngineConfig):
-            raise TypeError(f"LLMEngine: config must be an EngineConfig, got {type(config).__name__}")
-        elif (model_config, cache_config, scheduler_config, parallel_config, speculative_config,
-              tensor_parallel_size, structured_limits, sampling_defaults) != (None,) * 8 or enable_lora:
-            raise ValueError("LLMEngine: give config=EngineConfig(...) or the configs as keywords, not both")
+    @takes_options()
+    def __init__(self, config: EngineConfig | None = None, *, model=None, params=None, tokenizer=None,
+                 image_processor=None, devices=None, **options):
+        config = engine_config(config, options, "LLMEngine")
         self.config = config
         enable_compile_cache(config.compile_cache if isinstance(config.compile_cache, str) else None,
                              enabled=bool(config.compile_cache))
@@ -247,53 +200,29 @@ class LLMEngine:
         mixture-of-experts one, or a draft model proposing (it would propose without the requests' adapters).
         Tensor parallelism serves them (the stacks split as their linears: `pagedjax.parallel.sharding`)."""
         if self.model_config is None:
-            raise ValueError("enable_lora=True needs a built-in model (ModelConfig / from_pretrained), not model=")
+            raise ValueError("lora_config needs a built-in model (ModelConfig / from_pretrained), not model=")
         if self.model_config.moe is not None:
-            raise ValueError("enable_lora=True: LoRA on mixture-of-experts models (ModelConfig.moe) is not supported")
+            raise ValueError("lora_config: LoRA on mixture-of-experts models (ModelConfig.moe) is not supported")
         if speculative_config is not None and speculative_config.method == "draft":
-            raise ValueError("enable_lora=True: SpeculativeConfig(method='draft') is not supported with LoRA (the "
+            raise ValueError("lora_config: SpeculativeConfig(method='draft') is not supported with LoRA (the "
                              "draft model would propose without the requests' adapters); use method='ngram'")
 
     @classmethod
+    @takes_options(but=("model_config",))
     def from_pretrained(cls, path=None, *, dtype: str | None = None, quantization: str | QuantConfig | None = None,
-                        cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
-                        parallel_config: ParallelConfig | None = None, tensor_parallel_size: int | None = None,
-                        devices=None, tokenizer=None, seed: int = 0, backend: str = "auto",
-                        decode_steps_per_call: int = 1, compile_cache: bool | str = True,
-                        max_compiled_programs: int = 64, compile_in_background: bool = False,
-                        batch_invariant: bool = False, speculative_config: SpeculativeConfig | None = None,
-                        structured_limits: StructuredLimits | None = None,
-                        sampling_defaults: SamplingDefaults | None = None, enable_lora: bool = False,
-                        max_loras: int = 4, max_lora_rank: int = 16, max_cpu_loras: int | None = None) -> LLMEngine:
+                        tokenizer=None, devices=None, **options) -> LLMEngine:
         """An engine over a saved model: a pagedjax orbax checkpoint folder, a local Hugging Face folder
-        (config.json + *.safetensors [+ tokenizer.json]), or None for the bundled model. With a
+        (config.json + *.safetensors [+ tokenizer.json]), or None for the bundled model. `options`: `EngineConfig`'s
+        fields, as for `LLMEngine(...)` (the model's shape, `model_config`, is the folder's). With a
         `parallel_config`, weights are read straight into their shards on the (first replica's) mesh.
         `quantization` ("int8" | "int4" | "int4:32" | "fp8" or a `QuantConfig`): weight-only quantized linear
         layers and MoE experts, quantized at load (`pagedjax.model.layers.quant`, `pagedjax.model.layers.
-        moe_quant`). `tokenizer`: instead of the folder's. The other keywords are `LLMEngine`'s. A Hugging Face
-        folder of a `model_type` registered in `pagedjax.ModelRegistry` is built by its factory. `sampling_defaults`:
-        instead of the folder's (its generation_config.json over vLLM's defaults: `folder_sampling_defaults`)."""
-        parallel_config = parallel_layout(parallel_config, tensor_parallel_size, None)
-        if sampling_defaults is None:
-            sampling_defaults = folder_sampling_defaults(path)
-        weights, folder_tokenizer = load_engine_model(path, dtype, parallel_config, devices, quantization)
-        image_processor = folder_image_processor(path, weights)
-        return cls(cache_config=cache_config, scheduler_config=scheduler_config, **weights, seed=seed,
-                   backend=backend, decode_steps_per_call=decode_steps_per_call,
-                   tokenizer=folder_tokenizer if tokenizer is None else tokenizer, image_processor=image_processor,
-                   compile_cache=compile_cache,
-                   parallel_config=parallel_config, devices=devices, max_compiled_programs=max_compiled_programs,
-                   compile_in_background=compile_in_background, batch_invariant=batch_invariant,
-                   speculative_config=speculative_config, structured_limits=structured_limits,
-                   sampling_defaults=sampling_defaults, enable_lora=enable_lora, max_loras=max_loras,
-                   max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
-
-    @property
-    def num_steps(self) -> int:
-        """Deprecated name of `decode_steps_per_call`."""
-        warnings.warn("LLMEngine.num_steps is deprecated; use decode_steps_per_call", DeprecationWarning,
-                      stacklevel=2)
-        return self.decode_steps_per_call
+        moe_quant`). `tokenizer`: instead of the folder's. A Hugging Face folder of a `model_type` registered in
+        `pagedjax.ModelRegistry` is built by its factory. `sampling_defaults`: instead of the folder's (its
+        generation_config.json over vLLM's defaults: `folder_sampling_defaults`)."""
+        config, objects = load_engine_inputs(path, dtype, quantization, tokenizer, devices, options,
+                                             "LLMEngine.from_pretrained")
+        return cls(config, **objects)
 
     @property
     def backend(self) -> str:
@@ -394,7 +323,7 @@ class LLMEngine:
         `InvalidRequest` (a ValueError) for ids outside the vocabulary, an empty prompt, a duplicate id or an
         adapter it cannot read; `ContextLengthExceeded` for a prompt too long or a request that could never fit in
         the context or the KV pool; `UnsupportedFeature` for what this engine does not do (images to a text model,
-        stop strings without a tokenizer, an adapter without enable_lora); `InvalidConstraint` for an output
+        stop strings without a tokenizer, an adapter without a lora_config); `InvalidConstraint` for an output
         constraint the grammar library refuses. Each names the request field (`param`: `pagedjax.errors`).
         Nothing is queued then."""
         self.add_prepared_request(self.make_request(request_id, token_list(request_id, prompt_token_ids),
@@ -443,8 +372,9 @@ class LLMEngine:
         adapter_id = None
         if lora_request is not None:
             if self.lora is None:
-                raise UnsupportedFeature(f"request {request_id!r}: lora_request needs an engine with "
-                                         "enable_lora=True", param="lora_request", code="lora_not_enabled")
+                raise UnsupportedFeature(f"request {request_id!r}: lora_request needs an engine that serves "
+                                         "LoRA adapters (lora_config)", param="lora_request",
+                                         code="lora_not_enabled")
             try:
                 adapter_id = self.lora.register(lora_request)
             except TypeError as e:
@@ -524,7 +454,7 @@ class LLMEngine:
 
     def _lora_manager(self) -> LoRAManager:
         if self.lora is None:
-            raise ValueError("this engine serves no LoRA adapters (LLMEngine(enable_lora=True))")
+            raise ValueError("this engine serves no LoRA adapters (LLMEngine(lora_config=LoRAConfig(...)))")
         return self.lora
 
     def has_unfinished_requests(self) -> bool:

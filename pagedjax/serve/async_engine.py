@@ -22,7 +22,7 @@ Failures: a request the engine finished with finish_reason "error" comes out lik
 (`RequestOutput.error` says why). If `step()` itself raises, every request in flight is aborted and its stream
 raises `EngineStepError`; the engine keeps serving new requests.
 
-LoRA adapters (an engine with `enable_lora=True`): `add_request(..., lora_request=...)` runs a request under an
+LoRA adapters (an engine with a `lora_config`): `add_request(..., lora_request=...)` runs a request under an
 adapter; `add_lora` registers one and `remove_lora` forgets one, both on the engine thread. An adapter that
 unfinished requests still use is never removed under them: `remove_lora` then retires it, and the engine thread
 removes it after the step in which the last of them finished (the caller stops sending new requests for it
@@ -242,7 +242,7 @@ class AsyncLLMEngine:
 
     @property
     def lora_config(self):
-        """The engine's `LoRAConfig` (None without `enable_lora`)."""
+        """The engine's `LoRAConfig` (None: it serves no adapters)."""
         lora = getattr(self.engine, "lora", None)
         return None if lora is None else lora.config
 

@@ -111,8 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait beyond --max-num-seqs; more get 503 (queue_full)")
     g.add_argument("--shutdown-timeout", type=_non_negative_float, default=10.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, how long requests in flight may finish before they are aborted")
-    g.add_argument("--seed", type=generate_args.int_at_least(0), default=0,
-                   help="engine seed: requests without a seed of their own are reproducible per seed and id")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                    help="the server's own log lines (pagedjax's loggers) and uvicorn's shown from this level on")
     g.add_argument("--max-chat-messages", type=generate_args.int_at_least(1), default=DEFAULT_MAX_CHAT_MESSAGES,
@@ -130,10 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_image_options(p)
     _add_lora_options(p)
     # A server admits new requests between device calls: a fused decode of N steps would hold a new request's
-    # prefill (its first token) back by up to N decode steps, so here one step per call is the default.
+    # prefill (its first token) back by up to N decode steps, so here one step per call (Python's default) stays.
     # Warm-up: a request's new parameters (log-probabilities, penalties, a batch size not seen yet) never stall
     # the running streams for a compile.
-    generate_args.add_engine_options(p, decode_steps_per_call=1, warmup=True)
+    generate_args.add_engine_options(p, compile_in_background=True)
     return p
 
 

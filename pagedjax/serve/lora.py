@@ -151,7 +151,7 @@ class ServedAdapters:
         self.max_registered = max_registered
         self.lora_config = engine.lora_config
         if self.lora_config is None and (modules or runtime is not None):
-            raise ValueError("LoRA adapters need an engine with enable_lora=True (--enable-lora)")
+            raise ValueError("LoRA adapters need an engine with a lora_config (--enable-lora)")
         if modules and engine.is_running:
             raise ValueError("LoRA modules are registered before the engine thread starts")
         self._ids = itertools.count(1)

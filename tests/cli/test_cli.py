@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from pagedjax import cli
-from pagedjax.cli.args import DEFAULT_NUM_BLOCKS, build_parser
+from pagedjax.cli.args import build_parser
 from pagedjax.cli.engine_setup import memory_available
 from pagedjax.cli.prompts import BUILT_IN_MAX_TOKENS, DEMO_PREFIX, DEMO_SUFFIXES, collect_prompts, read_prompts_file
 from pagedjax.cli.sizes import parse_size
 from pagedjax.cli.warm_start import CompileCache
+from pagedjax.config.cache import DEFAULT_NUM_BLOCKS
 from pagedjax.model.hf_tokenizer import HFTokenizer
 from pagedjax.model.loading.checkpoint import bundled_model_path
 

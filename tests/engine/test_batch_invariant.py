@@ -26,9 +26,9 @@ SAMPLED = SamplingParams(max_tokens=8, temperature=1.0, seed=5, logprobs=0)
 
 def make_engine(**kw) -> LLMEngine:
     # 24 blocks of 8 hold 2 requests of 96 tokens: a busy mix preempts.
-    return LLMEngine(CFG, CacheConfig(block_size=8, num_blocks=24),
-                     SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96), seed=1,
-                     batch_invariant=True, **kw)
+    return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=8, num_blocks=24),
+                     scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96),
+                     seed=1, batch_invariant=True, **kw)
 
 
 def result(out, index: int = 0) -> tuple[list[int], list[float]]:
@@ -87,7 +87,7 @@ def test_batch_invariant_refuses_fused_decode_and_a_step_asking_for_logits():
     with pytest.raises(ValueError, match="batch_invariant=True cannot be combined with speculative_config"):
         make_engine(speculative_config=SpeculativeConfig(method="ngram"))
     with pytest.raises(TypeError, match="batch_invariant must be true or false"):
-        LLMEngine(CFG, batch_invariant=1)
+        LLMEngine(model_config=CFG, batch_invariant=1)
     engine, _ = engine_and_alone()
     with pytest.raises(ValueError, match="runs every step on one program, .* which cannot run this step"):
         engine.runner.execute(padding_step(engine.runner.fixed_shape, CFG.vocab_size), return_logits=True)

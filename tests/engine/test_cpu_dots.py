@@ -22,9 +22,9 @@ def test_the_rule():
 
 
 def test_steps_compile_with_their_dot_library_and_match_the_dense_model():
-    engine = LLMEngine(BIG, CacheConfig(block_size=16, num_blocks=32),
-                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), seed=1,
-                       decode_steps_per_call=4)
+    engine = LLMEngine(model_config=BIG, cache_config=CacheConfig(block_size=16, num_blocks=32),
+                       scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+                       seed=1, decode_steps_per_call=4)
     prompts = [[5, 9, 2, 7, 1], [3] * 40]  # a 45-token prefill step (YNNPACK), then decodes of 2 rows (Eigen)
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     texts = {key: exe.as_text() for key, exe in engine.runner.programs.executables.items()}

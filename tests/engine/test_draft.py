@@ -126,12 +126,13 @@ def test_draft_speculation_matches_dense_on_random_workloads(w, k, same):
         return
     longest = max(map(len, w["prompts"])) + w["max_tokens"]
     config = same_draft(k) if same else SpeculativeConfig(method="draft", draft_model=SMALL, num_speculative_tokens=k)
-    engine = LLMEngine(CFG, CacheConfig(block_size=w["block_size"], num_blocks=max(w["num_blocks"],
-                                                                                   -(-longest // w["block_size"])),
-                                        enable_prefix_caching=w["prefix"]),
-                       SchedulerConfig(max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
-                                       max_model_len=MAX_LEN), seed=SEED, decode_steps_per_call=w["num_steps"],
-                       speculative_config=config)
+    engine = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=w["block_size"],
+                                                                  num_blocks=max(w["num_blocks"],
+                                                                                 -(-longest // w["block_size"])),
+                                                                  enable_prefix_caching=w["prefix"]),
+                       scheduler_config=SchedulerConfig(max_num_seqs=w["max_num_seqs"],
+                                                        max_num_batched_tokens=w["budget"], max_model_len=MAX_LEN),
+                       seed=SEED, decode_steps_per_call=w["num_steps"], speculative_config=config)
     outs = engine.generate(w["prompts"], SamplingParams(temperature=0.0, max_tokens=w["max_tokens"]), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     s = engine.stats()
@@ -173,13 +174,15 @@ def test_a_draft_read_from_a_folder_the_bundled_model_as_its_own_draft():
 
 def test_kv_memory_holds_the_draft_models_blocks_too():
     cache = CacheConfig(block_size=8, kv_memory_bytes=10 * CacheConfig(block_size=8).block_bytes(CFG))
-    plain = LLMEngine(CFG, cache, SchedulerConfig(max_model_len=MAX_LEN), seed=SEED)
+    plain = LLMEngine(model_config=CFG, cache_config=cache, scheduler_config=SchedulerConfig(max_model_len=MAX_LEN),
+                      seed=SEED)
     config = SpeculativeConfig(method="draft", draft_model=CFG, num_speculative_tokens=2)  # as big as the target
-    assert LLMEngine(CFG, cache, SchedulerConfig(max_model_len=MAX_LEN), seed=SEED,
-                     speculative_config=config).num_blocks == plain.num_blocks // 2 == 5
+    assert LLMEngine(model_config=CFG, cache_config=cache, scheduler_config=SchedulerConfig(max_model_len=MAX_LEN),
+                     seed=SEED, speculative_config=config).num_blocks == plain.num_blocks // 2 == 5
     one_block = CacheConfig(block_size=8, kv_memory_bytes=cache.block_bytes(CFG))
     with pytest.raises(ValueError, match=r"holds no block of \d+ bytes \(the draft model's \d+ included\)"):
-        LLMEngine(CFG, one_block, SchedulerConfig(max_model_len=MAX_LEN), seed=SEED, speculative_config=config)
+        LLMEngine(model_config=CFG, cache_config=one_block, scheduler_config=SchedulerConfig(max_model_len=MAX_LEN),
+                  seed=SEED, speculative_config=config)
 
 
 @pytest.mark.parametrize("model, kwargs, error, match", [
@@ -192,13 +195,15 @@ def test_kv_memory_holds_the_draft_models_blocks_too():
 ])
 def test_bad_draft_models_are_refused_at_construction(model, kwargs, error, match):
     with pytest.raises(error, match=match):
-        LLMEngine(model, CacheConfig(block_size=8, num_blocks=16), SchedulerConfig(max_model_len=MAX_LEN), seed=SEED,
+        LLMEngine(model_config=model, cache_config=CacheConfig(block_size=8, num_blocks=16),
+                  scheduler_config=SchedulerConfig(max_model_len=MAX_LEN), seed=SEED,
                   speculative_config=SpeculativeConfig(method="draft", **kwargs))
 
 
 def test_a_draft_under_tensor_parallelism_is_refused():
     with pytest.raises(ValueError, match="does not run under a parallel_config yet"):
-        LLMEngine(CFG, CacheConfig(block_size=8, num_blocks=16), SchedulerConfig(max_model_len=MAX_LEN), seed=SEED,
+        LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=8, num_blocks=16),
+                  scheduler_config=SchedulerConfig(max_model_len=MAX_LEN), seed=SEED,
                   parallel_config=ParallelConfig(tensor_parallel_size=1),
                   speculative_config=SpeculativeConfig(method="draft", draft_model=SMALL))
 

@@ -48,9 +48,10 @@ def reference():
 
 
 def make_engine(block_size=16, num_blocks=64, prefix=True, max_num_seqs=8, max_batched=64, **kw):
-    return LLMEngine(CFG, CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix),
-                     SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
-                                     max_model_len=MAX_LEN), seed=SEED, **kw)
+    return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                                                enable_prefix_caching=prefix),
+                     scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
+                                                      max_model_len=MAX_LEN), seed=SEED, **kw)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -106,9 +107,10 @@ def test_greedy_is_invariant(variant):
 def test_logits_match_dense(dtype):
     """One mixed step straight from the scheduler (no prefix cache: the two prompts sharing a prefix would
     otherwise run a step apart): each sequence's logits equal the dense model's."""
-    engine = LLMEngine(CFG.replace(dtype=dtype), CacheConfig(block_size=8, num_blocks=64, enable_prefix_caching=False),
-                       SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=MAX_LEN),
-                       seed=SEED)
+    engine = LLMEngine(model_config=CFG.replace(dtype=dtype), cache_config=CacheConfig(block_size=8, num_blocks=64,
+                                                                                       enable_prefix_caching=False),
+                       scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                                        max_model_len=MAX_LEN), seed=SEED)
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, GREEDY)
     plan = engine.scheduler.schedule()

@@ -71,10 +71,10 @@ def _contains(tokens: list[int], run: tuple[int, ...]) -> bool:
 
 def make_engine(*, block_size=8, num_blocks=64, budget=64, max_num_seqs=8, steps=1, prefix=True, cfg=CFG,
                 kv_dtype="auto"):
-    return LLMEngine(cfg, CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix,
-                                      kv_dtype=kv_dtype),
-                     SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                     max_model_len=MAX_LEN), seed=SEED, decode_steps_per_call=steps)
+    return LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                                                enable_prefix_caching=prefix, kv_dtype=kv_dtype),
+                     scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                                      max_model_len=MAX_LEN), seed=SEED, decode_steps_per_call=steps)
 
 
 # (CI time) Engines of a configuration are shared by the module's tests (tests/pool.py: each left idle, its prefix

@@ -52,10 +52,12 @@ def test_engine_matches_dense_on_random_workloads(w):
     expected, margin = dense_greedy(w["prompts"], w["max_tokens"])
     if margin < 1e-3:  # a near tie: the "right" token depends on rounding, so nothing to check
         return
-    engine = LLMEngine(CFG, CacheConfig(block_size=w["block_size"], num_blocks=w["num_blocks"],
-                                        enable_prefix_caching=w["prefix"]),
-                       SchedulerConfig(max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
-                                       max_model_len=MAX_LEN), seed=SEED, decode_steps_per_call=w["num_steps"])
+    engine = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=w["block_size"],
+                                                                  num_blocks=w["num_blocks"],
+                                                                  enable_prefix_caching=w["prefix"]),
+                       scheduler_config=SchedulerConfig(max_num_seqs=w["max_num_seqs"],
+                                                        max_num_batched_tokens=w["budget"], max_model_len=MAX_LEN),
+                       seed=SEED, decode_steps_per_call=w["num_steps"])
     outs = engine.generate(w["prompts"], SamplingParams(temperature=0.0, max_tokens=w["max_tokens"]), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected
     st_ = engine.stats()

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
+from pagedjax import CacheConfig, EngineConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from pagedjax.model.tokenizer import ByteTokenizer
 from tests.dense import dense_forward
 from tests.engine.test_engine import CFG, MAX_LEN, PROMPTS, SEED, _pad, make_engine
@@ -22,7 +22,7 @@ from tests.engine.test_engine import CFG, MAX_LEN, PROMPTS, SEED, _pad, make_eng
 def test_engine_seed_outside_32_bits_is_refused(seed, error):
     """Seeds of 2**32 or -1 used to pass and then overflow on the first step."""
     with pytest.raises(error, match="LLMEngine.seed"):
-        LLMEngine(CFG, CacheConfig(num_blocks=16), seed=seed)
+        LLMEngine(model_config=CFG, cache_config=CacheConfig(num_blocks=16), seed=seed)
 
 
 @pytest.mark.parametrize("kwargs,error,field", [
@@ -123,28 +123,40 @@ def test_scheduler_config_defaults_to_the_models_length():
     """SchedulerConfig() used to default max_model_len to 2048, refused for a 512-position model."""
     cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
                       intermediate_size=32, max_position_embeddings=512)
-    engine = LLMEngine(cfg, CacheConfig(num_blocks=64), SchedulerConfig(max_num_seqs=16))
+    engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(num_blocks=64),
+                       scheduler_config=SchedulerConfig(max_num_seqs=16))
     assert engine.scheduler_config.max_model_len == 512
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        LLMEngine(cfg, CacheConfig(num_blocks=64), SchedulerConfig(max_model_len=1024))
+        LLMEngine(model_config=cfg, cache_config=CacheConfig(num_blocks=64),
+                  scheduler_config=SchedulerConfig(max_model_len=1024))
     with pytest.raises(TypeError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=2.0)
 
 
-def test_num_steps_is_a_deprecated_alias():
-    with pytest.warns(DeprecationWarning, match="decode_steps_per_call"):
-        engine = make_engine(num_steps=3)
-    assert engine.decode_steps_per_call == 3
+def test_an_unknown_option_is_refused_naming_the_options():
+    """One configuration: an option is an `EngineConfig` field (the deprecated `num_steps` alias is gone), and a
+    model's config is not an engine's config."""
+    with pytest.raises(TypeError, match="unknown option.*num_steps.*decode_steps_per_call"):
+        make_engine(num_steps=3)
+    with pytest.raises(TypeError, match="config must be an EngineConfig, got ModelConfig.*model_config="):
+        LLMEngine(CFG)
 
 
 def test_engine_signature_shows_every_argument():
-    """`help(LLMEngine)` and IDEs see the real arguments (a `__new__(*args, **kwargs)` used to hide them)."""
+    """`help(LLMEngine)` sees the real arguments: the objects, and every option (`EngineConfig`'s fields, from the
+    one definition), keyword-only with its default; `from_pretrained` the same but the folder's model_config."""
     import inspect
 
+    from pagedjax.config.engine import OPTIONS
+
     params = inspect.signature(LLMEngine).parameters
-    assert {"model_config", "cache_config", "scheduler_config", "params", "seed", "backend",
-            "decode_steps_per_call", "tokenizer", "parallel_config", "tensor_parallel_size"} <= set(params)
+    assert {"config", "model", "params", "tokenizer", "image_processor", "devices", *OPTIONS} == set(params)
     assert not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values())
+    assert params["decode_steps_per_call"].default == EngineConfig().decode_steps_per_call
+    assert params["cache_config"].default == CacheConfig()
+    loading = inspect.signature(LLMEngine.from_pretrained).parameters
+    assert "model_config" not in loading
+    assert {"path", "dtype", "quantization", *OPTIONS} - {"model_config"} <= set(loading)
 
 
 def test_data_parallel_layouts_are_built_by_the_factory_not_by_llm_engine():
@@ -152,10 +164,9 @@ def test_data_parallel_layouts_are_built_by_the_factory_not_by_llm_engine():
     from pagedjax import make_engine as build
 
     with pytest.raises(ValueError, match="make_engine"):
-        LLMEngine(CFG, CacheConfig(num_blocks=16), parallel_config=ParallelConfig(data_parallel_size=2))
-    with pytest.raises(ValueError, match="not both"):
-        LLMEngine(CFG, CacheConfig(num_blocks=16), parallel_config=ParallelConfig(), tensor_parallel_size=1)
-    one = build(CFG, CacheConfig(num_blocks=16), tensor_parallel_size=1, data_parallel_size=1)
+        LLMEngine(model_config=CFG, cache_config=CacheConfig(num_blocks=16),
+                  parallel_config=ParallelConfig(data_parallel_size=2))
+    one = build(model_config=CFG, cache_config=CacheConfig(num_blocks=16), parallel_config=None)
     assert type(one) is LLMEngine and one.parallel_config is None and isinstance(one, Engine)
     # Every engine-shaped class offers the whole protocol (DataParallelEngine used to lack beam_search).
     members = [m for m in dir(Engine) if not m.startswith("_")]
@@ -174,9 +185,9 @@ def test_bytes_prompts_round_trip_exactly():
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_kv_cache_dtype_may_differ_from_the_models(backend):
     """bfloat16 pages under a float32 model (what `auto` picks on a GPU) used to crash the Pallas backend."""
-    engine = LLMEngine(CFG, CacheConfig(block_size=8, num_blocks=64, kv_dtype="bfloat16"),
-                       SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=MAX_LEN),
-                       seed=SEED, backend=backend)
+    engine = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=8, num_blocks=64, kv_dtype="bfloat16"),
+                       scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                                        max_model_len=MAX_LEN), seed=SEED, backend=backend)
     assert engine.runner.kv_cache.layers[0].k.dtype == jnp.bfloat16
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
     for i, p in enumerate(prompts):
@@ -294,8 +305,9 @@ _BYTE_CFG = ModelConfig(vocab_size=259, hidden_size=64, num_layers=1, num_q_head
 
 
 def _text_engine():
-    return LLMEngine(_BYTE_CFG, CacheConfig(num_blocks=16), SchedulerConfig(max_num_seqs=4, max_model_len=MAX_LEN),
-                     seed=SEED, tokenizer=ByteTokenizer(), compile_cache=False)
+    return LLMEngine(model_config=_BYTE_CFG, cache_config=CacheConfig(num_blocks=16),
+                     scheduler_config=SchedulerConfig(max_num_seqs=4, max_model_len=MAX_LEN), seed=SEED,
+                     tokenizer=ByteTokenizer(), compile_cache=False)
 
 
 def test_one_prompt_is_one_request_as_in_vllm():

@@ -48,9 +48,10 @@ _slow = pytest.mark.slow
                                         pytest.param(MOE, "int8", marks=_slow)],
                          ids=["int8", "int4:32", "fp8", "moe-int8"])
 def test_the_fused_decode_converts_quantized_kernels_inside_its_loop(cfg, quant):
-    engine = LLMEngine(cfg.replace(quantization=QuantConfig.parse(quant)), CacheConfig(block_size=4, num_blocks=10),
-                       SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=16), seed=0,
-                       decode_steps_per_call=4)
+    engine = LLMEngine(model_config=cfg.replace(quantization=QuantConfig.parse(quant)),
+                       cache_config=CacheConfig(block_size=4, num_blocks=10),
+                       scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=16),
+                       seed=0, decode_steps_per_call=4)
     # Two sequences decode together (several rows: each kernel converted for its dot), then one alone (one row:
     # int8 and int4 read the stored bytes in a fused matrix-vector product, fp8 converts).
     engine.generate([[5, 9, 2], [3, 1]], [SamplingParams(temperature=0.0, max_tokens=n) for n in (3, 9)],

@@ -38,9 +38,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 
 def make_engine(*, num_blocks: int = 96, budget: int = 8, decode_steps: int = 4, ngram: bool = False) -> LLMEngine:
-    return LLMEngine(CFG, CacheConfig(block_size=BS, num_blocks=num_blocks),
-                     SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=MAX_LEN),
-                     seed=SEED, decode_steps_per_call=decode_steps,
+    return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BS, num_blocks=num_blocks),
+                     scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
+                                                      max_model_len=MAX_LEN), seed=SEED,
+                     decode_steps_per_call=decode_steps,
                      speculative_config=SpeculativeConfig(num_speculative_tokens=3) if ngram else None)
 
 

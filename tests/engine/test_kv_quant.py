@@ -25,10 +25,10 @@ ARRAY_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 def _engine(kv_dtype: str, *, block_size: int = 8, num_blocks: int = 64, prefix: bool = True, max_batched: int = 64,
             **kw) -> LLMEngine:
-    return LLMEngine(CFG, CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix,
-                                      kv_dtype=kv_dtype),
-                     SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=MAX_LEN),
-                     seed=SEED, **kw)
+    return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                                                enable_prefix_caching=prefix, kv_dtype=kv_dtype),
+                     scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched,
+                                                      max_model_len=MAX_LEN), seed=SEED, **kw)
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -67,7 +67,7 @@ def test_block_bytes_count_the_scales():
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_engine_allocates_what_the_config_counts_and_reports_it(kv_dtype):
     cache = CacheConfig(block_size=8, kv_memory_bytes=100_000, kv_dtype=kv_dtype)
-    engine = LLMEngine(CFG, cache, seed=SEED, backend="xla")
+    engine = LLMEngine(model_config=CFG, cache_config=cache, seed=SEED, backend="xla")
     layer = engine.runner.kv_cache.layers[0]
     assert layer.k.dtype == ARRAY_DTYPES[kv_dtype] and layer.k_scales.dtype == jnp.float32
     assert engine.runner.kv_cache.nbytes == cache.pool_bytes(CFG) <= 100_000
@@ -187,7 +187,8 @@ def test_8bit_pages_on_the_tpu_kernels_are_refused_at_construction(monkeypatch):
 def test_a_kernel_limit_is_reported_at_construction():
     """Any combination the Pallas kernels reject fails when the engine is built, naming it (here head_dim 8)."""
     with pytest.raises(ValueError, match=r"cannot serve float8_e4m3fn KV pages.*head_dim"):
-        LLMEngine(CFG.replace(head_dim=8), CacheConfig(num_blocks=16, kv_dtype="fp8"), seed=SEED, backend="pallas")
+        LLMEngine(model_config=CFG.replace(head_dim=8), cache_config=CacheConfig(num_blocks=16, kv_dtype="fp8"),
+                  seed=SEED, backend="pallas")
 
 
 # ------------------------------------------------------------------------------------------ command line

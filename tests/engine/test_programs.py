@@ -30,9 +30,9 @@ MAX_NUM_SEQS, MAX_BATCHED, MAX_LEN, BLOCK_SIZE = 4, 32, 60, 16  # tables of at m
 def make_engine(**kwargs) -> LLMEngine:
     kwargs.setdefault("compile_in_background", True)
     kwargs.setdefault("tokenizer", ByteTokenizer())
-    return LLMEngine(CFG, CacheConfig(block_size=BLOCK_SIZE, num_blocks=64),
-                     SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED,
-                                     max_model_len=MAX_LEN), seed=3, **kwargs)
+    return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK_SIZE, num_blocks=64),
+                     scheduler_config=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED,
+                                                      max_model_len=MAX_LEN), seed=3, **kwargs)
 
 
 def _no_compile(*args, **kwargs):

@@ -33,9 +33,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 @pytest.fixture(scope="module")
 def engine():
     """A text-only engine without a tokenizer, LoRA or images (make_request never steps: nothing compiles)."""
-    llm = LLMEngine(CFG, CacheConfig(block_size=16, num_blocks=4),
-                    SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_LEN), seed=SEED,
-                    compile_cache=False)
+    llm = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=16, num_blocks=4),
+                    scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_LEN),
+                    seed=SEED, compile_cache=False)
     yield llm
     llm.close()
 

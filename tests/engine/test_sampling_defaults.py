@@ -22,8 +22,8 @@ MAX_LEN = 64
 
 
 def _engine(**kwargs) -> LLMEngine:
-    return LLMEngine(CFG, CacheConfig(block_size=16, num_blocks=16), SchedulerConfig(max_model_len=MAX_LEN),
-                     compile_cache=False, **kwargs)
+    return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=16, num_blocks=16),
+                     scheduler_config=SchedulerConfig(max_model_len=MAX_LEN), compile_cache=False, **kwargs)
 
 
 def _applied(engine, params: SamplingParams | None) -> SamplingParams:

@@ -26,8 +26,9 @@ SAMPLED = dict(temperature=1.0, max_tokens=10)
 
 @functools.cache
 def _engine(caching: bool, steps: int, num_blocks: int) -> LLMEngine:
-    return LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=num_blocks, enable_prefix_caching=caching),
-                     SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_LEN),
+    return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK, num_blocks=num_blocks,
+                                                                enable_prefix_caching=caching),
+                     scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_LEN),
                      seed=SEED, decode_steps_per_call=steps, tokenizer=ByteTokenizer(), compile_cache=False)
 
 
@@ -54,9 +55,10 @@ def test_sample_i_equals_a_single_request_with_seed_plus_i(caching, steps, num_b
 
 
 def test_prompt_is_prefilled_once_for_n_samples():
-    engine = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=64, enable_prefix_caching=False),
-                       SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_LEN),
-                       seed=SEED, compile_cache=False)
+    engine = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK, num_blocks=64,
+                                                                  enable_prefix_caching=False),
+                       scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                                        max_model_len=MAX_LEN), seed=SEED, compile_cache=False)
     engine.generate([PROMPT_PARTIAL], SamplingParams(n=8, seed=1, max_tokens=2, temperature=1.0), use_tqdm=False)
     # the prompt but its last token once, then each sample computes the last prompt token (its first decode)
     assert engine.stats().prefill_tokens_computed == len(PROMPT_PARTIAL) - 1 + 8
@@ -207,7 +209,8 @@ def test_invalid_sampling_params_name_the_field(kwargs, match):
 
 
 def test_stop_strings_need_a_tokenizer():
-    engine = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), seed=SEED, compile_cache=False)
+    engine = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK, num_blocks=16), seed=SEED,
+                       compile_cache=False)
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request("x", [1, 2], SamplingParams(temperature=0.0, stop=["a"]))
 

@@ -109,9 +109,10 @@ def dense_greedy(name: str) -> list[list[int]]:
 
 
 def _engine(name: str, backend: str, **scheduler) -> LLMEngine:
-    return LLMEngine(CONFIGS[name], CacheConfig(block_size=BLOCK, num_blocks=48),
-                     SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 16, "max_model_len": MAX_LEN,
-                                        **scheduler}), seed=SEED, backend=backend)
+    return LLMEngine(model_config=CONFIGS[name], cache_config=CacheConfig(block_size=BLOCK, num_blocks=48),
+                     scheduler_config=SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 16,
+                                                         "max_model_len": MAX_LEN, **scheduler}),
+                     seed=SEED, backend=backend)
 
 
 @pytest.mark.parametrize("name", ["mixed", "local"])

@@ -84,11 +84,13 @@ def test_speculation_matches_dense_on_random_workloads(w, k):
     if margin < 1e-3:
         return
     longest = max(map(len, prompts)) + w["max_tokens"]
-    engine = LLMEngine(CFG, CacheConfig(block_size=w["block_size"], num_blocks=max(w["num_blocks"],
-                                                                                   -(-longest // w["block_size"])),
-                                        enable_prefix_caching=w["prefix"]),
-                       SchedulerConfig(max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
-                                       max_model_len=MAX_LEN), seed=SEED, decode_steps_per_call=w["num_steps"],
+    engine = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=w["block_size"],
+                                                                  num_blocks=max(w["num_blocks"],
+                                                                                 -(-longest // w["block_size"])),
+                                                                  enable_prefix_caching=w["prefix"]),
+                       scheduler_config=SchedulerConfig(max_num_seqs=w["max_num_seqs"],
+                                                        max_num_batched_tokens=w["budget"], max_model_len=MAX_LEN),
+                       seed=SEED, decode_steps_per_call=w["num_steps"],
                        speculative_config=SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1))
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=w["max_tokens"]), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == expected

@@ -41,9 +41,9 @@ def test_plain_fused_and_verify_steps_take_one_path_and_give_the_dense_tokens(mo
 
 
 def test_no_per_request_state_outlives_its_request():
-    engine = LLMEngine(BYTE_CFG, CacheConfig(block_size=16, num_blocks=64),
-                       SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256), seed=0,
-                       tokenizer=ByteTokenizer(),
+    engine = LLMEngine(model_config=BYTE_CFG, cache_config=CacheConfig(block_size=16, num_blocks=64),
+                       scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256),
+                       seed=0, tokenizer=ByteTokenizer(),
                        speculative_config=SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1))
     regex = StructuredOutput(regex="[a-z]{3,12}")
     engine.generate(["ab ab ab ab", "cd"], [SamplingParams(temperature=0.0,
@@ -57,12 +57,12 @@ def test_no_per_request_state_outlives_its_request():
     assert not engine.scheduler.requests and not engine.scheduler.groups
 
 
-def test_the_engine_takes_one_config_or_keywords_and_shows_real_signatures():
+def test_the_engine_takes_one_config_and_options_over_it_and_shows_real_signatures():
     config = EngineConfig(model_config=CFG, cache_config=CacheConfig(num_blocks=16))
     engine = LLMEngine(config=config)
     assert engine.config is config and engine.num_blocks == 16
-    with pytest.raises(ValueError, match="not both"):
-        LLMEngine(CFG, config=config)
+    engine = LLMEngine(config, decode_steps_per_call=3, cache_config=CacheConfig(num_blocks=8))
+    assert engine.config == config.replace(decode_steps_per_call=3, cache_config=CacheConfig(num_blocks=8))
     with pytest.raises(TypeError, match="config must be an EngineConfig"):
         LLMEngine(config={"model_config": CFG})
     for fn in (LLMEngine, LLMEngine.from_pretrained):

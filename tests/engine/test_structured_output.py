@@ -27,9 +27,9 @@ PROMPT = "Answer: "
 
 
 def engine(num_blocks: int = 64, **kwargs) -> LLMEngine:
-    return LLMEngine(CFG, CacheConfig(block_size=16, num_blocks=num_blocks),
-                     SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256), seed=0,
-                     tokenizer=ByteTokenizer(), **kwargs)
+    return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=16, num_blocks=num_blocks),
+                     scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256),
+                     seed=0, tokenizer=ByteTokenizer(), **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,8 @@ def test_bad_constraints_are_refused_before_anything_is_queued(llm):
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutput(regex="a", choice=("a",))
     with pytest.raises(ValueError, match="needs an engine with a tokenizer"):
-        LLMEngine(CFG, CacheConfig(num_blocks=8)).add_request("x", [1], SamplingParams(temperature=0.0,
+        LLMEngine(model_config=CFG,
+                  cache_config=CacheConfig(num_blocks=8)).add_request("x", [1], SamplingParams(temperature=0.0,
             structured=StructuredOutput(regex="a")))
 
 

@@ -37,8 +37,8 @@ def state(seed: int) -> nnx.State:
 
 
 def make_engine(seed: int = OLD) -> LLMEngine:
-    return LLMEngine(CFG, CacheConfig(block_size=8, num_blocks=48),
-                     SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+    return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=8, num_blocks=48),
+                     scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
                      params=state(seed), seed=0)
 
 

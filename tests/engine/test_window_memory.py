@@ -30,9 +30,11 @@ def dense_greedy(cfg: ModelConfig, prompts: list[list[int]], max_tokens: int) ->
 
 def run(cfg: ModelConfig, prompts, *, decode_steps_per_call: int, prefix: bool = True):
     """Greedy outputs and, per KV cache group, the most blocks held after any step."""
-    engine = LLMEngine(cfg, CacheConfig(block_size=BS, num_blocks=64, enable_prefix_caching=prefix),
-                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=MAX_LEN), seed=SEED,
-                       decode_steps_per_call=decode_steps_per_call)
+    engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=BS, num_blocks=64,
+                                                                  enable_prefix_caching=prefix),
+                       scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8,
+                                                        max_model_len=MAX_LEN),
+                       seed=SEED, decode_steps_per_call=decode_steps_per_call)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     outputs, peak = {}, (0,) * cfg.kv_layout.num_groups
@@ -108,9 +110,9 @@ def test_a_pool_sized_for_the_window_serves_requests_far_longer_than_itself():
     6-token window: 5 + 4 blocks of 4 tokens): it serves ~100-token requests, with and without a prefix hit as long
     as the pool has blocks, with the tokens of a pool of 64."""
     def engine(num_blocks: int) -> LLMEngine:
-        return LLMEngine(CFG, CacheConfig(block_size=BS, num_blocks=num_blocks),
-                         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=CHUNK, max_model_len=LONG_LEN),
-                         seed=SEED)
+        return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BS, num_blocks=num_blocks),
+                         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=CHUNK,
+                                                          max_model_len=LONG_LEN), seed=SEED)
 
     big = engine(64)
     bound = big.scheduler.kv_cache_manager.max_blocks_held(LONG_LEN - 1, CHUNK)

@@ -24,7 +24,7 @@ from pagedjax import (
     SamplingParams,
     SchedulerConfig,
 )
-from pagedjax.config import MoEConfig, QuantConfig, SpeculativeConfig
+from pagedjax.config import LoRAConfig, MoEConfig, QuantConfig, SpeculativeConfig
 from pagedjax.model.layers.lora import ATTENTION_MODULES, TARGET_MODULES, LoRAWeights, lora_weights_nbytes
 from pagedjax.model.llama import init_model, model_from_state, quantize_params
 from tests import dense
@@ -61,9 +61,9 @@ def lora(folders, i):
 @pytest.fixture(scope="module")
 def engine():
     # 2 slots for 3 adapters; a 32-token budget chunks the long prompt; fused decodes of 4 steps.
-    return LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=160),
-                     SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=MAX_LEN), seed=SEED,
-                     enable_lora=True, max_loras=2, max_lora_rank=16, decode_steps_per_call=4)
+    return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK, num_blocks=160),
+                     scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=MAX_LEN),
+                     seed=SEED, decode_steps_per_call=4, lora_config=LoRAConfig(max_loras=2, max_lora_rank=16))
 
 
 @functools.cache
@@ -167,17 +167,20 @@ def test_lora_requests_are_checked(engine, folders, tmp_path):
 
 
 def test_engines_that_cannot_serve_adapters_refuse(folders):
-    plain = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), seed=SEED, compile_cache=False)
-    with pytest.raises(ValueError, match="needs an engine with enable_lora=True"):
+    plain = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK, num_blocks=16), seed=SEED,
+                      compile_cache=False)
+    with pytest.raises(ValueError, match="needs an engine that serves LoRA adapters"):
         plain.add_request("x", [1, 2], lora_request=lora(folders, 1))
     moe = CFG.replace(moe=MoEConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=32))
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        LLMEngine(moe, CacheConfig(block_size=BLOCK, num_blocks=16), enable_lora=True, compile_cache=False)
+        LLMEngine(model_config=moe, cache_config=CacheConfig(block_size=BLOCK, num_blocks=16), compile_cache=False,
+                  lora_config=LoRAConfig())
     with pytest.raises(ValueError, match="built-in model"):
-        LLMEngine(model=LatentToy(), cache_config=CacheConfig(block_size=BLOCK, num_blocks=16), enable_lora=True,
-                  compile_cache=False)
+        LLMEngine(model=LatentToy(), cache_config=CacheConfig(block_size=BLOCK, num_blocks=16), compile_cache=False,
+                  lora_config=LoRAConfig())
     with pytest.raises(ValueError, match="LoRAConfig.max_cpu_loras must be >= 4"):
-        LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), enable_lora=True, max_cpu_loras=2)
+        LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK, num_blocks=16),
+                  lora_config=LoRAConfig(max_cpu_loras=2))
 
 
 def test_samples_of_a_request_keep_its_adapter(engine, folders):
@@ -194,9 +197,11 @@ def test_ngram_speculation_serves_adapters(folders):
     # speculation gives (the merged-weights models': `test_each_adapter_equals_its_merged_weights_model`).
     repeats = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [9, 10], [12, 13] * 6]
     prompts, picks = [repeats[0], repeats[1], repeats[2], repeats[1]], [2, 2, None, 1]
-    engine = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=64),
-                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_LEN), seed=SEED,
-                       enable_lora=True, max_loras=2, speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    engine = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK, num_blocks=64),
+                       scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                                        max_model_len=MAX_LEN), seed=SEED,
+                       speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+                       lora_config=LoRAConfig(max_loras=2))
     outputs = engine.generate(prompts, GREEDY, use_tqdm=False, lora_request=[lora(folders, i) for i in picks])
     assert tokens(outputs) == [reference(folders, i, prompts)[k] for k, i in enumerate(picks)]
     stats = engine.stats()
@@ -208,8 +213,8 @@ def test_draft_model_speculation_is_refused_with_lora():
     # The draft would propose without the requests' adapters.
     draft = SpeculativeConfig(method="draft", draft_model=CFG.replace(num_layers=1), num_speculative_tokens=2)
     with pytest.raises(ValueError, match="SpeculativeConfig\\(method='draft'\\) is not supported with LoRA"):
-        LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), enable_lora=True, speculative_config=draft,
-                  compile_cache=False)
+        LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK, num_blocks=16), speculative_config=draft,
+                  compile_cache=False, lora_config=LoRAConfig())
 
 
 def test_adapters_are_added_and_removed_at_runtime(engine, folders):
@@ -232,15 +237,18 @@ def test_adapters_are_added_and_removed_at_runtime(engine, folders):
     assert tokens(outputs)[1] == reference(folders, 3)[1]
     assert engine.remove_lora(2)
     engine.add_lora(lora(folders, 2))  # and back (later tests' adapter 2)
-    plain = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=16), seed=SEED, compile_cache=False)
+    plain = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK, num_blocks=16), seed=SEED,
+                      compile_cache=False)
     with pytest.raises(ValueError, match="serves no LoRA adapters"):
         plain.list_loras()
 
 
 def test_beam_search_and_score_under_an_adapter_equal_the_merged_model(engine, folders):
-    merged = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=160),
-                       SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=MAX_LEN), seed=SEED,
-                       params=merged_params(CFG, SEED, folders[1]))
+    merged = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK, num_blocks=160),
+                       scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
+                                                        max_model_len=MAX_LEN), seed=SEED, params=merged_params(CFG,
+                                                                                                                SEED,
+                                                                                                                folders[1]))
     beams = BeamSearchParams(beam_width=2, max_tokens=4)
     prompts = PROMPTS[:2]
     got = engine.beam_search(prompts, beams, lora_request=lora(folders, 1))
@@ -266,9 +274,10 @@ def test_slot_bytes_and_slot_bounds(engine):
 
 def test_one_slot_one_host_copy_and_preemption(folders):
     # One device slot and one host copy for two adapters, and a pool too small for the batch (preemption).
-    small = LLMEngine(CFG, CacheConfig(block_size=BLOCK, num_blocks=9),
-                      SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=MAX_LEN), seed=SEED,
-                      enable_lora=True, max_loras=1, max_cpu_loras=1)
+    small = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK, num_blocks=9),
+                      scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
+                                                       max_model_len=MAX_LEN),
+                      seed=SEED, lora_config=LoRAConfig(max_loras=1, max_cpu_loras=1))
     picks = [1, 2, None, 1]
     outputs = small.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=[lora(folders, i) for i in picks])
     assert tokens(outputs) == [reference(folders, i)[k] for k, i in enumerate(picks)]
@@ -283,7 +292,8 @@ def test_data_parallel_engines_refuse_lora():
     from pagedjax.engine.data_parallel import DataParallelEngine
 
     with pytest.raises(ValueError, match="data_parallel_size > 1"):
-        DataParallelEngine(CFG, parallel_config=ParallelConfig(data_parallel_size=2), enable_lora=True)
+        DataParallelEngine(model_config=CFG, parallel_config=ParallelConfig(data_parallel_size=2),
+                           lora_config=LoRAConfig())
     with pytest.raises(ValueError, match="data_parallel_size > 1"):
         DataParallelEngine(parallel_config=ParallelConfig(data_parallel_size=2),
                            config=EngineConfig(model_config=CFG, lora_config=LoRAConfig()))
@@ -301,9 +311,10 @@ def test_float_adapters_on_an_int8_base(folders):
     want, margin = dense.greedy_by_recompute(jax.jit(lambda t: nnx.merge(graphdef, state).forward_dense(t)), PROMPTS,
                                              MAX_TOKENS, MAX_LEN)
     assert margin > 1e-3, margin
-    engine = LLMEngine(qcfg, CacheConfig(block_size=BLOCK, num_blocks=64),
-                       SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_LEN), params=qstate,
-                       seed=SEED, enable_lora=True, max_loras=1)
+    engine = LLMEngine(model_config=qcfg, cache_config=CacheConfig(block_size=BLOCK, num_blocks=64),
+                       scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                                        max_model_len=MAX_LEN), params=qstate, seed=SEED,
+                       lora_config=LoRAConfig(max_loras=1))
     assert tokens(engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora(folders, 1))) == want
 
 

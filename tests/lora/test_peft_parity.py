@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from pagedjax import CacheConfig, LLMEngine, LoRARequest, SamplingParams, SchedulerConfig  # noqa: E402
+from pagedjax.config import LoRAConfig  # noqa: E402
 from pagedjax.model.loading.hf_loader import load_hf  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -76,9 +77,9 @@ def test_one_mixed_batch_equals_peft(tmp_path):
     assert len({str([t for t, _ in runs]) for runs in expected.values()}) == 4  # every adapter matters
 
     cfg, state, _ = load_hf(str(tmp_path / "base"))
-    engine = LLMEngine(cfg, CacheConfig(block_size=8, num_blocks=64),
-                       SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64), params=state,
-                       enable_lora=True, max_loras=3, max_lora_rank=16, compile_cache=False)
+    engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=8, num_blocks=64),
+                       scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64),
+                       params=state, compile_cache=False, lora_config=LoRAConfig(max_loras=3, max_lora_rank=16))
     batch = [(i, k) for i in loras for k in range(len(PROMPTS))]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     outputs = engine.generate([PROMPTS[k] for _, k in batch], params, use_tqdm=False,

@@ -198,9 +198,10 @@ def test_not_a_model_and_both_ways_at_once_are_refused():
     with pytest.raises(TypeError, match="must be a flax.nnx.Module"):
         check_model(object())
     with pytest.raises(ValueError, match="not both"):
-        LLMEngine(ModelSpec(vocab_size=8, num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=4), model=gpt2())
+        LLMEngine(model_config=ModelSpec(vocab_size=8, num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=4),
+                  model=gpt2())
     with pytest.raises(TypeError, match="model_config must be a pagedjax.ModelConfig"):
-        LLMEngine(ModelSpec(vocab_size=8, num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=4))
+        LLMEngine(model_config=ModelSpec(vocab_size=8, num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=4))
 
 
 def test_an_uneven_partition_is_refused_naming_the_parameter():

@@ -309,7 +309,8 @@ def test_bundled_model_greedy_decodes_deterministically(bundled):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     runs = []
     for _ in range(2):
-        engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=64), params=state, tokenizer=tok)
+        engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=64), params=state,
+                           tokenizer=tok)
         runs.append(engine.generate(prompts, params, use_tqdm=False))
     assert [o.output_token_ids for o in runs[0]] == [o.output_token_ids for o in runs[1]]
     # The same tokens as greedy decoding with the dense (no cache) forward. Causal: padding after the last

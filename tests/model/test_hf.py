@@ -238,8 +238,8 @@ def test_engine_greedy_matches_transformers_generate(hf_models, kind):
     # A near tie would make "identical tokens" depend on rounding: these seeds have none.
     assert min(margins) > MIN_MARGIN, min(margins)
     cfg, state, _ = load_hf(path)
-    engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=32),
-                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+    engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=32),
+                       scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
                        params=model_from_state(cfg, state))
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0,
                                                    max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
@@ -260,8 +260,8 @@ def test_engine_string_prompts_with_tokenizer(hf_models, tmp_path):
     texts = ["the cat sat on a mat", "sun in the house", "a big red house"]
     ids = [tok.encode(t) for t in texts]
     assert all(i[0] == 1 for i in ids)  # BOS from the post-processor
-    engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=32),
-                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+    engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=32),
+                       scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
                        params=model_from_state(cfg, state), tokenizer=tok)
     outs = engine.generate(texts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
     for i, out in zip(ids, outs, strict=True):

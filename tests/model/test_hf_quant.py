@@ -66,8 +66,9 @@ def test_compressed_tensors_checkpoint_matches_transformers_over_its_decompresse
     reference = compressed_checkpoint(tmp_path, scheme)
     cfg, state, _ = load_hf(tmp_path)
     assert cfg.quantization == (QuantConfig("int4", group_size=GROUP) if scheme == "int4" else QuantConfig("int8"))
-    engine = LLMEngine(cfg, CacheConfig(block_size=4, num_blocks=32), SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32), params=state)
+    engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=4, num_blocks=32),
+                       scheduler_config=SchedulerConfig( max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32),
+                       params=state)
     want = dict((tuple(p), lg[-1]) for p, lg in zip(PROMPTS, hf_logits(reference, PROMPTS), strict=True))
     for prompt, logits in paged_last_logits(engine, PROMPTS):
         np.testing.assert_allclose(logits, want[tuple(prompt)], rtol=TOL, atol=TOL)

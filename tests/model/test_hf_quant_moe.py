@@ -90,8 +90,9 @@ def compressed_moe_checkpoint(folder: Path, reference: Path, scheme: str) -> lis
 
 
 def _engine(cfg, state):
-    return LLMEngine(cfg, CacheConfig(block_size=4, num_blocks=64), SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32), params=state, backend="xla")
+    return LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=4, num_blocks=64),
+                     scheduler_config=SchedulerConfig( max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32),
+                     params=state, backend="xla")
 
 
 @pytest.mark.parametrize("scheme", ["int4", pytest.param("int8", marks=pytest.mark.slow)])

@@ -217,7 +217,7 @@ def test_the_cli_header_names_the_state_group_and_its_pool(ckpt):
 
     from pagedjax.cli.report import print_header
 
-    args = SimpleNamespace(model=ckpt.folder, model_class=None, block_size=BS, no_prefix_caching=False,
+    args = SimpleNamespace(model=ckpt.folder, model_class=None, block_size=BS, enable_prefix_caching=True,
                            decode_steps_per_call=4)
     with POOL.engine(folder=ckpt.folder) as engine:
         out = io.StringIO()

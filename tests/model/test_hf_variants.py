@@ -102,9 +102,9 @@ def test_dense_logits_match_transformers(models, kind):
 
 
 def _engine(cfg, state, **scheduler):
-    return LLMEngine(cfg, CacheConfig(block_size=BLOCK, num_blocks=64),
-                     SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 48,
-                                        **scheduler}),
+    return LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=BLOCK, num_blocks=64),
+                     scheduler_config=SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 64,
+                                                         "max_model_len": 48, **scheduler}),
                      params=model_from_state(cfg, state), backend="xla")
 
 

@@ -237,9 +237,9 @@ def test_moe_decoder_engine_greedy_equals_the_dense_model():
     want, margin = greedy_by_recompute(jax.jit(lambda t: nnx.merge(graphdef, state).forward_dense(t)), prompts, 6,
                                        24)
     assert margin > 1e-3, margin
-    engine = LLMEngine(cfg, CacheConfig(block_size=4, num_blocks=32),
-                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=24), params=model,
-                       backend="xla")
+    engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=4, num_blocks=32),
+                       scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=24),
+                       params=model, backend="xla")
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == want
     # One CPU device: the runner holds the experts as separate arrays (`Llama.single_device_params`), and takes
@@ -310,8 +310,8 @@ def test_a_long_prefill_takes_the_tiles_and_gives_the_dense_models_tokens(monkey
     want, margin = greedy_by_recompute(jax.jit(lambda t: nnx.merge(graphdef, state).forward_dense(t)), [prompt], 3,
                                        128)
     assert margin > 1e-3, margin
-    engine = LLMEngine(cfg, CacheConfig(block_size=16, num_blocks=16),
-                       SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=128, max_model_len=128),
+    engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=16),
+                       scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=128, max_model_len=128),
                        params=nnx.merge(graphdef, state), backend="xla", compile_cache=False)
     outs = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == want

@@ -187,8 +187,9 @@ def test_paged_logits_and_greedy_tokens_equal_the_float_model_of_the_dequantized
     assert type(qmodel.layers[0].mlp.gate) is nnx.Linear  # the router stays float
     ref = _reference_state(cfg, state, qcfg, qstate)
     forward = jax.jit(lambda t: nnx.merge(graphdef, ref).forward_dense(t))
-    engine = LLMEngine(qcfg, CacheConfig(block_size=4, num_blocks=32), SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=32, max_model_len=24), params=qstate, backend="xla")
+    engine = LLMEngine(model_config=qcfg, cache_config=CacheConfig(block_size=4, num_blocks=32),
+                       scheduler_config=SchedulerConfig( max_num_seqs=4, max_num_batched_tokens=32, max_model_len=24),
+                       params=qstate, backend="xla")
     assert isinstance(engine.runner.params["layers"][0]["mlp"]["experts"]["gate_proj"]["qweight"].get_value(), tuple)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 64, n).tolist() for n in (1, 5, 11)]

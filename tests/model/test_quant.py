@@ -43,8 +43,9 @@ SCHEMES = [QuantConfig("int8"), QuantConfig("int4", group_size=32), pytest.param
 
 
 def _engine(cfg: ModelConfig, params) -> LLMEngine:
-    return LLMEngine(cfg, CacheConfig(block_size=4, num_blocks=32), SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32), params=params)
+    return LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=4, num_blocks=32),
+                     scheduler_config=SchedulerConfig( max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32),
+                     params=params)
 
 
 def _dequantized(cfg: ModelConfig, state, qcfg: ModelConfig, qstate) -> nnx.State:
@@ -148,8 +149,9 @@ def test_batch_one_decode_equals_the_float_model_of_the_dequantized_weights(quan
     fed by the paged attention and the norms): their log-probabilities equal the float model's (1e-5)."""
     state = nnx.state(init_model(CFG, seed=2), nnx.Param)
     qcfg, qstate = quantize_params(CFG, state, quant)
-    engine = LLMEngine(qcfg, CacheConfig(block_size=4, num_blocks=8), SchedulerConfig(
-        max_num_seqs=1, max_num_batched_tokens=8, max_model_len=16), params=qstate)
+    engine = LLMEngine(model_config=qcfg, cache_config=CacheConfig(block_size=4, num_blocks=8),
+                       scheduler_config=SchedulerConfig( max_num_seqs=1, max_num_batched_tokens=8, max_model_len=16),
+                       params=qstate)
     prompt = PROMPTS[1]
     out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0]

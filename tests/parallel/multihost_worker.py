@@ -29,10 +29,10 @@ def main(rank: int, port: int, out: str) -> None:
     assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
     # Host (numpy) weights: each process places its own devices' slices of them.
     host = jax.tree.map(np.asarray, worker.params("gqa"))
-    e = worker.LLMEngine(worker.config("gqa"), worker.CacheConfig(block_size=8, num_blocks=8),
-                         worker.SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
-                                                max_model_len=worker.MAX_LEN),
-                         params=host, parallel_config=ParallelConfig(tensor_parallel_size=4), compile_cache=False,
+    e = worker.LLMEngine(model_config=worker.config("gqa"), cache_config=worker.CacheConfig(block_size=8, num_blocks=8),
+                         scheduler_config=worker.SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                                 max_model_len=worker.MAX_LEN), params=host,
+                         parallel_config=ParallelConfig(tensor_parallel_size=4), compile_cache=False,
                          decode_steps_per_call=4)
     assert {d.process_index for d in e.runner.mesh.devices.flat} == {0, 1}
     outs = e.generate(worker.PROMPTS, SamplingParams(temperature=0.0, max_tokens=worker.MAX_TOKENS), use_tqdm=False)

@@ -61,14 +61,16 @@ def test_too_few_devices():
     with pytest.raises(ValueError, match=f"needs {2 * n} devices; {n} available"):
         replica_meshes(ParallelConfig(tensor_parallel_size=n, data_parallel_size=2))
     with pytest.raises(ValueError, match="needs"):
-        LLMEngine(CFG, CacheConfig(num_blocks=4), parallel_config=ParallelConfig(tensor_parallel_size=8 * n))
+        LLMEngine(model_config=CFG, cache_config=CacheConfig(num_blocks=4),
+                  parallel_config=ParallelConfig(tensor_parallel_size=8 * n))
 
 
 def test_engine_refuses_bad_parallel_configs():
     with pytest.raises(TypeError, match="parallel_config must be a ParallelConfig"):
-        LLMEngine(CFG, CacheConfig(num_blocks=4), parallel_config={"tensor_parallel_size": 1})
+        LLMEngine(model_config=CFG, cache_config=CacheConfig(num_blocks=4), parallel_config={"tensor_parallel_size": 1})
     with pytest.raises(ValueError, match="query heads"):
-        LLMEngine(CFG, CacheConfig(num_blocks=4), parallel_config=ParallelConfig(tensor_parallel_size=3))
+        LLMEngine(model_config=CFG, cache_config=CacheConfig(num_blocks=4),
+                  parallel_config=ParallelConfig(tensor_parallel_size=3))
 
 
 def test_param_specs():
@@ -116,7 +118,7 @@ def test_per_device_model_counts_kv_heads_one_device_holds():
 
 def test_one_device_engine_is_unchanged():
     """Without a parallel config the runner has no mesh and the KV cache sits on one device."""
-    e = LLMEngine(CFG, CacheConfig(num_blocks=4), compile_cache=False)
+    e = LLMEngine(model_config=CFG, cache_config=CacheConfig(num_blocks=4), compile_cache=False)
     assert e.runner.mesh is None and e.parallel_config is None
     assert e.stats().tensor_parallel_size == 1
     assert e.stats().kv_cache_bytes_per_device == e.runner.kv_cache.nbytes

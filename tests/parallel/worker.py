@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig, make_engine
+from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.moe import MoEConfig
 from pagedjax.model.llama import init_model, model_from_state
 from pagedjax.parallel import ParallelConfig, tp_mesh
@@ -72,9 +73,11 @@ def reference(kind: str) -> list[list[int]]:
 
 def engine(kind: str, tp: int | None, *, block_size: int = 8, num_blocks: int = 8, dp: int = 1, **kw):
     pc = None if tp is None else ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp)
-    return make_engine(config(kind), CacheConfig(block_size=block_size, num_blocks=num_blocks),
-                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
-                       params=params(kind), parallel_config=pc, compile_cache=False, **kw)
+    return make_engine(model_config=config(kind),
+                       cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                       scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                        max_model_len=MAX_LEN), params=params(kind), parallel_config=pc,
+                       compile_cache=False, **kw)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -128,9 +131,9 @@ def kv_groups_tensor_parallel() -> None:
     model = model_from_state(cfg, state)
     want, margin = greedy_by_recompute(jax.jit(lambda t: model.forward_dense(t)), PROMPTS, MAX_TOKENS, MAX_LEN)
     assert margin > 1e-3, margin
-    e = make_engine(cfg, CacheConfig(block_size=8, num_blocks=12),
-                    SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN), params=state,
-                    parallel_config=ParallelConfig(tensor_parallel_size=2), compile_cache=False,
+    e = make_engine(model_config=cfg, cache_config=CacheConfig(block_size=8, num_blocks=12),
+                    scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                    params=state, parallel_config=ParallelConfig(tensor_parallel_size=2), compile_cache=False,
                     decode_steps_per_call=4)
     got = [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == want, f"{got} != {want}"
@@ -215,10 +218,10 @@ def qk_norms_tensor_parallel():
 
         def run(tp, cfg=cfg, state=state):
             pc = None if tp is None else ParallelConfig(tensor_parallel_size=tp)
-            return _step_logits(make_engine(cfg, CacheConfig(block_size=8, num_blocks=16),
-                                            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
-                                                            max_model_len=MAX_LEN),
-                                            params=state, parallel_config=pc, compile_cache=False))
+            return _step_logits(make_engine(model_config=cfg, cache_config=CacheConfig(block_size=8, num_blocks=16),
+                                            scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                                             max_model_len=MAX_LEN), params=state,
+                                            parallel_config=pc, compile_cache=False))
 
         want = run(None)
         tp = 2 if name == "olmo2" else 4  # (CI time: one each) the norm across split heads; replicated KV heads
@@ -229,9 +232,10 @@ def qk_norms_tensor_parallel():
 def _quantized_engine(cfg, state, tp):
     """A small engine of the quantized model (`cfg`, `state`) on `tp` devices (None: one, no mesh)."""
     pc = None if tp is None else ParallelConfig(tensor_parallel_size=tp)
-    return make_engine(cfg, CacheConfig(block_size=8, num_blocks=16),
-                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
-                       params=state, parallel_config=pc, compile_cache=False)
+    return make_engine(model_config=cfg, cache_config=CacheConfig(block_size=8, num_blocks=16),
+                       scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                        max_model_len=MAX_LEN), params=state, parallel_config=pc,
+                       compile_cache=False)
 
 
 @check
@@ -295,9 +299,10 @@ def moe_expert_parallel():
     assert margin > 1e-3, f"a near tie ({margin}) would make token equality depend on rounding"
 
     def run(tp):
-        e = make_engine(cfg, CacheConfig(block_size=8, num_blocks=16),
-                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
-                        params=state, parallel_config=ParallelConfig(tensor_parallel_size=tp), compile_cache=False)
+        e = make_engine(model_config=cfg, cache_config=CacheConfig(block_size=8, num_blocks=16),
+                        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                         max_model_len=MAX_LEN), params=state,
+                        parallel_config=ParallelConfig(tensor_parallel_size=tp), compile_cache=False)
         return e, [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
     for tp in (4,):  # (tp 2 is a slow check's: CI time) one expert per device, and tp > the 2 KV heads
@@ -333,9 +338,10 @@ def gpt_oss_tensor_parallel():
     want, margin = greedy_by_recompute(jax.jit(lambda t: model.forward_dense(t)), PROMPTS, MAX_TOKENS, MAX_LEN)
     assert margin > 1e-3, f"a near tie ({margin}) would make token equality depend on rounding"
     for tp in (2, 4):
-        e = make_engine(cfg, CacheConfig(block_size=4, num_blocks=48),
-                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
-                        params=state, parallel_config=ParallelConfig(tensor_parallel_size=tp), compile_cache=False,
+        e = make_engine(model_config=cfg, cache_config=CacheConfig(block_size=4, num_blocks=48),
+                        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                         max_model_len=MAX_LEN), params=state,
+                        parallel_config=ParallelConfig(tensor_parallel_size=tp), compile_cache=False,
                         decode_steps_per_call=4)
         layer = e.runner.params["layers"][0]
         for name, spec in (("gate_proj", P("tp", None, None)), ("down_proj_bias", P("tp", None))):
@@ -380,7 +386,7 @@ def quantized_moe_expert_parallel():
     assert got == want, f"{got} != {want}"
 
 
-def _byom_run(tp, dp=None):
+def _byom_run(tp, dp=1):
     """The GPT-2-style example model (tests/model/gpt2_example.py) through an engine of `tp` x `dp` devices:
     (engine, greedy tokens of PROMPTS) with prefix hits, preemption and fused decode."""
     from tests.model.gpt2_example import GPT2, GPT2Config
@@ -388,7 +394,8 @@ def _byom_run(tp, dp=None):
     model = GPT2(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4), rngs=nnx.Rngs(0))
     e = make_engine(model=model, cache_config=CacheConfig(block_size=8, num_blocks=8),
                     scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
-                    compile_cache=False, tensor_parallel_size=tp, data_parallel_size=dp, decode_steps_per_call=4)
+                    compile_cache=False, decode_steps_per_call=4,
+                    parallel_config=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp))
     return e, [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
@@ -452,7 +459,7 @@ def images_tensor_parallel():
                ([1, 2, 3] + img + [4, 6], pixels[:1])]
     e = LLMEngine(model=model, cache_config=CacheConfig(block_size=4, num_blocks=32),
                   scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6, max_model_len=MAX_LEN),
-                  compile_cache=False, tensor_parallel_size=2, decode_steps_per_call=4)
+                  compile_cache=False, decode_steps_per_call=4, parallel_config=ParallelConfig(tensor_parallel_size=2))
     requests = [{"prompt_token_ids": ids, "multi_modal_data": {"image": images}} for ids, images in prompts]
     got = [o.output_token_ids for o in e.generate(requests, GREEDY, use_tqdm=False)]
     assert len({t for tokens in got for t in tokens}) > 2, f"a degenerate model: {got}"
@@ -471,10 +478,10 @@ def images_tensor_parallel():
 def kv_pool_sized_per_device():
     """kv_memory_bytes is each device's budget: tp 2 over 8/2 heads holds twice the blocks of one device."""
     budget = 64 * 1024
-    one = LLMEngine(config("gqa"), CacheConfig(block_size=8, kv_memory_bytes=budget), params=params("gqa"),
-                    compile_cache=False)
-    two = LLMEngine(config("gqa"), CacheConfig(block_size=8, kv_memory_bytes=budget), params=params("gqa"),
-                    compile_cache=False, parallel_config=ParallelConfig(tensor_parallel_size=2))
+    one = LLMEngine(model_config=config("gqa"), cache_config=CacheConfig(block_size=8, kv_memory_bytes=budget),
+                    params=params("gqa"), compile_cache=False)
+    two = LLMEngine(model_config=config("gqa"), cache_config=CacheConfig(block_size=8, kv_memory_bytes=budget),
+                    params=params("gqa"), compile_cache=False, parallel_config=ParallelConfig(tensor_parallel_size=2))
     assert two.num_blocks == 2 * one.num_blocks, (one.num_blocks, two.num_blocks)
     assert two.stats().kv_cache_bytes_per_device == one.stats().kv_cache_bytes_per_device <= budget
     assert two.stats().scheduler.memory.num_blocks == two.num_blocks
@@ -482,8 +489,9 @@ def kv_pool_sized_per_device():
 
 def _int8_engine(tp: int | None, **kw) -> LLMEngine:
     """A gqa engine on int8 KV pages; with `tp`, its pages and their scales checked to be sharded by KV heads."""
-    e = LLMEngine(config("gqa"), CacheConfig(block_size=8, kv_dtype="int8", **{"num_blocks": 8, **kw}),
-                  SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+    e = LLMEngine(model_config=config("gqa"), cache_config=CacheConfig(block_size=8, kv_dtype="int8",
+                                                                       **{"num_blocks": 8, **kw}),
+                  scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
                   params=params("gqa"), compile_cache=False, decode_steps_per_call=4,
                   parallel_config=None if tp is None else ParallelConfig(tensor_parallel_size=tp))
     for layer in e.runner.kv_cache.layers:
@@ -856,9 +864,8 @@ def _latent_layers(name: str) -> None:
                                        MAX_LEN)
     assert margin > 1e-3, f"{name}: a near tie ({margin}) would make token equality depend on rounding"
     e = LLMEngine(model=init_deepseek(cfg, seed=1), cache_config=CacheConfig(block_size=8, num_blocks=8),
-                  scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
-                                                   max_model_len=MAX_LEN),
-                  tensor_parallel_size=2, decode_steps_per_call=4, compile_cache=False)
+                  scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                  decode_steps_per_call=4, compile_cache=False, parallel_config=ParallelConfig(tensor_parallel_size=2))
     got = [o.output_token_ids for o in e.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == want, f"{name} tp=2: {got} != {want}"
     s = e.stats()
@@ -916,7 +923,8 @@ def _hybrid_greedy(name: str, backend: str = "auto", num_prompts: int = len(PROM
     assert len({t for w in want for t in w}) > 2, f"{name}: a degenerate reference {want}"
     e = LLMEngine(model=_scaled(init(1)), cache_config=CacheConfig(block_size=8, num_blocks=8),
                   scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
-                  tensor_parallel_size=2, decode_steps_per_call=4, compile_cache=False, backend=backend)
+                  decode_steps_per_call=4, compile_cache=False, backend=backend,
+                  parallel_config=ParallelConfig(tensor_parallel_size=2))
     got = [o.output_token_ids for o in e.generate(prompts, sampling, use_tqdm=False)]
     assert got == want, f"{name} tp=2 {backend}: {got} != {want}"
     s = e.stats()
@@ -965,8 +973,8 @@ def hybrid_tensor_parallel():
     budget, init = 256 * 1024, _hybrid_models()["nemotron_h"]  # 28 snapshots of 3.5 KiB: 98 KiB of state
     one, two = (LLMEngine(model=init(1), cache_config=CacheConfig(block_size=8, kv_memory_bytes=budget),
                           scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
-                                                           max_model_len=MAX_LEN),
-                          tensor_parallel_size=tp, compile_cache=False) for tp in (1, 2))
+                                                           max_model_len=MAX_LEN), compile_cache=False,
+                          parallel_config=ParallelConfig(tensor_parallel_size=tp)) for tp in (1, 2))
     assert two.num_blocks > 2 * one.num_blocks, (one.num_blocks, two.num_blocks)
     assert two.stats().kv_cache_bytes_per_device <= budget and one.stats().kv_cache_bytes_per_device <= budget
 
@@ -989,10 +997,11 @@ def hybrid_pallas_under_shard_map():
 def _lora_engine(tp: int | None) -> LLMEngine:
     """A gqa engine serving 2 adapter slots of rank 8 on `tp` devices (None: one, no mesh): a pool small enough to
     preempt, 16-token chunks, fused decodes of 4 steps."""
-    return LLMEngine(config("gqa"), CacheConfig(block_size=8, num_blocks=8),
-                     SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
-                     params=params("gqa"), compile_cache=False, decode_steps_per_call=4, enable_lora=True, max_loras=2,
-                     max_lora_rank=8, parallel_config=None if tp is None else ParallelConfig(tensor_parallel_size=tp))
+    return LLMEngine(model_config=config("gqa"), cache_config=CacheConfig(block_size=8, num_blocks=8),
+                     scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                     params=params("gqa"), compile_cache=False, decode_steps_per_call=4,
+                     parallel_config=None if tp is None else ParallelConfig(tensor_parallel_size=tp),
+                     lora_config=LoRAConfig(max_loras=2, max_lora_rank=8))
 
 
 def _lora_folders(d: str) -> dict:

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from pagedjax import SamplingParams
+from pagedjax.config import LoRAConfig
 from pagedjax.serve.async_engine import AsyncLLMEngine, EngineStepError, EngineStoppedError, QueueFullError
 from tests.serve.server_utils import make_engine
 
@@ -261,7 +262,7 @@ def test_lora_adapters_are_added_and_removed_on_the_engine_thread(tmp_path):
     from tests.lora.adapters import write_adapter
     from tests.serve.server_utils import CFG
 
-    engine = AsyncLLMEngine(make_engine(enable_lora=True, max_loras=1, max_lora_rank=8))
+    engine = AsyncLLMEngine(make_engine(lora_config=LoRAConfig(max_loras=1, max_lora_rank=8)))
     folder = write_adapter(tmp_path / "a", CFG, rank=4, seed=0)
 
     async def main():

@@ -159,9 +159,9 @@ def test_a_pool_smaller_than_the_context_clips_the_default_max_tokens():
     from pagedjax.model.tokenizer import ByteTokenizer
     from tests.serve.server_utils import BLOCK_SIZE, CFG, MAX_MODEL_LEN, SEED
 
-    llm = LLMEngine(CFG, CacheConfig(block_size=BLOCK_SIZE, num_blocks=1),
-                    SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN),
-                    seed=SEED, tokenizer=ByteTokenizer())
+    llm = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK_SIZE, num_blocks=1),
+                    scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                                     max_model_len=MAX_MODEL_LEN), seed=SEED, tokenizer=ByteTokenizer())
     assert llm.max_request_tokens == BLOCK_SIZE + 1
     with running_server(llm) as s:
         assert httpx.get(s.url + "/v1/models").json()["data"][0]["max_model_len"] == BLOCK_SIZE + 1

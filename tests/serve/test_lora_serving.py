@@ -18,6 +18,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from pagedjax import LoRARequest, SamplingParams
+from pagedjax.config import LoRAConfig
 from pagedjax.model.tokenizer import ByteTokenizer
 from pagedjax.serve.app import build_app
 from pagedjax.serve.async_engine import AsyncLLMEngine
@@ -37,7 +38,7 @@ PROMPT = [256, 100, 101, 102, 10, 32, 32]
 MESSAGES = [{"role": "user", "content": "def parse("}]
 MAX_TOKENS = 10
 LONG_TOKENS = 200  # the request an unload finds running
-ENGINE_LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=MAX_LORA_RANK)
+ENGINE_LORA = dict(lora_config=LoRAConfig(max_loras=2, max_lora_rank=MAX_LORA_RANK))
 
 
 def _engine():
@@ -382,7 +383,7 @@ def test_bad_start_up_adapters_are_refused_by_name(folders):
                           ({MODEL_NAME: str(folders["sql"])}, "the base model's name")):
         with pytest.raises(ValueError, match=says):
             build_app(AsyncLLMEngine(llm), model_name=MODEL_NAME, lora_modules=modules)
-    with pytest.raises(ValueError, match="enable_lora=True"):
+    with pytest.raises(ValueError, match="lora_config"):
         build_app(AsyncLLMEngine(make_engine()), model_name=MODEL_NAME, lora_modules={"sql": str(folders["sql"])})
     with pytest.raises(ValueError, match="is not a folder"):
         RuntimeLoRAUpdates(Path(os.devnull))

@@ -28,7 +28,7 @@ def _options(parser, group_title=None) -> set[str]:
 
 def test_engine_options_are_pagedjax_generates():
     engine_options = _options(generate_parser(), ENGINE_GROUP)
-    assert {"--model", "--block-size", "--kv-memory", "--decode-steps-per-call", "--num-steps", "--backend",
+    assert {"--model", "--block-size", "--kv-memory", "--decode-steps-per-call", "--backend", "--seed",
             "--tensor-parallel-size", "--data-parallel-size"} <= engine_options
     assert engine_options <= _options(build_parser())
     args = build_parser().parse_args(["--kv-memory", "64MiB", "--port", "9001", "--api-key", "k"])
@@ -44,9 +44,35 @@ def test_fused_decode_is_generates_default_and_not_the_servers(capsys):
     assert build_parser().parse_args(["--decode-steps-per-call", "4"]).decode_steps_per_call == 4
     assert generate_parser().parse_args([]).decode_steps_per_call == 8
     assert capsys.readouterr().err == ""
-    # The old spelling still works, and says it is deprecated.
-    assert generate_parser().parse_args(["--num-steps", "3"]).decode_steps_per_call == 3
-    assert "--num-steps is deprecated; use --decode-steps-per-call" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the deprecated spelling is gone
+        generate_parser().parse_args(["--num-steps", "3"])
+
+
+def test_python_and_both_command_lines_have_the_same_defaults():
+    """One definition of each option: the `EngineConfig` both command lines build from no flags is Python's
+    `EngineConfig()` but for each front end's stated choices (pagedjax-generate fuses 8 decode steps per call,
+    pagedjax-serve compiles in the background) and what a CLI sets up itself (JAX's compile cache, the model
+    folder's sampling defaults, a built-in model's shape). Each engine flag's help is its field's."""
+    import dataclasses
+
+    from pagedjax.cli.args import add_field_option
+    from pagedjax.cli.engine_setup import engine_config_of
+    from pagedjax.config import EngineConfig, SamplingDefaults
+
+    python = EngineConfig(compile_cache=False)
+    for parser, choices in ((generate_parser(), {"decode_steps_per_call": 8}),
+                            (build_parser(), {"compile_in_background": True})):
+        built = engine_config_of(parser.parse_args([]), compile_cache=False, sampling_defaults=SamplingDefaults())
+        assert built == dataclasses.replace(python, **choices)
+    # a flag's help and default are read from its field
+    import argparse
+
+    probe = argparse.ArgumentParser(prog="probe")
+    add_field_option(probe, EngineConfig, "max_compiled_programs", type=int)
+    field = next(f for f in dataclasses.fields(EngineConfig) if f.name == "max_compiled_programs")
+    assert probe.parse_args([]).max_compiled_programs == field.default == 64
+    assert field.metadata["help"] in " ".join(probe.format_help().split())
+    assert field.metadata["help"] in " ".join(generate_parser().format_help().split())
 
 
 def test_warmup_is_the_servers_default_and_not_generates():
@@ -285,8 +311,9 @@ def test_api_key_sources_and_an_empty_key(tmp_path, monkeypatch):
 
 def test_lora_options(tmp_path):
     from pagedjax.cli.args import LORA_GROUP
-    from pagedjax.cli.engine_setup import lora_engine_args
+    from pagedjax.cli.engine_setup import lora_config_of
     from pagedjax.cli.errors import CLIError
+    from pagedjax.config import LoRAConfig
 
     assert {"--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--lora-modules",
             "--enable-runtime-lora-updates", "--lora-root", "--max-lora-bytes",
@@ -294,11 +321,11 @@ def test_lora_options(tmp_path):
     args = build_parser().parse_args(["--enable-lora", "--max-loras", "2", "--lora-modules", "a=x/a", "b=/y=z",
                                       "--lora-modules", '{"name": "c", "path": "p", "base_model_name": "m"}'])
     assert args.lora_modules == [("a", "x/a", None), ("b", "/y=z", None), ("c", "p", "m")]
-    assert lora_engine_args(args) == {"enable_lora": True, "max_loras": 2}
-    assert lora_engine_args(build_parser().parse_args([])) == {}
-    assert lora_engine_args(generate_parser().parse_args([])) == {}  # pagedjax-generate has no LoRA flags
+    assert lora_config_of(args) == LoRAConfig(max_loras=2)
+    assert lora_config_of(build_parser().parse_args([])) is None
+    assert lora_config_of(generate_parser().parse_args([])) is None  # pagedjax-generate has no LoRA flags
     with pytest.raises(CLIError, match="--max-lora-rank needs --enable-lora"):
-        lora_engine_args(build_parser().parse_args(["--max-lora-rank", "8"]))
+        lora_config_of(build_parser().parse_args(["--max-lora-rank", "8"]))
     for bad in ("noequals", "=path", "name=", '{"name": "c"}', '{"name": "c", "path": "p", "extra": 1}', "{bad"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--lora-modules", bad])

@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 from pagedjax.config import ModelConfig
+from pagedjax.config.engine import engine_config
 from pagedjax.model.errors import ModelLoadError
 from pagedjax.model.llama import Llama, init_model, model_from_state
+from pagedjax.model.loading.generation_config import folder_sampling_defaults
 from pagedjax.model.loading.hf_config import DEEPSEEK_MODEL_TYPES, HYBRID_MODEL_TYPES, VISION_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
@@ -154,6 +156,23 @@ def load_engine_model(path, dtype: str | None, parallel_config, devices, quantiz
     return {"model": model}, tokenizer
 
 
+def load_engine_inputs(path, dtype: str | None, quantization, tokenizer, devices, options: dict, owner: str):
+    """`(EngineConfig, the engine's other keywords)` of a saved model: what `from_pretrained(path, **options)`
+    builds an engine of. `options` are `EngineConfig`'s fields (its `model_config` is the folder's: naming one is a
+    TypeError); a `parallel_config` among them reads the weights straight into their shards on the first
+    replica's mesh; `sampling_defaults`, unless given, are the folder's (`folder_sampling_defaults`)."""
+    if "model_config" in options:
+        raise TypeError(f"{owner}: the model's shape (model_config) is the folder's; use LLMEngine(model_config=...)"
+                        " for a model of your own shape")
+    config = engine_config(None, options, owner)
+    weights, folder_tokenizer = load_engine_model(path, dtype, config.parallel_config, devices, quantization)
+    config = config.replace(model_config=weights.pop("model_config", None))
+    if "sampling_defaults" not in options:
+        config = config.replace(sampling_defaults=folder_sampling_defaults(path))
+    return config, {**weights, "tokenizer": folder_tokenizer if tokenizer is None else tokenizer,
+                    "image_processor": folder_image_processor(path, weights), "devices": devices}
+
+
 def folder_image_processor(path, weights: dict):
     """The image processor of a saved vision-language model (`pagedjax.model.processor.load_image_processor`) when the
     model `load_engine_model` built (`weights`) takes images; None otherwise."""
@@ -165,8 +184,8 @@ def folder_image_processor(path, weights: dict):
     return load_image_processor(path)
 
 
-__all__ = ["ModelLoadError", "folder_image_processor", "is_hf_folder", "load_engine_model", "load_pretrained",
-           "load_registered"]
+__all__ = ["ModelLoadError", "folder_image_processor", "is_hf_folder", "load_engine_inputs", "load_engine_model",
+           "load_pretrained", "load_registered"]
 
 
 def engine_model(model_config: ModelConfig | None, params, model, seed: int):
