@@ -1,5 +1,5 @@
 """MLA vs GQA on this machine: prefill and decode tokens/s of a multi-head latent attention model (DeepSeek's
-attention, `pagedjax.model.deepseek`, dense MLPs) against a GQA model of equal width, depth and MLP
+attention, `pagedjax.model.families.deepseek`, dense MLPs) against a GQA model of equal width, depth and MLP
 (`pagedjax.model.llama`), both random, through the same engine, at a few batch sizes and context lengths; with
 each model's KV bytes per token (from its layer specs). Every ratio is measured in the same run, in interleaved
 rounds (the two models alternate, the order rotating per round), medians.
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from pagedjax.config.deepseek import DeepSeekConfig  # noqa: E402
-from pagedjax.model.deepseek import init_deepseek  # noqa: E402
+from pagedjax.model.families.deepseek import init_deepseek  # noqa: E402
 
 logger = logging.getLogger("bench_mla")  # progress; the tables are printed
 

@@ -1,8 +1,8 @@
 """The DeepSeek V2 / V3 / V3.2 family's configuration (`DeepSeekConfig`, with `DeepSeekMoEConfig` for its
 routed experts and `DeepSeekIndexerConfig` for V3.2's sparse attention): multi-head latent attention (MLA), YaRN
 RoPE, shared + routed experts with DeepSeek's routers, and in V3.2 a lightning indexer choosing which earlier
-tokens each query attends to (DeepSeek Sparse Attention, DSA). The model is `pagedjax.model.deepseek.DeepSeek`;
-`pagedjax.model.loading.hf_config.load_deepseek_config` maps a Hugging Face `config.json` ("deepseek_v2",
+tokens each query attends to (DeepSeek Sparse Attention, DSA). The model is `pagedjax.model.families.deepseek.DeepSeek`;
+`pagedjax.model.families.deepseek.load_config` maps a Hugging Face `config.json` ("deepseek_v2",
 "deepseek_v3", "deepseek_v32") to it.
 
 Plain Python, no JAX (`pagedjax.config` imports it, and the host side imports that).

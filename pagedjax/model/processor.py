@@ -295,10 +295,10 @@ def load_image_processor(path: str | os.PathLike) -> ImageProcessor:
     `tokenizer.json` and `tokenizer_config.json` (the image tokens). ModelLoadError naming the file and field for
     anything unsupported or inconsistent with the model (another image size, another count of tokens per image,
     another image token)."""
-    from pagedjax.model.loading.hf_vision import load_vision_config
+    from pagedjax.model.loading.hf_vision import load_config
 
     folder = Path(path)
-    cfg = load_vision_config(folder)
+    cfg = load_config(folder)
     spec = cfg.spec.images
     family = read_json(folder / "config.json")["model_type"]
     processor_path = folder / "processor_config.json"

@@ -23,8 +23,9 @@ transformers = pytest.importorskip("transformers")
 
 from pagedjax.config.deepseek import DeepSeekConfig, DeepSeekMoEConfig  # noqa: E402
 from pagedjax.model.errors import ModelLoadError  # noqa: E402
-from pagedjax.model.loading.hf_config import load_deepseek_config, load_hf_config  # noqa: E402
-from pagedjax.model.loading.hf_loader import load_hf_deepseek  # noqa: E402
+from pagedjax.model.families.deepseek import load as load_hf_deepseek  # noqa: E402
+from pagedjax.model.families.deepseek import load_config as load_deepseek_config  # noqa: E402
+from pagedjax.model.loading.hf_config import load_hf_config  # noqa: E402
 from tests.model.test_hf import MIN_MARGIN, hf_greedy, hf_logits  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -250,7 +251,7 @@ def test_int8_weights_keep_the_latent_up_projection_and_the_router_float(models)
     """`quantize_model` (what `from_pretrained(quantization=...)` applies to a model of the contract) quantizes
     the linear layers; `kv_b_proj`, which the absorbed path reads by head, and the router stay float. Measured
     against the float model: the top-1 token agrees at 33 of the 36 positions."""
-    from pagedjax.model.deepseek import LatentUpProjection, Router
+    from pagedjax.model.families.deepseek import LatentUpProjection, Router
     from pagedjax.model.layers.quant import QuantizedLinear, quantize_model
 
     ours, _ = load_hf_deepseek(models["v3_yarn"][1])

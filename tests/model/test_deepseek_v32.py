@@ -24,10 +24,11 @@ transformers = pytest.importorskip("transformers")
 
 from pagedjax.config import IndexedSparse  # noqa: E402
 from pagedjax.config.deepseek import DeepSeekConfig, DeepSeekIndexerConfig, DeepSeekMoEConfig  # noqa: E402
-from pagedjax.model.deepseek import top_k_mask  # noqa: E402
 from pagedjax.model.errors import ModelLoadError  # noqa: E402
-from pagedjax.model.loading.hf_config import load_deepseek_config, load_hf_config  # noqa: E402
-from pagedjax.model.loading.hf_loader import load_hf_deepseek  # noqa: E402
+from pagedjax.model.families.deepseek import load as load_hf_deepseek  # noqa: E402
+from pagedjax.model.families.deepseek import load_config as load_deepseek_config  # noqa: E402
+from pagedjax.model.families.deepseek import top_k_mask  # noqa: E402
+from pagedjax.model.loading.hf_config import load_hf_config  # noqa: E402
 from tests.model.test_deepseek import perturbed, saved_models  # noqa: E402
 from tests.model.test_hf import hf_logits  # noqa: E402
 
@@ -134,7 +135,7 @@ def test_dense_logits_match_transformers(models, kind):
 def test_the_selection_changes_the_logits(models):
     """The same weights with index_topk >= the prompt (every earlier position selected: dense MLA) give other
     logits: the parity above is a parity of the sparse attention, not of MLA."""
-    from pagedjax.model.deepseek import deepseek_from_state
+    from pagedjax.model.families.deepseek import deepseek_from_state
 
     ours, _ = load_hf_deepseek(models["v32"][1])
     cfg = ours.config
@@ -291,7 +292,7 @@ def test_engine_with_index_topk_past_the_context_is_plain_mla(models):
     """index_topk (64) >= every context: the sparse layers select every earlier position, so the engine's
     tokens and log-probabilities equal those of the same weights without an indexer (V3's absorbed MLA over
     latent pages)."""
-    from pagedjax.model.deepseek import deepseek_from_state
+    from pagedjax.model.families.deepseek import deepseek_from_state
     from pagedjax.sampling_params import SamplingParams
 
     ours, _ = load_hf_deepseek(models["v32"][1])
@@ -311,7 +312,7 @@ def test_the_official_v32_config_json_maps(tmp_path):
     """DeepSeek-V3.2-Exp's config.json (V3's fields and spellings, plus the indexer's), shrunk to 2 layers: the
     indexer, its cache (the bf16 latent entry and indexer key: (576 + 128) * 2 bytes a token per layer) and its
     float32 `weights_proj` in a bf16 model."""
-    from pagedjax.model.deepseek import abstract_deepseek
+    from pagedjax.model.families.deepseek import abstract_deepseek
 
     official = {
         "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "vocab_size": 129280,

@@ -22,10 +22,11 @@ transformers = pytest.importorskip("transformers")
 
 from pagedjax.config import IndexedSparse, LatentAttention  # noqa: E402
 from pagedjax.config.deepseek import DeepSeekIndexerConfig  # noqa: E402
-from pagedjax.model.deepseek import deepseek_from_state  # noqa: E402
 from pagedjax.model.errors import ModelLoadError  # noqa: E402
-from pagedjax.model.loading.hf_config import load_deepseek_config, load_hf_config  # noqa: E402
-from pagedjax.model.loading.hf_loader import load_hf_deepseek  # noqa: E402
+from pagedjax.model.families.deepseek import deepseek_from_state  # noqa: E402
+from pagedjax.model.families.deepseek import load as load_hf_deepseek  # noqa: E402
+from pagedjax.model.families.deepseek import load_config as load_deepseek_config  # noqa: E402
+from pagedjax.model.loading.hf_config import load_hf_config  # noqa: E402
 from pagedjax.sampling_params import SamplingParams  # noqa: E402
 from tests.model.test_deepseek import perturbed, saved_models  # noqa: E402
 from tests.model.test_deepseek_v32 import (  # noqa: E402

@@ -23,8 +23,9 @@ transformers = pytest.importorskip("transformers")
 from pagedjax import SamplingParams  # noqa: E402
 from pagedjax.config.kv_spec import FullAttention, RecurrentState  # noqa: E402
 from pagedjax.model.families.nemotron_h import NemotronH  # noqa: E402
-from pagedjax.model.loading.hf_config import load_hf_config, load_nemotron_h_config  # noqa: E402
-from pagedjax.model.loading.hf_loader import load_hf_nemotron_h  # noqa: E402
+from pagedjax.model.families.nemotron_h import load as load_hf_nemotron_h  # noqa: E402
+from pagedjax.model.families.nemotron_h import load_config as load_nemotron_h_config  # noqa: E402
+from pagedjax.model.loading.hf_config import load_hf_config  # noqa: E402
 from tests.model.hybrid_cases import (  # noqa: E402
     GREEDY,
     MAX_NEW,
@@ -99,7 +100,7 @@ def test_config_maps_nemotron_h(ckpt):
     state = RecurrentState((4, 8, 8), (4 * 8 + 2 * 2 * 8, 3))  # SSM [H, P, N]; conv window [x | B | C, K - 1]
     assert cfg.spec.kv_layers == (state, FullAttention(2, 8), state)  # the MLP layer holds no cache
     assert cfg.spec.kv_layout.pools == ("kv", "state")
-    with pytest.raises(ValueError, match="load_nemotron_h_config"):  # not a ModelConfig model
+    with pytest.raises(ValueError, match="nemotron_h.load_config"):  # not a ModelConfig model
         load_hf_config(ckpt.folder)
 
 

@@ -22,8 +22,9 @@ transformers = pytest.importorskip("transformers")
 from pagedjax import SamplingParams  # noqa: E402
 from pagedjax.config.kv_spec import FullAttention, RecurrentState  # noqa: E402
 from pagedjax.model.families.qwen3_next import Qwen3Next  # noqa: E402
-from pagedjax.model.loading.hf_config import load_hf_config, load_qwen3_next_config  # noqa: E402
-from pagedjax.model.loading.hf_loader import load_hf_qwen3_next  # noqa: E402
+from pagedjax.model.families.qwen3_next import load as load_hf_qwen3_next  # noqa: E402
+from pagedjax.model.families.qwen3_next import load_config as load_qwen3_next_config  # noqa: E402
+from pagedjax.model.loading.hf_config import load_hf_config  # noqa: E402
 from tests.model.test_hf import MIN_MARGIN, hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -100,7 +101,7 @@ def test_config_maps_qwen3_next(ckpt):
     state = RecurrentState((4, 8, 8), (2 * 2 * 8 + 4 * 8, 3))
     assert cfg.spec.kv_layers == (state, FullAttention(2, 16), state)
     assert cfg.spec.kv_layout.pools == ("kv", "state")
-    with pytest.raises(ValueError, match="load_qwen3_next_config"):  # not a ModelConfig model
+    with pytest.raises(ValueError, match="qwen3_next.load_config"):  # not a ModelConfig model
         load_hf_config(ckpt.folder)
 
 

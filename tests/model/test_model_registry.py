@@ -163,3 +163,30 @@ def test_entry_points_register_what_nothing_registered_in_process(monkeypatch):
     monkeypatch.setattr(ModelRegistry, "_entry_points_loaded", False)
     monkeypatch.setattr(ModelRegistry, "_factories", dict(ModelRegistry.model_factories()))
     assert ModelRegistry.factory_for("fc_plugin_arch") is gpt2_example.from_hf_folder
+
+
+def test_a_built_in_family_is_one_module_and_its_entry(folder, tmp_path, monkeypatch):
+    """What adding a family to pagedjax takes: one module (its `load_config` and `load`) and its entry in
+    `pagedjax.model.families.FAMILIES`; then `from_pretrained` serves its folders, `load_hf_config` sends them to
+    the module, and the list of loadable types names the family. Here a toy family of GPT-2 folders."""
+    from pagedjax.model import families
+    from pagedjax.model.loading.hf_config import load_hf_config, loadable_model_types
+
+    (tmp_path / "toy_family.py").write_text(
+        "import json\nfrom tests.model.gpt2_example import from_hf_folder\n\n\n"
+        "def load_config(path, dtype=None):\n    return json.loads((path / 'config.json').read_text())\n\n\n"
+        "def load(path, dtype=None):\n    return from_hf_folder(path, dtype)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(families, "FAMILIES", (*families.FAMILIES, families.Family("toy_family", ("toy_gpt2",),
+                                                                                     "toy")))
+    path, model = folder
+    toy = shutil.copytree(path, tmp_path / "toy")
+    (toy / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()),
+                                                 "model_type": "toy_gpt2"}))
+    monkeypatch.setattr(ModelRegistry, "_factories", {})  # served as built in, not as registered
+    engine = LLMEngine.from_pretrained(toy, **ENGINE)
+    want = LLMEngine(model=model, tokenizer=engine.tokenizer, **ENGINE).generate("def f(x):", GREEDY, use_tqdm=False)
+    assert engine.generate("def f(x):", GREEDY, use_tqdm=False)[0].output_token_ids == want[0].output_token_ids
+    with pytest.raises(ValueError, match="a toy model, not a ModelConfig one.*toy_family.load_config"):
+        load_hf_config(toy)
+    assert "; toy toy_gpt2" in loadable_model_types()

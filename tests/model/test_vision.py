@@ -33,7 +33,8 @@ from pagedjax.model.llama import Llama  # noqa: E402
 from pagedjax.model.llava import Llava  # noqa: E402
 from pagedjax.model.loading import hf_vision  # noqa: E402
 from pagedjax.model.loading.hf_config import load_hf_config  # noqa: E402
-from pagedjax.model.loading.hf_vision import load_hf_vision, load_vision_config  # noqa: E402
+from pagedjax.model.loading.hf_vision import load as load_hf_vision  # noqa: E402
+from pagedjax.model.loading.hf_vision import load_config as load_vision_config  # noqa: E402
 from pagedjax.model.loading.loader import load_engine_model, load_registered  # noqa: E402
 from pagedjax.model.processor import load_image_processor  # noqa: E402
 from pagedjax.model.vision.vlm import placeholder_index  # noqa: E402

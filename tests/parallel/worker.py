@@ -848,7 +848,7 @@ def glm5_tensor_parallel():
 
 def _latent_layers(name: str) -> None:
     from pagedjax.config.deepseek import DeepSeekConfig
-    from pagedjax.model.deepseek import init_deepseek
+    from pagedjax.model.families.deepseek import init_deepseek
 
     cfg = DeepSeekConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, q_lora_rank=8,

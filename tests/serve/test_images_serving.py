@@ -897,7 +897,7 @@ def test_a_vision_model_end_to_end(server, llava_folder):
     from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
     from pagedjax.model.hf_tokenizer import HFTokenizer
     from pagedjax.model.llava import Llava
-    from pagedjax.model.loading.hf_vision import load_vision_config
+    from pagedjax.model.loading.hf_vision import load_config as load_vision_config
     from pagedjax.model.processor import decode_image, load_image_processor
 
     # the folder's configs, tokenizer and processor, as transformers writes them; random weights (the model's

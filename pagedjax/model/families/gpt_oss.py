@@ -193,7 +193,7 @@ _MXFP4 = ("experts.gate_up_proj", "experts.down_proj")  # the matrices a checkpo
 
 def tensor_names(path: tuple) -> list[tuple[str, bool, None]] | None:
     """A model parameter's checkpoint tensor where gpt-oss names it its own way: [(name, transposed?, None)], or
-    None for the parameters named as the Llama family's (`hf_loader._hf_names`). The router (`mlp.gate`) is
+    None for the parameters named as the Llama family's (`hf_loader.hf_names`). The router (`mlp.gate`) is
     `mlp.router`; the sinks are `self_attn.sinks`; the experts' parameters are read whole, gate / up and their
     biases as the halves of the fused tensors (`ExpertTensors` presents them as `<fused>:gate` / `:up`), down and
     its bias as stored."""

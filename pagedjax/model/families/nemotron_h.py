@@ -6,7 +6,7 @@ their own, snapshots valid at block boundaries: prefix hits, chunked prefill, pr
 Qwen3-Next's DeltaNet layers), the attention layers K/V pages as any `FullAttention` layer; MLP layers hold no
 cache (the spec's `kv_layers` are the Mamba-2 and attention layers, in order). What is here: the config
 (`NemotronHConfig`, mapped from config.json by `config_from_hf`), the model (`NemotronH`) and its checkpoint names
-(`tensor_names`); the weights are read by `pagedjax.model.loading.hf_loader.load_hf_nemotron_h`.
+(`tensor_names`); the weights are read by `load`.
 
 The model, as transformers computes it (transformers 5.x, `models/nemotron_h/modeling_nemotron_h.py`, the PyTorch
 path of the Mamba-2 mixer, not the CUDA kernels):
@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import jax
@@ -53,13 +54,30 @@ from pagedjax.config.kv_spec import FullAttention, RecurrentState, StatePages
 from pagedjax.config.parallel import TP
 from pagedjax.device.recurrent import causal_conv1d, mamba2_ssd
 from pagedjax.model.api import PagedAttention, PagedKVCache, forward_on_fresh_pages
+from pagedjax.model.families import model_types_of
 from pagedjax.model.layers.conv import Conv1d
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.llama import Linear
-from pagedjax.model.loading.hf_fields import checkpoint_dtype, flag, id_list, number, optional_id, positive_int
+from pagedjax.model.loading.hf_fields import (
+    checkpoint_dtype,
+    flag,
+    id_list,
+    load_folder_config,
+    number,
+    optional_id,
+    positive_int,
+)
+from pagedjax.model.loading.hf_loader import (
+    IGNORED_SUFFIXES,
+    fill_state,
+    folder_tokenizer,
+    hf_names,
+    safetensors_files,
+    tensor_headers,
+)
 from pagedjax.parallel.recurrent import over_heads
 
-MODEL_TYPES = ("nemotron_h",)
+MODEL_TYPES = model_types_of(__name__)
 LAYER_TYPES = ("linear_attention", "full_attention", "mlp")
 # The legacy `hybrid_override_pattern`'s letters (NemotronHConfig._pattern_to_list); "E" (moe) is refused.
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -470,8 +488,38 @@ def nemotron_h_from_state(cfg: NemotronHConfig, state: nnx.State) -> NemotronH:
 # ---------------------------------------------------------------------------------------------------- weights
 def tensor_names(path: tuple) -> list[tuple[str, bool, None]] | None:
     """A parameter's checkpoint tensor where Nemotron-H names it other than the Llama family's rule
-    (`hf_loader._hf_names`): the mixer's `A_log`, `D` and `dt_bias` as stored; None for every other parameter."""
+    (`hf_loader.hf_names`): the mixer's `A_log`, `D` and `dt_bias` as stored; None for every other parameter."""
     *mods, leaf = (str(p) for p in path)
     if leaf in ("A_log", "D", "dt_bias"):
         return [("model." + ".".join(mods + [leaf]), False, None)]
     return None
+
+
+def load_config(path: str | os.PathLike, dtype: str | None = None) -> NemotronHConfig:
+    """Map a Nemotron-H Hugging Face folder's `config.json` (and `generation_config.json`'s stop tokens) to a
+    `NemotronHConfig` (`config_from_hf`: what it maps and refuses); `dtype` overrides the checkpoint's.
+    ModelLoadError naming the file and field."""
+    return load_folder_config(path, lambda hf, bos, eos: config_from_hf(hf, dtype, bos, eos))
+
+
+def load(path: str | os.PathLike, dtype: str | None = None):
+    """(`NemotronH` holding the folder's weights, tokenizer or None) of a
+    Nemotron-H Hugging Face folder (float weights, in the checkpoint's dtype or `dtype`): the built-in factory of
+    `model_type` "nemotron_h" (`pagedjax.model.loading.loader.load_registered`). Tensors are named by the Llama
+    family's rule (`hf_names`) and `tensor_names` (`A_log`, `D`, `dt_bias`), under `backbone.` as
+    NVIDIA's checkpoints and transformers' `save_pretrained` write them, or `model.` (transformers reads both); the
+    multi-token-prediction tensors (`mtp.*`) are not read, as transformers does not."""
+    cfg = load_config(path, dtype)
+    stored = (name for _, name, _, _ in tensor_headers(safetensors_files(path)))
+    prefix = "backbone." if any(name.startswith("backbone.") for name in stored) else "model."
+
+    def skip(name: str) -> bool:
+        return name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
+            name.startswith("mtp."))
+
+    def names(p, shape):
+        return [(prefix + n.removeprefix("model.") if n.startswith("model.") else n, t, e)
+                for n, t, e in tensor_names(p) or hf_names(p, shape)]
+
+    state = fill_state(path, lambda: nnx.split(abstract_nemotron_h(cfg))[1], names, skip=skip)
+    return nemotron_h_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)

@@ -7,7 +7,7 @@ and conv window as `RecurrentState` snapshots in the paged cache (a pool of thei
 boundaries: prefix hits, chunked prefill, preemption and forks stay exact), the full layers K/V pages as any
 `FullAttention` layer. What is here: the config (`Qwen3NextConfig`, mapped from config.json by `config_from_hf`), the
 model (`Qwen3Next`) and its checkpoint names (`tensor_names`, `TEXT_PREFIX`); the weights are read by
-`pagedjax.model.loading.hf_loader.load_hf_qwen3_next`. Qwen3.5 is a variant of this module, not a module of its own:
+`load`. Qwen3.5 is a variant of this module, not a module of its own:
 transformers builds it from Qwen3-Next's classes (`Qwen3_5TextConfig(Qwen3NextConfig)`, `Qwen3_5GatedDeltaNet(
 Qwen3NextGatedDeltaNet)`, Qwen3-Next's attention, MLP, MoE block and norms) and what differs is a few switches of the
 config (below), so each concept keeps one home.
@@ -60,7 +60,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +75,8 @@ from pagedjax.config.kv_spec import FullAttention, RecurrentState, StatePages
 from pagedjax.config.parallel import TP
 from pagedjax.device.recurrent import causal_conv1d, gated_delta_rule
 from pagedjax.model.api import PagedAttention, PagedKVCache, forward_on_fresh_pages
+from pagedjax.model.errors import read_json
+from pagedjax.model.families import model_types_of
 from pagedjax.model.layers.conv import Conv1d
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.layers.moe import Experts, combine_experts, per_expert_params, route
@@ -82,18 +86,20 @@ from pagedjax.model.loading.hf_fields import (
     checkpoint_dtype,
     flag,
     id_list,
+    load_folder_config,
     number,
     optional_id,
     positive_int,
     rope_source,
 )
+from pagedjax.model.loading.hf_loader import IGNORED_SUFFIXES, fill_state, folder_tokenizer, hf_names
 from pagedjax.parallel.recurrent import over_heads
 
 # Qwen3.5's text decoders (CausalLM checkpoints) -> whether every layer's MLP is the sparse MoE.
 QWEN3_5_TEXT_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}
 # Qwen3.5's conditional-generation checkpoints (vision tower + text decoder) -> their text_config's model_type.
 QWEN3_5_MULTIMODAL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-MODEL_TYPES = ("qwen3_next", *QWEN3_5_TEXT_TYPES, *QWEN3_5_MULTIMODAL_TYPES)
+MODEL_TYPES = model_types_of(__name__)  # "qwen3_next", QWEN3_5_TEXT_TYPES, QWEN3_5_MULTIMODAL_TYPES
 LAYER_TYPES = ("linear_attention", "full_attention")
 # Where a checkpoint keeps the decoder's tensors (`model.embed_tokens.weight`, ...; `lm_head.weight` is top-level).
 TEXT_PREFIX = {**dict.fromkeys(("qwen3_next", *QWEN3_5_TEXT_TYPES), "model."),
@@ -632,9 +638,44 @@ def qwen3_next_from_state(cfg: Qwen3NextConfig, state: nnx.State) -> Qwen3Next:
 # ---------------------------------------------------------------------------------------------------- weights
 def tensor_names(path: tuple, prefix: str = "model.") -> list[tuple[str, bool, None]] | None:
     """A parameter's checkpoint tensor where Qwen3-Next / Qwen3.5 name it other than the Llama family's rule
-    (`hf_loader._hf_names`): `linear_attn.A_log` and `.dt_bias` as stored, under the decoder's `prefix`
+    (`hf_loader.hf_names`): `linear_attn.A_log` and `.dt_bias` as stored, under the decoder's `prefix`
     (`TEXT_PREFIX`); None for every other parameter."""
     *mods, leaf = (str(p) for p in path)
     if leaf in ("A_log", "dt_bias"):
         return [(prefix + ".".join(mods + [leaf]), False, None)]
     return None
+
+
+def load_config(path: str | os.PathLike, dtype: str | None = None) -> Qwen3NextConfig:
+    """Map a Qwen3-Next or Qwen3.5 Hugging Face folder's `config.json` (and `generation_config.json`'s stop tokens)
+    to a `Qwen3NextConfig` (`config_from_hf`: what it maps and refuses); `dtype` overrides the checkpoint's.
+    ModelLoadError naming the file and field."""
+    return load_folder_config(path, lambda hf, bos, eos: config_from_hf(hf, dtype, bos, eos))
+
+
+def load(path: str | os.PathLike, dtype: str | None = None):
+    """(`Qwen3Next` holding the folder's weights, tokenizer or None) of a
+    Qwen3-Next or Qwen3.5 Hugging Face folder (float weights, in the checkpoint's dtype or `dtype`): the built-in
+    factory of `model_type` "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5" and "qwen3_5_moe"
+    (`pagedjax.model.loading.loader.load_registered`). Tensors are named as transformers' `save_pretrained` writes
+    them: the Llama family's rule (`hf_names`: kernels transposed, each expert's `mlp.experts.{e}.gate_proj.weight`
+    ... into the stacked experts) and `tensor_names` (`A_log`, `dt_bias`), the decoder's under
+    `TEXT_PREFIX` of the folder's model_type (`model.language_model.` in a Qwen3.5 conditional-generation
+    checkpoint, whose vision tower `model.visual.*` is not read: text only); the multi-token-prediction tensors
+    (`mtp.*`) are not read."""
+    cfg = load_config(path, dtype)
+    prefix = TEXT_PREFIX[read_json(Path(path) / "config.json").get("model_type", "qwen3_next")]
+
+    def skip(name: str) -> bool:
+        return name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
+            name.startswith("mtp.")) or (prefix != "model." and name.startswith("model.visual."))
+
+    def names(p, shape):
+        found = tensor_names(p, prefix)
+        if found is not None:
+            return found
+        return [(prefix + name.removeprefix("model.") if name.startswith("model.") else name, transpose, expert)
+                for name, transpose, expert in hf_names(p, shape)]
+
+    state = fill_state(path, lambda: nnx.split(abstract_qwen3_next(cfg))[1], names, skip=skip)
+    return qwen3_next_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)

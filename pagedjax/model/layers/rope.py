@@ -6,7 +6,7 @@ it can be an attribute of the attention module; its arrays are computed with num
 picks each layer's: with `ModelConfig.rope_local_theta`, the layers with a sliding window (Gemma 3's local layers)
 rotate by that base, unscaled.
 
-DeepSeek's rotary dims (`pagedjax.model.deepseek`) are YaRN-scaled ("yarn", `pagedjax.model.layers.yarn`) and
+DeepSeek's rotary dims (`pagedjax.model.families.deepseek`) are YaRN-scaled ("yarn", `pagedjax.model.layers.yarn`) and
 may pair adjacent dims (`interleaved`): their rotation de-interleaves the input first, so its output holds the
 rotated pairs in the halves layout. A dot product of two vectors rotated alike is unchanged by that permutation,
 so queries and keys (cached keys too) only need to share it.

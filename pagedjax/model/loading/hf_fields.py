@@ -1,7 +1,7 @@
 """Typed readers of a Hugging Face `config.json`'s fields, shared by the config mappings (`hf_config` and the
 family modules of `pagedjax.model.families`): each returns the field's value, or transformers' default where the
 field is absent (or null), and raises a ValueError naming the field for a value of the wrong type or range (the
-caller adds the file: `hf_config.load_folder_config`).
+caller adds the file: `load_folder_config`, which reads a folder's config.json and its stop tokens).
 
 Plain Python, no JAX.
 """
@@ -9,9 +9,12 @@ Plain Python, no JAX.
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from pagedjax.config.fields import is_int
+from pagedjax.model.errors import ModelLoadError, read_json
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -106,3 +109,25 @@ def checkpoint_dtype(hf: dict, dtype: str | None) -> str:
     elif dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(SUPPORTED_DTYPES)})")
     return dtype
+
+
+def load_folder_config(path: str | os.PathLike, build):
+    """build(config.json parsed, bos id, eos ids) of a folder (the stop tokens from `generation_config.json`
+    where it has them), its ValueErrors and TypeErrors as ModelLoadErrors naming the file; FileNotFoundError without
+    config.json."""
+    folder = Path(path)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {folder}")
+    hf = read_json(config_path)
+    gen_path = folder / "generation_config.json"
+    gen = read_json(gen_path) if gen_path.is_file() else {}
+    try:
+        bos = optional_id(gen.get("bos_token_id"), "bos_token_id")
+        eos = id_list(gen.get("eos_token_id"), "eos_token_id")  # what transformers' generate stops on
+    except ValueError as e:
+        raise ModelLoadError(gen_path, str(e)) from None
+    try:
+        return build(hf, bos, eos)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(config_path, str(e)) from None

@@ -1,10 +1,11 @@
 """Load a local Hugging Face model folder (Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / OLMo 2 / Gemma 2 / Gemma 3
-text / Mixtral / Qwen3-MoE / gpt-oss; DeepSeek V2 / V3 / V3.2 through `load_hf_deepseek`, a model of the public
-contract) into pagedjax. `fill_state` is the one safetensors reader under both (names, shapes and dtypes checked
-before any data is read; block-scaled FP8 weights dequantized, `hf_fp8`).
+text / Mixtral / Qwen3-MoE / gpt-oss) into pagedjax. `fill_state` is the one safetensors reader under it and under
+every family module's `load` (`pagedjax.model.families`: names, shapes and dtypes checked before any data is read;
+block-scaled FP8 weights dequantized, `hf_fp8`), with `hf_names`, the Llama family's tensor names, which they
+extend.
 
     cfg, params, tokenizer = load_hf("path/to/folder")           # config.json, *.safetensors, tokenizer.json
-    engine = LLMEngine(cfg, CacheConfig(...), SchedulerConfig(...), params=params, tokenizer=tokenizer)
+    engine = LLMEngine(model_config=cfg, params=params, tokenizer=tokenizer)
 
 - `load_hf_config(path)` maps `config.json` (+ `generation_config.json` for EOS/BOS ids) to a `ModelConfig`,
   refusing (with a `ModelLoadError` naming the file and field) anything pagedjax cannot compute exactly: see
@@ -47,7 +48,7 @@ from flax import nnx
 
 from pagedjax.config import ModelConfig
 from pagedjax.model.errors import ModelLoadError, read_json
-from pagedjax.model.families import gpt_oss, qwen3_next
+from pagedjax.model.families import gpt_oss
 from pagedjax.model.llama import abstract_model, model_from_state  # noqa: F401  (model_from_state: re-export)
 from pagedjax.model.loading import hf_fp8, hf_quant
 from pagedjax.model.loading.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config  # noqa: F401  (re-exports)
@@ -56,7 +57,7 @@ from pagedjax.model.loading.hf_quant import Codec
 logger = logging.getLogger(__name__)
 
 # Non-parameter tensors that some checkpoints carry and that pagedjax recomputes.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 # Fused Hugging Face projections -> the model's separate ones, stacked in this order along the output rows.
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Mixtral's expert projections under the names of Qwen3-MoE's (and of the model's parameters).
@@ -76,7 +77,7 @@ def _canonical(name: str) -> str:
     return ".".join(parts)
 
 
-def _hf_names(path: tuple, shape: tuple, quant=None) -> list[tuple[str, bool | Codec, int | None]]:
+def hf_names(path: tuple, shape: tuple, quant=None) -> list[tuple[str, bool | Codec, int | None]]:
     """pagedjax state path -> the Hugging Face tensors it is read from: (name, whether the tensor is transposed
     or the `Codec` of a pre-quantized one, the expert whose slice it fills or None for the whole parameter). A
     stacked expert projection (..., 'experts', 'gate_proj') of shape `[E, width, hidden]` is E tensors
@@ -183,7 +184,7 @@ def _read_raw(file: Path, name: str) -> np.ndarray:
     return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(info["shape"])
 
 
-def _headers(files: list[Path]) -> Iterator[tuple[Path, str, tuple[int, ...], str]]:
+def tensor_headers(files: list[Path]) -> Iterator[tuple[Path, str, tuple[int, ...], str]]:
     """(file, tensor name, shape, safetensors dtype) of every tensor; ModelLoadError naming a file whose header
     cannot be read (safetensors checks there that the header covers the whole file: truncation shows here)."""
     from safetensors import safe_open
@@ -218,13 +219,13 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
 
     def skip(name: str) -> bool:
         # tied: the embedding is the head, as in transformers; `hf_quant`'s weight_shape tensors are redundant
-        return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
+        return name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
             cfg.quantization is not None and name.endswith(".weight_shape"))
 
-    names = lambda p, shape: _hf_names(p, shape, cfg.quantization)
+    names = lambda p, shape: hf_names(p, shape, cfg.quantization)
     view = None
     if read_json(Path(path) / "config.json").get("model_type") in gpt_oss.MODEL_TYPES:  # its own names and experts
-        names = lambda p, shape: gpt_oss.tensor_names(p) or _hf_names(p, shape, cfg.quantization)
+        names = lambda p, shape: gpt_oss.tensor_names(p) or hf_names(p, shape, cfg.quantization)
         view = gpt_oss.ExpertTensors()
     return fill_state(path, lambda: nnx.split(abstract_model(cfg))[1], names, skip=skip, where=where, view=view)
 
@@ -237,7 +238,7 @@ def fill_state(path: str | os.PathLike, state: nnx.State | Callable[[], nnx.Stat
     the abstract model is traced (seconds for a large config).
 
     names(state path, shape) -> the checkpoint tensors of that parameter, [(name, transposed? or the `Codec` of
-    a pre-quantized tensor, the expert whose slice it fills or None)] (`_hf_names` is the Llama family's);
+    a pre-quantized tensor, the expert whose slice it fills or None)] (`hf_names` is the Llama family's);
     skip(name) -> True for a checkpoint tensor the model does not read; where(state path) -> the parameter's
     sharding (None: one device); fp8_block: the `weight_block_size` of a block-scaled FP8 checkpoint, whose
     float8 weights are dequantized by their `weight_scale_inv` (`hf_fp8`); view: what a family stores other than
@@ -252,7 +253,7 @@ def fill_state(path: str | os.PathLike, state: nnx.State | Callable[[], nnx.Stat
 
     start = time.perf_counter()
     files = safetensors_files(path)
-    headers = list(_headers(files))  # a file that cannot be read fails here, before the model is traced
+    headers = list(tensor_headers(files))  # a file that cannot be read fails here, before the model is traced
     if not isinstance(state, nnx.State):
         state = state()
     skip = skip or (lambda name: False)
@@ -426,108 +427,3 @@ def folder_tokenizer(path: str | os.PathLike, eos_token_ids: tuple[int, ...], bo
     except ImportError:
         logger.warning("%s has tokenizer.json but the 'tokenizers' package is not installed", path)
         return None
-
-
-def _deepseek_names(path: tuple, shape: tuple) -> list[tuple[str, bool, int | None]]:
-    """A `pagedjax.model.deepseek.DeepSeek` parameter -> its checkpoint tensors: the Llama family's names
-    (`_hf_names`: transformers' module paths, kernels transposed, experts one tensor each), and the router's
-    `e_score_correction_bias` as it is."""
-    *mods, leaf = (str(p) for p in path)
-    if leaf == "e_score_correction_bias":
-        return [("model." + ".".join(mods + [leaf]), False, None)]
-    return _hf_names(path, shape)
-
-
-def load_deepseek_params(path: str | os.PathLike, cfg, *, mtp_layers: int = 0,
-                         fp8_block: tuple[int, int] | None = None) -> nnx.State:
-    """Weights of a DeepSeek V2 / V3 / V3.2 Hugging Face folder as the parameters of `DeepSeek(cfg)` (a
-    `pagedjax.config.deepseek.DeepSeekConfig`), streamed as `fill_state` does (`fp8_block`: the block size of
-    an FP8 checkpoint's scales, `hf_fp8`). The `mtp_layers` multi-token-prediction layers after the last decoder
-    layer (`num_nextn_predict_layers`: tensors `model.layers.{L + i}.*`) are not read. ModelLoadError naming
-    missing, unexpected or mis-shaped tensors."""
-    from pagedjax.model.deepseek import abstract_deepseek
-
-    mtp = tuple(f"model.layers.{cfg.num_layers + i}." for i in range(mtp_layers))
-
-    def skip(name: str) -> bool:
-        return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
-            bool(mtp) and name.startswith(mtp))
-
-    return fill_state(path, lambda: nnx.split(abstract_deepseek(cfg))[1], _deepseek_names, skip=skip,
-                      fp8_block=fp8_block)
-
-
-def load_hf_deepseek(path: str | os.PathLike, dtype: str | None = None):
-    """(`pagedjax.model.deepseek.DeepSeek` holding the folder's weights, tokenizer or None) of a DeepSeek V2 / V3 /
-    V3.2 Hugging Face folder (float, or the official block-scaled FP8 weights dequantized to the model's dtype: the
-    checkpoint's `torch_dtype`, or `dtype`): the built-in factory of `model_type` "deepseek_v2" / "deepseek_v3" /
-    "deepseek_v32"
-    (`pagedjax.model.loading.loader.load_registered`; the `ModelRegistry` factory contract)."""
-    from pagedjax.model.deepseek import deepseek_from_state
-    from pagedjax.model.loading.hf_config import load_deepseek_config
-
-    cfg = load_deepseek_config(path, dtype)  # the quantization_config checked too
-    config_path = Path(path) / "config.json"
-    hf = read_json(config_path)
-    mtp = hf.get("num_nextn_predict_layers") or 0
-    if not (isinstance(mtp, int) and not isinstance(mtp, bool) and mtp >= 0):
-        raise ModelLoadError(config_path, f"field 'num_nextn_predict_layers': expected an int >= 0, got {mtp!r}")
-    qc = hf.get("quantization_config")
-    state = load_deepseek_params(path, cfg, mtp_layers=mtp, fp8_block=None if qc is None else hf_fp8.block_size(qc))
-    return deepseek_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)
-
-
-def load_hf_qwen3_next(path: str | os.PathLike, dtype: str | None = None):
-    """(`pagedjax.model.families.qwen3_next.Qwen3Next` holding the folder's weights, tokenizer or None) of a
-    Qwen3-Next or Qwen3.5 Hugging Face folder (float weights, in the checkpoint's dtype or `dtype`): the built-in
-    factory of `model_type` "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5" and "qwen3_5_moe"
-    (`pagedjax.model.loading.loader.load_registered`). Tensors are named as transformers' `save_pretrained` writes
-    them: the Llama family's rule (`_hf_names`: kernels transposed, each expert's `mlp.experts.{e}.gate_proj.weight`
-    ... into the stacked experts) and `qwen3_next.tensor_names` (`A_log`, `dt_bias`), the decoder's under
-    `qwen3_next.TEXT_PREFIX` of the folder's model_type (`model.language_model.` in a Qwen3.5 conditional-generation
-    checkpoint, whose vision tower `model.visual.*` is not read: text only); the multi-token-prediction tensors
-    (`mtp.*`) are not read."""
-    from pagedjax.model.loading.hf_config import load_qwen3_next_config
-
-    cfg = load_qwen3_next_config(path, dtype)
-    prefix = qwen3_next.TEXT_PREFIX[read_json(Path(path) / "config.json").get("model_type", "qwen3_next")]
-
-    def skip(name: str) -> bool:
-        return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
-            name.startswith("mtp.")) or (prefix != "model." and name.startswith("model.visual."))
-
-    def names(p, shape):
-        found = qwen3_next.tensor_names(p, prefix)
-        if found is not None:
-            return found
-        return [(prefix + name.removeprefix("model.") if name.startswith("model.") else name, transpose, expert)
-                for name, transpose, expert in _hf_names(p, shape)]
-
-    state = fill_state(path, lambda: nnx.split(qwen3_next.abstract_qwen3_next(cfg))[1], names, skip=skip)
-    return qwen3_next.qwen3_next_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)
-
-
-def load_hf_nemotron_h(path: str | os.PathLike, dtype: str | None = None):
-    """(`pagedjax.model.families.nemotron_h.NemotronH` holding the folder's weights, tokenizer or None) of a
-    Nemotron-H Hugging Face folder (float weights, in the checkpoint's dtype or `dtype`): the built-in factory of
-    `model_type` "nemotron_h" (`pagedjax.model.loading.loader.load_registered`). Tensors are named by the Llama
-    family's rule (`_hf_names`) and `nemotron_h.tensor_names` (`A_log`, `D`, `dt_bias`), under `backbone.` as
-    NVIDIA's checkpoints and transformers' `save_pretrained` write them, or `model.` (transformers reads both); the
-    multi-token-prediction tensors (`mtp.*`) are not read, as transformers does not."""
-    from pagedjax.model.families import nemotron_h
-    from pagedjax.model.loading.hf_config import load_nemotron_h_config
-
-    cfg = load_nemotron_h_config(path, dtype)
-    stored = (name for _, name, _, _ in _headers(safetensors_files(path)))
-    prefix = "backbone." if any(name.startswith("backbone.") for name in stored) else "model."
-
-    def skip(name: str) -> bool:
-        return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
-            name.startswith("mtp."))
-
-    def names(p, shape):
-        return [(prefix + n.removeprefix("model.") if n.startswith("model.") else n, t, e)
-                for n, t, e in nemotron_h.tensor_names(p) or _hf_names(p, shape)]
-
-    state = fill_state(path, lambda: nnx.split(nemotron_h.abstract_nemotron_h(cfg))[1], names, skip=skip)
-    return nemotron_h.nemotron_h_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)

@@ -1,8 +1,8 @@
 """Load a Hugging Face vision-language folder (`model_type` "llava" or "gemma3") as a model of the public contract:
-`pagedjax.model.llava.Llava` or `pagedjax.model.gemma3_vision.Gemma3Vision`. `load_hf_vision` is the built-in
+`pagedjax.model.llava.Llava` or `pagedjax.model.gemma3_vision.Gemma3Vision`. `load` is the built-in
 factory `pagedjax.model.loading.loader.load_registered` calls for these (the `ModelRegistry` factory contract).
 
-- `load_vision_config(path)` maps `config.json` (+ `generation_config.json`'s stop tokens) to a
+- `load_config(path)` maps `config.json` (+ `generation_config.json`'s stop tokens) to a
   `pagedjax.config.vision.LlavaConfig` / `Gemma3VisionConfig`: the `text_config` through the text loader
   (`hf_config.config_from_dict`: every family it loads, "llava" any dense one, "gemma3" its "gemma3_text"), the
   `vision_config` ("clip_vision_model" for LLaVA, "siglip_vision_model" for Gemma 3). A sub-config may leave fields
@@ -36,15 +36,14 @@ from pagedjax.config.vision import (
     LlavaConfig,
     VisionConfig,
 )
-from pagedjax.model.loading.hf_config import (
-    SUPPORTED_MODEL_TYPES,
-    VISION_MODEL_TYPES,
-    config_from_dict,
-    load_folder_config,
-)
+from pagedjax.model.families import model_types_of
+from pagedjax.model.loading.hf_config import SUPPORTED_MODEL_TYPES, config_from_dict
+from pagedjax.model.loading.hf_fields import load_folder_config
 from pagedjax.model.loading.hf_loader import fill_state, folder_tokenizer, safetensors_files
 
 logger = logging.getLogger(__name__)
+
+MODEL_TYPES = model_types_of(__name__)  # "llava", "gemma3"
 
 # transformers' config class defaults of the shape fields a multimodal checkpoint's `text_config` may leave out
 # (LlamaConfig, MistralConfig, ...); everything else the text loader defaults itself.
@@ -85,15 +84,15 @@ _GEMMA3_DEFAULTS = dict(image_token_index=262144, mm_tokens_per_image=256, tie_w
 _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def load_vision_config(path: str | os.PathLike, dtype: str | None = None) -> LlavaConfig | Gemma3VisionConfig:
+def load_config(path: str | os.PathLike, dtype: str | None = None) -> LlavaConfig | Gemma3VisionConfig:
     """A "llava" / "gemma3" folder's `config.json` (and `generation_config.json`'s bos / eos) as a `LlavaConfig` /
     `Gemma3VisionConfig` (see the module docstring). `dtype` ("float32" | "bfloat16" | "float16") overrides the
     checkpoint's. FileNotFoundError without config.json; ModelLoadError naming the file and field otherwise."""
     def build(hf: dict, bos: int | None, eos: tuple[int, ...]) -> LlavaConfig | Gemma3VisionConfig:
         model_type = hf.get("model_type")
-        if model_type not in VISION_MODEL_TYPES:
+        if model_type not in MODEL_TYPES:
             raise ValueError(f"field 'model_type' = {model_type!r} is not a vision-language one "
-                             f"({', '.join(VISION_MODEL_TYPES)})")
+                             f"({', '.join(MODEL_TYPES)})")
         if hf.get("quantization_config") is not None:
             raise ValueError("field 'quantization_config': pre-quantized vision-language checkpoints are not supported")
         return (_llava if model_type == "llava" else _gemma3)(hf, dtype, bos, eos)
@@ -301,12 +300,12 @@ def load_vision_params(path: str | os.PathLike, cfg: LlavaConfig | Gemma3VisionC
     return fill_state(path, state, names, skip=skip)
 
 
-def load_hf_vision(path: str | os.PathLike, dtype: str | None = None):
+def load(path: str | os.PathLike, dtype: str | None = None):
     """(`Llava` / `Gemma3Vision` holding the folder's weights, tokenizer or None) of a "llava" / "gemma3" Hugging
     Face folder, in the checkpoint's dtype or `dtype`: the built-in factory of these `model_type`s
     (`pagedjax.model.loading.loader.load_registered`; the `ModelRegistry` factory contract). The folder's image
     processor is `pagedjax.model.processor.load_image_processor(path)`."""
-    cfg = load_vision_config(path, dtype)
+    cfg = load_config(path, dtype)
     if isinstance(cfg, LlavaConfig):
         from pagedjax.model.llava import abstract_llava, llava_from_state
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from pagedjax.config import ModelConfig
 from pagedjax.config.engine import engine_config
 from pagedjax.model.errors import ModelLoadError
+from pagedjax.model.families import family_of
 from pagedjax.model.llama import Llama, init_model, model_from_state
 from pagedjax.model.loading.generation_config import folder_sampling_defaults
-from pagedjax.model.loading.hf_config import DEEPSEEK_MODEL_TYPES, HYBRID_MODEL_TYPES, VISION_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +83,8 @@ def _quantized(cfg, state, quantization):
 def load_registered(path, dtype: str | None):
     """`(model, tokenizer or None)` of a Hugging Face folder whose `model_type` is registered in
     `pagedjax.model.registry.ModelRegistry`, by its factory, or is one of the built-in families served as a model
-    of the public contract (DeepSeek V2 / V3 / V3.2: `hf_loader.load_hf_deepseek`; Qwen3-Next and Qwen3.5:
-    `hf_loader.load_hf_qwen3_next`; Nemotron-H: `hf_loader.load_hf_nemotron_h`; LLaVA and Gemma 3 with images:
-    `hf_vision.load_hf_vision`; unless a factory is registered for it); None for any other folder (a pagedjax
+    of the public contract (`pagedjax.model.families.FAMILIES`: its module's `load`, unless a factory is registered
+    for it); None for any other folder (a pagedjax
     checkpoint, an unregistered `model_type`, no path: the bundled model), which `load_pretrained` loads or refuses.
     The factory's own errors propagate; a result that is not `(model, tokenizer)` is a TypeError naming it."""
     from pagedjax.model.errors import read_json
@@ -99,22 +98,9 @@ def load_registered(path, dtype: str | None):
         return None
     model_type = read_json(path / "config.json").get("model_type")
     factory = ModelRegistry.factory_for(model_type)
-    if factory is None and model_type in DEEPSEEK_MODEL_TYPES:  # a built-in model of the contract
-        from pagedjax.model.loading.hf_loader import load_hf_deepseek
-
-        factory = load_hf_deepseek
-    if factory is None and model_type == "nemotron_h":  # Nemotron-H: Mamba-2 state beside attention
-        from pagedjax.model.loading.hf_loader import load_hf_nemotron_h
-
-        factory = load_hf_nemotron_h
-    if factory is None and model_type in HYBRID_MODEL_TYPES:  # Qwen3-Next, Qwen3.5: recurrent state + attention
-        from pagedjax.model.loading.hf_loader import load_hf_qwen3_next
-
-        factory = load_hf_qwen3_next
-    if factory is None and model_type in VISION_MODEL_TYPES:  # LLaVA, Gemma 3 with images
-        from pagedjax.model.loading.hf_vision import load_hf_vision
-
-        factory = load_hf_vision
+    family = family_of(model_type)
+    if factory is None and family is not None:  # a built-in model of the contract
+        factory = family.factory()
     if factory is None:
         return None
     result = factory(path, dtype)

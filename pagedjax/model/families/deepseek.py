@@ -34,6 +34,10 @@ are not `nnx.Linear`s: `quantize_model` leaves them float (the absorbed path rea
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from pagedjax.config import ModelSpec
 from pagedjax.config.deepseek import INDEXER_NORM_EPS, LATENT_NORM_EPS, DeepSeekConfig
+from pagedjax.config.fields import is_int
 from pagedjax.model.api import (
     TP,
     PagedKVCache,
@@ -49,11 +54,25 @@ from pagedjax.model.api import (
     PagedSharedSparseAttention,
     PagedSparseAttention,
 )
+from pagedjax.model.errors import ModelLoadError, read_json
+from pagedjax.model.families import model_types_of
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.layers.moe import Experts, combine_experts, per_expert_params, route
 from pagedjax.model.layers.norm import LayerNorm
 from pagedjax.model.layers.rope import RoPE
 from pagedjax.model.llama import Linear, RMSNorm
+from pagedjax.model.loading import hf_fp8
+from pagedjax.model.loading.hf_fields import (
+    checkpoint_dtype,
+    flag,
+    id_list,
+    load_folder_config,
+    number,
+    optional_id,
+    positive_int,
+    rope_source,
+)
+from pagedjax.model.loading.hf_loader import IGNORED_SUFFIXES, fill_state, folder_tokenizer, hf_names
 
 
 def _linear(n_in: int, n_out: int, dtype, rngs: nnx.Rngs) -> Linear:
@@ -400,4 +419,311 @@ def deepseek_from_state(cfg: DeepSeekConfig, state: nnx.State) -> DeepSeek:
     return nnx.merge(graphdef, state)
 
 
-__all__ = ["DeepSeek", "abstract_deepseek", "deepseek_from_state", "init_deepseek"]
+
+# The Hugging Face config mapping: `config.json` -> DeepSeekConfig.
+
+MODEL_TYPES = model_types_of(__name__)
+
+# transformers' defaults for the fields a DeepSeek config.json may leave out.
+_DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                    "tie_word_embeddings": False, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+                    "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2,
+                    "moe_intermediate_size": 1407, "first_k_dense_replace": 0, "routed_scaling_factor": 1.0,
+                    "topk_method": "greedy", "norm_topk_prob": False},
+    "deepseek_v3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                    "tie_word_embeddings": False, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+                    "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+                    "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "routed_scaling_factor": 2.5,
+                    "topk_method": "noaux_tc", "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
+                    "num_experts_per_tok": 8, "rope_interleave": True},
+    "deepseek_v32": {"max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                     "tie_word_embeddings": False, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+                     "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+                     "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "routed_scaling_factor": 2.5,
+                     "topk_method": "noaux_tc", "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
+                     "num_experts_per_tok": 8, "rope_interleave": True, "index_n_heads": 64, "index_head_dim": 128,
+                     "index_topk": 2048},
+    "glm_moe_dsa": {"max_position_embeddings": 202752, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                    "tie_word_embeddings": False, "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_rope_head_dim": 64,
+                    "qk_nope_head_dim": 192, "v_head_dim": 256, "n_routed_experts": 256, "n_shared_experts": 1,
+                    "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "routed_scaling_factor": 2.5,
+                    "topk_method": "noaux_tc", "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
+                    "num_experts_per_tok": 8, "rope_interleave": True, "index_n_heads": 32, "index_head_dim": 128,
+                    "index_topk": 2048},
+}
+# The sparse-attention types (an indexer, `DeepSeekConfig.indexer`): V3.2's, and GLM-5's (its indexer rotates
+# interleaved pairs, and its "shared" layers read the previous indexed layer's selection).
+_DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+# What each family's transformers model computes whatever config.json says, and what a checkpoint declaring
+# otherwise would mean instead (so refused): V2 softmax-scores its experts, V3 takes sigmoid scores with the
+# correction bias ("noaux_tc").
+_DEEPSEEK_ROUTING = {"deepseek_v2": ("softmax", ("greedy", "group_limited_greedy")),
+                     "deepseek_v3": ("sigmoid", ("noaux_tc",)), "deepseek_v32": ("sigmoid", ("noaux_tc",)),
+                     "glm_moe_dsa": ("sigmoid", ("noaux_tc",))}
+_ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+
+
+def load_config(path: str | os.PathLike, dtype: str | None = None):
+    """Map a DeepSeek V2 / V3 / V3.2 Hugging Face folder's `config.json` (`model_type` "deepseek_v2" /
+    "deepseek_v3" / "deepseek_v32", and `generation_config.json`'s stop tokens) to a
+    `pagedjax.config.deepseek.DeepSeekConfig`, as transformers' `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM`
+    / `DeepseekV32ForCausalLM` compute it; `dtype` as `load_hf_config`'s. V3.2's `index_n_heads`,
+    `index_head_dim` and `index_topk` are its `indexer`; V3.2 always has a query latent (`q_lora_rank`), rotates
+    MLA's pairs interleaved (`rope_interleave` false refused) and takes its MoE layers from `mlp_layer_types`
+    (which must be dense layers then sparse ones); its `layer_types` must all be "indexed_attention". GLM-5
+    ("glm_moe_dsa", transformers' `GlmMoeDsaForCausalLM`) is V3.2's definition but for its indexer, which rotates
+    interleaved pairs, and its `indexer_types` (or the `index_topk_pattern` / `index_topk_freq` /
+    `index_skip_topk_offset` they derive from, as transformers derives them): a "shared" layer has no indexer and
+    reads the previous "full" layer's selection (`DeepSeekIndexerConfig.shared_layers`; layer 0 must be "full").
+
+    Refused with a ModelLoadError naming the file and field: anything those classes do not compute as the
+    checkpoint declares it (a V2 config asking for `norm_topk_prob`, `moe_layer_freq` != 1, a V3 `topk_method`
+    other than "noaux_tc", a V2 `rope_interleave` false, `scoring_func` other than the family's), `hidden_act`
+    other than silu, `attention_bias`, `mlp_bias`, RoPE scaling other than YaRN, partial rotary, pre-quantized
+    weights other than block-scaled FP8 (`pagedjax.model.loading.hf_fp8`: dequantized at load).
+    `num_key_value_heads` is not read (MLA has no KV heads; transformers' attention does not read it either);
+    `num_nextn_predict_layers` neither (the multi-token-prediction layers are not served)."""
+    return load_folder_config(path, lambda hf, bos, eos: _deepseek_from_hf(hf, dtype, bos, eos))
+
+
+def _deepseek_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: tuple[int, ...]):
+    from pagedjax.config.deepseek import DeepSeekConfig
+
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"field 'model_type' = {model_type!r} is not a DeepSeek one "
+                         f"({', '.join(MODEL_TYPES)})")
+    defaults = _DEEPSEEK_DEFAULTS[model_type]
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"field 'hidden_act' = {act!r} is not supported (only silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if flag(hf, key, False):
+            raise ValueError(f"field {key!r} = true is not supported (the projections have no bias)")
+    if hf.get("quantization_config") is not None:  # block-scaled FP8 weights, dequantized at load (`hf_fp8`)
+        from pagedjax.model.loading.hf_fp8 import block_size
+
+        try:
+            block_size(hf["quantization_config"])
+        except ValueError as e:
+            raise ValueError(f"field 'quantization_config': {e}") from None
+    interleave = flag(hf, "rope_interleave", True)
+    if model_type in ("deepseek_v2", *_DSA_MODEL_TYPES) and not interleave:
+        raise ValueError(f"field 'rope_interleave' = false is not supported for {model_type} (transformers' "
+                         "model always rotates MLA's interleaved pairs)")
+    num_layers = positive_int(hf, "num_hidden_layers")
+    max_pos = positive_int(hf, "max_position_embeddings", defaults["max_position_embeddings"])
+    rope_dim = positive_int(hf, "qk_rope_head_dim", defaults["qk_rope_head_dim"])
+    theta, yarn = _deepseek_rope(hf, defaults["rope_theta"], max_pos)
+    q_lora = hf.get("q_lora_rank", defaults["q_lora_rank"])
+    if model_type in _DSA_MODEL_TYPES and q_lora is None:
+        raise ValueError(f"field 'q_lora_rank' = null is not supported for {model_type} (transformers' model always "
+                         "projects the query through its latent, which the indexer reads)")
+    bos = gen_bos if gen_bos is not None else optional_id(hf.get("bos_token_id"), "bos_token_id")
+    eos = gen_eos or id_list(hf.get("eos_token_id"), "eos_token_id")
+    nope = hf.get("qk_nope_head_dim", defaults["qk_nope_head_dim"])
+    if not is_int(nope) or nope < 0:
+        raise ValueError(f"field 'qk_nope_head_dim': expected an int >= 0, got {nope!r}")
+    return DeepSeekConfig(
+        vocab_size=positive_int(hf, "vocab_size"),
+        hidden_size=positive_int(hf, "hidden_size"),
+        num_layers=num_layers,
+        num_heads=positive_int(hf, "num_attention_heads"),
+        intermediate_size=positive_int(hf, "intermediate_size"),
+        kv_lora_rank=positive_int(hf, "kv_lora_rank", defaults["kv_lora_rank"]),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=positive_int(hf, "v_head_dim", defaults["v_head_dim"]),
+        q_lora_rank=None if q_lora is None else positive_int(hf, "q_lora_rank", defaults["q_lora_rank"]),
+        rope_theta=theta,
+        rope_scaling=yarn,
+        rope_interleave=interleave,
+        rms_norm_eps=number(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
+        tie_word_embeddings=flag(hf, "tie_word_embeddings", defaults["tie_word_embeddings"]),
+        max_position_embeddings=max_pos,
+        dtype=checkpoint_dtype(hf, dtype),
+        bos_token_id=bos,
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+        moe=_deepseek_moe(hf, model_type, num_layers),
+        indexer=_deepseek_indexer(hf, num_layers, model_type) if model_type in _DSA_MODEL_TYPES else None,
+    )
+
+
+def _deepseek_indexer(hf: dict, num_layers: int, model_type: str):
+    """DeepSeekConfig.indexer of a "deepseek_v32" config (every layer's lightning indexer) or a "glm_moe_dsa"
+    one (interleaved rotation; "shared" layers by `indexer_types`)."""
+    from pagedjax.config.deepseek import DeepSeekIndexerConfig
+
+    defaults = _DEEPSEEK_DEFAULTS[model_type]
+    kinds = hf.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or kinds != ["indexed_attention"] * num_layers):
+        raise ValueError(f"field 'layer_types' = {kinds!r} is not supported (every one of the {num_layers} layers "
+                         "must be 'indexed_attention': sparse attention)")
+    glm = model_type == "glm_moe_dsa"
+    shared = _glm_shared_layers(hf, num_layers) if glm else ()
+    return DeepSeekIndexerConfig(num_heads=positive_int(hf, "index_n_heads", defaults["index_n_heads"]),
+                                 head_dim=positive_int(hf, "index_head_dim", defaults["index_head_dim"]),
+                                 topk=positive_int(hf, "index_topk", defaults["index_topk"]),
+                                 rope_interleave=glm, shared_layers=shared)
+
+
+def _glm_shared_layers(hf: dict, num_layers: int) -> tuple[int, ...]:
+    """GLM-5's "shared" layers: from `indexer_types`, else as transformers' `GlmMoeDsaConfig` derives them (an
+    `index_topk_pattern` of "F" / "S", else layer i is "full" when max(i - index_skip_topk_offset + 1, 0) is a
+    multiple of index_topk_freq: every layer with the defaults 1 and 2)."""
+    kinds, field = hf.get("indexer_types"), "indexer_types"
+    if kinds is None and hf.get("index_topk_pattern") is not None:
+        pattern, field = hf["index_topk_pattern"], "index_topk_pattern"
+        if isinstance(pattern, str):
+            if set(pattern) - {"F", "S"}:
+                raise ValueError(f"field 'index_topk_pattern' = {pattern!r}: expected letters F (full) and S (shared)")
+            kinds = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        else:
+            kinds = pattern
+    if kinds is None:
+        freq, offset = hf.get("index_topk_freq", 1), hf.get("index_skip_topk_offset", 2)
+        for name, value in (("index_topk_freq", freq), ("index_skip_topk_offset", offset)):
+            if not is_int(value):
+                raise ValueError(f"field {name!r}: expected an int, got {value!r}")
+        kinds = ["full" if max(i - offset + 1, 0) % max(freq, 1) == 0 else "shared" for i in range(num_layers)]
+    if not isinstance(kinds, list) or len(kinds) != num_layers or set(kinds) - {"full", "shared"}:
+        raise ValueError(f"field {field!r} = {kinds!r}: expected 'full' or 'shared' for each of the {num_layers} "
+                         "layers")
+    if kinds[0] != "full":
+        raise ValueError(f"field {field!r}: layer 0 is 'shared', but a shared layer reads the selection of a 'full' "
+                         "layer before it")
+    return tuple(i for i, kind in enumerate(kinds) if kind == "shared")
+
+
+def _deepseek_rope(hf: dict, default_theta: float, max_pos: int) -> tuple[float, tuple | None]:
+    """(rope_theta, DeepSeekConfig.rope_scaling): none, or YaRN's parameters as transformers completes them
+    (`factor` null: max_position_embeddings / original_max_position_embeddings; the original length from the
+    top-level field when there is one, else max_position_embeddings)."""
+    from pagedjax.config.deepseek import ROPE_YARN_PARAMS
+
+    params, field = rope_source(hf)
+    theta = number(params, "rope_theta", number(hf, "rope_theta", default_theta))
+    partial = number(params if params.get("partial_rotary_factor") is not None else hf, "partial_rotary_factor",
+                      1.0)
+    if partial != 1.0:
+        raise ValueError(f"field 'partial_rotary_factor' = {partial!r}: only full rotary embeddings are supported")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "yarn":
+        raise ValueError(f"field {field!r}: rope type {kind!r} is not supported for DeepSeek (supported: default, "
+                         "yarn)")
+    unknown = sorted(set(params) - set(_ROPE_KEYS) - set(ROPE_YARN_PARAMS))
+    if unknown:
+        raise ValueError(f"field {field!r}: YaRN parameters {unknown} are not supported")
+    yarn = {k: v for k, v in params.items() if k in ROPE_YARN_PARAMS and v is not None}
+    if hf.get("original_max_position_embeddings") is not None:  # transformers prefers the top-level one
+        yarn["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+    yarn.setdefault("original_max_position_embeddings", max_pos)
+    original = number(yarn, "original_max_position_embeddings")
+    yarn.setdefault("factor", max_pos / original)
+    for key in yarn:  # each value's type, the field named, before the config checks the ranges
+        if key == "truncate":
+            flag(yarn, key, True)
+        else:
+            number(yarn, key)
+    return theta, tuple(sorted(yarn.items()))
+
+
+def _deepseek_moe(hf: dict, model_type: str, num_layers: int):
+    """DeepSeekConfig.moe: the routed and shared experts of the layers from `first_k_dense_replace` on."""
+    from pagedjax.config.deepseek import DeepSeekMoEConfig
+
+    defaults = _DEEPSEEK_DEFAULTS[model_type]
+    scoring, methods = _DEEPSEEK_ROUTING[model_type]
+    if hf.get("scoring_func", scoring) != scoring:
+        raise ValueError(f"field 'scoring_func' = {hf['scoring_func']!r} is not supported for {model_type} "
+                         f"(transformers scores its experts by {scoring})")
+    method = hf.get("topk_method") or defaults["topk_method"]
+    if method not in methods:
+        raise ValueError(f"field 'topk_method' = {method!r} is not supported for {model_type} (supported: "
+                         f"{', '.join(methods)})")
+    freq = hf.get("moe_layer_freq", 1)
+    if freq != 1:
+        raise ValueError(f"field 'moe_layer_freq' = {freq!r} is not supported (only 1: transformers makes every "
+                         "layer from first_k_dense_replace on a mixture of experts)")
+    norm = flag(hf, "norm_topk_prob", defaults["norm_topk_prob"])
+    if model_type == "deepseek_v2" and norm:
+        raise ValueError("field 'norm_topk_prob' = true is not supported for deepseek_v2 (transformers' DeepSeek V2 "
+                         "router does not renormalize)")
+    first_dense = hf.get("first_k_dense_replace", defaults["first_k_dense_replace"])
+    if not is_int(first_dense) or not 0 <= first_dense <= num_layers:
+        raise ValueError(f"field 'first_k_dense_replace': expected an int in [0, num_hidden_layers], got "
+                         f"{first_dense!r}")
+    kinds = hf.get("mlp_layer_types") if model_type in _DSA_MODEL_TYPES else None
+    if kinds is not None:  # what transformers' V3.2 reads (first_k_dense_replace only derives its default)
+        dense = kinds.count("dense") if isinstance(kinds, list) else -1
+        if dense < 0 or kinds != ["dense"] * dense + ["sparse"] * (num_layers - dense):
+            raise ValueError(f"field 'mlp_layer_types' = {kinds!r} is not supported (only 'dense' layers then "
+                             f"'sparse' ones, {num_layers} in all)")
+        first_dense = dense
+    num_experts = positive_int(hf, "n_routed_experts", defaults["n_routed_experts"])
+    top_k = positive_int(hf, "num_experts_per_tok", defaults.get("num_experts_per_tok"))
+    if top_k > num_experts:
+        raise ValueError(f"field 'num_experts_per_tok' = {top_k} exceeds the {num_experts} experts "
+                         "('n_routed_experts')")
+    groups = (1, 1) if method == "greedy" else (positive_int(hf, "n_group", defaults.get("n_group")),
+                                                positive_int(hf, "topk_group", defaults.get("topk_group")))
+    return DeepSeekMoEConfig(
+        num_experts=num_experts, num_experts_per_tok=top_k,
+        intermediate_size=positive_int(hf, "moe_intermediate_size", defaults["moe_intermediate_size"]),
+        num_shared_experts=positive_int(hf, "n_shared_experts", defaults["n_shared_experts"]),
+        first_k_dense_replace=first_dense, router=method, num_groups=groups[0], topk_groups=groups[1],
+        norm_topk_prob=norm, routed_scaling_factor=number(hf, "routed_scaling_factor",
+                                                           defaults["routed_scaling_factor"]))
+
+
+# The weights.
+
+def _deepseek_names(path: tuple, shape: tuple) -> list[tuple[str, bool, int | None]]:
+    """A `DeepSeek` parameter -> its checkpoint tensors: the Llama family's names
+    (`hf_names`: transformers' module paths, kernels transposed, experts one tensor each), and the router's
+    `e_score_correction_bias` as it is."""
+    *mods, leaf = (str(p) for p in path)
+    if leaf == "e_score_correction_bias":
+        return [("model." + ".".join(mods + [leaf]), False, None)]
+    return hf_names(path, shape)
+
+
+def load_params(path: str | os.PathLike, cfg, *, mtp_layers: int = 0,
+                         fp8_block: tuple[int, int] | None = None) -> nnx.State:
+    """Weights of a DeepSeek V2 / V3 / V3.2 Hugging Face folder as the parameters of `DeepSeek(cfg)` (a
+    `pagedjax.config.deepseek.DeepSeekConfig`), streamed as `fill_state` does (`fp8_block`: the block size of
+    an FP8 checkpoint's scales, `hf_fp8`). The `mtp_layers` multi-token-prediction layers after the last decoder
+    layer (`num_nextn_predict_layers`: tensors `model.layers.{L + i}.*`) are not read. ModelLoadError naming
+    missing, unexpected or mis-shaped tensors."""
+    mtp = tuple(f"model.layers.{cfg.num_layers + i}." for i in range(mtp_layers))
+
+    def skip(name: str) -> bool:
+        return name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
+            bool(mtp) and name.startswith(mtp))
+
+    return fill_state(path, lambda: nnx.split(abstract_deepseek(cfg))[1], _deepseek_names, skip=skip,
+                      fp8_block=fp8_block)
+
+
+def load(path: str | os.PathLike, dtype: str | None = None):
+    """(`DeepSeek` holding the folder's weights, tokenizer or None) of a DeepSeek V2 / V3 /
+    V3.2 Hugging Face folder (float, or the official block-scaled FP8 weights dequantized to the model's dtype: the
+    checkpoint's `torch_dtype`, or `dtype`): the built-in factory of `model_type` "deepseek_v2" / "deepseek_v3" /
+    "deepseek_v32"
+    (`pagedjax.model.loading.loader.load_registered`; the `ModelRegistry` factory contract)."""
+    cfg = load_config(path, dtype)  # the quantization_config checked too
+    config_path = Path(path) / "config.json"
+    hf = read_json(config_path)
+    mtp = hf.get("num_nextn_predict_layers") or 0
+    if not (isinstance(mtp, int) and not isinstance(mtp, bool) and mtp >= 0):
+        raise ModelLoadError(config_path, f"field 'num_nextn_predict_layers': expected an int >= 0, got {mtp!r}")
+    qc = hf.get("quantization_config")
+    state = load_params(path, cfg, mtp_layers=mtp, fp8_block=None if qc is None else hf_fp8.block_size(qc))
+    return deepseek_from_state(cfg, state), folder_tokenizer(path, cfg.eos_token_ids, cfg.bos_token_id)
+
+
+__all__ = ["DeepSeek", "abstract_deepseek", "deepseek_from_state", "init_deepseek", "load", "load_config",
+           "load_params"]
