@@ -24,7 +24,8 @@ Pieces: every op cuts each sequence's tokens into pieces that never cross a bloc
 forms, never cross a multiple of `chunk_size`): boundaries are absolute positions, so a piece's end is where a
 snapshot may be due, and the state there is always materialised exactly, with no state inside a chunk to
 reconstruct. With block_size a multiple of chunk_size (the layout to choose: 64 | 256, say) the block boundaries
-add no pieces. `pieces` computes them with O(tokens) vector ops, under a static bound (`max_pieces`).
+add no pieces. `pallas_kernels.pieces.pieces` computes them with O(tokens) vector ops, under a static bound
+(`max_pieces`).
 
 References: `*_reference` run the definition one token at a time in numpy float64 (inputs first rounded to their
 own dtype, as the kernels see them), from and into a float64 copy of the pages, and return numpy arrays
@@ -57,7 +58,7 @@ Definitions (transformers 5.x, `models/qwen3_next/modeling_qwen3_next.py` and `m
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -65,146 +66,35 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import _validate as V
+from pallas_kernels._validate import SUPPORTED_DTYPES, check_int32, check_positive_int, check_vector, resolve_scale
+from pallas_kernels.dispatch import resolve_target, tpu_has_no
+from pallas_kernels.gpu.recurrent import causal_conv1d_gpu, gated_delta_rule_gpu, mamba2_ssd_gpu
+from pallas_kernels.pieces import (
+    L2NORM_EPS,
+    Pieces,
+    Rows,
+    default_form,
+    empty_step,
+    gather_initial,
+    gather_pieces,
+    initial_blocks,
+    piece_rows,
+    pieces,
+    prepare_qk,
+    rows,
+    scatter_rows,
+    scatter_snapshots,
+    write_conv_snapshots,
+)
+from pallas_kernels.tpu.recurrent import causal_conv1d_tpu, gated_delta_rule_tpu, mamba2_ssd_tpu
 
 HIGHEST = lax.Precision.HIGHEST
-L2NORM_EPS = 1e-6  # transformers' l2norm (the FLA library's): x * rsqrt(sum(x^2) + eps)
 CONV_ACTIVATIONS = (None, "silu")
 # The XLA paths' chunk: on XLA:CPU a piece's intra-chunk work grows with the chunk per token (the forward
 # substitution, the (chunk, chunk) products) while the inter-chunk scan costs one step per piece; of 16 / 32 / 64 /
 # 128, 32 was the fastest for the delta rule at prefill 512 and within 15% of 64 for the SSD
 # (scripts/bench_recurrent.py --chunks; docs/kernels.md).
 XLA_CHUNK = 32
-
-
-# ---- the step's pieces ------------------------------------------------------------------------------------
-
-
-class Rows(NamedTuple):
-    """Per token row of a ragged step (rows past cu_q_lens[-1] are padding: `valid` False)."""
-
-    seq: jax.Array  # i32[T] the row's sequence (clipped into range for padding rows)
-    pos: jax.Array  # i32[T] its position
-    valid: jax.Array  # bool[T]
-    cu: jax.Array  # i32[S + 1] cu_q_lens clipped to [0, T]
-    q_len: jax.Array  # i32[S]
-    start: jax.Array  # i32[S] position of each sequence's first row
-
-
-def rows(kv_lens: jax.Array, cu_q_lens: jax.Array, num_tokens: int) -> Rows:
-    num_seqs = kv_lens.shape[0]
-    cu = jnp.clip(cu_q_lens.astype(jnp.int32), 0, num_tokens)
-    q_len = jnp.maximum(cu[1:] - cu[:-1], 0)
-    start = kv_lens.astype(jnp.int32) - q_len
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    # side="right" skips empty sequences: row t belongs to the s with cu[s] <= t < cu[s + 1].
-    seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, num_seqs - 1).astype(jnp.int32)
-    return Rows(seq, start[seq] + t - cu[seq], t < cu[num_seqs], cu, q_len, start)
-
-
-class Pieces(NamedTuple):
-    """The pieces of a step, in row order; pieces past the real ones have length 0."""
-
-    seq: jax.Array  # i32[NP] the piece's sequence
-    row0: jax.Array  # i32[NP] its first row
-    length: jax.Array  # i32[NP] its tokens
-    pos0: jax.Array  # i32[NP] the position of its first row
-    first: jax.Array  # bool[NP] it starts its sequence's step (so it starts from the initial state)
-    write: jax.Array  # i32[NP] the block that receives the state after it, -1 for none
-    count: jax.Array  # i32[] real pieces
-
-
-def max_pieces(num_tokens: int, num_seqs: int, chunk: int | None, block_size: int) -> int:
-    """Static bound on the pieces of a step of `num_tokens` rows and `num_seqs` sequences. A sequence of q tokens
-    from position a has 1 + #{cut points in (a, a + q)} pieces; an open interval of q - 1 integers holds at most
-    floor((q - 1) / m) + 1 multiples of m, so summed over at most min(S, T) non-empty sequences: S' pieces plus
-    T // m + S' per cut period m. Where one period divides the other their cuts coincide (one period counts)."""
-    if num_tokens == 0 or num_seqs == 0:
-        return 1
-    busy = min(num_seqs, num_tokens)
-    periods = [block_size] if chunk is None else sorted({chunk, block_size})
-    if len(periods) == 2 and periods[1] % periods[0] == 0:
-        periods = periods[:1]
-    bound = busy + sum(num_tokens // m + busy for m in periods)
-    return max(1, min(num_tokens, bound))
-
-
-def pieces(kv_lens: jax.Array, cu_q_lens: jax.Array, block_tables: jax.Array, *, num_tokens: int,
-           chunk: int | None, block_size: int, num_blocks: int) -> Pieces:
-    """Cuts each sequence's rows before every position that is a multiple of block_size or of chunk (None: block
-    boundaries only). A piece owes a snapshot (`write`) when it ends a block or its sequence's step; its block is
-    read from the table only then (written blocks are clipped into the pool: a malformed table cannot write out of
-    bounds)."""
-    num_seqs, max_blocks = block_tables.shape
-    r = rows(kv_lens, cu_q_lens, num_tokens)
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    cut = r.pos % block_size == 0
-    if chunk is not None:
-        cut = cut | (r.pos % chunk == 0)
-    starts = r.valid & ((t == r.cu[r.seq]) | cut)
-    pid = jnp.cumsum(starts.astype(jnp.int32)) - 1
-    n = max_pieces(num_tokens, num_seqs, chunk, block_size)
-    row0 = jnp.zeros((n,), jnp.int32).at[jnp.where(starts, pid, n)].set(t, mode="drop")
-    length = jnp.zeros((n,), jnp.int32).at[jnp.where(r.valid, pid, n)].add(1, mode="drop")
-    real = length > 0
-    seq = r.seq[row0]
-    pos0 = r.pos[row0]
-    end = pos0 + length  # one past the piece's last position
-    write = real & ((end % block_size == 0) | (row0 + length == r.cu[seq + 1]))
-    column = jnp.clip((end - 1) // block_size, 0, max_blocks - 1)
-    block = jnp.clip(block_tables[seq, column], 0, num_blocks - 1)
-    return Pieces(seq, row0, length, pos0, real & (row0 == r.cu[seq]), jnp.where(write, block, -1),
-                  jnp.sum(real.astype(jnp.int32)))
-
-
-def initial_blocks(kv_lens: jax.Array, cu_q_lens: jax.Array, block_tables: jax.Array, *, num_tokens: int,
-                   block_size: int, num_blocks: int) -> jax.Array:
-    """i32[S]: the block holding each sequence's initial state (the state after position start_s - 1), -1 where it
-    starts from zeros (start_s == 0) or has no rows (it reads nothing)."""
-    max_blocks = block_tables.shape[1]
-    r = rows(kv_lens, cu_q_lens, num_tokens)
-    column = jnp.clip((r.start - 1) // block_size, 0, max_blocks - 1)
-    block = jnp.clip(block_tables[jnp.arange(block_tables.shape[0]), column], 0, num_blocks - 1)
-    return jnp.where((r.q_len > 0) & (r.start > 0), block, -1).astype(jnp.int32)
-
-
-def gather_initial(pages: jax.Array, blocks: jax.Array) -> jax.Array:
-    """The initial states `[S, *state_shape]` of `initial_blocks`: a page where the block is >= 0, zeros elsewhere
-    (selected, never multiplied: other pages may hold NaN)."""
-    state = pages[jnp.maximum(blocks, 0)]
-    keep = (blocks >= 0).reshape(-1, *([1] * (pages.ndim - 1)))
-    return jnp.where(keep, state, jnp.zeros((), pages.dtype))
-
-
-def piece_rows(p: Pieces, chunk: int, num_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """(rows i32[NP, chunk] clipped into [0, T), valid bool[NP, chunk]) of the pieces' slots."""
-    c = jnp.arange(chunk, dtype=jnp.int32)
-    return jnp.clip(p.row0[:, None] + c, 0, max(num_tokens - 1, 0)), c[None, :] < p.length[:, None]
-
-
-def gather_pieces(x: jax.Array, slots: jax.Array, valid: jax.Array) -> jax.Array:
-    """x `[T, ...]` -> `[NP, chunk, ...]`, zeros in slots past a piece's length (selected: rows of other sequences
-    and padding rows may hold anything)."""
-    g = x[slots]
-    return jnp.where(valid.reshape(*valid.shape, *([1] * (x.ndim - 1))), g, jnp.zeros((), x.dtype))
-
-
-def scatter_rows(values: jax.Array, slots: jax.Array, valid: jax.Array, num_tokens: int, dtype) -> jax.Array:
-    """`[NP, chunk, ...]` -> `[T, ...]` in dtype: each valid slot's value at its row, zeros in rows no piece
-    covers (padding)."""
-    rows_flat = jnp.where(valid, slots, num_tokens).reshape(-1)
-    flat = values.reshape(-1, *values.shape[2:]).astype(dtype)
-    return jnp.zeros((num_tokens, *values.shape[2:]), dtype).at[rows_flat].set(flat, mode="drop")
-
-
-def scatter_snapshots(pages: jax.Array, write: jax.Array, states: jax.Array) -> jax.Array:
-    """pages with states[i] written into block write[i] wherever write[i] >= 0."""
-    target = jnp.where(write >= 0, write, pages.shape[0])
-    return pages.at[target].set(states.astype(pages.dtype), mode="drop")
-
-
-def default_form(num_tokens: int, num_seqs: int) -> str:
-    """"recurrent" for decode-shaped steps (no more rows than sequences), "chunked" otherwise."""
-    return "recurrent" if num_tokens <= num_seqs else "chunked"
 
 
 # ---- float64 references -----------------------------------------------------------------------------------
@@ -242,8 +132,6 @@ def _reference_walk(block_tables, kv_lens, cu_q_lens, block_size: int, pages: np
 
 def _l2norm64(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
-
-
 
 
 def gated_delta_rule_reference(q, k, v, g, beta, state_pages, block_tables, kv_lens, cu_q_lens, *, block_size: int,
@@ -317,19 +205,6 @@ def mamba2_ssd_reference(x, dt, A, B, C, state_pages, block_tables, kv_lens, cu_
 
 def _mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, precision=HIGHEST, preferred_element_type=jnp.float32)
-
-
-def l2norm(x: jax.Array) -> jax.Array:
-    """transformers' (and the FLA library's) l2norm over the last axis, float32."""
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
-
-
-def prepare_qk(q: jax.Array, k: jax.Array, *, use_qk_l2norm: bool, scale: float) -> tuple[jax.Array, jax.Array]:
-    """q, k as the delta rule reads them: float32, L2-normalised if asked, q times scale."""
-    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    return q * scale, k
 
 
 def segment_decays(a: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -464,20 +339,6 @@ def _gated_delta_rule_xla(q, k, v, g, beta, state_pages, block_tables, kv_lens, 
             scatter_snapshots(state_pages, p.write, ends))
 
 
-def conv_inputs(x: jax.Array, init: jax.Array, cu: jax.Array, seq: jax.Array, src: jax.Array) -> jax.Array:
-    """The conv inputs at rows `src` (i32[..., W]) of sequences `seq` (i32[...]), as `[..., W, C]` in x's dtype:
-    x's row where it lies in the sequence's step (src >= cu[seq]), else the slot of the sequence's initial conv state
-    (`init [S, C, K - 1]`, oldest first) holding that earlier position. Callers pass rows at most K - 1 before the
-    step's first (so a slot exists)."""
-    first = cu[seq][..., None]
-    width = init.shape[2]
-    from_x = x[jnp.clip(src, 0, max(x.shape[0] - 1, 0))]
-    # Time-major, so that both gathers copy whole rows of C values (a gather along the strided slot axis is one
-    # element at a time: 10x slower on XLA:CPU for a prefill).
-    from_state = jnp.swapaxes(init, 1, 2)[seq[..., None], jnp.clip(src - first + width, 0, width - 1)]
-    return jnp.where((src >= first)[..., None], from_x, from_state)
-
-
 @functools.partial(jax.jit, static_argnames=("block_size", "activation"))
 def _causal_conv1d_xla(x, weight, bias, conv_state_pages, block_tables, kv_lens, cu_q_lens, *, block_size: int,
                        activation: str | None):
@@ -512,15 +373,6 @@ def _causal_conv1d_xla(x, weight, bias, conv_state_pages, block_tables, kv_lens,
     p = pieces(kv_lens, cu_q_lens, block_tables, num_tokens=num_tokens, chunk=None, block_size=block_size,
                num_blocks=num_blocks)
     return out, write_conv_snapshots(conv_state_pages, x, init, r.cu, p)
-
-
-def write_conv_snapshots(conv_state_pages, x, init, cu, p: Pieces):
-    """The pages with each owed conv snapshot written: after a piece, its last K - 1 inputs (rows end - K + 1 ..
-    end - 1, from the step or the initial conv state `init [S, C, K - 1]`), copied without arithmetic."""
-    width = conv_state_pages.shape[2]
-    end = p.row0 + p.length
-    snaps = conv_inputs(x, init, cu, p.seq, end[:, None] - width + jnp.arange(width))  # [NP, K - 1, C]
-    return scatter_snapshots(conv_state_pages, p.write, jnp.swapaxes(snaps, 1, 2))
 
 
 def _ssd_chunk_terms(x, dt, a, b, c, d):
@@ -574,19 +426,13 @@ def _mamba2_ssd_xla(x, dt, a, b, c, d, state_pages, block_tables, kv_lens, cu_q_
             scatter_snapshots(state_pages, p.write, ends))
 
 
-def empty_step(num_tokens: int, block_tables: jax.Array) -> bool:
-    """A step with nothing to compute (no rows, no sequences, or tables without blocks): outputs are zeros and the
-    pages come back unchanged."""
-    return num_tokens == 0 or 0 in block_tables.shape
-
-
 def gated_delta_rule_xla(q, k, v, g, beta, state_pages, block_tables, kv_lens, cu_q_lens, *, block_size: int,
                          use_qk_l2norm: bool = True, scale: float | None = None, form: str | None = None,
                          chunk_size: int = XLA_CHUNK):
     """The gated delta rule over paged state snapshots in XLA (the CPU engine's path): arguments, result and contract
     as `pallas_kernels.gated_delta_rule`. form None: recurrent rounds for decode-shaped steps (T <= S), chunks of
     `chunk_size` otherwise (module docstring; 32 by default, `XLA_CHUNK`)."""
-    block_size, scale = V.validate_gated_delta_rule(
+    block_size, scale = validate_gated_delta_rule(
         q, k, v, g, beta, state_pages, block_tables, kv_lens, cu_q_lens, block_size=block_size,
         use_qk_l2norm=use_qk_l2norm, scale=scale, form=form, chunk_size=chunk_size)
     if empty_step(q.shape[0], block_tables):
@@ -601,7 +447,7 @@ def causal_conv1d_xla(x, weight, conv_state_pages, block_tables, kv_lens, cu_q_l
     """The causal depthwise conv1d over paged conv states in XLA (the CPU engine's path): arguments, result and
     contract as `pallas_kernels.causal_conv1d`. Each row's K inputs are gathered (from the step's rows or its
     sequence's initial conv state), and each snapshot is a copy of the K - 1 inputs before a piece's end."""
-    block_size = V.validate_causal_conv1d(x, weight, bias, conv_state_pages, block_tables, kv_lens, cu_q_lens,
+    block_size = validate_causal_conv1d(x, weight, bias, conv_state_pages, block_tables, kv_lens, cu_q_lens,
                                           block_size=block_size, activation=activation, activations=CONV_ACTIVATIONS)
     if empty_step(x.shape[0], block_tables):
         return jnp.zeros(x.shape, x.dtype), conv_state_pages
@@ -613,9 +459,354 @@ def mamba2_ssd_xla(x, dt, A, B, C, state_pages, block_tables, kv_lens, cu_q_lens
                    form: str | None = None, chunk_size: int = XLA_CHUNK):
     """Mamba-2's SSD scan over paged state snapshots in XLA (the CPU engine's path): arguments, result and contract
     as `pallas_kernels.mamba2_ssd`; forms as `gated_delta_rule_xla`."""
-    block_size = V.validate_mamba2_ssd(x, dt, A, B, C, D, state_pages, block_tables, kv_lens, cu_q_lens,
+    block_size = validate_mamba2_ssd(x, dt, A, B, C, D, state_pages, block_tables, kv_lens, cu_q_lens,
                                        block_size=block_size, form=form, chunk_size=chunk_size)
     if empty_step(x.shape[0], block_tables):
         return jnp.zeros(x.shape, x.dtype), state_pages
     return _mamba2_ssd_xla(x, dt, A, B, C, D, state_pages, block_tables, kv_lens, cu_q_lens, block_size=block_size,
                            form=form or default_form(x.shape[0], block_tables.shape[0]), chunk_size=chunk_size)
+
+
+# ---- the entry points and their argument checks --------------------------------------------------------------
+
+def gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    block_size: int,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+    form: str | None = None,
+    chunk_size: int = 64,
+    block_v: int | None = None,
+    interpret: bool | None = None,
+    target: str = "auto",
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule (Qwen3-Next / Qwen3.5 linear attention) of a ragged step over paged state snapshots.
+
+    Per v head h (q/k head h // (Hv / Hk)), with state S `[Dk, Dv]` float32 and q, k L2-normalised, q scaled: S <-
+    exp(g_t) S; u = beta_t (v_t - S^T k_t); S <- S + k_t u^T; o_t = S^T q_t (transformers'
+    `torch_recurrent_gated_delta_rule`; the chunked form is its `torch_chunk_gated_delta_rule`, with pairwise decays
+    summed as segments). Sequence s's rows `cu_q_lens[s]:cu_q_lens[s + 1]` sit at positions kv_lens[s] - q_len_s ...
+    kv_lens[s] - 1; its initial state is read from the block of position start - 1 (zeros at position 0) and the
+    state after every position that ends a block, and after its last row, is written to that position's block
+    (`pallas_kernels.recurrent`'s contract: nothing else is read or written).
+
+    Args:
+      q, k: `[T, Hk, Dk]`, float32, bfloat16 or float16 (one dtype with v).
+      v: `[T, Hv, Dv]`, Hv a multiple of Hk: each q/k head serves Hv / Hk consecutive v heads.
+      g: float32 `[T, Hv]`, the log decay (<= 0: transformers' -exp(A_log) * softplus(a + dt_bias)).
+      beta: float32 `[T, Hv]` (transformers' sigmoid(b)).
+      state_pages: float32 `[num_blocks, Hv, Dk, Dv]`, one state per block; updated and returned (aliased: under
+        jit with the pages donated, in place).
+      block_tables: int32 `[S, max_blocks_per_seq]`; entries past a sequence's needs are never read.
+      kv_lens: int32 `[S]`: positions after the step, 0 <= q_len_s <= kv_lens[s] <= max_blocks_per_seq * block_size.
+      cu_q_lens: int32 `[S + 1]`, non-decreasing from 0; sequences with q_len 0 read and write nothing, rows past
+        cu_q_lens[-1] are padding (zeros out).
+      block_size: tokens per block of the block tables (a Python int: the pages hold one state per block).
+      use_qk_l2norm: L2-normalise q and k per head (`x * rsqrt(sum(x^2) + 1e-6)`, in float32), as Qwen3-Next does.
+      scale: multiplies q; defaults to Dk^-0.5.
+      form: "chunked" (pieces of chunk_size rows and matmuls: prefill), "recurrent" (token by token: decode), or
+        None: "recurrent" when T <= S (decode-shaped steps), else "chunked". Both compute the same function.
+      chunk_size: rows per chunk of the chunked form; a chunk never crosses a block boundary (pieces end at
+        multiples of chunk_size and of block_size), so block_size a multiple of chunk_size adds no pieces. GPU: a
+        power of two >= 16; TPU: a multiple of 8 (decode-shaped steps run pieces of 8 rows).
+      block_v: GPU only, state columns (of Dv) per program, a power of two (>= 16 for the chunked form); None: 8
+        recurrent, 32 chunked (`gpu.recurrent.default_block`).
+      interpret, target: as for `ragged_paged_attention` (TPU: float32 or bfloat16 inputs).
+      num_warps: Triton warps per program (compiled GPU mode only); None: 1 recurrent, 4 chunked.
+      num_stages: Triton software-pipelining stages (compiled GPU mode only).
+
+    Returns:
+      (out `[T, Hv, Dv]` in q's dtype, state_pages).
+
+    Raises:
+      ValueError: on malformed arguments (shapes, dtypes, heads, block_size) or tuning values.
+    """
+    target = resolve_target(target, interpret)
+    block_size, scale = validate_gated_delta_rule(
+        q, k, v, g, beta, state_pages, block_tables, kv_lens, cu_q_lens, block_size=block_size,
+        use_qk_l2norm=use_qk_l2norm, scale=scale, form=form, chunk_size=chunk_size)
+    V.check_positive_option("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
+    form = form or default_form(q.shape[0], block_tables.shape[0])
+    args = (q, k, v, g, beta, state_pages, block_tables, kv_lens, cu_q_lens)
+    common = dict(block_size=block_size, use_qk_l2norm=use_qk_l2norm, scale=scale, form=form, chunk_size=chunk_size,
+                  interpret=interpret)
+    if target == "tpu":
+        tpu_has_no("block_v", block_v)
+        return gated_delta_rule_tpu(*args, **common)
+    return gated_delta_rule_gpu(*args, block_v=block_v, num_warps=num_warps, num_stages=num_stages, **common)
+
+
+def causal_conv1d(
+    x: jax.Array,
+    weight: jax.Array,
+    conv_state_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    block_size: int,
+    bias: jax.Array | None = None,
+    activation: str | None = None,
+    block_t: int | None = None,
+    block_c: int | None = None,
+    interpret: bool | None = None,
+    target: str = "auto",
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> tuple[jax.Array, jax.Array]:
+    """The causal depthwise conv1d of a ragged step (the short convolution before Qwen3-Next's delta rule and
+    Mamba-2's scan) over paged conv states.
+
+    Per channel c: out_t = act(bias[c] + sum_i weight[c, i] x_{t-K+1+i}), inputs before a sequence's position 0
+    being zeros (transformers' `causal_conv1d_fn` / `causal_conv1d_update`). The conv state after position p is the
+    last K - 1 inputs `[x_{p-K+2}, ..., x_p]` (`[C, K - 1]`, oldest first); it is read and written under
+    `pallas_kernels.recurrent`'s contract, as `gated_delta_rule`'s state.
+
+    Args:
+      x: `[T, C]`, float32, bfloat16 or float16.
+      weight: `[C, K]`, K >= 2 (transformers' `conv1d.weight.squeeze(1)`), a float dtype.
+      conv_state_pages: `[num_blocks, C, K - 1]` in x's dtype (they hold inputs), one state per block; updated and
+        returned (aliased).
+      block_tables, kv_lens, cu_q_lens, block_size, interpret, target: as for `gated_delta_rule` (TPU: float32 or
+        bfloat16 x).
+      bias: `[C]` or None, a float dtype.
+      activation: None or "silu" (Qwen3-Next and Nemotron-H use "silu").
+      block_t: rows per program (a piece never crosses a block boundary). GPU: a power of two, None = 32; TPU: a
+        multiple of 8, None = 64.
+      block_c: channels per program. GPU: a power of two, None = min(128, next_pow2(C)); TPU: a multiple of 128
+        dividing C, or C; None = `tpu.recurrent.default_block_c`.
+      num_warps: Triton warps per program (compiled GPU mode only), None = 4.
+      num_stages: Triton software-pipelining stages (compiled GPU mode only).
+
+    Returns:
+      (out `[T, C]` in x's dtype, computed in float32, conv_state_pages).
+
+    Raises:
+      ValueError: on malformed arguments (shapes, dtypes, K < 2, the pages' dtype, the activation) or tuning values.
+    """
+    target = resolve_target(target, interpret)
+    block_size = validate_causal_conv1d(x, weight, bias, conv_state_pages, block_tables, kv_lens, cu_q_lens,
+                                          block_size=block_size, activation=activation, activations=CONV_ACTIVATIONS)
+    V.check_positive_option("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
+    args = (x, weight, bias, conv_state_pages, block_tables, kv_lens, cu_q_lens)
+    common = dict(block_size=block_size, activation=activation, block_t=block_t, block_c=block_c,
+                  interpret=interpret)
+    if target == "tpu":
+        return causal_conv1d_tpu(*args, **common)
+    return causal_conv1d_gpu(*args, num_warps=num_warps, num_stages=num_stages, **common)
+
+
+def mamba2_ssd(
+    x: jax.Array,
+    dt: jax.Array,
+    A: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    state_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    block_size: int,
+    D: jax.Array | None = None,
+    form: str | None = None,
+    chunk_size: int = 64,
+    block_p: int | None = None,
+    interpret: bool | None = None,
+    target: str = "auto",
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> tuple[jax.Array, jax.Array]:
+    """Mamba-2's SSD scan (Nemotron-H's mixer) of a ragged step over paged state snapshots.
+
+    Per head h (B/C group h // (H / G)), with state S `[P, N]` float32: S <- exp(dt_t A_h) S + dt_t x_t B_t^T;
+    y_t = S C_t + D_h x_t (transformers' `mamba2_selective_state_update`; the chunked form is `mamba2_chunk_scan`'s
+    sum). States are read and written under `pallas_kernels.recurrent`'s contract, as `gated_delta_rule`'s.
+
+    Args:
+      x: `[T, H, P]`, float32, bfloat16 or float16.
+      dt: float32 `[T, H]`: the time step as the scan uses it, after the caller's bias, softplus and clamp
+        (transformers: `clamp(softplus(dt + dt_bias), *time_step_limit)`).
+      A: float32 `[H]` (transformers' -exp(A_log)).
+      B, C: `[T, G, N]` in x's dtype, H a multiple of G.
+      state_pages: float32 `[num_blocks, H, P, N]`; updated and returned (aliased).
+      block_tables, kv_lens, cu_q_lens, block_size, form, chunk_size, interpret, target, num_warps, num_stages: as
+        for `gated_delta_rule` (the gate z and the norm after the scan are the caller's).
+      D: float32 `[H]` or None: the skip connection D_h x_t.
+      block_p: GPU only, state rows (of P) per program, a power of two (>= 16 for the chunked form); None: 8
+        recurrent, 32 chunked.
+
+    Returns:
+      (y `[T, H, P]` in x's dtype, state_pages).
+
+    Raises:
+      ValueError: on malformed arguments (shapes, dtypes, groups, block_size) or tuning values.
+    """
+    target = resolve_target(target, interpret)
+    block_size = validate_mamba2_ssd(x, dt, A, B, C, D, state_pages, block_tables, kv_lens, cu_q_lens,
+                                       block_size=block_size, form=form, chunk_size=chunk_size)
+    V.check_positive_option("num_warps", num_warps)
+    V.check_positive_int("num_stages", num_stages)
+    form = form or default_form(x.shape[0], block_tables.shape[0])
+    args = (x, dt, A, B, C, D, state_pages, block_tables, kv_lens, cu_q_lens)
+    common = dict(block_size=block_size, form=form, chunk_size=chunk_size, interpret=interpret)
+    if target == "tpu":
+        tpu_has_no("block_p", block_p)
+        return mamba2_ssd_tpu(*args, **common)
+    return mamba2_ssd_gpu(*args, block_p=block_p, num_warps=num_warps, num_stages=num_stages, **common)
+
+
+RECURRENT_FORMS = ("chunked", "recurrent")
+
+
+def _check_arrays(**arrays) -> None:
+    for name, x in arrays.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def _check_float(name: str, x, dtypes=SUPPORTED_DTYPES) -> None:
+    if jnp.dtype(x.dtype) not in dtypes:
+        raise ValueError(f"{name}'s dtype must be one of {', '.join(jnp.dtype(d).name for d in dtypes)}; got "
+                         f"{x.dtype}")
+
+
+def _check_shape(name: str, x, shape: tuple, what: str) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {what} = {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def validate_ragged_step(block_tables, kv_lens, cu_q_lens, block_size) -> int:
+    """The step arguments every recurrent entry point shares: block_tables int32 `[S, max_blocks_per_seq]`, kv_lens
+    int32 `[S]`, cu_q_lens int32 `[S + 1]`, block_size a positive Python int (the state pages hold one state per
+    block, so it is not in their shape). Returns block_size."""
+    _check_arrays(block_tables=block_tables)
+    check_int32("block_tables", block_tables, 2)
+    check_vector("kv_lens", kv_lens, block_tables.shape[0])
+    check_vector("cu_q_lens", cu_q_lens, block_tables.shape[0] + 1)
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int (tokens per block of the block tables), got "
+                         f"{block_size!r}")
+    return int(block_size)
+
+
+def _check_pages(name: str, pages, tail: tuple, what: str, dtypes) -> None:
+    if pages.ndim != 1 + len(tail) or tuple(pages.shape[1:]) != tuple(tail) or pages.shape[0] < 1:
+        raise ValueError(f"{name} must have shape [num_blocks >= 1, {what}] = [num_blocks, "
+                         f"{', '.join(map(str, tail))}], got {tuple(pages.shape)}")
+    _check_float(name, pages, dtypes)
+
+
+def check_form(form) -> None:
+    if form is not None and form not in RECURRENT_FORMS:
+        raise ValueError(f"form must be None (by shape), 'chunked' or 'recurrent', got {form!r}")
+
+
+def validate_gated_delta_rule(q, k, v, g, beta, state_pages, block_tables, kv_lens, cu_q_lens, *, block_size,
+                              use_qk_l2norm, scale, form, chunk_size) -> tuple[int, float]:
+    """q, k `[T, Hk, Dk]` and v `[T, Hv, Dv]` in one float dtype with Hv a multiple of Hk; g, beta float32
+    `[T, Hv]`; state_pages float32 `[num_blocks, Hv, Dk, Dv]`; the step arguments. Returns (block_size, scale:
+    Dk^-0.5 unless given)."""
+    _check_arrays(q=q, k=k, v=v, g=g, beta=beta, state_pages=state_pages)
+    block_size = validate_ragged_step(block_tables, kv_lens, cu_q_lens, block_size)
+    if q.ndim != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must be 3-D [tokens, num_k_heads, head_k_dim] of one shape, got {q.shape} and "
+                         f"{k.shape}")
+    if v.ndim != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"v must be 3-D [tokens, num_v_heads, head_v_dim] with q's {q.shape[0]} tokens, got "
+                         f"{v.shape}")
+    _check_float("q", q)
+    if jnp.dtype(k.dtype) != jnp.dtype(q.dtype) or jnp.dtype(v.dtype) != jnp.dtype(q.dtype):
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    num_tokens, num_k_heads, head_k = q.shape
+    num_v_heads, head_v = v.shape[1:]
+    if min(num_k_heads, num_v_heads, head_k, head_v) < 1:
+        raise ValueError(f"need at least one head of at least one dimension, got q {q.shape} and v {v.shape}")
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads}): each q/k "
+                         f"head serves num_v_heads // num_k_heads consecutive v heads")
+    for name, x in (("g", g), ("beta", beta)):
+        _check_shape(name, x, (num_tokens, num_v_heads), "[tokens, num_v_heads]")
+        _check_float(name, x, (jnp.dtype(jnp.float32),))
+    _check_pages("state_pages", state_pages, (num_v_heads, head_k, head_v), "num_v_heads, head_k_dim, head_v_dim",
+                 (jnp.dtype(jnp.float32),))
+    if not isinstance(use_qk_l2norm, bool):
+        raise ValueError(f"use_qk_l2norm must be a bool, got {use_qk_l2norm!r}")
+    check_form(form)
+    check_positive_int("chunk_size", chunk_size)
+    return block_size, (head_k ** -0.5 if scale is None else resolve_scale(scale, head_k))
+
+
+def validate_causal_conv1d(x, weight, bias, conv_state_pages, block_tables, kv_lens, cu_q_lens, *, block_size,
+                           activation, activations) -> int:
+    """x `[T, C]` in a float dtype; weight `[C, K]` (K >= 2) and bias `[C]` (or None) in float dtypes;
+    conv_state_pages `[num_blocks, C, K - 1]` in x's dtype (they hold inputs); the step arguments. Returns
+    block_size."""
+    _check_arrays(x=x, weight=weight, conv_state_pages=conv_state_pages)
+    block_size = validate_ragged_step(block_tables, kv_lens, cu_q_lens, block_size)
+    if x.ndim != 2 or x.shape[1] < 1:
+        raise ValueError(f"x must be 2-D [tokens, channels], got shape {x.shape}")
+    _check_float("x", x)
+    channels = x.shape[1]
+    if weight.ndim != 2 or weight.shape[0] != channels or weight.shape[1] < 2:
+        raise ValueError(f"weight must have shape [channels, kernel_size] = [{channels}, K] with K >= 2 (a kernel "
+                         f"of one tap keeps no state), got {tuple(weight.shape)}")
+    _check_float("weight", weight)
+    if bias is not None:
+        _check_arrays(bias=bias)
+        _check_shape("bias", bias, (channels,), "[channels]")
+        _check_float("bias", bias)
+    taps = weight.shape[1]
+    _check_pages("conv_state_pages", conv_state_pages, (channels, taps - 1), "channels, kernel_size - 1",
+                 (jnp.dtype(x.dtype),))
+    if activation not in activations:
+        raise ValueError(f"activation must be one of {activations}, got {activation!r}")
+    return block_size
+
+
+def validate_mamba2_ssd(x, dt, A, B, C, D, state_pages, block_tables, kv_lens, cu_q_lens, *, block_size, form,
+                        chunk_size) -> int:
+    """x `[T, H, P]` in a float dtype; dt float32 `[T, H]`; A float32 `[H]`; B, C `[T, G, N]` in x's dtype with H a
+    multiple of G; D float32 `[H]` or None; state_pages float32 `[num_blocks, H, P, N]`; the step arguments.
+    Returns block_size."""
+    _check_arrays(x=x, dt=dt, A=A, B=B, C=C, state_pages=state_pages)
+    block_size = validate_ragged_step(block_tables, kv_lens, cu_q_lens, block_size)
+    if x.ndim != 3 or min(x.shape[1:]) < 1:
+        raise ValueError(f"x must be 3-D [tokens, num_heads, head_dim], got shape {x.shape}")
+    _check_float("x", x)
+    num_tokens, num_heads, head_dim = x.shape
+    if B.ndim != 3 or B.shape[0] != num_tokens or min(B.shape[1:]) < 1 or C.shape != B.shape:
+        raise ValueError(f"B and C must be 3-D [tokens, n_groups, state_size] of one shape with x's {num_tokens} "
+                         f"tokens, got {B.shape} and {C.shape}")
+    if jnp.dtype(B.dtype) != jnp.dtype(x.dtype) or jnp.dtype(C.dtype) != jnp.dtype(x.dtype):
+        raise ValueError(f"B and C must be in x's dtype ({x.dtype}), got {B.dtype} and {C.dtype}")
+    num_groups, state_size = B.shape[1:]
+    if num_heads % num_groups:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of n_groups ({num_groups})")
+    f32 = (jnp.dtype(jnp.float32),)
+    _check_shape("dt", dt, (num_tokens, num_heads), "[tokens, num_heads]")
+    _check_float("dt", dt, f32)
+    _check_shape("A", A, (num_heads,), "[num_heads]")
+    _check_float("A", A, f32)
+    if D is not None:
+        _check_arrays(D=D)
+        _check_shape("D", D, (num_heads,), "[num_heads]")
+        _check_float("D", D, f32)
+    _check_pages("state_pages", state_pages, (num_heads, head_dim, state_size), "num_heads, head_dim, state_size",
+                 f32)
+    check_form(form)
+    check_positive_int("chunk_size", chunk_size)
+    return block_size

@@ -7,7 +7,7 @@ o_proj), computed two ways on the CPU's XLA path, float32:
   W_UV[h] on each head's latent output;
 - non-absorbed: gather the sequence's pages, expand every cached token's latent per head, K[t, h] = [W_UK[h] c_kv[t]
   | k_rope[t]] and V[t, h] = W_UV[h] c_kv[t], and run standard attention. This is
-  `pallas_kernels.reference.mla_attention_dense_reference` (the kernels' oracle of the absorption algebra; its
+  `pallas_kernels.mla.mla_attention_dense_reference` (the kernels' oracle of the absorption algebra; its
   float32 einsums at HIGHEST precision are plain float32 on a CPU), vmapped over the batch, each sequence's query
   at position length - 1: timed as it is, not a copy.
 
@@ -53,7 +53,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import mla_paged_attention_xla, ragged_mla_paged_attention_xla  # noqa: E402
-from pallas_kernels.reference import mla_attention_dense_reference  # noqa: E402
+from pallas_kernels.mla import mla_attention_dense_reference  # noqa: E402
 
 logger = logging.getLogger("bench_mla_absorb")  # progress; the tables are printed
 

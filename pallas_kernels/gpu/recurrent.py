@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _validate as V
-from pallas_kernels import recurrent as R
+from pallas_kernels import pieces as R
 from pallas_kernels import tiles
 from pallas_kernels.gpu import _common as C
 

@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import recurrent as R
+from pallas_kernels import pieces as R
 from pallas_kernels.tpu import _common as T
 
 F32 = jnp.float32

@@ -28,6 +28,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels as pk
+from pallas_kernels import pieces as P
 from pallas_kernels import recurrent as R
 from tests.kernels import recurrent_cases as RC
 from tests.kernels.cases import examples
@@ -261,8 +262,8 @@ def test_recurrent_and_chunked_forms_agree_on_a_long_prompt():
 
 
 def test_default_form_by_shape():
-    assert R.default_form(16, 16) == "recurrent"  # a decode batch
-    assert R.default_form(17, 16) == "chunked"
+    assert P.default_form(16, 16) == "recurrent"  # a decode batch
+    assert P.default_form(17, 16) == "chunked"
     assert inspect.signature(pk.gated_delta_rule).parameters["chunk_size"].default == 64
 
 
@@ -270,7 +271,7 @@ def test_pieces_end_at_block_and_chunk_boundaries():
     """Sequence 0: rows at positions 5..17 with blocks of 6 and chunks of 4: pieces [5], [6, 7], [8..11], [12..15],
     [16, 17]; snapshots after 5 (block end), 11, 17 (the step's end, mid-block). Sequence 1 (padding) has none."""
     tables = jnp.asarray([[3, 8, 1, 0], [9, -1, -1, -1]], jnp.int32)
-    cut = jax.jit(functools.partial(R.pieces, num_tokens=15, chunk=4, block_size=6, num_blocks=10))
+    cut = jax.jit(functools.partial(P.pieces, num_tokens=15, chunk=4, block_size=6, num_blocks=10))
     p = jax.device_get(cut(jnp.asarray([18, 0], jnp.int32), jnp.asarray([0, 13, 13], jnp.int32), tables))
     n = int(p.count)
     assert list(zip(p.pos0[:n].tolist(), p.length[:n].tolist(), strict=True)) == [(5, 1), (6, 2), (8, 4), (12, 4),
@@ -289,7 +290,7 @@ def test_max_pieces_bounds_every_step(q_lens, starts, chunk, block):
     for q, a in zip(q_lens, starts[: len(q_lens)], strict=True):
         cuts = [p for p in range(a + 1, a + q) if p % block == 0 or (chunk is not None and p % chunk == 0)]
         count += (len(cuts) + 1) if q else 0
-    assert count <= R.max_pieces(sum(q_lens), len(q_lens), chunk, block)
+    assert count <= P.max_pieces(sum(q_lens), len(q_lens), chunk, block)
 
 
 def test_empty_steps_return_zeros_and_the_pages():

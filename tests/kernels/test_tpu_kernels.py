@@ -22,8 +22,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
-import pallas_kernels
 from pallas_kernels import (
+    paged,
     paged_attention,
     paged_attention_reference,
     ragged_paged_attention,
@@ -310,8 +310,8 @@ def test_auto_target_follows_the_backend(monkeypatch):
 
     monkeypatch.setattr(gpu_decode, "_paged_attention", recorder("gpu decode"))
     monkeypatch.setattr(gpu_ragged, "_ragged_paged_attention", recorder("gpu ragged"))
-    monkeypatch.setattr(pallas_kernels, "paged_attention_tpu", recorder("tpu decode"))
-    monkeypatch.setattr(pallas_kernels, "ragged_paged_attention_tpu", recorder("tpu ragged"))
+    monkeypatch.setattr(paged, "paged_attention_tpu", recorder("tpu decode"))  # the paged kind's entry module
+    monkeypatch.setattr(paged, "ragged_paged_attention_tpu", recorder("tpu ragged"))
     for backend in ("cpu", "gpu", "tpu"):
         monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
         paged_attention(**_decode_args())

@@ -109,12 +109,6 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 _GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 
 
-
-
-
-
-
-
 def _rope(hf: dict, model_type: str, params: dict, field: str, top_theta: float, head_dim: int,
           max_pos: int) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
     """(rope_theta, ModelConfig.rope_scaling) of one set of rope parameters (`params`, from `field`);
@@ -221,7 +215,6 @@ def _optional_positive_number(hf: dict, key: str, model_type: str) -> float | No
     if value <= 0:
         raise ValueError(f"field {key!r}: expected a number > 0 or null, got {value!r}")
     return value
-
 
 
 def _sliding_windows(hf: dict, model_type: str, num_layers: int) -> tuple[int | None, ...] | None:
