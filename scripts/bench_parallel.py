@@ -48,7 +48,7 @@ def measure(args) -> list[dict]:
     import numpy as np
     from flax import nnx
 
-    from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
+    from pagedjax import CacheConfig, ModelConfig, SamplingParams, SchedulerConfig, make_engine
     from pagedjax.model.llama import init_model
     from pagedjax.parallel import ParallelConfig
 
@@ -63,13 +63,13 @@ def measure(args) -> list[dict]:
         if dp * tp > len(jax.devices()):
             continue
         # Prefix caching off: the timed run repeats the warm-up's prompts, and hits would change its shapes.
-        engine = LLMEngine(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=args.num_blocks,
-                                                                      enable_prefix_caching=False),
-                           scheduler_config=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=512,
-                                                            max_model_len=512), params=state,
-                           decode_steps_per_call=args.decode_steps, compile_cache=False,
-                           parallel_config=None if dp * tp == 1 else ParallelConfig(tensor_parallel_size=tp,
-                                                                                    data_parallel_size=dp))
+        engine = make_engine(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=args.num_blocks,
+                                                                        enable_prefix_caching=False),
+                             scheduler_config=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=512,
+                                                              max_model_len=512), params=state,
+                             decode_steps_per_call=args.decode_steps, compile_cache=False,
+                             parallel_config=None if dp * tp == 1 else ParallelConfig(tensor_parallel_size=tp,
+                                                                                      data_parallel_size=dp))
         replicas = getattr(engine, "replicas", [engine])
         engine.generate(prompts, greedy, use_tqdm=False)  # warm-up: compiles every shape the timed run needs
         warm = [r.stats() for r in replicas]

@@ -32,7 +32,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -152,7 +151,7 @@ def engine_share(tok, batch: int) -> dict:
         return compiler.compile(structured)
 
     by_rows, by_call = [fresh() for _ in range(batch)], [fresh() for _ in range(batch)]
-    rows = [SimpleNamespace(constraint=c) for c in by_call]
+    matchers = [c.matcher for c in by_call]
     masks = np.zeros((batch, mask_words(tok.get_vocab_size())), np.int32)
 
     def row_by_row():
@@ -160,7 +159,7 @@ def engine_share(tok, batch: int) -> dict:
             constraint.fill(masks[i])
 
     times: dict[str, list[float]] = {"fill_rows": [], "fill_par": [], "compile_fresh": [], "compile_kept": []}
-    fills = (("fill_rows", row_by_row), ("fill_par", lambda: token_masks(rows, [True] * batch, tok.get_vocab_size())))
+    fills = (("fill_rows", row_by_row), ("fill_par", lambda: token_masks(matchers, tok.get_vocab_size())))
     for step in range(len(document) // 2):
         for i, offset in enumerate(offsets):  # each matcher at token offset + step of the document
             for constraint in (by_rows[i], by_call[i]):

@@ -921,7 +921,9 @@ def _hybrid_greedy(name: str, backend: str = "auto", num_prompts: int = len(PROM
     want, margin = greedy_by_recompute(jax.jit(lambda t, m=model: m.forward_dense(t)), prompts, max_tokens, MAX_LEN)
     assert margin > 1e-3, f"{name}: a near tie ({margin}) would make token equality depend on rounding"
     assert len({t for w in want for t in w}) > 2, f"{name}: a degenerate reference {want}"
-    e = LLMEngine(model=_scaled(init(1)), cache_config=CacheConfig(block_size=8, num_blocks=8),
+    # state_block_size 8: a snapshot per KV block (the default aligns them to 64 tokens, past these prompts), so
+    # that prefix hits happen
+    e = LLMEngine(model=_scaled(init(1)), cache_config=CacheConfig(block_size=8, num_blocks=8, state_block_size=8),
                   scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
                   decode_steps_per_call=4, compile_cache=False, backend=backend,
                   parallel_config=ParallelConfig(tensor_parallel_size=2))
