@@ -26,7 +26,7 @@ from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from pagedjax.config.vision import LlavaConfig, VisionConfig
-from pagedjax.model.llava import Llava
+from pagedjax.model.multimodal.llava import Llava
 
 logger = logging.getLogger("bench_images")
 

@@ -17,8 +17,8 @@ class ImageSpec:
     """Images in a model's prompts (`ModelSpec.images`).
 
     image_token_id    the placeholder token: each image is `tokens_per_image` consecutive copies of it in the
-                      prompt's token ids (after the processor's expansion, `pagedjax.model.processor`), whose input
-                      embeddings the model replaces by the image's features (`pagedjax.model.api.ImageEmbeds`).
+                      prompt's token ids (after the processor's expansion, `pagedjax.model.multimodal.processor`), whose
+                      input embeddings the model replaces by the image's features (`pagedjax.model.api.ImageEmbeds`).
     tokens_per_image  how many placeholders (feature rows) one image takes.
     image_size        (height, width) of the pixel arrays the model's `encode_images` takes.
     bidirectional     True: the placeholders of one image attend to each other both ways (the run of consecutive

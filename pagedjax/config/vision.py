@@ -1,8 +1,8 @@
 """The vision-language models' configuration: `VisionConfig` (a ViT image encoder: CLIP's or SigLIP's), and the two
 families built on it, `LlavaConfig` (CLIP tower, a hidden layer's features through a two-layer MLP projector, any
 built-in decoder) and `Gemma3VisionConfig` (SigLIP tower, average pooling to `mm_tokens_per_image` tokens, an
-RMS-normed linear projection, the Gemma 3 decoder). The models are `pagedjax.model.llava.Llava` and
-`pagedjax.model.gemma3_vision.Gemma3Vision`; `pagedjax.model.loading.hf_vision` maps Hugging Face folders
+RMS-normed linear projection, the Gemma 3 decoder). The models are `pagedjax.model.multimodal.llava.Llava` and
+`pagedjax.model.multimodal.gemma3_vision.Gemma3Vision`; `pagedjax.model.multimodal.hf_vision` maps Hugging Face folders
 ("llava", "gemma3") to these.
 
 Plain Python, no JAX.

@@ -2,8 +2,8 @@
 (or `"prompt_token_ids"` instead of `"prompt"`) -> the prompt's token ids, with each image's placeholders expanded
 the way the model's processor does, and one `ImageInput` per image (its pixels, content hash and placeholders).
 
-An image is a PIL image (made into pixels by the model's processor, `pagedjax.model.processor`) or an array of
-pixels already processed, float32 `[3, H, W]` at the model's `ImageSpec.image_size` (what a model of one's own
+An image is a PIL image (made into pixels by the model's processor, `pagedjax.model.multimodal.processor`) or an array
+of pixels already processed, float32 `[3, H, W]` at the model's `ImageSpec.image_size` (what a model of one's own
 without a processor takes). A text prompt names each image by the processor's placeholder (`<image>` for LLaVA,
 `<start_of_image>` for Gemma 3), expanded as transformers' processor expands it; a token-id prompt holds either one
 placeholder id per image (expanded here) or the expanded placeholders already. Every mismatch (a count of

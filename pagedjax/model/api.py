@@ -71,7 +71,7 @@ Images: a model whose `spec.images` is set (an `ImageSpec`, `pagedjax.config.mul
 
     encode_images(pixel_values) -> features
                                      pixel_values: float32 `[N, 3, H, W]`, (H, W) = `spec.images.image_size`, as
-                                     the folder's processor makes them (`pagedjax.model.processor`). Returns
+                                     the folder's processor makes them (`pagedjax.model.multimodal.processor`). Returns
                                      `[N, spec.images.tokens_per_image, hidden]` in the model's dtype: the rows
                                      that replace one image's placeholder embeddings (vision tower + projector).
     __call__(token_ids, positions, cache, *, images=None) -> (hidden, cache)

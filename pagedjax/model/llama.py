@@ -287,7 +287,7 @@ class Llama(nnx.Module):
         """Serving forward. token_ids, positions int32 `[T]` -> (final hidden states `[T, hidden]`, cache).
         `lora`: the step's adapters, each token's own on every target linear (dense MLPs only: the engine
         refuses LoRA for mixture-of-experts models). `images`: image features in place of placeholder tokens'
-        embeddings (`embed`; the vision-language models, `pagedjax.model.vision.vlm`)."""
+        embeddings (`embed`; the vision-language models, `pagedjax.model.multimodal.vlm`)."""
         x = self.embed(token_ids, images)
         for i, layer in enumerate(self.layers):
             ll = None if lora is None else lora.layer(i)

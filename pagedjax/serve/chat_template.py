@@ -20,10 +20,10 @@ takes images: then every message's text goes to it as parts too.
 A vision-language folder without one (a "llava" or "gemma3" `model_type` in its config.json) gets its family's
 built-in template (`FAMILY_TEMPLATES`, as vLLM ships fallback templates): the family's own prompt format (LLaVA
 1.5's `USER: <image>\n... ASSISTANT:`, Gemma 3's turns), writing the folder's image placeholder (the processor's:
-`pagedjax.model.processor.image_placeholder`) for each image part, so that image chats work without a hand-written
-template; its `source` says so, and the server logs it at start-up. Any other model without one (the bundled
-model, trained on Python sources) gets `DEFAULT_TEMPLATE`: each message as a `# <role>:` comment line followed by
-its content, then `# assistant:` when a reply is wanted; that text is tokenized like a completion prompt (BOS
+`pagedjax.model.multimodal.processor.image_placeholder`) for each image part, so that image chats work without a
+hand-written template; its `source` says so, and the server logs it at start-up. Any other model without one (the
+bundled model, trained on Python sources) gets `DEFAULT_TEMPLATE`: each message as a `# <role>:` comment line followed
+by its content, then `# assistant:` when a reply is wanted; that text is tokenized like a completion prompt (BOS
 added). `--chat-template FILE` replaces any of these.
 """
 
@@ -169,7 +169,7 @@ class ChatTemplate:
         family = read_json(Path(folder) / "config.json").get("model_type") \
             if folder is not None and (Path(folder) / "config.json").is_file() else None
         if family in FAMILY_TEMPLATES:
-            from pagedjax.model.processor import image_placeholder
+            from pagedjax.model.multimodal.processor import image_placeholder
 
             return cls(FAMILY_TEMPLATES[family], source=f"built-in {family} template ({folder} has no chat template)",
                        model_template=True, image_placeholder=image_placeholder(folder), **tokens)

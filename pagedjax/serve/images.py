@@ -366,9 +366,10 @@ class ImageSupport:
     expands each image's placeholder into the tokens its features take and makes the pixels), the limits, and
     whether the chat template reads text only from content parts; and the image pool, where images are decoded.
 
-    processor      the engine's `pagedjax.model.processor.ImageProcessor`: `placeholder` (the text that stands for
-                   one image in a prompt), `count_images(text)`, `expand_prompt(text)`, `pixel_values(images)`, and
-                   optionally `reduce_factor(width, height)` (how far an image may shrink before its resize).
+    processor      the engine's `pagedjax.model.multimodal.processor.ImageProcessor`: `placeholder` (the text that
+                   stands for one image in a prompt), `count_images(text)`, `expand_prompt(text)`,
+                   `pixel_values(images)`, and optionally `reduce_factor(width, height)` (how far an image may shrink
+                   before its resize).
     content_parts  the template reads a message's text only from a list of parts (as LLaVA's Hugging Face
                    templates do): every message's content goes to it as parts (`ChatTemplate.reads_content_parts`).
 

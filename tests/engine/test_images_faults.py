@@ -15,7 +15,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
 def _engine() -> LLMEngine:
-    from pagedjax.model.llava import Llava
+    from pagedjax.model.multimodal.llava import Llava
 
     vision = VisionConfig("clip", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                           image_size=(16, 16), patch_size=8, hidden_act="quick_gelu", layer_norm_eps=1e-5)

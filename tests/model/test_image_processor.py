@@ -1,7 +1,7 @@
-"""The image processor of vision-language folders (`pagedjax.model.processor`, numpy + Pillow) against transformers'
-processors on tiny LLaVA and Gemma 3 folders (`tests.model.vision_folders`: configs, processor and tokenizer, no
-weights): pixel values within 1e-5 (RGB, RGBA, LA, L, P with and without transparency, CMYK images larger and
-smaller than the model's size; LLaVA's pad to a square and a centre crop that pads), and token ids identical to
+"""The image processor of vision-language folders (`pagedjax.model.multimodal.processor`, numpy + Pillow) against
+transformers' processors on tiny LLaVA and Gemma 3 folders (`tests.model.vision_folders`: configs, processor and
+tokenizer, no weights): pixel values within 1e-5 (RGB, RGBA, LA, L, P with and without transparency, CMYK images larger
+and smaller than the model's size; LLaVA's pad to a square and a centre crop that pads), and token ids identical to
 the processor's `input_ids` for prompts with 0, 1 and 2 images. Unsupported settings are refused by name.
 """
 
@@ -23,7 +23,7 @@ from PIL import Image  # noqa: E402
 
 from pagedjax.model.errors import ModelLoadError  # noqa: E402
 from pagedjax.model.hf_tokenizer import HFTokenizer  # noqa: E402
-from pagedjax.model.processor import decode_image, image_transform, load_image_processor  # noqa: E402
+from pagedjax.model.multimodal.processor import decode_image, image_transform, load_image_processor  # noqa: E402
 from tests.model.vision_folders import random_images, save_folder  # noqa: E402
 
 pytestmark = pytest.mark.hf

@@ -1,4 +1,4 @@
-"""Vision-language models from Hugging Face folders (`pagedjax.model.loading.hf_vision`): tiny random LLaVA (CLIP +
+"""Vision-language models from Hugging Face folders (`pagedjax.model.multimodal.hf_vision`): tiny random LLaVA (CLIP +
 Llama) and Gemma 3 (SigLIP + Gemma 3 text) checkpoints made by transformers' own classes (`tests.model.vision_folders`,
 every parameter random) must give transformers' image features (`encode_images` = `get_image_features`) and its
 logits with images in the prompt (`forward_dense`, one and two images per prompt in one batch; Gemma 3's image
@@ -30,14 +30,14 @@ from pagedjax.model.api import ImageEmbeds, PagedKVCache, check_model  # noqa: E
 from pagedjax.model.errors import ModelLoadError  # noqa: E402
 from pagedjax.model.hf_tokenizer import HFTokenizer  # noqa: E402
 from pagedjax.model.llama import Llama  # noqa: E402
-from pagedjax.model.llava import Llava  # noqa: E402
-from pagedjax.model.loading import hf_vision  # noqa: E402
 from pagedjax.model.loading.hf_config import load_hf_config  # noqa: E402
-from pagedjax.model.loading.hf_vision import load as load_hf_vision  # noqa: E402
-from pagedjax.model.loading.hf_vision import load_config as load_vision_config  # noqa: E402
 from pagedjax.model.loading.loader import load_engine_model, load_registered  # noqa: E402
-from pagedjax.model.processor import load_image_processor  # noqa: E402
-from pagedjax.model.vision.vlm import placeholder_index  # noqa: E402
+from pagedjax.model.multimodal import hf_vision  # noqa: E402
+from pagedjax.model.multimodal.hf_vision import load as load_hf_vision  # noqa: E402
+from pagedjax.model.multimodal.hf_vision import load_config as load_vision_config  # noqa: E402
+from pagedjax.model.multimodal.llava import Llava  # noqa: E402
+from pagedjax.model.multimodal.processor import load_image_processor  # noqa: E402
+from pagedjax.model.multimodal.vlm import placeholder_index  # noqa: E402
 from tests.model.test_model import _ragged_batch  # noqa: E402
 from tests.model.vision_folders import PROMPTS, hf_model, random_images, save_folder, saved_models  # noqa: E402
 

@@ -435,7 +435,7 @@ def _gemma3_vision():
     """A random Gemma 3 with images (SigLIP tower, 4 placeholder tokens per 16 px image, attending to each other both
     ways)."""
     from pagedjax.config.vision import Gemma3VisionConfig, VisionConfig
-    from pagedjax.model.gemma3_vision import Gemma3Vision
+    from pagedjax.model.multimodal.gemma3_vision import Gemma3Vision
 
     text = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=64, architecture="gemma2", sliding_windows=(8, None), rms_norm_eps=1e-6)

@@ -761,7 +761,7 @@ def test_vision_folders_without_a_template_get_their_familys(tmp_path, kind):
     the folder's image placeholder for each image part (the built-in default dropped them: 400 on every image
     chat)."""
     pytest.importorskip("transformers")
-    from pagedjax.model.processor import load_image_processor
+    from pagedjax.model.multimodal.processor import load_image_processor
     from pagedjax.serve.protocol import ChatMessage
     from pagedjax.serve.tools import template_messages
     from tests.model.vision_folders import save_folder
@@ -859,7 +859,7 @@ def test_images_within_3x_the_input_decode_exactly_larger_ones_reduced_within_a_
     is made the very pixels the processor makes of the whole decoded image; a larger one is shrunk while decoded
     (a JPEG at 1/8 of its size) or right after (box averages), and its pixels stay within 7 levels of 255 of the
     processor's (at most 7 measured on these, a mean under 2)."""
-    from pagedjax.model.processor import decode_image, load_image_processor
+    from pagedjax.model.multimodal.processor import decode_image, load_image_processor
 
     processor = load_image_processor(llava_folder)  # CLIP: the short side to 16, a crop of 16
     support = ImageSupport(processor, dataclasses.replace(LIMITS, max_image_bytes=2**20,
@@ -896,9 +896,9 @@ def test_a_vision_model_end_to_end(server, llava_folder):
 
     from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
     from pagedjax.model.hf_tokenizer import HFTokenizer
-    from pagedjax.model.llava import Llava
-    from pagedjax.model.loading.hf_vision import load_config as load_vision_config
-    from pagedjax.model.processor import decode_image, load_image_processor
+    from pagedjax.model.multimodal.hf_vision import load_config as load_vision_config
+    from pagedjax.model.multimodal.llava import Llava
+    from pagedjax.model.multimodal.processor import decode_image, load_image_processor
 
     # the folder's configs, tokenizer and processor, as transformers writes them; random weights (the model's
     # equality with transformers is tests/engine/test_images_engine.py's)

@@ -38,7 +38,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("pagedjax.model.families.qwen3_next",
            ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"), "hybrid recurrent"),
     Family("pagedjax.model.families.nemotron_h", ("nemotron_h",), "hybrid recurrent"),
-    Family("pagedjax.model.loading.hf_vision", ("llava", "gemma3"), "with images"),
+    Family("pagedjax.model.multimodal.hf_vision", ("llava", "gemma3"), "with images"),
 )
 
 

@@ -160,12 +160,12 @@ def load_engine_inputs(path, dtype: str | None, quantization, tokenizer, devices
 
 
 def folder_image_processor(path, weights: dict):
-    """The image processor of a saved vision-language model (`pagedjax.model.processor.load_image_processor`) when the
-    model `load_engine_model` built (`weights`) takes images; None otherwise."""
+    """The image processor of a saved vision-language model (`pagedjax.model.multimodal.processor.load_image_processor`)
+    when the model `load_engine_model` built (`weights`) takes images; None otherwise."""
     model = weights.get("model")
     if model is None or getattr(model.spec, "images", None) is None:
         return None
-    from pagedjax.model.processor import load_image_processor
+    from pagedjax.model.multimodal.processor import load_image_processor
 
     return load_image_processor(path)
 

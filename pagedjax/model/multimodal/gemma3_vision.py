@@ -1,11 +1,12 @@
 """Gemma 3 with images (transformers' `Gemma3ForConditionalGeneration`) in Flax NNX, a model of the public contract
-(`pagedjax.model.api`; `pagedjax.config.vision.Gemma3VisionConfig`): a SigLIP tower (`pagedjax.model.vision.siglip`),
-its patch grid average-pooled to `mm_tokens_per_image` rows, RMS-normed and projected (`Gemma3Projector`), in place
-of the `<image_soft_token>` placeholders of the Gemma 3 decoder (`pagedjax.model.llama.Llama`, "gemma2"
-architecture), each image's placeholders attending to each other both ways (`ImageSpec.bidirectional`).
+(`pagedjax.model.api`; `pagedjax.config.vision.Gemma3VisionConfig`): a SigLIP tower
+(`pagedjax.model.multimodal.siglip`), its patch grid average-pooled to `mm_tokens_per_image` rows, RMS-normed and
+projected (`Gemma3Projector`), in place of the `<image_soft_token>` placeholders of the Gemma 3 decoder
+(`pagedjax.model.llama.Llama`, "gemma2" architecture), each image's placeholders attending to each other both ways
+(`ImageSpec.bidirectional`).
 
 Parameter names mirror transformers' (`vision_tower`, `multi_modal_projector.mm_soft_emb_norm` /
-`mm_input_projection_weight`, `language_model`); `pagedjax.model.loading.hf_vision` reads the checkpoints.
+`mm_input_projection_weight`, `language_model`); `pagedjax.model.multimodal.hf_vision` reads the checkpoints.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from flax import nnx
 
 from pagedjax.config.vision import Gemma3VisionConfig
 from pagedjax.model.llama import Llama, RMSNorm
-from pagedjax.model.vision.siglip import SiglipVisionTower
-from pagedjax.model.vision.vlm import VisionLanguageModel
+from pagedjax.model.multimodal.siglip import SiglipVisionTower
+from pagedjax.model.multimodal.vlm import VisionLanguageModel
 
 
 class Gemma3Projector(nnx.Module):

@@ -8,7 +8,7 @@ from flax import nnx
 
 from pagedjax.config.vision import VisionConfig
 from pagedjax.model.layers.norm import LayerNorm
-from pagedjax.model.vision.vit import Encoder, PatchEmbedding
+from pagedjax.model.multimodal.vit import Encoder, PatchEmbedding
 
 
 class SiglipEmbeddings(nnx.Module):

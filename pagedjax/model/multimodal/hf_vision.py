@@ -1,6 +1,6 @@
 """Load a Hugging Face vision-language folder (`model_type` "llava" or "gemma3") as a model of the public contract:
-`pagedjax.model.llava.Llava` or `pagedjax.model.gemma3_vision.Gemma3Vision`. `load` is the built-in
-factory `pagedjax.model.loading.loader.load_registered` calls for these (the `ModelRegistry` factory contract).
+`pagedjax.model.multimodal.llava.Llava` or `pagedjax.model.multimodal.gemma3_vision.Gemma3Vision`. `load` is the
+built-in factory `pagedjax.model.loading.loader.load_registered` calls for these (the `ModelRegistry` factory contract).
 
 - `load_config(path)` maps `config.json` (+ `generation_config.json`'s stop tokens) to a
   `pagedjax.config.vision.LlavaConfig` / `Gemma3VisionConfig`: the `text_config` through the text loader
@@ -304,14 +304,14 @@ def load(path: str | os.PathLike, dtype: str | None = None):
     """(`Llava` / `Gemma3Vision` holding the folder's weights, tokenizer or None) of a "llava" / "gemma3" Hugging
     Face folder, in the checkpoint's dtype or `dtype`: the built-in factory of these `model_type`s
     (`pagedjax.model.loading.loader.load_registered`; the `ModelRegistry` factory contract). The folder's image
-    processor is `pagedjax.model.processor.load_image_processor(path)`."""
+    processor is `pagedjax.model.multimodal.processor.load_image_processor(path)`."""
     cfg = load_config(path, dtype)
     if isinstance(cfg, LlavaConfig):
-        from pagedjax.model.llava import abstract_llava, llava_from_state
+        from pagedjax.model.multimodal.llava import abstract_llava, llava_from_state
 
         abstract, from_state = abstract_llava, llava_from_state
     else:
-        from pagedjax.model.gemma3_vision import abstract_gemma3_vision, gemma3_vision_from_state
+        from pagedjax.model.multimodal.gemma3_vision import abstract_gemma3_vision, gemma3_vision_from_state
 
         abstract, from_state = abstract_gemma3_vision, gemma3_vision_from_state
     state = load_vision_params(path, cfg, abstract(cfg))

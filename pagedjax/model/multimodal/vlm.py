@@ -1,7 +1,7 @@
-"""The base of the vision-language models (`pagedjax.model.llava.Llava`, `pagedjax.model.gemma3_vision.Gemma3Vision`):
-a model of the public contract (`pagedjax.model.api`) whose language model is the built-in decoder
-(`pagedjax.model.llama.Llama`, as `language_model`) and whose `encode_images` (the subclass's tower + projector) makes
-the rows that replace an image's placeholder embeddings.
+"""The base of the vision-language models (`pagedjax.model.multimodal.llava.Llava`,
+`pagedjax.model.multimodal.gemma3_vision.Gemma3Vision`): a model of the public contract (`pagedjax.model.api`) whose
+language model is the built-in decoder (`pagedjax.model.llama.Llama`, as `language_model`) and whose `encode_images`
+(the subclass's tower + projector) makes the rows that replace an image's placeholder embeddings.
 
   `__call__`       the serving step: the decoder's, with `images=` (`ImageEmbeds`) put into its input embeddings
                    (`Llama.embed`).

@@ -1,10 +1,10 @@
 """LLaVA (transformers' `LlavaForConditionalGeneration`) in Flax NNX, a model of the public contract
-(`pagedjax.model.api`; `pagedjax.config.vision.LlavaConfig`): a CLIP tower (`pagedjax.model.vision.clip`) up to its
+(`pagedjax.model.api`; `pagedjax.config.vision.LlavaConfig`): a CLIP tower (`pagedjax.model.multimodal.clip`) up to its
 `vision_feature_layer`, its rows (without the class token's for the "default" strategy) through a two-layer MLP
 projector, in place of the `<image>` placeholders of a built-in decoder (`pagedjax.model.llama.Llama`).
 
 Parameter names mirror transformers' (`vision_tower`, `multi_modal_projector.linear_1 / linear_2`, `language_model`
-holding the decoder's own, its `lm_head` included); `pagedjax.model.loading.hf_vision` reads the checkpoints.
+holding the decoder's own, its `lm_head` included); `pagedjax.model.multimodal.hf_vision` reads the checkpoints.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from flax import nnx
 
 from pagedjax.config.vision import LlavaConfig
 from pagedjax.model.llama import Llama
-from pagedjax.model.vision.clip import CLIPVisionTower
-from pagedjax.model.vision.vit import activate, linear
-from pagedjax.model.vision.vlm import VisionLanguageModel
+from pagedjax.model.multimodal.clip import CLIPVisionTower
+from pagedjax.model.multimodal.vit import activate, linear
+from pagedjax.model.multimodal.vlm import VisionLanguageModel
 
 
 class LlavaProjector(nnx.Module):

@@ -295,7 +295,7 @@ def load_image_processor(path: str | os.PathLike) -> ImageProcessor:
     `tokenizer.json` and `tokenizer_config.json` (the image tokens). ModelLoadError naming the file and field for
     anything unsupported or inconsistent with the model (another image size, another count of tokens per image,
     another image token)."""
-    from pagedjax.model.loading.hf_vision import load_config
+    from pagedjax.model.multimodal.hf_vision import load_config
 
     folder = Path(path)
     cfg = load_config(folder)
