@@ -2,7 +2,6 @@
 
 FAST = [
     "greedy_gqa_tp2_block16",  # KV heads split
-    "greedy_mqa_tp8_block16",
     "logits_and_shardings",
     "kv_pool_sized_per_device",
     "int8_kv_tensor_parallel",
@@ -12,7 +11,6 @@ FAST = [
     "kv_groups_tensor_parallel",  # window and global layers: a block table per KV cache group, at tp 2
     "steps_export_for_cuda_on_4_devices",
     "orbax_checkpoint_loads_into_shards",
-    "bring_your_own_model_tp2",
     "qk_norms_tensor_parallel",
     "moe_expert_parallel",  # expert weights sharded by expert over tp
     "latent_layers_tensor_parallel",  # MLA / DSA: query heads split, latent pages replicated
@@ -51,7 +49,13 @@ SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16
         "hybrid_tensor_parallel",
         "qwen3_5_tensor_parallel",  # (CI time: ~25 s) hybrid_tensor_parallel runs the same core with Qwen3-Next's
         # (CI time: ~60 s, interpreted kernels) pallas_under_shard_map runs the Pallas path under shard_map
-        "hybrid_pallas_under_shard_map"]
+        "hybrid_pallas_under_shard_map",
+        # (CI time) greedy_gqa_tp2_block16 runs prefix hits, preemption and fused decode under shard_map;
+        # logits_and_shardings the replicated KV heads of MQA at tp 8, its logits equal to one device's
+        "greedy_mqa_tp8_block16",
+        # (CI time) latent_layers_tensor_parallel runs a model of the contract (DeepSeek) sharded by its own
+        # param_partition at tp 2; test_bring_your_own_model.py runs the example on one device
+        "bring_your_own_model_tp2"]
 # CI's newest-JAX pass (PAGEDJAX_PARALLEL_CHECKS=newest): what differs by JAX version (shard_map, shardings of
 # every kind of weight and of 8-bit pages, Pallas under shard_map, export, orbax's sharded restore), once each.
 # (CI time) One greedy run: greedy_gqa_tp2_block16's fused decode, prefix hits and preemption under shard_map;
