@@ -10,9 +10,7 @@ forgets a wait or computes on a buffer slot still in flight fails here.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +31,7 @@ from pallas_kernels.gpu import paged_attention as gpu_decode
 from pallas_kernels.gpu import ragged_attention as gpu_ragged
 from pallas_kernels.tpu._common import default_pages_per_iter
 from tests.kernels.cases import HEAD_DIMS, assert_close, boundary_lengths, build, examples, gqa_heads, relocate
+from tests.scripts_module import load_script
 
 pytestmark = pytest.mark.kernels
 
@@ -319,14 +318,11 @@ def test_auto_target_follows_the_backend(monkeypatch):
     assert calls == ["gpu decode", "gpu ragged"] * 2 + ["tpu decode", "tpu ragged"]
 
 
-def test_bench_target_tpu_checks_the_kernels_without_a_tpu(tmp_path, capsys):
+def test_bench_target_tpu_checks_the_kernels_without_a_tpu(tmp_path, capsys, monkeypatch):
     """scripts/bench_kernels.py --target tpu on CPU: interpret-mode errors against the reference, no timings."""
     if jax.default_backend() == "tpu":
         pytest.skip("on a TPU the benchmark times the kernels")
-    spec = importlib.util.spec_from_file_location(
-        "bench_kernels", Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_kernels", monkeypatch)
     out = tmp_path / "bench.json"
     assert bench.main(["--target", "tpu", "--smoke", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]

@@ -1,11 +1,9 @@
 """Training (scripts/train_tiny.py), orbax checkpoints, and the bundled model."""
 
 import functools
-import importlib.util
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import jax
@@ -29,6 +27,7 @@ from pagedjax.model.loading.checkpoint import (
 )
 from pagedjax.model.loading.loader import load_pretrained
 from pagedjax.model.tokenizer import ByteTokenizer
+from tests.scripts_module import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,15 +46,7 @@ TINY_ARGS = ["--tokenizer", "byte",
              "--eval-windows", "4", "--final-eval-windows", "4", "--no-progress"]
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("train_tiny", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_tiny = _load_script()
+train_tiny = load_script("train_tiny")
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,6 @@
 """scripts/train_tiny.py's tokens: the byte-level BPE it trains (exact round trips, byte counts, BOS first) and
 bits per byte, checked against a numpy computation from the dense logits."""
 
-import importlib.util
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from pagedjax.config import ModelConfig
 from pagedjax.model.hf_tokenizer import HFTokenizer
 from pagedjax.model.llama import init_model
 from pagedjax.model.loading.checkpoint import save_checkpoint
+from tests.scripts_module import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [
@@ -28,15 +27,7 @@ SOURCES = [
 ] * 3
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("train_tiny", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_tiny = _load_script()
+train_tiny = load_script("train_tiny")
 
 
 @cache

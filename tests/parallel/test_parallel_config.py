@@ -135,16 +135,12 @@ def test_cli_tensor_parallel_size_needs_the_devices(capsys):
     assert "xla_force_host_platform_device_count" in err
 
 
-def test_bench_projection_for_llama3_70b():
+def test_bench_projection_for_llama3_70b(monkeypatch):
     """scripts/bench_parallel.py's projection: 70B bf16 weights split 8 ways leave ~109 GB of KV per H200; a
     token's KV is 40 KiB per GPU at tp 8 (one of 8 KV heads), so paging fits two 4k requests per 8k reservation."""
-    import importlib.util
-    from pathlib import Path
+    from tests.scripts_module import load_script
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_parallel.py"
-    spec = importlib.util.spec_from_file_location("bench_parallel", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_parallel", monkeypatch)
     tp8 = bench.projection()[0]
     assert tp8["layout"] == "dp 1 x tp 8"
     assert 17 < tp8["weights_gb"] < 18 and tp8["kv_per_token_kb"] == 40

@@ -3,31 +3,20 @@ timing (the memory arithmetic, the state part flat in the context, hits only wit
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.scripts_module import load_script
 
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5ForCausalLM"):
     pytest.skip("transformers has no Qwen3.5", allow_module_level=True)
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_hybrid.py"
-
-
-def _load(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_hybrid", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_hybrid", bench)
-    spec.loader.exec_module(bench)
-    return bench
-
 
 def test_qwen3_5_27b_shape_takes_transformers_defaults_for_what_it_leaves_out(monkeypatch):
-    bench = _load(monkeypatch)
+    bench = load_script("bench_hybrid", monkeypatch)
     cfg = bench.qwen3_5_27b()
     hf = transformers.Qwen3_5TextConfig()  # the defaults the published config relies on for the rest
     assert (cfg.head_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel) == (
@@ -38,7 +27,7 @@ def test_qwen3_5_27b_shape_takes_transformers_defaults_for_what_it_leaves_out(mo
 
 
 def test_bench_hybrid_memory_quick(capsys, monkeypatch):
-    bench = _load(monkeypatch)
+    bench = load_script("bench_hybrid", monkeypatch)
     result = bench.main(["--quick", "--tables", "memory"])
     out = capsys.readouterr().out
     for title in ("memory: KV + state per sequence", "prefix-caching snapshot overhead"):
@@ -80,7 +69,7 @@ def test_bench_hybrid_memory_quick(capsys, monkeypatch):
 
 @pytest.mark.slow  # (CI time: 12-17 s, engines and transformers compiled) the memory tables run by default
 def test_bench_hybrid_speed_and_prefix_quick(capsys, monkeypatch):
-    bench = _load(monkeypatch)
+    bench = load_script("bench_hybrid", monkeypatch)
     result = bench.main(["--quick", "--tables", "speed", "prefix"])
     out = capsys.readouterr().out
     for title in ("speed on this CPU", "prefix cache:"):
@@ -105,7 +94,7 @@ def test_bench_hybrid_speed_and_prefix_quick(capsys, monkeypatch):
 
 
 def test_bad_arguments_are_refused(monkeypatch):
-    bench = _load(monkeypatch)
+    bench = load_script("bench_hybrid", monkeypatch)
     with pytest.raises(SystemExit):
         bench.main(["--contexts", "0"])
     with pytest.raises(SystemExit):

@@ -1,21 +1,15 @@
 """Smoke test of scripts/bench_images.py --quick (no timing assertions: the numbers are this machine's; what is
 asserted is what the rows count: placeholders, cached tokens, whether the encoder ran)."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_images.py"
+from tests.scripts_module import load_script
 
 
 @pytest.mark.slow  # (CI time) a script's smoke run: the image engine's paths run in tests/engine/test_images_engine.py
 def test_bench_images_quick(capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_images", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_images", bench)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_images", monkeypatch)
     result = bench.main(["--quick"])
     out = capsys.readouterr().out
     assert "| images | prompt tokens | TTFT ms |" in out and "| same image again |" in out

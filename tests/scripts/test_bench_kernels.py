@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.kernels
+from tests.scripts_module import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
+pytestmark = pytest.mark.kernels
 
 
 @pytest.mark.slow  # (CI time) a script's smoke run; bench_engine's quick run stays in the default run
-def test_bench_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_bench_smoke(tmp_path, capsys, monkeypatch):
+    bench = load_script("bench_kernels", monkeypatch)
     out = tmp_path / "bench.json"
     assert bench.main(["--smoke", "--json", str(out)]) == 0
     result = json.loads(out.read_text())

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_memory.py"
+from tests.scripts_module import load_script
 
 
 def test_bench_memory_quick(tmp_path, capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_memory", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_memory", bench)  # dataclasses look their module up
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_memory", monkeypatch)
     plot = tmp_path / "occupancy.png"
     result = bench.main(["--quick", "--plot", str(plot), "--timing-requests", "256", "--timing-iters", "3"])
     out = capsys.readouterr().out

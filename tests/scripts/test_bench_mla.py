@@ -1,17 +1,11 @@
 """Smoke test of scripts/bench_mla.py --quick (no timing assertions: the numbers are this machine's)."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_mla.py"
+from tests.scripts_module import load_script
 
 
 def test_bench_mla_quick(capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_mla", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_mla", bench)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_mla", monkeypatch)
     rows = bench.main(["--quick"])
     out = capsys.readouterr().out
     assert "prefill MLA" in out and "decode MLA" in out and "| 2 forks of 1 |" in out

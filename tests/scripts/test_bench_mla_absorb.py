@@ -1,22 +1,11 @@
 """Smoke test of scripts/bench_mla_absorb.py --quick (no timing assertions: the numbers are this machine's)."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_mla_absorb.py"
-
-
-def _load(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_mla_absorb", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_mla_absorb", bench)
-    spec.loader.exec_module(bench)
-    return bench
+from tests.scripts_module import load_script
 
 
 def test_bench_mla_absorb_quick(capsys, monkeypatch):
-    bench = _load(monkeypatch)
+    bench = load_script("bench_mla_absorb", monkeypatch)
     rows = bench.main(["--quick"])
     out = capsys.readouterr().out
     assert "| absorbed ms | non-absorbed ms |" in out
@@ -26,7 +15,7 @@ def test_bench_mla_absorb_quick(capsys, monkeypatch):
 
 
 def test_flops_and_skipped_rows(capsys, monkeypatch):
-    bench = _load(monkeypatch)
+    bench = load_script("bench_mla_absorb", monkeypatch)
     v3 = bench.SHAPES["v3"]
     absorbed, expanded = bench.flops(v3, 1, 4096)
     # Expanding 4096 latents through W_UK and W_UV for 128 heads: 2 x 4096 x 512 x 128 x 256 FLOPs dominate.
@@ -37,7 +26,7 @@ def test_flops_and_skipped_rows(capsys, monkeypatch):
 
 
 def test_prefill_quick(capsys, monkeypatch):
-    bench = _load(monkeypatch)
+    bench = load_script("bench_mla_absorb", monkeypatch)
     rows = bench.main(["--quick", "--prefill", "1"])
     assert "| absorbed ms | expanded ms |" in capsys.readouterr().out
     assert [r["length"] for r in rows] == [16, 40]

@@ -1,17 +1,11 @@
 """Smoke test of scripts/bench_sparse.py --quick (no timing assertions: the numbers are this machine's)."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_sparse.py"
+from tests.scripts_module import load_script
 
 
 def test_bench_sparse_quick(tmp_path, capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_sparse", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_sparse", bench)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_sparse", monkeypatch)
     plot = tmp_path / "sparse.png"
     rows = bench.main(["--quick", "--plot", str(plot)])
     out = capsys.readouterr().out
@@ -23,10 +17,7 @@ def test_bench_sparse_quick(tmp_path, capsys, monkeypatch):
 
 
 def test_bench_sparse_indexer_8bit_quick(capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_sparse", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_sparse", bench)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_sparse", monkeypatch)
     rows = bench.main(["--indexer-8bit", "--quick"])
     out = capsys.readouterr().out
     assert "| int8 keys | fp8 keys | fp8 q + k, rotated |" in out
