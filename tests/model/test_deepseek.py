@@ -389,10 +389,33 @@ def test_engine_greedy_matches_transformers_generate(models, kind):
 FP8_BLOCK = [8, 16]  # partial blocks at the edges of the 24- and 12-wide kernels
 
 
-def _fp8_folder(src, dst, block=FP8_BLOCK) -> dict[str, np.ndarray]:
+def with_weights(model, weights: dict[str, np.ndarray]):
+    """A copy of the transformers `model` holding `weights` (checkpoint names: one tensor per expert and
+    projection, which transformers 5 keeps fused, `[E, 2 * width, hidden]` gate | up and `[E, hidden, width]`)."""
+    import copy
+
+    reference = copy.deepcopy(model)
+    state = reference.state_dict()
+    with torch.no_grad():
+        for name, w in weights.items():
+            if name in state:
+                state[name].copy_(torch.from_numpy(w))
+                continue
+            *layer, _, e, proj, _ = name.split(".")
+            prefix = ".".join(layer)
+            width = w.shape[0] if proj != "down_proj" else w.shape[1]
+            if proj == "down_proj":
+                state[f"{prefix}.experts.down_proj"][int(e)].copy_(torch.from_numpy(w))
+            else:
+                rows = slice(0, width) if proj == "gate_proj" else slice(width, 2 * width)
+                state[f"{prefix}.experts.gate_up_proj"][int(e), rows].copy_(torch.from_numpy(w))
+    return reference
+
+
+def fp8_folder(src, dst, block=FP8_BLOCK) -> dict[str, np.ndarray]:
     """The float checkpoint `src` as DeepSeek V3's official FP8 layout in `dst`: every linear weight of the
-    decoder layers (not the router, the norms, the embeddings or the head) float8 e4m3 with float32
-    `weight_scale_inv` per [8, 16] block (amax / 448). Returns the dequantized weights by name."""
+    decoder layers, a sparse layer's indexer's too (not the router, the norms, the embeddings or the head) float8
+    e4m3 with float32 `weight_scale_inv` per [8, 16] block (amax / 448). Returns the dequantized weights by name."""
     import ml_dtypes
     from safetensors.numpy import load_file
     from safetensors.torch import save_file
@@ -400,7 +423,8 @@ def _fp8_folder(src, dst, block=FP8_BLOCK) -> dict[str, np.ndarray]:
     tensors = load_file(str(src / "model.safetensors"))
     out, dequantized = {}, {}
     for name, w in tensors.items():
-        linear = name.startswith("model.layers.") and name.endswith("proj.weight") or ".experts." in name
+        linear = name.startswith("model.layers.") and name.endswith(
+            ("proj.weight", "indexer.wq_b.weight", "indexer.wk.weight")) or ".experts." in name
         if not (linear and w.ndim == 2):
             out[name] = torch.from_numpy(w)
             continue
@@ -429,26 +453,10 @@ def test_fp8_block_scaled_checkpoint_matches_transformers_over_its_dequantized_w
     agrees at 32 of the 35 positions, the mean logit error is 0.14 against a mean magnitude of 0.87 (one
     position, whose experts flip, is off by 3.1). A wrong block scale would leave the top-1 agreement at chance
     (1 / 80)."""
-    import copy
-
     model, folder = models["v3_yarn"]
-    dequantized = _fp8_folder(folder, tmp_path)
+    dequantized = fp8_folder(folder, tmp_path)
     ours, _ = load_hf_deepseek(tmp_path)
-    reference = copy.deepcopy(model)
-    state = reference.state_dict()
-    with torch.no_grad():
-        for name, w in dequantized.items():
-            if name in state:
-                state[name].copy_(torch.from_numpy(w))
-            else:  # transformers 5 keeps the experts fused: [E, 2 * width, hidden] gate | up, [E, hidden, width]
-                *layer, _, e, proj, _ = name.split(".")
-                prefix = ".".join(layer)
-                width = w.shape[0] if proj != "down_proj" else w.shape[1]
-                if proj == "down_proj":
-                    state[f"{prefix}.experts.down_proj"][int(e)].copy_(torch.from_numpy(w))
-                else:
-                    rows = slice(0, width) if proj == "gate_proj" else slice(width, 2 * width)
-                    state[f"{prefix}.experts.gate_up_proj"][int(e), rows].copy_(torch.from_numpy(w))
+    reference = with_weights(model, dequantized)
     got, fp8_ref, float_ref = _dense_logits(ours, PROMPTS), hf_logits(reference, PROMPTS), hf_logits(model, PROMPTS)
     for p, a, b in zip(PROMPTS, got, fp8_ref, strict=True):
         np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL * np.abs(b).max(), err_msg=f"{len(p)} tokens")
@@ -463,7 +471,7 @@ def test_fp8_block_scaled_checkpoint_matches_transformers_over_its_dequantized_w
     (dict(quant_method="fbgemm_fp8"), "quant_method 'fbgemm_fp8'"),
 ])
 def test_unsupported_fp8_configs_are_named(models, tmp_path, change, match):
-    _fp8_folder(models["v3_yarn"][1], tmp_path)
+    fp8_folder(models["v3_yarn"][1], tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"].update(change)
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -474,7 +482,7 @@ def test_unsupported_fp8_configs_are_named(models, tmp_path, change, match):
 def test_a_missing_or_misshaped_fp8_scale_is_named(models, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    _fp8_folder(models["v3_yarn"][1], tmp_path)
+    fp8_folder(models["v3_yarn"][1], tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     del tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"]
     name = "model.layers.1.self_attn.q_b_proj.weight_scale_inv"  # [96, 24] in [8, 16] blocks: [12, 2]

@@ -28,7 +28,7 @@ from pagedjax.model.families.deepseek import load as load_hf_deepseek  # noqa: E
 from pagedjax.model.families.deepseek import load_config as load_deepseek_config  # noqa: E402
 from pagedjax.model.loading.hf_config import load_hf_config  # noqa: E402
 from pagedjax.sampling_params import SamplingParams  # noqa: E402
-from tests.model.test_deepseek import perturbed, saved_models  # noqa: E402
+from tests.model.test_deepseek import fp8_folder, perturbed, saved_models, with_weights  # noqa: E402
 from tests.model.test_deepseek_v32 import (  # noqa: E402
     MAX_NEW,
     MIN_INDEX_MARGIN,
@@ -111,6 +111,22 @@ def test_dense_logits_match_transformers(models):
     assert margin > MIN_INDEX_MARGIN, margin
     assert queries > 20  # the selection decides most queries' attention
     for p, a, b in zip(PROMPTS, _dense_logits(ours, PROMPTS), hf_logits(model, PROMPTS), strict=True):
+        np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL * np.abs(b).max(), err_msg=f"{len(p)} tokens")
+
+
+@pytest.mark.slow  # (CI time) test_deepseek.py's FP8 test runs the same loader (dequantized at load) by default
+def test_fp8_block_scaled_checkpoint_matches_transformers_over_its_dequantized_weights(models, tmp_path):
+    """GLM-5 in the released FP8 layout (every decoder linear, the indexer's included, float8 e4m3 with a float32
+    `weight_scale_inv` per block: V3's, `fp8_folder`) loads dequantized: transformers' logits over the same
+    dequantized weights, its indexer's selections without a near tie."""
+    model, folder = models["glm"]
+    dequantized = fp8_folder(folder, tmp_path)
+    assert {n.rsplit(".", 2)[-2] for n in dequantized if ".indexer." in n} == {"wq_b", "wk", "weights_proj"}
+    ours, _ = load_hf_deepseek(tmp_path)
+    margin, _ = index_margins(ours, PROMPTS)
+    assert margin > MIN_INDEX_MARGIN, margin
+    reference = with_weights(model, dequantized)
+    for p, a, b in zip(PROMPTS, _dense_logits(ours, PROMPTS), hf_logits(reference, PROMPTS), strict=True):
         np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL * np.abs(b).max(), err_msg=f"{len(p)} tokens")
 
 
