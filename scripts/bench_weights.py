@@ -5,8 +5,8 @@ against what a loop without them does, building a fresh engine with the new weig
     python scripts/bench_weights.py                  # the 156M shape (623 MB of float32 weights)
     python scripts/bench_weights.py --model small
 
-All rows come from one run on one machine. "fresh engine" is `LLMEngine(cfg, params=new)` and the same short
-generate (its programs come from JAX's persistent compilation cache, filled by the first engine, as in a loop
+All rows come from one run on one machine. "fresh engine" is `LLMEngine(model_config=cfg, params=new)` and the same
+short generate (its programs come from JAX's persistent compilation cache, filled by the first engine, as in a loop
 that rebuilds its engine every step). "device_put + update_weights" is the cost when the new weights start on
 the host (numpy): `jax.device_put`, then the in-place update (on the CPU, device_put may alias an aligned numpy
 buffer instead of copying it). Each row is the best of --repeats. The process's resident memory before and

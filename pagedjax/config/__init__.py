@@ -18,7 +18,7 @@
   lora.py         LoRAConfig: multi-LoRA serving's device slots, rank and host cache
   structured.py   StructuredLimits: what an output constraint may ask of the grammar compiler
   sampling.py     SamplingDefaults: what a request's sampling fields left unset become (generation_config.json)
-  engine.py       EngineConfig: every other LLMEngine keyword (backend, fused decode steps, compile cache, ...)
+  engine.py       EngineConfig: every engine option (the component configs, backend, fused decode steps, ...)
   fields.py       the field checks every config uses (TypeError / ValueError naming the field)
 """
 

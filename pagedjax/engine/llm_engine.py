@@ -1,6 +1,6 @@
 """LLMEngine: the scheduler (host) and the model runner (device) in one loop.
 
-    engine = LLMEngine(ModelConfig(...), CacheConfig(block_size=16, num_blocks=256), SchedulerConfig())
+    engine = LLMEngine(model_config=ModelConfig(...), cache_config=CacheConfig(block_size=16, num_blocks=256))
     outputs = engine.generate([[1, 2, 3], [1, 2, 4, 5]], SamplingParams(max_tokens=8))
 
 Each `step()` is one path, whatever the kind of step: the scheduler's plan (`StepPlan`) -> its padded inputs

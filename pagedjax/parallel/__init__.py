@@ -1,7 +1,7 @@
 """Many devices: tensor parallelism over a `tp` mesh axis and data-parallel replicas (see docs/parallel.md).
 
     from pagedjax.parallel import ParallelConfig
-    engine = LLMEngine(cfg, cache, sched, parallel_config=ParallelConfig(tensor_parallel_size=4))
+    engine = LLMEngine(model_config=cfg, cache_config=cache, parallel_config=ParallelConfig(tensor_parallel_size=4))
 
   config.py         ParallelConfig (plain Python)
   mesh.py           one `tp` mesh per replica, over disjoint devices
