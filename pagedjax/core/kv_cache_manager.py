@@ -164,6 +164,10 @@ class KVCacheManager:
         """A per-request block quantity of this manager (flat for one group) as one entry per group."""
         return self._in(value, "per_group")
 
+    def from_groups(self, per_group: list):
+        """One entry per group as this manager takes it (flat for one group): `per_group`'s inverse."""
+        return self._out(list(per_group))
+
     # -- queries ---------------------------------------------------------------------------------------
 
     @property

@@ -813,7 +813,7 @@ class Scheduler:
             more = kv.per_group(kv.blocks_to_cover(r, r.num_computed_tokens + m))
             num_to_lend = [a + b for a, b in zip(num_to_lend, more, strict=True)]
             width = max(width, cdiv(r.num_tokens + num_steps - 1, bs))
-        lent = kv.lend_blocks(num_to_lend[0] if kv.num_groups == 1 else num_to_lend)
+        lent = kv.lend_blocks(kv.from_groups(num_to_lend))
         if lent is None:
             return None
         plan = self._plan([(r, 1) for r in self.running], min_width=width, allow_missing_blocks=True)
