@@ -219,6 +219,9 @@ def _engine(folder=None, model=None, num_blocks: int = 64, **engine):
     return LLMEngine.from_pretrained(folder, **kwargs)
 
 
+# (CI time: ~9 s) test_hf_glm_moe_dsa.py's engine test runs the same sparse layers (and GLM-5's shared ones) through
+# the same chunked prefill, prefix hit and forks by default; this family's dense logits run here by default
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["v32"])  # YaRN's rotation in the engine: test_deepseek's v2_lora_grouped
 def test_engine_greedy_matches_transformers_generate(models, kind):
     """Sparse MLA over the latent and indexer-key pages (`PagedSparseAttention`), through chunked prefill (20
