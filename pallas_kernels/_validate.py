@@ -60,20 +60,23 @@ def check_vector(name: str, x: jax.Array, length: int) -> None:
         raise ValueError(f"{name} must have shape ({length},), got {x.shape}")
 
 
-def check_token_scales(name: str, pages_name: str, pages: jax.Array, scales) -> None:
-    """One scale per token, `[num_blocks, block_size]` float32 or bfloat16, with 8-bit `pages` (and only then)."""
+def check_token_scales(name: str, pages_name: str, pages: jax.Array, scales, *, per_head: bool = False) -> None:
+    """One scale per token (`per_head`: per token and KV head), `[num_blocks, block_size]` (`[num_kv_heads,
+    num_blocks, block_size]`) float32 or bfloat16, with 8-bit `pages` (and only then)."""
     names = ", ".join(jnp.dtype(d).name for d in QUANTIZED_DTYPES)
     if not is_quantized(pages.dtype):
         if scales is not None:
             raise ValueError(f"{name} is only for 8-bit pages ({names}); {pages_name} are {pages.dtype}")
         return
     if scales is None:
-        raise ValueError(f"{name} is required with {pages.dtype} pages (one scale per token)")
+        raise ValueError(f"{name} is required with {pages.dtype} pages (one scale per token"
+                         f"{' and KV head' if per_head else ''})")
     if not hasattr(scales, "shape") or not hasattr(scales, "dtype"):
         raise ValueError(f"{name} must be an array, got {type(scales).__name__}")
-    if tuple(scales.shape) != tuple(pages.shape[:2]):
-        raise ValueError(f"{name} must have shape [num_blocks, block_size] = {tuple(pages.shape[:2])}, got "
-                         f"{tuple(scales.shape)}")
+    dims = ("num_kv_heads", "num_blocks", "block_size") if per_head else ("num_blocks", "block_size")
+    want = tuple(pages.shape[:len(dims)])
+    if tuple(scales.shape) != want:
+        raise ValueError(f"{name} must have shape [{', '.join(dims)}] = {want}, got {tuple(scales.shape)}")
     if jnp.dtype(scales.dtype) not in SCALE_DTYPES:
         raise ValueError(f"{name} must be float32 or bfloat16, got {scales.dtype}")
 

@@ -21,12 +21,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _validate as V
-from pallas_kernels._validate import (
-    SUPPORTED_DTYPES,
-    check_int32,
-    check_token_scales,
-    resolve_scale,
-)
 from pallas_kernels.dense import HIGHEST, query_tiles, token_layout, visible
 from pallas_kernels.dispatch import resolve_target
 from pallas_kernels.gpu.mla import mla_paged_attention_gpu, ragged_mla_paged_attention_gpu
@@ -202,7 +196,7 @@ def validate_mla(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, bl
                          f"{kv_pages.shape}")
     if jnp.dtype(q_latent.dtype) != jnp.dtype(q_rope.dtype):
         raise ValueError(f"q_latent and q_rope must share one dtype, got {q_latent.dtype} and {q_rope.dtype}")
-    if jnp.dtype(q_latent.dtype) not in SUPPORTED_DTYPES:
+    if jnp.dtype(q_latent.dtype) not in V.SUPPORTED_DTYPES:
         raise ValueError(f"q's dtype must be one of float32, bfloat16, float16; got {q_latent.dtype}")
     quantized = is_quantized(kv_pages.dtype)
     if not quantized and jnp.dtype(kv_pages.dtype) != jnp.dtype(q_latent.dtype):
@@ -219,10 +213,10 @@ def validate_mla(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, bl
                          f"(q_latent.shape[-1] + q_rope.shape[-1])")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    check_int32("block_tables", block_tables, 2)
+    V.check_int32("block_tables", block_tables, 2)
     if num_q_rows is not None and block_tables.shape[0] != num_q_rows:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows but there are {num_q_rows} sequences")
-    check_token_scales("kv_scales", "kv_pages", kv_pages, kv_scales)
+    V.check_token_scales("kv_scales", "kv_pages", kv_pages, kv_scales)
     return rank, rope_dim, quantized
 
 
@@ -232,7 +226,7 @@ def check_mla_scale(scale) -> float:
     if scale is None or isinstance(scale, bool):
         raise ValueError(f"scale must be given as a Python float (DeepSeek: 1 / sqrt(qk_nope_head_dim + "
                          f"qk_rope_head_dim)), got {scale!r}")
-    return resolve_scale(scale, 1)
+    return V.resolve_scale(scale, 1)
 
 
 def gather_latent(kv_pages: jax.Array,  # [num_blocks, block_size, R + Dr]

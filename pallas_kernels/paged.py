@@ -39,18 +39,12 @@ import numpy as np
 
 from pallas_kernels import _validate as V
 from pallas_kernels import tiles
-from pallas_kernels._validate import (
-    MAX_HEAD_DIM,
-    SUPPORTED_DTYPES,
-    check_int32,
-    check_vector,
-)
 from pallas_kernels.dense import HIGHEST, query_tiles, token_layout, visible
 from pallas_kernels.dispatch import resolve_target
 from pallas_kernels.gpu.paged_attention import paged_attention_gpu
 from pallas_kernels.gpu.ragged_attention import ragged_paged_attention_gpu
 from pallas_kernels.merge import Partial, join_sink, merge_two
-from pallas_kernels.quant import QUANTIZED_DTYPES, SCALE_DTYPES, dequantize_kv, is_quantized
+from pallas_kernels.quant import dequantize_kv, is_quantized
 from pallas_kernels.tpu.paged_attention import paged_attention_tpu
 from pallas_kernels.tpu.ragged_attention import ragged_paged_attention_tpu
 
@@ -264,7 +258,7 @@ def validate_qkv(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tab
         # 8-bit pages are dequantized inside the kernel; q keeps its own float dtype (and sets the output's).
         if jnp.dtype(k_pages.dtype) != jnp.dtype(v_pages.dtype):
             raise ValueError(f"k_pages and v_pages must share one dtype, got {k_pages.dtype} and {v_pages.dtype}")
-        if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        if jnp.dtype(q.dtype) not in V.SUPPORTED_DTYPES:
             raise ValueError(f"q's dtype must be one of float32, bfloat16, float16 (with {k_pages.dtype} pages); "
                              f"got {q.dtype}")
     else:
@@ -273,14 +267,14 @@ def validate_qkv(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tab
             raise ValueError(
                 f"q, k_pages and v_pages must share one dtype (or the pages be int8 / float8_e4m3fn), got "
                 f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
-        if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        if jnp.dtype(q.dtype) not in V.SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {q.dtype}")
     _, num_q_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, head_dim_kv = k_pages.shape
     if head_dim_kv != head_dim:
         raise ValueError(f"head_dim of q ({head_dim}) and of k_pages/v_pages ({head_dim_kv}) differ")
-    if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}], got {head_dim}")
+    if head_dim % 16 or not 16 <= head_dim <= V.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 16 in [16, {V.MAX_HEAD_DIM}], got {head_dim}")
     if num_kv_heads < 1 or num_q_heads < 1:
         raise ValueError(f"need at least one head, got num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}")
     if num_q_heads % num_kv_heads:
@@ -288,7 +282,7 @@ def validate_qkv(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tab
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    check_int32("block_tables", block_tables, 2)
+    V.check_int32("block_tables", block_tables, 2)
     if num_q_rows is not None and block_tables.shape[0] != num_q_rows:
         raise ValueError(
             f"block_tables has {block_tables.shape[0]} rows but there are {num_q_rows} sequences")
@@ -321,21 +315,8 @@ def check_scales(k_pages: jax.Array, v_pages: jax.Array, k_scales, v_scales) -> 
     quantized = is_quantized(k_pages.dtype)
     if quantized != is_quantized(v_pages.dtype) or (quantized and k_pages.dtype != v_pages.dtype):
         raise ValueError(f"k_pages and v_pages must share one dtype, got {k_pages.dtype} and {v_pages.dtype}")
-    names = ", ".join(jnp.dtype(d).name for d in QUANTIZED_DTYPES)
     for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
-        if not quantized:
-            if scales is not None:
-                raise ValueError(f"{name} is only for 8-bit pages ({names}); k_pages/v_pages are {k_pages.dtype}")
-            continue
-        if scales is None:
-            raise ValueError(f"{name} is required with {k_pages.dtype} pages (one scale per token and KV head)")
-        if not hasattr(scales, "shape") or not hasattr(scales, "dtype"):
-            raise ValueError(f"{name} must be an array, got {type(scales).__name__}")
-        if tuple(scales.shape) != tuple(k_pages.shape[:3]):
-            raise ValueError(f"{name} must have shape [num_kv_heads, num_blocks, block_size] = "
-                             f"{tuple(k_pages.shape[:3])}, got {tuple(scales.shape)}")
-        if jnp.dtype(scales.dtype) not in SCALE_DTYPES:
-            raise ValueError(f"{name} must be float32 or bfloat16, got {scales.dtype}")
+        V.check_token_scales(name, "k_pages/v_pages", k_pages, scales, per_head=True)
     return quantized
 
 
@@ -369,7 +350,7 @@ def check_attend_until(attend_until, num_tokens: int) -> None:
     """`None` (causal) or int32 `[num_tokens]`: one bound per query row of a ragged call (a traced array: the
     bounds change every step, the compiled program does not)."""
     if attend_until is not None:
-        check_vector("attend_until", attend_until, num_tokens)
+        V.check_vector("attend_until", attend_until, num_tokens)
 
 
 def _scale(scale: float | None, head_dim: int) -> float:

@@ -66,7 +66,6 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import _validate as V
-from pallas_kernels._validate import SUPPORTED_DTYPES, check_int32, check_positive_int, check_vector, resolve_scale
 from pallas_kernels.dispatch import resolve_target, tpu_has_no
 from pallas_kernels.gpu.recurrent import causal_conv1d_gpu, gated_delta_rule_gpu, mamba2_ssd_gpu
 from pallas_kernels.pieces import (
@@ -678,7 +677,7 @@ def _check_arrays(**arrays) -> None:
             raise ValueError(f"{name} must be an array, got {type(x).__name__}")
 
 
-def _check_float(name: str, x, dtypes=SUPPORTED_DTYPES) -> None:
+def _check_float(name: str, x, dtypes=V.SUPPORTED_DTYPES) -> None:
     if jnp.dtype(x.dtype) not in dtypes:
         raise ValueError(f"{name}'s dtype must be one of {', '.join(jnp.dtype(d).name for d in dtypes)}; got "
                          f"{x.dtype}")
@@ -694,9 +693,9 @@ def validate_ragged_step(block_tables, kv_lens, cu_q_lens, block_size) -> int:
     int32 `[S]`, cu_q_lens int32 `[S + 1]`, block_size a positive Python int (the state pages hold one state per
     block, so it is not in their shape). Returns block_size."""
     _check_arrays(block_tables=block_tables)
-    check_int32("block_tables", block_tables, 2)
-    check_vector("kv_lens", kv_lens, block_tables.shape[0])
-    check_vector("cu_q_lens", cu_q_lens, block_tables.shape[0] + 1)
+    V.check_int32("block_tables", block_tables, 2)
+    V.check_vector("kv_lens", kv_lens, block_tables.shape[0])
+    V.check_vector("cu_q_lens", cu_q_lens, block_tables.shape[0] + 1)
     if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
         raise ValueError(f"block_size must be a positive int (tokens per block of the block tables), got "
                          f"{block_size!r}")
@@ -746,8 +745,8 @@ def validate_gated_delta_rule(q, k, v, g, beta, state_pages, block_tables, kv_le
     if not isinstance(use_qk_l2norm, bool):
         raise ValueError(f"use_qk_l2norm must be a bool, got {use_qk_l2norm!r}")
     check_form(form)
-    check_positive_int("chunk_size", chunk_size)
-    return block_size, (head_k ** -0.5 if scale is None else resolve_scale(scale, head_k))
+    V.check_positive_int("chunk_size", chunk_size)
+    return block_size, (head_k ** -0.5 if scale is None else V.resolve_scale(scale, head_k))
 
 
 def validate_causal_conv1d(x, weight, bias, conv_state_pages, block_tables, kv_lens, cu_q_lens, *, block_size,
@@ -808,5 +807,5 @@ def validate_mamba2_ssd(x, dt, A, B, C, D, state_pages, block_tables, kv_lens, c
     _check_pages("state_pages", state_pages, (num_heads, head_dim, state_size), "num_heads, head_dim, state_size",
                  f32)
     check_form(form)
-    check_positive_int("chunk_size", chunk_size)
+    V.check_positive_int("chunk_size", chunk_size)
     return block_size

@@ -23,12 +23,6 @@ from jax import lax
 
 from pallas_kernels import _validate as V
 from pallas_kernels import tiles
-from pallas_kernels._validate import (
-    SUPPORTED_DTYPES,
-    check_int32,
-    check_token_scales,
-    resolve_scale,
-)
 from pallas_kernels.dense import HIGHEST, query_tiles, visible
 from pallas_kernels.dispatch import resolve_target
 from pallas_kernels.gpu.sparse import ragged_indexer_scores_gpu, sparse_mla_attention_gpu
@@ -319,7 +313,7 @@ def validate_indexer(q_index: jax.Array, weights: jax.Array, index_pages: jax.Ar
     if index_pages.ndim != 3:
         raise ValueError(f"index_pages must be 3-D [num_blocks, block_size, index_head_dim], got shape "
                          f"{index_pages.shape}")
-    if jnp.dtype(q_index.dtype) not in SUPPORTED_DTYPES:
+    if jnp.dtype(q_index.dtype) not in V.SUPPORTED_DTYPES:
         raise ValueError(f"q_index's dtype must be one of float32, bfloat16, float16; got {q_index.dtype}")
     quantized = is_quantized(index_pages.dtype)
     if not quantized and jnp.dtype(index_pages.dtype) != jnp.dtype(q_index.dtype):
@@ -333,10 +327,10 @@ def validate_indexer(q_index: jax.Array, weights: jax.Array, index_pages: jax.Ar
                          f"(q_index.shape[-1])")
     if index_pages.shape[1] < 1:
         raise ValueError(f"block_size must be >= 1, got {index_pages.shape[1]}")
-    check_int32("block_tables", block_tables, 2)
+    V.check_int32("block_tables", block_tables, 2)
     if num_q_rows is not None and block_tables.shape[0] != num_q_rows:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows but there are {num_q_rows} sequences")
-    check_token_scales("index_scales", "index_pages", index_pages, index_scales)
+    V.check_token_scales("index_scales", "index_pages", index_pages, index_scales)
     return num_heads, head_dim, quantized
 
 
@@ -346,7 +340,7 @@ def check_indexer_scale(scale) -> float:
     if scale is None or isinstance(scale, bool):
         raise ValueError(f"scale must be given as a Python float (DeepSeek V3.2: 1 / sqrt(index_head_dim)), "
                          f"got {scale!r}")
-    return resolve_scale(scale, 1)
+    return V.resolve_scale(scale, 1)
 
 
 def validate_selection(indices, num_rows: int) -> int:
@@ -354,7 +348,7 @@ def validate_selection(indices, num_rows: int) -> int:
     rows and top_k >= 1; returns top_k."""
     if not hasattr(indices, "shape") or not hasattr(indices, "dtype"):
         raise ValueError(f"indices must be an int32 array, got {type(indices).__name__}")
-    check_int32("indices", indices, 2)
+    V.check_int32("indices", indices, 2)
     if indices.shape[0] != num_rows:
         raise ValueError(f"indices must have one row per query row ({num_rows}), got shape {indices.shape}")
     if indices.shape[1] < 1:
