@@ -71,6 +71,7 @@ from pagedjax.model.loading.hf_fields import (
     optional_id,
     positive_int,
     rope_source,
+    rope_theta_and_type,
 )
 from pagedjax.model.loading.hf_loader import IGNORED_SUFFIXES, fill_state, folder_tokenizer, hf_names
 
@@ -603,12 +604,7 @@ def _deepseek_rope(hf: dict, default_theta: float, max_pos: int) -> tuple[float,
     from pagedjax.config.deepseek import ROPE_YARN_PARAMS
 
     params, field = rope_source(hf)
-    theta = number(params, "rope_theta", number(hf, "rope_theta", default_theta))
-    partial = number(params if params.get("partial_rotary_factor") is not None else hf, "partial_rotary_factor",
-                      1.0)
-    if partial != 1.0:
-        raise ValueError(f"field 'partial_rotary_factor' = {partial!r}: only full rotary embeddings are supported")
-    kind = params.get("rope_type", params.get("type", "default"))
+    theta, kind = rope_theta_and_type(hf, params, field, number(hf, "rope_theta", default_theta))
     if kind == "default":
         return theta, None
     if kind != "yarn":

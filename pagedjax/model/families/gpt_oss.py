@@ -62,6 +62,7 @@ from pagedjax.model.loading.hf_fields import (
     optional_id,
     positive_int,
     rope_source,
+    rope_theta_and_type,
 )
 
 MODEL_TYPES = ("gpt_oss",)
@@ -134,11 +135,7 @@ def _rope(hf: dict, max_pos: int) -> tuple[float, tuple[tuple[str, Any], ...] | 
         params, field = dict(_DEFAULT_ROPE), "rope_parameters"
     else:
         params, field = rope_source(hf)
-    theta = number(params, "rope_theta", number(hf, "rope_theta", _DEFAULTS["rope_theta"]))
-    partial = number(params if params.get("partial_rotary_factor") is not None else hf, "partial_rotary_factor", 1.0)
-    if partial != 1.0:
-        raise ValueError(f"field 'partial_rotary_factor' = {partial!r}: only full rotary embeddings are supported")
-    kind = params.get("rope_type", params.get("type", "default"))
+    theta, kind = rope_theta_and_type(hf, params, field, number(hf, "rope_theta", _DEFAULTS["rope_theta"]))
     if kind == "default":
         return theta, None
     if kind != "yarn":

@@ -58,6 +58,7 @@ from pagedjax.model.loading.hf_fields import (
     optional_id,
     positive_int,
     rope_source,
+    rope_theta_and_type,
 )
 
 logger = logging.getLogger(__name__)
@@ -115,15 +116,7 @@ def _rope(hf: dict, model_type: str, params: dict, field: str, top_theta: float,
     `top_theta`: the base when they have none (config.json's top-level one, or the family's default)."""
     if any(isinstance(params.get(t), dict) for t in ("full_attention", "sliding_attention")):
         raise ValueError(f"field {field!r}: per-layer-type rope parameters are not supported for {model_type}")
-    # transformers 5 keeps rope_theta (and partial_rotary_factor) inside rope_parameters, 4 at the top level.
-    theta = number(params, "rope_theta", top_theta)
-    partial = number(params if params.get("partial_rotary_factor") is not None else hf, "partial_rotary_factor",
-                      1.0)
-    if partial != 1.0:
-        raise ValueError(f"field 'partial_rotary_factor' = {partial!r}: only full rotary embeddings are supported")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if not isinstance(kind, str):
-        raise ValueError(f"field {field!r}: expected a string rope type, got {kind!r}")
+    theta, kind = rope_theta_and_type(hf, params, field, top_theta)
     if model_type == "phi3" and kind in ("su", "yarn"):
         kind = "longrope"  # transformers' Phi-3 reads both older names as LongRoPE
     if kind == "default":

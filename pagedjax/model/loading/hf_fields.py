@@ -84,6 +84,20 @@ def rope_source(hf: dict) -> tuple[dict, str]:
     return dict(params or {}), field
 
 
+def rope_theta_and_type(hf: dict, params: dict, field: str, top_theta: float) -> tuple[float, str]:
+    """(rope_theta, rope type) of the rope parameters `params` (from `field`; `top_theta`: the base when they have
+    none). transformers 5 keeps rope_theta and partial_rotary_factor inside them, 4 at the top level; only full
+    rotary embeddings (partial_rotary_factor 1) are computed, others refused naming the field."""
+    theta = number(params, "rope_theta", top_theta)
+    partial = number(params if params.get("partial_rotary_factor") is not None else hf, "partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(f"field 'partial_rotary_factor' = {partial!r}: only full rotary embeddings are supported")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(kind, str):
+        raise ValueError(f"field {field!r}: expected a string rope type, got {kind!r}")
+    return theta, kind
+
+
 def layer_types(hf: dict, num_layers: int) -> list[str] | None:
     layer_types = hf.get("layer_types")
     if layer_types is None:
