@@ -100,7 +100,7 @@ def beam_search(engine: BeamSearchEngine, prompts: Sequence[Sequence[int] | str]
                               structured=params.structured, **RAW_SAMPLING)
     ids = engine.fresh_request_ids("beam", len(prompts))
     loras = batch_of_loras(lora_request, len(prompts))
-    prepared = [engine.make_request(rid, p, sampling, **({} if lora is None else {"lora_request": lora}))
+    prepared = [engine.make_request(rid, p, sampling, lora_request=lora)
                 for rid, p, lora in zip(ids, prompts, loras, strict=True)]
     requests = [p.request for p in prepared]
     # Held beams keep their blocks between steps and nothing preempts them, so a batch runs only if every beam of

@@ -34,7 +34,7 @@ from pagedjax.outputs import RequestOutput
 from pagedjax.parallel.mesh import replica_meshes
 from pagedjax.runner.programs import CompileEvent, all_done
 from pagedjax.runner.weights import checked_leaves
-from pagedjax.sampling_params import SamplingParams, StructuredOutput
+from pagedjax.sampling_params import LoRARequest, SamplingParams, StructuredOutput
 from pagedjax.structured_output.compiler import Constraint
 
 logger = logging.getLogger(__name__)
@@ -180,9 +180,11 @@ class DataParallelEngine:
         return self.replicas[0].encode_prompt(request_id, prompt)
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
-                     cache_salt: str | None = None) -> PreparedRequest:
-        """A validated, not yet queued request (see `LLMEngine.make_request`)."""
-        return self.replicas[0].make_request(request_id, prompt, sampling_params, cache_salt=cache_salt)
+                     cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> PreparedRequest:
+        """A validated, not yet queued request (see `LLMEngine.make_request`; a `lora_request` is refused as by an
+        engine without adapters: replicas serve none)."""
+        return self.replicas[0].make_request(request_id, prompt, sampling_params, cache_salt=cache_salt,
+                                             lora_request=lora_request)
 
     def compile_constraint(self, structured: StructuredOutput) -> Constraint:
         """A fresh matcher of a constraint (see `LLMEngine.compile_constraint`): the first replica's compiler
@@ -205,11 +207,12 @@ class DataParallelEngine:
             self._prefix_home[(request.cache_salt, tuple(request.prompt_token_ids[:bs]))] = i
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None) -> None:
+                    sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request on the least loaded replica; raises as `LLMEngine.add_request` does."""
         self._check_unused(request_id)
         self.add_prepared_request(self.make_request(request_id, token_list(request_id, prompt_token_ids),
-                                                    sampling_params, cache_salt=cache_salt))
+                                                    sampling_params, cache_salt=cache_salt, lora_request=lora_request))
 
     def _check_unused(self, request_id) -> None:
         """InvalidRequest (param "request_id") for an id a live request of any replica uses."""
@@ -261,9 +264,9 @@ class DataParallelEngine:
         return results
 
     def generate(self, prompts: Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
         """As `LLMEngine.generate`: the batch validated first, spread over the replicas, outputs in input order."""
-        return generate_batch(self, prompts, sampling_params, use_tqdm)
+        return generate_batch(self, prompts, sampling_params, use_tqdm, lora_request)
 
     # -------------------------------------------------------------------------------------------------- stats
     # ------------------------------------------------------------------------------------------ training loop
@@ -288,9 +291,9 @@ class DataParallelEngine:
             r.wake()
         return time.perf_counter() - start
 
-    def score(self, prompts, completions):
+    def score(self, prompts, completions, lora_request=None):
         """As `LLMEngine.score` (the pairs spread over the replicas)."""
-        return completion_logprobs(self, prompts, completions)
+        return completion_logprobs(self, prompts, completions, lora_request)
 
     def stats(self) -> EngineStats:
         """The replicas' stats combined (see `combined_stats`); each replica's in `replicas`."""

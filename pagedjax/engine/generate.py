@@ -95,7 +95,7 @@ def generate_batch(engine, prompts, sampling_params, use_tqdm: bool, lora_reques
     params = batch_of_params(sampling_params, len(prompts))
     loras = batch_of_loras(lora_request, len(prompts))
     ids = engine.fresh_request_ids("gen", len(prompts))
-    prepared = [engine.make_request(rid, prompt, p, **({} if lora is None else {"lora_request": lora}))
+    prepared = [engine.make_request(rid, prompt, p, lora_request=lora)
                 for rid, prompt, p, lora in zip(ids, prompts, params, loras, strict=True)]
     for p in prepared:
         engine.add_prepared_request(p)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pagedjax.core.request import Request
 from pagedjax.outputs import RequestOutput
-from pagedjax.sampling_params import SamplingParams, StructuredOutput
+from pagedjax.sampling_params import LoRARequest, SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from pagedjax.engine.image_prompts import EncodedPrompt
@@ -38,7 +38,8 @@ class Engine(Protocol):
     max_request_tokens: int  # the most tokens (prompt + output) one request can hold
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None) -> None: ...
+                    sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
 
@@ -47,7 +48,7 @@ class Engine(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def generate(self, prompts: Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = ...) -> list[RequestOutput]: ...
+                 use_tqdm: bool = ..., lora_request=None) -> list[RequestOutput]: ...
 
     def beam_search(self, prompts: Sequence, params: BeamSearchParams) -> list[BeamSearchOutput]: ...
 
@@ -69,7 +70,7 @@ class Engine(Protocol):
     def encode_prompt(self, request_id: str, prompt) -> EncodedPrompt: ...
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
-                     cache_salt: str | None = None) -> PreparedRequest: ...
+                     cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> PreparedRequest: ...
 
     def add_prepared_request(self, prepared: PreparedRequest) -> None: ...
 

@@ -20,10 +20,8 @@ def completion_logprobs(engine, prompts, completions, lora_request=None) -> list
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         if len(p) == 0 or len(c) == 0:
             raise ValueError(f"score: pair {i} has an empty {'prompt' if len(p) == 0 else 'completion'}")
-    # Only an engine serving adapters takes lora_request (a DataParallelEngine serves none: it refuses a lora_config).
-    adapters = {} if lora_request is None else {"lora_request": lora_request}
     outs = engine.generate([list(p) + list(c) for p, c in zip(prompts, completions, strict=True)],
                            SamplingParams(max_tokens=1, prompt_logprobs=0, **RAW_SAMPLING), use_tqdm=False,
-                           **adapters)
+                           lora_request=lora_request)
     return [np.array([lp.logprob for lp in out.prompt_logprobs[len(p):]], np.float32)
             for out, p in zip(outs, prompts, strict=True)]

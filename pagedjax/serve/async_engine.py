@@ -423,13 +423,13 @@ class AsyncLLMEngine:
         if stream.finished:  # aborted before the engine got to it
             command.done.cancel()
             return
-        lora = {} if command.lora_request is None else {"lora_request": command.lora_request}
+        lora = command.lora_request
         try:
             if isinstance(command.prompt, EncodedPrompt):
                 self.engine.add_prepared_request(self.engine.make_request(stream.request_id, command.prompt,
-                                                                          command.params, **lora))
+                                                                          command.params, lora_request=lora))
             else:
-                self.engine.add_request(stream.request_id, command.prompt, command.params, **lora)
+                self.engine.add_request(stream.request_id, command.prompt, command.params, lora_request=lora)
         except Exception as e:  # noqa: BLE001 - the caller's to handle (a bad request)
             command.done.set_exception(e)
             return

@@ -553,6 +553,18 @@ def data_parallel_2x2():
     # Requests by id too, and an abort frees its replica's load.
     e.add_request("a", PROMPTS[1], GREEDY)
     assert e.abort("a") and not e.abort("a") and not e.has_unfinished_requests()
+    # A LoRA request is refused as by any engine without adapters (typed), nothing queued; the engine serves on.
+    from pagedjax.errors import UnsupportedFeature
+    from pagedjax.sampling_params import LoRARequest
+
+    try:
+        e.generate(PROMPTS, GREEDY, lora_request=LoRARequest("a", 1, "/nowhere"))
+    except UnsupportedFeature as err:
+        assert err.code == "lora_not_enabled", err.code
+    else:
+        raise AssertionError("a DataParallelEngine took a lora_request")
+    assert not e.has_unfinished_requests()
+    assert [o.output_token_ids for o in e.generate(PROMPTS[:1], GREEDY)] == reference("gqa")[:1]
     e.close()
 
 
