@@ -140,6 +140,8 @@ def test_an_unknown_option_is_refused_naming_the_options():
         make_engine(num_steps=3)
     with pytest.raises(TypeError, match="config must be an EngineConfig, got ModelConfig.*model_config="):
         LLMEngine(CFG)
+    with pytest.raises(TypeError, match="model_config\\) is the folder's"):  # refused before anything loads
+        LLMEngine.from_pretrained(None, model_config=CFG)
 
 
 def test_engine_signature_shows_every_argument():
