@@ -363,4 +363,155 @@ class RecurrentState(KVCacheSpec):
         return None
 
 
+class WindowKV(NamedTuple):
+    """One shared-KV window layer's pages (`SharedKVWindow`): `[num_blocks, block_size, head_dim]`, one vector per
+    token position, read as its key and its value."""
+
+    block_axis = 0
+
+    pages: Any
+
+
+def _no_8bit(owner: str, quantized: bool) -> None:
+    if quantized:
+        raise ValueError(f"{owner} pages are not stored 8-bit: use kv_dtype 'auto' (the model's dtype) for this model")
+
+
+@dataclass(frozen=True)
+class SharedKVWindow(KVCacheSpec):
+    """A sliding window of one vector per token shared by every query head as key and value (DeepSeek V4: K = V,
+    one head of `head_dim`): pages `[num_blocks, block_size, head_dim]`; the query at p reads (p - W, p] (None:
+    every earlier position)."""
+
+    head_dim: int
+    sliding_window: int | None
+
+    kind = "shared_kv"
+
+    def __post_init__(self) -> None:
+        fix = lambda name, value: object.__setattr__(self, name, value)
+        fix("head_dim", check_int("SharedKVWindow", "head_dim", self.head_dim, lo=1))
+        fix("sliding_window", check_int("SharedKVWindow", "sliding_window", self.sliding_window, lo=1, optional=True))
+
+    def page_shapes(self, num_blocks: int, block_size: int, dtype: str, *, quantized: bool = False,
+                    num_kv_heads: int | None = None) -> WindowKV:
+        _no_8bit("SharedKVWindow", quantized)
+        return WindowKV(ArraySpec((num_blocks, block_size, self.head_dim), dtype))
+
+    def bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
+        return self.head_dim * element_bytes
+
+    @property
+    def page_layout(self) -> SharedKVWindow:
+        return dataclasses.replace(self, sliding_window=None)
+
+
+class CompressedKV(NamedTuple):
+    """One compressed layer's pages (`CompressedEntries`): entries `[num_blocks, block_size / m, head_dim]` and,
+    for an indexed layer, the indexer's compressed keys `[num_blocks, block_size / m, index_head_dim]` (else
+    None)."""
+
+    block_axis = 0
+
+    entries: Any
+    index_keys: Any = None
+
+
+@dataclass(frozen=True)
+class CompressedEntries(KVCacheSpec):
+    """Compressed attention entries (DeepSeek V4's CSA and HCA): one entry of `head_dim` per `compress_rate` (m)
+    token positions, entry w (positions [w m, (w + 1) m)) in the block of position w m, so that a block of
+    `block_size` positions holds `block_size / m` entries under the tokens' own block table, hashes and eviction
+    (`block_size` must be a multiple of m). With `index_head_dim` (CSA) each entry has an indexer key beside it.
+    Every entry is kept: queries read all of them (HCA) or the indexer's choice among all of them (CSA)."""
+
+    head_dim: int
+    compress_rate: int
+    index_head_dim: int | None = None
+
+    kind = "compressed"
+
+    def __post_init__(self) -> None:
+        fix = lambda name, value: object.__setattr__(self, name, value)
+        for name in ("head_dim", "compress_rate"):
+            fix(name, check_int("CompressedEntries", name, getattr(self, name), lo=1))
+        fix("index_head_dim", check_int("CompressedEntries", "index_head_dim", self.index_head_dim, lo=1,
+                                        optional=True))
+
+    @property
+    def tokens_per_entry(self) -> int:
+        return self.compress_rate
+
+    def page_shapes(self, num_blocks: int, block_size: int, dtype: str, *, quantized: bool = False,
+                    num_kv_heads: int | None = None) -> CompressedKV:
+        _no_8bit("CompressedEntries", quantized)
+        if block_size % self.compress_rate:
+            raise ValueError(f"block_size {block_size} must be a multiple of the compress rate {self.compress_rate} "
+                             "(a block holds block_size / compress_rate whole entries)")
+        rows = lambda width: ArraySpec((num_blocks, block_size // self.compress_rate, width), dtype)
+        return CompressedKV(rows(self.head_dim), None if self.index_head_dim is None else rows(self.index_head_dim))
+
+    def bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
+        """An entry's bytes over the m positions it pools, rounded up (a block's are exact: `bytes_per_block`)."""
+        return -(-(self.head_dim + (self.index_head_dim or 0)) * element_bytes // self.compress_rate)
+
+    def bytes_per_block(self, block_size: int, element_bytes: int, scale_bytes: int = 0) -> int:
+        return block_size // self.compress_rate * (self.head_dim + (self.index_head_dim or 0)) * element_bytes
+
+
+class CompressorPages(NamedTuple):
+    """One compressed layer's compressor snapshots (`CompressorState`): float32 `[num_blocks, P, 3, head_dim]` and,
+    for an indexed layer, the indexer's `[num_blocks, P, 3, index_head_dim]` (else None)."""
+
+    block_axis = 0
+
+    compressor: Any
+    indexer: Any = None
+
+
+@dataclass(frozen=True)
+class CompressorState(KVCacheSpec):
+    """The compressor state of a compressed layer (`CompressedEntries`), one snapshot per block like a recurrent
+    state's (`RecurrentState`'s contract): the softmax partials (max, sum, weighted sum per channel: `(3, D)`
+    each) of the window still open, and with `overlap` (CSA's windows of 2m at stride m) the open window's second
+    series and the last closed window's carried half: P = 3 partials, else P = 1 (`pallas_kernels.compressed`).
+    With `index_head_dim` the indexer's compressor keeps its own alike."""
+
+    head_dim: int
+    overlap: bool
+    index_head_dim: int | None = None
+
+    kind = "compressor"
+    pool = "state"
+
+    def __post_init__(self) -> None:
+        fix = lambda name, value: object.__setattr__(self, name, value)
+        fix("head_dim", check_int("CompressorState", "head_dim", self.head_dim, lo=1))
+        fix("index_head_dim", check_int("CompressorState", "index_head_dim", self.index_head_dim, lo=1,
+                                        optional=True))
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"CompressorState.overlap must be a bool, got {self.overlap!r}")
+
+    @property
+    def partials(self) -> int:
+        return 3 if self.overlap else 1
+
+    def page_shapes(self, num_blocks: int, block_size: int, dtype: str, *, quantized: bool = False,
+                    num_kv_heads: int | None = None) -> CompressorPages:
+        """float32 whatever the KV dtype (`RecurrentState`'s reason)."""
+        state = lambda width: ArraySpec((num_blocks, self.partials, 3, width), "float32")
+        return CompressorPages(state(self.head_dim), None if self.index_head_dim is None else
+                               state(self.index_head_dim))
+
+    def bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
+        return 0
+
+    def bytes_per_block(self, block_size: int, element_bytes: int, scale_bytes: int = 0) -> int:
+        return 4 * 3 * self.partials * (self.head_dim + (self.index_head_dim or 0))
+
+    @property
+    def release_window(self) -> int:
+        return 2  # as a recurrent state's: the query at p reads the state after p - 1
+
+
 KVLayerSpec = KVCacheSpec  # the type of `ModelSpec.kv_layers`' entries (any kind, built-in or a model's own)

@@ -15,7 +15,7 @@ and, in the fused decode loop (`pagedjax.runner.runner`), sequences that stopped
 (cu_q_lens = arange) with kv_len 0. The contract wants q_len <= kv_len: with q_len 1 and kv_len 0 a kernel would
 read and write the state "after position -1", in a block of its table (the XLA path: its first, often a cached
 prefix snapshot that a later request hits). So such
-steps go to the kernels compacted (`_live_rows`): the live sequences' rows first, every other sequence q_len 0
+steps go to the kernels compacted (`live_rows`): the live sequences' rows first, every other sequence q_len 0
 (it reads and writes nothing), and the outputs back in row order (zeros for the others).
 """
 
@@ -28,7 +28,7 @@ import pallas_kernels
 from pagedjax.device.attention import AttentionMetadata
 
 
-def _live_rows(meta: AttentionMetadata, num_rows: int) -> tuple[AttentionMetadata, jax.Array]:
+def live_rows(meta: AttentionMetadata, num_rows: int) -> tuple[AttentionMetadata, jax.Array]:
     """A decode-only step's metadata with only its live sequences (kv_len >= 1) taking a row, and the row order
     that puts their rows first (a permutation of `num_rows`, = sequences): `x[order]` are the kernels' rows,
     `out.at[order].set(kernel_out)` the step's."""
@@ -38,7 +38,7 @@ def _live_rows(meta: AttentionMetadata, num_rows: int) -> tuple[AttentionMetadat
     return meta._replace(cu_q_lens=cu), order[:num_rows]
 
 
-def _unpermute(out: jax.Array, order: jax.Array) -> jax.Array:
+def unpermute(out: jax.Array, order: jax.Array) -> jax.Array:
     return jnp.zeros_like(out).at[order].set(out)
 
 
@@ -56,7 +56,7 @@ def gated_delta_rule(q: jax.Array,  # [T, Hk, Dk]
     g, beta = g.astype(jnp.float32), beta.astype(jnp.float32)
     order = None
     if decode_only:
-        meta, order = _live_rows(meta, q.shape[0])
+        meta, order = live_rows(meta, q.shape[0])
         q, k, v, g, beta = (x[order] for x in (q, k, v, g, beta))
     args = (q, k, v, g, beta, state_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens)
     if backend == "pallas":
@@ -67,7 +67,7 @@ def gated_delta_rule(q: jax.Array,  # [T, Hk, Dk]
                                                                use_qk_l2norm=use_qk_l2norm)
     else:
         raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
-    return (out if order is None else _unpermute(out, order)), state_pages
+    return (out if order is None else unpermute(out, order)), state_pages
 
 
 def mamba2_ssd(x: jax.Array,  # [T, H, P]
@@ -84,7 +84,7 @@ def mamba2_ssd(x: jax.Array,  # [T, H, P]
     D = None if D is None else D.astype(jnp.float32)
     order = None
     if decode_only:
-        meta, order = _live_rows(meta, x.shape[0])
+        meta, order = live_rows(meta, x.shape[0])
         x, dt, B, C = (a[order] for a in (x, dt, B, C))
     args = (x, dt, A, B, C, state_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens)
     if backend == "pallas":
@@ -93,7 +93,7 @@ def mamba2_ssd(x: jax.Array,  # [T, H, P]
         out, state_pages = pallas_kernels.mamba2_ssd_xla(*args, block_size=block_size, D=D)
     else:
         raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
-    return (out if order is None else _unpermute(out, order)), state_pages
+    return (out if order is None else unpermute(out, order)), state_pages
 
 
 def causal_conv1d(x: jax.Array,  # [T, C]
@@ -107,7 +107,7 @@ def causal_conv1d(x: jax.Array,  # [T, C]
     xs = x.astype(conv_pages.dtype)
     order = None
     if decode_only:
-        meta, order = _live_rows(meta, x.shape[0])
+        meta, order = live_rows(meta, x.shape[0])
         xs = xs[order]
     args = (xs, weight, conv_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens)
     if backend == "pallas":
@@ -118,4 +118,4 @@ def causal_conv1d(x: jax.Array,  # [T, C]
                                                            activation=activation)
     else:
         raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
-    return (out if order is None else _unpermute(out, order)).astype(x.dtype), conv_pages
+    return (out if order is None else unpermute(out, order)).astype(x.dtype), conv_pages

@@ -35,6 +35,7 @@ class Family:
 FAMILIES: tuple[Family, ...] = (
     Family("pagedjax.model.families.deepseek", ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"),
            "DeepSeek"),
+    Family("pagedjax.model.families.deepseek_v4", ("deepseek_v4",), "DeepSeek"),
     Family("pagedjax.model.families.qwen3_next",
            ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"), "hybrid recurrent"),
     Family("pagedjax.model.families.nemotron_h", ("nemotron_h",), "hybrid recurrent"),

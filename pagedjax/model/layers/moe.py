@@ -146,7 +146,8 @@ _QUANTIZED = ("qweight", "scale")  # the leaves of a `pagedjax.model.layers.moe_
 class GLU:
     """An expert's gated activation of its gate and up projections (`MoEConfig.activation`): "silu" is SwiGLU's
     silu(gate) * up; "clamped_swiglu" (gpt-oss) clamps gate to at most `limit` and up to [-limit, limit], then
-    gate * sigmoid(alpha * gate) * (up + 1). Static (a module attribute), computed in the inputs' dtype."""
+    gate * sigmoid(alpha * gate) * (up + 1); "clamped_silu" (DeepSeek V4) clamps them alike, then silu(gate) * up.
+    Static (a module attribute), computed in the inputs' dtype."""
 
     kind: str = "silu"
     alpha: float | None = None
@@ -159,10 +160,12 @@ class GLU:
     def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:  # both [..., width]
         if self.kind == "silu":
             return jax.nn.silu(gate) * up
-        if self.kind != "clamped_swiglu":
+        if self.kind not in ("clamped_swiglu", "clamped_silu"):
             raise ValueError(f"unknown MoE activation {self.kind!r}")
         gate = jnp.minimum(gate, self.limit)
         up = jnp.clip(up, -self.limit, self.limit)
+        if self.kind == "clamped_silu":
+            return jax.nn.silu(gate) * up
         return gate * jax.nn.sigmoid(gate * self.alpha) * (up + 1)
 
 

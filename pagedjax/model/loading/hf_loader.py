@@ -149,6 +149,8 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
 
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
+# Integer tensors, read only into integer parameters (DeepSeek V4's hash router table `tid2eid`).
+_ST_INT_DTYPES = {"I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8}
 
 
 def _read_tensor(handle, file: Path, name: str) -> np.ndarray:
@@ -175,7 +177,7 @@ def _read_raw(file: Path, name: str) -> np.ndarray:
         header_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_len))
         info = header[name]
-        dtype = _ST_DTYPES.get(info["dtype"]) or hf_fp8.raw_dtype(info["dtype"])
+        dtype = _ST_DTYPES.get(info["dtype"]) or _ST_INT_DTYPES.get(info["dtype"]) or hf_fp8.raw_dtype(info["dtype"])
         if dtype is None:
             raise ValueError(f"tensor {name!r} in {file.name}: dtype {info['dtype']} is not supported")
         begin, end = info["data_offsets"]
@@ -305,7 +307,8 @@ def fill_state(path: str | os.PathLike, state: nnx.State | Callable[[], nnx.Stat
         if shape != want:
             misshaped.append(f"{name}: checkpoint {list(shape)}, model expects {list(want)}")
         codec = targets[parts[0]][1]
-        allowed = codec.dtypes if isinstance(codec, Codec) else _ST_DTYPES
+        integer = jnp.issubdtype(targets[parts[0]][0].get_value().dtype, jnp.integer)
+        allowed = codec.dtypes if isinstance(codec, Codec) else _ST_INT_DTYPES if integer else _ST_DTYPES
         if fp8_block is not None and st_dtype == hf_fp8.FP8_DTYPE and not isinstance(codec, Codec) and len(
                 shape) == 2:
             fp8[name] = shape

@@ -1,0 +1,97 @@
+"""DeepSeek V4's compressed attention over its pages (`SharedKVWindow`, `CompressedEntries`, `CompressorState`):
+backend dispatch of `pallas_kernels.compressed` and the writes of a step's window vectors and closed entries.
+
+The compressor's snapshots follow the recurrent states' contract (`pagedjax.device.recurrent`), idle rows of a
+decode-only step included: they go to the compressor compacted (`live_rows`), so that a row that takes no token
+reads and writes no snapshot. Only the XLA paths exist so far: backend "pallas" is refused by name (no silent
+fallback), so a GPU or TPU serves this model with backend "xla".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from pagedjax.device.attention import AttentionMetadata
+from pagedjax.device.recurrent import live_rows, unpermute
+from pallas_kernels import compressed as kernels
+
+NO_KERNEL = ("DeepSeek V4's compressed attention has no Pallas kernel yet: serve it with backend='xla' (the XLA "
+             "path runs on every device)")
+
+
+def _xla_only(backend: str) -> None:
+    if backend == "pallas":
+        raise NotImplementedError(NO_KERNEL)
+    if backend != "xla":
+        raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
+
+
+def write_rows(pages: jax.Array,  # [num_blocks, rows_per_block, width]
+               values: jax.Array,  # [T, width]
+               slots: jax.Array,  # i32[T], -1 = not written
+               ) -> jax.Array:
+    """pages with values[t] at row slots[t] (flat over blocks) wherever slots[t] >= 0, in the pages' dtype."""
+    flat = pages.reshape(-1, pages.shape[-1])
+    target = jnp.where(slots >= 0, slots, flat.shape[0])
+    return flat.at[target].set(values.astype(pages.dtype), mode="drop").reshape(pages.shape)
+
+
+def entry_slots(slot_mapping: jax.Array, closes: jax.Array, compress_rate: int) -> jax.Array:
+    """i32[T]: the entry row a closing token's window goes to (its token slot / m: entry w sits in the block of its
+    positions at row (w m mod block_size) / m), -1 for the other tokens and padding."""
+    return jnp.where(closes & (slot_mapping >= 0), slot_mapping // compress_rate, -1)
+
+
+def compress(kv: jax.Array,  # f32[T, D] or [T, 2D] (CSA's two series)
+             gate: jax.Array,  # f32, kv's shape, position bias added
+             state_pages: jax.Array,  # f32[num_blocks, P, 3, D]
+             meta: AttentionMetadata,  # the state group's
+             *, block_size: int, compress_rate: int, backend: str,
+             decode_only: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A step's compressor (`pallas_kernels.compressed.compress_xla`): (entries f32 `[T, D]` at the rows that close
+    a window, closes bool `[T]`, the state pages with this step's snapshots)."""
+    _xla_only(backend)
+    order = None
+    if decode_only:
+        meta, order = live_rows(meta, kv.shape[0])
+        kv, gate = kv[order], gate[order]
+    entries, closes, state_pages = kernels.compress_xla(kv, gate, state_pages, meta.block_tables, meta.kv_lens,
+                                                        meta.cu_q_lens, compress_rate=compress_rate,
+                                                        block_size=block_size)
+    if order is not None:
+        entries, closes = unpermute(entries, order), unpermute(closes, order)
+    return entries, closes, state_pages
+
+
+def select_entries(q_index: jax.Array,  # [T, Hi, Di], RoPE applied
+                   weights: jax.Array,  # f32[T, Hi], times Hi ** -0.5
+                   index_pages: jax.Array,  # [num_blocks, block_size / m, Di], this step's keys written
+                   meta: AttentionMetadata,  # the entries' group's
+                   *, scale: float, index_topk: int, compress_rate: int,
+                   backend: str) -> tuple[jax.Array, jax.Array]:
+    """The lightning indexer's choice among the entries each row's position has closed: (int32 `[T, index_topk]`
+    entry indices, -1 = none; int32[] rows whose cut-off fell between equal scores, as `sparse_select`)."""
+    _xla_only(backend)
+    scores = kernels.compressed_index_scores_xla(q_index, weights, index_pages, meta.block_tables, meta.kv_lens,
+                                                 meta.cu_q_lens, scale=scale, compress_rate=compress_rate)
+    selected, ties = pallas_kernels.top_k_positions_and_ties(scores, index_topk)
+    return selected, jnp.sum(ties, dtype=jnp.int32)
+
+
+def attend(q: jax.Array,  # [T, H, D], RoPE applied
+           window_pages: jax.Array,  # [num_blocks, block_size, D], this step's vectors written
+           window_meta: AttentionMetadata,
+           entry_pages: jax.Array | None,  # [num_blocks, block_size / m, D], this step's entries written
+           entry_meta: AttentionMetadata | None,
+           selected: jax.Array | None,  # i32[T, k] (CSA) or None (HCA: every closed entry)
+           sinks: jax.Array,  # f32[H]
+           *, scale: float, sliding_window: int, compress_rate: int | None, backend: str) -> jax.Array:
+    """Each row's attention over its window and its (selected) compressed entries in one softmax with its head's
+    sink (`pallas_kernels.compressed.compressed_attention_xla`): `[T, H, D]` in q's dtype."""
+    _xla_only(backend)
+    entry_tables = None if entry_meta is None else entry_meta.block_tables
+    return kernels.compressed_attention_xla(q, window_pages, window_meta.block_tables, entry_pages, entry_tables,
+                                            window_meta.kv_lens, window_meta.cu_q_lens, selected, sinks,
+                                            scale=scale, sliding_window=sliding_window, compress_rate=compress_rate)

@@ -1,0 +1,257 @@
+"""Compressed attention (DeepSeek V4's CSA and HCA beside a sliding window) over paged pages: the compressor that
+pools every `m` tokens into one entry, the lightning indexer's scores over compressed keys, and attention over a
+query's window plus its compressed entries in one exact softmax. XLA paths (the CPU engine's) and dense references.
+
+Layouts (the engine's `SharedKVWindow`, `CompressedEntries` and `CompressorState` pages, `pagedjax.config.kv_spec`):
+  window_pages  [num_blocks, block_size, D]       one vector per token position, read as key and as value (K = V)
+  entry_pages   [num_blocks, block_size / m, D]   entry w (pooling positions [w m, (w + 1) m)) in the block of
+                                                  position w m, row (w m mod block_size) / m: entries use the
+                                                  tokens' block table, `block_size / m` of them per block
+  index_pages   [num_blocks, block_size / m, Di]  the indexer's compressed keys, likewise
+  state_pages   f32 [num_blocks, P, 3, D]         compressor snapshots (below)
+
+The compressor. Per token a projected vector c and gate logits z (position bias already added: one row per slot
+j = position mod m), both of width D per series. HCA pools window w as sum_j softmax_j(z_j) c_j over its m slots,
+per channel. CSA pools two series: entry w is the softmax over 2m slots, the A series of window w - 1 and the B
+series of window w (width 2m, stride m; entry 0 has no A half). A softmax over slots is an exact merge of partials
+(`merge`: m = max, z = sum exp(. - m), u = sum exp(. - m) c, per channel), so a window may close in a later step
+than it opened: the state carries the open window's partials (B; for CSA also A) and, for CSA, the A partial of
+the last closed window (`carry`), the half the next entry needs. Snapshot layout: P = 1 `[open_b]` (HCA) or P = 3
+`[carry, open_a, open_b]` (CSA), each a partial `(m, z, u)` of D channels; an empty partial is (-inf, 0, 0). The
+snapshots follow `recurrent`'s contract (a sequence starts from the snapshot in the block of its first position's
+predecessor, none at position 0, and leaves one after every block and after its step), which `pieces` cuts for:
+with the state block a multiple of m every piece lies in one window.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import merge, tiles
+from pallas_kernels.pieces import (
+    gather_pieces,
+    initial_blocks,
+    piece_rows,
+    pieces,
+    scatter_snapshots,
+)
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _empty(shape) -> merge.Partial:
+    return merge.Partial(jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+                         jnp.zeros(shape, jnp.float32))
+
+
+def _combine(a: merge.Partial, b: merge.Partial) -> merge.Partial:
+    """Two per-channel partials (m, z, u all `[..., D]`) merged exactly."""
+    m = jnp.maximum(a.m, b.m)
+    safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    wa, wb = jnp.exp(a.m - safe), jnp.exp(b.m - safe)
+    return merge.Partial(m, wa * a.z + wb * b.z, wa * a.u + wb * b.u)
+
+
+def _select(flag: jax.Array, a: merge.Partial, b: merge.Partial) -> merge.Partial:
+    """a where flag (bool `[N]`), else b."""
+    f = flag[:, None]
+    return merge.Partial(*(jnp.where(f, x, y) for x, y in zip(a, b, strict=True)))
+
+
+def _slots_partial(c: jax.Array, z: jax.Array, valid: jax.Array) -> merge.Partial:
+    """The partial of the valid slots: c, z f32 `[N, slots, D]`, valid bool `[N, slots]` -> `[N, D]` each."""
+    z = jnp.where(valid[..., None], z, -jnp.inf)
+    m = jnp.max(z, axis=1)
+    e = jnp.exp(z - jnp.where(jnp.isneginf(m), 0.0, m)[:, None])  # 0 in invalid slots
+    return merge.Partial(m, jnp.sum(e, axis=1), jnp.sum(e * jnp.where(valid[..., None], c, 0.0), axis=1))
+
+
+def _pool(p: merge.Partial) -> jax.Array:
+    return merge.finalize(p.z, p.u[..., None])[..., 0]
+
+
+def _as_state(parts: list[merge.Partial]) -> jax.Array:
+    return jnp.stack([jnp.stack(p, axis=-2) for p in parts], axis=-3)  # [N, P, 3, D]
+
+
+def _of_state(state: jax.Array, i: int) -> merge.Partial:
+    return merge.Partial(state[..., i, 0, :], state[..., i, 1, :], state[..., i, 2, :])
+
+
+@functools.partial(jax.jit, static_argnames=("compress_rate", "block_size"))
+def compress_xla(kv: jax.Array,  # f32[T, D] (HCA) or [T, 2D] (CSA: series A then B)
+                 gate: jax.Array,  # f32, kv's shape: the gate logits, position bias added
+                 state_pages: jax.Array,  # f32[num_blocks, P, 3, D], P = 1 (HCA) or 3 (CSA)
+                 block_tables: jax.Array,  # i32[S, max_blocks] of the state group
+                 kv_lens: jax.Array,  # i32[S]
+                 cu_q_lens: jax.Array,  # i32[S + 1]
+                 *, compress_rate: int, block_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One step of the compressor (module docstring): (entries f32 `[T, D]`, the pooled entry of the window a row
+    closes (its position is a multiple of m minus one), zeros on other rows; closes bool `[T]`; the state pages
+    with this step's snapshots written). `block_size`: the state group's, a multiple of `compress_rate`."""
+    num_tokens = kv.shape[0]
+    overlap, d = state_pages.shape[1] == 3, state_pages.shape[-1]
+    m = compress_rate
+    p = pieces(kv_lens, cu_q_lens, block_tables, num_tokens=num_tokens, chunk=m, block_size=block_size,
+               num_blocks=state_pages.shape[0])
+    slots, valid = piece_rows(p, m, num_tokens)
+    c, z = (gather_pieces(x.astype(jnp.float32), slots, valid) for x in (kv, gate))  # [NP, m, width]
+    blocks = initial_blocks(kv_lens, cu_q_lens, block_tables, num_tokens=num_tokens, block_size=block_size,
+                            num_blocks=state_pages.shape[0])
+    init = state_pages[jnp.maximum(blocks, 0)]
+    init = jnp.where((blocks >= 0)[:, None, None, None], init, _as_state([_empty((d,))] * state_pages.shape[1]))
+    start = init[p.seq]  # [NP, P, 3, D]: each piece's sequence's initial state
+    b = _slots_partial(c[..., -d:], z[..., -d:], valid)
+    b = _select(p.first, _combine(b, _of_state(start, state_pages.shape[1] - 1)), b)
+    closes = (p.length > 0) & ((p.pos0 + p.length) % m == 0)
+    empty = _empty(b.m.shape)
+    if overlap:
+        a = _slots_partial(c[..., :d], z[..., :d], valid)
+        a = _select(p.first, _combine(a, _of_state(start, 1)), a)
+        before = merge.Partial(*(jnp.concatenate([x[:1], x[:-1]]) for x in a))  # the previous piece's A
+        prev = _select(p.first, _of_state(start, 0), before)
+        entry = _pool(_combine(prev, b))
+        after = _as_state([_select(closes, a, prev), _select(closes, empty, a), _select(closes, empty, b)])
+    else:
+        entry = _pool(b)
+        after = _as_state([_select(closes, empty, b)])
+    state_pages = scatter_snapshots(state_pages, p.write, after)
+    target = jnp.where(closes, p.row0 + p.length - 1, num_tokens)
+    entries = jnp.zeros((num_tokens, d), jnp.float32).at[target].set(entry, mode="drop")
+    return entries, jnp.zeros((num_tokens,), bool).at[target].set(True, mode="drop"), state_pages
+
+
+def compress_reference(kv: jax.Array,  # f32[n, D] (HCA) or [n, 2D] (CSA): one whole sequence from position 0
+                       gate: jax.Array,  # f32, kv's shape
+                       *, compress_rate: int, overlap: bool) -> jax.Array:  # f32[n // m, D]
+    """Every closed window's entry of one sequence as transformers computes it: a softmax over each window's slots,
+    per channel; with `overlap` (CSA) over the previous window's A half, then this window's B half (entry 0's A
+    half weighs nothing)."""
+    m = compress_rate
+    n = kv.shape[0] // m
+    c, z = (x[:n * m].reshape(n, m, -1).astype(jnp.float32) for x in (kv, gate))
+    if overlap:
+        d = c.shape[-1] // 2
+        c = jnp.concatenate([jnp.concatenate([jnp.zeros((1, m, d)), c[:-1, :, :d]]), c[..., d:]], axis=1)
+        z = jnp.concatenate([jnp.concatenate([jnp.full((1, m, d), -jnp.inf), z[:-1, :, :d]]), z[..., d:]], axis=1)
+    return jnp.sum(jax.nn.softmax(z, axis=1) * c, axis=1)
+
+
+def _row_positions(kv_lens, cu_q_lens, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(table row i32[T], visible end i32[T]: the row's position + 1, 0 for a row that sees nothing)."""
+    return tiles.row_metadata(kv_lens, cu_q_lens, num_tokens, jnp.iinfo(jnp.int32).max)
+
+
+def _gather_entries(pages: jax.Array,  # [num_blocks, E, width]
+                    block_tables: jax.Array, table_rows: jax.Array, entries: jax.Array, valid: jax.Array):
+    """Entries `entries` i32[T, L] of each row's sequence (`table_rows`) -> `[T, L, width]`, zeros where not
+    `valid` (table entries of other slots may hold anything, the pages NaN)."""
+    per_block = pages.shape[1]
+    column = jnp.clip(jnp.where(valid, entries, 0) // per_block, 0, block_tables.shape[1] - 1)
+    slot = block_tables[table_rows[:, None], column] * per_block + jnp.where(valid, entries, 0) % per_block
+    g = pages.reshape(-1, pages.shape[-1])[jnp.where(valid, slot, 0)]
+    return jnp.where(valid[..., None], g, jnp.zeros((), pages.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "compress_rate"))
+def compressed_index_scores_xla(q_index: jax.Array,  # [T, Hi, Di], RoPE applied
+                                weights: jax.Array,  # f32[T, Hi]
+                                index_pages: jax.Array,  # [num_blocks, block_size / m, Di]
+                                block_tables: jax.Array,  # i32[S, max_blocks]
+                                kv_lens: jax.Array,  # i32[S]
+                                cu_q_lens: jax.Array,  # i32[S + 1]
+                                *, scale: float, compress_rate: int) -> jax.Array:  # f32[T, max_blocks * E]
+    """The indexer's score of every compressed entry a row may read, `scale * sum_h w[h] relu(q[h] . k[w])`, over
+    the entries w its position has closed (w < (p + 1) / m); -inf elsewhere."""
+    num_tokens = q_index.shape[0]
+    width = block_tables.shape[1] * index_pages.shape[1]
+    table_rows, ends = _row_positions(kv_lens, cu_q_lens, num_tokens)
+    idx = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (num_tokens, width))
+    visible = idx < (ends // compress_rate)[:, None]
+    k = _gather_entries(index_pages, block_tables, table_rows, idx, visible).astype(jnp.float32)
+    s = jnp.einsum("thd,tld->thl", q_index.astype(jnp.float32), k, precision=HIGHEST)
+    s = jnp.einsum("th,thl->tl", weights.astype(jnp.float32), jnp.maximum(s, 0.0), precision=HIGHEST) * scale
+    return jnp.where(visible, s, -jnp.inf)
+
+
+def _keys_partial(q: jax.Array, k: jax.Array, valid: jax.Array, scale: float) -> merge.Partial:
+    """Each row's partial over its keys: q `[T, H, D]`, k `[T, L, D]` (value = key), valid bool `[T, L]`."""
+    s = jnp.einsum("thd,tld->thl", q, k, precision=HIGHEST, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(valid[:, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    e = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m)[..., None])
+    u = jnp.einsum("thl,tld->thd", e, k.astype(jnp.float32), precision=HIGHEST)
+    return merge.Partial(m, jnp.sum(e, axis=-1), u)
+
+
+def _window_keys(window_pages, window_tables, table_rows, ends, sliding_window: int):
+    """Each row's window (positions (p - W, p]) from its table: (keys `[T, W, D]`, valid bool `[T, W]`)."""
+    block_size = window_pages.shape[1]
+    pos = ends[:, None] - sliding_window + jnp.arange(sliding_window, dtype=jnp.int32)  # position - p + W - 1
+    valid = (pos >= 0) & (ends[:, None] > 0)
+    safe = jnp.where(valid, pos, 0)
+    column = jnp.clip(safe // block_size, 0, window_tables.shape[1] - 1)
+    slot = window_tables[table_rows[:, None], column] * block_size + safe % block_size
+    k = window_pages.reshape(-1, window_pages.shape[-1])[jnp.where(valid, slot, 0)]
+    return jnp.where(valid[..., None], k, jnp.zeros((), window_pages.dtype)), valid
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "compress_rate"))
+def compressed_attention_xla(q: jax.Array,  # [T, H, D]
+                             window_pages: jax.Array,  # [num_blocks, block_size, D]
+                             window_tables: jax.Array,  # i32[S, max_blocks] of the window group
+                             entry_pages: jax.Array | None,  # [num_blocks, block_size / m, D]; None: window only
+                             entry_tables: jax.Array | None,  # i32[S, max_blocks] of the entries' group
+                             kv_lens: jax.Array,  # i32[S]
+                             cu_q_lens: jax.Array,  # i32[S + 1]
+                             selected: jax.Array | None,  # i32[T, k] entries (-1 none); None: every closed one
+                             sinks: jax.Array,  # f32[H]
+                             *, scale: float, sliding_window: int, compress_rate: int | None) -> jax.Array:
+    """Attention of each row over its window's positions (p - W, p] and its compressed entries (the `selected`
+    ones, CSA; else every entry its position has closed, HCA) in one softmax with the head's sink; K = V. Returns
+    `[T, H, D]` in q's dtype."""
+    num_tokens = q.shape[0]
+    table_rows, ends = _row_positions(kv_lens, cu_q_lens, num_tokens)
+    k, valid = _window_keys(window_pages, window_tables, table_rows, ends, sliding_window)
+    part = _keys_partial(q, k.astype(q.dtype), valid, scale)
+    if entry_pages is not None:
+        closed = (ends // compress_rate)[:, None]
+        if selected is None:
+            width = entry_tables.shape[1] * entry_pages.shape[1]
+            selected = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (num_tokens, width))
+        chosen = (selected >= 0) & (selected < closed)
+        e = _gather_entries(entry_pages, entry_tables, table_rows, selected, chosen)
+        part = merge.merge_two(part, _keys_partial(q, e.astype(q.dtype), chosen, scale))
+    part = merge.join_sink(*part, sinks.astype(jnp.float32)[None, :])
+    return merge.finalize(part.z, part.u, q.dtype)
+
+
+def compressed_attention_reference(q: jax.Array,  # [n, H, D]: one sequence's queries at positions 0..n-1
+                                   keys: jax.Array,  # [n, D]: its window vectors (K = V)
+                                   entries: jax.Array | None,  # [n // m, D] its compressed entries, or None
+                                   selected: jax.Array | None,  # i32[n, k] (-1 none), or None: every closed one
+                                   sinks: jax.Array,  # f32[H]
+                                   *, scale: float, sliding_window: int, compress_rate: int | None) -> jax.Array:
+    """Dense ground truth for one whole sequence, as transformers computes it: scores over `[window keys | entries]`
+    masked to (p - W, p] and the closed (selected) entries, the sink's logit appended, one softmax."""
+    n = q.shape[0]
+    p = jnp.arange(n)[:, None]
+    kv = keys.astype(jnp.float32)
+    mask = (jnp.arange(n)[None, :] <= p) & (jnp.arange(n)[None, :] > p - sliding_window)
+    if entries is not None:
+        w = jnp.arange(entries.shape[0])[None, :]
+        closed = w < (p + 1) // compress_rate
+        if selected is not None:
+            hit = jnp.zeros((n, entries.shape[0] + 1), bool).at[
+                jnp.arange(n)[:, None], jnp.where(selected >= 0, selected, entries.shape[0])].set(True)
+            closed = closed & hit[:, :-1]
+        kv = jnp.concatenate([kv, entries.astype(jnp.float32)])
+        mask = jnp.concatenate([mask, closed], axis=1)
+    s = jnp.einsum("thd,ld->thl", q.astype(jnp.float32), kv, precision=HIGHEST) * scale
+    s = jnp.where(mask[:, None, :], s, -jnp.inf)
+    s = jnp.concatenate([s, jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], (n, q.shape[1], 1))], -1)
+    probs = jax.nn.softmax(s, axis=-1)[..., :-1]
+    return jnp.einsum("thl,ld->thd", probs, kv, precision=HIGHEST).astype(q.dtype)
