@@ -132,7 +132,9 @@ def compress_reference(kv: jax.Array,  # f32[n, D] (HCA) or [n, 2D] (CSA): one w
     half weighs nothing)."""
     m = compress_rate
     n = kv.shape[0] // m
-    c, z = (x[:n * m].reshape(n, m, -1).astype(jnp.float32) for x in (kv, gate))
+    c, z = (x[:n * m].reshape(n, m, x.shape[-1]).astype(jnp.float32) for x in (kv, gate))
+    if overlap and n == 0:
+        return jnp.zeros((0, kv.shape[-1] // 2), jnp.float32)
     if overlap:
         d = c.shape[-1] // 2
         c = jnp.concatenate([jnp.concatenate([jnp.zeros((1, m, d)), c[:-1, :, :d]]), c[..., d:]], axis=1)

@@ -1,0 +1,162 @@
+"""DeepSeek V4 (`deepseek_v4`) from Hugging Face folders: every layer type (sliding window only, CSA with its
+indexer, HCA), hyper-connections, the grouped output projection, hash-routed and top-k routed experts. A tiny random
+checkpoint made by transformers' own `DeepseekV4ForCausalLM` and `save_pretrained` (the released tensor names), with
+its window, compress rates and `index_topk` far below the prompts; its zero-initialised parameters (window-slot
+biases, sinks, hyper-connection biases, router biases, `tid2eid`) made random so that each decides the logits.
+pagedjax must give transformers' float32 logits over fresh pages, and its greedy tokens token for token through
+`LLMEngine.from_pretrained` with chunked prefill (8 tokens a step, ending inside windows), preemption, fused decode,
+n = 2 forks and prefix-cache hits at a state block's boundary and inside a block. No hub access.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
+from pagedjax.config.kv_spec import CompressedEntries, CompressorState, SharedKVWindow  # noqa: E402
+from pagedjax.model.api import forward_on_fresh_pages  # noqa: E402
+from pagedjax.model.errors import ModelLoadError  # noqa: E402
+from pagedjax.model.families.deepseek_v4 import load, load_config  # noqa: E402
+from tests.model.test_hf import MIN_MARGIN, TOL, hf_greedy, hf_logits  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+VOCAB, EXPERTS, BS, MAX_NEW = 80, 8, 4, 8
+HF_CONFIG = dict(
+    vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=16, partial_rotary_factor=0.5, q_lora_rank=24, num_experts_per_tok=2,
+    n_routed_experts=EXPERTS, n_shared_experts=1, o_groups=2, o_lora_rank=8, hc_mult=2, sliding_window=6,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    index_n_heads=8, index_head_dim=8, index_topk=3, mlp_layer_types=["hash_moe", "moe", "moe"],
+    max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2,
+    rope_theta=100.0, compress_rope_theta=1000.0)
+SEED = 8  # no greedy step of any prompt a near tie (asserted)
+_rng = np.random.default_rng(1)
+SHARED = _rng.integers(3, VOCAB, 14).tolist()
+PROMPTS = [_rng.integers(3, VOCAB, n).tolist() for n in (3, 17, 9)] + [SHARED + [3]]
+AT_BOUNDARY, INSIDE = SHARED[:12] + [40, 41, 42], SHARED + [50, 51]
+
+
+def random_v4(seed: int):
+    """The transformers model with its norms random around 1 and every zero-initialised parameter random."""
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**HF_CONFIG)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(("position_bias", "sinks", ".base", "hc_base")):
+                p.copy_(0.5 * torch.randn_like(p))
+        for module in model.modules():
+            if getattr(module, "e_score_correction_bias", None) is not None:
+                module.e_score_correction_bias.copy_(0.3 * torch.randn_like(module.e_score_correction_bias))
+            if getattr(module, "tid2eid", None) is not None:
+                module.tid2eid.copy_(torch.stack([torch.randperm(EXPERTS)[:2] for _ in range(VOCAB)]))
+    return model
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    model = random_v4(SEED)
+    folder = tmp_path_factory.mktemp("deepseek_v4")
+    model.save_pretrained(str(folder))
+    return model, folder
+
+
+def test_config_maps_deepseek_v4(ckpt):
+    """Each layer's KV layers: a window of K = V vectors for every layer, entries (with indexer keys in CSA) and a
+    compressor state for the compressed ones."""
+    cfg = load_config(ckpt[1])
+    assert (cfg.csa_rate, cfg.hca_rate, cfg.rope_dim, cfg.sliding_window, cfg.index_topk) == (2, 4, 8, 6, 3)
+    assert cfg.spec.kv_layers == (SharedKVWindow(16, 6),) * 3 + (
+        CompressedEntries(16, 2, 8), CompressedEntries(16, 4), CompressorState(16, True, 8), CompressorState(16, False))
+    assert [cfg.kv_index(i) for i in range(3)] == [(0, None, None), (1, 3, 5), (2, 4, 6)]
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ({"layer_types": ["sliding_attention"] * 2 + ["full_attention"]}, "layer_types"),
+    ({"rope_parameters": {"main": {"rope_type": "linear", "factor": 2.0}, "compress": {"rope_type": "default"}}},
+     "rope_parameters"),
+])
+def test_unsupported_fields_are_named(ckpt, tmp_path, changes, field):
+    config = {**json.loads((ckpt[1] / "config.json").read_text()), **changes}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=field):
+        load_config(tmp_path)
+
+
+def test_block_size_must_hold_whole_entries(ckpt):
+    """A block holds block_size / m whole entries: a block size that is no multiple of a compress rate is refused
+    by name when the engine allocates its pages, as are 8-bit pages."""
+    with pytest.raises(ValueError, match="multiple of the compress rate 4"):
+        LLMEngine.from_pretrained(ckpt[1], cache_config=CacheConfig(block_size=2, num_blocks=8), backend="xla")
+    with pytest.raises(ValueError, match="not stored 8-bit"):
+        LLMEngine.from_pretrained(ckpt[1], cache_config=CacheConfig(block_size=4, num_blocks=8, kv_dtype="int8"),
+                                  backend="xla")
+
+
+def test_dense_logits_match_transformers(ckpt):
+    """One forward over fresh pages (every window, entry and compressor state the serving path computes) gives
+    transformers' logits for prompts past the window, the rates and index_topk."""
+    model, folder = ckpt
+    ours, _ = load(folder)
+    prompts = [PROMPTS[1], SHARED]
+    batch = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+    for i, p in enumerate(prompts):
+        batch[i, :len(p)] = p
+    got = np.asarray(forward_on_fresh_pages(ours, jnp.asarray(batch)))
+    for i, (p, want) in enumerate(zip(prompts, hf_logits(model, prompts), strict=True)):
+        np.testing.assert_allclose(got[i, :len(p)], want, rtol=TOL, atol=TOL * np.abs(want).max())
+
+
+def _engine(folder, **options) -> LLMEngine:
+    return LLMEngine.from_pretrained(
+        folder, cache_config=CacheConfig(block_size=BS, num_blocks=options.pop("num_blocks", 16),
+                                         state_block_size=3 * BS), backend="xla", **options)
+
+
+def test_engine_chunked_prefill_and_a_hit_inside_a_block_match_transformers(ckpt):
+    """One sequence at a time (CI time: the test below runs the engine's other paths): 8-token prefill chunks that
+    end inside windows of both rates, then a prompt sharing the first 14 tokens hits the 12 of its whole state
+    block (the snapshot there, never the live state) and recomputes the rest: transformers' tokens both times."""
+    model, folder = ckpt
+    engine = _engine(folder, scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8,
+                                                              max_model_len=24))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for prompt, cached in ((PROMPTS[3], 0), (INSIDE, 12)):
+        want, margin = hf_greedy(model, prompt, 4)
+        assert margin > MIN_MARGIN, margin
+        out = engine.generate([prompt], greedy, use_tqdm=False)[0]
+        assert (out.num_cached_tokens, out.outputs[0].token_ids) == (cached, want)
+
+
+@pytest.mark.slow  # (CI time: 50 s of compiling) the test above covers chunked prefill and a hit by default
+def test_engine_greedy_matches_transformers(ckpt):
+    """Four prompts in 16 blocks of 4 (preemption), 8-token prefill chunks, fused decodes of 4 steps, n = 2 greedy
+    forks, then hits on a cached prefix: at a state block's end (12) and from inside the fourth block."""
+    model, folder = ckpt
+    expected = [hf_greedy(model, p, MAX_NEW) for p in [*PROMPTS, AT_BOUNDARY, INSIDE]]
+    assert min(margin for _, margin in expected) > MIN_MARGIN, [m for _, m in expected]
+    engine = _engine(folder, scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8,
+                                                              max_model_len=64), decode_steps_per_call=4)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    forked = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=2)
+    outs = engine.generate(PROMPTS, [greedy, forked, greedy, greedy], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [tokens for tokens, _ in expected[:4]]
+    assert [c.token_ids for c in outs[1].outputs] == [expected[1][0]] * 2
+    stats = engine.stats()
+    assert stats.indexer_ties == 0 and stats.scheduler.num_preemptions > 0 and stats.fused_decode_calls > 0
+    assert engine.generate([PROMPTS[3]], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected[3][0]
+    for prompt, (want, _) in ((AT_BOUNDARY, expected[4]), (INSIDE, expected[5])):
+        out = engine.generate([prompt], greedy, use_tqdm=False)[0]
+        assert (out.num_cached_tokens, out.outputs[0].token_ids) == (12, want)
