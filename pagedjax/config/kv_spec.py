@@ -47,6 +47,11 @@ The kinds:
   position's predecessor and writes the state at every block boundary it crosses and after its last token; full
   blocks are published under their hash like any block, so a prefix hit restores the snapshot at the hit's end,
   never a live state. Pages `[num_blocks, *state_shape]` and `[num_blocks, *conv_shape]` in the "state" pool.
+- `SharedKVWindow(head_dim, sliding_window)`, `CompressedEntries(head_dim, compress_rate, index_head_dim)` and
+  `CompressorState(head_dim, overlap, index_head_dim)`: DeepSeek V4's compressed attention (`pagedjax.config.
+  deepseek_v4`): a window of one K = V vector per token; one pooled entry per `compress_rate` positions (and an
+  indexer key beside it), `block_size / compress_rate` of them in each block of the tokens' table; the compressor's
+  open windows as softmax partials, snapshotted per block under the recurrent states' contract ("state" pool).
 A model of your own may declare a kind of its own: subclass `KVCacheSpec` (a frozen dataclass), state the methods
 above, and write and read its pages in your own attention layer (`pagedjax.model.api`).
 

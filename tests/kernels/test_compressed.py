@@ -139,13 +139,14 @@ def test_paged_attention_over_window_and_entries_equals_the_dense_softmax(seed, 
 @settings(max_examples=examples(3), deadline=None)
 @given(seed=st.integers(0, 2 ** 16), rate=st.sampled_from([1, 2, 4]), n=st.integers(0, 20))
 @example(seed=0, rate=4, n=3)
+@example(seed=0, rate=1, n=13)  # found by the dev profile: more entries than the first harness's table held
 def test_index_scores_over_closed_entries(seed, rate, n):
     """The indexer's score of entry w for the query at p is scale * sum_h w[h] relu(q[h] . k[w]) where w < (p + 1)
     / m, -inf elsewhere (float64 numpy), from paged keys in a NaN pool."""
     rng = np.random.default_rng(seed)
     hi, di, block = 3, 4, 2 * rate
     keys = rng.normal(size=(max(n // rate, 1), di)).astype(np.float32)
-    pages, tables = _paged(rng, block // rate, [keys], 20, 6)
+    pages, tables = _paged(rng, block // rate, [keys], 20, 12)
     q = rng.normal(size=(n + 1, hi, di)).astype(np.float32)
     w = rng.normal(size=(n + 1, hi)).astype(np.float32)
     got = np.asarray(compressed_index_scores_xla(jnp.asarray(q), jnp.asarray(w), pages, tables,
