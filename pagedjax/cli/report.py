@@ -110,12 +110,16 @@ def print_header(args: argparse.Namespace, loaded, engine, load_s: float, out: T
     if layout.num_groups > 1:  # a block table per group; a window group's blocks go back as its window moves
         print(f"  KV cache: {layout.describe()}, a block table each ({kv.kv_bytes_per_block:,} bytes per block)",
               file=out)
-    for pool, blocks in enumerate(engine.extra_pools, start=1):  # a recurrent state's snapshots: a pool of its own
-        snapshot = kv.kv_group_block_bytes[layout.group_pools.index(pool)]
+    for pool, blocks in enumerate(engine.extra_pools, start=1):  # state snapshots or windows: pools of their own
+        block = kv.kv_group_block_bytes[layout.group_pools.index(pool)]
         every = engine.pool_block_sizes[pool]
-        print(f"  {layout.pools[pool]} pool: {blocks:,} blocks of {snapshot:,} bytes (one snapshot of every state "
+        if layout.pools[pool] != "state":
+            print(f"  {layout.pools[pool]} pool: {blocks:,} blocks of {block:,} bytes ({every} tokens of every window "
+                  "layer)", file=out)
+            continue
+        print(f"  {layout.pools[pool]} pool: {blocks:,} blocks of {block:,} bytes (one snapshot of every state "
               f"layer per {every} tokens, where prefix hits end; a running sequence holds 1 between steps, 2 in a "
-              f"step crossing a boundary: up to {2 * snapshot:,} bytes per sequence)", file=out)
+              f"step crossing a boundary: up to {2 * block:,} bytes per sequence)", file=out)
     print(file=out)
 
 

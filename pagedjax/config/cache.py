@@ -43,9 +43,11 @@ class CacheConfig:
     at once: `resolve_state_blocks`), taken out of `kv_memory_bytes` first when that sizes the pools, each the state
     after a multiple of `state_block_size` tokens (a multiple of `block_size`; None: the least at which a state
     layer's snapshot takes no more bytes than an attention layer's KV of those tokens, `resolve_pool_block_sizes`).
-    Prefix hits of such a model end at a multiple of it. `kv_dtype` (one of KV_DTYPES) is what K and V are stored
-    in: "auto" = the model's dtype; "int8" and "fp8" (float8_e4m3fn) quantize each token's K and V per KV head when
-    written, with a float32 scale beside them that `block_bytes` counts.
+    Prefix hits of such a model end at a multiple of it. DeepSeek V4's windows are a pool of their own too, of
+    `block_size` blocks, sized by sequences alike (`num_state_blocks` sets every such pool's size). `kv_dtype` (one
+    of KV_DTYPES) is what K and V are stored in: "auto" = the model's dtype; "int8" and "fp8" (float8_e4m3fn)
+    quantize each token's K and V per KV head when written, with a float32 scale beside them that `block_bytes`
+    counts.
     """
 
     block_size: int = option(16, "tokens per KV block")
@@ -123,7 +125,9 @@ class CacheConfig:
         layers = [sum(1 for layer in model.kv_layers if layer.pool == name) for name in pools]
         sizes = [self.block_size]
         for pool in range(1, len(pools)):
-            if self.state_block_size is not None:
+            if pools[pool] != "state":  # a window pool: blocks of the KV pool's size
+                sizes.append(self.block_size)
+            elif self.state_block_size is not None:
                 sizes.append(self.state_block_size)
             else:
                 ratio = -(-self.block_bytes(model, pool) * layers[0] // (self.block_bytes(model) * layers[pool]))
@@ -132,16 +136,20 @@ class CacheConfig:
         return tuple(sizes)
 
     def resolve_state_blocks(self, model: ModelSpec, max_num_seqs: int, max_num_batched_tokens: int) -> tuple:
-        """The sizes of `model`'s pools past the first (a state pool's snapshots; empty for a model of one pool):
-        `num_state_blocks`, or twice what running sequences hold at once, the other half for cached snapshots.
-        A sequence holds the snapshot its next token starts from (its live state) and, in a step crossing a
-        boundary of B = the pool's block size, one per boundary crossed: a step of n tokens from p holds
-        cdiv(p + n, B) - (p - 1) // B <= n / B + 2, so a step of at most `max_num_seqs` sequences and
-        `max_num_batched_tokens` tokens holds at most 2 * max_num_seqs + cdiv(max_num_batched_tokens, B)."""
-        sizes = self.resolve_pool_block_sizes(model)[1:]
+        """The sizes of `model`'s pools past the first (a state pool's snapshots, a window pool's blocks; empty for a
+        model of one pool): `num_state_blocks`, or twice what running sequences hold at once, the other half for
+        cached blocks. Between steps a sequence holds h blocks of B = the pool's block size (`blocks_held`: the
+        snapshot its next token starts from; a window's cdiv(W - 1, B) + 1), and a step of n tokens adds at most
+        cdiv(n, B) + 1 (a snapshot per boundary crossed; the window's new blocks), so a step of at most
+        `max_num_seqs` sequences and `max_num_batched_tokens` tokens holds at most max_num_seqs * (h + 1) +
+        cdiv(max_num_batched_tokens, B)."""
+        pools, sizes = model.kv_layout.pools, self.resolve_pool_block_sizes(model)
         if self.num_state_blocks is not None:
-            return (self.num_state_blocks,) * len(sizes)
-        return tuple(2 * (2 * max_num_seqs + -(-max_num_batched_tokens // b)) for b in sizes)
+            return (self.num_state_blocks,) * (len(sizes) - 1)
+        held = [max(layer.blocks_held(sizes[p]) for layer in model.kv_layers if layer.pool == pools[p])
+                for p in range(1, len(pools))]
+        return tuple(2 * (max_num_seqs * (h + 1) + -(-max_num_batched_tokens // b)) for h, b in zip(held, sizes[1:],
+                                                                                                   strict=True))
 
     def resolve_num_blocks(self, model: ModelSpec, draft: ModelSpec | None = None,
                            extra_pools: tuple[int, ...] = ()) -> int:

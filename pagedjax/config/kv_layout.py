@@ -21,7 +21,10 @@ model whose layers all keep every block one group of all its layers (slot i is l
 Recurrent states (`RecurrentState`: gated DeltaNet, Mamba-2) keep one snapshot per block, hundreds of times a
 block of K/V: their groups draw from a pool of their own ("state", `KVCacheLayout.pools`), whose blocks are that
 large and as many as the sequences need, so that the KV blocks stay small. Each pool has its own allocator, LRU and
-hash index, and its own page arrays; a prefix hit is still one that every group of every pool serves.
+hash index, and its own page arrays; a prefix hit is still one that every group of every pool serves. DeepSeek V4's
+windows (`SharedKVWindow`) are such a pool too ("window"): a sequence holds a few of their blocks, each a window
+layer's K = V of `block_size` tokens, 4 to 128 times the bytes of a block of the compressed entries that are its
+context's KV; sharing one pool, every entry block would carry a window block's bytes unused.
 
 Plain Python, no JAX.
 """

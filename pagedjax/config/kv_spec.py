@@ -11,9 +11,11 @@ so they work for every spec. What a spec states:
                           (copy-on-write copies along it)
   bytes_per_token(...)    bytes one token position takes (`tokens_per_entry` positions share one stored entry)
   bytes_per_block(...)    bytes one block takes (block_size positions; a state's one snapshot)
-  pool                    the block pool its blocks come from: "kv" (token pages, every attention kind) or "state"
+  pool                    the block pool its blocks come from: "kv" (token pages, every attention kind), "state"
                           (one state snapshot per block, far larger than a block of K/V: a pool of its own, sized
-                          by sequences, keeps the KV blocks small)
+                          by sequences, keeps the KV blocks small) or "window" (DeepSeek V4's windows: a few
+                          blocks per sequence, each far larger than a block of the compressed entries)
+  blocks_held(B)          in a pool sized by sequences, the blocks a running sequence holds between steps
   page_layout             the spec without its release rule: layers whose specs have equal layouts can share page
                           arrays (`pagedjax.config.kv_layout`: one array serves a layer of each KV cache group)
   release_window          its release rule: W, a query at position p reads nothing before p - W + 1, so the blocks
@@ -187,6 +189,11 @@ class KVCacheSpec:
         """Why `num_q_heads` query heads cannot read this layer (None: they can)."""
         return None
 
+    def blocks_held(self, block_size: int) -> int | None:
+        """For a layer of a pool sized by sequences (past the first: "state", "window"), the blocks of
+        `block_size` tokens a running sequence holds between steps; None for token pages sized by memory."""
+        return None
+
 
 @dataclass(frozen=True)
 class FullAttention(KVCacheSpec):
@@ -349,6 +356,9 @@ class RecurrentState(KVCacheSpec):
     def release_window(self) -> int:
         return 2  # the query at p reads the state after p - 1: blocks before that position's are released
 
+    def blocks_held(self, block_size: int) -> int:
+        return 1  # the snapshot its next token starts from
+
     @property
     def heads_axis(self) -> int:
         """Tensor parallelism splits the state by its heads and the conv window by its channels (axis 1 of
@@ -392,6 +402,9 @@ class SharedKVWindow(KVCacheSpec):
     sliding_window: int | None
 
     kind = "shared_kv"
+    # Its own pool, sized by sequences: a window's few blocks per sequence are far more bytes than a block of the
+    # compressed entries beside it, so in one pool every entry block would carry a window block's bytes.
+    pool = "window"
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)
@@ -409,6 +422,10 @@ class SharedKVWindow(KVCacheSpec):
     @property
     def page_layout(self) -> SharedKVWindow:
         return dataclasses.replace(self, sliding_window=None)
+
+    def blocks_held(self, block_size: int) -> int:
+        """The blocks of positions (p - W, p]."""
+        return -(-(self.sliding_window - 1) // block_size) + 1
 
 
 class CompressedKV(NamedTuple):
@@ -517,6 +534,9 @@ class CompressorState(KVCacheSpec):
     @property
     def release_window(self) -> int:
         return 2  # as a recurrent state's: the query at p reads the state after p - 1
+
+    def blocks_held(self, block_size: int) -> int:
+        return 1
 
 
 KVLayerSpec = KVCacheSpec  # the type of `ModelSpec.kv_layers`' entries (any kind, built-in or a model's own)
