@@ -44,6 +44,14 @@ DeepSeek sparse attention (DSA, V3.2) over the latent pages plus one indexer key
     ragged_sparse_mla_paged_attention(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, indices, ...)
         -> the absorbed MLA of each row over exactly its selected positions
 Entries, references and XLA paths in `sparse`; kernels in `gpu.sparse` and `tpu.sparse`; the selection in `topk`.
+DeepSeek V4's compressed attention (`compressed`: layouts and math there) over a window of K = V vectors
+`[num_blocks, block_size, D]` and compressed entries `[num_blocks, block_size / m, D]`:
+
+    compressed_attention(q, window_pages, window_tables, entry_pages, entry_tables, kv_lens, cu_q_lens, selected,
+                         sinks, scale=..., sliding_window=..., compress_rate=...)     the GPU kernel (`gpu.compressed`)
+    compress_xla(kv, gate, state_pages, block_tables, kv_lens, cu_q_lens, compress_rate=..., block_size=...)
+    compressed_index_scores_xla(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, ...)
+with XLA paths and dense references beside them; no TPU kernel yet.
 
 Recurrent-state layers (Qwen3-Next / Qwen3.5's gated DeltaNet, Mamba-2 hybrids such as Nemotron-H) over paged
 state snapshots, one state per block (`[num_blocks, *state_shape]`), read and written through the block tables under
@@ -76,6 +84,14 @@ Example (GQA, 8 query heads on 2 KV heads, a cache of 32 blocks of 16 tokens):
 
 from __future__ import annotations
 
+from pallas_kernels.compressed import (
+    compress_reference,
+    compress_xla,
+    compressed_attention,
+    compressed_attention_reference,
+    compressed_attention_xla,
+    compressed_index_scores_xla,
+)
 from pallas_kernels.gpu.paged_attention import default_num_splits
 from pallas_kernels.merge import Partial, finalize, join_sink, merge_and_finalize, merge_partials, merge_two
 from pallas_kernels.mla import (
@@ -128,6 +144,12 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_reference",
     "causal_conv1d_xla",
+    "compress_reference",
+    "compress_xla",
+    "compressed_attention",
+    "compressed_attention_reference",
+    "compressed_attention_xla",
+    "compressed_index_scores_xla",
     "default_num_splits",
     "dequantize_kv",
     "finalize",

@@ -3,8 +3,12 @@ backend dispatch of `pallas_kernels.compressed` and the writes of a step's windo
 
 The compressor's snapshots follow the recurrent states' contract (`pagedjax.device.recurrent`), idle rows of a
 decode-only step included: they go to the compressor compacted (`live_rows`), so that a row that takes no token
-reads and writes no snapshot. Only the XLA paths exist so far: backend "pallas" is refused by name (no silent
-fallback), so a GPU or TPU serves this model with backend "xla".
+reads and writes no snapshot.
+
+backend "pallas": attention runs the Pallas kernel (`pallas_kernels.compressed_attention`: Triton on a GPU; TPU has
+no kernel yet and refuses by name); the compressor and the indexer's scores over compressed keys are XLA programs
+on every backend (a pooling over at most m' rows per token, and one dot per entry: no kernel of their own yet).
+backend "xla": every part's XLA path, the CPU engine's.
 """
 
 from __future__ import annotations
@@ -17,14 +21,9 @@ from pagedjax.device.attention import AttentionMetadata
 from pagedjax.device.recurrent import live_rows, unpermute
 from pallas_kernels import compressed as kernels
 
-NO_KERNEL = ("DeepSeek V4's compressed attention has no Pallas kernel yet: serve it with backend='xla' (the XLA "
-             "path runs on every device)")
 
-
-def _xla_only(backend: str) -> None:
-    if backend == "pallas":
-        raise NotImplementedError(NO_KERNEL)
-    if backend != "xla":
+def _check_backend(backend: str) -> None:
+    if backend not in ("pallas", "xla"):
         raise ValueError(f"backend must be resolved to 'pallas' or 'xla', got {backend!r}")
 
 
@@ -52,7 +51,7 @@ def compress(kv: jax.Array,  # f32[T, D] or [T, 2D] (CSA's two series)
              decode_only: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A step's compressor (`pallas_kernels.compressed.compress_xla`): (entries f32 `[T, D]` at the rows that close
     a window, closes bool `[T]`, the state pages with this step's snapshots)."""
-    _xla_only(backend)
+    _check_backend(backend)
     order = None
     if decode_only:
         meta, order = live_rows(meta, kv.shape[0])
@@ -73,7 +72,7 @@ def select_entries(q_index: jax.Array,  # [T, Hi, Di], RoPE applied
                    backend: str) -> tuple[jax.Array, jax.Array]:
     """The lightning indexer's choice among the entries each row's position has closed: (int32 `[T, index_topk]`
     entry indices, -1 = none; int32[] rows whose cut-off fell between equal scores, as `sparse_select`)."""
-    _xla_only(backend)
+    _check_backend(backend)
     scores = kernels.compressed_index_scores_xla(q_index, weights, index_pages, meta.block_tables, meta.kv_lens,
                                                  meta.cu_q_lens, scale=scale, compress_rate=compress_rate)
     selected, ties = pallas_kernels.top_k_positions_and_ties(scores, index_topk)
@@ -89,9 +88,12 @@ def attend(q: jax.Array,  # [T, H, D], RoPE applied
            sinks: jax.Array,  # f32[H]
            *, scale: float, sliding_window: int, compress_rate: int | None, backend: str) -> jax.Array:
     """Each row's attention over its window and its (selected) compressed entries in one softmax with its head's
-    sink (`pallas_kernels.compressed.compressed_attention_xla`): `[T, H, D]` in q's dtype."""
-    _xla_only(backend)
+    sink (`pallas_kernels.compressed.compressed_attention`, or its XLA path): `[T, H, D]` in q's dtype."""
+    _check_backend(backend)
     entry_tables = None if entry_meta is None else entry_meta.block_tables
-    return kernels.compressed_attention_xla(q, window_pages, window_meta.block_tables, entry_pages, entry_tables,
-                                            window_meta.kv_lens, window_meta.cu_q_lens, selected, sinks,
-                                            scale=scale, sliding_window=sliding_window, compress_rate=compress_rate)
+    args = (q, window_pages, window_meta.block_tables, entry_pages, entry_tables, window_meta.kv_lens,
+            window_meta.cu_q_lens, selected, sinks)
+    options = dict(scale=scale, sliding_window=sliding_window, compress_rate=compress_rate)
+    if backend == "pallas":
+        return kernels.compressed_attention(*args, **options)
+    return kernels.compressed_attention_xla(*args, **options)
