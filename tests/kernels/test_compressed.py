@@ -5,24 +5,29 @@ The references are transformers' definitions written out (`compress_reference`: 
 `compressed_attention_reference`: one dense softmax over window keys, entries and the sink). The XLA paths run
 paged: sequences in permuted blocks of NaN-poisoned pools, steps cut at random (prefill chunks ending anywhere,
 across window and block boundaries, decode steps), idle sequences between them; lengths around the compress rate,
-the window and the block size.
+the window and the block size. The GPU kernel (Triton, run in the Pallas interpreter) equals the XLA path and
+exports for platform "cuda" at DeepSeek V4-Flash's shapes.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.compressed import (
     compress_reference,
     compress_xla,
+    compressed_attention,
     compressed_attention_reference,
     compressed_attention_xla,
     compressed_index_scores_xla,
 )
 from tests.kernels.cases import examples
+from tests.kernels.test_lowering import _export_cuda
 
 
 def _steps(rng, n: int) -> list[int]:
@@ -33,7 +38,7 @@ def _steps(rng, n: int) -> list[int]:
     return out
 
 
-@settings(max_examples=examples(5), deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(seed=st.integers(0, 2 ** 16), rate=st.sampled_from([1, 2, 4]), blocks_per_state=st.integers(1, 3),
        overlap=st.booleans(), lengths=st.lists(st.integers(0, 30), min_size=1, max_size=3))
 @example(seed=0, rate=4, blocks_per_state=1, overlap=True, lengths=[0, 1, 4, 8])
@@ -54,7 +59,7 @@ def test_compressor_across_steps_equals_one_softmax_per_window(seed, rate, block
     for step in range(max(map(len, plans))):
         takes = [plan[step] if step < len(plan) else 0 for plan in plans]  # 0: idle this step
         rows = [(s, done[s] + i) for s in range(len(lengths)) for i in range(takes[s])]
-        num_tokens = len(rows) + 2  # padding rows past cu_q_lens[-1]
+        num_tokens = 32  # one shape for every step (9 tokens x 3 sequences at most): padding rows past cu_q_lens[-1]
         kv, gate = np.zeros((num_tokens, width), np.float32), np.zeros((num_tokens, width), np.float32)
         for r, (s, p) in enumerate(rows):
             kv[r], gate[r] = data[s][0][p], data[s][1][p]
@@ -88,7 +93,7 @@ def _paged(rng, rows_per_block: int, vectors: list[np.ndarray], num_blocks: int,
     return jnp.asarray(pages), jnp.asarray(tables.astype(np.int32))
 
 
-@settings(max_examples=examples(5), deadline=None)
+@settings(max_examples=examples(2), deadline=None)
 @given(seed=st.integers(0, 2 ** 16), rate=st.sampled_from([1, 2, 4]), window=st.integers(1, 9),
        kind=st.sampled_from(["csa", "hca", "window"]), lengths=st.lists(st.integers(0, 24), min_size=1, max_size=3),
        q_lens=st.lists(st.integers(0, 6), min_size=3, max_size=3))
@@ -99,29 +104,12 @@ def test_paged_attention_over_window_and_entries_equals_the_dense_softmax(seed, 
     """Ragged rows (the last q_len positions of each sequence) over paged window vectors and entries, with the
     indexer's selection (CSA, random and -1 padded, indices past the row's closed entries ignored) or every closed
     entry (HCA), equal the dense softmax of `compressed_attention_reference`, sinks included."""
-    rng = np.random.default_rng(seed)
-    heads, d, block = 2, 4, 4 * rate
-    keys = [rng.normal(size=(n, d)).astype(np.float32) for n in lengths]
-    entries = [rng.normal(size=(n // rate, d)).astype(np.float32) for n in lengths]
-    q = [rng.normal(size=(n, heads, d)).astype(np.float32) for n in lengths]
-    sinks = jnp.asarray(rng.normal(size=heads).astype(np.float32))
-    # Distinct entries per row (a top-k's), some past the row's closed ones, some -1.
-    selected = [np.array([np.where(rng.random(3) < 0.2, -1, rng.permutation(n // rate + 3)[:3]) for _ in range(n)],
-                         np.int32).reshape(n, 3) for n in lengths]
-    window_pages, window_tables = _paged(rng, block, keys, 30, 7)
-    entry_pages, entry_tables = _paged(rng, block // rate, entries, 30, 7)
-    q_lens = [min(ql, n) for ql, n in zip(q_lens, lengths, strict=False)]
-    rows = [(s, p) for s, n in enumerate(lengths) for p in range(n - q_lens[s], n)]
-    qs = np.zeros((len(rows) + 1, heads, d), np.float32)
-    sel = np.full((len(rows) + 1, 3), -1, np.int32)
-    for r, (s, p) in enumerate(rows):
-        qs[r], sel[r] = q[s][p], selected[s][p]
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    args, rows, (keys, entries, q, selected) = _ragged_case(np.random.default_rng(seed), rate, lengths, q_lens)
+    qs, window_pages, window_tables, entry_pages, entry_tables, kv_lens, cu, sel, sinks = args
     use_entries = kind != "window"
     got = np.asarray(compressed_attention_xla(
-        jnp.asarray(qs), window_pages, window_tables, entry_pages if use_entries else None,
-        entry_tables if use_entries else None, jnp.asarray(lengths, jnp.int32), jnp.asarray(cu),
-        jnp.asarray(sel) if kind == "csa" else None, sinks, scale=0.5, sliding_window=window,
+        qs, window_pages, window_tables, entry_pages if use_entries else None, entry_tables if use_entries else None,
+        kv_lens, cu, sel if kind == "csa" else None, sinks, scale=0.5, sliding_window=window,
         compress_rate=rate if use_entries else None))
     for s, n in enumerate(lengths):
         if not n:
@@ -137,24 +125,115 @@ def test_paged_attention_over_window_and_entries_equals_the_dense_softmax(seed, 
 
 
 @settings(max_examples=examples(3), deadline=None)
-@given(seed=st.integers(0, 2 ** 16), rate=st.sampled_from([1, 2, 4]), n=st.integers(0, 20))
-@example(seed=0, rate=4, n=3)
-@example(seed=0, rate=1, n=13)  # found by the dev profile: more entries than the first harness's table held
-def test_index_scores_over_closed_entries(seed, rate, n):
+@given(seed=st.integers(0, 2 ** 16), rate=st.sampled_from([1, 2, 4]), n=st.integers(0, 20), m=st.integers(0, 20),
+       q_tile=st.sampled_from([1, 4, 16]))
+@example(seed=0, rate=4, n=3, m=9, q_tile=16)
+@example(seed=0, rate=1, n=13, m=0, q_tile=4)  # found by the dev profile: more entries than the first harness's table
+def test_index_scores_over_closed_entries(seed, rate, n, m, q_tile):
     """The indexer's score of entry w for the query at p is scale * sum_h w[h] relu(q[h] . k[w]) where w < (p + 1)
-    / m, -inf elsewhere (float64 numpy), from paged keys in a NaN pool."""
+    / m, -inf elsewhere (float64 numpy), from paged keys in a NaN pool: two sequences, all n rows of the first and
+    the last half of the second's m, in query tiles of any size."""
     rng = np.random.default_rng(seed)
     hi, di, block = 3, 4, 2 * rate
-    keys = rng.normal(size=(max(n // rate, 1), di)).astype(np.float32)
-    pages, tables = _paged(rng, block // rate, [keys], 20, 12)
-    q = rng.normal(size=(n + 1, hi, di)).astype(np.float32)
-    w = rng.normal(size=(n + 1, hi)).astype(np.float32)
+    keys = [rng.normal(size=(length // rate, di)).astype(np.float32) for length in (n, m)]
+    pages, tables = _paged(rng, block // rate, keys, 40, 12)
+    rows = [(0, p) for p in range(n)] + [(1, p) for p in range(m - m // 2, m)]
+    q = rng.normal(size=(len(rows) + 1, hi, di)).astype(np.float32)
+    w = rng.normal(size=(len(rows) + 1, hi)).astype(np.float32)
+    cu = jnp.asarray([0, n, len(rows)], jnp.int32)
     got = np.asarray(compressed_index_scores_xla(jnp.asarray(q), jnp.asarray(w), pages, tables,
-                                                 jnp.asarray([n], jnp.int32), jnp.asarray([0, n], jnp.int32),
-                                                 scale=0.5, compress_rate=rate))
-    for p in range(n):
+                                                 jnp.asarray([n, m], jnp.int32), cu, scale=0.5, compress_rate=rate,
+                                                 q_tile=q_tile))
+    for r, (s, p) in enumerate(rows):
         closed = (p + 1) // rate
-        want = 0.5 * np.einsum("h,hl->l", w[p], np.maximum(q[p].astype(np.float64) @ keys[:closed].T, 0.0))
-        np.testing.assert_allclose(got[p, :closed], want, rtol=1e-5, atol=1e-6)
-        assert np.isneginf(got[p, closed:]).all()
-    assert np.isneginf(got[n:]).all()  # the padding row sees nothing
+        want = 0.5 * np.einsum("h,hl->l", w[r], np.maximum(q[r].astype(np.float64) @ keys[s][:closed].T, 0.0))
+        np.testing.assert_allclose(got[r, :closed], want, rtol=1e-5, atol=1e-6)
+        assert np.isneginf(got[r, closed:]).all()
+    assert np.isneginf(got[len(rows):]).all()  # the padding row sees nothing
+
+
+def _ragged_case(rng, rate: int, lengths: list[int], q_lens: list[int], heads: int = 2, d: int = 4):
+    """(positional args of `compressed_attention*` but the options, the rows' (sequence, position), per-sequence
+    keys / entries / queries / selections): sequences in permuted blocks of NaN pools, the last q_len positions of
+    each as query rows, a padding row after them."""
+    block = 4 * rate
+    keys = [rng.normal(size=(n, d)).astype(np.float32) for n in lengths]
+    entries = [rng.normal(size=(n // rate, d)).astype(np.float32) for n in lengths]
+    q = [rng.normal(size=(n, heads, d)).astype(np.float32) for n in lengths]
+    # Distinct entries per row (a top-k's), some past the row's closed ones, some -1.
+    selected = [np.array([np.where(rng.random(3) < 0.2, -1, rng.permutation(n // rate + 3)[:3]) for _ in range(n)],
+                         np.int32).reshape(n, 3) for n in lengths]
+    window_pages, window_tables = _paged(rng, block, keys, 30, 7)
+    entry_pages, entry_tables = _paged(rng, block // rate, entries, 30, 7)
+    q_lens = [min(ql, n) for ql, n in zip(q_lens, lengths, strict=False)]
+    rows = [(s, p) for s, n in enumerate(lengths) for p in range(n - q_lens[s], n)]
+    qs = np.zeros((len(rows) + 1, heads, d), np.float32)
+    sel = np.full((len(rows) + 1, 3), -1, np.int32)
+    for r, (s, p) in enumerate(rows):
+        qs[r], sel[r] = q[s][p], selected[s][p]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    sinks = jnp.asarray(rng.normal(size=heads).astype(np.float32))
+    args = (jnp.asarray(qs), window_pages, window_tables, entry_pages, entry_tables, jnp.asarray(lengths, jnp.int32),
+            jnp.asarray(cu), jnp.asarray(sel), sinks)
+    return args, rows, (keys, entries, q, selected)
+
+
+@pytest.mark.kernels
+@settings(max_examples=examples(1), deadline=None)
+@given(seed=st.integers(0, 2 ** 16), rate=st.sampled_from([2, 4]), window=st.integers(1, 9),
+       kind=st.sampled_from(["csa", "hca", "window"]), lengths=st.lists(st.integers(0, 20), min_size=1, max_size=2),
+       q_lens=st.lists(st.integers(0, 4), min_size=2, max_size=2), bf16=st.booleans())
+@example(seed=0, rate=4, window=8, kind="csa", lengths=[9, 0], q_lens=[4, 1], bf16=False)
+@example(seed=1, rate=2, window=3, kind="hca", lengths=[16, 1], q_lens=[2, 1], bf16=True)
+def test_gpu_kernel_in_the_interpreter_equals_the_xla_path(seed, rate, window, kind, lengths, q_lens, bf16):
+    """The Triton kernel (Pallas interpreter) on the ragged rows of the XLA path's test: the same outputs, f32 to
+    ~1e-5, bf16 to ~1e-2."""
+    args, _, _ = _ragged_case(np.random.default_rng(seed), rate, lengths, q_lens)
+    q, window_pages, window_tables, entry_pages, entry_tables, kv_lens, cu, sel, sinks = args
+    if bf16:
+        q, window_pages, entry_pages = (x.astype(jnp.bfloat16) for x in (q, window_pages, entry_pages))
+    entries = kind != "window"
+    args = (q, window_pages, window_tables, entry_pages if entries else None, entry_tables if entries else None,
+            kv_lens, cu, sel if kind == "csa" else None, sinks)
+    options = dict(scale=0.5, sliding_window=window, compress_rate=rate if entries else None)
+    got = compressed_attention(*args, **options, target="gpu", interpret=True)
+    want = compressed_attention_xla(*args, **options)
+    tol = 2e-2 if bf16 else 1e-5
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+def test_argument_checks_name_what_is_wrong():
+    args, _, _ = _ragged_case(np.random.default_rng(0), 2, [5], [2])
+    q, window_pages, window_tables, entry_pages, entry_tables, kv_lens, cu, sel, sinks = args
+    options = dict(scale=0.5, sliding_window=4, compress_rate=2, interpret=True)
+    cases = [((q, window_pages, window_tables, entry_pages, None, kv_lens, cu, sel, sinks), "together"),
+             ((q, window_pages, window_tables, None, None, kv_lens, cu, sel, sinks), "selected needs entry_pages"),
+             ((q, window_pages[..., :2], window_tables, entry_pages, entry_tables, kv_lens, cu, sel, sinks),
+              "window_pages must be"),
+             ((q, window_pages, window_tables, entry_pages, entry_tables, kv_lens, cu, sel, sinks[:1]), "sinks"),
+             ((q, window_pages, window_tables.astype(jnp.float32), entry_pages, entry_tables, kv_lens, cu, sel, sinks),
+              "window_tables must be int32")]
+    for call_args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            compressed_attention(*call_args, **options)
+    with pytest.raises(NotImplementedError, match="no TPU kernel"):
+        compressed_attention(*args, **options, target="tpu")
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_gpu_kernel_exports_for_cuda_at_v4_flash_shapes(dtype, kind):
+    """64 query heads of 512, window 128, blocks of 256 tokens: CSA entries (rate 4, top 512), HCA (rate 128)."""
+    f = jax.ShapeDtypeStruct
+    tokens, seqs, rate = 37, 4, 4 if kind == "csa" else 128
+    shapes = (f((tokens, 64, 512), dtype), f((64, 256, 512), dtype), f((seqs, 8), jnp.int32),
+              f((64, 256 // rate, 512), dtype), f((seqs, 8), jnp.int32), f((seqs,), jnp.int32),
+              f((seqs + 1,), jnp.int32), f((tokens, 512), jnp.int32), f((64,), jnp.float32))
+
+    def call(*a):
+        selected = a[7] if kind == "csa" else None
+        return compressed_attention(*a[:7], selected, a[8], scale=512 ** -0.5, sliding_window=128,
+                                    compress_rate=rate, interpret=False)
+
+    _export_cuda(call, *shapes)

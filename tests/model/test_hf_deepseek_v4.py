@@ -105,6 +105,7 @@ def test_block_size_must_hold_whole_entries(ckpt):
                                   backend="xla")
 
 
+@pytest.mark.slow  # (CI time) the engine test below holds the same forward to transformers' tokens by default
 def test_dense_logits_match_transformers(ckpt):
     """One forward over fresh pages (every window, entry and compressor state the serving path computes) gives
     transformers' logits for prompts past the window, the rates and index_topk."""

@@ -217,9 +217,12 @@ class HyperConnection(nnx.Module):
         comb = mix[:, 2 * n:].reshape(t, n, n) * scale[2] + base[2 * n:].reshape(n, n)
         comb = jax.nn.softmax(comb, axis=-1) + self.eps
         comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + self.eps)
-            comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + self.eps)
+
+        def sinkhorn(_, c):  # a loop, not unrolled: 2 x layers x (iters - 1) steps would swell every step's program
+            c = c / (jnp.sum(c, axis=-1, keepdims=True) + self.eps)
+            return c / (jnp.sum(c, axis=-2, keepdims=True) + self.eps)
+
+        comb = jax.lax.fori_loop(0, self.iters - 1, sinkhorn, comb)
         return post, comb, jnp.sum(pre[..., None] * streams, axis=1).astype(streams.dtype)
 
 
