@@ -1,0 +1,118 @@
+"""Compressed attention's cost curve on this machine (DeepSeek V4), next to DeepSeek V3.2's sparse attention (DSA)
+and dense MLA: one layer's attention through the engine's CPU path (the XLA gathers of `pallas_kernels`), per decode
+token and per prefill chunk, at growing contexts, with each curve's growth exponent (the slope of log time over log
+context between the first and the last context). A table.
+
+What the definitions predict: per decode token dense MLA is O(n); DSA's indexer scores every earlier token, O(n),
+and its attention is O(k); V4's CSA indexer scores every compressed entry, O(n / m), and its attention reads the
+window and k entries, O(W + k); HCA reads the window and every entry, O(W + n / m'); the window alone is O(W). A
+prefill chunk of c rows at the end of an n-token prompt costs c times that (a whole prompt: the sum over its chunks,
+O(n^2) for dense and the indexers, O(n (W + k)) for CSA's attention).
+
+    python scripts/bench_compressed.py               # contexts 1k..64k
+    python scripts/bench_compressed.py --quick       # seconds: the smoke test
+
+Shapes (scaled down so that 64k contexts fit this CPU): 8 query heads; V4 one K = V head of 128 (32 rotary), window
+128, CSA rate 4 with an indexer of 8 heads of 64 keeping 256, HCA rate 128; V3.2 a latent of 128 + 32, the same
+indexer and top-k; float32, blocks of 128 tokens, one sequence; prefill chunks of 256 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pallas_kernels as pk  # noqa: E402
+from pallas_kernels import compressed as ck  # noqa: E402
+
+logger = logging.getLogger("bench_compressed")
+HEADS, DIM, WINDOW, CSA, HCA = 8, 128, 128, 4, 128
+RANK, ROPE, INDEX_HEADS, INDEX_DIM, TOPK, BLOCK, CHUNK = 128, 32, 8, 64, 256, 128, 256
+
+
+def best_time(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def layer_times(context: int, rows: int, repeats: int) -> dict[str, float]:
+    """Seconds of each layer kind's attention for the last `rows` queries of one `context`-token sequence."""
+    rng = np.random.default_rng(0)
+    blocks = -(-context // BLOCK)
+    table = jnp.asarray(rng.permutation(blocks + 1)[:blocks].astype(np.int32)[None])
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32) / 4)  # noqa: E731
+    kv_lens, cu = jnp.asarray([context], jnp.int32), jnp.asarray([0, rows], jnp.int32)
+    window, q = f32(blocks + 1, BLOCK, DIM), f32(rows, HEADS, DIM)
+    csa, csa_keys, hca = f32(blocks + 1, BLOCK // CSA, DIM), f32(blocks + 1, BLOCK // CSA, INDEX_DIM), \
+        f32(blocks + 1, BLOCK // HCA, DIM)
+    q_index, weights = f32(rows, INDEX_HEADS, INDEX_DIM), f32(rows, INDEX_HEADS)
+    sinks = jnp.zeros((HEADS,), jnp.float32)
+    attend = lambda pages, rate, selected: ck.compressed_attention_xla(  # noqa: E731
+        q, window, table, pages, None if pages is None else table, kv_lens, cu, selected, sinks, scale=DIM ** -0.5,
+        sliding_window=WINDOW, compress_rate=rate)
+
+    @jax.jit
+    def v4_csa():
+        scores = ck.compressed_index_scores_xla(q_index, weights, csa_keys, table, kv_lens, cu,
+                                                scale=INDEX_DIM ** -0.5, compress_rate=CSA)
+        return attend(csa, CSA, pk.top_k_positions_and_ties(scores, TOPK)[0])
+
+    latent, index_pages = f32(blocks + 1, BLOCK, RANK + ROPE), f32(blocks + 1, BLOCK, INDEX_DIM)
+    q_latent, q_rope = f32(rows, HEADS, RANK), f32(rows, HEADS, ROPE)
+    scale = (RANK + ROPE) ** -0.5
+
+    @jax.jit
+    def dsa():
+        scores = pk.ragged_indexer_scores_xla(q_index, weights, index_pages, table, kv_lens, cu,
+                                              scale=INDEX_DIM ** -0.5)
+        selected = pk.top_k_positions_and_ties(scores, TOPK)[0]
+        return pk.ragged_sparse_mla_paged_attention_xla(q_latent, q_rope, latent, table, kv_lens, cu, selected,
+                                                        scale=scale)
+
+    programs = {"V4 window only": jax.jit(lambda: attend(None, None, None)), "V4 CSA": v4_csa,
+                "V4 HCA": jax.jit(lambda: attend(hca, HCA, None)), "V3.2 DSA": dsa,
+                "dense MLA": jax.jit(lambda: pk.ragged_mla_paged_attention_xla(q_latent, q_rope, latent, table,
+                                                                               kv_lens, cu, scale=scale))}
+    return {name: best_time(fn, repeats=repeats) for name, fn in programs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="contexts 1k and 4k, one repeat")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    contexts = [1024, 4096] if args.quick else args.contexts
+    repeats = 1 if args.quick else args.repeats
+    lines = []
+    for mode, rows in (("decode (ms per token)", 1), (f"prefill chunk of {CHUNK} rows (ms)", CHUNK)):
+        times = {n: layer_times(n, rows, repeats) for n in contexts}
+        names = list(times[contexts[0]])
+        lines += ["", f"{mode}, one layer, {jax.default_backend()}:", "",
+                  "| layer | " + " | ".join(f"{n // 1024}k" for n in contexts) + " | growth exponent |",
+                  "|---|" + "---:|" * (len(contexts) + 1)]
+        for name in names:
+            t = [times[n][name] for n in contexts]
+            slope = math.log(t[-1] / t[0]) / math.log(contexts[-1] / contexts[0])
+            lines.append(f"| {name} | " + " | ".join(f"{x * 1e3:.3f}" for x in t) + f" | {slope:.2f} |")
+    logger.info("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
