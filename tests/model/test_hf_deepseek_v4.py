@@ -121,9 +121,9 @@ def test_dense_logits_match_transformers(ckpt):
 
 
 def _engine(folder, **options) -> LLMEngine:
+    options.setdefault("backend", "xla")
     return LLMEngine.from_pretrained(
-        folder, cache_config=CacheConfig(block_size=BS, num_blocks=options.pop("num_blocks", 16),
-                                         state_block_size=3 * BS), backend="xla", **options)
+        folder, cache_config=CacheConfig(block_size=BS, num_blocks=16, state_block_size=3 * BS), **options)
 
 
 def test_engine_chunked_prefill_and_a_hit_inside_a_block_match_transformers(ckpt):
@@ -161,3 +161,17 @@ def test_engine_greedy_matches_transformers(ckpt):
     for prompt, (want, _) in ((AT_BOUNDARY, expected[4]), (INSIDE, expected[5])):
         out = engine.generate([prompt], greedy, use_tqdm=False)[0]
         assert (out.num_cached_tokens, out.outputs[0].token_ids) == (12, want)
+
+
+@pytest.mark.slow  # (CI time: the interpreter) the kernel's own tests compare it with the XLA path by default
+def test_the_pallas_backend_serves_v4_attention_with_the_gpu_kernel(ckpt):
+    """backend "pallas": the attention through the Triton kernel (the Pallas interpreter on a CPU), chunked prefill
+    and a hit inside a block, transformers' tokens."""
+    model, folder = ckpt
+    engine = _engine(folder, scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8,
+                                                              max_model_len=24), backend="pallas")
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for prompt, cached in ((PROMPTS[3], 0), (INSIDE, 12)):
+        want, _ = hf_greedy(model, prompt, 4)
+        out = engine.generate([prompt], greedy, use_tqdm=False)[0]
+        assert (out.num_cached_tokens, out.outputs[0].token_ids) == (cached, want)
