@@ -48,10 +48,10 @@ DeepSeek V4's compressed attention (`compressed`: layouts and math there) over a
 `[num_blocks, block_size, D]` and compressed entries `[num_blocks, block_size / m, D]`:
 
     compressed_attention(q, window_pages, window_tables, entry_pages, entry_tables, kv_lens, cu_q_lens, selected,
-                         sinks, scale=..., sliding_window=..., compress_rate=...)     the GPU kernel (`gpu.compressed`)
+                         sinks, scale=..., sliding_window=..., compress_rate=...)   `gpu.compressed`; TPU: `tpu.sparse`
     compress_xla(kv, gate, state_pages, block_tables, kv_lens, cu_q_lens, compress_rate=..., block_size=...)
-    compressed_index_scores_xla(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, ...)
-with XLA paths and dense references beside them; no TPU kernel yet.
+    compressed_index_scores(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, ...)  V3.2's indexer
+with XLA paths and dense references beside them.
 
 Recurrent-state layers (Qwen3-Next / Qwen3.5's gated DeltaNet, Mamba-2 hybrids such as Nemotron-H) over paged
 state snapshots, one state per block (`[num_blocks, *state_shape]`), read and written through the block tables under
@@ -90,6 +90,7 @@ from pallas_kernels.compressed import (
     compressed_attention,
     compressed_attention_reference,
     compressed_attention_xla,
+    compressed_index_scores,
     compressed_index_scores_xla,
 )
 from pallas_kernels.gpu.paged_attention import default_num_splits
@@ -149,6 +150,7 @@ __all__ = [
     "compressed_attention",
     "compressed_attention_reference",
     "compressed_attention_xla",
+    "compressed_index_scores",
     "compressed_index_scores_xla",
     "default_num_splits",
     "dequantize_kv",

@@ -42,6 +42,8 @@ from pallas_kernels.pieces import (
     pieces,
     scatter_snapshots,
 )
+from pallas_kernels.sparse import indexer_scores
+from pallas_kernels.tpu.sparse import slot_attention_partials_tpu
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -202,6 +204,26 @@ def compressed_index_scores_xla(q_index: jax.Array,  # [T, Hi, Di], RoPE applied
     return jnp.where(((t >= cu_q_lens[0]) & (t < cu_q_lens[-1]))[:, None], s, -jnp.inf)
 
 
+def compressed_index_scores(q_index: jax.Array,  # [T, Hi, Di], RoPE applied
+                            weights: jax.Array,  # f32[T, Hi]
+                            index_pages: jax.Array,  # [num_blocks, block_size / m, Di]
+                            block_tables: jax.Array,  # i32[S, max_blocks]
+                            kv_lens: jax.Array,  # i32[S]
+                            cu_q_lens: jax.Array,  # i32[S + 1]
+                            *, scale: float, compress_rate: int, target: str = "auto",
+                            interpret: bool | None = None, pages_per_iter: int | None = None,
+                            num_warps: int | None = None, num_stages: int = 2) -> jax.Array:
+    """`compressed_index_scores_xla`'s scores from DeepSeek V3.2's indexer kernel (`sparse.indexer_scores`, its
+    decode form) with every query row a sequence of its own: its sequence's block table, and as its length the
+    entries its position has closed, (p + 1) / m, so that it scores exactly those (entries are the kernel's
+    positions: `block_size / m` per block). Tuning and targets as `indexer_scores`' (the TPU kernel wants whole
+    entry pages of 8 rows for float32, 16 for bfloat16)."""
+    table_rows, ends = _row_positions(kv_lens, cu_q_lens, q_index.shape[0])
+    return indexer_scores(q_index, weights, index_pages, block_tables[table_rows], ends // compress_rate,
+                          scale=scale, target=target, interpret=interpret, pages_per_iter=pages_per_iter,
+                          num_warps=num_warps, num_stages=num_stages)
+
+
 def attention_slots(window_tables: jax.Array,  # i32[S, max_blocks] of the window group
                     entry_tables: jax.Array | None,  # i32[S, max_blocks] of the entries' group
                     kv_lens: jax.Array, cu_q_lens: jax.Array,
@@ -306,21 +328,34 @@ def compressed_attention(q: jax.Array,  # [T, H, D]
                          num_stages: int = 2) -> jax.Array:
     """Each row's attention over its window (p - W, p] and its compressed entries (the `selected` ones, CSA; with
     `selected` None every entry its position has closed, HCA; with no entry pages the window alone) in one softmax
-    with its head's sink; K = V. The Pallas kernel (`gpu.compressed`: Triton on a GPU, the interpreter elsewhere;
-    target "tpu" has no kernel yet and is refused). Tuning: `block_h` heads and `block_k` slots per program step
-    (powers of two >= 16), `num_warps`, `num_stages`. Returns `[T, H, D]` in q's dtype."""
+    with its head's sink; K = V. Target "gpu": the Triton kernel (`gpu.compressed`; the Pallas interpreter off a
+    GPU); "tpu": the TPU sparse kernel's slot attention (`tpu.sparse.slot_attention_partials_tpu`: single-row DMAs
+    of the slots) once over the window and once over the entries, their partials merged exactly with the sink
+    (TPU interpret mode off a TPU). Tuning: `block_h` heads and `block_k` slots per program step (GPU: powers of two
+    >= 16), `num_warps` and `num_stages` (GPU only). Returns `[T, H, D]` in q's dtype."""
     _check_attention(q, window_pages, window_tables, entry_pages, entry_tables, kv_lens, cu_q_lens, selected, sinks,
                      sliding_window, compress_rate)
-    if resolve_target(target, interpret) == "tpu":
-        raise NotImplementedError("compressed_attention has no TPU kernel yet: run compressed_attention_xla there")
+    target = resolve_target(target, interpret)
     scale = V.resolve_scale(scale, q.shape[2])
     window, entries = attention_slots(
         window_tables, entry_tables, kv_lens, cu_q_lens, selected, num_tokens=q.shape[0],
         window_rows=window_pages.shape[1], entry_rows=None if entry_pages is None else entry_pages.shape[1],
         sliding_window=sliding_window, compress_rate=compress_rate)
-    return compressed_attention_gpu(q, window_pages, window, entry_pages, entries, sinks, scale=scale,
-                                    interpret=interpret, block_h=block_h, block_k=block_k, num_warps=num_warps,
-                                    num_stages=num_stages)
+    if target == "gpu":
+        return compressed_attention_gpu(q, window_pages, window, entry_pages, entries, sinks, scale=scale,
+                                        interpret=interpret, block_h=block_h, block_k=block_k, num_warps=num_warps,
+                                        num_stages=num_stages)
+    if num_warps is not None:
+        raise ValueError("num_warps tunes the GPU kernel; target 'tpu' takes block_h and block_k only")
+    if 0 in (q.shape[0], window_pages.shape[0]):
+        return jnp.zeros(q.shape, q.dtype)
+    partial = functools.partial(slot_attention_partials_tpu, q, scale=scale, interpret=interpret, block_h=block_h,
+                                block_k=block_k)
+    part = merge.Partial(*partial(window_pages, window))
+    if entries is not None:
+        part = merge.merge_two(part, merge.Partial(*partial(entry_pages, entries)))
+    part = merge.join_sink(*part, sinks.astype(jnp.float32)[None, :])
+    return merge.finalize(part.z, part.u, q.dtype)
 
 
 def compressed_attention_reference(q: jax.Array,  # [n, H, D]: one sequence's queries at positions 0..n-1

@@ -5,9 +5,10 @@ The compressor's snapshots follow the recurrent states' contract (`pagedjax.devi
 decode-only step included: they go to the compressor compacted (`live_rows`), so that a row that takes no token
 reads and writes no snapshot.
 
-backend "pallas": attention runs the Pallas kernel (`pallas_kernels.compressed_attention`: Triton on a GPU; TPU has
-no kernel yet and refuses by name); the compressor and the indexer's scores over compressed keys are XLA programs
-on every backend (a pooling over at most m' rows per token, and one dot per entry: no kernel of their own yet).
+backend "pallas": attention runs the Pallas kernels (`pallas_kernels.compressed_attention`: Triton on a GPU, the
+DSA kernel's slot attention on a TPU), the indexer's scores V3.2's indexer kernel (`compressed_index_scores`: each
+query row a sequence of its own); the compressor is an XLA program on every backend (a pooling over at most m' rows
+per token: no kernel of its own yet).
 backend "xla": every part's XLA path, the CPU engine's.
 """
 
@@ -73,8 +74,9 @@ def select_entries(q_index: jax.Array,  # [T, Hi, Di], RoPE applied
     """The lightning indexer's choice among the entries each row's position has closed: (int32 `[T, index_topk]`
     entry indices, -1 = none; int32[] rows whose cut-off fell between equal scores, as `sparse_select`)."""
     _check_backend(backend)
-    scores = kernels.compressed_index_scores_xla(q_index, weights, index_pages, meta.block_tables, meta.kv_lens,
-                                                 meta.cu_q_lens, scale=scale, compress_rate=compress_rate)
+    score = kernels.compressed_index_scores if backend == "pallas" else kernels.compressed_index_scores_xla
+    scores = score(q_index, weights, index_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens, scale=scale,
+                   compress_rate=compress_rate)
     selected, ties = pallas_kernels.top_k_positions_and_ties(scores, index_topk)
     return selected, jnp.sum(ties, dtype=jnp.int32)
 

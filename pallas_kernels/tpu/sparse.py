@@ -173,12 +173,13 @@ def ragged_indexer_scores_tpu(q_index, weights, index_pages, block_tables, kv_le
                          pages_per_iter=int(pages_per_iter))
 
 
-def _sparse_kernel(mask_ref, q_ref, slots_hbm, kv_hbm, zero_hbm, *refs, scale: float, num_splits: int,
+def _sparse_kernel(mask_ref, q_ref, slots_hbm, kv_hbm, zero_hbm, *refs, scale: float, partials: bool,
                    steps_per_split: int):
     """mask_ref i32[total_steps, 1, block_k] (VMEM: this row's slots, -1 = none, as lanes for the score mask);
     q_ref [rows, R + Dr] (VMEM block: [q_latent | q_rope] of block_h heads); slots_hbm i32[num_rows, total_steps *
     block_k], kv_hbm [num_blocks, block_size, R + Dr] and zero_hbm [1, R + Dr] (HBM). Outputs (VMEM blocks): o
-    [rows, R + Dr] (one split) or m, z [rows, 1] and u [rows, R + Dr] float32. Scratch: slots_smem i32[total_steps
+    [rows, R + Dr] or (`partials`: several splits, or a caller merging them itself) m, z [rows, 1] and u [rows,
+    R + Dr] float32. Scratch: slots_smem i32[total_steps
     * block_k], kv_buf [2, block_k, R + Dr], sems DMA [3] (two buffer slots, the slot-list copy)."""
     *out_refs, slots_smem, kv_buf, sems = refs
     row, split = pl.program_id(0), pl.program_id(2)
@@ -235,7 +236,7 @@ def _sparse_kernel(mask_ref, q_ref, slots_hbm, kv_hbm, zero_hbm, *refs, scale: f
         return T.online_softmax_step(q, kv, kv, mask_ref[first_step + i] >= 0, None, carry, scale=scale)
 
     m, z, u = lax.fori_loop(0, num_steps, body, T.init_carry(rows, width))
-    if num_splits == 1:
+    if not partials:
         (o_ref,) = out_refs
         o_ref[...] = T.finalize_rows(z, u, o_ref.dtype)
     else:
@@ -245,9 +246,11 @@ def _sparse_kernel(mask_ref, q_ref, slots_hbm, kv_hbm, zero_hbm, *refs, scale: f
         u_ref[...] = u
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_h", "block_k", "num_splits"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_h", "block_k", "num_splits", "partials"))
 def _sparse_call(slots, q_latent, q_rope, kv_pages, *, scale: float, interpret, block_h: int, block_k: int,
-                 num_splits: int):
+                 num_splits: int, partials: bool = False):
+    """The kernel's output: `[rows, H, R]`, or with `partials` each split's (m, z `[splits, rows, H]`, u `[splits,
+    rows, H, R]`) unmerged (a caller merging more partials: DeepSeek V4's window and entries)."""
     num_rows, num_heads, rank = q_latent.shape
     width = kv_pages.shape[2]
     num_steps = tiles.cdiv(slots.shape[1], block_k)
@@ -263,7 +266,8 @@ def _sparse_call(slots, q_latent, q_rope, kv_pages, *, scale: float, interpret, 
     def split_block(last: int):
         return pl.BlockSpec((None, None, None, rows, last), lambda i, b, p: (p, i, b, 0, 0))
 
-    if num_splits == 1:
+    unmerged = partials or num_splits > 1
+    if not unmerged:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
         out_specs = block(width)
     else:
@@ -280,7 +284,7 @@ def _sparse_call(slots, q_latent, q_rope, kv_pages, *, scale: float, interpret, 
         scratch_shapes=[pltpu.SMEM((num_steps * block_k,), jnp.int32),
                         pltpu.VMEM((2, block_k, width), kv_pages.dtype), pltpu.SemaphoreType.DMA((3,))],
     )
-    kernel = functools.partial(_sparse_kernel, scale=scale, num_splits=num_splits,
+    kernel = functools.partial(_sparse_kernel, scale=scale, partials=unmerged,
                                steps_per_split=tiles.cdiv(num_steps, num_splits))
     out = pl.pallas_call(
         kernel,
@@ -295,11 +299,28 @@ def _sparse_call(slots, q_latent, q_rope, kv_pages, *, scale: float, interpret, 
         lead, last = x.shape[:-4], x.shape[-1]
         return x[..., :block_h, :].reshape(*lead, num_rows, head_blocks * block_h, last)[..., :num_heads, :]
 
-    if num_splits == 1:
+    if not unmerged:
         return untile(out)[..., :rank]
     m, z, u = out
+    if partials:
+        return untile(m)[..., 0], untile(z)[..., 0], untile(u)[..., :rank]
     return merge_and_finalize(untile(m)[..., 0], untile(z)[..., 0], untile(u)[..., :rank], axis=0,
                               dtype=q_latent.dtype)
+
+
+def slot_attention_partials_tpu(q, pages, slots, *, scale: float, interpret, block_h: int | None,
+                                block_k: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The sparse kernel as attention over physical `slots` i32[rows, n] (-1 none) of `pages [num_blocks,
+    rows_per_block, D]` whose rows are key and value alike (DeepSeek V4's K = V; MLA's latent with no rotary part),
+    returning each row's unmerged float32 partial: (m, z `[rows, H]`, u `[rows, H, D]`), for a caller merging it
+    with others (`pallas_kernels.compressed`: the window's and the entries'). One split; any rows per block."""
+    _check(q.dtype, pages, "pages")
+    V.check_positive_option("block_h", block_h)
+    V.check_positive_option("block_k", block_k)
+    m, z, u = _sparse_call(slots, q, q[..., :0], pages, scale=scale, interpret=T.resolve_interpret(interpret),
+                           block_h=int(block_h or q.shape[1]), block_k=int(block_k or DEFAULT_BLOCK_K), num_splits=1,
+                           partials=True)
+    return m[0], z[0], u[0]
 
 
 def sparse_mla_attention_tpu(q_latent, q_rope, kv_pages, slots, *, scale: float, interpret, block_h: int | None,
