@@ -5,8 +5,8 @@ The references are transformers' definitions written out (`compress_reference`: 
 `compressed_attention_reference`: one dense softmax over window keys, entries and the sink). The XLA paths run
 paged: sequences in permuted blocks of NaN-poisoned pools, steps cut at random (prefill chunks ending anywhere,
 across window and block boundaries, decode steps), idle sequences between them; lengths around the compress rate,
-the window and the block size. The GPU kernel (Triton, run in the Pallas interpreter) equals the XLA path and
-exports for platform "cuda" at DeepSeek V4-Flash's shapes.
+the window and the block size. The GPU kernel (Triton, in the Pallas interpreter) and the TPU path (in TPU
+interpret mode) equal the XLA path and export for "cuda" and "tpu" at DeepSeek V4-Flash's shapes.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from pallas_kernels.compressed import (
     compressed_attention,
     compressed_attention_reference,
     compressed_attention_xla,
+    compressed_index_scores,
     compressed_index_scores_xla,
 )
 from tests.kernels.cases import examples
 from tests.kernels.test_lowering import _export_cuda
+from tests.kernels.test_tpu_lowering import export_tpu
 
 
 def _steps(rng, n: int) -> list[int]:
@@ -152,6 +154,23 @@ def test_index_scores_over_closed_entries(seed, rate, n, m, q_tile):
     assert np.isneginf(got[len(rows):]).all()  # the padding row sees nothing
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("target", ["gpu", "tpu"])
+def test_index_kernel_equals_the_xla_path(target):
+    """`compressed_index_scores` (V3.2's indexer kernel, each row a sequence of its own: its interpreter) gives the
+    XLA path's scores on two sequences' ragged rows, with whole entry pages of 8 rows (the TPU kernel's rule)."""
+    rng = np.random.default_rng(3)
+    rate, rows_per_block = 2, 8
+    keys = [rng.normal(size=(n // rate, 16)).astype(np.float32) for n in (37, 20)]
+    pages, tables = _paged(rng, rows_per_block, keys, 12, 4)
+    q = jnp.asarray(rng.normal(size=(9, 2, 16)).astype(np.float32))
+    w = jnp.asarray(rng.normal(size=(9, 2)).astype(np.float32))
+    args = (q, w, pages, tables, jnp.asarray([37, 20], jnp.int32), jnp.asarray([0, 3, 8], jnp.int32))
+    got = compressed_index_scores(*args, scale=0.25, compress_rate=rate, target=target, interpret=True)
+    want = compressed_index_scores_xla(*args, scale=0.25, compress_rate=rate)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def _ragged_case(rng, rate: int, lengths: list[int], q_lens: list[int], heads: int = 2, d: int = 4):
     """(positional args of `compressed_attention*` but the options, the rows' (sequence, position), per-sequence
     keys / entries / queries / selections): sequences in permuted blocks of NaN pools, the last q_len positions of
@@ -182,12 +201,13 @@ def _ragged_case(rng, rate: int, lengths: list[int], q_lens: list[int], heads: i
 @settings(max_examples=examples(1), deadline=None)
 @given(seed=st.integers(0, 2 ** 16), rate=st.sampled_from([2, 4]), window=st.integers(1, 9),
        kind=st.sampled_from(["csa", "hca", "window"]), lengths=st.lists(st.integers(0, 20), min_size=1, max_size=2),
-       q_lens=st.lists(st.integers(0, 4), min_size=2, max_size=2), bf16=st.booleans())
-@example(seed=0, rate=4, window=8, kind="csa", lengths=[9, 0], q_lens=[4, 1], bf16=False)
-@example(seed=1, rate=2, window=3, kind="hca", lengths=[16, 1], q_lens=[2, 1], bf16=True)
-def test_gpu_kernel_in_the_interpreter_equals_the_xla_path(seed, rate, window, kind, lengths, q_lens, bf16):
-    """The Triton kernel (Pallas interpreter) on the ragged rows of the XLA path's test: the same outputs, f32 to
-    ~1e-5, bf16 to ~1e-2."""
+       q_lens=st.lists(st.integers(0, 4), min_size=2, max_size=2), bf16=st.booleans(),
+       target=st.sampled_from(["gpu", "tpu"]))
+@example(seed=0, rate=4, window=8, kind="csa", lengths=[9, 0], q_lens=[4, 1], bf16=False, target="gpu")
+@example(seed=1, rate=2, window=3, kind="hca", lengths=[16, 1], q_lens=[2, 1], bf16=True, target="tpu")
+def test_kernels_in_their_interpreters_equal_the_xla_path(seed, rate, window, kind, lengths, q_lens, bf16, target):
+    """The Triton kernel (Pallas interpreter) and the TPU path (the TPU sparse kernel's slot attention, TPU
+    interpret mode) on the ragged rows of the XLA path's test: the same outputs, f32 to ~1e-5, bf16 to ~1e-2."""
     args, _, _ = _ragged_case(np.random.default_rng(seed), rate, lengths, q_lens)
     q, window_pages, window_tables, entry_pages, entry_tables, kv_lens, cu, sel, sinks = args
     if bf16:
@@ -196,7 +216,7 @@ def test_gpu_kernel_in_the_interpreter_equals_the_xla_path(seed, rate, window, k
     args = (q, window_pages, window_tables, entry_pages if entries else None, entry_tables if entries else None,
             kv_lens, cu, sel if kind == "csa" else None, sinks)
     options = dict(scale=0.5, sliding_window=window, compress_rate=rate if entries else None)
-    got = compressed_attention(*args, **options, target="gpu", interpret=True)
+    got = compressed_attention(*args, **options, target=target, interpret=True)
     want = compressed_attention_xla(*args, **options)
     tol = 2e-2 if bf16 else 1e-5
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
@@ -216,15 +236,17 @@ def test_argument_checks_name_what_is_wrong():
     for call_args, match in cases:
         with pytest.raises(ValueError, match=match):
             compressed_attention(*call_args, **options)
-    with pytest.raises(NotImplementedError, match="no TPU kernel"):
-        compressed_attention(*args, **options, target="tpu")
+    with pytest.raises(ValueError, match="num_warps tunes the GPU kernel"):
+        compressed_attention(*args, **options, target="tpu", num_warps=4)
 
 
 @pytest.mark.kernels
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("kind", ["csa", "hca"])
-def test_gpu_kernel_exports_for_cuda_at_v4_flash_shapes(dtype, kind):
-    """64 query heads of 512, window 128, blocks of 256 tokens: CSA entries (rate 4, top 512), HCA (rate 128)."""
+def test_kernels_export_at_v4_flash_shapes(dtype, kind, platform):
+    """64 query heads of 512, window 128, blocks of 256 tokens: CSA entries (rate 4, top 512), HCA (rate 128); to
+    Triton for "cuda", to Mosaic for "tpu"."""
     f = jax.ShapeDtypeStruct
     tokens, seqs, rate = 37, 4, 4 if kind == "csa" else 128
     shapes = (f((tokens, 64, 512), dtype), f((64, 256, 512), dtype), f((seqs, 8), jnp.int32),
@@ -234,6 +256,6 @@ def test_gpu_kernel_exports_for_cuda_at_v4_flash_shapes(dtype, kind):
     def call(*a):
         selected = a[7] if kind == "csa" else None
         return compressed_attention(*a[:7], selected, a[8], scale=512 ** -0.5, sliding_window=128,
-                                    compress_rate=rate, interpret=False)
+                                    compress_rate=rate, interpret=False, target="gpu" if platform == "cuda" else "tpu")
 
-    _export_cuda(call, *shapes)
+    (_export_cuda if platform == "cuda" else export_tpu)(call, *shapes)
