@@ -412,10 +412,16 @@ def with_weights(model, weights: dict[str, np.ndarray]):
     return reference
 
 
-def fp8_folder(src, dst, block=FP8_BLOCK) -> dict[str, np.ndarray]:
+def _v3_linear(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith(
+        ("proj.weight", "indexer.wq_b.weight", "indexer.wk.weight")) or ".experts." in name
+
+
+def fp8_folder(src, dst, block=FP8_BLOCK, linear=_v3_linear) -> dict[str, np.ndarray]:
     """The float checkpoint `src` as DeepSeek V3's official FP8 layout in `dst`: every linear weight of the
-    decoder layers, a sparse layer's indexer's too (not the router, the norms, the embeddings or the head) float8
-    e4m3 with float32 `weight_scale_inv` per [8, 16] block (amax / 448). Returns the dequantized weights by name."""
+    decoder layers (`linear(name)`; V3's: a sparse layer's indexer's too, not the router, the norms, the embeddings
+    or the head) float8 e4m3 with float32 `weight_scale_inv` per [8, 16] block (amax / 448). Returns the
+    dequantized weights by name."""
     import ml_dtypes
     from safetensors.numpy import load_file
     from safetensors.torch import save_file
@@ -423,9 +429,7 @@ def fp8_folder(src, dst, block=FP8_BLOCK) -> dict[str, np.ndarray]:
     tensors = load_file(str(src / "model.safetensors"))
     out, dequantized = {}, {}
     for name, w in tensors.items():
-        linear = name.startswith("model.layers.") and name.endswith(
-            ("proj.weight", "indexer.wq_b.weight", "indexer.wk.weight")) or ".experts." in name
-        if not (linear and w.ndim == 2):
+        if not (linear(name) and w.ndim == 2):
             out[name] = torch.from_numpy(w)
             continue
         rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])

@@ -24,6 +24,7 @@ from pagedjax.config.kv_spec import CompressedEntries, CompressorState, SharedKV
 from pagedjax.model.api import forward_on_fresh_pages  # noqa: E402
 from pagedjax.model.errors import ModelLoadError  # noqa: E402
 from pagedjax.model.families.deepseek_v4 import load, load_config  # noqa: E402
+from tests.model.test_deepseek import fp8_folder  # noqa: E402
 from tests.model.test_hf import MIN_MARGIN, TOL, hf_greedy, hf_logits  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -84,6 +85,8 @@ def test_config_maps_deepseek_v4(ckpt):
 @pytest.mark.parametrize("changes, field", [
     ({"num_key_value_heads": 2}, "num_key_value_heads"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [8, 16], "expert_dtype": "fp4"}},
+     "expert_dtype 'fp4'"),
     ({"layer_types": ["sliding_attention"] * 2 + ["full_attention"]}, "layer_types"),
     ({"rope_parameters": {"main": {"rope_type": "linear", "factor": 2.0}, "compress": {"rope_type": "default"}}},
      "rope_parameters"),
@@ -120,10 +123,10 @@ def test_dense_logits_match_transformers(ckpt):
         np.testing.assert_allclose(got[i, :len(p)], want, rtol=TOL, atol=TOL * np.abs(want).max())
 
 
-def _engine(folder, **options) -> LLMEngine:
+def _engine(folder, num_blocks: int = 16, **options) -> LLMEngine:
     options.setdefault("backend", "xla")
     return LLMEngine.from_pretrained(
-        folder, cache_config=CacheConfig(block_size=BS, num_blocks=16, state_block_size=3 * BS), **options)
+        folder, cache_config=CacheConfig(block_size=BS, num_blocks=num_blocks, state_block_size=3 * BS), **options)
 
 
 def test_engine_chunked_prefill_and_a_hit_inside_a_block_match_transformers(ckpt):
@@ -143,13 +146,14 @@ def test_engine_chunked_prefill_and_a_hit_inside_a_block_match_transformers(ckpt
 
 @pytest.mark.slow  # (CI time: 50 s of compiling) the test above covers chunked prefill and a hit by default
 def test_engine_greedy_matches_transformers(ckpt):
-    """Four prompts in 16 blocks of 4 (preemption), 8-token prefill chunks, fused decodes of 4 steps, n = 2 greedy
-    forks, then hits on a cached prefix: at a state block's end (12) and from inside the fourth block."""
+    """Four prompts whose entries take 9 KV blocks of 4 tokens (preemption; the windows and compressor states are
+    pools of their own), 8-token prefill chunks, fused decodes of 4 steps, n = 2 greedy forks, then hits on a
+    cached prefix: at a state block's end (12) and from inside the fourth block."""
     model, folder = ckpt
     expected = [hf_greedy(model, p, MAX_NEW) for p in [*PROMPTS, AT_BOUNDARY, INSIDE]]
     assert min(margin for _, margin in expected) > MIN_MARGIN, [m for _, m in expected]
-    engine = _engine(folder, scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8,
-                                                              max_model_len=64), decode_steps_per_call=4)
+    engine = _engine(folder, num_blocks=9, scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8,
+                                                                            max_model_len=64), decode_steps_per_call=4)
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     forked = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=2)
     outs = engine.generate(PROMPTS, [greedy, forked, greedy, greedy], use_tqdm=False)
@@ -175,3 +179,28 @@ def test_the_pallas_backend_serves_v4_attention_with_the_gpu_kernel(ckpt):
         want, _ = hf_greedy(model, prompt, 4)
         out = engine.generate([prompt], greedy, use_tqdm=False)[0]
         assert (out.num_cached_tokens, out.outputs[0].token_ids) == (cached, want)
+
+
+# The linears the released FP8 checkpoint stores float8 (the compressor and indexer projections stay bfloat16).
+_FP8_LINEARS = tuple(f".{name}.weight" for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "w1", "w2", "w3"))
+
+
+@pytest.mark.slow  # (CI time) test_deepseek.py's FP8 test runs the loader's dequantization by default
+def test_fp8_block_scaled_checkpoint_loads_as_its_dequantized_weights(ckpt, tmp_path):
+    """V3's FP8 layout (quantization_config fp8; the attention's and experts' linears float8 e4m3 with a float32
+    `weight_scale_inv` per block, the compressor's and indexer's bfloat16 as released): the model equals the float
+    model of the same dequantized weights, logit for logit."""
+    from safetensors.numpy import load_file, save_file
+
+    fp8, plain = tmp_path / "fp8", tmp_path / "plain"
+    fp8.mkdir()
+    plain.mkdir()
+    linear = lambda name: name.startswith("model.layers.") and name.endswith(_FP8_LINEARS) and not (  # noqa: E731
+        ".compressor." in name or ".indexer." in name)
+    dequantized = fp8_folder(ckpt[1], fp8, linear=linear)
+    assert any(".experts." in n for n in dequantized) and any(".attn.wo_a." in n for n in dequantized)
+    save_file({**load_file(str(ckpt[1] / "model.safetensors")), **dequantized}, str(plain / "model.safetensors"))
+    (plain / "config.json").write_text((ckpt[1] / "config.json").read_text())
+    batch = jnp.asarray([SHARED], jnp.int32)
+    got, want = (np.asarray(forward_on_fresh_pages(load(folder)[0], batch)) for folder in (fp8, plain))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

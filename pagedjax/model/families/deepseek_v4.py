@@ -23,12 +23,14 @@ Per layer, as transformers computes it:
 
 Parameter names are the released checkpoint's (what transformers' `save_pretrained` writes): `layers.{i}.attn.wq_a`,
 `ffn.experts.{e}.w1`, `hc_attn_fn`, `head`, ...; linear kernels are `[in, out]`. Refused with the field named:
-another `num_key_value_heads` than 1, biases, `quantization_config` (the FP8 / FP4 release is not read yet).
+another `num_key_value_heads` than 1, biases, quantizations other than V3's block-scaled FP8 (dequantized at load;
+FP4 experts are not read yet).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -39,11 +41,13 @@ from pagedjax.config import ModelSpec
 from pagedjax.config.deepseek_v4 import CSA, HCA, LAYER_TYPES, MLP_TYPES, SLIDING, DeepSeekV4Config
 from pagedjax.device import compressed as dev
 from pagedjax.model.api import PagedKVCache
+from pagedjax.model.errors import read_json
 from pagedjax.model.families import model_types_of
 from pagedjax.model.layers.linear import apply_linear
 from pagedjax.model.layers.moe import GLU, Experts, combine_experts, per_expert_params
 from pagedjax.model.layers.rope import RoPE
 from pagedjax.model.llama import Linear, RMSNorm
+from pagedjax.model.loading import hf_fp8
 from pagedjax.model.loading.hf_fields import (
     checkpoint_dtype,
     flag,
@@ -400,9 +404,7 @@ def load_config(path: str | os.PathLike, dtype: str | None = None) -> DeepSeekV4
 
 def _config_from_hf(hf: dict, dtype: str | None, gen_bos, gen_eos) -> DeepSeekV4Config:
     d = _DEFAULTS
-    if hf.get("quantization_config") is not None:
-        raise ValueError("field 'quantization_config': DeepSeek V4's quantized release (FP8 / FP4) is not read yet; "
-                         "give a float checkpoint")
+    _fp8_block(hf)  # the quantization_config checked
     for name in ("attention_bias", "mlp_bias"):
         if flag(hf, name, False):
             raise ValueError(f"field {name!r}: biases are not supported for deepseek_v4")
@@ -466,6 +468,24 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos, gen_eos) -> DeepSeekV4
         dtype=checkpoint_dtype(hf, dtype), bos_token_id=bos, eos_token_ids=tuple(dict.fromkeys(eos)))
 
 
+def _fp8_block(hf: dict) -> tuple[int, int] | None:
+    """The block of a block-scaled FP8 checkpoint's scales (V3's layout: float8 e4m3 weights, a float32
+    `weight_scale_inv` per block; the compressor and indexer projections stay bfloat16, as released), None for a
+    float one; ValueError naming the field for other quantizations, FP4 experts (`expert_dtype`) among them."""
+    qc = hf.get("quantization_config")
+    if qc is None:
+        return None
+    try:
+        block = hf_fp8.block_size(qc)
+    except ValueError as e:
+        raise ValueError(f"field 'quantization_config': {e}") from None
+    expert = qc.get("expert_dtype", hf.get("expert_dtype"))
+    if expert not in (None, "fp8", "float8_e4m3fn", "e4m3"):
+        raise ValueError(f"field 'quantization_config': expert_dtype {expert!r} is not supported (FP8 experts only: "
+                         "the FP4 experts' format is not read yet)")
+    return block
+
+
 def _rope_dim(hf: dict, head_dim: int) -> int:
     """The rotary dims: head_dim * `partial_rotary_factor`, else the legacy `qk_rope_head_dim`, else 64 / 512."""
     factor = hf.get("partial_rotary_factor")
@@ -521,23 +541,26 @@ def _names(path: tuple, shape: tuple) -> list[tuple[str, bool, int | None]]:
     return [(prefix + ".".join(mods + [name]), transposed, None)]
 
 
-def load_params(path: str | os.PathLike, cfg: DeepSeekV4Config) -> nnx.State:
-    """The folder's weights as `DeepSeekV4(cfg)`'s parameters; the multi-token-prediction layers (`mtp.*`) are not
+def load_params(path: str | os.PathLike, cfg: DeepSeekV4Config,
+                fp8_block: tuple[int, int] | None = None) -> nnx.State:
+    """The folder's weights as `DeepSeekV4(cfg)`'s parameters (`fp8_block`: an FP8 checkpoint's scale block, its
+    weights dequantized to the model's dtype, `hf_fp8`); the multi-token-prediction layers (`mtp.*`) are not
     read. ModelLoadError naming missing, unexpected or mis-shaped tensors."""
 
     def skip(name: str) -> bool:
         return name.endswith(IGNORED_SUFFIXES) or name.startswith("mtp.") or (
             name == "head.weight" and cfg.tie_word_embeddings)
 
-    return fill_state(path, lambda: nnx.split(abstract_deepseek_v4(cfg))[1], _names, skip=skip)
+    return fill_state(path, lambda: nnx.split(abstract_deepseek_v4(cfg))[1], _names, skip=skip, fp8_block=fp8_block)
 
 
 def load(path: str | os.PathLike, dtype: str | None = None):
     """(`DeepSeekV4` holding the folder's weights, its tokenizer or None): the `ModelRegistry` factory of
     "deepseek_v4"."""
-    cfg = load_config(path, dtype)
-    return deepseek_v4_from_state(cfg, load_params(path, cfg)), folder_tokenizer(path, cfg.eos_token_ids,
-                                                                                cfg.bos_token_id)
+    cfg = load_config(path, dtype)  # the quantization_config checked too
+    block = _fp8_block(read_json(Path(path) / "config.json"))
+    return deepseek_v4_from_state(cfg, load_params(path, cfg, block)), folder_tokenizer(path, cfg.eos_token_ids,
+                                                                                       cfg.bos_token_id)
 
 
 __all__ = ["DeepSeekV4", "abstract_deepseek_v4", "deepseek_v4_from_state", "init_deepseek_v4", "load", "load_config",
