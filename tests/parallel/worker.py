@@ -864,6 +864,38 @@ def glm5_tensor_parallel():
     _latent_layers("glm-5")
 
 
+@check
+def deepseek_v4_tensor_parallel():
+    """DeepSeek V4 at tp 2: every layer kind (window, CSA with its indexer, HCA), hyper-connections and hash routing;
+    its parameters replicated but the experts (split by expert: the default rule), its windows, entries and
+    compressor states replicated. Greedy tokens through chunked prefill, preemption, prefix hits and fused decode
+    equal the model's own dense recompute (`forward_on_fresh_pages`)."""
+    from pagedjax.config.deepseek_v4 import CSA, HCA, SLIDING, DeepSeekV4Config
+    from pagedjax.model.api import forward_on_fresh_pages
+    from pagedjax.model.families.deepseek_v4 import init_deepseek_v4
+
+    cfg = DeepSeekV4Config(
+        vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, head_dim=16, rope_dim=8, q_lora_rank=16, o_groups=2,
+        o_lora_rank=8, sliding_window=6, layer_types=(SLIDING, CSA, HCA), mlp_layer_types=("hash_moe", "moe", "moe"),
+        csa_rate=2, hca_rate=4, index_n_heads=4, index_head_dim=8, index_topk=3, hc_mult=2, hc_sinkhorn_iters=5,
+        hc_eps=1e-6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+        routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", swiglu_limit=10.0, rope_theta=100.0,
+        compress_rope_theta=1000.0, max_position_embeddings=MAX_LEN)
+    model = init_deepseek_v4(cfg, seed=1)
+    want, margin = greedy_by_recompute(jax.jit(lambda t, m=model: forward_on_fresh_pages(m, t)), PROMPTS, MAX_TOKENS,
+                                       MAX_LEN)
+    assert margin > 1e-3, f"deepseek v4: a near tie ({margin}) would make token equality depend on rounding"
+    e = LLMEngine(model=init_deepseek_v4(cfg, seed=1),
+                  cache_config=CacheConfig(block_size=4, num_blocks=10, state_block_size=12),
+                  scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                  decode_steps_per_call=4, compile_cache=False, parallel_config=ParallelConfig(tensor_parallel_size=2))
+    got = [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == want, f"deepseek v4 tp=2: {got} != {want}"
+    s = e.stats()
+    assert s.scheduler.num_preemptions > 0 and s.scheduler.prefix_cache_hit_rate > 0, s.scheduler
+    assert all(a.sharding.spec == P() for a in jax.tree.leaves(e.runner.kv_cache)), "V4 pages replicated"
+
+
 def _latent_layers(name: str) -> None:
     from pagedjax.config.deepseek import DeepSeekConfig
     from pagedjax.model.families.deepseek import init_deepseek
