@@ -23,7 +23,6 @@ import argparse
 import logging
 import math
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -32,22 +31,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_sparse import best_time  # noqa: E402  (this folder: the script's own)
+
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels import compressed as ck  # noqa: E402
 
 logger = logging.getLogger("bench_compressed")
 HEADS, DIM, WINDOW, CSA, HCA = 8, 128, 128, 4, 128
 RANK, ROPE, INDEX_HEADS, INDEX_DIM, TOPK, BLOCK, CHUNK = 128, 32, 8, 64, 256, 128, 256
-
-
-def best_time(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def layer_times(context: int, rows: int, repeats: int) -> dict[str, float]:
