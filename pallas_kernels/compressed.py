@@ -1,6 +1,8 @@
 """Compressed attention (DeepSeek V4's CSA and HCA beside a sliding window) over paged pages: the compressor that
 pools every `m` tokens into one entry, the lightning indexer's scores over compressed keys, and attention over a
-query's window plus its compressed entries in one exact softmax. XLA paths (the CPU engine's) and dense references.
+query's window plus its compressed entries in one exact softmax. XLA paths (the CPU engine's), dense references, and
+the kernels' entries: `compressed_attention` (the GPU kernel `gpu.compressed`; on TPU the DSA kernel's slot attention,
+`tpu.sparse`) and `compressed_index_scores` (V3.2's indexer kernel).
 
 Layouts (the engine's `SharedKVWindow`, `CompressedEntries` and `CompressorState` pages, `pagedjax.config.kv_spec`):
   window_pages  [num_blocks, block_size, D]       one vector per token position, read as key and as value (K = V)
@@ -54,11 +56,10 @@ def _empty(shape) -> merge.Partial:
 
 
 def _combine(a: merge.Partial, b: merge.Partial) -> merge.Partial:
-    """Two per-channel partials (m, z, u all `[..., D]`) merged exactly."""
-    m = jnp.maximum(a.m, b.m)
-    safe = jnp.where(jnp.isneginf(m), 0.0, m)
-    wa, wb = jnp.exp(a.m - safe), jnp.exp(b.m - safe)
-    return merge.Partial(m, wa * a.z + wb * b.z, wa * a.u + wb * b.u)
+    """Two per-channel partials (m, z, u all `[..., D]`) merged exactly (`merge.merge_two`, each channel a head of
+    one value dimension)."""
+    m, z, u = merge.merge_two(merge.Partial(a.m, a.z, a.u[..., None]), merge.Partial(b.m, b.z, b.u[..., None]))
+    return merge.Partial(m, z, u[..., 0])
 
 
 def _select(flag: jax.Array, a: merge.Partial, b: merge.Partial) -> merge.Partial:
