@@ -16,6 +16,7 @@ so they work for every spec. What a spec states:
                           by sequences, keeps the KV blocks small) or "window" (DeepSeek V4's windows: a few
                           blocks per sequence, each far larger than a block of the compressed entries)
   blocks_held(B)          in a pool sized by sequences, the blocks a running sequence holds between steps
+  block_multiple          what the block size must be a multiple of (a compressed entry's positions)
   page_layout             the spec without its release rule: layers whose specs have equal layouts can share page
                           arrays (`pagedjax.config.kv_layout`: one array serves a layer of each KV cache group)
   release_window          its release rule: W, a query at position p reads nothing before p - W + 1, so the blocks
@@ -193,6 +194,11 @@ class KVCacheSpec:
         """For a layer of a pool sized by sequences (past the first: "state", "window"), the blocks of
         `block_size` tokens a running sequence holds between steps; None for token pages sized by memory."""
         return None
+
+    @property
+    def block_multiple(self) -> int:
+        """The block size must be a multiple of this (1: any block size)."""
+        return 1
 
 
 @dataclass(frozen=True)
@@ -463,6 +469,10 @@ class CompressedEntries(KVCacheSpec):
     @property
     def tokens_per_entry(self) -> int:
         return self.compress_rate
+
+    @property
+    def block_multiple(self) -> int:
+        return self.compress_rate  # whole entries per block
 
     def page_shapes(self, num_blocks: int, block_size: int, dtype: str, *, quantized: bool = False,
                     num_kv_heads: int | None = None) -> CompressedKV:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -240,6 +241,12 @@ class ModelSpec:
         """How far back any layer reads: positions before `p - kv_window` (p the newest) are read by no layer,
         so their KV blocks may be freed. None when some layer attends globally (or none has a window)."""
         return _kv_window(self.sliding_windows)
+
+    @property
+    def block_multiple(self) -> int:
+        """What every KV cache group's block size must be a multiple of (`KVCacheSpec.block_multiple`: 1 but for
+        compressed entries, whose blocks hold whole entries)."""
+        return math.lcm(*(layer.block_multiple for layer in self.kv_layers))
 
     @property
     def has_latent_layers(self) -> bool:

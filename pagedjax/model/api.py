@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -448,14 +449,16 @@ class PagedSharedSparseAttention(PagedLatentAttention):
 _KIND_SPECS = {spec.kind: spec.__name__ for spec in (FullAttention, LatentAttention, IndexedSparse)}
 
 
-def forward_on_fresh_pages(model, token_ids: jax.Array, block_size: int = 8) -> jax.Array:
+def forward_on_fresh_pages(model, token_ids: jax.Array, block_size: int | None = None) -> jax.Array:
     """A model of the contract's dense reference: whole sequences token_ids `[B, S]` -> float32 logits `[B, S,
     vocab]`, one step of its serving forward (`model(tokens, positions, cache)`, `model.compute_logits`) over fresh
-    zero pages of its `spec` (every sequence from position 0, in blocks of `block_size`, a table per KV cache group
+    zero pages of its `spec` (every sequence from position 0, in blocks of `block_size`, default 8 or the least
+    multiple of it that holds whole compressed entries (`ModelSpec.block_multiple`), a table per KV cache group
     and blocks in each pool, XLA backend). For models whose layers keep state other than K/V (a recurrent layer's
     snapshots) a forward written apart would restate them; this one serves what the engine serves, in one step."""
     b, s = token_ids.shape
     spec = model.spec
+    block_size = block_size or math.lcm(8, spec.block_multiple)
     layout = spec.kv_layout
     nb = -(-s // block_size)
     groups = layout.num_groups
@@ -533,7 +536,7 @@ def check_model(model, *, kv_dtype: str = "auto") -> ModelSpec:
     TypeError / ValueError naming what is wrong."""
     spec = model_spec(model)
     name = type(model).__name__
-    tokens, block_size = 2, 4
+    tokens, block_size = 2, math.lcm(4, spec.block_multiple)
     kv = jnp.dtype(CacheConfig(kv_dtype=kv_dtype).kv_array_dtype(spec))
     layout = spec.kv_layout
     layers = tuple(layer_shapes(slot, 2, block_size, kv) for slot in layout.slot_specs)

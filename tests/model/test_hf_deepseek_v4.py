@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
 from pagedjax.config.kv_spec import CompressedEntries, CompressorState, SharedKVWindow  # noqa: E402
-from pagedjax.model.api import forward_on_fresh_pages  # noqa: E402
+from pagedjax.model.api import check_model, forward_on_fresh_pages  # noqa: E402
 from pagedjax.model.errors import ModelLoadError  # noqa: E402
-from pagedjax.model.families.deepseek_v4 import load, load_config  # noqa: E402
+from pagedjax.model.families.deepseek_v4 import init_deepseek_v4, load, load_config  # noqa: E402
 from tests.model.test_deepseek import fp8_folder  # noqa: E402
 from tests.model.test_hf import MIN_MARGIN, TOL, hf_greedy, hf_logits  # noqa: E402
 
@@ -96,6 +98,28 @@ def test_unsupported_fields_are_named(ckpt, tmp_path, changes, field):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=field):
         load_config(tmp_path)
+
+
+def test_integer_tensors_load_only_into_integer_parameters(ckpt, tmp_path):
+    """`tid2eid` is read as integers; stored as floats it is refused by name, as integers for a float parameter are."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(ckpt[1] / "model.safetensors"))
+    (tmp_path / "config.json").write_text((ckpt[1] / "config.json").read_text())
+    for name, dtype in (("model.layers.0.ffn.gate.tid2eid", np.float32), ("model.layers.0.attn.attn_sink", np.int64)):
+        save_file({**tensors, name: tensors[name].astype(dtype)}, str(tmp_path / "model.safetensors"))
+        with pytest.raises(ModelLoadError, match=f"tensor '{name}': dtype"):
+            load(tmp_path)
+
+
+def test_check_model_and_fresh_pages_take_blocks_of_whole_entries(ckpt):
+    """A model whose HCA rate (128, the released one) exceeds the contract check's 4-token blocks: the check and
+    `forward_on_fresh_pages` take the least multiple that holds whole entries."""
+    cfg = load_config(ckpt[1]).replace(hca_rate=128)
+    model = nnx.eval_shape(lambda: init_deepseek_v4(cfg))
+    assert check_model(model).block_multiple == 128
+    logits = jax.eval_shape(lambda: forward_on_fresh_pages(init_deepseek_v4(cfg), jnp.zeros((1, 3), jnp.int32)))
+    assert logits.shape == (1, 3, VOCAB)
 
 
 def test_block_size_must_hold_whole_entries(ckpt):
