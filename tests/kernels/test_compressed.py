@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.compressed import (
@@ -198,7 +198,8 @@ def _ragged_case(rng, rate: int, lengths: list[int], q_lens: list[int], heads: i
 
 
 @pytest.mark.kernels
-@settings(max_examples=examples(1), deadline=None)
+# The interpreters are slow: the ci and smoke profiles run the explicit examples only, dev random ones besides.
+@settings(max_examples=examples(1), deadline=None, phases=(Phase.explicit,) if examples(1) == 1 else tuple(Phase))
 @given(seed=st.integers(0, 2 ** 16), rate=st.sampled_from([2, 4]), window=st.integers(1, 9),
        kind=st.sampled_from(["csa", "hca", "window"]), lengths=st.lists(st.integers(0, 20), min_size=1, max_size=2),
        q_lens=st.lists(st.integers(0, 4), min_size=2, max_size=2), bf16=st.booleans(),
