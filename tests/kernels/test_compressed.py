@@ -40,7 +40,7 @@ def _steps(rng, n: int) -> list[int]:
     return out
 
 
-@settings(max_examples=examples(4), deadline=None)
+@settings(max_examples=examples(2), deadline=None)  # (CI time) + 2 explicit examples; dev's random ones passed
 @given(seed=st.integers(0, 2 ** 16), rate=st.sampled_from([1, 2, 4]), blocks_per_state=st.integers(1, 3),
        overlap=st.booleans(), lengths=st.lists(st.integers(0, 30), min_size=1, max_size=3))
 @example(seed=0, rate=4, blocks_per_state=1, overlap=True, lengths=[0, 1, 4, 8])
@@ -95,7 +95,7 @@ def _paged(rng, rows_per_block: int, vectors: list[np.ndarray], num_blocks: int,
     return jnp.asarray(pages), jnp.asarray(tables.astype(np.int32))
 
 
-@settings(max_examples=examples(2), deadline=None)
+@settings(max_examples=examples(1), deadline=None)  # (CI time) + 2 explicit examples; dev's random ones passed
 @given(seed=st.integers(0, 2 ** 16), rate=st.sampled_from([1, 2, 4]), window=st.integers(1, 9),
        kind=st.sampled_from(["csa", "hca", "window"]), lengths=st.lists(st.integers(0, 24), min_size=1, max_size=3),
        q_lens=st.lists(st.integers(0, 6), min_size=3, max_size=3))
