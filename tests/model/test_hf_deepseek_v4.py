@@ -48,10 +48,11 @@ PROMPTS = [_rng.integers(3, VOCAB, n).tolist() for n in (3, 17, 9)] + [SHARED + 
 AT_BOUNDARY, INSIDE = SHARED[:12] + [40, 41, 42], SHARED + [50, 51]
 
 
-def random_v4(seed: int):
-    """The transformers model with its norms random around 1 and every zero-initialised parameter random."""
+def random_v4(seed: int, **changes):
+    """The transformers model (of HF_CONFIG with `changes`) with its norms random around 1 and every
+    zero-initialised parameter random."""
     torch.manual_seed(seed)
-    model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**HF_CONFIG)).eval()
+    model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**{**HF_CONFIG, **changes})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -228,3 +229,18 @@ def test_fp8_block_scaled_checkpoint_loads_as_its_dequantized_weights(ckpt, tmp_
     batch = jnp.asarray([SHARED], jnp.int32)
     got, want = (np.asarray(forward_on_fresh_pages(load(folder)[0], batch)) for folder in (fp8, plain))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # (CI time) the default tests use unscaled rotations; this one checks the YaRN mapping
+def test_yarn_on_the_compressed_layers_matches_transformers(tmp_path):
+    """`rope_parameters` YaRN (flat: transformers applies it to the compressed layers only, with attention factor
+    1): pagedjax's logits over fresh pages are transformers'."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
+            "beta_slow": 1.0}
+    model = random_v4(SEED, rope_parameters=rope)
+    model.save_pretrained(str(tmp_path))
+    ours, _ = load(tmp_path)
+    assert dict(ours.config.compress_rope_scaling)["attention_factor"] == 1.0
+    got = np.asarray(forward_on_fresh_pages(ours, jnp.asarray([SHARED], jnp.int32)))[0]
+    want = hf_logits(model, [SHARED])[0]
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL * np.abs(want).max())
