@@ -33,6 +33,15 @@ def check_pages_per_iter(pages_per_iter: int | None, block_size: int) -> None:
             f"of {block_size} tokens")
 
 
+def check_dot_tiles(**tiles_by_name: int | None) -> None:
+    """Each tuning int given (None: the default) a power of two of at least `MIN_DOT_DIM`: a tile side of a tl.dot
+    (the kernels' `block_h`, `block_k`)."""
+    for name, value in tiles_by_name.items():
+        check_pow2_option(name, value)
+        if value is not None and value < MIN_DOT_DIM:
+            raise ValueError(f"{name} must be >= {MIN_DOT_DIM} (tl.dot), got {value}")
+
+
 def default_pages_per_iter(block_size: int, max_blocks_per_seq: int, head_dim: int, dtype,
                            max_tokens: int = 128, tile_bytes: int = 32 * 1024) -> int:
     """Pages gathered per inner-loop iteration (a power of two).

@@ -22,7 +22,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _validate as V
 from pallas_kernels import tiles
 from pallas_kernels.gpu import _common as C
 from pallas_kernels.merge import finalize, join_sink
@@ -94,10 +93,7 @@ def compressed_attention_gpu(q, window_pages, window_slots, entry_pages, entry_s
     arguments and computed the slots. Checks the GPU tile rules (block_h and block_k powers of two >= 16: tl.dot),
     fills in the defaults (heads padded to a power of two of at least 16, up to 64; DEFAULT_BLOCK_K; 4 warps) and
     runs the kernel."""
-    for name, value in (("block_h", block_h), ("block_k", block_k)):
-        V.check_pow2_option(name, value)
-        if value is not None and value < tiles.MIN_DOT_DIM:
-            raise ValueError(f"{name} must be >= {tiles.MIN_DOT_DIM} (tl.dot), got {value}")
+    C.check_dot_tiles(block_h=block_h, block_k=block_k)
     if 0 in (q.shape[0], window_pages.shape[0]):
         return jnp.zeros(q.shape, q.dtype)
     block_h = block_h or min(max(tiles.next_pow2(q.shape[1]), tiles.MIN_DOT_DIM), 64)

@@ -262,10 +262,7 @@ def sparse_mla_attention_gpu(q_latent, q_rope, kv_pages, slots, *, scale: float,
     (block_h and block_k powers of two >= 16: tl.dot), fills in the defaults (`gpu.mla.default_block_h`,
     DEFAULT_BLOCK_K, `default_num_splits` over rows x head blocks and the top_k / block_k steps,
     `gpu.mla.default_num_warps`) and runs the kernel."""
-    for name, value in (("block_h", block_h), ("block_k", block_k)):
-        V.check_pow2_option(name, value)
-        if value is not None and value < tiles.MIN_DOT_DIM:
-            raise ValueError(f"{name} must be >= {tiles.MIN_DOT_DIM} (tl.dot), got {value}")
+    C.check_dot_tiles(block_h=block_h, block_k=block_k)
     if 0 in (q_latent.shape[0], kv_pages.shape[0]):
         return jnp.zeros(q_latent.shape, q_latent.dtype)
     num_heads, rank = q_latent.shape[1], q_latent.shape[2]

@@ -864,6 +864,24 @@ def glm5_tensor_parallel():
     _latent_layers("glm-5")
 
 
+def _tp2_greedy_equals_dense(name: str, build, dense, prompts, cache_config: CacheConfig) -> LLMEngine:
+    """A model of the contract (`build()`, seeded) at tp 2: greedy tokens through chunked prefill, preemption,
+    prefix hits and fused decode equal `dense(model, tokens)`'s recompute on one device, and its pages stay
+    replicated (latent, compressed: no KV heads to split). Returns the engine."""
+    model = build()
+    want, margin = greedy_by_recompute(jax.jit(lambda t, m=model: dense(m, t)), prompts, MAX_TOKENS, MAX_LEN)
+    assert margin > 1e-3, f"{name}: a near tie ({margin}) would make token equality depend on rounding"
+    e = LLMEngine(model=build(), cache_config=cache_config,
+                  scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                  decode_steps_per_call=4, compile_cache=False, parallel_config=ParallelConfig(tensor_parallel_size=2))
+    got = [o.output_token_ids for o in e.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want, f"{name} tp=2: {got} != {want}"
+    s = e.stats()
+    assert s.scheduler.num_preemptions > 0 and s.scheduler.prefix_cache_hit_rate > 0, s.scheduler
+    assert all(a.sharding.spec == P() for a in jax.tree.leaves(e.runner.kv_cache)), f"{name}: pages replicated"
+    return e
+
+
 @check
 def deepseek_v4_tensor_parallel():
     """DeepSeek V4 at tp 2: every layer kind (window, CSA with its indexer, HCA), hyper-connections and hash routing;
@@ -881,19 +899,8 @@ def deepseek_v4_tensor_parallel():
         hc_eps=1e-6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
         routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", swiglu_limit=10.0, rope_theta=100.0,
         compress_rope_theta=1000.0, max_position_embeddings=MAX_LEN)
-    model = init_deepseek_v4(cfg, seed=1)
-    want, margin = greedy_by_recompute(jax.jit(lambda t, m=model: forward_on_fresh_pages(m, t)), PROMPTS, MAX_TOKENS,
-                                       MAX_LEN)
-    assert margin > 1e-3, f"deepseek v4: a near tie ({margin}) would make token equality depend on rounding"
-    e = LLMEngine(model=init_deepseek_v4(cfg, seed=1),
-                  cache_config=CacheConfig(block_size=4, num_blocks=10, state_block_size=12),
-                  scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
-                  decode_steps_per_call=4, compile_cache=False, parallel_config=ParallelConfig(tensor_parallel_size=2))
-    got = [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert got == want, f"deepseek v4 tp=2: {got} != {want}"
-    s = e.stats()
-    assert s.scheduler.num_preemptions > 0 and s.scheduler.prefix_cache_hit_rate > 0, s.scheduler
-    assert all(a.sharding.spec == P() for a in jax.tree.leaves(e.runner.kv_cache)), "V4 pages replicated"
+    _tp2_greedy_equals_dense("deepseek v4", lambda: init_deepseek_v4(cfg, seed=1), forward_on_fresh_pages,
+                             PROMPTS, CacheConfig(block_size=4, num_blocks=10, state_block_size=12))
 
 
 def _latent_layers(name: str) -> None:
@@ -908,19 +915,9 @@ def _latent_layers(name: str) -> None:
         cfg = cfg.replace(indexer=dict(num_heads=4, head_dim=16, topk=4))
     elif name == "glm-5":
         cfg = cfg.replace(indexer=dict(num_heads=4, head_dim=16, topk=4, rope_interleave=True, shared_layers=(1,)))
-    model = init_deepseek(cfg, seed=1)
-    prompts = [[t % model.spec.vocab_size for t in p] for p in PROMPTS]
-    want, margin = greedy_by_recompute(jax.jit(lambda t, m=model: m.forward_dense(t)), prompts, MAX_TOKENS,
-                                       MAX_LEN)
-    assert margin > 1e-3, f"{name}: a near tie ({margin}) would make token equality depend on rounding"
-    e = LLMEngine(model=init_deepseek(cfg, seed=1), cache_config=CacheConfig(block_size=8, num_blocks=8),
-                  scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
-                  decode_steps_per_call=4, compile_cache=False, parallel_config=ParallelConfig(tensor_parallel_size=2))
-    got = [o.output_token_ids for o in e.generate(prompts, GREEDY, use_tqdm=False)]
-    assert got == want, f"{name} tp=2: {got} != {want}"
-    s = e.stats()
-    assert s.scheduler.num_preemptions > 0 and s.scheduler.prefix_cache_hit_rate > 0, s.scheduler
-    assert all(a.sharding.spec == P() for a in jax.tree.leaves(e.runner.kv_cache)), "latent pages replicated"
+    prompts = [[t % cfg.vocab_size for t in p] for p in PROMPTS]
+    e = _tp2_greedy_equals_dense(name, lambda: init_deepseek(cfg, seed=1), lambda m, t: m.forward_dense(t), prompts,
+                                 CacheConfig(block_size=8, num_blocks=8))
     assert e.stats().kv_cache_bytes_per_device == e.runner.kv_cache.nbytes
     if name == "deepseek v3.2":
         indexer = e.runner.params["layers"][1]["self_attn"]["indexer"]
