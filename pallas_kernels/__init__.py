@@ -49,7 +49,8 @@ DeepSeek V4's compressed attention (`compressed`: layouts and math there) over a
 
     compressed_attention(q, window_pages, window_tables, entry_pages, entry_tables, kv_lens, cu_q_lens, selected,
                          sinks, scale=..., sliding_window=..., compress_rate=...)   `gpu.compressed`; TPU: `tpu.sparse`
-    compress_xla(kv, gate, state_pages, block_tables, kv_lens, cu_q_lens, compress_rate=..., block_size=...)
+    compress(kv, gate, state_pages, block_tables, kv_lens, cu_q_lens, compress_rate=..., block_size=...)
+        -> (entries, closes, state_pages): the compressor (`compressor`), one Pallas kernel for both targets
     compressed_index_scores(q_index, weights, index_pages, block_tables, kv_lens, cu_q_lens, ...)  V3.2's indexer
 with XLA paths and dense references beside them.
 
@@ -63,10 +64,11 @@ block's last position and after the step's last token); each returns (out, pages
     mamba2_ssd(x, dt, A, B, C, state_pages, block_tables, kv_lens, cu_q_lens, block_size=...)
 Entries, float64 references and XLA paths in `recurrent`; kernels in `gpu.recurrent` and `tpu.recurrent`.
 
-One module per kind (`paged`, `mla`, `sparse`, `recurrent`) holds its entry points, its argument checks, its dense
-references and its XLA paths; this package re-exports their public names. An entry point checks the arguments once
-(the shared checks in `_validate`), picks the kernel family (`dispatch`) and calls `gpu` or `tpu`, which check their
-own tile rules and share the tile arithmetic in `tiles` (and never import each other); `merge` is the exact
+One module per kind (`paged`, `mla`, `sparse`, `recurrent`, `compressed`, `compressor`) holds its entry points, its
+argument checks, its dense references and its XLA paths; this package re-exports their public names. An entry point
+checks the arguments once (the shared checks in `_validate`), picks the kernel family (`dispatch`) and calls `gpu` or
+`tpu`, which check their own tile rules and share the tile arithmetic in `tiles` (and never import each other; the
+compressor's element-wise kernel body is one for both targets, its pallas_call beside it); `merge` is the exact
 (m, z, u) merge. This package imports nothing from pagedjax.
 
 Example (GQA, 8 query heads on 2 KV heads, a cache of 32 blocks of 16 tokens):
@@ -85,14 +87,13 @@ Example (GQA, 8 query heads on 2 KV heads, a cache of 32 blocks of 16 tokens):
 from __future__ import annotations
 
 from pallas_kernels.compressed import (
-    compress_reference,
-    compress_xla,
     compressed_attention,
     compressed_attention_reference,
     compressed_attention_xla,
     compressed_index_scores,
     compressed_index_scores_xla,
 )
+from pallas_kernels.compressor import compress, compress_reference, compress_xla
 from pallas_kernels.gpu.paged_attention import default_num_splits
 from pallas_kernels.merge import Partial, finalize, join_sink, merge_and_finalize, merge_partials, merge_two
 from pallas_kernels.mla import (
@@ -145,6 +146,7 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_reference",
     "causal_conv1d_xla",
+    "compress",
     "compress_reference",
     "compress_xla",
     "compressed_attention",

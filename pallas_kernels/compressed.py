@@ -1,8 +1,8 @@
-"""Compressed attention (DeepSeek V4's CSA and HCA beside a sliding window) over paged pages: the compressor that
-pools every `m` tokens into one entry, the lightning indexer's scores over compressed keys, and attention over a
-query's window plus its compressed entries in one exact softmax. XLA paths (the CPU engine's), dense references, and
-the kernels' entries: `compressed_attention` (the GPU kernel `gpu.compressed`; on TPU the DSA kernel's slot attention,
-`tpu.sparse`) and `compressed_index_scores` (V3.2's indexer kernel).
+"""Compressed attention (DeepSeek V4's CSA and HCA beside a sliding window) over paged pages: the lightning indexer's
+scores over compressed keys, and attention over a query's window plus its compressed entries in one exact softmax.
+XLA paths (the CPU engine's), dense references, and the kernels' entries: `compressed_attention` (the GPU kernel
+`gpu.compressed`; on TPU the DSA kernel's slot attention, `tpu.sparse`) and `compressed_index_scores` (V3.2's
+indexer kernel).
 
 Layouts (the engine's `SharedKVWindow`, `CompressedEntries` and `CompressorState` pages, `pagedjax.config.kv_spec`):
   window_pages  [num_blocks, block_size, D]       one vector per token position, read as key and as value (K = V)
@@ -10,19 +10,8 @@ Layouts (the engine's `SharedKVWindow`, `CompressedEntries` and `CompressorState
                                                   position w m, row (w m mod block_size) / m: entries use the
                                                   tokens' block table, `block_size / m` of them per block
   index_pages   [num_blocks, block_size / m, Di]  the indexer's compressed keys, likewise
-  state_pages   f32 [num_blocks, P, 3, D]         compressor snapshots (below)
-
-The compressor. Per token a projected vector c and gate logits z (position bias already added: one row per slot
-j = position mod m), both of width D per series. HCA pools window w as sum_j softmax_j(z_j) c_j over its m slots,
-per channel. CSA pools two series: entry w is the softmax over 2m slots, the A series of window w - 1 and the B
-series of window w (width 2m, stride m; entry 0 has no A half). A softmax over slots is an exact merge of partials
-(`merge`: m = max, z = sum exp(. - m), u = sum exp(. - m) c, per channel), so a window may close in a later step
-than it opened: the state carries the open window's partials (B; for CSA also A) and, for CSA, the A partial of
-the last closed window (`carry`), the half the next entry needs. Snapshot layout: P = 1 `[open_b]` (HCA) or P = 3
-`[carry, open_a, open_b]` (CSA), each a partial `(m, z, u)` of D channels; an empty partial is (-inf, 0, 0). The
-snapshots follow `recurrent`'s contract (a sequence starts from the snapshot in the block of its first position's
-predecessor, none at position 0, and leaves one after every block and after its step), which `pieces` cuts for:
-with the state block a multiple of m every piece lies in one window.
+  state_pages   f32 [num_blocks, P, 3, D]         the compressor's snapshots (`compressor`, which writes the
+                                                  entries: every m tokens pooled into one)
 """
 
 from __future__ import annotations
@@ -37,116 +26,10 @@ from pallas_kernels import merge, tiles
 from pallas_kernels.dense import query_tiles
 from pallas_kernels.dispatch import resolve_target
 from pallas_kernels.gpu.compressed import compressed_attention_gpu
-from pallas_kernels.pieces import (
-    gather_pieces,
-    initial_blocks,
-    piece_rows,
-    pieces,
-    scatter_snapshots,
-)
 from pallas_kernels.sparse import indexer_scores
 from pallas_kernels.tpu.sparse import slot_attention_partials_tpu
 
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _empty(shape) -> merge.Partial:
-    return merge.Partial(jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-                         jnp.zeros(shape, jnp.float32))
-
-
-def _combine(a: merge.Partial, b: merge.Partial) -> merge.Partial:
-    """Two per-channel partials (m, z, u all `[..., D]`) merged exactly (`merge.merge_two`, each channel a head of
-    one value dimension)."""
-    m, z, u = merge.merge_two(merge.Partial(a.m, a.z, a.u[..., None]), merge.Partial(b.m, b.z, b.u[..., None]))
-    return merge.Partial(m, z, u[..., 0])
-
-
-def _select(flag: jax.Array, a: merge.Partial, b: merge.Partial) -> merge.Partial:
-    """a where flag (bool `[N]`), else b."""
-    f = flag[:, None]
-    return merge.Partial(*(jnp.where(f, x, y) for x, y in zip(a, b, strict=True)))
-
-
-def _slots_partial(c: jax.Array, z: jax.Array, valid: jax.Array) -> merge.Partial:
-    """The partial of the valid slots: c, z f32 `[N, slots, D]`, valid bool `[N, slots]` -> `[N, D]` each."""
-    z = jnp.where(valid[..., None], z, -jnp.inf)
-    m = jnp.max(z, axis=1)
-    e = jnp.exp(z - jnp.where(jnp.isneginf(m), 0.0, m)[:, None])  # 0 in invalid slots
-    return merge.Partial(m, jnp.sum(e, axis=1), jnp.sum(e * jnp.where(valid[..., None], c, 0.0), axis=1))
-
-
-def _pool(p: merge.Partial) -> jax.Array:
-    return merge.finalize(p.z, p.u[..., None])[..., 0]
-
-
-def _as_state(parts: list[merge.Partial]) -> jax.Array:
-    return jnp.stack([jnp.stack(p, axis=-2) for p in parts], axis=-3)  # [N, P, 3, D]
-
-
-def _of_state(state: jax.Array, i: int) -> merge.Partial:
-    return merge.Partial(state[..., i, 0, :], state[..., i, 1, :], state[..., i, 2, :])
-
-
-@functools.partial(jax.jit, static_argnames=("compress_rate", "block_size"))
-def compress_xla(kv: jax.Array,  # f32[T, D] (HCA) or [T, 2D] (CSA: series A then B)
-                 gate: jax.Array,  # f32, kv's shape: the gate logits, position bias added
-                 state_pages: jax.Array,  # f32[num_blocks, P, 3, D], P = 1 (HCA) or 3 (CSA)
-                 block_tables: jax.Array,  # i32[S, max_blocks] of the state group
-                 kv_lens: jax.Array,  # i32[S]
-                 cu_q_lens: jax.Array,  # i32[S + 1]
-                 *, compress_rate: int, block_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One step of the compressor (module docstring): (entries f32 `[T, D]`, the pooled entry of the window a row
-    closes (its position is a multiple of m minus one), zeros on other rows; closes bool `[T]`; the state pages
-    with this step's snapshots written). `block_size`: the state group's, a multiple of `compress_rate`."""
-    num_tokens = kv.shape[0]
-    overlap, d = state_pages.shape[1] == 3, state_pages.shape[-1]
-    m = compress_rate
-    p = pieces(kv_lens, cu_q_lens, block_tables, num_tokens=num_tokens, chunk=m, block_size=block_size,
-               num_blocks=state_pages.shape[0])
-    slots, valid = piece_rows(p, m, num_tokens)
-    c, z = (gather_pieces(x.astype(jnp.float32), slots, valid) for x in (kv, gate))  # [NP, m, width]
-    blocks = initial_blocks(kv_lens, cu_q_lens, block_tables, num_tokens=num_tokens, block_size=block_size,
-                            num_blocks=state_pages.shape[0])
-    init = state_pages[jnp.maximum(blocks, 0)]
-    init = jnp.where((blocks >= 0)[:, None, None, None], init, _as_state([_empty((d,))] * state_pages.shape[1]))
-    start = init[p.seq]  # [NP, P, 3, D]: each piece's sequence's initial state
-    b = _slots_partial(c[..., -d:], z[..., -d:], valid)
-    b = _select(p.first, _combine(b, _of_state(start, state_pages.shape[1] - 1)), b)
-    closes = (p.length > 0) & ((p.pos0 + p.length) % m == 0)
-    empty = _empty(b.m.shape)
-    if overlap:
-        a = _slots_partial(c[..., :d], z[..., :d], valid)
-        a = _select(p.first, _combine(a, _of_state(start, 1)), a)
-        before = merge.Partial(*(jnp.concatenate([x[:1], x[:-1]]) for x in a))  # the previous piece's A
-        prev = _select(p.first, _of_state(start, 0), before)
-        entry = _pool(_combine(prev, b))
-        after = _as_state([_select(closes, a, prev), _select(closes, empty, a), _select(closes, empty, b)])
-    else:
-        entry = _pool(b)
-        after = _as_state([_select(closes, empty, b)])
-    state_pages = scatter_snapshots(state_pages, p.write, after)
-    target = jnp.where(closes, p.row0 + p.length - 1, num_tokens)
-    entries = jnp.zeros((num_tokens, d), jnp.float32).at[target].set(entry, mode="drop")
-    return entries, jnp.zeros((num_tokens,), bool).at[target].set(True, mode="drop"), state_pages
-
-
-def compress_reference(kv: jax.Array,  # f32[n, D] (HCA) or [n, 2D] (CSA): one whole sequence from position 0
-                       gate: jax.Array,  # f32, kv's shape
-                       *, compress_rate: int, overlap: bool) -> jax.Array:  # f32[n // m, D]
-    """Every closed window's entry of one sequence as transformers computes it: a softmax over each window's slots,
-    per channel; with `overlap` (CSA) over the previous window's A half, then this window's B half (entry 0's A
-    half weighs nothing)."""
-    m = compress_rate
-    n = kv.shape[0] // m
-    c, z = (x[:n * m].reshape(n, m, x.shape[-1]).astype(jnp.float32) for x in (kv, gate))
-    if overlap and n == 0:
-        return jnp.zeros((0, kv.shape[-1] // 2), jnp.float32)
-    if overlap:
-        d = c.shape[-1] // 2
-        c = jnp.concatenate([jnp.concatenate([jnp.zeros((1, m, d)), c[:-1, :, :d]]), c[..., d:]], axis=1)
-        z = jnp.concatenate([jnp.concatenate([jnp.full((1, m, d), -jnp.inf), z[:-1, :, :d]]), z[..., d:]], axis=1)
-    return jnp.sum(jax.nn.softmax(z, axis=1) * c, axis=1)
 
 
 def _row_positions(kv_lens, cu_q_lens, num_tokens: int) -> tuple[jax.Array, jax.Array]:

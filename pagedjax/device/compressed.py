@@ -5,10 +5,9 @@ The compressor's snapshots follow the recurrent states' contract (`pagedjax.devi
 decode-only step included: they go to the compressor compacted (`live_rows`), so that a row that takes no token
 reads and writes no snapshot.
 
-backend "pallas": attention runs the Pallas kernels (`pallas_kernels.compressed_attention`: Triton on a GPU, the
-DSA kernel's slot attention on a TPU), the indexer's scores V3.2's indexer kernel (`compressed_index_scores`: each
-query row a sequence of its own); the compressor is an XLA program on every backend (a pooling over at most m' rows
-per token: no kernel of its own yet).
+backend "pallas": the Pallas kernels: attention `pallas_kernels.compressed_attention` (Triton on a GPU, the DSA
+kernel's slot attention on a TPU), the indexer's scores V3.2's indexer kernel (`compressed_index_scores`: each
+query row a sequence of its own), the compressor `pallas_kernels.compress`.
 backend "xla": every part's XLA path, the CPU engine's.
 """
 
@@ -21,6 +20,7 @@ import pallas_kernels
 from pagedjax.device.attention import AttentionMetadata
 from pagedjax.device.recurrent import live_rows, unpermute
 from pallas_kernels import compressed as kernels
+from pallas_kernels import compressor
 
 
 def _check_backend(backend: str) -> None:
@@ -50,16 +50,16 @@ def compress(kv: jax.Array,  # f32[T, D] or [T, 2D] (CSA's two series)
              meta: AttentionMetadata,  # the state group's
              *, block_size: int, compress_rate: int, backend: str,
              decode_only: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A step's compressor (`pallas_kernels.compressed.compress_xla`): (entries f32 `[T, D]` at the rows that close
-    a window, closes bool `[T]`, the state pages with this step's snapshots)."""
+    """A step's compressor (`pallas_kernels.compress`, or its XLA path): (entries f32 `[T, D]` at the rows that
+    close a window, closes bool `[T]`, the state pages with this step's snapshots)."""
     _check_backend(backend)
     order = None
     if decode_only:
         meta, order = live_rows(meta, kv.shape[0])
         kv, gate = kv[order], gate[order]
-    entries, closes, state_pages = kernels.compress_xla(kv, gate, state_pages, meta.block_tables, meta.kv_lens,
-                                                        meta.cu_q_lens, compress_rate=compress_rate,
-                                                        block_size=block_size)
+    run = compressor.compress if backend == "pallas" else compressor.compress_xla
+    entries, closes, state_pages = run(kv, gate, state_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens,
+                                       compress_rate=compress_rate, block_size=block_size)
     if order is not None:
         entries, closes = unpermute(entries, order), unpermute(closes, order)
     return entries, closes, state_pages

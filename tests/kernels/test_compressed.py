@@ -11,6 +11,8 @@ interpret mode) equal the XLA path and export for "cuda" and "tpu" at DeepSeek V
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,14 +21,13 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.compressed import (
-    compress_reference,
-    compress_xla,
     compressed_attention,
     compressed_attention_reference,
     compressed_attention_xla,
     compressed_index_scores,
     compressed_index_scores_xla,
 )
+from pallas_kernels.compressor import compress, compress_reference, compress_xla
 from tests.kernels.cases import examples
 from tests.kernels.test_lowering import _export_cuda
 from tests.kernels.test_tpu_lowering import export_tpu
@@ -40,14 +41,11 @@ def _steps(rng, n: int) -> list[int]:
     return out
 
 
-@settings(max_examples=examples(2), deadline=None)  # (CI time) + 2 explicit examples; dev's random ones passed
-@given(seed=st.integers(0, 2 ** 16), rate=st.sampled_from([1, 2, 4]), blocks_per_state=st.integers(1, 3),
-       overlap=st.booleans(), lengths=st.lists(st.integers(0, 30), min_size=1, max_size=3))
-@example(seed=0, rate=4, blocks_per_state=1, overlap=True, lengths=[0, 1, 4, 8])
-@example(seed=1, rate=2, blocks_per_state=2, overlap=False, lengths=[3, 16])
-def test_compressor_across_steps_equals_one_softmax_per_window(seed, rate, blocks_per_state, overlap, lengths):
-    """Sequences compressed step by step, their snapshots in permuted blocks of a NaN pool, give each closed window's
-    entry at the row that closes it, as the whole sequence's softmax does, and no entry elsewhere."""
+def _compress_steps(compress_step, seed: int, rate: int, blocks_per_state: int, overlap: bool,
+                    lengths: list[int]) -> None:
+    """Sequences compressed step by step by `compress_step` (compress_xla's arguments), their snapshots in permuted
+    blocks of a NaN pool, give each closed window's entry at the row that closes it, as the whole sequence's softmax
+    does, and no entry elsewhere."""
     rng = np.random.default_rng(seed)
     d, block = 3, rate * 2 * blocks_per_state
     width = 2 * d if overlap else d
@@ -67,9 +65,9 @@ def test_compressor_across_steps_equals_one_softmax_per_window(seed, rate, block
             kv[r], gate[r] = data[s][0][p], data[s][1][p]
         cu = np.concatenate([[0], np.cumsum(takes)]).astype(np.int32)
         kv_lens = np.array([done[s] + takes[s] for s in range(len(lengths))], np.int32)
-        entries, closes, pages = compress_xla(jnp.asarray(kv), jnp.asarray(gate), pages, jnp.asarray(tables),
-                                              jnp.asarray(kv_lens), jnp.asarray(cu), compress_rate=rate,
-                                              block_size=block)
+        entries, closes, pages = compress_step(jnp.asarray(kv), jnp.asarray(gate), pages, jnp.asarray(tables),
+                                               jnp.asarray(kv_lens), jnp.asarray(cu), compress_rate=rate,
+                                               block_size=block)
         entries, closes = np.asarray(entries), np.asarray(closes)
         assert not closes[len(rows):].any()
         for r, (s, p) in enumerate(rows):
@@ -82,6 +80,30 @@ def test_compressor_across_steps_equals_one_softmax_per_window(seed, rate, block
         assert sorted(got[s]) == list(range(n // rate))
         if n // rate:
             np.testing.assert_allclose(np.stack([got[s][w] for w in range(n // rate)]), want, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=examples(2), deadline=None)  # (CI time) + 2 explicit examples; dev's random ones passed
+@given(seed=st.integers(0, 2 ** 16), rate=st.sampled_from([1, 2, 4]), blocks_per_state=st.integers(1, 3),
+       overlap=st.booleans(), lengths=st.lists(st.integers(0, 30), min_size=1, max_size=3))
+@example(seed=0, rate=4, blocks_per_state=1, overlap=True, lengths=[0, 1, 4, 8])
+@example(seed=1, rate=2, blocks_per_state=2, overlap=False, lengths=[3, 16])
+def test_compressor_across_steps_equals_one_softmax_per_window(seed, rate, blocks_per_state, overlap, lengths):
+    _compress_steps(compress_xla, seed, rate, blocks_per_state, overlap, lengths)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("target", ["gpu", "tpu"])
+@settings(max_examples=examples(1), deadline=None, phases=(Phase.explicit,) if examples(1) == 1 else tuple(Phase))
+@given(seed=st.integers(0, 2 ** 16), rate=st.sampled_from([1, 2, 4, 8]), blocks_per_state=st.integers(1, 3),
+       overlap=st.booleans(), lengths=st.lists(st.integers(0, 30), min_size=1, max_size=3))
+@example(seed=2, rate=4, blocks_per_state=1, overlap=True, lengths=[9, 0, 16])
+@example(seed=3, rate=8, blocks_per_state=1, overlap=False, lengths=[17, 1])
+def test_compressor_kernel_across_steps_equals_one_softmax_per_window(target, seed, rate, blocks_per_state, overlap,
+                                                                      lengths):
+    """The Pallas compressor (Triton in the Pallas interpreter, Mosaic in TPU interpret mode) through the same
+    steps: rates that are not a whole tile (m = 1, 2 padded to 8 slots on a TPU; m = 8 on one)."""
+    step = functools.partial(compress, target=target, interpret=True)
+    _compress_steps(step, seed, rate, blocks_per_state, overlap, lengths)
 
 
 def _paged(rng, rows_per_block: int, vectors: list[np.ndarray], num_blocks: int, max_blocks: int):
@@ -258,5 +280,46 @@ def test_kernels_export_at_v4_flash_shapes(dtype, kind, platform):
         selected = a[7] if kind == "csa" else None
         return compressed_attention(*a[:7], selected, a[8], scale=512 ** -0.5, sliding_window=128,
                                     compress_rate=rate, interpret=False, target="gpu" if platform == "cuda" else "tpu")
+
+    (_export_cuda if platform == "cuda" else export_tpu)(call, *shapes)
+
+
+def test_compressor_argument_checks_name_what_is_wrong():
+    kv, pages = jnp.zeros((5, 8)), jnp.zeros((6, 3, 3, 4))
+    tables, kv_lens, cu = jnp.zeros((2, 3), jnp.int32), jnp.array([3, 2], jnp.int32), jnp.array([0, 3, 5], jnp.int32)
+    options = dict(compress_rate=2, block_size=4, interpret=True)
+    cases = [((kv, kv, pages, tables, kv_lens, cu), dict(compress_rate=3), "multiple of compress_rate"),
+             ((kv, kv, pages, tables, kv_lens, cu), dict(compress_rate=0), "compress_rate"),
+             ((kv, kv, pages.astype(jnp.bfloat16), tables, kv_lens, cu), {}, "state_pages must be float32"),
+             ((kv, kv, pages[:, :2], tables, kv_lens, cu), {}, "P = 1 .HCA. or 3"),
+             ((kv[:, :4], kv[:, :4], pages, tables, kv_lens, cu), {}, r"kv must be float \[tokens, 8\]"),
+             ((kv, kv[:4], pages, tables, kv_lens, cu), {}, "gate has 4 rows"),
+             ((kv, kv.astype(jnp.int32), pages, tables, kv_lens, cu), {}, "gate must be float"),
+             ((kv, kv, pages, tables.astype(jnp.float32), kv_lens, cu), {}, "block_tables must be int32"),
+             ((kv, kv, pages, tables, kv_lens[:1], cu), {}, "kv_lens"),
+             ((kv, kv, pages, tables, kv_lens, cu), dict(target="tpu", num_warps=4), "num_warps tunes the GPU"),
+             ((kv, kv, pages, tables, kv_lens, cu), dict(target="tpu", block_d=3), "block_d to divide D"),
+             ((kv, kv, pages, tables, kv_lens, cu), dict(target="gpu", block_d=12), "block_d"),
+             ((kv, kv, pages, tables, kv_lens, cu), dict(target="cpu"), "target must be one of")]
+    for args, extra, match in cases:
+        with pytest.raises(ValueError, match=match):
+            compress(*args, **{**options, **extra})
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_compressor_exports_at_v4_flash_shapes(kind, platform):
+    """Entries of 512 (CSA rate 4, bfloat16 projections; HCA rate 128) in state blocks of 256 tokens; to Triton for
+    "cuda", to Mosaic for "tpu"."""
+    f = jax.ShapeDtypeStruct
+    parts, rate, dtype = (3, 4, jnp.bfloat16) if kind == "csa" else (1, 128, jnp.float32)
+    tokens, seqs, width = 37, 4, 512 * (2 if parts == 3 else 1)
+    shapes = (f((tokens, width), dtype), f((tokens, width), dtype), f((64, parts, 3, 512), jnp.float32),
+              f((seqs, 8), jnp.int32), f((seqs,), jnp.int32), f((seqs + 1,), jnp.int32))
+
+    def call(*a):
+        return compress(*a, compress_rate=rate, block_size=256, interpret=False,
+                        target="gpu" if platform == "cuda" else "tpu")
 
     (_export_cuda if platform == "cuda" else export_tpu)(call, *shapes)

@@ -194,8 +194,8 @@ def test_engine_greedy_matches_transformers(ckpt):
 
 @pytest.mark.slow  # (CI time: the interpreter) the kernel's own tests compare it with the XLA path by default
 def test_the_pallas_backend_serves_v4_attention_with_the_gpu_kernel(ckpt):
-    """backend "pallas": the attention through the Triton kernel (the Pallas interpreter on a CPU), chunked prefill
-    and a hit inside a block, transformers' tokens."""
+    """backend "pallas": the attention and the compressor through their Triton kernels (the Pallas interpreter on a
+    CPU), chunked prefill and a hit inside a block, transformers' tokens."""
     model, folder = ckpt
     engine = _engine(folder, scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8,
                                                               max_model_len=24), backend="pallas")
