@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.config.parallel import TP
+from pagedjax.device import compressed
 from pagedjax.device.attention import (
     AttentionMetadata,
     latent_attention,
@@ -95,3 +96,24 @@ def sharded_latent_write_and_attend(q_latent: jax.Array,  # [T, H, R], any shard
     run = jax.shard_map(local, mesh=mesh, in_specs=(_HEADS, _HEADS, P(), P(), replicated, given, pages, P()),
                         out_specs=(_HEADS, pages, chosen, chosen), check_vma=False)
     return run(q_latent, q_rope, c_kv, k_rope, index, selected, layer, meta)
+
+
+def sharded_compressed_attend(q: jax.Array,  # [T, H, D], any sharding (columns of wq_b: by heads)
+                              window_pages: jax.Array,  # replicated, this step's vectors written
+                              window_meta: AttentionMetadata,
+                              entry_pages: jax.Array | None,  # replicated, this step's entries written
+                              entry_meta: AttentionMetadata | None,
+                              selected: jax.Array | None,  # i32[T, k], the same on every device
+                              sinks: jax.Array,  # f32[H]: split as q's heads
+                              *, mesh: Mesh, **options) -> jax.Array:
+    """DeepSeek V4's attention over its window and compressed entries under tensor parallelism: each device attends
+    with its own query heads and their sinks over its whole copy of the pages (one shared K = V head, written with
+    the same values on every device, as the latent pages are) and the indexer's selection, the same everywhere. No
+    collective. `options` go to `device.compressed.attend`. Returns o `[T, H, D]` split by heads."""
+
+    def local(q, sinks, window_pages, window_meta, entry_pages, entry_meta, selected):
+        return compressed.attend(q, window_pages, window_meta, entry_pages, entry_meta, selected, sinks, **options)
+
+    run = jax.shard_map(local, mesh=mesh, in_specs=(_HEADS, _SINKS, P(), P(), P(), P(), P()), out_specs=_HEADS,
+                        check_vma=False)
+    return run(q, sinks, window_pages, window_meta, entry_pages, entry_meta, selected)

@@ -123,6 +123,27 @@ def test_check_model_and_fresh_pages_take_blocks_of_whole_entries(ckpt):
     assert logits.shape == (1, 3, VOCAB)
 
 
+def test_tensor_parallel_partition_splits_the_attention_by_query_heads(ckpt):
+    """The parameters' PartitionSpecs at tp 2 (the 8-device worker check `deepseek_v4_tensor_parallel` serves with
+    them): the query heads' projections, sinks and grouped output split, the compressors and the indexer whole,
+    the rest by the default rule; a tp that does not divide `o_groups` refused by name."""
+    from jax.sharding import PartitionSpec as P
+
+    cfg = load_config(ckpt[1])
+    model = nnx.eval_shape(lambda: init_deepseek_v4(cfg))
+    attn = ("layers", 1, "attn")
+    want = {(*attn, "wq_b", "kernel"): P(None, "tp"), (*attn, "wo_a", "kernel"): P(None, "tp"),
+            (*attn, "wo_b", "kernel"): P("tp", None), (*attn, "attn_sink"): P("tp"), (*attn, "wq_a", "kernel"): P(),
+            (*attn, "wkv", "kernel"): P(), (*attn, "indexer", "wq_b", "kernel"): P(),
+            (*attn, "compressor", "wkv", "kernel"): P(), ("layers", 1, "ffn", "gate", "weight"): None}
+    for names, spec in want.items():
+        assert model.param_partition(names, 2) == spec, names
+    assert model.param_partition((*attn, "wq_b", "kernel"), 1) is None
+    odd = nnx.eval_shape(lambda: init_deepseek_v4(cfg.replace(o_groups=1)))
+    with pytest.raises(ValueError, match=r"must divide 'num_attention_heads' \(\d+\) and 'o_groups' \(1\)"):
+        odd.param_partition((*attn, "wq_b", "kernel"), 2)
+
+
 def test_block_size_must_hold_whole_entries(ckpt):
     """A block holds block_size / m whole entries: a block size that is no multiple of a compress rate is refused
     by name when the engine allocates its pages, as are 8-bit pages."""

@@ -885,9 +885,11 @@ def _tp2_greedy_equals_dense(name: str, build, dense, prompts, cache_config: Cac
 @check
 def deepseek_v4_tensor_parallel():
     """DeepSeek V4 at tp 2: every layer kind (window, CSA with its indexer, HCA), hyper-connections and hash routing;
-    its parameters replicated but the experts (split by expert: the default rule), its windows, entries and
-    compressor states replicated. Greedy tokens through chunked prefill, preemption, prefix hits and fused decode
-    equal the model's own dense recompute (`forward_on_fresh_pages`)."""
+    the attention split by query heads (wq_b by columns, the sinks by heads, the grouped wo_a by groups, wo_b by
+    rows), the compressors and the indexer whole on each device, the experts split by expert (the default rule),
+    its windows, entries and compressor states replicated. Greedy tokens through chunked prefill, preemption, prefix
+    hits and fused decode equal the model's own dense recompute (`forward_on_fresh_pages`); a tp that does not
+    divide the heads' groups is refused by name."""
     from pagedjax.config.deepseek_v4 import CSA, HCA, SLIDING, DeepSeekV4Config
     from pagedjax.model.api import forward_on_fresh_pages
     from pagedjax.model.families.deepseek_v4 import init_deepseek_v4
@@ -899,8 +901,24 @@ def deepseek_v4_tensor_parallel():
         hc_eps=1e-6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
         routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", swiglu_limit=10.0, rope_theta=100.0,
         compress_rope_theta=1000.0, max_position_embeddings=MAX_LEN)
-    _tp2_greedy_equals_dense("deepseek v4", lambda: init_deepseek_v4(cfg, seed=1), forward_on_fresh_pages,
-                             PROMPTS, CacheConfig(block_size=4, num_blocks=10, state_block_size=12))
+    e = _tp2_greedy_equals_dense("deepseek v4", lambda: init_deepseek_v4(cfg, seed=1), forward_on_fresh_pages,
+                                 PROMPTS, CacheConfig(block_size=4, num_blocks=10, state_block_size=12))
+    for layer in (0, 1, 2):
+        attn = e.runner.params["layers"][layer]["attn"]
+        specs = {"wq_b": P(None, "tp"), "wo_a": P(None, "tp"), "wo_b": P("tp", None), "wq_a": P(), "wkv": P()}
+        for proj, want in specs.items():
+            got = attn[proj]["kernel"][...].sharding.spec
+            assert got == want, f"deepseek v4 layer {layer} {proj}: {got} != {want}"
+        assert attn["attn_sink"][...].sharding.spec == P("tp"), "deepseek v4: sinks split as the heads"
+    indexer = e.runner.params["layers"][1]["attn"]["indexer"]
+    assert indexer["wq_b"]["kernel"][...].sharding.spec == P(), "deepseek v4: the indexer whole on each device"
+    try:
+        LLMEngine(model=init_deepseek_v4(cfg.replace(o_groups=1), seed=1), cache_config=CacheConfig(block_size=4),
+                  parallel_config=ParallelConfig(tensor_parallel_size=2), compile_cache=False)
+    except ValueError as err:
+        assert "'o_groups' (1)" in str(err), err
+    else:
+        raise AssertionError("deepseek v4: tp 2 over one output group was not refused")
 
 
 def _latent_layers(name: str) -> None:

@@ -36,9 +36,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from pagedjax.config import ModelSpec
 from pagedjax.config.deepseek_v4 import CSA, HCA, LAYER_TYPES, MLP_TYPES, SLIDING, DeepSeekV4Config
+from pagedjax.config.parallel import TP
 from pagedjax.device import compressed as dev
 from pagedjax.model.api import PagedKVCache
 from pagedjax.model.errors import read_json
@@ -58,6 +60,7 @@ from pagedjax.model.loading.hf_fields import (
     positive_int,
 )
 from pagedjax.model.loading.hf_loader import IGNORED_SUFFIXES, fill_state, folder_tokenizer
+from pagedjax.parallel.attention import sharded_compressed_attend
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -190,9 +193,13 @@ class Attention(nnx.Module):
                 cache = cache.with_indexer_ties(ties)
             cache = cache.with_layer(entries_kv, layer._replace(entries=entry_pages, index_keys=index_keys))
             cache = cache.with_layer(state_kv, states._replace(compressor=compressor, indexer=indexer))
-        o = dev.attend(q, window_pages, window_meta, entry_pages, entry_meta, selected, self.attn_sink[...],
-                       scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
+        args = (q, window_pages, window_meta, entry_pages, entry_meta, selected, self.attn_sink[...])
+        options = dict(scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
                        compress_rate=cfg.rate(self.layer), backend=cache.backend)
+        if cache.mesh is None:
+            o = dev.attend(*args, **options)
+        else:  # query heads split over the devices (`DeepSeekV4.param_partition`), the pages whole on each
+            o = sharded_compressed_attend(*args, mesh=cache.mesh, **options)
         o = rotate(o, -positions, self.rope).reshape(t, cfg.o_groups, -1)
         kernel = self.wo_a.kernel[...].reshape(o.shape[-1], cfg.o_groups, cfg.o_lora_rank)
         grouped = jnp.einsum("tgi,igr->tgr", o, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -348,6 +355,29 @@ class DeepSeekV4(nnx.Module):
     @property
     def spec(self) -> ModelSpec:
         return self.config.spec
+
+    def param_partition(self, names: tuple, tp: int) -> P | None:
+        """Tensor parallelism over the attention's query heads (`sharded_compressed_attend`): `wq_b` by output
+        columns (whole heads), the sinks by heads, the grouped `wo_a` by its groups' columns (a device's heads are
+        whole groups) and `wo_b` by input rows (its partial products summed); the query latent, the shared K = V
+        projection, the compressors and the indexer whole on every device (one head's vectors and one choice of
+        entries, the same everywhere). Everything else by the default rule (experts split by expert). ValueError
+        unless tp divides the heads and `o_groups`."""
+        if tp == 1 or "attn" not in names:
+            return None
+        cfg = self.config
+        if cfg.num_heads % tp or cfg.o_groups % tp:
+            raise ValueError(f"tensor_parallel_size {tp} must divide 'num_attention_heads' ({cfg.num_heads}) and "
+                             f"'o_groups' ({cfg.o_groups}): the attention is split by query heads, in whole groups "
+                             "of the grouped output projection")
+        owner, leaf = str(names[-3]) if len(names) >= 3 else "", str(names[-1])
+        if owner == "attn" and str(names[-2]) in ("wq_b", "wo_a") and leaf == "kernel":
+            return P(None, TP)
+        if owner == "attn" and str(names[-2]) == "wo_b" and leaf == "kernel":
+            return P(TP, None)
+        if str(names[-2]) == "attn" and leaf == "attn_sink":
+            return P(TP)
+        return P()
 
     def single_device_params(self, state: nnx.State) -> nnx.State:
         """On one CPU device, every routed expert as its own array (`per_expert_params`); else `state`."""
