@@ -56,7 +56,8 @@ SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16
         # (CI time) latent_layers_tensor_parallel runs a model of the contract (DeepSeek) sharded by its own
         # param_partition at tp 2; test_bring_your_own_model.py runs the example on one device
         "bring_your_own_model_tp2",
-        # (CI time) DeepSeek V4's parameters are replicated but its experts, which moe_expert_parallel splits alike
+        # (CI time: ~45 s) DeepSeek V4's attention split by query heads over whole copies of its pages, as
+        # latent_layers_tensor_parallel runs MLA; test_hf_deepseek_v4.py checks its partition rules and refusal
         "deepseek_v4_tensor_parallel"]
 # CI's newest-JAX pass (PAGEDJAX_PARALLEL_CHECKS=newest): what differs by JAX version (shard_map, shardings of
 # every kind of weight and of 8-bit pages, Pallas under shard_map, export, orbax's sharded restore), once each.
