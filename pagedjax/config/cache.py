@@ -60,6 +60,8 @@ class CacheConfig:
                                    "bits with a float32 scale per token and KV head, about half the bytes per token "
                                    "of bfloat16")
     hash_seed: int = 0
+    kv_host_memory_bytes: int | None = option(None, "a host-memory tier of this size for prefix-cache blocks the "
+                                                    "device pool evicts (loaded back on a hit), e.g. 16GiB")
 
     def __post_init__(self) -> None:
         owner = "CacheConfig"
@@ -81,6 +83,11 @@ class CacheConfig:
             raise ValueError(f"{owner}.kv_dtype: unsupported KV cache dtype {self.kv_dtype!r}; expected one of "
                              f"{', '.join(KV_DTYPES)}")
         fix("hash_seed", check_int(owner, "hash_seed", self.hash_seed))
+        fix("kv_host_memory_bytes", check_int(owner, "kv_host_memory_bytes", self.kv_host_memory_bytes, lo=1,
+                                              optional=True))
+        if self.kv_host_memory_bytes is not None and not self.enable_prefix_caching:
+            raise ValueError(f"{owner}.kv_host_memory_bytes: a host tier keeps prefix-cache blocks; it needs "
+                             "enable_prefix_caching")
 
     # `model` below: a ModelSpec (or a ModelConfig, which has the same KV fields).
     def resolve_kv_dtype(self, model: ModelSpec) -> str:
@@ -150,6 +157,23 @@ class CacheConfig:
                 for p in range(1, len(pools))]
         return tuple(2 * (max_num_seqs * (h + 1) + -(-max_num_batched_tokens // b)) for h, b in zip(held, sizes[1:],
                                                                                                    strict=True))
+
+    def resolve_host_blocks(self, model: ModelSpec, num_blocks: int, extra_pools: tuple[int, ...] = ()
+                            ) -> tuple[int, ...]:
+        """Host tier slots per pool (`pagedjax.core.host_tier`; all 0 without `kv_host_memory_bytes`): the budget
+        split over the pools as the device pools (`num_blocks`, then `extra_pools`) split their bytes, whole blocks
+        of the model's full shapes (under tensor parallelism the host holds every device's share). ValueError when
+        the budget holds no block."""
+        if self.kv_host_memory_bytes is None:
+            return (0,) * (1 + len(extra_pools))
+        sizes = (num_blocks, *extra_pools)
+        per_block = [self.block_bytes(model, p) for p in range(len(sizes))]
+        device = sum(n * b for n, b in zip(sizes, per_block, strict=True))
+        slots = tuple(self.kv_host_memory_bytes * n // device for n in sizes)
+        if not any(slots):
+            raise ValueError(f"CacheConfig.kv_host_memory_bytes {self.kv_host_memory_bytes} holds no KV block "
+                             f"(one takes {per_block[0]} bytes)")
+        return slots
 
     def resolve_num_blocks(self, model: ModelSpec, draft: ModelSpec | None = None,
                            extra_pools: tuple[int, ...] = ()) -> int:

@@ -157,6 +157,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(num_blocks, range(num_blocks))
         self._num_cached_idle = 0  # zero-ref blocks that still have a hash
         self.num_evictions = 0
+        # (hash, block) of each eviction since the owner last took them (`take_evictions`), while it keeps a list
+        # (a host tier's: `pagedjax.core.host_tier`); None: not recorded.
+        self.evictions: list[tuple[BlockHash, int]] | None = None
 
     # -- queries ---------------------------------------------------------------------------------------
 
@@ -241,6 +244,8 @@ class BlockPool:
         del self._cached_block[h]
         self._block_hash[block_id] = None
         self.num_evictions += 1
+        if self.evictions is not None:
+            self.evictions.append((h, block_id))
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a prefix-cache hit); an idle block leaves the free queue."""

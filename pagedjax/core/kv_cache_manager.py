@@ -42,6 +42,11 @@ still entry j. A released block that was published keeps its key in the free que
 
 Fused decode borrows blocks with `lend_blocks` (as many for each group); the device pops them as sequences cross
 block boundaries; the host then `adopt_blocks` the used ones and `return_lent_blocks` the rest.
+
+Host tiers (`host_tier_blocks`: slots per pool, 0 for none; `pagedjax.core.host_tier`): the cached blocks a pool
+evicts while allocating are offered to its tier, and groups keeping every block find hits there too. The moves a
+step must make (stores out, loads in: `take_tier_moves`) become real with `commit_tier_moves` once it ran, or are
+undone with `discard_tier_moves`.
 """
 
 from __future__ import annotations
@@ -51,8 +56,9 @@ from collections.abc import Sequence
 
 from pagedjax.config import CacheConfig
 from pagedjax.core.block_pool import BlockHash, BlockPool, ExtraKeys
+from pagedjax.core.host_tier import HostTier, TierMoves
 from pagedjax.core.images import overlapping
-from pagedjax.core.kv_group import RELEASED, KVGroupManager, cdiv
+from pagedjax.core.kv_group import RELEASED, KVGroupManager, cdiv, host_slot
 from pagedjax.core.request import Request
 
 __all__ = ["RELEASED", "KVCacheManager", "cdiv"]
@@ -74,7 +80,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
                  hash_seed: int = 0, sliding_window: int | None = None,
                  group_windows: Sequence[int | None] | None = None, group_pools: Sequence[int] | None = None,
-                 extra_pools: Sequence[int] = (), pool_block_sizes: Sequence[int] = ()) -> None:
+                 extra_pools: Sequence[int] = (), pool_block_sizes: Sequence[int] = (),
+                 host_tier_blocks: Sequence[int] = ()) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if group_windows is not None and sliding_window is not None:
@@ -93,23 +100,37 @@ class KVCacheManager:
         if len(pool_block_sizes) != len(sizes) or any(b < 1 or b % block_size for b in pool_block_sizes):
             raise ValueError(f"pool_block_sizes {pool_block_sizes} must give each of the {len(sizes)} pools a "
                              f"multiple of block_size {block_size}")
+        host_tier_blocks = tuple(host_tier_blocks) or (0,) * len(sizes)
+        if len(host_tier_blocks) != len(sizes) or any(n < 0 for n in host_tier_blocks):
+            raise ValueError(f"host_tier_blocks {host_tier_blocks} must give each of the {len(sizes)} pools a "
+                             "number of host slots (0: no tier)")
+        if any(host_tier_blocks) and not enable_caching:
+            raise ValueError("a host tier keeps prefix-cache blocks: it needs prefix caching on")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pools = tuple(BlockPool(n, enable_caching=enable_caching, hash_seed=hash_seed) for n in sizes)
+        self.tiers = tuple(HostTier(n) if n else None for n in host_tier_blocks)
+        for pool, tier in zip(self.pools, self.tiers, strict=True):
+            if tier is not None:
+                pool.evictions = []
         self.groups = tuple(KVGroupManager(self.pools[p], pool_block_sizes[p], group=g, sliding_window=w,
-                                           hash_stride=pool_block_sizes[p] // block_size)
+                                           hash_stride=pool_block_sizes[p] // block_size,
+                                           tier=self.tiers[p] if w is None else None)
                             for g, (w, p) in enumerate(zip(windows, pools, strict=True)))
         self.group_pools = pools
         self.prefix_cache_queries = 0  # tokens looked up by first-time admissions
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
+        self.host_hit_tokens = 0  # tokens of prefix hits (any admission) loaded from the host tiers
 
     @classmethod
     def from_config(cls, cache_config: CacheConfig, num_blocks: int, *, sliding_window: int | None = None,
                     group_windows: Sequence[int | None] | None = None, group_pools: Sequence[int] | None = None,
-                    extra_pools: Sequence[int] = (), pool_block_sizes: Sequence[int] = ()) -> KVCacheManager:
+                    extra_pools: Sequence[int] = (), pool_block_sizes: Sequence[int] = (),
+                    host_tier_blocks: Sequence[int] = ()) -> KVCacheManager:
         return cls(num_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching,
                    hash_seed=cache_config.hash_seed, sliding_window=sliding_window, group_windows=group_windows,
-                   group_pools=group_pools, extra_pools=extra_pools, pool_block_sizes=pool_block_sizes)
+                   group_pools=group_pools, extra_pools=extra_pools, pool_block_sizes=pool_block_sizes,
+                   host_tier_blocks=host_tier_blocks)
 
     @property
     def block_pool(self) -> BlockPool:
@@ -329,8 +350,44 @@ class KVCacheManager:
             return None
         for group, group_hits in zip(self.groups, hits, strict=True):  # every hit before any allocation evicts it
             group.take_hits(request, group_hits)
-        return self._out([g.allocate(request, num_new_tokens, len(h)) for g, h in zip(self.groups, hits,
-                                                                                        strict=True)])
+        self.host_hit_tokens += max(sum(1 for b in h if host_slot(b) is not None) * g.block_size
+                                    for g, h in zip(self.groups, hits, strict=True))
+        fresh = [g.allocate(request, num_new_tokens, len(h)) for g, h in zip(self.groups, hits, strict=True)]
+        self._offer_evictions()
+        return self._out(fresh)
+
+    def _offer_evictions(self) -> None:
+        """Each pool's evictions since the last call to its host tier (the blocks are still unwritten: the step
+        that writes them first runs this plan's stores)."""
+        for pool, tier in zip(self.pools, self.tiers, strict=True):
+            if tier is not None and pool.evictions:
+                for key, block in pool.evictions:
+                    tier.offer(key, block)
+                pool.evictions.clear()
+
+    @property
+    def has_host_tier(self) -> bool:
+        return any(t is not None for t in self.tiers)
+
+    def take_tier_moves(self) -> tuple[TierMoves, ...] | None:
+        """The block moves the plan being made must run before its step (one `TierMoves` per pool; None without
+        host tiers), pending until `commit_tier_moves` or `discard_tier_moves`."""
+        if not self.has_host_tier:
+            return None
+        return tuple(TierMoves() if t is None else t.take_moves() for t in self.tiers)
+
+    def commit_tier_moves(self, moves: tuple[TierMoves, ...] | None) -> None:
+        """The step of the plan that took `moves` ran: its stored blocks are found in the host tiers."""
+        if moves is not None:
+            for tier, pool_moves in zip(self.tiers, moves, strict=True):
+                if tier is not None:
+                    tier.commit(pool_moves)
+
+    def discard_tier_moves(self) -> None:
+        """The step of the plan that took the moves did not run: their host slots are free again."""
+        for tier in self.tiers:
+            if tier is not None:
+                tier.discard()
 
     def take_block_copies(self):
         """The (src, dst) block copies the next step must make before it writes KV (and forget them): every
@@ -435,9 +492,13 @@ class KVCacheManager:
         return lo
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block hash; refused (False) while any block is in use or lent."""
+        """Forget every cached block hash, the host tiers' too; refused (False) while any block is in use or lent."""
         if any(pool.num_used for pool in self.pools):
             return False
+        for pool, tier in zip(self.pools, self.tiers, strict=True):
+            if tier is not None:
+                tier.clear()
+                pool.evictions.clear()
         return all([pool.reset_prefix_cache() for pool in self.pools])
 
     # -- fused decode -----------------------------------------------------------------------
@@ -453,7 +514,9 @@ class KVCacheManager:
             need[p] += count
         if any(k > pool.num_free_blocks for k, pool in zip(need, self.pools, strict=True)):
             return None
-        return self._out([g.lend(count) for g, count in zip(self.groups, counts, strict=True)])
+        lent = [g.lend(count) for g, count in zip(self.groups, counts, strict=True)]
+        self._offer_evictions()
+        return self._out(lent)
 
     def return_lent_blocks(self, block_ids) -> None:
         """Take back lent blocks the device did not use (per group for several): they rejoin the free queue as

@@ -11,6 +11,11 @@ snapshot per that many tokens, `pagedjax.config.kv_layout`). Per group and reque
     the hash and the group (`pool_key`), so two groups never share a block: they hold other layers' KV;
   - a pending copy-on-write (src, dst) when the request writes into a block it shares with a fork;
   - the blocks lent to the device for a fused decode (held by the lender until adopted or returned).
+
+A group keeping every block (no window) may have its pool's host tier (`pagedjax.core.host_tier`): a prefix hit then
+continues past the blocks found on the device with those found there, each a `host_entry` in the hit list (after
+every device block), which `allocate` gives a fresh block that the step loads before it computes; it is published
+like a computed block once the step ran (`cache_blocks`), never before.
 """
 
 from __future__ import annotations
@@ -19,10 +24,21 @@ import struct
 from collections.abc import Sequence
 
 from pagedjax.core.block_pool import BlockHash, BlockPool
+from pagedjax.core.host_tier import HostTier
 from pagedjax.core.request import Request
 
 # A request's block-list entry for a logical block released out of the sliding window.
 RELEASED = -1
+
+
+def host_entry(slot: int) -> int:
+    """A prefix hit's entry for a block found in the host tier's `slot` (below RELEASED: never a block id)."""
+    return -2 - slot
+
+
+def host_slot(entry: int) -> int | None:
+    """The host slot of a hit entry, None for a device block or RELEASED."""
+    return -2 - entry if entry <= -2 else None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,8 +52,11 @@ class KVGroupManager:
     them, which chains over every token up to the block's end."""
 
     def __init__(self, pool: BlockPool, block_size: int, *, group: int = 0, sliding_window: int | None = None,
-                 hash_stride: int = 1):
+                 hash_stride: int = 1, tier: HostTier | None = None):
+        if tier is not None and sliding_window is not None:
+            raise ValueError("a host tier serves groups that keep every block (no sliding window)")
         self.pool = pool
+        self.tier = tier
         self.block_size = block_size
         self.hash_stride = hash_stride
         self.group = group
@@ -48,6 +67,7 @@ class KVGroupManager:
         self._num_hashed_blocks: dict[str, int] = {}  # leading blocks of a request already published
         self._lent: set[int] = set()
         self._copies: dict[str, tuple[int, int]] = {}  # request id -> its pending (src, dst) block copy
+        self._host_hits: dict[str, list[int]] = {}  # request id -> host slots its next allocation loads
 
     def pool_key(self, block_hash: BlockHash) -> BlockHash:
         """The key this group's block of `block_hash` is cached under in the shared pool."""
@@ -99,9 +119,11 @@ class KVGroupManager:
         every block a query at position k * block_size reads, i.e. blocks [unread(k), k), cached in this group."""
         lookup = self.pool.get_cached_block
         present = lambda j: lookup(self.block_key(hashes, j)) is not None
-        if self.sliding_window is None:  # every block from the first
+        if self.sliding_window is None:  # every block from the first: on the device, then in the host tier
             k = 0
             while k < max_blocks and present(k):
+                k += 1
+            while self.tier is not None and k < max_blocks and self.tier.lookup(self.block_key(hashes, k)) is not None:
                 k += 1
             return k
         k = max_blocks
@@ -122,7 +144,13 @@ class KVGroupManager:
         than computing it would."""
         lookup = self.pool.get_cached_block
         skip = self.num_unread_blocks(num_blocks * self.block_size)
-        return [RELEASED] * skip + [lookup(self.block_key(hashes, j)) for j in range(skip, num_blocks)]
+        out = [RELEASED] * skip
+        for j in range(skip, num_blocks):
+            block = lookup(self.block_key(hashes, j))
+            if block is None or (out and host_slot(out[-1]) is not None):  # the host tier's, as `longest_hit`
+                block = host_entry(self.tier.lookup(self.block_key(hashes, j)))
+            out.append(block)
+        return out
 
     def needs_copy(self, request: Request) -> bool:
         """Whether the request's next token lands in a block it shares with another request (a fork)."""
@@ -136,7 +164,9 @@ class KVGroupManager:
         fresh = cdiv(total, self.block_size) - (len(held) if held else 0) - len(hits)
         if num_new_tokens and self.needs_copy(request):
             return max(fresh, 0) + 1
-        return max(fresh, 0) + sum(1 for b in hits if b != RELEASED and self.pool.ref_cnt(b) == 0)
+        on_host = sum(1 for b in hits if host_slot(b) is not None)  # each loaded into a fresh block
+        return max(fresh, 0) + on_host + sum(1 for b in hits if b != RELEASED and host_slot(b) is None
+                                             and self.pool.ref_cnt(b) == 0)
 
     # -- mutations (the coordinator checks that they fit first) ----------------------------------------
 
@@ -147,6 +177,9 @@ class KVGroupManager:
         taken = [b for b in hits if b != RELEASED]
         if RELEASED in hits[len(hits) - len(taken):]:
             raise ValueError("only leading prefix hits can be RELEASED")
+        on_host = [host_slot(b) is not None for b in taken]
+        if on_host != sorted(on_host) or (any(on_host) and self.tier is None):
+            raise ValueError("host tier hits must follow every device hit, in a group with a host tier")
 
     def take_hits(self, request: Request, hits: Sequence[int]) -> None:
         """The request starts holding its prefix hits (`check_hits` passed): before any fresh block is allocated,
@@ -154,10 +187,16 @@ class KVGroupManager:
         rid = request.request_id
         held = self._req_blocks.setdefault(rid, [])
         self._num_hashed_blocks.setdefault(rid, 0)
-        if hits:
-            self.pool.touch([b for b in hits if b != RELEASED])
-            held.extend(hits)
+        on_device = [b for b in hits if host_slot(b) is None]
+        if on_device:
+            self.pool.touch([b for b in on_device if b != RELEASED])
+            held.extend(on_device)
             self._num_hashed_blocks[rid] = len(held)  # hits are hashed already
+        slots = [host_slot(b) for b in hits[len(on_device):]]
+        if slots:  # pinned now: no allocation may reuse their slots before the step loads them
+            self._host_hits[rid] = slots
+            for slot in slots:
+                self.tier.pin_slot(slot)
 
     def allocate(self, request: Request, num_new_tokens: int, num_hits: int = 0) -> list[int]:
         """Make the request's blocks (its `num_hits` prefix hits taken) cover its computed tokens, the hits and
@@ -172,6 +211,9 @@ class KVGroupManager:
         copy = bool(num_new_tokens) and self.needs_copy(request)
         new_blocks = self.pool.allocate(fresh + copy)
         assert new_blocks is not None, "the coordinator let an allocation through that does not fit (a bug)"
+        slots = self._host_hits.pop(rid, [])
+        for slot, block in zip(slots, new_blocks, strict=False):  # the hit's host blocks come first
+            self.tier.load(slot, block)
         if copy:
             src, dst = held[-1], new_blocks[0]
             held[-1] = dst
@@ -229,6 +271,7 @@ class KVGroupManager:
         blocks = self._req_blocks.pop(request_id, None)
         self._num_hashed_blocks.pop(request_id, None)
         self._copies.pop(request_id, None)  # its step will not run: nothing to copy for it
+        self._host_hits.pop(request_id, None)
         if blocks:
             live = [b for b in blocks if b != RELEASED]
             self.pool.free(live if self.sliding_window is not None else reversed(live))

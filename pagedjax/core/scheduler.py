@@ -97,6 +97,13 @@ class SchedulerStats:
     num_preemptions: int
     num_steps: int  # plans made
     memory: KVMemoryStats
+    # Host tiers (`CacheConfig.kv_host_memory_bytes`; zeros without): prefix-hit tokens loaded from them, blocks
+    # stored and loaded by steps that ran, their slots and the keys they hold
+    host_hit_tokens: int = 0
+    host_blocks_stored: int = 0
+    host_blocks_loaded: int = 0
+    host_slots: int = 0
+    host_blocks: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -117,7 +124,7 @@ class Scheduler:
                  sliding_window: int | None = None, group_windows: Sequence[int | None] | None = None,
                  group_pools: Sequence[int] | None = None, extra_pools: Sequence[int] = (),
                  pool_block_sizes: Sequence[int] = (), max_loras: int | None = None, images: int | None = None,
-                 bidirectional_images: bool = False) -> None:
+                 bidirectional_images: bool = False, host_tier_blocks: Sequence[int] = ()) -> None:
         """`sliding_window`: the window of a model of one KV cache group (no layer reads positions older than
         p - window from position p; None: every layer reads everything), `group_windows` one per group of a model
         of several (`ModelSpec.kv_layout.windows`): running requests release a window group's blocks that fell
@@ -127,7 +134,7 @@ class Scheduler:
         adapters running requests may use (None: no limit; see the module's docstring). `images`: requests may carry
         images of this many placeholder tokens each (`scheduler_config`'s encoder budgets resolved:
         `SchedulerConfig.resolve_images`), whose tokens attend to each other both ways where
-        `bidirectional_images`."""
+        `bidirectional_images`. `host_tier_blocks`: host tier slots per pool (`KVCacheManager`)."""
         if scheduler_config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len is None: resolve it first "
                              "(SchedulerConfig.resolve(max_position_embeddings))")
@@ -138,7 +145,8 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager.from_config(cache_config, num_blocks, sliding_window=sliding_window,
                                                            group_windows=group_windows, group_pools=group_pools,
                                                            extra_pools=extra_pools,
-                                                           pool_block_sizes=pool_block_sizes)
+                                                           pool_block_sizes=pool_block_sizes,
+                                                           host_tier_blocks=host_tier_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -839,6 +847,8 @@ class Scheduler:
         (`pagedjax.runner.images`)."""
         if self.encoder_cache is not None:
             self.encoder_cache.clear()
+        if plan.tier_moves is not None:
+            self.kv_cache_manager.discard_tier_moves()
         if plan.fused is None:
             return
         if plan is not self._pending_fused:
@@ -864,6 +874,8 @@ class Scheduler:
                                image_slots=None if cache is None else cache.slot_of, num_groups=kv.num_groups,
                                num_pools=len(kv.pools),
                                **kwargs)
+        if scheduled:  # an empty plan does not run: its moves (none, or evictions of no one's) wait for the next
+            plan.tier_moves = kv.take_tier_moves()
         if cache is not None:
             plan.encode_images = [(im, cache.slot_of(im.content_hash)) for im in self._step_encodes]
             self._step_encodes = []
@@ -929,6 +941,7 @@ class Scheduler:
                                                  claimed, kv.group_pools)
             outcomes.append((request, emitted, computed, status, emits[i] and request.prefill_only))
         # 2. apply
+        kv.commit_tier_moves(plan.tier_moves)  # the step ran: the blocks it stored are in the host tiers
         finished: list[Request] = []
         prefilled: list[Request] = []
         for request, emitted, computed, status, prefill_done in outcomes:
@@ -977,8 +990,12 @@ class Scheduler:
     def stats(self, *, detailed: bool = False) -> SchedulerStats:
         """A snapshot; O(running requests). `detailed` adds the free-block scatter (O(num_blocks))."""
         kv = self.kv_cache_manager
+        tiers = [t for t in kv.tiers if t is not None]
         return SchedulerStats(
             num_waiting=len(self.waiting), num_running=len(self.running),
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             num_evictions=kv.block_pool.num_evictions, num_preemptions=self.num_preemptions,
-            num_steps=self.num_steps, memory=kv_memory_stats(kv, self.running, with_free_runs=detailed))
+            num_steps=self.num_steps, memory=kv_memory_stats(kv, self.running, with_free_runs=detailed),
+            host_hit_tokens=kv.host_hit_tokens, host_blocks_stored=sum(t.num_stored for t in tiers),
+            host_blocks_loaded=sum(t.num_loaded for t in tiers), host_slots=sum(t.capacity for t in tiers),
+            host_blocks=sum(len(t) for t in tiers))

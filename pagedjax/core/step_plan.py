@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedjax.core.host_tier import TierMoves
 from pagedjax.core.images import ImageInput, ImageSegment, step_segments
 from pagedjax.core.request import Request
 
@@ -59,6 +60,9 @@ class StepPlan:
     # encoder cache slot), and the images whose features this step computes first, into their slots
     image_segments: list[ImageSegment] = field(default_factory=list)
     encode_images: list[tuple[ImageInput, int]] = field(default_factory=list)
+    # Host tiers (`pagedjax.core.host_tier`): per block pool, the blocks to copy out to host memory and in from it
+    # before the step computes (stores first); None without host tiers
+    tier_moves: tuple[TierMoves, ...] | None = None
 
     @property
     def num_seqs(self) -> int:

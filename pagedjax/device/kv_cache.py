@@ -31,7 +31,8 @@ from pagedjax.config.kv_layout import KVCacheLayout, kv_cache_layout
 from pagedjax.config.kv_spec import KVCacheSpec, LatentKV, LayerKV, SparseKV
 from pallas_kernels.quant import is_quantized, quantize_kv
 
-__all__ = ["KVCache", "LatentKV", "LayerKV", "PagedLayer", "SparseKV", "copy_blocks", "init_kv_cache",
+__all__ = ["KVCache", "LatentKV", "LayerKV", "PagedLayer", "SparseKV", "copy_blocks", "init_kv_cache", "read_blocks",
+           "write_blocks",
            "layer_shapes", "token_block_size", "write_kv", "write_latent", "write_sparse"]
 
 PagedLayer = LayerKV | LatentKV | SparseKV  # the built-in kinds' containers (a model's own kind has its own)
@@ -232,3 +233,33 @@ def copy_blocks(kv_cache: KVCache, block_copies: jax.Array, slot_pools: tuple[in
         return KVCache(tuple(copy_layer(layer, block_copies) for layer in kv_cache.layers))
     return KVCache(tuple(copy_layer(layer, block_copies[pool])
                          for layer, pool in zip(kv_cache.layers, slot_pools, strict=True)))
+
+
+def read_blocks(kv_cache: KVCache, blocks: jax.Array, slot_pools: tuple[int, ...], pool: int) -> list[jax.Array]:
+    """The contents of `blocks` (int32 `[n]`) in every page array of block pool `pool` (`slot_pools[s]`: slot s's
+    pool): one array per leaf of each of the pool's layers, in order, its block axis first (`[n, ...]`)."""
+    out = []
+    for layer, p in zip(kv_cache.layers, slot_pools, strict=True):
+        if p == pool:
+            axis = type(layer).block_axis
+            out.extend(jnp.moveaxis(jnp.take(x, blocks, axis=axis), axis, 0) for x in jax.tree.leaves(layer))
+    return out
+
+
+def write_blocks(kv_cache: KVCache, blocks: jax.Array, values: list[jax.Array], slot_pools: tuple[int, ...],
+                 pool: int) -> KVCache:
+    """`read_blocks`' inverse: `values` (its layout) written into `blocks` (int32 `[n]`; -1 = padding, dropped)."""
+    it = iter(values)
+    layers = []
+    for layer, p in zip(kv_cache.layers, slot_pools, strict=True):
+        if p == pool:
+            axis = type(layer).block_axis
+            where = (slice(None),) * axis
+            dst = jnp.where(blocks < 0, layer[0].shape[axis], blocks)  # out of bounds: dropped
+
+            def put(x, v, where=where, dst=dst, axis=axis):
+                return x.at[(*where, dst)].set(jnp.moveaxis(v, 0, axis).astype(x.dtype), mode="drop")
+
+            layer = jax.tree.map(lambda x: put(x, next(it)), layer)
+        layers.append(layer)
+    return KVCache(tuple(layers))

@@ -153,6 +153,10 @@ class LLMEngine:
         else:
             self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if draft is None else draft.spec,
                                                                    extra_pools=self.extra_pools)
+        if self.cache_config.kv_host_memory_bytes is not None and draft is not None:
+            raise ValueError("CacheConfig.kv_host_memory_bytes: the host tier does not move a draft model's KV (which "
+                             "shares the target's blocks) yet; leave it out with speculative_config's draft model")
+        host_blocks = self.cache_config.resolve_host_blocks(spec, self.num_blocks, self.extra_pools)
         # One block table per KV cache group; a window group's blocks out of its window go back to the pool while
         # requests run.
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
@@ -160,7 +164,8 @@ class LLMEngine:
                                    extra_pools=self.extra_pools, pool_block_sizes=self.pool_block_sizes,
                                    max_loras=None if lora_config is None else lora_config.max_loras,
                                    images=None if images is None else images.tokens_per_image,
-                                   bidirectional_images=images is not None and images.bidirectional)
+                                   bidirectional_images=images is not None and images.bidirectional,
+                                   host_tier_blocks=host_blocks)
         self.output_processor = OutputProcessor(tokenizer)
         self.structured = StructuredOutputManager(ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids),
                                                   config.structured_limits)
@@ -170,7 +175,7 @@ class LLMEngine:
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=config.backend,
                                   mesh=mesh, max_programs=max_programs, compile_in_background=background,
                                   lora=lora_config, image_slots=None if images is None else
-                                  self.scheduler.encoder_cache.num_slots)
+                                  self.scheduler.encoder_cache.num_slots, host_tier_blocks=host_blocks)
         self.lora = None if lora_config is None else LoRAManager(lora_config, self.model_config, self.runner)
         self.speculator = None if config.speculative_config is None else Speculator(
             config.speculative_config, None if draft is None else DraftProposer(

@@ -45,6 +45,7 @@ from pagedjax.device.sampling import (
 from pagedjax.model.api import ImageEmbeds, PagedKVCache, PagedModel, param_partition_fn
 from pagedjax.model.layers.lora import LoRABatch, init_lora_weights, slot_writer
 from pagedjax.model.layers.quant import holds_quantized
+from pagedjax.runner.host_tier import HostBlocks
 from pagedjax.runner.images import ImageFeatures
 from pagedjax.runner.inputs import NO_EXTRAS, FusedDecodeInputs, StepExtras, StepInputs
 from pagedjax.runner.programs import ProgramCache, abstract_value
@@ -279,7 +280,7 @@ class ModelRunner:
                  pool_block_sizes: tuple[int, ...] = (), kv_dtype=None,
                  backend: str = "auto", mesh: Mesh | None = None, max_programs: int = 64,
                  compile_in_background: bool = True, lora: LoRAConfig | None = None,
-                 image_slots: int | None = None):
+                 image_slots: int | None = None, host_tier_blocks: tuple[int, ...] = ()):
         spec = model.spec  # `check_model(model)` passed (the engine checks it)
         self.model_spec = spec
         self.block_size = block_size
@@ -300,6 +301,9 @@ class ModelRunner:
         self.params = self.served_params(self.params)
         self.kv_dtype = jnp.dtype(kv_dtype or spec.dtype)
         self.kv_cache = self._new_kv_cache()
+        # The host tiers' bytes (host_tier_blocks: slots per pool), moved by each plan's `tier_moves` before its step.
+        self.host_blocks = (HostBlocks(self.kv_cache, spec.kv_layout.slot_pools, tuple(host_tier_blocks))
+                            if any(host_tier_blocks) else None)
         self.asleep = False  # the KV cache's arrays were deleted (`pagedjax.runner.weights.sleep`)
         self.fixed_shape: StepShape | None = None  # batch-invariant mode: every step's program (`engine.invariant`)
         self._check_attention_serves()
@@ -482,7 +486,10 @@ class ModelRunner:
     def run(self, plan: StepPlan, inputs: StepInputs | FusedDecodeInputs) -> StepResult:
         """Run any step (`runner.inputs.step_inputs` of `plan`) on its program: a fused decode on the loop, a
         ragged step on the step program. Returns its `StepResult`: the tokens sampled for each sequence, in order,
-        their log-probabilities when asked, and a fused decode's block tables."""
+        their log-probabilities when asked, and a fused decode's block tables. The plan's host tier moves run
+        first."""
+        if plan.tier_moves is not None:
+            self.kv_cache = self.host_blocks.move(self.kv_cache, plan.tier_moves)
         if isinstance(inputs, FusedDecodeInputs):
             sampled, logprobs, tables = self.execute_fused_decode(inputs)
             return StepResult.from_fused(plan, sampled, tables, logprobs)

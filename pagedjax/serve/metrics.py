@@ -117,6 +117,11 @@ class _EngineCollector(Collector):
         counters = {
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", sched.prefix_cache_queries),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", sched.prefix_cache_hits),
+            "prefix_cache_host_hits": ("Prefix-hit tokens loaded from the host tier.", sched.host_hit_tokens),
+            "kv_host_blocks_stored": ("KV blocks the device pool evicted into the host tier.",
+                                      sched.host_blocks_stored),
+            "kv_host_blocks_loaded": ("KV blocks loaded from the host tier for prefix hits.",
+                                      sched.host_blocks_loaded),
             "preemptions": ("Requests preempted for lack of KV blocks.", sched.num_preemptions),
             "prompt_tokens": ("Prompt tokens of every request added.", s.prompt_tokens),
             "generation_tokens": ("Tokens generated.", s.generated_tokens),

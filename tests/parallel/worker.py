@@ -541,8 +541,6 @@ def data_parallel_2x2():
     assert isinstance(e, DataParallelEngine) and len(e.replicas) == 2
     devices = [{d.id for d in r.runner.mesh.devices.flat} for r in e.replicas]
     assert devices == [{0, 1}, {2, 3}], devices
-    # Every replica compiles its warm-up programs, which may then stand in for its sharded steps.
-    assert e.warmup() == e.stats().warmup_s > 0
     outs = e.generate(PROMPTS, GREEDY)
     assert [o.output_token_ids for o in outs] == reference("gqa")
     stats = e.stats()
@@ -565,6 +563,36 @@ def data_parallel_2x2():
         raise AssertionError("a DataParallelEngine took a lora_request")
     assert not e.has_unfinished_requests()
     assert [o.output_token_ids for o in e.generate(PROMPTS[:1], GREEDY)] == reference("gqa")[:1]
+    e.close()
+
+
+@check
+def host_tier_tensor_parallel():
+    """The host tier at tp 2 (KV heads split over the devices, the host holding whole blocks): each prompt alone in
+    a pool of one request's blocks evicts the one before, the second round loads every prefix back from host
+    memory; the dense model's tokens both rounds."""
+    from pagedjax.config.cache import CacheConfig as Cache
+
+    e = make_engine(model_config=config("gqa"), params=params("gqa"), compile_cache=False,
+                    cache_config=Cache(block_size=8, num_blocks=4, kv_host_memory_bytes=1 << 20),
+                    scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=16,
+                                                     max_model_len=MAX_LEN),
+                    parallel_config=ParallelConfig(tensor_parallel_size=2))
+    for _ in range(2):
+        got = [e.generate([p], GREEDY, use_tqdm=False)[0].output_token_ids for p in PROMPTS]
+        assert got == reference("gqa"), f"host tier tp=2: {got} != {reference('gqa')}"
+    s = e.stats().scheduler
+    assert s.host_blocks_loaded > 0 and s.host_hit_tokens > 0, s
+    assert all(a.sharding.spec[0] == "tp" for a in jax.tree.leaves(e.runner.kv_cache)), "pages keep their split"
+
+
+@check
+def data_parallel_warmup():
+    """Every replica of dp 2 x tp 2 compiles its warm-up programs, which then stand in for its sharded steps: the
+    same tokens as one device."""
+    e = engine("gqa", 2, dp=2, num_blocks=16)
+    assert e.warmup() == e.stats().warmup_s > 0
+    assert [o.output_token_ids for o in e.generate(PROMPTS, GREEDY)] == reference("gqa")
     e.close()
 
 

@@ -35,6 +35,10 @@ SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16
         # (CI time) a vision-language model: its tower and encoder cache replicated (shardings of no kind of their
         # own), its decoder split as every greedy check's
         "images_tensor_parallel",
+        # (CI time: ~8 s of compiling) data_parallel_2x2 runs the replicas, tests/engine/test_programs.py the warm-up
+        "data_parallel_warmup",
+        # (CI time) tests/engine/test_host_tier.py runs the tier's moves on one device; GSPMD splits them here
+        "host_tier_tensor_parallel",
         # (CI time) data_parallel_2x2 spreads requests over the replicas the same way; beam search's own tests run
         # on one device (tests/engine/test_beam_search_structured.py)
         "beam_search_data_parallel",

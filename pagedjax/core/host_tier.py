@@ -1,0 +1,139 @@
+"""The host tier of one block pool: cached blocks the device pool evicts are kept in host memory, keyed as the pool
+keys them (the chained block hash, and the KV cache group past the first), and loaded back into fresh device blocks
+when a prefix lookup misses on the device but finds them here.
+
+Plain Python, no JAX: this holds which host slot holds which key; the runner holds the slots' bytes
+(`pagedjax.runner.host_tier`) and carries out the moves a step plan lists.
+
+Policy:
+  - write on evict: a hashed idle block the pool takes back for reuse is offered (`offer`) and stored unless its key
+    is already here (the tier is inclusive: a block loaded from here keeps its copy, so evicting it again copies
+    nothing); a full tier makes room by dropping its least recently used key;
+  - load on hit: `pin_slot` marks a slot a request will load (its slot cannot be reused until the step ran), `load`
+    records the device block it goes to;
+  - two phases: the moves a plan takes (`take_moves`) become real only when its step ran (`commit`); a step that did
+    not run (`discard`) gives their slots back, so a key is never found here unless its bytes were written.
+
+Invariants: every slot is free, committed to one key, or claimed by one pending store; a pinned slot is committed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pagedjax.core.block_pool import BlockHash
+
+
+@dataclass
+class TierMoves:
+    """One step's block moves for one pool, run before the step computes: `stores` (device block, host slot) copy
+    evicted blocks out (before anything writes them), then `loads` (host slot, device block) copy blocks in."""
+
+    stores: list[tuple[int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.loads)
+
+
+class HostTier:
+    """`capacity` host slots of one pool's blocks (module docstring)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a host tier needs at least one slot, got {capacity}")
+        self.capacity = capacity
+        self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # committed, least recently used first
+        self._key_of: dict[int, BlockHash] = {}  # committed slot -> its key
+        self._free = list(range(capacity - 1, -1, -1))
+        self._stores: dict[BlockHash, tuple[int, int]] = {}  # key -> (slot, device block): not taken yet
+        self._loads: list[tuple[int, int]] = []  # (slot, device block), not taken yet
+        self._pinned: set[int] = set()
+        self._taken: list[tuple[BlockHash, int]] = []  # the in-flight plan's stores: (key, slot)
+        self._taken_pins: set[int] = set()
+        self.num_stored = 0  # blocks copied out, counted when their step ran
+        self.num_loaded = 0  # blocks copied in, likewise
+
+    def __len__(self) -> int:
+        """Keys committed (findable)."""
+        return len(self._slots)
+
+    def lookup(self, key: BlockHash) -> int | None:
+        """The slot holding `key`'s bytes, or None (a key stored by a step that has not run is not found)."""
+        return self._slots.get(key)
+
+    def offer(self, key: BlockHash, block: int) -> None:
+        """The device pool is reusing `block`, which held `key`: keep its bytes unless this tier has them."""
+        if key in self._slots:
+            self._slots.move_to_end(key)
+            return
+        if key in self._stores:
+            return
+        slot = self._free.pop() if self._free else self._evict_lru()
+        if slot is not None:
+            self._stores[key] = (slot, block)
+
+    def _evict_lru(self) -> int | None:
+        pinned = self._pinned | self._taken_pins
+        for key, slot in self._slots.items():
+            if slot not in pinned:
+                del self._slots[key], self._key_of[slot]
+                return slot
+        return None
+
+    def pin_slot(self, slot: int) -> None:
+        """A request will load committed `slot` (found by `lookup` just before): it is kept until the step that
+        loads it ran."""
+        key = self._key_of.get(slot)
+        if key is None:
+            raise RuntimeError(f"host slot {slot} holds no key: a hit's slot was reused before it was pinned")
+        self._slots.move_to_end(key)
+        self._pinned.add(slot)
+
+    def load(self, slot: int, block: int) -> None:
+        """The pinned `slot` goes into device `block` before the next step computes."""
+        if slot not in self._pinned:
+            raise ValueError(f"host slot {slot} is not pinned")
+        self._loads.append((slot, block))
+
+    def take_moves(self) -> TierMoves:
+        """The moves since the last plan, for the plan being made (one in flight at a time)."""
+        if self._taken or self._taken_pins:
+            raise RuntimeError("the previous plan's tier moves were neither committed nor discarded")
+        moves = TierMoves([(block, slot) for slot, block in self._stores.values()], list(self._loads))
+        self._taken = [(key, slot) for key, (slot, _) in self._stores.items()]
+        self._taken_pins = set(self._pinned)
+        self._stores, self._loads, self._pinned = {}, [], set()
+        return moves
+
+    def commit(self, moves: TierMoves) -> None:
+        """The plan's step ran: its stored keys become findable."""
+        for key, slot in self._taken:
+            self._slots[key], self._key_of[slot] = slot, key
+        self.num_stored += len(moves.stores)
+        self.num_loaded += len(moves.loads)
+        self._taken, self._taken_pins = [], set()
+
+    def discard(self) -> None:
+        """The plan's step did not run: its stores' slots are free again (their keys were never written)."""
+        self._free.extend(slot for _, slot in self._taken)
+        self._taken, self._taken_pins = [], set()
+
+    def clear(self) -> None:
+        """Forget every key, and stores not taken by a plan yet (the KV they hold is stale: new weights, or a lost
+        cache). Refused while a plan's moves are in flight."""
+        if self._taken or self._taken_pins:
+            raise RuntimeError("the host tier has a plan's moves in flight")
+        self._slots.clear()
+        self._key_of.clear()
+        self._stores, self._loads, self._pinned = {}, [], set()
+        self._free = list(range(self.capacity - 1, -1, -1))
+
+    def check_invariants(self) -> None:
+        """AssertionError if the bookkeeping is inconsistent (for tests)."""
+        claimed = [s for s, _ in self._stores.values()] + [s for _, s in self._taken]
+        slots = list(self._slots.values()) + claimed + self._free
+        assert sorted(slots) == list(range(self.capacity)), "a host slot is lost or held twice"
+        assert (self._pinned | self._taken_pins) <= set(self._slots.values()), "a pinned slot is not committed"
+        assert self._key_of == {slot: key for key, slot in self._slots.items()}, "slot -> key map out of step"

@@ -1,0 +1,128 @@
+"""Multi-turn chat with and without the host tier (`CacheConfig.kv_host_memory_bytes`): each turn of each
+conversation re-sends its whole history, the conversations take turns, and the device pool holds a fraction of what
+they have computed (their working set is `--pressure` times the pool), so without a tier most of each history is
+evicted before its next turn and recomputed; with one, it is loaded back from host memory.
+
+    python scripts/bench_kv_tiers.py                      # the small model, pools of 1/4 and 1/10 of the working set
+    python scripts/bench_kv_tiers.py --shape 156m --conversations 8 --turns 4
+
+Prints one row per (pressure, tier): time to first token p50 / p99 over every turn after the first, output tokens
+per second over the whole run, prefix-hit tokens (device and host) and blocks moved; and whether every
+configuration produced the same tokens (greedy: the tier must not change them). Each engine first runs the same
+turns over other tokens (every program compiled), then empties its prefix cache and tier, then is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig  # noqa: E402
+
+SHAPES = {
+    "small": ModelConfig(),
+    "156m": ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_q_heads=16, num_kv_heads=4,
+                        head_dim=64, intermediate_size=2816, tie_word_embeddings=False),
+}
+
+
+def conversations(engine: LLMEngine, cfg: ModelConfig, args, seed: int) -> tuple[list[float], list, int, float]:
+    """Every conversation's turns, round-robin: (time to first token of each turn after the first, the tokens of
+    every turn, tokens generated, seconds)."""
+    rng = np.random.default_rng(seed)
+    histories = [rng.integers(0, cfg.vocab_size, args.system).tolist() for _ in range(args.conversations)]
+    params = SamplingParams(max_tokens=args.reply, temperature=0.0, ignore_eos=True)
+    ttfts, outputs, generated = [], [], 0
+    start = time.perf_counter()
+    for turn in range(args.turns):
+        for c, history in enumerate(histories):
+            history.extend(rng.integers(0, cfg.vocab_size, args.user).tolist())
+            rid = f"{c}-{turn}"
+            t0 = time.perf_counter()
+            engine.add_request(rid, list(history), params)
+            first, tokens = None, []
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if first is None and out.output_token_ids:
+                        first = time.perf_counter() - t0
+                    tokens = out.output_token_ids
+            if turn:
+                ttfts.append(first)
+            history.extend(tokens)
+            outputs.append(tokens)
+            generated += len(tokens)
+    return ttfts, outputs, generated, time.perf_counter() - start
+
+
+def run(cfg: ModelConfig, args, num_blocks: int, host_bytes: int | None) -> dict:
+    engine = LLMEngine(model_config=cfg, seed=0,
+                       cache_config=CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
+                                                kv_host_memory_bytes=host_bytes),
+                       scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=args.chunk,
+                                                        max_model_len=args.max_len))
+    conversations(engine, cfg, args, args.seed + 1)  # other tokens, the same shapes: every program compiled
+    assert engine.scheduler.reset_prefix_cache()  # the device pool and the tier empty again
+    before = engine.stats().scheduler
+    ttfts, outputs, generated, seconds = conversations(engine, cfg, args, args.seed)
+    sched = engine.stats().scheduler
+    return dict(ttft_p50=statistics.median(ttfts), ttft_p99=float(np.percentile(ttfts, 99)),
+                tok_s=generated / seconds, seconds=seconds, hits=sched.prefix_cache_hits - before.prefix_cache_hits,
+                host_hits=sched.host_hit_tokens - before.host_hit_tokens,
+                stored=sched.host_blocks_stored - before.host_blocks_stored,
+                loaded=sched.host_blocks_loaded - before.host_blocks_loaded, outputs=outputs)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=SHAPES, default="small")
+    p.add_argument("--conversations", type=int, default=12)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system", type=int, default=96, help="tokens each conversation starts with")
+    p.add_argument("--user", type=int, default=32, help="tokens each turn adds before the reply")
+    p.add_argument("--reply", type=int, default=16, help="tokens generated per turn")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens: the prefill chunk")
+    p.add_argument("--pressure", type=float, nargs="+", default=[4.0, 10.0],
+                   help="working set (every conversation's final history) over the device pool")
+    p.add_argument("--host-factor", type=float, default=2.0, help="host tier bytes over the working set's")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    cfg = SHAPES[args.shape]
+    final = args.system + args.turns * (args.user + args.reply)
+    args.max_len = final + args.block_size
+    working_blocks = args.conversations * -(-final // args.block_size)
+    block_bytes = CacheConfig(block_size=args.block_size).block_bytes(cfg)
+    longest = -(-args.max_len // args.block_size)
+    rows, first = [], None
+    for pressure in args.pressure:
+        num_blocks = max(longest, int(working_blocks / pressure))
+        for host in (None, int(args.host_factor * working_blocks * block_bytes)):
+            r = run(cfg, args, num_blocks, host)
+            same = first is None or r["outputs"] == first
+            first = first or r["outputs"]
+            rows.append((num_blocks, host, r, same))
+    print(f"{args.shape} model, {args.conversations} conversations x {args.turns} turns (system {args.system}, "
+          f"+{args.user} user, {args.reply} reply tokens), blocks of {args.block_size} ({block_bytes} bytes), "
+          f"working set {working_blocks} blocks")
+    print("| working set / pool | pool blocks | host tier | TTFT p50 ms | TTFT p99 ms | output tok/s | "
+          "hit tokens (host) | blocks stored / loaded | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for num_blocks, host, r, same in rows:
+        tier = "none" if host is None else f"{host / 2**20:.1f} MiB"
+        print(f"| {working_blocks / num_blocks:.1f}x | {num_blocks} | {tier} | {1e3 * r['ttft_p50']:.1f} | "
+              f"{1e3 * r['ttft_p99']:.1f} | "
+              f"{r['tok_s']:.1f} | {r['hits']} ({r['host_hits']}) | {r['stored']} / {r['loaded']} | "
+              f"{'yes' if same else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
