@@ -212,7 +212,8 @@ class KVGroupManager:
         new_blocks = self.pool.allocate(fresh + copy)
         assert new_blocks is not None, "the coordinator let an allocation through that does not fit (a bug)"
         slots = self._host_hits.pop(rid, [])
-        for slot, block in zip(slots, new_blocks, strict=False):  # the hit's host blocks come first
+        assert len(new_blocks) >= len(slots), "fewer fresh blocks than host hits to load (a bug)"
+        for slot, block in zip(slots, new_blocks[:len(slots)], strict=True):  # the hit's host blocks come first
             self.tier.load(slot, block)
         if copy:
             src, dst = held[-1], new_blocks[0]

@@ -100,10 +100,13 @@ class EngineSummary:
     data_parallel_size: int
     max_model_len: int
     sampling_defaults: str  # `SamplingDefaults.describe()`
+    kv_host_bytes: int | None = None  # the host tier's budget (`CacheConfig.kv_host_memory_bytes`), None: none
 
     def lines(self) -> list[str]:
         """The summary as lines for a header or a log."""
-        return [f"{self.params.describe()}; compute {self.dtype}, weights {self.weights}, KV cache {self.kv_dtype}",
+        tier = "" if self.kv_host_bytes is None else f", host tier {self.kv_host_bytes / 2**20:.1f} MiB"
+        return [f"{self.params.describe()}; compute {self.dtype}, weights {self.weights}, KV cache {self.kv_dtype}"
+                f"{tier}",
                 f"speculative decoding {self.speculative}; tensor parallel {self.tensor_parallel_size} x data "
                 f"parallel {self.data_parallel_size}; context {self.max_model_len:,} tokens",
                 f"sampling defaults: {self.sampling_defaults}"]
@@ -113,7 +116,8 @@ class EngineSummary:
         return {"dtype": self.dtype, "weights": self.weights, "num_params": self.params.num_params,
                 "param_bytes": self.params.nbytes,
                 "params_by_type": {name: {"params": n, "bytes": b} for name, n, b in self.params.by_type},
-                "kv_cache_dtype": self.kv_dtype, "speculative": self.speculative,
+                "kv_cache_dtype": self.kv_dtype, "kv_host_tier_bytes": self.kv_host_bytes,
+                "speculative": self.speculative,
                 "tensor_parallel_size": self.tensor_parallel_size, "data_parallel_size": self.data_parallel_size,
                 "sampling_defaults": self.sampling_defaults}
 
@@ -131,4 +135,5 @@ def summarize(engine) -> EngineSummary:
         params=params, kv_dtype=stats.kv_dtype,
         speculative="off" if spec is None else f"{spec.method}, {spec.num_speculative_tokens} tokens",
         tensor_parallel_size=stats.tensor_parallel_size, data_parallel_size=len(replicas) if replicas else 1,
-        max_model_len=one.scheduler_config.max_model_len, sampling_defaults=one.config.sampling_defaults.describe())
+        max_model_len=one.scheduler_config.max_model_len, sampling_defaults=one.config.sampling_defaults.describe(),
+        kv_host_bytes=one.cache_config.kv_host_memory_bytes)

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from pagedjax.engine.summary import summarize
 from tests.engine.test_engine import CFG, MAX_LEN, SEED, dense_greedy
 from tests.engine.test_engine_faults import Faults
 
@@ -53,6 +54,7 @@ def test_prefixes_evicted_from_the_device_are_served_from_host_memory():
         if host is not None:
             assert stats.host_hit_tokens == 60 and stats.host_blocks_loaded == 15
             assert stats.host_blocks_stored >= 15 and stats.host_slots > stats.host_blocks > 0
+            assert summarize(engine).lines()[0].endswith(", host tier 1.0 MiB")
         _check_idle(engine)
 
 
