@@ -9,7 +9,8 @@ evicted before its next turn and recomputed; with one, it is loaded back from ho
 Prints one row per (pressure, tier): time to first token p50 / p99 over every turn after the first, output tokens
 per second over the whole run, prefix-hit tokens (device and host) and blocks moved; and whether every
 configuration produced the same tokens (greedy: the tier must not change them). Each engine first runs the same
-turns over other tokens (every program compiled), then empties its prefix cache and tier, then is measured.
+turns over other tokens (every program compiled), then empties its prefix cache and tier, then is measured. Last,
+the copy rate of the tier's own moves (64 blocks out, then in) against a numpy memcpy, the machine's limit.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from pagedjax.core.host_tier import TierMoves  # noqa: E402
 
 SHAPES = {
     "small": ModelConfig(),
@@ -80,6 +82,38 @@ def run(cfg: ModelConfig, args, num_blocks: int, host_bytes: int | None) -> dict
                 loaded=sched.host_blocks_loaded - before.host_blocks_loaded, outputs=outputs)
 
 
+def _best(fn, repeats: int = 5) -> float:
+    fn()  # compiled, caches warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def copy_rates(cfg: ModelConfig, args, num_blocks: int = 64) -> tuple[float, float, float, int]:
+    """(store, load, numpy memcpy bytes/s, bytes per block): `num_blocks` blocks moved out to the host tier and
+    back in by the runner's own moves, against one large numpy copy (read + write) on this machine."""
+    block_bytes = CacheConfig(block_size=args.block_size).block_bytes(cfg)
+    engine = LLMEngine(model_config=cfg, seed=0, cache_config=CacheConfig(
+        block_size=args.block_size, num_blocks=num_blocks, kv_host_memory_bytes=num_blocks * block_bytes))
+    runner = engine.runner
+    pairs = [(b, b) for b in range(num_blocks)]
+
+    def move(moves: TierMoves) -> None:
+        runner.kv_cache = runner.host_blocks.move(runner.kv_cache, (moves,))
+        runner.kv_cache.layers[0][0].block_until_ready()
+
+    nbytes = num_blocks * block_bytes
+    store = nbytes / _best(lambda: move(TierMoves(stores=pairs)))
+    load = nbytes / _best(lambda: move(TierMoves(loads=pairs)))
+    src = np.ones(max(nbytes, 64 * 2**20) // 8)
+    dst = np.empty_like(src)
+    memcpy = 2 * src.nbytes / _best(lambda: np.copyto(dst, src))
+    return store, load, memcpy, block_bytes
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=SHAPES, default="small")
@@ -122,6 +156,9 @@ def main(argv=None) -> None:
               f"{1e3 * r['ttft_p99']:.1f} | "
               f"{r['tok_s']:.1f} | {r['hits']} ({r['host_hits']}) | {r['stored']} / {r['loaded']} | "
               f"{'yes' if same else 'NO'} |")
+    store, load, memcpy, block_bytes = copy_rates(cfg, args)
+    print(f"\nmoves of 64 blocks of {block_bytes / 2**10:.0f} KiB: store (device to host) {store / 1e9:.2f} GB/s, "
+          f"load (host to device) {load / 1e9:.2f} GB/s; numpy memcpy (read + write) {memcpy / 1e9:.2f} GB/s")
 
 
 if __name__ == "__main__":

@@ -54,11 +54,9 @@ class HostBlocks:
                     host[slots] = np.asarray(x)[:len(blocks)]
         for pool, m in enumerate(moves):
             if m.loads:
-                slots, blocks = (np.array(x, np.int32) for x in zip(*m.loads, strict=True))
-                n = _bucket(len(blocks))
-                padded = np.full(n, -1, np.int32)
-                padded[:len(blocks)] = blocks
-                values = [np.concatenate([host[slots], np.zeros((n - len(slots), *host.shape[1:]), host.dtype)])
-                          for host in self.arrays[pool]]
-                kv_cache = self._write(kv_cache, jnp.asarray(padded), values, slot_pools=self.slot_pools, pool=pool)
+                n = _bucket(len(m.loads))
+                slots, blocks = np.zeros(n, np.int32), np.full(n, -1, np.int32)  # padding: slot 0, dropped
+                slots[:len(m.loads)], blocks[:len(m.loads)] = zip(*m.loads, strict=True)
+                values = [host[slots] for host in self.arrays[pool]]  # one gathered copy each
+                kv_cache = self._write(kv_cache, jnp.asarray(blocks), values, slot_pools=self.slot_pools, pool=pool)
         return kv_cache
