@@ -161,18 +161,23 @@ class CacheConfig:
     def resolve_host_blocks(self, model: ModelSpec, num_blocks: int, extra_pools: tuple[int, ...] = ()
                             ) -> tuple[int, ...]:
         """Host tier slots per pool (`pagedjax.core.host_tier`; all 0 without `kv_host_memory_bytes`): the budget
-        split over the pools as the device pools (`num_blocks`, then `extra_pools`) split their bytes, whole blocks
-        of the model's full shapes (under tensor parallelism the host holds every device's share). ValueError when
-        the budget holds no block."""
-        if self.kv_host_memory_bytes is None:
-            return (0,) * (1 + len(extra_pools))
+        split over the pools whose groups keep every block (a window's blocks and state snapshots stay on the
+        device: no tier of their own) as the device pools (`num_blocks`, then `extra_pools`) split their bytes, in
+        whole blocks of the model's full shapes (under tensor parallelism the host holds every device's share).
+        ValueError when the budget holds no block."""
         sizes = (num_blocks, *extra_pools)
+        if self.kv_host_memory_bytes is None:
+            return (0,) * len(sizes)
+        layout = model.kv_layout
+        kept = {g.pool for g in layout.groups if g.spec.release_window is None}
         per_block = [self.block_bytes(model, p) for p in range(len(sizes))]
-        device = sum(n * b for n, b in zip(sizes, per_block, strict=True))
-        slots = tuple(self.kv_host_memory_bytes * n // device for n in sizes)
+        device = sum(n * b for p, (n, b) in enumerate(zip(sizes, per_block, strict=True)) if p in kept)
+        slots = tuple(self.kv_host_memory_bytes * n // device if p in kept else 0 for p, n in enumerate(sizes))
         if not any(slots):
             raise ValueError(f"CacheConfig.kv_host_memory_bytes {self.kv_host_memory_bytes} holds no KV block "
-                             f"(one takes {per_block[0]} bytes)")
+                             f"(one takes {per_block[min(kept, default=0)]} bytes)" if kept else
+                             "CacheConfig.kv_host_memory_bytes: this model keeps no KV block past a window or a "
+                             "state snapshot; a host tier has nothing to hold")
         return slots
 
     def resolve_num_blocks(self, model: ModelSpec, draft: ModelSpec | None = None,

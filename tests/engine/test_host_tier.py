@@ -4,13 +4,16 @@ does: random workloads over tiny pools (preemption, forks, fused decode), failed
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.engine.summary import summarize
+from tests.dense import greedy_by_recompute
 from tests.engine.test_engine import CFG, MAX_LEN, SEED, dense_greedy
 from tests.engine.test_engine_faults import Faults
 
@@ -135,3 +138,52 @@ def test_host_tier_configurations_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="does not move a draft model's KV"):
         LLMEngine(model_config=CFG, cache_config=CacheConfig(num_blocks=8, kv_host_memory_bytes=HOST),
                   speculative_config=draft, seed=SEED)
+
+
+def test_latent_sparse_and_gqa_pages_move_through_the_tier():
+    """A model of MLA latent pages, DSA latent + indexer-key pages and GQA pages (`tests/engine/latent_toy.py`): its
+    three kinds of page arrays go out to the host and back, each prefix served from there the second time, with
+    the dense model's tokens."""
+    from tests.engine.latent_toy import VOCAB, LatentToy
+    from tests.engine.test_latent_cache import MAX_LEN as TOY_LEN
+    from tests.engine.test_latent_cache import _dense_greedy
+
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, VOCAB, 13).tolist() for _ in range(3)] * 2
+    model = LatentToy()
+    want = _dense_greedy(model, prompts, 6)
+    engine = LLMEngine(model=model, cache_config=CacheConfig(block_size=4, num_blocks=6, kv_host_memory_bytes=HOST),
+                       scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8,
+                                                        max_model_len=TOY_LEN))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = [engine.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert [o.output_token_ids for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 12, 12, 12]
+    _check_idle(engine)
+
+
+def test_a_hybrid_model_keeps_its_snapshots_on_the_device_and_its_kv_on_the_host():
+    """A recurrent state + attention model (`tests/engine/test_state_cache.py`'s toy): the tier is the KV pool's
+    alone (state snapshots are device-only); with snapshots that outlive the KV blocks, a hit loads the KV from the
+    host and starts from the snapshot on the device: the dense model's tokens."""
+    from tests.engine.test_state_cache import BS, SPEC, StateToy
+    from tests.engine.test_state_cache import MAX_LEN as TOY_LEN
+    from tests.engine.test_state_cache import VOCAB as TOY_VOCAB
+
+    cache = CacheConfig(block_size=BS, num_blocks=6, num_state_blocks=40, kv_host_memory_bytes=HOST)
+    slots = cache.resolve_host_blocks(SPEC, 6, extra_pools=(40,))
+    assert slots[0] > 0 and slots[1] == 0, slots
+    graphdef, state = nnx.split(StateToy())
+    forward = jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, TOY_VOCAB, 13).tolist() for _ in range(3)] * 2
+    want, margin = greedy_by_recompute(forward, prompts, 6, TOY_LEN)
+    assert margin > 1e-3, margin
+    engine = LLMEngine(model=StateToy(), cache_config=cache,
+                       scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8,
+                                                        max_model_len=TOY_LEN))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = [engine.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert [o.output_token_ids for o in outs] == want
+    assert engine.stats().scheduler.host_hit_tokens > 0 and engine.scheduler.kv_cache_manager.tiers[1] is None
+    _check_idle(engine)
