@@ -61,6 +61,26 @@ def test_prefixes_evicted_from_the_device_are_served_from_host_memory():
         _check_idle(engine)
 
 
+def test_a_preempted_request_takes_its_blocks_back_from_the_host():
+    """Preemption recomputes only what no tier holds: three requests in a pool for two, one preempted; its full
+    blocks were published, evicted into the tier while it waited, and come back from there (fewer prefill tokens
+    computed than without the tier), with the dense tokens."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, CFG.vocab_size, 20).tolist() for _ in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want, _ = dense_greedy(prompts, 12)
+    computed = {}
+    for host in (None, HOST):
+        engine = _engine(host=host, budget=64, max_num_seqs=3)
+        assert [o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)] == want
+        stats = engine.stats()
+        assert stats.scheduler.num_preemptions > 0
+        computed[host] = stats.prefill_tokens_computed
+        assert (stats.scheduler.host_hit_tokens > 0) == (host is not None)
+        _check_idle(engine)
+    assert computed[HOST] < computed[None], computed
+
+
 @st.composite
 def workloads(draw):
     rng = np.random.default_rng(draw(st.integers(0, 2 ** 16), label="token_seed"))
