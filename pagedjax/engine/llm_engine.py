@@ -667,6 +667,9 @@ class LLMEngine:
             **({} if self.runner.image_features is None else dict(
                 images_encoded=self.runner.image_features.num_encoded, encoder_s=self.runner.image_features.seconds)),
             indexer_ties=self.runner.indexer_ties,
+            **({} if self.runner.host_blocks is None else dict(
+                host_bytes_stored=self.runner.host_blocks.bytes_stored,
+                host_bytes_loaded=self.runner.host_blocks.bytes_loaded, host_move_s=self.runner.host_blocks.seconds)),
             scheduler=self.scheduler.stats(),
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,

@@ -54,6 +54,11 @@ class EngineStats:
     # fell between equal scores, where pagedjax's tie rule (the lower position) chose what the scores did not
     # (`PagedKVCache.indexer_ties`; transformers leaves such ties unordered). The engine logs a warning at the first.
     indexer_ties: int = 0
+    # The host tier (`CacheConfig.kv_host_memory_bytes`; block counts and hits in `scheduler`): bytes copied out to
+    # it and in from it, and the seconds those moves took (inside elapsed_s).
+    host_bytes_stored: int = 0
+    host_bytes_loaded: int = 0
+    host_move_s: float = 0.0
     # A DataParallelEngine's stats combine its replicas': each replica's own, and the requests each was given.
     replicas: tuple[EngineStats, ...] = ()
     requests_per_replica: tuple[int, ...] = ()

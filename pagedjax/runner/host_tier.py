@@ -7,6 +7,8 @@ of two (a few compiled programs); the cache keeps its shardings.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,8 @@ class HostBlocks:
                       if p == pool for x in jax.tree.leaves(layer)]
             self.arrays.append([np.zeros((capacity, *np.delete(np.array(x.shape), axis)), x.dtype)
                                 for axis, x in leaves])
+        self.bytes_stored = self.bytes_loaded = 0  # moved by `move`, and the seconds that took
+        self.seconds = 0.0
         shardings = jax.tree.map(lambda x: x.sharding, kv_cache)
         self._read = jax.jit(read_blocks, static_argnames=("slot_pools", "pool"))
         self._write = jax.jit(write_blocks, static_argnames=("slot_pools", "pool"), donate_argnums=(0,),
@@ -44,6 +48,7 @@ class HostBlocks:
 
     def move(self, kv_cache: KVCache, moves: tuple[TierMoves, ...]) -> KVCache:
         """Run a plan's moves (one `TierMoves` per pool); returns the cache with the loaded blocks written."""
+        start = time.perf_counter()
         for pool, m in enumerate(moves):
             if m.stores:
                 blocks, slots = (np.array(x, np.int32) for x in zip(*m.stores, strict=True))
@@ -52,6 +57,7 @@ class HostBlocks:
                 data = self._read(kv_cache, jnp.asarray(padded), slot_pools=self.slot_pools, pool=pool)
                 for host, x in zip(self.arrays[pool], data, strict=True):
                     host[slots] = np.asarray(x)[:len(blocks)]
+                    self.bytes_stored += host[0].nbytes * len(blocks)
         for pool, m in enumerate(moves):
             if m.loads:
                 n = _bucket(len(m.loads))
@@ -59,4 +65,8 @@ class HostBlocks:
                 slots[:len(m.loads)], blocks[:len(m.loads)] = zip(*m.loads, strict=True)
                 values = [host[slots] for host in self.arrays[pool]]  # one gathered copy each
                 kv_cache = self._write(kv_cache, jnp.asarray(blocks), values, slot_pools=self.slot_pools, pool=pool)
+                self.bytes_loaded += sum(host[0].nbytes for host in self.arrays[pool]) * len(m.loads)
+        if any(m.loads for m in moves):
+            jax.block_until_ready(kv_cache)  # the loads' time, not the step's
+        self.seconds += time.perf_counter() - start
         return kv_cache

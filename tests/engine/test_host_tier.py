@@ -58,6 +58,10 @@ def test_prefixes_evicted_from_the_device_are_served_from_host_memory():
             assert stats.host_hit_tokens == 60 and stats.host_blocks_loaded == 15
             assert stats.host_blocks_stored >= 15 and stats.host_slots > stats.host_blocks > 0
             assert summarize(engine).lines()[0].endswith(", host tier 1.0 MiB")
+            block_bytes = CacheConfig(block_size=4).block_bytes(CFG)
+            every = engine.stats()
+            assert every.host_bytes_loaded == 15 * block_bytes and every.host_move_s > 0
+            assert every.host_bytes_stored == stats.host_blocks_stored * block_bytes
         _check_idle(engine)
 
 
