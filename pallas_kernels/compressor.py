@@ -118,16 +118,20 @@ def _tiles(kv, gate, state_pages, block_tables, kv_lens, cu_q_lens, *, compress_
     j = jnp.arange(slots, dtype=jnp.int32)[None, :]
     live = (p.length > 0)[:, None]
 
-    def tile(x, columns, first_row, owned):  # (c, z) `[NP, slots, width]`
+    def gathered(first_row, columns=slice(None)):  # (c, z) f32 `[NP, slots, columns]` of each piece's rows
         rows_ = jnp.clip(first_row[:, None] + j, 0, max(num_tokens - 1, 0))
-        pad = ((0, 0), (0, 0), (0, width - d))
-        c = jnp.where(owned[..., None], x[0][:, columns][rows_].astype(jnp.float32), 0.0)
-        z = jnp.where(owned[..., None], x[1][:, columns][rows_].astype(jnp.float32), NEG_INF)
-        return jnp.pad(c, pad), jnp.pad(z, pad, constant_values=0.0)
+        return kv[:, columns][rows_].astype(jnp.float32), gate[:, columns][rows_].astype(jnp.float32)
 
-    series = lambda k: slice(k * d, (k + 1) * d)  # noqa: E731  (A = 0, B = last)
+    def pair(c, z, owned):  # the tile: slots not owned weigh nothing (c 0, z -inf); channels padded to `width`
+        c, z = jnp.where(owned[..., None], c, 0.0), jnp.where(owned[..., None], z, NEG_INF)
+        if width == d:
+            return c, z
+        pad = ((0, 0), (0, 0), (0, width - d))
+        return jnp.pad(c, pad), jnp.pad(z, pad)
+
     own = live & (j < p.length[:, None])
-    pairs = [tile((kv, gate), series(kv.shape[1] // d - 1), p.row0, own)]
+    c_own, z_own = gathered(p.row0)  # both series at once (CSA: A then B)
+    pairs = [pair(c_own[..., -d:], z_own[..., -d:], own)]
     blocks = initial_blocks(kv_lens, cu_q_lens, block_tables, num_tokens=num_tokens, block_size=block_size,
                             num_blocks=state_pages.shape[0])
     init = state_pages[jnp.maximum(blocks, 0)]  # selected, never multiplied: other pages may hold NaN
@@ -143,21 +147,22 @@ def _tiles(kv, gate, state_pages, block_tables, kv_lens, cu_q_lens, *, compress_
         # half when the previous piece started the step mid-window (empty when it started at a boundary).
         prev_row = p.row0[:, None] - slots + j
         prev_owned = live & ~p.first[:, None] & (prev_row >= p.row0[:, None] - m) & (prev_row >= cu[p.seq][:, None])
-        pairs += [tile((kv, gate), series(0), p.row0, own), tile((kv, gate), series(0), p.row0 - slots, prev_owned)]
+        pairs += [pair(c_own[..., :d], z_own[..., :d], own), pair(*gathered(p.row0 - slots, slice(0, d)), prev_owned)]
         prev_open = (~p.first & (cu[p.seq] > p.row0 - m))[:, None, None]
         extras = [jnp.where(first, start[:, 0], jnp.where(prev_open, start[:, 1], empty)),
                   jnp.where(first, start[:, 1], empty), jnp.where(first, start[:, 2], empty)]
     extras = jnp.concatenate(extras, axis=1)  # [NP, 3P, D]
-    extras = jnp.pad(extras, ((0, 0), (0, extra_rows - extras.shape[1]), (0, width - d)))
+    if (extra_rows, width) != extras.shape[1:]:
+        extras = jnp.pad(extras, ((0, 0), (0, extra_rows - extras.shape[1]), (0, width - d)))
     return _Tiles(pairs, extras, p)
 
 
-def _finish(t: _Tiles, entry: jax.Array, parts: jax.Array, state_pages: jax.Array, *, num_tokens: int,
+def _finish(t: _Tiles, entry: jax.Array, parts: list[Partial], state_pages: jax.Array, *, num_tokens: int,
             compress_rate: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Step 3: entry `[NP, 1, Dp]`, parts `[NP, >= 3P, Dp]` -> (entries f32 `[T, D]`, closes bool `[T]`, pages)."""
+    """Step 3: entry `[NP, 1, >= D]`, the partials `[NP, 1, D]` in the state's order -> (entries f32 `[T, D]`,
+    closes bool `[T]`, pages)."""
     p, (num_parts, d) = t.p, (state_pages.shape[1], state_pages.shape[-1])
     closes = (p.length > 0) & ((p.pos0 + p.length) % compress_rate == 0)
-    parts = _of_rows(parts[:, :3 * num_parts, :d], num_parts)
     empty = _empty(parts[0].m.shape)
     pick = lambda x, y: Partial(*(jnp.where(closes[:, None, None], u, v) for u, v in zip(x, y, strict=True)))  # noqa: E731
     if num_parts == 3:
@@ -188,7 +193,7 @@ def compress_xla(kv: jax.Array,  # f32[T, D] (HCA) or [T, 2D] (CSA: series A the
     t = _tiles(kv, gate, state_pages, block_tables, kv_lens, cu_q_lens, compress_rate=compress_rate,
                block_size=block_size, slots=compress_rate, extra_rows=3 * num_parts, width=state_pages.shape[-1])
     entry, parts = piece_partials(_of_rows(t.extras, num_parts), t.pairs[0], *(t.pairs[1:] or (None, None)))
-    return _finish(t, entry, _as_rows(parts), state_pages, num_tokens=kv.shape[0], compress_rate=compress_rate)
+    return _finish(t, entry, parts, state_pages, num_tokens=kv.shape[0], compress_rate=compress_rate)
 
 
 def _kernel(*refs, num_parts: int):
@@ -272,6 +277,7 @@ def _compress_pallas(kv, gate, state_pages, block_tables, kv_lens, cu_q_lens, *,
         compiler_params=params,
         name=f"compress_{target}_{'csa' if num_parts == 3 else 'hca'}_m{compress_rate}_d{block_d}",
     )(*arrays, t.extras)
+    parts = _of_rows(parts[:, :3 * num_parts, :d], num_parts)
     return _finish(t, entry, parts, state_pages, num_tokens=kv.shape[0], compress_rate=compress_rate)
 
 

@@ -46,7 +46,6 @@ _rng = np.random.default_rng(1)
 SHARED = _rng.integers(3, VOCAB, 14).tolist()
 PROMPTS = [_rng.integers(3, VOCAB, n).tolist() for n in (3, 17, 9)] + [SHARED + [3]]
 AT_BOUNDARY, INSIDE = SHARED[:12] + [40, 41, 42], SHARED + [50, 51]
-INSIDE_8 = SHARED + [50, 51, 52, 53, 54, 55]  # its 8 tokens past the hit: one chunk of the program of the others
 
 
 def random_v4(seed: int, **changes):
@@ -177,15 +176,14 @@ def _engine(folder, num_blocks: int = 16, **options) -> LLMEngine:
 
 
 def test_engine_chunked_prefill_and_a_hit_inside_a_block_match_transformers(ckpt):
-    """One sequence at a time (CI time: the test below runs the engine's other paths; every prefill chunk here
-    takes the 8-token program): 8-token prefill chunks that end inside windows of both rates, then a prompt sharing
-    the first 14 tokens hits the 12 of its whole state block (the snapshot there, never the live state) and
-    recomputes the rest: transformers' tokens both times."""
+    """One sequence at a time (CI time: the test below runs the engine's other paths): 8-token prefill chunks that
+    end inside windows of both rates, then a prompt sharing the first 14 tokens hits the 12 of its whole state
+    block (the snapshot there, never the live state) and recomputes the rest: transformers' tokens both times."""
     model, folder = ckpt
     engine = _engine(folder, scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8,
                                                               max_model_len=24))
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    for prompt, cached in ((PROMPTS[3], 0), (INSIDE_8, 12)):
+    for prompt, cached in ((PROMPTS[3], 0), (INSIDE, 12)):
         want, margin = hf_greedy(model, prompt, 4)
         assert margin > MIN_MARGIN, margin
         out = engine.generate([prompt], greedy, use_tqdm=False)[0]
