@@ -1,14 +1,15 @@
 """Which checks of `tests/parallel/worker.py` run by default (CI budget) and which only with `-m slow`."""
 
 FAST = [
-    "greedy_gqa_tp2_block16",  # KV heads split
     "logits_and_shardings",
     "kv_pool_sized_per_device",
     "int8_kv_tensor_parallel",
     "data_parallel_2x2",
     "pallas_under_shard_map",
     "sinks_tensor_parallel",  # attention sinks split as the query heads, at tp 2 and 4 (past the KV heads)
-    "kv_groups_tensor_parallel",  # window and global layers: a block table per KV cache group, at tp 2
+    # window and global layers: a block table per KV cache group, at tp 2 (GQA's KV heads split), through prefix hits,
+    # preemption, chunked prefill and fused decode
+    "kv_groups_tensor_parallel",
     "steps_export_for_cuda_on_4_devices",
     "orbax_checkpoint_loads_into_shards",
     "qk_norms_tensor_parallel",
@@ -16,7 +17,11 @@ FAST = [
     "latent_layers_tensor_parallel",  # MLA / DSA: query heads split, latent pages replicated
     "lora_tensor_parallel",  # LoRA stacks split as their linears, at tp 2
 ]
-SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16", "greedy_mha_tp2_block8",
+SLOW = [
+        # (CI time: ~11 s) kv_groups_tensor_parallel runs the same flows at tp 2 with GQA's KV heads split (blocks
+        # of 8); the newest-JAX pass runs this one
+        "greedy_gqa_tp2_block16",
+        "cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16", "greedy_mha_tp2_block8",
         "greedy_mqa_tp4_block8", "greedy_mha_tp4_block8", "greedy_gqa_tp2_block8", "greedy_mqa_tp8_block8",
         "int8_kv_greedy_tp4", "bring_your_own_model_dp2", "update_weights_tp2", "update_weights_dp2",
         "quantized_tensor_parallel",
@@ -54,7 +59,7 @@ SLOW = ["cli_tensor_parallel", "greedy_mha_tp8_block16", "greedy_gqa_tp8_block16
         "qwen3_5_tensor_parallel",  # (CI time: ~25 s) hybrid_tensor_parallel runs the same core with Qwen3-Next's
         # (CI time: ~60 s, interpreted kernels) pallas_under_shard_map runs the Pallas path under shard_map
         "hybrid_pallas_under_shard_map",
-        # (CI time) greedy_gqa_tp2_block16 runs prefix hits, preemption and fused decode under shard_map;
+        # (CI time) kv_groups_tensor_parallel runs prefix hits, preemption and fused decode under shard_map;
         # logits_and_shardings the replicated KV heads of MQA at tp 8, its logits equal to one device's
         "greedy_mqa_tp8_block16",
         # (CI time) latent_layers_tensor_parallel runs a model of the contract (DeepSeek) sharded by its own
