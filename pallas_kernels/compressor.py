@@ -233,6 +233,11 @@ def _check_compress(kv, gate, state_pages, block_tables, kv_lens, cu_q_lens, com
     V.check_vector("cu_q_lens", cu_q_lens, block_tables.shape[0] + 1)
 
 
+def _tile_slots(target: str, compress_rate: int) -> int:
+    """A tile's slots: Triton wants power-of-two tile sides; Mosaic whole sublane tiles of float32 (8 rows)."""
+    return tiles.next_pow2(compress_rate) if target == "gpu" else tpu_common.round_up(compress_rate, 8)
+
+
 def _default_block_d(target: str, d: int, slots: int) -> int:
     """GPU: about 2048 elements per tile (powers of two, at least 16 channels); TPU: the largest multiple of 128
     dividing D up to 512, else all of D."""
@@ -256,8 +261,7 @@ def _check_block_d(target: str, block_d: int, d: int) -> None:
 def _compress_pallas(kv, gate, state_pages, block_tables, kv_lens, cu_q_lens, *, compress_rate: int, block_size: int,
                      target: str, block_d: int, interpret, num_warps: int):
     num_parts, d = state_pages.shape[1], state_pages.shape[-1]
-    # Triton wants power-of-two tile sides; Mosaic whole sublane tiles of float32 (8 rows).
-    slots = tiles.next_pow2(compress_rate) if target == "gpu" else tpu_common.round_up(compress_rate, 8)
+    slots = _tile_slots(target, compress_rate)
     extra_rows = tiles.next_pow2(3 * num_parts)
     width = tiles.cdiv(d, block_d) * block_d
     t = _tiles(kv, gate, state_pages, block_tables, kv_lens, cu_q_lens, compress_rate=compress_rate,
@@ -298,7 +302,6 @@ def compress(kv: jax.Array,  # [T, D] (HCA) or [T, 2D] (CSA: series A then B)
     _check_compress(kv, gate, state_pages, block_tables, kv_lens, cu_q_lens, compress_rate, block_size)
     target = resolve_target(target, interpret)
     d = state_pages.shape[-1]
-    slots = tiles.next_pow2(compress_rate) if target == "gpu" else tpu_common.round_up(compress_rate, 8)
     if block_d is not None:
         _check_block_d(target, block_d, d)
     if target == "tpu":
@@ -309,9 +312,9 @@ def compress(kv: jax.Array,  # [T, D] (HCA) or [T, 2D] (CSA: series A then B)
         interpret = gpu_common.resolve_interpret(interpret)
     if kv.shape[0] == 0 or 0 in block_tables.shape or state_pages.shape[0] == 0:
         return jnp.zeros((kv.shape[0], d), jnp.float32), jnp.zeros((kv.shape[0],), bool), state_pages
+    block_d = block_d or _default_block_d(target, d, _tile_slots(target, compress_rate))
     return _compress_pallas(kv, gate, state_pages, block_tables, kv_lens, cu_q_lens, compress_rate=compress_rate,
-                            block_size=block_size, target=target,
-                            block_d=int(block_d or _default_block_d(target, d, slots)), interpret=interpret,
+                            block_size=block_size, target=target, block_d=int(block_d), interpret=interpret,
                             num_warps=int(num_warps or 4))
 
 

@@ -30,9 +30,11 @@ def check_scheduler_invariants(kv: KVCacheManager, *, running: Sequence[Request]
         if not ok:
             raise RuntimeError(f"scheduler invariant violated: {what}")
 
-    for pool in kv.pools:
+    for pool, tier in zip(kv.pools, kv.tiers, strict=True):
         pool.check_invariants()
         require(pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks, "block counts")
+        if tier is not None:
+            tier.check_invariants()
     running_ids = [r.request_id for r in running]
     waiting_ids = [r.request_id for r in waiting]
     require(len(set(running_ids)) == len(running_ids) and not set(running_ids) & set(waiting_ids),

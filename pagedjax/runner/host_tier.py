@@ -42,10 +42,6 @@ class HostBlocks:
         self._write = jax.jit(write_blocks, static_argnames=("slot_pools", "pool"), donate_argnums=(0,),
                               out_shardings=shardings)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for arrays in self.arrays if arrays for a in arrays)
-
     def move(self, kv_cache: KVCache, moves: tuple[TierMoves, ...]) -> KVCache:
         """Run a plan's moves (one `TierMoves` per pool); returns the cache with the loaded blocks written."""
         start = time.perf_counter()

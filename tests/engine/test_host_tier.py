@@ -211,3 +211,30 @@ def test_a_hybrid_model_keeps_its_snapshots_on_the_device_and_its_kv_on_the_host
     assert [o.output_token_ids for o in outs] == want
     assert engine.stats().scheduler.host_hit_tokens > 0 and engine.scheduler.kv_cache_manager.tiers[1] is None
     _check_idle(engine)
+
+
+def test_a_move_that_raises_fails_its_step_and_the_engine_serves_on():
+    """A host-to-device load that raises (as a device call may): that step's request fails with the error, its plan's
+    moves are discarded, nothing is held, and the same prompts then give the dense tokens, from the tier again."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, CFG.vocab_size, 20).tolist() + [i] for i in range(3)] * 2
+    want, _ = dense_greedy(prompts, GREEDY.max_tokens)
+    engine = _engine()
+    host = engine.runner.host_blocks
+    write, calls = host._write, []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected load failure")
+        return write(*args, **kwargs)
+
+    host._write = broken
+    outs = [engine.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    failed = [o for o in outs if o.finish_reason == "error"]
+    assert len(failed) == 1 and "injected load failure" in failed[0].error
+    assert all(o.outputs[0].token_ids == w for o, w in zip(outs, want, strict=True) if o.finish_reason != "error")
+    _check_idle(engine)
+    again = [engine.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in again] == want and engine.stats().scheduler.host_hit_tokens > 0
+    _check_idle(engine)
