@@ -120,6 +120,8 @@ def add_engine_options(parser: argparse.ArgumentParser, **front_end_defaults) ->
     add_field_option(kv, CacheConfig, "num_blocks", type=int_at_least(1))
     add_field_option(kv, CacheConfig, "kv_memory_bytes", "--kv-memory", type=parse_size, metavar="SIZE")
     add_field_option(g, CacheConfig, "kv_host_memory_bytes", "--kv-host-memory", type=parse_size, metavar="SIZE")
+    add_field_option(g, CacheConfig, "kv_disk_dir", "--kv-disk-dir", metavar="DIR")
+    add_field_option(g, CacheConfig, "kv_disk_bytes", "--kv-disk-bytes", type=parse_size, metavar="SIZE")
     add_field_option(g, CacheConfig, "kv_dtype", choices=KV_DTYPES)
     add_field_option(g, EngineConfig, "decode_steps_per_call", type=int_at_least(1), metavar="N",
                      default=front_end_defaults.get("decode_steps_per_call", dataclasses.MISSING))

@@ -313,6 +313,7 @@ def engine_config_of(args: argparse.Namespace, compile_cache: bool | str = True,
         return EngineConfig(
             cache_config=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                                      kv_memory_bytes=args.kv_memory, kv_host_memory_bytes=args.kv_host_memory,
+                                     kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,
                                      enable_prefix_caching=args.enable_prefix_caching, kv_dtype=args.kv_dtype),
             # max_model_len None: the model's max_position_embeddings, resolved by the engine as in Python, so
             # one model has one context length in Python, pagedjax-generate and pagedjax-serve.

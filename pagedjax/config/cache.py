@@ -6,6 +6,7 @@ Plain Python, no JAX: the host side (`pagedjax.core`) imports this too.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,10 @@ class CacheConfig:
     hash_seed: int = 0
     kv_host_memory_bytes: int | None = option(None, "a host-memory tier of this size for prefix-cache blocks the "
                                                     "device pool evicts (loaded back on a hit), e.g. 16GiB")
+    kv_disk_dir: str | None = option(None, "a disk tier in this folder under the host tier: blocks it drops are "
+                                           "kept as files, found again after a restart (needs --kv-host-memory and "
+                                           "--kv-disk-bytes)")
+    kv_disk_bytes: int | None = option(None, "the disk tier's size, e.g. 100GiB")
 
     def __post_init__(self) -> None:
         owner = "CacheConfig"
@@ -88,6 +93,18 @@ class CacheConfig:
         if self.kv_host_memory_bytes is not None and not self.enable_prefix_caching:
             raise ValueError(f"{owner}.kv_host_memory_bytes: a host tier keeps prefix-cache blocks; it needs "
                              "enable_prefix_caching")
+        if self.kv_disk_dir is not None:
+            if not isinstance(self.kv_disk_dir, str | os.PathLike) or not os.fspath(self.kv_disk_dir):
+                raise TypeError(f"{owner}.kv_disk_dir must be a folder's path (a non-empty str or path), got "
+                                f"{describe(self.kv_disk_dir)}")
+            fix("kv_disk_dir", os.fspath(self.kv_disk_dir))
+        fix("kv_disk_bytes", check_int(owner, "kv_disk_bytes", self.kv_disk_bytes, lo=1, optional=True))
+        if (self.kv_disk_dir is None) != (self.kv_disk_bytes is None):
+            raise ValueError(f"{owner}: a disk tier needs both kv_disk_dir and kv_disk_bytes, got "
+                             f"kv_disk_dir={self.kv_disk_dir!r}, kv_disk_bytes={self.kv_disk_bytes}")
+        if self.kv_disk_dir is not None and self.kv_host_memory_bytes is None:
+            raise ValueError(f"{owner}.kv_disk_dir: blocks reach the disk tier through the host tier; give "
+                             "kv_host_memory_bytes too")
 
     # `model` below: a ModelSpec (or a ModelConfig, which has the same KV fields).
     def resolve_kv_dtype(self, model: ModelSpec) -> str:
@@ -165,20 +182,29 @@ class CacheConfig:
         device: no tier of their own) as the device pools (`num_blocks`, then `extra_pools`) split their bytes, in
         whole blocks of the model's full shapes (under tensor parallelism the host holds every device's share).
         ValueError when the budget holds no block."""
-        sizes = (num_blocks, *extra_pools)
-        if self.kv_host_memory_bytes is None:
+        return self._tier_blocks(model, (num_blocks, *extra_pools), "kv_host_memory_bytes", self.kv_host_memory_bytes)
+
+    def resolve_disk_blocks(self, model: ModelSpec, num_blocks: int, extra_pools: tuple[int, ...] = ()
+                            ) -> tuple[int, ...]:
+        """Disk tier files per pool (`pagedjax.core.disk_tier`; all 0 without `kv_disk_bytes`): split as
+        `resolve_host_blocks` splits the host's budget, a file per block (its bytes, plus a 48-byte header)."""
+        return self._tier_blocks(model, (num_blocks, *extra_pools), "kv_disk_bytes", self.kv_disk_bytes)
+
+    def _tier_blocks(self, model: ModelSpec, sizes: tuple[int, ...], name: str, budget: int | None
+                     ) -> tuple[int, ...]:
+        if budget is None:
             return (0,) * len(sizes)
         layout = model.kv_layout
         kept = {g.pool for g in layout.groups if g.spec.release_window is None}
         per_block = [self.block_bytes(model, p) for p in range(len(sizes))]
         device = sum(n * b for p, (n, b) in enumerate(zip(sizes, per_block, strict=True)) if p in kept)
-        slots = tuple(self.kv_host_memory_bytes * n // device if p in kept else 0 for p, n in enumerate(sizes))
-        if not any(slots):
-            raise ValueError(f"CacheConfig.kv_host_memory_bytes {self.kv_host_memory_bytes} holds no KV block "
-                             f"(one takes {per_block[min(kept, default=0)]} bytes)" if kept else
-                             "CacheConfig.kv_host_memory_bytes: this model keeps no KV block past a window or a "
-                             "state snapshot; a host tier has nothing to hold")
-        return slots
+        blocks = tuple(budget * n // device if p in kept else 0 for p, n in enumerate(sizes))
+        if not any(blocks):
+            raise ValueError(f"CacheConfig.{name} {budget} holds no KV block (one takes "
+                             f"{per_block[min(kept, default=0)]} bytes)" if kept else
+                             f"CacheConfig.{name}: this model keeps no KV block past a window or a state snapshot; "
+                             "a tier has nothing to hold")
+        return blocks
 
     def resolve_num_blocks(self, model: ModelSpec, draft: ModelSpec | None = None,
                            extra_pools: tuple[int, ...] = ()) -> int:

@@ -43,8 +43,9 @@ still entry j. A released block that was published keeps its key in the free que
 Fused decode borrows blocks with `lend_blocks` (as many for each group); the device pops them as sequences cross
 block boundaries; the host then `adopt_blocks` the used ones and `return_lent_blocks` the rest.
 
-Host tiers (`host_tier_blocks`: slots per pool, 0 for none; `pagedjax.core.host_tier`): the cached blocks a pool
-evicts while allocating are offered to its tier, and groups keeping every block find hits there too. The moves a
+Host tiers (`host_tier_blocks`: slots per pool, 0 for none; `pagedjax.core.host_tier`), each over a disk tier
+(`disk_tiers`: a `DiskTier` or None per pool): the cached blocks a pool evicts while allocating are offered to its
+tier, and groups keeping every block find hits there too (the host tier's, then the disk's). The moves a
 step must make (stores out, loads in: `take_tier_moves`) become real with `commit_tier_moves` once it ran, or are
 undone with `discard_tier_moves`.
 """
@@ -56,6 +57,7 @@ from collections.abc import Sequence
 
 from pagedjax.config import CacheConfig
 from pagedjax.core.block_pool import BlockHash, BlockPool, ExtraKeys
+from pagedjax.core.disk_tier import DiskTier
 from pagedjax.core.host_tier import HostTier, TierMoves
 from pagedjax.core.images import overlapping
 from pagedjax.core.kv_group import RELEASED, KVGroupManager, cdiv, host_slot
@@ -81,7 +83,7 @@ class KVCacheManager:
                  hash_seed: int = 0, sliding_window: int | None = None,
                  group_windows: Sequence[int | None] | None = None, group_pools: Sequence[int] | None = None,
                  extra_pools: Sequence[int] = (), pool_block_sizes: Sequence[int] = (),
-                 host_tier_blocks: Sequence[int] = ()) -> None:
+                 host_tier_blocks: Sequence[int] = (), disk_tiers: Sequence[DiskTier | None] = ()) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if group_windows is not None and sliding_window is not None:
@@ -106,10 +108,16 @@ class KVCacheManager:
                              "number of host slots (0: no tier)")
         if any(host_tier_blocks) and not enable_caching:
             raise ValueError("a host tier keeps prefix-cache blocks: it needs prefix caching on")
+        disk_tiers = tuple(disk_tiers) or (None,) * len(sizes)
+        if len(disk_tiers) != len(sizes) or any(d is not None and not n for d, n in zip(disk_tiers, host_tier_blocks,
+                                                                                        strict=True)):
+            raise ValueError(f"disk_tiers must give each of the {len(sizes)} pools a DiskTier or None, and only a "
+                             "pool with a host tier a disk tier (blocks reach the disk through host memory)")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pools = tuple(BlockPool(n, enable_caching=enable_caching, hash_seed=hash_seed) for n in sizes)
-        self.tiers = tuple(HostTier(n) if n else None for n in host_tier_blocks)
+        self.tiers = tuple(HostTier(n, disk) if n else None
+                           for n, disk in zip(host_tier_blocks, disk_tiers, strict=True))
         for pool, tier in zip(self.pools, self.tiers, strict=True):
             if tier is not None:
                 pool.evictions = []
@@ -120,17 +128,18 @@ class KVCacheManager:
         self.group_pools = pools
         self.prefix_cache_queries = 0  # tokens looked up by first-time admissions
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
-        self.host_hit_tokens = 0  # tokens of prefix hits (any admission) loaded from the host tiers
+        self.host_hit_tokens = 0  # tokens of prefix hits (any admission) loaded from the host tiers (or disk)
 
     @classmethod
     def from_config(cls, cache_config: CacheConfig, num_blocks: int, *, sliding_window: int | None = None,
                     group_windows: Sequence[int | None] | None = None, group_pools: Sequence[int] | None = None,
                     extra_pools: Sequence[int] = (), pool_block_sizes: Sequence[int] = (),
-                    host_tier_blocks: Sequence[int] = ()) -> KVCacheManager:
+                    host_tier_blocks: Sequence[int] = (), disk_tiers: Sequence[DiskTier | None] = ()
+                    ) -> KVCacheManager:
         return cls(num_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching,
                    hash_seed=cache_config.hash_seed, sliding_window=sliding_window, group_windows=group_windows,
                    group_pools=group_pools, extra_pools=extra_pools, pool_block_sizes=pool_block_sizes,
-                   host_tier_blocks=host_tier_blocks)
+                   host_tier_blocks=host_tier_blocks, disk_tiers=disk_tiers)
 
     @property
     def block_pool(self) -> BlockPool:
@@ -282,11 +291,12 @@ class KVCacheManager:
         if k <= 0:
             return none
         hashes = self.block_hashes(request)
+        keep: set[int] = set()  # host slots this lookup found: blocks read from disk go to none of them
         settled = False
         while not settled:  # the largest hit every group serves (a window group's hits are not nested)
             settled = True
             for group in self.groups:  # in blocks of the hashes; a group's blocks are `hash_stride` of them
-                served = group.longest_hit(hashes, k // group.hash_stride) * group.hash_stride
+                served = group.longest_hit(hashes, k // group.hash_stride, keep) * group.hash_stride
                 if served < k:
                     k, settled = served, False
         return (self._out([g.hit_blocks(hashes, k // g.hash_stride) for g in self.groups]),

@@ -12,10 +12,11 @@ snapshot per that many tokens, `pagedjax.config.kv_layout`). Per group and reque
   - a pending copy-on-write (src, dst) when the request writes into a block it shares with a fork;
   - the blocks lent to the device for a fused decode (held by the lender until adopted or returned).
 
-A group keeping every block (no window) may have its pool's host tier (`pagedjax.core.host_tier`): a prefix hit then
-continues past the blocks found on the device with those found there, each a `host_entry` in the hit list (after
-every device block), which `allocate` gives a fresh block that the step loads before it computes; it is published
-like a computed block once the step ran (`cache_blocks`), never before.
+A group keeping every block (no window) may have its pool's host tier (`pagedjax.core.host_tier`, and a disk tier
+under it): a prefix hit then continues past the blocks found on the device with those found there (a block found
+only on disk is read into a host slot by the lookup), each a `host_entry` in the hit list (after every device
+block), which `allocate` gives a fresh block that the step loads before it computes; it is published like a
+computed block once the step ran (`cache_blocks`), never before.
 """
 
 from __future__ import annotations
@@ -114,16 +115,24 @@ class KVGroupManager:
         # so blocks j < (p - window + 1) // block_size are unread (all of them full, since window >= 1).
         return max(0, (num_computed_tokens - window + 1) // self.block_size)
 
-    def longest_hit(self, hashes: Sequence[BlockHash], max_blocks: int) -> int:
+    def longest_hit(self, hashes: Sequence[BlockHash], max_blocks: int, keep: set[int] | None = None) -> int:
         """The most leading blocks k <= `max_blocks` of a chain of hashes this group can serve as a prefix hit:
-        every block a query at position k * block_size reads, i.e. blocks [unread(k), k), cached in this group."""
+        every block a query at position k * block_size reads, i.e. blocks [unread(k), k), cached in this group.
+        Past the device's blocks it continues in the host tier, where a block found only on disk is read into a
+        host slot now (`HostTier.find`); the host slots it finds join `keep` (none of them is dropped for another
+        block read from disk in the same lookup, so `hit_blocks` finds them all)."""
         lookup = self.pool.get_cached_block
         present = lambda j: lookup(self.block_key(hashes, j)) is not None
         if self.sliding_window is None:  # every block from the first: on the device, then in the host tier
             k = 0
             while k < max_blocks and present(k):
                 k += 1
-            while self.tier is not None and k < max_blocks and self.tier.lookup(self.block_key(hashes, k)) is not None:
+            keep = set() if keep is None else keep
+            while self.tier is not None and k < max_blocks:
+                slot = self.tier.find(self.block_key(hashes, k), keep)
+                if slot is None:
+                    break
+                keep.add(slot)
                 k += 1
             return k
         k = max_blocks

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedjax.config import CacheConfig, SchedulerConfig
+from pagedjax.core.disk_tier import DiskTier
 from pagedjax.core.encoder_cache import EncoderCacheManager
 from pagedjax.core.images import ImageInput, check_images, overlapping
 from pagedjax.core.invariants import check_scheduler_invariants
@@ -104,6 +105,13 @@ class SchedulerStats:
     host_blocks_loaded: int = 0
     host_slots: int = 0
     host_blocks: int = 0
+    # Disk tiers (`CacheConfig.kv_disk_dir`; zeros without): blocks read from files into host slots by steps that
+    # ran, blocks written (each block the host tier stores), files found bad (corrupt, truncated, foreign: removed,
+    # a miss), and the files they hold
+    disk_blocks_read: int = 0
+    disk_blocks_written: int = 0
+    disk_files_bad: int = 0
+    disk_blocks: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -124,7 +132,8 @@ class Scheduler:
                  sliding_window: int | None = None, group_windows: Sequence[int | None] | None = None,
                  group_pools: Sequence[int] | None = None, extra_pools: Sequence[int] = (),
                  pool_block_sizes: Sequence[int] = (), max_loras: int | None = None, images: int | None = None,
-                 bidirectional_images: bool = False, host_tier_blocks: Sequence[int] = ()) -> None:
+                 bidirectional_images: bool = False, host_tier_blocks: Sequence[int] = (),
+                 disk_tiers: Sequence[DiskTier | None] = ()) -> None:
         """`sliding_window`: the window of a model of one KV cache group (no layer reads positions older than
         p - window from position p; None: every layer reads everything), `group_windows` one per group of a model
         of several (`ModelSpec.kv_layout.windows`): running requests release a window group's blocks that fell
@@ -134,7 +143,8 @@ class Scheduler:
         adapters running requests may use (None: no limit; see the module's docstring). `images`: requests may carry
         images of this many placeholder tokens each (`scheduler_config`'s encoder budgets resolved:
         `SchedulerConfig.resolve_images`), whose tokens attend to each other both ways where
-        `bidirectional_images`. `host_tier_blocks`: host tier slots per pool (`KVCacheManager`)."""
+        `bidirectional_images`. `host_tier_blocks`: host tier slots per pool, `disk_tiers` the disk tier under each
+        (`KVCacheManager`)."""
         if scheduler_config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len is None: resolve it first "
                              "(SchedulerConfig.resolve(max_position_embeddings))")
@@ -146,7 +156,7 @@ class Scheduler:
                                                            group_windows=group_windows, group_pools=group_pools,
                                                            extra_pools=extra_pools,
                                                            pool_block_sizes=pool_block_sizes,
-                                                           host_tier_blocks=host_tier_blocks)
+                                                           host_tier_blocks=host_tier_blocks, disk_tiers=disk_tiers)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -991,6 +1001,7 @@ class Scheduler:
         """A snapshot; O(running requests). `detailed` adds the free-block scatter (O(num_blocks))."""
         kv = self.kv_cache_manager
         tiers = [t for t in kv.tiers if t is not None]
+        disks = [t.disk for t in tiers if t.disk is not None]
         return SchedulerStats(
             num_waiting=len(self.waiting), num_running=len(self.running),
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
@@ -998,4 +1009,6 @@ class Scheduler:
             num_steps=self.num_steps, memory=kv_memory_stats(kv, self.running, with_free_runs=detailed),
             host_hit_tokens=kv.host_hit_tokens, host_blocks_stored=sum(t.num_stored for t in tiers),
             host_blocks_loaded=sum(t.num_loaded for t in tiers), host_slots=sum(t.capacity for t in tiers),
-            host_blocks=sum(len(t) for t in tiers))
+            host_blocks=sum(len(t) for t in tiers), disk_blocks_read=sum(t.num_filled for t in tiers),
+            disk_blocks_written=sum(d.num_written for d in disks), disk_files_bad=sum(d.num_bad for d in disks),
+            disk_blocks=sum(len(d) for d in disks))

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 
+from flax import nnx
+
 from pagedjax.compile_cache import cache_note, enable_compile_cache
 from pagedjax.config import (
     EngineConfig,
@@ -45,6 +47,7 @@ from pagedjax.model.llama import Llama
 from pagedjax.model.loading.loader import engine_model, load_engine_inputs
 from pagedjax.outputs import RequestOutput
 from pagedjax.runner import weights
+from pagedjax.runner.host_tier import kv_identity, kv_setup, open_disk_tiers, reopen_disk_tiers
 from pagedjax.runner.inputs import StepInputs, step_inputs
 from pagedjax.runner.invariant import invariant_shape
 from pagedjax.runner.programs import CompileEvent, all_done
@@ -157,6 +160,13 @@ class LLMEngine:
             raise ValueError("CacheConfig.kv_host_memory_bytes: the host tier does not move a draft model's KV (which "
                              "shares the target's blocks) yet; leave it out with speculative_config's draft model")
         host_blocks = self.cache_config.resolve_host_blocks(spec, self.num_blocks, self.extra_pools)
+        # The disk tier's folder is named by the weights and everything else that makes the KV bytes differ.
+        self._disk_setup = None if self.cache_config.kv_disk_dir is None else kv_setup(
+            model, spec, kv_dtype=self.cache_config.kv_array_dtype(spec), pool_block_sizes=self.pool_block_sizes,
+            hash_seed=self.cache_config.hash_seed, backend=config.backend, mesh=mesh)
+        self.disk_tiers = () if self._disk_setup is None else open_disk_tiers(
+            self.cache_config.kv_disk_dir, kv_identity(nnx.state(model), self._disk_setup),
+            self.cache_config.resolve_disk_blocks(spec, self.num_blocks, self.extra_pools))
         # One block table per KV cache group; a window group's blocks out of its window go back to the pool while
         # requests run.
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
@@ -165,7 +175,7 @@ class LLMEngine:
                                    max_loras=None if lora_config is None else lora_config.max_loras,
                                    images=None if images is None else images.tokens_per_image,
                                    bidirectional_images=images is not None and images.bidirectional,
-                                   host_tier_blocks=host_blocks)
+                                   host_tier_blocks=host_blocks, disk_tiers=self.disk_tiers)
         self.output_processor = OutputProcessor(tokenizer)
         self.structured = StructuredOutputManager(ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids),
                                                   config.structured_limits)
@@ -175,7 +185,8 @@ class LLMEngine:
                                   kv_dtype=self.cache_config.kv_array_dtype(spec), backend=config.backend,
                                   mesh=mesh, max_programs=max_programs, compile_in_background=background,
                                   lora=lora_config, image_slots=None if images is None else
-                                  self.scheduler.encoder_cache.num_slots, host_tier_blocks=host_blocks)
+                                  self.scheduler.encoder_cache.num_slots, host_tier_blocks=host_blocks,
+                                  disk_tiers=self.disk_tiers)
         self.lora = None if lora_config is None else LoRAManager(lora_config, self.model_config, self.runner)
         self.speculator = None if config.speculative_config is None else Speculator(
             config.speculative_config, None if draft is None else DraftProposer(
@@ -618,6 +629,10 @@ class LLMEngine:
         """Serve `params` (an `nnx.State` or module of the model's structure, shapes, dtypes and shardings) from
         the next step on: no recompilation, no copy; running requests recompute (`pagedjax.runner.weights`)."""
         weights.update_weights(self.runner, self.scheduler, params)
+        if self.disk_tiers:  # the new weights' blocks go to (and come from) their own folder
+            reopen_disk_tiers(self.disk_tiers, self.cache_config.kv_disk_dir,
+                              kv_identity(nnx.state(params) if isinstance(params, nnx.Module) else params,
+                                          self._disk_setup))
 
     def sleep(self) -> int:
         """Release the KV pool's device memory, a draft model's too (running requests recompute after `wake`);
@@ -670,6 +685,10 @@ class LLMEngine:
             **({} if self.runner.host_blocks is None else dict(
                 host_bytes_stored=self.runner.host_blocks.bytes_stored,
                 host_bytes_loaded=self.runner.host_blocks.bytes_loaded, host_move_s=self.runner.host_blocks.seconds)),
+            **({} if not self.disk_tiers else dict(
+                disk_bytes_read=sum(d.bytes_read for d in self.disk_tiers if d is not None),
+                disk_bytes_written=sum(d.bytes_written for d in self.disk_tiers if d is not None),
+                disk_s=sum(d.seconds for d in self.disk_tiers if d is not None))),
             scheduler=self.scheduler.stats(),
             tensor_parallel_size=1 if self.runner.mesh is None else self.runner.mesh.size,
             kv_cache_bytes_per_device=self.runner.kv_cache.nbytes_per_device,

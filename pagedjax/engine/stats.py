@@ -59,6 +59,11 @@ class EngineStats:
     host_bytes_stored: int = 0
     host_bytes_loaded: int = 0
     host_move_s: float = 0.0
+    # The disk tier under it (`CacheConfig.kv_disk_dir`; block counts in `scheduler`): bytes of the files read and
+    # written, and the seconds that took (reads while scheduling, writes inside host_move_s).
+    disk_bytes_read: int = 0
+    disk_bytes_written: int = 0
+    disk_s: float = 0.0
     # A DataParallelEngine's stats combine its replicas': each replica's own, and the requests each was given.
     replicas: tuple[EngineStats, ...] = ()
     requests_per_replica: tuple[int, ...] = ()

@@ -101,10 +101,12 @@ class EngineSummary:
     max_model_len: int
     sampling_defaults: str  # `SamplingDefaults.describe()`
     kv_host_bytes: int | None = None  # the host tier's budget (`CacheConfig.kv_host_memory_bytes`), None: none
+    kv_disk_bytes: int | None = None  # the disk tier's (`CacheConfig.kv_disk_bytes`), None: none
 
     def lines(self) -> list[str]:
         """The summary as lines for a header or a log."""
         tier = "" if self.kv_host_bytes is None else f", host tier {self.kv_host_bytes / 2**20:.1f} MiB"
+        tier += "" if self.kv_disk_bytes is None else f", disk tier {self.kv_disk_bytes / 2**30:.1f} GiB"
         return [f"{self.params.describe()}; compute {self.dtype}, weights {self.weights}, KV cache {self.kv_dtype}"
                 f"{tier}",
                 f"speculative decoding {self.speculative}; tensor parallel {self.tensor_parallel_size} x data "
@@ -117,6 +119,7 @@ class EngineSummary:
                 "param_bytes": self.params.nbytes,
                 "params_by_type": {name: {"params": n, "bytes": b} for name, n, b in self.params.by_type},
                 "kv_cache_dtype": self.kv_dtype, "kv_host_tier_bytes": self.kv_host_bytes,
+                "kv_disk_tier_bytes": self.kv_disk_bytes,
                 "speculative": self.speculative,
                 "tensor_parallel_size": self.tensor_parallel_size, "data_parallel_size": self.data_parallel_size,
                 "sampling_defaults": self.sampling_defaults}
@@ -136,4 +139,4 @@ def summarize(engine) -> EngineSummary:
         speculative="off" if spec is None else f"{spec.method}, {spec.num_speculative_tokens} tokens",
         tensor_parallel_size=stats.tensor_parallel_size, data_parallel_size=len(replicas) if replicas else 1,
         max_model_len=one.scheduler_config.max_model_len, sampling_defaults=one.config.sampling_defaults.describe(),
-        kv_host_bytes=one.cache_config.kv_host_memory_bytes)
+        kv_host_bytes=one.cache_config.kv_host_memory_bytes, kv_disk_bytes=one.cache_config.kv_disk_bytes)

@@ -1,31 +1,85 @@
 """The host tiers' bytes (`pagedjax.core.host_tier` keeps which key is in which slot): per block pool, one host
 array per leaf of the pool's page arrays, `[slots, ...]` (the page array without its block axis), and the moves a
-step plan lists, run before its step: every store (device to host) first, then the loads (host to device), so a
-block evicted and reused in the same step is read before it is written. Counts of moved blocks are padded to powers
+step plan lists, run before its step: per pool, the fills (a disk tier file's bytes into a host slot), the stores
+(device to host) and the writes (a stored slot to its key's file), then every load (host to device), so a block
+evicted and reused in the same step is read before it is written. Counts of moved blocks are padded to powers
 of two (a few compiled programs); the cache keeps its shardings.
+
+A block's bytes on disk (`pagedjax.core.disk_tier`'s payload) are its slot's rows of the pool's host arrays, in
+order, as numpy lays them out; `kv_identity` names what makes them differ, the disk tier's folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.core.disk_tier import DiskTier
 from pagedjax.core.host_tier import TierMoves
+from pagedjax.device.attention import resolve_backend
 from pagedjax.device.kv_cache import KVCache, read_blocks, write_blocks
+
+DISK_FORMAT = "pagedjax-kv-disk-1"  # a change to how a block's bytes are laid out changes every folder's name
 
 
 def _bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-class HostBlocks:
-    """`capacities[p]` host slots of pool p's blocks (0: no tier), shaped after `kv_cache`'s page arrays."""
+def kv_identity(params, setup: str) -> str:
+    """A hex digest of everything that makes a pool's KV bytes differ, a disk tier's folder name: the bytes'
+    layout, the weights (`params`: every leaf's path, shape, dtype and bytes) and `setup`, a description of the
+    rest (the engine's: the model's class, config and KV spec, the KV dtype and block sizes, the block hashes' seed,
+    the attention backend, the mesh, the platform and the JAX version: a parallel layout's or a compiler's
+    arithmetic may differ in the last bits). Reads every weight once (about a gigabyte a second)."""
+    h = hashlib.blake2b(digest_size=16, person=b"pagedjax-kvid")
+    h.update(f"{DISK_FORMAT}\n{setup}".encode())
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        x = np.ascontiguousarray(jax.device_get(x))
+        h.update(repr((jax.tree_util.keystr(path), x.shape, str(x.dtype))).encode())
+        h.update(x.view(np.uint8).reshape(-1).data)
+    return h.hexdigest()
 
-    def __init__(self, kv_cache: KVCache, slot_pools: tuple[int, ...], capacities: tuple[int, ...]):
+
+def kv_setup(model, spec, *, kv_dtype: str, pool_block_sizes: tuple[int, ...], hash_seed: int, backend: str,
+             mesh) -> str:
+    """`kv_identity`'s description of what, besides the weights, makes `model`'s KV bytes differ."""
+    return "\n".join([f"{type(model).__module__}.{type(model).__qualname__}", repr(getattr(model, "config", None)),
+                      repr(spec), f"kv {kv_dtype} blocks {pool_block_sizes} seed {hash_seed}",
+                      f"backend {resolve_backend(backend)} mesh {None if mesh is None else dict(mesh.shape)}",
+                      f"{jax.default_backend()} jax {jax.__version__}"])
+
+
+def open_disk_tiers(directory: str, identity: str, blocks: tuple[int, ...]) -> tuple[DiskTier | None, ...]:
+    """Pool p's disk tier of `blocks[p]` files (0: none) in `directory`/`identity`/pool`p`."""
+    return tuple(DiskTier(Path(directory, identity, f"pool{p}"), n, _tag(identity, p)) if n else None
+                 for p, n in enumerate(blocks))
+
+
+def reopen_disk_tiers(disks: tuple[DiskTier | None, ...], directory: str, identity: str) -> None:
+    """Point `disks` (`open_disk_tiers`') at the folders of another identity (new weights)."""
+    for p, disk in enumerate(disks):
+        if disk is not None:
+            disk.open(Path(directory, identity, f"pool{p}"), _tag(identity, p))
+
+
+def _tag(identity: str, pool: int) -> bytes:
+    return bytes.fromhex(identity) + pool.to_bytes(4, "little")
+
+
+class HostBlocks:
+    """`capacities[p]` host slots of pool p's blocks (0: no tier), shaped after `kv_cache`'s page arrays, over
+    `disks[p]` (the disk tier whose files pool p's writes go to; empty: none)."""
+
+    def __init__(self, kv_cache: KVCache, slot_pools: tuple[int, ...], capacities: tuple[int, ...],
+                 disks: tuple[DiskTier | None, ...] = ()):
         self.slot_pools = slot_pools
+        self.disks = disks or (None,) * len(capacities)
         self.arrays: list[list[np.ndarray] | None] = []
         for pool, capacity in enumerate(capacities):
             if not capacity:
@@ -46,6 +100,8 @@ class HostBlocks:
         """Run a plan's moves (one `TierMoves` per pool); returns the cache with the loaded blocks written."""
         start = time.perf_counter()
         for pool, m in enumerate(moves):
+            for payload, slot in m.fills:
+                self._fill(pool, slot, payload)
             if m.stores:
                 blocks, slots = (np.array(x, np.int32) for x in zip(*m.stores, strict=True))
                 padded = np.zeros(_bucket(len(blocks)), np.int32)
@@ -54,6 +110,8 @@ class HostBlocks:
                 for host, x in zip(self.arrays[pool], data, strict=True):
                     host[slots] = np.asarray(x)[:len(blocks)]
                     self.bytes_stored += host[0].nbytes * len(blocks)
+            for slot, key in m.writes:
+                self.disks[pool].write(key, b"".join(host[slot].tobytes() for host in self.arrays[pool]))
         for pool, m in enumerate(moves):
             if m.loads:
                 n = _bucket(len(m.loads))
@@ -66,3 +124,30 @@ class HostBlocks:
             jax.block_until_ready(kv_cache)  # the loads' time, not the step's
         self.seconds += time.perf_counter() - start
         return kv_cache
+
+    def warmup(self, kv_cache: KVCache, pool_sizes: tuple[int, ...]) -> KVCache:
+        """Compile and run once the moves of every padded count up to each tiered pool's size (`pool_sizes`), on
+        padding that reads block 0 and writes nothing; returns the cache (its contents as they were)."""
+        for pool, hosts in enumerate(self.arrays):
+            if hosts is None:
+                continue
+            n = 1
+            while True:
+                self._read(kv_cache, jnp.zeros(n, jnp.int32), slot_pools=self.slot_pools, pool=pool)
+                values = [np.zeros((n, *host.shape[1:]), host.dtype) for host in hosts]
+                kv_cache = self._write(kv_cache, jnp.full(n, -1, jnp.int32), values, slot_pools=self.slot_pools,
+                                       pool=pool)
+                if n >= pool_sizes[pool]:
+                    break
+                n *= 2
+        return jax.block_until_ready(kv_cache)
+
+    def _fill(self, pool: int, slot: int, payload: bytes) -> None:
+        hosts = self.arrays[pool]
+        if len(payload) != sum(host[0].nbytes for host in hosts):
+            raise RuntimeError(f"a disk tier block of {len(payload)} bytes for pool {pool}, whose blocks take "
+                               f"{sum(host[0].nbytes for host in hosts)} (a file of another layout in this folder)")
+        offset = 0
+        for host in hosts:
+            host[slot] = np.frombuffer(payload, host.dtype, host[0].size, offset).reshape(host.shape[1:])
+            offset += host[0].nbytes

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pagedjax.config import ModelSpec
 from pagedjax.config.lora import LoRAConfig
+from pagedjax.core.disk_tier import DiskTier
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.core.step_result import StepResult
 from pagedjax.device.attention import AttentionMetadata, probe_attention, resolve_backend
@@ -280,7 +281,8 @@ class ModelRunner:
                  pool_block_sizes: tuple[int, ...] = (), kv_dtype=None,
                  backend: str = "auto", mesh: Mesh | None = None, max_programs: int = 64,
                  compile_in_background: bool = True, lora: LoRAConfig | None = None,
-                 image_slots: int | None = None, host_tier_blocks: tuple[int, ...] = ()):
+                 image_slots: int | None = None, host_tier_blocks: tuple[int, ...] = (),
+                 disk_tiers: tuple[DiskTier | None, ...] = ()):
         spec = model.spec  # `check_model(model)` passed (the engine checks it)
         self.model_spec = spec
         self.block_size = block_size
@@ -301,9 +303,10 @@ class ModelRunner:
         self.params = self.served_params(self.params)
         self.kv_dtype = jnp.dtype(kv_dtype or spec.dtype)
         self.kv_cache = self._new_kv_cache()
-        # The host tiers' bytes (host_tier_blocks: slots per pool), moved by each plan's `tier_moves` before its step.
-        self.host_blocks = (HostBlocks(self.kv_cache, spec.kv_layout.slot_pools, tuple(host_tier_blocks))
-                            if any(host_tier_blocks) else None)
+        # The host tiers' bytes (host_tier_blocks: slots per pool), moved by each plan's `tier_moves` before its step;
+        # the disk tiers under them (`disk_tiers`: the scheduler's own, whose files the spills write).
+        self.host_blocks = (HostBlocks(self.kv_cache, spec.kv_layout.slot_pools, tuple(host_tier_blocks),
+                                       tuple(disk_tiers)) if any(host_tier_blocks) else None)
         self.asleep = False  # the KV cache's arrays were deleted (`pagedjax.runner.weights.sleep`)
         self.fixed_shape: StepShape | None = None  # batch-invariant mode: every step's program (`engine.invariant`)
         self._check_attention_serves()
@@ -576,7 +579,8 @@ class ModelRunner:
 
     def warmup(self, shapes: list[StepShape | LoopShape]) -> None:
         """Compile the programs of `shapes` now, hold them for good (stand-ins for every step they dominate), and
-        run each once on padding only (no KV written or read: the cache's contents stay as they are)."""
+        run each once on padding only (no KV written or read: the cache's contents stay as they are); with host
+        tiers, their moves too (`HostBlocks.warmup`)."""
         self.check_awake()
         for i, shape in enumerate(shapes):
             args, prepare = self._padding_call(shape)
@@ -585,6 +589,8 @@ class ModelRunner:
             *outputs, self.kv_cache = exe(*args)
             jax.block_until_ready(outputs)
             self.programs.record_run(shape, time.perf_counter() - start)  # not the steps' device time
+        if self.host_blocks is not None:  # the host tiers' moves of every count a step can make
+            self.kv_cache = self.host_blocks.warmup(self.kv_cache, (self.num_blocks, *self.extra_pools))
 
     def warm_in_background(self, shapes: list[StepShape | LoopShape]):
         """Compile the programs of `shapes` in the background, the cheapest first, behind any step's own program

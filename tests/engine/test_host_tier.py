@@ -1,8 +1,11 @@
-"""The host tier through the whole engine (`CacheConfig.kv_host_memory_bytes`): prefixes the device pool evicted are
-served from host memory (`num_cached_tokens` shows them), and the tokens are the dense model's whatever the tier
-does: random workloads over tiny pools (preemption, forks, fused decode), failed steps with moves in flight."""
+"""The host tier through the whole engine (`CacheConfig.kv_host_memory_bytes`), and the disk tier under it
+(`kv_disk_dir`): prefixes the device pool evicted are served from host memory or from files, after a restart too
+(`num_cached_tokens` shows them), and the tokens are the dense model's whatever the tiers do: random workloads over
+tiny pools (preemption, forks, fused decode), failed steps with moves in flight, bad files."""
 
 from __future__ import annotations
+
+import tempfile
 
 import jax
 import numpy as np
@@ -21,11 +24,13 @@ HOST = 1 << 20  # slots for every block these workloads evict
 
 
 def _engine(*, block_size: int = 4, num_blocks: int = 10, budget: int = 8, max_num_seqs: int = 1, steps: int = 1,
-            host: int | None = HOST) -> LLMEngine:
-    return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                                                kv_host_memory_bytes=host),
+            host: int | None = HOST, disk_dir=None, disk: int = HOST, seed: int = SEED) -> LLMEngine:
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_host_memory_bytes=host,
+                        kv_disk_dir=None if disk_dir is None else str(disk_dir),
+                        kv_disk_bytes=None if disk_dir is None else disk)
+    return LLMEngine(model_config=CFG, cache_config=cache,
                      scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                                      max_model_len=MAX_LEN), seed=SEED, decode_steps_per_call=steps)
+                                                      max_model_len=MAX_LEN), seed=seed, decode_steps_per_call=steps)
 
 
 def _check_idle(engine: LLMEngine) -> None:
@@ -35,6 +40,7 @@ def _check_idle(engine: LLMEngine) -> None:
     for tier in kv.tiers:
         if tier is not None:
             tier.check_invariants()
+            assert (tier.disk is not None) == bool(engine.cache_config.kv_disk_dir)
 
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -98,35 +104,40 @@ def workloads(draw):
     return dict(prompts=prompts, block_size=block_size,
                 num_blocks=draw(st.sampled_from([1, 2]), label="pools_of_longest") * -(-longest // block_size),
                 host=draw(st.sampled_from([1, 8, 64]), label="host_blocks"),
+                disk=draw(st.sampled_from([None, 2, 64]), label="disk_blocks"),
                 budget=draw(st.sampled_from([8, 32]), label="budget"), max_num_seqs=draw(st.integers(1, 3)),
                 steps=draw(st.sampled_from([1, 4]), label="steps"), n=draw(st.sampled_from([1, 2]), label="n"),
                 waves=draw(st.integers(1, 3), label="waves"))
 
 
 # (CI time: ~2 s an example) 1 drawn (10 in the dev profile) and 2 explicit examples: three prefixes of 3 blocks
-# through a pool that fits one request (each evicts the one before; the next wave loads them all from the host),
-# forks and fused decode; a roomier pool with batches, a tier of one block (stores and loads compete for it).
+# through a pool that fits one request (each evicts the one before; the next wave loads them all from the host, or
+# with a host of 2 blocks over a disk tier, from files), forks and fused decode; a roomier pool with batches, a tier
+# of one block (stores and loads compete for it).
 @settings(max_examples=max(1, settings.default.max_examples // 20), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@example(w=dict(prompts=[list(range(s, s + 12)) + [1, 2] for s in (10, 30, 50)], block_size=4, num_blocks=5, host=8,
-                budget=8, max_num_seqs=1, steps=4, n=2, waves=2))
+@example(w=dict(prompts=[list(range(s, s + 12)) + [1, 2] for s in (10, 30, 50)], block_size=4, num_blocks=5, host=2,
+                disk=64, budget=8, max_num_seqs=1, steps=4, n=2, waves=2))
 @example(w=dict(prompts=[list(range(10, 27)), list(range(10, 27)) + [4], list(range(30, 49))], block_size=8,
-                num_blocks=6, host=1, budget=32, max_num_seqs=3, steps=1, n=1, waves=3))
+                num_blocks=6, host=1, disk=None, budget=32, max_num_seqs=3, steps=1, n=1, waves=3))
 @given(w=workloads())
 def test_random_workloads_with_a_host_tier_give_the_dense_tokens(w):
-    """Waves of the same prompts (later waves find their prefixes on the device or the host), greedy n-way forks:
-    every sample is the dense model's greedy continuation, nothing is held afterwards, the tier is consistent."""
+    """Waves of the same prompts (later waves find their prefixes on the device, the host or the disk), greedy n-way
+    forks: every sample is the dense model's greedy continuation, nothing is held afterwards, the tiers are
+    consistent."""
     params = SamplingParams(max_tokens=6, temperature=0.0, n=w["n"], ignore_eos=True)
     want, margin = dense_greedy(w["prompts"], params.max_tokens)
     if margin < 1e-3:  # a near tie: the right token depends on rounding
         return
     block_bytes = CacheConfig(block_size=w["block_size"]).block_bytes(CFG)
-    engine = _engine(block_size=w["block_size"], num_blocks=w["num_blocks"], budget=w["budget"],
-                     max_num_seqs=w["max_num_seqs"], steps=w["steps"], host=w["host"] * block_bytes)
-    for _ in range(w["waves"]):
-        outs = engine.generate(w["prompts"], params, use_tqdm=False)
-        assert [[c.token_ids for c in o.outputs] for o in outs] == [[t] * w["n"] for t in want]
-    _check_idle(engine)
+    with tempfile.TemporaryDirectory() as folder:
+        engine = _engine(block_size=w["block_size"], num_blocks=w["num_blocks"], budget=w["budget"],
+                         max_num_seqs=w["max_num_seqs"], steps=w["steps"], host=w["host"] * block_bytes,
+                         disk_dir=None if w["disk"] is None else folder, disk=(w["disk"] or 1) * block_bytes)
+        for _ in range(w["waves"]):
+            outs = engine.generate(w["prompts"], params, use_tqdm=False)
+            assert [[c.token_ids for c in o.outputs] for o in outs] == [[t] * w["n"] for t in want]
+        _check_idle(engine)
 
 
 @pytest.mark.parametrize("mode", ["before", "after", "lose_cache"])
@@ -150,7 +161,7 @@ def test_failed_steps_with_moves_in_flight_lose_nothing(mode):
     _check_idle(engine)
 
 
-def test_host_tier_configurations_that_cannot_work_are_refused():
+def test_tier_configurations_that_cannot_work_are_refused(tmp_path):
     from pagedjax.config import SpeculativeConfig
     from pagedjax.model.llama import init_model
 
@@ -158,6 +169,19 @@ def test_host_tier_configurations_that_cannot_work_are_refused():
         CacheConfig(kv_host_memory_bytes=HOST, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="holds no KV block"):
         _engine(host=1)
+    with pytest.raises(ValueError, match="needs both kv_disk_dir and kv_disk_bytes"):
+        CacheConfig(kv_host_memory_bytes=HOST, kv_disk_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="needs both kv_disk_dir and kv_disk_bytes"):
+        CacheConfig(kv_host_memory_bytes=HOST, kv_disk_bytes=HOST)
+    with pytest.raises(ValueError, match="through the host tier"):
+        CacheConfig(kv_disk_dir=str(tmp_path), kv_disk_bytes=HOST)
+    with pytest.raises(TypeError, match="kv_disk_dir must be a folder's path"):
+        CacheConfig(kv_host_memory_bytes=HOST, kv_disk_dir=7, kv_disk_bytes=HOST)
+    with pytest.raises(TypeError, match="kv_disk_dir must be a folder's path"):
+        CacheConfig(kv_host_memory_bytes=HOST, kv_disk_dir="", kv_disk_bytes=HOST)
+    assert CacheConfig(kv_host_memory_bytes=HOST, kv_disk_dir=tmp_path, kv_disk_bytes=HOST).kv_disk_dir == str(tmp_path)
+    with pytest.raises(ValueError, match="kv_disk_bytes 1 holds no KV block"):
+        _engine(disk_dir=tmp_path, disk=1)
     draft = SpeculativeConfig(method="draft", draft_model=init_model(CFG, SEED), num_speculative_tokens=2)
     with pytest.raises(ValueError, match="does not move a draft model's KV"):
         LLMEngine(model_config=CFG, cache_config=CacheConfig(num_blocks=8, kv_host_memory_bytes=HOST),
@@ -237,4 +261,63 @@ def test_a_move_that_raises_fails_its_step_and_the_engine_serves_on():
     _check_idle(engine)
     again = [engine.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in again] == want and engine.stats().scheduler.host_hit_tokens > 0
+    _check_idle(engine)
+
+
+def test_a_restarted_engine_serves_prefixes_from_disk_and_a_bad_file_is_a_miss(tmp_path):
+    """Three 20-token prefixes through a pool for one (and the first two again, which evicts the third): every block
+    the device evicts is stored on the host and written through to files. A second engine on the same folder (a
+    restart) hits all of them from disk, except from a corrupted file on: that prefix hits its two blocks before it
+    and computes the rest. Tokens are the dense model's throughout; an engine with other weights has a folder of its
+    own and finds nothing."""
+    from pagedjax.core.request import Request
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, CFG.vocab_size, 20).tolist() + [i, 1, 2] for i in range(3)]
+    want, margin = dense_greedy(prompts, GREEDY.max_tokens)
+    assert margin > 1e-3
+    first = _engine(disk_dir=tmp_path)
+    outs = [first.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts + prompts[:2]]
+    assert [o.outputs[0].token_ids for o in outs] == want + want[:2]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 20, 20]  # the last two from the host
+    stats = first.stats()
+    assert stats.scheduler.disk_blocks_written == stats.scheduler.host_blocks_stored >= 10
+    assert stats.disk_bytes_written == stats.host_bytes_stored and stats.scheduler.disk_blocks_read == 0
+    assert summarize(first).lines()[0].endswith(", host tier 1.0 MiB, disk tier 0.0 GiB")
+    _check_idle(first)
+
+    restarted = _engine(disk_dir=tmp_path)
+    kv = restarted.scheduler.kv_cache_manager
+    bad = restarted.disk_tiers[0].path(kv.groups[0].block_key(kv.block_hashes(Request("x", prompts[1], GREEDY)), 2))
+    bad.write_bytes(bad.read_bytes()[:-1])  # truncated
+    outs = [restarted.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [20, 8, 20]
+    stats = restarted.stats()
+    assert stats.scheduler.disk_files_bad == 1 and stats.scheduler.disk_blocks_read == 12
+    assert stats.disk_bytes_read == 12 * CacheConfig(block_size=4).block_bytes(CFG) and stats.disk_s > 0
+    _check_idle(restarted)
+
+    other = _engine(disk_dir=tmp_path, seed=SEED + 1)  # other weights: its own folder
+    assert other.disk_tiers[0].directory != restarted.disk_tiers[0].directory and len(other.disk_tiers[0]) == 0
+    assert other.generate([prompts[0]], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_new_weights_serve_from_a_folder_of_their_own(tmp_path):
+    """`update_weights` points the disk tier at the new weights' folder: blocks the old weights computed are never
+    read for them, and going back to the old weights finds the old folder's blocks again."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, CFG.vocab_size, 20).tolist() + [i, 1, 2] for i in range(3)]
+    engine = _engine(disk_dir=tmp_path)
+    old = nnx.state(nnx.merge(engine.runner.graphdef, engine.runner.params))
+    for p in prompts:
+        engine.generate([p], GREEDY, use_tqdm=False)
+    folder = engine.disk_tiers[0].directory
+    new = jax.tree.map(lambda x: x * 1.01, old)
+    engine.update_weights(new)
+    assert engine.disk_tiers[0].directory != folder and len(engine.disk_tiers[0]) == 0
+    assert engine.generate([prompts[0]], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+    engine.update_weights(old)
+    assert engine.disk_tiers[0].directory == folder
+    assert engine.generate([prompts[0]], GREEDY, use_tqdm=False)[0].num_cached_tokens == 20
     _check_idle(engine)
