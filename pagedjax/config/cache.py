@@ -178,10 +178,9 @@ class CacheConfig:
     def resolve_host_blocks(self, model: ModelSpec, num_blocks: int, extra_pools: tuple[int, ...] = ()
                             ) -> tuple[int, ...]:
         """Host tier slots per pool (`pagedjax.core.host_tier`; all 0 without `kv_host_memory_bytes`): the budget
-        split over the pools whose groups keep every block (a window's blocks and state snapshots stay on the
-        device: no tier of their own) as the device pools (`num_blocks`, then `extra_pools`) split their bytes, in
-        whole blocks of the model's full shapes (under tensor parallelism the host holds every device's share).
-        ValueError when the budget holds no block."""
+        split over the pools (KV blocks, a window's, state snapshots) as the device pools (`num_blocks`, then
+        `extra_pools`) split their bytes, in whole blocks of the model's full shapes (under tensor parallelism the
+        host holds every device's share). ValueError when the budget holds no block of some pool."""
         return self._tier_blocks(model, (num_blocks, *extra_pools), "kv_host_memory_bytes", self.kv_host_memory_bytes)
 
     def resolve_disk_blocks(self, model: ModelSpec, num_blocks: int, extra_pools: tuple[int, ...] = ()
@@ -194,16 +193,13 @@ class CacheConfig:
                      ) -> tuple[int, ...]:
         if budget is None:
             return (0,) * len(sizes)
-        layout = model.kv_layout
-        kept = {g.pool for g in layout.groups if g.spec.release_window is None}
         per_block = [self.block_bytes(model, p) for p in range(len(sizes))]
-        device = sum(n * b for p, (n, b) in enumerate(zip(sizes, per_block, strict=True)) if p in kept)
-        blocks = tuple(budget * n // device if p in kept else 0 for p, n in enumerate(sizes))
-        if not any(blocks):
-            raise ValueError(f"CacheConfig.{name} {budget} holds no KV block (one takes "
-                             f"{per_block[min(kept, default=0)]} bytes)" if kept else
-                             f"CacheConfig.{name}: this model keeps no KV block past a window or a state snapshot; "
-                             "a tier has nothing to hold")
+        device = sum(n * b for n, b in zip(sizes, per_block, strict=True))
+        blocks = tuple(budget * n // device for n in sizes)
+        if not all(blocks):  # a prefix hit needs every pool's blocks: a tier missing one would serve none
+            p = blocks.index(0)
+            raise ValueError(f"CacheConfig.{name} {budget} holds no block of pool {p} (a share of "
+                             f"{budget * sizes[p] // device} bytes; one block takes {per_block[p]})")
         return blocks
 
     def resolve_num_blocks(self, model: ModelSpec, draft: ModelSpec | None = None,

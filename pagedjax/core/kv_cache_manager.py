@@ -45,7 +45,7 @@ block boundaries; the host then `adopt_blocks` the used ones and `return_lent_bl
 
 Host tiers (`host_tier_blocks`: slots per pool, 0 for none; `pagedjax.core.host_tier`), each over a disk tier
 (`disk_tiers`: a `DiskTier` or None per pool): the cached blocks a pool evicts while allocating are offered to its
-tier, and groups keeping every block find hits there too (the host tier's, then the disk's). The moves a
+tier, and every group of the pool finds hits there too (the host tier's, then the disk's). The moves a
 step must make (stores out, loads in: `take_tier_moves`) become real with `commit_tier_moves` once it ran, or are
 undone with `discard_tier_moves`.
 """
@@ -122,8 +122,7 @@ class KVCacheManager:
             if tier is not None:
                 pool.evictions = []
         self.groups = tuple(KVGroupManager(self.pools[p], pool_block_sizes[p], group=g, sliding_window=w,
-                                           hash_stride=pool_block_sizes[p] // block_size,
-                                           tier=self.tiers[p] if w is None else None)
+                                           hash_stride=pool_block_sizes[p] // block_size, tier=self.tiers[p])
                             for g, (w, p) in enumerate(zip(windows, pools, strict=True)))
         self.group_pools = pools
         self.prefix_cache_queries = 0  # tokens looked up by first-time admissions

@@ -12,11 +12,11 @@ snapshot per that many tokens, `pagedjax.config.kv_layout`). Per group and reque
   - a pending copy-on-write (src, dst) when the request writes into a block it shares with a fork;
   - the blocks lent to the device for a fused decode (held by the lender until adopted or returned).
 
-A group keeping every block (no window) may have its pool's host tier (`pagedjax.core.host_tier`, and a disk tier
-under it): a prefix hit then continues past the blocks found on the device with those found there (a block found
-only on disk is read into a host slot by the lookup), each a `host_entry` in the hit list (after every device
-block), which `allocate` gives a fresh block that the step loads before it computes; it is published like a
-computed block once the step ran (`cache_blocks`), never before.
+A group may have its pool's host tier (`pagedjax.core.host_tier`, and a disk tier under it): a prefix hit's block
+missing on the device is then looked up there (a block found only on disk is read into a host slot by the lookup),
+a `host_entry` in the hit list, anywhere among the device blocks (a window group's leading blocks are evicted first:
+those are the ones the host holds), which `allocate` gives a fresh block that the step loads before it computes; it
+is published like a computed block once the step ran (`cache_blocks`), never before.
 """
 
 from __future__ import annotations
@@ -54,8 +54,6 @@ class KVGroupManager:
 
     def __init__(self, pool: BlockPool, block_size: int, *, group: int = 0, sliding_window: int | None = None,
                  hash_stride: int = 1, tier: HostTier | None = None):
-        if tier is not None and sliding_window is not None:
-            raise ValueError("a host tier serves groups that keep every block (no sliding window)")
         self.pool = pool
         self.tier = tier
         self.block_size = block_size
@@ -68,7 +66,8 @@ class KVGroupManager:
         self._num_hashed_blocks: dict[str, int] = {}  # leading blocks of a request already published
         self._lent: set[int] = set()
         self._copies: dict[str, tuple[int, int]] = {}  # request id -> its pending (src, dst) block copy
-        self._host_hits: dict[str, list[int]] = {}  # request id -> host slots its next allocation loads
+        self._host_hits: dict[str, list[tuple[int, int]]] = {}  # request id -> (position, host slot) of each hit
+        # its next allocation loads; until then the position holds the hit's `host_entry`
 
     def pool_key(self, block_hash: BlockHash) -> BlockHash:
         """The key this group's block of `block_hash` is cached under in the shared pool."""
@@ -117,22 +116,25 @@ class KVGroupManager:
 
     def longest_hit(self, hashes: Sequence[BlockHash], max_blocks: int, keep: set[int] | None = None) -> int:
         """The most leading blocks k <= `max_blocks` of a chain of hashes this group can serve as a prefix hit:
-        every block a query at position k * block_size reads, i.e. blocks [unread(k), k), cached in this group.
-        Past the device's blocks it continues in the host tier, where a block found only on disk is read into a
-        host slot now (`HostTier.find`); the host slots it finds join `keep` (none of them is dropped for another
-        block read from disk in the same lookup, so `hit_blocks` finds them all)."""
+        every block a query at position k * block_size reads, i.e. blocks [unread(k), k), cached in this group, on
+        the device or in the host tier, where a block found only on disk is read into a host slot now
+        (`HostTier.find`); the host slots it finds join `keep` (none of them is dropped for another block read from
+        disk in the same lookup, so `hit_blocks` finds them all)."""
         lookup = self.pool.get_cached_block
-        present = lambda j: lookup(self.block_key(hashes, j)) is not None
-        if self.sliding_window is None:  # every block from the first: on the device, then in the host tier
+        keep = set() if keep is None else keep
+
+        def present(j: int) -> bool:
+            key = self.block_key(hashes, j)
+            if lookup(key) is not None:
+                return True
+            slot = None if self.tier is None else self.tier.find(key, keep)
+            if slot is not None:
+                keep.add(slot)
+            return slot is not None
+
+        if self.sliding_window is None:  # every block from the first
             k = 0
             while k < max_blocks and present(k):
-                k += 1
-            keep = set() if keep is None else keep
-            while self.tier is not None and k < max_blocks:
-                slot = self.tier.find(self.block_key(hashes, k), keep)
-                if slot is None:
-                    break
-                keep.add(slot)
                 k += 1
             return k
         k = max_blocks
@@ -156,9 +158,7 @@ class KVGroupManager:
         out = [RELEASED] * skip
         for j in range(skip, num_blocks):
             block = lookup(self.block_key(hashes, j))
-            if block is None or (out and host_slot(out[-1]) is not None):  # the host tier's, as `longest_hit`
-                block = host_entry(self.tier.lookup(self.block_key(hashes, j)))
-            out.append(block)
+            out.append(host_entry(self.tier.lookup(self.block_key(hashes, j))) if block is None else block)
         return out
 
     def needs_copy(self, request: Request) -> bool:
@@ -186,9 +186,8 @@ class KVGroupManager:
         taken = [b for b in hits if b != RELEASED]
         if RELEASED in hits[len(hits) - len(taken):]:
             raise ValueError("only leading prefix hits can be RELEASED")
-        on_host = [host_slot(b) is not None for b in taken]
-        if on_host != sorted(on_host) or (any(on_host) and self.tier is None):
-            raise ValueError("host tier hits must follow every device hit, in a group with a host tier")
+        if self.tier is None and any(host_slot(b) is not None for b in taken):
+            raise ValueError("host tier hits in a group without a host tier")
 
     def take_hits(self, request: Request, hits: Sequence[int]) -> None:
         """The request starts holding its prefix hits (`check_hits` passed): before any fresh block is allocated,
@@ -196,15 +195,16 @@ class KVGroupManager:
         rid = request.request_id
         held = self._req_blocks.setdefault(rid, [])
         self._num_hashed_blocks.setdefault(rid, 0)
-        on_device = [b for b in hits if host_slot(b) is None]
-        if on_device:
-            self.pool.touch([b for b in on_device if b != RELEASED])
-            held.extend(on_device)
-            self._num_hashed_blocks[rid] = len(held)  # hits are hashed already
-        slots = [host_slot(b) for b in hits[len(on_device):]]
-        if slots:  # pinned now: no allocation may reuse their slots before the step loads them
-            self._host_hits[rid] = slots
-            for slot in slots:
+        if not hits:
+            return
+        on_host = [(j, host_slot(b)) for j, b in enumerate(hits) if host_slot(b) is not None]
+        self.pool.touch([b for b in hits if b != RELEASED and host_slot(b) is None])
+        held.extend(hits)  # a host hit's position keeps its entry until `allocate` gives it a block
+        # Hits are hashed already, up to the first host hit (a loaded block is published once its step ran).
+        self._num_hashed_blocks[rid] = on_host[0][0] if on_host else len(held)
+        if on_host:  # pinned now: no allocation may reuse their slots before the step loads them
+            self._host_hits[rid] = on_host
+            for _, slot in on_host:
                 self.tier.pin_slot(slot)
 
     def allocate(self, request: Request, num_new_tokens: int, num_hits: int = 0) -> list[int]:
@@ -218,20 +218,21 @@ class KVGroupManager:
         total = request.num_computed_tokens + num_hits * self.block_size + num_new_tokens
         fresh = max(cdiv(total, self.block_size) - len(held), 0)
         copy = bool(num_new_tokens) and self.needs_copy(request)
-        new_blocks = self.pool.allocate(fresh + copy)
+        loads = self._host_hits.pop(rid, [])
+        new_blocks = self.pool.allocate(len(loads) + fresh + copy)
         assert new_blocks is not None, "the coordinator let an allocation through that does not fit (a bug)"
-        slots = self._host_hits.pop(rid, [])
-        assert len(new_blocks) >= len(slots), "fewer fresh blocks than host hits to load (a bug)"
-        for slot, block in zip(slots, new_blocks[:len(slots)], strict=True):  # the hit's host blocks come first
+        for (j, slot), block in zip(loads, new_blocks[:len(loads)], strict=True):  # the host hits take the first
+            held[j] = block
             self.tier.load(slot, block)
+        rest = new_blocks[len(loads):]
         if copy:
-            src, dst = held[-1], new_blocks[0]
+            src, dst = held[-1], rest[0]
             held[-1] = dst
             self.pool.free([src])  # the other holders keep it
             self._copies[rid] = (src, dst)
-            held.extend(new_blocks[1:])
+            held.extend(rest[1:])
         else:
-            held.extend(new_blocks)
+            held.extend(rest)
         return new_blocks
 
     def take_block_copies(self) -> list[tuple[int, int]]:

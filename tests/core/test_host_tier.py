@@ -159,4 +159,43 @@ def test_host_hits_are_refused_where_they_cannot_be_served():
     with pytest.raises(ValueError, match="host_tier_blocks"):
         KVCacheManager(4, BS, host_tier_blocks=(2, 2))
     windowed = KVCacheManager(4, BS, group_windows=(8, None), host_tier_blocks=(2,))
-    assert windowed.groups[0].tier is None and windowed.groups[1].tier is windowed.tiers[0]
+    assert windowed.groups[0].tier is windowed.groups[1].tier is windowed.tiers[0]  # every group of the pool
+
+
+def test_a_window_group_hit_mixes_host_and_device_blocks_in_place():
+    """A window group of 2 blocks and a full group over one pool of 11: a freed prefix's window-group blocks are
+    evicted first (after the unhashed ones), head first, so a filler of 3 blocks a group takes the two partial
+    blocks, the unused one and the window group's first three, which go into the tier. A hit then reads the window
+    group's block 2 from the host and its block 3 from the device, in position, and the full group's from the
+    device; the loaded block is published once the step ran."""
+    manager = KVCacheManager(11, BS, group_windows=(2 * BS, None), host_tier_blocks=(16,))
+    pool, tier = manager.block_pool, manager.tiers[0]
+    first = make_request("a", list(range(17)))  # 4 full blocks and one token, in each group
+    _step(manager, first)
+    manager.free(first)
+    window, full = manager.groups
+    keys = {g: [g.block_key(first.block_hashes, j) for j in range(4)] for g in manager.groups}
+    filler = make_request("b", list(range(100, 112)))
+    _step(manager, filler)
+    manager.free(filler)
+    assert [pool.get_cached_block(k) is None for k in keys[window]] == [True, True, True, False]
+    assert all(tier.lookup(k) is not None for k in keys[window][:3])
+    again = make_request("c", list(range(17)) + [1])
+    hits, num_hit = manager.get_computed_blocks(again)
+    assert num_hit == 16
+    window_hits, full_hits = hits
+    assert window_hits[:2] == [-1, -1] and host_slot(window_hits[2]) is not None
+    assert window_hits[3] == pool.get_cached_block(keys[window][3])
+    assert full_hits == [pool.get_cached_block(k) for k in keys[full]]
+    assert manager.allocate_slots(again, 2, hits) is not None
+    held = manager.get_block_ids("c")
+    moves = manager.take_tier_moves()[0]
+    assert held[0][:2] == (-1, -1) and held[0][3] == window_hits[3] and held[0][2] >= 0
+    assert [b for _, b in moves.loads] == [held[0][2]] and pool.block_hash(held[0][2]) is None
+    manager.commit_tier_moves((moves,))
+    again.num_computed_tokens = 18
+    manager.cache_blocks(again)
+    assert pool.block_hash(held[0][2]) == keys[window][2]
+    assert manager.host_hit_tokens == BS
+    pool.check_invariants()
+    tier.check_invariants()

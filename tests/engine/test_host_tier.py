@@ -167,7 +167,7 @@ def test_tier_configurations_that_cannot_work_are_refused(tmp_path):
 
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
         CacheConfig(kv_host_memory_bytes=HOST, enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="holds no KV block"):
+    with pytest.raises(ValueError, match="holds no block of pool 0"):
         _engine(host=1)
     with pytest.raises(ValueError, match="needs both kv_disk_dir and kv_disk_bytes"):
         CacheConfig(kv_host_memory_bytes=HOST, kv_disk_dir=str(tmp_path))
@@ -180,7 +180,7 @@ def test_tier_configurations_that_cannot_work_are_refused(tmp_path):
     with pytest.raises(TypeError, match="kv_disk_dir must be a folder's path"):
         CacheConfig(kv_host_memory_bytes=HOST, kv_disk_dir="", kv_disk_bytes=HOST)
     assert CacheConfig(kv_host_memory_bytes=HOST, kv_disk_dir=tmp_path, kv_disk_bytes=HOST).kv_disk_dir == str(tmp_path)
-    with pytest.raises(ValueError, match="kv_disk_bytes 1 holds no KV block"):
+    with pytest.raises(ValueError, match="kv_disk_bytes 1 holds no block of pool 0"):
         _engine(disk_dir=tmp_path, disk=1)
     draft = SpeculativeConfig(method="draft", draft_model=init_model(CFG, SEED), num_speculative_tokens=2)
     with pytest.raises(ValueError, match="does not move a draft model's KV"):
@@ -210,17 +210,17 @@ def test_latent_sparse_and_gqa_pages_move_through_the_tier():
     _check_idle(engine)
 
 
-def test_a_hybrid_model_keeps_its_snapshots_on_the_device_and_its_kv_on_the_host():
-    """A recurrent state + attention model (`tests/engine/test_state_cache.py`'s toy): the tier is the KV pool's
-    alone (state snapshots are device-only); with snapshots that outlive the KV blocks, a hit loads the KV from the
-    host and starts from the snapshot on the device: the dense model's tokens."""
+def test_a_hybrid_models_kv_and_state_snapshots_move_through_the_tiers():
+    """A recurrent state + attention model (`tests/engine/test_state_cache.py`'s toy): each pool has a tier, its KV
+    blocks' and its state snapshots'; evicted from the device, a prefix comes back from both (the snapshot at the
+    hit's end from the state pool's): the dense model's tokens."""
     from tests.engine.test_state_cache import BS, SPEC, StateToy
     from tests.engine.test_state_cache import MAX_LEN as TOY_LEN
     from tests.engine.test_state_cache import VOCAB as TOY_VOCAB
 
-    cache = CacheConfig(block_size=BS, num_blocks=6, num_state_blocks=40, kv_host_memory_bytes=HOST)
-    slots = cache.resolve_host_blocks(SPEC, 6, extra_pools=(40,))
-    assert slots[0] > 0 and slots[1] == 0, slots
+    cache = CacheConfig(block_size=BS, num_blocks=6, num_state_blocks=6, kv_host_memory_bytes=HOST)
+    slots = cache.resolve_host_blocks(SPEC, 6, extra_pools=(6,))
+    assert slots[0] > 0 and slots[1] > 0, slots
     graphdef, state = nnx.split(StateToy())
     forward = jax.jit(lambda tokens: nnx.merge(graphdef, state).forward_dense(tokens))
     rng = np.random.default_rng(6)
@@ -233,7 +233,34 @@ def test_a_hybrid_model_keeps_its_snapshots_on_the_device_and_its_kv_on_the_host
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = [engine.generate([p], params, use_tqdm=False)[0] for p in prompts]
     assert [o.output_token_ids for o in outs] == want
-    assert engine.stats().scheduler.host_hit_tokens > 0 and engine.scheduler.kv_cache_manager.tiers[1] is None
+    kv_tier, state_tier = engine.scheduler.kv_cache_manager.tiers
+    assert engine.stats().scheduler.host_hit_tokens > 0 and kv_tier.num_loaded > 0 and state_tier.num_loaded > 0
+    _check_idle(engine)
+
+
+def test_a_window_models_groups_both_load_from_the_tier():
+    """gpt-oss's pattern at toy size (`tests/engine/test_kv_groups.py`: window and global layers over one pool):
+    three prefixes through a pool for one; each comes back with its global group's blocks and its window group's
+    in-window ones loaded from the host, with the dense model's tokens."""
+    from tests.engine.test_kv_groups import BS as GROUP_BS
+    from tests.engine.test_kv_groups import CFG as WINDOW_CFG
+    from tests.engine.test_kv_groups import MAX_LEN as GROUP_LEN
+    from tests.engine.test_kv_groups import SEED as GROUP_SEED
+    from tests.engine.test_kv_groups import dense_greedy as window_greedy
+
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, WINDOW_CFG.vocab_size, 17).tolist() for _ in range(3)] * 2
+    want = window_greedy(prompts, 6)
+    engine = LLMEngine(model_config=WINDOW_CFG, seed=GROUP_SEED,
+                       cache_config=CacheConfig(block_size=GROUP_BS, num_blocks=14, kv_host_memory_bytes=HOST),
+                       scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8,
+                                                        max_model_len=GROUP_LEN))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = [engine.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert [o.output_token_ids for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 16, 16, 16]
+    stats = engine.stats().scheduler
+    assert stats.host_hit_tokens == 48 and stats.host_blocks_loaded > 12  # 4 global blocks + the window's, each
     _check_idle(engine)
 
 
