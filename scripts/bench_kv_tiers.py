@@ -11,11 +11,12 @@ set).
 Prints one row per (pressure, tiers): time to first token p50 / p99 over every turn after the first, output tokens
 per second over the whole run, prefix-hit tokens (all, from host or disk) and blocks moved; and whether every
 configuration produced the same tokens (greedy: the tiers must not change them). Each engine first runs the same
-turns over other tokens (every program compiled), then empties its prefix cache and host tier, then is measured.
+turns over other tokens (every program compiled), then empties its prefix cache and host tier, then is measured,
+then saves its device's cached blocks to the disk tier (`save_kv_tiers`, as a server does at shutdown).
 Then a restart: a new engine (its programs compiled first, over other tokens) sends every conversation's whole
-history once, with the disk tier the last host + disk run left (its files are in a temporary folder, or
-`--disk-dir`) and without: time to first token. Last, the copy rate of the host tier's own moves (64 blocks out,
-then in) against a numpy memcpy, the machine's limit.
+history once, with the disk tier the last host + disk run left (each run's files are in a folder of its own under a
+temporary one, or `--disk-dir`) and without: time to first token. Last, the copy rate of the host tier's own moves
+(64 blocks out, then in) against a numpy memcpy, the machine's limit.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def run(cfg: ModelConfig, args, num_blocks: int, host_bytes: int | None, disk_di
     assert engine.scheduler.reset_prefix_cache()  # the device pool and the host tier empty again
     before, stats_before = engine.stats().scheduler, engine.stats()
     ttfts, outputs, generated, seconds, histories = conversations(engine, cfg, args, args.seed)
+    engine.save_kv_tiers()  # as a server does at shutdown: the blocks still on the device go to disk too
     stats = engine.stats()
     sched = stats.scheduler
     return dict(ttft_p50=statistics.median(ttfts), ttft_p99=float(np.percentile(ttfts, 99)),
@@ -109,11 +111,10 @@ def run(cfg: ModelConfig, args, num_blocks: int, host_bytes: int | None, disk_di
 def restart(cfg: ModelConfig, args, num_blocks: int, host_bytes: int | None, disk_dir: str | None,
             disk_bytes: int | None, histories: list) -> dict:
     """A new engine sends every conversation's whole history once (one token each): the first requests after a
-    restart. Its programs are compiled first (`LLMEngine.warmup`, then other tokens of the same lengths, twice:
-    every step's own program, and the moves of the second pass's hits; with a disk tier, those go to the files too:
-    twice the working set has room for both)."""
+    restart. Its programs are compiled first, over other tokens of the same lengths, twice: every step's own
+    program, and the moves of the second pass's hits (with a disk tier, those go to the files too: twice the
+    working set has room for both)."""
     engine = make_engine(cfg, args, num_blocks, host_bytes, disk_dir, disk_bytes)
-    engine.warmup()
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(args.seed + 2)
     warm = [rng.integers(0, cfg.vocab_size, len(h)).tolist() for h in histories]
@@ -190,13 +191,15 @@ def main(argv=None) -> None:
     for pressure in args.pressure:
         num_blocks = max(longest, int(working_blocks / pressure))
         big_host = int(args.host_factor * working_blocks * block_bytes)
-        for host, disk in ((None, None), (big_host, None), (num_blocks * block_bytes, disk_dir)):
+        # Each run's disk tier in a folder of its own: none finds what an earlier run computed.
+        run_dir = str(Path(disk_dir, f"pressure-{pressure}"))
+        for host, disk in ((None, None), (big_host, None), (num_blocks * block_bytes, run_dir)):
             r = run(cfg, args, num_blocks, host, disk, None if disk is None else disk_bytes)
             same = first is None or r["outputs"] == first
             first = first or r["outputs"]
             rows.append((num_blocks, host, disk, r, same))
             if disk is not None:
-                last_disk = (num_blocks, host, r["histories"])
+                last_disk = (num_blocks, host, disk, r["histories"])
     print(f"{args.shape} model, {args.conversations} conversations x {args.turns} turns (system {args.system}, "
           f"+{args.user} user, {args.reply} reply tokens), blocks of {args.block_size} ({block_bytes} bytes), "
           f"working set {working_blocks} blocks")
@@ -211,12 +214,12 @@ def main(argv=None) -> None:
               f"{1e3 * r['ttft_p99']:.1f} | {r['tok_s']:.1f} | {r['hits']} ({r['host_hits']} / {r['disk_read']}) | "
               f"{r['stored']} / {r['loaded']} | {r['disk_written']} / {r['disk_read']} ({r['disk_s']:.3f}) | "
               f"{'yes' if same else 'NO'} |")
-    num_blocks, host, histories = last_disk
+    num_blocks, host, run_dir, histories = last_disk
     print(f"\nrestart: a new engine ({num_blocks} pool blocks) sends each of the {len(histories)} final histories "
           f"({sum(map(len, histories))} tokens) once")
     print("| tiers | TTFT p50 ms | TTFT p99 ms | hit tokens | disk blocks read |")
     print("|---|---|---|---|---|")
-    for disk in (None, disk_dir):
+    for disk in (None, run_dir):
         r = restart(cfg, args, num_blocks, host, disk, None if disk is None else disk_bytes, histories)
         tier = f"host {host / 2**20:.1f} MiB" + ("" if disk is None else f" + disk {disk_bytes / 2**20:.1f} MiB")
         print(f"| {tier} | {1e3 * r['ttft_p50']:.1f} | {1e3 * r['ttft_p99']:.1f} | {r['hits']} | "

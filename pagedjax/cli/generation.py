@@ -107,6 +107,7 @@ class Generation:
             if self._later:
                 self.submit(self._later)
                 self.drain()
+        self.engine.save_kv_tiers()  # the next run on the same --kv-disk-dir finds these prompts' prefixes
         return time.perf_counter() - self._start
 
     def _run_beam_search(self) -> float:

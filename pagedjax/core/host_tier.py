@@ -82,16 +82,18 @@ class HostTier:
         """The slot holding `key`'s bytes, or None (a key stored by a step that has not run is not found)."""
         return self._slots.get(key)
 
-    def offer(self, key: BlockHash, block: int) -> None:
-        """The device pool is reusing `block`, which held `key`: keep its bytes unless this tier has them."""
+    def offer(self, key: BlockHash, block: int) -> bool:
+        """The device pool is reusing `block`, which held `key`: keep its bytes unless this tier has them. False if
+        no slot could take it (every one pinned, being filled or claimed by a store)."""
         if key in self._slots:
             self._slots.move_to_end(key)
-            return
+            return True
         if key in self._stores:
-            return
+            return True
         slot = self._free.pop() if self._free else self._evict_lru()
         if slot is not None:
             self._stores[key] = (slot, block)
+        return slot is not None
 
     def find(self, key: BlockHash, keep: set[int]) -> int | None:
         """`lookup`, and with a disk tier a key found only there is read now (a bad file is a miss) and committed

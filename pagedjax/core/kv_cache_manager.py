@@ -374,6 +374,25 @@ class KVCacheManager:
                     tier.offer(key, block)
                 pool.evictions.clear()
 
+    def offer_cached_blocks(self, offered: set[BlockHash]) -> bool:
+        """Offer each pool's host tier that has a disk tier under it the cached blocks on the device (idle or in
+        use) whose keys its disk lacks and `offered` does not hold yet (they join it), as many as its slots take
+        (the tier writes what it stores through to disk): one round of saving the device's prefix cache to disk.
+        True if any block was offered; the moves are taken as a plan's are (`take_tier_moves`)."""
+        any_offered = False
+        for pool, tier in zip(self.pools, self.tiers, strict=True):
+            if tier is None or tier.disk is None:
+                continue
+            for block in range(pool.num_blocks):
+                key = pool.block_hash(block)
+                if key is None or key in offered or key in tier.disk:
+                    continue
+                if not tier.offer(key, block):
+                    break  # the tier is full of this round's stores: the next round goes on
+                offered.add(key)
+                any_offered = True
+        return any_offered
+
     @property
     def has_host_tier(self) -> bool:
         return any(t is not None for t in self.tiers)

@@ -281,6 +281,10 @@ class DataParallelEngine:
             r.update_weights(state if r is self.replicas[0] else
                              jax.tree.map(lambda ref, x: jax.device_put(x, ref.sharding), r.runner.params, state))
 
+    def save_kv_tiers(self) -> int:
+        """`LLMEngine.save_kv_tiers` of every replica (they share the disk tier's folder); the blocks written."""
+        return sum(r.save_kv_tiers() for r in self.replicas)
+
     def sleep(self) -> int:
         """`LLMEngine.sleep` of every replica; the bytes freed on each device (every replica's pool is alike)."""
         return max(r.sleep() for r in self.replicas)

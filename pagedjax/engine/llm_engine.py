@@ -167,6 +167,12 @@ class LLMEngine:
         self.disk_tiers = () if self._disk_setup is None else open_disk_tiers(
             self.cache_config.kv_disk_dir, kv_identity(nnx.state(model), self._disk_setup),
             self.cache_config.resolve_disk_blocks(spec, self.num_blocks, self.extra_pools))
+        for p, (slots, size) in enumerate(zip(host_blocks, self.pool_block_sizes, strict=True)):
+            longest = -(-self.scheduler_config.max_model_len // size)
+            if self.disk_tiers and slots < longest:  # a hit read from disk passes through host slots
+                logger.warning("the host tier holds %d blocks of pool %d, whose longest request takes %d: a prefix "
+                               "hit read from the disk tier stops at %d of them (raise kv_host_memory_bytes)",
+                               slots, p, longest, slots)
         # One block table per KV cache group; a window group's blocks out of its window go back to the pool while
         # requests run.
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
@@ -623,6 +629,27 @@ class LLMEngine:
                                  f"({images.image_token_id}) but no images: give them as {{'prompt': ..., "
                                  "'multi_modal_data': {'image': [...]}}", param="prompt")
         return EncodedPrompt(ids)
+
+    def save_kv_tiers(self) -> int:
+        """Write every cached block still on the device to the disk tier (through the host tier), so that the next
+        start on the same folder finds it too: the blocks the device evicted are there already (the disk tier is
+        written through), these are the rest. Call between steps, e.g. before exiting (`pagedjax-serve` does at
+        shutdown, `pagedjax-generate` when done). Returns the blocks written (0 without a disk tier)."""
+        if not self.disk_tiers or self.runner.asleep:
+            return 0
+        kv = self.scheduler.kv_cache_manager
+        written = lambda: sum(d.num_written for d in self.disk_tiers if d is not None)
+        before, offered = written(), set()
+        while kv.offer_cached_blocks(offered):  # a host tier's worth a round
+            moves = kv.take_tier_moves()
+            try:
+                self.runner.move_tiers(moves)
+            except BaseException:
+                kv.discard_tier_moves()
+                raise
+            kv.commit_tier_moves(moves)
+        logger.info("save_kv_tiers: %d blocks written to the disk tier", written() - before)
+        return written() - before
 
     # ------------------------------------------------------------------------------------------ training loop
     def update_weights(self, params) -> None:

@@ -63,6 +63,8 @@ class Engine(Protocol):
     def compile_notices(self, listener: Callable[[CompileEvent], None]) -> AbstractContextManager: ...  # see
     #                                                     LLMEngine.compile_notices: what a front end's progress hears
 
+    def save_kv_tiers(self) -> int: ...  # the device's cached blocks to the disk tier (before exiting)
+
     def close(self) -> None: ...  # ends its background threads (waiting compiles): call when done with it
 
     # What `generate_batch` builds a batch with: validate everything first, then queue.

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pagedjax.config import ModelSpec
 from pagedjax.config.lora import LoRAConfig
 from pagedjax.core.disk_tier import DiskTier
+from pagedjax.core.host_tier import TierMoves
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.core.step_result import StepResult
 from pagedjax.device.attention import AttentionMetadata, probe_attention, resolve_backend
@@ -486,13 +487,19 @@ class ModelRunner:
         static = dict(num_steps=x.num_steps, backend=self.backend, num_top_logprobs=x.num_top_logprobs)
         return args, static
 
+    def move_tiers(self, moves: tuple[TierMoves, ...]) -> None:
+        """Run block moves between the KV cache and the host tiers (`HostBlocks.move`): a plan's, before its step,
+        or a save's (`LLMEngine.save_kv_tiers`)."""
+        self.check_awake()
+        self.kv_cache = self.host_blocks.move(self.kv_cache, moves)
+
     def run(self, plan: StepPlan, inputs: StepInputs | FusedDecodeInputs) -> StepResult:
         """Run any step (`runner.inputs.step_inputs` of `plan`) on its program: a fused decode on the loop, a
         ragged step on the step program. Returns its `StepResult`: the tokens sampled for each sequence, in order,
         their log-probabilities when asked, and a fused decode's block tables. The plan's host tier moves run
         first."""
         if plan.tier_moves is not None:
-            self.kv_cache = self.host_blocks.move(self.kv_cache, plan.tier_moves)
+            self.move_tiers(plan.tier_moves)
         if isinstance(inputs, FusedDecodeInputs):
             sampled, logprobs, tables = self.execute_fused_decode(inputs)
             return StepResult.from_fused(plan, sampled, tables, logprobs)

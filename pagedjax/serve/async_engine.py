@@ -398,6 +398,7 @@ class AsyncLLMEngine:
                         failed = self._fail_all(EngineStoppedError("the server shut down before the request "
                                                                    "finished"), drain=True)
                         self._publish(failed)
+                        self._save_kv_tiers()
                         return
                     self._apply(command)
                 self._publish(self._step() if self.engine.has_unfinished_requests() else [])
@@ -410,6 +411,14 @@ class AsyncLLMEngine:
             self._publish(self._fail_all(EngineStoppedError(f"the engine thread died: {e!r}"), drain=True))
         finally:
             self._accepting = False
+
+    def _save_kv_tiers(self) -> None:
+        """At shutdown: the device's cached blocks to the disk tier, for the next start (a failure is logged: the
+        server stops either way)."""
+        try:
+            self.engine.save_kv_tiers()
+        except Exception:  # noqa: BLE001 - shutting down regardless
+            logger.exception("shutdown: saving the KV cache to the disk tier failed")
 
     def _apply(self, command) -> None:
         if isinstance(command, _Abort):

@@ -348,3 +348,56 @@ def test_new_weights_serve_from_a_folder_of_their_own(tmp_path):
     assert engine.disk_tiers[0].directory == folder
     assert engine.generate([prompts[0]], GREEDY, use_tqdm=False)[0].num_cached_tokens == 20
     _check_idle(engine)
+
+
+def test_saved_blocks_are_found_after_a_restart_and_a_server_saves_at_shutdown(tmp_path):
+    """Prompts that fit the pool leave their blocks on the device, where a restart would lose them:
+    `save_kv_tiers` writes every cached one to the disk tier (through a host tier of two blocks: rounds of two), and
+    a restarted engine hits them. An async engine (a server) saves at shutdown."""
+    import asyncio
+
+    from pagedjax.serve.async_engine import AsyncLLMEngine
+
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, CFG.vocab_size, 20).tolist() + [i, 1, 2] for i in range(2)]
+    want, _ = dense_greedy(prompts, GREEDY.max_tokens)
+    host = 2 * CacheConfig(block_size=4).block_bytes(CFG)
+    first = _engine(disk_dir=tmp_path / "a", num_blocks=32, host=host)
+    assert [o.outputs[0].token_ids for o in first.generate(prompts, GREEDY, use_tqdm=False)] == want
+    cached = first.scheduler.kv_cache_manager.block_pool.num_cached
+    assert first.stats().scheduler.disk_blocks_written == 0 and cached == 12  # 26 computed tokens: 6 blocks each
+    assert first.save_kv_tiers() == cached and first.save_kv_tiers() == 0
+    _check_idle(first)
+    restarted = _engine(disk_dir=tmp_path / "a", num_blocks=32)  # (a hit read from disk passes through host slots)
+    outs = [restarted.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want and [o.num_cached_tokens for o in outs] == [20, 20]
+
+    served = AsyncLLMEngine(_engine(disk_dir=tmp_path / "b", num_blocks=32))
+    served.start()
+
+    async def ask():
+        return [out async for out in served.generate(prompts[0], GREEDY)][-1]
+
+    assert asyncio.run(ask()).output_token_ids == want[0]
+    assert len(served.engine.disk_tiers[0]) == 0
+    served.stop()
+    assert len(served.engine.disk_tiers[0]) == 6
+    assert _engine(disk_dir=tmp_path / "b").save_kv_tiers() == 0  # nothing cached, nothing written
+
+
+def test_warmup_compiles_every_move_count_and_changes_no_block():
+    """`HostBlocks.warmup` (run by `LLMEngine.warmup`): the moves of every padded count up to the pool's size are
+    compiled, the cache's contents stay as they were, and the tier serves on with the dense tokens."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, CFG.vocab_size, 20).tolist() + [i, 1, 2] for i in range(3)] * 2
+    want, _ = dense_greedy(prompts, GREEDY.max_tokens)
+    engine = _engine()
+    engine.generate(prompts[:1], GREEDY, use_tqdm=False)
+    host, runner = engine.runner.host_blocks, engine.runner
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(runner.kv_cache)]
+    runner.kv_cache = host.warmup(runner.kv_cache, (engine.num_blocks,))
+    assert host._read._cache_size() >= 5 and host._write._cache_size() >= 5  # counts 1, 2, 4, 8, 16 for 10 blocks
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(runner.kv_cache), strict=True))
+    outs = [engine.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts[1:]]
+    assert [o.outputs[0].token_ids for o in outs] == want[1:] and engine.stats().scheduler.host_hit_tokens > 0
+    _check_idle(engine)
