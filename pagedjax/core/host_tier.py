@@ -16,12 +16,13 @@ Policy:
     a block read from disk, are written by the next step before it loads anything).
 
 With a disk tier under it (`pagedjax.core.disk_tier`), write-through: every block stored here is also written to its
-key's file (`TierMoves.writes`, after the stores), unless the file exists, so the disk holds what the host ever held
-(bounded by its own least recently used order) and a restart finds every prefix the device evicted, not only those
-the host dropped. A lookup that reaches a key found only on disk (`find`) reads and checks the file now, and the key
-is committed at once to a slot that the plan fills with those bytes (`TierMoves.fills`) before anything loads from
-it; a slot being filled is not dropped before its step ran, and a step that did not run forgets the keys it was to
-fill.
+key's file (`TierMoves.writes`, after the stores), unless the file exists, and an evicted block no slot can take (all
+pinned or claimed in this plan) goes to its file straight from the device (`TierMoves.disk_stores`): so the disk
+holds every block the device evicted (within its own least recently used bound), and a restart finds every such
+prefix, not only those the host dropped. A lookup that reaches a key found only on disk (`find`) reads and checks
+the file now, and the key is committed at once to a slot that the plan fills with those bytes (`TierMoves.fills`)
+before anything loads from it; a slot being filled is not dropped before its step ran, and a step that did not run
+forgets the keys it was to fill.
 
 Invariants: every slot is free, committed to one key, or claimed by one pending store; a pinned slot is committed;
 a slot being filled is committed.
@@ -40,16 +41,18 @@ from pagedjax.core.disk_tier import DiskTier
 class TierMoves:
     """One step's block moves for one pool, run in this order before the step computes: `fills` (file payload,
     host slot) put blocks read from disk into host slots, `stores` (device block, host slot) copy evicted blocks
-    out (before anything writes them), `writes` (host slot, key) write stored blocks to the disk tier, then `loads`
+    out (before anything writes them), `writes` (host slot, key) write stored blocks to the disk tier,
+    `disk_stores` (device block, key) write evicted blocks no host slot could take straight to it, then `loads`
     (host slot, device block) copy blocks in."""
 
     stores: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
     fills: list[tuple[bytes, int]] = field(default_factory=list)
     writes: list[tuple[int, BlockHash]] = field(default_factory=list)
+    disk_stores: list[tuple[int, BlockHash]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.stores or self.loads or self.fills or self.writes)
+        return bool(self.stores or self.loads or self.fills or self.writes or self.disk_stores)
 
 
 class HostTier:
@@ -69,6 +72,7 @@ class HostTier:
         self._taken: list[tuple[BlockHash, int]] = []  # the in-flight plan's stores: (key, slot)
         self._taken_pins: set[int] = set()
         self._fills: dict[int, bytes] = {}  # slot -> the payload read from disk for it, not taken yet
+        self._disk_stores: dict[BlockHash, int] = {}  # key -> device block no slot could take, not taken yet
         self._taken_fills: list[int] = []  # the in-flight plan's filled slots
         self.num_stored = 0  # blocks copied out, counted when their step ran
         self.num_loaded = 0  # blocks copied in, likewise
@@ -84,7 +88,8 @@ class HostTier:
 
     def offer(self, key: BlockHash, block: int) -> bool:
         """The device pool is reusing `block`, which held `key`: keep its bytes unless this tier has them. False if
-        no slot could take it (every one pinned, being filled or claimed by a store)."""
+        no slot could take it (every one pinned, being filled or claimed by a store): then a disk tier takes it
+        straight from the device, unless it has it."""
         if key in self._slots:
             self._slots.move_to_end(key)
             return True
@@ -93,6 +98,8 @@ class HostTier:
         slot = self._free.pop() if self._free else self._evict_lru()
         if slot is not None:
             self._stores[key] = (slot, block)
+        elif self.disk is not None and key not in self.disk:
+            self._disk_stores[key] = block
         return slot is not None
 
     def find(self, key: BlockHash, keep: set[int]) -> int | None:
@@ -141,11 +148,12 @@ class HostTier:
         moves = TierMoves([(block, slot) for slot, block in self._stores.values()], list(self._loads),
                           [(payload, slot) for slot, payload in self._fills.items()],
                           [] if self.disk is None else
-                          [(slot, key) for key, (slot, _) in self._stores.items() if key not in self.disk])
+                          [(slot, key) for key, (slot, _) in self._stores.items() if key not in self.disk],
+                          [(block, key) for key, block in self._disk_stores.items()])
         self._taken = [(key, slot) for key, (slot, _) in self._stores.items()]
         self._taken_pins = set(self._pinned)
         self._taken_fills = list(self._fills)
-        self._stores, self._loads, self._pinned, self._fills = {}, [], set(), {}
+        self._stores, self._loads, self._pinned, self._fills, self._disk_stores = {}, [], set(), {}, {}
         return moves
 
     def commit(self, moves: TierMoves) -> None:
@@ -173,7 +181,7 @@ class HostTier:
             raise RuntimeError("the host tier has a plan's moves in flight")
         self._slots.clear()
         self._key_of.clear()
-        self._stores, self._loads, self._pinned, self._fills = {}, [], set(), {}
+        self._stores, self._loads, self._pinned, self._fills, self._disk_stores = {}, [], set(), {}, {}
         self._free = list(range(self.capacity - 1, -1, -1))
 
     def check_invariants(self) -> None:

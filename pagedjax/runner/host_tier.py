@@ -1,8 +1,9 @@
 """The host tiers' bytes (`pagedjax.core.host_tier` keeps which key is in which slot): per block pool, one host
 array per leaf of the pool's page arrays, `[slots, ...]` (the page array without its block axis), and the moves a
 step plan lists, run before its step: per pool, the fills (a disk tier file's bytes into a host slot), the stores
-(device to host) and the writes (a stored slot to its key's file), then every load (host to device), so a block
-evicted and reused in the same step is read before it is written. Counts of moved blocks are padded to powers
+(device to host), the writes (a stored slot to its key's file) and the disk stores (a device block no host slot
+took, to its file), then every load (host to device), so a block evicted and reused in the same step is read before
+it is written. Counts of moved blocks are padded to powers
 of two (a few compiled programs); the cache keeps its shardings.
 
 A block's bytes on disk (`pagedjax.core.disk_tier`'s payload) are its slot's rows of the pool's host arrays, in
@@ -112,6 +113,13 @@ class HostBlocks:
                     self.bytes_stored += host[0].nbytes * len(blocks)
             for slot, key in m.writes:
                 self.disks[pool].write(key, b"".join(host[slot].tobytes() for host in self.arrays[pool]))
+            if m.disk_stores:  # evicted blocks no host slot could take, straight to their files
+                blocks = np.zeros(_bucket(len(m.disk_stores)), np.int32)
+                blocks[:len(m.disk_stores)] = [b for b, _ in m.disk_stores]
+                data = [np.asarray(x) for x in self._read(kv_cache, jnp.asarray(blocks), slot_pools=self.slot_pools,
+                                                           pool=pool)]
+                for i, (_, key) in enumerate(m.disk_stores):
+                    self.disks[pool].write(key, b"".join(x[i].tobytes() for x in data))
         for pool, m in enumerate(moves):
             if m.loads:
                 n = _bucket(len(m.loads))

@@ -160,3 +160,19 @@ def test_a_manager_lookup_reads_the_prefix_from_disk_into_slots_it_keeps(tmp_pat
     assert manager.host_hit_tokens == 12 and tier.num_filled == 3
     with pytest.raises(ValueError, match="only a pool with a host tier a disk tier"):
         KVCacheManager(6, 4, disk_tiers=(disk,))
+
+
+def test_a_block_no_host_slot_takes_goes_to_disk_straight_from_the_device(tmp_path):
+    disk = DiskTier(tmp_path, 8, TAG)
+    tier = HostTier(1, disk)
+    assert tier.offer(KEY_A, 3)  # the one slot, claimed by A's store in this plan
+    assert not tier.offer(KEY_B, 4)  # no slot: B is written from device block 4 to its file instead
+    disk.write(KEY_C, b"C")
+    assert not tier.offer(KEY_C, 5)  # its file exists: nothing to do
+    moves = tier.take_moves()
+    assert moves.stores == [(3, 0)] and moves.writes == [(0, KEY_A)] and moves.disk_stores == [(4, KEY_B)]
+    _commit(tier, moves)
+    assert tier.lookup(KEY_B) is None and not tier.take_moves()
+    without = HostTier(1)
+    without.offer(KEY_A, 3)
+    assert not without.offer(KEY_B, 4) and not without.take_moves().disk_stores  # no disk: B is not kept

@@ -401,3 +401,24 @@ def test_warmup_compiles_every_move_count_and_changes_no_block():
     outs = [engine.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts[1:]]
     assert [o.outputs[0].token_ids for o in outs] == want[1:] and engine.stats().scheduler.host_hit_tokens > 0
     _check_idle(engine)
+
+
+def test_an_aborted_request_keeps_the_blocks_it_loaded_for_the_next_one():
+    """A request whose prefix came back from the host is aborted after its first step: nothing is held, the tier
+    stays consistent, and the blocks it loaded (published once its step ran) serve the next request from the
+    device, with the dense tokens."""
+    rng = np.random.default_rng(10)
+    prompts = [rng.integers(0, CFG.vocab_size, 20).tolist() + [i, 1, 2] for i in range(3)]
+    want, _ = dense_greedy(prompts, GREEDY.max_tokens)
+    engine = _engine()
+    for p in prompts:  # each evicts the one before into the tier
+        engine.generate([p], GREEDY, use_tqdm=False)
+    engine.add_request("aborted", prompts[0], GREEDY)
+    engine.step()  # its 20 tokens loaded from the host, 3 computed
+    assert engine.stats().scheduler.host_hit_tokens == 20
+    assert engine.abort("aborted")
+    _check_idle(engine)
+    out = engine.generate([prompts[0]], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want[0] and out.num_cached_tokens == 20
+    assert engine.stats().scheduler.host_hit_tokens == 20  # from the device this time
+    _check_idle(engine)

@@ -408,3 +408,22 @@ def test_a_token_reads_its_own_slot_only(engine, folders):
         assert engine.lora.num_slot_loads == loads  # no slot was written meanwhile: the poison stayed in place
     finally:
         engine.runner.lora_weights = weights
+
+
+def test_adapters_prefixes_move_through_the_kv_tiers(folders, tmp_path):
+    """One prompt under the base model and two adapters (each its own blocks: the adapter is in the block hashes)
+    through a pool for one request, over a host tier of a few blocks and a disk tier: each comes back from the
+    tiers the second time, with its merged-weights model's tokens; no block is lent to another adapter's prefix."""
+    block_bytes = CacheConfig(block_size=BLOCK).block_bytes(CFG)
+    tiers = LLMEngine(model_config=CFG, seed=SEED, lora_config=LoRAConfig(max_loras=2, max_lora_rank=16),
+                      cache_config=CacheConfig(block_size=BLOCK, num_blocks=8, kv_host_memory_bytes=8 * block_bytes,
+                                               kv_disk_dir=str(tmp_path), kv_disk_bytes=64 * block_bytes),
+                      scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=32,
+                                                       max_model_len=MAX_LEN))
+    picks = [None, 1, 2] * 2
+    outs = [tiers.generate([PROMPTS[2]], GREEDY, use_tqdm=False, lora_request=lora(folders, i))[0] for i in picks]
+    assert tokens(outs) == [reference(folders, i)[2] for i in picks]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 40, 40, 40]
+    stats = tiers.stats().scheduler
+    assert stats.host_hit_tokens == 120 and stats.disk_blocks_read > 0
+    assert tiers.scheduler.kv_cache_manager.block_pool.num_used == 0
