@@ -422,3 +422,36 @@ def test_an_aborted_request_keeps_the_blocks_it_loaded_for_the_next_one():
     assert out.outputs[0].token_ids == want[0] and out.num_cached_tokens == 20
     assert engine.stats().scheduler.host_hit_tokens == 20  # from the device this time
     _check_idle(engine)
+
+
+def test_image_prompts_move_through_the_tier():
+    """A LLaVA toy (`tests/engine/test_images_faults.py`'s): prompts with images, keyed by the images' contents,
+    through a pool for one request; the second round hits its prefixes from the host, a prompt of the same tokens
+    with another image hits only the blocks before the image, and every request has the tokens of an engine
+    without a tier."""
+    from pagedjax.config.vision import LlavaConfig, VisionConfig
+    from pagedjax.model.multimodal.llava import Llava
+
+    vision = VisionConfig("clip", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                          image_size=(16, 16), patch_size=8, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+    config = LlavaConfig(text=CFG.replace(vocab_size=64, max_position_embeddings=64), vision=vision,
+                         image_token_id=63)
+
+    def engine(host):
+        return LLMEngine(model=Llava(config, rngs=nnx.Rngs(0)),
+                         cache_config=CacheConfig(block_size=4, num_blocks=8, kv_host_memory_bytes=host),
+                         scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=32, max_model_len=32))
+
+    rng = np.random.default_rng(0)
+    pixels = [rng.standard_normal((3, 16, 16)).astype(np.float32) for _ in range(3)]
+    text = [rng.integers(0, 60, 13).tolist() for _ in range(2)]
+    prompt = lambda i, image: {"prompt_token_ids": text[i][:5] + [63] * 4 + text[i][5:],
+                               "multi_modal_data": {"image": [pixels[image]]}}
+    prompts = [prompt(0, 0), prompt(1, 1)] * 2 + [prompt(0, 2)]
+    want = [o.output_token_ids for o in engine(None).generate(prompts, GREEDY, use_tqdm=False)]
+    tiered = engine(HOST)
+    outs = [tiered.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [o.output_token_ids for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 16, 16, 4]  # 17 tokens: 4 blocks; another image: 1
+    assert tiered.stats().scheduler.host_hit_tokens > 0
+    _check_idle(tiered)
