@@ -57,7 +57,13 @@ def kv_setup(model, spec, *, kv_dtype: str, pool_block_sizes: tuple[int, ...], h
 
 
 def open_disk_tiers(directory: str, identity: str, blocks: tuple[int, ...]) -> tuple[DiskTier | None, ...]:
-    """Pool p's disk tier of `blocks[p]` files (0: none) in `directory`/`identity`/pool`p`."""
+    """Pool p's disk tier of `blocks[p]` files (0: none) in `directory`/`identity`/pool`p`. Refused over several
+    processes (`jax.distributed`): each process's scheduler must make the same plans, and what one finds on its
+    disk another may not."""
+    if jax.process_count() > 1:
+        raise ValueError(f"CacheConfig.kv_disk_dir: a disk tier serves one process; this engine runs over "
+                         f"{jax.process_count()} (jax.distributed), whose schedulers must make the same plans from "
+                         "the same cache: leave the disk tier out (the host tier is the same on every process)")
     return tuple(DiskTier(Path(directory, identity, f"pool{p}"), n, _tag(identity, p)) if n else None
                  for p, n in enumerate(blocks))
 

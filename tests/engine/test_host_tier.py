@@ -182,6 +182,10 @@ def test_tier_configurations_that_cannot_work_are_refused(tmp_path):
     assert CacheConfig(kv_host_memory_bytes=HOST, kv_disk_dir=tmp_path, kv_disk_bytes=HOST).kv_disk_dir == str(tmp_path)
     with pytest.raises(ValueError, match="kv_disk_bytes 1 holds no block of pool 0"):
         _engine(disk_dir=tmp_path, disk=1)
+    with pytest.MonkeyPatch.context() as patch:  # several processes (jax.distributed) could find other files
+        patch.setattr(jax, "process_count", lambda: 2)
+        with pytest.raises(ValueError, match="a disk tier serves one process; this engine runs over 2"):
+            _engine(disk_dir=tmp_path)
     draft = SpeculativeConfig(method="draft", draft_model=init_model(CFG, SEED), num_speculative_tokens=2)
     with pytest.raises(ValueError, match="does not move a draft model's KV"):
         LLMEngine(model_config=CFG, cache_config=CacheConfig(num_blocks=8, kv_host_memory_bytes=HOST),
@@ -238,6 +242,7 @@ def test_a_hybrid_models_kv_and_state_snapshots_move_through_the_tiers():
     _check_idle(engine)
 
 
+@pytest.mark.slow  # (CI time) a window group's hit from the tier: the core test and the hybrid's state pool above
 def test_a_window_models_groups_both_load_from_the_tier():
     """gpt-oss's pattern at toy size (`tests/engine/test_kv_groups.py`: window and global layers over one pool):
     three prefixes through a pool for one; each comes back with its global group's blocks and its window group's
