@@ -187,6 +187,10 @@ class BlockPool:
         """The block holding `block_hash` (used or idle), or None."""
         return self._cached_block.get(block_hash)
 
+    def hashed_blocks(self) -> list[tuple[BlockHash, int]]:
+        """(key, block) of every block with a hash, used or idle (a snapshot)."""
+        return list(self._cached_block.items())
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now: every zero-ref block, cached ones included (they get evicted)."""

@@ -383,9 +383,8 @@ class KVCacheManager:
         for pool, tier in zip(self.pools, self.tiers, strict=True):
             if tier is None or tier.disk is None:
                 continue
-            for block in range(pool.num_blocks):
-                key = pool.block_hash(block)
-                if key is None or key in offered or key in tier.disk:
+            for key, block in pool.hashed_blocks():
+                if key in offered or key in tier.disk:
                     continue
                 if not tier.offer(key, block):
                     break  # the tier is full of this round's stores: the next round goes on

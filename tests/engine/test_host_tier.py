@@ -107,7 +107,8 @@ def workloads(draw):
                 disk=draw(st.sampled_from([None, 2, 64]), label="disk_blocks"),
                 budget=draw(st.sampled_from([8, 32]), label="budget"), max_num_seqs=draw(st.integers(1, 3)),
                 steps=draw(st.sampled_from([1, 4]), label="steps"), n=draw(st.sampled_from([1, 2]), label="n"),
-                waves=draw(st.integers(1, 3), label="waves"))
+                waves=draw(st.integers(1, 3), label="waves"),
+                abort=draw(st.none() | st.tuples(st.integers(0, len(prompts) - 1), st.integers(0, 6)), label="abort"))
 
 
 # (CI time: ~2 s an example) 1 drawn (10 in the dev profile) and 2 explicit examples: three prefixes of 3 blocks
@@ -117,14 +118,14 @@ def workloads(draw):
 @settings(max_examples=max(1, settings.default.max_examples // 20), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @example(w=dict(prompts=[list(range(s, s + 12)) + [1, 2] for s in (10, 30, 50)], block_size=4, num_blocks=5, host=2,
-                disk=64, budget=8, max_num_seqs=1, steps=4, n=2, waves=2))
+                disk=64, budget=8, max_num_seqs=1, steps=4, n=2, waves=2, abort=(1, 3)))
 @example(w=dict(prompts=[list(range(10, 27)), list(range(10, 27)) + [4], list(range(30, 49))], block_size=8,
-                num_blocks=6, host=1, disk=None, budget=32, max_num_seqs=3, steps=1, n=1, waves=3))
+                num_blocks=6, host=1, disk=None, budget=32, max_num_seqs=3, steps=1, n=1, waves=3, abort=None))
 @given(w=workloads())
 def test_random_workloads_with_a_host_tier_give_the_dense_tokens(w):
     """Waves of the same prompts (later waves find their prefixes on the device, the host or the disk), greedy n-way
-    forks: every sample is the dense model's greedy continuation, nothing is held afterwards, the tiers are
-    consistent."""
+    forks, one request of the first wave aborted after some steps: every sample of every other request is the dense
+    model's greedy continuation, nothing is held afterwards, the tiers are consistent."""
     params = SamplingParams(max_tokens=6, temperature=0.0, n=w["n"], ignore_eos=True)
     want, margin = dense_greedy(w["prompts"], params.max_tokens)
     if margin < 1e-3:  # a near tie: the right token depends on rounding
@@ -134,9 +135,20 @@ def test_random_workloads_with_a_host_tier_give_the_dense_tokens(w):
         engine = _engine(block_size=w["block_size"], num_blocks=w["num_blocks"], budget=w["budget"],
                          max_num_seqs=w["max_num_seqs"], steps=w["steps"], host=w["host"] * block_bytes,
                          disk_dir=None if w["disk"] is None else folder, disk=(w["disk"] or 1) * block_bytes)
-        for _ in range(w["waves"]):
-            outs = engine.generate(w["prompts"], params, use_tqdm=False)
-            assert [[c.token_ids for c in o.outputs] for o in outs] == [[t] * w["n"] for t in want]
+        for wave in range(w["waves"]):
+            ids = [f"{wave}-{i}" for i in range(len(w["prompts"]))]
+            for rid, prompt in zip(ids, w["prompts"], strict=True):
+                engine.add_request(rid, prompt, params)
+            done, steps, aborted = {}, 0, None
+            while engine.has_unfinished_requests():
+                if wave == 0 and w["abort"] is not None and steps == w["abort"][1]:
+                    aborted = ids[w["abort"][0]] if engine.abort(ids[w["abort"][0]]) else None
+                done.update((o.request_id, o) for o in engine.step() if o.finished)
+                steps += 1
+            assert set(done) == set(ids) - {aborted}  # an aborted request reports nothing more
+            for rid, tokens in zip(ids, want, strict=True):
+                if rid != aborted:
+                    assert [c.token_ids for c in done[rid].outputs] == [tokens] * w["n"]
         _check_idle(engine)
 
 
