@@ -72,7 +72,7 @@ class HostTier:
         self._taken: list[tuple[BlockHash, int]] = []  # the in-flight plan's stores: (key, slot)
         self._taken_pins: set[int] = set()
         self._fills: dict[int, bytes] = {}  # slot -> the payload read from disk for it, not taken yet
-        self._disk_stores: dict[BlockHash, int] = {}  # key -> device block no slot could take, not taken yet
+        self._disk_stores: dict[BlockHash, int] = {}  # key -> device block for the disk (no slot took it, or saved)
         self._taken_fills: list[int] = []  # the in-flight plan's filled slots
         self.num_stored = 0  # blocks copied out, counted when their step ran
         self.num_loaded = 0  # blocks copied in, likewise
@@ -101,6 +101,16 @@ class HostTier:
         elif self.disk is not None and key not in self.disk:
             self._disk_stores[key] = block
         return slot is not None
+
+    def save(self, key: BlockHash, block: int) -> bool:
+        """Device `block`, which holds `key`, goes to the disk tier at the next moves, unless its file exists
+        (`TierMoves.disk_stores`: the device's cached blocks saved before exiting). Returns whether it will."""
+        if self.disk is None:
+            raise RuntimeError("this host tier has no disk tier to save blocks to")
+        if key in self.disk:
+            return False
+        self._disk_stores[key] = block
+        return True
 
     def find(self, key: BlockHash, keep: set[int]) -> int | None:
         """`lookup`, and with a disk tier a key found only there is read now (a bad file is a miss) and committed

@@ -374,23 +374,16 @@ class KVCacheManager:
                     tier.offer(key, block)
                 pool.evictions.clear()
 
-    def offer_cached_blocks(self, offered: set[BlockHash]) -> bool:
-        """Offer each pool's host tier that has a disk tier under it the cached blocks on the device (idle or in
-        use) whose keys its disk lacks and `offered` does not hold yet (they join it), as many as its slots take
-        (the tier writes what it stores through to disk): one round of saving the device's prefix cache to disk.
-        True if any block was offered; the moves are taken as a plan's are (`take_tier_moves`)."""
-        any_offered = False
+    def save_cached_blocks(self) -> int:
+        """Have each pool's disk tier take the cached blocks on the device (idle or in use) whose files it lacks,
+        straight from the device at the next moves (`HostTier.save`; taken as a plan's are: `take_tier_moves`):
+        saving the device's prefix cache to disk. Returns how many."""
+        n = 0
         for pool, tier in zip(self.pools, self.tiers, strict=True):
-            if tier is None or tier.disk is None:
-                continue
-            for key, block in pool.hashed_blocks():
-                if key in offered or key in tier.disk:
-                    continue
-                if not tier.offer(key, block):
-                    break  # the tier is full of this round's stores: the next round goes on
-                offered.add(key)
-                any_offered = True
-        return any_offered
+            if tier is not None and tier.disk is not None:
+                for key, block in pool.hashed_blocks():
+                    n += tier.save(key, block)
+        return n
 
     @property
     def has_host_tier(self) -> bool:

@@ -631,16 +631,16 @@ class LLMEngine:
         return EncodedPrompt(ids)
 
     def save_kv_tiers(self) -> int:
-        """Write every cached block still on the device to the disk tier (through the host tier), so that the next
-        start on the same folder finds it too: the blocks the device evicted are there already (the disk tier is
-        written through), these are the rest. Call between steps, e.g. before exiting (`pagedjax-serve` does at
+        """Write every cached block still on the device to the disk tier (straight from the device), so that the
+        next start on the same folder finds it too: the blocks the device evicted are there already (the disk tier
+        is written through), these are the rest. Call between steps, e.g. before exiting (`pagedjax-serve` does at
         shutdown, `pagedjax-generate` when done). Returns the blocks written (0 without a disk tier)."""
         if not self.disk_tiers or self.runner.asleep:
             return 0
         kv = self.scheduler.kv_cache_manager
         written = lambda: sum(d.num_written for d in self.disk_tiers if d is not None)
-        before, offered = written(), set()
-        while kv.offer_cached_blocks(offered):  # a host tier's worth a round
+        before = written()
+        if kv.save_cached_blocks():
             moves = kv.take_tier_moves()
             try:
                 self.runner.move_tiers(moves)

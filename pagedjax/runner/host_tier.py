@@ -26,6 +26,7 @@ from pagedjax.device.attention import resolve_backend
 from pagedjax.device.kv_cache import KVCache, read_blocks, write_blocks
 
 DISK_FORMAT = "pagedjax-kv-disk-1"  # a change to how a block's bytes are laid out changes every folder's name
+DISK_CHUNK = 64  # device blocks read at once on their way to disk (a save of the whole pool: bounded host memory)
 
 
 def _bucket(n: int) -> int:
@@ -119,12 +120,13 @@ class HostBlocks:
                     self.bytes_stored += host[0].nbytes * len(blocks)
             for slot, key in m.writes:
                 self.disks[pool].write(key, b"".join(host[slot].tobytes() for host in self.arrays[pool]))
-            if m.disk_stores:  # evicted blocks no host slot could take, straight to their files
-                blocks = np.zeros(_bucket(len(m.disk_stores)), np.int32)
-                blocks[:len(m.disk_stores)] = [b for b, _ in m.disk_stores]
+            for start in range(0, len(m.disk_stores), DISK_CHUNK):  # device blocks straight to their files
+                chunk = m.disk_stores[start:start + DISK_CHUNK]
+                blocks = np.zeros(_bucket(len(chunk)), np.int32)
+                blocks[:len(chunk)] = [b for b, _ in chunk]
                 data = [np.asarray(x) for x in self._read(kv_cache, jnp.asarray(blocks), slot_pools=self.slot_pools,
                                                            pool=pool)]
-                for i, (_, key) in enumerate(m.disk_stores):
+                for i, (_, key) in enumerate(chunk):
                     self.disks[pool].write(key, b"".join(x[i].tobytes() for x in data))
         for pool, m in enumerate(moves):
             if m.loads:

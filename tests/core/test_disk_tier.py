@@ -176,3 +176,15 @@ def test_a_block_no_host_slot_takes_goes_to_disk_straight_from_the_device(tmp_pa
     without = HostTier(1)
     without.offer(KEY_A, 3)
     assert not without.offer(KEY_B, 4) and not without.take_moves().disk_stores  # no disk: B is not kept
+
+
+def test_saving_sends_device_blocks_to_disk_unless_their_files_exist(tmp_path):
+    disk = DiskTier(tmp_path, 8, TAG)
+    disk.write(KEY_A, b"A")
+    tier = HostTier(1, disk)
+    assert not tier.save(KEY_A, 3) and tier.save(KEY_B, 4) and tier.save(KEY_C, 5)  # none takes a host slot
+    moves = tier.take_moves()
+    assert moves.disk_stores == [(4, KEY_B), (5, KEY_C)] and not moves.stores and not moves.writes
+    _commit(tier, moves)
+    with pytest.raises(RuntimeError, match="no disk tier"):
+        HostTier(1).save(KEY_A, 3)

@@ -369,8 +369,8 @@ def test_new_weights_serve_from_a_folder_of_their_own(tmp_path):
 
 def test_saved_blocks_are_found_after_a_restart_and_a_server_saves_at_shutdown(tmp_path):
     """Prompts that fit the pool leave their blocks on the device, where a restart would lose them:
-    `save_kv_tiers` writes every cached one to the disk tier (through a host tier of two blocks: rounds of two), and
-    a restarted engine hits them. An async engine (a server) saves at shutdown."""
+    `save_kv_tiers` writes every cached one to the disk tier (straight from the device: a host tier of two blocks
+    is no bound), and a restarted engine hits them. An async engine (a server) saves at shutdown."""
     import asyncio
 
     from pagedjax.serve.async_engine import AsyncLLMEngine

@@ -213,6 +213,26 @@ def test_engine_greedy_matches_transformers(ckpt):
         assert (out.num_cached_tokens, out.outputs[0].token_ids) == (12, want)
 
 
+@pytest.mark.slow  # (CI time) the host tier's own tests move every kind of page by default
+def test_windows_compressor_states_and_entries_come_back_from_the_host_tier(ckpt):
+    """V4's three pools (compressed entries, the window, the compressor states) each with a host tier, in a pool of
+    9 KV blocks: a prompt evicted by another comes back with its 12-token hit loaded from the tiers, with
+    transformers' tokens."""
+    model, folder = ckpt
+    engine = LLMEngine.from_pretrained(
+        folder, backend="xla", cache_config=CacheConfig(block_size=BS, num_blocks=9, state_block_size=3 * BS,
+                                                         num_state_blocks=8, kv_host_memory_bytes=64 << 20),
+        scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=32))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [PROMPTS[3], PROMPTS[1], PROMPTS[3], PROMPTS[1]]
+    outs = [engine.generate([p], greedy, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 4)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 12, 12]
+    tiers = engine.scheduler.kv_cache_manager.tiers
+    assert all(t is not None for t in tiers) and engine.stats().scheduler.host_hit_tokens > 0
+    assert engine.scheduler.kv_cache_manager.block_pool.num_used == 0
+
+
 @pytest.mark.slow  # (CI time: the interpreter) the kernel's own tests compare it with the XLA path by default
 def test_the_pallas_backend_serves_v4_attention_with_the_gpu_kernel(ckpt):
     """backend "pallas": the attention and the compressor through their Triton kernels (the Pallas interpreter on a
