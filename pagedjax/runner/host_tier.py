@@ -3,8 +3,8 @@ array per leaf of the pool's page arrays, `[slots, ...]` (the page array without
 step plan lists, run before its step: per pool, the fills (a disk tier file's bytes into a host slot), the stores
 (device to host), the writes (a stored slot to its key's file) and the disk stores (a device block no host slot
 took, to its file), then every load (host to device), so a block evicted and reused in the same step is read before
-it is written. Counts of moved blocks are padded to powers
-of two (a few compiled programs); the cache keeps its shardings.
+it is written. Counts of moved blocks are padded to powers of two (a few compiled programs); the cache keeps its
+shardings.
 
 A block's bytes on disk (`pagedjax.core.disk_tier`'s payload) are its slot's rows of the pool's host arrays, in
 order, as numpy lays them out; `kv_identity` names what makes them differ, the disk tier's folder.
@@ -65,19 +65,20 @@ def open_disk_tiers(directory: str, identity: str, blocks: tuple[int, ...]) -> t
         raise ValueError(f"CacheConfig.kv_disk_dir: a disk tier serves one process; this engine runs over "
                          f"{jax.process_count()} (jax.distributed), whose schedulers must make the same plans from "
                          "the same cache: leave the disk tier out (the host tier is the same on every process)")
-    return tuple(DiskTier(Path(directory, identity, f"pool{p}"), n, _tag(identity, p)) if n else None
-                 for p, n in enumerate(blocks))
+    folders = [_pool_folder(directory, identity, p) for p in range(len(blocks))]
+    return tuple(DiskTier(folder, n, tag) if n else None for (folder, tag), n in zip(folders, blocks, strict=True))
 
 
 def reopen_disk_tiers(disks: tuple[DiskTier | None, ...], directory: str, identity: str) -> None:
     """Point `disks` (`open_disk_tiers`') at the folders of another identity (new weights)."""
     for p, disk in enumerate(disks):
         if disk is not None:
-            disk.open(Path(directory, identity, f"pool{p}"), _tag(identity, p))
+            disk.open(*_pool_folder(directory, identity, p))
 
 
-def _tag(identity: str, pool: int) -> bytes:
-    return bytes.fromhex(identity) + pool.to_bytes(4, "little")
+def _pool_folder(directory: str, identity: str, pool: int) -> tuple[Path, bytes]:
+    """Pool `pool`'s disk tier folder under `directory` for `identity`, and the tag its files' checksums take."""
+    return Path(directory, identity, f"pool{pool}"), bytes.fromhex(identity) + pool.to_bytes(4, "little")
 
 
 class HostBlocks:
@@ -160,9 +161,10 @@ class HostBlocks:
 
     def _fill(self, pool: int, slot: int, payload: bytes) -> None:
         hosts = self.arrays[pool]
-        if len(payload) != sum(host[0].nbytes for host in hosts):
+        block_bytes = sum(host[0].nbytes for host in hosts)
+        if len(payload) != block_bytes:
             raise RuntimeError(f"a disk tier block of {len(payload)} bytes for pool {pool}, whose blocks take "
-                               f"{sum(host[0].nbytes for host in hosts)} (a file of another layout in this folder)")
+                               f"{block_bytes} (a file of another layout in this folder)")
         offset = 0
         for host in hosts:
             host[slot] = np.frombuffer(payload, host.dtype, host[0].size, offset).reshape(host.shape[1:])
