@@ -472,3 +472,26 @@ def test_image_prompts_move_through_the_tier():
     assert [o.num_cached_tokens for o in outs] == [0, 0, 16, 16, 4]  # 17 tokens: 4 blocks; another image: 1
     assert tiered.stats().scheduler.host_hit_tokens > 0
     _check_idle(tiered)
+
+
+def test_a_save_whose_moves_raise_leaves_the_tiers_consistent_and_the_engine_serving(tmp_path):
+    """`save_kv_tiers` whose device read raises: the error reaches the caller, the moves are discarded, nothing is
+    held, and the engine serves on and saves again."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, CFG.vocab_size, 20).tolist() + [i, 1, 2] for i in range(2)]
+    want, _ = dense_greedy(prompts, GREEDY.max_tokens)
+    engine = _engine(disk_dir=tmp_path, num_blocks=32)
+    engine.generate(prompts[:1], GREEDY, use_tqdm=False)
+    host = engine.runner.host_blocks
+    read = host._read
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected read failure")
+
+    host._read = broken
+    with pytest.raises(RuntimeError, match="injected read failure"):
+        engine.save_kv_tiers()
+    host._read = read
+    _check_idle(engine)
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert engine.save_kv_tiers() == engine.scheduler.kv_cache_manager.block_pool.num_cached == 12
