@@ -1,5 +1,6 @@
 """What a caller gets back: `RequestOutput` (one per request and step), `CompletionOutput` (one per sample),
-`TokenLogprobs`, and beam search's `BeamSearchOutput` / `BeamSequence`. Plain data, no JAX.
+`TokenLogprobs`, embeddings' `EmbeddingRequestOutput` / `EmbeddingOutput`, and beam search's `BeamSearchOutput` /
+`BeamSequence`. Plain data, no JAX.
 """
 
 from __future__ import annotations
@@ -48,10 +49,34 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_generated_tokens: int = 0  # by every sample, those best_of drops included (what the request cost)
+    embedding: list[float] | None = None  # a pooling request's, once finished ("stop"): `PoolingParams`
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class EmbeddingOutput:
+    """A pooling request's vector (`pagedjax.pooling_params`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLMEngine.embed` returns per prompt (vLLM's shape): its vector, its prompt, and how many of the
+    prompt's tokens came from the prefix cache."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
 
 
 @dataclass

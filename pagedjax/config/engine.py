@@ -18,6 +18,7 @@ from pagedjax.config.fields import check_bool, check_choice, check_int, describe
 from pagedjax.config.lora import LoRAConfig
 from pagedjax.config.model import ModelConfig
 from pagedjax.config.parallel import ParallelConfig
+from pagedjax.config.pooling import PoolingDefaults
 from pagedjax.config.sampling import SamplingDefaults
 from pagedjax.config.scheduler import SchedulerConfig
 from pagedjax.config.speculative import SpeculativeConfig
@@ -47,6 +48,8 @@ class EngineConfig:
     sampling_defaults: what a request's sampling fields left None become (`pagedjax.config.sampling`; vLLM's
       defaults unless given: `from_pretrained` gives the model folder's generation_config.json).
     lora_config: multi-LoRA serving's slots and rank (None: no adapters).
+    pooling_defaults: how an embedding request's pooling fields left None are set (`pagedjax.config.pooling`; last
+      token, normalized, unless given: `from_pretrained` gives a sentence-transformers folder's modules).
     """
 
     model_config: ModelConfig | None = None
@@ -75,6 +78,7 @@ class EngineConfig:
     structured_limits: StructuredLimits = dataclasses.field(default_factory=StructuredLimits)
     sampling_defaults: SamplingDefaults = dataclasses.field(default_factory=SamplingDefaults)
     lora_config: LoRAConfig | None = None
+    pooling_defaults: PoolingDefaults = dataclasses.field(default_factory=PoolingDefaults)
 
     def __post_init__(self) -> None:
         owner = "LLMEngine"  # its fields are LLMEngine's keywords: errors name the keyword
@@ -84,7 +88,8 @@ class EngineConfig:
                                     ("speculative_config", SpeculativeConfig, True),
                                     ("structured_limits", StructuredLimits, False),
                                     ("sampling_defaults", SamplingDefaults, False),
-                                    ("lora_config", LoRAConfig, True)):
+                                    ("lora_config", LoRAConfig, True),
+                                    ("pooling_defaults", PoolingDefaults, False)):
             value = getattr(self, name)
             if not (isinstance(value, cls) or (optional and value is None)):
                 raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__} ({owner}.{name})")

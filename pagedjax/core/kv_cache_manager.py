@@ -559,7 +559,10 @@ class KVCacheManager:
 
 def _recomputes_prompt(request: Request) -> bool:
     """A request collecting prompt log-probabilities takes no prefix-cache hits until it has them all:
-    every prompt position must go through the model to have logits."""
+    every prompt position must go through the model to have logits. Nor does a pooling request whose pooling
+    takes hidden states before the last position (mean, first token: `PoolingParams.needs_every_position`)."""
+    if request.pooling is not None and request.pooling.needs_every_position:
+        return request.pooled_upto < request.num_prompt_tokens
     lps = request.prompt_logprobs
     # A multi-sample request's prefill computes all but the last prompt token, for the whole prompt's entries.
     prompt = request.group.request if request.prefill_only else request

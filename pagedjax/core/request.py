@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pagedjax.core.images import ImageInput
 from pagedjax.outputs import TokenLogprobs
+from pagedjax.pooling_params import PoolingParams
 from pagedjax.sampling_params import SamplingParams
 
 
@@ -77,6 +78,12 @@ class Request:
     # Speculative decoding's proposed tokens after its last token, set between steps (`Scheduler.set_draft_tokens`)
     # and verified by its next step; its blocks cover them meanwhile.
     draft_token_ids: list[int] = field(default_factory=list, repr=False)
+    # A pooling request (an embedding: `pagedjax.pooling_params`, its fields set) samples nothing and finishes when
+    # its prompt is computed. `pooled` (float32 [hidden], numpy) sums the last layer's hidden states its pooling
+    # takes, of its prompt positions [0, pooled_upto): a position recomputed after a preemption is not added again.
+    pooling: PoolingParams | None = None
+    pooled: object = field(default=None, repr=False)
+    pooled_upto: int = 0
 
     @property
     def cumulative_logprob(self) -> float:

@@ -932,7 +932,9 @@ class Scheduler:
                                    f"computed tokens, the plan ends at {kv_lens[i]}")
             emitted: list[int] = []
             status = None
-            if emits[i] and not request.prefill_only:
+            if emits[i] and request.pooling is not None:
+                status = RequestStatus.FINISHED_STOPPED  # a pooling request samples nothing: its prompt is done
+            elif emits[i] and not request.prefill_only:
                 d = drafts[i]
                 emitted = emitted_tokens(plan.token_ids[cu[i + 1] - d:cu[i + 1]].tolist() if d else (),
                                          result.rows(i))
@@ -945,7 +947,7 @@ class Scheduler:
             # each emitted token came from its predecessor fed back (the first from the last known token), so
             # those predecessors' KV is computed: the tokens before the last known one, plus one per emitted token
             computed = kv_lens[i] - drafts[i] - 1 + len(emitted) if emits[i] and not request.prefill_only \
-                else kv_lens[i]
+                and request.pooling is None else kv_lens[i]
             if plan.fused is not None:
                 adopted[rid] = claim_lent_blocks(plan, result.block_tables, i, rid, kv.get_block_ids(rid), computed,
                                                  claimed, kv.group_pools)

@@ -43,6 +43,7 @@ class StepResult:
     prompt_logprobs: Any = None
     prompt_targets: np.ndarray | None = None  # int32 [T], with prompt_logprobs
     block_tables: np.ndarray | None = None  # int32 [(num_groups,) S, B], fused decodes only
+    pooled: np.ndarray | None = None  # float32 [S, hidden]: pooling requests' hidden-state sums of this step
 
     @property
     def num_seqs(self) -> int:
@@ -54,14 +55,17 @@ class StepResult:
 
     @classmethod
     def from_rows(cls, plan: StepPlan, sampled, logprobs=None, prompt_logprobs=None,
-                  prompt_targets=None) -> StepResult:
+                  prompt_targets=None, pooled=None) -> StepResult:
         """The result of a ragged step (plain or verifying): `sampled` int `[>= R]`, one token per row of
-        `plan.logits_indices`, which holds each sequence's rows in order; `logprobs` rows alike."""
+        `plan.logits_indices`, which holds each sequence's rows in order; `logprobs` rows alike; `pooled` one row
+        per sequence of the plan."""
         sampled = np.asarray(sampled).reshape(-1)
         cu = first_rows(plan)
         if sampled.shape[0] < cu[-1]:
             raise ValueError(f"got {sampled.shape[0]} sampled tokens for {int(cu[-1])} rows")
-        return cls(sampled[:cu[-1]].astype(np.int32), cu, logprobs, prompt_logprobs, prompt_targets)
+        if pooled is not None and np.shape(pooled)[0] != plan.num_seqs:
+            raise ValueError(f"got {np.shape(pooled)[0]} pooled rows for {plan.num_seqs} sequences")
+        return cls(sampled[:cu[-1]].astype(np.int32), cu, logprobs, prompt_logprobs, prompt_targets, pooled=pooled)
 
     @classmethod
     def from_fused(cls, plan: StepPlan, sampled, block_tables, logprobs=None) -> StepResult:

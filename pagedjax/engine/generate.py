@@ -1,4 +1,4 @@
-"""`generate`: a whole batch through any engine-shaped object (`LLMEngine`, `DataParallelEngine`)."""
+"""`generate` and `embed`: a whole batch through any engine-shaped object (`LLMEngine`, `DataParallelEngine`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 
 from pagedjax.compile_cache import cache_note
 from pagedjax.config.fields import is_int
-from pagedjax.outputs import RequestOutput
+from pagedjax.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedjax.pooling_params import PoolingParams
 from pagedjax.runner.programs import CompileEvent
 from pagedjax.sampling_params import LoRARequest, SamplingParams
 
@@ -86,17 +87,47 @@ def batch_of_loras(lora_request, n: int) -> list[LoRARequest | None]:
     return loras
 
 
-def generate_batch(engine, prompts, sampling_params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
+def batch_of_pooling(pooling_params, n: int) -> list[PoolingParams]:
+    """One `PoolingParams` per request, as `batch_of_params` reads sampling params."""
+    if pooling_params is None or isinstance(pooling_params, PoolingParams):
+        return [pooling_params or PoolingParams()] * n
+    if not isinstance(pooling_params, (list, tuple)):
+        raise TypeError(f"pooling_params must be PoolingParams or a list of them, got {type(pooling_params).__name__}")
+    params = list(pooling_params)
+    if len(params) != n:
+        raise ValueError(f"{len(params)} pooling params for {n} prompts")
+    return params
+
+
+def embed_batch(engine, prompts, pooling_params, use_tqdm: bool, lora_request=None) -> list[EmbeddingRequestOutput]:
+    """`embed` over any engine-shaped object: `generate_batch` of pooling requests, each output as vLLM's
+    `EmbeddingRequestOutput`. A request that failed (its step raised alone) raises RuntimeError naming it."""
+    n = len(batch_of_prompts(prompts))
+    outs = generate_batch(engine, prompts, None, use_tqdm, lora_request,
+                          pooling_params=batch_of_pooling(pooling_params, n), what="embed")
+    bad = [o for o in outs if o.embedding is None]
+    if bad:
+        raise RuntimeError(f"embed: request {bad[0].request_id!r} ended with {bad[0].finish_reason!r}"
+                           f"{': ' + bad[0].error if bad[0].error else ''}")
+    return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids,
+                                   o.num_cached_tokens) for o in outs]
+
+
+def generate_batch(engine, prompts, sampling_params, use_tqdm: bool, lora_request=None, *,
+                   pooling_params: list[PoolingParams] | None = None, what: str = "generate") -> list[RequestOutput]:
     """`generate` over any engine-shaped object (`LLMEngine`, `DataParallelEngine`): validate the whole batch,
     queue it under fresh ids, step until every request finished, outputs in input order. An interrupted call
     aborts what it queued, so nothing keeps running behind the caller's back. `lora_request` (see
-    `batch_of_loras`) needs an engine whose `make_request` takes one."""
+    `batch_of_loras`) needs an engine whose `make_request` takes one; `pooling_params` (one per prompt) makes
+    pooling requests (`embed_batch`)."""
     prompts = batch_of_prompts(prompts)
     params = batch_of_params(sampling_params, len(prompts))
     loras = batch_of_loras(lora_request, len(prompts))
-    ids = engine.fresh_request_ids("gen", len(prompts))
-    prepared = [engine.make_request(rid, prompt, p, lora_request=lora)
-                for rid, prompt, p, lora in zip(ids, prompts, params, loras, strict=True)]
+    pooling = pooling_params or [None] * len(prompts)
+    ids = engine.fresh_request_ids("gen" if pooling_params is None else "embed", len(prompts))
+    prepared = [engine.make_request(rid, prompt, None if pool is not None else p, lora_request=lora,
+                                    **({} if pool is None else {"pooling": pool}))
+                for rid, prompt, p, lora, pool in zip(ids, prompts, params, loras, pooling, strict=True)]
     for p in prepared:
         engine.add_prepared_request(p)
     results: dict[str, RequestOutput] = {}
@@ -104,7 +135,7 @@ def generate_batch(engine, prompts, sampling_params, use_tqdm: bool, lora_reques
     if use_tqdm:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(ids), desc="generate", unit="req")
+        bar = tqdm(total=len(ids), desc=what, unit="req")
         notices = engine.compile_notices(_CompileNote(bar))
     pending = set(ids)
     try:

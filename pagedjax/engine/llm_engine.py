@@ -34,9 +34,14 @@ from pagedjax.config.fields import is_int
 from pagedjax.core.request import Request, RequestIds
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import StepPlan
-from pagedjax.engine.generate import generate_batch
+from pagedjax.engine.generate import embed_batch, generate_batch
 from pagedjax.engine.image_prompts import EncodedPrompt, image_prompt
-from pagedjax.engine.output_processor import OutputProcessor, record_prompt_logprobs, record_token_logprob
+from pagedjax.engine.output_processor import (
+    OutputProcessor,
+    record_pooled,
+    record_prompt_logprobs,
+    record_token_logprob,
+)
 from pagedjax.engine.protocol import PreparedRequest
 from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
@@ -45,7 +50,8 @@ from pagedjax.lora.manager import LoRAManager
 from pagedjax.model.api import check_model
 from pagedjax.model.llama import Llama
 from pagedjax.model.loading.loader import engine_model, load_engine_inputs
-from pagedjax.outputs import RequestOutput
+from pagedjax.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedjax.pooling_params import PoolingParams
 from pagedjax.runner import weights
 from pagedjax.runner.host_tier import kv_identity, kv_setup, open_disk_tiers, reopen_disk_tiers
 from pagedjax.runner.inputs import StepInputs, step_inputs
@@ -53,7 +59,7 @@ from pagedjax.runner.invariant import invariant_shape
 from pagedjax.runner.programs import CompileEvent, all_done
 from pagedjax.runner.runner import ModelRunner
 from pagedjax.runner.shapes import warmup_shapes
-from pagedjax.sampling_params import LoRARequest, SamplingParams, StructuredOutput
+from pagedjax.sampling_params import RAW_SAMPLING, LoRARequest, SamplingParams, StructuredOutput
 from pagedjax.spec_decode.draft_model import DraftProposer, load_draft
 from pagedjax.spec_decode.speculator import Speculator
 from pagedjax.structured_output.compiler import Constraint, ConstraintCompiler
@@ -353,14 +359,21 @@ class LLMEngine:
                                                     lora_request=lora_request))
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
-                     cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> PreparedRequest:
+                     cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                     pooling: PoolingParams | None = None) -> PreparedRequest:
         """A validated request of a prompt (token ids, or text with a tokenizer) that the scheduler would accept,
         its constraint compiled, its sampling fields left None set from the engine's `sampling_defaults` and a
         `max_tokens` left None to the rest of the context (`SamplingParams.with_room`); nothing is queued
-        (`add_prepared_request` does). Raises as `add_request`."""
+        (`add_prepared_request` does). With `pooling` (and no sampling_params), a pooling request: an embedding,
+        its fields left None set from the engine's `pooling_defaults` (`pagedjax.pooling_params`). Raises as
+        `add_request`."""
         if not isinstance(request_id, str):
             raise InvalidType(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}",
                               param="request_id")
+        if pooling is not None:
+            pooling = self._pooling(request_id, pooling, sampling_params)
+            # Never sampled: it ends with its prompt (`Scheduler.update`); a token's room keeps the limits' checks.
+            sampling_params = SamplingParams(max_tokens=1, **RAW_SAMPLING)
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise InvalidType(f"request {request_id!r}: sampling_params must be SamplingParams, "
@@ -411,9 +424,28 @@ class LLMEngine:
                           eos_token_ids=self.model_spec.eos_token_ids, cache_salt=cache_salt, adapter_id=adapter_id,
                           logprobs=[] if params.logprobs is not None else None,
                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                          constrained=constraint is not None, images=images)
+                          constrained=constraint is not None, images=images, pooling=pooling)
         self.scheduler.check_request(request)
         return PreparedRequest(request, constraint)
+
+    def _pooling(self, request_id: str, pooling: PoolingParams, sampling_params) -> PoolingParams:
+        """A pooling request's options with the engine's defaults set, checked against this model."""
+        if not isinstance(pooling, PoolingParams):
+            raise InvalidType(f"request {request_id!r}: pooling must be PoolingParams, got {type(pooling).__name__}",
+                              param="pooling")
+        if sampling_params is not None:
+            raise InvalidRequest(f"request {request_id!r}: a pooling request samples nothing; it takes no "
+                                 "sampling_params", param="sampling_params")
+        defaults = self.config.pooling_defaults
+        if defaults.refused is not None:
+            raise UnsupportedFeature(f"request {request_id!r}: this model's embeddings cannot be computed: "
+                                     f"{defaults.refused}", param="pooling", code="pooling_not_supported")
+        pooling = pooling.with_defaults(defaults)
+        hidden = self.model_spec.hidden_size
+        if pooling.dimensions is not None and pooling.dimensions > hidden:
+            raise InvalidRequest(f"request {request_id!r}: PoolingParams.dimensions ({pooling.dimensions}) is more "
+                                 f"than the model's {hidden} hidden dimensions", param="dimensions")
+        return pooling
 
     def compile_constraint(self, structured: StructuredOutput) -> Constraint:
         """A fresh matcher of a constraint, compiled once per engine and copied after (`ConstraintCompiler`: the
@@ -552,6 +584,7 @@ class LLMEngine:
                 record_token_logprob(r, int(result.token_ids[row]), result.logprobs, (row,))
         if result.prompt_logprobs is not None:
             record_prompt_logprobs(plan, requests, result.prompt_targets, result.prompt_logprobs)
+        record_pooled(plan, requests, result.pooled)
         if plan.fused is not None:
             self._fused_calls += 1
         progressed = self._progressed(requests, before)
@@ -672,6 +705,16 @@ class LLMEngine:
         if self.speculator is not None and self.speculator.draft is not None:
             self.speculator.draft.wake()
         return weights.wake(self.runner)
+
+    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = False,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
+        """An embedding of every prompt (as `generate` takes prompts), in input order: vLLM's `LLM.embed`. Each
+        prompt runs as a pooling request (`pagedjax.pooling_params`: prefill only, batched and chunked with any
+        other request, a "last" pooling taking prefix-cache hits); `pooling_params` one for all or one per prompt
+        (None: the model's pooling, `EngineConfig.pooling_defaults`). Raises as `add_request`, and
+        `UnsupportedFeature` for a model whose pooling pagedjax does not compute (`PoolingDefaults.refused`)."""
+        return embed_batch(self, prompts, pooling_params, use_tqdm, lora_request)
 
     def score(self, prompts, completions, lora_request=None):
         """Per-token log-probabilities (float32 arrays) of each completion after its prompt, by this engine's

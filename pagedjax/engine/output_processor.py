@@ -191,7 +191,9 @@ class OutputProcessor:
                                  output_token_ids=c.token_ids, num_cached_tokens=max(r.num_cached_tokens, 0),
                                  finish_reason=c.finish_reason, text=c.text, error=r.error, outputs=[c],
                                  num_generated_tokens=len(c.token_ids),
-                                 prompt_logprobs=None if r.prompt_logprobs is None else list(r.prompt_logprobs))
+                                 prompt_logprobs=None if r.prompt_logprobs is None else list(r.prompt_logprobs),
+                                 embedding=embedding(r) if r.pooling is not None and
+                                 r.status is RequestStatus.FINISHED_STOPPED else None)
         request, params = group.request, group.request.sampling_params
         outputs = [self._completion(s, s.sample_index) for s in group.samples]
         finished = group.finished
@@ -239,3 +241,28 @@ def record_prompt_logprobs(plan: StepPlan, requests: list[Request], targets: np.
                 r.prompt_logprobs.append(TokenLogprobs(
                     int(targets[t]), float(lps.logprob[t]),
                     tuple(zip(lps.top_ids[t, :k].tolist(), lps.top_logprobs[t, :k].tolist(), strict=True))))
+
+
+# ----------------------------------------------------------------------------------------------------- pooling
+def record_pooled(plan: StepPlan, requests: list[Request], pooled: np.ndarray | None) -> None:
+    """Add each pooling request's hidden-state sum of this step (`pooled` f32[S, hidden]: zeros for a sequence
+    that pooled no token of it; None when no token of the step was pooled) to its `pooled`, and count its positions
+    computed as pooled (`pooled_upto`: a preemption's recompute does not add them again)."""
+    for i, r in enumerate(requests):
+        if r.pooling is None:
+            continue
+        if pooled is not None:
+            r.pooled = pooled[i].astype(np.float32) if r.pooled is None else r.pooled + pooled[i]
+        r.pooled_upto = max(r.pooled_upto, int(plan.kv_lens[i]))
+
+
+def embedding(r: Request) -> list[float]:
+    """A finished pooling request's vector: its pooled sum (divided by its prompt's length for "mean"), its first
+    `dimensions` entries, L2-normalised when asked (as torch's `F.normalize`: the norm at least 1e-12)."""
+    p = r.pooling
+    v = r.pooled / r.num_prompt_tokens if p.pooling == "mean" else r.pooled
+    if p.dimensions is not None:
+        v = v[:p.dimensions]
+    if p.normalize:
+        v = v / max(float(np.linalg.norm(v)), 1e-12)
+    return v.astype(np.float32).tolist()

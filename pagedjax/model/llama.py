@@ -321,7 +321,12 @@ class Llama(nnx.Module):
         window), no cache; mixture-of-experts layers by their reference computation (`MoEMLP.dense`). `images`
         (index `[B, S]`): image features in place of their placeholders' embeddings (`embed`); `groups` int32
         `[B, S]`: tokens of one group >= 0 attend to each other both ways (`Attention.dense`)."""
-        return self._dense(token_ids, None, images, groups)
+        return self.compute_logits(self._dense(token_ids, None, images, groups))
+
+    def hidden_dense(self, token_ids: jax.Array) -> jax.Array:
+        """Ground truth of pooling: token_ids `[B, S]` -> the final hidden states `[B, S, hidden]` (after the final
+        norm, what `__call__` returns and embeddings pool), computed as `forward_dense` computes them."""
+        return self._dense(token_ids, None)
 
     def tokens_per_expert(self, token_ids: jax.Array) -> jax.Array:
         """Router statistics of a mixture-of-experts model: how many of `token_ids` `[B, S]` (each counted k
@@ -339,7 +344,7 @@ class Llama(nnx.Module):
         for layer in self.layers:
             mlp = None if self.config.moe is None else functools.partial(layer.mlp.dense, counts=counts)
             x, _ = layer(x, lambda h, layer=layer: (layer.self_attn.dense(h, groups), None), mlp)
-        return self.compute_logits(self.norm(x))
+        return self.norm(x)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Llama:

@@ -98,6 +98,27 @@ def prompt_targets(plan: StepPlan, requests: list[Request]) -> tuple[np.ndarray 
     return targets, num_top
 
 
+def pool_rows(plan: StepPlan, requests: list[Request]) -> np.ndarray | None:
+    """For pooling requests (`Request.pooling`): i32[T] the sequence of the plan whose pooled sum each token of this
+    step adds its hidden state to (-1: none), at the prompt positions its pooling takes that are not pooled yet
+    (`Request.pooled_upto`): every one for "mean", position 0 for "cls", the last for "last". None when no token
+    of the step is pooled."""
+    rows = None
+    starts = (plan.kv_lens - plan.q_lens).tolist()
+    for i, r in enumerate(requests):
+        if r.pooling is None:
+            continue
+        n = r.num_prompt_tokens
+        lo, hi = {"mean": (0, n), "cls": (0, 1), "last": (n - 1, n)}[r.pooling.pooling]
+        lo, hi = max(lo, r.pooled_upto, starts[i]), min(hi, int(plan.kv_lens[i]))
+        if lo < hi:
+            if rows is None:
+                rows = np.full((plan.num_tokens,), -1, np.int32)
+            at = int(plan.cu_q_lens[i]) + lo - starts[i]
+            rows[at:at + hi - lo] = i
+    return rows
+
+
 def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, engine_seed: int,
                 token_mask: np.ndarray | None = None,  # i32[S, W]: allowed-token bitmask rows, None: no mask
                 lora_slots: list[int] | None = None,  # each request's adapter slot (0: none); None: no adapters
@@ -141,7 +162,7 @@ def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, eng
                     token_mask=token_mask, logits_indices=logits_indices,
                     lora_slots=None if lora_slots is None else np.repeat(np.asarray(lora_slots, np.int32),
                                                                          plan.q_lens),
-                    image_index=image_index, attend_until=attend_until)
+                    image_index=image_index, attend_until=attend_until, pool_rows=pool_rows(plan, requests))
 
 
 def image_rows(plan: StepPlan, images: ImageSpec | None) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -252,6 +273,8 @@ class StepExtras(NamedTuple):
     #                                           is wanted, -1 elsewhere
     token_mask: np.ndarray | None = None  # i32[S, cdiv(vocab, 32)] allowed-token bits (structured output; all
     #                                       ones = unconstrained)
+    pool_rows: np.ndarray | None = None  # i32[T]: the sequence whose pooled hidden-state sum each token adds to
+    #                                      (pooling requests: `pool_rows`), -1 = none
 
 
 NO_EXTRAS = StepExtras()
@@ -294,6 +317,7 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
              lora_slots: np.ndarray | None = None,  # i32[T]
              image_index: np.ndarray | None = None,  # i32[T]
              attend_until: np.ndarray | None = None,  # i32[T]
+             pool_rows: np.ndarray | None = None,  # i32[T]
              ) -> StepInputs:
     """Pad a ragged step to bucket sizes. Padding tokens write nowhere (slot -1); padding sequences have
     q_len 0 and kv_len 0, so every kernel returns zeros for them. Sequences are bucketed from 1 (a batch
@@ -325,7 +349,8 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
         copies = pad_copies(block_copies, max(s_b, bucket(block_copies.shape[-2])))
     extras = StepExtras(block_copies=copies, penalties=pad_penalties(penalties, r_b),
                         prompt_targets=None if prompt_targets is None else pad_rows(prompt_targets, t_b, -1),
-                        token_mask=None if token_mask is None else pad_rows(token_mask, r_b, -1))
+                        token_mask=None if token_mask is None else pad_rows(token_mask, r_b, -1),
+                        pool_rows=None if pool_rows is None else pad_rows(pool_rows, t_b, -1))
     return StepInputs(
         extras=extras,
         num_top_logprobs=_bucket_top(num_top_logprobs),

@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 def invariant_shape(*, max_tokens: int, max_seqs: int, max_request_tokens: int, block_size: int,
                     backend: str) -> StepShape:
     """The one program every step of a batch-invariant engine runs on: the warm-up's ragged step with every
-    optional part on, prompt log-probabilities included (it dominates every step but those asking for logits or
-    more than `inputs.STOP_ID_WIDTHS[-1]` stop ids, which the runner refuses in this mode). On the Pallas
+    optional part on, prompt log-probabilities and pooled sums included (it dominates every step but those asking
+    for logits or more than `inputs.STOP_ID_WIDTHS[-1]` stop ids, which the runner refuses in this mode). On the Pallas
     backend a warning says that the invariance was checked on the XLA path only."""
     if backend != "xla":
         logger.warning("batch_invariant=True on the %r attention backend: every step runs one program, but "
@@ -41,4 +41,4 @@ def invariant_shape(*, max_tokens: int, max_seqs: int, max_request_tokens: int, 
     max_blocks = -(-max_request_tokens // block_size)
     shapes = warmup_shapes(max_tokens=max_tokens, max_seqs=max_seqs, max_blocks=max_blocks, block_size=block_size,
                            decode_steps=1, narrow=False)
-    return next(s for s in shapes if s.prompt_targets)
+    return next(s for s in shapes if s.prompt_targets)._replace(pool=True)  # embeddings too

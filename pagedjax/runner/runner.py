@@ -69,14 +69,16 @@ logger = logging.getLogger(__name__)
 
 class StepOutputs(NamedTuple):
     """What a step returns: sampled tokens i32 `[S]`, their log-probabilities (and top alternatives) when asked,
-    the prompt log-probabilities at every position `[T]` when asked, the logits `[S, vocab]` when asked, and a
-    sparse-attention model's indexer ties (`PagedKVCache.indexer_ties`: i32[], None for other models)."""
+    the prompt log-probabilities at every position `[T]` when asked, the logits `[S, vocab]` when asked, a
+    sparse-attention model's indexer ties (`PagedKVCache.indexer_ties`: i32[], None for other models), and for
+    pooling requests each sequence's sum of the hidden states its tokens pool (f32 `[S, hidden]`, `pooled_sums`)."""
 
     tokens: Any
     logprobs: LogprobArrays | None
     prompt_logprobs: LogprobArrays | None
     logits: Any
     indexer_ties: Any = None
+    pooled: Any = None
 
 
 def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,
@@ -102,8 +104,17 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
         logits = apply_token_mask(logits, extras.token_mask)
     tokens = sample(logits, sampling, extras.penalties)
     logprobs = None if num_top_logprobs is None else token_logprobs(logits, tokens, num_top_logprobs)
-    outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None, ties)
+    pooled = None if extras.pool_rows is None else pooled_sums(hidden, extras.pool_rows, meta.kv_lens.shape[0])
+    outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None, ties, pooled)
     return outputs, kv_cache
+
+
+def pooled_sums(hidden, pool_rows, num_seqs: int):
+    """f32[S, hidden]: row s the float32 sum of the hidden states of the tokens whose `pool_rows` entry is s (-1:
+    none; each pooling request's positions of this step, `runner.inputs.pool_rows`)."""
+    take = (pool_rows >= 0)[:, None]
+    return jax.ops.segment_sum(jnp.where(take, hidden.astype(jnp.float32), 0.0), jnp.maximum(pool_rows, 0),
+                               num_segments=num_seqs)
 
 
 def _model_forward(model: PagedModel, token_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, *,
@@ -507,7 +518,8 @@ class ModelRunner:
             self.image_features.encode(self.params, plan.encode_images)
         out = self.execute(inputs)
         return StepResult.from_rows(plan, out.tokens, out.logprobs, out.prompt_logprobs,
-                                    inputs.extras.prompt_targets if out.prompt_logprobs is not None else None)
+                                    inputs.extras.prompt_targets if out.prompt_logprobs is not None else None,
+                                    pooled=None if out.pooled is None else out.pooled[:plan.num_seqs])
 
     def execute(self, inputs: StepInputs, *, return_logits: bool = False) -> StepOutputs:
         """Run one padded step (on a bigger compiled program while its own compiles: `ProgramCache`). Returns
@@ -626,4 +638,5 @@ def _cut_step(out: StepOutputs, shape: StepShape) -> StepOutputs:
     return StepOutputs(out.tokens[:s], _cut(out.logprobs, (slice(s),), shape.num_top_logprobs),
                        _cut(out.prompt_logprobs, (slice(shape.tokens),),
                             shape.num_prompt_top_logprobs if shape.prompt_targets else None),
-                       out.logits[:s] if shape.return_logits else None, out.indexer_ties)
+                       out.logits[:s] if shape.return_logits else None, out.indexer_ties,
+                       out.pooled[:shape.tables[0]] if shape.pool else None)

@@ -13,7 +13,8 @@ padding is inert:
   - optional parts the step does not need: block copies with dst -1 (dropped), penalties with neutral rows
     (presence 0, frequency 0, repetition 1, min_tokens 0, stop ids -1: the logits pass unchanged), log-
     probabilities and prompt log-probabilities (targets -1) computed and ignored, token masks of all ones
-    (every token allowed); more top alternatives or stop-id columns than the step's are cut or never match;
+    (every token allowed), pooled sums of no token (pool rows -1: zeros, ignored); more top alternatives or
+    stop-id columns than the step's are cut or never match;
   - a decode-only step (one token per sequence) may run on a ragged program: ragged attention takes one-token
     sequences too.
 "The same results" up to the last-bit rounding any change of shape may bring (as between two bucket sizes of a
@@ -21,15 +22,15 @@ step): the tokens of the tests' models are identical, log-probabilities equal to
 
 The bound on programs (`variants_bound`): per (T, S, B), at most 2 (block copies off / on) x 3 (penalties off,
 8 or 512 stop-id columns) x 3 (log-probabilities off, 5 or 20 alternatives) x 3 (prompt log-probabilities off, 5
-or 20) x 2 (structured output's token mask off / on) = 108 variants of the optional parts, and `return_logits`
-(which only tests and tools ask for) doubles that; T is a power of two from 16 to the token budget's bucket
-(or S, for a decode-only step; for a step verifying speculative proposals one of `inputs.fine_bucket`'s four
-sizes per doubling, `pad_step`), S one up to max_num_seqs' bucket (with speculation, a verifying step's sampled
-rows R one more, of `fine_bucket`'s sizes up to (1 + k) max_num_seqs'), B one from 2 up to max_model_len /
-block_size's bucket. (Before, every power of two of copies, stop ids and alternatives was a program of its
-own.) A fused decode has 12 variants per (S, B): stop ids 8 or 512, penalties off / on, log-probabilities off,
-5 or 20. A model that takes images doubles the ragged variants (image features on / off), and again where its images
-attend both ways (`attend_until` on / off). The runner also holds at most `max_programs`.
+or 20) x 2 (structured output's token mask off / on) x 2 (pooled sums off / on) = 216 variants of the optional
+parts, and `return_logits` (which only tests and tools ask for) doubles that; T is a power of two from 16 to the
+token budget's bucket (or S, for a decode-only step; for a step verifying speculative proposals one of
+`inputs.fine_bucket`'s four sizes per doubling, `pad_step`), S one up to max_num_seqs' bucket (with speculation,
+a verifying step's sampled rows R one more, of `fine_bucket`'s sizes up to (1 + k) max_num_seqs'), B one from 2
+up to max_model_len / block_size's bucket. (Before, every power of two of copies, stop ids and alternatives was a
+program of its own.) A fused decode has 12 variants per (S, B): stop ids 8 or 512, penalties off / on,
+log-probabilities off, 5 or 20. A model that takes images doubles the ragged variants (image features on / off),
+and again where its images attend both ways (`attend_until` on / off). The runner also holds at most `max_programs`.
 Stop-id lists longer than 511 (the Python API has no limit; the server's is 256) add a power of two each.
 """
 
@@ -75,6 +76,7 @@ class StepShape(NamedTuple):
     rows: int | None = None  # sampled rows, when not one per sequence (a step verifying speculative proposals)
     images: bool = False  # image features in place of placeholder embeddings (`StepInputs.image_index`)
     attend_until: bool = False  # image tokens attending to each other both ways (`AttentionMetadata.attend_until`)
+    pool: bool = False  # pooled hidden-state sums per sequence (`StepExtras.pool_rows`: pooling requests)
 
     @property
     def num_rows(self) -> int:
@@ -85,7 +87,8 @@ class StepShape(NamedTuple):
         """One short line (the log's): "step of 512 tokens, 64 x 256 table (copies, 512 stop ids, top 20, mask)"."""
         parts = [name for name, on in (("decode only", self.decode_only), ("logits", self.return_logits),
                                        ("copies", self.copies), ("images", self.images),
-                                       ("both-way images", self.attend_until), ("mask", self.token_mask)) if on]
+                                       ("both-way images", self.attend_until), ("mask", self.token_mask),
+                                       ("pooling", self.pool)) if on]
         if self.stop_width:
             parts.insert(0, f"{self.stop_width} stop ids")
         if self.num_top_logprobs is not None:
@@ -133,7 +136,7 @@ def step_shape(inputs: StepInputs, return_logits: bool = False) -> StepShape:
                      None if x.penalties is None else x.penalties.stop_ids.shape[1], x.prompt_targets is not None,
                      inputs.num_top_logprobs, inputs.num_prompt_top_logprobs, x.token_mask is not None,
                      None if rows == tables[0] else rows, inputs.image_index is not None,
-                     inputs.meta.attend_until is not None)
+                     inputs.meta.attend_until is not None, x.pool_rows is not None)
 
 
 def loop_shape(inputs: FusedDecodeInputs) -> LoopShape:
@@ -164,16 +167,16 @@ def dominates(program: StepShape | LoopShape, step: StepShape | LoopShape) -> bo
             and program.return_logits >= step.return_logits and prompt_ok
             and _at_least(program.copies, step.copies) and _at_least(program.stop_width, step.stop_width)
             and program.token_mask >= step.token_mask and program.images >= step.images
-            and program.attend_until >= step.attend_until)
+            and program.attend_until >= step.attend_until and program.pool >= step.pool)
 
 
 def variants_bound(*, images: bool = False, attend_until: bool = False) -> int:
     """The most programs one (T, S, B) of ragged steps compiles (see the module's docstring): each optional part
     off or in one of its sizes (for a model that takes images, whose `attend_until` is on where they attend both
     ways)."""
-    copies, stops, logprobs, prompt_logprobs, masks, logits = 2, 1 + len(STOP_ID_WIDTHS), \
-        1 + len(TOP_LOGPROBS_SIZES), 1 + len(TOP_LOGPROBS_SIZES), 2, 2
-    return copies * stops * logprobs * prompt_logprobs * masks * logits * (1 + images) * (1 + attend_until)
+    copies, stops, logprobs, prompt_logprobs, masks, logits, pool = 2, 1 + len(STOP_ID_WIDTHS), \
+        1 + len(TOP_LOGPROBS_SIZES), 1 + len(TOP_LOGPROBS_SIZES), 2, 2, 2
+    return copies * stops * logprobs * prompt_logprobs * masks * logits * pool * (1 + images) * (1 + attend_until)
 
 
 def neutral_penalties(num_seqs: int, vocab_size: int, width: int) -> PenaltyMetadata:
@@ -220,7 +223,7 @@ def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int, num_pools:
         logits_indices=pad_rows(inputs.logits_indices, r, 0), sampling=pad_sampling(inputs.sampling, r),
         decode_only=shape.decode_only,
         extras=StepExtras(block_copies=copies, penalties=_widen(x.penalties, r, vocab_size, shape.stop_width),
-                          prompt_targets=targets, token_mask=mask),
+                          prompt_targets=targets, token_mask=mask, pool_rows=_on(shape.pool, x.pool_rows, t)),
         num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs,
         lora_slots=None if inputs.lora_slots is None else pad_rows(inputs.lora_slots, t, 0),
         image_index=_on(shape.images, inputs.image_index, t))
@@ -228,7 +231,7 @@ def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int, num_pools:
 
 def _on(on: bool, rows: np.ndarray | None, t: int) -> np.ndarray | None:
     """A per-token i32 input of a program that has it (`on`), padded to t with -1 (no image row; a causal
-    token), from the step's own or none; None for a program without it."""
+    token; pooled nowhere), from the step's own or none; None for a program without it."""
     return pad_rows(np.zeros(0, np.int32) if rows is None else rows, t, -1) if on else None
 
 

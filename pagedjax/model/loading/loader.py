@@ -18,6 +18,7 @@ from pagedjax.model.errors import ModelLoadError
 from pagedjax.model.families import family_of
 from pagedjax.model.llama import Llama, init_model, model_from_state
 from pagedjax.model.loading.generation_config import folder_sampling_defaults
+from pagedjax.model.loading.pooling_config import folder_pooling_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,8 @@ def load_engine_inputs(path, dtype: str | None, quantization, tokenizer, devices
     """`(EngineConfig, the engine's other keywords)` of a saved model: what `from_pretrained(path, **options)`
     builds an engine of. `options` are `EngineConfig`'s fields (its `model_config` is the folder's: naming one is a
     TypeError); a `parallel_config` among them reads the weights straight into their shards on the first
-    replica's mesh; `sampling_defaults`, unless given, are the folder's (`folder_sampling_defaults`)."""
+    replica's mesh; `sampling_defaults` and `pooling_defaults`, unless given, are the folder's
+    (`folder_sampling_defaults`, `folder_pooling_defaults`)."""
     if "model_config" in options:
         raise TypeError(f"{owner}: the model's shape (model_config) is the folder's; use LLMEngine(model_config=...)"
                         " for a model of your own shape")
@@ -155,6 +157,8 @@ def load_engine_inputs(path, dtype: str | None, quantization, tokenizer, devices
     config = config.replace(model_config=weights.pop("model_config", None))
     if "sampling_defaults" not in options:
         config = config.replace(sampling_defaults=folder_sampling_defaults(path))
+    if "pooling_defaults" not in options:
+        config = config.replace(pooling_defaults=folder_pooling_defaults(path))
     return config, {**weights, "tokenizer": folder_tokenizer if tokenizer is None else tokenizer,
                     "image_processor": folder_image_processor(path, weights), "devices": devices}
 
