@@ -18,6 +18,7 @@
   lora.py         LoRAConfig: multi-LoRA serving's device slots, rank and host cache
   structured.py   StructuredLimits: what an output constraint may ask of the grammar compiler
   sampling.py     SamplingDefaults: what a request's sampling fields left unset become (generation_config.json)
+  pooling.py      PoolingDefaults: how a model pools embeddings (a sentence-transformers folder's modules)
   engine.py       EngineConfig: every engine option (the component configs, backend, fused decode steps, ...)
   fields.py       the field checks every config uses (TypeError / ValueError naming the field)
 """
@@ -31,6 +32,7 @@ from pagedjax.config.model import ModelConfig, ModelSpec
 from pagedjax.config.moe import MoEConfig
 from pagedjax.config.multimodal import ImageSpec
 from pagedjax.config.parallel import ParallelConfig
+from pagedjax.config.pooling import PoolingDefaults
 from pagedjax.config.quant import QuantConfig
 from pagedjax.config.sampling import SamplingDefaults
 from pagedjax.config.scheduler import SchedulerConfig
@@ -39,5 +41,5 @@ from pagedjax.config.structured import StructuredLimits
 
 __all__ = ["KV_DTYPES", "CacheConfig", "DeepSeekConfig", "DeepSeekIndexerConfig", "DeepSeekMoEConfig", "EngineConfig",
            "FullAttention", "ImageSpec", "IndexedSparse", "KVCacheSpec", "KVLayerSpec", "LatentAttention", "LoRAConfig",
-           "ModelConfig", "ModelSpec", "MoEConfig", "ParallelConfig", "QuantConfig", "SamplingDefaults",
-           "SchedulerConfig", "SpeculativeConfig", "StructuredLimits", "kv_cache_bytes"]
+           "ModelConfig", "ModelSpec", "MoEConfig", "ParallelConfig", "PoolingDefaults", "QuantConfig",
+           "SamplingDefaults", "SchedulerConfig", "SpeculativeConfig", "StructuredLimits", "kv_cache_bytes"]

@@ -345,18 +345,19 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None) -> None:
         """Queue a request (under `lora_request`'s adapter, or the base model). Raises `InvalidType` (a TypeError)
         for a non-string id or salt, token ids that are not ints, or sampling params of another type;
         `InvalidRequest` (a ValueError) for ids outside the vocabulary, an empty prompt, a duplicate id or an
         adapter it cannot read; `ContextLengthExceeded` for a prompt too long or a request that could never fit in
         the context or the KV pool; `UnsupportedFeature` for what this engine does not do (images to a text model,
-        stop strings without a tokenizer, an adapter without a lora_config); `InvalidConstraint` for an output
-        constraint the grammar library refuses. Each names the request field (`param`: `pagedjax.errors`).
-        Nothing is queued then."""
+        stop strings without a tokenizer, an adapter without a lora_config, embeddings of a model whose pooling
+        pagedjax does not compute); `InvalidConstraint` for an output constraint the grammar library refuses. Each
+        names the request field (`param`: `pagedjax.errors`). Nothing is queued then. With `pooling`, a pooling
+        request (an embedding, `make_request`): its finished output's `embedding` holds the vector."""
         self.add_prepared_request(self.make_request(request_id, token_list(request_id, prompt_token_ids),
                                                     sampling_params, cache_salt=cache_salt,
-                                                    lora_request=lora_request))
+                                                    lora_request=lora_request, pooling=pooling))
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
                      cache_salt: str | None = None, lora_request: LoRARequest | None = None,

@@ -226,10 +226,24 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
 
     names = lambda p, shape: hf_names(p, shape, cfg.quantization)
     view = None
-    if read_json(Path(path) / "config.json").get("model_type") in gpt_oss.MODEL_TYPES:  # its own names and experts
+    hf = read_json(Path(path) / "config.json")
+    if hf.get("model_type") in gpt_oss.MODEL_TYPES:  # its own names and experts
         names = lambda p, shape: gpt_oss.tensor_names(p) or hf_names(p, shape, cfg.quantization)
         view = gpt_oss.ExpertTensors()
+    elif is_base_model(hf):  # `Qwen3Model` and the like (embedding models): no `model.` prefix, no LM head of its own
+        names = lambda p, shape: [(n.removeprefix("model."), t, e) for n, t, e in hf_names(p, shape, cfg.quantization)]
+        if not cfg.tie_word_embeddings:
+            raise ModelLoadError(Path(path) / "config.json", f"a base model ({hf['architectures'][0]}) without tied "
+                                 "word embeddings has no LM head to load (tie_word_embeddings is false)")
     return fill_state(path, lambda: nnx.split(abstract_model(cfg))[1], names, skip=skip, where=where, view=view)
+
+
+def is_base_model(hf: dict) -> bool:
+    """Whether a config.json's `architectures` name a base model (`Qwen3Model`, `LlamaModel`: the transformer without
+    its LM head, as embedding models are saved), whose tensors are named without the `model.` prefix."""
+    archs = hf.get("architectures")
+    return isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str) and archs[0].endswith("Model") \
+        and "For" not in archs[0]
 
 
 def fill_state(path: str | os.PathLike, state: nnx.State | Callable[[], nnx.State], names, *, skip=None,
