@@ -22,7 +22,7 @@ import jax
 from pagedjax.config.engine import EngineConfig, engine_config, takes_options
 from pagedjax.config.parallel import ParallelConfig
 from pagedjax.core.request import Request, RequestIds
-from pagedjax.engine.generate import generate_batch
+from pagedjax.engine.generate import embed_batch, generate_batch
 from pagedjax.engine.image_prompts import EncodedPrompt
 from pagedjax.engine.llm_engine import LLMEngine, token_list
 from pagedjax.engine.protocol import PreparedRequest
@@ -32,6 +32,7 @@ from pagedjax.errors import InvalidRequest
 from pagedjax.model.loading.loader import load_engine_inputs
 from pagedjax.outputs import RequestOutput
 from pagedjax.parallel.mesh import replica_meshes
+from pagedjax.pooling_params import PoolingParams
 from pagedjax.runner.programs import CompileEvent, all_done
 from pagedjax.runner.weights import checked_leaves
 from pagedjax.sampling_params import LoRARequest, SamplingParams, StructuredOutput
@@ -181,11 +182,12 @@ class DataParallelEngine:
         return self.replicas[0].encode_prompt(request_id, prompt)
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
-                     cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> PreparedRequest:
+                     cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                     pooling: PoolingParams | None = None) -> PreparedRequest:
         """A validated, not yet queued request (see `LLMEngine.make_request`; a `lora_request` is refused as by an
         engine without adapters: replicas serve none)."""
         return self.replicas[0].make_request(request_id, prompt, sampling_params, cache_salt=cache_salt,
-                                             lora_request=lora_request)
+                                             lora_request=lora_request, pooling=pooling)
 
     def compile_constraint(self, structured: StructuredOutput) -> Constraint:
         """A fresh matcher of a constraint (see `LLMEngine.compile_constraint`): the first replica's compiler
@@ -209,11 +211,12 @@ class DataParallelEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None) -> None:
         """Queue a request on the least loaded replica; raises as `LLMEngine.add_request` does."""
         self._check_unused(request_id)
         self.add_prepared_request(self.make_request(request_id, token_list(request_id, prompt_token_ids),
-                                                    sampling_params, cache_salt=cache_salt, lora_request=lora_request))
+                                                    sampling_params, cache_salt=cache_salt, lora_request=lora_request,
+                                                    pooling=pooling))
 
     def _check_unused(self, request_id) -> None:
         """InvalidRequest (param "request_id") for an id a live request of any replica uses."""
@@ -295,6 +298,10 @@ class DataParallelEngine:
         for r in self.replicas:
             r.wake()
         return time.perf_counter() - start
+
+    def embed(self, prompts, pooling_params=None, use_tqdm: bool = False, lora_request=None):
+        """As `LLMEngine.embed` (the prompts spread over the replicas)."""
+        return embed_batch(self, prompts, pooling_params, use_tqdm, lora_request)
 
     def score(self, prompts, completions, lora_request=None):
         """As `LLMEngine.score` (the pairs spread over the replicas)."""

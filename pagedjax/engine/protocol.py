@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pagedjax.core.request import Request
 from pagedjax.outputs import RequestOutput
+from pagedjax.pooling_params import PoolingParams
 from pagedjax.sampling_params import LoRARequest, SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from pagedjax.engine.image_prompts import EncodedPrompt
     from pagedjax.engine.stats import EngineStats
-    from pagedjax.outputs import BeamSearchOutput
+    from pagedjax.outputs import BeamSearchOutput, EmbeddingRequestOutput
     from pagedjax.runner.programs import CompileEvent
     from pagedjax.sampling_params import BeamSearchParams
     from pagedjax.structured_output.compiler import Constraint
@@ -39,7 +40,7 @@ class Engine(Protocol):
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> None: ...
+                    lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
 
@@ -49,6 +50,9 @@ class Engine(Protocol):
 
     def generate(self, prompts: Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = ..., lora_request=None) -> list[RequestOutput]: ...
+
+    def embed(self, prompts: Sequence, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = ..., lora_request=None) -> list[EmbeddingRequestOutput]: ...
 
     def beam_search(self, prompts: Sequence, params: BeamSearchParams) -> list[BeamSearchOutput]: ...
 
@@ -72,7 +76,8 @@ class Engine(Protocol):
     def encode_prompt(self, request_id: str, prompt) -> EncodedPrompt: ...
 
     def make_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
-                     cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> PreparedRequest: ...
+                     cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                     pooling: PoolingParams | None = None) -> PreparedRequest: ...
 
     def add_prepared_request(self, prepared: PreparedRequest) -> None: ...
 

@@ -1,4 +1,5 @@
-"""The HTTP routes (FastAPI): OpenAI's completions, chat completions and models, plus health and metrics.
+"""The HTTP routes (FastAPI): OpenAI's completions, chat completions, embeddings and models, plus health and
+metrics.
 
     app = build_app(AsyncLLMEngine(engine), model_name="pagedjax-tiny")   # then serve it with uvicorn
 
@@ -6,6 +7,7 @@
 |---|---|
 | `POST /v1/completions` | a prompt (text or token ids) -> text; `stream: true` for server-sent events |
 | `POST /v1/chat/completions` | messages (and images, as data URLs), through the chat template -> the reply |
+| `POST /v1/embeddings` | texts or token ids -> one vector each (`pagedjax.serve.embeddings`) |
 | `GET /v1/models`, `GET /v1/models/{id}` | the served model, what runs it (`engine.summary`), its LoRA adapters |
 | `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` | adapters at runtime, when enabled (`serve.lora`) |
 | `GET /health` | 200 while the engine takes requests, 503 otherwise |
@@ -47,6 +49,7 @@ from pagedjax.serve.admission import (
 from pagedjax.serve.async_engine import AsyncLLMEngine
 from pagedjax.serve.chat_template import ChatTemplate
 from pagedjax.serve.disconnect import ClientDisconnected, EventStreamResponse, until_disconnect
+from pagedjax.serve.embeddings import embeddings, prepare_embeddings
 from pagedjax.serve.errors import APIError, bad_request, error_body, install_error_handlers, validation_message
 from pagedjax.serve.lora import DEFAULT_MAX_REGISTERED_LORAS, RuntimeLoRAUpdates, ServedAdapters
 from pagedjax.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -55,6 +58,8 @@ from pagedjax.serve.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
@@ -184,6 +189,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     # here, resolved in the module's globals)
     completion_body = json_body(CompletionRequest, max_request_bytes, body_timeout)
     chat_body = json_body(ChatCompletionRequest, max_request_bytes, body_timeout)
+    embedding_body = json_body(EmbeddingRequest, max_request_bytes, body_timeout)
     load_body = json_body(LoadLoRAAdapterRequest, LORA_REQUEST_BYTES, body_timeout)
     unload_body = json_body(UnloadLoRAAdapterRequest, LORA_REQUEST_BYTES, body_timeout)
     protected = APIRouter(dependencies=[Depends(check_key)])
@@ -250,6 +256,11 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
         if prepared.stream:
             return EventStreamResponse(serving.chat_events(prepared, stream))
         return await _until_disconnect(request, serving.chat(prepared, stream))
+
+    @protected.post("/v1/embeddings", response_model=EmbeddingResponse, openapi_extra=_body_schema(EmbeddingRequest))
+    async def create_embeddings(request: Request, body: EmbeddingRequest = Depends(embedding_body)):  # noqa: B008
+        prepared = await asyncio.to_thread(prepare_embeddings, serving, body)
+        return await _until_disconnect(request, embeddings(serving, body, prepared))
 
     app.include_router(protected)
     return app

@@ -45,6 +45,7 @@ from pagedjax.engine import EngineStats, LLMEngine
 from pagedjax.engine.image_prompts import EncodedPrompt
 from pagedjax.engine.summary import summarize
 from pagedjax.outputs import RequestOutput
+from pagedjax.pooling_params import PoolingParams
 from pagedjax.sampling_params import LoRARequest, SamplingParams
 from pagedjax.serve.metrics import DurationHistogram
 
@@ -67,7 +68,7 @@ class QueueFullError(RuntimeError):
 class _Add:
     stream: RequestStream
     prompt: list[int] | EncodedPrompt  # token ids, or with images their pixels and hashes (`encode_prompt`)
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # a pooling request's (an embedding) samples nothing
     done: concurrent.futures.Future
     lora_request: LoRARequest | None = None
 
@@ -276,7 +277,7 @@ class AsyncLLMEngine:
         if self._thread is None:
             raise EngineStoppedError("the engine is not started: call start()")
 
-    async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+    async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | PoolingParams, *,
                           request_id: str | None = None, lora_request: LoRARequest | None = None,
                           images: Sequence = ()) -> RequestStream:
         """Queue a request (under `lora_request`'s adapter, or the base model); returns its stream once the engine
@@ -284,7 +285,8 @@ class AsyncLLMEngine:
         prompt's placeholders expanded, as the server gives them), the prompt is
         `{"prompt_token_ids": ..., "multi_modal_data": {"image": [...]}}` (`make_request`), encoded (each image made
         into pixels and hashed: `LLMEngine.encode_prompt`) in a worker thread, so that neither the engine thread
-        nor the event loop waits on it. Raises what `LLMEngine.add_request` raises for a bad request
+        nor the event loop waits on it. `PoolingParams` make a pooling request (an embedding: its final output's
+        `embedding`). Raises what `LLMEngine.add_request` raises for a bad request
         (`InvalidRequest` and its kinds, nothing queued), QueueFullError at `max_pending`, and EngineStoppedError
         while shutting down."""
         self._check_accepting()
@@ -433,12 +435,15 @@ class AsyncLLMEngine:
             command.done.cancel()
             return
         lora = command.lora_request
+        params, pooling = command.params, {}
+        if isinstance(params, PoolingParams):
+            params, pooling = None, {"pooling": params}
         try:
             if isinstance(command.prompt, EncodedPrompt):
-                self.engine.add_prepared_request(self.engine.make_request(stream.request_id, command.prompt,
-                                                                          command.params, lora_request=lora))
+                self.engine.add_prepared_request(self.engine.make_request(stream.request_id, command.prompt, params,
+                                                                          lora_request=lora, **pooling))
             else:
-                self.engine.add_request(stream.request_id, command.prompt, command.params, lora_request=lora)
+                self.engine.add_request(stream.request_id, command.prompt, params, lora_request=lora, **pooling)
         except Exception as e:  # noqa: BLE001 - the caller's to handle (a bad request)
             command.done.set_exception(e)
             return

@@ -310,6 +310,45 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
+
+
+class EmbeddingRequest(_Request):
+    """OpenAI's `/v1/embeddings` body: `input` one text, a list of texts, one token-id list or a list of them (at
+    most `MAX_EMBEDDING_INPUTS`); `encoding_format` "float" (lists of numbers) or "base64" (little-endian float32
+    bytes, what OpenAI's Python client asks for by default); `dimensions` the first d entries (normalised after
+    the cut where the model normalises); `user` accepted, unused."""
+
+    model: str
+    input: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+            | Annotated[list[int], Field(min_length=1)]
+            | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1,
+                                                                              max_length=MAX_EMBEDDING_INPUTS)])
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a str: base64 of float32 little-endian
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str  # the arguments object as JSON text

@@ -8,6 +8,7 @@ chat template) and in the shape of their response objects.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -137,6 +138,20 @@ def engine_refusal(error: InvalidRequest, prepared: Prepared) -> APIError:
     return bad_request(message, ENGINE_FIELDS.get(error.param, error.param), error.code)
 
 
+@contextlib.contextmanager
+def engine_failures():
+    """A request's failure in the engine as its HTTP error: 500 when the engine failed it (its step raised), 503
+    when the engine stopped."""
+    try:
+        yield
+    except RequestFailed as e:
+        raise APIError(500, f"The engine failed the request: {e}", code="engine_error") from None
+    except EngineStepError as e:
+        raise APIError(500, str(e), code="engine_error") from None
+    except EngineStoppedError as e:
+        raise APIError(503, str(e), code="unavailable") from None
+
+
 class OpenAIServing:
     """The endpoints' logic over one async engine; see the module docstring.
 
@@ -218,7 +233,7 @@ class OpenAIServing:
                               "max_tokens", "context_length_exceeded")
         return requested
 
-    def _check_prompt_size(self, text: str, what: str) -> None:
+    def check_prompt_size(self, text: str, what: str) -> None:
         """400 for a prompt text whose size alone shows it cannot fit, before it is tokenized."""
         limit = self.prompt_byte_limit
         if limit is None:
@@ -259,7 +274,7 @@ class OpenAIServing:
                                   "per request", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            self._check_prompt_size(prompt, "prompt")
+            self.check_prompt_size(prompt, "prompt")
         ids = encode_text(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise bad_request("prompt: must not be empty", "prompt")
@@ -286,7 +301,7 @@ class OpenAIServing:
                                              tools=tools.tools if tools is not None and native else None)
         except ChatTemplateError as e:
             raise bad_request(f"messages: {e}", "messages") from None
-        self._check_prompt_size(text, "messages")
+        self.check_prompt_size(text, "messages")
         if self.images is not None:  # placeholders expanded in the text, as transformers' processor does
             text = self.images.expand(text, len(sources))
         ids = self.chat_template.encode(self.tokenizer, text)
@@ -382,15 +397,9 @@ class OpenAIServing:
 
     async def _collect(self, prepared: Prepared, stream: RequestStream) -> ChoiceTracker:
         tracker = ChoiceTracker(token_ids=prepared.return_token_ids)
-        try:
+        with engine_failures():
             async for _ in self._run(stream, tracker, self.metrics.timer()):
                 pass
-        except RequestFailed as e:
-            raise APIError(500, f"The engine failed the request: {e}", code="engine_error") from None
-        except EngineStepError as e:
-            raise APIError(500, str(e), code="engine_error") from None
-        except EngineStoppedError as e:
-            raise APIError(503, str(e), code="unavailable") from None
         return tracker
 
     # ---------------------------------------------------------------------------------------------- respond
