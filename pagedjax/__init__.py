@@ -29,6 +29,8 @@ _LAZY = {
     "BeamSequence": "pagedjax.outputs",
     "EmbeddingRequestOutput": "pagedjax.outputs",
     "EmbeddingOutput": "pagedjax.outputs",
+    "ClassificationRequestOutput": "pagedjax.outputs",
+    "ClassificationOutput": "pagedjax.outputs",
     "ModelRegistry": "pagedjax.model.registry",
     "ModelConfig": "pagedjax.config",
     "ModelSpec": "pagedjax.config",

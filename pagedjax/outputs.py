@@ -1,5 +1,6 @@
 """What a caller gets back: `RequestOutput` (one per request and step), `CompletionOutput` (one per sample),
-`TokenLogprobs`, embeddings' `EmbeddingRequestOutput` / `EmbeddingOutput`, and beam search's `BeamSearchOutput` /
+`TokenLogprobs`, embeddings' `EmbeddingRequestOutput` / `EmbeddingOutput`, classification's
+`ClassificationRequestOutput` / `ClassificationOutput`, and beam search's `BeamSearchOutput` /
 `BeamSequence`. Plain data, no JAX.
 """
 
@@ -74,6 +75,34 @@ class EmbeddingRequestOutput:
 
     request_id: str
     outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    """A classifier's label probabilities for one prompt (`pagedjax.model.classifier.Classifier.probs`)."""
+
+    probs: list[float]
+    labels: tuple[str, ...] = ()  # each probability's label name
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+    @property
+    def label(self) -> str:
+        """The most probable label's name."""
+        return self.labels[max(range(len(self.probs)), key=self.probs.__getitem__)]
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What `LLMEngine.classify` returns per prompt (vLLM's shape)."""
+
+    request_id: str
+    outputs: ClassificationOutput
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     finished: bool = True

@@ -22,7 +22,7 @@ import jax
 from pagedjax.config.engine import EngineConfig, engine_config, takes_options
 from pagedjax.config.parallel import ParallelConfig
 from pagedjax.core.request import Request, RequestIds
-from pagedjax.engine.generate import embed_batch, generate_batch
+from pagedjax.engine.generate import classify_batch, embed_batch, generate_batch
 from pagedjax.engine.image_prompts import EncodedPrompt
 from pagedjax.engine.llm_engine import LLMEngine, token_list
 from pagedjax.engine.protocol import PreparedRequest
@@ -106,7 +106,7 @@ class DataParallelEngine:
 
     @takes_options()
     def __init__(self, config: EngineConfig | None = None, *, model=None, params=None, tokenizer=None,
-                 image_processor=None, devices=None, **options):
+                 image_processor=None, devices=None, classifier=None, **options):
         config = engine_config(config, options, "DataParallelEngine")
         parallel_config = config.parallel_config
         if not isinstance(parallel_config, ParallelConfig):
@@ -125,10 +125,10 @@ class DataParallelEngine:
         for mesh in replica_meshes(parallel_config, devices):
             self.replicas.append(LLMEngine(config.replace(parallel_config=per_replica), model=model,
                                            params=params, devices=list(mesh.devices.flat), tokenizer=tokenizer,
-                                           image_processor=image_processor))
+                                           image_processor=image_processor, classifier=classifier))
         first = self.replicas[0]
         self.model_config, self.model_spec = first.model_config, first.model_spec
-        self.tokenizer, self.image_processor = first.tokenizer, first.image_processor
+        self.tokenizer, self.image_processor, self.classifier = first.tokenizer, first.image_processor, first.classifier
         self.cache_config, self.scheduler_config = first.cache_config, first.scheduler_config
         self._owner: dict[str, tuple[int, int]] = {}  # unfinished request id -> (replica, outstanding tokens)
         self._load = [0] * len(self.replicas)
@@ -302,6 +302,10 @@ class DataParallelEngine:
     def embed(self, prompts, pooling_params=None, use_tqdm: bool = False, lora_request=None):
         """As `LLMEngine.embed` (the prompts spread over the replicas)."""
         return embed_batch(self, prompts, pooling_params, use_tqdm, lora_request)
+
+    def classify(self, prompts, use_tqdm: bool = False, lora_request=None):
+        """As `LLMEngine.classify` (the prompts spread over the replicas)."""
+        return classify_batch(self, prompts, use_tqdm, lora_request)
 
     def score(self, prompts, completions, lora_request=None):
         """As `LLMEngine.score` (the pairs spread over the replicas)."""

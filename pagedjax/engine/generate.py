@@ -1,4 +1,5 @@
-"""`generate` and `embed`: a whole batch through any engine-shaped object (`LLMEngine`, `DataParallelEngine`)."""
+"""`generate`, `embed` and `classify`: a whole batch through any engine-shaped object (`LLMEngine`,
+`DataParallelEngine`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import numpy as np
 
 from pagedjax.compile_cache import cache_note
 from pagedjax.config.fields import is_int
-from pagedjax.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedjax.errors import UnsupportedFeature
+from pagedjax.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 from pagedjax.pooling_params import PoolingParams
 from pagedjax.runner.programs import CompileEvent
 from pagedjax.sampling_params import LoRARequest, SamplingParams
@@ -111,6 +119,19 @@ def embed_batch(engine, prompts, pooling_params, use_tqdm: bool, lora_request=No
                            f"{': ' + bad[0].error if bad[0].error else ''}")
     return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids,
                                    o.num_cached_tokens) for o in outs]
+
+
+def classify_batch(engine, prompts, use_tqdm: bool, lora_request=None) -> list[ClassificationRequestOutput]:
+    """`classify` over any engine-shaped object with a `classifier`: `embed_batch` of the last token's hidden state
+    (unnormalised), through the classifier's head."""
+    head = engine.classifier
+    if head is None:
+        raise UnsupportedFeature("classify needs a sequence classifier (a *ForSequenceClassification folder); this "
+                                 "model has no classification head", param="model", code="classify_not_supported")
+    outs = embed_batch(engine, prompts, PoolingParams("last", normalize=False), use_tqdm, lora_request)
+    return [ClassificationRequestOutput(o.request_id, ClassificationOutput(head.probs(np.asarray(o.outputs.embedding))
+                                                                           .tolist(), head.labels),
+                                        o.prompt_token_ids, o.num_cached_tokens) for o in outs]
 
 
 def generate_batch(engine, prompts, sampling_params, use_tqdm: bool, lora_request=None, *,

@@ -34,7 +34,7 @@ from pagedjax.config.fields import is_int
 from pagedjax.core.request import Request, RequestIds
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import StepPlan
-from pagedjax.engine.generate import embed_batch, generate_batch
+from pagedjax.engine.generate import classify_batch, embed_batch, generate_batch
 from pagedjax.engine.image_prompts import EncodedPrompt, image_prompt
 from pagedjax.engine.output_processor import (
     OutputProcessor,
@@ -48,9 +48,10 @@ from pagedjax.engine.stats import EngineStats, stats_dict
 from pagedjax.errors import ContextLengthExceeded, InvalidRequest, InvalidType, UnsupportedFeature
 from pagedjax.lora.manager import LoRAManager
 from pagedjax.model.api import check_model
+from pagedjax.model.classifier import Classifier
 from pagedjax.model.llama import Llama
 from pagedjax.model.loading.loader import engine_model, load_engine_inputs
-from pagedjax.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedjax.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
 from pagedjax.pooling_params import PoolingParams
 from pagedjax.runner import weights
 from pagedjax.runner.host_tier import kv_identity, kv_setup, open_disk_tiers, reopen_disk_tiers
@@ -113,7 +114,7 @@ class LLMEngine:
 
     @takes_options()
     def __init__(self, config: EngineConfig | None = None, *, model=None, params=None, tokenizer=None,
-                 image_processor=None, devices=None, **options):
+                 image_processor=None, devices=None, classifier: Classifier | None = None, **options):
         config = engine_config(config, options, "LLMEngine")
         self.config = config
         enable_compile_cache(config.compile_cache if isinstance(config.compile_cache, str) else None,
@@ -125,6 +126,11 @@ class LLMEngine:
         self.cache_config = config.cache_config
         self.model_spec = check_model(model, kv_dtype=self.cache_config.kv_dtype)
         spec = self.model_spec
+        if classifier is not None and (not isinstance(classifier, Classifier)
+                                       or classifier.hidden_size != spec.hidden_size):
+            raise ValueError(f"classifier: a Classifier over the model's {spec.hidden_size} hidden dimensions, got "
+                             f"{classifier!r:.200}")
+        self.classifier = classifier  # a sequence classifier's head: the engine serves pooling requests only
         parallel_config = config.parallel_config
         lora_config = config.lora_config
         if lora_config is not None:
@@ -371,6 +377,10 @@ class LLMEngine:
         if not isinstance(request_id, str):
             raise InvalidType(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}",
                               param="request_id")
+        if pooling is None and self.classifier is not None:
+            raise UnsupportedFeature(f"request {request_id!r}: this model is a sequence classifier, without an LM "
+                                     "head: it serves classify and embed, not generation", param="prompt",
+                                     code="generation_not_supported")
         if pooling is not None:
             pooling = self._pooling(request_id, pooling, sampling_params)
             # Never sampled: it ends with its prompt (`Scheduler.update`); a token's room keeps the limits' checks.
@@ -716,6 +726,15 @@ class LLMEngine:
         (None: the model's pooling, `EngineConfig.pooling_defaults`). Raises as `add_request`, and
         `UnsupportedFeature` for a model whose pooling pagedjax does not compute (`PoolingDefaults.refused`)."""
         return embed_batch(self, prompts, pooling_params, use_tqdm, lora_request)
+
+    def classify(self, prompts, use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities under a sequence classifier's head (`from_pretrained` of a
+        `*ForSequenceClassification` folder: `pagedjax.model.classifier`), in input order: vLLM's `LLM.classify`.
+        The head reads the last prompt token's final hidden state (a "last" pooling request, prefix-cache hits
+        taken). `UnsupportedFeature` for an engine without a classifier; otherwise raises as `embed`."""
+        return classify_batch(self, prompts, use_tqdm, lora_request)
 
     def score(self, prompts, completions, lora_request=None):
         """Per-token log-probabilities (float32 arrays) of each completion after its prompt, by this engine's

@@ -47,6 +47,7 @@ from pagedjax.config.fields import is_int
 from pagedjax.config.model import ROPE_SCALING_PARAMS, ROPE_TYPES
 from pagedjax.config.moe import MoEConfig
 from pagedjax.model import families
+from pagedjax.model.classifier import is_classifier
 from pagedjax.model.families import family_of, gpt_oss
 from pagedjax.model.loading.hf_fields import (
     checkpoint_dtype,
@@ -339,7 +340,8 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
         head_dim=head_dim,
         intermediate_size=positive_int(hf, "intermediate_size"),
         rms_norm_eps=number(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
-        tie_word_embeddings=flag(hf, "tie_word_embeddings", defaults["tie_word_embeddings"]),
+        # A sequence classifier has no LM head: the embedding matrix stands in (`pagedjax.model.classifier`)
+        tie_word_embeddings=flag(hf, "tie_word_embeddings", defaults["tie_word_embeddings"]) or is_classifier(hf),
         dtype=dtype,
         bos_token_id=bos,
         eos_token_ids=tuple(dict.fromkeys(eos)),

@@ -47,6 +47,7 @@ import numpy as np
 from flax import nnx
 
 from pagedjax.config import ModelConfig
+from pagedjax.model.classifier import HEAD, is_classifier
 from pagedjax.model.errors import ModelLoadError, read_json
 from pagedjax.model.families import gpt_oss
 from pagedjax.model.llama import abstract_model, model_from_state  # noqa: F401  (model_from_state: re-export)
@@ -163,7 +164,7 @@ def _read_tensor(handle, file: Path, name: str) -> np.ndarray:
         return _read_raw(file, name)
 
 
-def _read_stored(file: Path, name: str) -> np.ndarray:
+def read_stored(file: Path, name: str) -> np.ndarray:
     """One tensor of a safetensors file, any dtype numpy has (a `fill_state` view's tensors: uint8 MXFP4 too)."""
     from safetensors import safe_open
 
@@ -219,14 +220,17 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, *, mesh=None) -> n
 
         where = param_sharding_fn(cfg, mesh)
 
+    hf = read_json(Path(path) / "config.json")
+    classifier = is_classifier(hf)
+
     def skip(name: str) -> bool:
         # tied: the embedding is the head, as in transformers; `hf_quant`'s weight_shape tensors are redundant
         return name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or (
-            cfg.quantization is not None and name.endswith(".weight_shape"))
+            cfg.quantization is not None and name.endswith(".weight_shape")) or (
+            classifier and name.startswith(f"{HEAD}."))  # the head: `load_classifier`
 
     names = lambda p, shape: hf_names(p, shape, cfg.quantization)
     view = None
-    hf = read_json(Path(path) / "config.json")
     if hf.get("model_type") in gpt_oss.MODEL_TYPES:  # its own names and experts
         names = lambda p, shape: gpt_oss.tensor_names(p) or hf_names(p, shape, cfg.quantization)
         view = gpt_oss.ExpertTensors()
@@ -368,7 +372,7 @@ def fill_state(path: str | os.PathLike, state: nnx.State | Callable[[], nnx.Stat
         with safe_open(str(file), framework="numpy") as f:
             for name, pieces in tensors:
                 try:
-                    whole = None if view is None else view.read(name, _read_stored)
+                    whole = None if view is None else view.read(name, read_stored)
                     if whole is None:
                         whole = _read_tensor(f, file, name)
                 except ModelLoadError:

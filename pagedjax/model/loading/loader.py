@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pagedjax.config import ModelConfig
 from pagedjax.config.engine import engine_config
+from pagedjax.model.classifier import load_classifier
 from pagedjax.model.errors import ModelLoadError
 from pagedjax.model.families import family_of
 from pagedjax.model.llama import Llama, init_model, model_from_state
@@ -160,7 +161,8 @@ def load_engine_inputs(path, dtype: str | None, quantization, tokenizer, devices
     if "pooling_defaults" not in options:
         config = config.replace(pooling_defaults=folder_pooling_defaults(path))
     return config, {**weights, "tokenizer": folder_tokenizer if tokenizer is None else tokenizer,
-                    "image_processor": folder_image_processor(path, weights), "devices": devices}
+                    "image_processor": folder_image_processor(path, weights), "devices": devices,
+                    "classifier": load_classifier(path)}
 
 
 def folder_image_processor(path, weights: dict):

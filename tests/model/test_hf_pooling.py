@@ -1,0 +1,140 @@
+"""Pooling models from Hugging Face folders, against transformers on tiny random models (float32; no hub access):
+  - embeddings: a Qwen3-Embedding-shaped folder (transformers' `Qwen3Model`, saved as embedding models are: no LM
+    head of its own, tied embeddings, no `model.` prefix) with sentence-transformers' modules (last-token pooling,
+    Normalize): `LLMEngine.embed`'s vectors equal the last hidden states pooled the same way (cosine > 0.99999 and
+    1e-5 relative);
+  - classification: a `Qwen3ForSequenceClassification` folder (its `score` head, no LM head): `LLMEngine.classify`'s
+    probabilities equal the softmax of transformers' logits (1e-5), and the engine refuses generation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from pagedjax import LLMEngine, ModelConfig, PoolingParams, SamplingParams, SchedulerConfig, UnsupportedFeature  # noqa: E402
+from pagedjax.model.classifier import Classifier  # noqa: E402
+from pagedjax.model.errors import ModelLoadError  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+_rng = np.random.default_rng(4)
+PROMPTS = [_rng.integers(0, 120, n).tolist() for n in (1, 6, 16, 29)]
+
+
+def qwen3_embedding(folder, *, tie: bool = True):
+    """A tiny random `Qwen3Model` (norms random too) saved with sentence-transformers' last-token + Normalize
+    modules; returns the transformers model."""
+    config = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      tie_word_embeddings=tie, max_position_embeddings=128, initializer_range=0.2)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Qwen3Model(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(str(folder), safe_serialization=True)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False,
+         "pooling_mode_cls_token": False, "include_prompt": True}))
+    return model
+
+
+def hf_vector(model, prompt, pooling: str, dimensions=None, normalize=True) -> np.ndarray:
+    with torch.no_grad():
+        h = model(torch.tensor([prompt])).last_hidden_state[0].double().numpy()
+    v = {"last": h[-1], "mean": h.mean(0), "cls": h[0]}[pooling][:dimensions]
+    return v / np.linalg.norm(v) if normalize else v
+
+
+def assert_same(got, want) -> None:
+    got = np.asarray(got, np.float64)
+    assert got @ want / np.linalg.norm(got) / np.linalg.norm(want) > 0.99999
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_a_qwen3_embedding_folder_gives_transformers_vectors(tmp_path):
+    model = qwen3_embedding(tmp_path)
+    engine = LLMEngine.from_pretrained(tmp_path, dtype="float32", scheduler_config=SchedulerConfig(
+        max_model_len=64, max_num_batched_tokens=16))  # 16-token chunks: the 29-token prompt in two
+    assert engine.config.pooling_defaults.describe().startswith("last token, normalized")
+    for prompt, out in zip(PROMPTS, engine.embed(PROMPTS), strict=True):  # the folder's pooling
+        assert_same(out.outputs.embedding, hf_vector(model, prompt, "last"))
+    for pooling in ("mean", "cls"):
+        params = PoolingParams(pooling, normalize=False, dimensions=48)
+        for prompt, out in zip(PROMPTS, engine.embed(PROMPTS, params), strict=True):
+            assert_same(out.outputs.embedding, hf_vector(model, prompt, pooling, 48, normalize=False))
+
+
+def test_a_base_model_without_tied_embeddings_is_refused(tmp_path):
+    qwen3_embedding(tmp_path, tie=False)
+    with pytest.raises(ModelLoadError, match="without tied word embeddings has no LM head"):
+        LLMEngine.from_pretrained(tmp_path, dtype="float32")
+
+
+def qwen3_classifier(folder, **config):
+    """A tiny random `Qwen3ForSequenceClassification` (3 labels, random norms and a large head: distinct
+    probabilities) saved to `folder`; returns the transformers model."""
+    config = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=128, initializer_range=0.2, num_labels=3,
+                                      id2label={0: "neg", 1: "neu", 2: "pos"}, label2id={"neg": 0, "neu": 1, "pos": 2},
+                                      pad_token_id=0, **config)
+    config._attn_implementation = "eager"
+    torch.manual_seed(1)
+    model = transformers.Qwen3ForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return model
+
+
+def test_a_sequence_classifier_gives_transformers_probabilities_and_refuses_generation(tmp_path):
+    model = qwen3_classifier(tmp_path)
+    engine = LLMEngine.from_pretrained(tmp_path, dtype="float32", scheduler_config=SchedulerConfig(max_model_len=64))
+    prompts = [p for p in PROMPTS if p[-1] != 0]  # transformers pools the last token that is not padding
+    outs = engine.classify(prompts)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            want = torch.softmax(model(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+        np.testing.assert_allclose(out.outputs.probs, want, rtol=1e-5, atol=1e-6)
+        assert out.outputs.labels == ("neg", "neu", "pos") and out.outputs.label == ("neg", "neu", "pos")[
+            int(np.argmax(want))]
+    assert len({o.outputs.label for o in outs}) > 1  # the head tells the prompts apart: a check that can fail
+    with pytest.raises(UnsupportedFeature, match="sequence classifier, without an LM head") as e:
+        engine.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert e.value.code == "generation_not_supported"
+    assert not engine.has_unfinished_requests()
+
+
+def test_classifier_folders_and_engines_that_cannot_classify_are_refused(tmp_path):
+    qwen3_classifier(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "id2label": {"0": "a", "1": "b"}}))
+    with pytest.raises(ModelLoadError, match="does not name labels 0..2"):
+        LLMEngine.from_pretrained(tmp_path, dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    with pytest.raises(ModelLoadError, match="score.weight"):  # a causal LM's folder with a head it does not know
+        LLMEngine.from_pretrained(tmp_path, dtype="float32")
+    plain = LLMEngine.from_pretrained(None, scheduler_config=SchedulerConfig(max_model_len=64))
+    with pytest.raises(UnsupportedFeature, match="no classification head"):
+        plain.classify([[1, 2]])
+    with pytest.raises(ValueError, match="classifier: a Classifier over the model's"):
+        LLMEngine(model_config=ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_q_heads=2, num_kv_heads=1,
+                                           head_dim=8, intermediate_size=32),
+                  classifier=Classifier(np.zeros((2, 3), np.float32), None, ("a", "b")))
+    with pytest.raises(ValueError, match="weight \\(2, 3\\) for 1 labels"):
+        Classifier(np.zeros((2, 3), np.float32), None, ("a",))
