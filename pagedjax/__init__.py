@@ -31,6 +31,8 @@ _LAZY = {
     "EmbeddingOutput": "pagedjax.outputs",
     "ClassificationRequestOutput": "pagedjax.outputs",
     "ClassificationOutput": "pagedjax.outputs",
+    "ScoringRequestOutput": "pagedjax.outputs",
+    "ScoringOutput": "pagedjax.outputs",
     "ModelRegistry": "pagedjax.model.registry",
     "ModelConfig": "pagedjax.config",
     "ModelSpec": "pagedjax.config",

@@ -1,6 +1,7 @@
 """What a caller gets back: `RequestOutput` (one per request and step), `CompletionOutput` (one per sample),
 `TokenLogprobs`, embeddings' `EmbeddingRequestOutput` / `EmbeddingOutput`, classification's
-`ClassificationRequestOutput` / `ClassificationOutput`, and beam search's `BeamSearchOutput` /
+`ClassificationRequestOutput` / `ClassificationOutput`, relevance's `ScoringRequestOutput` / `ScoringOutput`, and
+beam search's `BeamSearchOutput` /
 `BeamSequence`. Plain data, no JAX.
 """
 
@@ -103,6 +104,25 @@ class ClassificationRequestOutput:
 
     request_id: str
     outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    """A (query, document) pair's relevance (`pagedjax.engine.relevance`)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What `LLMEngine.relevance` returns per pair (vLLM's `LLM.score` shape): `prompt_token_ids` the pair's tokens
+    (a cross-encoder's one prompt; an embedding model's query then document)."""
+
+    request_id: str
+    outputs: ScoringOutput
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     finished: bool = True

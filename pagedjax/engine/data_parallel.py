@@ -26,6 +26,7 @@ from pagedjax.engine.generate import classify_batch, embed_batch, generate_batch
 from pagedjax.engine.image_prompts import EncodedPrompt
 from pagedjax.engine.llm_engine import LLMEngine, token_list
 from pagedjax.engine.protocol import PreparedRequest
+from pagedjax.engine.relevance import relevance_batch
 from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
 from pagedjax.errors import InvalidRequest
@@ -306,6 +307,10 @@ class DataParallelEngine:
     def classify(self, prompts, use_tqdm: bool = False, lora_request=None):
         """As `LLMEngine.classify` (the prompts spread over the replicas)."""
         return classify_batch(self, prompts, use_tqdm, lora_request)
+
+    def relevance(self, text_1, text_2, use_tqdm: bool = False, lora_request=None):
+        """As `LLMEngine.relevance` (the pairs spread over the replicas)."""
+        return relevance_batch(self, text_1, text_2, use_tqdm, lora_request)
 
     def score(self, prompts, completions, lora_request=None):
         """As `LLMEngine.score` (the pairs spread over the replicas)."""

@@ -43,6 +43,7 @@ from pagedjax.engine.output_processor import (
     record_token_logprob,
 )
 from pagedjax.engine.protocol import PreparedRequest
+from pagedjax.engine.relevance import relevance_batch
 from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
 from pagedjax.errors import ContextLengthExceeded, InvalidRequest, InvalidType, UnsupportedFeature
@@ -51,7 +52,12 @@ from pagedjax.model.api import check_model
 from pagedjax.model.classifier import Classifier
 from pagedjax.model.llama import Llama
 from pagedjax.model.loading.loader import engine_model, load_engine_inputs
-from pagedjax.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
+from pagedjax.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from pagedjax.pooling_params import PoolingParams
 from pagedjax.runner import weights
 from pagedjax.runner.host_tier import kv_identity, kv_setup, open_disk_tiers, reopen_disk_tiers
@@ -735,6 +741,15 @@ class LLMEngine:
         The head reads the last prompt token's final hidden state (a "last" pooling request, prefix-cache hits
         taken). `UnsupportedFeature` for an engine without a classifier; otherwise raises as `embed`."""
         return classify_batch(self, prompts, use_tqdm, lora_request)
+
+    def relevance(self, text_1, text_2, use_tqdm: bool = False,
+                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                  ) -> list[ScoringRequestOutput]:
+        """Relevance of (query, document) pairs, vLLM's `LLM.score` (`score` here gives log-probabilities): one
+        `text_1` with each of `text_2`, or `text_1[i]` with `text_2[i]`; texts or token-id lists. A cross-encoder
+        (a one-label classifier) scores each pair's joint prompt (the sigmoid of its logit), any other model the
+        cosine similarity of the two embeddings (`pagedjax.engine.relevance`). Raises as `embed`."""
+        return relevance_batch(self, text_1, text_2, use_tqdm, lora_request)
 
     def score(self, prompts, completions, lora_request=None):
         """Per-token log-probabilities (float32 arrays) of each completion after its prompt, by this engine's

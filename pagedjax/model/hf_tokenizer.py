@@ -129,6 +129,13 @@ class HFTokenizer:
             raise TypeError(f"encode takes str or bytes, got {type(text).__name__}")
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Token ids of a text pair as the tokenizer's post-processor joins them (a cross-encoder's query and
+        document: `[CLS] a [SEP] b [SEP]` for BERT's template), as transformers' `tokenizer(text, pair)`."""
+        if not isinstance(text, str) or not isinstance(pair, str):
+            raise TypeError(f"encode_pair takes two str, got {type(text).__name__} and {type(pair).__name__}")
+        return list(self._tok.encode(text, pair, add_special_tokens=True).ids)
+
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 

@@ -215,3 +215,23 @@ def test_batch_invariant_embeddings_are_bitwise_the_same_alone_and_in_a_batch():
     together = eng.embed(prompts, PoolingParams("mean"))
     for prompt, out in zip(prompts, together, strict=True):
         assert eng.embed([prompt], PoolingParams("mean"))[0].outputs.embedding == out.outputs.embedding
+
+
+def test_relevance_of_an_embedding_model_is_the_cosine_of_its_vectors():
+    eng = engine()
+    query, docs = [3, 1, 4, 1, 5], [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+    last = PoolingDefaults().pooling
+    vec = {tuple(t): dense_embedding(t, PoolingParams(last, True)) for t in [query, *docs]}
+    for text_1, text_2 in ((query, docs), ([query, docs[1]], docs[1:])):
+        outs = eng.relevance(text_1, text_2)
+        queries = [text_1] * len(text_2) if isinstance(text_1[0], int) else text_1
+        for q, d, out in zip(queries, text_2, outs, strict=True):
+            assert abs(out.outputs.score - float(vec[tuple(q)] @ vec[tuple(d)])) < 1e-5
+            assert out.prompt_token_ids == q + d
+    assert abs(eng.relevance(query, docs[:1])[0].outputs.score - 1) < 1e-6
+    with pytest.raises(InvalidRequest, match="2 queries for 3 documents") as e:
+        eng.relevance(docs[:2], docs)
+    assert e.value.param == "text_1"
+    with pytest.raises(InvalidRequest, match="no pair to score"):
+        eng.relevance(query, [])
+    assert_nothing_held(eng)

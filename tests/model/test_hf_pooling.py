@@ -4,7 +4,9 @@
     Normalize): `LLMEngine.embed`'s vectors equal the last hidden states pooled the same way (cosine > 0.99999 and
     1e-5 relative);
   - classification: a `Qwen3ForSequenceClassification` folder (its `score` head, no LM head): `LLMEngine.classify`'s
-    probabilities equal the softmax of transformers' logits (1e-5), and the engine refuses generation."""
+    probabilities equal the softmax of transformers' logits (1e-5), and the engine refuses generation;
+  - relevance: the same with one label and a tokenizer with a pair template (a cross-encoder): `LLMEngine.relevance`
+    equals the sigmoid of transformers' logit over the tokenizer's pair encoding."""
 
 from __future__ import annotations
 
@@ -16,7 +18,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pagedjax import LLMEngine, ModelConfig, PoolingParams, SamplingParams, SchedulerConfig, UnsupportedFeature  # noqa: E402
+from pagedjax import (  # noqa: E402
+    InvalidRequest,
+    LLMEngine,
+    ModelConfig,
+    PoolingParams,
+    SamplingParams,
+    SchedulerConfig,
+    UnsupportedFeature,
+)
 from pagedjax.model.classifier import Classifier  # noqa: E402
 from pagedjax.model.errors import ModelLoadError  # noqa: E402
 
@@ -83,14 +93,14 @@ def test_a_base_model_without_tied_embeddings_is_refused(tmp_path):
         LLMEngine.from_pretrained(tmp_path, dtype="float32")
 
 
-def qwen3_classifier(folder, **config):
-    """A tiny random `Qwen3ForSequenceClassification` (3 labels, random norms and a large head: distinct
-    probabilities) saved to `folder`; returns the transformers model."""
+def qwen3_classifier(folder, labels=("neg", "neu", "pos")):
+    """A tiny random `Qwen3ForSequenceClassification` (random norms and a large head: distinct probabilities)
+    saved to `folder`; returns the transformers model."""
     config = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      max_position_embeddings=128, initializer_range=0.2, num_labels=3,
-                                      id2label={0: "neg", 1: "neu", 2: "pos"}, label2id={"neg": 0, "neu": 1, "pos": 2},
-                                      pad_token_id=0, **config)
+                                      max_position_embeddings=128, initializer_range=0.2, num_labels=len(labels),
+                                      id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
+                                      pad_token_id=0)
     config._attn_implementation = "eager"
     torch.manual_seed(1)
     model = transformers.Qwen3ForSequenceClassification(config).eval()
@@ -138,3 +148,40 @@ def test_classifier_folders_and_engines_that_cannot_classify_are_refused(tmp_pat
                   classifier=Classifier(np.zeros((2, 3), np.float32), None, ("a", "b")))
     with pytest.raises(ValueError, match="weight \\(2, 3\\) for 1 labels"):
         Classifier(np.zeros((2, 3), np.float32), None, ("a",))
+
+
+def pair_tokenizer(folder) -> None:
+    """A word-level tokenizer.json whose pair template is `$A [SEP] $B [SEP]` (a cross-encoder's)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(126)} | {"[SEP]": 126, "[UNK]": 127}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="$A [SEP]", pair="$A [SEP] $B:1 [SEP]:1", special_tokens=[("[SEP]", 126)])
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def test_a_cross_encoder_scores_pairs_as_transformers(tmp_path):
+    model = qwen3_classifier(tmp_path, labels=("relevant",))
+    pair_tokenizer(tmp_path)
+    engine = LLMEngine.from_pretrained(tmp_path, dtype="float32", scheduler_config=SchedulerConfig(max_model_len=64))
+    query, docs = "w5 w17 w3", ["w9 w9 w40", "w5 w17", "w100"]
+    outs = engine.relevance(query, docs)
+    for doc, out in zip(docs, outs, strict=True):
+        ids = [int(w[1:]) for w in query.split()] + [126] + [int(w[1:]) for w in doc.split()] + [126]
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            want = torch.sigmoid(model(torch.tensor([ids])).logits[0, 0].double()).item()
+        assert abs(out.outputs.score - want) < 1e-6
+    assert len({round(o.outputs.score, 4) for o in outs}) == 3
+    ids = engine.relevance([5, 17], [[9, 40]])[0]  # token ids: the query's then the document's, no template
+    assert ids.prompt_token_ids == [5, 17, 9, 40]
+    with pytest.raises(InvalidRequest, match="two texts or two token-id lists"):
+        engine.relevance("w5", [[9, 40]])
+
+
+def test_a_classifier_of_several_labels_scores_no_pairs(tmp_path):
+    qwen3_classifier(tmp_path)
+    engine = LLMEngine.from_pretrained(tmp_path, dtype="float32", scheduler_config=SchedulerConfig(max_model_len=64))
+    with pytest.raises(UnsupportedFeature, match="classifies into 3 labels"):
+        engine.relevance([1, 2], [[3]])
