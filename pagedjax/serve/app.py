@@ -1,5 +1,5 @@
-"""The HTTP routes (FastAPI): OpenAI's completions, chat completions, embeddings and models, plus health and
-metrics.
+"""The HTTP routes (FastAPI): OpenAI's completions, chat completions, embeddings and models, vLLM's score and
+rerank, plus health and metrics.
 
     app = build_app(AsyncLLMEngine(engine), model_name="pagedjax-tiny")   # then serve it with uvicorn
 
@@ -7,7 +7,8 @@ metrics.
 |---|---|
 | `POST /v1/completions` | a prompt (text or token ids) -> text; `stream: true` for server-sent events |
 | `POST /v1/chat/completions` | messages (and images, as data URLs), through the chat template -> the reply |
-| `POST /v1/embeddings` | texts or token ids -> one vector each (`pagedjax.serve.embeddings`) |
+| `POST /v1/embeddings` | texts or token ids -> one vector each (`pagedjax.serve.pooling`) |
+| `POST /v1/score`, `POST /v1/rerank` | (query, document) relevance, vLLM's and Jina / Cohere's shapes |
 | `GET /v1/models`, `GET /v1/models/{id}` | the served model, what runs it (`engine.summary`), its LoRA adapters |
 | `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` | adapters at runtime, when enabled (`serve.lora`) |
 | `GET /health` | 200 while the engine takes requests, 503 otherwise |
@@ -39,6 +40,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from pagedjax.serve import pooling
 from pagedjax.serve.admission import (
     DEFAULT_IMAGE_LIMITS,
     DEFAULT_MAX_CHAT_MESSAGES,
@@ -49,7 +51,6 @@ from pagedjax.serve.admission import (
 from pagedjax.serve.async_engine import AsyncLLMEngine
 from pagedjax.serve.chat_template import ChatTemplate
 from pagedjax.serve.disconnect import ClientDisconnected, EventStreamResponse, until_disconnect
-from pagedjax.serve.embeddings import embeddings, prepare_embeddings
 from pagedjax.serve.errors import APIError, bad_request, error_body, install_error_handlers, validation_message
 from pagedjax.serve.lora import DEFAULT_MAX_REGISTERED_LORAS, RuntimeLoRAUpdates, ServedAdapters
 from pagedjax.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -63,6 +64,10 @@ from pagedjax.serve.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
     UnloadLoRAAdapterRequest,
 )
 from pagedjax.serve.serving import OpenAIServing
@@ -190,6 +195,8 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
     completion_body = json_body(CompletionRequest, max_request_bytes, body_timeout)
     chat_body = json_body(ChatCompletionRequest, max_request_bytes, body_timeout)
     embedding_body = json_body(EmbeddingRequest, max_request_bytes, body_timeout)
+    score_body = json_body(ScoreRequest, max_request_bytes, body_timeout)
+    rerank_body = json_body(RerankRequest, max_request_bytes, body_timeout)
     load_body = json_body(LoadLoRAAdapterRequest, LORA_REQUEST_BYTES, body_timeout)
     unload_body = json_body(UnloadLoRAAdapterRequest, LORA_REQUEST_BYTES, body_timeout)
     protected = APIRouter(dependencies=[Depends(check_key)])
@@ -259,8 +266,18 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, chat_template: ChatTem
 
     @protected.post("/v1/embeddings", response_model=EmbeddingResponse, openapi_extra=_body_schema(EmbeddingRequest))
     async def create_embeddings(request: Request, body: EmbeddingRequest = Depends(embedding_body)):  # noqa: B008
-        prepared = await asyncio.to_thread(prepare_embeddings, serving, body)
-        return await _until_disconnect(request, embeddings(serving, body, prepared))
+        prepared = await asyncio.to_thread(pooling.prepare_embeddings, serving, body)
+        return await _until_disconnect(request, pooling.embeddings(serving, body, prepared))
+
+    @protected.post("/v1/score", response_model=ScoreResponse, openapi_extra=_body_schema(ScoreRequest))
+    async def create_score(request: Request, body: ScoreRequest = Depends(score_body)):  # noqa: B008
+        scoring = await asyncio.to_thread(pooling.prepare_score, serving, body)
+        return await _until_disconnect(request, pooling.score(serving, body, scoring))
+
+    @protected.post("/v1/rerank", response_model=RerankResponse, openapi_extra=_body_schema(RerankRequest))
+    async def create_rerank(request: Request, body: RerankRequest = Depends(rerank_body)):  # noqa: B008
+        scoring = await asyncio.to_thread(pooling.prepare_rerank, serving, body)
+        return await _until_disconnect(request, pooling.rerank(serving, body, scoring))
 
     app.include_router(protected)
     return app

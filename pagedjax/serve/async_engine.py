@@ -237,6 +237,11 @@ class AsyncLLMEngine:
         return self.engine.model_config
 
     @property
+    def classifier(self):
+        """A sequence classifier's head (`pagedjax.model.classifier`), None for other models."""
+        return self.engine.classifier
+
+    @property
     def image_processor(self):
         """The engine's image processor (None for a model without images)."""
         return getattr(self.engine, "image_processor", None)

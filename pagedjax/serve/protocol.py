@@ -349,6 +349,68 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+Texts = str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+
+
+class ScoreRequest(_Request):
+    """vLLM's `/v1/score` body: `text_1` one query (scored with each of `text_2`) or one per `text_2` item."""
+
+    model: str
+    text_1: Texts
+    text_2: Texts
+
+
+class ScoreData(BaseModel):
+    object: Literal["score"] = "score"
+    index: int
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankRequest(_Request):
+    """The Jina / Cohere `/v1/rerank` body vLLM serves: `documents` ordered by relevance to `query`, the best
+    `top_n` (all by default), each with its text unless `return_documents` is false."""
+
+    model: str
+    query: str
+    documents: Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    top_n: Annotated[int, Field(ge=1)] | None = None
+    return_documents: bool = True
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        return _without_unasked(handler(self), ("document",))
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str  # the arguments object as JSON text

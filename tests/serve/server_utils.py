@@ -37,12 +37,12 @@ BLOCK_SIZE, NUM_BLOCKS, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 128, 64, 16, 64
 
 
 def make_engine(**kwargs) -> LLMEngine:
-    """The test model's engine (`kwargs`: more of `LLMEngine`'s keywords)."""
+    """The test model's engine (`kwargs`: more of `LLMEngine`'s keywords; the byte tokenizer unless one is given)."""
     return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
                      scheduler_config=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS,
                                                       max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                                                       max_model_len=MAX_MODEL_LEN), seed=SEED,
-                     tokenizer=ByteTokenizer(), **kwargs)
+                     **{"tokenizer": ByteTokenizer(), **kwargs})
 
 
 
