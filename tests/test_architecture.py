@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedjax.model", "pagedjax.structured_output"),  # models, layers, loaders | grammar matchers and masks
     ("pagedjax.parallel",),  # SPMD: meshes, shardings, sharded attention
     ("pagedjax.device", "pagedjax.core"),  # pure JAX functions | host state without JAX
-    ("pagedjax.sampling_params", "pagedjax.outputs"),  # what a caller asks | what it gets back
+    ("pagedjax.sampling_params", "pagedjax.pooling_params", "pagedjax.outputs"),  # what a caller asks | it gets back
     ("pagedjax.config", "pagedjax.compile_cache"),  # every frozen config
     ("pagedjax.config.fields", "pagedjax.errors"),  # the field checks every config class uses | request errors
     ("pallas_kernels",),  # kernels: import nothing of pagedjax

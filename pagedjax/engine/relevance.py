@@ -35,11 +35,11 @@ def pairs(text_1, text_2) -> list[tuple]:
     queries = [text_1] if _one(text_1) else list(text_1)
     documents = [text_2] if _one(text_2) else list(text_2)
     if not queries or not documents:
-        raise InvalidRequest("relevance: no pair to score (text_1 and text_2 must not be empty)", param="text_2")
+        raise InvalidRequest("no pair to score (text_1 and text_2 must not be empty)", param="text_2")
     if len(queries) == 1:
         queries = queries * len(documents)
     if len(queries) != len(documents):
-        raise InvalidRequest(f"relevance: {len(queries)} queries for {len(documents)} documents (give one query, "
+        raise InvalidRequest(f"{len(queries)} queries for {len(documents)} documents (give one query, "
                              "or one per document)", param="text_1")
     return list(zip(queries, documents, strict=True))
 
@@ -49,7 +49,7 @@ def cross_encoder(engine) -> Classifier | None:
     UnsupportedFeature for a classifier of several labels (its probabilities are no relevance score)."""
     head = engine.classifier
     if head is not None and len(head.labels) != 1:
-        raise UnsupportedFeature(f"relevance: this model classifies into {len(head.labels)} labels; a cross-encoder "
+        raise UnsupportedFeature(f"this model classifies into {len(head.labels)} labels; a cross-encoder "
                                  "(one label) or an embedding model scores pairs", param="model",
                                  code="score_not_supported")
     return head
@@ -62,12 +62,12 @@ def pair_prompt(tokenizer, query, document) -> list[int]:
     if isinstance(query, str) and isinstance(document, str):
         encode = getattr(tokenizer, "encode_pair", None)
         if encode is None:
-            raise UnsupportedFeature("relevance: this model's tokenizer has no pair template (a Hugging Face "
+            raise UnsupportedFeature("this model's tokenizer has no pair template (a Hugging Face "
                                      "tokenizer.json has one): give token ids", param="text_1",
                                      code="tokenizer_required")
         return encode(query, document)
     if isinstance(query, str | bytes) or isinstance(document, str | bytes):
-        raise InvalidRequest("relevance: a pair is two texts or two token-id lists, not one of each", param="text_2")
+        raise InvalidRequest("a pair is two texts or two token-id lists, not one of each", param="text_2")
     return [int(t) for t in query] + [int(t) for t in document]
 
 

@@ -148,7 +148,7 @@ class Scoring:
                 prompts = [pair_prompt(serving.tokenizer, q, d) for q, d in scored]
         except InvalidRequest as e:  # the relevance functions' refusals, as the request's fields name them
             field = {"text_1": fields[0], "text_2": fields[1]}.get(e.param, e.param)
-            raise bad_request(str(e).removeprefix("relevance: "), field, e.code) from None
+            raise bad_request(str(e), field, e.code) from None
         if self.head is not None:
             self.prepared = [_prepared(serving, ids, CROSS_ENCODER, model, _where("pair", i, len(prompts)), fields[1])
                              for i, ids in enumerate(prompts)]

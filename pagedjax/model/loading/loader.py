@@ -14,11 +14,11 @@ from pathlib import Path
 
 from pagedjax.config import ModelConfig
 from pagedjax.config.engine import engine_config
-from pagedjax.model.classifier import load_classifier
 from pagedjax.model.errors import ModelLoadError
 from pagedjax.model.families import family_of
 from pagedjax.model.llama import Llama, init_model, model_from_state
 from pagedjax.model.loading.generation_config import folder_sampling_defaults
+from pagedjax.model.loading.hf_classifier import load_classifier
 from pagedjax.model.loading.pooling_config import folder_pooling_defaults
 
 logger = logging.getLogger(__name__)
