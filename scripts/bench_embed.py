@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedjax import CacheConfig, LLMEngine, PoolingParams, SchedulerConfig  # noqa: E402
+from pagedjax import CacheConfig, LLMEngine, SchedulerConfig  # noqa: E402
 
 logger = logging.getLogger("bench_embed")
 
