@@ -235,3 +235,19 @@ def test_relevance_of_an_embedding_model_is_the_cosine_of_its_vectors():
     with pytest.raises(InvalidRequest, match="no pair to score"):
         eng.relevance(query, [])
     assert_nothing_held(eng)
+
+
+def test_a_pooling_request_whose_step_fails_raises_naming_it_and_holds_nothing(monkeypatch):
+    eng = engine()
+    run = eng.runner.run
+
+    def broken(plan, inputs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(eng.runner, "run", broken)
+    with pytest.raises(RuntimeError, match=r"embed: request 'embed-\d+-0' ended with 'error': RuntimeError: device lost"):
+        eng.embed([[1, 2, 3]])
+    assert_nothing_held(eng)
+    monkeypatch.setattr(eng.runner, "run", run)
+    assert_close(eng.embed([[1, 2, 3]])[0].outputs.embedding,
+                 dense_embedding([1, 2, 3], PoolingParams().with_defaults(PoolingDefaults())))
