@@ -245,7 +245,7 @@ def test_a_pooling_request_whose_step_fails_raises_naming_it_and_holds_nothing(m
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(eng.runner, "run", broken)
-    with pytest.raises(RuntimeError, match=r"embed: request 'embed-\d+-0' ended with 'error': RuntimeError: device lost"):
+    with pytest.raises(RuntimeError, match=r"request 'embed-\d+-0' ended with 'error': RuntimeError: device lost"):
         eng.embed([[1, 2, 3]])
     assert_nothing_held(eng)
     monkeypatch.setattr(eng.runner, "run", run)
