@@ -113,6 +113,10 @@ def add_engine_options(parser: argparse.ArgumentParser, **front_end_defaults) ->
                         "channel), int4 (groups of 128 inputs; int4:N for groups of an even N, e.g. int4:32) or fp8 "
                         "(e4m3, per channel); activations stay in the model's dtype. Default: the checkpoint's "
                         "weights as stored")
+    g.add_argument("--classifier-from-tokens", nargs=2, default=None, metavar=("NO", "YES"),
+                   help="serve a causal LM as a one-label classifier judged by these two tokens' logits (a "
+                        "Qwen3-Reranker: no yes): the probability of YES over the two, for /v1/score and /v1/rerank; "
+                        "the model then serves pooling requests only")
     add_field_option(g, EngineConfig, "backend", choices=BACKENDS)
     add_field_option(g, EngineConfig, "seed", type=int_at_least(0))
     add_field_option(g, CacheConfig, "block_size", type=int_at_least(1))

@@ -289,6 +289,34 @@ def sampling_defaults_of(args: argparse.Namespace):
     return folder_sampling_defaults(args.model)
 
 
+def pooling_defaults_of(args: argparse.Namespace):
+    """The engine's `PoolingDefaults`: the --model folder's sentence-transformers modules (the default for decoder
+    models without them, and for a --model-class model without --model)."""
+    from pagedjax.config.pooling import PoolingDefaults
+    from pagedjax.model.loading.pooling_config import folder_pooling_defaults
+
+    if getattr(args, "model_class", None) is not None and args.model is None:
+        return PoolingDefaults()
+    return folder_pooling_defaults(args.model)
+
+
+def classifier_of(args: argparse.Namespace, loaded: CLIModel):
+    """The engine's classifier: a --model `*ForSequenceClassification` folder's head, or --classifier-from-tokens'
+    two tokens' LM-head rows (`pagedjax.model.loading.hf_classifier`); None otherwise. CLIError naming the problem."""
+    from pagedjax.model.loading.hf_classifier import load_classifier, token_classifier
+
+    tokens = getattr(args, "classifier_from_tokens", None)
+    try:
+        head = None if args.model is None else load_classifier(args.model)
+        if tokens is None:
+            return head
+        if head is not None:
+            raise ValueError("--classifier-from-tokens: the --model folder has a classifier's head already")
+        return token_classifier(loaded.model_config, loaded.params, loaded.tokenizer, tuple(tokens))
+    except ValueError as e:
+        raise CLIError(f"cannot load the classifier: {e}") from None
+
+
 def lora_config_of(args: argparse.Namespace) -> LoRAConfig | None:
     """The `LoRAConfig` of `add_lora_options`' flags (None for a front end without them, or without
     --enable-lora); CLIError for a --max-*lora* flag given without --enable-lora."""
@@ -329,7 +357,7 @@ def engine_config_of(args: argparse.Namespace, compile_cache: bool | str = True,
             compile_in_background=args.warmup,
             structured_limits=StructuredLimits() if structured_limits is None else structured_limits,
             sampling_defaults=sampling_defaults_of(args) if sampling_defaults is None else sampling_defaults,
-            lora_config=lora_config_of(args))
+            lora_config=lora_config_of(args), pooling_defaults=pooling_defaults_of(args))
     except (TypeError, ValueError) as e:
         raise CLIError(in_flags(str(e))) from None
 
@@ -348,12 +376,13 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
     if config.parallel_config is not None:
         check_device_count(args.tensor_parallel_size, args.data_parallel_size)
     check_kv_pool_fits(config.cache_config, loaded.spec, jax.local_devices()[0], args.tensor_parallel_size)
+    classifier = classifier_of(args, loaded)
     weights = loaded.engine_args()
     # A vision-language --model folder's image processor (pagedjax-generate's --image, pagedjax-serve's image parts).
     image_processor = None if args.model is None else folder_image_processor(args.model, weights)
     try:
         return make_engine(config.replace(model_config=weights.pop("model_config", None)), **weights,
-                           tokenizer=loaded.tokenizer, image_processor=image_processor)
+                           tokenizer=loaded.tokenizer, image_processor=image_processor, classifier=classifier)
     except (TypeError, ValueError, FileNotFoundError) as e:  # FileNotFoundError: a missing draft model folder
         raise CLIError(in_flags(str(e))) from None
     except jax.errors.JaxRuntimeError as e:

@@ -98,11 +98,11 @@ class DataParallelEngine:
     @classmethod
     @takes_options(but=("model_config",))
     def from_pretrained(cls, path=None, *, dtype: str | None = None, quantization=None, tokenizer=None, devices=None,
-                        **options) -> DataParallelEngine:
+                        classifier_from_tokens=None, **options) -> DataParallelEngine:
         """As `LLMEngine.from_pretrained`: the weights read into the first replica's shards (and quantized, with
         a `quantization`), then copied."""
         config, objects = load_engine_inputs(path, dtype, quantization, tokenizer, devices, options,
-                                             "DataParallelEngine.from_pretrained")
+                                             "DataParallelEngine.from_pretrained", classifier_from_tokens)
         return cls(config, **objects)
 
     @takes_options()

@@ -19,12 +19,13 @@ def _engine_class(layout) -> type:
 
 @takes_options()
 def make_engine(config: EngineConfig | None = None, *, model=None, params=None, tokenizer=None,
-                image_processor=None, devices=None, **options) -> Engine:
+                image_processor=None, devices=None, classifier=None, **options) -> Engine:
     """`LLMEngine(...)`, or a `DataParallelEngine` when the options' `parallel_config` has `data_parallel_size`
     > 1; the arguments are theirs."""
     config = engine_config(config, options, "make_engine")
     return _engine_class(config.parallel_config)(config, model=model, params=params, tokenizer=tokenizer,
-                                 image_processor=image_processor, devices=devices)
+                                                 image_processor=image_processor, devices=devices,
+                                                 classifier=classifier)
 
 
 def load_engine(path=None, **kwargs) -> Engine:

@@ -250,7 +250,8 @@ class LLMEngine:
     @classmethod
     @takes_options(but=("model_config",))
     def from_pretrained(cls, path=None, *, dtype: str | None = None, quantization: str | QuantConfig | None = None,
-                        tokenizer=None, devices=None, **options) -> LLMEngine:
+                        tokenizer=None, devices=None, classifier_from_tokens: tuple[str, str] | None = None,
+                        **options) -> LLMEngine:
         """An engine over a saved model: a pagedjax orbax checkpoint folder, a local Hugging Face folder
         (config.json + *.safetensors [+ tokenizer.json]), or None for the bundled model. `options`: `EngineConfig`'s
         fields, as for `LLMEngine(...)` (the model's shape, `model_config`, is the folder's). With a
@@ -259,9 +260,11 @@ class LLMEngine:
         layers and MoE experts, quantized at load (`pagedjax.model.layers.quant`, `pagedjax.model.layers.
         moe_quant`). `tokenizer`: instead of the folder's. A Hugging Face folder of a `model_type` registered in
         `pagedjax.ModelRegistry` is built by its factory. `sampling_defaults`: instead of the folder's (its
-        generation_config.json over vLLM's defaults: `folder_sampling_defaults`)."""
+        generation_config.json over vLLM's defaults: `folder_sampling_defaults`). A `*ForSequenceClassification`
+        folder's engine classifies (`classify`, `relevance`); `classifier_from_tokens` ("no", "yes") makes a causal
+        LM one, judged by those two tokens' logits (a Qwen3-Reranker: `pagedjax.model.classifier`)."""
         config, objects = load_engine_inputs(path, dtype, quantization, tokenizer, devices, options,
-                                             "LLMEngine.from_pretrained")
+                                             "LLMEngine.from_pretrained", classifier_from_tokens)
         return cls(config, **objects)
 
     @property

@@ -17,7 +17,12 @@ from pagedjax.sampling_params import LoRARequest, SamplingParams, StructuredOutp
 if TYPE_CHECKING:
     from pagedjax.engine.image_prompts import EncodedPrompt
     from pagedjax.engine.stats import EngineStats
-    from pagedjax.outputs import BeamSearchOutput, EmbeddingRequestOutput
+    from pagedjax.outputs import (
+        BeamSearchOutput,
+        ClassificationRequestOutput,
+        EmbeddingRequestOutput,
+        ScoringRequestOutput,
+    )
     from pagedjax.runner.programs import CompileEvent
     from pagedjax.sampling_params import BeamSearchParams
     from pagedjax.structured_output.compiler import Constraint
@@ -37,6 +42,7 @@ class Engine(Protocol):
     tokenizer: Any  # anything with encode / decode, or None (token ids only)
     model_config: Any
     max_request_tokens: int  # the most tokens (prompt + output) one request can hold
+    classifier: Any  # a sequence classifier's head (`pagedjax.model.classifier.Classifier`), or None
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None,
@@ -53,6 +59,11 @@ class Engine(Protocol):
 
     def embed(self, prompts: Sequence, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = ..., lora_request=None) -> list[EmbeddingRequestOutput]: ...
+
+    def classify(self, prompts: Sequence, use_tqdm: bool = ..., lora_request=None
+                 ) -> list[ClassificationRequestOutput]: ...
+
+    def relevance(self, text_1, text_2, use_tqdm: bool = ..., lora_request=None) -> list[ScoringRequestOutput]: ...
 
     def beam_search(self, prompts: Sequence, params: BeamSearchParams) -> list[BeamSearchOutput]: ...
 

@@ -4,7 +4,9 @@ final hidden state), applied on the host to a pooling request's vector: `Classif
 
 Such a folder has no LM head: its transformer loads as the family's model with the embedding matrix standing in for
 the head (`hf_config`: its logits feed nothing), and an engine holding a classifier serves pooling requests only
-(`LLMEngine.classify`, `embed`): it refuses generation.
+(`LLMEngine.classify`, `embed`, `relevance`): it refuses generation. A causal LM judged by two tokens' logits (a
+Qwen3-Reranker: "no" / "yes" after its prompt) is such a classifier too, of one label (`from_token_rows`:
+`from_pretrained(..., classifier_from_tokens=("no", "yes"))`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ class Classifier:
             raise ValueError(f"Classifier: weight {self.weight.shape} for {len(self.labels)} labels")
         if self.bias is not None and self.bias.shape != (self.weight.shape[0],):
             raise ValueError(f"Classifier: bias {self.bias.shape} for weight {self.weight.shape}")
+
+    @classmethod
+    def from_token_rows(cls, rows: np.ndarray, tokens: tuple[str, str]) -> Classifier:
+        """A causal LM read as a two-token judge (a Qwen3-Reranker's "no" / "yes"): `rows` float [2, hidden], its LM
+        head's rows of the two tokens, negative first. The probability of the second, softmax over the two logits,
+        is the sigmoid of their difference: a one-label head of `rows[1] - rows[0]`, named after the second token."""
+        rows = np.asarray(rows, np.float64)
+        if rows.shape[0] != 2:
+            raise ValueError(f"Classifier.from_token_rows: two rows (negative, positive), got {rows.shape}")
+        return cls((rows[1] - rows[0])[None].astype(np.float32), None, (tokens[1],))
 
     @property
     def hidden_size(self) -> int:

@@ -6,7 +6,8 @@
   - classification: a `Qwen3ForSequenceClassification` folder (its `score` head, no LM head): `LLMEngine.classify`'s
     probabilities equal the softmax of transformers' logits (1e-5), and the engine refuses generation;
   - relevance: the same with one label and a tokenizer with a pair template (a cross-encoder): `LLMEngine.relevance`
-    equals the sigmoid of transformers' logit over the tokenizer's pair encoding."""
+    equals the sigmoid of transformers' logit over the tokenizer's pair encoding; a causal LM judged by its "no" /
+    "yes" logits (a Qwen3-Reranker, `classifier_from_tokens`) gives transformers' softmax over the two."""
 
 from __future__ import annotations
 
@@ -185,3 +186,63 @@ def test_a_classifier_of_several_labels_scores_no_pairs(tmp_path):
     engine = LLMEngine.from_pretrained(tmp_path, dtype="float32", scheduler_config=SchedulerConfig(max_model_len=64))
     with pytest.raises(UnsupportedFeature, match="classifies into 3 labels"):
         engine.relevance([1, 2], [[3]])
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_causal_lm_judged_by_two_tokens_scores_as_transformers_softmax(tmp_path, tie):
+    config = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=128, initializer_range=0.2, tie_word_embeddings=tie)
+    config._attn_implementation = "eager"
+    torch.manual_seed(2)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    pair_tokenizer(tmp_path)  # w0..w125, [SEP] = 126, [UNK] = 127: "no" / "yes" are the words w7 / w9 here
+    engine = LLMEngine.from_pretrained(tmp_path, dtype="float32", classifier_from_tokens=("w7", "w9"),
+                                       scheduler_config=SchedulerConfig(max_model_len=64))
+    query, docs = [3, 1, 4], [[1, 5], [9, 2, 6, 5]]
+    for doc, out in zip(docs, engine.relevance(query, docs), strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([query + doc])).logits[0, -1].double()
+        assert abs(out.outputs.score - torch.softmax(logits[[7, 9]], -1)[1].item()) < 1e-6
+    with pytest.raises(ValueError, match="no single token 'maybe'"):
+        LLMEngine.from_pretrained(tmp_path, dtype="float32", classifier_from_tokens=("w7", "maybe"))
+
+
+def test_classifier_from_tokens_for_a_classifier_folder_is_refused(tmp_path):
+    qwen3_classifier(tmp_path)
+    pair_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="has a classifier's head already"):
+        LLMEngine.from_pretrained(tmp_path, dtype="float32", classifier_from_tokens=("w1", "w2"))
+
+
+def test_the_command_lines_engine_has_the_folders_classifier_and_pooling(tmp_path):
+    """pagedjax-serve / pagedjax-generate build their engine without `from_pretrained`: a classifier folder's
+    engine must still hold its head (else it would generate from the embedding matrix standing in for a head it
+    does not have), a sentence-transformers folder's its pooling, and --classifier-from-tokens a judge's head."""
+    from pagedjax.cli.engine_setup import build_engine, load_model_for_cli
+    from pagedjax.serve.cli import build_parser
+
+    qwen3_classifier(tmp_path / "cls")
+    pair_tokenizer(tmp_path / "cls")
+
+    def engine(*flags):
+        args = build_parser().parse_args([*flags, "--dtype", "float32", "--max-model-len", "64", "--no-warmup"])
+        return build_engine(args, load_model_for_cli(args), compile_cache=False)
+
+    cls = engine("--model", str(tmp_path / "cls"))
+    assert cls.classifier is not None and cls.classifier.labels == ("neg", "neu", "pos")
+    with pytest.raises(UnsupportedFeature, match="sequence classifier"):
+        cls.generate([[1, 2]], SamplingParams(max_tokens=1), use_tqdm=False)
+    qwen3_embedding(tmp_path / "emb")
+    pair_tokenizer(tmp_path / "emb")
+    config = json.loads((tmp_path / "emb" / "1_Pooling" / "config.json").read_text())
+    (tmp_path / "emb" / "1_Pooling" / "config.json").write_text(json.dumps(
+        {**config, "pooling_mode_lasttoken": False, "pooling_mode_mean_tokens": True}))
+    assert engine("--model", str(tmp_path / "emb")).config.pooling_defaults.pooling == "mean"
+    judge = engine("--model", str(tmp_path / "emb"), "--classifier-from-tokens", "w7", "w9")
+    assert judge.classifier.labels == ("w9",)
+    from pagedjax.cli.errors import CLIError
+
+    with pytest.raises(CLIError, match="has a classifier's head already"):
+        engine("--model", str(tmp_path / "cls"), "--classifier-from-tokens", "w7", "w9")

@@ -1,5 +1,5 @@
-"""A Hugging Face sequence classifier's head (`score.weight`, `score.bias`, `id2label`) as a `Classifier`
-(`pagedjax.model.classifier`)."""
+"""A model's classifier (`pagedjax.model.classifier.Classifier`): a Hugging Face sequence classifier's head
+(`score.weight`, `score.bias`, `id2label`), or a causal LM's two tokens' LM-head rows (`token_classifier`)."""
 
 from __future__ import annotations
 
@@ -44,3 +44,30 @@ def load_classifier(path) -> Classifier | None:
         return Classifier(weight, bias, labels)
     except ValueError as e:
         raise ModelLoadError(file, str(e)) from None
+
+
+def token_classifier(model_config, params, tokenizer, tokens) -> Classifier:
+    """The one-label classifier of a built-in causal LM judged by two tokens (`Classifier.from_token_rows`): their
+    rows of its float LM head (the tied embedding, or `lm_head`). ValueError naming what is missing: a tokenizer
+    that knows both tokens (each one token), a float head, a head without a logit soft-cap."""
+    if not (isinstance(tokens, tuple | list) and len(tokens) == 2 and all(isinstance(t, str) for t in tokens)):
+        raise ValueError(f"classifier_from_tokens: two token strings (negative, positive), got {tokens!r}")
+    if model_config is None or params is None:
+        raise ValueError("classifier_from_tokens needs a built-in model (a Hugging Face folder of a Llama-family "
+                         "model_type)")
+    if model_config.final_logit_softcapping is not None:
+        raise ValueError("classifier_from_tokens: this model soft-caps its logits; two tokens' probability is then "
+                         "no linear head")
+    lookup = getattr(tokenizer, "token_to_id", None)
+    ids = [lookup(t) if lookup is not None else None for t in tokens]
+    if None in ids:
+        raise ValueError(f"classifier_from_tokens: the tokenizer has no single token {tokens[ids.index(None)]!r}")
+    if model_config.tie_word_embeddings:
+        table = params["embed_tokens"]["embedding"]
+        rows = np.stack([np.asarray(table[i], np.float64) for i in ids])
+    else:
+        head = params["lm_head"]
+        if "kernel" not in head:
+            raise ValueError("classifier_from_tokens: the LM head is quantized; load the model in float")
+        rows = np.stack([np.asarray(head["kernel"][:, i], np.float64) for i in ids])
+    return Classifier.from_token_rows(rows, tuple(tokens))

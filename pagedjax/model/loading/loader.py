@@ -18,7 +18,7 @@ from pagedjax.model.errors import ModelLoadError
 from pagedjax.model.families import family_of
 from pagedjax.model.llama import Llama, init_model, model_from_state
 from pagedjax.model.loading.generation_config import folder_sampling_defaults
-from pagedjax.model.loading.hf_classifier import load_classifier
+from pagedjax.model.loading.hf_classifier import load_classifier, token_classifier
 from pagedjax.model.loading.pooling_config import folder_pooling_defaults
 
 logger = logging.getLogger(__name__)
@@ -144,12 +144,15 @@ def load_engine_model(path, dtype: str | None, parallel_config, devices, quantiz
     return {"model": model}, tokenizer
 
 
-def load_engine_inputs(path, dtype: str | None, quantization, tokenizer, devices, options: dict, owner: str):
+def load_engine_inputs(path, dtype: str | None, quantization, tokenizer, devices, options: dict, owner: str,
+                       classifier_from_tokens=None):
     """`(EngineConfig, the engine's other keywords)` of a saved model: what `from_pretrained(path, **options)`
     builds an engine of. `options` are `EngineConfig`'s fields (its `model_config` is the folder's: naming one is a
     TypeError); a `parallel_config` among them reads the weights straight into their shards on the first
     replica's mesh; `sampling_defaults` and `pooling_defaults`, unless given, are the folder's
-    (`folder_sampling_defaults`, `folder_pooling_defaults`)."""
+    (`folder_sampling_defaults`, `folder_pooling_defaults`). The classifier is a sequence-classifier folder's head
+    (`load_classifier`), or with `classifier_from_tokens` (negative, positive) the model's LM-head rows of those
+    two tokens (`token_classifier`: a Qwen3-Reranker)."""
     if "model_config" in options:
         raise TypeError(f"{owner}: the model's shape (model_config) is the folder's; use LLMEngine(model_config=...)"
                         " for a model of your own shape")
@@ -160,9 +163,14 @@ def load_engine_inputs(path, dtype: str | None, quantization, tokenizer, devices
         config = config.replace(sampling_defaults=folder_sampling_defaults(path))
     if "pooling_defaults" not in options:
         config = config.replace(pooling_defaults=folder_pooling_defaults(path))
-    return config, {**weights, "tokenizer": folder_tokenizer if tokenizer is None else tokenizer,
-                    "image_processor": folder_image_processor(path, weights), "devices": devices,
-                    "classifier": load_classifier(path)}
+    tokenizer = folder_tokenizer if tokenizer is None else tokenizer
+    classifier = load_classifier(path)
+    if classifier_from_tokens is not None:
+        if classifier is not None:
+            raise ValueError(f"{owner}: classifier_from_tokens for a folder that has a classifier's head already")
+        classifier = token_classifier(config.model_config, weights.get("params"), tokenizer, classifier_from_tokens)
+    return config, {**weights, "tokenizer": tokenizer, "image_processor": folder_image_processor(path, weights),
+                    "devices": devices, "classifier": classifier}
 
 
 def folder_image_processor(path, weights: dict):
