@@ -152,13 +152,14 @@ def test_engine_signature_shows_every_argument():
     from pagedjax.config.engine import OPTIONS
 
     params = inspect.signature(LLMEngine).parameters
-    assert {"config", "model", "params", "tokenizer", "image_processor", "devices", *OPTIONS} == set(params)
+    assert {"config", "model", "params", "tokenizer", "image_processor", "devices", "classifier", *OPTIONS} == \
+        set(params)
     assert not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values())
     assert params["decode_steps_per_call"].default == EngineConfig().decode_steps_per_call
     assert params["cache_config"].default == CacheConfig()
     loading = inspect.signature(LLMEngine.from_pretrained).parameters
     assert "model_config" not in loading
-    assert {"path", "dtype", "quantization", *OPTIONS} - {"model_config"} <= set(loading)
+    assert {"path", "dtype", "quantization", "classifier_from_tokens", *OPTIONS} - {"model_config"} <= set(loading)
 
 
 def test_data_parallel_layouts_are_built_by_the_factory_not_by_llm_engine():
