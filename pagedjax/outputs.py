@@ -8,6 +8,9 @@ beam search's `BeamSearchOutput` /
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+R = TypeVar("R")  # a pooling request's result: `EmbeddingOutput`, `ClassificationOutput`, `ScoringOutput`
 
 
 @dataclass(frozen=True)
@@ -70,15 +73,19 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """What `LLMEngine.embed` returns per prompt (vLLM's shape): its vector, its prompt, and how many of the
-    prompt's tokens came from the prefix cache."""
+class PoolingRequestOutput(Generic[R]):
+    """What a pooling entry point returns per prompt (vLLM's shape): its result (`outputs`), its prompt, and how
+    many of the prompt's tokens came from the prefix cache."""
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: R
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """`LLMEngine.embed`'s, per prompt."""
 
 
 @dataclass
@@ -98,15 +105,8 @@ class ClassificationOutput:
         return self.labels[max(range(len(self.probs)), key=self.probs.__getitem__)]
 
 
-@dataclass
-class ClassificationRequestOutput:
-    """What `LLMEngine.classify` returns per prompt (vLLM's shape)."""
-
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int = 0
-    finished: bool = True
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    """`LLMEngine.classify`'s, per prompt."""
 
 
 @dataclass
@@ -116,16 +116,9 @@ class ScoringOutput:
     score: float
 
 
-@dataclass
-class ScoringRequestOutput:
-    """What `LLMEngine.relevance` returns per pair (vLLM's `LLM.score` shape): `prompt_token_ids` the pair's tokens
-    (a cross-encoder's one prompt; an embedding model's query then document)."""
-
-    request_id: str
-    outputs: ScoringOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int = 0
-    finished: bool = True
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    """`LLMEngine.relevance`'s, per pair: `prompt_token_ids` the pair's tokens (a cross-encoder's one prompt; an
+    embedding model's query then document)."""
 
 
 @dataclass

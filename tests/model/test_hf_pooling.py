@@ -37,6 +37,15 @@ _rng = np.random.default_rng(4)
 PROMPTS = [_rng.integers(0, 120, n).tolist() for n in (1, 6, 16, 29)]
 
 
+def with_random_norms(model):
+    """`model` with its norms' weights random around 1: a weight-loading mistake cannot hide behind ones."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model
+
+
 def qwen3_embedding(folder, *, tie: bool = True):
     """A tiny random `Qwen3Model` (norms random too) saved with sentence-transformers' last-token + Normalize
     modules; returns the transformers model."""
@@ -45,11 +54,7 @@ def qwen3_embedding(folder, *, tie: bool = True):
                                       tie_word_embeddings=tie, max_position_embeddings=128, initializer_range=0.2)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = transformers.Qwen3Model(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model = with_random_norms(transformers.Qwen3Model(config).eval())
     model.save_pretrained(str(folder), safe_serialization=True)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -103,11 +108,7 @@ def qwen3_classifier(folder, labels=("neg", "neu", "pos")):
                                       pad_token_id=0)
     config._attn_implementation = "eager"
     torch.manual_seed(1)
-    model = transformers.Qwen3ForSequenceClassification(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model = with_random_norms(transformers.Qwen3ForSequenceClassification(config).eval())
     model.save_pretrained(str(folder), safe_serialization=True)
     return model
 
