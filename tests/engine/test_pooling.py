@@ -155,11 +155,11 @@ def test_a_preempted_mean_pooling_request_pools_each_position_once():
     rng = np.random.default_rng(3)
     prompt, params = rng.integers(0, CFG.vocab_size, 37).tolist(), PoolingParams("mean", False)
     # The generation's decode needs blocks the pooling request's chunks took: it preempts it, again and again.
-    outs = run_all(eng, [("gen", [1, 2, 3, 4, 5, 6], SamplingParams(temperature=0.0, max_tokens=30)),
+    outs = run_all(eng, [("gen", [1, 2, 3, 4, 5, 6], SamplingParams(temperature=0.0, max_tokens=16)),
                          ("pool", prompt, params)])
     assert eng.stats().scheduler.num_preemptions >= 3
     assert_close(outs["pool"].embedding, dense_embedding(prompt, params))
-    assert outs["gen"].output_token_ids == dense_greedy([[1, 2, 3, 4, 5, 6]], 30)[0][0]
+    assert outs["gen"].output_token_ids == dense_greedy([[1, 2, 3, 4, 5, 6]], 16)[0][0]
     assert_nothing_held(eng)
 
 
