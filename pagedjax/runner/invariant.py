@@ -41,4 +41,4 @@ def invariant_shape(*, max_tokens: int, max_seqs: int, max_request_tokens: int, 
     max_blocks = -(-max_request_tokens // block_size)
     shapes = warmup_shapes(max_tokens=max_tokens, max_seqs=max_seqs, max_blocks=max_blocks, block_size=block_size,
                            decode_steps=1, narrow=False)
-    return next(s for s in shapes if s.prompt_targets)._replace(pool=True)  # embeddings too
+    return next(s for s in shapes if s.prompt_targets)

@@ -268,11 +268,13 @@ def warmup_shapes(*, max_tokens: int, max_seqs: int, max_blocks: int, block_size
     of 0.6-2.5 s without the token ladder; in the hostile soak, 327 steps over 100 ms in 3 minutes, nearly all of
     short sequences run on a table of 64 blocks, without the narrower widths).
     A model that takes images has its image inputs on in every ragged stand-in (`images`, and `attend_until` where
-    its images attend both ways)."""
+    its images attend both ways). Every ragged stand-in computes pooled sums (`pool`: one `segment_sum` of its
+    hidden states, an [S, hidden] array back to the host), so that an embedding's step never waits for a compile
+    either."""
     t, s, b = bucket(max_tokens, 16), bucket(min(max_seqs, max_tokens)), bucket(max_blocks, 2)
     top, stops = TOP_LOGPROBS_SIZES[-1], STOP_ID_WIDTHS[-1]
     plain = StepShape("step", t, (s, b), False, False, s, stops, False, top, 0, True, images=images,
-                      attend_until=attend_until)
+                      attend_until=attend_until, pool=True)
     shapes: list[StepShape | LoopShape] = [plain, plain._replace(prompt_targets=True, num_prompt_top_logprobs=top)]
     if narrow:
         widths = [b // 4 if b >= 8 else b]

@@ -15,7 +15,7 @@ import time
 import jax
 import numpy as np
 
-from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from pagedjax import CacheConfig, LLMEngine, PoolingParams, SamplingParams, SchedulerConfig
 from pagedjax.model.tokenizer import ByteTokenizer
 from pagedjax.runner import programs
 from pagedjax.runner.inputs import STOP_ID_WIDTHS, TOP_LOGPROBS_SIZES
@@ -62,7 +62,8 @@ def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatc
     `variants_bound()` = 2 (copies) x 3 (stop ids: off, 8, 512) x 3 (top log-probabilities: off, 5, 20)
     x 3 (prompt's) x 2 (structured output's token mask) x 2 (pooled sums) x 2 (logits) programs; with T, S, B
     powers of two up to this engine's limits, the
-    engine's bound is their count times that. After warm-up, not one of these steps waited for a compile."""
+    engine's bound is their count times that. After warm-up, not one of these steps waited for a compile, an
+    embedding's included."""
     engine = make_engine()
     engine.warmup()
     seen = _recording_lookups(monkeypatch, engine)
@@ -74,7 +75,11 @@ def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatc
         params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=logprobs, stop_token_ids=range(num_stops),
                                 presence_penalty=presence, prompt_logprobs=prompt_logprobs, n=n, ignore_eos=i % 2 == 0,
                                 structured=StructuredOutput(regex="[a-z]{1,4}") if i % 4 == 1 else None)
-        engine.add_request(f"r{i}", rng.integers(0, 256, 3 + i % 11).tolist(), params)
+        prompt = rng.integers(0, 256, 3 + i % 11).tolist()
+        if i % 5 == 3:  # an embedding: a step with pooled sums
+            engine.add_request(f"r{i}", prompt, pooling=PoolingParams(("last", "mean", "cls")[i % 3]))
+        else:
+            engine.add_request(f"r{i}", prompt, params)
         if i % 3 == 2:  # three requests at a time: batches of 1-6 sequences
             while engine.has_unfinished_requests():
                 engine.step()
@@ -96,6 +101,7 @@ def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatc
     assert len(shapes) <= bound and engine.stats().compiled_programs <= bound
     assert {s.stop_width for s in shapes} >= {8, 512} and {s.num_top_logprobs for s in shapes} >= {5, 20}
     assert any(s.copies for s in shapes) and any(s.prompt_targets for s in shapes) and any(s.token_mask for s in shapes)
+    assert any(s.pool for s in shapes)
     assert engine.stats().stand_in_steps > 0
 
 
