@@ -153,8 +153,9 @@ class Scoring:
             self.prepared = [_prepared(serving, ids, CROSS_ENCODER, model, _where("pair", i, len(prompts)), fields[1])
                              for i, ids in enumerate(prompts)]
             return
-        texts = list(dict.fromkeys(t for pair in scored for t in pair))  # each distinct text embedded once
-        self.pairs = [(texts.index(q), texts.index(d)) for q, d in scored]
+        index = {t: i for i, t in enumerate(dict.fromkeys(t for pair in scored for t in pair))}  # each text once
+        texts = list(index)
+        self.pairs = [(index[q], index[d]) for q, d in scored]
         field = {t: fields[0] for t, _ in scored} | {t: fields[1] for _, t in scored}
         self.prepared = [_prepared(serving, _tokens(serving, t, field[t], field[t]), PoolingParams(), model, field[t],
                                    field[t]) for t in texts]
