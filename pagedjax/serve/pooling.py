@@ -20,8 +20,10 @@ from pagedjax.engine.relevance import CROSS_ENCODER, cosine, cross_encoder, pair
 from pagedjax.errors import InvalidRequest
 from pagedjax.pooling_params import PoolingParams
 from pagedjax.serve.admission import encode_text
-from pagedjax.serve.async_engine import RequestStream, random_request_id
+from pagedjax.serve.async_engine import EngineStepError, EngineStoppedError, RequestStream, random_request_id
+from pagedjax.serve.choices import RequestFailed
 from pagedjax.serve.errors import bad_request
+from pagedjax.serve.metrics import RequestTimer
 from pagedjax.serve.protocol import (
     EmbeddingData,
     EmbeddingRequest,
@@ -68,13 +70,22 @@ def _where(name: str, i: int, n: int) -> str:
     return name if n == 1 else f"{name}[{i}]"
 
 
-async def _vector(stream: RequestStream) -> list[float]:
-    async with stream:
-        async for out in stream:
-            if out.finished:
-                if out.embedding is None:  # aborted behind the request's back (the engine shut down)
-                    raise bad_request(f"the request ended with {out.finish_reason!r} before its vector was made")
-                return out.embedding
+async def _vector(stream: RequestStream, timer: RequestTimer) -> list[float]:
+    """One pooling request's vector, counted in the server's metrics as any request (latency, finish reason)."""
+    reason = None
+    try:
+        async with stream:
+            async for out in stream:
+                if out.finished:
+                    reason = out.finish_reason
+                    if out.embedding is None:  # aborted behind the request's back (the engine shut down)
+                        raise bad_request(f"the request ended with {reason!r} before its vector was made")
+                    return out.embedding
+    except (RequestFailed, EngineStepError, EngineStoppedError):
+        reason = "error"
+        raise
+    finally:
+        timer.finish(reason)  # None: cancelled (the client left, or another input failed): counted as aborted
     raise RuntimeError("the request's stream ended without its final output")  # a bug: streams end with it
 
 
@@ -86,7 +97,7 @@ async def vectors(serving: OpenAIServing, prepared: list[Prepared]) -> list[list
     try:
         for p in prepared:
             streams.append(await serving.start(p))
-        tasks = [asyncio.ensure_future(_vector(s)) for s in streams]
+        tasks = [asyncio.ensure_future(_vector(s, serving.metrics.timer())) for s in streams]
         with engine_failures():
             return list(await asyncio.gather(*tasks))
     finally:

@@ -68,7 +68,16 @@ def test_bad_inputs_are_400s_naming_the_field(server):
     assert r.status_code == 404
 
 
+def _stopped(server) -> float:
+    """The server's count of requests finished with reason "stop" (`/metrics`)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=60).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('pagedjax_request_success_total{finish_reason="stop"}'))
+
+
 def test_embeddings_and_completions_side_by_side_hold_nothing_after(server):
+    before = _stopped(server)
+
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
             jobs = [c.post("/v1/embeddings", json={"model": MODEL_NAME, "input": [f"text {i}" * (i + 1)] * 3})
@@ -80,6 +89,7 @@ def test_embeddings_and_completions_side_by_side_hold_nothing_after(server):
     replies = asyncio.run(run())
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
     assert all(len(r.json()["data"]) == 3 for r in replies[:6])
+    assert _stopped(server) - before >= 18  # each input a request in the metrics (the completions may stop too)
     mem = server.llm.stats().scheduler.memory
     assert mem.num_used_blocks == 0 and not server.llm.has_unfinished_requests()
 
