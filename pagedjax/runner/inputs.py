@@ -155,10 +155,17 @@ def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, eng
         logits_indices = plan.logits_indices
     targets, num_prompt_top = prompt_targets(plan, requests)
     image_index, attend_until = image_rows(plan, images)
+    # A step in which no sequence emits a token (prefill chunks before a prompt's last, pooling requests) needs no
+    # logits: the LM head (vocabulary x hidden weights read for each row) and sampling are left out of it.
+    samples = any(e and r.pooling is None and not r.prefill_only
+                  for e, r in zip(plan.emits_token.tolist(), requests, strict=True))
+    if not samples:
+        penalties, token_mask = None, None
     return pad_step(token_ids=plan.token_ids, positions=plan.positions, slot_mapping=plan.slot_mapping,
                     block_tables=plan.block_tables, kv_lens=plan.kv_lens, cu_q_lens=plan.cu_q_lens,
                     sampling=sampling, block_copies=plan.block_copies, penalties=penalties, prompt_targets=targets,
-                    num_top_logprobs=num_top_logprobs(requests), num_prompt_top_logprobs=num_prompt_top,
+                    num_top_logprobs=num_top_logprobs(requests) if samples else None,
+                    num_prompt_top_logprobs=num_prompt_top, samples=samples,
                     token_mask=token_mask, logits_indices=logits_indices,
                     lora_slots=None if lora_slots is None else np.repeat(np.asarray(lora_slots, np.int32),
                                                                          plan.q_lens),
@@ -298,6 +305,7 @@ class StepInputs:
     #                                       engine serves no adapters (a runner with adapters reads None as zeros)
     image_index: np.ndarray | None = None  # int32 [T]: each token's row of the image feature array (-1: its own
     #                                        embedding); None: a step of no image placeholder
+    samples: bool = True  # False: no sequence emits a token: no logits computed, the sampled tokens are zeros
 
 
 def pad_step(*, token_ids: np.ndarray,  # i32[T]
@@ -318,6 +326,7 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
              image_index: np.ndarray | None = None,  # i32[T]
              attend_until: np.ndarray | None = None,  # i32[T]
              pool_rows: np.ndarray | None = None,  # i32[T]
+             samples: bool = True,
              ) -> StepInputs:
     """Pad a ragged step to bucket sizes. Padding tokens write nowhere (slot -1); padding sequences have
     q_len 0 and kv_len 0, so every kernel returns zeros for them. Sequences are bucketed from 1 (a batch
@@ -365,6 +374,7 @@ def pad_step(*, token_ids: np.ndarray,  # i32[T]
         decode_only=decode_only,
         lora_slots=None if lora_slots is None else pad_rows(lora_slots, t_b, 0),
         image_index=None if image_index is None else pad_rows(image_index, t_b, -1),
+        samples=samples,
     )
 
 

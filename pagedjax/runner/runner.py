@@ -85,7 +85,7 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
                   logits_indices, sampling: SamplingMetadata, extras: StepExtras = NO_EXTRAS,
                   lora: LoRABatch | None = None, images: ImageEmbeds | None = None, *, backend: str,
                   decode_only: bool, return_logits: bool = False, num_top_logprobs: int | None = None,
-                  num_prompt_top_logprobs: int = 0, mesh=None, block_sizes: tuple[int, ...]
+                  num_prompt_top_logprobs: int = 0, samples: bool = True, mesh=None, block_sizes: tuple[int, ...]
                   ) -> tuple[StepOutputs, KVCache]:
     model: PagedModel = nnx.merge(graphdef, params)
     if extras.block_copies is not None:
@@ -93,6 +93,9 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
     hidden, kv_cache, ties = _model_forward(model, token_ids, positions, kv_cache, meta, backend=backend,
                                             decode_only=decode_only, mesh=mesh, block_sizes=block_sizes, lora=lora,
                                             images=images)
+    pooled = None if extras.pool_rows is None else pooled_sums(hidden, extras.pool_rows, meta.kv_lens.shape[0])
+    if not (samples or return_logits or extras.prompt_targets is not None):  # no sequence emits a token: no logits
+        return StepOutputs(jnp.zeros(logits_indices.shape, jnp.int32), None, None, None, ties, pooled), kv_cache
     prompt_logprobs = None
     if extras.prompt_targets is not None:  # logits at every position, once
         all_logits = _gathered(model.compute_logits(hidden), mesh)
@@ -104,17 +107,17 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
         logits = apply_token_mask(logits, extras.token_mask)
     tokens = sample(logits, sampling, extras.penalties)
     logprobs = None if num_top_logprobs is None else token_logprobs(logits, tokens, num_top_logprobs)
-    pooled = None if extras.pool_rows is None else pooled_sums(hidden, extras.pool_rows, meta.kv_lens.shape[0])
     outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None, ties, pooled)
     return outputs, kv_cache
 
 
 def pooled_sums(hidden, pool_rows, num_seqs: int):
     """f32[S, hidden]: row s the float32 sum of the hidden states of the tokens whose `pool_rows` entry is s (-1:
-    none; each pooling request's positions of this step, `runner.inputs.pool_rows`)."""
-    take = (pool_rows >= 0)[:, None]
-    return jax.ops.segment_sum(jnp.where(take, hidden.astype(jnp.float32), 0.0), jnp.maximum(pool_rows, 0),
-                               num_segments=num_seqs)
+    none; each pooling request's positions of this step, `runner.inputs.pool_rows`). A one-hot [S, T] product, at
+    full float32 precision: XLA:CPU's scatter-add (`segment_sum`) took ~9 ms for 512 tokens of the bundled model,
+    more than its attention (`scripts/bench_prefill_logits.py`)."""
+    one_hot = (pool_rows[None, :] == jnp.arange(num_seqs, dtype=pool_rows.dtype)[:, None]).astype(jnp.float32)
+    return jnp.dot(one_hot, hidden.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
 def _model_forward(model: PagedModel, token_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, *,
@@ -248,7 +251,7 @@ def _jitted(graphdef, params_treedef, block_sizes: tuple[int, ...], mesh=None) -
         return call
 
     step = jax.jit(model_fn(_forward_step), static_argnames=("backend", "decode_only", "return_logits",
-                                                            "num_top_logprobs", "num_prompt_top_logprobs"),
+                                                            "num_top_logprobs", "num_prompt_top_logprobs", "samples"),
                    donate_argnums=(1,))
     loop = jax.jit(model_fn(_fused_decode_loop), static_argnames=("num_steps", "backend",
                                                            "num_top_logprobs"),
@@ -482,7 +485,8 @@ class ModelRunner:
                 inputs.logits_indices, inputs.sampling, inputs.extras,
                 self._lora(inputs.lora_slots, len(inputs.token_ids)), images)
         static = dict(backend=self.backend, decode_only=shape.decode_only, return_logits=shape.return_logits,
-                      num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs)
+                      num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs,
+                      samples=shape.sample)
         return args, static
 
     def _loop_call(self, inputs: FusedDecodeInputs) -> tuple[tuple, dict]:

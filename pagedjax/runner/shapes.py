@@ -13,8 +13,8 @@ padding is inert:
   - optional parts the step does not need: block copies with dst -1 (dropped), penalties with neutral rows
     (presence 0, frequency 0, repetition 1, min_tokens 0, stop ids -1: the logits pass unchanged), log-
     probabilities and prompt log-probabilities (targets -1) computed and ignored, token masks of all ones
-    (every token allowed), pooled sums of no token (pool rows -1: zeros, ignored); more top alternatives or
-    stop-id columns than the step's are cut or never match;
+    (every token allowed), pooled sums of no token (pool rows -1: zeros, ignored), sampled tokens of a step that
+    emits none (ignored); more top alternatives or stop-id columns than the step's are cut or never match;
   - a decode-only step (one token per sequence) may run on a ragged program: ragged attention takes one-token
     sequences too.
 "The same results" up to the last-bit rounding any change of shape may bring (as between two bucket sizes of a
@@ -22,8 +22,9 @@ step): the tokens of the tests' models are identical, log-probabilities equal to
 
 The bound on programs (`variants_bound`): per (T, S, B), at most 2 (block copies off / on) x 3 (penalties off,
 8 or 512 stop-id columns) x 3 (log-probabilities off, 5 or 20 alternatives) x 3 (prompt log-probabilities off, 5
-or 20) x 2 (structured output's token mask off / on) x 2 (pooled sums off / on) = 216 variants of the optional
-parts, and `return_logits` (which only tests and tools ask for) doubles that; T is a power of two from 16 to the
+or 20) x 2 (structured output's token mask off / on) x 2 (pooled sums off / on) x 2 (sampling on / off: a step in
+which no sequence emits a token computes no logits) = 432 variants of the optional parts, and `return_logits` (which
+only tests and tools ask for) doubles that; T is a power of two from 16 to the
 token budget's bucket (or S, for a decode-only step; for a step verifying speculative proposals one of
 `inputs.fine_bucket`'s four sizes per doubling, `pad_step`), S one up to max_num_seqs' bucket (with speculation,
 a verifying step's sampled rows R one more, of `fine_bucket`'s sizes up to (1 + k) max_num_seqs'), B one from 2
@@ -77,6 +78,7 @@ class StepShape(NamedTuple):
     images: bool = False  # image features in place of placeholder embeddings (`StepInputs.image_index`)
     attend_until: bool = False  # image tokens attending to each other both ways (`AttentionMetadata.attend_until`)
     pool: bool = False  # pooled hidden-state sums per sequence (`StepExtras.pool_rows`: pooling requests)
+    sample: bool = True  # logits and sampled tokens (off: no sequence emits a token, `StepInputs.samples`)
 
     @property
     def num_rows(self) -> int:
@@ -97,6 +99,8 @@ class StepShape(NamedTuple):
             parts.append(f"prompt top {self.num_prompt_top_logprobs}")
         if self.rows is not None:
             parts.append(f"{self.rows} rows")
+        if not self.sample:
+            parts.append("no sampling")
         return f"step of {self.tokens} tokens, {self.tables[0]} x {self.tables[1]} table" + \
             (f" ({', '.join(parts)})" if parts else "")
 
@@ -136,7 +140,7 @@ def step_shape(inputs: StepInputs, return_logits: bool = False) -> StepShape:
                      None if x.penalties is None else x.penalties.stop_ids.shape[1], x.prompt_targets is not None,
                      inputs.num_top_logprobs, inputs.num_prompt_top_logprobs, x.token_mask is not None,
                      None if rows == tables[0] else rows, inputs.image_index is not None,
-                     inputs.meta.attend_until is not None, x.pool_rows is not None)
+                     inputs.meta.attend_until is not None, x.pool_rows is not None, inputs.samples)
 
 
 def loop_shape(inputs: FusedDecodeInputs) -> LoopShape:
@@ -167,16 +171,18 @@ def dominates(program: StepShape | LoopShape, step: StepShape | LoopShape) -> bo
             and program.return_logits >= step.return_logits and prompt_ok
             and _at_least(program.copies, step.copies) and _at_least(program.stop_width, step.stop_width)
             and program.token_mask >= step.token_mask and program.images >= step.images
-            and program.attend_until >= step.attend_until and program.pool >= step.pool)
+            and program.attend_until >= step.attend_until and program.pool >= step.pool
+            and program.sample >= step.sample)
 
 
 def variants_bound(*, images: bool = False, attend_until: bool = False) -> int:
     """The most programs one (T, S, B) of ragged steps compiles (see the module's docstring): each optional part
     off or in one of its sizes (for a model that takes images, whose `attend_until` is on where they attend both
     ways)."""
-    copies, stops, logprobs, prompt_logprobs, masks, logits, pool = 2, 1 + len(STOP_ID_WIDTHS), \
-        1 + len(TOP_LOGPROBS_SIZES), 1 + len(TOP_LOGPROBS_SIZES), 2, 2, 2
-    return copies * stops * logprobs * prompt_logprobs * masks * logits * pool * (1 + images) * (1 + attend_until)
+    copies, stops, logprobs, prompt_logprobs, masks, logits, pool, sample = 2, 1 + len(STOP_ID_WIDTHS), \
+        1 + len(TOP_LOGPROBS_SIZES), 1 + len(TOP_LOGPROBS_SIZES), 2, 2, 2, 2
+    return copies * stops * logprobs * prompt_logprobs * masks * logits * pool * sample * (1 + images) * \
+        (1 + attend_until)
 
 
 def neutral_penalties(num_seqs: int, vocab_size: int, width: int) -> PenaltyMetadata:
@@ -221,7 +227,7 @@ def repad_step(inputs: StepInputs, shape: StepShape, vocab_size: int, num_pools:
                                pad_rows(m.kv_lens, s, 0), pad_rows(m.cu_q_lens, s + 1, m.cu_q_lens[-1]),
                                _on(shape.attend_until, m.attend_until, t)),
         logits_indices=pad_rows(inputs.logits_indices, r, 0), sampling=pad_sampling(inputs.sampling, r),
-        decode_only=shape.decode_only,
+        decode_only=shape.decode_only, samples=shape.sample,
         extras=StepExtras(block_copies=copies, penalties=_widen(x.penalties, r, vocab_size, shape.stop_width),
                           prompt_targets=targets, token_mask=mask, pool_rows=_on(shape.pool, x.pool_rows, t)),
         num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs,

@@ -60,7 +60,8 @@ def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatc
     block copies) used to compile a program per power of two of each (up to 2 x 10 x 7 x 7 variants of a step's
     optional parts). Each part now takes off or one of its documented sizes: per (T, S, B) at most
     `variants_bound()` = 2 (copies) x 3 (stop ids: off, 8, 512) x 3 (top log-probabilities: off, 5, 20)
-    x 3 (prompt's) x 2 (structured output's token mask) x 2 (pooled sums) x 2 (logits) programs; with T, S, B
+    x 3 (prompt's) x 2 (structured output's token mask) x 2 (pooled sums) x 2 (sampling) x 2 (logits) programs;
+    with T, S, B
     powers of two up to this engine's limits, the
     engine's bound is their count times that. After warm-up, not one of these steps waited for a compile, an
     embedding's included."""
@@ -96,7 +97,7 @@ def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatc
     per_size = {}
     for shape in shapes:
         per_size.setdefault(shape[1:3], set()).add(shape)
-    assert max(map(len, per_size.values())) <= variants_bound() == 432
+    assert max(map(len, per_size.values())) <= variants_bound() == 864
     bound = (len(ts) + 1) * len(ss) * len(bs) * variants_bound()  # ragged T's, and decode-only steps (T = S)
     assert len(shapes) <= bound and engine.stats().compiled_programs <= bound
     assert {s.stop_width for s in shapes} >= {8, 512} and {s.num_top_logprobs for s in shapes} >= {5, 20}
@@ -387,3 +388,18 @@ def test_programs_loaded_from_the_persistent_cache_are_told_from_compiled_ones_p
     cache.compile(_step(16, 1), job("exe-off"))  # no event: the cache is off, compiled
     assert (cache.num_compilations, cache.num_loaded) == (4, 2)
     cache.close()
+
+
+def test_steps_in_which_no_sequence_emits_compute_no_logits_and_give_the_same_tokens(monkeypatch):
+    """A prompt's chunks before its last, and pooling requests, emit no token: their steps leave the LM head and
+    sampling out (`StepShape.sample` False); the tokens are the same as with every step sampling."""
+    engine = make_engine(compile_in_background=False)
+    seen = _recording_lookups(monkeypatch, engine)
+    prompt = list(range(3, 53))  # two chunks of the 32-token budget: the first without a sampled token
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    got = engine.generate([prompt], params, use_tqdm=False)[0].output_token_ids
+    engine.embed([prompt[:5]])
+    assert any(not s.sample and not s.pool for s, _ in seen) and any(not s.sample and s.pool for s, _ in seen)
+    assert all(s.sample for s, _ in seen if s.decode_only)
+    everything = make_engine(compile_in_background=False, batch_invariant=True)  # one program: sampling on
+    assert everything.generate([prompt], params, use_tqdm=False)[0].output_token_ids == got
