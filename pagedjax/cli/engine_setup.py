@@ -303,16 +303,11 @@ def pooling_defaults_of(args: argparse.Namespace):
 def classifier_of(args: argparse.Namespace, loaded: CLIModel):
     """The engine's classifier: a --model `*ForSequenceClassification` folder's head, or --classifier-from-tokens'
     two tokens' LM-head rows (`pagedjax.model.loading.hf_classifier`); None otherwise. CLIError naming the problem."""
-    from pagedjax.model.loading.hf_classifier import load_classifier, token_classifier
+    from pagedjax.model.loading.hf_classifier import engine_classifier
 
-    tokens = getattr(args, "classifier_from_tokens", None)
     try:
-        head = None if args.model is None else load_classifier(args.model)
-        if tokens is None:
-            return head
-        if head is not None:
-            raise ValueError("--classifier-from-tokens: the --model folder has a classifier's head already")
-        return token_classifier(loaded.model_config, loaded.params, loaded.tokenizer, tuple(tokens))
+        return engine_classifier(args.model, loaded.model_config, loaded.params, loaded.tokenizer,
+                                 getattr(args, "classifier_from_tokens", None))
     except ValueError as e:
         raise CLIError(f"cannot load the classifier: {e}") from None
 

@@ -11,6 +11,7 @@ import numpy as np
 from pagedjax.compile_cache import cache_note
 from pagedjax.config.fields import is_int
 from pagedjax.errors import UnsupportedFeature
+from pagedjax.model.classifier import HEAD_POOLING
 from pagedjax.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -110,9 +111,8 @@ def batch_of_pooling(pooling_params, n: int) -> list[PoolingParams]:
 def embed_batch(engine, prompts, pooling_params, use_tqdm: bool, lora_request=None) -> list[EmbeddingRequestOutput]:
     """`embed` over any engine-shaped object: `generate_batch` of pooling requests, each output as vLLM's
     `EmbeddingRequestOutput`. A request that failed (its step raised alone) raises RuntimeError naming it."""
-    n = len(batch_of_prompts(prompts))
-    outs = generate_batch(engine, prompts, None, use_tqdm, lora_request,
-                          pooling_params=batch_of_pooling(pooling_params, n), what="embed")
+    outs = generate_batch(engine, prompts, None, use_tqdm, lora_request, pooling=True,
+                          pooling_params=pooling_params)
     bad = [o for o in outs if o.embedding is None]
     if bad:
         raise RuntimeError(f"embed: request {bad[0].request_id!r} ended with {bad[0].finish_reason!r}"
@@ -128,27 +128,28 @@ def classify_batch(engine, prompts, use_tqdm: bool, lora_request=None) -> list[C
     if head is None:
         raise UnsupportedFeature("classify needs a sequence classifier (a *ForSequenceClassification folder); this "
                                  "model has no classification head", param="model", code="classify_not_supported")
-    outs = embed_batch(engine, prompts, PoolingParams("last", normalize=False), use_tqdm, lora_request)
+    outs = embed_batch(engine, prompts, HEAD_POOLING, use_tqdm, lora_request)
     return [ClassificationRequestOutput(o.request_id, ClassificationOutput(head.probs(np.asarray(o.outputs.embedding))
                                                                            .tolist(), head.labels),
                                         o.prompt_token_ids, o.num_cached_tokens) for o in outs]
 
 
-def generate_batch(engine, prompts, sampling_params, use_tqdm: bool, lora_request=None, *,
-                   pooling_params: list[PoolingParams] | None = None, what: str = "generate") -> list[RequestOutput]:
+def generate_batch(engine, prompts, sampling_params, use_tqdm: bool, lora_request=None, *, pooling: bool = False,
+                   pooling_params=None) -> list[RequestOutput]:
     """`generate` over any engine-shaped object (`LLMEngine`, `DataParallelEngine`): validate the whole batch,
     queue it under fresh ids, step until every request finished, outputs in input order. An interrupted call
     aborts what it queued, so nothing keeps running behind the caller's back. `lora_request` (see
-    `batch_of_loras`) needs an engine whose `make_request` takes one; `pooling_params` (one per prompt) makes
-    pooling requests (`embed_batch`)."""
+    `batch_of_loras`) needs an engine whose `make_request` takes one; with `pooling`, pooling requests
+    (`embed_batch`) of `pooling_params` (as `batch_of_pooling` reads them) instead of sampling ones."""
     prompts = batch_of_prompts(prompts)
-    params = batch_of_params(sampling_params, len(prompts))
     loras = batch_of_loras(lora_request, len(prompts))
-    pooling = pooling_params or [None] * len(prompts)
-    ids = engine.fresh_request_ids("gen" if pooling_params is None else "embed", len(prompts))
-    prepared = [engine.make_request(rid, prompt, None if pool is not None else p, lora_request=lora,
-                                    **({} if pool is None else {"pooling": pool}))
-                for rid, prompt, p, lora, pool in zip(ids, prompts, params, loras, pooling, strict=True)]
+    ids = engine.fresh_request_ids("embed" if pooling else "gen", len(prompts))
+    if pooling:
+        prepared = [engine.make_request(rid, prompt, lora_request=lora, pooling=p) for rid, prompt, p, lora
+                    in zip(ids, prompts, batch_of_pooling(pooling_params, len(prompts)), loras, strict=True)]
+    else:
+        prepared = [engine.make_request(rid, prompt, p, lora_request=lora) for rid, prompt, p, lora
+                    in zip(ids, prompts, batch_of_params(sampling_params, len(prompts)), loras, strict=True)]
     for p in prepared:
         engine.add_prepared_request(p)
     results: dict[str, RequestOutput] = {}
@@ -156,7 +157,7 @@ def generate_batch(engine, prompts, sampling_params, use_tqdm: bool, lora_reques
     if use_tqdm:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(ids), desc=what, unit="req")
+        bar = tqdm(total=len(ids), desc="embed" if pooling else "generate", unit="req")
         notices = engine.compile_notices(_CompileNote(bar))
     pending = set(ids)
     try:

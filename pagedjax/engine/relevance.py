@@ -18,11 +18,8 @@ import numpy as np
 from pagedjax.config.fields import is_int
 from pagedjax.engine.generate import embed_batch
 from pagedjax.errors import InvalidRequest, UnsupportedFeature
-from pagedjax.model.classifier import Classifier
+from pagedjax.model.classifier import HEAD_POOLING, Classifier
 from pagedjax.outputs import ScoringOutput, ScoringRequestOutput
-from pagedjax.pooling_params import PoolingParams
-
-CROSS_ENCODER = PoolingParams("last", normalize=False)  # what a cross-encoder's head reads
 
 
 def _one(x) -> bool:
@@ -83,7 +80,7 @@ def relevance_batch(engine, text_1, text_2, use_tqdm: bool, lora_request=None) -
     head = cross_encoder(engine)
     if head is not None:
         prompts = [pair_prompt(engine.tokenizer, q, d) for q, d in scored]
-        outs = embed_batch(engine, prompts, CROSS_ENCODER, use_tqdm, lora_request)
+        outs = embed_batch(engine, prompts, HEAD_POOLING, use_tqdm, lora_request)
         return [ScoringRequestOutput(o.request_id, ScoringOutput(float(head.probs(np.asarray(o.outputs.embedding))[0])),
                                      o.prompt_token_ids, o.num_cached_tokens) for o in outs]
     key = lambda text: text if isinstance(text, str | bytes) else tuple(text)

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedjax.pooling_params import PoolingParams
+
 HEAD = "score"  # transformers' name of the head's linear layer
+HEAD_POOLING = PoolingParams("last", normalize=False)  # what the head reads: the last token's final hidden state
 
 
 def is_classifier(hf: dict) -> bool:

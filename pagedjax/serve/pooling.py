@@ -16,8 +16,9 @@ import time
 
 import numpy as np
 
-from pagedjax.engine.relevance import CROSS_ENCODER, cosine, cross_encoder, pair_prompt, pairs
+from pagedjax.engine.relevance import cosine, cross_encoder, pair_prompt, pairs
 from pagedjax.errors import InvalidRequest
+from pagedjax.model.classifier import HEAD_POOLING
 from pagedjax.pooling_params import PoolingParams
 from pagedjax.serve.admission import encode_text
 from pagedjax.serve.async_engine import EngineStepError, EngineStoppedError, RequestStream, random_request_id
@@ -161,7 +162,7 @@ class Scoring:
             field = {"text_1": fields[0], "text_2": fields[1]}.get(e.param, e.param)
             raise bad_request(str(e), field, e.code) from None
         if self.head is not None:
-            self.prepared = [_prepared(serving, ids, CROSS_ENCODER, model, _where("pair", i, len(prompts)), fields[1])
+            self.prepared = [_prepared(serving, ids, HEAD_POOLING, model, _where("pair", i, len(prompts)), fields[1])
                              for i, ids in enumerate(prompts)]
             return
         index = {t: i for i, t in enumerate(dict.fromkeys(t for pair in scored for t in pair))}  # each text once

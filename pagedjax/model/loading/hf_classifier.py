@@ -71,3 +71,15 @@ def token_classifier(model_config, params, tokenizer, tokens) -> Classifier:
             raise ValueError("classifier_from_tokens: the LM head is quantized; load the model in float")
         rows = np.stack([np.asarray(head["kernel"][:, i], np.float64) for i in ids])
     return Classifier.from_token_rows(rows, tuple(tokens))
+
+
+def engine_classifier(path, model_config, params, tokenizer, tokens=None) -> Classifier | None:
+    """An engine's classifier: the folder `path`'s sequence-classifier head (`load_classifier`), or with `tokens`
+    (negative, positive) the model's LM-head rows of them (`token_classifier`); None for neither. ValueError for
+    both, and as those refuse."""
+    head = load_classifier(path)
+    if tokens is None:
+        return head
+    if head is not None:
+        raise ValueError("classifier_from_tokens for a folder that has a classifier's head already")
+    return token_classifier(model_config, params, tokenizer, tuple(tokens))

@@ -18,7 +18,7 @@ from pagedjax.model.errors import ModelLoadError
 from pagedjax.model.families import family_of
 from pagedjax.model.llama import Llama, init_model, model_from_state
 from pagedjax.model.loading.generation_config import folder_sampling_defaults
-from pagedjax.model.loading.hf_classifier import load_classifier, token_classifier
+from pagedjax.model.loading.hf_classifier import engine_classifier
 from pagedjax.model.loading.pooling_config import folder_pooling_defaults
 
 logger = logging.getLogger(__name__)
@@ -164,11 +164,8 @@ def load_engine_inputs(path, dtype: str | None, quantization, tokenizer, devices
     if "pooling_defaults" not in options:
         config = config.replace(pooling_defaults=folder_pooling_defaults(path))
     tokenizer = folder_tokenizer if tokenizer is None else tokenizer
-    classifier = load_classifier(path)
-    if classifier_from_tokens is not None:
-        if classifier is not None:
-            raise ValueError(f"{owner}: classifier_from_tokens for a folder that has a classifier's head already")
-        classifier = token_classifier(config.model_config, weights.get("params"), tokenizer, classifier_from_tokens)
+    classifier = engine_classifier(path, config.model_config, weights.get("params"), tokenizer,
+                                   classifier_from_tokens)
     return config, {**weights, "tokenizer": tokenizer, "image_processor": folder_image_processor(path, weights),
                     "devices": devices, "classifier": classifier}
 
