@@ -83,7 +83,8 @@ class KVCacheManager:
                  hash_seed: int = 0, sliding_window: int | None = None,
                  group_windows: Sequence[int | None] | None = None, group_pools: Sequence[int] | None = None,
                  extra_pools: Sequence[int] = (), pool_block_sizes: Sequence[int] = (),
-                 host_tier_blocks: Sequence[int] = (), disk_tiers: Sequence[DiskTier | None] = ()) -> None:
+                 host_tier_blocks: Sequence[int] = (), disk_tiers: Sequence[DiskTier | None] = (),
+                 drop_last_hit_block: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if group_windows is not None and sliding_window is not None:
@@ -115,6 +116,10 @@ class KVCacheManager:
                              "pool with a host tier a disk tier (blocks reach the disk through host memory)")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # A prefix hit ends one block (every group's) before the longest cached prefix, so that the block ending it is
+        # computed again: an MTP head's KV at a position depends on the token after it (`pagedjax.spec_decode.mtp`),
+        # which the request that cached the block may have had otherwise. As vLLM does for EAGLE.
+        self.drop_last_hit_block = drop_last_hit_block
         self.pools = tuple(BlockPool(n, enable_caching=enable_caching, hash_seed=hash_seed) for n in sizes)
         self.tiers = tuple(HostTier(n, disk) if n else None
                            for n, disk in zip(host_tier_blocks, disk_tiers, strict=True))
@@ -133,12 +138,12 @@ class KVCacheManager:
     def from_config(cls, cache_config: CacheConfig, num_blocks: int, *, sliding_window: int | None = None,
                     group_windows: Sequence[int | None] | None = None, group_pools: Sequence[int] | None = None,
                     extra_pools: Sequence[int] = (), pool_block_sizes: Sequence[int] = (),
-                    host_tier_blocks: Sequence[int] = (), disk_tiers: Sequence[DiskTier | None] = ()
-                    ) -> KVCacheManager:
+                    host_tier_blocks: Sequence[int] = (), disk_tiers: Sequence[DiskTier | None] = (),
+                    drop_last_hit_block: bool = False) -> KVCacheManager:
         return cls(num_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching,
                    hash_seed=cache_config.hash_seed, sliding_window=sliding_window, group_windows=group_windows,
                    group_pools=group_pools, extra_pools=extra_pools, pool_block_sizes=pool_block_sizes,
-                   host_tier_blocks=host_tier_blocks, disk_tiers=disk_tiers)
+                   host_tier_blocks=host_tier_blocks, disk_tiers=disk_tiers, drop_last_hit_block=drop_last_hit_block)
 
     @property
     def block_pool(self) -> BlockPool:
@@ -279,8 +284,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple:
         """The longest cached prefix of a request that holds no blocks that every group can serve: (its blocks,
         per group as `get_block_ids`, the leading ones a window group's first query does not read `RELEASED`;
-        number of tokens). At most `num_tokens - 1` tokens count, so the last token is recomputed. Changes
-        nothing."""
+        number of tokens). At most `num_tokens - 1` tokens count, so the last token is recomputed; with
+        `drop_last_hit_block`, the hit's last block (of every group) is left out too. Changes nothing."""
         none = self._out([[] for _ in self.groups]), 0
         if not self.enable_caching or request.num_computed_tokens or _recomputes_prompt(request):
             return none
@@ -291,15 +296,24 @@ class KVCacheManager:
             return none
         hashes = self.block_hashes(request)
         keep: set[int] = set()  # host slots this lookup found: blocks read from disk go to none of them
+        k = self._served(hashes, k, keep)
+        if self.drop_last_hit_block and k:
+            k = self._served(hashes, k - math.lcm(*(g.hash_stride for g in self.groups)), keep)
+        if k <= 0:
+            return none
+        return (self._out([g.hit_blocks(hashes, k // g.hash_stride) for g in self.groups]),
+                k * self.block_size)
+
+    def _served(self, hashes: list[BlockHash], k: int, keep: set[int]) -> int:
+        """The largest hit of at most k blocks every group serves (a window group's hits are not nested)."""
         settled = False
-        while not settled:  # the largest hit every group serves (a window group's hits are not nested)
+        while not settled:
             settled = True
             for group in self.groups:  # in blocks of the hashes; a group's blocks are `hash_stride` of them
                 served = group.longest_hit(hashes, k // group.hash_stride, keep) * group.hash_stride
                 if served < k:
                     k, settled = served, False
-        return (self._out([g.hit_blocks(hashes, k // g.hash_stride) for g in self.groups]),
-                k * self.block_size)
+        return k
 
     def next_block_hash(self, request: Request, num_hit_blocks: int) -> BlockHash | None:
         """The hash a longer hit than `get_computed_blocks`' (of `num_hit_blocks` blocks) needs first: the next
@@ -307,7 +321,8 @@ class KVCacheManager:
         serve (a hit ends at a multiple of every group's block); None if no longer hit fits below the cap (the last
         token is always recomputed) or caching is off."""
         step = math.lcm(*(g.hash_stride for g in self.groups))
-        end = num_hit_blocks + step  # the next hit every group can serve
+        # the next hit every group can serve (one more step past it with `drop_last_hit_block`)
+        end = num_hit_blocks + step * (2 if self.drop_last_hit_block else 1)
         if (not self.enable_caching or _recomputes_prompt(request)
                 or end > (request.num_tokens - 1) // self.block_size):
             return None

@@ -133,7 +133,7 @@ class Scheduler:
                  group_pools: Sequence[int] | None = None, extra_pools: Sequence[int] = (),
                  pool_block_sizes: Sequence[int] = (), max_loras: int | None = None, images: int | None = None,
                  bidirectional_images: bool = False, host_tier_blocks: Sequence[int] = (),
-                 disk_tiers: Sequence[DiskTier | None] = ()) -> None:
+                 disk_tiers: Sequence[DiskTier | None] = (), drop_last_hit_block: bool = False) -> None:
         """`sliding_window`: the window of a model of one KV cache group (no layer reads positions older than
         p - window from position p; None: every layer reads everything), `group_windows` one per group of a model
         of several (`ModelSpec.kv_layout.windows`): running requests release a window group's blocks that fell
@@ -143,8 +143,8 @@ class Scheduler:
         adapters running requests may use (None: no limit; see the module's docstring). `images`: requests may carry
         images of this many placeholder tokens each (`scheduler_config`'s encoder budgets resolved:
         `SchedulerConfig.resolve_images`), whose tokens attend to each other both ways where
-        `bidirectional_images`. `host_tier_blocks`: host tier slots per pool, `disk_tiers` the disk tier under each
-        (`KVCacheManager`)."""
+        `bidirectional_images`. `host_tier_blocks`: host tier slots per pool, `disk_tiers` the disk tier under each,
+        `drop_last_hit_block`: prefix hits end a block early (`KVCacheManager`: an MTP head speculates)."""
         if scheduler_config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len is None: resolve it first "
                              "(SchedulerConfig.resolve(max_position_embeddings))")
@@ -156,7 +156,8 @@ class Scheduler:
                                                            group_windows=group_windows, group_pools=group_pools,
                                                            extra_pools=extra_pools,
                                                            pool_block_sizes=pool_block_sizes,
-                                                           host_tier_blocks=host_tier_blocks, disk_tiers=disk_tiers)
+                                                           host_tier_blocks=host_tier_blocks, disk_tiers=disk_tiers,
+                                                           drop_last_hit_block=drop_last_hit_block)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

@@ -93,6 +93,25 @@ def test_full_hit_still_recomputes_the_last_token(manager):
     assert hits == [0, 1] and num_hit == 32  # not 48: the last token (in block 2) must be computed
 
 
+def test_drop_last_hit_block_ends_a_hit_one_block_early():
+    """An MTP head's KV at a block's last position depends on the token after the block, so its engine's hits
+    leave the block ending them out; the next block whose hash makes a longer hit is one further."""
+    manager = KVCacheManager(11, BS, hash_seed=0, drop_last_hit_block=True)
+    req0 = make_request("0", COMMON + [3] * 7)
+    prefill(manager, req0)
+    req1 = make_request("1", COMMON + [4] * 40)  # 3 cached blocks: a hit of 2
+    hits, num_hit = manager.get_computed_blocks(req1)
+    assert hits == [0, 1] and num_hit == 2 * BS
+    hashes = manager.block_hashes(req1)
+    assert manager.next_block_hash(req1, 2) == hashes[3]  # a hit of 3 needs 4 cached
+    assert manager.next_block_hash(make_request("3", COMMON + [4] * 5), 2) is None  # 4 do not fit below its cap
+    assert manager.get_computed_blocks(make_request("2", COMMON[:BS] + [5] * 3)) == ([], 0)  # one cached: none
+    plain = KVCacheManager(11, BS, hash_seed=0)
+    prefill(plain, make_request("0", COMMON + [3] * 7))
+    assert plain.get_computed_blocks(req1)[1] == 3 * BS
+    assert plain.next_block_hash(req1, 2) == hashes[2]
+
+
 def test_decode_hashes_a_block_exactly_when_it_fills(manager):
     pool = manager.block_pool
     req = make_request("0", list(range(20)), max_tokens=40)
