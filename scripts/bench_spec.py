@@ -65,7 +65,7 @@ class AlwaysZero:
     def __init__(self, k: int):
         self.k = k
 
-    def propose(self, asks) -> list[list[int]]:
+    def propose(self, asks, step=None) -> list[list[int]]:
         return [[0] * min(self.k, ask.cap) for ask in asks]
 
     def forget(self, live_request_ids) -> None:
@@ -79,7 +79,7 @@ class Oracle:
         self.k = k
         self.known = {tuple(p): list(o) for p, o in zip(prompts, outputs, strict=True)}
 
-    def propose(self, asks) -> list[list[int]]:
+    def propose(self, asks, step=None) -> list[list[int]]:
         return [self.known[tuple(a.request.prompt_token_ids)][a.request.num_output_tokens:][:min(self.k, a.cap)]
                 for a in asks]
 

@@ -255,16 +255,17 @@ def speculative_config_of(args: argparse.Namespace):
             raise CLIError(f"--{flag.replace('_', '-')} needs --speculative-method")
         return None
     # The one combination SpeculativeConfig refuses in its own field names, said here in the flags' names.
-    if (args.speculative_method == "draft") != ("draft_model" in given):
-        raise CLIError("--speculative-method draft needs --speculative-draft-model PATH" if "draft_model" not in given
-                       else f"--speculative-draft-model applies to --speculative-method draft only, not "
-                            f"{args.speculative_method}")
+    if args.speculative_method == "draft" and "draft_model" not in given:
+        raise CLIError("--speculative-method draft needs --speculative-draft-model PATH")
+    if args.speculative_method == "ngram" and "draft_model" in given:
+        raise CLIError("--speculative-draft-model applies to --speculative-method draft and mtp, not ngram")
     return SpeculativeConfig(method=args.speculative_method, **given)
 
 
 # What the engine's errors call the things the --speculative-* flags set (a draft model that does not load, or
 # does not fit the target): in a CLI message, the flag stands for the Python name.
 _SPECULATIVE_NAMES = {"SpeculativeConfig(method='draft')": "--speculative-method draft",
+                      "SpeculativeConfig(method='mtp')": "--speculative-method mtp",
                       **{f"SpeculativeConfig.{field}": f"--{flag.replace('_', '-')}"
                          for flag, field in _SPECULATIVE_FLAGS.items()},
                       **{f"LoRAConfig.{field}": flag for field, flag in _LORA_FLAGS.items()}}
@@ -365,9 +366,11 @@ def build_engine(args: argparse.Namespace, loaded: CLIModel, compile_cache: bool
     import jax
 
     from pagedjax.engine import make_engine
-    from pagedjax.model.loading.loader import folder_image_processor
+    from pagedjax.model.loading.loader import folder_image_processor, folder_mtp_head
 
     config = engine_config_of(args, compile_cache, structured_limits)
+    # --speculative-method mtp without --speculative-draft-model: the --model folder's own head (mtp/)
+    config = config.replace(speculative_config=folder_mtp_head(args.model, config.speculative_config))
     if config.parallel_config is not None:
         check_device_count(args.tensor_parallel_size, args.data_parallel_size)
     check_kv_pool_fits(config.cache_config, loaded.spec, jax.local_devices()[0], args.tensor_parallel_size)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pagedjax.config.fields import check_choice, check_int, describe, option
 
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft")
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft", "mtp")
 
 
 @dataclass(frozen=True)
@@ -26,16 +26,20 @@ class SpeculativeConfig:
     failed holds back for a few tokens (`pagedjax.spec_decode.speculator.NgramProposer`).
     method "draft": `draft_model` (a model folder, a `ModelConfig` (random weights) or a model module, with the
     target's vocabulary) proposes its greedy tokens (`pagedjax.spec_decode.draft_model`).
+    method "mtp": a multi-token-prediction head over the target's hidden states proposes its greedy guesses
+    (`pagedjax.spec_decode.mtp`); `draft_model` is the head (a folder `save_head` wrote, or an `MTPHead`), None
+    for the model folder's own `mtp/` (`from_pretrained` and `--model` look there; the bundled model ships one).
     """
 
     method: str = option("ngram", "speculative decoding (exact: the same output): 'ngram' proposes what followed "
                                   "the last tokens' earlier occurrence in the prompt and output, 'draft' a draft "
-                                  "model's greedy tokens (--speculative-draft-model)")
+                                  "model's greedy tokens (--speculative-draft-model), 'mtp' a multi-token-prediction "
+                                  "head's (the model folder's mtp/, or --speculative-draft-model)")
     num_speculative_tokens: int = option(4, "tokens proposed and verified per request per step")
     prompt_lookup_min: int = option(2, "ngram: the shortest suffix looked up")
     prompt_lookup_max: int = option(4, "ngram: the longest suffix looked up, tried first")
     draft_model: object = option(None, "draft: the draft model's folder (as --model reads it), of the model's "
-                                       "vocabulary")  # method "draft" only
+                                       "vocabulary; mtp: the head's folder (default: the model folder's mtp/)")
 
     def __post_init__(self) -> None:
         check_choice("SpeculativeConfig", "method", self.method, SPECULATIVE_METHODS, optional=False)
@@ -47,9 +51,11 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_max",
                            check_int("SpeculativeConfig", "prompt_lookup_max", self.prompt_lookup_max,
                                      lo=self.prompt_lookup_min))
-        if (self.draft_model is None) == (self.method == "draft"):
-            raise ValueError(f"SpeculativeConfig.draft_model is needed by method 'draft' and only by it, got "
-                             f"{describe(self.draft_model)} with method {self.method!r}")
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("SpeculativeConfig.draft_model is needed by method 'draft'")
+        if self.method == "ngram" and self.draft_model is not None:
+            raise ValueError(f"SpeculativeConfig.draft_model is for methods 'draft' and 'mtp', got "
+                             f"{describe(self.draft_model)} with method 'ngram'")
 
     def __repr__(self) -> str:
         # A draft given as a model module would print whole (every parameter array): its type stands for it.

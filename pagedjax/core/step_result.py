@@ -44,6 +44,9 @@ class StepResult:
     prompt_targets: np.ndarray | None = None  # int32 [T], with prompt_logprobs
     block_tables: np.ndarray | None = None  # int32 [(num_groups,) S, B], fused decodes only
     pooled: np.ndarray | None = None  # float32 [S, hidden]: pooling requests' hidden-state sums of this step
+    # a device array [>= T, hidden]: the final hidden state of each token of the plan, in its order (a runner that
+    # keeps them, for an MTP head: `pagedjax.spec_decode.mtp`); opaque here, never read on the host
+    hidden: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -55,7 +58,7 @@ class StepResult:
 
     @classmethod
     def from_rows(cls, plan: StepPlan, sampled, logprobs=None, prompt_logprobs=None,
-                  prompt_targets=None, pooled=None) -> StepResult:
+                  prompt_targets=None, pooled=None, hidden=None) -> StepResult:
         """The result of a ragged step (plain or verifying): `sampled` int `[>= R]`, one token per row of
         `plan.logits_indices`, which holds each sequence's rows in order; `logprobs` rows alike; `pooled` one row
         per sequence of the plan."""
@@ -65,7 +68,8 @@ class StepResult:
             raise ValueError(f"got {sampled.shape[0]} sampled tokens for {int(cu[-1])} rows")
         if pooled is not None and np.shape(pooled)[0] != plan.num_seqs:
             raise ValueError(f"got {np.shape(pooled)[0]} pooled rows for {plan.num_seqs} sequences")
-        return cls(sampled[:cu[-1]].astype(np.int32), cu, logprobs, prompt_logprobs, prompt_targets, pooled=pooled)
+        return cls(sampled[:cu[-1]].astype(np.int32), cu, logprobs, prompt_logprobs, prompt_targets, pooled=pooled,
+                   hidden=hidden)
 
     @classmethod
     def from_fused(cls, plan: StepPlan, sampled, block_tables, logprobs=None) -> StepResult:

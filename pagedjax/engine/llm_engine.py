@@ -68,6 +68,8 @@ from pagedjax.runner.runner import ModelRunner
 from pagedjax.runner.shapes import warmup_shapes
 from pagedjax.sampling_params import RAW_SAMPLING, LoRARequest, SamplingParams, StructuredOutput
 from pagedjax.spec_decode.draft_model import DraftProposer, load_draft
+from pagedjax.spec_decode.mtp import MTPProposer, load_mtp_head
+from pagedjax.spec_decode.proposer import StepSeen
 from pagedjax.spec_decode.speculator import Speculator
 from pagedjax.structured_output.compiler import Constraint, ConstraintCompiler
 from pagedjax.structured_output.manager import StructuredOutputManager
@@ -142,6 +144,7 @@ class LLMEngine:
         if lora_config is not None:
             self._check_lora_serves(config.speculative_config)
         draft = load_draft(config.speculative_config, spec, self.cache_config, self.seed, parallel_config)
+        head = load_mtp_head(config.speculative_config, self.model_config, parallel_config)
         self.scheduler_config = config.scheduler_config.resolve(spec.max_position_embeddings)
         images = spec.images
         if images is not None:
@@ -172,11 +175,13 @@ class LLMEngine:
             self.num_blocks = self.cache_config.resolve_num_blocks(per_device_model(spec, mesh.size),
                                                                    extra_pools=self.extra_pools)
         else:
-            self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if draft is None else draft.spec,
+            second = draft if draft is not None else head  # a draft model's or an MTP head's KV shares the blocks
+            self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if second is None else second.spec,
                                                                    extra_pools=self.extra_pools)
-        if self.cache_config.kv_host_memory_bytes is not None and draft is not None:
-            raise ValueError("CacheConfig.kv_host_memory_bytes: the host tier does not move a draft model's KV (which "
-                             "shares the target's blocks) yet; leave it out with speculative_config's draft model")
+        if self.cache_config.kv_host_memory_bytes is not None and (draft is not None or head is not None):
+            raise ValueError("CacheConfig.kv_host_memory_bytes: the host tier does not move a draft model's or an MTP "
+                             "head's KV (which shares the target's blocks) yet; leave it out with speculative_config's "
+                             f"method {config.speculative_config.method!r}")
         host_blocks = self.cache_config.resolve_host_blocks(spec, self.num_blocks, self.extra_pools)
         # The disk tier's folder is named by the weights and everything else that makes the KV bytes differ.
         self._disk_setup = None if self.cache_config.kv_disk_dir is None else kv_setup(
@@ -199,7 +204,8 @@ class LLMEngine:
                                    max_loras=None if lora_config is None else lora_config.max_loras,
                                    images=None if images is None else images.tokens_per_image,
                                    bidirectional_images=images is not None and images.bidirectional,
-                                   host_tier_blocks=host_blocks, disk_tiers=self.disk_tiers)
+                                   host_tier_blocks=host_blocks, disk_tiers=self.disk_tiers,
+                                   drop_last_hit_block=head is not None)
         self.output_processor = OutputProcessor(tokenizer)
         self.structured = StructuredOutputManager(ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids),
                                                   config.structured_limits)
@@ -210,12 +216,16 @@ class LLMEngine:
                                   mesh=mesh, max_programs=max_programs, compile_in_background=background,
                                   lora=lora_config, image_slots=None if images is None else
                                   self.scheduler.encoder_cache.num_slots, host_tier_blocks=host_blocks,
-                                  disk_tiers=self.disk_tiers)
+                                  disk_tiers=self.disk_tiers, keep_hidden=head is not None)
         self.lora = None if lora_config is None else LoRAManager(lora_config, self.model_config, self.runner)
-        self.speculator = None if config.speculative_config is None else Speculator(
-            config.speculative_config, None if draft is None else DraftProposer(
-                draft, self.num_blocks, self.cache_config, self.scheduler_config.max_num_batched_tokens,
-                backend=self.runner.backend, max_programs=max_programs, compile_in_background=background))
+        if draft is not None:
+            draft = DraftProposer(draft, self.num_blocks, self.cache_config,
+                                  self.scheduler_config.max_num_batched_tokens, backend=self.runner.backend,
+                                  max_programs=max_programs, compile_in_background=background)
+        elif head is not None:
+            draft = MTPProposer(head, self.runner, self.num_blocks, self.cache_config,
+                                config.speculative_config.num_speculative_tokens)
+        self.speculator = None if config.speculative_config is None else Speculator(config.speculative_config, draft)
         if config.batch_invariant:  # see pagedjax.runner.invariant
             self.runner.fixed_shape = invariant_shape(
                 max_tokens=self.scheduler_config.max_num_batched_tokens, max_seqs=self.scheduler_config.max_num_seqs,
@@ -289,7 +299,7 @@ class LLMEngine:
         took (also logged, and in `stats().warmup_s`)."""
         start, before = time.perf_counter(), self.stats()
         shapes, max_blocks = self._warmup_shapes()
-        draft = None if self.speculator is None else self.speculator.draft
+        draft = self._draft_model()
         logger.info("warm-up: compiling %d programs (%s)", len(shapes) + (draft is not None), cache_note())
         self.runner.warmup(shapes)
         if draft is not None:  # the draft model's stand-in
@@ -327,7 +337,7 @@ class LLMEngine:
         self.runner.check_awake()
         shapes, max_blocks = self._warmup_shapes()
         done = [self.runner.warm_in_background(shapes)]
-        draft = None if self.speculator is None else self.speculator.draft
+        draft = self._draft_model()
         if draft is not None:
             done.append(draft.start_warmup(self.scheduler_config.max_num_seqs, max_blocks))
         logger.info("warm-up: compiling %d programs in the background (%s)", len(shapes) + (draft is not None),
@@ -340,8 +350,8 @@ class LLMEngine:
         and ends (`pagedjax.runner.programs.CompileEvent`): the target's, a draft model's, the image encoder's
         (a front end's progress, e.g. `generate`'s bar)."""
         caches = [self.runner.programs]
-        if self.speculator is not None and self.speculator.draft is not None:
-            caches.append(self.speculator.draft.runner.programs)
+        if self._draft_model() is not None:
+            caches.append(self._draft_model().runner.programs)
         if self.runner.image_features is not None:
             caches.append(self.runner.image_features.programs)
         for cache in caches:
@@ -610,7 +620,7 @@ class LLMEngine:
         progressed = self._progressed(requests, before)
         if self.speculator is not None:
             self.speculator.count(plan, result, emitted)
-            self.speculator.propose(self.scheduler)
+            self.speculator.propose(self.scheduler, StepSeen(plan, result, self.scheduler))
         return progressed
 
     def _recover(self, plan: StepPlan, exc: BaseException) -> list[Request]:
@@ -714,8 +724,14 @@ class LLMEngine:
                               kv_identity(nnx.state(params) if isinstance(params, nnx.Module) else params,
                                           self._disk_setup))
 
+    def _draft_model(self) -> DraftProposer | None:
+        """The draft model's proposer (method "draft"), whose runner compiles programs of its own; None otherwise."""
+        draft = None if self.speculator is None else self.speculator.draft
+        return draft if isinstance(draft, DraftProposer) else None
+
     def sleep(self) -> int:
-        """Release the KV pool's device memory, a draft model's too (running requests recompute after `wake`);
+        """Release the KV pool's device memory, a draft model's or an MTP head's too (running requests recompute
+        after `wake`);
         returns bytes freed per device. Steps raise RuntimeError until `wake()`."""
         draft = None if self.speculator is None else self.speculator.draft
         return weights.sleep(self.runner, self.scheduler) + (0 if draft is None else draft.sleep())
@@ -765,8 +781,8 @@ class LLMEngine:
         """The counters now. Programs and their compile time are the target's, the draft model's and the image
         encoder's together (all compile inside steps), so `tokens_per_s` leaves every compile out."""
         programs = [self.runner.programs]
-        if self.speculator is not None and self.speculator.draft is not None:
-            programs.append(self.speculator.draft.runner.programs)
+        if self._draft_model() is not None:
+            programs.append(self._draft_model().runner.programs)
         if self.runner.image_features is not None:  # the image encoder's, compiled inside steps too
             programs.append(self.runner.image_features.programs)
         layout = self.model_spec.kv_layout

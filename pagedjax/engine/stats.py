@@ -41,10 +41,12 @@ class EngineStats:
     stand_in_steps: int = 0  # steps run on a bigger compiled program while their own compiled in the background
     warmup_s: float = 0.0  # `LLMEngine.warmup`'s time (not in elapsed_s)
     # Speculative decoding (`LLMEngine(speculative_config=...)`): sequence-steps that verified proposals, the
-    # proposals verified, and those accepted.
+    # proposals verified, those accepted, and the seconds the proposer took (in elapsed_s; a draft model's or an MTP
+    # head's compiles included).
     spec_sequences: int = 0
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_proposer_s: float = 0.0
     # Images (a vision-language model): images encoded (each time: an image dropped from the encoder cache and
     # needed again is encoded again), and the seconds that took (inside elapsed_s, results on device; the
     # encoder's compiles are in compile_s instead).

@@ -70,8 +70,10 @@ logger = logging.getLogger(__name__)
 class StepOutputs(NamedTuple):
     """What a step returns: sampled tokens i32 `[S]`, their log-probabilities (and top alternatives) when asked,
     the prompt log-probabilities at every position `[T]` when asked, the logits `[S, vocab]` when asked, a
-    sparse-attention model's indexer ties (`PagedKVCache.indexer_ties`: i32[], None for other models), and for
-    pooling requests each sequence's sum of the hidden states its tokens pool (f32 `[S, hidden]`, `pooled_sums`)."""
+    sparse-attention model's indexer ties (`PagedKVCache.indexer_ties`: i32[], None for other models), for
+    pooling requests each sequence's sum of the hidden states its tokens pool (f32 `[S, hidden]`, `pooled_sums`),
+    and a runner built with `keep_hidden` the final hidden states of every token `[T, hidden]`, left on the device
+    (an MTP head's input: `pagedjax.spec_decode.mtp`)."""
 
     tokens: Any
     logprobs: LogprobArrays | None
@@ -79,14 +81,15 @@ class StepOutputs(NamedTuple):
     logits: Any
     indexer_ties: Any = None
     pooled: Any = None
+    hidden: Any = None
 
 
 def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,
                   logits_indices, sampling: SamplingMetadata, extras: StepExtras = NO_EXTRAS,
                   lora: LoRABatch | None = None, images: ImageEmbeds | None = None, *, backend: str,
                   decode_only: bool, return_logits: bool = False, num_top_logprobs: int | None = None,
-                  num_prompt_top_logprobs: int = 0, samples: bool = True, mesh=None, block_sizes: tuple[int, ...]
-                  ) -> tuple[StepOutputs, KVCache]:
+                  num_prompt_top_logprobs: int = 0, samples: bool = True, keep_hidden: bool = False, mesh=None,
+                  block_sizes: tuple[int, ...]) -> tuple[StepOutputs, KVCache]:
     model: PagedModel = nnx.merge(graphdef, params)
     if extras.block_copies is not None:
         kv_cache = copy_blocks(kv_cache, extras.block_copies, model.spec.kv_layout.slot_pools)  # before the writes
@@ -94,8 +97,9 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
                                             decode_only=decode_only, mesh=mesh, block_sizes=block_sizes, lora=lora,
                                             images=images)
     pooled = None if extras.pool_rows is None else pooled_sums(hidden, extras.pool_rows, meta.kv_lens.shape[0])
+    kept = hidden if keep_hidden else None
     if not (samples or return_logits or extras.prompt_targets is not None):  # no sequence emits a token: no logits
-        return StepOutputs(jnp.zeros(logits_indices.shape, jnp.int32), None, None, None, ties, pooled), kv_cache
+        return StepOutputs(jnp.zeros(logits_indices.shape, jnp.int32), None, None, None, ties, pooled, kept), kv_cache
     prompt_logprobs = None
     if extras.prompt_targets is not None:  # logits at every position, once
         all_logits = _gathered(model.compute_logits(hidden), mesh)
@@ -107,7 +111,7 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
         logits = apply_token_mask(logits, extras.token_mask)
     tokens = sample(logits, sampling, extras.penalties)
     logprobs = None if num_top_logprobs is None else token_logprobs(logits, tokens, num_top_logprobs)
-    outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None, ties, pooled)
+    outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None, ties, pooled, kept)
     return outputs, kv_cache
 
 
@@ -251,7 +255,8 @@ def _jitted(graphdef, params_treedef, block_sizes: tuple[int, ...], mesh=None) -
         return call
 
     step = jax.jit(model_fn(_forward_step), static_argnames=("backend", "decode_only", "return_logits",
-                                                            "num_top_logprobs", "num_prompt_top_logprobs", "samples"),
+                                                            "num_top_logprobs", "num_prompt_top_logprobs", "samples",
+                                                            "keep_hidden"),
                    donate_argnums=(1,))
     loop = jax.jit(model_fn(_fused_decode_loop), static_argnames=("num_steps", "backend",
                                                            "num_top_logprobs"),
@@ -297,7 +302,7 @@ class ModelRunner:
                  backend: str = "auto", mesh: Mesh | None = None, max_programs: int = 64,
                  compile_in_background: bool = True, lora: LoRAConfig | None = None,
                  image_slots: int | None = None, host_tier_blocks: tuple[int, ...] = (),
-                 disk_tiers: tuple[DiskTier | None, ...] = ()):
+                 disk_tiers: tuple[DiskTier | None, ...] = (), keep_hidden: bool = False):
         spec = model.spec  # `check_model(model)` passed (the engine checks it)
         self.model_spec = spec
         self.block_size = block_size
@@ -324,6 +329,9 @@ class ModelRunner:
                                        tuple(disk_tiers)) if any(host_tier_blocks) else None)
         self.asleep = False  # the KV cache's arrays were deleted (`pagedjax.runner.weights.sleep`)
         self.fixed_shape: StepShape | None = None  # batch-invariant mode: every step's program (`engine.invariant`)
+        # Every ragged step also returns its final hidden states, left on the device (`StepResult.hidden`): one
+        # setting for all of the runner's programs, so it adds no program variant.
+        self.keep_hidden = keep_hidden
         self._check_attention_serves()
         # Every slot's adapter weights (`pagedjax.model.layers.lora`), an argument of every step: None, or zeros
         # until `set_lora_slot` writes one (a built-in dense model: the engine checks), split over the mesh as the
@@ -429,6 +437,11 @@ class ModelRunner:
         given."""
         return params if self._single_device is None else self._single_device(params)
 
+    @property
+    def param_leaves(self) -> list[jax.Array]:
+        """`params`' leaves in order, as every step takes them (a flat list: no pytree to walk per call)."""
+        return self._param_leaves
+
     def set_params(self, leaves: list[jax.Array]) -> None:
         """Run every later step on these weights: `self.params`' leaves in order, each of the same shape, dtype
         and sharding (`pagedjax.runner.weights.checked_leaves`), so every compiled program takes them as is."""
@@ -486,7 +499,7 @@ class ModelRunner:
                 self._lora(inputs.lora_slots, len(inputs.token_ids)), images)
         static = dict(backend=self.backend, decode_only=shape.decode_only, return_logits=shape.return_logits,
                       num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs,
-                      samples=shape.sample)
+                      samples=shape.sample, keep_hidden=self.keep_hidden)
         return args, static
 
     def _loop_call(self, inputs: FusedDecodeInputs) -> tuple[tuple, dict]:
@@ -523,7 +536,8 @@ class ModelRunner:
         out = self.execute(inputs)
         return StepResult.from_rows(plan, out.tokens, out.logprobs, out.prompt_logprobs,
                                     inputs.extras.prompt_targets if out.prompt_logprobs is not None else None,
-                                    pooled=None if out.pooled is None else out.pooled[:plan.num_seqs])
+                                    pooled=None if out.pooled is None else out.pooled[:plan.num_seqs],
+                                    hidden=out.hidden)
 
     def execute(self, inputs: StepInputs, *, return_logits: bool = False) -> StepOutputs:
         """Run one padded step (on a bigger compiled program while its own compiles: `ProgramCache`). Returns
@@ -540,7 +554,8 @@ class ModelRunner:
                                       run_shape)
         start = time.perf_counter()
         outputs, self.kv_cache = exe(*args)
-        outputs = jax.device_get(outputs)
+        hidden = outputs.hidden  # stays on the device: the tokens' rows are the same in a bigger program's
+        outputs = jax.device_get(outputs._replace(hidden=None))._replace(hidden=hidden)
         self._ran(run_shape, time.perf_counter() - start)
         if outputs.indexer_ties is not None:
             self.indexer_ties += int(outputs.indexer_ties)
@@ -643,4 +658,4 @@ def _cut_step(out: StepOutputs, shape: StepShape) -> StepOutputs:
                        _cut(out.prompt_logprobs, (slice(shape.tokens),),
                             shape.num_prompt_top_logprobs if shape.prompt_targets else None),
                        out.logits[:s] if shape.return_logits else None, out.indexer_ties,
-                       out.pooled[:shape.tables[0]] if shape.pool else None)
+                       out.pooled[:shape.tables[0]] if shape.pool else None, out.hidden)

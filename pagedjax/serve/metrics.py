@@ -146,6 +146,7 @@ class _EngineCollector(Collector):
                                s.stand_in_steps),
             "spec_decode_num_draft_tokens": ("Speculative proposals verified.", s.spec_proposed_tokens),
             "spec_decode_num_accepted_tokens": ("Speculative proposals accepted.", s.spec_accepted_tokens),
+            "spec_decode_proposer_seconds": ("Seconds the speculative proposer took.", s.spec_proposer_s),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"pagedjax_{name}", doc, value=value)

@@ -115,6 +115,8 @@ def draft_proposals(asks: list[ProposalAsk], run: RunDraft, states: dict[str, Dr
     `DraftKV` in `states` (by request id) updated. `max_tokens`: the most tokens one draft call runs."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not asks:
+        return []
     # 1. catch-up: [start, num_tokens) per request, in calls of at most max_tokens tokens
     todo = {i: draft_start(ask, states.get(ask.request.request_id), block_size, epoch) for i, ask in enumerate(asks)}
     proposals: list[list[int]] = [[] for _ in asks]

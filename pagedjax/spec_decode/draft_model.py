@@ -35,7 +35,7 @@ from pagedjax.runner.inputs import bucket, pad_step
 from pagedjax.runner.runner import ModelRunner
 from pagedjax.runner.shapes import StepShape
 from pagedjax.spec_decode.draft_kv import DraftKV, draft_proposals
-from pagedjax.spec_decode.proposer import ProposalAsk, check_speculative_config
+from pagedjax.spec_decode.proposer import ProposalAsk, StepSeen, check_speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class DraftProposer:
     def wake(self) -> None:
         weights.wake(self.runner)
 
-    def propose(self, asks: list[ProposalAsk]) -> list[list[int]]:
+    def propose(self, asks: list[ProposalAsk], step: StepSeen | None) -> list[list[int]]:
         try:
             return draft_proposals(asks, self._run, self._states, block_size=self.block_size,
                                    max_tokens=self.max_tokens, epoch=self.epoch)

@@ -2,9 +2,10 @@
 
 A proposer only suggests tokens: whatever it returns, the output is the non-speculative one (a wrong proposal
 costs compute, never tokens; `pagedjax.core.step_result` states the acceptance rule). It is asked once per step,
-after the step, for all the requests that speculate (`ProposalAsk`s), so that one on the device batches its calls;
-its per-request state is its own, keyed by request id (`forget` drops what is no longer live). Adding a proposer is
-one new file with a class of this interface, and one line in `make_proposer`.
+after the step, for all the requests that speculate (`ProposalAsk`s; none, some steps), with the step itself
+(`StepSeen`: an MTP head reads the target's hidden states of every request the step ran), so that one on the device
+batches its calls; its per-request state is its own, keyed by request id (`forget` drops what is no longer live).
+Adding a proposer is one new file with a class of this interface, and one line in `make_proposer`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import numpy as np
 
 from pagedjax.config import SpeculativeConfig
 from pagedjax.core.request import Request
+from pagedjax.core.step_plan import StepPlan
+from pagedjax.core.step_result import StepResult
 
 
 class ProposalAsk(NamedTuple):
@@ -30,10 +33,18 @@ class ProposalAsk(NamedTuple):
     block_allocations: tuple[int, ...] = ()
 
 
+class StepSeen(NamedTuple):
+    """The step just applied (`Scheduler.update` ran): its plan, its result and the scheduler (its requests now)."""
+
+    plan: StepPlan
+    result: StepResult
+    scheduler: object  # `pagedjax.core.scheduler.Scheduler` (not imported: the scheduler is above this module)
+
+
 class Proposer(Protocol):
-    def propose(self, asks: list[ProposalAsk]) -> Sequence[Sequence[int]]:
+    def propose(self, asks: list[ProposalAsk], step: StepSeen | None) -> Sequence[Sequence[int]]:
         """For each ask, at most `ask.cap` tokens likely to follow its request's known tokens (prompt + outputs);
-        empty when it has no guess."""
+        empty when it has no guess. `step`: the step after which it is asked (None: not known)."""
 
     def forget(self, live_request_ids: Collection[str]) -> None:
         """Drop the state of every request not in `live_request_ids`."""
@@ -67,7 +78,7 @@ class NgramProposer:
         self.k, self.min_n, self.max_n = k, min_n, max_n
         self._backoff: dict[str, _Backoff] = {}  # by request id
 
-    def propose(self, asks: list[ProposalAsk]) -> list[list[int]]:
+    def propose(self, asks: list[ProposalAsk], step: StepSeen | None) -> list[list[int]]:
         return [self.propose_for(ask.request, ask.cap) for ask in asks]
 
     def forget(self, live_request_ids: Collection[str]) -> None:
@@ -112,9 +123,10 @@ def check_speculative_config(config) -> None:
 
 
 def make_proposer(config: SpeculativeConfig, draft: Proposer | None) -> Proposer:
-    """The proposer of `config.method` (`draft`: the engine's `DraftProposer` for method "draft")."""
+    """The proposer of `config.method` (`draft`: the engine's device proposer, a `DraftProposer` for method "draft"
+    or an `MTPProposer` for "mtp")."""
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
     if draft is None:
-        raise ValueError("SpeculativeConfig(method='draft') needs the engine's draft model")
+        raise ValueError(f"SpeculativeConfig(method={config.method!r}) needs the engine's device proposer")
     return draft

@@ -2,7 +2,7 @@
 acceptance counters.
 
   SpeculativeConfig(method="ngram", num_speculative_tokens=k, ...)  ->  Speculator(config)
-  engine loop: plan -> step -> Scheduler.update -> Speculator.propose(scheduler) -> next plan verifies them
+  engine loop: plan -> step -> Scheduler.update -> Speculator.propose(scheduler, step) -> next plan verifies them
 
 A step's proposals come from that step's output: once `Scheduler.update` has applied it, every request that
 speculates gets blocks for up to k more tokens (`Scheduler.reserve_draft_slots`, never preempting), the proposer
@@ -23,6 +23,8 @@ run while no request has a proposal.
 
 from __future__ import annotations
 
+import time
+
 from pagedjax.config import SchedulerConfig, SpeculativeConfig
 from pagedjax.core.request import Request
 from pagedjax.core.scheduler import Scheduler
@@ -30,7 +32,7 @@ from pagedjax.core.step_plan import StepPlan
 from pagedjax.core.step_result import StepResult, emitted_tokens
 from pagedjax.runner.inputs import bucket
 from pagedjax.runner.shapes import LoopShape, StepShape
-from pagedjax.spec_decode.proposer import ProposalAsk, Proposer, check_speculative_config, make_proposer
+from pagedjax.spec_decode.proposer import ProposalAsk, Proposer, StepSeen, check_speculative_config, make_proposer
 
 
 def speculates(request: Request) -> bool:
@@ -46,16 +48,17 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, draft: Proposer | None = None):
         check_speculative_config(config)
         self.config = config
-        self.draft = draft  # the draft model's proposer (method "draft"), None otherwise
+        self.draft = draft  # the device proposer: the draft model's (method "draft") or the MTP head's ("mtp"), or None
         self.proposer = make_proposer(config, draft)
         self.num_sequences = 0  # sequence-steps that verified proposals
         self.num_proposed = 0
         self.num_accepted = 0
+        self.proposer_seconds = 0.0  # wall time of the proposer's calls (`propose`)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """The counters, as `EngineStats` fields."""
         return dict(spec_sequences=self.num_sequences, spec_proposed_tokens=self.num_proposed,
-                    spec_accepted_tokens=self.num_accepted)
+                    spec_accepted_tokens=self.num_accepted, spec_proposer_s=self.proposer_seconds)
 
     def warmup_shapes(self, shapes: list[StepShape | LoopShape], config: SchedulerConfig) -> list[StepShape]:
         """The ragged steps of `shapes` (`LLMEngine.warmup`'s) with as many rows as a step that verifies proposals
@@ -81,9 +84,11 @@ class Speculator:
                 self.num_proposed += d
                 self.num_accepted += len(verified) - 1
 
-    def propose(self, scheduler: Scheduler) -> None:
-        """After a step: every running request that speculates and decodes next gets its proposals
-        (`Scheduler.set_draft_tokens`), at most k and what the free blocks and its limits allow."""
+    def propose(self, scheduler: Scheduler, step: StepSeen | None = None) -> None:
+        """After a step (`step`: the one `Scheduler.update` just applied; None for a scheduler driven without
+        steps, as tests do): every running request that speculates and decodes next gets its proposals
+        (`Scheduler.set_draft_tokens`), at most k and what the free blocks and its limits allow. The proposer is
+        called every step, with no ask too (an MTP head takes in what the step computed)."""
         self.proposer.forget(scheduler.requests.keys())
         asks: list[ProposalAsk] = []
         for r in scheduler.running:
@@ -93,9 +98,9 @@ class Speculator:
             reserved = scheduler.reserve_draft_slots(r, cap) if cap > 0 else None
             if reserved is not None:
                 asks.append(ProposalAsk(r, *reserved))
-        if not asks:
-            return
-        proposals = self.proposer.propose(asks)
+        start = time.perf_counter()
+        proposals = self.proposer.propose(asks, step)
+        self.proposer_seconds += time.perf_counter() - start
         if len(proposals) != len(asks):
             raise ValueError(f"the proposer returned {len(proposals)} proposals for {len(asks)} requests")
         for ask, proposal in zip(asks, proposals, strict=True):

@@ -51,7 +51,8 @@ def test_the_draft_model_flag_makes_a_draft_config():
     # The CLI names the flag, not the Python field (was: ValueError "SpeculativeConfig.draft_model is needed ...").
     with pytest.raises(CLIError, match="--speculative-method draft needs --speculative-draft-model PATH"):
         _config("--speculative-method", "draft")
-    with pytest.raises(CLIError, match="--speculative-draft-model applies to --speculative-method draft only"):
+    with pytest.raises(CLIError, match="--speculative-draft-model applies to --speculative-method draft and mtp, "
+                                       "not ngram"):
         _config("--speculative-method", "ngram", "--speculative-draft-model", "some/folder")
 
 
@@ -69,6 +70,25 @@ def test_a_draft_model_the_engine_refuses_is_named_by_its_flag(capsys):
     assert in_flags("SpeculativeConfig.draft_model has vocab_size 5, the target model 7") == \
         "--speculative-draft-model has vocab_size 5, the target model 7"
     assert in_flags("SpeculativeConfig(method='draft') does not run") == "--speculative-method draft does not run"
+
+
+def test_mtp_runs_the_bundled_models_head(capsys):
+    """`--speculative-method mtp` alone: the --model folder's own head (the bundled model ships one), proposals
+    verified and counted in the statistics table; `--speculative-draft-model` names another head's folder."""
+    from pagedjax import cli
+
+    assert _config("--speculative-method", "mtp") == SpeculativeConfig("mtp")
+    assert _config("--speculative-method", "mtp", "--speculative-draft-model", "h") == SpeculativeConfig(
+        "mtp", draft_model="h")
+    code = cli.main(["--prompt", "def parse(path):\n", "--max-tokens", "12", "--temperature", "0", "--num-blocks",
+                     "32", "--speculative-method", "mtp", "--speculative-num-tokens", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "speculative proposals" in out + err
+    code = cli.main(["--prompt", "x", "--max-tokens", "2", "--num-blocks", "16", "--no-compile-cache",
+                     "--speculative-method", "mtp", "--speculative-draft-model", "/no/such/head"])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: no MTP head in /no/such/head" in err, err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -54,6 +54,8 @@ def test_greedy_speculation_of_a_small_batch_gives_the_dense_tokens():
     assert metric(text, "pagedjax_spec_decode_num_accepted_tokens_total") == s.spec_accepted_tokens
     assert metric(text, "pagedjax_spec_decode_mean_accepted_length") == pytest.approx(
         s.spec_accepted_tokens / s.spec_sequences)
+    assert 0 < s.spec_proposer_s < s.elapsed_s
+    assert metric(text, "pagedjax_spec_decode_proposer_seconds_total") == pytest.approx(s.spec_proposer_s)
     assert engine.stats_dict()["spec_acceptance_rate"] == pytest.approx(s.spec_accepted_tokens / s.spec_proposed_tokens)
 
 
@@ -193,9 +195,9 @@ def test_ngram_proposer_backs_off_below_its_min_n():
     (dict(num_speculative_tokens=0), ValueError, "SpeculativeConfig.num_speculative_tokens must be in"),
     (dict(num_speculative_tokens=2.0), TypeError, "SpeculativeConfig.num_speculative_tokens must be an int"),
     (dict(method="eagle"), ValueError, "SpeculativeConfig.method 'eagle' is not supported"),
-    (dict(method="draft"), ValueError, "SpeculativeConfig.draft_model is needed by method 'draft' and only by it, "
-                                       "got None with method 'draft'"),
-    (dict(draft_model="some/folder"), ValueError, "draft_model is needed by method 'draft' and only by it, got str"),
+    (dict(method="draft"), ValueError, "SpeculativeConfig.draft_model is needed by method 'draft'"),
+    (dict(draft_model="some/folder"), ValueError, "draft_model is for methods 'draft' and 'mtp', got str "
+                                                  "'some/folder' with method 'ngram'"),
     (dict(prompt_lookup_min=0), ValueError, "SpeculativeConfig.prompt_lookup_min must be >= 1"),
     (dict(prompt_lookup_min=3, prompt_lookup_max=2), ValueError, "SpeculativeConfig.prompt_lookup_max must be >= 3"),
 ])
@@ -229,7 +231,7 @@ def test_a_failing_verifying_step_fails_its_request_alone_and_frees_every_block(
     engine = make_engine(block_size=8, max_num_seqs=2, speculative_config=NGRAM)
     engine.add_request("a", SPEC_PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=10))
     # proposals come after a step: the prompt's step is followed by these
-    monkeypatch.setattr(engine.speculator.proposer, "propose", lambda asks: [[1] * min(2, a.cap) for a in asks])
+    monkeypatch.setattr(engine.speculator.proposer, "propose", lambda asks, step: [[1] * min(2, a.cap) for a in asks])
     engine.step()  # the prompt
     plans = []
     schedule = engine.scheduler.schedule

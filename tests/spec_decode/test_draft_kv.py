@@ -67,7 +67,10 @@ class DraftCaller:
         for rid in [rid for rid in self.states if rid not in live_request_ids]:
             del self.states[rid]
 
-    def propose(self, asks: list[ProposalAsk]) -> list[list[int]]:
+    def propose(self, asks: list[ProposalAsk], step=None) -> list[list[int]]:
+        if not asks:  # the speculator asks after every step
+            return draft_proposals(asks, self.draft, self.states, block_size=self.block_size,
+                                   max_tokens=self.max_tokens, epoch=self.epoch)
         for ask in asks:
             self.asked[ask.request.request_id] = ask.cap
         calls = len(self.draft.plans)

@@ -63,7 +63,8 @@ class each:  # noqa: N801  (reads as a function: each(lambda request, cap: ...))
     """A batched proposer (`spec_decode.proposer.Proposer`) of a per-request one, or of a batched function."""
 
     def __init__(self, propose, batched: bool = False):
-        self.propose = propose if batched else (lambda asks: [propose(ask.request, ask.cap) for ask in asks])
+        self.propose = (lambda asks, step=None: propose(asks)) if batched else (
+            lambda asks, step=None: [propose(ask.request, ask.cap) for ask in asks])
 
     def forget(self, live_request_ids) -> None:
         pass
@@ -105,7 +106,7 @@ class TruthProposer:
         self.salts, self.window, self.k, self.rng = salts, window, k, rng
         self.asked: dict[str, int] = {}  # request id -> the cap it was last asked with
 
-    def propose(self, asks: list[ProposalAsk]) -> list[list[int]]:
+    def propose(self, asks: list[ProposalAsk], step=None) -> list[list[int]]:
         return [self.propose_for(ask.request, ask.cap) for ask in asks]
 
     def forget(self, live_request_ids) -> None:

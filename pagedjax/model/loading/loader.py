@@ -8,6 +8,7 @@ naming the file and, where there is one, the field or tensor. A missing path is 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -163,11 +164,26 @@ def load_engine_inputs(path, dtype: str | None, quantization, tokenizer, devices
         config = config.replace(sampling_defaults=folder_sampling_defaults(path))
     if "pooling_defaults" not in options:
         config = config.replace(pooling_defaults=folder_pooling_defaults(path))
+    config = config.replace(speculative_config=folder_mtp_head(path, config.speculative_config))
     tokenizer = folder_tokenizer if tokenizer is None else tokenizer
     classifier = engine_classifier(path, config.model_config, weights.get("params"), tokenizer,
                                    classifier_from_tokens)
     return config, {**weights, "tokenizer": tokenizer, "image_processor": folder_image_processor(path, weights),
                     "devices": devices, "classifier": classifier}
+
+
+def folder_mtp_head(path, speculative_config):
+    """`speculative_config` with method "mtp" and no head given pointed at the model folder's own `mtp/` (a head
+    `pagedjax.spec_decode.mtp_head.save_head` wrote: the bundled model ships one) where there is one; as given
+    otherwise (the engine then says that the head is missing)."""
+    from pagedjax.model.loading import checkpoint
+
+    if speculative_config is None or speculative_config.method != "mtp" or speculative_config.draft_model is not None:
+        return speculative_config
+    folder = (checkpoint.bundled_model_path() if path is None else Path(path)) / "mtp"
+    if not folder.is_dir():
+        return speculative_config
+    return dataclasses.replace(speculative_config, draft_model=str(folder))
 
 
 def folder_image_processor(path, weights: dict):

@@ -1,0 +1,260 @@
+"""Speculative decoding by a multi-token-prediction head (`SpeculativeConfig(method="mtp")`): after each step the
+head (`pagedjax.spec_decode.mtp_head`) runs over the final hidden states the target just computed, and chains its
+greedy guesses into each speculating request's proposals.
+
+    load_mtp_head(config, target_config)   ->  the head (a folder or a module, checked against the target), or None
+    MTPProposer(head, target_runner, ...)  ->  a `Proposer`: one device call per step, the target's hidden states
+                                               never leave the device (`ModelRunner(keep_hidden=True)`)
+
+What the head computes at position p needs the target's final hidden state f_p and the token t_{p+1}, so it can run
+only where the target has run: after each step, at every position the step computed and kept (accepted) for a
+request that speculates (prefill chunks too, so that a request's head KV covers its prompt; a verifying step's
+rejected positions are not kept, and its accepted ones are computed again with the target's hidden states, over
+the chain's guesses). A request asked for proposals gets them from its last kept position, N - 1, where the head's
+logits guess t_{N+1} = d_1; then d_j at position N - 1 + j, with the head's own output h as the feature, guesses
+d_{j+1} (slots of the blocks `Scheduler.reserve_draft_slots` gave it). All of it is one jitted program per step:
+the ragged rows, then k - 1 one-token steps for all asked requests together.
+
+The head's KV: one layer's page arrays of the target's `num_blocks` x `block_size`, addressed by the target's block
+ids (as a draft model's), so the KV pool is sized with the head's bytes per block included. Positions the target did
+not compute for the request (a prefix-cache hit, fused decode steps, a block copied on write for a fork) keep
+whatever head KV their slots hold: a guess made over them may be worse, never a token different, because every
+proposal is verified by the target (`pagedjax.core.step_result`: the output is exactly the non-speculative one).
+Proposals are greedy, so accepting one when the target's own draw equals it is rejection sampling with a one-hot
+proposal distribution (`pagedjax.spec_decode.draft_model` says why): seeded sampling stays exact too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pagedjax.config import CacheConfig, ModelConfig, SpeculativeConfig
+from pagedjax.core.request import RequestStatus
+from pagedjax.device.attention import AttentionMetadata
+from pagedjax.device.kv_cache import KVCache, init_kv_cache
+from pagedjax.model.api import PagedKVCache
+from pagedjax.runner.inputs import bucket
+from pagedjax.runner.runner import ModelRunner
+from pagedjax.spec_decode.mtp_head import MTPHead, head_config, load_head
+from pagedjax.spec_decode.proposer import ProposalAsk, StepSeen
+from pagedjax.spec_decode.speculator import speculates
+
+logger = logging.getLogger(__name__)
+
+
+def load_mtp_head(config: SpeculativeConfig | None, target: ModelConfig | None, parallel_config) -> MTPHead | None:
+    """The MTP head of `config` (None unless its method is "mtp"): `config.draft_model` a head's folder
+    (`save_head`'s) or an `MTPHead`, for a built-in target of config `target`. ValueError for a head of another
+    target's shape, a target that is not a built-in model, no head given, or tensor parallelism."""
+    if config is None or config.method != "mtp":
+        return None
+    if parallel_config is not None:
+        raise ValueError("SpeculativeConfig(method='mtp') does not run under a parallel_config yet")
+    if target is None:
+        raise ValueError("SpeculativeConfig(method='mtp') needs a built-in model (its ModelConfig): the head shares "
+                         "its embedding and LM head")
+    head = config.draft_model
+    if head is None:
+        raise ValueError("SpeculativeConfig(method='mtp') needs its head: draft_model= a head's folder or an "
+                         "MTPHead (LLMEngine.from_pretrained and --model find a model folder's own mtp/)")
+    if isinstance(head, str | os.PathLike):
+        return load_head(head, target)
+    if not isinstance(head, MTPHead):
+        raise TypeError(f"SpeculativeConfig(method='mtp').draft_model: a head's folder or an MTPHead, got "
+                        f"{type(head).__name__}")
+    if head.config != head_config(target):
+        raise ValueError(f"SpeculativeConfig(method='mtp'): the MTPHead was built for another target "
+                         f"({head.config}), this model's head is {head_config(target)}")
+    return head
+
+
+class HeadRows(NamedTuple):
+    """One step's head call, on the host: the ragged rows (positions the target computed and kept, one sequence
+    per request) and the chain of the asked ones. Padded to `bucket` sizes by `pad`."""
+
+    rows: np.ndarray  # i32[R]: each row's index among the target step's tokens (its hidden state)
+    token_ids: np.ndarray  # i32[R]: t_{p+1}
+    positions: np.ndarray  # i32[R]: p
+    slot_mapping: np.ndarray  # i32[R]
+    cu_q_lens: np.ndarray  # i32[S + 1]
+    kv_lens: np.ndarray  # i32[S]
+    block_tables: np.ndarray  # i32[S, B]
+    last_rows: np.ndarray  # i32[S]: each sequence's last row (where its first guess comes from)
+    chain_slots: np.ndarray  # i32[k - 1, S]: where chain step j writes (-1: the sequence makes no guess j + 1)
+
+
+def head_rows(step: StepSeen, asks: list[ProposalAsk], k: int, block_size: int) -> tuple[HeadRows, list[int]]:
+    """The head's rows after `step` (see the module's docstring) and, for each ask, its sequence among them (-1:
+    no proposal: the step did not compute its last position with a kept hidden state, e.g. it ran in a fused
+    decode)."""
+    plan, scheduler = step.plan, step.scheduler
+    asked = {ask.request.request_id: ask for ask in asks}
+    rows, tokens, positions, slots, q_lens, kv_lens, tables, ids = [], [], [], [], [], [], [], []
+    cu = plan.cu_q_lens.tolist()
+    for i, rid in enumerate(plan.request_ids):
+        request = scheduler.requests.get(rid)
+        if request is None or request.status != RequestStatus.RUNNING or not speculates(request):
+            continue
+        start = int(plan.kv_lens[i]) - (cu[i + 1] - cu[i])  # the step's first position of this request
+        end = min(int(plan.kv_lens[i]), request.num_computed_tokens)  # kept: accepted proposals only
+        if end <= start:
+            continue
+        ask = asked.get(rid)
+        blocks = ask.block_ids if ask is not None else scheduler.draft_blocks(request)[0]
+        p = np.arange(start, end, dtype=np.int32)
+        rows.append(np.arange(cu[i], cu[i] + end - start, dtype=np.int32))
+        tokens.append(np.asarray(request.get_token_ids(start + 1, end + 1), np.int32))
+        positions.append(p)
+        table = np.asarray(blocks, np.int32)
+        slots.append(table[p // block_size] * block_size + p % block_size)
+        q_lens.append(end - start)
+        kv_lens.append(end)
+        tables.append(table)
+        ids.append(rid)
+    n = len(ids)
+    width = max((len(t) for t in tables), default=1)
+    table_array = np.zeros((n, width), np.int32)
+    for s, t in enumerate(tables):
+        table_array[s, :len(t)] = t
+    cu_q = np.zeros(n + 1, np.int32)
+    np.cumsum(q_lens, out=cu_q[1:])
+    chain = np.full((max(k - 1, 0), n), -1, np.int32)
+    where = {rid: s for s, rid in enumerate(ids)}
+    sequence_of = []
+    for ask in asks:
+        s = where.get(ask.request.request_id, -1)
+        if s >= 0 and kv_lens[s] != ask.request.num_computed_tokens:
+            s = -1  # its last position was not computed by this step
+        sequence_of.append(s)
+        if s >= 0:
+            for j in range(1, ask.cap):  # guess j + 1 is made at position N - 1 + j
+                pos = kv_lens[s] - 1 + j
+                chain[j - 1, s] = table_array[s, pos // block_size] * block_size + pos % block_size
+    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    return HeadRows(cat(rows), cat(tokens), cat(positions), cat(slots), cu_q, np.asarray(kv_lens, np.int32),
+                    table_array, (cu_q[1:] - 1).astype(np.int32), chain), sequence_of
+
+
+def pad(x: HeadRows, num_rows: int, num_seqs: int, width: int) -> HeadRows:
+    """`x` padded to `num_rows` rows, `num_seqs` sequences and tables `width` blocks wide: padding rows write
+    nowhere (slot -1), padding sequences have no rows."""
+    r, s = len(x.rows), len(x.kv_lens)
+    rows = lambda a, v: np.concatenate([a, np.full(num_rows - r, v, np.int32)])
+    seqs = lambda a, v: np.concatenate([a, np.full(num_seqs - s, v, np.int32)])
+    tables = np.zeros((num_seqs, width), np.int32)
+    tables[:s, :x.block_tables.shape[1]] = x.block_tables
+    chain = np.full((x.chain_slots.shape[0], num_seqs), -1, np.int32)
+    chain[:, :s] = x.chain_slots
+    return HeadRows(rows(x.rows, 0), rows(x.token_ids, 0), rows(x.positions, 0), rows(x.slot_mapping, -1),
+                    seqs(x.cu_q_lens, r), seqs(x.kv_lens, 0), tables, seqs(x.last_rows, 0), chain)
+
+
+def _head_step(head_graphdef, head_params, target_graphdef, target_params, kv: KVCache, hidden, x: HeadRows, *,
+               backend: str, block_size: int) -> tuple[jax.Array, KVCache]:
+    """The head's ragged rows (`hidden` `[T, hidden]`: the target step's hidden states, of which `x.rows` are the
+    rows' features), then its chain: returns (guesses i32[S, k], the head's KV). The first column is each sequence's
+    guess at its last row; column j the guess made at chain step j (meaningful where it wrote)."""
+    head: MTPHead = nnx.merge(head_graphdef, head_params)
+    target = nnx.merge(target_graphdef, target_params)
+    spec = head.spec
+    meta = AttentionMetadata(x.slot_mapping, x.block_tables, x.kv_lens, x.cu_q_lens)
+    cache = PagedKVCache(kv.layers, meta, backend=backend, spec=spec, block_sizes=(block_size,))
+    h, cache = head(target.embed(x.token_ids), hidden[x.rows], x.positions, cache)
+    h = h[x.last_rows]  # [S, hidden]
+    guess = jnp.argmax(head.logits(target, h), axis=-1).astype(jnp.int32)
+    guesses = [guess]
+    num_seqs = x.kv_lens.shape[0]
+    last = x.positions[x.last_rows]  # [S]: N - 1
+    for j in range(x.chain_slots.shape[0]):  # chain step j + 1: token d_{j+1} at position N + j
+        pos = last + 1 + j
+        writes = x.chain_slots[j] >= 0
+        meta = AttentionMetadata(x.chain_slots[j], x.block_tables, jnp.where(writes, pos + 1, 1),
+                                 jnp.arange(num_seqs + 1, dtype=jnp.int32))
+        cache = PagedKVCache(cache.layers, meta, backend=backend, decode_only=True, spec=spec,
+                             block_sizes=(block_size,))
+        h, cache = head(target.embed(guess), h, pos, cache)
+        guess = jnp.argmax(head.logits(target, h), axis=-1).astype(jnp.int32)
+        guesses.append(guess)
+    return jnp.stack(guesses, axis=1), KVCache(cache.layers)
+
+
+class MTPProposer:
+    """The MTP head's `Proposer` (see the module's docstring). A head call that raises costs the step its proposals
+    (logged, counted in `num_failed_calls`; the head's KV is made again if the call took it)."""
+
+    def __init__(self, head: MTPHead, target: ModelRunner, num_blocks: int, cache_config: CacheConfig, k: int):
+        if not target.keep_hidden:
+            raise ValueError("MTPProposer: the target's runner must keep its hidden states (keep_hidden=True)")
+        self.k = k
+        self.block_size = cache_config.block_size
+        self.num_blocks = num_blocks
+        self.kv_dtype = cache_config.kv_array_dtype(head.spec)
+        self.head_graphdef, self.head_params = nnx.split(head)
+        self.spec = head.spec
+        self.target = target
+        self.kv: KVCache | None = self._new_kv()
+        self.num_failed_calls = 0
+        head_graphdef, target_graphdef = self.head_graphdef, target.graphdef
+        # Parameters pass as flat lists of arrays (as the runner's steps take them): walking an nnx.State per call
+        # costs more than this head's whole step on a small model.
+        self._head_leaves, head_treedef = jax.tree.flatten(self.head_params)
+        target_treedef = jax.tree.structure(target.params)
+
+        def call(head_leaves, target_leaves, kv, hidden, x, *, backend, block_size):
+            return _head_step(head_graphdef, jax.tree.unflatten(head_treedef, head_leaves), target_graphdef,
+                              jax.tree.unflatten(target_treedef, target_leaves), kv, hidden, x,
+                              backend=backend, block_size=block_size)
+
+        # The head's KV is donated (updated in place). Its rows, sequences and table width come padded to powers of
+        # two, as the target's steps are (padding is not free: each padding sequence is attended over); a program
+        # per those and the target step's token bucket, each compiled on first use.
+        self._call = jax.jit(call, donate_argnums=(2,), static_argnames=("backend", "block_size"))
+
+    def _new_kv(self) -> KVCache:
+        return init_kv_cache(self.spec.kv_layout, self.num_blocks, self.block_size, self.kv_dtype)
+
+    def forget(self, live_request_ids) -> None:
+        """Nothing per request: what the head's KV covers follows from each step (see the module's docstring)."""
+
+    def sleep(self) -> int:
+        """Release the head's KV arrays (with the target's: `LLMEngine.sleep`); bytes freed (0 if asleep)."""
+        if self.kv is None:
+            return 0
+        freed = self.kv.nbytes
+        for a in jax.tree.leaves(self.kv):
+            a.delete()
+        self.kv = None
+        return freed
+
+    def wake(self) -> None:
+        if self.kv is None:
+            self.kv = self._new_kv()
+
+    def propose(self, asks: list[ProposalAsk], step: StepSeen | None) -> list[list[int]]:
+        hidden = None if step is None else step.result.hidden
+        if hidden is None or self.kv is None:  # a fused decode (no hidden states kept), or asleep
+            return [[] for _ in asks]
+        x, sequence_of = head_rows(step, asks, self.k, self.block_size)
+        if len(x.rows) == 0:
+            return [[] for _ in asks]
+        x = pad(x, bucket(len(x.rows)), bucket(len(x.kv_lens)), bucket(x.block_tables.shape[1], 2))
+        try:
+            guesses, self.kv = self._call(self._head_leaves, self.target.param_leaves, self.kv, hidden, x,
+                                          backend=self.target.backend,
+                                          block_size=self.block_size)
+            guesses = np.asarray(guesses)
+        except Exception as exc:  # the proposals only: the target's step goes on without them
+            self.num_failed_calls += 1
+            if any(a.is_deleted() for a in jax.tree.leaves(self.kv)):
+                self.kv = self._new_kv()
+            logger.error("MTP head call failed, no proposals this step: %s: %s", type(exc).__name__, exc,
+                         exc_info=exc)
+            return [[] for _ in asks]
+        return [[] if s < 0 else guesses[s, :ask.cap].tolist() for ask, s in zip(asks, sequence_of, strict=True)]

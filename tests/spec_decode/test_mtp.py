@@ -1,0 +1,258 @@
+"""The MTP head's proposer through the whole engine (`pagedjax.spec_decode.mtp`): every proposal is the head's dense
+chain over the request's tokens (its KV bookkeeping is right: which positions it computed, with which features, in
+which slots, across prefill chunks, verifying steps, prefix-cache hits and preemptions), the output is the
+non-speculative one (greedy against the dense model, seeded samples against the engine without speculation), a
+failing head call costs only its proposals, sleep / wake, the bundled model's trained head, and the errors."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pagedjax import CacheConfig, LLMEngine, SamplingParams
+from pagedjax.config import SchedulerConfig, SpeculativeConfig
+from pagedjax.model.loading.checkpoint import bundled_model_path
+from pagedjax.parallel import ParallelConfig
+from pagedjax.spec_decode.mtp import MTPProposer
+from pagedjax.spec_decode.mtp_head import MTPHead, head_config, init_head, load_head, save_head
+from tests.engine.test_engine import CFG, MAX_LEN, MAX_TOKENS, PROMPTS, SEED, assert_all_free, reference
+from tests.engine.test_speculative import assert_same_outputs
+
+HEAD = init_head(CFG, seed=3)
+
+
+def mtp(k: int = 3, head=HEAD) -> SpeculativeConfig:
+    return SpeculativeConfig(method="mtp", draft_model=head, num_speculative_tokens=k)
+
+
+def make_engine(block_size=16, num_blocks=64, max_num_seqs=4, max_batched=32, **kw) -> LLMEngine:
+    return LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                     scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
+                                                      max_model_len=MAX_LEN), seed=SEED, **kw)
+
+
+def dense_chain(target, head: MTPHead):
+    """f(tokens, k) -> the head's k greedy guesses after `tokens` (t_0 .. t_N; the target computed t_0 .. t_{N-1})
+    by its dense forward, and the smallest top-1 / top-2 logit margin among them: rows p = 0 .. N-1 read (t_{p+1},
+    the target's f_p); each guess d_j is then a row of its own, with the head's previous output as its feature.
+    Jitted over sequences padded to MAX_LEN + 1 (rows past the last real one are causal padding)."""
+    target_graphdef, target_state = nnx.split(target)
+    head_graphdef, head_state = nnx.split(head)
+
+    @functools.partial(jax.jit, static_argnames="k")
+    def chain(tokens, n, *, k):
+        target, head = nnx.merge(target_graphdef, target_state), nnx.merge(head_graphdef, head_state)
+        feats = target.hidden_dense(tokens[None])[0]
+        inputs = jnp.concatenate([tokens[1:], tokens[:1]])
+        guesses, margins = [], []
+        for j in range(k):
+            h = head.dense(target.embed(inputs)[None], feats[None])[0]
+            logits = head.logits(target, h[n - 1 + j])
+            top = jax.lax.top_k(logits, 2)[0]
+            guess = jnp.argmax(logits).astype(jnp.int32)
+            guesses.append(guess)
+            margins.append(top[0] - top[1])
+            inputs = inputs.at[n + j].set(guess)
+            feats = feats.at[n + j].set(h[n - 1 + j])
+        return jnp.stack(guesses), jnp.min(jnp.stack(margins))
+
+    def run(tokens: list[int], k: int) -> tuple[list[int], float]:
+        padded = np.zeros(MAX_LEN + 1, np.int32)
+        padded[:len(tokens)] = tokens
+        guesses, margin = chain(padded, len(tokens) - 1, k=k)
+        return np.asarray(guesses).tolist(), float(margin)
+
+    return run
+
+
+def recorded_proposals(engine: LLMEngine, monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """(the request's tokens, the proposal) of every proposal the engine's MTP proposer makes from now on."""
+    proposer = engine.speculator.proposer
+    assert isinstance(proposer, MTPProposer)
+    seen, propose = [], proposer.propose
+
+    def recording(asks, step):
+        out = propose(asks, step)
+        seen.extend((list(a.request.all_token_ids), list(p)) for a, p in zip(asks, out, strict=True) if p)
+        return out
+
+    monkeypatch.setattr(proposer, "propose", recording)
+    return seen
+
+
+def check_against_dense(engine: LLMEngine, seen, minimum: int) -> None:
+    target = nnx.merge(engine.runner.graphdef, engine.runner.params)
+    head = nnx.merge(engine.speculator.proposer.head_graphdef, engine.speculator.proposer.head_params)
+    reference_chain, compared = dense_chain(target, head), 0
+    for tokens, proposal in seen:
+        expected, margin = reference_chain(tokens, len(proposal))
+        if margin > 1e-4:  # a near tie may flip under float32 rounding
+            assert proposal == expected, (len(tokens), proposal, expected)
+            compared += 1
+    assert compared >= minimum, (compared, len(seen))
+
+
+@pytest.mark.parametrize("block_size", [8, pytest.param(16, marks=pytest.mark.slow)])
+def test_proposals_are_the_dense_chain_and_outputs_the_dense_tokens(monkeypatch, block_size):
+    """Prompts of 1, 16 and 53 tokens (chunked: 32 tokens per step), then two sharing a 40-token prefix run after
+    one of them: their prefix-cache hits end a block before the shared text's last full block (`KVCacheManager.
+    drop_last_hit_block`; with blocks of 8 the shared text ends on a block boundary, with 16 inside a block), so
+    the head's KV at a hit's last position was made with the same next token. k = 3. Every proposal equals the
+    head's dense chain; the tokens are the dense model's."""
+    engine = make_engine(block_size=block_size, speculative_config=mtp())
+    seen = recorded_proposals(engine, monkeypatch)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outs = engine.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == reference()[:3]
+    engine.generate(PROMPTS[3:4], params, use_tqdm=False)
+    outs = engine.generate(PROMPTS[3:5], params, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == reference()[3:5]
+    # each of the two: 40 shared tokens, 5 (4) full blocks cached, one left out
+    assert [o.num_cached_tokens for o in outs] == [(40 // block_size - 1) * block_size] * 2
+    assert engine.stats().spec_proposed_tokens > 0
+    check_against_dense(engine, seen, minimum=40)
+    assert_all_free(engine)
+
+
+@pytest.mark.slow
+def test_preempted_requests_recompute_the_heads_kv(monkeypatch):
+    """A pool too small for four requests at once: preemptions recompute the victims' target KV and, with it, the
+    head's; the proposals after each recompute are still the dense chain's."""
+    engine = make_engine(block_size=8, num_blocks=16, speculative_config=mtp(k=2))
+    seen = recorded_proposals(engine, monkeypatch)
+    outs = engine.generate(PROMPTS[1:5], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == reference()[1:5]
+    assert engine.stats().scheduler.num_preemptions > 0
+    check_against_dense(engine, seen, minimum=20)
+    assert_all_free(engine)
+
+
+@pytest.mark.slow
+def test_seeded_samples_equal_the_engine_without_speculation():
+    """Seeded sampling with log-probabilities, greedy, a forked multi-sample request, and one with penalties (not
+    speculated, in the same steps): every output is the engine's without speculation."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, top_p=0.95, seed=3, logprobs=2),
+              SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1),
+              SamplingParams(max_tokens=7, temperature=1.0, seed=11, n=2),
+              SamplingParams(max_tokens=MAX_TOKENS, presence_penalty=0.5, temperature=0.9, seed=2)]
+    plain = make_engine().generate(PROMPTS[:4], params, use_tqdm=False)
+    engine = make_engine(speculative_config=mtp())
+    speculative = engine.generate(PROMPTS[:4], params, use_tqdm=False)
+    for a, b in zip(plain, speculative, strict=True):
+        assert_same_outputs(a, b)
+    assert engine.stats().spec_proposed_tokens > 0
+    assert_all_free(engine)
+
+
+@pytest.mark.slow
+def test_a_failing_head_call_costs_its_proposals_only(monkeypatch, caplog):
+    engine = make_engine(speculative_config=mtp())
+    proposer = engine.speculator.proposer
+    call, calls = proposer._call, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("head device lost")
+        return call(*args, **kwargs)
+
+    monkeypatch.setattr(proposer, "_call", fails_once)
+    with caplog.at_level(logging.ERROR, logger="pagedjax.spec_decode.mtp"):
+        outs = engine.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == reference()[:3]
+    assert proposer.num_failed_calls == 1 and "head device lost" in caplog.text
+    assert_all_free(engine)
+
+
+@pytest.mark.slow
+def test_sleep_releases_the_heads_kv_and_wake_serves_again():
+    engine = make_engine(speculative_config=mtp())
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    engine.generate(PROMPTS[:1], params, use_tqdm=False)
+    head_bytes = engine.speculator.proposer.kv.nbytes
+    freed = engine.sleep()
+    assert engine.speculator.proposer.kv is None and freed >= head_bytes > 0
+    engine.wake()
+    outs = engine.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == reference()[:2] and engine.stats().spec_proposed_tokens > 0
+
+
+def test_the_kv_pool_is_sized_with_the_heads_bytes():
+    cache = CacheConfig(block_size=16, kv_memory_bytes=1 << 20)
+    plain = LLMEngine(model_config=CFG, cache_config=cache, seed=SEED)
+    with_head = LLMEngine(model_config=CFG, cache_config=cache, seed=SEED, speculative_config=mtp())
+    per_block = cache.block_bytes(CFG.spec)
+    assert plain.num_blocks == (1 << 20) // per_block
+    assert with_head.num_blocks == (1 << 20) // (per_block + cache.block_bytes(head_config(CFG).spec))
+
+
+def test_a_saved_head_loads_for_its_target_and_is_refused_for_another(tmp_path):
+    save_head(tmp_path / "mtp", HEAD, extra={"note": "test"})
+    loaded = load_head(tmp_path / "mtp", CFG)
+    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), nnx.state(loaded), nnx.state(HEAD))
+    assert all(jax.tree.leaves(same))
+    other = CFG.replace(hidden_size=32, head_dim=8)
+    with pytest.raises(ValueError, match="the MTP head in .* was built for another target"):
+        load_head(tmp_path / "mtp", other)
+    with pytest.raises(FileNotFoundError, match="no MTP head in .*mtp_config.json is missing"):
+        load_head(tmp_path, CFG)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "mtp_config.json").write_text('{"format": "something else"}')
+    with pytest.raises(ValueError, match="is not an MTP head's config"):
+        load_head(tmp_path / "bad", CFG)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(speculative_config=SpeculativeConfig(method="mtp")), ValueError,
+     r"SpeculativeConfig\(method='mtp'\) needs its head"),
+    (dict(speculative_config=SpeculativeConfig(method="mtp", draft_model=init_head(CFG.replace(hidden_size=32,
+                                                                                           head_dim=8)))),
+     ValueError, "the MTPHead was built for another target"),
+    (dict(speculative_config=SpeculativeConfig(method="mtp", draft_model=42)), TypeError,
+     "a head's folder or an MTPHead, got int"),
+    (dict(speculative_config=mtp(), parallel_config=ParallelConfig(tensor_parallel_size=1)), ValueError,
+     "does not run under a parallel_config"),
+    (dict(speculative_config=mtp(), cache_config=CacheConfig(num_blocks=32, kv_host_memory_bytes=1 << 20)),
+     ValueError, "the host tier does not move a draft model's or an MTP head's KV"),
+])
+def test_engine_refuses(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LLMEngine(model_config=CFG, seed=SEED, **kwargs)
+
+
+def test_a_head_is_refused_for_targets_whose_layers_it_does_not_build():
+    with pytest.raises(ValueError, match="this target has sliding windows, architecture 'gemma2'"):
+        head_config(CFG.replace(architecture="gemma2", sliding_windows=(8, None)))
+    with pytest.raises(TypeError, match="built-in model's ModelConfig"):
+        head_config(CFG.spec)
+
+
+def test_the_bundled_model_ships_a_trained_head():
+    """`from_pretrained` finds the bundled model's `mtp/` (scripts/train_mtp.py); on a held-out-style prompt more
+    than a quarter of its proposals are accepted (33% when written; a random head's almost never: 1 in 2048),
+    and the greedy tokens are the plain engine's."""
+    prompt = "def read_config(path):\n    with open(path) as f:\n"
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = LLMEngine.from_pretrained(None).generate([prompt], params, use_tqdm=False)
+    engine = LLMEngine.from_pretrained(None, speculative_config=SpeculativeConfig(method="mtp",
+                                                                                 num_speculative_tokens=3))
+    assert engine.config.speculative_config.draft_model == str(bundled_model_path() / "mtp")
+    outs = engine.generate([prompt], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    s = engine.stats()
+    assert s.spec_accepted_tokens > s.spec_proposed_tokens / 4, (s.spec_accepted_tokens, s.spec_proposed_tokens)
+
+
+def test_a_model_folder_without_a_head_is_named(tmp_path):
+    from pagedjax.model.loading.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg, state = load_checkpoint(bundled_model_path())
+    save_checkpoint(tmp_path / "model", cfg, state)
+    with pytest.raises(ValueError, match=r"needs its head.*mtp/"):
+        LLMEngine.from_pretrained(tmp_path / "model", speculative_config=SpeculativeConfig(method="mtp"))
