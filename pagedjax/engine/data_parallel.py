@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 # Fields of EngineStats that combine otherwise than by adding up: times (replicas step concurrently: the slowest
 # replica's), and each replica's own layout (the same on every replica: the first's).
 _SLOWEST = frozenset({"steps", "elapsed_s", "device_s", "compile_s", "warmup_s", "encoder_s",
-                      "host_move_s", "disk_s"})
+                      "host_move_s", "disk_s", "spec_proposer_s"})
 _PER_REPLICA = frozenset({"tensor_parallel_size", "kv_cache_bytes_per_device", "kv_dtype", "kv_bytes_per_token",
                           "kv_bytes_per_block"})
 

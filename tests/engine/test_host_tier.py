@@ -199,7 +199,7 @@ def test_tier_configurations_that_cannot_work_are_refused(tmp_path):
         with pytest.raises(ValueError, match="a disk tier serves one process; this engine runs over 2"):
             _engine(disk_dir=tmp_path)
     draft = SpeculativeConfig(method="draft", draft_model=init_model(CFG, SEED), num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="does not move a draft model's KV"):
+    with pytest.raises(ValueError, match="does not move a draft model's or an MTP head's KV"):
         LLMEngine(model_config=CFG, cache_config=CacheConfig(num_blocks=8, kv_host_memory_bytes=HOST),
                   speculative_config=draft, seed=SEED)
 
