@@ -731,8 +731,7 @@ class LLMEngine:
 
     def sleep(self) -> int:
         """Release the KV pool's device memory, a draft model's or an MTP head's too (running requests recompute
-        after `wake`);
-        returns bytes freed per device. Steps raise RuntimeError until `wake()`."""
+        after `wake`); returns bytes freed per device. Steps raise RuntimeError until `wake()`."""
         draft = None if self.speculator is None else self.speculator.draft
         return weights.sleep(self.runner, self.scheduler) + (0 if draft is None else draft.sleep())
 

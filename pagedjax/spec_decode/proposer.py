@@ -18,6 +18,7 @@ import numpy as np
 
 from pagedjax.config import SpeculativeConfig
 from pagedjax.core.request import Request
+from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.core.step_result import StepResult
 
@@ -38,7 +39,7 @@ class StepSeen(NamedTuple):
 
     plan: StepPlan
     result: StepResult
-    scheduler: object  # `pagedjax.core.scheduler.Scheduler` (not imported: the scheduler is above this module)
+    scheduler: Scheduler
 
 
 class Proposer(Protocol):
