@@ -6,7 +6,6 @@ failing head call costs only its proposals, sleep / wake, the bundled model's tr
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import jax
@@ -15,9 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pagedjax import CacheConfig, LLMEngine, SamplingParams
+from pagedjax import CacheConfig, LLMEngine, ModelConfig, SamplingParams
 from pagedjax.config import SchedulerConfig, SpeculativeConfig
-from pagedjax.model.loading.checkpoint import bundled_model_path
+from pagedjax.model.loading.checkpoint import bundled_model_path, read_checkpoint_metadata
+from pagedjax.model.loading.loader import folder_mtp_head
 from pagedjax.parallel import ParallelConfig
 from pagedjax.spec_decode.mtp import MTPProposer
 from pagedjax.spec_decode.mtp_head import MTPHead, head_config, init_head, load_head, save_head
@@ -37,16 +37,17 @@ def make_engine(block_size=16, num_blocks=64, max_num_seqs=4, max_batched=32, **
                                                       max_model_len=MAX_LEN), seed=SEED, **kw)
 
 
-def dense_chain(target, head: MTPHead):
-    """f(tokens, k) -> the head's k greedy guesses after `tokens` (t_0 .. t_N; the target computed t_0 .. t_{N-1})
-    by its dense forward, and the smallest top-1 / top-2 logit margin among them: rows p = 0 .. N-1 read (t_{p+1},
-    the target's f_p); each guess d_j is then a row of its own, with the head's previous output as its feature.
-    Jitted over sequences padded to MAX_LEN + 1 (rows past the last real one are causal padding)."""
+def dense_chain(target, head: MTPHead, k: int):
+    """f(tokens, n) -> the head's first n <= k greedy guesses after `tokens` (t_0 .. t_N; the target computed t_0 ..
+    t_{N-1}) by its dense forward, and the smallest top-1 / top-2 logit margin among them: rows p = 0 .. N-1 read
+    (t_{p+1}, the target's f_p); each guess d_j is then a row of its own, with the head's previous output as its
+    feature. One jitted program: k guesses over sequences padded to MAX_LEN + k (rows past the last real one are
+    causal padding; a guess depends on the earlier ones only)."""
     target_graphdef, target_state = nnx.split(target)
     head_graphdef, head_state = nnx.split(head)
 
-    @functools.partial(jax.jit, static_argnames="k")
-    def chain(tokens, n, *, k):
+    @jax.jit
+    def chain(tokens, n):
         target, head = nnx.merge(target_graphdef, target_state), nnx.merge(head_graphdef, head_state)
         feats = target.hidden_dense(tokens[None])[0]
         inputs = jnp.concatenate([tokens[1:], tokens[:1]])
@@ -60,13 +61,13 @@ def dense_chain(target, head: MTPHead):
             margins.append(top[0] - top[1])
             inputs = inputs.at[n + j].set(guess)
             feats = feats.at[n + j].set(h[n - 1 + j])
-        return jnp.stack(guesses), jnp.min(jnp.stack(margins))
+        return jnp.stack(guesses), jnp.stack(margins)
 
-    def run(tokens: list[int], k: int) -> tuple[list[int], float]:
-        padded = np.zeros(MAX_LEN + 1, np.int32)
+    def run(tokens: list[int], n: int) -> tuple[list[int], float]:
+        padded = np.zeros(MAX_LEN + k, np.int32)
         padded[:len(tokens)] = tokens
-        guesses, margin = chain(padded, len(tokens) - 1, k=k)
-        return np.asarray(guesses).tolist(), float(margin)
+        guesses, margins = chain(padded, len(tokens) - 1)
+        return np.asarray(guesses)[:n].tolist(), float(np.min(np.asarray(margins)[:n]))
 
     return run
 
@@ -89,7 +90,8 @@ def recorded_proposals(engine: LLMEngine, monkeypatch) -> list[tuple[list[int], 
 def check_against_dense(engine: LLMEngine, seen, minimum: int) -> None:
     target = nnx.merge(engine.runner.graphdef, engine.runner.params)
     head = nnx.merge(engine.speculator.proposer.head_graphdef, engine.speculator.proposer.head_params)
-    reference_chain, compared = dense_chain(target, head), 0
+    k = engine.config.speculative_config.num_speculative_tokens
+    reference_chain, compared = dense_chain(target, head, k), 0
     for tokens, proposal in seen:
         expected, margin = reference_chain(tokens, len(proposal))
         if margin > 1e-4:  # a near tie may flip under float32 rounding
@@ -98,25 +100,24 @@ def check_against_dense(engine: LLMEngine, seen, minimum: int) -> None:
     assert compared >= minimum, (compared, len(seen))
 
 
-@pytest.mark.parametrize("block_size", [8, pytest.param(16, marks=pytest.mark.slow)])
-def test_proposals_are_the_dense_chain_and_outputs_the_dense_tokens(monkeypatch, block_size):
-    """Prompts of 1, 16 and 53 tokens (chunked: 32 tokens per step), then two sharing a 40-token prefix run after
-    one of them: their prefix-cache hits end a block before the shared text's last full block (`KVCacheManager.
-    drop_last_hit_block`; with blocks of 8 the shared text ends on a block boundary, with 16 inside a block), so
-    the head's KV at a hit's last position was made with the same next token. k = 3. Every proposal equals the
-    head's dense chain; the tokens are the dense model's."""
+@pytest.mark.parametrize("block_size, first", [(8, slice(2, 4)), pytest.param(16, slice(0, 4), marks=pytest.mark.slow)])
+def test_proposals_are_the_dense_chain_and_outputs_the_dense_tokens(monkeypatch, block_size, first):
+    """Prompts of 53 and 45 tokens (chunked: 32 tokens per step; the slow variant adds prompts of 1 and 16), then
+    the second again with one sharing its 40-token prefix: their prefix-cache hits end a block before the shared
+    text's last full block (`KVCacheManager.drop_last_hit_block`; with blocks of 8 the shared text ends on a block
+    boundary, with 16 inside a block), so the head's KV at a hit's last position was made with the same next token.
+    k = 3. Every proposal equals the head's dense chain; the tokens are the dense model's."""
     engine = make_engine(block_size=block_size, speculative_config=mtp())
     seen = recorded_proposals(engine, monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    outs = engine.generate(PROMPTS[:3], params, use_tqdm=False)
-    assert [o.output_token_ids for o in outs] == reference()[:3]
-    engine.generate(PROMPTS[3:4], params, use_tqdm=False)
+    outs = engine.generate(PROMPTS[first], params, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == reference()[first]
     outs = engine.generate(PROMPTS[3:5], params, use_tqdm=False)
     assert [o.output_token_ids for o in outs] == reference()[3:5]
-    # each of the two: 40 shared tokens, 5 (4) full blocks cached, one left out
+    # each of the two: 40 shared tokens, 5 (2) full blocks cached, one left out
     assert [o.num_cached_tokens for o in outs] == [(40 // block_size - 1) * block_size] * 2
     assert engine.stats().spec_proposed_tokens > 0
-    check_against_dense(engine, seen, minimum=40)
+    check_against_dense(engine, seen, minimum=30)
     assert_all_free(engine)
 
 
@@ -233,20 +234,16 @@ def test_a_head_is_refused_for_targets_whose_layers_it_does_not_build():
         head_config(CFG.spec)
 
 
-def test_the_bundled_model_ships_a_trained_head():
-    """`from_pretrained` finds the bundled model's `mtp/` (scripts/train_mtp.py); on a held-out-style prompt more
-    than a quarter of its proposals are accepted (33% when written; a random head's almost never: 1 in 2048),
-    and the greedy tokens are the plain engine's."""
-    prompt = "def read_config(path):\n    with open(path) as f:\n"
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-    plain = LLMEngine.from_pretrained(None).generate([prompt], params, use_tqdm=False)
-    engine = LLMEngine.from_pretrained(None, speculative_config=SpeculativeConfig(method="mtp",
-                                                                                 num_speculative_tokens=3))
-    assert engine.config.speculative_config.draft_model == str(bundled_model_path() / "mtp")
-    outs = engine.generate([prompt], params, use_tqdm=False)
-    assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
-    s = engine.stats()
-    assert s.spec_accepted_tokens > s.spec_proposed_tokens / 4, (s.spec_accepted_tokens, s.spec_proposed_tokens)
+def test_the_bundled_model_ships_its_head():
+    """`from_pretrained` and `--model` find a folder's `mtp/` (the bundled model's: scripts/train_mtp.py); its
+    acceptance through the whole engine is tests/cli/test_cli_speculative.py's."""
+    config = folder_mtp_head(None, SpeculativeConfig(method="mtp"))
+    assert config == SpeculativeConfig(method="mtp", draft_model=str(bundled_model_path() / "mtp"))
+    assert folder_mtp_head(None, SpeculativeConfig(method="mtp", draft_model="mine")).draft_model == "mine"
+    assert folder_mtp_head(None, SpeculativeConfig()) == SpeculativeConfig()
+    cfg = ModelConfig.from_dict(read_checkpoint_metadata(bundled_model_path())["model_config"])
+    head = load_head(bundled_model_path() / "mtp", cfg)
+    assert head.config == head_config(cfg)
 
 
 def test_a_model_folder_without_a_head_is_named(tmp_path):
