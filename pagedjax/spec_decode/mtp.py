@@ -169,20 +169,24 @@ def _head_step(head_graphdef, head_params, target_graphdef, target_params, kv: K
     h, cache = head(target.embed(x.token_ids), hidden[x.rows], x.positions, cache)
     h = h[x.last_rows]  # [S, hidden]
     guess = jnp.argmax(head.logits(target, h), axis=-1).astype(jnp.int32)
-    guesses = [guess]
     num_seqs = x.kv_lens.shape[0]
     last = x.positions[x.last_rows]  # [S]: N - 1
-    for j in range(x.chain_slots.shape[0]):  # chain step j + 1: token d_{j+1} at position N + j
+    cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+
+    def chain_step(carry, step):  # token d_{j+1} at position N + j, one per sequence (a loop: k is up to 64)
+        h, guess, layers = carry
+        slots, j = step
         pos = last + 1 + j
-        writes = x.chain_slots[j] >= 0
-        meta = AttentionMetadata(x.chain_slots[j], x.block_tables, jnp.where(writes, pos + 1, 1),
-                                 jnp.arange(num_seqs + 1, dtype=jnp.int32))
-        cache = PagedKVCache(cache.layers, meta, backend=backend, decode_only=True, spec=spec,
-                             block_sizes=(block_size,))
+        meta = AttentionMetadata(slots, x.block_tables, jnp.where(slots >= 0, pos + 1, 1), cu_q_lens)
+        cache = PagedKVCache(layers, meta, backend=backend, decode_only=True, spec=spec, block_sizes=(block_size,))
         h, cache = head(target.embed(guess), h, pos, cache)
         guess = jnp.argmax(head.logits(target, h), axis=-1).astype(jnp.int32)
-        guesses.append(guess)
-    return jnp.stack(guesses, axis=1), KVCache(cache.layers)
+        return (h, guess, cache.layers), guess
+
+    steps = x.chain_slots.shape[0]
+    (_, _, layers), chained = jax.lax.scan(chain_step, (h, guess, cache.layers),
+                                           (x.chain_slots, jnp.arange(steps, dtype=jnp.int32)))
+    return jnp.concatenate([guess[:, None], chained.T], axis=1), KVCache(layers)
 
 
 class MTPProposer:
@@ -212,9 +216,10 @@ class MTPProposer:
                               jax.tree.unflatten(target_treedef, target_leaves), kv, hidden, x,
                               backend=backend, block_size=block_size)
 
-        # The head's KV is donated (updated in place). Its rows, sequences and table width come padded to powers of
-        # two, as the target's steps are (padding is not free: each padding sequence is attended over); a program
-        # per those and the target step's token bucket, each compiled on first use.
+        # The head's KV is donated (updated in place). Its rows are padded to the target step's tokens (at most those
+        # of its rejected proposals more than it keeps) and its sequences and table width to powers of two, as the
+        # target's steps are: a program per (step bucket, sequences, width), each compiled on first use (one per
+        # row bucket too made a short request compile twice as many, at about 1.4 s each on this CPU).
         self._call = jax.jit(call, donate_argnums=(2,), static_argnames=("backend", "block_size"))
 
     def _new_kv(self) -> KVCache:
@@ -244,7 +249,7 @@ class MTPProposer:
         x, sequence_of = head_rows(step, asks, self.k, self.block_size)
         if len(x.rows) == 0:
             return [[] for _ in asks]
-        x = pad(x, bucket(len(x.rows)), bucket(len(x.kv_lens)), bucket(x.block_tables.shape[1], 2))
+        x = pad(x, hidden.shape[0], bucket(len(x.kv_lens)), bucket(x.block_tables.shape[1], 2))
         try:
             guesses, self.kv = self._call(self._head_leaves, self.target.param_leaves, self.kv, hidden, x,
                                           backend=self.target.backend,

@@ -153,7 +153,8 @@ def test_seeded_samples_equal_the_engine_without_speculation():
 
 @pytest.mark.slow
 def test_a_failing_head_call_costs_its_proposals_only(monkeypatch, caplog):
-    engine = make_engine(speculative_config=mtp())
+    """(With k = 5: four chained steps.)"""
+    engine = make_engine(speculative_config=mtp(k=5))
     proposer = engine.speculator.proposer
     call, calls = proposer._call, []
 
@@ -173,7 +174,8 @@ def test_a_failing_head_call_costs_its_proposals_only(monkeypatch, caplog):
 
 @pytest.mark.slow
 def test_sleep_releases_the_heads_kv_and_wake_serves_again():
-    engine = make_engine(speculative_config=mtp())
+    """(With k = 1: no chained step.)"""
+    engine = make_engine(speculative_config=mtp(k=1))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     engine.generate(PROMPTS[:1], params, use_tqdm=False)
     head_bytes = engine.speculator.proposer.kv.nbytes
