@@ -12,8 +12,8 @@ request that speculates (prefill chunks too, so that a request's head KV covers 
 rejected positions are not kept, and its accepted ones are computed again with the target's hidden states, over
 the chain's guesses). A request asked for proposals gets them from its last kept position, N - 1, where the head's
 logits guess t_{N+1} = d_1; then d_j at position N - 1 + j, with the head's own output h as the feature, guesses
-d_{j+1} (slots of the blocks `Scheduler.reserve_draft_slots` gave it). All of it is one jitted program per step:
-the ragged rows, then k - 1 one-token steps for all asked requests together.
+d_{j+1} (slots of the blocks `Scheduler.reserve_draft_slots` gave it). All of it is one jitted call per step: the
+ragged rows, then k - 1 one-token steps (a `lax.scan`) for all asked requests together.
 
 The head's KV: one layer's page arrays of the target's `num_blocks` x `block_size`, addressed by the target's block
 ids (as a draft model's), so the KV pool is sized with the head's bytes per block included. Positions the target did
