@@ -7,6 +7,7 @@ failing head call costs only its proposals, sleep / wake, the bundled model's tr
 from __future__ import annotations
 
 import logging
+import types
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from pagedjax.config import SchedulerConfig, SpeculativeConfig
 from pagedjax.model.loading.checkpoint import bundled_model_path, read_checkpoint_metadata
 from pagedjax.model.loading.loader import folder_mtp_head
 from pagedjax.parallel import ParallelConfig
-from pagedjax.spec_decode.mtp import MTPProposer
+from pagedjax.spec_decode.mtp import MTPProposer, load_mtp_head
 from pagedjax.spec_decode.mtp_head import MTPHead, head_config, init_head, load_head, save_head
 from tests.engine.test_engine import CFG, MAX_LEN, MAX_TOKENS, PROMPTS, SEED, assert_all_free, reference
 from tests.engine.test_speculative import assert_same_outputs
@@ -227,6 +228,19 @@ def test_a_saved_head_loads_for_its_target_and_is_refused_for_another(tmp_path):
 def test_engine_refuses(kwargs, error, match):
     with pytest.raises(error, match=match):
         LLMEngine(model_config=CFG, seed=SEED, **kwargs)
+
+
+def test_the_head_and_its_proposer_refuse_what_they_cannot_serve(tmp_path):
+    with pytest.raises(ValueError, match="needs a built-in model"):
+        load_mtp_head(mtp(), None, None)  # a model of the public contract: no ModelConfig to share
+    assert load_mtp_head(SpeculativeConfig(), CFG, None) is None and load_mtp_head(None, CFG, None) is None
+    with pytest.raises(ValueError, match="an MTP head has one layer, its config says 2"):
+        MTPHead(CFG, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="must keep its hidden states"):
+        MTPProposer(HEAD, types.SimpleNamespace(keep_hidden=False), 8, CacheConfig(block_size=16, num_blocks=8), 2)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        save_head(tmp_path / "h", HEAD, extra={"bad": object()})
+    assert not (tmp_path / "h").exists()  # refused before anything was written
 
 
 def test_a_head_is_refused_for_targets_whose_layers_it_does_not_build():
