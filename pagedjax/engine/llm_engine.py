@@ -559,7 +559,9 @@ class LLMEngine:
         self.runner.check_awake()  # before anything is scheduled: a refused step changes nothing
         start = time.perf_counter()
         try:
-            touched = self._run_step(self.scheduler.schedule(decode_steps=self.decode_steps_per_call))
+            # An MTP head reads every step's hidden states, which a fused decode keeps none of: it runs no fused decode.
+            steps = 1 if self.runner.keep_hidden else self.decode_steps_per_call
+            touched = self._run_step(self.scheduler.schedule(decode_steps=steps))
         finally:
             self._elapsed += time.perf_counter() - start
             self._steps += 1

@@ -16,12 +16,14 @@ d_{j+1} (slots of the blocks `Scheduler.reserve_draft_slots` gave it). All of it
 ragged rows, then k - 1 one-token steps (a `lax.scan`) for all asked requests together.
 
 The head's KV: one layer's page arrays of the target's `num_blocks` x `block_size`, addressed by the target's block
-ids (as a draft model's), so the KV pool is sized with the head's bytes per block included. Positions the target did
-not compute for the request (a prefix-cache hit, fused decode steps, a block copied on write for a fork) keep
-whatever head KV their slots hold: a guess made over them may be worse, never a token different, because every
-proposal is verified by the target (`pagedjax.core.step_result`: the output is exactly the non-speculative one).
-Proposals are greedy, so accepting one when the target's own draw equals it is rejection sampling with a one-hot
-proposal distribution (`pagedjax.spec_decode.draft_model` says why): seeded sampling stays exact too.
+ids (as a draft model's), so the KV pool is sized with the head's bytes per block included. An engine with a head
+runs no fused decode (`LLMEngine.step`: its steps keep no hidden states), and its prefix-cache hits end a block early
+(`KVCacheManager.drop_last_hit_block`: the head's KV at a hit's last position was made with the next token of the
+request that cached it). A block copied on write for a fork keeps whatever head KV its slots held: a guess made
+over it may be worse, never a token different, because every proposal is verified by the target
+(`pagedjax.core.step_result`: the output is exactly the non-speculative one). Proposals are greedy, so accepting
+one when the target's own draw equals it is rejection sampling with a one-hot proposal distribution
+(`pagedjax.spec_decode.draft_model` says why): seeded sampling stays exact too.
 """
 
 from __future__ import annotations

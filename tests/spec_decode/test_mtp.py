@@ -107,8 +107,9 @@ def test_proposals_are_the_dense_chain_and_outputs_the_dense_tokens(monkeypatch,
     the second again with one sharing its 40-token prefix: their prefix-cache hits end a block before the shared
     text's last full block (`KVCacheManager.drop_last_hit_block`; with blocks of 8 the shared text ends on a block
     boundary, with 16 inside a block), so the head's KV at a hit's last position was made with the same next token.
-    k = 3. Every proposal equals the head's dense chain; the tokens are the dense model's."""
-    engine = make_engine(block_size=block_size, speculative_config=mtp())
+    k = 3, `decode_steps_per_call` 4: no fused decode runs. Every proposal equals the head's dense chain; the tokens
+    are the dense model's."""
+    engine = make_engine(block_size=block_size, speculative_config=mtp(), decode_steps_per_call=4)
     seen = recorded_proposals(engine, monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     outs = engine.generate(PROMPTS[first], params, use_tqdm=False)
@@ -118,6 +119,7 @@ def test_proposals_are_the_dense_chain_and_outputs_the_dense_tokens(monkeypatch,
     # each of the two: 40 shared tokens, 5 (2) full blocks cached, one left out
     assert [o.num_cached_tokens for o in outs] == [(40 // block_size - 1) * block_size] * 2
     assert engine.stats().spec_proposed_tokens > 0
+    assert engine.stats().fused_decode_calls == 0  # its steps would keep no hidden states for the head
     check_against_dense(engine, seen, minimum=30)
     assert_all_free(engine)
 
