@@ -203,6 +203,9 @@ def test_a_saved_head_loads_for_its_target_and_is_refused_for_another(tmp_path):
     loaded = load_head(tmp_path / "mtp", CFG)
     same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), nnx.state(loaded), nnx.state(HEAD))
     assert all(jax.tree.leaves(same))
+    half = load_head(tmp_path / "mtp", CFG.replace(dtype="bfloat16"))  # served in its target's dtype
+    assert half.config == head_config(CFG.replace(dtype="bfloat16"))
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(half))} == {jnp.dtype("bfloat16")}
     other = CFG.replace(hidden_size=32, head_dim=8)
     with pytest.raises(ValueError, match="the MTP head in .* was built for another target"):
         load_head(tmp_path / "mtp", other)
