@@ -42,8 +42,9 @@ from pagedjax.core.request import RequestStatus
 from pagedjax.device.attention import AttentionMetadata
 from pagedjax.device.kv_cache import KVCache, init_kv_cache
 from pagedjax.model.api import PagedKVCache
-from pagedjax.runner.inputs import bucket
+from pagedjax.runner.inputs import bucket, pad_last, pad_rows, pad_table
 from pagedjax.runner.runner import ModelRunner
+from pagedjax.spec_decode.draft_kv import draft_plan
 from pagedjax.spec_decode.mtp_head import MTPHead, head_config, load_head
 from pagedjax.spec_decode.proposer import ProposalAsk, StepSeen
 from pagedjax.spec_decode.speculator import speculates
@@ -88,18 +89,17 @@ class HeadRows(NamedTuple):
     cu_q_lens: np.ndarray  # i32[S + 1]
     kv_lens: np.ndarray  # i32[S]
     block_tables: np.ndarray  # i32[S, B]
-    last_rows: np.ndarray  # i32[S]: each sequence's last row (where its first guess comes from)
     chain_slots: np.ndarray  # i32[k - 1, S]: where chain step j writes (-1: the sequence makes no guess j + 1)
 
 
-def head_rows(step: StepSeen, asks: list[ProposalAsk], k: int, block_size: int) -> tuple[HeadRows, list[int]]:
-    """The head's rows after `step` (see the module's docstring) and, for each ask, its sequence among them (-1:
-    no proposal: the step did not compute its last position with a kept hidden state, e.g. it ran in a fused
-    decode)."""
+def head_rows(step: StepSeen, asks: list[ProposalAsk], k: int, block_size: int) -> tuple[HeadRows | None, list[int]]:
+    """The head's rows after `step` (see the module's docstring; None: no row) and, for each ask, its sequence among
+    them (-1: no proposal: the step did not compute its last position with a kept hidden state). The ragged part is
+    laid out as a draft model's catch-up is (`draft_kv.draft_plan`: tokens t_{p+1} at positions p)."""
     plan, scheduler = step.plan, step.scheduler
     asked = {ask.request.request_id: ask for ask in asks}
-    rows, tokens, positions, slots, q_lens, kv_lens, tables, ids = [], [], [], [], [], [], [], []
     cu = plan.cu_q_lens.tolist()
+    seqs, rows = [], []  # (ask, first position, tokens) per sequence; each row's index among the step's tokens
     for i, rid in enumerate(plan.request_ids):
         request = scheduler.requests.get(rid)
         if request is None or request.status != RequestStatus.RUNNING or not speculates(request):
@@ -108,54 +108,35 @@ def head_rows(step: StepSeen, asks: list[ProposalAsk], k: int, block_size: int) 
         end = min(int(plan.kv_lens[i]), request.num_computed_tokens)  # kept: accepted proposals only
         if end <= start:
             continue
-        ask = asked.get(rid)
-        blocks = ask.block_ids if ask is not None else scheduler.draft_blocks(request)[0]
-        p = np.arange(start, end, dtype=np.int32)
+        ask = asked.get(rid) or ProposalAsk(request, 0, tuple(scheduler.draft_blocks(request)[0]))
+        seqs.append((ask, start, request.get_token_ids(start + 1, end + 1)))
         rows.append(np.arange(cu[i], cu[i] + end - start, dtype=np.int32))
-        tokens.append(np.asarray(request.get_token_ids(start + 1, end + 1), np.int32))
-        positions.append(p)
-        table = np.asarray(blocks, np.int32)
-        slots.append(table[p // block_size] * block_size + p % block_size)
-        q_lens.append(end - start)
-        kv_lens.append(end)
-        tables.append(table)
-        ids.append(rid)
-    n = len(ids)
-    width = max((len(t) for t in tables), default=1)
-    table_array = np.zeros((n, width), np.int32)
-    for s, t in enumerate(tables):
-        table_array[s, :len(t)] = t
-    cu_q = np.zeros(n + 1, np.int32)
-    np.cumsum(q_lens, out=cu_q[1:])
-    chain = np.full((max(k - 1, 0), n), -1, np.int32)
-    where = {rid: s for s, rid in enumerate(ids)}
+    if not seqs:
+        return None, [-1] * len(asks)
+    head = draft_plan(seqs, block_size)
+    chain = np.full((max(k - 1, 0), len(seqs)), -1, np.int32)
+    where = {rid: s for s, rid in enumerate(head.request_ids)}
     sequence_of = []
     for ask in asks:
         s = where.get(ask.request.request_id, -1)
-        if s >= 0 and kv_lens[s] != ask.request.num_computed_tokens:
+        if s >= 0 and head.kv_lens[s] != ask.request.num_computed_tokens:
             s = -1  # its last position was not computed by this step
         sequence_of.append(s)
-        if s >= 0:
-            for j in range(1, ask.cap):  # guess j + 1 is made at position N - 1 + j
-                pos = kv_lens[s] - 1 + j
-                chain[j - 1, s] = table_array[s, pos // block_size] * block_size + pos % block_size
-    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int32)
-    return HeadRows(cat(rows), cat(tokens), cat(positions), cat(slots), cu_q, np.asarray(kv_lens, np.int32),
-                    table_array, (cu_q[1:] - 1).astype(np.int32), chain), sequence_of
+        if s >= 0 and ask.cap > 1:  # guess j + 1 is made at position N - 1 + j
+            pos = head.kv_lens[s] - 1 + np.arange(1, ask.cap)
+            chain[:ask.cap - 1, s] = head.block_tables[s, pos // block_size] * block_size + pos % block_size
+    return HeadRows(np.concatenate(rows), head.token_ids, head.positions, head.slot_mapping, head.cu_q_lens,
+                    head.kv_lens, head.block_tables, chain), sequence_of
 
 
 def pad(x: HeadRows, num_rows: int, num_seqs: int, width: int) -> HeadRows:
     """`x` padded to `num_rows` rows, `num_seqs` sequences and tables `width` blocks wide: padding rows write
     nowhere (slot -1), padding sequences have no rows."""
-    r, s = len(x.rows), len(x.kv_lens)
-    rows = lambda a, v: np.concatenate([a, np.full(num_rows - r, v, np.int32)])
-    seqs = lambda a, v: np.concatenate([a, np.full(num_seqs - s, v, np.int32)])
-    tables = np.zeros((num_seqs, width), np.int32)
-    tables[:s, :x.block_tables.shape[1]] = x.block_tables
-    chain = np.full((x.chain_slots.shape[0], num_seqs), -1, np.int32)
-    chain[:, :s] = x.chain_slots
-    return HeadRows(rows(x.rows, 0), rows(x.token_ids, 0), rows(x.positions, 0), rows(x.slot_mapping, -1),
-                    seqs(x.cu_q_lens, r), seqs(x.kv_lens, 0), tables, seqs(x.last_rows, 0), chain)
+    return HeadRows(pad_rows(x.rows, num_rows, 0), pad_rows(x.token_ids, num_rows, 0),
+                    pad_rows(x.positions, num_rows, 0), pad_rows(x.slot_mapping, num_rows, -1),
+                    pad_rows(x.cu_q_lens, num_seqs + 1, x.cu_q_lens[-1]), pad_rows(x.kv_lens, num_seqs, 0),
+                    pad_table(x.block_tables, num_seqs, width),
+                    pad_last(x.chain_slots, num_seqs, -1))
 
 
 def _head_step(head_graphdef, head_params, target_graphdef, target_params, kv: KVCache, hidden, x: HeadRows, *,
@@ -169,10 +150,11 @@ def _head_step(head_graphdef, head_params, target_graphdef, target_params, kv: K
     meta = AttentionMetadata(x.slot_mapping, x.block_tables, x.kv_lens, x.cu_q_lens)
     cache = PagedKVCache(kv.layers, meta, backend=backend, spec=spec, block_sizes=(block_size,))
     h, cache = head(target.embed(x.token_ids), hidden[x.rows], x.positions, cache)
-    h = h[x.last_rows]  # [S, hidden]
+    last_rows = jnp.maximum(x.cu_q_lens[1:] - 1, 0)  # [S]: each sequence's last row (its first guess)
+    h = h[last_rows]  # [S, hidden]
     guess = jnp.argmax(head.logits(target, h), axis=-1).astype(jnp.int32)
     num_seqs = x.kv_lens.shape[0]
-    last = x.positions[x.last_rows]  # [S]: N - 1
+    last = x.positions[last_rows]  # [S]: N - 1
     cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32)
 
     def chain_step(carry, step):  # token d_{j+1} at position N + j, one per sequence (a loop: k is up to 64)
@@ -249,7 +231,7 @@ class MTPProposer:
         if hidden is None or self.kv is None:  # a fused decode (no hidden states kept), or asleep
             return [[] for _ in asks]
         x, sequence_of = head_rows(step, asks, self.k, self.block_size)
-        if len(x.rows) == 0:
+        if x is None:
             return [[] for _ in asks]
         x = pad(x, hidden.shape[0], bucket(len(x.kv_lens)), bucket(x.block_tables.shape[1], 2))
         try:
