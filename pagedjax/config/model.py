@@ -155,6 +155,12 @@ class ModelSpec:
     whose embeddings an image's features replace (one of the vocabulary), how many one image takes, the pixel
     size the model encodes, and whether an image's placeholders attend to each other both ways. A model declaring
     it has `encode_images` and takes `images=` in its call (`pagedjax.model.api`).
+
+    `bidirectional`: every token of a prompt attends to every token of it, later ones too (with a window W, to those
+    within W - 1 positions either way): an encoder, such as EmbeddingGemma. The engine then computes each prompt in
+    one step (a token needs the keys of those after it), sets every token's `AttentionMetadata.attend_until` to its
+    prompt's last position, serves pooling requests only (there is no next token to sample) and takes no prefix-cache
+    hits (a block's KV depends on the tokens after it).
     """
 
     vocab_size: int
@@ -170,6 +176,7 @@ class ModelSpec:
     hidden_size: int | None = None
     kv_layers: tuple[KVLayerSpec, ...] | None = None
     images: ImageSpec | None = None
+    bidirectional: bool = False
 
     def __post_init__(self) -> None:
         owner = "ModelSpec"
@@ -201,6 +208,12 @@ class ModelSpec:
             if why is not None:
                 where = "" if self.num_kv_heads is not None else f" (kv_layers[{i}])"
                 raise ValueError(f"{owner}: {why}{where}")
+        check_bool(owner, "bidirectional", self.bidirectional)
+        if self.bidirectional:
+            other = sorted({layer.kind for layer in self.kv_layers} - {FullAttention.kind})
+            if other or self.images is not None:
+                raise ValueError(f"{owner}.bidirectional: attention both ways is for text models of K/V layers "
+                                 f"(FullAttention), not {'images' if self.images is not None else other}")
         if self.images is not None:
             if not isinstance(self.images, ImageSpec):
                 raise TypeError(f"{owner}.images must be None or a pagedjax.ImageSpec, got {describe(self.images)}")
@@ -296,7 +309,9 @@ class ModelConfig:
                               rope_scaling. None: every layer uses rope_theta and rope_scaling.
     and (False = not used): `attention_sinks`, a learned logit per query head (parameter `sinks` `[num_q_heads]`)
     in each attention softmax's denominator that gives no value (gpt-oss); `o_proj_bias`, a bias on the attention
-    output projection (q/k/v's is `qkv_bias`).
+    output projection (q/k/v's is `qkv_bias`); `bidirectional`, attention both ways (`ModelSpec.bidirectional`:
+    an encoder such as EmbeddingGemma; in a layer of window W, the query at p attends to keys within W - 1
+    positions either way).
 
     Mixture of experts: `moe` (a `pagedjax.config.moe.MoEConfig`, or its fields as a dict): every layer's MLP is
     routed over experts of width `moe.intermediate_size` (`intermediate_size` is then unused). None: dense MLPs.
@@ -338,6 +353,7 @@ class ModelConfig:
     rope_local_theta: float | None = None
     attention_sinks: bool = False
     o_proj_bias: bool = False
+    bidirectional: bool = False
     moe: MoEConfig | None = None
     quantization: QuantConfig | None = None
 
@@ -351,7 +367,7 @@ class ModelConfig:
         fix("rms_norm_eps", check_float(owner, "rms_norm_eps", self.rms_norm_eps))
         fix("rope_scaling", _rope_scaling_field(self.rope_scaling))
         check_bool(owner, "tie_word_embeddings", self.tie_word_embeddings)
-        for name in ("qkv_bias", "o_proj_bias", "attention_sinks"):
+        for name in ("qkv_bias", "o_proj_bias", "attention_sinks", "bidirectional"):
             check_bool(owner, name, getattr(self, name))
         _dtype_field(owner, "dtype", self.dtype)
         fix("bos_token_id", check_int(owner, "bos_token_id", self.bos_token_id, lo=0, optional=True))
@@ -418,7 +434,7 @@ class ModelConfig:
                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
                          max_position_embeddings=self.max_position_embeddings, sliding_windows=self.sliding_windows,
                          eos_token_ids=self.eos_token_ids, bos_token_id=self.bos_token_id,
-                         hidden_size=self.hidden_size)
+                         hidden_size=self.hidden_size, bidirectional=self.bidirectional)
 
     @property
     def block_norms(self) -> str:

@@ -60,6 +60,7 @@ or `cancel` drops it (every lent block comes back and no request changes).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,7 +134,8 @@ class Scheduler:
                  group_pools: Sequence[int] | None = None, extra_pools: Sequence[int] = (),
                  pool_block_sizes: Sequence[int] = (), max_loras: int | None = None, images: int | None = None,
                  bidirectional_images: bool = False, host_tier_blocks: Sequence[int] = (),
-                 disk_tiers: Sequence[DiskTier | None] = (), drop_last_hit_block: bool = False) -> None:
+                 disk_tiers: Sequence[DiskTier | None] = (), drop_last_hit_block: bool = False,
+                 whole_prompts: bool = False) -> None:
         """`sliding_window`: the window of a model of one KV cache group (no layer reads positions older than
         p - window from position p; None: every layer reads everything), `group_windows` one per group of a model
         of several (`ModelSpec.kv_layout.windows`): running requests release a window group's blocks that fell
@@ -144,7 +146,10 @@ class Scheduler:
         images of this many placeholder tokens each (`scheduler_config`'s encoder budgets resolved:
         `SchedulerConfig.resolve_images`), whose tokens attend to each other both ways where
         `bidirectional_images`. `host_tier_blocks`: host tier slots per pool, `disk_tiers` the disk tier under each,
-        `drop_last_hit_block`: prefix hits end a block early (`KVCacheManager`: an MTP head speculates)."""
+        `drop_last_hit_block`: prefix hits end a block early (`KVCacheManager`: an MTP head speculates).
+        `whole_prompts`: every prompt runs in one step and takes no prefix-cache hits, nor leaves any (a
+        bidirectional model's: its tokens attend to those after them, so neither a chunk nor a cached block holds
+        what the whole prompt would have computed); a prompt longer than one step can hold is refused."""
         if scheduler_config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len is None: resolve it first "
                              "(SchedulerConfig.resolve(max_position_embeddings))")
@@ -152,6 +157,9 @@ class Scheduler:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
+        self.whole_prompts = whole_prompts
+        if whole_prompts and cache_config.enable_prefix_caching:
+            cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
         self.kv_cache_manager = KVCacheManager.from_config(cache_config, num_blocks, sliding_window=sliding_window,
                                                            group_windows=group_windows, group_pools=group_pools,
                                                            extra_pools=extra_pools,
@@ -222,6 +230,8 @@ class Scheduler:
             self._check_images(request)
         kv = self.kv_cache_manager
         num_kv_tokens = self.max_kv_tokens(request)
+        if self.whole_prompts:
+            self._check_whole_prompt(request, num_kv_tokens)
         chunk = self.max_chunk(num_kv_tokens)
         if chunk == 0:  # not even its least steps keep what it holds within the pools
             # the least step: one token, or without chunked prefill the budget (a whole prompt in one step)
@@ -243,6 +253,24 @@ class Scheduler:
             raise InvalidRequest(f"request {rid!r}: an image's {self.tokens_per_image} tokens attend to each other, "
                                  f"so they run in one step, but a step of its tokens may hold at most {chunk} tokens "
                                  f"in the pool of {kv.num_blocks} blocks", param="images")
+
+    def _check_whole_prompt(self, request: Request, num_kv_tokens: int) -> None:
+        """ContextLengthExceeded for a prompt that runs in one step (`whole_prompts`) but does not fit one: more
+        tokens than the step budget, or more blocks than a pool has (its step holds every block of its tokens in each
+        KV cache group: a window releases nothing before the step's first query)."""
+        rid, n, kv = request.request_id, request.num_prompt_tokens, self.kv_cache_manager
+        why = f"request {rid!r}: this model's attention goes both ways, so its prompt of {n} tokens runs in one step"
+        budget = self.scheduler_config.max_num_batched_tokens
+        if n > budget:
+            raise ContextLengthExceeded(f"{why}, which holds at most {budget} tokens (max_num_batched_tokens)",
+                                        param="prompt")
+        for p, pool in enumerate(kv.pools):
+            need = kv.max_blocks_held(num_kv_tokens, n, p)
+            if need > pool.num_blocks:
+                groups = f" in its {kv.num_groups} KV cache groups" if kv.num_groups > 1 else ""
+                raise ContextLengthExceeded(f"{why}, holding {need} blocks of {kv.pool_block_size(p)} tokens{groups} "
+                                            f"at once, more than the pool of {pool.num_blocks} blocks",
+                                            param="prompt")
 
     def max_chunk(self, num_kv_tokens: int) -> int:
         """The most tokens one step may compute of a request reaching `num_kv_tokens` tokens of KV: the token
@@ -604,7 +632,7 @@ class Scheduler:
             return self._schedule_alone(self.waiting.popleft())
         cfg = self.scheduler_config
         kv = self.kv_cache_manager
-        chunked = cfg.enable_chunked_prefill
+        chunked = cfg.enable_chunked_prefill and not self.whole_prompts
         budget = cfg.max_num_batched_tokens
         running = self.running
         scheduled: list[tuple[Request, int]] = []

@@ -54,6 +54,19 @@ class AttentionMetadata(NamedTuple):
         return self._replace(slot_mapping=self.slot_mapping[g], block_tables=self.block_tables[g])
 
 
+def window_ahead(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The metadata of a layer of window W attending both ways (`ModelSpec.bidirectional`): each row's
+    `attend_until` capped at W - 1 past its own position, so that the query at p sees keys j with |p - j| < W (the
+    kernels' window bounds the keys behind it). Rows' positions come from the metadata: row t of sequence s sits at
+    kv_lens[s] - (cu_q_lens[s + 1] - t). Padding rows keep a bound below their position (they attend to nothing)."""
+    if meta.attend_until is None:  # a decode-only step: one token per sequence, its own position the bound
+        return meta
+    rows = jnp.arange(meta.attend_until.shape[0], dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(meta.cu_q_lens, rows, side="right") - 1, 0, meta.kv_lens.shape[0] - 1)
+    position = meta.kv_lens[seq] - (meta.cu_q_lens[seq + 1] - rows)
+    return meta._replace(attend_until=jnp.minimum(meta.attend_until, position + window - 1))
+
+
 def resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")

@@ -139,6 +139,12 @@ class LLMEngine:
             raise ValueError(f"classifier: a Classifier over the model's {spec.hidden_size} hidden dimensions, got "
                              f"{classifier!r:.200}")
         self.classifier = classifier  # a sequence classifier's head: the engine serves pooling requests only
+        dense = config.pooling_defaults.dense
+        if dense and dense[0].weight.shape[1] != spec.hidden_size:
+            raise ValueError(f"pooling_defaults.dense[0] takes {dense[0].weight.shape[1]} inputs, the model's hidden "
+                             f"size is {spec.hidden_size}")
+        if spec.bidirectional:
+            self._check_bidirectional_serves(config)
         parallel_config = config.parallel_config
         lora_config = config.lora_config
         if lora_config is not None:
@@ -205,8 +211,8 @@ class LLMEngine:
                                    images=None if images is None else images.tokens_per_image,
                                    bidirectional_images=images is not None and images.bidirectional,
                                    host_tier_blocks=host_blocks, disk_tiers=self.disk_tiers,
-                                   drop_last_hit_block=head is not None)
-        self.output_processor = OutputProcessor(tokenizer)
+                                   drop_last_hit_block=head is not None, whole_prompts=spec.bidirectional)
+        self.output_processor = OutputProcessor(tokenizer, config.pooling_defaults.dense)
         self.structured = StructuredOutputManager(ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids),
                                                   config.structured_limits)
         max_programs, background = config.max_compiled_programs, config.compile_in_background
@@ -244,6 +250,22 @@ class LLMEngine:
         self._warned_ties = False  # the warning at the first sparse-attention indexer tie (once per engine)
         logger.info("LLMEngine: %d KV blocks x %d tokens, attention backend %s", self.num_blocks,
                     self.cache_config.block_size, self.runner.backend)
+
+    @staticmethod
+    def _check_bidirectional_serves(config: EngineConfig) -> None:
+        """ValueError for what a bidirectional model (`ModelSpec.bidirectional`: it embeds, never generates, and
+        keeps no prefix cache) cannot use: speculative decoding, a host or disk KV tier. Its prefix caching is off
+        (logged): a block's KV depends on the tokens after it."""
+        if config.speculative_config is not None:
+            raise ValueError("speculative_config: a bidirectional model (an encoder) generates nothing to speculate on")
+        cache = config.cache_config
+        for name in ("kv_host_memory_bytes", "kv_disk_dir"):
+            if getattr(cache, name) is not None:
+                raise ValueError(f"CacheConfig.{name}: a bidirectional model keeps no prefix cache (a block's KV "
+                                 "depends on the tokens after it) for a KV tier to hold")
+        if cache.enable_prefix_caching:
+            logger.info("prefix caching off: the model's attention goes both ways, so a block's KV depends on the "
+                        "tokens after it (each prompt is computed whole, in one step)")
 
     def _check_lora_serves(self, speculative_config: SpeculativeConfig | None) -> None:
         """ValueError naming what keeps this engine from serving adapters: a model not built in, a
@@ -320,7 +342,8 @@ class LLMEngine:
         shapes = [self.runner.fixed_shape] if self.runner.fixed_shape is not None else warmup_shapes(
             max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs, max_blocks=max_blocks, block_size=bs,
             decode_steps=steps, narrow=self.runner.backend == "xla", images=self.model_spec.images is not None,
-            attend_until=self.model_spec.images is not None and self.model_spec.images.bidirectional)
+            attend_until=self.model_spec.bidirectional or (self.model_spec.images is not None
+                                                           and self.model_spec.images.bidirectional))
         if self.speculator is not None:
             shapes += self.speculator.warmup_shapes(shapes, sc)
         return shapes, max_blocks
@@ -400,6 +423,9 @@ class LLMEngine:
             raise UnsupportedFeature(f"request {request_id!r}: this model is a sequence classifier, without an LM "
                                      "head: it serves classify and embed, not generation", param="prompt",
                                      code="generation_not_supported")
+        if pooling is None and self.model_spec.bidirectional:
+            raise UnsupportedFeature(f"request {request_id!r}: this model's attention goes both ways (an encoder): it "
+                                     "serves embed, not generation", param="prompt", code="generation_not_supported")
         if pooling is not None:
             pooling = self._pooling(request_id, pooling, sampling_params)
             # Never sampled: it ends with its prompt (`Scheduler.update`); a token's room keeps the limits' checks.
@@ -471,10 +497,10 @@ class LLMEngine:
             raise UnsupportedFeature(f"request {request_id!r}: this model's embeddings cannot be computed: "
                                      f"{defaults.refused}", param="pooling", code="pooling_not_supported")
         pooling = pooling.with_defaults(defaults)
-        hidden = self.model_spec.hidden_size
-        if pooling.dimensions is not None and pooling.dimensions > hidden:
+        size = defaults.output_size(self.model_spec.hidden_size)
+        if pooling.dimensions is not None and pooling.dimensions > size:
             raise InvalidRequest(f"request {request_id!r}: PoolingParams.dimensions ({pooling.dimensions}) is more "
-                                 f"than the model's {hidden} hidden dimensions", param="dimensions")
+                                 f"than the model's {size} embedding dimensions", param="dimensions")
         return pooling
 
     def compile_constraint(self, structured: StructuredOutput) -> Constraint:
@@ -578,7 +604,7 @@ class LLMEngine:
         lora_slots = None if self.lora is None else self.lora.slots_for([r.adapter_id for r in requests])
         return step_inputs(plan, requests, vocab_size=vocab, engine_seed=self.seed,
                            token_mask=self.structured.masks(requests, plan.emits_token, vocab), lora_slots=lora_slots,
-                           images=self.model_spec.images)
+                           images=self.model_spec.images, bidirectional=self.model_spec.bidirectional)
 
     def _run_step(self, plan: StepPlan) -> list[Request]:
         """One step of any kind: inputs, device, `Scheduler.update`, outputs, then the next step's proposals."""

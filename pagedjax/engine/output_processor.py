@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pagedjax.config.pooling import DenseLayer
 from pagedjax.core.request import Request, RequestStatus
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -36,8 +37,9 @@ class IncrementalText:
     decode (byte-level and byte-level BPE tokenizers), `text + pending()` equals `decode(token_ids)`.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, dense: tuple[DenseLayer, ...] = ()):
         self.tokenizer = tokenizer
+        self.dense = dense  # the model's projections of a pooled vector (`PoolingDefaults.dense`)
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix = 0  # ids [prefix, read) are the window decoded again before new ids
@@ -108,8 +110,9 @@ class OutputProcessor:
     and so does a sequence whose tokens changed under it (a beam's last token replaced).
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, dense: tuple[DenseLayer, ...] = ()):
         self.tokenizer = tokenizer
+        self.dense = dense  # the model's projections of a pooled vector (`PoolingDefaults.dense`)
         self._texts: dict[str, SequenceText] = {}
 
     def __len__(self) -> int:
@@ -192,7 +195,7 @@ class OutputProcessor:
                                  finish_reason=c.finish_reason, text=c.text, error=r.error, outputs=[c],
                                  num_generated_tokens=len(c.token_ids),
                                  prompt_logprobs=None if r.prompt_logprobs is None else list(r.prompt_logprobs),
-                                 embedding=embedding(r) if r.pooling is not None and
+                                 embedding=embedding(r, self.dense) if r.pooling is not None and
                                  r.status is RequestStatus.FINISHED_STOPPED else None)
         request, params = group.request, group.request.sampling_params
         outputs = [self._completion(s, s.sample_index) for s in group.samples]
@@ -256,11 +259,14 @@ def record_pooled(plan: StepPlan, requests: list[Request], pooled: np.ndarray | 
         r.pooled_upto = max(r.pooled_upto, int(plan.kv_lens[i]))
 
 
-def embedding(r: Request) -> list[float]:
-    """A finished pooling request's vector: its pooled sum (divided by its prompt's length for "mean"), its first
-    `dimensions` entries, L2-normalised when asked (as torch's `F.normalize`: the norm at least 1e-12)."""
+def embedding(r: Request, dense: tuple[DenseLayer, ...] = ()) -> list[float]:
+    """A finished pooling request's vector: its pooled sum (divided by its prompt's length for "mean") through the
+    model's `dense` projections, its first `dimensions` entries, L2-normalised when asked (as torch's
+    `F.normalize`: the norm at least 1e-12)."""
     p = r.pooling
     v = r.pooled / r.num_prompt_tokens if p.pooling == "mean" else r.pooled
+    for layer in dense:
+        v = layer(v)
     if p.dimensions is not None:
         v = v[:p.dimensions]
     if p.normalize:

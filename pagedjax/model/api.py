@@ -113,6 +113,7 @@ from pagedjax.device.attention import (
     paged_attention,
     sparse_attend,
     sparse_attention,
+    window_ahead,
 )
 from pagedjax.device.kv_cache import (
     PagedLayer,
@@ -240,17 +241,20 @@ class PagedAttention(nnx.Module):
     (it must be the one the model's spec declares for this layer: the engine frees blocks by the spec);
     logits_soft_cap c: scores pass through c * tanh(s / c). Attention sinks (gpt-oss) are a model parameter, so
     they come with each call: `sinks=` `[num_q_heads]`, one logit per query head that joins its softmax's
-    denominator and gives no value (taken in float32, neither scaled nor soft-capped)."""
+    denominator and gives no value (taken in float32, neither scaled nor soft-capped). `bidirectional` (a layer of
+    a `ModelSpec.bidirectional` model): each query also sees the keys after it up to the step's `attend_until`
+    (its prompt's last position), with a window W only those within W - 1 positions either way."""
 
     def __init__(self, layer_index: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float | None = None, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None):
+                 logits_soft_cap: float | None = None, bidirectional: bool = False):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"PagedAttention: num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")
         self.layer_index = layer_index
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.scale, self.sliding_window, self.logits_soft_cap = scale, sliding_window, logits_soft_cap
+        self.bidirectional = bidirectional
 
     def __call__(self, q: jax.Array,  # [T, Hq, D]
                  k: jax.Array,  # [T, Hkv, D]
@@ -264,6 +268,8 @@ class PagedAttention(nnx.Module):
         options = dict(scale=self.scale, sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
                        sinks=sinks)
         layer, meta = cache.layer(i), cache.meta_of(i)
+        if self.bidirectional and self.sliding_window is not None:
+            meta = window_ahead(meta, self.sliding_window)
         if cache.mesh is not None:
             o, layer = sharded_write_and_attend(q, k, v, layer, meta, mesh=cache.mesh, backend=cache.backend,
                                                 decode_only=cache.decode_only, **options)
@@ -291,6 +297,12 @@ class PagedAttention(nnx.Module):
                                   or not jnp.issubdtype(sinks.dtype, jnp.floating)):
             raise ValueError(f"{where}: sinks must be a float array [num_q_heads] = ({self.num_q_heads},), got "
                              f"{sinks.dtype}{list(sinks.shape)}")
+        if cache.spec is not None and cache.spec.bidirectional != self.bidirectional:
+            raise ValueError(f"{where}: bidirectional={self.bidirectional}, but the model's spec says "
+                             f"bidirectional={cache.spec.bidirectional} (the engine schedules prompts by the spec)")
+        if self.bidirectional and not cache.decode_only and cache.meta.attend_until is None:
+            raise ValueError(f"{where}: a bidirectional layer's ragged step needs AttentionMetadata.attend_until "
+                             "(each token's prompt's last position)")
         declared = _declared_layer(cache, i, FullAttention.kind, where)
         if declared is None:
             return
@@ -542,7 +554,9 @@ def check_model(model, *, kv_dtype: str = "auto") -> ModelSpec:
     layers = tuple(layer_shapes(slot, 2, block_size, kv) for slot in layout.slot_specs)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     groups = () if layout.num_groups == 1 else (layout.num_groups,)  # a table and slots per KV cache group
-    meta = AttentionMetadata(i32(*groups, tokens), i32(*groups, 1, 2), i32(1), i32(2))
+    # A bidirectional model's ragged steps bound each token's keys by its prompt's last position.
+    meta = AttentionMetadata(i32(*groups, tokens), i32(*groups, 1, 2), i32(1), i32(2),
+                             i32(tokens) if spec.bidirectional else None)
     graphdef, state = nnx.split(model)
 
     def step(state, layers, meta, token_ids, positions, images):

@@ -138,7 +138,8 @@ class Attention(nnx.Module):
         self.scale = cfg.attention_scale
         self.paged = PagedAttention(layer_index, num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
                                     head_dim=d, scale=self.scale, sliding_window=self.sliding_window,
-                                    logits_soft_cap=self.logits_soft_cap)
+                                    logits_soft_cap=self.logits_soft_cap, bidirectional=cfg.bidirectional)
+        self.bidirectional = cfg.bidirectional
 
     def _qkv(self, x: jax.Array, positions: jax.Array, lora: LayerLoRA | None = None):
         lead = x.shape[:-1]
@@ -167,7 +168,8 @@ class Attention(nnx.Module):
         the sinks' logits in the softmax's denominator if it has them), no cache. x `[B, S, hidden]` -> `[B, S,
         hidden]`. `groups` int32 `[B, S]`: tokens of one group >= 0 (an image's
         placeholders) also see each other's later positions, within the window (transformers' `token_type_ids`
-        mask: (causal or same group) and in the window); -1: causal only."""
+        mask: (causal or same group) and in the window); -1: causal only. A bidirectional model's tokens see every
+        token of their sequence (within W - 1 positions either way with a window W)."""
         b, s, _ = x.shape
         positions = jnp.broadcast_to(jnp.arange(s), (b, s))
         q, k, v = self._qkv(x, positions)
@@ -178,7 +180,9 @@ class Attention(nnx.Module):
         if self.logits_soft_cap is not None:
             scores = self.logits_soft_cap * jnp.tanh(scores / self.logits_soft_cap)
         query, key = np.arange(s)[:, None], np.arange(s)[None, :]
-        visible = key <= query
+        visible = np.ones((s, s), bool) if self.bidirectional else key <= query
+        if self.bidirectional and self.sliding_window is not None:
+            visible &= key < query + self.sliding_window
         if groups is not None:  # [B, 1, 1, S, S], as scores' [B, kv heads, group, S, S]
             same = (groups[:, :, None] == groups[:, None, :]) & (groups[:, :, None] >= 0)
             visible = (visible | same)[:, None, None]

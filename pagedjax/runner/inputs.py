@@ -123,6 +123,7 @@ def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, eng
                 token_mask: np.ndarray | None = None,  # i32[S, W]: allowed-token bitmask rows, None: no mask
                 lora_slots: list[int] | None = None,  # each request's adapter slot (0: none); None: no adapters
                 images: ImageSpec | None = None,  # the model's, if it takes images
+                bidirectional: bool = False,  # the model's attention goes both ways (`ModelSpec.bidirectional`)
                 ) -> StepInputs | FusedDecodeInputs:
     """The padded device inputs of any plan from `Scheduler.schedule()`; `requests` in the plan's order.
 
@@ -131,7 +132,9 @@ def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, eng
     drawn as its request's output number `num_output_tokens + j` (the seed's key a non-speculative step would use
     there) with the sequence's own penalties and mask. `lora_slots` becomes each token's slot (each fused decode
     row's). A step of image placeholders (`plan.image_segments`) gets each token's row of the encoder cache's
-    feature array and, for a model whose images attend both ways, each token's `attend_until` (`image_rows`)."""
+    feature array and, for a model whose images attend both ways, each token's `attend_until` (`image_rows`); a
+    bidirectional model's ragged step, each token's prompt's last position (its sequence's kv_len - 1: prompts run
+    whole, `Scheduler`'s `whole_prompts`)."""
     sampling = sampling_metadata(requests, engine_seed)
     penalties = penalty_metadata(requests, vocab_size)
     if plan.fused is not None:
@@ -155,6 +158,8 @@ def step_inputs(plan: StepPlan, requests: list[Request], *, vocab_size: int, eng
         logits_indices = plan.logits_indices
     targets, num_prompt_top = prompt_targets(plan, requests)
     image_index, attend_until = image_rows(plan, images)
+    if bidirectional and plan.num_tokens > plan.num_seqs:  # a decode-only step's token is its prompt's last
+        attend_until = np.repeat(plan.kv_lens - 1, np.diff(plan.cu_q_lens)).astype(np.int32)
     # A step in which no sequence emits a token (prefill chunks before a prompt's last, pooling requests) needs no
     # logits: the LM head (vocabulary x hidden weights read for each row) and sampling are left out of it.
     samples = any(e and r.pooling is None and not r.prefill_only

@@ -191,7 +191,7 @@ def test_bad_pooling_requests_are_refused_naming_the_field():
     with pytest.raises(InvalidRequest, match="samples nothing") as e:
         eng.add_request("a", [1, 2], SamplingParams(max_tokens=1), pooling=PoolingParams())
     assert e.value.param == "sampling_params"
-    with pytest.raises(InvalidRequest, match="64 hidden dimensions") as e:
+    with pytest.raises(InvalidRequest, match="64 embedding dimensions") as e:
         eng.add_request("a", [1, 2], pooling=PoolingParams(dimensions=65))
     assert e.value.param == "dimensions"
     with pytest.raises(InvalidType, match="pooling must be PoolingParams"):

@@ -164,6 +164,12 @@ class _UndeclaredWindow(_Base):
         self.h[0].attn.paged = PagedAttention(0, num_q_heads=4, num_kv_heads=4, head_dim=8, sliding_window=16)
 
 
+class _UndeclaredBidirectional(_Base):
+    def __init__(self):
+        super().__init__()
+        self.h[0].attn.paged = PagedAttention(0, num_q_heads=4, num_kv_heads=4, head_dim=8, bidirectional=True)
+
+
 class _ReturnsHiddenOnly(_Base):
     def __call__(self, token_ids, positions, cache):
         return super().__call__(token_ids, positions, cache)[0]
@@ -186,6 +192,7 @@ class _UnevenPartition(_Base):
     (_WritesFewerHeads, r"layer_index=1\): q has shape \(\d+, 4, 8\), expected .* \(\d+, 4, 4\)"),
     (_AttendsLayerZeroTwice, r"layer_index=0\) ran twice in one step"),
     (_UndeclaredWindow, r"sliding_window=16, but ModelSpec.sliding_windows declares None"),
+    (_UndeclaredBidirectional, r"bidirectional=True, but the model's spec says bidirectional=False"),
     (_ReturnsHiddenOnly, r"must return \(hidden, cache\)"),
     (_LogitsOfTheWrongSize, r"compute_logits must return float32 logits \[tokens, vocab_size\] = \[2, 64\]"),
 ], ids=lambda x: x.__name__ if isinstance(x, type) else "")

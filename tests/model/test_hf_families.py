@@ -253,7 +253,6 @@ def test_family_config_fields(tmp_path, changes, fields):
     ({"model_type": "gemma3_text", "sliding_window": None}, "sliding_window"),
     ({"model_type": "gemma3_text", "sliding_window_pattern": 0}, "sliding_window_pattern"),
     ({"model_type": "gemma3_text", "hidden_activation": "gelu"}, "hidden_activation"),
-    ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"model_type": "gemma3_text", "rope_parameters": {
         "sliding_attention": {"rope_type": "linear", "factor": 2.0}, "full_attention": {"rope_type": "default"}}},
      "sliding_attention"),

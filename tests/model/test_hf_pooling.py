@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from safetensors.torch import save_file  # noqa: E402  (after torch: it imports torch)
 
 from pagedjax import (  # noqa: E402
     InvalidRequest,
@@ -246,3 +247,69 @@ def test_the_command_lines_engine_has_the_folders_classifier_and_pooling(tmp_pat
 
     with pytest.raises(CLIError, match="has a classifier's head already"):
         engine("--model", str(tmp_path / "cls"), "--classifier-from-tokens", "w7", "w9")
+
+
+
+def embedding_gemma(folder):
+    """A tiny random EmbeddingGemma: transformers' `Gemma3TextModel` with `use_bidirectional_attention` (local
+    layers of window 8, which transformers turns into 5 either way; a global one), saved with the
+    sentence-transformers modules EmbeddingGemma has, as sentence-transformers writes them: mean pooling, two Dense
+    projections (64 -> 96 -> 64, no bias, identity), Normalize. Returns the transformers model and the Dense
+    weights."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, max_position_embeddings=128,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], use_bidirectional_attention=True,
+        initializer_range=0.2)
+    config._attn_implementation = "eager"
+    torch.manual_seed(2)
+    model = with_random_norms(transformers.Gemma3TextModel(config).eval())
+    model.save_pretrained(str(folder), safe_serialization=True)
+    kinds = ("Transformer", "Pooling", "Dense", "Dense", "Normalize")
+    paths = ["", "1_Pooling", "2_Dense", "3_Dense", "4_Normalize"]
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": i, "name": str(i), "path": p, "type": f"sentence_transformers.models.{k}"}
+        for i, (k, p) in enumerate(zip(kinds, paths, strict=True))]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode": "mean", "include_prompt": True}))
+    weights = []
+    for path, (n_in, n_out) in zip(paths[2:4], ((64, 96), (96, 64)), strict=True):
+        w = torch.randn(n_out, n_in) / n_in ** 0.5
+        (folder / path).mkdir()
+        (folder / path / "config.json").write_text(json.dumps(
+            {"in_features": n_in, "out_features": n_out, "bias": False,
+             "activation_function": "torch.nn.modules.linear.Identity"}))
+        save_file({"linear.weight": w.contiguous()}, str(folder / path / "model.safetensors"))
+        weights.append(w)
+    return model, weights
+
+
+def test_an_embedding_gemma_folder_gives_transformers_vectors(tmp_path):
+    """Attention both ways (within 4 positions either way in the local layers), mean pooling and the Dense
+    projections: the engine's vectors are those of transformers' hidden states, pooled and projected by the
+    definition; prompts longer than the window, batched in one step; generation is refused."""
+    model, (w1, w2) = embedding_gemma(tmp_path)
+    engine = LLMEngine.from_pretrained(tmp_path, dtype="float32", scheduler_config=SchedulerConfig(max_model_len=64))
+    assert engine.model_spec.bidirectional and engine.model_config.sliding_windows == (5, None, 5)
+    assert engine.config.pooling_defaults.describe().startswith("mean, Dense 64 -> 96, Dense 96 -> 64, normalized")
+    for prompt, out in zip(PROMPTS, engine.embed(PROMPTS), strict=True):
+        with torch.no_grad():
+            v = w2 @ (w1 @ model(torch.tensor([prompt])).last_hidden_state[0].mean(0))
+        want = v.double().numpy() / float(v.double().norm())
+        assert_same(out.outputs.embedding, want)
+    with pytest.raises(UnsupportedFeature, match="attention goes both ways") as e:
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert e.value.code == "generation_not_supported"
+
+
+def test_sentence_transformers_reads_the_dense_modules_pagedjax_reads(tmp_path):
+    """The Dense files of the fixture above are sentence-transformers' format: its own `Dense.load` reads them to
+    the same projection (a check of the fixture, where sentence-transformers is installed)."""
+    st = pytest.importorskip("sentence_transformers.models")
+    _, (w1, _) = embedding_gemma(tmp_path)
+    dense = st.Dense.load(str(tmp_path / "2_Dense"))
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        np.testing.assert_allclose(dense({"sentence_embedding": x})["sentence_embedding"].numpy(),
+                                   (x @ w1.T).numpy(), rtol=1e-6)

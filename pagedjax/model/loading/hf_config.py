@@ -15,16 +15,18 @@ query at p sees keys in (p - W, p] in transformers' masks as in pagedjax, so W i
 Mixtral's and Phi-3's `sliding_window` on every layer, Qwen3-MoE's too with `use_sliding_window`; Qwen2's and
 Qwen3's with `use_sliding_window` on the layers `layer_types` marks "sliding_attention" (else those from
 `max_window_layers` on); Gemma's on the layers `layer_types` marks (else every layer but each
-`sliding_window_pattern`-th: Gemma 2 alternates, Gemma 3 defaults to 6).
+`sliding_window_pattern`-th: Gemma 2 alternates, Gemma 3 defaults to 6). A gemma3_text config with
+`use_bidirectional_attention` (EmbeddingGemma) is `ModelConfig.bidirectional`, its window w becoming w // 2 + 1
+both ways, as transformers computes it.
 
 Anything pagedjax cannot compute exactly (unknown `model_type`, `hidden_act` other than silu (Gemma:
 `hidden_activation` other than gelu_pytorch_tanh), `mlp_bias`, `attention_bias` where it also biases o_proj,
 rope scaling other than `pagedjax.config.ROPE_TYPES` (YaRN: gpt_oss only), partial rotary, quantized weights,
-bidirectional attention, Gemma 3's `attn_logit_softcapping` (which transformers does not apply), ...) and any
-field of the wrong type (`"hidden_size": "256"`, `2.0`) or invalid JSON raises a `ModelLoadError` (a ValueError)
-naming the file and field: never silently wrong output. Phi-3's LongRoPE ("longrope", "su") is computed exactly within
-`original_max_position_embeddings`, to which the context is capped (with a warning): its long factors are not
-implemented.
+bidirectional attention but EmbeddingGemma's, Gemma 3's `attn_logit_softcapping` (which transformers does not
+apply), ...) and any field of the wrong type (`"hidden_size": "256"`, `2.0`) or invalid JSON raises a
+`ModelLoadError` (a ValueError) naming the file and field: never silently wrong output. Phi-3's LongRoPE
+("longrope", "su") is computed exactly within `original_max_position_embeddings`, to which the context is capped
+(with a warning): its long factors are not implemented.
 
 The families served as models of the public contract (DeepSeek V2 / V3 / V3.2 and GLM-5, Qwen3-Next and Qwen3.5,
 Nemotron-H, LLaVA and Gemma 3 with images: `pagedjax.model.families.FAMILIES`) map in their own modules
@@ -319,6 +321,11 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
     max_pos = positive_int(hf, "max_position_embeddings", defaults["max_position_embeddings"])
     rope = _rope_fields(hf, model_type, head_dim, max_pos)  # with max_position_embeddings (LongRoPE caps it)
     sliding_windows = _sliding_windows(hf, model_type, num_layers)
+    # EmbeddingGemma: attention both ways, a local layer's query at p seeing keys j with |p - j| < w // 2 + 1
+    # (transformers halves the window: `Gemma3TextConfig.__post_init__`, `_bidirectional_window_overlay`).
+    bidirectional = model_type == "gemma3_text" and flag(hf, "use_bidirectional_attention", False)
+    if bidirectional and sliding_windows is not None:
+        sliding_windows = tuple(None if w is None else w // 2 + 1 for w in sliding_windows)
     if model_type in _GEMMA:
         gemma = dict(attn_logit_softcapping=_optional_positive_number(hf, "attn_logit_softcapping", model_type),
                      final_logit_softcapping=_optional_positive_number(hf, "final_logit_softcapping", model_type),
@@ -346,6 +353,7 @@ def _config_from_hf(hf: dict, dtype: str | None, gen_bos: int | None, gen_eos: t
         bos_token_id=bos,
         eos_token_ids=tuple(dict.fromkeys(eos)),
         sliding_windows=sliding_windows,
+        bidirectional=bidirectional,
         **rope,
         moe=_moe(hf, model_type, num_layers),
         quantization=_quantization(hf, num_layers),
@@ -393,8 +401,9 @@ def _check_unsupported(hf: dict, model_type: str) -> None:
         if act != _GEMMA_ACTIVATION:
             raise ValueError(f"field 'hidden_activation' = {act!r} is not supported for {model_type} "
                              f"(only {_GEMMA_ACTIVATION})")
-        if flag(hf, "use_bidirectional_attention", False):
-            raise ValueError("field 'use_bidirectional_attention' = true is not supported (attention is causal)")
+        if model_type != "gemma3_text" and flag(hf, "use_bidirectional_attention", False):
+            raise ValueError(f"field 'use_bidirectional_attention' = true is not supported for {model_type} "
+                             "(only gemma3_text: EmbeddingGemma)")
     else:
         act = hf.get("hidden_act", "silu")
         if act not in ("silu", "swish"):

@@ -1,13 +1,17 @@
-"""A model folder's pooling: its sentence-transformers files (`modules.json`, each Pooling module's `config.json`) as
-`PoolingDefaults` (`pagedjax.config.pooling`), the default for decoder models where the folder has none."""
+"""A model folder's pooling: its sentence-transformers files (`modules.json`, each Pooling module's `config.json`,
+each Dense module's `config.json` and `model.safetensors`) as `PoolingDefaults` (`pagedjax.config.pooling`), the
+default for decoder models where the folder has none."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from pagedjax.config.pooling import PoolingDefaults
+import numpy as np
+
+from pagedjax.config.pooling import DENSE_ACTIVATIONS, DenseLayer, PoolingDefaults
 from pagedjax.model.loading.checkpoint import bundled_model_path
+from pagedjax.model.loading.hf_loader import read_stored
 
 MODULES = "modules.json"
 
@@ -21,15 +25,48 @@ def _read(file: Path):
 
 def folder_pooling_defaults(path) -> PoolingDefaults:
     """The pooling of the model folder `path` (None: the bundled model's): its sentence-transformers modules where
-    it has a `modules.json`, else the default for decoder models. ValueError naming a file that is not JSON."""
+    it has a `modules.json`, else the default for decoder models. ValueError naming a file that is not JSON or a
+    Dense module's weights of the wrong shape."""
     folder = bundled_model_path() if path is None else Path(path)
     file = folder / MODULES
     if not file.is_file():
         return PoolingDefaults()
     modules = _read(file)
-    configs = {}
+    configs, dense = {}, {}
     for m in modules if isinstance(modules, list) else ():
-        if isinstance(m, dict) and str(m.get("type", "")).endswith("Pooling") and isinstance(m.get("path"), str):
+        if not (isinstance(m, dict) and isinstance(m.get("path"), str)):
+            continue
+        kind = str(m.get("type", ""))
+        if kind.endswith("Pooling"):
             config = folder / m["path"] / "config.json"
             configs[m["path"]] = _read(config) if config.is_file() else None
-    return PoolingDefaults.from_sentence_transformers(modules, configs, str(file))
+        elif kind.endswith("Dense"):
+            dense[m["path"]] = _dense_layer(folder / m["path"])
+    return PoolingDefaults.from_sentence_transformers(modules, configs, str(file), dense)
+
+
+def _dense_layer(module: Path) -> DenseLayer | str:
+    """A Dense module's layer, or why pagedjax cannot compute it (its activation, weights not in safetensors).
+    ValueError naming the file for a config or tensors of the wrong shape."""
+    config = _read(module / "config.json") if (module / "config.json").is_file() else None
+    if not isinstance(config, dict):
+        return f"no config.json object in {module}"
+    activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")  # sentence-transformers'
+    if activation not in DENSE_ACTIVATIONS:
+        return f"activation {activation!r} is not one pagedjax computes ({', '.join(DENSE_ACTIVATIONS)})"
+    weights = module / "model.safetensors"
+    if not weights.is_file():
+        return f"no model.safetensors in {module} (pagedjax reads no pickled pytorch_model.bin)"
+    try:
+        weight = np.asarray(read_stored(weights, "linear.weight"), np.float32)
+        bias = np.asarray(read_stored(weights, "linear.bias"), np.float32) if config.get("bias", True) else None
+    except (KeyError, OSError, ValueError) as e:
+        raise ValueError(f"{weights}: cannot read the Dense layer's linear.weight / linear.bias ({e})") from None
+    want = (config.get("out_features"), config.get("in_features"))
+    if weight.shape != want:
+        raise ValueError(f"{weights}: linear.weight has shape {list(weight.shape)}, its config.json says "
+                         f"[out_features, in_features] = {list(want)}")
+    try:
+        return DenseLayer(weight, bias, DENSE_ACTIVATIONS[activation])
+    except ValueError as e:
+        raise ValueError(f"{weights}: {e}") from None

@@ -133,6 +133,8 @@ def _text(hf: dict, dtype: str | None, bos, eos, allowed: tuple[str, ...], tie: 
         raise ValueError(f"field 'text_config.model_type' = {model_type!r} is not supported for "
                          f"{hf['model_type']} (supported: {', '.join(allowed)})")
     full = {**_TEXT_DEFAULTS[model_type], **text}
+    if full.get("use_bidirectional_attention"):  # EmbeddingGemma's: an encoder of text, not an image-text decoder
+        raise ValueError("field 'text_config.use_bidirectional_attention' = true is not supported with images")
     if tie is not None:
         full["tie_word_embeddings"] = tie
     try:
