@@ -567,6 +567,32 @@ def data_parallel_2x2():
 
 
 @check
+def pooling_tensor_and_data_parallel():
+    """Embeddings over dp 2 x tp 2 equal one device's, for each pooling kind (the pooled sums come off each
+    replica's sharded step whole), and an encoder's (bidirectional attention, its whole prompts in one step) at
+    tp 2."""
+    from pagedjax import PoolingParams
+
+    kinds = [PoolingParams("last"), PoolingParams("mean", False), PoolingParams("cls", True, 8), PoolingParams()]
+    budget = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=MAX_LEN)
+    for cfg, tps in ((config("gqa"), ((2, 2),)), (config("gqa").replace(bidirectional=True), (2,))):
+        def embed(tp, dp=1, cfg=cfg):
+            pc = None if tp is None else ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp)
+            e = make_engine(model_config=cfg, cache_config=CacheConfig(block_size=8, num_blocks=32),
+                            scheduler_config=budget, params=params("gqa"), parallel_config=pc, compile_cache=False)
+            outs = e.embed(PROMPTS, kinds)
+            assert e.stats().scheduler.memory.num_used_blocks == 0
+            return [np.asarray(o.outputs.embedding) for o in outs]
+
+        want = embed(None)
+        for tp in tps:
+            tp, dp = (tp, 1) if isinstance(tp, int) else tp
+            for w, g in zip(want, embed(tp, dp), strict=True):  # float32 rounding: 1e-5 of the vector's norm
+                error = float(np.abs(g - w).max() / np.linalg.norm(w))
+                assert g.shape == w.shape and error < 1e-5, (cfg.bidirectional, tp, dp, error)
+
+
+@check
 def host_tier_tensor_parallel():
     """The host tier at tp 2 (KV heads split over the devices, the host holding whole blocks): each prompt alone in
     a pool of one request's blocks evicts the one before, the second round loads every prefix back from host

@@ -16,6 +16,7 @@ FAST = [
     "moe_expert_parallel",  # expert weights sharded by expert over tp
     "latent_layers_tensor_parallel",  # MLA / DSA: query heads split, latent pages replicated
     "lora_tensor_parallel",  # LoRA stacks split as their linears, at tp 2
+    "pooling_tensor_and_data_parallel",  # embeddings (and an encoder's) sharded as one device's
 ]
 SLOW = [
         # (CI time: ~11 s) kv_groups_tensor_parallel runs the same flows at tp 2 with GQA's KV heads split (blocks

@@ -3,7 +3,7 @@ HTTP: vectors equal the offline engine's (`LLMEngine.embed`) as numbers and as b
 `dimensions`, batches of texts and token ids, usage. `/v1/score` and `/v1/rerank`: the offline engine's
 `relevance`, of an embedding model (cosine) and of a cross-encoder (a one-label head over the pair's prompt), ranked
 and cut to `top_n`. Bad inputs are 400s naming the field; pooling requests and completions run side by side and
-leave no block held."""
+leave no block held. An encoder (bidirectional attention) serves embeddings and refuses completions."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import numpy as np
 import openai
 import pytest
 
-from pagedjax import PoolingParams
+from pagedjax import CacheConfig, LLMEngine, PoolingParams, SchedulerConfig
 from pagedjax.model.classifier import Classifier
 from pagedjax.model.tokenizer import ByteTokenizer
-from tests.serve.server_utils import CFG, MAX_MODEL_LEN, MODEL_NAME, make_engine, running_server
+from tests.serve.server_utils import CFG, MAX_MODEL_LEN, MODEL_NAME, SEED, make_engine, running_server
 
 TEXTS = ["def parse(text):", "import os", "x"]
 
@@ -144,3 +144,22 @@ def test_a_cross_encoder_server_scores_each_pairs_prompt():
         r = httpx.post(f"{s.url}/v1/rerank", json={"model": MODEL_NAME, "query": "a", "documents": ["b"]},
                        timeout=60)
         assert r.status_code == 400 and r.json()["error"]["code"] == "tokenizer_required", r.text
+
+
+def test_a_bidirectional_model_serves_embeddings_and_refuses_the_rest():
+    """An encoder (`ModelConfig.bidirectional`, as EmbeddingGemma): `/v1/embeddings` gives the offline vectors; a
+    completion is a 400 `generation_not_supported`, an input longer than one step a 400 naming it."""
+    make = lambda: LLMEngine(model_config=CFG.replace(bidirectional=True), seed=SEED, tokenizer=ByteTokenizer(),
+                             cache_config=CacheConfig(block_size=16, num_blocks=64),
+                             scheduler_config=SchedulerConfig(max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN))
+    want = [o.outputs.embedding for o in make().embed([ByteTokenizer().encode(t) for t in TEXTS])]
+    with running_server(make()) as s:
+        r = httpx.post(f"{s.url}/v1/embeddings", json={"model": MODEL_NAME, "input": TEXTS, "encoding_format": "float"},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose([d["embedding"] for d in r.json()["data"]], want, rtol=1e-5, atol=1e-6)
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "generation_not_supported", r.text
+        r = httpx.post(f"{s.url}/v1/embeddings", json={"model": MODEL_NAME, "input": [1] * 65}, timeout=60)
+        assert r.status_code == 400 and "runs in one step, which holds at most 64" in r.json()["error"]["message"]
