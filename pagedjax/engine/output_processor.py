@@ -37,9 +37,8 @@ class IncrementalText:
     decode (byte-level and byte-level BPE tokenizers), `text + pending()` equals `decode(token_ids)`.
     """
 
-    def __init__(self, tokenizer, dense: tuple[DenseLayer, ...] = ()):
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.dense = dense  # the model's projections of a pooled vector (`PoolingDefaults.dense`)
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix = 0  # ids [prefix, read) are the window decoded again before new ids
