@@ -95,12 +95,12 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 # float32 references must be computed at full precision on every backend.
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# (CI time) 20 examples a property by default (25 until the suite outgrew CI's 12 minutes; the kernels' counts scale
-# with it, `tests.kernels.cases.examples`); the dev profile runs 200 random ones.
+# (CI time) 15 examples a property by default (25, then 20, until the suite outgrew CI's 12 minutes; the kernels'
+# counts scale with it, `tests.kernels.cases.examples`); the dev profile runs 200 random ones.
 settings.register_profile(
     "ci",
     derandomize=True,
-    max_examples=20,
+    max_examples=15,
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
