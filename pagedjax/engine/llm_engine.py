@@ -230,7 +230,8 @@ class LLMEngine:
                                   max_programs=max_programs, compile_in_background=background)
         elif head is not None:
             draft = MTPProposer(head, self.runner, self.num_blocks, self.cache_config,
-                                config.speculative_config.num_speculative_tokens)
+                                config.speculative_config.num_speculative_tokens, max_programs=max_programs,
+                                compile_in_background=background)
         self.speculator = None if config.speculative_config is None else Speculator(config.speculative_config, draft)
         if config.batch_invariant:  # see pagedjax.runner.invariant
             self.runner.fixed_shape = invariant_shape(
@@ -386,9 +387,11 @@ class LLMEngine:
                 cache.listeners.remove(listener)
 
     def close(self) -> None:
-        """Cancel the background compiles still waiting (the engine still serves: later programs compile when
-        needed)."""
+        """Cancel the background compiles still waiting, a draft model's or an MTP head's too (the engine still
+        serves: later programs compile when needed)."""
         self.runner.close()
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.close()
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],

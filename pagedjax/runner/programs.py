@@ -29,6 +29,9 @@ is logged, and its shape is compiled on the caller's thread the next time it is 
 the step, as ever). At most `MAX_PENDING` compiles of steps' own programs wait or run at once; a miss beyond them
 runs on its stand-in and asks again next time.
 
+`lookup_optional(shape, prepare)` is for work a step can do without (an MTP head's proposals): its own program,
+or, with background compiles, None while that compiles.
+
 `warm_in_background(jobs)` queues a warm-up's programs behind them (a server's: it answers at once, its first
 steps compiling their own programs, while the stand-ins compile): the one compile thread always takes a step's own
 program first, then the warm-up's in the order given; each is pinned when installed, and `warm_in_background`'s
@@ -245,6 +248,24 @@ class ProgramCache:
         exe = self.compile(shape, prepare)
         self.compile_seconds += time.perf_counter() - start
         return shape, exe
+
+    def lookup_optional(self, shape: Hashable, prepare: Callable[[], Job]) -> Any | None:
+        """`shape`'s own program, or None while it compiles in the background (for work a step can go without,
+        such as a speculative proposer's: it skips this step instead of waiting; a miss beyond `MAX_PENDING`
+        compiles asks again next time). Without background compiles, a miss compiles now, as `lookup`."""
+        self._install_finished()
+        self._count(shape)
+        exe = self.executables.get(shape)
+        if exe is not None:
+            self.executables.move_to_end(shape)
+            return exe
+        if self._background and shape not in self._failed:
+            self._compile_in_background(shape, prepare)
+            return None
+        start = time.perf_counter()
+        exe = self.compile(shape, prepare)
+        self.compile_seconds += time.perf_counter() - start
+        return exe
 
     def compile(self, shape: Hashable, prepare: Callable[[], Job], *, pinned: bool = False, note: str = "") -> Any:
         """Compile `shape`'s program now on this thread (or take it from its background compile, if that has

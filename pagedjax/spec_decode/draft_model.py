@@ -112,6 +112,10 @@ class DraftProposer:
         """`warmup`'s program compiled in the background (`LLMEngine.start_warmup`); its future of seconds."""
         return self.runner.warm_in_background([self._widest_step(max_seqs, max_blocks)])
 
+    def close(self) -> None:
+        """Cancel the draft runner's background compiles still waiting (`LLMEngine.close`)."""
+        self.runner.close()
+
     def sleep(self) -> int:
         """Release the draft's KV arrays (with the target's: `LLMEngine.sleep`); every request's draft KV is then
         recomputed (`epoch`). Returns the bytes freed on each device (0 if already asleep)."""

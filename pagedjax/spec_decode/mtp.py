@@ -28,8 +28,10 @@ one when the target's own draw equals it is rejection sampling with a one-hot pr
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import time
 from typing import NamedTuple
 
 import jax
@@ -43,6 +45,7 @@ from pagedjax.device.attention import AttentionMetadata
 from pagedjax.device.kv_cache import KVCache, init_kv_cache
 from pagedjax.model.api import PagedKVCache
 from pagedjax.runner.inputs import bucket, pad_last, pad_rows, pad_table
+from pagedjax.runner.programs import Job, ProgramCache, abstract_value
 from pagedjax.runner.runner import ModelRunner
 from pagedjax.spec_decode.draft_kv import draft_plan
 from pagedjax.spec_decode.mtp_head import MTPHead, head_config, load_head
@@ -173,11 +176,30 @@ def _head_step(head_graphdef, head_params, target_graphdef, target_params, kv: K
     return jnp.concatenate([guess[:, None], chained.T], axis=1), KVCache(layers)
 
 
+class HeadShape(NamedTuple):
+    """A head call's program: its rows (the target step's tokens, whose hidden states it reads), its sequences and
+    its block tables' width, each a bucket."""
+
+    rows: int
+    seqs: int
+    width: int
+
+
+def _compile(jitted, args: tuple, static: dict):
+    return jitted.lower(*args, **static).compile()
+
+
 class MTPProposer:
     """The MTP head's `Proposer` (see the module's docstring). A head call that raises costs the step its proposals
-    (logged, counted in `num_failed_calls`; the head's KV is made again if the call took it)."""
+    (logged, counted in `num_failed_calls`; the head's KV is made again if the call took it).
 
-    def __init__(self, head: MTPHead, target: ModelRunner, num_blocks: int, cache_config: CacheConfig, k: int):
+    Its programs, one per `HeadShape`, are held in a `ProgramCache` of `max_programs`: with `compile_in_background`
+    (a server's choice) a call whose program is not compiled yet makes no proposals that step while it compiles in
+    the background (proposals are optional: the tokens are the same), instead of stalling every stream for the
+    compile; otherwise each compiles when first needed, on the engine's thread."""
+
+    def __init__(self, head: MTPHead, target: ModelRunner, num_blocks: int, cache_config: CacheConfig, k: int, *,
+                 max_programs: int = 64, compile_in_background: bool = False):
         if not target.keep_hidden:
             raise ValueError("MTPProposer: the target's runner must keep its hidden states (keep_hidden=True)")
         self.k = k
@@ -202,15 +224,31 @@ class MTPProposer:
 
         # The head's KV is donated (updated in place). Its rows are padded to the target step's tokens (at most those
         # of its rejected proposals more than it keeps) and its sequences and table width to powers of two, as the
-        # target's steps are: a program per (step bucket, sequences, width), each compiled on first use (one per
-        # row bucket too made a short request compile twice as many, at about 1.4 s each on this CPU).
+        # target's steps are: a program per (step bucket, sequences, width) (one per row bucket too made a short
+        # request compile twice as many, at about 1.4 s each on this CPU).
         self._call = jax.jit(call, donate_argnums=(2,), static_argnames=("backend", "block_size"))
+        self.programs = ProgramCache(max_programs, background=compile_in_background)
 
     def _new_kv(self) -> KVCache:
         return init_kv_cache(self.spec.kv_layout, self.num_blocks, self.block_size, self.kv_dtype)
 
+    def _prepare(self, shape: HeadShape) -> Job:
+        """The compile job of `shape`'s program (abstract arguments only: it may run on the compile thread)."""
+        i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
+        r, n = shape.rows, shape.seqs
+        x = HeadRows(i32(r), i32(r), i32(r), i32(r), i32(n + 1), i32(n), i32(n, shape.width),
+                     i32(max(self.k - 1, 0), n))
+        hidden = jax.ShapeDtypeStruct((r, self.spec.hidden_size), jnp.dtype(self.spec.dtype))
+        args = jax.tree.map(abstract_value, (self._head_leaves, self.target.param_leaves, self.kv))
+        return functools.partial(_compile, self._call, (*args, hidden, x),
+                                 dict(backend=self.target.backend, block_size=self.block_size))
+
     def forget(self, live_request_ids) -> None:
         """Nothing per request: what the head's KV covers follows from each step (see the module's docstring)."""
+
+    def close(self) -> None:
+        """Cancel the head's background compiles still waiting (`LLMEngine.close`)."""
+        self.programs.close()
 
     def sleep(self) -> int:
         """Release the head's KV arrays (with the target's: `LLMEngine.sleep`); bytes freed (0 if asleep)."""
@@ -233,12 +271,16 @@ class MTPProposer:
         x, sequence_of = head_rows(step, asks, self.k, self.block_size)
         if x is None:
             return [[] for _ in asks]
-        x = pad(x, hidden.shape[0], bucket(len(x.kv_lens)), bucket(x.block_tables.shape[1], 2))
+        shape = HeadShape(hidden.shape[0], bucket(len(x.kv_lens)), bucket(x.block_tables.shape[1], 2))
+        x = pad(x, *shape)
         try:
-            guesses, self.kv = self._call(self._head_leaves, self.target.param_leaves, self.kv, hidden, x,
-                                          backend=self.target.backend,
-                                          block_size=self.block_size)
+            program = self.programs.lookup_optional(shape, functools.partial(self._prepare, shape))
+            if program is None:  # compiling in the background: no proposals this step
+                return [[] for _ in asks]
+            start = time.perf_counter()
+            guesses, self.kv = program(self._head_leaves, self.target.param_leaves, self.kv, hidden, x)
             guesses = np.asarray(guesses)
+            self.programs.record_run(shape, time.perf_counter() - start)
         except Exception as exc:  # the proposals only: the target's step goes on without them
             self.num_failed_calls += 1
             if any(a.is_deleted() for a in jax.tree.leaves(self.kv)):

@@ -170,20 +170,44 @@ def test_a_failing_head_call_costs_its_proposals_only(monkeypatch, caplog):
     propose), the tokens are the dense model's and no block is left held. (The default case's shapes.)"""
     engine = make_engine(block_size=8, speculative_config=mtp())
     proposer = engine.speculator.proposer
-    call, calls = proposer._call, []
+    lookup, calls = proposer.programs.lookup_optional, []
 
-    def fails_once(*args, **kwargs):
+    def fails_once(shape, prepare):
+        program = lookup(shape, prepare)
         calls.append(1)
         if len(calls) == 2:
-            raise RuntimeError("head device lost")
-        return call(*args, **kwargs)
+            def lost(*args):
+                raise RuntimeError("head device lost")
+            return lost
+        return program
 
-    monkeypatch.setattr(proposer, "_call", fails_once)
+    monkeypatch.setattr(proposer.programs, "lookup_optional", fails_once)
     with caplog.at_level(logging.ERROR, logger="pagedjax.spec_decode.mtp"):
         outs = engine.generate(PROMPTS[2:4], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == reference()[2:4]
     assert proposer.num_failed_calls == 1 and "head device lost" in caplog.text
     assert len(calls) > 2 and engine.stats().spec_proposed_tokens > 0
+    assert_all_free(engine)
+
+
+def test_with_background_compiles_a_head_program_never_stalls_a_step():
+    """`compile_in_background` (a server's engine): a head call whose program is not compiled yet proposes nothing
+    while it compiles in the background; the engine's thread never waits for the head's compiles, the tokens are the
+    dense model's, and once compiled the programs propose. `close()` cancels the head's compiles still waiting."""
+    engine = make_engine(block_size=8, speculative_config=mtp(), compile_in_background=True)
+    proposer = engine.speculator.proposer
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outs = engine.generate(PROMPTS[2:4], params, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == reference()[2:4]
+    programs = proposer.programs
+    assert programs.num_compilations >= 1 and programs.compile_seconds == 0.0
+    programs.wait()  # (a test's: a server never waits)
+    before = engine.stats().spec_proposed_tokens
+    outs = engine.generate(PROMPTS[2:4], params, use_tqdm=False)  # the same shapes: compiled now
+    assert [o.output_token_ids for o in outs] == reference()[2:4]
+    assert engine.stats().spec_proposed_tokens > before and programs.compile_seconds == 0.0
+    engine.close()
+    assert programs.num_pending == 0
     assert_all_free(engine)
 
 
