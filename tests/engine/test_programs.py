@@ -403,3 +403,25 @@ def test_steps_in_which_no_sequence_emits_compute_no_logits_and_give_the_same_to
     assert all(s.sample for s, _ in seen if s.decode_only)
     everything = make_engine(compile_in_background=False, batch_invariant=True)  # one program: sampling on
     assert everything.generate([prompt], params, use_tqdm=False)[0].output_token_ids == got
+
+
+def test_an_optional_lookup_skips_while_its_program_compiles_in_the_background(caplog):
+    """`lookup_optional` (an MTP head's calls): a miss returns None and compiles off the engine thread (no stand-in
+    needed), then the program; a failed background compile compiles on the engine thread next time; without
+    background compiles (or after `close`) a miss compiles at once."""
+    cache, calls = ProgramCache(8), []
+    a, b = _step(16, 2), _step(32, 4)
+    assert cache.lookup_optional(a, _job(a, calls)) is None and cache.num_pending == 1
+    cache.wait()
+    assert calls == [(a, False)] and cache.lookup_optional(a, _job(a, calls)) == "exe16x2"
+    assert cache.lookup_optional(b, _job(b, calls, fail=True)) is None
+    with caplog.at_level(logging.ERROR, logger="pagedjax.runner.programs"):
+        cache.wait()
+    assert "injected compile failure" in caplog.text
+    assert cache.lookup_optional(b, _job(b, calls)) == "exe32x4" and calls[-1] == (b, True)
+    assert cache.compile_seconds > 0.0 and cache.stand_in_steps == 0
+    cache.close()
+    c = _step(64, 8)
+    assert cache.lookup_optional(c, _job(c, calls)) == "exe64x8" and calls[-1] == (c, True)
+    now = ProgramCache(8, background=False)
+    assert now.lookup_optional(a, _job(a, calls)) == "exe16x2" and calls[-1] == (a, True)
