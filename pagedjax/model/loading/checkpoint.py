@@ -342,18 +342,20 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, *,
     expected = _flatten(target)
     ckptr = ocp.StandardCheckpointer()
     problem = None
-    try:
-        stored = _stored_tree(ckptr, params_dir)
-        if stored is not None:
-            _check_tree(expected, _flatten(stored), params_dir, f"parameters do not match {CONFIG_FILE}")
-        with _orbax_failure_noise_suppressed() as failed:
+    # The checkpointer is closed before a failed restore's wait (`_orbax_failure_noise_suppressed`): open, it held
+    # the abandoned reads of an emptied data file for the whole wait.
+    with _orbax_failure_noise_suppressed() as failed:
+        try:
+            stored = _stored_tree(ckptr, params_dir)
+            if stored is not None:
+                _check_tree(expected, _flatten(stored), params_dir, f"parameters do not match {CONFIG_FILE}")
             try:
                 restored = ckptr.restore(params_dir, target)
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise bare Exceptions for unreadable data
                 problem = _innermost_message(e)  # not chained: the exception holds orbax's abandoned reads
                 failed.append(problem)
-    finally:
-        ckptr.close()
+        finally:
+            ckptr.close()
     if problem is not None:
         raise ModelLoadError(params_dir, f"cannot read the parameters (truncated or corrupted checkpoint?): "
                                          f"{problem}")
