@@ -244,10 +244,7 @@ class ProgramCache:
             self.stand_in_steps += 1
             self.executables.move_to_end(stand_in)
             return stand_in, self.executables[stand_in]
-        start = time.perf_counter()
-        exe = self.compile(shape, prepare)
-        self.compile_seconds += time.perf_counter() - start
-        return shape, exe
+        return shape, self._compile_now(shape, prepare)
 
     def lookup_optional(self, shape: Hashable, prepare: Callable[[], Job]) -> Any | None:
         """`shape`'s own program, or None while it compiles in the background (for work a step can go without,
@@ -262,10 +259,7 @@ class ProgramCache:
         if self._background and shape not in self._failed:
             self._compile_in_background(shape, prepare)
             return None
-        start = time.perf_counter()
-        exe = self.compile(shape, prepare)
-        self.compile_seconds += time.perf_counter() - start
-        return exe
+        return self._compile_now(shape, prepare)
 
     def compile(self, shape: Hashable, prepare: Callable[[], Job], *, pinned: bool = False, note: str = "") -> Any:
         """Compile `shape`'s program now on this thread (or take it from its background compile, if that has
@@ -345,6 +339,13 @@ class ProgramCache:
             self._shutdown()
 
     # --------------------------------------------------------------------------------------------- internals
+    def _compile_now(self, shape: Hashable, prepare: Callable[[], Job]) -> Any:
+        """A lookup's miss compiled on the caller's thread, its wait counted in `compile_seconds`."""
+        start = time.perf_counter()
+        exe = self.compile(shape, prepare)
+        self.compile_seconds += time.perf_counter() - start
+        return exe
+
     def _tell(self, event: CompileEvent) -> None:
         for listener in self.listeners:
             listener(event)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
 from typing import NamedTuple
 
 import jax
@@ -277,10 +276,8 @@ class MTPProposer:
             program = self.programs.lookup_optional(shape, functools.partial(self._prepare, shape))
             if program is None:  # compiling in the background: no proposals this step
                 return [[] for _ in asks]
-            start = time.perf_counter()
             guesses, self.kv = program(self._head_leaves, self.target.param_leaves, self.kv, hidden, x)
             guesses = np.asarray(guesses)
-            self.programs.record_run(shape, time.perf_counter() - start)
         except Exception as exc:  # the proposals only: the target's step goes on without them
             self.num_failed_calls += 1
             if any(a.is_deleted() for a in jax.tree.leaves(self.kv)):

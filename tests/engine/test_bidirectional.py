@@ -3,8 +3,8 @@ the dense model's hidden states (`Llama.hidden_dense`, whose mask lets every tok
 within W - 1 positions either way in a layer of window W).
 
 Property: random batches of pooling requests (prompts of 1 token, of exact block multiples, longer than every window;
-permuted pools; tight step budgets) give every vector to float32 rounding, each prompt computed whole in one step,
-no prefix-cache hit, no block left held; the Pallas kernels (interpreted) the same. Refused: generation, a prompt
+tight step budgets and pools) give every vector to float32 rounding, each prompt computed whole in one step, no
+prefix-cache hit, no block left held; the Pallas kernels (interpreted) the same. Refused: generation, a prompt
 longer than one step holds, speculation and KV tiers (a bidirectional model keeps no prefix cache), a spec that is
 bidirectional over latent layers or images.
 """
@@ -120,7 +120,6 @@ def test_the_pallas_kernels_attend_both_ways_too():
     for i, (prompt, kind) in enumerate(zip(prompts, kinds, strict=True)):
         want = dense_embedding(prompt, kind)
         np.testing.assert_allclose(outs[f"r{i}"].embedding, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
-    assert not np.allclose(want, dense_embedding(prompts[1], kinds[1], bidirectional=False)) or len(prompts[1]) == 1
     causal = dense_embedding(prompts[0], kinds[0], bidirectional=False)
     assert np.abs(causal - dense_embedding(prompts[0], kinds[0])).max() > 1e-3  # the test can tell the two apart
 
