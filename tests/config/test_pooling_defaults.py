@@ -134,3 +134,15 @@ def test_dense_weights_of_the_wrong_shape_are_errors(tmp_path):
         DenseLayer(np.zeros((2, 3)), None)
     with pytest.raises(ValueError, match="DenseLayer.bias must be None or a float32 .2."):
         DenseLayer(np.zeros((2, 3), np.float32), np.zeros(3, np.float32))
+
+
+def test_a_dense_module_without_its_tensors_is_an_error_naming_the_file(tmp_path):
+    folder(tmp_path, [TRANSFORMER, POOLING, DENSE], flags("pooling_mode_mean_tokens"))
+    dense_module(tmp_path, "2_Dense", 8, 4, bias=False)
+    config = json.loads((tmp_path / "2_Dense" / "config.json").read_text())
+    (tmp_path / "2_Dense" / "config.json").write_text(json.dumps({**config, "bias": True}))  # no linear.bias stored
+    with pytest.raises(ValueError, match=r"2_Dense/model.safetensors: cannot read the Dense layer's linear.bias: not"):
+        folder_pooling_defaults(tmp_path)
+    (tmp_path / "2_Dense" / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        folder_pooling_defaults(tmp_path)

@@ -147,3 +147,28 @@ def test_what_a_bidirectional_model_cannot_do_is_refused():
     with pytest.raises(ValueError, match="attention both ways is for text models of K/V layers"):
         ModelSpec(vocab_size=8, num_layers=1, num_q_heads=2, bidirectional=True,
                   kv_layers=(LatentAttention(kv_lora_rank=8, rope_dim=4),))
+
+
+def test_a_ragged_step_without_attend_until_and_dense_layers_of_the_wrong_size_are_refused():
+    """A bidirectional layer given a ragged step without `attend_until` (a caller of the model API that forgot it)
+    raises instead of attending causally; an engine whose pooling's first Dense layer does not take the model's
+    hidden size is refused at construction."""
+    import jax.numpy as jnp
+
+    from pagedjax import PoolingDefaults
+    from pagedjax.config.pooling import DenseLayer
+    from pagedjax.device.attention import AttentionMetadata
+    from pagedjax.device.kv_cache import LayerKV
+    from pagedjax.model.api import PagedAttention, PagedKVCache
+
+    attn = PagedAttention(0, num_q_heads=2, num_kv_heads=1, head_dim=16, bidirectional=True)
+    layer = LayerKV(jnp.zeros((1, 4, 4, 16)), jnp.zeros((1, 4, 4, 16)))
+    meta = AttentionMetadata(np.arange(3, dtype=np.int32), np.zeros((1, 4), np.int32), np.array([3], np.int32),
+                             np.array([0, 3], np.int32))
+    q, kv = jnp.zeros((3, 2, 16)), jnp.zeros((3, 1, 16))
+    with pytest.raises(ValueError, match="a bidirectional layer's ragged step needs AttentionMetadata.attend_until"):
+        attn(q, kv, kv, PagedKVCache((layer,), meta, backend="xla"))
+    dense = (DenseLayer(np.zeros((8, CFG.hidden_size + 1), np.float32), None),)
+    with pytest.raises(ValueError, match=f"dense.0. takes {CFG.hidden_size + 1} inputs, the model's hidden size is "
+                                         f"{CFG.hidden_size}"):
+        LLMEngine(model_config=CFG, seed=SEED, pooling_defaults=PoolingDefaults(pooling="mean", dense=dense))

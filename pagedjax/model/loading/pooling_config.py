@@ -11,7 +11,7 @@ import numpy as np
 
 from pagedjax.config.pooling import DENSE_ACTIVATIONS, DenseLayer, PoolingDefaults
 from pagedjax.model.loading.checkpoint import bundled_model_path
-from pagedjax.model.loading.hf_loader import read_stored
+from pagedjax.model.loading.hf_loader import read_stored, tensor_headers
 
 MODULES = "modules.json"
 
@@ -57,11 +57,13 @@ def _dense_layer(module: Path) -> DenseLayer | str:
     weights = module / "model.safetensors"
     if not weights.is_file():
         return f"no model.safetensors in {module} (pagedjax reads no pickled pytorch_model.bin)"
-    try:
-        weight = np.asarray(read_stored(weights, "linear.weight"), np.float32)
-        bias = np.asarray(read_stored(weights, "linear.bias"), np.float32) if config.get("bias", True) else None
-    except (KeyError, OSError, ValueError) as e:
-        raise ValueError(f"{weights}: cannot read the Dense layer's linear.weight / linear.bias ({e})") from None
+    names = {name for _, name, _, _ in tensor_headers([weights])}  # ModelLoadError (a ValueError) if unreadable
+    wanted = ["linear.weight", *(["linear.bias"] if config.get("bias", True) else [])]
+    missing = [name for name in wanted if name not in names]
+    if missing:
+        raise ValueError(f"{weights}: cannot read the Dense layer's {' and '.join(missing)}: not in the file")
+    weight, *bias = (np.asarray(read_stored(weights, name), np.float32) for name in wanted)
+    bias = bias[0] if bias else None
     want = (config.get("out_features"), config.get("in_features"))
     if weight.shape != want:
         raise ValueError(f"{weights}: linear.weight has shape {list(weight.shape)}, its config.json says "
