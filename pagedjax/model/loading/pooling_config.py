@@ -62,8 +62,8 @@ def _dense_layer(module: Path) -> DenseLayer | str:
     missing = [name for name in wanted if name not in names]
     if missing:
         raise ValueError(f"{weights}: cannot read the Dense layer's {' and '.join(missing)}: not in the file")
-    weight, *bias = (np.asarray(read_stored(weights, name), np.float32) for name in wanted)
-    bias = bias[0] if bias else None
+    read = lambda name: np.asarray(read_stored(weights, name), np.float32)
+    weight, bias = read("linear.weight"), read("linear.bias") if "linear.bias" in wanted else None
     want = (config.get("out_features"), config.get("in_features"))
     if weight.shape != want:
         raise ValueError(f"{weights}: linear.weight has shape {list(weight.shape)}, its config.json says "
