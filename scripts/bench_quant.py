@@ -36,6 +36,7 @@ they leave room for): `scripts/bench_quant_accuracy.py`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import time
@@ -62,7 +63,7 @@ def quant_config(scheme: str) -> QuantConfig | None:
         return None
     name, head = scheme.removesuffix("-head"), scheme.endswith("-head")
     quant = QuantConfig.parse(name)
-    return QuantConfig(quant.scheme, quant.group_size, keep_float=()) if head else quant
+    return dataclasses.replace(quant, keep_float=()) if head else quant
 
 
 def quantized(cfg: ModelConfig, state, scheme: str):

@@ -8,7 +8,8 @@
 #      which traces each kernel body through the Pallas API of that JAX; the references and XLA paths (what the
 #      CPU engine runs); one interpreted run of the GPU and TPU kernels side by side (the engine's Pallas path over
 #      MLA and sparse layers runs in the first pass: 9 s here, the same kernel calls the lowering and interpreted
-#      kernel tests make); shardings and shard_map, the model (flax), checkpoints (orbax), the engine's
+#      kernel tests make); the CPU int8 kernel built against that jaxlib's FFI headers and called through
+#      jax.ffi; shardings and shard_map, the model (flax), checkpoints (orbax), the engine's
 #      compiled steps and its program cache (JAX's own caches cleared); with a fifth of the hypothesis examples.
 #      The kernels' property tests in interpret mode (half the first pass's time) are not run again: they check
 #      the kernels' arithmetic, which the JAX version does not change (the lowering does, and is checked).
@@ -95,5 +96,6 @@ HYPOTHESIS_PROFILE=smoke PAGEDJAX_PARALLEL_CHECKS=newest .venv312/bin/python -m 
   tests/kernels/test_tpu_kernels.py::test_ragged_agrees_with_the_gpu_kernel_to_float32_rounding \
   tests/model/test_model.py tests/model/test_checkpoint_train.py \
   tests/engine/test_gpu_lowering.py tests/engine/test_tpu_lowering.py tests/engine/test_cpu_dots.py \
+  tests/device/test_int8_matmul.py \
   tests/engine/test_engine_validation.py::test_compiled_programs_are_bounded_and_outputs_stay_exact \
   "${newest_deselect[@]}"

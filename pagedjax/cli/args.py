@@ -109,10 +109,11 @@ def add_engine_options(parser: argparse.ArgumentParser, **front_end_defaults) ->
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="parameter dtype (default: the checkpoint's)")
     g.add_argument("--quantization", type=_quantization, default=None, metavar="SCHEME",
-                   help="weight-only quantized linear layers, quantized at load (names in any case): int8 (per "
-                        "channel), int4 (groups of 128 inputs; int4:N for groups of an even N, e.g. int4:32) or fp8 "
-                        "(e4m3, per channel); activations stay in the model's dtype. Default: the checkpoint's "
-                        "weights as stored")
+                   help="quantized linear layers, quantized at load (names in any case): int8 (per channel), int4 "
+                        "(groups of 128 inputs; int4:N for groups of an even N, e.g. int4:32) or fp8 (e4m3, per "
+                        "channel), activations in the model's dtype; or w8a8 (int8 weights, each token's "
+                        "activations quantized to int8: integer products). Default: the checkpoint's weights as "
+                        "stored")
     g.add_argument("--classifier-from-tokens", nargs=2, default=None, metavar=("NO", "YES"),
                    help="serve a causal LM as a one-label classifier judged by these two tokens' logits (a "
                         "Qwen3-Reranker: no yes): the probability of YES over the two, for /v1/score and /v1/rerank; "

@@ -17,31 +17,43 @@ from pagedjax.config.fields import check_choice, check_int, describe, from_field
 #           q in [-8, 7] (the quantizer uses [-7, 7]); two values per byte along the input dimension.
 #   "fp8"   float8 e4m3 (finite, max 448) per output channel: w ~= q * scale[out].
 SCHEMES: tuple[str, ...] = ("int8", "int4", "fp8")
+# What the activations a quantized linear multiplies are (`QuantConfig.activations`):
+#   "float" the model's dtype (weight-only quantization: W8A16, W4A16).
+#   "int8"  each row (token) quantized to int8 on the fly, symmetric, scale = max |x| / 127 over the row, and
+#           multiplied by int8 weights in an exact int8 x int8 -> int32 product (W8A8, scheme "int8" only: on
+#           the CPU an integer SIMD kernel, `pagedjax.device.int8_matmul`).
+ACTIVATIONS: tuple[str, ...] = ("float", "int8")
 SCALE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 DEFAULT_GROUP_SIZE = 128
 # Every short name `QuantConfig.parse` reads, as its errors and `--quantization` list them.
 NAMES = (f"int8, fp8, int4 (groups of {DEFAULT_GROUP_SIZE} inputs), int4:<N> (groups of an even N >= 2 inputs, "
-         "e.g. int4:32)")
+         "e.g. int4:32), w8a8 (int8 weights and activations)")
+# Short names of the schemes with quantized activations.
+_ACTIVATION_NAMES = {"w8a8": ("int8", "int8")}
 
 
 @dataclass(frozen=True)
 class QuantConfig:
     """Which linear layers (and mixture-of-experts experts) hold quantized weights, and how. Activations stay in
-    the model's dtype and every product accumulates in float32; embeddings and MoE routers are never quantized.
+    the model's dtype and every product accumulates in float32 (unless `activations` says otherwise); embeddings and
+    MoE routers are never quantized.
 
     scheme: one of `SCHEMES`. group_size: int4's group along the input dimension (even, default 128; None for
     the per-channel schemes). scale_dtype: how scales are stored (one of `SCALE_DTYPES`). keep_float: names of
     linear modules left in float (by default the LM head: it decides every sampled token); "experts" keeps a MoE
-    model's experts float (`pagedjax.model.layers.moe_quant`).
+    model's experts float (`pagedjax.model.layers.moe_quant`). activations: one of `ACTIVATIONS`: "int8"
+    (W8A8, scheme "int8") quantizes each row of a linear's input to int8 and multiplies integers exactly.
 
     Invariants (checked on construction, a TypeError / ValueError naming the field): group_size is set for int4
-    only, and even (two values per byte); keep_float is a tuple of strings.
+    only, and even (two values per byte); keep_float is a tuple of strings; int8 activations go with int8
+    weights only.
     """
 
     scheme: str
     group_size: int | None = None
     scale_dtype: str = "float32"
     keep_float: tuple[str, ...] = ("lm_head",)
+    activations: str = "float"
 
     def __post_init__(self) -> None:
         owner = "QuantConfig"
@@ -60,21 +72,32 @@ class QuantConfig:
         if isinstance(keep, str) or not isinstance(keep, tuple | list) or not all(isinstance(k, str) for k in keep):
             raise TypeError(f"{owner}.keep_float must be a tuple of module names, got {describe(keep)}")
         fix("keep_float", tuple(keep))
+        check_choice(owner, "activations", self.activations, ACTIVATIONS, optional=False)
+        if self.activations == "int8" and self.scheme != "int8":
+            raise ValueError(f"{owner}.activations 'int8' (W8A8) goes with scheme 'int8' weights, not "
+                             f"{self.scheme!r}: an int8 x int8 product needs both")
 
     @property
     def name(self) -> str:
-        """The short form `parse` reads: "int8", "fp8", "int4" (group 128) or "int4:32"."""
+        """The short form `parse` reads: "int8", "fp8", "int4" (group 128), "int4:32" or "w8a8"."""
+        for short, (scheme, activations) in _ACTIVATION_NAMES.items():
+            if (self.scheme, self.activations) == (scheme, activations):
+                return short
         if self.scheme == "int4" and self.group_size != DEFAULT_GROUP_SIZE:
             return f"int4:{self.group_size}"
         return self.scheme
 
     @classmethod
     def parse(cls, text: str) -> QuantConfig:
-        """"int8" | "fp8" | "int4" | "int4:<group size>" (what `--quantization` takes), in any case ("INT8" is
-        int8) -> a QuantConfig. ValueError naming the field at fault and listing every accepted name (`NAMES`)."""
+        """"int8" | "fp8" | "int4" | "int4:<group size>" | "w8a8" (what `--quantization` takes), in any case
+        ("INT8" is int8) -> a QuantConfig. ValueError naming the field at fault and listing every accepted name
+        (`NAMES`)."""
         if not isinstance(text, str):
             raise TypeError(f"quantization must be a string ({NAMES}), got {describe(text)}")
         scheme, sep, size = text.strip().lower().partition(":")
+        if scheme in _ACTIVATION_NAMES and not sep:
+            weights, activations = _ACTIVATION_NAMES[scheme]
+            return cls(weights, activations=activations)
         if scheme not in SCHEMES:
             raise ValueError(f"QuantConfig.scheme {scheme!r} is not supported; accepted names: {NAMES}")
         if not sep:

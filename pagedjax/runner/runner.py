@@ -46,7 +46,7 @@ from pagedjax.device.sampling import (
 )
 from pagedjax.model.api import ImageEmbeds, PagedKVCache, PagedModel, param_partition_fn
 from pagedjax.model.layers.lora import LoRABatch, init_lora_weights, slot_writer
-from pagedjax.model.layers.quant import holds_quantized
+from pagedjax.model.layers.quant import check_tensor_parallel, holds_quantized
 from pagedjax.runner.host_tier import HostBlocks
 from pagedjax.runner.images import ImageFeatures
 from pagedjax.runner.inputs import NO_EXTRAS, FusedDecodeInputs, StepExtras, StepInputs
@@ -316,6 +316,7 @@ class ModelRunner:
         # Without a mesh a model may take its weights in a single-device form (`served_params`).
         self._single_device = getattr(model, "single_device_params", None) if mesh is None else None
         self._quantized = holds_quantized(self.params)
+        check_tensor_parallel(model, 1 if mesh is None else mesh.size)
         if mesh is not None:
             from pagedjax.parallel.sharding import shard_state
 

@@ -239,6 +239,9 @@ def test_keep_float_names_that_match_nothing_in_a_user_model_are_refused():
     (dict(scheme="int8", bits=8), ValueError, r"unknown QuantConfig fields: \['bits'\]"),
     (dict(scheme="int8", keep_float="lm_head"), TypeError, "keep_float must be a tuple"),
     (8, TypeError, "quantization must be None, a QuantConfig"),
+    (dict(scheme="int4", activations="int8"), ValueError, "goes with scheme 'int8' weights, not 'int4'"),
+    (dict(scheme="int8", activations="int4"), ValueError, "QuantConfig.activations"),
+    ("w8a8:32", ValueError, "QuantConfig.scheme 'w8a8' is not supported"),
 ])
 def test_bad_quantization_names_the_field(value, error, match):
     with pytest.raises(error, match=match):

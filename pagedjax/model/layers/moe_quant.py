@@ -118,6 +118,10 @@ class QuantizedExperts(Experts):
 
     def __init__(self, gate: jax.Array, up: jax.Array, down: jax.Array, *, quant: QuantConfig,
                  name: str = EXPERTS, biases: tuple | None = None, glu: GLU = SWIGLU):
+        if quant.activations != "float":
+            raise ValueError(f"{name}: quantization {quant.name!r} quantizes the activations of linear layers; "
+                             f"experts hold int8 weights with float activations only: keep them float "
+                             f"(keep_float including {EXPERTS!r}) or use 'int8'")
         for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
             if w.ndim != 3 or w.shape != gate.shape:
                 raise ValueError(f"{name}.{proj}: expert weights are [E, width, hidden], all of one shape, got "

@@ -1,6 +1,7 @@
 """Weight-only quantized linear layers (`pagedjax.config.quant.QuantConfig`): int8 and fp8 e4m3 per output
 channel, int4 in groups along the input dimension packed two per byte. Activations stay in the model's dtype;
-every product accumulates in float32.
+every product accumulates in float32. With `QuantConfig.activations == "int8"` (W8A8, int8 weights) each row of
+the input is quantized to int8 on the fly and multiplied exactly in integers (`w8a8_product`).
 
 A kernel `[in, out]` (the float layout of `pagedjax.model.llama`) is stored `[out, ...]` (Hugging Face's layout:
 each output channel's values contiguous, which the one-row product below needs):
@@ -74,10 +75,12 @@ import numpy as np
 from flax import nnx
 
 from pagedjax.config.quant import QuantConfig
+from pagedjax.device.int8_matmul import int8_matmul
 from pagedjax.model.layers.linear import apply_linear
 
-__all__ = ["QuantizedLinear", "dequantize_kernel", "dequantize_stored", "holds_quantized", "pack_int4",
-           "quantize_kernel", "quantize_model", "quantized_product", "replace_module", "unpack_int4"]
+__all__ = ["QuantizedLinear", "check_tensor_parallel", "dequantize_kernel", "dequantize_stored", "holds_quantized",
+           "pack_int4", "quantize_kernel", "quantize_model", "quantize_rows", "quantizes_activations",
+           "quantized_product", "replace_module", "unpack_int4", "w8a8_product"]
 
 # The largest |q| the quantizer produces for each scheme (int4 stores -8 too, which it never produces).
 QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
@@ -206,13 +209,41 @@ def _matvec(row: jax.Array, w: jax.Array) -> jax.Array:
 
 def one_row(x: jax.Array, quant: QuantConfig) -> bool:
     """Whether x `[..., in]` is a single row (batch-1 decode; static under jit) of an int8 or int4 kernel,
-    computed as a fused matrix-vector product (module docstring)."""
+    computed as a float32 product (a fused matrix-vector product of the stored bytes, module docstring; W8A8's
+    integer product)."""
     return math.prod(x.shape[:-1]) == 1 and quant.scheme in ("int8", "int4")
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x `[m, k]` -> (q int8 `[m, k]`, scale float32 `[m]`), each row symmetric: scale = max |row| / 127 and q the
+    row times 127 / max |row| rounded to the nearest integer (ties to even), so that x ~= q * scale. An all-zero
+    row has scale 0 and q 0; a row holding a NaN or an infinity has a non-finite scale (its products are NaN,
+    `w8a8_product`) and q 0: nothing of it reaches the integer product or any other row."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)  # [m]; NaN or inf for a row holding one
+    finite = jnp.isfinite(amax) & (amax > 0)
+    inverse = jnp.where(finite, 127.0 / jnp.where(finite, amax, 1.0), 0.0)
+    q = jnp.where(finite[:, None], jnp.clip(jnp.round(x * inverse[:, None]), -127, 127), 0.0)
+    return q.astype(jnp.int8), amax / 127.0
+
+
+def w8a8_product(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> jax.Array:
+    """x `[..., in]` times int8 `qweight` `[out, in]` with float `scale` `[out]`, x's rows quantized to int8
+    (`quantize_rows`) -> float32 `[..., out]` = (q_x . q_w) * scale_x * scale_w, the int32 sum exact
+    (`pagedjax.device.int8_matmul`: an integer SIMD kernel on the CPU). A row's result depends on that row alone."""
+    rows = x.reshape(-1, x.shape[-1])
+    q, row_scale = quantize_rows(rows)
+    acc = int8_matmul(q, qweight)  # i32[m, out]
+    y = acc.astype(jnp.float32) * row_scale[:, None] * scale.astype(jnp.float32)
+    return y.reshape(*x.shape[:-1], -1)
 
 
 def quantized_product(x: jax.Array, qweight: jax.Array, scale: jax.Array, quant: QuantConfig) -> jax.Array:
     """x `[..., in]` times the kernel stored as `qweight` `[out, in]` (int4: `[out, in // 2]`) and `scale` `[out]`
-    (int4: `[out, in // g]`) -> float32 `[..., out]`: `QuantizedLinear`'s product (module docstring)."""
+    (int4: `[out, in // g]`) -> float32 `[..., out]`: `QuantizedLinear`'s product (module docstring); with int8
+    activations (W8A8) `w8a8_product`."""
+    if quant.activations == "int8":
+        return w8a8_product(x, qweight, scale)
     scale = scale.astype(jnp.float32)
     tie = conversion_tie(x)
     if one_row(x, quant):
@@ -283,6 +314,21 @@ def holds_quantized(params: nnx.State) -> bool:
     """Whether a model's parameters hold `QuantizedLinear` kernels (XLA:CPU computes their several-row products
     fast only with its YNNPACK fusions: `pagedjax.runner.runner`)."""
     return any(str(path[-1]) == "qweight" for path, _ in nnx.to_flat_state(params))
+
+
+def quantizes_activations(model: nnx.Module) -> bool:
+    """Whether any `QuantizedLinear` of `model` quantizes its input rows (W8A8: `QuantConfig.activations`)."""
+    return any(isinstance(node, QuantizedLinear) and node.quant.activations != "float"
+               for _, node in nnx.iter_graph(model))
+
+
+def check_tensor_parallel(model: nnx.Module, tp: int) -> None:
+    """ValueError when `model` quantizes activations (W8A8) and would be sharded over `tp` > 1 devices: its
+    integer product is a one-device kernel, which XLA's partitioner would only run on gathered weights."""
+    if tp > 1 and quantizes_activations(model):
+        raise ValueError(f"W8A8 (int8 activations) is not served under tensor parallelism (tp {tp}): its integer "
+                         f"product is one device's kernel; use tensor_parallel_size 1 (data parallel replicas "
+                         f"serve it) or weight-only 'int8'")
 
 
 def quantize_model(model: nnx.Module, quant: QuantConfig | str, paths: set[tuple] | None = None) -> nnx.Module:

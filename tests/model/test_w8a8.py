@@ -1,0 +1,129 @@
+"""W8A8 (`QuantConfig(activations="int8")`, "w8a8"): each row of a linear's input quantized to int8 and multiplied
+exactly in integers (`pagedjax.model.layers.quant.w8a8_product`). The layer against a numpy reference (one row,
+several, float32 and bf16, bias); rows isolated from each other whatever one holds (NaN, inf, huge, zero); the
+paged engine (chunked prefill, batched and one-row decode, the fused decode) against the same model's dense
+forward; the names, and the refusals (experts, tensor parallelism)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from pagedjax.config import ModelConfig
+from pagedjax.config.moe import MoEConfig
+from pagedjax.config.quant import QuantConfig
+from pagedjax.model.layers.quant import QuantizedLinear, check_tensor_parallel, quantize_rows
+from pagedjax.model.llama import init_model
+
+W8A8 = QuantConfig.parse("w8a8")
+CFG = ModelConfig(vocab_size=96, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                  intermediate_size=128, tie_word_embeddings=False, qkv_bias=True)
+_LAYER = jax.jit(lambda layer, x: layer(x))
+
+
+def _reference(layer: QuantizedLinear, x: np.ndarray) -> np.ndarray:
+    """numpy: each row quantized (round half to even, as jnp.round), the integer product exact, then the scales."""
+    rows = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
+    amax = np.abs(rows).max(axis=-1)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.round(rows * inverse[:, None]), -127, 127).astype(np.int64)
+    acc = q @ np.asarray(layer.qweight[...], np.int64).T
+    y = acc.astype(np.float32) * (amax / np.float32(127))[:, None] * np.asarray(layer.scale[...], np.float32)
+    y = y + np.asarray(layer.bias[...], np.float32)
+    return y.reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_layer_equals_its_reference_for_one_row_and_many(dtype):
+    rng = np.random.default_rng(0)
+    layer = QuantizedLinear(jnp.asarray(rng.standard_normal((130, 24)), jnp.float32),
+                            jnp.asarray(rng.standard_normal(24), dtype), quant=W8A8, dtype=dtype)
+    for shape in [(1, 130), (1, 1, 130), (5, 130), (2, 3, 130)]:
+        x = jnp.asarray(rng.standard_normal(shape), dtype)
+        got = _LAYER(layer, x)
+        assert got.dtype == jnp.dtype(dtype) and got.shape == (*shape[:-1], 24)
+        want = _reference(layer, np.asarray(x, np.float32))
+        tol = 1e-6 if dtype == "float32" else 1e-2  # bf16: the output rounded once to x's dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_quantize_rows_uses_the_whole_range_and_a_zero_row_is_zero():
+    x = jnp.asarray([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [3.0, 1.5, -0.75]], jnp.float32)
+    q, scale = quantize_rows(x)
+    np.testing.assert_array_equal(np.asarray(q), [[64, -127, 32], [0, 0, 0], [127, 64, -32]])  # 63.5 -> 64 (even)
+    np.testing.assert_allclose(np.asarray(scale), [1 / 127, 0, 3 / 127], rtol=1e-7)
+
+
+def test_a_row_holding_nan_inf_or_huge_values_changes_no_other_row():
+    """Every row but one poisoned in every way: the clean row's output is bitwise what it is alone; a NaN or
+    infinite row gives NaN, a huge finite row finite values, a zero row the bias."""
+    rng = np.random.default_rng(1)
+    layer = QuantizedLinear(jnp.asarray(rng.standard_normal((64, 16)), jnp.float32),
+                            jnp.asarray(rng.standard_normal(16), jnp.float32), quant=W8A8)
+    clean = jnp.asarray(rng.standard_normal((1, 64)), jnp.float32)
+    alone = np.asarray(_LAYER(layer, clean))
+    poison = np.asarray(rng.standard_normal((5, 64)), np.float32)
+    poison[0, 3] = np.nan
+    poison[1, 7] = np.inf
+    poison[2, 0] = -np.inf
+    poison[3] *= 1e30  # far past any activation, the output still finite
+    poison[4] = 0.0
+    for where in range(6):
+        rows = jnp.asarray(np.insert(poison, where, np.asarray(clean)[0], axis=0))
+        out = np.asarray(_LAYER(layer, rows))
+        np.testing.assert_array_equal(out[where], alone[0])
+        others = np.delete(out, where, axis=0)
+        assert np.isnan(others[:3]).all() and np.isfinite(others[3]).all()
+        np.testing.assert_array_equal(others[4], np.asarray(layer.bias[...]))
+
+
+def test_the_paged_engine_equals_the_dense_forward_of_the_same_model():
+    """Chunked prefill (several rows per product), batched decode, one-row decode and the fused decode: each
+    generated position's log-probabilities equal the same W8A8 model's dense forward (float32, 1e-5)."""
+    cfg = CFG.replace(quantization=W8A8)
+    model = init_model(cfg, seed=3)
+    graphdef, state = nnx.split(model)
+    engine = LLMEngine(model_config=cfg, params=nnx.state(model, nnx.Param),
+                       cache_config=CacheConfig(block_size=4, num_blocks=32),
+                       scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32),
+                       decode_steps_per_call=4)
+    prompts = [[5, 9, 2, 11, 40, 3, 7, 1, 8, 30, 2], [3, 1]]
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, logprobs=3, ignore_eos=True)
+                                     for n in (6, 14)], use_tqdm=False)
+    shapes = list(engine.runner.programs.executables)
+    assert any(s.kind == "step" for s in shapes)  # prefill chunks: several rows per product
+    assert any(s.kind == "decode_loop" and s.tables[0] == 1 for s in shapes)  # the fused decode of one row
+    dense = jax.jit(lambda s, t: nnx.merge(graphdef, s).forward_dense(t))
+    for prompt, out in zip(prompts, outs, strict=True):
+        completion = out.outputs[0]
+        logits = dense(state, jnp.asarray([prompt + completion.token_ids], jnp.int32))[0]
+        want = np.asarray(jax.nn.log_softmax(logits[len(prompt) - 1:-1]))
+        for step, lp in enumerate(completion.logprobs):
+            assert lp.token_id == completion.token_ids[step] == int(want[step].argmax())
+            ids, values = zip(*lp.top, strict=True)
+            np.testing.assert_allclose(values, want[step, list(ids)], rtol=1e-5, atol=1e-5)
+
+
+def test_names_and_round_trip():
+    assert QuantConfig.parse(" W8A8 ") == W8A8 == QuantConfig("int8", activations="int8")
+    assert W8A8.name == "w8a8" and QuantConfig("int8").activations == "float"
+    cfg = CFG.replace(quantization="w8a8")
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_experts_and_tensor_parallelism_are_refused_by_name():
+    moe = CFG.replace(moe=MoEConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=32))
+    with pytest.raises(ValueError, match=r"experts: quantization 'w8a8' quantizes the activations of linear layers"):
+        init_model(moe.replace(quantization=W8A8))
+    kept = init_model(moe.replace(quantization=QuantConfig("int8", activations="int8",
+                                                           keep_float=("lm_head", "experts"))))
+    model = init_model(CFG.replace(quantization=W8A8))
+    with pytest.raises(ValueError, match=r"W8A8 \(int8 activations\) is not served under tensor parallelism \(tp 2\)"):
+        check_tensor_parallel(model, 2)
+    check_tensor_parallel(model, 1)
+    check_tensor_parallel(kept, 1)
+    check_tensor_parallel(init_model(CFG.replace(quantization="int8")), 2)
