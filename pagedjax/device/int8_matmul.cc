@@ -176,8 +176,9 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<
   const int64_t target = std::max<int64_t>(kChannels * 4, (n + threads * 4 - 1) / (threads * 4));
   work->chunk = (target + kChannels - 1) / kChannels * kChannels;
   work->chunks = (n + work->chunk - 1) / work->chunk;
-  // Enough work to share: every row times every weight (the scheduling costs microseconds).
-  const int64_t helpers = m * n * k >= (1 << 18) ? std::min(threads, work->chunks) - 1 : 0;
+  // Enough work to share (every row times every weight): waking a pool thread cost more than it saved below
+  // about 2M (`python scripts/bench_int8_matmul.py`: one row of 1024 x 1024 took 56 us alone, 80 us split).
+  const int64_t helpers = m * n * k >= (1LL << 21) ? std::min(threads, work->chunks) - 1 : 0;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Run(); });
   work->Run();
   // Chunks the helpers took are in progress on running threads: they end.

@@ -34,7 +34,7 @@ import jaxlib
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_K", "NativeStatus", "build", "int8_matmul", "int8_matmul_reference", "load", "native_call",
+__all__ = ["MAX_K", "NATIVE_MAX_ROWS", "NativeStatus", "build", "int8_matmul", "int8_matmul_reference", "load", "native_call",
            "native_status", "status_for"]
 
 SOURCE = Path(__file__).with_name("int8_matmul.cc")
@@ -45,6 +45,10 @@ MAX_K = 65536
 # library; unset, the kernel is built for this machine (`status_for`).
 ENV = "PAGEDJAX_NATIVE"
 _OFF = {"0", "off", "false", "no", "none"}
+# Rows past which XLA's own int8 dot (YNNPACK's, for several rows) is as fast or faster than the kernel: `python
+# scripts/bench_int8_matmul.py` (156M shapes, an AVX-512 VNNI + AMX Xeon): one row 4.2 - 32x faster natively (XLA
+# emits a scalar loop for it), two rows 0.7 - 1.9x, three and more mostly slower.
+NATIVE_MAX_ROWS = 1
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
@@ -148,9 +152,10 @@ def native_call(target: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
 
 
-def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x int8 `[m, k]` times w int8 `[n, k]` -> int32 `[m, n]`, exact: the native kernel on the CPU (module
-    docstring), `int8_matmul_reference` elsewhere. ValueError for other shapes or dtypes, or k over `MAX_K`."""
+def int8_matmul(x: jax.Array, w: jax.Array, *, native_max_rows: int = NATIVE_MAX_ROWS) -> jax.Array:
+    """x int8 `[m, k]` times w int8 `[n, k]` -> int32 `[m, n]`, exact: the native kernel on the CPU for up to
+    `native_max_rows` rows (module docstring), else `int8_matmul_reference` (the same integers). ValueError for
+    other shapes or dtypes, or k over `MAX_K`."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"int8_matmul: x [m, k] and w [n, k] with the same k expected, got {x.shape} and {w.shape}")
     if x.dtype != jnp.int8 or w.dtype != jnp.int8:
@@ -158,7 +163,7 @@ def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     if x.shape[1] > MAX_K:
         raise ValueError(f"int8_matmul: k = {x.shape[1]} is over {MAX_K}, past which the int32 sums could overflow")
     status = native_status()
-    if not status.loaded:
+    if not status.loaded or x.shape[0] > native_max_rows:
         return int8_matmul_reference(x, w)
     return jax.lax.platform_dependent(x, w, cpu=functools.partial(native_call, status.target),
                                       default=int8_matmul_reference)

@@ -55,11 +55,20 @@ def _jitted(target: str | None):
 @settings(deadline=None)
 @given(seed=st.integers(0, 2**16), **_SHAPES)
 def test_the_kernel_equals_the_exact_integer_product(m, k, n, seed):
-    assert im.native_status().loaded, im.native_status().reason
+    status = im.native_status()
+    assert status.loaded, status.reason
     x, w = _operands(m, k, n, seed)
-    got = np.asarray(_jitted(None)(jnp.asarray(x), jnp.asarray(w)))
+    got = np.asarray(_jitted(status.target)(jnp.asarray(x), jnp.asarray(w)))
     assert got.dtype == np.int32 and got.shape == (m, n)
     np.testing.assert_array_equal(got, _exact(x, w))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_int8_matmul_takes_the_kernel_for_one_row_and_xla_past_native_max_rows(m):
+    x, w = _operands(m, 130, 9, m)
+    text = jax.jit(im.int8_matmul).lower(jnp.asarray(x), jnp.asarray(w)).as_text()
+    assert (im.TARGET in text) == (m <= im.NATIVE_MAX_ROWS and im.native_status().loaded)
+    np.testing.assert_array_equal(np.asarray(_jitted(None)(jnp.asarray(x), jnp.asarray(w))), _exact(x, w))
 
 
 @needs_compiler
