@@ -20,16 +20,25 @@ SCHEMES: tuple[str, ...] = ("int8", "int4", "fp8")
 # What the activations a quantized linear multiplies are (`QuantConfig.activations`):
 #   "float" the model's dtype (weight-only quantization: W8A16, W4A16).
 #   "int8"  each row (token) quantized to int8 on the fly, symmetric, scale = max |x| / 127 over the row, and
-#           multiplied by int8 weights in an exact int8 x int8 -> int32 product (W8A8, scheme "int8" only: on
-#           the CPU an integer SIMD kernel, `pagedjax.device.int8_matmul`).
+#           multiplied by the weights in exact integer sums: W8A8 (scheme "int8": one int32 sum per output) and
+#           W4A8 (scheme "int4": one per group, the groups' scaled sums in float32; groups of 8, 16, 32, 64 or a
+#           multiple of 128 inputs, `int8_activation_groups`). On the CPU integer SIMD kernels
+#           (`pagedjax.device.int8_matmul`).
 ACTIVATIONS: tuple[str, ...] = ("float", "int8")
 SCALE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 DEFAULT_GROUP_SIZE = 128
 # Every short name `QuantConfig.parse` reads, as its errors and `--quantization` list them.
 NAMES = (f"int8, fp8, int4 (groups of {DEFAULT_GROUP_SIZE} inputs), int4:<N> (groups of an even N >= 2 inputs, "
-         "e.g. int4:32), w8a8 (int8 weights and activations)")
-# Short names of the schemes with quantized activations.
-_ACTIVATION_NAMES = {"w8a8": ("int8", "int8")}
+         "e.g. int4:32), w8a8 (int8 weights and activations), w4a8 and w4a8:<N> (int4 weights, int8 activations)")
+# Short names of the schemes with quantized activations -> (weights' scheme, activations).
+_ACTIVATION_NAMES = {"w8a8": ("int8", "int8"), "w4a8": ("int4", "int8")}
+
+
+def int8_activation_groups(group_size: int) -> bool:
+    """Whether int4 groups of `group_size` inputs go with int8 activations: the kernel reads 64 packed bytes (128
+    inputs) at a time, which half a group (its packed bytes) must divide or be a multiple of."""
+    half = group_size // 2
+    return group_size % 8 == 0 and (64 % half == 0 if half <= 64 else half % 64 == 0)
 
 
 @dataclass(frozen=True)
@@ -42,11 +51,12 @@ class QuantConfig:
     the per-channel schemes). scale_dtype: how scales are stored (one of `SCALE_DTYPES`). keep_float: names of
     linear modules left in float (by default the LM head: it decides every sampled token); "experts" keeps a MoE
     model's experts float (`pagedjax.model.layers.moe_quant`). activations: one of `ACTIVATIONS`: "int8"
-    (W8A8, scheme "int8") quantizes each row of a linear's input to int8 and multiplies integers exactly.
+    (W8A8 with scheme "int8", W4A8 with "int4") quantizes each row of a linear's input to int8 and multiplies
+    integers exactly.
 
     Invariants (checked on construction, a TypeError / ValueError naming the field): group_size is set for int4
-    only, and even (two values per byte); keep_float is a tuple of strings; int8 activations go with int8
-    weights only.
+    only, and even (two values per byte); keep_float is a tuple of strings; int8 activations go with integer
+    weights (int4's groups as `int8_activation_groups` says).
     """
 
     scheme: str
@@ -73,39 +83,40 @@ class QuantConfig:
             raise TypeError(f"{owner}.keep_float must be a tuple of module names, got {describe(keep)}")
         fix("keep_float", tuple(keep))
         check_choice(owner, "activations", self.activations, ACTIVATIONS, optional=False)
-        if self.activations == "int8" and self.scheme != "int8":
-            raise ValueError(f"{owner}.activations 'int8' (W8A8) goes with scheme 'int8' weights, not "
-                             f"{self.scheme!r}: an int8 x int8 product needs both")
+        if self.activations == "int8" and self.scheme == "fp8":
+            raise ValueError(f"{owner}.activations 'int8' goes with integer weights (scheme 'int8': W8A8, 'int4': "
+                             f"W4A8), not 'fp8'")
+        if self.activations == "int8" and self.scheme == "int4" and not int8_activation_groups(self.group_size):
+            raise ValueError(f"{owner}.group_size {self.group_size}: int4 weights with int8 activations (W4A8) take "
+                             f"groups of 8, 16, 32, 64 or a multiple of 128 inputs (the kernel's vectors tile them)")
 
     @property
     def name(self) -> str:
-        """The short form `parse` reads: "int8", "fp8", "int4" (group 128), "int4:32" or "w8a8"."""
-        for short, (scheme, activations) in _ACTIVATION_NAMES.items():
-            if (self.scheme, self.activations) == (scheme, activations):
-                return short
+        """The short form `parse` reads: "int8", "fp8", "int4" (group 128), "int4:32", "w8a8", "w4a8" or
+        "w4a8:32"."""
+        base = next((short for short, kinds in _ACTIVATION_NAMES.items() if kinds == (self.scheme, self.activations)),
+                    self.scheme)
         if self.scheme == "int4" and self.group_size != DEFAULT_GROUP_SIZE:
-            return f"int4:{self.group_size}"
-        return self.scheme
+            return f"{base}:{self.group_size}"
+        return base
 
     @classmethod
     def parse(cls, text: str) -> QuantConfig:
-        """"int8" | "fp8" | "int4" | "int4:<group size>" | "w8a8" (what `--quantization` takes), in any case
-        ("INT8" is int8) -> a QuantConfig. ValueError naming the field at fault and listing every accepted name
-        (`NAMES`)."""
+        """"int8" | "fp8" | "int4" | "int4:<group size>" | "w8a8" | "w4a8" | "w4a8:<group size>" (what
+        `--quantization` takes), in any case ("INT8" is int8) -> a QuantConfig. ValueError naming the field at
+        fault and listing every accepted name (`NAMES`)."""
         if not isinstance(text, str):
             raise TypeError(f"quantization must be a string ({NAMES}), got {describe(text)}")
-        scheme, sep, size = text.strip().lower().partition(":")
-        if scheme in _ACTIVATION_NAMES and not sep:
-            weights, activations = _ACTIVATION_NAMES[scheme]
-            return cls(weights, activations=activations)
+        name, sep, size = text.strip().lower().partition(":")
+        scheme, activations = _ACTIVATION_NAMES.get(name, (name, "float"))
         if scheme not in SCHEMES:
-            raise ValueError(f"QuantConfig.scheme {scheme!r} is not supported; accepted names: {NAMES}")
+            raise ValueError(f"QuantConfig.scheme {name!r} is not supported; accepted names: {NAMES}")
         if not sep:
-            return cls(scheme)
+            return cls(scheme, activations=activations)
         if scheme != "int4" or not size.isdigit():
-            raise ValueError(f"quantization {text!r}: a group size is written 'int4:<int>' (e.g. 'int4:32'); "
-                             f"accepted names: {NAMES}")
-        return cls(scheme, group_size=int(size))
+            raise ValueError(f"quantization {text!r}: a group size is written 'int4:<int>' or 'w4a8:<int>' (e.g. "
+                             f"'int4:32'); accepted names: {NAMES}")
+        return cls(scheme, group_size=int(size), activations=activations)
 
     @classmethod
     def coerce(cls, value) -> QuantConfig | None:

@@ -1,5 +1,10 @@
-// An int8 x int8 -> int32 matrix product on the CPU, for XLA through its FFI (pagedjax.device.int8_matmul):
-//   acc[m, n] = sum_k x[m, k] * w[n, k]      (x, w int8 with their k contiguous; acc int32, exact)
+// Products of int8 activations on the CPU, for XLA through its FFI (pagedjax.device.int8_matmul):
+//   PagedjaxInt8Matmul  acc[m, n] = sum_k x[m, k] * w[n, k]      (x, w int8 with their k contiguous; int32, exact)
+//   PagedjaxInt4Matmul  y[m, n] = sum_groups scale[n, g] * (sum_{k in g} x[m, k] * w[n, k])   (float32)
+//                       w int4 in nibble planes (pagedjax.model.layers.quant.pack_int4): byte j of a channel holds
+//                       the low-plane weight of input `order[j]` and the high-plane one of `order[k/2 + j]`; x
+//                       comes in that order (its low plane's inputs, then its high plane's), so both planes read
+//                       x contiguously; each group's integer sum is exact, the groups' scaled sum float32.
 // Built on first use by `pagedjax.device.int8_matmul` with the machine's own instruction set (-march=native).
 //
 // AVX-512 VNNI / AVX-VNNI multiply unsigned by signed bytes (vpdpbusd: four u8 x s8 products summed into each
@@ -17,6 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 
@@ -34,6 +40,9 @@ namespace {
 constexpr int64_t kRows = 4;
 // Channels computed together (their weights loaded once per k step for all kRows rows).
 constexpr int64_t kChannels = 4;
+// int4 groups of group_size / 2 packed bytes must tile 64-byte vectors (a divisor or a multiple of 64), on every
+// build alike, so that which groups a model may use does not depend on the machine.
+constexpr int64_t kVnniVector = 64;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int64_t kVector = 64;
@@ -69,6 +78,16 @@ inline int32_t Sum(Vec v) {
 constexpr bool kVnni = true;
 #else
 constexpr bool kVnni = false;
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The signed weights of one nibble plane: (nibble ^ 8) - 8.
+inline Vec Signed(Vec nibbles) {
+  const Vec eight = _mm512_set1_epi8(8);
+  return _mm512_sub_epi8(_mm512_xor_si512(nibbles, eight), eight);
+}
+inline Vec LowPlane(Vec b) { return Signed(_mm512_and_si512(b, _mm512_set1_epi8(0x0F))); }
+inline Vec HighPlane(Vec b) { return Signed(_mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F))); }
 #endif
 
 // acc[r, c] for rows [r0, r0 + rows) and channels [c0, c0 + channels), rows <= kRows, channels <= kChannels.
@@ -133,22 +152,40 @@ void Channels(const int8_t* x, const int8_t* w, int32_t* acc, int64_t m, int64_t
   }
 }
 
+// Channel chunks shared by the calling thread and the pool tasks it schedules (see the top of the file).
 struct Work {
-  const int8_t* x;
-  const int8_t* w;
-  int32_t* acc;
-  int64_t m, k, n, chunk, chunks;
+  std::function<void(int64_t, int64_t)> channels;  // computes channels [begin, end) for every row
+  int64_t n, chunk, chunks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   // Takes chunks until none is left; returns after finishing the last one it took.
   void Run() {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      Channels(x, w, acc, m, k, n, i * chunk, std::min(n, (i + 1) * chunk));
+      channels(i * chunk, std::min(n, (i + 1) * chunk));
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+// channels(begin, end) over [0, n) in chunks, on this thread and, for `macs` multiply-adds of 2M and more, on the
+// pool's (waking a pool thread cost more than it saved below about 2M: `python scripts/bench_int8_matmul.py`, one
+// row of 1024 x 1024 took 56 us alone, 80 us split). `channels` is only called before this returns.
+void Parallel(ffi::ThreadPool& pool, int64_t n, int64_t macs, std::function<void(int64_t, int64_t)> channels) {
+  auto work = std::make_shared<Work>();
+  work->channels = std::move(channels);
+  work->n = n;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // A few chunks per thread (uneven progress evens out), of whole kChannels tiles, none tiny.
+  const int64_t target = std::max<int64_t>(kChannels * 4, (n + threads * 4 - 1) / (threads * 4));
+  work->chunk = (target + kChannels - 1) / kChannels * kChannels;
+  work->chunks = (n + work->chunk - 1) / work->chunk;
+  const int64_t helpers = macs >= (1LL << 21) ? std::min(threads, work->chunks) - 1 : 0;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  // Chunks the helpers took are in progress on running threads: they end.
+  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
+}
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
                       ffi::ResultBuffer<ffi::S32> out) {
@@ -164,29 +201,111 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<
     std::fill(out->typed_data(), out->typed_data() + m * n, 0);
     return ffi::Error::Success();
   }
-  auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->acc = out->typed_data();
-  work->m = m;
-  work->k = k;
-  work->n = n;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // A few chunks per thread (uneven progress evens out), of whole kChannels tiles, none tiny.
-  const int64_t target = std::max<int64_t>(kChannels * 4, (n + threads * 4 - 1) / (threads * 4));
-  work->chunk = (target + kChannels - 1) / kChannels * kChannels;
-  work->chunks = (n + work->chunk - 1) / work->chunk;
-  // Enough work to share (every row times every weight): waking a pool thread cost more than it saved below
-  // about 2M (`python scripts/bench_int8_matmul.py`: one row of 1024 x 1024 took 56 us alone, 80 us split).
-  const int64_t helpers = m * n * k >= (1LL << 21) ? std::min(threads, work->chunks) - 1 : 0;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  // Chunks the helpers took are in progress on running threads: they end.
-  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
+  const int8_t* xp = x.typed_data();
+  const int8_t* wp = w.typed_data();
+  int32_t* acc = out->typed_data();
+  Parallel(pool, n, m * n * k, [=](int64_t begin, int64_t end) { Channels(xp, wp, acc, m, k, n, begin, end); });
+  return ffi::Error::Success();
+}
+
+// One row block against one channel of int4 weights: y[r, c] for rows [r0, r0 + R). half = k / 2 packed bytes,
+// gh = group_size / 2 packed bytes per group (a divisor or a multiple of the vector width: the wrapper checks).
+template <int64_t R>
+void Int4Tile(const int8_t* x, const uint8_t* w, const float* scale, float* y, int64_t k, int64_t n, int64_t gh,
+              int64_t r0, int64_t c) {
+  const int64_t half = k / 2, groups = half / gh;
+  const uint8_t* wc = w + c * half;
+  const float* sc = scale + c * groups;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512 sums[R];
+  for (int64_t r = 0; r < R; ++r) sums[r] = _mm512_setzero_ps();
+  // Lane l of a vector of packed bytes starting at a group boundary holds bytes 4l .. 4l + 3: group 4l / gh of it.
+  alignas(64) int32_t lane_group[16];
+  for (int64_t l = 0; l < 16; ++l) lane_group[l] = gh >= kVector ? 0 : int32_t(4 * l / gh);
+  const __m512i lanes = _mm512_load_si512(lane_group);
+  const Vec ones = Ones();
+  for (int64_t i = 0; i < half; i += kVector) {
+    const int64_t left = half - i;
+    const Vec b = Load(reinterpret_cast<const int8_t*>(wc + i), left);
+    const Vec lo = LowPlane(b), hi = HighPlane(b);
+    const Vec wsum = _mm512_slli_epi32(Dot(Dot(Zero(), ones, lo), ones, hi), 7);  // 128 x each lane's weights
+    const int64_t g0 = i / gh;
+    const int64_t in_vector = std::min<int64_t>(std::max<int64_t>(kVector / gh, 1), groups - g0);
+    const __m512 sv = _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps((__mmask16)((1u << in_vector) - 1), sc + g0));
+    for (int64_t r = 0; r < R; ++r) {
+      const int8_t* xr = x + (r0 + r) * k;
+      const Vec t = Dot(Dot(Zero(), Bias(Load(xr + i, left)), lo), Bias(Load(xr + half + i, left)), hi);
+      sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t, wsum)), sv, sums[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) y[(r0 + r) * n + c] = _mm512_reduce_add_ps(sums[r]);
+#else
+  for (int64_t r = 0; r < R; ++r) {
+    const int8_t* xr = x + (r0 + r) * k;
+    float sum = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t s = 0;
+      for (int64_t j = g * gh; j < (g + 1) * gh; ++j) {
+        const int32_t lo = ((wc[j] & 0x0F) ^ 8) - 8, hi = ((wc[j] >> 4) ^ 8) - 8;
+        s += int32_t(xr[j]) * lo + int32_t(xr[half + j]) * hi;
+      }
+      sum += sc[g] * float(s);
+    }
+    y[(r0 + r) * n + c] = sum;
+  }
+#endif
+}
+
+void Int4Channels(const int8_t* x, const uint8_t* w, const float* scale, float* y, int64_t m, int64_t k, int64_t n,
+                  int64_t gh, int64_t c_begin, int64_t c_end) {
+  for (int64_t c = c_begin; c < c_end; ++c) {
+    int64_t r = 0;
+    for (; r + kRows <= m; r += kRows) Int4Tile<kRows>(x, w, scale, y, k, n, gh, r, c);
+    switch (m - r) {
+      case 3: Int4Tile<3>(x, w, scale, y, k, n, gh, r, c); break;
+      case 2: Int4Tile<2>(x, w, scale, y, k, n, gh, r, c); break;
+      case 1: Int4Tile<1>(x, w, scale, y, k, n, gh, r, c); break;
+      default: break;
+    }
+  }
+}
+
+ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::U8> w,
+                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out, int64_t group_size) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto sd = scale.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || xd[1] != 2 * wd[1] || sd[0] != wd[0] ||
+      group_size < 2 || group_size % 2 || xd[1] % group_size || sd[1] != xd[1] / group_size) {
+    return ffi::Error::InvalidArgument(
+        "pagedjax_int4_matmul: x [m, k], w [n, k / 2] and scale [n, k / group_size] expected");
+  }
+  const int64_t m = xd[0], k = xd[1], n = wd[0], gh = group_size / 2;
+  if (gh % 4 || (gh < kVnniVector && kVnniVector % gh) || (gh > kVnniVector && gh % kVnniVector)) {
+    return ffi::Error::InvalidArgument("pagedjax_int4_matmul: group_size / 2 must divide 64 or be a multiple of it");
+  }
+  if (k > 65536) return ffi::Error::InvalidArgument("pagedjax_int4_matmul: k over 65536 overflows int32 sums");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const int8_t* xp = x.typed_data();
+  const uint8_t* wp = w.typed_data();
+  const float* sp = scale.typed_data();
+  float* yp = out->typed_data();
+  Parallel(pool, n, m * n * k, [=](int64_t begin, int64_t end) {
+    Int4Channels(xp, wp, sp, yp, m, k, n, gh, begin, end);
+  });
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxInt4Matmul, Int4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group_size"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxInt8Matmul, Int8Matmul,
                               ffi::Ffi::Bind()

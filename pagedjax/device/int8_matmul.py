@@ -1,17 +1,21 @@
-"""int8 x int8 -> int32 matrix products on the CPU through XLA's FFI: `int8_matmul(x, w)` with x `[m, k]`, w `[n, k]`
-(both int8, k contiguous) -> int32 `[m, n]`, exact.
+"""Products of int8 activations on the CPU through XLA's FFI: `int8_matmul(x, w)` with x `[m, k]`, w `[n, k]` (both
+int8, k contiguous) -> int32 `[m, n]`, exact; and `int4_matmul(x, w, scale, group_size)`, w int4 in groups (the
+nibble planes of `pagedjax.model.layers.quant.pack_int4`) -> float32 `[m, n]`, each group's integer sum exact.
 
-XLA:CPU has no integer SIMD dot products (an int8 `dot_general` runs element by element: 0.04 - 0.17x of the
-float loops, docs/quantization.md), so on the CPU the product is a small C++ kernel (`int8_matmul.cc`: AVX-512
-VNNI or AVX-VNNI dot products where the CPU has them, else a portable loop), compiled on first use with the
-machine's own instruction set into `$XDG_CACHE_HOME/pagedjax/native/<key>/` (the key: the source, the jaxlib
-version, the compiler flags and the CPU's instruction-set flags, so a cache shared between machines never runs
-one machine's build on another) and registered as the FFI target `pagedjax_int8_matmul`.
+XLA:CPU has no integer SIMD dot products for one row (an int8 `dot_general` of one row runs element by element:
+0.03 - 0.2x of the kernel below; several rows go to YNNPACK's int8 kernels, as fast or faster) and no fast form
+of int4 groups at all, so on the CPU these are a small C++ kernel (`int8_matmul.cc`: AVX-512 VNNI or AVX-VNNI dot
+products where the CPU has them, else a portable loop; int4 with AVX-512 VNNI or the portable loop), compiled on
+first use with the machine's own instruction set into `$XDG_CACHE_HOME/pagedjax/native/<key>/` (the key: the
+source, the jaxlib version, the compiler flags and the CPU's instruction-set flags, so a cache shared between
+machines never runs one machine's build on another) and registered as the FFI targets `pagedjax_int8_matmul` and
+`pagedjax_int8_matmul_int4`.
 
-`int8_matmul_reference` is the same product as an XLA dot: what runs on other platforms (`jax.lax.platform_dependent`
-picks the kernel on the CPU only), and on a CPU where the kernel cannot be built or loaded (no C++ compiler, a
-read-only cache): that is logged as a warning once, naming the reason; `native_status()` tells which is in use.
-Both are exact, so their results are equal bit for bit.
+`int8_matmul_reference` (`int4_matmul_reference`) is the same product in XLA: what runs on other platforms
+(`jax.lax.platform_dependent` picks the kernel on the CPU only), past `NATIVE_MAX_ROWS` rows of int8 weights, and
+on a CPU where the kernel cannot be built or loaded (no C++ compiler, a read-only cache): that is logged as a
+warning once, naming the reason; `native_status()` tells which is in use. int8's are exact, so their results are
+equal bit for bit; int4's sum their groups' scaled integers in another order (equal to float32 rounding).
 """
 
 from __future__ import annotations
@@ -31,14 +35,19 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
+
+from pagedjax.config.quant import int8_activation_groups
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_K", "NATIVE_MAX_ROWS", "NativeStatus", "build", "int8_matmul", "int8_matmul_reference", "load", "native_call",
-           "native_status", "status_for"]
+__all__ = ["MAX_K", "NATIVE_MAX_ROWS", "NativeStatus", "build", "check_int4_group", "int4_matmul",
+           "int4_matmul_reference", "int8_matmul", "int8_matmul_reference", "load", "native_call", "native_status",
+           "status_for"]
 
 SOURCE = Path(__file__).with_name("int8_matmul.cc")
-TARGET = "pagedjax_int8_matmul"
+TARGET = "pagedjax_int8_matmul"  # int4 weights: TARGET + INT4 (a target of that name is registered with each)
+INT4 = "_int4"
 # The kernel's int32 sums are exact for inputs up to this long (each product of a biased byte is at most 255 x 128).
 MAX_K = 65536
 # `PAGEDJAX_NATIVE=off` keeps every product on XLA (e.g. to compare against the kernel), a path loads that built
@@ -110,10 +119,11 @@ def build(folder: Path | None = None, *, flags: tuple[str, ...] = FLAGS, compile
 
 
 def load(library: Path, target: str = TARGET) -> NativeStatus:
-    """Load a built kernel (`build`) and register it as the CPU FFI target `target`. OSError when it cannot be
-    loaded."""
+    """Load a built kernel (`build`) and register it as the CPU FFI targets `target` (int8 weights) and `target` +
+    `INT4` (int4 weights). OSError when it cannot be loaded."""
     lib = ctypes.CDLL(str(library))
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.PagedjaxInt8Matmul), platform="cpu")
+    jax.ffi.register_ffi_target(target + INT4, jax.ffi.pycapsule(lib.PagedjaxInt4Matmul), platform="cpu")
     return NativeStatus(True, vnni=bool(lib.pagedjax_int8_matmul_vnni()), path=Path(library), target=target)
 
 
@@ -167,3 +177,58 @@ def int8_matmul(x: jax.Array, w: jax.Array, *, native_max_rows: int = NATIVE_MAX
         return int8_matmul_reference(x, w)
     return jax.lax.platform_dependent(x, w, cpu=functools.partial(native_call, status.target),
                                       default=int8_matmul_reference)
+
+
+def check_int4_group(group_size: int) -> None:
+    """ValueError unless the kernel's vectors of 64 packed bytes tile int4 groups of `group_size` inputs
+    (`pagedjax.config.quant.int8_activation_groups`: groups of 8, 16, 32, 64 or a multiple of 128)."""
+    if not int8_activation_groups(group_size):
+        raise ValueError(f"int8 activations with int4 weights take groups of 8, 16, 32, 64 or a multiple of 128 "
+                         f"inputs (the kernel's 64-byte vectors tile them), got {group_size}")
+
+
+def _int4_args(x: jax.Array, w: jax.Array, scale: jax.Array, group_size: int) -> None:
+    if x.ndim != 2 or w.ndim != 2 or scale.ndim != 2 or x.shape[1] != 2 * w.shape[1] or \
+            scale.shape != (w.shape[0], x.shape[1] // group_size) or x.shape[1] % group_size:
+        raise ValueError(f"int4_matmul: x [m, k], w [n, k / 2] and scale [n, k / {group_size}] expected, got "
+                         f"{x.shape}, {w.shape} and {scale.shape}")
+    if x.dtype != jnp.int8 or w.dtype != jnp.uint8 or scale.dtype != jnp.float32:
+        raise ValueError(f"int4_matmul: int8 x, uint8 w and float32 scale expected, got {x.dtype}, {w.dtype} and "
+                         f"{scale.dtype}")
+    if x.shape[1] > MAX_K:
+        raise ValueError(f"int4_matmul: k = {x.shape[1]} is over {MAX_K}, past which the int32 sums could overflow")
+    check_int4_group(group_size)
+
+
+def int4_matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array, group_size: int) -> jax.Array:
+    """`int4_matmul` in XLA: each plane's nibbles sign-extended, an exact int32 sum per (row, channel, group), then
+    the groups' scaled sum in float32."""
+    m, k = x.shape
+    n, half = w.shape
+    groups, gh = k // group_size, group_size // 2
+    low = ((w & 0x0F) ^ 8).astype(jnp.int8) - 8  # [n, k / 2]: the low plane's signed weights
+    high = ((w >> 4) ^ 8).astype(jnp.int8) - 8
+    acc = sum(jnp.einsum("mgj,ngj->mng", xs.reshape(m, groups, gh), ws.reshape(n, groups, gh),
+                         preferred_element_type=jnp.int32)
+              for xs, ws in ((x[:, :half], low), (x[:, half:], high)))  # i32[m, n, groups]
+    return jnp.sum(acc.astype(jnp.float32) * scale[None], axis=-1)
+
+
+def int4_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, group_size: int) -> jax.Array:
+    """x int8 `[m, k]` (its inputs in nibble-plane order: the low plane's k / 2, then the high plane's) times int4
+    weights w uint8 `[n, k / 2]` (`pack_int4`'s layout) with float32 `scale` `[n, k / group_size]` -> float32
+    `[m, n]` = sum over groups of scale x the group's exact integer sum: the native kernel on the CPU for every row
+    count (XLA has no fast form of it), `int4_matmul_reference` elsewhere. ValueError for other shapes, dtypes
+    or groups (`check_int4_group`), or k over `MAX_K`."""
+    _int4_args(x, w, scale, group_size)
+    status = native_status()
+    if not status.loaded:
+        return int4_matmul_reference(x, w, scale, group_size)
+    return jax.lax.platform_dependent(
+        x, w, scale, cpu=functools.partial(_native_int4, status.target + INT4, group_size=group_size),
+        default=functools.partial(int4_matmul_reference, group_size=group_size))
+
+
+def _native_int4(target: str, x: jax.Array, w: jax.Array, scale: jax.Array, *, group_size: int) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w, scale, group_size=np.int64(group_size))

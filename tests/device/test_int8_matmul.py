@@ -1,7 +1,8 @@
-"""The CPU int8 x int8 -> int32 kernel (`pagedjax.device.int8_matmul`) against numpy's exact integer product:
-random shapes (k around the kernel's 64- and 32-byte vectors, rows and channels around its 4 x 4 tiles, empty
-operands), every int8 value on both sides (-128 included); its portable build (no VNNI) the same; the XLA
-reference the same; and what happens when it cannot be built or loaded (a warning, the reference)."""
+"""The CPU kernels of int8 activations (`pagedjax.device.int8_matmul`) against numpy: int8 weights (the exact
+integer product: random shapes, k around the kernel's 64- and 32-byte vectors, rows and channels around its 4 x 4
+tiles, empty operands, every int8 value on both sides, -128 included) and int4 weights in groups (every group size
+the kernel takes, every nibble, its float32 sum of exact group sums); the portable build (no VNNI) and the XLA
+references the same; what happens when the kernel cannot be built or loaded (a warning, the reference)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,46 @@ def test_int8_matmul_takes_the_kernel_for_one_row_and_xla_past_native_max_rows(m
     np.testing.assert_array_equal(np.asarray(_jitted(None)(jnp.asarray(x), jnp.asarray(w))), _exact(x, w))
 
 
+def _int4_operands(m: int, groups: int, n: int, group: int, seed: int):
+    """x int8 `[m, k]` in nibble-plane order, the packed weights, float32 scales, and numpy's result (float64 sum of
+    each group's exact integer sum times its scale)."""
+    from pagedjax.model.layers.quant import _row_order, pack_int4
+
+    rng = np.random.default_rng(seed)
+    k = groups * group
+    q = rng.integers(-8, 8, (n, k), dtype=np.int8)
+    x = rng.integers(-128, 128, (m, k), dtype=np.int8)
+    scale = rng.uniform(0.0, 2.0, (n, groups)).astype(np.float32)
+    sums = (x.astype(np.int64).reshape(m, 1, groups, group) * q.astype(np.int64).reshape(1, n, groups, group)).sum(-1)
+    want = (sums * scale[None].astype(np.float64)).sum(-1)
+    packed = np.asarray(pack_int4(jnp.asarray(q), group)) if n else np.zeros((0, k // 2), np.uint8)
+    return x[:, _row_order(k, group)], packed, scale, want
+
+
+@functools.cache
+def _int4_jitted(target: str | None, group: int):
+    if target is None:
+        return jax.jit(functools.partial(im.int4_matmul, group_size=group))
+    return jax.jit(functools.partial(im._native_int4, target, group_size=group))
+
+
+def _check_int4(fn, m, groups, n, group, seed):
+    x, packed, scale, want = _int4_operands(m, groups, n, group, seed)
+    got = np.asarray(fn(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale)))
+    assert got.dtype == np.float32 and got.shape == (m, n)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * max(1.0, np.abs(want).max(initial=0.0)))
+
+
+@needs_compiler
+@settings(deadline=None)
+@given(seed=st.integers(0, 2**16), m=st.sampled_from([0, 1, 2, 4, 5, 9]), groups=st.sampled_from([1, 2, 3, 5]),
+       n=st.sampled_from([0, 1, 4, 7]), group=st.sampled_from([8, 16, 32, 64, 128, 256, 384]))
+def test_the_int4_kernel_equals_the_sum_of_exact_group_sums(m, groups, n, group, seed):
+    status = im.native_status()
+    assert status.loaded, status.reason
+    _check_int4(_int4_jitted(status.target + im.INT4, group), m, groups, n, group, seed)
+
+
 @needs_compiler
 def test_the_portable_build_and_the_xla_reference_equal_it_too(tmp_path):
     """The kernel built without VNNI (the loop a CPU without it runs), registered under a target of its own, and
@@ -83,6 +124,10 @@ def test_the_portable_build_and_the_xla_reference_equal_it_too(tmp_path):
         want = _exact(x, w)
         np.testing.assert_array_equal(np.asarray(_jitted(status.target)(jnp.asarray(x), jnp.asarray(w))), want)
         np.testing.assert_array_equal(np.asarray(im.int8_matmul_reference(jnp.asarray(x), jnp.asarray(w))), want)
+    for i, (m, groups, n, group) in enumerate([(1, 3, 5, 32), (5, 2, 6, 128), (2, 1, 3, 8), (0, 1, 2, 16)]):
+        _check_int4(_int4_jitted(status.target + im.INT4, group), m, groups, n, group, i)
+        _check_int4(functools.partial(im.int4_matmul_reference, group_size=group), m, groups, n, group, i)
+        _check_int4(_int4_jitted(None, group), m, groups, n, group, i)  # the kernel this process loaded
 
 
 @needs_compiler
@@ -112,3 +157,15 @@ def test_a_kernel_that_cannot_load_is_a_warning_and_the_reference_runs(tmp_path,
 def test_bad_operands_are_refused(x, w, match):
     with pytest.raises(ValueError, match=match):
         im.int8_matmul(jnp.asarray(x), jnp.asarray(w))
+
+
+@pytest.mark.parametrize("shapes, dtypes, group, match", [
+    (((2, 96), (3, 48), (3, 2)), ("int8", "uint8", "float32"), 48, "groups of 8, 16, 32, 64 .* got 48"),
+    (((2, 64), (3, 16), (3, 2)), ("int8", "uint8", "float32"), 32, r"w \[n, k / 2\]"),
+    (((2, 64), (3, 32), (3, 4)), ("int8", "uint8", "float32"), 32, r"scale \[n, k / 32\]"),
+    (((2, 64), (3, 32), (3, 2)), ("int8", "int8", "float32"), 32, "uint8 w"),
+    (((2, 64), (3, 32), (3, 2)), ("int8", "uint8", "bfloat16"), 32, "float32 scale"),
+])
+def test_bad_int4_operands_are_refused(shapes, dtypes, group, match):
+    with pytest.raises(ValueError, match=match):
+        im.int4_matmul(*(jnp.zeros(s, d) for s, d in zip(shapes, dtypes, strict=True)), group)

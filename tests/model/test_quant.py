@@ -239,9 +239,11 @@ def test_keep_float_names_that_match_nothing_in_a_user_model_are_refused():
     (dict(scheme="int8", bits=8), ValueError, r"unknown QuantConfig fields: \['bits'\]"),
     (dict(scheme="int8", keep_float="lm_head"), TypeError, "keep_float must be a tuple"),
     (8, TypeError, "quantization must be None, a QuantConfig"),
-    (dict(scheme="int4", activations="int8"), ValueError, "goes with scheme 'int8' weights, not 'int4'"),
+    (dict(scheme="fp8", activations="int8"), ValueError, "goes with integer weights .* not 'fp8'"),
     (dict(scheme="int8", activations="int4"), ValueError, "QuantConfig.activations"),
-    ("w8a8:32", ValueError, "QuantConfig.scheme 'w8a8' is not supported"),
+    ("w8a8:32", ValueError, "a group size is written 'int4:<int>' or 'w4a8:<int>'"),
+    ("w4a8:48", ValueError, "group_size 48: int4 weights with int8 activations .* groups of 8, 16, 32, 64"),
+    ("w4a8:4", ValueError, "group_size 4: int4 weights with int8 activations"),
 ])
 def test_bad_quantization_names_the_field(value, error, match):
     with pytest.raises(error, match=match):

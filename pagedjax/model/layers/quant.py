@@ -1,7 +1,7 @@
 """Weight-only quantized linear layers (`pagedjax.config.quant.QuantConfig`): int8 and fp8 e4m3 per output
 channel, int4 in groups along the input dimension packed two per byte. Activations stay in the model's dtype;
-every product accumulates in float32. With `QuantConfig.activations == "int8"` (W8A8, int8 weights) each row of
-the input is quantized to int8 on the fly and multiplied exactly in integers (`w8a8_product`).
+every product accumulates in float32. With `QuantConfig.activations == "int8"` each row of the input is quantized
+to int8 on the fly and multiplied exactly in integers (`w8a8_product` for int8 weights, `w4a8_product` for int4).
 
 A kernel `[in, out]` (the float layout of `pagedjax.model.llama`) is stored `[out, ...]` (Hugging Face's layout:
 each output channel's values contiguous, which the one-row product below needs):
@@ -75,12 +75,12 @@ import numpy as np
 from flax import nnx
 
 from pagedjax.config.quant import QuantConfig
-from pagedjax.device.int8_matmul import int8_matmul
+from pagedjax.device.int8_matmul import int4_matmul, int8_matmul
 from pagedjax.model.layers.linear import apply_linear
 
 __all__ = ["QuantizedLinear", "check_tensor_parallel", "dequantize_kernel", "dequantize_stored", "holds_quantized",
            "pack_int4", "quantize_kernel", "quantize_model", "quantize_rows", "quantizes_activations",
-           "quantized_product", "replace_module", "unpack_int4", "w8a8_product"]
+           "quantized_product", "replace_module", "unpack_int4", "w4a8_product", "w8a8_product"]
 
 # The largest |q| the quantizer produces for each scheme (int4 stores -8 too, which it never produces).
 QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
@@ -238,11 +238,25 @@ def w8a8_product(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> jax.Arra
     return y.reshape(*x.shape[:-1], -1)
 
 
+def w4a8_product(x: jax.Array, qweight: jax.Array, scale: jax.Array, group_size: int) -> jax.Array:
+    """x `[..., in]` times int4 `qweight` `[out, in // 2]` (`pack_int4`) with `scale` `[out, in // group_size]`, x's
+    rows quantized to int8 (`quantize_rows`) -> float32 `[..., out]` = scale_x * sum over groups of scale_w times the
+    group's exact integer sum (`pagedjax.device.int8_matmul.int4_matmul`, x's columns taken in the planes' order).
+    A row's result depends on that row alone."""
+    rows = x.reshape(-1, x.shape[-1])
+    q, row_scale = quantize_rows(rows)
+    planes = jnp.take(q, _row_order(x.shape[-1], group_size), axis=1)  # [m, in]: the low plane's, then the high's
+    y = int4_matmul(planes, qweight, scale.astype(jnp.float32), group_size) * row_scale[:, None]
+    return y.reshape(*x.shape[:-1], -1)
+
+
 def quantized_product(x: jax.Array, qweight: jax.Array, scale: jax.Array, quant: QuantConfig) -> jax.Array:
     """x `[..., in]` times the kernel stored as `qweight` `[out, in]` (int4: `[out, in // 2]`) and `scale` `[out]`
     (int4: `[out, in // g]`) -> float32 `[..., out]`: `QuantizedLinear`'s product (module docstring); with int8
-    activations (W8A8) `w8a8_product`."""
+    activations `w8a8_product` (int8 weights) or `w4a8_product` (int4)."""
     if quant.activations == "int8":
+        if quant.scheme == "int4":
+            return w4a8_product(x, qweight, scale, quant.group_size)
         return w8a8_product(x, qweight, scale)
     scale = scale.astype(jnp.float32)
     tie = conversion_tie(x)
