@@ -140,7 +140,8 @@ def test_experts_and_tensor_parallelism_are_refused_by_name():
     kept = init_model(moe.replace(quantization=QuantConfig("int8", activations="int8",
                                                            keep_float=("lm_head", "experts"))))
     model = init_model(CFG.replace(quantization=W8A8))
-    with pytest.raises(ValueError, match=r"W8A8 \(int8 activations\) is not served under tensor parallelism \(tp 2\)"):
+    with pytest.raises(ValueError, match=r"int8 activations \(W8A8, W4A8\) are not served under tensor parallelism "
+                                         r"\(tp 2\)"):
         check_tensor_parallel(model, 2)
     check_tensor_parallel(model, 1)
     check_tensor_parallel(kept, 1)

@@ -120,8 +120,8 @@ class QuantizedExperts(Experts):
                  name: str = EXPERTS, biases: tuple | None = None, glu: GLU = SWIGLU):
         if quant.activations != "float":
             raise ValueError(f"{name}: quantization {quant.name!r} quantizes the activations of linear layers; "
-                             f"experts hold int8 weights with float activations only: keep them float "
-                             f"(keep_float including {EXPERTS!r}) or use 'int8'")
+                             f"experts hold quantized weights with float activations only: keep them float "
+                             f"(keep_float including {EXPERTS!r}) or use weight-only 'int8' or 'int4'")
         for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
             if w.ndim != 3 or w.shape != gate.shape:
                 raise ValueError(f"{name}.{proj}: expert weights are [E, width, hidden], all of one shape, got "

@@ -331,18 +331,18 @@ def holds_quantized(params: nnx.State) -> bool:
 
 
 def quantizes_activations(model: nnx.Module) -> bool:
-    """Whether any `QuantizedLinear` of `model` quantizes its input rows (W8A8: `QuantConfig.activations`)."""
+    """Whether any `QuantizedLinear` of `model` quantizes its input rows (W8A8, W4A8: `QuantConfig.activations`)."""
     return any(isinstance(node, QuantizedLinear) and node.quant.activations != "float"
                for _, node in nnx.iter_graph(model))
 
 
 def check_tensor_parallel(model: nnx.Module, tp: int) -> None:
-    """ValueError when `model` quantizes activations (W8A8) and would be sharded over `tp` > 1 devices: its
-    integer product is a one-device kernel, which XLA's partitioner would only run on gathered weights."""
+    """ValueError when `model` quantizes activations (W8A8, W4A8) and would be sharded over `tp` > 1 devices: its
+    integer products are one device's kernels, which XLA's partitioner would only run on gathered weights."""
     if tp > 1 and quantizes_activations(model):
-        raise ValueError(f"W8A8 (int8 activations) is not served under tensor parallelism (tp {tp}): its integer "
-                         f"product is one device's kernel; use tensor_parallel_size 1 (data parallel replicas "
-                         f"serve it) or weight-only 'int8'")
+        raise ValueError(f"int8 activations (W8A8, W4A8) are not served under tensor parallelism (tp {tp}): their "
+                         f"integer products are one device's kernels; use tensor_parallel_size 1 (data parallel "
+                         f"replicas serve it) or a weight-only scheme ('int8', 'int4')")
 
 
 def quantize_model(model: nnx.Module, quant: QuantConfig | str, paths: set[tuple] | None = None) -> nnx.Module:
