@@ -146,3 +146,15 @@ def test_experts_and_tensor_parallelism_are_refused_by_name():
     check_tensor_parallel(model, 1)
     check_tensor_parallel(kept, 1)
     check_tensor_parallel(init_model(CFG.replace(quantization="int8")), 2)
+
+
+@BOTH
+def test_a_gpu_export_holds_xlas_integer_products_not_the_cpu_kernel(quant):
+    """`jax.lax.platform_dependent` lowers the CPU kernel for the CPU only: a program exported for "cuda" computes
+    the same integer products with XLA's ops (one row and several)."""
+    from jax import export
+
+    layer = QuantizedLinear(jnp.ones((64, 16), jnp.float32), quant=quant)
+    for rows in (1, 5):
+        exported = export.export(jax.jit(lambda x: layer(x)), platforms=("cuda",))(jnp.ones((rows, 64), jnp.float32))
+        assert "pagedjax_int8_matmul" not in exported.mlir_module() and exported.platforms == ("cuda",)

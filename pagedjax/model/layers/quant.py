@@ -1,4 +1,4 @@
-"""Weight-only quantized linear layers (`pagedjax.config.quant.QuantConfig`): int8 and fp8 e4m3 per output
+"""Quantized linear layers (`pagedjax.config.quant.QuantConfig`): weights in int8 and fp8 e4m3 per output
 channel, int4 in groups along the input dimension packed two per byte. Activations stay in the model's dtype;
 every product accumulates in float32. With `QuantConfig.activations == "int8"` each row of the input is quantized
 to int8 on the fly and multiplied exactly in integers (`w8a8_product` for int8 weights, `w4a8_product` for int4).
