@@ -168,9 +168,12 @@ struct Work {
   }
 };
 
-// channels(begin, end) over [0, n) in chunks, on this thread and, for `macs` multiply-adds of 2M and more, on the
-// pool's (waking a pool thread cost more than it saved below about 2M: `python scripts/bench_int8_matmul.py`, one
-// row of 1024 x 1024 took 56 us alone, 80 us split). `channels` is only called before this returns.
+// channels(begin, end) over [0, n) in chunks, on this thread and, for `macs` multiply-adds of 128K and more, on
+// the pool's. Alone, one row of 1024 x 1024 took 56 us on one thread and 80 us split (`python
+// scripts/bench_int8_matmul.py`: the pool's threads asleep between calls), but in a decode step, whose other ops
+// keep them awake, splitting from 128K on made batch-1 decode of the 156M shape 1.07x (w8a8) and 1.2x (w4a8)
+// faster than splitting from 2M (`python scripts/bench_quant.py --batch 1`). `channels` is only called before this
+// returns.
 void Parallel(ffi::ThreadPool& pool, int64_t n, int64_t macs, std::function<void(int64_t, int64_t)> channels) {
   auto work = std::make_shared<Work>();
   work->channels = std::move(channels);
@@ -180,7 +183,7 @@ void Parallel(ffi::ThreadPool& pool, int64_t n, int64_t macs, std::function<void
   const int64_t target = std::max<int64_t>(kChannels * 4, (n + threads * 4 - 1) / (threads * 4));
   work->chunk = (target + kChannels - 1) / kChannels * kChannels;
   work->chunks = (n + work->chunk - 1) / work->chunk;
-  const int64_t helpers = macs >= (1LL << 21) ? std::min(threads, work->chunks) - 1 : 0;
+  const int64_t helpers = macs >= (1LL << 17) ? std::min(threads, work->chunks) - 1 : 0;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Run(); });
   work->Run();
   // Chunks the helpers took are in progress on running threads: they end.

@@ -113,6 +113,17 @@ def test_the_int4_kernel_equals_the_sum_of_exact_group_sums(m, groups, n, group,
 
 
 @needs_compiler
+@pytest.mark.parametrize("m, k, n", [(1, 1024, 1030), (5, 520, 333)])
+def test_products_split_over_the_thread_pool_equal_numpy(m, k, n):
+    """Past 128K multiply-adds the channels are split in chunks over XLA's intra-op threads (the hypothesis shapes
+    stay mostly below): channel counts that are no multiple of a chunk or a 4-channel tile."""
+    status = im.native_status()
+    x, w = _operands(m, k, n, 7)
+    np.testing.assert_array_equal(np.asarray(_jitted(status.target)(jnp.asarray(x), jnp.asarray(w))), _exact(x, w))
+    _check_int4(_int4_jitted(status.target + im.INT4, 64), m, k // 64, n, 64, 7)
+
+
+@needs_compiler
 def test_the_portable_build_and_the_xla_reference_equal_it_too(tmp_path):
     """The kernel built without VNNI (the loop a CPU without it runs), registered under a target of its own, and
     the XLA dot, over shapes that cover every tile remainder."""
