@@ -127,6 +127,17 @@ def load(library: Path, target: str = TARGET) -> NativeStatus:
     return NativeStatus(True, vnni=bool(lib.pagedjax_int8_matmul_vnni()), path=Path(library), target=target)
 
 
+def _build_somewhere() -> Path:
+    """`build` into the cache folder or, where that cannot be written (a read-only home), into a temporary folder of
+    this process (built again by the next one; logged)."""
+    try:
+        return build()
+    except OSError as exc:
+        folder = Path(tempfile.mkdtemp(prefix="pagedjax-native-"))
+        logger.info("the native kernel's cache folder cannot be written (%s): built in %s instead", exc, folder)
+        return build(folder)
+
+
 def status_for(setting: str | None) -> NativeStatus:
     """The kernel `native_status` uses for the setting of `$PAGEDJAX_NATIVE`: unset or empty (build it for this
     machine), off (none) or a built library's path; a kernel that cannot be built or loaded is logged as a
@@ -135,7 +146,7 @@ def status_for(setting: str | None) -> NativeStatus:
     if setting.lower() in _OFF:
         return NativeStatus(False, reason=f"{ENV}={setting}")
     try:
-        status = load(Path(setting) if setting else build())
+        status = load(Path(setting) if setting else _build_somewhere())
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("int8 products run on XLA's int8 dot (slow on the CPU): the native kernel could not be "
                        "built or loaded: %s", exc)

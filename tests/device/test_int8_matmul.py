@@ -150,6 +150,16 @@ def test_the_build_is_cached_by_key_and_a_failing_compiler_is_named(tmp_path):
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == [first]  # the failed build left no partial file
 
 
+@needs_compiler
+def test_a_read_only_cache_folder_builds_in_a_temporary_one(tmp_path, monkeypatch):
+    home = tmp_path / "cache"
+    home.write_text("")  # a file where the cache folder would be: it cannot be made (as root, too)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    monkeypatch.setattr(im, "load", lambda library, target=im.TARGET: im.NativeStatus(True, path=library))
+    status = im.status_for(None)
+    assert status.loaded and status.path.is_file() and home not in status.path.parents, status
+
+
 def test_a_kernel_that_cannot_load_is_a_warning_and_the_reference_runs(tmp_path, caplog):
     missing = tmp_path / "missing.so"
     with caplog.at_level(logging.WARNING, logger=im.__name__):
