@@ -158,3 +158,26 @@ def test_a_gpu_export_holds_xlas_integer_products_not_the_cpu_kernel(quant):
     for rows in (1, 5):
         exported = export.export(jax.jit(lambda x: layer(x)), platforms=("cuda",))(jnp.ones((rows, 64), jnp.float32))
         assert "pagedjax_int8_matmul" not in exported.mlir_module() and exported.platforms == ("cuda",)
+
+
+def test_a_checkpoint_of_int8_or_int4_weights_loads_with_its_activations_quantized(tmp_path):
+    """The stored weights are what W8A8 / W4A8 multiply: an int8 (int4:32) checkpoint loads as w8a8 (w4a8:32), the
+    same arrays; other groups or schemes are refused by name."""
+    from pagedjax.model.llama import model_from_state, quantize_params
+    from pagedjax.model.loading.checkpoint import save_checkpoint
+    from pagedjax.model.loading.loader import load_pretrained
+
+    state = nnx.state(init_model(CFG, seed=1), nnx.Param)
+    for stored, served in (("int8", W8A8), ("int4:32", W4A8)):
+        folder = tmp_path / stored.replace(":", "_")
+        qcfg, qstate = quantize_params(CFG, state, stored)
+        save_checkpoint(folder, qcfg, qstate)
+        cfg, loaded, _ = load_pretrained(folder, quantization=served.name)
+        assert cfg.quantization == served
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(qstate), strict=True):
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+        assert model_from_state(cfg, loaded).layers[0].mlp.down_proj.quant == served
+    with pytest.raises(ValueError, match="the checkpoint holds 'int4:32' weights already"):
+        load_pretrained(tmp_path / "int4_32", quantization="w4a8")  # groups of 128 asked
+    with pytest.raises(ValueError, match="the checkpoint holds 'int8' weights already"):
+        load_pretrained(tmp_path / "int8", quantization="w4a8:32")

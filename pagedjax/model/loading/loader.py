@@ -68,12 +68,19 @@ def load_pretrained(path: str | Path | None = None, dtype: str | None = None, *,
 
 
 def _quantized(cfg, state, quantization):
+    """`cfg`, `state` with their linears quantized as `quantization` says: a float checkpoint quantized, one
+    holding those weights as it is, or with its activations quantized or not as asked; other quantized weights
+    are refused."""
     from pagedjax.config.quant import QuantConfig
     from pagedjax.model.llama import quantize_params
 
     quantization = QuantConfig.coerce(quantization)
     if cfg.quantization is None:
         return quantize_params(cfg, state, quantization)
+    if dataclasses.replace(cfg.quantization, activations=quantization.activations) == quantization:
+        # The weights as stored, their activations quantized or not as asked (e.g. an int8 checkpoint, or a
+        # pre-quantized W8A16 one, served W8A8): the same arrays, another product.
+        return cfg.replace(quantization=quantization), state
     if cfg.quantization != quantization:
         held, detail = cfg.quantization, ""
         if held.name == quantization.name:  # the same scheme otherwise (e.g. a MoE checkpoint's float experts)
