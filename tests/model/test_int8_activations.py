@@ -2,10 +2,13 @@
 row of a linear's input quantized to int8 and multiplied in exact integer sums (`pagedjax.model.layers.quant`'s
 `w8a8_product`, `w4a8_product`). The layer against a numpy reference (one row, several, float32 and bf16, bias);
 rows isolated from each other whatever one holds (NaN, inf, huge, zero); the paged engine (chunked prefill, batched
-and one-row decode, the fused decode) against the same model's dense forward; the names, and the refusals
-(experts, tensor parallelism)."""
+and one-row decode, the fused decode; MoE experts too) against the same model's dense forward; MoE experts by each
+of the layer's methods; loading quantized checkpoints; the names, the refusal of tensor parallelism and the GPU
+export."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,8 @@ from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pagedjax.config import ModelConfig
 from pagedjax.config.moe import MoEConfig
 from pagedjax.config.quant import QuantConfig
+from pagedjax.model.layers.moe import per_expert_params
+from pagedjax.model.layers.moe_quant import QuantizedExperts, moe_mlp
 from pagedjax.model.layers.quant import QuantizedLinear, check_tensor_parallel, quantize_rows, unpack_int4
 from pagedjax.model.llama import init_model
 
@@ -25,6 +30,8 @@ W4A8 = QuantConfig.parse("w4a8:32")
 BOTH = pytest.mark.parametrize("quant", [W8A8, W4A8], ids=lambda q: q.name)
 CFG = ModelConfig(vocab_size=96, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=128, tie_word_embeddings=False, qkv_bias=True)
+MOE = CFG.replace(hidden_size=32, head_dim=8, moe=MoEConfig(num_experts=4, num_experts_per_tok=2,
+                                                            intermediate_size=16))
 _LAYER = jax.jit(lambda layer, x: layer(x))
 
 
@@ -94,11 +101,13 @@ def test_a_row_holding_nan_inf_or_huge_values_changes_no_other_row(quant):
         np.testing.assert_array_equal(others[4], np.asarray(layer.bias[...]))
 
 
-@BOTH
-def test_the_paged_engine_equals_the_dense_forward_of_the_same_model(quant):
+@pytest.mark.parametrize("quant, moe", [(W8A8, False), (W4A8, False), (W8A8, True)],
+                         ids=["w8a8", "w4a8:32", "w8a8-moe"])
+def test_the_paged_engine_equals_the_dense_forward_of_the_same_model(quant, moe):
     """Chunked prefill (several rows per product), batched decode, one-row decode and the fused decode: each
-    generated position's log-probabilities equal the same quantized model's dense forward (float32, 1e-5)."""
-    cfg = CFG.replace(quantization=quant)
+    generated position's log-probabilities equal the same quantized model's dense forward (float32, 1e-5); with
+    MoE experts, the engine's methods (by pair, tiled, every) against the dense forward's every."""
+    cfg = (MOE if moe else CFG).replace(quantization=quant)
     model = init_model(cfg, seed=3)
     graphdef, state = nnx.split(model)
     engine = LLMEngine(model_config=cfg, params=nnx.state(model, nnx.Param),
@@ -133,18 +142,45 @@ def test_names_and_round_trip():
         assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 
 
-def test_experts_and_tensor_parallelism_are_refused_by_name():
-    moe = CFG.replace(moe=MoEConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=32))
-    with pytest.raises(ValueError, match=r"experts: quantization 'w8a8' quantizes the activations of linear layers"):
-        init_model(moe.replace(quantization=W8A8))
-    kept = init_model(moe.replace(quantization=QuantConfig("int8", activations="int8",
-                                                           keep_float=("lm_head", "experts"))))
+METHODS = ("grouped", "by_pair", "tiled", "every")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _moe_outputs(graphdef, state, split, x):
+    """Each method, stacked and per-expert, and the reference: each (row, expert) pair through `expert_mlp` alone,
+    weighted by its routing weight."""
+    mlp = nnx.merge(graphdef, state)
+    weights, chosen = mlp.routing(x)
+    operands = mlp.experts.switch_operands()
+    pairs = [[mlp.experts.expert_mlp(e, x[t:t + 1], operands) for e in range(mlp.experts.num_experts)]
+             for t in range(x.shape[0])]
+    want = jnp.stack([sum(weights[t, j] * jnp.stack(pairs[t])[chosen[t, j], 0].astype(jnp.float32)
+                          for j in range(chosen.shape[1])) for t in range(x.shape[0])])
+    return want, {form: tuple(nnx.merge(graphdef, s)(x, m) for m in METHODS)
+                  for form, s in (("stacked", state), ("per-expert", split))}
+
+
+@pytest.mark.parametrize("quant", [W8A8, QuantConfig.parse("w4a8:8")], ids=lambda q: q.name)
+def test_quantized_experts_multiply_integers_by_every_method(quant):
+    """A MoE layer's experts with int8 activations: grouped, by_pair, tiled and every (stacked and per-expert)
+    all equal each pair's expert alone (its integer products), weighted by the routing (float32, 1e-5)."""
+    mlp = moe_mlp(MOE.replace(quantization=quant), jnp.float32, nnx.Rngs(0))
+    assert isinstance(mlp.experts, QuantizedExperts) and mlp.experts.gate_proj.quant == quant
+    graphdef, state = nnx.split(mlp)
+    x = jax.random.normal(jax.random.key(1), (3, 32))  # 6 pairs over the 4 experts
+    want, got = _moe_outputs(graphdef, state, per_expert_params(state), x)
+    for form, outs in got.items():
+        for method, y in zip(METHODS, outs, strict=True):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{form} {method}")
+
+
+def test_tensor_parallelism_is_refused_by_name():
     model = init_model(CFG.replace(quantization=W8A8))
     with pytest.raises(ValueError, match=r"int8 activations \(W8A8, W4A8\) are not served under tensor parallelism "
                                          r"\(tp 2\)"):
         check_tensor_parallel(model, 2)
     check_tensor_parallel(model, 1)
-    check_tensor_parallel(kept, 1)
     check_tensor_parallel(init_model(CFG.replace(quantization="int8")), 2)
 
 

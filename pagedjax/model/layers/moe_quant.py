@@ -29,6 +29,10 @@ values (tests/model/test_moe_quant.py):
              fusion that writes the float `[E, width, hidden]` buffer the dots then read: the float layer's bytes,
              written once per step). The conversion is tied to the layer's rows (`quant.conversion_tie`), so it
              happens just before the layer's dots rather than every layer's at the start of the step.
+With int8 activations (`QuantConfig.activations`: W8A8, W4A8) every method multiplies integers: `by_pair` and
+`by_tile` through `quantized_product` as above, `every` expert by expert the same way (each expert's output
+weighted afterwards, as the pair methods weight theirs), `grouped` every expert on every row (there is no grouped
+integer product; the GPU's method), so the four compute the same function.
 Measured (docs/quantization.md, "Quantized weights", one run each on 2 shared cores): one layer of the bench_moe shape
 (`scripts/bench_moe_layer.py --quantization int8,int4`), `by_pair` at one row 1.9x faster than float32 in int8
 and int4; `every` at 16 rows 3.1x (int8) and 3.5x (int4) slower: XLA:CPU's conversion of the 24 expert matrices
@@ -118,10 +122,6 @@ class QuantizedExperts(Experts):
 
     def __init__(self, gate: jax.Array, up: jax.Array, down: jax.Array, *, quant: QuantConfig,
                  name: str = EXPERTS, biases: tuple | None = None, glu: GLU = SWIGLU):
-        if quant.activations != "float":
-            raise ValueError(f"{name}: quantization {quant.name!r} quantizes the activations of linear layers; "
-                             f"experts hold quantized weights with float activations only: keep them float "
-                             f"(keep_float including {EXPERTS!r}) or use weight-only 'int8' or 'int4'")
         for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
             if w.ndim != 3 or w.shape != gate.shape:
                 raise ValueError(f"{name}.{proj}: expert weights are [E, width, hidden], all of one shape, got "
@@ -167,6 +167,30 @@ class QuantizedExperts(Experts):
         product = lambda a, p: quantized_product(  # noqa: E731
             a, stored[2 * p][e], stored[2 * p + 1][e], quant).astype(row.dtype)
         return self.apply(e, row, product, biases)
+
+    def every(self, x: jax.Array, combine: jax.Array) -> jax.Array:
+        """`Experts.every`; with int8 activations each expert's rows through `expert_mlp` (its integer products),
+        its output weighted by `combine[:, e]` afterwards, as "by_pair" and "tiled" weight theirs: scaling the
+        rows before down_proj, as the float form does, would change how they are quantized."""
+        if self.gate_proj.quant.activations == "float":
+            return super().every(x, combine)
+        operands = self.switch_operands()
+        y = jnp.zeros(x.shape, jnp.float32)
+        for e in range(self.num_experts):
+            y += combine[:, e:e + 1] * self.expert_mlp(e, x, operands).astype(jnp.float32)
+        return y.astype(x.dtype)
+
+    def grouped(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """`Experts.grouped`; with int8 activations (no grouped integer product) every row through every expert's
+        `expert_mlp`, each row keeping its group's: E times the arithmetic, the same function."""
+        if self.gate_proj.quant.activations == "float":
+            return super().grouped(x, group_sizes)
+        expert_of = jnp.repeat(jnp.arange(self.num_experts), group_sizes, total_repeat_length=x.shape[0])
+        operands = self.switch_operands()
+        out = jnp.zeros_like(x)
+        for e in range(self.num_experts):
+            out = jnp.where((expert_of == e)[:, None], self.expert_mlp(e, x, operands), out)
+        return out
 
     @property
     def num_experts(self) -> int:
