@@ -8,9 +8,10 @@
 // Built on first use by `pagedjax.device.int8_matmul` with the machine's own instruction set (-march=native).
 //
 // AVX-512 VNNI / AVX-VNNI multiply unsigned by signed bytes (vpdpbusd: four u8 x s8 products summed into each
-// int32 lane, no saturation). x is made unsigned by adding 128 (x + 128 in [0, 255]) and the excess removed per
-// output channel: sum_k (x + 128) w = acc + 128 * sum_k w, the channel's sum taken by the same instruction
-// against bytes of 1 once per channel, however many rows. Each product is at most 255 * 128 in size, so the int32
+// int32 lane, no saturation). int8 weights: x is made unsigned by adding 128 (x + 128 in [0, 255]) and the excess
+// removed per output channel: sum_k (x + 128) w = acc + 128 * sum_k w, the channel's sum taken by the same
+// instruction against bytes of 1 once per channel, however many rows. int4 weights: the weights are made unsigned
+// (w + 8 in [0, 15]) and the excess 8 * sum x removed per row, taken once per row for every channel. Each product is at most 255 * 128 in size, so the int32
 // sums are exact for k up to 65,536 (the wrapper refuses more). Without VNNI, a portable loop (the compiler
 // vectorizes it with the instructions it has).
 //
@@ -25,6 +26,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
 #include <immintrin.h>
@@ -81,13 +83,12 @@ constexpr bool kVnni = false;
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// The signed weights of one nibble plane: (nibble ^ 8) - 8.
-inline Vec Signed(Vec nibbles) {
-  const Vec eight = _mm512_set1_epi8(8);
-  return _mm512_sub_epi8(_mm512_xor_si512(nibbles, eight), eight);
-}
-inline Vec LowPlane(Vec b) { return Signed(_mm512_and_si512(b, _mm512_set1_epi8(0x0F))); }
-inline Vec HighPlane(Vec b) { return Signed(_mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F))); }
+// A nibble plane's weights w in [-8, 7], stored in two's complement, as unsigned bytes w + 8 = nibble ^ 8 (one
+// ternary-logic instruction: (b & 0x0F) ^ 0x08). Against signed x, sum (w + 8) x = sum w x + 8 sum x: the excess
+// depends on the row alone, so it is taken once per row (`Int4Excess`), not per channel.
+inline Vec Offset(Vec b) { return _mm512_ternarylogic_epi32(b, _mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x08), 0x6A); }
+inline Vec LowPlane(Vec b) { return Offset(b); }
+inline Vec HighPlane(Vec b) { return Offset(_mm512_srli_epi16(b, 4)); }
 #endif
 
 // acc[r, c] for rows [r0, r0 + rows) and channels [c0, c0 + channels), rows <= kRows, channels <= kChannels.
@@ -172,7 +173,7 @@ struct Work {
 // the pool's. Alone, one row of 1024 x 1024 took 56 us on one thread and 80 us split (`python
 // scripts/bench_int8_matmul.py`: the pool's threads asleep between calls), but in a decode step, whose other ops
 // keep them awake, splitting from 128K on made batch-1 decode of the 156M shape 1.07x (w8a8) and 1.2x (w4a8)
-// faster than splitting from 2M (`python scripts/bench_quant.py --batch 1`). `channels` is only called before this
+// faster than splitting from 2M (`python scripts/bench_quant.py --batches 1`). `channels` is only called before this
 // returns.
 void Parallel(ffi::ThreadPool& pool, int64_t n, int64_t macs, std::function<void(int64_t, int64_t)> channels) {
   auto work = std::make_shared<Work>();
@@ -213,36 +214,38 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<
 
 // One row block against one channel of int4 weights: y[r, c] for rows [r0, r0 + R). half = k / 2 packed bytes,
 // gh = group_size / 2 packed bytes per group (a divisor or a multiple of the vector width: the wrapper checks).
+// excess: per row, -8 x the sum of x over each int32 lane's bytes of both planes (`Int4Excess`; VNNI builds).
 template <int64_t R>
-void Int4Tile(const int8_t* x, const uint8_t* w, const float* scale, float* y, int64_t k, int64_t n, int64_t gh,
-              int64_t r0, int64_t c) {
+void Int4Tile(const int8_t* x, const uint8_t* w, const float* scale, const int32_t* excess, float* y, int64_t k,
+              int64_t n, int64_t gh, int64_t r0, int64_t c) {
   const int64_t half = k / 2, groups = half / gh;
   const uint8_t* wc = w + c * half;
   const float* sc = scale + c * groups;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const int64_t lanes_per_row = (half + kVector - 1) / kVector * 16;
   __m512 sums[R];
   for (int64_t r = 0; r < R; ++r) sums[r] = _mm512_setzero_ps();
   // Lane l of a vector of packed bytes starting at a group boundary holds bytes 4l .. 4l + 3: group 4l / gh of it.
   alignas(64) int32_t lane_group[16];
   for (int64_t l = 0; l < 16; ++l) lane_group[l] = gh >= kVector ? 0 : int32_t(4 * l / gh);
   const __m512i lanes = _mm512_load_si512(lane_group);
-  const Vec ones = Ones();
   for (int64_t i = 0; i < half; i += kVector) {
     const int64_t left = half - i;
     const Vec b = Load(reinterpret_cast<const int8_t*>(wc + i), left);
-    const Vec lo = LowPlane(b), hi = HighPlane(b);
-    const Vec wsum = _mm512_slli_epi32(Dot(Dot(Zero(), ones, lo), ones, hi), 7);  // 128 x each lane's weights
+    const Vec lo = LowPlane(b), hi = HighPlane(b);  // a tail's missing bytes: w + 8 = 8, against x = 0
     const int64_t g0 = i / gh;
     const int64_t in_vector = std::min<int64_t>(std::max<int64_t>(kVector / gh, 1), groups - g0);
     const __m512 sv = _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps((__mmask16)((1u << in_vector) - 1), sc + g0));
     for (int64_t r = 0; r < R; ++r) {
       const int8_t* xr = x + (r0 + r) * k;
-      const Vec t = Dot(Dot(Zero(), Bias(Load(xr + i, left)), lo), Bias(Load(xr + half + i, left)), hi);
-      sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t, wsum)), sv, sums[r]);
+      const Vec start = _mm512_loadu_si512(excess + (r0 + r) * lanes_per_row + i / 4);
+      const Vec t = Dot(Dot(start, lo, Load(xr + i, left)), hi, Load(xr + half + i, left));
+      sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sv, sums[r]);
     }
   }
   for (int64_t r = 0; r < R; ++r) y[(r0 + r) * n + c] = _mm512_reduce_add_ps(sums[r]);
 #else
+  (void)excess;
   for (int64_t r = 0; r < R; ++r) {
     const int8_t* xr = x + (r0 + r) * k;
     float sum = 0.0f;
@@ -259,15 +262,36 @@ void Int4Tile(const int8_t* x, const uint8_t* w, const float* scale, float* y, i
 #endif
 }
 
-void Int4Channels(const int8_t* x, const uint8_t* w, const float* scale, float* y, int64_t m, int64_t k, int64_t n,
-                  int64_t gh, int64_t c_begin, int64_t c_end) {
+// Per row of x, for each int32 lane of each vector of packed bytes: -8 x the sum of x over the lane's 4 bytes of
+// both planes (what Int4Tile's products of w + 8 carry in excess). Empty without AVX-512 VNNI.
+std::vector<int32_t> Int4Excess(const int8_t* x, int64_t m, int64_t k) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const int64_t half = k / 2, vectors = (half + kVector - 1) / kVector;
+  std::vector<int32_t> excess(m * vectors * 16);
+  const Vec ones = Ones();
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t v = 0; v < vectors; ++v) {
+      const int64_t i = v * kVector, left = half - i;
+      const Vec sum = Dot(Dot(Zero(), ones, Load(x + r * k + i, left)), ones, Load(x + r * k + half + i, left));
+      _mm512_storeu_si512(excess.data() + (r * vectors + v) * 16, _mm512_sub_epi32(Zero(), _mm512_slli_epi32(sum, 3)));
+    }
+  }
+  return excess;
+#else
+  (void)x, (void)m, (void)k;
+  return {};
+#endif
+}
+
+void Int4Channels(const int8_t* x, const uint8_t* w, const float* scale, const int32_t* excess, float* y, int64_t m,
+                  int64_t k, int64_t n, int64_t gh, int64_t c_begin, int64_t c_end) {
   for (int64_t c = c_begin; c < c_end; ++c) {
     int64_t r = 0;
-    for (; r + kRows <= m; r += kRows) Int4Tile<kRows>(x, w, scale, y, k, n, gh, r, c);
+    for (; r + kRows <= m; r += kRows) Int4Tile<kRows>(x, w, scale, excess, y, k, n, gh, r, c);
     switch (m - r) {
-      case 3: Int4Tile<3>(x, w, scale, y, k, n, gh, r, c); break;
-      case 2: Int4Tile<2>(x, w, scale, y, k, n, gh, r, c); break;
-      case 1: Int4Tile<1>(x, w, scale, y, k, n, gh, r, c); break;
+      case 3: Int4Tile<3>(x, w, scale, excess, y, k, n, gh, r, c); break;
+      case 2: Int4Tile<2>(x, w, scale, excess, y, k, n, gh, r, c); break;
+      case 1: Int4Tile<1>(x, w, scale, excess, y, k, n, gh, r, c); break;
       default: break;
     }
   }
@@ -293,8 +317,10 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<
   const uint8_t* wp = w.typed_data();
   const float* sp = scale.typed_data();
   float* yp = out->typed_data();
+  const std::vector<int32_t> excess = Int4Excess(xp, m, k);
+  const int32_t* ep = excess.data();
   Parallel(pool, n, m * n * k, [=](int64_t begin, int64_t end) {
-    Int4Channels(xp, wp, sp, yp, m, k, n, gh, begin, end);
+    Int4Channels(xp, wp, sp, ep, yp, m, k, n, gh, begin, end);
   });
   return ffi::Error::Success();
 }
