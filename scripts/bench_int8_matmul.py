@@ -77,7 +77,7 @@ def main(argv=None) -> None:
             for i, (fn, fargs) in enumerate(case[4]):
                 best[id(case)][i] = min(best[id(case)][i], _time(fn, fargs, args.calls))
     load = os.getloadavg()[0]
-    print(f"int8 x int8 -> int32 products on the CPU ({'VNNI' if status.vnni else 'portable'} kernel), best of "
+    print(f"int8 x int8 -> int32 products on the CPU ({status.isa} kernel), best of "
           f"{args.repeats} rounds of {args.calls} calls; load average {load:.2f}")
     print(f"{'kernel':<13} {'rows':>4} {'in x out':>12} {'native us':>10} {'GMAC/s':>7} {'xla int8 us':>12} "
           f"{'x xla':>6} {'f32 dot us':>11} {'x f32':>6}")

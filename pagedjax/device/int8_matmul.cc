@@ -12,8 +12,9 @@
 // removed per output channel: sum_k (x + 128) w = acc + 128 * sum_k w, the channel's sum taken by the same
 // instruction against bytes of 1 once per channel, however many rows. int4 weights: the weights are made unsigned
 // (w + 8 in [0, 15]) and the excess 8 * sum x removed per row, taken once per row for every channel. Each product is at most 255 * 128 in size, so the int32
-// sums are exact for k up to 65,536 (the wrapper refuses more). Without VNNI, a portable loop (the compiler
-// vectorizes it with the instructions it has).
+// sums are exact for k up to 65,536 (the wrapper refuses more). With AVX2 but no VNNI, int8 weights through
+// vpmaddubsw (below; x in [-127, 127], as `quantize_rows` makes it), int4 through the portable loop; without
+// AVX2, a portable loop (the compiler vectorizes it with the instructions it has).
 //
 // The output channels are split in chunks over XLA's intra-op thread pool: the calling thread and the tasks it
 // schedules take chunks from one counter, so the call never waits for a task that has not started (a pool
@@ -28,7 +29,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -57,7 +58,6 @@ inline Vec Zero() { return _mm512_setzero_si512(); }
 inline Vec Bias(Vec v) { return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); }  // x + 128 as u8
 inline Vec Ones() { return _mm512_set1_epi8(1); }
 inline int32_t Sum(Vec v) { return _mm512_reduce_add_epi32(v); }
-constexpr bool kVnni = true;
 #elif defined(__AVXVNNI__)
 constexpr int64_t kVector = 32;
 using Vec = __m256i;
@@ -77,9 +77,31 @@ inline int32_t Sum(Vec v) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
   return _mm_cvtsi128_si32(s);
 }
-constexpr bool kVnni = true;
+#elif defined(__AVX2__)
+// No VNNI: |w| times x with w's sign (vpsignb) through vpmaddubsw (adjacent products summed into int16: at most
+// 2 x 128 x 127 for x in [-127, 127], so no saturation; x = -128 against a negative weight is not exact here) and
+// vpmaddwd against 16-bit ones.
+constexpr int64_t kVector = 32;
+using Vec = __m256i;
+inline Vec Load(const int8_t* p, int64_t n) {
+  if (n >= kVector) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  alignas(32) int8_t tail[32] = {0};
+  std::memcpy(tail, p, n);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+}
+inline Vec Zero() { return _mm256_setzero_si256(); }
+inline int32_t Sum(Vec v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+// acc + the products of w and x, four adjacent ones summed into each int32 lane.
+inline Vec SignedDot(Vec acc, Vec w, Vec x) {
+  const Vec pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
 #else
-constexpr bool kVnni = false;
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -119,6 +141,21 @@ void Tile(const int8_t* x, const int8_t* w, int32_t* acc, int64_t k, int64_t n, 
     const int32_t excess = 128 * Sum(wsum[c]);
     for (int64_t r = 0; r < R; ++r) acc[(r0 + r) * n + c0 + c] = Sum(sums[r][c]) - excess;
   }
+#elif defined(__AVX2__)
+  Vec sums[R][C];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) sums[r][c] = Zero();
+  for (int64_t i = 0; i < k; i += kVector) {
+    const int64_t left = k - i;
+    Vec wv[C];
+    for (int64_t c = 0; c < C; ++c) wv[c] = Load(w + (c0 + c) * k + i, left);
+    for (int64_t r = 0; r < R; ++r) {
+      const Vec xv = Load(x + (r0 + r) * k + i, left);  // a tail's missing bytes are 0 on both sides
+      for (int64_t c = 0; c < C; ++c) sums[r][c] = SignedDot(sums[r][c], wv[c], xv);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) acc[(r0 + r) * n + c0 + c] = Sum(sums[r][c]);
 #else
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t c = 0; c < C; ++c) {
@@ -343,5 +380,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxInt8Matmul, Int8Matmul,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
-// Which arithmetic this build has, for the wrapper's log and the tests: 1 with VNNI dot products, 0 portable.
-extern "C" int pagedjax_int8_matmul_vnni() { return kVnni ? 1 : 0; }
+// Which instructions this build computes with, for the wrapper's log and the tests.
+extern "C" const char* pagedjax_int8_matmul_isa() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return "avx512-vnni";
+#elif defined(__AVXVNNI__)
+  return "avx-vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}

@@ -63,12 +63,12 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-er
 
 @dataclass(frozen=True)
 class NativeStatus:
-    """Whether the CPU kernel is in use: `loaded`; `vnni`: it computes with VNNI dot products (else a portable
-    loop); `path`: the shared library; `target`: the FFI target it is registered as; `reason`: why it is not
-    loaded (None when it is)."""
+    """Whether the CPU kernel is in use: `loaded`; `isa`: the instructions it computes with ("avx512-vnni",
+    "avx-vnni", "avx2" or "portable"); `path`: the shared library; `target`: the FFI target it is registered as;
+    `reason`: why it is not loaded (None when it is)."""
 
     loaded: bool
-    vnni: bool = False
+    isa: str | None = None
     path: Path | None = None
     target: str | None = None
     reason: str | None = None
@@ -124,7 +124,8 @@ def load(library: Path, target: str = TARGET) -> NativeStatus:
     lib = ctypes.CDLL(str(library))
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.PagedjaxInt8Matmul), platform="cpu")
     jax.ffi.register_ffi_target(target + INT4, jax.ffi.pycapsule(lib.PagedjaxInt4Matmul), platform="cpu")
-    return NativeStatus(True, vnni=bool(lib.pagedjax_int8_matmul_vnni()), path=Path(library), target=target)
+    lib.pagedjax_int8_matmul_isa.restype = ctypes.c_char_p
+    return NativeStatus(True, isa=lib.pagedjax_int8_matmul_isa().decode(), path=Path(library), target=target)
 
 
 def _build_somewhere() -> Path:
@@ -151,7 +152,7 @@ def status_for(setting: str | None) -> NativeStatus:
         logger.warning("int8 products run on XLA's int8 dot (slow on the CPU): the native kernel could not be "
                        "built or loaded: %s", exc)
         return NativeStatus(False, reason=str(exc))
-    logger.info("int8 products: native CPU kernel %s (%s)", status.path, "VNNI" if status.vnni else "portable")
+    logger.info("int8 products: native CPU kernel %s (%s)", status.path, status.isa)
     return status
 
 

@@ -129,7 +129,7 @@ def test_the_portable_build_and_the_xla_reference_equal_it_too(tmp_path):
     the XLA dot, over shapes that cover every tile remainder."""
     library = im.build(tmp_path, flags=tuple(f for f in im.FLAGS if f != "-march=native") + ("-march=x86-64",))
     status = im.load(library, target="pagedjax_int8_matmul_portable_test")
-    assert status.loaded and not status.vnni
+    assert status.loaded and status.isa == "portable"
     for i, (m, k, n) in enumerate([(1, 65, 9), (6, 130, 7), (4, 64, 4), (9, 1, 13), (0, 3, 2), (3, 0, 2)]):
         x, w = _operands(m, k, n, i)
         want = _exact(x, w)
@@ -139,6 +139,22 @@ def test_the_portable_build_and_the_xla_reference_equal_it_too(tmp_path):
         _check_int4(_int4_jitted(status.target + im.INT4, group), m, groups, n, group, i)
         _check_int4(functools.partial(im.int4_matmul_reference, group_size=group), m, groups, n, group, i)
         _check_int4(_int4_jitted(None, group), m, groups, n, group, i)  # the kernel this process loaded
+
+
+@needs_compiler
+@pytest.mark.skipif("avx2" not in im._cpu_flags().split(), reason="this CPU has no AVX2")
+def test_the_avx2_build_equals_numpy_for_activations_in_the_quantizers_range(tmp_path):
+    """Without VNNI (a Haswell-class build): int8 weights through vpmaddubsw, exact for x in [-127, 127] (what
+    `quantize_rows` makes) and every weight, -128 included; int4 through the portable loop."""
+    library = im.build(tmp_path, flags=tuple(f for f in im.FLAGS if f != "-march=native") + ("-march=haswell",))
+    status = im.load(library, target="pagedjax_int8_matmul_avx2_test")
+    assert status.isa == "avx2"
+    for i, (m, k, n) in enumerate([(1, 65, 9), (6, 130, 7), (4, 64, 4), (9, 1, 13), (3, 1024, 300)]):
+        x, w = _operands(m, k, n, i)
+        x = np.maximum(x, -127)
+        got = np.asarray(_jitted(status.target)(jnp.asarray(x), jnp.asarray(w)))
+        np.testing.assert_array_equal(got, _exact(x, w))
+    _check_int4(_int4_jitted(status.target + im.INT4, 32), 2, 3, 5, 32, 0)
 
 
 @needs_compiler
