@@ -13,7 +13,7 @@
 // instruction against bytes of 1 once per channel, however many rows. int4 weights: the weights are made unsigned
 // (w + 8 in [0, 15]) and the excess 8 * sum x removed per row, taken once per row for every channel. Each product is at most 255 * 128 in size, so the int32
 // sums are exact for k up to 65,536 (the wrapper refuses more). With AVX2 but no VNNI, int8 weights through
-// vpmaddubsw (below; x in [-127, 127], as `quantize_rows` makes it), int4 through the portable loop; without
+// vpmaddubsw (below; x in [-127, 127], as `quantize_rows` makes it), int4 likewise (w + 8 against x); without
 // AVX2, a portable loop (the compiler vectorizes it with the instructions it has).
 //
 // The output channels are split in chunks over XLA's intra-op thread pool: the calling thread and the tasks it
@@ -251,7 +251,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<
 
 // One row block against one channel of int4 weights: y[r, c] for rows [r0, r0 + R). half = k / 2 packed bytes,
 // gh = group_size / 2 packed bytes per group (a divisor or a multiple of the vector width: the wrapper checks).
-// excess: per row, -8 x the sum of x over each int32 lane's bytes of both planes (`Int4Excess`; VNNI builds).
+// excess: per row, -8 x the sum of x over each int32 lane's bytes of both planes (`Int4Excess`; SIMD builds).
 template <int64_t R>
 void Int4Tile(const int8_t* x, const uint8_t* w, const float* scale, const int32_t* excess, float* y, int64_t k,
               int64_t n, int64_t gh, int64_t r0, int64_t c) {
@@ -281,6 +281,39 @@ void Int4Tile(const int8_t* x, const uint8_t* w, const float* scale, const int32
     }
   }
   for (int64_t r = 0; r < R; ++r) y[(r0 + r) * n + c] = _mm512_reduce_add_ps(sums[r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // As above in 32-byte vectors, w + 8 against x through vpmaddubsw (pairs at most 2 x 15 x 128: no saturation).
+  const int64_t lanes_per_row = (half + kVector - 1) / kVector * 8;
+  __m256 sums[R];
+  for (int64_t r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
+  alignas(32) int32_t lane_group[8];
+  for (int64_t l = 0; l < 8; ++l) lane_group[l] = gh >= kVector ? 0 : int32_t(4 * l / gh);
+  const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(lane_group));
+  const Vec low_bits = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(0x08), ones16 = _mm256_set1_epi16(1);
+  for (int64_t i = 0; i < half; i += kVector) {
+    const int64_t left = half - i;
+    const Vec b = Load(reinterpret_cast<const int8_t*>(wc + i), left);
+    const Vec lo = _mm256_xor_si256(_mm256_and_si256(b, low_bits), eight);
+    const Vec hi = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low_bits), eight);
+    const int64_t g0 = i / gh;
+    const int64_t in_vector = std::min<int64_t>(std::max<int64_t>(kVector / gh, 1), groups - g0);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(in_vector)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 sv = _mm256_permutevar8x32_ps(_mm256_maskload_ps(sc + g0, mask), lanes);
+    for (int64_t r = 0; r < R; ++r) {
+      const int8_t* xr = x + (r0 + r) * k;
+      Vec t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(excess + (r0 + r) * lanes_per_row + i / 4));
+      t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, Load(xr + i, left)), ones16));
+      t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, Load(xr + half + i, left)), ones16));
+      sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sv, sums[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(sums[r]), _mm256_extractf128_ps(sums[r], 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    y[(r0 + r) * n + c] = _mm_cvtss_f32(v);
+  }
 #else
   (void)excess;
   for (int64_t r = 0; r < R; ++r) {
@@ -300,7 +333,7 @@ void Int4Tile(const int8_t* x, const uint8_t* w, const float* scale, const int32
 }
 
 // Per row of x, for each int32 lane of each vector of packed bytes: -8 x the sum of x over the lane's 4 bytes of
-// both planes (what Int4Tile's products of w + 8 carry in excess). Empty without AVX-512 VNNI.
+// both planes (what Int4Tile's products of w + 8 carry in excess). Empty for the portable loop.
 std::vector<int32_t> Int4Excess(const int8_t* x, int64_t m, int64_t k) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const int64_t half = k / 2, vectors = (half + kVector - 1) / kVector;
@@ -311,6 +344,21 @@ std::vector<int32_t> Int4Excess(const int8_t* x, int64_t m, int64_t k) {
       const int64_t i = v * kVector, left = half - i;
       const Vec sum = Dot(Dot(Zero(), ones, Load(x + r * k + i, left)), ones, Load(x + r * k + half + i, left));
       _mm512_storeu_si512(excess.data() + (r * vectors + v) * 16, _mm512_sub_epi32(Zero(), _mm512_slli_epi32(sum, 3)));
+    }
+  }
+  return excess;
+#elif defined(__AVX2__) && defined(__FMA__)
+  const int64_t half = k / 2, vectors = (half + kVector - 1) / kVector;
+  std::vector<int32_t> excess(m * vectors * 8);
+  const Vec ones = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t v = 0; v < vectors; ++v) {
+      const int64_t i = v * kVector, left = half - i;
+      const Vec sum = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones, Load(x + r * k + i, left)), ones16),
+                                       _mm256_madd_epi16(_mm256_maddubs_epi16(ones, Load(x + r * k + half + i, left)),
+                                                         ones16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(excess.data() + (r * vectors + v) * 8),
+                          _mm256_sub_epi32(Zero(), _mm256_slli_epi32(sum, 3)));
     }
   }
   return excess;

@@ -145,7 +145,7 @@ def test_the_portable_build_and_the_xla_reference_equal_it_too(tmp_path):
 @pytest.mark.skipif("avx2" not in im._cpu_flags().split(), reason="this CPU has no AVX2")
 def test_the_avx2_build_equals_numpy_for_activations_in_the_quantizers_range(tmp_path):
     """Without VNNI (a Haswell-class build): int8 weights through vpmaddubsw, exact for x in [-127, 127] (what
-    `quantize_rows` makes) and every weight, -128 included; int4 through the portable loop."""
+    `quantize_rows` makes) and every weight, -128 included; int4 groups too, every group size the kernel takes."""
     library = im.build(tmp_path, flags=tuple(f for f in im.FLAGS if f != "-march=native") + ("-march=haswell",))
     status = im.load(library, target="pagedjax_int8_matmul_avx2_test")
     assert status.isa == "avx2"
@@ -154,7 +154,9 @@ def test_the_avx2_build_equals_numpy_for_activations_in_the_quantizers_range(tmp
         x = np.maximum(x, -127)
         got = np.asarray(_jitted(status.target)(jnp.asarray(x), jnp.asarray(w)))
         np.testing.assert_array_equal(got, _exact(x, w))
-    _check_int4(_int4_jitted(status.target + im.INT4, 32), 2, 3, 5, 32, 0)
+    for i, (m, groups, n, group) in enumerate([(1, 3, 5, 32), (5, 2, 6, 128), (2, 3, 3, 8), (3, 1, 70, 384),
+                                               (1, 4, 9, 16), (2, 2, 5, 64)]):
+        _check_int4(_int4_jitted(status.target + im.INT4, group), m, groups, n, group, i)
 
 
 @needs_compiler
