@@ -5,8 +5,8 @@ nibble planes of `pagedjax.model.layers.quant.pack_int4`) -> float32 `[m, n]`, e
 XLA:CPU has no integer SIMD dot products for one row (an int8 `dot_general` of one row runs element by element:
 0.03 - 0.2x of the kernel below; several rows go to YNNPACK's int8 kernels, as fast or faster) and no fast form
 of int4 groups at all, so on the CPU these are a small C++ kernel (`int8_matmul.cc`: AVX-512 VNNI or AVX-VNNI dot
-products where the CPU has them, else a portable loop; int4 with AVX-512 VNNI or the portable loop), compiled on
-first use with the machine's own instruction set into `$XDG_CACHE_HOME/pagedjax/native/<key>/` (the key: the
+products where the CPU has them, else AVX2's byte products, else a portable loop; `NativeStatus.isa` says which),
+compiled on first use with the machine's own instruction set into `$XDG_CACHE_HOME/pagedjax/native/<key>/` (the key: the
 source, the jaxlib version, the compiler flags and the CPU's instruction-set flags, so a cache shared between
 machines never runs one machine's build on another) and registered as the FFI targets `pagedjax_int8_matmul` and
 `pagedjax_int8_matmul_int4`.
