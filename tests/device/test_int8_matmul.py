@@ -142,13 +142,16 @@ def test_the_portable_build_and_the_xla_reference_equal_it_too(tmp_path):
 
 
 @needs_compiler
-@pytest.mark.skipif("avx2" not in im._cpu_flags().split(), reason="this CPU has no AVX2")
-def test_the_avx2_build_equals_numpy_for_activations_in_the_quantizers_range(tmp_path):
-    """Without VNNI (a Haswell-class build): int8 weights through vpmaddubsw, exact for x in [-127, 127] (what
-    `quantize_rows` makes) and every weight, -128 included; int4 groups too, every group size the kernel takes."""
-    library = im.build(tmp_path, flags=tuple(f for f in im.FLAGS if f != "-march=native") + ("-march=haswell",))
-    status = im.load(library, target="pagedjax_int8_matmul_avx2_test")
-    assert status.isa == "avx2"
+@pytest.mark.parametrize("march, isa, needs", [("haswell", "avx2", "avx2"), ("alderlake", "avx-vnni", "avx_vnni")])
+def test_the_256_bit_builds_equal_numpy_for_activations_in_the_quantizers_range(tmp_path, march, isa, needs):
+    """A Haswell-class build (AVX2, no VNNI: int8 weights through vpmaddubsw, exact for x in [-127, 127], what
+    `quantize_rows` makes, and every weight, -128 included) and an Alder Lake one (AVX-VNNI, 256 bits, no
+    AVX-512); int4 groups too, every group size the kernel takes. On this CPU where it has their instructions."""
+    if needs not in im._cpu_flags().split():
+        pytest.skip(f"this CPU has no {needs}")
+    library = im.build(tmp_path, flags=tuple(f for f in im.FLAGS if f != "-march=native") + (f"-march={march}",))
+    status = im.load(library, target=f"pagedjax_int8_matmul_{march}_test")
+    assert status.isa == isa
     for i, (m, k, n) in enumerate([(1, 65, 9), (6, 130, 7), (4, 64, 4), (9, 1, 13), (3, 1024, 300)]):
         x, w = _operands(m, k, n, i)
         x = np.maximum(x, -127)
