@@ -1,10 +1,11 @@
 // Products of int8 activations on the CPU, for XLA through its FFI (pagedjax.device.int8_matmul):
 //   PagedjaxInt8Matmul  acc[m, n] = sum_k x[m, k] * w[n, k]      (x, w int8 with their k contiguous; int32, exact)
 //   PagedjaxInt4Matmul  y[m, n] = sum_groups scale[n, g] * (sum_{k in g} x[m, k] * w[n, k])   (float32)
-//                       w int4 in nibble planes (pagedjax.model.layers.quant.pack_int4): byte j of a channel holds
-//                       the low-plane weight of input `order[j]` and the high-plane one of `order[k/2 + j]`; x
-//                       comes in that order (its low plane's inputs, then its high plane's), so both planes read
-//                       x contiguously; each group's integer sum is exact, the groups' scaled sum float32.
+//                       w int4 in nibble planes (pagedjax.model.layers.quant.pack_int4): byte j of group g holds
+//                       input g * group + j in its low nibble and g * group + group / 2 + j in its high one; x is
+//                       copied in that order once per call (the low plane's inputs, then the high plane's), so both
+//                       planes read it contiguously; each group's integer sum is exact, the groups' scaled sum
+//                       float32.
 // Built on first use by `pagedjax.device.int8_matmul` with the machine's own instruction set (-march=native).
 //
 // AVX-512 VNNI / AVX-VNNI multiply unsigned by signed bytes (vpdpbusd: four u8 x s8 products summed into each
@@ -398,7 +399,17 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<
   }
   if (k > 65536) return ffi::Error::InvalidArgument("pagedjax_int4_matmul: k over 65536 overflows int32 sums");
   if (m == 0 || n == 0) return ffi::Error::Success();
-  const int8_t* xp = x.typed_data();
+  // Each row in the planes' order (its groups' first halves, then their second halves), so that both planes read
+  // x contiguously: a copy of m x k bytes, once for every channel.
+  std::vector<int8_t> planes(m * k);
+  for (int64_t r = 0; r < m; ++r) {
+    const int8_t* row = x.typed_data() + r * k;
+    for (int64_t g = 0; g < k / (2 * gh); ++g) {
+      std::memcpy(planes.data() + r * k + g * gh, row + 2 * g * gh, gh);
+      std::memcpy(planes.data() + r * k + k / 2 + g * gh, row + 2 * g * gh + gh, gh);
+    }
+  }
+  const int8_t* xp = planes.data();
   const uint8_t* wp = w.typed_data();
   const float* sp = scale.typed_data();
   float* yp = out->typed_data();

@@ -216,19 +216,20 @@ def int4_matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array, group_si
     """`int4_matmul` in XLA: each plane's nibbles sign-extended, an exact int32 sum per (row, channel, group), then
     the groups' scaled sum in float32."""
     m, k = x.shape
-    n, half = w.shape
+    n = w.shape[0]
     groups, gh = k // group_size, group_size // 2
     low = ((w & 0x0F) ^ 8).astype(jnp.int8) - 8  # [n, k / 2]: the low plane's signed weights
     high = ((w >> 4) ^ 8).astype(jnp.int8) - 8
-    acc = sum(jnp.einsum("mgj,ngj->mng", xs.reshape(m, groups, gh), ws.reshape(n, groups, gh),
+    halves = x.reshape(m, groups, 2, gh)  # each group's first and second halves: the two planes' inputs
+    acc = sum(jnp.einsum("mgj,ngj->mng", halves[:, :, plane], ws.reshape(n, groups, gh),
                          preferred_element_type=jnp.int32)
-              for xs, ws in ((x[:, :half], low), (x[:, half:], high)))  # i32[m, n, groups]
+              for plane, ws in ((0, low), (1, high)))  # i32[m, n, groups]
     return jnp.sum(acc.astype(jnp.float32) * scale[None], axis=-1)
 
 
 def int4_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, group_size: int) -> jax.Array:
-    """x int8 `[m, k]` (its inputs in nibble-plane order: the low plane's k / 2, then the high plane's) times int4
-    weights w uint8 `[n, k / 2]` (`pack_int4`'s layout) with float32 `scale` `[n, k / group_size]` -> float32
+    """x int8 `[m, k]` times int4 weights w uint8 `[n, k / 2]` (`pack_int4`'s nibble planes) with float32 `scale`
+    `[n, k / group_size]` -> float32
     `[m, n]` = sum over groups of scale x the group's exact integer sum: the native kernel on the CPU for every row
     count (XLA has no fast form of it), `int4_matmul_reference` elsewhere. ValueError for other shapes, dtypes
     or groups (`check_int4_group`), or k over `MAX_K`."""

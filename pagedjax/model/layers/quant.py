@@ -241,12 +241,11 @@ def w8a8_product(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> jax.Arra
 def w4a8_product(x: jax.Array, qweight: jax.Array, scale: jax.Array, group_size: int) -> jax.Array:
     """x `[..., in]` times int4 `qweight` `[out, in // 2]` (`pack_int4`) with `scale` `[out, in // group_size]`, x's
     rows quantized to int8 (`quantize_rows`) -> float32 `[..., out]` = scale_x * sum over groups of scale_w times the
-    group's exact integer sum (`pagedjax.device.int8_matmul.int4_matmul`, x's columns taken in the planes' order).
-    A row's result depends on that row alone."""
+    group's exact integer sum (`pagedjax.device.int8_matmul.int4_matmul`). A row's result depends on that row
+    alone."""
     rows = x.reshape(-1, x.shape[-1])
     q, row_scale = quantize_rows(rows)
-    planes = jnp.take(q, _row_order(x.shape[-1], group_size), axis=1)  # [m, in]: the low plane's, then the high's
-    y = int4_matmul(planes, qweight, scale.astype(jnp.float32), group_size) * row_scale[:, None]
+    y = int4_matmul(q, qweight, scale.astype(jnp.float32), group_size) * row_scale[:, None]
     return y.reshape(*x.shape[:-1], -1)
 
 
