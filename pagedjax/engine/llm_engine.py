@@ -65,7 +65,7 @@ from pagedjax.runner.inputs import StepInputs, step_inputs
 from pagedjax.runner.invariant import invariant_shape
 from pagedjax.runner.programs import CompileEvent, all_done
 from pagedjax.runner.runner import ModelRunner
-from pagedjax.runner.shapes import warmup_shapes
+from pagedjax.runner.shapes import StepShape, warmup_shapes
 from pagedjax.sampling_params import RAW_SAMPLING, LoRARequest, SamplingParams, StructuredOutput
 from pagedjax.spec_decode.draft_model import DraftProposer, load_draft
 from pagedjax.spec_decode.mtp import MTPProposer, load_mtp_head
@@ -322,11 +322,14 @@ class LLMEngine:
         took (also logged, and in `stats().warmup_s`)."""
         start, before = time.perf_counter(), self.stats()
         shapes, max_blocks = self._warmup_shapes()
-        draft = self._draft_model()
-        logger.info("warm-up: compiling %d programs (%s)", len(shapes) + (draft is not None), cache_note())
+        draft, head = self._draft_model(), self._mtp_head()
+        logger.info("warm-up: compiling %d programs (%s)", len(shapes) + (draft is not None) + (head is not None),
+                    cache_note())
         self.runner.warmup(shapes)
         if draft is not None:  # the draft model's stand-in
             draft.warmup(self.scheduler_config.max_num_seqs, max_blocks)
+        if head is not None:  # the MTP head's
+            head.warmup(_widest_tokens(shapes), self.scheduler_config.max_num_seqs, max_blocks)
         seconds = time.perf_counter() - start
         self._warmup_s += seconds
         after = self.stats()
@@ -361,11 +364,13 @@ class LLMEngine:
         self.runner.check_awake()
         shapes, max_blocks = self._warmup_shapes()
         done = [self.runner.warm_in_background(shapes)]
-        draft = self._draft_model()
+        draft, head = self._draft_model(), self._mtp_head()
         if draft is not None:
             done.append(draft.start_warmup(self.scheduler_config.max_num_seqs, max_blocks))
-        logger.info("warm-up: compiling %d programs in the background (%s)", len(shapes) + (draft is not None),
-                    cache_note())
+        if head is not None:
+            done.append(head.start_warmup(_widest_tokens(shapes), self.scheduler_config.max_num_seqs, max_blocks))
+        logger.info("warm-up: compiling %d programs in the background (%s)",
+                    len(shapes) + (draft is not None) + (head is not None), cache_note())
         return all_done(done)
 
     @contextmanager
@@ -760,6 +765,11 @@ class LLMEngine:
         draft = None if self.speculator is None else self.speculator.draft
         return draft if isinstance(draft, DraftProposer) else None
 
+    def _mtp_head(self) -> MTPProposer | None:
+        """The MTP head's proposer (method "mtp"), which compiles programs of its own; None otherwise."""
+        head = None if self.speculator is None else self.speculator.draft
+        return head if isinstance(head, MTPProposer) else None
+
     def sleep(self) -> int:
         """Release the KV pool's device memory, a draft model's or an MTP head's too (running requests recompute
         after `wake`); returns bytes freed per device. Steps raise RuntimeError until `wake()`."""
@@ -869,3 +879,9 @@ def token_list(request_id: str, prompt_token_ids) -> list[int]:
     if bad:
         raise InvalidType(f"request {request_id!r}: prompt_token_ids must be ints, got {bad[:3]!r}", param="prompt")
     return [int(t) for t in tokens]
+
+
+def _widest_tokens(shapes) -> int:
+    """The most tokens of the warm-up's ragged steps (`_warmup_shapes`): the most hidden states a step hands the MTP
+    head."""
+    return max(s.tokens for s in shapes if isinstance(s, StepShape))

@@ -193,9 +193,10 @@ class MTPProposer:
     (logged, counted in `num_failed_calls`; the head's KV is made again if the call took it).
 
     Its programs, one per `HeadShape`, are held in a `ProgramCache` of `max_programs`: with `compile_in_background`
-    (a server's choice) a call whose program is not compiled yet makes no proposals that step while it compiles in
-    the background (proposals are optional: the tokens are the same), instead of stalling every stream for the
-    compile; otherwise each compiles when first needed, on the engine's thread."""
+    (a server's choice) a call whose program is not compiled yet runs on the warm-up's program (`warmup`), padded,
+    or without one makes no proposals that step, while its own compiles in the background (proposals are optional:
+    the tokens are the same), instead of stalling every stream for the compile; otherwise each compiles when first
+    needed, on the engine's thread."""
 
     def __init__(self, head: MTPHead, target: ModelRunner, num_blocks: int, cache_config: CacheConfig, k: int, *,
                  max_programs: int = 64, compile_in_background: bool = False):
@@ -227,6 +228,7 @@ class MTPProposer:
         # request compile twice as many, at about 1.4 s each on this CPU).
         self._call = jax.jit(call, donate_argnums=(2,), static_argnames=("backend", "block_size"))
         self.programs = ProgramCache(max_programs, background=compile_in_background)
+        self.widest: HeadShape | None = None  # the warm-up's program (`warmup`): a stand-in for every narrower call
 
     def _new_kv(self) -> KVCache:
         return init_kv_cache(self.spec.kv_layout, self.num_blocks, self.block_size, self.kv_dtype)
@@ -241,6 +243,35 @@ class MTPProposer:
         args = jax.tree.map(abstract_value, (self._head_leaves, self.target.param_leaves, self.kv))
         return functools.partial(_compile, self._call, (*args, hidden, x),
                                  dict(backend=self.target.backend, block_size=self.block_size))
+
+    def widest_shape(self, max_rows: int, max_seqs: int, max_blocks: int) -> HeadShape:
+        """The head's program at the largest buckets its calls reach: `max_rows` (the target's widest step's
+        tokens), `max_seqs` sequences, tables of `max_blocks` target blocks (the head's chain writes up to k - 1
+        positions past a sequence's tokens: a block more per `block_size` of them)."""
+        chain_blocks = -(-max(self.k - 1, 0) // self.block_size)
+        return HeadShape(bucket(max_rows), bucket(max_seqs), bucket(max_blocks + chain_blocks, 2))
+
+    def warmup(self, max_rows: int, max_seqs: int, max_blocks: int) -> None:
+        """Compile and hold (for good) the head's `widest_shape` program: a call whose own program is not compiled
+        yet runs on it, padded (`LLMEngine.warmup`), instead of making no proposals while its own compiles in the
+        background (or, without background compiles, it still compiles its own first)."""
+        shape = self.widest_shape(max_rows, max_seqs, max_blocks)
+        self.programs.compile(shape, functools.partial(self._prepare, shape), pinned=True, note="MTP head")
+        self.widest = shape
+
+    def start_warmup(self, max_rows: int, max_seqs: int, max_blocks: int):
+        """`warmup`'s program compiled in the background (`LLMEngine.start_warmup`); its future of seconds."""
+        shape = self.widest_shape(max_rows, max_seqs, max_blocks)
+        self.widest = shape
+        return self.programs.warm_in_background([(shape, functools.partial(self._prepare, shape))])
+
+    def _stand_in(self, shape: HeadShape):
+        """(the warm-up's shape, its program) when that program is held and at least as wide as `shape` in every
+        bucket; else None."""
+        held = None if self.widest is None else self.programs.executables.get(self.widest)
+        if held is None or any(a > b for a, b in zip(shape, self.widest, strict=True)):
+            return None
+        return self.widest, held
 
     def forget(self, live_request_ids) -> None:
         """Nothing per request: what the head's KV covers follows from each step (see the module's docstring)."""
@@ -274,8 +305,13 @@ class MTPProposer:
         x = pad(x, *shape)
         try:
             program = self.programs.lookup_optional(shape, functools.partial(self._prepare, shape))
-            if program is None:  # compiling in the background: no proposals this step
-                return [[] for _ in asks]
+            if program is None:  # compiling in the background: the warm-up's program, padded, or no proposals
+                stand_in = self._stand_in(shape)
+                if stand_in is None:
+                    return [[] for _ in asks]
+                shape, program = stand_in
+                x = pad(x, *shape)
+                hidden = jnp.pad(hidden, ((0, shape.rows - hidden.shape[0]), (0, 0)))
             guesses, self.kv = program(self._head_leaves, self.target.param_leaves, self.kv, hidden, x)
             guesses = np.asarray(guesses)
         except Exception as exc:  # the proposals only: the target's step goes on without them

@@ -211,6 +211,25 @@ def test_with_background_compiles_a_head_program_never_stalls_a_step():
     assert_all_free(engine)
 
 
+def test_after_warmup_a_head_call_without_its_program_runs_on_the_warmups():
+    """`warmup()` compiles the head's widest program too: with background compiles, a call whose own program is
+    not compiled yet runs on it, padded, so the first steps propose (without it they proposed nothing until their
+    own compiled), nothing compiles on the engine's thread, and the tokens are the dense model's."""
+    engine = make_engine(block_size=8, speculative_config=mtp(), compile_in_background=True)
+    proposer = engine.speculator.proposer
+    engine.warmup()
+    assert proposer.widest is not None and proposer.programs.executables.get(proposer.widest) is not None
+    calls = []
+    program = proposer.programs.executables[proposer.widest]
+    proposer.programs.executables[proposer.widest] = lambda *a: calls.append(a[3].shape) or program(*a)
+    outs = engine.generate(PROMPTS[2:3], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == [reference()[2][:3]]
+    assert calls and all(rows == proposer.widest.rows for rows, _ in calls)  # the hidden states padded to it
+    assert engine.stats().spec_proposed_tokens > 0 and proposer.programs.compile_seconds == 0.0
+    engine.close()
+    assert_all_free(engine)
+
+
 @pytest.mark.slow
 def test_sleep_releases_the_heads_kv_and_wake_serves_again():
     """(With k = 1: no chained step.)"""
