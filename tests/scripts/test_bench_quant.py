@@ -39,9 +39,14 @@ def test_bench_quant_fused_decode_table(capsys):
 
 
 def test_scheme_names():
+    from pagedjax.config.quant import QuantConfig
+
     assert bench_quant.quant_config("float32") is None
     assert bench_quant.quant_config("int4:32-head").keep_float == ()
     assert bench_quant.quant_config("int4:32").group_size == 32
+    # "-head" keeps every other field (int8 activations were dropped once)
+    assert bench_quant.quant_config("w4a8:32-head") == QuantConfig("int4", group_size=32, activations="int8",
+                                                                   keep_float=())
 
 
 def test_llama_rows_need_both_the_python_and_the_sources(capsys):
