@@ -59,7 +59,7 @@ inline Vec Zero() { return _mm512_setzero_si512(); }
 inline Vec Bias(Vec v) { return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); }  // x + 128 as u8
 inline Vec Ones() { return _mm512_set1_epi8(1); }
 inline int32_t Sum(Vec v) { return _mm512_reduce_add_epi32(v); }
-#elif defined(__AVXVNNI__)
+#elif defined(__AVXVNNI__) || defined(__AVX2__)
 constexpr int64_t kVector = 32;
 using Vec = __m256i;
 inline Vec Load(const int8_t* p, int64_t n) {
@@ -68,41 +68,26 @@ inline Vec Load(const int8_t* p, int64_t n) {
   std::memcpy(tail, p, n);
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
 }
-inline Vec Dot(Vec acc, Vec u, Vec s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 inline Vec Zero() { return _mm256_setzero_si256(); }
+inline int32_t Sum(Vec v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+#if defined(__AVXVNNI__)
+inline Vec Dot(Vec acc, Vec u, Vec s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 inline Vec Bias(Vec v) { return _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)); }
 inline Vec Ones() { return _mm256_set1_epi8(1); }
-inline int32_t Sum(Vec v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-#elif defined(__AVX2__)
+#else
 // No VNNI: |w| times x with w's sign (vpsignb) through vpmaddubsw (adjacent products summed into int16: at most
 // 2 x 128 x 127 for x in [-127, 127], so no saturation; x = -128 against a negative weight is not exact here) and
-// vpmaddwd against 16-bit ones.
-constexpr int64_t kVector = 32;
-using Vec = __m256i;
-inline Vec Load(const int8_t* p, int64_t n) {
-  if (n >= kVector) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  alignas(32) int8_t tail[32] = {0};
-  std::memcpy(tail, p, n);
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
-}
-inline Vec Zero() { return _mm256_setzero_si256(); }
-inline int32_t Sum(Vec v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-// acc + the products of w and x, four adjacent ones summed into each int32 lane.
+// vpmaddwd against 16-bit ones: acc + the products of w and x, four adjacent ones summed into each int32 lane.
 inline Vec SignedDot(Vec acc, Vec w, Vec x) {
   const Vec pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
-#else
+#endif
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
