@@ -29,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,9 +158,17 @@ def status_for(setting: str | None) -> NativeStatus:
 
 
 @functools.cache
+def _process_status() -> NativeStatus:
+    return status_for(os.environ.get(ENV))
+
+
+_STATUS_LOCK = threading.Lock()  # the engine's thread and its compile thread may both trace a first product
+
+
 def native_status() -> NativeStatus:
     """The CPU kernel of this process (`status_for($PAGEDJAX_NATIVE)`), built, loaded and registered once."""
-    return status_for(os.environ.get(ENV))
+    with _STATUS_LOCK:
+        return _process_status()
 
 
 def int8_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
