@@ -43,8 +43,8 @@ from pagedjax.config.quant import int8_activation_groups
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_K", "NATIVE_MAX_ROWS", "NativeStatus", "build", "check_int4_group", "int4_matmul",
-           "int4_matmul_reference", "int8_matmul", "int8_matmul_reference", "load", "native_call", "native_status",
-           "status_for"]
+           "int4_matmul_reference", "int8_matmul", "int8_matmul_reference", "load", "native_call", "native_int4_call",
+           "native_status", "status_for"]
 
 SOURCE = Path(__file__).with_name("int8_matmul.cc")
 TARGET = "pagedjax_int8_matmul"  # int4 weights: TARGET + INT4 (a target of that name is registered with each)
@@ -238,19 +238,20 @@ def int4_matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array, group_si
 
 def int4_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, group_size: int) -> jax.Array:
     """x int8 `[m, k]` times int4 weights w uint8 `[n, k / 2]` (`pack_int4`'s nibble planes) with float32 `scale`
-    `[n, k / group_size]` -> float32
-    `[m, n]` = sum over groups of scale x the group's exact integer sum: the native kernel on the CPU for every row
-    count (XLA has no fast form of it), `int4_matmul_reference` elsewhere. ValueError for other shapes, dtypes
-    or groups (`check_int4_group`), or k over `MAX_K`."""
+    `[n, k / group_size]` -> float32 `[m, n]` = sum over groups of scale x the group's exact integer sum: the
+    native kernel on the CPU for every row count (XLA has no fast form of it), `int4_matmul_reference` elsewhere.
+    ValueError for other shapes, dtypes or groups (`check_int4_group`), or k over `MAX_K`."""
     _int4_args(x, w, scale, group_size)
     status = native_status()
     if not status.loaded:
         return int4_matmul_reference(x, w, scale, group_size)
     return jax.lax.platform_dependent(
-        x, w, scale, cpu=functools.partial(_native_int4, status.target + INT4, group_size=group_size),
+        x, w, scale, cpu=functools.partial(native_int4_call, status.target + INT4, group_size=group_size),
         default=functools.partial(int4_matmul_reference, group_size=group_size))
 
 
-def _native_int4(target: str, x: jax.Array, w: jax.Array, scale: jax.Array, *, group_size: int) -> jax.Array:
+def native_int4_call(target: str, x: jax.Array, w: jax.Array, scale: jax.Array, *, group_size: int) -> jax.Array:
+    """The int4 kernel registered as `target` (`native_call`'s int8 target + `INT4`) on x int8 `[m, k]`, w uint8
+    `[n, k / 2]` and scale float32 `[n, k / group_size]` -> float32 `[m, n]` (CPU only)."""
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w, scale, group_size=np.int64(group_size))

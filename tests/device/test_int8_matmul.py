@@ -92,7 +92,7 @@ def _int4_operands(m: int, groups: int, n: int, group: int, seed: int):
 def _int4_jitted(target: str | None, group: int):
     if target is None:
         return jax.jit(functools.partial(im.int4_matmul, group_size=group))
-    return jax.jit(functools.partial(im._native_int4, target, group_size=group))
+    return jax.jit(functools.partial(im.native_int4_call, target, group_size=group))
 
 
 def _check_int4(fn, m, groups, n, group, seed):

@@ -217,3 +217,7 @@ def test_a_checkpoint_of_int8_or_int4_weights_loads_with_its_activations_quantiz
         load_pretrained(tmp_path / "int4_32", quantization="w4a8")  # groups of 128 asked
     with pytest.raises(ValueError, match="the checkpoint holds 'int8' weights already"):
         load_pretrained(tmp_path / "int8", quantization="w4a8:32")
+    fp8_cfg, fp8_state = quantize_params(CFG, state, "fp8")
+    save_checkpoint(tmp_path / "fp8", fp8_cfg, fp8_state)
+    with pytest.raises(ValueError, match="the checkpoint holds 'fp8' weights already"):  # not QuantConfig's error
+        load_pretrained(tmp_path / "fp8", quantization="w8a8")

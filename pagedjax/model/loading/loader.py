@@ -77,7 +77,7 @@ def _quantized(cfg, state, quantization):
     quantization = QuantConfig.coerce(quantization)
     if cfg.quantization is None:
         return quantize_params(cfg, state, quantization)
-    if dataclasses.replace(cfg.quantization, activations=quantization.activations) == quantization:
+    if dataclasses.replace(quantization, activations=cfg.quantization.activations) == cfg.quantization:
         # The weights as stored, their activations quantized or not as asked (e.g. an int8 checkpoint, or a
         # pre-quantized W8A16 one, served W8A8): the same arrays, another product.
         return cfg.replace(quantization=quantization), state
