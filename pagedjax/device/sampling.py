@@ -165,12 +165,16 @@ class LogprobArrays(NamedTuple):
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> LogprobArrays:
     """logits `[N, vocab]`, tokens i32 `[N]` (negative: any; its logprob is then meaningless)."""
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return chosen_logprobs(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), tokens, num_top)
+
+
+def chosen_logprobs(logprobs: jax.Array, tokens: jax.Array, num_top: int) -> LogprobArrays:
+    """`token_logprobs` from the log-softmax already taken: logprobs f32 `[N, vocab]`, tokens i32 `[N]`."""
     chosen = jnp.take_along_axis(logprobs, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
-    num_top = min(num_top, logits.shape[-1])
+    num_top = min(num_top, logprobs.shape[-1])
     if num_top:
         top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)
     else:
-        top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+        top_logprobs = jnp.zeros((logprobs.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logprobs.shape[0], 0), jnp.int32)
     return LogprobArrays(chosen, top_ids.astype(jnp.int32), top_logprobs)

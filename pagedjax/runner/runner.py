@@ -40,6 +40,7 @@ from pagedjax.device.sampling import (
     PenaltyMetadata,
     SamplingMetadata,
     apply_token_mask,
+    chosen_logprobs,
     count_tokens,
     sample,
     token_logprobs,
@@ -100,17 +101,26 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
     kept = hidden if keep_hidden else None
     if not (samples or return_logits or extras.prompt_targets is not None):  # no sequence emits a token: no logits
         return StepOutputs(jnp.zeros(logits_indices.shape, jnp.int32), None, None, None, ties, pooled, kept), kv_cache
-    prompt_logprobs = None
+    all_logits = None
     if extras.prompt_targets is not None:  # logits at every position, once
         all_logits = _gathered(model.compute_logits(hidden), mesh)
-        prompt_logprobs = token_logprobs(all_logits, extras.prompt_targets, num_prompt_top_logprobs)
         logits = all_logits[logits_indices]
     else:
         logits = _gathered(model.compute_logits(hidden[logits_indices]), mesh)
     if extras.token_mask is not None:  # structured output: disallowed tokens out before anything else
         logits = apply_token_mask(logits, extras.token_mask)
     tokens = sample(logits, sampling, extras.penalties)
-    logprobs = None if num_top_logprobs is None else token_logprobs(logits, tokens, num_top_logprobs)
+    prompt_logprobs, logprobs = None, None
+    if all_logits is not None:
+        # One log-softmax over the prompt rows and the sampled rows together: XLA:CPU rounds a row's log-softmax
+        # by the row count of the op (`pagedjax.runner.invariant`), so a sampled token's log-probability is then
+        # the bits of its score (a prompt row's) in batch-invariant mode; separate ops over T and S rows differed.
+        both = jax.nn.log_softmax(jnp.concatenate([all_logits, logits]).astype(jnp.float32), axis=-1)
+        prompt_logprobs = chosen_logprobs(both[:len(all_logits)], extras.prompt_targets, num_prompt_top_logprobs)
+        if num_top_logprobs is not None:
+            logprobs = chosen_logprobs(both[len(all_logits):], tokens, num_top_logprobs)
+    elif num_top_logprobs is not None:
+        logprobs = token_logprobs(logits, tokens, num_top_logprobs)
     outputs = StepOutputs(tokens, logprobs, prompt_logprobs, logits if return_logits else None, ties, pooled, kept)
     return outputs, kv_cache
 
