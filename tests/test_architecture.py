@@ -21,7 +21,8 @@ PACKAGES = ("pagedjax", "pallas_kernels")
 # Modules named in one tier (a tuple of several) are siblings and must not import each other.
 LAYERS: list[tuple[str, ...]] = [
     ("pagedjax.__main__",),
-    ("pagedjax.serve",),  # front ends: the server builds its engine with the CLI's set-up code
+    ("pagedjax.serve", "pagedjax.integrations"),  # front ends: the server (its engine built with the CLI's set-up
+    # code) | other frameworks' interfaces over the engine (Tunix's rollout)
     ("pagedjax.cli",),
     ("pagedjax.engine",),  # the loop: one step path, output processing, beam search, data parallelism
     ("pagedjax.spec_decode", "pagedjax.lora"),  # engine features: proposers; adapters
