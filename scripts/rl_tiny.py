@@ -7,9 +7,10 @@ for completions whose text matches a regular expression (default `\\w\\(`: a cal
 0, checked on the decoded text. Each step:
   1. rollouts: `--n` forked samples (temperature 1) of `--max-tokens` tokens for each of `--prompts` prompts,
      with their log-probabilities (`SamplingParams(n=..., logprobs=0)`);
-  2. the trainer's forward (`Llama.forward_dense` over prompt + completion, the same weights) gives the same
-     log-probabilities: their largest difference from the rollout's is printed (a policy-gradient's importance
-     ratio is 1 only if they agree);
+  2. the trainer's log-probabilities are `pagedjax.integrations.policy.exact_logprobs`: the rollout's values
+     bit for bit with the gradient of the dense forward (`Llama.forward_dense` over prompt + completion, the same
+     weights), so the importance ratio exp(trainer - rollout) before the update is exactly 1 (printed: |ratio - 1|,
+     0), where the dense forward alone differs from the rollout by float32 rounding (printed: dense |dlogp|);
   3. REINFORCE with the group's mean reward as baseline: loss = -mean over completion tokens of
      (reward - group mean) x log p(token), one optax Adam step;
   4. `engine.update_weights(params)`: the new arrays, no copy, no recompilation.
@@ -35,6 +36,7 @@ import optax
 from flax import nnx
 
 from pagedjax import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from pagedjax.integrations.policy import completion_batch, dense_logprobs, exact_logprobs, scatter_logprobs
 from pagedjax.model.llama import abstract_model
 from pagedjax.model.loading.loader import load_pretrained
 
@@ -62,37 +64,25 @@ def rollout(engine: LLMEngine, prompt_ids: list[list[int]], step: int, args):
 
 
 def make_trainer(graphdef, tx):
-    """The jitted REINFORCE step over padded batches: tokens i32 `[B, width]` (prompt + completion, right-padded),
-    mask f32 `[B, width - 1]` (1 where position t predicts a completion token t + 1), advantages f32 `[B]`.
-    Returns (new params, new optimizer state, loss, token log-probabilities `[B, width - 1]` before the step)."""
+    """The jitted REINFORCE step over padded batches (`pagedjax.integrations.policy.completion_batch`): tokens i32
+    `[B, width]`, mask f32 `[B, width - 1]`, the rollout's log-probabilities f32 `[B, width - 1]` at the mask's
+    places (`scatter_logprobs`), advantages f32 `[B]`. The loss is over `exact_logprobs`: the rollout's values bit
+    for bit, the dense forward's gradient. Returns (new params, new optimizer state, loss, the dense forward's
+    log-probabilities, the trainer's (exact) log-probabilities), both `[B, width - 1]` before the step."""
 
-    def token_logprobs(params, tokens):
-        logits = nnx.merge(graphdef, params).forward_dense(tokens)  # f32[B, width, vocab]
-        lps = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-        return jnp.take_along_axis(lps, tokens[:, 1:, None], axis=-1)[..., 0]
-
-    def loss_fn(params, tokens, mask, adv):
-        lp = token_logprobs(params, tokens)
-        return -jnp.sum(adv[:, None] * lp * mask) / jnp.sum(mask), lp
+    def loss_fn(params, tokens, mask, rollout_lps, adv):
+        dense = dense_logprobs(nnx.merge(graphdef, params), tokens)
+        lp = exact_logprobs(dense, rollout_lps)
+        return -jnp.sum(adv[:, None] * lp * mask) / jnp.sum(mask), (dense, lp)
 
     @jax.jit
-    def train_step(params, opt_state, tokens, mask, adv):
-        (loss, lp), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, mask, adv)
+    def train_step(params, opt_state, tokens, mask, rollout_lps, adv):
+        (loss, (dense, lp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, mask, rollout_lps,
+                                                                               adv)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, lp
+        return optax.apply_updates(params, updates), opt_state, loss, dense, lp
 
     return train_step
-
-
-def batch(prompt_ids, completions, n: int, width: int):
-    """Tokens `[B, width]`, the completion mask `[B, width - 1]` and each sample's prompt length."""
-    b = len(completions)
-    tokens, mask = np.zeros((b, width), np.int32), np.zeros((b, width - 1), np.float32)
-    for j, c in enumerate(completions):
-        p = prompt_ids[j // n]
-        tokens[j, :len(p) + len(c)] = p + c
-        mask[j, len(p) - 1:len(p) + len(c) - 1] = 1.0
-    return tokens, mask
 
 
 def main(argv=None) -> None:
@@ -128,8 +118,8 @@ def main(argv=None) -> None:
 
     print(f"REINFORCE on the bundled model: {args.prompts} prompts x {args.n} samples x {args.max_tokens} tokens, "
           f"reward: the text matches {args.pattern!r}")
-    print(f"{'step':>4} {'reward':>7} {'tok/s':>7} {'fresh tok/s':>11} {'same':>5} {'|dlogp| max':>11} "
-          f"{'update ms':>9} {'loss':>8}")
+    print(f"{'step':>4} {'reward':>7} {'tok/s':>7} {'fresh tok/s':>11} {'same':>5} {'dense |dlogp|':>13} "
+          f"{'|ratio - 1|':>11} {'update ms':>9} {'loss':>8}")
     rewards, speeds, fresh_speeds = [], [], []
     for step in range(args.steps):
         completions, rollout_lps, seconds, generated = rollout(engine, prompt_ids, step, args)
@@ -144,18 +134,22 @@ def main(argv=None) -> None:
         r = np.array([float(bool(pattern.search(tok.decode(c)))) for c in completions], np.float32)
         groups = r.reshape(args.prompts, args.n)
         adv = (groups - groups.mean(axis=1, keepdims=True)).reshape(-1)
-        tokens, mask = batch(prompt_ids, completions, args.n, width)
-        params, opt_state, loss, lp = train_step(params, opt_state, jnp.asarray(tokens), jnp.asarray(mask),
-                                                 jnp.asarray(adv))
-        lp = np.asarray(lp)
-        diff = max(float(np.max(np.abs(lp[j][mask[j] > 0] - np.asarray(rollout_lps[j]))))
-                   for j in range(len(completions)))
+        batch = completion_batch([prompt_ids[j // args.n] for j in range(len(completions))], completions,
+                                 width=width)
+        rollout_array = scatter_logprobs(batch, rollout_lps)
+        params, opt_state, loss, dense, lp = train_step(params, opt_state, jnp.asarray(batch.tokens),
+                                                        jnp.asarray(batch.mask), jnp.asarray(rollout_array),
+                                                        jnp.asarray(adv))
+        on = batch.mask > 0
+        dense_diff = float(np.max(np.abs(np.asarray(dense)[on] - rollout_array[on])))
+        ratio = float(np.max(np.abs(np.exp(np.asarray(lp)[on] - rollout_array[on]) - 1.0)))
         start = time.perf_counter()
         engine.update_weights(params)
         update_ms = (time.perf_counter() - start) * 1e3
         rewards.append(float(r.mean()))
         speeds.append(generated / seconds)
-        print(f"{step:>4} {rewards[-1]:>7.3f} {speeds[-1]:>7.0f} {fresh_cell:>11} {same_cell:>5} {diff:>11.2e} "
+        print(f"{step:>4} {rewards[-1]:>7.3f} {speeds[-1]:>7.0f} {fresh_cell:>11} {same_cell:>5} {dense_diff:>13.2e} "
+              f"{ratio:>11.2e} "
               f"{update_ms:>9.2f} {float(loss):>8.4f}", flush=True)
 
     k = len(fresh_speeds)

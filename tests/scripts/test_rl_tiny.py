@@ -18,7 +18,8 @@ def test_rl_tiny_runs_and_a_fresh_engine_draws_the_same_rollouts(capsys, tmp_pat
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:4].strip().isdigit()]
     assert [int(r[0]) for r in rows] == [0, 1]
     assert rows[1][4] == "True"  # the fresh engine with the updated weights drew the same samples
-    assert all(float(r[-3]) < 1e-4 for r in rows)  # rollout vs trainer log-probabilities
+    assert all(float(r[-4]) < 1e-4 for r in rows)  # rollout vs the dense forward's log-probabilities
+    assert all(float(r[-3]) == 0.0 for r in rows)  # the trainer's (exact) ones: an importance ratio of exactly 1
     assert plot.stat().st_size > 0
 
 
