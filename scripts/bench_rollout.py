@@ -16,11 +16,9 @@ swapped into the engine; vanilla: its state merged) and batch-invariant mode aga
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 
 import jax
-import numpy as np
 from flax import nnx
 
 from pagedjax import CacheConfig, SchedulerConfig

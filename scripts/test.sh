@@ -11,6 +11,8 @@
 #      kernel tests make); the CPU int8 kernel built against that jaxlib's FFI headers and called through
 #      jax.ffi; shardings and shard_map, the model (flax), checkpoints (orbax), the engine's
 #      compiled steps and its program cache (JAX's own caches cleared); with a fifth of the hypothesis examples.
+#      This environment also has the [tunix] extra (18 s of pip, while the first environment still installs):
+#      pagedjax as Tunix's rollout engine is tested here, with the newest JAX (the first pass skips those tests).
 #      The kernels' property tests in interpret mode (half the first pass's time) are not run again: they check
 #      the kernels' arithmetic, which the JAX version does not change (the lowering does, and is checked).
 # Extra arguments go to the first pytest run, e.g. scripts/test.sh -k block_pool. Both runs end with the 15
@@ -46,7 +48,7 @@ PY312=$(find_python312) || { echo "python3.12 not found: the newest-JAX run cann
 # The newest-JAX environment, in the background while the first installs.
 setup_newest() {
   if [ ! -x .venv312/bin/python ]; then "$PY312" -m venv .venv312; fi
-  .venv312/bin/pip install -q --no-compile --upgrade jax jaxlib flax -e ".[test]"
+  .venv312/bin/pip install -q --no-compile --upgrade jax jaxlib flax -e ".[test,tunix]"
 }
 newest_log=$(mktemp)
 trap 'rm -f "$newest_log"' EXIT
@@ -96,6 +98,6 @@ HYPOTHESIS_PROFILE=smoke PAGEDJAX_PARALLEL_CHECKS=newest .venv312/bin/python -m 
   tests/kernels/test_tpu_kernels.py::test_ragged_agrees_with_the_gpu_kernel_to_float32_rounding \
   tests/model/test_model.py tests/model/test_checkpoint_train.py \
   tests/engine/test_gpu_lowering.py tests/engine/test_tpu_lowering.py tests/engine/test_cpu_dots.py \
-  tests/device/test_int8_matmul.py \
+  tests/device/test_int8_matmul.py tests/integrations/test_tunix.py \
   tests/engine/test_engine_validation.py::test_compiled_programs_are_bounded_and_outputs_stay_exact \
   "${newest_deselect[@]}"

@@ -7,7 +7,7 @@ the batch uses `seed + j` however the batch groups; prompts cut to their last `m
 a warning) and left-padded; each completion without its stop token, with its log-probabilities; scoring of
 padded (prompt, completion) arrays by the engine's own step (`LLMEngine.score`). Weights change in place
 (`update_params` is `LLMEngine.update_weights`: no copy, no recompilation) and the KV pool can be released around
-a training step (`sleep` / `wake`).
+a training step (`sleep`, woken by the next call; `sleep_when_idle` after every call).
 
 Log-probabilities are those of the raw logits (`SamplingParams`), as the trainer's forward computes them at
 temperature 1; with `batch_invariant=True` on the engine, a completion's rollout log-probabilities and its score
@@ -16,6 +16,7 @@ are the same bits in any batch (`pagedjax.runner.invariant`), the values `pagedj
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,14 +46,31 @@ class Rollouts:
 
 class RolloutEngine:
     """Rollouts and scores from `engine` (an `LLMEngine`) for prompts given as token ids. `pad_id` pads prompt and
-    completion arrays; `stop_ids` end a completion (stripped from `Rollouts.tokens`) unless a call names others."""
+    completion arrays; `stop_ids` end a completion (stripped from `Rollouts.tokens`) unless a call names others.
+    `sleep_when_idle`: the KV pool exists only during `generate` and `score` (released at once and after each
+    call, re-created before the next: `LLMEngine.sleep` / `wake`), so a training step between rollouts in the same
+    process has its memory; each call then pays the pool's allocation (`scripts/bench_rollout.py` times it)."""
 
-    def __init__(self, engine, *, pad_id: int, stop_ids: Sequence[int]):
+    def __init__(self, engine, *, pad_id: int, stop_ids: Sequence[int], sleep_when_idle: bool = False):
         if not stop_ids:
             raise ValueError("RolloutEngine: stop_ids is empty (a rollout would only end at max_tokens)")
         self.engine = engine
         self.pad_id = int(pad_id)
         self.stop_ids = tuple(int(i) for i in stop_ids)
+        self.sleep_when_idle = bool(sleep_when_idle)
+        if self.sleep_when_idle:
+            self.sleep()
+
+    @contextlib.contextmanager
+    def _awake(self):
+        """The pool for one call: woken first if asleep (a no-op otherwise), released afterwards with
+        `sleep_when_idle`."""
+        self.wake()
+        try:
+            yield
+        finally:
+            if self.sleep_when_idle:
+                self.sleep()
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int, max_prompt_length: int,
                  temperature: float, top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
@@ -83,7 +101,8 @@ class RolloutEngine:
                 seed=None if seed is None else int(seed) + first, stop_token_ids=stops, min_p=0.0,
                 repetition_penalty=1.0, logprobs=0 if return_logprobs else None))
             first += n
-        outs = self.engine.generate([p for p, _ in groups], params, use_tqdm=False) if groups else []
+        with self._awake():
+            outs = self.engine.generate([p for p, _ in groups], params, use_tqdm=False) if groups else []
         tokens, logprobs = [], []
         for out in outs:
             for sample in out.outputs:
@@ -117,7 +136,9 @@ class RolloutEngine:
                 rows.append(row)
                 prompts.append(p[start:])
                 completions.append(c[:end])
-        for row, lps in zip(rows, self.engine.score(prompts, completions) if rows else [], strict=True):
+        with self._awake():
+            scored = self.engine.score(prompts, completions) if rows else []
+        for row, lps in zip(rows, scored, strict=True):
             out[row, :len(lps)] = lps
         return out
 
@@ -126,9 +147,10 @@ class RolloutEngine:
         self.engine.update_weights(params)
 
     def sleep(self) -> int:
-        """Release the KV pool's device memory around a training step; returns bytes freed per device."""
+        """Release the KV pool's device memory around a training step; returns bytes freed per device. The next
+        `generate` or `score` wakes it."""
         return self.engine.sleep()
 
     def wake(self) -> float:
-        """Re-create the KV pool after `sleep`; returns the seconds it took."""
+        """Re-create the KV pool after `sleep` (0.0 s if awake); returns the seconds it took."""
         return self.engine.wake()

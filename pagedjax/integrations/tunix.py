@@ -111,11 +111,14 @@ class TunixTokenizer:
 
 class PagedJaxRollout(base_rollout.BaseRollout):
     """Tunix's rollout interface over an `LLMEngine` built from the actor (`TunixPolicy`): `engine_kwargs` go to
-    `LLMEngine` (cache, scheduler, `batch_invariant`, `seed`, ...). Prompts (text) are tokenized as Tunix's own
-    sampler does (BOS first, not doubled); see `RolloutEngine` for grouping, seeds, truncation and padding."""
+    `LLMEngine` (cache, scheduler, `batch_invariant`, `seed`, ...); `sleep_when_idle` keeps the KV pool only
+    during rollouts and scoring, so Tunix's training step has that memory. Prompts (text) are tokenized as Tunix's
+    own sampler does (BOS first, not doubled); see `RolloutEngine` for that and for grouping, seeds, truncation and
+    padding."""
 
     def __init__(self, rollout_actor: TunixPolicy, tokenizer, mesh: jax.sharding.Mesh | None = None,
-                 rollout_config: base_rollout.RolloutConfig | None = None, **engine_kwargs):
+                 rollout_config: base_rollout.RolloutConfig | None = None, *, sleep_when_idle: bool = False,
+                 **engine_kwargs):
         if not isinstance(rollout_actor, TunixPolicy):
             raise TypeError(f"PagedJaxRollout: rollout_actor must be a TunixPolicy (a pagedjax model for Tunix), "
                             f"got {type(rollout_actor).__name__}")
@@ -126,7 +129,8 @@ class PagedJaxRollout(base_rollout.BaseRollout):
         self._tokenizer = tokenizer
         self._served = jax.tree.leaves(nnx.state(rollout_actor.model))
         engine = LLMEngine(model_config=rollout_actor.config, params=nnx.state(rollout_actor.model), **engine_kwargs)
-        self.rollout = RolloutEngine(engine, pad_id=tokenizer.pad_id(), stop_ids=[tokenizer.eos_id()])
+        self.rollout = RolloutEngine(engine, pad_id=tokenizer.pad_id(), stop_ids=[tokenizer.eos_id()],
+                                     sleep_when_idle=sleep_when_idle)
 
     def serve_actor_weights(self) -> None:
         """The engine serves the actor's arrays as they are now. `model()` is the actor, so Tunix takes the rollout

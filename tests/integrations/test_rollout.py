@@ -103,14 +103,28 @@ def test_update_params_serves_new_weights_in_place():
         rollout.update_params(nnx.state(init_model(CFG, 1)))
 
 
-def test_sleep_releases_the_pool_and_wake_restores_it():
+def test_sleep_releases_the_pool_until_the_next_call():
     rollout = rollout_engine(16)
     before = sample(rollout, PROMPTS)
     assert rollout.sleep() > 0
-    with pytest.raises(RuntimeError):
-        sample(rollout, PROMPTS)
-    rollout.wake()
+    with pytest.raises(RuntimeError):  # the engine itself refuses steps while asleep
+        rollout.engine.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False)
     assert [t.tolist() for t in sample(rollout, PROMPTS).tokens] == [t.tolist() for t in before.tokens]
+    assert rollout.sleep() > 0 and rollout.score(np.asarray([[5]]), np.asarray([[6]])).shape == (1, 1)
+    assert rollout.wake() == 0.0  # awake after the call: nothing to do
+
+
+def test_sleep_when_idle_keeps_the_pool_only_during_calls():
+    engine = rollout_engine(16).engine
+    idle = RolloutEngine(engine, pad_id=0, stop_ids=[STOP], sleep_when_idle=True)
+    try:
+        assert idle.sleep() == 0  # asleep from the start
+        out = sample(idle, PROMPTS)
+        assert idle.sleep() == 0  # and again after the call
+        scored = idle.score(out.left_padded_prompt_tokens, np.asarray([list(t[:2]) for t in out.tokens]))
+        assert idle.sleep() == 0 and scored[0].tobytes() == out.logprobs[0][:2].tobytes()
+    finally:
+        idle.wake()
 
 
 @pytest.mark.parametrize("call, error", [

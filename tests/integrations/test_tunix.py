@@ -175,7 +175,7 @@ def test_a_tunix_grpo_loop_trains_the_actor_and_the_rollouts_follow_it():
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     actor = TunixPolicy(init_model(CFG, 1))
     initial = jax.tree.leaves(nnx.state(actor))
-    engine = functools.partial(PagedJaxRollout, **ENGINE)
+    engine = functools.partial(PagedJaxRollout, sleep_when_idle=True, **ENGINE)  # the pool only during rollouts
     rc = dataclasses.replace(RC, max_tokens_to_generate=6, max_prompt_length=6)
     cluster = rl_cluster.RLCluster(
         actor=actor, tokenizer=TunixTokenizer(ByteTokenizer()),
@@ -194,6 +194,7 @@ def test_a_tunix_grpo_loop_trains_the_actor_and_the_rollouts_follow_it():
     learner = grpo_learner.GRPOLearner(rl_cluster=cluster, reward_fns=[reward],
                                        algo_config=grpo_learner.GRPOConfig(num_generations=4, beta=0.0))
     learner.train([{"prompts": np.array(["ab", "cd"])}] * 2)
+    assert cluster.rollout.rollout.sleep() == 0  # released after the last rollout, during training
     assert len(texts) == 2 and len(texts[0]) == 8
     trained = cluster.rollout.model()
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(nnx.state(trained)), initial, strict=True))
