@@ -8,7 +8,8 @@ left-padded to `max_prompt_length`, decoding the whole batch until every row end
 group's samples share one prefill and the prompt's blocks, continuous batching). Random weights rarely sample EOS,
 so rows run to `--max-tokens`; tokens/s counts the tokens each engine returned. Each cell is the best of `--repeats`
 timed calls after one warm-up call (compilation excluded). Also timed: `update_params` (pagedjax: new arrays
-swapped into the engine; vanilla: its state merged) and batch-invariant mode against pagedjax's default.
+swapped into the engine; vanilla: its state merged) and batch-invariant mode (its token budget the batch's
+sequences: every step runs at the budget) against pagedjax's default (budget 256, 8 decode steps a call).
 
     python scripts/bench_rollout.py                      # a table, about two minutes on a 2-core CPU
 """
@@ -40,7 +41,8 @@ def pagedjax_rollout(cfg, tokenizer, seqs: int, args, *, invariant: bool) -> Pag
         rollout_actor=TunixPolicy(init_model(cfg, 0)), tokenizer=tokenizer, batch_invariant=invariant,
         decode_steps_per_call=1 if invariant else 8,
         cache_config=CacheConfig(block_size=16, num_blocks=seqs * (-(-(8 + args.max_tokens) // 16)) + 16),
-        scheduler_config=SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=256,
+        # batch-invariant mode runs every step at the token budget: the smallest that decodes every sequence at once
+        scheduler_config=SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=seqs if invariant else 256,
                                          max_model_len=8 + args.max_tokens))
 
 
