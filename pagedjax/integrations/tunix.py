@@ -1,5 +1,6 @@
 """pagedjax as a Tunix rollout engine (`pip install 'pagedjax[tunix]'`): `PagedJaxRollout` implements Tunix's
-`BaseRollout` over an `LLMEngine`, and `TunixPolicy` is a pagedjax model as Tunix's trainer calls its actor.
+`BaseRollout` over an `LLMEngine`, serving either a pagedjax model wrapped in `TunixPolicy` (a pagedjax model as
+Tunix's trainer calls its actor) or one of Tunix's own models (Llama3, dense Qwen3: `tunix_models`).
 
     from tunix.rl import rl_cluster
     actor = TunixPolicy(model)              # a pagedjax model (e.g. load_pretrained's, via model_from_state)
@@ -29,6 +30,7 @@ from flax import nnx
 
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.integrations.rollout import RolloutEngine
+from pagedjax.integrations.tunix_models import tunix_family, tunix_model_config, tunix_model_params
 from pagedjax.model.tokenizer import ByteTokenizer
 
 try:
@@ -110,37 +112,46 @@ class TunixTokenizer:
 
 
 class PagedJaxRollout(base_rollout.BaseRollout):
-    """Tunix's rollout interface over an `LLMEngine` built from the actor (`TunixPolicy`): `engine_kwargs` go to
-    `LLMEngine` (cache, scheduler, `batch_invariant`, `seed`, ...); `sleep_when_idle` keeps the KV pool only
-    during rollouts and scoring, so Tunix's training step has that memory. Prompts (text) are tokenized as Tunix's
+    """Tunix's rollout interface over an `LLMEngine` built from the actor (a `TunixPolicy`, or a Tunix Llama3 /
+    Qwen3 model): `engine_kwargs` go to `LLMEngine` (cache, scheduler, `batch_invariant`, `seed`, ...);
+    `sleep_when_idle` keeps the KV pool only during rollouts and scoring, so Tunix's training step has that
+    memory. Prompts (text) are tokenized as Tunix's
     own sampler does (BOS first, not doubled); see `RolloutEngine` for that and for grouping, seeds, truncation and
     padding."""
 
-    def __init__(self, rollout_actor: TunixPolicy, tokenizer, mesh: jax.sharding.Mesh | None = None,
+    def __init__(self, rollout_actor: nnx.Module, tokenizer, mesh: jax.sharding.Mesh | None = None,
                  rollout_config: base_rollout.RolloutConfig | None = None, *, sleep_when_idle: bool = False,
                  **engine_kwargs):
-        if not isinstance(rollout_actor, TunixPolicy):
-            raise TypeError(f"PagedJaxRollout: rollout_actor must be a TunixPolicy (a pagedjax model for Tunix), "
-                            f"got {type(rollout_actor).__name__}")
+        if isinstance(rollout_actor, TunixPolicy):
+            config, self._params_of = rollout_actor.config, lambda: nnx.state(rollout_actor.model)
+        elif tunix_family(rollout_actor) is not None:
+            config = tunix_model_config(rollout_actor)
+            self._params_of = lambda: tunix_model_params(rollout_actor, config)
+        else:
+            raise TypeError(f"PagedJaxRollout: rollout_actor must be a TunixPolicy (a pagedjax model for Tunix) or "
+                            f"a Tunix Llama3 / Qwen3 model, got {type(rollout_actor).__name__}")
         if mesh is not None and mesh.size > 1:
             raise ValueError(f"PagedJaxRollout: a rollout mesh of {mesh.size} devices; pagedjax's Tunix rollout runs "
                              "on one device (give it a one-device mesh)")
         self._actor = rollout_actor
         self._tokenizer = tokenizer
-        self._served = jax.tree.leaves(nnx.state(rollout_actor.model))
-        engine = LLMEngine(model_config=rollout_actor.config, params=nnx.state(rollout_actor.model), **engine_kwargs)
+        self._served = self._actor_leaves()
+        engine = LLMEngine(model_config=config, params=self._params_of(), **engine_kwargs)
         self.rollout = RolloutEngine(engine, pad_id=tokenizer.pad_id(), stop_ids=[tokenizer.eos_id()],
                                      sleep_when_idle=sleep_when_idle)
+
+    def _actor_leaves(self) -> list:
+        return jax.tree.leaves(nnx.state(self._actor, nnx.Param))
 
     def serve_actor_weights(self) -> None:
         """The engine serves the actor's arrays as they are now. `model()` is the actor, so Tunix takes the rollout
         for one that shares the trainer's weights and never calls `update_params` (`RLLearner.should_sync_weights`);
         each call checks instead whether the trainer replaced the arrays (an optimizer step does) and swaps the new
-        ones in (`LLMEngine.update_weights`: no copy, no recompilation)."""
-        state = nnx.state(self._actor.model)
-        leaves = jax.tree.leaves(state)
+        ones in (`LLMEngine.update_weights`: no copy, no recompilation; a Tunix model's attention projections are
+        reshaped on the device first, `tunix_models`)."""
+        leaves = self._actor_leaves()
         if len(leaves) != len(self._served) or any(a is not b for a, b in zip(leaves, self._served, strict=False)):
-            self.rollout.update_params(state)
+            self.rollout.update_params(self._params_of())
             self._served = leaves
 
     @property
@@ -179,13 +190,15 @@ class PagedJaxRollout(base_rollout.BaseRollout):
         return jnp.asarray(self.rollout.score(np.asarray(prompt_tokens), np.asarray(completion_tokens)))
 
     def update_params(self, params, filter_types: tuple[Any, ...] | None = None) -> None:
-        """Give the actor these parameters (`nnx.state` of a `TunixPolicy`, or of its model; all of them, as
-        Tunix's `sync_weights` passes them with `filter_types=(nnx.Param,)`) and serve them from the next step on."""
+        """Give the actor these parameters (`nnx.state` of the actor, or of a `TunixPolicy`'s model; all of them,
+        as Tunix's `sync_weights` passes them with `filter_types=(nnx.Param,)`) and serve them from the next step
+        on."""
         if filter_types is not None and tuple(filter_types) != (nnx.Param,):  # Tunix's sync passes (nnx.Param,)
             raise NotImplementedError(f"PagedJaxRollout.update_params: updates filtered by {filter_types} (LoRA "
                                       "adapters) are not supported; pass every parameter")
-        whole = isinstance(params, nnx.State) and set(params) == {"model"}
-        nnx.update(self._actor if whole else self._actor.model, params)
+        of_model = isinstance(self._actor, TunixPolicy) and not (isinstance(params, nnx.State) and
+                                                                 set(params) == {"model"})
+        nnx.update(self._actor.model if of_model else self._actor, params)
         self.serve_actor_weights()
 
     def pad_id(self) -> int:
@@ -194,5 +207,5 @@ class PagedJaxRollout(base_rollout.BaseRollout):
     def eos_id(self) -> int:
         return self.rollout.stop_ids[0]
 
-    def model(self) -> TunixPolicy:
+    def model(self) -> nnx.Module:
         return self._actor

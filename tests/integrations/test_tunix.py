@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -207,3 +208,59 @@ def test_a_tunix_grpo_loop_trains_the_actor_and_the_rollouts_follow_it():
         graphdef, state, prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
         completion_tokens=jnp.asarray(completions), pad_id=258, eos_id=257))[0, :len(out.tokens[0])]
     np.testing.assert_allclose(forward, out.logprobs[0], rtol=0, atol=2e-5)
+
+
+def tunix_model(family: str, tied: bool):
+    if family == "llama":
+        from tunix.models.llama3 import model as m
+        cfg = m.ModelConfig(num_layers=2, vocab_size=259, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
+                            num_kv_heads=2, rope_theta=10000, norm_eps=1e-5, weight_tying=tied)
+        return m.Llama3(cfg, rngs=nnx.Rngs(0))
+    from tunix.models.qwen3 import model as m
+    cfg = m.ModelConfig(num_layers=2, vocab_size=259, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
+                        num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=tied)
+    return m.Qwen3(cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("family, tied", [("llama", False), ("llama", True), ("qwen3", False)])
+def test_a_tunix_model_is_served_as_the_same_network(family, tied, caplog):
+    actor = tunix_model(family, tied)
+    with caplog.at_level(logging.WARNING, logger="pagedjax.integrations.tunix_models"):
+        rollout = PagedJaxRollout(rollout_actor=actor, tokenizer=TunixTokenizer(ByteTokenizer()), **ENGINE)
+    # Tunix 0.1.7's attention ignores the config's rope_theta (10000 here): the probe finds what it computes
+    assert "applies RoPE with theta 1e+06, not its config's 10000" in caplog.text
+    out = rollout.generate(["def f", "x = 1"], RC)
+    completions = np.full((2, 15), 258, np.int32)
+    for row, t in enumerate(out.tokens):
+        completions[row, :len(t)] = t
+    graphdef, state = nnx.split(actor)  # Tunix's own forward of its own model
+    tunix = np.asarray(common.compute_per_token_logps(
+        graphdef, state, prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
+        completion_tokens=jnp.asarray(completions), pad_id=258, eos_id=257))
+    for row, lps in enumerate(out.logprobs):
+        assert len(lps) > 0
+        np.testing.assert_allclose(tunix[row, :len(lps)], lps, rtol=0, atol=5e-5)
+    # a training step replaces the actor's arrays: the next rollout serves them (reshaped on the device)
+    new = tunix_model(family, tied)
+    nnx.update(new, jax.tree.map(lambda x: x * 1.5, nnx.state(new, nnx.Param)))
+    nnx.update(actor, nnx.state(new, nnx.Param))
+    again = rollout.generate(["def f"], RC)
+    fresh = PagedJaxRollout(rollout_actor=new, tokenizer=TunixTokenizer(ByteTokenizer()), **ENGINE)
+    assert again.tokens[0].tolist() == fresh.generate(["def f"], RC).tokens[0].tolist()
+    assert again.logprobs[0].tobytes() != out.logprobs[0][:len(again.logprobs[0])].tobytes()
+
+
+def test_tunix_models_pagedjax_does_not_read_are_refused_by_name():
+    from tunix.models.qwen3 import model as m
+
+    from pagedjax.integrations.tunix_models import tunix_model_config
+    moe = m.ModelConfig(num_layers=1, vocab_size=259, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
+                        num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="mixture of experts \\(4 experts\\) is not read"):
+        tunix_model_config(m.Qwen3(moe, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="is not a Tunix model pagedjax reads"):
+        tunix_model_config(init_model(CFG, 1))
+    from tunix.models.llama3 import model as llama
+    at_default = llama.ModelConfig(num_layers=1, vocab_size=259, embed_dim=64, hidden_dim=128, num_heads=4,
+                                   head_dim=16, num_kv_heads=2, rope_theta=1_000_000, norm_eps=1e-5)
+    assert tunix_model_config(llama.Llama3(at_default, rngs=nnx.Rngs(0))).rope_theta == 1e6  # no probe needed
