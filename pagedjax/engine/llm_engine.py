@@ -47,6 +47,7 @@ from pagedjax.engine.relevance import relevance_batch
 from pagedjax.engine.scoring import completion_logprobs
 from pagedjax.engine.stats import EngineStats, stats_dict
 from pagedjax.errors import ContextLengthExceeded, InvalidRequest, InvalidType, UnsupportedFeature
+from pagedjax.lora.adapter import LoRAAdapter
 from pagedjax.lora.manager import LoRAManager
 from pagedjax.model.api import check_model
 from pagedjax.model.classifier import Classifier
@@ -554,6 +555,18 @@ class LLMEngine:
         """Register an adapter now (its folder read and checked; requests may also name it first in
         `add_request`). Returns True; raises as `add_request` does for a bad adapter."""
         self._lora_manager().register(lora_request)
+        return True
+
+    def add_lora_adapter(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> bool:
+        """Register an adapter whose weights are given (`adapter`: host or device arrays, e.g. a trainer's LoRA
+        parameters each step) instead of read from `lora_request.lora_path`, which then only names it. Adding an
+        id again replaces its weights (blocks cached under the former ones are never hit again); nothing
+        recompiles. ValueError while an unfinished request uses the id, or as `LoRAManager.register_adapter`."""
+        manager = self._lora_manager()
+        key = manager.key_of(lora_request.lora_int_id)
+        if key is not None and any(r.adapter_id == key for r in self.scheduler.requests.values()):
+            raise ValueError(f"LoRA adapter {lora_request.lora_int_id} is in use by unfinished requests")
+        manager.register_adapter(lora_request, adapter)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:

@@ -24,7 +24,7 @@ from itertools import groupby
 
 import numpy as np
 
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import LoRARequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +47,21 @@ class Rollouts:
 class RolloutEngine:
     """Rollouts and scores from `engine` (an `LLMEngine`) for prompts given as token ids. `pad_id` pads prompt and
     completion arrays; `stop_ids` end a completion (stripped from `Rollouts.tokens`) unless a call names others.
-    `sleep_when_idle`: the KV pool exists only during `generate` and `score` (released at once and after each
-    call, re-created before the next: `LLMEngine.sleep` / `wake`), so a training step between rollouts in the same
-    process has its memory; each call then pays the pool's allocation (`scripts/bench_rollout.py` times it)."""
+    `lora_request`: every rollout and score runs under this adapter (a trainer's LoRA policy, its weights replaced
+    by `LLMEngine.add_lora_adapter` as they change). `sleep_when_idle`: the KV pool exists only during `generate`
+    and `score` (released at once and after each call, re-created before the next: `LLMEngine.sleep` / `wake`), so a
+    training step between rollouts in the same process has its memory; each call then pays the pool's allocation
+    (`LLMEngine.wake`'s seconds)."""
 
-    def __init__(self, engine, *, pad_id: int, stop_ids: Sequence[int], sleep_when_idle: bool = False):
+    def __init__(self, engine, *, pad_id: int, stop_ids: Sequence[int], sleep_when_idle: bool = False,
+                 lora_request: LoRARequest | None = None):
         if not stop_ids:
             raise ValueError("RolloutEngine: stop_ids is empty (a rollout would only end at max_tokens)")
         self.engine = engine
         self.pad_id = int(pad_id)
         self.stop_ids = tuple(int(i) for i in stop_ids)
         self.sleep_when_idle = bool(sleep_when_idle)
+        self.lora_request = lora_request
         if self.sleep_when_idle:
             self.sleep()
 
@@ -102,7 +106,8 @@ class RolloutEngine:
                 repetition_penalty=1.0, logprobs=0 if return_logprobs else None))
             first += n
         with self._awake():
-            outs = self.engine.generate([p for p, _ in groups], params, use_tqdm=False) if groups else []
+            outs = self.engine.generate([p for p, _ in groups], params, use_tqdm=False,
+                                        lora_request=self.lora_request) if groups else []
         tokens, logprobs = [], []
         for out in outs:
             for sample in out.outputs:
@@ -137,7 +142,7 @@ class RolloutEngine:
                 prompts.append(p[start:])
                 completions.append(c[:end])
         with self._awake():
-            scored = self.engine.score(prompts, completions) if rows else []
+            scored = self.engine.score(prompts, completions, self.lora_request) if rows else []
         for row, lps in zip(rows, scored, strict=True):
             out[row, :len(lps)] = lps
         return out

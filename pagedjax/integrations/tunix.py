@@ -12,11 +12,12 @@ Tunix's trainer calls its actor) or one of Tunix's own models (Llama3, dense Qwe
 `RLCluster` builds the rollout with `rollout_actor`, `tokenizer`, `mesh` and `rollout_config`; the partial's
 keywords go to `LLMEngine` (its cache, scheduler, `batch_invariant`, ...). The engine serves the actor's own arrays
 (no copy): `model()` is the actor, so Tunix treats the rollout as sharing the trainer's weights, and each rollout
-swaps in the arrays the last optimizer step left in the actor (`LLMEngine.update_weights`, no recompilation).
-Not here: LoRA-only updates (`update_params` filtered to other than `(nnx.Param,)`: refused), a rollout mesh of
-several devices (refused), and log-probabilities of temperature-scaled logits (pagedjax's are of the raw logits:
-`return_logprobs` at a temperature other than 0 or 1 is refused, as Tunix's trainer would compare them with
-scaled ones).
+swaps in the arrays the last optimizer step left in the actor (`LLMEngine.update_weights`, no recompilation). An
+actor with qwix LoRA parameters is served as the base weights plus one adapter in a device slot, replaced in place
+when the trainer updates it (`lora_scale`, qwix's alpha / rank, is given to the rollout). Not here: a rollout mesh
+of several devices (refused), and log-probabilities of temperature-scaled logits (pagedjax's are of the raw logits:
+`return_logprobs` at a temperature other than 0 or 1 is refused, as Tunix's trainer would compare them with scaled
+ones).
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pagedjax.config.lora import LoRAConfig
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.integrations.rollout import RolloutEngine
-from pagedjax.integrations.tunix_models import tunix_family, tunix_model_config, tunix_model_params
+from pagedjax.integrations.tunix_models import lora_weights, tunix_family, tunix_model_config, tunix_model_params
+from pagedjax.lora.adapter import LoRAAdapter
 from pagedjax.model.tokenizer import ByteTokenizer
+from pagedjax.sampling_params import LoRARequest
 
 try:
     from tunix.rl.rollout import base_rollout
@@ -121,9 +125,10 @@ class PagedJaxRollout(base_rollout.BaseRollout):
 
     def __init__(self, rollout_actor: nnx.Module, tokenizer, mesh: jax.sharding.Mesh | None = None,
                  rollout_config: base_rollout.RolloutConfig | None = None, *, sleep_when_idle: bool = False,
-                 **engine_kwargs):
+                 lora_scale: float | None = None, **engine_kwargs):
+        base = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
         if isinstance(rollout_actor, TunixPolicy):
-            config, self._params_of = rollout_actor.config, lambda: nnx.state(rollout_actor.model)
+            config, self._params_of = rollout_actor.config, lambda: nnx.state(rollout_actor.model, base)
         elif tunix_family(rollout_actor) is not None:
             config = tunix_model_config(rollout_actor)
             self._params_of = lambda: tunix_model_params(rollout_actor, config)
@@ -135,24 +140,50 @@ class PagedJaxRollout(base_rollout.BaseRollout):
                              "on one device (give it a one-device mesh)")
         self._actor = rollout_actor
         self._tokenizer = tokenizer
-        self._served = self._actor_leaves()
+        lora = lora_weights(rollout_actor)
+        self._lora_request = None
+        if lora:
+            if lora_scale is None:
+                raise ValueError("PagedJaxRollout: the actor has LoRA parameters; give lora_scale (qwix's alpha / "
+                                 "rank: what scales the adapter's product)")
+            rank = next(iter(lora.values()))[0].shape[1]
+            engine_kwargs.setdefault("lora_config", LoRAConfig(max_loras=1, max_lora_rank=rank))
+            self._lora_request = LoRARequest("tunix-policy", 1, "tunix:policy")  # a name: the weights are given
+        elif lora_scale is not None:
+            raise ValueError("PagedJaxRollout: lora_scale given for an actor without LoRA parameters")
+        self._lora_scale = lora_scale
+        self._served = self._leaves(base), self._leaves(nnx.LoRAParam)
         engine = LLMEngine(model_config=config, params=self._params_of(), **engine_kwargs)
+        if lora:
+            engine.add_lora_adapter(self._lora_request, self._adapter(lora))
         self.rollout = RolloutEngine(engine, pad_id=tokenizer.pad_id(), stop_ids=[tokenizer.eos_id()],
-                                     sleep_when_idle=sleep_when_idle)
+                                     sleep_when_idle=sleep_when_idle, lora_request=self._lora_request)
 
-    def _actor_leaves(self) -> list:
-        return jax.tree.leaves(nnx.state(self._actor, nnx.Param))
+    def _leaves(self, kind) -> list:
+        return jax.tree.leaves(nnx.state(self._actor, kind))
+
+    def _adapter(self, weights: dict) -> LoRAAdapter:
+        rank = next(iter(weights.values()))[0].shape[1]
+        return LoRAAdapter(lora_name=self._lora_request.lora_name, lora_int_id=self._lora_request.lora_int_id,
+                           lora_path=self._lora_request.lora_path, rank=rank, scale=float(self._lora_scale),
+                           weights=weights)
 
     def serve_actor_weights(self) -> None:
         """The engine serves the actor's arrays as they are now. `model()` is the actor, so Tunix takes the rollout
         for one that shares the trainer's weights and never calls `update_params` (`RLLearner.should_sync_weights`);
         each call checks instead whether the trainer replaced the arrays (an optimizer step does) and swaps the new
-        ones in (`LLMEngine.update_weights`: no copy, no recompilation; a Tunix model's attention projections are
-        reshaped on the device first, `tunix_models`)."""
-        leaves = self._actor_leaves()
-        if len(leaves) != len(self._served) or any(a is not b for a, b in zip(leaves, self._served, strict=False)):
+        ones in: the base weights by `LLMEngine.update_weights` (no copy, no recompilation; a Tunix model's
+        attention projections reshaped on the device first, `tunix_models`), LoRA parameters as the adapter's new
+        weights in its device slot (`LLMEngine.add_lora_adapter`: the base weights untouched)."""
+        base = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+        leaves = self._leaves(base), self._leaves(nnx.LoRAParam)
+        changed = [len(now) != len(was) or any(a is not b for a, b in zip(now, was, strict=False))
+                   for now, was in zip(leaves, self._served, strict=True)]
+        if changed[0]:
             self.rollout.update_params(self._params_of())
-            self._served = leaves
+        if changed[1]:
+            self.engine.add_lora_adapter(self._lora_request, self._adapter(lora_weights(self._actor)))
+        self._served = leaves
 
     @property
     def engine(self) -> LLMEngine:
@@ -191,11 +222,11 @@ class PagedJaxRollout(base_rollout.BaseRollout):
 
     def update_params(self, params, filter_types: tuple[Any, ...] | None = None) -> None:
         """Give the actor these parameters (`nnx.state` of the actor, or of a `TunixPolicy`'s model; all of them,
-        as Tunix's `sync_weights` passes them with `filter_types=(nnx.Param,)`) and serve them from the next step
-        on."""
-        if filter_types is not None and tuple(filter_types) != (nnx.Param,):  # Tunix's sync passes (nnx.Param,)
-            raise NotImplementedError(f"PagedJaxRollout.update_params: updates filtered by {filter_types} (LoRA "
-                                      "adapters) are not supported; pass every parameter")
+        or only its LoRA ones: Tunix's `sync_weights` filters by `(nnx.Param,)` or `(nnx.LoRAParam,)`) and serve
+        them from the next step on (`serve_actor_weights`)."""
+        if filter_types is not None and tuple(filter_types) not in ((nnx.Param,), (nnx.LoRAParam,)):
+            raise NotImplementedError(f"PagedJaxRollout.update_params: updates filtered by {filter_types}; "
+                                      "(nnx.Param,) and (nnx.LoRAParam,) are served")
         of_model = isinstance(self._actor, TunixPolicy) and not (isinstance(params, nnx.State) and
                                                                  set(params) == {"model"})
         nnx.update(self._actor.model if of_model else self._actor, params)

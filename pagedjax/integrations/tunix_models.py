@@ -1,6 +1,6 @@
-"""Tunix's own model classes as pagedjax models: a Tunix actor (`tunix.models.llama3.model.Llama3`, dense
-`tunix.models.qwen3.model.Qwen3`) read as the pagedjax `ModelConfig` and parameters of the same network, so
-`PagedJaxRollout` serves a model Tunix trains with its own forward.
+"""Tunix's own model classes as pagedjax models, and a Tunix actor's LoRA as a pagedjax adapter: a Tunix actor
+(`tunix.models.llama3.model.Llama3`, dense `tunix.models.qwen3.model.Qwen3`) read as the pagedjax `ModelConfig` and
+parameters of the same network, so `PagedJaxRollout` serves a model Tunix trains with its own forward.
 
 The arrays are the actor's: embeddings, norms and MLP kernels as they are, the attention projections reshaped
 from Tunix's per-head einsum layout (`q_proj.w` [hidden, heads, head_dim], `o_proj.w` [heads, head_dim, hidden])
@@ -31,11 +31,36 @@ logger = logging.getLogger(__name__)
 TUNIX_ROPE_DEFAULT = 1e6  # Tunix's apply_rope default, which its attention used whatever the config said (0.1.7)
 
 FAMILIES = {"tunix.models.llama3.model": "llama", "tunix.models.qwen3.model": "qwen3"}
+TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 
 
 def tunix_family(actor) -> str | None:
-    """"llama" or "qwen3" for a Tunix model this module reads, None for anything else."""
-    return FAMILIES.get(type(actor).__module__)
+    """"llama" or "qwen3" for a Tunix model this module reads (qwix's LoRA subclasses it: its bases count), None
+    for anything else."""
+    return next((FAMILIES[c.__module__] for c in type(actor).__mro__ if c.__module__ in FAMILIES), None)
+
+
+def lora_weights(actor) -> dict[tuple[int, str], tuple[jax.Array, jax.Array]]:
+    """The actor's LoRA parameters (qwix's `<param>_lora_a` / `_lora_b`, `nnx.LoRAParam`) by (layer, target), as
+    `LoRAAdapter.weights` takes them: A `[in, r]`, B `[r, out]` (Tunix's per-head shapes reshaped on the device);
+    empty without LoRA. ValueError for a LoRA outside the decoder layers' seven linears (pagedjax's targets)."""
+    pure = nnx.to_pure_dict(nnx.state(actor, nnx.LoRAParam))
+    if not pure:
+        return {}
+    body = pure.get("model", pure)  # a TunixPolicy holds its pagedjax model under "model"
+    outside = sorted(set(body) - {"layers"})
+    if outside:
+        raise ValueError(f"LoRA on {outside}: pagedjax serves LoRA on the decoder layers' q/k/v/o and MLP linears")
+    out = {}
+    for i, layer in body["layers"].items():
+        for block in layer.values():
+            for module, params in block.items():
+                if module not in TARGETS:
+                    raise ValueError(f"LoRA on layer {i} {module}: pagedjax's targets are {sorted(TARGETS)}")
+                a = next(v for k, v in params.items() if k.endswith("_lora_a"))
+                b = next(v for k, v in params.items() if k.endswith("_lora_b"))
+                out[int(i), module] = (a.reshape(-1, a.shape[-1]), b.reshape(b.shape[0], -1))
+    return out
 
 
 def tunix_model_config(actor) -> ModelConfig:
@@ -60,7 +85,8 @@ def tunix_model_config(actor) -> ModelConfig:
 
 def _rope_theta_it_computes(actor, cfg: ModelConfig) -> ModelConfig:
     """`cfg` with the RoPE theta (its own or Tunix's default) whose pagedjax forward is the actor's on a probe of
-    8 tokens (the other differs from the first position on); a warning when it is not the config's."""
+    8 tokens (the other differs from the first position on; a LoRA actor's adapter, left out of the pagedjax
+    forward here, adds about the same difference to both); a warning when it is not the config's."""
     tokens = jnp.arange(8, dtype=jnp.int32)[None] % cfg.vocab_size
     causal = jnp.tril(jnp.ones((8, 8), bool))[None]
     theirs = np.asarray(actor(tokens, jnp.arange(8)[None], None, causal)[0], np.float32)
@@ -79,7 +105,7 @@ def _rope_theta_it_computes(actor, cfg: ModelConfig) -> ModelConfig:
 
 def tunix_model_params(actor, cfg: ModelConfig) -> nnx.State:
     """The actor's parameters as the pagedjax model of `cfg` (`tunix_model_config(actor)`) takes them."""
-    src = nnx.to_pure_dict(nnx.state(actor, nnx.Param))
+    src = nnx.to_pure_dict(nnx.state(actor, nnx.Param))  # LoRA parameters too, which the names below skip
     h, d = cfg.hidden_size, cfg.head_dim
 
     def layer(t: dict) -> dict:

@@ -37,6 +37,7 @@ class LoRAManager:
         self._keys: dict[int, str] = {}  # their keys
         self._removals: dict[int, int] = {}  # times each id was removed
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # by key, least recently used first
+        self._pinned: dict[str, LoRAAdapter] = {}  # adapters given with their weights (`register_adapter`)
         self.num_slot_loads = 0
         self.num_disk_loads = 0
         self.slot_load_seconds = 0.0
@@ -55,11 +56,41 @@ class LoRAManager:
                                  f"{request.lora_name!r} at {request.lora_path!r} (an id names one adapter until "
                                  "it is removed)")
             return self._keys[i]
-        removals = self._removals.get(i, 0)
-        key = str(i) if removals == 0 else f"{i}.{removals}"
+        key = self._next_key(i)
         self._cache(key, self._read(request))
         self._requests[i], self._keys[i] = request, key
         return key
+
+    def register_adapter(self, request: LoRARequest, adapter: LoRAAdapter) -> str:
+        """Register `request` with the weights `adapter` holds (its `lora_path` then only names it): kept in memory
+        for as long as it is registered, never read from a folder. An id already registered is replaced: the
+        new weights get a new key, so no block cached under the former ones is hit again. ValueError for an
+        adapter of another id, a rank above `max_lora_rank`, or weights not of the model's targets' shapes; the
+        caller makes sure no unfinished request uses a replaced id."""
+        if not isinstance(request, LoRARequest) or not isinstance(adapter, LoRAAdapter):
+            raise TypeError(f"register_adapter takes a LoRARequest and a LoRAAdapter, got "
+                            f"{type(request).__name__} and {type(adapter).__name__}")
+        if adapter.lora_int_id != request.lora_int_id:
+            raise ValueError(f"adapter {adapter.lora_int_id} given for lora_int_id {request.lora_int_id}")
+        if adapter.rank > self.config.max_lora_rank:
+            raise ValueError(f"adapter rank {adapter.rank} > max_lora_rank {self.config.max_lora_rank}")
+        for (layer, module), (a, b) in adapter.weights.items():
+            n_in, n_out = self._shapes.get(module, (None, None))
+            if not 0 <= layer < self.model_config.num_layers or n_in is None or a.shape != (n_in, adapter.rank) \
+                    or b.shape != (adapter.rank, n_out):
+                raise ValueError(f"adapter weights for layer {layer} {module}: A {tuple(a.shape)}, B "
+                                 f"{tuple(b.shape)}; the model's targets take A [in, {adapter.rank}], B "
+                                 f"[{adapter.rank}, out] of {self._shapes} in layers [0, "
+                                 f"{self.model_config.num_layers})")
+        self.remove(request.lora_int_id)
+        key = self._next_key(request.lora_int_id)
+        self._pinned[key] = adapter
+        self._requests[request.lora_int_id], self._keys[request.lora_int_id] = request, key
+        return key
+
+    def _next_key(self, lora_int_id: int) -> str:
+        removals = self._removals.get(lora_int_id, 0)
+        return str(lora_int_id) if removals == 0 else f"{lora_int_id}.{removals}"
 
     def remove(self, lora_int_id: int) -> bool:
         """Forget adapter `lora_int_id` (host copy, device slot, binding); False if it is not registered. The
@@ -71,6 +102,7 @@ class LoRAManager:
         key = self._keys.pop(lora_int_id)
         self._removals[lora_int_id] = self._removals.get(lora_int_id, 0) + 1
         self._host.pop(key, None)
+        self._pinned.pop(key, None)
         slot = self.slots.release(key)
         if slot is not None:
             self.runner.clear_lora_slot(slot)
@@ -99,7 +131,9 @@ class LoRAManager:
                         self.config.max_cpu_loras)
 
     def host_adapter(self, key: str) -> LoRAAdapter:
-        """Registered adapter `key` in host memory (read from its folder again if it was dropped)."""
+        """Registered adapter `key` in memory (read from its folder again if it was dropped)."""
+        if key in self._pinned:
+            return self._pinned[key]
         adapter = self._host.get(key)
         if adapter is None:
             i = next(i for i, k in self._keys.items() if k == key)

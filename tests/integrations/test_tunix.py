@@ -146,8 +146,8 @@ def test_refusals():
         rollout.generate(["p"], dataclasses.replace(RC, temperature=0.9))
     with pytest.raises(TypeError, match=r"unexpected arguments \['echo'\]"):
         rollout.generate(["p"], RC, echo=True)
-    with pytest.raises(NotImplementedError, match="LoRA adapters"):
-        rollout.update_params(nnx.state(rollout.model()), filter_types=(nnx.LoRAParam,))
+    with pytest.raises(NotImplementedError, match=r"filtered by \(<class '\S+Cache'>,\); \(nnx.Param,\) and"):
+        rollout.update_params(nnx.state(rollout.model()), filter_types=(nnx.Cache,))
     with pytest.raises(TypeError, match="rollout_actor must be a TunixPolicy"):
         PagedJaxRollout(rollout_actor=init_model(CFG, 1), tokenizer=TunixTokenizer(ByteTokenizer()))
     with pytest.raises(ValueError, match="takes cache=None"):
@@ -264,3 +264,57 @@ def test_tunix_models_pagedjax_does_not_read_are_refused_by_name():
     at_default = llama.ModelConfig(num_layers=1, vocab_size=259, embed_dim=64, hidden_dim=128, num_heads=4,
                                    head_dim=16, num_kv_heads=2, rope_theta=1_000_000, norm_eps=1e-5)
     assert tunix_model_config(llama.Llama3(at_default, rngs=nnx.Rngs(0))).rope_theta == 1e6  # no probe needed
+
+
+def lora_actor(family: str):
+    import qwix
+
+    model = tunix_model(family, False)
+    provider = qwix.LoraProvider(module_path=".*(q|k|v|o|gate|up|down)_proj", rank=4, alpha=8.0)
+    t = jnp.zeros((1, 4), jnp.int32)
+    actor = qwix.apply_lora_to_model(model, provider, t, jnp.arange(4)[None], None, jnp.ones((1, 4, 4), bool),
+                                     rngs=nnx.Rngs(1))
+    randomize_lora(actor, 0)
+    return actor
+
+
+def randomize_lora(actor, seed: int) -> None:
+    """What a training step does to the LoRA parameters (qwix starts B at zero: a product of zero tests nothing)."""
+    state = nnx.state(actor, nnx.LoRAParam)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(state))))
+    nnx.update(actor, jax.tree.map(lambda x: 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), state))
+
+
+def rollout_against_tunix(rollout, actor) -> None:
+    out = rollout.generate(["def f", "x = 1"], RC)
+    completions = np.full((2, 15), 258, np.int32)
+    for row, t in enumerate(out.tokens):
+        completions[row, :len(t)] = t
+    graphdef, state = nnx.split(actor)
+    tunix = np.asarray(common.compute_per_token_logps(
+        graphdef, state, prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
+        completion_tokens=jnp.asarray(completions), pad_id=258, eos_id=257))
+    for row, lps in enumerate(out.logprobs):
+        np.testing.assert_allclose(tunix[row, :len(lps)], lps, rtol=0, atol=5e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_lora_actor_is_served_through_an_adapter_slot_and_its_updates_too(family):
+    actor = lora_actor(family)
+    rollout = PagedJaxRollout(rollout_actor=actor, tokenizer=TunixTokenizer(ByteTokenizer()), lora_scale=8.0 / 4,
+                              **ENGINE)
+    rollout_against_tunix(rollout, actor)  # base + adapter, as Tunix's forward computes them
+    base = [id(x) for x in jax.tree.leaves(rollout.engine.runner.params)]
+    randomize_lora(actor, 1)  # a LoRA training step: only the adapter changes
+    rollout_against_tunix(rollout, actor)
+    assert [id(x) for x in jax.tree.leaves(rollout.engine.runner.params)] == base  # the base weights untouched
+    rollout.update_params(nnx.state(lora_actor(family), nnx.LoRAParam), (nnx.LoRAParam,))  # Tunix's LoRA sync
+    rollout_against_tunix(rollout, actor)
+
+
+def test_lora_scale_goes_with_lora_parameters_only():
+    with pytest.raises(ValueError, match="has LoRA parameters; give lora_scale"):
+        PagedJaxRollout(rollout_actor=lora_actor("llama"), tokenizer=TunixTokenizer(ByteTokenizer()), **ENGINE)
+    with pytest.raises(ValueError, match="lora_scale given for an actor without LoRA parameters"):
+        PagedJaxRollout(rollout_actor=tunix_model("llama", False), tokenizer=TunixTokenizer(ByteTokenizer()),
+                        lora_scale=2.0, **ENGINE)

@@ -427,3 +427,45 @@ def test_adapters_prefixes_move_through_the_kv_tiers(folders, tmp_path):
     stats = tiers.stats().scheduler
     assert stats.host_hit_tokens == 120 and stats.disk_blocks_read > 0
     assert tiers.scheduler.kv_cache_manager.block_pool.num_used == 0
+
+
+def test_adapters_given_with_their_weights_are_served_and_replaced_in_place(engine, folders):
+    """`add_lora_adapter`: a trainer's adapter, its weights on the device (never copied to the host), served as
+    the same adapter read from a folder; giving the id new weights replaces them, and its requests never hit
+    the blocks cached under the former ones."""
+    from pagedjax.lora.adapter import LoRAAdapter
+    from pagedjax.lora.peft import load_peft_adapter
+
+    def given(i: int) -> LoRAAdapter:
+        read = load_peft_adapter(str(folders[i]), f"a{i}", 9, CFG, 16)
+        weights = {k: (jax.numpy.asarray(a), jax.numpy.asarray(b)) for k, (a, b) in read.weights.items()}
+        return LoRAAdapter("trainer", 9, "in memory", read.rank, read.scale, weights)
+
+    request = LoRARequest("trainer", 9, "in memory")
+    assert engine.add_lora_adapter(request, given(1))
+    assert tokens(engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=request)) == reference(folders, 1)
+    before = engine.stats().scheduler.prefix_cache_hits
+    new = given(3)  # the trainer's next weights
+    with jax.transfer_guard_device_to_host("disallow"):  # into the slot on the device: no implicit host copy
+        assert engine.add_lora_adapter(request, new)
+        outputs = engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=request)
+    assert tokens(outputs) == reference(folders, 3)
+    assert engine.stats().scheduler.prefix_cache_hits == before
+    engine.add_request("busy", PROMPTS[1], SamplingParams(max_tokens=2, temperature=0.0), lora_request=request)
+    with pytest.raises(ValueError, match="in use by unfinished requests"):
+        engine.add_lora_adapter(request, given(1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    good = given(1)
+    (layer, module), (a, b) = next(iter(good.weights.items()))
+    wrong = {(layer, module): (a[:-1], b)}
+    for adapter, error in [(LoRAAdapter("x", 8, "m", good.rank, 1.0, good.weights), "adapter 8 given for lora_int_id"),
+                           (LoRAAdapter("x", 9, "m", 32, 1.0, {}), "adapter rank 32 > max_lora_rank 16"),
+                           (LoRAAdapter("x", 9, "m", good.rank, 1.0, wrong), f"layer {layer} {module}: A"),
+                           (LoRAAdapter("x", 9, "m", good.rank, 1.0, {(5, module): (a, b)}), "layer 5"),
+                           (LoRAAdapter("x", 9, "m", good.rank, 1.0, {(0, "lm_head"): (a, b)}), "layer 0 lm_head")]:
+        with pytest.raises(ValueError, match=error):
+            engine.add_lora_adapter(request, adapter)
+    with pytest.raises(TypeError, match="takes a LoRARequest and a LoRAAdapter"):
+        engine.add_lora_adapter(request, good.weights)
+    assert engine.remove_lora(9)
