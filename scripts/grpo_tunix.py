@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from rl_tiny import PROMPTS  # the same prompts and reward as pagedjax's own loop
 
 from pagedjax import CacheConfig, SchedulerConfig
 from pagedjax.integrations.tunix import PagedJaxRollout, TunixPolicy, TunixTokenizer
@@ -45,7 +46,6 @@ try:
 except ImportError as e:
     raise SystemExit("grpo_tunix.py needs Tunix: pip install -e '.[tunix]'") from e
 
-PROMPTS = ("def ", "import ", "class ", "    return ", "x = ", "for ", "if ", "# ")
 
 
 class TimedRollout(PagedJaxRollout):

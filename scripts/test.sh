@@ -90,7 +90,7 @@ newest_deselect+=(--deselect "tests/parallel/test_parallel.py::test_two_processe
 # short run) one worker waited for the other's subprocess, idle (25 s); listed first, the longest file starts at
 # once instead of last while the other worker idles.
 HYPOTHESIS_PROFILE=smoke PAGEDJAX_PARALLEL_CHECKS=newest .venv312/bin/python -m pytest -n 2 \
-  --dist loadfile --no-loadscope-reorder -q --durations=15 tests/parallel \
+  --dist loadfile --no-loadscope-reorder -q --durations=15 tests/parallel tests/integrations/test_tunix.py \
   tests/kernels/test_lowering.py tests/kernels/test_mla_lowering.py \
   tests/kernels/test_sparse_lowering.py tests/kernels/test_tpu_lowering.py tests/kernels/test_recurrent_lowering.py \
   tests/kernels/test_reference.py \
@@ -98,6 +98,6 @@ HYPOTHESIS_PROFILE=smoke PAGEDJAX_PARALLEL_CHECKS=newest .venv312/bin/python -m 
   tests/kernels/test_tpu_kernels.py::test_ragged_agrees_with_the_gpu_kernel_to_float32_rounding \
   tests/model/test_model.py tests/model/test_checkpoint_train.py \
   tests/engine/test_gpu_lowering.py tests/engine/test_tpu_lowering.py tests/engine/test_cpu_dots.py \
-  tests/device/test_int8_matmul.py tests/integrations/test_tunix.py \
+  tests/device/test_int8_matmul.py \
   tests/engine/test_engine_validation.py::test_compiled_programs_are_bounded_and_outputs_stay_exact \
   "${newest_deselect[@]}"

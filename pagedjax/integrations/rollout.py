@@ -82,7 +82,8 @@ class RolloutEngine:
         """Sample one completion of at most `max_tokens` tokens for each prompt (token ids; equal prompts in a
         row share one prefill). `top_p` None means 1, `top_k` None or <= 0 no top-k; `seed` None draws fresh
         randomness, otherwise sample j of the batch is seeded `seed + j`. ValueError for a prompt that is empty
-        or a `max_prompt_length` below 1."""
+        or a `max_prompt_length` below 1; RuntimeError naming the request when a sample ends otherwise than by a
+        stop or its length (an engine error, an abort): no partial batch is returned."""
         if max_prompt_length < 1:
             raise ValueError(f"RolloutEngine.generate: max_prompt_length must be >= 1, got {max_prompt_length}")
         prompts = [list(map(int, p)) for p in prompts]
@@ -111,6 +112,9 @@ class RolloutEngine:
         tokens, logprobs = [], []
         for out in outs:
             for sample in out.outputs:
+                if sample.finish_reason not in ("stop", "length"):  # never train on a sample that failed
+                    raise RuntimeError(f"rollout of request {out.request_id} ended with {sample.finish_reason!r}"
+                                       f"{'' if out.error is None else ': ' + out.error}")
                 ids = list(sample.token_ids)
                 keep = len(ids) - (sample.finish_reason == "stop" and bool(ids) and ids[-1] in stops)
                 tokens.append(np.asarray(ids[:keep], np.int32))

@@ -43,6 +43,18 @@ except ImportError as e:  # pragma: no cover - the extra is installed where this
     raise ImportError("pagedjax.integrations.tunix needs Tunix: pip install 'pagedjax[tunix]'") from e
 
 
+def _int_seed(seed) -> int | None:
+    """`RolloutConfig.seed` (None, an int, or a one-element array: Tunix allows a `jax.Array`) as an int; ValueError
+    for anything else (a PRNG key is not a seed here)."""
+    if seed is None:
+        return None
+    value = np.asarray(seed)
+    if value.size != 1 or not np.issubdtype(value.dtype, np.integer):
+        raise ValueError(f"PagedJaxRollout: RolloutConfig.seed must be an integer or a one-element integer array, "
+                         f"got {value.dtype}{list(value.shape)}")
+    return int(value.reshape(()))
+
+
 class TunixPolicy(nnx.Module):
     """A pagedjax model (any with `forward_dense` and `config`) as Tunix's trainer calls an actor:
     `policy(input_tokens, positions=, cache=None, attention_mask=)` -> (float32 logits `[B, L, vocab]`, None).
@@ -97,12 +109,12 @@ class TunixTokenizer:
                           if (i := tokenizer.token_to_id(name)) is not None), None)
         self._pad = pad_id if pad_id is not None else found if found is not None else self.eos_id()
 
-    def encode(self, text: str, **_) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         if isinstance(self.tokenizer, ByteTokenizer):
             return self.tokenizer.encode(text, add_bos=False)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def decode(self, ids, **_) -> str:
+    def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids])
 
     def bos_id(self) -> int | None:
@@ -210,7 +222,7 @@ class PagedJaxRollout(base_rollout.BaseRollout):
         out = self.rollout.generate(
             [self._encode(p) for p in prompts], max_tokens=cfg.max_tokens_to_generate,
             max_prompt_length=cfg.max_prompt_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            seed=None if cfg.seed is None else int(np.asarray(cfg.seed)), stop_ids=cfg.eos_tokens,
+            seed=_int_seed(cfg.seed), stop_ids=cfg.eos_tokens,
             return_logprobs=cfg.return_logprobs)
         return base_rollout.RolloutOutput(
             text=[self._tokenizer.decode(t.tolist()) for t in out.tokens], logits=None, tokens=out.tokens,

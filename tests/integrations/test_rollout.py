@@ -165,3 +165,13 @@ def test_completion_batch_layout_and_a_non_finite_trainer_value_stays_visible():
     dense = jnp.asarray([[-1.0, jnp.inf, jnp.nan]])
     assert np.isnan(np.asarray(exact_logprobs(dense, jnp.asarray([[-2.0, -3.0, -4.0]])))[0, 1:]).all()
 
+
+
+def test_a_sample_that_failed_is_never_returned():
+    from types import SimpleNamespace
+
+    failed = SimpleNamespace(request_id="gen-0-0", error="step failed: device lost", outputs=[
+        SimpleNamespace(token_ids=[5, 6], finish_reason="error", logprobs=[])])
+    broken = SimpleNamespace(generate=lambda *a, **k: [failed], sleep=lambda: 0, wake=lambda: 0.0)
+    with pytest.raises(RuntimeError, match="rollout of request gen-0-0 ended with 'error': step failed: device lost"):
+        sample(RolloutEngine(broken, pad_id=0, stop_ids=[STOP]), [PROMPTS[0]])

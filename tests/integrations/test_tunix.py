@@ -144,6 +144,8 @@ def test_refusals():
     rollout = shared_rollout()
     with pytest.raises(ValueError, match="return_logprobs at temperature 0.9"):
         rollout.generate(["p"], dataclasses.replace(RC, temperature=0.9))
+    with pytest.raises(ValueError, match=r"seed must be an integer or a one-element integer array, got uint32\[2\]"):
+        rollout.generate(["p"], dataclasses.replace(RC, seed=jax.random.PRNGKey(0)))
     with pytest.raises(TypeError, match=r"unexpected arguments \['echo'\]"):
         rollout.generate(["p"], RC, echo=True)
     with pytest.raises(NotImplementedError, match=r"filtered by \(<class '\S+Cache'>,\); \(nnx.Param,\) and"):
@@ -222,7 +224,7 @@ def tunix_model(family: str, tied: bool):
     return m.Qwen3(cfg, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("family, tied", [("llama", False), ("llama", True), ("qwen3", False)])
+@pytest.mark.parametrize("family, tied", [("llama", True), ("qwen3", False)])  # untied: the LoRA test's llama
 def test_a_tunix_model_is_served_as_the_same_network(family, tied, caplog):
     actor = tunix_model(family, tied)
     with caplog.at_level(logging.WARNING, logger="pagedjax.integrations.tunix_models"):
@@ -298,7 +300,7 @@ def rollout_against_tunix(rollout, actor) -> None:
         np.testing.assert_allclose(tunix[row, :len(lps)], lps, rtol=0, atol=5e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama"])  # Qwen3's LoRA targets are the same linears
 def test_a_lora_actor_is_served_through_an_adapter_slot_and_its_updates_too(family):
     actor = lora_actor(family)
     rollout = PagedJaxRollout(rollout_actor=actor, tokenizer=TunixTokenizer(ByteTokenizer()), lora_scale=8.0 / 4,
