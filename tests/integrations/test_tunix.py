@@ -67,13 +67,12 @@ def test_generate_prompt_truncation():
     assert out.left_padded_prompt_tokens.tolist() == [list(b"mpt")]  # the last 3 tokens: no padding
 
 
-@pytest.mark.parametrize("seed", [42, jnp.array(42)])
-def test_generate_reproducibility_with_seed(seed):
-    rc = dataclasses.replace(RC, seed=seed)
-    a = make_rollout().generate(["prompt 1", "prompt 2"], rc)
-    b = shared_rollout().generate(["prompt 1", "prompt 2"], rc)
-    assert a.text == b.text and all(x.tolist() == y.tolist() for x, y in zip(a.tokens, b.tokens, strict=True))
-    assert all(x.tobytes() == y.tobytes() for x, y in zip(a.logprobs, b.logprobs, strict=True))
+def test_generate_reproducibility_with_seed():
+    a = make_rollout().generate(["prompt 1", "prompt 2"], RC)  # another engine, the same seed
+    for seed in (42, jnp.array(42)):
+        b = shared_rollout().generate(["prompt 1", "prompt 2"], dataclasses.replace(RC, seed=seed))
+        assert a.text == b.text and all(x.tolist() == y.tolist() for x, y in zip(a.tokens, b.tokens, strict=True))
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(a.logprobs, b.logprobs, strict=True))
 
 
 def test_a_group_shares_its_prompt_and_its_logprobs_are_the_scores_bit_for_bit():
@@ -104,15 +103,33 @@ def test_pad_id_eos_id_and_model():
     assert TunixTokenizer(ByteTokenizer(), pad_id=5).pad_id() == 5
 
 
-def test_update_params_takes_the_policys_state():
+def rollout_against_tunix(rollout, actor) -> list[np.ndarray]:
+    """Rollouts of two prompts, their log-probabilities checked against Tunix's trainer forward of `actor`
+    (`compute_per_token_logps`: float32 rounding apart); returns them."""
+    out = rollout.generate(["def f", "x = 1"], RC)
+    completions = np.full((2, 15), 258, np.int32)
+    for row, t in enumerate(out.tokens):
+        completions[row, :len(t)] = t
+    graphdef, state = nnx.split(actor)
+    tunix = np.asarray(common.compute_per_token_logps(
+        graphdef, state, prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
+        completion_tokens=jnp.asarray(completions), pad_id=258, eos_id=257))
+    for row, lps in enumerate(out.logprobs):
+        assert len(lps) > 0
+        np.testing.assert_allclose(tunix[row, :len(lps)], lps, rtol=0, atol=5e-5)
+    return out.logprobs
+
+
+def test_the_rollout_serves_what_an_optimizer_step_or_update_params_leaves_in_the_actor():
     rollout = make_rollout()
-    before = rollout.generate(["prompt 1"], RC)
-    new = TunixPolicy(init_model(CFG, 2))
-    rollout.update_params(nnx.state(new))
-    after = rollout.generate(["prompt 1"], RC)
-    fresh = PagedJaxRollout(rollout_actor=new, tokenizer=TunixTokenizer(ByteTokenizer()), rollout_config=RC,
-                            **ENGINE).generate(["prompt 1"], RC)
-    assert after.tokens[0].tolist() == fresh.tokens[0].tolist() != before.tokens[0].tolist()
+    before = rollout_against_tunix(rollout, rollout.model())
+    nnx.update(rollout.model(), nnx.state(TunixPolicy(init_model(CFG, 3))))  # what a training step does
+    after = rollout_against_tunix(rollout, rollout.model())
+    assert after[0].tobytes() != before[0].tobytes()
+    rollout.update_params(nnx.state(TunixPolicy(init_model(CFG, 2))))  # the policy's state, or its model's
+    rollout_against_tunix(rollout, TunixPolicy(init_model(CFG, 2)))
+    rollout.update_params(nnx.state(init_model(CFG, 4)))
+    rollout_against_tunix(rollout, TunixPolicy(init_model(CFG, 4)))
 
 
 def test_the_policy_forward_of_padded_rows_is_the_dense_forward_of_each_row():
@@ -158,16 +175,6 @@ def test_refusals():
         jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
     with pytest.raises(ValueError, match="a rollout mesh of 2 devices"):
         PagedJaxRollout(rollout_actor=rollout.model(), tokenizer=TunixTokenizer(ByteTokenizer()), mesh=mesh)
-
-
-def test_the_rollout_serves_the_arrays_an_optimizer_step_leaves_in_the_actor():
-    rollout = make_rollout()
-    before = rollout.generate(["prompt 1"], RC)
-    nnx.update(rollout.model(), nnx.state(TunixPolicy(init_model(CFG, 3))))  # what a training step does
-    after = rollout.generate(["prompt 1"], RC)
-    fresh = PagedJaxRollout(rollout_actor=TunixPolicy(init_model(CFG, 3)), tokenizer=TunixTokenizer(ByteTokenizer()),
-                            rollout_config=RC, **ENGINE).generate(["prompt 1"], RC)
-    assert after.tokens[0].tolist() == fresh.tokens[0].tolist() != before.tokens[0].tolist()
 
 
 def test_a_tunix_grpo_loop_trains_the_actor_and_the_rollouts_follow_it():
@@ -231,25 +238,11 @@ def test_a_tunix_model_is_served_as_the_same_network(family, tied, caplog):
         rollout = PagedJaxRollout(rollout_actor=actor, tokenizer=TunixTokenizer(ByteTokenizer()), **ENGINE)
     # Tunix 0.1.7's attention ignores the config's rope_theta (10000 here): the probe finds what it computes
     assert "applies RoPE with theta 1e+06, not its config's 10000" in caplog.text
-    out = rollout.generate(["def f", "x = 1"], RC)
-    completions = np.full((2, 15), 258, np.int32)
-    for row, t in enumerate(out.tokens):
-        completions[row, :len(t)] = t
-    graphdef, state = nnx.split(actor)  # Tunix's own forward of its own model
-    tunix = np.asarray(common.compute_per_token_logps(
-        graphdef, state, prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
-        completion_tokens=jnp.asarray(completions), pad_id=258, eos_id=257))
-    for row, lps in enumerate(out.logprobs):
-        assert len(lps) > 0
-        np.testing.assert_allclose(tunix[row, :len(lps)], lps, rtol=0, atol=5e-5)
+    before = rollout_against_tunix(rollout, actor)  # Tunix's own forward of its own model, to rounding
     # a training step replaces the actor's arrays: the next rollout serves them (reshaped on the device)
     new = tunix_model(family, tied)
-    nnx.update(new, jax.tree.map(lambda x: x * 1.5, nnx.state(new, nnx.Param)))
-    nnx.update(actor, nnx.state(new, nnx.Param))
-    again = rollout.generate(["def f"], RC)
-    fresh = PagedJaxRollout(rollout_actor=new, tokenizer=TunixTokenizer(ByteTokenizer()), **ENGINE)
-    assert again.tokens[0].tolist() == fresh.generate(["def f"], RC).tokens[0].tolist()
-    assert again.logprobs[0].tobytes() != out.logprobs[0][:len(again.logprobs[0])].tobytes()
+    nnx.update(actor, jax.tree.map(lambda x: x * 1.5, nnx.state(new, nnx.Param)))
+    assert rollout_against_tunix(rollout, actor)[0].tobytes() != before[0].tobytes()
 
 
 def test_tunix_models_pagedjax_does_not_read_are_refused_by_name():
@@ -285,19 +278,6 @@ def randomize_lora(actor, seed: int) -> None:
     state = nnx.state(actor, nnx.LoRAParam)
     keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(state))))
     nnx.update(actor, jax.tree.map(lambda x: 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), state))
-
-
-def rollout_against_tunix(rollout, actor) -> None:
-    out = rollout.generate(["def f", "x = 1"], RC)
-    completions = np.full((2, 15), 258, np.int32)
-    for row, t in enumerate(out.tokens):
-        completions[row, :len(t)] = t
-    graphdef, state = nnx.split(actor)
-    tunix = np.asarray(common.compute_per_token_logps(
-        graphdef, state, prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
-        completion_tokens=jnp.asarray(completions), pad_id=258, eos_id=257))
-    for row, lps in enumerate(out.logprobs):
-        np.testing.assert_allclose(tunix[row, :len(lps)], lps, rtol=0, atol=5e-5)
 
 
 @pytest.mark.parametrize("family", ["llama"])  # Qwen3's LoRA targets are the same linears
