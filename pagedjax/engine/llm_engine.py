@@ -562,22 +562,22 @@ class LLMEngine:
         parameters each step) instead of read from `lora_request.lora_path`, which then only names it. Adding an
         id again replaces its weights (blocks cached under the former ones are never hit again); nothing
         recompiles. ValueError while an unfinished request uses the id, or as `LoRAManager.register_adapter`."""
-        manager = self._lora_manager()
-        key = manager.key_of(lora_request.lora_int_id)
-        if key is not None and any(r.adapter_id == key for r in self.scheduler.requests.values()):
-            raise ValueError(f"LoRA adapter {lora_request.lora_int_id} is in use by unfinished requests")
-        manager.register_adapter(lora_request, adapter)
+        self._check_lora_unused(lora_request.lora_int_id)
+        self._lora_manager().register_adapter(lora_request, adapter)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget adapter `lora_int_id` (its host copy and device slot); False if it is not registered. ValueError
         while an unfinished request uses it. Adding the id again later (any folder) never hits the blocks cached
         under its former weights."""
-        manager = self._lora_manager()
-        key = manager.key_of(lora_int_id)
+        self._check_lora_unused(lora_int_id)
+        return self._lora_manager().remove(lora_int_id)
+
+    def _check_lora_unused(self, lora_int_id: int) -> None:
+        """ValueError while an unfinished request uses adapter `lora_int_id` (its weights may not change or go)."""
+        key = self._lora_manager().key_of(lora_int_id)
         if key is not None and any(r.adapter_id == key for r in self.scheduler.requests.values()):
             raise ValueError(f"LoRA adapter {lora_int_id} is in use by unfinished requests")
-        return manager.remove(lora_int_id)
 
     def list_loras(self) -> list[LoRARequest]:
         """The registered adapters, in registration order."""
