@@ -11,11 +11,12 @@ are the bits sampling gives those tokens in any batch), the derivative from the 
 
     exact = engine + (dense - stop_gradient(dense))
 
-whose value is `engine` exactly (d - d is +0 for every finite d, and e + 0 is e) and whose gradient is dense's.
+whose value is `engine` exactly (d - d is +0 for every finite d, and e + 0 is e for every e but -0, which no
+log-softmax returns) and whose gradient is dense's.
 A policy-gradient loss over it sees an importance ratio exp(exact - rollout) of exactly 1 before the first update.
 
     batch = completion_batch(prompts, completions, pad_id=pad)      # tokens [B, W], mask [B, W - 1]
-    rollout = scatter_logprobs(batch, [c.logprobs for c in samples])  # the engine's, at the mask's places
+    rollout = scatter_logprobs(batch, [[lp.logprob for lp in c.logprobs] for c in samples])  # at the mask's places
     def loss(params):
         lp = exact_logprobs(dense_logprobs(nnx.merge(graphdef, params), batch.tokens), rollout)
         ...
