@@ -217,16 +217,30 @@ class PagedJaxRollout(base_rollout.BaseRollout):
             raise ValueError(f"PagedJaxRollout: return_logprobs at temperature {cfg.temperature}: pagedjax returns "
                              "log-probabilities of the raw logits, Tunix's trainer of logits / temperature; sample "
                              "at temperature 1.0 (or 0) to compare them")
+        self._check_config(cfg)
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         self.serve_actor_weights()
         out = self.rollout.generate(
-            [self._encode(p) for p in prompts], max_tokens=cfg.max_tokens_to_generate,
+            [self._encode(p) if isinstance(p, str) else p for p in prompts], max_tokens=cfg.max_tokens_to_generate,
             max_prompt_length=cfg.max_prompt_length, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
             seed=_int_seed(cfg.seed), stop_ids=cfg.eos_tokens,
             return_logprobs=cfg.return_logprobs)
         return base_rollout.RolloutOutput(
             text=[self._tokenizer.decode(t.tolist()) for t in out.tokens], logits=None, tokens=out.tokens,
             left_padded_prompt_tokens=out.left_padded_prompt_tokens, logprobs=out.logprobs)
+
+    def _check_config(self, cfg: base_rollout.RolloutConfig) -> None:
+        """ValueError for the `RolloutConfig` fields this engine would otherwise ignore: a rollout dtype other than
+        the served model's, parallelism over several devices. (The fields of other engines, `rollout_vllm_*` /
+        `rollout_sglang_jax_*`, and vanilla's `kv_cache_size` are theirs: the engine's own configs size it.)"""
+        dtype = self.engine.model_config.dtype
+        if cfg.data_type is not None and jnp.dtype(cfg.data_type) != jnp.dtype(dtype):
+            raise ValueError(f"PagedJaxRollout: RolloutConfig.data_type {jnp.dtype(cfg.data_type).name}, but the "
+                             f"engine serves the actor's {dtype} weights as they are")
+        for name in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size"):
+            if getattr(cfg, name) > 1:
+                raise ValueError(f"PagedJaxRollout: RolloutConfig.{name} {getattr(cfg, name)}; pagedjax's Tunix "
+                                 "rollout runs on one device")
 
     def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array) -> jax.Array:
         self.serve_actor_weights()

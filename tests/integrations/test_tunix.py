@@ -52,6 +52,8 @@ def test_generate_basic():  # Tunix's test_generate_basic, test_generate_single_
         assert 257 not in tokens.tolist()  # EOS ends a sample and is not part of it
     one = shared_rollout().generate("prompt 1", rollout_config=RC)
     assert len(one.text) == 1 and one.tokens[0].tolist() == out.tokens[0].tolist()
+    ids = shared_rollout().generate([[256, *b"prompt 1"]], rollout_config=RC)  # token ids, as they are
+    assert ids.tokens[0].tolist() == out.tokens[0].tolist()
 
 
 def test_generate_no_logprobs_and_empty_prompts():
@@ -163,6 +165,10 @@ def test_refusals():
         rollout.generate(["p"], dataclasses.replace(RC, temperature=0.9))
     with pytest.raises(ValueError, match=r"seed must be an integer or a one-element integer array, got uint32\[2\]"):
         rollout.generate(["p"], dataclasses.replace(RC, seed=jax.random.PRNGKey(0)))
+    with pytest.raises(ValueError, match="data_type bfloat16, but the engine serves the actor's float32 weights"):
+        rollout.generate(["p"], dataclasses.replace(RC, data_type=jnp.bfloat16))
+    with pytest.raises(ValueError, match="tensor_parallel_size 2; pagedjax's Tunix rollout runs on one device"):
+        rollout.generate(["p"], dataclasses.replace(RC, tensor_parallel_size=2))
     with pytest.raises(TypeError, match=r"unexpected arguments \['echo'\]"):
         rollout.generate(["p"], RC, echo=True)
     with pytest.raises(NotImplementedError, match=r"filtered by \(<class '\S+Cache'>,\); \(nnx.Param,\) and"):
