@@ -251,8 +251,8 @@ class PagedJaxRollout(base_rollout.BaseRollout):
         or only its LoRA ones: Tunix's `sync_weights` filters by `(nnx.Param,)` or `(nnx.LoRAParam,)`) and serve
         them from the next step on (`serve_actor_weights`)."""
         if filter_types is not None and tuple(filter_types) not in ((nnx.Param,), (nnx.LoRAParam,)):
-            raise NotImplementedError(f"PagedJaxRollout.update_params: updates filtered by {filter_types}; "
-                                      "(nnx.Param,) and (nnx.LoRAParam,) are served")
+            raise ValueError(f"PagedJaxRollout.update_params: updates filtered by {filter_types}; "
+                             "(nnx.Param,) and (nnx.LoRAParam,) are served")
         of_model = isinstance(self._actor, TunixPolicy) and not (isinstance(params, nnx.State) and
                                                                  set(params) == {"model"})
         nnx.update(self._actor.model if of_model else self._actor, params)

@@ -171,7 +171,7 @@ def test_refusals():
         rollout.generate(["p"], dataclasses.replace(RC, tensor_parallel_size=2))
     with pytest.raises(TypeError, match=r"unexpected arguments \['echo'\]"):
         rollout.generate(["p"], RC, echo=True)
-    with pytest.raises(NotImplementedError, match=r"filtered by \(<class '\S+Cache'>,\); \(nnx.Param,\) and"):
+    with pytest.raises(ValueError, match=r"filtered by \(<class '\S+Cache'>,\); \(nnx.Param,\) and"):
         rollout.update_params(nnx.state(rollout.model()), filter_types=(nnx.Cache,))
     with pytest.raises(TypeError, match="rollout_actor must be a TunixPolicy"):
         PagedJaxRollout(rollout_actor=init_model(CFG, 1), tokenizer=TunixTokenizer(ByteTokenizer()))

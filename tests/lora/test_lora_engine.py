@@ -468,4 +468,7 @@ def test_adapters_given_with_their_weights_are_served_and_replaced_in_place(engi
             engine.add_lora_adapter(request, adapter)
     with pytest.raises(TypeError, match="takes a LoRARequest and a LoRAAdapter"):
         engine.add_lora_adapter(request, good.weights)
+    # every refusal left the registered weights (adapter 3's) serving, and no block behind
+    assert tokens(engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=request)) == reference(folders, 3)
     assert engine.remove_lora(9)
+    assert engine.stats().scheduler.memory.num_used_blocks == 0
