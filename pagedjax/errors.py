@@ -8,6 +8,7 @@
                                         strings without a tokenizer, LoRA without a lora_config)
       InvalidConstraint                 an output constraint the grammar library does not compile (`kind`: which,
                                         `reason`: the library's error); code `invalid_constraint`
+    EngineUnavailable(RuntimeError)     not a request's fault: the engine serves nothing any more (a lost host)
 
 `param` names the request's field as the engine takes it: a `SamplingParams` field ("max_tokens", "stop_token_ids",
 "structured", ...), "prompt", "images", "lora_request", "request_id", "cache_salt" or "sampling_params". `code` is a
@@ -74,3 +75,8 @@ class InvalidConstraint(InvalidRequest):
         super().__init__(message, param="structured")
         self.kind = kind
         self.reason = reason
+
+
+class EngineUnavailable(RuntimeError):
+    """Not a request's fault: the engine can serve nothing any more (e.g. a host of a multi-host engine was lost,
+    `pagedjax.engine.multihost`); every later call raises it too. A front end fails its requests and stops."""

@@ -151,6 +151,25 @@ def add_engine_options(parser: argparse.ArgumentParser, **front_end_defaults) ->
                      default=None)
     for name, flag, parse, metavar in SPECULATIVE_FLAGS:
         add_field_option(g, SpeculativeConfig, name, flag, type=parse, default=None, metavar=metavar)
+    add_multihost_options(parser)
+
+
+MULTIHOST_GROUP = "several hosts (docs/parallel.md#several-hosts)"
+
+
+def add_multihost_options(parser: argparse.ArgumentParser) -> None:
+    """One engine over several processes (`pagedjax.cli.multihost`), for `pagedjax-generate` and `pagedjax-serve`."""
+    g = parser.add_argument_group(MULTIHOST_GROUP)
+    g.add_argument("--nnodes", type=int_at_least(1), default=1, metavar="N",
+                   help="processes (one per host) running this same command; process 0 takes the requests")
+    g.add_argument("--node-rank", type=int_at_least(0), default=0, metavar="I", help="this process's index, 0..N-1")
+    g.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="process 0's host and a free port there (JAX's coordinator), the same on every process; "
+                        "'auto': JAX detects the cluster (SLURM, Open MPI, Cloud TPU, GKE)")
+    g.add_argument("--dist-timeout", type=float_in(0.0, 86400.0, lo_open=True), default=60.0, metavar="SECONDS",
+                   help="how long process 0 waits for the others in a step (compiles not counted) before it "
+                        "fails every request and exits (default 60)")
+    parser.set_defaults(processes=1)  # how many there are: set by `pagedjax.cli.multihost.start`
 
 
 # The --speculative-* flags past --speculative-method: (SpeculativeConfig's field, flag, type, metavar).

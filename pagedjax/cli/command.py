@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 from typing import TextIO
 
+from pagedjax.cli import multihost
 from pagedjax.cli.args import build_parser
 from pagedjax.cli.ctrl_c import CtrlC, Interrupted, exit_interrupted, flush_quietly
 from pagedjax.cli.engine_setup import build_engine, load_model_for_cli
@@ -19,6 +20,7 @@ from pagedjax.cli.generation import Generation
 from pagedjax.cli.prompts import collect_prompts
 from pagedjax.cli.report import print_header, report
 from pagedjax.cli.warm_start import compile_cache
+from pagedjax.errors import EngineUnavailable
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO | None = None,
@@ -28,6 +30,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO |
     if args.model is not None and not Path(args.model).exists():
         parser.error(f"--model: no such file or directory: {args.model}")
     prompts = collect_prompts(args, parser)
+    rank = multihost.start(args)  # before anything uses JAX's devices (None: one process)
 
     with compile_cache(args) as cache:  # before anything is loaded: loading compiles too
         t0 = time.perf_counter()
@@ -35,6 +38,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO |
         load_s = time.perf_counter() - t0
         engine = build_engine(args, loaded, compile_cache=cache.engine_arg)
         loaded = loaded.without_weights()  # the engine holds them
+        if rank:  # another process of a multi-host run: steps with process 0, prints nothing
+            return multihost.follower(engine, args)
+        if rank == 0:
+            engine = multihost.leader(engine, args)
         try:
             gen = Generation(engine, loaded.tokenizer, prompts, args, out, ctrl_c)
             gen.start()
@@ -78,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
             return run(args, parser, ctrl_c=ctrl_c)
         except CLIError as e:
             flush_quietly()
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            return EXIT_ERROR
+        except EngineUnavailable as e:  # a multi-host run lost a process: JAX's teardown would wait for it
+            flush_quietly()
+            if exit_process:
+                multihost.exit_lost(e)
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
             return EXIT_ERROR
         except (Interrupted, KeyboardInterrupt):

@@ -349,8 +349,9 @@ def engine_config_of(args: argparse.Namespace, compile_cache: bool | str = True,
             decode_steps_per_call=args.decode_steps_per_call, seed=args.seed, compile_cache=compile_cache,
             max_compiled_programs=args.max_compiled_programs,
             # Warmed-up programs stand in while a step's own compiles (the server's way): no stream stalls on a
-            # compile; without warm-up, each step waits for its own program.
-            compile_in_background=args.warmup,
+            # compile; without warm-up, each step waits for its own program. Across processes each step's program
+            # must be the same on all: compiled in the step (the warm-up then compiles in the foreground).
+            compile_in_background=args.warmup and args.processes == 1,
             structured_limits=StructuredLimits() if structured_limits is None else structured_limits,
             sampling_defaults=sampling_defaults_of(args) if sampling_defaults is None else sampling_defaults,
             lora_config=lora_config_of(args), pooling_defaults=pooling_defaults_of(args))

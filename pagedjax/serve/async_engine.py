@@ -20,7 +20,10 @@ engine frees its blocks before its next step.
 
 Failures: a request the engine finished with finish_reason "error" comes out like any other finished output
 (`RequestOutput.error` says why). If `step()` itself raises, every request in flight is aborted and its stream
-raises `EngineStepError`; the engine keeps serving new requests.
+raises `EngineStepError`; the engine keeps serving new requests. An engine that can serve nothing any more
+(`pagedjax.errors.EngineUnavailable`, e.g. a lost host of a multi-host engine, raised by a step or handed to `fail`)
+ends the engine thread: every request in flight raises `EngineStoppedError` saying why, and `is_running` turns
+False (a server's /health says 503; `pagedjax-serve` then exits).
 
 LoRA adapters (an engine with a `lora_config`): `add_request(..., lora_request=...)` runs a request under an
 adapter; `add_lora` registers one and `remove_lora` forgets one, both on the engine thread. An adapter that
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 from pagedjax.engine import EngineStats, LLMEngine
 from pagedjax.engine.image_prompts import EncodedPrompt
 from pagedjax.engine.summary import summarize
+from pagedjax.errors import EngineUnavailable
 from pagedjax.outputs import RequestOutput
 from pagedjax.pooling_params import PoolingParams
 from pagedjax.sampling_params import LoRARequest, SamplingParams
@@ -93,6 +97,11 @@ class _Abort:
 @dataclass(frozen=True)
 class _FailAll:
     error: BaseException
+
+
+@dataclass(frozen=True)
+class _Die:
+    error: EngineUnavailable
 
 
 _STOP = object()
@@ -209,6 +218,11 @@ class AsyncLLMEngine:
     @property
     def accepting(self) -> bool:
         return self._accepting and self._dead is None
+
+    @property
+    def unavailable(self) -> EngineUnavailable | None:
+        """The `EngineUnavailable` the engine thread ended on (e.g. a lost host), None otherwise."""
+        return self._dead if isinstance(self._dead, EngineUnavailable) else None
 
     def stats(self) -> EngineStats:
         """The engine's statistics after the engine thread's latest step or command."""
@@ -376,6 +390,11 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join()
 
+    def fail(self, error: EngineUnavailable) -> None:
+        """The engine can serve nothing any more (from any thread: e.g. a multi-host engine's `on_lost`): the engine
+        thread ends as if its step had raised `error` (see the module docstring)."""
+        self.send(_Die(error))
+
     def send(self, command) -> None:
         """Hand the engine thread a command (its streams' interface, as theirs is `put`)."""
         self._commands.put(command)
@@ -401,6 +420,8 @@ class AsyncLLMEngine:
                     if isinstance(command, _FailAll):
                         self._publish(self._fail_all(command.error, drain=True))
                         continue
+                    if isinstance(command, _Die):
+                        raise command.error
                     if command is _STOP:
                         failed = self._fail_all(EngineStoppedError("the server shut down before the request "
                                                                    "finished"), drain=True)
@@ -411,7 +432,12 @@ class AsyncLLMEngine:
                 self._publish(self._step() if self.engine.has_unfinished_requests() else [])
                 if self._retiring:
                     self._retire()
-        except BaseException as e:  # a bug outside step(): fail everything, take no more requests
+        except EngineUnavailable as e:  # the engine cannot go on: fail everything, take no more requests
+            logger.error("the engine stopped: %s", e)
+            self._dead = e
+            self._accepting = False
+            self._publish(self._fail_all(EngineStoppedError(f"the engine stopped: {e}"), drain=True, abort=False))
+        except BaseException as e:  # a bug outside step(): the same
             logger.exception("the engine thread died")
             self._dead = e
             self._accepting = False
@@ -449,6 +475,9 @@ class AsyncLLMEngine:
                                                                           lora_request=lora, **pooling))
             else:
                 self.engine.add_request(stream.request_id, command.prompt, params, lora_request=lora, **pooling)
+        except EngineUnavailable as e:  # not the request's fault: the engine thread ends
+            command.done.set_exception(EngineStoppedError(f"the engine stopped: {e}"))
+            raise
         except Exception as e:  # noqa: BLE001 - the caller's to handle (a bad request)
             command.done.set_exception(e)
             return
@@ -502,6 +531,8 @@ class AsyncLLMEngine:
         start = time.perf_counter()
         try:
             outputs = self.engine.step()
+        except EngineUnavailable:
+            raise  # the engine thread ends (`_run`)
         except Exception as e:  # noqa: BLE001 - the engine could not recover: fail what was in flight
             logger.exception("engine step failed; aborting %d requests", len(self._streams))
             return self._fail_all(EngineStepError(f"the engine step failed: {type(e).__name__}: {e}"))
@@ -516,13 +547,15 @@ class AsyncLLMEngine:
             items.append((stream, out))
         return items
 
-    def _fail_all(self, error: BaseException, *, drain: bool = False) -> list[tuple[RequestStream, BaseException]]:
-        """Abort every accepted request; their streams are to raise `error`. `drain`: also fail the adds still
-        queued (when the thread is about to end)."""
+    def _fail_all(self, error: BaseException, *, drain: bool = False,
+                  abort: bool = True) -> list[tuple[RequestStream, BaseException]]:
+        """Abort every accepted request (in the engine too unless `abort` is False: an unavailable engine); their
+        streams are to raise `error`. `drain`: also fail the adds still queued (when the thread is about to end)."""
         items = []
         for request_id, stream in list(self._streams.items()):
             try:
-                self.engine.abort(request_id)
+                if abort:
+                    self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - keep failing the others
                 logger.exception("aborting %s failed", request_id)
             items.append((stream, error))

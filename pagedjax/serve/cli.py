@@ -33,6 +33,7 @@ import warnings
 from pathlib import Path
 
 from pagedjax.cli import args as generate_args
+from pagedjax.cli import multihost
 from pagedjax.cli.errors import EXIT_ERROR, EXIT_OK, CLIError
 from pagedjax.cli.sizes import parse_size
 from pagedjax.serve.admission import (
@@ -267,12 +268,14 @@ class _Server:
     """uvicorn's server, whose shutdown on SIGINT / SIGTERM ends every request cleanly and exits 0 (uvicorn
     itself re-raises the signal once it has shut down, so that the process dies of it).
 
+    An engine that became unavailable (`AsyncLLMEngine.unavailable`: a lost host) stops it as a signal would.
+
     The first signal runs `drain(timeout)` in the event loop (requests in flight may finish for `timeout`
     seconds; the rest end with an error, a stream with its error event and [DONE]) while uvicorn stops accepting
     and waits for the connections. A second one ends every request now (`drain(0)`) instead of uvicorn's forced
     exit, which would cut responses mid-body; only a third forces it."""
 
-    def __init__(self, config, drain, timeout: float):
+    def __init__(self, config, drain, timeout: float, unavailable=lambda: None):
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -288,6 +291,11 @@ class _Server:
                     self.drains.append(loop.create_task(drain(timeout if self.signals == 1 else 0.0)))
                 if self.signals != 2:
                     super().handle_exit(sig, frame)
+
+            async def on_tick(self, counter: int) -> bool:
+                if unavailable() is not None:  # the engine can serve nothing (its requests already failed): exit
+                    return True
+                return await super().on_tick(counter)
 
             @contextlib.contextmanager
             def capture_signals(self):
@@ -398,9 +406,14 @@ def serve(args: argparse.Namespace) -> int:
         template = ChatTemplate.from_model(folder, args.chat_template)
     except (OSError, ModelLoadError) as e:
         raise CLIError(f"cannot read the chat template: {e}") from None
+    rank = multihost.start(args)  # before anything uses JAX's devices (None: one process)
     with compile_cache(args) as cache:
         # The engine checks every constraint against the server's limits too (its Python API is guarded alike).
         engine = build_engine(args, load_model_for_cli(args), compile_cache=cache.engine_arg, structured_limits=limits)
+        if rank:  # another process of a multi-host server: steps with process 0, serves nothing
+            return multihost.follower(engine, args)
+        if rank == 0:  # a lost process fails every request, /health turns 503, and the server exits (`_Server`)
+            engine = multihost.leader(engine, args, on_lost=lambda error: async_engine.fail(error))
         async_engine = AsyncLLMEngine(engine, max_pending=args.max_num_seqs + args.max_queue)
         try:  # registers the --lora-modules (each folder read and checked)
             app = build_app(async_engine, model_name=name, structured_limits=limits, compile_config=compile_config,
@@ -415,7 +428,9 @@ def serve(args: argparse.Namespace) -> int:
                             **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
         except ValueError as e:
             raise CLIError(str(e)) from None
-        if args.warmup:  # in the background: the server answers at once, its first steps compiling their own
+        if args.warmup and rank is not None:  # every process compiles each step's one program: now, together
+            engine.warmup()
+        elif args.warmup:  # in the background: the server answers at once, its first steps compiling their own
             warmed = engine.start_warmup()
             # The warm-up's traces and programs live as long as the server, out of the collector's reach too.
             warmed.add_done_callback(lambda _: gc.freeze())
@@ -429,11 +444,14 @@ def serve(args: argparse.Namespace) -> int:
         # generations, a full collection no longer walks it. Such collections, set off by the tracing of later
         # programs, stalled the engine thread for up to 2 s before (measured); after it, 0.1-0.3 s.
         gc.freeze()
+        server = _Server(config, async_engine.drain, args.shutdown_timeout, lambda: async_engine.unavailable)
         try:
-            started = _Server(config, async_engine.drain, args.shutdown_timeout).run()
+            started = server.run()
         finally:
             async_engine.stop()  # a second signal skips the app's shutdown: never exit with a device call running
             engine.close()  # and no background compile queued
+    if async_engine.unavailable is not None:
+        multihost.exit_lost(async_engine.unavailable)
     return EXIT_OK if started else EXIT_ERROR
 
 

@@ -70,37 +70,3 @@ def test_parallel(fast_results, name):
 @pytest.mark.parametrize("name", SLOW)
 def test_parallel_slow(tmp_path, name):
     _report(run_worker(tmp_path / "out.json", [name]).get(name), name)
-
-
-def test_two_processes(tmp_path):
-    """`jax.distributed` with 2 processes on this machine (CPU, gloo over loopback), 2 devices each, tp 4 across
-    both: each process's engine gives the dense model's greedy tokens (prefix cache, preemption, chunked
-    prefill and fused decode on)."""
-    import socket
-
-    with socket.socket() as s:  # a free port for the coordinator
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # The suite's XLA flags go on (at XLA's default level both processes took 3x the time); the worker adds its
-    # device count.
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags))
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # its engine runs without the persistent cache (tests/conftest.py)
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.parallel.multihost_worker", str(rank), str(port),
-                               str(tmp_path / f"{rank}.json")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    errors = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        if p.returncode:
-            errors.append(err[-3000:])
-    assert not errors, "\n\n".join(errors)
-    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
-    for r in results:
-        assert r["tokens"] == r["reference"]
-        assert r["preemptions"] > 0

@@ -11,6 +11,7 @@ import pytest
 
 from pagedjax import SamplingParams
 from pagedjax.config import LoRAConfig
+from pagedjax.errors import EngineUnavailable
 from pagedjax.serve.async_engine import AsyncLLMEngine, EngineStepError, EngineStoppedError, QueueFullError
 from tests.serve.server_utils import make_engine
 
@@ -170,6 +171,43 @@ def test_a_failing_step_fails_what_is_in_flight_and_serves_on(engine, expected):
     assert later[-1].output_token_ids == expected[0]
     assert engine.stats().scheduler.memory.num_used_blocks == 0
     assert engine.is_running
+
+
+@pytest.mark.parametrize("how", ["step", "fail"])
+def test_an_unavailable_engine_fails_every_request_and_ends_the_thread(how):
+    """A step that raises EngineUnavailable (a lost host), or `fail` called from another thread: the request in
+    flight ends with the error, nothing more is taken, `unavailable` says why."""
+    engine = AsyncLLMEngine(make_engine())
+    engine.start()
+    llm = engine.engine
+    step, lost = llm.step, EngineUnavailable("a process was lost")
+    seen = threading.Event()
+
+    def step_then_lose():
+        outputs = step()
+        seen.set()
+        if how == "step":
+            raise lost
+        return outputs
+
+    llm.step = step_then_lose
+
+    async def main():
+        streams = [await engine.add_request(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=200,
+                                                                      ignore_eos=True))]
+        if how == "fail":
+            await asyncio.to_thread(seen.wait, 60)
+            engine.fail(lost)
+        for stream in streams:
+            with pytest.raises(EngineStoppedError, match="the engine stopped: a process was lost"):
+                async for _ in stream:
+                    pass
+        with pytest.raises(EngineStoppedError, match="a process was lost"):
+            await engine.add_request(PROMPTS[0], PARAMS[0])
+
+    asyncio.run(main())
+    assert engine.unavailable is lost and not engine.is_running and not engine.accepting
+    engine.stop()  # returns: the thread has ended
 
 
 def test_shutdown_ends_streams_and_refuses_new_requests():

@@ -1,0 +1,96 @@
+"""Several hosts from the command line: the same command on every host, `--nnodes N --node-rank I
+--dist-init-addr HOST0:PORT` (or `--dist-init-addr auto`: JAX detects SLURM, Open MPI, Cloud TPU, GKE). Process 0
+does the front end's work (reads the prompts, serves HTTP) through a `MultiHostEngine`; every other process
+builds the same engine and follows it (`pagedjax.engine.multihost.follow`), printing and serving nothing.
+
+A lost process ends the run: process 0's requests fail with the error, and every process leaves with exit code 2
+at once (`os._exit`: JAX's own shutdown would wait for the lost process, then abort).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from pagedjax.cli.errors import EXIT_ERROR, EXIT_OK, CLIError
+
+logger = logging.getLogger(__name__)
+
+# Flags that differ between the processes of one run, or are secrets: left out of what every process compares.
+_PER_PROCESS = frozenset({"node_rank", "api_key", "api_key_file", "host", "port", "log_level"})
+
+
+def start(args: argparse.Namespace) -> int | None:
+    """Join the other processes (`jax.distributed`) when the flags ask for several: this process's index then
+    (0 leads), None for a run of one process. Call before anything uses JAX's devices. CLIError for flags that
+    do not fit together."""
+    if args.dist_init_addr is None:
+        if args.nnodes > 1 or args.node_rank:
+            raise CLIError("--nnodes / --node-rank need --dist-init-addr HOST:PORT (process 0's)")
+        return None
+    from pagedjax.parallel.distributed import initialize
+
+    if args.dist_init_addr == "auto":
+        if args.nnodes > 1 or args.node_rank:
+            raise CLIError("--dist-init-addr auto takes the process count and index from the cluster: leave out "
+                           "--nnodes and --node-rank")
+        initialize()
+    else:
+        if args.node_rank >= args.nnodes:
+            raise CLIError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
+        if ":" not in args.dist_init_addr:
+            raise CLIError(f"--dist-init-addr must be HOST:PORT, got {args.dist_init_addr!r}")
+        initialize(args.dist_init_addr, num_processes=args.nnodes, process_id=args.node_rank)
+    import jax
+
+    # Read by `engine_setup.engine_config_of`: no background compiles across processes (`MultiHostEngine`).
+    args.processes = jax.process_count()
+    return jax.process_index() if args.processes > 1 else None
+
+
+def description(args: argparse.Namespace) -> dict:
+    """What every process's command must agree on: its flags (but the per-process ones) and the model folder's
+    files (names and sizes)."""
+    flags = {k: str(v) for k, v in sorted(vars(args).items()) if k not in _PER_PROCESS}
+    files = {}
+    if args.model is not None and Path(args.model).is_dir():
+        files = {str(p.relative_to(args.model)): p.stat().st_size for p in sorted(Path(args.model).rglob("*"))
+                 if p.is_file()}
+    return {"flags": flags, "model_files": files}
+
+
+def leader(engine, args: argparse.Namespace, on_lost=None):
+    """Process 0's engine: `MultiHostEngine` over `engine` (the processes compared first)."""
+    from pagedjax.engine.multihost import MultiHostEngine, RanksMismatchError
+
+    try:
+        return MultiHostEngine(engine, timeout_s=args.dist_timeout, on_lost=on_lost, extra=description(args))
+    except (RanksMismatchError, ValueError) as e:
+        raise CLIError(str(e)) from None
+
+
+def follower(engine, args: argparse.Namespace) -> int:
+    """Process i > 0: follow process 0 until it closes (EXIT_OK); a lost process or a mismatch leaves at once."""
+    import jax
+
+    from pagedjax.engine.multihost import RanksMismatchError, follow
+    from pagedjax.errors import EngineUnavailable
+
+    logger.info("process %d of %d: following process 0", jax.process_index(), jax.process_count())
+    try:
+        follow(engine, extra=description(args))
+    except (RanksMismatchError, ValueError) as e:
+        raise CLIError(str(e)) from None
+    except EngineUnavailable as e:
+        exit_lost(e)
+    return EXIT_OK
+
+
+def exit_lost(error: BaseException) -> None:
+    """Say why and leave now (see the module docstring)."""
+    print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(EXIT_ERROR)
