@@ -39,7 +39,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO |
         engine = build_engine(args, loaded, compile_cache=cache.engine_arg)
         loaded = loaded.without_weights()  # the engine holds them
         if rank:  # another process of a multi-host run: steps with process 0, prints nothing
-            return multihost.follower(engine, args)
+            return multihost.follower(engine, args, parser.prog)
         if rank == 0:
             engine = multihost.leader(engine, args)
         try:
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         except EngineUnavailable as e:  # a multi-host run lost a process: JAX's teardown would wait for it
             flush_quietly()
             if exit_process:
-                multihost.exit_lost(e)
+                multihost.exit_lost(e, parser.prog)
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
             return EXIT_ERROR
         except (Interrupted, KeyboardInterrupt):

@@ -72,7 +72,7 @@ def leader(engine, args: argparse.Namespace, on_lost=None):
         raise CLIError(str(e)) from None
 
 
-def follower(engine, args: argparse.Namespace) -> int:
+def follower(engine, args: argparse.Namespace, prog: str) -> int:
     """Process i > 0: follow process 0 until it closes (EXIT_OK); a lost process or a mismatch leaves at once."""
     import jax
 
@@ -85,12 +85,12 @@ def follower(engine, args: argparse.Namespace) -> int:
     except (RanksMismatchError, ValueError) as e:
         raise CLIError(str(e)) from None
     except EngineUnavailable as e:
-        exit_lost(e)
+        exit_lost(e, prog)
     return EXIT_OK
 
 
-def exit_lost(error: BaseException) -> None:
-    """Say why and leave now (see the module docstring)."""
-    print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
+def exit_lost(error: BaseException, prog: str) -> None:
+    """Say why (as `prog`) and leave now (see the module docstring)."""
+    print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
     logging.shutdown()
     os._exit(EXIT_ERROR)

@@ -97,7 +97,7 @@ def decode(data: bytes) -> Message:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WireError(f"not a JSON message: {e}") from None
     _check_keys("message", doc, {"v", "op", "commands"})
-    if doc["v"] != WIRE_VERSION:
+    if type(doc["v"]) is not int or doc["v"] != WIRE_VERSION:
         raise WireError(f"wire version {doc['v']!r}; this pagedjax speaks {WIRE_VERSION}")
     if not isinstance(doc["commands"], list):
         raise WireError("commands must be a list")

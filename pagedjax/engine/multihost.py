@@ -85,7 +85,8 @@ _READ_ONLY = frozenset({"tokenizer", "model_config", "model_spec", "max_request_
                         "cache_config", "scheduler_config", "parallel_config", "image_processor", "lora", "backend",
                         "num_blocks", "decode_steps_per_call", "fresh_request_ids", "compile_constraint",
                         "encode_prompt", "list_loras", "has_unfinished_requests", "stats", "stats_dict",
-                        "compile_notices", "runner", "structured", "speculator"})
+                        "compile_notices", "runner", "structured", "speculator", "extra_pools", "pool_block_sizes",
+                        "output_processor"})
 
 
 def describe(engine: LLMEngine, extra: dict | None = None) -> dict:
@@ -209,6 +210,11 @@ class MultiHostEngine:
         self._round.start()
         self._idle = threading.Event()  # set on close: ends the heartbeat
         threading.Thread(target=self._heartbeat, name="pagedjax-multihost-heartbeat", daemon=True).start()
+
+    @property
+    def pending_commands(self) -> tuple[Command, ...]:
+        """The changes made here since the last exchange, which the next one sends."""
+        return tuple(self._pending)
 
     # ------------------------------------------------------------------------------------- what others read
     def __getattr__(self, name: str):
@@ -357,7 +363,7 @@ class MultiHostEngine:
 
     def _collective(self, payload: bytes) -> None:  # the round thread
         start = time.perf_counter()
-        _, digests = distributed.exchange(payload, self._digest)
+        digests = _exchange(payload, self._digest)[1]
         self.exchange_s += time.perf_counter() - start
         self.exchanges += 1
         self.bytes_sent += len(payload)
@@ -377,10 +383,6 @@ class MultiHostEngine:
                                              "lost, or stalled; the engine cannot step any more"))
             except EngineUnavailable as e:
                 self._fail(e)
-            except Exception as e:
-                if not _is_collective_error(e):
-                    raise
-                self._fail(RankLostError(f"a process was lost ({op}): {type(e).__name__}: {e}"))
 
     def _fail(self, error: EngineUnavailable):
         self._lost = error
@@ -446,13 +448,7 @@ def follow(engine: LLMEngine, *, extra: dict | None = None) -> None:
     check_ranks_agree(describe(engine, extra))
     digest = state_digest(engine)
     while True:
-        try:
-            payload, digests = distributed.exchange(b"", digest)
-        except Exception as e:
-            if not _is_collective_error(e):
-                raise
-            raise RankLostError(f"process {jax.process_index()}: the exchange failed (process 0 or another was "
-                                f"lost): {type(e).__name__}: {e}") from None
+        payload, digests = _exchange(b"", digest)
         _check_digests(digests)
         message = decode(payload)
         for command in message.commands:
@@ -489,6 +485,12 @@ def _check_digests(digests: list[int]) -> None:
                                  "steps: the engine stops (the plans would differ)")
 
 
-def _is_collective_error(e: BaseException) -> bool:
-    """The JAX runtime's error (a collective whose peer went away), as opposed to a bug of ours."""
-    return type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+def _exchange(payload: bytes, digest: int) -> tuple[bytes, list[int]]:
+    """`distributed.exchange`; RankLostError when it raises: its shapes and programs are fixed, so only the
+    collective itself fails it (a process went away: the runtime's error, which JAX raises as JaxRuntimeError or,
+    from a jit dispatch, ValueError)."""
+    try:
+        return distributed.exchange(payload, digest)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        raise RankLostError(f"a process was lost (process {jax.process_index()} could not reach the others): "
+                            f"{type(e).__name__}: {e}") from None

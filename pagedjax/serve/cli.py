@@ -411,7 +411,7 @@ def serve(args: argparse.Namespace) -> int:
         # The engine checks every constraint against the server's limits too (its Python API is guarded alike).
         engine = build_engine(args, load_model_for_cli(args), compile_cache=cache.engine_arg, structured_limits=limits)
         if rank:  # another process of a multi-host server: steps with process 0, serves nothing
-            return multihost.follower(engine, args)
+            return multihost.follower(engine, args, PROG)
         if rank == 0:  # a lost process fails every request, /health turns 503, and the server exits (`_Server`)
             engine = multihost.leader(engine, args, on_lost=lambda error: async_engine.fail(error))
         async_engine = AsyncLLMEngine(engine, max_pending=args.max_num_seqs + args.max_queue)
@@ -451,7 +451,7 @@ def serve(args: argparse.Namespace) -> int:
             async_engine.stop()  # a second signal skips the app's shutdown: never exit with a device call running
             engine.close()  # and no background compile queued
     if async_engine.unavailable is not None:
-        multihost.exit_lost(async_engine.unavailable)
+        multihost.exit_lost(async_engine.unavailable, PROG)
     return EXIT_OK if started else EXIT_ERROR
 
 

@@ -4,7 +4,6 @@ Each process has 2 CPU devices; tp 4 spans both processes (gloo collectives over
 (`MultiHostEngine`: it alone is given the requests), process 1 follows (`follow`). CASE:
   serve     process 0 generates the prompts (greedy, prefix hits, preemption, chunked prefill, fused decode), aborts
             one request mid-way and adds requests while others run, then closes; both write what they saw to OUT
-  mismatch  process 1 builds its engine with another max_num_seqs: both must refuse at start, naming the field
   lost      process 1 dies (os._exit) in its third step: process 0's step must raise RankLostError at once
 """
 
@@ -28,68 +27,64 @@ def main(rank: int, port: int, out: str, case: str) -> None:
     import numpy as np
 
     from pagedjax import SamplingParams
-    from pagedjax.engine.multihost import MultiHostEngine, RankLostError, RanksMismatchError, follow
+    from pagedjax.engine.multihost import MultiHostEngine, RankLostError, follow
     from pagedjax.parallel import ParallelConfig
     from tests.parallel import worker
 
     assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
     # Host (numpy) weights: each process places its own devices' slices of them.
     host = jax.tree.map(np.asarray, worker.params("gqa"))
-    seqs = 3 if case == "mismatch" and rank == 1 else 4
     e = worker.LLMEngine(model_config=worker.config("gqa"), cache_config=worker.CacheConfig(block_size=8, num_blocks=8),
-                         scheduler_config=worker.SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=16,
+                         scheduler_config=worker.SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
                                                                  max_model_len=worker.MAX_LEN), params=host,
                          parallel_config=ParallelConfig(tensor_parallel_size=4), compile_cache=False,
                          decode_steps_per_call=4)
     assert {d.process_index for d in e.runner.mesh.devices.flat} == {0, 1}
     result: dict = {}
     greedy = SamplingParams(temperature=0.0, max_tokens=worker.MAX_TOKENS)
-    try:
-        if rank == 1:
-            if case == "lost":
-                steps, step = [0], e.step
+    if rank == 1:
+        if case == "lost":
+            steps, step = [0], e.step
 
-                def dying_step():
-                    steps[0] += 1
-                    if steps[0] == 3:
-                        os._exit(3)
-                    return step()
+            def dying_step():
+                steps[0] += 1
+                if steps[0] == 3:
+                    os._exit(3)
+                return step()
 
-                e.step = dying_step
-            follow(e)
-            result["followed"] = True
-        else:
-            m = MultiHostEngine(e, timeout_s=30)
-            if case == "lost":
-                m.add_request("a", worker.PROMPTS[3], greedy)
-                start = time.perf_counter()
-                try:
-                    while m.has_unfinished_requests():
-                        m.step()
-                except RankLostError as err:
-                    result.update(error=str(err), seconds=time.perf_counter() - start)
-                try:
-                    m.add_request("b", [1], greedy)
-                except RankLostError as err:
-                    result["later"] = str(err)
-                os._exit(_write(out, result))  # JAX's own shutdown would wait for the lost process
-            outs = m.generate(worker.PROMPTS, greedy)
-            # Requests added while others run, and one aborted mid-way: the follower applies both between the
-            # same steps.
-            m.add_request("x", worker.PROMPTS[1], greedy)
-            m.step()
-            m.add_request("y", worker.PROMPTS[2], greedy)
-            m.step()
-            aborted = m.abort("x")
-            late: dict = {}
-            while m.has_unfinished_requests():
-                late.update({o.request_id: o.output_token_ids for o in m.step() if o.finished})
-            result.update(tokens=[o.output_token_ids for o in outs], reference=worker.reference("gqa"),
-                          preemptions=e.stats().scheduler.num_preemptions, late=late, aborted=aborted,
-                          exchanges=m.exchanges, bytes=m.bytes_sent)
-            m.close()
-    except RanksMismatchError as err:
-        result["mismatch"] = str(err)
+            e.step = dying_step
+        follow(e)
+        result["followed"] = True
+    else:
+        m = MultiHostEngine(e, timeout_s=30)
+        if case == "lost":
+            m.add_request("a", worker.PROMPTS[3], greedy)
+            start = time.perf_counter()
+            try:
+                while m.has_unfinished_requests():
+                    m.step()
+            except RankLostError as err:
+                result.update(error=str(err), seconds=time.perf_counter() - start)
+            try:
+                m.add_request("b", [1], greedy)
+            except RankLostError as err:
+                result["later"] = str(err)
+            os._exit(_write(out, result))  # JAX's own shutdown would wait for the lost process
+        outs = m.generate(worker.PROMPTS, greedy)
+        # Requests added while others run, and one aborted mid-way: the follower applies both between the
+        # same steps.
+        m.add_request("x", worker.PROMPTS[1], greedy)
+        m.step()
+        m.add_request("y", worker.PROMPTS[2], greedy)
+        m.step()
+        aborted = m.abort("x")
+        late: dict = {}
+        while m.has_unfinished_requests():
+            late.update({o.request_id: o.output_token_ids for o in m.step() if o.finished})
+        result.update(tokens=[o.output_token_ids for o in outs], reference=worker.reference("gqa"),
+                      preemptions=e.stats().scheduler.num_preemptions, late=late, aborted=aborted,
+                      exchanges=m.exchanges, bytes=m.bytes_sent)
+        m.close()
     _write(out, result)
     jax.distributed.shutdown()
 

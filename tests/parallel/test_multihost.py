@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -60,16 +58,30 @@ def test_one_leader_one_follower_give_the_dense_tokens(tmp_path):
     assert follow == {"followed": True}
 
 
-def test_a_process_with_another_config_is_refused_by_name(tmp_path):
-    (lead, follow), procs = run_pair(tmp_path, "mismatch")
-    for r in (lead, follow):
-        assert "process 1 differs from process 0" in r["mismatch"]
-        assert "config.scheduler_config.max_num_seqs: 4 (process 0) vs 3" in r["mismatch"]
+def test_a_process_started_with_other_flags_is_refused_by_name(tmp_path):
+    """`pagedjax-generate --nnodes 2` with another --max-num-seqs on process 1: both processes refuse at start (exit
+    2), naming the engine field and the flag that differ, before anything is generated."""
+    port = free_port()
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    procs = [subprocess.Popen([sys.executable, "-m", "pagedjax.cli", "--nnodes", "2", "--node-rank", str(rank),
+                               "--dist-init-addr", f"127.0.0.1:{port}", "--tensor-parallel-size", "2",
+                               "--no-compile-cache", "--prompt", "Hi", "--max-tokens", "4",
+                               "--max-num-seqs", str(8 + rank)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 2, err[-3000:]
+        assert "error: the processes do not run the same engine: process 1 differs from process 0" in err
+        assert "config.scheduler_config.max_num_seqs: 8 (process 0) vs 9" in err
+        assert "flags.max_num_seqs: 8 (process 0) vs 9" in err
+        assert "statistics" not in out
 
 
-@pytest.mark.parametrize("case", ["lost"])
-def test_a_lost_follower_fails_the_leaders_step_at_once(tmp_path, case):
-    (lead, follow), procs = run_pair(tmp_path, case)
+def test_a_lost_follower_fails_the_leaders_step_at_once(tmp_path):
+    """Process 1 dies mid-run: process 0's step raises RankLostError within seconds, and so does every later call."""
+    (lead, follow), procs = run_pair(tmp_path, "lost")
     assert procs[1].returncode == 3 and follow is None
     assert procs[0].returncode == 0, procs[0].stderr[-3000:]
     assert "a process was lost" in lead["error"] and lead["seconds"] < 20
