@@ -31,6 +31,9 @@ def start(args: argparse.Namespace) -> int | None:
         if args.nnodes > 1 or args.node_rank:
             raise CLIError("--nnodes / --node-rank need --dist-init-addr HOST:PORT (process 0's)")
         return None
+    if args.data_parallel_size > 1:
+        raise CLIError("--data-parallel-size with --dist-init-addr: replicas across hosts are not served yet (one "
+                       "engine spans the processes: use --tensor-parallel-size)")
     from pagedjax.parallel.distributed import initialize
 
     if args.dist_init_addr == "auto":
