@@ -85,8 +85,11 @@ for id in "test_model.py::test_paged_forward_matches_dense[4-gqa]" \
     "test_checkpoint_train.py::test_train_bpe_export_resume_and_evaluate"; do
   newest_deselect+=(--deselect "tests/model/$id")
 done
-# (CI time) jax.distributed's two processes run in the first pass; the 8-device checks above run shard_map here.
-newest_deselect+=(--deselect "tests/parallel/test_parallel.py::test_two_processes")
+# (CI time) of jax.distributed's two-process checks, the leader and follower stepping together runs here too (the
+# exchange is JAX's all-gather, whose API moves between versions); a lost follower and a refused command line run in
+# the first pass.
+newest_deselect+=(--deselect "tests/parallel/test_multihost.py::test_a_lost_follower_fails_the_leaders_step_at_once"
+                  --deselect "tests/parallel/test_multihost.py::test_a_process_started_with_other_flags_is_refused_by_name")
 # Whole files per xdist worker, in this order (--dist loadfile, no reordering by test count): test_parallel's checks
 # share one 8-device subprocess behind a file lock, and split over the two workers (which --dist load did in this
 # short run) one worker waited for the other's subprocess, idle (25 s); listed first, the longest file starts at
