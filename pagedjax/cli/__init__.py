@@ -17,8 +17,8 @@ fit, a prompt that is too long, ...); 130 after Ctrl-C, which stops the run betw
 Ctrl-C, or one before generation starts, exits at once).
 
 Modules: `args` (the options), `prompts`, `warm_start` (the compile cache), `engine_setup` (model, engine, KV
-pool check), `generation` (the loop), `report` (header, table, JSON), `ctrl_c`, `errors` (exit statuses) and
-`command` (`main`, `run`).
+pool check), `generation` (the loop), `report` (header, table, JSON), `ctrl_c`, `errors` (exit statuses), `multihost`
+(one run over several processes: --nnodes, --node-rank, --dist-init-addr) and `command` (`main`, `run`).
 """
 
 from pagedjax.cli.command import main, run

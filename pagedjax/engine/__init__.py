@@ -7,6 +7,8 @@
   beam_search.py       beam search over forked requests
   generate.py          a whole batch through any engine
   data_parallel.py     DataParallelEngine: replicas behind one LLMEngine-shaped front
+  multihost.py         MultiHostEngine (process 0) and follow (the others): one engine over several processes
+  commands.py          what changes an engine's state between steps, and its wire form (multihost's messages)
   protocol.py          Engine: what every engine-shaped class offers; PreparedRequest
   factory.py           make_engine / load_engine: one LLMEngine, or a DataParallelEngine, from a parallel layout
   scoring.py stats.py  score; EngineStats

@@ -47,8 +47,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
 import jax
 
@@ -230,16 +229,18 @@ class MultiHostEngine:
                      pooling=None) -> PreparedRequest:
         """`LLMEngine.make_request`; UnsupportedFeature for a prompt with images. An adapter it registers (a
         request may name one first) is registered on every process."""
-        with self._changing():
+        def make() -> PreparedRequest:
             lora = self.engine.lora
             fresh = (lora_request is not None and lora is not None and isinstance(lora_request, LoRARequest)
                      and lora.key_of(lora_request.lora_int_id) is None)
             try:
-                prepared = self.engine.make_request(request_id, prompt, sampling_params, cache_salt=cache_salt,
-                                                    lora_request=lora_request, pooling=pooling)
+                return self.engine.make_request(request_id, prompt, sampling_params, cache_salt=cache_salt,
+                                                lora_request=lora_request, pooling=pooling)
             finally:
                 if fresh and lora.key_of(lora_request.lora_int_id) is not None:
                     self._pending.append(AddLoRA(lora_request))
+
+        prepared = self._change(make)
         if prepared.request.images:
             raise UnsupportedFeature(f"request {request_id!r}: a multi-host engine takes no images (each process "
                                      "would need the pixels)", param="images", code="images_not_supported")
@@ -256,9 +257,11 @@ class MultiHostEngine:
             lora = next(x for x in self.engine.list_loras() if self.engine.lora.key_of(x.lora_int_id) == r.adapter_id)
         add = Add(r.request_id, tuple(r.prompt_token_ids), None if r.pooling is not None else r.sampling_params,
                   r.cache_salt, lora, r.pooling)
-        with self._changing():
+        def queue() -> None:
             self.engine.add_prepared_request(prepared)
             self._pending.append(add)
+
+        self._change(queue)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None,
@@ -270,32 +273,41 @@ class MultiHostEngine:
 
     def abort(self, request_id: str) -> bool:
         """`LLMEngine.abort`, on every process."""
-        with self._changing():
+        def abort() -> bool:
             found = self.engine.abort(request_id)
             if found:
                 self._pending.append(Abort(str(request_id)))
             return found
 
+        return self._change(abort)
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """`LLMEngine.add_lora` on every process (each reads the adapter's folder: the same path on every host)."""
-        with self._changing():
+        def add() -> bool:
             added = self.engine.add_lora(lora_request)
             self._pending.append(AddLoRA(lora_request))
             return added
 
+        return self._change(add)
+
     def remove_lora(self, lora_int_id: int) -> bool:
         """`LLMEngine.remove_lora` on every process."""
-        with self._changing():
+        def remove() -> bool:
             removed = self.engine.remove_lora(lora_int_id)
             if removed:
                 self._pending.append(RemoveLoRA(lora_int_id))
             return removed
 
-    @contextmanager
-    def _changing(self) -> Iterator[None]:
+        return self._change(remove)
+
+    def _change(self, fn: Callable):
+        """`fn()` (a change to the engine, recorded) on the round thread, between exchanges. Every device call of a
+        multi-host engine runs on one thread of its own, on every process: a step run from another thread than the
+        other processes' ran it from hung with JAX 0.12.1 (measured: the same program, the main thread on one
+        process and a second thread on the other)."""
         with self._lock:
             self._check_alive()
-            yield
+            return self._round.submit(fn).result()
 
     # --------------------------------------------------------------------------------------------- rounds
     def step(self) -> list[RequestOutput]:
@@ -446,6 +458,15 @@ def follow(engine: LLMEngine, *, extra: dict | None = None) -> None:
     if jax.process_index() == 0:
         raise ValueError("process 0 leads (MultiHostEngine); follow() runs on the others")
     check_ranks_agree(describe(engine, extra))
+    thread = _Round()  # every device call on a thread of its own, as process 0's (`MultiHostEngine._change`)
+    thread.start()
+    try:
+        thread.submit(lambda: _follow(engine)).result()
+    finally:
+        thread.jobs.put(None)
+
+
+def _follow(engine: LLMEngine) -> None:
     digest = state_digest(engine)
     while True:
         payload, digests = _exchange(b"", digest)

@@ -7,7 +7,7 @@
   mesh.py           one `tp` mesh per replica, over disjoint devices
   sharding.py       PartitionSpecs of the parameters (by name) and of the KV cache (by KV heads)
   attention.py      the KV write and paged attention under `shard_map`, per device over its own heads
-  distributed.py    multi-host start-up (`jax.distributed.initialize`)
+  distributed.py    multi-host start-up (`jax.distributed.initialize`), and the per-step exchange between processes
 
 SPMD only: nothing here imports the engine (data-parallel replicas are `pagedjax.engine.DataParallelEngine`).
 Names are imported lazily, so `import pagedjax.config.parallel` stays free of JAX.

@@ -24,7 +24,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-FRAME_BYTES = 8192  # one exchange's frame per process; a longer payload follows in one more broadcast
+FRAME_BYTES = 8192  # one exchange's frame per process; a longer payload follows in one more all-gather
 _MAGIC = b"PJX1"
 _HEADER = struct.Struct("<4sQI")  # magic, the sender's digest (uint64), the payload's length in bytes
 _MIN_TAIL = 4096  # a payload's tail is padded to a power of two from here: few program shapes, one compile each
@@ -50,7 +50,8 @@ def exchange(payload: bytes, digest: int) -> tuple[bytes, list[int]]:
     """One round between every process: process 0's `payload` to all (other processes' payloads must be empty),
     and each process's `digest` (a uint64 of its state, `pagedjax.engine.multihost`) to all. Returns
     (process 0's payload, the digests by process index). One all-gather of `FRAME_BYTES` per process; a payload
-    longer than a frame holds sends its rest in one broadcast more. Raises what the collective raises (a process
+    longer than a frame holds sends its rest in one all-gather more (JAX 0.12.1's `broadcast_one_to_all`, a psum of
+    bytes, hung over gloo: measured). Raises what the collective raises (a process
     that died: jax's runtime error), ValueError for a frame that is not one."""
     if jax.process_index() != 0 and payload:
         raise ValueError("only process 0 sends a payload")
@@ -71,7 +72,7 @@ def exchange(payload: bytes, digest: int) -> tuple[bytes, list[int]]:
         tail = np.zeros(max(_MIN_TAIL, 1 << (size - room - 1).bit_length()), np.uint8)
         if jax.process_index() == 0:
             tail[:size - room] = np.frombuffer(payload[room:], np.uint8)
-        data += np.asarray(_broadcast(tail))[:size - room].tobytes()
+        data += np.asarray(_allgather(tail))[0, :size - room].tobytes()
     return data, [h[1] for h in headers]
 
 
@@ -89,9 +90,3 @@ def _allgather(x: np.ndarray) -> np.ndarray:
     from jax.experimental.multihost_utils import process_allgather
 
     return process_allgather(x)
-
-
-def _broadcast(x: np.ndarray) -> np.ndarray:
-    from jax.experimental.multihost_utils import broadcast_one_to_all
-
-    return broadcast_one_to_all(x)

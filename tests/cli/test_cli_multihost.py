@@ -1,5 +1,6 @@
 """The several-hosts flags of both command lines (`pagedjax.cli.multihost.start`): what does not fit together is a
-one-line error before JAX starts. Two processes: tests/parallel/test_multihost.py, tests/serve/test_serve_multihost.py."""
+one-line error before JAX starts. Two processes: tests/parallel/test_multihost.py,
+tests/serve/test_serve_multihost.py."""
 
 from __future__ import annotations
 

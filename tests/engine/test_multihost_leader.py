@@ -4,17 +4,29 @@ tests/parallel/test_multihost.py, tests/serve/test_serve_multihost.py."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
 from pagedjax import CacheConfig, LLMEngine, LoRARequest, SamplingParams
+from pagedjax.cli import multihost as cli_multihost
+from pagedjax.cli.errors import CLIError
 from pagedjax.config import LoRAConfig
 from pagedjax.engine.commands import Abort, Add, AddLoRA, Message, RemoveLoRA, WireError, decode, encode
-from pagedjax.engine.multihost import MultiHostEngine, follow, state_digest
+from pagedjax.engine.multihost import (
+    MultiHostEngine,
+    RanksMismatchError,
+    check_ranks_agree,
+    describe,
+    follow,
+    state_digest,
+)
 from pagedjax.errors import EngineUnavailable, UnsupportedFeature
+from pagedjax.parallel import distributed
 from pagedjax.pooling_params import PoolingParams
 from pagedjax.sampling_params import StructuredOutput
+from pagedjax.serve.cli import build_parser as serve_parser
 from tests.lora.adapters import write_adapter
 from tests.serve.server_utils import CFG, make_engine
 
@@ -152,3 +164,32 @@ def test_a_disk_tier_is_refused(tmp_path):
                                                                   kv_disk_dir=str(tmp_path), kv_disk_bytes=2**20))
     with pytest.raises(ValueError, match="no disk KV tier"):
         MultiHostEngine(engine)
+
+
+def test_processes_that_differ_are_refused_by_name(monkeypatch):
+    """What every process compares at start (`describe`): a difference is named field by field, and both command
+    lines refuse with it in one line. (Two real processes compare theirs in every two-process test's start-up.)"""
+    mine = describe(make_engine(), {"flags": {"max_num_seqs": "8"}})
+    other = json.loads(json.dumps(mine))
+    other["config"]["scheduler_config"]["max_num_seqs"] = 9
+    other["flags"]["max_num_seqs"] = "9"
+    other["jax"] = "0.0.1"
+    monkeypatch.setattr(distributed, "allgather_bytes", lambda data: [data, json.dumps(other).encode()])
+    with pytest.raises(RanksMismatchError) as e:
+        check_ranks_agree(mine)
+    assert str(e.value).startswith("the processes do not run the same engine: process 1 differs from process 0 in "
+                                   "3 fields: ")
+    for field in ("config.scheduler_config.max_num_seqs: 16 (process 0) vs 9", "flags.max_num_seqs: 8 (process 0) vs 9",
+                  f"jax: {mine['jax']} (process 0) vs 0.0.1"):
+        assert field in str(e.value)
+    monkeypatch.setattr(distributed, "allgather_bytes", lambda data: [data, b'{"jax": "0.0.1"}'])
+    with pytest.raises(CLIError, match="process 1 differs from process 0 in .* fields: .*jax: "):
+        cli_multihost.leader(make_engine(), serve_parser().parse_args([]))
+
+
+@pytest.mark.parametrize("size", [0, 100, 8192 - 16, 8192 - 15, 20_000, 70_000])
+def test_an_exchange_carries_any_payload_and_every_digest(size):
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    assert distributed.exchange(payload, 2**64 - 1) == (payload, [2**64 - 1])
+    with pytest.raises(ValueError, match="digest must be a uint64"):
+        distributed.exchange(payload, 2**64)

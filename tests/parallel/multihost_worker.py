@@ -70,6 +70,12 @@ def main(rank: int, port: int, out: str, case: str) -> None:
             except RankLostError as err:
                 result["later"] = str(err)
             os._exit(_write(out, result))  # JAX's own shutdown would wait for the lost process
+        # 40 requests added and aborted before any step: one exchange of ~13 KB, past the 8 KiB frame (its tail
+        # follows in a broadcast), and nothing for the follower to run.
+        for i in range(40):
+            m.add_request(f"gone-{i}", [1 + i % 60], greedy)
+        for i in range(40):
+            m.abort(f"gone-{i}")
         outs = m.generate(worker.PROMPTS, greedy)
         # Requests added while others run, and one aborted mid-way: the follower applies both between the
         # same steps.

@@ -375,7 +375,7 @@ def test_a_bad_start_up_adapter_stops_start_up_before_anything_compiles(tmp_path
                         raising=False)
     # No uvicorn: its Config would point the logging configuration at this test's captured streams.
     monkeypatch.setattr(uvicorn, "Config", lambda app, **options: None)
-    monkeypatch.setattr(serve_cli, "_Server", lambda config, drain, timeout: SimpleNamespace(
+    monkeypatch.setattr(serve_cli, "_Server", lambda config, drain, timeout, unavailable: SimpleNamespace(
         run=lambda: events.append("serving") or True))
     engine = ["--num-blocks", "8", "--block-size", "64", "--max-model-len", "256", "--log-level", "error"]
     folder = write_adapter(tmp_path / "other", CFG, rank=4, seed=0, targets=("q_proj",))  # another model's shapes
