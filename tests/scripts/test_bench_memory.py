@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.scripts_module import load_script
 
 
+# (CI time: 7-10 s) the block pool's accounting it reports is tests/core's; -m slow runs the script's own numbers.
+@pytest.mark.slow
 def test_bench_memory_quick(tmp_path, capsys, monkeypatch):
     bench = load_script("bench_memory", monkeypatch)
     plot = tmp_path / "occupancy.png"
