@@ -46,6 +46,10 @@ def run_pair(tmp_path: Path, case: str) -> tuple[list[dict], list[subprocess.Com
     return results, done
 
 
+# (CI time: ~30 s of CPU in two processes) CI's two-process check is tests/serve/test_serve_multihost.py (the same
+# leader and follower behind pagedjax-serve: greedy text equal to one process's, a follower killed mid-stream); this
+# one adds the dense reference through preemption, prefix hits, an abort mid-way and a message past one frame.
+@pytest.mark.slow
 def test_one_leader_one_follower_give_the_dense_tokens(tmp_path):
     """Only process 0 is given requests; both step together: the dense model's greedy tokens (prefix cache,
     preemption, chunked prefill and fused decode on), requests added while others run and one aborted mid-way
