@@ -86,9 +86,9 @@ for id in "test_model.py::test_paged_forward_matches_dense[4-gqa]" \
   newest_deselect+=(--deselect "tests/model/$id")
 done
 # jax.distributed's two processes (-m slow, but for the server's check) stay out of this pass: with JAX 0.12.1 a
-# multi-host engine's first step hangs
-# on CPU (gloo) in both processes, found by this pass and not solved (docs/parallel.md#several-hosts says so; the
-# leader's timeout ends it with RankLostError after 60 s); JAX 0.10.2 passes.
+# multi-host engine's first step hangs on CPU (gloo) in both processes, found by this pass and not solved
+# (docs/parallel.md#several-hosts says so; the leader's timeout ends it with RankLostError after 60 s); JAX 0.10.2
+# passes.
 newest_deselect+=(--deselect tests/parallel/test_multihost.py)
 # Whole files per xdist worker, in this order (--dist loadfile, no reordering by test count): test_parallel's checks
 # share one 8-device subprocess behind a file lock, and split over the two workers (which --dist load did in this
