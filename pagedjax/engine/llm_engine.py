@@ -588,6 +588,11 @@ class LLMEngine:
             raise ValueError("this engine serves no LoRA adapters (LLMEngine(lora_config=LoRAConfig(...)))")
         return self.lora
 
+    @property
+    def failed_steps(self) -> int:
+        """Steps whose device call raised (recovered from: see `step`); `stats().failed_steps` without the rest."""
+        return self._failed_steps
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -314,10 +314,10 @@ class MultiHostEngine:
         """One exchange, then `LLMEngine.step` on every process; RankLostError / RanksDivergedError when a
         process is lost or differs (then from every later call too)."""
         def step() -> list[RequestOutput]:
-            failed = self.engine.stats().failed_steps
+            failed = self.engine.failed_steps
             outputs = self.engine.step()
             self._digest = state_digest(self.engine)
-            if self.engine.stats().failed_steps > failed:
+            if self.engine.failed_steps > failed:
                 # The device call raised and the engine recovered: a lost process makes the next collective raise
                 # at once, so one more (idle) exchange now tells that from this process's own failure.
                 self._collective(encode(Message("idle")))
