@@ -72,7 +72,7 @@ def assert_all_free(engine):
     assert mem.num_free_blocks + mem.num_cached_blocks == mem.num_blocks
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", [8, 16, pytest.param(32, marks=pytest.mark.slow)])  # (CI time)
 def test_greedy_matches_dense_recompute(block_size):
     with POOL.engine(block_size=block_size) as engine:
         outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -191,6 +191,7 @@ def test_samples_of_a_request_keep_its_adapter(engine, folders):
         assert [c.token_ids for c in out.outputs] == [reference(folders, i)[k]] * 2
 
 
+@pytest.mark.slow  # (CI time: 6 s) a combination: n-gram speculation and adapters each run by default
 def test_ngram_speculation_serves_adapters(folders):
     # Repetitive prompts, so that prompt lookup proposes; verification runs each token (every verified position)
     # under its own adapter: two adapters and the base model in one batch give the tokens decoding without

@@ -101,7 +101,8 @@ def test_a_row_holding_nan_inf_or_huge_values_changes_no_other_row(quant):
         np.testing.assert_array_equal(others[4], np.asarray(layer.bias[...]))
 
 
-@pytest.mark.parametrize("quant, moe", [(W8A8, False), (W4A8, False), (W8A8, True)],
+# (CI time) the MoE model's attention and dense layers are w8a8 too: the dense-only model runs with -m slow.
+@pytest.mark.parametrize("quant, moe", [pytest.param(W8A8, False, marks=pytest.mark.slow), (W4A8, False), (W8A8, True)],
                          ids=["w8a8", "w4a8:32", "w8a8-moe"])
 def test_the_paged_engine_equals_the_dense_forward_of_the_same_model(quant, moe):
     """Chunked prefill (several rows per product), batched decode, one-row decode and the fused decode: each

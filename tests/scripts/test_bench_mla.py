@@ -1,9 +1,12 @@
 """Smoke test of scripts/bench_mla.py --quick (no timing assertions: the numbers are this machine's)."""
 
 
+import pytest
+
 from tests.scripts_module import load_script
 
 
+@pytest.mark.slow  # (CI time: 8 s) the kernels it times are tested in tests/kernels/test_mla.py
 def test_bench_mla_quick(capsys, monkeypatch):
     bench = load_script("bench_mla", monkeypatch)
     rows = bench.main(["--quick"])

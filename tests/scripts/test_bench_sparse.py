@@ -1,9 +1,12 @@
 """Smoke test of scripts/bench_sparse.py --quick (no timing assertions: the numbers are this machine's)."""
 
 
+import pytest
+
 from tests.scripts_module import load_script
 
 
+@pytest.mark.slow  # (CI time: 6 s) its 8-bit indexer run stays (below); the kernels: tests/kernels/test_sparse.py
 def test_bench_sparse_quick(tmp_path, capsys, monkeypatch):
     bench = load_script("bench_sparse", monkeypatch)
     plot = tmp_path / "sparse.png"

@@ -211,6 +211,8 @@ def test_with_background_compiles_a_head_program_never_stalls_a_step():
     assert_all_free(engine)
 
 
+# (CI time: 10 s) the engine's own stand-in programs after warm-up run in tests/engine/test_programs.py
+@pytest.mark.slow
 def test_after_warmup_a_head_call_without_its_program_runs_on_the_warmups():
     """`warmup()` compiles the head's widest program too: with background compiles, a call whose own program is
     not compiled yet runs on it, padded, so the first steps propose (without it they proposed nothing until their
