@@ -40,7 +40,11 @@ def start(args: argparse.Namespace) -> int | None:
         if args.nnodes > 1 or args.node_rank:
             raise CLIError("--dist-init-addr auto takes the process count and index from the cluster: leave out "
                            "--nnodes and --node-rank")
-        initialize()
+        try:
+            initialize()
+        except ValueError as e:  # JAX found no cluster whose variables say where process 0 is, or how many run
+            raise CLIError(f"--dist-init-addr auto found no cluster (SLURM, Open MPI, Cloud TPU, GKE): {e} Give "
+                           "--dist-init-addr HOST:PORT with --nnodes and --node-rank") from None
     else:
         if args.node_rank >= args.nnodes:
             raise CLIError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
