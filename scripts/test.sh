@@ -95,7 +95,7 @@ done
 # jax.distributed's two processes (-m slow, but for the server's check) stay out of this pass: with JAX 0.12.1 a
 # multi-host engine's first step hangs on CPU (gloo) in both processes, found by this pass and not solved
 # (docs/parallel.md#several-hosts says so; the leader's timeout ends it with RankLostError after 60 s); JAX 0.10.2
-# passes.
+# and 0.11.2 (the GPU machines') pass.
 newest_deselect+=(--deselect tests/parallel/test_multihost.py)
 # Whole files per xdist worker, in this order (--dist loadfile, no reordering by test count): test_parallel's checks
 # share one 8-device subprocess behind a file lock, and split over the two workers (which --dist load did in this
