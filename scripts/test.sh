@@ -10,7 +10,7 @@
 #      MLA and sparse layers runs in the first pass: 9 s here, the same kernel calls the lowering and interpreted
 #      kernel tests make); the CPU int8 kernel built against that jaxlib's FFI headers and called through
 #      jax.ffi; shardings and shard_map, the model (flax), checkpoints (orbax), the engine's
-#      compiled steps and its program cache (JAX's own caches cleared); with half of the ci profile's hypothesis examples.
+#      compiled steps and its program cache (JAX's own caches cleared); with a fifth of the hypothesis examples.
 #      The [tunix] extra is installed in neither environment: with it this run took 12:05 here (18 s more of pip
 #      showing, 14 s more of tests), past the budget. pagedjax's side of the Tunix adapter (RolloutEngine, exact
 #      log-probabilities, in-memory LoRA adapters) is tested in the first pass; the Tunix glue itself with

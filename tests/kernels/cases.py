@@ -129,7 +129,7 @@ def assert_close(actual, expected, dtype: str):
 
 
 def examples(n: int) -> int:
-    """n examples per 25 of the profile's: 0.4 n under the default "ci" profile (10), 8 n under "dev" (200)."""
+    """n examples per 25 of the profile's: 0.6 n under the default "ci" profile (15), 8 n under "dev" (200)."""
     return max(1, n * settings.default.max_examples // 25)
 
 
