@@ -178,9 +178,11 @@ class LLMEngine:
             from pagedjax.parallel.sharding import per_device_model
 
             mesh = engine_mesh(parallel_config, self.model_config or spec, devices)
-            # kv_memory_bytes is a per-device budget: blocks are counted by the KV heads one device holds.
-            self.num_blocks = self.cache_config.resolve_num_blocks(per_device_model(spec, mesh.size),
-                                                                   extra_pools=self.extra_pools)
+            # kv_memory_bytes is a per-device budget: blocks are counted by the KV heads one device holds (a draft
+            # model's too: split over the same devices, its KV in the same blocks).
+            self.num_blocks = self.cache_config.resolve_num_blocks(
+                per_device_model(spec, mesh.size), None if draft is None else per_device_model(draft.spec, mesh.size),
+                extra_pools=self.extra_pools)
         else:
             second = draft if draft is not None else head  # a draft model's or an MTP head's KV shares the blocks
             self.num_blocks = self.cache_config.resolve_num_blocks(spec, None if second is None else second.spec,
@@ -228,7 +230,7 @@ class LLMEngine:
         if draft is not None:
             draft = DraftProposer(draft, self.num_blocks, self.cache_config,
                                   self.scheduler_config.max_num_batched_tokens, backend=self.runner.backend,
-                                  max_programs=max_programs, compile_in_background=background)
+                                  max_programs=max_programs, compile_in_background=background, mesh=mesh)
         elif head is not None:
             draft = MTPProposer(head, self.runner, self.num_blocks, self.cache_config,
                                 config.speculative_config.num_speculative_tokens, max_programs=max_programs,

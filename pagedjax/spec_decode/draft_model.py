@@ -29,6 +29,7 @@ from pagedjax.config import CacheConfig, ModelConfig, ModelSpec, SpeculativeConf
 from pagedjax.core.step_plan import StepPlan
 from pagedjax.device.sampling import SamplingMetadata
 from pagedjax.model.api import check_model
+from pagedjax.model.layers.quant import check_tensor_parallel
 from pagedjax.model.loading.loader import engine_model, load_for
 from pagedjax.runner import weights
 from pagedjax.runner.inputs import bucket, pad_step
@@ -45,14 +46,13 @@ def load_draft(config: SpeculativeConfig | None, target: ModelSpec, cache_config
     """The draft model of `config` (None unless its method is "draft"): a folder loaded as `LLMEngine.
     from_pretrained` loads one, a `ModelConfig` with random weights from `seed`, or a model module of the public
     contract (`pagedjax.model.api`), checked. ValueError for a draft whose vocabulary differs from the target's, a
-    sliding-window target (its released blocks would be the draft's to write), or tensor parallelism."""
+    sliding-window target (its released blocks would be the draft's to write), or whose heads do not split over the
+    target's `tensor_parallel_size` (the draft runs on the target's devices, split as it is)."""
     if config is None:
         return None
     check_speculative_config(config)
     if config.method != "draft":
         return None
-    if parallel_config is not None:
-        raise ValueError("SpeculativeConfig(method='draft') does not run under a parallel_config yet")
     draft = config.draft_model
     if isinstance(draft, str):
         try:
@@ -74,6 +74,12 @@ def load_draft(config: SpeculativeConfig | None, target: ModelSpec, cache_config
     if target.kv_window is not None:
         raise ValueError("SpeculativeConfig(method='draft'): the target model has a sliding window "
                          f"({target.kv_window}), whose released blocks the draft's catch-up would need")
+    if parallel_config is not None:
+        try:
+            parallel_config.check_model(spec)
+            check_tensor_parallel(model, parallel_config.tensor_parallel_size)
+        except ValueError as e:
+            raise ValueError(f"SpeculativeConfig.draft_model (on the target's devices): {e}") from None
     return model
 
 
@@ -83,9 +89,10 @@ class DraftProposer:
     (logged, counted in `num_failed_calls`; the draft's KV is then considered lost: `epoch`)."""
 
     def __init__(self, model, num_blocks: int, cache_config: CacheConfig, max_tokens: int, *, backend: str,
-                 max_programs: int, compile_in_background: bool):
+                 max_programs: int, compile_in_background: bool, mesh=None):
+        # On the target's mesh (None: one device), split as the target is: its KV heads share the target's blocks.
         self.runner = ModelRunner(model, num_blocks, cache_config.block_size,
-                                  kv_dtype=cache_config.kv_array_dtype(model.spec), backend=backend,
+                                  kv_dtype=cache_config.kv_array_dtype(model.spec), backend=backend, mesh=mesh,
                                   max_programs=max_programs, compile_in_background=compile_in_background)
         self.block_size = cache_config.block_size
         self.max_tokens = max_tokens  # tokens per draft call (the engine's max_num_batched_tokens)

@@ -200,11 +200,15 @@ def test_bad_draft_models_are_refused_at_construction(model, kwargs, error, matc
                   speculative_config=SpeculativeConfig(method="draft", **kwargs))
 
 
-def test_a_draft_under_tensor_parallelism_is_refused():
-    with pytest.raises(ValueError, match="does not run under a parallel_config yet"):
+def test_a_draft_whose_heads_do_not_split_over_the_targets_devices_is_refused():
+    """A draft runs on the target's devices, split as the target is (tests/parallel/worker.py,
+    speculative_draft_tp2): its heads must split over the same tensor_parallel_size, checked before any device is
+    touched (this process has one)."""
+    with pytest.raises(ValueError, match=r"SpeculativeConfig.draft_model \(on the target's devices\): "
+                                         r"tensor_parallel_size 4 must divide the model's 2 query heads"):
         LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=8, num_blocks=16),
                   scheduler_config=SchedulerConfig(max_model_len=MAX_LEN), seed=SEED,
-                  parallel_config=ParallelConfig(tensor_parallel_size=1),
+                  parallel_config=ParallelConfig(tensor_parallel_size=4),
                   speculative_config=SpeculativeConfig(method="draft", draft_model=SMALL))
 
 

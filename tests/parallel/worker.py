@@ -123,6 +123,35 @@ def speculative_ngram_tp2() -> None:
 
 
 @check
+def speculative_draft_tp2() -> None:
+    """A draft model on the target's tp 2 mesh, split as the target (its weights and KV heads, in the target's
+    blocks): the target's own weights as the draft, through prefix hits, a preemption (the draft's KV recomputed)
+    and chunked prefill, give the dense greedy tokens, and the same proposals and acceptances as on one device."""
+    from pagedjax import SpeculativeConfig
+
+    runs = {}
+    for tp in (None, 2):
+        draft = model_from_state(config("gqa"), params("gqa"))
+        e = engine("gqa", tp, num_blocks=6, speculative_config=SpeculativeConfig(method="draft", draft_model=draft,
+                                                                                 num_speculative_tokens=3))
+        got = [o.output_token_ids for o in e.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == reference("gqa"), f"tp {tp}: {got} != {reference('gqa')}"
+        s = e.stats()
+        assert s.scheduler.num_preemptions > 0 and s.scheduler.prefix_cache_hit_rate > 0, s.scheduler
+        runs[tp] = (s.spec_proposed_tokens, s.spec_accepted_tokens)
+    assert runs[2] == runs[None] and runs[2][1] > 0, runs
+    _assert_runner_sharded(e.speculator.proposer.runner, "gqa", 2)
+    # A per-device KV budget counts both models' bytes per block as one device holds them (one of 2 KV heads each).
+    per_block = CacheConfig(block_size=8).block_bytes(config("gqa").replace(num_kv_heads=1))
+    sized = make_engine(model_config=config("gqa"), params=params("gqa"), compile_cache=False,
+                        cache_config=CacheConfig(block_size=8, kv_memory_bytes=10 * 2 * per_block),
+                        scheduler_config=SchedulerConfig(max_model_len=MAX_LEN),
+                        parallel_config=ParallelConfig(tensor_parallel_size=2),
+                        speculative_config=SpeculativeConfig(method="draft", draft_model=draft))
+    assert sized.num_blocks == 10, sized.num_blocks
+
+
+@check
 def kv_groups_tensor_parallel() -> None:
     """A model of window and global layers (two KV cache groups, a block table each, their pages sharing the pool's
     memory) at tp 2: the dense greedy tokens through prefix hits, preemption, chunked prefill and fused decode."""
@@ -162,7 +191,20 @@ def _one_row_logits(e) -> np.ndarray:
 def _assert_sharded(e, kind: str, tp: int) -> None:
     """Every weight and the KV cache carry the intended sharding; the pool's bytes per device."""
     cfg = config(kind)
-    st = e.runner.params
+    _assert_runner_sharded(e.runner, kind, tp)
+    kv_split = cfg.num_kv_heads % tp == 0
+    one_device = 2 * cfg.num_layers * e.num_blocks * e.cache_config.block_size * cfg.num_kv_heads * cfg.head_dim * 4
+    per_device = e.stats().kv_cache_bytes_per_device
+    if kv_split:
+        assert per_device * tp == one_device, (per_device, one_device)
+    else:  # each device holds one (replicated) KV head
+        assert per_device * cfg.num_kv_heads == one_device, (per_device, one_device)
+
+
+def _assert_runner_sharded(runner, kind: str, tp: int) -> None:
+    """A runner's weights and KV cache (a model of `config(kind)`) carry the intended sharding."""
+    cfg = config(kind)
+    st = runner.params
     layer = st["layers"][0]
     kv_split = cfg.num_kv_heads % tp == 0
     want = {
@@ -180,15 +222,9 @@ def _assert_sharded(e, kind: str, tp: int) -> None:
     assert layer["input_layernorm"]["weight"][...].sharding.spec == P()
     if not cfg.tie_word_embeddings:
         assert st["lm_head"]["kernel"][...].sharding.spec == P(None, "tp")
-    cache = e.runner.kv_cache
+    cache = runner.kv_cache
     for a in [array for layer in cache.layers for array in (layer.k, layer.v)]:
         assert a.sharding.spec == P("tp") and a.shape[0] == max(cfg.num_kv_heads, tp), (a.shape, a.sharding)
-    one_device = 2 * cfg.num_layers * e.num_blocks * e.cache_config.block_size * cfg.num_kv_heads * cfg.head_dim * 4
-    per_device = e.stats().kv_cache_bytes_per_device
-    if kv_split:
-        assert per_device * tp == one_device, (per_device, one_device)
-    else:  # each device holds one (replicated) KV head
-        assert per_device * cfg.num_kv_heads == one_device, (per_device, one_device)
 
 
 @check

@@ -34,6 +34,9 @@ SLOW = [
         "cli_data_parallel",  # (CI time) data_parallel_2x2 runs the engine's
         "hf_checkpoint_loads_into_shards",  # (CI time) orbax_checkpoint_loads_into_shards runs the sharded restore
         "speculative_ngram_tp2",  # (CI time) the verifying step is the ragged step every tp check runs
+        # (CI time) the draft's runner is the target's (ModelRunner) on the same mesh; the refusal of a draft whose
+        # heads do not split runs by default (tests/engine/test_draft.py)
+        "speculative_draft_tp2",
         "lora_greedy_tp4",  # (CI time) lora_tensor_parallel runs tp 2 and checks tp 4's shardings
         # (CI time) tp > num_kv_heads: greedy_mqa_tp8_block16 runs replicated KV heads through the same paths
         # (prefix hits, preemption, fused decode), logits_and_shardings GQA's replicated layout at tp 4
