@@ -126,7 +126,8 @@ def speculative_ngram_tp2() -> None:
 def speculative_draft_tp2() -> None:
     """A draft model on the target's tp 2 mesh, split as the target (its weights and KV heads, in the target's
     blocks): the target's own weights as the draft, through prefix hits, a preemption (the draft's KV recomputed)
-    and chunked prefill, give the dense greedy tokens, and the same proposals and acceptances as on one device."""
+    and chunked prefill, give the dense greedy tokens, and the same proposals and acceptances as on one device; data-
+    parallel replicas each run a draft of their own."""
     from pagedjax import SpeculativeConfig
 
     runs = {}
@@ -149,6 +150,11 @@ def speculative_draft_tp2() -> None:
                         parallel_config=ParallelConfig(tensor_parallel_size=2),
                         speculative_config=SpeculativeConfig(method="draft", draft_model=draft))
     assert sized.num_blocks == 10, sized.num_blocks
+    # Data-parallel replicas (tp 1 each) each run their own draft.
+    dp = engine("gqa", 1, dp=2, num_blocks=6, speculative_config=SpeculativeConfig(method="draft", draft_model=draft,
+                                                                                   num_speculative_tokens=3))
+    assert [o.output_token_ids for o in dp.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference("gqa")
+    assert all(r.stats().spec_accepted_tokens > 0 for r in dp.replicas), [r.stats() for r in dp.replicas]
 
 
 @check
