@@ -169,6 +169,9 @@ def add_multihost_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dist-timeout", type=float_in(0.0, 86400.0, lo_open=True), default=60.0, metavar="SECONDS",
                    help="how long process 0 waits for the others in a step (compiles not counted) before it "
                         "fails every request and exits (default 60)")
+    g.add_argument("--dist-join-timeout", type=float_in(0.0, 86400.0, lo_open=True), default=300.0,
+                   metavar="SECONDS", help="how long a process waits at start for process 0's coordinator and the "
+                                           "others to join (default 300)")
     parser.set_defaults(processes=1)  # how many there are: set by `pagedjax.cli.multihost.start`
 
 

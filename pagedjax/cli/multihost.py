@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import socket
 import sys
+import time
 from pathlib import Path
 
 from pagedjax.cli.errors import EXIT_ERROR, EXIT_OK, CLIError
@@ -20,7 +23,7 @@ from pagedjax.cli.errors import EXIT_ERROR, EXIT_OK, CLIError
 logger = logging.getLogger(__name__)
 
 # Flags that differ between the processes of one run, or are secrets: left out of what every process compares.
-_PER_PROCESS = frozenset({"node_rank", "api_key", "api_key_file", "host", "port", "log_level"})
+_PER_PROCESS = frozenset({"node_rank", "api_key", "api_key_file", "host", "port", "log_level", "dist_join_timeout"})
 
 
 def start(args: argparse.Namespace) -> int | None:
@@ -41,21 +44,41 @@ def start(args: argparse.Namespace) -> int | None:
             raise CLIError("--dist-init-addr auto takes the process count and index from the cluster: leave out "
                            "--nnodes and --node-rank")
         try:
-            initialize()
+            initialize(join_timeout_s=math.ceil(args.dist_join_timeout))
         except ValueError as e:  # JAX found no cluster whose variables say where process 0 is, or how many run
             raise CLIError(f"--dist-init-addr auto found no cluster (SLURM, Open MPI, Cloud TPU, GKE): {e} Give "
                            "--dist-init-addr HOST:PORT with --nnodes and --node-rank") from None
     else:
         if args.node_rank >= args.nnodes:
             raise CLIError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
-        if ":" not in args.dist_init_addr:
+        host, _, port = args.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit():
             raise CLIError(f"--dist-init-addr must be HOST:PORT, got {args.dist_init_addr!r}")
-        initialize(args.dist_init_addr, num_processes=args.nnodes, process_id=args.node_rank)
+        if args.node_rank:
+            _wait_for_coordinator(host, int(port), args.dist_join_timeout)
+        initialize(args.dist_init_addr, num_processes=args.nnodes, process_id=args.node_rank,
+                   join_timeout_s=math.ceil(args.dist_join_timeout))
     import jax
 
     # Read by `engine_setup.engine_config_of`: no background compiles across processes (`MultiHostEngine`).
     args.processes = jax.process_count()
     return jax.process_index() if args.processes > 1 else None
+
+
+def _wait_for_coordinator(host: str, port: int, timeout_s: float) -> None:
+    """Until process 0's coordinator takes a connection at host:port; CLIError after `timeout_s`. (JAX's own wait
+    ends the process with a fatal log and an abort, not an error.)"""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), port), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise CLIError(f"process 0's coordinator at {host}:{port} did not answer within {timeout_s:g} s "
+                               f"({e.strerror or e}): is process 0 started with the same --dist-init-addr, and the "
+                               "port open to this host? (--dist-join-timeout)") from None
+            time.sleep(0.5)
 
 
 def description(args: argparse.Namespace) -> dict:

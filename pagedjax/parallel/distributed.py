@@ -32,16 +32,18 @@ _MIN_TAIL = 4096  # a payload's tail is padded to a power of two from here: few 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_ids: list[int] | None = None,
-               heartbeat_timeout_s: int = 100) -> None:
+               heartbeat_timeout_s: int = 100, join_timeout_s: int = 300) -> None:
     """`jax.distributed.initialize`, with the CPU backend's cross-process collectives (gloo) turned on first, so
     the same code runs on CPU hosts (and in tests, as several processes on one machine). Call it before
     anything else touches JAX's devices. Without arguments JAX detects the cluster (SLURM, Open MPI, Cloud TPU,
     GKE / Kubernetes jobs). `heartbeat_timeout_s`: how long JAX's coordination service waits for a silent process
-    before it ends every process of the job."""
+    before it ends every process of the job; `join_timeout_s`: how long each process waits at start for all of them
+    to join (past it JAX ends the process)."""
     if jax.config.jax_platforms in (None, "", "cpu") or str(jax.config.jax_platforms).startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
-                               local_device_ids=local_device_ids, heartbeat_timeout_seconds=heartbeat_timeout_s)
+                               local_device_ids=local_device_ids, heartbeat_timeout_seconds=heartbeat_timeout_s,
+                               initialization_timeout=join_timeout_s)
     logger.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
                 jax.local_device_count(), jax.device_count())
 

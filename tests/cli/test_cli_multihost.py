@@ -9,6 +9,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -30,6 +31,23 @@ from pagedjax.serve.cli import build_parser as serve_parser
 def test_flags_that_do_not_fit_are_named(parser, argv, error):
     with pytest.raises(CLIError, match=error):
         multihost.start(parser().parse_args(argv))
+
+
+@pytest.mark.parametrize("parser", [generate_parser, serve_parser])
+def test_a_follower_that_cannot_reach_process_0_says_so_within_the_join_timeout(parser):
+    """Process 1 given an address where nothing listens: a one-line error naming it after --dist-join-timeout, before
+    JAX is asked to join (its own wait ends the process with an abort)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    args = parser().parse_args(["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", f"127.0.0.1:{port}",
+                                "--dist-join-timeout", "1"])
+    start = time.monotonic()
+    with pytest.raises(CLIError, match=rf"process 0's coordinator at 127.0.0.1:{port} did not answer within 1 s "
+                                       r"\(.+\): is process 0 started"):
+        multihost.start(args)
+    assert time.monotonic() - start < 10
+    assert "dist_join_timeout" not in multihost.description(args)["flags"]
 
 
 def test_one_process_is_the_default_and_the_description_leaves_out_per_process_flags(tmp_path):
