@@ -52,8 +52,8 @@ def start(args: argparse.Namespace) -> int | None:
         if args.node_rank >= args.nnodes:
             raise CLIError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
         host, _, port = args.dist_init_addr.rpartition(":")
-        if not host or not port.isdigit():
-            raise CLIError(f"--dist-init-addr must be HOST:PORT, got {args.dist_init_addr!r}")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise CLIError(f"--dist-init-addr must be HOST:PORT (a port 1-65535), got {args.dist_init_addr!r}")
         if args.node_rank:
             _wait_for_coordinator(host, int(port), args.dist_join_timeout)
         initialize(args.dist_init_addr, num_processes=args.nnodes, process_id=args.node_rank,

@@ -304,7 +304,7 @@ class MultiHostEngine:
         """`fn()` (a change to the engine, recorded) on the round thread, between exchanges. Every device call of a
         multi-host engine runs on one thread of its own, on every process: a step run from another thread than the
         other processes' ran it from hung with JAX 0.12.1 (measured: the same program, the main thread on one
-        process and a second thread on the other)."""
+        process and a second thread on the other). (With JAX 0.12.1 the first step still hangs: docs/parallel.md.)"""
         with self._lock:
             self._check_alive()
             return self._round.submit(fn).result()

@@ -25,6 +25,7 @@ from pagedjax.serve.cli import build_parser as serve_parser
     (["--node-rank", "1"], "--nnodes / --node-rank need --dist-init-addr"),
     (["--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"], "--node-rank 2 must be below --nnodes 2"),
     (["--nnodes", "2", "--dist-init-addr", "host0"], "must be HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "host0:70000"], r"must be HOST:PORT \(a port 1-65535\)"),
     (["--nnodes", "2", "--dist-init-addr", "auto"], "leave out --nnodes and --node-rank"),
     (["--nnodes", "2", "--dist-init-addr", "h:1", "--data-parallel-size", "2"], "replicas across hosts"),
 ])
