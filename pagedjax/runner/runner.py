@@ -89,8 +89,8 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
                   logits_indices, sampling: SamplingMetadata, extras: StepExtras = NO_EXTRAS,
                   lora: LoRABatch | None = None, images: ImageEmbeds | None = None, *, backend: str,
                   decode_only: bool, return_logits: bool = False, num_top_logprobs: int | None = None,
-                  num_prompt_top_logprobs: int = 0, samples: bool = True, keep_hidden: bool = False, mesh=None,
-                  block_sizes: tuple[int, ...]) -> tuple[StepOutputs, KVCache]:
+                  num_prompt_top_logprobs: int = 0, samples: bool = True, draws: bool = True, keep_hidden: bool = False,
+                  mesh=None, block_sizes: tuple[int, ...]) -> tuple[StepOutputs, KVCache]:
     model: PagedModel = nnx.merge(graphdef, params)
     if extras.block_copies is not None:
         kv_cache = copy_blocks(kv_cache, extras.block_copies, model.spec.kv_layout.slot_pools)  # before the writes
@@ -109,7 +109,7 @@ def _forward_step(graphdef, params, kv_cache: KVCache, token_ids, positions, met
         logits = _gathered(model.compute_logits(hidden[logits_indices]), mesh)
     if extras.token_mask is not None:  # structured output: disallowed tokens out before anything else
         logits = apply_token_mask(logits, extras.token_mask)
-    tokens = sample(logits, sampling, extras.penalties)
+    tokens = sample(logits, sampling, extras.penalties, draws=draws)
     prompt_logprobs, logprobs = None, None
     if all_logits is not None:
         # One log-softmax over the prompt rows and the sampled rows together: XLA:CPU rounds a row's log-softmax
@@ -179,7 +179,7 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | t
                        sampling: SamplingMetadata,
                  stop_ids, max_new, penalties: PenaltyMetadata | None = None, lora: LoRABatch | None = None, *,
                  num_steps: int, block_sizes: tuple[int, ...],
-                 backend: str, num_top_logprobs: int | None = None, mesh=None):
+                 backend: str, num_top_logprobs: int | None = None, draws: bool = True, mesh=None):
     """Up to `num_steps` decode steps with no host round trip.
 
     tokens int32 `[S]` (each sequence's last token, whose KV is not yet cached); stop_ids int32 `[S, K]`
@@ -216,7 +216,7 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | t
         hidden, kv_cache, ties = _model_forward(model, s.last_tokens, positions, s.kv_cache, meta, backend=backend,
                                                 decode_only=True, mesh=mesh, block_sizes=block_sizes, lora=lora)
         logits = _gathered(model.compute_logits(hidden), mesh)
-        new = sample(logits, sampling._replace(step=sampling.step + s.num_generated), s.penalties)
+        new = sample(logits, sampling._replace(step=sampling.step + s.num_generated), s.penalties, draws=draws)
         logprobs = s.logprobs
         if logprobs is not None:
             lp = token_logprobs(logits, new, num_top_logprobs)
@@ -266,10 +266,10 @@ def _jitted(graphdef, params_treedef, block_sizes: tuple[int, ...], mesh=None) -
 
     step = jax.jit(model_fn(_forward_step), static_argnames=("backend", "decode_only", "return_logits",
                                                             "num_top_logprobs", "num_prompt_top_logprobs", "samples",
-                                                            "keep_hidden"),
+                                                            "draws", "keep_hidden"),
                    donate_argnums=(1,))
     loop = jax.jit(model_fn(_fused_decode_loop), static_argnames=("num_steps", "backend",
-                                                           "num_top_logprobs"),
+                                                           "num_top_logprobs", "draws"),
                    donate_argnums=(1,))
     return step, loop
 
@@ -510,10 +510,10 @@ class ModelRunner:
                 self._lora(inputs.lora_slots, len(inputs.token_ids)), images)
         static = dict(backend=self.backend, decode_only=shape.decode_only, return_logits=shape.return_logits,
                       num_top_logprobs=shape.num_top_logprobs, num_prompt_top_logprobs=shape.num_prompt_top_logprobs,
-                      samples=shape.sample, keep_hidden=self.keep_hidden)
+                      samples=shape.sample, draws=shape.draws, keep_hidden=self.keep_hidden)
         return args, static
 
-    def _loop_call(self, inputs: FusedDecodeInputs) -> tuple[tuple, dict]:
+    def _loop_call(self, inputs: FusedDecodeInputs, shape: LoopShape) -> tuple[tuple, dict]:
         # Host numpy arrays straight into the compiled call: `init_page_state`'s jnp conversions would run eagerly
         # here, five small device ops per call (~0.6 ms, a third of a small model's 8-step batch-1 call).
         x = inputs
@@ -523,7 +523,8 @@ class ModelRunner:
             tuple(state(t, lent) for t, lent in zip(x.block_tables, x.lent_blocks, strict=True))
         args = (self._param_leaves, self.kv_cache, pages, x.tokens, x.sampling, x.stop_ids, x.max_new, x.penalties,
                 self._lora(x.lora_slots, len(x.tokens)))
-        static = dict(num_steps=x.num_steps, backend=self.backend, num_top_logprobs=x.num_top_logprobs)
+        static = dict(num_steps=shape.num_steps, backend=self.backend, num_top_logprobs=shape.num_top_logprobs,
+                      draws=shape.draws)
         return args, static
 
     def move_tiers(self, moves: tuple[TierMoves, ...]) -> None:
@@ -553,7 +554,7 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, *, return_logits: bool = False) -> StepOutputs:
         """Run one padded step (on a bigger compiled program while its own compiles: `ProgramCache`). Returns
         its `StepOutputs` as numpy (logits `[S, vocab]` only if asked), shaped as its own program returns them."""
-        shape = step_shape(inputs, return_logits)
+        shape = self._held_twin(step_shape(inputs, return_logits))
         args, static = self._step_call(inputs, shape)
         if self.fixed_shape is not None:
             run_shape, exe = self._fixed_program(shape)
@@ -589,12 +590,12 @@ class ModelRunner:
         Returns (sampled `[num_steps, S]` with -1 where a sequence did not run, their `LogprobArrays`
         `[num_steps, S]`, block_tables `[(num_groups,) S, B]` as the device left them), as numpy.
         """
-        shape = loop_shape(inputs)
-        args, static = self._loop_call(inputs)
+        shape = self._held_twin(loop_shape(inputs))
+        args, static = self._loop_call(inputs, shape)
         run_shape, exe = self.programs.lookup(
             shape, lambda: self._prepare(self._loop, args, static, rows=shape.tables[0]))
         if run_shape != shape:
-            args, _ = self._loop_call(repad_fused_decode(inputs, run_shape, self.model_spec.vocab_size))
+            args, _ = self._loop_call(repad_fused_decode(inputs, run_shape, self.model_spec.vocab_size), run_shape)
         start = time.perf_counter()
         out, logprobs, pages, ties, self.kv_cache = exe(*args)
         pages = (pages,) if isinstance(pages, PageState) else pages  # one per KV cache group
@@ -611,6 +612,16 @@ class ModelRunner:
                 tables[..., :s, :b]
         return out, logprobs, tables
 
+    def _held_twin(self, shape: StepShape | LoopShape) -> StepShape | LoopShape:
+        """A greedy step's shape (`draws` off), or its drawing twin's where only the twin's program is held: the
+        twin runs it with the same results (its draw is skipped at run time for greedy rows) and no compile, so a
+        workload that mixes sampled and greedy steps compiles one program per shape, not two."""
+        if shape.draws:
+            return shape
+        twin = shape._replace(draws=True)
+        held = self.programs.executables
+        return twin if twin in held and shape not in held else shape
+
     def _ran(self, shape: StepShape | LoopShape, seconds: float) -> None:
         self.device_seconds += seconds
         self.programs.record_run(shape, seconds)
@@ -619,7 +630,7 @@ class ModelRunner:
         """(a call of `shape`'s program on padding only: its arguments, the job that compiles it)."""
         vocab = self.model_spec.vocab_size
         if isinstance(shape, LoopShape):
-            args, static = self._loop_call(padding_fused_decode(shape, vocab, self._num_groups))
+            args, static = self._loop_call(padding_fused_decode(shape, vocab, self._num_groups), shape)
             jitted, rows = self._loop, shape.tables[0]
         else:
             args, static = self._step_call(padding_step(shape, vocab, self._num_groups, self._num_pools), shape)

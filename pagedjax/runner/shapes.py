@@ -14,7 +14,8 @@ padding is inert:
     (presence 0, frequency 0, repetition 1, min_tokens 0, stop ids -1: the logits pass unchanged), log-
     probabilities and prompt log-probabilities (targets -1) computed and ignored, token masks of all ones
     (every token allowed), pooled sums of no token (pool rows -1: zeros, ignored), sampled tokens of a step that
-    emits none (ignored); more top alternatives or stop-id columns than the step's are cut or never match;
+    emits none (ignored), the random draw of a step whose rows are all greedy (skipped at run time); more top
+    alternatives or stop-id columns than the step's are cut or never match;
   - a decode-only step (one token per sequence) may run on a ragged program: ragged attention takes one-token
     sequences too.
 "The same results" up to the last-bit rounding any change of shape may bring (as between two bucket sizes of a
@@ -22,17 +23,19 @@ step): the tokens of the tests' models are identical, log-probabilities equal to
 
 The bound on programs (`variants_bound`): per (T, S, B), at most 2 (block copies off / on) x 3 (penalties off,
 8 or 512 stop-id columns) x 3 (log-probabilities off, 5 or 20 alternatives) x 3 (prompt log-probabilities off, 5
-or 20) x 2 (structured output's token mask off / on) x 2 (pooled sums off / on) x 2 (sampling on / off: a step in
-which no sequence emits a token computes no logits) = 432 variants of the optional parts, and `return_logits` (which
+or 20) x 2 (structured output's token mask off / on) x 2 (pooled sums off / on) x 3 (sampling off: a step in
+which no sequence emits a token computes no logits; greedy: every row at temperature 0, the random draw left out;
+drawing) = 648 variants of the optional parts, and `return_logits` (which
 only tests and tools ask for) doubles that; T is a power of two from 16 to the
 token budget's bucket (or S, for a decode-only step; for a step verifying speculative proposals one of
 `inputs.fine_bucket`'s four sizes per doubling, `pad_step`), S one up to max_num_seqs' bucket (with speculation,
 a verifying step's sampled rows R one more, of `fine_bucket`'s sizes up to (1 + k) max_num_seqs'), B one from 2
 up to max_model_len / block_size's bucket. (Before, every power of two of copies, stop ids and alternatives was a
-program of its own.) A fused decode has 12 variants per (S, B): stop ids 8 or 512, penalties off / on,
-log-probabilities off, 5 or 20. A model that takes images doubles the ragged variants (image features on / off),
-and again where its images attend both ways (`attend_until` on / off). The runner also holds at most `max_programs`.
-Stop-id lists longer than 511 (the Python API has no limit; the server's is 256) add a power of two each.
+program of its own.) A fused decode has 24 variants per (S, B): stop ids 8 or 512, penalties off / on,
+log-probabilities off, 5 or 20, greedy or drawing. A model that takes images doubles the ragged variants (image
+features on / off), and again where its images attend both ways (`attend_until` on / off). The runner also holds
+at most `max_programs`. Stop-id lists longer than 511 (the Python API has no limit; the server's is 256) add a
+power of two each.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class StepShape(NamedTuple):
     attend_until: bool = False  # image tokens attending to each other both ways (`AttentionMetadata.attend_until`)
     pool: bool = False  # pooled hidden-state sums per sequence (`StepExtras.pool_rows`: pooling requests)
     sample: bool = True  # logits and sampled tokens (off: no sequence emits a token, `StepInputs.samples`)
+    draws: bool = True  # the random draw (off: every row greedy, `draws`; `pagedjax.device.sampling.sample`)
 
     @property
     def num_rows(self) -> int:
@@ -101,6 +105,8 @@ class StepShape(NamedTuple):
             parts.append(f"{self.rows} rows")
         if not self.sample:
             parts.append("no sampling")
+        elif not self.draws:
+            parts.append("greedy")
         return f"step of {self.tokens} tokens, {self.tables[0]} x {self.tables[1]} table" + \
             (f" ({', '.join(parts)})" if parts else "")
 
@@ -115,11 +121,12 @@ class LoopShape(NamedTuple):
     num_steps: int
     penalties: bool
     num_top_logprobs: int | None
+    draws: bool = True  # the random draw (off: every row greedy, `draws`)
 
     def __str__(self) -> str:
         """One short line (the log's): "fused decode of 8 steps, 64 x 256 table (512 stop ids, penalties)"."""
         parts = [f"{self.stop_width} stop ids"] + ["penalties"] * self.penalties + \
-            ([] if self.num_top_logprobs is None else [f"top {self.num_top_logprobs}"])
+            ([] if self.num_top_logprobs is None else [f"top {self.num_top_logprobs}"]) + ["greedy"] * (not self.draws)
         return f"fused decode of {self.num_steps} steps, {self.tables[0]} x {self.tables[1]} table ({', '.join(parts)})"
 
 
@@ -140,12 +147,21 @@ def step_shape(inputs: StepInputs, return_logits: bool = False) -> StepShape:
                      None if x.penalties is None else x.penalties.stop_ids.shape[1], x.prompt_targets is not None,
                      inputs.num_top_logprobs, inputs.num_prompt_top_logprobs, x.token_mask is not None,
                      None if rows == tables[0] else rows, inputs.image_index is not None,
-                     inputs.meta.attend_until is not None, x.pool_rows is not None, inputs.samples)
+                     inputs.meta.attend_until is not None, x.pool_rows is not None, inputs.samples,
+                     inputs.samples and draws(inputs.sampling))
 
 
 def loop_shape(inputs: FusedDecodeInputs) -> LoopShape:
     return LoopShape("decode_loop", inputs.block_tables.shape[-2:], inputs.lent_blocks.shape[-1],
-                     inputs.stop_ids.shape[1], inputs.num_steps, inputs.penalties is not None, inputs.num_top_logprobs)
+                     inputs.stop_ids.shape[1], inputs.num_steps, inputs.penalties is not None, inputs.num_top_logprobs,
+                     draws(inputs.sampling))
+
+
+def draws(sampling: SamplingMetadata) -> bool:
+    """Whether a step's program needs the random draw: some row samples at a temperature above 0 (padding rows are
+    greedy). A step without it compiles the greedy program, unless its drawing twin is held
+    (`ModelRunner._held_twin`)."""
+    return bool(np.any(sampling.temperature > 0))
 
 
 def _at_least(have, need) -> bool:
@@ -162,7 +178,8 @@ def dominates(program: StepShape | LoopShape, step: StepShape | LoopShape) -> bo
         return False
     if isinstance(program, LoopShape):
         return (program.num_steps == step.num_steps and program.stop_width >= step.stop_width
-                and program.penalties >= step.penalties)  # the lent stack follows from S and num_steps
+                and program.penalties >= step.penalties and program.draws >= step.draws)  # the lent stack
+        # follows from S and num_steps
     if program.decode_only and not step.decode_only:
         return False
     prompt_ok = not step.prompt_targets or (
@@ -172,7 +189,7 @@ def dominates(program: StepShape | LoopShape, step: StepShape | LoopShape) -> bo
             and _at_least(program.copies, step.copies) and _at_least(program.stop_width, step.stop_width)
             and program.token_mask >= step.token_mask and program.images >= step.images
             and program.attend_until >= step.attend_until and program.pool >= step.pool
-            and program.sample >= step.sample)
+            and program.sample >= step.sample and program.draws >= step.draws)
 
 
 def variants_bound(*, images: bool = False, attend_until: bool = False) -> int:
@@ -180,7 +197,7 @@ def variants_bound(*, images: bool = False, attend_until: bool = False) -> int:
     off or in one of its sizes (for a model that takes images, whose `attend_until` is on where they attend both
     ways)."""
     copies, stops, logprobs, prompt_logprobs, masks, logits, pool, sample = 2, 1 + len(STOP_ID_WIDTHS), \
-        1 + len(TOP_LOGPROBS_SIZES), 1 + len(TOP_LOGPROBS_SIZES), 2, 2, 2, 2
+        1 + len(TOP_LOGPROBS_SIZES), 1 + len(TOP_LOGPROBS_SIZES), 2, 2, 2, 3  # sample: off, greedy, drawing
     return copies * stops * logprobs * prompt_logprobs * masks * logits * pool * sample * (1 + images) * \
         (1 + attend_until)
 

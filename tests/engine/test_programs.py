@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -60,7 +61,8 @@ def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatc
     block copies) used to compile a program per power of two of each (up to 2 x 10 x 7 x 7 variants of a step's
     optional parts). Each part now takes off or one of its documented sizes: per (T, S, B) at most
     `variants_bound()` = 2 (copies) x 3 (stop ids: off, 8, 512) x 3 (top log-probabilities: off, 5, 20)
-    x 3 (prompt's) x 2 (structured output's token mask) x 2 (pooled sums) x 2 (sampling) x 2 (logits) programs;
+    x 3 (prompt's) x 2 (structured output's token mask) x 2 (pooled sums) x 3 (sampling: off, greedy, drawing)
+    x 2 (logits) programs;
     with T, S, B
     powers of two up to this engine's limits, the
     engine's bound is their count times that. After warm-up, not one of these steps waited for a compile, an
@@ -97,7 +99,7 @@ def test_many_parameter_combinations_stay_within_the_documented_bound(monkeypatc
     per_size = {}
     for shape in shapes:
         per_size.setdefault(shape[1:3], set()).add(shape)
-    assert max(map(len, per_size.values())) <= variants_bound() == 864
+    assert max(map(len, per_size.values())) <= variants_bound() == 1296  # 648 variants, doubled by logits
     bound = (len(ts) + 1) * len(ss) * len(bs) * variants_bound()  # ragged T's, and decode-only steps (T = S)
     assert len(shapes) <= bound and engine.stats().compiled_programs <= bound
     assert {s.stop_width for s in shapes} >= {8, 512} and {s.num_top_logprobs for s in shapes} >= {5, 20}
@@ -403,6 +405,42 @@ def test_steps_in_which_no_sequence_emits_compute_no_logits_and_give_the_same_to
     assert all(s.sample for s, _ in seen if s.decode_only)
     everything = make_engine(compile_in_background=False, batch_invariant=True)  # one program: sampling on
     assert everything.generate([prompt], params, use_tqdm=False)[0].output_token_ids == got
+
+
+_SORT = re.compile(r"\bsort\(")  # an HLO sort op (the draw's top-k / top-p cut sorts the vocabulary)
+
+
+def test_greedy_steps_leave_the_draw_out_and_run_on_a_held_drawing_twin(monkeypatch):
+    """A step whose rows are all greedy compiles without the random draw (`StepShape.draws` off: the vocabulary
+    sort and per-row keys were about half of a small model's step program, and so of its compile time), a fused
+    decode likewise; the tokens are those of the drawing program. Where the drawing twin of a greedy step is held
+    (a sampled request ran at that shape), the greedy step runs on it instead of compiling its own."""
+    engine = make_engine(compile_in_background=False, decode_steps_per_call=4)
+    seen = _recording_lookups(monkeypatch, engine)
+    prompt, greedy = list(range(3, 43)), SamplingParams(temperature=0.0, max_tokens=12)
+    got = engine.generate([prompt], greedy, use_tqdm=False)[0].output_token_ids
+    sampling = [s for s, _ in seen if s.kind == "decode_loop" or s.sample]
+    assert {s.kind for s in sampling} == {"step", "decode_loop"} and not any(s.draws for s in sampling)
+    programs = engine.runner.programs.executables
+    assert not any(_SORT.search(programs[s].as_text()) for s in sampling)
+    everything = make_engine(compile_in_background=False, batch_invariant=True)  # one program: the draw in it
+    assert everything.runner.fixed_shape.draws
+    assert everything.generate([prompt], greedy, use_tqdm=False)[0].output_token_ids == got
+
+    twins = make_engine(compile_in_background=False, decode_steps_per_call=4)
+    seen = _recording_lookups(monkeypatch, twins)
+    twins.generate([prompt], SamplingParams(temperature=0.8, seed=1, max_tokens=12), use_tqdm=False)
+    drawing = {s for s, _ in seen if s.kind == "decode_loop" or s.sample}
+    assert all(s.draws for s in drawing) and all(_SORT.search(twins.runner.programs.executables[s].as_text())
+                                                for s in drawing)
+    compiled, seen[:] = twins.stats().compilations, []
+    assert twins.generate([prompt], greedy, use_tqdm=False)[0].output_token_ids == got
+    assert twins.stats().compilations == compiled and {s for s, _ in seen if s.kind == "decode_loop" or s.sample} \
+        <= drawing
+    assert dominates(_step(16, 1), _step(16, 1, draws=False)) and not dominates(_step(16, 1, draws=False), _step(16, 1))
+    loop = LoopShape("decode_loop", (1, 2), 1, 8, 8, False, None)
+    assert dominates(loop, loop._replace(draws=False)) and not dominates(loop._replace(draws=False), loop)
+    assert "greedy" in str(_step(16, 1, draws=False)) and "greedy" in str(loop._replace(draws=False))
 
 
 def test_an_optional_lookup_skips_while_its_program_compiles_in_the_background(caplog):
