@@ -421,12 +421,26 @@ def _masked_attention(q, k, v, mask, scale: float, logits_soft_cap: float | None
 
 
 def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sinks, *, scale, sliding_window,
-            logits_soft_cap, compute_dtype, bounded: bool):
-    """bounded: with a window, gather only the pages that can hold window positions."""
+            logits_soft_cap, compute_dtype, bounded: bool, kv_chunk: int | None = None):
+    """bounded: with a window, gather only the pages that can hold window positions; without one, walk the table
+    `kv_chunk` positions at a time (`_chunked_partial`), up to the longest sequence."""
     block_size = k_pages.shape[2]
     num_seqs, max_blocks = block_tables.shape
     lengths = jnp.clip(lengths, 0, max_blocks * block_size)
     num_pages = tiles.window_pages(sliding_window if bounded else None, 1, max_blocks, block_size)
+    if bounded and num_pages == max_blocks:  # a decode row is a query tile of one row
+        num_q_heads, head_dim = q.shape[1:]
+        num_kv_heads = k_pages.shape[0]
+        qt = q.reshape(num_seqs, 1, num_kv_heads, num_q_heads // num_kv_heads, head_dim).astype(compute_dtype)
+        partial = functools.partial(_tile_partial, qt, scale=_scale(scale, head_dim), logits_soft_cap=logits_soft_cap)
+        keep_at = lambda kv_pos: visible(kv_pos, lengths[:, None] - 1, lengths[:, None], sliding_window)[:, None, :]
+        chunk_pages = max(1, kv_chunk // block_size)
+        m, z, u = _chunked_partial(partial, (k_pages, v_pages, k_scales, v_scales), block_tables, keep_at,
+                                   tiles.cdiv(jnp.max(lengths), chunk_pages * block_size), chunk_pages, block_size)
+        if sinks is not None:
+            _, z, u = join_sink(m, z, u, sinks.reshape(1, *m.shape[1:3], 1, 1))
+        o = jnp.where(z > 0, u / jnp.where(z > 0, z, 1.0), 0.0)  # [S, Hkv, G, 1, D]
+        return o.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
     if num_pages < max_blocks:
         tables, pos = _window_tables(block_tables, lengths - sliding_window, num_pages, block_size)
     else:
@@ -450,7 +464,7 @@ def _validated(q, k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logits_soft_cap", "compute_dtype",
-                                             "bounded"))
+                                             "bounded", "kv_chunk"))
 
 
 def _decode_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sinks, **static):
@@ -487,18 +501,21 @@ def paged_attention_xla(q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
                         logits_soft_cap: float | None = None,
                         k_scales: jax.Array | None = None,  # [num_kv_heads, num_blocks, block_size]
                         v_scales: jax.Array | None = None,
-                        sinks: jax.Array | None = None) -> jax.Array:  # f32[num_q_heads]
+                        sinks: jax.Array | None = None,  # f32[num_q_heads]
+                        kv_chunk: int = 128) -> jax.Array:
     """XLA gather path for decode: same contract as `paged_attention`, K/V gathered and computed on in q's
     dtype (8-bit pages dequantized into it right after the gather), float32 accumulation.
 
-    Without a window it materialises `[num_seqs, num_kv_heads, max_blocks_per_seq * block_size, head_dim]`.
-    With a window W each sequence gathers only `min(max_blocks_per_seq, cdiv(W - 1, block_size) + 1)` pages
-    from the one holding position lengths[s] - W: decode cost is bounded by the window, and table entries of
-    pages before it are never read (they may hold anything).
+    Without a window each sequence walks its pages `kv_chunk` positions (whole pages) at a time, up to the longest
+    sequence, merging each chunk's partial exactly: `[num_seqs, num_kv_heads, kv_chunk, head_dim]` of gathered K/V
+    at a time, never the table's padding. With a window W each sequence gathers only `min(max_blocks_per_seq,
+    cdiv(W - 1, block_size) + 1)` pages from the one holding position lengths[s] - W: decode cost is bounded by
+    the window, and table entries of pages before it are never read (they may hold anything).
     """
+    V.check_positive_int("kv_chunk", kv_chunk)
     variants = _validated(q, k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales, sinks)
     return _decode_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sinks, scale=scale,
-                       compute_dtype=jnp.dtype(q.dtype), bounded=True, **variants)
+                       compute_dtype=jnp.dtype(q.dtype), bounded=True, kv_chunk=kv_chunk, **variants)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logits_soft_cap"))
@@ -543,57 +560,89 @@ def ragged_paged_attention_reference(q: jax.Array,  # [total_q_tokens, num_q_hea
                              attend_until, sinks, scale=scale, **variants)
 
 
-def _tile_partial(q, rows, k_pages, v_pages, k_scales, v_scales, tables, keep, *, scale: float,
+def _tile_partial(qt, k_pages, v_pages, k_scales, v_scales, tables, keep, prior=None, *, scale: float,
                   logits_soft_cap: float | None):
-    """The (m, z, u) partial of query tiles over the pages `tables` `[NT, P]`: rows `[NT, tq]` (the query row of
-    each tile slot), keep bool `[NT, tq, P * block_size]`. m `[NT, Hkv, G, tq, 1]` is the row max (-inf where a
-    row sees nothing), z and u the sums of exp(s - m) and exp(s - m) v (m taken as 0 where it is -inf), float32."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[0]
-    num_tiles, tq = rows.shape
-    compute_dtype = jnp.dtype(q.dtype)
+    """The (m, z, u) partial of query tiles `qt` `[NT, tq, Hkv, G, D]` over the pages `tables` `[NT, P]`, keep
+    bool `[NT, tq, P * block_size]`. m `[NT, Hkv, G, tq, 1]` is the row max (-inf where a row sees nothing), z and
+    u the sums of exp(s - m) and exp(s - m) v (m taken as 0 where it is -inf), float32. With `prior`, the partial
+    (m, z, u) of other keys, the result is both merged (`merge.merge_partials`'s rule, folded into this one pass:
+    the new keys' weights are taken at the common max directly)."""
+    compute_dtype = jnp.dtype(qt.dtype)
     k = _gather_kv(k_pages, k_scales, tables, compute_dtype)  # [NT, Hkv, L, D]
     v = _gather_kv(v_pages, v_scales, tables, compute_dtype)
     # Slots no row of a tile reads may hold anything (NaN included): select them away.
     v = jnp.where(jnp.any(keep, axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
-    qt = q[jnp.clip(rows, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, num_q_heads // num_kv_heads,
-                                                      head_dim)
     s = jnp.einsum("ntkgd,nkld->nkgtl", qt.astype(compute_dtype), k, precision=HIGHEST,
                    preferred_element_type=jnp.float32)
     s = jnp.where(keep[:, None, None], soft_cap(s * scale, logits_soft_cap), -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m))
+    if prior is not None:
+        m = jnp.maximum(m, prior[0])
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    p = jnp.exp(s - m_safe)
     z = jnp.sum(p, axis=-1, keepdims=True)
     u = jnp.einsum("nkgtl,nkld->nkgtd", p.astype(v.dtype), v, precision=HIGHEST,
                    preferred_element_type=jnp.float32)
+    if prior is not None:  # exp(-inf) = 0: an empty prior adds nothing; a prior at the max keeps its bits (x 1)
+        kept = jnp.exp(prior[0] - m_safe)
+        z, u = kept * prior[1] + z, kept * prior[2] + u
     return m, z, u
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "q_tile", "sliding_window", "logits_soft_cap"))
+def _chunked_partial(partial, pages, tables, keep_at, num_chunks, chunk_pages: int, block_size: int):
+    """The merged (m, z, u) of `partial(*pages, tables, keep, prior)` over the pages `tables` `[NT, P]`,
+    `chunk_pages` pages at a time, for the first `num_chunks` (traced) chunks: flash attention's loop over keys.
+    Each chunk's keep mask comes from `keep_at(kv_pos)`, kv_pos its slots' positions `[chunk_pages * block_size]`,
+    and is folded into the running partial (`_tile_partial`'s prior). Chunks sit at fixed positions and a chunk a
+    row sees nothing of leaves its partial's bits unchanged (x 1, + 0), so a row's result does not depend on the
+    other rows of its step or on how far the table is padded."""
+    num_pages = tables.shape[1]
+    chunks = -(-num_pages // chunk_pages)
+    # Padding entries point at page 0; their positions are past every row's kv_len, so keep_at drops them.
+    tables = jnp.pad(tables, ((0, 0), (0, chunks * chunk_pages - num_pages)))
+    slots = jnp.arange(chunk_pages * block_size, dtype=jnp.int32)
+
+    def step(c, merged):
+        # The pages pass a barrier with the loop counter: otherwise XLA moves a conversion of the gathered pages
+        # (a bfloat16 dot's operands widened on the CPU) in front of the gather and out of the loop, widening the
+        # whole pool once per call instead of a chunk per iteration.
+        *chunk_pages_, _ = jax.lax.optimization_barrier((*pages, c))
+        chunk = jax.lax.dynamic_slice_in_dim(tables, c * chunk_pages, chunk_pages, axis=1)
+        return partial(*chunk_pages_, chunk, keep_at(c * chunk_pages * block_size + slots), merged)
+
+    m, z, u = jax.eval_shape(partial, *pages, tables[:, :chunk_pages], keep_at(slots))
+    empty = (jnp.full(m.shape, -jnp.inf, jnp.float32), jnp.zeros(z.shape, jnp.float32), jnp.zeros(u.shape, jnp.float32))
+    return jax.lax.fori_loop(0, jnp.minimum(num_chunks, chunks), step, empty)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "q_tile", "kv_chunk", "sliding_window", "logits_soft_cap"))
 def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until, sinks, *,
-                scale, q_tile, sliding_window, logits_soft_cap):
+                scale, q_tile, kv_chunk, sliding_window, logits_soft_cap):
     num_tokens, num_q_heads, head_dim = q.shape
     block_size = k_pages.shape[2]
     max_blocks = block_tables.shape[1]
     tq = max(1, min(q_tile, num_tokens))
     tile_seq, rows, valid, pos, token_slot = query_tiles(cu_q_lens, kv_lens, num_tokens, tq)
     num_tiles = tile_seq.shape[0]
-    partial = functools.partial(_tile_partial, q, rows, k_pages, v_pages, k_scales, v_scales,
-                                scale=_scale(scale, head_dim), logits_soft_cap=logits_soft_cap)
+    num_kv_heads = k_pages.shape[0]
+    qt = q[jnp.clip(rows, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, num_q_heads // num_kv_heads,
+                                                      head_dim)
+    pages = (k_pages, v_pages, k_scales, v_scales)
+    partial = functools.partial(_tile_partial, qt, scale=_scale(scale, head_dim), logits_soft_cap=logits_soft_cap)
+    last = None if attend_until is None else attend_until[jnp.clip(rows, 0, num_tokens - 1)][:, :, None]
+    keep_at = lambda kv_pos: valid[:, :, None] & visible(kv_pos, pos[:, :, None], kv_lens[tile_seq][:, None, None],
+                                                          sliding_window, last)  # [NT, tq, L]
 
     # With a window a tile's rows see positions pos[0] - W + 1 ... pos[0] + tq - 1 at most.
     num_pages = tiles.window_pages(sliding_window, tq, max_blocks, block_size)
     if num_pages < max_blocks:
         tables, kv_pos = _window_tables(block_tables[tile_seq], pos[:, 0] - sliding_window + 1, num_pages,
                                         block_size)
-        kv_pos = kv_pos[:, None, :]  # [NT, 1, L]
-    else:
-        tables = block_tables[tile_seq]
-        kv_pos = jnp.arange(max_blocks * block_size, dtype=jnp.int32)
-    last = None if attend_until is None else attend_until[jnp.clip(rows, 0, num_tokens - 1)][:, :, None]
-    keep = valid[:, :, None] & visible(kv_pos, pos[:, :, None], kv_lens[tile_seq][:, None, None],
-                                        sliding_window, last)  # [NT, tq, L]
-    m, z, u = partial(tables, keep)
+        m, z, u = partial(*pages, tables, keep_at(kv_pos[:, None, :]))  # kv_pos [NT, 1, L]
+    else:  # every page, a chunk of keys at a time, up to the step's longest context
+        chunk_pages = max(1, kv_chunk // block_size)
+        m, z, u = _chunked_partial(partial, pages, block_tables[tile_seq], keep_at,
+                                   tiles.cdiv(jnp.max(kv_lens), chunk_pages * block_size), chunk_pages, block_size)
     # With attend_until a row may see ahead of those pages, up to its sequence's last position (< pos[0] +
     # num_tokens: a sequence has at most num_tokens query rows): the pages after them, gathered apart and merged
     # exactly, so that the window pages' partial is computed as without attend_until (with every bound at most
@@ -602,9 +651,7 @@ def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales,
     if attend_until is not None and num_pages < max_blocks and ahead > 0:
         first_ahead = (jnp.maximum(pos[:, 0] - sliding_window + 1, 0) // block_size + num_pages) * block_size
         tables, kv_pos = _window_tables(block_tables[tile_seq], first_ahead, ahead, block_size)
-        keep = valid[:, :, None] & visible(kv_pos[:, None, :], pos[:, :, None], kv_lens[tile_seq][:, None, None],
-                                            sliding_window, last)
-        m_ahead, z_ahead, u_ahead = partial(tables, keep)
+        m_ahead, z_ahead, u_ahead = partial(*pages, tables, keep_at(kv_pos[:, None, :]))
         merged = merge_two(Partial(m[..., 0], z[..., 0], u), Partial(m_ahead[..., 0], z_ahead[..., 0], u_ahead))
         m, z, u = merged.m[..., None], merged.z[..., None], merged.u
     if sinks is not None:  # joined once, into the partial of all the pages a row sees
@@ -625,15 +672,17 @@ def ragged_paged_attention_xla(q: jax.Array,  # [total_q_tokens, num_q_heads, he
                                *, scale: float | None = None, sliding_window: int | None = None,
                                logits_soft_cap: float | None = None,
                                k_scales: jax.Array | None = None,  # [num_kv_heads, num_blocks, block_size]
-                               v_scales: jax.Array | None = None, q_tile: int = 16,
+                               v_scales: jax.Array | None = None, q_tile: int = 16, kv_chunk: int = 128,
                                attend_until: jax.Array | None = None,  # i32[total_q_tokens]
                                sinks: jax.Array | None = None) -> jax.Array:  # f32[num_q_heads]
     """XLA gather path for ragged attention: same contract as `ragged_paged_attention`, K/V in q's dtype
     (8-bit pages dequantized into it right after the gather), float32 accumulation.
 
     Each sequence's queries are cut into tiles of `q_tile` consecutive rows (a decode token is a tile of
-    its own) and each tile gathers its sequence's pages once: `[num_tiles, num_kv_heads, max_blocks_per_seq
-    * block_size, head_dim]` with num_tiles <= total_q_tokens / q_tile + num_seqs, not one copy per query.
+    its own), num_tiles <= total_q_tokens / q_tile + num_seqs. Without a window each tile walks its sequence's
+    pages `kv_chunk` positions (whole pages) at a time, up to the step's longest context, merging each chunk's
+    partial exactly (flash attention's loop over keys): a step holds `[num_tiles, num_kv_heads, kv_chunk,
+    head_dim]` of gathered K/V at a time, not the whole table's width, and no tile scores the table's padding.
     With a window W a tile gathers only `min(max_blocks_per_seq, cdiv(q_tile + W - 2, block_size) + 1)`
     pages, from the one holding its first row's first visible position: table entries of pages before
     every row's window are never read. With a window and `attend_until` a row may see ahead of those pages, up to
@@ -643,7 +692,8 @@ def ragged_paged_attention_xla(q: jax.Array,  # [total_q_tokens, num_q_heads, he
     joined into each row's partial of all its pages (`merge.join_sink`) before the division.
     """
     V.check_positive_int("q_tile", q_tile)
+    V.check_positive_int("kv_chunk", kv_chunk)
     variants = _validated(q, k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales, sinks)
     check_attend_until(attend_until, q.shape[0])
     return _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until,
-                       sinks, scale=scale, q_tile=q_tile, **variants)
+                       sinks, scale=scale, q_tile=q_tile, kv_chunk=kv_chunk, **variants)

@@ -145,7 +145,8 @@ def _gpu_tuning(p) -> dict:
 def _run(path: str, p, bc: BoundCase, **kw):
     args, variants = bc.case.ragged_args(), _variants(p, bc)
     if path == "xla":
-        return ragged_paged_attention_xla(*args, **variants, q_tile=p["block_q"], **kw)
+        return ragged_paged_attention_xla(*args, **variants, q_tile=p["block_q"],
+                                          kv_chunk=p["block_size"] * p["pages_per_iter"], **kw)
     if path == "gpu":
         return ragged_paged_attention(*args, **variants, target="gpu", interpret=True, **_gpu_tuning(p), **kw)
     return ragged_paged_attention(*args, **variants, target="tpu", interpret=True, block_q=p["block_q"],

@@ -53,6 +53,7 @@ def test_decode_reference_matches_numpy_loop(seed, heads, block_size, lengths):
                      for s, n in enumerate(lengths)])
     assert_close(paged_attention_reference(*case.decode_args()), want, "float32")
     assert_close(paged_attention_xla(*case.decode_args()), want, "float32")
+    assert_close(paged_attention_xla(*case.decode_args(), kv_chunk=block_size), want, "float32")  # a page a chunk
 
 
 @settings(max_examples=examples(15))
@@ -76,6 +77,34 @@ def test_ragged_reference_matches_numpy_loop(seed, seqs):
     assert_close(ragged_paged_attention_reference(*case.ragged_args()), want, "float32")
     assert_close(ragged_paged_attention_xla(*case.ragged_args(), q_tile=2), want, "float32")
     assert_close(ragged_paged_attention_xla(*case.ragged_args(), q_tile=16), want, "float32")
+    # Keys a page at a time (3 chunks), and two pages at a time (the 3-page table padded to 4)
+    assert_close(ragged_paged_attention_xla(*case.ragged_args(), q_tile=2, kv_chunk=4), want, "float32")
+    assert_close(ragged_paged_attention_xla(*case.ragged_args(), q_tile=16, kv_chunk=8), want, "float32")
+
+
+def test_xla_ragged_row_is_bitwise_the_same_in_any_step():
+    """The XLA ragged path walks keys in chunks at fixed positions, up to the step's longest context: a row's
+    bits do not depend on the other sequences of its step (how many chunks run), on how wide the table is padded,
+    or on its tile's other rows."""
+    rng = np.random.default_rng(7)
+    alone = build(rng, num_q_rows=5, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, max_blocks=3,
+                  kv_lens=[9], cu_q_lens=[0, 5])
+    q, k, v, tables, kv_lens, cu = alone.ragged_args()
+    want = np.asarray(ragged_paged_attention_xla(q, k, v, tables, kv_lens, cu, q_tile=4, kv_chunk=4))
+    assert_close(want, ragged_paged_attention_reference(*alone.ragged_args()), "float32")
+    # The same sequence after a 30-token one (8 chunks run instead of 3), its table padded to 8 entries with
+    # pages of the other sequence, 6 rows of the other's queries before it and padding rows after.
+    other = build(rng, num_q_rows=6, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, max_blocks=8,
+                  kv_lens=[30], cu_q_lens=[0, 6])
+    k2 = np.concatenate([np.asarray(k), np.asarray(other.k_pages)], axis=1)
+    v2 = np.concatenate([np.asarray(v), np.asarray(other.v_pages)], axis=1)
+    t_other = np.asarray(other.block_tables) + k.shape[1]
+    t_alone = np.concatenate([np.asarray(tables), t_other[:, :5]], axis=1)
+    batch = ragged_paged_attention_xla(np.concatenate([np.asarray(other.q), np.asarray(q), np.zeros_like(q[:2])]),
+                                       k2, v2, np.concatenate([t_other, t_alone]).astype(np.int32),
+                                       np.array([30, 9], np.int32), np.array([0, 6, 11], np.int32),
+                                       q_tile=4, kv_chunk=4)
+    np.testing.assert_array_equal(np.asarray(batch)[6:11], want)
 
 
 def test_xla_paths_in_bfloat16():
@@ -86,3 +115,16 @@ def test_xla_paths_in_bfloat16():
                  "bfloat16")
     assert_close(ragged_paged_attention_xla(*case.ragged_args()),
                  ragged_paged_attention_reference(*case.ragged_args()), "bfloat16")
+
+
+def test_xla_decode_row_is_bitwise_the_same_in_any_batch():
+    """The XLA decode path walks keys in chunks at fixed positions, up to the batch's longest sequence: a row's bits
+    do not depend on the other rows (how many chunks run) or on how wide the table is padded."""
+    rng = np.random.default_rng(8)
+    case = build(rng, num_q_rows=2, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, max_blocks=8,
+                 kv_lens=[9, 30])
+    q, k, v, tables, lengths = case.decode_args()
+    batch = np.asarray(paged_attention_xla(q, k, v, tables, lengths, kv_chunk=4))
+    assert_close(batch, paged_attention_reference(*case.decode_args()), "float32")
+    alone = paged_attention_xla(q[:1], k, v, tables[:1, :3], lengths[:1], kv_chunk=4)
+    np.testing.assert_array_equal(np.asarray(alone), batch[:1])

@@ -206,7 +206,8 @@ def _check_decode(p, target):
     assert_close(out, want, p["dtype"])
     np.testing.assert_array_equal(np.asarray(out, np.float32)[np.asarray(p["lengths"]) == 0], 0.0)
     if target == "gpu":
-        assert_close(paged_attention_xla(*case.decode_args(), **variants), want, p["dtype"])
+        assert_close(paged_attention_xla(*case.decode_args(), **variants,
+                                         kv_chunk=p["block_size"] * p["pages_per_iter"]), want, p["dtype"])
 
 
 def _check_ragged(p, target):
@@ -222,8 +223,8 @@ def _check_ragged(p, target):
     if p["padding_rows"]:
         np.testing.assert_array_equal(np.asarray(out[-p["padding_rows"]:], np.float32), 0.0)
     if target == "gpu":
-        assert_close(ragged_paged_attention_xla(*case.ragged_args(), **variants, q_tile=p["q_tile"]), want,
-                     p["dtype"])
+        assert_close(ragged_paged_attention_xla(*case.ragged_args(), **variants, q_tile=p["q_tile"],
+                                                kv_chunk=p["block_size"] * p["pages_per_iter"]), want, p["dtype"])
 
 
 BASE = dict(seed=0, num_q_heads=6, num_kv_heads=2, head_dim=32, block_size=4, max_blocks=5, dtype="float32",

@@ -137,7 +137,8 @@ def test_decode_variants_match_reference(p):
     out = paged_attention(*case.decode_args(), **variants, **tuning)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert_close(out, want, p["q_dtype"])
-    assert_close(paged_attention_xla(*case.decode_args(), **variants), want, p["q_dtype"])
+    assert_close(paged_attention_xla(*case.decode_args(), **variants,
+                                     kv_chunk=p["block_size"] * p["pages_per_iter"]), want, p["q_dtype"])
 
 
 RAGGED = dict(BASE, seqs=[(3, 7), (0, 0), (12, 20), (1, 13)], q_tile=2)
@@ -161,8 +162,8 @@ def test_ragged_variants_match_reference(p):
                                  block_q=max(4, MIN_DOT_DIM // next_pow2(group)))
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert_close(out, want, p["q_dtype"])
-    assert_close(ragged_paged_attention_xla(*case.ragged_args(), **variants, q_tile=p["q_tile"]), want,
-                 p["q_dtype"])
+    assert_close(ragged_paged_attention_xla(*case.ragged_args(), **variants, q_tile=p["q_tile"],
+                                            kv_chunk=p["block_size"] * p["pages_per_iter"]), want, p["q_dtype"])
 
 
 TPU = dict(target="tpu", interpret=True)
@@ -344,21 +345,26 @@ def _temp_bytes(fn, *shapes, **kw) -> int:
     return jax.jit(lambda *a: fn(*a, **kw)).lower(*shapes).compile().memory_analysis().temp_size_in_bytes
 
 
-def test_xla_window_gathers_are_bounded_by_the_window():
-    """A 64k-token table with a window of 64: the decode path's temporaries shrink about as the window does
-    (the gather of the whole table is never built), and the ragged path's too."""
+def _paths(num_seqs: int, max_blocks: int, **kw) -> dict:
+    """The temporaries of the decode and ragged XLA paths over bfloat16 pages, `max_blocks` pages a sequence."""
     f = jax.ShapeDtypeStruct
-    num_seqs, max_blocks, block_size = 4, 4096, 16
-    kv = f((2, num_seqs * max_blocks, block_size, 64), jnp.bfloat16)
+    kv = f((2, num_seqs * max_blocks, 16, 64), jnp.bfloat16)
     tables, lens = f((num_seqs, max_blocks), jnp.int32), f((num_seqs,), jnp.int32)
     q = f((num_seqs, 8, 64), jnp.bfloat16)
-    full = _temp_bytes(paged_attention_xla, q, kv, kv, tables, lens)
-    windowed = _temp_bytes(paged_attention_xla, q, kv, kv, tables, lens, sliding_window=64)
-    assert windowed * 100 < full, (windowed, full)
-    cu = f((num_seqs + 1,), jnp.int32)
-    full = _temp_bytes(ragged_paged_attention_xla, q, kv, kv, tables, lens, cu)
-    windowed = _temp_bytes(ragged_paged_attention_xla, q, kv, kv, tables, lens, cu, sliding_window=64)
-    assert windowed * 100 < full, (windowed, full)
+    return dict(decode=_temp_bytes(paged_attention_xla, q, kv, kv, tables, lens, **kw),
+                ragged=_temp_bytes(ragged_paged_attention_xla, f((64, 8, 64), jnp.bfloat16), kv, kv, tables, lens,
+                                   f((num_seqs + 1,), jnp.int32), **kw))
+
+
+@pytest.mark.parametrize("kw", [dict(sliding_window=64), {}], ids=["window", "chunks"])
+def test_xla_gathers_do_not_grow_with_the_table(kw):
+    """A 64k-token table: with a window of 64 both paths gather only the window's pages, and without one they walk
+    the table a key chunk at a time; either way their temporaries are about those of a 1k-token table (the gather
+    of the whole table is never built, and no float32 copy of the pool either: XLA would otherwise hoist the
+    widening of a bfloat16 dot's operands out of the chunk loop, onto the whole pool)."""
+    short, long = _paths(4, 64, **kw), _paths(4, 4096, **kw)
+    for path in short:
+        assert long[path] < 2 * short[path], (path, long, short)
 
 
 # ---- validation ------------------------------------------------------------------------------------------
@@ -411,3 +417,14 @@ def test_page_and_query_dtype_rules():
     # float16 q over 8-bit pages is allowed; the output is in q's dtype.
     out = paged_attention(q.astype(jnp.float16), k, v, tables, lengths, k_scales=SCALES, v_scales=SCALES)
     assert out.dtype == jnp.float16
+
+
+@pytest.mark.parametrize("kw,match", [(dict(q_tile=0), "q_tile must be a positive int"),
+                                      (dict(kv_chunk=0), "kv_chunk must be a positive int"),
+                                      (dict(kv_chunk=16.0), "kv_chunk must be a positive int")])
+def test_xla_tuning_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention_xla(*_args(), jnp.zeros((3,), jnp.int32), **kw)
+    if "kv_chunk" in kw:
+        with pytest.raises(ValueError, match=match):
+            paged_attention_xla(*_args(), **kw)
