@@ -1,5 +1,5 @@
 """What every attention kind's dense reference and XLA path share: a ragged step's token layout, which keys a query
-sees, its query tiles.
+sees, its query tiles, and the XLA paths' loop over chunks of keys (flash attention written in XLA).
 """
 
 from __future__ import annotations
@@ -53,3 +53,51 @@ def query_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, q_til
     local = jnp.arange(num_tokens, dtype=jnp.int32) - cu_q_lens[seq]
     token_slot = (tiles_start[seq] + local // q_tile) * q_tile + local % q_tile
     return tile_seq, rows, valid, pos, token_slot
+
+
+def fold(s: jax.Array, value_sum, prior=None):
+    """The partial (m, z, u) of masked float32 scores `s` `[..., L]` (-inf where a row does not see the key):
+    m `[..., 1]` the row max (-inf where it sees nothing), z the sum of exp(s - m) (m taken as 0 where it is
+    -inf), u = value_sum(exp(s - m)) `[..., D]`. With `prior`, the partial (m, z, u) of other keys, returns the
+    merged partial of both (`merge.merge_partials`'s rule, the new keys weighted at the common max directly):
+    exp(-inf) = 0, so an empty prior adds nothing, and keys a row does not see leave its prior's bits as they
+    were (x 1, + 0)."""
+    m = jnp.max(s, axis=-1, keepdims=True)
+    if prior is not None:
+        m = jnp.maximum(m, prior[0])
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    p = jnp.exp(s - m_safe)
+    z = jnp.sum(p, axis=-1, keepdims=True)
+    u = value_sum(p)
+    if prior is not None:
+        kept = jnp.exp(prior[0] - m_safe)
+        z, u = kept * prior[1] + z, kept * prior[2] + u
+    return m, z, u
+
+
+def chunked_partial(partial, pages, tables, keep_at, *, longest, kv_chunk: int, block_size: int):
+    """The merged (m, z, u) of `partial(*pages, tables, keep, prior)` over the pages `tables` `[N, P]`: flash
+    attention's loop over keys, `kv_chunk` positions (whole pages, at least one) at a time, up to `longest` (traced:
+    the longest context among the rows). Each chunk's keep mask comes from `keep_at(kv_pos)`, kv_pos its slots'
+    positions, and is folded into the running partial (`fold`'s prior). Chunks sit at fixed positions and a chunk a
+    row sees nothing of leaves its partial's bits unchanged, so a row's result does not depend on the other rows
+    of its step or on how far the table is padded."""
+    num_pages = tables.shape[1]
+    chunk_pages = max(1, kv_chunk // block_size)
+    chunks = -(-num_pages // chunk_pages)
+    # Padding entries point at page 0; their positions are past every row's context, so keep_at drops them.
+    tables = jnp.pad(tables, ((0, 0), (0, chunks * chunk_pages - num_pages)))
+    slots = jnp.arange(chunk_pages * block_size, dtype=jnp.int32)
+
+    def step(c, merged):
+        # The pages pass a barrier with the loop counter: otherwise XLA moves a conversion of the gathered pages
+        # (a bfloat16 dot's operands widened on the CPU) in front of the gather and out of the loop, widening the
+        # whole pool once per call instead of a chunk per iteration.
+        *pool, _ = jax.lax.optimization_barrier((*pages, c))
+        chunk = jax.lax.dynamic_slice_in_dim(tables, c * chunk_pages, chunk_pages, axis=1)
+        return partial(*pool, chunk, keep_at(c * chunk_pages * block_size + slots), merged)
+
+    m, z, u = jax.eval_shape(partial, *pages, tables[:, :chunk_pages], keep_at(slots))
+    empty = (jnp.full(m.shape, -jnp.inf, jnp.float32), jnp.zeros(z.shape, jnp.float32), jnp.zeros(u.shape, jnp.float32))
+    num_chunks = jnp.minimum((longest + chunk_pages * block_size - 1) // (chunk_pages * block_size), chunks)
+    return jax.lax.fori_loop(0, num_chunks, step, empty)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _validate as V
-from pallas_kernels.dense import HIGHEST, query_tiles, token_layout, visible
+from pallas_kernels.dense import HIGHEST, chunked_partial, fold, query_tiles, token_layout, visible
 from pallas_kernels.dispatch import resolve_target
 from pallas_kernels.gpu.mla import mla_paged_attention_gpu, ragged_mla_paged_attention_gpu
 from pallas_kernels.quant import dequantize_kv, is_quantized
@@ -245,31 +245,60 @@ def gather_latent(kv_pages: jax.Array,  # [num_blocks, block_size, R + Dr]
     return dequantize_kv(g, kv_scales[idx].reshape(n, num_pages * block_size), dtype)
 
 
-def latent_attention(q, kv, keep, *, scale: float, rank: int, compute_dtype):
-    """q `[N, T, H, R + Dr]` ([q_latent | q_rope]), kv `[N, L, R + Dr]` in compute_dtype, keep bool `[N, T, L]`
-    -> `[N, T, H, R]` float32: T query rows of H heads per gathered row of pages."""
+def _latent_fold(q, kv, keep, prior=None, *, scale: float, compute_dtype):
+    """The (m, z, u) partial of `latent_attention`'s scores (`dense.fold`), u over the whole page row; with `prior`,
+    merged with it."""
     # Slots no query row reads may hold anything (NaN included): select them away, never multiply them by zero.
     kv = jnp.where(jnp.any(keep, axis=1)[..., None], kv, jnp.zeros((), compute_dtype))
     s = jnp.einsum("nthw,nlw->nthl", q.astype(compute_dtype), kv, precision=HIGHEST,
                    preferred_element_type=jnp.float32) * scale
     s = jnp.where(keep[:, :, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isneginf(m), 0.0, m)
-    p = jnp.exp(s - m)
-    z = jnp.sum(p, axis=-1, keepdims=True)
-    u = jnp.einsum("nthl,nlw->nthw", p.astype(compute_dtype), kv, precision=HIGHEST,
-                   preferred_element_type=jnp.float32)
+    return fold(s, lambda p: jnp.einsum("nthl,nlw->nthw", p.astype(compute_dtype), kv, precision=HIGHEST,
+                                        preferred_element_type=jnp.float32), prior)
+
+
+def _finalized(z, u, rank: int):
     return jnp.where(z > 0, u / jnp.where(z > 0, z, 1.0), 0.0)[..., :rank]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "compute_dtype"))
-def _mla_decode(q_latent, q_rope, kv_pages, block_tables, lengths, kv_scales, *, scale, compute_dtype):
+def latent_attention(q, kv, keep, *, scale: float, rank: int, compute_dtype):
+    """q `[N, T, H, R + Dr]` ([q_latent | q_rope]), kv `[N, L, R + Dr]` in compute_dtype, keep bool `[N, T, L]`
+    -> `[N, T, H, R]` float32: T query rows of H heads per gathered row of pages."""
+    _, z, u = _latent_fold(q, kv, keep, scale=scale, compute_dtype=compute_dtype)
+    return _finalized(z, u, rank)
+
+
+def _latent_partial(q, kv_pages, kv_scales, tables, keep, prior=None, *, scale: float):
+    """`_latent_fold` over the pages `tables` `[N, P]`, gathered here in q's dtype: `dense.chunked_partial`'s
+    step."""
+    compute_dtype = jnp.dtype(q.dtype)
+    kv = gather_latent(kv_pages, kv_scales, tables, compute_dtype)  # [N, L, R + Dr]
+    return _latent_fold(q, kv, keep, prior, scale=scale, compute_dtype=compute_dtype)
+
+
+def _latent_chunks(q, kv_pages, kv_scales, tables, keep_at, longest, *, scale: float, rank: int, kv_chunk: int):
+    """The XLA paths' latent attention of query tiles q `[N, T, H, R + Dr]` over their pages `tables` `[N, P]`,
+    `kv_chunk` positions at a time (`dense.chunked_partial`) -> `[N, T, H, R]` float32."""
+    _, z, u = chunked_partial(functools.partial(_latent_partial, q, scale=scale), (kv_pages, kv_scales), tables,
+                              keep_at, longest=longest, kv_chunk=kv_chunk, block_size=kv_pages.shape[1])
+    return _finalized(z, u, rank)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "compute_dtype", "kv_chunk"))
+def _mla_decode(q_latent, q_rope, kv_pages, block_tables, lengths, kv_scales, *, scale, compute_dtype,
+                kv_chunk=None):
+    """kv_chunk None: the whole table in one masked softmax (the reference); else `_latent_chunks`."""
     block_size = kv_pages.shape[1]
     max_len = block_tables.shape[1] * block_size
     lengths = jnp.clip(lengths, 0, max_len)
-    keep = (jnp.arange(max_len, dtype=jnp.int32)[None, :] < lengths[:, None])[:, None, :]  # [N, 1, L]
+    q = jnp.concatenate([q_latent, q_rope], axis=-1)[:, None].astype(compute_dtype)
+    keep_at = lambda kv_pos: (kv_pos[None, :] < lengths[:, None])[:, None, :]  # [N, 1, L]
+    if kv_chunk is not None:
+        o = _latent_chunks(q, kv_pages, kv_scales, block_tables, keep_at, jnp.max(lengths), scale=scale,
+                           rank=q_latent.shape[-1], kv_chunk=kv_chunk)
+        return o[:, 0].astype(q_latent.dtype)
     kv = gather_latent(kv_pages, kv_scales, block_tables, compute_dtype)
-    q = jnp.concatenate([q_latent, q_rope], axis=-1)[:, None]
+    keep = keep_at(jnp.arange(max_len, dtype=jnp.int32))
     o = latent_attention(q, kv, keep, scale=scale, rank=q_latent.shape[-1], compute_dtype=compute_dtype)
     return o[:, 0].astype(q_latent.dtype)
 
@@ -307,17 +336,19 @@ def mla_paged_attention_xla(q_latent: jax.Array,  # [num_seqs, num_heads, R]
                             block_tables: jax.Array,  # i32[num_seqs, max_blocks_per_seq]
                             lengths: jax.Array,  # i32[num_seqs]
                             *, scale: float,
-                            kv_scales: jax.Array | None = None) -> jax.Array:  # [num_blocks, block_size]
-    """XLA gather path for MLA decode: same contract as `mla_paged_attention`; the table's pages are gathered once
-    per sequence in q's dtype (8-bit pages dequantized into it right after the gather), shared by all heads, and
-    scored in one masked softmax with float32 accumulation. Materialises `[num_seqs, max_blocks_per_seq *
-    block_size, R + Dr]`: one copy of the latent cache per sequence, not one per head."""
+                            kv_scales: jax.Array | None = None,  # [num_blocks, block_size]
+                            kv_chunk: int = 128) -> jax.Array:
+    """XLA gather path for MLA decode: same contract as `mla_paged_attention`; each sequence's pages are gathered
+    `kv_chunk` positions (whole pages) at a time, up to the longest sequence, in q's dtype (8-bit pages dequantized
+    into it right after the gather), shared by all heads, each chunk's partial folded into the running one exactly
+    with float32 accumulation (`dense.chunked_partial`): `[num_seqs, kv_chunk, R + Dr]` gathered at a time."""
+    V.check_positive_int("kv_chunk", kv_chunk)
     scale = mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale, q_latent.shape[0])
     V.check_vector("lengths", lengths, q_latent.shape[0])
     if mla_empty(q_latent, kv_pages, block_tables):
         return jnp.zeros(q_latent.shape, q_latent.dtype)
     return _mla_decode(q_latent, q_rope, kv_pages, block_tables, lengths, kv_scales, scale=scale,
-                       compute_dtype=jnp.dtype(q_latent.dtype))
+                       compute_dtype=jnp.dtype(q_latent.dtype), kv_chunk=kv_chunk)
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
@@ -359,19 +390,20 @@ def ragged_mla_paged_attention_reference(q_latent: jax.Array,  # [total_q_tokens
                                  scale=scale)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "q_tile"))
-def _ragged_mla_xla(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, kv_scales, *, scale, q_tile):
+@functools.partial(jax.jit, static_argnames=("scale", "q_tile", "kv_chunk"))
+def _ragged_mla_xla(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, kv_scales, *, scale, q_tile,
+                    kv_chunk):
     num_tokens, num_heads, rank = q_latent.shape
     max_len = block_tables.shape[1] * kv_pages.shape[1]
     tq = max(1, min(q_tile, num_tokens))
     kv_lens = jnp.clip(kv_lens, 0, max_len)
     tile_seq, rows, valid, pos, token_slot = query_tiles(cu_q_lens, kv_lens, num_tokens, tq)
     num_tiles = tile_seq.shape[0]
-    keep = valid[:, :, None] & visible(jnp.arange(max_len, dtype=jnp.int32), pos[:, :, None],
-                                        kv_lens[tile_seq][:, None, None], None)  # [NT, tq, L]
-    kv = gather_latent(kv_pages, kv_scales, block_tables[tile_seq], jnp.dtype(q_latent.dtype))  # [NT, L, R + Dr]
+    keep_at = lambda kv_pos: valid[:, :, None] & visible(kv_pos, pos[:, :, None], kv_lens[tile_seq][:, None, None],
+                                                          None)  # [NT, tq, L]
     q = jnp.concatenate([q_latent, q_rope], axis=-1)[jnp.clip(rows, 0, num_tokens - 1)]  # [NT, tq, H, R + Dr]
-    o = latent_attention(q, kv, keep, scale=scale, rank=rank, compute_dtype=jnp.dtype(q_latent.dtype))
+    o = _latent_chunks(q, kv_pages, kv_scales, block_tables[tile_seq], keep_at, jnp.max(kv_lens), scale=scale,
+                       rank=rank, kv_chunk=kv_chunk)
     out = o.reshape(num_tiles * tq, num_heads, rank)[jnp.clip(token_slot, 0, num_tiles * tq - 1)]
     t = jnp.arange(num_tokens)
     in_batch = (t >= cu_q_lens[0]) & (t < cu_q_lens[-1])
@@ -385,19 +417,21 @@ def ragged_mla_paged_attention_xla(q_latent: jax.Array,  # [total_q_tokens, num_
                                    kv_lens: jax.Array,  # i32[num_seqs]
                                    cu_q_lens: jax.Array,  # i32[num_seqs + 1]
                                    *, scale: float, kv_scales: jax.Array | None = None,
-                                   q_tile: int = 16) -> jax.Array:
+                                   q_tile: int = 16, kv_chunk: int = 128) -> jax.Array:
     """XLA gather path for ragged MLA: same contract as `ragged_mla_paged_attention`, pages in q's dtype (8-bit
     pages dequantized into it right after the gather), float32 accumulation. Each sequence's queries are cut
-    into tiles of `q_tile` consecutive rows (a decode token is a tile of its own) and each tile gathers its
-    sequence's pages once, for all its rows and heads: `[num_tiles, max_blocks_per_seq * block_size, R + Dr]`
-    with num_tiles <= total_q_tokens / q_tile + num_seqs."""
+    into tiles of `q_tile` consecutive rows (a decode token is a tile of its own), num_tiles <= total_q_tokens /
+    q_tile + num_seqs, and each tile walks its sequence's pages `kv_chunk` positions at a time, up to the step's
+    longest context, for all its rows and heads (`dense.chunked_partial`): `[num_tiles, kv_chunk, R + Dr]`
+    gathered at a time."""
     V.check_positive_int("q_tile", q_tile)
+    V.check_positive_int("kv_chunk", kv_chunk)
     scale = mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale)
     check_ragged(q_latent, block_tables, kv_lens, cu_q_lens)
     if mla_empty(q_latent, kv_pages, block_tables):
         return jnp.zeros(q_latent.shape, q_latent.dtype)
     return _ragged_mla_xla(q_latent, q_rope, kv_pages, block_tables, kv_lens, cu_q_lens, kv_scales, scale=scale,
-                           q_tile=q_tile)
+                           q_tile=q_tile, kv_chunk=kv_chunk)
 
 
 def mla_attention_dense_reference(q_nope: jax.Array,  # [T, H, Dn]

@@ -7,10 +7,11 @@ take exactly the kernels' arguments and honour the same contract (length 0 gives
 length or before a query's window never influence the result, even if they hold NaN).
 
 `paged_attention_xla` and `ragged_paged_attention_xla` are the same math written for speed with XLA (K/V
-stay in their dtype, matmuls accumulate in float32, ragged queries in tiles): the engine's CPU path and
-the baseline the kernel benchmark compares against. With a sliding window both gather only the pages that
-can hold window positions (a static count bounded by the window, not the context), so block-table entries
-of pages wholly before the window are never read.
+stay in their dtype, matmuls accumulate in float32, ragged queries in tiles, keys a chunk at a time with the
+partials merged exactly: `dense.chunked_partial`): the engine's CPU path and the baseline the kernel benchmark
+compares against. With a sliding window both gather only the pages that can hold window positions (a static
+count bounded by the window, not the context), so block-table entries of pages wholly before the window are
+never read.
 
 Variants, shared by the four reference / XLA functions (and by the kernels):
   * `sliding_window=W`: a query at position p attends to key positions j with p - W < j <= p;
@@ -39,7 +40,7 @@ import numpy as np
 
 from pallas_kernels import _validate as V
 from pallas_kernels import tiles
-from pallas_kernels.dense import HIGHEST, query_tiles, token_layout, visible
+from pallas_kernels.dense import HIGHEST, chunked_partial, fold, query_tiles, token_layout, visible
 from pallas_kernels.dispatch import resolve_target
 from pallas_kernels.gpu.paged_attention import paged_attention_gpu
 from pallas_kernels.gpu.ragged_attention import ragged_paged_attention_gpu
@@ -434,9 +435,8 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sink
         qt = q.reshape(num_seqs, 1, num_kv_heads, num_q_heads // num_kv_heads, head_dim).astype(compute_dtype)
         partial = functools.partial(_tile_partial, qt, scale=_scale(scale, head_dim), logits_soft_cap=logits_soft_cap)
         keep_at = lambda kv_pos: visible(kv_pos, lengths[:, None] - 1, lengths[:, None], sliding_window)[:, None, :]
-        chunk_pages = max(1, kv_chunk // block_size)
-        m, z, u = _chunked_partial(partial, (k_pages, v_pages, k_scales, v_scales), block_tables, keep_at,
-                                   tiles.cdiv(jnp.max(lengths), chunk_pages * block_size), chunk_pages, block_size)
+        m, z, u = chunked_partial(partial, (k_pages, v_pages, k_scales, v_scales), block_tables, keep_at,
+                                  longest=jnp.max(lengths), kv_chunk=kv_chunk, block_size=block_size)
         if sinks is not None:
             _, z, u = join_sink(m, z, u, sinks.reshape(1, *m.shape[1:3], 1, 1))
         o = jnp.where(z > 0, u / jnp.where(z > 0, z, 1.0), 0.0)  # [S, Hkv, G, 1, D]
@@ -564,9 +564,8 @@ def _tile_partial(qt, k_pages, v_pages, k_scales, v_scales, tables, keep, prior=
                   logits_soft_cap: float | None):
     """The (m, z, u) partial of query tiles `qt` `[NT, tq, Hkv, G, D]` over the pages `tables` `[NT, P]`, keep
     bool `[NT, tq, P * block_size]`. m `[NT, Hkv, G, tq, 1]` is the row max (-inf where a row sees nothing), z and
-    u the sums of exp(s - m) and exp(s - m) v (m taken as 0 where it is -inf), float32. With `prior`, the partial
-    (m, z, u) of other keys, the result is both merged (`merge.merge_partials`'s rule, folded into this one pass:
-    the new keys' weights are taken at the common max directly)."""
+    u the sums of exp(s - m) and exp(s - m) v (m taken as 0 where it is -inf), float32; with `prior`, the partial
+    of other keys, the merged partial of both (`dense.fold`)."""
     compute_dtype = jnp.dtype(qt.dtype)
     k = _gather_kv(k_pages, k_scales, tables, compute_dtype)  # [NT, Hkv, L, D]
     v = _gather_kv(v_pages, v_scales, tables, compute_dtype)
@@ -575,44 +574,8 @@ def _tile_partial(qt, k_pages, v_pages, k_scales, v_scales, tables, keep, prior=
     s = jnp.einsum("ntkgd,nkld->nkgtl", qt.astype(compute_dtype), k, precision=HIGHEST,
                    preferred_element_type=jnp.float32)
     s = jnp.where(keep[:, None, None], soft_cap(s * scale, logits_soft_cap), -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    if prior is not None:
-        m = jnp.maximum(m, prior[0])
-    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
-    p = jnp.exp(s - m_safe)
-    z = jnp.sum(p, axis=-1, keepdims=True)
-    u = jnp.einsum("nkgtl,nkld->nkgtd", p.astype(v.dtype), v, precision=HIGHEST,
-                   preferred_element_type=jnp.float32)
-    if prior is not None:  # exp(-inf) = 0: an empty prior adds nothing; a prior at the max keeps its bits (x 1)
-        kept = jnp.exp(prior[0] - m_safe)
-        z, u = kept * prior[1] + z, kept * prior[2] + u
-    return m, z, u
-
-
-def _chunked_partial(partial, pages, tables, keep_at, num_chunks, chunk_pages: int, block_size: int):
-    """The merged (m, z, u) of `partial(*pages, tables, keep, prior)` over the pages `tables` `[NT, P]`,
-    `chunk_pages` pages at a time, for the first `num_chunks` (traced) chunks: flash attention's loop over keys.
-    Each chunk's keep mask comes from `keep_at(kv_pos)`, kv_pos its slots' positions `[chunk_pages * block_size]`,
-    and is folded into the running partial (`_tile_partial`'s prior). Chunks sit at fixed positions and a chunk a
-    row sees nothing of leaves its partial's bits unchanged (x 1, + 0), so a row's result does not depend on the
-    other rows of its step or on how far the table is padded."""
-    num_pages = tables.shape[1]
-    chunks = -(-num_pages // chunk_pages)
-    # Padding entries point at page 0; their positions are past every row's kv_len, so keep_at drops them.
-    tables = jnp.pad(tables, ((0, 0), (0, chunks * chunk_pages - num_pages)))
-    slots = jnp.arange(chunk_pages * block_size, dtype=jnp.int32)
-
-    def step(c, merged):
-        # The pages pass a barrier with the loop counter: otherwise XLA moves a conversion of the gathered pages
-        # (a bfloat16 dot's operands widened on the CPU) in front of the gather and out of the loop, widening the
-        # whole pool once per call instead of a chunk per iteration.
-        *chunk_pages_, _ = jax.lax.optimization_barrier((*pages, c))
-        chunk = jax.lax.dynamic_slice_in_dim(tables, c * chunk_pages, chunk_pages, axis=1)
-        return partial(*chunk_pages_, chunk, keep_at(c * chunk_pages * block_size + slots), merged)
-
-    m, z, u = jax.eval_shape(partial, *pages, tables[:, :chunk_pages], keep_at(slots))
-    empty = (jnp.full(m.shape, -jnp.inf, jnp.float32), jnp.zeros(z.shape, jnp.float32), jnp.zeros(u.shape, jnp.float32))
-    return jax.lax.fori_loop(0, jnp.minimum(num_chunks, chunks), step, empty)
+    return fold(s, lambda p: jnp.einsum("nkgtl,nkld->nkgtd", p.astype(v.dtype), v, precision=HIGHEST,
+                                        preferred_element_type=jnp.float32), prior)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "q_tile", "kv_chunk", "sliding_window", "logits_soft_cap"))
@@ -640,9 +603,8 @@ def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales,
                                         block_size)
         m, z, u = partial(*pages, tables, keep_at(kv_pos[:, None, :]))  # kv_pos [NT, 1, L]
     else:  # every page, a chunk of keys at a time, up to the step's longest context
-        chunk_pages = max(1, kv_chunk // block_size)
-        m, z, u = _chunked_partial(partial, pages, block_tables[tile_seq], keep_at,
-                                   tiles.cdiv(jnp.max(kv_lens), chunk_pages * block_size), chunk_pages, block_size)
+        m, z, u = chunked_partial(partial, pages, block_tables[tile_seq], keep_at, longest=jnp.max(kv_lens),
+                                  kv_chunk=kv_chunk, block_size=block_size)
     # With attend_until a row may see ahead of those pages, up to its sequence's last position (< pos[0] +
     # num_tokens: a sequence has at most num_tokens query rows): the pages after them, gathered apart and merged
     # exactly, so that the window pages' partial is computed as without attend_until (with every bound at most

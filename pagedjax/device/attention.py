@@ -2,8 +2,9 @@
 
 backend "pallas": the kernels in `pallas_kernels` (compiled through Triton on GPU, Mosaic on TPU; interpret
                   mode on CPU, which is for tests only: it is far too slow to serve).
-backend "xla":    `pallas_kernels`' XLA gather paths: pages gathered with jnp (once per sequence, or per tile
-                  of prefill queries), masked softmax accumulated in float32.
+backend "xla":    `pallas_kernels`' XLA gather paths: flash attention written in XLA, pages gathered with jnp a chunk of
+                  keys at a time per sequence (decode) or per tile of prefill queries, the softmax merged exactly
+                  in float32.
 backend "auto":   "pallas" on GPU and TPU, "xla" elsewhere. The engine logs which one it picked.
 """
 

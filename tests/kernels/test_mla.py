@@ -78,22 +78,24 @@ def _min_pages(block_size: int) -> int:
 # ---- XLA paths (the engine's CPU path): many examples -------------------------------------------------------
 
 
+# kv_chunk: the XLA paths' keys a page at a time (1 rounds up to one page), a few pages, the whole table at once
 @settings(max_examples=examples(20))
-@given(p=mla_params())
-def test_xla_decode_matches_reference_with_nan_poisoned_unused_slots(p):
+@given(p=mla_params(), kv_chunk=st.sampled_from((128, 1, 16)))
+def test_xla_decode_matches_reference_with_nan_poisoned_unused_slots(p, kv_chunk):
     case = decode_case(p)
     expected = mla_paged_attention_reference(*case.decode_args(), scale=_scale(p))
-    assert_close(mla_paged_attention_xla(*case.decode_args(), scale=_scale(p)), expected, p["dtype"])
+    assert_close(mla_paged_attention_xla(*case.decode_args(), scale=_scale(p), kv_chunk=kv_chunk), expected,
+                 p["dtype"])
     zero = np.asarray(case.lengths) == 0
     assert not np.asarray(expected, np.float32)[zero].any(), "length 0 must give zeros"
 
 
 @settings(max_examples=examples(20))
-@given(p=mla_params(), q_tile=st.sampled_from((2, 16, 1)))
-def test_xla_ragged_matches_reference_with_nan_poisoned_unused_slots(p, q_tile):
+@given(p=mla_params(), q_tile=st.sampled_from((2, 16, 1)), kv_chunk=st.sampled_from((128, 1, 16)))
+def test_xla_ragged_matches_reference_with_nan_poisoned_unused_slots(p, q_tile, kv_chunk):
     case = ragged_case(p)
     expected = ragged_mla_paged_attention_reference(*case.ragged_args(), scale=_scale(p))
-    actual = ragged_mla_paged_attention_xla(*case.ragged_args(), scale=_scale(p), q_tile=q_tile)
+    actual = ragged_mla_paged_attention_xla(*case.ragged_args(), scale=_scale(p), q_tile=q_tile, kv_chunk=kv_chunk)
     assert_close(actual, expected, p["dtype"])
     padding = np.arange(case.q_latent.shape[0]) >= int(case.cu_q_lens[-1])
     assert not np.asarray(actual, np.float32)[padding].any(), "padding rows must be zeros"
@@ -378,6 +380,10 @@ def test_ragged_checks_its_metadata():
         ragged_mla_paged_attention(*list(a.values())[:4], a["lengths"], cu, scale=0.1, block_q=3, interpret=True)
     with pytest.raises(ValueError, match="q_tile must be a positive int"):
         ragged_mla_paged_attention_xla(*list(a.values())[:4], a["lengths"], cu, scale=0.1, q_tile=0)
+    with pytest.raises(ValueError, match="kv_chunk must be a positive int"):
+        ragged_mla_paged_attention_xla(*list(a.values())[:4], a["lengths"], cu, scale=0.1, kv_chunk=0)
+    with pytest.raises(ValueError, match="kv_chunk must be a positive int"):
+        mla_paged_attention_xla(*list(a.values())[:4], a["lengths"], scale=0.1, kv_chunk=-1)
 
 
 # ---- DeepSeek-sized, interpreted: slow ---------------------------------------------------------------------
