@@ -39,8 +39,9 @@ future completes once all of them are compiled. `close()` (or the cache's garbag
 still waiting.
 
 Programs are counted one way: `num_compilations` programs obtained (compiled on either thread, dropped ones
-included), `num_loaded` of them found in JAX's persistent compilation cache instead of compiled (told by JAX's
-monitoring events of the thread that ran the compile, see `_timed`), and `compile_seconds` the caller's waits.
+included), `num_loaded` of them found in JAX's persistent compilation cache or still in its memory (an earlier
+engine's of the same structure) instead of compiled (told by JAX's monitoring events of the thread that ran the
+compile, see `_timed`), and `compile_seconds` the caller's waits.
 
 At most `max_programs` programs are held: past it the least recently used is dropped (its executable, and so
 its memory, freed once no step runs it), except pinned ones (`compile(..., pinned=True)`, the warm-up's) and the
@@ -75,9 +76,12 @@ AGING_LOOKUPS = 8  # per held program: the lookup counts halve every AGING_LOOKU
 #                 need, not its order (a warm-up's programs wait behind them, uncounted)
 COMPILE_NICENESS = 10  # added to the background compile thread's nice value (Linux), see the module's docstring
 
-# JAX's monitoring events: a compile that looks in the persistent cache, and one that finds its program there.
+# JAX's monitoring events: a compile that looks in the persistent cache, and one that finds its program there; and
+# the duration event around every program XLA compiles or loads from that cache (none when JAX's in-memory caches
+# hold the program: a runner of the same structure made it, `runner._jitted`).
 CACHE_LOOKUP_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 # A compile job: runs on any thread, so it holds abstract arguments and compile options, never live arrays (the
 # KV cache is donated to every step) nor the runner (it may outlive it).
@@ -100,20 +104,21 @@ _listening = threading.Lock()
 _listener_registered = False
 
 
-def _on_jax_event(event: str, **kwargs) -> None:
+def _on_jax_event(event: str, *args, **kwargs) -> None:
     events = getattr(_compiling, "events", None)
-    if events is not None and event in (CACHE_LOOKUP_EVENT, CACHE_HIT_EVENT):
+    if events is not None and event in (CACHE_LOOKUP_EVENT, CACHE_HIT_EVENT, BACKEND_COMPILE_EVENT):
         events.append(event)
 
 
 def _listen() -> None:
-    """Register `_on_jax_event` with JAX's monitoring, once per process."""
+    """Register `_on_jax_event` with JAX's monitoring (events and duration events), once per process."""
     global _listener_registered
     with _listening:
         if not _listener_registered:
             from jax import monitoring
 
             monitoring.register_event_listener(_on_jax_event)
+            monitoring.register_event_duration_secs_listener(_on_jax_event)
             _listener_registered = True
 
 
@@ -163,8 +168,9 @@ def _run_first(jobs: queue.PriorityQueue) -> None:
 
 
 def _timed(job: Job) -> tuple[Any, float, bool]:
-    """(the job's program, its seconds, whether it was loaded from the persistent compilation cache: every compile
-    the job ran looked there and found its program)."""
+    """(the job's program, its seconds, whether it was loaded rather than compiled: XLA built nothing (JAX's
+    in-memory caches held the program), or every compile the job ran looked in the persistent compilation cache
+    and found its program there)."""
     _listen()
     _compiling.events = events = []
     start = time.perf_counter()
@@ -173,7 +179,8 @@ def _timed(job: Job) -> tuple[Any, float, bool]:
     finally:
         _compiling.events = None
     lookups, hits = events.count(CACHE_LOOKUP_EVENT), events.count(CACHE_HIT_EVENT)
-    return exe, time.perf_counter() - start, lookups > 0 and hits == lookups
+    built = BACKEND_COMPILE_EVENT in events
+    return exe, time.perf_counter() - start, not built or (lookups > 0 and hits == lookups)
 
 
 class _WarmUp:

@@ -247,14 +247,17 @@ def _fused_decode_loop(graphdef, params, kv_cache: KVCache, pages: PageState | t
         final.kv_cache
 
 
+@functools.lru_cache(maxsize=8)
 def _jitted(graphdef, params_treedef, block_sizes: tuple[int, ...], mesh=None) -> tuple:
     """The jitted step and decode loop for one model structure, its KV cache groups' `block_sizes` (over a
     tensor-parallel `mesh` of two or more devices, or None: one device).
 
     The graphdef and the parameters' tree structure are closed over (hashed once, here), so a call passes
-    only a flat list of arrays. The KV cache argument is donated: XLA updates it in place. Each runner
-    makes its own, so compiled programs live as long as their engine (JAX's persistent compilation cache
-    is what makes a second engine of the same shape start fast).
+    only a flat list of arrays. The KV cache argument is donated: XLA updates it in place. Runners of the same
+    structure share them (the last eight structures' are kept), and with them JAX's own caches of traces, lowerings
+    and compiled programs: a second engine of a model in the same process compiles nothing its predecessor
+    compiled (JAX's persistent compilation cache still pays tracing and lowering). A dead engine's programs live
+    on until its structure leaves this cache or a runner of it drops a program (`ModelRunner._forget_traces`).
     """
     def model_fn(fn):
         def call(param_leaves, *args, **kwargs):

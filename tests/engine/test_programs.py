@@ -364,32 +364,70 @@ def test_pinned_programs_are_never_dropped():
 
 
 def test_programs_loaded_from_the_persistent_cache_are_told_from_compiled_ones_per_thread():
-    """JAX records its persistent-cache events on the compiling thread: a job whose compile found its program is
-    counted loaded, one that looked and missed (or never looked: the cache off) compiled, on either thread."""
+    """JAX records its persistent-cache events, and the duration of every program XLA compiles or loads from that
+    cache, on the compiling thread: a job whose compile found its program is counted loaded, one that looked and
+    missed (or never looked: the cache off) compiled, and one in which XLA built nothing (the program still in
+    JAX's memory) loaded, on either thread."""
     from jax import monitoring
 
     def job(result, *events):
         def run():
             for event in events:
-                monitoring.record_event(event)
+                if event == programs.BACKEND_COMPILE_EVENT:
+                    monitoring.record_event_duration_secs(event, 0.5)
+                else:
+                    monitoring.record_event(event)
             return result
         return lambda: run
 
-    lookup, hit = programs.CACHE_LOOKUP_EVENT, programs.CACHE_HIT_EVENT
+    lookup, hit, built = programs.CACHE_LOOKUP_EVENT, programs.CACHE_HIT_EVENT, programs.BACKEND_COMPILE_EVENT
     cache = ProgramCache(8)
     big, small, other = _step(64, 8), _step(16, 2), _step(32, 4)
-    cache.compile(big, job("exe-big", lookup, hit))
+    cache.compile(big, job("exe-big", lookup, hit, built))
     cache.record_run(big, 0.0)
     assert (cache.num_compilations, cache.num_loaded) == (1, 1)
-    cache.compile(other, job("exe-other", lookup))  # looked, missed: compiled
+    cache.compile(other, job("exe-other", lookup, built))  # looked, missed: compiled
     assert (cache.num_compilations, cache.num_loaded) == (2, 1)
     monitoring.record_event(hit)  # outside any compile job: not counted
-    assert cache.lookup(small, job("exe-small", lookup, hit))[0] == big  # its own loads in the background
+    assert cache.lookup(small, job("exe-small", lookup, hit, built))[0] == big  # its own loads in the background
     cache.wait()
     assert (cache.num_compilations, cache.num_loaded) == (3, 2)
-    cache.compile(_step(16, 1), job("exe-off"))  # no event: the cache is off, compiled
+    cache.compile(_step(16, 1), job("exe-off", built))  # the cache is off: compiled
     assert (cache.num_compilations, cache.num_loaded) == (4, 2)
+    cache.compile(_step(16, 4), job("exe-held"))  # nothing built: in JAX's memory
+    assert (cache.num_compilations, cache.num_loaded) == (5, 3)
     cache.close()
+
+
+def test_a_second_engine_of_the_same_structure_compiles_nothing_its_predecessor_compiled():
+    """Runners of one model structure share their jitted programs (`runner._jitted`), and so JAX's in-memory
+    caches: an engine made after another of the same structure (the first one gone) runs the same steps without
+    XLA compiling anything, counts its programs loaded, and gives the same tokens; one of another structure
+    compiles its own."""
+    from jax import monitoring
+
+    compiled = []
+    listener = lambda event, seconds, **kw: compiled.append(event) if event == programs.BACKEND_COMPILE_EVENT else None
+    prompts, params = [[5, 6, 7], [8, 9]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(block_size=BLOCK_SIZE):
+        engine = LLMEngine(model_config=CFG, cache_config=CacheConfig(block_size=block_size, num_blocks=64),
+                           scheduler_config=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_LEN,
+                                                            max_num_batched_tokens=MAX_BATCHED), seed=3)
+        start = len(compiled)
+        tokens = [out.outputs[0].token_ids for out in engine.generate(prompts, params, use_tqdm=False)]
+        stats = engine.runner.programs
+        return tokens, len(compiled) - start, (stats.num_compilations, stats.num_loaded)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        first, _, (obtained, _) = run()
+        second, built, counts = run()
+        assert second == first and built == 0 and counts == (obtained, obtained)
+        _, built, _ = run(block_size=8)  # another structure: its own programs
+        assert built > 0
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
 
 
 def test_steps_in_which_no_sequence_emits_compute_no_logits_and_give_the_same_tokens(monkeypatch):
