@@ -424,7 +424,7 @@ def _masked_attention(q, k, v, mask, scale: float, logits_soft_cap: float | None
 def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sinks, *, scale, sliding_window,
             logits_soft_cap, compute_dtype, bounded: bool, kv_chunk: int | None = None):
     """bounded: with a window, gather only the pages that can hold window positions; without one, walk the table
-    `kv_chunk` positions at a time (`_chunked_partial`), up to the longest sequence."""
+    `kv_chunk` positions at a time (`dense.chunked_partial`), up to the longest sequence."""
     block_size = k_pages.shape[2]
     num_seqs, max_blocks = block_tables.shape
     lengths = jnp.clip(lengths, 0, max_blocks * block_size)

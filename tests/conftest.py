@@ -145,6 +145,20 @@ def _gc_freeze_between_modules():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_traces_when_patched(request):
+    """Engines of one model structure share their traced programs in a process (`pagedjax.runner.runner._jitted`),
+    so a test that monkeypatches code a step traces (a recorder, a fake KV write) would otherwise run an earlier
+    test's trace: such a test starts and ends with JAX's caches cleared. A test that patches between two engines of
+    one structure clears them itself."""
+    patched = "monkeypatch" in request.fixturenames
+    if patched:
+        jax.clear_caches()
+    yield
+    if patched:
+        jax.clear_caches()
+
+
 def pytest_sessionfinish(session, exitstatus):
     # pytest-xdist interrupts a worker still busy 5 s after the run; pytest's last gc.collect() over a
     # worker's millions of JAX tracing objects could take that long, so the interrupt landed in a gc

@@ -7,6 +7,7 @@ import gc
 import math
 import weakref
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -275,7 +276,16 @@ def test_compiled_programs_are_bounded_and_outputs_stay_exact():
     one's memory, never freed). At most max_compiled_programs are held; one dropped and needed again is compiled
     again, and the tokens are those of an engine that keeps everything."""
     batches = [PROMPTS[:1], PROMPTS[:2], PROMPTS[:3], PROMPTS[:1], PROMPTS[:2]]  # batch buckets 1, 2, 4, 1, 2
-    capped, uncapped = make_engine(max_compiled_programs=2, compile_in_background=False), make_engine()
+    greedy = SamplingParams(temperature=0.0, max_tokens=3)
+    uncapped = make_engine()
+    want = [[o.output_token_ids for o in uncapped.generate(prompts, greedy, use_tqdm=False)] for prompts in batches]
+    uncapped.runner.programs.wait()  # the compiles still running in the background
+    assert uncapped.stats().compiled_programs == uncapped.stats().compilations
+    uncapped_compilations = uncapped.stats().compilations
+    # Engines of one structure share their programs (`runner._jitted`): the capped engine's must be its own.
+    del uncapped
+    jax.clear_caches()
+    capped = make_engine(max_compiled_programs=2, compile_in_background=False)
     compiled = []  # a weak reference to every program the capped engine compiled (JAX's executable in it)
     install = capped.runner.programs._install
 
@@ -285,14 +295,11 @@ def test_compiled_programs_are_bounded_and_outputs_stay_exact():
         return install(shape, exe, pinned)
 
     capped.runner.programs._install = recording
-    for prompts in batches:
-        got = capped.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
-        want = uncapped.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
-        assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    for prompts, tokens in zip(batches, want, strict=True):
+        got = capped.generate(prompts, greedy, use_tqdm=False)
+        assert [o.output_token_ids for o in got] == tokens
         assert capped.stats().compiled_programs <= 2
-    assert capped.stats().compilations > uncapped.stats().compilations  # dropped programs were compiled again
-    uncapped.runner.programs.wait()  # the compiles still running in the background
-    assert uncapped.stats().compiled_programs == uncapped.stats().compilations
+    assert capped.stats().compilations > uncapped_compilations  # dropped programs were compiled again
     # A dropped program is freed: JAX's own trace and lowering caches held every program ever compiled (the
     # server's memory grew ~10 MiB per compilation with the cap reached, scripts/soak_serve.py).
     gc.collect()

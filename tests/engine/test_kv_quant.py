@@ -91,6 +91,7 @@ def _dequantized_writes(monkeypatch, dtype) -> None:
 
     monkeypatch.setattr(pagedjax.model.api, "write_kv", write)
     monkeypatch.setattr(pagedjax.parallel.attention, "write_kv", write)
+    jax.clear_caches()  # engines of one structure share traces: the oracle's steps must be traced with the fake
 
 
 def _logprob_run(engine: LLMEngine, prompts, max_tokens: int):
