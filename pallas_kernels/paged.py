@@ -456,6 +456,11 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sink
                              compute_dtype=compute_dtype, out_dtype=q.dtype)
 
 
+def _nothing_to_attend(q, k_pages, block_tables) -> bool:
+    """No query rows, sequences, table entries or pool blocks: every row attends to nothing (zeros)."""
+    return 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1], k_pages.shape[1])
+
+
 def _validated(q, k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales, sinks):
     window, cap, _ = validate_variants(k_pages, v_pages, sliding_window=sliding_window,
                                          logits_soft_cap=logits_soft_cap, k_scales=k_scales, v_scales=v_scales)
@@ -514,6 +519,8 @@ def paged_attention_xla(q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
     """
     V.check_positive_int("kv_chunk", kv_chunk)
     variants = _validated(q, k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales, sinks)
+    if _nothing_to_attend(q, k_pages, block_tables):
+        return jnp.zeros(q.shape, q.dtype)
     return _decode_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sinks, scale=scale,
                        compute_dtype=jnp.dtype(q.dtype), bounded=True, kv_chunk=kv_chunk, **variants)
 
@@ -657,5 +664,7 @@ def ragged_paged_attention_xla(q: jax.Array,  # [total_q_tokens, num_q_heads, he
     V.check_positive_int("kv_chunk", kv_chunk)
     variants = _validated(q, k_pages, v_pages, sliding_window, logits_soft_cap, k_scales, v_scales, sinks)
     check_attend_until(attend_until, q.shape[0])
+    if _nothing_to_attend(q, k_pages, block_tables):
+        return jnp.zeros(q.shape, q.dtype)
     return _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, attend_until,
                        sinks, scale=scale, q_tile=q_tile, kv_chunk=kv_chunk, **variants)

@@ -128,3 +128,18 @@ def test_xla_decode_row_is_bitwise_the_same_in_any_batch():
     assert_close(batch, paged_attention_reference(*case.decode_args()), "float32")
     alone = paged_attention_xla(q[:1], k, v, tables[:1, :3], lengths[:1], kv_chunk=4)
     np.testing.assert_array_equal(np.asarray(alone), batch[:1])
+
+
+def test_xla_paths_over_nothing_give_zeros():
+    """No sequences, no query rows, or a table of no pages: every row attends to nothing (zeros of q's shape), as
+    the chunk loop's trip count (the longest context) is never taken of an empty batch."""
+    pool = np.ones((2, 6, 8, 16), np.float32)
+    q = np.ones((3, 4, 16), np.float32)
+    i32 = lambda *shape: np.zeros(shape, np.int32)
+    cases = [(paged_attention_xla, (q[:0], pool, pool, i32(0, 3), i32(0))),
+             (paged_attention_xla, (q[:2], pool, pool, i32(2, 0), np.array([0, 0], np.int32))),
+             (ragged_paged_attention_xla, (q, pool, pool, i32(0, 3), i32(0), i32(1))),
+             (ragged_paged_attention_xla, (q[:0], pool, pool, i32(2, 3), np.array([4, 5], np.int32), i32(3)))]
+    for fn, args in cases:
+        out = np.asarray(fn(*args))
+        assert out.shape == args[0].shape and not out.any(), (fn.__name__, out.shape)
