@@ -437,10 +437,7 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sink
         keep_at = lambda kv_pos: visible(kv_pos, lengths[:, None] - 1, lengths[:, None], sliding_window)[:, None, :]
         m, z, u = chunked_partial(partial, (k_pages, v_pages, k_scales, v_scales), block_tables, keep_at,
                                   longest=jnp.max(lengths), kv_chunk=kv_chunk, block_size=block_size)
-        if sinks is not None:
-            _, z, u = join_sink(m, z, u, sinks.reshape(1, *m.shape[1:3], 1, 1))
-        o = jnp.where(z > 0, u / jnp.where(z > 0, z, 1.0), 0.0)  # [S, Hkv, G, 1, D]
-        return o.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
+        return _tile_output(m, z, u, sinks).reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
     if num_pages < max_blocks:
         tables, pos = _window_tables(block_tables, lengths - sliding_window, num_pages, block_size)
     else:
@@ -567,6 +564,14 @@ def ragged_paged_attention_reference(q: jax.Array,  # [total_q_tokens, num_q_hea
                              attend_until, sinks, scale=scale, **variants)
 
 
+def _tile_output(m, z, u, sinks):
+    """The attention output u / z of query tiles' merged partial `[NT, Hkv, G, tq, ...]` (zeros where a row attended
+    to nothing), each head's sink (f32 `[Hq]` or None) joined once first, into the partial of all a row's pages."""
+    if sinks is not None:
+        _, z, u = join_sink(m, z, u, sinks.reshape(1, *m.shape[1:3], 1, 1))
+    return jnp.where(z > 0, u / jnp.where(z > 0, z, 1.0), 0.0)
+
+
 def _tile_partial(qt, k_pages, v_pages, k_scales, v_scales, tables, keep, prior=None, *, scale: float,
                   logits_soft_cap: float | None):
     """The (m, z, u) partial of query tiles `qt` `[NT, tq, Hkv, G, D]` over the pages `tables` `[NT, P]`, keep
@@ -623,9 +628,7 @@ def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales,
         m_ahead, z_ahead, u_ahead = partial(*pages, tables, keep_at(kv_pos[:, None, :]))
         merged = merge_two(Partial(m[..., 0], z[..., 0], u), Partial(m_ahead[..., 0], z_ahead[..., 0], u_ahead))
         m, z, u = merged.m[..., None], merged.z[..., None], merged.u
-    if sinks is not None:  # joined once, into the partial of all the pages a row sees
-        _, z, u = join_sink(m, z, u, sinks.reshape(1, *m.shape[1:3], 1, 1))
-    o = jnp.where(z > 0, u / jnp.where(z > 0, z, 1.0), 0.0)  # [NT, Hkv, G, tq, D]
+    o = _tile_output(m, z, u, sinks)  # [NT, Hkv, G, tq, D]
     o = o.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tq, num_q_heads, head_dim)
     out = o[jnp.clip(token_slot, 0, num_tiles * tq - 1)]
     in_batch = (jnp.arange(num_tokens) >= cu_q_lens[0]) & (jnp.arange(num_tokens) < cu_q_lens[-1])
