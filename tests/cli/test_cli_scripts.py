@@ -65,12 +65,38 @@ def test_run_sh_installs_only_when_the_project_changed(tmp_path):
     assert run() == ["pip install -q -e .", "generate --demo"]  # the console script went missing
 
 
+# What a stub pip answers to `pip config list`: two files' settings and the variables', as pip lists them.
+PIP_CONFIG = (":env:.find-links='/wheels'\n"
+              ":env:.index-url='https://mirror.example/simple'\n"
+              "global.extra-index-url='file:///a/simple file:///b/simple'\n"
+              "global.find-links='/wheels'\n"
+              "global.index-url='https://files.example/simple'\n"
+              "install.constraint='/etc/constraints.txt'\n"
+              "global.cert='/etc/ssl/cert.pem'")
+UV_SOURCES = ("--find-links /wheels --extra-index-url file:///a/simple --extra-index-url file:///b/simple "
+              "--constraint /etc/constraints.txt --default-index https://mirror.example/simple")
+
+
+def _pip_stub(venv: Path, log: Path, installs_uv: bool = True) -> None:
+    """A pip that lists PIP_CONFIG, logs its installs, and installs uv (a stub logging its calls) or cannot."""
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "config-listing").write_text(PIP_CONFIG + "\n")
+    uv = venv / "bin" / "uv"
+    get_uv = (f'printf \'#!/bin/sh\\necho "{venv.name} uv $*" >> {log}\\n\' > {uv}; chmod +x {uv}' if installs_uv
+              else 'echo "no matching distribution for uv" >&2; exit 1')
+    _stub(venv / "bin" / "pip", f'case "$*" in\n'
+                                f'  "config list") cat {venv}/config-listing ;;\n'
+                                f'  *" uv") {get_uv} ;;\n'
+                                f'  *) echo "{venv.name} pip $*" >> {log} ;;\n'
+                                f'esac')
+
+
 def test_test_sh_reports_the_slowest_tests(tmp_path):
     root, log = _repo(tmp_path, "test.sh")
     for venv in (".venv", ".venv312"):
         bytecode = f'echo "bytecode ${{PYTHONDONTWRITEBYTECODE:-written}}" >> {log}'
         _stub(root / venv / "bin" / "python", f'echo "{venv} python $*" >> {log}\n{bytecode}\necho stub')
-        _stub(root / venv / "bin" / "pip", "true")
+        _pip_stub(root / venv, log)
     for name, text in (("marked", "@pytest.mark.xla_default\ndef test_a(): pass\n"), ("plain", "def test_b(): pass\n")):
         (root / "tests" / "model").mkdir(parents=True, exist_ok=True)
         (root / "tests" / "model" / f"test_{name}.py").write_text(text)
@@ -91,6 +117,32 @@ def test_test_sh_reports_the_slowest_tests(tmp_path):
     assert suites[0].endswith("-k block_pool")
     # the -O default run collects only the files that hold its tests
     assert default_level == [".venv python -m pytest -q -m xla_default tests/model/test_marked.py"], default_level
+    # both environments install by uv, from pip's package sources
+    installs = sorted(line for line in _log(log) if " uv " in line or " pip " in line)
+    assert installs == [
+        f".venv uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match {UV_SOURCES} "
+        "torch==2.13.0 -e .[test,hf]",
+        ".venv312 uv pip install -q --python .venv312/bin/python --index-strategy unsafe-best-match "
+        f"{UV_SOURCES} --upgrade jax jaxlib flax -e .[test]"], installs
+
+
+def test_test_sh_installs_by_pip_where_uv_cannot_be_had(tmp_path):
+    root, log = _repo(tmp_path, "test.sh")
+    for venv in (".venv", ".venv312"):
+        _stub(root / venv / "bin" / "python", f'echo "{venv} python $*" >> {log}\necho stub')
+        _pip_stub(root / venv, log, installs_uv=False)
+    path_dir = tmp_path / "path"
+    _stub(path_dir / "python3.12", "true")
+    env = dict(os.environ, PATH=f"{path_dir}{os.pathsep}{os.environ['PATH']}")
+    r = subprocess.run(["bash", str(root / "scripts" / "test.sh")], capture_output=True, text=True, timeout=60,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    for venv in (".venv", ".venv312"):
+        assert f"uv could not be installed into {venv}: pip installs instead" in r.stderr
+    installs = sorted(line for line in _log(log) if " uv " in line or " pip " in line)
+    assert installs == [".venv pip install -q --no-compile torch==2.13.0 -e .[test,hf]",
+                        ".venv312 pip install -q --no-compile --upgrade jax jaxlib flax -e .[test]"], installs
+    assert len([line for line in _log(log) if " -m pytest " in line]) == 3
 
 
 def test_test_sh_fails_with_the_log_when_the_newest_jax_environment_cannot_be_set_up(tmp_path):
@@ -99,7 +151,8 @@ def test_test_sh_fails_with_the_log_when_the_newest_jax_environment_cannot_be_se
     root, log = _repo(tmp_path, "test.sh")
     for venv in (".venv", ".venv312"):
         _stub(root / venv / "bin" / "python", f'echo "{venv} python $*" >> {log}\necho stub')
-    _stub(root / ".venv" / "bin" / "pip", "true")
+    _pip_stub(root / ".venv", log)
+    # neither uv nor jaxlib can be had there
     _stub(root / ".venv312" / "bin" / "pip", 'echo "no matching distribution for jaxlib" >&2; exit 1')
     path_dir = tmp_path / "path"
     _stub(path_dir / "python3.12", "true")
