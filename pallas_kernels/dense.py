@@ -32,15 +32,38 @@ def visible(kv_pos, pos, kv_len, sliding_window: int | None, last=None):
     return keep
 
 
+def default_q_tile(num_tokens: int, num_seqs: int, sliding_window: int | None = None) -> int:
+    """Rows per query tile of the paged XLA path for a step of `num_tokens` query rows over `num_seqs` sequences:
+    the largest power of two from 16 to 256 with num_seqs * q_tile <= num_tokens / 2 (the unused tiles, which are
+    computed too, then add at most half the step's rows) and, with a sliding window W, q_tile <= W / 4 (a tile's
+    rows see its window's q_tile + W - 1 positions: bigger tiles would score many keys no row sees), else 16.
+    Bigger tiles make the scores' and values' dots bigger: `python scripts/bench_xla_tiles.py` times them."""
+    q_tile = 16
+    while (q_tile < 256 and 2 * num_seqs * (2 * q_tile) <= num_tokens
+           and (sliding_window is None or 4 * (2 * q_tile) <= sliding_window)):
+        q_tile *= 2
+    return q_tile
+
+
+def num_query_tiles(num_tokens: int, num_seqs: int, q_tile: int) -> int:
+    """The most tiles of `q_tile` rows that `num_seqs` sequences of `num_tokens` query rows in all can take: k of
+    them holding rows take sum(cdiv(n_i, q_tile)) = sum((n_i - 1) // q_tile) + k <= (num_tokens - k) // q_tile + k
+    tiles, which grows with k, so k = min(num_seqs, num_tokens) bounds it (at least one tile). Every tile up to
+    the bound is computed, used or not: a step of one sequence in tiles of a power of two dividing its rows
+    computes no padding row."""
+    k = min(num_seqs, num_tokens)
+    return max(1, (num_tokens - k) // q_tile + k)
+
+
 def query_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, q_tile: int):
     """Cut each sequence's queries into tiles of `q_tile` consecutive rows.
 
     Returns (tile_seq [NT], rows [NT, q_tile] query row of each tile slot, valid [NT, q_tile],
     pos [NT, q_tile] position of each row, token_slot [num_tokens] flat tile slot of each query row).
-    NT = cdiv(num_tokens, q_tile) + num_seqs bounds sum(cdiv(q_len, q_tile)) statically.
+    NT = `num_query_tiles(num_tokens, num_seqs, q_tile)` bounds sum(cdiv(q_len, q_tile)) statically.
     """
     num_seqs = kv_lens.shape[0]
-    num_tiles = -(-num_tokens // q_tile) + num_seqs
+    num_tiles = num_query_tiles(num_tokens, num_seqs, q_tile)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     tiles_end = jnp.cumsum((q_lens + q_tile - 1) // q_tile)
     tiles_start = jnp.concatenate([jnp.zeros((1,), tiles_end.dtype), tiles_end[:-1]])

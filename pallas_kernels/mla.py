@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _validate as V
-from pallas_kernels.dense import HIGHEST, chunked_partial, fold, query_tiles, token_layout, visible
+from pallas_kernels.dense import HIGHEST, chunked_partial, default_q_tile, fold, query_tiles, token_layout, visible
 from pallas_kernels.dispatch import resolve_target
 from pallas_kernels.gpu.mla import mla_paged_attention_gpu, ragged_mla_paged_attention_gpu
 from pallas_kernels.quant import dequantize_kv, is_quantized
@@ -417,13 +417,15 @@ def ragged_mla_paged_attention_xla(q_latent: jax.Array,  # [total_q_tokens, num_
                                    kv_lens: jax.Array,  # i32[num_seqs]
                                    cu_q_lens: jax.Array,  # i32[num_seqs + 1]
                                    *, scale: float, kv_scales: jax.Array | None = None,
-                                   q_tile: int = 16, kv_chunk: int = 128) -> jax.Array:
+                                   q_tile: int | None = None, kv_chunk: int = 128) -> jax.Array:
     """XLA gather path for ragged MLA: same contract as `ragged_mla_paged_attention`, pages in q's dtype (8-bit
     pages dequantized into it right after the gather), float32 accumulation. Each sequence's queries are cut
-    into tiles of `q_tile` consecutive rows (a decode token is a tile of its own), num_tiles <= total_q_tokens /
-    q_tile + num_seqs, and each tile walks its sequence's pages `kv_chunk` positions at a time, up to the step's
-    longest context, for all its rows and heads (`dense.chunked_partial`): `[num_tiles, kv_chunk, R + Dr]`
-    gathered at a time."""
+    into tiles of `q_tile` consecutive rows (a decode token is a tile of its own; None: `dense.default_q_tile` of
+    the step's rows and sequences), at most `dense.num_query_tiles` of them, each computed, and each tile walks
+    its sequence's pages `kv_chunk` positions at a time, up to the step's longest context, for all its rows and
+    heads (`dense.chunked_partial`): `[num_tiles, kv_chunk, R + Dr]` gathered at a time."""
+    if q_tile is None:
+        q_tile = default_q_tile(q_latent.shape[0], block_tables.shape[0])
     V.check_positive_int("q_tile", q_tile)
     V.check_positive_int("kv_chunk", kv_chunk)
     scale = mla_validated(q_latent, q_rope, kv_pages, block_tables, kv_scales, scale)

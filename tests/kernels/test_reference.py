@@ -14,6 +14,7 @@ from pallas_kernels import (
     ragged_paged_attention_reference,
     ragged_paged_attention_xla,
 )
+from pallas_kernels.dense import default_q_tile, num_query_tiles
 from tests.kernels.cases import assert_close, build, examples
 
 pytestmark = pytest.mark.kernels
@@ -80,6 +81,37 @@ def test_ragged_reference_matches_numpy_loop(seed, seqs):
     # Keys a page at a time (3 chunks), and two pages at a time (the 3-page table padded to 4)
     assert_close(ragged_paged_attention_xla(*case.ragged_args(), q_tile=2, kv_chunk=4), want, "float32")
     assert_close(ragged_paged_attention_xla(*case.ragged_args(), q_tile=16, kv_chunk=8), want, "float32")
+    assert_close(ragged_paged_attention_xla(*case.ragged_args(), q_tile=3), want, "float32")  # tiles of no power of 2
+
+
+@settings(max_examples=examples(15))
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=6), st.integers(0, 9), st.sampled_from([1, 3, 16, 256]))
+def test_query_tiles_fit_their_static_bound_which_is_reached(q_lens, padding_rows, q_tile):
+    """`num_query_tiles` bounds the tiles of any sequences holding the step's rows, and one long sequence beside
+    sequences of one row each reaches it: no lower bound would do."""
+    num_tokens, num_seqs = sum(q_lens) + padding_rows, len(q_lens)
+    bound = num_query_tiles(num_tokens, num_seqs, q_tile)
+    assert sum(-(-n // q_tile) for n in q_lens) <= bound
+    if num_tokens >= num_seqs:
+        worst = [1] * (num_seqs - 1) + [num_tokens - num_seqs + 1]
+        assert sum(-(-n // q_tile) for n in worst) == bound
+
+
+def test_default_query_tiles_grow_with_the_rows_a_sequence_has():
+    """The default tile: 16 rows for steps of many short sequences, up to 256 where the unused tiles stay within
+    half the step's rows, and a quarter of a sliding window at most; a long prefill in tiles of 32 and of 16 rows
+    gives the reference's results."""
+    assert default_q_tile(512, 1) == 256 and default_q_tile(4096, 1) == 256
+    assert default_q_tile(512, 8) == 32 and default_q_tile(512, 16) == 16 and default_q_tile(16, 16) == 16
+    assert default_q_tile(64, 1) == 32 and default_q_tile(8, 1) == 16
+    assert default_q_tile(512, 1, sliding_window=128) == 32 and default_q_tile(512, 1, sliding_window=4096) == 256
+    assert default_q_tile(512, 1, sliding_window=8) == 16
+    rng = np.random.default_rng(3)
+    case = build(rng, num_q_rows=64, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8, max_blocks=12,
+                 kv_lens=[90], cu_q_lens=[0, 64])
+    want = ragged_paged_attention_reference(*case.ragged_args())
+    assert_close(ragged_paged_attention_xla(*case.ragged_args()), want, "float32")  # tiles of 32
+    assert_close(ragged_paged_attention_xla(*case.ragged_args(), q_tile=16), want, "float32")
 
 
 def test_xla_ragged_row_is_bitwise_the_same_in_any_step():
