@@ -39,6 +39,10 @@ SHAPES = {
     "deepseek-small": dict(base=ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_q_heads=16,
                                             num_kv_heads=16, head_dim=64, intermediate_size=512,
                                             tie_word_embeddings=False), experts=64, top_k=6),
+    # scripts/bench_mla_hf.py's "small" DeepSeek V3's MoE layers: 16 experts of width 256, top 4, hidden 512.
+    "deepseek-v3-small": dict(base=ModelConfig(vocab_size=16000, hidden_size=512, num_layers=6, num_q_heads=8,
+                                               num_kv_heads=8, head_dim=64, intermediate_size=256,
+                                               tie_word_embeddings=False), experts=16, top_k=4),
     "quick": dict(base=ModelConfig(vocab_size=512, hidden_size=128, num_layers=2, num_q_heads=4, num_kv_heads=2,
                                    head_dim=32, intermediate_size=256), experts=8, top_k=2),
 }

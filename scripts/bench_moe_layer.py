@@ -4,6 +4,7 @@ total size: where `scripts/bench_moe.py`'s decode time goes, one layer at a time
     python scripts/bench_moe_layer.py                 # the bench_moe shape: 8 experts of width 2048, top 2
     python scripts/bench_moe_layer.py --batch 1 4 16
     python scripts/bench_moe_layer.py --shape deepseek-small --batch 16 64 256 1024   # 64 experts, top 6
+    python scripts/bench_moe_layer.py --shape deepseek-v3-small --batch 64 256 1024   # bench_mla_hf's: 16, top 4
 
 Rows (float32, each jitted alone, timed in interleaved rounds after a warm-up; a row's time is its best round
 and its ratio is against the dense MLP of the MoE's active size in the same run):
