@@ -32,7 +32,7 @@
 #     first environment in 5 s instead of pip's 33 s here, the same versions. uv reads none of pip's settings, so
 #     pip's package sources (its configuration files and PIP_* variables: indexes, find-links, constraints) are
 #     handed to it, with pip's rule of the best version across all of them (`unsafe-best-match`). Where uv cannot
-#     be had, pip installs, and the script says so.
+#     be had or cannot install, pip installs, and the script says so.
 #   - The -O default run collects only the files that hold its tests (3 tests: 22 s collecting the whole suite,
 #     7 s so).
 set -euo pipefail
@@ -70,16 +70,21 @@ uv_sources() {
   if [ -n "$index" ]; then printf -- '--default-index\n%s\n' "$index"; fi
 }
 
-# install VENV ARGS...: pip's `install ARGS` into VENV, by uv where it can be had.
+# install VENV ARGS...: pip's `install ARGS` into VENV, by uv where it can be had and install them (else pip, as
+# said on stderr after uv's own words).
 install() {
   local venv=$1; shift
-  if quiet_pip "$venv/bin/pip" install -q --no-compile uv >/dev/null; then
-    local sources; mapfile -t sources < <(uv_sources "$venv")
-    "$venv/bin/uv" pip install -q --python "$venv/bin/python" --index-strategy unsafe-best-match "${sources[@]}" "$@"
-  else
+  if ! quiet_pip "$venv/bin/pip" install -q --no-compile uv >/dev/null; then
     echo "test.sh: uv could not be installed into $venv: pip installs instead" >&2
-    quiet_pip "$venv/bin/pip" install -q --no-compile "$@"
+  else
+    local sources; mapfile -t sources < <(uv_sources "$venv")
+    if "$venv/bin/uv" pip install -q --python "$venv/bin/python" --index-strategy unsafe-best-match "${sources[@]}" \
+        "$@"; then
+      return 0
+    fi
+    echo "test.sh: uv could not install into $venv: pip installs instead" >&2
   fi
+  quiet_pip "$venv/bin/pip" install -q --no-compile "$@"
 }
 
 PY312=$(find_python312) || { echo "python3.12 not found: the newest-JAX run cannot happen" >&2; exit 1; }

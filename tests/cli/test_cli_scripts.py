@@ -77,13 +77,15 @@ UV_SOURCES = ("--find-links /wheels --extra-index-url file:///a/simple --extra-i
               "--constraint /etc/constraints.txt --default-index https://mirror.example/simple")
 
 
-def _pip_stub(venv: Path, log: Path, installs_uv: bool = True) -> None:
-    """A pip that lists PIP_CONFIG, logs its installs, and installs uv (a stub logging its calls) or cannot."""
+def _pip_stub(venv: Path, log: Path, installs_uv: bool = True, uv_fails: bool = False) -> None:
+    """A pip that lists PIP_CONFIG, logs its installs, and installs uv (a stub logging its calls, and failing with
+    `uv_fails`) or cannot."""
     (venv / "bin").mkdir(parents=True, exist_ok=True)
     (venv / "config-listing").write_text(PIP_CONFIG + "\n")
     uv = venv / "bin" / "uv"
-    get_uv = (f'printf \'#!/bin/sh\\necho "{venv.name} uv $*" >> {log}\\n\' > {uv}; chmod +x {uv}' if installs_uv
-              else 'echo "no matching distribution for uv" >&2; exit 1')
+    uv_exit = "\\necho no solution found >\\&2\\nexit 1" if uv_fails else ""
+    get_uv = (f'printf \'#!/bin/sh\\necho "{venv.name} uv $*" >> {log}{uv_exit}\\n\' > {uv}; chmod +x {uv}'
+              if installs_uv else 'echo "no matching distribution for uv" >&2; exit 1')
     _stub(venv / "bin" / "pip", f'case "$*" in\n'
                                 f'  "config list") cat {venv}/config-listing ;;\n'
                                 f'  *" uv") {get_uv} ;;\n'
@@ -126,22 +128,25 @@ def test_test_sh_reports_the_slowest_tests(tmp_path):
         f"{UV_SOURCES} --upgrade jax jaxlib flax -e .[test]"], installs
 
 
-def test_test_sh_installs_by_pip_where_uv_cannot_be_had(tmp_path):
+@pytest.mark.parametrize("uv", ["cannot be had", "cannot install"])
+def test_test_sh_installs_by_pip_where_uv_cannot(tmp_path, uv):
     root, log = _repo(tmp_path, "test.sh")
     for venv in (".venv", ".venv312"):
         _stub(root / venv / "bin" / "python", f'echo "{venv} python $*" >> {log}\necho stub')
-        _pip_stub(root / venv, log, installs_uv=False)
+        _pip_stub(root / venv, log, installs_uv=uv == "cannot install", uv_fails=True)
     path_dir = tmp_path / "path"
     _stub(path_dir / "python3.12", "true")
     env = dict(os.environ, PATH=f"{path_dir}{os.pathsep}{os.environ['PATH']}")
     r = subprocess.run(["bash", str(root / "scripts" / "test.sh")], capture_output=True, text=True, timeout=60,
                        env=env)
     assert r.returncode == 0, r.stderr
+    said = "could not install into" if uv == "cannot install" else "could not be installed into"
     for venv in (".venv", ".venv312"):
-        assert f"uv could not be installed into {venv}: pip installs instead" in r.stderr
-    installs = sorted(line for line in _log(log) if " uv " in line or " pip " in line)
-    assert installs == [".venv pip install -q --no-compile torch==2.13.0 -e .[test,hf]",
-                        ".venv312 pip install -q --no-compile --upgrade jax jaxlib flax -e .[test]"], installs
+        assert f"uv {said} {venv}: pip installs instead" in r.stderr
+    pip_installs = sorted(line for line in _log(log) if " pip install" in line and " uv " not in line)
+    assert pip_installs == [".venv pip install -q --no-compile torch==2.13.0 -e .[test,hf]",
+                            ".venv312 pip install -q --no-compile --upgrade jax jaxlib flax -e .[test]"], pip_installs
+    assert len([line for line in _log(log) if " uv pip install " in line]) == (2 if uv == "cannot install" else 0)
     assert len([line for line in _log(log) if " -m pytest " in line]) == 3
 
 
