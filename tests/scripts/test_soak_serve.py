@@ -122,3 +122,29 @@ def test_a_few_seconds_of_soak_report_every_client_kind_and_pass(tmp_path):
     assert report["gaps_after_warmup"] > 0 and report["gap_max_ms"] >= report["gap_p99_ms"] > 0
     assert (tmp_path / "server.log").exists() and (tmp_path / "vision_server.log").exists()
     assert set(report["probes"]) == {"text", "vision"} and all(p["gaps"] > 0 for p in report["probes"].values())
+
+
+
+def test_three_of_the_image_clients_largest_pictures_fit_the_vision_servers_default_body_limit():
+    """The image client sends 1-3 random pictures: three of the largest (noise as PNG, which does not compress) in
+    one chat stay under pagedjax-serve's default --max-request-bytes, so the client never meets a 413 it does not
+    expect; and the client's pictures decode at the sizes drawn."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from pagedjax.serve.app import DEFAULT_MAX_REQUEST_BYTES
+
+    side = soak_serve.IMAGE_SIDES[1]
+    noise = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    url = soak_serve.image_data_url(noise, "PNG")
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this ?"}] + [
+        {"type": "image_url", "image_url": {"url": url}}] * 3}], "max_tokens": 8}
+    assert len(json.dumps(body).encode()) < DEFAULT_MAX_REQUEST_BYTES
+    for seed in range(6):
+        url = soak_serve.random_image_url(seed)
+        image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+        assert all(soak_serve.IMAGE_SIDES[0] <= n <= side for n in image.size)
+        assert url.startswith(f"data:image/{image.format.lower()};base64,")
