@@ -3,6 +3,8 @@ one run.
 
     python scripts/bench_peers.py --model tiny                       # pagedjax + transformers
     python scripts/bench_peers.py --model 156m --rounds 2
+    python scripts/bench_peers.py --model 156m-long --rounds 2 --torch-threads 2 \
+        --vllm-python /tmp/vllm-venv/bin/python --vllm-bind 0-1     # long prompts: time to first token
     python scripts/bench_peers.py --model tiny --vllm-python /tmp/vllm-venv/bin/python  # + vLLM's CPU build
     python scripts/bench_peers.py --model 156m --llama-python /tmp/llama-venv/bin/python \
         --llama-cpp-dir llama_cpp_python-0.3.36/vendor/llama.cpp --llama-pythonpath /tmp/sentencepiece  # + llama.cpp
@@ -20,6 +22,9 @@ reused while its shape is unchanged) and runs every system on it:
             head_dim 32, intermediate 704, vocab 1024 (3.3M parameters)     b64 96-token shared prefix + 32 / 64 new
     156m    hidden 1024, 8 layers, 16 q / 4 KV heads, head_dim 64,           b1 32+128, b16 64+64
             intermediate 2816, vocab 32000 (155.7M parameters)
+    156m-long  the same shape, positions up to 4,096                    b1 2048+128, b1 2048+1, b8 1024+64,
+                                                                        b8 1024+1 (the "+1" rows: time to
+                                                                        first token)
     mixtral-small  a random Hugging Face Mixtral (`MixtralConfig` +          b1 32+64, b16 64+32,
             `MixtralForCausalLM`) of bench_moe.py's shape: 8 experts, top 2,   b16 64+1 (its prefill)
             hidden 768, 8 layers, 12 q / 4 KV heads, head_dim 64, expert
@@ -132,10 +137,10 @@ class Workload:
 
 
 def _llama(vocab: int, hidden: int, layers: int, q_heads: int, kv_heads: int, head_dim: int,
-           intermediate: int) -> dict:
+           intermediate: int, max_positions: int = 2048) -> dict:
     return dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=q_heads,
                 num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
-                max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0,
+                max_position_embeddings=max_positions, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0,
                 initializer_range=0.05, bos_token_id=1, eos_token_id=2)
 
 
@@ -157,6 +162,11 @@ MODELS: dict[str, tuple[dict, tuple[Workload, ...]]] = {
               (Workload("b2 8+6", 2, 8, 6), Workload("b2 prefix 4+4, 6 new", 2, 8, 6, shared_prefix=4))),
     "tiny": (_llama(1024, 256, 4, 8, 2, 32, 704), (B1, B1_PROBE, B16, PREFIX)),
     "156m": (_llama(32000, 1024, 8, 16, 4, 64, 2816), (B1, B1_PROBE, B16)),
+    # Long prompts: each "+1" workload is its batch's time to first token (the whole prefill, chunked by
+    # --max-batched-tokens), a row of the table, not a probe.
+    "156m-long": (_llama(32000, 1024, 8, 16, 4, 64, 2816, max_positions=4096),
+                  (Workload("b1 2048+128", 1, 2048, 128), Workload("b1 2048+1 (first token)", 1, 2048, 1),
+                   Workload("b8 1024+64", 8, 1024, 64), Workload("b8 1024+1 (first token)", 8, 1024, 1))),
     # "b16 64+1" is that batch's prefill alone (1,024 prompt tokens through every layer's router and experts).
     "mixtral-small": (_mixtral(32000, 768, 8, 12, 4, 64, 2048, 8, 2),
                       (Workload("b1 32+64", 1, 32, 64), Workload("b16 64+32", 16, 64, 32),

@@ -83,6 +83,19 @@ def test_prompts_share_prefix_and_differ_per_round():
                               bench_peers.make_prompts(bench_peers.B1_PROBE, 1024, 0, 0))
 
 
+def test_every_models_workloads_fit_its_positions_and_first_token_rows_find_nothing_cached():
+    """Each model's longest workload fits its checkpoint's positions (the peers refuse a longer max_model_len);
+    156m-long's time-to-first-token rows are table rows (not probes) whose prompts no other workload shares."""
+    for name, (kwargs, workloads) in bench_peers.MODELS.items():
+        assert max(w.total_len for w in workloads) <= kwargs["max_position_embeddings"], name
+    long = bench_peers.MODELS["156m-long"][1]
+    first = [w for w in long if w.new_tokens == 1]
+    assert {(w.batch, w.prompt_len) for w in first} == {(1, 2048), (8, 1024)} and not any(w.probe for w in long)
+    for w in first:
+        full = next(x for x in long if x is not w and (x.batch, x.prompt_len) == (w.batch, w.prompt_len))
+        assert not np.array_equal(bench_peers.make_prompts(w, 32000, 0, 0), bench_peers.make_prompts(full, 32000, 0, 0))
+
+
 def test_byte_fallback_tokenizer_for_llama_cpp_conversion(tmp_path):
     """The tokenizer.json written for llama.cpp's converter has exactly the model's vocabulary, Llama's special
     tokens first and a byte-fallback token for each byte, and round-trips any text through its bytes."""
