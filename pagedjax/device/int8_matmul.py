@@ -6,10 +6,8 @@ XLA:CPU has no integer SIMD dot products for one row (an int8 `dot_general` of o
 0.03 - 0.2x of the kernel below; several rows go to YNNPACK's int8 kernels, as fast or faster) and no fast form
 of int4 groups at all, so on the CPU these are a small C++ kernel (`int8_matmul.cc`: AVX-512 VNNI or AVX-VNNI dot
 products where the CPU has them, else AVX2's byte products, else a portable loop; `NativeStatus.isa` says which),
-compiled on first use with the machine's own instruction set into `$XDG_CACHE_HOME/pagedjax/native/<key>/` (the key: the
-source, the jaxlib version, the compiler flags and the CPU's instruction-set flags, so a cache shared between
-machines never runs one machine's build on another) and registered as the FFI targets `pagedjax_int8_matmul` and
-`pagedjax_int8_matmul_int4`.
+compiled on first use with the machine's own instruction set (`pagedjax.device.native`) and registered as the FFI
+targets `pagedjax_int8_matmul` and `pagedjax_int8_matmul_int4`.
 
 `int8_matmul_reference` (`int4_matmul_reference`) is the same product in XLA: what runs on other platforms
 (`jax.lax.platform_dependent` picks the kernel on the CPU only), past `NATIVE_MAX_ROWS` rows of int8 weights, and
@@ -22,23 +20,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
 from pagedjax.config.quant import int8_activation_groups
+from pagedjax.device import native
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +47,12 @@ INT4 = "_int4"
 MAX_K = 65536
 # `PAGEDJAX_NATIVE=off` keeps every product on XLA (e.g. to compare against the kernel), a path loads that built
 # library; unset, the kernel is built for this machine (`status_for`).
-ENV = "PAGEDJAX_NATIVE"
-_OFF = {"0", "off", "false", "no", "none"}
+ENV = native.ENV
 # Rows past which XLA's own int8 dot (YNNPACK's, for several rows) is as fast or faster than the kernel: `python
 # scripts/bench_int8_matmul.py` (156M shapes, an AVX-512 VNNI + AMX Xeon): one row 4.2 - 32x faster natively (XLA
 # emits a scalar loop for it), two rows 0.7 - 1.9x, three and more mostly slower.
 NATIVE_MAX_ROWS = 1
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+FLAGS = native.FLAGS
 
 
 @dataclass(frozen=True)
@@ -75,48 +68,10 @@ class NativeStatus:
     reason: str | None = None
 
 
-def _cpu_flags() -> str:
-    """The CPU's instruction-set flags (Linux), else the machine's name: part of the build's cache key."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine() + platform.processor()
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedjax" / "native"
-
-
 def build(folder: Path | None = None, *, flags: tuple[str, ...] = FLAGS, compiler: str | None = None) -> Path:
-    """Compile `int8_matmul.cc` (once per key: see the module docstring) and return the shared library's path.
-    RuntimeError naming the compiler's complaint when it fails, or when no C++ compiler is found."""
-    compiler = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not compiler:
-        raise RuntimeError("no C++ compiler found (c++, g++ or $CXX)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), " ".join(flags).encode(),
-                                     compiler.encode(), _cpu_flags().encode()])).hexdigest()[:16]
-    folder = (folder or _cache_dir()) / key
-    library = folder / "libpagedjax_int8_matmul.so"
-    if library.is_file():
-        return library
-    folder.mkdir(parents=True, exist_ok=True)
-    # Written under a temporary name and renamed: processes building at once never load a half-written file.
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    try:
-        proc = subprocess.run([compiler, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)],
-                              capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-        partial.replace(library)
-    finally:
-        partial.unlink(missing_ok=True)
-    return library
+    """Compile `int8_matmul.cc` (`native.build`: once per key, see the module docstring) and return the shared
+    library's path. RuntimeError naming the compiler's complaint when it fails, or when no C++ compiler is found."""
+    return native.build(SOURCE, folder, flags=flags, compiler=compiler)
 
 
 def load(library: Path, target: str = TARGET) -> NativeStatus:
@@ -129,26 +84,15 @@ def load(library: Path, target: str = TARGET) -> NativeStatus:
     return NativeStatus(True, isa=lib.pagedjax_int8_matmul_isa().decode(), path=Path(library), target=target)
 
 
-def _build_somewhere() -> Path:
-    """`build` into the cache folder or, where that cannot be written (a read-only home), into a temporary folder of
-    this process (built again by the next one; logged)."""
-    try:
-        return build()
-    except OSError as exc:
-        folder = Path(tempfile.mkdtemp(prefix="pagedjax-native-"))
-        logger.info("the native kernel's cache folder cannot be written (%s): built in %s instead", exc, folder)
-        return build(folder)
-
-
 def status_for(setting: str | None) -> NativeStatus:
     """The kernel `native_status` uses for the setting of `$PAGEDJAX_NATIVE`: unset or empty (build it for this
     machine), off (none) or a built library's path; a kernel that cannot be built or loaded is logged as a
     warning naming the reason, and none is used."""
     setting = (setting or "").strip()
-    if setting.lower() in _OFF:
+    if native.is_off(setting):
         return NativeStatus(False, reason=f"{ENV}={setting}")
     try:
-        status = load(Path(setting) if setting else _build_somewhere())
+        status = load(Path(setting) if setting else native.build_somewhere(SOURCE))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("int8 products run on XLA's int8 dot (slow on the CPU): the native kernel could not be "
                        "built or loaded: %s", exc)

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedjax.device import int8_matmul as im
+from pagedjax.device import native
 
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                     reason="no C++ compiler: the kernel cannot be built here")
@@ -147,7 +148,7 @@ def test_the_256_bit_builds_equal_numpy_for_activations_in_the_quantizers_range(
     """A Haswell-class build (AVX2, no VNNI: int8 weights through vpmaddubsw, exact for x in [-127, 127], what
     `quantize_rows` makes, and every weight, -128 included) and an Alder Lake one (AVX-VNNI, 256 bits, no
     AVX-512); int4 groups too, every group size the kernel takes. On this CPU where it has their instructions."""
-    if needs not in im._cpu_flags().split():
+    if needs not in native.cpu_flags().split():
         pytest.skip(f"this CPU has no {needs}")
     library = im.build(tmp_path, flags=tuple(f for f in im.FLAGS if f != "-march=native") + (f"-march={march}",))
     status = im.load(library, target=f"pagedjax_int8_matmul_{march}_test")
