@@ -4,7 +4,8 @@ backend "pallas": the kernels in `pallas_kernels` (compiled through Triton on GP
                   mode on CPU, which is for tests only: it is far too slow to serve).
 backend "xla":    `pallas_kernels`' XLA gather paths: flash attention written in XLA, pages gathered with jnp a chunk of
                   keys at a time per sequence (decode) or per tile of prefill queries, the softmax merged exactly
-                  in float32.
+                  in float32; on the CPU a decode step without variants (no window, soft cap, 8-bit pages or
+                  sinks) runs `pagedjax.device.cpu_attention`'s native kernel instead where it is loaded.
 backend "auto":   "pallas" on GPU and TPU, "xla" elsewhere. The engine logs which one it picked.
 """
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from pagedjax.config.engine import BACKENDS
 from pagedjax.config.kv_spec import LatentKV, LayerKV, SparseKV
+from pagedjax.device import cpu_attention
 from pallas_kernels.quant import is_quantized
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,10 @@ def paged_attention(q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
         return pallas_kernels.ragged_paged_attention(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
                                                      meta.cu_q_lens, interpret=None, **ragged)
     if backend == "xla":
+        if decode_only and cpu_attention.supports(q, layer.k, sliding_window=sliding_window,
+                                                  logits_soft_cap=logits_soft_cap, k_scales=layer.k_scales,
+                                                  sinks=sinks):
+            return cpu_attention.paged_decode(q, layer.k, layer.v, meta.block_tables, meta.kv_lens, scale=scale)
         if decode_only:
             return pallas_kernels.paged_attention_xla(q, layer.k, layer.v, meta.block_tables, meta.kv_lens,
                                                       **variants)
