@@ -364,17 +364,16 @@ def soft_cap(s: jax.Array, logits_soft_cap: float | None) -> jax.Array:
 
 
 def _gather_pages(pages: jax.Array, tables: jax.Array) -> jax.Array:
-    """pages `[Hkv, num_blocks, block_size, *rest]`, tables int32 `[N, P]` -> `[Hkv, N, P * block_size, *rest]`
-    (heads first, as the pool holds them: no transpose). Out-of-range table entries are clipped (their slots are
-    masked anyway)."""
+    """pages `[Hkv, num_blocks, block_size, *rest]`, tables int32 `[N, P]` -> `[N, Hkv, P * block_size, *rest]`.
+    Out-of-range table entries are clipped (their slots are masked anyway)."""
     num_kv_heads, num_blocks, block_size, *rest = pages.shape
     n, num_pages = tables.shape
     g = pages[:, jnp.clip(tables, 0, num_blocks - 1)]  # [Hkv, N, P, block_size, *rest]
-    return g.reshape(num_kv_heads, n, num_pages * block_size, *rest)
+    return jnp.swapaxes(g.reshape(num_kv_heads, n, num_pages * block_size, *rest), 0, 1)
 
 
 def _gather_kv(pages: jax.Array, scales: jax.Array | None, tables: jax.Array, dtype) -> jax.Array:
-    """The K or V rows of `tables` ([N, P]) as `[Hkv, N, P * block_size, D]` in `dtype`; 8-bit pages are
+    """The K or V rows of `tables` ([N, P]) as `[N, Hkv, P * block_size, D]` in `dtype`; 8-bit pages are
     dequantized after the gather, so only the gathered pages are ever widened."""
     g = _gather_pages(pages, tables)
     if scales is None:
@@ -433,14 +432,12 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sink
     if bounded and num_pages == max_blocks:  # a decode row is a query tile of one row
         num_q_heads, head_dim = q.shape[1:]
         num_kv_heads = k_pages.shape[0]
-        qt = q.reshape(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, 1, head_dim).swapaxes(0, 1)
-        partial = functools.partial(_tile_partial, qt.astype(compute_dtype), scale=_scale(scale, head_dim),
-                                    logits_soft_cap=logits_soft_cap)
+        qt = q.reshape(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, 1, head_dim).astype(compute_dtype)
+        partial = functools.partial(_tile_partial, qt, scale=_scale(scale, head_dim), logits_soft_cap=logits_soft_cap)
         keep_at = lambda kv_pos: visible(kv_pos, lengths[:, None] - 1, lengths[:, None], sliding_window)[:, None, :]
         m, z, u = chunked_partial(partial, (k_pages, v_pages, k_scales, v_scales), block_tables, keep_at,
                                   longest=jnp.max(lengths), kv_chunk=kv_chunk, block_size=block_size)
-        o = _tile_output(m, z, u, sinks)  # [Hkv, N, G, 1, D]
-        return o.swapaxes(0, 1).reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
+        return _tile_output(m, z, u, sinks).reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
     if num_pages < max_blocks:
         tables, pos = _window_tables(block_tables, lengths - sliding_window, num_pages, block_size)
     else:
@@ -450,8 +447,8 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sink
     mask = pos < lengths[:, None]
     if sliding_window is not None:  # the query sits at position length - 1
         mask = mask & (pos >= (lengths - sliding_window)[:, None])
-    k = _gather_kv(k_pages, k_scales, tables, compute_dtype).swapaxes(0, 1)
-    v = _gather_kv(v_pages, v_scales, tables, compute_dtype).swapaxes(0, 1)
+    k = _gather_kv(k_pages, k_scales, tables, compute_dtype)
+    v = _gather_kv(v_pages, v_scales, tables, compute_dtype)
     return _masked_attention(q, k, v, mask, _scale(scale, q.shape[-1]), logits_soft_cap, sinks,
                              compute_dtype=compute_dtype, out_dtype=q.dtype)
 
@@ -536,8 +533,8 @@ def _ragged_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_s
     tables = block_tables[seq]
     last = None if attend_until is None else attend_until[:, None]
     mask = valid[:, None] & visible(kv_pos[None, :], pos[:, None], kv_lens[seq][:, None], sliding_window, last)
-    k = _gather_kv(k_pages, k_scales, tables, jnp.float32).swapaxes(0, 1)
-    v = _gather_kv(v_pages, v_scales, tables, jnp.float32).swapaxes(0, 1)
+    k = _gather_kv(k_pages, k_scales, tables, jnp.float32)
+    v = _gather_kv(v_pages, v_scales, tables, jnp.float32)
     return _masked_attention(q, k, v, mask, _scale(scale, q.shape[-1]), logits_soft_cap, sinks,
                              compute_dtype=jnp.float32, out_dtype=q.dtype)
 
@@ -568,30 +565,28 @@ def ragged_paged_attention_reference(q: jax.Array,  # [total_q_tokens, num_q_hea
 
 
 def _tile_output(m, z, u, sinks):
-    """The attention output u / z of query tiles' merged partial `[Hkv, NT, G, tq, ...]` (zeros where a row attended
+    """The attention output u / z of query tiles' merged partial `[NT, Hkv, G, tq, ...]` (zeros where a row attended
     to nothing), each head's sink (f32 `[Hq]` or None) joined once first, into the partial of all a row's pages."""
     if sinks is not None:
-        _, z, u = join_sink(m, z, u, sinks.reshape(m.shape[0], 1, m.shape[2], 1, 1))
+        _, z, u = join_sink(m, z, u, sinks.reshape(1, *m.shape[1:3], 1, 1))
     return jnp.where(z > 0, u / jnp.where(z > 0, z, 1.0), 0.0)
 
 
 def _tile_partial(qt, k_pages, v_pages, k_scales, v_scales, tables, keep, prior=None, *, scale: float,
                   logits_soft_cap: float | None):
-    """The (m, z, u) partial of query tiles `qt` `[Hkv, NT, G, tq, D]` over the pages `tables` `[NT, P]`, keep
-    bool `[NT, tq, P * block_size]`. m `[Hkv, NT, G, tq, 1]` is the row max (-inf where a row sees nothing), z and
+    """The (m, z, u) partial of query tiles `qt` `[NT, Hkv, G, tq, D]` over the pages `tables` `[NT, P]`, keep
+    bool `[NT, tq, P * block_size]`. m `[NT, Hkv, G, tq, 1]` is the row max (-inf where a row sees nothing), z and
     u the sums of exp(s - m) and exp(s - m) v (m taken as 0 where it is -inf), float32; with `prior`, the partial
-    of other keys, the merged partial of both (`dense.fold`). Heads come first as in the pool, so the gathered
-    pages go to the dots as gathered (tiles first, XLA:CPU copied each chunk of K and V into that order: a third
-    of a batch-8 decode's attention over 1k-token contexts)."""
+    of other keys, the merged partial of both (`dense.fold`)."""
     compute_dtype = jnp.dtype(qt.dtype)
-    k = _gather_kv(k_pages, k_scales, tables, compute_dtype)  # [Hkv, NT, L, D]
+    k = _gather_kv(k_pages, k_scales, tables, compute_dtype)  # [NT, Hkv, L, D]
     v = _gather_kv(v_pages, v_scales, tables, compute_dtype)
     # Slots no row of a tile reads may hold anything (NaN included): select them away.
-    v = jnp.where(jnp.any(keep, axis=1)[None, :, :, None], v, jnp.zeros((), v.dtype))
-    s = jnp.einsum("kngtd,knld->kngtl", qt.astype(compute_dtype), k, precision=HIGHEST,
+    v = jnp.where(jnp.any(keep, axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
+    s = jnp.einsum("nkgtd,nkld->nkgtl", qt.astype(compute_dtype), k, precision=HIGHEST,
                    preferred_element_type=jnp.float32)
-    s = jnp.where(keep[None, :, None], soft_cap(s * scale, logits_soft_cap), -jnp.inf)
-    return fold(s, lambda p: jnp.einsum("kngtl,knld->kngtd", p.astype(v.dtype), v, precision=HIGHEST,
+    s = jnp.where(keep[:, None, None], soft_cap(s * scale, logits_soft_cap), -jnp.inf)
+    return fold(s, lambda p: jnp.einsum("nkgtl,nkld->nkgtd", p.astype(v.dtype), v, precision=HIGHEST,
                                         preferred_element_type=jnp.float32), prior)
 
 
@@ -605,11 +600,11 @@ def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales,
     tile_seq, rows, valid, pos, token_slot = query_tiles(cu_q_lens, kv_lens, num_tokens, tq)
     num_tiles = tile_seq.shape[0]
     num_kv_heads = k_pages.shape[0]
-    # Tiles' rows after their heads (`[Hkv, NT, G, tq, D]`, once, outside the loop over keys): the scores' dot then
+    # Tiles' rows after their heads (`[NT, Hkv, G, tq, D]`, once, outside the loop over keys): the scores' dot then
     # yields `[.., tq, L]` as it is consumed. With the rows first XLA:CPU ran that dot transposed and transposed its
     # result back in the mask's pass (2.7x slower for tiles of 256 rows, 1.3x for 64).
     qt = q[jnp.clip(rows, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, num_q_heads // num_kv_heads,
-                                                      head_dim).transpose(2, 0, 3, 1, 4)
+                                                      head_dim).transpose(0, 2, 3, 1, 4)
     pages = (k_pages, v_pages, k_scales, v_scales)
     partial = functools.partial(_tile_partial, qt, scale=_scale(scale, head_dim), logits_soft_cap=logits_soft_cap)
     last = None if attend_until is None else attend_until[jnp.clip(rows, 0, num_tokens - 1)][:, :, None]
@@ -636,8 +631,8 @@ def _ragged_xla(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales,
         m_ahead, z_ahead, u_ahead = partial(*pages, tables, keep_at(kv_pos[:, None, :]))
         merged = merge_two(Partial(m[..., 0], z[..., 0], u), Partial(m_ahead[..., 0], z_ahead[..., 0], u_ahead))
         m, z, u = merged.m[..., None], merged.z[..., None], merged.u
-    o = _tile_output(m, z, u, sinks)  # [Hkv, NT, G, tq, D]
-    o = o.transpose(1, 3, 0, 2, 4).reshape(num_tiles * tq, num_q_heads, head_dim)
+    o = _tile_output(m, z, u, sinks)  # [NT, Hkv, G, tq, D]
+    o = o.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tq, num_q_heads, head_dim)
     out = o[jnp.clip(token_slot, 0, num_tiles * tq - 1)]
     in_batch = (jnp.arange(num_tokens) >= cu_q_lens[0]) & (jnp.arange(num_tokens) < cu_q_lens[-1])
     return jnp.where(in_batch[:, None, None], out, 0.0).astype(q.dtype)
