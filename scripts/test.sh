@@ -153,6 +153,6 @@ HYPOTHESIS_PROFILE=smoke PAGEDJAX_PARALLEL_CHECKS=newest .venv312/bin/python -m 
   tests/kernels/test_tpu_kernels.py::test_ragged_agrees_with_the_gpu_kernel_to_float32_rounding \
   tests/model/test_model.py tests/model/test_checkpoint_train.py \
   tests/engine/test_gpu_lowering.py tests/engine/test_tpu_lowering.py tests/engine/test_cpu_dots.py \
-  tests/device/test_int8_matmul.py \
+  tests/device/test_int8_matmul.py tests/device/test_cpu_attention.py \
   tests/engine/test_engine_validation.py::test_compiled_programs_are_bounded_and_outputs_stay_exact \
   "${newest_deselect[@]}"
