@@ -35,7 +35,8 @@ from pallas_kernels.paged import validate_qkv
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DTYPES", "TARGET", "AttentionStatus", "load", "paged_decode", "status", "status_for", "supports"]
+__all__ = ["DTYPES", "TARGET", "AttentionStatus", "load", "native_call", "paged_decode", "status", "status_for",
+           "supports"]
 
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 TARGET = "pagedjax_paged_decode"
@@ -107,7 +108,9 @@ def supports(q: jax.Array, k_pages: jax.Array, *, sliding_window=None, logits_so
             and num_q_heads // num_kv_heads <= MAX_GROUP)
 
 
-def _native(target: str, q, k_pages, v_pages, block_tables, lengths, *, scale: float):
+def native_call(target: str, q, k_pages, v_pages, block_tables, lengths, *, scale: float):
+    """The kernel registered as `target` (`load`) on `paged_decode`'s arguments, `scale` given (CPU only; no checks:
+    `paged_decode` is the entry point)."""
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")(
         q, k_pages, v_pages, block_tables, lengths, scale=np.float32(scale))
 
@@ -138,4 +141,4 @@ def paged_decode(q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
         return xla(q, k_pages, v_pages, block_tables, lengths)
     # XLA's form is the default branch, traced (so its checks run) but not compiled for the CPU.
     return jax.lax.platform_dependent(q, k_pages, v_pages, block_tables, lengths,
-                                      cpu=functools.partial(_native, loaded.target, scale=scale), default=xla)
+                                      cpu=functools.partial(native_call, loaded.target, scale=scale), default=xla)

@@ -29,7 +29,7 @@ def _loaded() -> cpu_attention.AttentionStatus:
 def _native(status, case, scale=None):
     """The kernel itself (not the dispatch), jitted."""
     scale = 1.0 / np.sqrt(case.q.shape[-1]) if scale is None else scale
-    return jax.jit(lambda *a: cpu_attention._native(status.target, *a, scale=scale))(*case.decode_args())
+    return jax.jit(lambda *a: cpu_attention.native_call(status.target, *a, scale=scale))(*case.decode_args())
 
 
 @settings(max_examples=examples(20), deadline=None)
